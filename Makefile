@@ -1,0 +1,45 @@
+# kvbus — see README.md. `make run` starts everything in one process;
+# `make test` is what CI runs.
+GO      ?= go
+BIN     ?= bin/kvbus
+PKGS    ?= ./...
+# Extra flags for `kvbus serve` in `make run`, e.g. ARGS="--groups 2 --log-format json".
+ARGS    ?=
+BENCHTIME ?= 1s
+
+.PHONY: build run test test-short bench lint fmt fuzz clean
+
+build:
+	CGO_ENABLED=0 $(GO) build -trimpath -o $(BIN) ./cmd/kvbus
+
+run: build
+	./$(BIN) serve $(ARGS)
+
+test:
+	$(GO) test -race -shuffle=on $(PKGS)
+
+test-short:
+	$(GO) test -short $(PKGS)
+
+bench:
+	$(GO) test -run '^$$' -bench . -benchmem -benchtime $(BENCHTIME) $(PKGS)
+
+lint:
+	@out=$$(gofmt -l $$(git ls-files '*.go')); if [ -n "$$out" ]; then echo "gofmt needed:"; echo "$$out"; exit 1; fi
+	$(GO) vet $(PKGS)
+	@if command -v staticcheck >/dev/null 2>&1; then staticcheck $(PKGS); else echo "staticcheck not installed (go install honnef.co/go/tools/cmd/staticcheck@latest); skipped"; fi
+
+fmt:
+	gofmt -w $$(git ls-files '*.go')
+
+# Runs every fuzz target for FUZZTIME each.
+FUZZTIME ?= 20s
+fuzz:
+	@for pkg in $$($(GO) list $(PKGS)); do \
+	  for f in $$($(GO) test -list '^Fuzz' $$pkg | grep '^Fuzz'); do \
+	    echo "== $$pkg $$f"; $(GO) test -run '^$$' -fuzz "^$$f$$" -fuzztime $(FUZZTIME) $$pkg || exit 1; \
+	  done; \
+	done
+
+clean:
+	rm -rf bin

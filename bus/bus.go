@@ -1,0 +1,162 @@
+// Package bus connects kvbus roles to NATS: connection options for real
+// clusters (credentials, nkey, token, user/password, TLS), an embedded
+// nats-server with JetStream, and the idempotent JetStream setup (the request
+// stream and the schedulers' durable consumer).
+package bus
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"time"
+
+	"github.com/nats-io/nats.go"
+)
+
+// ErrConnect is wrapped when a role cannot reach NATS.
+var ErrConnect = errors.New("bus: cannot connect to NATS")
+
+// Config says how a role connects to NATS. The zero value (after defaults)
+// connects to nats://127.0.0.1:4222 without authentication.
+type Config struct {
+	// URL is one or more comma-separated server URLs.
+	URL string
+	// Name identifies the connection in the server's monitoring.
+	Name string
+	// CredsFile is a NATS credentials file (JWT + nkey seed).
+	CredsFile string
+	// NKeySeedFile is a file holding an nkey seed.
+	NKeySeedFile string
+	// Token is an authentication token.
+	Token string
+	// User and Password authenticate with a user name.
+	User, Password string
+	// TLSCA, TLSCert and TLSKey are PEM files; TLSCA alone verifies the
+	// server, TLSCert and TLSKey together authenticate the client.
+	TLSCA, TLSCert, TLSKey string
+	// ConnectTimeout bounds the first connection (default 10 s).
+	ConnectTimeout time.Duration
+	// Logger receives connection state changes; nil means slog.Default().
+	Logger *slog.Logger
+}
+
+// DefaultURL is used when Config.URL is empty.
+const DefaultURL = nats.DefaultURL
+
+// Validate checks that the options go together.
+func (c Config) Validate() error {
+	if (c.TLSCert == "") != (c.TLSKey == "") {
+		return fmt.Errorf("%w: --nats-tls-cert and --nats-tls-key must be given together", ErrConnect)
+	}
+	n := 0
+	for _, s := range []string{c.CredsFile, c.NKeySeedFile, c.Token, c.User} {
+		if s != "" {
+			n++
+		}
+	}
+	if n > 1 {
+		return fmt.Errorf("%w: give only one of credentials file, nkey seed, token, or user/password", ErrConnect)
+	}
+	return nil
+}
+
+// Connect opens a NATS connection that reconnects forever, so that a role
+// survives a NATS restart. It waits for the first connection at most
+// ConnectTimeout and honours ctx.
+func Connect(ctx context.Context, cfg Config) (*nats.Conn, error) {
+	if err := cfg.Validate(); err != nil {
+		return nil, err
+	}
+	log := cfg.Logger
+	if log == nil {
+		log = slog.Default()
+	}
+	url := cfg.URL
+	if url == "" {
+		url = DefaultURL
+	}
+	timeout := cfg.ConnectTimeout
+	if timeout <= 0 {
+		timeout = 10 * time.Second
+	}
+	opts := []nats.Option{
+		nats.Name(cfg.Name),
+		nats.MaxReconnects(-1),
+		nats.ReconnectWait(250 * time.Millisecond),
+		nats.ReconnectJitter(100*time.Millisecond, time.Second),
+		nats.ReconnectBufSize(64 << 20),
+		nats.RetryOnFailedConnect(false),
+		nats.Timeout(2 * time.Second),
+		nats.DisconnectErrHandler(func(_ *nats.Conn, err error) {
+			if err != nil {
+				log.Warn("nats disconnected", "conn", cfg.Name, "err", err)
+			}
+		}),
+		nats.ReconnectHandler(func(nc *nats.Conn) {
+			log.Info("nats reconnected", "conn", cfg.Name, "url", nc.ConnectedUrlRedacted())
+		}),
+		nats.ErrorHandler(func(_ *nats.Conn, sub *nats.Subscription, err error) {
+			subject := ""
+			if sub != nil {
+				subject = sub.Subject
+			}
+			log.Error("nats async error", "conn", cfg.Name, "subject", subject, "err", err)
+		}),
+	}
+	switch {
+	case cfg.CredsFile != "":
+		opts = append(opts, nats.UserCredentials(cfg.CredsFile))
+	case cfg.NKeySeedFile != "":
+		o, err := nats.NkeyOptionFromSeed(cfg.NKeySeedFile)
+		if err != nil {
+			return nil, fmt.Errorf("%w: nkey seed %s: %v", ErrConnect, cfg.NKeySeedFile, err)
+		}
+		opts = append(opts, o)
+	case cfg.Token != "":
+		opts = append(opts, nats.Token(cfg.Token))
+	case cfg.User != "":
+		opts = append(opts, nats.UserInfo(cfg.User, cfg.Password))
+	}
+	if cfg.TLSCA != "" {
+		opts = append(opts, nats.RootCAs(cfg.TLSCA))
+	}
+	if cfg.TLSCert != "" {
+		opts = append(opts, nats.ClientCert(cfg.TLSCert, cfg.TLSKey))
+	}
+
+	deadline := time.Now().Add(timeout)
+	for {
+		nc, err := nats.Connect(url, opts...)
+		if err == nil {
+			return nc, nil
+		}
+		if time.Now().After(deadline) {
+			return nil, fmt.Errorf("%w at %s: %v (start one with `kvbus nats`, or set --nats-url / KVBUS_NATS_URL)", ErrConnect, url, err)
+		}
+		select {
+		case <-ctx.Done():
+			return nil, fmt.Errorf("%w at %s: %v", ErrConnect, url, ctx.Err())
+		case <-time.After(250 * time.Millisecond):
+		}
+	}
+}
+
+// Drain drains nc (flushing pending publishes and letting subscription
+// handlers finish) and waits until it is closed or ctx ends.
+func Drain(ctx context.Context, nc *nats.Conn) {
+	if nc == nil || nc.IsClosed() {
+		return
+	}
+	closed := make(chan struct{})
+	nc.SetClosedHandler(func(*nats.Conn) { close(closed) })
+	if err := nc.Drain(); err != nil {
+		nc.Close()
+		return
+	}
+	select {
+	case <-closed:
+	case <-ctx.Done():
+		nc.Close()
+	}
+}

@@ -1,0 +1,91 @@
+package bus
+
+import (
+	"context"
+	"fmt"
+	"time"
+
+	"github.com/nats-io/nats.go/jetstream"
+
+	"github.com/kvbus/kvbus/messages"
+)
+
+// SchedulerConsumer is the durable consumer all scheduler replicas share.
+const SchedulerConsumer = "kvbus-scheduler"
+
+// StreamConfig configures the request log.
+type StreamConfig struct {
+	Subjects messages.Subjects
+	// MaxAge bounds how long requests are kept (default 24 h).
+	MaxAge time.Duration
+	// MaxBytes bounds the log's size (default 1 GiB).
+	MaxBytes int64
+	// Replicas is the JetStream replication factor (default 1).
+	Replicas int
+	// DuplicateWindow is how long Nats-Msg-Id dedupes (default 2 min).
+	DuplicateWindow time.Duration
+}
+
+// EnsureRequestStream creates or updates the KVBUS_REQUESTS stream. Any
+// process may call it; whichever starts first creates the stream.
+func EnsureRequestStream(ctx context.Context, js jetstream.JetStream, cfg StreamConfig) (jetstream.Stream, error) {
+	if cfg.MaxAge == 0 {
+		cfg.MaxAge = 24 * time.Hour
+	}
+	if cfg.MaxBytes == 0 {
+		cfg.MaxBytes = 1 << 30
+	}
+	if cfg.Replicas == 0 {
+		cfg.Replicas = 1
+	}
+	if cfg.DuplicateWindow == 0 {
+		cfg.DuplicateWindow = 2 * time.Minute
+	}
+	st, err := js.CreateOrUpdateStream(ctx, jetstream.StreamConfig{
+		Name:        messages.RequestStream,
+		Description: "kvbus request log: every Request accepted by a frontend",
+		Subjects:    []string{cfg.Subjects.RequestAll()},
+		Storage:     jetstream.FileStorage,
+		Retention:   jetstream.LimitsPolicy,
+		MaxAge:      cfg.MaxAge,
+		MaxBytes:    cfg.MaxBytes,
+		MaxMsgSize:  messages.MaxMessageBytes,
+		Replicas:    cfg.Replicas,
+		Duplicates:  cfg.DuplicateWindow,
+		Discard:     jetstream.DiscardOld,
+	})
+	if err != nil {
+		return nil, fmt.Errorf("bus: create stream %s: %w (is JetStream enabled on the server?)", messages.RequestStream, err)
+	}
+	return st, nil
+}
+
+// EnsureSchedulerConsumer creates or updates the schedulers' durable pull
+// consumer on the request stream. Frontends call it too, so requests
+// published before the first scheduler starts are not missed (DeliverAll);
+// a scheduler answers requests whose deadline has passed with an error
+// instead of running them.
+func EnsureSchedulerConsumer(ctx context.Context, st jetstream.Stream, ackWait time.Duration, replicas int) (jetstream.Consumer, error) {
+	if ackWait <= 0 {
+		ackWait = 30 * time.Second
+	}
+	cfg := jetstream.ConsumerConfig{
+		Durable:       SchedulerConsumer,
+		Description:   "kvbus schedulers: each request is dispatched by one replica",
+		DeliverPolicy: jetstream.DeliverAllPolicy,
+		AckPolicy:     jetstream.AckExplicitPolicy,
+		AckWait:       ackWait,
+		MaxDeliver:    -1,
+		MaxAckPending: 10000,
+		Replicas:      replicas,
+	}
+	c, err := st.Consumer(ctx, SchedulerConsumer)
+	if err == nil {
+		return c, nil
+	}
+	c, err = st.CreateOrUpdateConsumer(ctx, cfg)
+	if err != nil {
+		return nil, fmt.Errorf("bus: create consumer %s: %w", SchedulerConsumer, err)
+	}
+	return c, nil
+}

@@ -1,0 +1,145 @@
+package bus
+
+import (
+	"errors"
+	"fmt"
+	"net"
+	"os"
+	"strconv"
+	"time"
+
+	"github.com/nats-io/nats-server/v2/server"
+)
+
+// ErrServer is wrapped when the embedded NATS server cannot start.
+var ErrServer = errors.New("bus: embedded NATS server")
+
+// ServerConfig configures the embedded nats-server.
+type ServerConfig struct {
+	// Addr is HOST:PORT to listen on; port 0 picks a free port, an empty Addr
+	// means 127.0.0.1:4222.
+	Addr string
+	// DataDir holds JetStream's file storage. Empty means a new temporary
+	// directory, removed by Server.Shutdown.
+	DataDir string
+	// ServerName names the server (required by clustering; default
+	// "kvbus-<port>").
+	ServerName string
+	// MaxPayload is the largest message the server accepts (default 8 MiB).
+	MaxPayload int32
+	// Cluster is an optional route listen address (HOST:PORT) and Routes the
+	// other nodes' route URLs, for a clustered JetStream.
+	Cluster     string
+	ClusterName string
+	Routes      []string
+	// Token, if set, is required from every client.
+	Token string
+	// Debug enables the server's own logging to stderr.
+	Debug bool
+}
+
+// Server is a running embedded nats-server.
+type Server struct {
+	*server.Server
+	tempDir string
+}
+
+// StartServer starts an embedded nats-server with JetStream and waits until
+// it accepts connections.
+func StartServer(cfg ServerConfig) (*Server, error) {
+	addr := cfg.Addr
+	if addr == "" {
+		addr = "127.0.0.1:4222"
+	}
+	host, portStr, err := net.SplitHostPort(addr)
+	if err != nil {
+		return nil, fmt.Errorf("%w: address %q: %v (want HOST:PORT)", ErrServer, addr, err)
+	}
+	port, err := strconv.Atoi(portStr)
+	if err != nil {
+		return nil, fmt.Errorf("%w: port %q: %v", ErrServer, portStr, err)
+	}
+	if port == 0 {
+		port = server.RANDOM_PORT
+	}
+	s := &Server{}
+	dir := cfg.DataDir
+	if dir == "" {
+		if dir, err = os.MkdirTemp("", "kvbus-nats-*"); err != nil {
+			return nil, fmt.Errorf("%w: %v", ErrServer, err)
+		}
+		s.tempDir = dir
+	}
+	maxPayload := cfg.MaxPayload
+	if maxPayload == 0 {
+		maxPayload = 8 << 20
+	}
+	name := cfg.ServerName
+	if name == "" {
+		name = "kvbus-" + portStr
+	}
+	opts := &server.Options{
+		ServerName:    name,
+		Host:          host,
+		Port:          port,
+		JetStream:     true,
+		StoreDir:      dir,
+		MaxPayload:    maxPayload,
+		NoSigs:        true,
+		Authorization: cfg.Token,
+		Debug:         cfg.Debug,
+	}
+	if cfg.Cluster != "" {
+		ch, cp, err := net.SplitHostPort(cfg.Cluster)
+		if err != nil {
+			return nil, fmt.Errorf("%w: cluster address %q: %v", ErrServer, cfg.Cluster, err)
+		}
+		opts.Cluster.Host = ch
+		opts.Cluster.Port, _ = strconv.Atoi(cp)
+		opts.Cluster.Name = cfg.ClusterName
+		opts.Routes = server.RoutesFromStr(joinComma(cfg.Routes))
+	}
+	ns, err := server.NewServer(opts)
+	if err != nil {
+		s.cleanup()
+		return nil, fmt.Errorf("%w: %v", ErrServer, err)
+	}
+	if cfg.Debug {
+		ns.ConfigureLogger()
+	}
+	go ns.Start()
+	if !ns.ReadyForConnections(30 * time.Second) {
+		ns.Shutdown()
+		s.cleanup()
+		return nil, fmt.Errorf("%w: not ready to accept connections on %s within 30s (is the port in use?)", ErrServer, addr)
+	}
+	s.Server = ns
+	return s, nil
+}
+
+// Shutdown stops the server, waits for it, and removes a temporary data
+// directory.
+func (s *Server) Shutdown() {
+	if s.Server != nil {
+		s.Server.Shutdown()
+		s.Server.WaitForShutdown()
+	}
+	s.cleanup()
+}
+
+func (s *Server) cleanup() {
+	if s.tempDir != "" {
+		_ = os.RemoveAll(s.tempDir)
+	}
+}
+
+func joinComma(ss []string) string {
+	out := ""
+	for i, s := range ss {
+		if i > 0 {
+			out += ","
+		}
+		out += s
+	}
+	return out
+}

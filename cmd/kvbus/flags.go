@@ -1,0 +1,136 @@
+package main
+
+import (
+	"fmt"
+	"io"
+	"log/slog"
+	"os"
+	"strconv"
+	"strings"
+	"time"
+
+	"github.com/kvbus/kvbus/bus"
+	"github.com/kvbus/kvbus/messages"
+	"github.com/kvbus/kvbus/workers"
+)
+
+// natsFlags say how a role reaches NATS.
+type natsFlags struct {
+	NATSURL      string `name:"nats-url" default:"nats://127.0.0.1:4222" help:"NATS server URL(s), comma-separated."`
+	NATSCreds    string `name:"nats-creds" type:"path" help:"NATS credentials file (JWT and nkey seed)."`
+	NATSNKey     string `name:"nats-nkey" type:"path" help:"File holding an nkey seed."`
+	NATSToken    string `name:"nats-token" help:"NATS authentication token."`
+	NATSUser     string `name:"nats-user" help:"NATS user name."`
+	NATSPassword string `name:"nats-password" help:"NATS password."`
+	NATSTLSCA    string `name:"nats-tls-ca" type:"path" help:"CA certificate (PEM) to verify the NATS server."`
+	NATSTLSCert  string `name:"nats-tls-cert" type:"path" help:"Client certificate (PEM)."`
+	NATSTLSKey   string `name:"nats-tls-key" type:"path" help:"Client key (PEM)."`
+}
+
+func (f natsFlags) config(name string, log *slog.Logger) bus.Config {
+	return bus.Config{
+		URL: f.NATSURL, Name: name, CredsFile: f.NATSCreds, NKeySeedFile: f.NATSNKey, Token: f.NATSToken,
+		User: f.NATSUser, Password: f.NATSPassword, TLSCA: f.NATSTLSCA, TLSCert: f.NATSTLSCert, TLSKey: f.NATSTLSKey,
+		Logger: log,
+	}
+}
+
+// logFlags choose the log format.
+type logFlags struct {
+	LogFormat string `name:"log-format" enum:"text,json" default:"text" help:"Log format: text or json."`
+	LogLevel  string `name:"log-level" enum:"debug,info,warn,error" default:"info" help:"Least severe level logged."`
+}
+
+func (f logFlags) logger(w io.Writer) *slog.Logger {
+	var lvl slog.Level
+	_ = lvl.UnmarshalText([]byte(f.LogLevel))
+	opts := &slog.HandlerOptions{Level: lvl}
+	if f.LogFormat == "json" {
+		return slog.New(slog.NewJSONHandler(w, opts))
+	}
+	return slog.New(slog.NewTextHandler(w, opts))
+}
+
+// busFlags are shared by every role that talks to the bus.
+type busFlags struct {
+	natsFlags `embed:""`
+	logFlags  `embed:""`
+	Prefix    string `name:"subject-prefix" default:"kvbus" help:"First token of every kvbus subject."`
+}
+
+func (f busFlags) subjects() messages.Subjects { return messages.Subjects{Prefix: f.Prefix} }
+
+// modelFlags name the served model.
+type modelFlags struct {
+	Model string `name:"model" default:"kvbus-sim" help:"Served model name."`
+}
+
+// frontendFlags configure the HTTP frontend.
+type frontendFlags struct {
+	HTTPAddr      string   `name:"http-addr" default:":8000" help:"HTTP listen address of the OpenAI-compatible API."`
+	SessionHeader []string `name:"session-header" default:"X-Session-ID,X-Correlation-ID" help:"Headers read for a session id, in order of precedence (repeatable)."`
+	MaxModelLen   int      `name:"max-model-len" default:"8192" help:"Largest prompt + completion, in tokens."`
+	MaxBodyBytes  int64    `name:"max-body-bytes" default:"4194304" help:"Largest request body, in bytes (413 above)."`
+}
+
+// timeoutFlags bound a request end to end.
+type timeoutFlags struct {
+	RequestTimeout time.Duration `name:"request-timeout" default:"60s" help:"Deadline of a request, from arrival to its last token."`
+}
+
+// schedulerFlags configure placement.
+type schedulerFlags struct {
+	Policy           string        `name:"policy" enum:"session,round-robin" default:"session" help:"Placement policy: session (rendezvous on the session id, bounded load) or round-robin."`
+	SessionEpsilon   float64       `name:"session-epsilon" default:"0.25" help:"Bounded-load slack of the session policy: a group above (1+ε)× the mean load passes the session on."`
+	BlockSize        int           `name:"block-size" default:"16" help:"Tokens per KV block."`
+	HeartbeatTimeout time.Duration `name:"heartbeat-timeout" default:"3s" help:"A group is ready when all its ranks sent a heartbeat within this."`
+}
+
+// engineFlags configure ranks and the sim engine.
+type engineFlags struct {
+	ModelProfile     string        `name:"model-profile" default:"llama-3.1-8b" help:"KV shape of the model: llama-3.1-8b, llama-3.1-70b or tiny."`
+	KVCapacity       string        `name:"kv-capacity" default:"1GiB" help:"Block store capacity per rank (B, KiB, MiB, GiB, TiB, or KB, MB, GB)."`
+	TimeScale        float64       `name:"time-scale" default:"1" help:"Multiplies the engine's modelled durations; 0 makes it instant."`
+	PrefillPerToken  time.Duration `name:"prefill-per-token" default:"60us" help:"Sim engine: prefill time per uncached prompt token."`
+	LoadPerToken     time.Duration `name:"load-per-token" default:"5us" help:"Sim engine: time to load one cached token's KV."`
+	DecodePerToken   time.Duration `name:"decode-per-token" default:"10ms" help:"Sim engine: time per output token."`
+	HeartbeatEvery   time.Duration `name:"heartbeat-interval" default:"1s" help:"How often a rank sends a heartbeat."`
+	ShutdownTimeout  time.Duration `name:"shutdown-timeout" default:"10s" help:"How long a stopping rank lets in-flight requests finish."`
+	DefaultMaxTokens int           `name:"default-max-tokens" default:"256" help:"Sim engine: max tokens when a request sets none."`
+}
+
+func (f engineFlags) engine() (*workers.SimEngine, error) {
+	return workers.NewSimEngine(workers.SimConfig{
+		Profile:   workers.SimProfile{PrefillPerToken: f.PrefillPerToken, LoadPerToken: f.LoadPerToken, DecodePerToken: f.DecodePerToken},
+		TimeScale: f.TimeScale, DefaultMaxTokens: f.DefaultMaxTokens,
+	})
+}
+
+// parseSize parses a byte size such as 64GiB, 512MB or 1048576.
+func parseSize(s string) (int64, error) {
+	s = strings.TrimSpace(s)
+	units := []struct {
+		suffix string
+		mult   int64
+	}{{"TiB", 1 << 40}, {"GiB", 1 << 30}, {"MiB", 1 << 20}, {"KiB", 1 << 10}, {"TB", 1e12}, {"GB", 1e9}, {"MB", 1e6}, {"KB", 1e3}, {"B", 1}}
+	mult := int64(1)
+	for _, u := range units {
+		if strings.HasSuffix(s, u.suffix) {
+			s, mult = strings.TrimSpace(strings.TrimSuffix(s, u.suffix)), u.mult
+			break
+		}
+	}
+	v, err := strconv.ParseFloat(s, 64)
+	if err != nil || v <= 0 || v*float64(mult) > 1<<62 {
+		return 0, fmt.Errorf("bad size %q: want a positive number with an optional unit such as 64GiB", s)
+	}
+	return int64(v * float64(mult)), nil
+}
+
+func hostname() string {
+	h, err := os.Hostname()
+	if err != nil {
+		return "kvbus"
+	}
+	return h
+}

@@ -1,0 +1,289 @@
+// Command kvbus runs the roles of kvbus, an LLM-serving request pipeline over
+// NATS: serve (everything in one process), nats, frontend, scheduler and
+// worker. Every flag has a KVBUS_* environment twin.
+package main
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"net"
+	"net/http"
+	"os"
+	"os/signal"
+	"sync"
+	"syscall"
+	"time"
+
+	"github.com/alecthomas/kong"
+	"github.com/nats-io/nats.go"
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/collectors"
+	"github.com/prometheus/client_golang/prometheus/promhttp"
+
+	"github.com/kvbus/kvbus/bus"
+	"github.com/kvbus/kvbus/frontend"
+	"github.com/kvbus/kvbus/messages"
+	"github.com/kvbus/kvbus/scheduler"
+	"github.com/kvbus/kvbus/workers"
+)
+
+type cli struct {
+	Serve     serveCmd     `cmd:"" help:"Run everything in one process: embedded NATS, frontend, one scheduler, --groups groups of --ranks ranks."`
+	NATS      natsCmd      `cmd:"" name:"nats" help:"Run the embedded nats-server alone, with JetStream."`
+	Frontend  frontendCmd  `cmd:"" help:"Run the OpenAI-compatible HTTP frontend."`
+	Scheduler schedulerCmd `cmd:"" help:"Run a scheduler replica."`
+	Worker    workerCmd    `cmd:"" help:"Run one rank of a worker group."`
+}
+
+func main() {
+	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGINT, syscall.SIGTERM)
+	defer stop()
+	var c cli
+	kctx := kong.Parse(&c,
+		kong.BindTo(ctx, (*context.Context)(nil)),
+		kong.Name("kvbus"),
+		kong.Description("kvbus: an LLM-serving request pipeline over NATS that carries a conversation's session id from the OpenAI API to every KV store rank."),
+		kong.DefaultEnvars("KVBUS"),
+		kong.UsageOnError(),
+	)
+	if err := kctx.Run(); err != nil {
+		fmt.Fprintln(os.Stderr, "kvbus:", err)
+		stop()
+		os.Exit(1)
+	}
+}
+
+// roles runs functions concurrently until all return; the first error
+// cancels the others.
+type roles struct {
+	ctx    context.Context
+	cancel context.CancelFunc
+	wg     sync.WaitGroup
+	once   sync.Once
+	err    error
+}
+
+func newRoles(ctx context.Context) *roles {
+	r := &roles{}
+	r.ctx, r.cancel = context.WithCancel(ctx)
+	return r
+}
+
+func (r *roles) run(name string, f func(context.Context) error) {
+	r.wg.Go(func() {
+		if err := f(r.ctx); err != nil && !errors.Is(err, context.Canceled) {
+			r.once.Do(func() { r.err = fmt.Errorf("%s: %w", name, err) })
+			r.cancel()
+		}
+	})
+}
+
+func (r *roles) wait() error {
+	r.wg.Wait()
+	r.cancel()
+	return r.err
+}
+
+// newRegistry returns a registry with the Go and process collectors.
+func newRegistry() *prometheus.Registry {
+	reg := prometheus.NewRegistry()
+	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
+	return reg
+}
+
+// serveMetrics serves /metrics and /healthz on addr until ctx ends; an empty
+// addr serves nothing.
+func serveMetrics(ctx context.Context, log *slog.Logger, addr string, reg *prometheus.Registry, nc *nats.Conn) error {
+	if addr == "" {
+		return nil
+	}
+	mux := http.NewServeMux()
+	mux.Handle("/metrics", promhttp.HandlerFor(reg, promhttp.HandlerOpts{}))
+	mux.HandleFunc("/healthz", func(w http.ResponseWriter, _ *http.Request) {
+		if nc != nil && !nc.IsConnected() {
+			http.Error(w, `{"status":"nats disconnected"}`, http.StatusServiceUnavailable)
+			return
+		}
+		w.Header().Set("Content-Type", "application/json")
+		_, _ = w.Write([]byte(`{"status":"ok"}`))
+	})
+	ln, err := net.Listen("tcp", addr)
+	if err != nil {
+		return fmt.Errorf("metrics listen on %s: %w (choose another --metrics-addr, or empty to disable)", addr, err)
+	}
+	srv := &http.Server{Handler: mux, ReadHeaderTimeout: 5 * time.Second}
+	go func() { <-ctx.Done(); _ = srv.Close() }()
+	log.Info("metrics listening", "addr", ln.Addr().String())
+	if err := srv.Serve(ln); !errors.Is(err, http.ErrServerClosed) {
+		return err
+	}
+	return nil
+}
+
+// connect opens a NATS connection for a role.
+func connect(ctx context.Context, f natsFlags, name string, log *slog.Logger) (*nats.Conn, error) {
+	return bus.Connect(ctx, f.config(name, log))
+}
+
+// drain drains connections with a deadline.
+func drain(conns ...*nats.Conn) {
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	for _, nc := range conns {
+		bus.Drain(ctx, nc)
+	}
+}
+
+type natsCmd struct {
+	logFlags `embed:""`
+	Addr     string `name:"addr" default:"127.0.0.1:4222" help:"Client listen address HOST:PORT."`
+	DataDir  string `name:"data-dir" help:"JetStream storage directory (default: a temporary directory)."`
+	Token    string `name:"token" help:"Require this token from clients."`
+	Debug    bool   `name:"debug" help:"Log the server's own debug output."`
+}
+
+func (c *natsCmd) Run(ctx context.Context) error {
+	log := c.logger(os.Stderr)
+	srv, err := bus.StartServer(bus.ServerConfig{Addr: c.Addr, DataDir: c.DataDir, Token: c.Token, Debug: c.Debug})
+	if err != nil {
+		return err
+	}
+	log.Info("nats server ready", "url", srv.ClientURL(), "jetstream", true, "data_dir", srv.StoreDir())
+	<-ctx.Done()
+	log.Info("nats server stopping")
+	srv.Shutdown()
+	return nil
+}
+
+type frontendCmd struct {
+	busFlags      `embed:""`
+	modelFlags    `embed:""`
+	frontendFlags `embed:""`
+	timeoutFlags  `embed:""`
+	ID            string `name:"id" help:"Frontend id in subjects (default: a random fe-…)."`
+}
+
+func (c *frontendCmd) Run(ctx context.Context) error {
+	log := c.logger(os.Stderr)
+	nc, err := connect(ctx, c.natsFlags, "kvbus-frontend", log)
+	if err != nil {
+		return err
+	}
+	defer drain(nc)
+	reg := newRegistry()
+	fe, err := frontend.New(c.frontendConfig(nc, log, reg, c.ID))
+	if err != nil {
+		return err
+	}
+	return fe.Run(ctx)
+}
+
+func (c *frontendCmd) frontendConfig(nc *nats.Conn, log *slog.Logger, reg *prometheus.Registry, id string) frontend.Config {
+	return newFrontendConfig(nc, c.subjects(), log, reg, id, c.modelFlags, c.frontendFlags, c.timeoutFlags)
+}
+
+func newFrontendConfig(nc *nats.Conn, subj messages.Subjects, log *slog.Logger, reg *prometheus.Registry, id string, m modelFlags, f frontendFlags, t timeoutFlags) frontend.Config {
+	return frontend.Config{
+		Conn: nc, Subjects: subj, ID: id, Addr: f.HTTPAddr, Models: []string{m.Model}, SessionHeaders: f.SessionHeader,
+		MaxModelLen: f.MaxModelLen, MaxBodyBytes: f.MaxBodyBytes, RequestTimeout: t.RequestTimeout,
+		Logger: log, Registry: reg,
+	}
+}
+
+type schedulerCmd struct {
+	busFlags       `embed:""`
+	schedulerFlags `embed:""`
+	timeoutFlags   `embed:""`
+	ID             string `name:"id" help:"Scheduler id in subjects (default: a random sched-…)."`
+	MetricsAddr    string `name:"metrics-addr" default:":9090" help:"Address of /metrics and /healthz (empty: off)."`
+}
+
+func (c *schedulerCmd) Run(ctx context.Context) error {
+	log := c.logger(os.Stderr)
+	nc, err := connect(ctx, c.natsFlags, "kvbus-scheduler", log)
+	if err != nil {
+		return err
+	}
+	defer drain(nc)
+	reg := newRegistry()
+	s, err := newScheduler(nc, c.busFlags, c.schedulerFlags, c.timeoutFlags, c.ID, log, reg)
+	if err != nil {
+		return err
+	}
+	r := newRoles(ctx)
+	r.run("scheduler", s.Run)
+	r.run("metrics", func(ctx context.Context) error { return serveMetrics(ctx, log, c.MetricsAddr, reg, nc) })
+	return r.wait()
+}
+
+func newScheduler(nc *nats.Conn, b busFlags, f schedulerFlags, t timeoutFlags, id string, log *slog.Logger, reg prometheus.Registerer) (*scheduler.Scheduler, error) {
+	policy, err := scheduler.NewPolicy(f.Policy, f.SessionEpsilon)
+	if err != nil {
+		return nil, err
+	}
+	return scheduler.New(scheduler.Config{
+		Conn: nc, Subjects: b.subjects(), ID: id, Policy: policy, BlockSize: f.BlockSize,
+		HeartbeatTimeout: f.HeartbeatTimeout, RequestTimeout: t.RequestTimeout, Logger: log, Registerer: reg,
+	})
+}
+
+type workerCmd struct {
+	busFlags    `embed:""`
+	modelFlags  `embed:""`
+	engineFlags `embed:""`
+	Group       string `name:"group" default:"g0" help:"Worker group: one engine instance (a DP replica)."`
+	TPRank      int    `name:"tp-rank" default:"0" help:"Tensor-parallel rank; rank 0 is the driver and runs the engine."`
+	TPSize      int    `name:"tp-size" default:"4" help:"Tensor-parallel size: the group's world size."`
+	EPRank      int    `name:"ep-rank" default:"-1" help:"Expert-parallel rank (default: the TP rank)."`
+	EPSize      int    `name:"ep-size" default:"0" help:"Expert-parallel size (default: the TP size)."`
+	MetricsAddr string `name:"metrics-addr" default:":9090" help:"Address of /metrics and /healthz (empty: off)."`
+}
+
+func (c *workerCmd) Run(ctx context.Context) error {
+	if c.EPRank < 0 {
+		c.EPRank = c.TPRank
+	}
+	if c.EPSize == 0 {
+		c.EPSize = c.TPSize
+	}
+	log := c.logger(os.Stderr)
+	name := fmt.Sprintf("kvbus-worker-%s-%d", c.Group, c.TPRank)
+	nc, err := connect(ctx, c.natsFlags, name, log)
+	if err != nil {
+		return err
+	}
+	defer drain(nc)
+	reg := newRegistry()
+	engine, err := c.engine()
+	if err != nil {
+		return err
+	}
+	rank, err := newRank(nc, c.busFlags, c.modelFlags, c.engineFlags, engine, c.Group, c.TPRank, c.TPSize, c.EPRank, c.EPSize, log,
+		workers.NewMetrics(reg), bus.NewHandlerMetrics(reg))
+	if err != nil {
+		return err
+	}
+	r := newRoles(ctx)
+	r.run("worker", rank.Run)
+	r.run("metrics", func(ctx context.Context) error { return serveMetrics(ctx, log, c.MetricsAddr, reg, nc) })
+	return r.wait()
+}
+
+func newRank(nc *nats.Conn, b busFlags, m modelFlags, e engineFlags, engine workers.Engine, group string, tp, tpSize, ep, epSize int,
+	log *slog.Logger, wm *workers.Metrics, hm *bus.HandlerMetrics) (*workers.Rank, error) {
+	profile, err := workers.LookupModelProfile(e.ModelProfile)
+	if err != nil {
+		return nil, err
+	}
+	capacity, err := parseSize(e.KVCapacity)
+	if err != nil {
+		return nil, fmt.Errorf("--kv-capacity: %w", err)
+	}
+	return workers.NewRank(workers.RankConfig{
+		Conn: nc, Subjects: b.subjects(), Group: group, TPRank: tp, TPSize: tpSize, EPRank: ep, EPSize: epSize,
+		Model: m.Model, Profile: profile, CapacityBytes: capacity, Engine: engine,
+		HeartbeatInterval: e.HeartbeatEvery, ShutdownTimeout: e.ShutdownTimeout, Logger: log, Metrics: wm, HandlerMetrics: hm,
+	})
+}

@@ -1,0 +1,512 @@
+package frontend
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"log/slog"
+	"net/http"
+	"strconv"
+	"strings"
+	"sync"
+	"time"
+	"unicode"
+
+	"github.com/nats-io/nats.go"
+	"github.com/nats-io/nats.go/jetstream"
+	"github.com/nats-io/nuid"
+
+	"github.com/kvbus/kvbus/messages"
+)
+
+// maxRequestIDBytes bounds a client's X-Request-Id.
+const maxRequestIDBytes = 128
+
+// outputQueue collects the Outputs of one HTTP request's bus requests. The
+// NATS callback pushes without blocking; the HTTP handler pops.
+type outputQueue struct {
+	mu     sync.Mutex
+	items  []choiceOutput
+	signal chan struct{}
+}
+
+type choiceOutput struct {
+	choice int
+	out    *messages.Output
+}
+
+func newOutputQueue() *outputQueue { return &outputQueue{signal: make(chan struct{}, 1)} }
+
+func (q *outputQueue) push(choice int, o *messages.Output) {
+	q.mu.Lock()
+	q.items = append(q.items, choiceOutput{choice, o})
+	q.mu.Unlock()
+	select {
+	case q.signal <- struct{}{}:
+	default:
+	}
+}
+
+func (q *outputQueue) pop() []choiceOutput {
+	q.mu.Lock()
+	defer q.mu.Unlock()
+	items := q.items
+	q.items = nil
+	return items
+}
+
+// choiceState follows one choice (one bus request) of an HTTP request.
+type choiceState struct {
+	busID     string
+	nextIndex int
+	text      strings.Builder
+	finish    string
+	usage     messages.Usage
+	done      bool
+	err       *APIError
+	firstByte time.Time
+}
+
+// generation is one HTTP generate request in flight.
+type generation struct {
+	s         *Server
+	endpoint  string
+	id        string // response id: chatcmpl-… / cmpl-…
+	model     string
+	created   int64
+	sessionID string
+	log       *slog.Logger
+	choices   []*choiceState
+	q         *outputQueue
+	start     time.Time
+}
+
+func (s *Server) serveGenerate(w http.ResponseWriter, r *http.Request, endpoint string) {
+	start := time.Now()
+	status := s.generate(w, r, endpoint, start)
+	s.m.requests.WithLabelValues(endpoint, strconv.Itoa(status)).Inc()
+	s.m.latency.WithLabelValues(endpoint).Observe(time.Since(start).Seconds())
+}
+
+// generate serves one request and returns the HTTP status it answered.
+func (s *Server) generate(w http.ResponseWriter, r *http.Request, endpoint string, start time.Time) int {
+	fail := func(e *APIError) int { writeError(w, e); return e.Status }
+	body, apiErr := readBody(w, r, s.cfg.MaxBodyBytes)
+	if apiErr != nil {
+		return fail(apiErr)
+	}
+	var p *parsedRequest
+	if endpoint == messages.EndpointChat {
+		p, apiErr = parseChat(body)
+	} else {
+		p, apiErr = parseCompletion(body, s.tok.VocabSize())
+	}
+	if apiErr != nil {
+		return fail(apiErr)
+	}
+	if p.model == "" {
+		p.model = s.cfg.Models[0]
+	}
+	if !s.serves(p.model) {
+		return fail(&APIError{Status: http.StatusNotFound, Type: typeNotFound, Param: "model", Code: "model_not_found",
+			Message: fmt.Sprintf("The model `%s` does not exist. Served models: %s.", p.model, strings.Join(s.cfg.Models, ", "))})
+	}
+	sessionID, source, apiErr := ResolveSession(p.session, r.Header, s.cfg.SessionHeaders)
+	if apiErr != nil {
+		return fail(apiErr)
+	}
+	extID, apiErr := requestID(r.Header)
+	if apiErr != nil {
+		return fail(apiErr)
+	}
+	prompts, apiErr := s.tokenize(p)
+	if apiErr != nil {
+		return fail(apiErr)
+	}
+
+	g := &generation{s: s, endpoint: endpoint, model: p.model, created: start.Unix(), sessionID: sessionID, q: newOutputQueue(), start: start}
+	prefix := "cmpl-"
+	if endpoint == messages.EndpointChat {
+		prefix = "chatcmpl-"
+	}
+	busBase := extID
+	if extID == "" {
+		extID = nuid.Next()
+		busBase = extID
+	} else {
+		busBase = extID + "-" + nuid.Next()[16:] // unique on the bus even if a client reuses its id
+	}
+	g.id = prefix + extID
+	g.log = s.log.With("req_id", busBase, "session_id", sessionID)
+	if sessionID != "" {
+		g.log.Debug("session resolved", "source", source)
+	}
+	deadline := start.Add(s.cfg.RequestTimeout)
+
+	// Publish every prompt; each is acknowledged by JetStream before any
+	// byte of the response is written.
+	for i, prompt := range prompts {
+		busID := busBase
+		if len(prompts) > 1 {
+			busID = busBase + "-" + strconv.Itoa(i)
+		}
+		g.choices = append(g.choices, &choiceState{busID: busID})
+		s.register(busID, g.q, i)
+		req := s.busRequest(p, busID, sessionID, prompt, start, deadline)
+		if err := s.publish(r.Context(), req); err != nil {
+			g.log.Warn("cannot publish request to the bus", "err", err)
+			g.abort("publish failed")
+			g.unregister()
+			return fail(&APIError{Status: http.StatusServiceUnavailable, Type: typeUnavailable, Code: "bus_unavailable", RetryAfter: 1,
+				Message: "the request log is unavailable; retry shortly"})
+		}
+	}
+	defer g.unregister()
+
+	h := w.Header()
+	h.Set("X-Request-Id", extID)
+	if sessionID != "" {
+		h.Set("X-Session-ID", sessionID)
+	}
+	if p.stream {
+		return g.stream(w, r.Context(), deadline, p.includeUsage)
+	}
+	return g.respond(w, r.Context(), deadline)
+}
+
+func (s *Server) serves(model string) bool {
+	for _, m := range s.cfg.Models {
+		if m == model {
+			return true
+		}
+	}
+	return false
+}
+
+// requestID reads X-Request-Id: empty means none; it must be printable and
+// short.
+func requestID(h http.Header) (string, *APIError) {
+	v := strings.TrimSpace(h.Get("X-Request-Id"))
+	if len(v) > maxRequestIDBytes || strings.ContainsFunc(v, func(r rune) bool { return r > unicode.MaxASCII || !unicode.IsPrint(r) }) {
+		return "", badRequest("X-Request-Id", "X-Request-Id must be at most %d printable ASCII characters", maxRequestIDBytes)
+	}
+	return v, nil
+}
+
+// tokenize turns the request's prompts into token ids and applies
+// --max-model-len like vLLM.
+func (s *Server) tokenize(p *parsedRequest) ([][]uint32, *APIError) {
+	var prompts [][]uint32
+	param := "prompt"
+	switch {
+	case p.endpoint == messages.EndpointChat:
+		param = "messages"
+		ids, err := s.tok.ApplyChatTemplate(p.turns)
+		if err != nil {
+			return nil, badRequest("messages", "cannot tokenize messages: %v", err)
+		}
+		prompts = [][]uint32{ids}
+	case p.tokenPrompts != nil:
+		prompts = p.tokenPrompts
+	default:
+		for _, t := range p.texts {
+			ids, err := s.tok.Encode(t)
+			if err != nil {
+				return nil, badRequest("prompt", "cannot tokenize prompt: %v", err)
+			}
+			if len(ids) == 0 {
+				return nil, badRequest("prompt", "prompt is empty")
+			}
+			prompts = append(prompts, ids)
+		}
+	}
+	maxLen := s.cfg.MaxModelLen
+	for _, ids := range prompts {
+		n := len(ids)
+		if n >= maxLen {
+			return nil, badRequest(param, "The prompt (total length %d) is too long to fit into the model (context length %d). Make sure that `max_model_len` is no smaller than the number of text tokens plus multimodal tokens.", n, maxLen)
+		}
+		if p.maxTokensSet && n+p.params.MaxTokens > maxLen {
+			return nil, badRequest(param, "This model's maximum context length is %d tokens. However, you requested %d tokens (%d in the %s, %d in the completion). Please reduce the length of the %s or completion.", maxLen, n+p.params.MaxTokens, n, param, p.params.MaxTokens, param)
+		}
+	}
+	return prompts, nil
+}
+
+// busRequest builds the messages.Request of one prompt.
+func (s *Server) busRequest(p *parsedRequest, busID, sessionID string, prompt []uint32, start, deadline time.Time) *messages.Request {
+	sp := p.params
+	if !p.maxTokensSet {
+		sp.MaxTokens = s.cfg.MaxModelLen - len(prompt) // vLLM's default for chat
+	}
+	extra := make(messages.Args, len(p.xargs)+1)
+	for k, v := range p.xargs {
+		extra[k] = v
+	}
+	delete(extra, messages.ExtraArgSessionID)
+	if sessionID != "" {
+		extra[messages.ExtraArgSessionID] = sessionID
+	}
+	if len(extra) > 0 {
+		sp.ExtraArgs = extra
+	}
+	return &messages.Request{
+		RequestID: busID, SessionID: sessionID, Model: p.model, FrontendID: s.cfg.ID,
+		ArrivalUnixMs: start.UnixMilli(), DeadlineUnixMs: deadline.UnixMilli(),
+		PromptTokenIDs: prompt, SamplingParams: sp, Stream: p.stream,
+		KVTransferParams: p.kvTransfer, Endpoint: p.endpoint,
+	}
+}
+
+// publish appends req to the JetStream request log and waits for the ack.
+func (s *Server) publish(ctx context.Context, req *messages.Request) error {
+	data, err := messages.Marshal(req)
+	if err != nil {
+		return err
+	}
+	ctx, cancel := context.WithTimeout(ctx, s.cfg.PublishTimeout)
+	defer cancel()
+	msg := &nats.Msg{Subject: s.cfg.Subjects.Request(req.Model), Data: data, Header: nats.Header{}}
+	_, err = s.js.PublishMsg(ctx, msg, jetstream.WithMsgID(req.RequestID))
+	return err
+}
+
+func (g *generation) unregister() {
+	ids := make([]string, len(g.choices))
+	for i, c := range g.choices {
+		ids[i] = c.busID
+	}
+	g.s.unregister(ids)
+}
+
+// abort tells the pipeline to drop the unfinished bus requests.
+func (g *generation) abort(reason string) {
+	for _, c := range g.choices {
+		if c.done {
+			continue
+		}
+		data, err := messages.Marshal(&messages.Abort{ReqID: c.busID, Reason: reason})
+		if err == nil {
+			err = g.s.cfg.Conn.Publish(g.s.cfg.Subjects.Abort(), data)
+		}
+		if err != nil {
+			g.log.Warn("cannot publish abort", "err", err)
+		}
+	}
+}
+
+// next waits for outputs and applies them; it returns the choices that
+// changed, or an error when the client left or the deadline passed.
+func (g *generation) next(ctx context.Context, timer *time.Timer) ([]choiceOutput, *APIError) {
+	for {
+		if items := g.q.pop(); len(items) > 0 {
+			var fresh []choiceOutput
+			for _, it := range items {
+				c := g.choices[it.choice]
+				o := it.out
+				if c.done || (o.Index < c.nextIndex && !o.Final()) {
+					continue // duplicate or late
+				}
+				c.nextIndex = o.Index + 1
+				if c.firstByte.IsZero() {
+					c.firstByte = time.Now()
+					g.s.m.ttft.WithLabelValues(g.endpoint).Observe(c.firstByte.Sub(g.start).Seconds())
+				}
+				c.text.WriteString(o.Text)
+				if o.Usage != nil {
+					c.usage = *o.Usage
+				}
+				if o.Error != nil {
+					c.done, c.err = true, outputError(o.Error.Code, o.Error.Message)
+				} else if o.FinishReason != "" {
+					c.done, c.finish = true, o.FinishReason
+				}
+				fresh = append(fresh, it)
+			}
+			if len(fresh) > 0 {
+				return fresh, nil
+			}
+			continue
+		}
+		select {
+		case <-g.q.signal:
+		case <-ctx.Done():
+			g.log.Info("client disconnected; aborting request")
+			g.abort("client disconnected")
+			return nil, &APIError{Status: 499, Type: typeInvalidRequest, Message: "client disconnected"}
+		case <-timer.C:
+			g.log.Warn("request timed out", "timeout", g.s.cfg.RequestTimeout)
+			g.abort("timeout")
+			return nil, &APIError{Status: http.StatusGatewayTimeout, Type: typeTimeout, Code: "timeout",
+				Message: fmt.Sprintf("request did not complete within %s (--request-timeout)", g.s.cfg.RequestTimeout)}
+		}
+	}
+}
+
+func (g *generation) allDone() bool {
+	for _, c := range g.choices {
+		if !c.done {
+			return false
+		}
+	}
+	return true
+}
+
+func (g *generation) usage() usageJSON {
+	var u usageJSON
+	for _, c := range g.choices {
+		u.PromptTokens += c.usage.PromptTokens
+		u.CompletionTokens += c.usage.CompletionTokens
+		u.PromptTokensDetails.CachedTokens += c.usage.CachedTokens
+	}
+	u.TotalTokens = u.PromptTokens + u.CompletionTokens
+	return u
+}
+
+// respond waits for every choice and writes one JSON response.
+func (g *generation) respond(w http.ResponseWriter, ctx context.Context, deadline time.Time) int {
+	timer := time.NewTimer(time.Until(deadline))
+	defer timer.Stop()
+	for !g.allDone() {
+		if _, err := g.next(ctx, timer); err != nil {
+			if err.Status != 499 {
+				writeError(w, err)
+			}
+			return err.Status
+		}
+	}
+	for _, c := range g.choices {
+		if c.err != nil {
+			g.log.Warn("request failed", "code", c.err.Code, "err", c.err.Message)
+			writeError(w, c.err)
+			return c.err.Status
+		}
+	}
+	resp := completionJSON{ID: g.id, Created: g.created, Model: g.model, Usage: ptr(g.usage())}
+	for i, c := range g.choices {
+		ch := choiceJSON{Index: i, FinishReason: ptr(c.finish)}
+		if g.endpoint == messages.EndpointChat {
+			resp.Object = "chat.completion"
+			ch.Message = &messageJSON{Role: "assistant", Content: ptr(c.text.String())}
+		} else {
+			resp.Object = "text_completion"
+			ch.Text = ptr(c.text.String())
+		}
+		resp.Choices = append(resp.Choices, ch)
+	}
+	u := resp.Usage
+	g.log.Info("request completed", "prompt_tokens", u.PromptTokens, "cached_tokens", u.PromptTokensDetails.CachedTokens,
+		"completion_tokens", u.CompletionTokens, "ms", time.Since(g.start).Milliseconds())
+	writeJSON(w, http.StatusOK, resp)
+	return http.StatusOK
+}
+
+// stream writes server-sent events as outputs arrive.
+func (g *generation) stream(w http.ResponseWriter, ctx context.Context, deadline time.Time, includeUsage bool) int {
+	h := w.Header()
+	h.Set("Content-Type", "text/event-stream")
+	h.Set("Cache-Control", "no-cache")
+	h.Set("Connection", "keep-alive")
+	w.WriteHeader(http.StatusOK)
+	flusher, _ := w.(http.Flusher)
+	send := func(v any) {
+		b, _ := json.Marshal(v)
+		_, _ = fmt.Fprintf(w, "data: %s\n\n", b)
+	}
+	flush := func() {
+		if flusher != nil {
+			flusher.Flush()
+		}
+	}
+	object := "text_completion"
+	if g.endpoint == messages.EndpointChat {
+		object = "chat.completion.chunk"
+		for i := range g.choices { // vLLM and OpenAI open with the role
+			send(completionJSON{ID: g.id, Object: object, Created: g.created, Model: g.model,
+				Choices: []choiceJSON{{Index: i, Delta: &messageJSON{Role: "assistant", Content: ptr("")}}}})
+		}
+		flush()
+	}
+	timer := time.NewTimer(time.Until(deadline))
+	defer timer.Stop()
+	for !g.allDone() {
+		items, err := g.next(ctx, timer)
+		if err != nil {
+			if err.Status != 499 {
+				send(err.body())
+				_, _ = fmt.Fprint(w, "data: [DONE]\n\n")
+				flush()
+			}
+			return err.Status
+		}
+		for _, it := range items {
+			c, o := g.choices[it.choice], it.out
+			if c.err != nil {
+				g.log.Warn("request failed while streaming", "code", c.err.Code, "err", c.err.Message)
+				send(c.err.body())
+				continue
+			}
+			if o.Text == "" && o.FinishReason == "" {
+				continue
+			}
+			ch := choiceJSON{Index: it.choice}
+			if o.FinishReason != "" {
+				ch.FinishReason = ptr(o.FinishReason)
+			}
+			if g.endpoint == messages.EndpointChat {
+				ch.Delta = &messageJSON{}
+				if o.Text != "" {
+					ch.Delta.Content = ptr(o.Text)
+				}
+			} else {
+				ch.Text = ptr(o.Text)
+			}
+			send(completionJSON{ID: g.id, Object: object, Created: g.created, Model: g.model, Choices: []choiceJSON{ch}})
+		}
+		flush()
+	}
+	if includeUsage {
+		send(completionJSON{ID: g.id, Object: object, Created: g.created, Model: g.model, Choices: []choiceJSON{}, Usage: ptr(g.usage())})
+	}
+	_, _ = fmt.Fprint(w, "data: [DONE]\n\n")
+	flush()
+	u := g.usage()
+	g.log.Info("request completed", "stream", true, "prompt_tokens", u.PromptTokens, "cached_tokens", u.PromptTokensDetails.CachedTokens,
+		"completion_tokens", u.CompletionTokens, "ms", time.Since(g.start).Milliseconds())
+	return http.StatusOK
+}
+
+// OpenAI response shapes.
+type completionJSON struct {
+	ID      string       `json:"id"`
+	Object  string       `json:"object"`
+	Created int64        `json:"created"`
+	Model   string       `json:"model"`
+	Choices []choiceJSON `json:"choices"`
+	Usage   *usageJSON   `json:"usage,omitempty"`
+}
+
+type choiceJSON struct {
+	Index        int          `json:"index"`
+	Message      *messageJSON `json:"message,omitempty"`
+	Delta        *messageJSON `json:"delta,omitempty"`
+	Text         *string      `json:"text,omitempty"`
+	Logprobs     *struct{}    `json:"logprobs"`
+	FinishReason *string      `json:"finish_reason"`
+}
+
+type messageJSON struct {
+	Role    string  `json:"role,omitempty"`
+	Content *string `json:"content,omitempty"`
+}
+
+type usageJSON struct {
+	PromptTokens        int `json:"prompt_tokens"`
+	CompletionTokens    int `json:"completion_tokens"`
+	TotalTokens         int `json:"total_tokens"`
+	PromptTokensDetails struct {
+		CachedTokens int `json:"cached_tokens"`
+	} `json:"prompt_tokens_details"`
+}
+
+func ptr[T any](v T) *T { return &v }

@@ -1,0 +1,29 @@
+package frontend
+
+import "github.com/prometheus/client_golang/prometheus"
+
+type metrics struct {
+	requests *prometheus.CounterVec
+	latency  *prometheus.HistogramVec
+	ttft     *prometheus.HistogramVec
+}
+
+func newMetrics(reg prometheus.Registerer, inflight func() float64) *metrics {
+	m := &metrics{
+		requests: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "kvbus_frontend_requests_total", Help: "HTTP generate requests by endpoint and status.",
+		}, []string{"endpoint", "status"}),
+		latency: prometheus.NewHistogramVec(prometheus.HistogramOpts{
+			Name: "kvbus_frontend_request_seconds", Help: "End-to-end latency of generate requests.",
+			Buckets: prometheus.ExponentialBuckets(1e-4, 2, 20),
+		}, []string{"endpoint"}),
+		ttft: prometheus.NewHistogramVec(prometheus.HistogramOpts{
+			Name: "kvbus_frontend_ttft_seconds", Help: "Time to the first output chunk.",
+			Buckets: prometheus.ExponentialBuckets(1e-4, 2, 20),
+		}, []string{"endpoint"}),
+	}
+	reg.MustRegister(m.requests, m.latency, m.ttft, prometheus.NewGaugeFunc(prometheus.GaugeOpts{
+		Name: "kvbus_frontend_inflight_requests", Help: "Bus requests waiting for output.",
+	}, inflight))
+	return m
+}

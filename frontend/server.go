@@ -1,0 +1,332 @@
+package frontend
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"log/slog"
+	"net"
+	"net/http"
+	"strings"
+	"sync"
+	"time"
+
+	"github.com/nats-io/nats.go"
+	"github.com/nats-io/nats.go/jetstream"
+	"github.com/nats-io/nuid"
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/promhttp"
+
+	"github.com/kvbus/kvbus/bus"
+	"github.com/kvbus/kvbus/messages"
+)
+
+// ErrConfig is wrapped by configuration errors.
+var ErrConfig = errors.New("frontend: bad configuration")
+
+// Config configures a frontend.
+type Config struct {
+	// Conn is the frontend's NATS connection, owned by the caller.
+	Conn     *nats.Conn
+	Subjects messages.Subjects
+	// ID names the frontend in subjects (kvbus.out.<id>); default "fe-…".
+	ID string
+	// Listener, if set, is served instead of listening on Addr.
+	Listener net.Listener
+	// Addr is the HTTP listen address (default ":8000").
+	Addr string
+	// Models are the served model names; the first is used when a request
+	// names none.
+	Models []string
+	// SessionHeaders are read for a session id in order (default
+	// X-Session-ID, X-Correlation-ID).
+	SessionHeaders []string
+	// MaxModelLen bounds prompt + completion tokens (default 8192).
+	MaxModelLen int
+	// MaxBodyBytes bounds a request body (default 4 MiB).
+	MaxBodyBytes int64
+	// RequestTimeout bounds a request end to end (default 60 s).
+	RequestTimeout time.Duration
+	// PublishTimeout bounds the wait for JetStream's ack (default 5 s).
+	PublishTimeout time.Duration
+	// StreamReplicas is the request log's replication factor (default 1).
+	StreamReplicas int
+	// Tokenizer; nil means the embedded o200k_base BPE tokenizer.
+	Tokenizer Tokenizer
+	Logger    *slog.Logger
+	// Registry receives the frontend's metrics and is served on /metrics;
+	// nil means a new registry.
+	Registry *prometheus.Registry
+}
+
+// Validate checks the configuration.
+func (c *Config) Validate() error {
+	switch {
+	case c.Conn == nil:
+		return fmt.Errorf("%w: no NATS connection", ErrConfig)
+	case len(c.Models) == 0 || c.Models[0] == "":
+		return fmt.Errorf("%w: no served model (--model)", ErrConfig)
+	case c.MaxModelLen < 2:
+		return fmt.Errorf("%w: --max-model-len must be >= 2", ErrConfig)
+	case c.MaxBodyBytes < 1:
+		return fmt.Errorf("%w: --max-body-bytes must be positive", ErrConfig)
+	}
+	for _, h := range c.SessionHeaders {
+		if strings.TrimSpace(h) == "" || strings.ContainsAny(h, " :\t") {
+			return fmt.Errorf("%w: --session-header %q is not a header name", ErrConfig, h)
+		}
+	}
+	if err := messages.ValidateToken("frontend id", c.ID); err != nil {
+		return fmt.Errorf("%w: %v", ErrConfig, err)
+	}
+	return c.Subjects.Validate()
+}
+
+// Server is an OpenAI-compatible HTTP frontend.
+type Server struct {
+	cfg     Config
+	log     *slog.Logger
+	tok     Tokenizer
+	js      jetstream.JetStream
+	m       *metrics
+	hm      *bus.HandlerMetrics
+	mux     http.Handler
+	created int64
+
+	mu      sync.Mutex
+	pending map[string]route // bus request id → where its outputs go
+
+	ready chan struct{}
+	addr  net.Addr
+}
+
+// route sends one bus request's outputs to the queue of its HTTP request.
+type route struct {
+	q      *outputQueue
+	choice int
+}
+
+// New builds a frontend; Run serves it.
+func New(cfg Config) (*Server, error) {
+	if cfg.ID == "" {
+		cfg.ID = "fe-" + nuid.Next()
+	}
+	if cfg.Addr == "" {
+		cfg.Addr = ":8000"
+	}
+	if cfg.SessionHeaders == nil {
+		cfg.SessionHeaders = DefaultSessionHeaders()
+	}
+	if cfg.MaxModelLen == 0 {
+		cfg.MaxModelLen = 8192
+	}
+	if cfg.MaxBodyBytes == 0 {
+		cfg.MaxBodyBytes = 4 << 20
+	}
+	if cfg.RequestTimeout <= 0 {
+		cfg.RequestTimeout = 60 * time.Second
+	}
+	if cfg.PublishTimeout <= 0 {
+		cfg.PublishTimeout = 5 * time.Second
+	}
+	if cfg.Registry == nil {
+		cfg.Registry = prometheus.NewRegistry()
+	}
+	if err := cfg.Validate(); err != nil {
+		return nil, err
+	}
+	tok := cfg.Tokenizer
+	if tok == nil {
+		var err error
+		if tok, err = NewBPETokenizer(); err != nil {
+			return nil, err
+		}
+	}
+	js, err := jetstream.New(cfg.Conn)
+	if err != nil {
+		return nil, fmt.Errorf("frontend: jetstream: %w", err)
+	}
+	log := cfg.Logger
+	if log == nil {
+		log = slog.Default()
+	}
+	s := &Server{
+		cfg: cfg, log: log.With("frontend_id", cfg.ID), tok: tok, js: js,
+		hm:      bus.NewHandlerMetrics(cfg.Registry),
+		created: time.Now().Unix(),
+		pending: map[string]route{},
+		ready:   make(chan struct{}),
+	}
+	s.m = newMetrics(cfg.Registry, s.inflight)
+	s.mux = s.routes()
+	return s, nil
+}
+
+// ID returns the frontend's id.
+func (s *Server) ID() string { return s.cfg.ID }
+
+// Ready is closed once Run serves HTTP.
+func (s *Server) Ready() <-chan struct{} { return s.ready }
+
+// Addr is the address Run listens on; valid after Ready.
+func (s *Server) Addr() net.Addr { return s.addr }
+
+// Handler returns the HTTP handler (for tests and embedding).
+func (s *Server) Handler() http.Handler { return s.mux }
+
+func (s *Server) inflight() float64 {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return float64(len(s.pending))
+}
+
+// Run subscribes to the frontend's output subject, makes sure the request
+// log exists, and serves HTTP until ctx ends; then it stops accepting
+// connections and lets in-flight requests finish (bounded by their own
+// timeouts).
+func (s *Server) Run(ctx context.Context) error {
+	setup, cancel := context.WithTimeout(ctx, 30*time.Second)
+	defer cancel()
+	st, err := bus.EnsureRequestStream(setup, s.js, bus.StreamConfig{Subjects: s.cfg.Subjects, Replicas: s.cfg.StreamReplicas})
+	if err != nil {
+		return err
+	}
+	if _, err := bus.EnsureSchedulerConsumer(setup, st, 0, s.cfg.StreamReplicas); err != nil {
+		return err
+	}
+	sub, err := bus.Subscribe(ctx, s.cfg.Conn, s.cfg.Subjects.Out(s.cfg.ID), bus.Wrap(s.onOutput, s.log, s.hm, "frontend_output"))
+	if err != nil {
+		return fmt.Errorf("frontend: subscribe: %w", err)
+	}
+	defer func() { _ = sub.Unsubscribe() }()
+	if err := s.cfg.Conn.Flush(); err != nil {
+		s.log.Warn("flush after subscribe", "err", err)
+	}
+
+	ln := s.cfg.Listener
+	if ln == nil {
+		if ln, err = net.Listen("tcp", s.cfg.Addr); err != nil {
+			return fmt.Errorf("frontend: listen on %s: %w (is another kvbus running? choose another --http-addr)", s.cfg.Addr, err)
+		}
+	}
+	s.addr = ln.Addr()
+	srv := &http.Server{
+		Handler:           s.mux,
+		ReadHeaderTimeout: 10 * time.Second,
+		MaxHeaderBytes:    64 << 10,
+		ErrorLog:          slog.NewLogLogger(s.log.Handler(), slog.LevelWarn),
+	}
+	errc := make(chan error, 1)
+	go func() { errc <- srv.Serve(ln) }()
+	s.log.Info("frontend listening", "addr", s.addr.String(), "models", s.cfg.Models, "tokenizer", s.tok.Name(),
+		"session_headers", s.cfg.SessionHeaders)
+	close(s.ready)
+	select {
+	case err := <-errc:
+		return fmt.Errorf("frontend: serve: %w", err)
+	case <-ctx.Done():
+	}
+	shutdown, cancel2 := context.WithTimeout(context.Background(), s.cfg.RequestTimeout+time.Second)
+	defer cancel2()
+	if err := srv.Shutdown(shutdown); err != nil {
+		s.log.Warn("http shutdown", "err", err)
+		_ = srv.Close()
+	}
+	s.log.Info("frontend stopped")
+	return nil
+}
+
+func (s *Server) onOutput(_ context.Context, m *nats.Msg) error {
+	out, err := messages.DecodeOutput(m.Data)
+	if err != nil {
+		return err
+	}
+	s.mu.Lock()
+	rt, ok := s.pending[out.ReqID]
+	s.mu.Unlock()
+	if ok {
+		rt.q.push(rt.choice, out)
+	}
+	return nil
+}
+
+func (s *Server) register(busID string, q *outputQueue, choice int) {
+	s.mu.Lock()
+	s.pending[busID] = route{q: q, choice: choice}
+	s.mu.Unlock()
+}
+
+func (s *Server) unregister(ids []string) {
+	s.mu.Lock()
+	for _, id := range ids {
+		delete(s.pending, id)
+	}
+	s.mu.Unlock()
+}
+
+// routes builds the HTTP routes. Unknown paths and wrong methods get OpenAI
+// error bodies.
+func (s *Server) routes() http.Handler {
+	type route struct {
+		method string
+		h      http.HandlerFunc
+	}
+	table := map[string]route{
+		"/v1/chat/completions": {http.MethodPost, func(w http.ResponseWriter, r *http.Request) { s.serveGenerate(w, r, messages.EndpointChat) }},
+		"/v1/completions":      {http.MethodPost, func(w http.ResponseWriter, r *http.Request) { s.serveGenerate(w, r, messages.EndpointCompletions) }},
+		"/v1/models":           {http.MethodGet, s.serveModels},
+		"/health":              {http.MethodGet, func(w http.ResponseWriter, _ *http.Request) { w.WriteHeader(http.StatusOK) }},
+		"/healthz":             {http.MethodGet, s.serveHealthz},
+		"/metrics":             {http.MethodGet, promhttp.HandlerFor(s.cfg.Registry, promhttp.HandlerOpts{}).ServeHTTP},
+	}
+	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		rt, ok := table[r.URL.Path]
+		if !ok {
+			writeError(w, &APIError{Status: http.StatusNotFound, Type: typeNotFound, Code: "not_found",
+				Message: fmt.Sprintf("no route %s %s; see /v1/chat/completions, /v1/completions, /v1/models", r.Method, r.URL.Path)})
+			return
+		}
+		if r.Method != rt.method && !(rt.method == http.MethodGet && r.Method == http.MethodHead) {
+			w.Header().Set("Allow", rt.method)
+			writeError(w, &APIError{Status: http.StatusMethodNotAllowed, Type: typeInvalidRequest, Code: "method_not_allowed",
+				Message: fmt.Sprintf("%s does not allow %s; use %s", r.URL.Path, r.Method, rt.method)})
+			return
+		}
+		rt.h(w, r)
+	})
+}
+
+func (s *Server) serveModels(w http.ResponseWriter, _ *http.Request) {
+	type model struct {
+		ID          string `json:"id"`
+		Object      string `json:"object"`
+		Created     int64  `json:"created"`
+		OwnedBy     string `json:"owned_by"`
+		Root        string `json:"root"`
+		MaxModelLen int    `json:"max_model_len"`
+	}
+	list := struct {
+		Object string  `json:"object"`
+		Data   []model `json:"data"`
+	}{Object: "list"}
+	for _, m := range s.cfg.Models {
+		list.Data = append(list.Data, model{ID: m, Object: "model", Created: s.created, OwnedBy: "kvbus", Root: m, MaxModelLen: s.cfg.MaxModelLen})
+	}
+	writeJSON(w, http.StatusOK, list)
+}
+
+func (s *Server) serveHealthz(w http.ResponseWriter, _ *http.Request) {
+	if !s.cfg.Conn.IsConnected() {
+		writeError(w, &APIError{Status: http.StatusServiceUnavailable, Type: typeUnavailable, Code: "bus_down",
+			Message: "not connected to NATS", RetryAfter: 1})
+		return
+	}
+	writeJSON(w, http.StatusOK, map[string]string{"status": "ok"})
+}
+
+func writeJSON(w http.ResponseWriter, status int, v any) {
+	w.Header().Set("Content-Type", "application/json")
+	w.WriteHeader(status)
+	_ = json.NewEncoder(w).Encode(v)
+}

@@ -1,0 +1,106 @@
+package frontend
+
+import (
+	"bytes"
+	"encoding/json"
+	"net/http"
+	"strings"
+	"unicode"
+	"unicode/utf8"
+)
+
+// MaxSessionIDBytes is the longest accepted session id.
+const MaxSessionIDBytes = 256
+
+// DefaultSessionHeaders are the headers read for a session id, in order of
+// precedence, when --session-header is not given.
+var defaultSessionHeaders = []string{"X-Session-ID", "X-Correlation-ID"}
+
+// DefaultSessionHeaders returns the default --session-header list.
+func DefaultSessionHeaders() []string { return append([]string(nil), defaultSessionHeaders...) }
+
+// Session id sources, as named in errors and logs.
+const (
+	SourceBody      = "session_id"
+	SourceVLLMXargs = "vllm_xargs.session_id"
+)
+
+// SessionInput holds the raw body values that can carry a session id: the
+// JSON of the body's session_id field and of vllm_xargs.session_id (nil when
+// absent).
+type SessionInput struct {
+	BodySessionID  json.RawMessage
+	XargsSessionID json.RawMessage
+}
+
+// ResolveSession applies kvbus's session rules (DESIGN §3): the first of body
+// session_id, body vllm_xargs.session_id, then each of headers in order, that
+// gives a value wins. It returns the session id ("" for none) and its source,
+// or a 400 APIError naming the offending source.
+func ResolveSession(in SessionInput, h http.Header, headers []string) (id, source string, err *APIError) {
+	for _, b := range []struct {
+		raw  json.RawMessage
+		name string
+	}{{in.BodySessionID, SourceBody}, {in.XargsSessionID, SourceVLLMXargs}} {
+		v, given, err := bodySessionValue(b.raw, b.name)
+		if err != nil {
+			return "", "", err
+		}
+		if given {
+			return v, b.name, checkSessionID(v, b.name)
+		}
+	}
+	for _, name := range headers {
+		vals := h.Values(name) // canonicalised: case-insensitive
+		if len(vals) == 0 {
+			continue
+		}
+		if v := strings.TrimSpace(vals[0]); v != "" { // only the first value counts
+			return v, name, checkSessionID(v, name)
+		}
+	}
+	return "", "", nil
+}
+
+// bodySessionValue reads a body value: absent or null is not given; a string
+// empty after trimming is not given; any other JSON type is an error.
+func bodySessionValue(raw json.RawMessage, name string) (string, bool, *APIError) {
+	raw = bytes.TrimSpace(raw)
+	if len(raw) == 0 || string(raw) == "null" {
+		return "", false, nil
+	}
+	if raw[0] != '"' {
+		return "", false, badRequest(name, "%s must be a string, got %s", name, jsonKind(raw))
+	}
+	var s string
+	if err := json.Unmarshal(raw, &s); err != nil {
+		return "", false, badRequest(name, "%s is not a valid JSON string: %v", name, err)
+	}
+	s = strings.TrimSpace(s)
+	return s, s != "", nil
+}
+
+func checkSessionID(v, source string) *APIError {
+	switch {
+	case len(v) > MaxSessionIDBytes:
+		return badRequest(source, "%s is %d bytes; a session id may have at most %d", source, len(v), MaxSessionIDBytes)
+	case !utf8.ValidString(v):
+		return badRequest(source, "%s is not valid UTF-8", source)
+	case strings.ContainsFunc(v, unicode.IsControl):
+		return badRequest(source, "%s contains a control character", source)
+	}
+	return nil
+}
+
+func jsonKind(raw json.RawMessage) string {
+	switch raw[0] {
+	case '{':
+		return "an object"
+	case '[':
+		return "an array"
+	case 't', 'f':
+		return "a boolean"
+	default:
+		return "a number"
+	}
+}

@@ -1,0 +1,101 @@
+package frontend
+
+import (
+	"fmt"
+	"strings"
+
+	"github.com/tiktoken-go/tokenizer"
+)
+
+// Tokenizer turns text into token ids. Implementations are safe for
+// concurrent use.
+type Tokenizer interface {
+	// Encode tokenizes text.
+	Encode(text string) ([]uint32, error)
+	// ApplyChatTemplate renders and tokenizes a conversation, ending with the
+	// assistant's turn prompt.
+	ApplyChatTemplate(msgs []ChatTurn) ([]uint32, error)
+	// VocabSize bounds valid token ids.
+	VocabSize() int
+	// Name identifies the vocabulary.
+	Name() string
+}
+
+// ChatTurn is one message of a conversation, reduced to text.
+type ChatTurn struct {
+	Role    string
+	Content string
+}
+
+// o200k chat-format token ids (the GPT-4o ChatML markers of tiktoken's
+// o200k_base): <|im_start|>, <|im_end|>, <|im_sep|>.
+const (
+	imStart   = 200264
+	imEnd     = 200265
+	imSep     = 200266
+	o200kSize = 201088
+)
+
+// BPETokenizer is the o200k_base byte-level BPE tokenizer (tiktoken's
+// vocabulary, embedded in the binary) with GPT-4o's ChatML chat template:
+//
+//	<|im_start|>{role}<|im_sep|>{content}<|im_end|> … <|im_start|>assistant<|im_sep|>
+type BPETokenizer struct {
+	codec tokenizer.Codec
+}
+
+// NewBPETokenizer loads the embedded o200k_base vocabulary.
+func NewBPETokenizer() (*BPETokenizer, error) {
+	c, err := tokenizer.Get(tokenizer.O200kBase)
+	if err != nil {
+		return nil, fmt.Errorf("frontend: load o200k_base tokenizer: %w", err)
+	}
+	return &BPETokenizer{codec: c}, nil
+}
+
+// Name implements Tokenizer.
+func (t *BPETokenizer) Name() string { return "o200k_base" }
+
+// VocabSize implements Tokenizer.
+func (t *BPETokenizer) VocabSize() int { return o200kSize }
+
+// Encode implements Tokenizer.
+func (t *BPETokenizer) Encode(text string) ([]uint32, error) {
+	return t.encodeAppend(nil, text)
+}
+
+func (t *BPETokenizer) encodeAppend(dst []uint32, text string) ([]uint32, error) {
+	if text == "" {
+		return dst, nil
+	}
+	ids, _, err := t.codec.Encode(text)
+	if err != nil {
+		return nil, fmt.Errorf("frontend: tokenize: %w", err)
+	}
+	for _, id := range ids {
+		dst = append(dst, uint32(id))
+	}
+	return dst, nil
+}
+
+// ApplyChatTemplate implements Tokenizer.
+func (t *BPETokenizer) ApplyChatTemplate(msgs []ChatTurn) ([]uint32, error) {
+	out := make([]uint32, 0, 16)
+	var err error
+	for _, m := range msgs {
+		out = append(out, imStart)
+		if out, err = t.encodeAppend(out, strings.ToLower(m.Role)); err != nil {
+			return nil, err
+		}
+		out = append(out, imSep)
+		if out, err = t.encodeAppend(out, m.Content); err != nil {
+			return nil, err
+		}
+		out = append(out, imEnd)
+	}
+	out = append(out, imStart)
+	if out, err = t.encodeAppend(out, "assistant"); err != nil {
+		return nil, err
+	}
+	return append(out, imSep), nil
+}

@@ -1,0 +1,103 @@
+package messages
+
+import (
+	"fmt"
+
+	"github.com/vmihailenco/msgpack/v5"
+	"github.com/vmihailenco/msgpack/v5/msgpcode"
+)
+
+// maxArgsDepth bounds the nesting of free-form maps such as
+// sampling_params.extra_args, so that a hostile message cannot exhaust the
+// stack of a decoder.
+const maxArgsDepth = 16
+
+// Args is a free-form map carried through the pipeline untouched, such as
+// vLLM's sampling_params.extra_args or kv_transfer_params. Values are the
+// JSON-like types nil, bool, int64, uint64, float64, string, []byte, []any
+// and map[string]any.
+type Args map[string]any
+
+var _ msgpack.CustomDecoder = (*Args)(nil)
+
+// DecodeMsgpack implements msgpack.CustomDecoder with a depth limit.
+func (a *Args) DecodeMsgpack(dec *msgpack.Decoder) error {
+	v, err := decodeArgValue(dec, 0)
+	if err != nil {
+		return err
+	}
+	switch m := v.(type) {
+	case nil:
+		*a = nil
+	case map[string]any:
+		*a = m
+	default:
+		return fmt.Errorf("%w: expected a map, got %T", ErrMalformed, v)
+	}
+	return nil
+}
+
+func decodeArgValue(dec *msgpack.Decoder, depth int) (any, error) {
+	if depth > maxArgsDepth {
+		return nil, fmt.Errorf("%w: nested deeper than %d levels", ErrMalformed, maxArgsDepth)
+	}
+	code, err := dec.PeekCode()
+	if err != nil {
+		return nil, fmt.Errorf("%w: %v", ErrMalformed, err)
+	}
+	switch {
+	case msgpcode.IsFixedMap(code) || code == msgpcode.Map16 || code == msgpcode.Map32:
+		n, err := dec.DecodeMapLen()
+		if err != nil {
+			return nil, fmt.Errorf("%w: %v", ErrMalformed, err)
+		}
+		m := make(map[string]any, min(n, 64))
+		for range n {
+			k, err := dec.DecodeString()
+			if err != nil {
+				return nil, fmt.Errorf("%w: map key: %v", ErrMalformed, err)
+			}
+			v, err := decodeArgValue(dec, depth+1)
+			if err != nil {
+				return nil, err
+			}
+			m[k] = v
+		}
+		return m, nil
+	case msgpcode.IsFixedArray(code) || code == msgpcode.Array16 || code == msgpcode.Array32:
+		n, err := dec.DecodeArrayLen()
+		if err != nil {
+			return nil, fmt.Errorf("%w: %v", ErrMalformed, err)
+		}
+		s := make([]any, 0, min(n, 64))
+		for range n {
+			v, err := decodeArgValue(dec, depth+1)
+			if err != nil {
+				return nil, err
+			}
+			s = append(s, v)
+		}
+		return s, nil
+	case code == msgpcode.Bin8 || code == msgpcode.Bin16 || code == msgpcode.Bin32:
+		// DecodeInterfaceLoose would turn a bin into a string, which a
+		// re-encode then sends as a str that need not be UTF-8.
+		b, err := dec.DecodeBytes()
+		if err != nil {
+			return nil, fmt.Errorf("%w: %v", ErrMalformed, err)
+		}
+		return b, nil
+	default:
+		v, err := dec.DecodeInterfaceLoose()
+		if err != nil {
+			return nil, fmt.Errorf("%w: %v", ErrMalformed, err)
+		}
+		return v, nil
+	}
+}
+
+// String returns the value of key if it is a string, like vLLM's
+// _session_id_from_request: anything else counts as absent.
+func (a Args) String(key string) (string, bool) {
+	s, ok := a[key].(string)
+	return s, ok
+}

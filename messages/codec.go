@@ -1,0 +1,318 @@
+package messages
+
+import (
+	"bytes"
+	"errors"
+	"fmt"
+	"sync"
+
+	"github.com/vmihailenco/msgpack/v5"
+)
+
+// MaxMessageBytes is the largest payload a decoder accepts. It is above the
+// largest message kvbus produces (a 128k-token ReqMeta is about 1.5 MiB) and
+// below what would let one message exhaust a process.
+const MaxMessageBytes = 8 << 20
+
+// maxNesting bounds how deeply maps and arrays may nest in a message,
+// counting the message's own map as level 1. It is above what any kvbus
+// message needs (free-form Args are limited to maxArgsDepth below the
+// message's second level).
+const maxNesting = 32
+
+// Sentinel errors.
+var (
+	// ErrMalformed is wrapped by every decode error: the payload is not a
+	// valid message of the expected type.
+	ErrMalformed = errors.New("messages: malformed message")
+	// ErrTooLarge is wrapped when a payload exceeds MaxMessageBytes.
+	ErrTooLarge = errors.New("messages: message too large")
+	// ErrInvalid is wrapped when a message decodes but breaks a rule of the
+	// contract, such as a missing request id.
+	ErrInvalid = errors.New("messages: invalid message")
+)
+
+// Message is implemented by the pointer of every wire type.
+type Message interface {
+	setVersion()
+	validate() error
+}
+
+func (m *Request) setVersion()      { m.V = Version }
+func (m *ReqMeta) setVersion()      { m.V = Version }
+func (m *RankResult) setVersion()   { m.V = Version }
+func (m *Output) setVersion()       { m.V = Version }
+func (m *KVEventBatch) setVersion() { m.V = Version }
+func (m *Heartbeat) setVersion()    { m.V = Version }
+func (m *Abort) setVersion()        { m.V = Version }
+
+var encoderPool = sync.Pool{New: func() any {
+	buf := new(bytes.Buffer)
+	enc := msgpack.NewEncoder(buf)
+	enc.SetSortMapKeys(true) // deterministic bytes for free-form maps
+	return &pooledEncoder{buf: buf, enc: enc}
+}}
+
+type pooledEncoder struct {
+	buf *bytes.Buffer
+	enc *msgpack.Encoder
+}
+
+// Marshal encodes m as a msgpack map, setting its version field. The
+// returned slice is owned by the caller.
+func Marshal(m Message) ([]byte, error) {
+	m.setVersion()
+	pe := encoderPool.Get().(*pooledEncoder)
+	defer encoderPool.Put(pe)
+	pe.buf.Reset()
+	if err := pe.enc.Encode(m); err != nil {
+		return nil, fmt.Errorf("messages: encode %T: %w", m, err)
+	}
+	return bytes.Clone(pe.buf.Bytes()), nil
+}
+
+// decode unmarshals data into m and validates it. It never panics.
+func decode(data []byte, m Message) (err error) {
+	if len(data) > MaxMessageBytes {
+		return fmt.Errorf("%w: %d bytes (limit %d)", ErrTooLarge, len(data), MaxMessageBytes)
+	}
+	// The msgpack library skips unknown keys recursively and without a depth
+	// limit, so a deeply nested unknown value would overflow the goroutine
+	// stack (a fatal error that recover cannot catch). Check the nesting
+	// first, without recursion.
+	if err := checkNesting(data, maxNesting); err != nil {
+		return fmt.Errorf("%T: %w", m, err)
+	}
+	defer func() {
+		// The msgpack library is not fuzzed by its authors against every
+		// input; a panic in it must not take a process down.
+		if r := recover(); r != nil {
+			err = fmt.Errorf("%w: %T: decoder panic: %v", ErrMalformed, m, r)
+		}
+	}()
+	if err := msgpack.Unmarshal(data, m); err != nil {
+		if errors.Is(err, ErrMalformed) {
+			return fmt.Errorf("%T: %w", m, err)
+		}
+		return fmt.Errorf("%w: %T: %v", ErrMalformed, m, err)
+	}
+	return m.validate()
+}
+
+// DecodeRequest decodes and validates a Request.
+func DecodeRequest(data []byte) (*Request, error) {
+	var m Request
+	return &m, decode(data, &m)
+}
+
+// DecodeReqMeta decodes and validates a ReqMeta.
+func DecodeReqMeta(data []byte) (*ReqMeta, error) {
+	var m ReqMeta
+	return &m, decode(data, &m)
+}
+
+// DecodeRankResult decodes and validates a RankResult.
+func DecodeRankResult(data []byte) (*RankResult, error) {
+	var m RankResult
+	return &m, decode(data, &m)
+}
+
+// DecodeOutput decodes and validates an Output.
+func DecodeOutput(data []byte) (*Output, error) {
+	var m Output
+	return &m, decode(data, &m)
+}
+
+// DecodeKVEventBatch decodes and validates a KVEventBatch.
+func DecodeKVEventBatch(data []byte) (*KVEventBatch, error) {
+	var m KVEventBatch
+	return &m, decode(data, &m)
+}
+
+// DecodeHeartbeat decodes and validates a Heartbeat.
+func DecodeHeartbeat(data []byte) (*Heartbeat, error) {
+	var m Heartbeat
+	return &m, decode(data, &m)
+}
+
+// DecodeAbort decodes and validates an Abort.
+func DecodeAbort(data []byte) (*Abort, error) {
+	var m Abort
+	return &m, decode(data, &m)
+}
+
+func invalid(format string, args ...any) error {
+	return fmt.Errorf("%w: "+format, append([]any{ErrInvalid}, args...)...)
+}
+
+func (m *Request) validate() error {
+	switch {
+	case m.RequestID == "":
+		return invalid("request without request_id")
+	case m.FrontendID == "" || !isToken(m.FrontendID):
+		return invalid("request %s: frontend_id %q is not a subject token", m.RequestID, m.FrontendID)
+	case m.SamplingParams.MaxTokens < 0:
+		return invalid("request %s: negative max_tokens", m.RequestID)
+	}
+	return nil
+}
+
+func (m *ReqMeta) validate() error {
+	switch {
+	case m.ReqID == "":
+		return invalid("req_meta without req_id")
+	case ValidateGroup(m.Group) != nil:
+		return invalid("req_meta %s: %v", m.ReqID, ValidateGroup(m.Group))
+	case m.BlockSize <= 0:
+		return invalid("req_meta %s: block_size %d", m.ReqID, m.BlockSize)
+	case m.TokenLen != len(m.TokenIDs):
+		return invalid("req_meta %s: token_len %d but %d token ids", m.ReqID, m.TokenLen, len(m.TokenIDs))
+	case len(m.BlockHashes) > len(m.TokenIDs)/m.BlockSize:
+		return invalid("req_meta %s: %d block hashes for %d tokens", m.ReqID, len(m.BlockHashes), len(m.TokenIDs))
+	case m.SaveFromBlock < 0 || m.SaveFromBlock > len(m.BlockHashes):
+		return invalid("req_meta %s: save_from_block %d out of range", m.ReqID, m.SaveFromBlock)
+	case m.LoadSpec != nil && (m.LoadSpec.KVPoolCachedTokens < 0 || m.LoadSpec.KVPoolCachedTokens > m.TokenLen):
+		return invalid("req_meta %s: kvpool_cached_tokens %d out of range", m.ReqID, m.LoadSpec.KVPoolCachedTokens)
+	case m.FrontendID == "" || !isToken(m.FrontendID):
+		return invalid("req_meta %s: frontend_id %q is not a subject token", m.ReqID, m.FrontendID)
+	case m.ResultSubject == "":
+		return invalid("req_meta %s: no result_subject", m.ReqID)
+	}
+	return nil
+}
+
+func (m *RankResult) validate() error {
+	if m.ReqID == "" {
+		return invalid("rank_result without req_id")
+	}
+	return nil
+}
+
+func (m *Output) validate() error {
+	if m.ReqID == "" {
+		return invalid("output without req_id")
+	}
+	return nil
+}
+
+func (m *KVEventBatch) validate() error {
+	for i, ev := range m.Events {
+		switch ev.Type {
+		case EventBlockStored, EventBlockRemoved, EventAllBlocksCleared:
+		default:
+			return invalid("kv event %d: unknown type %q", i, ev.Type)
+		}
+	}
+	return nil
+}
+
+func (m *Heartbeat) validate() error {
+	switch {
+	case ValidateGroup(m.Group) != nil:
+		return invalid("heartbeat: %v", ValidateGroup(m.Group))
+	case m.WorldSize <= 0 || m.TPRank < 0 || m.TPRank >= m.WorldSize:
+		return invalid("heartbeat from %s: tp_rank %d of world_size %d", m.Group, m.TPRank, m.WorldSize)
+	}
+	return nil
+}
+
+func (m *Abort) validate() error {
+	if m.ReqID == "" {
+		return invalid("abort without req_id")
+	}
+	return nil
+}
+
+// checkNesting walks the first msgpack value in data without recursion and
+// returns an error wrapping ErrMalformed if maps and arrays nest deeper than
+// maxDepth, if the value is truncated, or if it holds the reserved code 0xc1.
+// It reads exactly the bytes that msgpack.Unmarshal reads, so it rejects no
+// input that would otherwise decode. Because every element of a map or
+// array takes at least one byte, it also ensures that no declared length
+// exceeds the payload.
+func checkNesting(data []byte, maxDepth int) error {
+	// remaining[i] is the number of values still to read at level i; level
+	// 0 holds the top-level value.
+	remaining := make([]uint64, 1, 8)
+	remaining[0] = 1
+	pos := 0
+	need := func(n int) (uint64, error) {
+		if n > len(data)-pos {
+			return 0, fmt.Errorf("%w: truncated at byte %d", ErrMalformed, pos)
+		}
+		var v uint64
+		for _, b := range data[pos : pos+n] {
+			v = v<<8 | uint64(b)
+		}
+		pos += n
+		return v, nil
+	}
+	for len(remaining) > 0 {
+		top := len(remaining) - 1
+		if remaining[top] == 0 {
+			remaining = remaining[:top]
+			continue
+		}
+		remaining[top]--
+		if pos >= len(data) {
+			return fmt.Errorf("%w: truncated at byte %d", ErrMalformed, pos)
+		}
+		c := data[pos]
+		pos++
+		var (
+			items uint64 // elements of a container that follow
+			skip  uint64 // bytes of payload that follow, after the length
+			err   error
+		)
+		switch {
+		case c <= 0x7f || c >= 0xe0 || c == 0xc0 || c == 0xc2 || c == 0xc3:
+			// fixint, nil, false, true
+		case c <= 0x8f: // fixmap
+			items = 2 * uint64(c&0x0f)
+		case c <= 0x9f: // fixarray
+			items = uint64(c & 0x0f)
+		case c <= 0xbf: // fixstr
+			skip = uint64(c & 0x1f)
+		default:
+			switch c {
+			case 0xc4, 0xd9: // bin8, str8
+				skip, err = need(1)
+			case 0xc5, 0xda: // bin16, str16
+				skip, err = need(2)
+			case 0xc6, 0xdb: // bin32, str32
+				skip, err = need(4)
+			case 0xc7, 0xc8, 0xc9: // ext8, ext16, ext32: length, type, data
+				skip, err = need(1 << (c - 0xc7))
+				skip++
+			case 0xca, 0xcb, 0xcc, 0xcd, 0xce, 0xcf, 0xd0, 0xd1, 0xd2, 0xd3:
+				skip = [...]uint64{4, 8, 1, 2, 4, 8, 1, 2, 4, 8}[c-0xca]
+			case 0xd4, 0xd5, 0xd6, 0xd7, 0xd8: // fixext: type, data
+				skip = 1 + 1<<(c-0xd4)
+			case 0xdc, 0xdd: // array16, array32
+				items, err = need(2 << (c - 0xdc))
+			case 0xde, 0xdf: // map16, map32
+				items, err = need(2 << (c - 0xde))
+				items *= 2
+			default: // 0xc1, never used
+				return fmt.Errorf("%w: reserved msgpack code 0xc1 at byte %d", ErrMalformed, pos-1)
+			}
+		}
+		if err != nil {
+			return err
+		}
+		if skip > uint64(len(data)-pos) {
+			return fmt.Errorf("%w: truncated at byte %d", ErrMalformed, pos)
+		}
+		pos += int(skip)
+		if items > 0 {
+			if len(remaining) > maxDepth {
+				return fmt.Errorf("%w: nested deeper than %d levels", ErrMalformed, maxDepth)
+			}
+			if items > uint64(len(data)-pos) {
+				return fmt.Errorf("%w: %d elements declared, %d bytes left", ErrMalformed, items, len(data)-pos)
+			}
+			remaining = append(remaining, items)
+		}
+	}
+	return nil
+}

@@ -1,0 +1,155 @@
+package messages
+
+import (
+	"errors"
+	"fmt"
+	"strconv"
+
+	"github.com/zeebo/xxh3"
+)
+
+// DefaultPrefix is the first token of every kvbus subject.
+const DefaultPrefix = "kvbus"
+
+// RequestStream is the JetStream stream that logs every Request.
+const RequestStream = "KVBUS_REQUESTS"
+
+// NoSession is the session key of a request without a session id.
+const NoSession = "none"
+
+// ErrBadName is wrapped when a group name, prefix or id cannot be a subject
+// token.
+var ErrBadName = errors.New("messages: bad name")
+
+// SessionKey returns the subject token of a session id: the 16-hex-digit
+// xxh3-64 of its UTF-8 bytes, or "none" for the empty id. The raw id never
+// appears in a subject.
+func SessionKey(sessionID string) string {
+	if sessionID == "" {
+		return NoSession
+	}
+	var b [16]byte
+	const hexdigits = "0123456789abcdef"
+	h := xxh3.HashString(sessionID)
+	for i := 15; i >= 0; i-- {
+		b[i] = hexdigits[h&0xf]
+		h >>= 4
+	}
+	return string(b[:])
+}
+
+// ModelToken returns model with every byte outside [A-Za-z0-9_-] replaced by
+// '_', so that it can stand as one subject token.
+func ModelToken(model string) string {
+	b := []byte(model)
+	for i, c := range b {
+		if !isTokenByte(c) {
+			b[i] = '_'
+		}
+	}
+	if len(b) == 0 {
+		return "_"
+	}
+	return string(b)
+}
+
+// ValidateGroup reports whether name is a valid worker group name:
+// [A-Za-z0-9_-]{1,32}.
+func ValidateGroup(name string) error {
+	if len(name) < 1 || len(name) > 32 || !isToken(name) {
+		return fmt.Errorf("%w: group %q must match [A-Za-z0-9_-]{1,32}", ErrBadName, name)
+	}
+	return nil
+}
+
+// ValidateToken reports whether s can be used as one subject token by kvbus
+// (a prefix, a frontend id or a scheduler id): [A-Za-z0-9_-]{1,64}.
+func ValidateToken(what, s string) error {
+	if len(s) < 1 || len(s) > 64 || !isToken(s) {
+		return fmt.Errorf("%w: %s %q must match [A-Za-z0-9_-]{1,64}", ErrBadName, what, s)
+	}
+	return nil
+}
+
+func isTokenByte(c byte) bool {
+	return c >= 'a' && c <= 'z' || c >= 'A' && c <= 'Z' || c >= '0' && c <= '9' || c == '_' || c == '-'
+}
+
+func isToken(s string) bool {
+	for i := 0; i < len(s); i++ {
+		if !isTokenByte(s[i]) {
+			return false
+		}
+	}
+	return true
+}
+
+// Subjects spells every kvbus subject under one prefix. The zero value uses
+// DefaultPrefix. Subjects is a value type, safe for concurrent use.
+type Subjects struct {
+	Prefix string
+}
+
+func (s Subjects) p() string {
+	if s.Prefix == "" {
+		return DefaultPrefix
+	}
+	return s.Prefix
+}
+
+// Validate checks the prefix.
+func (s Subjects) Validate() error { return ValidateToken("subject prefix", s.p()) }
+
+// Request is kvbus.req.<model-token>, where the frontend publishes.
+func (s Subjects) Request(model string) string { return s.p() + ".req." + ModelToken(model) }
+
+// RequestAll is kvbus.req.>, the subjects of the request stream.
+func (s Subjects) RequestAll() string { return s.p() + ".req.>" }
+
+// Meta is kvbus.meta.<group>.<session-key>, where the scheduler publishes a
+// ReqMeta for a group.
+func (s Subjects) Meta(group, sessionID string) string {
+	return s.p() + ".meta." + group + "." + SessionKey(sessionID)
+}
+
+// MetaGroup is kvbus.meta.<group>.>, what every rank of a group subscribes.
+func (s Subjects) MetaGroup(group string) string { return s.p() + ".meta." + group + ".>" }
+
+// MetaSession is kvbus.meta.*.<session-key>: one conversation across groups.
+func (s Subjects) MetaSession(sessionID string) string {
+	return s.p() + ".meta.*." + SessionKey(sessionID)
+}
+
+// Done is kvbus.done.<scheduler-id>, where ranks report RankResults.
+func (s Subjects) Done(schedulerID string) string { return s.p() + ".done." + schedulerID }
+
+// Out is kvbus.out.<frontend-id>, where the driver rank streams Outputs.
+func (s Subjects) Out(frontendID string) string { return s.p() + ".out." + frontendID }
+
+// KV is kvbus.kv.<group>.<rank>, a rank's KV events.
+func (s Subjects) KV(group string, rank int) string {
+	return s.p() + ".kv." + group + "." + strconv.Itoa(rank)
+}
+
+// KVAll is kvbus.kv.>, every rank's KV events.
+func (s Subjects) KVAll() string { return s.p() + ".kv.>" }
+
+// Heartbeat is kvbus.hb.<group>.<rank>.
+func (s Subjects) Heartbeat(group string, rank int) string {
+	return s.p() + ".hb." + group + "." + strconv.Itoa(rank)
+}
+
+// HeartbeatAll is kvbus.hb.>, every rank's heartbeats.
+func (s Subjects) HeartbeatAll() string { return s.p() + ".hb.>" }
+
+// Abort is kvbus.ctl.abort.
+func (s Subjects) Abort() string { return s.p() + ".ctl.abort" }
+
+// Dump is kvbus.ctl.dump.<group>.<rank>, a request/reply for a full
+// KVEventBatch of what a rank holds.
+func (s Subjects) Dump(group string, rank int) string {
+	return s.p() + ".ctl.dump." + group + "." + strconv.Itoa(rank)
+}
+
+// All is kvbus.>, every kvbus subject.
+func (s Subjects) All() string { return s.p() + ".>" }

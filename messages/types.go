@@ -1,0 +1,192 @@
+package messages
+
+// Version is the value of the "v" key this package writes.
+const Version = 1
+
+// Endpoint names the OpenAI endpoint a request came through.
+const (
+	EndpointChat        = "chat"
+	EndpointCompletions = "completions"
+)
+
+// ExtraArgSessionID is the key of the session id in
+// sampling_params.extra_args, as read by vLLM's _session_id_from_request.
+const ExtraArgSessionID = "session_id"
+
+// Request is one inference request as the frontend publishes it on
+// kvbus.req.<model-token> (JetStream, Nats-Msg-Id = RequestID).
+type Request struct {
+	V              int            `msgpack:"v"`
+	RequestID      string         `msgpack:"request_id"`
+	SessionID      string         `msgpack:"session_id,omitempty"`
+	Model          string         `msgpack:"model"`
+	FrontendID     string         `msgpack:"frontend_id"`
+	ArrivalUnixMs  int64          `msgpack:"arrival_unix_ms"`
+	DeadlineUnixMs int64          `msgpack:"deadline_unix_ms,omitempty"`
+	PromptTokenIDs TokenIDs       `msgpack:"prompt_token_ids"`
+	SamplingParams SamplingParams `msgpack:"sampling_params"`
+	Stream         bool           `msgpack:"stream"`
+	// KVTransferParams is vLLM's kv_transfer_params, passed through.
+	KVTransferParams Args   `msgpack:"kv_transfer_params,omitempty"`
+	Endpoint         string `msgpack:"endpoint"`
+}
+
+// SamplingParams is the subset of vLLM's SamplingParams that kvbus carries.
+// Zero values mean "not set" except where noted.
+type SamplingParams struct {
+	MaxTokens   int      `msgpack:"max_tokens"`
+	MinTokens   int      `msgpack:"min_tokens,omitempty"`
+	Temperature float64  `msgpack:"temperature"`
+	TopP        float64  `msgpack:"top_p"`
+	Seed        *int64   `msgpack:"seed,omitempty"`
+	Stop        []string `msgpack:"stop,omitempty"`
+	IgnoreEOS   bool     `msgpack:"ignore_eos,omitempty"`
+	// ExtraArgs is vLLM's sampling_params.extra_args; the frontend puts the
+	// session id under "session_id" when there is one, and only then.
+	ExtraArgs Args `msgpack:"extra_args,omitempty"`
+}
+
+// SessionFromExtraArgs reads the session id back from extra_args the way
+// vLLM's _session_id_from_request does: a string value, or nothing.
+func (p SamplingParams) SessionFromExtraArgs() string {
+	s, _ := p.ExtraArgs.String(ExtraArgSessionID)
+	return s
+}
+
+// LoadSpec says how much of a request's prompt is already cached: vLLM's
+// computed tokens and the tokens to load from the KV pool (Mooncake store).
+type LoadSpec struct {
+	VLLMCachedTokens   int  `msgpack:"vllm_cached_tokens"`
+	KVPoolCachedTokens int  `msgpack:"kvpool_cached_tokens"`
+	CanLoad            bool `msgpack:"can_load"`
+}
+
+// ReqMeta is the per-request KV-connector metadata the scheduler publishes
+// once on kvbus.meta.<group>.<session-key>; NATS fans it out to every rank
+// of the group. Field names follow vLLM's mooncake store connector.
+type ReqMeta struct {
+	V               int         `msgpack:"v"`
+	ReqID           string      `msgpack:"req_id"`
+	SessionID       string      `msgpack:"session_id,omitempty"`
+	Model           string      `msgpack:"model"`
+	Group           string      `msgpack:"group"`
+	TokenLen        int         `msgpack:"token_len"`
+	TokenIDs        TokenIDs    `msgpack:"token_ids"`
+	BlockSize       int         `msgpack:"block_size"`
+	BlockHashes     BlockHashes `msgpack:"block_hashes"`
+	LoadSpec        *LoadSpec   `msgpack:"load_spec"`
+	CanSave         bool        `msgpack:"can_save"`
+	SaveFromBlock   int         `msgpack:"save_from_block"`
+	IsLastChunk     bool        `msgpack:"is_last_chunk"`
+	NumPromptTokens int         `msgpack:"num_prompt_tokens"`
+	// What the driver rank needs to run the request.
+	SamplingParams SamplingParams `msgpack:"sampling_params"`
+	FrontendID     string         `msgpack:"frontend_id"`
+	ResultSubject  string         `msgpack:"result_subject"`
+	Attempt        int            `msgpack:"attempt"`
+	DeadlineUnixMs int64          `msgpack:"deadline_unix_ms,omitempty"`
+}
+
+// RankResult is what one rank reports to the scheduler on
+// kvbus.done.<scheduler-id> after its load and store work for a request. The
+// driver rank reports after generation, with CompletionTokens set.
+type RankResult struct {
+	V                int    `msgpack:"v"`
+	ReqID            string `msgpack:"req_id"`
+	Group            string `msgpack:"group"`
+	TPRank           int    `msgpack:"tp_rank"`
+	EPRank           int    `msgpack:"ep_rank"`
+	Attempt          int    `msgpack:"attempt"`
+	LoadedTokens     int    `msgpack:"loaded_tokens"`
+	StoredBlocks     int    `msgpack:"stored_blocks"`
+	SkippedBlocks    int    `msgpack:"skipped_blocks"`
+	FailedBlocks     int    `msgpack:"failed_blocks"`
+	LoadUs           int64  `msgpack:"load_us"`
+	StoreUs          int64  `msgpack:"store_us"`
+	CompletionTokens int    `msgpack:"completion_tokens,omitempty"`
+	Error            string `msgpack:"error,omitempty"`
+}
+
+// Usage counts tokens like OpenAI's usage object.
+type Usage struct {
+	PromptTokens     int `msgpack:"prompt_tokens"`
+	CompletionTokens int `msgpack:"completion_tokens"`
+	CachedTokens     int `msgpack:"cached_tokens"`
+}
+
+// OutputError is an error that ends a request, with an OpenAI error code
+// (for example "timeout", "no_ready_group") and a message for the client.
+type OutputError struct {
+	Code    string `msgpack:"code"`
+	Message string `msgpack:"message"`
+}
+
+// Output is one chunk of a request's answer on kvbus.out.<frontend-id>.
+// Index numbers the chunks of a request from 0 so the frontend can drop
+// duplicates; the last chunk has FinishReason or Error set and carries
+// Usage.
+type Output struct {
+	V            int          `msgpack:"v"`
+	ReqID        string       `msgpack:"req_id"`
+	Index        int          `msgpack:"index"`
+	Text         string       `msgpack:"text"`
+	TokenIDs     TokenIDs     `msgpack:"token_ids,omitempty"`
+	FinishReason string       `msgpack:"finish_reason,omitempty"`
+	Usage        *Usage       `msgpack:"usage,omitempty"`
+	Error        *OutputError `msgpack:"error,omitempty"`
+}
+
+// Final reports whether o is the last chunk of its request.
+func (o *Output) Final() bool { return o.FinishReason != "" || o.Error != nil }
+
+// KV event kinds, vLLM's names.
+const (
+	EventBlockStored      = "BlockStored"
+	EventBlockRemoved     = "BlockRemoved"
+	EventAllBlocksCleared = "AllBlocksCleared"
+)
+
+// KVEvent is one of vLLM's KV cache events, told apart by Type:
+// BlockStored{block_hashes, parent_block_hash, token_ids, block_size,
+// medium}, BlockRemoved{block_hashes, medium} or AllBlocksCleared{}.
+type KVEvent struct {
+	Type            string      `msgpack:"type"`
+	BlockHashes     BlockHashes `msgpack:"block_hashes,omitempty"`
+	ParentBlockHash *uint64     `msgpack:"parent_block_hash,omitempty"`
+	TokenIDs        TokenIDs    `msgpack:"token_ids,omitempty"`
+	BlockSize       int         `msgpack:"block_size,omitempty"`
+	Medium          string      `msgpack:"medium,omitempty"`
+}
+
+// KVEventBatch is a rank's batch of KV events on kvbus.kv.<group>.<rank>.
+// Seq increases by one per batch of a rank's process; a gap means a batch
+// was lost.
+type KVEventBatch struct {
+	V      int       `msgpack:"v"`
+	TS     float64   `msgpack:"ts"`
+	Seq    uint64    `msgpack:"seq"`
+	Group  string    `msgpack:"group"`
+	Rank   int       `msgpack:"rank"`
+	Events []KVEvent `msgpack:"events"`
+}
+
+// Heartbeat announces a live rank on kvbus.hb.<group>.<rank>.
+type Heartbeat struct {
+	V              int    `msgpack:"v"`
+	Group          string `msgpack:"group"`
+	TPRank         int    `msgpack:"tp_rank"`
+	EPRank         int    `msgpack:"ep_rank"`
+	WorldSize      int    `msgpack:"world_size"`
+	Model          string `msgpack:"model"`
+	CapacityBlocks int64  `msgpack:"capacity_blocks"`
+	UsedBlocks     int64  `msgpack:"used_blocks"`
+	QueueDepth     int    `msgpack:"queue_depth"`
+	StartedUnixMs  int64  `msgpack:"started_unix_ms"`
+}
+
+// Abort cancels a request everywhere; published on kvbus.ctl.abort.
+type Abort struct {
+	V      int    `msgpack:"v"`
+	ReqID  string `msgpack:"req_id"`
+	Reason string `msgpack:"reason,omitempty"`
+}

@@ -1,0 +1,359 @@
+// Package scheduler consumes requests from the JetStream request log, keeps a
+// RequestTracker per request, hashes prompts into KV blocks, places each
+// request on a ready worker group and publishes its ReqMeta once on the
+// group's session-keyed subject, then collects every rank's RankResult.
+package scheduler
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"time"
+
+	"github.com/nats-io/nats.go"
+	"github.com/nats-io/nats.go/jetstream"
+	"github.com/nats-io/nuid"
+	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/kvbus/kvbus/bus"
+	"github.com/kvbus/kvbus/messages"
+)
+
+// ErrConfig is wrapped by configuration errors.
+var ErrConfig = errors.New("scheduler: bad configuration")
+
+// Config configures a scheduler replica.
+type Config struct {
+	// Conn is the scheduler's NATS connection, owned by the caller.
+	Conn     *nats.Conn
+	Subjects messages.Subjects
+	// ID names the replica in subjects (kvbus.done.<id>); default a random
+	// "sched-…".
+	ID string
+	// Policy places requests; required.
+	Policy Policy
+	// BlockSize is the tokens per KV block (default 16).
+	BlockSize int
+	// HeartbeatTimeout: a group is ready when all its ranks sent a heartbeat
+	// within it (default 3 s).
+	HeartbeatTimeout time.Duration
+	// RequestTimeout applies to requests without a deadline (default 60 s).
+	RequestTimeout time.Duration
+	// AckWait is how long JetStream waits for this replica's ack before
+	// redelivering a request to another replica (default 30 s).
+	AckWait time.Duration
+	// StreamReplicas is the JetStream replication of the request log
+	// (default 1).
+	StreamReplicas int
+	Logger         *slog.Logger
+	// Registerer receives the scheduler's metrics; nil: unregistered.
+	Registerer prometheus.Registerer
+}
+
+// Validate checks the configuration.
+func (c *Config) Validate() error {
+	switch {
+	case c.Conn == nil:
+		return fmt.Errorf("%w: no NATS connection", ErrConfig)
+	case c.Policy == nil:
+		return fmt.Errorf("%w: no placement policy", ErrConfig)
+	case c.BlockSize < 1:
+		return fmt.Errorf("%w: --block-size must be >= 1", ErrConfig)
+	}
+	if err := messages.ValidateToken("scheduler id", c.ID); err != nil {
+		return fmt.Errorf("%w: %v", ErrConfig, err)
+	}
+	return c.Subjects.Validate()
+}
+
+// Scheduler is one scheduler replica. Several replicas share the request
+// log's durable consumer; each request is dispatched by one of them.
+type Scheduler struct {
+	cfg      Config
+	log      *slog.Logger
+	groups   *groupTable
+	trackers *trackerTable
+	m        *metrics
+	hm       *bus.HandlerMetrics
+}
+
+// New builds a scheduler; Run starts it.
+func New(cfg Config) (*Scheduler, error) {
+	if cfg.ID == "" {
+		cfg.ID = "sched-" + nuid.Next()
+	}
+	if cfg.BlockSize == 0 {
+		cfg.BlockSize = 16
+	}
+	if cfg.HeartbeatTimeout <= 0 {
+		cfg.HeartbeatTimeout = 3 * time.Second
+	}
+	if cfg.RequestTimeout <= 0 {
+		cfg.RequestTimeout = 60 * time.Second
+	}
+	if err := cfg.Validate(); err != nil {
+		return nil, err
+	}
+	log := cfg.Logger
+	if log == nil {
+		log = slog.Default()
+	}
+	s := &Scheduler{
+		cfg:      cfg,
+		log:      log.With("scheduler_id", cfg.ID),
+		groups:   newGroupTable(cfg.HeartbeatTimeout),
+		trackers: newTrackerTable(),
+		hm:       bus.NewHandlerMetrics(cfg.Registerer),
+	}
+	s.m = newMetrics(cfg.Registerer, func() float64 { return float64(s.trackers.Len()) })
+	return s, nil
+}
+
+// ID returns the replica's id.
+func (s *Scheduler) ID() string { return s.cfg.ID }
+
+// ReadyGroups returns the number of worker groups ready now.
+func (s *Scheduler) ReadyGroups() int { return len(s.groups.ready(time.Now())) }
+
+// Trackers returns the number of live request trackers.
+func (s *Scheduler) Trackers() int { return s.trackers.Len() }
+
+// Run serves until ctx ends.
+func (s *Scheduler) Run(ctx context.Context) error {
+	nc, subj := s.cfg.Conn, s.cfg.Subjects
+	js, err := jetstream.New(nc)
+	if err != nil {
+		return fmt.Errorf("scheduler: jetstream: %w", err)
+	}
+	setupCtx, cancel := context.WithTimeout(ctx, 30*time.Second)
+	defer cancel()
+	st, err := bus.EnsureRequestStream(setupCtx, js, bus.StreamConfig{Subjects: subj, Replicas: s.cfg.StreamReplicas})
+	if err != nil {
+		return err
+	}
+	cons, err := bus.EnsureSchedulerConsumer(setupCtx, st, s.cfg.AckWait, s.cfg.StreamReplicas)
+	if err != nil {
+		return err
+	}
+
+	var subs []*nats.Subscription
+	defer func() {
+		for _, sub := range subs {
+			_ = sub.Unsubscribe()
+		}
+	}()
+	for _, h := range []struct {
+		subject, name string
+		fn            bus.Handler[*nats.Msg]
+	}{
+		{subj.HeartbeatAll(), "scheduler_heartbeat", s.onHeartbeat},
+		{subj.Done(s.cfg.ID), "scheduler_done", s.onDone},
+		{subj.Abort(), "scheduler_abort", s.onAbort},
+	} {
+		sub, err := bus.Subscribe(ctx, nc, h.subject, bus.Wrap(h.fn, s.log, s.hm, h.name))
+		if err != nil {
+			return fmt.Errorf("scheduler: subscribe %s: %w", h.subject, err)
+		}
+		subs = append(subs, sub)
+	}
+	if err := nc.Flush(); err != nil {
+		s.log.Warn("flush after subscribe", "err", err)
+	}
+
+	onRequest := bus.Wrap(s.onRequest, s.log, s.hm, "scheduler_request")
+	cc, err := cons.Consume(func(m jetstream.Msg) { _ = onRequest(ctx, m) },
+		jetstream.PullMaxMessages(512),
+		jetstream.ConsumeErrHandler(func(_ jetstream.ConsumeContext, err error) {
+			if !errors.Is(err, jetstream.ErrNoHeartbeat) {
+				s.log.Warn("request consumer", "err", err)
+			}
+		}))
+	if err != nil {
+		return fmt.Errorf("scheduler: consume %s: %w", messages.RequestStream, err)
+	}
+	s.log.Info("scheduler started", "block_size", s.cfg.BlockSize, "policy", fmt.Sprintf("%T", s.cfg.Policy))
+
+	tick := time.NewTicker(250 * time.Millisecond)
+	defer tick.Stop()
+	for {
+		select {
+		case <-ctx.Done():
+			cc.Drain()
+			<-cc.Closed()
+			s.log.Info("scheduler stopped", "trackers_left", s.trackers.Len())
+			return nil
+		case now := <-tick.C:
+			s.sweep(now)
+		}
+	}
+}
+
+func (s *Scheduler) onHeartbeat(_ context.Context, m *nats.Msg) error {
+	hb, err := messages.DecodeHeartbeat(m.Data)
+	if err != nil {
+		return err
+	}
+	s.groups.observe(hb, time.Now())
+	return nil
+}
+
+func (s *Scheduler) onAbort(_ context.Context, m *nats.Msg) error {
+	a, err := messages.DecodeAbort(m.Data)
+	if err != nil {
+		return err
+	}
+	if t := s.trackers.remove(a.ReqID); t != nil {
+		s.groups.addInflight(t.Group, -1)
+		s.m.requests.WithLabelValues("aborted").Inc()
+		s.log.Info("request aborted", "req_id", t.ReqID, "session_id", t.SessionID, "group", t.Group, "reason", a.Reason)
+	}
+	return nil
+}
+
+func (s *Scheduler) onDone(_ context.Context, m *nats.Msg) error {
+	r, err := messages.DecodeRankResult(m.Data)
+	if err != nil {
+		return err
+	}
+	t, known := s.trackers.addResult(r)
+	if !known {
+		s.log.Debug("result for an unknown request or attempt", "req_id", r.ReqID, "group", r.Group, "tp_rank", r.TPRank)
+		return nil
+	}
+	if t == nil {
+		return nil
+	}
+	s.groups.addInflight(t.Group, -1)
+	outcome, failed := "completed", 0
+	for _, res := range t.Results {
+		failed += res.FailedBlocks
+		if res.Error != "" {
+			outcome = "failed"
+		}
+	}
+	s.m.requests.WithLabelValues(outcome).Inc()
+	driver := t.Results[0]
+	s.log.Info("request done", "req_id", t.ReqID, "session_id", t.SessionID, "group", t.Group,
+		"outcome", outcome, "prompt_tokens", t.TokenLen, "loaded_tokens", driver.LoadedTokens,
+		"completion_tokens", driver.CompletionTokens, "failed_blocks", failed, "error", driver.Error,
+		"ms", time.Since(t.Received).Milliseconds())
+	return nil
+}
+
+// onRequest dispatches one request from the log. It acks after the ReqMeta
+// is published; with no ready group it asks for redelivery until the
+// request's deadline, then answers with an error.
+func (s *Scheduler) onRequest(_ context.Context, m jetstream.Msg) error {
+	start := time.Now()
+	req, err := messages.DecodeRequest(m.Data())
+	if err != nil {
+		_ = m.Term()
+		return fmt.Errorf("request on %s: %w", m.Subject(), err)
+	}
+	if s.trackers.has(req.RequestID) {
+		s.m.requests.WithLabelValues("duplicate").Inc()
+		return m.Ack()
+	}
+	deadline := time.UnixMilli(req.ArrivalUnixMs).Add(s.cfg.RequestTimeout)
+	if req.DeadlineUnixMs > 0 {
+		deadline = time.UnixMilli(req.DeadlineUnixMs)
+	}
+	sessionID := req.SamplingParams.SessionFromExtraArgs()
+	if sessionID == "" {
+		sessionID = req.SessionID
+	}
+	log := s.log.With("req_id", req.RequestID, "session_id", sessionID)
+	if start.After(deadline) {
+		s.m.requests.WithLabelValues("expired").Inc()
+		log.Warn("request expired before dispatch", "deadline", deadline)
+		s.sendError(req.FrontendID, req.RequestID, sessionID, "timeout", "request deadline passed before it could be dispatched")
+		return m.Ack()
+	}
+	groups := s.groups.ready(start)
+	s.m.ready.Set(float64(len(groups)))
+	if len(groups) == 0 {
+		if md, err := m.Metadata(); err == nil && md.NumDelivered == 1 {
+			log.Warn("no ready worker group; will retry until the deadline", "deadline", deadline)
+		}
+		return m.NakWithDelay(200 * time.Millisecond)
+	}
+
+	t := &RequestTracker{
+		ReqID: req.RequestID, SessionID: sessionID, Model: req.Model, FrontendID: req.FrontendID,
+		TokenLen: len(req.PromptTokenIDs), TokenIDs: req.PromptTokenIDs, Request: req,
+		Received: start, Deadline: deadline, Results: map[int]*messages.RankResult{},
+	}
+	t.BlockHashes = HashBlocks(make([]uint64, 0, t.TokenLen/s.cfg.BlockSize), HashSeed(req.Model), req.PromptTokenIDs, s.cfg.BlockSize)
+	group, err := s.cfg.Policy.Place(t, groups)
+	if err != nil {
+		return m.NakWithDelay(200 * time.Millisecond)
+	}
+	for _, g := range groups {
+		if g.Name == group {
+			t.WorldSize = g.WorldSize
+		}
+	}
+	t.Group = group
+	if !s.trackers.add(t) {
+		return m.Ack()
+	}
+	s.groups.addInflight(group, 1)
+	if err := s.publishMeta(t); err != nil {
+		s.trackers.remove(t.ReqID)
+		s.groups.addInflight(group, -1)
+		_ = m.NakWithDelay(100 * time.Millisecond)
+		return err
+	}
+	s.m.routing.Observe(time.Since(start).Seconds())
+	s.m.requests.WithLabelValues("dispatched").Inc()
+	log.Debug("dispatched", "group", group, "prompt_tokens", t.TokenLen, "blocks", len(t.BlockHashes))
+	return m.Ack()
+}
+
+// publishMeta builds the tracker's ReqMeta and publishes it once on the
+// group's session-keyed subject.
+func (s *Scheduler) publishMeta(t *RequestTracker) error {
+	req := t.Request
+	meta := &messages.ReqMeta{
+		ReqID: t.ReqID, SessionID: t.SessionID, Model: t.Model, Group: t.Group,
+		TokenLen: t.TokenLen, TokenIDs: t.TokenIDs, BlockSize: s.cfg.BlockSize, BlockHashes: t.BlockHashes,
+		LoadSpec: &messages.LoadSpec{},
+		CanSave:  true, SaveFromBlock: 0, IsLastChunk: true, NumPromptTokens: t.TokenLen,
+		SamplingParams: req.SamplingParams, FrontendID: t.FrontendID,
+		ResultSubject: s.cfg.Subjects.Done(s.cfg.ID), Attempt: t.Attempt,
+		DeadlineUnixMs: t.Deadline.UnixMilli(),
+	}
+	data, err := messages.Marshal(meta)
+	if err != nil {
+		return err
+	}
+	if err := s.cfg.Conn.Publish(s.cfg.Subjects.Meta(t.Group, t.SessionID), data); err != nil {
+		return fmt.Errorf("publish ReqMeta %s: %w", t.ReqID, err)
+	}
+	return nil
+}
+
+// sendError ends a request at its frontend with an error chunk.
+func (s *Scheduler) sendError(frontendID, reqID, sessionID, code, msg string) {
+	data, err := messages.Marshal(&messages.Output{ReqID: reqID, Index: 0, Error: &messages.OutputError{Code: code, Message: msg}})
+	if err == nil {
+		err = s.cfg.Conn.Publish(s.cfg.Subjects.Out(frontendID), data)
+	}
+	if err != nil {
+		s.log.Error("cannot send error to frontend", "req_id", reqID, "session_id", sessionID, "err", err)
+	}
+}
+
+// sweep drops trackers past their deadline (plus a grace period for the
+// driver's own timeout report) so that none leaks.
+func (s *Scheduler) sweep(now time.Time) {
+	s.m.ready.Set(float64(len(s.groups.ready(now))))
+	for _, t := range s.trackers.expired(now.Add(-2 * time.Second)) {
+		s.groups.addInflight(t.Group, -1)
+		s.m.requests.WithLabelValues("timeout").Inc()
+		s.log.Warn("request timed out in the scheduler", "req_id", t.ReqID, "session_id", t.SessionID,
+			"group", t.Group, "ranks_reported", len(t.Results), "world_size", t.WorldSize)
+		s.sendError(t.FrontendID, t.ReqID, t.SessionID, "timeout", "request timed out waiting for worker ranks")
+	}
+}

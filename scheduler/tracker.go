@@ -1,0 +1,105 @@
+package scheduler
+
+import (
+	"sync"
+	"time"
+
+	"github.com/kvbus/kvbus/messages"
+)
+
+// RequestTracker is the scheduler's state for one request, named after
+// vLLM's mooncake connector RequestTracker: what was asked, where it went,
+// and what every rank reported. The session id is kept across re-dispatch.
+type RequestTracker struct {
+	ReqID       string
+	SessionID   string
+	Model       string
+	FrontendID  string
+	TokenLen    int
+	TokenIDs    []uint32
+	BlockHashes []uint64
+	Request     *messages.Request
+	Received    time.Time
+	Deadline    time.Time
+
+	// Set when placed.
+	Group     string
+	WorldSize int
+	Attempt   int
+	// Results holds the RankResult of each tp_rank for the current attempt.
+	Results map[int]*messages.RankResult
+}
+
+// trackerTable holds the live trackers by request id. It is safe for
+// concurrent use.
+type trackerTable struct {
+	mu sync.Mutex
+	m  map[string]*RequestTracker
+}
+
+func newTrackerTable() *trackerTable { return &trackerTable{m: map[string]*RequestTracker{}} }
+
+// add inserts t unless a tracker with its id exists; it reports whether t
+// was added.
+func (tt *trackerTable) add(t *RequestTracker) bool {
+	tt.mu.Lock()
+	defer tt.mu.Unlock()
+	if _, ok := tt.m[t.ReqID]; ok {
+		return false
+	}
+	tt.m[t.ReqID] = t
+	return true
+}
+
+func (tt *trackerTable) has(id string) bool {
+	tt.mu.Lock()
+	defer tt.mu.Unlock()
+	_, ok := tt.m[id]
+	return ok
+}
+
+func (tt *trackerTable) remove(id string) *RequestTracker {
+	tt.mu.Lock()
+	defer tt.mu.Unlock()
+	t := tt.m[id]
+	delete(tt.m, id)
+	return t
+}
+
+// addResult records a rank's result; when every rank of the current attempt
+// has reported, it removes and returns the tracker.
+func (tt *trackerTable) addResult(r *messages.RankResult) (done *RequestTracker, known bool) {
+	tt.mu.Lock()
+	defer tt.mu.Unlock()
+	t := tt.m[r.ReqID]
+	if t == nil || r.Attempt != t.Attempt || r.Group != t.Group {
+		return nil, false
+	}
+	t.Results[r.TPRank] = r
+	if len(t.Results) < t.WorldSize {
+		return nil, true
+	}
+	delete(tt.m, r.ReqID)
+	return t, true
+}
+
+// expired removes and returns the trackers whose deadline is before now.
+func (tt *trackerTable) expired(now time.Time) []*RequestTracker {
+	tt.mu.Lock()
+	defer tt.mu.Unlock()
+	var out []*RequestTracker
+	for id, t := range tt.m {
+		if now.After(t.Deadline) {
+			out = append(out, t)
+			delete(tt.m, id)
+		}
+	}
+	return out
+}
+
+// Len returns the number of live trackers.
+func (tt *trackerTable) Len() int {
+	tt.mu.Lock()
+	defer tt.mu.Unlock()
+	return len(tt.m)
+}

@@ -1,0 +1,50 @@
+package workers
+
+import "github.com/prometheus/client_golang/prometheus"
+
+// Metrics are the worker ranks' Prometheus metrics. One Metrics serves every
+// rank of a process; series are labelled by group and tp_rank.
+type Metrics struct {
+	reqMetas  *prometheus.CounterVec
+	dropped   *prometheus.CounterVec
+	blocks    *prometheus.CounterVec
+	loadSec   *prometheus.HistogramVec
+	storeSec  *prometheus.HistogramVec
+	usedBytes *prometheus.GaugeVec
+	queue     *prometheus.GaugeVec
+}
+
+// NewMetrics registers the worker metrics with reg; a nil reg leaves them
+// unregistered (still usable).
+func NewMetrics(reg prometheus.Registerer) *Metrics {
+	l := []string{"group", "tp_rank"}
+	m := &Metrics{
+		reqMetas: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "kvbus_worker_reqmeta_total", Help: "ReqMeta messages received by a rank.",
+		}, l),
+		dropped: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "kvbus_worker_dropped_total", Help: "ReqMetas a rank did not run, by reason (duplicate, overloaded, aborted).",
+		}, append(l, "reason")),
+		blocks: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "kvbus_worker_blocks_total", Help: "KV blocks handled by a rank, by op (loaded, load_failed, stored, skipped, store_failed).",
+		}, append(l, "op")),
+		loadSec: prometheus.NewHistogramVec(prometheus.HistogramOpts{
+			Name: "kvbus_worker_load_seconds", Help: "Time a rank's load thread spent on one request.",
+			Buckets: prometheus.ExponentialBuckets(1e-6, 4, 12),
+		}, l),
+		storeSec: prometheus.NewHistogramVec(prometheus.HistogramOpts{
+			Name: "kvbus_worker_store_seconds", Help: "Time a rank's store thread spent on one request.",
+			Buckets: prometheus.ExponentialBuckets(1e-6, 4, 12),
+		}, l),
+		usedBytes: prometheus.NewGaugeVec(prometheus.GaugeOpts{
+			Name: "kvbus_worker_store_used_bytes", Help: "Bytes held by a rank's block store.",
+		}, l),
+		queue: prometheus.NewGaugeVec(prometheus.GaugeOpts{
+			Name: "kvbus_worker_queue_depth", Help: "Requests queued or running on a rank.",
+		}, l),
+	}
+	if reg != nil {
+		reg.MustRegister(m.reqMetas, m.dropped, m.blocks, m.loadSec, m.storeSec, m.usedBytes, m.queue)
+	}
+	return m
+}

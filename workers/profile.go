@@ -1,0 +1,122 @@
+package workers
+
+import (
+	"encoding/binary"
+	"fmt"
+	"sort"
+	"strconv"
+	"strings"
+
+	"github.com/zeebo/xxh3"
+)
+
+// ModelProfile describes a model's KV cache shape, from its public config.
+type ModelProfile struct {
+	Name       string
+	Layers     int
+	KVHeads    int
+	HeadDim    int
+	DTypeBytes int
+}
+
+// ModelProfiles are the built-in profiles, by name.
+var modelProfiles = map[string]ModelProfile{
+	// meta-llama/Llama-3.1-8B config.json: num_hidden_layers 32,
+	// num_key_value_heads 8, head_dim 128 (4096/32), bf16.
+	"llama-3.1-8b": {Name: "llama-3.1-8b", Layers: 32, KVHeads: 8, HeadDim: 128, DTypeBytes: 2},
+	// meta-llama/Llama-3.1-70B config.json: num_hidden_layers 80,
+	// num_key_value_heads 8, head_dim 128 (8192/64), bf16.
+	"llama-3.1-70b": {Name: "llama-3.1-70b", Layers: 80, KVHeads: 8, HeadDim: 128, DTypeBytes: 2},
+	// tiny is for tests: 64 bytes per token before TP.
+	"tiny": {Name: "tiny", Layers: 1, KVHeads: 4, HeadDim: 4, DTypeBytes: 2},
+}
+
+// LookupModelProfile returns a built-in profile by name.
+func LookupModelProfile(name string) (ModelProfile, error) {
+	p, ok := modelProfiles[name]
+	if !ok {
+		names := make([]string, 0, len(modelProfiles))
+		for n := range modelProfiles {
+			names = append(names, n)
+		}
+		sort.Strings(names)
+		return ModelProfile{}, fmt.Errorf("workers: unknown model profile %q (known: %s)", name, strings.Join(names, ", "))
+	}
+	return p, nil
+}
+
+// BytesPerTokenPerRank is 2 (K and V) × layers × kv_heads/tp × head_dim ×
+// dtype bytes. KV heads are replicated when tp exceeds them, as in vLLM.
+func (p ModelProfile) BytesPerTokenPerRank(tpSize int) int {
+	heads := max(1, p.KVHeads/max(1, tpSize))
+	return 2 * p.Layers * heads * p.HeadDim * p.DTypeBytes
+}
+
+// StoreKey is the Mooncake store key of a block on a rank:
+// <model>@tp_rank:<t>@<block-hash hex>.
+func StoreKey(model string, tpRank int, hash uint64) string {
+	var b strings.Builder
+	b.Grow(len(model) + 30)
+	b.WriteString(model)
+	b.WriteString("@tp_rank:")
+	b.WriteString(strconv.Itoa(tpRank))
+	b.WriteString("@")
+	h := strconv.FormatUint(hash, 16)
+	for range 16 - len(h) {
+		b.WriteByte('0')
+	}
+	b.WriteString(h)
+	return b.String()
+}
+
+// BlockPayload returns the deterministic bytes of a block on a rank, so that
+// a load can verify what it read: a splitmix64 stream seeded by the block
+// hash and the rank.
+func BlockPayload(hash uint64, tpRank, size int) []byte {
+	out := make([]byte, size)
+	x := payloadSeed(hash, tpRank)
+	i := 0
+	for ; i+8 <= size; i += 8 {
+		x = splitmix64(x)
+		binary.LittleEndian.PutUint64(out[i:], x)
+	}
+	if i < size {
+		var tail [8]byte
+		binary.LittleEndian.PutUint64(tail[:], splitmix64(x))
+		copy(out[i:], tail[:])
+	}
+	return out
+}
+
+// VerifyPayload reports whether b is the payload of the block on the rank.
+// It checks the length and a sample of words, which is enough to tell a
+// block from any other and costs little on 512 KiB blocks.
+func VerifyPayload(b []byte, hash uint64, tpRank, size int) bool {
+	if len(b) != size {
+		return false
+	}
+	x := payloadSeed(hash, tpRank)
+	n := size / 8
+	for i := range min(n, 8) {
+		x = splitmix64(x)
+		if binary.LittleEndian.Uint64(b[8*i:]) != x {
+			return false
+		}
+	}
+	return true
+}
+
+func payloadSeed(hash uint64, tpRank int) uint64 {
+	var b [16]byte
+	binary.LittleEndian.PutUint64(b[:], hash)
+	binary.LittleEndian.PutUint64(b[8:], uint64(tpRank))
+	return xxh3.Hash(b[:])
+}
+
+func splitmix64(x uint64) uint64 {
+	x += 0x9e3779b97f4a7c15
+	z := x
+	z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9
+	z = (z ^ (z >> 27)) * 0x94d049bb133111eb
+	return z ^ (z >> 31)
+}

@@ -1,0 +1,557 @@
+package workers
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"strconv"
+	"sync"
+	"time"
+
+	"github.com/nats-io/nats.go"
+
+	"github.com/kvbus/kvbus/bus"
+	"github.com/kvbus/kvbus/messages"
+)
+
+// ErrConfig is wrapped by configuration errors.
+var ErrConfig = errors.New("workers: bad configuration")
+
+// RankConfig configures one rank of a worker group.
+type RankConfig struct {
+	// Conn is the rank's NATS connection; the caller owns it (Run does not
+	// close it).
+	Conn     *nats.Conn
+	Subjects messages.Subjects
+	// Group is the worker group (one engine instance, a DP replica).
+	Group string
+	// TPRank/TPSize and EPRank/EPSize are the rank's tensor- and
+	// expert-parallel coordinates; EP ranks may coincide with TP ranks.
+	TPRank, TPSize int
+	EPRank, EPSize int
+	// Model is the served model name, used in store keys.
+	Model string
+	// Profile sizes block payloads.
+	Profile ModelProfile
+	// CapacityBytes is the rank's block store capacity (default 1 GiB).
+	CapacityBytes int64
+	// Store, if set, replaces the embedded MemStore.
+	Store BlockStore
+	// Engine runs requests on the driver rank (tp_rank 0); required there,
+	// ignored elsewhere.
+	Engine Engine
+	// BlockSize is the tokens per block used to express capacity in blocks
+	// in heartbeats (default 16); requests carry their own block_size.
+	BlockSize int
+	// HeartbeatInterval defaults to 1 s.
+	HeartbeatInterval time.Duration
+	// QueueSize bounds the load and store queues (default 1024).
+	QueueSize int
+	// ShutdownTimeout bounds how long Run lets in-flight requests finish
+	// after its context ends (default 10 s).
+	ShutdownTimeout time.Duration
+	// Logger; nil means slog.Default().
+	Logger *slog.Logger
+	// Metrics and HandlerMetrics; nil means unregistered metrics.
+	Metrics        *Metrics
+	HandlerMetrics *bus.HandlerMetrics
+}
+
+// Validate checks the configuration.
+func (c *RankConfig) Validate() error {
+	switch {
+	case c.Conn == nil:
+		return fmt.Errorf("%w: no NATS connection", ErrConfig)
+	case messages.ValidateGroup(c.Group) != nil:
+		return fmt.Errorf("%w: %v", ErrConfig, messages.ValidateGroup(c.Group))
+	case c.TPSize < 1 || c.TPRank < 0 || c.TPRank >= c.TPSize:
+		return fmt.Errorf("%w: --tp-rank %d must be in [0, --tp-size %d)", ErrConfig, c.TPRank, c.TPSize)
+	case c.EPSize < 1 || c.EPRank < 0 || c.EPRank >= c.EPSize:
+		return fmt.Errorf("%w: --ep-rank %d must be in [0, --ep-size %d)", ErrConfig, c.EPRank, c.EPSize)
+	case c.Model == "":
+		return fmt.Errorf("%w: no --model", ErrConfig)
+	case c.Profile.Layers <= 0:
+		return fmt.Errorf("%w: no model profile", ErrConfig)
+	case c.TPRank == 0 && c.Engine == nil:
+		return fmt.Errorf("%w: the driver rank (tp_rank 0) needs an engine", ErrConfig)
+	case c.CapacityBytes < 0:
+		return fmt.Errorf("%w: negative KV capacity", ErrConfig)
+	}
+	return c.Subjects.Validate()
+}
+
+// Rank is one TP/EP rank of a worker group: it receives every ReqMeta of its
+// group, loads cached KV blocks (load thread), stores new full blocks (store
+// thread), reports a RankResult per request and sends heartbeats. The driver
+// rank also runs the engine and streams Outputs to the frontend.
+type Rank struct {
+	cfg     RankConfig
+	log     *slog.Logger
+	store   BlockStore
+	started time.Time
+	labels  []string
+
+	loadQ  chan *rankReq
+	storeQ chan *rankReq
+
+	mu     sync.Mutex
+	active map[string]*rankReq // by req_id
+	seen   map[string]seenReq  // recent req_ids, for deduplication
+	closed bool                // loadQ is closed
+
+	drivers sync.WaitGroup // driver goroutines, started by the load loop
+}
+
+type seenReq struct {
+	attempt int
+	at      time.Time
+}
+
+// rankReq is one request's state on a rank.
+type rankReq struct {
+	meta      *messages.ReqMeta
+	ctx       context.Context
+	cancel    context.CancelCauseFunc
+	loaded    int
+	loadFail  int
+	loadUs    int64
+	result    messages.RankResult
+	storeDone chan struct{} // closed by the store thread
+}
+
+// errAborted is the cancel cause of an aborted request.
+var errAborted = errors.New("request aborted")
+
+// NewRank builds a rank; Run starts it.
+func NewRank(cfg RankConfig) (*Rank, error) {
+	if cfg.CapacityBytes == 0 {
+		cfg.CapacityBytes = 1 << 30
+	}
+	if cfg.BlockSize <= 0 {
+		cfg.BlockSize = 16
+	}
+	if cfg.HeartbeatInterval <= 0 {
+		cfg.HeartbeatInterval = time.Second
+	}
+	if cfg.QueueSize <= 0 {
+		cfg.QueueSize = 1024
+	}
+	if cfg.ShutdownTimeout <= 0 {
+		cfg.ShutdownTimeout = 10 * time.Second
+	}
+	if cfg.Metrics == nil {
+		cfg.Metrics = NewMetrics(nil)
+	}
+	if cfg.HandlerMetrics == nil {
+		cfg.HandlerMetrics = bus.NewHandlerMetrics(nil)
+	}
+	if err := cfg.Validate(); err != nil {
+		return nil, err
+	}
+	log := cfg.Logger
+	if log == nil {
+		log = slog.Default()
+	}
+	log = log.With("group", cfg.Group, "tp_rank", cfg.TPRank, "ep_rank", cfg.EPRank)
+	store := cfg.Store
+	if store == nil {
+		var err error
+		if store, err = NewMemStore(cfg.CapacityBytes, nil); err != nil {
+			return nil, fmt.Errorf("%w: %v", ErrConfig, err)
+		}
+	}
+	return &Rank{
+		cfg:    cfg,
+		log:    log,
+		store:  store,
+		labels: []string{cfg.Group, strconv.Itoa(cfg.TPRank)},
+		loadQ:  make(chan *rankReq, cfg.QueueSize),
+		storeQ: make(chan *rankReq, cfg.QueueSize),
+		active: map[string]*rankReq{},
+		seen:   map[string]seenReq{},
+	}, nil
+}
+
+// IsDriver reports whether the rank runs the engine.
+func (r *Rank) IsDriver() bool { return r.cfg.TPRank == 0 }
+
+// Run serves until ctx ends, then stops taking requests, lets in-flight ones
+// finish within ShutdownTimeout, and returns.
+func (r *Rank) Run(ctx context.Context) error {
+	r.started = time.Now()
+	nc, subj := r.cfg.Conn, r.cfg.Subjects
+	metaSub, err := bus.Subscribe(ctx, nc, subj.MetaGroup(r.cfg.Group), bus.Wrap(r.onMeta, r.log, r.cfg.HandlerMetrics, "worker_reqmeta"))
+	if err != nil {
+		return fmt.Errorf("workers: subscribe %s: %w", subj.MetaGroup(r.cfg.Group), err)
+	}
+	abortSub, err := bus.Subscribe(ctx, nc, subj.Abort(), bus.Wrap(r.onAbort, r.log, r.cfg.HandlerMetrics, "worker_abort"))
+	if err != nil {
+		_ = metaSub.Unsubscribe()
+		return fmt.Errorf("workers: subscribe %s: %w", subj.Abort(), err)
+	}
+	if err := nc.Flush(); err != nil {
+		r.log.Warn("flush after subscribe", "err", err)
+	}
+	r.log.Info("rank started", "model", r.cfg.Model, "tp_size", r.cfg.TPSize, "ep_size", r.cfg.EPSize,
+		"capacity_bytes", r.cfg.CapacityBytes, "driver", r.IsDriver())
+
+	var loadLoop, storeLoop, hbLoop sync.WaitGroup
+	loadLoop.Go(r.loadLoop)
+	storeLoop.Go(r.storeLoop)
+	hbCtx, stopHB := context.WithCancel(context.Background())
+	hbLoop.Go(func() { r.heartbeatLoop(hbCtx) })
+
+	<-ctx.Done()
+	// Stop intake, then let queued and running requests finish: the load
+	// loop drains loadQ, the driver goroutines it started end, and only then
+	// can nothing push to storeQ any more.
+	_ = metaSub.Unsubscribe()
+	r.log.Info("rank stopping: finishing in-flight requests", "timeout", r.cfg.ShutdownTimeout)
+	timer := time.AfterFunc(r.cfg.ShutdownTimeout, func() { r.cancelAll(errors.New("worker shutting down")) })
+	defer timer.Stop()
+	r.mu.Lock()
+	r.closed = true
+	close(r.loadQ)
+	r.mu.Unlock()
+	loadLoop.Wait()
+	r.drivers.Wait()
+	close(r.storeQ)
+	storeLoop.Wait()
+	stopHB()
+	hbLoop.Wait()
+	_ = abortSub.Unsubscribe()
+	r.log.Info("rank stopped")
+	return nil
+}
+
+func (r *Rank) onMeta(ctx context.Context, m *nats.Msg) error {
+	meta, err := messages.DecodeReqMeta(m.Data)
+	if err != nil {
+		return fmt.Errorf("dropping ReqMeta on %s: %w", m.Subject, err)
+	}
+	r.cfg.Metrics.reqMetas.WithLabelValues(r.labels...).Inc()
+	if ctx.Err() != nil {
+		return nil
+	}
+	r.mu.Lock()
+	if s, ok := r.seen[meta.ReqID]; ok && s.attempt >= meta.Attempt {
+		r.mu.Unlock()
+		r.cfg.Metrics.dropped.WithLabelValues(r.labels[0], r.labels[1], "duplicate").Inc()
+		r.log.Info("dropping duplicate ReqMeta", "req_id", meta.ReqID, "session_id", meta.SessionID, "attempt", meta.Attempt)
+		return nil
+	}
+	if old, ok := r.active[meta.ReqID]; ok { // a newer attempt replaces an old one
+		old.cancel(errors.New("superseded by a newer attempt"))
+	}
+	r.seen[meta.ReqID] = seenReq{attempt: meta.Attempt, at: time.Now()}
+	rr := newRankReq(meta)
+	queued := false
+	if !r.closed {
+		select {
+		case r.loadQ <- rr:
+			queued = true
+			r.active[meta.ReqID] = rr
+		default:
+		}
+	}
+	r.mu.Unlock()
+	r.cfg.Metrics.queue.WithLabelValues(r.labels...).Inc()
+	if !queued {
+		r.cfg.Metrics.dropped.WithLabelValues(r.labels[0], r.labels[1], "overloaded").Inc()
+		r.fail(rr, "overloaded", fmt.Sprintf("rank %s/%d: load queue full (%d requests)", r.cfg.Group, r.cfg.TPRank, cap(r.loadQ)))
+	}
+	return nil
+}
+
+func newRankReq(meta *messages.ReqMeta) *rankReq {
+	deadline := time.Now().Add(24 * time.Hour)
+	if meta.DeadlineUnixMs > 0 {
+		deadline = time.UnixMilli(meta.DeadlineUnixMs)
+	}
+	base, stopDeadline := context.WithDeadline(context.Background(), deadline)
+	ctx, cancel := context.WithCancelCause(base)
+	return &rankReq{
+		meta: meta,
+		ctx:  ctx,
+		cancel: func(cause error) {
+			cancel(cause)
+			stopDeadline()
+		},
+		storeDone: make(chan struct{}),
+	}
+}
+
+func (r *Rank) onAbort(_ context.Context, m *nats.Msg) error {
+	a, err := messages.DecodeAbort(m.Data)
+	if err != nil {
+		return err
+	}
+	r.mu.Lock()
+	rr := r.active[a.ReqID]
+	r.mu.Unlock()
+	if rr != nil {
+		r.log.Info("request aborted", "req_id", a.ReqID, "session_id", rr.meta.SessionID, "reason", a.Reason)
+		rr.cancel(errAborted)
+	}
+	return nil
+}
+
+func (r *Rank) cancelAll(cause error) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	for _, rr := range r.active {
+		rr.cancel(cause)
+	}
+}
+
+// loadLoop is the rank's load thread: it reads the blocks of each request's
+// LoadSpec from the store and verifies them.
+func (r *Rank) loadLoop() {
+	for rr := range r.loadQ {
+		r.load(rr)
+		if r.IsDriver() {
+			r.drivers.Go(func() { r.drive(rr) })
+			continue
+		}
+		r.pushStore(rr)
+	}
+}
+
+func (r *Rank) load(rr *rankReq) {
+	meta := rr.meta
+	ls := meta.LoadSpec
+	if ls == nil || !ls.CanLoad || ls.KVPoolCachedTokens == 0 || rr.ctx.Err() != nil {
+		return
+	}
+	start := time.Now()
+	n := min(ls.KVPoolCachedTokens/meta.BlockSize, len(meta.BlockHashes))
+	keys := make([]string, n)
+	for i := range n {
+		keys[i] = StoreKey(meta.Model, r.cfg.TPRank, meta.BlockHashes[i])
+	}
+	size := r.blockBytes(meta.BlockSize)
+	vals := r.store.BatchGet(rr.ctx, keys)
+	ok := 0
+	for ok < n && VerifyPayload(vals[ok], meta.BlockHashes[ok], r.cfg.TPRank, size) {
+		ok++
+	}
+	rr.loaded = ok * meta.BlockSize
+	rr.loadFail = n - ok
+	rr.loadUs = time.Since(start).Microseconds()
+	r.cfg.Metrics.loadSec.WithLabelValues(r.labels...).Observe(time.Since(start).Seconds())
+	r.cfg.Metrics.blocks.WithLabelValues(r.labels[0], r.labels[1], "loaded").Add(float64(ok))
+	if rr.loadFail > 0 {
+		r.cfg.Metrics.blocks.WithLabelValues(r.labels[0], r.labels[1], "load_failed").Add(float64(rr.loadFail))
+		r.log.Warn("load thread: blocks missing, they will be recomputed", "req_id", meta.ReqID,
+			"session_id", meta.SessionID, "wanted_blocks", n, "failed_blocks", rr.loadFail)
+	}
+}
+
+func (r *Rank) blockBytes(blockSize int) int {
+	return blockSize * r.cfg.Profile.BytesPerTokenPerRank(r.cfg.TPSize)
+}
+
+func (r *Rank) pushStore(rr *rankReq) {
+	select {
+	case r.storeQ <- rr:
+	default:
+		// The store queue is full: skip saving; the request still completes.
+		r.log.Warn("store queue full: not saving this request's blocks", "req_id", rr.meta.ReqID, "session_id", rr.meta.SessionID)
+		rr.result.Error = "store queue full"
+		r.finishStore(rr)
+	}
+}
+
+// storeLoop is the rank's store thread: it saves a request's new full blocks,
+// skipping those the store already holds (like vLLM's
+// KVCacheStoreSendingThread).
+func (r *Rank) storeLoop() {
+	for rr := range r.storeQ {
+		r.storeBlocks(rr)
+		r.finishStore(rr)
+	}
+}
+
+func (r *Rank) storeBlocks(rr *rankReq) {
+	meta := rr.meta
+	start := time.Now()
+	log := r.log.With("req_id", meta.ReqID, "session_id", meta.SessionID)
+	if err := context.Cause(rr.ctx); err != nil {
+		log.Info("store thread", "skipped", "request ended", "cause", err)
+		return
+	}
+	var keys []string
+	var hashes []uint64
+	if meta.CanSave {
+		for i := meta.SaveFromBlock; i < len(meta.BlockHashes); i++ {
+			keys = append(keys, StoreKey(meta.Model, r.cfg.TPRank, meta.BlockHashes[i]))
+			hashes = append(hashes, meta.BlockHashes[i])
+		}
+	}
+	var objs []Object
+	if len(keys) > 0 {
+		exist := r.store.BatchIsExist(rr.ctx, keys)
+		size := r.blockBytes(meta.BlockSize)
+		group := messages.SessionKey(meta.SessionID)
+		for i, k := range keys {
+			if exist[i] {
+				rr.result.SkippedBlocks++
+				continue
+			}
+			objs = append(objs, Object{Key: k, Value: BlockPayload(hashes[i], r.cfg.TPRank, size), Group: group})
+		}
+	}
+	for i, err := range r.store.BatchPut(rr.ctx, objs) {
+		if err != nil {
+			rr.result.FailedBlocks++
+			log.Warn("store thread: put failed", "key", objs[i].Key, "err", err)
+			continue
+		}
+		rr.result.StoredBlocks++
+	}
+	rr.result.StoreUs = time.Since(start).Microseconds()
+	r.cfg.Metrics.storeSec.WithLabelValues(r.labels...).Observe(time.Since(start).Seconds())
+	r.cfg.Metrics.blocks.WithLabelValues(r.labels[0], r.labels[1], "stored").Add(float64(rr.result.StoredBlocks))
+	r.cfg.Metrics.blocks.WithLabelValues(r.labels[0], r.labels[1], "skipped").Add(float64(rr.result.SkippedBlocks))
+	used, _, _ := r.store.Usage()
+	r.cfg.Metrics.usedBytes.WithLabelValues(r.labels...).Set(float64(used))
+	log.Info("store thread", "stored_blocks", rr.result.StoredBlocks, "skipped_blocks", rr.result.SkippedBlocks,
+		"loaded_tokens", rr.loaded, "token_len", meta.TokenLen)
+}
+
+// finishStore ends the store part of a request: a non-driver rank reports
+// its RankResult now; the driver reports after generation.
+func (r *Rank) finishStore(rr *rankReq) {
+	close(rr.storeDone)
+	if !r.IsDriver() {
+		r.report(rr)
+	}
+}
+
+// report publishes the rank's RankResult and forgets the request.
+func (r *Rank) report(rr *rankReq) {
+	res := &rr.result
+	res.ReqID, res.Group, res.TPRank, res.EPRank, res.Attempt = rr.meta.ReqID, r.cfg.Group, r.cfg.TPRank, r.cfg.EPRank, rr.meta.Attempt
+	res.LoadedTokens, res.LoadUs = rr.loaded, rr.loadUs
+	res.FailedBlocks += rr.loadFail
+	if res.Error == "" {
+		if err := context.Cause(rr.ctx); err != nil {
+			res.Error = err.Error()
+		}
+	}
+	r.publish(rr.meta.ResultSubject, res, rr.meta)
+	r.mu.Lock()
+	if r.active[rr.meta.ReqID] == rr {
+		delete(r.active, rr.meta.ReqID)
+	}
+	r.mu.Unlock()
+	rr.cancel(nil)
+	r.cfg.Metrics.queue.WithLabelValues(r.labels...).Dec()
+}
+
+// fail ends a request that could not run, telling the scheduler and, on the
+// driver, the frontend.
+func (r *Rank) fail(rr *rankReq, code, msg string) {
+	r.log.Warn("request failed on rank", "req_id", rr.meta.ReqID, "session_id", rr.meta.SessionID, "code", code, "err", msg)
+	rr.result.Error = msg
+	if r.IsDriver() {
+		r.publish(r.cfg.Subjects.Out(rr.meta.FrontendID), &messages.Output{
+			ReqID: rr.meta.ReqID, Error: &messages.OutputError{Code: code, Message: msg},
+		}, rr.meta)
+	}
+	close(rr.storeDone)
+	r.report(rr)
+}
+
+// drive runs the engine for a request on the driver rank and streams its
+// output to the frontend.
+func (r *Rank) drive(rr *rankReq) {
+	meta := rr.meta
+	outSubj := r.cfg.Subjects.Out(meta.FrontendID)
+	index := 0
+	publish := func(o *messages.Output) {
+		o.ReqID, o.Index = meta.ReqID, index
+		index++
+		r.publish(outSubj, o, meta)
+	}
+	cached := min(rr.loaded, max(meta.TokenLen-1, 0)) // at least one token is computed
+	storeQueued := false
+	res, err := r.cfg.Engine.Generate(rr.ctx, EngineRequest{
+		ReqID: meta.ReqID, PromptTokens: meta.TokenIDs, CachedTokens: cached, Params: meta.SamplingParams,
+	}, func() {
+		storeQueued = true
+		r.pushStore(rr)
+	}, func(c Chunk) error {
+		publish(&messages.Output{Text: c.Text, TokenIDs: c.TokenIDs})
+		return nil
+	})
+	usage := &messages.Usage{PromptTokens: meta.TokenLen, CompletionTokens: res.CompletionTokens, CachedTokens: rr.loaded}
+	switch cause := context.Cause(rr.ctx); {
+	case err == nil:
+		publish(&messages.Output{FinishReason: res.FinishReason, Usage: usage})
+	case errors.Is(cause, errAborted):
+		// The client is gone; nobody is listening.
+	case errors.Is(err, context.DeadlineExceeded):
+		publish(&messages.Output{Usage: usage, Error: &messages.OutputError{Code: "timeout", Message: "request deadline passed during generation"}})
+	default:
+		publish(&messages.Output{Usage: usage, Error: &messages.OutputError{Code: "engine_error", Message: fmt.Sprintf("generation stopped: %v", cause)}})
+	}
+	if !storeQueued {
+		close(rr.storeDone)
+	}
+	<-rr.storeDone
+	rr.result.CompletionTokens = res.CompletionTokens
+	if err != nil {
+		rr.result.Error = err.Error()
+	}
+	r.report(rr)
+}
+
+func (r *Rank) publish(subject string, m messages.Message, meta *messages.ReqMeta) {
+	data, err := messages.Marshal(m)
+	if err == nil {
+		err = r.cfg.Conn.Publish(subject, data)
+	}
+	if err != nil {
+		r.log.Error("publish failed", "subject", subject, "req_id", meta.ReqID, "session_id", meta.SessionID, "err", err)
+	}
+}
+
+func (r *Rank) heartbeatLoop(ctx context.Context) {
+	t := time.NewTicker(r.cfg.HeartbeatInterval)
+	defer t.Stop()
+	for {
+		r.heartbeat()
+		select {
+		case <-ctx.Done():
+			return
+		case <-t.C:
+		}
+	}
+}
+
+func (r *Rank) heartbeat() {
+	used, capacity, _ := r.store.Usage()
+	blk := int64(r.blockBytes(r.cfg.BlockSize))
+	r.mu.Lock()
+	depth := len(r.active)
+	for id, s := range r.seen { // forget old request ids
+		if time.Since(s.at) > 10*time.Minute {
+			delete(r.seen, id)
+		}
+	}
+	r.mu.Unlock()
+	hb := &messages.Heartbeat{
+		Group: r.cfg.Group, TPRank: r.cfg.TPRank, EPRank: r.cfg.EPRank, WorldSize: r.cfg.TPSize,
+		Model: r.cfg.Model, CapacityBlocks: capacity / blk, UsedBlocks: used / blk,
+		QueueDepth: depth, StartedUnixMs: r.started.UnixMilli(),
+	}
+	data, err := messages.Marshal(hb)
+	if err == nil {
+		err = r.cfg.Conn.Publish(r.cfg.Subjects.Heartbeat(r.cfg.Group, r.cfg.TPRank), data)
+	}
+	if err != nil {
+		r.log.Warn("heartbeat publish failed", "err", err)
+	}
+}
