@@ -39,9 +39,15 @@ func (f natsFlags) config(name string, log *slog.Logger) bus.Config {
 type logFlags struct {
 	LogFormat string `name:"log-format" enum:"text,json" default:"text" help:"Log format: text or json."`
 	LogLevel  string `name:"log-level" enum:"debug,info,warn,error" default:"info" help:"Least severe level logged."`
+	// out receives the logs; nil means standard error (tests set it).
+	out io.Writer
 }
 
-func (f logFlags) logger(w io.Writer) *slog.Logger {
+func (f logFlags) logger() *slog.Logger {
+	var w io.Writer = os.Stderr
+	if f.out != nil {
+		w = f.out
+	}
 	var lvl slog.Level
 	_ = lvl.UnmarshalText([]byte(f.LogLevel))
 	opts := &slog.HandlerOptions{Level: lvl}

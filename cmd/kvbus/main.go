@@ -145,7 +145,7 @@ type natsCmd struct {
 }
 
 func (c *natsCmd) Run(ctx context.Context) error {
-	log := c.logger(os.Stderr)
+	log := c.logger()
 	srv, err := bus.StartServer(bus.ServerConfig{Addr: c.Addr, DataDir: c.DataDir, Token: c.Token, Debug: c.Debug})
 	if err != nil {
 		return err
@@ -166,7 +166,7 @@ type frontendCmd struct {
 }
 
 func (c *frontendCmd) Run(ctx context.Context) error {
-	log := c.logger(os.Stderr)
+	log := c.logger()
 	nc, err := connect(ctx, c.natsFlags, "kvbus-frontend", log)
 	if err != nil {
 		return err
@@ -201,7 +201,7 @@ type schedulerCmd struct {
 }
 
 func (c *schedulerCmd) Run(ctx context.Context) error {
-	log := c.logger(os.Stderr)
+	log := c.logger()
 	nc, err := connect(ctx, c.natsFlags, "kvbus-scheduler", log)
 	if err != nil {
 		return err
@@ -248,7 +248,7 @@ func (c *workerCmd) Run(ctx context.Context) error {
 	if c.EPSize == 0 {
 		c.EPSize = c.TPSize
 	}
-	log := c.logger(os.Stderr)
+	log := c.logger()
 	name := fmt.Sprintf("kvbus-worker-%s-%d", c.Group, c.TPRank)
 	nc, err := connect(ctx, c.natsFlags, name, log)
 	if err != nil {

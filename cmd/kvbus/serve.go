@@ -3,7 +3,6 @@ package main
 import (
 	"context"
 	"fmt"
-	"os"
 
 	"github.com/nats-io/nats.go"
 
@@ -20,14 +19,14 @@ type serveCmd struct {
 	schedulerFlags `embed:""`
 	engineFlags    `embed:""`
 	Prefix         string `name:"subject-prefix" default:"kvbus" help:"First token of every kvbus subject."`
-	NATSAddr       string `name:"nats-addr" default:"127.0.0.1:4222" help:"Listen address of the embedded NATS server (tap it with nats or kvbus tap)."`
+	NATSAddr       string `name:"nats-addr" default:"127.0.0.1:4222" help:"Listen address of the embedded NATS server (point the nats CLI at it to watch the bus)."`
 	DataDir        string `name:"data-dir" help:"JetStream storage directory (default: a temporary directory, removed at exit)."`
 	Groups         int    `name:"groups" default:"1" help:"Worker groups (engine instances)."`
 	Ranks          int    `name:"ranks" default:"4" help:"Ranks per group (TP size; EP ranks equal TP ranks)."`
 }
 
 func (c *serveCmd) Run(ctx context.Context) error {
-	log := c.logger(os.Stderr)
+	log := c.logger()
 	if c.Groups < 1 || c.Ranks < 1 {
 		return fmt.Errorf("--groups and --ranks must be at least 1")
 	}

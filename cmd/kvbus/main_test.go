@@ -1,0 +1,158 @@
+package main
+
+import (
+	"context"
+	"fmt"
+	"io"
+	"net"
+	"net/http"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/alecthomas/kong"
+	"go.uber.org/goleak"
+
+	"github.com/kvbus/kvbus/testenv"
+)
+
+func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
+
+func TestParseSize(t *testing.T) {
+	for _, tc := range []struct {
+		in   string
+		want int64
+		ok   bool
+	}{
+		{"1GiB", 1 << 30, true},
+		{"64GiB", 64 << 30, true},
+		{"512MiB", 512 << 20, true},
+		{"1.5KiB", 1536, true},
+		{"2GB", 2e9, true},
+		{"4096", 4096, true},
+		{" 8 MiB ", 8 << 20, true},
+		{"", 0, false},
+		{"0", 0, false},
+		{"-1GiB", 0, false},
+		{"lots", 0, false},
+		{"1e30TiB", 0, false},
+	} {
+		got, err := parseSize(tc.in)
+		if (err == nil) != tc.ok || got != tc.want {
+			t.Errorf("parseSize(%q) = %d, %v; want %d, ok=%v", tc.in, got, err, tc.want, tc.ok)
+		}
+	}
+}
+
+func FuzzParseSize(f *testing.F) {
+	for _, s := range []string{"1GiB", "12.5MB", "7", "x", "1e400"} {
+		f.Add(s)
+	}
+	f.Fuzz(func(t *testing.T, s string) {
+		n, err := parseSize(s)
+		if err == nil && n <= 0 {
+			t.Fatalf("parseSize(%q) = %d without error", s, n)
+		}
+	})
+}
+
+// TestEveryFlagHasAnEnvTwin parses the CLI and checks that every flag of
+// every command names a KVBUS_* variable.
+func TestEveryFlagHasAnEnvTwin(t *testing.T) {
+	var c cli
+	p, err := kong.New(&c, kong.DefaultEnvars("KVBUS"), kong.Exit(func(int) {}))
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, node := range p.Model.Children {
+		for _, fl := range node.Flags {
+			if fl.Name == "help" {
+				continue
+			}
+			if len(fl.Envs) == 0 || !strings.HasPrefix(fl.Envs[0], "KVBUS_") {
+				t.Errorf("%s --%s has no KVBUS_* environment twin (%v)", node.Name, fl.Name, fl.Envs)
+			}
+		}
+	}
+}
+
+func freeAddr(t *testing.T) string {
+	t.Helper()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ln.Close()
+	return ln.Addr().String()
+}
+
+// TestServe runs `kvbus serve` in-process as `make run` does (with the
+// instant engine) and checks the README's curl example: a completion, and
+// four store thread lines with session_id=abc, one per tp_rank.
+func TestServe(t *testing.T) {
+	var c cli
+	p, err := kong.New(&c, kong.DefaultEnvars("KVBUS"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	httpAddr := freeAddr(t)
+	if _, err := p.Parse([]string{"serve", "--nats-addr", freeAddr(t), "--http-addr", httpAddr, "--time-scale", "0", "--kv-capacity", "64MiB"}); err != nil {
+		t.Fatal(err)
+	}
+	logs := &testenv.LogBuffer{}
+	c.Serve.out = logs
+	ctx, cancel := context.WithCancel(t.Context())
+	var wg sync.WaitGroup
+	var runErr error
+	wg.Go(func() { runErr = c.Serve.Run(ctx) })
+	defer func() {
+		cancel()
+		wg.Wait()
+		if runErr != nil {
+			t.Errorf("serve: %v", runErr)
+		}
+		for _, l := range []string{"frontend stopped", "scheduler stopped", "rank stopped"} {
+			if len(logs.Lines(l)) == 0 {
+				t.Errorf("serve did not log %q on shutdown", l)
+			}
+		}
+	}()
+
+	client := &http.Client{Timeout: 10 * time.Second}
+	defer client.CloseIdleConnections()
+	testenv.Eventually(t, 30*time.Second, "a ready group", func() bool {
+		resp, err := client.Get("http://" + httpAddr + "/healthz")
+		if err != nil {
+			return false
+		}
+		resp.Body.Close()
+		return resp.StatusCode == http.StatusOK && len(logs.Lines("rank started")) == 4
+	})
+	var body string
+	testenv.Eventually(t, 10*time.Second, "a completion", func() bool {
+		req, _ := http.NewRequest(http.MethodPost, "http://"+httpAddr+"/v1/chat/completions",
+			strings.NewReader(`{"model":"kvbus-sim","messages":[{"role":"user","content":"hi"}]}`))
+		req.Header.Set("X-Session-ID", "abc")
+		req.Header.Set("Content-Type", "application/json")
+		resp, err := client.Do(req)
+		if err != nil {
+			return false
+		}
+		defer resp.Body.Close()
+		b, _ := io.ReadAll(resp.Body)
+		body = string(b)
+		return resp.StatusCode == http.StatusOK // 503/504 while the group is not ready yet
+	})
+	if !strings.Contains(body, `"object":"chat.completion"`) {
+		t.Fatalf("body %s", body)
+	}
+	testenv.Eventually(t, 5*time.Second, "four store thread lines", func() bool {
+		return len(logs.Lines(`msg="store thread"`, "session_id=abc")) >= 4
+	})
+	for r := range 4 {
+		if n := len(logs.Lines(`msg="store thread"`, "session_id=abc", fmt.Sprintf("tp_rank=%d ", r))); n != 1 {
+			t.Errorf("tp_rank %d: %d store thread lines with session_id=abc, want 1", r, n)
+		}
+	}
+}
