@@ -28,9 +28,8 @@ var (
 )
 
 // hostLittleEndian reports whether this machine stores integers in the wire
-// order. Then a packed list is copied to and from the wire as it is in
-// memory; otherwise it is converted through a small scratch buffer. It is a
-// variable so that tests can exercise the portable path.
+// order; then a packed list is copied to and from the wire as it is in
+// memory, otherwise it is converted through a small scratch buffer.
 var hostLittleEndian = binary.NativeEndian.Uint16([]byte{1, 0}) == 1
 
 // scratchSize is the size of the buffers the portable path converts
@@ -39,159 +38,130 @@ const scratchSize = 4096
 
 var scratchPool = sync.Pool{New: func() any { return new([scratchSize]byte) }}
 
+// packable are the element types of packed lists.
+type packable interface{ uint32 | uint64 }
+
 // asBytes returns the memory of s as bytes, without copying.
-func asBytes[E uint32 | uint64](s []E) []byte {
+func asBytes[E packable](s []E) []byte {
 	return unsafe.Slice((*byte)(unsafe.Pointer(unsafe.SliceData(s))), len(s)*int(unsafe.Sizeof(E(0))))
 }
 
-// EncodeMsgpack implements msgpack.CustomEncoder.
-func (t TokenIDs) EncodeMsgpack(enc *msgpack.Encoder) error {
-	if t == nil {
+func putLE[E packable](b []byte, v E) {
+	if unsafe.Sizeof(v) == 4 {
+		binary.LittleEndian.PutUint32(b, uint32(v))
+	} else {
+		binary.LittleEndian.PutUint64(b, uint64(v))
+	}
+}
+
+func getLE[E packable](b []byte) E {
+	if unsafe.Sizeof(E(0)) == 4 {
+		return E(binary.LittleEndian.Uint32(b))
+	}
+	return E(binary.LittleEndian.Uint64(b))
+}
+
+// encodePacked writes s as one bin of little-endian values.
+func encodePacked[E packable](enc *msgpack.Encoder, s []E, native bool) error {
+	if s == nil {
 		return enc.EncodeNil()
 	}
-	if err := enc.EncodeBytesLen(4 * len(t)); err != nil {
+	w := int(unsafe.Sizeof(E(0)))
+	if err := enc.EncodeBytesLen(w * len(s)); err != nil {
 		return err
 	}
-	if hostLittleEndian {
-		_, err := enc.Writer().Write(asBytes(t))
+	if native {
+		_, err := enc.Writer().Write(asBytes(s))
 		return err
 	}
 	sp := scratchPool.Get().(*[scratchSize]byte)
 	defer scratchPool.Put(sp)
-	for len(t) > 0 {
-		n := min(len(t), scratchSize/4)
-		buf := sp[:4*n]
-		for i, v := range t[:n] {
-			binary.LittleEndian.PutUint32(buf[4*i:], v)
+	for len(s) > 0 {
+		n := min(len(s), scratchSize/w)
+		buf := sp[:w*n]
+		for i, v := range s[:n] {
+			putLE(buf[w*i:], v)
 		}
 		if _, err := enc.Writer().Write(buf); err != nil {
 			return err
 		}
-		t = t[n:]
+		s = s[n:]
 	}
 	return nil
 }
 
-// DecodeMsgpack implements msgpack.CustomDecoder. It accepts a bin (the
-// kvbus encoding), nil, or a plain array of integers (what other producers
-// may send).
-func (t *TokenIDs) DecodeMsgpack(dec *msgpack.Decoder) error {
-	n, isArray, err := packedLen(dec, 4)
+// decodePacked reads a packed list written by encodePacked, nil, or a plain
+// msgpack array of integers (what other producers may send). what names the
+// list in errors.
+func decodePacked[E packable](dec *msgpack.Decoder, what string, native bool) ([]E, error) {
+	w := int(unsafe.Sizeof(E(0)))
+	n, isArray, err := packedLen(dec, w)
 	if err != nil || n < 0 {
-		*t = nil
-		return err
+		return nil, err
 	}
-	out := make(TokenIDs, n)
+	out := make([]E, n)
 	if isArray {
 		for i := range out {
-			// DecodeUint32 would silently truncate a larger or a negative
-			// value.
+			// DecodeUint32 would silently truncate a larger or a negative value;
+			// block hashes accept negative numbers as two's complement (Python's
+			// hash() is signed).
 			v, err := dec.DecodeUint64()
 			if err != nil {
-				return fmt.Errorf("%w: token id %d: %v", ErrMalformed, i, err)
+				return nil, fmt.Errorf("%w: %s[%d]: %v", ErrMalformed, what, i, err)
 			}
-			if v > math.MaxUint32 {
-				return fmt.Errorf("%w: token id %d out of uint32 range", ErrMalformed, i)
+			if w == 4 && v > math.MaxUint32 {
+				return nil, fmt.Errorf("%w: %s[%d] out of uint32 range", ErrMalformed, what, i)
 			}
-			out[i] = uint32(v)
+			out[i] = E(v)
 		}
-		*t = out
-		return nil
+		return out, nil
 	}
-	if hostLittleEndian {
+	if native {
 		if err := dec.ReadFull(asBytes(out)); err != nil {
-			return fmt.Errorf("%w: token ids: %v", ErrMalformed, err)
+			return nil, fmt.Errorf("%w: %s: %v", ErrMalformed, what, err)
 		}
-		*t = out
-		return nil
+		return out, nil
 	}
 	sp := scratchPool.Get().(*[scratchSize]byte)
 	defer scratchPool.Put(sp)
 	for rest := out; len(rest) > 0; {
-		k := min(len(rest), scratchSize/4)
-		buf := sp[:4*k]
+		k := min(len(rest), scratchSize/w)
+		buf := sp[:w*k]
 		if err := dec.ReadFull(buf); err != nil {
-			return fmt.Errorf("%w: token ids: %v", ErrMalformed, err)
+			return nil, fmt.Errorf("%w: %s: %v", ErrMalformed, what, err)
 		}
 		for i := range rest[:k] {
-			rest[i] = binary.LittleEndian.Uint32(buf[4*i:])
+			rest[i] = getLE[E](buf[w*i:])
 		}
 		rest = rest[k:]
 	}
-	*t = out
-	return nil
+	return out, nil
+}
+
+// EncodeMsgpack implements msgpack.CustomEncoder.
+func (t TokenIDs) EncodeMsgpack(enc *msgpack.Encoder) error {
+	return encodePacked(enc, t, hostLittleEndian)
+}
+
+// DecodeMsgpack implements msgpack.CustomDecoder. It accepts a bin (the
+// kvbus encoding), nil, or a plain array of integers.
+func (t *TokenIDs) DecodeMsgpack(dec *msgpack.Decoder) error {
+	v, err := decodePacked[uint32](dec, "token_ids", hostLittleEndian)
+	*t = v
+	return err
 }
 
 // EncodeMsgpack implements msgpack.CustomEncoder.
 func (h BlockHashes) EncodeMsgpack(enc *msgpack.Encoder) error {
-	if h == nil {
-		return enc.EncodeNil()
-	}
-	if err := enc.EncodeBytesLen(8 * len(h)); err != nil {
-		return err
-	}
-	if hostLittleEndian {
-		_, err := enc.Writer().Write(asBytes(h))
-		return err
-	}
-	sp := scratchPool.Get().(*[scratchSize]byte)
-	defer scratchPool.Put(sp)
-	for len(h) > 0 {
-		n := min(len(h), scratchSize/8)
-		buf := sp[:8*n]
-		for i, v := range h[:n] {
-			binary.LittleEndian.PutUint64(buf[8*i:], v)
-		}
-		if _, err := enc.Writer().Write(buf); err != nil {
-			return err
-		}
-		h = h[n:]
-	}
-	return nil
+	return encodePacked(enc, h, hostLittleEndian)
 }
 
 // DecodeMsgpack implements msgpack.CustomDecoder, accepting bin, nil or an
 // array of integers.
 func (h *BlockHashes) DecodeMsgpack(dec *msgpack.Decoder) error {
-	n, isArray, err := packedLen(dec, 8)
-	if err != nil || n < 0 {
-		*h = nil
-		return err
-	}
-	out := make(BlockHashes, n)
-	if isArray {
-		for i := range out {
-			v, err := dec.DecodeUint64()
-			if err != nil {
-				return fmt.Errorf("%w: block hash %d: %v", ErrMalformed, i, err)
-			}
-			out[i] = v
-		}
-		*h = out
-		return nil
-	}
-	if hostLittleEndian {
-		if err := dec.ReadFull(asBytes(out)); err != nil {
-			return fmt.Errorf("%w: block hashes: %v", ErrMalformed, err)
-		}
-		*h = out
-		return nil
-	}
-	sp := scratchPool.Get().(*[scratchSize]byte)
-	defer scratchPool.Put(sp)
-	for rest := out; len(rest) > 0; {
-		k := min(len(rest), scratchSize/8)
-		buf := sp[:8*k]
-		if err := dec.ReadFull(buf); err != nil {
-			return fmt.Errorf("%w: block hashes: %v", ErrMalformed, err)
-		}
-		for i := range rest[:k] {
-			rest[i] = binary.LittleEndian.Uint64(buf[8*i:])
-		}
-		rest = rest[k:]
-	}
-	*h = out
-	return nil
+	v, err := decodePacked[uint64](dec, "block_hashes", hostLittleEndian)
+	*h = v
+	return err
 }
 
 // packedLen reads the header of a packed list: the element count (-1 for

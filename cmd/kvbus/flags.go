@@ -132,11 +132,3 @@ func parseSize(s string) (int64, error) {
 	}
 	return int64(v * float64(mult)), nil
 }
-
-func hostname() string {
-	h, err := os.Hostname()
-	if err != nil {
-		return "kvbus"
-	}
-	return h
-}
