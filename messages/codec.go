@@ -47,28 +47,37 @@ func (m *Heartbeat) setVersion()    { m.V = Version }
 func (m *Abort) setVersion()        { m.V = Version }
 
 var encoderPool = sync.Pool{New: func() any {
-	buf := new(bytes.Buffer)
-	enc := msgpack.NewEncoder(buf)
+	enc := msgpack.NewEncoder(nil)
 	enc.SetSortMapKeys(true) // deterministic bytes for free-form maps
-	return &pooledEncoder{buf: buf, enc: enc}
+	return enc
 }}
 
-type pooledEncoder struct {
-	buf *bytes.Buffer
-	enc *msgpack.Encoder
+// sizeHint estimates the encoded size of m, so that Marshal writes into one
+// allocation of the right size instead of growing and copying a buffer.
+func sizeHint(m Message) int {
+	switch m := m.(type) {
+	case *Request:
+		return 1024 + 4*len(m.PromptTokenIDs)
+	case *ReqMeta:
+		return 1024 + 4*len(m.TokenIDs) + 8*len(m.BlockHashes)
+	}
+	return 256
 }
 
 // Marshal encodes m as a msgpack map, setting its version field. The
 // returned slice is owned by the caller.
 func Marshal(m Message) ([]byte, error) {
 	m.setVersion()
-	pe := encoderPool.Get().(*pooledEncoder)
-	defer encoderPool.Put(pe)
-	pe.buf.Reset()
-	if err := pe.enc.Encode(m); err != nil {
+	enc := encoderPool.Get().(*msgpack.Encoder)
+	defer encoderPool.Put(enc)
+	buf := bytes.NewBuffer(make([]byte, 0, sizeHint(m)))
+	enc.ResetWriter(buf) // keeps SetSortMapKeys
+	err := enc.Encode(m)
+	enc.ResetWriter(nil)
+	if err != nil {
 		return nil, fmt.Errorf("messages: encode %T: %w", m, err)
 	}
-	return bytes.Clone(pe.buf.Bytes()), nil
+	return buf.Bytes(), nil
 }
 
 // decode unmarshals data into m and validates it. It never panics.
