@@ -90,7 +90,12 @@ func decodeJSON(body []byte, v any) *APIError {
 	if err := json.Unmarshal(body, v); err != nil {
 		var te *json.UnmarshalTypeError
 		if errors.As(err, &te) {
-			return badRequest(te.Field, "%s must be %s, got a JSON %s", te.Field, goTypeName(te.Type.String()), te.Value)
+			// Field is the path from the root, through the embedded struct.
+			field := strings.TrimPrefix(te.Field, "commonParams.")
+			if field == "" {
+				return badRequest("", "request body must be a JSON object, got a JSON %s", te.Value)
+			}
+			return badRequest(field, "%s must be %s, got a JSON %s", field, goTypeName(te.Type.String()), te.Value)
 		}
 		return badRequest("", "request body is not valid JSON: %v", err)
 	}
@@ -315,7 +320,7 @@ func parseCompletion(body []byte, vocab int) (*parsedRequest, *APIError) {
 		}
 		p.texts = texts
 	case len(first) > 0 && first[0] == '[':
-		var lists [][]int64
+		var lists [][]*int64
 		if err := json.Unmarshal(raw, &lists); err != nil {
 			return nil, badRequest(param, "prompt must be an array of token-id arrays")
 		}
@@ -327,7 +332,7 @@ func parseCompletion(body []byte, vocab int) (*parsedRequest, *APIError) {
 			p.tokenPrompts = append(p.tokenPrompts, ids)
 		}
 	default:
-		var l []int64
+		var l []*int64
 		if err := json.Unmarshal(raw, &l); err != nil {
 			return nil, badRequest(param, "prompt must be an array of integer token ids")
 		}
@@ -340,12 +345,16 @@ func parseCompletion(body []byte, vocab int) (*parsedRequest, *APIError) {
 	return p, nil
 }
 
-func tokenIDs(l []int64, vocab int, param string) ([]uint32, *APIError) {
+func tokenIDs(l []*int64, vocab int, param string) ([]uint32, *APIError) {
 	if len(l) == 0 {
 		return nil, badRequest(param, "%s is an empty token-id array", param)
 	}
 	out := make([]uint32, len(l))
-	for i, v := range l {
+	for i, p := range l {
+		if p == nil {
+			return nil, badRequest(param, "%s[%d] is null; token ids must be integers", param, i)
+		}
+		v := *p
 		if v < 0 || v >= int64(vocab) {
 			return nil, badRequest(param, "token id %d in %s is out of vocabulary [0, %d)", v, param, vocab)
 		}

@@ -47,19 +47,40 @@ func ResolveSession(in SessionInput, h http.Header, headers []string) (id, sourc
 			return "", "", err
 		}
 		if given {
-			return v, b.name, checkSessionID(v, b.name)
+			return checked(v, b.name)
 		}
 	}
 	for _, name := range headers {
-		vals := h.Values(name) // canonicalised: case-insensitive
+		vals := headerValues(h, name)
 		if len(vals) == 0 {
 			continue
 		}
 		if v := strings.TrimSpace(vals[0]); v != "" { // only the first value counts
-			return v, name, checkSessionID(v, name)
+			return checked(v, name)
 		}
 	}
 	return "", "", nil
+}
+
+func checked(v, source string) (string, string, *APIError) {
+	if err := checkSessionID(v, source); err != nil {
+		return "", "", err
+	}
+	return v, source, nil
+}
+
+// headerValues returns the values of a header, matching its name without
+// regard to case even when h was built with non-canonical keys.
+func headerValues(h http.Header, name string) []string {
+	if vals := h.Values(name); len(vals) > 0 {
+		return vals
+	}
+	for k, vals := range h {
+		if strings.EqualFold(k, name) {
+			return vals
+		}
+	}
+	return nil
 }
 
 // bodySessionValue reads a body value: absent or null is not given; a string
@@ -71,6 +92,9 @@ func bodySessionValue(raw json.RawMessage, name string) (string, bool, *APIError
 	}
 	if raw[0] != '"' {
 		return "", false, badRequest(name, "%s must be a string, got %s", name, jsonKind(raw))
+	}
+	if !utf8.Valid(raw) { // json.Unmarshal would quietly replace bad bytes
+		return "", false, badRequest(name, "%s is not valid UTF-8", name)
 	}
 	var s string
 	if err := json.Unmarshal(raw, &s); err != nil {

@@ -1,0 +1,415 @@
+package frontend
+
+import (
+	"encoding/json"
+	"net/http"
+	"reflect"
+	"strings"
+	"testing"
+
+	"github.com/kvbus/kvbus/messages"
+)
+
+// testVocab is the vocabulary size used for completion token-id checks.
+const testVocab = 1000
+
+func TestParseCompletionValid(t *testing.T) {
+	t.Parallel()
+	tests := []struct {
+		name  string
+		body  string
+		check func(t *testing.T, p *parsedRequest)
+	}{
+		{
+			name: "prompt string with defaults",
+			body: `{"model":"m","prompt":"hello"}`,
+			check: func(t *testing.T, p *parsedRequest) {
+				eq(t, "endpoint", p.endpoint, messages.EndpointCompletions)
+				eq(t, "model", p.model, "m")
+				eq(t, "texts", p.texts, []string{"hello"})
+				eq(t, "tokenPrompts", p.tokenPrompts, [][]uint32(nil))
+				eq(t, "max_tokens", p.params.MaxTokens, 16) // OpenAI's default for completions
+				eq(t, "maxTokensSet", p.maxTokensSet, true)
+				eq(t, "temperature", p.params.Temperature, 1.0)
+				eq(t, "top_p", p.params.TopP, 1.0)
+				eq(t, "stream", p.stream, false)
+				eq(t, "stop", p.params.Stop, []string(nil))
+			},
+		},
+		{
+			name: "list of strings",
+			body: `{"prompt":["a","b"]}`,
+			check: func(t *testing.T, p *parsedRequest) {
+				eq(t, "texts", p.texts, []string{"a", "b"})
+			},
+		},
+		{
+			name: "token-id array",
+			body: `{"prompt":[0,1,999]}`,
+			check: func(t *testing.T, p *parsedRequest) {
+				eq(t, "tokenPrompts", p.tokenPrompts, [][]uint32{{0, 1, 999}})
+				eq(t, "texts", p.texts, []string(nil))
+			},
+		},
+		{
+			name: "list of token arrays",
+			body: `{"prompt":[[1,2],[3]]}`,
+			check: func(t *testing.T, p *parsedRequest) {
+				eq(t, "tokenPrompts", p.tokenPrompts, [][]uint32{{1, 2}, {3}})
+			},
+		},
+		{
+			name: "sampling parameters",
+			body: `{"prompt":"x","max_tokens":7,"min_tokens":2,"temperature":0,"top_p":0.5,"n":1,"seed":42,"ignore_eos":true}`,
+			check: func(t *testing.T, p *parsedRequest) {
+				eq(t, "max_tokens", p.params.MaxTokens, 7)
+				eq(t, "min_tokens", p.params.MinTokens, 2)
+				eq(t, "temperature", p.params.Temperature, 0.0)
+				eq(t, "top_p", p.params.TopP, 0.5)
+				if p.params.Seed == nil || *p.params.Seed != 42 {
+					t.Errorf("seed = %v, want 42", p.params.Seed)
+				}
+				eq(t, "ignore_eos", p.params.IgnoreEOS, true)
+			},
+		},
+		{
+			name: "stop as string",
+			body: `{"prompt":"x","stop":"\n"}`,
+			check: func(t *testing.T, p *parsedRequest) {
+				eq(t, "stop", p.params.Stop, []string{"\n"})
+			},
+		},
+		{
+			name: "stop as list",
+			body: `{"prompt":"x","stop":["a","b"]}`,
+			check: func(t *testing.T, p *parsedRequest) {
+				eq(t, "stop", p.params.Stop, []string{"a", "b"})
+			},
+		},
+		{
+			name: "stream with include_usage",
+			body: `{"prompt":"x","stream":true,"stream_options":{"include_usage":true}}`,
+			check: func(t *testing.T, p *parsedRequest) {
+				eq(t, "stream", p.stream, true)
+				eq(t, "includeUsage", p.includeUsage, true)
+			},
+		},
+		{
+			name: "body session_id is kept raw for ResolveSession",
+			body: `{"prompt":"x","session_id":"abc"}`,
+			check: func(t *testing.T, p *parsedRequest) {
+				eq(t, "session_id", string(p.session.BodySessionID), `"abc"`)
+				eq(t, "vllm_xargs.session_id", p.session.XargsSessionID, json.RawMessage(nil))
+			},
+		},
+		{
+			name: "vllm_xargs passes other keys through",
+			body: `{"prompt":"x","vllm_xargs":{"session_id":"s","foo":1,"bar":"baz","nested":{"k":[true]}}}`,
+			check: func(t *testing.T, p *parsedRequest) {
+				eq(t, "vllm_xargs.session_id", string(p.session.XargsSessionID), `"s"`)
+				eq(t, "foo", p.xargs["foo"], any(1.0))
+				eq(t, "bar", p.xargs["bar"], any("baz"))
+				eq(t, "nested", p.xargs["nested"], any(map[string]any{"k": []any{true}}))
+			},
+		},
+		{
+			name: "vllm_xargs null is ignored",
+			body: `{"prompt":"x","vllm_xargs":null}`,
+			check: func(t *testing.T, p *parsedRequest) {
+				eq(t, "xargs", len(p.xargs), 0)
+			},
+		},
+		{
+			name: "kv_transfer_params passed through",
+			body: `{"prompt":"x","kv_transfer_params":{"do_remote_prefill":true}}`,
+			check: func(t *testing.T, p *parsedRequest) {
+				eq(t, "kv_transfer_params", p.kvTransfer, map[string]any{"do_remote_prefill": true})
+			},
+		},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			t.Parallel()
+			p, err := parseCompletion([]byte(tt.body), testVocab)
+			if err != nil {
+				t.Fatalf("parseCompletion(%s): %v", tt.body, err)
+			}
+			tt.check(t, p)
+		})
+	}
+}
+
+func TestParseChatValid(t *testing.T) {
+	t.Parallel()
+	tests := []struct {
+		name  string
+		body  string
+		check func(t *testing.T, p *parsedRequest)
+	}{
+		{
+			name: "string content with defaults",
+			body: `{"model":"m","messages":[{"role":"user","content":"hi"}]}`,
+			check: func(t *testing.T, p *parsedRequest) {
+				eq(t, "endpoint", p.endpoint, messages.EndpointChat)
+				eq(t, "model", p.model, "m")
+				eq(t, "turns", p.turns, []ChatTurn{{Role: "user", Content: "hi"}})
+				eq(t, "maxTokensSet", p.maxTokensSet, false) // the server derives it from --max-model-len
+				eq(t, "temperature", p.params.Temperature, 1.0)
+				eq(t, "top_p", p.params.TopP, 1.0)
+			},
+		},
+		{
+			name: "text-part arrays",
+			body: `{"messages":[{"role":"user","content":[{"type":"text","text":"a"},{"type":"text","text":"b"}]}]}`,
+			check: func(t *testing.T, p *parsedRequest) {
+				eq(t, "turns", p.turns, []ChatTurn{{Role: "user", Content: "a\nb"}})
+			},
+		},
+		{
+			name: "every role, assistant content may be null",
+			body: `{"messages":[{"role":"system","content":"s"},{"role":"developer","content":"d"},{"role":"user","content":"u"},` +
+				`{"role":"assistant","content":null},{"role":"tool","content":"t"}]}`,
+			check: func(t *testing.T, p *parsedRequest) {
+				eq(t, "turns", p.turns, []ChatTurn{
+					{Role: "system", Content: "s"}, {Role: "developer", Content: "d"}, {Role: "user", Content: "u"},
+					{Role: "assistant", Content: ""}, {Role: "tool", Content: "t"},
+				})
+			},
+		},
+		{
+			name: "max_tokens alone",
+			body: `{"messages":[{"role":"user","content":"hi"}],"max_tokens":10}`,
+			check: func(t *testing.T, p *parsedRequest) {
+				eq(t, "max_tokens", p.params.MaxTokens, 10)
+				eq(t, "maxTokensSet", p.maxTokensSet, true)
+			},
+		},
+		{
+			name: "max_completion_tokens overrides max_tokens",
+			body: `{"messages":[{"role":"user","content":"hi"}],"max_tokens":10,"max_completion_tokens":20}`,
+			check: func(t *testing.T, p *parsedRequest) {
+				eq(t, "max_tokens", p.params.MaxTokens, 20)
+				eq(t, "maxTokensSet", p.maxTokensSet, true)
+			},
+		},
+		{
+			name: "stop as string",
+			body: `{"messages":[{"role":"user","content":"hi"}],"stop":"END"}`,
+			check: func(t *testing.T, p *parsedRequest) {
+				eq(t, "stop", p.params.Stop, []string{"END"})
+			},
+		},
+		{
+			name: "stop as list",
+			body: `{"messages":[{"role":"user","content":"hi"}],"stop":["a","b"]}`,
+			check: func(t *testing.T, p *parsedRequest) {
+				eq(t, "stop", p.params.Stop, []string{"a", "b"})
+			},
+		},
+		{
+			name: "vllm_xargs passes other keys through",
+			body: `{"messages":[{"role":"user","content":"hi"}],"vllm_xargs":{"session_id":"s","priority":3}}`,
+			check: func(t *testing.T, p *parsedRequest) {
+				eq(t, "vllm_xargs.session_id", string(p.session.XargsSessionID), `"s"`)
+				eq(t, "priority", p.xargs["priority"], any(3.0))
+			},
+		},
+		{
+			name: "stream with stream_options",
+			body: `{"messages":[{"role":"user","content":"hi"}],"stream":true,"stream_options":{"include_usage":false}}`,
+			check: func(t *testing.T, p *parsedRequest) {
+				eq(t, "stream", p.stream, true)
+				eq(t, "includeUsage", p.includeUsage, false)
+			},
+		},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			t.Parallel()
+			p, err := parseChat([]byte(tt.body))
+			if err != nil {
+				t.Fatalf("parseChat(%s): %v", tt.body, err)
+			}
+			tt.check(t, p)
+		})
+	}
+}
+
+func TestParseInvalid(t *testing.T) {
+	t.Parallel()
+	const chat, completions = messages.EndpointChat, messages.EndpointCompletions
+	msgs := `"messages":[{"role":"user","content":"hi"}]`
+	tests := []struct {
+		name     string
+		endpoint string
+		body     string
+		param    string // "" means null
+	}{
+		{"wrong type: temperature string", chat, `{` + msgs + `,"temperature":"hot"}`, "temperature"},
+		{"wrong type: temperature string (completions)", completions, `{"prompt":"x","temperature":"hot"}`, "temperature"},
+		{"wrong type: max_tokens string", chat, `{` + msgs + `,"max_tokens":"ten"}`, "max_tokens"},
+		{"wrong type: max_tokens fractional", completions, `{"prompt":"x","max_tokens":1.5}`, "max_tokens"},
+		{"wrong type: stream string", chat, `{` + msgs + `,"stream":"yes"}`, "stream"},
+		{"wrong type: messages object", chat, `{"messages":{"role":"user"}}`, "messages"},
+		{"wrong type: model number", chat, `{` + msgs + `,"model":7}`, "model"},
+		{"temperature 3", chat, `{` + msgs + `,"temperature":3}`, "temperature"},
+		{"temperature negative", completions, `{"prompt":"x","temperature":-0.1}`, "temperature"},
+		{"top_p 0", chat, `{` + msgs + `,"top_p":0}`, "top_p"},
+		{"top_p above 1", completions, `{"prompt":"x","top_p":1.01}`, "top_p"},
+		{"max_tokens 0", chat, `{` + msgs + `,"max_tokens":0}`, "max_tokens"},
+		{"max_tokens 0 (completions)", completions, `{"prompt":"x","max_tokens":0}`, "max_tokens"},
+		{"max_completion_tokens 0", chat, `{` + msgs + `,"max_completion_tokens":0}`, "max_completion_tokens"},
+		{"min_tokens negative", completions, `{"prompt":"x","min_tokens":-1}`, "min_tokens"},
+		{"n 2", chat, `{` + msgs + `,"n":2}`, "n"},
+		{"n 2 (completions)", completions, `{"prompt":"x","n":2}`, "n"},
+		{"stop number", chat, `{` + msgs + `,"stop":5}`, "stop"},
+		{"stop list with a number", completions, `{"prompt":"x","stop":["a",1]}`, "stop"},
+		{"empty messages", chat, `{"messages":[]}`, "messages"},
+		{"missing messages", chat, `{"model":"m"}`, "messages"},
+		{"unknown role", chat, `{"messages":[{"role":"wizard","content":"hi"}]}`, "messages[0].role"},
+		{"missing role", chat, `{"messages":[{"content":"hi"}]}`, "messages[0].role"},
+		{"unknown role in second message", chat, `{"messages":[{"role":"user","content":"a"},{"role":"bot","content":"b"}]}`, "messages[1].role"},
+		{"user content missing", chat, `{"messages":[{"role":"user"}]}`, "messages[0].content"},
+		{"content number", chat, `{"messages":[{"role":"user","content":5}]}`, "messages[0].content"},
+		{"image_url content part", chat,
+			`{"messages":[{"role":"user","content":[{"type":"text","text":"a"},{"type":"image_url","image_url":{"url":"http://x/y.png"}}]}]}`,
+			"messages[0].content[1]"},
+		{"text part without text", chat, `{"messages":[{"role":"user","content":[{"type":"text"}]}]}`, "messages[0].content[0]"},
+		{"stream_options without stream", chat, `{` + msgs + `,"stream_options":{"include_usage":true}}`, "stream_options"},
+		{"stream_options without stream (completions)", completions, `{"prompt":"x","stream":false,"stream_options":{}}`, "stream_options"},
+		{"vllm_xargs not an object: string", chat, `{` + msgs + `,"vllm_xargs":"session_id=a"}`, "vllm_xargs"},
+		{"vllm_xargs not an object: array", completions, `{"prompt":"x","vllm_xargs":[{"session_id":"a"}]}`, "vllm_xargs"},
+		{"vllm_xargs not an object: number", completions, `{"prompt":"x","vllm_xargs":1}`, "vllm_xargs"},
+		{"token id out of vocab", completions, `{"prompt":[1,1000]}`, "prompt"},
+		{"token id negative", completions, `{"prompt":[-1]}`, "prompt"},
+		{"token id out of vocab in second list", completions, `{"prompt":[[1],[2,100000]]}`, "prompt[1]"},
+		{"token id null", completions, `{"prompt":[1,null,2]}`, "prompt"},
+		{"token id fractional", completions, `{"prompt":[1.5]}`, "prompt"},
+		{"empty prompt array", completions, `{"prompt":[]}`, "prompt"},
+		{"empty token list in list", completions, `{"prompt":[[1],[]]}`, "prompt[1]"},
+		{"prompt mixes strings and numbers", completions, `{"prompt":["a",1]}`, "prompt"},
+		{"prompt missing", completions, `{"model":"m"}`, "prompt"},
+		{"prompt null", completions, `{"prompt":null}`, "prompt"},
+		{"prompt object", completions, `{"prompt":{"text":"x"}}`, "prompt"},
+		{"invalid JSON", chat, `{"messages":[`, ""},
+		{"invalid JSON (completions)", completions, `{"prompt":"x",}`, ""},
+		{"trailing garbage", completions, `{"prompt":"x"} {}`, ""},
+		{"empty body", chat, ``, ""},
+		{"blank body (completions)", completions, " \n\t", ""},
+		{"body is an array", chat, `[]`, ""},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			t.Parallel()
+			var err *APIError
+			if tt.endpoint == chat {
+				_, err = parseChat([]byte(tt.body))
+			} else {
+				_, err = parseCompletion([]byte(tt.body), testVocab)
+			}
+			if err == nil {
+				t.Fatalf("%s %s: no error, want a 400 naming %q", tt.endpoint, tt.body, tt.param)
+			}
+			if err.Status != http.StatusBadRequest || err.Type != "invalid_request_error" || err.Param != tt.param {
+				t.Errorf("error = {Status: %d, Type: %q, Param: %q}, want {400, invalid_request_error, %q} (message %q)",
+					err.Status, err.Type, err.Param, tt.param, err.Message)
+			}
+			if strings.TrimSpace(err.Message) == "" || strings.HasPrefix(err.Message, " ") {
+				t.Errorf("badly formed Message %q", err.Message)
+			}
+		})
+	}
+}
+
+// eq reports a mismatch of one field.
+func eq[T any](t *testing.T, what string, got, want T) {
+	t.Helper()
+	if !reflect.DeepEqual(got, want) {
+		t.Errorf("%s = %#v, want %#v", what, got, want)
+	}
+}
+
+func parseSeeds(f *testing.F, bodies ...string) {
+	for _, b := range bodies {
+		f.Add([]byte(b))
+	}
+}
+
+// checkFuzzError asserts the shape every parse error must have.
+func checkFuzzError(t *testing.T, err *APIError) {
+	t.Helper()
+	if err.Status != http.StatusBadRequest || err.Message == "" || err.Type != typeInvalidRequest {
+		t.Fatalf("bad error: %+v", err)
+	}
+}
+
+func FuzzParseChat(f *testing.F) {
+	parseSeeds(f,
+		``, `{`, `[]`, `null`, `{}`,
+		`{"model":"m","messages":[{"role":"user","content":"hi"}]}`,
+		`{"messages":[{"role":"user","content":[{"type":"text","text":"a"},{"type":"image_url"}]}]}`,
+		`{"messages":[{"role":"assistant","content":null}],"max_completion_tokens":3,"max_tokens":2}`,
+		`{"messages":[{"role":"user","content":"x"}],"stream":true,"stream_options":{"include_usage":true}}`,
+		`{"messages":[{"role":"user","content":"x"}],"temperature":"hot","top_p":0,"n":2}`,
+		`{"messages":[{"role":"user","content":"x"}],"stop":["a",""],"vllm_xargs":{"session_id":"s","k":[1]}}`,
+		`{"messages":[{"role":"user","content":"x"}],"session_id":{"a":1},"seed":-1}`,
+	)
+	f.Fuzz(func(t *testing.T, body []byte) {
+		p, err := parseChat(body)
+		if err != nil {
+			checkFuzzError(t, err)
+			return
+		}
+		if len(p.turns) == 0 {
+			t.Fatal("accepted a chat request without messages")
+		}
+		if p.params.Temperature < 0 || p.params.Temperature > 2 || p.params.TopP <= 0 || p.params.TopP > 1 {
+			t.Fatalf("accepted out-of-range sampling params %+v", p.params)
+		}
+		if p.maxTokensSet && p.params.MaxTokens < 1 {
+			t.Fatalf("accepted max_tokens %d", p.params.MaxTokens)
+		}
+		if p.includeUsage && !p.stream {
+			t.Fatal("include_usage without stream")
+		}
+	})
+}
+
+func FuzzParseCompletion(f *testing.F) {
+	parseSeeds(f,
+		``, `{`, `[]`, `null`, `{}`,
+		`{"model":"m","prompt":"hello"}`,
+		`{"prompt":["a","b"]}`,
+		`{"prompt":[1,2,3]}`,
+		`{"prompt":[[1,2],[3]]}`,
+		`{"prompt":[[1],[]]}`,
+		`{"prompt":[1,null]}`,
+		`{"prompt":[999,1000,-1]}`,
+		`{"prompt":["a",1]}`,
+		`{"prompt":"x","stop":"\n","max_tokens":0}`,
+		`{"prompt":"x","stream":true,"stream_options":{"include_usage":true},"vllm_xargs":{"session_id":1}}`,
+	)
+	f.Fuzz(func(t *testing.T, body []byte) {
+		p, err := parseCompletion(body, testVocab)
+		if err != nil {
+			checkFuzzError(t, err)
+			return
+		}
+		if len(p.texts) == 0 && len(p.tokenPrompts) == 0 {
+			t.Fatal("accepted a completion request without a prompt")
+		}
+		for _, ids := range p.tokenPrompts {
+			if len(ids) == 0 {
+				t.Fatal("accepted an empty token-id prompt")
+			}
+			for _, id := range ids {
+				if id >= testVocab {
+					t.Fatalf("accepted token id %d outside the vocabulary", id)
+				}
+			}
+		}
+		if !p.maxTokensSet || p.params.MaxTokens < 1 {
+			t.Fatalf("max_tokens = %d (set %v)", p.params.MaxTokens, p.maxTokensSet)
+		}
+	})
+}
