@@ -72,7 +72,7 @@ func (tt *trackerTable) addResult(r *messages.RankResult) (done *RequestTracker,
 	tt.mu.Lock()
 	defer tt.mu.Unlock()
 	t := tt.m[r.ReqID]
-	if t == nil || r.Attempt != t.Attempt || r.Group != t.Group {
+	if t == nil || r.Attempt != t.Attempt || r.Group != t.Group || r.TPRank < 0 || r.TPRank >= t.WorldSize {
 		return nil, false
 	}
 	t.Results[r.TPRank] = r

@@ -1,6 +1,7 @@
 package workers
 
 import (
+	"bytes"
 	"encoding/binary"
 	"fmt"
 	"sort"
@@ -43,6 +44,14 @@ func LookupModelProfile(name string) (ModelProfile, error) {
 		return ModelProfile{}, fmt.Errorf("workers: unknown model profile %q (known: %s)", name, strings.Join(names, ", "))
 	}
 	return p, nil
+}
+
+// Validate checks that every dimension is positive.
+func (p ModelProfile) Validate() error {
+	if p.Layers <= 0 || p.KVHeads <= 0 || p.HeadDim <= 0 || p.DTypeBytes <= 0 {
+		return fmt.Errorf("workers: model profile %q: layers, kv heads, head dim and dtype bytes must all be positive", p.Name)
+	}
+	return nil
 }
 
 // BytesPerTokenPerRank is 2 (K and V) × layers × kv_heads/tp × head_dim ×
@@ -89,11 +98,15 @@ func BlockPayload(hash uint64, tpRank, size int) []byte {
 }
 
 // VerifyPayload reports whether b is the payload of the block on the rank.
-// It checks the length and a sample of words, which is enough to tell a
-// block from any other and costs little on 512 KiB blocks.
+// It checks the length and the first 64 bytes (all of a shorter payload),
+// which is enough to tell a block from any other and costs little on 512 KiB
+// blocks.
 func VerifyPayload(b []byte, hash uint64, tpRank, size int) bool {
 	if len(b) != size {
 		return false
+	}
+	if size < 64 {
+		return bytes.Equal(b, BlockPayload(hash, tpRank, size))
 	}
 	x := payloadSeed(hash, tpRank)
 	n := size / 8

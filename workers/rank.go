@@ -71,8 +71,8 @@ func (c *RankConfig) Validate() error {
 		return fmt.Errorf("%w: --ep-rank %d must be in [0, --ep-size %d)", ErrConfig, c.EPRank, c.EPSize)
 	case c.Model == "":
 		return fmt.Errorf("%w: no --model", ErrConfig)
-	case c.Profile.Layers <= 0:
-		return fmt.Errorf("%w: no model profile", ErrConfig)
+	case c.Profile.Validate() != nil:
+		return fmt.Errorf("%w: %v", ErrConfig, c.Profile.Validate())
 	case c.TPRank == 0 && c.Engine == nil:
 		return fmt.Errorf("%w: the driver rank (tp_rank 0) needs an engine", ErrConfig)
 	case c.CapacityBytes < 0:

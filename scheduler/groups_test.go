@@ -1,0 +1,102 @@
+package scheduler
+
+import (
+	"slices"
+	"testing"
+	"time"
+
+	"github.com/kvbus/kvbus/messages"
+)
+
+func hb(group string, rank, worldSize int) *messages.Heartbeat {
+	return &messages.Heartbeat{Group: group, TPRank: rank, EPRank: rank, WorldSize: worldSize, StartedUnixMs: 1}
+}
+
+func readyNames(gs []GroupState) []string {
+	var out []string
+	for _, g := range gs {
+		out = append(out, g.Name)
+	}
+	return out
+}
+
+func TestGroupTableReady(t *testing.T) {
+	const timeout = 3 * time.Second
+	t0 := time.Unix(1_700_000_000, 0)
+	type step struct {
+		name    string
+		observe []*messages.Heartbeat // at now
+		now     time.Duration         // since t0
+		want    []string              // ready groups
+	}
+	tests := []struct {
+		name  string
+		steps []step
+	}{
+		{"ready only when every rank reported", []step{
+			{"no heartbeat", nil, 0, nil},
+			{"rank 0 of 2", []*messages.Heartbeat{hb("g0", 0, 2)}, 0, nil},
+			{"rank 0 again", []*messages.Heartbeat{hb("g0", 0, 2)}, time.Second, nil},
+			{"rank 1 too", []*messages.Heartbeat{hb("g0", 1, 2)}, time.Second, []string{"g0"}},
+		}},
+		{"a stale rank makes the group not ready", []step{
+			{"both ranks", []*messages.Heartbeat{hb("g0", 0, 2), hb("g0", 1, 2)}, 0, []string{"g0"}},
+			{"at the timeout still fresh", nil, timeout, []string{"g0"}},
+			{"past the timeout", nil, timeout + time.Millisecond, nil},
+			{"rank 1 comes back alone", []*messages.Heartbeat{hb("g0", 1, 2)}, 4 * time.Second, nil},
+			{"rank 0 too", []*messages.Heartbeat{hb("g0", 0, 2)}, 5 * time.Second, []string{"g0"}},
+			{"rank 1 goes stale first", []*messages.Heartbeat{hb("g0", 0, 2)}, 7500 * time.Millisecond, nil},
+		}},
+		{"world size change resets the ranks", []step{
+			{"group of 2", []*messages.Heartbeat{hb("g0", 0, 2), hb("g0", 1, 2)}, 0, []string{"g0"}},
+			{"rank 0 now says 3", []*messages.Heartbeat{hb("g0", 0, 3)}, time.Second, nil},
+			{"rank 1 of 3", []*messages.Heartbeat{hb("g0", 1, 3)}, time.Second, nil},
+			{"rank 2 of 3", []*messages.Heartbeat{hb("g0", 2, 3)}, time.Second, []string{"g0"}},
+			{"shrunk to 1", []*messages.Heartbeat{hb("g0", 0, 1)}, 2 * time.Second, []string{"g0"}},
+		}},
+		{"groups are independent and sorted by name", []step{
+			{"b ready", []*messages.Heartbeat{hb("b", 0, 1)}, 0, []string{"b"}},
+			{"a half", []*messages.Heartbeat{hb("a", 0, 2)}, 0, []string{"b"}},
+			{"a full, c ready", []*messages.Heartbeat{hb("a", 1, 2), hb("c", 0, 1)}, 0, []string{"a", "b", "c"}},
+			{"b goes stale", []*messages.Heartbeat{hb("a", 0, 2), hb("a", 1, 2), hb("c", 0, 1)}, 4 * time.Second, []string{"a", "c"}},
+		}},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			gt := newGroupTable(timeout)
+			for _, st := range tt.steps {
+				now := t0.Add(st.now)
+				for _, h := range st.observe {
+					gt.observe(h, now)
+				}
+				if got := readyNames(gt.ready(now)); !slices.Equal(got, st.want) {
+					t.Fatalf("%s: ready = %v, want %v", st.name, got, st.want)
+				}
+			}
+		})
+	}
+}
+
+func TestGroupTableState(t *testing.T) {
+	gt := newGroupTable(time.Second)
+	now := time.Now()
+	for r, depth := range []int{3, 7, 1} {
+		h := hb("g0", r, 3)
+		h.QueueDepth = depth
+		gt.observe(h, now)
+	}
+	gt.addInflight("g0", 2)
+	gt.addInflight("g0", 3)
+	gt.addInflight("g0", -1)
+	gt.addInflight("unknown", 5) // ignored, no panic
+	got := gt.ready(now)
+	want := []GroupState{{Name: "g0", WorldSize: 3, Inflight: 4, QueueDepth: 7}}
+	if !slices.Equal(got, want) {
+		t.Errorf("ready = %+v, want %+v", got, want)
+	}
+	// In-flight counts survive a re-formed group.
+	gt.observe(hb("g0", 0, 1), now)
+	if got := gt.ready(now); len(got) != 1 || got[0].Inflight != 4 || got[0].WorldSize != 1 {
+		t.Errorf("after re-forming: %+v", got)
+	}
+}

@@ -1,0 +1,676 @@
+package scheduler_test
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"slices"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/nats-io/nats.go"
+	"github.com/nats-io/nats.go/jetstream"
+	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/kvbus/kvbus/bus"
+	"github.com/kvbus/kvbus/messages"
+	"github.com/kvbus/kvbus/scheduler"
+	"github.com/kvbus/kvbus/testenv"
+)
+
+const (
+	testModel    = "meta-llama/Llama-3.1-8B" // not a subject token as is
+	testSchedID  = "sched-test"
+	testFrontend = "fe-test"
+	worldSize    = 2
+	waitFor      = 15 * time.Second
+)
+
+// schedEnv is a scheduler on an embedded NATS server with fake worker
+// groups: the test publishes their heartbeats and answers ReqMetas with a
+// RankResult per rank.
+type schedEnv struct {
+	t    *testing.T
+	nc   *nats.Conn
+	js   jetstream.JetStream
+	subj messages.Subjects
+	s    *scheduler.Scheduler
+	reg  *prometheus.Registry
+
+	mu   sync.Mutex
+	msgs []*nats.Msg // everything under the prefix, in arrival order
+
+	// answer makes the fake ranks report on every ReqMeta.
+	answer atomic.Bool
+	hbOn   atomic.Bool
+	groups []string
+
+	stop func() error
+}
+
+type schedEnvConfig struct {
+	groups         []string // default g0
+	policy         scheduler.Policy
+	requestTimeout time.Duration
+	noHeartbeats   bool
+	noAnswers      bool
+}
+
+func startScheduler(t *testing.T, cfg schedEnvConfig) *schedEnv {
+	t.Helper()
+	if cfg.groups == nil {
+		cfg.groups = []string{"g0"}
+	}
+	if cfg.policy == nil {
+		cfg.policy = &scheduler.SessionPolicy{Epsilon: 0.25}
+	}
+	srv := testenv.StartNATS(t)
+	e := &schedEnv{t: t, nc: testenv.Connect(t, srv), reg: prometheus.NewRegistry(), groups: cfg.groups}
+	e.answer.Store(!cfg.noAnswers)
+	e.hbOn.Store(!cfg.noHeartbeats)
+	js, err := jetstream.New(e.nc)
+	if err != nil {
+		t.Fatal(err)
+	}
+	e.js = js
+	if _, err := bus.EnsureRequestStream(t.Context(), js, bus.StreamConfig{Subjects: e.subj}); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := e.nc.Subscribe(e.subj.All(), func(m *nats.Msg) {
+		e.mu.Lock()
+		e.msgs = append(e.msgs, m)
+		e.mu.Unlock()
+	}); err != nil {
+		t.Fatal(err)
+	}
+	// The fake ranks of every group.
+	for _, g := range cfg.groups {
+		if _, err := e.nc.Subscribe(e.subj.MetaGroup(g), e.onMeta); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := e.nc.Flush(); err != nil {
+		t.Fatal(err)
+	}
+	logs := &testenv.LogBuffer{}
+	e.s, err = scheduler.New(scheduler.Config{
+		Conn: testenv.Connect(t, srv), Subjects: e.subj, ID: testSchedID, Policy: cfg.policy,
+		HeartbeatTimeout: time.Second, RequestTimeout: cfg.requestTimeout,
+		Logger: slog.New(slog.NewTextHandler(logs, nil)), Registerer: e.reg,
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if e.s.ID() != testSchedID {
+		t.Fatalf("ID() = %q", e.s.ID())
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	runErr := make(chan error, 1)
+	go func() { runErr <- e.s.Run(ctx) }()
+	hbDone := make(chan struct{})
+	go func() { // the fake ranks' heartbeats, every 50 ms
+		defer close(hbDone)
+		tick := time.NewTicker(50 * time.Millisecond)
+		defer tick.Stop()
+		for {
+			if e.hbOn.Load() {
+				e.heartbeat()
+			}
+			select {
+			case <-ctx.Done():
+				return
+			case <-tick.C:
+			}
+		}
+	}()
+	var once sync.Once
+	var stopErr error
+	e.stop = func() error {
+		once.Do(func() {
+			cancel()
+			<-hbDone
+			select {
+			case stopErr = <-runErr:
+			case <-time.After(waitFor):
+				stopErr = errors.New("Scheduler.Run did not return after its context ended")
+			}
+		})
+		return stopErr
+	}
+	// Registered after the connections, so it runs before they close.
+	t.Cleanup(func() {
+		if err := e.stop(); err != nil {
+			t.Errorf("Scheduler.Run: %v", err)
+		}
+	})
+	if !cfg.noHeartbeats {
+		e.waitReady(len(cfg.groups))
+	}
+	return e
+}
+
+func (e *schedEnv) heartbeat() {
+	for _, g := range e.groups {
+		for r := range worldSize {
+			data, err := messages.Marshal(&messages.Heartbeat{Group: g, TPRank: r, EPRank: r, WorldSize: worldSize,
+				Model: testModel, StartedUnixMs: 1})
+			if err == nil {
+				err = e.nc.Publish(e.subj.Heartbeat(g, r), data)
+			}
+			if err != nil && !errors.Is(err, nats.ErrConnectionClosed) {
+				e.t.Errorf("heartbeat: %v", err)
+			}
+		}
+	}
+}
+
+func (e *schedEnv) waitReady(n int) {
+	e.t.Helper()
+	testenv.Eventually(e.t, waitFor, fmt.Sprintf("%d ready groups", n), func() bool { return e.s.ReadyGroups() == n })
+}
+
+// onMeta is the fake ranks: every rank of the group reports.
+func (e *schedEnv) onMeta(m *nats.Msg) {
+	if !e.answer.Load() {
+		return
+	}
+	meta, err := messages.DecodeReqMeta(m.Data)
+	if err != nil {
+		e.t.Errorf("scheduler published a bad ReqMeta: %v", err)
+		return
+	}
+	e.report(meta)
+}
+
+func (e *schedEnv) report(meta *messages.ReqMeta) {
+	for r := range worldSize {
+		data, err := messages.Marshal(&messages.RankResult{ReqID: meta.ReqID, Group: meta.Group, TPRank: r, EPRank: r,
+			Attempt: meta.Attempt, StoredBlocks: len(meta.BlockHashes)})
+		if err == nil {
+			err = e.nc.Publish(meta.ResultSubject, data)
+		}
+		if err != nil {
+			e.t.Errorf("report: %v", err)
+		}
+	}
+}
+
+type metaMsg struct {
+	subject string
+	meta    *messages.ReqMeta
+}
+
+// metas returns the ReqMetas published for reqID, in order.
+func (e *schedEnv) metas(reqID string) []metaMsg {
+	e.mu.Lock()
+	msgs := slices.Clone(e.msgs)
+	e.mu.Unlock()
+	var out []metaMsg
+	for _, m := range msgs {
+		if !strings.HasPrefix(m.Subject, messages.DefaultPrefix+".meta.") {
+			continue
+		}
+		meta, err := messages.DecodeReqMeta(m.Data)
+		if err != nil {
+			e.t.Fatalf("bad ReqMeta on %s: %v", m.Subject, err)
+		}
+		if meta.ReqID == reqID {
+			out = append(out, metaMsg{m.Subject, meta})
+		}
+	}
+	return out
+}
+
+func (e *schedEnv) outputs(reqID string) []*messages.Output {
+	e.mu.Lock()
+	msgs := slices.Clone(e.msgs)
+	e.mu.Unlock()
+	var out []*messages.Output
+	for _, m := range msgs {
+		if m.Subject != e.subj.Out(testFrontend) {
+			continue
+		}
+		o, err := messages.DecodeOutput(m.Data)
+		if err != nil {
+			e.t.Fatalf("bad Output: %v", err)
+		}
+		if o.ReqID == reqID {
+			out = append(out, o)
+		}
+	}
+	return out
+}
+
+// waitMeta waits for the one ReqMeta of reqID.
+func (e *schedEnv) waitMeta(reqID string) metaMsg {
+	e.t.Helper()
+	testenv.Eventually(e.t, waitFor, "the ReqMeta of "+reqID, func() bool { return len(e.metas(reqID)) > 0 })
+	return e.metas(reqID)[0]
+}
+
+func (e *schedEnv) waitNoTrackers() {
+	e.t.Helper()
+	testenv.Eventually(e.t, waitFor, "no live trackers", func() bool { return e.s.Trackers() == 0 })
+}
+
+func (e *schedEnv) counter(name string, want map[string]string) float64 {
+	e.t.Helper()
+	mfs, err := e.reg.Gather()
+	if err != nil {
+		e.t.Fatal(err)
+	}
+	sum := 0.0
+	for _, mf := range mfs {
+		if mf.GetName() != name {
+			continue
+		}
+	series:
+		for _, m := range mf.GetMetric() {
+			for _, l := range m.GetLabel() {
+				if v, ok := want[l.GetName()]; ok && v != l.GetValue() {
+					continue series
+				}
+			}
+			sum += m.GetCounter().GetValue()
+		}
+	}
+	return sum
+}
+
+func promptTokens(seed, n int) []uint32 {
+	p := make([]uint32, n)
+	for i := range p {
+		p[i] = uint32(1 + (seed*1_000_003+i*7919)%128000)
+	}
+	return p
+}
+
+func newRequest(id, session string, tokens []uint32) *messages.Request {
+	req := &messages.Request{
+		RequestID: id, SessionID: session, Model: testModel, FrontendID: testFrontend,
+		ArrivalUnixMs: time.Now().UnixMilli(), PromptTokenIDs: tokens,
+		SamplingParams: messages.SamplingParams{MaxTokens: 8, Temperature: 0.7, TopP: 0.9, Stop: []string{"\n\n"}},
+		Endpoint:       messages.EndpointChat,
+	}
+	if session != "" {
+		req.SamplingParams.ExtraArgs = messages.Args{messages.ExtraArgSessionID: session, "other": "kept"}
+	}
+	return req
+}
+
+// publishRequest puts req into the request log with its id as Nats-Msg-Id.
+func (e *schedEnv) publishRequest(req *messages.Request) *jetstream.PubAck {
+	e.t.Helper()
+	data, err := messages.Marshal(req)
+	if err != nil {
+		e.t.Fatal(err)
+	}
+	return e.publishRaw(req.RequestID, data)
+}
+
+func (e *schedEnv) publishRaw(msgID string, data []byte) *jetstream.PubAck {
+	e.t.Helper()
+	ack, err := e.js.Publish(e.t.Context(), e.subj.Request(testModel), data, jetstream.WithMsgID(msgID))
+	if err != nil {
+		e.t.Fatal(err)
+	}
+	return ack
+}
+
+func TestNewValidates(t *testing.T) {
+	policy := &scheduler.RoundRobinPolicy{}
+	conn := &nats.Conn{}
+	tests := []struct {
+		name string
+		cfg  scheduler.Config
+	}{
+		{"no connection", scheduler.Config{Policy: policy}},
+		{"no policy", scheduler.Config{Conn: conn}},
+		{"negative block size", scheduler.Config{Conn: conn, Policy: policy, BlockSize: -1}},
+		{"id not a subject token", scheduler.Config{Conn: conn, Policy: policy, ID: "sched.1"}},
+		{"bad prefix", scheduler.Config{Conn: conn, Policy: policy, Subjects: messages.Subjects{Prefix: "a b"}}},
+	}
+	for _, tt := range tests {
+		if _, err := scheduler.New(tt.cfg); err == nil {
+			t.Errorf("%s: New succeeded", tt.name)
+		}
+	}
+	s, err := scheduler.New(scheduler.Config{Conn: conn, Policy: policy})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !strings.HasPrefix(s.ID(), "sched-") || messages.ValidateToken("id", s.ID()) != nil {
+		t.Errorf("default ID %q", s.ID())
+	}
+	if s.Trackers() != 0 || s.ReadyGroups() != 0 {
+		t.Errorf("a new scheduler has %d trackers, %d ready groups", s.Trackers(), s.ReadyGroups())
+	}
+}
+
+func TestSchedulerDispatch(t *testing.T) {
+	e := startScheduler(t, schedEnvConfig{groups: []string{"g0", "g1", "g2"}})
+	tests := []struct {
+		name        string
+		req         *messages.Request
+		wantSession string
+	}{
+		{"session", newRequest("r-sess", "conv-1", promptTokens(1, 100)), "conv-1"},
+		{"same session, next turn", newRequest("r-sess-2", "conv-1", promptTokens(1, 140)), "conv-1"},
+		{"no session", newRequest("r-none", "", promptTokens(2, 64)), ""},
+		{"session only in extra_args", func() *messages.Request {
+			r := newRequest("r-xargs", "conv-2", promptTokens(3, 33))
+			r.SessionID = ""
+			return r
+		}(), "conv-2"},
+		{"extra_args wins over the request field", func() *messages.Request {
+			r := newRequest("r-both", "from-xargs", promptTokens(4, 20))
+			r.SessionID = "from-field"
+			return r
+		}(), "from-xargs"},
+		{"session only in the request field", func() *messages.Request {
+			r := newRequest("r-field", "conv-3", promptTokens(5, 16))
+			r.SamplingParams.ExtraArgs = nil
+			return r
+		}(), "conv-3"},
+		{"a non-string extra_args session counts as absent", func() *messages.Request {
+			r := newRequest("r-num", "", promptTokens(6, 15))
+			r.SamplingParams.ExtraArgs = messages.Args{messages.ExtraArgSessionID: int64(42)}
+			return r
+		}(), ""},
+		{"empty prompt", newRequest("r-empty", "conv-4", nil), "conv-4"},
+		{"explicit deadline", func() *messages.Request {
+			r := newRequest("r-deadline", "conv-5", promptTokens(7, 50))
+			r.DeadlineUnixMs = time.Now().Add(time.Hour).UnixMilli()
+			return r
+		}(), "conv-5"},
+	}
+	// One at a time, like the turns of a conversation: each request is
+	// placed with no load on any group, so a session keeps its group.
+	for _, tt := range tests {
+		if ack := e.publishRequest(tt.req); ack.Duplicate {
+			t.Fatalf("%s: first publish is a duplicate", tt.name)
+		}
+		e.waitMeta(tt.req.RequestID)
+		e.waitNoTrackers()
+	}
+	groupOf := map[string]string{} // session -> group
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			req := tt.req
+			mm := e.waitMeta(req.RequestID)
+			meta := mm.meta
+			tokens := strings.Split(mm.subject, ".")
+			if len(tokens) != 4 || tokens[0] != "kvbus" || tokens[1] != "meta" || tokens[2] != meta.Group {
+				t.Errorf("ReqMeta on %q for group %q", mm.subject, meta.Group)
+			}
+			wantKey := messages.SessionKey(tt.wantSession)
+			if tt.wantSession == "" {
+				wantKey = "none"
+			}
+			if last := tokens[len(tokens)-1]; last != wantKey {
+				t.Errorf("subject %q ends in %q, want %q", mm.subject, last, wantKey)
+			}
+			if mm.subject != e.subj.Meta(meta.Group, tt.wantSession) {
+				t.Errorf("subject %q, want %q", mm.subject, e.subj.Meta(meta.Group, tt.wantSession))
+			}
+			if meta.SessionID != tt.wantSession {
+				t.Errorf("ReqMeta.SessionID = %q, want %q", meta.SessionID, tt.wantSession)
+			}
+			if !slices.Contains([]string{"g0", "g1", "g2"}, meta.Group) {
+				t.Errorf("placed on unknown group %q", meta.Group)
+			}
+			if tt.wantSession != "" {
+				if g, ok := groupOf[tt.wantSession]; ok && g != meta.Group {
+					t.Errorf("session %q went to %s, earlier to %s", tt.wantSession, meta.Group, g)
+				}
+				groupOf[tt.wantSession] = meta.Group
+			}
+			wantHashes := scheduler.HashBlocks(nil, scheduler.HashSeed(testModel), req.PromptTokenIDs, 16)
+			if !slices.Equal(meta.BlockHashes, wantHashes) || len(meta.BlockHashes) != len(req.PromptTokenIDs)/16 {
+				t.Errorf("BlockHashes = %x, want %x", meta.BlockHashes, wantHashes)
+			}
+			if !slices.Equal(meta.TokenIDs, req.PromptTokenIDs) || meta.TokenLen != len(req.PromptTokenIDs) ||
+				meta.NumPromptTokens != meta.TokenLen || meta.BlockSize != 16 {
+				t.Errorf("tokens: len %d, token_len %d, num_prompt_tokens %d, block_size %d",
+					len(meta.TokenIDs), meta.TokenLen, meta.NumPromptTokens, meta.BlockSize)
+			}
+			if meta.Model != testModel || meta.FrontendID != testFrontend || meta.ResultSubject != e.subj.Done(testSchedID) ||
+				meta.Attempt != 0 || !meta.CanSave || !meta.IsLastChunk || meta.SaveFromBlock != 0 || meta.LoadSpec == nil {
+				t.Errorf("ReqMeta %+v", meta)
+			}
+			if got, want := fmt.Sprintf("%+v", meta.SamplingParams), fmt.Sprintf("%+v", req.SamplingParams); got != want {
+				t.Errorf("sampling params %s, want %s", got, want)
+			}
+			wantDeadline := req.DeadlineUnixMs
+			if wantDeadline == 0 {
+				wantDeadline = req.ArrivalUnixMs + (60 * time.Second).Milliseconds()
+			}
+			if meta.DeadlineUnixMs != wantDeadline {
+				t.Errorf("deadline %d, want %d", meta.DeadlineUnixMs, wantDeadline)
+			}
+		})
+	}
+	// Every rank answered: no tracker is left, and nothing was sent twice.
+	e.waitNoTrackers()
+	for _, tt := range tests {
+		if n := len(e.metas(tt.req.RequestID)); n != 1 {
+			t.Errorf("%s: %d ReqMetas", tt.req.RequestID, n)
+		}
+	}
+	if got := e.counter("kvbus_scheduler_requests_total", map[string]string{"outcome": "dispatched"}); got != float64(len(tests)) {
+		t.Errorf("dispatched = %v, want %d", got, len(tests))
+	}
+	testenv.Eventually(t, waitFor, "every request counted completed", func() bool {
+		return e.counter("kvbus_scheduler_requests_total", map[string]string{"outcome": "completed"}) == float64(len(tests))
+	})
+}
+
+func TestSchedulerRoundRobinUsesEveryGroup(t *testing.T) {
+	e := startScheduler(t, schedEnvConfig{groups: []string{"g0", "g1"}, policy: &scheduler.RoundRobinPolicy{}})
+	for i := range 4 {
+		e.publishRequest(newRequest(fmt.Sprint("rr-", i), "one-session", promptTokens(i, 32)))
+	}
+	var got []string
+	for i := range 4 {
+		got = append(got, e.waitMeta(fmt.Sprint("rr-", i)).meta.Group)
+	}
+	if want := []string{"g0", "g1", "g0", "g1"}; !slices.Equal(got, want) {
+		t.Errorf("round robin placed on %v, want %v", got, want)
+	}
+	e.waitNoTrackers()
+}
+
+func TestSchedulerDedupe(t *testing.T) {
+	e := startScheduler(t, schedEnvConfig{noAnswers: true})
+	req := newRequest("dup", "s", promptTokens(1, 64))
+	if ack := e.publishRequest(req); ack.Duplicate {
+		t.Fatal("first publish is a duplicate")
+	}
+	// Within JetStream's duplicate window the log does not even take it.
+	if ack := e.publishRequest(req); !ack.Duplicate {
+		t.Error("re-publish with the same Nats-Msg-Id was not a duplicate")
+	}
+	e.waitMeta("dup")
+	// The same request id under another Nats-Msg-Id (a frontend retry after
+	// the window, say) while the request is live: the tracker dedupes it.
+	data, err := messages.Marshal(req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	e.publishRaw("dup-retry", data)
+	testenv.Eventually(t, waitFor, "the retry counted as a duplicate", func() bool {
+		return e.counter("kvbus_scheduler_requests_total", map[string]string{"outcome": "duplicate"}) == 1
+	})
+	// Requests are dispatched in log order: once a later one is out, no
+	// second ReqMeta for "dup" is coming.
+	e.publishRequest(newRequest("later", "s", promptTokens(2, 64)))
+	e.waitMeta("later")
+	if n := len(e.metas("dup")); n != 1 {
+		t.Errorf("%d ReqMetas for a request published three times", n)
+	}
+	if n := e.s.Trackers(); n != 2 {
+		t.Errorf("%d trackers, want 2", n)
+	}
+	// A result from the wrong attempt or group does not complete it; the
+	// right ones do.
+	meta := e.metas("dup")[0].meta
+	stale := *meta
+	stale.Attempt = 7
+	e.report(&stale)
+	wrongGroup := *meta
+	wrongGroup.Group = "g9"
+	e.report(&wrongGroup)
+	e.report(meta)
+	e.report(e.metas("later")[0].meta)
+	e.waitNoTrackers()
+}
+
+func TestSchedulerWaitsForReadyGroup(t *testing.T) {
+	e := startScheduler(t, schedEnvConfig{noHeartbeats: true})
+	e.publishRequest(newRequest("early", "s", promptTokens(1, 48)))
+	// The request is retried (nak with delay) while no group is ready.
+	testenv.Eventually(t, waitFor, "the request handled twice without a group", func() bool {
+		return e.counter("kvbus_bus_messages_total", map[string]string{"handler": "scheduler_request", "outcome": "ok"}) >= 2
+	})
+	if n := len(e.metas("early")); n != 0 || e.s.ReadyGroups() != 0 || e.s.Trackers() != 0 {
+		t.Fatalf("without a ready group: %d ReqMetas, %d ready groups, %d trackers", n, e.s.ReadyGroups(), e.s.Trackers())
+	}
+	e.hbOn.Store(true)
+	e.waitReady(1)
+	mm := e.waitMeta("early")
+	if mm.meta.Group != "g0" {
+		t.Errorf("dispatched to %q", mm.meta.Group)
+	}
+	e.waitNoTrackers()
+	e.publishRequest(newRequest("after", "s", promptTokens(2, 48)))
+	e.waitMeta("after")
+	if n := len(e.metas("early")); n != 1 {
+		t.Errorf("%d ReqMetas for one request", n)
+	}
+	if out := e.outputs("early"); len(out) != 0 {
+		t.Errorf("a request that waited for a group got outputs from the scheduler: %+v", out[0])
+	}
+}
+
+func TestSchedulerExpiredRequest(t *testing.T) {
+	e := startScheduler(t, schedEnvConfig{requestTimeout: 10 * time.Second})
+	deadlinePassed := newRequest("expired-deadline", "s", promptTokens(1, 32))
+	deadlinePassed.DeadlineUnixMs = time.Now().Add(-time.Second).UnixMilli()
+	oldArrival := newRequest("expired-arrival", "", promptTokens(2, 32))
+	oldArrival.ArrivalUnixMs = time.Now().Add(-11 * time.Second).UnixMilli() // past the 10 s request timeout
+	for _, req := range []*messages.Request{deadlinePassed, oldArrival} {
+		e.publishRequest(req)
+	}
+	e.publishRequest(newRequest("fresh", "s", promptTokens(3, 32)))
+	e.waitMeta("fresh")
+	for _, id := range []string{"expired-deadline", "expired-arrival"} {
+		testenv.Eventually(t, waitFor, "the error output of "+id, func() bool { return len(e.outputs(id)) > 0 })
+		out := e.outputs(id)
+		if len(out) != 1 || out[0].Error == nil || out[0].Error.Code != "timeout" || out[0].Index != 0 || !out[0].Final() {
+			t.Errorf("%s: outputs %+v, want one timeout error", id, out)
+		}
+		if n := len(e.metas(id)); n != 0 {
+			t.Errorf("%s: dispatched an expired request", id)
+		}
+	}
+	if got := e.counter("kvbus_scheduler_requests_total", map[string]string{"outcome": "expired"}); got != 2 {
+		t.Errorf("expired = %v, want 2", got)
+	}
+	e.waitNoTrackers()
+}
+
+func TestSchedulerDropsMalformedRequest(t *testing.T) {
+	e := startScheduler(t, schedEnvConfig{})
+	noFrontend, err := messages.Marshal(&messages.Request{RequestID: "no-frontend", Model: testModel})
+	if err != nil {
+		t.Fatal(err)
+	}
+	for i, p := range [][]byte{[]byte("garbage"), {0xc1}, noFrontend} {
+		e.publishRaw(fmt.Sprint("bad-", i), p)
+	}
+	e.publishRequest(newRequest("valid", "s", promptTokens(1, 32)))
+	e.waitMeta("valid")
+	if got := e.counter("kvbus_bus_messages_total", map[string]string{"handler": "scheduler_request", "outcome": "malformed"}); got != 3 {
+		t.Errorf("malformed requests counted %v, want 3", got)
+	}
+	if n := len(e.metas("no-frontend")); n != 0 {
+		t.Error("an invalid request was dispatched")
+	}
+	e.waitNoTrackers()
+	// Malformed messages are terminated, not redelivered forever.
+	cons, err := e.js.Consumer(t.Context(), messages.RequestStream, bus.SchedulerConsumer)
+	if err != nil {
+		t.Fatal(err)
+	}
+	testenv.Eventually(t, waitFor, "nothing pending on the request consumer", func() bool {
+		info, err := cons.Info(t.Context())
+		return err == nil && info.NumAckPending == 0 && info.NumPending == 0 && info.NumRedelivered == 0
+	})
+}
+
+func TestSchedulerAbort(t *testing.T) {
+	e := startScheduler(t, schedEnvConfig{noAnswers: true})
+	e.publishRequest(newRequest("to-abort", "s", promptTokens(1, 32)))
+	e.waitMeta("to-abort")
+	if e.s.Trackers() != 1 {
+		t.Fatalf("%d trackers", e.s.Trackers())
+	}
+	data, err := messages.Marshal(&messages.Abort{ReqID: "to-abort", Reason: "client disconnected"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := e.nc.Publish(e.subj.Abort(), data); err != nil {
+		t.Fatal(err)
+	}
+	e.waitNoTrackers()
+	if got := e.counter("kvbus_scheduler_requests_total", map[string]string{"outcome": "aborted"}); got != 1 {
+		t.Errorf("aborted = %v", got)
+	}
+}
+
+func TestSchedulerTimesOutUnansweredRequest(t *testing.T) {
+	// Only the driver answers; the other rank is silent. The tracker must
+	// not leak: after the deadline (and the sweep's 2 s grace) the request
+	// ends with a timeout error.
+	e := startScheduler(t, schedEnvConfig{noAnswers: true})
+	req := newRequest("silent", "s", promptTokens(1, 32))
+	req.DeadlineUnixMs = time.Now().Add(300 * time.Millisecond).UnixMilli()
+	e.publishRequest(req)
+	meta := e.waitMeta("silent").meta
+	data, err := messages.Marshal(&messages.RankResult{ReqID: meta.ReqID, Group: meta.Group, TPRank: 0, Attempt: meta.Attempt})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := e.nc.Publish(meta.ResultSubject, data); err != nil {
+		t.Fatal(err)
+	}
+	e.waitNoTrackers()
+	testenv.Eventually(t, waitFor, "a timeout error output", func() bool { return len(e.outputs("silent")) > 0 })
+	if out := e.outputs("silent"); out[0].Error == nil || out[0].Error.Code != "timeout" {
+		t.Errorf("output %+v, want a timeout error", out[0])
+	}
+	if got := e.counter("kvbus_scheduler_requests_total", map[string]string{"outcome": "timeout"}); got != 1 {
+		t.Errorf("timeout = %v", got)
+	}
+}
+
+func TestSchedulerRunStops(t *testing.T) {
+	e := startScheduler(t, schedEnvConfig{})
+	e.publishRequest(newRequest("r", "s", promptTokens(1, 32)))
+	e.waitMeta("r")
+	e.waitNoTrackers()
+	done := make(chan error, 1)
+	go func() { done <- e.stop() }()
+	select {
+	case err := <-done:
+		if err != nil {
+			t.Errorf("Run = %v after cancel, want nil", err)
+		}
+	case <-time.After(waitFor):
+		t.Fatal("Run did not return after cancel")
+	}
+}

@@ -1,0 +1,702 @@
+package workers_test
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"slices"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/nats-io/nats.go"
+	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/kvbus/kvbus/bus"
+	"github.com/kvbus/kvbus/messages"
+	"github.com/kvbus/kvbus/scheduler"
+	"github.com/kvbus/kvbus/testenv"
+	"github.com/kvbus/kvbus/workers"
+)
+
+const (
+	testModel    = "kvbus-sim"
+	testGroup    = "g0"
+	testSchedID  = "sched-test"
+	testFrontend = "fe-test"
+	blockSize    = 16
+	worldSize    = 2
+	// tiny at tp 2: 2 × 1 layer × 2 heads × 4 × 2 bytes = 32 bytes per
+	// token, 512 bytes per 16-token block.
+	testBlockBytes = 32 * blockSize
+	testCapacity   = 1 << 20
+	waitFor        = 15 * time.Second
+)
+
+// recorder keeps every message of one subscription in arrival order. NATS
+// delivers one publisher's messages to one subscription in publish order,
+// so "A before B" on the recorder means the rank published A before B.
+type recorder struct {
+	mu   sync.Mutex
+	msgs []*nats.Msg
+}
+
+func (r *recorder) all() []*nats.Msg {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return slices.Clone(r.msgs)
+}
+
+// event is one decoded message for a request: a RankResult or an Output.
+type event struct {
+	result *messages.RankResult
+	output *messages.Output
+}
+
+// rankEnv is a worker group of ranks on an embedded NATS server, watched by
+// a recorder of everything under the subject prefix.
+type rankEnv struct {
+	t       *testing.T
+	nc      *nats.Conn
+	subj    messages.Subjects
+	rec     *recorder
+	reg     *prometheus.Registry
+	logs    *testenv.LogBuffer
+	stop    func() []error // cancels Run and waits for every rank
+	stopped chan struct{}
+}
+
+type rankEnvConfig struct {
+	engine workers.SimConfig
+}
+
+func startRanks(t *testing.T, cfg rankEnvConfig) *rankEnv {
+	t.Helper()
+	srv := testenv.StartNATS(t)
+	e := &rankEnv{
+		t: t, nc: testenv.Connect(t, srv), rec: &recorder{}, reg: prometheus.NewRegistry(),
+		logs: &testenv.LogBuffer{}, stopped: make(chan struct{}),
+	}
+	if _, err := e.nc.Subscribe(e.subj.All(), func(m *nats.Msg) {
+		e.rec.mu.Lock()
+		e.rec.msgs = append(e.rec.msgs, m)
+		e.rec.mu.Unlock()
+	}); err != nil {
+		t.Fatal(err)
+	}
+	if err := e.nc.Flush(); err != nil {
+		t.Fatal(err)
+	}
+	profile, err := workers.LookupModelProfile("tiny")
+	if err != nil {
+		t.Fatal(err)
+	}
+	engine, err := workers.NewSimEngine(cfg.engine)
+	if err != nil {
+		t.Fatal(err)
+	}
+	log := slog.New(slog.NewTextHandler(e.logs, nil))
+	metrics, hm := workers.NewMetrics(e.reg), bus.NewHandlerMetrics(e.reg)
+	var ranks []*workers.Rank
+	for r := range worldSize {
+		rank, err := workers.NewRank(workers.RankConfig{
+			Conn: testenv.Connect(t, srv), Subjects: e.subj, Group: testGroup,
+			TPRank: r, TPSize: worldSize, EPRank: r, EPSize: worldSize,
+			Model: testModel, Profile: profile, CapacityBytes: testCapacity, Engine: engine,
+			BlockSize: blockSize, HeartbeatInterval: 20 * time.Millisecond, ShutdownTimeout: 5 * time.Second,
+			Logger: log, Metrics: metrics, HandlerMetrics: hm,
+		})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if rank.IsDriver() != (r == 0) {
+			t.Fatalf("rank %d: IsDriver() = %v", r, rank.IsDriver())
+		}
+		ranks = append(ranks, rank)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	errs := make(chan error, worldSize)
+	var wg sync.WaitGroup
+	for _, rank := range ranks {
+		wg.Go(func() { errs <- rank.Run(ctx) })
+	}
+	var once sync.Once
+	var runErrs []error
+	e.stop = func() []error {
+		once.Do(func() {
+			cancel()
+			done := make(chan struct{})
+			go func() { wg.Wait(); close(done) }()
+			select {
+			case <-done:
+			case <-time.After(waitFor):
+				t.Error("Rank.Run did not return after its context ended")
+				return
+			}
+			close(errs)
+			for err := range errs {
+				runErrs = append(runErrs, err)
+			}
+			close(e.stopped)
+		})
+		return runErrs
+	}
+	// Registered after the connections, so it runs before they close.
+	t.Cleanup(func() {
+		for _, err := range e.stop() {
+			if err != nil {
+				t.Errorf("Rank.Run: %v", err)
+			}
+		}
+	})
+	// A rank heartbeats only after it subscribed to its group's ReqMetas.
+	testenv.Eventually(t, waitFor, "a heartbeat from every rank", func() bool {
+		for r := range worldSize {
+			if len(e.heartbeats(r)) == 0 {
+				return false
+			}
+		}
+		return true
+	})
+	return e
+}
+
+func (e *rankEnv) heartbeats(rank int) []*messages.Heartbeat {
+	var out []*messages.Heartbeat
+	for _, m := range e.rec.all() {
+		if m.Subject != e.subj.Heartbeat(testGroup, rank) {
+			continue
+		}
+		hb, err := messages.DecodeHeartbeat(m.Data)
+		if err != nil {
+			e.t.Fatalf("bad heartbeat: %v", err)
+		}
+		out = append(out, hb)
+	}
+	return out
+}
+
+// events returns the RankResults and Outputs of a request in arrival order.
+func (e *rankEnv) events(reqID string) []event {
+	var out []event
+	for _, m := range e.rec.all() {
+		switch m.Subject {
+		case e.subj.Done(testSchedID):
+			r, err := messages.DecodeRankResult(m.Data)
+			if err != nil {
+				e.t.Fatalf("bad RankResult: %v", err)
+			}
+			if r.ReqID == reqID {
+				out = append(out, event{result: r})
+			}
+		case e.subj.Out(testFrontend):
+			o, err := messages.DecodeOutput(m.Data)
+			if err != nil {
+				e.t.Fatalf("bad Output: %v", err)
+			}
+			if o.ReqID == reqID {
+				out = append(out, event{output: o})
+			}
+		}
+	}
+	return out
+}
+
+func (e *rankEnv) results(reqID string) []*messages.RankResult {
+	var out []*messages.RankResult
+	for _, ev := range e.events(reqID) {
+		if ev.result != nil {
+			out = append(out, ev.result)
+		}
+	}
+	return out
+}
+
+func (e *rankEnv) outputs(reqID string) []*messages.Output {
+	var out []*messages.Output
+	for _, ev := range e.events(reqID) {
+		if ev.output != nil {
+			out = append(out, ev.output)
+		}
+	}
+	return out
+}
+
+// resultsByRank waits until every rank reported on reqID and returns the
+// results by tp_rank; it fails if a rank reported twice.
+func (e *rankEnv) resultsByRank(reqID string) map[int]*messages.RankResult {
+	e.t.Helper()
+	testenv.Eventually(e.t, waitFor, "a RankResult from every rank for "+reqID, func() bool {
+		return len(e.results(reqID)) >= worldSize
+	})
+	out := map[int]*messages.RankResult{}
+	for _, r := range e.results(reqID) {
+		if out[r.TPRank] != nil {
+			e.t.Fatalf("%s: rank %d reported twice: %+v and %+v", reqID, r.TPRank, out[r.TPRank], r)
+		}
+		out[r.TPRank] = r
+	}
+	if len(out) != worldSize {
+		e.t.Fatalf("%s: results from ranks %v, want 0..%d", reqID, out, worldSize-1)
+	}
+	return out
+}
+
+// finalOutput checks the driver's stream of reqID and returns its last
+// chunk: indexes 0, 1, 2, ... in order, exactly one final chunk, last.
+func (e *rankEnv) finalOutput(reqID string) *messages.Output {
+	e.t.Helper()
+	testenv.Eventually(e.t, waitFor, "the final output of "+reqID, func() bool {
+		for _, o := range e.outputs(reqID) {
+			if o.Final() {
+				return true
+			}
+		}
+		return false
+	})
+	outs := e.outputs(reqID)
+	for i, o := range outs {
+		if o.Index != i {
+			e.t.Fatalf("%s: output %d has index %d", reqID, i, o.Index)
+		}
+		if o.Final() != (i == len(outs)-1) {
+			e.t.Fatalf("%s: output %d of %d final=%v", reqID, i, len(outs), o.Final())
+		}
+	}
+	return outs[len(outs)-1]
+}
+
+func (e *rankEnv) publish(subject string, m messages.Message) {
+	e.t.Helper()
+	data, err := messages.Marshal(m)
+	if err != nil {
+		e.t.Fatal(err)
+	}
+	e.publishRaw(subject, data)
+}
+
+func (e *rankEnv) publishRaw(subject string, data []byte) {
+	e.t.Helper()
+	if err := e.nc.Publish(subject, data); err != nil {
+		e.t.Fatal(err)
+	}
+	if err := e.nc.Flush(); err != nil {
+		e.t.Fatal(err)
+	}
+}
+
+func (e *rankEnv) sendMeta(m *messages.ReqMeta) {
+	e.t.Helper()
+	e.publish(e.subj.Meta(m.Group, m.SessionID), m)
+}
+
+// counter sums the series of a counter in the env's registry whose labels
+// include want.
+func (e *rankEnv) counter(name string, want map[string]string) float64 {
+	e.t.Helper()
+	return gatherCounter(e.t, e.reg, name, want)
+}
+
+func gatherCounter(t testing.TB, reg prometheus.Gatherer, name string, want map[string]string) float64 {
+	t.Helper()
+	mfs, err := reg.Gather()
+	if err != nil {
+		t.Fatal(err)
+	}
+	sum := 0.0
+	for _, mf := range mfs {
+		if mf.GetName() != name {
+			continue
+		}
+	series:
+		for _, m := range mf.GetMetric() {
+			labels := map[string]string{}
+			for _, l := range m.GetLabel() {
+				labels[l.GetName()] = l.GetValue()
+			}
+			for k, v := range want {
+				if labels[k] != v {
+					continue series
+				}
+			}
+			sum += m.GetCounter().GetValue()
+		}
+	}
+	return sum
+}
+
+// promptTokens returns n tokens that differ by seed.
+func promptTokens(seed, n int) []uint32 {
+	p := make([]uint32, n)
+	for i := range p {
+		p[i] = uint32(1 + (seed*1_000_003+i*7919)%128000)
+	}
+	return p
+}
+
+func newMeta(reqID, session string, tokens []uint32) *messages.ReqMeta {
+	return &messages.ReqMeta{
+		ReqID: reqID, SessionID: session, Model: testModel, Group: testGroup,
+		TokenLen: len(tokens), TokenIDs: tokens, BlockSize: blockSize,
+		BlockHashes: scheduler.HashBlocks(nil, scheduler.HashSeed(testModel), tokens, blockSize),
+		LoadSpec:    &messages.LoadSpec{CanLoad: true},
+		CanSave:     true, IsLastChunk: true, NumPromptTokens: len(tokens),
+		SamplingParams: messages.SamplingParams{MaxTokens: 8, IgnoreEOS: true},
+		FrontendID:     testFrontend, ResultSubject: messages.Subjects{}.Done(testSchedID),
+	}
+}
+
+func TestNewRankValidates(t *testing.T) {
+	tiny, _ := workers.LookupModelProfile("tiny")
+	engine, _ := workers.NewSimEngine(workers.SimConfig{})
+	good := func() workers.RankConfig {
+		return workers.RankConfig{Conn: &nats.Conn{}, Group: "g0", TPRank: 1, TPSize: 2, EPRank: 1, EPSize: 2,
+			Model: "m", Profile: tiny, Engine: engine}
+	}
+	tests := []struct {
+		name   string
+		modify func(*workers.RankConfig)
+	}{
+		{"no connection", func(c *workers.RankConfig) { c.Conn = nil }},
+		{"bad group", func(c *workers.RankConfig) { c.Group = "g.0" }},
+		{"empty group", func(c *workers.RankConfig) { c.Group = "" }},
+		{"tp rank >= tp size", func(c *workers.RankConfig) { c.TPRank = 2 }},
+		{"negative tp rank", func(c *workers.RankConfig) { c.TPRank = -1 }},
+		{"zero tp size", func(c *workers.RankConfig) { c.TPSize, c.TPRank = 0, 0 }},
+		{"ep rank >= ep size", func(c *workers.RankConfig) { c.EPRank = 2 }},
+		{"no model", func(c *workers.RankConfig) { c.Model = "" }},
+		{"no profile", func(c *workers.RankConfig) { c.Profile = workers.ModelProfile{} }},
+		{"driver without engine", func(c *workers.RankConfig) { c.TPRank, c.Engine = 0, nil }},
+		{"negative capacity", func(c *workers.RankConfig) { c.CapacityBytes = -1 }},
+		{"bad subject prefix", func(c *workers.RankConfig) { c.Subjects.Prefix = "a.b" }},
+	}
+	for _, tt := range tests {
+		cfg := good()
+		tt.modify(&cfg)
+		if _, err := workers.NewRank(cfg); err == nil {
+			t.Errorf("%s: NewRank succeeded", tt.name)
+		} else if tt.name != "bad subject prefix" && !errors.Is(err, workers.ErrConfig) {
+			t.Errorf("%s: error %v does not wrap ErrConfig", tt.name, err)
+		}
+	}
+	cfg := good()
+	cfg.Engine = nil // only the driver needs an engine
+	if _, err := workers.NewRank(cfg); err != nil {
+		t.Errorf("a non-driver rank without engine: %v", err)
+	}
+}
+
+// TestRankLoadAndStore runs requests one after another on one group, so
+// that each step sees the blocks the previous ones stored.
+func TestRankLoadAndStore(t *testing.T) {
+	env := startRanks(t, rankEnvConfig{})
+	const promptLen = 70 // 4 full blocks of 16, and 6 tokens that are not saved
+	const fullBlocks = promptLen / blockSize
+	base := promptTokens(1, promptLen)
+	// Shares the first two blocks with base, then diverges.
+	fork := append(slices.Clone(base[:2*blockSize]), promptTokens(2, promptLen-2*blockSize)...)
+	loading := func(m *messages.ReqMeta, tokens int) *messages.ReqMeta {
+		m.LoadSpec = &messages.LoadSpec{KVPoolCachedTokens: tokens, CanLoad: true}
+		return m
+	}
+	steps := []struct {
+		name string
+		meta *messages.ReqMeta
+		// want, per rank (CompletionTokens only on the driver).
+		want messages.RankResult
+	}{
+		{"first request stores every full block", newMeta("r1", "sess-A", base),
+			messages.RankResult{StoredBlocks: fullBlocks}},
+		{"repeated prompt skips stored blocks", newMeta("r2", "sess-A", base),
+			messages.RankResult{SkippedBlocks: fullBlocks}},
+		{"LoadSpec over stored blocks loads them", loading(newMeta("r3", "sess-A", base), fullBlocks*blockSize),
+			messages.RankResult{LoadedTokens: fullBlocks * blockSize, SkippedBlocks: fullBlocks}},
+		{"LoadSpec of half the stored blocks", loading(newMeta("r4", "sess-A", base), 2*blockSize),
+			messages.RankResult{LoadedTokens: 2 * blockSize, SkippedBlocks: fullBlocks}},
+		{"LoadSpec over blocks never stored: recompute", loading(newMeta("r5", "sess-B", promptTokens(3, promptLen)), 3*blockSize),
+			messages.RankResult{FailedBlocks: 3, StoredBlocks: fullBlocks}},
+		{"LoadSpec past a shared prefix loads the prefix only", loading(newMeta("r6", "sess-C", fork), fullBlocks*blockSize),
+			messages.RankResult{LoadedTokens: 2 * blockSize, FailedBlocks: 2, SkippedBlocks: 2, StoredBlocks: 2}},
+		{"can_save false stores nothing", func() *messages.ReqMeta {
+			m := newMeta("r7", "", promptTokens(4, promptLen))
+			m.CanSave = false
+			return m
+		}(), messages.RankResult{}},
+		{"save_from_block skips the blocks before it", func() *messages.ReqMeta {
+			m := newMeta("r8", "", promptTokens(5, promptLen))
+			m.SaveFromBlock = 3
+			return m
+		}(), messages.RankResult{StoredBlocks: fullBlocks - 3}},
+		{"a prompt shorter than a block", newMeta("r9", "sess-A", promptTokens(6, blockSize-1)), messages.RankResult{}},
+	}
+	for _, st := range steps {
+		t.Run(st.name, func(t *testing.T) {
+			outer := env.t
+			env.t = t
+			defer func() { env.t = outer }()
+			env.sendMeta(st.meta)
+			final := env.finalOutput(st.meta.ReqID)
+			results := env.resultsByRank(st.meta.ReqID)
+			for rank, r := range results {
+				want := st.want
+				want.V, want.ReqID, want.Group, want.TPRank, want.EPRank = messages.Version, st.meta.ReqID, testGroup, rank, rank
+				want.LoadUs, want.StoreUs = r.LoadUs, r.StoreUs
+				if rank == 0 {
+					want.CompletionTokens = st.meta.SamplingParams.MaxTokens
+				}
+				if *r != want {
+					t.Errorf("rank %d:\n got %+v\nwant %+v", rank, *r, want)
+				}
+			}
+			wantUsage := messages.Usage{PromptTokens: st.meta.TokenLen, CompletionTokens: st.meta.SamplingParams.MaxTokens,
+				CachedTokens: st.want.LoadedTokens}
+			if final.FinishReason != workers.FinishLength || final.Error != nil || final.Usage == nil || *final.Usage != wantUsage {
+				t.Errorf("final output %+v usage %+v, want finish %q and usage %+v", final, final.Usage, workers.FinishLength, wantUsage)
+			}
+			var ids []uint32
+			for _, o := range env.outputs(st.meta.ReqID) {
+				ids = append(ids, o.TokenIDs...)
+			}
+			if len(ids) != st.meta.SamplingParams.MaxTokens {
+				t.Errorf("%d output token ids, want %d", len(ids), st.meta.SamplingParams.MaxTokens)
+			}
+			// Every rank logs the session id it was given in its store thread.
+			for rank := range worldSize {
+				want := []string{`msg="store thread"`, "req_id=" + st.meta.ReqID, fmt.Sprintf("tp_rank=%d ", rank), "group=" + testGroup}
+				if st.meta.SessionID != "" {
+					want = append(want, "session_id="+st.meta.SessionID)
+				}
+				if len(env.logs.Lines(want...)) == 0 {
+					t.Errorf("rank %d logged no line with %q", rank, want)
+				}
+			}
+		})
+		if t.Failed() {
+			return // later steps depend on this one
+		}
+	}
+}
+
+func TestRankDuplicateReqMeta(t *testing.T) {
+	env := startRanks(t, rankEnvConfig{})
+	m := newMeta("dup", "sess", promptTokens(1, 40))
+	env.sendMeta(m)
+	env.sendMeta(m) // a redelivery: same req_id, same attempt
+	testenv.Eventually(t, waitFor, "both ranks to drop the duplicate", func() bool {
+		return env.counter("kvbus_worker_dropped_total", map[string]string{"reason": "duplicate"}) == worldSize
+	})
+	env.resultsByRank("dup")
+	env.finalOutput("dup")
+	// A later request on the same subject is handled after the duplicate
+	// was (ranks take ReqMetas in order): once it is done, the duplicate had
+	// every chance to produce output.
+	env.sendMeta(newMeta("after", "sess", promptTokens(2, 40)))
+	env.resultsByRank("after")
+	env.finalOutput("after")
+	if n := len(env.results("dup")); n != worldSize {
+		t.Errorf("%d RankResults for a request sent twice, want %d", n, worldSize)
+	}
+	finals := 0
+	for _, o := range env.outputs("dup") {
+		if o.Final() {
+			finals++
+		}
+	}
+	if finals != 1 {
+		t.Errorf("%d final outputs for a request sent twice, want 1", finals)
+	}
+	if got := env.counter("kvbus_worker_reqmeta_total", nil); got != 3*worldSize {
+		t.Errorf("kvbus_worker_reqmeta_total = %v, want %d", got, 3*worldSize)
+	}
+
+	// A newer attempt of the same request is run again.
+	m.Attempt = 1
+	env.sendMeta(m)
+	testenv.Eventually(t, waitFor, "results of attempt 1", func() bool {
+		n := 0
+		for _, r := range env.results("dup") {
+			if r.Attempt == 1 {
+				n++
+			}
+		}
+		return n == worldSize
+	})
+	// An older attempt arriving late is a duplicate.
+	m.Attempt = 0
+	env.sendMeta(m)
+	testenv.Eventually(t, waitFor, "both ranks to drop the stale attempt", func() bool {
+		return env.counter("kvbus_worker_dropped_total", map[string]string{"reason": "duplicate"}) == 2*worldSize
+	})
+}
+
+func TestRankAbort(t *testing.T) {
+	env := startRanks(t, rankEnvConfig{engine: workers.SimConfig{
+		Profile: workers.SimProfile{DecodePerToken: 50 * time.Millisecond}, TimeScale: 1,
+	}})
+	m := newMeta("slow", "sess", promptTokens(1, 40))
+	m.SamplingParams.MaxTokens = 100 // 5 s of decoding
+	start := time.Now()
+	env.sendMeta(m)
+	testenv.Eventually(t, waitFor, "the first streamed chunk", func() bool { return len(env.outputs("slow")) > 0 })
+	env.publish(env.subj.Abort(), &messages.Abort{ReqID: "slow", Reason: "client disconnected"})
+	results := env.resultsByRank("slow")
+	if d := time.Since(start); d > 4*time.Second {
+		t.Errorf("the aborted request ran for %s", d)
+	}
+	driver := results[0]
+	if driver.Error == "" {
+		t.Errorf("driver RankResult of an aborted request has no error: %+v", driver)
+	}
+	if driver.CompletionTokens >= 100 {
+		t.Errorf("aborted request generated all %d tokens", driver.CompletionTokens)
+	}
+	// The driver publishes its final output before its RankResult, so no
+	// final chunk before the result means none ever.
+	sawResult := false
+	for _, ev := range env.events("slow") {
+		switch {
+		case ev.result != nil && ev.result.TPRank == 0:
+			sawResult = true
+		case ev.output != nil && ev.output.Final():
+			t.Errorf("the driver sent a final output for an aborted request: %+v", ev.output)
+		case ev.output != nil && sawResult:
+			t.Errorf("output after the driver's RankResult: %+v", ev.output)
+		}
+	}
+	// The group still serves requests.
+	next := newMeta("next", "sess", promptTokens(2, 40))
+	next.SamplingParams.MaxTokens = 2
+	env.sendMeta(next)
+	env.resultsByRank("next")
+	if f := env.finalOutput("next"); f.FinishReason != workers.FinishLength {
+		t.Errorf("after an abort: final %+v", f)
+	}
+	// An abort for an unknown request is harmless.
+	env.publish(env.subj.Abort(), &messages.Abort{ReqID: "never-seen"})
+}
+
+func TestRankDropsMalformedMeta(t *testing.T) {
+	env := startRanks(t, rankEnvConfig{})
+	invalid := newMeta("bad", "sess", promptTokens(1, 40))
+	invalid.BlockSize = 0
+	invalidData, err := messages.Marshal(invalid)
+	if err != nil {
+		t.Fatal(err)
+	}
+	payloads := [][]byte{
+		[]byte("not msgpack at all"),
+		{},
+		{0xc1},
+		{0x81, 0xa1, 'v'}, // truncated map
+		invalidData,       // decodes, breaks a rule
+	}
+	for _, p := range payloads {
+		env.publishRaw(env.subj.Meta(testGroup, "sess"), p)
+	}
+	want := float64(len(payloads) * worldSize)
+	testenv.Eventually(t, waitFor, "every malformed ReqMeta counted", func() bool {
+		return env.counter("kvbus_bus_messages_total", map[string]string{"handler": "worker_reqmeta", "outcome": "malformed"}) == want
+	})
+	if n := env.counter("kvbus_worker_reqmeta_total", nil); n != 0 {
+		t.Errorf("malformed payloads counted as ReqMetas: %v", n)
+	}
+	good := newMeta("good", "sess", promptTokens(2, 40))
+	env.sendMeta(good)
+	env.resultsByRank("good")
+	if f := env.finalOutput("good"); f.FinishReason == "" {
+		t.Errorf("after malformed input: final %+v", f)
+	}
+	if n := len(env.results("bad")); n != 0 {
+		t.Errorf("%d results for an invalid ReqMeta", n)
+	}
+}
+
+func TestRankHeartbeats(t *testing.T) {
+	env := startRanks(t, rankEnvConfig{})
+	testenv.Eventually(t, waitFor, "repeated heartbeats", func() bool {
+		return len(env.heartbeats(0)) >= 3 && len(env.heartbeats(1)) >= 3
+	})
+	for rank := range worldSize {
+		for _, hb := range env.heartbeats(rank) {
+			want := messages.Heartbeat{
+				V: messages.Version, Group: testGroup, TPRank: rank, EPRank: rank, WorldSize: worldSize, Model: testModel,
+				CapacityBlocks: testCapacity / testBlockBytes, StartedUnixMs: hb.StartedUnixMs,
+			}
+			if *hb != want {
+				t.Fatalf("rank %d heartbeat:\n got %+v\nwant %+v", rank, *hb, want)
+			}
+			if time.Since(time.UnixMilli(hb.StartedUnixMs)) > time.Minute || hb.StartedUnixMs > time.Now().UnixMilli() {
+				t.Errorf("rank %d: started_unix_ms %d is not about now", rank, hb.StartedUnixMs)
+			}
+		}
+	}
+	// After a request, heartbeats count the stored blocks.
+	env.sendMeta(newMeta("r", "s", promptTokens(1, 5*blockSize)))
+	env.resultsByRank("r")
+	testenv.Eventually(t, waitFor, "heartbeats with 5 used blocks", func() bool {
+		for rank := range worldSize {
+			hbs := env.heartbeats(rank)
+			if last := hbs[len(hbs)-1]; last.UsedBlocks != 5 || last.QueueDepth != 0 {
+				return false
+			}
+		}
+		return true
+	})
+}
+
+func TestRankGracefulStop(t *testing.T) {
+	env := startRanks(t, rankEnvConfig{engine: workers.SimConfig{
+		Profile: workers.SimProfile{DecodePerToken: 20 * time.Millisecond}, TimeScale: 1,
+	}})
+	m := newMeta("inflight", "sess", promptTokens(1, 40))
+	m.SamplingParams.MaxTokens = 10
+	env.sendMeta(m)
+	testenv.Eventually(t, waitFor, "the first streamed chunk", func() bool { return len(env.outputs("inflight")) > 0 })
+	for _, err := range env.stop() {
+		if err != nil {
+			t.Errorf("Run returned %v after its context ended", err)
+		}
+	}
+	// The in-flight request was finished, not cut off.
+	results := env.resultsByRank("inflight")
+	if f := env.finalOutput("inflight"); f.FinishReason != workers.FinishLength || f.Usage.CompletionTokens != 10 {
+		t.Errorf("in-flight request at shutdown: final %+v", f)
+	}
+	for rank, r := range results {
+		if r.Error != "" {
+			t.Errorf("rank %d: %q", rank, r.Error)
+		}
+	}
+	// A stopped rank sends no more heartbeats.
+	n0, n1 := len(env.heartbeats(0)), len(env.heartbeats(1))
+	env.sendMeta(newMeta("late", "sess", promptTokens(2, 40)))
+	// Round trip through the server: everything published before now has
+	// been delivered to the recorder.
+	if err := env.nc.Flush(); err != nil {
+		t.Fatal(err)
+	}
+	if len(env.heartbeats(0)) > n0+1 || len(env.heartbeats(1)) > n1+1 {
+		t.Errorf("heartbeats after Run returned")
+	}
+	if n := len(env.events("late")); n != 0 {
+		t.Errorf("a stopped rank answered a ReqMeta: %d messages", n)
+	}
+}
+
+func TestRankDeadlinePassed(t *testing.T) {
+	env := startRanks(t, rankEnvConfig{})
+	m := newMeta("late", "sess", promptTokens(1, 40))
+	m.DeadlineUnixMs = time.Now().Add(-time.Second).UnixMilli()
+	env.sendMeta(m)
+	results := env.resultsByRank("late")
+	final := env.finalOutput("late")
+	if final.Error == nil || final.Error.Code != "timeout" || final.FinishReason != "" {
+		t.Errorf("final output %+v (error %+v), want a timeout error", final, final.Error)
+	}
+	for rank, r := range results {
+		if r.Error == "" || r.StoredBlocks != 0 {
+			t.Errorf("rank %d: %+v, want an error and nothing stored", rank, r)
+		}
+	}
+}
