@@ -259,34 +259,7 @@ func (e *schedEnv) waitNoTrackers() {
 
 func (e *schedEnv) counter(name string, want map[string]string) float64 {
 	e.t.Helper()
-	mfs, err := e.reg.Gather()
-	if err != nil {
-		e.t.Fatal(err)
-	}
-	sum := 0.0
-	for _, mf := range mfs {
-		if mf.GetName() != name {
-			continue
-		}
-	series:
-		for _, m := range mf.GetMetric() {
-			for _, l := range m.GetLabel() {
-				if v, ok := want[l.GetName()]; ok && v != l.GetValue() {
-					continue series
-				}
-			}
-			sum += m.GetCounter().GetValue()
-		}
-	}
-	return sum
-}
-
-func promptTokens(seed, n int) []uint32 {
-	p := make([]uint32, n)
-	for i := range p {
-		p[i] = uint32(1 + (seed*1_000_003+i*7919)%128000)
-	}
-	return p
+	return testenv.CounterSum(e.t, e.reg, name, want)
 }
 
 func newRequest(id, session string, tokens []uint32) *messages.Request {
@@ -358,32 +331,32 @@ func TestSchedulerDispatch(t *testing.T) {
 		req         *messages.Request
 		wantSession string
 	}{
-		{"session", newRequest("r-sess", "conv-1", promptTokens(1, 100)), "conv-1"},
-		{"same session, next turn", newRequest("r-sess-2", "conv-1", promptTokens(1, 140)), "conv-1"},
-		{"no session", newRequest("r-none", "", promptTokens(2, 64)), ""},
+		{"session", newRequest("r-sess", "conv-1", testenv.PromptTokens(1, 100)), "conv-1"},
+		{"same session, next turn", newRequest("r-sess-2", "conv-1", testenv.PromptTokens(1, 140)), "conv-1"},
+		{"no session", newRequest("r-none", "", testenv.PromptTokens(2, 64)), ""},
 		{"session only in extra_args", func() *messages.Request {
-			r := newRequest("r-xargs", "conv-2", promptTokens(3, 33))
+			r := newRequest("r-xargs", "conv-2", testenv.PromptTokens(3, 33))
 			r.SessionID = ""
 			return r
 		}(), "conv-2"},
 		{"extra_args wins over the request field", func() *messages.Request {
-			r := newRequest("r-both", "from-xargs", promptTokens(4, 20))
+			r := newRequest("r-both", "from-xargs", testenv.PromptTokens(4, 20))
 			r.SessionID = "from-field"
 			return r
 		}(), "from-xargs"},
 		{"session only in the request field", func() *messages.Request {
-			r := newRequest("r-field", "conv-3", promptTokens(5, 16))
+			r := newRequest("r-field", "conv-3", testenv.PromptTokens(5, 16))
 			r.SamplingParams.ExtraArgs = nil
 			return r
 		}(), "conv-3"},
 		{"a non-string extra_args session counts as absent", func() *messages.Request {
-			r := newRequest("r-num", "", promptTokens(6, 15))
+			r := newRequest("r-num", "", testenv.PromptTokens(6, 15))
 			r.SamplingParams.ExtraArgs = messages.Args{messages.ExtraArgSessionID: int64(42)}
 			return r
 		}(), ""},
 		{"empty prompt", newRequest("r-empty", "conv-4", nil), "conv-4"},
 		{"explicit deadline", func() *messages.Request {
-			r := newRequest("r-deadline", "conv-5", promptTokens(7, 50))
+			r := newRequest("r-deadline", "conv-5", testenv.PromptTokens(7, 50))
 			r.DeadlineUnixMs = time.Now().Add(time.Hour).UnixMilli()
 			return r
 		}(), "conv-5"},
@@ -472,7 +445,7 @@ func TestSchedulerDispatch(t *testing.T) {
 func TestSchedulerRoundRobinUsesEveryGroup(t *testing.T) {
 	e := startScheduler(t, schedEnvConfig{groups: []string{"g0", "g1"}, policy: &scheduler.RoundRobinPolicy{}})
 	for i := range 4 {
-		e.publishRequest(newRequest(fmt.Sprint("rr-", i), "one-session", promptTokens(i, 32)))
+		e.publishRequest(newRequest(fmt.Sprint("rr-", i), "one-session", testenv.PromptTokens(i, 32)))
 	}
 	var got []string
 	for i := range 4 {
@@ -486,7 +459,7 @@ func TestSchedulerRoundRobinUsesEveryGroup(t *testing.T) {
 
 func TestSchedulerDedupe(t *testing.T) {
 	e := startScheduler(t, schedEnvConfig{noAnswers: true})
-	req := newRequest("dup", "s", promptTokens(1, 64))
+	req := newRequest("dup", "s", testenv.PromptTokens(1, 64))
 	if ack := e.publishRequest(req); ack.Duplicate {
 		t.Fatal("first publish is a duplicate")
 	}
@@ -507,7 +480,7 @@ func TestSchedulerDedupe(t *testing.T) {
 	})
 	// Requests are dispatched in log order: once a later one is out, no
 	// second ReqMeta for "dup" is coming.
-	e.publishRequest(newRequest("later", "s", promptTokens(2, 64)))
+	e.publishRequest(newRequest("later", "s", testenv.PromptTokens(2, 64)))
 	e.waitMeta("later")
 	if n := len(e.metas("dup")); n != 1 {
 		t.Errorf("%d ReqMetas for a request published three times", n)
@@ -531,7 +504,7 @@ func TestSchedulerDedupe(t *testing.T) {
 
 func TestSchedulerWaitsForReadyGroup(t *testing.T) {
 	e := startScheduler(t, schedEnvConfig{noHeartbeats: true})
-	e.publishRequest(newRequest("early", "s", promptTokens(1, 48)))
+	e.publishRequest(newRequest("early", "s", testenv.PromptTokens(1, 48)))
 	// The request is retried (nak with delay) while no group is ready.
 	testenv.Eventually(t, waitFor, "the request handled twice without a group", func() bool {
 		return e.counter("kvbus_bus_messages_total", map[string]string{"handler": "scheduler_request", "outcome": "ok"}) >= 2
@@ -546,7 +519,7 @@ func TestSchedulerWaitsForReadyGroup(t *testing.T) {
 		t.Errorf("dispatched to %q", mm.meta.Group)
 	}
 	e.waitNoTrackers()
-	e.publishRequest(newRequest("after", "s", promptTokens(2, 48)))
+	e.publishRequest(newRequest("after", "s", testenv.PromptTokens(2, 48)))
 	e.waitMeta("after")
 	if n := len(e.metas("early")); n != 1 {
 		t.Errorf("%d ReqMetas for one request", n)
@@ -558,14 +531,14 @@ func TestSchedulerWaitsForReadyGroup(t *testing.T) {
 
 func TestSchedulerExpiredRequest(t *testing.T) {
 	e := startScheduler(t, schedEnvConfig{requestTimeout: 10 * time.Second})
-	deadlinePassed := newRequest("expired-deadline", "s", promptTokens(1, 32))
+	deadlinePassed := newRequest("expired-deadline", "s", testenv.PromptTokens(1, 32))
 	deadlinePassed.DeadlineUnixMs = time.Now().Add(-time.Second).UnixMilli()
-	oldArrival := newRequest("expired-arrival", "", promptTokens(2, 32))
+	oldArrival := newRequest("expired-arrival", "", testenv.PromptTokens(2, 32))
 	oldArrival.ArrivalUnixMs = time.Now().Add(-11 * time.Second).UnixMilli() // past the 10 s request timeout
 	for _, req := range []*messages.Request{deadlinePassed, oldArrival} {
 		e.publishRequest(req)
 	}
-	e.publishRequest(newRequest("fresh", "s", promptTokens(3, 32)))
+	e.publishRequest(newRequest("fresh", "s", testenv.PromptTokens(3, 32)))
 	e.waitMeta("fresh")
 	for _, id := range []string{"expired-deadline", "expired-arrival"} {
 		testenv.Eventually(t, waitFor, "the error output of "+id, func() bool { return len(e.outputs(id)) > 0 })
@@ -592,7 +565,7 @@ func TestSchedulerDropsMalformedRequest(t *testing.T) {
 	for i, p := range [][]byte{[]byte("garbage"), {0xc1}, noFrontend} {
 		e.publishRaw(fmt.Sprint("bad-", i), p)
 	}
-	e.publishRequest(newRequest("valid", "s", promptTokens(1, 32)))
+	e.publishRequest(newRequest("valid", "s", testenv.PromptTokens(1, 32)))
 	e.waitMeta("valid")
 	if got := e.counter("kvbus_bus_messages_total", map[string]string{"handler": "scheduler_request", "outcome": "malformed"}); got != 3 {
 		t.Errorf("malformed requests counted %v, want 3", got)
@@ -614,7 +587,7 @@ func TestSchedulerDropsMalformedRequest(t *testing.T) {
 
 func TestSchedulerAbort(t *testing.T) {
 	e := startScheduler(t, schedEnvConfig{noAnswers: true})
-	e.publishRequest(newRequest("to-abort", "s", promptTokens(1, 32)))
+	e.publishRequest(newRequest("to-abort", "s", testenv.PromptTokens(1, 32)))
 	e.waitMeta("to-abort")
 	if e.s.Trackers() != 1 {
 		t.Fatalf("%d trackers", e.s.Trackers())
@@ -637,7 +610,7 @@ func TestSchedulerTimesOutUnansweredRequest(t *testing.T) {
 	// not leak: after the deadline (and the sweep's 2 s grace) the request
 	// ends with a timeout error.
 	e := startScheduler(t, schedEnvConfig{noAnswers: true})
-	req := newRequest("silent", "s", promptTokens(1, 32))
+	req := newRequest("silent", "s", testenv.PromptTokens(1, 32))
 	req.DeadlineUnixMs = time.Now().Add(300 * time.Millisecond).UnixMilli()
 	e.publishRequest(req)
 	meta := e.waitMeta("silent").meta
@@ -660,7 +633,7 @@ func TestSchedulerTimesOutUnansweredRequest(t *testing.T) {
 
 func TestSchedulerRunStops(t *testing.T) {
 	e := startScheduler(t, schedEnvConfig{})
-	e.publishRequest(newRequest("r", "s", promptTokens(1, 32)))
+	e.publishRequest(newRequest("r", "s", testenv.PromptTokens(1, 32)))
 	e.waitMeta("r")
 	e.waitNoTrackers()
 	done := make(chan error, 1)

@@ -295,44 +295,7 @@ func (e *rankEnv) sendMeta(m *messages.ReqMeta) {
 // include want.
 func (e *rankEnv) counter(name string, want map[string]string) float64 {
 	e.t.Helper()
-	return gatherCounter(e.t, e.reg, name, want)
-}
-
-func gatherCounter(t testing.TB, reg prometheus.Gatherer, name string, want map[string]string) float64 {
-	t.Helper()
-	mfs, err := reg.Gather()
-	if err != nil {
-		t.Fatal(err)
-	}
-	sum := 0.0
-	for _, mf := range mfs {
-		if mf.GetName() != name {
-			continue
-		}
-	series:
-		for _, m := range mf.GetMetric() {
-			labels := map[string]string{}
-			for _, l := range m.GetLabel() {
-				labels[l.GetName()] = l.GetValue()
-			}
-			for k, v := range want {
-				if labels[k] != v {
-					continue series
-				}
-			}
-			sum += m.GetCounter().GetValue()
-		}
-	}
-	return sum
-}
-
-// promptTokens returns n tokens that differ by seed.
-func promptTokens(seed, n int) []uint32 {
-	p := make([]uint32, n)
-	for i := range p {
-		p[i] = uint32(1 + (seed*1_000_003+i*7919)%128000)
-	}
-	return p
+	return testenv.CounterSum(e.t, e.reg, name, want)
 }
 
 func newMeta(reqID, session string, tokens []uint32) *messages.ReqMeta {
@@ -393,9 +356,9 @@ func TestRankLoadAndStore(t *testing.T) {
 	env := startRanks(t, rankEnvConfig{})
 	const promptLen = 70 // 4 full blocks of 16, and 6 tokens that are not saved
 	const fullBlocks = promptLen / blockSize
-	base := promptTokens(1, promptLen)
+	base := testenv.PromptTokens(1, promptLen)
 	// Shares the first two blocks with base, then diverges.
-	fork := append(slices.Clone(base[:2*blockSize]), promptTokens(2, promptLen-2*blockSize)...)
+	fork := append(slices.Clone(base[:2*blockSize]), testenv.PromptTokens(2, promptLen-2*blockSize)...)
 	loading := func(m *messages.ReqMeta, tokens int) *messages.ReqMeta {
 		m.LoadSpec = &messages.LoadSpec{KVPoolCachedTokens: tokens, CanLoad: true}
 		return m
@@ -414,21 +377,21 @@ func TestRankLoadAndStore(t *testing.T) {
 			messages.RankResult{LoadedTokens: fullBlocks * blockSize, SkippedBlocks: fullBlocks}},
 		{"LoadSpec of half the stored blocks", loading(newMeta("r4", "sess-A", base), 2*blockSize),
 			messages.RankResult{LoadedTokens: 2 * blockSize, SkippedBlocks: fullBlocks}},
-		{"LoadSpec over blocks never stored: recompute", loading(newMeta("r5", "sess-B", promptTokens(3, promptLen)), 3*blockSize),
+		{"LoadSpec over blocks never stored: recompute", loading(newMeta("r5", "sess-B", testenv.PromptTokens(3, promptLen)), 3*blockSize),
 			messages.RankResult{FailedBlocks: 3, StoredBlocks: fullBlocks}},
 		{"LoadSpec past a shared prefix loads the prefix only", loading(newMeta("r6", "sess-C", fork), fullBlocks*blockSize),
 			messages.RankResult{LoadedTokens: 2 * blockSize, FailedBlocks: 2, SkippedBlocks: 2, StoredBlocks: 2}},
 		{"can_save false stores nothing", func() *messages.ReqMeta {
-			m := newMeta("r7", "", promptTokens(4, promptLen))
+			m := newMeta("r7", "", testenv.PromptTokens(4, promptLen))
 			m.CanSave = false
 			return m
 		}(), messages.RankResult{}},
 		{"save_from_block skips the blocks before it", func() *messages.ReqMeta {
-			m := newMeta("r8", "", promptTokens(5, promptLen))
+			m := newMeta("r8", "", testenv.PromptTokens(5, promptLen))
 			m.SaveFromBlock = 3
 			return m
 		}(), messages.RankResult{StoredBlocks: fullBlocks - 3}},
-		{"a prompt shorter than a block", newMeta("r9", "sess-A", promptTokens(6, blockSize-1)), messages.RankResult{}},
+		{"a prompt shorter than a block", newMeta("r9", "sess-A", testenv.PromptTokens(6, blockSize-1)), messages.RankResult{}},
 	}
 	for _, st := range steps {
 		t.Run(st.name, func(t *testing.T) {
@@ -480,7 +443,7 @@ func TestRankLoadAndStore(t *testing.T) {
 
 func TestRankDuplicateReqMeta(t *testing.T) {
 	env := startRanks(t, rankEnvConfig{})
-	m := newMeta("dup", "sess", promptTokens(1, 40))
+	m := newMeta("dup", "sess", testenv.PromptTokens(1, 40))
 	env.sendMeta(m)
 	env.sendMeta(m) // a redelivery: same req_id, same attempt
 	testenv.Eventually(t, waitFor, "both ranks to drop the duplicate", func() bool {
@@ -491,7 +454,7 @@ func TestRankDuplicateReqMeta(t *testing.T) {
 	// A later request on the same subject is handled after the duplicate
 	// was (ranks take ReqMetas in order): once it is done, the duplicate had
 	// every chance to produce output.
-	env.sendMeta(newMeta("after", "sess", promptTokens(2, 40)))
+	env.sendMeta(newMeta("after", "sess", testenv.PromptTokens(2, 40)))
 	env.resultsByRank("after")
 	env.finalOutput("after")
 	if n := len(env.results("dup")); n != worldSize {
@@ -534,7 +497,7 @@ func TestRankAbort(t *testing.T) {
 	env := startRanks(t, rankEnvConfig{engine: workers.SimConfig{
 		Profile: workers.SimProfile{DecodePerToken: 50 * time.Millisecond}, TimeScale: 1,
 	}})
-	m := newMeta("slow", "sess", promptTokens(1, 40))
+	m := newMeta("slow", "sess", testenv.PromptTokens(1, 40))
 	m.SamplingParams.MaxTokens = 100 // 5 s of decoding
 	start := time.Now()
 	env.sendMeta(m)
@@ -565,7 +528,7 @@ func TestRankAbort(t *testing.T) {
 		}
 	}
 	// The group still serves requests.
-	next := newMeta("next", "sess", promptTokens(2, 40))
+	next := newMeta("next", "sess", testenv.PromptTokens(2, 40))
 	next.SamplingParams.MaxTokens = 2
 	env.sendMeta(next)
 	env.resultsByRank("next")
@@ -578,7 +541,7 @@ func TestRankAbort(t *testing.T) {
 
 func TestRankDropsMalformedMeta(t *testing.T) {
 	env := startRanks(t, rankEnvConfig{})
-	invalid := newMeta("bad", "sess", promptTokens(1, 40))
+	invalid := newMeta("bad", "sess", testenv.PromptTokens(1, 40))
 	invalid.BlockSize = 0
 	invalidData, err := messages.Marshal(invalid)
 	if err != nil {
@@ -601,7 +564,7 @@ func TestRankDropsMalformedMeta(t *testing.T) {
 	if n := env.counter("kvbus_worker_reqmeta_total", nil); n != 0 {
 		t.Errorf("malformed payloads counted as ReqMetas: %v", n)
 	}
-	good := newMeta("good", "sess", promptTokens(2, 40))
+	good := newMeta("good", "sess", testenv.PromptTokens(2, 40))
 	env.sendMeta(good)
 	env.resultsByRank("good")
 	if f := env.finalOutput("good"); f.FinishReason == "" {
@@ -632,7 +595,7 @@ func TestRankHeartbeats(t *testing.T) {
 		}
 	}
 	// After a request, heartbeats count the stored blocks.
-	env.sendMeta(newMeta("r", "s", promptTokens(1, 5*blockSize)))
+	env.sendMeta(newMeta("r", "s", testenv.PromptTokens(1, 5*blockSize)))
 	env.resultsByRank("r")
 	testenv.Eventually(t, waitFor, "heartbeats with 5 used blocks", func() bool {
 		for rank := range worldSize {
@@ -649,7 +612,7 @@ func TestRankGracefulStop(t *testing.T) {
 	env := startRanks(t, rankEnvConfig{engine: workers.SimConfig{
 		Profile: workers.SimProfile{DecodePerToken: 20 * time.Millisecond}, TimeScale: 1,
 	}})
-	m := newMeta("inflight", "sess", promptTokens(1, 40))
+	m := newMeta("inflight", "sess", testenv.PromptTokens(1, 40))
 	m.SamplingParams.MaxTokens = 10
 	env.sendMeta(m)
 	testenv.Eventually(t, waitFor, "the first streamed chunk", func() bool { return len(env.outputs("inflight")) > 0 })
@@ -670,7 +633,7 @@ func TestRankGracefulStop(t *testing.T) {
 	}
 	// A stopped rank sends no more heartbeats.
 	n0, n1 := len(env.heartbeats(0)), len(env.heartbeats(1))
-	env.sendMeta(newMeta("late", "sess", promptTokens(2, 40)))
+	env.sendMeta(newMeta("late", "sess", testenv.PromptTokens(2, 40)))
 	// Round trip through the server: everything published before now has
 	// been delivered to the recorder.
 	if err := env.nc.Flush(); err != nil {
@@ -686,7 +649,7 @@ func TestRankGracefulStop(t *testing.T) {
 
 func TestRankDeadlinePassed(t *testing.T) {
 	env := startRanks(t, rankEnvConfig{})
-	m := newMeta("late", "sess", promptTokens(1, 40))
+	m := newMeta("late", "sess", testenv.PromptTokens(1, 40))
 	m.DeadlineUnixMs = time.Now().Add(-time.Second).UnixMilli()
 	env.sendMeta(m)
 	results := env.resultsByRank("late")
