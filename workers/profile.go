@@ -97,6 +97,60 @@ func BlockPayload(hash uint64, tpRank, size int) []byte {
 	return out
 }
 
+// Payload modes: what a rank keeps per block.
+const (
+	// PayloadBytes keeps the block's full deterministic bytes.
+	PayloadBytes = "bytes"
+	// PayloadAccounting keeps an 8-byte digest per block while charging the
+	// block's full size against capacity, so long traces fit in memory.
+	PayloadAccounting = "accounting"
+)
+
+// blockObject returns the value to store for a block and the size charged.
+func blockObject(mode string, hash uint64, tpRank, size int) (value []byte, charged int64) {
+	if mode == PayloadAccounting {
+		return binary.LittleEndian.AppendUint64(nil, payloadSeed(hash, tpRank)), int64(size)
+	}
+	return BlockPayload(hash, tpRank, size), int64(size)
+}
+
+// verifyBlock reports whether a loaded value is the block's, in either mode.
+func verifyBlock(mode string, b []byte, hash uint64, tpRank, size int) bool {
+	if mode == PayloadAccounting {
+		return len(b) == 8 && binary.LittleEndian.Uint64(b) == payloadSeed(hash, tpRank)
+	}
+	return VerifyPayload(b, hash, tpRank, size)
+}
+
+// ParseCapacity parses a per-rank KV capacity: a byte size (64GiB, 512MB,
+// 1048576) or a number of tokens (4Mtok, 512ktok, 100000tok), which is
+// converted with bytesPerToken.
+func ParseCapacity(s string, bytesPerToken int) (int64, error) {
+	in := strings.TrimSpace(s)
+	units := []struct {
+		suffix string
+		mult   float64
+	}{
+		{"Gtok", 1e9 * float64(bytesPerToken)}, {"Mtok", 1e6 * float64(bytesPerToken)}, {"ktok", 1e3 * float64(bytesPerToken)},
+		{"tok", float64(bytesPerToken)},
+		{"TiB", 1 << 40}, {"GiB", 1 << 30}, {"MiB", 1 << 20}, {"KiB", 1 << 10},
+		{"TB", 1e12}, {"GB", 1e9}, {"MB", 1e6}, {"KB", 1e3}, {"B", 1},
+	}
+	num, mult := in, 1.0
+	for _, u := range units {
+		if strings.HasSuffix(in, u.suffix) {
+			num, mult = strings.TrimSpace(strings.TrimSuffix(in, u.suffix)), u.mult
+			break
+		}
+	}
+	v, err := strconv.ParseFloat(num, 64)
+	total := v * mult
+	if err != nil || !(total >= 1) || total > 1<<62 {
+		return 0, fmt.Errorf("workers: bad capacity %q: want a size such as 64GiB or a token count such as 4Mtok", s)
+	}
+	return int64(total), nil
+}
+
 // VerifyPayload reports whether b is the payload of the block on the rank.
 // It checks the length and the first 64 bytes (all of a shorter payload),
 // which is enough to tell a block from any other and costs little on 512 KiB

@@ -36,8 +36,11 @@ type RankConfig struct {
 	Profile ModelProfile
 	// CapacityBytes is the rank's block store capacity (default 1 GiB).
 	CapacityBytes int64
-	// Store, if set, replaces the embedded MemStore.
-	Store BlockStore
+	// Payload is PayloadBytes (default) or PayloadAccounting.
+	Payload string
+	// Evict is the MemStore's eviction policy: EvictLRU (default) or
+	// EvictSession.
+	Evict string
 	// Engine runs requests on the driver rank (tp_rank 0); required there,
 	// ignored elsewhere.
 	Engine Engine
@@ -77,18 +80,22 @@ func (c *RankConfig) Validate() error {
 		return fmt.Errorf("%w: the driver rank (tp_rank 0) needs an engine", ErrConfig)
 	case c.CapacityBytes < 0:
 		return fmt.Errorf("%w: negative KV capacity", ErrConfig)
+	case c.Payload != PayloadBytes && c.Payload != PayloadAccounting:
+		return fmt.Errorf("%w: --kv-payload %q must be %s or %s", ErrConfig, c.Payload, PayloadBytes, PayloadAccounting)
 	}
 	return c.Subjects.Validate()
 }
 
 // Rank is one TP/EP rank of a worker group: it receives every ReqMeta of its
 // group, loads cached KV blocks (load thread), stores new full blocks (store
-// thread), reports a RankResult per request and sends heartbeats. The driver
-// rank also runs the engine and streams Outputs to the frontend.
+// thread), publishes KV events of what it holds, reports a RankResult per
+// request and sends heartbeats. The driver rank also runs the engine and
+// streams Outputs to the frontend.
 type Rank struct {
 	cfg     RankConfig
 	log     *slog.Logger
 	store   BlockStore
+	events  *eventLog
 	started time.Time
 	labels  []string
 
@@ -140,6 +147,9 @@ func NewRank(cfg RankConfig) (*Rank, error) {
 	if cfg.ShutdownTimeout <= 0 {
 		cfg.ShutdownTimeout = 10 * time.Second
 	}
+	if cfg.Payload == "" {
+		cfg.Payload = PayloadBytes
+	}
 	if cfg.Metrics == nil {
 		cfg.Metrics = NewMetrics(nil)
 	}
@@ -154,17 +164,16 @@ func NewRank(cfg RankConfig) (*Rank, error) {
 		log = slog.Default()
 	}
 	log = log.With("group", cfg.Group, "tp_rank", cfg.TPRank, "ep_rank", cfg.EPRank)
-	store := cfg.Store
-	if store == nil {
-		var err error
-		if store, err = NewMemStore(cfg.CapacityBytes, nil); err != nil {
-			return nil, fmt.Errorf("%w: %v", ErrConfig, err)
-		}
+	events := newEventLog(cfg.Conn, cfg.Subjects.KV(cfg.Group, cfg.TPRank), cfg.Group, cfg.TPRank, log)
+	store, err := NewMemStore(MemStoreConfig{Capacity: cfg.CapacityBytes, Evict: cfg.Evict, OnEvict: events.evicted})
+	if err != nil {
+		return nil, fmt.Errorf("%w: %v", ErrConfig, err)
 	}
 	return &Rank{
 		cfg:    cfg,
 		log:    log,
 		store:  store,
+		events: events,
 		labels: []string{cfg.Group, strconv.Itoa(cfg.TPRank)},
 		loadQ:  make(chan *rankReq, cfg.QueueSize),
 		storeQ: make(chan *rankReq, cfg.QueueSize),
@@ -190,6 +199,15 @@ func (r *Rank) Run(ctx context.Context) error {
 		_ = metaSub.Unsubscribe()
 		return fmt.Errorf("workers: subscribe %s: %w", subj.Abort(), err)
 	}
+	dumpSub, err := bus.Subscribe(ctx, nc, subj.Dump(r.cfg.Group, r.cfg.TPRank), bus.Wrap(r.events.onDump, r.log, r.cfg.HandlerMetrics, "worker_dump"))
+	if err != nil {
+		_ = metaSub.Unsubscribe()
+		_ = abortSub.Unsubscribe()
+		return fmt.Errorf("workers: subscribe %s: %w", subj.Dump(r.cfg.Group, r.cfg.TPRank), err)
+	}
+	defer func() { _ = dumpSub.Unsubscribe() }()
+	// A (re)started rank holds nothing: say so first, as vLLM does.
+	r.events.publish([]messages.KVEvent{{Type: messages.EventAllBlocksCleared}})
 	if err := nc.Flush(); err != nil {
 		r.log.Warn("flush after subscribe", "err", err)
 	}
@@ -333,7 +351,7 @@ func (r *Rank) load(rr *rankReq) {
 	size := r.blockBytes(meta.BlockSize)
 	vals := r.store.BatchGet(rr.ctx, keys)
 	ok := 0
-	for ok < n && VerifyPayload(vals[ok], meta.BlockHashes[ok], r.cfg.TPRank, size) {
+	for ok < n && verifyBlock(r.cfg.Payload, vals[ok], meta.BlockHashes[ok], r.cfg.TPRank, size) {
 		ok++
 	}
 	rr.loaded = ok * meta.BlockSize
@@ -381,39 +399,50 @@ func (r *Rank) storeBlocks(rr *rankReq) {
 		log.Info("store thread", "skipped", "request ended", "cause", err)
 		return
 	}
-	var keys []string
-	var hashes []uint64
-	if meta.CanSave {
-		for i := meta.SaveFromBlock; i < len(meta.BlockHashes); i++ {
-			keys = append(keys, StoreKey(meta.Model, r.cfg.TPRank, meta.BlockHashes[i]))
-			hashes = append(hashes, meta.BlockHashes[i])
+	var (
+		objs   []Object
+		blocks []int // block index of each object
+	)
+	if meta.CanSave && meta.SaveFromBlock < len(meta.BlockHashes) {
+		hashes := meta.BlockHashes[meta.SaveFromBlock:]
+		keys := make([]string, len(hashes))
+		for i, h := range hashes {
+			keys[i] = StoreKey(meta.Model, r.cfg.TPRank, h)
 		}
-	}
-	var objs []Object
-	if len(keys) > 0 {
 		exist := r.store.BatchIsExist(rr.ctx, keys)
 		size := r.blockBytes(meta.BlockSize)
-		group := messages.SessionKey(meta.SessionID)
+		group := ""
+		if meta.SessionID != "" {
+			group = messages.SessionKey(meta.SessionID)
+		}
 		for i, k := range keys {
 			if exist[i] {
 				rr.result.SkippedBlocks++
 				continue
 			}
-			objs = append(objs, Object{Key: k, Value: BlockPayload(hashes[i], r.cfg.TPRank, size), Group: group})
+			value, charged := blockObject(r.cfg.Payload, hashes[i], r.cfg.TPRank, size)
+			objs = append(objs, Object{Key: k, Hash: hashes[i], Value: value, Size: charged, Group: group})
+			blocks = append(blocks, meta.SaveFromBlock+i)
 		}
 	}
+	stored := blocks[:0:0]
 	for i, err := range r.store.BatchPut(rr.ctx, objs) {
 		if err != nil {
 			rr.result.FailedBlocks++
 			log.Warn("store thread: put failed", "key", objs[i].Key, "err", err)
 			continue
 		}
+		stored = append(stored, blocks[i])
 		rr.result.StoredBlocks++
 	}
+	// KV events: what was stored, then what the puts evicted (possibly some
+	// of the blocks just stored, when the store is tiny).
+	r.events.publish(append(storedEvents(meta, stored), r.events.takeEvicted()...))
 	rr.result.StoreUs = time.Since(start).Microseconds()
 	r.cfg.Metrics.storeSec.WithLabelValues(r.labels...).Observe(time.Since(start).Seconds())
 	r.cfg.Metrics.blocks.WithLabelValues(r.labels[0], r.labels[1], "stored").Add(float64(rr.result.StoredBlocks))
 	r.cfg.Metrics.blocks.WithLabelValues(r.labels[0], r.labels[1], "skipped").Add(float64(rr.result.SkippedBlocks))
+	r.cfg.Metrics.blocks.WithLabelValues(r.labels[0], r.labels[1], "store_failed").Add(float64(rr.result.FailedBlocks))
 	used, _, _ := r.store.Usage()
 	r.cfg.Metrics.usedBytes.WithLabelValues(r.labels...).Set(float64(used))
 	log.Info("store thread", "stored_blocks", rr.result.StoredBlocks, "skipped_blocks", rr.result.SkippedBlocks,

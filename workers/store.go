@@ -14,11 +14,22 @@ var ErrObjectTooLarge = errors.New("workers: object larger than store capacity")
 
 // Object is one value to put into a BlockStore. Group tags the object like
 // Mooncake's ReplicateConfig.group_ids (kvbus uses the session key), so that
-// a session's blocks can be found and evicted together.
+// a session's blocks can be found and evicted together. Size is what the
+// object is charged against capacity; 0 means len(Value) (a store that keeps
+// only a digest of a block charges the block's full size).
 type Object struct {
 	Key   string
+	Hash  uint64
 	Value []byte
+	Size  int64
 	Group string
+}
+
+func (o *Object) size() int64 {
+	if o.Size > 0 {
+		return o.Size
+	}
+	return int64(len(o.Value))
 }
 
 // BlockStore is a rank's KV block store, shaped like the Mooncake store
@@ -28,44 +39,77 @@ type Object struct {
 type BlockStore interface {
 	// BatchIsExist reports, for each key, whether the store holds it.
 	BatchIsExist(ctx context.Context, keys []string) []bool
-	// BatchPut stores the objects, evicting least recently used objects to
-	// make room; it returns one error (nil on success) per object.
+	// BatchPut stores the objects, evicting to make room; it returns one
+	// error (nil on success) per object.
 	BatchPut(ctx context.Context, objs []Object) []error
 	// BatchGet returns, for each key, its value or nil when absent, and marks
 	// the found objects as recently used.
 	BatchGet(ctx context.Context, keys []string) [][]byte
 	// Remove deletes key; removing an absent key is not an error.
 	Remove(ctx context.Context, key string) error
-	// Usage reports the bytes held, the capacity in bytes and the number of
-	// objects.
+	// Usage reports the bytes charged, the capacity in bytes and the number
+	// of objects.
 	Usage() (used, capacity int64, objects int)
 }
 
-// EvictFunc is told about every object a MemStore evicts to make room. It is
+// Eviction policies of a MemStore.
+const (
+	// EvictLRU evicts the least recently used object.
+	EvictLRU = "lru"
+	// EvictSession evicts the least recently used object together with every
+	// object of its group (its session), so that a conversation's prefix is
+	// kept or dropped whole.
+	EvictSession = "session"
+)
+
+// EvictFunc is told about every object a MemStore evicts or removes. It is
 // called with the store's lock held and must not call back into the store.
-type EvictFunc func(key, group string)
+type EvictFunc func(key string, hash uint64, group string)
+
+// MemStoreConfig configures a MemStore.
+type MemStoreConfig struct {
+	// Capacity in bytes; required.
+	Capacity int64
+	// Evict is EvictLRU (default) or EvictSession.
+	Evict string
+	// OnEvict, if set, is told about evicted and removed objects.
+	OnEvict EvictFunc
+}
 
 // MemStore is the embedded in-memory BlockStore: a byte-capacity LRU.
 type MemStore struct {
-	mu       sync.Mutex
-	capacity int64
-	used     int64
-	lru      *list.List // front = most recently used; values are *memEntry
-	byKey    map[string]*list.Element
-	onEvict  EvictFunc
+	mu      sync.Mutex
+	cfg     MemStoreConfig
+	used    int64
+	lru     *list.List // front = most recently used; values are *memEntry
+	byKey   map[string]*list.Element
+	byGroup map[string]map[*list.Element]struct{} // only with EvictSession
 }
 
 type memEntry struct {
 	key, group string
+	hash       uint64
 	value      []byte
+	size       int64
 }
 
-// NewMemStore returns an empty store of capacity bytes; onEvict may be nil.
-func NewMemStore(capacity int64, onEvict EvictFunc) (*MemStore, error) {
-	if capacity <= 0 {
-		return nil, fmt.Errorf("workers: store capacity must be positive, got %d", capacity)
+// NewMemStore returns an empty store.
+func NewMemStore(cfg MemStoreConfig) (*MemStore, error) {
+	if cfg.Capacity <= 0 {
+		return nil, fmt.Errorf("workers: store capacity must be positive, got %d", cfg.Capacity)
 	}
-	return &MemStore{capacity: capacity, lru: list.New(), byKey: map[string]*list.Element{}, onEvict: onEvict}, nil
+	switch cfg.Evict {
+	case "":
+		cfg.Evict = EvictLRU
+	case EvictLRU, EvictSession:
+	default:
+		return nil, fmt.Errorf("workers: unknown eviction policy %q (want %s or %s)", cfg.Evict, EvictLRU, EvictSession)
+	}
+	s := &MemStore{cfg: cfg, lru: list.New(), byKey: map[string]*list.Element{}}
+	if cfg.Evict == EvictSession {
+		s.byGroup = map[string]map[*list.Element]struct{}{}
+	}
+	return s, nil
 }
 
 // BatchIsExist implements BlockStore.
@@ -84,20 +128,30 @@ func (s *MemStore) BatchPut(_ context.Context, objs []Object) []error {
 	errs := make([]error, len(objs))
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	for i, o := range objs {
-		size := int64(len(o.Value))
-		if size > s.capacity {
-			errs[i] = fmt.Errorf("%w: %s is %d bytes, capacity %d", ErrObjectTooLarge, o.Key, size, s.capacity)
+	for i := range objs {
+		o := &objs[i]
+		size := o.size()
+		if size > s.cfg.Capacity {
+			errs[i] = fmt.Errorf("%w: %s is %d bytes, capacity %d", ErrObjectTooLarge, o.Key, size, s.cfg.Capacity)
 			continue
 		}
 		if el, ok := s.byKey[o.Key]; ok {
-			s.removeLocked(el)
+			s.unlink(el)
 		}
-		for s.used+size > s.capacity {
-			s.evictLocked()
+		for s.used+size > s.cfg.Capacity {
+			s.evictOldest()
 		}
-		s.byKey[o.Key] = s.lru.PushFront(&memEntry{key: o.Key, group: o.Group, value: o.Value})
+		el := s.lru.PushFront(&memEntry{key: o.Key, hash: o.Hash, group: o.Group, value: o.Value, size: size})
+		s.byKey[o.Key] = el
 		s.used += size
+		if s.byGroup != nil && o.Group != "" {
+			g := s.byGroup[o.Group]
+			if g == nil {
+				g = map[*list.Element]struct{}{}
+				s.byGroup[o.Group] = g
+			}
+			g[el] = struct{}{}
+		}
 	}
 	return errs
 }
@@ -121,7 +175,7 @@ func (s *MemStore) Remove(_ context.Context, key string) error {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	if el, ok := s.byKey[key]; ok {
-		s.removeLocked(el)
+		s.drop(el)
 	}
 	return nil
 }
@@ -130,19 +184,42 @@ func (s *MemStore) Remove(_ context.Context, key string) error {
 func (s *MemStore) Usage() (used, capacity int64, objects int) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	return s.used, s.capacity, len(s.byKey)
+	return s.used, s.cfg.Capacity, len(s.byKey)
 }
 
-func (s *MemStore) removeLocked(el *list.Element) *memEntry {
+// unlink removes an entry without telling OnEvict (it is being replaced).
+func (s *MemStore) unlink(el *list.Element) *memEntry {
 	e := s.lru.Remove(el).(*memEntry)
 	delete(s.byKey, e.key)
-	s.used -= int64(len(e.value))
+	s.used -= e.size
+	if s.byGroup != nil && e.group != "" {
+		g := s.byGroup[e.group]
+		delete(g, el)
+		if len(g) == 0 {
+			delete(s.byGroup, e.group)
+		}
+	}
 	return e
 }
 
-func (s *MemStore) evictLocked() {
-	e := s.removeLocked(s.lru.Back())
-	if s.onEvict != nil {
-		s.onEvict(e.key, e.group)
+// drop removes an entry and tells OnEvict.
+func (s *MemStore) drop(el *list.Element) {
+	e := s.unlink(el)
+	if s.cfg.OnEvict != nil {
+		s.cfg.OnEvict(e.key, e.hash, e.group)
+	}
+}
+
+// evictOldest evicts the least recently used entry and, under
+// EvictSession, the rest of its group (untagged objects go one by one).
+func (s *MemStore) evictOldest() {
+	el := s.lru.Back()
+	group := el.Value.(*memEntry).group
+	if s.byGroup == nil || group == "" {
+		s.drop(el)
+		return
+	}
+	for other := range s.byGroup[group] {
+		s.drop(other)
 	}
 }

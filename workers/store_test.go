@@ -18,11 +18,11 @@ func newTestStore(t *testing.T, capacity int64) (*MemStore, func() []evicted) {
 		mu  sync.Mutex
 		got []evicted
 	)
-	s, err := NewMemStore(capacity, func(key, group string) {
+	s, err := NewMemStore(MemStoreConfig{Capacity: capacity, OnEvict: func(key string, _ uint64, group string) {
 		mu.Lock()
 		got = append(got, evicted{key, group})
 		mu.Unlock()
-	})
+	}})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -45,7 +45,7 @@ func checkUsage(t *testing.T, s *MemStore, wantUsed, wantCap int64, wantObjs int
 
 func TestNewMemStoreRejectsNonPositiveCapacity(t *testing.T) {
 	for _, capacity := range []int64{0, -1} {
-		if s, err := NewMemStore(capacity, nil); err == nil {
+		if s, err := NewMemStore(MemStoreConfig{Capacity: capacity}); err == nil {
 			t.Errorf("NewMemStore(%d) = %v, nil; want an error", capacity, s)
 		}
 	}
@@ -108,8 +108,10 @@ func TestMemStoreRemove(t *testing.T) {
 		t.Errorf("second Remove(a) = %v, want nil", err)
 	}
 	checkUsage(t, s, 20, 100, 1)
-	if ev := evictions(); len(ev) != 0 {
-		t.Errorf("Remove must not report evictions, got %v", ev)
+	// Remove is reported once (the rank turns it into a BlockRemoved event);
+	// removing an absent key reports nothing.
+	if ev := evictions(); len(ev) != 1 || ev[0].key != "a" {
+		t.Errorf("Remove must be reported once, got %v", ev)
 	}
 }
 
@@ -277,7 +279,7 @@ func BenchmarkMemStorePutGet(b *testing.B) {
 		size  = 4 << 10
 	)
 	// Room for 64 batches: puts evict once the store is warm.
-	s, err := NewMemStore(64*batch*size, nil)
+	s, err := NewMemStore(MemStoreConfig{Capacity: 64 * batch * size})
 	if err != nil {
 		b.Fatal(err)
 	}

@@ -1,12 +1,9 @@
 package main
 
 import (
-	"fmt"
 	"io"
 	"log/slog"
 	"os"
-	"strconv"
-	"strings"
 	"time"
 
 	"github.com/kvbus/kvbus/bus"
@@ -95,7 +92,9 @@ type schedulerFlags struct {
 // engineFlags configure ranks and the sim engine.
 type engineFlags struct {
 	ModelProfile     string        `name:"model-profile" default:"llama-3.1-8b" help:"KV shape of the model: llama-3.1-8b, llama-3.1-70b or tiny."`
-	KVCapacity       string        `name:"kv-capacity" default:"1GiB" help:"Block store capacity per rank (B, KiB, MiB, GiB, TiB, or KB, MB, GB)."`
+	KVCapacity       string        `name:"kv-capacity" default:"1GiB" help:"Block store capacity per rank: a size (64GiB, 512MB) or tokens (4Mtok, 512ktok)."`
+	KVPayload        string        `name:"kv-payload" enum:"bytes,accounting" default:"bytes" help:"What a rank keeps per block: the full deterministic bytes, or an 8-byte digest while charging the full size (accounting)."`
+	Evict            string        `name:"evict" enum:"lru,session" default:"lru" help:"Eviction: lru, or session (evict a session's blocks together, by the store's group tag)."`
 	TimeScale        float64       `name:"time-scale" default:"1" help:"Multiplies the engine's modelled durations; 0 makes it instant."`
 	PrefillPerToken  time.Duration `name:"prefill-per-token" default:"60us" help:"Sim engine: prefill time per uncached prompt token."`
 	LoadPerToken     time.Duration `name:"load-per-token" default:"5us" help:"Sim engine: time to load one cached token's KV."`
@@ -110,25 +109,4 @@ func (f engineFlags) engine() (*workers.SimEngine, error) {
 		Profile:   workers.SimProfile{PrefillPerToken: f.PrefillPerToken, LoadPerToken: f.LoadPerToken, DecodePerToken: f.DecodePerToken},
 		TimeScale: f.TimeScale, DefaultMaxTokens: f.DefaultMaxTokens,
 	})
-}
-
-// parseSize parses a byte size such as 64GiB, 512MB or 1048576.
-func parseSize(s string) (int64, error) {
-	s = strings.TrimSpace(s)
-	units := []struct {
-		suffix string
-		mult   int64
-	}{{"TiB", 1 << 40}, {"GiB", 1 << 30}, {"MiB", 1 << 20}, {"KiB", 1 << 10}, {"TB", 1e12}, {"GB", 1e9}, {"MB", 1e6}, {"KB", 1e3}, {"B", 1}}
-	mult := int64(1)
-	for _, u := range units {
-		if strings.HasSuffix(s, u.suffix) {
-			s, mult = strings.TrimSpace(strings.TrimSuffix(s, u.suffix)), u.mult
-			break
-		}
-	}
-	v, err := strconv.ParseFloat(s, 64)
-	if err != nil || v <= 0 || v*float64(mult) > 1<<62 {
-		return 0, fmt.Errorf("bad size %q: want a positive number with an optional unit such as 64GiB", s)
-	}
-	return int64(v * float64(mult)), nil
 }

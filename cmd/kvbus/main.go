@@ -277,13 +277,13 @@ func newRank(nc *nats.Conn, b busFlags, m modelFlags, e engineFlags, engine work
 	if err != nil {
 		return nil, err
 	}
-	capacity, err := parseSize(e.KVCapacity)
+	capacity, err := workers.ParseCapacity(e.KVCapacity, profile.BytesPerTokenPerRank(tpSize))
 	if err != nil {
 		return nil, fmt.Errorf("--kv-capacity: %w", err)
 	}
 	return workers.NewRank(workers.RankConfig{
 		Conn: nc, Subjects: b.subjects(), Group: group, TPRank: tp, TPSize: tpSize, EPRank: ep, EPSize: epSize,
-		Model: m.Model, Profile: profile, CapacityBytes: capacity, Engine: engine,
+		Model: m.Model, Profile: profile, CapacityBytes: capacity, Payload: e.KVPayload, Evict: e.Evict, Engine: engine,
 		HeartbeatInterval: e.HeartbeatEvery, ShutdownTimeout: e.ShutdownTimeout, Logger: log, Metrics: wm, HandlerMetrics: hm,
 	})
 }

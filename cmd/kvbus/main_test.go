@@ -19,44 +19,6 @@ import (
 
 func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
 
-func TestParseSize(t *testing.T) {
-	for _, tc := range []struct {
-		in   string
-		want int64
-		ok   bool
-	}{
-		{"1GiB", 1 << 30, true},
-		{"64GiB", 64 << 30, true},
-		{"512MiB", 512 << 20, true},
-		{"1.5KiB", 1536, true},
-		{"2GB", 2e9, true},
-		{"4096", 4096, true},
-		{" 8 MiB ", 8 << 20, true},
-		{"", 0, false},
-		{"0", 0, false},
-		{"-1GiB", 0, false},
-		{"lots", 0, false},
-		{"1e30TiB", 0, false},
-	} {
-		got, err := parseSize(tc.in)
-		if (err == nil) != tc.ok || got != tc.want {
-			t.Errorf("parseSize(%q) = %d, %v; want %d, ok=%v", tc.in, got, err, tc.want, tc.ok)
-		}
-	}
-}
-
-func FuzzParseSize(f *testing.F) {
-	for _, s := range []string{"1GiB", "12.5MB", "7", "x", "1e400"} {
-		f.Add(s)
-	}
-	f.Fuzz(func(t *testing.T, s string) {
-		n, err := parseSize(s)
-		if err == nil && n <= 0 {
-			t.Fatalf("parseSize(%q) = %d without error", s, n)
-		}
-	})
-}
-
 // TestEveryFlagHasAnEnvTwin parses the CLI and checks that every flag of
 // every command names a KVBUS_* variable.
 func TestEveryFlagHasAnEnvTwin(t *testing.T) {

@@ -1,0 +1,149 @@
+package workers
+
+import (
+	"context"
+	"fmt"
+	"log/slog"
+	"slices"
+	"sync"
+	"time"
+
+	"github.com/nats-io/nats.go"
+
+	"github.com/kvbus/kvbus/messages"
+)
+
+// mediumKVPool is the medium of kvbus's KV events: the rank's block store.
+const mediumKVPool = "kvpool"
+
+// eventLog publishes a rank's KV events with a monotonic seq and keeps the
+// set of block hashes those events say the rank holds, which is what a dump
+// returns. Safe for concurrent use.
+type eventLog struct {
+	nc      *nats.Conn
+	subject string
+	group   string
+	rank    int
+	log     *slog.Logger
+
+	mu   sync.Mutex
+	seq  uint64
+	held map[uint64]struct{}
+
+	evMu    sync.Mutex
+	removed []uint64 // evicted since the last takeEvicted
+}
+
+func newEventLog(nc *nats.Conn, subject, group string, rank int, log *slog.Logger) *eventLog {
+	return &eventLog{nc: nc, subject: subject, group: group, rank: rank, log: log, held: map[uint64]struct{}{}}
+}
+
+// evicted is the block store's EvictFunc.
+func (l *eventLog) evicted(_ string, hash uint64, _ string) {
+	l.evMu.Lock()
+	l.removed = append(l.removed, hash)
+	l.evMu.Unlock()
+}
+
+// takeEvicted returns a BlockRemoved event for the blocks evicted since the
+// last call, or nothing.
+func (l *eventLog) takeEvicted() []messages.KVEvent {
+	l.evMu.Lock()
+	removed := l.removed
+	l.removed = nil
+	l.evMu.Unlock()
+	if len(removed) == 0 {
+		return nil
+	}
+	return []messages.KVEvent{{Type: messages.EventBlockRemoved, BlockHashes: removed, Medium: mediumKVPool}}
+}
+
+// storedEvents describes newly stored blocks (indexes into meta's blocks,
+// ascending) as one BlockStored per contiguous run, with its parent hash and
+// tokens, like vLLM's events.
+func storedEvents(meta *messages.ReqMeta, blocks []int) []messages.KVEvent {
+	var out []messages.KVEvent
+	for len(blocks) > 0 {
+		n := 1
+		for n < len(blocks) && blocks[n] == blocks[0]+n {
+			n++
+		}
+		first, bs := blocks[0], meta.BlockSize
+		ev := messages.KVEvent{
+			Type:        messages.EventBlockStored,
+			BlockHashes: slices.Clone(meta.BlockHashes[first : first+n]),
+			TokenIDs:    slices.Clone(meta.TokenIDs[first*bs : (first+n)*bs]),
+			BlockSize:   bs,
+			Medium:      mediumKVPool,
+		}
+		if first > 0 {
+			parent := meta.BlockHashes[first-1]
+			ev.ParentBlockHash = &parent
+		}
+		out = append(out, ev)
+		blocks = blocks[n:]
+	}
+	return out
+}
+
+// publish sends one batch with the next seq and applies it to the held set.
+// Publishing under the lock keeps seq order on the wire.
+func (l *eventLog) publish(events []messages.KVEvent) {
+	if len(events) == 0 {
+		return
+	}
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	for _, ev := range events {
+		switch ev.Type {
+		case messages.EventBlockStored:
+			for _, h := range ev.BlockHashes {
+				l.held[h] = struct{}{}
+			}
+		case messages.EventBlockRemoved:
+			for _, h := range ev.BlockHashes {
+				delete(l.held, h)
+			}
+		case messages.EventAllBlocksCleared:
+			clear(l.held)
+		}
+	}
+	l.seq++
+	data, err := messages.Marshal(&messages.KVEventBatch{
+		TS: float64(time.Now().UnixMicro()) / 1e6, Seq: l.seq, Group: l.group, Rank: l.rank, Events: events,
+	})
+	if err == nil {
+		err = l.nc.Publish(l.subject, data)
+	}
+	if err != nil {
+		// The scheduler sees the gap in seq and asks for a dump.
+		l.log.Error("cannot publish KV events", "seq", l.seq, "err", err)
+	}
+}
+
+// onDump answers kvbus.ctl.dump.<group>.<rank> with everything the rank
+// holds: AllBlocksCleared then one BlockStored, at the current seq, so that
+// events after it continue from that seq.
+func (l *eventLog) onDump(_ context.Context, m *nats.Msg) error {
+	l.mu.Lock()
+	hashes := make(messages.BlockHashes, 0, len(l.held))
+	for h := range l.held {
+		hashes = append(hashes, h)
+	}
+	batch := &messages.KVEventBatch{
+		TS: float64(time.Now().UnixMicro()) / 1e6, Seq: l.seq, Group: l.group, Rank: l.rank,
+		Events: []messages.KVEvent{
+			{Type: messages.EventAllBlocksCleared},
+			{Type: messages.EventBlockStored, BlockHashes: hashes, Medium: mediumKVPool},
+		},
+	}
+	l.mu.Unlock()
+	data, err := messages.Marshal(batch)
+	if err != nil {
+		return err
+	}
+	if err := m.Respond(data); err != nil {
+		return fmt.Errorf("answer dump request: %w", err)
+	}
+	return nil
+}
