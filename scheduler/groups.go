@@ -8,17 +8,6 @@ import (
 	"github.com/kvbus/kvbus/messages"
 )
 
-// GroupState is a snapshot of one worker group as placement sees it.
-type GroupState struct {
-	Name      string
-	WorldSize int
-	// Inflight counts this scheduler's requests placed on the group and not
-	// yet finished.
-	Inflight int
-	// QueueDepth is the largest queue depth the group's ranks reported.
-	QueueDepth int
-}
-
 // groupTable follows heartbeats. It is safe for concurrent use.
 type groupTable struct {
 	mu      sync.Mutex
@@ -30,6 +19,7 @@ type groupInfo struct {
 	worldSize int
 	ranks     map[int]rankInfo
 	inflight  int
+	queued    int // blocks to prefill of the in-flight requests
 }
 
 type rankInfo struct {
@@ -74,18 +64,30 @@ func (t *groupTable) ready(now time.Time) []GroupState {
 			}
 		}
 		if alive == g.worldSize {
-			out = append(out, GroupState{Name: name, WorldSize: g.worldSize, Inflight: g.inflight, QueueDepth: depth})
+			out = append(out, GroupState{Name: name, WorldSize: g.worldSize, Inflight: g.inflight, QueuedBlocks: g.queued, QueueDepth: depth})
 		}
 	}
 	sort.Slice(out, func(i, j int) bool { return out[i].Name < out[j].Name })
 	return out
 }
 
-// addInflight changes a group's in-flight count.
-func (t *groupTable) addInflight(group string, delta int) {
+// addInflight changes a group's in-flight requests and queued prefill
+// blocks.
+func (t *groupTable) addInflight(group string, requests, blocks int) {
 	t.mu.Lock()
 	defer t.mu.Unlock()
 	if g := t.groups[group]; g != nil {
-		g.inflight += delta
+		g.inflight += requests
+		g.queued += blocks
+	}
+}
+
+// each calls f for every known group with its queue depth and in-flight
+// count.
+func (t *groupTable) each(f func(name string, inflight, queued int)) {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	for name, g := range t.groups {
+		f(name, g.inflight, g.queued)
 	}
 }

@@ -85,10 +85,10 @@ func TestGroupTableState(t *testing.T) {
 		h.QueueDepth = depth
 		gt.observe(h, now)
 	}
-	gt.addInflight("g0", 2)
-	gt.addInflight("g0", 3)
-	gt.addInflight("g0", -1)
-	gt.addInflight("unknown", 5) // ignored, no panic
+	gt.addInflight("g0", 2, 0)
+	gt.addInflight("g0", 3, 0)
+	gt.addInflight("g0", -1, 0)
+	gt.addInflight("unknown", 5, 0) // ignored, no panic
 	got := gt.ready(now)
 	want := []GroupState{{Name: "g0", WorldSize: 3, Inflight: 4, QueueDepth: 7}}
 	if !slices.Equal(got, want) {

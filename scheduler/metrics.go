@@ -3,34 +3,81 @@ package scheduler
 import "github.com/prometheus/client_golang/prometheus"
 
 type metrics struct {
-	routing  prometheus.Histogram
-	requests *prometheus.CounterVec
-	trackers prometheus.GaugeFunc
-	ready    prometheus.Gauge
+	routing       prometheus.Histogram
+	requests      *prometheus.CounterVec
+	ready         prometheus.Gauge
+	predicted     prometheus.Counter
+	actual        prometheus.Counter
+	promptTokens  *prometheus.CounterVec
+	cachedTokens  *prometheus.CounterVec
+	groupInflight *prometheus.GaugeVec
+	groupQueued   *prometheus.GaugeVec
+	groupBlocks   *prometheus.GaugeVec
+	indexEntries  prometheus.Gauge
+	indexBlocks   prometheus.Gauge
+	resyncs       prometheus.Counter
 }
 
 func newMetrics(reg prometheus.Registerer, trackers func() float64) *metrics {
 	m := &metrics{
 		routing: prometheus.NewHistogram(prometheus.HistogramOpts{
 			Name:    "kvbus_scheduler_routing_seconds",
-			Help:    "Time from a Request received to its ReqMeta published (decode, hashing, placement, encode).",
+			Help:    "Time from a Request received to its ReqMeta published (decode, hashing, index lookup, placement, encode).",
 			Buckets: prometheus.ExponentialBuckets(5e-6, 2, 16),
 		}),
 		requests: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "kvbus_scheduler_requests_total",
 			Help: "Requests by outcome (dispatched, completed, failed, timeout, aborted, duplicate, expired).",
 		}, []string{"outcome"}),
-		trackers: prometheus.NewGaugeFunc(prometheus.GaugeOpts{
-			Name: "kvbus_scheduler_trackers",
-			Help: "Live RequestTrackers.",
-		}, trackers),
 		ready: prometheus.NewGauge(prometheus.GaugeOpts{
 			Name: "kvbus_scheduler_ready_groups",
 			Help: "Worker groups whose ranks all sent a recent heartbeat.",
 		}),
+		predicted: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "kvbus_scheduler_predicted_cached_tokens_total",
+			Help: "Prompt tokens the LoadSpecs told ranks to load (the prediction), over completed requests.",
+		}),
+		actual: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "kvbus_scheduler_actual_cached_tokens_total",
+			Help: "Prompt tokens the driver ranks actually loaded, over completed requests.",
+		}),
+		promptTokens: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "kvbus_scheduler_prompt_tokens_total",
+			Help: "Prompt tokens of completed requests by the session's turn depth (1, 2, 3, 4+).",
+		}, []string{"turn_depth"}),
+		cachedTokens: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "kvbus_scheduler_cached_tokens_total",
+			Help: "Prompt tokens loaded from the KV store by turn depth; divide by kvbus_scheduler_prompt_tokens_total for the hit ratio.",
+		}, []string{"turn_depth"}),
+		groupInflight: prometheus.NewGaugeVec(prometheus.GaugeOpts{
+			Name: "kvbus_scheduler_group_inflight_requests",
+			Help: "Requests this scheduler placed on a group and that have not finished.",
+		}, []string{"group"}),
+		groupQueued: prometheus.NewGaugeVec(prometheus.GaugeOpts{
+			Name: "kvbus_scheduler_group_queue_blocks",
+			Help: "Blocks to prefill of the in-flight requests on a group (the load term of the kv policy).",
+		}, []string{"group"}),
+		groupBlocks: prometheus.NewGaugeVec(prometheus.GaugeOpts{
+			Name: "kvbus_scheduler_group_blocks",
+			Help: "KV blocks every rank of a group holds, per the index.",
+		}, []string{"group"}),
+		indexEntries: prometheus.NewGauge(prometheus.GaugeOpts{
+			Name: "kvbus_scheduler_index_entries",
+			Help: "(group, block) entries in the KV index.",
+		}),
+		indexBlocks: prometheus.NewGauge(prometheus.GaugeOpts{
+			Name: "kvbus_scheduler_index_blocks",
+			Help: "Distinct blocks held in full by at least one group.",
+		}),
+		resyncs: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "kvbus_scheduler_kv_resyncs_total",
+			Help: "Dumps requested from ranks after a gap in their KV events or a restart.",
+		}),
 	}
 	if reg != nil {
-		reg.MustRegister(m.routing, m.requests, m.trackers, m.ready)
+		reg.MustRegister(m.routing, m.requests, m.ready, m.predicted, m.actual, m.promptTokens, m.cachedTokens,
+			m.groupInflight, m.groupQueued, m.groupBlocks, m.indexEntries, m.indexBlocks, m.resyncs,
+			prometheus.NewGaugeFunc(prometheus.GaugeOpts{Name: "kvbus_scheduler_trackers", Help: "Live RequestTrackers."}, trackers))
 	}
 	return m
 }

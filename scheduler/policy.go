@@ -4,6 +4,7 @@ import (
 	"errors"
 	"fmt"
 	"math"
+	"math/rand/v2"
 	"sort"
 	"strings"
 	"sync"
@@ -14,42 +15,108 @@ import (
 // ErrNoReadyGroup is returned when no worker group is ready.
 var ErrNoReadyGroup = errors.New("scheduler: no ready worker group")
 
-// Policy chooses a worker group for a request. Place is called from one
-// goroutine at a time per Policy (the scheduler's dispatch loop) and gets a
-// non-empty list of ready groups sorted by name.
+// GroupState is a snapshot of one ready worker group as placement sees it,
+// for one request.
+type GroupState struct {
+	Name      string
+	WorldSize int
+	// Inflight counts this scheduler's requests on the group not yet
+	// finished; QueuedBlocks sums their blocks to prefill.
+	Inflight     int
+	QueuedBlocks int
+	// QueueDepth is the largest queue depth the group's ranks reported.
+	QueueDepth int
+	// IndexBlocks is how many leading blocks of the request every rank of
+	// the group holds, from the KV index.
+	IndexBlocks int
+	// CachedBlocks is IndexBlocks, raised to the previous turn's blocks on
+	// the group bound to the request's session (its KV events may not have
+	// arrived yet).
+	CachedBlocks int
+	// Bound is true for the group that served the session's previous turn.
+	Bound bool
+}
+
+// Policy chooses a worker group for a request. Place gets a non-empty list
+// of ready groups sorted by name. Implementations are safe for concurrent
+// use.
 type Policy interface {
 	Place(t *RequestTracker, groups []GroupState) (string, error)
 }
 
 // Policy names accepted by --policy.
 const (
-	PolicySession    = "session"
-	PolicyRoundRobin = "round-robin"
+	PolicyKV          = "kv"
+	PolicySession     = "session"
+	PolicyRoundRobin  = "round-robin"
+	PolicyRandom      = "random"
+	PolicyLeastLoaded = "least-loaded"
 )
 
-// PolicyNames lists the policies NewPolicy knows.
-var policyNames = []string{PolicySession, PolicyRoundRobin}
+// PolicyNames lists the policies NewPolicy knows, the default first.
+func PolicyNames() []string {
+	return []string{PolicyKV, PolicySession, PolicyRoundRobin, PolicyRandom, PolicyLeastLoaded}
+}
 
 // NewPolicy returns the policy called name. epsilon is the bounded-load
 // slack of the session policy.
 func NewPolicy(name string, epsilon float64) (Policy, error) {
 	switch name {
+	case PolicyKV:
+		return KVPolicy{}, nil
 	case PolicySession:
-		if epsilon < 0 {
+		if epsilon < 0 || math.IsNaN(epsilon) {
 			return nil, fmt.Errorf("scheduler: --session-epsilon must be >= 0, got %g", epsilon)
 		}
 		return &SessionPolicy{Epsilon: epsilon}, nil
 	case PolicyRoundRobin:
 		return &RoundRobinPolicy{}, nil
+	case PolicyRandom:
+		return RandomPolicy{}, nil
+	case PolicyLeastLoaded:
+		return LeastLoadedPolicy{}, nil
 	}
-	return nil, fmt.Errorf("scheduler: unknown --policy %q (known: %s)", name, strings.Join(policyNames, ", "))
+	return nil, fmt.Errorf("scheduler: unknown --policy %q (known: %s)", name, strings.Join(PolicyNames(), ", "))
 }
 
-// SessionPolicy pins a session to a group by rendezvous (highest random
-// weight) hashing of the session id over the ready groups, with bounded
-// load: a group whose in-flight count would exceed (1+Epsilon) × the mean
-// passes the session on to the next group in its rendezvous order. A request
-// without a session is keyed by its request id.
+// placementKey is what rendezvous hashing uses for a request: its session,
+// or its own id when it has none.
+func placementKey(t *RequestTracker) string {
+	if t.SessionID != "" {
+		return t.SessionID
+	}
+	return t.ReqID
+}
+
+// KVPolicy places a request where it costs least: blocks to prefill (total
+// minus the cached prefix on the group) plus the blocks already queued for
+// prefill there. The session is a signal, not a pin: the group bound to it
+// is credited with the previous turn's blocks. Ties break by rendezvous
+// order of the session, so a session is stable.
+type KVPolicy struct{}
+
+// Place implements Policy.
+func (KVPolicy) Place(t *RequestTracker, groups []GroupState) (string, error) {
+	if len(groups) == 0 {
+		return "", ErrNoReadyGroup
+	}
+	total := len(t.BlockHashes)
+	best, bestCost := -1, 0
+	for _, i := range RendezvousOrder(placementKey(t), groups) {
+		g := &groups[i]
+		cost := total - min(g.CachedBlocks, total) + g.QueuedBlocks
+		if best < 0 || cost < bestCost {
+			best, bestCost = i, cost
+		}
+	}
+	return groups[best].Name, nil
+}
+
+// SessionPolicy pins a session to a group: the group bound to it, else the
+// first by rendezvous (highest random weight) hashing of the session id over
+// the ready groups, with bounded load: a group whose in-flight count would
+// exceed (1+Epsilon) × the mean passes the session on to the next group in
+// its rendezvous order. A request without a session is keyed by its id.
 type SessionPolicy struct {
 	Epsilon float64
 }
@@ -59,16 +126,17 @@ func (p *SessionPolicy) Place(t *RequestTracker, groups []GroupState) (string, e
 	if len(groups) == 0 {
 		return "", ErrNoReadyGroup
 	}
-	key := t.SessionID
-	if key == "" {
-		key = t.ReqID
-	}
-	order := RendezvousOrder(key, groups)
 	total := 1 // this request
 	for _, g := range groups {
 		total += g.Inflight
 	}
 	limit := int(math.Ceil((1 + p.Epsilon) * float64(total) / float64(len(groups))))
+	for _, g := range groups {
+		if g.Bound && g.Inflight+1 <= limit {
+			return g.Name, nil
+		}
+	}
+	order := RendezvousOrder(placementKey(t), groups)
 	for _, i := range order {
 		if groups[i].Inflight+1 <= limit {
 			return groups[i].Name, nil
@@ -109,4 +177,36 @@ func (p *RoundRobinPolicy) Place(_ *RequestTracker, groups []GroupState) (string
 	g := groups[p.next%uint64(len(groups))].Name
 	p.next++
 	return g, nil
+}
+
+// RandomPolicy picks a ready group uniformly at random: a baseline.
+type RandomPolicy struct{}
+
+// Place implements Policy.
+func (RandomPolicy) Place(_ *RequestTracker, groups []GroupState) (string, error) {
+	if len(groups) == 0 {
+		return "", ErrNoReadyGroup
+	}
+	return groups[rand.IntN(len(groups))].Name, nil
+}
+
+// LeastLoadedPolicy picks the group with the fewest blocks queued for
+// prefill, then the fewest requests in flight, ignoring the cache: a
+// baseline. Ties break by rendezvous order.
+type LeastLoadedPolicy struct{}
+
+// Place implements Policy.
+func (LeastLoadedPolicy) Place(t *RequestTracker, groups []GroupState) (string, error) {
+	if len(groups) == 0 {
+		return "", ErrNoReadyGroup
+	}
+	best := -1
+	for _, i := range RendezvousOrder(placementKey(t), groups) {
+		g := &groups[i]
+		if best < 0 || g.QueuedBlocks < groups[best].QueuedBlocks ||
+			g.QueuedBlocks == groups[best].QueuedBlocks && g.Inflight < groups[best].Inflight {
+			best = i
+		}
+	}
+	return groups[best].Name, nil
 }

@@ -9,6 +9,8 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"strconv"
+	"sync"
 	"time"
 
 	"github.com/nats-io/nats.go"
@@ -43,10 +45,15 @@ type Config struct {
 	// AckWait is how long JetStream waits for this replica's ack before
 	// redelivering a request to another replica (default 30 s).
 	AckWait time.Duration
-	// StreamReplicas is the JetStream replication of the request log
-	// (default 1).
+	// StreamReplicas is the JetStream replication of the request log and
+	// the session bucket (default 1).
 	StreamReplicas int
-	Logger         *slog.Logger
+	// SessionTTL is how long a session binding lives after its last turn
+	// (default 30 min).
+	SessionTTL time.Duration
+	// DumpTimeout bounds a rank's answer to a dump request (default 2 s).
+	DumpTimeout time.Duration
+	Logger      *slog.Logger
 	// Registerer receives the scheduler's metrics; nil: unregistered.
 	Registerer prometheus.Registerer
 }
@@ -74,8 +81,19 @@ type Scheduler struct {
 	log      *slog.Logger
 	groups   *groupTable
 	trackers *trackerTable
+	index    *KVIndex
+	bindings *SessionBindings // set by Run
 	m        *metrics
 	hm       *bus.HandlerMetrics
+
+	dumpMu  sync.Mutex
+	dumping map[rankID]time.Time // dump requests in flight
+	dumps   sync.WaitGroup
+}
+
+type rankID struct {
+	group string
+	rank  int
 }
 
 // New builds a scheduler; Run starts it.
@@ -92,6 +110,12 @@ func New(cfg Config) (*Scheduler, error) {
 	if cfg.RequestTimeout <= 0 {
 		cfg.RequestTimeout = 60 * time.Second
 	}
+	if cfg.SessionTTL <= 0 {
+		cfg.SessionTTL = 30 * time.Minute
+	}
+	if cfg.DumpTimeout <= 0 {
+		cfg.DumpTimeout = 2 * time.Second
+	}
 	if err := cfg.Validate(); err != nil {
 		return nil, err
 	}
@@ -104,7 +128,9 @@ func New(cfg Config) (*Scheduler, error) {
 		log:      log.With("scheduler_id", cfg.ID),
 		groups:   newGroupTable(cfg.HeartbeatTimeout),
 		trackers: newTrackerTable(),
+		index:    NewKVIndex(),
 		hm:       bus.NewHandlerMetrics(cfg.Registerer),
+		dumping:  map[rankID]time.Time{},
 	}
 	s.m = newMetrics(cfg.Registerer, func() float64 { return float64(s.trackers.Len()) })
 	return s, nil
@@ -115,6 +141,12 @@ func (s *Scheduler) ID() string { return s.cfg.ID }
 
 // ReadyGroups returns the number of worker groups ready now.
 func (s *Scheduler) ReadyGroups() int { return len(s.groups.ready(time.Now())) }
+
+// Index returns the scheduler's KV index.
+func (s *Scheduler) Index() *KVIndex { return s.index }
+
+// Bindings returns the session bindings; nil before Run.
+func (s *Scheduler) Bindings() *SessionBindings { return s.bindings }
 
 // Trackers returns the number of live request trackers.
 func (s *Scheduler) Trackers() int { return s.trackers.Len() }
@@ -136,6 +168,21 @@ func (s *Scheduler) Run(ctx context.Context) error {
 	if err != nil {
 		return err
 	}
+	if s.bindings, err = OpenSessionBindings(setupCtx, js, s.cfg.SessionTTL, s.cfg.StreamReplicas, s.log); err != nil {
+		return err
+	}
+	bindCtx, stopBindings := context.WithCancel(context.Background())
+	var bindingsDone sync.WaitGroup
+	bindingsDone.Go(func() {
+		if err := s.bindings.Run(bindCtx); err != nil {
+			s.log.Error("session bindings stopped", "err", err)
+		}
+	})
+	defer func() {
+		stopBindings()
+		bindingsDone.Wait()
+		s.dumps.Wait()
+	}()
 
 	var subs []*nats.Subscription
 	defer func() {
@@ -148,6 +195,7 @@ func (s *Scheduler) Run(ctx context.Context) error {
 		fn            bus.Handler[*nats.Msg]
 	}{
 		{subj.HeartbeatAll(), "scheduler_heartbeat", s.onHeartbeat},
+		{subj.KVAll(), "scheduler_kv_events", s.onKVEvents},
 		{subj.Done(s.cfg.ID), "scheduler_done", s.onDone},
 		{subj.Abort(), "scheduler_abort", s.onAbort},
 	} {
@@ -184,18 +232,78 @@ func (s *Scheduler) Run(ctx context.Context) error {
 			s.log.Info("scheduler stopped", "trackers_left", s.trackers.Len())
 			return nil
 		case now := <-tick.C:
-			s.sweep(now)
+			s.sweep(ctx, now)
 		}
 	}
 }
 
-func (s *Scheduler) onHeartbeat(_ context.Context, m *nats.Msg) error {
+func (s *Scheduler) onHeartbeat(ctx context.Context, m *nats.Msg) error {
 	hb, err := messages.DecodeHeartbeat(m.Data)
 	if err != nil {
 		return err
 	}
 	s.groups.observe(hb, time.Now())
+	if s.index.ObserveRank(hb.Group, hb.TPRank, hb.WorldSize, hb.StartedUnixMs) {
+		s.log.Info("rank (re)started: asking it for a dump", "group", hb.Group, "tp_rank", hb.TPRank)
+		s.requestDump(ctx, hb.Group, hb.TPRank)
+	}
 	return nil
+}
+
+func (s *Scheduler) onKVEvents(ctx context.Context, m *nats.Msg) error {
+	b, err := messages.DecodeKVEventBatch(m.Data)
+	if err != nil {
+		return err
+	}
+	if s.index.Apply(b) {
+		s.log.Warn("gap in KV events: asking the rank for a dump", "group", b.Group, "tp_rank", b.Rank, "seq", b.Seq)
+		s.requestDump(ctx, b.Group, b.Rank)
+	}
+	return nil
+}
+
+// requestDump asks a rank for everything it holds, in the background, unless
+// a request to it is already in flight.
+func (s *Scheduler) requestDump(ctx context.Context, group string, rank int) {
+	id := rankID{group, rank}
+	s.dumpMu.Lock()
+	if _, busy := s.dumping[id]; busy || ctx.Err() != nil {
+		s.dumpMu.Unlock()
+		return
+	}
+	s.dumping[id] = time.Now()
+	s.dumpMu.Unlock()
+	s.m.resyncs.Inc()
+	s.dumps.Go(func() {
+		defer func() {
+			s.dumpMu.Lock()
+			delete(s.dumping, id)
+			s.dumpMu.Unlock()
+		}()
+		rctx, cancel := context.WithTimeout(ctx, s.cfg.DumpTimeout)
+		msg, err := s.cfg.Conn.RequestWithContext(rctx, s.cfg.Subjects.Dump(group, rank), nil)
+		cancel()
+		if ctx.Err() != nil {
+			return
+		}
+		if err != nil {
+			s.log.Warn("dump request failed; will retry", "group", group, "tp_rank", rank, "err", err)
+			return
+		}
+		dump, err := messages.DecodeKVEventBatch(msg.Data)
+		if err != nil {
+			s.log.Warn("malformed dump; will retry", "group", group, "tp_rank", rank, "err", err)
+			return
+		}
+		again := s.index.ApplyDump(group, rank, dump)
+		s.log.Info("rank resynced from its dump", "group", group, "tp_rank", rank, "seq", dump.Seq, "gap_again", again)
+		if again {
+			s.dumpMu.Lock()
+			delete(s.dumping, id)
+			s.dumpMu.Unlock()
+			s.requestDump(ctx, group, rank)
+		}
+	})
 }
 
 func (s *Scheduler) onAbort(_ context.Context, m *nats.Msg) error {
@@ -204,7 +312,7 @@ func (s *Scheduler) onAbort(_ context.Context, m *nats.Msg) error {
 		return err
 	}
 	if t := s.trackers.remove(a.ReqID); t != nil {
-		s.groups.addInflight(t.Group, -1)
+		s.groups.addInflight(t.Group, -1, -t.PrefillBlocks)
 		s.m.requests.WithLabelValues("aborted").Inc()
 		s.log.Info("request aborted", "req_id", t.ReqID, "session_id", t.SessionID, "group", t.Group, "reason", a.Reason)
 	}
@@ -224,7 +332,7 @@ func (s *Scheduler) onDone(_ context.Context, m *nats.Msg) error {
 	if t == nil {
 		return nil
 	}
-	s.groups.addInflight(t.Group, -1)
+	s.groups.addInflight(t.Group, -1, -t.PrefillBlocks)
 	outcome, failed := "completed", 0
 	for _, res := range t.Results {
 		failed += res.FailedBlocks
@@ -234,8 +342,13 @@ func (s *Scheduler) onDone(_ context.Context, m *nats.Msg) error {
 	}
 	s.m.requests.WithLabelValues(outcome).Inc()
 	driver := t.Results[0]
+	depth := turnDepthLabel(t.TurnDepth)
+	s.m.predicted.Add(float64(t.LoadBlocks * s.cfg.BlockSize))
+	s.m.actual.Add(float64(driver.LoadedTokens))
+	s.m.promptTokens.WithLabelValues(depth).Add(float64(t.TokenLen))
+	s.m.cachedTokens.WithLabelValues(depth).Add(float64(driver.LoadedTokens))
 	s.log.Info("request done", "req_id", t.ReqID, "session_id", t.SessionID, "group", t.Group,
-		"outcome", outcome, "prompt_tokens", t.TokenLen, "loaded_tokens", driver.LoadedTokens,
+		"outcome", outcome, "prompt_tokens", t.TokenLen, "predicted_tokens", t.LoadBlocks*s.cfg.BlockSize, "loaded_tokens", driver.LoadedTokens,
 		"completion_tokens", driver.CompletionTokens, "failed_blocks", failed, "error", driver.Error,
 		"ms", time.Since(t.Received).Milliseconds())
 	return nil
@@ -282,9 +395,25 @@ func (s *Scheduler) onRequest(_ context.Context, m jetstream.Msg) error {
 	t := &RequestTracker{
 		ReqID: req.RequestID, SessionID: sessionID, Model: req.Model, FrontendID: req.FrontendID,
 		TokenLen: len(req.PromptTokenIDs), TokenIDs: req.PromptTokenIDs, Request: req,
-		Received: start, Deadline: deadline, Results: map[int]*messages.RankResult{},
+		Received: start, Deadline: deadline, Results: map[int]*messages.RankResult{}, TurnDepth: 1,
 	}
 	t.BlockHashes = HashBlocks(make([]uint64, 0, t.TokenLen/s.cfg.BlockSize), HashSeed(req.Model), req.PromptTokenIDs, s.cfg.BlockSize)
+	binding, bound := s.bindings.Get(sessionID)
+	if bound {
+		t.TurnDepth = binding.Turn + 1
+	}
+	s.index.Match(t.BlockHashes, groups)
+	for i := range groups {
+		g := &groups[i]
+		g.CachedBlocks = g.IndexBlocks
+		if bound && g.Name == binding.Group {
+			g.Bound = true
+			// The previous turn's blocks, if this prompt extends it.
+			if n := binding.Blocks; n > 0 && n <= len(t.BlockHashes) && t.BlockHashes[n-1] == binding.LastHash {
+				g.CachedBlocks = max(g.CachedBlocks, n)
+			}
+		}
+	}
 	group, err := s.cfg.Policy.Place(t, groups)
 	if err != nil {
 		return m.NakWithDelay(200 * time.Millisecond)
@@ -292,22 +421,34 @@ func (s *Scheduler) onRequest(_ context.Context, m jetstream.Msg) error {
 	for _, g := range groups {
 		if g.Name == group {
 			t.WorldSize = g.WorldSize
+			// Load what every rank holds, but never the whole prompt: at least
+			// one token is computed (vLLM's rule).
+			t.LoadBlocks = min(g.IndexBlocks, max(t.TokenLen-1, 0)/s.cfg.BlockSize)
 		}
 	}
 	t.Group = group
+	t.PrefillBlocks = len(t.BlockHashes) - t.LoadBlocks
 	if !s.trackers.add(t) {
 		return m.Ack()
 	}
-	s.groups.addInflight(group, 1)
+	s.groups.addInflight(group, 1, t.PrefillBlocks)
 	if err := s.publishMeta(t); err != nil {
 		s.trackers.remove(t.ReqID)
-		s.groups.addInflight(group, -1)
+		s.groups.addInflight(group, -1, -t.PrefillBlocks)
 		_ = m.NakWithDelay(100 * time.Millisecond)
 		return err
 	}
+	if sessionID != "" {
+		b := Binding{Group: group, Blocks: len(t.BlockHashes), Turn: t.TurnDepth}
+		if b.Blocks > 0 {
+			b.LastHash = t.BlockHashes[b.Blocks-1]
+		}
+		s.bindings.Record(sessionID, b)
+	}
 	s.m.routing.Observe(time.Since(start).Seconds())
 	s.m.requests.WithLabelValues("dispatched").Inc()
-	log.Debug("dispatched", "group", group, "prompt_tokens", t.TokenLen, "blocks", len(t.BlockHashes))
+	log.Debug("dispatched", "group", group, "prompt_tokens", t.TokenLen, "blocks", len(t.BlockHashes),
+		"load_blocks", t.LoadBlocks, "turn_depth", t.TurnDepth)
 	return m.Ack()
 }
 
@@ -318,8 +459,8 @@ func (s *Scheduler) publishMeta(t *RequestTracker) error {
 	meta := &messages.ReqMeta{
 		ReqID: t.ReqID, SessionID: t.SessionID, Model: t.Model, Group: t.Group,
 		TokenLen: t.TokenLen, TokenIDs: t.TokenIDs, BlockSize: s.cfg.BlockSize, BlockHashes: t.BlockHashes,
-		LoadSpec: &messages.LoadSpec{},
-		CanSave:  true, SaveFromBlock: 0, IsLastChunk: true, NumPromptTokens: t.TokenLen,
+		LoadSpec: &messages.LoadSpec{KVPoolCachedTokens: t.LoadBlocks * s.cfg.BlockSize, CanLoad: t.LoadBlocks > 0},
+		CanSave:  true, SaveFromBlock: t.LoadBlocks, IsLastChunk: true, NumPromptTokens: t.TokenLen,
 		SamplingParams: req.SamplingParams, FrontendID: t.FrontendID,
 		ResultSubject: s.cfg.Subjects.Done(s.cfg.ID), Attempt: t.Attempt,
 		DeadlineUnixMs: t.Deadline.UnixMilli(),
@@ -346,14 +487,36 @@ func (s *Scheduler) sendError(frontendID, reqID, sessionID, code, msg string) {
 }
 
 // sweep drops trackers past their deadline (plus a grace period for the
-// driver's own timeout report) so that none leaks.
-func (s *Scheduler) sweep(now time.Time) {
+// driver's own timeout report) so that none leaks, retries dumps that did
+// not arrive, and refreshes the gauges.
+func (s *Scheduler) sweep(ctx context.Context, now time.Time) {
 	s.m.ready.Set(float64(len(s.groups.ready(now))))
+	for group, ranks := range s.index.Resyncing() {
+		for _, r := range ranks {
+			s.requestDump(ctx, group, r)
+		}
+	}
+	s.groups.each(func(name string, inflight, queued int) {
+		s.m.groupInflight.WithLabelValues(name).Set(float64(inflight))
+		s.m.groupQueued.WithLabelValues(name).Set(float64(queued))
+		s.m.groupBlocks.WithLabelValues(name).Set(float64(s.index.GroupBlocks(name)))
+	})
+	entries, full := s.index.Size()
+	s.m.indexEntries.Set(float64(entries))
+	s.m.indexBlocks.Set(float64(full))
 	for _, t := range s.trackers.expired(now.Add(-2 * time.Second)) {
-		s.groups.addInflight(t.Group, -1)
+		s.groups.addInflight(t.Group, -1, -t.PrefillBlocks)
 		s.m.requests.WithLabelValues("timeout").Inc()
 		s.log.Warn("request timed out in the scheduler", "req_id", t.ReqID, "session_id", t.SessionID,
 			"group", t.Group, "ranks_reported", len(t.Results), "world_size", t.WorldSize)
 		s.sendError(t.FrontendID, t.ReqID, t.SessionID, "timeout", "request timed out waiting for worker ranks")
 	}
+}
+
+// turnDepthLabel buckets a turn depth as 1, 2, 3 or 4+.
+func turnDepthLabel(d int) string {
+	if d >= 4 {
+		return "4+"
+	}
+	return strconv.Itoa(max(d, 1))
 }

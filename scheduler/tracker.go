@@ -22,10 +22,17 @@ type RequestTracker struct {
 	Received    time.Time
 	Deadline    time.Time
 
+	// TurnDepth is 1 for a session's first turn (or no session), then 2, 3…
+	TurnDepth int
+
 	// Set when placed.
 	Group     string
 	WorldSize int
 	Attempt   int
+	// LoadBlocks is the LoadSpec's prefix in blocks (the prediction);
+	// PrefillBlocks the blocks left to prefill.
+	LoadBlocks    int
+	PrefillBlocks int
 	// Results holds the RankResult of each tp_rank for the current attempt.
 	Results map[int]*messages.RankResult
 }

@@ -95,12 +95,20 @@ func (b *LogBuffer) Lines(substrs ...string) []string {
 type ClusterConfig struct {
 	Groups int    // default 1
 	Ranks  int    // ranks per group, default 4
-	Policy string // default "session"
-	Model  string // default "kvbus-sim"
+	Policy string // default "kv"
+	// Schedulers is the number of scheduler replicas (default 1).
+	Schedulers int
+	Model      string // default "kvbus-sim"
 	// TimeScale of the sim engine: 0 is instant.
 	TimeScale float64
 	// ModelProfile names the KV shape (default "tiny").
-	ModelProfile   string
+	ModelProfile string
+	// KVCapacity per rank in bytes (default 64 MiB); Payload and Evict as
+	// the workers' --kv-payload and --evict.
+	KVCapacity     int64
+	Payload        string
+	Evict          string
+	SessionTTL     time.Duration
 	SessionHeaders []string
 	MaxModelLen    int
 	RequestTimeout time.Duration
@@ -115,11 +123,13 @@ type Cluster struct {
 	NATS      *bus.Server
 	URL       string // the frontend's base URL, http://127.0.0.1:port
 	Frontend  *frontend.Server
-	Scheduler *scheduler.Scheduler
-	Ranks     []*workers.Rank
-	Logs      *LogBuffer
-	Subjects  messages.Subjects
-	Model     string
+	Scheduler *scheduler.Scheduler // the first replica
+	// Schedulers are all replicas.
+	Schedulers []*scheduler.Scheduler
+	Ranks      []*workers.Rank
+	Logs       *LogBuffer
+	Subjects   messages.Subjects
+	Model      string
 }
 
 // StartCluster starts NATS, ranks, a scheduler and a frontend, waits until
@@ -134,7 +144,13 @@ func StartCluster(t testing.TB, cfg ClusterConfig) *Cluster {
 		cfg.Ranks = 4
 	}
 	if cfg.Policy == "" {
-		cfg.Policy = scheduler.PolicySession
+		cfg.Policy = scheduler.PolicyKV
+	}
+	if cfg.Schedulers == 0 {
+		cfg.Schedulers = 1
+	}
+	if cfg.KVCapacity == 0 {
+		cfg.KVCapacity = 64 << 20
 	}
 	if cfg.Model == "" {
 		cfg.Model = "kvbus-sim"
@@ -183,7 +199,7 @@ func StartCluster(t testing.TB, cfg ClusterConfig) *Cluster {
 		for r := range cfg.Ranks {
 			rank, err := workers.NewRank(workers.RankConfig{
 				Conn: Connect(t, srv), Group: group, TPRank: r, TPSize: cfg.Ranks, EPRank: r, EPSize: cfg.Ranks,
-				Model: cfg.Model, Profile: profile, CapacityBytes: 64 << 20, Engine: engine,
+				Model: cfg.Model, Profile: profile, CapacityBytes: cfg.KVCapacity, Payload: cfg.Payload, Evict: cfg.Evict, Engine: engine,
 				HeartbeatInterval: 100 * time.Millisecond, Logger: log,
 			})
 			if err != nil {
@@ -193,18 +209,22 @@ func StartCluster(t testing.TB, cfg ClusterConfig) *Cluster {
 			run(fmt.Sprintf("rank %s/%d", group, r), rank.Run)
 		}
 	}
-	policy, err := scheduler.NewPolicy(cfg.Policy, 0.25)
-	if err != nil {
-		t.Fatal(err)
+	for i := range cfg.Schedulers {
+		policy, err := scheduler.NewPolicy(cfg.Policy, 0.25)
+		if err != nil {
+			t.Fatal(err)
+		}
+		s, err := scheduler.New(scheduler.Config{
+			Conn: Connect(t, srv), Policy: policy, HeartbeatTimeout: time.Second,
+			RequestTimeout: cfg.RequestTimeout, SessionTTL: cfg.SessionTTL, Logger: log,
+		})
+		if err != nil {
+			t.Fatal(err)
+		}
+		c.Schedulers = append(c.Schedulers, s)
+		run(fmt.Sprintf("scheduler %d", i), s.Run)
 	}
-	c.Scheduler, err = scheduler.New(scheduler.Config{
-		Conn: Connect(t, srv), Policy: policy, HeartbeatTimeout: time.Second,
-		RequestTimeout: cfg.RequestTimeout, Logger: log,
-	})
-	if err != nil {
-		t.Fatal(err)
-	}
-	run("scheduler", c.Scheduler.Run)
+	c.Scheduler = c.Schedulers[0]
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
 		t.Fatal(err)
@@ -226,7 +246,12 @@ func StartCluster(t testing.TB, cfg ClusterConfig) *Cluster {
 	}
 	c.URL = "http://" + ln.Addr().String()
 	Eventually(t, 10*time.Second, "all worker groups ready", func() bool {
-		return c.Scheduler.ReadyGroups() == cfg.Groups
+		for _, s := range c.Schedulers {
+			if s.ReadyGroups() != cfg.Groups {
+				return false
+			}
+		}
+		return true
 	})
 	return c
 }

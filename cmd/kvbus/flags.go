@@ -83,7 +83,8 @@ type timeoutFlags struct {
 
 // schedulerFlags configure placement.
 type schedulerFlags struct {
-	Policy           string        `name:"policy" enum:"session,round-robin" default:"session" help:"Placement policy: session (rendezvous on the session id, bounded load) or round-robin."`
+	Policy           string        `name:"policy" enum:"kv,session,round-robin,random,least-loaded" default:"kv" help:"Placement policy: kv (least prefill cost from the KV index, session as a signal), session (rendezvous on the session id, bounded load), or the baselines round-robin, random, least-loaded."`
+	SessionTTL       time.Duration `name:"session-ttl" default:"30m" help:"How long a session binding (session → group) lives after its last turn."`
 	SessionEpsilon   float64       `name:"session-epsilon" default:"0.25" help:"Bounded-load slack of the session policy: a group above (1+ε)× the mean load passes the session on."`
 	BlockSize        int           `name:"block-size" default:"16" help:"Tokens per KV block."`
 	HeartbeatTimeout time.Duration `name:"heartbeat-timeout" default:"3s" help:"A group is ready when all its ranks sent a heartbeat within this."`

@@ -225,7 +225,7 @@ func newScheduler(nc *nats.Conn, b busFlags, f schedulerFlags, t timeoutFlags, i
 	}
 	return scheduler.New(scheduler.Config{
 		Conn: nc, Subjects: b.subjects(), ID: id, Policy: policy, BlockSize: f.BlockSize,
-		HeartbeatTimeout: f.HeartbeatTimeout, RequestTimeout: t.RequestTimeout, Logger: log, Registerer: reg,
+		HeartbeatTimeout: f.HeartbeatTimeout, RequestTimeout: t.RequestTimeout, SessionTTL: f.SessionTTL, Logger: log, Registerer: reg,
 	})
 }
 

@@ -1,0 +1,197 @@
+package scheduler
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"log/slog"
+	"sync"
+	"time"
+
+	"github.com/nats-io/nats.go/jetstream"
+
+	"github.com/kvbus/kvbus/messages"
+)
+
+// SessionBucket is the JetStream KV bucket of session bindings.
+const SessionBucket = "KVBUS_SESSIONS"
+
+// Binding says where a session's previous turn ran: its group, how many
+// full blocks its prompt had and the hash of the last of them (so that the
+// next turn can check it extends that prompt), and the turn number.
+type Binding struct {
+	Group         string `json:"group"`
+	Blocks        int    `json:"blocks"`
+	LastHash      uint64 `json:"last_hash"`
+	Turn          int    `json:"turn"`
+	UpdatedUnixMs int64  `json:"updated_unix_ms"`
+}
+
+// SessionBindings keeps session → group bindings in a JetStream KV bucket
+// with a TTL, shared by all scheduler replicas. Reads come from a local copy
+// that a watcher keeps current, so placement never waits on the network;
+// writes are compare-and-set, applied in the background. Safe for concurrent
+// use.
+type SessionBindings struct {
+	kv  jetstream.KeyValue
+	ttl time.Duration
+	log *slog.Logger
+
+	mu    sync.RWMutex
+	local map[string]boundEntry // by session key
+
+	writes chan bindingWrite
+}
+
+type boundEntry struct {
+	Binding
+	rev uint64
+}
+
+type bindingWrite struct {
+	key string
+	b   Binding
+}
+
+// OpenSessionBindings creates or opens the bucket.
+func OpenSessionBindings(ctx context.Context, js jetstream.JetStream, ttl time.Duration, replicas int, log *slog.Logger) (*SessionBindings, error) {
+	if ttl <= 0 {
+		return nil, fmt.Errorf("%w: --session-ttl must be positive", ErrConfig)
+	}
+	kv, err := js.CreateOrUpdateKeyValue(ctx, jetstream.KeyValueConfig{
+		Bucket:         SessionBucket,
+		Description:    "kvbus session bindings: session key → worker group of the previous turn",
+		TTL:            ttl,
+		History:        1,
+		Storage:        jetstream.FileStorage,
+		Replicas:       max(replicas, 1),
+		LimitMarkerTTL: max(ttl, time.Second), // watchers hear about expiry
+	})
+	if err != nil {
+		return nil, fmt.Errorf("scheduler: session bucket %s: %w", SessionBucket, err)
+	}
+	return &SessionBindings{kv: kv, ttl: ttl, log: log, local: map[string]boundEntry{}, writes: make(chan bindingWrite, 4096)}, nil
+}
+
+// Run watches the bucket and applies queued writes until ctx ends.
+func (s *SessionBindings) Run(ctx context.Context) error {
+	w, err := s.kv.WatchAll(ctx)
+	if err != nil {
+		return fmt.Errorf("scheduler: watch %s: %w", SessionBucket, err)
+	}
+	defer func() { _ = w.Stop() }()
+	for {
+		select {
+		case <-ctx.Done():
+			return nil
+		case e, ok := <-w.Updates():
+			if !ok {
+				return nil
+			}
+			if e != nil {
+				s.observe(e)
+			}
+		case wr := <-s.writes:
+			s.write(ctx, wr)
+		}
+	}
+}
+
+func (s *SessionBindings) observe(e jetstream.KeyValueEntry) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if e.Operation() != jetstream.KeyValuePut {
+		delete(s.local, e.Key())
+		return
+	}
+	var b Binding
+	if err := json.Unmarshal(e.Value(), &b); err != nil {
+		s.log.Warn("ignoring a malformed session binding", "key", e.Key(), "err", err)
+		return
+	}
+	if cur, ok := s.local[e.Key()]; ok && cur.rev >= e.Revision() {
+		return
+	}
+	s.local[e.Key()] = boundEntry{Binding: b, rev: e.Revision()}
+}
+
+// Get returns the live binding of a session id.
+func (s *SessionBindings) Get(sessionID string) (Binding, bool) {
+	if sessionID == "" {
+		return Binding{}, false
+	}
+	s.mu.RLock()
+	e, ok := s.local[messages.SessionKey(sessionID)]
+	s.mu.RUnlock()
+	if !ok || time.Since(time.UnixMilli(e.UpdatedUnixMs)) > s.ttl {
+		return Binding{}, false
+	}
+	return e.Binding, true
+}
+
+// Record queues a binding for a session id; it never blocks (a full queue
+// drops the write: the next turn writes again).
+func (s *SessionBindings) Record(sessionID string, b Binding) {
+	if sessionID == "" {
+		return
+	}
+	b.UpdatedUnixMs = time.Now().UnixMilli()
+	select {
+	case s.writes <- bindingWrite{key: messages.SessionKey(sessionID), b: b}:
+	default:
+		s.log.Warn("session binding queue full; dropping a write", "session_key", messages.SessionKey(sessionID))
+	}
+}
+
+// write stores a binding with compare-and-set: it creates the key, or
+// updates the revision it knows. On a conflict it rereads; a stored binding
+// of a later turn wins, otherwise it retries once.
+func (s *SessionBindings) write(ctx context.Context, wr bindingWrite) {
+	data, err := json.Marshal(wr.b)
+	if err != nil {
+		return
+	}
+	ctx, cancel := context.WithTimeout(ctx, 5*time.Second)
+	defer cancel()
+	for attempt := 0; attempt < 2; attempt++ {
+		s.mu.RLock()
+		cur, known := s.local[wr.key]
+		s.mu.RUnlock()
+		var rev uint64
+		if known {
+			rev, err = s.kv.Update(ctx, wr.key, data, cur.rev)
+		} else {
+			rev, err = s.kv.Create(ctx, wr.key, data)
+		}
+		if err == nil {
+			s.mu.Lock()
+			if e, ok := s.local[wr.key]; !ok || e.rev < rev {
+				s.local[wr.key] = boundEntry{Binding: wr.b, rev: rev}
+			}
+			s.mu.Unlock()
+			return
+		}
+		if !errors.Is(err, jetstream.ErrKeyExists) && !errors.Is(err, jetstream.ErrKeyRevisionMismatch) && !errors.Is(err, jetstream.ErrKeyNotFound) {
+			s.log.Warn("cannot write a session binding", "session_key", wr.key, "err", err)
+			return
+		}
+		// Someone else wrote (or the key expired): reread.
+		e, gerr := s.kv.Get(ctx, wr.key)
+		s.mu.Lock()
+		switch {
+		case gerr == nil:
+			var b Binding
+			if json.Unmarshal(e.Value(), &b) == nil {
+				s.local[wr.key] = boundEntry{Binding: b, rev: e.Revision()}
+				if b.Turn >= wr.b.Turn {
+					s.mu.Unlock()
+					return // a later (or equal) turn is recorded: keep it
+				}
+			}
+		default:
+			delete(s.local, wr.key)
+		}
+		s.mu.Unlock()
+	}
+}

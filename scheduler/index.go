@@ -1,0 +1,377 @@
+package scheduler
+
+import (
+	"math/bits"
+	"slices"
+	"sync"
+
+	"github.com/kvbus/kvbus/messages"
+)
+
+// MaxIndexedGroups is how many worker groups one KV index tracks (group ids
+// are bits of a uint64); groups beyond it are placed as if they held
+// nothing.
+const MaxIndexedGroups = 64
+
+// maxPendingBatches bounds the batches held back per rank during a resync.
+const maxPendingBatches = 4096
+
+// KVIndex knows, from the ranks' own KV events, which blocks each worker
+// group holds. A block counts for a group only when every rank of the group
+// holds it. Safe for concurrent use; lookups take a read lock only.
+//
+// Each rank's events carry a seq that increases by one per batch. A gap, a
+// rank first seen in the middle of its stream, or a restart marks the rank
+// for resync: its batches are held back until a dump of what it holds
+// arrives (ApplyDump), then replayed.
+type KVIndex struct {
+	mu     sync.RWMutex
+	groups map[string]*indexGroup
+	byID   []*indexGroup
+	// full maps a block hash to the bitmask of group ids where every rank
+	// holds it; ranks maps (group id, hash) to the bitmask of ranks holding
+	// it.
+	full  map[uint64]uint64
+	ranks map[rankKey]uint64
+}
+
+type rankKey struct {
+	hash uint64
+	gid  uint8
+}
+
+type indexGroup struct {
+	name      string
+	id        uint8
+	worldSize int
+	blocks    int // blocks every rank holds
+	ranks     map[int]*rankState
+}
+
+type rankState struct {
+	seq       uint64 // last applied
+	started   int64  // started_unix_ms of the rank's process
+	held      int    // blocks this rank holds
+	resyncing bool
+	pending   []*messages.KVEventBatch
+}
+
+// NewKVIndex returns an empty index.
+func NewKVIndex() *KVIndex {
+	return &KVIndex{groups: map[string]*indexGroup{}, full: map[uint64]uint64{}, ranks: map[rankKey]uint64{}}
+}
+
+// group returns the group's state, creating it; nil when the index is full.
+func (x *KVIndex) group(name string) *indexGroup {
+	if g := x.groups[name]; g != nil {
+		return g
+	}
+	if len(x.byID) >= MaxIndexedGroups {
+		return nil
+	}
+	g := &indexGroup{name: name, id: uint8(len(x.byID)), ranks: map[int]*rankState{}}
+	x.groups[name] = g
+	x.byID = append(x.byID, g)
+	return g
+}
+
+func (g *indexGroup) rank(r int) *rankState {
+	rs := g.ranks[r]
+	if rs == nil {
+		rs = &rankState{}
+		g.ranks[r] = rs
+	}
+	return rs
+}
+
+// Apply ingests one batch of a rank's events. It returns true when the rank
+// needs a resync: the caller should ask it for a dump and call ApplyDump.
+func (x *KVIndex) Apply(b *messages.KVEventBatch) (needDump bool) {
+	if b.Rank < 0 || b.Rank >= 64 {
+		return false
+	}
+	x.mu.Lock()
+	defer x.mu.Unlock()
+	g := x.group(b.Group)
+	if g == nil {
+		return false
+	}
+	rs := g.rank(b.Rank)
+	restart := b.Seq == 1 && len(b.Events) > 0 && b.Events[0].Type == messages.EventAllBlocksCleared
+	switch {
+	case rs.resyncing:
+		if len(rs.pending) >= maxPendingBatches {
+			rs.pending = rs.pending[:0] // the dump covers them; a gap after it asks again
+		}
+		rs.pending = append(rs.pending, b)
+		return false
+	case b.Seq == rs.seq+1 || restart:
+	case b.Seq <= rs.seq && rs.seq != 0:
+		return false // a duplicate of what was applied
+	default: // a gap, or a rank first seen mid-stream
+		rs.resyncing = true
+		rs.pending = append(rs.pending, b)
+		return true
+	}
+	x.applyLocked(g, b.Rank, rs, b)
+	return false
+}
+
+func (x *KVIndex) applyLocked(g *indexGroup, rank int, rs *rankState, b *messages.KVEventBatch) {
+	for i := range b.Events {
+		ev := &b.Events[i]
+		switch ev.Type {
+		case messages.EventBlockStored:
+			for _, h := range ev.BlockHashes {
+				x.storeLocked(g, rank, rs, h)
+			}
+		case messages.EventBlockRemoved:
+			for _, h := range ev.BlockHashes {
+				x.removeLocked(g, rank, rs, h)
+			}
+		case messages.EventAllBlocksCleared:
+			x.clearRankLocked(g, rank, rs)
+		}
+	}
+	rs.seq = b.Seq
+}
+
+func (x *KVIndex) storeLocked(g *indexGroup, rank int, rs *rankState, h uint64) {
+	k := rankKey{h, g.id}
+	m := x.ranks[k]
+	bit := uint64(1) << rank
+	if m&bit != 0 {
+		return
+	}
+	m |= bit
+	x.ranks[k] = m
+	rs.held++
+	if g.worldSize > 0 && bits.OnesCount64(m) == g.worldSize {
+		x.full[h] |= 1 << g.id
+		g.blocks++
+	}
+}
+
+func (x *KVIndex) removeLocked(g *indexGroup, rank int, rs *rankState, h uint64) {
+	k := rankKey{h, g.id}
+	m, ok := x.ranks[k]
+	bit := uint64(1) << rank
+	if !ok || m&bit == 0 {
+		return
+	}
+	if g.worldSize > 0 && bits.OnesCount64(m) == g.worldSize {
+		x.unfullLocked(g, h)
+	}
+	rs.held--
+	if m &^= bit; m == 0 {
+		delete(x.ranks, k)
+	} else {
+		x.ranks[k] = m
+	}
+}
+
+func (x *KVIndex) unfullLocked(g *indexGroup, h uint64) {
+	if f := x.full[h] &^ (1 << g.id); f == 0 {
+		delete(x.full, h)
+	} else {
+		x.full[h] = f
+	}
+	g.blocks--
+}
+
+// clearRankLocked forgets every block of one rank: a scan of the group's
+// entries, which happens only at a restart or a resync.
+func (x *KVIndex) clearRankLocked(g *indexGroup, rank int, rs *rankState) {
+	if rs.held == 0 {
+		return
+	}
+	for k, m := range x.ranks {
+		if k.gid == g.id && m&(1<<rank) != 0 {
+			x.removeLocked(g, rank, rs, k.hash)
+		}
+	}
+	rs.held = 0
+}
+
+// ApplyDump replaces a rank's entries by a dump (a full KVEventBatch of what
+// it holds at dump.Seq), then replays the batches that arrived after it. It
+// returns true when the replay found another gap.
+func (x *KVIndex) ApplyDump(group string, rank int, dump *messages.KVEventBatch) (needDump bool) {
+	if rank < 0 || rank >= 64 {
+		return false
+	}
+	x.mu.Lock()
+	defer x.mu.Unlock()
+	g := x.group(group)
+	if g == nil {
+		return false
+	}
+	rs := g.rank(rank)
+	x.clearRankLocked(g, rank, rs)
+	x.applyLocked(g, rank, rs, dump)
+	pending := rs.pending
+	rs.pending, rs.resyncing = nil, false
+	slices.SortFunc(pending, func(a, b *messages.KVEventBatch) int { return cmpUint(a.Seq, b.Seq) })
+	for i, b := range pending {
+		switch {
+		case b.Seq <= rs.seq:
+			continue
+		case b.Seq == rs.seq+1:
+			x.applyLocked(g, rank, rs, b)
+		default:
+			rs.resyncing = true
+			rs.pending = pending[i:]
+			return true
+		}
+	}
+	return false
+}
+
+func cmpUint(a, b uint64) int {
+	switch {
+	case a < b:
+		return -1
+	case a > b:
+		return 1
+	}
+	return 0
+}
+
+// ObserveRank records a rank's heartbeat: the group's world size and the
+// rank's process start time. It returns true when the rank restarted (its
+// start time changed) and needs a resync.
+func (x *KVIndex) ObserveRank(group string, rank, worldSize int, startedUnixMs int64) (needDump bool) {
+	if rank < 0 || rank >= 64 || worldSize > 64 {
+		return false
+	}
+	x.mu.Lock()
+	defer x.mu.Unlock()
+	g := x.group(group)
+	if g == nil {
+		return false
+	}
+	if g.worldSize != worldSize {
+		x.setWorldSizeLocked(g, worldSize)
+	}
+	rs := g.rank(rank)
+	if rs.started == startedUnixMs {
+		return false
+	}
+	rs.started = startedUnixMs
+	// A restart, or a rank first heard of before any of its events (this
+	// scheduler started after it): learn what it holds from a dump.
+	if !rs.resyncing {
+		rs.resyncing = true
+		return true
+	}
+	return false
+}
+
+// setWorldSizeLocked recomputes which blocks are full for a group whose size
+// changed (or became known).
+func (x *KVIndex) setWorldSizeLocked(g *indexGroup, ws int) {
+	g.worldSize = ws
+	g.blocks = 0
+	for k, m := range x.ranks {
+		if k.gid != g.id {
+			continue
+		}
+		if bits.OnesCount64(m) == ws {
+			x.full[k.hash] |= 1 << g.id
+			g.blocks++
+		} else if f, ok := x.full[k.hash]; ok && f&(1<<g.id) != 0 {
+			if f &^= 1 << g.id; f == 0 {
+				delete(x.full, k.hash)
+			} else {
+				x.full[k.hash] = f
+			}
+		}
+	}
+}
+
+// Resyncing returns the ranks of a group waiting for a dump.
+func (x *KVIndex) Resyncing() map[string][]int {
+	x.mu.RLock()
+	defer x.mu.RUnlock()
+	out := map[string][]int{}
+	for name, g := range x.groups {
+		for r, rs := range g.ranks {
+			if rs.resyncing {
+				out[name] = append(out[name], r)
+			}
+		}
+	}
+	return out
+}
+
+// PrefixMatch returns, for each group id, how many leading blocks of hashes
+// every rank of that group holds, into dst (grown to the number of groups).
+// It does one map lookup per block until no group matches.
+func (x *KVIndex) PrefixMatch(hashes []uint64, dst []int) []int {
+	x.mu.RLock()
+	defer x.mu.RUnlock()
+	n := len(x.byID)
+	dst = slices.Grow(dst[:0], n)[:n]
+	clear(dst)
+	alive := uint64(1)<<n - 1
+	if n == 64 {
+		alive = ^uint64(0)
+	}
+	for i, h := range hashes {
+		m := x.full[h] & alive
+		for dropped := alive &^ m; dropped != 0; dropped &= dropped - 1 {
+			dst[bits.TrailingZeros64(dropped)] = i
+		}
+		if alive = m; alive == 0 {
+			return dst
+		}
+	}
+	for ; alive != 0; alive &= alive - 1 {
+		dst[bits.TrailingZeros64(alive)] = len(hashes)
+	}
+	return dst
+}
+
+// Match sets, for each group, IndexBlocks: how many leading blocks of
+// hashes every rank of the group holds. One read lock, one PrefixMatch.
+func (x *KVIndex) Match(hashes []uint64, groups []GroupState) {
+	var buf [MaxIndexedGroups]int
+	prefix := x.PrefixMatch(hashes, buf[:0])
+	x.mu.RLock()
+	defer x.mu.RUnlock()
+	for i := range groups {
+		groups[i].IndexBlocks = 0
+		if g, ok := x.groups[groups[i].Name]; ok && int(g.id) < len(prefix) {
+			groups[i].IndexBlocks = prefix[g.id]
+		}
+	}
+}
+
+// GroupID returns a group's id in PrefixMatch results.
+func (x *KVIndex) GroupID(name string) (int, bool) {
+	x.mu.RLock()
+	defer x.mu.RUnlock()
+	g, ok := x.groups[name]
+	if !ok {
+		return 0, false
+	}
+	return int(g.id), true
+}
+
+// GroupBlocks returns how many blocks every rank of the group holds.
+func (x *KVIndex) GroupBlocks(name string) int {
+	x.mu.RLock()
+	defer x.mu.RUnlock()
+	if g, ok := x.groups[name]; ok {
+		return g.blocks
+	}
+	return 0
+}
+
+// Size returns the number of distinct (group, block) entries and of blocks
+// held in full by at least one group.
+func (x *KVIndex) Size() (entries, fullBlocks int) {
+	x.mu.RLock()
+	defer x.mu.RUnlock()
+	return len(x.ranks), len(x.full)
+}
