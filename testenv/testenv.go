@@ -18,6 +18,7 @@ import (
 	"time"
 
 	"github.com/nats-io/nats.go"
+	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/kvbus/kvbus/bus"
 	"github.com/kvbus/kvbus/frontend"
@@ -130,7 +131,25 @@ type Cluster struct {
 	Logs       *LogBuffer
 	Subjects   messages.Subjects
 	Model      string
+	// Registry holds the frontend's and the ranks' metrics;
+	// SchedulerRegistries each scheduler replica's.
+	Registry            *prometheus.Registry
+	SchedulerRegistries []*prometheus.Registry
+
+	mu        sync.Mutex
+	rankStops map[rankKey]func()
+	engines   map[string]workers.Engine
+	restart   func(group string, tpRank int)
 }
+
+type rankKey struct {
+	group string
+	rank  int
+}
+
+// RestartRank stops one rank and starts a new one with the same identity
+// and an empty block store, as a process restart would.
+func (c *Cluster) RestartRank(group string, tpRank int) { c.restart(group, tpRank) }
 
 // StartCluster starts NATS, ranks, a scheduler and a frontend, waits until
 // every group is ready and HTTP is served, and stops everything at cleanup
@@ -165,12 +184,14 @@ func StartCluster(t testing.TB, cfg ClusterConfig) *Cluster {
 	}
 	log := slog.New(slog.NewTextHandler(w, &slog.HandlerOptions{Level: cfg.LogLevel}))
 	srv := StartNATS(t)
-	c := &Cluster{NATS: srv, Logs: logs, Model: cfg.Model}
+	c := &Cluster{NATS: srv, Logs: logs, Model: cfg.Model, Registry: prometheus.NewRegistry(),
+		rankStops: map[rankKey]func(){}, engines: map[string]workers.Engine{}}
+	rankMetrics, handlerMetrics := workers.NewMetrics(c.Registry), bus.NewHandlerMetrics(c.Registry)
 
 	ctx, cancel := context.WithCancel(context.Background())
 	var wg sync.WaitGroup
 	errs := make(chan error, 64)
-	run := func(name string, f func(context.Context) error) {
+	run := func(ctx context.Context, name string, f func(context.Context) error) {
 		wg.Go(func() {
 			if err := f(ctx); err != nil && !errors.Is(err, context.Canceled) {
 				errs <- fmt.Errorf("%s: %w", name, err)
@@ -190,23 +211,46 @@ func StartCluster(t testing.TB, cfg ClusterConfig) *Cluster {
 	if err != nil {
 		t.Fatal(err)
 	}
+	startRank := func(group string, r int, engine workers.Engine) {
+		rank, err := workers.NewRank(workers.RankConfig{
+			Conn: Connect(t, srv), Group: group, TPRank: r, TPSize: cfg.Ranks, EPRank: r, EPSize: cfg.Ranks,
+			Model: cfg.Model, Profile: profile, CapacityBytes: cfg.KVCapacity, Payload: cfg.Payload, Evict: cfg.Evict, Engine: engine,
+			HeartbeatInterval: 100 * time.Millisecond, Logger: log, Metrics: rankMetrics, HandlerMetrics: handlerMetrics,
+		})
+		if err != nil {
+			t.Fatal(err)
+		}
+		rctx, stop := context.WithCancel(ctx)
+		done := make(chan struct{})
+		c.mu.Lock()
+		c.Ranks = append(c.Ranks, rank)
+		c.rankStops[rankKey{group, r}] = func() { stop(); <-done }
+		c.mu.Unlock()
+		run(rctx, fmt.Sprintf("rank %s/%d", group, r), func(ctx context.Context) error {
+			defer close(done)
+			return rank.Run(ctx)
+		})
+	}
+	c.restart = func(group string, r int) {
+		c.mu.Lock()
+		stop := c.rankStops[rankKey{group, r}]
+		engine := c.engines[group]
+		c.mu.Unlock()
+		if stop == nil {
+			t.Fatalf("no rank %s/%d", group, r)
+		}
+		stop()
+		startRank(group, r, engine)
+	}
 	for g := range cfg.Groups {
 		group := fmt.Sprintf("g%d", g)
 		engine, err := workers.NewSimEngine(workers.SimConfig{Profile: workers.DefaultSimProfile, TimeScale: cfg.TimeScale})
 		if err != nil {
 			t.Fatal(err)
 		}
+		c.engines[group] = engine
 		for r := range cfg.Ranks {
-			rank, err := workers.NewRank(workers.RankConfig{
-				Conn: Connect(t, srv), Group: group, TPRank: r, TPSize: cfg.Ranks, EPRank: r, EPSize: cfg.Ranks,
-				Model: cfg.Model, Profile: profile, CapacityBytes: cfg.KVCapacity, Payload: cfg.Payload, Evict: cfg.Evict, Engine: engine,
-				HeartbeatInterval: 100 * time.Millisecond, Logger: log,
-			})
-			if err != nil {
-				t.Fatal(err)
-			}
-			c.Ranks = append(c.Ranks, rank)
-			run(fmt.Sprintf("rank %s/%d", group, r), rank.Run)
+			startRank(group, r, engine)
 		}
 	}
 	for i := range cfg.Schedulers {
@@ -214,15 +258,17 @@ func StartCluster(t testing.TB, cfg ClusterConfig) *Cluster {
 		if err != nil {
 			t.Fatal(err)
 		}
+		reg := prometheus.NewRegistry()
 		s, err := scheduler.New(scheduler.Config{
 			Conn: Connect(t, srv), Policy: policy, HeartbeatTimeout: time.Second,
-			RequestTimeout: cfg.RequestTimeout, SessionTTL: cfg.SessionTTL, Logger: log,
+			RequestTimeout: cfg.RequestTimeout, SessionTTL: cfg.SessionTTL, Logger: log, Registerer: reg,
 		})
 		if err != nil {
 			t.Fatal(err)
 		}
 		c.Schedulers = append(c.Schedulers, s)
-		run(fmt.Sprintf("scheduler %d", i), s.Run)
+		c.SchedulerRegistries = append(c.SchedulerRegistries, reg)
+		run(ctx, fmt.Sprintf("scheduler %d", i), s.Run)
 	}
 	c.Scheduler = c.Schedulers[0]
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
@@ -231,12 +277,12 @@ func StartCluster(t testing.TB, cfg ClusterConfig) *Cluster {
 	}
 	c.Frontend, err = frontend.New(frontend.Config{
 		Conn: Connect(t, srv), Listener: ln, Models: []string{cfg.Model}, SessionHeaders: cfg.SessionHeaders,
-		MaxModelLen: cfg.MaxModelLen, RequestTimeout: cfg.RequestTimeout, Logger: log,
+		MaxModelLen: cfg.MaxModelLen, RequestTimeout: cfg.RequestTimeout, Logger: log, Registry: c.Registry,
 	})
 	if err != nil {
 		t.Fatal(err)
 	}
-	run("frontend", c.Frontend.Run)
+	run(ctx, "frontend", c.Frontend.Run)
 	select {
 	case <-c.Frontend.Ready():
 	case err := <-errs:

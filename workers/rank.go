@@ -515,6 +515,12 @@ func (r *Rank) drive(rr *rankReq) {
 		publish(&messages.Output{Text: c.Text, TokenIDs: c.TokenIDs})
 		return nil
 	})
+	// The prompt's blocks are stored (and their KV events published) before
+	// the final chunk, so a client's next turn finds them.
+	if !storeQueued {
+		close(rr.storeDone)
+	}
+	<-rr.storeDone
 	usage := &messages.Usage{PromptTokens: meta.TokenLen, CompletionTokens: res.CompletionTokens, CachedTokens: rr.loaded}
 	switch cause := context.Cause(rr.ctx); {
 	case err == nil:
@@ -526,10 +532,6 @@ func (r *Rank) drive(rr *rankReq) {
 	default:
 		publish(&messages.Output{Usage: usage, Error: &messages.OutputError{Code: "engine_error", Message: fmt.Sprintf("generation stopped: %v", cause)}})
 	}
-	if !storeQueued {
-		close(rr.storeDone)
-	}
-	<-rr.storeDone
 	rr.result.CompletionTokens = res.CompletionTokens
 	if err != nil {
 		rr.result.Error = err.Error()

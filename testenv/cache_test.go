@@ -1,0 +1,300 @@
+package testenv_test
+
+import (
+	"encoding/json"
+	"fmt"
+	"net/http"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/kvbus/kvbus/messages"
+	"github.com/kvbus/kvbus/scheduler"
+	"github.com/kvbus/kvbus/testenv"
+)
+
+// turnResult is what one turn of a conversation reported.
+type turnResult struct {
+	reqID        string
+	promptTokens int
+	cachedTokens int
+	group        string
+}
+
+// userTurn is a deterministic user message of about 60 tokens.
+func userTurn(conv, n int) string {
+	var b strings.Builder
+	for i := range 40 {
+		fmt.Fprintf(&b, "conversation %d turn %d word %d, ", conv, n, i)
+	}
+	return b.String()
+}
+
+// converse runs a multi-turn chat: each turn sends all previous messages,
+// the assistant's answers and a new user message. After each turn it waits
+// until the KV index holds the turn's prompt blocks on the group that ran
+// it (what a real client's think time gives), then goes on.
+func converse(t *testing.T, c *testenv.Cluster, conv, turns int, headers map[string]string) []turnResult {
+	t.Helper()
+	metas := c.Observe(t, "kvbus.meta.>")
+	var msgs []map[string]string
+	var out []turnResult
+	for n := range turns {
+		msgs = append(msgs, map[string]string{"role": "user", "content": userTurn(conv, n)})
+		body, _ := json.Marshal(map[string]any{"model": c.Model, "messages": msgs, "max_tokens": 12})
+		status, h, raw := post(t, c, "/v1/chat/completions", string(body), headers)
+		if status != http.StatusOK {
+			t.Fatalf("turn %d: status %d: %s", n+1, status, raw)
+		}
+		var resp struct {
+			Choices []struct{ Message struct{ Content string } }
+			Usage   struct {
+				PromptTokens        int `json:"prompt_tokens"`
+				PromptTokensDetails struct {
+					CachedTokens int `json:"cached_tokens"`
+				} `json:"prompt_tokens_details"`
+			}
+		}
+		if err := json.Unmarshal(raw, &resp); err != nil {
+			t.Fatal(err)
+		}
+		msgs = append(msgs, map[string]string{"role": "assistant", "content": resp.Choices[0].Message.Content})
+		tr := turnResult{reqID: h.Get("X-Request-Id"), promptTokens: resp.Usage.PromptTokens, cachedTokens: resp.Usage.PromptTokensDetails.CachedTokens}
+		var meta *messages.ReqMeta
+		testenv.Eventually(t, 5*time.Second, "the turn's ReqMeta", func() bool {
+			for _, m := range metas.Messages() {
+				if rm, err := messages.DecodeReqMeta(m.Data); err == nil && rm.ReqID == tr.reqID {
+					meta = rm
+					return true
+				}
+			}
+			return false
+		})
+		tr.group = meta.Group
+		testenv.Eventually(t, 5*time.Second, "the index to hold the turn's blocks", func() bool {
+			for _, s := range c.Schedulers {
+				g := []scheduler.GroupState{{Name: meta.Group}}
+				s.Index().Match(meta.BlockHashes, g)
+				if g[0].IndexBlocks != len(meta.BlockHashes) {
+					return false
+				}
+			}
+			return true
+		})
+		out = append(out, tr)
+		t.Logf("turn %d: group %s, prompt %d tokens, cached %d", n+1, tr.group, tr.promptTokens, tr.cachedTokens)
+	}
+	return out
+}
+
+// hits counts the turns n >= 2 whose cached tokens cover every full block of
+// turn n-1's prompt.
+func hits(turns []turnResult) int {
+	n := 0
+	for i := 1; i < len(turns); i++ {
+		if turns[i].cachedTokens >= turns[i-1].promptTokens/16*16 && turns[i].cachedTokens > 0 {
+			n++
+		}
+	}
+	return n
+}
+
+func TestMultiTurnCacheHits(t *testing.T) {
+	const turns = 4
+	t.Run("kv with a session", func(t *testing.T) {
+		c := testenv.StartCluster(t, testenv.ClusterConfig{Groups: 4, Policy: scheduler.PolicyKV})
+		res := converse(t, c, 1, turns, map[string]string{"X-Session-ID": "conv-1"})
+		for i := 1; i < turns; i++ {
+			full := res[i-1].promptTokens / 16 * 16
+			if res[i].cachedTokens < full {
+				t.Errorf("turn %d: cached_tokens %d < %d (all full blocks of turn %d's %d-token prompt)", i+1, res[i].cachedTokens, full, i, res[i-1].promptTokens)
+			}
+			if res[i].group != res[0].group {
+				t.Errorf("turn %d ran on %s, turn 1 on %s", i+1, res[i].group, res[0].group)
+			}
+		}
+		if res[0].cachedTokens != 0 {
+			t.Errorf("turn 1 reported %d cached tokens on an empty cluster", res[0].cachedTokens)
+		}
+		// The scheduler's own accounting agrees with what clients saw.
+		testenv.Eventually(t, 5*time.Second, "trackers drained", func() bool { return c.Scheduler.Trackers() == 0 })
+		var cached int
+		for _, r := range res {
+			cached += r.cachedTokens
+		}
+		m := c.SchedulerRegistries[0]
+		if got := testenv.CounterSum(t, m, "kvbus_scheduler_actual_cached_tokens_total", nil); int(got) != cached {
+			t.Errorf("kvbus_scheduler_actual_cached_tokens_total = %v, clients saw %d", got, cached)
+		}
+		if got := testenv.CounterSum(t, m, "kvbus_scheduler_cached_tokens_total", map[string]string{"turn_depth": "4+"}); int(got) != res[3].cachedTokens {
+			t.Errorf("cached tokens at turn depth 4+ = %v, want %d", got, res[3].cachedTokens)
+		}
+	})
+	t.Run("kv with accounting payloads and session eviction", func(t *testing.T) {
+		c := testenv.StartCluster(t, testenv.ClusterConfig{Groups: 2, Payload: "accounting", Evict: "session"})
+		res := converse(t, c, 4, turns, map[string]string{"X-Session-ID": "conv-4"})
+		if got := hits(res); got != turns-1 {
+			t.Errorf("%d of %d later turns hit: %+v", got, turns-1, res)
+		}
+	})
+	t.Run("kv without a session: the index finds the prefix", func(t *testing.T) {
+		c := testenv.StartCluster(t, testenv.ClusterConfig{Groups: 4, Policy: scheduler.PolicyKV})
+		res := converse(t, c, 2, turns, nil)
+		if got := hits(res); got != turns-1 {
+			t.Errorf("%d of %d later turns hit: %+v", got, turns-1, res)
+		}
+	})
+	t.Run("round-robin mostly misses", func(t *testing.T) {
+		c := testenv.StartCluster(t, testenv.ClusterConfig{Groups: 4, Policy: scheduler.PolicyRoundRobin})
+		res := converse(t, c, 3, turns, map[string]string{"X-Session-ID": "conv-3"})
+		if got := hits(res); got > 1 {
+			t.Errorf("round-robin: %d of %d later turns hit, want at most 1: %+v", got, turns-1, res)
+		}
+	})
+}
+
+// rankHoldings asks every rank of a group for a dump and returns, per rank,
+// the set of block hashes it holds.
+func rankHoldings(t *testing.T, c *testenv.Cluster, group string, ranks int) []map[uint64]bool {
+	t.Helper()
+	nc := testenv.Connect(t, c.NATS)
+	out := make([]map[uint64]bool, ranks)
+	for r := range ranks {
+		msg, err := nc.Request(messages.Subjects{}.Dump(group, r), nil, 5*time.Second)
+		if err != nil {
+			t.Fatalf("dump %s/%d: %v", group, r, err)
+		}
+		b, err := messages.DecodeKVEventBatch(msg.Data)
+		if err != nil {
+			t.Fatal(err)
+		}
+		out[r] = map[uint64]bool{}
+		for _, ev := range b.Events {
+			for _, h := range ev.BlockHashes {
+				out[r][h] = true
+			}
+		}
+	}
+	return out
+}
+
+func TestEvictionReachesTheIndex(t *testing.T) {
+	// tiny at TP 4: 16 bytes per token per rank, 256 bytes per block; room
+	// for 40 blocks per rank, and every prompt has 25.
+	const capacityBlocks = 40
+	c := testenv.StartCluster(t, testenv.ClusterConfig{Groups: 1, KVCapacity: capacityBlocks * 256})
+	kv := c.Observe(t, "kvbus.kv.>")
+	metas := c.Observe(t, "kvbus.meta.>")
+	done := c.Observe(t, "kvbus.done.>")
+	var prompts []string
+	for _, i := range []int{0, 1, 1, 0, 2, 2, 1} { // hits, evictions, and reloads of half-evicted prompts
+		prompts = append(prompts, userTurn(100+i, 0))
+	}
+	for i, p := range prompts {
+		body, _ := json.Marshal(map[string]any{"model": c.Model, "messages": []map[string]string{{"role": "user", "content": p}}, "max_tokens": 4})
+		if status, _, raw := post(t, c, "/v1/chat/completions", string(body), nil); status != http.StatusOK {
+			t.Fatalf("request %d: status %d: %s", i, status, raw)
+		}
+		testenv.Eventually(t, 5*time.Second, "trackers drained", func() bool { return c.Scheduler.Trackers() == 0 })
+	}
+	removed := 0
+	for _, m := range kv.Messages() {
+		b, err := messages.DecodeKVEventBatch(m.Data)
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, ev := range b.Events {
+			if ev.Type == messages.EventBlockRemoved {
+				removed += len(ev.BlockHashes)
+			}
+		}
+	}
+	if removed == 0 {
+		t.Fatal("no BlockRemoved event with a store that holds half a prompt")
+	}
+	// Nothing failed: every load the scheduler asked for was there.
+	predicted := map[string]int{}
+	for _, m := range metas.Messages() {
+		rm, _ := messages.DecodeReqMeta(m.Data)
+		predicted[rm.ReqID] = rm.LoadSpec.KVPoolCachedTokens
+	}
+	loads := 0
+	for _, m := range done.Messages() {
+		r, _ := messages.DecodeRankResult(m.Data)
+		loads += r.LoadedTokens
+		if r.FailedBlocks != 0 || r.Error != "" {
+			t.Errorf("rank %d of %s: failed_blocks %d, error %q", r.TPRank, r.ReqID, r.FailedBlocks, r.Error)
+		}
+		if r.LoadedTokens != predicted[r.ReqID] {
+			t.Errorf("rank %d of %s loaded %d tokens, LoadSpec said %d", r.TPRank, r.ReqID, r.LoadedTokens, predicted[r.ReqID])
+		}
+	}
+	if loads == 0 {
+		t.Error("no request loaded anything: the test checks nothing")
+	}
+	// The index holds exactly the blocks all four ranks hold.
+	held := rankHoldings(t, c, "g0", 4)
+	all := 0
+	for h := range held[0] {
+		if held[1][h] && held[2][h] && held[3][h] {
+			all++
+		}
+	}
+	testenv.Eventually(t, 5*time.Second, "index equal to the ranks' holdings", func() bool {
+		return c.Scheduler.Index().GroupBlocks("g0") == all
+	})
+	if all > capacityBlocks {
+		t.Errorf("%d blocks held by every rank, capacity %d", all, capacityBlocks)
+	}
+}
+
+func TestRankRestartDropsItsEntries(t *testing.T) {
+	c := testenv.StartCluster(t, testenv.ClusterConfig{Groups: 1})
+	converse(t, c, 7, 1, map[string]string{"X-Session-ID": "restart"})
+	before := c.Scheduler.Index().GroupBlocks("g0")
+	if before == 0 {
+		t.Fatal("no blocks indexed after one turn")
+	}
+	c.RestartRank("g0", 2)
+	// Rank 2 comes back empty: no block is held by all four ranks any more.
+	testenv.Eventually(t, 10*time.Second, "stale entries gone", func() bool {
+		return c.Scheduler.Index().GroupBlocks("g0") == 0
+	})
+	// The next turn is not told to load what rank 2 lost, and it stores again.
+	res := converse(t, c, 7, 1, map[string]string{"X-Session-ID": "restart"})
+	if res[0].cachedTokens != 0 {
+		t.Errorf("after the restart the turn loaded %d tokens", res[0].cachedTokens)
+	}
+	if got := c.Scheduler.Index().GroupBlocks("g0"); got != before {
+		t.Errorf("after re-storing, %d blocks indexed, want %d", got, before)
+	}
+}
+
+func TestTwoSchedulersShareBindings(t *testing.T) {
+	c := testenv.StartCluster(t, testenv.ClusterConfig{Groups: 4, Schedulers: 2, SessionTTL: 2 * time.Second})
+	res := converse(t, c, 9, 3, map[string]string{"X-Session-ID": "shared"})
+	for i := range res {
+		if res[i].group != res[0].group {
+			t.Errorf("turn %d on %s, turn 1 on %s", i+1, res[i].group, res[0].group)
+		}
+	}
+	testenv.Eventually(t, 5*time.Second, "both replicas bind the session to its group", func() bool {
+		for _, s := range c.Schedulers {
+			b, ok := s.Bindings().Get("shared")
+			if !ok || b.Group != res[0].group || b.Turn != 3 {
+				return false
+			}
+		}
+		return true
+	})
+	// Both replicas handled turns: the consumer is shared.
+	// After the TTL the binding is gone everywhere.
+	testenv.Eventually(t, 10*time.Second, "expired bindings dropped", func() bool {
+		for _, s := range c.Schedulers {
+			if _, ok := s.Bindings().Get("shared"); ok {
+				return false
+			}
+		}
+		return true
+	})
+}
