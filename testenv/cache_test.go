@@ -4,9 +4,14 @@ import (
 	"encoding/json"
 	"fmt"
 	"net/http"
+	"slices"
 	"strings"
+	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
+
+	"github.com/nats-io/nats.go"
 
 	"github.com/kvbus/kvbus/messages"
 	"github.com/kvbus/kvbus/scheduler"
@@ -129,6 +134,24 @@ func TestMultiTurnCacheHits(t *testing.T) {
 		if got := testenv.CounterSum(t, m, "kvbus_scheduler_cached_tokens_total", map[string]string{"turn_depth": "4+"}); int(got) != res[3].cachedTokens {
 			t.Errorf("cached tokens at turn depth 4+ = %v, want %d", got, res[3].cachedTokens)
 		}
+		testenv.Eventually(t, 2*time.Second, "gauges refreshed", func() bool {
+			mfs, err := m.Gather()
+			if err != nil {
+				t.Fatal(err)
+			}
+			names := map[string]bool{}
+			for _, mf := range mfs {
+				names[mf.GetName()] = true
+			}
+			for _, want := range []string{"kvbus_scheduler_routing_seconds", "kvbus_scheduler_predicted_cached_tokens_total",
+				"kvbus_scheduler_prompt_tokens_total", "kvbus_scheduler_group_queue_blocks", "kvbus_scheduler_group_blocks",
+				"kvbus_scheduler_index_entries", "kvbus_scheduler_index_blocks"} {
+				if !names[want] {
+					return false
+				}
+			}
+			return true
+		})
 	})
 	t.Run("kv with accounting payloads and session eviction", func(t *testing.T) {
 		c := testenv.StartCluster(t, testenv.ClusterConfig{Groups: 2, Payload: "accounting", Evict: "session"})
@@ -296,5 +319,78 @@ func TestTwoSchedulersShareBindings(t *testing.T) {
 			}
 		}
 		return true
+	})
+}
+
+// fakeRank is a rank of world size 1 driven by the test: it sends
+// heartbeats, publishes KV event batches when told (or skips one, to lose
+// it), and answers dumps with what it really holds.
+type fakeRank struct {
+	mu   sync.Mutex
+	seq  uint64
+	held []uint64
+}
+
+func TestKVEventGapIsRepairedByADump(t *testing.T) {
+	c := testenv.StartCluster(t, testenv.ClusterConfig{Groups: 1})
+	subj := messages.Subjects{}
+	nc := testenv.Connect(t, c.NATS)
+	fr := &fakeRank{}
+	var dumps atomic.Int64
+	if _, err := nc.Subscribe(subj.Dump("gx", 0), func(m *nats.Msg) {
+		dumps.Add(1)
+		fr.mu.Lock()
+		b := &messages.KVEventBatch{Seq: fr.seq, Group: "gx", Events: []messages.KVEvent{
+			{Type: messages.EventAllBlocksCleared},
+			{Type: messages.EventBlockStored, BlockHashes: slices.Clone(fr.held)},
+		}}
+		fr.mu.Unlock()
+		data, _ := messages.Marshal(b)
+		_ = m.Respond(data)
+	}); err != nil {
+		t.Fatal(err)
+	}
+	hb, _ := messages.Marshal(&messages.Heartbeat{Group: "gx", WorldSize: 1, StartedUnixMs: 1})
+	publish := func(store []uint64, lose bool) {
+		fr.mu.Lock()
+		fr.seq++
+		fr.held = append(fr.held, store...)
+		b := &messages.KVEventBatch{Seq: fr.seq, Group: "gx", Events: []messages.KVEvent{{Type: messages.EventBlockStored, BlockHashes: store}}}
+		fr.mu.Unlock()
+		if lose {
+			return
+		}
+		data, _ := messages.Marshal(b)
+		if err := nc.Publish(subj.KV("gx", 0), data); err != nil {
+			t.Fatal(err)
+		}
+	}
+	blocks := func() int {
+		g := []scheduler.GroupState{{Name: "gx"}}
+		c.Scheduler.Index().Match([]uint64{1, 2, 3, 4}, g)
+		return g[0].IndexBlocks
+	}
+	beat := func() bool { _ = nc.Publish(subj.Heartbeat("gx", 0), hb); return true }
+
+	// First sight of the rank: the scheduler learns its (empty) state.
+	testenv.Eventually(t, 5*time.Second, "the first dump", func() bool { return beat() && dumps.Load() == 1 })
+	testenv.Eventually(t, 5*time.Second, "resync done", func() bool { return len(c.Scheduler.Index().Resyncing()) == 0 })
+	publish([]uint64{1, 2}, false)
+	testenv.Eventually(t, 5*time.Second, "blocks 1, 2 indexed", func() bool { return blocks() == 2 })
+	publish([]uint64{3}, true) // lost on the way
+	publish([]uint64{4}, false)
+	testenv.Eventually(t, 5*time.Second, "the gap repaired by a dump", func() bool { return beat() && blocks() == 4 })
+	if dumps.Load() != 2 {
+		t.Errorf("%d dumps, want 2 (first sight, then the gap)", dumps.Load())
+	}
+	if got := testenv.CounterSum(t, c.SchedulerRegistries[0], "kvbus_scheduler_kv_resyncs_total", nil); got < 2 {
+		t.Errorf("kvbus_scheduler_kv_resyncs_total = %v, want >= 2", got)
+	}
+	// Later batches apply normally again.
+	publish([]uint64{5}, false)
+	testenv.Eventually(t, 5*time.Second, "block 5 indexed", func() bool {
+		g := []scheduler.GroupState{{Name: "gx"}}
+		c.Scheduler.Index().Match([]uint64{1, 2, 3, 4, 5}, g)
+		return g[0].IndexBlocks == 5
 	})
 }
