@@ -2,6 +2,7 @@ package bus
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"time"
 
@@ -26,8 +27,9 @@ type StreamConfig struct {
 	DuplicateWindow time.Duration
 }
 
-// EnsureRequestStream creates or updates the KVBUS_REQUESTS stream. Any
-// process may call it; whichever starts first creates the stream.
+// EnsureRequestStream creates the KVBUS_REQUESTS stream unless it exists.
+// Any process may call it; whichever starts first creates the stream, and an
+// existing stream is used as it is.
 func EnsureRequestStream(ctx context.Context, js jetstream.JetStream, cfg StreamConfig) (jetstream.Stream, error) {
 	if cfg.MaxAge == 0 {
 		cfg.MaxAge = 24 * time.Hour
@@ -41,7 +43,12 @@ func EnsureRequestStream(ctx context.Context, js jetstream.JetStream, cfg Stream
 	if cfg.DuplicateWindow == 0 {
 		cfg.DuplicateWindow = 2 * time.Minute
 	}
-	st, err := js.CreateOrUpdateStream(ctx, jetstream.StreamConfig{
+	// An existing stream is used as it is: updating its configuration while
+	// another process creates a consumer on it races inside nats-server.
+	if st, err := js.Stream(ctx, messages.RequestStream); err == nil {
+		return st, nil
+	}
+	st, err := js.CreateStream(ctx, jetstream.StreamConfig{
 		Name:        messages.RequestStream,
 		Description: "kvbus request log: every Request accepted by a frontend",
 		Subjects:    []string{cfg.Subjects.RequestAll()},
@@ -54,6 +61,9 @@ func EnsureRequestStream(ctx context.Context, js jetstream.JetStream, cfg Stream
 		Duplicates:  cfg.DuplicateWindow,
 		Discard:     jetstream.DiscardOld,
 	})
+	if errors.Is(err, jetstream.ErrStreamNameAlreadyInUse) {
+		st, err = js.Stream(ctx, messages.RequestStream) // another process won the race
+	}
 	if err != nil {
 		return nil, fmt.Errorf("bus: create stream %s: %w (is JetStream enabled on the server?)", messages.RequestStream, err)
 	}
@@ -83,7 +93,10 @@ func EnsureSchedulerConsumer(ctx context.Context, st jetstream.Stream, ackWait t
 	if err == nil {
 		return c, nil
 	}
-	c, err = st.CreateOrUpdateConsumer(ctx, cfg)
+	c, err = st.CreateConsumer(ctx, cfg)
+	if errors.Is(err, jetstream.ErrConsumerExists) {
+		c, err = st.Consumer(ctx, SchedulerConsumer)
+	}
 	if err != nil {
 		return nil, fmt.Errorf("bus: create consumer %s: %w", SchedulerConsumer, err)
 	}

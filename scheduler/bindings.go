@@ -59,15 +59,21 @@ func OpenSessionBindings(ctx context.Context, js jetstream.JetStream, ttl time.D
 	if ttl <= 0 {
 		return nil, fmt.Errorf("%w: --session-ttl must be positive", ErrConfig)
 	}
-	kv, err := js.CreateOrUpdateKeyValue(ctx, jetstream.KeyValueConfig{
-		Bucket:         SessionBucket,
-		Description:    "kvbus session bindings: session key → worker group of the previous turn",
-		TTL:            ttl,
-		History:        1,
-		Storage:        jetstream.FileStorage,
-		Replicas:       max(replicas, 1),
-		LimitMarkerTTL: max(ttl, time.Second), // watchers hear about expiry
-	})
+	kv, err := js.KeyValue(ctx, SessionBucket) // an existing bucket is used as it is
+	if err != nil {
+		kv, err = js.CreateKeyValue(ctx, jetstream.KeyValueConfig{
+			Bucket:         SessionBucket,
+			Description:    "kvbus session bindings: session key → worker group of the previous turn",
+			TTL:            ttl,
+			History:        1,
+			Storage:        jetstream.FileStorage,
+			Replicas:       max(replicas, 1),
+			LimitMarkerTTL: max(ttl, time.Second), // watchers hear about expiry
+		})
+		if errors.Is(err, jetstream.ErrBucketExists) {
+			kv, err = js.KeyValue(ctx, SessionBucket)
+		}
+	}
 	if err != nil {
 		return nil, fmt.Errorf("scheduler: session bucket %s: %w", SessionBucket, err)
 	}

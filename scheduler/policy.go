@@ -115,8 +115,9 @@ func (KVPolicy) Place(t *RequestTracker, groups []GroupState) (string, error) {
 // SessionPolicy pins a session to a group: the group bound to it, else the
 // first by rendezvous (highest random weight) hashing of the session id over
 // the ready groups, with bounded load: a group whose in-flight count would
-// exceed (1+Epsilon) × the mean passes the session on to the next group in
-// its rendezvous order. A request without a session is keyed by its id.
+// exceed (1+Epsilon) × the mean (and the mean + 1) passes the session on to
+// the next group in its rendezvous order. A request without a session is
+// keyed by its id.
 type SessionPolicy struct {
 	Epsilon float64
 }
@@ -126,11 +127,7 @@ func (p *SessionPolicy) Place(t *RequestTracker, groups []GroupState) (string, e
 	if len(groups) == 0 {
 		return "", ErrNoReadyGroup
 	}
-	total := 1 // this request
-	for _, g := range groups {
-		total += g.Inflight
-	}
-	limit := int(math.Ceil((1 + p.Epsilon) * float64(total) / float64(len(groups))))
+	limit := p.limit(groups)
 	for _, g := range groups {
 		if g.Bound && g.Inflight+1 <= limit {
 			return g.Name, nil
@@ -143,6 +140,18 @@ func (p *SessionPolicy) Place(t *RequestTracker, groups []GroupState) (string, e
 		}
 	}
 	return groups[order[0]].Name, nil
+}
+
+// limit is the bounded-load cap on a group's in-flight requests, this one
+// included: ceil((1+ε) × mean), and at least one above the mean, so that a
+// handful of requests finishing late never moves a session at low load.
+func (p *SessionPolicy) limit(groups []GroupState) int {
+	total := 1 // this request
+	for _, g := range groups {
+		total += g.Inflight
+	}
+	mean := float64(total) / float64(len(groups))
+	return max(int(math.Ceil((1+p.Epsilon)*mean)), int(math.Ceil(mean))+1)
 }
 
 // RendezvousOrder returns the indexes of groups sorted by descending

@@ -129,8 +129,10 @@ func TestSessionPolicyBoundedLoad(t *testing.T) {
 		{"equal load: first choice", nil, name(0)},
 		// total 1+3+2+2+2 = 10, limit ceil(1.25·10/4) = 4: 3+1 fits.
 		{"first choice a little busier: still first", map[int]int{0: 3, 1: 2, 2: 2, 3: 2}, name(0)},
-		// total 1+2+1+1+1 = 6, limit ceil(1.25·6/4) = 2: 2+1 does not fit.
-		{"first choice just over the bound: second", map[int]int{0: 2, 1: 1, 2: 1, 3: 1}, name(1)},
+		// total 1+3+1+1+1 = 7, mean 1.75, limit max(ceil(1.25·1.75), ceil(1.75)+1) = 3: 3+1 does not fit.
+		{"first choice just over the bound: second", map[int]int{0: 3, 1: 1, 2: 1, 3: 1}, name(1)},
+		// total 1+2+1+1+1 = 6, mean 1.5, limit max(2, 2+1) = 3: at low load one above the mean fits.
+		{"low load: one above the mean still fits", map[int]int{0: 2, 1: 1, 2: 1, 3: 1}, name(0)},
 		{"first choice far above the mean: second choice", map[int]int{0: 100}, name(1)},
 		{"first two overloaded: third choice", map[int]int{0: 50, 1: 50}, name(2)},
 		// total 1+40+40+40+0 = 121, limit ceil(1.25·121/4) = 38: only the
@@ -149,10 +151,10 @@ func TestSessionPolicyBoundedLoad(t *testing.T) {
 			}
 		})
 	}
-	// With epsilon 0 a group may take exactly its fair share and no more.
+	// With epsilon 0 a group may take one more than the mean and no more.
 	strict := &SessionPolicy{}
 	groups := slices.Clone(base)
-	groups[order[0]].Inflight = 1 // total 2 over 4 groups: limit 1
+	groups[order[0]].Inflight = 2 // total 3 over 4 groups: limit ceil(0.75)+1 = 2
 	if got, _ := strict.Place(tr, groups); got != name(1) {
 		t.Errorf("epsilon 0: Place = %q, want %q", got, name(1))
 	}
