@@ -143,8 +143,14 @@ func (s *SessionBindings) Record(sessionID string, b Binding) {
 		return
 	}
 	b.UpdatedUnixMs = time.Now().UnixMilli()
+	key := messages.SessionKey(sessionID)
+	// This replica sees its own decision at once; the revision stays the one
+	// the compare-and-set will be checked against.
+	s.mu.Lock()
+	s.local[key] = boundEntry{Binding: b, rev: s.local[key].rev}
+	s.mu.Unlock()
 	select {
-	case s.writes <- bindingWrite{key: messages.SessionKey(sessionID), b: b}:
+	case s.writes <- bindingWrite{key: key, b: b}:
 	default:
 		s.log.Warn("session binding queue full; dropping a write", "session_key", messages.SessionKey(sessionID))
 	}
@@ -162,18 +168,18 @@ func (s *SessionBindings) write(ctx context.Context, wr bindingWrite) {
 	defer cancel()
 	for attempt := 0; attempt < 2; attempt++ {
 		s.mu.RLock()
-		cur, known := s.local[wr.key]
+		cur := s.local[wr.key]
 		s.mu.RUnlock()
 		var rev uint64
-		if known {
+		if cur.rev > 0 {
 			rev, err = s.kv.Update(ctx, wr.key, data, cur.rev)
 		} else {
 			rev, err = s.kv.Create(ctx, wr.key, data)
 		}
 		if err == nil {
 			s.mu.Lock()
-			if e, ok := s.local[wr.key]; !ok || e.rev < rev {
-				s.local[wr.key] = boundEntry{Binding: wr.b, rev: rev}
+			if e := s.local[wr.key]; e.rev < rev {
+				s.local[wr.key] = boundEntry{Binding: e.Binding, rev: rev} // keep a newer local decision
 			}
 			s.mu.Unlock()
 			return

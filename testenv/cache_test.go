@@ -278,7 +278,7 @@ func TestRankRestartDropsItsEntries(t *testing.T) {
 	if before == 0 {
 		t.Fatal("no blocks indexed after one turn")
 	}
-	c.RestartRank("g0", 2)
+	c.RestartRank(t, "g0", 2)
 	// Rank 2 comes back empty: no block is held by all four ranks any more.
 	testenv.Eventually(t, 10*time.Second, "stale entries gone", func() bool {
 		return c.Scheduler.Index().GroupBlocks("g0") == 0

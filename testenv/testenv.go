@@ -1,14 +1,13 @@
 // Package testenv runs kvbus for tests: an embedded nats-server with
-// JetStream in a temporary directory, and an in-process cluster (frontend,
-// scheduler, G groups × R ranks) over real NATS and real HTTP on loopback.
-// Everything started is stopped by t.Cleanup.
+// JetStream in a temporary directory, and an in-process cluster (package
+// cluster: frontend, schedulers, G groups × R ranks) over real NATS and real
+// HTTP on loopback. Everything started is stopped by t.Cleanup.
 package testenv
 
 import (
 	"bytes"
+	"cmp"
 	"context"
-	"errors"
-	"fmt"
 	"io"
 	"log/slog"
 	"net"
@@ -21,8 +20,8 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/kvbus/kvbus/bus"
+	"github.com/kvbus/kvbus/cluster"
 	"github.com/kvbus/kvbus/frontend"
-	"github.com/kvbus/kvbus/messages"
 	"github.com/kvbus/kvbus/scheduler"
 	"github.com/kvbus/kvbus/workers"
 )
@@ -92,7 +91,7 @@ func (b *LogBuffer) Lines(substrs ...string) []string {
 	return out
 }
 
-// ClusterConfig configures an in-process cluster.
+// ClusterConfig configures an in-process cluster for a test.
 type ClusterConfig struct {
 	Groups int    // default 1
 	Ranks  int    // ranks per group, default 4
@@ -119,60 +118,25 @@ type ClusterConfig struct {
 	LogTo io.Writer
 }
 
-// Cluster is a running in-process kvbus.
+// Cluster is a running in-process kvbus with its frontend on loopback.
 type Cluster struct {
+	*cluster.Cluster
 	NATS      *bus.Server
-	URL       string // the frontend's base URL, http://127.0.0.1:port
-	Frontend  *frontend.Server
+	URL       string               // the frontend's base URL, http://127.0.0.1:port
 	Scheduler *scheduler.Scheduler // the first replica
-	// Schedulers are all replicas.
-	Schedulers []*scheduler.Scheduler
-	Ranks      []*workers.Rank
-	Logs       *LogBuffer
-	Subjects   messages.Subjects
-	Model      string
-	// Registry holds the frontend's and the ranks' metrics;
-	// SchedulerRegistries each scheduler replica's.
-	Registry            *prometheus.Registry
-	SchedulerRegistries []*prometheus.Registry
-
-	mu        sync.Mutex
-	rankStops map[rankKey]func()
-	engines   map[string]workers.Engine
-	restart   func(group string, tpRank int)
+	Logs      *LogBuffer
+	Model     string
+	// Registry holds the frontend's, the ranks' and the first scheduler's
+	// metrics; SchedulerRegistries has every replica's.
+	Registry *prometheus.Registry
 }
 
-type rankKey struct {
-	group string
-	rank  int
-}
-
-// RestartRank stops one rank and starts a new one with the same identity
-// and an empty block store, as a process restart would.
-func (c *Cluster) RestartRank(group string, tpRank int) { c.restart(group, tpRank) }
-
-// StartCluster starts NATS, ranks, a scheduler and a frontend, waits until
-// every group is ready and HTTP is served, and stops everything at cleanup
-// (ranks last, so in-flight requests finish).
+// StartCluster starts NATS, ranks, schedulers and a frontend, waits until
+// every group is ready and HTTP is served, and stops everything at cleanup.
 func StartCluster(t testing.TB, cfg ClusterConfig) *Cluster {
 	t.Helper()
-	if cfg.Groups == 0 {
-		cfg.Groups = 1
-	}
-	if cfg.Ranks == 0 {
-		cfg.Ranks = 4
-	}
-	if cfg.Policy == "" {
-		cfg.Policy = scheduler.PolicyKV
-	}
-	if cfg.Schedulers == 0 {
-		cfg.Schedulers = 1
-	}
 	if cfg.KVCapacity == 0 {
 		cfg.KVCapacity = 64 << 20
-	}
-	if cfg.Model == "" {
-		cfg.Model = "kvbus-sim"
 	}
 	if cfg.ModelProfile == "" {
 		cfg.ModelProfile = "tiny"
@@ -182,124 +146,47 @@ func StartCluster(t testing.TB, cfg ClusterConfig) *Cluster {
 	if cfg.LogTo != nil {
 		w = io.MultiWriter(logs, cfg.LogTo)
 	}
-	log := slog.New(slog.NewTextHandler(w, &slog.HandlerOptions{Level: cfg.LogLevel}))
-	srv := StartNATS(t)
-	c := &Cluster{NATS: srv, Logs: logs, Model: cfg.Model, Registry: prometheus.NewRegistry(),
-		rankStops: map[rankKey]func(){}, engines: map[string]workers.Engine{}}
-	rankMetrics, handlerMetrics := workers.NewMetrics(c.Registry), bus.NewHandlerMetrics(c.Registry)
-
-	ctx, cancel := context.WithCancel(context.Background())
-	var wg sync.WaitGroup
-	errs := make(chan error, 64)
-	run := func(ctx context.Context, name string, f func(context.Context) error) {
-		wg.Go(func() {
-			if err := f(ctx); err != nil && !errors.Is(err, context.Canceled) {
-				errs <- fmt.Errorf("%s: %w", name, err)
-			}
-		})
-	}
-	t.Cleanup(func() {
-		cancel()
-		wg.Wait()
-		close(errs)
-		for err := range errs {
-			t.Errorf("cluster role failed: %v", err)
-		}
-	})
-
-	profile, err := workers.LookupModelProfile(cfg.ModelProfile)
-	if err != nil {
-		t.Fatal(err)
-	}
-	startRank := func(group string, r int, engine workers.Engine) {
-		rank, err := workers.NewRank(workers.RankConfig{
-			Conn: Connect(t, srv), Group: group, TPRank: r, TPSize: cfg.Ranks, EPRank: r, EPSize: cfg.Ranks,
-			Model: cfg.Model, Profile: profile, CapacityBytes: cfg.KVCapacity, Payload: cfg.Payload, Evict: cfg.Evict, Engine: engine,
-			HeartbeatInterval: 100 * time.Millisecond, Logger: log, Metrics: rankMetrics, HandlerMetrics: handlerMetrics,
-		})
-		if err != nil {
-			t.Fatal(err)
-		}
-		rctx, stop := context.WithCancel(ctx)
-		done := make(chan struct{})
-		c.mu.Lock()
-		c.Ranks = append(c.Ranks, rank)
-		c.rankStops[rankKey{group, r}] = func() { stop(); <-done }
-		c.mu.Unlock()
-		run(rctx, fmt.Sprintf("rank %s/%d", group, r), func(ctx context.Context) error {
-			defer close(done)
-			return rank.Run(ctx)
-		})
-	}
-	c.restart = func(group string, r int) {
-		c.mu.Lock()
-		stop := c.rankStops[rankKey{group, r}]
-		engine := c.engines[group]
-		c.mu.Unlock()
-		if stop == nil {
-			t.Fatalf("no rank %s/%d", group, r)
-		}
-		stop()
-		startRank(group, r, engine)
-	}
-	for g := range cfg.Groups {
-		group := fmt.Sprintf("g%d", g)
-		engine, err := workers.NewSimEngine(workers.SimConfig{Profile: workers.DefaultSimProfile, TimeScale: cfg.TimeScale})
-		if err != nil {
-			t.Fatal(err)
-		}
-		c.engines[group] = engine
-		for r := range cfg.Ranks {
-			startRank(group, r, engine)
-		}
-	}
-	for i := range cfg.Schedulers {
-		policy, err := scheduler.NewPolicy(cfg.Policy, 0.25)
-		if err != nil {
-			t.Fatal(err)
-		}
-		reg := prometheus.NewRegistry()
-		s, err := scheduler.New(scheduler.Config{
-			Conn: Connect(t, srv), Policy: policy, HeartbeatTimeout: time.Second,
-			RequestTimeout: cfg.RequestTimeout, SessionTTL: cfg.SessionTTL, Logger: log, Registerer: reg,
-		})
-		if err != nil {
-			t.Fatal(err)
-		}
-		c.Schedulers = append(c.Schedulers, s)
-		c.SchedulerRegistries = append(c.SchedulerRegistries, reg)
-		run(ctx, fmt.Sprintf("scheduler %d", i), s.Run)
-	}
-	c.Scheduler = c.Schedulers[0]
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
 		t.Fatal(err)
 	}
-	c.Frontend, err = frontend.New(frontend.Config{
-		Conn: Connect(t, srv), Listener: ln, Models: []string{cfg.Model}, SessionHeaders: cfg.SessionHeaders,
-		MaxModelLen: cfg.MaxModelLen, RequestTimeout: cfg.RequestTimeout, Logger: log, Registry: c.Registry,
+	reg := prometheus.NewRegistry()
+	cc, err := cluster.Start(context.Background(), cluster.Config{
+		DataDir: t.TempDir(), Groups: cfg.Groups, Ranks: cfg.Ranks, Model: cfg.Model, ModelProfile: cfg.ModelProfile,
+		KVCapacity: cfg.KVCapacity, Payload: cfg.Payload, Evict: cfg.Evict,
+		Sim:               workers.SimConfig{Profile: workers.DefaultSimProfile, TimeScale: cfg.TimeScale},
+		HeartbeatInterval: 100 * time.Millisecond, HeartbeatTimeout: time.Second,
+		Schedulers: cfg.Schedulers, Policy: cfg.Policy, RequestTimeout: cfg.RequestTimeout, SessionTTL: cfg.SessionTTL,
+		Frontend: &frontend.Config{Listener: ln, SessionHeaders: cfg.SessionHeaders, MaxModelLen: cfg.MaxModelLen},
+		Logger:   slog.New(slog.NewTextHandler(w, &slog.HandlerOptions{Level: cfg.LogLevel})),
+		Registry: reg,
 	})
 	if err != nil {
+		t.Fatalf("start cluster: %v", err)
+	}
+	t.Cleanup(func() {
+		cc.Stop()
+		if err := cc.Wait(); err != nil {
+			t.Errorf("cluster role failed: %v", err)
+		}
+	})
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	if err := cc.WaitReady(ctx); err != nil {
 		t.Fatal(err)
 	}
-	run(ctx, "frontend", c.Frontend.Run)
-	select {
-	case <-c.Frontend.Ready():
-	case err := <-errs:
-		t.Fatalf("cluster failed to start: %v", err)
-	case <-time.After(30 * time.Second):
-		t.Fatal("frontend not ready after 30s")
+	return &Cluster{
+		Cluster: cc, NATS: cc.NATS, URL: "http://" + ln.Addr().String(), Scheduler: cc.Schedulers[0],
+		Logs: logs, Model: cmp.Or(cfg.Model, "kvbus-sim"), Registry: reg,
 	}
-	c.URL = "http://" + ln.Addr().String()
-	Eventually(t, 10*time.Second, "all worker groups ready", func() bool {
-		for _, s := range c.Schedulers {
-			if s.ReadyGroups() != cfg.Groups {
-				return false
-			}
-		}
-		return true
-	})
-	return c
+}
+
+// RestartRank restarts one rank (see cluster.Cluster.RestartRank).
+func (c *Cluster) RestartRank(t testing.TB, group string, rank int) {
+	t.Helper()
+	if err := c.Cluster.RestartRank(group, rank); err != nil {
+		t.Fatal(err)
+	}
 }
 
 // Observe subscribes to subject and records every message until cleanup.

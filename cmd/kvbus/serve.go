@@ -2,12 +2,10 @@ package main
 
 import (
 	"context"
-	"fmt"
 
-	"github.com/nats-io/nats.go"
-
-	"github.com/kvbus/kvbus/bus"
+	"github.com/kvbus/kvbus/cluster"
 	"github.com/kvbus/kvbus/frontend"
+	"github.com/kvbus/kvbus/messages"
 	"github.com/kvbus/kvbus/workers"
 )
 
@@ -27,64 +25,43 @@ type serveCmd struct {
 
 func (c *serveCmd) Run(ctx context.Context) error {
 	log := c.logger()
-	if c.Groups < 1 || c.Ranks < 1 {
-		return fmt.Errorf("--groups and --ranks must be at least 1")
-	}
-	srv, err := bus.StartServer(bus.ServerConfig{Addr: c.NATSAddr, DataDir: c.DataDir})
+	cfg, err := c.clusterConfig()
 	if err != nil {
 		return err
 	}
-	defer srv.Shutdown()
-	log.Info("embedded nats server ready", "url", srv.ClientURL())
-	b := busFlags{natsFlags: natsFlags{NATSURL: srv.ClientURL()}, logFlags: c.logFlags, Prefix: c.Prefix}
-	var conns []*nats.Conn
-	defer func() { drain(conns...) }()
-	conn := func(name string) (*nats.Conn, error) {
-		nc, err := connect(ctx, b.natsFlags, name, log)
-		if err == nil {
-			conns = append(conns, nc)
-		}
-		return nc, err
-	}
-
-	reg := newRegistry()
-	wm, hm := workers.NewMetrics(reg), bus.NewHandlerMetrics(reg)
-	r := newRoles(ctx)
-	for g := range c.Groups {
-		group := fmt.Sprintf("g%d", g)
-		engine, err := c.engine()
-		if err != nil {
-			return err
-		}
-		for tp := range c.Ranks {
-			nc, err := conn(fmt.Sprintf("kvbus-worker-%s-%d", group, tp))
-			if err != nil {
-				return err
-			}
-			rank, err := newRank(nc, b, c.modelFlags, c.engineFlags, engine, group, tp, c.Ranks, tp, c.Ranks, log, wm, hm)
-			if err != nil {
-				return err
-			}
-			r.run(fmt.Sprintf("worker %s/%d", group, tp), rank.Run)
-		}
-	}
-	nc, err := conn("kvbus-scheduler")
-	if err != nil {
-		return err
-	}
-	s, err := newScheduler(nc, b, c.schedulerFlags, c.timeoutFlags, "", log, reg)
-	if err != nil {
-		return err
-	}
-	r.run("scheduler", s.Run)
-	if nc, err = conn("kvbus-frontend"); err != nil {
-		return err
-	}
+	cfg.NATSAddr, cfg.DataDir, cfg.Logger, cfg.Registry = c.NATSAddr, c.DataDir, log, newRegistry()
 	// The frontend's /metrics serves the whole process's registry.
-	fe, err := frontend.New(newFrontendConfig(nc, b.subjects(), log, reg, "", c.modelFlags, c.frontendFlags, c.timeoutFlags))
+	cfg.Frontend = &frontend.Config{
+		Addr: c.HTTPAddr, SessionHeaders: c.SessionHeader, MaxModelLen: c.MaxModelLen, MaxBodyBytes: c.MaxBodyBytes,
+	}
+	cl, err := cluster.Start(ctx, cfg)
 	if err != nil {
 		return err
 	}
-	r.run("frontend", fe.Run)
-	return r.wait()
+	log.Info("kvbus serving", "nats_url", cl.NATSURL, "http_addr", c.HTTPAddr, "groups", c.Groups, "ranks", c.Ranks, "policy", c.Policy)
+	<-ctx.Done()
+	return cl.Wait()
+}
+
+// clusterConfig maps the flags shared by serve and bench onto a cluster.
+func (c *serveCmd) clusterConfig() (cluster.Config, error) {
+	profile, err := workers.LookupModelProfile(c.ModelProfile)
+	if err != nil {
+		return cluster.Config{}, err
+	}
+	capacity, err := workers.ParseCapacity(c.KVCapacity, profile.BytesPerTokenPerRank(c.Ranks))
+	if err != nil {
+		return cluster.Config{}, err
+	}
+	return cluster.Config{
+		Subjects: messages.Subjects{Prefix: c.Prefix}, Groups: c.Groups, Ranks: c.Ranks,
+		Model: c.Model, ModelProfile: c.ModelProfile, KVCapacity: capacity, Payload: c.KVPayload, Evict: c.Evict,
+		Sim: workers.SimConfig{
+			Profile:   workers.SimProfile{PrefillPerToken: c.PrefillPerToken, LoadPerToken: c.LoadPerToken, DecodePerToken: c.DecodePerToken},
+			TimeScale: c.TimeScale, DefaultMaxTokens: c.DefaultMaxTokens,
+		},
+		HeartbeatInterval: c.HeartbeatEvery, ShutdownTimeout: c.ShutdownTimeout,
+		Policy: c.Policy, SessionEpsilon: c.SessionEpsilon, BlockSize: c.BlockSize,
+		HeartbeatTimeout: c.HeartbeatTimeout, RequestTimeout: c.RequestTimeout, SessionTTL: c.SessionTTL,
+	}, nil
 }

@@ -1,0 +1,378 @@
+// Package cluster runs a whole kvbus in one process: an embedded NATS server
+// (or an external one), scheduler replicas, worker groups of ranks and,
+// optionally, the HTTP frontend. `kvbus serve`, `kvbus bench` and testenv
+// build on it. Every role has its own NATS connection, as separate processes
+// would.
+package cluster
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"net"
+	"sync"
+	"time"
+
+	"github.com/nats-io/nats.go"
+	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/kvbus/kvbus/bus"
+	"github.com/kvbus/kvbus/frontend"
+	"github.com/kvbus/kvbus/messages"
+	"github.com/kvbus/kvbus/scheduler"
+	"github.com/kvbus/kvbus/workers"
+)
+
+// Config describes an in-process cluster. Zero values take the defaults
+// noted.
+type Config struct {
+	// NATSURL, if set, is an external server; otherwise an embedded server
+	// listens on NATSAddr (default 127.0.0.1:0, a free port) with JetStream
+	// in DataDir (default a temporary directory).
+	NATSURL  string
+	NATSAddr string
+	DataDir  string
+	Subjects messages.Subjects
+
+	Groups int // default 1
+	Ranks  int // ranks per group, default 4
+	Model  string
+	// ModelProfile names the KV shape (default "llama-3.1-8b").
+	ModelProfile string
+	// KVCapacity per rank in bytes (default 1 GiB); Payload and Evict as the
+	// workers' --kv-payload and --evict.
+	KVCapacity        int64
+	Payload, Evict    string
+	Sim               workers.SimConfig
+	HeartbeatInterval time.Duration // default 1 s
+	ShutdownTimeout   time.Duration // ranks' drain, default 10 s
+
+	Schedulers       int    // replicas, default 1
+	Policy           string // default "kv"
+	SessionEpsilon   float64
+	BlockSize        int
+	HeartbeatTimeout time.Duration
+	RequestTimeout   time.Duration
+	SessionTTL       time.Duration
+
+	// Frontend, if set, is served too; Conn, Subjects, Logger and Registry
+	// are filled in.
+	Frontend *frontend.Config
+
+	Logger *slog.Logger
+	// Registry receives the metrics of the frontend, the ranks and the first
+	// scheduler; other replicas get registries of their own.
+	Registry *prometheus.Registry
+}
+
+// Cluster is a running in-process cluster.
+type Cluster struct {
+	cfg     Config
+	NATS    *bus.Server // nil with an external server
+	NATSURL string
+	// Schedulers are the replicas, with their registries.
+	Schedulers          []*scheduler.Scheduler
+	SchedulerRegistries []*prometheus.Registry
+	Frontend            *frontend.Server // nil without Config.Frontend
+
+	log     *slog.Logger
+	profile workers.ModelProfile
+	wm      *workers.Metrics
+	hm      *bus.HandlerMetrics
+
+	ctx    context.Context
+	cancel context.CancelFunc
+	wg     sync.WaitGroup
+	errMu  sync.Mutex
+	err    error
+
+	mu      sync.Mutex
+	conns   []*nats.Conn
+	ranks   map[rankKey]*rankRun
+	engines map[string]workers.Engine
+}
+
+type rankKey struct {
+	group string
+	rank  int
+}
+
+type rankRun struct {
+	rank *workers.Rank
+	stop context.CancelFunc
+	done chan struct{}
+}
+
+func (c *Config) defaults() {
+	if c.NATSAddr == "" {
+		c.NATSAddr = "127.0.0.1:0"
+	}
+	if c.Groups == 0 {
+		c.Groups = 1
+	}
+	if c.Ranks == 0 {
+		c.Ranks = 4
+	}
+	if c.Model == "" {
+		c.Model = "kvbus-sim"
+	}
+	if c.ModelProfile == "" {
+		c.ModelProfile = "llama-3.1-8b"
+	}
+	if c.KVCapacity == 0 {
+		c.KVCapacity = 1 << 30
+	}
+	if c.Schedulers == 0 {
+		c.Schedulers = 1
+	}
+	if c.Policy == "" {
+		c.Policy = scheduler.PolicyKV
+	}
+	if c.SessionEpsilon == 0 {
+		c.SessionEpsilon = 0.25
+	}
+	if c.Logger == nil {
+		c.Logger = slog.Default()
+	}
+	if c.Registry == nil {
+		c.Registry = prometheus.NewRegistry()
+	}
+}
+
+// Start starts the cluster; it runs until ctx ends or Stop is called. Use
+// WaitReady to wait until every group is ready.
+func Start(ctx context.Context, cfg Config) (*Cluster, error) {
+	cfg.defaults()
+	if cfg.Groups < 1 || cfg.Ranks < 1 {
+		return nil, errors.New("cluster: groups and ranks must be at least 1")
+	}
+	profile, err := workers.LookupModelProfile(cfg.ModelProfile)
+	if err != nil {
+		return nil, err
+	}
+	c := &Cluster{
+		cfg: cfg, log: cfg.Logger, profile: profile,
+		wm: workers.NewMetrics(cfg.Registry), hm: bus.NewHandlerMetrics(cfg.Registry),
+		ranks: map[rankKey]*rankRun{}, engines: map[string]workers.Engine{},
+	}
+	c.ctx, c.cancel = context.WithCancel(ctx)
+	c.NATSURL = cfg.NATSURL
+	if c.NATSURL == "" {
+		if c.NATS, err = bus.StartServer(bus.ServerConfig{Addr: cfg.NATSAddr, DataDir: cfg.DataDir}); err != nil {
+			return nil, err
+		}
+		c.NATSURL = c.NATS.ClientURL()
+	}
+	if err := c.start(); err != nil {
+		c.cancel()
+		_ = c.Wait()
+		return nil, err
+	}
+	return c, nil
+}
+
+func (c *Cluster) start() error {
+	cfg := c.cfg
+	for g := range cfg.Groups {
+		group := fmt.Sprintf("g%d", g)
+		engine, err := workers.NewSimEngine(cfg.Sim)
+		if err != nil {
+			return err
+		}
+		c.engines[group] = engine
+		for r := range cfg.Ranks {
+			if err := c.startRank(group, r); err != nil {
+				return err
+			}
+		}
+	}
+	for i := range cfg.Schedulers {
+		policy, err := scheduler.NewPolicy(cfg.Policy, cfg.SessionEpsilon)
+		if err != nil {
+			return err
+		}
+		reg := cfg.Registry
+		if i > 0 {
+			reg = prometheus.NewRegistry()
+		}
+		nc, err := c.connect(fmt.Sprintf("kvbus-scheduler-%d", i))
+		if err != nil {
+			return err
+		}
+		s, err := scheduler.New(scheduler.Config{
+			Conn: nc, Subjects: cfg.Subjects, Policy: policy, BlockSize: cfg.BlockSize,
+			HeartbeatTimeout: cfg.HeartbeatTimeout, RequestTimeout: cfg.RequestTimeout, SessionTTL: cfg.SessionTTL,
+			StreamReplicas: 1, Logger: c.log, Registerer: reg,
+		})
+		if err != nil {
+			return err
+		}
+		c.Schedulers = append(c.Schedulers, s)
+		c.SchedulerRegistries = append(c.SchedulerRegistries, reg)
+		c.run(c.ctx, fmt.Sprintf("scheduler %d", i), s.Run)
+	}
+	if cfg.Frontend != nil {
+		fc := *cfg.Frontend
+		nc, err := c.connect("kvbus-frontend")
+		if err != nil {
+			return err
+		}
+		fc.Conn, fc.Subjects, fc.Logger, fc.Registry = nc, cfg.Subjects, c.log, cfg.Registry
+		if len(fc.Models) == 0 {
+			fc.Models = []string{cfg.Model}
+		}
+		if fc.RequestTimeout == 0 {
+			fc.RequestTimeout = cfg.RequestTimeout
+		}
+		if c.Frontend, err = frontend.New(fc); err != nil {
+			return err
+		}
+		c.run(c.ctx, "frontend", c.Frontend.Run)
+	}
+	return nil
+}
+
+func (c *Cluster) connect(name string) (*nats.Conn, error) {
+	nc, err := bus.Connect(c.ctx, bus.Config{URL: c.NATSURL, Name: name, Logger: c.log})
+	if err != nil {
+		return nil, err
+	}
+	c.mu.Lock()
+	c.conns = append(c.conns, nc)
+	c.mu.Unlock()
+	return nc, nil
+}
+
+func (c *Cluster) run(ctx context.Context, name string, f func(context.Context) error) {
+	c.wg.Go(func() {
+		if err := f(ctx); err != nil && !errors.Is(err, context.Canceled) {
+			c.errMu.Lock()
+			if c.err == nil {
+				c.err = fmt.Errorf("%s: %w", name, err)
+			}
+			c.errMu.Unlock()
+			c.cancel()
+		}
+	})
+}
+
+func (c *Cluster) startRank(group string, r int) error {
+	cfg := c.cfg
+	nc, err := c.connect(fmt.Sprintf("kvbus-worker-%s-%d", group, r))
+	if err != nil {
+		return err
+	}
+	c.mu.Lock()
+	engine := c.engines[group]
+	c.mu.Unlock()
+	capacity := cfg.KVCapacity
+	rank, err := workers.NewRank(workers.RankConfig{
+		Conn: nc, Subjects: cfg.Subjects, Group: group, TPRank: r, TPSize: cfg.Ranks, EPRank: r, EPSize: cfg.Ranks,
+		Model: cfg.Model, Profile: c.profile, CapacityBytes: capacity, Payload: cfg.Payload, Evict: cfg.Evict,
+		Engine: engine, BlockSize: cfg.BlockSize, HeartbeatInterval: cfg.HeartbeatInterval, ShutdownTimeout: cfg.ShutdownTimeout,
+		Logger: c.log, Metrics: c.wm, HandlerMetrics: c.hm,
+	})
+	if err != nil {
+		return err
+	}
+	ctx, stop := context.WithCancel(c.ctx)
+	rr := &rankRun{rank: rank, stop: stop, done: make(chan struct{})}
+	c.mu.Lock()
+	c.ranks[rankKey{group, r}] = rr
+	c.mu.Unlock()
+	c.run(ctx, fmt.Sprintf("rank %s/%d", group, r), func(ctx context.Context) error {
+		defer close(rr.done)
+		return rank.Run(ctx)
+	})
+	return nil
+}
+
+// RestartRank stops one rank and starts a new one with the same identity
+// and an empty block store, as a process restart would.
+func (c *Cluster) RestartRank(group string, rank int) error {
+	c.mu.Lock()
+	rr := c.ranks[rankKey{group, rank}]
+	c.mu.Unlock()
+	if rr == nil {
+		return fmt.Errorf("cluster: no rank %s/%d", group, rank)
+	}
+	rr.stop()
+	<-rr.done
+	return c.startRank(group, rank)
+}
+
+// WaitReady waits until the frontend (if any) serves and every scheduler
+// sees every group ready.
+func (c *Cluster) WaitReady(ctx context.Context) error {
+	if c.Frontend != nil {
+		select {
+		case <-c.Frontend.Ready():
+		case <-c.ctx.Done():
+			return c.failure()
+		case <-ctx.Done():
+			return fmt.Errorf("cluster: frontend not ready: %w", ctx.Err())
+		}
+	}
+	t := time.NewTicker(10 * time.Millisecond)
+	defer t.Stop()
+	for {
+		ready := true
+		for _, s := range c.Schedulers {
+			ready = ready && s.ReadyGroups() == c.cfg.Groups
+		}
+		if ready {
+			return nil
+		}
+		select {
+		case <-c.ctx.Done():
+			return c.failure()
+		case <-ctx.Done():
+			return fmt.Errorf("cluster: groups not ready: %w", ctx.Err())
+		case <-t.C:
+		}
+	}
+}
+
+func (c *Cluster) failure() error {
+	c.errMu.Lock()
+	defer c.errMu.Unlock()
+	if c.err != nil {
+		return c.err
+	}
+	return errors.New("cluster: stopped")
+}
+
+// Stop ends every role; Wait returns once they are done.
+func (c *Cluster) Stop() { c.cancel() }
+
+// Wait waits for every role to end (after Stop or the context), drains the
+// connections, stops the embedded server, and returns the first role error.
+func (c *Cluster) Wait() error {
+	c.wg.Wait()
+	c.mu.Lock()
+	conns := c.conns
+	c.mu.Unlock()
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	for _, nc := range conns {
+		bus.Drain(ctx, nc)
+	}
+	if c.NATS != nil {
+		c.NATS.Shutdown()
+	}
+	c.errMu.Lock()
+	defer c.errMu.Unlock()
+	return c.err
+}
+
+// Connect opens a client connection to the cluster's NATS, closed by Wait.
+func (c *Cluster) Connect(name string) (*nats.Conn, error) { return c.connect(name) }
+
+// HTTPAddr is the frontend's address, once it is ready.
+func (c *Cluster) HTTPAddr() net.Addr {
+	if c.Frontend == nil {
+		return nil
+	}
+	return c.Frontend.Addr()
+}
