@@ -81,7 +81,17 @@ func Marshal(m Message) ([]byte, error) {
 }
 
 // decode unmarshals data into m and validates it. It never panics.
-func decode(data []byte, m Message) (err error) {
+func decode(data []byte, m Message) error {
+	if err := Unmarshal(data, m); err != nil {
+		return err
+	}
+	return m.validate()
+}
+
+// Unmarshal decodes msgpack data into v (any msgpack-tagged type) with the
+// defences every kvbus decoder has: a size limit, a nesting limit and no
+// panics. Errors wrap ErrTooLarge or ErrMalformed.
+func Unmarshal(data []byte, v any) (err error) {
 	if len(data) > MaxMessageBytes {
 		return fmt.Errorf("%w: %d bytes (limit %d)", ErrTooLarge, len(data), MaxMessageBytes)
 	}
@@ -90,22 +100,22 @@ func decode(data []byte, m Message) (err error) {
 	// stack (a fatal error that recover cannot catch). Check the nesting
 	// first, without recursion.
 	if err := checkNesting(data, maxNesting); err != nil {
-		return fmt.Errorf("%T: %w", m, err)
+		return fmt.Errorf("%T: %w", v, err)
 	}
 	defer func() {
 		// The msgpack library is not fuzzed by its authors against every
 		// input; a panic in it must not take a process down.
 		if r := recover(); r != nil {
-			err = fmt.Errorf("%w: %T: decoder panic: %v", ErrMalformed, m, r)
+			err = fmt.Errorf("%w: %T: decoder panic: %v", ErrMalformed, v, r)
 		}
 	}()
-	if err := msgpack.Unmarshal(data, m); err != nil {
+	if err := msgpack.Unmarshal(data, v); err != nil {
 		if errors.Is(err, ErrMalformed) {
-			return fmt.Errorf("%T: %w", m, err)
+			return fmt.Errorf("%T: %w", v, err)
 		}
-		return fmt.Errorf("%w: %T: %v", ErrMalformed, m, err)
+		return fmt.Errorf("%w: %T: %v", ErrMalformed, v, err)
 	}
-	return m.validate()
+	return nil
 }
 
 // DecodeRequest decodes and validates a Request.

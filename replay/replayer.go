@@ -1,0 +1,507 @@
+package replay
+
+import (
+	"bufio"
+	"bytes"
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"log/slog"
+	"net/http"
+	"net/url"
+	"strings"
+	"sync"
+	"time"
+
+	"github.com/nats-io/nats.go"
+	"github.com/nats-io/nats.go/jetstream"
+	"github.com/nats-io/nuid"
+	"github.com/schollz/progressbar/v3"
+
+	"github.com/kvbus/kvbus/messages"
+)
+
+// Replay modes.
+const (
+	// ModeOpen sends every request at its trace time / speed, whatever
+	// happened to the others.
+	ModeOpen = "open"
+	// ModeSession runs each session closed loop: a turn waits for the
+	// previous turn's answer plus the original gap / speed.
+	ModeSession = "session"
+)
+
+// ExtraArgOriginalID is the extra_args key that keeps a replayed request's
+// original id.
+const ExtraArgOriginalID = "original_request_id"
+
+// Config configures a replay.
+type Config struct {
+	// Target is nats://HOST:PORT (publish Requests into the request log) or
+	// http://HOST:PORT (POST /v1/completions with token-id prompts).
+	Target string
+	// Conn, for a nats target, is the connection to use; nil means connect
+	// to Target. With an http target, a non-nil Conn is only used to learn
+	// each request's group from ReqMeta subjects.
+	Conn     *nats.Conn
+	Subjects messages.Subjects
+	// Model is the model name to request (default "kvbus-sim").
+	Model string
+	Speed float64 // trace clock divided by Speed (default 1)
+	Mode  string  // ModeOpen (default) or ModeSession
+	// Timeout bounds one request (default 10 min).
+	Timeout time.Duration
+	// MaxInflight bounds concurrent requests (default 8192).
+	MaxInflight int
+	// Progress, if set, shows a progress bar there (a terminal).
+	Progress io.Writer
+	Logger   *slog.Logger
+}
+
+// Replayer replays traces.
+type Replayer struct {
+	cfg        Config
+	log        *slog.Logger
+	frontendID string
+	http       *http.Client
+	httpURL    string
+	js         jetstream.JetStream
+
+	mu      sync.Mutex
+	pending map[string]*pendingReq // by request id (nats target)
+	groups  map[string]string      // request id → group, from ReqMeta subjects
+}
+
+type pendingReq struct {
+	res  *Result
+	done chan struct{}
+	got  bool
+}
+
+// New checks the configuration and prepares the target.
+func New(cfg Config) (*Replayer, error) {
+	if cfg.Model == "" {
+		cfg.Model = "kvbus-sim"
+	}
+	if cfg.Speed == 0 {
+		cfg.Speed = 1
+	}
+	if cfg.Speed < 0 {
+		return nil, errors.New("replay: --speed must be positive")
+	}
+	if cfg.Mode == "" {
+		cfg.Mode = ModeOpen
+	}
+	if cfg.Mode != ModeOpen && cfg.Mode != ModeSession {
+		return nil, fmt.Errorf("replay: --mode %q must be open or session", cfg.Mode)
+	}
+	if cfg.Timeout <= 0 {
+		cfg.Timeout = 10 * time.Minute
+	}
+	if cfg.MaxInflight <= 0 {
+		cfg.MaxInflight = 8192
+	}
+	if cfg.Logger == nil {
+		cfg.Logger = slog.Default()
+	}
+	r := &Replayer{cfg: cfg, log: cfg.Logger, frontendID: "replay-" + nuid.Next(), pending: map[string]*pendingReq{}, groups: map[string]string{}}
+	u, err := url.Parse(cfg.Target)
+	if err != nil {
+		return nil, fmt.Errorf("replay: --target %q: %w", cfg.Target, err)
+	}
+	switch u.Scheme {
+	case "nats", "tls":
+		if cfg.Conn == nil {
+			return nil, errors.New("replay: a nats target needs a connection")
+		}
+		if r.js, err = jetstream.New(cfg.Conn); err != nil {
+			return nil, err
+		}
+	case "http", "https":
+		r.httpURL = strings.TrimSuffix(cfg.Target, "/") + "/v1/completions"
+		r.http = &http.Client{Timeout: cfg.Timeout, Transport: &http.Transport{MaxIdleConnsPerHost: 1024, MaxConnsPerHost: cfg.MaxInflight}}
+	default:
+		return nil, fmt.Errorf("replay: --target %q: want nats://HOST:PORT or http://HOST:PORT", cfg.Target)
+	}
+	return r, nil
+}
+
+// Run replays items and returns one Result per item, in item order.
+func (r *Replayer) Run(ctx context.Context, items []Item) ([]Result, time.Duration, error) {
+	if r.cfg.Conn != nil {
+		subs, err := r.subscribe(ctx)
+		if err != nil {
+			return nil, 0, err
+		}
+		defer func() {
+			for _, s := range subs {
+				_ = s.Unsubscribe()
+			}
+		}()
+	}
+	if r.http != nil {
+		defer r.http.CloseIdleConnections()
+	}
+	results := make([]Result, len(items))
+	depth := map[string]int{}
+	for i, it := range items {
+		results[i].SessionID = it.SessionID
+		results[i].PromptTokens = len(it.Prompt)
+		results[i].TurnDepth = 1
+		if it.SessionID != "" {
+			depth[it.SessionID]++
+			results[i].TurnDepth = depth[it.SessionID]
+		}
+	}
+	var bar *progressbar.ProgressBar
+	if r.cfg.Progress != nil {
+		bar = progressbar.NewOptions(len(items), progressbar.OptionSetWriter(r.cfg.Progress),
+			progressbar.OptionSetDescription("replay"), progressbar.OptionShowCount(), progressbar.OptionThrottle(100*time.Millisecond),
+			progressbar.OptionClearOnFinish())
+	}
+	sem := make(chan struct{}, r.cfg.MaxInflight)
+	var wg sync.WaitGroup
+	start := time.Now()
+	send := func(i int) {
+		sem <- struct{}{}
+		r.do(ctx, &items[i], &results[i])
+		<-sem
+		if bar != nil {
+			_ = bar.Add(1)
+		}
+	}
+	at := func(d time.Duration) time.Time { return start.Add(time.Duration(float64(d) / r.cfg.Speed)) }
+	if r.cfg.Mode == ModeOpen {
+		for i := range items {
+			if !sleepUntil(ctx, at(items[i].At)) {
+				break
+			}
+			wg.Go(func() { send(i) })
+		}
+	} else {
+		bySession := map[string][]int{}
+		var order []string
+		for i, it := range items {
+			key := it.SessionID
+			if key == "" {
+				key = "\x00" + fmt.Sprint(i) // its own session
+			}
+			if _, ok := bySession[key]; !ok {
+				order = append(order, key)
+			}
+			bySession[key] = append(bySession[key], i)
+		}
+		for _, key := range order {
+			idx := bySession[key]
+			wg.Go(func() {
+				if !sleepUntil(ctx, at(items[idx[0]].At)) {
+					return
+				}
+				for k, i := range idx {
+					if k > 0 {
+						gap := time.Duration(float64(items[i].At-items[idx[k-1]].At) / r.cfg.Speed)
+						if !sleepUntil(ctx, time.Now().Add(gap)) {
+							return
+						}
+					}
+					send(i)
+				}
+			})
+		}
+	}
+	wg.Wait()
+	elapsed := time.Since(start)
+	if bar != nil {
+		_ = bar.Finish()
+	}
+	r.mu.Lock()
+	for i := range results {
+		if g, ok := r.groups[results[i].ReqID]; ok {
+			results[i].Group = g
+		}
+		if results[i].ReqID == "" && results[i].Err == "" {
+			results[i].Err = "not sent: the replay was stopped"
+		}
+	}
+	r.mu.Unlock()
+	return results, elapsed, ctx.Err()
+}
+
+func sleepUntil(ctx context.Context, t time.Time) bool {
+	d := time.Until(t)
+	if d <= 0 {
+		return ctx.Err() == nil
+	}
+	timer := time.NewTimer(d)
+	defer timer.Stop()
+	select {
+	case <-timer.C:
+		return true
+	case <-ctx.Done():
+		return false
+	}
+}
+
+// subscribe listens for outputs (nats target) and ReqMetas (to learn
+// groups).
+func (r *Replayer) subscribe(ctx context.Context) ([]*nats.Subscription, error) {
+	nc, subj := r.cfg.Conn, r.cfg.Subjects
+	var subs []*nats.Subscription
+	meta, err := nc.Subscribe(subj.MetaGroup("*"), func(m *nats.Msg) {
+		// kvbus.meta.<group>.<key>: decode only the id, cheaply.
+		parts := strings.Split(m.Subject, ".")
+		id := reqIDOf(m.Data)
+		if len(parts) >= 4 && id != "" {
+			r.mu.Lock()
+			r.groups[id] = parts[len(parts)-2]
+			// Through HTTP, the frontend suffixes the client's X-Request-Id.
+			if i := strings.LastIndexByte(id, '-'); i > 0 {
+				r.groups[id[:i]] = parts[len(parts)-2]
+			}
+			r.mu.Unlock()
+		}
+	})
+	if err != nil {
+		return nil, err
+	}
+	meta.SetPendingLimits(-1, -1)
+	subs = append(subs, meta)
+	if r.js != nil {
+		out, err := nc.Subscribe(subj.Out(r.frontendID), func(m *nats.Msg) { r.onOutput(m) })
+		if err != nil {
+			return subs, err
+		}
+		out.SetPendingLimits(-1, -1)
+		subs = append(subs, out)
+	}
+	return subs, nc.Flush()
+}
+
+// reqIDOf reads req_id from a ReqMeta without decoding its token ids.
+func reqIDOf(data []byte) string {
+	var m struct {
+		ReqID string `msgpack:"req_id"`
+	}
+	if messages.Unmarshal(data, &m) != nil {
+		return ""
+	}
+	return m.ReqID
+}
+
+func (r *Replayer) onOutput(m *nats.Msg) {
+	now := time.Now()
+	o, err := messages.DecodeOutput(m.Data)
+	if err != nil {
+		r.log.Warn("replay: malformed output", "err", err)
+		return
+	}
+	r.mu.Lock()
+	p := r.pending[o.ReqID]
+	if p == nil {
+		r.mu.Unlock()
+		return
+	}
+	if !p.got {
+		p.got = true
+		p.res.TTFT = now.Sub(p.res.Sent)
+	}
+	final := o.Final()
+	if final {
+		delete(r.pending, o.ReqID)
+	}
+	r.mu.Unlock()
+	if !final {
+		return
+	}
+	p.res.E2E = now.Sub(p.res.Sent)
+	if o.Usage != nil {
+		p.res.CachedTokens = o.Usage.CachedTokens
+	}
+	if o.Error != nil {
+		p.res.Err = o.Error.Code + ": " + o.Error.Message
+	}
+	close(p.done)
+}
+
+// do sends one item and waits for its answer.
+func (r *Replayer) do(ctx context.Context, it *Item, res *Result) {
+	res.ReqID = "rp-" + nuid.Next()
+	req := r.request(it, res.ReqID)
+	if r.js != nil {
+		r.doNATS(ctx, req, res)
+	} else {
+		r.doHTTP(ctx, req, res)
+	}
+}
+
+// request builds the bus request of an item: a new id, the original one in
+// extra_args, exact output length for traces.
+func (r *Replayer) request(it *Item, id string) *messages.Request {
+	var req messages.Request
+	if it.Request != nil {
+		req = *it.Request
+		req.SamplingParams.ExtraArgs = make(messages.Args, len(it.Request.SamplingParams.ExtraArgs)+1)
+		for k, v := range it.Request.SamplingParams.ExtraArgs {
+			req.SamplingParams.ExtraArgs[k] = v
+		}
+	} else {
+		req = messages.Request{
+			Model: r.cfg.Model, PromptTokenIDs: it.Prompt, SessionID: it.SessionID, Endpoint: messages.EndpointCompletions,
+			SamplingParams: messages.SamplingParams{MaxTokens: max(it.OutputTokens, 1), MinTokens: it.OutputTokens, IgnoreEOS: true, Temperature: 1, TopP: 1},
+		}
+		req.SamplingParams.ExtraArgs = messages.Args{}
+		if it.SessionID != "" {
+			req.SamplingParams.ExtraArgs[messages.ExtraArgSessionID] = it.SessionID
+		}
+	}
+	if it.OriginalID != "" {
+		req.SamplingParams.ExtraArgs[ExtraArgOriginalID] = it.OriginalID
+	}
+	now := time.Now()
+	req.RequestID, req.FrontendID = id, r.frontendID
+	req.ArrivalUnixMs, req.DeadlineUnixMs = now.UnixMilli(), now.Add(r.cfg.Timeout).UnixMilli()
+	return &req
+}
+
+func (r *Replayer) doNATS(ctx context.Context, req *messages.Request, res *Result) {
+	data, err := messages.Marshal(req)
+	if err != nil {
+		res.Err = err.Error()
+		return
+	}
+	p := &pendingReq{res: res, done: make(chan struct{})}
+	r.mu.Lock()
+	r.pending[req.RequestID] = p
+	r.mu.Unlock()
+	res.Sent = time.Now()
+	ack, err := r.js.PublishMsgAsync(&nats.Msg{Subject: r.cfg.Subjects.Request(req.Model), Data: data, Header: nats.Header{}},
+		jetstream.WithMsgID(req.RequestID))
+	if err == nil {
+		select {
+		case <-ack.Ok():
+		case err = <-ack.Err():
+		case <-ctx.Done():
+			err = ctx.Err()
+		}
+	}
+	if err != nil {
+		r.mu.Lock()
+		delete(r.pending, req.RequestID)
+		r.mu.Unlock()
+		res.Err = "publish: " + err.Error()
+		return
+	}
+	timer := time.NewTimer(r.cfg.Timeout)
+	defer timer.Stop()
+	select {
+	case <-p.done:
+	case <-timer.C:
+		r.abandon(req.RequestID, res, "timeout: no answer within "+r.cfg.Timeout.String())
+	case <-ctx.Done():
+		r.abandon(req.RequestID, res, "stopped: "+ctx.Err().Error())
+	}
+}
+
+func (r *Replayer) abandon(id string, res *Result, why string) {
+	r.mu.Lock()
+	_, waiting := r.pending[id]
+	delete(r.pending, id)
+	r.mu.Unlock()
+	if waiting {
+		res.Err = why
+		if data, err := messages.Marshal(&messages.Abort{ReqID: id, Reason: why}); err == nil {
+			_ = r.cfg.Conn.Publish(r.cfg.Subjects.Abort(), data)
+		}
+	}
+}
+
+// doHTTP sends a streaming /v1/completions request with a token-id prompt.
+func (r *Replayer) doHTTP(ctx context.Context, req *messages.Request, res *Result) {
+	sp := req.SamplingParams
+	body := map[string]any{
+		"model": req.Model, "prompt": req.PromptTokenIDs, "max_tokens": max(sp.MaxTokens, 1),
+		"stream": true, "stream_options": map[string]bool{"include_usage": true},
+	}
+	if sp.MinTokens > 0 {
+		body["min_tokens"] = sp.MinTokens
+	}
+	if sp.IgnoreEOS {
+		body["ignore_eos"] = true
+	}
+	if len(sp.ExtraArgs) > 0 {
+		body["vllm_xargs"] = sp.ExtraArgs // carries session_id and original_request_id
+	}
+	if len(sp.Stop) > 0 {
+		body["stop"] = sp.Stop
+	}
+	if sp.Seed != nil {
+		body["seed"] = *sp.Seed
+	}
+	data, err := json.Marshal(body)
+	if err != nil {
+		res.Err = err.Error()
+		return
+	}
+	hreq, err := http.NewRequestWithContext(ctx, http.MethodPost, r.httpURL, bytes.NewReader(data))
+	if err != nil {
+		res.Err = err.Error()
+		return
+	}
+	hreq.Header.Set("Content-Type", "application/json")
+	hreq.Header.Set("X-Request-Id", req.RequestID)
+	res.Sent = time.Now()
+	resp, err := r.http.Do(hreq)
+	if err != nil {
+		res.Err = "http: " + err.Error()
+		return
+	}
+	defer resp.Body.Close()
+	if resp.StatusCode != http.StatusOK {
+		b, _ := io.ReadAll(io.LimitReader(resp.Body, 4096))
+		res.Err = fmt.Sprintf("http %d: %s", resp.StatusCode, bytes.TrimSpace(b))
+		return
+	}
+	sc := bufio.NewScanner(resp.Body)
+	sc.Buffer(make([]byte, 0, 1<<16), 16<<20)
+	for sc.Scan() {
+		line, ok := bytes.CutPrefix(sc.Bytes(), []byte("data: "))
+		if !ok {
+			continue
+		}
+		if res.TTFT == 0 {
+			res.TTFT = time.Since(res.Sent)
+		}
+		if string(line) == "[DONE]" {
+			res.E2E = time.Since(res.Sent)
+			return
+		}
+		var chunk struct {
+			Usage *struct {
+				Details struct {
+					Cached int `json:"cached_tokens"`
+				} `json:"prompt_tokens_details"`
+			} `json:"usage"`
+			Error *struct {
+				Message string `json:"message"`
+				Code    string `json:"code"`
+			} `json:"error"`
+		}
+		if json.Unmarshal(line, &chunk) != nil {
+			continue
+		}
+		if chunk.Usage != nil {
+			res.CachedTokens = chunk.Usage.Details.Cached
+		}
+		if chunk.Error != nil {
+			res.Err = chunk.Error.Code + ": " + chunk.Error.Message
+		}
+	}
+	if res.Err == "" {
+		res.Err = "stream ended without [DONE]"
+		if err := sc.Err(); err != nil {
+			res.Err += ": " + err.Error()
+		}
+	}
+}

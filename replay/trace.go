@@ -1,0 +1,434 @@
+package replay
+
+import (
+	"bufio"
+	"bytes"
+	"encoding/csv"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"math"
+	"os"
+	"sort"
+	"strconv"
+	"strings"
+	"time"
+
+	"github.com/zeebo/xxh3"
+
+	"github.com/kvbus/kvbus/messages"
+)
+
+// Trace formats.
+const (
+	FormatAuto     = "auto"
+	FormatCapture  = "capture"
+	FormatMooncake = "mooncake"
+	FormatTraceLab = "tracelab"
+	FormatAzure    = "azure"
+)
+
+// MooncakeBlockTokens is the size of one Mooncake trace block (hash_id).
+const MooncakeBlockTokens = 512
+
+// maxTraceLineBytes bounds one line of a JSONL or CSV trace.
+const maxTraceLineBytes = 16 << 20
+
+// ErrFormat is wrapped by trace parsing errors.
+var ErrFormat = errors.New("replay: bad trace")
+
+// Item is one request of a trace, ready to replay.
+type Item struct {
+	// At is the request's time from the start of the trace.
+	At time.Duration
+	// SessionID is the conversation ("" when the trace has none).
+	SessionID string
+	// Prompt is the prompt's token ids.
+	Prompt []uint32
+	// OutputTokens is the exact number of tokens to generate (0: as the
+	// captured request's sampling params say).
+	OutputTokens int
+	// OriginalID is the request id in the trace, if any.
+	OriginalID string
+	// Request is the captured request, for capture replays.
+	Request *messages.Request
+	// Subject is the captured subject, for capture replays.
+	Subject string
+}
+
+// Trace is a parsed trace, items sorted by At.
+type Trace struct {
+	Format string
+	Items  []Item
+}
+
+// Sessions returns the number of distinct sessions.
+func (t *Trace) Sessions() int {
+	seen := map[string]bool{}
+	for _, it := range t.Items {
+		if it.SessionID != "" {
+			seen[it.SessionID] = true
+		}
+	}
+	return len(seen)
+}
+
+// ReadTraceFile reads a trace in format (FormatAuto detects it).
+func ReadTraceFile(path, format string) (*Trace, error) {
+	f, err := os.Open(path)
+	if err != nil {
+		return nil, err
+	}
+	defer f.Close()
+	return ReadTrace(f, format)
+}
+
+// ReadTrace reads a trace from r.
+func ReadTrace(r io.Reader, format string) (*Trace, error) {
+	br := bufio.NewReaderSize(r, 1<<16)
+	if format == "" || format == FormatAuto {
+		head, _ := br.Peek(4096)
+		format = detectFormat(head)
+		if format == "" {
+			return nil, fmt.Errorf("%w: cannot tell the format; give --format capture, mooncake, tracelab or azure", ErrFormat)
+		}
+	}
+	var (
+		t   *Trace
+		err error
+	)
+	switch format {
+	case FormatCapture:
+		t, err = readCaptureTrace(br)
+	case FormatMooncake:
+		t, err = readMooncake(br)
+	case FormatTraceLab:
+		t, err = readTraceLab(br)
+	case FormatAzure:
+		t, err = readAzure(br)
+	default:
+		return nil, fmt.Errorf("%w: unknown format %q (want auto, capture, mooncake, tracelab, azure)", ErrFormat, format)
+	}
+	if err != nil {
+		return nil, err
+	}
+	t.Format = format
+	sort.SliceStable(t.Items, func(i, j int) bool { return t.Items[i].At < t.Items[j].At })
+	return t, nil
+}
+
+func detectFormat(head []byte) string {
+	switch {
+	case bytes.HasPrefix(head, []byte(captureMagic)):
+		return FormatCapture
+	case bytes.HasPrefix(head, []byte("TIMESTAMP,")):
+		return FormatAzure
+	}
+	line, _, _ := bytes.Cut(head, []byte("\n"))
+	var probe map[string]json.RawMessage
+	if json.Unmarshal(line, &probe) != nil {
+		// A long first line may be cut by the peek: look at its keys.
+		switch {
+		case bytes.Contains(line, []byte(`"hash_ids"`)):
+			return FormatMooncake
+		case bytes.Contains(line, []byte(`"round_index"`)):
+			return FormatTraceLab
+		}
+		return ""
+	}
+	switch {
+	case probe["hash_ids"] != nil:
+		return FormatMooncake
+	case probe["round_index"] != nil:
+		return FormatTraceLab
+	}
+	return ""
+}
+
+// lines calls f for each non-empty line of r, with its 1-based number.
+func lines(r io.Reader, f func(n int, line []byte) error) error {
+	sc := bufio.NewScanner(r)
+	sc.Buffer(make([]byte, 0, 1<<16), maxTraceLineBytes)
+	n := 0
+	for sc.Scan() {
+		n++
+		line := bytes.TrimSpace(sc.Bytes())
+		if len(line) == 0 {
+			continue
+		}
+		if err := f(n, line); err != nil {
+			return err
+		}
+	}
+	if err := sc.Err(); err != nil {
+		return fmt.Errorf("%w: line %d: %v", ErrFormat, n+1, err)
+	}
+	return nil
+}
+
+func readCaptureTrace(r io.Reader) (*Trace, error) {
+	cr, err := NewCaptureReader(r)
+	if err != nil {
+		return nil, err
+	}
+	t := &Trace{}
+	var start time.Time
+	for i := 0; ; i++ {
+		f, err := cr.Next()
+		if errors.Is(err, io.EOF) {
+			return t, nil
+		}
+		if err != nil {
+			return nil, err
+		}
+		req, err := messages.DecodeRequest(f.Payload)
+		if err != nil {
+			return nil, fmt.Errorf("%w: frame %d: %v", ErrFormat, i, err)
+		}
+		if i == 0 {
+			start = f.Time
+		}
+		sid := req.SamplingParams.SessionFromExtraArgs()
+		if sid == "" {
+			sid = req.SessionID
+		}
+		t.Items = append(t.Items, Item{
+			At: f.Time.Sub(start), SessionID: sid, Prompt: req.PromptTokenIDs,
+			OriginalID: req.RequestID, Request: req, Subject: f.Subject,
+		})
+	}
+}
+
+type mooncakeLine struct {
+	Timestamp    *float64        `json:"timestamp"`
+	InputLength  *int            `json:"input_length"`
+	OutputLength *int            `json:"output_length"`
+	HashIDs      []int64         `json:"hash_ids"`
+	SessionID    json.RawMessage `json:"session_id"`
+}
+
+func readMooncake(r io.Reader) (*Trace, error) {
+	t := &Trace{}
+	err := lines(r, func(n int, line []byte) error {
+		var m mooncakeLine
+		if err := json.Unmarshal(line, &m); err != nil {
+			return fmt.Errorf("%w: line %d: %v", ErrFormat, n, err)
+		}
+		switch {
+		case m.Timestamp == nil || m.InputLength == nil || m.OutputLength == nil:
+			return fmt.Errorf("%w: line %d: timestamp, input_length and output_length are required", ErrFormat, n)
+		case *m.InputLength < 1 || *m.OutputLength < 0 || *m.Timestamp < 0 || math.IsNaN(*m.Timestamp) || math.IsInf(*m.Timestamp, 0):
+			return fmt.Errorf("%w: line %d: negative or empty lengths or timestamp", ErrFormat, n)
+		case *m.InputLength > len(m.HashIDs)*MooncakeBlockTokens || *m.InputLength <= (len(m.HashIDs)-1)*MooncakeBlockTokens:
+			return fmt.Errorf("%w: line %d: %d hash_ids do not cover input_length %d in %d-token blocks", ErrFormat, n, len(m.HashIDs), *m.InputLength, MooncakeBlockTokens)
+		case *m.Timestamp > float64(365*24*time.Hour/time.Millisecond):
+			return fmt.Errorf("%w: line %d: timestamp %g ms is over a year", ErrFormat, n, *m.Timestamp)
+		}
+		prompt := make([]uint32, 0, *m.InputLength)
+		for _, id := range m.HashIDs {
+			prompt = appendBlockTokens(prompt, uint64(id), MooncakeBlockTokens)
+		}
+		it := Item{
+			At:           time.Duration(*m.Timestamp * float64(time.Millisecond)),
+			Prompt:       prompt[:*m.InputLength],
+			OutputTokens: *m.OutputLength,
+			OriginalID:   "line-" + strconv.Itoa(n),
+		}
+		if len(m.SessionID) > 0 && string(m.SessionID) != "null" {
+			var s string
+			if err := json.Unmarshal(m.SessionID, &s); err != nil {
+				it.SessionID = strings.Trim(string(m.SessionID), `"`) // a number: use its text
+			} else {
+				it.SessionID = s
+			}
+		}
+		t.Items = append(t.Items, it)
+		return nil
+	})
+	return t, err
+}
+
+// appendBlockTokens appends n deterministic token ids for block id: equal
+// ids give equal tokens, so prefix sharing in a trace is real.
+func appendBlockTokens(dst []uint32, id uint64, n int) []uint32 {
+	x := xxh3.HashSeed(binaryU64(id), 0x6b76627573) // "kvbus"
+	for range n {
+		x += 0x9e3779b97f4a7c15
+		z := (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9
+		z = (z ^ (z >> 27)) * 0x94d049bb133111eb
+		dst = append(dst, uint32(1000+(z^(z>>31))%150000))
+	}
+	return dst
+}
+
+func binaryU64(v uint64) []byte {
+	var b [8]byte
+	for i := range b {
+		b[i] = byte(v >> (8 * i))
+	}
+	return b[:]
+}
+
+type traceLabLine struct {
+	SessionID    string `json:"session_id"`
+	RoundIndex   *int   `json:"round_index"`
+	InputTotal   *int   `json:"input_tokens_total"`
+	PrefixTokens *int   `json:"prefix_tokens"`
+	NewlyAppend  *int   `json:"newly_append_tokens"`
+	OutputTokens *int   `json:"output_tokens"`
+	TimingEvents []struct {
+		Timestamp string `json:"timestamp"`
+	} `json:"timing_events"`
+}
+
+// readTraceLab reads TraceLab round traces (one LLM call per line, explicit
+// session ids). It has no block hashes, so prompts are synthetic: round k of
+// a session reuses the first prefix_tokens of the session's conversation so
+// far (the previous prompt and its output) and appends fresh tokens up to
+// input_tokens_total. Sessions keep their relative timing and all start at
+// time 0.
+func readTraceLab(r io.Reader) (*Trace, error) {
+	type round struct {
+		line   traceLabLine
+		at     time.Time
+		lineNo int
+	}
+	bySession := map[string][]round{}
+	var order []string
+	err := lines(r, func(n int, line []byte) error {
+		var l traceLabLine
+		if err := json.Unmarshal(line, &l); err != nil {
+			return fmt.Errorf("%w: line %d: %v", ErrFormat, n, err)
+		}
+		switch {
+		case l.SessionID == "" || l.RoundIndex == nil || l.InputTotal == nil || l.OutputTokens == nil || len(l.TimingEvents) == 0:
+			return fmt.Errorf("%w: line %d: session_id, round_index, input_tokens_total, output_tokens and timing_events are required", ErrFormat, n)
+		case *l.InputTotal < 1 || *l.OutputTokens < 0 || (l.PrefixTokens != nil && *l.PrefixTokens < 0):
+			return fmt.Errorf("%w: line %d: negative or empty token counts", ErrFormat, n)
+		case *l.InputTotal > 1<<22:
+			return fmt.Errorf("%w: line %d: input_tokens_total %d is implausible", ErrFormat, n, *l.InputTotal)
+		}
+		at, err := time.Parse(time.RFC3339Nano, l.TimingEvents[0].Timestamp)
+		if err != nil {
+			return fmt.Errorf("%w: line %d: timestamp: %v", ErrFormat, n, err)
+		}
+		if _, ok := bySession[l.SessionID]; !ok {
+			order = append(order, l.SessionID)
+		}
+		bySession[l.SessionID] = append(bySession[l.SessionID], round{l, at, n})
+		return nil
+	})
+	if err != nil {
+		return nil, err
+	}
+	t := &Trace{}
+	for si, sid := range order {
+		rounds := bySession[sid]
+		sort.SliceStable(rounds, func(i, j int) bool { return *rounds[i].line.RoundIndex < *rounds[j].line.RoundIndex })
+		start := rounds[0].at
+		var conv []uint32 // the session's conversation so far
+		for ri, rd := range rounds {
+			l := rd.line
+			prefix := 0
+			if l.PrefixTokens != nil {
+				prefix = min(*l.PrefixTokens, len(conv), *l.InputTotal)
+			}
+			prompt := append(make([]uint32, 0, *l.InputTotal), conv[:prefix]...)
+			fresh := uint64(si)<<40 | uint64(ri)<<20
+			for b := uint64(0); len(prompt) < *l.InputTotal; b++ {
+				prompt = appendBlockTokens(prompt, fresh|b|1<<62, min(MooncakeBlockTokens, *l.InputTotal-len(prompt)))
+			}
+			conv = append(prompt[:len(prompt):len(prompt)], appendBlockTokens(nil, fresh|1<<61, *l.OutputTokens)...)
+			t.Items = append(t.Items, Item{
+				At: max(rd.at.Sub(start), 0), SessionID: sid, Prompt: prompt,
+				OutputTokens: *l.OutputTokens, OriginalID: fmt.Sprintf("%s#%d", sid, *l.RoundIndex),
+			})
+		}
+	}
+	return t, nil
+}
+
+// readAzure reads the Azure LLM inference trace CSV
+// (TIMESTAMP,ContextTokens,GeneratedTokens). It has no sessions and no
+// prefixes: every prompt is unique, so no sharing is invented.
+func readAzure(r io.Reader) (*Trace, error) {
+	cr := csv.NewReader(r)
+	cr.ReuseRecord = true
+	cr.FieldsPerRecord = 3
+	hdr, err := cr.Read()
+	if err != nil || hdr[0] != "TIMESTAMP" {
+		return nil, fmt.Errorf("%w: want the header TIMESTAMP,ContextTokens,GeneratedTokens", ErrFormat)
+	}
+	t := &Trace{}
+	var start time.Time
+	for n := 2; ; n++ {
+		rec, err := cr.Read()
+		if errors.Is(err, io.EOF) {
+			return t, nil
+		}
+		if err != nil {
+			return nil, fmt.Errorf("%w: line %d: %v", ErrFormat, n, err)
+		}
+		at, err := time.Parse("2006-01-02 15:04:05.9999999", rec[0])
+		if err != nil {
+			return nil, fmt.Errorf("%w: line %d: timestamp %q: %v", ErrFormat, n, rec[0], err)
+		}
+		in, err1 := strconv.Atoi(rec[1])
+		out, err2 := strconv.Atoi(rec[2])
+		if err1 != nil || err2 != nil || in < 1 || out < 0 || in > 1<<22 || out > 1<<22 {
+			return nil, fmt.Errorf("%w: line %d: bad token counts %q, %q", ErrFormat, n, rec[1], rec[2])
+		}
+		if len(t.Items) == 0 {
+			start = at
+		}
+		prompt := make([]uint32, 0, in)
+		for b := uint64(0); len(prompt) < in; b++ {
+			prompt = appendBlockTokens(prompt, uint64(n)<<24|b|1<<63, min(MooncakeBlockTokens, in-len(prompt)))
+		}
+		t.Items = append(t.Items, Item{At: max(at.Sub(start), 0), Prompt: prompt, OutputTokens: out, OriginalID: "line-" + strconv.Itoa(n)})
+	}
+}
+
+// InferSessions gives sessions to a trace that has none: a request
+// continues the session of the latest earlier request whose full blocks
+// (blockTokens each) its prompt starts with; otherwise it starts a session.
+func InferSessions(t *Trace, blockTokens int) {
+	type key = uint64
+	owner := map[key]string{} // hash of a full-block prefix → session
+	next := 0
+	for i := range t.Items {
+		it := &t.Items[i]
+		if it.SessionID != "" {
+			continue
+		}
+		full := len(it.Prompt) / blockTokens
+		prefixes := make([]uint64, full)
+		var h uint64
+		for b := range full {
+			h = xxh3.HashSeed(u32Bytes(it.Prompt[b*blockTokens:(b+1)*blockTokens]), h)
+			prefixes[b] = h
+		}
+		for b := full - 1; b >= 0; b-- {
+			if s, ok := owner[prefixes[b]]; ok {
+				it.SessionID = s
+				break
+			}
+		}
+		if it.SessionID == "" {
+			next++
+			it.SessionID = fmt.Sprintf("inferred-%d", next)
+		}
+		if full > 0 {
+			owner[prefixes[full-1]] = it.SessionID
+		}
+	}
+}
+
+func u32Bytes(s []uint32) []byte {
+	b := make([]byte, 4*len(s))
+	for i, v := range s {
+		b[4*i], b[4*i+1], b[4*i+2], b[4*i+3] = byte(v), byte(v>>8), byte(v>>16), byte(v>>24)
+	}
+	return b
+}
