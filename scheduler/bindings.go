@@ -47,6 +47,9 @@ type SessionBindings struct {
 type boundEntry struct {
 	Binding
 	rev uint64
+	// mine marks a decision of this replica not yet confirmed by the
+	// bucket.
+	mine bool
 }
 
 type bindingWrite struct {
@@ -147,7 +150,7 @@ func (s *SessionBindings) Record(sessionID string, b Binding) {
 	// This replica sees its own decision at once; the revision stays the one
 	// the compare-and-set will be checked against.
 	s.mu.Lock()
-	s.local[key] = boundEntry{Binding: b, rev: s.local[key].rev}
+	s.local[key] = boundEntry{Binding: b, rev: s.local[key].rev, mine: true}
 	s.mu.Unlock()
 	select {
 	case s.writes <- bindingWrite{key: key, b: b}:
@@ -170,6 +173,9 @@ func (s *SessionBindings) write(ctx context.Context, wr bindingWrite) {
 		s.mu.RLock()
 		cur := s.local[wr.key]
 		s.mu.RUnlock()
+		if !cur.mine && cur.rev > 0 && cur.Turn > wr.b.Turn {
+			return // the bucket already has a later turn
+		}
 		var rev uint64
 		if cur.rev > 0 {
 			rev, err = s.kv.Update(ctx, wr.key, data, cur.rev)
@@ -178,8 +184,12 @@ func (s *SessionBindings) write(ctx context.Context, wr bindingWrite) {
 		}
 		if err == nil {
 			s.mu.Lock()
-			if e := s.local[wr.key]; e.rev < rev {
-				s.local[wr.key] = boundEntry{Binding: e.Binding, rev: rev} // keep a newer local decision
+			switch e := s.local[wr.key]; {
+			case e.rev >= rev: // the watcher already has this or a later write
+			case e.mine && e.UpdatedUnixMs > wr.b.UpdatedUnixMs: // a later Record is queued
+				s.local[wr.key] = boundEntry{Binding: e.Binding, rev: rev, mine: true}
+			default:
+				s.local[wr.key] = boundEntry{Binding: wr.b, rev: rev}
 			}
 			s.mu.Unlock()
 			return

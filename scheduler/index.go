@@ -143,13 +143,25 @@ func (x *KVIndex) storeLocked(g *indexGroup, rank int, rs *rankState, h uint64) 
 	if m&bit != 0 {
 		return
 	}
-	m |= bit
-	x.ranks[k] = m
+	x.ranks[k] = m | bit
 	rs.held++
-	if g.worldSize > 0 && bits.OnesCount64(m) == g.worldSize {
+	if !g.isFull(m) && g.isFull(m|bit) {
 		x.full[h] |= 1 << g.id
 		g.blocks++
 	}
+}
+
+// isFull reports whether the ranks in mask include every rank of the group
+// (ranks beyond the world size, left by a group that shrank, do not count).
+func (g *indexGroup) isFull(mask uint64) bool {
+	if g.worldSize <= 0 {
+		return false
+	}
+	all := uint64(1)<<g.worldSize - 1
+	if g.worldSize == 64 {
+		all = ^uint64(0)
+	}
+	return mask&all == all
 }
 
 func (x *KVIndex) removeLocked(g *indexGroup, rank int, rs *rankState, h uint64) {
@@ -159,7 +171,7 @@ func (x *KVIndex) removeLocked(g *indexGroup, rank int, rs *rankState, h uint64)
 	if !ok || m&bit == 0 {
 		return
 	}
-	if g.worldSize > 0 && bits.OnesCount64(m) == g.worldSize {
+	if g.isFull(m) && !g.isFull(m&^bit) {
 		x.unfullLocked(g, h)
 	}
 	rs.held--
@@ -276,7 +288,7 @@ func (x *KVIndex) setWorldSizeLocked(g *indexGroup, ws int) {
 		if k.gid != g.id {
 			continue
 		}
-		if bits.OnesCount64(m) == ws {
+		if g.isFull(m) {
 			x.full[k.hash] |= 1 << g.id
 			g.blocks++
 		} else if f, ok := x.full[k.hash]; ok && f&(1<<g.id) != 0 {

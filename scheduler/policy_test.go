@@ -3,6 +3,7 @@ package scheduler
 import (
 	"errors"
 	"fmt"
+	"maps"
 	"slices"
 	"strings"
 	"testing"
@@ -240,6 +241,245 @@ func TestNewPolicy(t *testing.T) {
 		}
 		if fmt.Sprintf("%T %+v", p, p) != fmt.Sprintf("%T %+v", tt.want, tt.want) {
 			t.Errorf("NewPolicy(%q, %g) = %T %+v, want %T %+v", tt.name, tt.epsilon, p, p, tt.want, tt.want)
+		}
+	}
+}
+
+// kvTracker is a request of blocks blocks in session.
+func kvTracker(session string, blocks int) *RequestTracker {
+	return &RequestTracker{ReqID: "req-" + session, SessionID: session, BlockHashes: make([]uint64, blocks)}
+}
+
+func TestKVPolicy(t *testing.T) {
+	type gs struct {
+		cached, queued, inflight int
+		bound                    bool
+	}
+	tests := []struct {
+		name   string
+		blocks int
+		groups map[string]gs
+		want   string
+	}{
+		{"largest cached prefix wins when queues are empty", 100,
+			map[string]gs{"g0": {cached: 10}, "g1": {cached: 90}, "g2": {cached: 50}, "g3": {}}, "g1"},
+		{"a cached prefix longer than the prompt counts as the whole prompt", 20,
+			map[string]gs{"g0": {cached: 500, queued: 1}, "g1": {cached: 20}}, "g1"},
+		// cost g1 = 100-90+50 = 60, g2 = 100-50+0 = 50.
+		{"a shorter prefix wins when the best group's queue costs more", 100,
+			map[string]gs{"g0": {cached: 10}, "g1": {cached: 90, queued: 50}, "g2": {cached: 50}}, "g2"},
+		// cost g1 = 100-90+30 = 40, g2 = 50: the queue is not long enough.
+		{"a queue shorter than the prefix gain keeps the best group", 100,
+			map[string]gs{"g0": {cached: 10}, "g1": {cached: 90, queued: 30}, "g2": {cached: 50}}, "g1"},
+		{"nothing cached: the least queued", 64,
+			map[string]gs{"g0": {queued: 7}, "g1": {queued: 3}, "g2": {queued: 9}}, "g1"},
+		{"in-flight count alone does not add cost", 64,
+			map[string]gs{"g0": {cached: 64, inflight: 50}, "g1": {cached: 0}}, "g0"},
+		{"the bound group is credited through CachedBlocks only", 100,
+			map[string]gs{"g0": {cached: 0, bound: true}, "g1": {cached: 40}}, "g1"},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			var groups []GroupState
+			for _, name := range slices.Sorted(maps.Keys(tt.groups)) {
+				g := tt.groups[name]
+				groups = append(groups, GroupState{Name: name, WorldSize: 2, CachedBlocks: g.cached, IndexBlocks: g.cached,
+					QueuedBlocks: g.queued, Inflight: g.inflight, Bound: g.bound})
+			}
+			for s := range 20 { // whatever the session's rendezvous order
+				got, err := KVPolicy{}.Place(kvTracker(fmt.Sprint("s", s), tt.blocks), groups)
+				if err != nil || got != tt.want {
+					t.Fatalf("session s%d: Place = %q, %v; want %q", s, got, err, tt.want)
+				}
+			}
+		})
+	}
+	if g, err := (KVPolicy{}).Place(kvTracker("s", 4), nil); !errors.Is(err, ErrNoReadyGroup) {
+		t.Errorf("KVPolicy.Place(no groups) = %q, %v", g, err)
+	}
+}
+
+func TestKVPolicyTiesBreakByRendezvous(t *testing.T) {
+	groups := groupStates("g0", "g1", "g2", "g3", "g4")
+	firsts := map[string]bool{}
+	for k := range 200 {
+		session := fmt.Sprintf("conv-%d", k)
+		order := RendezvousOrder(session, groups)
+		// All equal: the session's first rendezvous choice.
+		want := groups[order[0]].Name
+		for range 3 {
+			if got, _ := (KVPolicy{}).Place(kvTracker(session, 32), groups); got != want {
+				t.Fatalf("session %s, all groups equal: Place = %s, want %s (rendezvous first)", session, got, want)
+			}
+		}
+		firsts[want] = true
+		// A tie between two groups, the others worse: the one earlier in the
+		// session's order, whichever the two are.
+		tied := slices.Clone(groups)
+		for i := range tied {
+			tied[i].QueuedBlocks = 10
+		}
+		a, b := order[4], order[2] // the last and the middle choice
+		tied[a].QueuedBlocks, tied[b].QueuedBlocks = 0, 0
+		if got := must(KVPolicy{}.Place(kvTracker(session, 32), tied)); got != groups[b].Name {
+			t.Fatalf("session %s: tie between %s and %s went to %s, want %s", session, groups[a].Name, groups[b].Name, got, groups[b].Name)
+		}
+	}
+	if len(firsts) < 4 {
+		t.Errorf("200 sessions broke ties toward only %v", firsts)
+	}
+	// The request id stands in for a missing session.
+	for k := range 50 {
+		tr := &RequestTracker{ReqID: fmt.Sprint("r", k), BlockHashes: make([]uint64, 8)}
+		if got, want := must(KVPolicy{}.Place(tr, groups)), groups[RendezvousOrder(tr.ReqID, groups)[0]].Name; got != want {
+			t.Fatalf("request %s without session: %s, want %s", tr.ReqID, got, want)
+		}
+	}
+}
+
+func must(s string, err error) string {
+	if err != nil {
+		panic(err)
+	}
+	return s
+}
+
+func TestSessionPolicyPrefersBound(t *testing.T) {
+	p := &SessionPolicy{Epsilon: 0.25}
+	tr := &RequestTracker{ReqID: "r", SessionID: "bound-session"}
+	base := groupStates("g0", "g1", "g2", "g3")
+	order := RendezvousOrder(tr.SessionID, base)
+	bound := order[3] // the session's last rendezvous choice: only Bound can send it there
+	tests := []struct {
+		name     string
+		inflight map[int]int // by index in base
+		want     string
+	}{
+		{"bound group, no load", nil, base[bound].Name},
+		// total 1+3+1+1+1 = 7, mean 1.75, limit max(ceil(1.25·1.75), ceil(1.75)+1) = 3: 3+1 > 3.
+		{"bound group over the bound: rendezvous first", map[int]int{bound: 3, order[0]: 1, order[1]: 1, order[2]: 1}, base[order[0]].Name},
+		// total 1+1+1+1+2 = 6, mean 1.5, limit 3: 1+1 fits.
+		{"bound group busier but within the bound", map[int]int{bound: 1, order[0]: 1, order[1]: 1, order[2]: 2}, base[bound].Name},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			groups := slices.Clone(base)
+			groups[bound].Bound = true
+			for i, n := range tt.inflight {
+				groups[i].Inflight = n
+			}
+			if got := must(p.Place(tr, groups)); got != tt.want {
+				t.Errorf("Place = %s, want %s (bound %s, order %v)", got, tt.want, base[bound].Name, order)
+			}
+		})
+	}
+}
+
+func TestRandomPolicy(t *testing.T) {
+	groups := groupStates("g0", "g1", "g2", "g3")
+	seen := map[string]int{}
+	for k := range 1000 {
+		g, err := RandomPolicy{}.Place(&RequestTracker{ReqID: fmt.Sprint(k), SessionID: "same"}, groups)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if !slices.ContainsFunc(groups, func(s GroupState) bool { return s.Name == g }) {
+			t.Fatalf("RandomPolicy returned %q, not a ready group", g)
+		}
+		seen[g]++
+	}
+	if len(seen) != 4 {
+		t.Errorf("1000 random placements used %v, want all 4 groups", seen)
+	}
+	for g, n := range seen {
+		if n < 150 || n > 350 { // 250 expected; 150 is > 7 σ away
+			t.Errorf("group %s got %d of 1000", g, n)
+		}
+	}
+	// One ready group: always that one.
+	for range 20 {
+		if g := must(RandomPolicy{}.Place(&RequestTracker{ReqID: "r"}, groupStates("only"))); g != "only" {
+			t.Fatalf("one group: %s", g)
+		}
+	}
+	if g, err := (RandomPolicy{}).Place(&RequestTracker{ReqID: "r"}, nil); !errors.Is(err, ErrNoReadyGroup) {
+		t.Errorf("RandomPolicy.Place(no groups) = %q, %v", g, err)
+	}
+}
+
+func TestLeastLoadedPolicy(t *testing.T) {
+	type load struct{ queued, inflight, cached int }
+	tests := []struct {
+		name  string
+		loads []load // g0, g1, …
+		want  string
+	}{
+		{"min queued blocks", []load{{9, 0, 0}, {3, 9, 0}, {5, 0, 0}}, "g1"},
+		{"equal queues: min in flight", []load{{4, 3, 0}, {4, 1, 0}, {4, 2, 0}}, "g1"},
+		{"queued before in flight", []load{{1, 100, 0}, {2, 0, 0}}, "g0"},
+		{"the cache is ignored", []load{{1, 0, 0}, {2, 0, 1000}}, "g0"},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			var groups []GroupState
+			for i, l := range tt.loads {
+				groups = append(groups, GroupState{Name: fmt.Sprint("g", i), WorldSize: 1,
+					QueuedBlocks: l.queued, Inflight: l.inflight, CachedBlocks: l.cached, IndexBlocks: l.cached})
+			}
+			for s := range 20 {
+				if got := must(LeastLoadedPolicy{}.Place(kvTracker(fmt.Sprint("s", s), 10), groups)); got != tt.want {
+					t.Fatalf("session s%d: Place = %s, want %s", s, got, tt.want)
+				}
+			}
+		})
+	}
+	// A full tie: the session's rendezvous first choice, stable.
+	groups := groupStates("a", "b", "c", "d")
+	for k := range 50 {
+		s := fmt.Sprint("sess-", k)
+		want := groups[RendezvousOrder(s, groups)[0]].Name
+		if got := must(LeastLoadedPolicy{}.Place(kvTracker(s, 1), groups)); got != want {
+			t.Fatalf("tie for %s: %s, want %s", s, got, want)
+		}
+	}
+	if g, err := (LeastLoadedPolicy{}).Place(kvTracker("s", 1), nil); !errors.Is(err, ErrNoReadyGroup) {
+		t.Errorf("LeastLoadedPolicy.Place(no groups) = %q, %v", g, err)
+	}
+}
+
+func TestNewPolicyKnowsAllNames(t *testing.T) {
+	want := map[string]string{
+		PolicyKV:          "scheduler.KVPolicy",
+		PolicySession:     "*scheduler.SessionPolicy",
+		PolicyRoundRobin:  "*scheduler.RoundRobinPolicy",
+		PolicyRandom:      "scheduler.RandomPolicy",
+		PolicyLeastLoaded: "scheduler.LeastLoadedPolicy",
+	}
+	names := PolicyNames()
+	if len(names) != 5 || names[0] != PolicyKV {
+		t.Errorf("PolicyNames() = %v, want five names, kv first", names)
+	}
+	for _, name := range names {
+		p, err := NewPolicy(name, 0.25)
+		if err != nil {
+			t.Errorf("NewPolicy(%q): %v", name, err)
+			continue
+		}
+		if got := fmt.Sprintf("%T", p); got != want[name] {
+			t.Errorf("NewPolicy(%q) = %s, want %s", name, got, want[name])
+		}
+		// Every policy places on one of the ready groups.
+		groups := groupStates("g0", "g1")
+		if g, err := p.Place(kvTracker("s", 4), groups); err != nil || (g != "g0" && g != "g1") {
+			t.Errorf("%s: Place = %q, %v", name, g, err)
+		}
+		if _, err := p.Place(kvTracker("s", 4), nil); !errors.Is(err, ErrNoReadyGroup) {
+			t.Errorf("%s: Place(no groups) = %v, want ErrNoReadyGroup", name, err)
+		}
+	}
+	for _, name := range []string{"KV", "least_loaded", "roundrobin", " kv"} {
+		if _, err := NewPolicy(name, 0.25); err == nil {
+			t.Errorf("NewPolicy(%q) succeeded", name)
 		}
 	}
 }

@@ -11,6 +11,7 @@ import (
 	"log/slog"
 	"strconv"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/nats-io/nats.go"
@@ -82,7 +83,7 @@ type Scheduler struct {
 	groups   *groupTable
 	trackers *trackerTable
 	index    *KVIndex
-	bindings *SessionBindings // set by Run
+	bindings atomic.Pointer[SessionBindings] // set by Run
 	m        *metrics
 	hm       *bus.HandlerMetrics
 
@@ -146,7 +147,7 @@ func (s *Scheduler) ReadyGroups() int { return len(s.groups.ready(time.Now())) }
 func (s *Scheduler) Index() *KVIndex { return s.index }
 
 // Bindings returns the session bindings; nil before Run.
-func (s *Scheduler) Bindings() *SessionBindings { return s.bindings }
+func (s *Scheduler) Bindings() *SessionBindings { return s.bindings.Load() }
 
 // Trackers returns the number of live request trackers.
 func (s *Scheduler) Trackers() int { return s.trackers.Len() }
@@ -168,13 +169,15 @@ func (s *Scheduler) Run(ctx context.Context) error {
 	if err != nil {
 		return err
 	}
-	if s.bindings, err = OpenSessionBindings(setupCtx, js, s.cfg.SessionTTL, s.cfg.StreamReplicas, s.log); err != nil {
+	bindings, err := OpenSessionBindings(setupCtx, js, s.cfg.SessionTTL, s.cfg.StreamReplicas, s.log)
+	if err != nil {
 		return err
 	}
+	s.bindings.Store(bindings)
 	bindCtx, stopBindings := context.WithCancel(context.Background())
 	var bindingsDone sync.WaitGroup
 	bindingsDone.Go(func() {
-		if err := s.bindings.Run(bindCtx); err != nil {
+		if err := bindings.Run(bindCtx); err != nil {
 			s.log.Error("session bindings stopped", "err", err)
 		}
 	})
@@ -398,7 +401,8 @@ func (s *Scheduler) onRequest(_ context.Context, m jetstream.Msg) error {
 		Received: start, Deadline: deadline, Results: map[int]*messages.RankResult{}, TurnDepth: 1,
 	}
 	t.BlockHashes = HashBlocks(make([]uint64, 0, t.TokenLen/s.cfg.BlockSize), HashSeed(req.Model), req.PromptTokenIDs, s.cfg.BlockSize)
-	binding, bound := s.bindings.Get(sessionID)
+	bindings := s.bindings.Load()
+	binding, bound := bindings.Get(sessionID)
 	if bound {
 		t.TurnDepth = binding.Turn + 1
 	}
@@ -443,7 +447,7 @@ func (s *Scheduler) onRequest(_ context.Context, m jetstream.Msg) error {
 		if b.Blocks > 0 {
 			b.LastHash = t.BlockHashes[b.Blocks-1]
 		}
-		s.bindings.Record(sessionID, b)
+		bindings.Record(sessionID, b)
 	}
 	s.m.routing.Observe(time.Since(start).Seconds())
 	s.m.requests.WithLabelValues("dispatched").Inc()

@@ -1,0 +1,115 @@
+package scheduler
+
+import (
+	"context"
+	"encoding/json"
+	"io"
+	"log/slog"
+	"testing"
+	"time"
+
+	"github.com/nats-io/nats.go"
+	"github.com/nats-io/nats.go/jetstream"
+
+	"github.com/kvbus/kvbus/bus"
+	"github.com/kvbus/kvbus/messages"
+)
+
+// openTestBindings opens the session bucket on an embedded server without
+// running the watcher: the test feeds observe and write itself, in the order
+// Run could interleave them.
+func openTestBindings(t *testing.T) (*SessionBindings, jetstream.KeyValue) {
+	t.Helper()
+	srv, err := bus.StartServer(bus.ServerConfig{Addr: "127.0.0.1:0", DataDir: t.TempDir()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(srv.Shutdown)
+	nc, err := nats.Connect(srv.ClientURL())
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(nc.Close)
+	js, err := jetstream.New(nc)
+	if err != nil {
+		t.Fatal(err)
+	}
+	b, err := OpenSessionBindings(t.Context(), js, time.Minute, 1, slog.New(slog.NewTextHandler(io.Discard, nil)))
+	if err != nil {
+		t.Fatal(err)
+	}
+	return b, b.kv
+}
+
+func bucketBinding(t *testing.T, kv jetstream.KeyValue, key string) (Binding, jetstream.KeyValueEntry) {
+	t.Helper()
+	e, err := kv.Get(context.Background(), key)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var b Binding
+	if err := json.Unmarshal(e.Value(), &b); err != nil {
+		t.Fatal(err)
+	}
+	return b, e
+}
+
+// TestSessionBindingsWriteAfterObservingAnotherReplica: this replica records
+// g1 for a session; before its queued write runs, its watcher delivers
+// another replica's binding (g0) of the same session. The write then
+// compare-and-sets g1 over g0 and succeeds, so the bucket — and every other
+// replica — holds g1. This replica must hold g1 too; it must not keep g0
+// under g1's revision (the watcher's copy of g1 would then be ignored and the
+// replicas would disagree for good).
+func TestSessionBindingsWriteAfterObservingAnotherReplica(t *testing.T) {
+	b, kv := openTestBindings(t)
+	const session = "shared"
+	key := messages.SessionKey(session)
+	ctx := context.Background()
+
+	// Another replica's binding, already in the bucket.
+	other := Binding{Group: "g0", Blocks: 4, Turn: 1, UpdatedUnixMs: time.Now().UnixMilli()}
+	data, _ := json.Marshal(other)
+	if _, err := kv.Create(ctx, key, data); err != nil {
+		t.Fatal(err)
+	}
+	// This replica decides g1 for the same turn.
+	b.Record(session, Binding{Group: "g1", Blocks: 5, Turn: 1})
+	wr := <-b.writes
+	// Run's select takes the watcher's entry first, then the write.
+	_, e := bucketBinding(t, kv, key)
+	b.observe(e)
+	b.write(ctx, wr)
+
+	stored, e2 := bucketBinding(t, kv, key)
+	// The watcher now delivers what the write stored.
+	b.observe(e2)
+	local, ok := b.Get(session)
+	if !ok {
+		t.Fatal("no local binding")
+	}
+	if local.Group != stored.Group || local.Blocks != stored.Blocks {
+		t.Errorf("local binding %+v (rev %d), bucket %+v (rev %d): the replica disagrees with the bucket",
+			local, b.local[key].rev, stored, e2.Revision())
+	}
+}
+
+// TestSessionBindingsRecordThenWrite: without interference the local copy,
+// the revision and the bucket agree after the write.
+func TestSessionBindingsRecordThenWrite(t *testing.T) {
+	b, kv := openTestBindings(t)
+	ctx := context.Background()
+	for turn := 1; turn <= 3; turn++ {
+		want := Binding{Group: "g2", Blocks: 4 * turn, Turn: turn}
+		b.Record("conv", want)
+		got, ok := b.Get("conv")
+		if !ok || got.Group != want.Group || got.Turn != turn {
+			t.Fatalf("turn %d: before the write, Get = %+v, %v; want its own decision at once", turn, got, ok)
+		}
+		b.write(ctx, <-b.writes)
+		stored, e := bucketBinding(t, kv, messages.SessionKey("conv"))
+		if stored != got || b.local[messages.SessionKey("conv")].rev != e.Revision() {
+			t.Errorf("turn %d: bucket %+v rev %d, local %+v rev %d", turn, stored, e.Revision(), got, b.local[messages.SessionKey("conv")].rev)
+		}
+	}
+}

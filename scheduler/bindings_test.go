@@ -1,0 +1,377 @@
+package scheduler_test
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"log/slog"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/nats-io/nats.go"
+	"github.com/nats-io/nats.go/jetstream"
+
+	"github.com/kvbus/kvbus/messages"
+	"github.com/kvbus/kvbus/scheduler"
+	"github.com/kvbus/kvbus/testenv"
+)
+
+var discardLog = slog.New(slog.NewTextHandler(io.Discard, nil))
+
+// bindingReplica is one scheduler replica's SessionBindings, on its own
+// connection, running until the test ends.
+type bindingReplica struct {
+	b  *scheduler.SessionBindings
+	js jetstream.JetStream
+}
+
+// startBindingReplicas opens the session bucket n times on one bus, each on
+// its own connection, and runs each.
+func startBindingReplicas(t *testing.T, n int, ttl time.Duration) []bindingReplica {
+	t.Helper()
+	logs := &testenv.LogBuffer{}
+	t.Cleanup(func() {
+		if t.Failed() {
+			for _, l := range logs.Lines() {
+				t.Log(l)
+			}
+		}
+	})
+	srv := testenv.StartNATS(t)
+	ctx, cancel := context.WithCancel(context.Background())
+	var wg sync.WaitGroup
+	var out []bindingReplica
+	for range n {
+		js, err := jetstream.New(testenv.Connect(t, srv))
+		if err != nil {
+			t.Fatal(err)
+		}
+		b, err := scheduler.OpenSessionBindings(t.Context(), js, ttl, 1, slog.New(slog.NewTextHandler(logs, nil)).With("replica", len(out)))
+		if err != nil {
+			t.Fatal(err)
+		}
+		wg.Go(func() {
+			if err := b.Run(ctx); err != nil {
+				t.Errorf("SessionBindings.Run: %v", err)
+			}
+		})
+		out = append(out, bindingReplica{b, js})
+	}
+	// Registered after the connections: runs before they close.
+	t.Cleanup(func() {
+		cancel()
+		wg.Wait()
+	})
+	return out
+}
+
+// storedBinding reads a session's binding straight from the bucket.
+func storedBinding(t *testing.T, js jetstream.JetStream, session string) (scheduler.Binding, error) {
+	t.Helper()
+	kv, err := js.KeyValue(t.Context(), scheduler.SessionBucket)
+	if err != nil {
+		t.Fatal(err)
+	}
+	e, err := kv.Get(t.Context(), messages.SessionKey(session))
+	if err != nil {
+		return scheduler.Binding{}, err
+	}
+	var b scheduler.Binding
+	if err := json.Unmarshal(e.Value(), &b); err != nil {
+		t.Fatalf("binding of %s in the bucket: %v", session, err)
+	}
+	return b, nil
+}
+
+func TestSessionBindingsReplicate(t *testing.T) {
+	rs := startBindingReplicas(t, 2, time.Minute)
+	a, b := rs[0].b, rs[1].b
+	want := scheduler.Binding{Group: "g2", Blocks: 12, LastHash: 0xfeedface, Turn: 1}
+	a.Record("conv-1", want)
+	var got scheduler.Binding
+	testenv.Eventually(t, waitFor, "the other replica sees the binding", func() bool {
+		var ok bool
+		got, ok = b.Get("conv-1")
+		return ok
+	})
+	if got.UpdatedUnixMs == 0 || time.Since(time.UnixMilli(got.UpdatedUnixMs)) > time.Minute {
+		t.Errorf("UpdatedUnixMs = %d, want about now", got.UpdatedUnixMs)
+	}
+	want.UpdatedUnixMs = got.UpdatedUnixMs
+	if got != want {
+		t.Errorf("replica b: %+v, want %+v", got, want)
+	}
+	testenv.Eventually(t, waitFor, "the writer sees its own binding", func() bool {
+		g, ok := a.Get("conv-1")
+		return ok && g == want
+	})
+	if s, err := storedBinding(t, rs[0].js, "conv-1"); err != nil || s != want {
+		t.Errorf("bucket holds %+v, %v; want %+v", s, err, want)
+	}
+	// Other sessions are unbound; the empty session never is.
+	if g, ok := b.Get("conv-2"); ok {
+		t.Errorf("Get(unbound) = %+v", g)
+	}
+	a.Record("", scheduler.Binding{Group: "g0", Turn: 1})
+	for _, r := range rs {
+		if g, ok := r.b.Get(""); ok {
+			t.Errorf("Get(\"\") = %+v, true", g)
+		}
+	}
+}
+
+// TestSessionBindingsConcurrentRecordsConverge: both replicas record the same
+// turn of a session on different groups at once. It depends on how each
+// replica's Run interleaves its watcher and its write;
+// TestSessionBindingsWriteAfterObservingAnotherReplica forces the ordering
+// that leaves the replicas disagreeing.
+func TestSessionBindingsConcurrentRecordsConverge(t *testing.T) {
+	rs := startBindingReplicas(t, 2, time.Minute)
+	for k := range 20 {
+		session := fmt.Sprint("race-", k)
+		// The same turn placed on different groups by the two replicas at
+		// once.
+		var wg sync.WaitGroup
+		for i, r := range rs {
+			wg.Go(func() { r.b.Record(session, scheduler.Binding{Group: fmt.Sprint("g", i), Blocks: 4 + i, Turn: 1}) })
+		}
+		wg.Wait()
+		// Both replicas agree, and the bucket holds exactly that binding.
+		var final scheduler.Binding
+		for deadline := time.Now().Add(waitFor); ; time.Sleep(10 * time.Millisecond) {
+			x, okx := rs[0].b.Get(session)
+			y, oky := rs[1].b.Get(session)
+			s, err := storedBinding(t, rs[0].js, session)
+			if okx && oky && x == y && err == nil && s == x {
+				final = x
+				break
+			}
+			if time.Now().After(deadline) {
+				t.Fatalf("%s: replicas did not converge in %s: replica 0 %+v (%v), replica 1 %+v (%v), bucket %+v (%v)",
+					session, waitFor, x, okx, y, oky, s, err)
+			}
+		}
+		if final.Turn != 1 || (final.Group != "g0" || final.Blocks != 4) && (final.Group != "g1" || final.Blocks != 5) {
+			t.Errorf("%s: converged to %+v, not one of the two recorded bindings", session, final)
+		}
+		// It stays so: nothing is still in flight that changes it.
+		time.Sleep(20 * time.Millisecond)
+		for i, r := range rs {
+			if g, _ := r.b.Get(session); g != final {
+				t.Errorf("%s: replica %d moved to %+v after agreeing on %+v", session, i, g, final)
+			}
+		}
+	}
+}
+
+func TestSessionBindingsLaterTurnOverwrites(t *testing.T) {
+	rs := startBindingReplicas(t, 2, time.Minute)
+	rs[0].b.Record("conv", scheduler.Binding{Group: "g0", Blocks: 4, Turn: 1})
+	testenv.Eventually(t, waitFor, "turn 1 on replica b", func() bool {
+		g, ok := rs[1].b.Get("conv")
+		return ok && g.Turn == 1
+	})
+	// The next turn, placed by the other replica on another group.
+	rs[1].b.Record("conv", scheduler.Binding{Group: "g3", Blocks: 9, Turn: 2})
+	for i, r := range rs {
+		testenv.Eventually(t, waitFor, fmt.Sprintf("turn 2 on replica %d", i), func() bool {
+			g, ok := r.b.Get("conv")
+			return ok && g.Turn == 2 && g.Group == "g3" && g.Blocks == 9
+		})
+	}
+	if s, err := storedBinding(t, rs[0].js, "conv"); err != nil || s.Turn != 2 || s.Group != "g3" {
+		t.Errorf("bucket holds %+v, %v; want turn 2 on g3", s, err)
+	}
+	// The same replica writes turn 3 right after: still in order.
+	rs[1].b.Record("conv", scheduler.Binding{Group: "g1", Blocks: 15, Turn: 3})
+	testenv.Eventually(t, waitFor, "turn 3 on replica a", func() bool {
+		g, ok := rs[0].b.Get("conv")
+		return ok && g.Turn == 3 && g.Group == "g1"
+	})
+}
+
+func TestSessionBindingsExpire(t *testing.T) {
+	const ttl = time.Second
+	rs := startBindingReplicas(t, 2, ttl)
+	rs[0].b.Record("short-lived", scheduler.Binding{Group: "g1", Blocks: 3, Turn: 1})
+	testenv.Eventually(t, waitFor, "the binding on both replicas", func() bool {
+		_, ok0 := rs[0].b.Get("short-lived")
+		_, ok1 := rs[1].b.Get("short-lived")
+		return ok0 && ok1
+	})
+	recorded := time.Now()
+	testenv.Eventually(t, ttl+5*time.Second, "the binding gone everywhere after its TTL", func() bool {
+		_, ok0 := rs[0].b.Get("short-lived")
+		_, ok1 := rs[1].b.Get("short-lived")
+		_, err := storedBinding(t, rs[1].js, "short-lived")
+		return !ok0 && !ok1 && errors.Is(err, jetstream.ErrKeyNotFound)
+	})
+	if d := time.Since(recorded); d < ttl/2 {
+		t.Errorf("binding gone after %s, TTL %s", d, ttl)
+	}
+	if _, err := scheduler.OpenSessionBindings(t.Context(), rs[0].js, 0, 1, discardLog); !errors.Is(err, scheduler.ErrConfig) {
+		t.Errorf("OpenSessionBindings(ttl 0) = %v, want ErrConfig", err)
+	}
+}
+
+// TestSchedulerReplicasAgreeOnBinding runs two scheduler replicas with the
+// session policy on one bus: whichever dispatches a session's turn, both
+// end up with the same binding.
+func TestSchedulerReplicasAgreeOnBinding(t *testing.T) {
+	srv := testenv.StartNATS(t)
+	nc := testenv.Connect(t, srv)
+	var subj messages.Subjects
+	groups := []string{"g0", "g1", "g2", "g3"}
+	ctx, cancel := context.WithCancel(context.Background())
+	var wg sync.WaitGroup
+	var scheds []*scheduler.Scheduler
+	for i := range 2 {
+		s, err := scheduler.New(scheduler.Config{
+			Conn: testenv.Connect(t, srv), ID: fmt.Sprint("sched-", i), Policy: &scheduler.SessionPolicy{Epsilon: 0.25},
+			HeartbeatTimeout: time.Second, Logger: discardLog,
+		})
+		if err != nil {
+			t.Fatal(err)
+		}
+		wg.Go(func() {
+			if err := s.Run(ctx); err != nil {
+				t.Errorf("replica %d: Run: %v", i, err)
+			}
+		})
+		scheds = append(scheds, s)
+	}
+	// Fake ranks: one per group, heartbeating every 50 ms, answering every
+	// ReqMeta with a RankResult.
+	metas := make(chan *messages.ReqMeta, 16)
+	sub, err := nc.Subscribe(subj.MetaGroup("*"), func(m *nats.Msg) {
+		meta, err := messages.DecodeReqMeta(m.Data)
+		if err != nil {
+			t.Errorf("bad ReqMeta: %v", err)
+			return
+		}
+		metas <- meta
+		data, err := messages.Marshal(&messages.RankResult{ReqID: meta.ReqID, Group: meta.Group, Attempt: meta.Attempt,
+			StoredBlocks: len(meta.BlockHashes)})
+		if err == nil {
+			err = nc.Publish(meta.ResultSubject, data)
+		}
+		if err != nil {
+			t.Errorf("answer: %v", err)
+		}
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	// Each rank answers a dump request: it holds nothing yet.
+	for _, g := range groups {
+		if _, err := nc.Subscribe(subj.Dump(g, 0), func(m *nats.Msg) {
+			data, err := messages.Marshal(&messages.KVEventBatch{Group: g, Rank: 0,
+				Events: []messages.KVEvent{{Type: messages.EventAllBlocksCleared}}})
+			if err == nil {
+				err = m.Respond(data)
+			}
+			if err != nil && !errors.Is(err, nats.ErrConnectionClosed) {
+				t.Errorf("dump: %v", err)
+			}
+		}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := nc.Flush(); err != nil {
+		t.Fatal(err)
+	}
+	hbDone := make(chan struct{})
+	go func() {
+		defer close(hbDone)
+		tick := time.NewTicker(50 * time.Millisecond)
+		defer tick.Stop()
+		for {
+			for _, g := range groups {
+				data, _ := messages.Marshal(&messages.Heartbeat{Group: g, WorldSize: 1, Model: testModel, StartedUnixMs: 1})
+				_ = nc.Publish(subj.Heartbeat(g, 0), data)
+			}
+			select {
+			case <-ctx.Done():
+				return
+			case <-tick.C:
+			}
+		}
+	}()
+	t.Cleanup(func() {
+		cancel()
+		<-hbDone
+		wg.Wait()
+		_ = sub.Unsubscribe()
+	})
+	for i, s := range scheds {
+		testenv.Eventually(t, waitFor, fmt.Sprintf("replica %d sees 4 ready groups", i), func() bool { return s.ReadyGroups() == 4 })
+	}
+
+	js, err := jetstream.New(nc)
+	if err != nil {
+		t.Fatal(err)
+	}
+	const session = "shared-conversation"
+	req := newRequest("turn-1", session, testenv.PromptTokens(11, 200))
+	data, err := messages.Marshal(req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := js.Publish(t.Context(), subj.Request(testModel), data, jetstream.WithMsgID(req.RequestID)); err != nil {
+		t.Fatal(err)
+	}
+	var meta *messages.ReqMeta
+	select {
+	case meta = <-metas:
+	case <-time.After(waitFor):
+		t.Fatal("no ReqMeta for turn 1")
+	}
+	if meta.ReqID != "turn-1" || meta.SessionID != session {
+		t.Fatalf("ReqMeta %s of session %q", meta.ReqID, meta.SessionID)
+	}
+	for i, s := range scheds {
+		testenv.Eventually(t, waitFor, fmt.Sprintf("replica %d bound the session to %s", i, meta.Group), func() bool {
+			b, ok := s.Bindings().Get(session)
+			return ok && b.Group == meta.Group && b.Turn == 1 && b.Blocks == 200/16
+		})
+	}
+	b0, _ := scheds[0].Bindings().Get(session)
+	b1, _ := scheds[1].Bindings().Get(session)
+	if b0 != b1 {
+		t.Errorf("replicas disagree: %+v vs %+v", b0, b1)
+	}
+	wantHashes := scheduler.HashBlocks(nil, scheduler.HashSeed(testModel), req.PromptTokenIDs, 16)
+	if b0.LastHash != wantHashes[len(wantHashes)-1] {
+		t.Errorf("LastHash %x, want the last block's %x", b0.LastHash, wantHashes[len(wantHashes)-1])
+	}
+	for i, s := range scheds {
+		testenv.Eventually(t, waitFor, fmt.Sprintf("replica %d has no trackers left", i), func() bool { return s.Trackers() == 0 })
+	}
+	// Turn 2 extends the prompt: whichever replica takes it, it goes to the
+	// bound group as turn 2.
+	req2 := newRequest("turn-2", session, testenv.PromptTokens(11, 260))
+	copy(req2.PromptTokenIDs, req.PromptTokenIDs)
+	if data, err = messages.Marshal(req2); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := js.Publish(t.Context(), subj.Request(testModel), data, jetstream.WithMsgID(req2.RequestID)); err != nil {
+		t.Fatal(err)
+	}
+	select {
+	case m2 := <-metas:
+		if m2.ReqID != "turn-2" || m2.Group != meta.Group {
+			t.Errorf("turn 2: ReqMeta %s on %s, want turn-2 on the bound %s", m2.ReqID, m2.Group, meta.Group)
+		}
+	case <-time.After(waitFor):
+		t.Fatal("no ReqMeta for turn 2")
+	}
+	for i, s := range scheds {
+		testenv.Eventually(t, waitFor, fmt.Sprintf("replica %d sees turn 2", i), func() bool {
+			b, ok := s.Bindings().Get(session)
+			return ok && b.Group == meta.Group && b.Turn == 2 && b.Blocks == 260/16
+		})
+	}
+}
