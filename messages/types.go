@@ -16,34 +16,34 @@ const ExtraArgSessionID = "session_id"
 // Request is one inference request as the frontend publishes it on
 // kvbus.req.<model-token> (JetStream, Nats-Msg-Id = RequestID).
 type Request struct {
-	V              int            `msgpack:"v"`
-	RequestID      string         `msgpack:"request_id"`
-	SessionID      string         `msgpack:"session_id,omitempty"`
-	Model          string         `msgpack:"model"`
-	FrontendID     string         `msgpack:"frontend_id"`
-	ArrivalUnixMs  int64          `msgpack:"arrival_unix_ms"`
-	DeadlineUnixMs int64          `msgpack:"deadline_unix_ms,omitempty"`
-	PromptTokenIDs TokenIDs       `msgpack:"prompt_token_ids"`
-	SamplingParams SamplingParams `msgpack:"sampling_params"`
-	Stream         bool           `msgpack:"stream"`
+	V              int            `msgpack:"v" json:"v"`
+	RequestID      string         `msgpack:"request_id" json:"request_id"`
+	SessionID      string         `msgpack:"session_id,omitempty" json:"session_id,omitempty"`
+	Model          string         `msgpack:"model" json:"model"`
+	FrontendID     string         `msgpack:"frontend_id" json:"frontend_id"`
+	ArrivalUnixMs  int64          `msgpack:"arrival_unix_ms" json:"arrival_unix_ms"`
+	DeadlineUnixMs int64          `msgpack:"deadline_unix_ms,omitempty" json:"deadline_unix_ms,omitempty"`
+	PromptTokenIDs TokenIDs       `msgpack:"prompt_token_ids" json:"prompt_token_ids"`
+	SamplingParams SamplingParams `msgpack:"sampling_params" json:"sampling_params"`
+	Stream         bool           `msgpack:"stream" json:"stream"`
 	// KVTransferParams is vLLM's kv_transfer_params, passed through.
-	KVTransferParams Args   `msgpack:"kv_transfer_params,omitempty"`
-	Endpoint         string `msgpack:"endpoint"`
+	KVTransferParams Args   `msgpack:"kv_transfer_params,omitempty" json:"kv_transfer_params,omitempty"`
+	Endpoint         string `msgpack:"endpoint" json:"endpoint"`
 }
 
 // SamplingParams is the subset of vLLM's SamplingParams that kvbus carries.
 // Zero values mean "not set" except where noted.
 type SamplingParams struct {
-	MaxTokens   int      `msgpack:"max_tokens"`
-	MinTokens   int      `msgpack:"min_tokens,omitempty"`
-	Temperature float64  `msgpack:"temperature"`
-	TopP        float64  `msgpack:"top_p"`
-	Seed        *int64   `msgpack:"seed,omitempty"`
-	Stop        []string `msgpack:"stop,omitempty"`
-	IgnoreEOS   bool     `msgpack:"ignore_eos,omitempty"`
+	MaxTokens   int      `msgpack:"max_tokens" json:"max_tokens"`
+	MinTokens   int      `msgpack:"min_tokens,omitempty" json:"min_tokens,omitempty"`
+	Temperature float64  `msgpack:"temperature" json:"temperature"`
+	TopP        float64  `msgpack:"top_p" json:"top_p"`
+	Seed        *int64   `msgpack:"seed,omitempty" json:"seed,omitempty"`
+	Stop        []string `msgpack:"stop,omitempty" json:"stop,omitempty"`
+	IgnoreEOS   bool     `msgpack:"ignore_eos,omitempty" json:"ignore_eos,omitempty"`
 	// ExtraArgs is vLLM's sampling_params.extra_args; the frontend puts the
 	// session id under "session_id" when there is one, and only then.
-	ExtraArgs Args `msgpack:"extra_args,omitempty"`
+	ExtraArgs Args `msgpack:"extra_args,omitempty" json:"extra_args,omitempty"`
 }
 
 // SessionFromExtraArgs reads the session id back from extra_args the way
@@ -56,69 +56,69 @@ func (p SamplingParams) SessionFromExtraArgs() string {
 // LoadSpec says how much of a request's prompt is already cached: vLLM's
 // computed tokens and the tokens to load from the KV pool (Mooncake store).
 type LoadSpec struct {
-	VLLMCachedTokens   int  `msgpack:"vllm_cached_tokens"`
-	KVPoolCachedTokens int  `msgpack:"kvpool_cached_tokens"`
-	CanLoad            bool `msgpack:"can_load"`
+	VLLMCachedTokens   int  `msgpack:"vllm_cached_tokens" json:"vllm_cached_tokens"`
+	KVPoolCachedTokens int  `msgpack:"kvpool_cached_tokens" json:"kvpool_cached_tokens"`
+	CanLoad            bool `msgpack:"can_load" json:"can_load"`
 }
 
 // ReqMeta is the per-request KV-connector metadata the scheduler publishes
 // once on kvbus.meta.<group>.<session-key>; NATS fans it out to every rank
 // of the group. Field names follow vLLM's mooncake store connector.
 type ReqMeta struct {
-	V               int         `msgpack:"v"`
-	ReqID           string      `msgpack:"req_id"`
-	SessionID       string      `msgpack:"session_id,omitempty"`
-	Model           string      `msgpack:"model"`
-	Group           string      `msgpack:"group"`
-	TokenLen        int         `msgpack:"token_len"`
-	TokenIDs        TokenIDs    `msgpack:"token_ids"`
-	BlockSize       int         `msgpack:"block_size"`
-	BlockHashes     BlockHashes `msgpack:"block_hashes"`
-	LoadSpec        *LoadSpec   `msgpack:"load_spec"`
-	CanSave         bool        `msgpack:"can_save"`
-	SaveFromBlock   int         `msgpack:"save_from_block"`
-	IsLastChunk     bool        `msgpack:"is_last_chunk"`
-	NumPromptTokens int         `msgpack:"num_prompt_tokens"`
+	V               int         `msgpack:"v" json:"v"`
+	ReqID           string      `msgpack:"req_id" json:"req_id"`
+	SessionID       string      `msgpack:"session_id,omitempty" json:"session_id,omitempty"`
+	Model           string      `msgpack:"model" json:"model"`
+	Group           string      `msgpack:"group" json:"group"`
+	TokenLen        int         `msgpack:"token_len" json:"token_len"`
+	TokenIDs        TokenIDs    `msgpack:"token_ids" json:"token_ids"`
+	BlockSize       int         `msgpack:"block_size" json:"block_size"`
+	BlockHashes     BlockHashes `msgpack:"block_hashes" json:"block_hashes"`
+	LoadSpec        *LoadSpec   `msgpack:"load_spec" json:"load_spec"`
+	CanSave         bool        `msgpack:"can_save" json:"can_save"`
+	SaveFromBlock   int         `msgpack:"save_from_block" json:"save_from_block"`
+	IsLastChunk     bool        `msgpack:"is_last_chunk" json:"is_last_chunk"`
+	NumPromptTokens int         `msgpack:"num_prompt_tokens" json:"num_prompt_tokens"`
 	// What the driver rank needs to run the request.
-	SamplingParams SamplingParams `msgpack:"sampling_params"`
-	FrontendID     string         `msgpack:"frontend_id"`
-	ResultSubject  string         `msgpack:"result_subject"`
-	Attempt        int            `msgpack:"attempt"`
-	DeadlineUnixMs int64          `msgpack:"deadline_unix_ms,omitempty"`
+	SamplingParams SamplingParams `msgpack:"sampling_params" json:"sampling_params"`
+	FrontendID     string         `msgpack:"frontend_id" json:"frontend_id"`
+	ResultSubject  string         `msgpack:"result_subject" json:"result_subject"`
+	Attempt        int            `msgpack:"attempt" json:"attempt"`
+	DeadlineUnixMs int64          `msgpack:"deadline_unix_ms,omitempty" json:"deadline_unix_ms,omitempty"`
 }
 
 // RankResult is what one rank reports to the scheduler on
 // kvbus.done.<scheduler-id> after its load and store work for a request. The
 // driver rank reports after generation, with CompletionTokens set.
 type RankResult struct {
-	V                int    `msgpack:"v"`
-	ReqID            string `msgpack:"req_id"`
-	Group            string `msgpack:"group"`
-	TPRank           int    `msgpack:"tp_rank"`
-	EPRank           int    `msgpack:"ep_rank"`
-	Attempt          int    `msgpack:"attempt"`
-	LoadedTokens     int    `msgpack:"loaded_tokens"`
-	StoredBlocks     int    `msgpack:"stored_blocks"`
-	SkippedBlocks    int    `msgpack:"skipped_blocks"`
-	FailedBlocks     int    `msgpack:"failed_blocks"`
-	LoadUs           int64  `msgpack:"load_us"`
-	StoreUs          int64  `msgpack:"store_us"`
-	CompletionTokens int    `msgpack:"completion_tokens,omitempty"`
-	Error            string `msgpack:"error,omitempty"`
+	V                int    `msgpack:"v" json:"v"`
+	ReqID            string `msgpack:"req_id" json:"req_id"`
+	Group            string `msgpack:"group" json:"group"`
+	TPRank           int    `msgpack:"tp_rank" json:"tp_rank"`
+	EPRank           int    `msgpack:"ep_rank" json:"ep_rank"`
+	Attempt          int    `msgpack:"attempt" json:"attempt"`
+	LoadedTokens     int    `msgpack:"loaded_tokens" json:"loaded_tokens"`
+	StoredBlocks     int    `msgpack:"stored_blocks" json:"stored_blocks"`
+	SkippedBlocks    int    `msgpack:"skipped_blocks" json:"skipped_blocks"`
+	FailedBlocks     int    `msgpack:"failed_blocks" json:"failed_blocks"`
+	LoadUs           int64  `msgpack:"load_us" json:"load_us"`
+	StoreUs          int64  `msgpack:"store_us" json:"store_us"`
+	CompletionTokens int    `msgpack:"completion_tokens,omitempty" json:"completion_tokens,omitempty"`
+	Error            string `msgpack:"error,omitempty" json:"error,omitempty"`
 }
 
 // Usage counts tokens like OpenAI's usage object.
 type Usage struct {
-	PromptTokens     int `msgpack:"prompt_tokens"`
-	CompletionTokens int `msgpack:"completion_tokens"`
-	CachedTokens     int `msgpack:"cached_tokens"`
+	PromptTokens     int `msgpack:"prompt_tokens" json:"prompt_tokens"`
+	CompletionTokens int `msgpack:"completion_tokens" json:"completion_tokens"`
+	CachedTokens     int `msgpack:"cached_tokens" json:"cached_tokens"`
 }
 
 // OutputError is an error that ends a request, with an OpenAI error code
 // (for example "timeout", "no_ready_group") and a message for the client.
 type OutputError struct {
-	Code    string `msgpack:"code"`
-	Message string `msgpack:"message"`
+	Code    string `msgpack:"code" json:"code"`
+	Message string `msgpack:"message" json:"message"`
 }
 
 // Output is one chunk of a request's answer on kvbus.out.<frontend-id>.
@@ -126,14 +126,14 @@ type OutputError struct {
 // duplicates; the last chunk has FinishReason or Error set and carries
 // Usage.
 type Output struct {
-	V            int          `msgpack:"v"`
-	ReqID        string       `msgpack:"req_id"`
-	Index        int          `msgpack:"index"`
-	Text         string       `msgpack:"text"`
-	TokenIDs     TokenIDs     `msgpack:"token_ids,omitempty"`
-	FinishReason string       `msgpack:"finish_reason,omitempty"`
-	Usage        *Usage       `msgpack:"usage,omitempty"`
-	Error        *OutputError `msgpack:"error,omitempty"`
+	V            int          `msgpack:"v" json:"v"`
+	ReqID        string       `msgpack:"req_id" json:"req_id"`
+	Index        int          `msgpack:"index" json:"index"`
+	Text         string       `msgpack:"text" json:"text"`
+	TokenIDs     TokenIDs     `msgpack:"token_ids,omitempty" json:"token_ids,omitempty"`
+	FinishReason string       `msgpack:"finish_reason,omitempty" json:"finish_reason,omitempty"`
+	Usage        *Usage       `msgpack:"usage,omitempty" json:"usage,omitempty"`
+	Error        *OutputError `msgpack:"error,omitempty" json:"error,omitempty"`
 }
 
 // Final reports whether o is the last chunk of its request.
@@ -150,43 +150,43 @@ const (
 // BlockStored{block_hashes, parent_block_hash, token_ids, block_size,
 // medium}, BlockRemoved{block_hashes, medium} or AllBlocksCleared{}.
 type KVEvent struct {
-	Type            string      `msgpack:"type"`
-	BlockHashes     BlockHashes `msgpack:"block_hashes,omitempty"`
-	ParentBlockHash *uint64     `msgpack:"parent_block_hash,omitempty"`
-	TokenIDs        TokenIDs    `msgpack:"token_ids,omitempty"`
-	BlockSize       int         `msgpack:"block_size,omitempty"`
-	Medium          string      `msgpack:"medium,omitempty"`
+	Type            string      `msgpack:"type" json:"type"`
+	BlockHashes     BlockHashes `msgpack:"block_hashes,omitempty" json:"block_hashes,omitempty"`
+	ParentBlockHash *uint64     `msgpack:"parent_block_hash,omitempty" json:"parent_block_hash,omitempty"`
+	TokenIDs        TokenIDs    `msgpack:"token_ids,omitempty" json:"token_ids,omitempty"`
+	BlockSize       int         `msgpack:"block_size,omitempty" json:"block_size,omitempty"`
+	Medium          string      `msgpack:"medium,omitempty" json:"medium,omitempty"`
 }
 
 // KVEventBatch is a rank's batch of KV events on kvbus.kv.<group>.<rank>.
 // Seq increases by one per batch of a rank's process; a gap means a batch
 // was lost.
 type KVEventBatch struct {
-	V      int       `msgpack:"v"`
-	TS     float64   `msgpack:"ts"`
-	Seq    uint64    `msgpack:"seq"`
-	Group  string    `msgpack:"group"`
-	Rank   int       `msgpack:"rank"`
-	Events []KVEvent `msgpack:"events"`
+	V      int       `msgpack:"v" json:"v"`
+	TS     float64   `msgpack:"ts" json:"ts"`
+	Seq    uint64    `msgpack:"seq" json:"seq"`
+	Group  string    `msgpack:"group" json:"group"`
+	Rank   int       `msgpack:"rank" json:"rank"`
+	Events []KVEvent `msgpack:"events" json:"events"`
 }
 
 // Heartbeat announces a live rank on kvbus.hb.<group>.<rank>.
 type Heartbeat struct {
-	V              int    `msgpack:"v"`
-	Group          string `msgpack:"group"`
-	TPRank         int    `msgpack:"tp_rank"`
-	EPRank         int    `msgpack:"ep_rank"`
-	WorldSize      int    `msgpack:"world_size"`
-	Model          string `msgpack:"model"`
-	CapacityBlocks int64  `msgpack:"capacity_blocks"`
-	UsedBlocks     int64  `msgpack:"used_blocks"`
-	QueueDepth     int    `msgpack:"queue_depth"`
-	StartedUnixMs  int64  `msgpack:"started_unix_ms"`
+	V              int    `msgpack:"v" json:"v"`
+	Group          string `msgpack:"group" json:"group"`
+	TPRank         int    `msgpack:"tp_rank" json:"tp_rank"`
+	EPRank         int    `msgpack:"ep_rank" json:"ep_rank"`
+	WorldSize      int    `msgpack:"world_size" json:"world_size"`
+	Model          string `msgpack:"model" json:"model"`
+	CapacityBlocks int64  `msgpack:"capacity_blocks" json:"capacity_blocks"`
+	UsedBlocks     int64  `msgpack:"used_blocks" json:"used_blocks"`
+	QueueDepth     int    `msgpack:"queue_depth" json:"queue_depth"`
+	StartedUnixMs  int64  `msgpack:"started_unix_ms" json:"started_unix_ms"`
 }
 
 // Abort cancels a request everywhere; published on kvbus.ctl.abort.
 type Abort struct {
-	V      int    `msgpack:"v"`
-	ReqID  string `msgpack:"req_id"`
-	Reason string `msgpack:"reason,omitempty"`
+	V      int    `msgpack:"v" json:"v"`
+	ReqID  string `msgpack:"req_id" json:"req_id"`
+	Reason string `msgpack:"reason,omitempty" json:"reason,omitempty"`
 }
