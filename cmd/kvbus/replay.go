@@ -1,0 +1,296 @@
+package main
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"net/url"
+	"os"
+	"strings"
+	"time"
+
+	"golang.org/x/term"
+
+	"github.com/kvbus/kvbus/cluster"
+	"github.com/kvbus/kvbus/replay"
+	"github.com/kvbus/kvbus/workers"
+)
+
+// progressOut is standard error when it is a terminal, else nil: long runs
+// show a progress bar on a terminal and stay quiet otherwise.
+func progressOut() io.Writer {
+	if term.IsTerminal(int(os.Stderr.Fd())) {
+		return os.Stderr
+	}
+	return nil
+}
+
+type captureCmd struct {
+	Record captureRecordCmd `cmd:"" default:"withargs" help:"Copy requests from the bus into a capture file (the default)."`
+	Stats  captureStatsCmd  `cmd:"" help:"Summarise a capture file."`
+}
+
+type captureRecordCmd struct {
+	busFlags `embed:""`
+	Out      string        `name:"out" required:"" type:"path" help:"Capture file to write."`
+	Follow   bool          `name:"follow" help:"Keep capturing new requests until interrupted."`
+	Since    time.Time     `name:"since" format:"2006-01-02T15:04:05Z07:00" help:"Start at requests logged at or after this time (RFC 3339)."`
+	FromSeq  uint64        `name:"from-seq" help:"Start at this sequence of the request log."`
+	Until    time.Time     `name:"until" format:"2006-01-02T15:04:05Z07:00" help:"Stop at requests logged after this time (RFC 3339)."`
+	For      time.Duration `name:"for" help:"With --follow, stop after this long."`
+}
+
+func (c *captureRecordCmd) Run(ctx context.Context) error {
+	log := c.logger()
+	nc, err := connect(ctx, c.natsFlags, "kvbus-capture", log)
+	if err != nil {
+		return err
+	}
+	defer drain(nc)
+	f, err := os.Create(c.Out)
+	if err != nil {
+		return err
+	}
+	if c.For > 0 {
+		var cancel context.CancelFunc
+		ctx, cancel = context.WithTimeout(ctx, c.For)
+		defer cancel()
+	}
+	n, err := replay.Capture(ctx, replay.CaptureConfig{
+		Conn: nc, Subjects: c.subjects(), Follow: c.Follow, Since: c.Since, FromSeq: c.FromSeq, Until: c.Until,
+	}, f)
+	if cerr := f.Close(); err == nil {
+		err = cerr
+	}
+	log.Info("capture done", "file", c.Out, "requests", n)
+	return err
+}
+
+type captureStatsCmd struct {
+	File string `arg:"" type:"existingfile" help:"Capture file."`
+}
+
+func (c *captureStatsCmd) Run() error {
+	f, err := os.Open(c.File)
+	if err != nil {
+		return err
+	}
+	defer f.Close()
+	s, err := replay.Stats(f)
+	if s != nil {
+		s.Write(os.Stdout)
+	}
+	return err
+}
+
+// traceFlags say which part of a trace to replay, and how.
+type traceFlags struct {
+	Format        string  `name:"format" enum:"auto,capture,mooncake,tracelab,azure" default:"auto" help:"Trace format."`
+	Speed         float64 `name:"speed" default:"1" help:"Replay speed: the trace clock is divided by this."`
+	Mode          string  `name:"mode" enum:"open,session" default:"open" help:"open: each request at its trace time; session: closed loop per session (a turn waits for the previous answer plus the original gap / speed)."`
+	Limit         int     `name:"limit" help:"Replay at most this many requests (after --skip)."`
+	Skip          int     `name:"skip" help:"Skip this many requests first."`
+	InferSessions bool    `name:"infer-sessions" help:"Give sessions to a trace without them: a request continues the session whose previous prompt it extends."`
+	JSON          string  `name:"json" type:"path" help:"Also write the report(s) as JSON to this file."`
+}
+
+func (f traceFlags) load(path string) (*replay.Trace, error) {
+	tr, err := replay.ReadTraceFile(path, f.Format)
+	if err != nil {
+		return nil, err
+	}
+	if f.InferSessions {
+		replay.InferSessions(tr, replay.MooncakeBlockTokens)
+	}
+	if f.Skip > 0 {
+		tr.Items = tr.Items[min(f.Skip, len(tr.Items)):]
+	}
+	if f.Limit > 0 && f.Limit < len(tr.Items) {
+		tr.Items = tr.Items[:f.Limit]
+	}
+	if len(tr.Items) == 0 {
+		return nil, errors.New("the trace has no request to replay (check --skip and --limit)")
+	}
+	// Times are relative to the first replayed request.
+	first := tr.Items[0].At
+	for i := range tr.Items {
+		tr.Items[i].At -= first
+	}
+	return tr, nil
+}
+
+type replayCmd struct {
+	busFlags   `embed:""`
+	traceFlags `embed:""`
+	File       string        `arg:"" type:"existingfile" help:"Capture file or trace to replay."`
+	Target     string        `name:"target" required:"" help:"nats://HOST:PORT (publish Requests onto the bus) or http://HOST:PORT (through the frontend)."`
+	Model      string        `name:"model" default:"kvbus-sim" help:"Model to request."`
+	Policy     string        `name:"policy-label" default:"" help:"Label of the report's policy column."`
+	BlockSize  int           `name:"block-size" default:"16" help:"The cluster's block size, for ideal_hit_ratio."`
+	Timeout    time.Duration `name:"timeout" default:"10m" help:"Deadline of one request."`
+}
+
+func (c *replayCmd) Run(ctx context.Context) error {
+	log := c.logger()
+	tr, err := c.load(c.File)
+	if err != nil {
+		return err
+	}
+	u, err := url.Parse(c.Target)
+	if err != nil {
+		return fmt.Errorf("--target: %w", err)
+	}
+	natsURL := c.NATSURL
+	if u.Scheme == "nats" || u.Scheme == "tls" {
+		natsURL = c.Target
+	}
+	nf := c.natsFlags
+	nf.NATSURL = natsURL
+	nc, err := connect(ctx, nf, "kvbus-replay", log)
+	if err != nil {
+		if u.Scheme == "nats" || u.Scheme == "tls" {
+			return err
+		}
+		log.Warn("replaying over HTTP without the bus: groups will not be reported", "err", err)
+	} else {
+		defer drain(nc)
+	}
+	r, err := replay.New(replay.Config{
+		Target: c.Target, Conn: nc, Subjects: c.subjects(), Model: c.Model, Speed: c.Speed, Mode: c.Mode,
+		Timeout: c.Timeout, Progress: progressOut(), Logger: log,
+	})
+	if err != nil {
+		return err
+	}
+	log.Info("replaying", "file", c.File, "format", tr.Format, "requests", len(tr.Items), "sessions", tr.Sessions(), "target", c.Target, "speed", c.Speed, "mode", c.Mode)
+	results, elapsed, err := r.Run(ctx, tr.Items)
+	rep := replay.Summarize(c.Policy, results, replay.IdealHitRatio(tr.Items, c.Model, c.BlockSize), elapsed)
+	rep.Trace = c.File
+	if werr := replay.WriteTable(os.Stdout, []*replay.Report{rep}); werr != nil {
+		return werr
+	}
+	if c.JSON != "" {
+		if werr := replay.WriteJSON(c.JSON, []*replay.Report{rep}); werr != nil {
+			return werr
+		}
+	}
+	return err
+}
+
+type tapCmd struct {
+	busFlags `embed:""`
+	Session  string `name:"session" help:"Only this session's messages (requests, ReqMetas, results, outputs)."`
+	Subject  string `name:"subject" help:"Subject to tap (default: every kvbus subject)."`
+}
+
+func (c *tapCmd) Run(ctx context.Context) error {
+	log := c.logger()
+	nc, err := connect(ctx, c.natsFlags, "kvbus-tap", log)
+	if err != nil {
+		return err
+	}
+	defer nc.Close()
+	return replay.Tap(ctx, replay.TapConfig{Conn: nc, Subjects: c.subjects(), SessionID: c.Session, Subject: c.Subject}, os.Stdout)
+}
+
+type benchCmd struct {
+	logFlags   `embed:""`
+	traceFlags `embed:""`
+	Trace      string        `name:"trace" required:"" type:"existingfile" help:"Trace or capture file."`
+	Policies   string        `name:"policies" default:"kv,session,round-robin,random" help:"Comma-separated policies to compare."`
+	Groups     int           `name:"groups" default:"4" help:"Worker groups."`
+	Ranks      int           `name:"ranks" default:"4" help:"Ranks per group."`
+	Profile    string        `name:"model-profile" default:"llama-3.1-8b" help:"KV shape of the model."`
+	Capacity   string        `name:"kv-capacity" default:"8Mtok" help:"Block store capacity per rank (size or tokens)."`
+	Payload    string        `name:"kv-payload" enum:"bytes,accounting" default:"accounting" help:"Block payloads: accounting keeps a digest per block."`
+	Evict      string        `name:"evict" enum:"lru,session" default:"lru" help:"Eviction policy."`
+	Epsilon    float64       `name:"session-epsilon" default:"0.25" help:"Bounded-load slack of the session policy."`
+	BlockSize  int           `name:"block-size" default:"16" help:"Tokens per KV block."`
+	Prefill    time.Duration `name:"prefill-per-token" default:"60us" help:"Sim engine: prefill time per uncached token (scaled by 1/--speed)."`
+	Load       time.Duration `name:"load-per-token" default:"5us" help:"Sim engine: load time per cached token (scaled by 1/--speed)."`
+	Decode     time.Duration `name:"decode-per-token" default:"10ms" help:"Sim engine: time per output token (scaled by 1/--speed)."`
+	Timeout    time.Duration `name:"timeout" default:"10m" help:"Deadline of one request."`
+}
+
+func (c *benchCmd) Run(ctx context.Context) error {
+	log := c.logger()
+	tr, err := c.load(c.Trace)
+	if err != nil {
+		return err
+	}
+	profile, err := workers.LookupModelProfile(c.Profile)
+	if err != nil {
+		return err
+	}
+	capacity, err := workers.ParseCapacity(c.Capacity, profile.BytesPerTokenPerRank(c.Ranks))
+	if err != nil {
+		return fmt.Errorf("--kv-capacity: %w", err)
+	}
+	const model = "kvbus-sim"
+	ideal := replay.IdealHitRatio(tr.Items, model, c.BlockSize)
+	var reports []*replay.Report
+	for _, policy := range strings.Split(c.Policies, ",") {
+		policy = strings.TrimSpace(policy)
+		log.Info("bench: starting a cluster", "policy", policy, "groups", c.Groups, "ranks", c.Ranks, "requests", len(tr.Items), "speed", c.Speed)
+		rep, err := c.runOne(ctx, tr, policy, capacity, ideal)
+		if err != nil {
+			return fmt.Errorf("policy %s: %w", policy, err)
+		}
+		rep.Trace = c.Trace
+		reports = append(reports, rep)
+	}
+	if err := replay.WriteTable(os.Stdout, reports); err != nil {
+		return err
+	}
+	if c.JSON != "" {
+		return replay.WriteJSON(c.JSON, reports)
+	}
+	return nil
+}
+
+func (c *benchCmd) runOne(ctx context.Context, tr *replay.Trace, policy string, capacity int64, ideal float64) (*replay.Report, error) {
+	log := c.logger()
+	quiet := c.logFlags
+	quiet.LogLevel = "warn" // the cluster's per-request lines would drown the table
+	cl, err := cluster.Start(ctx, cluster.Config{
+		Groups: c.Groups, Ranks: c.Ranks, Model: "kvbus-sim", ModelProfile: c.Profile,
+		KVCapacity: capacity, Payload: c.Payload, Evict: c.Evict, BlockSize: c.BlockSize,
+		Sim: workers.SimConfig{
+			Profile:   workers.SimProfile{PrefillPerToken: c.Prefill, LoadPerToken: c.Load, DecodePerToken: c.Decode},
+			TimeScale: 1 / c.Speed,
+		},
+		HeartbeatInterval: 250 * time.Millisecond, Policy: policy, SessionEpsilon: c.Epsilon, RequestTimeout: c.Timeout,
+		Logger: quiet.logger(),
+	})
+	if err != nil {
+		return nil, err
+	}
+	defer func() {
+		cl.Stop()
+		if err := cl.Wait(); err != nil {
+			log.Warn("bench cluster stopped with an error", "policy", policy, "err", err)
+		}
+	}()
+	wctx, cancel := context.WithTimeout(ctx, 30*time.Second)
+	defer cancel()
+	if err := cl.WaitReady(wctx); err != nil {
+		return nil, err
+	}
+	nc, err := cl.Connect("kvbus-bench-replay")
+	if err != nil {
+		return nil, err
+	}
+	r, err := replay.New(replay.Config{
+		Target: cl.NATSURL, Conn: nc, Model: "kvbus-sim", Speed: c.Speed, Mode: c.Mode, Timeout: c.Timeout,
+		Progress: progressOut(), Logger: log,
+	})
+	if err != nil {
+		return nil, err
+	}
+	results, elapsed, err := r.Run(ctx, tr.Items)
+	if err != nil {
+		return nil, err
+	}
+	return replay.Summarize(policy, results, ideal, elapsed), nil
+}
