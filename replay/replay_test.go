@@ -1,13 +1,23 @@
 package replay_test
 
 import (
+	"bytes"
 	"fmt"
+	"io"
 	"math"
+	"net/http"
+	"os"
+	"path/filepath"
+	"reflect"
 	"strings"
 	"testing"
+	"time"
 
+	"github.com/nats-io/nats.go/jetstream"
 	"go.uber.org/goleak"
 
+	"github.com/kvbus/kvbus/bus"
+	"github.com/kvbus/kvbus/messages"
 	"github.com/kvbus/kvbus/replay"
 	"github.com/kvbus/kvbus/testenv"
 )
@@ -107,4 +117,201 @@ func TestSessionModeIsClosedLoop(t *testing.T) {
 			t.Errorf("turn %d sent at %v, before turn %d ended at %v (err %q)", i+1, results[i].Sent, i, prevEnd, results[i].Err)
 		}
 	}
+}
+
+func TestCaptureReplayRoundTrip(t *testing.T) {
+	c := testenv.StartCluster(t, testenv.ClusterConfig{Groups: 2})
+	onBus := c.Observe(t, "kvbus.req.>")
+	for i := range 5 {
+		body := fmt.Sprintf(`{"model":%q,"messages":[{"role":"user","content":"capture me %d"}],"max_tokens":5,"seed":%d,"stop":["zz"],"vllm_xargs":{"tag":"x%d"}}`, c.Model, i, i, i)
+		req, _ := http.NewRequestWithContext(t.Context(), http.MethodPost, c.URL+"/v1/chat/completions", strings.NewReader(body))
+		req.Header.Set("X-Session-ID", fmt.Sprintf("cap-%d", i%2))
+		resp, err := http.DefaultClient.Do(req)
+		if err != nil {
+			t.Fatal(err)
+		}
+		_, _ = io.Copy(io.Discard, resp.Body)
+		resp.Body.Close()
+		if resp.StatusCode != http.StatusOK {
+			t.Fatalf("status %d", resp.StatusCode)
+		}
+	}
+	http.DefaultClient.CloseIdleConnections()
+	nc := testenv.Connect(t, c.NATS)
+	var file bytes.Buffer
+	n, err := replay.Capture(t.Context(), replay.CaptureConfig{Conn: nc}, &file)
+	if err != nil || n != 5 {
+		t.Fatalf("captured %d requests, err %v; want 5", n, err)
+	}
+	// Captured payloads are byte-exact copies of what was on the bus.
+	cr, err := replay.NewCaptureReader(bytes.NewReader(file.Bytes()))
+	if err != nil {
+		t.Fatal(err)
+	}
+	bus := onBus.Messages()
+	for i := range 5 {
+		f, err := cr.Next()
+		if err != nil {
+			t.Fatal(err)
+		}
+		if !bytes.Equal(f.Payload, bus[i].Data) || f.Subject != bus[i].Subject {
+			t.Fatalf("frame %d differs from the bus message", i)
+		}
+	}
+	tr, err := replay.ReadTrace(bytes.NewReader(file.Bytes()), replay.FormatAuto)
+	if err != nil || tr.Format != replay.FormatCapture || len(tr.Items) != 5 {
+		t.Fatalf("read capture: %v, %+v", err, tr)
+	}
+	replayed := c.Observe(t, "kvbus.req.>")
+	r, err := replay.New(replay.Config{Target: c.NATS.ClientURL(), Conn: nc, Speed: 100, Model: c.Model})
+	if err != nil {
+		t.Fatal(err)
+	}
+	results, _, err := r.Run(t.Context(), tr.Items)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, res := range results {
+		if res.Err != "" {
+			t.Fatalf("replayed request failed: %s", res.Err)
+		}
+	}
+	testenv.Eventually(t, 5*time.Second, "5 replayed requests", func() bool { return len(replayed.Messages()) == 5 })
+	norm := func(data []byte) *messages.Request {
+		req, err := messages.DecodeRequest(data)
+		if err != nil {
+			t.Fatal(err)
+		}
+		req.RequestID, req.FrontendID, req.ArrivalUnixMs, req.DeadlineUnixMs = "", "", 0, 0
+		delete(req.SamplingParams.ExtraArgs, replay.ExtraArgOriginalID)
+		return req
+	}
+	byOriginal := map[string]*messages.Request{}
+	for _, m := range replayed.Messages() {
+		req, _ := messages.DecodeRequest(m.Data)
+		orig, _ := req.SamplingParams.ExtraArgs.String(replay.ExtraArgOriginalID)
+		if req.RequestID == orig || orig == "" {
+			t.Fatalf("replayed request %q keeps no new id / original id %q", req.RequestID, orig)
+		}
+		byOriginal[orig] = norm(m.Data)
+	}
+	for _, m := range bus {
+		orig, _ := messages.DecodeRequest(m.Data)
+		got := byOriginal[orig.RequestID]
+		if want := norm(m.Data); !reflect.DeepEqual(got, want) {
+			t.Errorf("replayed %+v\nwant     %+v", got, want)
+		}
+	}
+}
+
+// sharedTrace returns the path of a file of ../shared/traces, skipping the
+// test when it is absent. Attribution: see that folder's README (TraceLab:
+// Apache-2.0 / CC BY 4.0, SyFI Lab UW; Azure LLM inference trace: CC-BY-4.0,
+// Patel et al., Splitwise, ISCA 2024; Mooncake: Apache-2.0, kvcache-ai).
+func sharedTrace(t *testing.T, name string) string {
+	t.Helper()
+	path := filepath.Join("..", "..", "shared", "traces", name)
+	if _, err := os.Stat(path); err != nil {
+		t.Skipf("shared trace %s not available: %v", name, err)
+	}
+	return path
+}
+
+func TestSharedTracesReplay(t *testing.T) {
+	cases := []struct {
+		file  string
+		limit int
+		speed float64
+		infer bool
+		check func(t *testing.T, rep *replay.Report)
+	}{
+		{"mooncake_synthetic_head1000.jsonl", 300, 200, true, func(t *testing.T, rep *replay.Report) {
+			if rep.IdealHitRatio <= 0 {
+				t.Errorf("the Mooncake head shares prefixes, ideal hit ratio %v", rep.IdealHitRatio)
+			}
+		}},
+		{"tracelab_example_round_trace.jsonl", 0, 1000, false, func(t *testing.T, rep *replay.Report) {
+			if rep.IdealHitRatio < 0.5 || rep.HitRatio <= 0 {
+				t.Errorf("agent sessions reuse their prefix: hit %v ideal %v", rep.HitRatio, rep.IdealHitRatio)
+			}
+		}},
+		{"azure_llm_2023_code.csv", 300, 200, false, func(t *testing.T, rep *replay.Report) {
+			if rep.IdealHitRatio != 0 || rep.HitRatio != 0 {
+				t.Errorf("unique prompts must not share: hit %v ideal %v", rep.HitRatio, rep.IdealHitRatio)
+			}
+		}},
+	}
+	for _, tc := range cases {
+		t.Run(tc.file, func(t *testing.T) {
+			tr, err := replay.ReadTraceFile(sharedTrace(t, tc.file), replay.FormatAuto)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if tc.infer {
+				replay.InferSessions(tr, replay.MooncakeBlockTokens)
+			}
+			if tc.limit > 0 {
+				tr.Items = tr.Items[:tc.limit]
+			}
+			c := testenv.StartCluster(t, testenv.ClusterConfig{Groups: 2, Payload: "accounting", KVCapacity: 1 << 40})
+			r, err := replay.New(replay.Config{Target: c.NATS.ClientURL(), Conn: testenv.Connect(t, c.NATS), Speed: tc.speed, Model: c.Model,
+				Mode: replay.ModeSession})
+			if err != nil {
+				t.Fatal(err)
+			}
+			results, elapsed, err := r.Run(t.Context(), tr.Items)
+			if err != nil {
+				t.Fatal(err)
+			}
+			rep := replay.Summarize("kv", results, replay.IdealHitRatio(tr.Items, c.Model, 16), elapsed)
+			if rep.Failed != 0 || rep.OK != len(tr.Items) {
+				t.Fatalf("ok %d failed %d: %v", rep.OK, rep.Failed, rep.Errors)
+			}
+			if rep.HitRatio > rep.IdealHitRatio+1e-9 {
+				t.Errorf("hit ratio %v above the ideal %v", rep.HitRatio, rep.IdealHitRatio)
+			}
+			tc.check(t, rep)
+			t.Logf("%s: %d requests, hit %.3f ideal %.3f, ttft p50 %.1f ms", tc.file, rep.OK, rep.HitRatio, rep.IdealHitRatio, rep.TTFT.P50)
+		})
+	}
+}
+
+// BenchmarkReplayerPublish measures how fast the replayer publishes
+// requests onto the bus (acknowledged by the request log), with short
+// prompts and nothing consuming them.
+func BenchmarkReplayerPublish(b *testing.B) {
+	srv := testenv.StartNATS(b)
+	nc := testenv.Connect(b, srv)
+	js, err := jetstream.New(nc)
+	if err != nil {
+		b.Fatal(err)
+	}
+	if _, err := bus.EnsureRequestStream(b.Context(), js, bus.StreamConfig{}); err != nil {
+		b.Fatal(err)
+	}
+	const n = 20000
+	items := make([]replay.Item, n)
+	for i := range items {
+		items[i] = replay.Item{Prompt: testenv.PromptTokens(i, 16), OutputTokens: 1}
+	}
+	var published int
+	var elapsed time.Duration
+	for b.Loop() {
+		r, err := replay.New(replay.Config{Target: srv.ClientURL(), Conn: nc, NoWait: true})
+		if err != nil {
+			b.Fatal(err)
+		}
+		results, el, err := r.Run(b.Context(), items)
+		if err != nil {
+			b.Fatal(err)
+		}
+		for _, res := range results {
+			if res.Err != "" {
+				b.Fatal(res.Err)
+			}
+		}
+		published += len(results)
+		elapsed += el
+	}
+	b.ReportMetric(float64(published)/elapsed.Seconds(), "req/s")
 }

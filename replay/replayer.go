@@ -55,6 +55,10 @@ type Config struct {
 	Timeout time.Duration
 	// MaxInflight bounds concurrent requests (default 8192).
 	MaxInflight int
+	// NoWait, with a nats target, only publishes: a request is done when
+	// the request log acknowledged it (to load a cluster, or to measure the
+	// publisher).
+	NoWait bool
 	// Progress, if set, shows a progress bar there (a terminal).
 	Progress io.Writer
 	Logger   *slog.Logger
@@ -386,11 +390,15 @@ func (r *Replayer) doNATS(ctx context.Context, req *messages.Request, res *Resul
 			err = ctx.Err()
 		}
 	}
-	if err != nil {
+	if err != nil || r.cfg.NoWait {
 		r.mu.Lock()
 		delete(r.pending, req.RequestID)
 		r.mu.Unlock()
-		res.Err = "publish: " + err.Error()
+		if err != nil {
+			res.Err = "publish: " + err.Error()
+		} else {
+			res.E2E = time.Since(res.Sent) // acknowledged by the log
+		}
 		return
 	}
 	timer := time.NewTimer(r.cfg.Timeout)
