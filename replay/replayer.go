@@ -120,7 +120,8 @@ func New(cfg Config) (*Replayer, error) {
 		if cfg.Conn == nil {
 			return nil, errors.New("replay: a nats target needs a connection")
 		}
-		if r.js, err = jetstream.New(cfg.Conn); err != nil {
+		// The semaphore of MaxInflight bounds outstanding publishes.
+		if r.js, err = jetstream.New(cfg.Conn, jetstream.WithPublishAsyncMaxPending(cfg.MaxInflight)); err != nil {
 			return nil, err
 		}
 	case "http", "https":
