@@ -89,7 +89,9 @@ type ReqMeta struct {
 
 // RankResult is what one rank reports to the scheduler on
 // kvbus.done.<scheduler-id> after its load and store work for a request. The
-// driver rank reports after generation, with CompletionTokens set.
+// driver rank reports after generation, with CompletionTokens set, and also
+// once when the prompt is prefilled (Prefilled set), so that the scheduler
+// knows what is still queued for prefill.
 type RankResult struct {
 	V                int    `msgpack:"v" json:"v"`
 	ReqID            string `msgpack:"req_id" json:"req_id"`
@@ -104,7 +106,10 @@ type RankResult struct {
 	LoadUs           int64  `msgpack:"load_us" json:"load_us"`
 	StoreUs          int64  `msgpack:"store_us" json:"store_us"`
 	CompletionTokens int    `msgpack:"completion_tokens,omitempty" json:"completion_tokens,omitempty"`
-	Error            string `msgpack:"error,omitempty" json:"error,omitempty"`
+	// Prefilled marks the driver's early report that the prompt is
+	// prefilled (the first output follows); it is not the rank's result.
+	Prefilled bool   `msgpack:"prefilled,omitempty" json:"prefilled,omitempty"`
+	Error     string `msgpack:"error,omitempty" json:"error,omitempty"`
 }
 
 // Usage counts tokens like OpenAI's usage object.

@@ -315,7 +315,7 @@ func (s *Scheduler) onAbort(_ context.Context, m *nats.Msg) error {
 		return err
 	}
 	if t := s.trackers.remove(a.ReqID); t != nil {
-		s.groups.addInflight(t.Group, -1, -t.PrefillBlocks)
+		s.groups.addInflight(t.Group, -1, -t.queued)
 		s.m.requests.WithLabelValues("aborted").Inc()
 		s.log.Info("request aborted", "req_id", t.ReqID, "session_id", t.SessionID, "group", t.Group, "reason", a.Reason)
 	}
@@ -327,6 +327,12 @@ func (s *Scheduler) onDone(_ context.Context, m *nats.Msg) error {
 	if err != nil {
 		return err
 	}
+	if r.Prefilled {
+		if group, blocks := s.trackers.prefilled(r); blocks > 0 {
+			s.groups.addInflight(group, 0, -blocks)
+		}
+		return nil
+	}
 	t, known := s.trackers.addResult(r)
 	if !known {
 		s.log.Debug("result for an unknown request or attempt", "req_id", r.ReqID, "group", r.Group, "tp_rank", r.TPRank)
@@ -335,7 +341,7 @@ func (s *Scheduler) onDone(_ context.Context, m *nats.Msg) error {
 	if t == nil {
 		return nil
 	}
-	s.groups.addInflight(t.Group, -1, -t.PrefillBlocks)
+	s.groups.addInflight(t.Group, -1, -t.queued)
 	outcome, failed := "completed", 0
 	for _, res := range t.Results {
 		failed += res.FailedBlocks
@@ -432,13 +438,14 @@ func (s *Scheduler) onRequest(_ context.Context, m jetstream.Msg) error {
 	}
 	t.Group = group
 	t.PrefillBlocks = len(t.BlockHashes) - t.LoadBlocks
+	t.queued = t.PrefillBlocks
 	if !s.trackers.add(t) {
 		return m.Ack()
 	}
 	s.groups.addInflight(group, 1, t.PrefillBlocks)
 	if err := s.publishMeta(t); err != nil {
 		s.trackers.remove(t.ReqID)
-		s.groups.addInflight(group, -1, -t.PrefillBlocks)
+		s.groups.addInflight(group, -1, -t.queued)
 		_ = m.NakWithDelay(100 * time.Millisecond)
 		return err
 	}
@@ -509,7 +516,7 @@ func (s *Scheduler) sweep(ctx context.Context, now time.Time) {
 	s.m.indexEntries.Set(float64(entries))
 	s.m.indexBlocks.Set(float64(full))
 	for _, t := range s.trackers.expired(now.Add(-2 * time.Second)) {
-		s.groups.addInflight(t.Group, -1, -t.PrefillBlocks)
+		s.groups.addInflight(t.Group, -1, -t.queued)
 		s.m.requests.WithLabelValues("timeout").Inc()
 		s.log.Warn("request timed out in the scheduler", "req_id", t.ReqID, "session_id", t.SessionID,
 			"group", t.Group, "ranks_reported", len(t.Results), "world_size", t.WorldSize)

@@ -33,6 +33,9 @@ type RequestTracker struct {
 	// PrefillBlocks the blocks left to prefill.
 	LoadBlocks    int
 	PrefillBlocks int
+	// queued is PrefillBlocks until the driver reports the prefill, then 0:
+	// what the request adds to its group's prefill queue.
+	queued int
 	// Results holds the RankResult of each tp_rank for the current attempt.
 	Results map[int]*messages.RankResult
 }
@@ -82,12 +85,28 @@ func (tt *trackerTable) addResult(r *messages.RankResult) (done *RequestTracker,
 	if t == nil || r.Attempt != t.Attempt || r.Group != t.Group || r.TPRank < 0 || r.TPRank >= t.WorldSize {
 		return nil, false
 	}
+	if r.Prefilled {
+		return nil, true // see prefilled
+	}
 	t.Results[r.TPRank] = r
 	if len(t.Results) < t.WorldSize {
 		return nil, true
 	}
 	delete(tt.m, r.ReqID)
 	return t, true
+}
+
+// prefilled records the driver's prefill report and returns the blocks to
+// take off the group's prefill queue (0 when already done or unknown).
+func (tt *trackerTable) prefilled(r *messages.RankResult) (group string, blocks int) {
+	tt.mu.Lock()
+	defer tt.mu.Unlock()
+	t := tt.m[r.ReqID]
+	if t == nil || r.Attempt != t.Attempt || r.Group != t.Group {
+		return "", 0
+	}
+	blocks, t.queued = t.queued, 0
+	return t.Group, blocks
 }
 
 // expired removes and returns the trackers whose deadline is before now.

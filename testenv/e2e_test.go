@@ -82,12 +82,14 @@ func TestSessionReachesEveryRank(t *testing.T) {
 		n := 0
 		for _, m := range metas.Messages() {
 			if strings.HasPrefix(m.Subject, "kvbus.done.") {
-				n++
+				if r, err := messages.DecodeRankResult(m.Data); err == nil && !r.Prefilled {
+					n++
+				}
 			}
 		}
 		return n == 4
 	})
-	var nMeta int
+	var nMeta, prefilled int
 	ranks := map[int]bool{}
 	for _, m := range metas.Messages() {
 		switch {
@@ -111,6 +113,13 @@ func TestSessionReachesEveryRank(t *testing.T) {
 			if err != nil {
 				t.Fatal(err)
 			}
+			if r.Prefilled {
+				prefilled++
+				if r.TPRank != 0 {
+					t.Errorf("prefill reported by rank %d, want the driver", r.TPRank)
+				}
+				continue
+			}
 			ranks[r.TPRank] = true
 		}
 	}
@@ -119,6 +128,9 @@ func TestSessionReachesEveryRank(t *testing.T) {
 	}
 	if len(ranks) != 4 {
 		t.Errorf("results from ranks %v, want 0..3", ranks)
+	}
+	if prefilled != 1 {
+		t.Errorf("%d prefill reports, want 1 from the driver", prefilled)
 	}
 	// In the logs: a store thread line with session_id=abc per tp_rank.
 	for r := range 4 {
@@ -201,6 +213,10 @@ func TestSessionPolicyIsSticky(t *testing.T) {
 			if status != http.StatusOK {
 				t.Fatalf("status %d: %s", status, body)
 			}
+			// A client's think time: the previous request is finished in
+			// the scheduler too, so bounded load (which counts in-flight
+			// requests) does not move a session of a sequential client.
+			testenv.Eventually(t, 5*time.Second, "request finished", func() bool { return c.Scheduler.Trackers() == 0 })
 		}
 	}
 	testenv.Eventually(t, 5*time.Second, "all metas", func() bool { return len(metas.Messages()) == sessions*turns })

@@ -511,6 +511,9 @@ func (r *Rank) drive(rr *rankReq) {
 	}, func() {
 		storeQueued = true
 		r.pushStore(rr)
+		r.publish(meta.ResultSubject, &messages.RankResult{
+			ReqID: meta.ReqID, Group: r.cfg.Group, TPRank: r.cfg.TPRank, EPRank: r.cfg.EPRank, Attempt: meta.Attempt, Prefilled: true,
+		}, meta)
 	}, func(c Chunk) error {
 		publish(&messages.Output{Text: c.Text, TokenIDs: c.TokenIDs})
 		return nil

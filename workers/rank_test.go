@@ -187,7 +187,8 @@ func (e *rankEnv) events(reqID string) []event {
 			if err != nil {
 				e.t.Fatalf("bad RankResult: %v", err)
 			}
-			if r.ReqID == reqID {
+			// The driver's early "prefilled" report is not a rank result.
+			if r.ReqID == reqID && !r.Prefilled {
 				out = append(out, event{result: r})
 			}
 		case e.subj.Out(testFrontend):
