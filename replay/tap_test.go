@@ -1,0 +1,280 @@
+package replay_test
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"fmt"
+	"io"
+	"math"
+	"net/http"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/nats-io/nats.go"
+
+	"github.com/kvbus/kvbus/messages"
+	"github.com/kvbus/kvbus/replay"
+	"github.com/kvbus/kvbus/testenv"
+)
+
+// syncBuffer collects a Tap's output.
+type syncBuffer struct {
+	mu  sync.Mutex
+	buf bytes.Buffer
+}
+
+func (b *syncBuffer) Write(p []byte) (int, error) {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return b.buf.Write(p)
+}
+
+type tapLine struct {
+	Subject string         `json:"subject"`
+	Kind    string         `json:"kind"`
+	Msg     map[string]any `json:"msg"`
+}
+
+// lines parses every complete line; each must be a JSON object with exactly
+// the keys subject, kind and msg.
+func (b *syncBuffer) lines(t *testing.T) []tapLine {
+	t.Helper()
+	b.mu.Lock()
+	data := b.buf.String()
+	b.mu.Unlock()
+	data = data[:strings.LastIndexByte(data, '\n')+1]
+	var out []tapLine
+	for _, l := range strings.Split(strings.TrimSuffix(data, "\n"), "\n") {
+		if l == "" {
+			continue
+		}
+		var keys map[string]json.RawMessage
+		if err := json.Unmarshal([]byte(l), &keys); err != nil {
+			t.Fatalf("tap line is not JSON: %v: %s", err, l)
+		}
+		if len(keys) != 3 || keys["subject"] == nil || keys["kind"] == nil || keys["msg"] == nil {
+			t.Fatalf("tap line without exactly subject, kind and msg: %s", l)
+		}
+		var tl tapLine
+		if err := json.Unmarshal([]byte(l), &tl); err != nil {
+			t.Fatalf("tap line: %v: %s", err, l)
+		}
+		out = append(out, tl)
+	}
+	return out
+}
+
+// startTap runs replay.Tap until the test ends and returns its output and
+// its result. It returns once the tap's subscription is on the server.
+func startTap(t *testing.T, nc *nats.Conn, cfg replay.TapConfig) (*syncBuffer, <-chan error) {
+	t.Helper()
+	ctx, cancel := context.WithCancel(t.Context())
+	cfg.Conn = nc
+	out := &syncBuffer{}
+	done := make(chan error, 1)
+	before := nc.NumSubscriptions()
+	go func() { done <- replay.Tap(ctx, cfg, out) }()
+	t.Cleanup(func() {
+		cancel()
+		select {
+		case <-done:
+		case <-time.After(10 * time.Second):
+			t.Error("Tap did not return after its context ended")
+		}
+	})
+	testenv.Eventually(t, 5*time.Second, "the tap's subscription", func() bool { return nc.NumSubscriptions() > before })
+	// The SUB went out on nc before this PING: after the PONG the server
+	// has it.
+	if err := nc.Flush(); err != nil {
+		t.Fatal(err)
+	}
+	return out, done
+}
+
+func chat(t *testing.T, c *testenv.Cluster, session, content string) {
+	t.Helper()
+	body := fmt.Sprintf(`{"model":%q,"messages":[{"role":"user","content":%q}],"max_tokens":8}`, c.Model, content)
+	req, err := http.NewRequestWithContext(t.Context(), http.MethodPost, c.URL+"/v1/chat/completions", strings.NewReader(body))
+	if err != nil {
+		t.Fatal(err)
+	}
+	req.Header.Set("Content-Type", "application/json")
+	req.Header.Set("X-Session-ID", session)
+	client := &http.Client{Timeout: 30 * time.Second}
+	defer client.CloseIdleConnections()
+	resp, err := client.Do(req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	b, _ := io.ReadAll(resp.Body)
+	if resp.StatusCode != http.StatusOK {
+		t.Fatalf("chat for %s: status %d: %s", session, resp.StatusCode, b)
+	}
+}
+
+func TestTap(t *testing.T) {
+	c := testenv.StartCluster(t, testenv.ClusterConfig{})
+	observed := c.Observe(t, "kvbus.>")
+	out, done := startTap(t, testenv.Connect(t, c.NATS), replay.TapConfig{SessionID: "tap-me"})
+
+	chat(t, c, "tap-me", "hello tap")
+	chat(t, c, "other", "hello other")
+
+	// Wait until the bus carried everything of both requests: one Request,
+	// one ReqMeta and 4 RankResults (one per rank) each.
+	done4 := func(o *testenv.Observer) bool {
+		n := 0
+		for _, m := range o.Messages() {
+			if strings.HasPrefix(m.Subject, "kvbus.done.") {
+				n++
+			}
+		}
+		return n == 8
+	}
+	testenv.Eventually(t, 10*time.Second, "8 rank results on the bus", func() bool { return done4(observed) })
+
+	count := func(lines []tapLine) map[string]int {
+		n := map[string]int{}
+		for _, l := range lines {
+			n[l.Kind]++
+		}
+		return n
+	}
+	testenv.Eventually(t, 10*time.Second, "tap-me's req, meta, 4 done and out lines", func() bool {
+		n := count(out.lines(t))
+		return n["req"] == 1 && n["meta"] == 1 && n["done"] == 4 && n["out"] >= 1
+	})
+	select {
+	case err := <-done:
+		t.Fatalf("Tap returned early: %v", err)
+	default:
+	}
+
+	lines := out.lines(t)
+	if n := count(lines); len(n) != 4 || n["req"] != 1 || n["meta"] != 1 || n["done"] != 4 {
+		t.Errorf("kinds %v, want req 1, meta 1, done 4 and out", n)
+	}
+	var reqID string
+	for _, l := range lines {
+		if l.Kind != "req" {
+			continue
+		}
+		reqID, _ = l.Msg["request_id"].(string)
+		if reqID == "" || l.Msg["session_id"] != "tap-me" || !strings.HasPrefix(l.Subject, "kvbus.req.") {
+			t.Errorf("request line %+v", l)
+		}
+		ids, ok := l.Msg["prompt_token_ids"].([]any)
+		if !ok || len(ids) == 0 {
+			t.Fatalf("prompt_token_ids is %T %v, want a non-empty JSON array", l.Msg["prompt_token_ids"], l.Msg["prompt_token_ids"])
+		}
+		for _, id := range ids {
+			if f, ok := id.(float64); !ok || f != math.Trunc(f) || f < 0 {
+				t.Fatalf("prompt token %v (%T) is not a token id", id, id)
+			}
+		}
+		if _, ok := l.Msg["sampling_params"].(map[string]any); !ok {
+			t.Errorf("request without sampling_params: %v", l.Msg)
+		}
+	}
+	for _, l := range lines {
+		switch l.Kind {
+		case "meta":
+			if l.Msg["req_id"] != reqID || l.Msg["session_id"] != "tap-me" || !strings.HasSuffix(l.Subject, "."+messages.SessionKey("tap-me")) {
+				t.Errorf("meta line of another request: %s %v %v", l.Subject, l.Msg["req_id"], l.Msg["session_id"])
+			}
+		case "done", "out":
+			if l.Msg["req_id"] != reqID {
+				t.Errorf("%s line of request %v, want only %s", l.Kind, l.Msg["req_id"], reqID)
+			}
+		}
+	}
+	ranks := map[float64]bool{}
+	for _, l := range lines {
+		if l.Kind == "done" {
+			r, _ := l.Msg["tp_rank"].(float64)
+			ranks[r] = true
+		}
+	}
+	if len(ranks) != 4 {
+		t.Errorf("done lines from ranks %v, want 4 different ranks", ranks)
+	}
+}
+
+func TestTapHeartbeats(t *testing.T) {
+	c := testenv.StartCluster(t, testenv.ClusterConfig{})
+	out, _ := startTap(t, testenv.Connect(t, c.NATS), replay.TapConfig{Subject: "kvbus.hb.>"})
+	testenv.Eventually(t, 10*time.Second, "a heartbeat of every rank", func() bool {
+		ranks := map[float64]bool{}
+		for _, l := range out.lines(t) {
+			r, _ := l.Msg["tp_rank"].(float64)
+			ranks[r] = true
+		}
+		return len(ranks) == 4
+	})
+	chat(t, c, "s", "not a heartbeat") // must not show up
+	for _, l := range out.lines(t) {
+		if l.Kind != "hb" || !strings.HasPrefix(l.Subject, "kvbus.hb.") || l.Msg["group"] == nil || l.Msg["world_size"] != 4.0 {
+			t.Errorf("line %+v, want only heartbeats", l)
+		}
+	}
+}
+
+// TestTapOddMessages checks that Tap reports what it cannot decode or
+// encode and keeps going: a tap is how one debugs a bus with odd traffic.
+func TestTapOddMessages(t *testing.T) {
+	srv := testenv.StartNATS(t)
+	pub := testenv.Connect(t, srv)
+	subj := messages.Subjects{Prefix: "taptest"} // no kvbus component listens
+	out, done := startTap(t, testenv.Connect(t, srv), replay.TapConfig{Subjects: subj})
+
+	hb, err := messages.Marshal(&messages.Heartbeat{Group: "g0", WorldSize: 1, Model: "m"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	// A KV event batch whose ts is NaN decodes (msgpack carries NaN) but
+	// has no JSON form.
+	nan, err := messages.Marshal(&messages.KVEventBatch{TS: math.NaN(), Group: "g0", Events: []messages.KVEvent{{Type: messages.EventAllBlocksCleared}}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, m := range []struct {
+		subject string
+		data    []byte
+	}{
+		{subj.Heartbeat("g0", 0), []byte("not msgpack")},
+		{"taptest.what.ever", []byte("xyz")},
+		{subj.KV("g0", 0), nan},
+		{subj.Heartbeat("g0", 0), hb},
+	} {
+		if err := pub.Publish(m.subject, m.data); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := pub.Flush(); err != nil {
+		t.Fatal(err)
+	}
+	testenv.Eventually(t, 5*time.Second, "the heartbeat after the odd messages", func() bool {
+		select {
+		case err := <-done:
+			t.Fatalf("Tap stopped on an odd message: %v", err)
+		default:
+		}
+		for _, l := range out.lines(t) {
+			if l.Kind == "hb" && l.Msg["group"] == "g0" {
+				return true
+			}
+		}
+		return false
+	})
+	kinds := map[string]bool{}
+	for _, l := range out.lines(t) {
+		kinds[l.Kind] = true
+	}
+	if !kinds["malformed"] || !kinds["unknown"] {
+		t.Errorf("kinds %v, want malformed and unknown lines too", kinds)
+	}
+}
