@@ -259,3 +259,41 @@ func TestStats(t *testing.T) {
 		}
 	})
 }
+
+// TestReadCaptureTraceItems checks that a capture gives items like every
+// other trace format does: a prompt to send and a time from the start of
+// the trace that is not negative.
+func TestReadCaptureTraceItems(t *testing.T) {
+	noPrompt := testRequest("r2", "", 0)
+	noPrompt.PromptTokenIDs = nil
+	cases := []struct {
+		name   string
+		frames []Frame
+	}{
+		// The frontend never publishes an empty prompt (it answers 400
+		// "prompt is empty"), so replaying one cannot reproduce anything.
+		{"request without prompt tokens", []Frame{
+			{Time: t0, Subject: "kvbus.req.m", Payload: marshal(t, testRequest("r1", "", 5))},
+			{Time: t0.Add(time.Second), Subject: "kvbus.req.m", Payload: marshal(t, noPrompt)},
+		}},
+		// Frames out of time order (a merged or hand-made capture): the
+		// first frame is not the earliest.
+		{"first frame not the earliest", []Frame{
+			{Time: t0, Subject: "kvbus.req.m", Payload: marshal(t, testRequest("r1", "", 5))},
+			{Time: t0.Add(-2 * time.Second), Subject: "kvbus.req.m", Payload: marshal(t, testRequest("r2", "", 5))},
+		}},
+	}
+	for _, tc := range cases {
+		t.Run(tc.name, func(t *testing.T) {
+			tr, err := ReadTrace(bytes.NewReader(captureBytes(t, tc.frames...)), FormatAuto)
+			if err != nil {
+				return // refusing the file is fine too
+			}
+			for i, it := range tr.Items {
+				if len(it.Prompt) == 0 || it.At < 0 {
+					t.Errorf("item %d (%s): %d prompt tokens at %v; want a prompt and a time ≥ 0 (or an ErrFormat)", i, it.OriginalID, len(it.Prompt), it.At)
+				}
+			}
+		})
+	}
+}

@@ -237,7 +237,10 @@ func Tap(ctx context.Context, cfg TapConfig, w io.Writer) error {
 				continue
 			}
 			if err := enc.Encode(map[string]any{"subject": m.Subject, "kind": kind, "msg": v}); err != nil {
-				return err
+				// A value JSON cannot hold (a NaN temperature): say so and go on.
+				if err := enc.Encode(map[string]any{"subject": m.Subject, "kind": "unprintable", "msg": map[string]string{"error": err.Error()}}); err != nil {
+					return err
+				}
 			}
 		}
 	}

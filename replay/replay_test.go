@@ -76,6 +76,9 @@ func TestKnownAnswerReplay(t *testing.T) {
 			}
 			if rep.HitRatio != 0.5 || rep.IdealHitRatio != 0.5 {
 				t.Errorf("hit_ratio %v ideal %v, want exactly 0.5 and 0.5", rep.HitRatio, rep.IdealHitRatio)
+				for _, res := range results {
+					t.Logf("%s turn %d group %s prompt %d cached %d sent %v", res.SessionID, res.TurnDepth, res.Group, res.PromptTokens, res.CachedTokens, res.Sent.Format("15:04:05.000"))
+				}
 			}
 			if math.Abs(rep.HitRatioByTurn["1"]) != 0 || rep.HitRatioByTurn["3"] != 1024.0/1536 {
 				t.Errorf("by turn %v", rep.HitRatioByTurn)

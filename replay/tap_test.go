@@ -67,20 +67,42 @@ func (b *syncBuffer) lines(t *testing.T) []tapLine {
 	return out
 }
 
-// startTap runs replay.Tap until the test ends and returns its output and
-// its result. It returns once the tap's subscription is on the server.
-func startTap(t *testing.T, nc *nats.Conn, cfg replay.TapConfig) (*syncBuffer, <-chan error) {
+// tapRun is a running Tap.
+type tapRun struct {
+	out      *syncBuffer
+	finished chan struct{}
+	err      error // set before finished is closed
+}
+
+// stopped reports whether Tap returned, and what.
+func (r *tapRun) stopped() (bool, error) {
+	select {
+	case <-r.finished:
+		return true, r.err
+	default:
+		return false, nil
+	}
+}
+
+// startTap runs replay.Tap until the test ends. It returns once the tap's
+// subscription is on the server.
+func startTap(t *testing.T, nc *nats.Conn, cfg replay.TapConfig) *tapRun {
 	t.Helper()
 	ctx, cancel := context.WithCancel(t.Context())
 	cfg.Conn = nc
-	out := &syncBuffer{}
-	done := make(chan error, 1)
+	r := &tapRun{out: &syncBuffer{}, finished: make(chan struct{})}
 	before := nc.NumSubscriptions()
-	go func() { done <- replay.Tap(ctx, cfg, out) }()
+	go func() {
+		r.err = replay.Tap(ctx, cfg, r.out)
+		close(r.finished)
+	}()
 	t.Cleanup(func() {
 		cancel()
 		select {
-		case <-done:
+		case <-r.finished:
+			if r.err != nil {
+				t.Errorf("Tap: %v", r.err)
+			}
 		case <-time.After(10 * time.Second):
 			t.Error("Tap did not return after its context ended")
 		}
@@ -91,7 +113,7 @@ func startTap(t *testing.T, nc *nats.Conn, cfg replay.TapConfig) (*syncBuffer, <
 	if err := nc.Flush(); err != nil {
 		t.Fatal(err)
 	}
-	return out, done
+	return r
 }
 
 func chat(t *testing.T, c *testenv.Cluster, session, content string) {
@@ -119,27 +141,37 @@ func chat(t *testing.T, c *testenv.Cluster, session, content string) {
 func TestTap(t *testing.T) {
 	c := testenv.StartCluster(t, testenv.ClusterConfig{})
 	observed := c.Observe(t, "kvbus.>")
-	out, done := startTap(t, testenv.Connect(t, c.NATS), replay.TapConfig{SessionID: "tap-me"})
+	tap := startTap(t, testenv.Connect(t, c.NATS), replay.TapConfig{SessionID: "tap-me"})
+	out := tap.out
 
 	chat(t, c, "tap-me", "hello tap")
 	chat(t, c, "other", "hello other")
 
 	// Wait until the bus carried everything of both requests: one Request,
-	// one ReqMeta and 4 RankResults (one per rank) each.
+	// one ReqMeta and 4 RankResults (one per rank) each. The driver also
+	// reports once when the prompt is prefilled.
 	done4 := func(o *testenv.Observer) bool {
 		n := 0
 		for _, m := range o.Messages() {
 			if strings.HasPrefix(m.Subject, "kvbus.done.") {
-				n++
+				if r, err := messages.DecodeRankResult(m.Data); err == nil && !r.Prefilled {
+					n++
+				}
 			}
 		}
 		return n == 8
 	}
 	testenv.Eventually(t, 10*time.Second, "8 rank results on the bus", func() bool { return done4(observed) })
 
+	// count counts lines by kind; "done" are the ranks' results, without
+	// the driver's prefilled report.
 	count := func(lines []tapLine) map[string]int {
 		n := map[string]int{}
 		for _, l := range lines {
+			if l.Kind == "done" && l.Msg["prefilled"] == true {
+				n["prefilled"]++
+				continue
+			}
 			n[l.Kind]++
 		}
 		return n
@@ -148,15 +180,13 @@ func TestTap(t *testing.T) {
 		n := count(out.lines(t))
 		return n["req"] == 1 && n["meta"] == 1 && n["done"] == 4 && n["out"] >= 1
 	})
-	select {
-	case err := <-done:
+	if stopped, err := tap.stopped(); stopped {
 		t.Fatalf("Tap returned early: %v", err)
-	default:
 	}
 
 	lines := out.lines(t)
-	if n := count(lines); len(n) != 4 || n["req"] != 1 || n["meta"] != 1 || n["done"] != 4 {
-		t.Errorf("kinds %v, want req 1, meta 1, done 4 and out", n)
+	if n := count(lines); n["req"] != 1 || n["meta"] != 1 || n["done"] != 4 || n["prefilled"] > 1 || len(n) != 4+min(n["prefilled"], 1) {
+		t.Errorf("kinds %v, want req 1, meta 1, done 4 (and at most one prefilled report) and out", n)
 	}
 	var reqID string
 	for _, l := range lines {
@@ -194,7 +224,7 @@ func TestTap(t *testing.T) {
 	}
 	ranks := map[float64]bool{}
 	for _, l := range lines {
-		if l.Kind == "done" {
+		if l.Kind == "done" && l.Msg["prefilled"] != true {
 			r, _ := l.Msg["tp_rank"].(float64)
 			ranks[r] = true
 		}
@@ -206,7 +236,7 @@ func TestTap(t *testing.T) {
 
 func TestTapHeartbeats(t *testing.T) {
 	c := testenv.StartCluster(t, testenv.ClusterConfig{})
-	out, _ := startTap(t, testenv.Connect(t, c.NATS), replay.TapConfig{Subject: "kvbus.hb.>"})
+	out := startTap(t, testenv.Connect(t, c.NATS), replay.TapConfig{Subject: "kvbus.hb.>"}).out
 	testenv.Eventually(t, 10*time.Second, "a heartbeat of every rank", func() bool {
 		ranks := map[float64]bool{}
 		for _, l := range out.lines(t) {
@@ -229,7 +259,8 @@ func TestTapOddMessages(t *testing.T) {
 	srv := testenv.StartNATS(t)
 	pub := testenv.Connect(t, srv)
 	subj := messages.Subjects{Prefix: "taptest"} // no kvbus component listens
-	out, done := startTap(t, testenv.Connect(t, srv), replay.TapConfig{Subjects: subj})
+	tap := startTap(t, testenv.Connect(t, srv), replay.TapConfig{Subjects: subj})
+	out := tap.out
 
 	hb, err := messages.Marshal(&messages.Heartbeat{Group: "g0", WorldSize: 1, Model: "m"})
 	if err != nil {
@@ -258,10 +289,8 @@ func TestTapOddMessages(t *testing.T) {
 		t.Fatal(err)
 	}
 	testenv.Eventually(t, 5*time.Second, "the heartbeat after the odd messages", func() bool {
-		select {
-		case err := <-done:
+		if stopped, err := tap.stopped(); stopped {
 			t.Fatalf("Tap stopped on an odd message: %v", err)
-		default:
 		}
 		for _, l := range out.lines(t) {
 			if l.Kind == "hb" && l.Msg["group"] == "g0" {
@@ -270,9 +299,17 @@ func TestTapOddMessages(t *testing.T) {
 		}
 		return false
 	})
+	// One line per message, in order.
+	lines := out.lines(t)
+	var subjects []string
 	kinds := map[string]bool{}
-	for _, l := range out.lines(t) {
+	for _, l := range lines {
+		subjects = append(subjects, l.Subject)
 		kinds[l.Kind] = true
+	}
+	want := []string{"taptest.hb.g0.0", "taptest.what.ever", "taptest.kv.g0.0", "taptest.hb.g0.0"}
+	if strings.Join(subjects, " ") != strings.Join(want, " ") {
+		t.Errorf("lines on %v, want one per message on %v", subjects, want)
 	}
 	if !kinds["malformed"] || !kinds["unknown"] {
 		t.Errorf("kinds %v, want malformed and unknown lines too", kinds)

@@ -35,6 +35,10 @@ const MooncakeBlockTokens = 512
 // maxTraceLineBytes bounds one line of a JSONL or CSV trace.
 const maxTraceLineBytes = 16 << 20
 
+// maxPromptTokens bounds a trace request's input or output tokens (4Mi): far
+// above any model's context, far below what would exhaust memory.
+const maxPromptTokens = 1 << 22
+
 // ErrFormat is wrapped by trace parsing errors.
 var ErrFormat = errors.New("replay: bad trace")
 
@@ -173,10 +177,20 @@ func readCaptureTrace(r io.Reader) (*Trace, error) {
 		return nil, err
 	}
 	t := &Trace{}
-	var start time.Time
 	for i := 0; ; i++ {
 		f, err := cr.Next()
 		if errors.Is(err, io.EOF) {
+			// Times are relative to the earliest frame (frames of a live
+			// capture are in arrival order, not always in log order).
+			var first time.Duration
+			for j, it := range t.Items {
+				if j == 0 || it.At < first {
+					first = it.At
+				}
+			}
+			for j := range t.Items {
+				t.Items[j].At -= first
+			}
 			return t, nil
 		}
 		if err != nil {
@@ -186,15 +200,15 @@ func readCaptureTrace(r io.Reader) (*Trace, error) {
 		if err != nil {
 			return nil, fmt.Errorf("%w: frame %d: %v", ErrFormat, i, err)
 		}
-		if i == 0 {
-			start = f.Time
+		if len(req.PromptTokenIDs) == 0 {
+			return nil, fmt.Errorf("%w: frame %d: request %s has an empty prompt", ErrFormat, i, req.RequestID)
 		}
 		sid := req.SamplingParams.SessionFromExtraArgs()
 		if sid == "" {
 			sid = req.SessionID
 		}
 		t.Items = append(t.Items, Item{
-			At: f.Time.Sub(start), SessionID: sid, Prompt: req.PromptTokenIDs,
+			At: time.Duration(f.Time.UnixNano()), SessionID: sid, Prompt: req.PromptTokenIDs,
 			OriginalID: req.RequestID, Request: req, Subject: f.Subject,
 		})
 	}
@@ -222,6 +236,8 @@ func readMooncake(r io.Reader) (*Trace, error) {
 			return fmt.Errorf("%w: line %d: negative or empty lengths or timestamp", ErrFormat, n)
 		case *m.InputLength > len(m.HashIDs)*MooncakeBlockTokens || *m.InputLength <= (len(m.HashIDs)-1)*MooncakeBlockTokens:
 			return fmt.Errorf("%w: line %d: %d hash_ids do not cover input_length %d in %d-token blocks", ErrFormat, n, len(m.HashIDs), *m.InputLength, MooncakeBlockTokens)
+		case *m.InputLength > maxPromptTokens || *m.OutputLength > maxPromptTokens:
+			return fmt.Errorf("%w: line %d: input_length %d or output_length %d over %d tokens", ErrFormat, n, *m.InputLength, *m.OutputLength, maxPromptTokens)
 		case *m.Timestamp > float64(365*24*time.Hour/time.Millisecond):
 			return fmt.Errorf("%w: line %d: timestamp %g ms is over a year", ErrFormat, n, *m.Timestamp)
 		}
@@ -306,7 +322,7 @@ func readTraceLab(r io.Reader) (*Trace, error) {
 			return fmt.Errorf("%w: line %d: session_id, round_index, input_tokens_total, output_tokens and timing_events are required", ErrFormat, n)
 		case *l.InputTotal < 1 || *l.OutputTokens < 0 || (l.PrefixTokens != nil && *l.PrefixTokens < 0):
 			return fmt.Errorf("%w: line %d: negative or empty token counts", ErrFormat, n)
-		case *l.InputTotal > 1<<22:
+		case *l.InputTotal > maxPromptTokens || *l.OutputTokens > maxPromptTokens:
 			return fmt.Errorf("%w: line %d: input_tokens_total %d is implausible", ErrFormat, n, *l.InputTotal)
 		}
 		at, err := time.Parse(time.RFC3339Nano, l.TimingEvents[0].Timestamp)
@@ -357,7 +373,7 @@ func readAzure(r io.Reader) (*Trace, error) {
 	cr.ReuseRecord = true
 	cr.FieldsPerRecord = 3
 	hdr, err := cr.Read()
-	if err != nil || hdr[0] != "TIMESTAMP" {
+	if err != nil || strings.Join(hdr, ",") != "TIMESTAMP,ContextTokens,GeneratedTokens" {
 		return nil, fmt.Errorf("%w: want the header TIMESTAMP,ContextTokens,GeneratedTokens", ErrFormat)
 	}
 	t := &Trace{}
@@ -376,7 +392,7 @@ func readAzure(r io.Reader) (*Trace, error) {
 		}
 		in, err1 := strconv.Atoi(rec[1])
 		out, err2 := strconv.Atoi(rec[2])
-		if err1 != nil || err2 != nil || in < 1 || out < 0 || in > 1<<22 || out > 1<<22 {
+		if err1 != nil || err2 != nil || in < 1 || out < 0 || in > maxPromptTokens || out > maxPromptTokens {
 			return nil, fmt.Errorf("%w: line %d: bad token counts %q, %q", ErrFormat, n, rec[1], rec[2])
 		}
 		if len(t.Items) == 0 {

@@ -154,7 +154,7 @@ func TestMooncakePrefixSharing(t *testing.T) {
 		{"[7 8] is a prefix of [7 8 9]", a, b[:1024], true},
 		{"block 7 shared", a[:512], c[:512], true},
 		{"block 8 at another position", a[512:], d[:512], true},
-		{"block 9 cut to 188 tokens", b[1024:1024+188], d[512:], true},
+		{"block 9 cut to 188 tokens", b[1024 : 1024+188], d[512:], true},
 		{"blocks 8 and 10 differ", a[512:], c[512:], false},
 		{"blocks 7 and 8 differ", a[:512], a[512:], false},
 		{"blocks 9 and 10 differ", b[1024:], c[512:], false},
@@ -224,24 +224,23 @@ func TestReadMooncakeErrors(t *testing.T) {
 	})
 }
 
-// TestTraceTokenCountBounds checks that no trace line can make the reader
-// allocate without bound. readTraceLab and readAzure reject
-// input_tokens_total / ContextTokens / GeneratedTokens above 1<<22; 16M
-// tokens (4× that bound) must be refused everywhere.
+// TestTraceTokenCountBounds checks that no trace line can make a reader
+// allocate without bound: 16M tokens (4× the 1<<22 that readTraceLab and
+// readAzure always refused) must be refused everywhere.
 func TestTraceTokenCountBounds(t *testing.T) {
 	const huge = 1 << 24
 	ids := strings.TrimSuffix(strings.Repeat("1,", huge/MooncakeBlockTokens), ",")
 	cases := []struct {
 		name, format, input string
 	}{
-		// readTraceLab builds the conversation's output tokens eagerly:
-		// output_tokens 1e12 makes it allocate terabytes (fatal out of memory).
+		// readTraceLab builds the conversation's output tokens: unbounded,
+		// output_tokens 1e12 allocated terabytes (fatal out of memory).
 		{"tracelab output_tokens", FormatTraceLab,
 			fmt.Sprintf(`{"session_id":"s","round_index":0,"input_tokens_total":10,"output_tokens":%d,"timing_events":[{"timestamp":"2026-01-01T00:00:00Z"}]}`, huge)},
 		{"tracelab input_tokens_total", FormatTraceLab,
 			fmt.Sprintf(`{"session_id":"s","round_index":0,"input_tokens_total":%d,"output_tokens":1,"timing_events":[{"timestamp":"2026-01-01T00:00:00Z"}]}`, huge)},
-		// readMooncake bounds input_length only by len(hash_ids): a 16 MiB
-		// line of "0," builds a 4G-token (16 GiB) prompt.
+		// Bounded only by len(hash_ids), a 16 MiB line of "0," built a
+		// 4G-token (16 GiB) prompt.
 		{"mooncake input_length", FormatMooncake,
 			fmt.Sprintf(`{"timestamp":0,"input_length":%d,"output_length":1,"hash_ids":[%s]}`, huge, ids)},
 		{"azure ContextTokens", FormatAzure, fmt.Sprintf("TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:17:03.9799600,%d,1\n", huge)},

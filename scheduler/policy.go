@@ -91,8 +91,9 @@ func placementKey(t *RequestTracker) string {
 // KVPolicy places a request where it costs least: blocks to prefill (total
 // minus the cached prefix on the group) plus the blocks already queued for
 // prefill there. The session is a signal, not a pin: the group bound to it
-// is credited with the previous turn's blocks. Ties break by rendezvous
-// order of the session, so a session is stable.
+// is credited with the previous turn's blocks. Ties go to the group with
+// more cached blocks, then by rendezvous order of the session, so a session
+// is stable.
 type KVPolicy struct{}
 
 // Place implements Policy.
@@ -105,7 +106,9 @@ func (KVPolicy) Place(t *RequestTracker, groups []GroupState) (string, error) {
 	for _, i := range RendezvousOrder(placementKey(t), groups) {
 		g := &groups[i]
 		cost := total - min(g.CachedBlocks, total) + g.QueuedBlocks
-		if best < 0 || cost < bestCost {
+		// At equal cost the group with more of the prefix wins (it keeps the
+		// cache warm for the next turn), then rendezvous order.
+		if best < 0 || cost < bestCost || cost == bestCost && g.CachedBlocks > groups[best].CachedBlocks {
 			best, bestCost = i, cost
 		}
 	}

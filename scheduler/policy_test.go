@@ -483,3 +483,17 @@ func TestNewPolicyKnowsAllNames(t *testing.T) {
 		}
 	}
 }
+
+// TestKVPolicyTieKeepsTheCache: at equal cost the group holding more of the
+// prefix wins, whatever the rendezvous order says.
+func TestKVPolicyTieKeepsTheCache(t *testing.T) {
+	for s := range 50 {
+		tr := kvTracker(fmt.Sprint("tie-", s), 64)
+		groups := groupStates("g0", "g1")
+		groups[0].CachedBlocks, groups[0].QueuedBlocks = 32, 32 // cost 64 with the cache
+		groups[1].CachedBlocks, groups[1].QueuedBlocks = 0, 0   // cost 64 without
+		if got, err := (KVPolicy{}).Place(tr, groups); err != nil || got != "g0" {
+			t.Fatalf("session %s: Place = %q, %v; want g0 (equal cost, more cached)", tr.SessionID, got, err)
+		}
+	}
+}
