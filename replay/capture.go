@@ -80,6 +80,9 @@ func (c *CaptureWriter) Write(f Frame) error {
 	if err := msgpack.NewEncoder(&c.buf).Encode(frameWire{T: f.Time.UnixNano(), S: f.Subject, P: f.Payload}); err != nil {
 		return err
 	}
+	if c.buf.Len() > MaxFrameBytes {
+		return fmt.Errorf("%w: a frame of %d bytes is over the %d-byte limit", ErrCorrupt, c.buf.Len(), MaxFrameBytes)
+	}
 	var l [4]byte
 	binary.LittleEndian.PutUint32(l[:], uint32(c.buf.Len()))
 	if _, err := c.w.Write(l[:]); err != nil {

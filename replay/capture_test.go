@@ -297,3 +297,28 @@ func TestReadCaptureTraceItems(t *testing.T) {
 		})
 	}
 }
+
+// TestCaptureWriterFrameLimit checks that the writer never produces a
+// frame its reader refuses: a capture is byte-exact or it fails when
+// written, not when replayed.
+func TestCaptureWriterFrameLimit(t *testing.T) {
+	payload := make([]byte, MaxFrameBytes) // with t, s and p the frame is over the limit
+	var buf bytes.Buffer
+	cw, err := NewCaptureWriter(&buf)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := cw.Write(Frame{Time: t0, Subject: "kvbus.req.m", Payload: payload}); err != nil {
+		return // refused when written: fine
+	}
+	if err := cw.Flush(); err != nil {
+		t.Fatal(err)
+	}
+	cr, err := NewCaptureReader(&buf)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if f, err := cr.Next(); err != nil || len(f.Payload) != len(payload) {
+		t.Errorf("CaptureWriter wrote a %d-byte payload that CaptureReader refuses: %v", len(payload), err)
+	}
+}

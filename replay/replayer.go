@@ -302,6 +302,8 @@ func (r *Replayer) onOutput(m *nats.Msg) {
 		r.log.Warn("replay: malformed output", "err", err)
 		return
 	}
+	// The result is written under the lock, so that abandon (a timeout)
+	// and this never both finish a request.
 	r.mu.Lock()
 	p := r.pending[o.ReqID]
 	if p == nil {
@@ -315,19 +317,18 @@ func (r *Replayer) onOutput(m *nats.Msg) {
 	final := o.Final()
 	if final {
 		delete(r.pending, o.ReqID)
+		p.res.E2E = now.Sub(p.res.Sent)
+		if o.Usage != nil {
+			p.res.CachedTokens = o.Usage.CachedTokens
+		}
+		if o.Error != nil {
+			p.res.Err = o.Error.Code + ": " + o.Error.Message
+		}
 	}
 	r.mu.Unlock()
-	if !final {
-		return
+	if final {
+		close(p.done)
 	}
-	p.res.E2E = now.Sub(p.res.Sent)
-	if o.Usage != nil {
-		p.res.CachedTokens = o.Usage.CachedTokens
-	}
-	if o.Error != nil {
-		p.res.Err = o.Error.Code + ": " + o.Error.Message
-	}
-	close(p.done)
 }
 
 // do sends one item and waits for its answer.
@@ -417,9 +418,11 @@ func (r *Replayer) abandon(id string, res *Result, why string) {
 	r.mu.Lock()
 	_, waiting := r.pending[id]
 	delete(r.pending, id)
-	r.mu.Unlock()
 	if waiting {
 		res.Err = why
+	}
+	r.mu.Unlock()
+	if waiting {
 		if data, err := messages.Marshal(&messages.Abort{ReqID: id, Reason: why}); err == nil {
 			_ = r.cfg.Conn.Publish(r.cfg.Subjects.Abort(), data)
 		}

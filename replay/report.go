@@ -147,6 +147,9 @@ func ms(d time.Duration) float64 { return math.Round(float64(d)/1e3) / 1e3 }
 // seen in any earlier prompt (never the whole prompt: one token is always
 // computed, as in the pipeline).
 func IdealHitRatio(items []Item, model string, blockSize int) float64 {
+	if blockSize < 1 {
+		return 0
+	}
 	seen := map[uint64]struct{}{}
 	seed := scheduler.HashSeed(model)
 	var cached, total int64

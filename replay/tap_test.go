@@ -8,6 +8,7 @@ import (
 	"io"
 	"math"
 	"net/http"
+	"slices"
 	"strings"
 	"sync"
 	"testing"
@@ -183,8 +184,29 @@ func TestTap(t *testing.T) {
 	if stopped, err := tap.stopped(); stopped {
 		t.Fatalf("Tap returned early: %v", err)
 	}
+	// The tap reads its own connection: make sure it has handled every
+	// message the observer saw by sending a marker after them and waiting
+	// for it (a result of tap-me's request on a subject nothing else reads).
+	var tapID string
+	for _, l := range out.lines(t) {
+		if l.Kind == "req" {
+			tapID, _ = l.Msg["request_id"].(string)
+		}
+	}
+	const marker = "kvbus.done.tap-test-marker"
+	pub := testenv.Connect(t, c.NATS)
+	data, err := messages.Marshal(&messages.RankResult{ReqID: tapID, Group: "marker"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := pub.Publish(marker, data); err != nil {
+		t.Fatal(err)
+	}
+	testenv.Eventually(t, 5*time.Second, "the marker", func() bool {
+		return slices.ContainsFunc(out.lines(t), func(l tapLine) bool { return l.Subject == marker })
+	})
 
-	lines := out.lines(t)
+	lines := slices.DeleteFunc(out.lines(t), func(l tapLine) bool { return l.Subject == marker })
 	if n := count(lines); n["req"] != 1 || n["meta"] != 1 || n["done"] != 4 || n["prefilled"] > 1 || len(n) != 4+min(n["prefilled"], 1) {
 		t.Errorf("kinds %v, want req 1, meta 1, done 4 (and at most one prefilled report) and out", n)
 	}

@@ -91,6 +91,9 @@ func ReadTraceFile(path, format string) (*Trace, error) {
 // ReadTrace reads a trace from r.
 func ReadTrace(r io.Reader, format string) (*Trace, error) {
 	br := bufio.NewReaderSize(r, 1<<16)
+	if bom, _ := br.Peek(3); string(bom) == "\xef\xbb\xbf" {
+		_, _ = br.Discard(3) // a UTF-8 byte order mark
+	}
 	if format == "" || format == FormatAuto {
 		head, _ := br.Peek(4096)
 		format = detectFormat(head)
@@ -129,7 +132,7 @@ func detectFormat(head []byte) string {
 	case bytes.HasPrefix(head, []byte("TIMESTAMP,")):
 		return FormatAzure
 	}
-	line, _, _ := bytes.Cut(head, []byte("\n"))
+	line, _, _ := bytes.Cut(bytes.TrimLeft(head, " \t\r\n"), []byte("\n"))
 	var probe map[string]json.RawMessage
 	if json.Unmarshal(line, &probe) != nil {
 		// A long first line may be cut by the peek: look at its keys.
@@ -323,7 +326,7 @@ func readTraceLab(r io.Reader) (*Trace, error) {
 		case *l.InputTotal < 1 || *l.OutputTokens < 0 || (l.PrefixTokens != nil && *l.PrefixTokens < 0):
 			return fmt.Errorf("%w: line %d: negative or empty token counts", ErrFormat, n)
 		case *l.InputTotal > maxPromptTokens || *l.OutputTokens > maxPromptTokens:
-			return fmt.Errorf("%w: line %d: input_tokens_total %d is implausible", ErrFormat, n, *l.InputTotal)
+			return fmt.Errorf("%w: line %d: input_tokens_total %d or output_tokens %d over %d", ErrFormat, n, *l.InputTotal, *l.OutputTokens, maxPromptTokens)
 		}
 		at, err := time.Parse(time.RFC3339Nano, l.TimingEvents[0].Timestamp)
 		if err != nil {

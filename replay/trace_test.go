@@ -828,6 +828,25 @@ func TestIdealHitRatio(t *testing.T) {
 			}
 		})
 	}
+	// --block-size is a flag of kvbus replay and bench: a bad value must
+	// not panic after a whole replay (integer divide by zero) or give a
+	// ratio outside [0, 1].
+	t.Run("invalid block size", func(t *testing.T) {
+		// Nothing is shared: no block size can make anything hit.
+		items := []Item{{Prompt: cat(a, b)}, {Prompt: cat(c, d)}}
+		for _, bs := range []int{0, -1, -16} {
+			func() {
+				defer func() {
+					if r := recover(); r != nil {
+						t.Errorf("blocks of %d: panic: %v", bs, r)
+					}
+				}()
+				if got := IdealHitRatio(items, "m", bs); got != 0 {
+					t.Errorf("blocks of %d: %v for prompts that share nothing, want 0", bs, got)
+				}
+			}()
+		}
+	})
 	t.Run("block size", func(t *testing.T) {
 		items := []Item{{Prompt: cat(a, b)}, {Prompt: cat(a, b)}}
 		for _, bs := range []struct {

@@ -133,6 +133,9 @@ type replayCmd struct {
 
 func (c *replayCmd) Run(ctx context.Context) error {
 	log := c.logger()
+	if c.BlockSize < 1 {
+		return errors.New("--block-size must be at least 1")
+	}
 	tr, err := c.load(c.File)
 	if err != nil {
 		return err
@@ -215,6 +218,9 @@ type benchCmd struct {
 
 func (c *benchCmd) Run(ctx context.Context) error {
 	log := c.logger()
+	if c.BlockSize < 1 || c.Speed <= 0 {
+		return errors.New("--block-size must be at least 1 and --speed positive")
+	}
 	tr, err := c.load(c.Trace)
 	if err != nil {
 		return err
