@@ -148,6 +148,10 @@ func Drain(ctx context.Context, nc *nats.Conn) {
 	if nc == nil || nc.IsClosed() {
 		return
 	}
+	if !nc.IsConnected() { // nothing can be flushed to a server that is gone
+		nc.Close()
+		return
+	}
 	closed := make(chan struct{})
 	nc.SetClosedHandler(func(*nats.Conn) { close(closed) })
 	if err := nc.Drain(); err != nil {

@@ -91,6 +91,22 @@ func (s *Server) serveGenerate(w http.ResponseWriter, r *http.Request, endpoint 
 // generate serves one request and returns the HTTP status it answered.
 func (s *Server) generate(w http.ResponseWriter, r *http.Request, endpoint string, start time.Time) int {
 	fail := func(e *APIError) int { writeError(w, e); return e.Status }
+	if n := s.active.Add(1); s.cfg.MaxInflight > 0 && n > int64(s.cfg.MaxInflight) {
+		s.active.Add(-1)
+		return fail(&APIError{Status: http.StatusTooManyRequests, Type: typeRateLimit, Code: "overloaded", RetryAfter: 1,
+			Message: fmt.Sprintf("this frontend is serving its maximum of %d requests (--max-inflight); retry shortly", s.cfg.MaxInflight)})
+	}
+	defer s.active.Add(-1)
+	switch {
+	case s.draining.Load():
+		w.Header().Set("Connection", "close")
+		return fail(&APIError{Status: http.StatusServiceUnavailable, Type: typeUnavailable, Code: "shutting_down", RetryAfter: 1,
+			Message: "this frontend is shutting down; retry on another one"})
+	case !s.cfg.Conn.IsConnected():
+		// Fail fast instead of waiting for a publish timeout.
+		return fail(&APIError{Status: http.StatusServiceUnavailable, Type: typeUnavailable, Code: "bus_unavailable", RetryAfter: 1,
+			Message: "not connected to NATS; retry shortly"})
+	}
 	body, apiErr := readBody(w, r, s.cfg.MaxBodyBytes)
 	if apiErr != nil {
 		return fail(apiErr)

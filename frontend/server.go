@@ -2,6 +2,7 @@ package frontend
 
 import (
 	"context"
+	"crypto/subtle"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -10,6 +11,7 @@ import (
 	"net/http"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/nats-io/nats.go"
@@ -46,6 +48,13 @@ type Config struct {
 	MaxModelLen int
 	// MaxBodyBytes bounds a request body (default 4 MiB).
 	MaxBodyBytes int64
+	// MaxInflight bounds the generate requests served at once; more get a
+	// 429 with Retry-After (0: no bound).
+	MaxInflight int
+	// APIKey, if set, is required on /v1/ routes as "Authorization: Bearer
+	// <key>" (vLLM's --api-key); other requests get a 401. It is never
+	// logged.
+	APIKey string
 	// RequestTimeout bounds a request end to end (default 60 s).
 	RequestTimeout time.Duration
 	// PublishTimeout bounds the wait for JetStream's ack (default 5 s).
@@ -71,6 +80,8 @@ func (c *Config) Validate() error {
 		return fmt.Errorf("%w: --max-model-len must be >= 2", ErrConfig)
 	case c.MaxBodyBytes < 1:
 		return fmt.Errorf("%w: --max-body-bytes must be positive", ErrConfig)
+	case c.MaxInflight < 0:
+		return fmt.Errorf("%w: --max-inflight must be >= 0", ErrConfig)
 	}
 	for _, h := range c.SessionHeaders {
 		if strings.TrimSpace(h) == "" || strings.ContainsAny(h, " :\t") {
@@ -97,8 +108,10 @@ type Server struct {
 	mu      sync.Mutex
 	pending map[string]route // bus request id → where its outputs go
 
-	ready chan struct{}
-	addr  net.Addr
+	ready    chan struct{}
+	addr     net.Addr
+	active   atomic.Int64 // generate requests being served
+	draining atomic.Bool  // Run's context ended: new requests get a 503
 }
 
 // route sends one bus request's outputs to the queue of its HTTP request.
@@ -227,6 +240,7 @@ func (s *Server) Run(ctx context.Context) error {
 		return fmt.Errorf("frontend: serve: %w", err)
 	case <-ctx.Done():
 	}
+	s.draining.Store(true)
 	shutdown, cancel2 := context.WithTimeout(context.Background(), s.cfg.RequestTimeout+time.Second)
 	defer cancel2()
 	if err := srv.Shutdown(shutdown); err != nil {
@@ -281,6 +295,11 @@ func (s *Server) routes() http.Handler {
 		"/metrics":             {http.MethodGet, promhttp.HandlerFor(s.cfg.Registry, promhttp.HandlerOpts{}).ServeHTTP},
 	}
 	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if s.cfg.APIKey != "" && strings.HasPrefix(r.URL.Path, "/v1/") && !s.authorized(r) {
+			writeError(w, &APIError{Status: http.StatusUnauthorized, Type: typeAuthentication, Code: "invalid_api_key",
+				Message: "missing or wrong API key: send Authorization: Bearer <key>"})
+			return
+		}
 		rt, ok := table[r.URL.Path]
 		if !ok {
 			writeError(w, &APIError{Status: http.StatusNotFound, Type: typeNotFound, Code: "not_found",
@@ -295,6 +314,12 @@ func (s *Server) routes() http.Handler {
 		}
 		rt.h(w, r)
 	})
+}
+
+// authorized checks the Bearer token in constant time.
+func (s *Server) authorized(r *http.Request) bool {
+	token, ok := strings.CutPrefix(r.Header.Get("Authorization"), "Bearer ")
+	return ok && subtle.ConstantTimeCompare([]byte(strings.TrimSpace(token)), []byte(s.cfg.APIKey)) == 1
 }
 
 func (s *Server) serveModels(w http.ResponseWriter, _ *http.Request) {

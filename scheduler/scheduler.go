@@ -230,8 +230,16 @@ func (s *Scheduler) Run(ctx context.Context) error {
 	for {
 		select {
 		case <-ctx.Done():
-			cc.Drain()
-			<-cc.Closed()
+			if !nc.IsConnected() {
+				cc.Stop() // NATS is gone: nothing to drain
+			} else {
+				cc.Drain()
+			}
+			select {
+			case <-cc.Closed():
+			case <-time.After(5 * time.Second):
+				cc.Stop()
+			}
 			s.log.Info("scheduler stopped", "trackers_left", s.trackers.Len())
 			return nil
 		case now := <-tick.C:

@@ -111,6 +111,8 @@ type ClusterConfig struct {
 	SessionTTL     time.Duration
 	SessionHeaders []string
 	MaxModelLen    int
+	MaxInflight    int
+	APIKey         string
 	RequestTimeout time.Duration
 	// LogLevel defaults to info.
 	LogLevel slog.Level
@@ -157,7 +159,8 @@ func StartCluster(t testing.TB, cfg ClusterConfig) *Cluster {
 		Sim:               workers.SimConfig{Profile: workers.DefaultSimProfile, TimeScale: cfg.TimeScale},
 		HeartbeatInterval: 100 * time.Millisecond, HeartbeatTimeout: time.Second,
 		Schedulers: cfg.Schedulers, Policy: cfg.Policy, RequestTimeout: cfg.RequestTimeout, SessionTTL: cfg.SessionTTL,
-		Frontend: &frontend.Config{Listener: ln, SessionHeaders: cfg.SessionHeaders, MaxModelLen: cfg.MaxModelLen},
+		Frontend: &frontend.Config{Listener: ln, SessionHeaders: cfg.SessionHeaders, MaxModelLen: cfg.MaxModelLen,
+			MaxInflight: cfg.MaxInflight, APIKey: cfg.APIKey},
 		Logger:   slog.New(slog.NewTextHandler(w, &slog.HandlerOptions{Level: cfg.LogLevel})),
 		Registry: reg,
 	})

@@ -74,6 +74,8 @@ type frontendFlags struct {
 	SessionHeader []string `name:"session-header" default:"X-Session-ID,X-Correlation-ID" help:"Headers read for a session id, in order of precedence (repeatable)."`
 	MaxModelLen   int      `name:"max-model-len" default:"8192" help:"Largest prompt + completion, in tokens."`
 	MaxBodyBytes  int64    `name:"max-body-bytes" default:"4194304" help:"Largest request body, in bytes (413 above)."`
+	MaxInflight   int      `name:"max-inflight" default:"4096" help:"Generate requests served at once; more get 429 with Retry-After (0: no bound)."`
+	APIKey        string   `name:"api-key" help:"Require Authorization: Bearer <key> on /v1/ routes (like vLLM's --api-key)."`
 }
 
 // timeoutFlags bound a request end to end.

@@ -191,8 +191,8 @@ func (c *frontendCmd) frontendConfig(nc *nats.Conn, log *slog.Logger, reg *prome
 func newFrontendConfig(nc *nats.Conn, subj messages.Subjects, log *slog.Logger, reg *prometheus.Registry, id string, m modelFlags, f frontendFlags, t timeoutFlags) frontend.Config {
 	return frontend.Config{
 		Conn: nc, Subjects: subj, ID: id, Addr: f.HTTPAddr, Models: []string{m.Model}, SessionHeaders: f.SessionHeader,
-		MaxModelLen: f.MaxModelLen, MaxBodyBytes: f.MaxBodyBytes, RequestTimeout: t.RequestTimeout,
-		Logger: log, Registry: reg,
+		MaxModelLen: f.MaxModelLen, MaxBodyBytes: f.MaxBodyBytes, MaxInflight: f.MaxInflight, APIKey: f.APIKey,
+		RequestTimeout: t.RequestTimeout, Logger: log, Registry: reg,
 	}
 }
 

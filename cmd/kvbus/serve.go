@@ -33,6 +33,7 @@ func (c *serveCmd) Run(ctx context.Context) error {
 	// The frontend's /metrics serves the whole process's registry.
 	cfg.Frontend = &frontend.Config{
 		Addr: c.HTTPAddr, SessionHeaders: c.SessionHeader, MaxModelLen: c.MaxModelLen, MaxBodyBytes: c.MaxBodyBytes,
+		MaxInflight: c.MaxInflight, APIKey: c.APIKey,
 	}
 	cl, err := cluster.Start(ctx, cfg)
 	if err != nil {

@@ -1,0 +1,134 @@
+package frontend_test
+
+import (
+	"encoding/json"
+	"io"
+	"net/http"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/kvbus/kvbus/testenv"
+)
+
+// send sends a request with headers and returns status, headers and body.
+func send(t *testing.T, method, url, body string, headers map[string]string) (int, http.Header, []byte) {
+	t.Helper()
+	req, err := http.NewRequestWithContext(t.Context(), method, url, strings.NewReader(body))
+	if err != nil {
+		t.Fatal(err)
+	}
+	for k, v := range headers {
+		req.Header.Set(k, v)
+	}
+	client := &http.Client{Timeout: 30 * time.Second}
+	defer client.CloseIdleConnections()
+	resp, err := client.Do(req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	b, _ := io.ReadAll(resp.Body)
+	return resp.StatusCode, resp.Header, b
+}
+
+func errorOf(t *testing.T, body []byte) (typ, code string) {
+	t.Helper()
+	var e struct {
+		Error struct {
+			Type string  `json:"type"`
+			Code *string `json:"code"`
+		} `json:"error"`
+	}
+	if err := json.Unmarshal(body, &e); err != nil {
+		t.Fatalf("not an OpenAI error body: %s", body)
+	}
+	if e.Error.Code != nil {
+		code = *e.Error.Code
+	}
+	return e.Error.Type, code
+}
+
+func TestAPIKey(t *testing.T) {
+	c := testenv.StartCluster(t, testenv.ClusterConfig{APIKey: "s3cret"})
+	chat := `{"messages":[{"role":"user","content":"hi"}],"max_tokens":2}`
+	for _, tc := range []struct {
+		name, auth string
+		want       int
+	}{
+		{"no key", "", http.StatusUnauthorized},
+		{"wrong key", "Bearer nope", http.StatusUnauthorized},
+		{"not a bearer", "Basic s3cret", http.StatusUnauthorized},
+		{"right key", "Bearer s3cret", http.StatusOK},
+	} {
+		status, _, body := send(t, http.MethodPost, c.URL+"/v1/chat/completions", chat, map[string]string{"Authorization": tc.auth})
+		if status != tc.want {
+			t.Errorf("%s: status %d, want %d: %s", tc.name, status, tc.want, body)
+			continue
+		}
+		if status == http.StatusUnauthorized {
+			if typ, code := errorOf(t, body); typ != "authentication_error" || code != "invalid_api_key" {
+				t.Errorf("%s: error type %q code %q", tc.name, typ, code)
+			}
+			if strings.Contains(string(body), "s3cret") {
+				t.Errorf("%s: the key leaks into the error", tc.name)
+			}
+		}
+	}
+	// Probes stay open, like vLLM's.
+	if status, _, _ := send(t, http.MethodGet, c.URL+"/health", "", nil); status != http.StatusOK {
+		t.Errorf("/health needs no key, got %d", status)
+	}
+	if got := c.Logs.Lines("s3cret"); len(got) != 0 {
+		t.Errorf("the API key appears in the logs: %v", got)
+	}
+}
+
+func TestMaxInflight(t *testing.T) {
+	// A slow engine keeps one streaming request in flight.
+	c := testenv.StartCluster(t, testenv.ClusterConfig{MaxInflight: 1, TimeScale: 1})
+	slow := `{"messages":[{"role":"user","content":"slow"}],"max_tokens":100,"ignore_eos":true,"stream":true}`
+	done := make(chan int, 1)
+	go func() {
+		req, _ := http.NewRequest(http.MethodPost, c.URL+"/v1/chat/completions", strings.NewReader(slow))
+		client := &http.Client{Timeout: 30 * time.Second}
+		defer client.CloseIdleConnections()
+		resp, err := client.Do(req)
+		if err != nil {
+			done <- 0
+			return
+		}
+		_, _ = io.Copy(io.Discard, resp.Body)
+		resp.Body.Close()
+		done <- resp.StatusCode
+	}()
+	testenv.Eventually(t, 10*time.Second, "the slow request in flight", func() bool {
+		return len(c.Logs.Lines(`msg="store thread"`)) >= 4
+	})
+	status, h, body := send(t, http.MethodPost, c.URL+"/v1/chat/completions", `{"messages":[{"role":"user","content":"x"}],"max_tokens":1}`, nil)
+	if status != http.StatusTooManyRequests || h.Get("Retry-After") == "" {
+		t.Fatalf("second request: status %d Retry-After %q: %s", status, h.Get("Retry-After"), body)
+	}
+	if typ, code := errorOf(t, body); typ != "rate_limit_error" || code != "overloaded" {
+		t.Errorf("error type %q code %q", typ, code)
+	}
+	if got := <-done; got != http.StatusOK {
+		t.Errorf("the admitted request ended with %d", got)
+	}
+}
+
+func TestBusDownIsAFast503(t *testing.T) {
+	c := testenv.StartCluster(t, testenv.ClusterConfig{})
+	c.NATS.Shutdown()
+	testenv.Eventually(t, 10*time.Second, "frontend sees NATS down", func() bool {
+		status, _, _ := send(t, http.MethodGet, c.URL+"/healthz", "", nil)
+		return status == http.StatusServiceUnavailable
+	})
+	status, h, body := send(t, http.MethodPost, c.URL+"/v1/chat/completions", `{"messages":[{"role":"user","content":"x"}]}`, nil)
+	if status != http.StatusServiceUnavailable || h.Get("Retry-After") == "" {
+		t.Fatalf("status %d Retry-After %q: %s", status, h.Get("Retry-After"), body)
+	}
+	if _, code := errorOf(t, body); code != "bus_unavailable" {
+		t.Errorf("code %q", code)
+	}
+}
