@@ -100,6 +100,7 @@ type rankKey struct {
 
 type rankRun struct {
 	rank *workers.Rank
+	nc   *nats.Conn
 	stop context.CancelFunc
 	done chan struct{}
 }
@@ -277,7 +278,7 @@ func (c *Cluster) startRank(group string, r int) error {
 		return err
 	}
 	ctx, stop := context.WithCancel(c.ctx)
-	rr := &rankRun{rank: rank, stop: stop, done: make(chan struct{})}
+	rr := &rankRun{rank: rank, nc: nc, stop: stop, done: make(chan struct{})}
 	c.mu.Lock()
 	c.ranks[rankKey{group, r}] = rr
 	c.mu.Unlock()
@@ -300,6 +301,22 @@ func (c *Cluster) RestartRank(group string, rank int) error {
 	rr.stop()
 	<-rr.done
 	return c.startRank(group, rank)
+}
+
+// KillRank makes one rank vanish as a crashed process would: its NATS
+// connection closes at once (no result, output, event or heartbeat gets out
+// any more), then it stops.
+func (c *Cluster) KillRank(group string, rank int) error {
+	c.mu.Lock()
+	rr := c.ranks[rankKey{group, rank}]
+	c.mu.Unlock()
+	if rr == nil {
+		return fmt.Errorf("cluster: no rank %s/%d", group, rank)
+	}
+	rr.nc.Close()
+	rr.stop()
+	<-rr.done
+	return nil
 }
 
 // WaitReady waits until the frontend (if any) serves and every scheduler

@@ -189,9 +189,13 @@ type Heartbeat struct {
 	StartedUnixMs  int64  `msgpack:"started_unix_ms" json:"started_unix_ms"`
 }
 
-// Abort cancels a request everywhere; published on kvbus.ctl.abort.
+// Abort cancels a request; published on kvbus.ctl.abort.
 type Abort struct {
 	V      int    `msgpack:"v" json:"v"`
 	ReqID  string `msgpack:"req_id" json:"req_id"`
 	Reason string `msgpack:"reason,omitempty" json:"reason,omitempty"`
+	// Group, if set, limits the abort to that group's ranks: the scheduler
+	// withdrawing a request from a failed group (the request goes on
+	// elsewhere). Without it every role drops the request.
+	Group string `msgpack:"group,omitempty" json:"group,omitempty"`
 }

@@ -322,6 +322,9 @@ func (s *Scheduler) onAbort(_ context.Context, m *nats.Msg) error {
 	if err != nil {
 		return err
 	}
+	if a.Group != "" {
+		return nil // a scheduler withdrawing a request from one group
+	}
 	if t := s.trackers.remove(a.ReqID); t != nil {
 		s.groups.addInflight(t.Group, -1, -t.queued)
 		s.m.requests.WithLabelValues("aborted").Inc()
@@ -420,33 +423,10 @@ func (s *Scheduler) onRequest(_ context.Context, m jetstream.Msg) error {
 	if bound {
 		t.TurnDepth = binding.Turn + 1
 	}
-	s.index.Match(t.BlockHashes, groups)
-	for i := range groups {
-		g := &groups[i]
-		g.CachedBlocks = g.IndexBlocks
-		if bound && g.Name == binding.Group {
-			g.Bound = true
-			// The previous turn's blocks, if this prompt extends it.
-			if n := binding.Blocks; n > 0 && n <= len(t.BlockHashes) && t.BlockHashes[n-1] == binding.LastHash {
-				g.CachedBlocks = max(g.CachedBlocks, n)
-			}
-		}
-	}
-	group, err := s.cfg.Policy.Place(t, groups)
+	group, err := s.place(t, groups, binding, bound)
 	if err != nil {
 		return m.NakWithDelay(200 * time.Millisecond)
 	}
-	for _, g := range groups {
-		if g.Name == group {
-			t.WorldSize = g.WorldSize
-			// Load what every rank holds, but never the whole prompt: at least
-			// one token is computed (vLLM's rule).
-			t.LoadBlocks = min(g.IndexBlocks, max(t.TokenLen-1, 0)/s.cfg.BlockSize)
-		}
-	}
-	t.Group = group
-	t.PrefillBlocks = len(t.BlockHashes) - t.LoadBlocks
-	t.queued = t.PrefillBlocks
 	if !s.trackers.add(t) {
 		return m.Ack()
 	}
@@ -469,6 +449,97 @@ func (s *Scheduler) onRequest(_ context.Context, m jetstream.Msg) error {
 	log.Debug("dispatched", "group", group, "prompt_tokens", t.TokenLen, "blocks", len(t.BlockHashes),
 		"load_blocks", t.LoadBlocks, "turn_depth", t.TurnDepth)
 	return m.Ack()
+}
+
+// place chooses a group among the ready ones for t and sets its Group,
+// WorldSize, LoadBlocks, PrefillBlocks and queued.
+func (s *Scheduler) place(t *RequestTracker, groups []GroupState, binding Binding, bound bool) (string, error) {
+	s.index.Match(t.BlockHashes, groups)
+	for i := range groups {
+		g := &groups[i]
+		g.CachedBlocks = g.IndexBlocks
+		if bound && g.Name == binding.Group {
+			g.Bound = true
+			// The previous turn's blocks, if this prompt extends it.
+			if n := binding.Blocks; n > 0 && n <= len(t.BlockHashes) && t.BlockHashes[n-1] == binding.LastHash {
+				g.CachedBlocks = max(g.CachedBlocks, n)
+			}
+		}
+	}
+	group, err := s.cfg.Policy.Place(t, groups)
+	if err != nil {
+		return "", err
+	}
+	for _, g := range groups {
+		if g.Name == group {
+			t.WorldSize = g.WorldSize
+			// Load what every rank holds, but never the whole prompt: at least
+			// one token is computed (vLLM's rule).
+			t.LoadBlocks = min(g.IndexBlocks, max(t.TokenLen-1, 0)/s.cfg.BlockSize)
+		}
+	}
+	t.Group = group
+	t.PrefillBlocks = len(t.BlockHashes) - t.LoadBlocks
+	t.queued = t.PrefillBlocks
+	return group, nil
+}
+
+// rescue handles the requests of groups that stopped being ready: a request
+// whose output has not started is withdrawn from its group and dispatched
+// again elsewhere (attempt + 1); one that streamed already ends with an
+// error. No request waits for a dead group.
+func (s *Scheduler) rescue(now time.Time) {
+	groups := s.groups.ready(now)
+	ready := map[string]bool{}
+	for _, g := range groups {
+		ready[g.Name] = true
+	}
+	movable, lost := s.trackers.stranded(func(g string) bool { return ready[g] })
+	for _, t := range lost {
+		s.groups.addInflight(t.Group, -1, -t.queued)
+		s.withdraw(t.ReqID, t.Group, "worker group failed")
+		s.m.requests.WithLabelValues("failed").Inc()
+		s.log.Warn("worker group failed during generation; the request ends with an error", "req_id", t.ReqID,
+			"session_id", t.SessionID, "group", t.Group)
+		s.sendError(t.FrontendID, t.ReqID, t.SessionID, "group_failed", "the worker group failed while generating this answer; retry the request")
+	}
+	if len(movable) == 0 || len(groups) == 0 {
+		return // with no ready group the requests wait, until their deadline
+	}
+	for _, old := range movable {
+		var from string
+		var meta bool
+		s.trackers.update(old.ReqID, func(t *RequestTracker) {
+			from = t.Group
+			s.groups.addInflight(t.Group, -1, -t.queued)
+			cands := append([]GroupState(nil), groups...)
+			if _, err := s.place(t, cands, Binding{}, false); err != nil {
+				t.Group = ""
+				return
+			}
+			t.Attempt++
+			t.Results = map[int]*messages.RankResult{}
+			s.groups.addInflight(t.Group, 1, t.queued)
+			meta = true
+		})
+		s.withdraw(old.ReqID, from, "worker group not ready: dispatched again elsewhere")
+		if !meta {
+			continue
+		}
+		s.m.requests.WithLabelValues("redispatched").Inc()
+		s.log.Warn("worker group not ready: request dispatched again", "req_id", old.ReqID, "session_id", old.SessionID,
+			"from", from, "to", old.Group, "attempt", old.Attempt)
+		if err := s.publishMeta(old); err != nil {
+			s.log.Error("cannot dispatch again", "req_id", old.ReqID, "err", err)
+		}
+	}
+}
+
+// withdraw tells one group's ranks to drop a request.
+func (s *Scheduler) withdraw(reqID, group, reason string) {
+	if data, err := messages.Marshal(&messages.Abort{ReqID: reqID, Group: group, Reason: reason}); err == nil {
+		_ = s.cfg.Conn.Publish(s.cfg.Subjects.Abort(), data)
+	}
 }
 
 // publishMeta builds the tracker's ReqMeta and publishes it once on the
@@ -520,6 +591,7 @@ func (s *Scheduler) sweep(ctx context.Context, now time.Time) {
 		s.m.groupQueued.WithLabelValues(name).Set(float64(queued))
 		s.m.groupBlocks.WithLabelValues(name).Set(float64(s.index.GroupBlocks(name)))
 	})
+	s.rescue(now)
 	entries, full := s.index.Size()
 	s.m.indexEntries.Set(float64(entries))
 	s.m.indexBlocks.Set(float64(full))

@@ -36,6 +36,9 @@ type RequestTracker struct {
 	// queued is PrefillBlocks until the driver reports the prefill, then 0:
 	// what the request adds to its group's prefill queue.
 	queued int
+	// Prefilled is set when the driver reported the prefill: output has
+	// started, so the request can no longer move to another group.
+	Prefilled bool
 	// Results holds the RankResult of each tp_rank for the current attempt.
 	Results map[int]*messages.RankResult
 }
@@ -106,7 +109,39 @@ func (tt *trackerTable) prefilled(r *messages.RankResult) (group string, blocks 
 		return "", 0
 	}
 	blocks, t.queued = t.queued, 0
+	t.Prefilled = true
 	return t.Group, blocks
+}
+
+// stranded returns the trackers placed on groups that are not ready: those
+// whose output has not started are left in the table, the others removed.
+func (tt *trackerTable) stranded(ready func(group string) bool) (movable, lost []*RequestTracker) {
+	tt.mu.Lock()
+	defer tt.mu.Unlock()
+	for id, t := range tt.m {
+		if t.Group == "" || ready(t.Group) {
+			continue
+		}
+		if t.Prefilled {
+			lost = append(lost, t)
+			delete(tt.m, id)
+		} else {
+			movable = append(movable, t)
+		}
+	}
+	return movable, lost
+}
+
+// update runs f on a live tracker under the table's lock; it reports whether
+// the tracker was still there.
+func (tt *trackerTable) update(id string, f func(t *RequestTracker)) bool {
+	tt.mu.Lock()
+	defer tt.mu.Unlock()
+	t := tt.m[id]
+	if t != nil {
+		f(t)
+	}
+	return t != nil
 }
 
 // expired removes and returns the trackers whose deadline is before now.

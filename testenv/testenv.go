@@ -157,7 +157,7 @@ func StartCluster(t testing.TB, cfg ClusterConfig) *Cluster {
 		DataDir: t.TempDir(), Groups: cfg.Groups, Ranks: cfg.Ranks, Model: cfg.Model, ModelProfile: cfg.ModelProfile,
 		KVCapacity: cfg.KVCapacity, Payload: cfg.Payload, Evict: cfg.Evict,
 		Sim:               workers.SimConfig{Profile: workers.DefaultSimProfile, TimeScale: cfg.TimeScale},
-		HeartbeatInterval: 100 * time.Millisecond, HeartbeatTimeout: time.Second,
+		HeartbeatInterval: 100 * time.Millisecond, HeartbeatTimeout: time.Second, ShutdownTimeout: 2 * time.Second,
 		Schedulers: cfg.Schedulers, Policy: cfg.Policy, RequestTimeout: cfg.RequestTimeout, SessionTTL: cfg.SessionTTL,
 		Frontend: &frontend.Config{Listener: ln, SessionHeaders: cfg.SessionHeaders, MaxModelLen: cfg.MaxModelLen,
 			MaxInflight: cfg.MaxInflight, APIKey: cfg.APIKey},
@@ -181,6 +181,14 @@ func StartCluster(t testing.TB, cfg ClusterConfig) *Cluster {
 	return &Cluster{
 		Cluster: cc, NATS: cc.NATS, URL: "http://" + ln.Addr().String(), Scheduler: cc.Schedulers[0],
 		Logs: logs, Model: cmp.Or(cfg.Model, "kvbus-sim"), Registry: reg,
+	}
+}
+
+// KillRank crashes one rank (see cluster.Cluster.KillRank).
+func (c *Cluster) KillRank(t testing.TB, group string, rank int) {
+	t.Helper()
+	if err := c.Cluster.KillRank(group, rank); err != nil {
+		t.Fatal(err)
 	}
 }
 

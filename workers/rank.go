@@ -305,6 +305,9 @@ func (r *Rank) onAbort(_ context.Context, m *nats.Msg) error {
 	if err != nil {
 		return err
 	}
+	if a.Group != "" && a.Group != r.cfg.Group {
+		return nil
+	}
 	r.mu.Lock()
 	rr := r.active[a.ReqID]
 	r.mu.Unlock()
