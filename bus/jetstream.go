@@ -14,6 +14,9 @@ import (
 // SchedulerConsumer is the durable consumer all scheduler replicas share.
 const SchedulerConsumer = "kvbus-scheduler"
 
+// DefaultAckWait is the schedulers' consumer's ack wait.
+const DefaultAckWait = 5 * time.Second
+
 // StreamConfig configures the request log.
 type StreamConfig struct {
 	Subjects messages.Subjects
@@ -77,7 +80,9 @@ func EnsureRequestStream(ctx context.Context, js jetstream.JetStream, cfg Stream
 // instead of running them.
 func EnsureSchedulerConsumer(ctx context.Context, st jetstream.Stream, ackWait time.Duration, replicas int) (jetstream.Consumer, error) {
 	if ackWait <= 0 {
-		ackWait = 30 * time.Second
+		// A scheduler acks right after dispatch; if it dies, the requests it
+		// had fetched but not acked go to another replica after this.
+		ackWait = DefaultAckWait
 	}
 	cfg := jetstream.ConsumerConfig{
 		Durable:       SchedulerConsumer,

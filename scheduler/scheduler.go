@@ -44,7 +44,8 @@ type Config struct {
 	// RequestTimeout applies to requests without a deadline (default 60 s).
 	RequestTimeout time.Duration
 	// AckWait is how long JetStream waits for this replica's ack before
-	// redelivering a request to another replica (default 30 s).
+	// redelivering a request to another replica (default bus.DefaultAckWait),
+	// applied when this replica creates the consumer.
 	AckWait time.Duration
 	// StreamReplicas is the JetStream replication of the request log and
 	// the session bucket (default 1).
@@ -384,7 +385,7 @@ func (s *Scheduler) onRequest(_ context.Context, m jetstream.Msg) error {
 		_ = m.Term()
 		return fmt.Errorf("request on %s: %w", m.Subject(), err)
 	}
-	if s.trackers.has(req.RequestID) {
+	if s.trackers.seen(req.RequestID) { // a redelivery of a request already dispatched
 		s.m.requests.WithLabelValues("duplicate").Inc()
 		return m.Ack()
 	}
@@ -432,7 +433,7 @@ func (s *Scheduler) onRequest(_ context.Context, m jetstream.Msg) error {
 	}
 	s.groups.addInflight(group, 1, t.PrefillBlocks)
 	if err := s.publishMeta(t); err != nil {
-		s.trackers.remove(t.ReqID)
+		s.trackers.drop(t.ReqID)
 		s.groups.addInflight(group, -1, -t.queued)
 		_ = m.NakWithDelay(100 * time.Millisecond)
 		return err
@@ -592,6 +593,7 @@ func (s *Scheduler) sweep(ctx context.Context, now time.Time) {
 		s.m.groupBlocks.WithLabelValues(name).Set(float64(s.index.GroupBlocks(name)))
 	})
 	s.rescue(now)
+	s.trackers.forget(now)
 	entries, full := s.index.Size()
 	s.m.indexEntries.Set(float64(entries))
 	s.m.indexBlocks.Set(float64(full))

@@ -48,9 +48,34 @@ type RequestTracker struct {
 type trackerTable struct {
 	mu sync.Mutex
 	m  map[string]*RequestTracker
+	// ended remembers recently ended requests, so that a redelivery of one
+	// from the request log is not run twice.
+	ended map[string]time.Time
 }
 
-func newTrackerTable() *trackerTable { return &trackerTable{m: map[string]*RequestTracker{}} }
+// endedMemory is how long an ended request id is remembered.
+const endedMemory = 10 * time.Minute
+
+func newTrackerTable() *trackerTable {
+	return &trackerTable{m: map[string]*RequestTracker{}, ended: map[string]time.Time{}}
+}
+
+// forget drops ended ids older than endedMemory.
+func (tt *trackerTable) forget(now time.Time) {
+	tt.mu.Lock()
+	defer tt.mu.Unlock()
+	for id, at := range tt.ended {
+		if now.Sub(at) > endedMemory {
+			delete(tt.ended, id)
+		}
+	}
+}
+
+// endLocked removes a tracker and remembers its id.
+func (tt *trackerTable) endLocked(id string) {
+	delete(tt.m, id)
+	tt.ended[id] = time.Now()
+}
 
 // add inserts t unless a tracker with its id exists; it reports whether t
 // was added.
@@ -71,11 +96,30 @@ func (tt *trackerTable) has(id string) bool {
 	return ok
 }
 
+// seen reports whether a request is live or ended recently.
+func (tt *trackerTable) seen(id string) bool {
+	tt.mu.Lock()
+	defer tt.mu.Unlock()
+	_, live := tt.m[id]
+	_, ended := tt.ended[id]
+	return live || ended
+}
+
+// drop removes a tracker without remembering it (its dispatch failed and
+// the request log will deliver it again).
+func (tt *trackerTable) drop(id string) {
+	tt.mu.Lock()
+	defer tt.mu.Unlock()
+	delete(tt.m, id)
+}
+
 func (tt *trackerTable) remove(id string) *RequestTracker {
 	tt.mu.Lock()
 	defer tt.mu.Unlock()
 	t := tt.m[id]
-	delete(tt.m, id)
+	if t != nil {
+		tt.endLocked(id)
+	}
 	return t
 }
 
@@ -95,7 +139,7 @@ func (tt *trackerTable) addResult(r *messages.RankResult) (done *RequestTracker,
 	if len(t.Results) < t.WorldSize {
 		return nil, true
 	}
-	delete(tt.m, r.ReqID)
+	tt.endLocked(r.ReqID)
 	return t, true
 }
 
@@ -124,7 +168,7 @@ func (tt *trackerTable) stranded(ready func(group string) bool) (movable, lost [
 		}
 		if t.Prefilled {
 			lost = append(lost, t)
-			delete(tt.m, id)
+			tt.endLocked(id)
 		} else {
 			movable = append(movable, t)
 		}
@@ -152,7 +196,7 @@ func (tt *trackerTable) expired(now time.Time) []*RequestTracker {
 	for id, t := range tt.m {
 		if now.After(t.Deadline) {
 			out = append(out, t)
-			delete(tt.m, id)
+			tt.endLocked(id)
 		}
 	}
 	return out

@@ -9,6 +9,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/nats-io/nats.go/jetstream"
+
 	"github.com/kvbus/kvbus/messages"
 	"github.com/kvbus/kvbus/testenv"
 )
@@ -99,4 +101,31 @@ func TestGroupFailureWhileStreamingEndsWithAnError(t *testing.T) {
 		t.Fatalf("stream ended with %q, want a group_failed error then [DONE]", events[max(0, len(events)-2):])
 	}
 	testenv.Eventually(t, 5*time.Second, "no tracker left", func() bool { return c.Scheduler.Trackers() == 0 })
+}
+
+// TestRedeliveredRequestRunsOnce: a request delivered again by the log after
+// it ended (a scheduler died before its ack) is not run a second time.
+func TestRedeliveredRequestRunsOnce(t *testing.T) {
+	c := testenv.StartCluster(t, testenv.ClusterConfig{})
+	reqs := c.Observe(t, "kvbus.req.>")
+	metas := c.Observe(t, "kvbus.meta.>")
+	if status, _, raw := post(t, c, "/v1/chat/completions", chatBody(c.Model, "once", ""), nil); status != http.StatusOK {
+		t.Fatalf("status %d: %s", status, raw)
+	}
+	testenv.Eventually(t, 5*time.Second, "request done", func() bool { return c.Scheduler.Trackers() == 0 && len(reqs.Messages()) == 1 })
+	js, err := jetstream.New(testenv.Connect(t, c.NATS))
+	if err != nil {
+		t.Fatal(err)
+	}
+	// The same request again, under another message id: as a redelivery.
+	m := reqs.Messages()[0]
+	if _, err := js.Publish(t.Context(), m.Subject, m.Data, jetstream.WithMsgID("again")); err != nil {
+		t.Fatal(err)
+	}
+	testenv.Eventually(t, 5*time.Second, "the duplicate seen", func() bool {
+		return testenv.CounterSum(t, c.SchedulerRegistries[0], "kvbus_scheduler_requests_total", map[string]string{"outcome": "duplicate"}) == 1
+	})
+	if n := len(metas.Messages()); n != 1 {
+		t.Errorf("%d ReqMetas, want 1: the request ran again", n)
+	}
 }
