@@ -87,10 +87,11 @@ type Cluster struct {
 	errMu  sync.Mutex
 	err    error
 
-	mu      sync.Mutex
-	conns   []*nats.Conn
-	ranks   map[rankKey]*rankRun
-	engines map[string]workers.Engine
+	mu        sync.Mutex
+	conns     []*nats.Conn
+	ranks     map[rankKey]*rankRun
+	schedRuns []*rankRun
+	engines   map[string]workers.Engine
 }
 
 type rankKey struct {
@@ -98,6 +99,7 @@ type rankKey struct {
 	rank  int
 }
 
+// rankRun is a running rank or scheduler.
 type rankRun struct {
 	rank *workers.Rank
 	nc   *nats.Conn
@@ -211,7 +213,13 @@ func (c *Cluster) start() error {
 		}
 		c.Schedulers = append(c.Schedulers, s)
 		c.SchedulerRegistries = append(c.SchedulerRegistries, reg)
-		c.run(c.ctx, fmt.Sprintf("scheduler %d", i), s.Run)
+		ctx, stop := context.WithCancel(c.ctx)
+		sr := &rankRun{nc: nc, stop: stop, done: make(chan struct{})}
+		c.schedRuns = append(c.schedRuns, sr)
+		c.run(ctx, fmt.Sprintf("scheduler %d", i), func(ctx context.Context) error {
+			defer close(sr.done)
+			return s.Run(ctx)
+		})
 	}
 	if cfg.Frontend != nil {
 		fc := *cfg.Frontend
@@ -319,6 +327,39 @@ func (c *Cluster) KillRank(group string, rank int) error {
 	return nil
 }
 
+// KillScheduler makes scheduler replica i vanish as a crashed process
+// would: its connection closes at once, then it stops.
+func (c *Cluster) KillScheduler(i int) error {
+	if i < 0 || i >= len(c.schedRuns) {
+		return fmt.Errorf("cluster: no scheduler %d", i)
+	}
+	sr := c.schedRuns[i]
+	sr.nc.Close()
+	sr.stop()
+	<-sr.done
+	return nil
+}
+
+// RestartNATS stops the embedded server and starts it again on the same
+// address and data directory, as an operator restarting NATS would; every
+// role reconnects by itself. It needs Config.DataDir (file storage that
+// outlives the server).
+func (c *Cluster) RestartNATS() error {
+	if c.NATS == nil || c.cfg.DataDir == "" {
+		return errors.New("cluster: RestartNATS needs an embedded server with a DataDir")
+	}
+	addr := c.NATS.Addr().String()
+	c.NATS.Shutdown()
+	srv, err := bus.StartServer(bus.ServerConfig{Addr: addr, DataDir: c.cfg.DataDir})
+	if err != nil {
+		return err
+	}
+	c.mu.Lock()
+	c.NATS = srv
+	c.mu.Unlock()
+	return nil
+}
+
 // WaitReady waits until the frontend (if any) serves and every scheduler
 // sees every group ready.
 func (c *Cluster) WaitReady(ctx context.Context) error {
@@ -375,8 +416,11 @@ func (c *Cluster) Wait() error {
 	for _, nc := range conns {
 		bus.Drain(ctx, nc)
 	}
-	if c.NATS != nil {
-		c.NATS.Shutdown()
+	c.mu.Lock()
+	srv := c.NATS
+	c.mu.Unlock()
+	if srv != nil {
+		srv.Shutdown()
 	}
 	c.errMu.Lock()
 	defer c.errMu.Unlock()
