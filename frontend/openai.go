@@ -9,6 +9,7 @@ import (
 	"math"
 	"net/http"
 	"strings"
+	"unicode/utf8"
 
 	"github.com/kvbus/kvbus/messages"
 )
@@ -86,6 +87,9 @@ func readBody(w http.ResponseWriter, r *http.Request, limit int64) ([]byte, *API
 func decodeJSON(body []byte, v any) *APIError {
 	if len(bytes.TrimSpace(body)) == 0 {
 		return badRequest("", "request body is empty; send a JSON object")
+	}
+	if !utf8.Valid(body) { // encoding/json would quietly replace the bad bytes
+		return badRequest("", "request body is not valid UTF-8")
 	}
 	if err := json.Unmarshal(body, v); err != nil {
 		var te *json.UnmarshalTypeError

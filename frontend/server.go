@@ -227,8 +227,10 @@ func (s *Server) Run(ctx context.Context) error {
 	srv := &http.Server{
 		Handler:           s.mux,
 		ReadHeaderTimeout: 10 * time.Second,
-		MaxHeaderBytes:    64 << 10,
-		ErrorLog:          slog.NewLogLogger(s.log.Handler(), slog.LevelWarn),
+		// Go's own limit answers in plain text; kvbus checks MaxHeaderBytes
+		// itself to answer in JSON, and leaves a margin here.
+		MaxHeaderBytes: 4 * MaxHeaderBytes,
+		ErrorLog:       slog.NewLogLogger(s.log.Handler(), slog.LevelWarn),
 	}
 	errc := make(chan error, 1)
 	go func() { errc <- srv.Serve(ln) }()
@@ -279,6 +281,19 @@ func (s *Server) unregister(ids []string) {
 	s.mu.Unlock()
 }
 
+// MaxHeaderBytes bounds the headers of a request (431 above).
+const MaxHeaderBytes = 64 << 10
+
+func headerBytes(h http.Header) int {
+	n := 0
+	for k, vs := range h {
+		for _, v := range vs {
+			n += len(k) + len(v) + 4
+		}
+	}
+	return n
+}
+
 // routes builds the HTTP routes. Unknown paths and wrong methods get OpenAI
 // error bodies.
 func (s *Server) routes() http.Handler {
@@ -295,6 +310,11 @@ func (s *Server) routes() http.Handler {
 		"/metrics":             {http.MethodGet, promhttp.HandlerFor(s.cfg.Registry, promhttp.HandlerOpts{}).ServeHTTP},
 	}
 	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if n := headerBytes(r.Header); n > MaxHeaderBytes {
+			writeError(w, &APIError{Status: http.StatusRequestHeaderFieldsTooLarge, Type: typeInvalidRequest, Code: "headers_too_large",
+				Message: fmt.Sprintf("request headers are %d bytes; at most %d are accepted", n, MaxHeaderBytes)})
+			return
+		}
 		if s.cfg.APIKey != "" && strings.HasPrefix(r.URL.Path, "/v1/") && !s.authorized(r) {
 			writeError(w, &APIError{Status: http.StatusUnauthorized, Type: typeAuthentication, Code: "invalid_api_key",
 				Message: "missing or wrong API key: send Authorization: Bearer <key>"})

@@ -2,6 +2,7 @@ package testenv_test
 
 import (
 	"bufio"
+	"context"
 	"encoding/json"
 	"fmt"
 	"net/http"
@@ -128,4 +129,76 @@ func TestRedeliveredRequestRunsOnce(t *testing.T) {
 	if n := len(metas.Messages()); n != 1 {
 		t.Errorf("%d ReqMetas, want 1: the request ran again", n)
 	}
+}
+
+// TestShutdownFinishesInFlight: stopping the cluster (SIGTERM in kvbus
+// serve) lets an in-flight request finish, and new requests are refused
+// instead of hanging.
+func TestShutdownFinishesInFlight(t *testing.T) {
+	c := testenv.StartCluster(t, testenv.ClusterConfig{TimeScale: 1}) // 10 ms per token
+	metas := c.Observe(t, "kvbus.meta.>")
+	done := make(chan int, 1)
+	go func() {
+		status, _, _ := post(t, c, "/v1/chat/completions", fmt.Sprintf(`{"model":%q,"messages":[{"role":"user","content":"finish me"}],"max_tokens":60,"ignore_eos":true}`, c.Model), nil)
+		done <- status
+	}()
+	testenv.Eventually(t, 5*time.Second, "the request in flight", func() bool { return len(metas.Messages()) == 1 })
+	stopped := make(chan struct{})
+	go func() { c.Cluster.Stop(); _ = c.Cluster.Wait(); close(stopped) }()
+	if status := <-done; status != http.StatusOK {
+		t.Errorf("in-flight request ended with %d during shutdown, want 200", status)
+	}
+	<-stopped
+	client := &http.Client{Timeout: 5 * time.Second}
+	resp, err := client.Post(c.URL+"/v1/chat/completions", "application/json", strings.NewReader(chatBody(c.Model, "late", "")))
+	if err == nil {
+		resp.Body.Close()
+		if resp.StatusCode != http.StatusServiceUnavailable {
+			t.Errorf("a request after shutdown got %d, want refused or 503", resp.StatusCode)
+		}
+	}
+}
+
+// TestClientDisconnectAborts: a client that goes away mid-stream causes an
+// Abort; the scheduler drops the tracker and the driver stops generating.
+func TestClientDisconnectAborts(t *testing.T) {
+	c := testenv.StartCluster(t, testenv.ClusterConfig{TimeScale: 1})
+	aborts := c.Observe(t, "kvbus.ctl.abort")
+	done := c.Observe(t, "kvbus.done.>")
+	ctx, cancel := context.WithCancel(t.Context())
+	defer cancel()
+	body := fmt.Sprintf(`{"model":%q,"messages":[{"role":"user","content":"leave"}],"max_tokens":500,"ignore_eos":true,"stream":true}`, c.Model)
+	req, _ := http.NewRequestWithContext(ctx, http.MethodPost, c.URL+"/v1/chat/completions", strings.NewReader(body))
+	client := &http.Client{}
+	defer client.CloseIdleConnections()
+	resp, err := client.Do(req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	id := resp.Header.Get("X-Request-Id")
+	sc := bufio.NewScanner(resp.Body)
+	for sc.Scan() {
+		if strings.Contains(sc.Text(), `"content":" `) {
+			break // text is streaming: now leave
+		}
+	}
+	cancel()
+	resp.Body.Close()
+	testenv.Eventually(t, 5*time.Second, "an Abort for the request", func() bool {
+		for _, m := range aborts.Messages() {
+			if a, err := messages.DecodeAbort(m.Data); err == nil && a.ReqID == id && a.Group == "" {
+				return true
+			}
+		}
+		return false
+	})
+	testenv.Eventually(t, 5*time.Second, "the tracker dropped", func() bool { return c.Scheduler.Trackers() == 0 })
+	testenv.Eventually(t, 5*time.Second, "the driver stopped", func() bool {
+		for _, m := range done.Messages() {
+			if r, err := messages.DecodeRankResult(m.Data); err == nil && r.ReqID == id && r.TPRank == 0 && !r.Prefilled {
+				return r.Error != "" && r.CompletionTokens < 500
+			}
+		}
+		return false
+	})
 }

@@ -1,0 +1,90 @@
+package frontend_test
+
+import (
+	"encoding/json"
+	"net/http"
+	"strings"
+	"testing"
+
+	"github.com/kvbus/kvbus/testenv"
+)
+
+// TestBadInput: every bad request gets an OpenAI error with the right
+// status, error.type and error.param, over real HTTP.
+func TestBadInput(t *testing.T) {
+	c := testenv.StartCluster(t, testenv.ClusterConfig{MaxModelLen: 512})
+	chat := func(extra string) string {
+		return `{"model":"` + c.Model + `","messages":[{"role":"user","content":"hi"}]` + extra + `}`
+	}
+	big := strings.Repeat("x", 70<<10)
+	tests := []struct {
+		name, method, path, body string
+		headers                  map[string]string
+		status                   int
+		typ, param               string
+	}{
+		{"temperature not a number", "POST", "/v1/chat/completions", chat(`,"temperature":"hot"`), nil, 400, "invalid_request_error", "temperature"},
+		{"temperature out of range", "POST", "/v1/chat/completions", chat(`,"temperature":2.5`), nil, 400, "invalid_request_error", "temperature"},
+		{"top_p zero", "POST", "/v1/chat/completions", chat(`,"top_p":0`), nil, 400, "invalid_request_error", "top_p"},
+		{"max_tokens zero", "POST", "/v1/chat/completions", chat(`,"max_tokens":0`), nil, 400, "invalid_request_error", "max_tokens"},
+		{"max_tokens a string", "POST", "/v1/chat/completions", chat(`,"max_tokens":"ten"`), nil, 400, "invalid_request_error", "max_tokens"},
+		{"n above 1", "POST", "/v1/chat/completions", chat(`,"n":2`), nil, 400, "invalid_request_error", "n"},
+		{"empty messages", "POST", "/v1/chat/completions", `{"model":"` + c.Model + `","messages":[]}`, nil, 400, "invalid_request_error", "messages"},
+		{"unknown role", "POST", "/v1/chat/completions", `{"messages":[{"role":"wizard","content":"hi"}]}`, nil, 400, "invalid_request_error", "messages[0].role"},
+		{"image part", "POST", "/v1/chat/completions", `{"messages":[{"role":"user","content":[{"type":"image_url","image_url":{"url":"x"}}]}]}`, nil, 400, "invalid_request_error", "messages[0].content[0]"},
+		{"session_id a number", "POST", "/v1/chat/completions", chat(`,"session_id":7`), nil, 400, "invalid_request_error", "session_id"},
+		{"session header too long", "POST", "/v1/chat/completions", chat(""), map[string]string{"X-Session-ID": strings.Repeat("s", 300)}, 400, "invalid_request_error", "X-Session-ID"},
+		{"prompt over max-model-len", "POST", "/v1/completions", `{"prompt":"` + strings.Repeat("word ", 600) + `"}`, nil, 400, "invalid_request_error", "prompt"},
+		{"token id out of vocabulary", "POST", "/v1/completions", `{"prompt":[1,2,999999999]}`, nil, 400, "invalid_request_error", "prompt"},
+		{"invalid JSON", "POST", "/v1/chat/completions", `{"messages":`, nil, 400, "invalid_request_error", ""},
+		{"invalid UTF-8", "POST", "/v1/chat/completions", "{\"messages\":[{\"role\":\"user\",\"content\":\"a\xffb\"}]}", nil, 400, "invalid_request_error", ""},
+		{"body too large", "POST", "/v1/completions", `{"prompt":"` + strings.Repeat("a", 5<<20) + `"}`, nil, 413, "invalid_request_error", ""},
+		{"headers too large", "GET", "/v1/models", "", map[string]string{"X-Big": big}, 431, "invalid_request_error", ""},
+		{"unknown model", "POST", "/v1/chat/completions", `{"model":"nope","messages":[{"role":"user","content":"hi"}]}`, nil, 404, "not_found_error", "model"},
+		{"wrong method", "GET", "/v1/chat/completions", "", nil, 405, "invalid_request_error", ""},
+		{"unknown path", "GET", "/v2/everything", "", nil, 404, "not_found_error", ""},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			h := map[string]string{"Content-Type": "application/json"}
+			for k, v := range tc.headers {
+				h[k] = v
+			}
+			status, _, body := send(t, tc.method, c.URL+tc.path, tc.body, h)
+			if status != tc.status {
+				t.Fatalf("status %d, want %d: %.300s", status, tc.status, body)
+			}
+			var e struct {
+				Error map[string]any `json:"error"`
+			}
+			if err := json.Unmarshal(body, &e); err != nil || e.Error == nil {
+				t.Fatalf("not an OpenAI error body: %.300s", body)
+			}
+			for _, k := range []string{"message", "type", "param", "code"} {
+				if _, ok := e.Error[k]; !ok {
+					t.Errorf("error has no %q: %s", k, body)
+				}
+			}
+			if e.Error["type"] != tc.typ {
+				t.Errorf("type %v, want %s", e.Error["type"], tc.typ)
+			}
+			param, _ := e.Error["param"].(string)
+			if param != tc.param {
+				t.Errorf("param %q, want %q", param, tc.param)
+			}
+		})
+	}
+	// A repeated session header is not an error: its first value counts.
+	req, _ := http.NewRequestWithContext(t.Context(), http.MethodPost, c.URL+"/v1/chat/completions", strings.NewReader(chat(`,"max_tokens":2`)))
+	req.Header.Add("X-Session-ID", "first")
+	req.Header.Add("X-Session-ID", "second")
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	resp.Body.Close()
+	http.DefaultClient.CloseIdleConnections()
+	if resp.StatusCode != http.StatusOK || resp.Header.Get("X-Session-ID") != "first" {
+		t.Errorf("repeated X-Session-ID: status %d, echo %q; want 200 and first", resp.StatusCode, resp.Header.Get("X-Session-ID"))
+	}
+}
