@@ -34,6 +34,9 @@ type ServerConfig struct {
 	Routes      []string
 	// Token, if set, is required from every client.
 	Token string
+	// TLSCert and TLSKey (PEM files), if set, make clients connect with TLS;
+	// TLSCA, if also set, requires and verifies client certificates.
+	TLSCert, TLSKey, TLSCA string
 	// Debug enables the server's own logging to stderr.
 	Debug bool
 }
@@ -88,6 +91,14 @@ func StartServer(cfg ServerConfig) (*Server, error) {
 		NoSigs:        true,
 		Authorization: cfg.Token,
 		Debug:         cfg.Debug,
+	}
+	if cfg.TLSCert != "" || cfg.TLSKey != "" {
+		tc, err := server.GenTLSConfig(&server.TLSConfigOpts{CertFile: cfg.TLSCert, KeyFile: cfg.TLSKey, CaFile: cfg.TLSCA, Verify: cfg.TLSCA != ""})
+		if err != nil {
+			s.cleanup()
+			return nil, fmt.Errorf("%w: TLS: %v", ErrServer, err)
+		}
+		opts.TLS, opts.TLSConfig, opts.TLSVerify, opts.TLSTimeout = true, tc, cfg.TLSCA != "", 2
 	}
 	if cfg.Cluster != "" {
 		ch, cp, err := net.SplitHostPort(cfg.Cluster)

@@ -145,12 +145,16 @@ type natsCmd struct {
 	Addr     string `name:"addr" default:"127.0.0.1:4222" help:"Client listen address HOST:PORT."`
 	DataDir  string `name:"data-dir" help:"JetStream storage directory (default: a temporary directory)."`
 	Token    string `name:"token" help:"Require this token from clients."`
+	TLSCert  string `name:"tls-cert" type:"path" help:"Server certificate (PEM): clients connect with TLS."`
+	TLSKey   string `name:"tls-key" type:"path" help:"Server key (PEM)."`
+	TLSCA    string `name:"tls-ca" type:"path" help:"CA (PEM) to require and verify client certificates."`
 	Debug    bool   `name:"debug" help:"Log the server's own debug output."`
 }
 
 func (c *natsCmd) Run(ctx context.Context) error {
 	log := c.logger()
-	srv, err := bus.StartServer(bus.ServerConfig{Addr: c.Addr, DataDir: c.DataDir, Token: c.Token, Debug: c.Debug})
+	srv, err := bus.StartServer(bus.ServerConfig{Addr: c.Addr, DataDir: c.DataDir, Token: c.Token, Debug: c.Debug,
+		TLSCert: c.TLSCert, TLSKey: c.TLSKey, TLSCA: c.TLSCA})
 	if err != nil {
 		return err
 	}
