@@ -56,7 +56,10 @@ func Capture(ctx context.Context, cfg CaptureConfig, w io.Writer) (int, error) {
 	case !cfg.Since.IsZero():
 		occ.DeliverPolicy, occ.OptStartTime = jetstream.DeliverByStartTimePolicy, &cfg.Since
 	case cfg.Follow:
-		occ.DeliverPolicy = jetstream.DeliverNewPolicy
+		// From the first request after the log's current end. (Not
+		// DeliverNew: an ordered consumer that is re-created before its
+		// first message would skip what arrived in between.)
+		occ.DeliverPolicy, occ.OptStartSeq = jetstream.DeliverByStartSequencePolicy, last+1
 	}
 	if !cfg.Follow && (last == 0 || (cfg.FromSeq > last)) {
 		cw, err := NewCaptureWriter(w)

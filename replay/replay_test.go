@@ -2,6 +2,7 @@ package replay_test
 
 import (
 	"bytes"
+	"context"
 	"fmt"
 	"io"
 	"math"
@@ -10,6 +11,7 @@ import (
 	"path/filepath"
 	"reflect"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -317,4 +319,94 @@ func BenchmarkReplayerPublish(b *testing.B) {
 		elapsed += el
 	}
 	b.ReportMetric(float64(published)/elapsed.Seconds(), "req/s")
+}
+
+// TestCaptureRanges: --from-seq and --since select a part of the log, and
+// --follow captures new requests live.
+func TestCaptureRanges(t *testing.T) {
+	c := testenv.StartCluster(t, testenv.ClusterConfig{})
+	send := func(n int) {
+		for i := range n {
+			body := fmt.Sprintf(`{"model":%q,"prompt":"range %d","max_tokens":1}`, c.Model, i)
+			resp, err := http.Post(c.URL+"/v1/completions", "application/json", strings.NewReader(body))
+			if err != nil {
+				t.Fatal(err)
+			}
+			resp.Body.Close()
+		}
+		http.DefaultClient.CloseIdleConnections()
+	}
+	send(4)
+	mid := time.Now()
+	send(3)
+	nc := testenv.Connect(t, c.NATS)
+	count := func(cfg replay.CaptureConfig) int {
+		var buf bytes.Buffer
+		cfg.Conn = nc
+		n, err := replay.Capture(t.Context(), cfg, &buf)
+		if err != nil {
+			t.Fatal(err)
+		}
+		tr, err := replay.ReadTrace(&buf, replay.FormatCapture)
+		if err != nil && n > 0 {
+			t.Fatal(err)
+		}
+		if tr != nil && len(tr.Items) != n {
+			t.Fatalf("wrote %d frames, read %d", n, len(tr.Items))
+		}
+		return n
+	}
+	if n := count(replay.CaptureConfig{}); n != 7 {
+		t.Errorf("whole log: %d requests, want 7", n)
+	}
+	if n := count(replay.CaptureConfig{FromSeq: 5}); n != 3 {
+		t.Errorf("--from-seq 5: %d requests, want 3", n)
+	}
+	if n := count(replay.CaptureConfig{Since: mid}); n != 3 {
+		t.Errorf("--since: %d requests, want 3", n)
+	}
+	if n := count(replay.CaptureConfig{Until: mid}); n != 4 {
+		t.Errorf("--until: %d requests, want 4", n)
+	}
+	// --follow: only what arrives while it runs.
+	ctx, cancel := context.WithCancel(t.Context())
+	live := &lockedBuffer{}
+	got := make(chan int, 1)
+	go func() {
+		n, err := replay.Capture(ctx, replay.CaptureConfig{Conn: nc, Follow: true}, live)
+		if err != nil {
+			t.Error(err)
+		}
+		got <- n
+	}()
+	js, _ := jetstream.New(nc)
+	st, _ := js.Stream(t.Context(), messages.RequestStream)
+	testenv.Eventually(t, 5*time.Second, "the live capture's consumer", func() bool {
+		info, err := st.Info(t.Context())
+		return err == nil && info.State.Consumers >= 2
+	})
+	send(2)
+	testenv.Eventually(t, 5*time.Second, "2 live requests captured", func() bool { return live.count("kvbus.req.") == 2 })
+	cancel()
+	if n := <-got; n != 2 {
+		t.Errorf("--follow captured %d requests, want the 2 new ones", n)
+	}
+}
+
+// lockedBuffer is a concurrency-safe writer that can count what it holds.
+type lockedBuffer struct {
+	mu  sync.Mutex
+	buf bytes.Buffer
+}
+
+func (b *lockedBuffer) Write(p []byte) (int, error) {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return b.buf.Write(p)
+}
+
+func (b *lockedBuffer) count(s string) int {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return bytes.Count(b.buf.Bytes(), []byte(s))
 }
