@@ -11,25 +11,9 @@ import (
 	"github.com/kvbus/kvbus/testenv"
 )
 
-// send sends a request with headers and returns status, headers and body.
 func send(t *testing.T, method, url, body string, headers map[string]string) (int, http.Header, []byte) {
 	t.Helper()
-	req, err := http.NewRequestWithContext(t.Context(), method, url, strings.NewReader(body))
-	if err != nil {
-		t.Fatal(err)
-	}
-	for k, v := range headers {
-		req.Header.Set(k, v)
-	}
-	client := &http.Client{Timeout: 30 * time.Second}
-	defer client.CloseIdleConnections()
-	resp, err := client.Do(req)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer resp.Body.Close()
-	b, _ := io.ReadAll(resp.Body)
-	return resp.StatusCode, resp.Header, b
+	return testenv.Send(t, method, url, body, headers)
 }
 
 func errorOf(t *testing.T, body []byte) (typ, code string) {

@@ -19,30 +19,10 @@ import (
 
 func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
 
-// post sends a JSON body to path with headers and returns status, headers
-// and body.
+// post sends a JSON body to path of the cluster's frontend.
 func post(t *testing.T, c *testenv.Cluster, path, body string, headers map[string]string) (int, http.Header, []byte) {
 	t.Helper()
-	req, err := http.NewRequestWithContext(t.Context(), http.MethodPost, c.URL+path, strings.NewReader(body))
-	if err != nil {
-		t.Fatal(err)
-	}
-	req.Header.Set("Content-Type", "application/json")
-	for k, v := range headers {
-		req.Header.Set(k, v)
-	}
-	client := &http.Client{Timeout: 30 * time.Second}
-	defer client.CloseIdleConnections()
-	resp, err := client.Do(req)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer resp.Body.Close()
-	b, err := io.ReadAll(resp.Body)
-	if err != nil {
-		t.Fatal(err)
-	}
-	return resp.StatusCode, resp.Header, b
+	return testenv.Send(t, http.MethodPost, c.URL+path, body, headers)
 }
 
 func chatBody(model, content string, extra string) string {

@@ -1,7 +1,11 @@
 package testenv
 
 import (
+	"io"
+	"net/http"
+	"strings"
 	"testing"
+	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
 )
@@ -43,4 +47,31 @@ func PromptTokens(seed, n int) []uint32 {
 		p[i] = uint32(1 + (seed*1_000_003+i*7919)%128000)
 	}
 	return p
+}
+
+// Send makes one HTTP request with a JSON content type and headers, on a
+// client of its own, and returns the status, headers and body. Transport
+// errors fail the test.
+func Send(t testing.TB, method, url, body string, headers map[string]string) (int, http.Header, []byte) {
+	t.Helper()
+	req, err := http.NewRequestWithContext(t.Context(), method, url, strings.NewReader(body))
+	if err != nil {
+		t.Fatal(err)
+	}
+	req.Header.Set("Content-Type", "application/json")
+	for k, v := range headers {
+		req.Header.Set(k, v)
+	}
+	client := &http.Client{Timeout: 30 * time.Second}
+	defer client.CloseIdleConnections()
+	resp, err := client.Do(req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	b, err := io.ReadAll(resp.Body)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return resp.StatusCode, resp.Header, b
 }
