@@ -145,12 +145,13 @@ func (s *Server) generate(w http.ResponseWriter, r *http.Request, endpoint strin
 	if endpoint == messages.EndpointChat {
 		prefix = "chatcmpl-"
 	}
-	busBase := extID
+	// The bus id is the client's id made unique (a client may reuse its
+	// X-Request-Id), or a new id.
+	busBase := nuid.Next()
 	if extID == "" {
-		extID = nuid.Next()
-		busBase = extID
+		extID = busBase
 	} else {
-		busBase = extID + "-" + nuid.Next()[16:] // unique on the bus even if a client reuses its id
+		busBase = extID + "-" + busBase[16:]
 	}
 	g.id = prefix + extID
 	g.log = s.log.With("req_id", busBase, "session_id", sessionID)
