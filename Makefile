@@ -7,7 +7,9 @@ PKGS    ?= ./...
 ARGS    ?=
 BENCHTIME ?= 1s
 
-.PHONY: build run test test-short bench lint fmt fuzz clean
+IMAGE   ?= kvbus:dev
+
+.PHONY: build run test test-short bench lint fmt fuzz clean image
 
 build:
 	CGO_ENABLED=0 $(GO) build -trimpath -o $(BIN) ./cmd/kvbus
@@ -48,5 +50,11 @@ fuzz:
 	  done; \
 	done
 
+# A FROM scratch image of the static binary (no image is pulled).
+image:
+	mkdir -p build/docker/empty
+	CGO_ENABLED=0 $(GO) build -trimpath -ldflags '-s -w' -o build/docker/kvbus ./cmd/kvbus
+	docker build -f Dockerfile -t $(IMAGE) build/docker
+
 clean:
-	rm -rf bin
+	rm -rf bin build

@@ -30,15 +30,16 @@ import (
 )
 
 type cli struct {
-	Serve     serveCmd     `cmd:"" help:"Run everything in one process: embedded NATS, frontend, one scheduler, --groups groups of --ranks ranks."`
-	NATS      natsCmd      `cmd:"" name:"nats" help:"Run the embedded nats-server alone, with JetStream."`
-	Frontend  frontendCmd  `cmd:"" help:"Run the OpenAI-compatible HTTP frontend."`
-	Scheduler schedulerCmd `cmd:"" help:"Run a scheduler replica."`
-	Worker    workerCmd    `cmd:"" help:"Run one rank of a worker group."`
-	Capture   captureCmd   `cmd:"" help:"Copy requests from the bus into a capture file, or summarise one."`
-	Replay    replayCmd    `cmd:"" help:"Replay a capture file or a trace (Mooncake, TraceLab, Azure) onto the bus or a frontend and report."`
-	Tap       tapCmd       `cmd:"" help:"Print bus messages live, decoded to JSON, one per line."`
-	Bench     benchCmd     `cmd:"" help:"Replay one trace on an embedded cluster per placement policy and compare them side by side."`
+	Serve     serveCmd       `cmd:"" help:"Run everything in one process: embedded NATS, frontend, one scheduler, --groups groups of --ranks ranks."`
+	NATS      natsCmd        `cmd:"" name:"nats" help:"Run the embedded nats-server alone, with JetStream."`
+	Frontend  frontendCmd    `cmd:"" help:"Run the OpenAI-compatible HTTP frontend."`
+	Scheduler schedulerCmd   `cmd:"" help:"Run a scheduler replica."`
+	Worker    workerCmd      `cmd:"" help:"Run one rank of a worker group."`
+	Capture   captureCmd     `cmd:"" help:"Copy requests from the bus into a capture file, or summarise one."`
+	Replay    replayCmd      `cmd:"" help:"Replay a capture file or a trace (Mooncake, TraceLab, Azure) onto the bus or a frontend and report."`
+	Tap       tapCmd         `cmd:"" help:"Print bus messages live, decoded to JSON, one per line."`
+	Bench     benchCmd       `cmd:"" help:"Replay one trace on an embedded cluster per placement policy and compare them side by side."`
+	Health    healthcheckCmd `cmd:"" name:"healthcheck" help:"Exit 0 when a role's /healthz answers 200 (for container health checks)."`
 }
 
 func main() {

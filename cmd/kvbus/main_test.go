@@ -6,6 +6,7 @@ import (
 	"io"
 	"net"
 	"net/http"
+	"net/http/httptest"
 	"strings"
 	"sync"
 	"testing"
@@ -117,4 +118,22 @@ func TestServe(t *testing.T) {
 			t.Errorf("tp_rank %d: %d store thread lines with session_id=abc, want 1", r, n)
 		}
 	}
+}
+
+func TestHealthcheck(t *testing.T) {
+	ok := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, _ *http.Request) { w.WriteHeader(http.StatusOK) }))
+	defer ok.Close()
+	bad := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, _ *http.Request) { w.WriteHeader(http.StatusServiceUnavailable) }))
+	defer bad.Close()
+	for _, tc := range []struct {
+		url  string
+		want bool
+	}{{ok.URL, true}, {bad.URL, false}, {"http://127.0.0.1:1/healthz", false}} {
+		err := (&healthcheckCmd{URL: tc.url, Timeout: time.Second}).Run(t.Context())
+		if (err == nil) != tc.want {
+			t.Errorf("healthcheck %s: %v, want healthy=%v", tc.url, err, tc.want)
+		}
+	}
+	ok.Client().CloseIdleConnections()
+	http.DefaultClient.CloseIdleConnections()
 }
