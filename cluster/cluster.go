@@ -297,6 +297,20 @@ func (c *Cluster) startRank(group string, r int) error {
 	return nil
 }
 
+// StopRank stops one rank gracefully, as SIGTERM would: it drains (its
+// group takes no new request), finishes what it has, and exits.
+func (c *Cluster) StopRank(group string, rank int) error {
+	c.mu.Lock()
+	rr := c.ranks[rankKey{group, rank}]
+	c.mu.Unlock()
+	if rr == nil {
+		return fmt.Errorf("cluster: no rank %s/%d", group, rank)
+	}
+	rr.stop()
+	<-rr.done
+	return nil
+}
+
 // RestartRank stops one rank and starts a new one with the same identity
 // and an empty block store, as a process restart would.
 func (c *Cluster) RestartRank(group string, rank int) error {

@@ -187,6 +187,9 @@ type Heartbeat struct {
 	UsedBlocks     int64  `msgpack:"used_blocks" json:"used_blocks"`
 	QueueDepth     int    `msgpack:"queue_depth" json:"queue_depth"`
 	StartedUnixMs  int64  `msgpack:"started_unix_ms" json:"started_unix_ms"`
+	// Draining is set by a rank that is stopping: it finishes what it has
+	// but takes nothing new, so its group gets no new requests.
+	Draining bool `msgpack:"draining,omitempty" json:"draining,omitempty"`
 }
 
 // Abort cancels a request; published on kvbus.ctl.abort.

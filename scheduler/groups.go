@@ -26,6 +26,7 @@ type rankInfo struct {
 	seen       time.Time
 	started    int64
 	queueDepth int
+	draining   bool
 }
 
 func newGroupTable(timeout time.Duration) *groupTable {
@@ -46,28 +47,48 @@ func (t *groupTable) observe(hb *messages.Heartbeat, now time.Time) {
 		g.worldSize = hb.WorldSize
 		g.ranks = map[int]rankInfo{}
 	}
-	g.ranks[hb.TPRank] = rankInfo{seen: now, started: hb.StartedUnixMs, queueDepth: hb.QueueDepth}
+	g.ranks[hb.TPRank] = rankInfo{seen: now, started: hb.StartedUnixMs, queueDepth: hb.QueueDepth, draining: hb.Draining}
 }
 
 // ready returns the groups whose world_size ranks all sent a heartbeat
-// within the timeout, sorted by name.
+// within the timeout and none is draining, sorted by name: where new
+// requests may go.
 func (t *groupTable) ready(now time.Time) []GroupState {
 	t.mu.Lock()
 	defer t.mu.Unlock()
 	var out []GroupState
 	for name, g := range t.groups {
-		alive, depth := 0, 0
+		alive, depth, draining := 0, 0, false
 		for _, r := range g.ranks {
 			if now.Sub(r.seen) <= t.timeout {
 				alive++
 				depth = max(depth, r.queueDepth)
+				draining = draining || r.draining
 			}
 		}
-		if alive == g.worldSize {
+		if alive == g.worldSize && !draining {
 			out = append(out, GroupState{Name: name, WorldSize: g.worldSize, Inflight: g.inflight, QueuedBlocks: g.queued, QueueDepth: depth})
 		}
 	}
 	sort.Slice(out, func(i, j int) bool { return out[i].Name < out[j].Name })
+	return out
+}
+
+// alive returns the groups whose world_size ranks all sent a heartbeat
+// within the timeout, draining or not: their requests can still finish.
+func (t *groupTable) alive(now time.Time) map[string]bool {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	out := map[string]bool{}
+	for name, g := range t.groups {
+		n := 0
+		for _, r := range g.ranks {
+			if now.Sub(r.seen) <= t.timeout {
+				n++
+			}
+		}
+		out[name] = n == g.worldSize
+	}
 	return out
 }
 

@@ -485,17 +485,14 @@ func (s *Scheduler) place(t *RequestTracker, groups []GroupState, binding Bindin
 	return group, nil
 }
 
-// rescue handles the requests of groups that stopped being ready: a request
+// rescue handles the requests of groups that lost a rank: a request
 // whose output has not started is withdrawn from its group and dispatched
 // again elsewhere (attempt + 1); one that streamed already ends with an
 // error. No request waits for a dead group.
 func (s *Scheduler) rescue(now time.Time) {
 	groups := s.groups.ready(now)
-	ready := map[string]bool{}
-	for _, g := range groups {
-		ready[g.Name] = true
-	}
-	movable, lost := s.trackers.stranded(func(g string) bool { return ready[g] })
+	alive := s.groups.alive(now) // a draining group finishes its requests
+	movable, lost := s.trackers.stranded(func(g string) bool { return alive[g] })
 	for _, t := range lost {
 		s.groups.addInflight(t.Group, -1, -t.queued)
 		s.withdraw(t.ReqID, t.Group, "worker group failed")

@@ -202,3 +202,38 @@ func TestClientDisconnectAborts(t *testing.T) {
 		return false
 	})
 }
+
+// TestScaleDownDrainsAGroup: a rank stopped gracefully (a scaled-down
+// worker) takes its group out of placement at once, and the group's
+// in-flight request still finishes.
+func TestScaleDownDrainsAGroup(t *testing.T) {
+	c := testenv.StartCluster(t, testenv.ClusterConfig{Groups: 2, TimeScale: 1})
+	metas := c.Observe(t, "kvbus.meta.>")
+	done := make(chan int, 1)
+	go func() {
+		status, _, _ := post(t, c, "/v1/chat/completions", fmt.Sprintf(`{"model":%q,"messages":[{"role":"user","content":"drain"}],"max_tokens":80,"ignore_eos":true}`, c.Model), nil)
+		done <- status
+	}()
+	testenv.Eventually(t, 5*time.Second, "the request in flight", func() bool { return len(metas.Messages()) == 1 })
+	first, _ := messages.DecodeReqMeta(metas.Messages()[0].Data)
+	stopped := make(chan error, 1)
+	go func() { stopped <- c.Cluster.StopRank(first.Group, 3) }()
+	testenv.Eventually(t, 5*time.Second, "the group out of placement", func() bool { return c.Scheduler.ReadyGroups() == 1 })
+	// New requests go to the other group while the draining one finishes.
+	for i := range 3 {
+		if status, _, raw := post(t, c, "/v1/chat/completions", chatBody(c.Model, fmt.Sprint("after ", i), ""), nil); status != http.StatusOK {
+			t.Fatalf("status %d: %s", status, raw)
+		}
+	}
+	if status := <-done; status != http.StatusOK {
+		t.Errorf("the draining group's request ended with %d, want 200", status)
+	}
+	if err := <-stopped; err != nil {
+		t.Fatal(err)
+	}
+	for _, m := range metas.Messages()[1:] {
+		if meta, _ := messages.DecodeReqMeta(m.Data); meta.Group == first.Group {
+			t.Errorf("request %s placed on the draining group %s", meta.ReqID, first.Group)
+		}
+	}
+}

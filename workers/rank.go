@@ -7,6 +7,7 @@ import (
 	"log/slog"
 	"strconv"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/nats-io/nats.go"
@@ -107,6 +108,8 @@ type Rank struct {
 	seen   map[string]seenReq  // recent req_ids, for deduplication
 	closed bool                // loadQ is closed
 
+	draining atomic.Bool // Run's context ended
+
 	drivers sync.WaitGroup // driver goroutines, started by the load loop
 }
 
@@ -126,6 +129,10 @@ type rankReq struct {
 	result    messages.RankResult
 	storeDone chan struct{} // closed by the store thread
 }
+
+// drainGrace is how long a stopping rank still takes ReqMetas after its
+// draining heartbeat: the time for the scheduler to hear it.
+const drainGrace = 200 * time.Millisecond
 
 // errAborted is the cancel cause of an aborted request.
 var errAborted = errors.New("request aborted")
@@ -221,6 +228,11 @@ func (r *Rank) Run(ctx context.Context) error {
 	hbLoop.Go(func() { r.heartbeatLoop(hbCtx) })
 
 	<-ctx.Done()
+	// Say so first: the scheduler places nothing new on a draining group.
+	r.draining.Store(true)
+	r.heartbeat()
+	// A ReqMeta placed just before the scheduler heard it is still taken.
+	time.Sleep(drainGrace)
 	// Stop intake, then let queued and running requests finish: the load
 	// loop drains loadQ, the driver goroutines it started end, and only then
 	// can nothing push to storeQ any more.
@@ -582,7 +594,7 @@ func (r *Rank) heartbeat() {
 	hb := &messages.Heartbeat{
 		Group: r.cfg.Group, TPRank: r.cfg.TPRank, EPRank: r.cfg.EPRank, WorldSize: r.cfg.TPSize,
 		Model: r.cfg.Model, CapacityBlocks: capacity / blk, UsedBlocks: used / blk,
-		QueueDepth: depth, StartedUnixMs: r.started.UnixMilli(),
+		QueueDepth: depth, StartedUnixMs: r.started.UnixMilli(), Draining: r.draining.Load(),
 	}
 	data, err := messages.Marshal(hb)
 	if err == nil {
