@@ -18,6 +18,7 @@ import (
 
 	"github.com/alecthomas/kong"
 	"github.com/nats-io/nats.go"
+	"github.com/nats-io/nats.go/jetstream"
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/collectors"
 	"github.com/prometheus/client_golang/prometheus/promhttp"
@@ -242,28 +243,51 @@ type workerCmd struct {
 	busFlags    `embed:""`
 	modelFlags  `embed:""`
 	engineFlags `embed:""`
-	Group       string `name:"group" default:"g0" help:"Worker group: one engine instance (a DP replica)."`
-	TPRank      int    `name:"tp-rank" default:"0" help:"Tensor-parallel rank; rank 0 is the driver and runs the engine."`
-	TPSize      int    `name:"tp-size" default:"4" help:"Tensor-parallel size: the group's world size."`
-	EPRank      int    `name:"ep-rank" default:"-1" help:"Expert-parallel rank (default: the TP rank)."`
-	EPSize      int    `name:"ep-size" default:"0" help:"Expert-parallel size (default: the TP size)."`
-	MetricsAddr string `name:"metrics-addr" default:":9090" help:"Address of /metrics and /healthz (empty: off)."`
+	Rank        string        `name:"rank" help:"'auto' claims the first free (group, rank) slot through the KVBUS_RANKS bucket (groups g0, g1, … filled in order, --tp-size ranks each); otherwise --group and --tp-rank say it."`
+	SlotTTL     time.Duration `name:"slot-ttl" default:"10s" help:"With --rank auto: a slot whose worker stopped refreshing it is free again after this."`
+	Group       string        `name:"group" default:"g0" help:"Worker group: one engine instance (a DP replica)."`
+	TPRank      int           `name:"tp-rank" default:"0" help:"Tensor-parallel rank; rank 0 is the driver and runs the engine."`
+	TPSize      int           `name:"tp-size" default:"4" help:"Tensor-parallel size: the group's world size."`
+	EPRank      int           `name:"ep-rank" default:"-1" help:"Expert-parallel rank (default: the TP rank)."`
+	EPSize      int           `name:"ep-size" default:"0" help:"Expert-parallel size (default: the TP size)."`
+	MetricsAddr string        `name:"metrics-addr" default:":9090" help:"Address of /metrics and /healthz (empty: off)."`
 }
 
 func (c *workerCmd) Run(ctx context.Context) error {
+	log := c.logger()
+	if c.Rank != "" && c.Rank != "auto" {
+		return fmt.Errorf("--rank %q: want auto, or give --group and --tp-rank", c.Rank)
+	}
+	nc, err := connect(ctx, c.natsFlags, "kvbus-worker", log)
+	if err != nil {
+		return err
+	}
+	defer drain(nc)
+	var slot *workers.Slot
+	if c.Rank == "auto" {
+		js, err := jetstream.New(nc)
+		if err != nil {
+			return err
+		}
+		owner, _ := os.Hostname()
+		if slot, err = workers.ClaimSlot(ctx, js, workers.SlotConfig{Size: c.TPSize, TTL: c.SlotTTL, Owner: owner, Logger: log}); err != nil {
+			return err
+		}
+		c.Group, c.TPRank, c.EPRank = slot.Group, slot.Rank, slot.Rank
+		defer func() {
+			rctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
+			defer cancel()
+			if err := slot.Release(rctx); err != nil {
+				log.Warn("cannot release the worker slot; it expires after --slot-ttl", "group", slot.Group, "tp_rank", slot.Rank, "err", err)
+			}
+		}()
+	}
 	if c.EPRank < 0 {
 		c.EPRank = c.TPRank
 	}
 	if c.EPSize == 0 {
 		c.EPSize = c.TPSize
 	}
-	log := c.logger()
-	name := fmt.Sprintf("kvbus-worker-%s-%d", c.Group, c.TPRank)
-	nc, err := connect(ctx, c.natsFlags, name, log)
-	if err != nil {
-		return err
-	}
-	defer drain(nc)
 	reg := newRegistry()
 	engine, err := c.engine()
 	if err != nil {
@@ -277,6 +301,9 @@ func (c *workerCmd) Run(ctx context.Context) error {
 	r := newRoles(ctx)
 	r.run("worker", rank.Run)
 	r.run("metrics", func(ctx context.Context) error { return serveMetrics(ctx, log, c.MetricsAddr, reg, nc) })
+	if slot != nil {
+		r.run("slot", slot.Hold) // losing the slot stops the worker
+	}
 	return r.wait()
 }
 
