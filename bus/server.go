@@ -37,6 +37,9 @@ type ServerConfig struct {
 	// TLSCert and TLSKey (PEM files), if set, make clients connect with TLS;
 	// TLSCA, if also set, requires and verifies client certificates.
 	TLSCert, TLSKey, TLSCA string
+	// MonitorAddr, if set, serves nats-server's monitoring endpoints there
+	// (HOST:PORT), /healthz among them.
+	MonitorAddr string
 	// Debug enables the server's own logging to stderr.
 	Debug bool
 }
@@ -99,6 +102,15 @@ func StartServer(cfg ServerConfig) (*Server, error) {
 			return nil, fmt.Errorf("%w: TLS: %v", ErrServer, err)
 		}
 		opts.TLS, opts.TLSConfig, opts.TLSVerify, opts.TLSTimeout = true, tc, cfg.TLSCA != "", 2
+	}
+	if cfg.MonitorAddr != "" {
+		mh, mp, err := net.SplitHostPort(cfg.MonitorAddr)
+		if err != nil {
+			s.cleanup()
+			return nil, fmt.Errorf("%w: monitor address %q: %v", ErrServer, cfg.MonitorAddr, err)
+		}
+		opts.HTTPHost = mh
+		opts.HTTPPort, _ = strconv.Atoi(mp)
 	}
 	if cfg.Cluster != "" {
 		ch, cp, err := net.SplitHostPort(cfg.Cluster)

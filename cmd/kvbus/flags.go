@@ -59,6 +59,7 @@ type busFlags struct {
 	natsFlags `embed:""`
 	logFlags  `embed:""`
 	Prefix    string `name:"subject-prefix" default:"kvbus" help:"First token of every kvbus subject."`
+	Replicas  int    `name:"stream-replicas" default:"1" help:"JetStream replicas of the request log and the buckets this role creates (3 on a 3-node NATS cluster)."`
 }
 
 func (f busFlags) subjects() messages.Subjects { return messages.Subjects{Prefix: f.Prefix} }

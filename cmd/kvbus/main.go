@@ -144,19 +144,25 @@ func drain(conns ...*nats.Conn) {
 
 type natsCmd struct {
 	logFlags `embed:""`
-	Addr     string `name:"addr" default:"127.0.0.1:4222" help:"Client listen address HOST:PORT."`
-	DataDir  string `name:"data-dir" help:"JetStream storage directory (default: a temporary directory)."`
-	Token    string `name:"token" help:"Require this token from clients."`
-	TLSCert  string `name:"tls-cert" type:"path" help:"Server certificate (PEM): clients connect with TLS."`
-	TLSKey   string `name:"tls-key" type:"path" help:"Server key (PEM)."`
-	TLSCA    string `name:"tls-ca" type:"path" help:"CA (PEM) to require and verify client certificates."`
-	Debug    bool   `name:"debug" help:"Log the server's own debug output."`
+	Addr     string   `name:"addr" default:"127.0.0.1:4222" help:"Client listen address HOST:PORT."`
+	DataDir  string   `name:"data-dir" help:"JetStream storage directory (default: a temporary directory)."`
+	Token    string   `name:"token" help:"Require this token from clients."`
+	TLSCert  string   `name:"tls-cert" type:"path" help:"Server certificate (PEM): clients connect with TLS."`
+	TLSKey   string   `name:"tls-key" type:"path" help:"Server key (PEM)."`
+	TLSCA    string   `name:"tls-ca" type:"path" help:"CA (PEM) to require and verify client certificates."`
+	Debug    bool     `name:"debug" help:"Log the server's own debug output."`
+	Monitor  string   `name:"monitor-addr" help:"Serve the server's monitoring endpoints (/healthz, /varz, /jsz) on HOST:PORT."`
+	Name     string   `name:"server-name" help:"Server name (default kvbus-<port>; must differ in a cluster)."`
+	Cluster  string   `name:"cluster-addr" help:"Route listen address HOST:PORT: join a cluster of kvbus nats servers."`
+	CName    string   `name:"cluster-name" default:"kvbus" help:"Cluster name."`
+	Routes   []string `name:"routes" help:"Route URLs of the other servers (nats://host:6222), comma-separated."`
 }
 
 func (c *natsCmd) Run(ctx context.Context) error {
 	log := c.logger()
 	srv, err := bus.StartServer(bus.ServerConfig{Addr: c.Addr, DataDir: c.DataDir, Token: c.Token, Debug: c.Debug,
-		TLSCert: c.TLSCert, TLSKey: c.TLSKey, TLSCA: c.TLSCA})
+		TLSCert: c.TLSCert, TLSKey: c.TLSKey, TLSCA: c.TLSCA, MonitorAddr: c.Monitor,
+		ServerName: c.Name, Cluster: c.Cluster, ClusterName: c.CName, Routes: c.Routes})
 	if err != nil {
 		return err
 	}
@@ -191,12 +197,12 @@ func (c *frontendCmd) Run(ctx context.Context) error {
 }
 
 func (c *frontendCmd) frontendConfig(nc *nats.Conn, log *slog.Logger, reg *prometheus.Registry, id string) frontend.Config {
-	return newFrontendConfig(nc, c.subjects(), log, reg, id, c.modelFlags, c.frontendFlags, c.timeoutFlags)
+	return newFrontendConfig(nc, c.subjects(), c.Replicas, log, reg, id, c.modelFlags, c.frontendFlags, c.timeoutFlags)
 }
 
-func newFrontendConfig(nc *nats.Conn, subj messages.Subjects, log *slog.Logger, reg *prometheus.Registry, id string, m modelFlags, f frontendFlags, t timeoutFlags) frontend.Config {
+func newFrontendConfig(nc *nats.Conn, subj messages.Subjects, replicas int, log *slog.Logger, reg *prometheus.Registry, id string, m modelFlags, f frontendFlags, t timeoutFlags) frontend.Config {
 	return frontend.Config{
-		Conn: nc, Subjects: subj, ID: id, Addr: f.HTTPAddr, Models: []string{m.Model}, SessionHeaders: f.SessionHeader,
+		Conn: nc, Subjects: subj, ID: id, StreamReplicas: replicas, Addr: f.HTTPAddr, Models: []string{m.Model}, SessionHeaders: f.SessionHeader,
 		MaxModelLen: f.MaxModelLen, MaxBodyBytes: f.MaxBodyBytes, MaxInflight: f.MaxInflight, APIKey: f.APIKey,
 		RequestTimeout: t.RequestTimeout, Logger: log, Registry: reg,
 	}
@@ -234,7 +240,7 @@ func newScheduler(nc *nats.Conn, b busFlags, f schedulerFlags, t timeoutFlags, i
 		return nil, err
 	}
 	return scheduler.New(scheduler.Config{
-		Conn: nc, Subjects: b.subjects(), ID: id, Policy: policy, BlockSize: f.BlockSize,
+		Conn: nc, Subjects: b.subjects(), ID: id, Policy: policy, BlockSize: f.BlockSize, StreamReplicas: b.Replicas,
 		HeartbeatTimeout: f.HeartbeatTimeout, RequestTimeout: t.RequestTimeout, SessionTTL: f.SessionTTL, Logger: log, Registerer: reg,
 	})
 }
@@ -270,7 +276,7 @@ func (c *workerCmd) Run(ctx context.Context) error {
 			return err
 		}
 		owner, _ := os.Hostname()
-		if slot, err = workers.ClaimSlot(ctx, js, workers.SlotConfig{Size: c.TPSize, TTL: c.SlotTTL, Owner: owner, Logger: log}); err != nil {
+		if slot, err = workers.ClaimSlot(ctx, js, workers.SlotConfig{Size: c.TPSize, TTL: c.SlotTTL, Owner: owner, Replicas: c.Replicas, Logger: log}); err != nil {
 			return err
 		}
 		c.Group, c.TPRank, c.EPRank = slot.Group, slot.Rank, slot.Rank
