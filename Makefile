@@ -9,7 +9,13 @@ BENCHTIME ?= 1s
 
 IMAGE   ?= kvbus:dev
 
-.PHONY: build run test test-short bench lint fmt fuzz clean image
+# docker compose (the plugin) when present, else docker-compose (1.29).
+COMPOSE ?= $(shell docker compose version >/dev/null 2>&1 && echo "docker compose" || echo docker-compose)
+COMPOSE_FILES ?= -f docker-compose.yml
+WORKERS ?= 8
+SCHEDULERS ?= 2
+
+.PHONY: build run test test-short bench lint fmt fuzz clean image up down logs smoke
 
 build:
 	CGO_ENABLED=0 $(GO) build -trimpath -o $(BIN) ./cmd/kvbus
@@ -55,6 +61,19 @@ image:
 	mkdir -p build/docker/empty
 	CGO_ENABLED=0 $(GO) build -trimpath -ldflags '-s -w' -o build/docker/kvbus ./cmd/kvbus
 	docker build -f Dockerfile -t $(IMAGE) build/docker
+
+up: image
+	$(COMPOSE) $(COMPOSE_FILES) up -d --scale scheduler=$(SCHEDULERS) --scale worker=$(WORKERS)
+
+down:
+	$(COMPOSE) $(COMPOSE_FILES) down -v --remove-orphans
+
+logs:
+	$(COMPOSE) $(COMPOSE_FILES) logs -f --tail=100
+
+# Builds, starts, checks a conversation, scaling and a killed worker, tears down.
+smoke: image
+	COMPOSE="$(COMPOSE)" COMPOSE_FILES="$(COMPOSE_FILES)" $(GO) test -tags smoke -count=1 -v -timeout 10m ./smoke
 
 clean:
 	rm -rf bin build

@@ -1,0 +1,234 @@
+//go:build smoke
+
+// Package smoke checks the docker compose cluster end to end: `make smoke`
+// (which builds the image first). It starts the cluster, follows a 3-turn
+// conversation to every rank of its group, scales the workers to 12 and
+// back to 8, kills a worker during 200 requests, and tears everything down.
+package smoke
+
+import (
+	"bufio"
+	"bytes"
+	"cmp"
+	"encoding/json"
+	"fmt"
+	"io"
+	"net/http"
+	"os"
+	"os/exec"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+)
+
+// base is the frontend published by compose (KVBUS_HTTP_PORT, default 8000).
+var base = "http://127.0.0.1:" + cmp.Or(os.Getenv("KVBUS_HTTP_PORT"), "8000")
+
+// compose runs the compose command of the Makefile (COMPOSE, COMPOSE_FILES)
+// from the repository root.
+func compose(t *testing.T, args ...string) string {
+	t.Helper()
+	cmdline := strings.Fields(os.Getenv("COMPOSE"))
+	if len(cmdline) == 0 {
+		cmdline = []string{"docker-compose"}
+	}
+	files := strings.Fields(os.Getenv("COMPOSE_FILES"))
+	if len(files) == 0 {
+		files = []string{"-f", "docker-compose.yml"}
+	}
+	cmd := exec.Command(cmdline[0], append(append(cmdline[1:], files...), args...)...)
+	cmd.Dir = ".."
+	out, err := cmd.CombinedOutput()
+	if err != nil {
+		t.Fatalf("%s %v: %v\n%s", cmdline, args, err, out)
+	}
+	return string(out)
+}
+
+func docker(t *testing.T, args ...string) string {
+	t.Helper()
+	out, err := exec.Command("docker", args...).CombinedOutput()
+	if err != nil {
+		t.Fatalf("docker %v: %v\n%s", args, err, out)
+	}
+	return string(out)
+}
+
+func eventually(t *testing.T, timeout time.Duration, what string, cond func() bool) {
+	t.Helper()
+	deadline := time.Now().Add(timeout)
+	for !cond() {
+		if time.Now().After(deadline) {
+			t.Fatalf("timed out after %s waiting for %s", timeout, what)
+		}
+		time.Sleep(500 * time.Millisecond)
+	}
+}
+
+// workers returns the names of the running worker containers.
+func workers(t *testing.T) []string {
+	var out []string
+	for _, id := range strings.Fields(compose(t, "ps", "-q", "worker")) {
+		name := strings.TrimPrefix(strings.TrimSpace(docker(t, "inspect", "--format", "{{.Name}} {{.State.Running}}", id)), "/")
+		if n, running, _ := strings.Cut(name, " "); running == "true" {
+			out = append(out, n)
+		}
+	}
+	return out
+}
+
+type logLine struct {
+	Msg          string `json:"msg"`
+	Group        string `json:"group"`
+	TPRank       int    `json:"tp_rank"`
+	SessionID    string `json:"session_id"`
+	LoadedTokens int    `json:"loaded_tokens"`
+}
+
+// workerLines returns each worker's JSON log lines with msg.
+func workerLines(t *testing.T, msg string) map[string][]logLine {
+	out := map[string][]logLine{}
+	for _, w := range workers(t) {
+		logs, _ := exec.Command("docker", "logs", w).CombinedOutput()
+		sc := bufio.NewScanner(bytes.NewReader(logs))
+		sc.Buffer(nil, 1<<20)
+		for sc.Scan() {
+			var l logLine
+			if json.Unmarshal(sc.Bytes(), &l) == nil && l.Msg == msg {
+				out[w] = append(out[w], l)
+			}
+		}
+	}
+	return out
+}
+
+func chat(client *http.Client, session string, msgs []map[string]string) (int, map[string]any, error) {
+	body, _ := json.Marshal(map[string]any{"messages": msgs, "max_tokens": 8})
+	req, _ := http.NewRequest(http.MethodPost, base+"/v1/chat/completions", bytes.NewReader(body))
+	req.Header.Set("Content-Type", "application/json")
+	if session != "" {
+		req.Header.Set("X-Session-ID", session)
+	}
+	resp, err := client.Do(req)
+	if err != nil {
+		return 0, nil, err
+	}
+	defer resp.Body.Close()
+	raw, err := io.ReadAll(resp.Body)
+	if err != nil {
+		return resp.StatusCode, nil, err
+	}
+	var out map[string]any
+	if err := json.Unmarshal(raw, &out); err != nil {
+		return resp.StatusCode, nil, fmt.Errorf("not JSON: %.200s", raw)
+	}
+	return resp.StatusCode, out, nil
+}
+
+func TestSmoke(t *testing.T) {
+	compose(t, "down", "-v", "--remove-orphans")
+	t.Cleanup(func() { compose(t, "down", "-v", "--remove-orphans") })
+	compose(t, "up", "-d", "--scale", "scheduler=2", "--scale", "worker=8")
+	client := &http.Client{Timeout: 60 * time.Second}
+	eventually(t, 90*time.Second, "every container healthy and the cluster answering", func() bool {
+		status, _, err := chat(client, "", []map[string]string{{"role": "user", "content": "ready?"}})
+		return err == nil && status == http.StatusOK
+	})
+
+	// A 3-turn conversation: every rank of one group logs the session, and
+	// turns 2 and 3 load the previous prompt's blocks.
+	const session = "smoke-conversation"
+	var msgs []map[string]string
+	for turn := 1; turn <= 3; turn++ {
+		msgs = append(msgs, map[string]string{"role": "user", "content": strings.Repeat(fmt.Sprintf("turn %d of the smoke conversation. ", turn), 8)})
+		status, out, err := chat(client, session, msgs)
+		if err != nil || status != http.StatusOK {
+			t.Fatalf("turn %d: status %d, %v, %v", turn, status, err, out)
+		}
+		cached := out["usage"].(map[string]any)["prompt_tokens_details"].(map[string]any)["cached_tokens"].(float64)
+		if turn > 1 && cached <= 0 {
+			t.Errorf("turn %d reported cached_tokens %v, want > 0", turn, cached)
+		}
+		t.Logf("turn %d: cached_tokens %v", turn, cached)
+		content := out["choices"].([]any)[0].(map[string]any)["message"].(map[string]any)["content"].(string)
+		msgs = append(msgs, map[string]string{"role": "assistant", "content": content})
+	}
+	var group string
+	ranks := map[int]string{}
+	for w, lines := range workerLines(t, "store thread") {
+		for _, l := range lines {
+			if l.SessionID == session {
+				group = l.Group
+				ranks[l.TPRank] = w
+			}
+		}
+	}
+	if len(ranks) != 4 {
+		t.Fatalf("session %s logged by ranks %v of group %s, want all four", session, ranks, group)
+	}
+	seen := map[string]bool{}
+	for _, w := range ranks {
+		seen[w] = true
+	}
+	if len(seen) != 4 {
+		t.Errorf("the four ranks are not four containers: %v", ranks)
+	}
+	t.Logf("session %s: group %s, ranks %v", session, group, ranks)
+
+	// Scale to 12 workers: a third group forms and gets requests.
+	compose(t, "up", "-d", "--no-recreate", "--scale", "scheduler=2", "--scale", "worker=12")
+	eventually(t, 60*time.Second, "a third group placed on", func() bool {
+		for i := range 20 {
+			if status, _, err := chat(client, fmt.Sprint("spread-", time.Now().UnixNano(), "-", i), []map[string]string{{"role": "user", "content": "spread"}}); err != nil || status != http.StatusOK {
+				return false
+			}
+		}
+		for _, lines := range workerLines(t, "store thread") {
+			for _, l := range lines {
+				if l.Group == "g2" {
+					return true
+				}
+			}
+		}
+		return false
+	})
+	compose(t, "up", "-d", "--no-recreate", "--scale", "scheduler=2", "--scale", "worker=8")
+	if n := len(workers(t)); n != 8 {
+		t.Fatalf("%d workers after scaling back, want 8", n)
+	}
+
+	// Kill one worker during 200 requests: none is lost (each gets an
+	// answer or an explicit error).
+	victim := workers(t)[0]
+	var sent, ok, explicit, lost atomic.Int64
+	var wg sync.WaitGroup
+	sem := make(chan struct{}, 16)
+	for i := range 200 {
+		if i == 60 {
+			docker(t, "kill", victim)
+		}
+		sem <- struct{}{}
+		sent.Add(1)
+		wg.Go(func() {
+			defer func() { <-sem }()
+			status, out, err := chat(client, fmt.Sprint("load-", i%20), []map[string]string{{"role": "user", "content": fmt.Sprint("load ", i)}})
+			switch {
+			case err != nil:
+				lost.Add(1)
+			case status == http.StatusOK:
+				ok.Add(1)
+			case out["error"] != nil:
+				explicit.Add(1)
+			default:
+				lost.Add(1)
+			}
+		})
+	}
+	wg.Wait()
+	t.Logf("kill %s during load: sent %d, ok %d, explicit errors %d, lost %d", victim, sent.Load(), ok.Load(), explicit.Load(), lost.Load())
+	if lost.Load() != 0 {
+		t.Errorf("%d requests lost", lost.Load())
+	}
+}
