@@ -232,3 +232,37 @@ func TestSmoke(t *testing.T) {
 		t.Errorf("%d requests lost", lost.Load())
 	}
 }
+
+// TestSmokeNATSCluster runs the cluster file (three NATS servers, JetStream
+// at replicas 3) and stops one NATS container: the pipeline keeps serving.
+func TestSmokeNATSCluster(t *testing.T) {
+	t.Setenv("COMPOSE_FILES", "-f docker-compose.yml -f docker-compose.cluster.yml")
+	compose(t, "down", "-v", "--remove-orphans")
+	t.Cleanup(func() { compose(t, "down", "-v", "--remove-orphans") })
+	compose(t, "up", "-d", "--scale", "scheduler=2", "--scale", "worker=8")
+	client := &http.Client{Timeout: 60 * time.Second}
+	ask := func(i int) (int, error) {
+		status, _, err := chat(client, fmt.Sprint("cluster-", i%5), []map[string]string{{"role": "user", "content": fmt.Sprint("cluster ", i)}})
+		return status, err
+	}
+	eventually(t, 90*time.Second, "the cluster answering", func() bool {
+		status, err := ask(0)
+		return err == nil && status == http.StatusOK
+	})
+	ids := strings.Fields(compose(t, "ps", "-q", "nats2"))
+	if len(ids) != 1 {
+		t.Fatalf("nats2 containers: %v", ids)
+	}
+	docker(t, "stop", ids[0])
+	failed := 0
+	for i := range 30 {
+		status, err := ask(i)
+		if err != nil || status != http.StatusOK {
+			failed++
+			t.Logf("request %d after stopping nats2: status %d, %v", i, status, err)
+		}
+	}
+	if failed > 0 {
+		t.Errorf("%d of 30 requests failed with one of three NATS servers stopped", failed)
+	}
+}
