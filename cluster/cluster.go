@@ -297,14 +297,22 @@ func (c *Cluster) startRank(group string, r int) error {
 	return nil
 }
 
+// rankRun returns a running rank.
+func (c *Cluster) rankRun(group string, rank int) (*rankRun, error) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if rr := c.ranks[rankKey{group, rank}]; rr != nil {
+		return rr, nil
+	}
+	return nil, fmt.Errorf("cluster: no rank %s/%d", group, rank)
+}
+
 // StopRank stops one rank gracefully, as SIGTERM would: it drains (its
 // group takes no new request), finishes what it has, and exits.
 func (c *Cluster) StopRank(group string, rank int) error {
-	c.mu.Lock()
-	rr := c.ranks[rankKey{group, rank}]
-	c.mu.Unlock()
-	if rr == nil {
-		return fmt.Errorf("cluster: no rank %s/%d", group, rank)
+	rr, err := c.rankRun(group, rank)
+	if err != nil {
+		return err
 	}
 	rr.stop()
 	<-rr.done
@@ -314,14 +322,9 @@ func (c *Cluster) StopRank(group string, rank int) error {
 // RestartRank stops one rank and starts a new one with the same identity
 // and an empty block store, as a process restart would.
 func (c *Cluster) RestartRank(group string, rank int) error {
-	c.mu.Lock()
-	rr := c.ranks[rankKey{group, rank}]
-	c.mu.Unlock()
-	if rr == nil {
-		return fmt.Errorf("cluster: no rank %s/%d", group, rank)
+	if err := c.StopRank(group, rank); err != nil {
+		return err
 	}
-	rr.stop()
-	<-rr.done
 	return c.startRank(group, rank)
 }
 
@@ -329,16 +332,12 @@ func (c *Cluster) RestartRank(group string, rank int) error {
 // connection closes at once (no result, output, event or heartbeat gets out
 // any more), then it stops.
 func (c *Cluster) KillRank(group string, rank int) error {
-	c.mu.Lock()
-	rr := c.ranks[rankKey{group, rank}]
-	c.mu.Unlock()
-	if rr == nil {
-		return fmt.Errorf("cluster: no rank %s/%d", group, rank)
+	rr, err := c.rankRun(group, rank)
+	if err != nil {
+		return err
 	}
 	rr.nc.Close()
-	rr.stop()
-	<-rr.done
-	return nil
+	return c.StopRank(group, rank)
 }
 
 // KillScheduler makes scheduler replica i vanish as a crashed process
