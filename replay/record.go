@@ -84,22 +84,36 @@ func Capture(ctx context.Context, cfg CaptureConfig, w io.Writer) (int, error) {
 			}
 			return cw.Frames(), err
 		}
-		got := 0
+		got, done := 0, false
+		var werr error
 		for m := range batch.Messages() {
+			// Read the batch to its end even when done: its fetch ends then.
+			if done {
+				continue
+			}
 			got++
 			md, err := m.Metadata()
 			if err != nil {
-				return cw.Frames(), err
+				done, werr = true, err
+				continue
 			}
 			if !cfg.Until.IsZero() && md.Timestamp.After(cfg.Until) {
-				return cw.Frames(), cw.Flush()
+				done = true
+				continue
 			}
 			if err := cw.Write(Frame{Time: md.Timestamp, Subject: m.Subject(), Payload: m.Data()}); err != nil {
-				return cw.Frames(), err
+				done, werr = true, err
+				continue
 			}
 			if !cfg.Follow && md.Sequence.Stream >= last {
-				return cw.Frames(), cw.Flush()
+				done = true
 			}
+		}
+		if done {
+			if werr != nil {
+				return cw.Frames(), werr
+			}
+			return cw.Frames(), cw.Flush()
 		}
 		if err := batch.Error(); err != nil && !errors.Is(err, nats.ErrTimeout) {
 			return cw.Frames(), err
