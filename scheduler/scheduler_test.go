@@ -193,7 +193,7 @@ func (e *schedEnv) report(meta *messages.ReqMeta) {
 		if err == nil {
 			err = e.nc.Publish(meta.ResultSubject, data)
 		}
-		if err != nil {
+		if err != nil && !errors.Is(err, nats.ErrConnectionClosed) { // closed: the test is ending
 			e.t.Errorf("report: %v", err)
 		}
 	}
