@@ -46,6 +46,29 @@ func EnsureRequestStream(ctx context.Context, js jetstream.JetStream, cfg Stream
 	if cfg.DuplicateWindow == 0 {
 		cfg.DuplicateWindow = 2 * time.Minute
 	}
+	return Retry(ctx, func(ctx context.Context) (jetstream.Stream, error) { return ensureStream(ctx, js, cfg) })
+}
+
+// Retry runs a JetStream setup call with attempts of at most 3 s until it
+// succeeds or ctx ends: an API request whose answer is lost (a server that
+// is starting, a leader election) must not fail a role.
+func Retry[T any](ctx context.Context, f func(ctx context.Context) (T, error)) (T, error) {
+	for {
+		actx, cancel := context.WithTimeout(ctx, 3*time.Second)
+		v, err := f(actx)
+		cancel()
+		if err == nil || ctx.Err() != nil {
+			return v, err
+		}
+		select {
+		case <-ctx.Done():
+			return v, err
+		case <-time.After(200 * time.Millisecond):
+		}
+	}
+}
+
+func ensureStream(ctx context.Context, js jetstream.JetStream, cfg StreamConfig) (jetstream.Stream, error) {
 	// An existing stream is used as it is: updating its configuration while
 	// another process creates a consumer on it races inside nats-server.
 	if st, err := js.Stream(ctx, messages.RequestStream); err == nil {
@@ -94,11 +117,17 @@ func EnsureSchedulerConsumer(ctx context.Context, st jetstream.Stream, ackWait t
 		MaxAckPending: 10000,
 		Replicas:      replicas,
 	}
-	c, err := st.Consumer(ctx, SchedulerConsumer)
-	if err == nil {
-		return c, nil
-	}
-	c, err = st.CreateConsumer(ctx, cfg)
+	return Retry(ctx, func(ctx context.Context) (jetstream.Consumer, error) {
+		c, err := st.Consumer(ctx, SchedulerConsumer)
+		if err == nil {
+			return c, nil
+		}
+		return createConsumer(ctx, st, cfg)
+	})
+}
+
+func createConsumer(ctx context.Context, st jetstream.Stream, cfg jetstream.ConsumerConfig) (jetstream.Consumer, error) {
+	c, err := st.CreateConsumer(ctx, cfg)
 	if errors.Is(err, jetstream.ErrConsumerExists) {
 		c, err = st.Consumer(ctx, SchedulerConsumer)
 	}

@@ -11,6 +11,7 @@ import (
 
 	"github.com/nats-io/nats.go/jetstream"
 
+	"github.com/kvbus/kvbus/bus"
 	"github.com/kvbus/kvbus/messages"
 )
 
@@ -62,8 +63,11 @@ func OpenSessionBindings(ctx context.Context, js jetstream.JetStream, ttl time.D
 	if ttl <= 0 {
 		return nil, fmt.Errorf("%w: --session-ttl must be positive", ErrConfig)
 	}
-	kv, err := js.KeyValue(ctx, SessionBucket) // an existing bucket is used as it is
-	if err != nil {
+	kv, err := bus.Retry(ctx, func(ctx context.Context) (jetstream.KeyValue, error) {
+		kv, err := js.KeyValue(ctx, SessionBucket) // an existing bucket is used as it is
+		if err == nil {
+			return kv, nil
+		}
 		kv, err = js.CreateKeyValue(ctx, jetstream.KeyValueConfig{
 			Bucket:         SessionBucket,
 			Description:    "kvbus session bindings: session key → worker group of the previous turn",
@@ -76,7 +80,8 @@ func OpenSessionBindings(ctx context.Context, js jetstream.JetStream, ttl time.D
 		if errors.Is(err, jetstream.ErrBucketExists) {
 			kv, err = js.KeyValue(ctx, SessionBucket)
 		}
-	}
+		return kv, err
+	})
 	if err != nil {
 		return nil, fmt.Errorf("scheduler: session bucket %s: %w", SessionBucket, err)
 	}

@@ -8,6 +8,8 @@ import (
 	"time"
 
 	"github.com/nats-io/nats.go/jetstream"
+
+	"github.com/kvbus/kvbus/bus"
 )
 
 // SlotBucket is the JetStream KV bucket where `kvbus worker --rank auto`
@@ -64,8 +66,11 @@ func ClaimSlot(ctx context.Context, js jetstream.JetStream, cfg SlotConfig) (*Sl
 	if cfg.Logger == nil {
 		cfg.Logger = slog.Default()
 	}
-	kv, err := js.KeyValue(ctx, SlotBucket)
-	if err != nil {
+	kv, err := bus.Retry(ctx, func(ctx context.Context) (jetstream.KeyValue, error) {
+		kv, err := js.KeyValue(ctx, SlotBucket)
+		if err == nil {
+			return kv, nil
+		}
 		kv, err = js.CreateKeyValue(ctx, jetstream.KeyValueConfig{
 			Bucket: SlotBucket, Description: "kvbus worker slots: <group>.<rank> → the worker holding it",
 			TTL: cfg.TTL, History: 1, Storage: jetstream.MemoryStorage, Replicas: max(cfg.Replicas, 1),
@@ -73,7 +78,8 @@ func ClaimSlot(ctx context.Context, js jetstream.JetStream, cfg SlotConfig) (*Sl
 		if errors.Is(err, jetstream.ErrBucketExists) {
 			kv, err = js.KeyValue(ctx, SlotBucket)
 		}
-	}
+		return kv, err
+	})
 	if err != nil {
 		return nil, fmt.Errorf("workers: slot bucket %s: %w", SlotBucket, err)
 	}
