@@ -178,8 +178,8 @@ func (s *SessionBindings) write(ctx context.Context, wr bindingWrite) {
 		s.mu.RLock()
 		cur := s.local[wr.key]
 		s.mu.RUnlock()
-		if !cur.mine && cur.rev > 0 && cur.Turn > wr.b.Turn {
-			return // the bucket already has a later turn
+		if !cur.mine && cur.rev > 0 && cur.Turn >= wr.b.Turn {
+			return // another replica recorded this turn (or a later one) first: it wins
 		}
 		var rev uint64
 		if cur.rev > 0 {
