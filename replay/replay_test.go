@@ -11,7 +11,6 @@ import (
 	"path/filepath"
 	"reflect"
 	"strings"
-	"sync"
 	"testing"
 	"time"
 
@@ -371,7 +370,7 @@ func TestCaptureRanges(t *testing.T) {
 	// --follow keeps capturing what arrives; started at the log's next
 	// sequence it sees exactly the new requests, whatever the timing.
 	ctx, cancel := context.WithCancel(t.Context())
-	live := &lockedBuffer{}
+	live := &testenv.LogBuffer{}
 	got := make(chan int, 1)
 	go func() {
 		n, err := replay.Capture(ctx, replay.CaptureConfig{Conn: nc, Follow: true, FromSeq: 8}, live)
@@ -381,27 +380,9 @@ func TestCaptureRanges(t *testing.T) {
 		got <- n
 	}()
 	send(2)
-	testenv.Eventually(t, 5*time.Second, "2 live requests captured", func() bool { return live.count("kvbus.req.") == 2 })
+	testenv.Eventually(t, 5*time.Second, "2 live requests captured", func() bool { return strings.Count(live.String(), "kvbus.req.") == 2 })
 	cancel()
 	if n := <-got; n != 2 {
 		t.Errorf("--follow captured %d requests, want the 2 new ones", n)
 	}
-}
-
-// lockedBuffer is a concurrency-safe writer that can count what it holds.
-type lockedBuffer struct {
-	mu  sync.Mutex
-	buf bytes.Buffer
-}
-
-func (b *lockedBuffer) Write(p []byte) (int, error) {
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	return b.buf.Write(p)
-}
-
-func (b *lockedBuffer) count(s string) int {
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	return bytes.Count(b.buf.Bytes(), []byte(s))
 }

@@ -1,7 +1,6 @@
 package replay_test
 
 import (
-	"bytes"
 	"context"
 	"encoding/json"
 	"fmt"
@@ -10,7 +9,6 @@ import (
 	"net/http"
 	"slices"
 	"strings"
-	"sync"
 	"testing"
 	"time"
 
@@ -21,18 +19,6 @@ import (
 	"github.com/kvbus/kvbus/testenv"
 )
 
-// syncBuffer collects a Tap's output.
-type syncBuffer struct {
-	mu  sync.Mutex
-	buf bytes.Buffer
-}
-
-func (b *syncBuffer) Write(p []byte) (int, error) {
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	return b.buf.Write(p)
-}
-
 type tapLine struct {
 	Subject string         `json:"subject"`
 	Kind    string         `json:"kind"`
@@ -41,11 +27,9 @@ type tapLine struct {
 
 // lines parses every complete line; each must be a JSON object with exactly
 // the keys subject, kind and msg.
-func (b *syncBuffer) lines(t *testing.T) []tapLine {
+func tapLines(t *testing.T, b *testenv.LogBuffer) []tapLine {
 	t.Helper()
-	b.mu.Lock()
-	data := b.buf.String()
-	b.mu.Unlock()
+	data := b.String()
 	data = data[:strings.LastIndexByte(data, '\n')+1]
 	var out []tapLine
 	for _, l := range strings.Split(strings.TrimSuffix(data, "\n"), "\n") {
@@ -70,7 +54,7 @@ func (b *syncBuffer) lines(t *testing.T) []tapLine {
 
 // tapRun is a running Tap.
 type tapRun struct {
-	out      *syncBuffer
+	out      *testenv.LogBuffer
 	finished chan struct{}
 	err      error // set before finished is closed
 }
@@ -91,7 +75,7 @@ func startTap(t *testing.T, nc *nats.Conn, cfg replay.TapConfig) *tapRun {
 	t.Helper()
 	ctx, cancel := context.WithCancel(t.Context())
 	cfg.Conn = nc
-	r := &tapRun{out: &syncBuffer{}, finished: make(chan struct{})}
+	r := &tapRun{out: &testenv.LogBuffer{}, finished: make(chan struct{})}
 	before := nc.NumSubscriptions()
 	go func() {
 		r.err = replay.Tap(ctx, cfg, r.out)
@@ -178,7 +162,7 @@ func TestTap(t *testing.T) {
 		return n
 	}
 	testenv.Eventually(t, 10*time.Second, "tap-me's req, meta, 4 done and out lines", func() bool {
-		n := count(out.lines(t))
+		n := count(tapLines(t, out))
 		return n["req"] == 1 && n["meta"] == 1 && n["done"] == 4 && n["out"] >= 1
 	})
 	if stopped, err := tap.stopped(); stopped {
@@ -188,7 +172,7 @@ func TestTap(t *testing.T) {
 	// message the observer saw by sending a marker after them and waiting
 	// for it (a result of tap-me's request on a subject nothing else reads).
 	var tapID string
-	for _, l := range out.lines(t) {
+	for _, l := range tapLines(t, out) {
 		if l.Kind == "req" {
 			tapID, _ = l.Msg["request_id"].(string)
 		}
@@ -203,10 +187,10 @@ func TestTap(t *testing.T) {
 		t.Fatal(err)
 	}
 	testenv.Eventually(t, 5*time.Second, "the marker", func() bool {
-		return slices.ContainsFunc(out.lines(t), func(l tapLine) bool { return l.Subject == marker })
+		return slices.ContainsFunc(tapLines(t, out), func(l tapLine) bool { return l.Subject == marker })
 	})
 
-	lines := slices.DeleteFunc(out.lines(t), func(l tapLine) bool { return l.Subject == marker })
+	lines := slices.DeleteFunc(tapLines(t, out), func(l tapLine) bool { return l.Subject == marker })
 	if n := count(lines); n["req"] != 1 || n["meta"] != 1 || n["done"] != 4 || n["prefilled"] > 1 || len(n) != 4+min(n["prefilled"], 1) {
 		t.Errorf("kinds %v, want req 1, meta 1, done 4 (and at most one prefilled report) and out", n)
 	}
@@ -261,14 +245,14 @@ func TestTapHeartbeats(t *testing.T) {
 	out := startTap(t, testenv.Connect(t, c.NATS), replay.TapConfig{Subject: "kvbus.hb.>"}).out
 	testenv.Eventually(t, 10*time.Second, "a heartbeat of every rank", func() bool {
 		ranks := map[float64]bool{}
-		for _, l := range out.lines(t) {
+		for _, l := range tapLines(t, out) {
 			r, _ := l.Msg["tp_rank"].(float64)
 			ranks[r] = true
 		}
 		return len(ranks) == 4
 	})
 	chat(t, c, "s", "not a heartbeat") // must not show up
-	for _, l := range out.lines(t) {
+	for _, l := range tapLines(t, out) {
 		if l.Kind != "hb" || !strings.HasPrefix(l.Subject, "kvbus.hb.") || l.Msg["group"] == nil || l.Msg["world_size"] != 4.0 {
 			t.Errorf("line %+v, want only heartbeats", l)
 		}
@@ -314,7 +298,7 @@ func TestTapOddMessages(t *testing.T) {
 		if stopped, err := tap.stopped(); stopped {
 			t.Fatalf("Tap stopped on an odd message: %v", err)
 		}
-		for _, l := range out.lines(t) {
+		for _, l := range tapLines(t, out) {
 			if l.Kind == "hb" && l.Msg["group"] == "g0" {
 				return true
 			}
@@ -322,7 +306,7 @@ func TestTapOddMessages(t *testing.T) {
 		return false
 	})
 	// One line per message, in order.
-	lines := out.lines(t)
+	lines := tapLines(t, out)
 	var subjects []string
 	kinds := map[string]bool{}
 	for _, l := range lines {

@@ -74,6 +74,13 @@ func (b *LogBuffer) Write(p []byte) (int, error) {
 	return b.buf.Write(p)
 }
 
+// String returns everything written so far.
+func (b *LogBuffer) String() string {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return b.buf.String()
+}
+
 // Lines returns the log lines that contain every one of substrs.
 func (b *LogBuffer) Lines(substrs ...string) []string {
 	b.mu.Lock()
