@@ -45,6 +45,8 @@ func (m *Output) setVersion()       { m.V = Version }
 func (m *KVEventBatch) setVersion() { m.V = Version }
 func (m *Heartbeat) setVersion()    { m.V = Version }
 func (m *Abort) setVersion()        { m.V = Version }
+func (m *Announcement) setVersion() { m.V = Version }
+func (m *SavePlan) setVersion()     { m.V = Version }
 
 var encoderPool = sync.Pool{New: func() any {
 	enc := msgpack.NewEncoder(nil)
@@ -60,6 +62,8 @@ func sizeHint(m Message) int {
 		return 1024 + 4*len(m.PromptTokenIDs)
 	case *ReqMeta:
 		return 1024 + 4*len(m.TokenIDs) + 8*len(m.BlockHashes)
+	case *SavePlan:
+		return 256 + 8*len(m.BlockHashes)
 	}
 	return 256
 }
@@ -160,6 +164,18 @@ func DecodeAbort(data []byte) (*Abort, error) {
 	return &m, decode(data, &m)
 }
 
+// DecodeAnnouncement decodes and validates an Announcement.
+func DecodeAnnouncement(data []byte) (*Announcement, error) {
+	var m Announcement
+	return &m, decode(data, &m)
+}
+
+// DecodeSavePlan decodes and validates a SavePlan.
+func DecodeSavePlan(data []byte) (*SavePlan, error) {
+	var m SavePlan
+	return &m, decode(data, &m)
+}
+
 func invalid(format string, args ...any) error {
 	return fmt.Errorf("%w: "+format, append([]any{ErrInvalid}, args...)...)
 }
@@ -215,6 +231,9 @@ func (m *Output) validate() error {
 }
 
 func (m *KVEventBatch) validate() error {
+	if m.DumpChunk < 0 || m.DumpChunks < 0 || (m.DumpChunks > 0 && m.DumpChunk >= m.DumpChunks) {
+		return invalid("kv event batch: dump chunk %d of %d", m.DumpChunk, m.DumpChunks)
+	}
 	for i, ev := range m.Events {
 		switch ev.Type {
 		case EventBlockStored, EventBlockRemoved, EventAllBlocksCleared:
@@ -238,6 +257,23 @@ func (m *Heartbeat) validate() error {
 func (m *Abort) validate() error {
 	if m.ReqID == "" {
 		return invalid("abort without req_id")
+	}
+	return nil
+}
+
+func (m *Announcement) validate() error {
+	switch {
+	case m.Role == "" || !isToken(m.Role):
+		return invalid("announcement: role %q is not a subject token", m.Role)
+	case m.ID == "" || !isToken(m.ID):
+		return invalid("announcement from %s: id %q is not a subject token", m.Role, m.ID)
+	}
+	return nil
+}
+
+func (m *SavePlan) validate() error {
+	if err := ValidateGroup(m.Group); err != nil {
+		return invalid("save_plan %s: %v", m.ReqID, err)
 	}
 	return nil
 }

@@ -231,3 +231,13 @@ func FuzzSessionKey(f *testing.F) {
 		}
 	})
 }
+
+func FuzzDecodeAnnouncement(f *testing.F) {
+	addSeeds(f, &Announcement{Role: RoleScheduler, ID: "sched-1", Ready: true, ReadyGroups: 2, UnixMs: 1})
+	f.Fuzz(func(t *testing.T, data []byte) { fuzzDecode(t, data, DecodeAnnouncement) })
+}
+
+func FuzzDecodeSavePlan(f *testing.F) {
+	addSeeds(f, &SavePlan{SchedulerID: "s", ReqID: "r", Group: "g0", BlockHashes: BlockHashes{1, 2}, ExpiresUnixMs: 5})
+	f.Fuzz(func(t *testing.T, data []byte) { fuzzDecode(t, data, DecodeSavePlan) })
+}

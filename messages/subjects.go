@@ -151,5 +151,18 @@ func (s Subjects) Dump(group string, rank int) string {
 	return s.p() + ".ctl.dump." + group + "." + strconv.Itoa(rank)
 }
 
+// Announce is kvbus.ann.<role>.<id>, where a process announces itself.
+func (s Subjects) Announce(role, id string) string { return s.p() + ".ann." + role + "." + id }
+
+// AnnounceRole is kvbus.ann.<role>.*, every announcement of one role.
+func (s Subjects) AnnounceRole(role string) string { return s.p() + ".ann." + role + ".*" }
+
+// Plan is kvbus.sched.plan.<scheduler-id>, where a scheduler replica
+// publishes its SavePlans.
+func (s Subjects) Plan(schedulerID string) string { return s.p() + ".sched.plan." + schedulerID }
+
+// PlanAll is kvbus.sched.plan.*, every replica's SavePlans.
+func (s Subjects) PlanAll() string { return s.p() + ".sched.plan.*" }
+
 // All is kvbus.>, every kvbus subject.
 func (s Subjects) All() string { return s.p() + ".>" }

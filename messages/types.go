@@ -108,8 +108,13 @@ type RankResult struct {
 	CompletionTokens int    `msgpack:"completion_tokens,omitempty" json:"completion_tokens,omitempty"`
 	// Prefilled marks the driver's early report that the prompt is
 	// prefilled (the first output follows); it is not the rank's result.
-	Prefilled bool   `msgpack:"prefilled,omitempty" json:"prefilled,omitempty"`
-	Error     string `msgpack:"error,omitempty" json:"error,omitempty"`
+	Prefilled bool `msgpack:"prefilled,omitempty" json:"prefilled,omitempty"`
+	// Received marks a receipt: the rank has the ReqMeta and works on it.
+	// A rank sends one when its result is not ready soon after the ReqMeta
+	// arrived, and again when the same ReqMeta arrives twice, so that a
+	// scheduler can tell a rank that missed the ReqMeta from a busy one.
+	Received bool   `msgpack:"received,omitempty" json:"received,omitempty"`
+	Error    string `msgpack:"error,omitempty" json:"error,omitempty"`
 }
 
 // Usage counts tokens like OpenAI's usage object.
@@ -131,9 +136,13 @@ type OutputError struct {
 // duplicates; the last chunk has FinishReason or Error set and carries
 // Usage.
 type Output struct {
-	V            int          `msgpack:"v" json:"v"`
-	ReqID        string       `msgpack:"req_id" json:"req_id"`
-	Index        int          `msgpack:"index" json:"index"`
+	V     int    `msgpack:"v" json:"v"`
+	ReqID string `msgpack:"req_id" json:"req_id"`
+	Index int    `msgpack:"index" json:"index"`
+	// Attempt is the dispatch attempt that produced the chunk (ReqMeta's
+	// attempt): a request moved to another group starts again at index 0
+	// with a higher attempt, and the frontend never mixes two attempts.
+	Attempt      int          `msgpack:"attempt,omitempty" json:"attempt,omitempty"`
 	Text         string       `msgpack:"text" json:"text"`
 	TokenIDs     TokenIDs     `msgpack:"token_ids,omitempty" json:"token_ids,omitempty"`
 	FinishReason string       `msgpack:"finish_reason,omitempty" json:"finish_reason,omitempty"`
@@ -173,6 +182,12 @@ type KVEventBatch struct {
 	Group  string    `msgpack:"group" json:"group"`
 	Rank   int       `msgpack:"rank" json:"rank"`
 	Events []KVEvent `msgpack:"events" json:"events"`
+	// DumpChunk and DumpChunks number the chunks of a dump (a reply on
+	// kvbus.ctl.dump.<group>.<rank>): a rank's held set is sent in as many
+	// batches as fit the connection's max payload, all at the same seq, the
+	// first starting with AllBlocksCleared. Zero outside dumps.
+	DumpChunk  int `msgpack:"dump_chunk,omitempty" json:"dump_chunk,omitempty"`
+	DumpChunks int `msgpack:"dump_chunks,omitempty" json:"dump_chunks,omitempty"`
 }
 
 // Heartbeat announces a live rank on kvbus.hb.<group>.<rank>.
@@ -190,6 +205,42 @@ type Heartbeat struct {
 	// Draining is set by a rank that is stopping: it finishes what it has
 	// but takes nothing new, so its group gets no new requests.
 	Draining bool `msgpack:"draining,omitempty" json:"draining,omitempty"`
+	// The driver rank's view of its group's load, which every scheduler
+	// replica uses so that replicas place as one would: requests received
+	// and not finished, and prompt tokens of those not yet prefilled.
+	InflightRequests    int   `msgpack:"inflight_requests,omitempty" json:"inflight_requests,omitempty"`
+	QueuedPrefillTokens int64 `msgpack:"queued_prefill_tokens,omitempty" json:"queued_prefill_tokens,omitempty"`
+}
+
+// Announcement tells the cluster that a role's process is alive and whether
+// it is ready, on kvbus.ann.<role>.<id>, every second and on change. The
+// frontends' health checks follow the schedulers' announcements.
+type Announcement struct {
+	V      int    `msgpack:"v" json:"v"`
+	Role   string `msgpack:"role" json:"role"`
+	ID     string `msgpack:"id" json:"id"`
+	Ready  bool   `msgpack:"ready" json:"ready"`
+	Reason string `msgpack:"reason,omitempty" json:"reason,omitempty"`
+	// ReadyGroups is, for a scheduler, how many groups it can place on.
+	ReadyGroups int   `msgpack:"ready_groups,omitempty" json:"ready_groups,omitempty"`
+	UnixMs      int64 `msgpack:"unix_ms" json:"unix_ms"`
+}
+
+// RoleScheduler is the role name of schedulers in announcements.
+const RoleScheduler = "scheduler"
+
+// SavePlan tells the other scheduler replicas that a group is about to store
+// blocks (kvbus.sched.plan.<scheduler-id>): the prefix of a request just
+// dispatched there. Until the ranks' KV events confirm them, or the plan
+// expires, every replica treats the blocks as the group's, so the next turn
+// of a conversation loads them whichever replica places it.
+type SavePlan struct {
+	V             int         `msgpack:"v" json:"v"`
+	SchedulerID   string      `msgpack:"scheduler_id" json:"scheduler_id"`
+	ReqID         string      `msgpack:"req_id" json:"req_id"`
+	Group         string      `msgpack:"group" json:"group"`
+	BlockHashes   BlockHashes `msgpack:"block_hashes" json:"block_hashes"`
+	ExpiresUnixMs int64       `msgpack:"expires_unix_ms" json:"expires_unix_ms"`
 }
 
 // Abort cancels a request; published on kvbus.ctl.abort.

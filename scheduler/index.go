@@ -4,6 +4,8 @@ import (
 	"math/bits"
 	"slices"
 	"sync"
+	"sync/atomic"
+	"time"
 
 	"github.com/kvbus/kvbus/messages"
 )
@@ -15,6 +17,12 @@ const MaxIndexedGroups = 64
 
 // maxPendingBatches bounds the batches held back per rank during a resync.
 const maxPendingBatches = 4096
+
+// MaxSeqJump is how far past the last seq the index knows for a rank a
+// batch's seq may be. A rank publishes one batch per store or eviction, so a
+// larger jump is not a gap but a corrupted, replayed or forged batch: it is
+// dropped and counted (Rejected), and causes no resync.
+const MaxSeqJump = 1 << 17
 
 // KVIndex knows, from the ranks' own KV events, which blocks each worker
 // group holds. A block counts for a group only when every rank of the group
@@ -33,6 +41,21 @@ type KVIndex struct {
 	// it.
 	full  map[uint64]uint64
 	ranks map[rankKey]uint64
+
+	// Save plans: blocks a request just dispatched to a group will store.
+	// planned maps a hash to the bitmask of groups that plan it; planExp
+	// holds each plan's expiry (unix nanos) and planQ the plans in order of
+	// expiry, so expiring them is O(1) amortized.
+	planned map[uint64]uint64
+	planExp map[rankKey]int64
+	planQ   []planItem
+
+	rejected atomic.Uint64 // batches dropped for an impossible seq
+}
+
+type planItem struct {
+	key rankKey
+	exp int64
 }
 
 type rankKey struct {
@@ -49,17 +72,29 @@ type indexGroup struct {
 }
 
 type rankState struct {
-	seq       uint64 // last applied
-	started   int64  // started_unix_ms of the rank's process
-	held      int    // blocks this rank holds
+	seq     uint64 // last applied
+	started int64  // started_unix_ms of the rank's process
+	held    int    // blocks this rank holds
+	// synced: seq is the rank's real seq (learnt from a dump or from its
+	// stream since its restart), so an impossible jump can be told.
+	synced    bool
 	resyncing bool
-	pending   []*messages.KVEventBatch
+	// epoch counts the rank's restarts seen: a dump asked for before one is
+	// stale.
+	epoch   uint64
+	pending []*messages.KVEventBatch
 }
 
 // NewKVIndex returns an empty index.
 func NewKVIndex() *KVIndex {
-	return &KVIndex{groups: map[string]*indexGroup{}, full: map[uint64]uint64{}, ranks: map[rankKey]uint64{}}
+	return &KVIndex{
+		groups: map[string]*indexGroup{}, full: map[uint64]uint64{}, ranks: map[rankKey]uint64{},
+		planned: map[uint64]uint64{}, planExp: map[rankKey]int64{},
+	}
 }
+
+// Rejected returns how many batches were dropped for an impossible seq.
+func (x *KVIndex) Rejected() uint64 { return x.rejected.Load() }
 
 // group returns the group's state, creating it; nil when the index is full.
 func (x *KVIndex) group(name string) *indexGroup {
@@ -99,13 +134,24 @@ func (x *KVIndex) Apply(b *messages.KVEventBatch) (needDump bool) {
 	rs := g.rank(b.Rank)
 	restart := b.Seq == 1 && len(b.Events) > 0 && b.Events[0].Type == messages.EventAllBlocksCleared
 	switch {
+	case restart:
+		// The rank's process (re)started and says it holds nothing: whatever
+		// a resync was waiting for is moot, and a dump asked of the old
+		// process is stale.
+		x.clearRankLocked(g, b.Rank, rs)
+		rs.pending, rs.resyncing, rs.synced = nil, false, true
+		rs.epoch++
+	case rs.synced && b.Seq > rs.seq+MaxSeqJump:
+		x.rejected.Add(1)
+		return false
 	case rs.resyncing:
 		if len(rs.pending) >= maxPendingBatches {
 			rs.pending = rs.pending[:0] // the dump covers them; a gap after it asks again
 		}
 		rs.pending = append(rs.pending, b)
 		return false
-	case b.Seq == rs.seq+1 || restart:
+	case b.Seq == rs.seq+1:
+		rs.synced = true // contiguous from the rank's first batch or a dump
 	case b.Seq <= rs.seq && rs.seq != 0:
 		return false // a duplicate of what was applied
 	default: // a gap, or a rank first seen mid-stream
@@ -148,6 +194,7 @@ func (x *KVIndex) storeLocked(g *indexGroup, rank int, rs *rankState, h uint64) 
 	if !g.isFull(m) && g.isFull(m|bit) {
 		x.full[h] |= 1 << g.id
 		g.blocks++
+		x.unplanLocked(k) // confirmed by every rank
 	}
 }
 
@@ -174,6 +221,7 @@ func (x *KVIndex) removeLocked(g *indexGroup, rank int, rs *rankState, h uint64)
 	if g.isFull(m) && !g.isFull(m&^bit) {
 		x.unfullLocked(g, h)
 	}
+	x.unplanLocked(k) // a rank evicted it: a plan for it is stale
 	rs.held--
 	if m &^= bit; m == 0 {
 		delete(x.ranks, k)
@@ -194,6 +242,12 @@ func (x *KVIndex) unfullLocked(g *indexGroup, h uint64) {
 // clearRankLocked forgets every block of one rank: a scan of the group's
 // entries, which happens only at a restart or a resync.
 func (x *KVIndex) clearRankLocked(g *indexGroup, rank int, rs *rankState) {
+	// The rank lost what it was saving too: the group's plans go.
+	for k := range x.planExp {
+		if k.gid == g.id {
+			x.unplanLocked(k)
+		}
+	}
 	if rs.held == 0 {
 		return
 	}
@@ -209,6 +263,25 @@ func (x *KVIndex) clearRankLocked(g *indexGroup, rank int, rs *rankState) {
 // it holds at dump.Seq), then replays the batches that arrived after it. It
 // returns true when the replay found another gap.
 func (x *KVIndex) ApplyDump(group string, rank int, dump *messages.KVEventBatch) (needDump bool) {
+	return x.ApplyDumpOf(group, rank, x.Epoch(group, rank), dump)
+}
+
+// Epoch returns the number of restarts the index has seen of a rank; a
+// dump asked for at one epoch is applied with ApplyDumpOf at that epoch.
+func (x *KVIndex) Epoch(group string, rank int) uint64 {
+	x.mu.RLock()
+	defer x.mu.RUnlock()
+	if g := x.groups[group]; g != nil && g.ranks[rank] != nil {
+		return g.ranks[rank].epoch
+	}
+	return 0
+}
+
+// ApplyDumpOf is ApplyDump for a dump asked for at epoch: if the rank
+// restarted since, the dump describes a process that is gone and is
+// ignored. Batches held back with a seq the dump covers are discarded;
+// those with an impossible seq past it are dropped and counted (Rejected).
+func (x *KVIndex) ApplyDumpOf(group string, rank int, epoch uint64, dump *messages.KVEventBatch) (needDump bool) {
 	if rank < 0 || rank >= 64 {
 		return false
 	}
@@ -219,15 +292,21 @@ func (x *KVIndex) ApplyDump(group string, rank int, dump *messages.KVEventBatch)
 		return false
 	}
 	rs := g.rank(rank)
+	if rs.epoch != epoch {
+		return false
+	}
 	x.clearRankLocked(g, rank, rs)
 	x.applyLocked(g, rank, rs, dump)
 	pending := rs.pending
-	rs.pending, rs.resyncing = nil, false
+	rs.pending, rs.resyncing, rs.synced = nil, false, true
 	slices.SortFunc(pending, func(a, b *messages.KVEventBatch) int { return cmpUint(a.Seq, b.Seq) })
 	for i, b := range pending {
 		switch {
 		case b.Seq <= rs.seq:
-			continue
+			continue // superseded by the dump
+		case b.Seq > rs.seq+MaxSeqJump:
+			x.rejected.Add(uint64(len(pending) - i)) // sorted: the rest are impossible too
+			return false
 		case b.Seq == rs.seq+1:
 			x.applyLocked(g, rank, rs, b)
 		default:
@@ -268,6 +347,10 @@ func (x *KVIndex) ObserveRank(group string, rank, worldSize int, startedUnixMs i
 	rs := g.rank(rank)
 	if rs.started == startedUnixMs {
 		return false
+	}
+	if rs.started != 0 {
+		rs.epoch++ // a restart: a dump asked of the old process is stale
+		rs.synced = false
 	}
 	rs.started = startedUnixMs
 	// A restart, or a rank first heard of before any of its events (this
@@ -330,7 +413,7 @@ func (x *KVIndex) PrefixMatch(hashes []uint64, dst []int) []int {
 		alive = ^uint64(0)
 	}
 	for i, h := range hashes {
-		m := x.full[h] & alive
+		m := (x.full[h] | x.planned[h]) & alive
 		for dropped := alive &^ m; dropped != 0; dropped &= dropped - 1 {
 			dst[bits.TrailingZeros64(dropped)] = i
 		}
@@ -342,6 +425,104 @@ func (x *KVIndex) PrefixMatch(hashes []uint64, dst []int) []int {
 		dst[bits.TrailingZeros64(alive)] = len(hashes)
 	}
 	return dst
+}
+
+// Synced reports whether the index knows what every rank of a group holds:
+// each of its world-size ranks was heard of and none waits for a dump.
+func (x *KVIndex) Synced(group string) bool {
+	x.mu.RLock()
+	defer x.mu.RUnlock()
+	g := x.groups[group]
+	if g == nil || g.worldSize == 0 {
+		return false
+	}
+	for r := range g.worldSize {
+		rs := g.ranks[r]
+		if rs == nil || rs.resyncing || (!rs.synced && rs.started == 0) {
+			return false
+		}
+	}
+	return true
+}
+
+// Plan records that group will store hashes (a request just dispatched
+// there saves its prefix): until every rank's events confirm a block, a
+// rank evicts it, or expires passes, lookups count it as the group's. This
+// is what lets the next turn of a conversation, placed while the previous
+// turn's blocks are still being saved, load all of them: the ranks wait for
+// a save in flight.
+func (x *KVIndex) Plan(group string, hashes []uint64, expires time.Time) {
+	if len(hashes) == 0 {
+		return
+	}
+	exp := expires.UnixNano()
+	x.mu.Lock()
+	defer x.mu.Unlock()
+	x.expirePlansLocked(time.Now().UnixNano())
+	g := x.group(group)
+	if g == nil {
+		return
+	}
+	bit := uint64(1) << g.id
+	for _, h := range hashes {
+		k := rankKey{h, g.id}
+		if x.full[h]&bit != 0 {
+			continue // already held by every rank
+		}
+		if old, ok := x.planExp[k]; ok && old >= exp {
+			continue
+		}
+		x.planned[h] |= bit
+		x.planExp[k] = exp
+		x.planQ = append(x.planQ, planItem{k, exp})
+	}
+}
+
+// ExpirePlans drops the plans that expired by now.
+func (x *KVIndex) ExpirePlans(now time.Time) {
+	x.mu.Lock()
+	defer x.mu.Unlock()
+	x.expirePlansLocked(now.UnixNano())
+}
+
+// expirePlansLocked pops expired plans off the queue. Plans are queued in
+// the order they were made; with one TTL per scheduler that is close to
+// expiry order, and a plan renewed later is skipped when its old item
+// comes up.
+func (x *KVIndex) expirePlansLocked(now int64) {
+	n := 0
+	for n < len(x.planQ) && x.planQ[n].exp <= now {
+		it := x.planQ[n]
+		if exp, ok := x.planExp[it.key]; ok && exp == it.exp {
+			x.unplanLocked(it.key)
+		}
+		n++
+	}
+	if n > 0 {
+		x.planQ = x.planQ[n:]
+		if cap(x.planQ) > 1024 && len(x.planQ) < cap(x.planQ)/4 {
+			x.planQ = slices.Clone(x.planQ)
+		}
+	}
+}
+
+func (x *KVIndex) unplanLocked(k rankKey) {
+	if _, ok := x.planExp[k]; !ok {
+		return
+	}
+	delete(x.planExp, k)
+	if m := x.planned[k.hash] &^ (1 << k.gid); m == 0 {
+		delete(x.planned, k.hash)
+	} else {
+		x.planned[k.hash] = m
+	}
+}
+
+// Plans returns the number of (group, block) plans not yet confirmed.
+func (x *KVIndex) Plans() int {
+	x.mu.RLock()
+	defer x.mu.RUnlock()
+	return len(x.planExp)
 }
 
 // Match sets, for each group, IndexBlocks: how many leading blocks of
