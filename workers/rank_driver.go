@@ -1,0 +1,58 @@
+package workers
+
+import (
+	"context"
+	"errors"
+	"fmt"
+
+	"github.com/kvbus/kvbus/messages"
+)
+
+// drive runs the engine for a request on the driver rank and streams its
+// output to the frontend.
+func (r *Rank) drive(rr *rankReq) {
+	meta := rr.meta
+	outSubj := r.cfg.Subjects.Out(meta.FrontendID)
+	index := 0
+	publish := func(o *messages.Output) {
+		o.ReqID, o.Index = meta.ReqID, index
+		index++
+		r.publish(outSubj, o, meta)
+	}
+	cached := min(rr.loaded, max(meta.TokenLen-1, 0)) // at least one token is computed
+	storeQueued := false
+	res, err := r.cfg.Engine.Generate(rr.ctx, EngineRequest{
+		ReqID: meta.ReqID, PromptTokens: meta.TokenIDs, CachedTokens: cached, Params: meta.SamplingParams,
+	}, func() {
+		storeQueued = true
+		r.pushStore(rr)
+		r.publish(meta.ResultSubject, &messages.RankResult{
+			ReqID: meta.ReqID, Group: r.cfg.Group, TPRank: r.cfg.TPRank, EPRank: r.cfg.EPRank, Attempt: meta.Attempt, Prefilled: true,
+		}, meta)
+	}, func(c Chunk) error {
+		publish(&messages.Output{Text: c.Text, TokenIDs: c.TokenIDs})
+		return nil
+	})
+	// The prompt's blocks are stored (and their KV events published) before
+	// the final chunk, so a client's next turn finds them.
+	if !storeQueued {
+		close(rr.storeDone)
+	}
+	<-rr.storeDone
+	usage := &messages.Usage{PromptTokens: meta.TokenLen, CompletionTokens: res.CompletionTokens, CachedTokens: rr.loaded}
+	switch cause := context.Cause(rr.ctx); {
+	case err == nil:
+		publish(&messages.Output{FinishReason: res.FinishReason, Usage: usage})
+	case errors.Is(cause, errAborted):
+		// The client is gone; nobody is listening.
+	case errors.Is(err, context.DeadlineExceeded):
+		publish(&messages.Output{Usage: usage, Error: &messages.OutputError{Code: "timeout", Message: "request deadline passed during generation"}})
+	default:
+		publish(&messages.Output{Usage: usage, Error: &messages.OutputError{Code: "engine_error", Message: fmt.Sprintf("generation stopped: %v", cause)}})
+	}
+	rr.result.CompletionTokens = res.CompletionTokens
+	if err != nil {
+		rr.result.Error = err.Error()
+	}
+	r.report(rr)
+}

@@ -1,0 +1,52 @@
+package workers
+
+import (
+	"time"
+)
+
+// loadLoop is the rank's load thread: it reads the blocks of each request's
+// LoadSpec from the store and verifies them.
+func (r *Rank) loadLoop() {
+	for rr := range r.loadQ {
+		r.load(rr)
+		if r.IsDriver() {
+			r.drivers.Go(func() { r.drive(rr) })
+			continue
+		}
+		r.pushStore(rr)
+	}
+}
+
+func (r *Rank) load(rr *rankReq) {
+	meta := rr.meta
+	ls := meta.LoadSpec
+	if ls == nil || !ls.CanLoad || ls.KVPoolCachedTokens == 0 || rr.ctx.Err() != nil {
+		return
+	}
+	start := time.Now()
+	n := min(ls.KVPoolCachedTokens/meta.BlockSize, len(meta.BlockHashes))
+	keys := make([]string, n)
+	for i := range n {
+		keys[i] = StoreKey(meta.Model, r.cfg.TPRank, meta.BlockHashes[i])
+	}
+	size := r.blockBytes(meta.BlockSize)
+	vals := r.store.BatchGet(rr.ctx, keys)
+	ok := 0
+	for ok < n && verifyBlock(r.cfg.Payload, vals[ok], meta.BlockHashes[ok], r.cfg.TPRank, size) {
+		ok++
+	}
+	rr.loaded = ok * meta.BlockSize
+	rr.loadFail = n - ok
+	rr.loadUs = time.Since(start).Microseconds()
+	r.cfg.Metrics.loadSec.WithLabelValues(r.labels...).Observe(time.Since(start).Seconds())
+	r.cfg.Metrics.blocks.WithLabelValues(r.labels[0], r.labels[1], "loaded").Add(float64(ok))
+	if rr.loadFail > 0 {
+		r.cfg.Metrics.blocks.WithLabelValues(r.labels[0], r.labels[1], "load_failed").Add(float64(rr.loadFail))
+		r.log.Warn("load thread: blocks missing, they will be recomputed", "req_id", meta.ReqID,
+			"session_id", meta.SessionID, "wanted_blocks", n, "failed_blocks", rr.loadFail)
+	}
+}
+
+func (r *Rank) blockBytes(blockSize int) int {
+	return blockSize * r.cfg.Profile.BytesPerTokenPerRank(r.cfg.TPSize)
+}

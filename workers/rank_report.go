@@ -1,0 +1,91 @@
+package workers
+
+import (
+	"context"
+	"time"
+
+	"github.com/kvbus/kvbus/messages"
+)
+
+// report publishes the rank's RankResult and forgets the request.
+func (r *Rank) report(rr *rankReq) {
+	res := &rr.result
+	res.ReqID, res.Group, res.TPRank, res.EPRank, res.Attempt = rr.meta.ReqID, r.cfg.Group, r.cfg.TPRank, r.cfg.EPRank, rr.meta.Attempt
+	res.LoadedTokens, res.LoadUs = rr.loaded, rr.loadUs
+	res.FailedBlocks += rr.loadFail
+	if res.Error == "" {
+		if err := context.Cause(rr.ctx); err != nil {
+			res.Error = err.Error()
+		}
+	}
+	r.publish(rr.meta.ResultSubject, res, rr.meta)
+	r.mu.Lock()
+	if r.active[rr.meta.ReqID] == rr {
+		delete(r.active, rr.meta.ReqID)
+	}
+	r.mu.Unlock()
+	rr.cancel(nil)
+	r.cfg.Metrics.queue.WithLabelValues(r.labels...).Dec()
+}
+
+// fail ends a request that could not run, telling the scheduler and, on the
+// driver, the frontend.
+func (r *Rank) fail(rr *rankReq, code, msg string) {
+	r.log.Warn("request failed on rank", "req_id", rr.meta.ReqID, "session_id", rr.meta.SessionID, "code", code, "err", msg)
+	rr.result.Error = msg
+	if r.IsDriver() {
+		r.publish(r.cfg.Subjects.Out(rr.meta.FrontendID), &messages.Output{
+			ReqID: rr.meta.ReqID, Error: &messages.OutputError{Code: code, Message: msg},
+		}, rr.meta)
+	}
+	close(rr.storeDone)
+	r.report(rr)
+}
+
+func (r *Rank) publish(subject string, m messages.Message, meta *messages.ReqMeta) {
+	data, err := messages.Marshal(m)
+	if err == nil {
+		err = r.cfg.Conn.Publish(subject, data)
+	}
+	if err != nil {
+		r.log.Error("publish failed", "subject", subject, "req_id", meta.ReqID, "session_id", meta.SessionID, "err", err)
+	}
+}
+
+func (r *Rank) heartbeatLoop(ctx context.Context) {
+	t := time.NewTicker(r.cfg.HeartbeatInterval)
+	defer t.Stop()
+	for {
+		r.heartbeat()
+		select {
+		case <-ctx.Done():
+			return
+		case <-t.C:
+		}
+	}
+}
+
+func (r *Rank) heartbeat() {
+	used, capacity, _ := r.store.Usage()
+	blk := int64(r.blockBytes(r.cfg.BlockSize))
+	r.mu.Lock()
+	depth := len(r.active)
+	for id, s := range r.seen { // forget old request ids
+		if time.Since(s.at) > 10*time.Minute {
+			delete(r.seen, id)
+		}
+	}
+	r.mu.Unlock()
+	hb := &messages.Heartbeat{
+		Group: r.cfg.Group, TPRank: r.cfg.TPRank, EPRank: r.cfg.EPRank, WorldSize: r.cfg.TPSize,
+		Model: r.cfg.Model, CapacityBlocks: capacity / blk, UsedBlocks: used / blk,
+		QueueDepth: depth, StartedUnixMs: r.started.UnixMilli(), Draining: r.draining.Load(),
+	}
+	data, err := messages.Marshal(hb)
+	if err == nil {
+		err = r.cfg.Conn.Publish(r.cfg.Subjects.Heartbeat(r.cfg.Group, r.cfg.TPRank), data)
+	}
+	if err != nil {
+		r.log.Warn("heartbeat publish failed", "err", err)
+	}
+}

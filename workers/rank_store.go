@@ -1,0 +1,96 @@
+package workers
+
+import (
+	"context"
+	"time"
+
+	"github.com/kvbus/kvbus/messages"
+)
+
+func (r *Rank) pushStore(rr *rankReq) {
+	select {
+	case r.storeQ <- rr:
+	default:
+		// The store queue is full: skip saving; the request still completes.
+		r.log.Warn("store queue full: not saving this request's blocks", "req_id", rr.meta.ReqID, "session_id", rr.meta.SessionID)
+		rr.result.Error = "store queue full"
+		r.finishStore(rr)
+	}
+}
+
+// storeLoop is the rank's store thread: it saves a request's new full blocks,
+// skipping those the store already holds (like vLLM's
+// KVCacheStoreSendingThread).
+func (r *Rank) storeLoop() {
+	for rr := range r.storeQ {
+		r.storeBlocks(rr)
+		r.finishStore(rr)
+	}
+}
+
+func (r *Rank) storeBlocks(rr *rankReq) {
+	meta := rr.meta
+	start := time.Now()
+	log := r.log.With("req_id", meta.ReqID, "session_id", meta.SessionID)
+	if err := context.Cause(rr.ctx); err != nil {
+		log.Info("store thread", "skipped", "request ended", "cause", err)
+		return
+	}
+	var (
+		objs   []Object
+		blocks []int // block index of each object
+	)
+	if meta.CanSave && meta.SaveFromBlock < len(meta.BlockHashes) {
+		hashes := meta.BlockHashes[meta.SaveFromBlock:]
+		keys := make([]string, len(hashes))
+		for i, h := range hashes {
+			keys[i] = StoreKey(meta.Model, r.cfg.TPRank, h)
+		}
+		exist := r.store.BatchIsExist(rr.ctx, keys)
+		size := r.blockBytes(meta.BlockSize)
+		group := ""
+		if meta.SessionID != "" {
+			group = messages.SessionKey(meta.SessionID)
+		}
+		for i, k := range keys {
+			if exist[i] {
+				rr.result.SkippedBlocks++
+				continue
+			}
+			value, charged := blockObject(r.cfg.Payload, hashes[i], r.cfg.TPRank, size)
+			objs = append(objs, Object{Key: k, Hash: hashes[i], Value: value, Size: charged, Group: group})
+			blocks = append(blocks, meta.SaveFromBlock+i)
+		}
+	}
+	stored := blocks[:0:0]
+	for i, err := range r.store.BatchPut(rr.ctx, objs) {
+		if err != nil {
+			rr.result.FailedBlocks++
+			log.Warn("store thread: put failed", "key", objs[i].Key, "err", err)
+			continue
+		}
+		stored = append(stored, blocks[i])
+		rr.result.StoredBlocks++
+	}
+	// KV events: what was stored, then what the puts evicted (possibly some
+	// of the blocks just stored, when the store is tiny).
+	r.events.publish(append(storedEvents(meta, stored), r.events.takeEvicted()...))
+	rr.result.StoreUs = time.Since(start).Microseconds()
+	r.cfg.Metrics.storeSec.WithLabelValues(r.labels...).Observe(time.Since(start).Seconds())
+	r.cfg.Metrics.blocks.WithLabelValues(r.labels[0], r.labels[1], "stored").Add(float64(rr.result.StoredBlocks))
+	r.cfg.Metrics.blocks.WithLabelValues(r.labels[0], r.labels[1], "skipped").Add(float64(rr.result.SkippedBlocks))
+	r.cfg.Metrics.blocks.WithLabelValues(r.labels[0], r.labels[1], "store_failed").Add(float64(rr.result.FailedBlocks))
+	used, _, _ := r.store.Usage()
+	r.cfg.Metrics.usedBytes.WithLabelValues(r.labels...).Set(float64(used))
+	log.Info("store thread", "stored_blocks", rr.result.StoredBlocks, "skipped_blocks", rr.result.SkippedBlocks,
+		"loaded_tokens", rr.loaded, "token_len", meta.TokenLen)
+}
+
+// finishStore ends the store part of a request: a non-driver rank reports
+// its RankResult now; the driver reports after generation.
+func (r *Rank) finishStore(rr *rankReq) {
+	close(rr.storeDone)
+	if !r.IsDriver() {
+		r.report(rr)
+	}
+}
