@@ -229,9 +229,11 @@ type Announcement struct {
 // RoleScheduler is the role name of schedulers in announcements.
 const RoleScheduler = "scheduler"
 
-// SavePlan tells the other scheduler replicas that a group is about to store
-// blocks (kvbus.sched.plan.<scheduler-id>): the prefix of a request just
-// dispatched there. Until the ranks' KV events confirm them, or the plan
+// SavePlan tells the other scheduler replicas where a request was just
+// dispatched (kvbus.sched.plan.<scheduler-id>), one per dispatch: a replica
+// that gets the request redelivered after this one died sends it to the
+// same group and attempt, and the group is about to store the request's
+// prefix (BlockHashes). Until the ranks' KV events confirm them, or the plan
 // expires, every replica treats the blocks as the group's, so the next turn
 // of a conversation loads them whichever replica places it.
 type SavePlan struct {
@@ -239,6 +241,7 @@ type SavePlan struct {
 	SchedulerID   string      `msgpack:"scheduler_id" json:"scheduler_id"`
 	ReqID         string      `msgpack:"req_id" json:"req_id"`
 	Group         string      `msgpack:"group" json:"group"`
+	Attempt       int         `msgpack:"attempt,omitempty" json:"attempt,omitempty"`
 	BlockHashes   BlockHashes `msgpack:"block_hashes" json:"block_hashes"`
 	ExpiresUnixMs int64       `msgpack:"expires_unix_ms" json:"expires_unix_ms"`
 }

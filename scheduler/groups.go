@@ -10,16 +10,29 @@ import (
 
 // groupTable follows heartbeats. It is safe for concurrent use.
 type groupTable struct {
-	mu      sync.Mutex
-	timeout time.Duration
-	groups  map[string]*groupInfo
+	mu        sync.Mutex
+	timeout   time.Duration
+	blockSize int
+	groups    map[string]*groupInfo
 }
 
+// groupInfo is what a scheduler knows of a group. Its load is the driver
+// rank's last report (every replica hears the same heartbeats) plus what
+// this replica changed since: its own dispatches, and the prefills and
+// completions it heard of. So two replicas see one cluster's load.
 type groupInfo struct {
 	worldSize int
 	ranks     map[int]rankInfo
-	inflight  int
-	queued    int // blocks to prefill of the in-flight requests
+	// From the driver's last heartbeat.
+	hbInflight int
+	hbQueued   int // blocks to prefill
+	// This replica's changes since that heartbeat.
+	inflight int
+	queued   int
+}
+
+func (g *groupInfo) load() (inflight, queued int) {
+	return max(g.hbInflight+g.inflight, 0), max(g.hbQueued+g.queued, 0)
 }
 
 type rankInfo struct {
@@ -29,8 +42,8 @@ type rankInfo struct {
 	draining   bool
 }
 
-func newGroupTable(timeout time.Duration) *groupTable {
-	return &groupTable{timeout: timeout, groups: map[string]*groupInfo{}}
+func newGroupTable(timeout time.Duration, blockSize int) *groupTable {
+	return &groupTable{timeout: timeout, blockSize: max(blockSize, 1), groups: map[string]*groupInfo{}}
 }
 
 // observe records a heartbeat.
@@ -48,6 +61,11 @@ func (t *groupTable) observe(hb *messages.Heartbeat, now time.Time) {
 		g.ranks = map[int]rankInfo{}
 	}
 	g.ranks[hb.TPRank] = rankInfo{seen: now, started: hb.StartedUnixMs, queueDepth: hb.QueueDepth, draining: hb.Draining}
+	if hb.TPRank == 0 { // the driver knows the group's load
+		g.hbInflight = hb.InflightRequests
+		g.hbQueued = int((hb.QueuedPrefillTokens + int64(t.blockSize) - 1) / int64(t.blockSize))
+		g.inflight, g.queued = 0, 0
+	}
 }
 
 // ready returns the groups whose world_size ranks all sent a heartbeat
@@ -67,7 +85,8 @@ func (t *groupTable) ready(now time.Time) []GroupState {
 			}
 		}
 		if alive == g.worldSize && !draining {
-			out = append(out, GroupState{Name: name, WorldSize: g.worldSize, Inflight: g.inflight, QueuedBlocks: g.queued, QueueDepth: depth})
+			inflight, queued := g.load()
+			out = append(out, GroupState{Name: name, WorldSize: g.worldSize, Inflight: inflight, QueuedBlocks: queued, QueueDepth: depth})
 		}
 	}
 	sort.Slice(out, func(i, j int) bool { return out[i].Name < out[j].Name })
@@ -109,6 +128,7 @@ func (t *groupTable) each(f func(name string, inflight, queued int)) {
 	t.mu.Lock()
 	defer t.mu.Unlock()
 	for name, g := range t.groups {
-		f(name, g.inflight, g.queued)
+		inflight, queued := g.load()
+		f(name, inflight, queued)
 	}
 }

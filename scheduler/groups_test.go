@@ -63,7 +63,7 @@ func TestGroupTableReady(t *testing.T) {
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
-			gt := newGroupTable(timeout)
+			gt := newGroupTable(timeout, 16)
 			for _, st := range tt.steps {
 				now := t0.Add(st.now)
 				for _, h := range st.observe {
@@ -78,7 +78,7 @@ func TestGroupTableReady(t *testing.T) {
 }
 
 func TestGroupTableState(t *testing.T) {
-	gt := newGroupTable(time.Second)
+	gt := newGroupTable(time.Second, 16)
 	now := time.Now()
 	for r, depth := range []int{3, 7, 1} {
 		h := hb("g0", r, 3)
@@ -94,9 +94,37 @@ func TestGroupTableState(t *testing.T) {
 	if !slices.Equal(got, want) {
 		t.Errorf("ready = %+v, want %+v", got, want)
 	}
-	// In-flight counts survive a re-formed group.
-	gt.observe(hb("g0", 0, 1), now)
-	if got := gt.ready(now); len(got) != 1 || got[0].Inflight != 4 || got[0].WorldSize != 1 {
-		t.Errorf("after re-forming: %+v", got)
+}
+
+// TestGroupTableLoadIsClusterWide: the load a replica sees is the driver's
+// last report (which counts every replica's requests) plus this replica's
+// changes since; a driver heartbeat replaces the changes it has seen.
+func TestGroupTableLoadIsClusterWide(t *testing.T) {
+	gt := newGroupTable(time.Second, 16)
+	now := time.Now()
+	driver := func(inflight int, queuedTokens int64) {
+		h := hb("g0", 0, 2)
+		h.InflightRequests, h.QueuedPrefillTokens = inflight, queuedTokens
+		gt.observe(h, now)
 	}
+	gt.observe(hb("g0", 1, 2), now)
+	check := func(step string, inflight, queued int) {
+		t.Helper()
+		got := gt.ready(now)
+		if len(got) != 1 || got[0].Inflight != inflight || got[0].QueuedBlocks != queued {
+			t.Errorf("%s: ready = %+v, want inflight %d, queued blocks %d", step, got, inflight, queued)
+		}
+	}
+	driver(5, 100) // another replica's requests: 100 tokens = 7 blocks
+	check("driver report", 5, 7)
+	gt.addInflight("g0", 2, 10)
+	check("+2 dispatched here", 7, 17)
+	gt.addInflight("g0", -1, -3)
+	check("one done here", 6, 14)
+	driver(6, 0)
+	check("next driver report replaces the local changes", 6, 0)
+	gt.addInflight("g0", -10, -10)
+	check("never below zero", 0, 0)
+	gt.observe(hb("g0", 1, 2), now) // a non-driver heartbeat changes nothing
+	check("non-driver heartbeat", 0, 0)
 }

@@ -438,7 +438,25 @@ func (x *KVIndex) Synced(group string) bool {
 	}
 	for r := range g.worldSize {
 		rs := g.ranks[r]
-		if rs == nil || rs.resyncing || (!rs.synced && rs.started == 0) {
+		if rs == nil || rs.resyncing || !rs.synced {
+			return false
+		}
+	}
+	return true
+}
+
+// Known reports whether the index learnt, since it started, what every
+// rank of a group holds (from a dump or from the rank's first batch on),
+// whether or not a resync is in progress now.
+func (x *KVIndex) Known(group string) bool {
+	x.mu.RLock()
+	defer x.mu.RUnlock()
+	g := x.groups[group]
+	if g == nil || g.worldSize == 0 {
+		return false
+	}
+	for r := range g.worldSize {
+		if rs := g.ranks[r]; rs == nil || !rs.synced {
 			return false
 		}
 	}

@@ -16,9 +16,10 @@ type metrics struct {
 	indexEntries  prometheus.Gauge
 	indexBlocks   prometheus.Gauge
 	resyncs       prometheus.Counter
+	resends       prometheus.Counter
 }
 
-func newMetrics(reg prometheus.Registerer, trackers func() float64) *metrics {
+func newMetrics(reg prometheus.Registerer, trackers, rejected, plans func() float64) *metrics {
 	m := &metrics{
 		routing: prometheus.NewHistogram(prometheus.HistogramOpts{
 			Name:    "kvbus_scheduler_routing_seconds",
@@ -73,11 +74,24 @@ func newMetrics(reg prometheus.Registerer, trackers func() float64) *metrics {
 			Name: "kvbus_scheduler_kv_resyncs_total",
 			Help: "Dumps requested from ranks after a gap in their KV events or a restart.",
 		}),
+		resends: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "kvbus_scheduler_reqmeta_resends_total",
+			Help: "ReqMetas published again because a rank of the group had not answered (receipt or result) within --resend-after.",
+		}),
 	}
 	if reg != nil {
 		reg.MustRegister(m.routing, m.requests, m.ready, m.predicted, m.actual, m.promptTokens, m.cachedTokens,
 			m.groupInflight, m.groupQueued, m.groupBlocks, m.indexEntries, m.indexBlocks, m.resyncs,
-			prometheus.NewGaugeFunc(prometheus.GaugeOpts{Name: "kvbus_scheduler_trackers", Help: "Live RequestTrackers."}, trackers))
+			m.resends,
+			prometheus.NewGaugeFunc(prometheus.GaugeOpts{Name: "kvbus_scheduler_trackers", Help: "Live RequestTrackers."}, trackers),
+			prometheus.NewCounterFunc(prometheus.CounterOpts{
+				Name: "kvbus_scheduler_kv_batches_rejected_total",
+				Help: "KV event batches dropped as malformed: a seq impossibly far past the rank's last known seq (corrupted, replayed or forged).",
+			}, rejected),
+			prometheus.NewGaugeFunc(prometheus.GaugeOpts{
+				Name: "kvbus_scheduler_save_plans",
+				Help: "(group, block) save plans of dispatched requests not yet confirmed by the ranks' KV events.",
+			}, plans))
 	}
 	return m
 }

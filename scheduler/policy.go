@@ -20,8 +20,9 @@ var ErrNoReadyGroup = errors.New("scheduler: no ready worker group")
 type GroupState struct {
 	Name      string
 	WorldSize int
-	// Inflight counts this scheduler's requests on the group not yet
-	// finished; QueuedBlocks sums their blocks to prefill.
+	// Inflight counts the group's requests not yet finished and
+	// QueuedBlocks their blocks still to prefill, cluster-wide: the
+	// driver's last heartbeat plus this replica's changes since.
 	Inflight     int
 	QueuedBlocks int
 	// QueueDepth is the largest queue depth the group's ranks reported.

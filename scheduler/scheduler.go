@@ -9,7 +9,6 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
-	"strconv"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -20,6 +19,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/kvbus/kvbus/bus"
+	"github.com/kvbus/kvbus/internal/recent"
 	"github.com/kvbus/kvbus/messages"
 )
 
@@ -53,9 +53,29 @@ type Config struct {
 	// SessionTTL is how long a session binding lives after its last turn
 	// (default 30 min).
 	SessionTTL time.Duration
-	// DumpTimeout bounds a rank's answer to a dump request (default 2 s).
+	// DumpTimeout bounds a rank's answer to a dump request, all its chunks
+	// (default 5 s).
 	DumpTimeout time.Duration
-	Logger      *slog.Logger
+	// NoGroupWait is how long a request waits for a ready worker group
+	// before it gets a fast no_ready_group error (503 with Retry-After)
+	// instead of waiting out its deadline (default 2 s).
+	NoGroupWait time.Duration
+	// ResendAfter: a ReqMeta is published again (at most 3 times) when a
+	// rank of its group has not answered it within this bound — no
+	// receipt, no result — as when one core NATS message was lost
+	// (default 1 s).
+	ResendAfter time.Duration
+	// PlanTTL bounds how long a dispatched request's blocks count as its
+	// group's before the ranks' KV events confirm them (default 30 s).
+	PlanTTL time.Duration
+	// EndedIDs and EndedAge bound the memory of ended request ids that
+	// drops redeliveries (defaults 200,000 and 10 min).
+	EndedIDs int
+	EndedAge time.Duration
+	// HistoryBytes bounds the request log's acknowledged history kept for
+	// capture; 0 keeps what the stream's own limits keep.
+	HistoryBytes int64
+	Logger       *slog.Logger
 	// Registerer receives the scheduler's metrics; nil: unregistered.
 	Registerer prometheus.Registerer
 }
@@ -88,9 +108,15 @@ type Scheduler struct {
 	m        *metrics
 	hm       *bus.HandlerMetrics
 
-	dumpMu  sync.Mutex
-	dumping map[rankID]time.Time // dump requests in flight
-	dumps   sync.WaitGroup
+	resyncMu sync.Mutex
+	resyncs  map[rankID]*resyncState
+	dumps    sync.WaitGroup
+
+	// dispatched remembers where other replicas sent requests (from their
+	// SavePlans): a redelivered request goes to the same group and attempt.
+	dispatched *recent.Memory[dispatchRecord]
+	consuming  atomic.Bool // the request consumer runs
+	announced  announcement
 }
 
 type rankID struct {
@@ -116,7 +142,22 @@ func New(cfg Config) (*Scheduler, error) {
 		cfg.SessionTTL = 30 * time.Minute
 	}
 	if cfg.DumpTimeout <= 0 {
-		cfg.DumpTimeout = 2 * time.Second
+		cfg.DumpTimeout = 5 * time.Second
+	}
+	if cfg.NoGroupWait <= 0 {
+		cfg.NoGroupWait = 2 * time.Second
+	}
+	if cfg.ResendAfter <= 0 {
+		cfg.ResendAfter = time.Second
+	}
+	if cfg.PlanTTL <= 0 {
+		cfg.PlanTTL = 30 * time.Second
+	}
+	if cfg.EndedIDs <= 0 {
+		cfg.EndedIDs = 200_000
+	}
+	if cfg.EndedAge <= 0 {
+		cfg.EndedAge = 10 * time.Minute
 	}
 	if err := cfg.Validate(); err != nil {
 		return nil, err
@@ -125,16 +166,27 @@ func New(cfg Config) (*Scheduler, error) {
 	if log == nil {
 		log = slog.Default()
 	}
-	s := &Scheduler{
-		cfg:      cfg,
-		log:      log.With("scheduler_id", cfg.ID),
-		groups:   newGroupTable(cfg.HeartbeatTimeout),
-		trackers: newTrackerTable(),
-		index:    NewKVIndex(),
-		hm:       bus.NewHandlerMetrics(cfg.Registerer),
-		dumping:  map[rankID]time.Time{},
+	ended := recent.Config{MaxIDs: cfg.EndedIDs, MaxAge: cfg.EndedAge}
+	trackers, err := newTrackerTable(ended)
+	if err != nil {
+		return nil, fmt.Errorf("%w: %v", ErrConfig, err)
 	}
-	s.m = newMetrics(cfg.Registerer, func() float64 { return float64(s.trackers.Len()) })
+	dispatched, err := recent.New[dispatchRecord](ended)
+	if err != nil {
+		return nil, fmt.Errorf("%w: %v", ErrConfig, err)
+	}
+	s := &Scheduler{
+		cfg:        cfg,
+		log:        log.With("scheduler_id", cfg.ID),
+		groups:     newGroupTable(cfg.HeartbeatTimeout, cfg.BlockSize),
+		trackers:   trackers,
+		index:      NewKVIndex(),
+		hm:         bus.NewHandlerMetrics(cfg.Registerer),
+		resyncs:    map[rankID]*resyncState{},
+		dispatched: dispatched,
+	}
+	s.m = newMetrics(cfg.Registerer, func() float64 { return float64(s.trackers.Len()) },
+		func() float64 { return float64(s.index.Rejected()) }, func() float64 { return float64(s.index.Plans()) })
 	return s, nil
 }
 
@@ -202,6 +254,7 @@ func (s *Scheduler) Run(ctx context.Context) error {
 		{subj.KVAll(), "scheduler_kv_events", s.onKVEvents},
 		{subj.Done(s.cfg.ID), "scheduler_done", s.onDone},
 		{subj.Abort(), "scheduler_abort", s.onAbort},
+		{subj.PlanAll(), "scheduler_plan", s.onPlan},
 	} {
 		sub, err := bus.Subscribe(ctx, nc, h.subject, bus.Wrap(h.fn, s.log, s.hm, h.name))
 		if err != nil {
@@ -216,6 +269,9 @@ func (s *Scheduler) Run(ctx context.Context) error {
 	onRequest := bus.Wrap(s.onRequest, s.log, s.hm, "scheduler_request")
 	cc, err := cons.Consume(func(m jetstream.Msg) { _ = onRequest(ctx, m) },
 		jetstream.PullMaxMessages(512),
+		// Pulls expire every 5 s: a replica notices a stream that was
+		// recreated or a consumer it lost within that, not after 30 s.
+		jetstream.PullExpiry(5*time.Second),
 		jetstream.ConsumeErrHandler(func(_ jetstream.ConsumeContext, err error) {
 			if !errors.Is(err, jetstream.ErrNoHeartbeat) {
 				s.log.Warn("request consumer", "err", err)
@@ -224,13 +280,17 @@ func (s *Scheduler) Run(ctx context.Context) error {
 	if err != nil {
 		return fmt.Errorf("scheduler: consume %s: %w", messages.RequestStream, err)
 	}
+	s.consuming.Store(true)
 	s.log.Info("scheduler started", "block_size", s.cfg.BlockSize, "policy", fmt.Sprintf("%T", s.cfg.Policy))
+	s.announce(time.Now(), true)
 
 	tick := time.NewTicker(250 * time.Millisecond)
 	defer tick.Stop()
 	for {
 		select {
 		case <-ctx.Done():
+			s.consuming.Store(false)
+			s.announce(time.Now(), true) // not ready: frontends stop counting on this replica
 			if !nc.IsConnected() {
 				cc.Stop() // NATS is gone: nothing to drain
 			} else {
@@ -249,336 +309,13 @@ func (s *Scheduler) Run(ctx context.Context) error {
 	}
 }
 
-func (s *Scheduler) onHeartbeat(ctx context.Context, m *nats.Msg) error {
-	hb, err := messages.DecodeHeartbeat(m.Data)
-	if err != nil {
-		return err
-	}
-	s.groups.observe(hb, time.Now())
-	if s.index.ObserveRank(hb.Group, hb.TPRank, hb.WorldSize, hb.StartedUnixMs) {
-		s.log.Info("rank (re)started: asking it for a dump", "group", hb.Group, "tp_rank", hb.TPRank)
-		s.requestDump(ctx, hb.Group, hb.TPRank)
-	}
-	return nil
-}
-
-func (s *Scheduler) onKVEvents(ctx context.Context, m *nats.Msg) error {
-	b, err := messages.DecodeKVEventBatch(m.Data)
-	if err != nil {
-		return err
-	}
-	if s.index.Apply(b) {
-		s.log.Warn("gap in KV events: asking the rank for a dump", "group", b.Group, "tp_rank", b.Rank, "seq", b.Seq)
-		s.requestDump(ctx, b.Group, b.Rank)
-	}
-	return nil
-}
-
-// requestDump asks a rank for everything it holds, in the background, unless
-// a request to it is already in flight.
-func (s *Scheduler) requestDump(ctx context.Context, group string, rank int) {
-	id := rankID{group, rank}
-	s.dumpMu.Lock()
-	if _, busy := s.dumping[id]; busy || ctx.Err() != nil {
-		s.dumpMu.Unlock()
-		return
-	}
-	s.dumping[id] = time.Now()
-	s.dumpMu.Unlock()
-	s.m.resyncs.Inc()
-	s.dumps.Go(func() {
-		defer func() {
-			s.dumpMu.Lock()
-			delete(s.dumping, id)
-			s.dumpMu.Unlock()
-		}()
-		rctx, cancel := context.WithTimeout(ctx, s.cfg.DumpTimeout)
-		msg, err := s.cfg.Conn.RequestWithContext(rctx, s.cfg.Subjects.Dump(group, rank), nil)
-		cancel()
-		if ctx.Err() != nil {
-			return
-		}
-		if err != nil {
-			s.log.Warn("dump request failed; will retry", "group", group, "tp_rank", rank, "err", err)
-			return
-		}
-		dump, err := messages.DecodeKVEventBatch(msg.Data)
-		if err != nil {
-			s.log.Warn("malformed dump; will retry", "group", group, "tp_rank", rank, "err", err)
-			return
-		}
-		again := s.index.ApplyDump(group, rank, dump)
-		s.log.Info("rank resynced from its dump", "group", group, "tp_rank", rank, "seq", dump.Seq, "gap_again", again)
-		if again {
-			s.dumpMu.Lock()
-			delete(s.dumping, id)
-			s.dumpMu.Unlock()
-			s.requestDump(ctx, group, rank)
-		}
-	})
-}
-
-func (s *Scheduler) onAbort(_ context.Context, m *nats.Msg) error {
-	a, err := messages.DecodeAbort(m.Data)
-	if err != nil {
-		return err
-	}
-	if a.Group != "" {
-		return nil // a scheduler withdrawing a request from one group
-	}
-	if t := s.trackers.remove(a.ReqID); t != nil {
-		s.groups.addInflight(t.Group, -1, -t.queued)
-		s.m.requests.WithLabelValues("aborted").Inc()
-		s.log.Info("request aborted", "req_id", t.ReqID, "session_id", t.SessionID, "group", t.Group, "reason", a.Reason)
-	}
-	return nil
-}
-
-func (s *Scheduler) onDone(_ context.Context, m *nats.Msg) error {
-	r, err := messages.DecodeRankResult(m.Data)
-	if err != nil {
-		return err
-	}
-	if r.Prefilled {
-		if group, blocks := s.trackers.prefilled(r); blocks > 0 {
-			s.groups.addInflight(group, 0, -blocks)
-		}
-		return nil
-	}
-	t, known := s.trackers.addResult(r)
-	if !known {
-		s.log.Debug("result for an unknown request or attempt", "req_id", r.ReqID, "group", r.Group, "tp_rank", r.TPRank)
-		return nil
-	}
-	if t == nil {
-		return nil
-	}
-	s.groups.addInflight(t.Group, -1, -t.queued)
-	outcome, failed := "completed", 0
-	for _, res := range t.Results {
-		failed += res.FailedBlocks
-		if res.Error != "" {
-			outcome = "failed"
-		}
-	}
-	s.m.requests.WithLabelValues(outcome).Inc()
-	driver := t.Results[0]
-	depth := turnDepthLabel(t.TurnDepth)
-	s.m.predicted.Add(float64(t.LoadBlocks * s.cfg.BlockSize))
-	s.m.actual.Add(float64(driver.LoadedTokens))
-	s.m.promptTokens.WithLabelValues(depth).Add(float64(t.TokenLen))
-	s.m.cachedTokens.WithLabelValues(depth).Add(float64(driver.LoadedTokens))
-	s.log.Info("request done", "req_id", t.ReqID, "session_id", t.SessionID, "group", t.Group,
-		"outcome", outcome, "prompt_tokens", t.TokenLen, "predicted_tokens", t.LoadBlocks*s.cfg.BlockSize, "loaded_tokens", driver.LoadedTokens,
-		"completion_tokens", driver.CompletionTokens, "failed_blocks", failed, "error", driver.Error,
-		"ms", time.Since(t.Received).Milliseconds())
-	return nil
-}
-
-// onRequest dispatches one request from the log. It acks after the ReqMeta
-// is published; with no ready group it asks for redelivery until the
-// request's deadline, then answers with an error.
-func (s *Scheduler) onRequest(_ context.Context, m jetstream.Msg) error {
-	start := time.Now()
-	req, err := messages.DecodeRequest(m.Data())
-	if err != nil {
-		_ = m.Term()
-		return fmt.Errorf("request on %s: %w", m.Subject(), err)
-	}
-	if s.trackers.seen(req.RequestID) { // a redelivery of a request already dispatched
-		s.m.requests.WithLabelValues("duplicate").Inc()
-		return m.Ack()
-	}
-	deadline := time.UnixMilli(req.ArrivalUnixMs).Add(s.cfg.RequestTimeout)
-	if req.DeadlineUnixMs > 0 {
-		deadline = time.UnixMilli(req.DeadlineUnixMs)
-	}
-	sessionID := req.SamplingParams.SessionFromExtraArgs()
-	if sessionID == "" {
-		sessionID = req.SessionID
-	}
-	log := s.log.With("req_id", req.RequestID, "session_id", sessionID)
-	if start.After(deadline) {
-		s.m.requests.WithLabelValues("expired").Inc()
-		log.Warn("request expired before dispatch", "deadline", deadline)
-		s.sendError(req.FrontendID, req.RequestID, sessionID, "timeout", "request deadline passed before it could be dispatched")
-		return m.Ack()
-	}
-	groups := s.groups.ready(start)
-	s.m.ready.Set(float64(len(groups)))
-	if len(groups) == 0 {
-		if md, err := m.Metadata(); err == nil && md.NumDelivered == 1 {
-			log.Warn("no ready worker group; will retry until the deadline", "deadline", deadline)
-		}
-		return m.NakWithDelay(200 * time.Millisecond)
-	}
-
-	t := &RequestTracker{
-		ReqID: req.RequestID, SessionID: sessionID, Model: req.Model, FrontendID: req.FrontendID,
-		TokenLen: len(req.PromptTokenIDs), TokenIDs: req.PromptTokenIDs, Request: req,
-		Received: start, Deadline: deadline, Results: map[int]*messages.RankResult{}, TurnDepth: 1,
-	}
-	t.BlockHashes = HashBlocks(make([]uint64, 0, t.TokenLen/s.cfg.BlockSize), HashSeed(req.Model), req.PromptTokenIDs, s.cfg.BlockSize)
-	bindings := s.bindings.Load()
-	binding, bound := bindings.Get(sessionID)
-	if bound {
-		t.TurnDepth = binding.Turn + 1
-	}
-	group, err := s.place(t, groups, binding, bound)
-	if err != nil {
-		return m.NakWithDelay(200 * time.Millisecond)
-	}
-	if !s.trackers.add(t) {
-		return m.Ack()
-	}
-	s.groups.addInflight(group, 1, t.PrefillBlocks)
-	if err := s.publishMeta(t); err != nil {
-		s.trackers.drop(t.ReqID)
-		s.groups.addInflight(group, -1, -t.queued)
-		_ = m.NakWithDelay(100 * time.Millisecond)
-		return err
-	}
-	if sessionID != "" {
-		b := Binding{Group: group, Blocks: len(t.BlockHashes), Turn: t.TurnDepth}
-		if b.Blocks > 0 {
-			b.LastHash = t.BlockHashes[b.Blocks-1]
-		}
-		bindings.Record(sessionID, b)
-	}
-	s.m.routing.Observe(time.Since(start).Seconds())
-	s.m.requests.WithLabelValues("dispatched").Inc()
-	log.Debug("dispatched", "group", group, "prompt_tokens", t.TokenLen, "blocks", len(t.BlockHashes),
-		"load_blocks", t.LoadBlocks, "turn_depth", t.TurnDepth)
-	return m.Ack()
-}
-
-// place chooses a group among the ready ones for t and sets its Group,
-// WorldSize, LoadBlocks, PrefillBlocks and queued.
-func (s *Scheduler) place(t *RequestTracker, groups []GroupState, binding Binding, bound bool) (string, error) {
-	s.index.Match(t.BlockHashes, groups)
-	for i := range groups {
-		g := &groups[i]
-		g.CachedBlocks = g.IndexBlocks
-		if bound && g.Name == binding.Group {
-			g.Bound = true
-			// The previous turn's blocks, if this prompt extends it.
-			if n := binding.Blocks; n > 0 && n <= len(t.BlockHashes) && t.BlockHashes[n-1] == binding.LastHash {
-				g.CachedBlocks = max(g.CachedBlocks, n)
-			}
-		}
-	}
-	group, err := s.cfg.Policy.Place(t, groups)
-	if err != nil {
-		return "", err
-	}
-	for _, g := range groups {
-		if g.Name == group {
-			t.WorldSize = g.WorldSize
-			// Load what every rank holds, but never the whole prompt: at least
-			// one token is computed (vLLM's rule).
-			t.LoadBlocks = min(g.IndexBlocks, max(t.TokenLen-1, 0)/s.cfg.BlockSize)
-		}
-	}
-	t.Group = group
-	t.PrefillBlocks = len(t.BlockHashes) - t.LoadBlocks
-	t.queued = t.PrefillBlocks
-	return group, nil
-}
-
-// rescue handles the requests of groups that lost a rank: a request
-// whose output has not started is withdrawn from its group and dispatched
-// again elsewhere (attempt + 1); one that streamed already ends with an
-// error. No request waits for a dead group.
-func (s *Scheduler) rescue(now time.Time) {
-	groups := s.groups.ready(now)
-	alive := s.groups.alive(now) // a draining group finishes its requests
-	movable, lost := s.trackers.stranded(func(g string) bool { return alive[g] })
-	for _, t := range lost {
-		s.groups.addInflight(t.Group, -1, -t.queued)
-		s.withdraw(t.ReqID, t.Group, "worker group failed")
-		s.m.requests.WithLabelValues("failed").Inc()
-		s.log.Warn("worker group failed during generation; the request ends with an error", "req_id", t.ReqID,
-			"session_id", t.SessionID, "group", t.Group)
-		s.sendError(t.FrontendID, t.ReqID, t.SessionID, "group_failed", "the worker group failed while generating this answer; retry the request")
-	}
-	if len(movable) == 0 || len(groups) == 0 {
-		return // with no ready group the requests wait, until their deadline
-	}
-	for _, old := range movable {
-		var from string
-		var meta bool
-		s.trackers.update(old.ReqID, func(t *RequestTracker) {
-			from = t.Group
-			s.groups.addInflight(t.Group, -1, -t.queued)
-			cands := append([]GroupState(nil), groups...)
-			if _, err := s.place(t, cands, Binding{}, false); err != nil {
-				t.Group = ""
-				return
-			}
-			t.Attempt++
-			t.Results = map[int]*messages.RankResult{}
-			s.groups.addInflight(t.Group, 1, t.queued)
-			meta = true
-		})
-		s.withdraw(old.ReqID, from, "worker group not ready: dispatched again elsewhere")
-		if !meta {
-			continue
-		}
-		s.m.requests.WithLabelValues("redispatched").Inc()
-		s.log.Warn("worker group not ready: request dispatched again", "req_id", old.ReqID, "session_id", old.SessionID,
-			"from", from, "to", old.Group, "attempt", old.Attempt)
-		if err := s.publishMeta(old); err != nil {
-			s.log.Error("cannot dispatch again", "req_id", old.ReqID, "err", err)
-		}
-	}
-}
-
-// withdraw tells one group's ranks to drop a request.
-func (s *Scheduler) withdraw(reqID, group, reason string) {
-	if data, err := messages.Marshal(&messages.Abort{ReqID: reqID, Group: group, Reason: reason}); err == nil {
-		_ = s.cfg.Conn.Publish(s.cfg.Subjects.Abort(), data)
-	}
-}
-
-// publishMeta builds the tracker's ReqMeta and publishes it once on the
-// group's session-keyed subject.
-func (s *Scheduler) publishMeta(t *RequestTracker) error {
-	req := t.Request
-	meta := &messages.ReqMeta{
-		ReqID: t.ReqID, SessionID: t.SessionID, Model: t.Model, Group: t.Group,
-		TokenLen: t.TokenLen, TokenIDs: t.TokenIDs, BlockSize: s.cfg.BlockSize, BlockHashes: t.BlockHashes,
-		LoadSpec: &messages.LoadSpec{KVPoolCachedTokens: t.LoadBlocks * s.cfg.BlockSize, CanLoad: t.LoadBlocks > 0},
-		CanSave:  true, SaveFromBlock: t.LoadBlocks, IsLastChunk: true, NumPromptTokens: t.TokenLen,
-		SamplingParams: req.SamplingParams, FrontendID: t.FrontendID,
-		ResultSubject: s.cfg.Subjects.Done(s.cfg.ID), Attempt: t.Attempt,
-		DeadlineUnixMs: t.Deadline.UnixMilli(),
-	}
-	data, err := messages.Marshal(meta)
-	if err != nil {
-		return err
-	}
-	if err := s.cfg.Conn.Publish(s.cfg.Subjects.Meta(t.Group, t.SessionID), data); err != nil {
-		return fmt.Errorf("publish ReqMeta %s: %w", t.ReqID, err)
-	}
-	return nil
-}
-
-// sendError ends a request at its frontend with an error chunk.
-func (s *Scheduler) sendError(frontendID, reqID, sessionID, code, msg string) {
-	data, err := messages.Marshal(&messages.Output{ReqID: reqID, Index: 0, Error: &messages.OutputError{Code: code, Message: msg}})
-	if err == nil {
-		err = s.cfg.Conn.Publish(s.cfg.Subjects.Out(frontendID), data)
-	}
-	if err != nil {
-		s.log.Error("cannot send error to frontend", "req_id", reqID, "session_id", sessionID, "err", err)
-	}
-}
-
 // sweep drops trackers past their deadline (plus a grace period for the
 // driver's own timeout report) so that none leaks, retries dumps that did
 // not arrive, and refreshes the gauges.
 func (s *Scheduler) sweep(ctx context.Context, now time.Time) {
 	s.m.ready.Set(float64(len(s.groups.ready(now))))
+	s.announce(now, false)
+	s.index.ExpirePlans(now)
 	for group, ranks := range s.index.Resyncing() {
 		for _, r := range ranks {
 			s.requestDump(ctx, group, r)
@@ -590,7 +327,7 @@ func (s *Scheduler) sweep(ctx context.Context, now time.Time) {
 		s.m.groupBlocks.WithLabelValues(name).Set(float64(s.index.GroupBlocks(name)))
 	})
 	s.rescue(now)
-	s.trackers.forget(now)
+	s.resend(now)
 	entries, full := s.index.Size()
 	s.m.indexEntries.Set(float64(entries))
 	s.m.indexBlocks.Set(float64(full))
@@ -599,14 +336,6 @@ func (s *Scheduler) sweep(ctx context.Context, now time.Time) {
 		s.m.requests.WithLabelValues("timeout").Inc()
 		s.log.Warn("request timed out in the scheduler", "req_id", t.ReqID, "session_id", t.SessionID,
 			"group", t.Group, "ranks_reported", len(t.Results), "world_size", t.WorldSize)
-		s.sendError(t.FrontendID, t.ReqID, t.SessionID, "timeout", "request timed out waiting for worker ranks")
+		s.sendError(t.FrontendID, t.ReqID, t.SessionID, t.Attempt, "timeout", "request timed out waiting for worker ranks")
 	}
-}
-
-// turnDepthLabel buckets a turn depth as 1, 2, 3 or 4+.
-func turnDepthLabel(d int) string {
-	if d >= 4 {
-		return "4+"
-	}
-	return strconv.Itoa(max(d, 1))
 }

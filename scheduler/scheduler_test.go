@@ -412,8 +412,18 @@ func TestSchedulerDispatch(t *testing.T) {
 					len(meta.TokenIDs), meta.TokenLen, meta.NumPromptTokens, meta.BlockSize)
 			}
 			if meta.Model != testModel || meta.FrontendID != testFrontend || meta.ResultSubject != e.subj.Done(testSchedID) ||
-				meta.Attempt != 0 || !meta.CanSave || !meta.IsLastChunk || meta.SaveFromBlock != 0 || meta.LoadSpec == nil {
+				meta.Attempt != 0 || !meta.CanSave || !meta.IsLastChunk || meta.LoadSpec == nil {
 				t.Errorf("ReqMeta %+v", meta)
+			}
+			// The fake ranks never store, but the next turn of conv-1 is placed
+			// on the group that is saving the first turn's 6 blocks (its save
+			// plan): it loads them (read-your-writes).
+			wantLoad := 0
+			if req.RequestID == "r-sess-2" {
+				wantLoad = 100 / 16
+			}
+			if meta.SaveFromBlock != wantLoad || meta.LoadSpec.KVPoolCachedTokens != wantLoad*16 || meta.LoadSpec.CanLoad != (wantLoad > 0) {
+				t.Errorf("save_from_block %d, load spec %+v; want %d blocks loaded", meta.SaveFromBlock, *meta.LoadSpec, wantLoad)
 			}
 			if got, want := fmt.Sprintf("%+v", meta.SamplingParams), fmt.Sprintf("%+v", req.SamplingParams); got != want {
 				t.Errorf("sampling params %s, want %s", got, want)

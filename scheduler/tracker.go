@@ -4,6 +4,7 @@ import (
 	"sync"
 	"time"
 
+	"github.com/kvbus/kvbus/internal/recent"
 	"github.com/kvbus/kvbus/messages"
 )
 
@@ -41,6 +42,15 @@ type RequestTracker struct {
 	Prefilled bool
 	// Results holds the RankResult of each tp_rank for the current attempt.
 	Results map[int]*messages.RankResult
+	// Heard marks the tp_ranks that answered the current attempt (a
+	// receipt, the prefill report or the result); Dispatched is when its
+	// ReqMeta was last published, meta its subject and bytes, and Resends
+	// how often it was published again for ranks not heard from.
+	Heard      map[int]bool
+	Dispatched time.Time
+	Resends    int
+	metaSubj   string
+	metaData   []byte
 }
 
 // trackerTable holds the live trackers by request id. It is safe for
@@ -49,32 +59,22 @@ type trackerTable struct {
 	mu sync.Mutex
 	m  map[string]*RequestTracker
 	// ended remembers recently ended requests, so that a redelivery of one
-	// from the request log is not run twice.
-	ended map[string]time.Time
+	// from the request log is not run twice. Bounded by count and age.
+	ended *recent.Memory[struct{}]
 }
 
-// endedMemory is how long an ended request id is remembered.
-const endedMemory = 10 * time.Minute
-
-func newTrackerTable() *trackerTable {
-	return &trackerTable{m: map[string]*RequestTracker{}, ended: map[string]time.Time{}}
-}
-
-// forget drops ended ids older than endedMemory.
-func (tt *trackerTable) forget(now time.Time) {
-	tt.mu.Lock()
-	defer tt.mu.Unlock()
-	for id, at := range tt.ended {
-		if now.Sub(at) > endedMemory {
-			delete(tt.ended, id)
-		}
+func newTrackerTable(ended recent.Config) (*trackerTable, error) {
+	mem, err := recent.New[struct{}](ended)
+	if err != nil {
+		return nil, err
 	}
+	return &trackerTable{m: map[string]*RequestTracker{}, ended: mem}, nil
 }
 
 // endLocked removes a tracker and remembers its id.
 func (tt *trackerTable) endLocked(id string) {
 	delete(tt.m, id)
-	tt.ended[id] = time.Now()
+	tt.ended.Put(id, struct{}{}, time.Now())
 }
 
 // add inserts t unless a tracker with its id exists; it reports whether t
@@ -101,7 +101,7 @@ func (tt *trackerTable) seen(id string) bool {
 	tt.mu.Lock()
 	defer tt.mu.Unlock()
 	_, live := tt.m[id]
-	_, ended := tt.ended[id]
+	_, ended := tt.ended.Get(id, time.Now())
 	return live || ended
 }
 
@@ -132,7 +132,11 @@ func (tt *trackerTable) addResult(r *messages.RankResult) (done *RequestTracker,
 	if t == nil || r.Attempt != t.Attempt || r.Group != t.Group || r.TPRank < 0 || r.TPRank >= t.WorldSize {
 		return nil, false
 	}
-	if r.Prefilled {
+	if t.Heard == nil {
+		t.Heard = map[int]bool{}
+	}
+	t.Heard[r.TPRank] = true
+	if r.Prefilled || r.Received {
 		return nil, true // see prefilled
 	}
 	t.Results[r.TPRank] = r
@@ -186,6 +190,31 @@ func (tt *trackerTable) update(id string, f func(t *RequestTracker)) bool {
 		f(t)
 	}
 	return t != nil
+}
+
+// resendItem is a ReqMeta to publish again.
+type resendItem struct {
+	subject, reqID, sessionID, group string
+	attempt                          int
+	data                             []byte
+}
+
+// silent returns the ReqMetas to publish again: of trackers whose ranks
+// have not all answered within after of the last publication (at most 3
+// times).
+func (tt *trackerTable) silent(now time.Time, after time.Duration) []resendItem {
+	tt.mu.Lock()
+	defer tt.mu.Unlock()
+	var out []resendItem
+	for _, t := range tt.m {
+		if t.metaData == nil || len(t.Heard) >= t.WorldSize || t.Resends >= 3 || now.Sub(t.Dispatched) < after {
+			continue
+		}
+		t.Resends++
+		t.Dispatched = now
+		out = append(out, resendItem{t.metaSubj, t.ReqID, t.SessionID, t.Group, t.Attempt, t.metaData})
+	}
+	return out
 }
 
 // expired removes and returns the trackers whose deadline is before now.

@@ -5,6 +5,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/kvbus/kvbus/internal/recent"
 	"github.com/kvbus/kvbus/messages"
 )
 
@@ -14,7 +15,7 @@ func newTracker(id, group string, worldSize, attempt int, deadline time.Time) *R
 }
 
 func TestTrackerTableAddRemove(t *testing.T) {
-	tt := newTrackerTable()
+	tt := testTrackerTable(t)
 	a := newTracker("a", "g0", 2, 0, time.Now())
 	if !tt.add(a) || tt.Len() != 1 || !tt.has("a") {
 		t.Fatal("add(a) failed")
@@ -50,7 +51,7 @@ func TestTrackerTableAddResult(t *testing.T) {
 		{"last rank completes and removes", res("r", "g0", 1, 1), true, true, 0},
 		{"after completion: unknown", res("r", "g0", 1, 1), false, false, 0},
 	}
-	tt := newTrackerTable()
+	tt := testTrackerTable(t)
 	tr := newTracker("r", "g0", 3, 1, time.Now().Add(time.Minute))
 	tt.add(tr)
 	for _, c := range tests {
@@ -67,7 +68,7 @@ func TestTrackerTableAddResult(t *testing.T) {
 
 func TestTrackerTableExpired(t *testing.T) {
 	now := time.Unix(1_700_000_000, 0)
-	tt := newTrackerTable()
+	tt := testTrackerTable(t)
 	for _, c := range []struct {
 		id       string
 		deadline time.Duration
@@ -99,11 +100,20 @@ func TestTrackerTableExpired(t *testing.T) {
 // Scheduler.onDone then dereferences the missing t.Results[0] (a nil pointer
 // panic, recovered by the handler middleware).
 func TestTrackerTableIgnoresRanksOutsideWorldSize(t *testing.T) {
-	tt := newTrackerTable()
+	tt := testTrackerTable(t)
 	tt.add(newTracker("r", "g0", 2, 0, time.Now().Add(time.Minute)))
 	for _, rank := range []int{1, 5, -1} {
 		if done, _ := tt.addResult(&messages.RankResult{ReqID: "r", Group: "g0", TPRank: rank}); done != nil {
 			t.Fatalf("results from ranks 1 and %d completed a request of world size 2 without its driver", rank)
 		}
 	}
+}
+
+func testTrackerTable(t *testing.T) *trackerTable {
+	t.Helper()
+	tt, err := newTrackerTable(recent.Config{MaxIDs: 1000, MaxAge: time.Minute})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return tt
 }

@@ -122,28 +122,60 @@ func (l *eventLog) publish(events []messages.KVEvent) {
 }
 
 // onDump answers kvbus.ctl.dump.<group>.<rank> with everything the rank
-// holds: AllBlocksCleared then one BlockStored, at the current seq, so that
-// events after it continue from that seq.
+// holds, at the current seq, so that events after it continue from that
+// seq: AllBlocksCleared then BlockStored, in as many chunks (KVEventBatches
+// with DumpChunk/DumpChunks) as the connection's max payload needs. A rank
+// with millions of blocks resyncs against a default 1 MiB server.
 func (l *eventLog) onDump(_ context.Context, m *nats.Msg) error {
 	l.mu.Lock()
 	hashes := make(messages.BlockHashes, 0, len(l.held))
 	for h := range l.held {
 		hashes = append(hashes, h)
 	}
-	batch := &messages.KVEventBatch{
-		TS: float64(time.Now().UnixMicro()) / 1e6, Seq: l.seq, Group: l.group, Rank: l.rank,
-		Events: []messages.KVEvent{
-			{Type: messages.EventAllBlocksCleared},
-			{Type: messages.EventBlockStored, BlockHashes: hashes, Medium: mediumKVPool},
-		},
-	}
+	seq := l.seq
 	l.mu.Unlock()
-	data, err := messages.Marshal(batch)
-	if err != nil {
-		return err
-	}
-	if err := m.Respond(data); err != nil {
-		return fmt.Errorf("answer dump request: %w", err)
+	chunks := dumpChunks(hashes, dumpHashesPerChunk(l.nc.MaxPayload()))
+	ts := float64(time.Now().UnixMicro()) / 1e6
+	for i, part := range chunks {
+		batch := &messages.KVEventBatch{TS: ts, Seq: seq, Group: l.group, Rank: l.rank, DumpChunk: i, DumpChunks: len(chunks)}
+		if i == 0 {
+			batch.Events = append(batch.Events, messages.KVEvent{Type: messages.EventAllBlocksCleared})
+		}
+		if len(part) > 0 {
+			batch.Events = append(batch.Events, messages.KVEvent{Type: messages.EventBlockStored, BlockHashes: part, Medium: mediumKVPool})
+		}
+		data, err := messages.Marshal(batch)
+		if err != nil {
+			return err
+		}
+		if err := m.Respond(data); err != nil {
+			return fmt.Errorf("answer dump request (chunk %d of %d): %w", i+1, len(chunks), err)
+		}
 	}
 	return nil
+}
+
+// dumpHashesPerChunk is how many 8-byte hashes fit one message of at most
+// maxPayload bytes, with room for the batch's other fields.
+func dumpHashesPerChunk(maxPayload int64) int {
+	const overhead = 1024
+	if maxPayload <= 0 {
+		maxPayload = 1 << 20 // nats-server's default
+	}
+	return max(int(maxPayload-overhead)/8, 1)
+}
+
+// dumpChunks splits hashes into parts of at most per hashes; an empty set
+// is one empty part.
+func dumpChunks(hashes messages.BlockHashes, per int) []messages.BlockHashes {
+	if len(hashes) == 0 {
+		return []messages.BlockHashes{nil}
+	}
+	var out []messages.BlockHashes
+	for len(hashes) > 0 {
+		n := min(per, len(hashes))
+		out = append(out, hashes[:n])
+		hashes = hashes[n:]
+	}
+	return out
 }

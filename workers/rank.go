@@ -13,6 +13,7 @@ import (
 	"github.com/nats-io/nats.go"
 
 	"github.com/kvbus/kvbus/bus"
+	"github.com/kvbus/kvbus/internal/recent"
 	"github.com/kvbus/kvbus/messages"
 )
 
@@ -52,6 +53,22 @@ type RankConfig struct {
 	HeartbeatInterval time.Duration
 	// QueueSize bounds the load and store queues (default 1024).
 	QueueSize int
+	// SaveWait bounds how long a load waits for a block that this rank is
+	// still saving for an earlier request (the previous turn of a
+	// conversation, placed a moment ago); past it the block counts in
+	// failed_blocks and is prefilled (default 2 s).
+	SaveWait time.Duration
+	// ReceiptAfter: a rank whose result for a ReqMeta is not sent within
+	// it sends a receipt, so the scheduler knows it has the ReqMeta
+	// (default 100 ms).
+	ReceiptAfter time.Duration
+	// SeenIDs and SeenAge bound the memory of (req_id, attempt) pairs that
+	// drops duplicate ReqMetas (defaults 100,000 and 10 min).
+	SeenIDs int
+	SeenAge time.Duration
+	// StoreDelay is a fault-injection knob: the store thread sleeps this
+	// long before each request's save (a slow rank). Zero in production.
+	StoreDelay time.Duration
 	// ShutdownTimeout bounds how long Run lets in-flight requests finish
 	// after its context ends (default 10 s).
 	ShutdownTimeout time.Duration
@@ -104,23 +121,41 @@ type Rank struct {
 	storeQ chan *rankReq
 
 	mu     sync.Mutex
-	active map[string]*rankReq // by req_id
-	seen   map[string]seenReq  // recent req_ids, for deduplication
-	closed bool                // loadQ is closed
+	active map[string]*rankReq     // by req_id
+	seen   *recent.Memory[seenReq] // recent req_ids, for deduplication
+	closed bool                    // loadQ is closed
+	nextID uint64                  // numbers rankReqs in arrival order
+	saving map[string]*rankReq     // store key -> the request saving it
 
 	draining atomic.Bool // Run's context ended
 
 	drivers sync.WaitGroup // driver goroutines, started by the load loop
 }
 
+// seenReq is what a rank remembers of a request it took: the attempt, and
+// once it reported, its result (answered again to a scheduler replica that
+// re-sends the ReqMeta or took the request over).
 type seenReq struct {
 	attempt int
-	at      time.Time
+	result  *messages.RankResult
 }
 
 // rankReq is one request's state on a rank.
 type rankReq struct {
-	meta      *messages.ReqMeta
+	meta *messages.ReqMeta
+	// id numbers requests in arrival order: a load waits only for saves of
+	// requests that arrived before it.
+	id uint64
+	// resultSubject is where results go; a scheduler replica that takes
+	// the request over changes it (guarded by Rank.mu).
+	resultSubject string
+	// saveKeys are the store keys this request registered as being saved
+	// (guarded by Rank.mu); saved is closed when they are settled.
+	saveKeys  []string
+	saved     chan struct{}
+	settle    sync.Once
+	receipt   *time.Timer
+	prefilled atomic.Bool
 	ctx       context.Context
 	cancel    context.CancelCauseFunc
 	loaded    int
@@ -151,6 +186,18 @@ func NewRank(cfg RankConfig) (*Rank, error) {
 	if cfg.QueueSize <= 0 {
 		cfg.QueueSize = 1024
 	}
+	if cfg.SaveWait <= 0 {
+		cfg.SaveWait = 2 * time.Second
+	}
+	if cfg.ReceiptAfter <= 0 {
+		cfg.ReceiptAfter = 100 * time.Millisecond
+	}
+	if cfg.SeenIDs <= 0 {
+		cfg.SeenIDs = 100_000
+	}
+	if cfg.SeenAge <= 0 {
+		cfg.SeenAge = 10 * time.Minute
+	}
 	if cfg.ShutdownTimeout <= 0 {
 		cfg.ShutdownTimeout = 10 * time.Second
 	}
@@ -176,6 +223,10 @@ func NewRank(cfg RankConfig) (*Rank, error) {
 	if err != nil {
 		return nil, fmt.Errorf("%w: %v", ErrConfig, err)
 	}
+	seen, err := recent.New[seenReq](recent.Config{MaxIDs: cfg.SeenIDs, MaxAge: cfg.SeenAge})
+	if err != nil {
+		return nil, fmt.Errorf("%w: %v", ErrConfig, err)
+	}
 	return &Rank{
 		cfg:    cfg,
 		log:    log,
@@ -185,7 +236,8 @@ func NewRank(cfg RankConfig) (*Rank, error) {
 		loadQ:  make(chan *rankReq, cfg.QueueSize),
 		storeQ: make(chan *rankReq, cfg.QueueSize),
 		active: map[string]*rankReq{},
-		seen:   map[string]seenReq{},
+		seen:   seen,
+		saving: map[string]*rankReq{},
 	}, nil
 }
 
@@ -264,17 +316,40 @@ func (r *Rank) onMeta(ctx context.Context, m *nats.Msg) error {
 	if ctx.Err() != nil {
 		return nil
 	}
+	now := time.Now()
 	r.mu.Lock()
-	if s, ok := r.seen[meta.ReqID]; ok && s.attempt >= meta.Attempt {
+	if s, ok := r.seen.Get(meta.ReqID, now); ok && s.attempt >= meta.Attempt {
+		rr := r.active[meta.ReqID]
+		if s.attempt > meta.Attempt {
+			r.mu.Unlock()
+			r.cfg.Metrics.dropped.WithLabelValues(r.labels[0], r.labels[1], "duplicate").Inc()
+			r.log.Info("dropping a ReqMeta of an older attempt", "req_id", meta.ReqID, "session_id", meta.SessionID, "attempt", meta.Attempt)
+			return nil
+		}
+		// The same attempt again: the scheduler re-sent it (it did not hear
+		// from this rank) or another replica took the request over after
+		// the first one died. Answer where it asks now.
+		if rr != nil {
+			rr.resultSubject = meta.ResultSubject
+		}
 		r.mu.Unlock()
 		r.cfg.Metrics.dropped.WithLabelValues(r.labels[0], r.labels[1], "duplicate").Inc()
-		r.log.Info("dropping duplicate ReqMeta", "req_id", meta.ReqID, "session_id", meta.SessionID, "attempt", meta.Attempt)
+		switch {
+		case rr != nil:
+			r.sendReceipt(rr)
+			r.log.Info("ReqMeta again: still working on it, receipt sent", "req_id", meta.ReqID, "session_id", meta.SessionID,
+				"attempt", meta.Attempt, "result_subject", meta.ResultSubject)
+		case s.result != nil:
+			r.publish(meta.ResultSubject, s.result, meta)
+			r.log.Info("ReqMeta again: result sent again", "req_id", meta.ReqID, "session_id", meta.SessionID,
+				"attempt", meta.Attempt, "result_subject", meta.ResultSubject)
+		}
 		return nil
 	}
 	if old, ok := r.active[meta.ReqID]; ok { // a newer attempt replaces an old one
 		old.cancel(errors.New("superseded by a newer attempt"))
 	}
-	r.seen[meta.ReqID] = seenReq{attempt: meta.Attempt, at: time.Now()}
+	r.seen.Put(meta.ReqID, seenReq{attempt: meta.Attempt}, now)
 	rr := newRankReq(meta)
 	queued := false
 	if !r.closed {
@@ -282,6 +357,10 @@ func (r *Rank) onMeta(ctx context.Context, m *nats.Msg) error {
 		case r.loadQ <- rr:
 			queued = true
 			r.active[meta.ReqID] = rr
+			r.nextID++
+			rr.id = r.nextID
+			r.registerSavesLocked(rr)
+			rr.receipt = time.AfterFunc(r.cfg.ReceiptAfter, func() { r.sendReceipt(rr) })
 		default:
 		}
 	}
@@ -302,8 +381,10 @@ func newRankReq(meta *messages.ReqMeta) *rankReq {
 	base, stopDeadline := context.WithDeadline(context.Background(), deadline)
 	ctx, cancel := context.WithCancelCause(base)
 	return &rankReq{
-		meta: meta,
-		ctx:  ctx,
+		meta:          meta,
+		resultSubject: meta.ResultSubject,
+		saved:         make(chan struct{}),
+		ctx:           ctx,
 		cancel: func(cause error) {
 			cancel(cause)
 			stopDeadline()

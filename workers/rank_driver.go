@@ -15,7 +15,7 @@ func (r *Rank) drive(rr *rankReq) {
 	outSubj := r.cfg.Subjects.Out(meta.FrontendID)
 	index := 0
 	publish := func(o *messages.Output) {
-		o.ReqID, o.Index = meta.ReqID, index
+		o.ReqID, o.Index, o.Attempt = meta.ReqID, index, meta.Attempt
 		index++
 		r.publish(outSubj, o, meta)
 	}
@@ -25,6 +25,7 @@ func (r *Rank) drive(rr *rankReq) {
 		ReqID: meta.ReqID, PromptTokens: meta.TokenIDs, CachedTokens: cached, Params: meta.SamplingParams,
 	}, func() {
 		storeQueued = true
+		rr.prefilled.Store(true)
 		r.pushStore(rr)
 		r.publish(meta.ResultSubject, &messages.RankResult{
 			ReqID: meta.ReqID, Group: r.cfg.Group, TPRank: r.cfg.TPRank, EPRank: r.cfg.EPRank, Attempt: meta.Attempt, Prefilled: true,

@@ -31,9 +31,27 @@ func (r *Rank) load(rr *rankReq) {
 	}
 	size := r.blockBytes(meta.BlockSize)
 	vals := r.store.BatchGet(rr.ctx, keys)
-	ok := 0
-	for ok < n && verifyBlock(r.cfg.Payload, vals[ok], meta.BlockHashes[ok], r.cfg.TPRank, size) {
-		ok++
+	ok, waited := 0, 0
+	deadline := start.Add(r.cfg.SaveWait)
+	for ok < n {
+		if verifyBlock(r.cfg.Payload, vals[ok], meta.BlockHashes[ok], r.cfg.TPRank, size) {
+			ok++
+			continue
+		}
+		// Missing: an earlier request may still be saving it.
+		if !r.waitForSave(rr, keys[ok], deadline) {
+			break
+		}
+		waited++
+		copy(vals[ok:], r.store.BatchGet(rr.ctx, keys[ok:]))
+		if !verifyBlock(r.cfg.Payload, vals[ok], meta.BlockHashes[ok], r.cfg.TPRank, size) {
+			break
+		}
+	}
+	if waited > 0 {
+		r.cfg.Metrics.blocks.WithLabelValues(r.labels[0], r.labels[1], "waited_for_save").Add(float64(waited))
+		r.log.Debug("load thread: waited for saves in flight", "req_id", meta.ReqID, "session_id", meta.SessionID,
+			"waits", waited, "wait_us", time.Since(start).Microseconds())
 	}
 	rr.loaded = ok * meta.BlockSize
 	rr.loadFail = n - ok

@@ -18,14 +18,39 @@ func (r *Rank) report(rr *rankReq) {
 			res.Error = err.Error()
 		}
 	}
-	r.publish(rr.meta.ResultSubject, res, rr.meta)
+	if rr.receipt != nil {
+		rr.receipt.Stop()
+	}
+	r.settleSaves(rr)
 	r.mu.Lock()
+	subject := rr.resultSubject
 	if r.active[rr.meta.ReqID] == rr {
 		delete(r.active, rr.meta.ReqID)
+		r.seen.Update(rr.meta.ReqID, time.Now(), func(s *seenReq) {
+			if s.attempt == rr.meta.Attempt {
+				s.result = res
+			}
+		})
 	}
 	r.mu.Unlock()
+	r.publish(subject, res, rr.meta)
 	rr.cancel(nil)
 	r.cfg.Metrics.queue.WithLabelValues(r.labels...).Dec()
+}
+
+// sendReceipt tells the scheduler that the rank has rr's ReqMeta and is
+// working on it.
+func (r *Rank) sendReceipt(rr *rankReq) {
+	r.mu.Lock()
+	subject, active := rr.resultSubject, r.active[rr.meta.ReqID] == rr
+	r.mu.Unlock()
+	if !active {
+		return
+	}
+	r.publish(subject, &messages.RankResult{
+		ReqID: rr.meta.ReqID, Group: r.cfg.Group, TPRank: r.cfg.TPRank, EPRank: r.cfg.EPRank,
+		Attempt: rr.meta.Attempt, Received: true,
+	}, rr.meta)
 }
 
 // fail ends a request that could not run, telling the scheduler and, on the
@@ -35,7 +60,7 @@ func (r *Rank) fail(rr *rankReq, code, msg string) {
 	rr.result.Error = msg
 	if r.IsDriver() {
 		r.publish(r.cfg.Subjects.Out(rr.meta.FrontendID), &messages.Output{
-			ReqID: rr.meta.ReqID, Error: &messages.OutputError{Code: code, Message: msg},
+			ReqID: rr.meta.ReqID, Attempt: rr.meta.Attempt, Error: &messages.OutputError{Code: code, Message: msg},
 		}, rr.meta)
 	}
 	close(rr.storeDone)
@@ -70,9 +95,16 @@ func (r *Rank) heartbeat() {
 	blk := int64(r.blockBytes(r.cfg.BlockSize))
 	r.mu.Lock()
 	depth := len(r.active)
-	for id, s := range r.seen { // forget old request ids
-		if time.Since(s.at) > 10*time.Minute {
-			delete(r.seen, id)
+	var queued int64
+	if r.IsDriver() {
+		for _, rr := range r.active {
+			if !rr.prefilled.Load() {
+				cached := 0
+				if ls := rr.meta.LoadSpec; ls != nil && ls.CanLoad {
+					cached = ls.KVPoolCachedTokens
+				}
+				queued += int64(max(rr.meta.TokenLen-cached, 0))
+			}
 		}
 	}
 	r.mu.Unlock()
@@ -80,6 +112,9 @@ func (r *Rank) heartbeat() {
 		Group: r.cfg.Group, TPRank: r.cfg.TPRank, EPRank: r.cfg.EPRank, WorldSize: r.cfg.TPSize,
 		Model: r.cfg.Model, CapacityBlocks: capacity / blk, UsedBlocks: used / blk,
 		QueueDepth: depth, StartedUnixMs: r.started.UnixMilli(), Draining: r.draining.Load(),
+	}
+	if r.IsDriver() {
+		hb.InflightRequests, hb.QueuedPrefillTokens = depth, queued
 	}
 	data, err := messages.Marshal(hb)
 	if err == nil {

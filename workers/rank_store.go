@@ -14,6 +14,7 @@ func (r *Rank) pushStore(rr *rankReq) {
 		// The store queue is full: skip saving; the request still completes.
 		r.log.Warn("store queue full: not saving this request's blocks", "req_id", rr.meta.ReqID, "session_id", rr.meta.SessionID)
 		rr.result.Error = "store queue full"
+		r.settleSaves(rr)
 		r.finishStore(rr)
 	}
 }
@@ -23,7 +24,11 @@ func (r *Rank) pushStore(rr *rankReq) {
 // KVCacheStoreSendingThread).
 func (r *Rank) storeLoop() {
 	for rr := range r.storeQ {
+		if r.cfg.StoreDelay > 0 {
+			time.Sleep(r.cfg.StoreDelay)
+		}
 		r.storeBlocks(rr)
+		r.settleSaves(rr)
 		r.finishStore(rr)
 	}
 }
@@ -40,8 +45,14 @@ func (r *Rank) storeBlocks(rr *rankReq) {
 		objs   []Object
 		blocks []int // block index of each object
 	)
-	if meta.CanSave && meta.SaveFromBlock < len(meta.BlockHashes) {
-		hashes := meta.BlockHashes[meta.SaveFromBlock:]
+	// Save the new blocks, and those of the prefix that failed to load: they
+	// were recomputed, and the next turn will want them.
+	from := meta.SaveFromBlock
+	if rr.loadFail > 0 {
+		from = min(from, rr.loaded/meta.BlockSize)
+	}
+	if meta.CanSave && from < len(meta.BlockHashes) {
+		hashes := meta.BlockHashes[from:]
 		keys := make([]string, len(hashes))
 		for i, h := range hashes {
 			keys[i] = StoreKey(meta.Model, r.cfg.TPRank, h)
@@ -59,7 +70,7 @@ func (r *Rank) storeBlocks(rr *rankReq) {
 			}
 			value, charged := blockObject(r.cfg.Payload, hashes[i], r.cfg.TPRank, size)
 			objs = append(objs, Object{Key: k, Hash: hashes[i], Value: value, Size: charged, Group: group})
-			blocks = append(blocks, meta.SaveFromBlock+i)
+			blocks = append(blocks, from+i)
 		}
 	}
 	stored := blocks[:0:0]

@@ -1,0 +1,192 @@
+package scheduler
+
+import (
+	"context"
+	"fmt"
+	"time"
+
+	"github.com/nats-io/nats.go/jetstream"
+
+	"github.com/kvbus/kvbus/messages"
+)
+
+// onRequest dispatches one request from the log. It acks after the ReqMeta
+// is published. With no ready group it asks for redelivery for up to
+// NoGroupWait, then answers with a fast no_ready_group error (503).
+//
+// A request redelivered after the replica that dispatched it died (before
+// its ack) goes to the group and attempt that replica chose, as its
+// SavePlan said: the ranks answer this replica instead, so the request ends
+// once, with its answer.
+func (s *Scheduler) onRequest(_ context.Context, m jetstream.Msg) error {
+	start := time.Now()
+	req, err := messages.DecodeRequest(m.Data())
+	if err != nil {
+		_ = m.Term()
+		return fmt.Errorf("request on %s: %w", m.Subject(), err)
+	}
+	if s.trackers.seen(req.RequestID) { // a redelivery of a request already dispatched
+		s.m.requests.WithLabelValues("duplicate").Inc()
+		return m.Ack()
+	}
+	deadline := time.UnixMilli(req.ArrivalUnixMs).Add(s.cfg.RequestTimeout)
+	if req.DeadlineUnixMs > 0 {
+		deadline = time.UnixMilli(req.DeadlineUnixMs)
+	}
+	sessionID := req.SamplingParams.SessionFromExtraArgs()
+	if sessionID == "" {
+		sessionID = req.SessionID
+	}
+	log := s.log.With("req_id", req.RequestID, "session_id", sessionID)
+	if start.After(deadline) {
+		s.m.requests.WithLabelValues("expired").Inc()
+		log.Warn("request expired before dispatch", "deadline", deadline)
+		s.sendError(req.FrontendID, req.RequestID, sessionID, 0, "timeout", "request deadline passed before it could be dispatched")
+		return m.Ack()
+	}
+	groups := s.PlaceableGroups(start)
+	s.m.ready.Set(float64(len(groups)))
+	if len(groups) == 0 {
+		logged := start
+		if md, err := m.Metadata(); err == nil {
+			logged = md.Timestamp
+		}
+		if start.Sub(logged) < s.cfg.NoGroupWait {
+			return m.NakWithDelay(100 * time.Millisecond)
+		}
+		s.m.requests.WithLabelValues("no_ready_group").Inc()
+		log.Warn("no ready worker group: request refused", "waited", start.Sub(logged).Round(time.Millisecond))
+		s.sendError(req.FrontendID, req.RequestID, sessionID, 0, "no_ready_group",
+			fmt.Sprintf("no worker group is ready (waited %s); retry shortly, and check that the workers run", s.cfg.NoGroupWait))
+		return m.Ack()
+	}
+
+	t := &RequestTracker{
+		ReqID: req.RequestID, SessionID: sessionID, Model: req.Model, FrontendID: req.FrontendID,
+		TokenLen: len(req.PromptTokenIDs), TokenIDs: req.PromptTokenIDs, Request: req,
+		Received: start, Deadline: deadline, Results: map[int]*messages.RankResult{}, TurnDepth: 1,
+	}
+	t.BlockHashes = HashBlocks(make([]uint64, 0, t.TokenLen/s.cfg.BlockSize), HashSeed(req.Model), req.PromptTokenIDs, s.cfg.BlockSize)
+	bindings := s.bindings.Load()
+	binding, bound := bindings.Get(sessionID)
+	if bound {
+		t.TurnDepth = binding.Turn + 1
+	}
+	var group string
+	if prev, ok := s.dispatched.Get(req.RequestID, start); ok && s.takeOver(t, prev, groups) {
+		group = t.Group
+		log.Info("request taken over from another scheduler replica", "group", group, "attempt", t.Attempt, "from", prev.scheduler)
+	} else if group, err = s.place(t, groups, binding, bound); err != nil {
+		return m.NakWithDelay(200 * time.Millisecond)
+	}
+	if err := s.buildMeta(t); err != nil {
+		_ = m.Term()
+		return err
+	}
+	if !s.trackers.add(t) {
+		return m.Ack()
+	}
+	s.groups.addInflight(group, 1, t.PrefillBlocks)
+	if err := s.cfg.Conn.Publish(t.metaSubj, t.metaData); err != nil {
+		s.trackers.drop(t.ReqID)
+		s.groups.addInflight(group, -1, -t.queued)
+		_ = m.NakWithDelay(100 * time.Millisecond)
+		return fmt.Errorf("publish ReqMeta %s: %w", t.ReqID, err)
+	}
+	s.publishPlan(t)
+	if sessionID != "" {
+		b := Binding{Group: group, Blocks: len(t.BlockHashes), Turn: t.TurnDepth}
+		if b.Blocks > 0 {
+			b.LastHash = t.BlockHashes[b.Blocks-1]
+		}
+		bindings.Record(sessionID, b)
+	}
+	s.m.routing.Observe(time.Since(start).Seconds())
+	s.m.requests.WithLabelValues("dispatched").Inc()
+	log.Debug("dispatched", "group", group, "prompt_tokens", t.TokenLen, "blocks", len(t.BlockHashes),
+		"load_blocks", t.LoadBlocks, "turn_depth", t.TurnDepth)
+	return m.Ack()
+}
+
+// takeOver sets t to the group and attempt another replica dispatched it
+// to, if that group is still among groups (ready) — else t is placed anew.
+func (s *Scheduler) takeOver(t *RequestTracker, prev dispatchRecord, groups []GroupState) bool {
+	for _, g := range groups {
+		if g.Name == prev.group {
+			s.index.Match(t.BlockHashes, groups)
+			t.Group, t.Attempt, t.WorldSize = g.Name, prev.attempt, g.WorldSize
+			t.LoadBlocks = s.loadBlocks(t, groups, g.Name)
+			t.PrefillBlocks = len(t.BlockHashes) - t.LoadBlocks
+			t.queued = t.PrefillBlocks
+			return true
+		}
+	}
+	t.Attempt = prev.attempt + 1 // its group is gone: a new attempt elsewhere
+	return false
+}
+
+// place chooses a group among groups for t and sets its Group, WorldSize,
+// LoadBlocks, PrefillBlocks and queued.
+func (s *Scheduler) place(t *RequestTracker, groups []GroupState, binding Binding, bound bool) (string, error) {
+	s.index.Match(t.BlockHashes, groups)
+	for i := range groups {
+		g := &groups[i]
+		g.CachedBlocks = g.IndexBlocks
+		if bound && g.Name == binding.Group {
+			g.Bound = true
+			// The previous turn's blocks, if this prompt extends it.
+			if n := binding.Blocks; n > 0 && n <= len(t.BlockHashes) && t.BlockHashes[n-1] == binding.LastHash {
+				g.CachedBlocks = max(g.CachedBlocks, n)
+			}
+		}
+	}
+	group, err := s.cfg.Policy.Place(t, groups)
+	if err != nil {
+		return "", err
+	}
+	for _, g := range groups {
+		if g.Name == group {
+			t.WorldSize = g.WorldSize
+		}
+	}
+	t.Group = group
+	t.LoadBlocks = s.loadBlocks(t, groups, group)
+	t.PrefillBlocks = len(t.BlockHashes) - t.LoadBlocks
+	t.queued = t.PrefillBlocks
+	return group, nil
+}
+
+// loadBlocks is the LoadSpec's prefix on group: the blocks the index says
+// every rank holds or is saving (save plans), never the whole prompt — at
+// least one token is computed (vLLM's rule).
+func (s *Scheduler) loadBlocks(t *RequestTracker, groups []GroupState, group string) int {
+	for _, g := range groups {
+		if g.Name == group {
+			return min(g.IndexBlocks, max(t.TokenLen-1, 0)/s.cfg.BlockSize)
+		}
+	}
+	return 0
+}
+
+// buildMeta encodes the tracker's ReqMeta for its group's session-keyed
+// subject and marks it dispatched now; the caller publishes it (and the
+// sweep again, for ranks that do not answer).
+func (s *Scheduler) buildMeta(t *RequestTracker) error {
+	req := t.Request
+	meta := &messages.ReqMeta{
+		ReqID: t.ReqID, SessionID: t.SessionID, Model: t.Model, Group: t.Group,
+		TokenLen: t.TokenLen, TokenIDs: t.TokenIDs, BlockSize: s.cfg.BlockSize, BlockHashes: t.BlockHashes,
+		LoadSpec: &messages.LoadSpec{KVPoolCachedTokens: t.LoadBlocks * s.cfg.BlockSize, CanLoad: t.LoadBlocks > 0},
+		CanSave:  true, SaveFromBlock: t.LoadBlocks, IsLastChunk: true, NumPromptTokens: t.TokenLen,
+		SamplingParams: req.SamplingParams, FrontendID: t.FrontendID,
+		ResultSubject: s.cfg.Subjects.Done(s.cfg.ID), Attempt: t.Attempt,
+		DeadlineUnixMs: t.Deadline.UnixMilli(),
+	}
+	data, err := messages.Marshal(meta)
+	if err != nil {
+		return err
+	}
+	t.metaSubj, t.metaData = s.cfg.Subjects.Meta(t.Group, t.SessionID), data
+	t.Dispatched, t.Heard, t.Resends = time.Now(), nil, 0
+	return nil
+}

@@ -1,0 +1,63 @@
+package scheduler
+
+import (
+	"context"
+	"time"
+
+	"github.com/nats-io/nats.go"
+
+	"github.com/kvbus/kvbus/messages"
+)
+
+// Save plans. When a request is dispatched, its group is about to hold its
+// prefix; the ranks' KV events say so only after they stored it, which can
+// be after the client already sent the next turn. So the dispatching
+// replica records the plan in its index at once and tells the other
+// replicas (kvbus.sched.plan.<id>): whichever replica places the next turn
+// builds its LoadSpec from the blocks saved or being saved, and the ranks
+// wait for a save in flight. The same message tells the other replicas
+// where the request went, for a takeover after this replica dies.
+
+// dispatchRecord is where another replica sent a request.
+type dispatchRecord struct {
+	group     string
+	attempt   int
+	scheduler string
+}
+
+// publishPlan records t's plan in the index and announces it.
+func (s *Scheduler) publishPlan(t *RequestTracker) {
+	expires := time.Now().Add(s.cfg.PlanTTL)
+	s.index.Plan(t.Group, t.BlockHashes, expires)
+	data, err := messages.Marshal(&messages.SavePlan{
+		SchedulerID: s.cfg.ID, ReqID: t.ReqID, Group: t.Group, Attempt: t.Attempt,
+		BlockHashes: t.BlockHashes, ExpiresUnixMs: expires.UnixMilli(),
+	})
+	if err == nil {
+		err = s.cfg.Conn.Publish(s.cfg.Subjects.Plan(s.cfg.ID), data)
+	}
+	if err != nil {
+		s.log.Warn("cannot announce a save plan", "req_id", t.ReqID, "session_id", t.SessionID, "err", err)
+	}
+}
+
+func (s *Scheduler) onPlan(_ context.Context, m *nats.Msg) error {
+	p, err := messages.DecodeSavePlan(m.Data)
+	if err != nil {
+		return err
+	}
+	if p.SchedulerID == s.cfg.ID {
+		return nil
+	}
+	now := time.Now()
+	// A plan lives at most PlanTTL here, whatever it claims.
+	expires := time.UnixMilli(p.ExpiresUnixMs)
+	if limit := now.Add(s.cfg.PlanTTL); expires.After(limit) {
+		expires = limit
+	}
+	s.index.Plan(p.Group, p.BlockHashes, expires)
+	if p.ReqID != "" {
+		s.dispatched.Put(p.ReqID, dispatchRecord{group: p.Group, attempt: p.Attempt, scheduler: p.SchedulerID}, now)
+	}
+	return nil
+}

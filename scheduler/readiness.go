@@ -1,0 +1,96 @@
+package scheduler
+
+import (
+	"fmt"
+	"sync"
+	"time"
+
+	"github.com/kvbus/kvbus/messages"
+)
+
+// Readiness. A replica is ready when its request consumer runs, at least
+// one worker group is ready with a synced index, and the index of every
+// ready group was synced at least once (so the first requests after start
+// are placed on what the ranks really hold). Replicas announce their
+// readiness on kvbus.ann.scheduler.<id>; frontends report healthy only
+// while a ready replica exists.
+
+// Ready reports whether the replica is ready, and if not, why.
+func (s *Scheduler) Ready() (bool, string) {
+	if !s.consuming.Load() {
+		return false, "request consumer not running"
+	}
+	groups := s.groups.ready(time.Now())
+	if len(groups) == 0 {
+		return false, "no ready worker group"
+	}
+	synced := 0
+	for _, g := range groups {
+		if !s.index.Known(g.Name) {
+			return false, fmt.Sprintf("KV index of group %s not synced yet", g.Name)
+		}
+		if s.index.Synced(g.Name) {
+			synced++
+		}
+	}
+	if synced == 0 {
+		return false, "no ready group with a synced KV index"
+	}
+	return true, ""
+}
+
+// PlaceableGroups returns the ready groups whose index is synced, or all
+// ready groups when none is (a resync in progress everywhere must not stop
+// placement).
+func (s *Scheduler) PlaceableGroups(now time.Time) []GroupState {
+	groups := s.groups.ready(now)
+	synced := groups[:0:0]
+	for _, g := range groups {
+		if s.index.Synced(g.Name) {
+			synced = append(synced, g)
+		}
+	}
+	if len(synced) == 0 {
+		return groups
+	}
+	return synced
+}
+
+// Groups returns the ready groups as this replica sees them, load
+// included.
+func (s *Scheduler) Groups() []GroupState { return s.groups.ready(time.Now()) }
+
+// announcement is the last Announcement sent.
+type announcement struct {
+	mu     sync.Mutex
+	ready  bool
+	reason string
+	at     time.Time
+}
+
+// announce publishes the replica's readiness when it changed, every second
+// otherwise, or at once when force is set.
+func (s *Scheduler) announce(now time.Time, force bool) {
+	ready, reason := s.Ready()
+	a := &s.announced
+	a.mu.Lock()
+	if !force && ready == a.ready && reason == a.reason && now.Sub(a.at) < time.Second {
+		a.mu.Unlock()
+		return
+	}
+	if ready != a.ready {
+		s.log.Info("scheduler readiness", "ready", ready, "reason", reason)
+	}
+	a.ready, a.reason, a.at = ready, reason, now
+	a.mu.Unlock()
+	data, err := messages.Marshal(&messages.Announcement{
+		Role: messages.RoleScheduler, ID: s.cfg.ID, Ready: ready, Reason: reason,
+		ReadyGroups: len(s.groups.ready(now)), UnixMs: now.UnixMilli(),
+	})
+	if err == nil {
+		err = s.cfg.Conn.Publish(s.cfg.Subjects.Announce(messages.RoleScheduler, s.cfg.ID), data)
+	}
+	if err != nil {
+		s.log.Warn("cannot announce readiness", "err", err)
+	}
+}

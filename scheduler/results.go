@@ -1,0 +1,86 @@
+package scheduler
+
+import (
+	"context"
+	"strconv"
+	"time"
+
+	"github.com/nats-io/nats.go"
+
+	"github.com/kvbus/kvbus/messages"
+)
+
+func (s *Scheduler) onDone(_ context.Context, m *nats.Msg) error {
+	r, err := messages.DecodeRankResult(m.Data)
+	if err != nil {
+		return err
+	}
+	if r.Prefilled {
+		if group, blocks := s.trackers.prefilled(r); blocks > 0 {
+			s.groups.addInflight(group, 0, -blocks)
+		}
+	}
+	t, known := s.trackers.addResult(r)
+	if !known {
+		s.log.Debug("result for an unknown request or attempt", "req_id", r.ReqID, "group", r.Group, "tp_rank", r.TPRank)
+		return nil
+	}
+	if t == nil {
+		return nil
+	}
+	s.groups.addInflight(t.Group, -1, -t.queued)
+	outcome, failed := "completed", 0
+	for _, res := range t.Results {
+		failed += res.FailedBlocks
+		if res.Error != "" {
+			outcome = "failed"
+		}
+	}
+	s.m.requests.WithLabelValues(outcome).Inc()
+	driver := t.Results[0]
+	depth := turnDepthLabel(t.TurnDepth)
+	s.m.predicted.Add(float64(t.LoadBlocks * s.cfg.BlockSize))
+	s.m.actual.Add(float64(driver.LoadedTokens))
+	s.m.promptTokens.WithLabelValues(depth).Add(float64(t.TokenLen))
+	s.m.cachedTokens.WithLabelValues(depth).Add(float64(driver.LoadedTokens))
+	s.log.Info("request done", "req_id", t.ReqID, "session_id", t.SessionID, "group", t.Group,
+		"outcome", outcome, "prompt_tokens", t.TokenLen, "predicted_tokens", t.LoadBlocks*s.cfg.BlockSize, "loaded_tokens", driver.LoadedTokens,
+		"completion_tokens", driver.CompletionTokens, "failed_blocks", failed, "error", driver.Error,
+		"ms", time.Since(t.Received).Milliseconds())
+	return nil
+}
+
+func (s *Scheduler) onAbort(_ context.Context, m *nats.Msg) error {
+	a, err := messages.DecodeAbort(m.Data)
+	if err != nil {
+		return err
+	}
+	if a.Group != "" {
+		return nil // a scheduler withdrawing a request from one group
+	}
+	if t := s.trackers.remove(a.ReqID); t != nil {
+		s.groups.addInflight(t.Group, -1, -t.queued)
+		s.m.requests.WithLabelValues("aborted").Inc()
+		s.log.Info("request aborted", "req_id", t.ReqID, "session_id", t.SessionID, "group", t.Group, "reason", a.Reason)
+	}
+	return nil
+}
+
+// sendError ends a request at its frontend with an error chunk.
+func (s *Scheduler) sendError(frontendID, reqID, sessionID string, attempt int, code, msg string) {
+	data, err := messages.Marshal(&messages.Output{ReqID: reqID, Attempt: attempt, Error: &messages.OutputError{Code: code, Message: msg}})
+	if err == nil {
+		err = s.cfg.Conn.Publish(s.cfg.Subjects.Out(frontendID), data)
+	}
+	if err != nil {
+		s.log.Error("cannot send error to frontend", "req_id", reqID, "session_id", sessionID, "err", err)
+	}
+}
+
+// turnDepthLabel buckets a turn depth as 1, 2, 3 or 4+.
+func turnDepthLabel(d int) string {
+	if d >= 4 {
+		return "4+"
+	}
+	return strconv.Itoa(max(d, 1))
+}

@@ -1,0 +1,179 @@
+package scheduler
+
+import (
+	"context"
+	"fmt"
+	"time"
+
+	"github.com/nats-io/nats.go"
+
+	"github.com/kvbus/kvbus/messages"
+)
+
+// Resyncs. A rank's KV events carry a seq; a gap, a restart or a rank first
+// heard of mid-stream makes the index ask the rank for a dump of what it
+// holds. At most one dump per rank is in flight, and a failed or repeated
+// one backs off from 100 ms, doubling to 5 s, so that no malformed or lost
+// batch can make a storm of dumps.
+
+const (
+	resyncMinBackoff = 100 * time.Millisecond
+	resyncMaxBackoff = 5 * time.Second
+)
+
+type resyncState struct {
+	inflight bool
+	next     time.Time // no dump before this
+	backoff  time.Duration
+}
+
+func (s *Scheduler) onHeartbeat(ctx context.Context, m *nats.Msg) error {
+	hb, err := messages.DecodeHeartbeat(m.Data)
+	if err != nil {
+		return err
+	}
+	s.groups.observe(hb, time.Now())
+	if s.index.ObserveRank(hb.Group, hb.TPRank, hb.WorldSize, hb.StartedUnixMs) {
+		s.log.Info("rank (re)started or first heard of: asking it for a dump", "group", hb.Group, "tp_rank", hb.TPRank)
+		s.requestDump(ctx, hb.Group, hb.TPRank)
+	}
+	return nil
+}
+
+func (s *Scheduler) onKVEvents(ctx context.Context, m *nats.Msg) error {
+	b, err := messages.DecodeKVEventBatch(m.Data)
+	if err != nil {
+		return err
+	}
+	rejected := s.index.Rejected()
+	if s.index.Apply(b) {
+		s.log.Warn("gap in KV events: asking the rank for a dump", "group", b.Group, "tp_rank", b.Rank, "seq", b.Seq)
+		s.requestDump(ctx, b.Group, b.Rank)
+	}
+	if s.index.Rejected() != rejected {
+		return fmt.Errorf("%w: KV event batch of %s/%d with seq %d, impossibly far past the rank's last seq: dropped (corrupted, replayed or forged?)",
+			messages.ErrInvalid, b.Group, b.Rank, b.Seq)
+	}
+	return nil
+}
+
+// requestDump asks a rank for everything it holds, in the background,
+// unless a dump of it is in flight or backing off; the sweep retries ranks
+// still resyncing.
+func (s *Scheduler) requestDump(ctx context.Context, group string, rank int) {
+	id := rankID{group, rank}
+	now := time.Now()
+	s.resyncMu.Lock()
+	st := s.resyncs[id]
+	if st == nil {
+		st = &resyncState{}
+		s.resyncs[id] = st
+	}
+	if st.inflight || now.Before(st.next) || ctx.Err() != nil {
+		s.resyncMu.Unlock()
+		return
+	}
+	st.inflight = true
+	s.resyncMu.Unlock()
+	s.m.resyncs.Inc()
+	epoch := s.index.Epoch(group, rank)
+	s.dumps.Go(func() {
+		dump, err := s.fetchDump(ctx, group, rank)
+		again := false
+		switch {
+		case ctx.Err() != nil:
+		case err != nil:
+			s.log.Warn("dump request failed; will retry", "group", group, "tp_rank", rank, "err", err)
+		default:
+			again = s.index.ApplyDumpOf(group, rank, epoch, dump)
+			s.log.Info("rank resynced from its dump", "group", group, "tp_rank", rank, "seq", dump.Seq,
+				"blocks", dumpBlocks(dump), "gap_again", again)
+		}
+		s.resyncMu.Lock()
+		defer s.resyncMu.Unlock()
+		st.inflight = false
+		if err != nil || again {
+			st.backoff = min(max(2*st.backoff, resyncMinBackoff), resyncMaxBackoff)
+			st.next = time.Now().Add(st.backoff)
+		} else {
+			st.backoff /= 2
+			st.next = time.Now().Add(resyncMinBackoff)
+		}
+	})
+}
+
+// fetchDump asks a rank for its dump and gathers its chunks into one batch.
+func (s *Scheduler) fetchDump(ctx context.Context, group string, rank int) (*messages.KVEventBatch, error) {
+	nc := s.cfg.Conn
+	ctx, cancel := context.WithTimeout(ctx, s.cfg.DumpTimeout)
+	defer cancel()
+	inbox := nc.NewRespInbox()
+	sub, err := nc.SubscribeSync(inbox)
+	if err != nil {
+		return nil, err
+	}
+	defer func() { _ = sub.Unsubscribe() }()
+	if err := nc.PublishRequest(s.cfg.Subjects.Dump(group, rank), inbox, nil); err != nil {
+		return nil, err
+	}
+	var (
+		chunks []*messages.KVEventBatch
+		got    int
+		seq    uint64
+	)
+	for {
+		msg, err := sub.NextMsgWithContext(ctx)
+		if err != nil {
+			return nil, fmt.Errorf("dump of %s/%d: %d of %d chunks received: %w", group, rank, got, len(chunks), err)
+		}
+		b, err := messages.DecodeKVEventBatch(msg.Data)
+		if err != nil {
+			return nil, fmt.Errorf("malformed dump chunk: %w", err)
+		}
+		if b.DumpChunks <= 1 {
+			return b, nil // the whole dump in one message
+		}
+		if chunks == nil {
+			chunks, seq = make([]*messages.KVEventBatch, b.DumpChunks), b.Seq
+		}
+		if b.DumpChunks != len(chunks) || b.Seq != seq {
+			return nil, fmt.Errorf("%w: dump chunks of %s/%d disagree (chunks %d/%d, seq %d)", messages.ErrInvalid, group, rank,
+				b.DumpChunks, len(chunks), b.Seq)
+		}
+		if chunks[b.DumpChunk] == nil {
+			chunks[b.DumpChunk] = b
+			got++
+		}
+		if got == len(chunks) {
+			return mergeDump(chunks), nil
+		}
+	}
+}
+
+// mergeDump joins a dump's chunks into one batch: AllBlocksCleared, then
+// every held block.
+func mergeDump(chunks []*messages.KVEventBatch) *messages.KVEventBatch {
+	out := *chunks[0]
+	out.DumpChunk, out.DumpChunks = 0, 0
+	stored := messages.KVEvent{Type: messages.EventBlockStored}
+	for _, c := range chunks {
+		for _, ev := range c.Events {
+			if ev.Type == messages.EventBlockStored {
+				stored.BlockHashes = append(stored.BlockHashes, ev.BlockHashes...)
+				stored.Medium = ev.Medium
+			}
+		}
+	}
+	out.Events = []messages.KVEvent{{Type: messages.EventAllBlocksCleared}, stored}
+	return &out
+}
+
+func dumpBlocks(b *messages.KVEventBatch) int {
+	n := 0
+	for _, ev := range b.Events {
+		if ev.Type == messages.EventBlockStored {
+			n += len(ev.BlockHashes)
+		}
+	}
+	return n
+}
