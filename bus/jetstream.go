@@ -4,6 +4,8 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"log/slog"
+	"strings"
 	"time"
 
 	"github.com/nats-io/nats.go/jetstream"
@@ -17,22 +19,71 @@ const SchedulerConsumer = "kvbus-scheduler"
 // DefaultAckWait is the schedulers' consumer's ack wait.
 const DefaultAckWait = 5 * time.Second
 
+// ErrLogFull is wrapped by a publish the request log refused because it is
+// full: it holds MaxBytes of requests and never drops one a client was told
+// was accepted, so new requests are refused until schedulers catch up and
+// TrimHistory frees space.
+var ErrLogFull = errors.New("bus: request log is full")
+
+// jsErrStreamStoreFailed is nats-server's JSStreamStoreFailedF error code: a
+// publish the stream did not store. With DiscardNew its description names
+// the limit that refused it ("maximum bytes exceeded", "maximum messages
+// exceeded", "maximum messages per subject exceeded").
+const jsErrStreamStoreFailed jetstream.ErrorCode = 10077
+
+// IsLogFull reports whether err is a publish refused because the stream is
+// at its size or message limit (or wraps ErrLogFull). A message too large
+// for the stream is not "full" and gives false.
+func IsLogFull(err error) bool {
+	if err == nil {
+		return false
+	}
+	if errors.Is(err, ErrLogFull) {
+		return true
+	}
+	var apiErr *jetstream.APIError
+	if !errors.As(err, &apiErr) || apiErr.ErrorCode != jsErrStreamStoreFailed {
+		return false
+	}
+	return strings.Contains(apiErr.Description, "maximum bytes exceeded") ||
+		strings.Contains(apiErr.Description, "maximum messages exceeded") ||
+		strings.Contains(apiErr.Description, "maximum messages per subject exceeded")
+}
+
 // StreamConfig configures the request log.
 type StreamConfig struct {
 	Subjects messages.Subjects
 	// MaxAge bounds how long requests are kept (default 24 h).
 	MaxAge time.Duration
-	// MaxBytes bounds the log's size (default 1 GiB).
+	// MaxBytes bounds the log's size (default 1 GiB). A full log refuses new
+	// requests (IsLogFull) instead of dropping accepted ones.
 	MaxBytes int64
+	// HistoryBytes bounds the requests kept after a scheduler acknowledged
+	// them, for capture (default MaxBytes/2, see HistoryBound); a scheduler
+	// enforces it with TrimHistory.
+	HistoryBytes int64
 	// Replicas is the JetStream replication factor (default 1).
 	Replicas int
 	// DuplicateWindow is how long Nats-Msg-Id dedupes (default 2 min).
 	DuplicateWindow time.Duration
 }
 
+// HistoryBound is the bound to pass TrimHistory: HistoryBytes, or half of
+// MaxBytes (default 1 GiB) when it is zero.
+func (c StreamConfig) HistoryBound() int64 {
+	if c.HistoryBytes > 0 {
+		return c.HistoryBytes
+	}
+	if c.MaxBytes > 0 {
+		return c.MaxBytes / 2
+	}
+	return 1 << 29
+}
+
 // EnsureRequestStream creates the KVBUS_REQUESTS stream unless it exists.
 // Any process may call it; whichever starts first creates the stream, and an
-// existing stream is used as it is.
+// existing stream is used as it is, except that one created with DiscardOld
+// (by an older kvbus) is switched to DiscardNew.
 func EnsureRequestStream(ctx context.Context, js jetstream.JetStream, cfg StreamConfig) (jetstream.Stream, error) {
 	if cfg.MaxAge == 0 {
 		cfg.MaxAge = 24 * time.Hour
@@ -71,7 +122,19 @@ func Retry[T any](ctx context.Context, f func(ctx context.Context) (T, error)) (
 func ensureStream(ctx context.Context, js jetstream.JetStream, cfg StreamConfig) (jetstream.Stream, error) {
 	// An existing stream is used as it is: updating its configuration while
 	// another process creates a consumer on it races inside nats-server.
+	// The one exception is DiscardOld, which would drop accepted requests; a
+	// failed update is only logged, and the next process to start retries it.
 	if st, err := js.Stream(ctx, messages.RequestStream); err == nil {
+		if sc := st.CachedInfo().Config; sc.Discard != jetstream.DiscardNew {
+			sc.Discard = jetstream.DiscardNew
+			if updated, err := js.UpdateStream(ctx, sc); err != nil {
+				slog.WarnContext(ctx, "cannot switch the request log to discard new; a full log drops accepted requests until it is",
+					"stream", messages.RequestStream, "err", err)
+			} else {
+				slog.InfoContext(ctx, "request log switched to discard new", "stream", messages.RequestStream)
+				st = updated
+			}
+		}
 		return st, nil
 	}
 	st, err := js.CreateStream(ctx, jetstream.StreamConfig{
@@ -85,7 +148,10 @@ func ensureStream(ctx context.Context, js jetstream.JetStream, cfg StreamConfig)
 		MaxMsgSize:  messages.MaxMessageBytes,
 		Replicas:    cfg.Replicas,
 		Duplicates:  cfg.DuplicateWindow,
-		Discard:     jetstream.DiscardOld,
+		// A full log refuses new requests: it never drops one that a
+		// client was told was accepted. TrimHistory bounds what is kept
+		// after dispatch.
+		Discard: jetstream.DiscardNew,
 	})
 	if errors.Is(err, jetstream.ErrStreamNameAlreadyInUse) {
 		st, err = js.Stream(ctx, messages.RequestStream) // another process won the race
@@ -94,6 +160,55 @@ func ensureStream(ctx context.Context, js jetstream.JetStream, cfg StreamConfig)
 		return nil, fmt.Errorf("bus: create stream %s: %w (is JetStream enabled on the server?)", messages.RequestStream, err)
 	}
 	return st, nil
+}
+
+// TrimHistory purges the oldest requests of the log while it holds more
+// than historyBytes, but only requests cons (the schedulers' consumer) has
+// acknowledged: it never purges beyond the consumer's ack floor, so a
+// request not yet dispatched is never lost. It estimates how many messages
+// to purge from the byte excess assuming messages of roughly uniform size,
+// and returns how many it purged. Schedulers call it periodically.
+func TrimHistory(ctx context.Context, st jetstream.Stream, cons jetstream.Consumer, historyBytes int64) (purged uint64, err error) {
+	if st == nil || cons == nil {
+		return 0, errors.New("bus: trim history: nil stream or consumer")
+	}
+	if historyBytes < 0 {
+		historyBytes = 0
+	}
+	before, err := st.Info(ctx)
+	if err != nil {
+		return 0, fmt.Errorf("bus: trim history: stream info: %w", err)
+	}
+	state := before.State
+	if state.Msgs == 0 || state.Bytes <= uint64(historyBytes) {
+		return 0, nil
+	}
+	ci, err := cons.Info(ctx)
+	if err != nil {
+		return 0, fmt.Errorf("bus: trim history: consumer info: %w", err)
+	}
+	avg := max(state.Bytes/state.Msgs, 1)
+	excess := state.Bytes - uint64(historyBytes)
+	// Purge sequences below upTo: FirstSeq .. FirstSeq+n-1.
+	upTo := state.FirstSeq + (excess+avg-1)/avg
+	upTo = min(upTo, ci.AckFloor.Stream+1)
+	if upTo <= state.FirstSeq {
+		return 0, nil // nothing acknowledged to purge
+	}
+	if err := st.Purge(ctx, jetstream.WithPurgeSequence(upTo)); err != nil {
+		return 0, fmt.Errorf("bus: trim history: purge below sequence %d: %w", upTo, err)
+	}
+	after, err := st.Info(ctx)
+	if err != nil {
+		return 0, fmt.Errorf("bus: trim history: stream info after purge: %w", err)
+	}
+	// Messages published meanwhile are added back; ages expiring meanwhile
+	// count as purged.
+	added := after.State.LastSeq - state.LastSeq
+	if total := state.Msgs + added; total > after.State.Msgs {
+		purged = total - after.State.Msgs
+	}
+	return purged, nil
 }
 
 // EnsureSchedulerConsumer creates or updates the schedulers' durable pull

@@ -15,6 +15,7 @@ import (
 	"time"
 
 	"github.com/nats-io/nats.go"
+	"github.com/nats-io/nats.go/jetstream"
 	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/kvbus/kvbus/bus"
@@ -177,6 +178,18 @@ func Start(ctx context.Context, cfg Config) (*Cluster, error) {
 
 func (c *Cluster) start() error {
 	cfg := c.cfg
+	var feConn *nats.Conn
+	if cfg.Frontend != nil {
+		// The frontend's request-log limits must hold even though a
+		// scheduler starts first: whoever creates the log sets them.
+		var err error
+		if feConn, err = c.connect("kvbus-frontend"); err != nil {
+			return err
+		}
+		if err := c.ensureRequestLog(feConn); err != nil {
+			return err
+		}
+	}
 	for g := range cfg.Groups {
 		group := fmt.Sprintf("g%d", g)
 		engine, err := workers.NewSimEngine(cfg.Sim)
@@ -223,23 +236,35 @@ func (c *Cluster) start() error {
 	}
 	if cfg.Frontend != nil {
 		fc := *cfg.Frontend
-		nc, err := c.connect("kvbus-frontend")
-		if err != nil {
-			return err
-		}
-		fc.Conn, fc.Subjects, fc.Logger, fc.Registry = nc, cfg.Subjects, c.log, cfg.Registry
+		fc.Conn, fc.Subjects, fc.Logger, fc.Registry = feConn, cfg.Subjects, c.log, cfg.Registry
 		if len(fc.Models) == 0 {
 			fc.Models = []string{cfg.Model}
 		}
 		if fc.RequestTimeout == 0 {
 			fc.RequestTimeout = cfg.RequestTimeout
 		}
-		if c.Frontend, err = frontend.New(fc); err != nil {
+		fe, err := frontend.New(fc)
+		if err != nil {
 			return err
 		}
+		c.Frontend = fe
 		c.run(c.ctx, "frontend", c.Frontend.Run)
 	}
 	return nil
+}
+
+// ensureRequestLog creates the request log with the frontend's limits.
+func (c *Cluster) ensureRequestLog(nc *nats.Conn) error {
+	js, err := jetstream.New(nc)
+	if err != nil {
+		return fmt.Errorf("cluster: jetstream: %w", err)
+	}
+	rl := c.cfg.Frontend.RequestLog()
+	rl.Subjects = c.cfg.Subjects
+	ctx, cancel := context.WithTimeout(c.ctx, 30*time.Second)
+	defer cancel()
+	_, err = bus.EnsureRequestStream(ctx, js, rl)
+	return err
 }
 
 func (c *Cluster) connect(name string) (*nats.Conn, error) {

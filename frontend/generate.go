@@ -3,6 +3,7 @@ package frontend
 import (
 	"context"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"log/slog"
 	"net/http"
@@ -16,6 +17,7 @@ import (
 	"github.com/nats-io/nats.go/jetstream"
 	"github.com/nats-io/nuid"
 
+	"github.com/kvbus/kvbus/bus"
 	"github.com/kvbus/kvbus/messages"
 )
 
@@ -174,6 +176,11 @@ func (s *Server) generate(w http.ResponseWriter, r *http.Request, endpoint strin
 			g.log.Warn("cannot publish request to the bus", "err", err)
 			g.abort("publish failed")
 			g.unregister()
+			if errors.Is(err, bus.ErrLogFull) {
+				return fail(&APIError{Status: http.StatusServiceUnavailable, Type: typeUnavailable, Code: "request_log_full", RetryAfter: logFullRetryAfter,
+					Message: "the request log is full of requests no scheduler has dispatched yet; retry later. " +
+						"Operator: add schedulers, or raise --request-log-max-bytes (applies when the log is created)"})
+			}
 			return fail(&APIError{Status: http.StatusServiceUnavailable, Type: typeUnavailable, Code: "bus_unavailable", RetryAfter: 1,
 				Message: "the request log is unavailable; retry shortly"})
 		}
@@ -275,7 +282,13 @@ func (s *Server) busRequest(p *parsedRequest, busID, sessionID string, prompt []
 	}
 }
 
-// publish appends req to the JetStream request log and waits for the ack.
+// logFullRetryAfter is the Retry-After, in seconds, of a request refused
+// because the request log is full: space comes back as schedulers dispatch
+// the backlog and the next history trim runs.
+const logFullRetryAfter = 5
+
+// publish appends req to the JetStream request log and waits for the ack. A
+// publish the full log refused wraps bus.ErrLogFull.
 func (s *Server) publish(ctx context.Context, req *messages.Request) error {
 	data, err := messages.Marshal(req)
 	if err != nil {
@@ -285,6 +298,9 @@ func (s *Server) publish(ctx context.Context, req *messages.Request) error {
 	defer cancel()
 	msg := &nats.Msg{Subject: s.cfg.Subjects.Request(req.Model), Data: data, Header: nats.Header{}}
 	_, err = s.js.PublishMsg(ctx, msg, jetstream.WithMsgID(req.RequestID))
+	if bus.IsLogFull(err) {
+		return fmt.Errorf("%w (schedulers are behind: add schedulers or raise --request-log-max-bytes): %w", bus.ErrLogFull, err)
+	}
 	return err
 }
 

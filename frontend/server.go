@@ -61,6 +61,20 @@ type Config struct {
 	PublishTimeout time.Duration
 	// StreamReplicas is the request log's replication factor (default 1).
 	StreamReplicas int
+	// RequestLogMaxBytes caps the request log (default 1 GiB); a full log
+	// answers new requests with a 503 request_log_full instead of dropping
+	// accepted ones. RequestLogMaxAge bounds how long requests are kept
+	// (default 24 h) and RequestLogHistoryBytes how many bytes of dispatched
+	// requests are kept for capture (default half the cap). They apply when
+	// this frontend creates the log; an existing log keeps its limits.
+	RequestLogMaxBytes     int64
+	RequestLogMaxAge       time.Duration
+	RequestLogHistoryBytes int64
+	// ReadHeaderTimeout bounds reading a request's headers (default 10 s);
+	// IdleTimeout closes a keep-alive connection idle that long (default
+	// 120 s).
+	ReadHeaderTimeout time.Duration
+	IdleTimeout       time.Duration
 	// Tokenizer; nil means the embedded o200k_base BPE tokenizer.
 	Tokenizer Tokenizer
 	Logger    *slog.Logger
@@ -82,6 +96,13 @@ func (c *Config) Validate() error {
 		return fmt.Errorf("%w: --max-body-bytes must be positive", ErrConfig)
 	case c.MaxInflight < 0:
 		return fmt.Errorf("%w: --max-inflight must be >= 0", ErrConfig)
+	case c.RequestLogMaxBytes < 0 || c.RequestLogMaxAge < 0 || c.RequestLogHistoryBytes < 0:
+		return fmt.Errorf("%w: --request-log-max-bytes, --request-log-max-age and --request-log-history-bytes must be >= 0 (0: default)", ErrConfig)
+	case c.RequestLogHistoryBytes > 0 && c.RequestLogHistoryBytes >= c.RequestLogMaxBytes && c.RequestLogMaxBytes > 0:
+		return fmt.Errorf("%w: --request-log-history-bytes (%d) must be below --request-log-max-bytes (%d), or history alone fills the log",
+			ErrConfig, c.RequestLogHistoryBytes, c.RequestLogMaxBytes)
+	case c.ReadHeaderTimeout < 0 || c.IdleTimeout < 0:
+		return fmt.Errorf("%w: --read-header-timeout and --idle-timeout must be >= 0 (0: default)", ErrConfig)
 	}
 	for _, h := range c.SessionHeaders {
 		if strings.TrimSpace(h) == "" || strings.ContainsAny(h, " :\t") {
@@ -92,6 +113,15 @@ func (c *Config) Validate() error {
 		return fmt.Errorf("%w: %v", ErrConfig, err)
 	}
 	return c.Subjects.Validate()
+}
+
+// RequestLog is the request log's configuration this frontend creates it
+// with (zero fields take bus.EnsureRequestStream's defaults).
+func (c *Config) RequestLog() bus.StreamConfig {
+	return bus.StreamConfig{
+		Subjects: c.Subjects, Replicas: c.StreamReplicas,
+		MaxBytes: c.RequestLogMaxBytes, MaxAge: c.RequestLogMaxAge, HistoryBytes: c.RequestLogHistoryBytes,
+	}
 }
 
 // Server is an OpenAI-compatible HTTP frontend.
@@ -142,6 +172,12 @@ func New(cfg Config) (*Server, error) {
 	}
 	if cfg.PublishTimeout <= 0 {
 		cfg.PublishTimeout = 5 * time.Second
+	}
+	if cfg.ReadHeaderTimeout == 0 {
+		cfg.ReadHeaderTimeout = 10 * time.Second
+	}
+	if cfg.IdleTimeout == 0 {
+		cfg.IdleTimeout = 120 * time.Second
 	}
 	if cfg.Registry == nil {
 		cfg.Registry = prometheus.NewRegistry()
@@ -201,7 +237,7 @@ func (s *Server) inflight() float64 {
 func (s *Server) Run(ctx context.Context) error {
 	setup, cancel := context.WithTimeout(ctx, 30*time.Second)
 	defer cancel()
-	st, err := bus.EnsureRequestStream(setup, s.js, bus.StreamConfig{Subjects: s.cfg.Subjects, Replicas: s.cfg.StreamReplicas})
+	st, err := bus.EnsureRequestStream(setup, s.js, s.cfg.RequestLog())
 	if err != nil {
 		return err
 	}
@@ -226,7 +262,8 @@ func (s *Server) Run(ctx context.Context) error {
 	s.addr = ln.Addr()
 	srv := &http.Server{
 		Handler:           s.mux,
-		ReadHeaderTimeout: 10 * time.Second,
+		ReadHeaderTimeout: s.cfg.ReadHeaderTimeout,
+		IdleTimeout:       s.cfg.IdleTimeout,
 		// Go's own limit answers in plain text; kvbus checks MaxHeaderBytes
 		// itself to answer in JSON, and leaves a margin here.
 		MaxHeaderBytes: 4 * MaxHeaderBytes,

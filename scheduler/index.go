@@ -445,24 +445,6 @@ func (x *KVIndex) Synced(group string) bool {
 	return true
 }
 
-// Known reports whether the index learnt, since it started, what every
-// rank of a group holds (from a dump or from the rank's first batch on),
-// whether or not a resync is in progress now.
-func (x *KVIndex) Known(group string) bool {
-	x.mu.RLock()
-	defer x.mu.RUnlock()
-	g := x.groups[group]
-	if g == nil || g.worldSize == 0 {
-		return false
-	}
-	for r := range g.worldSize {
-		if rs := g.ranks[r]; rs == nil || !rs.synced {
-			return false
-		}
-	}
-	return true
-}
-
 // Plan records that group will store hashes (a request just dispatched
 // there saves its prefix): until every rank's events confirm a block, a
 // rank evicts it, or expires passes, lookups count it as the group's. This

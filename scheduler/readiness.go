@@ -8,10 +8,11 @@ import (
 	"github.com/kvbus/kvbus/messages"
 )
 
-// Readiness. A replica is ready when its request consumer runs, at least
-// one worker group is ready with a synced index, and the index of every
-// ready group was synced at least once (so the first requests after start
-// are placed on what the ranks really hold). Replicas announce their
+// Readiness. A replica is ready when its request consumer runs and at
+// least one worker group is ready with a synced index. It places requests
+// only on ready groups whose index is synced (PlaceableGroups), so every
+// request is placed on what the ranks really hold, and a group that joins
+// or resyncs does not make the replica unready. Replicas announce their
 // readiness on kvbus.ann.scheduler.<id>; frontends report healthy only
 // while a ready replica exists.
 
@@ -24,19 +25,12 @@ func (s *Scheduler) Ready() (bool, string) {
 	if len(groups) == 0 {
 		return false, "no ready worker group"
 	}
-	synced := 0
 	for _, g := range groups {
-		if !s.index.Known(g.Name) {
-			return false, fmt.Sprintf("KV index of group %s not synced yet", g.Name)
-		}
 		if s.index.Synced(g.Name) {
-			synced++
+			return true, ""
 		}
 	}
-	if synced == 0 {
-		return false, "no ready group with a synced KV index"
-	}
-	return true, ""
+	return false, fmt.Sprintf("KV index of the %d ready group(s) not synced yet", len(groups))
 }
 
 // PlaceableGroups returns the ready groups whose index is synced, or all

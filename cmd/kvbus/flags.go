@@ -7,6 +7,7 @@ import (
 	"time"
 
 	"github.com/kvbus/kvbus/bus"
+	"github.com/kvbus/kvbus/frontend"
 	"github.com/kvbus/kvbus/messages"
 	"github.com/kvbus/kvbus/workers"
 )
@@ -77,6 +78,23 @@ type frontendFlags struct {
 	MaxBodyBytes  int64    `name:"max-body-bytes" default:"4194304" help:"Largest request body, in bytes (413 above)."`
 	MaxInflight   int      `name:"max-inflight" default:"4096" help:"Generate requests served at once; more get 429 with Retry-After (0: no bound)."`
 	APIKey        string   `name:"api-key" help:"Require Authorization: Bearer <key> on /v1/ routes (like vLLM's --api-key)."`
+
+	RequestLogMaxBytes     int64         `name:"request-log-max-bytes" default:"1073741824" help:"Cap of the JetStream request log, in bytes; when undispatched requests fill it, new requests get 503 request_log_full (applies when the log is created)."`
+	RequestLogMaxAge       time.Duration `name:"request-log-max-age" default:"24h" help:"How long the request log keeps a request (applies when the log is created)."`
+	RequestLogHistoryBytes int64         `name:"request-log-history-bytes" default:"0" help:"Bytes of dispatched requests kept in the log for capture (0: half of --request-log-max-bytes)."`
+	ReadHeaderTimeout      time.Duration `name:"read-header-timeout" default:"10s" help:"Time a client has to send a request's headers before its connection is closed."`
+	IdleTimeout            time.Duration `name:"idle-timeout" default:"120s" help:"Idle keep-alive connections are closed after this."`
+}
+
+// baseConfig maps the flags onto a frontend configuration; the caller adds
+// the connection, subjects, model and logging.
+func (f frontendFlags) baseConfig() frontend.Config {
+	return frontend.Config{
+		Addr: f.HTTPAddr, SessionHeaders: f.SessionHeader, MaxModelLen: f.MaxModelLen, MaxBodyBytes: f.MaxBodyBytes,
+		MaxInflight: f.MaxInflight, APIKey: f.APIKey,
+		RequestLogMaxBytes: f.RequestLogMaxBytes, RequestLogMaxAge: f.RequestLogMaxAge, RequestLogHistoryBytes: f.RequestLogHistoryBytes,
+		ReadHeaderTimeout: f.ReadHeaderTimeout, IdleTimeout: f.IdleTimeout,
+	}
 }
 
 // timeoutFlags bound a request end to end.

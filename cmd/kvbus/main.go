@@ -201,11 +201,10 @@ func (c *frontendCmd) frontendConfig(nc *nats.Conn, log *slog.Logger, reg *prome
 }
 
 func newFrontendConfig(nc *nats.Conn, subj messages.Subjects, replicas int, log *slog.Logger, reg *prometheus.Registry, id string, m modelFlags, f frontendFlags, t timeoutFlags) frontend.Config {
-	return frontend.Config{
-		Conn: nc, Subjects: subj, ID: id, StreamReplicas: replicas, Addr: f.HTTPAddr, Models: []string{m.Model}, SessionHeaders: f.SessionHeader,
-		MaxModelLen: f.MaxModelLen, MaxBodyBytes: f.MaxBodyBytes, MaxInflight: f.MaxInflight, APIKey: f.APIKey,
-		RequestTimeout: t.RequestTimeout, Logger: log, Registry: reg,
-	}
+	cfg := f.baseConfig()
+	cfg.Conn, cfg.Subjects, cfg.ID, cfg.StreamReplicas, cfg.Models = nc, subj, id, replicas, []string{m.Model}
+	cfg.RequestTimeout, cfg.Logger, cfg.Registry = t.RequestTimeout, log, reg
+	return cfg
 }
 
 type schedulerCmd struct {

@@ -4,7 +4,6 @@ import (
 	"context"
 
 	"github.com/kvbus/kvbus/cluster"
-	"github.com/kvbus/kvbus/frontend"
 	"github.com/kvbus/kvbus/messages"
 	"github.com/kvbus/kvbus/workers"
 )
@@ -31,10 +30,8 @@ func (c *serveCmd) Run(ctx context.Context) error {
 	}
 	cfg.NATSAddr, cfg.DataDir, cfg.Logger, cfg.Registry = c.NATSAddr, c.DataDir, log, newRegistry()
 	// The frontend's /metrics serves the whole process's registry.
-	cfg.Frontend = &frontend.Config{
-		Addr: c.HTTPAddr, SessionHeaders: c.SessionHeader, MaxModelLen: c.MaxModelLen, MaxBodyBytes: c.MaxBodyBytes,
-		MaxInflight: c.MaxInflight, APIKey: c.APIKey,
-	}
+	fc := c.baseConfig()
+	cfg.Frontend = &fc
 	cl, err := cluster.Start(ctx, cfg)
 	if err != nil {
 		return err

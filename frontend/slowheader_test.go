@@ -1,0 +1,84 @@
+package frontend_test
+
+import (
+	"errors"
+	"net"
+	"net/http"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/kvbus/kvbus/frontend"
+)
+
+// TestSlowHeaderClient checks that a client trickling a request's headers
+// and never finishing them is disconnected after ReadHeaderTimeout, while
+// other connections are served.
+func TestSlowHeaderClient(t *testing.T) {
+	const headerTimeout = 300 * time.Millisecond
+	fe := startFrontend(t, func(c *frontend.Config) { c.ReadHeaderTimeout = headerTimeout })
+	addr := strings.TrimPrefix(fe.url, "http://")
+
+	conn, err := net.Dial("tcp", addr)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close()
+	start := time.Now()
+	if _, err := conn.Write([]byte("POST /v1/chat/completions HTTP/1.1\r\nHost: kvbus\r\n")); err != nil {
+		t.Fatal(err)
+	}
+	// Trickle one header byte every 50 ms, never ending the headers.
+	stop := make(chan struct{})
+	var wg sync.WaitGroup
+	wg.Go(func() {
+		for _, b := range []byte("X-Slow: " + strings.Repeat("a", 200)) {
+			select {
+			case <-stop:
+				return
+			case <-time.After(50 * time.Millisecond):
+			}
+			if _, err := conn.Write([]byte{b}); err != nil {
+				return // the server closed the connection
+			}
+		}
+	})
+	defer wg.Wait()
+	defer close(stop)
+
+	// Meanwhile a normal request on another connection is served.
+	req, err := http.NewRequestWithContext(t.Context(), http.MethodGet, fe.url+"/v1/models", nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	resp, err := newClient(t).Do(req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	resp.Body.Close()
+	if resp.StatusCode != http.StatusOK {
+		t.Fatalf("GET /v1/models beside a slow client: %d", resp.StatusCode)
+	}
+
+	// The server closes the slow connection: a read ends with EOF or a
+	// reset, not with the client's own deadline.
+	const bound = 3 * time.Second
+	if err := conn.SetReadDeadline(time.Now().Add(bound)); err != nil {
+		t.Fatal(err)
+	}
+	buf := make([]byte, 512)
+	var readErr error
+	for readErr == nil {
+		_, readErr = conn.Read(buf) // a 408 or 400 before the close is fine
+	}
+	elapsed := time.Since(start)
+	var ne net.Error
+	if errors.As(readErr, &ne) && ne.Timeout() {
+		t.Fatalf("slow-header connection still open after %v (ReadHeaderTimeout %v)", bound, headerTimeout)
+	}
+	if elapsed < headerTimeout-50*time.Millisecond {
+		t.Fatalf("slow-header connection closed after %v, before ReadHeaderTimeout %v: %v", elapsed, headerTimeout, readErr)
+	}
+	t.Logf("slow-header connection closed by the server after %v: %v", elapsed, readErr)
+}
