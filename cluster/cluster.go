@@ -48,6 +48,12 @@ type Config struct {
 	Sim               workers.SimConfig
 	HeartbeatInterval time.Duration // default 1 s
 	ShutdownTimeout   time.Duration // ranks' drain, default 10 s
+	SaveWait          time.Duration // ranks' --save-wait
+	// StoreDelays slows the store thread of the ranks with these tp_ranks
+	// (fault injection: a rank that saves late).
+	StoreDelays map[int]time.Duration
+	// MaxPayload of the embedded server (default: bus.StartServer's).
+	MaxPayload int32
 
 	Schedulers       int    // replicas, default 1
 	Policy           string // default "kv"
@@ -56,6 +62,8 @@ type Config struct {
 	HeartbeatTimeout time.Duration
 	RequestTimeout   time.Duration
 	SessionTTL       time.Duration
+	NoGroupWait      time.Duration
+	ResendAfter      time.Duration
 
 	// Frontend, if set, is served too; Conn, Subjects, Logger and Registry
 	// are filled in.
@@ -163,7 +171,7 @@ func Start(ctx context.Context, cfg Config) (*Cluster, error) {
 	c.ctx, c.cancel = context.WithCancel(ctx)
 	c.NATSURL = cfg.NATSURL
 	if c.NATSURL == "" {
-		if c.NATS, err = bus.StartServer(bus.ServerConfig{Addr: cfg.NATSAddr, DataDir: cfg.DataDir}); err != nil {
+		if c.NATS, err = bus.StartServer(bus.ServerConfig{Addr: cfg.NATSAddr, DataDir: cfg.DataDir, MaxPayload: cfg.MaxPayload}); err != nil {
 			return nil, err
 		}
 		c.NATSURL = c.NATS.ClientURL()
@@ -203,6 +211,10 @@ func (c *Cluster) start() error {
 			}
 		}
 	}
+	var requestLog bus.StreamConfig
+	if cfg.Frontend != nil {
+		requestLog = cfg.Frontend.RequestLog()
+	}
 	for i := range cfg.Schedulers {
 		policy, err := scheduler.NewPolicy(cfg.Policy, cfg.SessionEpsilon)
 		if err != nil {
@@ -220,6 +232,7 @@ func (c *Cluster) start() error {
 			Conn: nc, Subjects: cfg.Subjects, Policy: policy, BlockSize: cfg.BlockSize,
 			HeartbeatTimeout: cfg.HeartbeatTimeout, RequestTimeout: cfg.RequestTimeout, SessionTTL: cfg.SessionTTL,
 			StreamReplicas: 1, Logger: c.log, Registerer: reg,
+			NoGroupWait: cfg.NoGroupWait, ResendAfter: cfg.ResendAfter, RequestLog: requestLog,
 		})
 		if err != nil {
 			return err
@@ -305,6 +318,7 @@ func (c *Cluster) startRank(group string, r int) error {
 		Conn: nc, Subjects: cfg.Subjects, Group: group, TPRank: r, TPSize: cfg.Ranks, EPRank: r, EPSize: cfg.Ranks,
 		Model: cfg.Model, Profile: c.profile, CapacityBytes: capacity, Payload: cfg.Payload, Evict: cfg.Evict,
 		Engine: engine, BlockSize: cfg.BlockSize, HeartbeatInterval: cfg.HeartbeatInterval, ShutdownTimeout: cfg.ShutdownTimeout,
+		SaveWait: cfg.SaveWait, StoreDelay: cfg.StoreDelays[r],
 		Logger: c.log, Metrics: c.wm, HandlerMetrics: c.hm,
 	})
 	if err != nil {
@@ -388,7 +402,7 @@ func (c *Cluster) RestartNATS() error {
 	}
 	addr := c.NATS.Addr().String()
 	c.NATS.Shutdown()
-	srv, err := bus.StartServer(bus.ServerConfig{Addr: addr, DataDir: c.cfg.DataDir})
+	srv, err := bus.StartServer(bus.ServerConfig{Addr: addr, DataDir: c.cfg.DataDir, MaxPayload: c.cfg.MaxPayload})
 	if err != nil {
 		return err
 	}
@@ -398,8 +412,10 @@ func (c *Cluster) RestartNATS() error {
 	return nil
 }
 
-// WaitReady waits until the frontend (if any) serves and every scheduler
-// sees every group ready.
+// WaitReady waits until the cluster is ready as its health checks say:
+// every scheduler replica sees every group ready and is ready itself
+// (consuming, with a synced KV index), and the frontend (if any) serves and
+// reports healthy.
 func (c *Cluster) WaitReady(ctx context.Context) error {
 	if c.Frontend != nil {
 		select {
@@ -412,10 +428,26 @@ func (c *Cluster) WaitReady(ctx context.Context) error {
 	}
 	t := time.NewTicker(10 * time.Millisecond)
 	defer t.Stop()
+	why := ""
 	for {
 		ready := true
 		for _, s := range c.Schedulers {
-			ready = ready && s.ReadyGroups() == c.cfg.Groups
+			ok, reason := s.Ready()
+			synced := 0
+			for _, g := range s.Groups() {
+				if s.Index().Synced(g.Name) {
+					synced++
+				}
+			}
+			if !ok || s.ReadyGroups() != c.cfg.Groups || synced != c.cfg.Groups {
+				ready, why = false, fmt.Sprintf("scheduler %s: %d of %d groups ready, %d synced (%s)", s.ID(), s.ReadyGroups(), c.cfg.Groups, synced, reason)
+				break
+			}
+		}
+		if ready && c.Frontend != nil {
+			if ok, reason := c.Frontend.Healthy(); !ok {
+				ready, why = false, "frontend: "+reason
+			}
 		}
 		if ready {
 			return nil
@@ -424,7 +456,7 @@ func (c *Cluster) WaitReady(ctx context.Context) error {
 		case <-c.ctx.Done():
 			return c.failure()
 		case <-ctx.Done():
-			return fmt.Errorf("cluster: groups not ready: %w", ctx.Err())
+			return fmt.Errorf("cluster: not ready: %s: %w", why, ctx.Err())
 		case <-t.C:
 		}
 	}

@@ -59,7 +59,11 @@ func (q *outputQueue) pop() []choiceOutput {
 
 // choiceState follows one choice (one bus request) of an HTTP request.
 type choiceState struct {
-	busID     string
+	busID string
+	// attempt is the dispatch attempt whose chunks are taken; started is
+	// set once one of them reached the client.
+	attempt   int
+	started   bool
 	nextIndex int
 	text      strings.Builder
 	finish    string
@@ -108,6 +112,11 @@ func (s *Server) generate(w http.ResponseWriter, r *http.Request, endpoint strin
 		// Fail fast instead of waiting for a publish timeout.
 		return fail(&APIError{Status: http.StatusServiceUnavailable, Type: typeUnavailable, Code: "bus_unavailable", RetryAfter: 1,
 			Message: "not connected to NATS; retry shortly"})
+	}
+	if ok, why := s.schedulers.ready(time.Now()); !ok {
+		// Nothing would dispatch the request: say so now, not at the timeout.
+		return fail(&APIError{Status: http.StatusServiceUnavailable, Type: typeUnavailable, Code: "no_ready_scheduler", RetryAfter: 1,
+			Message: why + "; retry shortly"})
 	}
 	body, apiErr := readBody(w, r, s.cfg.MaxBodyBytes)
 	if apiErr != nil {
@@ -328,6 +337,31 @@ func (g *generation) abort(reason string) {
 	}
 }
 
+// follow decides whether o, of any attempt, belongs to the answer. Chunks
+// of an attempt older than the one followed are dropped (its group was
+// abandoned); a newer attempt is followed from its index 0 if nothing
+// reached the client yet; once output started, a newer attempt's chunks
+// cannot be spliced into it, so the answer ends with an explicit error
+// (an error chunk of any newer attempt ends it too).
+func (c *choiceState) follow(o *messages.Output) bool {
+	switch {
+	case o.Attempt == c.attempt:
+	case o.Attempt < c.attempt:
+		return false
+	case o.Error != nil:
+		c.attempt = o.Attempt
+	case !c.started:
+		c.attempt, c.nextIndex = o.Attempt, 0
+	default:
+		c.attempt = o.Attempt
+		o.Text, o.TokenIDs, o.FinishReason = "", nil, ""
+		o.Error = &messages.OutputError{Code: "group_failed",
+			Message: "the request moved to another worker group after its answer had begun; retry the request"}
+	}
+	c.started = true
+	return true
+}
+
 // next waits for outputs and applies them; it returns the choices that
 // changed, or an error when the client left or the deadline passed.
 func (g *generation) next(ctx context.Context, timer *time.Timer) ([]choiceOutput, *APIError) {
@@ -337,8 +371,8 @@ func (g *generation) next(ctx context.Context, timer *time.Timer) ([]choiceOutpu
 			for _, it := range items {
 				c := g.choices[it.choice]
 				o := it.out
-				if c.done || (o.Index < c.nextIndex && !o.Final()) {
-					continue // duplicate or late
+				if c.done || !c.follow(o) || (o.Index < c.nextIndex && !o.Final()) {
+					continue // duplicate, late, or of an abandoned attempt
 				}
 				c.nextIndex = o.Index + 1
 				if c.firstByte.IsZero() {

@@ -23,13 +23,20 @@ import (
 // standalone is a frontend on loopback against an embedded NATS server,
 // with no scheduler or worker: nothing it publishes is ever dispatched.
 type standalone struct {
-	url string
-	js  jetstream.JetStream
+	url     string
+	natsURL string
+	js      jetstream.JetStream
 }
 
 // startFrontend runs a frontend whose Config edit adjusts; everything stops
 // at cleanup.
 func startFrontend(t *testing.T, edit func(*frontend.Config)) *standalone {
+	return startStandalone(t, true, edit)
+}
+
+// startStandalone is startFrontend; with announce, a stand-in scheduler
+// announces itself ready every 100 ms (it never consumes the log).
+func startStandalone(t *testing.T, announce bool, edit func(*frontend.Config)) *standalone {
 	t.Helper()
 	srv, err := bus.StartServer(bus.ServerConfig{Addr: "127.0.0.1:0", DataDir: t.TempDir()})
 	if err != nil {
@@ -41,6 +48,9 @@ func startFrontend(t *testing.T, edit func(*frontend.Config)) *standalone {
 		t.Fatal(err)
 	}
 	t.Cleanup(nc.Close)
+	if announce {
+		announceScheduler(t, nc)
+	}
 	js, err := jetstream.New(nc)
 	if err != nil {
 		t.Fatal(err)
@@ -74,7 +84,16 @@ func startFrontend(t *testing.T, edit func(*frontend.Config)) *standalone {
 	case <-time.After(10 * time.Second):
 		t.Fatal("frontend not ready after 10 s")
 	}
-	return &standalone{url: "http://" + fe.Addr().String(), js: js}
+	if announce {
+		deadline := time.Now().Add(10 * time.Second)
+		for ok, why := fe.Healthy(); !ok; ok, why = fe.Healthy() {
+			if time.Now().After(deadline) {
+				t.Fatalf("frontend not healthy after 10 s: %s", why)
+			}
+			time.Sleep(10 * time.Millisecond)
+		}
+	}
+	return &standalone{url: "http://" + fe.Addr().String(), natsURL: srv.ClientURL(), js: js}
 }
 
 func (s *standalone) post(t *testing.T, path, body string) response {
@@ -166,4 +185,29 @@ func TestRequestLogFullIsA503(t *testing.T) {
 		t.Fatalf("the refused request changed the log: %d msgs seq %d..%d before, %d msgs seq %d..%d after",
 			before.Msgs, before.FirstSeq, before.LastSeq, after.Msgs, after.FirstSeq, after.LastSeq)
 	}
+}
+
+// announceScheduler announces a ready scheduler every 100 ms until cleanup.
+func announceScheduler(t *testing.T, nc *nats.Conn) {
+	stop := make(chan struct{})
+	done := make(chan struct{})
+	subj := messages.Subjects{}.Announce(messages.RoleScheduler, "stand-in")
+	publish := func() {
+		data, _ := messages.Marshal(&messages.Announcement{Role: messages.RoleScheduler, ID: "stand-in", Ready: true, UnixMs: time.Now().UnixMilli()})
+		_ = nc.Publish(subj, data)
+	}
+	go func() {
+		defer close(done)
+		t := time.NewTicker(100 * time.Millisecond)
+		defer t.Stop()
+		for {
+			publish()
+			select {
+			case <-stop:
+				return
+			case <-t.C:
+			}
+		}
+	}()
+	t.Cleanup(func() { close(stop); <-done })
 }

@@ -75,6 +75,9 @@ type Config struct {
 	// 120 s).
 	ReadHeaderTimeout time.Duration
 	IdleTimeout       time.Duration
+	// SchedulerTimeout: the frontend is healthy, and takes requests, while
+	// a ready scheduler announced itself within it (default 3 s).
+	SchedulerTimeout time.Duration
 	// Tokenizer; nil means the embedded o200k_base BPE tokenizer.
 	Tokenizer Tokenizer
 	Logger    *slog.Logger
@@ -142,6 +145,8 @@ type Server struct {
 	addr     net.Addr
 	active   atomic.Int64 // generate requests being served
 	draining atomic.Bool  // Run's context ended: new requests get a 503
+
+	schedulers schedulerTable
 }
 
 // route sends one bus request's outputs to the queue of its HTTP request.
@@ -176,6 +181,9 @@ func New(cfg Config) (*Server, error) {
 	if cfg.ReadHeaderTimeout == 0 {
 		cfg.ReadHeaderTimeout = 10 * time.Second
 	}
+	if cfg.SchedulerTimeout <= 0 {
+		cfg.SchedulerTimeout = 3 * time.Second
+	}
 	if cfg.IdleTimeout == 0 {
 		cfg.IdleTimeout = 120 * time.Second
 	}
@@ -207,6 +215,7 @@ func New(cfg Config) (*Server, error) {
 		pending: map[string]route{},
 		ready:   make(chan struct{}),
 	}
+	s.schedulers.timeout = cfg.SchedulerTimeout
 	s.m = newMetrics(cfg.Registry, s.inflight)
 	s.mux = s.routes()
 	return s, nil
@@ -249,6 +258,12 @@ func (s *Server) Run(ctx context.Context) error {
 		return fmt.Errorf("frontend: subscribe: %w", err)
 	}
 	defer func() { _ = sub.Unsubscribe() }()
+	annSubject := s.cfg.Subjects.AnnounceRole(messages.RoleScheduler)
+	annSub, err := bus.Subscribe(ctx, s.cfg.Conn, annSubject, bus.Wrap(s.onAnnouncement, s.log, s.hm, "frontend_announcement"))
+	if err != nil {
+		return fmt.Errorf("frontend: subscribe %s: %w", annSubject, err)
+	}
+	defer func() { _ = annSub.Unsubscribe() }()
 	if err := s.cfg.Conn.Flush(); err != nil {
 		s.log.Warn("flush after subscribe", "err", err)
 	}
@@ -344,6 +359,7 @@ func (s *Server) routes() http.Handler {
 		"/v1/models":           {http.MethodGet, s.serveModels},
 		"/health":              {http.MethodGet, func(w http.ResponseWriter, _ *http.Request) { w.WriteHeader(http.StatusOK) }},
 		"/healthz":             {http.MethodGet, s.serveHealthz},
+		"/livez":               {http.MethodGet, s.serveLivez},
 		"/metrics":             {http.MethodGet, promhttp.HandlerFor(s.cfg.Registry, promhttp.HandlerOpts{}).ServeHTTP},
 	}
 	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
@@ -396,15 +412,6 @@ func (s *Server) serveModels(w http.ResponseWriter, _ *http.Request) {
 		list.Data = append(list.Data, model{ID: m, Object: "model", Created: s.created, OwnedBy: "kvbus", Root: m, MaxModelLen: s.cfg.MaxModelLen})
 	}
 	writeJSON(w, http.StatusOK, list)
-}
-
-func (s *Server) serveHealthz(w http.ResponseWriter, _ *http.Request) {
-	if !s.cfg.Conn.IsConnected() {
-		writeError(w, &APIError{Status: http.StatusServiceUnavailable, Type: typeUnavailable, Code: "bus_down",
-			Message: "not connected to NATS", RetryAfter: 1})
-		return
-	}
-	writeJSON(w, http.StatusOK, map[string]string{"status": "ok"})
 }
 
 func writeJSON(w http.ResponseWriter, status int, v any) {

@@ -72,9 +72,10 @@ type Config struct {
 	// drops redeliveries (defaults 200,000 and 10 min).
 	EndedIDs int
 	EndedAge time.Duration
-	// HistoryBytes bounds the request log's acknowledged history kept for
-	// capture; 0 keeps what the stream's own limits keep.
-	HistoryBytes int64
+	// RequestLog holds the request log's limits, applied when this replica
+	// creates it (Subjects and Replicas come from above); the replica
+	// trims the log's dispatched history to RequestLog.HistoryBound().
+	RequestLog bus.StreamConfig
 	Logger       *slog.Logger
 	// Registerer receives the scheduler's metrics; nil: unregistered.
 	Registerer prometheus.Registerer
@@ -214,7 +215,9 @@ func (s *Scheduler) Run(ctx context.Context) error {
 	}
 	setupCtx, cancel := context.WithTimeout(ctx, 30*time.Second)
 	defer cancel()
-	st, err := bus.EnsureRequestStream(setupCtx, js, bus.StreamConfig{Subjects: subj, Replicas: s.cfg.StreamReplicas})
+	rl := s.cfg.RequestLog
+	rl.Subjects, rl.Replicas = subj, s.cfg.StreamReplicas
+	st, err := bus.EnsureRequestStream(setupCtx, js, rl)
 	if err != nil {
 		return err
 	}
@@ -284,6 +287,11 @@ func (s *Scheduler) Run(ctx context.Context) error {
 	s.log.Info("scheduler started", "block_size", s.cfg.BlockSize, "policy", fmt.Sprintf("%T", s.cfg.Policy))
 	s.announce(time.Now(), true)
 
+	var trimmer sync.WaitGroup
+	trimCtx, stopTrim := context.WithCancel(ctx)
+	defer func() { stopTrim(); trimmer.Wait() }()
+	trimmer.Go(func() { s.trimHistory(trimCtx, st, cons, rl.HistoryBound()) })
+
 	tick := time.NewTicker(250 * time.Millisecond)
 	defer tick.Stop()
 	for {
@@ -337,5 +345,26 @@ func (s *Scheduler) sweep(ctx context.Context, now time.Time) {
 		s.log.Warn("request timed out in the scheduler", "req_id", t.ReqID, "session_id", t.SessionID,
 			"group", t.Group, "ranks_reported", len(t.Results), "world_size", t.WorldSize)
 		s.sendError(t.FrontendID, t.ReqID, t.SessionID, t.Attempt, "timeout", "request timed out waiting for worker ranks")
+	}
+}
+
+// trimHistory keeps the request log's dispatched history within its bound,
+// every 5 s, so that a full log means undispatched requests, not history.
+func (s *Scheduler) trimHistory(ctx context.Context, st jetstream.Stream, cons jetstream.Consumer, bound int64) {
+	t := time.NewTicker(5 * time.Second)
+	defer t.Stop()
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-t.C:
+		}
+		purged, err := bus.TrimHistory(ctx, st, cons, bound)
+		switch {
+		case err != nil && ctx.Err() == nil:
+			s.log.Warn("cannot trim the request log's history", "err", err)
+		case purged > 0:
+			s.log.Info("trimmed the request log's history", "purged", purged, "history_bytes", bound)
+		}
 	}
 }

@@ -80,7 +80,8 @@ func converse(t *testing.T, c *testenv.Cluster, conv, turns int, headers map[str
 			for _, s := range c.Schedulers {
 				g := []scheduler.GroupState{{Name: meta.Group}}
 				s.Index().Match(meta.BlockHashes, g)
-				if g[0].IndexBlocks != len(meta.BlockHashes) {
+				// Held, and confirmed by every rank's events (no save plan left).
+				if g[0].IndexBlocks != len(meta.BlockHashes) || s.Index().Plans() != 0 {
 					return false
 				}
 			}

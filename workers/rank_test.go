@@ -451,7 +451,7 @@ func TestRankDuplicateReqMeta(t *testing.T) {
 	testenv.Eventually(t, waitFor, "both ranks to drop the duplicate", func() bool {
 		return env.counter("kvbus_worker_dropped_total", map[string]string{"reason": "duplicate"}) == worldSize
 	})
-	env.resultsByRank("dup")
+	testenv.Eventually(t, waitFor, "a result from every rank", func() bool { return len(env.results("dup")) >= worldSize })
 	env.finalOutput("dup")
 	// A later request on the same subject is handled after the duplicate
 	// was (ranks take ReqMetas in order): once it is done, the duplicate had

@@ -72,27 +72,35 @@ type modelFlags struct {
 
 // frontendFlags configure the HTTP frontend.
 type frontendFlags struct {
-	HTTPAddr      string   `name:"http-addr" default:":8000" help:"HTTP listen address of the OpenAI-compatible API."`
-	SessionHeader []string `name:"session-header" default:"X-Session-ID,X-Correlation-ID" help:"Headers read for a session id, in order of precedence (repeatable)."`
-	MaxModelLen   int      `name:"max-model-len" default:"8192" help:"Largest prompt + completion, in tokens."`
-	MaxBodyBytes  int64    `name:"max-body-bytes" default:"4194304" help:"Largest request body, in bytes (413 above)."`
-	MaxInflight   int      `name:"max-inflight" default:"4096" help:"Generate requests served at once; more get 429 with Retry-After (0: no bound)."`
-	APIKey        string   `name:"api-key" help:"Require Authorization: Bearer <key> on /v1/ routes (like vLLM's --api-key)."`
+	HTTPAddr          string        `name:"http-addr" default:":8000" help:"HTTP listen address of the OpenAI-compatible API."`
+	SessionHeader     []string      `name:"session-header" default:"X-Session-ID,X-Correlation-ID" help:"Headers read for a session id, in order of precedence (repeatable)."`
+	MaxModelLen       int           `name:"max-model-len" default:"8192" help:"Largest prompt + completion, in tokens."`
+	MaxBodyBytes      int64         `name:"max-body-bytes" default:"4194304" help:"Largest request body, in bytes (413 above)."`
+	MaxInflight       int           `name:"max-inflight" default:"4096" help:"Generate requests served at once; more get 429 with Retry-After (0: no bound)."`
+	APIKey            string        `name:"api-key" help:"Require Authorization: Bearer <key> on /v1/ routes (like vLLM's --api-key)."`
+	ReadHeaderTimeout time.Duration `name:"read-header-timeout" default:"10s" help:"Time a client has to send a request's headers before its connection is closed."`
+	IdleTimeout       time.Duration `name:"idle-timeout" default:"120s" help:"Idle keep-alive connections are closed after this."`
+}
 
+// requestLogFlags bound the JetStream request log; whichever role creates
+// the log (frontend or scheduler) applies them.
+type requestLogFlags struct {
 	RequestLogMaxBytes     int64         `name:"request-log-max-bytes" default:"1073741824" help:"Cap of the JetStream request log, in bytes; when undispatched requests fill it, new requests get 503 request_log_full (applies when the log is created)."`
 	RequestLogMaxAge       time.Duration `name:"request-log-max-age" default:"24h" help:"How long the request log keeps a request (applies when the log is created)."`
-	RequestLogHistoryBytes int64         `name:"request-log-history-bytes" default:"0" help:"Bytes of dispatched requests kept in the log for capture (0: half of --request-log-max-bytes)."`
-	ReadHeaderTimeout      time.Duration `name:"read-header-timeout" default:"10s" help:"Time a client has to send a request's headers before its connection is closed."`
-	IdleTimeout            time.Duration `name:"idle-timeout" default:"120s" help:"Idle keep-alive connections are closed after this."`
+	RequestLogHistoryBytes int64         `name:"request-log-history-bytes" default:"0" help:"Bytes of dispatched requests kept in the log for capture; schedulers purge older ones (0: half of --request-log-max-bytes)."`
+}
+
+func (f requestLogFlags) streamConfig() bus.StreamConfig {
+	return bus.StreamConfig{MaxBytes: f.RequestLogMaxBytes, MaxAge: f.RequestLogMaxAge, HistoryBytes: f.RequestLogHistoryBytes}
 }
 
 // baseConfig maps the flags onto a frontend configuration; the caller adds
 // the connection, subjects, model and logging.
-func (f frontendFlags) baseConfig() frontend.Config {
+func (f frontendFlags) baseConfig(rl requestLogFlags) frontend.Config {
 	return frontend.Config{
 		Addr: f.HTTPAddr, SessionHeaders: f.SessionHeader, MaxModelLen: f.MaxModelLen, MaxBodyBytes: f.MaxBodyBytes,
 		MaxInflight: f.MaxInflight, APIKey: f.APIKey,
-		RequestLogMaxBytes: f.RequestLogMaxBytes, RequestLogMaxAge: f.RequestLogMaxAge, RequestLogHistoryBytes: f.RequestLogHistoryBytes,
+		RequestLogMaxBytes: rl.RequestLogMaxBytes, RequestLogMaxAge: rl.RequestLogMaxAge, RequestLogHistoryBytes: rl.RequestLogHistoryBytes,
 		ReadHeaderTimeout: f.ReadHeaderTimeout, IdleTimeout: f.IdleTimeout,
 	}
 }
@@ -109,6 +117,8 @@ type schedulerFlags struct {
 	SessionEpsilon   float64       `name:"session-epsilon" default:"0.25" help:"Bounded-load slack of the session policy: a group above (1+ε)× the mean load passes the session on."`
 	BlockSize        int           `name:"block-size" default:"16" help:"Tokens per KV block."`
 	HeartbeatTimeout time.Duration `name:"heartbeat-timeout" default:"3s" help:"A group is ready when all its ranks sent a heartbeat within this."`
+	NoGroupWait      time.Duration `name:"no-group-wait" default:"2s" help:"How long a request waits for a ready worker group before it gets 503 no_ready_group with Retry-After."`
+	ResendAfter      time.Duration `name:"resend-after" default:"1s" help:"A ReqMeta that a rank has not answered (receipt or result) within this is published again, up to 3 times."`
 }
 
 // engineFlags configure ranks and the sim engine.
@@ -123,6 +133,7 @@ type engineFlags struct {
 	DecodePerToken   time.Duration `name:"decode-per-token" default:"10ms" help:"Sim engine: time per output token."`
 	HeartbeatEvery   time.Duration `name:"heartbeat-interval" default:"1s" help:"How often a rank sends a heartbeat."`
 	ShutdownTimeout  time.Duration `name:"shutdown-timeout" default:"10s" help:"How long a stopping rank lets in-flight requests finish."`
+	SaveWait         time.Duration `name:"save-wait" default:"2s" help:"How long a load waits for a block this rank is still saving (the previous turn's); past it the block is recomputed."`
 	DefaultMaxTokens int           `name:"default-max-tokens" default:"256" help:"Sim engine: max tokens when a request sets none."`
 }
 

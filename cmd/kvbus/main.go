@@ -174,11 +174,12 @@ func (c *natsCmd) Run(ctx context.Context) error {
 }
 
 type frontendCmd struct {
-	busFlags      `embed:""`
-	modelFlags    `embed:""`
-	frontendFlags `embed:""`
-	timeoutFlags  `embed:""`
-	ID            string `name:"id" help:"Frontend id in subjects (default: a random fe-…)."`
+	busFlags        `embed:""`
+	modelFlags      `embed:""`
+	frontendFlags   `embed:""`
+	requestLogFlags `embed:""`
+	timeoutFlags    `embed:""`
+	ID              string `name:"id" help:"Frontend id in subjects (default: a random fe-…)."`
 }
 
 func (c *frontendCmd) Run(ctx context.Context) error {
@@ -197,22 +198,23 @@ func (c *frontendCmd) Run(ctx context.Context) error {
 }
 
 func (c *frontendCmd) frontendConfig(nc *nats.Conn, log *slog.Logger, reg *prometheus.Registry, id string) frontend.Config {
-	return newFrontendConfig(nc, c.subjects(), c.Replicas, log, reg, id, c.modelFlags, c.frontendFlags, c.timeoutFlags)
+	return newFrontendConfig(nc, c.subjects(), c.Replicas, log, reg, id, c.modelFlags, c.frontendFlags, c.requestLogFlags, c.timeoutFlags)
 }
 
-func newFrontendConfig(nc *nats.Conn, subj messages.Subjects, replicas int, log *slog.Logger, reg *prometheus.Registry, id string, m modelFlags, f frontendFlags, t timeoutFlags) frontend.Config {
-	cfg := f.baseConfig()
+func newFrontendConfig(nc *nats.Conn, subj messages.Subjects, replicas int, log *slog.Logger, reg *prometheus.Registry, id string, m modelFlags, f frontendFlags, rl requestLogFlags, t timeoutFlags) frontend.Config {
+	cfg := f.baseConfig(rl)
 	cfg.Conn, cfg.Subjects, cfg.ID, cfg.StreamReplicas, cfg.Models = nc, subj, id, replicas, []string{m.Model}
 	cfg.RequestTimeout, cfg.Logger, cfg.Registry = t.RequestTimeout, log, reg
 	return cfg
 }
 
 type schedulerCmd struct {
-	busFlags       `embed:""`
-	schedulerFlags `embed:""`
-	timeoutFlags   `embed:""`
-	ID             string `name:"id" help:"Scheduler id in subjects (default: a random sched-…)."`
-	MetricsAddr    string `name:"metrics-addr" default:":9090" help:"Address of /metrics and /healthz (empty: off)."`
+	busFlags        `embed:""`
+	schedulerFlags  `embed:""`
+	requestLogFlags `embed:""`
+	timeoutFlags    `embed:""`
+	ID              string `name:"id" help:"Scheduler id in subjects (default: a random sched-…)."`
+	MetricsAddr     string `name:"metrics-addr" default:":9090" help:"Address of /metrics and /healthz (empty: off)."`
 }
 
 func (c *schedulerCmd) Run(ctx context.Context) error {
@@ -223,7 +225,7 @@ func (c *schedulerCmd) Run(ctx context.Context) error {
 	}
 	defer drain(nc)
 	reg := newRegistry()
-	s, err := newScheduler(nc, c.busFlags, c.schedulerFlags, c.timeoutFlags, c.ID, log, reg)
+	s, err := newScheduler(nc, c.busFlags, c.schedulerFlags, c.requestLogFlags, c.timeoutFlags, c.ID, log, reg)
 	if err != nil {
 		return err
 	}
@@ -233,7 +235,7 @@ func (c *schedulerCmd) Run(ctx context.Context) error {
 	return r.wait()
 }
 
-func newScheduler(nc *nats.Conn, b busFlags, f schedulerFlags, t timeoutFlags, id string, log *slog.Logger, reg prometheus.Registerer) (*scheduler.Scheduler, error) {
+func newScheduler(nc *nats.Conn, b busFlags, f schedulerFlags, rl requestLogFlags, t timeoutFlags, id string, log *slog.Logger, reg prometheus.Registerer) (*scheduler.Scheduler, error) {
 	policy, err := scheduler.NewPolicy(f.Policy, f.SessionEpsilon)
 	if err != nil {
 		return nil, err
@@ -241,6 +243,7 @@ func newScheduler(nc *nats.Conn, b busFlags, f schedulerFlags, t timeoutFlags, i
 	return scheduler.New(scheduler.Config{
 		Conn: nc, Subjects: b.subjects(), ID: id, Policy: policy, BlockSize: f.BlockSize, StreamReplicas: b.Replicas,
 		HeartbeatTimeout: f.HeartbeatTimeout, RequestTimeout: t.RequestTimeout, SessionTTL: f.SessionTTL, Logger: log, Registerer: reg,
+		NoGroupWait: f.NoGroupWait, ResendAfter: f.ResendAfter, RequestLog: rl.streamConfig(),
 	})
 }
 
@@ -325,6 +328,6 @@ func newRank(nc *nats.Conn, b busFlags, m modelFlags, e engineFlags, engine work
 	return workers.NewRank(workers.RankConfig{
 		Conn: nc, Subjects: b.subjects(), Group: group, TPRank: tp, TPSize: tpSize, EPRank: ep, EPSize: epSize,
 		Model: m.Model, Profile: profile, CapacityBytes: capacity, Payload: e.KVPayload, Evict: e.Evict, Engine: engine,
-		HeartbeatInterval: e.HeartbeatEvery, ShutdownTimeout: e.ShutdownTimeout, Logger: log, Metrics: wm, HandlerMetrics: hm,
+		HeartbeatInterval: e.HeartbeatEvery, ShutdownTimeout: e.ShutdownTimeout, SaveWait: e.SaveWait, Logger: log, Metrics: wm, HandlerMetrics: hm,
 	})
 }

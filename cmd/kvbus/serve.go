@@ -9,17 +9,18 @@ import (
 )
 
 type serveCmd struct {
-	logFlags       `embed:""`
-	modelFlags     `embed:""`
-	frontendFlags  `embed:""`
-	timeoutFlags   `embed:""`
-	schedulerFlags `embed:""`
-	engineFlags    `embed:""`
-	Prefix         string `name:"subject-prefix" default:"kvbus" help:"First token of every kvbus subject."`
-	NATSAddr       string `name:"nats-addr" default:"127.0.0.1:4222" help:"Listen address of the embedded NATS server (point the nats CLI at it to watch the bus)."`
-	DataDir        string `name:"data-dir" help:"JetStream storage directory (default: a temporary directory, removed at exit)."`
-	Groups         int    `name:"groups" default:"1" help:"Worker groups (engine instances)."`
-	Ranks          int    `name:"ranks" default:"4" help:"Ranks per group (TP size; EP ranks equal TP ranks)."`
+	logFlags        `embed:""`
+	modelFlags      `embed:""`
+	frontendFlags   `embed:""`
+	requestLogFlags `embed:""`
+	timeoutFlags    `embed:""`
+	schedulerFlags  `embed:""`
+	engineFlags     `embed:""`
+	Prefix          string `name:"subject-prefix" default:"kvbus" help:"First token of every kvbus subject."`
+	NATSAddr        string `name:"nats-addr" default:"127.0.0.1:4222" help:"Listen address of the embedded NATS server (point the nats CLI at it to watch the bus)."`
+	DataDir         string `name:"data-dir" help:"JetStream storage directory (default: a temporary directory, removed at exit)."`
+	Groups          int    `name:"groups" default:"1" help:"Worker groups (engine instances)."`
+	Ranks           int    `name:"ranks" default:"4" help:"Ranks per group (TP size; EP ranks equal TP ranks)."`
 }
 
 func (c *serveCmd) Run(ctx context.Context) error {
@@ -30,7 +31,7 @@ func (c *serveCmd) Run(ctx context.Context) error {
 	}
 	cfg.NATSAddr, cfg.DataDir, cfg.Logger, cfg.Registry = c.NATSAddr, c.DataDir, log, newRegistry()
 	// The frontend's /metrics serves the whole process's registry.
-	fc := c.baseConfig()
+	fc := c.baseConfig(c.requestLogFlags)
 	cfg.Frontend = &fc
 	cl, err := cluster.Start(ctx, cfg)
 	if err != nil {
@@ -61,5 +62,6 @@ func (c *serveCmd) clusterConfig() (cluster.Config, error) {
 		HeartbeatInterval: c.HeartbeatEvery, ShutdownTimeout: c.ShutdownTimeout,
 		Policy: c.Policy, SessionEpsilon: c.SessionEpsilon, BlockSize: c.BlockSize,
 		HeartbeatTimeout: c.HeartbeatTimeout, RequestTimeout: c.RequestTimeout, SessionTTL: c.SessionTTL,
+		NoGroupWait: c.NoGroupWait, ResendAfter: c.ResendAfter, SaveWait: c.SaveWait,
 	}, nil
 }

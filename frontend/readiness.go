@@ -1,0 +1,122 @@
+package frontend
+
+import (
+	"context"
+	"fmt"
+	"net/http"
+	"sort"
+	"sync"
+	"time"
+
+	"github.com/nats-io/nats.go"
+
+	"github.com/kvbus/kvbus/messages"
+)
+
+// Readiness. Scheduler replicas announce themselves on
+// kvbus.ann.scheduler.<id> every second, ready or not (a replica is ready
+// when it consumes the request log and can place on a group with a synced
+// KV index). The frontend follows those announcements: /healthz reports
+// healthy, and requests are taken, only while a ready replica announced
+// itself within SchedulerTimeout. Otherwise a request gets a fast 503
+// no_ready_scheduler with Retry-After instead of waiting for its timeout.
+
+// schedulerTable holds the last announcement of each scheduler replica.
+// Safe for concurrent use.
+type schedulerTable struct {
+	mu      sync.Mutex
+	timeout time.Duration
+	m       map[string]schedulerSeen
+}
+
+type schedulerSeen struct {
+	ready  bool
+	reason string
+	at     time.Time
+}
+
+func (t *schedulerTable) observe(a *messages.Announcement, now time.Time) {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	if t.m == nil {
+		t.m = map[string]schedulerSeen{}
+	}
+	t.m[a.ID] = schedulerSeen{ready: a.Ready, reason: a.Reason, at: now}
+}
+
+// ready reports whether a ready scheduler announced itself recently; if
+// not, why, in words for an operator.
+func (t *schedulerTable) ready(now time.Time) (bool, string) {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	var why []string
+	for id, s := range t.m {
+		switch {
+		case now.Sub(s.at) > t.timeout:
+			if now.Sub(s.at) > time.Minute {
+				delete(t.m, id) // gone
+			}
+		case s.ready:
+			return true, ""
+		default:
+			why = append(why, fmt.Sprintf("scheduler %s: %s", id, s.reason))
+		}
+	}
+	if len(why) == 0 {
+		return false, fmt.Sprintf("no scheduler announced itself within %s: start one (kvbus scheduler) or check its NATS connection", t.timeout)
+	}
+	sort.Strings(why)
+	return false, fmt.Sprintf("no scheduler is ready (%s)", joinShort(why))
+}
+
+func joinShort(parts []string) string {
+	if len(parts) > 3 {
+		parts = append(parts[:3:3], fmt.Sprintf("and %d more", len(parts)-3))
+	}
+	out := ""
+	for i, p := range parts {
+		if i > 0 {
+			out += "; "
+		}
+		out += p
+	}
+	return out
+}
+
+func (s *Server) onAnnouncement(_ context.Context, m *nats.Msg) error {
+	a, err := messages.DecodeAnnouncement(m.Data)
+	if err != nil {
+		return err
+	}
+	if a.Role == messages.RoleScheduler {
+		s.schedulers.observe(a, time.Now())
+	}
+	return nil
+}
+
+// Healthy reports whether the frontend can take requests now: connected
+// to NATS, not draining, and a ready scheduler exists. If not, it says why.
+func (s *Server) Healthy() (bool, string) {
+	switch {
+	case s.draining.Load():
+		return false, "shutting down"
+	case !s.cfg.Conn.IsConnected():
+		return false, "not connected to NATS"
+	}
+	return s.schedulers.ready(time.Now())
+}
+
+func (s *Server) serveHealthz(w http.ResponseWriter, _ *http.Request) {
+	if ok, why := s.Healthy(); !ok {
+		writeError(w, &APIError{Status: http.StatusServiceUnavailable, Type: typeUnavailable, Code: "not_ready",
+			Message: why, RetryAfter: 1})
+		return
+	}
+	writeJSON(w, http.StatusOK, map[string]string{"status": "ok"})
+}
+
+// serveLivez answers 200 while the process serves HTTP: liveness, for
+// restarts, as opposed to readiness (/healthz).
+func (s *Server) serveLivez(w http.ResponseWriter, _ *http.Request) {
+	writeJSON(w, http.StatusOK, map[string]string{"status": "alive"})
+}

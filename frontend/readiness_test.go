@@ -1,0 +1,90 @@
+package frontend_test
+
+import (
+	"encoding/json"
+	"net/http"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/nats-io/nats.go"
+
+	"github.com/kvbus/kvbus/frontend"
+	"github.com/kvbus/kvbus/messages"
+)
+
+// TestNoReadySchedulerIsAFast503: while no scheduler announced itself
+// ready, /healthz is 503 and a request gets 503 no_ready_scheduler with
+// Retry-After at once (not a 504 after --request-timeout), and nothing is
+// published; a scheduler announcing "not ready" does not count; once one
+// announces ready, /healthz is 200.
+func TestNoReadySchedulerIsAFast503(t *testing.T) {
+	s := startStandalone(t, false, func(c *frontend.Config) { c.RequestTimeout = 30 * time.Second })
+	check := func(step string) {
+		t.Helper()
+		resp, err := http.Get(s.url + "/healthz")
+		if err != nil {
+			t.Fatal(err)
+		}
+		resp.Body.Close()
+		if resp.StatusCode != http.StatusServiceUnavailable {
+			t.Errorf("%s: /healthz %d, want 503", step, resp.StatusCode)
+		}
+		start := time.Now()
+		r := s.post(t, "/v1/chat/completions", `{"model":"kvbus-sim","messages":[{"role":"user","content":"hi"}]}`)
+		took := time.Since(start)
+		var body struct {
+			Error struct{ Code, Message string }
+		}
+		_ = json.Unmarshal(r.body, &body)
+		if r.status != http.StatusServiceUnavailable || body.Error.Code != "no_ready_scheduler" || r.header.Get("Retry-After") == "" {
+			t.Errorf("%s: status %d, Retry-After %q, body %s; want 503 no_ready_scheduler with Retry-After", step, r.status, r.header.Get("Retry-After"), r.body)
+		}
+		if took > 2*time.Second {
+			t.Errorf("%s: the 503 took %s; want it at once", step, took)
+		}
+		if !strings.Contains(body.Error.Message, "scheduler") {
+			t.Errorf("%s: message %q does not say what is missing", step, body.Error.Message)
+		}
+		if st := s.logState(t); st.Msgs != 0 {
+			t.Errorf("%s: %d requests published with no scheduler", step, st.Msgs)
+		}
+	}
+	check("no scheduler at all")
+
+	nc, err := nats.Connect(s.natsURL)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer nc.Close()
+	announce := func(ready bool) {
+		data, _ := messages.Marshal(&messages.Announcement{Role: messages.RoleScheduler, ID: "s1", Ready: ready,
+			Reason: "no ready worker group", UnixMs: time.Now().UnixMilli()})
+		if err := nc.Publish(messages.Subjects{}.Announce(messages.RoleScheduler, "s1"), data); err != nil {
+			t.Fatal(err)
+		}
+		if err := nc.Flush(); err != nil {
+			t.Fatal(err)
+		}
+	}
+	announce(false)
+	time.Sleep(100 * time.Millisecond)
+	check("a scheduler that is not ready")
+
+	announce(true)
+	deadline := time.Now().Add(5 * time.Second)
+	for {
+		resp, err := http.Get(s.url + "/healthz")
+		if err != nil {
+			t.Fatal(err)
+		}
+		resp.Body.Close()
+		if resp.StatusCode == http.StatusOK {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("/healthz %d after a ready announcement, want 200", resp.StatusCode)
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+}
