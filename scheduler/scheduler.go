@@ -76,7 +76,7 @@ type Config struct {
 	// creates it (Subjects and Replicas come from above); the replica
 	// trims the log's dispatched history to RequestLog.HistoryBound().
 	RequestLog bus.StreamConfig
-	Logger       *slog.Logger
+	Logger     *slog.Logger
 	// Registerer receives the scheduler's metrics; nil: unregistered.
 	Registerer prometheus.Registerer
 }
