@@ -55,10 +55,10 @@ func (s *Scheduler) rescue(now time.Time) {
 		s.m.requests.WithLabelValues("redispatched").Inc()
 		s.log.Warn("worker group not ready: request dispatched again", "req_id", old.ReqID, "session_id", old.SessionID,
 			"from", from, "to", old.Group, "attempt", old.Attempt)
+		s.publishPlan(old)
 		if err := s.cfg.Conn.Publish(subj, data); err != nil {
 			s.log.Error("cannot dispatch again", "req_id", old.ReqID, "session_id", old.SessionID, "err", err)
 		}
-		s.publishPlan(old)
 	}
 }
 

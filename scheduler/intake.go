@@ -44,6 +44,7 @@ func (s *Scheduler) onRequest(_ context.Context, m jetstream.Msg) error {
 		s.sendError(req.FrontendID, req.RequestID, sessionID, 0, "timeout", "request deadline passed before it could be dispatched")
 		return m.Ack()
 	}
+	s.awaitCausal()
 	groups := s.PlaceableGroups(start)
 	s.m.ready.Set(float64(len(groups)))
 	if len(groups) == 0 {
@@ -87,13 +88,15 @@ func (s *Scheduler) onRequest(_ context.Context, m jetstream.Msg) error {
 		return m.Ack()
 	}
 	s.groups.addInflight(group, 1, t.PrefillBlocks)
+	// The plan goes out first: another replica hears of it before anything
+	// this request causes (see awaitCausal).
+	s.publishPlan(t)
 	if err := s.cfg.Conn.Publish(t.metaSubj, t.metaData); err != nil {
 		s.trackers.drop(t.ReqID)
 		s.groups.addInflight(group, -1, -t.queued)
 		_ = m.NakWithDelay(100 * time.Millisecond)
 		return fmt.Errorf("publish ReqMeta %s: %w", t.ReqID, err)
 	}
-	s.publishPlan(t)
 	if sessionID != "" {
 		b := Binding{Group: group, Blocks: len(t.BlockHashes), Turn: t.TurnDepth}
 		if b.Blocks > 0 {

@@ -116,7 +116,8 @@ type Scheduler struct {
 	// dispatched remembers where other replicas sent requests (from their
 	// SavePlans): a redelivered request goes to the same group and attempt.
 	dispatched *recent.Memory[dispatchRecord]
-	consuming  atomic.Bool // the request consumer runs
+	consuming  atomic.Bool  // the request consumer runs
+	causal     []*causalSub // set by Run before it consumes
 	announced  announcement
 }
 
@@ -252,16 +253,33 @@ func (s *Scheduler) Run(ctx context.Context) error {
 	for _, h := range []struct {
 		subject, name string
 		fn            bus.Handler[*nats.Msg]
+		// causal: the state this feeds (load, index, plans) must be
+		// current when a request is placed; see awaitCausal.
+		causal bool
 	}{
-		{subj.HeartbeatAll(), "scheduler_heartbeat", s.onHeartbeat},
-		{subj.KVAll(), "scheduler_kv_events", s.onKVEvents},
-		{subj.Done(s.cfg.ID), "scheduler_done", s.onDone},
-		{subj.Abort(), "scheduler_abort", s.onAbort},
-		{subj.PlanAll(), "scheduler_plan", s.onPlan},
+		{subj.HeartbeatAll(), "scheduler_heartbeat", s.onHeartbeat, true},
+		{subj.KVAll(), "scheduler_kv_events", s.onKVEvents, true},
+		{subj.Done(s.cfg.ID), "scheduler_done", s.onDone, false},
+		{subj.Abort(), "scheduler_abort", s.onAbort, false},
+		{subj.PlanAll(), "scheduler_plan", s.onPlan, true},
 	} {
-		sub, err := bus.Subscribe(ctx, nc, h.subject, bus.Wrap(h.fn, s.log, s.hm, h.name))
+		fn := bus.Wrap(h.fn, s.log, s.hm, h.name)
+		var cs *causalSub
+		if h.causal {
+			cs = &causalSub{}
+			inner := fn
+			fn = func(ctx context.Context, m *nats.Msg) error {
+				defer cs.applied.Add(1)
+				return inner(ctx, m)
+			}
+		}
+		sub, err := bus.Subscribe(ctx, nc, h.subject, fn)
 		if err != nil {
 			return fmt.Errorf("scheduler: subscribe %s: %w", h.subject, err)
+		}
+		if cs != nil {
+			cs.sub = sub
+			s.causal = append(s.causal, cs)
 		}
 		subs = append(subs, sub)
 	}

@@ -16,6 +16,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/nats-io/nats-server/v2/server"
 	"github.com/nats-io/nats.go"
 	"github.com/prometheus/client_golang/prometheus"
 
@@ -121,6 +122,13 @@ type ClusterConfig struct {
 	MaxInflight    int
 	APIKey         string
 	RequestTimeout time.Duration
+	// StoreDelays slows the store thread of the ranks with these tp_ranks
+	// in every group (a rank that saves late).
+	StoreDelays map[int]time.Duration
+	// MaxPayload of the embedded NATS server (default 8 MiB).
+	MaxPayload  int32
+	NoGroupWait time.Duration
+	ResendAfter time.Duration
 	// LogLevel defaults to info.
 	LogLevel slog.Level
 	// LogTo also receives the logs (for example os.Stderr when debugging).
@@ -166,6 +174,7 @@ func StartCluster(t testing.TB, cfg ClusterConfig) *Cluster {
 		Sim:               workers.SimConfig{Profile: workers.DefaultSimProfile, TimeScale: cfg.TimeScale},
 		HeartbeatInterval: 100 * time.Millisecond, HeartbeatTimeout: time.Second, ShutdownTimeout: 2 * time.Second,
 		Schedulers: cfg.Schedulers, Policy: cfg.Policy, RequestTimeout: cfg.RequestTimeout, SessionTTL: cfg.SessionTTL,
+		StoreDelays: cfg.StoreDelays, MaxPayload: cfg.MaxPayload, NoGroupWait: cfg.NoGroupWait, ResendAfter: cfg.ResendAfter,
 		Frontend: &frontend.Config{Listener: ln, SessionHeaders: cfg.SessionHeaders, MaxModelLen: cfg.MaxModelLen,
 			MaxInflight: cfg.MaxInflight, APIKey: cfg.APIKey},
 		Logger:   slog.New(slog.NewTextHandler(w, &slog.HandlerOptions{Level: cfg.LogLevel})),
@@ -236,4 +245,21 @@ func (o *Observer) Messages() []*nats.Msg {
 	o.mu.Lock()
 	defer o.mu.Unlock()
 	return append([]*nats.Msg(nil), o.msgs...)
+}
+
+// Connected reports whether a client connection with this name is
+// connected to the cluster's NATS server (how a test sees that a killed
+// process is really gone).
+func (c *Cluster) Connected(t testing.TB, name string) bool {
+	t.Helper()
+	cz, err := c.Cluster.NATS.Connz(&server.ConnzOptions{Limit: 10000})
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, ci := range cz.Conns {
+		if ci.Name == name {
+			return true
+		}
+	}
+	return false
 }

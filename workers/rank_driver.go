@@ -26,6 +26,11 @@ func (r *Rank) drive(rr *rankReq) {
 	}, func() {
 		storeQueued = true
 		rr.prefilled.Store(true)
+		// Tell every scheduler replica at once that the group's prefill
+		// queue shrank: the client's next turn follows this answer, and
+		// must not be placed on a stale load that makes its cache look
+		// expensive.
+		r.heartbeat()
 		r.pushStore(rr)
 		r.publish(meta.ResultSubject, &messages.RankResult{
 			ReqID: meta.ReqID, Group: r.cfg.Group, TPRank: r.cfg.TPRank, EPRank: r.cfg.EPRank, Attempt: meta.Attempt, Prefilled: true,

@@ -34,6 +34,9 @@ func (r *Rank) report(rr *rankReq) {
 	}
 	r.mu.Unlock()
 	r.publish(subject, res, rr.meta)
+	if r.IsDriver() {
+		r.heartbeat() // the group's load changed: every replica hears it now
+	}
 	rr.cancel(nil)
 	r.cfg.Metrics.queue.WithLabelValues(r.labels...).Dec()
 }
