@@ -36,6 +36,9 @@ type faultLoad struct {
 	// alive lists the scheduler replicas whose trackers must drain (nil:
 	// all); a killed replica's memory died with it.
 	alive []int
+	// check, if set, runs after the load: it asserts that the fault took
+	// effect and that the property it threatens held.
+	check func(t *testing.T, c *testenv.Cluster)
 }
 
 type faultTally struct {
@@ -80,6 +83,9 @@ func runFault(t *testing.T, cfg testenv.ClusterConfig, load faultLoad) {
 			break
 		}
 		time.Sleep(20 * time.Millisecond)
+	}
+	if load.check != nil {
+		load.check(t, c)
 	}
 	c.Cluster.Stop()
 	if err := c.Cluster.Wait(); err != nil {
@@ -156,14 +162,32 @@ func oneRequest(c *testenv.Cluster, client *http.Client, i int, load faultLoad, 
 	}
 }
 
+// killRank kills a rank and asserts that the kill took effect: its NATS
+// connection is gone and every scheduler took its group out of placement.
+func killRank(t *testing.T, c *testenv.Cluster, group string, rank int) {
+	c.KillRank(t, group, rank)
+	name := fmt.Sprintf("kvbus-worker-%s-%d", group, rank)
+	testenv.Eventually(t, 5*time.Second, "the killed rank's connection gone", func() bool { return !c.Connected(t, name) })
+	testenv.Eventually(t, 5*time.Second, "its group out of placement", func() bool {
+		for _, s := range c.Schedulers {
+			for _, g := range s.Groups() {
+				if g.Name == group {
+					return false
+				}
+			}
+		}
+		return true
+	})
+}
+
 func TestFaultKillNonDriverRank(t *testing.T) {
 	runFault(t, testenv.ClusterConfig{Groups: 2, TimeScale: 0.2}, faultLoad{requests: 300, concurrency: 16, faultAt: 100,
-		fault: func(c *testenv.Cluster) { c.KillRank(t, "g0", 2) }})
+		fault: func(c *testenv.Cluster) { killRank(t, c, "g0", 2) }})
 }
 
 func TestFaultKillDriver(t *testing.T) {
 	runFault(t, testenv.ClusterConfig{Groups: 2, TimeScale: 0.2}, faultLoad{requests: 300, concurrency: 16, faultAt: 100,
-		fault: func(c *testenv.Cluster) { c.KillRank(t, "g1", 0) }})
+		fault: func(c *testenv.Cluster) { killRank(t, c, "g1", 0) }})
 }
 
 func TestFaultKillOneOfTwoSchedulers(t *testing.T) {
@@ -173,6 +197,9 @@ func TestFaultKillOneOfTwoSchedulers(t *testing.T) {
 			if err := c.Cluster.KillScheduler(1); err != nil {
 				t.Fatal(err)
 			}
+			testenv.Eventually(t, 5*time.Second, "the killed scheduler's connection gone", func() bool {
+				return !c.Connected(t, "kvbus-scheduler-1")
+			})
 		}})
 }
 
@@ -196,12 +223,17 @@ func TestFaultRestartNATS(t *testing.T) {
 		}})
 }
 
-func TestFaultDropKVEvents(t *testing.T) {
-	// A batch of g0/1's events "lost": the next one the scheduler sees
-	// skips a seq, so it must resync that rank from a dump, under load.
+// TestFaultForgedKVSeq publishes, under load, one KVEventBatch for g0/1
+// with seq 2^40 (what a corrupted, replayed or forged batch looks like). It
+// must be dropped and counted as malformed, cause next to no resync (no
+// storm of dumps), and leave caching on g0 intact: conversations placed on
+// g0 afterwards find >= 95% of each previous prompt cached.
+func TestFaultForgedKVSeq(t *testing.T) {
+	var resyncsBefore float64
 	runFault(t, testenv.ClusterConfig{Groups: 2, TimeScale: 0.2}, faultLoad{requests: 300, concurrency: 16, faultAt: 100,
 		headers: func(i int) map[string]string { return map[string]string{"X-Session-ID": fmt.Sprint("s", i%10)} },
 		fault: func(c *testenv.Cluster) {
+			resyncsBefore = testenv.CounterSum(t, c.Registry, "kvbus_scheduler_kv_resyncs_total", nil)
 			nc, err := nats.Connect(c.NATS.ClientURL())
 			if err != nil {
 				t.Fatal(err)
@@ -214,6 +246,53 @@ func TestFaultDropKVEvents(t *testing.T) {
 			}
 			if err := nc.Flush(); err != nil {
 				t.Fatal(err)
+			}
+		},
+		check: func(t *testing.T, c *testenv.Cluster) {
+			rejected := testenv.CounterSum(t, c.Registry, "kvbus_scheduler_kv_batches_rejected_total", nil)
+			resyncs := testenv.CounterSum(t, c.Registry, "kvbus_scheduler_kv_resyncs_total", nil) - resyncsBefore
+			t.Logf("forged batch: rejected %v, resyncs since %v", rejected, resyncs)
+			if rejected != 1 {
+				t.Errorf("kv_batches_rejected_total = %v, want 1: the forged batch was not recognised", rejected)
+			}
+			if resyncs > 2 {
+				t.Errorf("%v resyncs after one forged batch, want at most 2", resyncs)
+			}
+			// Caching on g0 still works: conversations until two ran on g0.
+			client := &http.Client{Timeout: 30 * time.Second}
+			defer client.CloseIdleConnections()
+			nc, err := nats.Connect(c.NATS.ClientURL())
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer nc.Close()
+			var metas atomic.Int64
+			if _, err := nc.Subscribe("kvbus.meta.g0.>", func(*nats.Msg) { metas.Add(1) }); err != nil {
+				t.Fatal(err)
+			}
+			if err := nc.Flush(); err != nil {
+				t.Fatal(err)
+			}
+			onG0 := 0
+			for conv := 0; conv < 12 && onG0 < 2; conv++ {
+				seen := metas.Load()
+				turns, err := testenv.Conversation{BaseURL: c.URL, Client: client, Model: c.Model, Seed: 100 + conv,
+					Headers: map[string]string{"X-Session-ID": fmt.Sprint("after-forgery-", conv)}}.Run(t.Context(), 3)
+				if err != nil {
+					t.Fatal(err)
+				}
+				if metas.Load() == seen {
+					continue // placed on g1
+				}
+				onG0++
+				for i, share := range testenv.PreviousShares(turns, 16) {
+					if share < 0.95 {
+						t.Errorf("conversation %d on g0, turn %d: %.0f%% of the previous prompt cached, want >= 95%%", conv, i+2, 100*share)
+					}
+				}
+			}
+			if onG0 == 0 {
+				t.Error("no conversation was placed on g0: the check shows nothing")
 			}
 		}})
 }
