@@ -52,6 +52,9 @@ type Config struct {
 	// StoreDelays slows the store thread of the ranks with these tp_ranks
 	// (fault injection: a rank that saves late).
 	StoreDelays map[int]time.Duration
+	// DropReqMetas makes the ranks with these tp_ranks ignore their first
+	// N ReqMetas (fault injection: lost core NATS messages).
+	DropReqMetas map[int]int
 	// MaxPayload of the embedded server (default: bus.StartServer's).
 	MaxPayload int32
 
@@ -318,7 +321,7 @@ func (c *Cluster) startRank(group string, r int) error {
 		Conn: nc, Subjects: cfg.Subjects, Group: group, TPRank: r, TPSize: cfg.Ranks, EPRank: r, EPSize: cfg.Ranks,
 		Model: cfg.Model, Profile: c.profile, CapacityBytes: capacity, Payload: cfg.Payload, Evict: cfg.Evict,
 		Engine: engine, BlockSize: cfg.BlockSize, HeartbeatInterval: cfg.HeartbeatInterval, ShutdownTimeout: cfg.ShutdownTimeout,
-		SaveWait: cfg.SaveWait, StoreDelay: cfg.StoreDelays[r],
+		SaveWait: cfg.SaveWait, StoreDelay: cfg.StoreDelays[r], DropReqMetas: cfg.DropReqMetas[r],
 		Logger: c.log, Metrics: c.wm, HandlerMetrics: c.hm,
 	})
 	if err != nil {

@@ -78,7 +78,7 @@ func (s *Scheduler) requestDump(ctx context.Context, group string, rank int) {
 	s.m.resyncs.Inc()
 	epoch := s.index.Epoch(group, rank)
 	s.dumps.Go(func() {
-		dump, err := s.fetchDump(ctx, group, rank)
+		dump, chunks, err := s.fetchDump(ctx, group, rank)
 		again := false
 		switch {
 		case ctx.Err() != nil:
@@ -87,7 +87,7 @@ func (s *Scheduler) requestDump(ctx context.Context, group string, rank int) {
 		default:
 			again = s.index.ApplyDumpOf(group, rank, epoch, dump)
 			s.log.Info("rank resynced from its dump", "group", group, "tp_rank", rank, "seq", dump.Seq,
-				"blocks", dumpBlocks(dump), "gap_again", again)
+				"blocks", dumpBlocks(dump), "chunks", chunks, "gap_again", again)
 		}
 		s.resyncMu.Lock()
 		defer s.resyncMu.Unlock()
@@ -103,49 +103,49 @@ func (s *Scheduler) requestDump(ctx context.Context, group string, rank int) {
 }
 
 // fetchDump asks a rank for its dump and gathers its chunks into one batch.
-func (s *Scheduler) fetchDump(ctx context.Context, group string, rank int) (*messages.KVEventBatch, error) {
+func (s *Scheduler) fetchDump(ctx context.Context, group string, rank int) (dump *messages.KVEventBatch, chunks int, err error) {
 	nc := s.cfg.Conn
 	ctx, cancel := context.WithTimeout(ctx, s.cfg.DumpTimeout)
 	defer cancel()
 	inbox := nc.NewRespInbox()
 	sub, err := nc.SubscribeSync(inbox)
 	if err != nil {
-		return nil, err
+		return nil, 0, err
 	}
 	defer func() { _ = sub.Unsubscribe() }()
 	if err := nc.PublishRequest(s.cfg.Subjects.Dump(group, rank), inbox, nil); err != nil {
-		return nil, err
+		return nil, 0, err
 	}
 	var (
-		chunks []*messages.KVEventBatch
-		got    int
-		seq    uint64
+		parts []*messages.KVEventBatch
+		got   int
+		seq   uint64
 	)
 	for {
 		msg, err := sub.NextMsgWithContext(ctx)
 		if err != nil {
-			return nil, fmt.Errorf("dump of %s/%d: %d of %d chunks received: %w", group, rank, got, len(chunks), err)
+			return nil, 0, fmt.Errorf("dump of %s/%d: %d of %d chunks received: %w", group, rank, got, len(parts), err)
 		}
 		b, err := messages.DecodeKVEventBatch(msg.Data)
 		if err != nil {
-			return nil, fmt.Errorf("malformed dump chunk: %w", err)
+			return nil, 0, fmt.Errorf("malformed dump chunk: %w", err)
 		}
 		if b.DumpChunks <= 1 {
-			return b, nil // the whole dump in one message
+			return b, 1, nil // the whole dump in one message
 		}
-		if chunks == nil {
-			chunks, seq = make([]*messages.KVEventBatch, b.DumpChunks), b.Seq
+		if parts == nil {
+			parts, seq = make([]*messages.KVEventBatch, b.DumpChunks), b.Seq
 		}
-		if b.DumpChunks != len(chunks) || b.Seq != seq {
-			return nil, fmt.Errorf("%w: dump chunks of %s/%d disagree (chunks %d/%d, seq %d)", messages.ErrInvalid, group, rank,
-				b.DumpChunks, len(chunks), b.Seq)
+		if b.DumpChunks != len(parts) || b.Seq != seq {
+			return nil, 0, fmt.Errorf("%w: dump chunks of %s/%d disagree (chunks %d/%d, seq %d)", messages.ErrInvalid, group, rank,
+				b.DumpChunks, len(parts), b.Seq)
 		}
-		if chunks[b.DumpChunk] == nil {
-			chunks[b.DumpChunk] = b
+		if parts[b.DumpChunk] == nil {
+			parts[b.DumpChunk] = b
 			got++
 		}
-		if got == len(chunks) {
-			return mergeDump(chunks), nil
+		if got == len(parts) {
+			return mergeDump(parts), len(parts), nil
 		}
 	}
 }

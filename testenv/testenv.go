@@ -125,6 +125,9 @@ type ClusterConfig struct {
 	// StoreDelays slows the store thread of the ranks with these tp_ranks
 	// in every group (a rank that saves late).
 	StoreDelays map[int]time.Duration
+	// DropReqMetas makes the ranks with these tp_ranks (in every group)
+	// ignore their first N ReqMetas.
+	DropReqMetas map[int]int
 	// MaxPayload of the embedded NATS server (default 8 MiB).
 	MaxPayload  int32
 	NoGroupWait time.Duration
@@ -174,7 +177,7 @@ func StartCluster(t testing.TB, cfg ClusterConfig) *Cluster {
 		Sim:               workers.SimConfig{Profile: workers.DefaultSimProfile, TimeScale: cfg.TimeScale},
 		HeartbeatInterval: 100 * time.Millisecond, HeartbeatTimeout: time.Second, ShutdownTimeout: 2 * time.Second,
 		Schedulers: cfg.Schedulers, Policy: cfg.Policy, RequestTimeout: cfg.RequestTimeout, SessionTTL: cfg.SessionTTL,
-		StoreDelays: cfg.StoreDelays, MaxPayload: cfg.MaxPayload, NoGroupWait: cfg.NoGroupWait, ResendAfter: cfg.ResendAfter,
+		StoreDelays: cfg.StoreDelays, DropReqMetas: cfg.DropReqMetas, MaxPayload: cfg.MaxPayload, NoGroupWait: cfg.NoGroupWait, ResendAfter: cfg.ResendAfter,
 		Frontend: &frontend.Config{Listener: ln, SessionHeaders: cfg.SessionHeaders, MaxModelLen: cfg.MaxModelLen,
 			MaxInflight: cfg.MaxInflight, APIKey: cfg.APIKey},
 		Logger:   slog.New(slog.NewTextHandler(w, &slog.HandlerOptions{Level: cfg.LogLevel})),

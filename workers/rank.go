@@ -69,6 +69,9 @@ type RankConfig struct {
 	// StoreDelay is a fault-injection knob: the store thread sleeps this
 	// long before each request's save (a slow rank). Zero in production.
 	StoreDelay time.Duration
+	// DropReqMetas is a fault-injection knob: the rank ignores its first
+	// DropReqMetas ReqMetas, as if those core NATS messages were lost.
+	DropReqMetas int
 	// ShutdownTimeout bounds how long Run lets in-flight requests finish
 	// after its context ends (default 10 s).
 	ShutdownTimeout time.Duration
@@ -127,7 +130,8 @@ type Rank struct {
 	nextID uint64                  // numbers rankReqs in arrival order
 	saving map[string]*rankReq     // store key -> the request saving it
 
-	draining atomic.Bool // Run's context ended
+	draining atomic.Bool  // Run's context ended
+	dropped  atomic.Int64 // ReqMetas ignored for DropReqMetas
 
 	drivers sync.WaitGroup // driver goroutines, started by the load loop
 }
@@ -314,6 +318,10 @@ func (r *Rank) onMeta(ctx context.Context, m *nats.Msg) error {
 	}
 	r.cfg.Metrics.reqMetas.WithLabelValues(r.labels...).Inc()
 	if ctx.Err() != nil {
+		return nil
+	}
+	if r.cfg.DropReqMetas > 0 && r.dropped.Add(1) <= int64(r.cfg.DropReqMetas) {
+		r.log.Warn("fault injection: ReqMeta ignored", "req_id", meta.ReqID, "session_id", meta.SessionID)
 		return nil
 	}
 	now := time.Now()

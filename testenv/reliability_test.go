@@ -1,0 +1,249 @@
+package testenv_test
+
+import (
+	"encoding/json"
+	"fmt"
+	"net/http"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/nats-io/nats.go"
+	"github.com/nats-io/nats.go/jetstream"
+
+	"github.com/kvbus/kvbus/messages"
+	"github.com/kvbus/kvbus/scheduler"
+	"github.com/kvbus/kvbus/testenv"
+)
+
+// TestSchedulerResendsToSilentRanks: rank 2 loses its first ReqMeta (one
+// core NATS message lost). The scheduler hears nothing from it within
+// --resend-after, publishes the ReqMeta again, and the request completes in
+// about that bound instead of waiting out its 20 s deadline.
+func TestSchedulerResendsToSilentRanks(t *testing.T) {
+	c := testenv.StartCluster(t, testenv.ClusterConfig{Groups: 1, DropReqMetas: map[int]int{2: 1},
+		ResendAfter: 300 * time.Millisecond, RequestTimeout: 20 * time.Second})
+	start := time.Now()
+	status, _, raw := post(t, c, "/v1/chat/completions", fmt.Sprintf(`{"model":%q,"messages":[{"role":"user","content":"hello"}],"max_tokens":4}`, c.Model), nil)
+	if status != http.StatusOK {
+		t.Fatalf("status %d: %s", status, raw)
+	}
+	// The driver answers without rank 2; the request ends in the scheduler
+	// once rank 2 reported, after the resend.
+	testenv.Eventually(t, 5*time.Second, "the request done in the scheduler", func() bool { return c.Scheduler.Trackers() == 0 })
+	took := time.Since(start)
+	if n := len(c.Logs.Lines("fault injection: ReqMeta ignored", "tp_rank=2")); n != 1 {
+		t.Fatalf("rank 2 ignored %d ReqMetas, want 1: the fault did not take effect", n)
+	}
+	resends := testenv.CounterSum(t, c.Registry, "kvbus_scheduler_reqmeta_resends_total", nil)
+	completed := testenv.CounterSum(t, c.Registry, "kvbus_scheduler_requests_total", map[string]string{"outcome": "completed"})
+	timeouts := testenv.CounterSum(t, c.Registry, "kvbus_scheduler_requests_total", map[string]string{"outcome": "timeout"})
+	t.Logf("done after %s: resends %v, completed %v, timeouts %v", took.Round(time.Millisecond), resends, completed, timeouts)
+	if resends != 1 || completed != 1 || timeouts != 0 {
+		t.Errorf("resends %v, completed %v, timeouts %v; want 1, 1, 0", resends, completed, timeouts)
+	}
+	if took > 3*time.Second {
+		t.Errorf("the request took %s to end, want about --resend-after (300 ms)", took)
+	}
+}
+
+// TestLoadIsClusterWide: with two scheduler replicas, each replica's view of
+// a group's load counts the requests the other replica placed there (from
+// the driver's reports), so the two place as one would.
+func TestLoadIsClusterWide(t *testing.T) {
+	c := testenv.StartCluster(t, testenv.ClusterConfig{Groups: 2, Schedulers: 2, TimeScale: 1, Policy: "least-loaded"})
+	const n = 8
+	var wg sync.WaitGroup
+	for i := range n {
+		wg.Go(func() {
+			// 40 output tokens at 10 ms each: the requests stay in flight ~0.4 s.
+			body := fmt.Sprintf(`{"model":%q,"messages":[{"role":"user","content":"long %d"}],"max_tokens":40,"ignore_eos":true}`, c.Model, i)
+			if status, _, raw := post(t, c, "/v1/chat/completions", body, nil); status != http.StatusOK {
+				t.Errorf("status %d: %s", status, raw)
+			}
+		})
+	}
+	dispatched := func(i int) float64 {
+		return testenv.CounterSum(t, c.SchedulerRegistries[i], "kvbus_scheduler_requests_total", map[string]string{"outcome": "dispatched"})
+	}
+	testenv.Eventually(t, 5*time.Second, "every request dispatched", func() bool { return dispatched(0)+dispatched(1) == n })
+	if dispatched(0) == 0 || dispatched(1) == 0 {
+		t.Logf("one replica dispatched everything (%v, %v): the views are trivially equal", dispatched(0), dispatched(1))
+	}
+	inflight := func(s *scheduler.Scheduler) int {
+		sum := 0
+		for _, g := range s.Groups() {
+			sum += g.Inflight
+		}
+		return sum
+	}
+	testenv.Eventually(t, 2*time.Second, "both replicas to see all 8 requests in flight", func() bool {
+		return inflight(c.Schedulers[0]) == n && inflight(c.Schedulers[1]) == n
+	})
+	t.Logf("dispatched %v + %v; each replica sees %d and %d in flight", dispatched(0), dispatched(1), inflight(c.Schedulers[0]), inflight(c.Schedulers[1]))
+	// least-loaded spread them as one scheduler would: 4 and 4.
+	for _, g := range c.Schedulers[0].Groups() {
+		if g.Inflight != n/2 {
+			t.Errorf("group %s has %d requests in flight, want %d (the replicas placed as one)", g.Name, g.Inflight, n/2)
+		}
+	}
+	wg.Wait()
+}
+
+// TestDumpLargerThanMaxPayload: against a server whose max payload is
+// 16 KiB, a rank holding thousands of blocks (more than one message can
+// carry) resyncs: its dump comes in chunks and the index ends up equal to
+// what the ranks hold.
+func TestDumpLargerThanMaxPayload(t *testing.T) {
+	c := testenv.StartCluster(t, testenv.ClusterConfig{Groups: 1, MaxPayload: 16 << 10})
+	client := &http.Client{Timeout: 30 * time.Second}
+	defer client.CloseIdleConnections()
+	for conv := 0; c.Scheduler.Index().GroupBlocks("g0") < 3000; conv++ {
+		if conv > 200 {
+			t.Fatalf("only %d blocks after %d conversations", c.Scheduler.Index().GroupBlocks("g0"), conv)
+		}
+		if _, err := (testenv.Conversation{BaseURL: c.URL, Client: client, Model: c.Model, Seed: 1000 + conv, MaxTokens: 4}).Run(t.Context(), 1); err != nil {
+			t.Fatal(err)
+		}
+	}
+	testenv.Eventually(t, 5*time.Second, "the index to settle", func() bool { return c.Scheduler.Index().Plans() == 0 })
+	held := c.Scheduler.Index().GroupBlocks("g0")
+	// A heartbeat of g0/1 with another start time: the scheduler takes it
+	// for a restart and asks for a dump (3,000 hashes: 24 KB, over 16 KiB).
+	nc, err := nats.Connect(c.NATS.ClientURL())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer nc.Close()
+	before := len(c.Logs.Lines("rank resynced from its dump", "tp_rank=1"))
+	data, _ := messages.Marshal(&messages.Heartbeat{Group: "g0", TPRank: 1, EPRank: 1, WorldSize: 4, Model: c.Model, StartedUnixMs: 1})
+	if err := nc.Publish(messages.Subjects{}.Heartbeat("g0", 1), data); err != nil {
+		t.Fatal(err)
+	}
+	testenv.Eventually(t, 10*time.Second, "a resync from a dump", func() bool {
+		return len(c.Logs.Lines("rank resynced from its dump", "tp_rank=1")) > before
+	})
+	testenv.Eventually(t, 10*time.Second, "the index back to what the ranks hold", func() bool {
+		return len(c.Scheduler.Index().Resyncing()) == 0 && c.Scheduler.Index().GroupBlocks("g0") == held
+	})
+	line := c.Logs.Lines("rank resynced from its dump", "tp_rank=1")[before]
+	t.Logf("%d blocks held; %s", held, line)
+	if strings.Contains(line, "chunks=1 ") || strings.Contains(line, "chunks=0 ") {
+		t.Errorf("the dump came in one chunk: %s", line)
+	}
+}
+
+// TestTakeOverAfterSchedulerCrash: a replica dispatched a request (its
+// SavePlan and ReqMeta went out, the ranks ran it and answered to it) and
+// died before acking it; the request log redelivers it to another replica.
+// That replica must send it to the same group and attempt, so the ranks
+// answer it from memory: the request ends once, with its answer, no
+// timeout and no second run.
+func TestTakeOverAfterSchedulerCrash(t *testing.T) {
+	c := testenv.StartCluster(t, testenv.ClusterConfig{Groups: 2})
+	nc, err := nats.Connect(c.NATS.ClientURL())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer nc.Close()
+	var (
+		mu      sync.Mutex
+		outputs []*messages.Output
+	)
+	if _, err := nc.Subscribe(messages.Subjects{}.Out("fe-crash"), func(m *nats.Msg) {
+		if o, err := messages.DecodeOutput(m.Data); err == nil {
+			mu.Lock()
+			outputs = append(outputs, o)
+			mu.Unlock()
+		}
+	}); err != nil {
+		t.Fatal(err)
+	}
+	finals := func() int {
+		mu.Lock()
+		defer mu.Unlock()
+		n := 0
+		for _, o := range outputs {
+			if o.Final() {
+				n++
+			}
+		}
+		return n
+	}
+	prompt := testenv.PromptTokens(77, 100)
+	req := &messages.Request{RequestID: "taken-over-1", Model: c.Model, FrontendID: "fe-crash", ArrivalUnixMs: time.Now().UnixMilli(),
+		PromptTokenIDs: prompt, SamplingParams: messages.SamplingParams{MaxTokens: 4}, Endpoint: messages.EndpointChat}
+	hashes := scheduler.HashBlocks(nil, scheduler.HashSeed(c.Model), prompt, 16)
+	// What the dead replica did: its plan, then the ReqMeta to g1.
+	plan, _ := messages.Marshal(&messages.SavePlan{SchedulerID: "sched-dead", ReqID: req.RequestID, Group: "g1",
+		BlockHashes: hashes, ExpiresUnixMs: time.Now().Add(time.Minute).UnixMilli()})
+	meta, _ := messages.Marshal(&messages.ReqMeta{ReqID: req.RequestID, Model: c.Model, Group: "g1", TokenLen: len(prompt),
+		TokenIDs: prompt, BlockSize: 16, BlockHashes: hashes, LoadSpec: &messages.LoadSpec{}, CanSave: true, IsLastChunk: true,
+		NumPromptTokens: len(prompt), SamplingParams: req.SamplingParams, FrontendID: "fe-crash",
+		ResultSubject: messages.Subjects{}.Done("sched-dead"), DeadlineUnixMs: time.Now().Add(time.Minute).UnixMilli()})
+	for subj, data := range map[string][]byte{messages.Subjects{}.Plan("sched-dead"): plan} {
+		if err := nc.Publish(subj, data); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := nc.Publish(messages.Subjects{}.Meta("g1", ""), meta); err != nil {
+		t.Fatal(err)
+	}
+	testenv.Eventually(t, 5*time.Second, "the dead replica's run answered", func() bool { return finals() == 1 })
+	// The redelivery: the request reaches the live replica from the log.
+	js, err := jetstream.New(nc)
+	if err != nil {
+		t.Fatal(err)
+	}
+	data, _ := messages.Marshal(req)
+	if _, err := js.Publish(t.Context(), messages.Subjects{}.Request(c.Model), data, jetstream.WithMsgID(req.RequestID)); err != nil {
+		t.Fatal(err)
+	}
+	testenv.Eventually(t, 5*time.Second, "the live replica to end the request", func() bool {
+		return testenv.CounterSum(t, c.Registry, "kvbus_scheduler_requests_total", map[string]string{"outcome": "completed"}) == 1
+	})
+	if n := len(c.Logs.Lines("request taken over from another scheduler replica", "req_id="+req.RequestID, "group=g1")); n != 1 {
+		t.Errorf("%d takeover log lines, want 1", n)
+	}
+	time.Sleep(200 * time.Millisecond) // a second run would have answered by now
+	if n := finals(); n != 1 {
+		t.Errorf("%d final outputs, want 1: the request ran twice", n)
+	}
+	if n := testenv.CounterSum(t, c.Registry, "kvbus_scheduler_requests_total", map[string]string{"outcome": "timeout"}); n != 0 {
+		t.Errorf("%v timeouts", n)
+	}
+	if n := len(c.Logs.Lines("ReqMeta again: result sent again", "req_id="+req.RequestID)); n != 4 {
+		t.Errorf("%d ranks answered the second ReqMeta from memory, want 4", n)
+	}
+}
+
+// TestNoGroupIsAFast503: with the only group down, a request gets a 503
+// with Retry-After within --no-group-wait (either the frontend knows no
+// scheduler is ready, or the scheduler gives up waiting for a group), not a
+// 504 after the request timeout.
+func TestNoGroupIsAFast503(t *testing.T) {
+	c := testenv.StartCluster(t, testenv.ClusterConfig{Groups: 1, NoGroupWait: 500 * time.Millisecond, RequestTimeout: 20 * time.Second})
+	c.KillRank(t, "g0", 3)
+	testenv.Eventually(t, 5*time.Second, "the group out", func() bool { return c.Scheduler.ReadyGroups() == 0 })
+	// At once (the frontend may still count the scheduler ready), and once
+	// the scheduler's announcement said it is not.
+	for i := range 2 {
+		if i == 1 {
+			time.Sleep(1500 * time.Millisecond)
+		}
+		start := time.Now()
+		status, h, raw := post(t, c, "/v1/chat/completions", fmt.Sprintf(`{"model":%q,"messages":[{"role":"user","content":"hi"}]}`, c.Model), nil)
+		took := time.Since(start)
+		var body struct{ Error struct{ Code string } }
+		_ = json.Unmarshal(raw, &body)
+		t.Logf("request %d: %d %s after %s", i, status, body.Error.Code, took.Round(time.Millisecond))
+		if status != http.StatusServiceUnavailable || h.Get("Retry-After") == "" ||
+			(body.Error.Code != "no_ready_group" && body.Error.Code != "no_ready_scheduler") {
+			t.Errorf("request %d: status %d, Retry-After %q, body %s; want 503 no_ready_group/no_ready_scheduler", i, status, h.Get("Retry-After"), raw)
+		}
+		if took > 3*time.Second {
+			t.Errorf("request %d: the 503 took %s", i, took)
+		}
+	}
+}
