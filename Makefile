@@ -62,8 +62,13 @@ image:
 	CGO_ENABLED=0 $(GO) build -trimpath -ldflags '-s -w' -o build/docker/kvbus ./cmd/kvbus
 	docker build -f Dockerfile -t $(IMAGE) build/docker
 
+# Returns once the cluster is ready: the frontend's /healthz answers 200 only
+# when a scheduler is ready, i.e. consumes requests and places them on a
+# group whose KV index is synced (polled: docker-compose 1.29 has no --wait).
+HTTP_PORT ?= $(or $(KVBUS_HTTP_PORT),8000)
 up: image
 	$(COMPOSE) $(COMPOSE_FILES) up -d --scale scheduler=$(SCHEDULERS) --scale worker=$(WORKERS)
+	@build/docker/kvbus healthcheck --url http://127.0.0.1:$(HTTP_PORT)/healthz --wait 120s && echo "kvbus is ready on http://127.0.0.1:$(HTTP_PORT)"
 
 down:
 	$(COMPOSE) $(COMPOSE_FILES) down -v --remove-orphans

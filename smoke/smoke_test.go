@@ -21,6 +21,8 @@ import (
 	"sync/atomic"
 	"testing"
 	"time"
+
+	"github.com/kvbus/kvbus/testenv"
 )
 
 // base is the frontend published by compose (KVBUS_HTTP_PORT, default 8000).
@@ -63,8 +65,24 @@ func eventually(t *testing.T, timeout time.Duration, what string, cond func() bo
 		if time.Now().After(deadline) {
 			t.Fatalf("timed out after %s waiting for %s", timeout, what)
 		}
-		time.Sleep(500 * time.Millisecond)
+		time.Sleep(100 * time.Millisecond)
 	}
+}
+
+// waitHealthy waits until the frontend's /healthz answers 200 (a ready
+// scheduler exists), as `make up` does.
+func waitHealthy(t *testing.T, client *http.Client) {
+	t.Helper()
+	start := time.Now()
+	eventually(t, 120*time.Second, "the frontend's /healthz", func() bool {
+		resp, err := client.Get(base + "/healthz")
+		if err != nil {
+			return false
+		}
+		resp.Body.Close()
+		return resp.StatusCode == http.StatusOK
+	})
+	t.Logf("healthy %s after up", time.Since(start).Round(100*time.Millisecond))
 }
 
 // workers returns the names of the running worker containers.
@@ -132,28 +150,22 @@ func TestSmoke(t *testing.T) {
 	t.Cleanup(func() { compose(t, "down", "-v", "--remove-orphans") })
 	compose(t, "up", "-d", "--scale", "scheduler=2", "--scale", "worker=8")
 	client := &http.Client{Timeout: 60 * time.Second}
-	eventually(t, 90*time.Second, "every container healthy and the cluster answering", func() bool {
-		status, _, err := chat(client, "", []map[string]string{{"role": "user", "content": "ready?"}})
-		return err == nil && status == http.StatusOK
-	})
+	waitHealthy(t, client)
 
-	// A 3-turn conversation: every rank of one group logs the session, and
-	// turns 2 and 3 load the previous prompt's blocks.
+	// Used the moment its health check passes, as a user would: a 4-turn
+	// conversation, each turn sent as soon as the answer arrives. Every
+	// next turn finds >= 95% of the previous prompt's full blocks cached,
+	// and every rank of one group logs the session.
 	const session = "smoke-conversation"
-	var msgs []map[string]string
-	for turn := 1; turn <= 3; turn++ {
-		msgs = append(msgs, map[string]string{"role": "user", "content": strings.Repeat(fmt.Sprintf("turn %d of the smoke conversation. ", turn), 8)})
-		status, out, err := chat(client, session, msgs)
-		if err != nil || status != http.StatusOK {
-			t.Fatalf("turn %d: status %d, %v, %v", turn, status, err, out)
+	turns, err := testenv.Conversation{BaseURL: base, Client: client, Headers: map[string]string{"X-Session-ID": session}}.Run(t.Context(), 4)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for i, share := range testenv.PreviousShares(turns, 16) {
+		t.Logf("turn %d: prompt %d tokens, cached %d: %.1f%% of the previous prompt", i+2, turns[i+1].PromptTokens, turns[i+1].CachedTokens, 100*share)
+		if share < 0.95 {
+			t.Errorf("turn %d found %.1f%% of the previous prompt's %d tokens cached, want >= 95%%", i+2, 100*share, turns[i].PromptTokens/16*16)
 		}
-		cached := out["usage"].(map[string]any)["prompt_tokens_details"].(map[string]any)["cached_tokens"].(float64)
-		if turn > 1 && cached <= 0 {
-			t.Errorf("turn %d reported cached_tokens %v, want > 0", turn, cached)
-		}
-		t.Logf("turn %d: cached_tokens %v", turn, cached)
-		content := out["choices"].([]any)[0].(map[string]any)["message"].(map[string]any)["content"].(string)
-		msgs = append(msgs, map[string]string{"role": "assistant", "content": content})
 	}
 	var group string
 	ranks := map[int]string{}
@@ -202,6 +214,12 @@ func TestSmoke(t *testing.T) {
 	// Kill one worker during 200 requests: none is lost (each gets an
 	// answer or an explicit error).
 	victim := workers(t)[0]
+	defer func() {
+		// The fault took effect: the killed container is not running.
+		if state := strings.TrimSpace(docker(t, "inspect", "--format", "{{.State.Running}}", victim)); state != "false" {
+			t.Errorf("%s running=%s after docker kill", victim, state)
+		}
+	}()
 	var sent, ok, explicit, lost atomic.Int64
 	var wg sync.WaitGroup
 	sem := make(chan struct{}, 16)
@@ -241,14 +259,11 @@ func TestSmokeNATSCluster(t *testing.T) {
 	t.Cleanup(func() { compose(t, "down", "-v", "--remove-orphans") })
 	compose(t, "up", "-d", "--scale", "scheduler=2", "--scale", "worker=8")
 	client := &http.Client{Timeout: 60 * time.Second}
+	waitHealthy(t, client)
 	ask := func(i int) (int, error) {
 		status, _, err := chat(client, fmt.Sprint("cluster-", i%5), []map[string]string{{"role": "user", "content": fmt.Sprint("cluster ", i)}})
 		return status, err
 	}
-	eventually(t, 90*time.Second, "the cluster answering", func() bool {
-		status, err := ask(0)
-		return err == nil && status == http.StatusOK
-	})
 	ids := strings.Fields(compose(t, "ps", "-q", "nats2"))
 	if len(ids) != 1 {
 		t.Fatalf("nats2 containers: %v", ids)

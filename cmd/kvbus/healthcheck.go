@@ -3,18 +3,40 @@ package main
 import (
 	"context"
 	"fmt"
+	"io"
 	"net/http"
+	"strings"
 	"time"
 )
 
 // healthcheckCmd probes a role's /healthz: a container HEALTHCHECK for an
-// image that has no shell and no curl.
+// image that has no shell and no curl, and with --wait what `make up` uses
+// to return only once the cluster is ready.
 type healthcheckCmd struct {
 	URL     string        `name:"url" default:"http://127.0.0.1:9090/healthz" help:"The /healthz to probe (the frontend's is on its --http-addr)."`
-	Timeout time.Duration `name:"timeout" default:"2s" help:"How long to wait for the answer."`
+	Timeout time.Duration `name:"timeout" default:"2s" help:"How long to wait for one answer."`
+	Wait    time.Duration `name:"wait" help:"Probe every 250 ms until healthy or this long has passed (0: probe once)."`
 }
 
 func (c *healthcheckCmd) Run(ctx context.Context) error {
+	deadline := time.Now().Add(c.Wait)
+	for {
+		err := c.probe(ctx)
+		if err == nil || c.Wait <= 0 || time.Now().After(deadline) {
+			if err != nil && c.Wait > 0 {
+				return fmt.Errorf("%w (still unhealthy after %s)", err, c.Wait)
+			}
+			return err
+		}
+		select {
+		case <-ctx.Done():
+			return err
+		case <-time.After(250 * time.Millisecond):
+		}
+	}
+}
+
+func (c *healthcheckCmd) probe(ctx context.Context) error {
 	ctx, cancel := context.WithTimeout(ctx, c.Timeout)
 	defer cancel()
 	req, err := http.NewRequestWithContext(ctx, http.MethodGet, c.URL, nil)
@@ -25,9 +47,10 @@ func (c *healthcheckCmd) Run(ctx context.Context) error {
 	if err != nil {
 		return fmt.Errorf("unhealthy: %w", err)
 	}
-	resp.Body.Close()
+	defer resp.Body.Close()
 	if resp.StatusCode != http.StatusOK {
-		return fmt.Errorf("unhealthy: %s answered %d", c.URL, resp.StatusCode)
+		body, _ := io.ReadAll(io.LimitReader(resp.Body, 1024))
+		return fmt.Errorf("unhealthy: %s answered %d: %s", c.URL, resp.StatusCode, strings.TrimSpace(string(body)))
 	}
 	return nil
 }

@@ -5,6 +5,7 @@ package main
 
 import (
 	"context"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"log/slog"
@@ -99,21 +100,43 @@ func newRegistry() *prometheus.Registry {
 	return reg
 }
 
-// serveMetrics serves /metrics and /healthz on addr until ctx ends; an empty
-// addr serves nothing.
-func serveMetrics(ctx context.Context, log *slog.Logger, addr string, reg *prometheus.Registry, nc *nats.Conn) error {
+// serveMetrics serves /metrics, /livez (the process is up and connected to
+// NATS) and /healthz (readiness: live, and ready() if given) on addr until
+// ctx ends; an empty addr serves nothing.
+func serveMetrics(ctx context.Context, log *slog.Logger, addr string, reg *prometheus.Registry, nc *nats.Conn, ready func() (bool, string)) error {
 	if addr == "" {
 		return nil
 	}
 	mux := http.NewServeMux()
 	mux.Handle("/metrics", promhttp.HandlerFor(reg, promhttp.HandlerOpts{}))
-	mux.HandleFunc("/healthz", func(w http.ResponseWriter, _ *http.Request) {
+	status := func(w http.ResponseWriter, code int, v map[string]string) {
+		w.Header().Set("Content-Type", "application/json")
+		w.WriteHeader(code)
+		_ = json.NewEncoder(w).Encode(v)
+	}
+	live := func(w http.ResponseWriter) bool {
 		if nc != nil && !nc.IsConnected() {
-			http.Error(w, `{"status":"nats disconnected"}`, http.StatusServiceUnavailable)
+			status(w, http.StatusServiceUnavailable, map[string]string{"status": "nats disconnected"})
+			return false
+		}
+		return true
+	}
+	mux.HandleFunc("/livez", func(w http.ResponseWriter, _ *http.Request) {
+		if live(w) {
+			status(w, http.StatusOK, map[string]string{"status": "alive"})
+		}
+	})
+	mux.HandleFunc("/healthz", func(w http.ResponseWriter, _ *http.Request) {
+		if !live(w) {
 			return
 		}
-		w.Header().Set("Content-Type", "application/json")
-		_, _ = w.Write([]byte(`{"status":"ok"}`))
+		if ready != nil {
+			if ok, why := ready(); !ok {
+				status(w, http.StatusServiceUnavailable, map[string]string{"status": "not ready", "reason": why})
+				return
+			}
+		}
+		status(w, http.StatusOK, map[string]string{"status": "ok"})
 	})
 	ln, err := net.Listen("tcp", addr)
 	if err != nil {
@@ -231,7 +254,7 @@ func (c *schedulerCmd) Run(ctx context.Context) error {
 	}
 	r := newRoles(ctx)
 	r.run("scheduler", s.Run)
-	r.run("metrics", func(ctx context.Context) error { return serveMetrics(ctx, log, c.MetricsAddr, reg, nc) })
+	r.run("metrics", func(ctx context.Context) error { return serveMetrics(ctx, log, c.MetricsAddr, reg, nc, s.Ready) })
 	return r.wait()
 }
 
@@ -308,7 +331,7 @@ func (c *workerCmd) Run(ctx context.Context) error {
 	}
 	r := newRoles(ctx)
 	r.run("worker", rank.Run)
-	r.run("metrics", func(ctx context.Context) error { return serveMetrics(ctx, log, c.MetricsAddr, reg, nc) })
+	r.run("metrics", func(ctx context.Context) error { return serveMetrics(ctx, log, c.MetricsAddr, reg, nc, nil) })
 	if slot != nil {
 		r.run("slot", slot.Hold) // losing the slot stops the worker
 	}
