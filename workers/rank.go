@@ -361,15 +361,17 @@ func (r *Rank) onMeta(ctx context.Context, m *nats.Msg) error {
 	rr := newRankReq(meta)
 	queued := false
 	if !r.closed {
+		// Set up before the load loop can see it.
+		rr.id = r.nextID + 1
+		rr.receipt = time.AfterFunc(r.cfg.ReceiptAfter, func() { r.sendReceipt(rr) })
 		select {
 		case r.loadQ <- rr:
 			queued = true
-			r.active[meta.ReqID] = rr
 			r.nextID++
-			rr.id = r.nextID
+			r.active[meta.ReqID] = rr
 			r.registerSavesLocked(rr)
-			rr.receipt = time.AfterFunc(r.cfg.ReceiptAfter, func() { r.sendReceipt(rr) })
 		default:
+			rr.receipt.Stop()
 		}
 	}
 	r.mu.Unlock()

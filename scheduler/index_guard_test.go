@@ -1,0 +1,150 @@
+package scheduler
+
+import (
+	"testing"
+	"time"
+)
+
+// prefixOn returns how many leading blocks of hashes the index gives group.
+func prefixOn(x *KVIndex, group string, hashes []uint64) int {
+	g := []GroupState{{Name: group}}
+	x.Match(hashes, g)
+	return g[0].IndexBlocks
+}
+
+// TestKVIndexRejectsImpossibleSeq: a batch whose seq is impossibly far past
+// the rank's known seq is dropped and counted, with no resync; once the
+// rank's seq is known, the same holds for batches held back in a resync.
+func TestKVIndexRejectsImpossibleSeq(t *testing.T) {
+	x := NewKVIndex()
+	x.ObserveRank("g0", 0, 1, 0)
+	a := hashChain(1, 3)
+	if x.Apply(kvBatch("g0", 0, 1, clearedAll(), stored(a[0]))) {
+		t.Fatal("the rank's first batch asked for a dump")
+	}
+	forged := kvBatch("g0", 0, 1<<40, stored(42))
+	if x.Apply(forged) {
+		t.Error("a forged seq asked for a dump")
+	}
+	if got := x.Rejected(); got != 1 {
+		t.Errorf("Rejected = %d, want 1", got)
+	}
+	if len(x.Resyncing()) != 0 {
+		t.Errorf("resyncing %v after a forged seq", x.Resyncing())
+	}
+	if x.Apply(kvBatch("g0", 0, 2, stored(a[1]))) || prefixOn(x, "g0", a) != 2 {
+		t.Errorf("the rank's next real batch was not applied: prefix %d", prefixOn(x, "g0", a))
+	}
+	// A real gap: resync; a forged batch held back meanwhile is dropped
+	// when the dump arrives, and the resync ends.
+	if !x.Apply(kvBatch("g0", 0, 4, stored(a[2]))) {
+		t.Fatal("a gap did not ask for a dump")
+	}
+	x.Apply(kvBatch("g0", 0, 1<<41, stored(43)))
+	if x.ApplyDump("g0", 0, kvDump("g0", 0, 3, a[0], a[1])) {
+		t.Error("the dump found another gap")
+	}
+	if got := x.Rejected(); got != 2 {
+		t.Errorf("Rejected = %d, want 2", got)
+	}
+	if len(x.Resyncing()) != 0 || prefixOn(x, "g0", a) != 3 || !x.Synced("g0") {
+		t.Errorf("after the dump: resyncing %v, prefix %d, synced %v; want none, 3, true", x.Resyncing(), prefixOn(x, "g0", a), x.Synced("g0"))
+	}
+}
+
+// TestKVIndexStaleDumpIgnored: a dump asked of a rank's old process is
+// ignored once the rank restarted.
+func TestKVIndexStaleDumpIgnored(t *testing.T) {
+	x := NewKVIndex()
+	a := hashChain(2, 4)
+	if !x.ObserveRank("g0", 0, 1, 100) {
+		t.Fatal("first heartbeat: no dump asked")
+	}
+	epoch := x.Epoch("g0", 0)
+	x.ApplyDumpOf("g0", 0, epoch, kvDump("g0", 0, 7, a...))
+	if prefixOn(x, "g0", a) != 4 {
+		t.Fatal("dump not applied")
+	}
+	if !x.ObserveRank("g0", 0, 1, 200) { // restarted
+		t.Fatal("restart: no dump asked")
+	}
+	x.ApplyDumpOf("g0", 0, epoch, kvDump("g0", 0, 9, a...)) // late answer of the old process
+	if x.Synced("g0") {
+		t.Error("a stale dump ended the resync")
+	}
+	x.ApplyDumpOf("g0", 0, x.Epoch("g0", 0), kvDump("g0", 0, 1))
+	if !x.Synced("g0") || prefixOn(x, "g0", a) != 0 {
+		t.Errorf("after the new process's dump: synced %v, prefix %d; want true, 0", x.Synced("g0"), prefixOn(x, "g0", a))
+	}
+}
+
+// TestKVIndexPlans: a plan counts a group's blocks before the ranks'
+// events confirm them; confirmation, an eviction, a rank's restart or the
+// plan's expiry end it.
+func TestKVIndexPlans(t *testing.T) {
+	a := hashChain(3, 5)
+	now := time.Now()
+	tests := []struct {
+		name  string
+		after func(x *KVIndex)
+		want  int // prefix on g0 after
+		plans int
+	}{
+		{"a plan counts at once", func(*KVIndex) {}, 5, 5},
+		{"confirmed by both ranks: held, no plan left", func(x *KVIndex) {
+			x.Apply(kvBatch("g0", 0, 2, stored(a...)))
+			x.Apply(kvBatch("g0", 1, 2, stored(a...)))
+		}, 5, 0},
+		{"one rank stored: still planned", func(x *KVIndex) { x.Apply(kvBatch("g0", 0, 2, stored(a...))) }, 5, 5},
+		{"a rank evicted a planned block: the prefix stops there", func(x *KVIndex) {
+			x.Apply(kvBatch("g0", 0, 2, stored(a[2]), removed(a[2])))
+		}, 2, 4},
+		{"a rank restarted: the group's plans go", func(x *KVIndex) { x.Apply(kvBatch("g0", 1, 1, clearedAll())) }, 0, 0},
+		{"expired", func(x *KVIndex) { x.ExpirePlans(now.Add(time.Minute)) }, 0, 0},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			x := NewKVIndex()
+			for r := range 2 {
+				x.ObserveRank("g0", r, 2, 0)
+				x.Apply(kvBatch("g0", r, 1, clearedAll()))
+			}
+			x.ObserveRank("g1", 0, 1, 0)
+			x.Plan("g0", a, now.Add(30*time.Second))
+			tt.after(x)
+			if got := prefixOn(x, "g0", a); got != tt.want {
+				t.Errorf("prefix on g0 = %d, want %d", got, tt.want)
+			}
+			if got := prefixOn(x, "g1", a); got != 0 {
+				t.Errorf("prefix on g1 = %d, want 0 (the plan is g0's)", got)
+			}
+			if got := x.Plans(); got != tt.plans {
+				t.Errorf("Plans() = %d, want %d", got, tt.plans)
+			}
+		})
+	}
+}
+
+// TestKVIndexSynced: a group is synced when each of its ranks is known
+// from its first batch or a dump, and none waits for a dump.
+func TestKVIndexSynced(t *testing.T) {
+	x := NewKVIndex()
+	if x.Synced("g0") {
+		t.Error("unknown group synced")
+	}
+	x.ObserveRank("g0", 0, 2, 5)
+	x.ObserveRank("g0", 1, 2, 5)
+	x.Apply(kvBatch("g0", 0, 1, clearedAll()))
+	if x.Synced("g0") {
+		t.Error("synced with rank 1 unknown")
+	}
+	x.ApplyDump("g0", 0, kvDump("g0", 0, 1))
+	x.ApplyDump("g0", 1, kvDump("g0", 1, 3))
+	if !x.Synced("g0") {
+		t.Errorf("not synced after both dumps: resyncing %v", x.Resyncing())
+	}
+	x.Apply(kvBatch("g0", 1, 6, stored(1))) // a gap
+	if x.Synced("g0") {
+		t.Error("synced while a rank waits for a dump")
+	}
+}
