@@ -1,0 +1,185 @@
+package main
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"net/http"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/kvbus/kvbus/testenv"
+)
+
+// proc is one kvbus process of a multi-process cluster.
+type proc struct {
+	name string
+	cmd  *exec.Cmd
+	log  string
+	done chan error
+}
+
+// buildBinary builds cmd/kvbus into dir (with -race under -race).
+func buildBinary(t *testing.T, dir string) string {
+	t.Helper()
+	bin := filepath.Join(dir, "kvbus")
+	args := []string{"build", "-o", bin}
+	if raceBuild {
+		args = append(args, "-race")
+	}
+	out, err := exec.Command("go", append(args, ".")...).CombinedOutput()
+	if err != nil {
+		t.Fatalf("go build: %v\n%s", err, out)
+	}
+	return bin
+}
+
+func startProc(t *testing.T, bin, dir, name string, args ...string) *proc {
+	t.Helper()
+	logPath := filepath.Join(dir, name+".log")
+	f, err := os.Create(logPath)
+	if err != nil {
+		t.Fatal(err)
+	}
+	cmd := exec.Command(bin, args...)
+	cmd.Stdout, cmd.Stderr = f, f
+	cmd.Env = append(os.Environ(), "KVBUS_LOG_FORMAT=json")
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	p := &proc{name: name, cmd: cmd, log: logPath, done: make(chan error, 1)}
+	go func() { p.done <- cmd.Wait(); f.Close() }()
+	t.Cleanup(func() {
+		_ = cmd.Process.Kill()
+		<-p.done
+		if t.Failed() {
+			b, _ := os.ReadFile(logPath)
+			lines := strings.Split(strings.TrimSpace(string(b)), "\n")
+			t.Logf("--- last lines of %s:\n%s", name, strings.Join(lines[max(len(lines)-15, 0):], "\n"))
+		}
+	})
+	return p
+}
+
+// stop sends SIGTERM and waits for the exit status.
+func (p *proc) stop(t *testing.T) error {
+	t.Helper()
+	_ = p.cmd.Process.Signal(syscall.SIGTERM)
+	select {
+	case err := <-p.done:
+		p.done <- err // for the cleanup
+		return err
+	case <-time.After(30 * time.Second):
+		t.Errorf("%s did not stop within 30 s of SIGTERM", p.name)
+		return errors.New("no exit")
+	}
+}
+
+func healthz(url string) int {
+	resp, err := http.Get(url)
+	if err != nil {
+		return 0
+	}
+	resp.Body.Close()
+	return resp.StatusCode
+}
+
+// TestProcessCluster runs kvbus as an operator does without compose: NATS,
+// a frontend, two schedulers and four workers, each its own process of the
+// real binary. The frontend is unhealthy until a scheduler can place on a
+// synced group; the moment /healthz passes, conversations sent back to back
+// find >= 95% of each previous prompt cached; a SIGKILLed worker takes its
+// group out and requests get a fast 503; every other process exits 0 on
+// SIGTERM.
+func TestProcessCluster(t *testing.T) {
+	if testing.Short() {
+		t.Skip("builds and runs the binary")
+	}
+	dir := t.TempDir()
+	bin := buildBinary(t, dir)
+	natsAddr, httpAddr := freeAddr(t), freeAddr(t)
+	natsURL := "nats://" + natsAddr
+	var procs []*proc
+	start := func(name string, args ...string) *proc {
+		p := startProc(t, bin, dir, name, args...)
+		procs = append(procs, p)
+		return p
+	}
+	start("nats", "nats", "--addr", natsAddr, "--data-dir", filepath.Join(dir, "js"))
+	bus := []string{"--nats-url", natsURL}
+	start("frontend", append([]string{"frontend", "--http-addr", httpAddr}, bus...)...)
+	for i := range 2 {
+		start(fmt.Sprint("scheduler-", i), append([]string{"scheduler", "--metrics-addr", freeAddr(t), "--heartbeat-timeout", "1s",
+			"--no-group-wait", "500ms"}, bus...)...)
+	}
+	base := "http://" + httpAddr
+	testenv.Eventually(t, 60*time.Second, "the frontend serving", func() bool { return healthz(base+"/livez") == http.StatusOK })
+	time.Sleep(time.Second)
+	if code := healthz(base + "/healthz"); code != http.StatusServiceUnavailable {
+		t.Errorf("/healthz %d with no worker, want 503", code)
+	}
+	var workers []*proc
+	for r := range 4 {
+		workers = append(workers, start(fmt.Sprint("worker-", r), append([]string{"worker", "--group", "g0", "--tp-rank", fmt.Sprint(r),
+			"--tp-size", "4", "--time-scale", "0", "--kv-capacity", "64MiB", "--heartbeat-interval", "200ms",
+			"--metrics-addr", freeAddr(t)}, bus...)...))
+	}
+	testenv.Eventually(t, 60*time.Second, "/healthz 200", func() bool { return healthz(base+"/healthz") == http.StatusOK })
+
+	// Used the second it is healthy.
+	client := &http.Client{Timeout: 30 * time.Second}
+	defer client.CloseIdleConnections()
+	for conv := range 3 {
+		headers := map[string]string{"X-Session-ID": fmt.Sprint("process-", conv)}
+		if conv == 2 {
+			headers = nil
+		}
+		turns, err := testenv.Conversation{BaseURL: base, Client: client, Headers: headers, Seed: conv}.Run(context.Background(), 4)
+		if err != nil {
+			t.Fatal(err)
+		}
+		for i, share := range testenv.PreviousShares(turns, 16) {
+			if share < 0.95 {
+				t.Errorf("conversation %d turn %d: %.0f%% of the previous prompt cached (%d of %d tokens), want >= 95%%",
+					conv, i+2, 100*share, turns[i+1].CachedTokens, turns[i].PromptTokens/16*16)
+			}
+		}
+	}
+
+	// SIGKILL a worker: it is gone, its group leaves placement, and a
+	// request gets a fast 503 instead of waiting for its timeout.
+	victim := workers[3]
+	if err := victim.cmd.Process.Kill(); err != nil {
+		t.Fatal(err)
+	}
+	select {
+	case err := <-victim.done:
+		victim.done <- err
+		if err == nil {
+			t.Errorf("the killed worker exited 0")
+		}
+	case <-time.After(10 * time.Second):
+		t.Fatal("the killed worker is still running")
+	}
+	testenv.Eventually(t, 10*time.Second, "a fast 503 without the group", func() bool {
+		begin := time.Now()
+		status, _, _ := testenv.Send(t, http.MethodPost, base+"/v1/chat/completions",
+			`{"messages":[{"role":"user","content":"anyone?"}],"max_tokens":2}`, nil)
+		return status == http.StatusServiceUnavailable && time.Since(begin) < 3*time.Second
+	})
+
+	// Everything else stops cleanly on SIGTERM, workers first.
+	for i := len(procs) - 1; i >= 0; i-- {
+		if procs[i] == victim {
+			continue
+		}
+		if err := procs[i].stop(t); err != nil {
+			t.Errorf("%s exited with %v on SIGTERM", procs[i].name, err)
+		}
+	}
+}
