@@ -106,6 +106,9 @@ func runFault(t *testing.T, cfg testenv.ClusterConfig, load faultLoad) {
 	if tally.completed.Load() == 0 {
 		t.Errorf("nothing completed: the load did not run")
 	}
+	if load.abortRate > 0 && tally.aborted.Load() == 0 {
+		t.Errorf("no client aborted: the fault did not take effect")
+	}
 }
 
 func oneRequest(c *testenv.Cluster, client *http.Client, i int, load faultLoad, tally *faultTally) {
@@ -206,8 +209,13 @@ func TestFaultKillOneOfTwoSchedulers(t *testing.T) {
 func TestFaultRestartNATS(t *testing.T) {
 	runFault(t, testenv.ClusterConfig{Groups: 2, TimeScale: 0.2, RequestTimeout: 8 * time.Second}, faultLoad{requests: 300, concurrency: 16, faultAt: 100,
 		fault: func(c *testenv.Cluster) {
+			before := time.Now()
 			if err := c.Cluster.RestartNATS(); err != nil {
 				t.Fatal(err)
+			}
+			// The fault took effect: the server now running started after it.
+			if vz, err := c.Cluster.NATS.Varz(nil); err != nil || vz.Start.Before(before) {
+				t.Fatalf("NATS not restarted: varz %v, %v", vz, err)
 			}
 			// The load goes on once the roles have reconnected by themselves.
 			client := &http.Client{Timeout: 5 * time.Second}

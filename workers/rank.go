@@ -132,6 +132,9 @@ type Rank struct {
 
 	draining atomic.Bool  // Run's context ended
 	dropped  atomic.Int64 // ReqMetas ignored for DropReqMetas
+	// queuedTokens: prompt tokens of the driver's requests not yet
+	// prefilled, reported in heartbeats.
+	queuedTokens atomic.Int64
 
 	drivers sync.WaitGroup // driver goroutines, started by the load loop
 }
@@ -155,10 +158,12 @@ type rankReq struct {
 	resultSubject string
 	// saveKeys are the store keys this request registered as being saved
 	// (guarded by Rank.mu); saved is closed when they are settled.
-	saveKeys  []string
-	saved     chan struct{}
-	settle    sync.Once
-	receipt   *time.Timer
+	saveKeys []string
+	saved    chan struct{}
+	settle   sync.Once
+	receipt  *time.Timer
+	// prefilled is set once the prompt is prefilled (or the request ended
+	// without): its tokens left the driver's prefill queue.
 	prefilled atomic.Bool
 	ctx       context.Context
 	cancel    context.CancelCauseFunc
@@ -370,6 +375,9 @@ func (r *Rank) onMeta(ctx context.Context, m *nats.Msg) error {
 			r.nextID++
 			r.active[meta.ReqID] = rr
 			r.registerSavesLocked(rr)
+			if r.IsDriver() {
+				r.queuedTokens.Add(int64(prefillTokens(meta)))
+			}
 		default:
 			rr.receipt.Stop()
 		}
@@ -377,10 +385,28 @@ func (r *Rank) onMeta(ctx context.Context, m *nats.Msg) error {
 	r.mu.Unlock()
 	r.cfg.Metrics.queue.WithLabelValues(r.labels...).Inc()
 	if !queued {
+		rr.prefilled.Store(true) // never counted in the prefill queue
 		r.cfg.Metrics.dropped.WithLabelValues(r.labels[0], r.labels[1], "overloaded").Inc()
 		r.fail(rr, "overloaded", fmt.Sprintf("rank %s/%d: load queue full (%d requests)", r.cfg.Group, r.cfg.TPRank, cap(r.loadQ)))
 	}
 	return nil
+}
+
+// prefillTokens is what a request adds to the driver's prefill queue: its
+// prompt tokens not covered by the LoadSpec.
+func prefillTokens(meta *messages.ReqMeta) int {
+	cached := 0
+	if ls := meta.LoadSpec; ls != nil && ls.CanLoad {
+		cached = ls.KVPoolCachedTokens
+	}
+	return max(meta.TokenLen-cached, 0)
+}
+
+// donePrefill takes rr's tokens off the driver's prefill queue, once.
+func (r *Rank) donePrefill(rr *rankReq) {
+	if r.IsDriver() && rr.prefilled.CompareAndSwap(false, true) {
+		r.queuedTokens.Add(-int64(prefillTokens(rr.meta)))
+	}
 }
 
 func newRankReq(meta *messages.ReqMeta) *rankReq {

@@ -25,7 +25,7 @@ func (r *Rank) drive(rr *rankReq) {
 		ReqID: meta.ReqID, PromptTokens: meta.TokenIDs, CachedTokens: cached, Params: meta.SamplingParams,
 	}, func() {
 		storeQueued = true
-		rr.prefilled.Store(true)
+		r.donePrefill(rr)
 		// Tell every scheduler replica at once that the group's prefill
 		// queue shrank: the client's next turn follows this answer, and
 		// must not be placed on a stale load that makes its cache look

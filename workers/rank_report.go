@@ -22,6 +22,7 @@ func (r *Rank) report(rr *rankReq) {
 		rr.receipt.Stop()
 	}
 	r.settleSaves(rr)
+	r.donePrefill(rr)
 	r.mu.Lock()
 	subject := rr.resultSubject
 	if r.active[rr.meta.ReqID] == rr {
@@ -98,18 +99,6 @@ func (r *Rank) heartbeat() {
 	blk := int64(r.blockBytes(r.cfg.BlockSize))
 	r.mu.Lock()
 	depth := len(r.active)
-	var queued int64
-	if r.IsDriver() {
-		for _, rr := range r.active {
-			if !rr.prefilled.Load() {
-				cached := 0
-				if ls := rr.meta.LoadSpec; ls != nil && ls.CanLoad {
-					cached = ls.KVPoolCachedTokens
-				}
-				queued += int64(max(rr.meta.TokenLen-cached, 0))
-			}
-		}
-	}
 	r.mu.Unlock()
 	hb := &messages.Heartbeat{
 		Group: r.cfg.Group, TPRank: r.cfg.TPRank, EPRank: r.cfg.EPRank, WorldSize: r.cfg.TPSize,
@@ -117,7 +106,7 @@ func (r *Rank) heartbeat() {
 		QueueDepth: depth, StartedUnixMs: r.started.UnixMilli(), Draining: r.draining.Load(),
 	}
 	if r.IsDriver() {
-		hb.InflightRequests, hb.QueuedPrefillTokens = depth, queued
+		hb.InflightRequests, hb.QueuedPrefillTokens = depth, max(r.queuedTokens.Load(), 0)
 	}
 	data, err := messages.Marshal(hb)
 	if err == nil {
