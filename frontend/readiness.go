@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"net/http"
 	"sort"
+	"strings"
 	"sync"
 	"time"
 
@@ -73,14 +74,7 @@ func joinShort(parts []string) string {
 	if len(parts) > 3 {
 		parts = append(parts[:3:3], fmt.Sprintf("and %d more", len(parts)-3))
 	}
-	out := ""
-	for i, p := range parts {
-		if i > 0 {
-			out += "; "
-		}
-		out += p
-	}
-	return out
+	return strings.Join(parts, "; ")
 }
 
 func (s *Server) onAnnouncement(_ context.Context, m *nats.Msg) error {
