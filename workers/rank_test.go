@@ -69,6 +69,10 @@ type rankEnv struct {
 
 type rankEnvConfig struct {
 	engine workers.SimConfig
+	// storeDelay slows these ranks' store threads; saveWait is every
+	// rank's SaveWait.
+	storeDelay map[int]time.Duration
+	saveWait   time.Duration
 }
 
 func startRanks(t *testing.T, cfg rankEnvConfig) *rankEnv {
@@ -105,7 +109,7 @@ func startRanks(t *testing.T, cfg rankEnvConfig) *rankEnv {
 			TPRank: r, TPSize: worldSize, EPRank: r, EPSize: worldSize,
 			Model: testModel, Profile: profile, CapacityBytes: testCapacity, Engine: engine,
 			BlockSize: blockSize, HeartbeatInterval: 20 * time.Millisecond, ShutdownTimeout: 5 * time.Second,
-			Logger: log, Metrics: metrics, HandlerMetrics: hm,
+			Logger: log, Metrics: metrics, HandlerMetrics: hm, StoreDelay: cfg.storeDelay[r], SaveWait: cfg.saveWait,
 		})
 		if err != nil {
 			t.Fatal(err)
@@ -675,4 +679,88 @@ func TestRankDeadlinePassed(t *testing.T) {
 			t.Errorf("rank %d: %+v, want an error and nothing stored", rank, r)
 		}
 	}
+}
+
+// TestRankLoadWaitsForInflightSave: the next turn arrives while rank 1 is
+// still saving the previous turn's blocks. Its load waits for that save
+// (within SaveWait) and finds every block; past SaveWait the blocks count
+// in failed_blocks and are recomputed.
+func TestRankLoadWaitsForInflightSave(t *testing.T) {
+	for _, tc := range []struct {
+		name                       string
+		delay, wait                time.Duration
+		wantLoaded, failed, waited int
+	}{
+		{"the save ends within SaveWait", 200 * time.Millisecond, 2 * time.Second, 4 * blockSize, 0, 1},
+		{"the save ends after SaveWait", 600 * time.Millisecond, 50 * time.Millisecond, 0, 4, 0},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			env := startRanks(t, rankEnvConfig{storeDelay: map[int]time.Duration{1: tc.delay}, saveWait: tc.wait})
+			prompt := testenv.PromptTokens(9, 4*blockSize+3)
+			first := newMeta("turn-1", "sess-w", prompt)
+			next := newMeta("turn-2", "sess-w", append(slices.Clone(prompt), testenv.PromptTokens(10, 2*blockSize)...))
+			next.LoadSpec = &messages.LoadSpec{KVPoolCachedTokens: 4 * blockSize, CanLoad: true}
+			next.SaveFromBlock = 4
+			env.sendMeta(first)
+			env.finalOutput("turn-1")
+			env.sendMeta(next) // the driver answered; rank 1 is still saving turn 1
+			got := env.resultsByRank("turn-2")
+			for rank, r := range got {
+				wantLoaded, failed := 4*blockSize, 0
+				if rank == 1 {
+					wantLoaded, failed = tc.wantLoaded, tc.failed
+				}
+				if r.LoadedTokens != wantLoaded || r.FailedBlocks != failed {
+					t.Errorf("rank %d: loaded %d tokens, failed_blocks %d; want %d, %d", rank, r.LoadedTokens, r.FailedBlocks, wantLoaded, failed)
+				}
+			}
+			waited := env.counter("kvbus_worker_blocks_total", map[string]string{"op": "waited_for_save", "tp_rank": "1"})
+			if waited != float64(tc.waited) {
+				t.Errorf("rank 1 found %v blocks by waiting for a save in flight, want %d", waited, tc.waited)
+			}
+		})
+	}
+}
+
+// TestRankReceiptsAndDriverLoad: a rank busy with a request for longer than
+// ReceiptAfter (here the driver, generating) sends a receipt, so the
+// scheduler can tell it from a rank that lost the ReqMeta; the others,
+// done sooner, send their result instead. The driver's heartbeats carry its group's load
+// (requests in flight, prompt tokens not yet prefilled, none once done).
+func TestRankReceiptsAndDriverLoad(t *testing.T) {
+	env := startRanks(t, rankEnvConfig{engine: workers.SimConfig{
+		Profile: workers.SimProfile{PrefillPerToken: time.Millisecond, DecodePerToken: 50 * time.Millisecond}, TimeScale: 1,
+	}})
+	m := newMeta("slow", "sess-r", testenv.PromptTokens(11, 200))
+	m.SamplingParams.MaxTokens = 10
+	env.sendMeta(m)
+	receipts := func() map[int]bool {
+		out := map[int]bool{}
+		for _, msg := range env.rec.all() {
+			if msg.Subject != env.subj.Done(testSchedID) {
+				continue
+			}
+			if r, err := messages.DecodeRankResult(msg.Data); err == nil && r.ReqID == "slow" && r.Received {
+				out[r.TPRank] = true
+			}
+		}
+		return out
+	}
+	testenv.Eventually(t, waitFor, "the driver's receipt", func() bool { return receipts()[0] })
+	// While it prefills (200 tokens at 1 ms), the driver reports it queued.
+	sawQueued := false
+	for _, hb := range env.heartbeats(0) {
+		if hb.InflightRequests == 1 && hb.QueuedPrefillTokens == 200 {
+			sawQueued = true
+		}
+	}
+	if !sawQueued {
+		t.Error("no driver heartbeat reported 1 request in flight with 200 tokens to prefill")
+	}
+	env.resultsByRank("slow")
+	testenv.Eventually(t, waitFor, "the driver's load back to zero", func() bool {
+		hbs := env.heartbeats(0)
+		last := hbs[len(hbs)-1]
+		return last.InflightRequests == 0 && last.QueuedPrefillTokens == 0
+	})
 }
