@@ -50,8 +50,10 @@ func TestGroupFailureBeforeOutputRedispatches(t *testing.T) {
 	var groups []string
 	for _, m := range metas.Messages() {
 		meta, _ := messages.DecodeReqMeta(m.Data)
-		if meta.ReqID == first.ReqID {
-			groups = append(groups, fmt.Sprintf("%s@%d", meta.Group, meta.Attempt))
+		// A ReqMeta published again to the same group and attempt (the dead
+		// driver did not answer within --resend-after) counts once.
+		if d := fmt.Sprintf("%s@%d", meta.Group, meta.Attempt); meta.ReqID == first.ReqID && (len(groups) == 0 || groups[len(groups)-1] != d) {
+			groups = append(groups, d)
 		}
 	}
 	if len(groups) != 2 || !strings.HasPrefix(groups[0], first.Group+"@0") || strings.HasPrefix(groups[1], first.Group) || !strings.HasSuffix(groups[1], "@1") {
