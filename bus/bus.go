@@ -37,6 +37,10 @@ type Config struct {
 	TLSCA, TLSCert, TLSKey string
 	// ConnectTimeout bounds the first connection (default 10 s).
 	ConnectTimeout time.Duration
+	// NoEcho: the connection does not receive its own publications. A
+	// scheduler sets it: it subscribes to every replica's save plans and
+	// must not spend time on its own (JetStream deliveries are unaffected).
+	NoEcho bool
 	// Logger receives connection state changes; nil means slog.Default().
 	Logger *slog.Logger
 }
@@ -117,6 +121,9 @@ func Connect(ctx context.Context, cfg Config) (*nats.Conn, error) {
 		opts = append(opts, nats.Token(cfg.Token))
 	case cfg.User != "":
 		opts = append(opts, nats.UserInfo(cfg.User, cfg.Password))
+	}
+	if cfg.NoEcho {
+		opts = append(opts, nats.NoEcho())
 	}
 	if cfg.TLSCA != "" {
 		opts = append(opts, nats.RootCAs(cfg.TLSCA))

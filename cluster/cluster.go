@@ -11,6 +11,7 @@ import (
 	"fmt"
 	"log/slog"
 	"net"
+	"strings"
 	"sync"
 	"time"
 
@@ -284,7 +285,9 @@ func (c *Cluster) ensureRequestLog(nc *nats.Conn) error {
 }
 
 func (c *Cluster) connect(name string) (*nats.Conn, error) {
-	nc, err := bus.Connect(c.ctx, bus.Config{URL: c.NATSURL, Name: name, Logger: c.log})
+	// Schedulers do not receive their own publications (save plans).
+	noEcho := strings.HasPrefix(name, "kvbus-scheduler")
+	nc, err := bus.Connect(c.ctx, bus.Config{URL: c.NATSURL, Name: name, Logger: c.log, NoEcho: noEcho})
 	if err != nil {
 		return nil, err
 	}

@@ -241,15 +241,15 @@ func BenchmarkRoutingDecision(b *testing.B) {
 		b.Fatal(err)
 	}
 	b.Cleanup(srv.Shutdown)
-	connect := func() *nats.Conn {
-		nc, err := nats.Connect(srv.ClientURL())
+	connect := func(opts ...nats.Option) *nats.Conn {
+		nc, err := nats.Connect(srv.ClientURL(), opts...)
 		if err != nil {
 			b.Fatal(err)
 		}
 		b.Cleanup(nc.Close)
 		return nc
 	}
-	schedConn, rankConn := connect(), connect()
+	schedConn, rankConn := connect(nats.NoEcho()), connect() // a scheduler's connection is NoEcho
 	var subj messages.Subjects
 	log := slog.New(slog.NewTextHandler(io.Discard, nil))
 	s, err := New(Config{Conn: schedConn, ID: "sched-bench", Policy: KVPolicy{}, BlockSize: blockSize, Logger: log})

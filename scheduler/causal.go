@@ -9,9 +9,8 @@ import (
 
 // Causal placement. A conversation's next turn is caused by the previous
 // answer, and the messages that describe the state after that answer (the
-// other replica's SavePlan, the driver's load heartbeat, the ranks' KV
-// events) reached this replica's connection before the next turn's request
-// did: the server forwards each connection's messages in order, and the
+// other replica's SavePlan, the driver's load heartbeat) reached this
+// replica's connection before the next turn's request did: the server forwards each connection's messages in order, and the
 // request left the client only after them. But each subscription has its
 // own goroutine, so they may not be applied yet when the request is
 // placed. awaitCausal closes that gap: it waits, for at most
@@ -20,10 +19,23 @@ import (
 
 const causalWaitMax = 20 * time.Millisecond
 
-// causalSub counts the messages of one subscription its handler applied.
+// causalSub counts the messages of one subscription its handler applied,
+// and signals each one to a waiter.
 type causalSub struct {
 	sub     *nats.Subscription
 	applied atomic.Uint64
+	signal  chan struct{} // capacity 1
+}
+
+func newCausalSub() *causalSub { return &causalSub{signal: make(chan struct{}, 1)} }
+
+// done records one applied message.
+func (c *causalSub) done() {
+	c.applied.Add(1)
+	select {
+	case c.signal <- struct{}{}:
+	default:
+	}
 }
 
 // received is how many messages the subscription got so far: handed to
@@ -37,19 +49,20 @@ func (c *causalSub) received() uint64 {
 // awaitCausal waits until the causal subscriptions applied what they had
 // received on entry (bounded by causalWaitMax).
 func (s *Scheduler) awaitCausal() {
-	targets := make([]uint64, len(s.causal))
-	for i, c := range s.causal {
-		targets[i] = c.received()
-	}
-	var deadline time.Time
-	for i, c := range s.causal {
-		for c.applied.Load() < targets[i] {
-			if deadline.IsZero() {
-				deadline = time.Now().Add(causalWaitMax)
-			} else if time.Now().After(deadline) {
+	var timeout <-chan time.Time
+	for _, c := range s.causal {
+		target := c.received()
+		for c.applied.Load() < target {
+			if timeout == nil {
+				t := time.NewTimer(causalWaitMax)
+				defer t.Stop()
+				timeout = t.C
+			}
+			select {
+			case <-c.signal:
+			case <-timeout:
 				return
 			}
-			time.Sleep(20 * time.Microsecond)
 		}
 	}
 }

@@ -25,13 +25,16 @@ type dispatchRecord struct {
 	scheduler string
 }
 
-// publishPlan records t's plan in the index and announces it.
+// publishPlan records t's plan in the index and announces it: the blocks
+// the group will save (those past its LoadSpec; the ones before it the
+// index counts already).
 func (s *Scheduler) publishPlan(t *RequestTracker) {
 	expires := time.Now().Add(s.cfg.PlanTTL)
-	s.index.Plan(t.Group, t.BlockHashes, expires)
+	saves := t.BlockHashes[min(t.LoadBlocks, len(t.BlockHashes)):]
+	s.index.Plan(t.Group, saves, expires)
 	data, err := messages.Marshal(&messages.SavePlan{
 		SchedulerID: s.cfg.ID, ReqID: t.ReqID, Group: t.Group, Attempt: t.Attempt,
-		BlockHashes: t.BlockHashes, ExpiresUnixMs: expires.UnixMilli(),
+		BlockHashes: saves, ExpiresUnixMs: expires.UnixMilli(),
 	})
 	if err == nil {
 		err = s.cfg.Conn.Publish(s.cfg.Subjects.Plan(s.cfg.ID), data)

@@ -66,7 +66,9 @@ type Config struct {
 	// (default 1 s).
 	ResendAfter time.Duration
 	// PlanTTL bounds how long a dispatched request's blocks count as its
-	// group's before the ranks' KV events confirm them (default 30 s).
+	// group's before the ranks' KV events confirm them (default 10 s: ranks
+	// confirm within milliseconds; a slow rank's loads wait at most
+	// --save-wait).
 	PlanTTL time.Duration
 	// EndedIDs and EndedAge bound the memory of ended request ids that
 	// drops redeliveries (defaults 200,000 and 10 min).
@@ -153,7 +155,7 @@ func New(cfg Config) (*Scheduler, error) {
 		cfg.ResendAfter = time.Second
 	}
 	if cfg.PlanTTL <= 0 {
-		cfg.PlanTTL = 30 * time.Second
+		cfg.PlanTTL = 10 * time.Second
 	}
 	if cfg.EndedIDs <= 0 {
 		cfg.EndedIDs = 200_000
@@ -253,12 +255,13 @@ func (s *Scheduler) Run(ctx context.Context) error {
 	for _, h := range []struct {
 		subject, name string
 		fn            bus.Handler[*nats.Msg]
-		// causal: the state this feeds (load, index, plans) must be
-		// current when a request is placed; see awaitCausal.
+		// causal: the state this feeds (load, plans) must be current
+		// when a request is placed; see awaitCausal. KV events are not:
+		// the plans already cover what a just-answered turn stored.
 		causal bool
 	}{
 		{subj.HeartbeatAll(), "scheduler_heartbeat", s.onHeartbeat, true},
-		{subj.KVAll(), "scheduler_kv_events", s.onKVEvents, true},
+		{subj.KVAll(), "scheduler_kv_events", s.onKVEvents, false},
 		{subj.Done(s.cfg.ID), "scheduler_done", s.onDone, false},
 		{subj.Abort(), "scheduler_abort", s.onAbort, false},
 		{subj.PlanAll(), "scheduler_plan", s.onPlan, true},
@@ -266,10 +269,10 @@ func (s *Scheduler) Run(ctx context.Context) error {
 		fn := bus.Wrap(h.fn, s.log, s.hm, h.name)
 		var cs *causalSub
 		if h.causal {
-			cs = &causalSub{}
+			cs = newCausalSub()
 			inner := fn
 			fn = func(ctx context.Context, m *nats.Msg) error {
-				defer cs.applied.Add(1)
+				defer cs.done()
 				return inner(ctx, m)
 			}
 		}

@@ -242,7 +242,9 @@ type schedulerCmd struct {
 
 func (c *schedulerCmd) Run(ctx context.Context) error {
 	log := c.logger()
-	nc, err := connect(ctx, c.natsFlags, "kvbus-scheduler", log)
+	cfg := c.natsFlags.config("kvbus-scheduler", log)
+	cfg.NoEcho = true // a scheduler does not receive its own save plans
+	nc, err := bus.Connect(ctx, cfg)
 	if err != nil {
 		return err
 	}
