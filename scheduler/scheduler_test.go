@@ -58,6 +58,7 @@ type schedEnvConfig struct {
 	requestTimeout time.Duration
 	noHeartbeats   bool
 	noAnswers      bool
+	dumpTimeout    time.Duration
 }
 
 func startScheduler(t *testing.T, cfg schedEnvConfig) *schedEnv {
@@ -99,7 +100,7 @@ func startScheduler(t *testing.T, cfg schedEnvConfig) *schedEnv {
 	logs := &testenv.LogBuffer{}
 	e.s, err = scheduler.New(scheduler.Config{
 		Conn: testenv.Connect(t, srv), Subjects: e.subj, ID: testSchedID, Policy: cfg.policy,
-		HeartbeatTimeout: time.Second, RequestTimeout: cfg.requestTimeout,
+		HeartbeatTimeout: time.Second, RequestTimeout: cfg.requestTimeout, DumpTimeout: cfg.dumpTimeout,
 		Logger: slog.New(slog.NewTextHandler(logs, nil)), Registerer: e.reg,
 	})
 	if err != nil {
@@ -655,5 +656,25 @@ func TestSchedulerRunStops(t *testing.T) {
 		}
 	case <-time.After(waitFor):
 		t.Fatal("Run did not return after cancel")
+	}
+}
+
+// TestSchedulerResyncBacksOff: ranks that never answer a dump (the fake
+// ranks here do not) are asked again with backoff — 100 ms doubling to 5 s,
+// one dump in flight per rank — not on every sweep: no resync storm.
+func TestSchedulerResyncBacksOff(t *testing.T) {
+	e := startScheduler(t, schedEnvConfig{dumpTimeout: 20 * time.Millisecond})
+	time.Sleep(3 * time.Second)
+	resyncs := e.counter("kvbus_scheduler_kv_resyncs_total", nil)
+	// Per rank: asked at about 0, 0.12, 0.34, 0.76, 1.58 s and 3.2 s; a
+	// retry on every 250 ms sweep would be 12.
+	t.Logf("%v dump requests to %d silent ranks in 3 s", resyncs, worldSize)
+	if resyncs < 3*worldSize || resyncs > 6*worldSize {
+		t.Errorf("%v dump requests in 3 s to %d ranks, want 3 to 6 per rank", resyncs, worldSize)
+	}
+	if ok, why := e.s.Ready(); ok {
+		t.Errorf("ready with no synced group")
+	} else {
+		t.Logf("not ready: %s", why)
 	}
 }
