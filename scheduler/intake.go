@@ -73,6 +73,12 @@ func (s *Scheduler) onRequest(_ context.Context, m jetstream.Msg) error {
 	if bound {
 		t.TurnDepth = binding.Turn + 1
 	}
+	if md, err := m.Metadata(); err == nil && md.NumDelivered > 1 {
+		// A redelivery: another replica may have dispatched it before it
+		// died. Without its SavePlan, a higher attempt makes sure a second
+		// run is never mixed into the first one's answer.
+		t.Attempt = int(md.NumDelivered - 1)
+	}
 	var group string
 	if prev, ok := s.dispatched.Get(req.RequestID, start); ok && s.takeOver(t, prev, groups) {
 		group = t.Group
