@@ -17,7 +17,7 @@ import (
 // causalWaitMax, until every message those subscriptions had received when
 // the request arrived is applied.
 
-const causalWaitMax = 20 * time.Millisecond
+const causalWaitMax = 100 * time.Millisecond
 
 // causalSub counts the messages of one subscription its handler applied,
 // and signals each one to a waiter.
