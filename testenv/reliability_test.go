@@ -40,8 +40,8 @@ func TestSchedulerResendsToSilentRanks(t *testing.T) {
 	completed := testenv.CounterSum(t, c.Registry, "kvbus_scheduler_requests_total", map[string]string{"outcome": "completed"})
 	timeouts := testenv.CounterSum(t, c.Registry, "kvbus_scheduler_requests_total", map[string]string{"outcome": "timeout"})
 	t.Logf("done after %s: resends %v, completed %v, timeouts %v", took.Round(time.Millisecond), resends, completed, timeouts)
-	if resends != 1 || completed != 1 || timeouts != 0 {
-		t.Errorf("resends %v, completed %v, timeouts %v; want 1, 1, 0", resends, completed, timeouts)
+	if resends < 1 || resends > 3 || completed != 1 || timeouts != 0 {
+		t.Errorf("resends %v, completed %v, timeouts %v; want 1 (up to 3 on a slow machine), 1, 0", resends, completed, timeouts)
 	}
 	if took > 3*time.Second {
 		t.Errorf("the request took %s to end, want about --resend-after (300 ms)", took)
@@ -57,8 +57,8 @@ func TestLoadIsClusterWide(t *testing.T) {
 	var wg sync.WaitGroup
 	for i := range n {
 		wg.Go(func() {
-			// 40 output tokens at 10 ms each: the requests stay in flight ~0.4 s.
-			body := fmt.Sprintf(`{"model":%q,"messages":[{"role":"user","content":"long %d"}],"max_tokens":40,"ignore_eos":true}`, c.Model, i)
+			// 150 output tokens at 10 ms each: the requests stay in flight ~1.5 s.
+			body := fmt.Sprintf(`{"model":%q,"messages":[{"role":"user","content":"long %d"}],"max_tokens":150,"ignore_eos":true}`, c.Model, i)
 			if status, _, raw := post(t, c, "/v1/chat/completions", body, nil); status != http.StatusOK {
 				t.Errorf("status %d: %s", status, raw)
 			}
@@ -150,7 +150,17 @@ func TestTakeOverAfterSchedulerCrash(t *testing.T) {
 	var (
 		mu      sync.Mutex
 		outputs []*messages.Output
+		results = map[int]bool{} // ranks that reported to the dead replica
 	)
+	if _, err := nc.Subscribe(messages.Subjects{}.Done("sched-dead"), func(m *nats.Msg) {
+		if r, err := messages.DecodeRankResult(m.Data); err == nil && !r.Received && !r.Prefilled {
+			mu.Lock()
+			results[r.TPRank] = true
+			mu.Unlock()
+		}
+	}); err != nil {
+		t.Fatal(err)
+	}
 	if _, err := nc.Subscribe(messages.Subjects{}.Out("fe-crash"), func(m *nats.Msg) {
 		if o, err := messages.DecodeOutput(m.Data); err == nil {
 			mu.Lock()
@@ -190,7 +200,14 @@ func TestTakeOverAfterSchedulerCrash(t *testing.T) {
 	if err := nc.Publish(messages.Subjects{}.Meta("g1", ""), meta); err != nil {
 		t.Fatal(err)
 	}
-	testenv.Eventually(t, 5*time.Second, "the dead replica's run answered", func() bool { return finals() == 1 })
+	testenv.Eventually(t, 5*time.Second, "the dead replica's run answered, every rank reported to it", func() bool {
+		mu.Lock()
+		defer mu.Unlock()
+		return len(results) == 4
+	})
+	if n := finals(); n != 1 {
+		t.Fatalf("%d final outputs of the first run, want 1", n)
+	}
 	// The redelivery: the request reaches the live replica from the log.
 	js, err := jetstream.New(nc)
 	if err != nil {
