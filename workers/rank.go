@@ -353,7 +353,8 @@ func (r *Rank) onMeta(ctx context.Context, m *nats.Msg) error {
 			r.log.Info("ReqMeta again: still working on it, receipt sent", "req_id", meta.ReqID, "session_id", meta.SessionID,
 				"attempt", meta.Attempt, "result_subject", meta.ResultSubject)
 		case s.result != nil:
-			r.publish(meta.ResultSubject, s.result, meta)
+			again := *s.result
+			r.publish(meta.ResultSubject, &again, meta)
 			r.log.Info("ReqMeta again: result sent again", "req_id", meta.ReqID, "session_id", meta.SessionID,
 				"attempt", meta.Attempt, "result_subject", meta.ResultSubject)
 		}

@@ -27,9 +27,10 @@ func (r *Rank) report(rr *rankReq) {
 	subject := rr.resultSubject
 	if r.active[rr.meta.ReqID] == rr {
 		delete(r.active, rr.meta.ReqID)
+		kept := *res // a copy: res is published below while a duplicate may re-send this
 		r.seen.Update(rr.meta.ReqID, time.Now(), func(s *seenReq) {
 			if s.attempt == rr.meta.Attempt {
-				s.result = res
+				s.result = &kept
 			}
 		})
 	}
