@@ -211,10 +211,23 @@ func (c *Cluster) KillRank(t testing.TB, group string, rank int) {
 	}
 }
 
-// RestartRank restarts one rank (see cluster.Cluster.RestartRank).
+// RestartRank restarts one rank (see cluster.Cluster.RestartRank) and waits
+// until the cluster is ready again, as a client retrying a 503 would.
 func (c *Cluster) RestartRank(t testing.TB, group string, rank int) {
 	t.Helper()
 	if err := c.Cluster.RestartRank(group, rank); err != nil {
+		t.Fatal(err)
+	}
+	c.WaitReady(t)
+}
+
+// WaitReady waits (30 s at most) until every scheduler is ready with every
+// group synced and the frontend is healthy.
+func (c *Cluster) WaitReady(t testing.TB) {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	if err := c.Cluster.WaitReady(ctx); err != nil {
 		t.Fatal(err)
 	}
 }
