@@ -20,6 +20,10 @@ const MaxMessageBytes = 8 << 20
 // message's second level).
 const maxNesting = 32
 
+// MaxPoolBlockBytes bounds the size of one block a PoolPart may announce
+// (a Llama-3.1-70B block of 16 tokens at TP 1 is 5 MiB).
+const MaxPoolBlockBytes = 64 << 20
+
 // Sentinel errors.
 var (
 	// ErrMalformed is wrapped by every decode error: the payload is not a
@@ -47,6 +51,8 @@ func (m *Heartbeat) setVersion()    { m.V = Version }
 func (m *Abort) setVersion()        { m.V = Version }
 func (m *Announcement) setVersion() { m.V = Version }
 func (m *SavePlan) setVersion()     { m.V = Version }
+func (m *PoolRead) setVersion()     { m.V = Version }
+func (m *PoolPart) setVersion()     { m.V = Version }
 
 var encoderPool = sync.Pool{New: func() any {
 	enc := msgpack.NewEncoder(nil)
@@ -64,6 +70,14 @@ func sizeHint(m Message) int {
 		return 1024 + 4*len(m.TokenIDs) + 8*len(m.BlockHashes)
 	case *SavePlan:
 		return 256 + 8*len(m.BlockHashes)
+	case *PoolRead:
+		return 256 + 8*len(m.BlockHashes)
+	case *PoolPart:
+		n := 64
+		for _, p := range m.Pieces {
+			n += 32 + len(p.Data)
+		}
+		return n
 	}
 	return 256
 }
@@ -176,6 +190,18 @@ func DecodeSavePlan(data []byte) (*SavePlan, error) {
 	return &m, decode(data, &m)
 }
 
+// DecodePoolRead decodes and validates a PoolRead.
+func DecodePoolRead(data []byte) (*PoolRead, error) {
+	var m PoolRead
+	return &m, decode(data, &m)
+}
+
+// DecodePoolPart decodes and validates a PoolPart.
+func DecodePoolPart(data []byte) (*PoolPart, error) {
+	var m PoolPart
+	return &m, decode(data, &m)
+}
+
 func invalid(format string, args ...any) error {
 	return fmt.Errorf("%w: "+format, append([]any{ErrInvalid}, args...)...)
 }
@@ -274,6 +300,25 @@ func (m *Announcement) validate() error {
 func (m *SavePlan) validate() error {
 	if err := ValidateGroup(m.Group); err != nil {
 		return invalid("save_plan %s: %v", m.ReqID, err)
+	}
+	return nil
+}
+
+func (m *PoolRead) validate() error {
+	if m.Model == "" || m.TPRank < 0 {
+		return invalid("pool_read: model %q, tp_rank %d", m.Model, m.TPRank)
+	}
+	return nil
+}
+
+func (m *PoolPart) validate() error {
+	if m.Parts < 1 || m.Part < 0 || m.Part >= m.Parts {
+		return invalid("pool_part: part %d of %d", m.Part, m.Parts)
+	}
+	for i, p := range m.Pieces {
+		if p.Index < 0 || p.Offset < 0 || p.Size < 0 || p.Size > MaxPoolBlockBytes || p.Offset > p.Size || len(p.Data) > p.Size-p.Offset {
+			return invalid("pool_part: piece %d: index %d, bytes %d+%d of %d", i, p.Index, p.Offset, len(p.Data), p.Size)
+		}
 	}
 	return nil
 }

@@ -241,3 +241,13 @@ func FuzzDecodeSavePlan(f *testing.F) {
 	addSeeds(f, &SavePlan{SchedulerID: "s", ReqID: "r", Group: "g0", BlockHashes: BlockHashes{1, 2}, ExpiresUnixMs: 5})
 	f.Fuzz(func(t *testing.T, data []byte) { fuzzDecode(t, data, DecodeSavePlan) })
 }
+
+func FuzzDecodePoolRead(f *testing.F) {
+	addSeeds(f, &PoolRead{ReqID: "r", Model: "m", TPRank: 1, BlockHashes: BlockHashes{1, 2, 3}})
+	f.Fuzz(func(t *testing.T, data []byte) { fuzzDecode(t, data, DecodePoolRead) })
+}
+
+func FuzzDecodePoolPart(f *testing.F) {
+	addSeeds(f, &PoolPart{Part: 0, Parts: 2, Pieces: []PoolPiece{{Index: 1, Offset: 4, Size: 8, Data: []byte{1, 2, 3, 4}}}})
+	f.Fuzz(func(t *testing.T, data []byte) { fuzzDecode(t, data, DecodePoolPart) })
+}

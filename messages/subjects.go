@@ -164,5 +164,11 @@ func (s Subjects) Plan(schedulerID string) string { return s.p() + ".sched.plan.
 // PlanAll is kvbus.sched.plan.*, every replica's SavePlans.
 func (s Subjects) PlanAll() string { return s.p() + ".sched.plan.*" }
 
+// Pool is kvbus.pool.<group>.<rank>, where a rank answers PoolReads for
+// its segment of the KV pool.
+func (s Subjects) Pool(group string, rank int) string {
+	return s.p() + ".pool." + group + "." + strconv.Itoa(rank)
+}
+
 // All is kvbus.>, every kvbus subject.
 func (s Subjects) All() string { return s.p() + ".>" }

@@ -256,3 +256,37 @@ type Abort struct {
 	// elsewhere). Without it every role drops the request.
 	Group string `msgpack:"group,omitempty" json:"group,omitempty"`
 }
+
+// PoolRead asks a rank for blocks of its segment of the KV pool, on
+// kvbus.pool.<group>.<rank> (a request with several replies): the blocks of
+// model with these hashes, at the asking rank's tp_rank, which is the
+// answering rank's too (rank t reads rank t of another group, as in
+// Mooncake, whose keys name no instance).
+type PoolRead struct {
+	V           int         `msgpack:"v" json:"v"`
+	ReqID       string      `msgpack:"req_id,omitempty" json:"req_id,omitempty"`
+	Model       string      `msgpack:"model" json:"model"`
+	TPRank      int         `msgpack:"tp_rank" json:"tp_rank"`
+	BlockHashes BlockHashes `msgpack:"block_hashes" json:"block_hashes"`
+}
+
+// PoolPart is one reply to a PoolRead: part Part of Parts (every reply
+// says how many there are), carrying pieces of the blocks found. A block is
+// sent in order, in one or more pieces (Offset into a value of Size bytes)
+// so that no reply exceeds the connection's max payload; a block the rank
+// does not hold is never sent and counts as missing.
+type PoolPart struct {
+	V      int         `msgpack:"v" json:"v"`
+	Part   int         `msgpack:"part" json:"part"`
+	Parts  int         `msgpack:"parts" json:"parts"`
+	Pieces []PoolPiece `msgpack:"pieces" json:"pieces"`
+}
+
+// PoolPiece is bytes [Offset, Offset+len(Data)) of the value, Size bytes
+// long, of the block at Index in the PoolRead's hashes.
+type PoolPiece struct {
+	Index  int    `msgpack:"index" json:"index"`
+	Offset int    `msgpack:"offset" json:"offset"`
+	Size   int    `msgpack:"size" json:"size"`
+	Data   []byte `msgpack:"data" json:"data"`
+}
