@@ -274,6 +274,14 @@ func (r *Rank) Run(ctx context.Context) error {
 		return fmt.Errorf("workers: subscribe %s: %w", subj.Dump(r.cfg.Group, r.cfg.TPRank), err)
 	}
 	defer func() { _ = dumpSub.Unsubscribe() }()
+	// Pool reads are answered until the rank exits, draining or not.
+	poolSub, err := bus.Subscribe(context.Background(), nc, subj.Pool(r.cfg.Group, r.cfg.TPRank), bus.Wrap(r.onPoolRead, r.log, r.cfg.HandlerMetrics, "worker_pool_read"))
+	if err != nil {
+		_ = metaSub.Unsubscribe()
+		_ = abortSub.Unsubscribe()
+		return fmt.Errorf("workers: subscribe %s: %w", subj.Pool(r.cfg.Group, r.cfg.TPRank), err)
+	}
+	defer func() { _ = poolSub.Unsubscribe() }()
 	// A (re)started rank holds nothing: say so first, as vLLM does.
 	r.events.publish([]messages.KVEvent{{Type: messages.EventAllBlocksCleared}})
 	if err := nc.Flush(); err != nil {
