@@ -234,12 +234,27 @@ func (m *ReqMeta) validate() error {
 		return invalid("req_meta %s: save_from_block %d out of range", m.ReqID, m.SaveFromBlock)
 	case m.LoadSpec != nil && (m.LoadSpec.KVPoolCachedTokens < 0 || m.LoadSpec.KVPoolCachedTokens > m.TokenLen):
 		return invalid("req_meta %s: kvpool_cached_tokens %d out of range", m.ReqID, m.LoadSpec.KVPoolCachedTokens)
+	case m.LoadSpec != nil && !validRuns(m.LoadSpec.Remote, m.LoadSpec.KVPoolCachedTokens/m.BlockSize):
+		return invalid("req_meta %s: remote runs %+v outside the %d blocks to load", m.ReqID, m.LoadSpec.Remote, m.LoadSpec.KVPoolCachedTokens/m.BlockSize)
 	case m.FrontendID == "" || !isToken(m.FrontendID):
 		return invalid("req_meta %s: frontend_id %q is not a subject token", m.ReqID, m.FrontendID)
 	case m.ResultSubject == "":
 		return invalid("req_meta %s: no result_subject", m.ReqID)
 	}
 	return nil
+}
+
+// validRuns reports whether remote runs lie within the first n blocks, in
+// order, without overlap, each from a valid group.
+func validRuns(runs []RemoteRun, n int) bool {
+	next := 0
+	for _, r := range runs {
+		if ValidateGroup(r.Group) != nil || r.Blocks < 1 || r.FromBlock < next || r.FromBlock > n || r.Blocks > n-r.FromBlock {
+			return false
+		}
+		next = r.FromBlock + r.Blocks
+	}
+	return true
 }
 
 func (m *RankResult) validate() error {

@@ -991,3 +991,42 @@ func TestPackedPortablePath(t *testing.T) {
 		}
 	}
 }
+
+// TestReqMetaRemoteRuns: a LoadSpec's remote runs must lie in order within
+// the blocks to load, each from a valid group.
+func TestReqMetaRemoteRuns(t *testing.T) {
+	tests := []struct {
+		name string
+		runs []RemoteRun
+		ok   bool
+	}{
+		{"none", nil, true},
+		{"one run", []RemoteRun{{Group: "g1", FromBlock: 2, Blocks: 3}}, true},
+		{"two runs in order", []RemoteRun{{Group: "g1", FromBlock: 0, Blocks: 2}, {Group: "g2", FromBlock: 2, Blocks: 3}}, true},
+		{"past the blocks to load", []RemoteRun{{Group: "g1", FromBlock: 4, Blocks: 2}}, false},
+		{"overlapping", []RemoteRun{{Group: "g1", FromBlock: 0, Blocks: 3}, {Group: "g2", FromBlock: 2, Blocks: 1}}, false},
+		{"empty run", []RemoteRun{{Group: "g1", FromBlock: 1, Blocks: 0}}, false},
+		{"bad group", []RemoteRun{{Group: "g.1", FromBlock: 1, Blocks: 1}}, false},
+		{"negative start", []RemoteRun{{Group: "g1", FromBlock: -1, Blocks: 2}}, false},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			m := sampleReqMeta()
+			m.BlockSize = 16
+			m.TokenIDs = make(TokenIDs, 5*16+1)
+			m.TokenLen, m.BlockHashes, m.SaveFromBlock = len(m.TokenIDs), make(BlockHashes, 5), 5
+			m.LoadSpec = &LoadSpec{KVPoolCachedTokens: 5 * 16, CanLoad: true, Remote: tt.runs}
+			data, err := Marshal(m)
+			if err != nil {
+				t.Fatal(err)
+			}
+			got, err := DecodeReqMeta(data)
+			if (err == nil) != tt.ok {
+				t.Fatalf("decode error %v, want ok=%v", err, tt.ok)
+			}
+			if tt.ok && len(got.LoadSpec.Remote) != len(tt.runs) {
+				t.Errorf("runs %+v, want %+v", got.LoadSpec.Remote, tt.runs)
+			}
+		})
+	}
+}

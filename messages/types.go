@@ -59,6 +59,20 @@ type LoadSpec struct {
 	VLLMCachedTokens   int  `msgpack:"vllm_cached_tokens" json:"vllm_cached_tokens"`
 	KVPoolCachedTokens int  `msgpack:"kvpool_cached_tokens" json:"kvpool_cached_tokens"`
 	CanLoad            bool `msgpack:"can_load" json:"can_load"`
+	// Remote says where parts of the prefix are read from when they are not
+	// in the group's own segments of the KV pool: each run of blocks from a
+	// named source group whose ranks all hold it (same tp_rank). Blocks of
+	// the prefix (KVPoolCachedTokens) outside every run are read locally.
+	// Empty with --pool local.
+	Remote []RemoteRun `msgpack:"remote,omitempty" json:"remote,omitempty"`
+}
+
+// RemoteRun is Blocks blocks of a prefix, from block index FromBlock, read
+// from the same tp_rank of group Group.
+type RemoteRun struct {
+	Group     string `msgpack:"group" json:"group"`
+	FromBlock int    `msgpack:"from_block" json:"from_block"`
+	Blocks    int    `msgpack:"blocks" json:"blocks"`
 }
 
 // ReqMeta is the per-request KV-connector metadata the scheduler publishes
