@@ -107,19 +107,22 @@ type ReqMeta struct {
 // once when the prompt is prefilled (Prefilled set), so that the scheduler
 // knows what is still queued for prefill.
 type RankResult struct {
-	V                int    `msgpack:"v" json:"v"`
-	ReqID            string `msgpack:"req_id" json:"req_id"`
-	Group            string `msgpack:"group" json:"group"`
-	TPRank           int    `msgpack:"tp_rank" json:"tp_rank"`
-	EPRank           int    `msgpack:"ep_rank" json:"ep_rank"`
-	Attempt          int    `msgpack:"attempt" json:"attempt"`
-	LoadedTokens     int    `msgpack:"loaded_tokens" json:"loaded_tokens"`
-	StoredBlocks     int    `msgpack:"stored_blocks" json:"stored_blocks"`
-	SkippedBlocks    int    `msgpack:"skipped_blocks" json:"skipped_blocks"`
-	FailedBlocks     int    `msgpack:"failed_blocks" json:"failed_blocks"`
-	LoadUs           int64  `msgpack:"load_us" json:"load_us"`
-	StoreUs          int64  `msgpack:"store_us" json:"store_us"`
-	CompletionTokens int    `msgpack:"completion_tokens,omitempty" json:"completion_tokens,omitempty"`
+	V            int    `msgpack:"v" json:"v"`
+	ReqID        string `msgpack:"req_id" json:"req_id"`
+	Group        string `msgpack:"group" json:"group"`
+	TPRank       int    `msgpack:"tp_rank" json:"tp_rank"`
+	EPRank       int    `msgpack:"ep_rank" json:"ep_rank"`
+	Attempt      int    `msgpack:"attempt" json:"attempt"`
+	LoadedTokens int    `msgpack:"loaded_tokens" json:"loaded_tokens"`
+	// RemoteTokens are those of LoadedTokens copied from another group's
+	// segment of the KV pool.
+	RemoteTokens     int   `msgpack:"remote_tokens,omitempty" json:"remote_tokens,omitempty"`
+	StoredBlocks     int   `msgpack:"stored_blocks" json:"stored_blocks"`
+	SkippedBlocks    int   `msgpack:"skipped_blocks" json:"skipped_blocks"`
+	FailedBlocks     int   `msgpack:"failed_blocks" json:"failed_blocks"`
+	LoadUs           int64 `msgpack:"load_us" json:"load_us"`
+	StoreUs          int64 `msgpack:"store_us" json:"store_us"`
+	CompletionTokens int   `msgpack:"completion_tokens,omitempty" json:"completion_tokens,omitempty"`
 	// Prefilled marks the driver's early report that the prompt is
 	// prefilled (the first output follows); it is not the rank's result.
 	Prefilled bool `msgpack:"prefilled,omitempty" json:"prefilled,omitempty"`

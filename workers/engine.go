@@ -26,6 +26,9 @@ type EngineRequest struct {
 	// CachedTokens are prompt tokens whose KV was loaded; only the rest is
 	// prefilled.
 	CachedTokens int
+	// RemoteTokens are those of CachedTokens read from another group's
+	// segment of the KV pool (charged at RemoteLoadPerToken).
+	RemoteTokens int
 	Params       messages.SamplingParams
 }
 
@@ -57,14 +60,18 @@ type Engine interface {
 type SimProfile struct {
 	PrefillPerToken time.Duration
 	LoadPerToken    time.Duration
-	DecodePerToken  time.Duration
+	// RemoteLoadPerToken is the load time of a token read from another
+	// group's segment of the pool; zero means 3 × LoadPerToken.
+	RemoteLoadPerToken time.Duration
+	DecodePerToken     time.Duration
 }
 
 // DefaultSimProfile is the default cost model.
 var DefaultSimProfile = SimProfile{
-	PrefillPerToken: 60 * time.Microsecond,
-	LoadPerToken:    5 * time.Microsecond,
-	DecodePerToken:  10 * time.Millisecond,
+	PrefillPerToken:    60 * time.Microsecond,
+	LoadPerToken:       5 * time.Microsecond,
+	RemoteLoadPerToken: 15 * time.Microsecond,
+	DecodePerToken:     10 * time.Millisecond,
 }
 
 // SimConfig configures the sim engine.
@@ -82,7 +89,7 @@ func (c SimConfig) Validate() error {
 	if c.TimeScale < 0 {
 		return errors.New("workers: --time-scale must be >= 0")
 	}
-	if c.Profile.PrefillPerToken < 0 || c.Profile.LoadPerToken < 0 || c.Profile.DecodePerToken < 0 {
+	if c.Profile.PrefillPerToken < 0 || c.Profile.LoadPerToken < 0 || c.Profile.RemoteLoadPerToken < 0 || c.Profile.DecodePerToken < 0 {
 		return errors.New("workers: engine profile durations must be >= 0")
 	}
 	return nil
@@ -130,7 +137,13 @@ func (e *SimEngine) Generate(ctx context.Context, req EngineRequest, prefilled f
 	case <-ctx.Done():
 		return EngineResult{}, ctx.Err()
 	}
-	err := e.sleep(ctx, time.Duration(cached)*p.LoadPerToken+time.Duration(len(req.PromptTokens)-cached)*p.PrefillPerToken)
+	remote := min(max(req.RemoteTokens, 0), cached)
+	remoteCost := p.RemoteLoadPerToken
+	if remoteCost == 0 {
+		remoteCost = 3 * p.LoadPerToken
+	}
+	err := e.sleep(ctx, time.Duration(cached-remote)*p.LoadPerToken+time.Duration(remote)*remoteCost+
+		time.Duration(len(req.PromptTokens)-cached)*p.PrefillPerToken)
 	<-e.prefill
 	if err != nil {
 		return EngineResult{}, err

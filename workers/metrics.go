@@ -12,6 +12,10 @@ type Metrics struct {
 	storeSec  *prometheus.HistogramVec
 	usedBytes *prometheus.GaugeVec
 	queue     *prometheus.GaugeVec
+	// Pool reads, by source group, target group and tp_rank.
+	remote      *prometheus.CounterVec
+	remoteBytes *prometheus.CounterVec
+	remoteSec   *prometheus.HistogramVec
 }
 
 // NewMetrics registers the worker metrics with reg; a nil reg leaves them
@@ -42,9 +46,20 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 		queue: prometheus.NewGaugeVec(prometheus.GaugeOpts{
 			Name: "kvbus_worker_queue_depth", Help: "Requests queued or running on a rank.",
 		}, l),
+		remote: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "kvbus_worker_pool_remote_blocks_total", Help: "Blocks a rank copied from another group's segment of the KV pool.",
+		}, []string{"source_group", "group", "tp_rank"}),
+		remoteBytes: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "kvbus_worker_pool_remote_bytes_total", Help: "Bytes a rank copied from another group's segment of the KV pool.",
+		}, []string{"source_group", "group", "tp_rank"}),
+		remoteSec: prometheus.NewHistogramVec(prometheus.HistogramOpts{
+			Name: "kvbus_worker_pool_remote_read_seconds", Help: "Time of one pool read of a run of blocks from another group.",
+			Buckets: prometheus.ExponentialBuckets(1e-5, 4, 10),
+		}, []string{"source_group", "group", "tp_rank"}),
 	}
 	if reg != nil {
-		reg.MustRegister(m.reqMetas, m.dropped, m.blocks, m.loadSec, m.storeSec, m.usedBytes, m.queue)
+		reg.MustRegister(m.reqMetas, m.dropped, m.blocks, m.loadSec, m.storeSec, m.usedBytes, m.queue,
+			m.remote, m.remoteBytes, m.remoteSec)
 	}
 	return m
 }

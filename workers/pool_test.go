@@ -4,9 +4,12 @@ import (
 	"context"
 	"fmt"
 	"log/slog"
+	"slices"
 	"sync"
 	"testing"
 	"time"
+
+	"github.com/nats-io/nats.go"
 
 	"github.com/kvbus/kvbus/bus"
 	"github.com/kvbus/kvbus/messages"
@@ -15,10 +18,14 @@ import (
 	"github.com/kvbus/kvbus/workers"
 )
 
-// poolSource runs rank 1 of group g1 (Llama-3.1-8B at TP 4: 512 KiB
-// blocks) on a server with the given max payload, stores blocks blocks in
-// it through a ReqMeta, and returns a pool client and the stored hashes.
-func poolSource(t testing.TB, maxPayload int32, blocks int) (workers.PoolClient, []uint64) {
+// poolRanks runs rank 1 of each group (Llama-3.1-8B at TP 4: 512 KiB
+// blocks) on a server with the given max payload.
+type poolRanks struct {
+	nc   *nats.Conn
+	done *nats.Subscription
+}
+
+func startPoolRanks(t testing.TB, maxPayload int32, groups ...string) *poolRanks {
 	t.Helper()
 	srv, err := bus.StartServer(bus.ServerConfig{Addr: "127.0.0.1:0", MaxPayload: maxPayload})
 	if err != nil {
@@ -29,43 +36,126 @@ func poolSource(t testing.TB, maxPayload int32, blocks int) (workers.PoolClient,
 	if err != nil {
 		t.Fatal(err)
 	}
-	rank, err := workers.NewRank(workers.RankConfig{
-		Conn: testenv.Connect(t, srv), Group: "g1", TPRank: 1, TPSize: 4, EPRank: 1, EPSize: 4,
-		Model: testModel, Profile: profile, CapacityBytes: 1 << 30, Logger: slog.New(slog.DiscardHandler),
-	})
-	if err != nil {
-		t.Fatal(err)
-	}
 	ctx, cancel := context.WithCancel(context.Background())
 	var wg sync.WaitGroup
-	wg.Go(func() {
-		if err := rank.Run(ctx); err != nil {
-			t.Errorf("Run: %v", err)
+	for _, g := range groups {
+		rank, err := workers.NewRank(workers.RankConfig{
+			Conn: testenv.Connect(t, srv), Group: g, TPRank: 1, TPSize: 4, EPRank: 1, EPSize: 4,
+			Model: testModel, Profile: profile, CapacityBytes: 1 << 30, Logger: slog.New(slog.DiscardHandler),
+		})
+		if err != nil {
+			t.Fatal(err)
 		}
-	})
+		wg.Go(func() {
+			if err := rank.Run(ctx); err != nil {
+				t.Errorf("Run: %v", err)
+			}
+		})
+	}
 	t.Cleanup(func() { cancel(); wg.Wait() })
+	p := &poolRanks{nc: testenv.Connect(t, srv)}
+	if p.done, err = p.nc.SubscribeSync(messages.Subjects{}.Done(testSchedID)); err != nil {
+		t.Fatal(err)
+	}
+	return p
+}
 
-	nc := testenv.Connect(t, srv)
-	done, err := nc.SubscribeSync(messages.Subjects{}.Done(testSchedID))
+// run sends meta until its rank reports (the rank may not have subscribed
+// yet; a duplicate is answered from memory) and returns the result.
+func (p *poolRanks) run(t testing.TB, meta *messages.ReqMeta) *messages.RankResult {
+	t.Helper()
+	data, err := messages.Marshal(meta)
 	if err != nil {
 		t.Fatal(err)
 	}
+	var res *messages.RankResult
+	testenv.Eventually(t, waitFor, "the rank's result for "+meta.ReqID, func() bool {
+		if err := p.nc.Publish(messages.Subjects{}.Meta(meta.Group, meta.SessionID), data); err != nil {
+			t.Fatal(err)
+		}
+		for {
+			m, err := p.done.NextMsg(200 * time.Millisecond)
+			if err != nil {
+				return false
+			}
+			r, err := messages.DecodeRankResult(m.Data)
+			if err == nil && r.ReqID == meta.ReqID && !r.Received && !r.Prefilled {
+				res = r
+				return true
+			}
+		}
+	})
+	return res
+}
+
+// poolSource stores blocks blocks in g1's rank 1 and returns a pool client
+// and the stored hashes.
+func poolSource(t testing.TB, maxPayload int32, blocks int) (workers.PoolClient, []uint64) {
+	t.Helper()
+	p := startPoolRanks(t, maxPayload, "g1")
 	tokens := testenv.PromptTokens(42, blocks*blockSize+3)
 	meta := newMeta("fill", "", tokens)
 	meta.Group = "g1"
-	data, _ := messages.Marshal(meta)
-	testenv.Eventually(t, waitFor, "the rank to store the blocks", func() bool {
-		if err := nc.Publish(messages.Subjects{}.Meta("g1", ""), data); err != nil {
-			t.Fatal(err)
+	if r := p.run(t, meta); r.StoredBlocks != blocks {
+		t.Fatalf("stored %d blocks, want %d", r.StoredBlocks, blocks)
+	}
+	return workers.PoolClient{Conn: p.nc}, scheduler.HashBlocks(nil, scheduler.HashSeed(testModel), tokens, blockSize)
+}
+
+// TestRankLoadsRemoteRuns: a LoadSpec run held by another group is copied
+// from that group's rank (the same tp_rank) into the local segment, counted
+// as loaded and remote, announced in KV events, and found locally next
+// time; a run the source does not hold is recomputed.
+func TestRankLoadsRemoteRuns(t *testing.T) {
+	p := startPoolRanks(t, 64<<10, "g0", "g1")
+	events, err := p.nc.SubscribeSync(messages.Subjects{}.KV("g0", 1))
+	if err != nil {
+		t.Fatal(err)
+	}
+	tokens := testenv.PromptTokens(7, 8*blockSize+5)
+	fill := newMeta("fill", "s", tokens)
+	fill.Group = "g1"
+	p.run(t, fill)
+
+	next := newMeta("next", "s", append(slices.Clone(tokens), testenv.PromptTokens(8, 2*blockSize)...))
+	next.Group = "g0"
+	next.LoadSpec = &messages.LoadSpec{KVPoolCachedTokens: 8 * blockSize, CanLoad: true,
+		Remote: []messages.RemoteRun{{Group: "g1", FromBlock: 0, Blocks: 8}}}
+	next.SaveFromBlock = 8
+	r := p.run(t, next)
+	if r.LoadedTokens != 8*blockSize || r.RemoteTokens != 8*blockSize || r.FailedBlocks != 0 || r.StoredBlocks != 2 {
+		t.Errorf("remote load: %+v; want 8 blocks loaded, all remote, 2 new stored", r)
+	}
+	copied := 0
+	for m, err := events.NextMsg(time.Second); err == nil; m, err = events.NextMsg(100 * time.Millisecond) {
+		if b, err := messages.DecodeKVEventBatch(m.Data); err == nil {
+			for _, ev := range b.Events {
+				if ev.Type == messages.EventBlockStored {
+					copied += len(ev.BlockHashes)
+				}
+			}
 		}
-		m, err := done.NextMsg(200 * time.Millisecond)
-		if err != nil {
-			return false // not subscribed yet: send again (a duplicate is answered from memory)
-		}
-		r, err := messages.DecodeRankResult(m.Data)
-		return err == nil && !r.Received && r.StoredBlocks+r.SkippedBlocks == blocks
-	})
-	return workers.PoolClient{Conn: nc}, scheduler.HashBlocks(nil, scheduler.HashSeed(testModel), tokens, blockSize)
+	}
+	if copied != 10 {
+		t.Errorf("g0/1 announced %d stored blocks, want 10 (8 copies, 2 new)", copied)
+	}
+	// The copies are local now.
+	again := newMeta("again", "s", next.TokenIDs)
+	again.Group = "g0"
+	again.LoadSpec = &messages.LoadSpec{KVPoolCachedTokens: 10 * blockSize, CanLoad: true}
+	again.SaveFromBlock = 10
+	if r := p.run(t, again); r.LoadedTokens != 10*blockSize || r.RemoteTokens != 0 {
+		t.Errorf("local reload: %+v; want 10 blocks, none remote", r)
+	}
+	// A run the source never held: recomputed.
+	other := newMeta("other", "s", testenv.PromptTokens(9, 4*blockSize+1))
+	other.Group = "g0"
+	other.LoadSpec = &messages.LoadSpec{KVPoolCachedTokens: 4 * blockSize, CanLoad: true,
+		Remote: []messages.RemoteRun{{Group: "g1", FromBlock: 0, Blocks: 4}}}
+	other.SaveFromBlock = 4
+	if r := p.run(t, other); r.LoadedTokens != 0 || r.FailedBlocks != 4 || r.StoredBlocks != 4 {
+		t.Errorf("missing run: %+v; want 0 loaded, 4 failed, 4 stored", r)
+	}
 }
 
 // TestPoolRead: rank 1 of another group reads blocks from g1's rank 1:

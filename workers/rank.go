@@ -122,6 +122,7 @@ type Rank struct {
 
 	loadQ  chan *rankReq
 	storeQ chan *rankReq
+	pool   PoolClient // reads of other groups' segments
 
 	mu     sync.Mutex
 	active map[string]*rankReq     // by req_id
@@ -168,6 +169,7 @@ type rankReq struct {
 	ctx       context.Context
 	cancel    context.CancelCauseFunc
 	loaded    int
+	remote    int // of loaded, tokens copied from other groups
 	loadFail  int
 	loadUs    int64
 	result    messages.RankResult
@@ -237,6 +239,7 @@ func NewRank(cfg RankConfig) (*Rank, error) {
 		return nil, fmt.Errorf("%w: %v", ErrConfig, err)
 	}
 	return &Rank{
+		pool:   PoolClient{Conn: cfg.Conn, Subjects: cfg.Subjects},
 		cfg:    cfg,
 		log:    log,
 		store:  store,

@@ -22,7 +22,7 @@ func (r *Rank) drive(rr *rankReq) {
 	cached := min(rr.loaded, max(meta.TokenLen-1, 0)) // at least one token is computed
 	storeQueued := false
 	res, err := r.cfg.Engine.Generate(rr.ctx, EngineRequest{
-		ReqID: meta.ReqID, PromptTokens: meta.TokenIDs, CachedTokens: cached, Params: meta.SamplingParams,
+		ReqID: meta.ReqID, PromptTokens: meta.TokenIDs, CachedTokens: cached, RemoteTokens: min(rr.remote, cached), Params: meta.SamplingParams,
 	}, func() {
 		storeQueued = true
 		r.donePrefill(rr)

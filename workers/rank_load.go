@@ -1,7 +1,10 @@
 package workers
 
 import (
+	"context"
 	"time"
+
+	"github.com/kvbus/kvbus/messages"
 )
 
 // loadLoop is the rank's load thread: it reads the blocks of each request's
@@ -25,6 +28,9 @@ func (r *Rank) load(rr *rankReq) {
 	}
 	start := time.Now()
 	n := min(ls.KVPoolCachedTokens/meta.BlockSize, len(meta.BlockHashes))
+	// Runs held by other groups are copied in first (global pool); then
+	// the whole prefix is read locally, copies included.
+	rr.remote = r.copyRemoteRuns(rr, ls.Remote, n)
 	keys := make([]string, n)
 	for i := range n {
 		keys[i] = StoreKey(meta.Model, r.cfg.TPRank, meta.BlockHashes[i])
@@ -67,4 +73,62 @@ func (r *Rank) load(rr *rankReq) {
 
 func (r *Rank) blockBytes(blockSize int) int {
 	return blockSize * r.cfg.Profile.BytesPerTokenPerRank(r.cfg.TPSize)
+}
+
+// copyRemoteRuns reads the LoadSpec's remote runs from the same tp_rank of
+// their source groups (the pool), keeps verified blocks as local copies
+// (evicted by LRU like any other, announced in KV events) and returns how
+// many tokens came from other groups. A run stops at its first block the
+// source no longer holds: that block and the rest are prefilled.
+func (r *Rank) copyRemoteRuns(rr *rankReq, runs []messages.RemoteRun, n int) int {
+	meta := rr.meta
+	size := r.blockBytes(meta.BlockSize)
+	group := ""
+	if meta.SessionID != "" {
+		group = messages.SessionKey(meta.SessionID)
+	}
+	copied := 0
+	for _, run := range runs {
+		end := min(run.FromBlock+run.Blocks, n)
+		if run.FromBlock >= end {
+			continue
+		}
+		hashes := meta.BlockHashes[run.FromBlock:end]
+		ctx, cancel := context.WithTimeout(rr.ctx, r.cfg.SaveWait)
+		start := time.Now()
+		vals, err := r.pool.Read(ctx, run.Group, r.cfg.TPRank, &messages.PoolRead{ReqID: meta.ReqID, Model: meta.Model, TPRank: r.cfg.TPRank, BlockHashes: hashes})
+		cancel()
+		if err != nil {
+			r.log.Warn("load thread: pool read failed, the run will be recomputed", "req_id", meta.ReqID, "session_id", meta.SessionID,
+				"source_group", run.Group, "blocks", len(hashes), "err", err)
+			continue
+		}
+		var objs []Object
+		var blocks []int
+		bytes := 0
+		for i, v := range vals {
+			if !verifyBlock(r.cfg.Payload, v, hashes[i], r.cfg.TPRank, size) {
+				break
+			}
+			objs = append(objs, Object{Key: StoreKey(meta.Model, r.cfg.TPRank, hashes[i]), Hash: hashes[i], Value: v, Size: int64(size), Group: group})
+			blocks = append(blocks, run.FromBlock+i)
+			bytes += len(v)
+		}
+		stored := blocks[:0:0]
+		for i, err := range r.store.BatchPut(rr.ctx, objs) {
+			if err == nil {
+				stored = append(stored, blocks[i])
+			}
+		}
+		r.events.publish(append(storedEvents(meta, stored), r.events.takeEvicted()...))
+		copied += len(stored) * meta.BlockSize
+		r.cfg.Metrics.remote.WithLabelValues(run.Group, r.cfg.Group, r.labels[1]).Add(float64(len(stored)))
+		r.cfg.Metrics.remoteBytes.WithLabelValues(run.Group, r.cfg.Group, r.labels[1]).Add(float64(bytes))
+		r.cfg.Metrics.remoteSec.WithLabelValues(run.Group, r.cfg.Group, r.labels[1]).Observe(time.Since(start).Seconds())
+		if len(stored) < len(hashes) {
+			r.log.Warn("load thread: source group no longer holds part of a run, it will be recomputed", "req_id", meta.ReqID,
+				"session_id", meta.SessionID, "source_group", run.Group, "blocks", len(hashes), "copied", len(stored))
+		}
+	}
+	return copied
 }

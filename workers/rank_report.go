@@ -11,7 +11,7 @@ import (
 func (r *Rank) report(rr *rankReq) {
 	res := &rr.result
 	res.ReqID, res.Group, res.TPRank, res.EPRank, res.Attempt = rr.meta.ReqID, r.cfg.Group, r.cfg.TPRank, r.cfg.EPRank, rr.meta.Attempt
-	res.LoadedTokens, res.LoadUs = rr.loaded, rr.loadUs
+	res.LoadedTokens, res.LoadUs, res.RemoteTokens = rr.loaded, rr.loadUs, min(rr.remote, rr.loaded)
 	res.FailedBlocks += rr.loadFail
 	if res.Error == "" {
 		if err := context.Cause(rr.ctx); err != nil {
