@@ -68,6 +68,8 @@ type Config struct {
 	SessionTTL       time.Duration
 	NoGroupWait      time.Duration
 	ResendAfter      time.Duration
+	// Pool is the schedulers' --pool: local (default) or global.
+	Pool string
 
 	// Frontend, if set, is served too; Conn, Subjects, Logger and Registry
 	// are filled in.
@@ -236,7 +238,7 @@ func (c *Cluster) start() error {
 			Conn: nc, Subjects: cfg.Subjects, Policy: policy, BlockSize: cfg.BlockSize,
 			HeartbeatTimeout: cfg.HeartbeatTimeout, RequestTimeout: cfg.RequestTimeout, SessionTTL: cfg.SessionTTL,
 			StreamReplicas: 1, Logger: c.log, Registerer: reg,
-			NoGroupWait: cfg.NoGroupWait, ResendAfter: cfg.ResendAfter, RequestLog: requestLog,
+			NoGroupWait: cfg.NoGroupWait, ResendAfter: cfg.ResendAfter, RequestLog: requestLog, Pool: cfg.Pool,
 		})
 		if err != nil {
 			return err

@@ -540,6 +540,54 @@ func (x *KVIndex) Match(hashes []uint64, groups []GroupState) {
 	}
 }
 
+// PoolPrefix returns how many leading blocks of hashes are held in full (or
+// being saved) by at least one group: what a request can read from the KV
+// pool as a whole.
+func (x *KVIndex) PoolPrefix(hashes []uint64) int {
+	x.mu.RLock()
+	defer x.mu.RUnlock()
+	for i, h := range hashes {
+		if x.full[h]|x.planned[h] == 0 {
+			return i
+		}
+	}
+	return len(hashes)
+}
+
+// RemoteRuns returns where blocks [from, limit) of hashes can be read
+// from: the group's own segments where it holds a block in full, else
+// consecutive runs from other groups whose ranks all hold them (keeping one
+// source while it holds the next block: fewer, longer reads). end is the
+// block after the last one readable; the prefix stops at the first block
+// no group holds.
+func (x *KVIndex) RemoteRuns(hashes []uint64, group string, from, limit int) (runs []messages.RemoteRun, end int) {
+	x.mu.RLock()
+	defer x.mu.RUnlock()
+	self := uint64(0)
+	if g := x.groups[group]; g != nil {
+		self = 1 << g.id
+	}
+	src := -1
+	i := from
+	for ; i < min(limit, len(hashes)); i++ {
+		// Blocks other groups are still saving count: the source rank's
+		// pool read waits for a save in flight, as a local load does.
+		m := x.full[hashes[i]] | x.planned[hashes[i]]
+		switch {
+		case m&self != 0:
+			src = -1 // local
+			continue
+		case m == 0:
+			return runs, i
+		case src < 0 || m&(1<<src) == 0:
+			src = bits.TrailingZeros64(m)
+			runs = append(runs, messages.RemoteRun{Group: x.byID[src].name, FromBlock: i})
+		}
+		runs[len(runs)-1].Blocks++
+	}
+	return runs, max(i, from)
+}
+
 // GroupID returns a group's id in PrefixMatch results.
 func (x *KVIndex) GroupID(name string) (int, bool) {
 	x.mu.RLock()

@@ -1,8 +1,11 @@
 package scheduler
 
 import (
+	"slices"
 	"testing"
 	"time"
+
+	"github.com/kvbus/kvbus/messages"
 )
 
 // prefixOn returns how many leading blocks of hashes the index gives group.
@@ -146,5 +149,41 @@ func TestKVIndexSynced(t *testing.T) {
 	x.Apply(kvBatch("g0", 1, 6, stored(1))) // a gap
 	if x.Synced("g0") {
 		t.Error("synced while a rank waits for a dump")
+	}
+}
+
+// TestKVIndexRemoteRuns: past a group's own prefix, the runs other groups
+// hold in full, keeping one source while it holds the next block.
+func TestKVIndexRemoteRuns(t *testing.T) {
+	x := NewKVIndex()
+	a := hashChain(4, 8)
+	for _, g := range []string{"g0", "g1", "g2"} {
+		x.ObserveRank(g, 0, 1, 0)
+		x.Apply(kvBatch(g, 0, 1, clearedAll()))
+	}
+	x.Apply(kvBatch("g0", 0, 2, stored(a[:2]...)))  // g0: blocks 0-1
+	x.Apply(kvBatch("g1", 0, 2, stored(a[:5]...)))  // g1: blocks 0-4
+	x.Apply(kvBatch("g2", 0, 2, stored(a[3:7]...))) // g2: blocks 3-6
+	if got := x.PoolPrefix(a); got != 7 {
+		t.Errorf("PoolPrefix = %d, want 7", got)
+	}
+	tests := []struct {
+		group       string
+		from, limit int
+		want        []messages.RemoteRun
+		end         int
+	}{
+		{"g0", 2, 8, []messages.RemoteRun{{Group: "g1", FromBlock: 2, Blocks: 3}, {Group: "g2", FromBlock: 5, Blocks: 2}}, 7},
+		{"g0", 2, 4, []messages.RemoteRun{{Group: "g1", FromBlock: 2, Blocks: 2}}, 4},
+		{"g1", 5, 8, []messages.RemoteRun{{Group: "g2", FromBlock: 5, Blocks: 2}}, 7},
+		// g2's own blocks 3-6 are read locally, between and after the runs.
+		{"g2", 0, 8, []messages.RemoteRun{{Group: "g0", FromBlock: 0, Blocks: 2}, {Group: "g1", FromBlock: 2, Blocks: 1}}, 7},
+		{"g1", 0, 0, nil, 0},
+	}
+	for _, tt := range tests {
+		got, end := x.RemoteRuns(a, tt.group, tt.from, tt.limit)
+		if !slices.Equal(got, tt.want) || end != tt.end {
+			t.Errorf("RemoteRuns(%s, %d, %d) = %+v, %d; want %+v, %d", tt.group, tt.from, tt.limit, got, end, tt.want, tt.end)
+		}
 	}
 }

@@ -124,9 +124,11 @@ func (s *Scheduler) takeOver(t *RequestTracker, prev dispatchRecord, groups []Gr
 		if g.Name == prev.group {
 			s.index.Match(t.BlockHashes, groups)
 			t.Group, t.Attempt, t.WorldSize = g.Name, prev.attempt, g.WorldSize
-			t.LoadBlocks = s.loadBlocks(t, groups, g.Name)
-			t.PrefillBlocks = len(t.BlockHashes) - t.LoadBlocks
-			t.queued = t.PrefillBlocks
+			for _, m := range groups {
+				if m.Name == g.Name {
+					s.setLoad(t, m.IndexBlocks, false)
+				}
+			}
 			return true
 		}
 	}
@@ -138,9 +140,14 @@ func (s *Scheduler) takeOver(t *RequestTracker, prev dispatchRecord, groups []Gr
 // LoadBlocks, PrefillBlocks and queued.
 func (s *Scheduler) place(t *RequestTracker, groups []GroupState, binding Binding, bound bool) (string, error) {
 	s.index.Match(t.BlockHashes, groups)
+	pool := 0
+	if s.cfg.Pool == PoolGlobal {
+		pool = s.index.PoolPrefix(t.BlockHashes)
+	}
 	for i := range groups {
 		g := &groups[i]
 		g.CachedBlocks = g.IndexBlocks
+		g.RemoteBlocks = max(pool-g.IndexBlocks, 0)
 		if bound && g.Name == binding.Group {
 			g.Bound = true
 			// The previous turn's blocks, if this prompt extends it.
@@ -153,28 +160,29 @@ func (s *Scheduler) place(t *RequestTracker, groups []GroupState, binding Bindin
 	if err != nil {
 		return "", err
 	}
+	t.Group = group
 	for _, g := range groups {
 		if g.Name == group {
 			t.WorldSize = g.WorldSize
+			s.setLoad(t, g.IndexBlocks, s.cfg.Pool == PoolGlobal)
 		}
 	}
-	t.Group = group
-	t.LoadBlocks = s.loadBlocks(t, groups, group)
-	t.PrefillBlocks = len(t.BlockHashes) - t.LoadBlocks
-	t.queued = t.PrefillBlocks
 	return group, nil
 }
 
-// loadBlocks is the LoadSpec's prefix on group: the blocks the index says
-// every rank holds or is saving (save plans), never the whole prompt — at
-// least one token is computed (vLLM's rule).
-func (s *Scheduler) loadBlocks(t *RequestTracker, groups []GroupState, group string) int {
-	for _, g := range groups {
-		if g.Name == group {
-			return min(g.IndexBlocks, max(t.TokenLen-1, 0)/s.cfg.BlockSize)
-		}
+// setLoad sets t's LoadSpec on its group, which holds (or is saving) local
+// leading blocks: never the whole prompt — at least one token is computed
+// (vLLM's rule) — and, with the global pool, the runs past them that other
+// groups hold.
+func (s *Scheduler) setLoad(t *RequestTracker, local int, global bool) {
+	limit := max(t.TokenLen-1, 0) / s.cfg.BlockSize
+	t.LocalBlocks = min(local, limit)
+	t.Remote, t.LoadBlocks = nil, t.LocalBlocks
+	if global {
+		t.Remote, t.LoadBlocks = s.index.RemoteRuns(t.BlockHashes, t.Group, t.LocalBlocks, limit)
 	}
-	return 0
+	t.PrefillBlocks = len(t.BlockHashes) - t.LoadBlocks
+	t.queued = t.PrefillBlocks
 }
 
 // buildMeta encodes the tracker's ReqMeta for its group's session-keyed
@@ -185,7 +193,7 @@ func (s *Scheduler) buildMeta(t *RequestTracker) error {
 	meta := &messages.ReqMeta{
 		ReqID: t.ReqID, SessionID: t.SessionID, Model: t.Model, Group: t.Group,
 		TokenLen: t.TokenLen, TokenIDs: t.TokenIDs, BlockSize: s.cfg.BlockSize, BlockHashes: t.BlockHashes,
-		LoadSpec: &messages.LoadSpec{KVPoolCachedTokens: t.LoadBlocks * s.cfg.BlockSize, CanLoad: t.LoadBlocks > 0},
+		LoadSpec: &messages.LoadSpec{KVPoolCachedTokens: t.LoadBlocks * s.cfg.BlockSize, CanLoad: t.LoadBlocks > 0, Remote: t.Remote},
 		CanSave:  true, SaveFromBlock: t.LoadBlocks, IsLastChunk: true, NumPromptTokens: t.TokenLen,
 		SamplingParams: req.SamplingParams, FrontendID: t.FrontendID,
 		ResultSubject: s.cfg.Subjects.Done(s.cfg.ID), Attempt: t.Attempt,

@@ -26,11 +26,11 @@ type dispatchRecord struct {
 }
 
 // publishPlan records t's plan in the index and announces it: the blocks
-// the group will save (those past its LoadSpec; the ones before it the
-// index counts already).
+// the group will hold that it does not yet (past its local prefix: copies
+// read from other groups and blocks it saves).
 func (s *Scheduler) publishPlan(t *RequestTracker) {
 	expires := time.Now().Add(s.cfg.PlanTTL)
-	saves := t.BlockHashes[min(t.LoadBlocks, len(t.BlockHashes)):]
+	saves := t.BlockHashes[min(t.LocalBlocks, len(t.BlockHashes)):]
 	s.index.Plan(t.Group, saves, expires)
 	data, err := messages.Marshal(&messages.SavePlan{
 		SchedulerID: s.cfg.ID, ReqID: t.ReqID, Group: t.Group, Attempt: t.Attempt,

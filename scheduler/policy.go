@@ -36,6 +36,9 @@ type GroupState struct {
 	CachedBlocks int
 	// Bound is true for the group that served the session's previous turn.
 	Bound bool
+	// RemoteBlocks is how many blocks past CachedBlocks the group can read
+	// from other groups' segments of the KV pool (--pool global; else 0).
+	RemoteBlocks int
 }
 
 // Policy chooses a worker group for a request. Place gets a non-empty list
@@ -95,18 +98,28 @@ func placementKey(t *RequestTracker) string {
 // is credited with the previous turn's blocks. Ties go to the group with
 // more cached blocks, then by rendezvous order of the session, so a session
 // is stable.
-type KVPolicy struct{}
+//
+// With a global KV pool (LocalLoad or RemoteLoad set) the cost is in one
+// unit, the prefill time of a block: blocks found nowhere are prefilled
+// (1 each), cached blocks cost LocalLoad each, blocks read from another
+// group RemoteLoad each, plus the blocks queued for prefill on the group.
+// Zero weights are today's cost (--pool local).
+type KVPolicy struct {
+	LocalLoad, RemoteLoad float64
+}
 
 // Place implements Policy.
-func (KVPolicy) Place(t *RequestTracker, groups []GroupState) (string, error) {
+func (p KVPolicy) Place(t *RequestTracker, groups []GroupState) (string, error) {
 	if len(groups) == 0 {
 		return "", ErrNoReadyGroup
 	}
 	total := len(t.BlockHashes)
-	best, bestCost := -1, 0
+	best, bestCost := -1, 0.0
 	for _, i := range RendezvousOrder(placementKey(t), groups) {
 		g := &groups[i]
-		cost := total - min(g.CachedBlocks, total) + g.QueuedBlocks
+		cached := min(g.CachedBlocks, total)
+		remote := min(g.RemoteBlocks, total-cached)
+		cost := float64(total-cached-remote) + p.LocalLoad*float64(cached) + p.RemoteLoad*float64(remote) + float64(g.QueuedBlocks)
 		// At equal cost the group with more of the prefix wins (it keeps the
 		// cache warm for the next turn), then rendezvous order.
 		if best < 0 || cost < bestCost || cost == bestCost && g.CachedBlocks > groups[best].CachedBlocks {

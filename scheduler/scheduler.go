@@ -23,6 +23,12 @@ import (
 	"github.com/kvbus/kvbus/messages"
 )
 
+// KV pool modes (--pool).
+const (
+	PoolLocal  = "local"
+	PoolGlobal = "global"
+)
+
 // ErrConfig is wrapped by configuration errors.
 var ErrConfig = errors.New("scheduler: bad configuration")
 
@@ -74,6 +80,14 @@ type Config struct {
 	// drops redeliveries (defaults 200,000 and 10 min).
 	EndedIDs int
 	EndedAge time.Duration
+	// Pool is PoolLocal (default): a group loads only what its own ranks
+	// hold; or PoolGlobal: the ranks' stores are one pool and a LoadSpec
+	// may read runs of the prefix from other groups (issue 10, in
+	// progress). With PoolGlobal the kv policy costs loads in prefill time:
+	// LocalLoadCost and RemoteLoadCost per block, as fractions of a block's
+	// prefill (defaults 5/60 and 15/60, the sim engine's per-token costs).
+	Pool                          string
+	LocalLoadCost, RemoteLoadCost float64
 	// RequestLog holds the request log's limits, applied when this replica
 	// creates it (Subjects and Replicas come from above); the replica
 	// trims the log's dispatched history to RequestLog.HistoryBound().
@@ -156,6 +170,21 @@ func New(cfg Config) (*Scheduler, error) {
 	}
 	if cfg.PlanTTL <= 0 {
 		cfg.PlanTTL = 10 * time.Second
+	}
+	if cfg.Pool == "" {
+		cfg.Pool = PoolLocal
+	}
+	if cfg.Pool != PoolLocal && cfg.Pool != PoolGlobal {
+		return nil, fmt.Errorf("%w: --pool %q must be %s or %s", ErrConfig, cfg.Pool, PoolLocal, PoolGlobal)
+	}
+	if cfg.LocalLoadCost <= 0 {
+		cfg.LocalLoadCost = 5.0 / 60
+	}
+	if cfg.RemoteLoadCost <= 0 {
+		cfg.RemoteLoadCost = 15.0 / 60
+	}
+	if kv, ok := cfg.Policy.(KVPolicy); ok && cfg.Pool == PoolGlobal && kv == (KVPolicy{}) {
+		cfg.Policy = KVPolicy{LocalLoad: cfg.LocalLoadCost, RemoteLoad: cfg.RemoteLoadCost}
 	}
 	if cfg.EndedIDs <= 0 {
 		cfg.EndedIDs = 200_000

@@ -30,6 +30,10 @@ type RequestTracker struct {
 	Group     string
 	WorldSize int
 	Attempt   int
+	// LocalBlocks of the LoadSpec are in the group's own segments, Remote
+	// the runs read from other groups (global pool).
+	LocalBlocks int
+	Remote      []messages.RemoteRun
 	// LoadBlocks is the LoadSpec's prefix in blocks (the prediction);
 	// PrefillBlocks the blocks left to prefill.
 	LoadBlocks    int

@@ -132,6 +132,7 @@ type ClusterConfig struct {
 	MaxPayload  int32
 	NoGroupWait time.Duration
 	ResendAfter time.Duration
+	Pool        string // the schedulers' --pool (default local)
 	// LogLevel defaults to info.
 	LogLevel slog.Level
 	// LogTo also receives the logs (for example os.Stderr when debugging).
@@ -177,7 +178,7 @@ func StartCluster(t testing.TB, cfg ClusterConfig) *Cluster {
 		Sim:               workers.SimConfig{Profile: workers.DefaultSimProfile, TimeScale: cfg.TimeScale},
 		HeartbeatInterval: 100 * time.Millisecond, HeartbeatTimeout: 2 * time.Second, ShutdownTimeout: 2 * time.Second,
 		Schedulers: cfg.Schedulers, Policy: cfg.Policy, RequestTimeout: cfg.RequestTimeout, SessionTTL: cfg.SessionTTL,
-		StoreDelays: cfg.StoreDelays, DropReqMetas: cfg.DropReqMetas, MaxPayload: cfg.MaxPayload, NoGroupWait: cfg.NoGroupWait, ResendAfter: cfg.ResendAfter,
+		StoreDelays: cfg.StoreDelays, DropReqMetas: cfg.DropReqMetas, MaxPayload: cfg.MaxPayload, NoGroupWait: cfg.NoGroupWait, ResendAfter: cfg.ResendAfter, Pool: cfg.Pool,
 		Frontend: &frontend.Config{Listener: ln, SessionHeaders: cfg.SessionHeaders, MaxModelLen: cfg.MaxModelLen,
 			MaxInflight: cfg.MaxInflight, APIKey: cfg.APIKey},
 		Logger:   slog.New(slog.NewTextHandler(w, &slog.HandlerOptions{Level: cfg.LogLevel})),

@@ -55,6 +55,25 @@ func (r *Rank) settleSaves(rr *rankReq) {
 	rr.settle.Do(func() { close(rr.saved) })
 }
 
+// awaitSave waits until the request saving key (if any) has settled or
+// deadline passes; it reports whether it settled in time.
+func (r *Rank) awaitSave(key string, deadline time.Time) bool {
+	r.mu.Lock()
+	owner := r.saving[key]
+	r.mu.Unlock()
+	if owner == nil {
+		return false
+	}
+	t := time.NewTimer(max(time.Until(deadline), 0))
+	defer t.Stop()
+	select {
+	case <-owner.saved:
+		return true
+	case <-t.C:
+		return false
+	}
+}
+
 // waitForSave waits until the request that arrived before rr and is saving
 // key has settled, rr ends, or deadline passes. It reports whether there was
 // such a save and it settled in time.

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"time"
 
 	"github.com/nats-io/nats.go"
 
@@ -35,6 +36,14 @@ func (r *Rank) onPoolRead(ctx context.Context, m *nats.Msg) error {
 		keys[i] = StoreKey(req.Model, req.TPRank, h)
 	}
 	values := r.store.BatchGet(ctx, keys)
+	// A block this rank is still saving (the turn that just ran here) is
+	// sent once saved, within SaveWait, as a local load would wait for it.
+	deadline := time.Now().Add(r.cfg.SaveWait)
+	for i, v := range values {
+		if v == nil && r.awaitSave(keys[i], deadline) {
+			values[i] = r.store.BatchGet(ctx, keys[i:i+1])[0]
+		}
+	}
 	parts := poolParts(values, int(r.cfg.Conn.MaxPayload())-poolPartOverhead)
 	for i := range parts {
 		parts[i].Part, parts[i].Parts = i, len(parts)

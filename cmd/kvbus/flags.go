@@ -119,6 +119,7 @@ type schedulerFlags struct {
 	HeartbeatTimeout time.Duration `name:"heartbeat-timeout" default:"3s" help:"A group is ready when all its ranks sent a heartbeat within this."`
 	NoGroupWait      time.Duration `name:"no-group-wait" default:"2s" help:"How long a request waits for a ready worker group before it gets 503 no_ready_group with Retry-After."`
 	ResendAfter      time.Duration `name:"resend-after" default:"1s" help:"A ReqMeta that a rank has not answered (receipt or result) within this is published again, up to 3 times."`
+	Pool             string        `name:"pool" enum:"local,global" default:"local" help:"KV pool: local (a group loads what its own ranks hold) or global (the ranks' stores are one pool: a LoadSpec may read runs of the prefix from other groups, and kv costs loads in prefill time)."`
 }
 
 // engineFlags configure ranks and the sim engine.
@@ -130,6 +131,7 @@ type engineFlags struct {
 	TimeScale        float64       `name:"time-scale" default:"1" help:"Multiplies the engine's modelled durations; 0 makes it instant."`
 	PrefillPerToken  time.Duration `name:"prefill-per-token" default:"60us" help:"Sim engine: prefill time per uncached prompt token."`
 	LoadPerToken     time.Duration `name:"load-per-token" default:"5us" help:"Sim engine: time to load one cached token's KV."`
+	RemoteLoad       time.Duration `name:"remote-load-per-token" default:"15us" help:"Sim engine: time to load one cached token's KV from another group's segment of the pool (--pool global)."`
 	DecodePerToken   time.Duration `name:"decode-per-token" default:"10ms" help:"Sim engine: time per output token."`
 	HeartbeatEvery   time.Duration `name:"heartbeat-interval" default:"1s" help:"How often a rank sends a heartbeat."`
 	ShutdownTimeout  time.Duration `name:"shutdown-timeout" default:"10s" help:"How long a stopping rank lets in-flight requests finish."`
@@ -139,7 +141,8 @@ type engineFlags struct {
 
 func (f engineFlags) engine() (*workers.SimEngine, error) {
 	return workers.NewSimEngine(workers.SimConfig{
-		Profile:   workers.SimProfile{PrefillPerToken: f.PrefillPerToken, LoadPerToken: f.LoadPerToken, DecodePerToken: f.DecodePerToken},
+		Profile: workers.SimProfile{PrefillPerToken: f.PrefillPerToken, LoadPerToken: f.LoadPerToken, RemoteLoadPerToken: f.RemoteLoad,
+			DecodePerToken: f.DecodePerToken},
 		TimeScale: f.TimeScale, DefaultMaxTokens: f.DefaultMaxTokens,
 	})
 }

@@ -268,7 +268,7 @@ func newScheduler(nc *nats.Conn, b busFlags, f schedulerFlags, rl requestLogFlag
 	return scheduler.New(scheduler.Config{
 		Conn: nc, Subjects: b.subjects(), ID: id, Policy: policy, BlockSize: f.BlockSize, StreamReplicas: b.Replicas,
 		HeartbeatTimeout: f.HeartbeatTimeout, RequestTimeout: t.RequestTimeout, SessionTTL: f.SessionTTL, Logger: log, Registerer: reg,
-		NoGroupWait: f.NoGroupWait, ResendAfter: f.ResendAfter, RequestLog: rl.streamConfig(),
+		NoGroupWait: f.NoGroupWait, ResendAfter: f.ResendAfter, RequestLog: rl.streamConfig(), Pool: f.Pool,
 	})
 }
 

@@ -212,6 +212,8 @@ type benchCmd struct {
 	BlockSize  int           `name:"block-size" default:"16" help:"Tokens per KV block."`
 	Prefill    time.Duration `name:"prefill-per-token" default:"60us" help:"Sim engine: prefill time per uncached token (scaled by 1/--speed)."`
 	Load       time.Duration `name:"load-per-token" default:"5us" help:"Sim engine: load time per cached token (scaled by 1/--speed)."`
+	RemoteLoad time.Duration `name:"remote-load-per-token" default:"15us" help:"Sim engine: load time per token read from another group's segment of the pool (scaled by 1/--speed)."`
+	Pools      string        `name:"pool" default:"local" help:"Comma-separated KV pool modes to run each policy with: local, global (e.g. local,global for a side-by-side table)."`
 	Decode     time.Duration `name:"decode-per-token" default:"10ms" help:"Sim engine: time per output token (scaled by 1/--speed)."`
 	Timeout    time.Duration `name:"timeout" default:"10m" help:"Deadline of one request."`
 }
@@ -236,15 +238,22 @@ func (c *benchCmd) Run(ctx context.Context) error {
 	const model = "kvbus-sim"
 	ideal := replay.IdealHitRatio(tr.Items, model, c.BlockSize)
 	var reports []*replay.Report
+	pools := strings.Split(c.Pools, ",")
 	for _, policy := range strings.Split(c.Policies, ",") {
-		policy = strings.TrimSpace(policy)
-		log.Info("bench: starting a cluster", "policy", policy, "groups", c.Groups, "ranks", c.Ranks, "requests", len(tr.Items), "speed", c.Speed)
-		rep, err := c.runOne(ctx, tr, policy, capacity, ideal)
-		if err != nil {
-			return fmt.Errorf("policy %s: %w", policy, err)
+		for _, pool := range pools {
+			policy, pool := strings.TrimSpace(policy), strings.TrimSpace(pool)
+			log.Info("bench: starting a cluster", "policy", policy, "pool", pool, "groups", c.Groups, "ranks", c.Ranks,
+				"requests", len(tr.Items), "speed", c.Speed)
+			rep, err := c.runOne(ctx, tr, policy, pool, capacity, ideal)
+			if err != nil {
+				return fmt.Errorf("policy %s, pool %s: %w", policy, pool, err)
+			}
+			rep.Trace = c.Trace
+			if len(pools) > 1 {
+				rep.Policy += "/" + pool
+			}
+			reports = append(reports, rep)
 		}
-		rep.Trace = c.Trace
-		reports = append(reports, rep)
 	}
 	if err := replay.WriteTable(os.Stdout, reports); err != nil {
 		return err
@@ -255,7 +264,7 @@ func (c *benchCmd) Run(ctx context.Context) error {
 	return nil
 }
 
-func (c *benchCmd) runOne(ctx context.Context, tr *replay.Trace, policy string, capacity int64, ideal float64) (*replay.Report, error) {
+func (c *benchCmd) runOne(ctx context.Context, tr *replay.Trace, policy, pool string, capacity int64, ideal float64) (*replay.Report, error) {
 	log := c.logger()
 	quiet := c.logFlags
 	quiet.LogLevel = "warn" // the cluster's per-request lines would drown the table
@@ -263,10 +272,10 @@ func (c *benchCmd) runOne(ctx context.Context, tr *replay.Trace, policy string, 
 		Groups: c.Groups, Ranks: c.Ranks, Model: "kvbus-sim", ModelProfile: c.Profile,
 		KVCapacity: capacity, Payload: c.Payload, Evict: c.Evict, BlockSize: c.BlockSize,
 		Sim: workers.SimConfig{
-			Profile:   workers.SimProfile{PrefillPerToken: c.Prefill, LoadPerToken: c.Load, DecodePerToken: c.Decode},
+			Profile:   workers.SimProfile{PrefillPerToken: c.Prefill, LoadPerToken: c.Load, RemoteLoadPerToken: c.RemoteLoad, DecodePerToken: c.Decode},
 			TimeScale: 1 / c.Speed,
 		},
-		HeartbeatInterval: 250 * time.Millisecond, Policy: policy, SessionEpsilon: c.Epsilon, RequestTimeout: c.Timeout,
+		HeartbeatInterval: 250 * time.Millisecond, Policy: policy, Pool: pool, SessionEpsilon: c.Epsilon, RequestTimeout: c.Timeout,
 		Logger: quiet.logger(),
 	})
 	if err != nil {

@@ -56,12 +56,13 @@ func (c *serveCmd) clusterConfig() (cluster.Config, error) {
 		Subjects: messages.Subjects{Prefix: c.Prefix}, Groups: c.Groups, Ranks: c.Ranks,
 		Model: c.Model, ModelProfile: c.ModelProfile, KVCapacity: capacity, Payload: c.KVPayload, Evict: c.Evict,
 		Sim: workers.SimConfig{
-			Profile:   workers.SimProfile{PrefillPerToken: c.PrefillPerToken, LoadPerToken: c.LoadPerToken, DecodePerToken: c.DecodePerToken},
+			Profile: workers.SimProfile{PrefillPerToken: c.PrefillPerToken, LoadPerToken: c.LoadPerToken, RemoteLoadPerToken: c.RemoteLoad,
+				DecodePerToken: c.DecodePerToken},
 			TimeScale: c.TimeScale, DefaultMaxTokens: c.DefaultMaxTokens,
 		},
 		HeartbeatInterval: c.HeartbeatEvery, ShutdownTimeout: c.ShutdownTimeout,
 		Policy: c.Policy, SessionEpsilon: c.SessionEpsilon, BlockSize: c.BlockSize,
 		HeartbeatTimeout: c.HeartbeatTimeout, RequestTimeout: c.RequestTimeout, SessionTTL: c.SessionTTL,
-		NoGroupWait: c.NoGroupWait, ResendAfter: c.ResendAfter, SaveWait: c.SaveWait,
+		NoGroupWait: c.NoGroupWait, ResendAfter: c.ResendAfter, SaveWait: c.SaveWait, Pool: c.Pool,
 	}, nil
 }
