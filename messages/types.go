@@ -139,6 +139,9 @@ type Usage struct {
 	PromptTokens     int `msgpack:"prompt_tokens" json:"prompt_tokens"`
 	CompletionTokens int `msgpack:"completion_tokens" json:"completion_tokens"`
 	CachedTokens     int `msgpack:"cached_tokens" json:"cached_tokens"`
+	// RemoteCachedTokens are those of CachedTokens read from another
+	// group's segment of the KV pool (not part of OpenAI's usage).
+	RemoteCachedTokens int `msgpack:"remote_cached_tokens,omitempty" json:"remote_cached_tokens,omitempty"`
 }
 
 // OutputError is an error that ends a request, with an OpenAI error code

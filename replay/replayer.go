@@ -319,7 +319,7 @@ func (r *Replayer) onOutput(m *nats.Msg) {
 		delete(r.pending, o.ReqID)
 		p.res.E2E = now.Sub(p.res.Sent)
 		if o.Usage != nil {
-			p.res.CachedTokens = o.Usage.CachedTokens
+			p.res.CachedTokens, p.res.RemoteTokens = o.Usage.CachedTokens, o.Usage.RemoteCachedTokens
 		}
 		if o.Error != nil {
 			p.res.Err = o.Error.Code + ": " + o.Error.Message

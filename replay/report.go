@@ -23,6 +23,7 @@ type Result struct {
 	Group        string
 	PromptTokens int
 	CachedTokens int
+	RemoteTokens int // of CachedTokens, read from another group (global pool)
 	Sent         time.Time
 	TTFT         time.Duration // to the first output chunk
 	E2E          time.Duration // to the last
@@ -40,16 +41,22 @@ type Latency struct {
 // Report is the summary of a replay. JSON keys are the contract of
 // `kvbus replay --json` and `kvbus bench --json`.
 type Report struct {
-	Policy               string             `json:"policy"`
-	Trace                string             `json:"trace,omitempty"`
-	Requests             int                `json:"requests"`
-	OK                   int                `json:"ok"`
-	Failed               int                `json:"failed"`
-	DurationS            float64            `json:"duration_s"`
-	ThroughputRPS        float64            `json:"throughput_rps"`
-	PromptTokens         int64              `json:"prompt_tokens"`
-	CachedTokens         int64              `json:"cached_tokens"`
-	HitRatio             float64            `json:"hit_ratio"`
+	Policy         string  `json:"policy"`
+	Trace          string  `json:"trace,omitempty"`
+	Requests       int     `json:"requests"`
+	OK             int     `json:"ok"`
+	Failed         int     `json:"failed"`
+	DurationS      float64 `json:"duration_s"`
+	ThroughputRPS  float64 `json:"throughput_rps"`
+	PromptTokens   int64   `json:"prompt_tokens"`
+	CachedTokens   int64   `json:"cached_tokens"`
+	RemoteTokens   int64   `json:"remote_cached_tokens"`
+	HitRatio       float64 `json:"hit_ratio"`
+	LocalHitRatio  float64 `json:"local_hit_ratio"`
+	RemoteHitRatio float64 `json:"remote_hit_ratio"`
+	// RemoteBytes is what moved between groups, when the caller knows the
+	// bytes per token of all ranks of a group (kvbus bench does).
+	RemoteBytes          int64              `json:"remote_bytes,omitempty"`
 	IdealHitRatio        float64            `json:"ideal_hit_ratio"`
 	HitRatioByTurn       map[string]float64 `json:"hit_ratio_by_turn"`
 	TTFT                 Latency            `json:"ttft_ms"`
@@ -79,6 +86,7 @@ func Summarize(policy string, results []Result, ideal float64, elapsed time.Dura
 		ttft, e2e = append(ttft, res.TTFT), append(e2e, res.E2E)
 		r.PromptTokens += int64(res.PromptTokens)
 		r.CachedTokens += int64(res.CachedTokens)
+		r.RemoteTokens += int64(res.RemoteTokens)
 		d := turnLabel(res.TurnDepth)
 		t := byTurn[d]
 		byTurn[d] = [2]int64{t[0] + int64(res.CachedTokens), t[1] + int64(res.PromptTokens)}
@@ -88,6 +96,8 @@ func Summarize(policy string, results []Result, ideal float64, elapsed time.Dura
 	}
 	if r.PromptTokens > 0 {
 		r.HitRatio = float64(r.CachedTokens) / float64(r.PromptTokens)
+		r.RemoteHitRatio = float64(r.RemoteTokens) / float64(r.PromptTokens)
+		r.LocalHitRatio = r.HitRatio - r.RemoteHitRatio
 	}
 	for d, t := range byTurn {
 		if t[1] > 0 {
@@ -192,6 +202,9 @@ func WriteTable(w io.Writer, reports []*Report) error {
 	row("failed", func(r *Report) string { return fmt.Sprint(r.Failed) })
 	row("throughput req/s", func(r *Report) string { return fmt.Sprintf("%.1f", r.ThroughputRPS) })
 	row("hit_ratio", func(r *Report) string { return fmt.Sprintf("%.3f", r.HitRatio) })
+	row("local_hit_ratio", func(r *Report) string { return fmt.Sprintf("%.3f", r.LocalHitRatio) })
+	row("remote_hit_ratio", func(r *Report) string { return fmt.Sprintf("%.3f", r.RemoteHitRatio) })
+	row("remote MiB moved", func(r *Report) string { return fmt.Sprintf("%.1f", float64(r.RemoteBytes)/(1<<20)) })
 	row("ideal_hit_ratio", func(r *Report) string { return fmt.Sprintf("%.3f", r.IdealHitRatio) })
 	turns := map[string]bool{}
 	for _, r := range reports {

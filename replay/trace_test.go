@@ -980,7 +980,7 @@ func TestSummarizeSmall(t *testing.T) {
 func testReports() []*Report {
 	kv := Summarize("kv", []Result{
 		{TurnDepth: 1, PromptTokens: 100, CachedTokens: 0, Group: "g0", TTFT: 5 * time.Millisecond, E2E: 9 * time.Millisecond},
-		{TurnDepth: 2, PromptTokens: 200, CachedTokens: 100, Group: "g1", TTFT: 7 * time.Millisecond, E2E: 11 * time.Millisecond},
+		{TurnDepth: 2, PromptTokens: 200, CachedTokens: 100, RemoteTokens: 60, Group: "g1", TTFT: 7 * time.Millisecond, E2E: 11 * time.Millisecond},
 		{TurnDepth: 5, PromptTokens: 300, CachedTokens: 240, Group: "g0", TTFT: 8 * time.Millisecond, E2E: 12 * time.Millisecond},
 		{Err: "boom"},
 	}, 0.6, 2*time.Second)
@@ -1009,7 +1009,8 @@ func TestWriteTable(t *testing.T) {
 		names = append(names, name)
 		rows[name] = strings.Join(f[len(f)-2:], " ")
 	}
-	wantNames := []string{"policy", "requests", "ok", "failed", "throughput req/s", "hit_ratio", "ideal_hit_ratio",
+	wantNames := []string{"policy", "requests", "ok", "failed", "throughput req/s", "hit_ratio",
+		"local_hit_ratio", "remote_hit_ratio", "remote MiB moved", "ideal_hit_ratio",
 		"hit_ratio turn 1", "hit_ratio turn 2", "hit_ratio turn 3", "hit_ratio turn 4+",
 		"ttft_ms mean", "ttft_ms p50", "ttft_ms p95", "ttft_ms p99", "e2e_ms mean", "e2e_ms p50", "e2e_ms p95", "e2e_ms p99",
 		"group load max/mean"}
@@ -1018,7 +1019,7 @@ func TestWriteTable(t *testing.T) {
 	}
 	for name, want := range map[string]string{
 		"policy": "kv round-robin", "requests": "4 2", "ok": "3 2", "failed": "1 0", "throughput req/s": "1.5 2.0",
-		"hit_ratio": "0.567 0.053", "ideal_hit_ratio": "0.600 0.600", "hit_ratio turn 2": "0.500 0.000",
+		"hit_ratio": "0.567 0.053", "local_hit_ratio": "0.467 0.053", "remote_hit_ratio": "0.100 0.000", "ideal_hit_ratio": "0.600 0.600", "hit_ratio turn 2": "0.500 0.000",
 		"hit_ratio turn 3": "0.000 0.080", "hit_ratio turn 4+": "0.800 0.000", "ttft_ms p50": "7.0 6.0", "e2e_ms p99": "12.0 14.0",
 		"group load max/mean": "1.33 1.00",
 	} {

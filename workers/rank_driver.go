@@ -45,7 +45,8 @@ func (r *Rank) drive(rr *rankReq) {
 		close(rr.storeDone)
 	}
 	<-rr.storeDone
-	usage := &messages.Usage{PromptTokens: meta.TokenLen, CompletionTokens: res.CompletionTokens, CachedTokens: rr.loaded}
+	usage := &messages.Usage{PromptTokens: meta.TokenLen, CompletionTokens: res.CompletionTokens, CachedTokens: rr.loaded,
+		RemoteCachedTokens: min(rr.remote, rr.loaded)}
 	switch cause := context.Cause(rr.ctx); {
 	case err == nil:
 		publish(&messages.Output{FinishReason: res.FinishReason, Usage: usage})

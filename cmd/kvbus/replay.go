@@ -307,5 +307,10 @@ func (c *benchCmd) runOne(ctx context.Context, tr *replay.Trace, policy, pool st
 	if err != nil {
 		return nil, err
 	}
-	return replay.Summarize(policy, results, ideal, elapsed), nil
+	rep := replay.Summarize(policy, results, ideal, elapsed)
+	if profile, err := workers.LookupModelProfile(c.Profile); err == nil {
+		// Every rank of the group reads its shard of each remote token.
+		rep.RemoteBytes = rep.RemoteTokens * int64(profile.BytesPerTokenPerRank(c.Ranks)*c.Ranks)
+	}
+	return rep, nil
 }
