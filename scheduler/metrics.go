@@ -17,6 +17,7 @@ type metrics struct {
 	indexBlocks   prometheus.Gauge
 	resyncs       prometheus.Counter
 	resends       prometheus.Counter
+	poolTokens    *prometheus.CounterVec
 }
 
 func newMetrics(reg prometheus.Registerer, trackers, rejected, plans func() float64) *metrics {
@@ -74,6 +75,10 @@ func newMetrics(reg prometheus.Registerer, trackers, rejected, plans func() floa
 			Name: "kvbus_scheduler_kv_resyncs_total",
 			Help: "Dumps requested from ranks after a gap in their KV events or a restart.",
 		}),
+		poolTokens: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "kvbus_scheduler_pool_cached_tokens_total",
+			Help: "Cached prompt tokens of completed requests, predicted by the LoadSpec and actually loaded by the driver, by where they were read (local: the group's own segments; remote: other groups').",
+		}, []string{"kind", "source"}),
 		resends: prometheus.NewCounter(prometheus.CounterOpts{
 			Name: "kvbus_scheduler_reqmeta_resends_total",
 			Help: "ReqMetas published again because a rank of the group had not answered (receipt or result) within --resend-after.",
@@ -82,7 +87,7 @@ func newMetrics(reg prometheus.Registerer, trackers, rejected, plans func() floa
 	if reg != nil {
 		reg.MustRegister(m.routing, m.requests, m.ready, m.predicted, m.actual, m.promptTokens, m.cachedTokens,
 			m.groupInflight, m.groupQueued, m.groupBlocks, m.indexEntries, m.indexBlocks, m.resyncs,
-			m.resends,
+			m.resends, m.poolTokens,
 			prometheus.NewGaugeFunc(prometheus.GaugeOpts{Name: "kvbus_scheduler_trackers", Help: "Live RequestTrackers."}, trackers),
 			prometheus.NewCounterFunc(prometheus.CounterOpts{
 				Name: "kvbus_scheduler_kv_batches_rejected_total",

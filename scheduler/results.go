@@ -41,6 +41,11 @@ func (s *Scheduler) onDone(_ context.Context, m *nats.Msg) error {
 	depth := turnDepthLabel(t.TurnDepth)
 	s.m.predicted.Add(float64(t.LoadBlocks * s.cfg.BlockSize))
 	s.m.actual.Add(float64(driver.LoadedTokens))
+	bs := s.cfg.BlockSize
+	s.m.poolTokens.WithLabelValues("predicted", "local").Add(float64(t.LocalBlocks * bs))
+	s.m.poolTokens.WithLabelValues("predicted", "remote").Add(float64((t.LoadBlocks - t.LocalBlocks) * bs))
+	s.m.poolTokens.WithLabelValues("actual", "local").Add(float64(driver.LoadedTokens - driver.RemoteTokens))
+	s.m.poolTokens.WithLabelValues("actual", "remote").Add(float64(driver.RemoteTokens))
 	s.m.promptTokens.WithLabelValues(depth).Add(float64(t.TokenLen))
 	s.m.cachedTokens.WithLabelValues(depth).Add(float64(driver.LoadedTokens))
 	s.log.Info("request done", "req_id", t.ReqID, "session_id", t.SessionID, "group", t.Group,

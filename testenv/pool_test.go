@@ -32,7 +32,13 @@ func TestGlobalPoolServesOtherGroups(t *testing.T) {
 				}
 			}
 			remote := testenv.CounterSum(t, c.Registry, "kvbus_worker_pool_remote_blocks_total", nil)
-			t.Logf("pool %s: previous-prompt share cached worst %.3f, best %.3f; blocks read from the other group %v", pool, worst, best, remote)
+			predicted := testenv.CounterSum(t, c.Registry, "kvbus_scheduler_pool_cached_tokens_total", map[string]string{"kind": "predicted", "source": "remote"})
+			actual := testenv.CounterSum(t, c.Registry, "kvbus_scheduler_pool_cached_tokens_total", map[string]string{"kind": "actual", "source": "remote"})
+			t.Logf("pool %s: previous-prompt share cached worst %.3f, best %.3f; blocks read from the other group %v; remote tokens predicted %v, loaded %v",
+				pool, worst, best, remote, predicted, actual)
+			if predicted != actual {
+				t.Errorf("remote tokens predicted %v, loaded %v: the LoadSpecs' remote runs were not all read", predicted, actual)
+			}
 			switch pool {
 			case "global":
 				if worst < 0.95 {
