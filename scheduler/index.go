@@ -540,14 +540,15 @@ func (x *KVIndex) Match(hashes []uint64, groups []GroupState) {
 	}
 }
 
-// PoolPrefix returns how many leading blocks of hashes are held in full (or
-// being saved) by at least one group: what a request can read from the KV
-// pool as a whole.
-func (x *KVIndex) PoolPrefix(hashes []uint64) int {
+// PoolPrefix returns how many leading blocks of hashes are held in full by
+// at least one group, or being saved by one of the groups in savers: what a
+// request can read from the KV pool as a whole.
+func (x *KVIndex) PoolPrefix(hashes []uint64, savers []string) int {
 	x.mu.RLock()
 	defer x.mu.RUnlock()
+	planOK := x.maskLocked(savers)
 	for i, h := range hashes {
-		if x.full[h]|x.planned[h] == 0 {
+		if x.full[h]|x.planned[h]&planOK == 0 {
 			return i
 		}
 	}
@@ -555,24 +556,22 @@ func (x *KVIndex) PoolPrefix(hashes []uint64) int {
 }
 
 // RemoteRuns returns where blocks [from, limit) of hashes can be read
-// from: the group's own segments where it holds a block in full, else
-// consecutive runs from other groups whose ranks all hold them (keeping one
-// source while it holds the next block: fewer, longer reads). end is the
-// block after the last one readable; the prefix stops at the first block
-// no group holds.
-func (x *KVIndex) RemoteRuns(hashes []uint64, group string, from, limit int) (runs []messages.RemoteRun, end int) {
+// from: the group's own segments where it holds (or is saving) a block,
+// else consecutive runs from other groups whose ranks all hold them, or
+// that are saving them if listed in savers — groups whose prefill queue is
+// empty, so the save is imminent and the source's pool read waits for it.
+// One source is kept while it holds the next block (fewer, longer reads).
+// end is the block after the last one readable; the prefix stops at the
+// first block no group can give.
+func (x *KVIndex) RemoteRuns(hashes []uint64, group string, from, limit int, savers []string) (runs []messages.RemoteRun, end int) {
 	x.mu.RLock()
 	defer x.mu.RUnlock()
-	self := uint64(0)
-	if g := x.groups[group]; g != nil {
-		self = 1 << g.id
-	}
+	self := x.maskLocked([]string{group})
+	planOK := x.maskLocked(savers) | self
 	src := -1
 	i := from
 	for ; i < min(limit, len(hashes)); i++ {
-		// Blocks other groups are still saving count: the source rank's
-		// pool read waits for a save in flight, as a local load does.
-		m := x.full[hashes[i]] | x.planned[hashes[i]]
+		m := x.full[hashes[i]] | x.planned[hashes[i]]&planOK
 		switch {
 		case m&self != 0:
 			src = -1 // local
@@ -586,6 +585,17 @@ func (x *KVIndex) RemoteRuns(hashes []uint64, group string, from, limit int) (ru
 		runs[len(runs)-1].Blocks++
 	}
 	return runs, max(i, from)
+}
+
+// maskLocked returns the bitmask of the named groups' ids.
+func (x *KVIndex) maskLocked(names []string) uint64 {
+	var m uint64
+	for _, n := range names {
+		if g := x.groups[n]; g != nil {
+			m |= 1 << g.id
+		}
+	}
+	return m
 }
 
 // GroupID returns a group's id in PrefixMatch results.

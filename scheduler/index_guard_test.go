@@ -164,7 +164,7 @@ func TestKVIndexRemoteRuns(t *testing.T) {
 	x.Apply(kvBatch("g0", 0, 2, stored(a[:2]...)))  // g0: blocks 0-1
 	x.Apply(kvBatch("g1", 0, 2, stored(a[:5]...)))  // g1: blocks 0-4
 	x.Apply(kvBatch("g2", 0, 2, stored(a[3:7]...))) // g2: blocks 3-6
-	if got := x.PoolPrefix(a); got != 7 {
+	if got := x.PoolPrefix(a, nil); got != 7 {
 		t.Errorf("PoolPrefix = %d, want 7", got)
 	}
 	tests := []struct {
@@ -181,9 +181,39 @@ func TestKVIndexRemoteRuns(t *testing.T) {
 		{"g1", 0, 0, nil, 0},
 	}
 	for _, tt := range tests {
-		got, end := x.RemoteRuns(a, tt.group, tt.from, tt.limit)
+		got, end := x.RemoteRuns(a, tt.group, tt.from, tt.limit, nil)
 		if !slices.Equal(got, tt.want) || end != tt.end {
 			t.Errorf("RemoteRuns(%s, %d, %d) = %+v, %d; want %+v, %d", tt.group, tt.from, tt.limit, got, end, tt.want, tt.end)
 		}
+	}
+}
+
+// TestKVIndexRemoteRunsFromSavers: blocks another group is still saving
+// count as a source only if that group is listed as a saver (its prefill
+// queue is empty, so the save is imminent).
+func TestKVIndexRemoteRunsFromSavers(t *testing.T) {
+	x := NewKVIndex()
+	a := hashChain(5, 4)
+	for _, g := range []string{"g0", "g1"} {
+		x.ObserveRank(g, 0, 1, 0)
+		x.Apply(kvBatch(g, 0, 1, clearedAll()))
+	}
+	x.Plan("g1", a, time.Now().Add(time.Minute)) // g1 is saving blocks 0-3
+	if runs, end := x.RemoteRuns(a, "g0", 0, 4, nil); len(runs) != 0 || end != 0 {
+		t.Errorf("busy saver: runs %+v, end %d; want none", runs, end)
+	}
+	if got := x.PoolPrefix(a, nil); got != 0 {
+		t.Errorf("PoolPrefix with no savers = %d, want 0", got)
+	}
+	want := []messages.RemoteRun{{Group: "g1", FromBlock: 0, Blocks: 4}}
+	if runs, end := x.RemoteRuns(a, "g0", 0, 4, []string{"g1"}); !slices.Equal(runs, want) || end != 4 {
+		t.Errorf("idle saver: runs %+v, end %d; want %+v, 4", runs, end, want)
+	}
+	if got := x.PoolPrefix(a, []string{"g1"}); got != 4 {
+		t.Errorf("PoolPrefix with g1 saving = %d, want 4", got)
+	}
+	// A group's own plans are local whatever the savers.
+	if runs, end := x.RemoteRuns(a, "g1", 0, 4, nil); len(runs) != 0 || end != 4 {
+		t.Errorf("own plans: runs %+v, end %d; want none, 4", runs, end)
 	}
 }

@@ -142,7 +142,8 @@ func (s *Scheduler) place(t *RequestTracker, groups []GroupState, binding Bindin
 	s.index.Match(t.BlockHashes, groups)
 	pool := 0
 	if s.cfg.Pool == PoolGlobal {
-		pool = s.index.PoolPrefix(t.BlockHashes)
+		t.savers = savers(groups)
+		pool = s.index.PoolPrefix(t.BlockHashes, t.savers)
 	}
 	for i := range groups {
 		g := &groups[i]
@@ -179,10 +180,22 @@ func (s *Scheduler) setLoad(t *RequestTracker, local int, global bool) {
 	t.LocalBlocks = min(local, limit)
 	t.Remote, t.LoadBlocks = nil, t.LocalBlocks
 	if global {
-		t.Remote, t.LoadBlocks = s.index.RemoteRuns(t.BlockHashes, t.Group, t.LocalBlocks, limit)
+		t.Remote, t.LoadBlocks = s.index.RemoteRuns(t.BlockHashes, t.Group, t.LocalBlocks, limit, t.savers)
 	}
 	t.PrefillBlocks = len(t.BlockHashes) - t.LoadBlocks
 	t.queued = t.PrefillBlocks
+}
+
+// savers are the groups with no prefill queued: what they are saving is
+// saved within a moment, so other groups may plan to read it.
+func savers(groups []GroupState) []string {
+	var out []string
+	for _, g := range groups {
+		if g.QueuedBlocks == 0 {
+			out = append(out, g.Name)
+		}
+	}
+	return out
 }
 
 // buildMeta encodes the tracker's ReqMeta for its group's session-keyed

@@ -34,6 +34,7 @@ type RequestTracker struct {
 	// the runs read from other groups (global pool).
 	LocalBlocks int
 	Remote      []messages.RemoteRun
+	savers      []string // groups whose planned blocks may be read (see savers)
 	// LoadBlocks is the LoadSpec's prefix in blocks (the prediction);
 	// PrefillBlocks the blocks left to prefill.
 	LoadBlocks    int
