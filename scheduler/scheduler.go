@@ -80,10 +80,9 @@ type Config struct {
 	// drops redeliveries (defaults 200,000 and 10 min).
 	EndedIDs int
 	EndedAge time.Duration
-	// Pool is PoolLocal (default): a group loads only what its own ranks
-	// hold; or PoolGlobal: the ranks' stores are one pool and a LoadSpec
-	// may read runs of the prefix from other groups (issue 10, in
-	// progress). With PoolGlobal the kv policy costs loads in prefill time:
+	// Pool is PoolGlobal (default): the ranks' stores are one pool and a
+	// LoadSpec may read runs of the prefix from other groups; or
+	// PoolLocal: a group loads only what its own ranks hold. With PoolGlobal the kv policy costs loads in prefill time:
 	// LocalLoadCost and RemoteLoadCost per block, as fractions of a block's
 	// prefill (defaults 5/60 and 15/60, the sim engine's per-token costs).
 	Pool                          string
@@ -172,7 +171,7 @@ func New(cfg Config) (*Scheduler, error) {
 		cfg.PlanTTL = 10 * time.Second
 	}
 	if cfg.Pool == "" {
-		cfg.Pool = PoolLocal
+		cfg.Pool = PoolGlobal
 	}
 	if cfg.Pool != PoolLocal && cfg.Pool != PoolGlobal {
 		return nil, fmt.Errorf("%w: --pool %q must be %s or %s", ErrConfig, cfg.Pool, PoolLocal, PoolGlobal)

@@ -168,11 +168,18 @@ func TestMultiTurnCacheHits(t *testing.T) {
 			t.Errorf("%d of %d later turns hit: %+v", got, turns-1, res)
 		}
 	})
-	t.Run("round-robin mostly misses", func(t *testing.T) {
-		c := testenv.StartCluster(t, testenv.ClusterConfig{Groups: 4, Policy: scheduler.PolicyRoundRobin})
+	t.Run("round-robin mostly misses with private stores", func(t *testing.T) {
+		c := testenv.StartCluster(t, testenv.ClusterConfig{Groups: 4, Policy: scheduler.PolicyRoundRobin, Pool: scheduler.PoolLocal})
 		res := converse(t, c, 3, turns, map[string]string{"X-Session-ID": "conv-3"})
 		if got := hits(res); got > 1 {
 			t.Errorf("round-robin: %d of %d later turns hit, want at most 1: %+v", got, turns-1, res)
+		}
+	})
+	t.Run("round-robin hits with the global pool", func(t *testing.T) {
+		c := testenv.StartCluster(t, testenv.ClusterConfig{Groups: 4, Policy: scheduler.PolicyRoundRobin})
+		res := converse(t, c, 5, turns, map[string]string{"X-Session-ID": "conv-5"})
+		if got := hits(res); got != turns-1 {
+			t.Errorf("round-robin on the global pool: %d of %d later turns hit: %+v", got, turns-1, res)
 		}
 	})
 }

@@ -119,7 +119,7 @@ type schedulerFlags struct {
 	HeartbeatTimeout time.Duration `name:"heartbeat-timeout" default:"3s" help:"A group is ready when all its ranks sent a heartbeat within this."`
 	NoGroupWait      time.Duration `name:"no-group-wait" default:"2s" help:"How long a request waits for a ready worker group before it gets 503 no_ready_group with Retry-After."`
 	ResendAfter      time.Duration `name:"resend-after" default:"1s" help:"A ReqMeta that a rank has not answered (receipt or result) within this is published again, up to 3 times."`
-	Pool             string        `name:"pool" enum:"local,global" default:"local" help:"KV pool: local (a group loads what its own ranks hold) or global (the ranks' stores are one pool: a LoadSpec may read runs of the prefix from other groups, and kv costs loads in prefill time)."`
+	Pool             string        `name:"pool" enum:"local,global" default:"global" help:"KV pool: local (a group loads what its own ranks hold) or global (the ranks' stores are one pool: a LoadSpec may read runs of the prefix from other groups, and kv costs loads in prefill time)."`
 }
 
 // engineFlags configure ranks and the sim engine.

@@ -213,7 +213,7 @@ type benchCmd struct {
 	Prefill    time.Duration `name:"prefill-per-token" default:"60us" help:"Sim engine: prefill time per uncached token (scaled by 1/--speed)."`
 	Load       time.Duration `name:"load-per-token" default:"5us" help:"Sim engine: load time per cached token (scaled by 1/--speed)."`
 	RemoteLoad time.Duration `name:"remote-load-per-token" default:"15us" help:"Sim engine: load time per token read from another group's segment of the pool (scaled by 1/--speed)."`
-	Pools      string        `name:"pool" default:"local" help:"Comma-separated KV pool modes to run each policy with: local, global (e.g. local,global for a side-by-side table)."`
+	Pools      string        `name:"pool" default:"global" help:"Comma-separated KV pool modes to run each policy with: local, global (e.g. local,global for a side-by-side table)."`
 	Decode     time.Duration `name:"decode-per-token" default:"10ms" help:"Sim engine: time per output token (scaled by 1/--speed)."`
 	Timeout    time.Duration `name:"timeout" default:"10m" help:"Deadline of one request."`
 }
