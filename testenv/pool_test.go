@@ -32,8 +32,13 @@ func TestGlobalPoolServesOtherGroups(t *testing.T) {
 				}
 			}
 			remote := testenv.CounterSum(t, c.Registry, "kvbus_worker_pool_remote_blocks_total", nil)
-			predicted := testenv.CounterSum(t, c.Registry, "kvbus_scheduler_pool_cached_tokens_total", map[string]string{"kind": "predicted", "source": "remote"})
-			actual := testenv.CounterSum(t, c.Registry, "kvbus_scheduler_pool_cached_tokens_total", map[string]string{"kind": "actual", "source": "remote"})
+			var predicted, actual float64
+			testenv.Eventually(t, 5*time.Second, "every request counted", func() bool {
+				done := testenv.CounterSum(t, c.Registry, "kvbus_scheduler_requests_total", map[string]string{"outcome": "completed"})
+				predicted = testenv.CounterSum(t, c.Registry, "kvbus_scheduler_pool_cached_tokens_total", map[string]string{"kind": "predicted", "source": "remote"})
+				actual = testenv.CounterSum(t, c.Registry, "kvbus_scheduler_pool_cached_tokens_total", map[string]string{"kind": "actual", "source": "remote"})
+				return done == 2*4 && predicted == actual
+			})
 			t.Logf("pool %s: previous-prompt share cached worst %.3f, best %.3f; blocks read from the other group %v; remote tokens predicted %v, loaded %v",
 				pool, worst, best, remote, predicted, actual)
 			if predicted != actual {
