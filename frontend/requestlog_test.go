@@ -3,7 +3,6 @@ package frontend_test
 import (
 	"bytes"
 	"context"
-	"io"
 	"log/slog"
 	"net"
 	"net/http"
@@ -18,6 +17,7 @@ import (
 	"github.com/kvbus/kvbus/bus"
 	"github.com/kvbus/kvbus/frontend"
 	"github.com/kvbus/kvbus/messages"
+	"github.com/kvbus/kvbus/testenv"
 )
 
 // standalone is a frontend on loopback against an embedded NATS server,
@@ -98,21 +98,8 @@ func startStandalone(t *testing.T, announce bool, edit func(*frontend.Config)) *
 
 func (s *standalone) post(t *testing.T, path, body string) response {
 	t.Helper()
-	req, err := http.NewRequestWithContext(t.Context(), http.MethodPost, s.url+path, strings.NewReader(body))
-	if err != nil {
-		t.Fatal(err)
-	}
-	req.Header.Set("Content-Type", "application/json")
-	resp, err := newClient(t).Do(req)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer resp.Body.Close()
-	b, err := io.ReadAll(resp.Body)
-	if err != nil {
-		t.Fatal(err)
-	}
-	return response{resp.StatusCode, resp.Header, b}
+	status, header, b := testenv.Send(t, http.MethodPost, s.url+path, body, nil)
+	return response{status, header, b}
 }
 
 func (s *standalone) logState(t *testing.T) jetstream.StreamState {

@@ -44,12 +44,13 @@ func (s *Scheduler) onRequest(_ context.Context, m jetstream.Msg) error {
 		s.sendError(req.FrontendID, req.RequestID, sessionID, 0, "timeout", "request deadline passed before it could be dispatched")
 		return m.Ack()
 	}
+	md, mdErr := m.Metadata()
 	s.awaitCausal()
 	groups := s.PlaceableGroups(start)
 	s.m.ready.Set(float64(len(groups)))
 	if len(groups) == 0 {
 		logged := start
-		if md, err := m.Metadata(); err == nil {
+		if mdErr == nil {
 			logged = md.Timestamp
 		}
 		if start.Sub(logged) < s.cfg.NoGroupWait {
@@ -73,7 +74,7 @@ func (s *Scheduler) onRequest(_ context.Context, m jetstream.Msg) error {
 	if bound {
 		t.TurnDepth = binding.Turn + 1
 	}
-	if md, err := m.Metadata(); err == nil && md.NumDelivered > 1 {
+	if mdErr == nil && md.NumDelivered > 1 {
 		// A redelivery: another replica may have dispatched it before it
 		// died. Without its SavePlan, a higher attempt makes sure a second
 		// run is never mixed into the first one's answer.

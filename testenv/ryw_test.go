@@ -2,10 +2,7 @@ package testenv_test
 
 import (
 	"fmt"
-	"io"
-	"log/slog"
 	"net/http"
-	"os"
 	"testing"
 	"time"
 
@@ -24,7 +21,7 @@ func TestNextTurnFindsItsCache(t *testing.T) {
 		for _, session := range []bool{true, false} {
 			t.Run(fmt.Sprintf("schedulers=%d/session=%v", schedulers, session), func(t *testing.T) {
 				c := testenv.StartCluster(t, testenv.ClusterConfig{Groups: 4, Schedulers: schedulers,
-					StoreDelays: map[int]time.Duration{3: 60 * time.Millisecond}, LogTo: debugLog(), LogLevel: debugLevel()})
+					StoreDelays: map[int]time.Duration{3: 60 * time.Millisecond}})
 				client := &http.Client{Timeout: 30 * time.Second}
 				defer client.CloseIdleConnections()
 				worst := 1.0
@@ -67,18 +64,4 @@ func TestNextTurnFindsItsCache(t *testing.T) {
 			})
 		}
 	}
-}
-
-func debugLog() io.Writer {
-	if os.Getenv("RYW_DEBUG") != "" {
-		return os.Stderr
-	}
-	return nil
-}
-
-func debugLevel() slog.Level {
-	if os.Getenv("RYW_DEBUG") != "" {
-		return slog.LevelDebug
-	}
-	return slog.LevelInfo
 }

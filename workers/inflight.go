@@ -1,7 +1,6 @@
 package workers
 
 import (
-	"context"
 	"time"
 )
 
@@ -13,24 +12,17 @@ import (
 // later request's load of such a key waits for that save (bounded by
 // SaveWait) instead of reporting it missing.
 
-// registerSavesLocked records the keys rr will save that the store does not
-// hold and no earlier request is saving. Called with r.mu held, in ReqMeta
-// arrival order.
+// registerSavesLocked records the keys rr will save that no earlier request
+// is saving. Called with r.mu held, in ReqMeta arrival order. Keys the store
+// already holds are registered too: only a load that misses a key waits,
+// so no store lookup is needed under the rank's lock.
 func (r *Rank) registerSavesLocked(rr *rankReq) {
 	meta := rr.meta
 	if !meta.CanSave || meta.SaveFromBlock >= len(meta.BlockHashes) {
 		return
 	}
-	hashes := meta.BlockHashes[meta.SaveFromBlock:]
-	keys := make([]string, len(hashes))
-	for i, h := range hashes {
-		keys[i] = StoreKey(meta.Model, r.cfg.TPRank, h)
-	}
-	exist := r.store.BatchIsExist(context.Background(), keys)
-	for i, k := range keys {
-		if exist[i] {
-			continue
-		}
+	for _, h := range meta.BlockHashes[meta.SaveFromBlock:] {
+		k := StoreKey(meta.Model, r.cfg.TPRank, h)
 		if _, busy := r.saving[k]; busy {
 			continue
 		}
