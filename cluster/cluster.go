@@ -50,6 +50,7 @@ type Config struct {
 	HeartbeatInterval time.Duration // default 1 s
 	ShutdownTimeout   time.Duration // ranks' drain, default 10 s
 	SaveWait          time.Duration // ranks' --save-wait
+	DrainHandoff      int64         // ranks' --drain-handoff in bytes (0: off)
 	// StoreDelays slows the store thread of the ranks with these tp_ranks
 	// (fault injection: a rank that saves late).
 	StoreDelays map[int]time.Duration
@@ -326,7 +327,7 @@ func (c *Cluster) startRank(group string, r int) error {
 		Conn: nc, Subjects: cfg.Subjects, Group: group, TPRank: r, TPSize: cfg.Ranks, EPRank: r, EPSize: cfg.Ranks,
 		Model: cfg.Model, Profile: c.profile, CapacityBytes: capacity, Payload: cfg.Payload, Evict: cfg.Evict,
 		Engine: engine, BlockSize: cfg.BlockSize, HeartbeatInterval: cfg.HeartbeatInterval, ShutdownTimeout: cfg.ShutdownTimeout,
-		SaveWait: cfg.SaveWait, StoreDelay: cfg.StoreDelays[r], DropReqMetas: cfg.DropReqMetas[r],
+		SaveWait: cfg.SaveWait, DrainHandoff: cfg.DrainHandoff, StoreDelay: cfg.StoreDelays[r], DropReqMetas: cfg.DropReqMetas[r],
 		Logger: c.log, Metrics: c.wm, HandlerMetrics: c.hm,
 	})
 	if err != nil {
@@ -339,7 +340,12 @@ func (c *Cluster) startRank(group string, r int) error {
 	c.mu.Unlock()
 	c.run(ctx, fmt.Sprintf("rank %s/%d", group, r), func(ctx context.Context) error {
 		defer close(rr.done)
-		return rank.Run(ctx)
+		err := rank.Run(ctx)
+		// The rank's process exits: what it published goes out, then its
+		// connection closes.
+		_ = nc.FlushTimeout(time.Second)
+		nc.Close()
+		return err
 	})
 	return nil
 }
@@ -363,6 +369,29 @@ func (c *Cluster) StopRank(group string, rank int) error {
 	}
 	rr.stop()
 	<-rr.done
+	return nil
+}
+
+// StopGroup stops every rank of a group at once, as scaling the group's
+// workers down would, and waits until they exited.
+func (c *Cluster) StopGroup(group string) error {
+	c.mu.Lock()
+	var runs []*rankRun
+	for k, rr := range c.ranks {
+		if k.group == group {
+			runs = append(runs, rr)
+		}
+	}
+	c.mu.Unlock()
+	if len(runs) == 0 {
+		return fmt.Errorf("cluster: no group %s", group)
+	}
+	for _, rr := range runs {
+		rr.stop()
+	}
+	for _, rr := range runs {
+		<-rr.done
+	}
 	return nil
 }
 

@@ -42,17 +42,20 @@ type Message interface {
 	validate() error
 }
 
-func (m *Request) setVersion()      { m.V = Version }
-func (m *ReqMeta) setVersion()      { m.V = Version }
-func (m *RankResult) setVersion()   { m.V = Version }
-func (m *Output) setVersion()       { m.V = Version }
-func (m *KVEventBatch) setVersion() { m.V = Version }
-func (m *Heartbeat) setVersion()    { m.V = Version }
-func (m *Abort) setVersion()        { m.V = Version }
-func (m *Announcement) setVersion() { m.V = Version }
-func (m *SavePlan) setVersion()     { m.V = Version }
-func (m *PoolRead) setVersion()     { m.V = Version }
-func (m *PoolPart) setVersion()     { m.V = Version }
+func (m *Request) setVersion()       { m.V = Version }
+func (m *ReqMeta) setVersion()       { m.V = Version }
+func (m *RankResult) setVersion()    { m.V = Version }
+func (m *Output) setVersion()        { m.V = Version }
+func (m *KVEventBatch) setVersion()  { m.V = Version }
+func (m *Heartbeat) setVersion()     { m.V = Version }
+func (m *Abort) setVersion()         { m.V = Version }
+func (m *Announcement) setVersion()  { m.V = Version }
+func (m *SavePlan) setVersion()      { m.V = Version }
+func (m *PoolRead) setVersion()      { m.V = Version }
+func (m *PoolPart) setVersion()      { m.V = Version }
+func (m *DrainPlan) setVersion()     { m.V = Version }
+func (m *Handoff) setVersion()       { m.V = Version }
+func (m *HandoffResult) setVersion() { m.V = Version }
 
 var encoderPool = sync.Pool{New: func() any {
 	enc := msgpack.NewEncoder(nil)
@@ -72,6 +75,10 @@ func sizeHint(m Message) int {
 		return 256 + 8*len(m.BlockHashes)
 	case *PoolRead:
 		return 256 + 8*len(m.BlockHashes)
+	case *DrainPlan:
+		return 256 + 8*handoffBlocks(m.Targets)
+	case *Handoff:
+		return 256 + 8*handoffRunBlocks(m.Runs)
 	case *PoolPart:
 		n := 64
 		for _, p := range m.Pieces {
@@ -200,6 +207,40 @@ func DecodePoolRead(data []byte) (*PoolRead, error) {
 func DecodePoolPart(data []byte) (*PoolPart, error) {
 	var m PoolPart
 	return &m, decode(data, &m)
+}
+
+// DecodeDrainPlan decodes and validates a DrainPlan.
+func DecodeDrainPlan(data []byte) (*DrainPlan, error) {
+	var m DrainPlan
+	return &m, decode(data, &m)
+}
+
+// DecodeHandoff decodes and validates a Handoff.
+func DecodeHandoff(data []byte) (*Handoff, error) {
+	var m Handoff
+	return &m, decode(data, &m)
+}
+
+// DecodeHandoffResult decodes and validates a HandoffResult.
+func DecodeHandoffResult(data []byte) (*HandoffResult, error) {
+	var m HandoffResult
+	return &m, decode(data, &m)
+}
+
+func handoffRunBlocks(runs []HandoffRun) int {
+	n := 0
+	for _, r := range runs {
+		n += len(r.BlockHashes)
+	}
+	return n
+}
+
+func handoffBlocks(targets []HandoffTarget) int {
+	n := 0
+	for _, t := range targets {
+		n += handoffRunBlocks(t.Runs)
+	}
+	return n
 }
 
 func invalid(format string, args ...any) error {
@@ -334,6 +375,38 @@ func (m *PoolPart) validate() error {
 		if p.Index < 0 || p.Offset < 0 || p.Size < 0 || p.Size > MaxPoolBlockBytes || p.Offset > p.Size || len(p.Data) > p.Size-p.Offset {
 			return invalid("pool_part: piece %d: index %d, bytes %d+%d of %d", i, p.Index, p.Offset, len(p.Data), p.Size)
 		}
+	}
+	return nil
+}
+
+func (m *DrainPlan) validate() error {
+	if err := ValidateGroup(m.Group); err != nil {
+		return invalid("drain_plan: %v", err)
+	}
+	if m.Model == "" {
+		return invalid("drain_plan of %s: no model", m.Group)
+	}
+	for _, t := range m.Targets {
+		if err := ValidateGroup(t.Group); err != nil {
+			return invalid("drain_plan of %s: target: %v", m.Group, err)
+		}
+	}
+	return nil
+}
+
+func (m *Handoff) validate() error {
+	if err := ValidateGroup(m.Source); err != nil {
+		return invalid("handoff: source: %v", err)
+	}
+	if m.Model == "" || m.TPRank < 0 {
+		return invalid("handoff from %s: model %q, tp_rank %d", m.Source, m.Model, m.TPRank)
+	}
+	return nil
+}
+
+func (m *HandoffResult) validate() error {
+	if m.Stored < 0 || m.Failed < 0 || m.Bytes < 0 {
+		return invalid("handoff_result: stored %d, failed %d, bytes %d", m.Stored, m.Failed, m.Bytes)
 	}
 	return nil
 }

@@ -251,3 +251,18 @@ func FuzzDecodePoolPart(f *testing.F) {
 	addSeeds(f, &PoolPart{Part: 0, Parts: 2, Pieces: []PoolPiece{{Index: 1, Offset: 4, Size: 8, Data: []byte{1, 2, 3, 4}}}})
 	f.Fuzz(func(t *testing.T, data []byte) { fuzzDecode(t, data, DecodePoolPart) })
 }
+
+func FuzzDecodeDrainPlan(f *testing.F) {
+	addSeeds(f, &DrainPlan{Group: "g1", Model: "m", Targets: []HandoffTarget{{Group: "g0", Runs: []HandoffRun{{Session: "abc", BlockHashes: BlockHashes{1, 2}}}}}})
+	f.Fuzz(func(t *testing.T, data []byte) { fuzzDecode(t, data, DecodeDrainPlan) })
+}
+
+func FuzzDecodeHandoff(f *testing.F) {
+	addSeeds(f, &Handoff{Model: "m", TPRank: 2, Source: "g1", Runs: []HandoffRun{{Session: "abc", BlockHashes: BlockHashes{1, 2}}}})
+	f.Fuzz(func(t *testing.T, data []byte) { fuzzDecode(t, data, DecodeHandoff) })
+}
+
+func FuzzDecodeHandoffResult(f *testing.F) {
+	addSeeds(f, &HandoffResult{Stored: 3, Failed: 1, Bytes: 1 << 20})
+	f.Fuzz(func(t *testing.T, data []byte) { fuzzDecode(t, data, DecodeHandoffResult) })
+}

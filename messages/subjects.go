@@ -170,5 +170,15 @@ func (s Subjects) Pool(group string, rank int) string {
 	return s.p() + ".pool." + group + "." + strconv.Itoa(rank)
 }
 
+// Handoff is kvbus.pool.<group>.<rank>.handoff, where a rank takes blocks
+// a draining group hands to it (Handoff → HandoffResult).
+func (s Subjects) Handoff(group string, rank int) string {
+	return s.Pool(group, rank) + ".handoff"
+}
+
+// Drain is kvbus.pool.<group>.drain, where a draining group's driver rank
+// publishes its DrainPlan to the group's ranks.
+func (s Subjects) Drain(group string) string { return s.p() + ".pool." + group + ".drain" }
+
 // All is kvbus.>, every kvbus subject.
 func (s Subjects) All() string { return s.p() + ".>" }

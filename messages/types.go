@@ -310,3 +310,54 @@ type PoolPiece struct {
 	Size   int    `msgpack:"size" json:"size"`
 	Data   []byte `msgpack:"data" json:"data"`
 }
+
+// DrainPlan is what the driver rank of a draining group (scaled down)
+// tells its ranks, on kvbus.pool.<group>.drain, once their requests are
+// finished: which of the blocks they hold go to which other group. Every
+// rank t hands the same blocks to rank t of the same target, so the target
+// group holds whole prefixes, as a LoadSpec needs. An empty plan means
+// nothing is handed off.
+type DrainPlan struct {
+	V         int             `msgpack:"v" json:"v"`
+	Group     string          `msgpack:"group" json:"group"`
+	Model     string          `msgpack:"model" json:"model"`
+	BlockSize int             `msgpack:"block_size" json:"block_size"`
+	Targets   []HandoffTarget `msgpack:"targets" json:"targets"`
+}
+
+// HandoffTarget is the part of a DrainPlan for one target group.
+type HandoffTarget struct {
+	Group string       `msgpack:"group" json:"group"`
+	Runs  []HandoffRun `msgpack:"runs" json:"runs"`
+}
+
+// HandoffRun is blocks of one session (Session is the store's group tag,
+// the session key; empty for untagged blocks), most recently used first.
+type HandoffRun struct {
+	Session     string      `msgpack:"session,omitempty" json:"session,omitempty"`
+	BlockHashes BlockHashes `msgpack:"block_hashes" json:"block_hashes"`
+}
+
+// Handoff asks rank TPRank of a group, on
+// kvbus.pool.<group>.<rank>.handoff, to read the runs from the same rank of
+// the draining Source group (PoolReads) and keep them as its own blocks. The
+// reply is a HandoffResult.
+type Handoff struct {
+	V         int          `msgpack:"v" json:"v"`
+	Model     string       `msgpack:"model" json:"model"`
+	TPRank    int          `msgpack:"tp_rank" json:"tp_rank"`
+	Source    string       `msgpack:"source" json:"source"`
+	BlockSize int          `msgpack:"block_size" json:"block_size"`
+	Runs      []HandoffRun `msgpack:"runs" json:"runs"`
+}
+
+// HandoffResult answers a Handoff: how many blocks the target now holds,
+// how many it could not read (the source no longer had them, or they failed
+// verification), and an error when it refused the whole hand-off.
+type HandoffResult struct {
+	V      int    `msgpack:"v" json:"v"`
+	Stored int    `msgpack:"stored" json:"stored"`
+	Failed int    `msgpack:"failed" json:"failed"`
+	Bytes  int64  `msgpack:"bytes" json:"bytes"`
+	Error  string `msgpack:"error,omitempty" json:"error,omitempty"`
+}

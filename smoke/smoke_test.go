@@ -16,6 +16,7 @@ import (
 	"net/http"
 	"os"
 	"os/exec"
+	"slices"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -206,9 +207,75 @@ func TestSmoke(t *testing.T) {
 		}
 		return false
 	})
+	// Scale in while conversations run on every group: the removed
+	// group's ranks hand their sessions' blocks to the other groups
+	// (--drain-handoff) and those conversations' next turns still hit.
+	rankOf := map[string]logLine{} // container -> its rank
+	for w, lines := range workerLines(t, "rank started") {
+		rankOf[w] = lines[len(lines)-1]
+	}
+	dialogs := map[string]*testenv.Dialog{}
+	for i := range 9 {
+		session := fmt.Sprint("scale-in-", i)
+		d := testenv.Conversation{BaseURL: base, Client: client, Seed: 900 + i, Headers: map[string]string{"X-Session-ID": session}}.Start()
+		if _, err := d.Next(t.Context()); err != nil {
+			t.Fatal(err)
+		}
+		dialogs[session] = d
+	}
+	groupOf := map[string]string{}
+	for _, lines := range workerLines(t, "store thread") {
+		for _, l := range lines {
+			if dialogs[l.SessionID] != nil {
+				groupOf[l.SessionID] = l.Group
+			}
+		}
+	}
+	before := workers(t)
 	compose(t, "up", "-d", "--no-recreate", "--scale", "scheduler=2", "--scale", "worker=8")
-	if n := len(workers(t)); n != 8 {
-		t.Fatalf("%d workers after scaling back, want 8", n)
+	after := workers(t)
+	if len(after) != 8 {
+		t.Fatalf("%d workers after scaling back, want 8", len(after))
+	}
+	removed := map[string][]int{} // group -> tp_ranks removed
+	for _, w := range before {
+		if !slices.Contains(after, w) {
+			removed[rankOf[w].Group] = append(removed[rankOf[w].Group], rankOf[w].TPRank)
+		}
+	}
+	if len(removed) != 1 {
+		t.Fatalf("scaling 12 -> 8 removed ranks %v, want the four ranks of one group", removed)
+	}
+	var gone string
+	for g := range removed {
+		gone = g
+	}
+	t.Logf("scale-in removed group %s (ranks %v); sessions per group %v", gone, removed[gone], groupOf)
+	moved := 0
+	for session, d := range dialogs {
+		if groupOf[session] != gone {
+			continue
+		}
+		moved++
+		turn, err := d.Next(t.Context())
+		if err != nil {
+			t.Fatal(err)
+		}
+		share := testenv.PreviousShares(d.Turns, 16)[0]
+		t.Logf("session %s (was on %s): turn 2 cached %d of %d prompt tokens: %.1f%% of turn 1's", session, gone, turn.CachedTokens, turn.PromptTokens, 100*share)
+		if share < 0.95 {
+			t.Errorf("session %s found %.1f%% of its previous prompt after its group was scaled in, want >= 95%% (drain hand-off)", session, 100*share)
+		}
+	}
+	if moved == 0 {
+		t.Fatalf("none of %d conversations ran on the removed group %s: %v", len(dialogs), gone, groupOf)
+	}
+	handed := 0
+	for _, lines := range workerLines(t, "kept blocks handed off by a draining group") {
+		handed += len(lines)
+	}
+	if handed < 4 {
+		t.Errorf("%d ranks logged blocks handed off by %s, want every rank of a target group (>= 4)", handed, gone)
 	}
 
 	// Kill one worker during 200 requests: none is lost (each gets an

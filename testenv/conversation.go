@@ -40,72 +40,92 @@ type Turn struct {
 // Run sends turns back to back and returns what each reported. It stops at
 // the first failure, with an error that says which turn and what came back.
 func (c Conversation) Run(ctx context.Context, turns int) ([]Turn, error) {
-	client := c.Client
-	if client == nil {
-		client = http.DefaultClient
+	d := c.Start()
+	for range turns {
+		if _, err := d.Next(ctx); err != nil {
+			return d.Turns, err
+		}
 	}
-	system := c.System
-	if system == "" {
+	return d.Turns, nil
+}
+
+// Dialog is a Conversation in progress: each Next sends one more turn with
+// the whole history so far. Not safe for concurrent use.
+type Dialog struct {
+	c     Conversation
+	msgs  []map[string]string
+	Turns []Turn // what every turn so far reported
+}
+
+// Start begins the conversation; no turn is sent yet.
+func (c Conversation) Start() *Dialog {
+	if c.Client == nil {
+		c.Client = http.DefaultClient
+	}
+	if c.System == "" {
 		var b strings.Builder
 		for i := range 60 {
 			fmt.Fprintf(&b, "Rule %d of assistant %d: answer briefly and politely. ", i, c.Seed)
 		}
-		system = b.String()
+		c.System = b.String()
 	}
-	maxTokens := c.MaxTokens
-	if maxTokens == 0 {
-		maxTokens = 16
+	if c.MaxTokens == 0 {
+		c.MaxTokens = 16
 	}
-	msgs := []map[string]string{{"role": "system", "content": system}}
-	var out []Turn
-	for n := range turns {
-		msgs = append(msgs, map[string]string{"role": "user",
-			"content": fmt.Sprintf("Conversation %d, question %d: tell me about topic %d in a few words.", c.Seed, n+1, c.Seed*31+n)})
-		body, err := json.Marshal(map[string]any{"model": c.Model, "messages": msgs, "max_tokens": maxTokens})
-		if err != nil {
-			return out, err
-		}
-		req, err := http.NewRequestWithContext(ctx, http.MethodPost, c.BaseURL+"/v1/chat/completions", bytes.NewReader(body))
-		if err != nil {
-			return out, err
-		}
-		req.Header.Set("Content-Type", "application/json")
-		for k, v := range c.Headers {
-			req.Header.Set(k, v)
-		}
-		resp, err := client.Do(req)
-		if err != nil {
-			return out, fmt.Errorf("turn %d: %w", n+1, err)
-		}
-		raw, err := io.ReadAll(io.LimitReader(resp.Body, 1<<20))
-		resp.Body.Close()
-		if err != nil {
-			return out, fmt.Errorf("turn %d: %w", n+1, err)
-		}
-		if resp.StatusCode != http.StatusOK {
-			return out, fmt.Errorf("turn %d: status %d: %s", n+1, resp.StatusCode, raw)
-		}
-		var r struct {
-			Choices []struct {
-				Message struct {
-					Content string `json:"content"`
-				} `json:"message"`
-			} `json:"choices"`
-			Usage struct {
-				PromptTokens        int `json:"prompt_tokens"`
-				PromptTokensDetails struct {
-					CachedTokens int `json:"cached_tokens"`
-				} `json:"prompt_tokens_details"`
-			} `json:"usage"`
-		}
-		if err := json.Unmarshal(raw, &r); err != nil || len(r.Choices) == 0 {
-			return out, fmt.Errorf("turn %d: unexpected answer %s (%v)", n+1, raw, err)
-		}
-		msgs = append(msgs, map[string]string{"role": "assistant", "content": r.Choices[0].Message.Content})
-		out = append(out, Turn{RequestID: resp.Header.Get("X-Request-Id"), PromptTokens: r.Usage.PromptTokens,
-			CachedTokens: r.Usage.PromptTokensDetails.CachedTokens})
+	return &Dialog{c: c, msgs: []map[string]string{{"role": "system", "content": c.System}}}
+}
+
+// Next sends the next turn and returns what it reported; on failure the
+// error says which turn and what came back, and the history is unchanged.
+func (d *Dialog) Next(ctx context.Context) (Turn, error) {
+	c, n := d.c, len(d.Turns)
+	msgs := append(d.msgs, map[string]string{"role": "user",
+		"content": fmt.Sprintf("Conversation %d, question %d: tell me about topic %d in a few words.", c.Seed, n+1, c.Seed*31+n)})
+	body, err := json.Marshal(map[string]any{"model": c.Model, "messages": msgs, "max_tokens": c.MaxTokens})
+	if err != nil {
+		return Turn{}, err
 	}
-	return out, nil
+	req, err := http.NewRequestWithContext(ctx, http.MethodPost, c.BaseURL+"/v1/chat/completions", bytes.NewReader(body))
+	if err != nil {
+		return Turn{}, err
+	}
+	req.Header.Set("Content-Type", "application/json")
+	for k, v := range c.Headers {
+		req.Header.Set(k, v)
+	}
+	resp, err := c.Client.Do(req)
+	if err != nil {
+		return Turn{}, fmt.Errorf("turn %d: %w", n+1, err)
+	}
+	raw, err := io.ReadAll(io.LimitReader(resp.Body, 1<<20))
+	resp.Body.Close()
+	if err != nil {
+		return Turn{}, fmt.Errorf("turn %d: %w", n+1, err)
+	}
+	if resp.StatusCode != http.StatusOK {
+		return Turn{}, fmt.Errorf("turn %d: status %d: %s", n+1, resp.StatusCode, raw)
+	}
+	var r struct {
+		Choices []struct {
+			Message struct {
+				Content string `json:"content"`
+			} `json:"message"`
+		} `json:"choices"`
+		Usage struct {
+			PromptTokens        int `json:"prompt_tokens"`
+			PromptTokensDetails struct {
+				CachedTokens int `json:"cached_tokens"`
+			} `json:"prompt_tokens_details"`
+		} `json:"usage"`
+	}
+	if err := json.Unmarshal(raw, &r); err != nil || len(r.Choices) == 0 {
+		return Turn{}, fmt.Errorf("turn %d: unexpected answer %s (%v)", n+1, raw, err)
+	}
+	d.msgs = append(msgs, map[string]string{"role": "assistant", "content": r.Choices[0].Message.Content})
+	turn := Turn{RequestID: resp.Header.Get("X-Request-Id"), PromptTokens: r.Usage.PromptTokens,
+		CachedTokens: r.Usage.PromptTokensDetails.CachedTokens}
+	d.Turns = append(d.Turns, turn)
+	return turn, nil
 }
 
 // PreviousShares returns, for turns 2 and later, the share of the previous

@@ -133,6 +133,8 @@ type ClusterConfig struct {
 	NoGroupWait time.Duration
 	ResendAfter time.Duration
 	Pool        string // the schedulers' --pool (default local)
+	// DrainHandoff is the ranks' --drain-handoff in bytes (0: off).
+	DrainHandoff int64
 	// LogLevel defaults to info.
 	LogLevel slog.Level
 	// LogTo also receives the logs (for example os.Stderr when debugging).
@@ -179,6 +181,7 @@ func StartCluster(t testing.TB, cfg ClusterConfig) *Cluster {
 		HeartbeatInterval: 100 * time.Millisecond, HeartbeatTimeout: 2 * time.Second, ShutdownTimeout: 2 * time.Second,
 		Schedulers: cfg.Schedulers, Policy: cfg.Policy, RequestTimeout: cfg.RequestTimeout, SessionTTL: cfg.SessionTTL,
 		StoreDelays: cfg.StoreDelays, DropReqMetas: cfg.DropReqMetas, MaxPayload: cfg.MaxPayload, NoGroupWait: cfg.NoGroupWait, ResendAfter: cfg.ResendAfter, Pool: cfg.Pool,
+		DrainHandoff: cfg.DrainHandoff,
 		Frontend: &frontend.Config{Listener: ln, SessionHeaders: cfg.SessionHeaders, MaxModelLen: cfg.MaxModelLen,
 			MaxInflight: cfg.MaxInflight, APIKey: cfg.APIKey},
 		Logger:   slog.New(slog.NewTextHandler(w, &slog.HandlerOptions{Level: cfg.LogLevel})),

@@ -16,6 +16,9 @@ type Metrics struct {
 	remote      *prometheus.CounterVec
 	remoteBytes *prometheus.CounterVec
 	remoteSec   *prometheus.HistogramVec
+	// Blocks kept from a draining group, by source group, group, tp_rank.
+	handoff      *prometheus.CounterVec
+	handoffBytes *prometheus.CounterVec
 }
 
 // NewMetrics registers the worker metrics with reg; a nil reg leaves them
@@ -56,10 +59,16 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 			Name: "kvbus_worker_pool_remote_read_seconds", Help: "Time of one pool read of a run of blocks from another group.",
 			Buckets: prometheus.ExponentialBuckets(1e-5, 4, 10),
 		}, []string{"source_group", "group", "tp_rank"}),
+		handoff: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "kvbus_worker_handoff_blocks_total", Help: "Blocks a rank kept that a draining group handed off (--drain-handoff).",
+		}, []string{"source_group", "group", "tp_rank"}),
+		handoffBytes: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "kvbus_worker_handoff_bytes_total", Help: "Bytes (charged block sizes) a rank kept that a draining group handed off.",
+		}, []string{"source_group", "group", "tp_rank"}),
 	}
 	if reg != nil {
 		reg.MustRegister(m.reqMetas, m.dropped, m.blocks, m.loadSec, m.storeSec, m.usedBytes, m.queue,
-			m.remote, m.remoteBytes, m.remoteSec)
+			m.remote, m.remoteBytes, m.remoteSec, m.handoff, m.handoffBytes)
 	}
 	return m
 }

@@ -66,6 +66,11 @@ type RankConfig struct {
 	// drops duplicate ReqMetas (defaults 100,000 and 10 min).
 	SeenIDs int
 	SeenAge time.Duration
+	// DrainHandoff is the byte budget per rank of the drain hand-off: a
+	// stopping group gives up to this many bytes of its most recently used
+	// blocks (whole sessions) to the other groups before it exits, so the
+	// conversations it served keep their cache. 0 turns it off.
+	DrainHandoff int64
 	// StoreDelay is a fault-injection knob: the store thread sleeps this
 	// long before each request's save (a slow rank). Zero in production.
 	StoreDelay time.Duration
@@ -99,7 +104,7 @@ func (c *RankConfig) Validate() error {
 		return fmt.Errorf("%w: %v", ErrConfig, c.Profile.Validate())
 	case c.TPRank == 0 && c.Engine == nil:
 		return fmt.Errorf("%w: the driver rank (tp_rank 0) needs an engine", ErrConfig)
-	case c.CapacityBytes < 0:
+	case c.CapacityBytes < 0 || c.DrainHandoff < 0:
 		return fmt.Errorf("%w: negative KV capacity", ErrConfig)
 	case c.Payload != PayloadBytes && c.Payload != PayloadAccounting:
 		return fmt.Errorf("%w: --kv-payload %q must be %s or %s", ErrConfig, c.Payload, PayloadBytes, PayloadAccounting)
@@ -123,6 +128,8 @@ type Rank struct {
 	loadQ  chan *rankReq
 	storeQ chan *rankReq
 	pool   PoolClient // reads of other groups' segments
+	peers  peerGroups // other groups' heartbeats (driver, with DrainHandoff)
+	plans  chan *messages.DrainPlan
 
 	mu     sync.Mutex
 	active map[string]*rankReq     // by req_id
@@ -250,6 +257,7 @@ func NewRank(cfg RankConfig) (*Rank, error) {
 		active: map[string]*rankReq{},
 		seen:   seen,
 		saving: map[string]*rankReq{},
+		plans:  make(chan *messages.DrainPlan, 1),
 	}, nil
 }
 
@@ -285,6 +293,28 @@ func (r *Rank) Run(ctx context.Context) error {
 		return fmt.Errorf("workers: subscribe %s: %w", subj.Pool(r.cfg.Group, r.cfg.TPRank), err)
 	}
 	defer func() { _ = poolSub.Unsubscribe() }()
+	// Blocks handed off by draining groups are taken until the rank exits;
+	// the drain hand-off's own subscriptions only when it is on.
+	type handler struct {
+		subject, name string
+		fn            bus.Handler[*nats.Msg]
+	}
+	extra := []handler{{subj.Handoff(r.cfg.Group, r.cfg.TPRank), "worker_handoff", r.onHandoff}}
+	if r.cfg.DrainHandoff > 0 {
+		extra = append(extra, handler{subj.Drain(r.cfg.Group), "worker_drain_plan", r.onDrainPlan})
+		if r.IsDriver() {
+			extra = append(extra, handler{subj.HeartbeatAll(), "worker_peer_heartbeat", r.peers.onHeartbeat})
+		}
+	}
+	for _, e := range extra {
+		sub, err := bus.Subscribe(context.Background(), nc, e.subject, bus.Wrap(e.fn, r.log, r.cfg.HandlerMetrics, e.name))
+		if err != nil {
+			_ = metaSub.Unsubscribe()
+			_ = abortSub.Unsubscribe()
+			return fmt.Errorf("workers: subscribe %s: %w", e.subject, err)
+		}
+		defer func() { _ = sub.Unsubscribe() }()
+	}
 	// A (re)started rank holds nothing: say so first, as vLLM does.
 	r.events.publish([]messages.KVEvent{{Type: messages.EventAllBlocksCleared}})
 	if err := nc.Flush(); err != nil {
@@ -320,9 +350,13 @@ func (r *Rank) Run(ctx context.Context) error {
 	r.drivers.Wait()
 	close(r.storeQ)
 	storeLoop.Wait()
+	r.handOff()
 	stopHB()
 	hbLoop.Wait()
 	_ = abortSub.Unsubscribe()
+	// What this rank held leaves with it: no LoadSpec should name it as a
+	// source any more (the hand-off's targets announced their copies).
+	r.events.publish([]messages.KVEvent{{Type: messages.EventAllBlocksCleared}})
 	r.log.Info("rank stopped")
 	return nil
 }

@@ -50,6 +50,10 @@ type BlockStore interface {
 	// Usage reports the bytes charged, the capacity in bytes and the number
 	// of objects.
 	Usage() (used, capacity int64, objects int)
+	// Recent lists the most recently used objects, newest first, until
+	// their sizes reach maxBytes (values left out); it does not change
+	// their recency.
+	Recent(maxBytes int64) []Object
 }
 
 // Eviction policies of a MemStore.
@@ -185,6 +189,22 @@ func (s *MemStore) Usage() (used, capacity int64, objects int) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	return s.used, s.cfg.Capacity, len(s.byKey)
+}
+
+// Recent implements BlockStore.
+func (s *MemStore) Recent(maxBytes int64) []Object {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	var out []Object
+	for el, total := s.lru.Front(), int64(0); el != nil; el = el.Next() {
+		e := el.Value.(*memEntry)
+		if total+e.size > maxBytes {
+			break
+		}
+		total += e.size
+		out = append(out, Object{Key: e.key, Hash: e.hash, Size: e.size, Group: e.group})
+	}
+	return out
 }
 
 // unlink removes an entry without telling OnEvict (it is being replaced).

@@ -1,9 +1,11 @@
 package main
 
 import (
+	"fmt"
 	"io"
 	"log/slog"
 	"os"
+	"strings"
 	"time"
 
 	"github.com/kvbus/kvbus/bus"
@@ -136,7 +138,20 @@ type engineFlags struct {
 	HeartbeatEvery   time.Duration `name:"heartbeat-interval" default:"1s" help:"How often a rank sends a heartbeat."`
 	ShutdownTimeout  time.Duration `name:"shutdown-timeout" default:"10s" help:"How long a stopping rank lets in-flight requests finish."`
 	SaveWait         time.Duration `name:"save-wait" default:"2s" help:"How long a load waits for a block this rank is still saving (the previous turn's); past it the block is recomputed."`
+	DrainHandoff     string        `name:"drain-handoff" default:"512MiB" help:"When a group is scaled down, each of its ranks hands up to this much of its most recently used blocks (whole sessions; a size or tokens) to the same rank of other ready groups before it exits, so its conversations keep their cache; 0 turns it off."`
 	DefaultMaxTokens int           `name:"default-max-tokens" default:"256" help:"Sim engine: max tokens when a request sets none."`
+}
+
+// drainHandoff is --drain-handoff in bytes per rank (0: off).
+func (f engineFlags) drainHandoff(bytesPerToken int) (int64, error) {
+	if strings.TrimSpace(f.DrainHandoff) == "0" {
+		return 0, nil
+	}
+	n, err := workers.ParseCapacity(f.DrainHandoff, bytesPerToken)
+	if err != nil {
+		return 0, fmt.Errorf("--drain-handoff: %w (or 0 to turn it off)", err)
+	}
+	return n, nil
 }
 
 func (f engineFlags) engine() (*workers.SimEngine, error) {

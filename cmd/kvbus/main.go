@@ -350,9 +350,13 @@ func newRank(nc *nats.Conn, b busFlags, m modelFlags, e engineFlags, engine work
 	if err != nil {
 		return nil, fmt.Errorf("--kv-capacity: %w", err)
 	}
+	handoff, err := e.drainHandoff(profile.BytesPerTokenPerRank(tpSize))
+	if err != nil {
+		return nil, err
+	}
 	return workers.NewRank(workers.RankConfig{
 		Conn: nc, Subjects: b.subjects(), Group: group, TPRank: tp, TPSize: tpSize, EPRank: ep, EPSize: epSize,
 		Model: m.Model, Profile: profile, CapacityBytes: capacity, Payload: e.KVPayload, Evict: e.Evict, Engine: engine,
-		HeartbeatInterval: e.HeartbeatEvery, ShutdownTimeout: e.ShutdownTimeout, SaveWait: e.SaveWait, Logger: log, Metrics: wm, HandlerMetrics: hm,
+		HeartbeatInterval: e.HeartbeatEvery, ShutdownTimeout: e.ShutdownTimeout, SaveWait: e.SaveWait, DrainHandoff: handoff, Logger: log, Metrics: wm, HandlerMetrics: hm,
 	})
 }

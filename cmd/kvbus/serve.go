@@ -52,6 +52,10 @@ func (c *serveCmd) clusterConfig() (cluster.Config, error) {
 	if err != nil {
 		return cluster.Config{}, err
 	}
+	handoff, err := c.drainHandoff(profile.BytesPerTokenPerRank(c.Ranks))
+	if err != nil {
+		return cluster.Config{}, err
+	}
 	return cluster.Config{
 		Subjects: messages.Subjects{Prefix: c.Prefix}, Groups: c.Groups, Ranks: c.Ranks,
 		Model: c.Model, ModelProfile: c.ModelProfile, KVCapacity: capacity, Payload: c.KVPayload, Evict: c.Evict,
@@ -63,6 +67,6 @@ func (c *serveCmd) clusterConfig() (cluster.Config, error) {
 		HeartbeatInterval: c.HeartbeatEvery, ShutdownTimeout: c.ShutdownTimeout,
 		Policy: c.Policy, SessionEpsilon: c.SessionEpsilon, BlockSize: c.BlockSize,
 		HeartbeatTimeout: c.HeartbeatTimeout, RequestTimeout: c.RequestTimeout, SessionTTL: c.SessionTTL,
-		NoGroupWait: c.NoGroupWait, ResendAfter: c.ResendAfter, SaveWait: c.SaveWait, Pool: c.Pool,
+		NoGroupWait: c.NoGroupWait, ResendAfter: c.ResendAfter, SaveWait: c.SaveWait, DrainHandoff: handoff, Pool: c.Pool,
 	}, nil
 }

@@ -1,0 +1,102 @@
+package testenv_test
+
+import (
+	"fmt"
+	"net/http"
+	"regexp"
+	"testing"
+	"time"
+
+	"github.com/kvbus/kvbus/testenv"
+)
+
+// TestDrainHandoffKeepsTheCache scales a group down in the middle of its
+// conversations. With the drain hand-off its ranks give their sessions'
+// blocks to the same ranks of the other groups before they exit, and every
+// next turn of those conversations finds >= 95% of its previous prompt
+// cached; without it, the group's cache leaves with it and the next turns
+// find nothing.
+func TestDrainHandoffKeepsTheCache(t *testing.T) {
+	for _, tc := range []struct {
+		name    string
+		handoff int64
+	}{{"handoff", 64 << 20}, {"off", 0}} {
+		t.Run(tc.name, func(t *testing.T) {
+			c := testenv.StartCluster(t, testenv.ClusterConfig{Groups: 3, Pool: "global", DrainHandoff: tc.handoff})
+			client := &http.Client{Timeout: 30 * time.Second}
+			defer client.CloseIdleConnections()
+			// Turn 1 of six conversations, spread over the three groups.
+			dialogs := map[string]*testenv.Dialog{}
+			for i := range 6 {
+				session := fmt.Sprint("drain-", tc.name, "-", i)
+				d := testenv.Conversation{BaseURL: c.URL, Client: client, Model: c.Model, Seed: 700 + i,
+					Headers: map[string]string{"X-Session-ID": session}}.Start()
+				if _, err := d.Next(t.Context()); err != nil {
+					t.Fatal(err)
+				}
+				dialogs[session] = d
+			}
+			groupOf := regexp.MustCompile(`group=(\S+)`)
+			bySession := map[string]string{}
+			count := map[string]int{}
+			for session := range dialogs {
+				lines := c.Logs.Lines("store thread", "session_id="+session+" ")
+				if len(lines) == 0 {
+					t.Fatalf("no store thread logged session %s", session)
+				}
+				g := groupOf.FindStringSubmatch(lines[0])[1]
+				bySession[session] = g
+				count[g]++
+			}
+			victim := ""
+			for g, n := range count {
+				if victim == "" || n > count[victim] || (n == count[victim] && g < victim) {
+					victim = g
+				}
+			}
+			t.Logf("sessions per group %v; scaling %s down", count, victim)
+			if err := c.StopGroup(victim); err != nil {
+				t.Fatal(err)
+			}
+			// The fault took effect: the group's ranks are gone from the bus.
+			testenv.Eventually(t, 5*time.Second, "the stopped group's ranks disconnected", func() bool {
+				for r := range 4 {
+					if c.Connected(t, fmt.Sprintf("kvbus-worker-%s-%d", victim, r)) {
+						return false
+					}
+				}
+				return true
+			})
+			handedOff := testenv.CounterSum(t, c.Registry, "kvbus_worker_handoff_blocks_total", map[string]string{"source_group": victim})
+			var due float64
+			for session, g := range bySession {
+				if g != victim {
+					continue
+				}
+				d := dialogs[session]
+				prev := d.Turns[0]
+				due += float64(prev.PromptTokens / 16 * 4) // full blocks, on each of 4 ranks
+				turn, err := d.Next(t.Context())
+				if err != nil {
+					t.Fatal(err)
+				}
+				share := testenv.PreviousShares(d.Turns, 16)[0]
+				t.Logf("session %s (was on %s): turn 2 prompt %d tokens, cached %d: %.1f%% of turn 1's", session, victim,
+					turn.PromptTokens, turn.CachedTokens, 100*share)
+				switch {
+				case tc.handoff > 0 && share < 0.95:
+					t.Errorf("session %s found %.1f%% of its previous prompt after its group was scaled down, want >= 95%%", session, 100*share)
+				case tc.handoff == 0 && share != 0:
+					t.Errorf("session %s found %.1f%% of its previous prompt without a hand-off, want 0 (the cache left with the group)", session, 100*share)
+				}
+			}
+			t.Logf("rank-blocks handed off by %s: %v (turn-1 rank-blocks of its sessions: %v)", victim, handedOff, due)
+			if tc.handoff > 0 && handedOff < due {
+				t.Errorf("%v rank-blocks handed off, want >= %v (every full block of its sessions' prompts, on every rank)", handedOff, due)
+			}
+			if tc.handoff == 0 && handedOff != 0 {
+				t.Errorf("%v rank-blocks handed off with --drain-handoff 0", handedOff)
+			}
+		})
+	}
+}

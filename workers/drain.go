@@ -1,0 +1,314 @@
+package workers
+
+import (
+	"context"
+	"fmt"
+	"slices"
+	"sync"
+	"time"
+
+	"github.com/nats-io/nats.go"
+
+	"github.com/kvbus/kvbus/messages"
+)
+
+// Drain hand-off. A group that is scaled down takes its cache with it, and
+// the conversations it served would start again from nothing. With
+// DrainHandoff set, a draining group hands its most recently used blocks to
+// the other groups before it exits: once its requests are finished, the
+// driver rank picks the blocks (whole sessions, newest first, within the
+// byte budget per rank) and a target group for each session (the one with
+// the most free room, from the heartbeats it watches), and publishes that
+// DrainPlan to its ranks; every rank t then asks rank t of each target to
+// read those blocks from its segment of the pool (a Handoff), so the
+// target's ranks all hold the same whole prefixes and announce them in their
+// KV events. The draining ranks answer pool reads until they exit.
+
+// handoffReadBlocks is how many blocks a target asks for in one PoolRead.
+const handoffReadBlocks = 32
+
+// peerGroup is what a driver rank knows of another group from its
+// heartbeats.
+type peerGroup struct {
+	model     string
+	world     int
+	seen      map[int]time.Time // tp_rank -> last heartbeat
+	draining  map[int]bool
+	freeBlock int64 // capacity - used, of the latest heartbeat
+}
+
+// peerGroups tracks the other groups' heartbeats (driver rank, with
+// DrainHandoff). Safe for concurrent use.
+type peerGroups struct {
+	mu     sync.Mutex
+	groups map[string]*peerGroup
+}
+
+func (p *peerGroups) onHeartbeat(_ context.Context, m *nats.Msg) error {
+	hb, err := messages.DecodeHeartbeat(m.Data)
+	if err != nil {
+		return err
+	}
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if p.groups == nil {
+		p.groups = map[string]*peerGroup{}
+	}
+	g := p.groups[hb.Group]
+	if g == nil {
+		g = &peerGroup{seen: map[int]time.Time{}, draining: map[int]bool{}}
+		p.groups[hb.Group] = g
+	}
+	g.model, g.world = hb.Model, hb.WorldSize
+	g.seen[hb.TPRank] = time.Now()
+	g.draining[hb.TPRank] = hb.Draining
+	g.freeBlock = max(hb.CapacityBlocks-hb.UsedBlocks, 0)
+	return nil
+}
+
+// ready returns the groups of model, other than self, whose every rank sent
+// a heartbeat within fresh and none of which is draining, with their free
+// room in blocks, sorted by name.
+func (p *peerGroups) ready(model, self string, fresh time.Duration) (names []string, free map[string]int64) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	free = map[string]int64{}
+	now := time.Now()
+	for name, g := range p.groups {
+		if name == self || g.model != model || g.world < 1 {
+			continue
+		}
+		alive := 0
+		draining := false
+		for rank, t := range g.seen {
+			if now.Sub(t) <= fresh && rank < g.world {
+				alive++
+				draining = draining || g.draining[rank]
+			}
+		}
+		if alive == g.world && !draining {
+			names = append(names, name)
+			free[name] = g.freeBlock
+		}
+	}
+	slices.Sort(names)
+	return names, free
+}
+
+// drainPlan picks what the group hands off: whole sessions of the driver's
+// store, newest first, within DrainHandoff bytes per rank; each session
+// goes to the ready group with the most free room left.
+func (r *Rank) drainPlan() *messages.DrainPlan {
+	plan := &messages.DrainPlan{Group: r.cfg.Group, Model: r.cfg.Model, BlockSize: r.cfg.BlockSize}
+	targets, free := r.peers.ready(r.cfg.Model, r.cfg.Group, 3*r.cfg.HeartbeatInterval)
+	if len(targets) == 0 {
+		return plan
+	}
+	// Twice the budget is listed so that a session cut by the listing's end
+	// can be told apart and left out.
+	recent := r.store.Recent(2 * r.cfg.DrainHandoff)
+	type session struct {
+		tag    string
+		hashes messages.BlockHashes
+		bytes  int64
+	}
+	var order []*session
+	byTag := map[string]*session{}
+	var listed int64
+	for _, o := range recent {
+		listed += o.Size
+		s := byTag[o.Group]
+		if s == nil {
+			s = &session{tag: o.Group}
+			byTag[o.Group] = s
+			order = append(order, s)
+		}
+		s.hashes = append(s.hashes, o.Hash)
+		s.bytes += o.Size
+	}
+	if listed+int64(r.blockBytes(r.cfg.BlockSize)) > 2*r.cfg.DrainHandoff && len(order) > 0 {
+		order = order[:len(order)-1] // may be cut short
+	}
+	byTarget := map[string]int{}
+	budget := r.cfg.DrainHandoff
+	for _, s := range order {
+		if s.bytes > budget {
+			continue
+		}
+		best := ""
+		for _, t := range targets {
+			if best == "" || free[t] > free[best] {
+				best = t
+			}
+		}
+		i, ok := byTarget[best]
+		if !ok {
+			i = len(plan.Targets)
+			byTarget[best] = i
+			plan.Targets = append(plan.Targets, messages.HandoffTarget{Group: best})
+		}
+		plan.Targets[i].Runs = append(plan.Targets[i].Runs, messages.HandoffRun{Session: s.tag, BlockHashes: s.hashes})
+		free[best] -= int64(len(s.hashes))
+		budget -= s.bytes
+	}
+	return plan
+}
+
+// handOff runs the drain hand-off on a stopping rank whose requests are
+// finished: the driver publishes the plan, every rank carries out its part.
+func (r *Rank) handOff() {
+	if r.cfg.DrainHandoff <= 0 {
+		return
+	}
+	var plan *messages.DrainPlan
+	if r.IsDriver() {
+		plan = r.drainPlan()
+		data, err := messages.Marshal(plan)
+		if err == nil && len(data) > int(r.cfg.Conn.MaxPayload()) {
+			err = fmt.Errorf("plan of %d bytes exceeds the server's max payload %d: lower --drain-handoff", len(data), r.cfg.Conn.MaxPayload())
+		}
+		if err == nil {
+			err = r.cfg.Conn.Publish(r.cfg.Subjects.Drain(r.cfg.Group), data)
+		}
+		if err != nil {
+			r.log.Error("drain hand-off: cannot send the plan to the group's ranks; their blocks are lost with the group", "err", err)
+		}
+	} else {
+		// The driver sends the plan once its own requests are finished.
+		select {
+		case plan = <-r.plans:
+		case <-time.After(r.cfg.ShutdownTimeout + 2*time.Second):
+			r.log.Warn("drain hand-off: no plan from the driver rank; nothing handed off")
+			return
+		}
+	}
+	if len(plan.Targets) == 0 {
+		r.log.Info("drain hand-off: no other group ready to take blocks; nothing handed off")
+		return
+	}
+	start := time.Now()
+	var stored, failed int
+	var bytes int64
+	for _, t := range plan.Targets {
+		res, err := r.sendHandoff(t, plan.BlockSize)
+		if err != nil {
+			r.log.Warn("drain hand-off to a group failed; its sessions will recompute", "target_group", t.Group, "err", err)
+			continue
+		}
+		stored += res.Stored
+		failed += res.Failed
+		bytes += res.Bytes
+		r.log.Info("drain hand-off: blocks handed to a group", "target_group", t.Group, "sessions", len(t.Runs),
+			"stored_blocks", res.Stored, "failed_blocks", res.Failed, "bytes", res.Bytes)
+	}
+	r.log.Info("drain hand-off done", "targets", len(plan.Targets), "stored_blocks", stored, "failed_blocks", failed,
+		"bytes", bytes, "took_ms", time.Since(start).Milliseconds())
+}
+
+// sendHandoff asks rank TPRank of target to copy its runs from this rank.
+func (r *Rank) sendHandoff(t messages.HandoffTarget, blockSize int) (*messages.HandoffResult, error) {
+	data, err := messages.Marshal(&messages.Handoff{Model: r.cfg.Model, TPRank: r.cfg.TPRank, Source: r.cfg.Group, BlockSize: blockSize, Runs: t.Runs})
+	if err != nil {
+		return nil, err
+	}
+	reply, err := r.cfg.Conn.Request(r.cfg.Subjects.Handoff(t.Group, r.cfg.TPRank), data, r.cfg.ShutdownTimeout)
+	if err != nil {
+		return nil, err
+	}
+	res, err := messages.DecodeHandoffResult(reply.Data)
+	if err != nil {
+		return nil, err
+	}
+	if res.Error != "" {
+		return nil, fmt.Errorf("target refused: %s", res.Error)
+	}
+	return res, nil
+}
+
+// onDrainPlan keeps the driver's plan for handOff (non-driver ranks).
+func (r *Rank) onDrainPlan(_ context.Context, m *nats.Msg) error {
+	plan, err := messages.DecodeDrainPlan(m.Data)
+	if err != nil {
+		return err
+	}
+	if plan.Group != r.cfg.Group || plan.Model != r.cfg.Model {
+		return fmt.Errorf("%w: drain plan of %s/%s on %s's subject", messages.ErrInvalid, plan.Group, plan.Model, r.cfg.Group)
+	}
+	select {
+	case r.plans <- plan:
+	default: // one plan per drain; a repeat is ignored
+	}
+	return nil
+}
+
+// onHandoff takes blocks a draining group hands to this rank: it reads them
+// from the same rank of the source group (the pool), verifies them, keeps
+// them tagged with their session and announces them in its KV events.
+func (r *Rank) onHandoff(ctx context.Context, m *nats.Msg) error {
+	h, err := messages.DecodeHandoff(m.Data)
+	if err != nil {
+		return err
+	}
+	res := &messages.HandoffResult{}
+	switch {
+	case h.TPRank != r.cfg.TPRank || h.Model != r.cfg.Model || h.Source == r.cfg.Group:
+		res.Error = fmt.Sprintf("rank %s/%d of %s does not take blocks of %s/%d for %s", r.cfg.Group, r.cfg.TPRank, r.cfg.Model, h.Source, h.TPRank, h.Model)
+	case r.draining.Load():
+		res.Error = fmt.Sprintf("group %s is draining too", r.cfg.Group)
+	case h.BlockSize < 1:
+		res.Error = "no block_size"
+	default:
+		start := time.Now()
+		size := r.blockBytes(h.BlockSize)
+		for _, run := range h.Runs {
+			for hashes := range slices.Chunk(run.BlockHashes, handoffReadBlocks) {
+				stored, bytes := r.copyHandedOff(ctx, h, run.Session, hashes, size)
+				res.Stored += stored
+				res.Failed += len(hashes) - stored
+				res.Bytes += bytes
+			}
+		}
+		r.cfg.Metrics.handoff.WithLabelValues(h.Source, r.cfg.Group, r.labels[1]).Add(float64(res.Stored))
+		r.cfg.Metrics.handoffBytes.WithLabelValues(h.Source, r.cfg.Group, r.labels[1]).Add(float64(res.Bytes))
+		r.log.Info("kept blocks handed off by a draining group", "source_group", h.Source, "sessions", len(h.Runs),
+			"stored_blocks", res.Stored, "failed_blocks", res.Failed, "bytes", res.Bytes, "took_ms", time.Since(start).Milliseconds())
+	}
+	data, err := messages.Marshal(res)
+	if err != nil {
+		return err
+	}
+	return m.Respond(data)
+}
+
+// copyHandedOff reads one chunk of a run from the source and keeps what
+// verifies; it returns the blocks stored and their bytes.
+func (r *Rank) copyHandedOff(ctx context.Context, h *messages.Handoff, session string, hashes messages.BlockHashes, size int) (int, int64) {
+	rctx, cancel := context.WithTimeout(ctx, r.cfg.SaveWait)
+	vals, err := r.pool.Read(rctx, h.Source, r.cfg.TPRank, &messages.PoolRead{Model: h.Model, TPRank: r.cfg.TPRank, BlockHashes: hashes})
+	cancel()
+	if err != nil {
+		r.log.Warn("hand-off: pool read failed", "source_group", h.Source, "blocks", len(hashes), "err", err)
+		return 0, 0
+	}
+	objs := make([]Object, 0, len(hashes))
+	kept := make(messages.BlockHashes, 0, len(hashes))
+	var bytes int64
+	for i, v := range vals {
+		if !verifyBlock(r.cfg.Payload, v, hashes[i], r.cfg.TPRank, size) {
+			continue
+		}
+		objs = append(objs, Object{Key: StoreKey(h.Model, r.cfg.TPRank, hashes[i]), Hash: hashes[i], Value: v, Size: int64(size), Group: session})
+	}
+	stored := 0
+	for i, err := range r.store.BatchPut(ctx, objs) {
+		if err == nil {
+			stored++
+			kept = append(kept, objs[i].Hash)
+			bytes += objs[i].Size
+		}
+	}
+	if len(kept) > 0 {
+		r.events.publish(append([]messages.KVEvent{{Type: messages.EventBlockStored, BlockHashes: kept, Medium: mediumKVPool}}, r.events.takeEvicted()...))
+	}
+	return stored, bytes
+}

@@ -1,0 +1,99 @@
+package workers
+
+import (
+	"slices"
+	"testing"
+	"time"
+
+	"github.com/nats-io/nats.go"
+
+	"github.com/kvbus/kvbus/messages"
+)
+
+func TestMemStoreRecent(t *testing.T) {
+	ctx := t.Context()
+	s, _ := newTestStore(t, 1000)
+	for i, k := range []string{"a", "b", "c", "d"} {
+		s.BatchPut(ctx, []Object{{Key: k, Hash: uint64(i), Value: val(10, byte(i)), Size: 100, Group: "s" + k}})
+	}
+	s.BatchGet(ctx, []string{"a"}) // recency, newest first: a d c b
+	keys := func(objs []Object) []string {
+		var out []string
+		for _, o := range objs {
+			out = append(out, o.Key)
+		}
+		return out
+	}
+	if got := keys(s.Recent(250)); !slices.Equal(got, []string{"a", "d"}) {
+		t.Fatalf("Recent(250) = %v, want [a d] (charged sizes count, newest first)", got)
+	}
+	if got := keys(s.Recent(1 << 20)); !slices.Equal(got, []string{"a", "d", "c", "b"}) {
+		t.Fatalf("Recent(all) = %v", got)
+	}
+	if got := s.Recent(99); len(got) != 0 {
+		t.Fatalf("Recent(99) = %v, want nothing (no object fits)", got)
+	}
+	// Listing does not touch recency: b is still the least recently used.
+	if got := keys(s.Recent(1 << 20)); got[3] != "b" {
+		t.Fatalf("after Recent, recency = %v", got)
+	}
+	if o := s.Recent(100)[0]; o.Value != nil || o.Group != "sa" || o.Hash != 0 || o.Size != 100 {
+		t.Fatalf("Recent entry = %+v, want hash, size and group without the value", o)
+	}
+}
+
+// TestDrainPlan: whole sessions, newest first, within the budget; each to
+// the ready group (same model, every rank fresh, none draining) with the
+// most free room left.
+func TestDrainPlan(t *testing.T) {
+	ctx := t.Context()
+	profile, err := LookupModelProfile("tiny")
+	if err != nil {
+		t.Fatal(err)
+	}
+	r := &Rank{cfg: RankConfig{Group: "g0", Model: "m", BlockSize: 16, Profile: profile, TPSize: 1, HeartbeatInterval: time.Second}}
+	blk := int64(r.blockBytes(16))
+	r.cfg.DrainHandoff = 5 * blk
+	store, _ := newTestStore(t, 100*blk)
+	r.store = store
+	put := func(session string, hashes ...uint64) {
+		for _, h := range hashes {
+			store.BatchPut(ctx, []Object{{Key: StoreKey("m", 0, h), Hash: h, Value: []byte{1}, Size: blk, Group: session}})
+		}
+	}
+	put("old", 1, 2)                   // beyond the listing
+	put("big", 20, 21, 22, 23, 24, 25) // 6 blocks: cut by the listing, and over the budget
+	put("s3", 30, 31)                  // 2 blocks
+	put("s1", 10, 11, 12)              // newest, 3 blocks
+	hb := func(group, model string, rank, world int, draining bool, used int64) {
+		data, _ := messages.Marshal(&messages.Heartbeat{Group: group, TPRank: rank, WorldSize: world, Model: model,
+			CapacityBlocks: 100, UsedBlocks: used, Draining: draining})
+		if err := r.peers.onHeartbeat(ctx, &nats.Msg{Data: data}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	hb("g0", "m", 0, 1, true, 0)   // itself
+	hb("g1", "m", 0, 1, false, 98) // 2 blocks free
+	hb("g2", "m", 0, 1, false, 96) // 4 blocks free
+	hb("g3", "m", 0, 1, true, 0)   // draining too
+	hb("g4", "other", 0, 1, false, 0)
+	hb("g5", "m", 0, 2, false, 0) // one of its two ranks is silent
+	plan := r.drainPlan()
+	want := []messages.HandoffTarget{
+		{Group: "g2", Runs: []messages.HandoffRun{{Session: "s1", BlockHashes: messages.BlockHashes{12, 11, 10}}}},
+		{Group: "g1", Runs: []messages.HandoffRun{{Session: "s3", BlockHashes: messages.BlockHashes{31, 30}}}},
+	}
+	if len(plan.Targets) != len(want) {
+		t.Fatalf("plan targets %+v, want %+v", plan.Targets, want)
+	}
+	for i := range want {
+		got := plan.Targets[i]
+		if got.Group != want[i].Group || len(got.Runs) != 1 || got.Runs[0].Session != want[i].Runs[0].Session ||
+			!slices.Equal(got.Runs[0].BlockHashes, want[i].Runs[0].BlockHashes) {
+			t.Fatalf("plan target %d = %+v, want %+v", i, got, want[i])
+		}
+	}
+	if plan.Group != "g0" || plan.Model != "m" || plan.BlockSize != 16 {
+		t.Fatalf("plan header %+v", plan)
+	}
+}
