@@ -100,3 +100,29 @@ func TestDrainHandoffKeepsTheCache(t *testing.T) {
 		})
 	}
 }
+
+// TestDrainHandoffOnlyForAWholeGroup: a rank that restarts alone (its group
+// stays) hands nothing off and does not wait for a plan; a driver that
+// stops alone sends an empty plan.
+func TestDrainHandoffOnlyForAWholeGroup(t *testing.T) {
+	c := testenv.StartCluster(t, testenv.ClusterConfig{Groups: 2, Pool: "global", DrainHandoff: 64 << 20})
+	client := &http.Client{Timeout: 30 * time.Second}
+	defer client.CloseIdleConnections()
+	for i := range 4 {
+		if _, err := (testenv.Conversation{BaseURL: c.URL, Client: client, Model: c.Model, Seed: 800 + i,
+			Headers: map[string]string{"X-Session-ID": fmt.Sprint("whole-", i)}}).Run(t.Context(), 1); err != nil {
+			t.Fatal(err)
+		}
+	}
+	c.RestartRank(t, "g0", 2)
+	if n := len(c.Logs.Lines("the group's driver rank is not stopping", "group=g0", "tp_rank=2")); n != 1 {
+		t.Errorf("a non-driver rank restarting alone logged %d times that its driver is not stopping, want 1", n)
+	}
+	c.RestartRank(t, "g1", 0)
+	if n := len(c.Logs.Lines("only part of the group is stopping", "group=g1", "tp_rank=0")); n != 1 {
+		t.Errorf("a driver restarting alone logged %d times that only part of its group stops, want 1", n)
+	}
+	if n := testenv.CounterSum(t, c.Registry, "kvbus_worker_handoff_blocks_total", nil); n != 0 {
+		t.Errorf("%v blocks handed off by single-rank restarts, want 0", n)
+	}
+}

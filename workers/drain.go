@@ -37,8 +37,9 @@ type peerGroup struct {
 	freeBlock int64 // capacity - used, of the latest heartbeat
 }
 
-// peerGroups tracks the other groups' heartbeats (driver rank, with
-// DrainHandoff). Safe for concurrent use.
+// peerGroups tracks heartbeats, with DrainHandoff: on the driver rank every
+// group's (its own included), on the others their driver's. Safe for
+// concurrent use.
 type peerGroups struct {
 	mu     sync.Mutex
 	groups map[string]*peerGroup
@@ -64,6 +65,24 @@ func (p *peerGroups) onHeartbeat(_ context.Context, m *nats.Msg) error {
 	g.draining[hb.TPRank] = hb.Draining
 	g.freeBlock = max(hb.CapacityBlocks-hb.UsedBlocks, 0)
 	return nil
+}
+
+// draining reports whether the given ranks of group all sent a heartbeat
+// within fresh that says they are draining.
+func (p *peerGroups) draining(group string, fresh time.Duration, ranks ...int) bool {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	g := p.groups[group]
+	if g == nil {
+		return false
+	}
+	now := time.Now()
+	for _, rank := range ranks {
+		if t, ok := g.seen[rank]; !ok || now.Sub(t) > fresh || !g.draining[rank] {
+			return false
+		}
+	}
+	return true
 }
 
 // ready returns the groups of model, other than self, whose every rank sent
@@ -155,14 +174,28 @@ func (r *Rank) drainPlan() *messages.DrainPlan {
 }
 
 // handOff runs the drain hand-off on a stopping rank whose requests are
-// finished: the driver publishes the plan, every rank carries out its part.
+// finished. It happens only when the whole group stops (scaled down), not
+// when one rank restarts: the driver waits, for a few heartbeats, until
+// every rank of its group says it is draining, then publishes the plan —
+// empty when they do not, so no rank waits for nothing. A rank other than
+// the driver waits for the plan only once its driver is draining.
 func (r *Rank) handOff() {
 	if r.cfg.DrainHandoff <= 0 {
 		return
 	}
+	settle := 3 * r.cfg.HeartbeatInterval
 	var plan *messages.DrainPlan
 	if r.IsDriver() {
-		plan = r.drainPlan()
+		plan = &messages.DrainPlan{Group: r.cfg.Group, Model: r.cfg.Model, BlockSize: r.cfg.BlockSize}
+		all := make([]int, r.cfg.TPSize)
+		for i := range all {
+			all[i] = i
+		}
+		if r.waitFor(settle, func() bool { return r.peers.draining(r.cfg.Group, settle, all...) }) {
+			plan = r.drainPlan()
+		} else {
+			r.log.Info("drain hand-off: only part of the group is stopping; nothing handed off")
+		}
 		data, err := messages.Marshal(plan)
 		if err == nil && len(data) > int(r.cfg.Conn.MaxPayload()) {
 			err = fmt.Errorf("plan of %d bytes exceeds the server's max payload %d: lower --drain-handoff", len(data), r.cfg.Conn.MaxPayload())
@@ -171,19 +204,25 @@ func (r *Rank) handOff() {
 			err = r.cfg.Conn.Publish(r.cfg.Subjects.Drain(r.cfg.Group), data)
 		}
 		if err != nil {
-			r.log.Error("drain hand-off: cannot send the plan to the group's ranks; their blocks are lost with the group", "err", err)
+			r.log.Error("drain hand-off: cannot send the plan to the group's ranks; their blocks leave with the group", "err", err)
 		}
 	} else {
+		if !r.waitFor(settle, func() bool { return r.peers.draining(r.cfg.Group, settle, 0) }) {
+			r.log.Info("drain hand-off: the group's driver rank is not stopping; nothing handed off")
+			return
+		}
 		// The driver sends the plan once its own requests are finished.
 		select {
 		case plan = <-r.plans:
-		case <-time.After(r.cfg.ShutdownTimeout + 2*time.Second):
+		case <-time.After(r.cfg.ShutdownTimeout + settle):
 			r.log.Warn("drain hand-off: no plan from the driver rank; nothing handed off")
 			return
 		}
 	}
 	if len(plan.Targets) == 0 {
-		r.log.Info("drain hand-off: no other group ready to take blocks; nothing handed off")
+		if r.IsDriver() {
+			r.log.Info("drain hand-off: nothing to hand off, or no other group ready to take it")
+		}
 		return
 	}
 	start := time.Now()
@@ -203,6 +242,18 @@ func (r *Rank) handOff() {
 	}
 	r.log.Info("drain hand-off done", "targets", len(plan.Targets), "stored_blocks", stored, "failed_blocks", failed,
 		"bytes", bytes, "took_ms", time.Since(start).Milliseconds())
+}
+
+// waitFor polls cond until it holds (true) or d passed (false).
+func (r *Rank) waitFor(d time.Duration, cond func() bool) bool {
+	deadline := time.Now().Add(d)
+	for !cond() {
+		if time.Now().After(deadline) {
+			return false
+		}
+		time.Sleep(min(r.cfg.HeartbeatInterval/4, 50*time.Millisecond))
+	}
+	return true
 }
 
 // sendHandoff asks rank TPRank of target to copy its runs from this rank.
@@ -233,6 +284,9 @@ func (r *Rank) onDrainPlan(_ context.Context, m *nats.Msg) error {
 	}
 	if plan.Group != r.cfg.Group || plan.Model != r.cfg.Model {
 		return fmt.Errorf("%w: drain plan of %s/%s on %s's subject", messages.ErrInvalid, plan.Group, plan.Model, r.cfg.Group)
+	}
+	if !r.draining.Load() {
+		return nil // a plan of a drain this rank is not part of
 	}
 	select {
 	case r.plans <- plan:

@@ -11,12 +11,14 @@ import (
 	"github.com/kvbus/kvbus/messages"
 )
 
-// The KV pool's transport (issue 10, in progress): every rank serves reads
+// The KV pool's transport: every rank serves reads
 // of its segment — its block store — on kvbus.pool.<group>.<rank>, so that
 // rank t of another group can read the blocks rank t of this group holds,
 // as Mooncake's store, whose keys name no instance, lets it. Replies are
 // chunked to the connection's max payload; a block larger than one reply is
-// sent in pieces. Placement does not use it yet.
+// sent in pieces. Loads read the LoadSpec's remote runs through it
+// (rank_load.go), and draining groups hand their blocks off over it
+// (drain.go).
 
 // poolPartOverhead is the room a PoolPart needs besides its pieces' bytes.
 const poolPartOverhead = 1024

@@ -302,9 +302,11 @@ func (r *Rank) Run(ctx context.Context) error {
 	extra := []handler{{subj.Handoff(r.cfg.Group, r.cfg.TPRank), "worker_handoff", r.onHandoff}}
 	if r.cfg.DrainHandoff > 0 {
 		extra = append(extra, handler{subj.Drain(r.cfg.Group), "worker_drain_plan", r.onDrainPlan})
+		hb := subj.Heartbeat(r.cfg.Group, 0) // is the driver draining too?
 		if r.IsDriver() {
-			extra = append(extra, handler{subj.HeartbeatAll(), "worker_peer_heartbeat", r.peers.onHeartbeat})
+			hb = subj.HeartbeatAll() // which groups can take blocks
 		}
+		extra = append(extra, handler{hb, "worker_peer_heartbeat", r.peers.onHeartbeat})
 	}
 	for _, e := range extra {
 		sub, err := bus.Subscribe(context.Background(), nc, e.subject, bus.Wrap(e.fn, r.log, r.cfg.HandlerMetrics, e.name))

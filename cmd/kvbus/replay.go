@@ -216,12 +216,13 @@ type benchCmd struct {
 	Pools      string        `name:"pool" default:"global" help:"Comma-separated KV pool modes to run each policy with: local, global (e.g. local,global for a side-by-side table)."`
 	Decode     time.Duration `name:"decode-per-token" default:"10ms" help:"Sim engine: time per output token (scaled by 1/--speed)."`
 	Timeout    time.Duration `name:"timeout" default:"10m" help:"Deadline of one request."`
+	Runs       int           `name:"runs" default:"1" help:"Run each policy and pool this many times, each on a fresh cluster, and report the requests of all runs together (a short trace's p95 is otherwise one request)."`
 }
 
 func (c *benchCmd) Run(ctx context.Context) error {
 	log := c.logger()
-	if c.BlockSize < 1 || c.Speed <= 0 {
-		return errors.New("--block-size must be at least 1 and --speed positive")
+	if c.BlockSize < 1 || c.Speed <= 0 || c.Runs < 1 {
+		return errors.New("--block-size and --runs must be at least 1 and --speed positive")
 	}
 	tr, err := c.load(c.Trace)
 	if err != nil {
@@ -265,6 +266,29 @@ func (c *benchCmd) Run(ctx context.Context) error {
 }
 
 func (c *benchCmd) runOne(ctx context.Context, tr *replay.Trace, policy, pool string, capacity int64, ideal float64) (*replay.Report, error) {
+	var all []replay.Result
+	var total time.Duration
+	for run := range c.Runs {
+		if c.Runs > 1 {
+			c.logger().Info("bench: run", "policy", policy, "pool", pool, "run", run+1, "of", c.Runs)
+		}
+		results, elapsed, err := c.runCluster(ctx, tr, policy, pool, capacity)
+		if err != nil {
+			return nil, err
+		}
+		all = append(all, results...)
+		total += elapsed
+	}
+	rep := replay.Summarize(policy, all, ideal, total)
+	if profile, err := workers.LookupModelProfile(c.Profile); err == nil {
+		// Every rank of the group reads its shard of each remote token.
+		rep.RemoteBytes = rep.RemoteTokens * int64(profile.BytesPerTokenPerRank(c.Ranks)*c.Ranks)
+	}
+	return rep, nil
+}
+
+// runCluster replays the trace once on a fresh in-process cluster.
+func (c *benchCmd) runCluster(ctx context.Context, tr *replay.Trace, policy, pool string, capacity int64) ([]replay.Result, time.Duration, error) {
 	log := c.logger()
 	quiet := c.logFlags
 	quiet.LogLevel = "warn" // the cluster's per-request lines would drown the table
@@ -279,7 +303,7 @@ func (c *benchCmd) runOne(ctx context.Context, tr *replay.Trace, policy, pool st
 		Logger: quiet.logger(),
 	})
 	if err != nil {
-		return nil, err
+		return nil, 0, err
 	}
 	defer func() {
 		cl.Stop()
@@ -290,27 +314,18 @@ func (c *benchCmd) runOne(ctx context.Context, tr *replay.Trace, policy, pool st
 	wctx, cancel := context.WithTimeout(ctx, 30*time.Second)
 	defer cancel()
 	if err := cl.WaitReady(wctx); err != nil {
-		return nil, err
+		return nil, 0, err
 	}
 	nc, err := cl.Connect("kvbus-bench-replay")
 	if err != nil {
-		return nil, err
+		return nil, 0, err
 	}
 	r, err := replay.New(replay.Config{
 		Target: cl.NATSURL, Conn: nc, Model: "kvbus-sim", Speed: c.Speed, Mode: c.Mode, Timeout: c.Timeout,
 		Progress: progressOut(), Logger: log,
 	})
 	if err != nil {
-		return nil, err
+		return nil, 0, err
 	}
-	results, elapsed, err := r.Run(ctx, tr.Items)
-	if err != nil {
-		return nil, err
-	}
-	rep := replay.Summarize(policy, results, ideal, elapsed)
-	if profile, err := workers.LookupModelProfile(c.Profile); err == nil {
-		// Every rank of the group reads its shard of each remote token.
-		rep.RemoteBytes = rep.RemoteTokens * int64(profile.BytesPerTokenPerRank(c.Ranks)*c.Ranks)
-	}
-	return rep, nil
+	return r.Run(ctx, tr.Items)
 }
