@@ -230,6 +230,11 @@ type Heartbeat struct {
 	// and not finished, and prompt tokens of those not yet prefilled.
 	InflightRequests    int   `msgpack:"inflight_requests,omitempty" json:"inflight_requests,omitempty"`
 	QueuedPrefillTokens int64 `msgpack:"queued_prefill_tokens,omitempty" json:"queued_prefill_tokens,omitempty"`
+	// Cached tokens those requests will still load before their prefill,
+	// from the group's own segments and from other groups' (the global
+	// pool): loading holds the engine too.
+	QueuedLoadTokens       int64 `msgpack:"queued_load_tokens,omitempty" json:"queued_load_tokens,omitempty"`
+	QueuedRemoteLoadTokens int64 `msgpack:"queued_remote_load_tokens,omitempty" json:"queued_remote_load_tokens,omitempty"`
 }
 
 // Announcement tells the cluster that a role's process is alive and whether

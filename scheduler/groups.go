@@ -1,6 +1,7 @@
 package scheduler
 
 import (
+	"math"
 	"sort"
 	"sync"
 	"time"
@@ -10,10 +11,11 @@ import (
 
 // groupTable follows heartbeats. It is safe for concurrent use.
 type groupTable struct {
-	mu        sync.Mutex
-	timeout   time.Duration
-	blockSize int
-	groups    map[string]*groupInfo
+	mu                    sync.Mutex
+	timeout               time.Duration
+	blockSize             int
+	localLoad, remoteLoad float64
+	groups                map[string]*groupInfo
 }
 
 // groupInfo is what a scheduler knows of a group. Its load is the driver
@@ -25,7 +27,7 @@ type groupInfo struct {
 	ranks     map[int]rankInfo
 	// From the driver's last heartbeat.
 	hbInflight int
-	hbQueued   int // blocks to prefill
+	hbQueued   int // blocks of prefill time: prefills and the loads before them
 	// This replica's changes since that heartbeat.
 	inflight int
 	queued   int
@@ -42,8 +44,18 @@ type rankInfo struct {
 	draining   bool
 }
 
-func newGroupTable(timeout time.Duration, blockSize int) *groupTable {
-	return &groupTable{timeout: timeout, blockSize: max(blockSize, 1), groups: map[string]*groupInfo{}}
+// newGroupTable counts a group's queue in blocks of prefill time: prefill
+// blocks, and loads at localLoad and remoteLoad of a block's prefill per
+// block.
+func newGroupTable(timeout time.Duration, blockSize int, localLoad, remoteLoad float64) *groupTable {
+	return &groupTable{timeout: timeout, blockSize: max(blockSize, 1), localLoad: localLoad, remoteLoad: remoteLoad,
+		groups: map[string]*groupInfo{}}
+}
+
+// loadWork is the prefill time, in blocks, of loading local and remote
+// blocks.
+func loadWork(local, remote int, localLoad, remoteLoad float64) int {
+	return int(math.Round(localLoad*float64(local) + remoteLoad*float64(remote)))
 }
 
 // observe records a heartbeat.
@@ -63,7 +75,9 @@ func (t *groupTable) observe(hb *messages.Heartbeat, now time.Time) {
 	g.ranks[hb.TPRank] = rankInfo{seen: now, started: hb.StartedUnixMs, queueDepth: hb.QueueDepth, draining: hb.Draining}
 	if hb.TPRank == 0 { // the driver knows the group's load
 		g.hbInflight = hb.InflightRequests
-		g.hbQueued = int((hb.QueuedPrefillTokens + int64(t.blockSize) - 1) / int64(t.blockSize))
+		bs := int64(t.blockSize)
+		g.hbQueued = int((hb.QueuedPrefillTokens+bs-1)/bs) +
+			loadWork(int(hb.QueuedLoadTokens/bs), int(hb.QueuedRemoteLoadTokens/bs), t.localLoad, t.remoteLoad)
 		g.inflight, g.queued = 0, 0
 	}
 }

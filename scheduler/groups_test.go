@@ -63,7 +63,7 @@ func TestGroupTableReady(t *testing.T) {
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
-			gt := newGroupTable(timeout, 16)
+			gt := newGroupTable(timeout, 16, 0.25, 0.5)
 			for _, st := range tt.steps {
 				now := t0.Add(st.now)
 				for _, h := range st.observe {
@@ -78,7 +78,7 @@ func TestGroupTableReady(t *testing.T) {
 }
 
 func TestGroupTableState(t *testing.T) {
-	gt := newGroupTable(time.Second, 16)
+	gt := newGroupTable(time.Second, 16, 0.25, 0.5)
 	now := time.Now()
 	for r, depth := range []int{3, 7, 1} {
 		h := hb("g0", r, 3)
@@ -100,7 +100,7 @@ func TestGroupTableState(t *testing.T) {
 // last report (which counts every replica's requests) plus this replica's
 // changes since; a driver heartbeat replaces the changes it has seen.
 func TestGroupTableLoadIsClusterWide(t *testing.T) {
-	gt := newGroupTable(time.Second, 16)
+	gt := newGroupTable(time.Second, 16, 0.25, 0.5)
 	now := time.Now()
 	driver := func(inflight int, queuedTokens int64) {
 		h := hb("g0", 0, 2)
@@ -127,4 +127,10 @@ func TestGroupTableLoadIsClusterWide(t *testing.T) {
 	check("never below zero", 0, 0)
 	gt.observe(hb("g0", 1, 2), now) // a non-driver heartbeat changes nothing
 	check("non-driver heartbeat", 0, 0)
+	// Loads hold the engine too: 160 local tokens (10 blocks) at 0.25 of a
+	// block's prefill and 320 remote (20 blocks) at 0.5 add 2.5 + 10 blocks.
+	h := hb("g0", 0, 2)
+	h.InflightRequests, h.QueuedPrefillTokens, h.QueuedLoadTokens, h.QueuedRemoteLoadTokens = 2, 32, 160, 320
+	gt.observe(h, now)
+	check("loads queued", 2, 2+13)
 }

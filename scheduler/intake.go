@@ -184,7 +184,7 @@ func (s *Scheduler) setLoad(t *RequestTracker, local int, global bool) {
 		t.Remote, t.LoadBlocks = s.index.RemoteRuns(t.BlockHashes, t.Group, t.LocalBlocks, limit, t.savers)
 	}
 	t.PrefillBlocks = len(t.BlockHashes) - t.LoadBlocks
-	t.queued = t.PrefillBlocks
+	t.queued = t.PrefillBlocks + loadWork(t.LocalBlocks, t.LoadBlocks-t.LocalBlocks, s.cfg.LocalLoadCost, s.cfg.RemoteLoadCost)
 }
 
 // savers are the groups with no prefill queued: what they are saving is

@@ -210,7 +210,7 @@ func New(cfg Config) (*Scheduler, error) {
 	s := &Scheduler{
 		cfg:        cfg,
 		log:        log.With("scheduler_id", cfg.ID),
-		groups:     newGroupTable(cfg.HeartbeatTimeout, cfg.BlockSize),
+		groups:     newGroupTable(cfg.HeartbeatTimeout, cfg.BlockSize, cfg.LocalLoadCost, cfg.RemoteLoadCost),
 		trackers:   trackers,
 		index:      NewKVIndex(),
 		hm:         bus.NewHandlerMetrics(cfg.Registerer),

@@ -39,8 +39,9 @@ type RequestTracker struct {
 	// PrefillBlocks the blocks left to prefill.
 	LoadBlocks    int
 	PrefillBlocks int
-	// queued is PrefillBlocks until the driver reports the prefill, then 0:
-	// what the request adds to its group's prefill queue.
+	// queued is PrefillBlocks plus the prefill time of its loads (in
+	// blocks) until the driver reports the prefill, then 0: what the
+	// request adds to its group's queue.
 	queued int
 	// Prefilled is set when the driver reported the prefill: output has
 	// started, so the request can no longer move to another group.

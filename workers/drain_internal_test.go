@@ -97,3 +97,16 @@ func TestDrainPlan(t *testing.T) {
 		t.Fatalf("plan header %+v", plan)
 	}
 }
+
+func TestLoadTokens(t *testing.T) {
+	meta := &messages.ReqMeta{BlockSize: 16, LoadSpec: &messages.LoadSpec{CanLoad: true, KVPoolCachedTokens: 10 * 16,
+		Remote: []messages.RemoteRun{{Group: "g1", FromBlock: 4, Blocks: 3}, {Group: "g2", FromBlock: 7, Blocks: 9}}}}
+	// Blocks 0-3 local, 4-9 remote (the second run is cut at the 10 loaded blocks).
+	if local, remote := loadTokens(meta); local != 4*16 || remote != 6*16 {
+		t.Fatalf("loadTokens = %d local, %d remote; want %d, %d", local, remote, 4*16, 6*16)
+	}
+	meta.LoadSpec.CanLoad = false
+	if local, remote := loadTokens(meta); local != 0 || remote != 0 {
+		t.Fatalf("loadTokens without CanLoad = %d, %d", local, remote)
+	}
+}

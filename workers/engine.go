@@ -29,7 +29,12 @@ type EngineRequest struct {
 	// RemoteTokens are those of CachedTokens read from another group's
 	// segment of the KV pool (charged at RemoteLoadPerToken).
 	RemoteTokens int
-	Params       messages.SamplingParams
+	// LoadTime is the wall time the rank already spent reading the cached
+	// tokens (copies from other groups included). The sim engine charges a
+	// load as max(its model, LoadTime): the copy over the bus is the
+	// transfer the model stands for, not an extra one.
+	LoadTime time.Duration
+	Params   messages.SamplingParams
 }
 
 // Chunk is a piece of generated output.
@@ -130,20 +135,13 @@ const (
 // Generate implements Engine.
 func (e *SimEngine) Generate(ctx context.Context, req EngineRequest, prefilled func(), emit func(Chunk) error) (EngineResult, error) {
 	p := e.cfg.Profile
-	cached := min(max(req.CachedTokens, 0), len(req.PromptTokens))
 	// Prefill is FCFS per group: wait for the slot, then load and prefill.
 	select {
 	case e.prefill <- struct{}{}:
 	case <-ctx.Done():
 		return EngineResult{}, ctx.Err()
 	}
-	remote := min(max(req.RemoteTokens, 0), cached)
-	remoteCost := p.RemoteLoadPerToken
-	if remoteCost == 0 {
-		remoteCost = 3 * p.LoadPerToken
-	}
-	err := e.sleep(ctx, time.Duration(cached-remote)*p.LoadPerToken+time.Duration(remote)*remoteCost+
-		time.Duration(len(req.PromptTokens)-cached)*p.PrefillPerToken)
+	err := e.wait(ctx, e.prefillTime(req))
 	<-e.prefill
 	if err != nil {
 		return EngineResult{}, err
@@ -225,8 +223,32 @@ func findStop(s string, stops []string, from int) (int, bool) {
 	return best, found
 }
 
+// prefillTime is the wall time a request holds the group's prefill slot:
+// its load (what the model charges beyond the LoadTime the rank already
+// spent) and the prefill of its uncached tokens.
+func (e *SimEngine) prefillTime(req EngineRequest) time.Duration {
+	p := e.cfg.Profile
+	cached := min(max(req.CachedTokens, 0), len(req.PromptTokens))
+	remote := min(max(req.RemoteTokens, 0), cached)
+	remoteCost := p.RemoteLoadPerToken
+	if remoteCost == 0 {
+		remoteCost = 3 * p.LoadPerToken
+	}
+	load := e.scaled(time.Duration(cached-remote)*p.LoadPerToken+time.Duration(remote)*remoteCost) - req.LoadTime
+	return max(load, 0) + e.scaled(time.Duration(len(req.PromptTokens)-cached)*p.PrefillPerToken)
+}
+
 func (e *SimEngine) sleep(ctx context.Context, d time.Duration) error {
-	d = time.Duration(float64(d) * e.cfg.TimeScale)
+	return e.wait(ctx, e.scaled(d))
+}
+
+// scaled is a modelled duration in wall time.
+func (e *SimEngine) scaled(d time.Duration) time.Duration {
+	return time.Duration(float64(d) * e.cfg.TimeScale)
+}
+
+// wait sleeps for d of wall time, or until ctx ends.
+func (e *SimEngine) wait(ctx context.Context, d time.Duration) error {
 	if d <= 0 {
 		return ctx.Err()
 	}

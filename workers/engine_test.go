@@ -459,3 +459,32 @@ func TestSimEngineString(t *testing.T) {
 		t.Errorf("String() = %q", got)
 	}
 }
+
+// TestSimPrefillTime: the slot holds load + prefill, in wall time; a load
+// the rank already spent reading (a copy over the bus) counts against the
+// model's load, never against the prefill.
+func TestSimPrefillTime(t *testing.T) {
+	e, err := NewSimEngine(SimConfig{Profile: SimProfile{PrefillPerToken: 60 * time.Microsecond, LoadPerToken: 5 * time.Microsecond,
+		RemoteLoadPerToken: 15 * time.Microsecond}, TimeScale: 0.5})
+	if err != nil {
+		t.Fatal(err)
+	}
+	prompt := make([]uint32, 1000)
+	for _, tc := range []struct {
+		name           string
+		cached, remote int
+		loadTime       time.Duration
+		want           time.Duration
+	}{
+		{"nothing cached", 0, 0, 0, 30 * time.Millisecond},                              // 1000 × 60 µs × 0.5
+		{"local hits", 600, 0, 0, (1500 + 12000) * time.Microsecond},                    // 600 × 5 + 400 × 60, halved
+		{"remote hits", 600, 400, 0, (500 + 3000 + 12000) * time.Microsecond},           // 200 × 5 + 400 × 15 + 400 × 60, halved
+		{"load partly spent", 600, 400, 1500 * time.Microsecond, 14 * time.Millisecond}, // 3.5 ms of load, 1.5 ms spent
+		{"load all spent", 600, 400, time.Second, 12 * time.Millisecond},                // prefill only
+	} {
+		got := e.prefillTime(EngineRequest{PromptTokens: prompt, CachedTokens: tc.cached, RemoteTokens: tc.remote, LoadTime: tc.loadTime})
+		if got != tc.want {
+			t.Errorf("%s: prefillTime = %v, want %v", tc.name, got, tc.want)
+		}
+	}
+}

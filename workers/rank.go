@@ -141,8 +141,9 @@ type Rank struct {
 	draining atomic.Bool  // Run's context ended
 	dropped  atomic.Int64 // ReqMetas ignored for DropReqMetas
 	// queuedTokens: prompt tokens of the driver's requests not yet
-	// prefilled, reported in heartbeats.
-	queuedTokens atomic.Int64
+	// prefilled, and the cached tokens they will load locally and from
+	// other groups first; reported in heartbeats.
+	queuedTokens, queuedLoad, queuedRemote atomic.Int64
 
 	drivers sync.WaitGroup // driver goroutines, started by the load loop
 }
@@ -424,7 +425,7 @@ func (r *Rank) onMeta(ctx context.Context, m *nats.Msg) error {
 			r.active[meta.ReqID] = rr
 			r.registerSavesLocked(rr)
 			if r.IsDriver() {
-				r.queuedTokens.Add(int64(prefillTokens(meta)))
+				r.queue(meta, 1)
 			}
 		default:
 			rr.receipt.Stop()
@@ -450,10 +451,34 @@ func prefillTokens(meta *messages.ReqMeta) int {
 	return max(meta.TokenLen-cached, 0)
 }
 
-// donePrefill takes rr's tokens off the driver's prefill queue, once.
+// loadTokens are the cached tokens a request loads: from the group's own
+// segments, and from other groups' (its LoadSpec's remote runs).
+func loadTokens(meta *messages.ReqMeta) (local, remote int) {
+	ls := meta.LoadSpec
+	if ls == nil || !ls.CanLoad || meta.BlockSize < 1 {
+		return 0, 0
+	}
+	n := ls.KVPoolCachedTokens / meta.BlockSize
+	for _, run := range ls.Remote {
+		remote += max(min(run.FromBlock+run.Blocks, n)-run.FromBlock, 0)
+	}
+	remote = min(remote, n) * meta.BlockSize
+	return ls.KVPoolCachedTokens - remote, remote
+}
+
+// queue adds (sign 1) or removes (-1) a request's work to the driver's
+// queue counters.
+func (r *Rank) queue(meta *messages.ReqMeta, sign int64) {
+	local, remote := loadTokens(meta)
+	r.queuedTokens.Add(sign * int64(prefillTokens(meta)))
+	r.queuedLoad.Add(sign * int64(local))
+	r.queuedRemote.Add(sign * int64(remote))
+}
+
+// donePrefill takes rr's work off the driver's prefill queue, once.
 func (r *Rank) donePrefill(rr *rankReq) {
 	if r.IsDriver() && rr.prefilled.CompareAndSwap(false, true) {
-		r.queuedTokens.Add(-int64(prefillTokens(rr.meta)))
+		r.queue(rr.meta, -1)
 	}
 }
 

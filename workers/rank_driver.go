@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"time"
 
 	"github.com/kvbus/kvbus/messages"
 )
@@ -22,7 +23,8 @@ func (r *Rank) drive(rr *rankReq) {
 	cached := min(rr.loaded, max(meta.TokenLen-1, 0)) // at least one token is computed
 	storeQueued := false
 	res, err := r.cfg.Engine.Generate(rr.ctx, EngineRequest{
-		ReqID: meta.ReqID, PromptTokens: meta.TokenIDs, CachedTokens: cached, RemoteTokens: min(rr.remote, cached), Params: meta.SamplingParams,
+		ReqID: meta.ReqID, PromptTokens: meta.TokenIDs, CachedTokens: cached, RemoteTokens: min(rr.remote, cached),
+		LoadTime: time.Duration(rr.loadUs) * time.Microsecond, Params: meta.SamplingParams,
 	}, func() {
 		storeQueued = true
 		r.donePrefill(rr)

@@ -108,6 +108,7 @@ func (r *Rank) heartbeat() {
 	}
 	if r.IsDriver() {
 		hb.InflightRequests, hb.QueuedPrefillTokens = depth, max(r.queuedTokens.Load(), 0)
+		hb.QueuedLoadTokens, hb.QueuedRemoteLoadTokens = max(r.queuedLoad.Load(), 0), max(r.queuedRemote.Load(), 0)
 	}
 	data, err := messages.Marshal(hb)
 	if err == nil {
