@@ -104,8 +104,10 @@ func (c *RankConfig) Validate() error {
 		return fmt.Errorf("%w: %v", ErrConfig, c.Profile.Validate())
 	case c.TPRank == 0 && c.Engine == nil:
 		return fmt.Errorf("%w: the driver rank (tp_rank 0) needs an engine", ErrConfig)
-	case c.CapacityBytes < 0 || c.DrainHandoff < 0:
+	case c.CapacityBytes < 0:
 		return fmt.Errorf("%w: negative KV capacity", ErrConfig)
+	case c.DrainHandoff < 0:
+		return fmt.Errorf("%w: negative --drain-handoff (0 turns it off)", ErrConfig)
 	case c.Payload != PayloadBytes && c.Payload != PayloadAccounting:
 		return fmt.Errorf("%w: --kv-payload %q must be %s or %s", ErrConfig, c.Payload, PayloadBytes, PayloadAccounting)
 	}
@@ -127,9 +129,9 @@ type Rank struct {
 
 	loadQ  chan *rankReq
 	storeQ chan *rankReq
-	pool   PoolClient // reads of other groups' segments
-	peers  peerGroups // other groups' heartbeats (driver, with DrainHandoff)
-	plans  chan *messages.DrainPlan
+	pool   PoolClient               // reads of other groups' segments
+	peers  peerGroups               // heartbeats the drain hand-off needs
+	plans  chan *messages.DrainPlan // the driver's DrainPlan, while draining
 
 	mu     sync.Mutex
 	active map[string]*rankReq     // by req_id
