@@ -4,9 +4,10 @@
 //
 // # Wire format (verified in vLLM's source)
 //
-// vllm/distributed/kv_events.py (vllm-project/vllm, read at commits
-// b4e69e0af33f and 0181ea3173e5, and a later variant with a msgpack replay
-// request) defines the events as msgspec Structs:
+// vllm/distributed/kv_events.py defines the events as msgspec Structs
+// (read in vllm-project/vllm at commits b4e69e0af33f and 0181ea3173e5, and
+// in a later copy, from a repository the search index did not name, with
+// EventBatch still array_like, map events and a msgpack replay request):
 //
 //	class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
 //	    ts: float
@@ -33,7 +34,8 @@
 // Three shapes exist in the wild, and Decode accepts all of them, in any
 // mix:
 //
-//   - Until vLLM PR #42892 (merged 2026-06), KVCacheEvent also had
+//   - Until vLLM PR #42892 (merged 2026-06-09, per llm-d-kv-cache PR #661
+//     which adapted to it), KVCacheEvent also had
 //     array_like=True: a batch is the msgpack array [ts, [event, ...],
 //     data_parallel_rank] and each event an array whose first element is
 //     the tag, e.g. ["BlockStored", block_hashes, parent_block_hash,
@@ -42,12 +44,14 @@
 //     omit_defaults drops trailing fields left at their default, so an
 //     array may be shorter; newer fields are appended at the end).
 //   - Since then each event is a msgspec tagged map, {"type": "BlockStored",
-//     "block_hashes": ..., ...}, inside the still positional batch (seen from
-//     vLLM 0.26 on the wire).
+//     "block_hashes": ..., ...}, inside the still positional batch (a dump
+//     from vLLM 0.26 in volcano-sh/kthena issue #1535 shows
+//     [ts, [{'type': 'BlockStored', ...}], 0]).
 //   - One snapshot of vllm-project/vllm (0181ea3173e5) also drops
 //     array_like from EventBatch, making the batch a map {"ts", "events",
-//     "data_parallel_rank"}; llm-d's inference simulator emits the map form
-//     too.
+//     "data_parallel_rank"}. llm-d's inference simulator emits either
+//     event form (its --use-vllm-map-event-format, llm-d-inference-sim PR
+//     #570).
 //
 // ExternalBlockHash is `bytes | int` (vllm/v1/core/kv_cache_utils.py):
 // sha256 bytes by default, or, with VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES,
