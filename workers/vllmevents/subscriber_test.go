@@ -1,0 +1,584 @@
+package vllmevents_test
+
+import (
+	"context"
+	"encoding/binary"
+	"errors"
+	"fmt"
+	"io"
+	"log"
+	"log/slog"
+	"net"
+	"slices"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/go-zeromq/zmq4"
+
+	"github.com/kvbus/kvbus/messages"
+	"github.com/kvbus/kvbus/workers/vllmevents"
+)
+
+const testTopic = "kv@pod-a@Qwen/Qwen3-8B"
+
+var quietLog = log.New(io.Discard, "", 0)
+
+// testPub is a PUB socket sending vLLM's three-frame messages, as
+// ZmqEventPublisher._publisher_thread does: topic, seq.to_bytes(8, "big"),
+// payload.
+type testPub struct {
+	sock zmq4.Socket
+}
+
+// newPub returns a PUB that binds 127.0.0.1 on an ephemeral port (vLLM's
+// default role) or, with dial set, connects to dial (llm-d's simulator).
+func newPub(t *testing.T, dial string) (*testPub, string) {
+	t.Helper()
+	ctx, cancel := context.WithCancel(context.Background())
+	sock := zmq4.NewPub(ctx, zmq4.WithLogger(quietLog), zmq4.WithDialerRetry(20*time.Millisecond))
+	t.Cleanup(func() {
+		cancel()
+		_ = sock.Close()
+	})
+	if dial != "" {
+		if err := sock.Dial(dial); err != nil {
+			t.Fatal(err)
+		}
+		return &testPub{sock: sock}, dial
+	}
+	if err := sock.Listen("tcp://127.0.0.1:0"); err != nil {
+		t.Fatal(err)
+	}
+	return &testPub{sock: sock}, "tcp://" + sock.Addr().String()
+}
+
+// waitSubscribed waits until a subscriber's subscription to topic has
+// reached the PUB, after which nothing sent is dropped.
+func (p *testPub) waitSubscribed(t *testing.T, topic string) {
+	t.Helper()
+	deadline := time.Now().Add(10 * time.Second)
+	for !slices.Contains(p.sock.(zmq4.Topics).Topics(), topic) {
+		if time.Now().After(deadline) {
+			t.Fatalf("no subscription to %q", topic)
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+}
+
+func (p *testPub) send(t *testing.T, topic string, seq uint64, payload []byte) {
+	t.Helper()
+	var s [8]byte
+	binary.BigEndian.PutUint64(s[:], seq)
+	p.sendFrames(t, []byte(topic), s[:], payload)
+}
+
+func (p *testPub) sendFrames(t *testing.T, frames ...[]byte) {
+	t.Helper()
+	if err := p.sock.SendMulti(zmq4.NewMsgFrom(frames...)); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// startReplay serves vLLM's replay protocol (ZmqEventPublisher.
+// _service_replay) from buffer on a ROUTER bound to an ephemeral port,
+// until the test ends.
+func startReplay(t *testing.T, buffer map[uint64][]byte) string {
+	t.Helper()
+	ctx, cancel := context.WithCancel(context.Background())
+	sock := zmq4.NewRouter(ctx, zmq4.WithLogger(quietLog))
+	if err := sock.Listen("tcp://127.0.0.1:0"); err != nil {
+		t.Fatal(err)
+	}
+	var wg sync.WaitGroup
+	t.Cleanup(func() {
+		cancel()
+		_ = sock.Close()
+		wg.Wait()
+	})
+	seqs := make([]uint64, 0, len(buffer))
+	for s := range buffer {
+		seqs = append(seqs, s)
+	}
+	slices.Sort(seqs)
+	wg.Go(func() {
+		for {
+			msg, err := sock.Recv()
+			if err != nil {
+				if ctx.Err() != nil {
+					return
+				}
+				continue
+			}
+			if len(msg.Frames) != 3 { // identity, delimiter, start seq
+				t.Errorf("replay request of %d frames", len(msg.Frames))
+				continue
+			}
+			id, start := msg.Frames[0], binary.BigEndian.Uint64(msg.Frames[2])
+			for _, s := range seqs {
+				if s >= start {
+					var sb [8]byte
+					binary.BigEndian.PutUint64(sb[:], s)
+					_ = sock.SendMulti(zmq4.NewMsgFrom(id, []byte{}, sb[:], buffer[s]))
+				}
+			}
+			end := [8]byte{0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff}
+			_ = sock.SendMulti(zmq4.NewMsgFrom(id, []byte{}, end[:], []byte{}))
+		}
+	})
+	return "tcp://" + sock.Addr().String()
+}
+
+// recorder collects what a Subscriber delivers and reports.
+type recorder struct {
+	mu      sync.Mutex
+	seqs    []uint64
+	batches []*vllmevents.Batch
+	gaps    [][2]uint64
+	got     chan struct{}
+}
+
+func newRecorder() *recorder { return &recorder{got: make(chan struct{}, 1000)} }
+
+func (r *recorder) handle(seq uint64, b *vllmevents.Batch) error {
+	r.mu.Lock()
+	r.seqs = append(r.seqs, seq)
+	r.batches = append(r.batches, b)
+	r.mu.Unlock()
+	r.got <- struct{}{}
+	return nil
+}
+
+func (r *recorder) onGap(from, to uint64) {
+	r.mu.Lock()
+	r.gaps = append(r.gaps, [2]uint64{from, to})
+	r.mu.Unlock()
+}
+
+// wait waits for n more deliveries.
+func (r *recorder) wait(t *testing.T, n int) {
+	t.Helper()
+	for range n {
+		select {
+		case <-r.got:
+		case <-time.After(10 * time.Second):
+			r.mu.Lock()
+			defer r.mu.Unlock()
+			t.Fatalf("timed out; delivered %v, gaps %v", r.seqs, r.gaps)
+		}
+	}
+}
+
+func (r *recorder) state() ([]uint64, [][2]uint64) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return slices.Clone(r.seqs), slices.Clone(r.gaps)
+}
+
+// run runs s until the test ends, failing it if Run fails.
+func run(t *testing.T, s *vllmevents.Subscriber, h vllmevents.Handler) {
+	t.Helper()
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- s.Run(ctx, h) }()
+	t.Cleanup(func() {
+		cancel()
+		select {
+		case err := <-done:
+			if err != nil {
+				t.Errorf("Run: %v", err)
+			}
+		case <-time.After(10 * time.Second):
+			t.Error("Run did not return after its context ended")
+		}
+	})
+}
+
+func newSub(t *testing.T, cfg vllmevents.Config) *vllmevents.Subscriber {
+	t.Helper()
+	if cfg.Logger == nil {
+		cfg.Logger = slog.New(slog.DiscardHandler)
+	}
+	s, err := vllmevents.New(cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return s
+}
+
+func batch(t *testing.T, f form, hash uint64) []byte {
+	return encodeBatch(t, f, float64(hash), []vEvent{vRemoved{Hashes: ints(hash), Medium: "GPU"}.event()}, 0)
+}
+
+// TestSubscriberConnect: the Subscriber connects to a binding publisher,
+// as to vLLM, and delivers batches of every form in order.
+func TestSubscriberConnect(t *testing.T) {
+	pub, ep := newPub(t, "")
+	rec := newRecorder()
+	s := newSub(t, vllmevents.Config{Endpoint: ep, Topic: testTopic, OnGap: rec.onGap})
+	run(t, s, rec.handle)
+	pub.waitSubscribed(t, testTopic)
+	for i, f := range forms {
+		pub.send(t, testTopic, uint64(10+i), batch(t, f, uint64(100+i)))
+	}
+	rec.wait(t, len(forms))
+	seqs, gaps := rec.state()
+	if !slices.Equal(seqs, []uint64{10, 11, 12}) || len(gaps) != 0 {
+		t.Fatalf("seqs %v, gaps %v", seqs, gaps)
+	}
+	for i, b := range rec.batches {
+		if len(b.Events) != 1 || b.Events[0].BlockHashes[0] != vllmevents.HashFromUint64(uint64(100+i)) {
+			t.Fatalf("batch %d: %+v", i, b)
+		}
+	}
+	if st := s.Stats(); st.Received != 3 || st.Delivered != 3 {
+		t.Fatalf("stats %+v", st)
+	}
+}
+
+// TestSubscriberBind: the Subscriber binds and the publisher connects, as
+// llm-d's simulator does.
+func TestSubscriberBind(t *testing.T) {
+	rec := newRecorder()
+	s := newSub(t, vllmevents.Config{Endpoint: "tcp://127.0.0.1:0", Bind: true, OnGap: rec.onGap})
+	run(t, s, rec.handle)
+	var addr net.Addr
+	for deadline := time.Now().Add(10 * time.Second); addr == nil; addr = s.Addr() {
+		if time.Now().After(deadline) {
+			t.Fatal("the Subscriber did not bind")
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+	pub, _ := newPub(t, "tcp://"+addr.String())
+	pub.waitSubscribed(t, "")
+	pub.send(t, "any topic", 0, batch(t, formMap, 1))
+	pub.send(t, "", 1, batch(t, formArray, 2))
+	rec.wait(t, 2)
+	if seqs, gaps := rec.state(); !slices.Equal(seqs, []uint64{0, 1}) || len(gaps) != 0 {
+		t.Fatalf("seqs %v, gaps %v", seqs, gaps)
+	}
+}
+
+// TestSubscriberTopic: only the subscribed topic's messages are delivered.
+func TestSubscriberTopic(t *testing.T) {
+	pub, ep := newPub(t, "")
+	rec := newRecorder()
+	s := newSub(t, vllmevents.Config{Endpoint: ep, Topic: testTopic, OnGap: rec.onGap})
+	run(t, s, rec.handle)
+	pub.waitSubscribed(t, testTopic)
+	pub.send(t, "kv@pod-b@Qwen/Qwen3-8B", 0, batch(t, formArray, 1))
+	pub.send(t, testTopic, 5, batch(t, formArray, 2))
+	pub.send(t, "other", 1, batch(t, formArray, 3))
+	pub.send(t, testTopic, 6, batch(t, formArray, 4))
+	rec.wait(t, 2)
+	if seqs, gaps := rec.state(); !slices.Equal(seqs, []uint64{5, 6}) || len(gaps) != 0 {
+		t.Fatalf("seqs %v, gaps %v", seqs, gaps)
+	}
+}
+
+// TestSubscriberGap reports missing batches, a restart and an undecodable
+// batch, each before the batch after it.
+func TestSubscriberGap(t *testing.T) {
+	pub, ep := newPub(t, "")
+	rec := newRecorder()
+	var gapsBefore []int
+	s := newSub(t, vllmevents.Config{Endpoint: ep, OnGap: func(from, to uint64) {
+		rec.onGap(from, to)
+		seqs, _ := rec.state()
+		gapsBefore = append(gapsBefore, len(seqs))
+	}})
+	run(t, s, rec.handle)
+	pub.waitSubscribed(t, "")
+	pub.send(t, "", 7, batch(t, formArray, 1))         // the first: no gap
+	pub.send(t, "", 8, batch(t, formArray, 1))         //
+	pub.send(t, "", 11, batch(t, formArray, 1))        // 9 and 10 lost
+	pub.send(t, "", 12, []byte{0xc1})                  // undecodable: 12 lost
+	pub.sendFrames(t, []byte(""), []byte{1})           // not vLLM's frames: ignored
+	pub.sendFrames(t, []byte(""), []byte{1}, []byte{}) // a short seq: ignored
+	pub.send(t, "", 13, batch(t, formArray, 1))        //
+	pub.send(t, "", 0, batch(t, formArray, 1))         // the engine restarted
+	rec.wait(t, 5)
+	seqs, gaps := rec.state()
+	if !slices.Equal(seqs, []uint64{7, 8, 11, 13, 0}) {
+		t.Fatalf("seqs %v", seqs)
+	}
+	if want := [][2]uint64{{9, 11}, {12, 13}, {14, 0}}; !slices.Equal(gaps, want) {
+		t.Fatalf("gaps %v, want %v", gaps, want)
+	}
+	if want := []int{2, 3, 4}; !slices.Equal(gapsBefore, want) {
+		t.Fatalf("gaps reported after %v deliveries, want %v", gapsBefore, want)
+	}
+	if st := s.Stats(); st.Malformed != 3 || st.Gaps != 3 {
+		t.Fatalf("stats %+v", st)
+	}
+}
+
+// TestSubscriberReplay fills a gap from the replay socket; what the
+// replay buffer no longer has is reported.
+func TestSubscriberReplay(t *testing.T) {
+	for _, tc := range []struct {
+		name     string
+		buffer   []uint64
+		wantSeqs []uint64
+		wantGaps [][2]uint64
+	}{
+		{"whole", []uint64{0, 1, 2, 3, 4, 5}, []uint64{0, 1, 2, 3, 4}, nil},
+		{"partial", []uint64{3, 4}, []uint64{0, 3, 4}, [][2]uint64{{1, 3}}},
+		{"end", []uint64{1}, []uint64{0, 1, 4}, [][2]uint64{{2, 4}}},
+		{"empty", nil, []uint64{0, 4}, [][2]uint64{{1, 4}}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			buffer := map[uint64][]byte{}
+			for _, s := range tc.buffer {
+				buffer[s] = batch(t, formMapEvents, 1000+s)
+			}
+			replay := startReplay(t, buffer)
+			pub, ep := newPub(t, "")
+			rec := newRecorder()
+			s := newSub(t, vllmevents.Config{Endpoint: ep, ReplayEndpoint: replay, OnGap: rec.onGap})
+			run(t, s, rec.handle)
+			pub.waitSubscribed(t, "")
+			pub.send(t, "", 0, batch(t, formMapEvents, 1000))
+			pub.send(t, "", 4, batch(t, formMapEvents, 1004))
+			rec.wait(t, len(tc.wantSeqs))
+			seqs, gaps := rec.state()
+			if !slices.Equal(seqs, tc.wantSeqs) || !slices.Equal(gaps, tc.wantGaps) {
+				t.Fatalf("seqs %v gaps %v, want %v and %v", seqs, gaps, tc.wantSeqs, tc.wantGaps)
+			}
+			for i, b := range rec.batches {
+				if b.Events[0].BlockHashes[0] != vllmevents.HashFromUint64(1000+seqs[i]) {
+					t.Fatalf("seq %d delivered batch %+v", seqs[i], b)
+				}
+			}
+		})
+	}
+}
+
+// TestSubscriberReplayUnreachable reports the gap when the replay socket
+// does not answer.
+func TestSubscriberReplayUnreachable(t *testing.T) {
+	l, err := net.Listen("tcp", "127.0.0.1:0") // accepts, never speaks ZMTP
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer l.Close()
+	pub, ep := newPub(t, "")
+	rec := newRecorder()
+	s := newSub(t, vllmevents.Config{Endpoint: ep, ReplayEndpoint: "tcp://" + l.Addr().String(),
+		ReplayTimeout: 200 * time.Millisecond, OnGap: rec.onGap})
+	run(t, s, rec.handle)
+	pub.waitSubscribed(t, "")
+	pub.send(t, "", 0, batch(t, formArray, 1))
+	pub.send(t, "", 2, batch(t, formArray, 1))
+	rec.wait(t, 2)
+	if seqs, gaps := rec.state(); !slices.Equal(seqs, []uint64{0, 2}) || !slices.Equal(gaps, [][2]uint64{{1, 2}}) {
+		t.Fatalf("seqs %v, gaps %v", seqs, gaps)
+	}
+}
+
+// TestSubscriberHandlerError ends Run with the handler's error.
+func TestSubscriberHandlerError(t *testing.T) {
+	pub, ep := newPub(t, "")
+	s := newSub(t, vllmevents.Config{Endpoint: ep})
+	boom := errors.New("boom")
+	done := make(chan error, 1)
+	go func() {
+		done <- s.Run(context.Background(), func(uint64, *vllmevents.Batch) error { return boom })
+	}()
+	pub.waitSubscribed(t, "")
+	pub.send(t, "", 0, batch(t, formArray, 1))
+	select {
+	case err := <-done:
+		if !errors.Is(err, boom) {
+			t.Fatalf("Run = %v", err)
+		}
+	case <-time.After(10 * time.Second):
+		t.Fatal("Run did not return")
+	}
+}
+
+// TestSubscriberWaitsForEngine: a connecting Subscriber started before the
+// engine waits for it, and returns when its context ends even if the
+// engine never comes.
+func TestSubscriberWaitsForEngine(t *testing.T) {
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	ep := "tcp://" + l.Addr().String()
+	_ = l.Close() // nothing listens there now
+
+	ctx, cancel := context.WithTimeout(context.Background(), 300*time.Millisecond)
+	defer cancel()
+	s := newSub(t, vllmevents.Config{Endpoint: ep})
+	if err := s.Run(ctx, func(uint64, *vllmevents.Batch) error { return nil }); err != nil {
+		t.Fatalf("Run = %v", err)
+	}
+
+	rec := newRecorder()
+	s = newSub(t, vllmevents.Config{Endpoint: ep})
+	run(t, s, rec.handle)
+	time.Sleep(100 * time.Millisecond)
+	ctx2, cancel2 := context.WithCancel(context.Background())
+	defer cancel2()
+	sock := zmq4.NewPub(ctx2, zmq4.WithLogger(quietLog))
+	defer sock.Close()
+	if err := sock.Listen(ep); err != nil {
+		t.Skipf("port taken meanwhile: %v", err)
+	}
+	pub := &testPub{sock: sock}
+	pub.waitSubscribed(t, "")
+	pub.send(t, "", 0, batch(t, formArray, 1))
+	rec.wait(t, 1)
+}
+
+func TestSubscriberRunTwice(t *testing.T) {
+	_, ep := newPub(t, "")
+	s := newSub(t, vllmevents.Config{Endpoint: ep})
+	run(t, s, func(uint64, *vllmevents.Batch) error { return nil })
+	time.Sleep(50 * time.Millisecond)
+	if err := s.Run(context.Background(), func(uint64, *vllmevents.Batch) error { return nil }); !errors.Is(err, vllmevents.ErrConfig) {
+		t.Fatalf("second Run = %v", err)
+	}
+	if err := newSub(t, vllmevents.Config{Endpoint: ep}).Run(context.Background(), nil); !errors.Is(err, vllmevents.ErrConfig) {
+		t.Fatalf("Run without a handler = %v", err)
+	}
+}
+
+func TestConfigValidate(t *testing.T) {
+	for _, tc := range []struct {
+		cfg vllmevents.Config
+		ok  bool
+	}{
+		{vllmevents.Config{Endpoint: "tcp://127.0.0.1:5557"}, true},
+		{vllmevents.Config{Endpoint: "tcp://vllm-0.vllm:5557", ReplayEndpoint: "tcp://vllm-0.vllm:5558"}, true},
+		{vllmevents.Config{Endpoint: "tcp://*:5557", Bind: true}, true},
+		{vllmevents.Config{Endpoint: "tcp://127.0.0.1:0", Bind: true}, true},
+		{vllmevents.Config{Endpoint: "ipc:///tmp/kv.sock"}, true},
+		{vllmevents.Config{}, false},
+		{vllmevents.Config{Endpoint: "127.0.0.1:5557"}, false},
+		{vllmevents.Config{Endpoint: "udp://127.0.0.1:5557"}, false},
+		{vllmevents.Config{Endpoint: "tcp://*:5557"}, false},
+		{vllmevents.Config{Endpoint: "tcp://127.0.0.1"}, false},
+		{vllmevents.Config{Endpoint: "ipc://"}, false},
+		{vllmevents.Config{Endpoint: "tcp://h:1", ReplayEndpoint: "tcp://*:5558"}, false},
+		{vllmevents.Config{Endpoint: "tcp://h:1", ReplayTimeout: -time.Second}, false},
+	} {
+		err := tc.cfg.Validate()
+		if (err == nil) != tc.ok || (err != nil && !errors.Is(err, vllmevents.ErrConfig)) {
+			t.Errorf("%+v: Validate = %v", tc.cfg, err)
+		}
+		if _, err := vllmevents.New(tc.cfg); (err == nil) != tc.ok {
+			t.Errorf("%+v: New = %v", tc.cfg, err)
+		}
+	}
+}
+
+// ExampleSubscriber wires a Subscriber to a Translator, as a kvbus rank
+// fronting vLLM would.
+func ExampleSubscriber() {
+	tr, err := vllmevents.NewTranslator(vllmevents.TranslatorConfig{BlockSize: 16, Hash: chained("my-model")})
+	if err != nil {
+		panic(err)
+	}
+	publish := func([]messages.KVEvent) {} // the rank's KV event log
+	s, err := vllmevents.New(vllmevents.Config{
+		Endpoint:       "tcp://127.0.0.1:5557", // vLLM's kv-events-config endpoint
+		ReplayEndpoint: "tcp://127.0.0.1:5558", // and replay_endpoint
+		Topic:          "kv-events",
+		// Run's goroutine calls OnGap and the handler: no lock needed.
+		OnGap: func(from, to uint64) { publish(tr.Reset()) },
+	})
+	if err != nil {
+		panic(err)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Millisecond)
+	defer cancel()
+	err = s.Run(ctx, func(seq uint64, b *vllmevents.Batch) error {
+		evs, err := tr.Translate(b)
+		if err != nil {
+			slog.Warn("vLLM KV events not indexed", "seq", seq, "err", err)
+		}
+		publish(evs)
+		return nil
+	})
+	fmt.Println(err)
+	// Output: <nil>
+}
+
+// TestSubscriberSilentPeers: a peer that accepts TCP but never speaks ZMTP
+// neither keeps Run from returning when its context ends, nor, connecting
+// to a binding Subscriber, keeps real publishers out for longer than the
+// handshake timeout; its connection is closed.
+func TestSubscriberSilentPeers(t *testing.T) {
+	defer vllmevents.SetHandshakeTimeout(300 * time.Millisecond)()
+
+	t.Run("connect", func(t *testing.T) {
+		l, err := net.Listen("tcp", "127.0.0.1:0")
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer l.Close()
+		accepted := make(chan net.Conn, 100)
+		go func() {
+			for {
+				c, err := l.Accept()
+				if err != nil {
+					close(accepted)
+					return
+				}
+				accepted <- c
+			}
+		}()
+		ctx, cancel := context.WithTimeout(context.Background(), time.Second)
+		defer cancel()
+		s := newSub(t, vllmevents.Config{Endpoint: "tcp://" + l.Addr().String()})
+		start := time.Now()
+		if err := s.Run(ctx, func(uint64, *vllmevents.Batch) error { return nil }); err != nil {
+			t.Fatal(err)
+		}
+		if d := time.Since(start); d > 3*time.Second {
+			t.Fatalf("Run returned %v after its context ended", d-time.Second)
+		}
+		_ = l.Close()
+		n := 0
+		for c := range accepted {
+			n++
+			// The Subscriber closed its end: a read ends.
+			_ = c.SetReadDeadline(time.Now().Add(5 * time.Second))
+			if _, err := io.ReadAll(c); err != nil {
+				t.Errorf("connection %d still open: %v", n, err)
+			}
+			_ = c.Close()
+		}
+		if n < 2 {
+			t.Errorf("%d connection attempts in a second, want a retry after the handshake timeout", n)
+		}
+	})
+
+	t.Run("bind", func(t *testing.T) {
+		rec := newRecorder()
+		s := newSub(t, vllmevents.Config{Endpoint: "tcp://127.0.0.1:0", Bind: true})
+		run(t, s, rec.handle)
+		deadline := time.Now().Add(10 * time.Second)
+		for s.Addr() == nil {
+			if time.Now().After(deadline) {
+				t.Fatal("the Subscriber did not bind")
+			}
+			time.Sleep(5 * time.Millisecond)
+		}
+		silent, err := net.Dial("tcp", s.Addr().String())
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer silent.Close()
+		pub, _ := newPub(t, "tcp://"+s.Addr().String())
+		pub.waitSubscribed(t, "")
+		pub.send(t, "", 0, batch(t, formArray, 1))
+		rec.wait(t, 1)
+		_ = silent.SetReadDeadline(time.Now().Add(5 * time.Second))
+		if _, err := io.ReadAll(silent); err != nil {
+			t.Errorf("the silent connection is still open: %v", err)
+		}
+	})
+}
