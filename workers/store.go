@@ -1,7 +1,6 @@
 package workers
 
 import (
-	"container/list"
 	"context"
 	"errors"
 	"fmt"
@@ -85,16 +84,55 @@ type MemStore struct {
 	mu      sync.Mutex
 	cfg     MemStoreConfig
 	used    int64
-	lru     *list.List // front = most recently used; values are *memEntry
-	byKey   map[string]*list.Element
-	byGroup map[string]map[*list.Element]struct{} // only with EvictSession
+	lru     memList // front = most recently used
+	byKey   map[string]*memEntry
+	byGroup map[string]map[*memEntry]struct{} // only with EvictSession
 }
 
+// memEntry is one object, linked into the store's recency list (an
+// intrusive list: no second allocation per block).
 type memEntry struct {
 	key, group string
 	hash       uint64
 	value      []byte
 	size       int64
+	prev, next *memEntry
+}
+
+// memList is a doubly linked list of memEntries; the zero value is empty.
+type memList struct {
+	front, back *memEntry
+}
+
+func (l *memList) pushFront(e *memEntry) {
+	e.prev, e.next = nil, l.front
+	if l.front != nil {
+		l.front.prev = e
+	} else {
+		l.back = e
+	}
+	l.front = e
+}
+
+func (l *memList) remove(e *memEntry) {
+	if e.prev != nil {
+		e.prev.next = e.next
+	} else {
+		l.front = e.next
+	}
+	if e.next != nil {
+		e.next.prev = e.prev
+	} else {
+		l.back = e.prev
+	}
+	e.prev, e.next = nil, nil
+}
+
+func (l *memList) moveToFront(e *memEntry) {
+	if l.front != e {
+		l.remove(e)
+		l.pushFront(e)
+	}
 }
 
 // NewMemStore returns an empty store.
@@ -109,9 +147,9 @@ func NewMemStore(cfg MemStoreConfig) (*MemStore, error) {
 	default:
 		return nil, fmt.Errorf("workers: unknown eviction policy %q (want %s or %s)", cfg.Evict, EvictLRU, EvictSession)
 	}
-	s := &MemStore{cfg: cfg, lru: list.New(), byKey: map[string]*list.Element{}}
+	s := &MemStore{cfg: cfg, byKey: map[string]*memEntry{}}
 	if cfg.Evict == EvictSession {
-		s.byGroup = map[string]map[*list.Element]struct{}{}
+		s.byGroup = map[string]map[*memEntry]struct{}{}
 	}
 	return s, nil
 }
@@ -145,13 +183,14 @@ func (s *MemStore) BatchPut(_ context.Context, objs []Object) []error {
 		for s.used+size > s.cfg.Capacity {
 			s.evictOldest()
 		}
-		el := s.lru.PushFront(&memEntry{key: o.Key, hash: o.Hash, group: o.Group, value: o.Value, size: size})
+		el := &memEntry{key: o.Key, hash: o.Hash, group: o.Group, value: o.Value, size: size}
+		s.lru.pushFront(el)
 		s.byKey[o.Key] = el
 		s.used += size
 		if s.byGroup != nil && o.Group != "" {
 			g := s.byGroup[o.Group]
 			if g == nil {
-				g = map[*list.Element]struct{}{}
+				g = map[*memEntry]struct{}{}
 				s.byGroup[o.Group] = g
 			}
 			g[el] = struct{}{}
@@ -167,8 +206,8 @@ func (s *MemStore) BatchGet(_ context.Context, keys []string) [][]byte {
 	defer s.mu.Unlock()
 	for i, k := range keys {
 		if el, ok := s.byKey[k]; ok {
-			s.lru.MoveToFront(el)
-			out[i] = el.Value.(*memEntry).value
+			s.lru.moveToFront(el)
+			out[i] = el.value
 		}
 	}
 	return out
@@ -196,8 +235,7 @@ func (s *MemStore) Recent(maxBytes int64) []Object {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	var out []Object
-	for el, total := s.lru.Front(), int64(0); el != nil; el = el.Next() {
-		e := el.Value.(*memEntry)
+	for e, total := s.lru.front, int64(0); e != nil; e = e.next {
 		if total+e.size > maxBytes {
 			break
 		}
@@ -208,23 +246,22 @@ func (s *MemStore) Recent(maxBytes int64) []Object {
 }
 
 // unlink removes an entry without telling OnEvict (it is being replaced).
-func (s *MemStore) unlink(el *list.Element) *memEntry {
-	e := s.lru.Remove(el).(*memEntry)
+func (s *MemStore) unlink(e *memEntry) {
+	s.lru.remove(e)
 	delete(s.byKey, e.key)
 	s.used -= e.size
 	if s.byGroup != nil && e.group != "" {
 		g := s.byGroup[e.group]
-		delete(g, el)
+		delete(g, e)
 		if len(g) == 0 {
 			delete(s.byGroup, e.group)
 		}
 	}
-	return e
 }
 
 // drop removes an entry and tells OnEvict.
-func (s *MemStore) drop(el *list.Element) {
-	e := s.unlink(el)
+func (s *MemStore) drop(e *memEntry) {
+	s.unlink(e)
 	if s.cfg.OnEvict != nil {
 		s.cfg.OnEvict(e.key, e.hash, e.group)
 	}
@@ -233,13 +270,12 @@ func (s *MemStore) drop(el *list.Element) {
 // evictOldest evicts the least recently used entry and, under
 // EvictSession, the rest of its group (untagged objects go one by one).
 func (s *MemStore) evictOldest() {
-	el := s.lru.Back()
-	group := el.Value.(*memEntry).group
-	if s.byGroup == nil || group == "" {
-		s.drop(el)
+	e := s.lru.back
+	if s.byGroup == nil || e.group == "" {
+		s.drop(e)
 		return
 	}
-	for other := range s.byGroup[group] {
+	for other := range s.byGroup[e.group] {
 		s.drop(other)
 	}
 }
