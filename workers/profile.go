@@ -64,18 +64,18 @@ func (p ModelProfile) BytesPerTokenPerRank(tpSize int) int {
 // StoreKey is the Mooncake store key of a block on a rank:
 // <model>@tp_rank:<t>@<block-hash hex>.
 func StoreKey(model string, tpRank int, hash uint64) string {
-	var b strings.Builder
-	b.Grow(len(model) + 30)
-	b.WriteString(model)
-	b.WriteString("@tp_rank:")
-	b.WriteString(strconv.Itoa(tpRank))
-	b.WriteString("@")
-	h := strconv.FormatUint(hash, 16)
-	for range 16 - len(h) {
-		b.WriteByte('0')
+	// One allocation (the string): every rank builds a key per block of
+	// every request.
+	var stack [96]byte
+	b := append(stack[:0], model...)
+	b = append(b, "@tp_rank:"...)
+	b = strconv.AppendInt(b, int64(tpRank), 10)
+	b = append(b, '@')
+	const hexDigits = "0123456789abcdef"
+	for shift := 60; shift >= 0; shift -= 4 {
+		b = append(b, hexDigits[hash>>uint(shift)&0xf])
 	}
-	b.WriteString(h)
-	return b.String()
+	return string(b)
 }
 
 // BlockPayload returns the deterministic bytes of a block on a rank, so that

@@ -74,6 +74,7 @@ func TestStoreKey(t *testing.T) {
 		{"m", 0, 0, "m@tp_rank:0@0000000000000000"},
 		{"llama-3.1-8b", 15, 0xffffffffffffffff, "llama-3.1-8b@tp_rank:15@ffffffffffffffff"},
 		{"x", 3, 0x0123456789abcdef, "x@tp_rank:3@0123456789abcdef"},
+		{strings.Repeat("long-model-name/", 8), 1, 1, strings.Repeat("long-model-name/", 8) + "@tp_rank:1@0000000000000001"},
 	}
 	for _, tt := range tests {
 		if got := StoreKey(tt.model, tt.rank, tt.hash); got != tt.want {
