@@ -82,6 +82,9 @@ type KVEventsConfig struct {
 	Endpoint string
 	// Connect makes the PUB socket connect to Endpoint instead of binding
 	// it. It connects in the background and reconnects, as ZeroMQ does.
+	// (vLLM's ZmqEventPublisher binds an endpoint with a wildcard, "*" or
+	// "::", or an ipc:// or inproc:// one, and connects otherwise; the
+	// fake is told, so that a test can bind 127.0.0.1:0.)
 	Connect bool
 	// Topic is the first frame of every message; vLLM's default is "".
 	Topic string

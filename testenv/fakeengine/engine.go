@@ -53,7 +53,9 @@ type Received struct {
 	// Authorization, ...).
 	Header http.Header
 	// Body is its JSON body, decoded (nil if it has none or is not
-	// JSON); RawBody is the body as received.
+	// JSON); RawBody is the body as received. Body, RawBody, VLLMXArgs
+	// and KVTransferParams are shared by every copy Requests returns:
+	// read them, do not modify them.
 	Body    map[string]any
 	RawBody []byte
 	// Model, Stream, VLLMXArgs and KVTransferParams are the body's

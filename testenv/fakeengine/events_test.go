@@ -243,9 +243,25 @@ func TestKVEventsDecoded(t *testing.T) {
 				t.Fatalf("the Translator indexes %d blocks", tr.Len())
 			}
 
+			// C shares A's first block only: chained from it.
+			promptC := make([]int, 0, 40)
+			for _, tok := range compA[:bs] {
+				promptC = append(promptC, int(tok))
+			}
+			promptC = append(promptC, tokenPrompt(7000, 20)...)
+			post(t, e, "/v1/completions", map[string]any{"prompt": promptC})
+			compC := computed(t, e, fakeengine.DefaultReplyTokens) // 44 tokens: 2 blocks
+			hashesC := toHashes(fakeengine.BlockHashes(compC, bs, tc.hashBytes))
+			_, batches, _ = rec.wait(t, 1)
+			if ev = batches[2].Events[0]; ev.Parent == nil || *ev.Parent != hashesA[0] ||
+				!slices.Equal(ev.BlockHashes, hashesC[1:]) {
+				t.Fatalf("C's event %+v", ev)
+			}
+			translate(batches[2])
+
 			// A request that fills no block publishes nothing.
 			post(t, e, "/v1/completions", map[string]any{"prompt": "hi"})
-			if e.NextSeq() != 2 {
+			if e.NextSeq() != 3 {
 				t.Fatalf("NextSeq %d after a request storing nothing", e.NextSeq())
 			}
 
@@ -254,10 +270,10 @@ func TestKVEventsDecoded(t *testing.T) {
 				t.Fatalf("/reset_prefix_cache: %d %s", resp.StatusCode, b)
 			}
 			seqs, batches, _ = rec.wait(t, 1)
-			if seqs[2] != 2 || len(batches[2].Events) != 1 || batches[2].Events[0].Type != messages.EventAllBlocksCleared {
-				t.Fatalf("seq %d batch %+v", seqs[2], batches[2])
+			if seqs[3] != 3 || len(batches[3].Events) != 1 || batches[3].Events[0].Type != messages.EventAllBlocksCleared {
+				t.Fatalf("seq %d batch %+v", seqs[3], batches[3])
 			}
-			translate(batches[2])
+			translate(batches[3])
 			if tr.Len() != 0 {
 				t.Fatalf("the Translator indexes %d blocks after AllBlocksCleared", tr.Len())
 			}
@@ -266,7 +282,7 @@ func TestKVEventsDecoded(t *testing.T) {
 			e.SkipSeq(3)
 			post(t, e, "/v1/completions", map[string]any{"prompt": tokenPrompt(9000, 30)})
 			seqs, _, gaps := rec.wait(t, 1)
-			if !slices.Equal(seqs, []uint64{0, 1, 2, 6}) || !slices.Equal(gaps, [][2]uint64{{3, 6}}) {
+			if !slices.Equal(seqs, []uint64{0, 1, 2, 3, 7}) || !slices.Equal(gaps, [][2]uint64{{4, 7}}) {
 				t.Fatalf("seqs %v, gaps %v", seqs, gaps)
 			}
 		})

@@ -139,8 +139,8 @@ func (p *publisher) subscribed() bool {
 // serveReplay answers replay requests as ZmqEventPublisher._service_replay
 // does: a request [identity, "", start_seq as 8 big-endian bytes] gets one
 // [identity, "", seq, payload] per buffered batch with seq >= start_seq,
-// oldest first, then [identity, "", END_SEQ, ""]. Other requests are
-// ignored (vLLM logs them).
+// oldest first, then [identity, "", END_SEQ, ""]. Requests of another
+// number of frames are ignored (vLLM logs them).
 func (p *publisher) serveReplay(ctx context.Context) {
 	for {
 		msg, err := p.router.Recv()
@@ -156,10 +156,15 @@ func (p *publisher) serveReplay(ctx context.Context) {
 			continue
 		}
 		f := msg.Frames
-		if len(f) != 3 || len(f[1]) != 0 || len(f[2]) != 8 {
-			continue
+		if len(f) != 3 {
+			continue // vLLM logs "Invalid replay request"
 		}
-		id, start := f[0], binary.BigEndian.Uint64(f[2])
+		// vLLM reads int.from_bytes(start_seq_bytes, "big") and does not
+		// look at the delimiter.
+		id, start := f[0], uint64(0)
+		for _, b := range f[2] {
+			start = start<<8 | uint64(b)
+		}
 		for _, b := range p.replayFrom(start) {
 			var sb [8]byte
 			binary.BigEndian.PutUint64(sb[:], b.seq)
