@@ -142,6 +142,20 @@ type engineFlags struct {
 	DefaultMaxTokens int           `name:"default-max-tokens" default:"256" help:"Sim engine: max tokens when a request sets none."`
 }
 
+// checkSizes reports a bad --model-profile, --kv-capacity or
+// --drain-handoff before a role connects to anything.
+func (f engineFlags) checkSizes(tpSize int) error {
+	profile, err := workers.LookupModelProfile(f.ModelProfile)
+	if err != nil {
+		return err
+	}
+	if _, err := workers.ParseCapacity(f.KVCapacity, profile.BytesPerTokenPerRank(tpSize)); err != nil {
+		return fmt.Errorf("--kv-capacity: %w", err)
+	}
+	_, err = f.drainHandoff(profile.BytesPerTokenPerRank(tpSize))
+	return err
+}
+
 // drainHandoff is --drain-handoff in bytes per rank (0: off).
 func (f engineFlags) drainHandoff(bytesPerToken int) (int64, error) {
 	if strings.TrimSpace(f.DrainHandoff) == "0" {

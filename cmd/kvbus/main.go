@@ -291,6 +291,9 @@ func (c *workerCmd) Run(ctx context.Context) error {
 	if c.Rank != "" && c.Rank != "auto" {
 		return fmt.Errorf("--rank %q: want auto, or give --group and --tp-rank", c.Rank)
 	}
+	if err := c.checkSizes(c.TPSize); err != nil {
+		return err
+	}
 	nc, err := connect(ctx, c.natsFlags, "kvbus-worker", log)
 	if err != nil {
 		return err

@@ -137,3 +137,22 @@ func TestHealthcheck(t *testing.T) {
 	ok.Client().CloseIdleConnections()
 	http.DefaultClient.CloseIdleConnections()
 }
+
+// TestWorkerBadSizes: a bad size flag is reported before the worker
+// connects (no NATS runs here), naming the flag.
+func TestWorkerBadSizes(t *testing.T) {
+	for _, tc := range []struct{ flag, value string }{{"--drain-handoff", "lots"}, {"--kv-capacity", "-1GiB"}} {
+		var c cli
+		p, err := kong.New(&c, kong.DefaultEnvars("KVBUS"))
+		if err != nil {
+			t.Fatal(err)
+		}
+		if _, err := p.Parse([]string{"worker", "--group", "g0", "--nats-url", "nats://127.0.0.1:1", tc.flag + "=" + tc.value}); err != nil {
+			t.Fatal(err)
+		}
+		err = c.Worker.Run(t.Context())
+		if err == nil || !strings.Contains(err.Error(), tc.flag) {
+			t.Errorf("worker %s %s: error %v, want one naming %s", tc.flag, tc.value, err, tc.flag)
+		}
+	}
+}
