@@ -3,9 +3,9 @@ package fakeengine
 import (
 	"errors"
 	"fmt"
-	"net"
-	"strings"
 	"time"
+
+	"github.com/kvbus/kvbus/workers/vllmevents"
 )
 
 // Defaults of Config and KVEventsConfig.
@@ -129,11 +129,11 @@ func (c *Config) Validate() error {
 }
 
 func (k *KVEventsConfig) validate() error {
-	if err := checkEndpoint(k.Endpoint, !k.Connect); err != nil {
+	if err := vllmevents.CheckEndpoint(k.Endpoint, !k.Connect); err != nil {
 		return fmt.Errorf("%w: KV events endpoint: %w", ErrConfig, err)
 	}
 	if k.ReplayEndpoint != "" {
-		if err := checkEndpoint(k.ReplayEndpoint, true); err != nil {
+		if err := vllmevents.CheckEndpoint(k.ReplayEndpoint, true); err != nil {
 			return fmt.Errorf("%w: KV events replay endpoint: %w", ErrConfig, err)
 		}
 	}
@@ -144,33 +144,6 @@ func (k *KVEventsConfig) validate() error {
 	}
 	if k.BufferSteps < 0 {
 		return fmt.Errorf("%w: negative BufferSteps %d", ErrConfig, k.BufferSteps)
-	}
-	return nil
-}
-
-// checkEndpoint checks a ZeroMQ endpoint: tcp://host:port or ipc://path;
-// one to connect to needs a host and a port.
-func checkEndpoint(ep string, bind bool) error {
-	scheme, addr, ok := strings.Cut(ep, "://")
-	switch {
-	case ep == "":
-		return errors.New("empty")
-	case !ok:
-		return fmt.Errorf("%q is not transport://address", ep)
-	case scheme == "ipc":
-		if addr == "" {
-			return fmt.Errorf("%q has no path", ep)
-		}
-		return nil
-	case scheme != "tcp":
-		return fmt.Errorf("%q: transport %q, want tcp or ipc", ep, scheme)
-	}
-	host, port, err := net.SplitHostPort(addr)
-	if err != nil {
-		return fmt.Errorf("%q: %w", ep, err)
-	}
-	if !bind && (host == "" || host == "*" || port == "0" || port == "*") {
-		return fmt.Errorf("%q: an endpoint to connect to needs a host and a port", ep)
 	}
 	return nil
 }

@@ -269,18 +269,34 @@ func (e *Engine) receivedIndex(r *http.Request) int {
 // chatRequest holds the fields of vLLM's ChatCompletionRequest the fake
 // uses; the whole body is in Received.Body.
 type chatRequest struct {
-	Model                *string        `json:"model"`
+	generateFields
 	Messages             *[]chatMessage `json:"messages"`
 	MaxTokens            *int           `json:"max_tokens"`
 	MaxCompletionTokens  *int           `json:"max_completion_tokens"`
-	N                    *int           `json:"n"`
-	Stream               bool           `json:"stream"`
-	StreamOptions        *streamOptions `json:"stream_options"`
 	AddGenerationPrompt  *bool          `json:"add_generation_prompt"`
 	ContinueFinalMessage bool           `json:"continue_final_message"`
 	AddSpecialTokens     bool           `json:"add_special_tokens"`
-	RequestID            string         `json:"request_id"`
-	ReturnTokenIDs       bool           `json:"return_token_ids"`
+}
+
+// generateFields are the fields chat and completion requests share.
+type generateFields struct {
+	Model          *string        `json:"model"`
+	N              *int           `json:"n"`
+	Stream         bool           `json:"stream"`
+	StreamOptions  *streamOptions `json:"stream_options"`
+	RequestID      string         `json:"request_id"`
+	ReturnTokenIDs bool           `json:"return_token_ids"`
+}
+
+// check refuses what vLLM refuses before it looks at the prompt.
+func (e *Engine) check(g *generateFields) *apiError {
+	if g.StreamOptions != nil && !g.Stream {
+		return invalidRequest("stream_options", "Stream options can only be defined when `stream=True`.")
+	}
+	if g.N != nil && *g.N != 1 {
+		return badRequest("n", "fakeengine: only n=1 is supported")
+	}
+	return e.checkModel(g.Model)
 }
 
 // chatMessage is a message; content is a string, a list of parts or null.
@@ -358,15 +374,7 @@ func (e *Engine) handleChat(w http.ResponseWriter, r *http.Request) {
 		writeError(w, ae)
 		return
 	}
-	if req.StreamOptions != nil && !req.Stream {
-		writeError(w, invalidRequest("stream_options", "Stream options can only be defined when `stream=True`."))
-		return
-	}
-	if req.N != nil && *req.N != 1 {
-		writeError(w, badRequest("n", "fakeengine: only n=1 is supported"))
-		return
-	}
-	if ae := e.checkModel(req.Model); ae != nil {
+	if ae := e.check(&req.generateFields); ae != nil {
 		writeError(w, ae)
 		return
 	}
@@ -507,15 +515,10 @@ func (e *Engine) sendUsage(s *sse, object string, g *generation, id string, crea
 // completionRequest holds the fields of vLLM's CompletionRequest the fake
 // uses.
 type completionRequest struct {
-	Model            *string         `json:"model"`
+	generateFields
 	Prompt           json.RawMessage `json:"prompt"`
 	MaxTokens        *int            `json:"max_tokens"`
-	N                *int            `json:"n"`
-	Stream           bool            `json:"stream"`
-	StreamOptions    *streamOptions  `json:"stream_options"`
 	AddSpecialTokens *bool           `json:"add_special_tokens"`
-	RequestID        string          `json:"request_id"`
-	ReturnTokenIDs   bool            `json:"return_token_ids"`
 }
 
 // completionPrompt returns a completion request's prompt tokens. vLLM
@@ -562,15 +565,7 @@ func (e *Engine) handleCompletions(w http.ResponseWriter, r *http.Request) {
 		writeError(w, ae)
 		return
 	}
-	if req.StreamOptions != nil && !req.Stream {
-		writeError(w, invalidRequest("stream_options", "Stream options can only be defined when `stream=True`."))
-		return
-	}
-	if req.N != nil && *req.N != 1 {
-		writeError(w, badRequest("n", "fakeengine: only n=1 is supported"))
-		return
-	}
-	if ae := e.checkModel(req.Model); ae != nil {
+	if ae := e.check(&req.generateFields); ae != nil {
 		writeError(w, ae)
 		return
 	}

@@ -57,11 +57,11 @@ type Config struct {
 
 // Validate checks c.
 func (c *Config) Validate() error {
-	if err := checkEndpoint(c.Endpoint, c.Bind); err != nil {
+	if err := CheckEndpoint(c.Endpoint, c.Bind); err != nil {
 		return fmt.Errorf("%w: endpoint: %w", ErrConfig, err)
 	}
 	if c.ReplayEndpoint != "" {
-		if err := checkEndpoint(c.ReplayEndpoint, false); err != nil {
+		if err := CheckEndpoint(c.ReplayEndpoint, false); err != nil {
 			return fmt.Errorf("%w: replay endpoint: %w", ErrConfig, err)
 		}
 	}
@@ -71,7 +71,9 @@ func (c *Config) Validate() error {
 	return nil
 }
 
-func checkEndpoint(ep string, bind bool) error {
+// CheckEndpoint checks a ZeroMQ endpoint: tcp://host:port or ipc://path;
+// one to connect to (bind false) needs a host and a port.
+func CheckEndpoint(ep string, bind bool) error {
 	scheme, addr, ok := strings.Cut(ep, "://")
 	switch {
 	case ep == "":
