@@ -24,6 +24,7 @@ import (
 	"github.com/kvbus/kvbus/messages"
 	"github.com/kvbus/kvbus/scheduler"
 	"github.com/kvbus/kvbus/workers"
+	"github.com/kvbus/kvbus/workers/vllmevents"
 )
 
 // Config describes an in-process cluster. Zero values take the defaults
@@ -57,6 +58,10 @@ type Config struct {
 	// DropReqMetas makes the ranks with these tp_ranks ignore their first
 	// N ReqMetas (fault injection: lost core NATS messages).
 	DropReqMetas map[int]int
+	// Engines, if set, puts a model server behind each group (--engine
+	// openai) instead of the sim: group gi fronts Engines[i] with one rank,
+	// and Groups and Ranks are ignored.
+	Engines []EngineBackend
 	// MaxPayload of the embedded server (default: bus.StartServer's).
 	MaxPayload int32
 
@@ -80,6 +85,13 @@ type Config struct {
 	// Registry receives the metrics of the frontend, the ranks and the first
 	// scheduler; other replicas get registries of their own.
 	Registry *prometheus.Registry
+}
+
+// EngineBackend is a group's model server: how to reach it and, if it
+// publishes them, its KV events.
+type EngineBackend struct {
+	OpenAI   workers.OpenAIConfig
+	KVEvents *vllmevents.Config
 }
 
 // Cluster is a running in-process cluster.
@@ -154,6 +166,14 @@ func (c *Config) defaults() {
 	if c.Logger == nil {
 		c.Logger = slog.Default()
 	}
+	if len(c.Engines) > 0 { // one rank per model server
+		c.Groups, c.Ranks = len(c.Engines), 1
+		if c.Frontend != nil {
+			fc := *c.Frontend
+			fc.Passthrough = true
+			c.Frontend = &fc
+		}
+	}
 	if c.Registry == nil {
 		c.Registry = prometheus.NewRegistry()
 	}
@@ -207,7 +227,15 @@ func (c *Cluster) start() error {
 	}
 	for g := range cfg.Groups {
 		group := fmt.Sprintf("g%d", g)
-		engine, err := workers.NewSimEngine(cfg.Sim)
+		var engine workers.Engine
+		var err error
+		if len(cfg.Engines) > 0 {
+			oc := cfg.Engines[g].OpenAI
+			oc.Logger = c.log.With("group", group)
+			engine, err = workers.NewOpenAIEngine(oc)
+		} else {
+			engine, err = workers.NewSimEngine(cfg.Sim)
+		}
 		if err != nil {
 			return err
 		}
@@ -326,7 +354,8 @@ func (c *Cluster) startRank(group string, r int) error {
 	rank, err := workers.NewRank(workers.RankConfig{
 		Conn: nc, Subjects: cfg.Subjects, Group: group, TPRank: r, TPSize: cfg.Ranks, EPRank: r, EPSize: cfg.Ranks,
 		Model: cfg.Model, Profile: c.profile, CapacityBytes: capacity, Payload: cfg.Payload, Evict: cfg.Evict,
-		Engine: engine, BlockSize: cfg.BlockSize, HeartbeatInterval: cfg.HeartbeatInterval, ShutdownTimeout: cfg.ShutdownTimeout,
+		Engine: engine, EngineCache: len(cfg.Engines) > 0, KVEvents: c.kvEvents(group),
+		BlockSize: cfg.BlockSize, HeartbeatInterval: cfg.HeartbeatInterval, ShutdownTimeout: cfg.ShutdownTimeout,
 		SaveWait: cfg.SaveWait, DrainHandoff: cfg.DrainHandoff, StoreDelay: cfg.StoreDelays[r], DropReqMetas: cfg.DropReqMetas[r],
 		Logger: c.log, Metrics: c.wm, HandlerMetrics: c.hm,
 	})
@@ -351,6 +380,17 @@ func (c *Cluster) startRank(group string, r int) error {
 }
 
 // rankRun returns a running rank.
+// kvEvents is the KV event subscription of a group's model server, if any.
+func (c *Cluster) kvEvents(group string) *vllmevents.Config {
+	for i, e := range c.cfg.Engines {
+		if group == fmt.Sprintf("g%d", i) && e.KVEvents != nil {
+			kc := *e.KVEvents
+			return &kc
+		}
+	}
+	return nil
+}
+
 func (c *Cluster) rankRun(group string, rank int) (*rankRun, error) {
 	c.mu.Lock()
 	defer c.mu.Unlock()

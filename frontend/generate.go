@@ -70,6 +70,7 @@ type choiceState struct {
 	usage     messages.Usage
 	done      bool
 	err       *APIError
+	errRaw    []byte // an engine's error body, relayed as it is
 	firstByte time.Time
 }
 
@@ -123,10 +124,11 @@ func (s *Server) generate(w http.ResponseWriter, r *http.Request, endpoint strin
 		return fail(apiErr)
 	}
 	var p *parsedRequest
+	opts := parseOptions{passthrough: s.cfg.Passthrough, vocab: s.tok.VocabSize()}
 	if endpoint == messages.EndpointChat {
-		p, apiErr = parseChat(body)
+		p, apiErr = parseChat(body, opts)
 	} else {
-		p, apiErr = parseCompletion(body, s.tok.VocabSize())
+		p, apiErr = parseCompletion(body, opts)
 	}
 	if apiErr != nil {
 		return fail(apiErr)
@@ -146,9 +148,14 @@ func (s *Server) generate(w http.ResponseWriter, r *http.Request, endpoint strin
 	if apiErr != nil {
 		return fail(apiErr)
 	}
-	prompts, apiErr := s.tokenize(p)
+	prompts, apiErr := s.tokenize(r.Context(), p)
 	if apiErr != nil {
 		return fail(apiErr)
+	}
+	if s.cfg.Passthrough {
+		// The engine answers the whole body, every prompt of it, in one
+		// response: one bus request, placed by its first prompt.
+		prompts = prompts[:1]
 	}
 
 	g := &generation{s: s, endpoint: endpoint, model: p.model, created: start.Unix(), sessionID: sessionID, q: newOutputQueue(), start: start}
@@ -201,7 +208,10 @@ func (s *Server) generate(w http.ResponseWriter, r *http.Request, endpoint strin
 	if sessionID != "" {
 		h.Set("X-Session-ID", sessionID)
 	}
-	if p.stream {
+	switch {
+	case s.cfg.Passthrough:
+		return g.relay(w, r.Context(), deadline, p.stream)
+	case p.stream:
 		return g.stream(w, r.Context(), deadline, p.includeUsage)
 	}
 	return g.respond(w, r.Context(), deadline)
@@ -228,15 +238,21 @@ func requestID(h http.Header) (string, *APIError) {
 
 // tokenize turns the request's prompts into token ids and applies
 // --max-model-len like vLLM.
-func (s *Server) tokenize(p *parsedRequest) ([][]uint32, *APIError) {
+func (s *Server) tokenize(ctx context.Context, p *parsedRequest) ([][]uint32, *APIError) {
 	var prompts [][]uint32
 	param := "prompt"
-	switch {
+	switch rt, fromBody := s.tok.(RequestTokenizer); {
 	case p.endpoint == messages.EndpointChat:
 		param = "messages"
-		ids, err := s.tok.ApplyChatTemplate(p.turns)
+		var ids []uint32
+		var err error
+		if fromBody {
+			ids, err = rt.TokenizeChat(ctx, p.body) // tools and template arguments included
+		} else {
+			ids, err = s.tok.ApplyChatTemplate(p.turns)
+		}
 		if err != nil {
-			return nil, badRequest("messages", "cannot tokenize messages: %v", err)
+			return nil, tokenizeError("messages", err)
 		}
 		prompts = [][]uint32{ids}
 	case p.tokenPrompts != nil:
@@ -245,7 +261,7 @@ func (s *Server) tokenize(p *parsedRequest) ([][]uint32, *APIError) {
 		for _, t := range p.texts {
 			ids, err := s.tok.Encode(t)
 			if err != nil {
-				return nil, badRequest("prompt", "cannot tokenize prompt: %v", err)
+				return nil, tokenizeError("prompt", err)
 			}
 			if len(ids) == 0 {
 				return nil, badRequest("prompt", "prompt is empty")
@@ -266,6 +282,20 @@ func (s *Server) tokenize(p *parsedRequest) ([][]uint32, *APIError) {
 	return prompts, nil
 }
 
+// tokenizeError is the API error of a failed tokenization: the engine's
+// tokenizer unreachable is a 503, anything else the request's fault.
+func tokenizeError(param string, err error) *APIError {
+	var te *TokenizeError
+	switch {
+	case errors.As(err, &te):
+		return &APIError{Status: te.Status, Type: typeInvalidRequest, Param: param, Message: te.Message}
+	case errors.Is(err, ErrTokenizerUnavailable):
+		return &APIError{Status: http.StatusServiceUnavailable, Type: typeUnavailable, Code: "tokenizer_unavailable", RetryAfter: 1,
+			Message: "cannot tokenize the request: the engine's tokenizer (--tokenizer-url) is unavailable; retry shortly. " + err.Error()}
+	}
+	return badRequest(param, "cannot tokenize %s: %v", param, err)
+}
+
 // busRequest builds the messages.Request of one prompt.
 func (s *Server) busRequest(p *parsedRequest, busID, sessionID string, prompt []uint32, start, deadline time.Time) *messages.Request {
 	sp := p.params
@@ -283,12 +313,16 @@ func (s *Server) busRequest(p *parsedRequest, busID, sessionID string, prompt []
 	if len(extra) > 0 {
 		sp.ExtraArgs = extra
 	}
-	return &messages.Request{
+	req := &messages.Request{
 		RequestID: busID, SessionID: sessionID, Model: p.model, FrontendID: s.cfg.ID,
 		ArrivalUnixMs: start.UnixMilli(), DeadlineUnixMs: deadline.UnixMilli(),
 		PromptTokenIDs: prompt, SamplingParams: sp, Stream: p.stream,
 		KVTransferParams: p.kvTransfer, Endpoint: p.endpoint,
 	}
+	if s.cfg.Passthrough {
+		req.Body = p.body
+	}
+	return req
 }
 
 // logFullRetryAfter is the Retry-After, in seconds, of a request refused
@@ -354,7 +388,7 @@ func (c *choiceState) follow(o *messages.Output) bool {
 		c.attempt, c.nextIndex = o.Attempt, 0
 	default:
 		c.attempt = o.Attempt
-		o.Text, o.TokenIDs, o.FinishReason = "", nil, ""
+		o.Text, o.TokenIDs, o.FinishReason, o.Raw = "", nil, "", nil
 		o.Error = &messages.OutputError{Code: "group_failed",
 			Message: "the request moved to another worker group after its answer had begun; retry the request"}
 	}
@@ -385,6 +419,9 @@ func (g *generation) next(ctx context.Context, timer *time.Timer) ([]choiceOutpu
 				}
 				if o.Error != nil {
 					c.done, c.err = true, outputError(o.Error.Code, o.Error.Message)
+					if o.Error.Status >= 400 && o.Error.Status < 600 { // an engine's own answer
+						c.err.Status, c.errRaw = o.Error.Status, o.Error.Raw
+					}
 				} else if o.FinishReason != "" {
 					c.done, c.finish = true, o.FinishReason
 				}

@@ -30,6 +30,44 @@ type commonParams struct {
 	SessionID        json.RawMessage `json:"session_id"`
 	VLLMXargs        json.RawMessage `json:"vllm_xargs"`
 	KVTransferParams map[string]any  `json:"kv_transfer_params"`
+	// Fields the sim engine cannot honour: 400 with the sim, passed through
+	// to a real engine.
+	Tools          json.RawMessage `json:"tools"`
+	ToolChoice     json.RawMessage `json:"tool_choice"`
+	ResponseFormat json.RawMessage `json:"response_format"`
+	Logprobs       json.RawMessage `json:"logprobs"`
+	TopLogprobs    json.RawMessage `json:"top_logprobs"`
+	Echo           json.RawMessage `json:"echo"`
+	LogitBias      json.RawMessage `json:"logit_bias"`
+	GuidedJSON     json.RawMessage `json:"guided_json"`
+	GuidedRegex    json.RawMessage `json:"guided_regex"`
+	GuidedChoice   json.RawMessage `json:"guided_choice"`
+	GuidedGrammar  json.RawMessage `json:"guided_grammar"`
+	Structured     json.RawMessage `json:"structured_outputs"`
+}
+
+// simUnsupported names the first field set in c that the sim engine
+// cannot honour (a value that asks for nothing, such as null, false, 0,
+// [] or tool_choice "none", is fine).
+func (c *commonParams) simUnsupported() string {
+	fields := []struct {
+		name string
+		raw  json.RawMessage
+	}{{"tools", c.Tools}, {"tool_choice", c.ToolChoice}, {"response_format", c.ResponseFormat}, {"logprobs", c.Logprobs},
+		{"top_logprobs", c.TopLogprobs}, {"echo", c.Echo}, {"logit_bias", c.LogitBias}, {"guided_json", c.GuidedJSON},
+		{"guided_regex", c.GuidedRegex}, {"guided_choice", c.GuidedChoice}, {"guided_grammar", c.GuidedGrammar},
+		{"structured_outputs", c.Structured}}
+	for _, f := range fields {
+		switch v := string(bytes.TrimSpace(f.raw)); v {
+		case "", "null", "false", "0", "[]", "{}", `"none"`:
+		default:
+			if f.name == "response_format" && strings.ReplaceAll(v, " ", "") == `{"type":"text"}` {
+				continue // the default: plain text
+			}
+			return f.name
+		}
+	}
+	return ""
 }
 
 type streamOptions struct {
@@ -52,8 +90,19 @@ type completionRequest struct {
 	Prompt json.RawMessage `json:"prompt"`
 }
 
+// parseOptions say what the requests will run on.
+type parseOptions struct {
+	// passthrough: real engines serve the requests (--engine openai) and
+	// get the client's body: fields the sim cannot honour pass, n may be
+	// above 1, content parts other than text are left to the engine.
+	passthrough bool
+	// vocab bounds token ids of token-id prompts.
+	vocab int
+}
+
 // parsedRequest is a validated request, before session resolution.
 type parsedRequest struct {
+	body         []byte // the client's JSON body
 	endpoint     string
 	model        string
 	turns        []ChatTurn // chat
@@ -126,7 +175,7 @@ func goTypeName(t string) string {
 }
 
 // parseCommon validates the shared fields into p.
-func parseCommon(c *commonParams, p *parsedRequest) *APIError {
+func parseCommon(c *commonParams, p *parsedRequest, o parseOptions) *APIError {
 	p.model = c.Model
 	p.stream = c.Stream
 	if c.StreamOptions != nil {
@@ -149,8 +198,13 @@ func parseCommon(c *commonParams, p *parsedRequest) *APIError {
 		}
 		sp.TopP = *c.TopP
 	}
-	if c.N != nil && *c.N != 1 {
-		return badRequest("n", "n must be 1: kvbus generates one choice per prompt")
+	if !o.passthrough {
+		if c.N != nil && *c.N != 1 {
+			return badRequest("n", "n must be 1: the sim engine generates one choice per prompt (real engines behind --engine openai take n)")
+		}
+		if f := c.simUnsupported(); f != "" {
+			return badRequest(f, "%s is not supported by the sim engine, which would ignore it; leave it out, or run real engines (--engine openai), which get it as sent", f)
+		}
 	}
 	if c.MaxTokens != nil {
 		if *c.MaxTokens < 1 {
@@ -214,13 +268,13 @@ func parseStop(raw json.RawMessage) ([]string, *APIError) {
 	return out, nil
 }
 
-func parseChat(body []byte) (*parsedRequest, *APIError) {
+func parseChat(body []byte, o parseOptions) (*parsedRequest, *APIError) {
 	var req chatRequest
 	if err := decodeJSON(body, &req); err != nil {
 		return nil, err
 	}
-	p := &parsedRequest{endpoint: messages.EndpointChat}
-	if err := parseCommon(&req.commonParams, p); err != nil {
+	p := &parsedRequest{endpoint: messages.EndpointChat, body: body}
+	if err := parseCommon(&req.commonParams, p, o); err != nil {
 		return nil, err
 	}
 	if req.MaxCompletionTokens != nil {
@@ -234,14 +288,15 @@ func parseChat(body []byte) (*parsedRequest, *APIError) {
 	}
 	for i, m := range req.Messages {
 		param := fmt.Sprintf("messages[%d]", i)
-		switch m.Role {
-		case "system", "developer", "user", "assistant", "tool":
-		case "":
+		switch {
+		case m.Role == "system", m.Role == "developer", m.Role == "user", m.Role == "assistant", m.Role == "tool":
+		case o.passthrough && m.Role != "": // the engine's template decides
+		case m.Role == "":
 			return nil, badRequest(param+".role", "%s.role is required", param)
 		default:
 			return nil, badRequest(param+".role", "%s.role %q is not one of system, developer, user, assistant, tool", param, m.Role)
 		}
-		text, err := messageText(m.Content, param+".content", m.Role == "assistant")
+		text, err := messageText(m.Content, param+".content", m.Role == "assistant" || o.passthrough, o.passthrough)
 		if err != nil {
 			return nil, err
 		}
@@ -251,8 +306,9 @@ func parseChat(body []byte) (*parsedRequest, *APIError) {
 }
 
 // messageText flattens a message content: a string, or an array of text
-// parts. Other part types are rejected: the sim engine reads text only.
-func messageText(raw json.RawMessage, param string, nullOK bool) (string, *APIError) {
+// parts. Other part types are rejected, the sim engine reads text only,
+// unless others are allowed (a real engine gets them, and tokenizes them).
+func messageText(raw json.RawMessage, param string, nullOK, otherParts bool) (string, *APIError) {
 	raw = bytes.TrimSpace(raw)
 	if len(raw) == 0 || string(raw) == "null" {
 		if nullOK {
@@ -276,6 +332,9 @@ func messageText(raw json.RawMessage, param string, nullOK bool) (string, *APIEr
 	}
 	var b strings.Builder
 	for i, part := range parts {
+		if otherParts && (part.Type != "text" || part.Text == nil) {
+			continue
+		}
 		if part.Type != "text" || part.Text == nil {
 			return "", badRequest(fmt.Sprintf("%s[%d]", param, i), "content part type %q is not supported; only text parts are", part.Type)
 		}
@@ -287,13 +346,14 @@ func messageText(raw json.RawMessage, param string, nullOK bool) (string, *APIEr
 	return b.String(), nil
 }
 
-func parseCompletion(body []byte, vocab int) (*parsedRequest, *APIError) {
+func parseCompletion(body []byte, o parseOptions) (*parsedRequest, *APIError) {
+	vocab := o.vocab
 	var req completionRequest
 	if err := decodeJSON(body, &req); err != nil {
 		return nil, err
 	}
-	p := &parsedRequest{endpoint: messages.EndpointCompletions}
-	if err := parseCommon(&req.commonParams, p); err != nil {
+	p := &parsedRequest{endpoint: messages.EndpointCompletions, body: body}
+	if err := parseCommon(&req.commonParams, p, o); err != nil {
 		return nil, err
 	}
 	if !p.maxTokensSet {

@@ -130,7 +130,7 @@ func TestParseCompletionValid(t *testing.T) {
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
 			t.Parallel()
-			p, err := parseCompletion([]byte(tt.body), testVocab)
+			p, err := parseCompletion([]byte(tt.body), parseOptions{vocab: testVocab})
 			if err != nil {
 				t.Fatalf("parseCompletion(%s): %v", tt.body, err)
 			}
@@ -226,7 +226,7 @@ func TestParseChatValid(t *testing.T) {
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
 			t.Parallel()
-			p, err := parseChat([]byte(tt.body))
+			p, err := parseChat([]byte(tt.body), parseOptions{})
 			if err != nil {
 				t.Fatalf("parseChat(%s): %v", tt.body, err)
 			}
@@ -303,9 +303,9 @@ func TestParseInvalid(t *testing.T) {
 			t.Parallel()
 			var err *APIError
 			if tt.endpoint == chat {
-				_, err = parseChat([]byte(tt.body))
+				_, err = parseChat([]byte(tt.body), parseOptions{})
 			} else {
-				_, err = parseCompletion([]byte(tt.body), testVocab)
+				_, err = parseCompletion([]byte(tt.body), parseOptions{vocab: testVocab})
 			}
 			if err == nil {
 				t.Fatalf("%s %s: no error, want a 400 naming %q", tt.endpoint, tt.body, tt.param)
@@ -355,7 +355,7 @@ func FuzzParseChat(f *testing.F) {
 		`{"messages":[{"role":"user","content":"x"}],"session_id":{"a":1},"seed":-1}`,
 	)
 	f.Fuzz(func(t *testing.T, body []byte) {
-		p, err := parseChat(body)
+		p, err := parseChat(body, parseOptions{})
 		if err != nil {
 			checkFuzzError(t, err)
 			return
@@ -390,7 +390,7 @@ func FuzzParseCompletion(f *testing.F) {
 		`{"prompt":"x","stream":true,"stream_options":{"include_usage":true},"vllm_xargs":{"session_id":1}}`,
 	)
 	f.Fuzz(func(t *testing.T, body []byte) {
-		p, err := parseCompletion(body, testVocab)
+		p, err := parseCompletion(body, parseOptions{vocab: testVocab})
 		if err != nil {
 			checkFuzzError(t, err)
 			return

@@ -78,8 +78,15 @@ type Config struct {
 	// SchedulerTimeout: the frontend is healthy, and takes requests, while
 	// a ready scheduler announced itself within it (default 3 s).
 	SchedulerTimeout time.Duration
-	// Tokenizer; nil means the embedded o200k_base BPE tokenizer.
+	// Tokenizer; nil means the embedded o200k_base BPE tokenizer. A
+	// RequestTokenizer (EngineTokenizer) tokenizes chat requests from their
+	// body, tools and template arguments included.
 	Tokenizer Tokenizer
+	// Passthrough: the groups run real engines (--engine openai). Each
+	// request's body goes to the engine as the client sent it, fields the
+	// sim cannot honour included, and the client gets the engine's answer
+	// as the engine wrote it.
+	Passthrough bool
 	Logger    *slog.Logger
 	// Registry receives the frontend's metrics and is served on /metrics;
 	// nil means a new registry.

@@ -255,8 +255,23 @@ func (m *Request) validate() error {
 		return invalid("request %s: frontend_id %q is not a subject token", m.RequestID, m.FrontendID)
 	case m.SamplingParams.MaxTokens < 0:
 		return invalid("request %s: negative max_tokens", m.RequestID)
+	case !jsonObject(m.Body):
+		return invalid("request %s: body is not a JSON object", m.RequestID)
 	}
 	return nil
+}
+
+// jsonObject reports whether b is empty or starts like a JSON object (the
+// engine parses it; kvbus only forwards it).
+func jsonObject(b []byte) bool {
+	for _, c := range b {
+		switch c {
+		case ' ', '\t', '\r', '\n':
+			continue
+		}
+		return c == '{'
+	}
+	return true
 }
 
 func (m *ReqMeta) validate() error {
@@ -281,6 +296,10 @@ func (m *ReqMeta) validate() error {
 		return invalid("req_meta %s: frontend_id %q is not a subject token", m.ReqID, m.FrontendID)
 	case m.ResultSubject == "":
 		return invalid("req_meta %s: no result_subject", m.ReqID)
+	case !jsonObject(m.Body):
+		return invalid("req_meta %s: body is not a JSON object", m.ReqID)
+	case m.Endpoint != "" && m.Endpoint != EndpointChat && m.Endpoint != EndpointCompletions:
+		return invalid("req_meta %s: endpoint %q is not %s or %s", m.ReqID, m.Endpoint, EndpointChat, EndpointCompletions)
 	}
 	return nil
 }

@@ -29,6 +29,11 @@ type Request struct {
 	// KVTransferParams is vLLM's kv_transfer_params, passed through.
 	KVTransferParams Args   `msgpack:"kv_transfer_params,omitempty" json:"kv_transfer_params,omitempty"`
 	Endpoint         string `msgpack:"endpoint" json:"endpoint"`
+	// Body is the client's JSON body, exactly as sent, when the frontend
+	// forwards requests to real engines (--engine openai): the driver rank
+	// passes it to the engine so that every field the engine supports
+	// keeps working. Empty with the sim engine and for replayed traces.
+	Body []byte `msgpack:"body,omitempty" json:"body,omitempty"`
 }
 
 // SamplingParams is the subset of vLLM's SamplingParams that kvbus carries.
@@ -99,6 +104,13 @@ type ReqMeta struct {
 	ResultSubject  string         `msgpack:"result_subject" json:"result_subject"`
 	Attempt        int            `msgpack:"attempt" json:"attempt"`
 	DeadlineUnixMs int64          `msgpack:"deadline_unix_ms,omitempty" json:"deadline_unix_ms,omitempty"`
+	// For an engine behind the driver rank (--engine openai): the
+	// request's endpoint, whether the client streams, its original body
+	// (Request.Body) and kv_transfer_params.
+	Endpoint         string `msgpack:"endpoint,omitempty" json:"endpoint,omitempty"`
+	Stream           bool   `msgpack:"stream,omitempty" json:"stream,omitempty"`
+	Body             []byte `msgpack:"body,omitempty" json:"body,omitempty"`
+	KVTransferParams Args   `msgpack:"kv_transfer_params,omitempty" json:"kv_transfer_params,omitempty"`
 }
 
 // RankResult is what one rank reports to the scheduler on
@@ -149,6 +161,11 @@ type Usage struct {
 type OutputError struct {
 	Code    string `msgpack:"code" json:"code"`
 	Message string `msgpack:"message" json:"message"`
+	// Status is the HTTP status an engine answered (a 400 for a field it
+	// refused); zero means the frontend picks one from Code.
+	Status int `msgpack:"status,omitempty" json:"status,omitempty"`
+	// Raw is the engine's error body, relayed to the client as it is.
+	Raw []byte `msgpack:"raw,omitempty" json:"raw,omitempty"`
 }
 
 // Output is one chunk of a request's answer on kvbus.out.<frontend-id>.
@@ -168,6 +185,10 @@ type Output struct {
 	FinishReason string       `msgpack:"finish_reason,omitempty" json:"finish_reason,omitempty"`
 	Usage        *Usage       `msgpack:"usage,omitempty" json:"usage,omitempty"`
 	Error        *OutputError `msgpack:"error,omitempty" json:"error,omitempty"`
+	// Raw is an engine's own JSON (--engine openai), which the frontend
+	// relays as it is: one streamed chunk's data, or the whole response of
+	// a request that does not stream (on the last Output).
+	Raw []byte `msgpack:"raw,omitempty" json:"raw,omitempty"`
 }
 
 // Final reports whether o is the last chunk of its request.
@@ -225,6 +246,12 @@ type Heartbeat struct {
 	// Draining is set by a rank that is stopping: it finishes what it has
 	// but takes nothing new, so its group gets no new requests.
 	Draining bool `msgpack:"draining,omitempty" json:"draining,omitempty"`
+	// NotReady is set by a rank whose engine does not take requests (a
+	// model server failing its /health, or not up yet), with the reason:
+	// its group gets no new requests and its queued ones move, as for a
+	// dead rank.
+	NotReady       bool   `msgpack:"not_ready,omitempty" json:"not_ready,omitempty"`
+	NotReadyReason string `msgpack:"not_ready_reason,omitempty" json:"not_ready_reason,omitempty"`
 	// The driver rank's view of its group's load, which every scheduler
 	// replica uses so that replicas place as one would: requests received
 	// and not finished, and prompt tokens of those not yet prefilled.

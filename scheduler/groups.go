@@ -42,6 +42,9 @@ type rankInfo struct {
 	started    int64
 	queueDepth int
 	draining   bool
+	// notReady: the rank's engine does not take requests (it fails its
+	// health check); the group is treated as one that lost a rank.
+	notReady bool
 }
 
 // newGroupTable counts a group's queue in blocks of prefill time: prefill
@@ -72,7 +75,7 @@ func (t *groupTable) observe(hb *messages.Heartbeat, now time.Time) {
 		g.worldSize = hb.WorldSize
 		g.ranks = map[int]rankInfo{}
 	}
-	g.ranks[hb.TPRank] = rankInfo{seen: now, started: hb.StartedUnixMs, queueDepth: hb.QueueDepth, draining: hb.Draining}
+	g.ranks[hb.TPRank] = rankInfo{seen: now, started: hb.StartedUnixMs, queueDepth: hb.QueueDepth, draining: hb.Draining, notReady: hb.NotReady}
 	if hb.TPRank == 0 { // the driver knows the group's load
 		g.hbInflight = hb.InflightRequests
 		bs := int64(t.blockSize)
@@ -92,7 +95,7 @@ func (t *groupTable) ready(now time.Time) []GroupState {
 	for name, g := range t.groups {
 		alive, depth, draining := 0, 0, false
 		for _, r := range g.ranks {
-			if now.Sub(r.seen) <= t.timeout {
+			if now.Sub(r.seen) <= t.timeout && !r.notReady {
 				alive++
 				depth = max(depth, r.queueDepth)
 				draining = draining || r.draining
@@ -108,7 +111,8 @@ func (t *groupTable) ready(now time.Time) []GroupState {
 }
 
 // alive returns the groups whose world_size ranks all sent a heartbeat
-// within the timeout, draining or not: their requests can still finish.
+// within the timeout and are ready, draining or not: their requests can
+// still finish. A rank whose engine fails its health check counts as lost.
 func (t *groupTable) alive(now time.Time) map[string]bool {
 	t.mu.Lock()
 	defer t.mu.Unlock()
@@ -116,7 +120,7 @@ func (t *groupTable) alive(now time.Time) map[string]bool {
 	for name, g := range t.groups {
 		n := 0
 		for _, r := range g.ranks {
-			if now.Sub(r.seen) <= t.timeout {
+			if now.Sub(r.seen) <= t.timeout && !r.notReady {
 				n++
 			}
 		}

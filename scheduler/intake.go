@@ -212,6 +212,7 @@ func (s *Scheduler) buildMeta(t *RequestTracker) error {
 		SamplingParams: req.SamplingParams, FrontendID: t.FrontendID,
 		ResultSubject: s.cfg.Subjects.Done(s.cfg.ID), Attempt: t.Attempt,
 		DeadlineUnixMs: t.Deadline.UnixMilli(),
+		Endpoint:       req.Endpoint, Stream: req.Stream, Body: req.Body, KVTransferParams: req.KVTransferParams,
 	}
 	data, err := messages.Marshal(meta)
 	if err != nil {

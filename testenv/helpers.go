@@ -3,6 +3,7 @@ package testenv
 import (
 	"io"
 	"net/http"
+	"net/http/httptest"
 	"strings"
 	"testing"
 	"time"
@@ -74,4 +75,17 @@ func Send(t testing.TB, method, url, body string, headers map[string]string) (in
 		t.Fatal(err)
 	}
 	return resp.StatusCode, resp.Header, b
+}
+
+// ServeEngine serves a stand-in model server on loopback for the test:
+// GET /health answers 200, everything else goes to h. It returns the
+// server's base URL.
+func ServeEngine(t testing.TB, h http.HandlerFunc) string {
+	t.Helper()
+	mux := http.NewServeMux()
+	mux.HandleFunc("GET /health", func(w http.ResponseWriter, _ *http.Request) { w.WriteHeader(http.StatusOK) })
+	mux.Handle("/", h)
+	srv := httptest.NewServer(mux)
+	t.Cleanup(srv.Close)
+	return srv.URL
 }

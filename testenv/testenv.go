@@ -135,6 +135,12 @@ type ClusterConfig struct {
 	Pool        string // the schedulers' --pool (default local)
 	// DrainHandoff is the ranks' --drain-handoff in bytes (0: off).
 	DrainHandoff int64
+	// Engines puts a model server (a fakeengine, say) behind each group
+	// instead of the sim: one group of one rank per engine, the frontend
+	// forwarding client bodies (--engine openai).
+	Engines []cluster.EngineBackend
+	// Tokenizer is the frontend's (default: the embedded o200k).
+	Tokenizer frontend.Tokenizer
 	// LogLevel defaults to info.
 	LogLevel slog.Level
 	// LogTo also receives the logs (for example os.Stderr when debugging).
@@ -181,9 +187,9 @@ func StartCluster(t testing.TB, cfg ClusterConfig) *Cluster {
 		HeartbeatInterval: 100 * time.Millisecond, HeartbeatTimeout: 2 * time.Second, ShutdownTimeout: 2 * time.Second,
 		Schedulers: cfg.Schedulers, Policy: cfg.Policy, RequestTimeout: cfg.RequestTimeout, SessionTTL: cfg.SessionTTL,
 		StoreDelays: cfg.StoreDelays, DropReqMetas: cfg.DropReqMetas, MaxPayload: cfg.MaxPayload, NoGroupWait: cfg.NoGroupWait, ResendAfter: cfg.ResendAfter, Pool: cfg.Pool,
-		DrainHandoff: cfg.DrainHandoff,
+		DrainHandoff: cfg.DrainHandoff, Engines: cfg.Engines,
 		Frontend: &frontend.Config{Listener: ln, SessionHeaders: cfg.SessionHeaders, MaxModelLen: cfg.MaxModelLen,
-			MaxInflight: cfg.MaxInflight, APIKey: cfg.APIKey},
+			MaxInflight: cfg.MaxInflight, APIKey: cfg.APIKey, Tokenizer: cfg.Tokenizer},
 		Logger:   slog.New(slog.NewTextHandler(w, &slog.HandlerOptions{Level: cfg.LogLevel})),
 		Registry: reg,
 	})

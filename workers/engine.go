@@ -35,18 +35,32 @@ type EngineRequest struct {
 	// transfer the model stands for, not an extra one.
 	LoadTime time.Duration
 	Params   messages.SamplingParams
+	// For engines that are model servers (OpenAIEngine): the request's
+	// model, session id, endpoint (messages.Endpoint*), the client's
+	// original body (empty for replayed traces) and kv_transfer_params.
+	Model            string
+	SessionID        string
+	Endpoint         string
+	Body             []byte
+	KVTransferParams messages.Args
 }
 
 // Chunk is a piece of generated output.
 type Chunk struct {
 	Text     string
 	TokenIDs []uint32
+	// Raw is a model server's own JSON for the chunk, relayed to the
+	// client as it is (Output.Raw); nil from the sim.
+	Raw []byte
 }
 
 // EngineResult is how a generation ended.
 type EngineResult struct {
 	FinishReason     string
 	CompletionTokens int
+	// Usage is a model server's own count, cached tokens included; nil
+	// from the sim, whose cached tokens are the rank's loads.
+	Usage *messages.Usage
 }
 
 // Engine produces output tokens on a group's driver rank. Generate may be

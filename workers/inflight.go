@@ -18,7 +18,7 @@ import (
 // so no store lookup is needed under the rank's lock.
 func (r *Rank) registerSavesLocked(rr *rankReq) {
 	meta := rr.meta
-	if !meta.CanSave || meta.SaveFromBlock >= len(meta.BlockHashes) {
+	if !meta.CanSave || meta.SaveFromBlock >= len(meta.BlockHashes) || r.cfg.EngineCache {
 		return
 	}
 	for _, h := range meta.BlockHashes[meta.SaveFromBlock:] {

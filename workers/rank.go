@@ -15,6 +15,7 @@ import (
 	"github.com/kvbus/kvbus/bus"
 	"github.com/kvbus/kvbus/internal/recent"
 	"github.com/kvbus/kvbus/messages"
+	"github.com/kvbus/kvbus/workers/vllmevents"
 )
 
 // ErrConfig is wrapped by configuration errors.
@@ -46,8 +47,19 @@ type RankConfig struct {
 	// Engine runs requests on the driver rank (tp_rank 0); required there,
 	// ignored elsewhere.
 	Engine Engine
+	// EngineCache: the driver's engine is a model server with its own KV
+	// cache (--engine openai), whose cache is the truth: the rank loads and
+	// saves nothing, and the group's blocks are those the engine's KV
+	// events (KVEvents) announce. The group is one rank (TPSize 1): the
+	// engine does its own tensor parallelism.
+	EngineCache bool
+	// KVEvents, with EngineCache, subscribes to the engine's KV events
+	// (vLLM's ZeroMQ publisher); nil means none, and placement then cannot
+	// see the engine's cache. Its Logger and OnGap are the rank's.
+	KVEvents *vllmevents.Config
 	// BlockSize is the tokens per block used to express capacity in blocks
-	// in heartbeats (default 16); requests carry their own block_size.
+	// in heartbeats (default 16), and the engine's block size with
+	// KVEvents; requests carry their own block_size.
 	BlockSize int
 	// HeartbeatInterval defaults to 1 s.
 	HeartbeatInterval time.Duration
@@ -106,6 +118,10 @@ func (c *RankConfig) Validate() error {
 		return fmt.Errorf("%w: the driver rank (tp_rank 0) needs an engine", ErrConfig)
 	case c.CapacityBytes < 0:
 		return fmt.Errorf("%w: negative KV capacity", ErrConfig)
+	case c.EngineCache && c.TPSize != 1:
+		return fmt.Errorf("%w: a group that fronts a model server is --tp-size 1 (the engine does its own tensor parallelism), not %d", ErrConfig, c.TPSize)
+	case c.KVEvents != nil && !c.EngineCache:
+		return fmt.Errorf("%w: --kv-events needs --engine openai: the sim's ranks publish their own KV events", ErrConfig)
 	case c.DrainHandoff < 0:
 		return fmt.Errorf("%w: negative --drain-handoff (0 turns it off)", ErrConfig)
 	case c.Payload != PayloadBytes && c.Payload != PayloadAccounting:
@@ -225,6 +241,9 @@ func NewRank(cfg RankConfig) (*Rank, error) {
 	if cfg.Payload == "" {
 		cfg.Payload = PayloadBytes
 	}
+	if cfg.EngineCache {
+		cfg.DrainHandoff = 0 // the engine's cache cannot be handed off
+	}
 	if cfg.Metrics == nil {
 		cfg.Metrics = NewMetrics(nil)
 	}
@@ -328,11 +347,19 @@ func (r *Rank) Run(ctx context.Context) error {
 	r.log.Info("rank started", "model", r.cfg.Model, "tp_size", r.cfg.TPSize, "ep_size", r.cfg.EPSize,
 		"capacity_bytes", r.cfg.CapacityBytes, "driver", r.IsDriver())
 
-	var loadLoop, storeLoop, hbLoop sync.WaitGroup
+	var loadLoop, storeLoop, hbLoop, engineLoops sync.WaitGroup
 	loadLoop.Go(r.loadLoop)
 	storeLoop.Go(r.storeLoop)
 	hbCtx, stopHB := context.WithCancel(context.Background())
 	hbLoop.Go(func() { r.heartbeatLoop(hbCtx) })
+	// A model server's health and KV events are followed until the rank
+	// exits: its requests still finish while it drains.
+	if h := r.engineHealth(); h != nil {
+		engineLoops.Go(func() { h.WatchHealth(hbCtx, r.heartbeat) })
+	}
+	if r.cfg.KVEvents != nil {
+		engineLoops.Go(func() { r.runEngineEvents(hbCtx) })
+	}
 
 	<-ctx.Done()
 	// Say so first: the scheduler places nothing new on a draining group.
@@ -358,6 +385,7 @@ func (r *Rank) Run(ctx context.Context) error {
 	r.handOff()
 	stopHB()
 	hbLoop.Wait()
+	engineLoops.Wait()
 	_ = abortSub.Unsubscribe()
 	// What this rank held leaves with it: no LoadSpec should name it as a
 	// source any more (the hand-off's targets announced their copies).

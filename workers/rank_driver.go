@@ -25,6 +25,7 @@ func (r *Rank) drive(rr *rankReq) {
 	res, err := r.cfg.Engine.Generate(rr.ctx, EngineRequest{
 		ReqID: meta.ReqID, PromptTokens: meta.TokenIDs, CachedTokens: cached, RemoteTokens: min(rr.remote, cached),
 		LoadTime: time.Duration(rr.loadUs) * time.Microsecond, Params: meta.SamplingParams,
+		Model: meta.Model, SessionID: meta.SessionID, Endpoint: meta.Endpoint, Body: meta.Body, KVTransferParams: meta.KVTransferParams,
 	}, func() {
 		storeQueued = true
 		r.donePrefill(rr)
@@ -38,7 +39,7 @@ func (r *Rank) drive(rr *rankReq) {
 			ReqID: meta.ReqID, Group: r.cfg.Group, TPRank: r.cfg.TPRank, EPRank: r.cfg.EPRank, Attempt: meta.Attempt, Prefilled: true,
 		}, meta)
 	}, func(c Chunk) error {
-		publish(&messages.Output{Text: c.Text, TokenIDs: c.TokenIDs})
+		publish(&messages.Output{Text: c.Text, TokenIDs: c.TokenIDs, Raw: c.Raw})
 		return nil
 	})
 	// The prompt's blocks are stored (and their KV events published) before
@@ -49,9 +50,24 @@ func (r *Rank) drive(rr *rankReq) {
 	<-rr.storeDone
 	usage := &messages.Usage{PromptTokens: meta.TokenLen, CompletionTokens: res.CompletionTokens, CachedTokens: rr.loaded,
 		RemoteCachedTokens: min(rr.remote, rr.loaded)}
+	if res.Usage != nil {
+		// A model server counts its own cache: what it found is what the
+		// request loaded.
+		usage = res.Usage
+		rr.loaded = res.Usage.CachedTokens
+	}
+	var engineErr *EngineError
 	switch cause := context.Cause(rr.ctx); {
 	case err == nil:
+		if res.FinishReason == "" {
+			res.FinishReason = FinishStop // an engine that named no reason
+		}
 		publish(&messages.Output{FinishReason: res.FinishReason, Usage: usage})
+	case errors.As(err, &engineErr) && cause == nil:
+		// The engine refused the request (a field it does not take, a
+		// prompt too long): the client gets the engine's own answer.
+		publish(&messages.Output{Usage: usage, Error: &messages.OutputError{Code: "engine_error", Message: engineErr.Error(),
+			Status: engineErr.Status, Raw: engineErr.Body}})
 	case errors.Is(cause, errAborted):
 		// The client is gone; nobody is listening.
 	case errors.Is(err, context.DeadlineExceeded):

@@ -23,8 +23,8 @@ func (r *Rank) loadLoop() {
 func (r *Rank) load(rr *rankReq) {
 	meta := rr.meta
 	ls := meta.LoadSpec
-	if ls == nil || !ls.CanLoad || ls.KVPoolCachedTokens == 0 || rr.ctx.Err() != nil {
-		return
+	if ls == nil || !ls.CanLoad || ls.KVPoolCachedTokens == 0 || rr.ctx.Err() != nil || r.cfg.EngineCache {
+		return // a model server loads its own cache
 	}
 	start := time.Now()
 	n := min(ls.KVPoolCachedTokens/meta.BlockSize, len(meta.BlockHashes))

@@ -96,15 +96,18 @@ func (r *Rank) heartbeatLoop(ctx context.Context) {
 }
 
 func (r *Rank) heartbeat() {
-	used, capacity, _ := r.store.Usage()
-	blk := int64(r.blockBytes(r.cfg.BlockSize))
+	used, capacity := r.heldBlocks()
 	r.mu.Lock()
 	depth := len(r.active)
 	r.mu.Unlock()
 	hb := &messages.Heartbeat{
 		Group: r.cfg.Group, TPRank: r.cfg.TPRank, EPRank: r.cfg.EPRank, WorldSize: r.cfg.TPSize,
-		Model: r.cfg.Model, CapacityBlocks: capacity / blk, UsedBlocks: used / blk,
+		Model: r.cfg.Model, CapacityBlocks: capacity, UsedBlocks: used,
 		QueueDepth: depth, StartedUnixMs: r.started.UnixMilli(), Draining: r.draining.Load(),
+	}
+	if h := r.engineHealth(); h != nil {
+		ok, why := h.Healthy()
+		hb.NotReady, hb.NotReadyReason = !ok, why
 	}
 	if r.IsDriver() {
 		hb.InflightRequests, hb.QueuedPrefillTokens = depth, max(r.queuedTokens.Load(), 0)

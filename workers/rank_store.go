@@ -41,6 +41,10 @@ func (r *Rank) storeBlocks(rr *rankReq) {
 		log.Info("store thread", "skipped", "request ended", "cause", err)
 		return
 	}
+	if r.cfg.EngineCache {
+		log.Info("store thread", "skipped", "the engine keeps its own KV cache", "token_len", meta.TokenLen)
+		return
+	}
 	var (
 		objs   []Object
 		blocks []int // block index of each object

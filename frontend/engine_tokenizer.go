@@ -1,0 +1,192 @@
+package frontend
+
+import (
+	"bytes"
+	"context"
+	"crypto/tls"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"net/http"
+	"net/url"
+	"strings"
+	"time"
+)
+
+// ErrTokenizerUnavailable is wrapped when the engine's /tokenize cannot be
+// reached or fails on its side: the request gets a 503.
+var ErrTokenizerUnavailable = errors.New("frontend: engine tokenizer unavailable")
+
+// TokenizeError is the engine refusing to tokenize a request (a 4xx):
+// the client's request is at fault, and gets the engine's message.
+type TokenizeError struct {
+	Status  int
+	Message string
+}
+
+func (e *TokenizeError) Error() string {
+	return fmt.Sprintf("engine /tokenize answered %d: %s", e.Status, e.Message)
+}
+
+// RequestTokenizer tokenizes a request from its JSON body as the engine
+// that will serve it does, with the request's messages, tools and
+// template arguments. Safe for concurrent use.
+type RequestTokenizer interface {
+	Tokenizer
+	// TokenizeChat returns the prompt tokens of a chat request's body.
+	TokenizeChat(ctx context.Context, body []byte) ([]uint32, error)
+}
+
+// EngineTokenizerConfig configures an EngineTokenizer.
+type EngineTokenizerConfig struct {
+	// URL is the engine's base URL (its POST /tokenize is used).
+	URL string
+	// Model is the model name sent with each request; empty sends none
+	// (the engine's default).
+	Model string
+	// APIKey, if set, is sent as "Authorization: Bearer <key>".
+	APIKey string
+	// Timeout bounds one /tokenize call (default 5 s).
+	Timeout time.Duration
+	// TLS configures an https engine; nil means Go's defaults.
+	TLS *tls.Config
+}
+
+// EngineTokenizer tokenizes through an engine's POST /tokenize (vLLM's
+// TokenizeChatRequest / TokenizeCompletionRequest, answering
+// {"count", "max_model_len", "tokens"}), so that the model's own
+// vocabulary and chat template apply and kvbus's block hashes match the
+// engine's cache. Token ids may be any uint32.
+type EngineTokenizer struct {
+	cfg    EngineTokenizerConfig
+	base   string
+	client *http.Client
+}
+
+// maxTokenizeAnswer bounds /tokenize's answer (a million token ids).
+const maxTokenizeAnswer = 16 << 20
+
+// NewEngineTokenizer returns a tokenizer for cfg.
+func NewEngineTokenizer(cfg EngineTokenizerConfig) (*EngineTokenizer, error) {
+	u, err := url.Parse(cfg.URL)
+	if cfg.URL == "" || err != nil || (u.Scheme != "http" && u.Scheme != "https") || u.Host == "" {
+		return nil, fmt.Errorf("%w: --tokenizer engine needs --tokenizer-url http://HOST:PORT (the engine's base URL), got %q", ErrConfig, cfg.URL)
+	}
+	if cfg.Timeout <= 0 {
+		cfg.Timeout = 5 * time.Second
+	}
+	return &EngineTokenizer{cfg: cfg, base: strings.TrimRight(cfg.URL, "/"),
+		client: &http.Client{Transport: &http.Transport{Proxy: http.ProxyFromEnvironment, TLSClientConfig: cfg.TLS, MaxIdleConnsPerHost: 64}}}, nil
+}
+
+// Name implements Tokenizer.
+func (t *EngineTokenizer) Name() string { return "engine " + t.cfg.URL }
+
+// VocabSize implements Tokenizer: any uint32 is a valid id.
+func (t *EngineTokenizer) VocabSize() int { return 1 << 32 }
+
+// Encode implements Tokenizer: a completion prompt, with the special
+// tokens vLLM's /v1/completions adds by default.
+func (t *EngineTokenizer) Encode(text string) ([]uint32, error) {
+	body, err := json.Marshal(map[string]any{"prompt": text, "add_special_tokens": true})
+	if err != nil {
+		return nil, err
+	}
+	return t.tokenize(context.Background(), body)
+}
+
+// ApplyChatTemplate implements Tokenizer for plain text turns.
+func (t *EngineTokenizer) ApplyChatTemplate(msgs []ChatTurn) ([]uint32, error) {
+	type msg struct {
+		Role    string `json:"role"`
+		Content string `json:"content"`
+	}
+	out := make([]msg, len(msgs))
+	for i, m := range msgs {
+		out[i] = msg{m.Role, m.Content}
+	}
+	body, err := json.Marshal(map[string]any{"messages": out, "add_generation_prompt": true})
+	if err != nil {
+		return nil, err
+	}
+	return t.tokenize(context.Background(), body)
+}
+
+// TokenizeChat implements RequestTokenizer.
+func (t *EngineTokenizer) TokenizeChat(ctx context.Context, body []byte) ([]uint32, error) {
+	var fields map[string]json.RawMessage
+	if err := json.Unmarshal(body, &fields); err != nil {
+		return nil, &TokenizeError{Status: http.StatusBadRequest, Message: "request body is not a JSON object"}
+	}
+	// The fields vLLM's TokenizeChatRequest shares with
+	// ChatCompletionRequest (vllm/entrypoints/openai/protocol.py): the
+	// prompt is rendered exactly as the chat endpoint renders it.
+	req := map[string]json.RawMessage{}
+	for _, k := range [...]string{"messages", "add_generation_prompt", "continue_final_message", "add_special_tokens",
+		"chat_template", "chat_template_kwargs", "mm_processor_kwargs", "tools"} {
+		if v, ok := fields[k]; ok {
+			req[k] = v
+		}
+	}
+	if _, ok := req["add_generation_prompt"]; !ok {
+		req["add_generation_prompt"] = json.RawMessage("true") // the chat endpoint's default
+	}
+	b, err := json.Marshal(req)
+	if err != nil {
+		return nil, err
+	}
+	return t.tokenize(ctx, b)
+}
+
+// tokenize posts a /tokenize body (without the model, added here).
+func (t *EngineTokenizer) tokenize(ctx context.Context, body []byte) ([]uint32, error) {
+	if t.cfg.Model != "" {
+		m, _ := json.Marshal(t.cfg.Model)
+		body = append(append(append([]byte(`{"model":`), m...), ','), body[1:]...)
+	}
+	ctx, cancel := context.WithTimeout(ctx, t.cfg.Timeout)
+	defer cancel()
+	req, err := http.NewRequestWithContext(ctx, http.MethodPost, t.base+"/tokenize", bytes.NewReader(body))
+	if err != nil {
+		return nil, err
+	}
+	req.Header.Set("Content-Type", "application/json")
+	if t.cfg.APIKey != "" {
+		req.Header.Set("Authorization", "Bearer "+t.cfg.APIKey)
+	}
+	resp, err := t.client.Do(req)
+	if err != nil {
+		return nil, fmt.Errorf("%w: POST /tokenize: %v", ErrTokenizerUnavailable, err)
+	}
+	defer resp.Body.Close()
+	data, err := io.ReadAll(io.LimitReader(resp.Body, maxTokenizeAnswer+1))
+	if err != nil {
+		return nil, fmt.Errorf("%w: reading /tokenize's answer: %v", ErrTokenizerUnavailable, err)
+	}
+	if resp.StatusCode != http.StatusOK {
+		var e struct {
+			Error struct {
+				Message string `json:"message"`
+			} `json:"error"`
+		}
+		msg := strings.TrimSpace(string(data))
+		if json.Unmarshal(data, &e) == nil && e.Error.Message != "" {
+			msg = e.Error.Message
+		}
+		if resp.StatusCode >= 400 && resp.StatusCode < 500 && resp.StatusCode != http.StatusUnauthorized && resp.StatusCode != http.StatusNotFound {
+			return nil, &TokenizeError{Status: resp.StatusCode, Message: msg}
+		}
+		return nil, fmt.Errorf("%w: /tokenize answered %d: %s", ErrTokenizerUnavailable, resp.StatusCode, msg)
+	}
+	if len(data) > maxTokenizeAnswer {
+		return nil, fmt.Errorf("%w: /tokenize's answer exceeds %d bytes", ErrTokenizerUnavailable, maxTokenizeAnswer)
+	}
+	var out struct {
+		Tokens []uint32 `json:"tokens"`
+	}
+	if err := json.Unmarshal(data, &out); err != nil {
+		return nil, fmt.Errorf("%w: /tokenize's answer has no token list: %v", ErrTokenizerUnavailable, err)
+	}
+	return out.Tokens, nil
+}

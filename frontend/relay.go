@@ -1,0 +1,107 @@
+package frontend
+
+import (
+	"context"
+	"encoding/json"
+	"net/http"
+	"time"
+)
+
+// relay writes a real engine's answer as the engine wrote it (--engine
+// openai): its streamed chunks as server-sent events, or its JSON body.
+// Nothing is written before the engine's first chunk, so an engine that
+// refuses the request (a 400 for a field it does not take) gets its status
+// and body to the client unchanged.
+func (g *generation) relay(w http.ResponseWriter, ctx context.Context, deadline time.Time, stream bool) int {
+	c := g.choices[0]
+	h := w.Header()
+	flusher, _ := w.(http.Flusher)
+	started := false
+	begin := func() {
+		if !started {
+			h.Set("Content-Type", "text/event-stream")
+			h.Set("Cache-Control", "no-cache")
+			h.Set("Connection", "keep-alive")
+			w.WriteHeader(http.StatusOK)
+			started = true
+		}
+	}
+	event := func(data []byte) {
+		_, _ = w.Write([]byte("data: "))
+		_, _ = w.Write(data)
+		_, _ = w.Write([]byte("\n\n"))
+	}
+	var answer []byte
+	timer := time.NewTimer(time.Until(deadline))
+	defer timer.Stop()
+	for !g.allDone() {
+		items, apiErr := g.next(ctx, timer)
+		if apiErr != nil {
+			if apiErr.Status == 499 {
+				return apiErr.Status
+			}
+			if started {
+				b, _ := json.Marshal(apiErr.body())
+				event(b)
+				event([]byte("[DONE]"))
+				if flusher != nil {
+					flusher.Flush()
+				}
+				return http.StatusOK
+			}
+			writeError(w, apiErr)
+			return apiErr.Status
+		}
+		for _, it := range items {
+			if raw := it.out.Raw; len(raw) > 0 {
+				if !stream {
+					answer = raw
+					continue
+				}
+				begin()
+				event(raw)
+			}
+		}
+		if started && flusher != nil {
+			flusher.Flush()
+		}
+	}
+	if c.err != nil {
+		g.log.Warn("request failed", "code", c.err.Code, "status", c.err.Status, "err", c.err.Message)
+		body := c.errRaw
+		if len(body) == 0 {
+			body, _ = json.Marshal(c.err.body())
+		}
+		if started { // the stream had begun: the error is its last event
+			event(body)
+			event([]byte("[DONE]"))
+			if flusher != nil {
+				flusher.Flush()
+			}
+			return http.StatusOK
+		}
+		if len(c.errRaw) == 0 {
+			writeError(w, c.err)
+		} else {
+			h.Set("Content-Type", "application/json")
+			w.WriteHeader(c.err.Status)
+			_, _ = w.Write(body)
+		}
+		return c.err.Status
+	}
+	if stream {
+		begin()
+		event([]byte("[DONE]"))
+		if flusher != nil {
+			flusher.Flush()
+		}
+	} else {
+		h.Set("Content-Type", "application/json")
+		w.WriteHeader(http.StatusOK)
+		_, _ = w.Write(answer)
+	}
+	u := c.usage
+	g.log.Info("request completed", "engine", true, "stream", stream, "prompt_tokens", u.PromptTokens, "cached_tokens", u.CachedTokens,
+		"completion_tokens", u.CompletionTokens, "ms", time.Since(g.start).Milliseconds())
+	return http.StatusOK
+}

@@ -1,0 +1,399 @@
+package testenv_test
+
+import (
+	"bufio"
+	"bytes"
+	"context"
+	"encoding/json"
+	"fmt"
+	"io"
+	"net/http"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/kvbus/kvbus/cluster"
+	"github.com/kvbus/kvbus/frontend"
+	"github.com/kvbus/kvbus/testenv"
+	"github.com/kvbus/kvbus/testenv/fakeengine"
+	"github.com/kvbus/kvbus/workers"
+	"github.com/kvbus/kvbus/workers/vllmevents"
+)
+
+// engineCluster starts n fake vLLM engines publishing KV events and a
+// kvbus in front of them (--engine openai, --tokenizer engine).
+func engineCluster(t *testing.T, n int, mod func(i int, c *fakeengine.Config)) (*testenv.Cluster, []*fakeengine.Engine) {
+	t.Helper()
+	var engines []*fakeengine.Engine
+	var backends []cluster.EngineBackend
+	for i := range n {
+		form := fakeengine.EventFormMap
+		if i%2 == 1 {
+			form = fakeengine.EventFormArray // both of vLLM's event shapes
+		}
+		cfg := fakeengine.Config{ModelName: "kvbus-sim", HashBytes: i%2 == 0,
+			KVEvents: &fakeengine.KVEventsConfig{Endpoint: "tcp://127.0.0.1:0", EventForm: form}}
+		if mod != nil {
+			mod(i, &cfg)
+		}
+		e, err := fakeengine.New(cfg)
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { _ = e.Close() })
+		engines = append(engines, e)
+		backends = append(backends, cluster.EngineBackend{
+			OpenAI:   workers.OpenAIConfig{URL: e.URL(), HealthInterval: 100 * time.Millisecond},
+			KVEvents: &vllmevents.Config{Endpoint: e.KVEventsAddr()},
+		})
+	}
+	tok, err := frontend.NewEngineTokenizer(frontend.EngineTokenizerConfig{URL: engines[0].URL()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	c := testenv.StartCluster(t, testenv.ClusterConfig{Engines: backends, Tokenizer: tok, Policy: "kv", MaxModelLen: 8192})
+	for _, e := range engines {
+		ctx, cancel := context.WithTimeout(t.Context(), 10*time.Second)
+		if err := e.WaitSubscribed(ctx); err != nil {
+			t.Fatalf("the rank never subscribed to the engine's KV events: %v", err)
+		}
+		cancel()
+	}
+	return c, engines
+}
+
+// engineOf returns the index of the engine that received a request with
+// this X-Request-Id prefix, and the request.
+func engineOf(t *testing.T, engines []*fakeengine.Engine, reqID string) (int, fakeengine.Received) {
+	t.Helper()
+	for i, e := range engines {
+		for _, r := range e.Requests() {
+			if strings.HasPrefix(r.Header.Get("X-Request-Id"), reqID) && strings.HasPrefix(r.Path, "/v1/") {
+				return i, r
+			}
+		}
+	}
+	t.Fatalf("no engine received request %s", reqID)
+	return -1, fakeengine.Received{}
+}
+
+// TestEngineConversationKeepsItsCache: a conversation with a session id
+// runs on one engine, which receives the session id as X-Session-ID and
+// as vllm_xargs.session_id with kvbus's request id; every turn finds the
+// whole previous prompt in the engine's own cache, and the client's
+// cached_tokens is the engine's.
+func TestEngineConversationKeepsItsCache(t *testing.T) {
+	c, engines := engineCluster(t, 2, nil)
+	client := &http.Client{Timeout: 30 * time.Second}
+	defer client.CloseIdleConnections()
+	turns, err := testenv.Conversation{BaseURL: c.URL, Client: client, Model: c.Model, Seed: 7,
+		Headers: map[string]string{"X-Session-ID": "conv-engine-7"}}.Run(t.Context(), 4)
+	if err != nil {
+		t.Fatal(err)
+	}
+	home := -1
+	for i, turn := range turns {
+		e, got := engineOf(t, engines, turn.RequestID)
+		if home == -1 {
+			home = e
+		}
+		if e != home {
+			t.Errorf("turn %d ran on engine %d, the conversation's earlier turns on %d", i+1, e, home)
+		}
+		if h := got.Header.Get("X-Session-ID"); h != "conv-engine-7" {
+			t.Errorf("turn %d: engine got X-Session-ID %q", i+1, h)
+		}
+		if s := got.VLLMXArgs["session_id"]; s != "conv-engine-7" {
+			t.Errorf("turn %d: engine got vllm_xargs.session_id %v", i+1, s)
+		}
+		if turn.CachedTokens != got.CachedTokens || turn.PromptTokens != len(got.PromptTokens) {
+			t.Errorf("turn %d: client saw %d of %d tokens cached, the engine %d of %d", i+1, turn.CachedTokens, turn.PromptTokens,
+				got.CachedTokens, len(got.PromptTokens))
+		}
+	}
+	// The engine stores the prompt and the reply: the next turn finds the
+	// whole previous prompt (its full blocks).
+	for i, share := range testenv.PreviousShares(turns, fakeengine.DefaultBlockSize) {
+		if share < 1 {
+			t.Errorf("turn %d found %.2f of the previous prompt cached in the engine, want 1.00", i+2, share)
+		}
+	}
+}
+
+// TestEngineKVEventsSteerPlacement: a prompt computed on engine 1 behind
+// kvbus's back is known to kvbus only through engine 1's KV events; a
+// request without a session id that shares it goes to engine 1 and finds
+// it cached, whichever engine round-robin would have picked.
+func TestEngineKVEventsSteerPlacement(t *testing.T) {
+	c, engines := engineCluster(t, 2, nil)
+	var b strings.Builder
+	for i := range 80 {
+		fmt.Fprintf(&b, "Shared document line %d about caches and prefixes. ", i)
+	}
+	doc := b.String()
+	chat := func(question string) []byte {
+		body, _ := json.Marshal(map[string]any{"model": c.Model, "max_tokens": 4,
+			"messages": []map[string]string{{"role": "system", "content": doc}, {"role": "user", "content": question}}})
+		return body
+	}
+	// Directly on engine 1: kvbus sees only its KV events.
+	resp, err := http.Post(engines[1].URL()+"/v1/chat/completions", "application/json", bytes.NewReader(chat("first question")))
+	if err != nil {
+		t.Fatal(err)
+	}
+	io.Copy(io.Discard, resp.Body)
+	resp.Body.Close()
+	g1 := "g1"
+	testenv.Eventually(t, 10*time.Second, "engine 1's KV events reach the index", func() bool {
+		return c.Scheduler.Index().GroupBlocks(g1) >= engines[1].CachedBlocks()-1
+	})
+	for i := range 3 {
+		status, hdr, body := testenv.Send(t, "POST", c.URL+"/v1/chat/completions", string(chat(fmt.Sprintf("question %d", i))), nil)
+		if status != http.StatusOK {
+			t.Fatalf("status %d: %s", status, body)
+		}
+		e, got := engineOf(t, engines, hdr.Get("X-Request-Id"))
+		if e != 1 {
+			t.Fatalf("request %d went to engine %d; engine 1 holds its prefix", i, e)
+		}
+		var r struct {
+			Usage struct {
+				PromptTokens        int `json:"prompt_tokens"`
+				PromptTokensDetails struct {
+					CachedTokens int `json:"cached_tokens"`
+				} `json:"prompt_tokens_details"`
+			} `json:"usage"`
+		}
+		if err := json.Unmarshal(body, &r); err != nil {
+			t.Fatal(err)
+		}
+		// The shared part is the system prompt: all of its full blocks.
+		shared := engines[1].CachedPrefix(got.PromptTokens)
+		if r.Usage.PromptTokensDetails.CachedTokens < shared || shared < r.Usage.PromptTokens*8/10 {
+			t.Errorf("request %d: %d of %d prompt tokens cached, want the %d-token shared prefix (>= 80%%)", i,
+				r.Usage.PromptTokensDetails.CachedTokens, r.Usage.PromptTokens, shared)
+		}
+	}
+}
+
+// TestEngineUnhealthyMovesRequests: an engine that fails /health takes its
+// group out; a session bound to it continues on the other engine. An
+// engine that is gone when a request reaches it does the same: the
+// request moves before any output and the client gets its answer.
+func TestEngineUnhealthyMovesRequests(t *testing.T) {
+	c, engines := engineCluster(t, 2, nil)
+	client := &http.Client{Timeout: 30 * time.Second}
+	defer client.CloseIdleConnections()
+	d := testenv.Conversation{BaseURL: c.URL, Client: client, Model: c.Model, Seed: 11,
+		Headers: map[string]string{"X-Session-ID": "moving"}}.Start()
+	first, err := d.Next(t.Context())
+	if err != nil {
+		t.Fatal(err)
+	}
+	home, _ := engineOf(t, engines, first.RequestID)
+	other := 1 - home
+	homeGroup := fmt.Sprintf("g%d", home)
+
+	engines[home].SetHealthy(false)
+	testenv.Eventually(t, 5*time.Second, "the unhealthy engine's group leaves the ready groups", func() bool {
+		for _, g := range c.Scheduler.PlaceableGroups(time.Now()) {
+			if g.Name == homeGroup {
+				return false
+			}
+		}
+		return true
+	})
+	second, err := d.Next(t.Context())
+	if err != nil {
+		t.Fatal(err)
+	}
+	if e, _ := engineOf(t, engines, second.RequestID); e != other {
+		t.Fatalf("with engine %d unhealthy the turn ran on engine %d", home, e)
+	}
+
+	// Back to health; then the engine dies between two turns, before the
+	// cluster can notice: the turn is placed on it and must move.
+	engines[home].SetHealthy(true)
+	testenv.Eventually(t, 5*time.Second, "the engine's group is ready again", func() bool {
+		return len(c.Scheduler.PlaceableGroups(time.Now())) == 2
+	})
+	// Pin the conversation back home: a fresh session that starts there.
+	var pinned *testenv.Dialog
+	var turn testenv.Turn
+	for i := range 20 {
+		pinned = testenv.Conversation{BaseURL: c.URL, Client: client, Model: c.Model, Seed: 100 + i,
+			Headers: map[string]string{"X-Session-ID": fmt.Sprint("pinned-", i)}}.Start()
+		if turn, err = pinned.Next(t.Context()); err != nil {
+			t.Fatal(err)
+		}
+		if e, _ := engineOf(t, engines, turn.RequestID); e == home {
+			break
+		}
+		pinned = nil
+	}
+	if pinned == nil {
+		t.Fatal("no conversation started on the engine under test")
+	}
+	before := testenv.CounterSum(t, c.Registry, "kvbus_scheduler_requests_total", map[string]string{"outcome": "redispatched"})
+	if err := engines[home].Close(); err != nil {
+		t.Fatal(err)
+	}
+	turn, err = pinned.Next(t.Context())
+	if err != nil {
+		t.Fatalf("the turn placed on a dead engine did not move: %v", err)
+	}
+	if e, _ := engineOf(t, engines, turn.RequestID); e != other {
+		t.Fatalf("the turn ran on engine %d", e)
+	}
+	if after := testenv.CounterSum(t, c.Registry, "kvbus_scheduler_requests_total", map[string]string{"outcome": "redispatched"}); after != before+1 {
+		t.Errorf("redispatched requests went from %v to %v: the turn did not go to the dead engine first (the fault did not take effect)", before, after)
+	}
+}
+
+// TestEngineErrorsAndStreams: an engine's 400 reaches the client with the
+// engine's status and body; a streamed answer carries the engine's chunks,
+// with usage (and the engine's cached tokens) only when the client asks.
+func TestEngineErrorsAndStreams(t *testing.T) {
+	c, _ := engineCluster(t, 1, func(_ int, cfg *fakeengine.Config) { cfg.MaxModelLen = 512 })
+	long := strings.Repeat("word ", 600)
+	status, _, body := testenv.Send(t, "POST", c.URL+"/v1/completions",
+		fmt.Sprintf(`{"model":%q,"prompt":%q,"max_tokens":4}`, c.Model, long), nil)
+	if status != http.StatusBadRequest || !strings.Contains(string(body), "BadRequestError") {
+		t.Fatalf("prompt too long for the engine: status %d body %s; want the engine's 400", status, body)
+	}
+	for _, usage := range []bool{false, true} {
+		req := fmt.Sprintf(`{"model":%q,"prompt":"tell me a story","max_tokens":5,"stream":true}`, c.Model)
+		if usage {
+			req = fmt.Sprintf(`{"model":%q,"prompt":"tell me a story","max_tokens":5,"stream":true,"stream_options":{"include_usage":true}}`, c.Model)
+		}
+		status, _, body := testenv.Send(t, "POST", c.URL+"/v1/completions", req, nil)
+		if status != http.StatusOK {
+			t.Fatalf("status %d: %s", status, body)
+		}
+		var chunks, usageChunks int
+		sc := bufio.NewScanner(bytes.NewReader(body))
+		last := ""
+		for sc.Scan() {
+			data, ok := strings.CutPrefix(sc.Text(), "data: ")
+			if !ok {
+				continue
+			}
+			last = data
+			if data == "[DONE]" {
+				continue
+			}
+			var ch struct {
+				Object  string            `json:"object"`
+				Choices []json.RawMessage `json:"choices"`
+				Usage   *struct {
+					CompletionTokens int `json:"completion_tokens"`
+				} `json:"usage"`
+			}
+			if err := json.Unmarshal([]byte(data), &ch); err != nil || ch.Object != "text_completion" {
+				t.Fatalf("chunk %s is not the engine's (%v)", data, err)
+			}
+			chunks++
+			if len(ch.Choices) == 0 && ch.Usage != nil {
+				usageChunks++
+			}
+		}
+		if last != "[DONE]" || chunks < 5 {
+			t.Errorf("usage=%v: %d chunks, last %q", usage, chunks, last)
+		}
+		if want := map[bool]int{false: 0, true: 1}[usage]; usageChunks != want {
+			t.Errorf("include_usage=%v: %d usage chunks, want %d", usage, usageChunks, want)
+		}
+	}
+}
+
+// TestEngineRelaysFieldForField: kvbus forwards the client's body as it
+// came (tools, response_format, logprobs, n, chat_template_kwargs,
+// kv_transfer_params, vLLM's extra fields), changing only
+// vllm_xargs.session_id and stream_options, and the client gets the
+// engine's answer byte for byte.
+func TestEngineRelaysFieldForField(t *testing.T) {
+	const answer = `{"id":"chatcmpl-engine","object":"chat.completion","created":1,"model":"kvbus-sim","choices":[{"index":0,"message":{"role":"assistant","content":null,"tool_calls":[{"id":"call_1","type":"function","function":{"name":"get_weather","arguments":"{\"city\":\"Paris\"}"}}]},"logprobs":{"content":[]},"finish_reason":"tool_calls","stop_reason":null},{"index":1,"message":{"role":"assistant","content":"{}"},"logprobs":null,"finish_reason":"stop"}],"usage":{"prompt_tokens":40,"completion_tokens":9,"total_tokens":49,"prompt_tokens_details":{"cached_tokens":32}},"prompt_logprobs":null,"kv_transfer_params":{"remote_block_ids":[1,2]}}`
+	streamed := []string{
+		`{"id":"chatcmpl-s","object":"chat.completion.chunk","created":1,"model":"kvbus-sim","choices":[{"index":0,"delta":{"role":"assistant","content":""},"logprobs":null,"finish_reason":null}]}`,
+		`{"id":"chatcmpl-s","object":"chat.completion.chunk","created":1,"model":"kvbus-sim","choices":[{"index":0,"delta":{"tool_calls":[{"index":0,"id":"call_1","type":"function","function":{"name":"get_weather","arguments":""}}]},"logprobs":null,"finish_reason":null}]}`,
+		`{"id":"chatcmpl-s","object":"chat.completion.chunk","created":1,"model":"kvbus-sim","choices":[{"index":0,"delta":{},"logprobs":null,"finish_reason":"tool_calls"}]}`,
+		`{"id":"chatcmpl-s","object":"chat.completion.chunk","created":1,"model":"kvbus-sim","choices":[],"usage":{"prompt_tokens":40,"completion_tokens":3,"total_tokens":43,"prompt_tokens_details":{"cached_tokens":16}}}`,
+	}
+	type seen struct {
+		header http.Header
+		body   map[string]any
+	}
+	got := make(chan seen, 4)
+	engine := testenv.ServeEngine(t, func(w http.ResponseWriter, r *http.Request) {
+		var body map[string]any
+		_ = json.NewDecoder(r.Body).Decode(&body)
+		got <- seen{r.Header.Clone(), body}
+		if body["stream"] == true {
+			w.Header().Set("Content-Type", "text/event-stream")
+			for _, ch := range streamed {
+				fmt.Fprintf(w, "data: %s\n\n", ch)
+			}
+			fmt.Fprint(w, "data: [DONE]\n\n")
+			return
+		}
+		w.Header().Set("Content-Type", "application/json")
+		io.WriteString(w, answer)
+	})
+	c := testenv.StartCluster(t, testenv.ClusterConfig{Engines: []cluster.EngineBackend{{OpenAI: workers.OpenAIConfig{URL: engine, HealthInterval: 100 * time.Millisecond}}}})
+	client := map[string]any{
+		"model":    c.Model,
+		"messages": []any{map[string]any{"role": "user", "content": "weather in Paris?"}},
+		"tools": []any{map[string]any{"type": "function", "function": map[string]any{"name": "get_weather",
+			"parameters": map[string]any{"type": "object", "properties": map[string]any{"city": map[string]any{"type": "string"}}}}}},
+		"tool_choice": "auto", "response_format": map[string]any{"type": "json_object"}, "logprobs": true, "top_logprobs": 2.0,
+		"n": 2.0, "chat_template_kwargs": map[string]any{"enable_thinking": false}, "kv_transfer_params": map[string]any{"do_remote_decode": true},
+		"vllm_xargs": map[string]any{"session_id": "from-body", "priority_hint": "low"}, "repetition_penalty": 1.1,
+	}
+	raw, _ := json.Marshal(client)
+	status, hdr, body := testenv.Send(t, "POST", c.URL+"/v1/chat/completions", string(raw), map[string]string{"X-Session-ID": "from-header"})
+	if status != http.StatusOK || string(body) != answer {
+		t.Fatalf("status %d, body\n%s\nwant the engine's answer\n%s", status, body, answer)
+	}
+	if hdr.Get("X-Session-ID") != "from-body" {
+		t.Errorf("X-Session-ID echo %q, want the body's session id", hdr.Get("X-Session-ID"))
+	}
+	s := <-got
+	if s.header.Get("X-Session-ID") != "from-body" || !strings.HasPrefix(s.header.Get("X-Request-Id"), hdr.Get("X-Request-Id")) {
+		t.Errorf("engine got X-Session-ID %q X-Request-Id %q", s.header.Get("X-Session-ID"), s.header.Get("X-Request-Id"))
+	}
+	var want map[string]any
+	_ = json.Unmarshal(raw, &want)
+	if !jsonEqual(s.body, want) {
+		t.Errorf("engine got body\n%v\nwant the client's\n%v", s.body, want)
+	}
+
+	// Streaming without include_usage: the engine is asked for usage (kvbus
+	// needs its cached tokens), the client does not get that chunk.
+	client["stream"] = true
+	raw, _ = json.Marshal(client)
+	status, _, body = testenv.Send(t, "POST", c.URL+"/v1/chat/completions", string(raw), nil)
+	var wantSSE strings.Builder
+	for _, ch := range streamed[:3] {
+		fmt.Fprintf(&wantSSE, "data: %s\n\n", ch)
+	}
+	wantSSE.WriteString("data: [DONE]\n\n")
+	if status != http.StatusOK || string(body) != wantSSE.String() {
+		t.Fatalf("status %d, stream\n%s\nwant\n%s", status, body, wantSSE.String())
+	}
+	s = <-got
+	opts, _ := s.body["stream_options"].(map[string]any)
+	if opts["include_usage"] != true {
+		t.Errorf("engine got stream_options %v, want include_usage true", s.body["stream_options"])
+	}
+	delete(s.body, "stream_options")
+	want["stream"] = true
+	if !jsonEqual(s.body, want) {
+		t.Errorf("engine got body\n%v\nwant\n%v", s.body, want)
+	}
+}
+
+func jsonEqual(a, b any) bool {
+	x, _ := json.Marshal(a)
+	y, _ := json.Marshal(b)
+	return bytes.Equal(x, y)
+}

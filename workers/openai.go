@@ -1,0 +1,610 @@
+package workers
+
+import (
+	"bufio"
+	"bytes"
+	"context"
+	"crypto/tls"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"log/slog"
+	"net"
+	"net/http"
+	"net/url"
+	"strings"
+	"sync"
+	"time"
+
+	"github.com/kvbus/kvbus/messages"
+)
+
+// Engine kinds of `kvbus worker --engine`.
+const (
+	EngineSim    = "sim"
+	EngineOpenAI = "openai"
+)
+
+// Defaults of OpenAIConfig.
+const (
+	DefaultEngineMaxConcurrency = 256
+	DefaultEngineConnectTimeout = 5 * time.Second
+	DefaultEngineHealthInterval = time.Second
+	// maxEngineLine bounds one SSE line of an engine's stream, and
+	// maxEngineBody a whole answer (or error) that does not stream: both
+	// are sent on the bus, whose messages are smaller still.
+	maxEngineLine = 4 << 20
+	maxEngineBody = 8 << 20
+)
+
+// ErrEngineUnavailable is wrapped by errors of an engine that cannot be
+// reached or answers 5xx: the request did not run there, and may run on
+// another group.
+var ErrEngineUnavailable = errors.New("workers: engine unavailable")
+
+// EngineError is an engine's answer that is not a success, relayed to the
+// client as the engine sent it.
+type EngineError struct {
+	Status int    // the engine's HTTP status
+	Body   []byte // the engine's error body (OpenAI's {"error": {...}})
+}
+
+func (e *EngineError) Error() string {
+	msg := string(e.Body)
+	var body struct {
+		Error struct {
+			Message string `json:"message"`
+		} `json:"error"`
+	}
+	if json.Unmarshal(e.Body, &body) == nil && body.Error.Message != "" {
+		msg = body.Error.Message
+	}
+	if len(msg) > 512 {
+		msg = msg[:512] + "…"
+	}
+	return fmt.Sprintf("engine answered %d: %s", e.Status, msg)
+}
+
+// OpenAIConfig configures an OpenAIEngine.
+type OpenAIConfig struct {
+	// URL is the engine's base URL, http(s)://host:port (a path prefix is
+	// kept); kvbus adds /v1/chat/completions, /v1/completions and /health.
+	URL string
+	// Model, if set, replaces the model name of every request: the name the
+	// engine serves when it is not the one clients use (--engine-model).
+	Model string
+	// APIKey is sent as "Authorization: Bearer <key>" (vLLM's --api-key);
+	// it is never logged.
+	APIKey string
+	// MaxConcurrency bounds the requests in flight at the engine; more
+	// wait in the rank (default DefaultEngineMaxConcurrency).
+	MaxConcurrency int
+	// ConnectTimeout bounds connecting to the engine (default 5 s).
+	ConnectTimeout time.Duration
+	// Timeout bounds one engine request end to end; zero means only the
+	// request's own deadline does.
+	Timeout time.Duration
+	// HealthInterval is how often /health is polled (default 1 s); a poll
+	// times out after the same interval.
+	HealthInterval time.Duration
+	// TLS configures https engines; nil means Go's defaults.
+	TLS *tls.Config
+	// Logger; nil means slog.Default().
+	Logger *slog.Logger
+}
+
+// Validate checks the configuration.
+func (c *OpenAIConfig) Validate() error {
+	u, err := url.Parse(c.URL)
+	switch {
+	case c.URL == "":
+		return fmt.Errorf("%w: --engine openai needs --engine-url http://HOST:PORT (the engine's base URL)", ErrConfig)
+	case err != nil:
+		return fmt.Errorf("%w: --engine-url %q: %v", ErrConfig, c.URL, err)
+	case u.Scheme != "http" && u.Scheme != "https":
+		return fmt.Errorf("%w: --engine-url %q must start with http:// or https://", ErrConfig, c.URL)
+	case u.Host == "":
+		return fmt.Errorf("%w: --engine-url %q has no host", ErrConfig, c.URL)
+	case u.RawQuery != "" || u.Fragment != "":
+		return fmt.Errorf("%w: --engine-url %q must be a base URL, without query or fragment", ErrConfig, c.URL)
+	case c.MaxConcurrency < 0 || c.ConnectTimeout < 0 || c.Timeout < 0 || c.HealthInterval < 0:
+		return fmt.Errorf("%w: engine concurrency and timeouts must be >= 0 (0: default)", ErrConfig)
+	}
+	return nil
+}
+
+// OpenAIEngine is the Engine of a driver rank that fronts an
+// OpenAI-compatible model server (vLLM, SGLang): it forwards each request
+// as the client sent it, with kvbus's request id and the session id, and
+// returns the engine's answer as it came. It polls the engine's /health
+// (WatchHealth). Safe for concurrent use.
+type OpenAIEngine struct {
+	cfg    OpenAIConfig
+	base   string
+	client *http.Client
+	slots  chan struct{}
+	log    *slog.Logger
+
+	mu      sync.Mutex
+	healthy bool
+	why     string
+	changed chan struct{} // closed and replaced on every health change
+}
+
+// NewOpenAIEngine returns an engine adapter for cfg; it starts unhealthy
+// until its first health check passes.
+func NewOpenAIEngine(cfg OpenAIConfig) (*OpenAIEngine, error) {
+	if err := cfg.Validate(); err != nil {
+		return nil, err
+	}
+	if cfg.MaxConcurrency == 0 {
+		cfg.MaxConcurrency = DefaultEngineMaxConcurrency
+	}
+	if cfg.ConnectTimeout == 0 {
+		cfg.ConnectTimeout = DefaultEngineConnectTimeout
+	}
+	if cfg.HealthInterval == 0 {
+		cfg.HealthInterval = DefaultEngineHealthInterval
+	}
+	log := cfg.Logger
+	if log == nil {
+		log = slog.Default()
+	}
+	transport := &http.Transport{
+		Proxy:               http.ProxyFromEnvironment,
+		DialContext:         (&net.Dialer{Timeout: cfg.ConnectTimeout, KeepAlive: 30 * time.Second}).DialContext,
+		TLSClientConfig:     cfg.TLS,
+		TLSHandshakeTimeout: cfg.ConnectTimeout,
+		MaxIdleConns:        cfg.MaxConcurrency,
+		MaxIdleConnsPerHost: cfg.MaxConcurrency,
+		IdleConnTimeout:     90 * time.Second,
+		ForceAttemptHTTP2:   cfg.TLS != nil,
+	}
+	return &OpenAIEngine{
+		cfg:     cfg,
+		base:    strings.TrimRight(cfg.URL, "/"),
+		client:  &http.Client{Transport: transport},
+		slots:   make(chan struct{}, cfg.MaxConcurrency),
+		log:     log.With("engine_url", cfg.URL),
+		why:     "engine health not checked yet",
+		changed: make(chan struct{}),
+	}, nil
+}
+
+// Healthy reports whether the engine takes requests, and why not.
+func (e *OpenAIEngine) Healthy() (bool, string) {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	return e.healthy, e.why
+}
+
+// setHealth records a health change and reports whether it was one.
+func (e *OpenAIEngine) setHealth(ok bool, why string) bool {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	if e.healthy == ok {
+		e.why = why
+		return false
+	}
+	e.healthy, e.why = ok, why
+	close(e.changed)
+	e.changed = make(chan struct{})
+	if ok {
+		e.log.Info("engine healthy: the group takes requests")
+	} else {
+		e.log.Warn("engine not healthy: the group takes no requests", "reason", why)
+	}
+	return true
+}
+
+// WatchHealth polls GET /health every HealthInterval until ctx ends and
+// calls changed (if not nil) after each change of health, also when a
+// request found the engine unreachable.
+func (e *OpenAIEngine) WatchHealth(ctx context.Context, changed func()) {
+	t := time.NewTicker(e.cfg.HealthInterval)
+	defer t.Stop()
+	for {
+		e.mu.Lock()
+		ch := e.changed
+		e.mu.Unlock()
+		ok, why := e.checkHealth(ctx)
+		if ctx.Err() != nil {
+			return
+		}
+		if e.setHealth(ok, why) && changed != nil {
+			changed()
+		}
+		select {
+		case <-ctx.Done():
+			return
+		case <-t.C:
+		case <-ch: // a request saw the engine fail: tell the cluster now
+			if changed != nil {
+				changed()
+			}
+		}
+	}
+}
+
+func (e *OpenAIEngine) checkHealth(ctx context.Context) (bool, string) {
+	ctx, cancel := context.WithTimeout(ctx, e.cfg.HealthInterval)
+	defer cancel()
+	req, err := http.NewRequestWithContext(ctx, http.MethodGet, e.base+"/health", nil)
+	if err != nil {
+		return false, err.Error()
+	}
+	e.authorize(req.Header)
+	resp, err := e.client.Do(req)
+	if err != nil {
+		return false, fmt.Sprintf("GET /health: %v", err)
+	}
+	_, _ = io.Copy(io.Discard, io.LimitReader(resp.Body, 64<<10))
+	_ = resp.Body.Close()
+	if resp.StatusCode != http.StatusOK {
+		return false, fmt.Sprintf("GET /health answered %d", resp.StatusCode)
+	}
+	return true, ""
+}
+
+// waitHealthy waits until the engine is healthy or ctx ends.
+func (e *OpenAIEngine) waitHealthy(ctx context.Context) error {
+	for {
+		e.mu.Lock()
+		ok, ch := e.healthy, e.changed
+		e.mu.Unlock()
+		if ok {
+			return nil
+		}
+		select {
+		case <-ctx.Done():
+			return ctx.Err()
+		case <-ch:
+		}
+	}
+}
+
+func (e *OpenAIEngine) authorize(h http.Header) {
+	if e.cfg.APIKey != "" {
+		h.Set("Authorization", "Bearer "+e.cfg.APIKey)
+	}
+}
+
+// Generate implements Engine: it runs req on the engine, emitting each
+// streamed chunk (or the whole answer) as the engine sent it. prefilled is
+// called with the first chunk. A request the engine could not take (it is
+// unreachable or answered 5xx before any output) waits until the engine is
+// healthy again and is retried, until ctx ends: meanwhile the rank is not
+// ready, and the scheduler moves the request to another group.
+func (e *OpenAIEngine) Generate(ctx context.Context, req EngineRequest, prefilled func(), emit func(Chunk) error) (EngineResult, error) {
+	select {
+	case e.slots <- struct{}{}:
+	case <-ctx.Done():
+		return EngineResult{}, ctx.Err()
+	}
+	defer func() { <-e.slots }()
+	if e.cfg.Timeout > 0 {
+		var cancel context.CancelFunc
+		ctx, cancel = context.WithTimeout(ctx, e.cfg.Timeout)
+		defer cancel()
+	}
+	call, err := newEngineCall(req, e.cfg.Model)
+	if err != nil {
+		return EngineResult{}, err
+	}
+	for {
+		if err := e.waitHealthy(ctx); err != nil {
+			return EngineResult{}, err
+		}
+		res, err := e.run(ctx, call, prefilled, emit)
+		if !errors.Is(err, ErrEngineUnavailable) || call.started || ctx.Err() != nil {
+			return res, err
+		}
+		e.log.Warn("engine unavailable before the answer began: waiting for it (the request may move to another group)",
+			"req_id", req.ReqID, "session_id", req.SessionID, "err", err)
+		e.setHealth(false, err.Error())
+	}
+}
+
+// engineCall is one request as sent to the engine.
+type engineCall struct {
+	req       EngineRequest
+	path      string
+	body      []byte
+	stream    bool
+	wantUsage bool // the client asked for usage in the stream
+	started   bool // output reached emit
+}
+
+func newEngineCall(req EngineRequest, model string) (*engineCall, error) {
+	c := &engineCall{req: req, path: "/v1/completions"}
+	if req.Endpoint == messages.EndpointChat {
+		c.path = "/v1/chat/completions"
+	}
+	var err error
+	if len(req.Body) == 0 {
+		c.body, err = traceBody(req, model)
+		c.stream = true
+	} else {
+		c.body, c.stream, c.wantUsage, err = clientBody(req, model)
+	}
+	if err != nil {
+		return nil, fmt.Errorf("workers: building the engine request: %w", err)
+	}
+	return c, nil
+}
+
+// clientBody is the client's body with the session id, the engine's model
+// name and, when streaming, usage in the stream: every other field goes
+// to the engine as the client sent it.
+func clientBody(req EngineRequest, model string) (body []byte, stream, wantUsage bool, err error) {
+	var fields map[string]json.RawMessage
+	if err := json.Unmarshal(req.Body, &fields); err != nil || fields == nil {
+		return nil, false, false, fmt.Errorf("client body is not a JSON object: %v", err)
+	}
+	set := func(k string, v any) {
+		b, _ := json.Marshal(v)
+		fields[k] = b
+	}
+	if model != "" {
+		set("model", model)
+	}
+	// vllm_xargs.session_id is where vLLM's Mooncake connector reads the
+	// session (it lands in sampling_params.extra_args); the frontend
+	// resolved it by the session rules, so it replaces the client's.
+	xargs := map[string]json.RawMessage{}
+	if raw, ok := fields["vllm_xargs"]; ok && string(raw) != "null" {
+		if err := json.Unmarshal(raw, &xargs); err != nil {
+			return nil, false, false, fmt.Errorf("vllm_xargs is not an object: %v", err)
+		}
+	}
+	delete(xargs, messages.ExtraArgSessionID)
+	if req.SessionID != "" {
+		xargs[messages.ExtraArgSessionID], _ = json.Marshal(req.SessionID)
+	}
+	if len(xargs) > 0 {
+		set("vllm_xargs", xargs)
+	} else {
+		delete(fields, "vllm_xargs")
+	}
+	_ = json.Unmarshal(fields["stream"], &stream)
+	if stream {
+		// kvbus needs the engine's usage (cached tokens) at the end of the
+		// stream; the client gets that chunk only if it asked. vLLM's
+		// StreamOptions.include_usage defaults to true when stream_options
+		// is given (vllm/entrypoints/openai/protocol.py).
+		opts := map[string]json.RawMessage{}
+		if raw, ok := fields["stream_options"]; ok && string(raw) != "null" {
+			if err := json.Unmarshal(raw, &opts); err != nil {
+				return nil, false, false, fmt.Errorf("stream_options is not an object: %v", err)
+			}
+			wantUsage = true
+			var include *bool
+			if v, ok := opts["include_usage"]; ok && json.Unmarshal(v, &include) == nil && include != nil {
+				wantUsage = *include
+			}
+		}
+		opts["include_usage"] = json.RawMessage("true")
+		set("stream_options", opts)
+	}
+	body, err = json.Marshal(fields)
+	return body, stream, wantUsage, err
+}
+
+// traceBody is the /v1/completions body of a request that came without a
+// client body (a replayed trace: token ids only), streamed.
+func traceBody(req EngineRequest, model string) ([]byte, error) {
+	p := req.Params
+	body := map[string]any{
+		"prompt": req.PromptTokens, "max_tokens": max(p.MaxTokens, 1), "temperature": p.Temperature, "top_p": p.TopP,
+		"stream": true, "stream_options": map[string]bool{"include_usage": true},
+	}
+	if model != "" {
+		body["model"] = model
+	} else if req.Model != "" {
+		body["model"] = req.Model
+	}
+	if p.TopP == 0 {
+		body["top_p"] = 1
+	}
+	if p.MinTokens > 0 {
+		body["min_tokens"] = p.MinTokens
+	}
+	if p.Seed != nil {
+		body["seed"] = *p.Seed
+	}
+	if len(p.Stop) > 0 {
+		body["stop"] = p.Stop
+	}
+	if p.IgnoreEOS {
+		body["ignore_eos"] = true
+	}
+	xargs := map[string]any{}
+	for k, v := range p.ExtraArgs {
+		xargs[k] = v
+	}
+	delete(xargs, messages.ExtraArgSessionID)
+	if req.SessionID != "" {
+		xargs[messages.ExtraArgSessionID] = req.SessionID
+	}
+	if len(xargs) > 0 {
+		body["vllm_xargs"] = xargs
+	}
+	if len(req.KVTransferParams) > 0 {
+		body["kv_transfer_params"] = req.KVTransferParams
+	}
+	return json.Marshal(body)
+}
+
+// run sends the call once.
+func (e *OpenAIEngine) run(ctx context.Context, c *engineCall, prefilled func(), emit func(Chunk) error) (EngineResult, error) {
+	hr, err := http.NewRequestWithContext(ctx, http.MethodPost, e.base+c.path, bytes.NewReader(c.body))
+	if err != nil {
+		return EngineResult{}, err
+	}
+	h := hr.Header
+	h.Set("Content-Type", "application/json")
+	h.Set("X-Request-Id", c.req.ReqID)
+	if c.req.SessionID != "" {
+		h.Set("X-Session-ID", c.req.SessionID)
+	}
+	if c.stream {
+		h.Set("Accept", "text/event-stream")
+	}
+	e.authorize(h)
+	resp, err := e.client.Do(hr)
+	if err != nil {
+		if ctx.Err() != nil {
+			return EngineResult{}, ctx.Err()
+		}
+		return EngineResult{}, fmt.Errorf("%w: POST %s: %v", ErrEngineUnavailable, c.path, err)
+	}
+	defer resp.Body.Close() // an abort cancels ctx, which closes the stream
+	if resp.StatusCode != http.StatusOK {
+		body, _ := io.ReadAll(io.LimitReader(resp.Body, maxEngineBody))
+		ee := &EngineError{Status: resp.StatusCode, Body: body}
+		if resp.StatusCode >= 500 {
+			return EngineResult{}, fmt.Errorf("%w: %w", ErrEngineUnavailable, ee)
+		}
+		return EngineResult{}, ee
+	}
+	if c.stream {
+		return e.readStream(ctx, c, resp.Body, prefilled, emit)
+	}
+	return e.readAnswer(ctx, c, resp.Body, prefilled, emit)
+}
+
+// engineAnswer is what kvbus reads of an engine's answer or chunk: the
+// rest is relayed as it came.
+type engineAnswer struct {
+	Error   json.RawMessage `json:"error"`
+	Choices []struct {
+		Index        int     `json:"index"`
+		Text         string  `json:"text"`
+		FinishReason *string `json:"finish_reason"`
+		Delta        *struct {
+			Content *string `json:"content"`
+		} `json:"delta"`
+		Message *struct {
+			Content *string `json:"content"`
+		} `json:"message"`
+	} `json:"choices"`
+	Usage *struct {
+		PromptTokens        int `json:"prompt_tokens"`
+		CompletionTokens    int `json:"completion_tokens"`
+		PromptTokensDetails *struct {
+			CachedTokens int `json:"cached_tokens"`
+		} `json:"prompt_tokens_details"`
+	} `json:"usage"`
+}
+
+// apply folds a into res and returns the text of its first choice.
+func (a *engineAnswer) apply(res *EngineResult) string {
+	if u := a.Usage; u != nil {
+		res.Usage = &messages.Usage{PromptTokens: u.PromptTokens, CompletionTokens: u.CompletionTokens}
+		if u.PromptTokensDetails != nil {
+			res.Usage.CachedTokens = u.PromptTokensDetails.CachedTokens
+		}
+		res.CompletionTokens = u.CompletionTokens
+	}
+	text := ""
+	for _, ch := range a.Choices {
+		if ch.FinishReason != nil && *ch.FinishReason != "" && (res.FinishReason == "" || ch.Index == 0) {
+			res.FinishReason = *ch.FinishReason
+		}
+		if ch.Index != 0 {
+			continue
+		}
+		switch {
+		case ch.Delta != nil && ch.Delta.Content != nil:
+			text = *ch.Delta.Content
+		case ch.Message != nil && ch.Message.Content != nil:
+			text = *ch.Message.Content
+		default:
+			text = ch.Text
+		}
+	}
+	return text
+}
+
+// readAnswer reads a whole (not streamed) answer.
+func (e *OpenAIEngine) readAnswer(ctx context.Context, c *engineCall, r io.Reader, prefilled func(), emit func(Chunk) error) (EngineResult, error) {
+	body, err := io.ReadAll(io.LimitReader(r, maxEngineBody+1))
+	switch {
+	case err != nil && ctx.Err() != nil:
+		return EngineResult{}, ctx.Err()
+	case err != nil:
+		return EngineResult{}, fmt.Errorf("%w: reading the answer: %v", ErrEngineUnavailable, err)
+	case len(body) > maxEngineBody:
+		return EngineResult{}, fmt.Errorf("workers: the engine's answer exceeds %d bytes", maxEngineBody)
+	}
+	var a engineAnswer
+	if err := json.Unmarshal(body, &a); err != nil {
+		return EngineResult{}, fmt.Errorf("workers: the engine's answer is not JSON: %w", err)
+	}
+	var res EngineResult
+	text := a.apply(&res)
+	if prefilled != nil {
+		prefilled()
+	}
+	c.started = true
+	if err := emit(Chunk{Text: text, Raw: body}); err != nil {
+		return res, err
+	}
+	return res, nil
+}
+
+// readStream reads server-sent events until "data: [DONE]".
+func (e *OpenAIEngine) readStream(ctx context.Context, c *engineCall, r io.Reader, prefilled func(), emit func(Chunk) error) (EngineResult, error) {
+	var res EngineResult
+	sc := bufio.NewScanner(r)
+	sc.Buffer(make([]byte, 0, 64<<10), maxEngineLine)
+	for sc.Scan() {
+		line := sc.Bytes()
+		data, ok := bytes.CutPrefix(line, []byte("data:"))
+		if !ok {
+			continue // blank lines, comments, event: and id: fields
+		}
+		data = bytes.TrimSpace(data)
+		if string(data) == "[DONE]" {
+			return res, nil
+		}
+		var a engineAnswer
+		if err := json.Unmarshal(data, &a); err != nil {
+			return res, fmt.Errorf("workers: engine stream chunk is not JSON: %w", err)
+		}
+		if len(a.Error) > 0 && string(a.Error) != "null" {
+			// vLLM reports an error inside a started stream as a data chunk
+			// {"error": {...}} (serving_engine.py create_streaming_error_response).
+			return res, &EngineError{Status: http.StatusInternalServerError, Body: bytes.Clone(data)}
+		}
+		text := a.apply(&res)
+		if !c.started {
+			c.started = true
+			if prefilled != nil {
+				prefilled()
+			}
+		}
+		if len(a.Choices) == 0 && a.Usage != nil && !c.wantUsage {
+			continue // the usage chunk kvbus asked for, not the client
+		}
+		chunk := Chunk{Text: text}
+		if len(c.req.Body) > 0 {
+			chunk.Raw = bytes.Clone(data)
+		}
+		if err := emit(chunk); err != nil {
+			return res, err
+		}
+	}
+	if ctx.Err() != nil {
+		return res, ctx.Err()
+	}
+	err := sc.Err()
+	if err == nil {
+		err = io.ErrUnexpectedEOF
+	}
+	if !c.started {
+		return res, fmt.Errorf("%w: stream ended before any output: %v", ErrEngineUnavailable, err)
+	}
+	return res, fmt.Errorf("workers: the engine's stream broke off: %w", err)
+}
