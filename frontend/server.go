@@ -87,7 +87,7 @@ type Config struct {
 	// sim cannot honour included, and the client gets the engine's answer
 	// as the engine wrote it.
 	Passthrough bool
-	Logger    *slog.Logger
+	Logger      *slog.Logger
 	// Registry receives the frontend's metrics and is served on /metrics;
 	// nil means a new registry.
 	Registry *prometheus.Registry
