@@ -167,7 +167,9 @@ func (c *Config) defaults() {
 		c.Logger = slog.Default()
 	}
 	if len(c.Engines) > 0 { // one rank per model server
-		c.Groups, c.Ranks = len(c.Engines), 1
+		// Engines read only their own cache: no LoadSpec may name another
+		// group as a source.
+		c.Groups, c.Ranks, c.Pool = len(c.Engines), 1, scheduler.PoolLocal
 		if c.Frontend != nil {
 			fc := *c.Frontend
 			fc.Passthrough = true

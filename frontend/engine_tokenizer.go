@@ -11,6 +11,7 @@ import (
 	"net/http"
 	"net/url"
 	"strings"
+	"sync/atomic"
 	"time"
 )
 
@@ -40,8 +41,10 @@ type RequestTokenizer interface {
 
 // EngineTokenizerConfig configures an EngineTokenizer.
 type EngineTokenizerConfig struct {
-	// URL is the engine's base URL (its POST /tokenize is used).
-	URL string
+	// URLs are base URLs of engines serving the model (their POST
+	// /tokenize is used): the first that answers tokenizes, so one engine
+	// down does not stop the frontend.
+	URLs []string
 	// Model is the model name sent with each request; empty sends none
 	// (the engine's default).
 	Model string
@@ -60,8 +63,9 @@ type EngineTokenizerConfig struct {
 // engine's cache. Token ids may be any uint32.
 type EngineTokenizer struct {
 	cfg    EngineTokenizerConfig
-	base   string
+	bases  []string
 	client *http.Client
+	next   atomic.Int64 // the engine that answered last: tried first
 }
 
 // maxTokenizeAnswer bounds /tokenize's answer (a million token ids).
@@ -69,19 +73,26 @@ const maxTokenizeAnswer = 16 << 20
 
 // NewEngineTokenizer returns a tokenizer for cfg.
 func NewEngineTokenizer(cfg EngineTokenizerConfig) (*EngineTokenizer, error) {
-	u, err := url.Parse(cfg.URL)
-	if cfg.URL == "" || err != nil || (u.Scheme != "http" && u.Scheme != "https") || u.Host == "" {
-		return nil, fmt.Errorf("%w: --tokenizer engine needs --tokenizer-url http://HOST:PORT (the engine's base URL), got %q", ErrConfig, cfg.URL)
+	if len(cfg.URLs) == 0 {
+		return nil, fmt.Errorf("%w: --tokenizer engine needs --tokenizer-url http://HOST:PORT (an engine's base URL; several, comma-separated, are tried in turn)", ErrConfig)
+	}
+	var bases []string
+	for _, raw := range cfg.URLs {
+		u, err := url.Parse(raw)
+		if err != nil || (u.Scheme != "http" && u.Scheme != "https") || u.Host == "" {
+			return nil, fmt.Errorf("%w: --tokenizer-url %q is not http(s)://HOST:PORT", ErrConfig, raw)
+		}
+		bases = append(bases, strings.TrimRight(raw, "/"))
 	}
 	if cfg.Timeout <= 0 {
 		cfg.Timeout = 5 * time.Second
 	}
-	return &EngineTokenizer{cfg: cfg, base: strings.TrimRight(cfg.URL, "/"),
+	return &EngineTokenizer{cfg: cfg, bases: bases,
 		client: &http.Client{Transport: &http.Transport{Proxy: http.ProxyFromEnvironment, TLSClientConfig: cfg.TLS, MaxIdleConnsPerHost: 64}}}, nil
 }
 
 // Name implements Tokenizer.
-func (t *EngineTokenizer) Name() string { return "engine " + t.cfg.URL }
+func (t *EngineTokenizer) Name() string { return "engine " + strings.Join(t.bases, ",") }
 
 // VocabSize implements Tokenizer: any uint32 is a valid id.
 func (t *EngineTokenizer) VocabSize() int { return 1 << 32 }
@@ -139,7 +150,8 @@ func (t *EngineTokenizer) TokenizeChat(ctx context.Context, body []byte) ([]uint
 	return t.tokenize(ctx, b)
 }
 
-// tokenize posts a /tokenize body (without the model, added here).
+// tokenize posts a /tokenize body (without the model, added here) to the
+// engines in turn, from the one that answered last, until one answers.
 func (t *EngineTokenizer) tokenize(ctx context.Context, body []byte) ([]uint32, error) {
 	if t.cfg.Model != "" {
 		m, _ := json.Marshal(t.cfg.Model)
@@ -147,7 +159,25 @@ func (t *EngineTokenizer) tokenize(ctx context.Context, body []byte) ([]uint32, 
 	}
 	ctx, cancel := context.WithTimeout(ctx, t.cfg.Timeout)
 	defer cancel()
-	req, err := http.NewRequestWithContext(ctx, http.MethodPost, t.base+"/tokenize", bytes.NewReader(body))
+	first := int(t.next.Load())
+	var errs []error
+	for i := range t.bases {
+		n := (first + i) % len(t.bases)
+		ids, err := t.tokenizeAt(ctx, t.bases[n], body)
+		if !errors.Is(err, ErrTokenizerUnavailable) || ctx.Err() != nil {
+			if err == nil {
+				t.next.Store(int64(n))
+			}
+			return ids, err
+		}
+		errs = append(errs, err)
+	}
+	return nil, errors.Join(errs...)
+}
+
+// tokenizeAt asks one engine.
+func (t *EngineTokenizer) tokenizeAt(ctx context.Context, base string, body []byte) ([]uint32, error) {
+	req, err := http.NewRequestWithContext(ctx, http.MethodPost, base+"/tokenize", bytes.NewReader(body))
 	if err != nil {
 		return nil, err
 	}
@@ -157,7 +187,7 @@ func (t *EngineTokenizer) tokenize(ctx context.Context, body []byte) ([]uint32, 
 	}
 	resp, err := t.client.Do(req)
 	if err != nil {
-		return nil, fmt.Errorf("%w: POST /tokenize: %v", ErrTokenizerUnavailable, err)
+		return nil, fmt.Errorf("%w: POST %s/tokenize: %v", ErrTokenizerUnavailable, base, err)
 	}
 	defer resp.Body.Close()
 	data, err := io.ReadAll(io.LimitReader(resp.Body, maxTokenizeAnswer+1))

@@ -47,7 +47,7 @@ func engineCluster(t *testing.T, n int, mod func(i int, c *fakeengine.Config)) (
 			KVEvents: &vllmevents.Config{Endpoint: e.KVEventsAddr()},
 		})
 	}
-	tok, err := frontend.NewEngineTokenizer(frontend.EngineTokenizerConfig{URL: engines[0].URL()})
+	tok, err := frontend.NewEngineTokenizer(frontend.EngineTokenizerConfig{URLs: []string{engines[0].URL()}})
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -1,6 +1,9 @@
 package main
 
 import (
+	"crypto/tls"
+	"crypto/x509"
+	"errors"
 	"fmt"
 	"io"
 	"log/slog"
@@ -12,6 +15,7 @@ import (
 	"github.com/kvbus/kvbus/frontend"
 	"github.com/kvbus/kvbus/messages"
 	"github.com/kvbus/kvbus/workers"
+	"github.com/kvbus/kvbus/workers/vllmevents"
 )
 
 // natsFlags say how a role reaches NATS.
@@ -174,4 +178,128 @@ func (f engineFlags) engine() (*workers.SimEngine, error) {
 			DecodePerToken: f.DecodePerToken},
 		TimeScale: f.TimeScale, DefaultMaxTokens: f.DefaultMaxTokens,
 	})
+}
+
+// engineAdapterFlags put model servers behind the groups (--engine openai).
+type engineAdapterFlags struct {
+	Engine               string        `name:"engine" enum:"sim,openai" default:"sim" help:"What runs requests on a group's driver rank: sim (the simulated engine) or openai (an OpenAI-compatible model server such as vLLM at --engine-url; the group is then one rank, and the engine's KV events feed the index)."`
+	EngineURL            []string      `name:"engine-url" sep:"," help:"--engine openai: the engine's base URL, http(s)://HOST:PORT (kvbus adds /v1/chat/completions, /v1/completions, /health). serve takes one per group, comma-separated."`
+	EngineModel          string        `name:"engine-model" help:"--engine openai: the model name the engine serves, when clients use another (--model); empty sends the client's."`
+	EngineAPIKey         string        `name:"engine-api-key" help:"--engine openai: sent to the engine as Authorization: Bearer <key> (vLLM's --api-key); never logged."`
+	EngineMaxConcurrency int           `name:"engine-max-concurrency" default:"256" help:"--engine openai: requests in flight at one engine; more wait in the rank."`
+	EngineConnectTimeout time.Duration `name:"engine-connect-timeout" default:"5s" help:"--engine openai: bound on connecting to the engine."`
+	EngineTimeout        time.Duration `name:"engine-timeout" default:"0s" help:"--engine openai: bound on one engine request end to end (0: only --request-timeout)."`
+	EngineHealthInterval time.Duration `name:"engine-health-interval" default:"1s" help:"--engine openai: how often the engine's /health is polled; while it fails the group takes no requests and its queued ones move."`
+	EngineTLSCA          string        `name:"engine-tls-ca" type:"path" help:"--engine openai: CA certificate (PEM) to verify an https engine."`
+	EngineTLSCert        string        `name:"engine-tls-cert" type:"path" help:"--engine openai: client certificate (PEM) for an engine that wants mutual TLS."`
+	EngineTLSKey         string        `name:"engine-tls-key" type:"path" help:"--engine openai: client key (PEM)."`
+	EngineTLSInsecure    bool          `name:"engine-tls-insecure-skip-verify" help:"--engine openai: do not verify the engine's certificate (testing only)."`
+	KVEvents             []string      `name:"kv-events" sep:"," help:"--engine openai: the engine's ZeroMQ KV event publisher to connect to, tcp://HOST:PORT (vLLM's --kv-events-config endpoint). serve takes one per group."`
+	KVEventsBind         []string      `name:"kv-events-bind" sep:"," help:"--engine openai: bind a SUB socket here, tcp://ADDR:PORT, for engines that connect to their subscriber (llm-d's simulator), instead of --kv-events."`
+	KVEventsTopic        string        `name:"kv-events-topic" help:"--engine openai: topic prefix of the engine's KV events (vLLM's kv-events-config topic); empty: all."`
+	KVEventsReplay       []string      `name:"kv-events-replay" sep:"," help:"--engine openai: the engine's KV event replay endpoint (vLLM's replay_endpoint), to recover lost batches; without it a gap clears the group's blocks."`
+}
+
+// openAI returns the engine configuration of group i's model server and
+// its KV event subscription (nil without one).
+func (f engineAdapterFlags) openAI(i int) (workers.OpenAIConfig, *vllmevents.Config, error) {
+	nth := func(list []string, name string) (string, error) {
+		switch {
+		case len(list) == 0:
+			return "", nil
+		case i >= len(list):
+			return "", fmt.Errorf("%s has %d entries: give one per group", name, len(list))
+		}
+		return list[i], nil
+	}
+	url, err := nth(f.EngineURL, "--engine-url")
+	if err != nil {
+		return workers.OpenAIConfig{}, nil, err
+	}
+	tlsCfg, err := f.tls()
+	if err != nil {
+		return workers.OpenAIConfig{}, nil, err
+	}
+	oc := workers.OpenAIConfig{URL: url, Model: f.EngineModel, APIKey: f.EngineAPIKey, MaxConcurrency: f.EngineMaxConcurrency,
+		ConnectTimeout: f.EngineConnectTimeout, Timeout: f.EngineTimeout, HealthInterval: f.EngineHealthInterval, TLS: tlsCfg}
+	if err := oc.Validate(); err != nil {
+		return oc, nil, err
+	}
+	connect, err := nth(f.KVEvents, "--kv-events")
+	if err != nil {
+		return oc, nil, err
+	}
+	bind, err := nth(f.KVEventsBind, "--kv-events-bind")
+	if err != nil {
+		return oc, nil, err
+	}
+	replay, err := nth(f.KVEventsReplay, "--kv-events-replay")
+	if err != nil {
+		return oc, nil, err
+	}
+	if connect == "" && bind == "" {
+		if replay != "" {
+			return oc, nil, errors.New("--kv-events-replay needs --kv-events or --kv-events-bind")
+		}
+		return oc, nil, nil
+	}
+	if connect != "" && bind != "" {
+		return oc, nil, errors.New("give --kv-events (connect to the engine) or --kv-events-bind (the engine connects), not both")
+	}
+	ev := &vllmevents.Config{Endpoint: connect, Topic: f.KVEventsTopic, ReplayEndpoint: replay}
+	if bind != "" {
+		ev.Endpoint, ev.Bind = bind, true
+	}
+	if err := ev.Validate(); err != nil {
+		return oc, nil, fmt.Errorf("--kv-events: %w", err)
+	}
+	return oc, ev, nil
+}
+
+// tls is the engine's TLS configuration; nil means Go's defaults.
+func (f engineAdapterFlags) tls() (*tls.Config, error) {
+	if f.EngineTLSCA == "" && f.EngineTLSCert == "" && !f.EngineTLSInsecure {
+		return nil, nil
+	}
+	cfg := &tls.Config{MinVersion: tls.VersionTLS12, InsecureSkipVerify: f.EngineTLSInsecure} //nolint:gosec // the operator asked for it
+	if f.EngineTLSCA != "" {
+		pem, err := os.ReadFile(f.EngineTLSCA)
+		if err != nil {
+			return nil, fmt.Errorf("--engine-tls-ca: %w", err)
+		}
+		cfg.RootCAs = x509.NewCertPool()
+		if !cfg.RootCAs.AppendCertsFromPEM(pem) {
+			return nil, fmt.Errorf("--engine-tls-ca %s holds no PEM certificate", f.EngineTLSCA)
+		}
+	}
+	if (f.EngineTLSCert == "") != (f.EngineTLSKey == "") {
+		return nil, errors.New("--engine-tls-cert and --engine-tls-key go together")
+	}
+	if f.EngineTLSCert != "" {
+		cert, err := tls.LoadX509KeyPair(f.EngineTLSCert, f.EngineTLSKey)
+		if err != nil {
+			return nil, fmt.Errorf("--engine-tls-cert/--engine-tls-key: %w", err)
+		}
+		cfg.Certificates = []tls.Certificate{cert}
+	}
+	return cfg, nil
+}
+
+// tokenizerFlags choose how the frontend tokenizes.
+type tokenizerFlags struct {
+	Tokenizer        string        `name:"tokenizer" enum:"o200k,engine" default:"o200k" help:"o200k (the embedded o200k_base BPE with a ChatML template, for the sim) or engine (the engine's POST /tokenize at --tokenizer-url, so block hashes match its cache)."`
+	TokenizerURL     []string      `name:"tokenizer-url" sep:"," help:"--tokenizer engine: base URLs of engines serving the model, comma-separated; the first that answers tokenizes."`
+	TokenizerTimeout time.Duration `name:"tokenizer-timeout" default:"5s" help:"--tokenizer engine: bound on one /tokenize call; past it, or when the engine is unreachable, the request gets 503 tokenizer_unavailable."`
+}
+
+// tokenizer returns the configured tokenizer; nil means the embedded one.
+// It names no model: the engine tokenizes for the one it serves.
+func (f tokenizerFlags) tokenizer() (frontend.Tokenizer, error) {
+	if f.Tokenizer != "engine" {
+		if len(f.TokenizerURL) > 0 {
+			return nil, errors.New("--tokenizer-url needs --tokenizer engine")
+		}
+		return nil, nil
+	}
+	return frontend.NewEngineTokenizer(frontend.EngineTokenizerConfig{URLs: f.TokenizerURL, Timeout: f.TokenizerTimeout})
 }

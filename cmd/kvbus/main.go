@@ -29,6 +29,7 @@ import (
 	"github.com/kvbus/kvbus/messages"
 	"github.com/kvbus/kvbus/scheduler"
 	"github.com/kvbus/kvbus/workers"
+	"github.com/kvbus/kvbus/workers/vllmevents"
 )
 
 type cli struct {
@@ -200,6 +201,8 @@ type frontendCmd struct {
 	busFlags        `embed:""`
 	modelFlags      `embed:""`
 	frontendFlags   `embed:""`
+	tokenizerFlags  `embed:""`
+	Engine          string `name:"engine" enum:"sim,openai" default:"sim" help:"What the workers run: sim, or openai (model servers): then each client's body goes to the engine as sent, fields the sim cannot honour (tools, response_format, logprobs, n) included, and the client gets the engine's answer as written."`
 	requestLogFlags `embed:""`
 	timeoutFlags    `embed:""`
 	ID              string `name:"id" help:"Frontend id in subjects (default: a random fe-…)."`
@@ -207,13 +210,20 @@ type frontendCmd struct {
 
 func (c *frontendCmd) Run(ctx context.Context) error {
 	log := c.logger()
+	tok, err := c.tokenizer()
+	if err != nil {
+		return err
+	}
 	nc, err := connect(ctx, c.natsFlags, "kvbus-frontend", log)
 	if err != nil {
 		return err
 	}
 	defer drain(nc)
 	reg := newRegistry()
-	fe, err := frontend.New(c.frontendConfig(nc, log, reg, c.ID))
+	cfg := c.frontendConfig(nc, log, reg, c.ID)
+	cfg.Tokenizer = tok
+	cfg.Passthrough = c.Engine == workers.EngineOpenAI
+	fe, err := frontend.New(cfg)
 	if err != nil {
 		return err
 	}
@@ -273,17 +283,19 @@ func newScheduler(nc *nats.Conn, b busFlags, f schedulerFlags, rl requestLogFlag
 }
 
 type workerCmd struct {
-	busFlags    `embed:""`
-	modelFlags  `embed:""`
-	engineFlags `embed:""`
-	Rank        string        `name:"rank" help:"'auto' claims the first free (group, rank) slot through the KVBUS_RANKS bucket (groups g0, g1, … filled in order, --tp-size ranks each); otherwise --group and --tp-rank say it."`
-	SlotTTL     time.Duration `name:"slot-ttl" default:"10s" help:"With --rank auto: a slot whose worker stopped refreshing it is free again after this."`
-	Group       string        `name:"group" default:"g0" help:"Worker group: one engine instance (a DP replica)."`
-	TPRank      int           `name:"tp-rank" default:"0" help:"Tensor-parallel rank; rank 0 is the driver and runs the engine."`
-	TPSize      int           `name:"tp-size" default:"4" help:"Tensor-parallel size: the group's world size."`
-	EPRank      int           `name:"ep-rank" default:"-1" help:"Expert-parallel rank (default: the TP rank)."`
-	EPSize      int           `name:"ep-size" default:"0" help:"Expert-parallel size (default: the TP size)."`
-	MetricsAddr string        `name:"metrics-addr" default:":9090" help:"Address of /metrics and /healthz (empty: off)."`
+	busFlags           `embed:""`
+	modelFlags         `embed:""`
+	engineFlags        `embed:""`
+	engineAdapterFlags `embed:""`
+	BlockSize          int           `name:"block-size" default:"16" help:"Tokens per KV block: the schedulers' --block-size, and the engine's with --engine openai."`
+	Rank               string        `name:"rank" help:"'auto' claims the first free (group, rank) slot through the KVBUS_RANKS bucket (groups g0, g1, … filled in order, --tp-size ranks each); otherwise --group and --tp-rank say it."`
+	SlotTTL            time.Duration `name:"slot-ttl" default:"10s" help:"With --rank auto: a slot whose worker stopped refreshing it is free again after this."`
+	Group              string        `name:"group" default:"g0" help:"Worker group: one engine instance (a DP replica)."`
+	TPRank             int           `name:"tp-rank" default:"0" help:"Tensor-parallel rank; rank 0 is the driver and runs the engine."`
+	TPSize             int           `name:"tp-size" default:"4" help:"Tensor-parallel size: the group's world size."`
+	EPRank             int           `name:"ep-rank" default:"-1" help:"Expert-parallel rank (default: the TP rank)."`
+	EPSize             int           `name:"ep-size" default:"0" help:"Expert-parallel size (default: the TP size)."`
+	MetricsAddr        string        `name:"metrics-addr" default:":9090" help:"Address of /metrics and /healthz (empty: off)."`
 }
 
 func (c *workerCmd) Run(ctx context.Context) error {
@@ -293,6 +305,40 @@ func (c *workerCmd) Run(ctx context.Context) error {
 	}
 	if err := c.checkSizes(c.TPSize); err != nil {
 		return err
+	}
+	// An engine's configuration is checked before anything connects.
+	var (
+		engine   workers.Engine
+		kvEvents *vllmevents.Config
+	)
+	switch c.Engine {
+	case workers.EngineOpenAI:
+		if c.TPSize != 1 {
+			return fmt.Errorf("--engine openai: a group fronts one engine, which does its own tensor parallelism: give --tp-size 1 (got %d)", c.TPSize)
+		}
+		if len(c.EngineURL) != 1 {
+			return errors.New("--engine openai needs one --engine-url http://HOST:PORT (the engine's base URL)")
+		}
+		oc, ev, err := c.openAI(0)
+		if err != nil {
+			return err
+		}
+		oc.Logger = log
+		if engine, err = workers.NewOpenAIEngine(oc); err != nil {
+			return err
+		}
+		if kvEvents = ev; ev == nil {
+			log.Warn("no --kv-events: kvbus cannot see the engine's cache, so placement cannot follow it; give vLLM --kv-events-config and kvbus --kv-events")
+		}
+	default:
+		if len(c.EngineURL)+len(c.KVEvents)+len(c.KVEventsBind) > 0 {
+			return errors.New("--engine-url and --kv-events need --engine openai")
+		}
+		sim, err := c.engine()
+		if err != nil {
+			return err
+		}
+		engine = sim
 	}
 	nc, err := connect(ctx, c.natsFlags, "kvbus-worker", log)
 	if err != nil {
@@ -325,12 +371,10 @@ func (c *workerCmd) Run(ctx context.Context) error {
 		c.EPSize = c.TPSize
 	}
 	reg := newRegistry()
-	engine, err := c.engine()
-	if err != nil {
-		return err
-	}
 	rank, err := newRank(nc, c.busFlags, c.modelFlags, c.engineFlags, engine, c.Group, c.TPRank, c.TPSize, c.EPRank, c.EPSize, log,
-		workers.NewMetrics(reg), bus.NewHandlerMetrics(reg))
+		workers.NewMetrics(reg), bus.NewHandlerMetrics(reg), func(rc *workers.RankConfig) {
+			rc.EngineCache, rc.KVEvents, rc.BlockSize = c.Engine == workers.EngineOpenAI, kvEvents, c.BlockSize
+		})
 	if err != nil {
 		return err
 	}
@@ -344,7 +388,7 @@ func (c *workerCmd) Run(ctx context.Context) error {
 }
 
 func newRank(nc *nats.Conn, b busFlags, m modelFlags, e engineFlags, engine workers.Engine, group string, tp, tpSize, ep, epSize int,
-	log *slog.Logger, wm *workers.Metrics, hm *bus.HandlerMetrics) (*workers.Rank, error) {
+	log *slog.Logger, wm *workers.Metrics, hm *bus.HandlerMetrics, with func(*workers.RankConfig)) (*workers.Rank, error) {
 	profile, err := workers.LookupModelProfile(e.ModelProfile)
 	if err != nil {
 		return nil, err
@@ -357,9 +401,13 @@ func newRank(nc *nats.Conn, b busFlags, m modelFlags, e engineFlags, engine work
 	if err != nil {
 		return nil, err
 	}
-	return workers.NewRank(workers.RankConfig{
+	cfg := workers.RankConfig{
 		Conn: nc, Subjects: b.subjects(), Group: group, TPRank: tp, TPSize: tpSize, EPRank: ep, EPSize: epSize,
 		Model: m.Model, Profile: profile, CapacityBytes: capacity, Payload: e.KVPayload, Evict: e.Evict, Engine: engine,
 		HeartbeatInterval: e.HeartbeatEvery, ShutdownTimeout: e.ShutdownTimeout, SaveWait: e.SaveWait, DrainHandoff: handoff, Logger: log, Metrics: wm, HandlerMetrics: hm,
-	})
+	}
+	if with != nil {
+		with(&cfg)
+	}
+	return workers.NewRank(cfg)
 }

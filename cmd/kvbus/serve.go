@@ -2,6 +2,7 @@ package main
 
 import (
 	"context"
+	"errors"
 
 	"github.com/kvbus/kvbus/cluster"
 	"github.com/kvbus/kvbus/messages"
@@ -9,18 +10,20 @@ import (
 )
 
 type serveCmd struct {
-	logFlags        `embed:""`
-	modelFlags      `embed:""`
-	frontendFlags   `embed:""`
-	requestLogFlags `embed:""`
-	timeoutFlags    `embed:""`
-	schedulerFlags  `embed:""`
-	engineFlags     `embed:""`
-	Prefix          string `name:"subject-prefix" default:"kvbus" help:"First token of every kvbus subject."`
-	NATSAddr        string `name:"nats-addr" default:"127.0.0.1:4222" help:"Listen address of the embedded NATS server (point the nats CLI at it to watch the bus)."`
-	DataDir         string `name:"data-dir" help:"JetStream storage directory (default: a temporary directory, removed at exit)."`
-	Groups          int    `name:"groups" default:"1" help:"Worker groups (engine instances)."`
-	Ranks           int    `name:"ranks" default:"4" help:"Ranks per group (TP size; EP ranks equal TP ranks)."`
+	logFlags           `embed:""`
+	modelFlags         `embed:""`
+	frontendFlags      `embed:""`
+	requestLogFlags    `embed:""`
+	timeoutFlags       `embed:""`
+	schedulerFlags     `embed:""`
+	engineFlags        `embed:""`
+	engineAdapterFlags `embed:""`
+	tokenizerFlags     `embed:""`
+	Prefix             string `name:"subject-prefix" default:"kvbus" help:"First token of every kvbus subject."`
+	NATSAddr           string `name:"nats-addr" default:"127.0.0.1:4222" help:"Listen address of the embedded NATS server (point the nats CLI at it to watch the bus)."`
+	DataDir            string `name:"data-dir" help:"JetStream storage directory (default: a temporary directory, removed at exit)."`
+	Groups             int    `name:"groups" default:"1" help:"Worker groups (engine instances); with --engine openai, one per --engine-url."`
+	Ranks              int    `name:"ranks" default:"4" help:"Ranks per group (TP size; EP ranks equal TP ranks)."`
 }
 
 func (c *serveCmd) Run(ctx context.Context) error {
@@ -32,6 +35,9 @@ func (c *serveCmd) Run(ctx context.Context) error {
 	cfg.NATSAddr, cfg.DataDir, cfg.Logger, cfg.Registry = c.NATSAddr, c.DataDir, log, newRegistry()
 	// The frontend's /metrics serves the whole process's registry.
 	fc := c.baseConfig(c.requestLogFlags)
+	if fc.Tokenizer, err = c.tokenizer(); err != nil {
+		return err
+	}
 	cfg.Frontend = &fc
 	cl, err := cluster.Start(ctx, cfg)
 	if err != nil {
@@ -56,7 +62,23 @@ func (c *serveCmd) clusterConfig() (cluster.Config, error) {
 	if err != nil {
 		return cluster.Config{}, err
 	}
+	var engines []cluster.EngineBackend
+	switch {
+	case c.Engine == workers.EngineOpenAI && len(c.EngineURL) == 0:
+		return cluster.Config{}, errors.New("--engine openai needs --engine-url http://HOST:PORT, one per group, comma-separated")
+	case c.Engine == workers.EngineOpenAI:
+		for i := range c.EngineURL {
+			oc, ev, err := c.openAI(i)
+			if err != nil {
+				return cluster.Config{}, err
+			}
+			engines = append(engines, cluster.EngineBackend{OpenAI: oc, KVEvents: ev})
+		}
+	case len(c.EngineURL)+len(c.KVEvents)+len(c.KVEventsBind) > 0:
+		return cluster.Config{}, errors.New("--engine-url and --kv-events need --engine openai")
+	}
 	return cluster.Config{
+		Engines:  engines,
 		Subjects: messages.Subjects{Prefix: c.Prefix}, Groups: c.Groups, Ranks: c.Ranks,
 		Model: c.Model, ModelProfile: c.ModelProfile, KVCapacity: capacity, Payload: c.KVPayload, Evict: c.Evict,
 		Sim: workers.SimConfig{

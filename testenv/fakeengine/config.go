@@ -34,6 +34,9 @@ type Config struct {
 	// a request naming another model gets vLLM's 404; one naming none is
 	// served. Empty means DefaultModelName.
 	ModelName string
+	// Addr is the HTTP listen address; empty means 127.0.0.1:0 (an
+	// ephemeral loopback port, see Engine.URL).
+	Addr string
 	// MaxModelLen is the context length (vLLM's --max-model-len): a
 	// prompt must be shorter, and prompt plus max_tokens no longer.
 	// Zero means DefaultMaxModelLen.

@@ -92,7 +92,11 @@ func New(cfg Config) (*Engine, error) {
 		}
 		e.pub = p
 	}
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	addr := cfg.Addr
+	if addr == "" {
+		addr = "127.0.0.1:0"
+	}
+	ln, err := net.Listen("tcp", addr)
 	if err != nil {
 		e.cancel()
 		if e.pub != nil {
@@ -110,8 +114,8 @@ func New(cfg Config) (*Engine, error) {
 	return e, nil
 }
 
-// URL returns the server's base URL, "http://127.0.0.1:port" (the OpenAI
-// base URL is URL()+"/v1").
+// URL returns the server's base URL, "http://127.0.0.1:port" by default
+// (the OpenAI base URL is URL()+"/v1").
 func (e *Engine) URL() string { return e.url }
 
 // ModelName returns the served model name.

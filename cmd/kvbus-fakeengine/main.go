@@ -1,0 +1,70 @@
+// Command kvbus-fakeengine runs testenv/fakeengine, a fake vLLM
+// OpenAI-compatible server with a prefix cache and vLLM's ZeroMQ KV events,
+// as a process: it stands in for GPU engines behind `kvbus worker --engine
+// openai` where there are none (CI, laptops, docker-compose.engine.yml). It
+// is a test tool, not a model server: replies are a deterministic function
+// of the prompt.
+package main
+
+import (
+	"context"
+	"fmt"
+	"log/slog"
+	"os"
+	"os/signal"
+	"syscall"
+	"time"
+
+	"github.com/alecthomas/kong"
+
+	"github.com/kvbus/kvbus/testenv/fakeengine"
+)
+
+type cli struct {
+	Addr              string        `name:"addr" default:":8000" help:"HTTP listen address."`
+	Model             string        `name:"served-model-name" default:"fake/model" help:"Served model name (vLLM's --served-model-name)."`
+	MaxModelLen       int           `name:"max-model-len" default:"8192" help:"Context length (vLLM's --max-model-len)."`
+	BlockSize         int           `name:"block-size" default:"16" help:"KV block size (vLLM's --block-size)."`
+	CacheBlocks       int           `name:"cache-blocks" default:"4096" help:"Prefix cache capacity in blocks."`
+	ReplyTokens       int           `name:"reply-tokens" default:"8" help:"Words in every reply."`
+	APIKey            string        `name:"api-key" help:"Require Authorization: Bearer <key> under /v1 (vLLM's --api-key)."`
+	TimeToFirstToken  time.Duration `name:"time-to-first-token" default:"0s" help:"Delay of the first token."`
+	InterTokenLatency time.Duration `name:"inter-token-latency" default:"0s" help:"Delay of every later token."`
+	KVEvents          string        `name:"kv-events" help:"Publish KV events as vLLM's ZmqEventPublisher: bind this endpoint (tcp://*:5557), or connect to it with --kv-events-connect."`
+	KVEventsConnect   bool          `name:"kv-events-connect" help:"Connect the PUB socket to a binding subscriber (llm-d's simulator style)."`
+	KVEventsTopic     string        `name:"kv-events-topic" help:"Topic frame of every KV event message."`
+	KVEventsReplay    string        `name:"kv-events-replay" help:"Bind vLLM's replay ROUTER socket here."`
+	EventForm         string        `name:"event-form" enum:"map,array" default:"map" help:"KV event encoding: map (tagged named fields) or array."`
+	HashBytes         bool          `name:"hash-bytes" help:"Block hashes as 32-byte sha256 digests (vLLM's default) instead of integers."`
+}
+
+func main() {
+	var c cli
+	kong.Parse(&c, kong.Name("kvbus-fakeengine"), kong.Description("A fake vLLM server for tests and demos: OpenAI endpoints, /tokenize, /health and ZeroMQ KV events."),
+		kong.DefaultEnvars("FAKEENGINE"))
+	log := slog.New(slog.NewTextHandler(os.Stderr, nil))
+	cfg := fakeengine.Config{Addr: c.Addr, ModelName: c.Model, MaxModelLen: c.MaxModelLen, BlockSize: c.BlockSize,
+		CacheBlocks: c.CacheBlocks, ReplyTokens: c.ReplyTokens, APIKey: c.APIKey, HashBytes: c.HashBytes,
+		TimeToFirstToken: c.TimeToFirstToken, InterTokenLatency: c.InterTokenLatency}
+	if c.KVEvents != "" {
+		form := fakeengine.EventFormMap
+		if c.EventForm == "array" {
+			form = fakeengine.EventFormArray
+		}
+		cfg.KVEvents = &fakeengine.KVEventsConfig{Endpoint: c.KVEvents, Connect: c.KVEventsConnect, Topic: c.KVEventsTopic,
+			ReplayEndpoint: c.KVEventsReplay, EventForm: form}
+	}
+	e, err := fakeengine.New(cfg)
+	if err != nil {
+		fmt.Fprintln(os.Stderr, "kvbus-fakeengine:", err)
+		os.Exit(2)
+	}
+	log.Info("fake engine serving", "url", e.URL(), "model", e.ModelName(), "kv_events", e.KVEventsAddr())
+	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
+	defer stop()
+	<-ctx.Done()
+	log.Info("fake engine stopping")
+	if err := e.Close(); err != nil {
+		log.Error("close", "err", err)
+	}
+}
