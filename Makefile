@@ -15,7 +15,7 @@ COMPOSE_FILES ?= -f docker-compose.yml
 WORKERS ?= 8
 SCHEDULERS ?= 2
 
-.PHONY: build run test test-short bench lint fmt fuzz clean image up down logs smoke
+.PHONY: build run test test-short bench lint fmt fuzz clean image image-fakeengine up down logs smoke up-engine down-engine
 
 build:
 	CGO_ENABLED=0 $(GO) build -trimpath -o $(BIN) ./cmd/kvbus
@@ -62,6 +62,21 @@ image:
 	CGO_ENABLED=0 $(GO) build -trimpath -ldflags '-s -w' -o build/docker/kvbus ./cmd/kvbus
 	docker build -f Dockerfile -t $(IMAGE) build/docker
 
+# The fake vLLM engine image of docker-compose.engine.yml (a test tool).
+FAKEENGINE_IMAGE ?= kvbus-fakeengine:dev
+image-fakeengine: image
+	CGO_ENABLED=0 $(GO) build -trimpath -ldflags '-s -w' -o build/docker/kvbus-fakeengine ./cmd/kvbus-fakeengine
+	docker build -f Dockerfile.fakeengine -t $(FAKEENGINE_IMAGE) build/docker
+
+# kvbus in front of two (fake) vLLM engines; ENGINE_IMAGE=your vLLM image
+# for GPUs (then change the engines' command, see the file).
+up-engine: image-fakeengine
+	$(COMPOSE) -f docker-compose.engine.yml up -d
+	@build/docker/kvbus healthcheck --url http://127.0.0.1:$(HTTP_PORT)/healthz --wait 120s && echo "kvbus (engines) is ready on http://127.0.0.1:$(HTTP_PORT)"
+
+down-engine:
+	$(COMPOSE) -f docker-compose.engine.yml down -v --remove-orphans
+
 # Returns once the cluster is ready: the frontend's /healthz answers 200 only
 # when a scheduler is ready, i.e. consumes requests and places them on a
 # group whose KV index is synced (polled: docker-compose 1.29 has no --wait).
@@ -77,7 +92,7 @@ logs:
 	$(COMPOSE) $(COMPOSE_FILES) logs -f --tail=100
 
 # Builds, starts, checks a conversation, scaling and a killed worker, tears down.
-smoke: image
+smoke: image image-fakeengine
 	COMPOSE="$(COMPOSE)" COMPOSE_FILES="$(COMPOSE_FILES)" $(GO) test -tags smoke -count=1 -v -timeout 10m ./smoke
 
 clean:

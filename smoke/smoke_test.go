@@ -348,3 +348,87 @@ func TestSmokeNATSCluster(t *testing.T) {
 		t.Errorf("%d of 30 requests failed with one of three NATS servers stopped", failed)
 	}
 }
+
+// engineLines returns the fake engine's request log lines of a service.
+func engineLines(t *testing.T, service string) []map[string]any {
+	var out []map[string]any
+	for _, id := range strings.Fields(compose(t, "ps", "-q", service)) {
+		logs, _ := exec.Command("docker", "logs", id).CombinedOutput()
+		sc := bufio.NewScanner(bytes.NewReader(logs))
+		sc.Buffer(nil, 1<<20)
+		for sc.Scan() {
+			var l map[string]any
+			if json.Unmarshal(sc.Bytes(), &l) == nil && l["msg"] == "request" {
+				out = append(out, l)
+			}
+		}
+	}
+	return out
+}
+
+// TestSmokeEngine runs docker-compose.engine.yml: kvbus in front of two
+// (fake) vLLM engines. Used the moment its health check passes, a
+// conversation finds the whole previous prompt in its engine's own cache,
+// the engine gets the session id as X-Session-ID and in vllm_xargs, and
+// when that engine's container is killed the conversation goes on on the
+// other engine.
+func TestSmokeEngine(t *testing.T) {
+	t.Setenv("COMPOSE_FILES", "-f docker-compose.engine.yml")
+	compose(t, "down", "-v", "--remove-orphans")
+	t.Cleanup(func() { compose(t, "down", "-v", "--remove-orphans") })
+	compose(t, "up", "-d")
+	client := &http.Client{Timeout: 60 * time.Second}
+	waitHealthy(t, client)
+	// Both groups up: each engine's worker is healthy.
+	eventually(t, 60*time.Second, "both engines' workers healthy", func() bool {
+		for _, svc := range []string{"worker0", "worker1"} {
+			for _, id := range strings.Fields(compose(t, "ps", "-q", svc)) {
+				if strings.TrimSpace(docker(t, "inspect", "--format", "{{.State.Health.Status}}", id)) != "healthy" {
+					return false
+				}
+			}
+		}
+		return true
+	})
+
+	const session = "smoke-engine"
+	d := testenv.Conversation{BaseURL: base, Client: client, Headers: map[string]string{"X-Session-ID": session}}.Start()
+	for range 3 {
+		if _, err := d.Next(t.Context()); err != nil {
+			t.Fatal(err)
+		}
+	}
+	for i, share := range testenv.PreviousShares(d.Turns, 16) {
+		t.Logf("turn %d: prompt %d tokens, cached %d by the engine", i+2, d.Turns[i+1].PromptTokens, d.Turns[i+1].CachedTokens)
+		if share < 1 {
+			t.Errorf("turn %d found %.2f of the previous prompt in the engine's cache, want 1.00", i+2, share)
+		}
+	}
+	home := ""
+	for _, svc := range []string{"engine0", "engine1"} {
+		for _, l := range engineLines(t, svc) {
+			if l["x_session_id"] == session {
+				if l["vllm_xargs_session_id"] != session {
+					t.Errorf("%s got X-Session-ID %s but vllm_xargs.session_id %v", svc, session, l["vllm_xargs_session_id"])
+				}
+				if home != "" && home != svc {
+					t.Errorf("the conversation ran on %s and %s", home, svc)
+				}
+				home = svc
+			}
+		}
+	}
+	if home == "" {
+		t.Fatal("no engine logged the session")
+	}
+	other := map[string]string{"engine0": "engine1", "engine1": "engine0"}[home]
+	before := len(engineLines(t, other))
+	compose(t, "kill", home)
+	turn, err := d.Next(t.Context())
+	if err != nil {
+		t.Fatalf("the turn after %s was killed: %v", home, err)
+	}
+	if after := len(engineLines(t, other)); after != before+1 {
+		t.Errorf("%s served %d requests after %s was killed, want 1 (turn %+v)", other, after-before, home, turn)
+	}
+}

@@ -12,6 +12,7 @@ import (
 	"log/slog"
 	"os"
 	"os/signal"
+	"strings"
 	"syscall"
 	"time"
 
@@ -42,7 +43,7 @@ func main() {
 	var c cli
 	kong.Parse(&c, kong.Name("kvbus-fakeengine"), kong.Description("A fake vLLM server for tests and demos: OpenAI endpoints, /tokenize, /health and ZeroMQ KV events."),
 		kong.DefaultEnvars("FAKEENGINE"))
-	log := slog.New(slog.NewTextHandler(os.Stderr, nil))
+	log := slog.New(slog.NewJSONHandler(os.Stderr, nil))
 	cfg := fakeengine.Config{Addr: c.Addr, ModelName: c.Model, MaxModelLen: c.MaxModelLen, BlockSize: c.BlockSize,
 		CacheBlocks: c.CacheBlocks, ReplyTokens: c.ReplyTokens, APIKey: c.APIKey, HashBytes: c.HashBytes,
 		TimeToFirstToken: c.TimeToFirstToken, InterTokenLatency: c.InterTokenLatency}
@@ -62,7 +63,26 @@ func main() {
 	log.Info("fake engine serving", "url", e.URL(), "model", e.ModelName(), "kv_events", e.KVEventsAddr())
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 	defer stop()
-	<-ctx.Done()
+	// Every generate request is logged with what kvbus sent it, so that a
+	// compose test can check the session id reached the engine.
+	seen := 0
+	t := time.NewTicker(100 * time.Millisecond)
+	defer t.Stop()
+	for ctx.Err() == nil {
+		select {
+		case <-ctx.Done():
+		case <-t.C:
+		}
+		reqs := e.Requests()
+		for _, r := range reqs[seen:] {
+			if strings.HasPrefix(r.Path, "/v1/") && r.Method == "POST" {
+				log.Info("request", "path", r.Path, "status", r.Status, "x_request_id", r.Header.Get("X-Request-Id"),
+					"x_session_id", r.Header.Get("X-Session-ID"), "vllm_xargs_session_id", r.VLLMXArgs["session_id"],
+					"prompt_tokens", len(r.PromptTokens), "cached_tokens", r.CachedTokens)
+			}
+		}
+		seen = len(reqs)
+	}
 	log.Info("fake engine stopping")
 	if err := e.Close(); err != nil {
 		log.Error("close", "err", err)
