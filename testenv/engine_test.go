@@ -14,6 +14,7 @@ import (
 
 	"github.com/kvbus/kvbus/cluster"
 	"github.com/kvbus/kvbus/frontend"
+	"github.com/kvbus/kvbus/replay"
 	"github.com/kvbus/kvbus/testenv"
 	"github.com/kvbus/kvbus/testenv/fakeengine"
 	"github.com/kvbus/kvbus/workers"
@@ -396,4 +397,41 @@ func jsonEqual(a, b any) bool {
 	x, _ := json.Marshal(a)
 	y, _ := json.Marshal(b)
 	return bytes.Equal(x, y)
+}
+
+// TestEngineReplaysTraces: a replayed trace has token ids only; its
+// requests reach the engine's /v1/completions as token-id prompts with the
+// session id, and the replay's cached tokens are the engine's: the second
+// turn finds the whole first prompt (64 tokens, 4 blocks) cached.
+func TestEngineReplaysTraces(t *testing.T) {
+	c, engines := engineCluster(t, 2, nil)
+	nc := testenv.Connect(t, c.NATS)
+	first := testenv.PromptTokens(1, 64)
+	second := append(append([]uint32(nil), first...), testenv.PromptTokens(2, 40)...)
+	r, err := replay.New(replay.Config{Target: c.NATS.ClientURL(), Conn: nc, Model: c.Model, Mode: replay.ModeSession, Timeout: 20 * time.Second})
+	if err != nil {
+		t.Fatal(err)
+	}
+	results, _, err := r.Run(t.Context(), []replay.Item{
+		{SessionID: "trace-session", Prompt: first, OutputTokens: 4},
+		{At: time.Millisecond, SessionID: "trace-session", Prompt: second, OutputTokens: 4},
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	for i, res := range results {
+		if res.Err != "" {
+			t.Fatalf("request %d: %s", i, res.Err)
+		}
+	}
+	if results[1].CachedTokens != len(first) {
+		t.Errorf("the second turn found %d tokens cached, want the first prompt's %d", results[1].CachedTokens, len(first))
+	}
+	e, got := engineOf(t, engines, results[1].ReqID)
+	if got.Path != "/v1/completions" || got.VLLMXArgs["session_id"] != "trace-session" || got.CachedTokens != results[1].CachedTokens {
+		t.Errorf("engine %d got %s with vllm_xargs %v, %d cached", e, got.Path, got.VLLMXArgs, got.CachedTokens)
+	}
+	if len(got.PromptTokens) != len(second) || got.PromptTokens[len(second)-1] != second[len(second)-1] {
+		t.Errorf("engine got a %d-token prompt, want the trace's %d token ids", len(got.PromptTokens), len(second))
+	}
 }
