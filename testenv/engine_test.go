@@ -7,6 +7,7 @@ import (
 	"encoding/json"
 	"fmt"
 	"io"
+	"net"
 	"net/http"
 	"strings"
 	"testing"
@@ -22,18 +23,28 @@ import (
 )
 
 // engineCluster starts n fake vLLM engines publishing KV events and a
-// kvbus in front of them (--engine openai, --tokenizer engine).
+// kvbus in front of them (--engine openai, --tokenizer engine). Even
+// engines bind their PUB socket and kvbus connects (vLLM), odd ones connect
+// to a SUB socket kvbus binds (--kv-events-bind, llm-d's simulator); they
+// also alternate vLLM's two event forms and hash kinds.
 func engineCluster(t *testing.T, n int, mod func(i int, c *fakeengine.Config)) (*testenv.Cluster, []*fakeengine.Engine) {
 	t.Helper()
 	var engines []*fakeengine.Engine
 	var backends []cluster.EngineBackend
 	for i := range n {
-		form := fakeengine.EventFormMap
+		ev := &fakeengine.KVEventsConfig{Endpoint: "tcp://127.0.0.1:0", EventForm: fakeengine.EventFormMap}
+		sub := &vllmevents.Config{}
 		if i%2 == 1 {
-			form = fakeengine.EventFormArray // both of vLLM's event shapes
+			ln, err := net.Listen("tcp", "127.0.0.1:0")
+			if err != nil {
+				t.Fatal(err)
+			}
+			addr := "tcp://" + ln.Addr().String()
+			ln.Close()
+			ev = &fakeengine.KVEventsConfig{Endpoint: addr, Connect: true, EventForm: fakeengine.EventFormArray}
+			sub = &vllmevents.Config{Endpoint: addr, Bind: true}
 		}
-		cfg := fakeengine.Config{ModelName: "kvbus-sim", HashBytes: i%2 == 0,
-			KVEvents: &fakeengine.KVEventsConfig{Endpoint: "tcp://127.0.0.1:0", EventForm: form}}
+		cfg := fakeengine.Config{ModelName: "kvbus-sim", HashBytes: i%2 == 0, KVEvents: ev}
 		if mod != nil {
 			mod(i, &cfg)
 		}
@@ -43,9 +54,12 @@ func engineCluster(t *testing.T, n int, mod func(i int, c *fakeengine.Config)) (
 		}
 		t.Cleanup(func() { _ = e.Close() })
 		engines = append(engines, e)
+		if !sub.Bind {
+			sub.Endpoint = e.KVEventsAddr()
+		}
 		backends = append(backends, cluster.EngineBackend{
 			OpenAI:   workers.OpenAIConfig{URL: e.URL(), HealthInterval: 100 * time.Millisecond},
-			KVEvents: &vllmevents.Config{Endpoint: e.KVEventsAddr()},
+			KVEvents: sub,
 		})
 	}
 	tok, err := frontend.NewEngineTokenizer(frontend.EngineTokenizerConfig{URLs: []string{engines[0].URL()}})
@@ -433,5 +447,98 @@ func TestEngineReplaysTraces(t *testing.T) {
 	}
 	if len(got.PromptTokens) != len(second) || got.PromptTokens[len(second)-1] != second[len(second)-1] {
 		t.Errorf("engine got a %d-token prompt, want the trace's %d token ids", len(got.PromptTokens), len(second))
+	}
+}
+
+// TestEngineKVEventGapClearsTheGroup: a batch the engine's subscriber
+// missed, with no replay endpoint, leaves the engine's state unknown: the
+// group's blocks leave the index until the engine stores them again.
+func TestEngineKVEventGapClearsTheGroup(t *testing.T) {
+	c, engines := engineCluster(t, 1, nil)
+	ask := func(q string) {
+		status, _, body := testenv.Send(t, "POST", c.URL+"/v1/completions",
+			fmt.Sprintf(`{"model":%q,"prompt":%q,"max_tokens":2}`, c.Model, strings.Repeat(q+" ", 100)), nil)
+		if status != http.StatusOK {
+			t.Fatalf("status %d: %s", status, body)
+		}
+	}
+	ask("first")
+	testenv.Eventually(t, 5*time.Second, "the engine's blocks in the index", func() bool {
+		return c.Scheduler.Index().GroupBlocks("g0") == engines[0].CachedBlocks()
+	})
+	if c.Scheduler.Index().GroupBlocks("g0") < 6 {
+		t.Fatalf("only %d blocks indexed", c.Scheduler.Index().GroupBlocks("g0"))
+	}
+	engines[0].SkipSeq(1) // the next batch's seq jumps: one batch lost
+	ask("second")
+	// After the gap, only what the engine stores from now on is indexed.
+	ask("third")
+	testenv.Eventually(t, 5*time.Second, "the index cleared and refilled by the later batch", func() bool {
+		n := c.Scheduler.Index().GroupBlocks("g0")
+		return n > 0 && n < engines[0].CachedBlocks()
+	})
+	if lines := c.Logs.Lines("engine KV events lost and not replayed"); len(lines) != 1 {
+		t.Errorf("%d gap warnings, want 1", len(lines))
+	}
+}
+
+// TestEngineBlockSizeMismatchIsReportedOnce: an engine whose block size is
+// not kvbus's has its blocks left out of the index, and the operator reads
+// why and what to do once, not per batch.
+func TestEngineBlockSizeMismatchIsReportedOnce(t *testing.T) {
+	c, _ := engineCluster(t, 1, func(_ int, cfg *fakeengine.Config) { cfg.BlockSize = 32 })
+	for i := range 3 {
+		status, _, body := testenv.Send(t, "POST", c.URL+"/v1/completions",
+			fmt.Sprintf(`{"model":%q,"prompt":%q,"max_tokens":2}`, c.Model, strings.Repeat(fmt.Sprint("text ", i, " "), 100)), nil)
+		if status != http.StatusOK {
+			t.Fatalf("status %d: %s", status, body)
+		}
+	}
+	testenv.Eventually(t, 5*time.Second, "the mismatch reported", func() bool {
+		return len(c.Logs.Lines("set kvbus's --block-size")) > 0
+	})
+	time.Sleep(300 * time.Millisecond) // the later batches arrive too
+	if n := len(c.Logs.Lines("set kvbus's --block-size")); n != 1 {
+		t.Errorf("the block size mismatch was reported %d times, want once", n)
+	}
+	if n := c.Scheduler.Index().GroupBlocks("g0"); n != 0 {
+		t.Errorf("%d blocks of the wrong size indexed", n)
+	}
+}
+
+// TestEngineAbortClosesTheEngineStream: a client that leaves mid-stream
+// aborts its request, and the engine's stream is closed (vLLM aborts a
+// request whose connection closes).
+func TestEngineAbortClosesTheEngineStream(t *testing.T) {
+	closed := make(chan struct{})
+	engine := testenv.ServeEngine(t, func(w http.ResponseWriter, r *http.Request) {
+		w.Header().Set("Content-Type", "text/event-stream")
+		fmt.Fprint(w, `data: {"id":"x","object":"text_completion","created":1,"model":"kvbus-sim","choices":[{"index":0,"text":"one","logprobs":null,"finish_reason":null}]}`+"\n\n")
+		w.(http.Flusher).Flush()
+		select {
+		case <-r.Context().Done():
+			close(closed)
+		case <-time.After(20 * time.Second):
+		}
+	})
+	c := testenv.StartCluster(t, testenv.ClusterConfig{Engines: []cluster.EngineBackend{{OpenAI: workers.OpenAIConfig{URL: engine, HealthInterval: 100 * time.Millisecond}}}})
+	ctx, cancel := context.WithCancel(t.Context())
+	req, _ := http.NewRequestWithContext(ctx, "POST", c.URL+"/v1/completions",
+		strings.NewReader(fmt.Sprintf(`{"model":%q,"prompt":"go on","max_tokens":100,"stream":true}`, c.Model)))
+	req.Header.Set("Content-Type", "application/json")
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	line, err := bufio.NewReader(resp.Body).ReadString('\n')
+	if err != nil || !strings.Contains(line, `"one"`) {
+		t.Fatalf("first chunk %q (%v)", line, err)
+	}
+	cancel() // the client leaves
+	resp.Body.Close()
+	select {
+	case <-closed:
+	case <-time.After(10 * time.Second):
+		t.Fatal("the engine's stream stayed open after the client left")
 	}
 }
