@@ -88,3 +88,89 @@ func TestBadInput(t *testing.T) {
 		t.Errorf("repeated X-Session-ID: status %d, echo %q; want 200 and first", resp.StatusCode, resp.Header.Get("X-Session-ID"))
 	}
 }
+
+// TestSimUnsupportedFields: over real HTTP, a request to the sim engine
+// that asks for what the sim cannot honour (tools, structured output,
+// logprobs, several choices...) gets a 400 whose param is the field and
+// whose message says the sim engine cannot honour it, on both endpoints;
+// the same fields with values that ask for nothing are served.
+func TestSimUnsupportedFields(t *testing.T) {
+	c := testenv.StartCluster(t, testenv.ClusterConfig{})
+	chat := func(extra string) string {
+		return `{"model":"` + c.Model + `","messages":[{"role":"user","content":"hi"}],"max_tokens":2` + extra + `}`
+	}
+	completion := func(extra string) string {
+		return `{"model":"` + c.Model + `","prompt":"hi","max_tokens":2` + extra + `}`
+	}
+	unsupported := []struct{ field, value string }{
+		{"tools", `[{"type":"function","function":{"name":"get_weather","parameters":{"type":"object"}}}]`},
+		{"tool_choice", `"auto"`},
+		{"tool_choice", `{"type":"function","function":{"name":"get_weather"}}`},
+		{"response_format", `{"type":"json_object"}`},
+		{"logprobs", `true`},
+		{"logprobs", `5`},
+		{"top_logprobs", `2`},
+		{"echo", `true`},
+		{"logit_bias", `{"50256":-100}`},
+		{"guided_json", `{"type":"object"}`},
+		{"guided_regex", `"[a-z]+"`},
+		{"guided_choice", `["yes","no"]`},
+		{"guided_grammar", `"root ::= \"a\""`},
+		{"structured_outputs", `{"choice":["yes","no"]}`},
+		{"n", `2`},
+	}
+	for _, u := range unsupported {
+		for path, body := range map[string]string{
+			"/v1/chat/completions": chat(`,"` + u.field + `":` + u.value),
+			"/v1/completions":      completion(`,"` + u.field + `":` + u.value),
+		} {
+			t.Run(u.field+"="+u.value+" "+path, func(t *testing.T) {
+				status, _, raw := send(t, http.MethodPost, c.URL+path, body, nil)
+				if status != http.StatusBadRequest {
+					t.Fatalf("status %d, want 400: %.300s", status, raw)
+				}
+				var e struct {
+					Error struct {
+						Message string  `json:"message"`
+						Type    string  `json:"type"`
+						Param   *string `json:"param"`
+					} `json:"error"`
+				}
+				if err := json.Unmarshal(raw, &e); err != nil {
+					t.Fatalf("not an OpenAI error body: %s", raw)
+				}
+				if e.Error.Param == nil || *e.Error.Param != u.field || e.Error.Type != "invalid_request_error" {
+					t.Errorf("error %s, want type invalid_request_error, param %q", raw, u.field)
+				}
+				msg := e.Error.Message
+				if !strings.HasPrefix(msg, u.field+" ") || !strings.Contains(msg, "the sim engine") || !strings.Contains(msg, "--engine openai") {
+					t.Errorf("message %q: want it to name %s, say the sim engine cannot honour it and point at --engine openai", msg, u.field)
+				}
+			})
+		}
+	}
+	harmless := []string{
+		`,"tools":null`, `,"tools":[]`, `,"tool_choice":"none"`, `,"tool_choice":null`,
+		`,"response_format":{"type":"text"}`, `,"response_format":{"type": "text"}`, `,"response_format":null`,
+		`,"logprobs":false`, `,"logprobs":null`, `,"logprobs":0`, `,"top_logprobs":0`, `,"echo":false`,
+		`,"logit_bias":{}`, `,"logit_bias":null`, `,"guided_json":null`, `,"guided_choice":[]`,
+		`,"structured_outputs":null`, `,"n":1`, `,"n":null`,
+		`,"tools":[],"tool_choice":"none","response_format":{"type":"text"},"logprobs":false,"echo":false,"logit_bias":{}`,
+	}
+	for _, extra := range harmless {
+		for path, body := range map[string]string{"/v1/chat/completions": chat(extra), "/v1/completions": completion(extra)} {
+			t.Run("harmless"+extra+" "+path, func(t *testing.T) {
+				status, _, raw := send(t, http.MethodPost, c.URL+path, body, nil)
+				if status != http.StatusOK {
+					t.Fatalf("status %d, want 200: %.300s", status, raw)
+				}
+				var resp struct {
+					Choices []json.RawMessage `json:"choices"`
+				}
+				if err := json.Unmarshal(raw, &resp); err != nil || len(resp.Choices) != 1 {
+					t.Errorf("want a completion with one choice: %.300s", raw)
+				}
+			})
+		}
+	}
+}

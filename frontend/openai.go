@@ -331,6 +331,7 @@ func messageText(raw json.RawMessage, param string, nullOK, otherParts bool) (st
 		return "", badRequest(param, "%s must be a string or an array of content parts", param)
 	}
 	var b strings.Builder
+	texts := 0 // text parts are joined by newlines, as vLLM does
 	for i, part := range parts {
 		if otherParts && (part.Type != "text" || part.Text == nil) {
 			continue
@@ -338,9 +339,10 @@ func messageText(raw json.RawMessage, param string, nullOK, otherParts bool) (st
 		if part.Type != "text" || part.Text == nil {
 			return "", badRequest(fmt.Sprintf("%s[%d]", param, i), "content part type %q is not supported; only text parts are", part.Type)
 		}
-		if i > 0 {
+		if texts > 0 {
 			b.WriteByte('\n')
 		}
+		texts++
 		b.WriteString(*part.Text)
 	}
 	return b.String(), nil

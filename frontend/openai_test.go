@@ -262,6 +262,20 @@ func TestParseInvalid(t *testing.T) {
 		{"min_tokens negative", completions, `{"prompt":"x","min_tokens":-1}`, "min_tokens"},
 		{"n 2", chat, `{` + msgs + `,"n":2}`, "n"},
 		{"n 2 (completions)", completions, `{"prompt":"x","n":2}`, "n"},
+		// Fields the sim engine would ignore: refused, naming the field.
+		{"tools", chat, `{` + msgs + `,"tools":[{"type":"function","function":{"name":"f"}}]}`, "tools"},
+		{"tool_choice auto", chat, `{` + msgs + `,"tool_choice":"auto"}`, "tool_choice"},
+		{"response_format json_object", chat, `{` + msgs + `,"response_format":{"type":"json_object"}}`, "response_format"},
+		{"logprobs true", chat, `{` + msgs + `,"logprobs":true}`, "logprobs"},
+		{"logprobs 2 (completions)", completions, `{"prompt":"x","logprobs":2}`, "logprobs"},
+		{"top_logprobs", chat, `{` + msgs + `,"top_logprobs":3}`, "top_logprobs"},
+		{"echo (completions)", completions, `{"prompt":"x","echo":true}`, "echo"},
+		{"logit_bias", completions, `{"prompt":"x","logit_bias":{"50256":-100}}`, "logit_bias"},
+		{"guided_json", chat, `{` + msgs + `,"guided_json":{"type":"object"}}`, "guided_json"},
+		{"guided_regex", completions, `{"prompt":"x","guided_regex":"a+"}`, "guided_regex"},
+		{"guided_choice", chat, `{` + msgs + `,"guided_choice":["a","b"]}`, "guided_choice"},
+		{"guided_grammar", completions, `{"prompt":"x","guided_grammar":"root ::= x"}`, "guided_grammar"},
+		{"structured_outputs", chat, `{` + msgs + `,"structured_outputs":{"choice":["a"]}}`, "structured_outputs"},
 		{"stop number", chat, `{` + msgs + `,"stop":5}`, "stop"},
 		{"stop list with a number", completions, `{"prompt":"x","stop":["a",1]}`, "stop"},
 		{"empty messages", chat, `{"messages":[]}`, "messages"},
@@ -316,6 +330,91 @@ func TestParseInvalid(t *testing.T) {
 			}
 			if strings.TrimSpace(err.Message) == "" || strings.HasPrefix(err.Message, " ") {
 				t.Errorf("badly formed Message %q", err.Message)
+			}
+		})
+	}
+}
+
+// TestParsePassthrough proves that with real engines behind the frontend
+// (passthrough) the fields the sim cannot honour, n above 1, roles of the
+// engine's template and content parts other than text are accepted, the
+// body is kept as the client sent it (the engine gets it), and the turns
+// hold the text parts only, joined by newlines, as vLLM renders them with
+// its "string" content format. Without passthrough each is a 400.
+func TestParsePassthrough(t *testing.T) {
+	t.Parallel()
+	pass := parseOptions{passthrough: true, vocab: testVocab}
+	sim := parseOptions{vocab: testVocab}
+	// simOnlyFields are fields, with values that ask for something, that the
+	// sim engine cannot honour.
+	simOnlyFields := map[string]string{
+		"tools":              `[{"type":"function","function":{"name":"get_weather","parameters":{"type":"object"}}}]`,
+		"tool_choice":        `"required"`,
+		"response_format":    `{"type":"json_schema","json_schema":{"name":"x","schema":{"type":"object"}}}`,
+		"logprobs":           `true`,
+		"top_logprobs":       `5`,
+		"echo":               `true`,
+		"logit_bias":         `{"50256":-100}`,
+		"guided_json":        `{"type":"object"}`,
+		"guided_regex":       `"[a-z]+"`,
+		"guided_choice":      `["yes","no"]`,
+		"guided_grammar":     `"root ::= \"a\""`,
+		"structured_outputs": `{"choice":["yes","no"]}`,
+	}
+	msgs := `"messages":[{"role":"user","content":"hi"}]`
+	for field, value := range simOnlyFields {
+		for _, body := range []string{`{` + msgs + `,"` + field + `":` + value + `}`, `{"prompt":"x","` + field + `":` + value + `}`} {
+			parse := parseChat
+			if !strings.Contains(body, msgs) {
+				parse = parseCompletion
+			}
+			p, err := parse([]byte(body), pass)
+			if err != nil {
+				t.Errorf("passthrough %s: %v", body, err)
+				continue
+			}
+			if string(p.body) != body {
+				t.Errorf("passthrough %s: body kept as %s", body, p.body)
+			}
+			if _, err := parse([]byte(body), sim); err == nil || err.Param != field {
+				t.Errorf("sim %s: error %v, want a 400 naming %s", body, err, field)
+			}
+		}
+	}
+	for _, tt := range []struct {
+		name  string
+		body  string
+		turns []ChatTurn // chat only
+		param string     // of the sim's error
+	}{
+		{"n 2", `{` + msgs + `,"n":2}`, []ChatTurn{{Role: "user", Content: "hi"}}, "n"},
+		{"n 3 (completions)", `{"prompt":"x","n":3,"best_of":3}`, nil, "n"},
+		{"non-text parts around text parts", `{"messages":[{"role":"user","content":[` +
+			`{"type":"image_url","image_url":{"url":"http://x/y.png"}},{"type":"text","text":"a"},` +
+			`{"type":"input_audio","input_audio":{"data":"AAAA","format":"wav"}},{"type":"text","text":"b"}]}]}`,
+			[]ChatTurn{{Role: "user", Content: "a\nb"}}, "messages[0].content[0]"},
+		{"only an image", `{"messages":[{"role":"user","content":[{"type":"image_url","image_url":{"url":"data:image/png;base64,AA=="}}]}]}`,
+			[]ChatTurn{{Role: "user", Content: ""}}, "messages[0].content[0]"},
+		{"a role of the engine's template, null user content", `{"messages":[{"role":"ipython","content":"out"},{"role":"user","content":null}]}`,
+			[]ChatTurn{{Role: "ipython", Content: "out"}, {Role: "user", Content: ""}}, "messages[0].role"},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			parse := parseChat
+			if tt.turns == nil {
+				parse = parseCompletion
+			}
+			p, err := parse([]byte(tt.body), pass)
+			if err != nil {
+				t.Fatalf("passthrough: %v", err)
+			}
+			if string(p.body) != tt.body {
+				t.Errorf("body kept as %s", p.body)
+			}
+			if tt.turns != nil {
+				eq(t, "turns", p.turns, tt.turns)
+			}
+			if _, err := parse([]byte(tt.body), sim); err == nil || err.Param != tt.param {
+				t.Errorf("sim: error %v, want a 400 naming %s", err, tt.param)
 			}
 		})
 	}

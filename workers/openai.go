@@ -318,7 +318,9 @@ type engineCall struct {
 
 func newEngineCall(req EngineRequest, model string) (*engineCall, error) {
 	c := &engineCall{req: req, path: "/v1/completions"}
-	if req.Endpoint == messages.EndpointChat {
+	if req.Endpoint == messages.EndpointChat && len(req.Body) > 0 {
+		// A request without a client body has only token ids, which the
+		// chat endpoint does not take: it goes to /v1/completions.
 		c.path = "/v1/chat/completions"
 	}
 	var err error
@@ -372,7 +374,8 @@ func clientBody(req EngineRequest, model string) (body []byte, stream, wantUsage
 		// kvbus needs the engine's usage (cached tokens) at the end of the
 		// stream; the client gets that chunk only if it asked. vLLM's
 		// StreamOptions.include_usage defaults to true when stream_options
-		// is given (vllm/entrypoints/openai/protocol.py).
+		// is given (vllm/entrypoints/openai/protocol.py); an explicit null
+		// is None there, which should_include_usage reads as false.
 		opts := map[string]json.RawMessage{}
 		if raw, ok := fields["stream_options"]; ok && string(raw) != "null" {
 			if err := json.Unmarshal(raw, &opts); err != nil {
@@ -380,8 +383,8 @@ func clientBody(req EngineRequest, model string) (body []byte, stream, wantUsage
 			}
 			wantUsage = true
 			var include *bool
-			if v, ok := opts["include_usage"]; ok && json.Unmarshal(v, &include) == nil && include != nil {
-				wantUsage = *include
+			if v, ok := opts["include_usage"]; ok && json.Unmarshal(v, &include) == nil {
+				wantUsage = include != nil && *include
 			}
 		}
 		opts["include_usage"] = json.RawMessage("true")

@@ -1,0 +1,287 @@
+package frontend_test
+
+import (
+	"errors"
+	"net/http"
+	"net/http/httptest"
+	"slices"
+	"strconv"
+	"strings"
+	"sync/atomic"
+	"testing"
+
+	"github.com/kvbus/kvbus/frontend"
+	"github.com/kvbus/kvbus/testenv"
+	"github.com/kvbus/kvbus/testenv/fakeengine"
+)
+
+// startFakeEngine starts a fake vLLM server (no KV events) closed at
+// cleanup.
+func startFakeEngine(t *testing.T, cfg fakeengine.Config) *fakeengine.Engine {
+	t.Helper()
+	e, err := fakeengine.New(cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = e.Close() })
+	return e
+}
+
+func newEngineTokenizer(t *testing.T, cfg frontend.EngineTokenizerConfig) *frontend.EngineTokenizer {
+	t.Helper()
+	tok, err := frontend.NewEngineTokenizer(cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return tok
+}
+
+// closedURL returns the URL of a server that is no longer there: its
+// connections are refused.
+func closedURL() string {
+	srv := httptest.NewServer(http.NotFoundHandler())
+	srv.Close()
+	return srv.URL
+}
+
+// received returns the requests an engine got on path.
+func received(e *fakeengine.Engine, path string) []fakeengine.Received {
+	var out []fakeengine.Received
+	for _, r := range e.Requests() {
+		if r.Path == path {
+			out = append(out, r)
+		}
+	}
+	return out
+}
+
+// prefilled sends body to the engine's path and returns the prompt tokens
+// the engine prefilled for it.
+func prefilled(t *testing.T, e *fakeengine.Engine, path, body string) []uint32 {
+	t.Helper()
+	status, _, raw := testenv.Send(t, http.MethodPost, e.URL()+path, body, nil)
+	if status != http.StatusOK {
+		t.Fatalf("engine answered %d: %s", status, raw)
+	}
+	got := received(e, path)
+	return got[len(got)-1].PromptTokens
+}
+
+// TestEngineTokenizerMatchesEngine proves the EngineTokenizer's tokens are
+// the engine's own: a conversation's are fakeengine.ChatTemplate with the
+// generation prompt and without added special tokens, a completion
+// prompt's are fakeengine.Tokenize with the special tokens (TokenBOS
+// first), and both are exactly what the engine prefills for the same
+// request, so kvbus's block hashes match the engine's cache. It also
+// proves what /tokenize receives: the configured model (not the
+// client's), the fields of vLLM's TokenizeChatRequest and no others, and
+// the API key.
+func TestEngineTokenizerMatchesEngine(t *testing.T) {
+	t.Parallel()
+	fe := startFakeEngine(t, fakeengine.Config{ModelName: "served/model"})
+	tok := newEngineTokenizer(t, frontend.EngineTokenizerConfig{URLs: []string{fe.URL()}, Model: "served/model", APIKey: "sk-tok"})
+
+	turns := []frontend.ChatTurn{
+		{Role: "system", Content: "You are terse."}, {Role: "user", Content: "Hello, world!"},
+		{Role: "assistant", Content: "Hi."}, {Role: "user", Content: "What is 2+2? Answer in 3 words."},
+	}
+	msgs := make([]fakeengine.Message, len(turns))
+	for i, m := range turns {
+		msgs[i] = fakeengine.Message{Role: m.Role, Content: m.Content}
+	}
+	want := fakeengine.ChatTemplate(msgs, true, false, false)
+	got, err := tok.ApplyChatTemplate(turns)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !slices.Equal(got, want) || got[0] != fakeengine.TokenBOS || got[len(got)-1] != fakeengine.TokenAssistant {
+		t.Errorf("ApplyChatTemplate = %v, want %v (TokenBOS ... TokenAssistant)", got, want)
+	}
+
+	// A client's chat body: its model, sampling fields and tools, content
+	// parts. Only the rendering fields go to /tokenize.
+	const messagesJSON = `[{"role":"system","content":"You are terse."},` +
+		`{"role":"user","content":[{"type":"text","text":"Hello,"},{"type":"image_url","image_url":{"url":"http://x/y.png"}},{"type":"text","text":"world!"}]}]`
+	const tools = `[{"type":"function","function":{"name":"get_weather","parameters":{"type":"object"}}}]`
+	body := `{"model":"client-alias","messages":` + messagesJSON + `,"tools":` + tools + `,"max_tokens":5,"temperature":0,"stream":true}`
+	got, err = tok.TokenizeChat(t.Context(), []byte(body))
+	if err != nil {
+		t.Fatal(err)
+	}
+	partsMsgs := []fakeengine.Message{{Role: "system", Content: "You are terse."}, {Role: "user", Content: "Hello,\nworld!"}}
+	if want := fakeengine.ChatTemplate(partsMsgs, true, false, false); !slices.Equal(got, want) {
+		t.Errorf("TokenizeChat = %v, want %v", got, want)
+	}
+	engineBody := `{"model":"served/model","messages":` + messagesJSON + `,"tools":` + tools + `,"max_tokens":5}`
+	if pre := prefilled(t, fe, "/v1/chat/completions", engineBody); !slices.Equal(got, pre) {
+		t.Errorf("TokenizeChat = %v, but the engine prefilled %v", got, pre)
+	}
+	reqs := received(fe, "/tokenize")
+	last := reqs[len(reqs)-1]
+	var keys []string
+	for k := range last.Body {
+		keys = append(keys, k)
+	}
+	slices.Sort(keys)
+	if want := []string{"add_generation_prompt", "messages", "model", "tools"}; !slices.Equal(keys, want) {
+		t.Errorf("/tokenize got fields %v, want %v", keys, want)
+	}
+	if last.Model != "served/model" || last.Body["add_generation_prompt"] != true {
+		t.Errorf("/tokenize got model %q, add_generation_prompt %v; want served/model, true", last.Model, last.Body["add_generation_prompt"])
+	}
+	for _, r := range reqs {
+		if r.Header.Get("Authorization") != "Bearer sk-tok" {
+			t.Errorf("/tokenize got Authorization %q", r.Header.Get("Authorization"))
+		}
+	}
+
+	// The template arguments the client gives are the engine's to apply.
+	got, err = tok.TokenizeChat(t.Context(), []byte(`{"messages":[{"role":"user","content":"Say"},{"role":"assistant","content":"Well,"}],`+
+		`"add_generation_prompt":false,"continue_final_message":true}`))
+	if err != nil {
+		t.Fatal(err)
+	}
+	cont := []fakeengine.Message{{Role: "user", Content: "Say"}, {Role: "assistant", Content: "Well,"}}
+	if want := fakeengine.ChatTemplate(cont, false, true, false); !slices.Equal(got, want) {
+		t.Errorf("TokenizeChat (continue_final_message) = %v, want %v", got, want)
+	}
+
+	const text = "The quick brown fox, 42 times: über-fast!"
+	got, err = tok.Encode(text)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if want := fakeengine.Tokenize(text, true); !slices.Equal(got, want) || got[0] != fakeengine.TokenBOS {
+		t.Errorf("Encode = %v, want %v (TokenBOS first)", got, want)
+	}
+	if pre := prefilled(t, fe, "/v1/completions", `{"prompt":"`+text+`","max_tokens":2}`); !slices.Equal(got, pre) {
+		t.Errorf("Encode = %v, but the engine prefilled %v", got, pre)
+	}
+}
+
+// TestEngineTokenizerFailover proves that an engine that cannot tokenize
+// (refusing connections, answering 503, 404 as an engine without
+// /tokenize or without the model, or 401) does not stop tokenization: the
+// next engine answers, and then is asked first.
+func TestEngineTokenizerFailover(t *testing.T) {
+	t.Parallel()
+	status := func(code int) func(t *testing.T, hits *atomic.Int32) string {
+		return func(t *testing.T, hits *atomic.Int32) string {
+			srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+				hits.Add(1)
+				w.WriteHeader(code)
+				_, _ = w.Write([]byte(`{"error":{"message":"not here","code":` + strconv.Itoa(code) + `}}`))
+			}))
+			t.Cleanup(srv.Close)
+			return srv.URL
+		}
+	}
+	tests := []struct {
+		name     string
+		first    func(t *testing.T, hits *atomic.Int32) string // the failing engine's URL
+		wantHits int32                                         // requests the failing engine counts
+	}{
+		{"connection refused", func(*testing.T, *atomic.Int32) string { return closedURL() }, 0},
+		{"503", status(http.StatusServiceUnavailable), 1},
+		{"500", status(http.StatusInternalServerError), 1},
+		{"404 no /tokenize", status(http.StatusNotFound), 1},
+		{"401", status(http.StatusUnauthorized), 1},
+		{"404 model not served", func(t *testing.T, _ *atomic.Int32) string {
+			return startFakeEngine(t, fakeengine.Config{ModelName: "another/model"}).URL()
+		}, 0},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			t.Parallel()
+			var hits atomic.Int32
+			bad := tt.first(t, &hits)
+			fe := startFakeEngine(t, fakeengine.Config{ModelName: "served/model"})
+			tok := newEngineTokenizer(t, frontend.EngineTokenizerConfig{URLs: []string{bad, fe.URL()}, Model: "served/model"})
+			for i, text := range []string{"first call", "second call"} {
+				got, err := tok.Encode(text)
+				if err != nil {
+					t.Fatalf("call %d: %v", i+1, err)
+				}
+				if want := fakeengine.Tokenize(text, true); !slices.Equal(got, want) {
+					t.Errorf("call %d: Encode = %v, want %v", i+1, got, want)
+				}
+			}
+			if n := len(received(fe, "/tokenize")); n != 2 {
+				t.Errorf("the working engine got %d /tokenize requests, want 2", n)
+			}
+			if n := hits.Load(); n != tt.wantHits {
+				t.Errorf("the failing engine counted %d requests, want %d: after the failover the engine that answered is asked first", n, tt.wantHits)
+			}
+		})
+	}
+}
+
+// TestEngineTokenizerAllDown proves that when no engine can tokenize the
+// error wraps ErrTokenizerUnavailable (the request gets a 503) and names
+// every engine tried.
+func TestEngineTokenizerAllDown(t *testing.T) {
+	t.Parallel()
+	urls := []string{closedURL(), closedURL()}
+	tok := newEngineTokenizer(t, frontend.EngineTokenizerConfig{URLs: urls})
+	_, errEncode := tok.Encode("hello")
+	_, errChat := tok.TokenizeChat(t.Context(), []byte(`{"messages":[{"role":"user","content":"hi"}]}`))
+	_, errTemplate := tok.ApplyChatTemplate([]frontend.ChatTurn{{Role: "user", Content: "hi"}})
+	for name, err := range map[string]error{"Encode": errEncode, "TokenizeChat": errChat, "ApplyChatTemplate": errTemplate} {
+		if !errors.Is(err, frontend.ErrTokenizerUnavailable) {
+			t.Errorf("%s: %v, want ErrTokenizerUnavailable", name, err)
+			continue
+		}
+		for _, u := range urls {
+			if !strings.Contains(err.Error(), u) {
+				t.Errorf("%s: %q does not name %s", name, err, u)
+			}
+		}
+	}
+}
+
+// TestEngineTokenizerRejects proves that an engine refusing the request
+// itself (a 400) is a *TokenizeError with the engine's status and message
+// (the client gets a 400), not an unavailable tokenizer, and is not asked
+// of the next engine; and that a body that is not a JSON object is refused
+// without asking any.
+func TestEngineTokenizerRejects(t *testing.T) {
+	t.Parallel()
+	fe1 := startFakeEngine(t, fakeengine.Config{})
+	fe2 := startFakeEngine(t, fakeengine.Config{})
+	tok := newEngineTokenizer(t, frontend.EngineTokenizerConfig{URLs: []string{fe1.URL(), fe2.URL()}})
+	_, err := tok.TokenizeChat(t.Context(), []byte(`{"messages":[{"role":"user","content":"hi"}],`+
+		`"add_generation_prompt":true,"continue_final_message":true}`))
+	var te *frontend.TokenizeError
+	if !errors.As(err, &te) || te.Status != http.StatusBadRequest ||
+		te.Message != "Cannot set both `continue_final_message` and `add_generation_prompt` to True." {
+		t.Fatalf("TokenizeChat: %#v, want *TokenizeError{400, the engine's message}", err)
+	}
+	if errors.Is(err, frontend.ErrTokenizerUnavailable) {
+		t.Errorf("%v wraps ErrTokenizerUnavailable: the client's error would be a 503", err)
+	}
+	if n1, n2 := len(received(fe1, "/tokenize")), len(received(fe2, "/tokenize")); n1 != 1 || n2 != 0 {
+		t.Errorf("engines got %d and %d /tokenize requests, want 1 and 0", n1, n2)
+	}
+
+	for _, body := range []string{`[]`, `"hi"`, `{"messages":`, ``} {
+		_, err := tok.TokenizeChat(t.Context(), []byte(body))
+		if !errors.As(err, &te) || te.Status != http.StatusBadRequest {
+			t.Errorf("TokenizeChat(%q): %v, want a 400 *TokenizeError", body, err)
+		}
+	}
+	if n := len(received(fe1, "/tokenize")) + len(received(fe2, "/tokenize")); n != 1 {
+		t.Errorf("bodies that are not objects reached the engines (%d /tokenize requests in all, want 1)", n)
+	}
+}
+
+// TestNewEngineTokenizerValidates proves a missing or malformed
+// --tokenizer-url is a configuration error naming the flag.
+func TestNewEngineTokenizerValidates(t *testing.T) {
+	t.Parallel()
+	for _, urls := range [][]string{nil, {"localhost:8000"}, {"ftp://h:1"}, {"http://"}, {"http://ok:1", "http://[::1"}} {
+		_, err := frontend.NewEngineTokenizer(frontend.EngineTokenizerConfig{URLs: urls})
+		if !errors.Is(err, frontend.ErrConfig) || !strings.Contains(err.Error(), "--tokenizer-url") {
+			t.Errorf("URLs %q: %v, want ErrConfig naming --tokenizer-url", urls, err)
+		}
+	}
+}
