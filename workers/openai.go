@@ -387,6 +387,11 @@ func clientBody(req EngineRequest, model string) (body []byte, stream, wantUsage
 				wantUsage = include != nil && *include
 			}
 		}
+		if !wantUsage {
+			// Without include_usage vLLM ignores continuous_usage_stats; with
+			// it forced on, usage would ride on every chunk the client sees.
+			delete(opts, "continuous_usage_stats")
+		}
 		opts["include_usage"] = json.RawMessage("true")
 		set("stream_options", opts)
 	}
