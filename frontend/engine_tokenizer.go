@@ -115,7 +115,7 @@ func (t *EngineTokenizer) ApplyChatTemplate(msgs []ChatTurn) ([]uint32, error) {
 	}
 	out := make([]msg, len(msgs))
 	for i, m := range msgs {
-		out[i] = msg{m.Role, m.Content}
+		out[i] = msg(m)
 	}
 	body, err := json.Marshal(map[string]any{"messages": out, "add_generation_prompt": true})
 	if err != nil {
