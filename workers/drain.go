@@ -314,9 +314,14 @@ func (r *Rank) onHandoff(ctx context.Context, m *nats.Msg) error {
 	default:
 		start := time.Now()
 		size := r.blockBytes(h.BlockSize)
+		// No client waits on a hand-off: its reads may take as long as the
+		// source waits for this answer (its shutdown timeout; ours is the
+		// best guess), not the few seconds a request's load may.
+		hctx, cancel := context.WithTimeout(ctx, r.cfg.ShutdownTimeout)
+		defer cancel()
 		for _, run := range h.Runs {
 			for hashes := range slices.Chunk(run.BlockHashes, handoffReadBlocks) {
-				stored, bytes := r.copyHandedOff(ctx, h, run.Session, hashes, size)
+				stored, bytes := r.copyHandedOff(hctx, h, run.Session, hashes, size)
 				res.Stored += stored
 				res.Failed += len(hashes) - stored
 				res.Bytes += bytes
@@ -337,9 +342,7 @@ func (r *Rank) onHandoff(ctx context.Context, m *nats.Msg) error {
 // copyHandedOff reads one chunk of a run from the source and keeps what
 // verifies; it returns the blocks stored and their bytes.
 func (r *Rank) copyHandedOff(ctx context.Context, h *messages.Handoff, session string, hashes messages.BlockHashes, size int) (int, int64) {
-	rctx, cancel := context.WithTimeout(ctx, r.cfg.SaveWait)
-	vals, err := r.pool.Read(rctx, h.Source, r.cfg.TPRank, &messages.PoolRead{Model: h.Model, TPRank: r.cfg.TPRank, BlockHashes: hashes})
-	cancel()
+	vals, err := r.pool.Read(ctx, h.Source, r.cfg.TPRank, &messages.PoolRead{Model: h.Model, TPRank: r.cfg.TPRank, BlockHashes: hashes})
 	if err != nil {
 		r.log.Warn("hand-off: pool read failed", "source_group", h.Source, "blocks", len(hashes), "err", err)
 		return 0, 0
