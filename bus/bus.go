@@ -9,6 +9,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"sync"
 	"time"
 
 	"github.com/nats-io/nats.go"
@@ -72,6 +73,7 @@ func Connect(ctx context.Context, cfg Config) (*nats.Conn, error) {
 	if err := cfg.Validate(); err != nil {
 		return nil, err
 	}
+	violations := &onceSet{seen: map[string]struct{}{}}
 	log := cfg.Logger
 	if log == nil {
 		log = slog.Default()
@@ -104,6 +106,16 @@ func Connect(ctx context.Context, cfg Config) (*nats.Conn, error) {
 			subject := ""
 			if sub != nil {
 				subject = sub.Subject
+			}
+			if errors.Is(err, nats.ErrPermissionViolation) {
+				// The server refused a subject this role may not use: said
+				// once per subject, not on every message.
+				if !violations.first(err.Error()) {
+					return
+				}
+				log.Error("nats permissions violation: this role's key may not use the subject (see `kvbus auth show`)",
+					"conn", cfg.Name, "subject", subject, "err", err)
+				return
 			}
 			log.Error("nats async error", "conn", cfg.Name, "subject", subject, "err", err)
 		}),
@@ -170,4 +182,23 @@ func Drain(ctx context.Context, nc *nats.Conn) {
 	case <-ctx.Done():
 		nc.Close()
 	}
+}
+
+// onceSet remembers up to 1,000 strings, to say each once.
+type onceSet struct {
+	mu   sync.Mutex
+	seen map[string]struct{}
+}
+
+// first reports whether k is new (and remembers it while there is room).
+func (o *onceSet) first(k string) bool {
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	if _, ok := o.seen[k]; ok {
+		return false
+	}
+	if len(o.seen) < 1000 {
+		o.seen[k] = struct{}{}
+	}
+	return true
 }

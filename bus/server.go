@@ -34,6 +34,10 @@ type ServerConfig struct {
 	Routes      []string
 	// Token, if set, is required from every client.
 	Token string
+	// AuthConfig, if set, is a nats-server configuration file whose
+	// authorization block (users, nkeys and their permissions; `kvbus auth
+	// init` writes one) applies to every client. Not with Token.
+	AuthConfig string
 	// TLSCert and TLSKey (PEM files), if set, make clients connect with TLS;
 	// TLSCA, if also set, requires and verifies client certificates.
 	TLSCert, TLSKey, TLSCA string
@@ -94,6 +98,22 @@ func StartServer(cfg ServerConfig) (*Server, error) {
 		NoSigs:        true,
 		Authorization: cfg.Token,
 		Debug:         cfg.Debug,
+	}
+	if cfg.AuthConfig != "" {
+		if cfg.Token != "" {
+			s.cleanup()
+			return nil, fmt.Errorf("%w: --token and --auth-config exclude each other", ErrServer)
+		}
+		ac, err := server.ProcessConfigFile(cfg.AuthConfig)
+		if err != nil {
+			s.cleanup()
+			return nil, fmt.Errorf("%w: --auth-config %s: %v", ErrServer, cfg.AuthConfig, err)
+		}
+		if len(ac.Nkeys) == 0 && len(ac.Users) == 0 {
+			s.cleanup()
+			return nil, fmt.Errorf("%w: --auth-config %s has no users: write one with `kvbus auth init DIR`", ErrServer, cfg.AuthConfig)
+		}
+		opts.Nkeys, opts.Users = ac.Nkeys, ac.Users
 	}
 	if cfg.TLSCert != "" || cfg.TLSKey != "" {
 		tc, err := server.GenTLSConfig(&server.TLSConfigOpts{CertFile: cfg.TLSCert, KeyFile: cfg.TLSKey, CaFile: cfg.TLSCA, Verify: cfg.TLSCA != ""})

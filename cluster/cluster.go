@@ -11,6 +11,7 @@ import (
 	"fmt"
 	"log/slog"
 	"net"
+	"path/filepath"
 	"strings"
 	"sync"
 	"time"
@@ -19,6 +20,7 @@ import (
 	"github.com/nats-io/nats.go/jetstream"
 	"github.com/prometheus/client_golang/prometheus"
 
+	"github.com/kvbus/kvbus/auth"
 	"github.com/kvbus/kvbus/bus"
 	"github.com/kvbus/kvbus/frontend"
 	"github.com/kvbus/kvbus/messages"
@@ -62,6 +64,10 @@ type Config struct {
 	// openai) instead of the sim: group gi fronts Engines[i] with one rank,
 	// and Groups and Ranks are ignored.
 	Engines []EngineBackend
+	// AuthDir, if set, holds the keys `kvbus auth init` wrote: the embedded
+	// server loads its nats-auth.conf and every role connects with its own
+	// key (frontend, scheduler, worker; admin for other connections).
+	AuthDir string
 	// MaxPayload of the embedded server (default: bus.StartServer's).
 	MaxPayload int32
 
@@ -200,7 +206,7 @@ func Start(ctx context.Context, cfg Config) (*Cluster, error) {
 	c.ctx, c.cancel = context.WithCancel(ctx)
 	c.NATSURL = cfg.NATSURL
 	if c.NATSURL == "" {
-		if c.NATS, err = bus.StartServer(bus.ServerConfig{Addr: cfg.NATSAddr, DataDir: cfg.DataDir, MaxPayload: cfg.MaxPayload}); err != nil {
+		if c.NATS, err = bus.StartServer(bus.ServerConfig{Addr: cfg.NATSAddr, DataDir: cfg.DataDir, MaxPayload: cfg.MaxPayload, AuthConfig: c.authConfig()}); err != nil {
 			return nil, err
 		}
 		c.NATSURL = c.NATS.ClientURL()
@@ -320,7 +326,7 @@ func (c *Cluster) ensureRequestLog(nc *nats.Conn) error {
 func (c *Cluster) connect(name string) (*nats.Conn, error) {
 	// Schedulers do not receive their own publications (save plans).
 	noEcho := strings.HasPrefix(name, "kvbus-scheduler")
-	nc, err := bus.Connect(c.ctx, bus.Config{URL: c.NATSURL, Name: name, Logger: c.log, NoEcho: noEcho})
+	nc, err := bus.Connect(c.ctx, bus.Config{URL: c.NATSURL, Name: name, Logger: c.log, NoEcho: noEcho, NKeySeedFile: c.seed(name)})
 	if err != nil {
 		return nil, err
 	}
@@ -328,6 +334,30 @@ func (c *Cluster) connect(name string) (*nats.Conn, error) {
 	c.conns = append(c.conns, nc)
 	c.mu.Unlock()
 	return nc, nil
+}
+
+// authConfig is the embedded server's authorization file ("" without
+// AuthDir).
+func (c *Cluster) authConfig() string {
+	if c.cfg.AuthDir == "" {
+		return ""
+	}
+	return filepath.Join(c.cfg.AuthDir, auth.ConfigFile)
+}
+
+// seed is the key a connection of this name uses: its role's, as separate
+// processes would; "" without AuthDir.
+func (c *Cluster) seed(name string) string {
+	if c.cfg.AuthDir == "" {
+		return ""
+	}
+	role := auth.RoleAdmin
+	for _, r := range []string{auth.RoleFrontend, auth.RoleScheduler, auth.RoleWorker} {
+		if strings.HasPrefix(name, "kvbus-"+r) {
+			role = r
+		}
+	}
+	return filepath.Join(c.cfg.AuthDir, role+".nk")
 }
 
 func (c *Cluster) run(ctx context.Context, name string, f func(context.Context) error) {
@@ -481,7 +511,7 @@ func (c *Cluster) RestartNATS() error {
 	}
 	addr := c.NATS.Addr().String()
 	c.NATS.Shutdown()
-	srv, err := bus.StartServer(bus.ServerConfig{Addr: addr, DataDir: c.cfg.DataDir, MaxPayload: c.cfg.MaxPayload})
+	srv, err := bus.StartServer(bus.ServerConfig{Addr: addr, DataDir: c.cfg.DataDir, MaxPayload: c.cfg.MaxPayload, AuthConfig: c.authConfig()})
 	if err != nil {
 		return err
 	}

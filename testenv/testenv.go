@@ -141,6 +141,9 @@ type ClusterConfig struct {
 	Engines []cluster.EngineBackend
 	// Tokenizer is the frontend's (default: the embedded o200k).
 	Tokenizer frontend.Tokenizer
+	// AuthDir holds keys from auth.Init: NATS loads their authorization
+	// block and every role connects with its own key.
+	AuthDir string
 	// LogLevel defaults to info.
 	LogLevel slog.Level
 	// LogTo also receives the logs (for example os.Stderr when debugging).
@@ -187,7 +190,7 @@ func StartCluster(t testing.TB, cfg ClusterConfig) *Cluster {
 		HeartbeatInterval: 100 * time.Millisecond, HeartbeatTimeout: 2 * time.Second, ShutdownTimeout: 2 * time.Second,
 		Schedulers: cfg.Schedulers, Policy: cfg.Policy, RequestTimeout: cfg.RequestTimeout, SessionTTL: cfg.SessionTTL,
 		StoreDelays: cfg.StoreDelays, DropReqMetas: cfg.DropReqMetas, MaxPayload: cfg.MaxPayload, NoGroupWait: cfg.NoGroupWait, ResendAfter: cfg.ResendAfter, Pool: cfg.Pool,
-		DrainHandoff: cfg.DrainHandoff, Engines: cfg.Engines,
+		DrainHandoff: cfg.DrainHandoff, Engines: cfg.Engines, AuthDir: cfg.AuthDir,
 		Frontend: &frontend.Config{Listener: ln, SessionHeaders: cfg.SessionHeaders, MaxModelLen: cfg.MaxModelLen,
 			MaxInflight: cfg.MaxInflight, APIKey: cfg.APIKey, Tokenizer: cfg.Tokenizer},
 		Logger:   slog.New(slog.NewTextHandler(w, &slog.HandlerOptions{Level: cfg.LogLevel})),

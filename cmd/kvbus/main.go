@@ -43,6 +43,7 @@ type cli struct {
 	Tap       tapCmd         `cmd:"" help:"Print bus messages live, decoded to JSON, one per line."`
 	Bench     benchCmd       `cmd:"" help:"Replay one trace on an embedded cluster per placement policy and compare them side by side."`
 	Health    healthcheckCmd `cmd:"" name:"healthcheck" help:"Exit 0 when a role's /healthz answers 200 (for container health checks)."`
+	Auth      authCmd        `cmd:"" help:"Give every role its own NATS key and only the subjects it needs (init, show, probe)."`
 }
 
 func main() {
@@ -171,6 +172,7 @@ type natsCmd struct {
 	Addr     string   `name:"addr" default:"127.0.0.1:4222" help:"Client listen address HOST:PORT."`
 	DataDir  string   `name:"data-dir" help:"JetStream storage directory (default: a temporary directory)."`
 	Token    string   `name:"token" help:"Require this token from clients."`
+	Auth     string   `name:"auth-config" type:"path" help:"nats-server config file whose authorization block applies (kvbus auth init writes one): each role's key gets only its subjects."`
 	TLSCert  string   `name:"tls-cert" type:"path" help:"Server certificate (PEM): clients connect with TLS."`
 	TLSKey   string   `name:"tls-key" type:"path" help:"Server key (PEM)."`
 	TLSCA    string   `name:"tls-ca" type:"path" help:"CA (PEM) to require and verify client certificates."`
@@ -184,7 +186,7 @@ type natsCmd struct {
 
 func (c *natsCmd) Run(ctx context.Context) error {
 	log := c.logger()
-	srv, err := bus.StartServer(bus.ServerConfig{Addr: c.Addr, DataDir: c.DataDir, Token: c.Token, Debug: c.Debug,
+	srv, err := bus.StartServer(bus.ServerConfig{Addr: c.Addr, DataDir: c.DataDir, Token: c.Token, AuthConfig: c.Auth, Debug: c.Debug,
 		TLSCert: c.TLSCert, TLSKey: c.TLSKey, TLSCA: c.TLSCA, MonitorAddr: c.Monitor,
 		ServerName: c.Name, Cluster: c.Cluster, ClusterName: c.CName, Routes: c.Routes})
 	if err != nil {

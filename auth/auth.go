@@ -1,0 +1,156 @@
+// Package auth gives every kvbus role its own NATS identity and exactly the
+// bus subjects it needs. Init writes one nkey seed per role (frontend,
+// scheduler, worker, admin; optionally one worker key per group) and an
+// authorization block for nats-server that lists each role's public key
+// with publish and subscribe allow-lists derived from the subject table
+// (DESIGN §4) plus the JetStream API, KV-bucket and inbox subjects the role
+// uses; everything else is denied. `kvbus nats --auth-config` loads it; the
+// roles connect with `--nats-nkey <role>.nk`.
+//
+// The functions are pure but for Init and Load, which touch the files they
+// name; nothing here keeps state.
+package auth
+
+import (
+	"errors"
+	"fmt"
+	"slices"
+
+	"github.com/kvbus/kvbus/bus"
+	"github.com/kvbus/kvbus/messages"
+	"github.com/kvbus/kvbus/scheduler"
+	"github.com/kvbus/kvbus/workers"
+)
+
+// Role names, and the seed file of each: DIR/<role>.nk (worker keys of one
+// group: DIR/worker-<group>.nk).
+const (
+	RoleFrontend  = "frontend"
+	RoleScheduler = "scheduler"
+	RoleWorker    = "worker"
+	RoleAdmin     = "admin"
+)
+
+// Roles are the roles in the order the matrix prints them.
+func Roles() []string { return []string{RoleFrontend, RoleScheduler, RoleWorker, RoleAdmin} }
+
+// Sentinel errors.
+var (
+	// ErrExists is wrapped when Init would overwrite keys (use force).
+	ErrExists = errors.New("auth: keys exist")
+	// ErrConfig is wrapped by bad arguments.
+	ErrConfig = errors.New("auth: bad configuration")
+)
+
+// JetStream names the roles use.
+const (
+	requestStream     = messages.RequestStream
+	schedulerConsumer = bus.SchedulerConsumer
+	sessionBucket     = scheduler.SessionBucket
+	slotBucket        = workers.SlotBucket
+)
+
+// Permissions are a role's allow-lists; what is not listed is denied.
+// Responses, when set, lets the role answer requests it received (on their
+// reply subjects) up to that many messages per request.
+type Permissions struct {
+	Publish   []string
+	Subscribe []string
+	Responses int
+}
+
+// Identity is a key of one role: Group is set for a worker key limited to
+// one group.
+type Identity struct {
+	Role  string
+	Group string
+}
+
+// Name is the identity's seed file name without .nk.
+func (id Identity) Name() string {
+	if id.Group != "" {
+		return id.Role + "-" + id.Group
+	}
+	return id.Role
+}
+
+// maxResponses bounds the replies of one request a role may send: a dump or
+// a pool read is answered in as many chunks as the max payload needs.
+const maxResponses = 1 << 20
+
+// jsAPI is the JetStream API subject prefix.
+const jsAPI = "$JS.API."
+
+// streamAPI are the subjects that manage and read the stream `name`.
+func streamAPI(name string, ops ...string) []string {
+	var out []string
+	for _, op := range ops {
+		out = append(out, jsAPI+"STREAM."+op+"."+name)
+	}
+	return out
+}
+
+// kvBucket is what a client of the KV bucket needs: its stream's info and
+// creation, direct gets, watches (ordered consumers) and puts.
+func kvBucket(bucket string) []string {
+	st := "KV_" + bucket
+	return append(streamAPI(st, "INFO", "CREATE", "MSG.GET"),
+		jsAPI+"DIRECT.GET."+st+".>", jsAPI+"DIRECT.GET."+st,
+		jsAPI+"CONSUMER.CREATE."+st+".>", jsAPI+"CONSUMER.DELETE."+st+".>", jsAPI+"CONSUMER.INFO."+st+".>",
+		"$KV."+bucket+".>")
+}
+
+// For returns the permissions of an identity for subjects s. A worker
+// identity with a group is limited to that group's ReqMetas, dumps, pool,
+// KV events and heartbeats.
+func For(s messages.Subjects, id Identity) (Permissions, error) {
+	p := func(rest string) string { return s.All()[:len(s.All())-1] + rest } // "kvbus." + rest
+	inbox := "_INBOX.>"
+	switch id.Role {
+	case RoleFrontend:
+		return Permissions{
+			Publish: slices.Concat([]string{p("req.>"), s.Abort(), jsAPI + "INFO"},
+				streamAPI(requestStream, "INFO", "CREATE", "UPDATE"),
+				[]string{jsAPI + "CONSUMER.INFO." + requestStream + "." + schedulerConsumer,
+					jsAPI + "CONSUMER.CREATE." + requestStream + "." + schedulerConsumer,
+					jsAPI + "CONSUMER.CREATE." + requestStream + "." + schedulerConsumer + ".>",
+					jsAPI + "CONSUMER.DURABLE.CREATE." + requestStream + "." + schedulerConsumer}),
+			Subscribe: []string{p("out.*"), s.AnnounceRole(messages.RoleScheduler), inbox},
+		}, nil
+	case RoleScheduler:
+		return Permissions{
+			Publish: slices.Concat([]string{p("meta.>"), p("out.*"), s.Abort(), p("ctl.dump.>"), s.PlanAll(),
+				s.AnnounceRole(messages.RoleScheduler), jsAPI + "INFO"},
+				streamAPI(requestStream, "INFO", "CREATE", "UPDATE", "PURGE"),
+				[]string{jsAPI + "CONSUMER.INFO." + requestStream + "." + schedulerConsumer,
+					jsAPI + "CONSUMER.CREATE." + requestStream + "." + schedulerConsumer,
+					jsAPI + "CONSUMER.CREATE." + requestStream + "." + schedulerConsumer + ".>",
+					jsAPI + "CONSUMER.DURABLE.CREATE." + requestStream + "." + schedulerConsumer,
+					jsAPI + "CONSUMER.MSG.NEXT." + requestStream + "." + schedulerConsumer,
+					"$JS.ACK." + requestStream + "." + schedulerConsumer + ".>"},
+				kvBucket(sessionBucket)),
+			Subscribe: []string{p("done.*"), s.KVAll(), s.HeartbeatAll(), s.PlanAll(), s.Abort(), inbox},
+		}, nil
+	case RoleWorker:
+		g := "*"
+		if id.Group != "" {
+			if err := messages.ValidateGroup(id.Group); err != nil {
+				return Permissions{}, fmt.Errorf("%w: %v", ErrConfig, err)
+			}
+			g = id.Group
+		}
+		return Permissions{
+			Publish: slices.Concat([]string{p("kv." + g + ".*"), p("hb." + g + ".*"), p("done.*"), p("out.*"),
+				// Pool reads and hand-offs go to any group; the drain plan
+				// only to its own.
+				p("pool.*.*"), p("pool.*.*.handoff"), p("pool." + g + ".drain"), jsAPI + "INFO"},
+				kvBucket(slotBucket)),
+			Subscribe: []string{p("meta." + g + ".>"), s.Abort(), p("ctl.dump." + g + ".*"), p("pool." + g + ".>"),
+				s.HeartbeatAll(), inbox},
+			Responses: maxResponses,
+		}, nil
+	case RoleAdmin:
+		return Permissions{Publish: []string{">"}, Subscribe: []string{">"}, Responses: maxResponses}, nil
+	}
+	return Permissions{}, fmt.Errorf("%w: unknown role %q (want frontend, scheduler, worker or admin)", ErrConfig, id.Role)
+}

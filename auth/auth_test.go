@@ -1,0 +1,230 @@
+package auth_test
+
+import (
+	"context"
+	"errors"
+	"os"
+	"path/filepath"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/nats-io/nats.go"
+	"go.uber.org/goleak"
+
+	"github.com/kvbus/kvbus/auth"
+	"github.com/kvbus/kvbus/bus"
+	"github.com/kvbus/kvbus/messages"
+)
+
+func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
+
+// server starts an embedded nats-server with the authorization block Init
+// wrote into dir (keys for groups g0 and g1 too).
+func server(t *testing.T) (*bus.Server, string) {
+	t.Helper()
+	dir := t.TempDir()
+	if err := auth.Init(dir, messages.Subjects{}, []string{"g0", "g1"}, false); err != nil {
+		t.Fatal(err)
+	}
+	srv, err := bus.StartServer(bus.ServerConfig{Addr: "127.0.0.1:0", DataDir: t.TempDir(), AuthConfig: filepath.Join(dir, auth.ConfigFile)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(srv.Shutdown)
+	return srv, dir
+}
+
+// client is a connection that records the server's permission errors.
+type client struct {
+	nc *nats.Conn
+}
+
+func connect(t *testing.T, srv *bus.Server, seed string) (*client, error) {
+	t.Helper()
+	c := &client{}
+	opts := []nats.Option{nats.ErrorHandler(func(*nats.Conn, *nats.Subscription, error) {}), nats.MaxReconnects(0)}
+	if seed != "" {
+		o, err := nats.NkeyOptionFromSeed(seed)
+		if err != nil {
+			t.Fatal(err)
+		}
+		opts = append(opts, o)
+	}
+	nc, err := nats.Connect(srv.ClientURL(), opts...)
+	if err != nil {
+		return nil, err
+	}
+	t.Cleanup(nc.Close)
+	c.nc = nc
+	return c, nil
+}
+
+// violated reports whether the server answered the last action with a
+// permissions violation naming subject: nats.go records it as the
+// connection's last error when it reads the -ERR, which precedes the
+// flush's PONG.
+func (c *client) violated(t *testing.T, subject string) bool {
+	t.Helper()
+	if err := c.nc.FlushTimeout(2 * time.Second); err != nil {
+		t.Fatalf("flush: %v", err)
+	}
+	err := c.nc.LastError()
+	return errors.Is(err, nats.ErrPermissionViolation) && strings.Contains(err.Error(), subject)
+}
+
+// TestPermissionMatrix: each cell is a real publish or subscribe by a role's
+// key against the server loaded with the generated configuration, which
+// either succeeds or gets the server's permissions violation.
+func TestPermissionMatrix(t *testing.T) {
+	srv, dir := server(t)
+	if _, err := connect(t, srv, ""); err == nil || !strings.Contains(strings.ToLower(err.Error()), "authorization") {
+		t.Errorf("a client without a key connected (err %v)", err)
+	}
+	const (
+		pub = "publish"
+		sub = "subscribe"
+	)
+	cells := []struct {
+		key, action, subject string
+		allowed              bool
+	}{
+		// A worker runs requests it is given; it never takes them itself.
+		{"worker", pub, "kvbus.req.kvbus-sim", false},
+		{"worker", sub, "kvbus.req.>", false},
+		{"worker", pub, "$JS.API.STREAM.INFO.KVBUS_REQUESTS", false},
+		{"worker", pub, "$JS.API.CONSUMER.CREATE.KVBUS_REQUESTS.mine", false},
+		{"worker", sub, "kvbus.out.>", false},
+		{"worker", sub, "kvbus.out.fe-1", false},
+		{"worker", pub, "kvbus.out.fe-1", true},
+		{"worker", pub, "kvbus.kv.g0.0", true},
+		{"worker", pub, "kvbus.hb.g0.0", true},
+		{"worker", sub, "kvbus.meta.g0.>", true},
+		{"worker", pub, "kvbus.meta.g0.s", false},
+		{"worker", pub, "kvbus.pool.g1.0", true},
+		{"worker", pub, "$KV.KVBUS_RANKS.g0.0", true},
+		// One group's worker key: only that group.
+		{"worker-g0", sub, "kvbus.meta.g0.>", true},
+		{"worker-g0", sub, "kvbus.meta.g1.>", false},
+		{"worker-g0", sub, "kvbus.ctl.dump.g1.0", false},
+		{"worker-g0", sub, "kvbus.pool.g1.>", false},
+		{"worker-g0", pub, "kvbus.kv.g1.0", false},
+		{"worker-g0", pub, "kvbus.hb.g1.0", false},
+		{"worker-g0", pub, "kvbus.pool.g1.0", true},
+		// A frontend publishes requests and reads its outputs.
+		{"frontend", pub, "kvbus.req.kvbus-sim", true},
+		{"frontend", sub, "kvbus.out.fe-1", true},
+		{"frontend", sub, "kvbus.meta.>", false},
+		{"frontend", pub, "kvbus.meta.g0.s", false},
+		{"frontend", pub, "kvbus.kv.g0.0", false},
+		{"frontend", pub, "kvbus.hb.g0.0", false},
+		{"frontend", sub, "kvbus.req.>", false},
+		{"frontend", pub, "$JS.API.STREAM.MSG.GET.KVBUS_REQUESTS", false},
+		{"frontend", pub, "$JS.API.CONSUMER.CREATE.KVBUS_REQUESTS.mine", false},
+		{"frontend", pub, "$JS.API.STREAM.DELETE.KVBUS_REQUESTS", false},
+		// A scheduler places; it does not speak for ranks.
+		{"scheduler", pub, "kvbus.kv.g0.0", false},
+		{"scheduler", pub, "kvbus.hb.g0.0", false},
+		{"scheduler", pub, "kvbus.meta.g0.s", true},
+		{"scheduler", sub, "kvbus.kv.>", true},
+		{"scheduler", pub, "kvbus.req.kvbus-sim", false},
+		{"scheduler", pub, "$JS.API.CONSUMER.MSG.NEXT.KVBUS_REQUESTS.kvbus-scheduler", true},
+		{"scheduler", pub, "$JS.API.STREAM.MSG.GET.KVBUS_REQUESTS", false},
+		{"scheduler", pub, "$JS.API.CONSUMER.CREATE.KVBUS_REQUESTS.mine", false},
+		// Only admin reads the whole request log (capture, replay, tap, top).
+		{"admin", pub, "$JS.API.STREAM.MSG.GET.KVBUS_REQUESTS", true},
+		{"admin", pub, "$JS.API.CONSUMER.CREATE.KVBUS_REQUESTS.capture", true},
+		{"admin", sub, "kvbus.req.>", true},
+		{"admin", sub, ">", true},
+	}
+	for _, cell := range cells {
+		t.Run(cell.key+" "+cell.action+" "+cell.subject, func(t *testing.T) {
+			c, err := connect(t, srv, filepath.Join(dir, cell.key+".nk"))
+			if err != nil {
+				t.Fatalf("%s key refused: %v", cell.key, err)
+			}
+			if cell.action == pub {
+				if err := c.nc.Publish(cell.subject, []byte("x")); err != nil {
+					t.Fatal(err)
+				}
+			} else if _, err := c.nc.SubscribeSync(cell.subject); err != nil {
+				t.Fatal(err)
+			}
+			if got := !c.violated(t, cell.subject); got != cell.allowed {
+				t.Errorf("%s may %s %s: %v, want %v", cell.key, cell.action, cell.subject, got, cell.allowed)
+			}
+		})
+	}
+}
+
+// TestInitRefusesToOverwrite: keys are rotated only on purpose; seeds are
+// private to their owner (0600).
+func TestInitRefusesToOverwrite(t *testing.T) {
+	dir := t.TempDir()
+	if err := auth.Init(dir, messages.Subjects{}, nil, false); err != nil {
+		t.Fatal(err)
+	}
+	before, _ := os.ReadFile(filepath.Join(dir, "worker.nk"))
+	if err := auth.Init(dir, messages.Subjects{}, nil, false); !errors.Is(err, auth.ErrExists) {
+		t.Fatalf("second Init: %v, want ErrExists", err)
+	}
+	if err := auth.Init(dir, messages.Subjects{}, nil, true); err != nil {
+		t.Fatal(err)
+	}
+	after, _ := os.ReadFile(filepath.Join(dir, "worker.nk"))
+	if string(before) == string(after) {
+		t.Error("--force did not rotate the worker key")
+	}
+	for _, role := range auth.Roles() {
+		fi, err := os.Stat(filepath.Join(dir, role+".nk"))
+		if err != nil {
+			t.Fatal(err)
+		}
+		if fi.Mode().Perm() != 0o600 {
+			t.Errorf("%s.nk has mode %v, want 0600", role, fi.Mode().Perm())
+		}
+	}
+	if err := auth.Init(t.TempDir(), messages.Subjects{}, []string{"bad group!"}, false); !errors.Is(err, auth.ErrConfig) {
+		t.Errorf("a bad group name: %v, want ErrConfig", err)
+	}
+}
+
+// TestViolationLoggedOnce: a role that keeps using a forbidden subject gets
+// the server's error each time but logs it once, with the subject, and its
+// connection keeps working.
+func TestViolationLoggedOnce(t *testing.T) {
+	srv, dir := server(t)
+	var logs strings.Builder
+	var mu sync.Mutex
+	log := newLogger(&mu, &logs)
+	nc, err := bus.Connect(context.Background(), bus.Config{URL: srv.ClientURL(), NKeySeedFile: filepath.Join(dir, "worker.nk"), Name: "w", Logger: log})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer nc.Close()
+	for range 5 {
+		if err := nc.Publish("kvbus.req.kvbus-sim", []byte("x")); err != nil {
+			t.Fatal(err)
+		}
+		if err := nc.Flush(); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := nc.Publish("kvbus.kv.g0.0", []byte("x")); err != nil || nc.Flush() != nil || !nc.IsConnected() {
+		t.Fatalf("the connection no longer works after violations (%v)", err)
+	}
+	read := func() string {
+		mu.Lock()
+		defer mu.Unlock()
+		return logs.String()
+	}
+	// The handler runs on nats.go's callback goroutine.
+	for deadline := time.Now().Add(5 * time.Second); !strings.Contains(read(), "kvbus.req.kvbus-sim") && time.Now().Before(deadline); {
+		time.Sleep(10 * time.Millisecond)
+	}
+	out := read()
+	if n := strings.Count(out, `msg="nats permissions violation`); n != 1 || !strings.Contains(out, "kvbus.req.kvbus-sim") {
+		t.Errorf("%d violation lines, want 1 naming the subject:\n%s", n, out)
+	}
+}

@@ -1,0 +1,169 @@
+package auth
+
+import (
+	"errors"
+	"fmt"
+	"io/fs"
+	"os"
+	"path/filepath"
+	"strconv"
+	"strings"
+
+	"github.com/nats-io/nkeys"
+
+	"github.com/kvbus/kvbus/messages"
+)
+
+// ConfigFile is the name of the authorization block Init writes.
+const ConfigFile = "nats-auth.conf"
+
+// Identities are the keys Init writes: one per role, and one worker key per
+// group of groups.
+func Identities(groups []string) []Identity {
+	ids := []Identity{{Role: RoleFrontend}, {Role: RoleScheduler}, {Role: RoleWorker}, {Role: RoleAdmin}}
+	for _, g := range groups {
+		ids = append(ids, Identity{Role: RoleWorker, Group: g})
+	}
+	return ids
+}
+
+// Init writes, into dir, one nkey seed per identity (<name>.nk, mode 0600)
+// and ConfigFile, the nats-server authorization block for their public
+// keys. It refuses to overwrite existing files unless force.
+func Init(dir string, s messages.Subjects, groups []string, force bool) error {
+	ids := Identities(groups)
+	for _, id := range ids {
+		if _, err := For(s, id); err != nil {
+			return err
+		}
+	}
+	if !force {
+		for _, name := range append(seedFiles(ids), ConfigFile) {
+			if _, err := os.Stat(filepath.Join(dir, name)); err == nil {
+				return fmt.Errorf("%w: %s already exists; rotate keys with --force (every role then needs its new seed)", ErrExists, filepath.Join(dir, name))
+			} else if !errors.Is(err, fs.ErrNotExist) {
+				return err
+			}
+		}
+	}
+	if err := os.MkdirAll(dir, 0o700); err != nil {
+		return err
+	}
+	var users []user
+	for _, id := range ids {
+		kp, err := nkeys.CreateUser()
+		if err != nil {
+			return err
+		}
+		seed, err := kp.Seed()
+		if err != nil {
+			return err
+		}
+		pub, err := kp.PublicKey()
+		if err != nil {
+			return err
+		}
+		if err := writeFile(filepath.Join(dir, id.Name()+".nk"), append(seed, '\n'), 0o600); err != nil {
+			return err
+		}
+		perms, _ := For(s, id)
+		users = append(users, user{id: id, nkey: pub, perms: perms})
+	}
+	return writeFile(filepath.Join(dir, ConfigFile), []byte(configText(users)), 0o644)
+}
+
+func seedFiles(ids []Identity) []string {
+	out := make([]string, len(ids))
+	for i, id := range ids {
+		out[i] = id.Name() + ".nk"
+	}
+	return out
+}
+
+// writeFile replaces path atomically with data at mode.
+func writeFile(path string, data []byte, mode os.FileMode) error {
+	tmp := path + ".tmp"
+	if err := os.WriteFile(tmp, data, mode); err != nil {
+		return err
+	}
+	if err := os.Chmod(tmp, mode); err != nil { // the umask does not widen or narrow it
+		return err
+	}
+	return os.Rename(tmp, path)
+}
+
+type user struct {
+	id    Identity
+	nkey  string
+	perms Permissions
+}
+
+// configText renders the authorization block of nats-server's
+// configuration format.
+func configText(users []user) string {
+	var b strings.Builder
+	b.WriteString("# kvbus roles on the bus: written by `kvbus auth init`; load with `kvbus nats --auth-config`.\n")
+	b.WriteString("# Each role may publish and subscribe only where listed; everything else is denied.\n")
+	b.WriteString("authorization {\n  users = [\n")
+	for _, u := range users {
+		fmt.Fprintf(&b, "    # %s\n    {\n      nkey: %s\n      permissions: {\n", u.id.Name(), u.nkey)
+		fmt.Fprintf(&b, "        publish: { allow: %s }\n", list(u.perms.Publish))
+		fmt.Fprintf(&b, "        subscribe: { allow: %s }\n", list(u.perms.Subscribe))
+		if u.perms.Responses > 0 {
+			fmt.Fprintf(&b, "        allow_responses: { max: %d, expires: \"1m\" }\n", u.perms.Responses)
+		}
+		b.WriteString("      }\n    }\n")
+	}
+	b.WriteString("  ]\n}\n")
+	return b.String()
+}
+
+func list(subjects []string) string {
+	q := make([]string, len(subjects))
+	for i, s := range subjects {
+		q[i] = strconv.Quote(s)
+	}
+	return "[" + strings.Join(q, ", ") + "]"
+}
+
+// Keys lists the identities whose seeds are in dir.
+func Keys(dir string) ([]Identity, error) {
+	entries, err := os.ReadDir(dir)
+	if err != nil {
+		return nil, err
+	}
+	var ids []Identity
+	for _, e := range entries {
+		name, ok := strings.CutSuffix(e.Name(), ".nk")
+		if !ok {
+			continue
+		}
+		role, group, _ := strings.Cut(name, "-")
+		ids = append(ids, Identity{Role: role, Group: group})
+	}
+	if len(ids) == 0 {
+		return nil, fmt.Errorf("%w: no *.nk seeds in %s: write them with `kvbus auth init %s`", ErrConfig, dir, dir)
+	}
+	return ids, nil
+}
+
+// Matrix renders who may do what: one block per identity of dir.
+func Matrix(dir string, s messages.Subjects) (string, error) {
+	ids, err := Keys(dir)
+	if err != nil {
+		return "", err
+	}
+	var b strings.Builder
+	for _, id := range ids {
+		p, err := For(s, id)
+		if err != nil {
+			return "", err
+		}
+		fmt.Fprintf(&b, "%s (%s.nk)\n  publish:   %s\n  subscribe: %s\n", id.Name(), id.Name(), strings.Join(p.Publish, " "), strings.Join(p.Subscribe, " "))
+		if p.Responses > 0 {
+			b.WriteString("  replies:   to the requests it receives\n")
+		}
+	}
+	b.WriteString("everything else is denied\n")
+	return b.String(), nil
+}

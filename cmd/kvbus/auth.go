@@ -1,0 +1,95 @@
+package main
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"os"
+	"strings"
+	"time"
+
+	"github.com/nats-io/nats.go"
+
+	"github.com/kvbus/kvbus/auth"
+	"github.com/kvbus/kvbus/bus"
+	"github.com/kvbus/kvbus/messages"
+)
+
+// authCmd manages the roles' identities on the bus.
+type authCmd struct {
+	Init  authInitCmd  `cmd:"" help:"Write one nkey seed per role (frontend, scheduler, worker, admin) and nats-auth.conf, the nats-server authorization block giving each role only its subjects."`
+	Show  authShowCmd  `cmd:"" help:"Print who may publish and subscribe where, for the keys in DIR."`
+	Probe authProbeCmd `cmd:"" help:"Publish once with a key and report whether the server allowed it (exit 0) or refused it with a permissions violation (exit 3)."`
+}
+
+type authInitCmd struct {
+	Dir    string   `arg:"" name:"dir" help:"Directory for the seeds (<role>.nk, mode 0600) and nats-auth.conf."`
+	Groups []string `name:"groups" sep:"," help:"Also write one worker key per group (worker-<group>.nk), allowed only that group's ReqMetas, dumps, pool, KV events and heartbeats."`
+	Force  bool     `name:"force" help:"Overwrite existing keys (rotation: every role then needs its new seed, and NATS the new config)."`
+	Prefix string   `name:"subject-prefix" default:"kvbus" help:"First token of every kvbus subject."`
+}
+
+func (c *authInitCmd) Run() error {
+	s := messages.Subjects{Prefix: c.Prefix}
+	if err := auth.Init(c.Dir, s, c.Groups, c.Force); err != nil {
+		return err
+	}
+	fmt.Printf("wrote %s/{%s}.nk and %s/%s\n", c.Dir, strings.Join(names(auth.Identities(c.Groups)), ","), c.Dir, auth.ConfigFile)
+	fmt.Printf("start NATS with: kvbus nats --auth-config %s/%s\n", c.Dir, auth.ConfigFile)
+	fmt.Println("and each role with: --nats-nkey <dir>/<role>.nk (admin.nk for capture, replay, tap)")
+	return nil
+}
+
+func names(ids []auth.Identity) []string {
+	out := make([]string, len(ids))
+	for i, id := range ids {
+		out[i] = id.Name()
+	}
+	return out
+}
+
+type authShowCmd struct {
+	Dir    string `arg:"" name:"dir" help:"Directory written by kvbus auth init."`
+	Prefix string `name:"subject-prefix" default:"kvbus" help:"First token of every kvbus subject."`
+}
+
+func (c *authShowCmd) Run() error {
+	m, err := auth.Matrix(c.Dir, messages.Subjects{Prefix: c.Prefix})
+	if err != nil {
+		return err
+	}
+	fmt.Print(m)
+	return nil
+}
+
+// errForbidden is the probe's exit status 3: the server refused.
+var errForbidden = errors.New("permissions violation")
+
+type authProbeCmd struct {
+	natsFlags `embed:""`
+	Publish   string `name:"publish" required:"" help:"Subject to publish one empty message to."`
+}
+
+func (c *authProbeCmd) Run(ctx context.Context) error {
+	ctx, cancel := context.WithTimeout(ctx, 10*time.Second)
+	defer cancel()
+	cfg := c.config("kvbus-auth-probe", nil)
+	cfg.Logger = logFlags{LogLevel: "error"}.logger()
+	nc, err := bus.Connect(ctx, cfg)
+	if err != nil {
+		return err
+	}
+	defer nc.Close()
+	if err := nc.Publish(c.Publish, nil); err != nil {
+		return err
+	}
+	if err := nc.FlushTimeout(5 * time.Second); err != nil {
+		return err
+	}
+	if err := nc.LastError(); errors.Is(err, nats.ErrPermissionViolation) {
+		fmt.Printf("refused: %v\n", err)
+		os.Exit(3)
+	}
+	fmt.Printf("allowed: publish %s\n", c.Publish)
+	return nil
+}
