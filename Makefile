@@ -15,7 +15,7 @@ COMPOSE_FILES ?= -f docker-compose.yml
 WORKERS ?= 8
 SCHEDULERS ?= 2
 
-.PHONY: build run test test-short bench lint fmt fuzz clean image image-fakeengine up down logs smoke up-engine down-engine
+.PHONY: build run test test-short bench lint fmt fuzz clean image image-fakeengine auth-keys up down logs smoke up-engine down-engine
 
 build:
 	CGO_ENABLED=0 $(GO) build -trimpath -o $(BIN) ./cmd/kvbus
@@ -59,6 +59,7 @@ fuzz:
 # A FROM scratch image of the static binary (no image is pulled).
 image:
 	mkdir -p build/docker/empty
+	chmod 1777 build/docker/empty # /tmp and /data: writable by whichever user runs the container
 	CGO_ENABLED=0 $(GO) build -trimpath -ldflags '-s -w' -o build/docker/kvbus ./cmd/kvbus
 	docker build -f Dockerfile -t $(IMAGE) build/docker
 
@@ -81,7 +82,16 @@ down-engine:
 # when a scheduler is ready, i.e. consumes requests and places them on a
 # group whose KV index is synced (polled: docker-compose 1.29 has no --wait).
 HTTP_PORT ?= $(or $(KVBUS_HTTP_PORT),8000)
-up: image
+# One NATS key per role (kvbus auth init), written once; the containers run
+# as the caller so that they can read their 0600 seed.
+KVBUS_AUTH_DIR ?= .kvbus-auth
+export KVBUS_AUTH_DIR
+export KVBUS_UID := $(shell id -u)
+export KVBUS_GID := $(shell id -g)
+auth-keys: image
+	@test -f $(KVBUS_AUTH_DIR)/nats-auth.conf || build/docker/kvbus auth init $(KVBUS_AUTH_DIR)
+
+up: image auth-keys
 	$(COMPOSE) $(COMPOSE_FILES) up -d --scale scheduler=$(SCHEDULERS) --scale worker=$(WORKERS)
 	@build/docker/kvbus healthcheck --url http://127.0.0.1:$(HTTP_PORT)/healthz --wait 120s && echo "kvbus is ready on http://127.0.0.1:$(HTTP_PORT)"
 
@@ -92,7 +102,7 @@ logs:
 	$(COMPOSE) $(COMPOSE_FILES) logs -f --tail=100
 
 # Builds, starts, checks a conversation, scaling and a killed worker, tears down.
-smoke: image image-fakeengine
+smoke: image image-fakeengine auth-keys
 	COMPOSE="$(COMPOSE)" COMPOSE_FILES="$(COMPOSE_FILES)" $(GO) test -tags smoke -count=1 -v -timeout 10m ./smoke
 
 clean:

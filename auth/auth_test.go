@@ -11,6 +11,7 @@ import (
 	"time"
 
 	"github.com/nats-io/nats.go"
+	"github.com/nats-io/nkeys"
 	"go.uber.org/goleak"
 
 	"github.com/kvbus/kvbus/auth"
@@ -81,6 +82,16 @@ func TestPermissionMatrix(t *testing.T) {
 	srv, dir := server(t)
 	if _, err := connect(t, srv, ""); err == nil || !strings.Contains(strings.ToLower(err.Error()), "authorization") {
 		t.Errorf("a client without a key connected (err %v)", err)
+	}
+	// A key the configuration does not list is refused too.
+	kp, _ := nkeys.CreateUser()
+	stranger, _ := kp.Seed()
+	strangerFile := filepath.Join(t.TempDir(), "stranger.nk")
+	if err := os.WriteFile(strangerFile, stranger, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := connect(t, srv, strangerFile); err == nil || !strings.Contains(strings.ToLower(err.Error()), "authorization") {
+		t.Errorf("an unknown key connected (err %v)", err)
 	}
 	const (
 		pub = "publish"
@@ -226,5 +237,26 @@ func TestViolationLoggedOnce(t *testing.T) {
 	out := read()
 	if n := strings.Count(out, `msg="nats permissions violation`); n != 1 || !strings.Contains(out, "kvbus.req.kvbus-sim") {
 		t.Errorf("%d violation lines, want 1 naming the subject:\n%s", n, out)
+	}
+}
+
+// TestMatrix: `kvbus auth show` prints every key's allow-lists.
+func TestMatrix(t *testing.T) {
+	dir := t.TempDir()
+	if err := auth.Init(dir, messages.Subjects{}, []string{"g3"}, false); err != nil {
+		t.Fatal(err)
+	}
+	m, err := auth.Matrix(dir, messages.Subjects{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, want := range []string{"frontend (frontend.nk)", "publish:   kvbus.req.>", "worker-g3 (worker-g3.nk)", "kvbus.meta.g3.>",
+		"admin (admin.nk)", "everything else is denied"} {
+		if !strings.Contains(m, want) {
+			t.Errorf("matrix lacks %q:\n%s", want, m)
+		}
+	}
+	if _, err := auth.Matrix(t.TempDir(), messages.Subjects{}); !errors.Is(err, auth.ErrConfig) {
+		t.Errorf("a directory without keys: %v, want ErrConfig", err)
 	}
 }

@@ -11,6 +11,7 @@ import (
 	"bytes"
 	"cmp"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"io"
 	"net/http"
@@ -157,6 +158,11 @@ func TestSmoke(t *testing.T) {
 	// conversation, each turn sent as soon as the answer arrives. Every
 	// next turn finds >= 95% of the previous prompt's full blocks cached,
 	// and every rank of one group logs the session.
+	// Least privilege: a worker's key, from inside the network, may not
+	// publish a request; the server refuses with a permissions violation.
+	probe(t, "worker", "kvbus.req.kvbus-sim", false)
+	probe(t, "frontend", "kvbus.req.kvbus-sim", true)
+
 	const session = "smoke-conversation"
 	turns, err := testenv.Conversation{BaseURL: base, Client: client, Headers: map[string]string{"X-Session-ID": session}}.Run(t.Context(), 4)
 	if err != nil {
@@ -431,4 +437,25 @@ func TestSmokeEngine(t *testing.T) {
 	if after := len(engineLines(t, other)); after != before+1 {
 		t.Errorf("%s served %d requests after %s was killed, want 1 (turn %+v)", other, after-before, home, turn)
 	}
+}
+
+// probe runs `kvbus auth probe` as a one-off container of service, with its
+// key and network, and checks whether the server allowed the publish.
+func probe(t *testing.T, service, subject string, allowed bool) {
+	t.Helper()
+	cmdline := strings.Fields(cmp.Or(os.Getenv("COMPOSE"), "docker-compose"))
+	files := strings.Fields(cmp.Or(os.Getenv("COMPOSE_FILES"), "-f docker-compose.yml"))
+	args := append(append(cmdline[1:], files...), "run", "--rm", "--no-deps", service, "auth", "probe", "--publish", subject)
+	cmd := exec.Command(cmdline[0], args...)
+	cmd.Dir = ".."
+	out, err := cmd.CombinedOutput()
+	var exit *exec.ExitError
+	switch {
+	case allowed && err == nil && strings.Contains(string(out), "allowed"):
+	case !allowed && errors.As(err, &exit) && exit.ExitCode() == 3 && strings.Contains(string(out), "Permissions Violation"):
+	default:
+		t.Errorf("%s publishing %s: want allowed=%v, got %v:\n%s", service, subject, allowed, err, out)
+		return
+	}
+	t.Logf("%s publishing %s: %s", service, subject, strings.TrimSpace(string(out)))
 }
