@@ -260,3 +260,40 @@ func TestMatrix(t *testing.T) {
 		t.Errorf("a directory without keys: %v, want ErrConfig", err)
 	}
 }
+
+// TestRotate: rotating one role's key changes only that seed, and the
+// configuration then admits the new key and refuses the old one.
+func TestRotate(t *testing.T) {
+	dir := t.TempDir()
+	if err := auth.Init(dir, messages.Subjects{}, nil, false); err != nil {
+		t.Fatal(err)
+	}
+	read := func(name string) string { b, _ := os.ReadFile(filepath.Join(dir, name+".nk")); return string(b) }
+	oldWorker, oldFrontend := read("worker"), read("frontend")
+	oldSeed := filepath.Join(t.TempDir(), "old.nk")
+	if err := os.WriteFile(oldSeed, []byte(oldWorker), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	if err := auth.Rotate(dir, messages.Subjects{}, "worker"); err != nil {
+		t.Fatal(err)
+	}
+	if read("worker") == oldWorker || read("frontend") != oldFrontend {
+		t.Fatal("Rotate must change the worker's seed and only it")
+	}
+	srv, err := bus.StartServer(bus.ServerConfig{Addr: "127.0.0.1:0", DataDir: t.TempDir(), AuthConfig: filepath.Join(dir, auth.ConfigFile)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer srv.Shutdown()
+	for _, key := range []string{"worker", "frontend"} {
+		if _, err := connect(t, srv, filepath.Join(dir, key+".nk")); err != nil {
+			t.Errorf("%s's current key refused: %v", key, err)
+		}
+	}
+	if _, err := connect(t, srv, oldSeed); err == nil {
+		t.Error("the worker's old key still connects")
+	}
+	if err := auth.Rotate(dir, messages.Subjects{}, "nobody"); !errors.Is(err, auth.ErrConfig) {
+		t.Errorf("rotating an unknown key: %v", err)
+	}
+}

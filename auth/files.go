@@ -1,11 +1,13 @@
 package auth
 
 import (
+	"bytes"
 	"errors"
 	"fmt"
 	"io/fs"
 	"os"
 	"path/filepath"
+	"slices"
 	"strconv"
 	"strings"
 
@@ -49,24 +51,59 @@ func Init(dir string, s messages.Subjects, groups []string, force bool) error {
 	if err := os.MkdirAll(dir, 0o700); err != nil {
 		return err
 	}
+	return write(dir, s, ids, func(Identity) bool { return true })
+}
+
+// Rotate gives one identity of dir (its Name: "worker", "worker-g0", ...)
+// a new key and rewrites ConfigFile; the other keys stay. NATS must then
+// reload the configuration and that role restart with its new seed.
+func Rotate(dir string, s messages.Subjects, name string) error {
+	ids, err := Keys(dir)
+	if err != nil {
+		return err
+	}
+	if !slices.ContainsFunc(ids, func(id Identity) bool { return id.Name() == name }) {
+		return fmt.Errorf("%w: no key %s.nk in %s", ErrConfig, name, dir)
+	}
+	return write(dir, s, ids, func(id Identity) bool { return id.Name() == name })
+}
+
+// write writes ConfigFile for ids, with a new seed for those renew says
+// and the existing seed of the others.
+func write(dir string, s messages.Subjects, ids []Identity, renew func(Identity) bool) error {
 	var users []user
 	for _, id := range ids {
-		kp, err := nkeys.CreateUser()
-		if err != nil {
-			return err
+		path := filepath.Join(dir, id.Name()+".nk")
+		var kp nkeys.KeyPair
+		var err error
+		if renew(id) {
+			kp, err = nkeys.CreateUser()
+		} else {
+			var seed []byte
+			if seed, err = os.ReadFile(path); err == nil {
+				kp, err = nkeys.FromSeed(bytes.TrimSpace(seed))
+			}
 		}
-		seed, err := kp.Seed()
 		if err != nil {
-			return err
+			return fmt.Errorf("auth: key %s: %w", path, err)
 		}
 		pub, err := kp.PublicKey()
 		if err != nil {
 			return err
 		}
-		if err := writeFile(filepath.Join(dir, id.Name()+".nk"), append(seed, '\n'), 0o600); err != nil {
+		if renew(id) {
+			seed, err := kp.Seed()
+			if err != nil {
+				return err
+			}
+			if err := writeFile(path, append(seed, '\n'), 0o600); err != nil {
+				return err
+			}
+		}
+		perms, err := For(s, id)
+		if err != nil {
 			return err
 		}
-		perms, _ := For(s, id)
 		users = append(users, user{id: id, nkey: pub, perms: perms})
 	}
 	return writeFile(filepath.Join(dir, ConfigFile), []byte(configText(users)), 0o644)

@@ -26,11 +26,19 @@ type authInitCmd struct {
 	Dir    string   `arg:"" name:"dir" help:"Directory for the seeds (<role>.nk, mode 0600) and nats-auth.conf."`
 	Groups []string `name:"groups" sep:"," help:"Also write one worker key per group (worker-<group>.nk), allowed only that group's ReqMetas, dumps, pool, KV events and heartbeats."`
 	Force  bool     `name:"force" help:"Overwrite existing keys (rotation: every role then needs its new seed, and NATS the new config)."`
+	Rotate string   `name:"rotate" help:"Give only this key (a role, or worker-<group>) a new seed and rewrite nats-auth.conf; the other keys stay."`
 	Prefix string   `name:"subject-prefix" default:"kvbus" help:"First token of every kvbus subject."`
 }
 
 func (c *authInitCmd) Run() error {
 	s := messages.Subjects{Prefix: c.Prefix}
+	if c.Rotate != "" {
+		if err := auth.Rotate(c.Dir, s, c.Rotate); err != nil {
+			return err
+		}
+		fmt.Printf("new key %s/%s.nk; reload NATS (restart `kvbus nats`, or `nats-server --signal reload`), then restart the %s role with it\n", c.Dir, c.Rotate, c.Rotate)
+		return nil
+	}
 	if err := auth.Init(c.Dir, s, c.Groups, c.Force); err != nil {
 		return err
 	}
