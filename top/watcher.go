@@ -1,0 +1,322 @@
+// Package top keeps a live view of a kvbus cluster built from the bus alone
+// (heartbeats, KV events, requests, ReqMetas, outputs and the schedulers'
+// announcements), so it works against `make run`, a multi-process cluster
+// and compose alike: per group its state, ranks, queue, in-flight requests,
+// blocks and pool traffic; cluster-wide requests/s, TTFT percentiles over
+// the last minute, the hit ratio by turn depth and the busiest sessions.
+// `kvbus top` draws it in the terminal (Model) or prints one Snapshot as
+// JSON. Reading every request and output needs the admin key.
+//
+// A Watcher is safe for concurrent use: Run feeds it from NATS callbacks,
+// Snapshot reads it.
+package top
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"strings"
+	"sync"
+	"time"
+
+	"github.com/nats-io/nats.go"
+
+	"github.com/kvbus/kvbus/messages"
+)
+
+// Config configures a Watcher.
+type Config struct {
+	// Conn is the watcher's connection (the admin key); the caller owns it.
+	Conn     *nats.Conn
+	Subjects messages.Subjects
+	// Window is the span of the rates and percentiles (default 1 min).
+	Window time.Duration
+	// HeartbeatTimeout: a rank silent for longer is gone (default 3 s, the
+	// schedulers' default).
+	HeartbeatTimeout time.Duration
+	// Sessions is how many busiest sessions a Snapshot lists (default 10).
+	Sessions int
+}
+
+// Validate checks the configuration.
+func (c *Config) Validate() error {
+	if c.Conn == nil {
+		return errors.New("top: no NATS connection")
+	}
+	return c.Subjects.Validate()
+}
+
+// Watcher follows the bus. See the package doc.
+type Watcher struct {
+	cfg Config
+
+	mu         sync.Mutex
+	started    time.Time
+	groups     map[string]*groupView
+	schedulers map[string]messages.Announcement
+	reqs       map[string]*reqView     // requests in flight, by req_id
+	sessions   map[string]*sessionView // by session id
+	done       []doneReq               // finished within the window, oldest first
+	pool       []poolRun               // remote runs within the window
+}
+
+type groupView struct {
+	worldSize int
+	ranks     map[int]rankView
+	kvBatches uint64
+}
+
+type rankView struct {
+	seen time.Time
+	hb   messages.Heartbeat
+}
+
+type reqView struct {
+	arrived   time.Time
+	session   string
+	depth     int
+	group     string
+	prompt    int
+	firstByte time.Time
+}
+
+type sessionView struct {
+	turns    int
+	group    string
+	last     time.Time
+	prompt   int // tokens over its finished turns
+	cached   int
+	inWindow []time.Time // its requests' arrivals within the window
+}
+
+type doneReq struct {
+	at      time.Time
+	ttft    time.Duration // 0: no output reached the client
+	depth   int
+	prompt  int
+	cached  int
+	failed  bool
+	session string
+}
+
+type poolRun struct {
+	at       time.Time
+	from, to string
+	blocks   int
+}
+
+// New returns a Watcher; Run starts it.
+func New(cfg Config) (*Watcher, error) {
+	if err := cfg.Validate(); err != nil {
+		return nil, err
+	}
+	if cfg.Window <= 0 {
+		cfg.Window = time.Minute
+	}
+	if cfg.HeartbeatTimeout <= 0 {
+		cfg.HeartbeatTimeout = 3 * time.Second
+	}
+	if cfg.Sessions <= 0 {
+		cfg.Sessions = 10
+	}
+	return &Watcher{cfg: cfg, groups: map[string]*groupView{}, schedulers: map[string]messages.Announcement{},
+		reqs: map[string]*reqView{}, sessions: map[string]*sessionView{}}, nil
+}
+
+// Run subscribes and follows the bus until ctx ends. Malformed messages are
+// skipped.
+func (w *Watcher) Run(ctx context.Context) error {
+	s := w.cfg.Subjects
+	w.mu.Lock()
+	w.started = time.Now()
+	w.mu.Unlock()
+	subs := []struct {
+		subject string
+		fn      func(*nats.Msg, time.Time)
+	}{
+		{s.HeartbeatAll(), w.onHeartbeat},
+		{s.KVAll(), w.onKV},
+		{s.RequestAll(), w.onRequest},
+		{strings.TrimSuffix(s.All(), ">") + "meta.>", w.onMeta},
+		{strings.TrimSuffix(s.All(), ">") + "out.*", w.onOutput},
+		{s.AnnounceRole(messages.RoleScheduler), w.onAnnouncement},
+	}
+	var active []*nats.Subscription
+	defer func() {
+		for _, sub := range active {
+			_ = sub.Unsubscribe()
+		}
+	}()
+	for _, sb := range subs {
+		fn := sb.fn
+		sub, err := w.cfg.Conn.Subscribe(sb.subject, func(m *nats.Msg) { fn(m, time.Now()) })
+		if err != nil {
+			return fmt.Errorf("top: subscribe %s: %w (kvbus top needs the admin key)", sb.subject, err)
+		}
+		active = append(active, sub)
+	}
+	if err := w.cfg.Conn.Flush(); err != nil {
+		return fmt.Errorf("top: %w", err)
+	}
+	if err := w.cfg.Conn.LastError(); errors.Is(err, nats.ErrPermissionViolation) {
+		return fmt.Errorf("top: %w: kvbus top reads the whole bus; give it the admin key (--nats-nkey admin.nk)", err)
+	}
+	t := time.NewTicker(5 * time.Second)
+	defer t.Stop()
+	for {
+		select {
+		case <-ctx.Done():
+			return nil
+		case now := <-t.C:
+			w.expire(now)
+		}
+	}
+}
+
+func (w *Watcher) onHeartbeat(m *nats.Msg, now time.Time) {
+	hb, err := messages.DecodeHeartbeat(m.Data)
+	if err != nil {
+		return
+	}
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	g := w.group(hb.Group)
+	if g.worldSize != hb.WorldSize {
+		g.worldSize, g.ranks = hb.WorldSize, map[int]rankView{}
+	}
+	g.ranks[hb.TPRank] = rankView{seen: now, hb: *hb}
+}
+
+func (w *Watcher) group(name string) *groupView {
+	g := w.groups[name]
+	if g == nil {
+		g = &groupView{ranks: map[int]rankView{}}
+		w.groups[name] = g
+	}
+	return g
+}
+
+func (w *Watcher) onKV(m *nats.Msg, _ time.Time) {
+	b, err := messages.DecodeKVEventBatch(m.Data)
+	if err != nil {
+		return
+	}
+	w.mu.Lock()
+	w.group(b.Group).kvBatches++
+	w.mu.Unlock()
+}
+
+func (w *Watcher) onAnnouncement(m *nats.Msg, _ time.Time) {
+	a, err := messages.DecodeAnnouncement(m.Data)
+	if err != nil {
+		return
+	}
+	w.mu.Lock()
+	w.schedulers[a.ID] = *a
+	w.mu.Unlock()
+}
+
+func (w *Watcher) onRequest(m *nats.Msg, now time.Time) {
+	req, err := messages.DecodeRequest(m.Data)
+	if err != nil {
+		return
+	}
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	if _, ok := w.reqs[req.RequestID]; ok {
+		return // a redelivery
+	}
+	rv := &reqView{arrived: now, session: req.SessionID, depth: 1, prompt: len(req.PromptTokenIDs)}
+	if req.SessionID != "" {
+		sv := w.sessions[req.SessionID]
+		if sv == nil {
+			sv = &sessionView{}
+			w.sessions[req.SessionID] = sv
+		}
+		sv.turns++
+		sv.last = now
+		sv.inWindow = append(sv.inWindow, now)
+		rv.depth = sv.turns
+	}
+	w.reqs[req.RequestID] = rv
+}
+
+func (w *Watcher) onMeta(m *nats.Msg, now time.Time) {
+	meta, err := messages.DecodeReqMeta(m.Data)
+	if err != nil {
+		return
+	}
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	if rv := w.reqs[meta.ReqID]; rv != nil {
+		rv.group = meta.Group
+		if sv := w.sessions[rv.session]; sv != nil {
+			sv.group = meta.Group
+		}
+	}
+	if ls := meta.LoadSpec; ls != nil {
+		for _, run := range ls.Remote {
+			w.pool = append(w.pool, poolRun{at: now, from: run.Group, to: meta.Group, blocks: run.Blocks})
+		}
+	}
+}
+
+func (w *Watcher) onOutput(m *nats.Msg, now time.Time) {
+	o, err := messages.DecodeOutput(m.Data)
+	if err != nil {
+		return
+	}
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	rv := w.reqs[o.ReqID]
+	if rv == nil {
+		return
+	}
+	if rv.firstByte.IsZero() && o.Error == nil {
+		rv.firstByte = now
+	}
+	if !o.Final() {
+		return
+	}
+	d := doneReq{at: now, depth: rv.depth, prompt: rv.prompt, failed: o.Error != nil, session: rv.session}
+	if !rv.firstByte.IsZero() {
+		d.ttft = rv.firstByte.Sub(rv.arrived)
+	}
+	if u := o.Usage; u != nil {
+		d.prompt, d.cached = u.PromptTokens, u.CachedTokens
+	}
+	if sv := w.sessions[rv.session]; sv != nil {
+		sv.prompt += d.prompt
+		sv.cached += d.cached
+	}
+	w.done = append(w.done, d)
+	delete(w.reqs, o.ReqID)
+}
+
+// expire drops what is older than the window (requests that never ended
+// after 10 minutes, sessions idle for 30).
+func (w *Watcher) expire(now time.Time) {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	cut := now.Add(-w.cfg.Window)
+	i := 0
+	for i < len(w.done) && w.done[i].at.Before(cut) {
+		i++
+	}
+	w.done = append(w.done[:0:0], w.done[i:]...)
+	j := 0
+	for j < len(w.pool) && w.pool[j].at.Before(cut) {
+		j++
+	}
+	w.pool = append(w.pool[:0:0], w.pool[j:]...)
+	for id, rv := range w.reqs {
+		if now.Sub(rv.arrived) > 10*time.Minute {
+			delete(w.reqs, id)
+		}
+	}
+	for id, sv := range w.sessions {
+		if now.Sub(sv.last) > 30*time.Minute {
+			delete(w.sessions, id)
+		}
+	}
+}
