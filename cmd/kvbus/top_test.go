@@ -1,0 +1,120 @@
+package main
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"io"
+	"net/http"
+	"os/exec"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/charmbracelet/x/vt"
+	"github.com/creack/pty"
+
+	"github.com/kvbus/kvbus/testenv"
+	"github.com/kvbus/kvbus/top"
+)
+
+// converse runs one short conversation per session, turn after turn.
+func converse(t *testing.T, base string, sessions ...string) {
+	t.Helper()
+	client := &http.Client{Timeout: 30 * time.Second}
+	defer client.CloseIdleConnections()
+	for i, s := range sessions {
+		if _, err := (testenv.Conversation{BaseURL: base, Client: client, Model: "kvbus-sim", Seed: 70 + i,
+			Headers: map[string]string{"X-Session-ID": s}}).Run(context.Background(), 3); err != nil {
+			t.Error(err)
+		}
+	}
+}
+
+// TestTopOnceJSON: `kvbus top --once --json` prints one snapshot of the
+// cluster it watched: its groups and the sessions that ran meanwhile.
+func TestTopOnceJSON(t *testing.T) {
+	if testing.Short() {
+		t.Skip("builds and runs the binary")
+	}
+	bin := buildBinary(t, t.TempDir())
+	c := testenv.StartCluster(t, testenv.ClusterConfig{Groups: 2, Ranks: 2})
+	cmd := exec.Command(bin, "top", "--once", "--json", "--watch", "4s", "--nats-url", c.NATSURL)
+	out := make(chan []byte, 1)
+	go func() { b, _ := cmd.Output(); out <- b }()
+	time.Sleep(1500 * time.Millisecond) // top is subscribed
+	converse(t, c.URL, "json-a", "json-b")
+	var s top.Snapshot
+	raw := <-out
+	if err := json.Unmarshal(raw, &s); err != nil {
+		t.Fatalf("not a snapshot: %v\n%s", err, raw)
+	}
+	if len(s.Groups) != 2 || s.Groups[0].Name != "g0" || s.Groups[0].State != "ready" || s.Finished != 6 || len(s.Sessions) != 2 {
+		t.Errorf("snapshot %s", raw)
+	}
+}
+
+// TestTopInATerminal drives `kvbus top` in a pseudo-terminal, as a person
+// would look at it: the screen shows the group rows and the sessions that
+// ran, "/" filters one session, "q" quits.
+func TestTopInATerminal(t *testing.T) {
+	if testing.Short() {
+		t.Skip("builds and runs the binary")
+	}
+	bin := buildBinary(t, t.TempDir())
+	c := testenv.StartCluster(t, testenv.ClusterConfig{Groups: 2, Ranks: 2})
+	cmd := exec.Command(bin, "top", "--refresh", "200ms", "--nats-url", c.NATSURL)
+	ptmx, err := pty.StartWithSize(cmd, &pty.Winsize{Rows: 40, Cols: 150})
+	if err != nil {
+		t.Fatal(err)
+	}
+	exited := make(chan error, 1)
+	go func() { exited <- cmd.Wait() }()
+	screen := vt.NewSafeEmulator(150, 40)
+	copies := make(chan struct{}, 2)
+	go func() { _, _ = io.Copy(screen, ptmx); copies <- struct{}{} }()
+	go func() { _, _ = io.Copy(ptmx, screen); copies <- struct{}{} }() // the terminal's answers to queries
+	defer func() {
+		_ = cmd.Process.Kill()
+		_ = ptmx.Close()
+		_ = screen.Close()
+		<-copies
+		<-copies
+	}()
+	look := func(what string, ok func(string) bool) {
+		t.Helper()
+		deadline := time.Now().Add(20 * time.Second)
+		for !ok(screen.String()) {
+			if time.Now().After(deadline) {
+				t.Fatalf("the screen never showed %s:\n%s", what, screen.String())
+			}
+			time.Sleep(100 * time.Millisecond)
+		}
+	}
+	look("the title", func(s string) bool { return strings.Contains(s, "kvbus top") })
+	converse(t, c.URL, "pty-one", "pty-two")
+	look("both groups and both sessions", func(s string) bool {
+		return strings.Contains(s, "g0") && strings.Contains(s, "g1") && strings.Contains(s, "ready") &&
+			strings.Contains(s, "pty-one") && strings.Contains(s, "pty-two")
+	})
+	for _, k := range []string{"/", "t", "w", "o", "\r"} {
+		if _, err := fmt.Fprint(ptmx, k); err != nil {
+			t.Fatal(err)
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+	look("only the filtered session", func(s string) bool {
+		return strings.Contains(s, "pty-two") && !strings.Contains(s, "pty-one") && strings.Contains(s, `filter "two"`)
+	})
+	if _, err := fmt.Fprint(ptmx, "q"); err != nil {
+		t.Fatal(err)
+	}
+	select {
+	case err := <-exited:
+		if err != nil {
+			t.Errorf("top exited with %v after q", err)
+		}
+	case <-time.After(10 * time.Second):
+		t.Error("top did not quit on q")
+	}
+}
