@@ -64,6 +64,18 @@ type Report struct {
 	GroupRequests        map[string]int     `json:"group_requests,omitempty"`
 	GroupLoadMaxOverMean float64            `json:"group_load_max_over_mean"`
 	Errors               map[string]int     `json:"errors,omitempty"`
+	// TTFTCDF is the TTFT distribution, for plotting: its 0th, 1st, …,
+	// 100th percentiles in milliseconds.
+	TTFTCDF []float64 `json:"ttft_cdf_ms,omitempty"`
+	// GroupTimeline counts requests sent to each group per BucketS seconds
+	// from the first request.
+	GroupTimeline *Timeline `json:"group_timeline,omitempty"`
+}
+
+// Timeline is a count per group per time bucket.
+type Timeline struct {
+	BucketS float64          `json:"bucket_s"`
+	Groups  map[string][]int `json:"groups"`
 }
 
 // Summarize builds a report from per-request results (ok ones count toward
@@ -107,7 +119,14 @@ func Summarize(policy string, results []Result, ideal float64, elapsed time.Dura
 	if elapsed > 0 {
 		r.ThroughputRPS = float64(r.OK) / elapsed.Seconds()
 	}
-	r.TTFT, r.E2E = summarize(ttft), summarize(e2e)
+	r.TTFT, r.E2E = summarize(ttft), summarize(e2e) // sorts them
+	if len(ttft) > 0 {
+		r.TTFTCDF = make([]float64, 101)
+		for p := range r.TTFTCDF {
+			r.TTFTCDF[p] = ms(ttft[min(p*len(ttft)/100, len(ttft)-1)])
+		}
+	}
+	r.GroupTimeline = timeline(results)
 	if len(groups) > 0 {
 		r.GroupRequests = groups
 		maxN, sum := 0, 0
@@ -117,6 +136,41 @@ func Summarize(policy string, results []Result, ideal float64, elapsed time.Dura
 		r.GroupLoadMaxOverMean = float64(maxN) / (float64(sum) / float64(len(groups)))
 	}
 	return r
+}
+
+// timeline buckets the successful requests by group and send time, in at
+// most about 60 buckets of whole seconds.
+func timeline(results []Result) *Timeline {
+	var first, last time.Time
+	for _, res := range results {
+		if res.Err != "" || res.Group == "" || res.Sent.IsZero() {
+			continue
+		}
+		if first.IsZero() || res.Sent.Before(first) {
+			first = res.Sent
+		}
+		if res.Sent.After(last) {
+			last = res.Sent
+		}
+	}
+	if first.IsZero() {
+		return nil
+	}
+	bucket := max(math.Ceil(last.Sub(first).Seconds()/60), 1)
+	n := int(last.Sub(first).Seconds()/bucket) + 1
+	tl := &Timeline{BucketS: bucket, Groups: map[string][]int{}}
+	for _, res := range results {
+		if res.Err != "" || res.Group == "" || res.Sent.IsZero() {
+			continue
+		}
+		counts := tl.Groups[res.Group]
+		if counts == nil {
+			counts = make([]int, n)
+			tl.Groups[res.Group] = counts
+		}
+		counts[min(int(res.Sent.Sub(first).Seconds()/bucket), n-1)]++
+	}
+	return tl
 }
 
 func firstLine(s string) string {

@@ -44,6 +44,7 @@ type cli struct {
 	Bench     benchCmd       `cmd:"" help:"Replay one trace on an embedded cluster per placement policy and compare them side by side."`
 	Health    healthcheckCmd `cmd:"" name:"healthcheck" help:"Exit 0 when a role's /healthz answers 200 (for container health checks)."`
 	Auth      authCmd        `cmd:"" help:"Give every role its own NATS key and only the subjects it needs (init, show, probe)."`
+	Report    reportCmd      `cmd:"" help:"Redraw the HTML plots of a JSON report (kvbus report --html out.html report.json)."`
 	Top       topCmd         `cmd:"" help:"Watch the cluster live from the bus: groups, queues, cache hits, TTFT, busiest sessions (needs the admin key when the bus has keys)."`
 }
 

@@ -93,6 +93,20 @@ type traceFlags struct {
 	Skip          int     `name:"skip" help:"Skip this many requests first."`
 	InferSessions bool    `name:"infer-sessions" help:"Give sessions to a trace without them: a request continues the session whose previous prompt it extends."`
 	JSON          string  `name:"json" type:"path" help:"Also write the report(s) as JSON to this file."`
+	HTML          string  `name:"html" type:"path" help:"Also write one self-contained HTML page of plots (TTFT CDF, hit ratio by turn against the ideal, local/remote cache, requests per group over time) to this file."`
+}
+
+// write writes the reports as JSON and HTML where the flags say.
+func (f traceFlags) write(title string, reports []*replay.Report) error {
+	if f.JSON != "" {
+		if err := replay.WriteJSON(f.JSON, reports); err != nil {
+			return err
+		}
+	}
+	if f.HTML != "" {
+		return replay.WriteHTMLFile(f.HTML, title, reports)
+	}
+	return nil
 }
 
 func (f traceFlags) load(path string) (*replay.Trace, error) {
@@ -173,10 +187,8 @@ func (c *replayCmd) Run(ctx context.Context) error {
 	if werr := replay.WriteTable(os.Stdout, []*replay.Report{rep}); werr != nil {
 		return werr
 	}
-	if c.JSON != "" {
-		if werr := replay.WriteJSON(c.JSON, []*replay.Report{rep}); werr != nil {
-			return werr
-		}
+	if werr := c.write("kvbus replay: "+c.File, []*replay.Report{rep}); werr != nil {
+		return werr
 	}
 	return err
 }
@@ -259,10 +271,21 @@ func (c *benchCmd) Run(ctx context.Context) error {
 	if err := replay.WriteTable(os.Stdout, reports); err != nil {
 		return err
 	}
-	if c.JSON != "" {
-		return replay.WriteJSON(c.JSON, reports)
+	return c.write("kvbus bench: "+c.Trace, reports)
+}
+
+// reportCmd redraws the plots of a JSON report.
+type reportCmd struct {
+	HTML string `name:"html" type:"path" required:"" help:"Write the HTML page here."`
+	File string `arg:"" name:"report.json" type:"existingfile" help:"A report written by kvbus bench or kvbus replay with --json."`
+}
+
+func (c *reportCmd) Run() error {
+	reports, err := replay.ReadJSONFile(c.File)
+	if err != nil {
+		return err
 	}
-	return nil
+	return replay.WriteHTMLFile(c.HTML, "kvbus report: "+c.File, reports)
 }
 
 func (c *benchCmd) runOne(ctx context.Context, tr *replay.Trace, policy, pool string, capacity int64, ideal float64) (*replay.Report, error) {
