@@ -40,7 +40,7 @@ func TestAttemptsNeverMix(t *testing.T) {
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
-			g := &generation{s: &Server{m: newMetrics(prometheus.NewRegistry(), func() float64 { return 0 })}, q: newOutputQueue(),
+			g := &generation{s: &Server{m: newMetrics(prometheus.NewRegistry(), func() float64 { return 0 }), vm: newVLLMMetrics(prometheus.NewRegistry(), "fe-test")}, q: newOutputQueue(),
 				choices: []*choiceState{{busID: "r"}}}
 			for _, o := range tt.outs {
 				g.q.push(0, o)

@@ -86,6 +86,7 @@ type generation struct {
 	choices   []*choiceState
 	q         *outputQueue
 	start     time.Time
+	firstByte time.Time // of any choice
 }
 
 func (s *Server) serveGenerate(w http.ResponseWriter, r *http.Request, endpoint string) {
@@ -202,6 +203,15 @@ func (s *Server) generate(w http.ResponseWriter, r *http.Request, endpoint strin
 		}
 	}
 	defer g.unregister()
+	waiting := s.vm.waiting.WithLabelValues(g.model, s.vm.engine)
+	waiting.Inc()
+	defer func() {
+		if g.firstByte.IsZero() {
+			waiting.Dec()
+		} else {
+			s.vm.running.WithLabelValues(g.model, s.vm.engine).Dec()
+		}
+	}()
 
 	h := w.Header()
 	h.Set("X-Request-Id", extID)
@@ -413,6 +423,13 @@ func (g *generation) next(ctx context.Context, timer *time.Timer) ([]choiceOutpu
 					c.firstByte = time.Now()
 					g.s.m.ttft.WithLabelValues(g.endpoint).Observe(c.firstByte.Sub(g.start).Seconds())
 				}
+				if g.firstByte.IsZero() { // the HTTP request's first output
+					g.firstByte = c.firstByte
+					vm := g.s.vm
+					vm.ttft.WithLabelValues(g.model, vm.engine).Observe(g.firstByte.Sub(g.start).Seconds())
+					vm.waiting.WithLabelValues(g.model, vm.engine).Dec()
+					vm.running.WithLabelValues(g.model, vm.engine).Inc()
+				}
 				c.text.WriteString(o.Text)
 				if o.Usage != nil {
 					c.usage = *o.Usage
@@ -499,6 +516,7 @@ func (g *generation) respond(w http.ResponseWriter, ctx context.Context, deadlin
 		resp.Choices = append(resp.Choices, ch)
 	}
 	u := resp.Usage
+	g.s.vm.finished(g.model, u.PromptTokens, u.CompletionTokens, u.PromptTokensDetails.CachedTokens, g.choices[0].finish, time.Since(g.start).Seconds())
 	g.log.Info("request completed", "prompt_tokens", u.PromptTokens, "cached_tokens", u.PromptTokensDetails.CachedTokens,
 		"completion_tokens", u.CompletionTokens, "ms", time.Since(g.start).Milliseconds())
 	writeJSON(w, http.StatusOK, resp)
@@ -575,6 +593,7 @@ func (g *generation) stream(w http.ResponseWriter, ctx context.Context, deadline
 	_, _ = fmt.Fprint(w, "data: [DONE]\n\n")
 	flush()
 	u := g.usage()
+	g.s.vm.finished(g.model, u.PromptTokens, u.CompletionTokens, u.PromptTokensDetails.CachedTokens, g.choices[0].finish, time.Since(g.start).Seconds())
 	g.log.Info("request completed", "stream", true, "prompt_tokens", u.PromptTokens, "cached_tokens", u.PromptTokensDetails.CachedTokens,
 		"completion_tokens", u.CompletionTokens, "ms", time.Since(g.start).Milliseconds())
 	return http.StatusOK

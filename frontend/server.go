@@ -141,6 +141,7 @@ type Server struct {
 	tok     Tokenizer
 	js      jetstream.JetStream
 	m       *metrics
+	vm      *vllmMetrics
 	hm      *bus.HandlerMetrics
 	mux     http.Handler
 	created int64
@@ -224,6 +225,7 @@ func New(cfg Config) (*Server, error) {
 	}
 	s.schedulers.timeout = cfg.SchedulerTimeout
 	s.m = newMetrics(cfg.Registry, s.inflight)
+	s.vm = newVLLMMetrics(cfg.Registry, cfg.ID)
 	s.mux = s.routes()
 	return s, nil
 }

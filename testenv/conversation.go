@@ -32,9 +32,11 @@ type Conversation struct {
 
 // Turn is what one turn reported in its usage.
 type Turn struct {
-	RequestID    string
-	PromptTokens int
-	CachedTokens int
+	RequestID        string
+	PromptTokens     int
+	CachedTokens     int
+	CompletionTokens int
+	FinishReason     string
 }
 
 // Run sends turns back to back and returns what each reported. It stops at
@@ -110,9 +112,11 @@ func (d *Dialog) Next(ctx context.Context) (Turn, error) {
 			Message struct {
 				Content string `json:"content"`
 			} `json:"message"`
+			FinishReason string `json:"finish_reason"`
 		} `json:"choices"`
 		Usage struct {
 			PromptTokens        int `json:"prompt_tokens"`
+			CompletionTokens    int `json:"completion_tokens"`
 			PromptTokensDetails struct {
 				CachedTokens int `json:"cached_tokens"`
 			} `json:"prompt_tokens_details"`
@@ -123,7 +127,8 @@ func (d *Dialog) Next(ctx context.Context) (Turn, error) {
 	}
 	d.msgs = append(msgs, map[string]string{"role": "assistant", "content": r.Choices[0].Message.Content})
 	turn := Turn{RequestID: resp.Header.Get("X-Request-Id"), PromptTokens: r.Usage.PromptTokens,
-		CachedTokens: r.Usage.PromptTokensDetails.CachedTokens}
+		CachedTokens: r.Usage.PromptTokensDetails.CachedTokens, CompletionTokens: r.Usage.CompletionTokens,
+		FinishReason: r.Choices[0].FinishReason}
 	d.Turns = append(d.Turns, turn)
 	return turn, nil
 }

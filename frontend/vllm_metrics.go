@@ -1,0 +1,65 @@
+package frontend
+
+import (
+	"github.com/prometheus/client_golang/prometheus"
+)
+
+// vllmMetrics exports what the frontend measures under vLLM's own metric
+// names and labels, so that a dashboard built for vLLM works on kvbus.
+// Names, types, buckets and labels follow vllm/v1/metrics/loggers.py
+// (PrometheusStatLogger: labelnames ["model_name", "engine"], plus
+// "finished_reason" on vllm:request_success; prometheus_client appends
+// _total to counters). The engine label is the frontend's id: requests are
+// counted where clients meet kvbus. vllm:num_requests_waiting counts this
+// frontend's requests with no output yet, vllm:num_requests_running those
+// streaming.
+type vllmMetrics struct {
+	engine             string
+	ttft, e2e          *prometheus.HistogramVec
+	prompt, generation *prometheus.CounterVec
+	queries, hits      *prometheus.CounterVec
+	success            *prometheus.CounterVec
+	running, waiting   *prometheus.GaugeVec
+}
+
+func newVLLMMetrics(reg prometheus.Registerer, engine string) *vllmMetrics {
+	labels := []string{"model_name", "engine"}
+	m := &vllmMetrics{
+		engine: engine,
+		ttft: prometheus.NewHistogramVec(prometheus.HistogramOpts{Name: "vllm:time_to_first_token_seconds",
+			Help:    "Histogram of time to first token in seconds.",
+			Buckets: []float64{0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0},
+		}, labels),
+		e2e: prometheus.NewHistogramVec(prometheus.HistogramOpts{Name: "vllm:e2e_request_latency_seconds",
+			Help:    "Histogram of e2e request latency in seconds.",
+			Buckets: []float64{0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0},
+		}, labels),
+		prompt:     prometheus.NewCounterVec(prometheus.CounterOpts{Name: "vllm:prompt_tokens_total", Help: "Number of prefill tokens processed."}, labels),
+		generation: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "vllm:generation_tokens_total", Help: "Number of generation tokens processed."}, labels),
+		queries: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "vllm:prefix_cache_queries_total",
+			Help: "Prefix cache queries, in terms of number of queried tokens."}, labels),
+		hits: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "vllm:prefix_cache_hits_total",
+			Help: "Prefix cache hits, in terms of number of cached tokens."}, labels),
+		success: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "vllm:request_success_total",
+			Help: "Count of successfully processed requests."}, append(labels, "finished_reason")),
+		running: prometheus.NewGaugeVec(prometheus.GaugeOpts{Name: "vllm:num_requests_running",
+			Help: "Number of requests in model execution batches."}, labels),
+		waiting: prometheus.NewGaugeVec(prometheus.GaugeOpts{Name: "vllm:num_requests_waiting",
+			Help: "Number of requests waiting to be processed."}, labels),
+	}
+	reg.MustRegister(m.ttft, m.e2e, m.prompt, m.generation, m.queries, m.hits, m.success, m.running, m.waiting)
+	return m
+}
+
+// finished records a request that completed.
+func (m *vllmMetrics) finished(model string, prompt, completion, cached int, finish string, e2eSeconds float64) {
+	m.prompt.WithLabelValues(model, m.engine).Add(float64(prompt))
+	m.generation.WithLabelValues(model, m.engine).Add(float64(completion))
+	m.queries.WithLabelValues(model, m.engine).Add(float64(prompt))
+	m.hits.WithLabelValues(model, m.engine).Add(float64(cached))
+	if finish == "" {
+		finish = "stop"
+	}
+	m.success.WithLabelValues(model, m.engine, finish).Inc()
+	m.e2e.WithLabelValues(model, m.engine).Observe(e2eSeconds)
+}
