@@ -15,7 +15,7 @@ COMPOSE_FILES ?= -f docker-compose.yml
 WORKERS ?= 8
 SCHEDULERS ?= 2
 
-.PHONY: build run test test-short bench lint fmt fuzz clean image image-fakeengine auth-keys up down logs smoke up-engine down-engine
+.PHONY: build run test test-browser test-short bench lint fmt fuzz clean image image-fakeengine auth-keys up down logs smoke up-engine down-engine
 
 build:
 	CGO_ENABLED=0 $(GO) build -trimpath -o $(BIN) ./cmd/kvbus
@@ -25,6 +25,11 @@ run: build
 
 test:
 	$(GO) test -race -shuffle=on $(PKGS)
+
+# Renders the HTML report and kvbus top's screen in headless Chromium;
+# SCREENSHOTS=docs keeps the PNGs (the README's).
+test-browser:
+	KVBUS_SCREENSHOT_DIR=$(if $(SCREENSHOTS),$(abspath $(SCREENSHOTS))) $(GO) test -tags browser -count=1 -run 'Chromium|Screenshot' ./cmd/kvbus
 
 test-short:
 	$(GO) test -short $(PKGS)
