@@ -15,7 +15,7 @@ COMPOSE_FILES ?= -f docker-compose.yml
 WORKERS ?= 8
 SCHEDULERS ?= 2
 
-.PHONY: build run test test-browser test-short bench lint fmt fuzz clean image image-fakeengine auth-keys up down logs smoke up-engine down-engine
+.PHONY: image-prometheus up-monitoring build run test test-browser test-short bench lint fmt fuzz clean image image-fakeengine auth-keys up down logs smoke up-engine down-engine
 
 build:
 	CGO_ENABLED=0 $(GO) build -trimpath -o $(BIN) ./cmd/kvbus
@@ -74,6 +74,21 @@ image-fakeengine: image
 	CGO_ENABLED=0 $(GO) build -trimpath -ldflags '-s -w' -o build/docker/kvbus-fakeengine ./cmd/kvbus-fakeengine
 	docker build -f Dockerfile.fakeengine -t $(FAKEENGINE_IMAGE) build/docker
 
+# Prometheus from Debian's package (apt-get download; the binary links only
+# glibc, copied along) for docker-compose.monitoring.yml.
+PROMETHEUS_IMAGE ?= kvbus-prometheus:dev
+image-prometheus:
+	rm -rf build/prometheus && mkdir -p build/prometheus/empty build/prometheus/deb
+	cd build/prometheus/deb && apt-get download prometheus
+	dpkg-deb -x build/prometheus/deb/prometheus_*.deb build/prometheus/deb/x
+	cp build/prometheus/deb/x/usr/bin/prometheus build/prometheus/
+	cp -L /lib/x86_64-linux-gnu/libc.so.6 /lib64/ld-linux-x86-64.so.2 build/prometheus/
+	cp deploy/prometheus/prometheus.yml build/prometheus/
+	docker build -f Dockerfile.prometheus -t $(PROMETHEUS_IMAGE) build/prometheus
+
+up-monitoring: image-prometheus
+	$(MAKE) up COMPOSE_FILES="-f docker-compose.yml -f docker-compose.monitoring.yml"
+
 # kvbus in front of two (fake) vLLM engines; ENGINE_IMAGE=your vLLM image
 # for GPUs (then change the engines' command, see the file).
 up-engine: image-fakeengine
@@ -107,7 +122,7 @@ logs:
 	$(COMPOSE) $(COMPOSE_FILES) logs -f --tail=100
 
 # Builds, starts, checks a conversation, scaling and a killed worker, tears down.
-smoke: image image-fakeengine auth-keys
+smoke: image image-fakeengine image-prometheus auth-keys
 	COMPOSE="$(COMPOSE)" COMPOSE_FILES="$(COMPOSE_FILES)" $(GO) test -tags smoke -count=1 -v -timeout 10m ./smoke
 
 clean:

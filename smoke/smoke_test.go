@@ -15,9 +15,11 @@ import (
 	"fmt"
 	"io"
 	"net/http"
+	"net/url"
 	"os"
 	"os/exec"
 	"slices"
+	"strconv"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -458,4 +460,89 @@ func probe(t *testing.T, service, subject string, allowed bool) {
 		return
 	}
 	t.Logf("%s publishing %s: %s", service, subject, strings.TrimSpace(string(out)))
+}
+
+// promQuery runs an instant query against the compose Prometheus.
+func promQuery(t *testing.T, base, q string) (float64, string, error) {
+	t.Helper()
+	resp, err := http.Get(base + "/api/v1/query?query=" + url.QueryEscape(q))
+	if err != nil {
+		return 0, "", err
+	}
+	defer resp.Body.Close()
+	var r struct {
+		Status string `json:"status"`
+		Error  string `json:"error"`
+		Data   struct {
+			Result []struct {
+				Value [2]any `json:"value"`
+			} `json:"result"`
+		} `json:"data"`
+	}
+	if err := json.NewDecoder(resp.Body).Decode(&r); err != nil {
+		return 0, "", err
+	}
+	if r.Status != "success" {
+		return 0, r.Status, fmt.Errorf("%s: %s", q, r.Error)
+	}
+	if len(r.Data.Result) == 0 {
+		return 0, r.Status, nil
+	}
+	s, _ := r.Data.Result[0].Value[1].(string)
+	v, err := strconv.ParseFloat(s, 64)
+	return v, r.Status, err
+}
+
+// TestSmokeMonitoring runs the compose cluster with
+// docker-compose.monitoring.yml: Prometheus (built from Debian's package)
+// finds and scrapes every role, has the prompt tokens the clients sent, and
+// every query of the Grafana dashboard (deploy/grafana/kvbus.json) is valid
+// PromQL there.
+func TestSmokeMonitoring(t *testing.T) {
+	t.Setenv("COMPOSE_FILES", "-f docker-compose.yml -f docker-compose.monitoring.yml")
+	port := cmp.Or(os.Getenv("KVBUS_PROMETHEUS_PORT"), "9091")
+	prom := "http://127.0.0.1:" + port
+	compose(t, "down", "-v", "--remove-orphans")
+	t.Cleanup(func() { compose(t, "down", "-v", "--remove-orphans") })
+	compose(t, "up", "-d", "--scale", "scheduler=1", "--scale", "worker=4")
+	client := &http.Client{Timeout: 60 * time.Second}
+	waitHealthy(t, client)
+	turns, err := testenv.Conversation{BaseURL: base, Client: client, Headers: map[string]string{"X-Session-ID": "monitored"}}.Run(t.Context(), 3)
+	if err != nil {
+		t.Fatal(err)
+	}
+	sent := 0
+	for _, turn := range turns {
+		sent += turn.PromptTokens
+	}
+	eventually(t, 60*time.Second, "Prometheus scraping 6 roles with the clients' prompt tokens", func() bool {
+		up, _, err := promQuery(t, prom, `count(up{job="kvbus"} == 1)`)
+		if err != nil || up != 6 {
+			return false
+		}
+		tokens, _, err := promQuery(t, prom, `sum(kvbus_scheduler_prompt_tokens_total)`)
+		return err == nil && tokens == float64(sent)
+	})
+	raw, err := os.ReadFile("../deploy/grafana/kvbus.json")
+	if err != nil {
+		t.Fatal(err)
+	}
+	var dash struct {
+		Panels []struct {
+			Title   string `json:"title"`
+			Targets []struct {
+				Expr string `json:"expr"`
+			} `json:"targets"`
+		} `json:"panels"`
+	}
+	if err := json.Unmarshal(raw, &dash); err != nil {
+		t.Fatal(err)
+	}
+	for _, p := range dash.Panels {
+		for _, tg := range p.Targets {
+			if _, _, err := promQuery(t, prom, tg.Expr); err != nil {
+				t.Errorf("dashboard panel %q: %v", p.Title, err)
+			}
+		}
+	}
 }
