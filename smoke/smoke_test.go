@@ -18,6 +18,7 @@ import (
 	"net/url"
 	"os"
 	"os/exec"
+	"path/filepath"
 	"slices"
 	"strconv"
 	"strings"
@@ -523,6 +524,46 @@ func TestSmokeMonitoring(t *testing.T) {
 		tokens, _, err := promQuery(t, prom, `sum(kvbus_scheduler_prompt_tokens_total)`)
 		return err == nil && tokens == float64(sent)
 	})
+	// kvbus top, from inside the network with the admin key, sees the group
+	// and a conversation that runs while it watches.
+	frontendID := strings.TrimSpace(compose(t, "ps", "-q", "frontend"))
+	network := strings.TrimSpace(docker(t, "inspect", "--format", "{{range $k, $v := .NetworkSettings.Networks}}{{$k}}{{end}}", frontendID))
+	authDir, _ := filepath.Abs(filepath.Join("..", cmp.Or(os.Getenv("KVBUS_AUTH_DIR"), ".kvbus-auth")))
+	topOut := make(chan []byte, 1)
+	go func() {
+		out, _ := exec.Command("docker", "run", "--rm", "--network", network, "--user", cmp.Or(os.Getenv("KVBUS_UID"), "65532"),
+			"-v", authDir+"/admin.nk:/auth/admin.nk:ro", cmp.Or(os.Getenv("KVBUS_IMAGE"), "kvbus:dev"),
+			"top", "--once", "--json", "--watch", "8s", "--nats-url", "nats://nats:4222", "--nats-nkey", "/auth/admin.nk").Output()
+		topOut <- out
+	}()
+	time.Sleep(3 * time.Second)
+	if _, err := (testenv.Conversation{BaseURL: base, Client: client, Seed: 9, Headers: map[string]string{"X-Session-ID": "watched-by-top"}}).Run(t.Context(), 2); err != nil {
+		t.Fatal(err)
+	}
+	var snap struct {
+		Groups []struct {
+			Name, State string
+			Ranks       int
+		}
+		Sessions []struct {
+			ID    string
+			Turns int
+		}
+	}
+	out := <-topOut
+	if err := json.Unmarshal(out, &snap); err != nil {
+		t.Fatalf("kvbus top --once --json in the network: %v\n%s", err, out)
+	}
+	if len(snap.Groups) != 1 || snap.Groups[0].State != "ready" || snap.Groups[0].Ranks != 4 ||
+		!slices.ContainsFunc(snap.Sessions, func(s struct {
+			ID    string
+			Turns int
+		}) bool {
+			return s.ID == "watched-by-top" && s.Turns == 2
+		}) {
+		t.Errorf("kvbus top saw %s", out)
+	}
+
 	raw, err := os.ReadFile("../deploy/grafana/kvbus.json")
 	if err != nil {
 		t.Fatal(err)

@@ -140,11 +140,11 @@ func (m Model) Render() string {
 		}
 		return a.Name < c.Name
 	})
-	fmt.Fprintf(&b, "\n%s\n", headStyle.Render(fmt.Sprintf("%-8s %-10s %6s %9s %12s %10s %12s %9s %9s", "GROUP", "STATE", "RANKS", "INFLIGHT",
-		"QUEUED_TOK", "LOAD_TOK", "BLOCKS", "POOL_IN", "POOL_OUT")))
+	fmt.Fprintf(&b, "\n%s\n", headStyle.Render(fmt.Sprintf("%-8s %-10s %6s %9s %12s %10s %12s %9s %9s %9s", "GROUP", "STATE", "RANKS", "INFLIGHT",
+		"QUEUED_TOK", "LOAD_TOK", "BLOCKS", "BYTES", "POOL_IN", "POOL_OUT")))
 	for _, g := range groups {
-		fmt.Fprintf(&b, "%-8s %-10s %3d/%-2d %9d %12d %10d %12d %9d %9d\n", g.Name, g.State, g.Ranks, g.WorldSize, g.Inflight,
-			g.QueuedPrefillTokens, g.QueuedLoadTokens, g.Blocks, g.PoolIn, g.PoolOut)
+		fmt.Fprintf(&b, "%-8s %-10s %3d/%-2d %9d %12d %10d %12d %9s %9d %9d\n", g.Name, g.State, g.Ranks, g.WorldSize, g.Inflight,
+			g.QueuedPrefillTokens, g.QueuedLoadTokens, g.Blocks, bytesString(g.Bytes), g.PoolIn, g.PoolOut)
 	}
 	if len(groups) == 0 {
 		b.WriteString(dimStyle.Render("no worker group heard yet") + "\n")
@@ -170,6 +170,20 @@ func (m Model) Render() string {
 	}
 	b.WriteString("\n" + dimStyle.Render(help) + "\n")
 	return b.String()
+}
+
+// bytesString is n in B, KiB, MiB, GiB or TiB.
+func bytesString(n int64) string {
+	v, units := float64(n), []string{"B", "KiB", "MiB", "GiB", "TiB"}
+	i := 0
+	for v >= 1024 && i < len(units)-1 {
+		v /= 1024
+		i++
+	}
+	if i == 0 {
+		return fmt.Sprintf("%d B", n)
+	}
+	return fmt.Sprintf("%.1f %s", v, units[i])
 }
 
 func truncate(s string, n int) string {

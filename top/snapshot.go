@@ -39,6 +39,7 @@ type GroupRow struct {
 	QueuedPrefillTokens int64  `json:"queued_prefill_tokens"`
 	QueuedLoadTokens    int64  `json:"queued_load_tokens"`
 	Blocks              int64  `json:"blocks"`
+	Bytes               int64  `json:"bytes"`
 	CapacityBlocks      int64  `json:"capacity_blocks"`
 	// PoolIn and PoolOut are blocks this group's requests read from other
 	// groups, and other groups' requests read from it, over the window.
@@ -101,6 +102,7 @@ func (w *Watcher) Snapshot(now time.Time) Snapshot {
 			draining = draining || r.hb.Draining
 			notReady = notReady || r.hb.NotReady
 			row.Blocks += r.hb.UsedBlocks
+			row.Bytes += r.hb.UsedBytes
 			row.CapacityBlocks += r.hb.CapacityBlocks
 			if tp == 0 {
 				row.Inflight, row.QueuedPrefillTokens = r.hb.InflightRequests, r.hb.QueuedPrefillTokens

@@ -42,7 +42,7 @@ func TestWatcherSeesWhatClientsSee(t *testing.T) {
 	done := make(chan error, 1)
 	go func() { done <- w.Run(ctx) }()
 	defer func() { cancel(); <-done }()
-	time.Sleep(200 * time.Millisecond) // subscribed
+	<-w.Subscribed()
 
 	client := &http.Client{Timeout: 30 * time.Second}
 	defer client.CloseIdleConnections()
@@ -64,9 +64,9 @@ func TestWatcherSeesWhatClientsSee(t *testing.T) {
 		}
 	}
 	var s top.Snapshot
-	testenv.Eventually(t, 5*time.Second, "8 finished requests and both groups in the snapshot", func() bool {
+	testenv.Eventually(t, 5*time.Second, "8 finished requests and both groups' ranks heard", func() bool {
 		s = w.Snapshot(time.Now())
-		return s.Finished == 8 && len(s.Groups) == 2
+		return s.Finished == 8 && len(s.Groups) == 2 && s.Groups[0].Ranks == 2 && s.Groups[1].Ranks == 2
 	})
 	for _, g := range s.Groups {
 		if g.State != "ready" || g.Ranks != 2 || g.WorldSize != 2 {

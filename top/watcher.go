@@ -48,7 +48,8 @@ func (c *Config) Validate() error {
 
 // Watcher follows the bus. See the package doc.
 type Watcher struct {
-	cfg Config
+	cfg   Config
+	ready chan struct{} // closed once Run's subscriptions are in place
 
 	mu         sync.Mutex
 	started    time.Time
@@ -119,41 +120,40 @@ func New(cfg Config) (*Watcher, error) {
 	if cfg.Sessions <= 0 {
 		cfg.Sessions = 10
 	}
-	return &Watcher{cfg: cfg, groups: map[string]*groupView{}, schedulers: map[string]messages.Announcement{},
+	return &Watcher{cfg: cfg, ready: make(chan struct{}), groups: map[string]*groupView{}, schedulers: map[string]messages.Announcement{},
 		reqs: map[string]*reqView{}, sessions: map[string]*sessionView{}}, nil
 }
 
-// Run subscribes and follows the bus until ctx ends. Malformed messages are
+// Subscribed is closed once Run follows the bus: what is published after
+// it is seen.
+func (w *Watcher) Subscribed() <-chan struct{} { return w.ready }
+
+// Run subscribes and follows the bus until ctx ends. Call it once. Malformed messages are
 // skipped.
 func (w *Watcher) Run(ctx context.Context) error {
 	s := w.cfg.Subjects
 	w.mu.Lock()
 	w.started = time.Now()
 	w.mu.Unlock()
-	subs := []struct {
-		subject string
-		fn      func(*nats.Msg, time.Time)
-	}{
-		{s.HeartbeatAll(), w.onHeartbeat},
-		{s.KVAll(), w.onKV},
-		{s.RequestAll(), w.onRequest},
-		{strings.TrimSuffix(s.All(), ">") + "meta.>", w.onMeta},
-		{strings.TrimSuffix(s.All(), ">") + "out.*", w.onOutput},
-		{s.AnnounceRole(messages.RoleScheduler), w.onAnnouncement},
+	// One subscription, so that messages are handled in the order the
+	// server delivers them: a request before its outputs.
+	prefix := strings.TrimSuffix(s.All(), ">")
+	handlers := map[string]func(*nats.Msg, time.Time){
+		"hb": w.onHeartbeat, "kv": w.onKV, "req": w.onRequest, "meta": w.onMeta, "out": w.onOutput, "ann": w.onAnnouncement,
 	}
-	var active []*nats.Subscription
-	defer func() {
-		for _, sub := range active {
-			_ = sub.Unsubscribe()
+	sub, err := w.cfg.Conn.Subscribe(s.All(), func(m *nats.Msg) {
+		kind, _, _ := strings.Cut(strings.TrimPrefix(m.Subject, prefix), ".")
+		if fn := handlers[kind]; fn != nil {
+			fn(m, time.Now())
 		}
-	}()
-	for _, sb := range subs {
-		fn := sb.fn
-		sub, err := w.cfg.Conn.Subscribe(sb.subject, func(m *nats.Msg) { fn(m, time.Now()) })
-		if err != nil {
-			return fmt.Errorf("top: subscribe %s: %w (kvbus top needs the admin key)", sb.subject, err)
-		}
-		active = append(active, sub)
+	})
+	if err != nil {
+		return fmt.Errorf("top: subscribe %s: %w (kvbus top needs the admin key)", s.All(), err)
+	}
+	defer func() { _ = sub.Unsubscribe() }()
+	// The whole bus passes here: do not let a burst drop messages.
+	if err := sub.SetPendingLimits(-1, 512<<20); err != nil {
+		return fmt.Errorf("top: %w", err)
 	}
 	if err := w.cfg.Conn.Flush(); err != nil {
 		return fmt.Errorf("top: %w", err)
@@ -161,6 +161,7 @@ func (w *Watcher) Run(ctx context.Context) error {
 	if err := w.cfg.Conn.LastError(); errors.Is(err, nats.ErrPermissionViolation) {
 		return fmt.Errorf("top: %w: kvbus top reads the whole bus; give it the admin key (--nats-nkey admin.nk)", err)
 	}
+	close(w.ready)
 	t := time.NewTicker(5 * time.Second)
 	defer t.Stop()
 	for {

@@ -105,6 +105,9 @@ func (r *Rank) heartbeat() {
 		Model: r.cfg.Model, CapacityBlocks: capacity, UsedBlocks: used,
 		QueueDepth: depth, StartedUnixMs: r.started.UnixMilli(), Draining: r.draining.Load(),
 	}
+	if !r.cfg.EngineCache {
+		hb.UsedBytes, _, _ = r.store.Usage()
+	}
 	if h := r.engineHealth(); h != nil {
 		ok, why := h.Healthy()
 		hb.NotReady, hb.NotReadyReason = !ok, why

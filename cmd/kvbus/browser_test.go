@@ -142,7 +142,7 @@ func TestTopScreenshot(t *testing.T) {
 	done := make(chan error, 1)
 	go func() { done <- w.Run(ctx) }()
 	defer func() { cancel(); <-done }()
-	time.Sleep(300 * time.Millisecond)
+	<-w.Subscribed()
 	converse(t, c.URL, "support-chat-17", "code-review-4", "travel-plans-2")
 	time.Sleep(1200 * time.Millisecond) // a heartbeat after the last answer
 	screen := top.NewModel(w, time.Second, 10).Render()

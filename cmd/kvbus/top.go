@@ -42,6 +42,11 @@ func (c *topCmd) Run(ctx context.Context) error {
 		select {
 		case err := <-errc:
 			return err
+		case <-w.Subscribed():
+		}
+		select {
+		case err := <-errc:
+			return err
 		case <-time.After(c.Watch):
 		}
 		snap := w.Snapshot(time.Now())
