@@ -242,9 +242,9 @@ type Heartbeat struct {
 	CapacityBlocks int64  `msgpack:"capacity_blocks" json:"capacity_blocks"`
 	UsedBlocks     int64  `msgpack:"used_blocks" json:"used_blocks"`
 	// UsedBytes is what the rank's block store holds (0 with an engine).
-	UsedBytes int64 `msgpack:"used_bytes,omitempty" json:"used_bytes,omitempty"`
-	QueueDepth     int    `msgpack:"queue_depth" json:"queue_depth"`
-	StartedUnixMs  int64  `msgpack:"started_unix_ms" json:"started_unix_ms"`
+	UsedBytes     int64 `msgpack:"used_bytes,omitempty" json:"used_bytes,omitempty"`
+	QueueDepth    int   `msgpack:"queue_depth" json:"queue_depth"`
+	StartedUnixMs int64 `msgpack:"started_unix_ms" json:"started_unix_ms"`
 	// Draining is set by a rank that is stopping: it finishes what it has
 	// but takes nothing new, so its group gets no new requests.
 	Draining bool `msgpack:"draining,omitempty" json:"draining,omitempty"`
