@@ -10,8 +10,8 @@ import (
 	"charm.land/lipgloss/v2"
 )
 
-// Group sort orders of the view, cycled with "s".
-var groupOrders = [...]string{"name", "queue", "inflight", "blocks"}
+// groupOrders are the group orders of the view, cycled with "s".
+func groupOrders() [4]string { return [4]string{"name", "queue", "inflight", "blocks"} }
 
 // Model is `kvbus top`'s terminal view of a Watcher, redrawn every
 // Refresh. Keys: q quits; s cycles the group order (name, queue, in-flight,
@@ -80,7 +80,7 @@ func (m Model) Update(msg tea.Msg) (tea.Model, tea.Cmd) {
 		case "q", "ctrl+c":
 			return m, tea.Quit
 		case "s":
-			m.order = (m.order + 1) % len(groupOrders)
+			m.order = (m.order + 1) % len(groupOrders())
 		case "/":
 			m.typing, m.filter = true, ""
 		case "esc":
@@ -89,12 +89,6 @@ func (m Model) Update(msg tea.Msg) (tea.Model, tea.Cmd) {
 	}
 	return m, nil
 }
-
-var (
-	titleStyle = lipgloss.NewStyle().Bold(true)
-	headStyle  = lipgloss.NewStyle().Bold(true).Underline(true)
-	dimStyle   = lipgloss.NewStyle().Faint(true)
-)
 
 // View implements tea.Model.
 func (m Model) View() tea.View {
@@ -106,6 +100,9 @@ func (m Model) View() tea.View {
 
 // Render draws the snapshot as text (View's content).
 func (m Model) Render() string {
+	titleStyle := lipgloss.NewStyle().Bold(true)
+	headStyle := lipgloss.NewStyle().Bold(true).Underline(true)
+	dimStyle := lipgloss.NewStyle().Faint(true)
 	s := m.snap
 	var b strings.Builder
 	fmt.Fprintf(&b, "%s  %s   %.1f req/s   TTFT p50 %.0f ms  p95 %.0f ms   in flight %d   failed %d (last %.0fs)\n",
@@ -127,7 +124,7 @@ func (m Model) Render() string {
 		fmt.Fprintf(&b, "scheduler %s %s (%d groups)\n", sc.ID, state, sc.ReadyGroups)
 	}
 	groups := append([]GroupRow(nil), s.Groups...)
-	order := groupOrders[m.order]
+	order := groupOrders()[m.order]
 	sort.SliceStable(groups, func(i, j int) bool {
 		a, c := groups[i], groups[j]
 		switch order {

@@ -70,9 +70,6 @@ func (c *authShowCmd) Run() error {
 	return nil
 }
 
-// errForbidden is the probe's exit status 3: the server refused.
-var errForbidden = errors.New("permissions violation")
-
 type authProbeCmd struct {
 	natsFlags `embed:""`
 	Publish   string `name:"publish" required:"" help:"Subject to publish one empty message to."`
