@@ -11,7 +11,11 @@ import (
 )
 
 // groupOrders are the group orders of the view, cycled with "s".
-func groupOrders() [4]string { return [4]string{"name", "queue", "inflight", "blocks"} }
+func groupOrders() [numGroupOrders]string {
+	return [numGroupOrders]string{"name", "queue", "inflight", "blocks"}
+}
+
+const numGroupOrders = 4
 
 // Model is `kvbus top`'s terminal view of a Watcher, redrawn every
 // Refresh. Keys: q quits; s cycles the group order (name, queue, in-flight,
@@ -80,7 +84,7 @@ func (m Model) Update(msg tea.Msg) (tea.Model, tea.Cmd) {
 		case "q", "ctrl+c":
 			return m, tea.Quit
 		case "s":
-			m.order = (m.order + 1) % len(groupOrders())
+			m.order = (m.order + 1) % numGroupOrders
 		case "/":
 			m.typing, m.filter = true, ""
 		case "esc":
