@@ -21,7 +21,9 @@ import (
 // The fake engines' ZeroMQ PUB sockets leave go-zeromq's writer goroutine
 // behind when closed (a leak of the library, not of kvbus).
 func TestMain(m *testing.M) {
-	goleak.VerifyTestMain(m, goleak.IgnoreAnyFunction("github.com/go-zeromq/zmq4.(*pubMWriter).run"))
+	goleak.VerifyTestMain(m, goleak.IgnoreAnyFunction("github.com/go-zeromq/zmq4.(*pubMWriter).run"),
+		// TestTopInATerminal's reader of the terminal emulator's answers.
+		goleak.IgnoreAnyFunction("github.com/charmbracelet/x/vt.(*Emulator).Read"))
 }
 
 // TestEveryFlagHasAnEnvTwin parses the CLI and checks that every flag of

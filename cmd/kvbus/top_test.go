@@ -8,6 +8,7 @@ import (
 	"net/http"
 	"os/exec"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -70,15 +71,18 @@ func TestTopInATerminal(t *testing.T) {
 	}
 	exited := make(chan error, 1)
 	go func() { exited <- cmd.Wait() }()
-	screen := vt.NewSafeEmulator(150, 40)
-	copies := make(chan struct{}, 2)
+	// vt's SafeEmulator does not lock String: one lock around the
+	// emulator's writes and reads. Its answers to the program's terminal
+	// queries go back to the program (the emulator blocks until they are
+	// read); that reader is left blocked at the end, as closing the
+	// emulator races with it (see TestMain).
+	screen := &lockedScreen{e: vt.NewEmulator(150, 40)}
+	copies := make(chan struct{}, 1)
 	go func() { _, _ = io.Copy(screen, ptmx); copies <- struct{}{} }()
-	go func() { _, _ = io.Copy(ptmx, screen); copies <- struct{}{} }() // the terminal's answers to queries
+	go func() { _, _ = io.Copy(ptmx, screen.e) }()
 	defer func() {
 		_ = cmd.Process.Kill()
 		_ = ptmx.Close()
-		_ = screen.Close()
-		<-copies
 		<-copies
 	}()
 	look := func(what string, ok func(string) bool) {
@@ -117,4 +121,22 @@ func TestTopInATerminal(t *testing.T) {
 	case <-time.After(10 * time.Second):
 		t.Error("top did not quit on q")
 	}
+}
+
+// lockedScreen serializes an emulator's writes with reads of its screen.
+type lockedScreen struct {
+	mu sync.Mutex
+	e  *vt.Emulator
+}
+
+func (l *lockedScreen) Write(p []byte) (int, error) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.e.Write(p)
+}
+
+func (l *lockedScreen) String() string {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.e.String()
 }
