@@ -63,10 +63,11 @@ func (f logFlags) logger() *slog.Logger {
 
 // busFlags are shared by every role that talks to the bus.
 type busFlags struct {
-	natsFlags `embed:""`
-	logFlags  `embed:""`
-	Prefix    string `name:"subject-prefix" default:"kvbus" help:"First token of every kvbus subject."`
-	Replicas  int    `name:"stream-replicas" default:"1" help:"JetStream replicas of the request log and the buckets this role creates (3 on a 3-node NATS cluster)."`
+	natsFlags  `embed:""`
+	logFlags   `embed:""`
+	pprofFlags `embed:""`
+	Prefix     string `name:"subject-prefix" default:"kvbus" help:"First token of every kvbus subject."`
+	Replicas   int    `name:"stream-replicas" default:"1" help:"JetStream replicas of the request log and the buckets this role creates (3 on a 3-node NATS cluster)."`
 }
 
 func (f busFlags) subjects() messages.Subjects { return messages.Subjects{Prefix: f.Prefix} }

@@ -170,24 +170,30 @@ func drain(conns ...*nats.Conn) {
 }
 
 type natsCmd struct {
-	logFlags `embed:""`
-	Addr     string   `name:"addr" default:"127.0.0.1:4222" help:"Client listen address HOST:PORT."`
-	DataDir  string   `name:"data-dir" help:"JetStream storage directory (default: a temporary directory)."`
-	Token    string   `name:"token" help:"Require this token from clients."`
-	Auth     string   `name:"auth-config" type:"path" help:"nats-server config file whose authorization block applies (kvbus auth init writes one): each role's key gets only its subjects."`
-	TLSCert  string   `name:"tls-cert" type:"path" help:"Server certificate (PEM): clients connect with TLS."`
-	TLSKey   string   `name:"tls-key" type:"path" help:"Server key (PEM)."`
-	TLSCA    string   `name:"tls-ca" type:"path" help:"CA (PEM) to require and verify client certificates."`
-	Debug    bool     `name:"debug" help:"Log the server's own debug output."`
-	Monitor  string   `name:"monitor-addr" help:"Serve the server's monitoring endpoints (/healthz, /varz, /jsz) on HOST:PORT."`
-	Name     string   `name:"server-name" help:"Server name (default kvbus-<port>; must differ in a cluster)."`
-	Cluster  string   `name:"cluster-addr" help:"Route listen address HOST:PORT: join a cluster of kvbus nats servers."`
-	CName    string   `name:"cluster-name" default:"kvbus" help:"Cluster name."`
-	Routes   []string `name:"routes" help:"Route URLs of the other servers (nats://host:6222), comma-separated."`
+	logFlags   `embed:""`
+	pprofFlags `embed:""`
+	Addr       string   `name:"addr" default:"127.0.0.1:4222" help:"Client listen address HOST:PORT."`
+	DataDir    string   `name:"data-dir" help:"JetStream storage directory (default: a temporary directory)."`
+	Token      string   `name:"token" help:"Require this token from clients."`
+	Auth       string   `name:"auth-config" type:"path" help:"nats-server config file whose authorization block applies (kvbus auth init writes one): each role's key gets only its subjects."`
+	TLSCert    string   `name:"tls-cert" type:"path" help:"Server certificate (PEM): clients connect with TLS."`
+	TLSKey     string   `name:"tls-key" type:"path" help:"Server key (PEM)."`
+	TLSCA      string   `name:"tls-ca" type:"path" help:"CA (PEM) to require and verify client certificates."`
+	Debug      bool     `name:"debug" help:"Log the server's own debug output."`
+	Monitor    string   `name:"monitor-addr" help:"Serve the server's monitoring endpoints (/healthz, /varz, /jsz) on HOST:PORT."`
+	Name       string   `name:"server-name" help:"Server name (default kvbus-<port>; must differ in a cluster)."`
+	Cluster    string   `name:"cluster-addr" help:"Route listen address HOST:PORT: join a cluster of kvbus nats servers."`
+	CName      string   `name:"cluster-name" default:"kvbus" help:"Cluster name."`
+	Routes     []string `name:"routes" help:"Route URLs of the other servers (nats://host:6222), comma-separated."`
 }
 
 func (c *natsCmd) Run(ctx context.Context) error {
 	log := c.logger()
+	stopPprof, err := c.startPprof(ctx, log)
+	if err != nil {
+		return err
+	}
+	defer stopPprof()
 	srv, err := bus.StartServer(bus.ServerConfig{Addr: c.Addr, DataDir: c.DataDir, Token: c.Token, AuthConfig: c.Auth, Debug: c.Debug,
 		TLSCert: c.TLSCert, TLSKey: c.TLSKey, TLSCA: c.TLSCA, MonitorAddr: c.Monitor,
 		ServerName: c.Name, Cluster: c.Cluster, ClusterName: c.CName, Routes: c.Routes})
@@ -214,6 +220,11 @@ type frontendCmd struct {
 
 func (c *frontendCmd) Run(ctx context.Context) error {
 	log := c.logger()
+	stopPprof, err := c.startPprof(ctx, log)
+	if err != nil {
+		return err
+	}
+	defer stopPprof()
 	tok, err := c.tokenizer()
 	if err != nil {
 		return err
@@ -256,6 +267,11 @@ type schedulerCmd struct {
 
 func (c *schedulerCmd) Run(ctx context.Context) error {
 	log := c.logger()
+	stopPprof, err := c.startPprof(ctx, log)
+	if err != nil {
+		return err
+	}
+	defer stopPprof()
 	cfg := c.natsFlags.config("kvbus-scheduler", log)
 	cfg.NoEcho = true // a scheduler does not receive its own save plans
 	nc, err := bus.Connect(ctx, cfg)
@@ -304,6 +320,11 @@ type workerCmd struct {
 
 func (c *workerCmd) Run(ctx context.Context) error {
 	log := c.logger()
+	stopPprof, err := c.startPprof(ctx, log)
+	if err != nil {
+		return err
+	}
+	defer stopPprof()
 	if c.Rank != "" && c.Rank != "auto" {
 		return fmt.Errorf("--rank %q: want auto, or give --group and --tp-rank", c.Rank)
 	}

@@ -11,6 +11,7 @@ import (
 
 type serveCmd struct {
 	logFlags           `embed:""`
+	pprofFlags         `embed:""`
 	modelFlags         `embed:""`
 	frontendFlags      `embed:""`
 	requestLogFlags    `embed:""`
@@ -28,6 +29,11 @@ type serveCmd struct {
 
 func (c *serveCmd) Run(ctx context.Context) error {
 	log := c.logger()
+	stopPprof, err := c.startPprof(ctx, log)
+	if err != nil {
+		return err
+	}
+	defer stopPprof()
 	cfg, err := c.clusterConfig()
 	if err != nil {
 		return err
