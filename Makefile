@@ -15,7 +15,7 @@ COMPOSE_FILES ?= -f docker-compose.yml
 WORKERS ?= 8
 SCHEDULERS ?= 2
 
-.PHONY: image-prometheus up-monitoring build run test test-browser test-short bench lint fmt fuzz clean image image-fakeengine auth-keys up down logs smoke up-engine down-engine
+.PHONY: bench-http image-prometheus up-monitoring build run test test-browser test-short bench lint fmt fuzz clean image image-fakeengine auth-keys up down logs smoke up-engine down-engine
 
 build:
 	CGO_ENABLED=0 $(GO) build -trimpath -o $(BIN) ./cmd/kvbus
@@ -43,6 +43,10 @@ bench: build
 	  ./$(BIN) bench --trace $(TRACE) --policies kv,session,round-robin,random --groups 4 --ranks 4 \
 	    --kv-capacity 8Mtok --speed 10 --infer-sessions --json bench-policies.json; \
 	else echo "skipping the policy table: $(TRACE) not found"; fi
+
+# The real binary over loopback at c=1/16/64, streaming and not (PEER_URL=… for an A/B).
+bench-http: build
+	scripts/bench-http.sh
 
 lint:
 	@out=$$(gofmt -l $$(git ls-files '*.go')); if [ -n "$$out" ]; then echo "gofmt needed:"; echo "$$out"; exit 1; fi

@@ -45,6 +45,7 @@ type cli struct {
 	Health    healthcheckCmd `cmd:"" name:"healthcheck" help:"Exit 0 when a role's /healthz answers 200 (for container health checks)."`
 	Auth      authCmd        `cmd:"" help:"Give every role its own NATS key and only the subjects it needs (init, show, probe)."`
 	Report    reportCmd      `cmd:"" help:"Redraw the HTML plots of a JSON report (kvbus report --html out.html report.json)."`
+	Loadgen   loadgenCmd     `cmd:"" help:"Drive an OpenAI-compatible server over HTTP with concurrent clients and print req/s and latency percentiles."`
 	Top       topCmd         `cmd:"" help:"Watch the cluster live from the bus: groups, queues, cache hits, TTFT, busiest sessions (needs the admin key when the bus has keys)."`
 }
 
