@@ -16,6 +16,11 @@ func (g *generation) relay(w http.ResponseWriter, ctx context.Context, deadline 
 	c := g.choices[0]
 	h := w.Header()
 	flusher, _ := w.(http.Flusher)
+	flush := func() {
+		if flusher != nil {
+			flusher.Flush()
+		}
+	}
 	started := false
 	begin := func() {
 		if !started {
@@ -44,9 +49,7 @@ func (g *generation) relay(w http.ResponseWriter, ctx context.Context, deadline 
 				b, _ := json.Marshal(apiErr.body())
 				event(b)
 				event([]byte("[DONE]"))
-				if flusher != nil {
-					flusher.Flush()
-				}
+				flush()
 				return http.StatusOK
 			}
 			writeError(w, apiErr)
@@ -62,8 +65,8 @@ func (g *generation) relay(w http.ResponseWriter, ctx context.Context, deadline 
 				event(raw)
 			}
 		}
-		if started && flusher != nil {
-			flusher.Flush()
+		if started {
+			flush()
 		}
 	}
 	if c.err != nil {
@@ -75,9 +78,7 @@ func (g *generation) relay(w http.ResponseWriter, ctx context.Context, deadline 
 		if started { // the stream had begun: the error is its last event
 			event(body)
 			event([]byte("[DONE]"))
-			if flusher != nil {
-				flusher.Flush()
-			}
+			flush()
 			return http.StatusOK
 		}
 		if len(c.errRaw) == 0 {
@@ -92,9 +93,7 @@ func (g *generation) relay(w http.ResponseWriter, ctx context.Context, deadline 
 	if stream {
 		begin()
 		event([]byte("[DONE]"))
-		if flusher != nil {
-			flusher.Flush()
-		}
+		flush()
 	} else {
 		h.Set("Content-Type", "application/json")
 		w.WriteHeader(http.StatusOK)

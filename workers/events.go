@@ -38,6 +38,13 @@ func newEventLog(nc *nats.Conn, subject, group string, rank int, log *slog.Logge
 	return &eventLog{nc: nc, subject: subject, group: group, rank: rank, log: log, held: map[uint64]struct{}{}}
 }
 
+// heldBlocks is how many blocks the published events say the rank holds.
+func (l *eventLog) heldBlocks() int {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return len(l.held)
+}
+
 // evicted is the block store's EvictFunc.
 func (l *eventLog) evicted(_ string, hash uint64, _ string) {
 	l.evMu.Lock()

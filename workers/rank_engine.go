@@ -108,9 +108,7 @@ func (r *Rank) runEngineEvents(ctx context.Context) {
 // blocks as its KV events say, or the store's.
 func (r *Rank) heldBlocks() (used, capacity int64) {
 	if r.cfg.EngineCache {
-		r.events.mu.Lock()
-		defer r.events.mu.Unlock()
-		return int64(len(r.events.held)), 0
+		return int64(r.events.heldBlocks()), 0
 	}
 	u, c, _ := r.store.Usage()
 	blk := int64(r.blockBytes(r.cfg.BlockSize))
