@@ -13,6 +13,7 @@ import (
 
 	"github.com/kvbus/kvbus/bus"
 	"github.com/kvbus/kvbus/frontend"
+	"github.com/kvbus/kvbus/internal/logsink"
 	"github.com/kvbus/kvbus/messages"
 	"github.com/kvbus/kvbus/workers"
 	"github.com/kvbus/kvbus/workers/vllmevents"
@@ -45,6 +46,15 @@ type logFlags struct {
 	LogLevel  string `name:"log-level" enum:"debug,info,warn,error" default:"info" help:"Least severe level logged."`
 	// out receives the logs; nil means standard error (tests set it).
 	out io.Writer
+}
+
+// AfterApply sends the logs through the process's log sink, which main
+// binds: lines are written by one goroutine, off the request path.
+func (f *logFlags) AfterApply(sink *logsink.Writer) error {
+	if f.out == nil {
+		f.out = sink
+	}
+	return nil
 }
 
 func (f logFlags) logger() *slog.Logger {

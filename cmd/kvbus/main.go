@@ -26,6 +26,7 @@ import (
 
 	"github.com/kvbus/kvbus/bus"
 	"github.com/kvbus/kvbus/frontend"
+	"github.com/kvbus/kvbus/internal/logsink"
 	"github.com/kvbus/kvbus/messages"
 	"github.com/kvbus/kvbus/scheduler"
 	"github.com/kvbus/kvbus/workers"
@@ -52,15 +53,25 @@ type cli struct {
 func main() {
 	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGINT, syscall.SIGTERM)
 	defer stop()
+	// Every role logs through one sink: a line costs its formatting, and
+	// one goroutine writes them out in batches.
+	sink, err := logsink.New(logsink.Config{Out: os.Stderr})
+	if err != nil {
+		fmt.Fprintln(os.Stderr, "kvbus:", err)
+		os.Exit(1)
+	}
 	var c cli
 	kctx := kong.Parse(&c,
+		kong.Bind(sink),
 		kong.BindTo(ctx, (*context.Context)(nil)),
 		kong.Name("kvbus"),
 		kong.Description("kvbus: an LLM-serving request pipeline over NATS that carries a conversation's session id from the OpenAI API to every KV store rank."),
 		kong.DefaultEnvars("KVBUS"),
 		kong.UsageOnError(),
 	)
-	if err := kctx.Run(); err != nil {
+	err = kctx.Run()
+	_ = sink.Close()
+	if err != nil {
 		fmt.Fprintln(os.Stderr, "kvbus:", err)
 		stop()
 		os.Exit(1)
