@@ -57,20 +57,23 @@ func register[C prometheus.Collector](reg prometheus.Registerer, c C) C {
 // wrapping messages.ErrMalformed, messages.ErrInvalid or messages.ErrTooLarge
 // counts as malformed.
 func Metrics[M any](m *HandlerMetrics, name string) Middleware[M] {
+	// The series are looked up once: a label lookup hashes and locks, and
+	// this runs for every message.
+	duration := m.duration.WithLabelValues(name)
+	ok, malformed, failed := m.handled.WithLabelValues(name, "ok"), m.handled.WithLabelValues(name, "malformed"), m.handled.WithLabelValues(name, "error")
 	return func(next Handler[M]) Handler[M] {
 		return func(ctx context.Context, msg M) error {
 			start := time.Now()
 			err := next(ctx, msg)
-			m.duration.WithLabelValues(name).Observe(time.Since(start).Seconds())
-			outcome := "ok"
+			duration.Observe(time.Since(start).Seconds())
 			switch {
 			case err == nil:
+				ok.Inc()
 			case errors.Is(err, messages.ErrMalformed), errors.Is(err, messages.ErrInvalid), errors.Is(err, messages.ErrTooLarge):
-				outcome = "malformed"
+				malformed.Inc()
 			default:
-				outcome = "error"
+				failed.Inc()
 			}
-			m.handled.WithLabelValues(name, outcome).Inc()
 			return err
 		}
 	}
