@@ -34,37 +34,58 @@ type peerGroup struct {
 	world     int
 	seen      map[int]time.Time // tp_rank -> last heartbeat
 	draining  map[int]bool
-	freeBlock int64 // capacity - used, of the latest heartbeat
+	freeBlock int64 // capacity - used, of its fullest rank
+}
+
+// peerHeartbeat is the latest heartbeat of one rank, as received.
+type peerHeartbeat struct {
+	at   time.Time
+	data []byte
 }
 
 // peerGroups tracks heartbeats, with DrainHandoff: on the driver rank every
-// group's (its own included), on the others their driver's. Safe for
-// concurrent use.
+// group's (its own included), on the others their driver's. Drivers send one
+// per request, and they matter only once the rank drains, so a heartbeat is
+// kept as received and decoded only when asked. Safe for concurrent use.
 type peerGroups struct {
 	mu     sync.Mutex
-	groups map[string]*peerGroup
+	latest map[string]peerHeartbeat // subject -> last heartbeat on it
 }
 
 func (p *peerGroups) onHeartbeat(_ context.Context, m *nats.Msg) error {
-	hb, err := messages.DecodeHeartbeat(m.Data)
-	if err != nil {
-		return err
+	if len(m.Data) > messages.MaxMessageBytes {
+		return fmt.Errorf("peer heartbeat: %w", messages.ErrTooLarge)
 	}
 	p.mu.Lock()
 	defer p.mu.Unlock()
-	if p.groups == nil {
-		p.groups = map[string]*peerGroup{}
+	if p.latest == nil {
+		p.latest = map[string]peerHeartbeat{}
 	}
-	g := p.groups[hb.Group]
-	if g == nil {
-		g = &peerGroup{seen: map[int]time.Time{}, draining: map[int]bool{}}
-		p.groups[hb.Group] = g
-	}
-	g.model, g.world = hb.Model, hb.WorldSize
-	g.seen[hb.TPRank] = time.Now()
-	g.draining[hb.TPRank] = hb.Draining
-	g.freeBlock = max(hb.CapacityBlocks-hb.UsedBlocks, 0)
+	p.latest[m.Subject] = peerHeartbeat{at: time.Now(), data: m.Data} // nats.go gives each message its own Data
 	return nil
+}
+
+// groups decodes the latest heartbeats into what each group's ranks said;
+// one that does not decode is skipped. p.mu is held.
+func (p *peerGroups) groups() map[string]*peerGroup {
+	out := map[string]*peerGroup{}
+	for _, raw := range p.latest {
+		hb, err := messages.DecodeHeartbeat(raw.data)
+		if err != nil {
+			continue
+		}
+		g := out[hb.Group]
+		free := max(hb.CapacityBlocks-hb.UsedBlocks, 0)
+		if g == nil {
+			g = &peerGroup{seen: map[int]time.Time{}, draining: map[int]bool{}, freeBlock: free}
+			out[hb.Group] = g
+		}
+		g.model, g.world = hb.Model, hb.WorldSize
+		g.seen[hb.TPRank] = raw.at
+		g.draining[hb.TPRank] = hb.Draining
+		g.freeBlock = min(g.freeBlock, free) // a hand-off needs room on every rank
+	}
+	return out
 }
 
 // draining reports whether the given ranks of group all sent a heartbeat
@@ -72,7 +93,7 @@ func (p *peerGroups) onHeartbeat(_ context.Context, m *nats.Msg) error {
 func (p *peerGroups) draining(group string, fresh time.Duration, ranks ...int) bool {
 	p.mu.Lock()
 	defer p.mu.Unlock()
-	g := p.groups[group]
+	g := p.groups()[group]
 	if g == nil {
 		return false
 	}
@@ -93,7 +114,7 @@ func (p *peerGroups) ready(model, self string, fresh time.Duration) (names []str
 	defer p.mu.Unlock()
 	free = map[string]int64{}
 	now := time.Now()
-	for name, g := range p.groups {
+	for name, g := range p.groups() {
 		if name == self || g.model != model || g.world < 1 {
 			continue
 		}

@@ -68,7 +68,8 @@ func TestDrainPlan(t *testing.T) {
 	hb := func(group, model string, rank, world int, draining bool, used int64) {
 		data, _ := messages.Marshal(&messages.Heartbeat{Group: group, TPRank: rank, WorldSize: world, Model: model,
 			CapacityBlocks: 100, UsedBlocks: used, Draining: draining})
-		if err := r.peers.onHeartbeat(ctx, &nats.Msg{Data: data}); err != nil {
+		subject := messages.Subjects{Prefix: "kvbus"}.Heartbeat(group, rank)
+		if err := r.peers.onHeartbeat(ctx, &nats.Msg{Subject: subject, Data: data}); err != nil {
 			t.Fatal(err)
 		}
 	}

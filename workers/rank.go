@@ -156,8 +156,10 @@ type Rank struct {
 	nextID uint64                  // numbers rankReqs in arrival order
 	saving map[string]*rankReq     // store key -> the request saving it
 
-	draining atomic.Bool  // Run's context ended
-	dropped  atomic.Int64 // ReqMetas ignored for DropReqMetas
+	draining  atomic.Bool  // Run's context ended
+	hbPending atomic.Bool  // heartbeatSoon has one scheduled
+	lastHB    atomic.Int64 // unix ns when the last heartbeat read the rank's state
+	dropped   atomic.Int64 // ReqMetas ignored for DropReqMetas
 	// queuedTokens: prompt tokens of the driver's requests not yet
 	// prefilled, and the cached tokens they will load locally and from
 	// other groups first; reported in heartbeats.

@@ -2,7 +2,10 @@ package workers
 
 import (
 	"context"
+	"errors"
 	"time"
+
+	"github.com/nats-io/nats.go"
 
 	"github.com/kvbus/kvbus/messages"
 )
@@ -37,7 +40,7 @@ func (r *Rank) report(rr *rankReq) {
 	r.mu.Unlock()
 	r.publish(subject, res, rr.meta)
 	if r.IsDriver() {
-		r.heartbeat() // the group's load changed: every replica hears it now
+		r.heartbeatSoon() // the group's load changed: every replica hears it soon
 	}
 	rr.cancel(nil)
 	r.cfg.Metrics.queue.WithLabelValues(r.labels...).Dec()
@@ -95,7 +98,31 @@ func (r *Rank) heartbeatLoop(ctx context.Context) {
 	}
 }
 
+// loadHeartbeatDelay bounds how long a finished request may still count in
+// the load other scheduler replicas see. The replica that placed it counts
+// it out at once, from its RankResult; and the heartbeat that matters to
+// the client's next turn, the end of the prefill, goes out before the first
+// token (see drive).
+const loadHeartbeatDelay = 5 * time.Millisecond
+
+// heartbeatSoon sends a heartbeat within loadHeartbeatDelay, unless one goes
+// out before: under load, one per prefill already carries the change, and a
+// request's end costs no message of its own.
+func (r *Rank) heartbeatSoon() {
+	if !r.hbPending.CompareAndSwap(false, true) {
+		return
+	}
+	asked := time.Now().UnixNano()
+	time.AfterFunc(loadHeartbeatDelay, func() {
+		r.hbPending.Store(false)
+		if r.lastHB.Load() < asked {
+			r.heartbeat()
+		}
+	})
+}
+
 func (r *Rank) heartbeat() {
+	r.lastHB.Store(time.Now().UnixNano()) // before the state is read: it is at least this new
 	used, capacity := r.heldBlocks()
 	r.mu.Lock()
 	depth := len(r.active)
@@ -120,7 +147,7 @@ func (r *Rank) heartbeat() {
 	if err == nil {
 		err = r.cfg.Conn.Publish(r.cfg.Subjects.Heartbeat(r.cfg.Group, r.cfg.TPRank), data)
 	}
-	if err != nil {
+	if err != nil && !errors.Is(err, nats.ErrConnectionClosed) {
 		r.log.Warn("heartbeat publish failed", "err", err)
 	}
 }
