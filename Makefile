@@ -51,6 +51,7 @@ bench-http: build
 lint:
 	@out=$$(gofmt -l $$(git ls-files '*.go')); if [ -n "$$out" ]; then echo "gofmt needed:"; echo "$$out"; exit 1; fi
 	$(GO) vet $(PKGS)
+	@$(GO) generate ./messages && git diff --exit-code --stat messages/types_gen.go || { echo "messages/types_gen.go is stale: run go generate ./messages and commit it"; exit 1; }
 	@if command -v staticcheck >/dev/null 2>&1; then staticcheck $(PKGS); else echo "staticcheck not installed (go install honnef.co/go/tools/cmd/staticcheck@latest); skipped"; fi
 
 fmt:

@@ -1,11 +1,11 @@
 package messages
 
 import (
-	"bytes"
 	"errors"
 	"fmt"
 	"sync"
 
+	"github.com/tinylib/msgp/msgp"
 	"github.com/vmihailenco/msgpack/v5"
 )
 
@@ -36,10 +36,13 @@ var (
 	ErrInvalid = errors.New("messages: invalid message")
 )
 
-// Message is implemented by the pointer of every wire type.
+// Message is implemented by the pointer of every wire type; the msgp
+// methods are generated (types_gen.go).
 type Message interface {
 	setVersion()
 	validate() error
+	msgp.Marshaler
+	msgp.Sizer
 }
 
 func (m *Request) setVersion()       { m.V = Version }
@@ -63,46 +66,16 @@ var encoderPool = sync.Pool{New: func() any {
 	return enc
 }}
 
-// sizeHint estimates the encoded size of m, so that Marshal writes into one
-// allocation of the right size instead of growing and copying a buffer.
-func sizeHint(m Message) int {
-	switch m := m.(type) {
-	case *Request:
-		return 1024 + 4*len(m.PromptTokenIDs)
-	case *ReqMeta:
-		return 1024 + 4*len(m.TokenIDs) + 8*len(m.BlockHashes)
-	case *SavePlan:
-		return 256 + 8*len(m.BlockHashes)
-	case *PoolRead:
-		return 256 + 8*len(m.BlockHashes)
-	case *DrainPlan:
-		return 256 + 8*handoffBlocks(m.Targets)
-	case *Handoff:
-		return 256 + 8*handoffRunBlocks(m.Runs)
-	case *PoolPart:
-		n := 64
-		for _, p := range m.Pieces {
-			n += 32 + len(p.Data)
-		}
-		return n
-	}
-	return 256
-}
-
 // Marshal encodes m as a msgpack map, setting its version field. The
 // returned slice is owned by the caller.
 func Marshal(m Message) ([]byte, error) {
 	m.setVersion()
-	enc := encoderPool.Get().(*msgpack.Encoder)
-	defer encoderPool.Put(enc)
-	buf := bytes.NewBuffer(make([]byte, 0, sizeHint(m)))
-	enc.ResetWriter(buf) // keeps SetSortMapKeys
-	err := enc.Encode(m)
-	enc.ResetWriter(nil)
+	// Msgsize bounds the encoding from above: one allocation.
+	b, err := m.MarshalMsg(make([]byte, 0, m.Msgsize()))
 	if err != nil {
 		return nil, fmt.Errorf("messages: encode %T: %w", m, err)
 	}
-	return buf.Bytes(), nil
+	return b, nil
 }
 
 // decode unmarshals data into m and validates it. It never panics.
@@ -134,6 +107,15 @@ func Unmarshal(data []byte, v any) (err error) {
 			err = fmt.Errorf("%w: %T: decoder panic: %v", ErrMalformed, v, r)
 		}
 	}()
+	if u, ok := v.(msgp.Unmarshaler); ok { // every wire type: see msgp.go
+		if _, err := u.UnmarshalMsg(data); err != nil {
+			if errors.Is(err, ErrMalformed) {
+				return fmt.Errorf("%T: %w", v, err)
+			}
+			return fmt.Errorf("%w: %T: %v", ErrMalformed, v, err)
+		}
+		return nil
+	}
 	if err := msgpack.Unmarshal(data, v); err != nil {
 		if errors.Is(err, ErrMalformed) {
 			return fmt.Errorf("%T: %w", v, err)
@@ -225,22 +207,6 @@ func DecodeHandoff(data []byte) (*Handoff, error) {
 func DecodeHandoffResult(data []byte) (*HandoffResult, error) {
 	var m HandoffResult
 	return &m, decode(data, &m)
-}
-
-func handoffRunBlocks(runs []HandoffRun) int {
-	n := 0
-	for _, r := range runs {
-		n += len(r.BlockHashes)
-	}
-	return n
-}
-
-func handoffBlocks(targets []HandoffTarget) int {
-	n := 0
-	for _, t := range targets {
-		n += handoffRunBlocks(t.Runs)
-	}
-	return n
 }
 
 func invalid(format string, args ...any) error {

@@ -1,5 +1,8 @@
 package messages
 
+//go:generate go run github.com/tinylib/msgp@v1.6.5 -file types.go -o types_gen.go -io=false -tests=false
+//msgp:tag msgpack
+
 // Version is the value of the "v" key this package writes.
 const Version = 1
 
@@ -27,13 +30,13 @@ type Request struct {
 	SamplingParams SamplingParams `msgpack:"sampling_params" json:"sampling_params"`
 	Stream         bool           `msgpack:"stream" json:"stream"`
 	// KVTransferParams is vLLM's kv_transfer_params, passed through.
-	KVTransferParams Args   `msgpack:"kv_transfer_params,omitempty" json:"kv_transfer_params,omitempty"`
+	KVTransferParams Args   `msgpack:"kv_transfer_params,omitempty,omitzero" json:"kv_transfer_params,omitempty"`
 	Endpoint         string `msgpack:"endpoint" json:"endpoint"`
 	// Body is the client's JSON body, exactly as sent, when the frontend
 	// forwards requests to real engines (--engine openai): the driver rank
 	// passes it to the engine so that every field the engine supports
 	// keeps working. Empty with the sim engine and for replayed traces.
-	Body []byte `msgpack:"body,omitempty" json:"body,omitempty"`
+	Body []byte `msgpack:"body,omitempty,allownil" json:"body,omitempty"`
 }
 
 // SamplingParams is the subset of vLLM's SamplingParams that kvbus carries.
@@ -44,11 +47,11 @@ type SamplingParams struct {
 	Temperature float64  `msgpack:"temperature" json:"temperature"`
 	TopP        float64  `msgpack:"top_p" json:"top_p"`
 	Seed        *int64   `msgpack:"seed,omitempty" json:"seed,omitempty"`
-	Stop        []string `msgpack:"stop,omitempty" json:"stop,omitempty"`
+	Stop        []string `msgpack:"stop,omitempty,allownil" json:"stop,omitempty"`
 	IgnoreEOS   bool     `msgpack:"ignore_eos,omitempty" json:"ignore_eos,omitempty"`
 	// ExtraArgs is vLLM's sampling_params.extra_args; the frontend puts the
 	// session id under "session_id" when there is one, and only then.
-	ExtraArgs Args `msgpack:"extra_args,omitempty" json:"extra_args,omitempty"`
+	ExtraArgs Args `msgpack:"extra_args,omitempty,omitzero" json:"extra_args,omitempty"`
 }
 
 // SessionFromExtraArgs reads the session id back from extra_args the way
@@ -69,7 +72,7 @@ type LoadSpec struct {
 	// named source group whose ranks all hold it (same tp_rank). Blocks of
 	// the prefix (KVPoolCachedTokens) outside every run are read locally.
 	// Empty with --pool local.
-	Remote []RemoteRun `msgpack:"remote,omitempty" json:"remote,omitempty"`
+	Remote []RemoteRun `msgpack:"remote,omitempty,allownil" json:"remote,omitempty"`
 }
 
 // RemoteRun is Blocks blocks of a prefix, from block index FromBlock, read
@@ -109,8 +112,8 @@ type ReqMeta struct {
 	// (Request.Body) and kv_transfer_params.
 	Endpoint         string `msgpack:"endpoint,omitempty" json:"endpoint,omitempty"`
 	Stream           bool   `msgpack:"stream,omitempty" json:"stream,omitempty"`
-	Body             []byte `msgpack:"body,omitempty" json:"body,omitempty"`
-	KVTransferParams Args   `msgpack:"kv_transfer_params,omitempty" json:"kv_transfer_params,omitempty"`
+	Body             []byte `msgpack:"body,omitempty,allownil" json:"body,omitempty"`
+	KVTransferParams Args   `msgpack:"kv_transfer_params,omitempty,omitzero" json:"kv_transfer_params,omitempty"`
 }
 
 // RankResult is what one rank reports to the scheduler on
@@ -165,7 +168,7 @@ type OutputError struct {
 	// refused); zero means the frontend picks one from Code.
 	Status int `msgpack:"status,omitempty" json:"status,omitempty"`
 	// Raw is the engine's error body, relayed to the client as it is.
-	Raw []byte `msgpack:"raw,omitempty" json:"raw,omitempty"`
+	Raw []byte `msgpack:"raw,omitempty,allownil" json:"raw,omitempty"`
 }
 
 // Output is one chunk of a request's answer on kvbus.out.<frontend-id>.
@@ -181,14 +184,14 @@ type Output struct {
 	// with a higher attempt, and the frontend never mixes two attempts.
 	Attempt      int          `msgpack:"attempt,omitempty" json:"attempt,omitempty"`
 	Text         string       `msgpack:"text" json:"text"`
-	TokenIDs     TokenIDs     `msgpack:"token_ids,omitempty" json:"token_ids,omitempty"`
+	TokenIDs     TokenIDs     `msgpack:"token_ids,omitempty,omitzero" json:"token_ids,omitempty"`
 	FinishReason string       `msgpack:"finish_reason,omitempty" json:"finish_reason,omitempty"`
 	Usage        *Usage       `msgpack:"usage,omitempty" json:"usage,omitempty"`
 	Error        *OutputError `msgpack:"error,omitempty" json:"error,omitempty"`
 	// Raw is an engine's own JSON (--engine openai), which the frontend
 	// relays as it is: one streamed chunk's data, or the whole response of
 	// a request that does not stream (on the last Output).
-	Raw []byte `msgpack:"raw,omitempty" json:"raw,omitempty"`
+	Raw []byte `msgpack:"raw,omitempty,allownil" json:"raw,omitempty"`
 }
 
 // Final reports whether o is the last chunk of its request.
@@ -206,9 +209,9 @@ const (
 // medium}, BlockRemoved{block_hashes, medium} or AllBlocksCleared{}.
 type KVEvent struct {
 	Type            string      `msgpack:"type" json:"type"`
-	BlockHashes     BlockHashes `msgpack:"block_hashes,omitempty" json:"block_hashes,omitempty"`
+	BlockHashes     BlockHashes `msgpack:"block_hashes,omitempty,omitzero" json:"block_hashes,omitempty"`
 	ParentBlockHash *uint64     `msgpack:"parent_block_hash,omitempty" json:"parent_block_hash,omitempty"`
-	TokenIDs        TokenIDs    `msgpack:"token_ids,omitempty" json:"token_ids,omitempty"`
+	TokenIDs        TokenIDs    `msgpack:"token_ids,omitempty,omitzero" json:"token_ids,omitempty"`
 	BlockSize       int         `msgpack:"block_size,omitempty" json:"block_size,omitempty"`
 	Medium          string      `msgpack:"medium,omitempty" json:"medium,omitempty"`
 }
@@ -222,7 +225,7 @@ type KVEventBatch struct {
 	Seq    uint64    `msgpack:"seq" json:"seq"`
 	Group  string    `msgpack:"group" json:"group"`
 	Rank   int       `msgpack:"rank" json:"rank"`
-	Events []KVEvent `msgpack:"events" json:"events"`
+	Events []KVEvent `msgpack:"events,allownil" json:"events"`
 	// DumpChunk and DumpChunks number the chunks of a dump (a reply on
 	// kvbus.ctl.dump.<group>.<rank>): a rank's held set is sent in as many
 	// batches as fit the connection's max payload, all at the same seq, the
@@ -333,7 +336,7 @@ type PoolPart struct {
 	V      int         `msgpack:"v" json:"v"`
 	Part   int         `msgpack:"part" json:"part"`
 	Parts  int         `msgpack:"parts" json:"parts"`
-	Pieces []PoolPiece `msgpack:"pieces" json:"pieces"`
+	Pieces []PoolPiece `msgpack:"pieces,allownil" json:"pieces"`
 }
 
 // PoolPiece is bytes [Offset, Offset+len(Data)) of the value, Size bytes
@@ -342,7 +345,7 @@ type PoolPiece struct {
 	Index  int    `msgpack:"index" json:"index"`
 	Offset int    `msgpack:"offset" json:"offset"`
 	Size   int    `msgpack:"size" json:"size"`
-	Data   []byte `msgpack:"data" json:"data"`
+	Data   []byte `msgpack:"data,allownil" json:"data"`
 }
 
 // DrainPlan is what the driver rank of a draining group (scaled down)
@@ -356,13 +359,13 @@ type DrainPlan struct {
 	Group     string          `msgpack:"group" json:"group"`
 	Model     string          `msgpack:"model" json:"model"`
 	BlockSize int             `msgpack:"block_size" json:"block_size"`
-	Targets   []HandoffTarget `msgpack:"targets" json:"targets"`
+	Targets   []HandoffTarget `msgpack:"targets,allownil" json:"targets"`
 }
 
 // HandoffTarget is the part of a DrainPlan for one target group.
 type HandoffTarget struct {
 	Group string       `msgpack:"group" json:"group"`
-	Runs  []HandoffRun `msgpack:"runs" json:"runs"`
+	Runs  []HandoffRun `msgpack:"runs,allownil" json:"runs"`
 }
 
 // HandoffRun is blocks of one session (Session is the store's group tag,
@@ -382,7 +385,7 @@ type Handoff struct {
 	TPRank    int          `msgpack:"tp_rank" json:"tp_rank"`
 	Source    string       `msgpack:"source" json:"source"`
 	BlockSize int          `msgpack:"block_size" json:"block_size"`
-	Runs      []HandoffRun `msgpack:"runs" json:"runs"`
+	Runs      []HandoffRun `msgpack:"runs,allownil" json:"runs"`
 }
 
 // HandoffResult answers a Handoff: how many blocks the target now holds,
