@@ -49,9 +49,10 @@ type logFlags struct {
 }
 
 // AfterApply sends the logs through the process's log sink, which main
-// binds: lines are written by one goroutine, off the request path.
+// binds: lines are written by one goroutine, off the request path. A nil
+// sink (tests) leaves standard error.
 func (f *logFlags) AfterApply(sink *logsink.Writer) error {
-	if f.out == nil {
+	if f.out == nil && sink != nil {
 		f.out = sink
 	}
 	return nil

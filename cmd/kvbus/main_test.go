@@ -15,6 +15,7 @@ import (
 	"github.com/alecthomas/kong"
 	"go.uber.org/goleak"
 
+	"github.com/kvbus/kvbus/internal/logsink"
 	"github.com/kvbus/kvbus/testenv"
 )
 
@@ -30,7 +31,7 @@ func TestMain(m *testing.M) {
 // every command names a KVBUS_* variable.
 func TestEveryFlagHasAnEnvTwin(t *testing.T) {
 	var c cli
-	p, err := kong.New(&c, kong.DefaultEnvars("KVBUS"), kong.Exit(func(int) {}))
+	p, err := kong.New(&c, kong.Bind((*logsink.Writer)(nil)), kong.DefaultEnvars("KVBUS"), kong.Exit(func(int) {}))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -61,7 +62,7 @@ func freeAddr(t *testing.T) string {
 // four store thread lines with session_id=abc, one per tp_rank.
 func TestServe(t *testing.T) {
 	var c cli
-	p, err := kong.New(&c, kong.DefaultEnvars("KVBUS"))
+	p, err := kong.New(&c, kong.Bind((*logsink.Writer)(nil)), kong.DefaultEnvars("KVBUS"))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -149,7 +150,7 @@ func TestHealthcheck(t *testing.T) {
 func TestWorkerBadSizes(t *testing.T) {
 	for _, tc := range []struct{ flag, value string }{{"--drain-handoff", "lots"}, {"--kv-capacity", "-1GiB"}} {
 		var c cli
-		p, err := kong.New(&c, kong.DefaultEnvars("KVBUS"))
+		p, err := kong.New(&c, kong.Bind((*logsink.Writer)(nil)), kong.DefaultEnvars("KVBUS"))
 		if err != nil {
 			t.Fatal(err)
 		}
