@@ -52,6 +52,10 @@ type Chunk struct {
 	// Raw is a model server's own JSON for the chunk, relayed to the
 	// client as it is (Output.Raw); nil from the sim.
 	Raw []byte
+	// Last marks a chunk the engine knows ends the answer (Generate returns
+	// right after it): the driver sends it with the finish reason, one
+	// message instead of two.
+	Last bool
 }
 
 // EngineResult is how a generation ended.
@@ -182,11 +186,11 @@ func (e *SimEngine) Generate(ctx context.Context, req EngineRequest, prefilled f
 		finish  = FinishLength
 	)
 	instant := e.cfg.TimeScale == 0 || p.DecodePerToken == 0
-	flush := func(upTo int) error {
+	flush := func(upTo int, last bool) error {
 		if upTo <= sent && len(pending) == 0 {
 			return nil
 		}
-		c := Chunk{Text: text.String()[sent:upTo], TokenIDs: pending}
+		c := Chunk{Text: text.String()[sent:upTo], TokenIDs: pending, Last: last}
 		sent, pending = upTo, nil
 		return emit(c)
 	}
@@ -204,18 +208,18 @@ func (e *SimEngine) Generate(ctx context.Context, req EngineRequest, prefilled f
 		pending = append(pending, uint32(simTokenBase+w))
 		n++
 		if cut, ok := findStop(text.String(), stops, sent); ok {
-			if err := flush(max(cut, sent)); err != nil {
+			if err := flush(max(cut, sent), true); err != nil {
 				return EngineResult{CompletionTokens: n}, err
 			}
 			return EngineResult{FinishReason: FinishStop, CompletionTokens: n}, nil
 		}
 		if !instant {
-			if err := flush(max(sent, text.Len()-holdBack)); err != nil {
+			if err := flush(max(sent, text.Len()-holdBack), false); err != nil {
 				return EngineResult{CompletionTokens: n}, err
 			}
 		}
 	}
-	if err := flush(text.Len()); err != nil {
+	if err := flush(text.Len(), true); err != nil {
 		return EngineResult{CompletionTokens: n}, err
 	}
 	return EngineResult{FinishReason: finish, CompletionTokens: n}, nil

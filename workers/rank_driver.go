@@ -22,6 +22,7 @@ func (r *Rank) drive(rr *rankReq) {
 	}
 	cached := min(rr.loaded, max(meta.TokenLen-1, 0)) // at least one token is computed
 	storeQueued := false
+	var last *Chunk // the answer's last chunk, when the engine marks it
 	res, err := r.cfg.Engine.Generate(rr.ctx, EngineRequest{
 		ReqID: meta.ReqID, PromptTokens: meta.TokenIDs, CachedTokens: cached, RemoteTokens: min(rr.remote, cached),
 		LoadTime: time.Duration(rr.loadUs) * time.Microsecond, Params: meta.SamplingParams,
@@ -39,6 +40,10 @@ func (r *Rank) drive(rr *rankReq) {
 			ReqID: meta.ReqID, Group: r.cfg.Group, TPRank: r.cfg.TPRank, EPRank: r.cfg.EPRank, Attempt: meta.Attempt, Prefilled: true,
 		}, meta)
 	}, func(c Chunk) error {
+		if c.Last && last == nil {
+			last = &c // sent with the finish reason below
+			return nil
+		}
 		publish(&messages.Output{Text: c.Text, TokenIDs: c.TokenIDs, Raw: c.Raw})
 		return nil
 	})
@@ -62,7 +67,11 @@ func (r *Rank) drive(rr *rankReq) {
 		if res.FinishReason == "" {
 			res.FinishReason = FinishStop // an engine that named no reason
 		}
-		publish(&messages.Output{FinishReason: res.FinishReason, Usage: usage})
+		final := &messages.Output{FinishReason: res.FinishReason, Usage: usage}
+		if last != nil {
+			final.Text, final.TokenIDs, final.Raw = last.Text, last.TokenIDs, last.Raw
+		}
+		publish(final)
 	case errors.As(err, &engineErr) && cause == nil:
 		// The engine refused the request (a field it does not take, a
 		// prompt too long): the client gets the engine's own answer.
