@@ -173,7 +173,7 @@ type Rank struct {
 // re-sends the ReqMeta or took the request over).
 type seenReq struct {
 	attempt int
-	result  *messages.RankResult
+	result  []byte // the encoded RankResult: bytes the GC does not scan
 }
 
 // rankReq is one request's state on a rank.
@@ -433,8 +433,7 @@ func (r *Rank) onMeta(ctx context.Context, m *nats.Msg) error {
 			r.log.Info("ReqMeta again: still working on it, receipt sent", "req_id", meta.ReqID, "session_id", meta.SessionID,
 				"attempt", meta.Attempt, "result_subject", meta.ResultSubject)
 		case s.result != nil:
-			again := *s.result
-			r.publish(meta.ResultSubject, &again, meta)
+			r.publishData(meta.ResultSubject, s.result, meta)
 			r.log.Info("ReqMeta again: result sent again", "req_id", meta.ReqID, "session_id", meta.SessionID,
 				"attempt", meta.Attempt, "result_subject", meta.ResultSubject)
 		}

@@ -26,19 +26,22 @@ func (r *Rank) report(rr *rankReq) {
 	}
 	r.settleSaves(rr)
 	r.donePrefill(rr)
+	data, err := messages.Marshal(res)
+	if err != nil {
+		r.log.Error("encode result", "req_id", rr.meta.ReqID, "session_id", rr.meta.SessionID, "err", err)
+	}
 	r.mu.Lock()
 	subject := rr.resultSubject
 	if r.active[rr.meta.ReqID] == rr {
 		delete(r.active, rr.meta.ReqID)
-		kept := *res // a copy: res is published below while a duplicate may re-send this
 		r.seen.Update(rr.meta.ReqID, time.Now(), func(s *seenReq) {
 			if s.attempt == rr.meta.Attempt {
-				s.result = &kept
+				s.result = data
 			}
 		})
 	}
 	r.mu.Unlock()
-	r.publish(subject, res, rr.meta)
+	r.publishData(subject, data, rr.meta)
 	if r.IsDriver() {
 		r.heartbeatSoon() // the group's load changed: every replica hears it soon
 	}
@@ -77,10 +80,20 @@ func (r *Rank) fail(rr *rankReq, code, msg string) {
 
 func (r *Rank) publish(subject string, m messages.Message, meta *messages.ReqMeta) {
 	data, err := messages.Marshal(m)
-	if err == nil {
-		err = r.cfg.Conn.Publish(subject, data)
-	}
 	if err != nil {
+		r.log.Error("encode failed", "subject", subject, "req_id", meta.ReqID, "session_id", meta.SessionID, "err", err)
+		return
+	}
+	r.publishData(subject, data, meta)
+}
+
+// publishData publishes an encoded message (nil: nothing, its encoding
+// failed and was logged).
+func (r *Rank) publishData(subject string, data []byte, meta *messages.ReqMeta) {
+	if data == nil {
+		return
+	}
+	if err := r.cfg.Conn.Publish(subject, data); err != nil {
 		r.log.Error("publish failed", "subject", subject, "req_id", meta.ReqID, "session_id", meta.SessionID, "err", err)
 	}
 }
