@@ -3,6 +3,7 @@ package scheduler
 import (
 	"context"
 	"fmt"
+	"log/slog"
 	"time"
 
 	"github.com/nats-io/nats.go/jetstream"
@@ -18,7 +19,7 @@ import (
 // its ack) goes to the group and attempt that replica chose, as its
 // SavePlan said: the ranks answer this replica instead, so the request ends
 // once, with its answer.
-func (s *Scheduler) onRequest(_ context.Context, m jetstream.Msg) error {
+func (s *Scheduler) onRequest(ctx context.Context, m jetstream.Msg) error {
 	start := time.Now()
 	req, err := messages.DecodeRequest(m.Data())
 	if err != nil {
@@ -37,10 +38,12 @@ func (s *Scheduler) onRequest(_ context.Context, m jetstream.Msg) error {
 	if sessionID == "" {
 		sessionID = req.SessionID
 	}
-	log := s.log.With("req_id", req.RequestID, "session_id", sessionID)
+	// Bound only when a line is written: With formats its attributes
+	// at once, and the usual dispatch writes none at info level.
+	log := func() *slog.Logger { return s.log.With("req_id", req.RequestID, "session_id", sessionID) }
 	if start.After(deadline) {
 		s.m.requests.WithLabelValues("expired").Inc()
-		log.Warn("request expired before dispatch", "deadline", deadline)
+		log().Warn("request expired before dispatch", "deadline", deadline)
 		s.sendError(req.FrontendID, req.RequestID, sessionID, 0, "timeout", "request deadline passed before it could be dispatched")
 		return m.Ack()
 	}
@@ -57,7 +60,7 @@ func (s *Scheduler) onRequest(_ context.Context, m jetstream.Msg) error {
 			return m.NakWithDelay(100 * time.Millisecond)
 		}
 		s.m.requests.WithLabelValues("no_ready_group").Inc()
-		log.Warn("no ready worker group: request refused", "waited", start.Sub(logged).Round(time.Millisecond))
+		log().Warn("no ready worker group: request refused", "waited", start.Sub(logged).Round(time.Millisecond))
 		s.sendError(req.FrontendID, req.RequestID, sessionID, 0, "no_ready_group",
 			fmt.Sprintf("no worker group is ready (waited %s); retry shortly, and check that the workers run", s.cfg.NoGroupWait))
 		return m.Ack()
@@ -83,7 +86,7 @@ func (s *Scheduler) onRequest(_ context.Context, m jetstream.Msg) error {
 	var group string
 	if prev, ok := s.dispatched.Get(req.RequestID, start); ok && s.takeOver(t, prev, groups) {
 		group = t.Group
-		log.Info("request taken over from another scheduler replica", "group", group, "attempt", t.Attempt, "from", prev.scheduler)
+		log().Info("request taken over from another scheduler replica", "group", group, "attempt", t.Attempt, "from", prev.scheduler)
 	} else if group, err = s.place(t, groups, binding, bound); err != nil {
 		return m.NakWithDelay(200 * time.Millisecond)
 	}
@@ -113,8 +116,10 @@ func (s *Scheduler) onRequest(_ context.Context, m jetstream.Msg) error {
 	}
 	s.m.routing.Observe(time.Since(start).Seconds())
 	s.m.requests.WithLabelValues("dispatched").Inc()
-	log.Debug("dispatched", "group", group, "prompt_tokens", t.TokenLen, "blocks", len(t.BlockHashes),
-		"load_blocks", t.LoadBlocks, "turn_depth", t.TurnDepth)
+	if s.log.Enabled(ctx, slog.LevelDebug) {
+		log().Debug("dispatched", "group", group, "prompt_tokens", t.TokenLen, "blocks", len(t.BlockHashes),
+			"load_blocks", t.LoadBlocks, "turn_depth", t.TurnDepth)
+	}
 	return m.Ack()
 }
 

@@ -72,3 +72,32 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 	}
 	return m
 }
+
+// rankSeries are one rank's series, looked up once: a label lookup hashes
+// the labels and takes a lock, and a rank touches a dozen series per
+// request.
+type rankSeries struct {
+	reqMetas, duplicate, overloaded                                 prometheus.Counter
+	loaded, loadFailed, waitedForSave, stored, skipped, storeFailed prometheus.Counter
+	loadSec, storeSec                                               prometheus.Observer
+	usedBytes, queue                                                prometheus.Gauge
+}
+
+func (m *Metrics) forRank(group, rank string) rankSeries {
+	op := func(name string) prometheus.Counter { return m.blocks.WithLabelValues(group, rank, name) }
+	return rankSeries{
+		reqMetas:      m.reqMetas.WithLabelValues(group, rank),
+		duplicate:     m.dropped.WithLabelValues(group, rank, "duplicate"),
+		overloaded:    m.dropped.WithLabelValues(group, rank, "overloaded"),
+		loaded:        op("loaded"),
+		loadFailed:    op("load_failed"),
+		waitedForSave: op("waited_for_save"),
+		stored:        op("stored"),
+		skipped:       op("skipped"),
+		storeFailed:   op("store_failed"),
+		loadSec:       m.loadSec.WithLabelValues(group, rank),
+		storeSec:      m.storeSec.WithLabelValues(group, rank),
+		usedBytes:     m.usedBytes.WithLabelValues(group, rank),
+		queue:         m.queue.WithLabelValues(group, rank),
+	}
+}

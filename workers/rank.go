@@ -142,6 +142,7 @@ type Rank struct {
 	events  *eventLog
 	started time.Time
 	labels  []string
+	series  rankSeries
 
 	loadQ  chan *rankReq
 	storeQ chan *rankReq
@@ -276,6 +277,7 @@ func NewRank(cfg RankConfig) (*Rank, error) {
 		store:  store,
 		events: events,
 		labels: []string{cfg.Group, strconv.Itoa(cfg.TPRank)},
+		series: cfg.Metrics.forRank(cfg.Group, strconv.Itoa(cfg.TPRank)),
 		loadQ:  make(chan *rankReq, cfg.QueueSize),
 		storeQ: make(chan *rankReq, cfg.QueueSize),
 		active: map[string]*rankReq{},
@@ -401,7 +403,7 @@ func (r *Rank) onMeta(ctx context.Context, m *nats.Msg) error {
 	if err != nil {
 		return fmt.Errorf("dropping ReqMeta on %s: %w", m.Subject, err)
 	}
-	r.cfg.Metrics.reqMetas.WithLabelValues(r.labels...).Inc()
+	r.series.reqMetas.Inc()
 	if ctx.Err() != nil {
 		return nil
 	}
@@ -415,7 +417,7 @@ func (r *Rank) onMeta(ctx context.Context, m *nats.Msg) error {
 		rr := r.active[meta.ReqID]
 		if s.attempt > meta.Attempt {
 			r.mu.Unlock()
-			r.cfg.Metrics.dropped.WithLabelValues(r.labels[0], r.labels[1], "duplicate").Inc()
+			r.series.duplicate.Inc()
 			r.log.Info("dropping a ReqMeta of an older attempt", "req_id", meta.ReqID, "session_id", meta.SessionID, "attempt", meta.Attempt)
 			return nil
 		}
@@ -426,7 +428,7 @@ func (r *Rank) onMeta(ctx context.Context, m *nats.Msg) error {
 			rr.resultSubject = meta.ResultSubject
 		}
 		r.mu.Unlock()
-		r.cfg.Metrics.dropped.WithLabelValues(r.labels[0], r.labels[1], "duplicate").Inc()
+		r.series.duplicate.Inc()
 		switch {
 		case rr != nil:
 			r.sendReceipt(rr)
@@ -463,10 +465,10 @@ func (r *Rank) onMeta(ctx context.Context, m *nats.Msg) error {
 		}
 	}
 	r.mu.Unlock()
-	r.cfg.Metrics.queue.WithLabelValues(r.labels...).Inc()
+	r.series.queue.Inc()
 	if !queued {
 		rr.prefilled.Store(true) // never counted in the prefill queue
-		r.cfg.Metrics.dropped.WithLabelValues(r.labels[0], r.labels[1], "overloaded").Inc()
+		r.series.overloaded.Inc()
 		r.fail(rr, "overloaded", fmt.Sprintf("rank %s/%d: load queue full (%d requests)", r.cfg.Group, r.cfg.TPRank, cap(r.loadQ)))
 	}
 	return nil

@@ -55,17 +55,17 @@ func (r *Rank) load(rr *rankReq) {
 		}
 	}
 	if waited > 0 {
-		r.cfg.Metrics.blocks.WithLabelValues(r.labels[0], r.labels[1], "waited_for_save").Add(float64(waited))
+		r.series.waitedForSave.Add(float64(waited))
 		r.log.Debug("load thread: waited for saves in flight", "req_id", meta.ReqID, "session_id", meta.SessionID,
 			"waits", waited, "wait_us", time.Since(start).Microseconds())
 	}
 	rr.loaded = ok * meta.BlockSize
 	rr.loadFail = n - ok
 	rr.loadUs = time.Since(start).Microseconds()
-	r.cfg.Metrics.loadSec.WithLabelValues(r.labels...).Observe(time.Since(start).Seconds())
-	r.cfg.Metrics.blocks.WithLabelValues(r.labels[0], r.labels[1], "loaded").Add(float64(ok))
+	r.series.loadSec.Observe(time.Since(start).Seconds())
+	r.series.loaded.Add(float64(ok))
 	if rr.loadFail > 0 {
-		r.cfg.Metrics.blocks.WithLabelValues(r.labels[0], r.labels[1], "load_failed").Add(float64(rr.loadFail))
+		r.series.loadFailed.Add(float64(rr.loadFail))
 		r.log.Warn("load thread: blocks missing, they will be recomputed", "req_id", meta.ReqID,
 			"session_id", meta.SessionID, "wanted_blocks", n, "failed_blocks", rr.loadFail)
 	}

@@ -46,7 +46,7 @@ func (r *Rank) report(rr *rankReq) {
 		r.heartbeatSoon() // the group's load changed: every replica hears it soon
 	}
 	rr.cancel(nil)
-	r.cfg.Metrics.queue.WithLabelValues(r.labels...).Dec()
+	r.series.queue.Dec()
 }
 
 // sendReceipt tells the scheduler that the rank has rr's ReqMeta and is

@@ -36,13 +36,15 @@ func (r *Rank) storeLoop() {
 func (r *Rank) storeBlocks(rr *rankReq) {
 	meta := rr.meta
 	start := time.Now()
-	log := r.log.With("req_id", meta.ReqID, "session_id", meta.SessionID)
+	// The store thread's line names the request and the session; its
+	// attributes are passed, not bound with With, which would format them
+	// twice.
 	if err := context.Cause(rr.ctx); err != nil {
-		log.Info("store thread", "skipped", "request ended", "cause", err)
+		r.log.Info("store thread", "req_id", meta.ReqID, "session_id", meta.SessionID, "skipped", "request ended", "cause", err)
 		return
 	}
 	if r.cfg.EngineCache {
-		log.Info("store thread", "skipped", "the engine keeps its own KV cache", "token_len", meta.TokenLen)
+		r.log.Info("store thread", "req_id", meta.ReqID, "session_id", meta.SessionID, "skipped", "the engine keeps its own KV cache", "token_len", meta.TokenLen)
 		return
 	}
 	var (
@@ -81,7 +83,7 @@ func (r *Rank) storeBlocks(rr *rankReq) {
 	for i, err := range r.store.BatchPut(rr.ctx, objs) {
 		if err != nil {
 			rr.result.FailedBlocks++
-			log.Warn("store thread: put failed", "key", objs[i].Key, "err", err)
+			r.log.Warn("store thread: put failed", "req_id", meta.ReqID, "session_id", meta.SessionID, "key", objs[i].Key, "err", err)
 			continue
 		}
 		stored = append(stored, blocks[i])
@@ -91,13 +93,13 @@ func (r *Rank) storeBlocks(rr *rankReq) {
 	// of the blocks just stored, when the store is tiny).
 	r.events.publish(append(storedEvents(meta, stored), r.events.takeEvicted()...))
 	rr.result.StoreUs = time.Since(start).Microseconds()
-	r.cfg.Metrics.storeSec.WithLabelValues(r.labels...).Observe(time.Since(start).Seconds())
-	r.cfg.Metrics.blocks.WithLabelValues(r.labels[0], r.labels[1], "stored").Add(float64(rr.result.StoredBlocks))
-	r.cfg.Metrics.blocks.WithLabelValues(r.labels[0], r.labels[1], "skipped").Add(float64(rr.result.SkippedBlocks))
-	r.cfg.Metrics.blocks.WithLabelValues(r.labels[0], r.labels[1], "store_failed").Add(float64(rr.result.FailedBlocks))
+	r.series.storeSec.Observe(time.Since(start).Seconds())
+	r.series.stored.Add(float64(rr.result.StoredBlocks))
+	r.series.skipped.Add(float64(rr.result.SkippedBlocks))
+	r.series.storeFailed.Add(float64(rr.result.FailedBlocks))
 	used, _, _ := r.store.Usage()
-	r.cfg.Metrics.usedBytes.WithLabelValues(r.labels...).Set(float64(used))
-	log.Info("store thread", "stored_blocks", rr.result.StoredBlocks, "skipped_blocks", rr.result.SkippedBlocks,
+	r.series.usedBytes.Set(float64(used))
+	r.log.Info("store thread", "req_id", meta.ReqID, "session_id", meta.SessionID, "stored_blocks", rr.result.StoredBlocks, "skipped_blocks", rr.result.SkippedBlocks,
 		"loaded_tokens", rr.loaded, "token_len", meta.TokenLen)
 }
 
