@@ -2,8 +2,11 @@ package frontend
 
 import (
 	"fmt"
+	"math"
+	"slices"
 	"strings"
 
+	"github.com/maypok86/otter/v2"
 	"github.com/tiktoken-go/tokenizer"
 )
 
@@ -40,9 +43,18 @@ const (
 // vocabulary, embedded in the binary) with GPT-4o's ChatML chat template:
 //
 //	<|im_start|>{role}<|im_sep|>{content}<|im_end|> … <|im_start|>assistant<|im_sep|>
+//
+// The template encodes each role and each message on its own, so a
+// message's ids do not depend on its neighbours: they are cached (up to
+// tokenCacheBytes of text and ids). A conversation sends every earlier
+// message again with each turn; only the new one is tokenized.
 type BPETokenizer struct {
 	codec tokenizer.Codec
+	cache *otter.Cache[string, []uint32] // message text -> its ids; the slices are never modified
 }
+
+// tokenCacheBytes bounds the tokenizer's cache: text plus 4 bytes per id.
+const tokenCacheBytes = 64 << 20
 
 // NewBPETokenizer loads the embedded o200k_base vocabulary.
 func NewBPETokenizer() (*BPETokenizer, error) {
@@ -50,7 +62,18 @@ func NewBPETokenizer() (*BPETokenizer, error) {
 	if err != nil {
 		return nil, fmt.Errorf("frontend: load o200k_base tokenizer: %w", err)
 	}
-	return &BPETokenizer{codec: c}, nil
+	cache, err := otter.New(&otter.Options[string, []uint32]{
+		MaximumWeight: tokenCacheBytes,
+		Weigher: func(text string, ids []uint32) uint32 {
+			return uint32(min(len(text)+4*len(ids), math.MaxUint32))
+		},
+		// Eviction runs on the goroutine that writes: the cache starts none.
+		Executor: func(fn func()) { fn() },
+	})
+	if err != nil {
+		return nil, fmt.Errorf("frontend: token cache: %w", err)
+	}
+	return &BPETokenizer{codec: c, cache: cache}, nil
 }
 
 // Name implements Tokenizer.
@@ -78,17 +101,31 @@ func (t *BPETokenizer) encodeAppend(dst []uint32, text string) ([]uint32, error)
 	return dst, nil
 }
 
+// encodeCached is encodeAppend through the cache.
+func (t *BPETokenizer) encodeCached(dst []uint32, text string) ([]uint32, error) {
+	if ids, ok := t.cache.GetIfPresent(text); ok {
+		return append(dst, ids...), nil
+	}
+	n := len(dst)
+	dst, err := t.encodeAppend(dst, text)
+	if err != nil {
+		return nil, err
+	}
+	t.cache.Set(strings.Clone(text), slices.Clone(dst[n:]))
+	return dst, nil
+}
+
 // ApplyChatTemplate implements Tokenizer.
 func (t *BPETokenizer) ApplyChatTemplate(msgs []ChatTurn) ([]uint32, error) {
 	out := make([]uint32, 0, 16)
 	var err error
 	for _, m := range msgs {
 		out = append(out, imStart)
-		if out, err = t.encodeAppend(out, strings.ToLower(m.Role)); err != nil {
+		if out, err = t.encodeCached(out, strings.ToLower(m.Role)); err != nil {
 			return nil, err
 		}
 		out = append(out, imSep)
-		if out, err = t.encodeAppend(out, m.Content); err != nil {
+		if out, err = t.encodeCached(out, m.Content); err != nil {
 			return nil, err
 		}
 		out = append(out, imEnd)
