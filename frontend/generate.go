@@ -543,11 +543,12 @@ func (g *generation) stream(w http.ResponseWriter, ctx context.Context, deadline
 	object := "text_completion"
 	if g.endpoint == messages.EndpointChat {
 		object = "chat.completion.chunk"
-		for i := range g.choices { // vLLM and OpenAI open with the role
+		// vLLM and OpenAI open with the role. Like vLLM, it goes out with
+		// the first output, in the same write.
+		for i := range g.choices {
 			send(completionJSON{ID: g.id, Object: object, Created: g.created, Model: g.model,
 				Choices: []choiceJSON{{Index: i, Delta: &messageJSON{Role: "assistant", Content: ptr("")}}}})
 		}
-		flush()
 	}
 	timer := time.NewTimer(time.Until(deadline))
 	defer timer.Stop()
@@ -585,7 +586,9 @@ func (g *generation) stream(w http.ResponseWriter, ctx context.Context, deadline
 			}
 			send(completionJSON{ID: g.id, Object: object, Created: g.created, Model: g.model, Choices: []choiceJSON{ch}})
 		}
-		flush()
+		if !g.allDone() { // the last events go out with [DONE], in one write
+			flush()
+		}
 	}
 	if includeUsage {
 		send(completionJSON{ID: g.id, Object: object, Created: g.created, Model: g.model, Choices: []choiceJSON{}, Usage: ptr(g.usage())})
