@@ -20,7 +20,7 @@ import (
 // previous answer ended, for --duration; it prints req/s and latency
 // percentiles (`make bench-http` runs it against the real binary).
 type loadgenCmd struct {
-	URL         string        `name:"url" default:"http://127.0.0.1:8000" help:"Base URL of the server (kvbus's frontend, or any OpenAI-compatible server)."`
+	URLs        []string      `name:"url" default:"http://127.0.0.1:8000" help:"Base URL of the server (kvbus's frontend, or any OpenAI-compatible server); several, comma-separated, spread the clients over them round-robin."`
 	Concurrency int           `name:"concurrency" short:"c" default:"16" help:"Concurrent clients."`
 	Duration    time.Duration `name:"duration" short:"d" default:"8s" help:"How long to send."`
 	Stream      bool          `name:"stream" help:"Stream the answers (SSE); latency is to the last chunk."`
@@ -65,9 +65,11 @@ func (c *loadgenCmd) measure(ctx context.Context) (loadResult, error) {
 	if err != nil {
 		return loadResult{}, err
 	}
+	if len(c.URLs) == 0 {
+		return loadResult{}, fmt.Errorf("--url: give at least one server")
+	}
 	client := &http.Client{Transport: &http.Transport{MaxIdleConnsPerHost: c.Concurrency, MaxConnsPerHost: c.Concurrency}, Timeout: time.Minute}
 	defer client.CloseIdleConnections()
-	url := strings.TrimRight(c.URL, "/") + "/v1/chat/completions"
 	ctx, cancel := context.WithTimeout(ctx, c.Duration)
 	defer cancel()
 	var (
@@ -77,7 +79,8 @@ func (c *loadgenCmd) measure(ctx context.Context) (loadResult, error) {
 		wg        sync.WaitGroup
 	)
 	start := time.Now()
-	for range c.Concurrency {
+	for i := range c.Concurrency {
+		url := strings.TrimRight(c.URLs[i%len(c.URLs)], "/") + "/v1/chat/completions"
 		wg.Go(func() {
 			for ctx.Err() == nil {
 				t0 := time.Now()

@@ -14,7 +14,7 @@ func TestLoadgenCountsWhatTheServerServed(t *testing.T) {
 	c := testenv.StartCluster(t, testenv.ClusterConfig{})
 	served := 0.0
 	for _, stream := range []bool{false, true} {
-		lg := &loadgenCmd{URL: c.URL, Concurrency: 4, Duration: time.Second, Stream: stream, Model: c.Model, MaxTokens: 4, Prompt: "hello"}
+		lg := &loadgenCmd{URLs: []string{c.URL}, Concurrency: 4, Duration: time.Second, Stream: stream, Model: c.Model, MaxTokens: 4, Prompt: "hello"}
 		r, err := lg.measure(t.Context())
 		if err != nil {
 			t.Fatal(err)
