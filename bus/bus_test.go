@@ -39,7 +39,7 @@ func TestConfigValidate(t *testing.T) {
 	}
 }
 
-func startServer(t *testing.T, token string) *bus.Server {
+func startServer(t testing.TB, token string) *bus.Server {
 	t.Helper()
 	srv, err := bus.StartServer(bus.ServerConfig{Addr: "127.0.0.1:0", DataDir: t.TempDir(), Token: token})
 	if err != nil {
