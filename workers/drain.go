@@ -43,13 +43,16 @@ type peerHeartbeat struct {
 	data []byte
 }
 
-// peerGroups tracks heartbeats, with DrainHandoff: on the driver rank every
-// group's (its own included), on the others their driver's. Drivers send one
-// per request, and they matter only once the rank drains, so a heartbeat is
-// kept as received and decoded only when asked. Safe for concurrent use.
+// peerGroups tracks heartbeats once a rank drains, with DrainHandoff: on the
+// driver rank every group's (its own included), on the others their
+// driver's. A heartbeat is kept as received and decoded only when asked.
+// Safe for concurrent use.
 type peerGroups struct {
 	mu     sync.Mutex
 	latest map[string]peerHeartbeat // subject -> last heartbeat on it
+	// since is when the rank began to follow heartbeats (when it began to
+	// drain); set before the first one arrives.
+	since time.Time
 }
 
 func (p *peerGroups) onHeartbeat(_ context.Context, m *nats.Msg) error {
@@ -213,6 +216,9 @@ func (r *Rank) handOff() {
 			all[i] = i
 		}
 		if r.waitFor(settle, func() bool { return r.peers.draining(r.cfg.Group, settle, all...) }) {
+			// Every ready group's ranks send one within an interval: hear
+			// each of them once before choosing targets.
+			time.Sleep(time.Until(r.peers.since.Add(3 * r.cfg.HeartbeatInterval / 2)))
 			plan = r.drainPlan()
 		} else {
 			r.log.Info("drain hand-off: only part of the group is stopping; nothing handed off")

@@ -328,11 +328,6 @@ func (r *Rank) Run(ctx context.Context) error {
 	extra := []handler{{subj.Handoff(r.cfg.Group, r.cfg.TPRank), "worker_handoff", r.onHandoff}}
 	if r.cfg.DrainHandoff > 0 {
 		extra = append(extra, handler{subj.Drain(r.cfg.Group), "worker_drain_plan", r.onDrainPlan})
-		hb := subj.Heartbeat(r.cfg.Group, 0) // is the driver draining too?
-		if r.IsDriver() {
-			hb = subj.HeartbeatAll() // which groups can take blocks
-		}
-		extra = append(extra, handler{hb, "worker_peer_heartbeat", r.peers.onHeartbeat})
 	}
 	for _, e := range extra {
 		sub, err := bus.Subscribe(context.Background(), nc, e.subject, bus.Wrap(e.fn, r.log, r.cfg.HandlerMetrics, e.name))
@@ -366,6 +361,22 @@ func (r *Rank) Run(ctx context.Context) error {
 	}
 
 	<-ctx.Done()
+	// The drain hand-off follows heartbeats from now on (not before: a
+	// driver sends one per request, and every driver would get every
+	// group's).
+	if r.cfg.DrainHandoff > 0 {
+		hb := subj.Heartbeat(r.cfg.Group, 0) // is the driver draining too?
+		if r.IsDriver() {
+			hb = subj.HeartbeatAll() // which groups can take blocks
+		}
+		sub, err := bus.Subscribe(context.Background(), nc, hb, bus.Wrap(r.peers.onHeartbeat, r.log, r.cfg.HandlerMetrics, "worker_peer_heartbeat"))
+		if err != nil {
+			r.log.Warn("drain hand-off: cannot follow heartbeats; nothing will be handed off", "err", err)
+		} else {
+			r.peers.since = time.Now()
+			defer func() { _ = sub.Unsubscribe() }()
+		}
+	}
 	// Say so first: the scheduler places nothing new on a draining group.
 	r.draining.Store(true)
 	r.heartbeat()
