@@ -190,6 +190,12 @@ func (s *Server) generate(w http.ResponseWriter, r *http.Request, endpoint strin
 		s.register(busID, g.q, i)
 		req := s.busRequest(p, busID, sessionID, prompt, start, deadline)
 		if err := s.publish(r.Context(), req); err != nil {
+			if r.Context().Err() != nil { // the client left while the request was being logged
+				g.log.Info("client disconnected; aborting request")
+				g.abort("client disconnected")
+				g.unregister()
+				return 499
+			}
 			g.log.Warn("cannot publish request to the bus", "err", err)
 			g.abort("publish failed")
 			g.unregister()
