@@ -159,6 +159,7 @@ type Rank struct {
 
 	draining  atomic.Bool  // Run's context ended
 	hbPending atomic.Bool  // heartbeatSoon has one scheduled
+	hbAsked   atomic.Int64 // unix ns of heartbeatSoon's last call
 	lastHB    atomic.Int64 // unix ns when the last heartbeat read the rank's state
 	dropped   atomic.Int64 // ReqMetas ignored for DropReqMetas
 	// queuedTokens: prompt tokens of the driver's requests not yet

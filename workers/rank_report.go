@@ -122,16 +122,19 @@ const loadHeartbeatDelay = 5 * time.Millisecond
 // out before: under load, one per prefill already carries the change, and a
 // request's end costs no message of its own.
 func (r *Rank) heartbeatSoon() {
-	if !r.hbPending.CompareAndSwap(false, true) {
-		return
+	r.hbAsked.Store(time.Now().UnixNano()) // before the flag: a pending timer sees it
+	if r.hbPending.CompareAndSwap(false, true) {
+		time.AfterFunc(loadHeartbeatDelay, r.askedHeartbeat)
 	}
-	asked := time.Now().UnixNano()
-	time.AfterFunc(loadHeartbeatDelay, func() {
-		r.hbPending.Store(false)
-		if r.lastHB.Load() < asked {
-			r.heartbeat()
-		}
-	})
+}
+
+// askedHeartbeat sends the heartbeat heartbeatSoon asked for, unless one
+// that read the rank's state after the last ask went out meanwhile.
+func (r *Rank) askedHeartbeat() {
+	r.hbPending.Store(false)
+	if r.lastHB.Load() < r.hbAsked.Load() {
+		r.heartbeat()
+	}
 }
 
 func (r *Rank) heartbeat() {

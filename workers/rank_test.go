@@ -1,6 +1,7 @@
 package workers_test
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
@@ -73,6 +74,8 @@ type rankEnvConfig struct {
 	// rank's SaveWait.
 	storeDelay map[int]time.Duration
 	saveWait   time.Duration
+	// hbInterval is every rank's HeartbeatInterval (0: 20 ms).
+	hbInterval time.Duration
 }
 
 func startRanks(t *testing.T, cfg rankEnvConfig) *rankEnv {
@@ -102,13 +105,14 @@ func startRanks(t *testing.T, cfg rankEnvConfig) *rankEnv {
 	}
 	log := slog.New(slog.NewTextHandler(e.logs, nil))
 	metrics, hm := workers.NewMetrics(e.reg), bus.NewHandlerMetrics(e.reg)
+	hbInterval := cmp.Or(cfg.hbInterval, 20*time.Millisecond)
 	var ranks []*workers.Rank
 	for r := range worldSize {
 		rank, err := workers.NewRank(workers.RankConfig{
 			Conn: testenv.Connect(t, srv), Subjects: e.subj, Group: testGroup,
 			TPRank: r, TPSize: worldSize, EPRank: r, EPSize: worldSize,
 			Model: testModel, Profile: profile, CapacityBytes: testCapacity, Engine: engine,
-			BlockSize: blockSize, HeartbeatInterval: 20 * time.Millisecond, ShutdownTimeout: 5 * time.Second,
+			BlockSize: blockSize, HeartbeatInterval: hbInterval, ShutdownTimeout: 5 * time.Second,
 			Logger: log, Metrics: metrics, HandlerMetrics: hm, StoreDelay: cfg.storeDelay[r], SaveWait: cfg.saveWait,
 		})
 		if err != nil {
@@ -623,6 +627,50 @@ func TestRankHeartbeats(t *testing.T) {
 		}
 		return true
 	})
+}
+
+// TestDriverHeartbeatsFollowTheLoad checks the load heartbeats the driver
+// sends besides the periodic ones (an hour apart here): one at every
+// prefill, and after a request's end one within loadHeartbeatDelay (5 ms)
+// unless another goes out first — so a burst of requests costs about one
+// per request, and the last one always reports the group idle.
+func TestDriverHeartbeatsFollowTheLoad(t *testing.T) {
+	env := startRanks(t, rankEnvConfig{hbInterval: time.Hour})
+	before := len(env.heartbeats(0))
+	env.sendMeta(newMeta("one", "s", testenv.PromptTokens(1, 2*blockSize)))
+	env.resultsByRank("one")
+	testenv.Eventually(t, waitFor, "the prefill's and the end's heartbeats", func() bool { return len(env.heartbeats(0)) >= before+2 })
+	time.Sleep(50 * time.Millisecond) // nothing more comes
+	hbs := env.heartbeats(0)
+	if got := len(hbs) - before; got != 2 {
+		t.Fatalf("one request: %d driver heartbeats, want 2 (its prefill, its end)", got)
+	}
+	if last := hbs[len(hbs)-1]; last.InflightRequests != 0 || last.QueueDepth != 0 {
+		t.Fatalf("the heartbeat after the end reports %d in flight, queue depth %d", last.InflightRequests, last.QueueDepth)
+	}
+	for r := 1; r < worldSize; r++ { // the other ranks beat only periodically
+		if n := len(env.heartbeats(r)); n != 1 {
+			t.Errorf("rank %d sent %d heartbeats, want only its first", r, n)
+		}
+	}
+
+	before = len(hbs)
+	const burst = 40
+	for i := range burst {
+		env.sendMeta(newMeta(fmt.Sprint("burst-", i), "", testenv.PromptTokens(10+i, 2*blockSize)))
+	}
+	for i := range burst {
+		env.resultsByRank(fmt.Sprint("burst-", i))
+	}
+	testenv.Eventually(t, waitFor, "a heartbeat that reports the group idle", func() bool {
+		hbs := env.heartbeats(0)
+		last := hbs[len(hbs)-1]
+		return len(hbs) >= before+burst && last.InflightRequests == 0 && last.QueueDepth == 0
+	})
+	time.Sleep(50 * time.Millisecond)
+	if got := len(env.heartbeats(0)) - before; got > burst+burst/2 {
+		t.Fatalf("%d requests: %d driver heartbeats, want about one per request (at most %d)", burst, got, burst+burst/2)
+	}
 }
 
 func TestRankGracefulStop(t *testing.T) {
