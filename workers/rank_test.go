@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"log/slog"
 	"slices"
+	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -76,6 +77,8 @@ type rankEnvConfig struct {
 	saveWait   time.Duration
 	// hbInterval is every rank's HeartbeatInterval (0: 20 ms).
 	hbInterval time.Duration
+	// drainHandoff is every rank's DrainHandoff (0: off).
+	drainHandoff int64
 }
 
 func startRanks(t *testing.T, cfg rankEnvConfig) *rankEnv {
@@ -114,6 +117,7 @@ func startRanks(t *testing.T, cfg rankEnvConfig) *rankEnv {
 			Model: testModel, Profile: profile, CapacityBytes: testCapacity, Engine: engine,
 			BlockSize: blockSize, HeartbeatInterval: hbInterval, ShutdownTimeout: 5 * time.Second,
 			Logger: log, Metrics: metrics, HandlerMetrics: hm, StoreDelay: cfg.storeDelay[r], SaveWait: cfg.saveWait,
+			DrainHandoff: cfg.drainHandoff,
 		})
 		if err != nil {
 			t.Fatal(err)
@@ -670,6 +674,30 @@ func TestDriverHeartbeatsFollowTheLoad(t *testing.T) {
 	time.Sleep(50 * time.Millisecond)
 	if got := len(env.heartbeats(0)) - before; got > burst+burst/2 {
 		t.Fatalf("%d requests: %d driver heartbeats, want about one per request (at most %d)", burst, got, burst+burst/2)
+	}
+}
+
+// TestRanksFollowHeartbeatsOnlyWhenDraining: with the drain hand-off on, a
+// rank reads other ranks' heartbeats (a driver sends one per request) only
+// once it drains, and then it does.
+func TestRanksFollowHeartbeatsOnlyWhenDraining(t *testing.T) {
+	env := startRanks(t, rankEnvConfig{drainHandoff: 1 << 20})
+	peerHeartbeats := func() float64 {
+		return env.counter("kvbus_bus_messages_total", map[string]string{"handler": "worker_peer_heartbeat"})
+	}
+	for i := range 5 {
+		env.sendMeta(newMeta(fmt.Sprint("r", i), "s", testenv.PromptTokens(i, 2*blockSize)))
+		env.resultsByRank(fmt.Sprint("r", i))
+	}
+	if n := peerHeartbeats(); n != 0 {
+		t.Fatalf("serving ranks handled %v peer heartbeats, want 0", n)
+	}
+	env.stop()
+	if n := peerHeartbeats(); n == 0 {
+		t.Fatal("draining ranks handled no peer heartbeat: the hand-off could not see the group")
+	}
+	if !strings.Contains(env.logs.String(), "drain hand-off: nothing to hand off") {
+		t.Fatalf("the driver did not reach its hand-off plan:\n%s", env.logs.String())
 	}
 }
 
