@@ -1,8 +1,10 @@
 package messages
 
 import (
+	"bytes"
 	"fmt"
 
+	"github.com/tinylib/msgp/msgp"
 	"github.com/vmihailenco/msgpack/v5"
 	"github.com/vmihailenco/msgpack/v5/msgpcode"
 )
@@ -101,3 +103,39 @@ func (a Args) String(key string) (string, bool) {
 	s, ok := a[key].(string)
 	return s, ok
 }
+
+var (
+	_ msgp.Marshaler   = Args(nil)
+	_ msgp.Unmarshaler = (*Args)(nil)
+)
+
+// MarshalMsg implements msgp.Marshaler: a map with its keys sorted, so that
+// equal Args are equal bytes. Free-form values are rare and small; the
+// reflection-based encoder writes them.
+func (a Args) MarshalMsg(b []byte) ([]byte, error) {
+	enc := encoderPool.Get().(*msgpack.Encoder)
+	defer encoderPool.Put(enc)
+	buf := bytes.NewBuffer(b)
+	enc.ResetWriter(buf) // keeps SetSortMapKeys
+	err := enc.Encode(map[string]any(a))
+	enc.ResetWriter(nil)
+	return buf.Bytes(), err
+}
+
+// UnmarshalMsg implements msgp.Unmarshaler with Args' depth limit.
+func (a *Args) UnmarshalMsg(b []byte) ([]byte, error) {
+	r := bytes.NewReader(b)
+	dec := msgpack.GetDecoder()
+	defer msgpack.PutDecoder(dec)
+	dec.Reset(r)
+	if err := a.DecodeMsgpack(dec); err != nil {
+		return b, err
+	}
+	return b[len(b)-r.Len():], nil
+}
+
+// Msgsize implements msgp.Sizer (an estimate).
+func (a Args) Msgsize() int { return 16 + 48*len(a) }
+
+// IsZero reports an empty map: an omitempty field is left out.
+func (a Args) IsZero() bool { return len(a) == 0 }

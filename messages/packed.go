@@ -4,11 +4,10 @@ import (
 	"encoding/binary"
 	"fmt"
 	"math"
-	"sync"
+	"slices"
 	"unsafe"
 
-	"github.com/vmihailenco/msgpack/v5"
-	"github.com/vmihailenco/msgpack/v5/msgpcode"
+	"github.com/tinylib/msgp/msgp"
 )
 
 // TokenIDs is a list of token ids. On the wire it is one msgpack bin of
@@ -21,22 +20,16 @@ type TokenIDs []uint32
 type BlockHashes []uint64
 
 var (
-	_ msgpack.CustomEncoder = TokenIDs(nil)
-	_ msgpack.CustomDecoder = (*TokenIDs)(nil)
-	_ msgpack.CustomEncoder = BlockHashes(nil)
-	_ msgpack.CustomDecoder = (*BlockHashes)(nil)
+	_ msgp.Marshaler   = TokenIDs(nil)
+	_ msgp.Unmarshaler = (*TokenIDs)(nil)
+	_ msgp.Marshaler   = BlockHashes(nil)
+	_ msgp.Unmarshaler = (*BlockHashes)(nil)
 )
 
 // hostLittleEndian reports whether this machine stores integers in the wire
 // order; then a packed list is copied to and from the wire as it is in
-// memory, otherwise it is converted through a small scratch buffer.
+// memory, otherwise it is converted value by value.
 var hostLittleEndian = binary.NativeEndian.Uint16([]byte{1, 0}) == 1
-
-// scratchSize is the size of the buffers the portable path converts
-// through, so that it allocates no temporary copy of the whole list.
-const scratchSize = 4096
-
-var scratchPool = sync.Pool{New: func() any { return new([scratchSize]byte) }}
 
 // packable are the element types of packed lists.
 type packable interface{ uint32 | uint64 }
@@ -61,138 +54,119 @@ func getLE[E packable](b []byte) E {
 	return E(binary.LittleEndian.Uint64(b))
 }
 
-// encodePacked writes s as one bin of little-endian values.
-func encodePacked[E packable](enc *msgpack.Encoder, s []E, native bool) error {
+// appendPacked appends s as one bin of little-endian values (nil as nil).
+// native copies the values as they are in memory (a little-endian host).
+func appendPacked[E packable](b []byte, s []E, native bool) []byte {
 	if s == nil {
-		return enc.EncodeNil()
+		return msgp.AppendNil(b)
 	}
 	w := int(unsafe.Sizeof(E(0)))
-	if err := enc.EncodeBytesLen(w * len(s)); err != nil {
-		return err
-	}
+	b = msgp.AppendBytesHeader(b, uint32(w*len(s)))
 	if native {
-		_, err := enc.Writer().Write(asBytes(s))
-		return err
+		return append(b, asBytes(s)...)
 	}
-	sp := scratchPool.Get().(*[scratchSize]byte)
-	defer scratchPool.Put(sp)
-	for len(s) > 0 {
-		n := min(len(s), scratchSize/w)
-		buf := sp[:w*n]
-		for i, v := range s[:n] {
-			putLE(buf[w*i:], v)
-		}
-		if _, err := enc.Writer().Write(buf); err != nil {
-			return err
-		}
-		s = s[n:]
+	n := len(b)
+	b = slices.Grow(b, w*len(s))[:n+w*len(s)]
+	for i, v := range s {
+		putLE(b[n+w*i:], v)
 	}
-	return nil
+	return b
 }
 
-// decodePacked reads a packed list written by encodePacked, nil, or a plain
-// msgpack array of integers (what other producers may send). what names the
-// list in errors.
-func decodePacked[E packable](dec *msgpack.Decoder, what string, native bool) ([]E, error) {
+// readPacked reads a list written by appendPacked, nil, or a plain msgpack
+// array of integers (what other producers may send). what names the list in
+// errors; native is appendPacked's.
+func readPacked[E packable](b []byte, what string, native bool) ([]E, []byte, error) {
 	w := int(unsafe.Sizeof(E(0)))
-	n, isArray, err := packedLen(dec, w)
-	if err != nil || n < 0 {
-		return nil, err
-	}
-	out := make([]E, n)
-	if isArray {
+	switch msgp.NextType(b) {
+	case msgp.NilType:
+		o, err := msgp.ReadNilBytes(b)
+		return nil, o, err
+	case msgp.ArrayType:
+		n, o, err := msgp.ReadArrayHeaderBytes(b)
+		if err != nil {
+			return nil, b, err
+		}
+		if int(n) > len(o) { // every element takes at least one byte
+			return nil, b, fmt.Errorf("%w: %s: array of %d elements in %d bytes", ErrMalformed, what, n, len(o))
+		}
+		out := make([]E, n)
 		for i := range out {
-			// DecodeUint32 would silently truncate a larger or a negative value;
-			// block hashes accept negative numbers as two's complement (Python's
-			// hash() is signed).
-			v, err := dec.DecodeUint64()
+			// Block hashes accept negative numbers as two's complement
+			// (Python's hash() is signed); token ids must fit in uint32.
+			var v uint64
+			if msgp.NextType(o) == msgp.IntType {
+				var x int64
+				x, o, err = msgp.ReadInt64Bytes(o)
+				v = uint64(x)
+			} else {
+				v, o, err = msgp.ReadUint64Bytes(o)
+			}
 			if err != nil {
-				return nil, fmt.Errorf("%w: %s[%d]: %v", ErrMalformed, what, i, err)
+				return nil, b, fmt.Errorf("%w: %s[%d]: %v", ErrMalformed, what, i, err)
 			}
 			if w == 4 && v > math.MaxUint32 {
-				return nil, fmt.Errorf("%w: %s[%d] out of uint32 range", ErrMalformed, what, i)
+				return nil, b, fmt.Errorf("%w: %s[%d] out of uint32 range", ErrMalformed, what, i)
 			}
 			out[i] = E(v)
 		}
-		return out, nil
-	}
-	if native {
-		if err := dec.ReadFull(asBytes(out)); err != nil {
-			return nil, fmt.Errorf("%w: %s: %v", ErrMalformed, what, err)
-		}
-		return out, nil
-	}
-	sp := scratchPool.Get().(*[scratchSize]byte)
-	defer scratchPool.Put(sp)
-	for rest := out; len(rest) > 0; {
-		k := min(len(rest), scratchSize/w)
-		buf := sp[:w*k]
-		if err := dec.ReadFull(buf); err != nil {
-			return nil, fmt.Errorf("%w: %s: %v", ErrMalformed, what, err)
-		}
-		for i := range rest[:k] {
-			rest[i] = getLE[E](buf[w*i:])
-		}
-		rest = rest[k:]
-	}
-	return out, nil
-}
-
-// EncodeMsgpack implements msgpack.CustomEncoder.
-func (t TokenIDs) EncodeMsgpack(enc *msgpack.Encoder) error {
-	return encodePacked(enc, t, hostLittleEndian)
-}
-
-// DecodeMsgpack implements msgpack.CustomDecoder. It accepts a bin (the
-// kvbus encoding), nil, or a plain array of integers.
-func (t *TokenIDs) DecodeMsgpack(dec *msgpack.Decoder) error {
-	v, err := decodePacked[uint32](dec, "token_ids", hostLittleEndian)
-	*t = v
-	return err
-}
-
-// EncodeMsgpack implements msgpack.CustomEncoder.
-func (h BlockHashes) EncodeMsgpack(enc *msgpack.Encoder) error {
-	return encodePacked(enc, h, hostLittleEndian)
-}
-
-// DecodeMsgpack implements msgpack.CustomDecoder, accepting bin, nil or an
-// array of integers.
-func (h *BlockHashes) DecodeMsgpack(dec *msgpack.Decoder) error {
-	v, err := decodePacked[uint64](dec, "block_hashes", hostLittleEndian)
-	*h = v
-	return err
-}
-
-// packedLen reads the header of a packed list: the element count (-1 for
-// nil) and whether the elements follow as a msgpack array instead of a bin.
-func packedLen(dec *msgpack.Decoder, width int) (n int, isArray bool, err error) {
-	code, err := dec.PeekCode()
-	if err != nil {
-		return 0, false, fmt.Errorf("%w: %v", ErrMalformed, err)
-	}
-	switch {
-	case code == msgpcode.Nil:
-		return -1, false, dec.DecodeNil()
-	case msgpcode.IsFixedArray(code) || code == msgpcode.Array16 || code == msgpcode.Array32:
-		n, err := dec.DecodeArrayLen()
+		return out, o, nil
+	case msgp.BinType:
+		size, o, err := msgp.ReadBytesHeader(b)
 		if err != nil {
-			return 0, false, fmt.Errorf("%w: %v", ErrMalformed, err)
+			return nil, b, err
 		}
-		if n > MaxMessageBytes {
-			return 0, false, fmt.Errorf("%w: array of %d elements", ErrMalformed, n)
+		if int(size)%w != 0 || int(size) > len(o) {
+			return nil, b, fmt.Errorf("%w: %s: packed list of %d bytes is not a whole number of %d-byte values in the message", ErrMalformed, what, size, w)
 		}
-		return n, true, nil
-	case code == msgpcode.Bin8 || code == msgpcode.Bin16 || code == msgpcode.Bin32:
-		size, err := dec.DecodeBytesLen()
-		if err != nil {
-			return 0, false, fmt.Errorf("%w: %v", ErrMalformed, err)
+		out := make([]E, int(size)/w)
+		if native {
+			copy(asBytes(out), o[:size])
+		} else {
+			for i := range out {
+				out[i] = getLE[E](o[w*i:])
+			}
 		}
-		if size%width != 0 || size > MaxMessageBytes {
-			return 0, false, fmt.Errorf("%w: packed list of %d bytes is not a whole number of %d-byte values", ErrMalformed, size, width)
-		}
-		return size / width, false, nil
+		return out, o[size:], nil
 	default:
-		return 0, false, fmt.Errorf("%w: packed list: unexpected msgpack code 0x%02x", ErrMalformed, code)
+		return nil, b, fmt.Errorf("%w: %s: a packed list cannot start with msgpack type %s", ErrMalformed, what, msgp.NextType(b))
 	}
 }
+
+// MarshalMsg implements msgp.Marshaler.
+func (t TokenIDs) MarshalMsg(b []byte) ([]byte, error) {
+	return appendPacked(b, t, hostLittleEndian), nil
+}
+
+// UnmarshalMsg implements msgp.Unmarshaler. It accepts a bin (the kvbus
+// encoding), nil, or a plain array of integers.
+func (t *TokenIDs) UnmarshalMsg(b []byte) ([]byte, error) {
+	v, o, err := readPacked[uint32](b, "token_ids", hostLittleEndian)
+	*t = v
+	return o, err
+}
+
+// Msgsize implements msgp.Sizer.
+func (t TokenIDs) Msgsize() int { return 5 + 4*len(t) }
+
+// IsZero reports an empty list: an omitempty field is left out.
+func (t TokenIDs) IsZero() bool { return len(t) == 0 }
+
+// MarshalMsg implements msgp.Marshaler.
+func (h BlockHashes) MarshalMsg(b []byte) ([]byte, error) {
+	return appendPacked(b, h, hostLittleEndian), nil
+}
+
+// UnmarshalMsg implements msgp.Unmarshaler, accepting bin, nil or an array
+// of integers.
+func (h *BlockHashes) UnmarshalMsg(b []byte) ([]byte, error) {
+	v, o, err := readPacked[uint64](b, "block_hashes", hostLittleEndian)
+	*h = v
+	return o, err
+}
+
+// Msgsize implements msgp.Sizer.
+func (h BlockHashes) Msgsize() int { return 5 + 8*len(h) }
+
+// IsZero reports an empty list: an omitempty field is left out.
+func (h BlockHashes) IsZero() bool { return len(h) == 0 }
