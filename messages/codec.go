@@ -107,7 +107,7 @@ func Unmarshal(data []byte, v any) (err error) {
 			err = fmt.Errorf("%w: %T: decoder panic: %v", ErrMalformed, v, r)
 		}
 	}()
-	if u, ok := v.(msgp.Unmarshaler); ok { // every wire type: see msgp.go
+	if u, ok := v.(msgp.Unmarshaler); ok { // every wire type (types_gen.go)
 		if _, err := u.UnmarshalMsg(data); err != nil {
 			if errors.Is(err, ErrMalformed) {
 				return fmt.Errorf("%T: %w", v, err)
