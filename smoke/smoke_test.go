@@ -568,26 +568,9 @@ func TestSmokeMonitoring(t *testing.T) {
 		t.Errorf("kvbus top saw %s", out)
 	}
 
-	raw, err := os.ReadFile("../deploy/grafana/kvbus.json")
-	if err != nil {
-		t.Fatal(err)
-	}
-	var dash struct {
-		Panels []struct {
-			Title   string `json:"title"`
-			Targets []struct {
-				Expr string `json:"expr"`
-			} `json:"targets"`
-		} `json:"panels"`
-	}
-	if err := json.Unmarshal(raw, &dash); err != nil {
-		t.Fatal(err)
-	}
-	for _, p := range dash.Panels {
-		for _, tg := range p.Targets {
-			if _, _, err := promQuery(t, prom, tg.Expr); err != nil {
-				t.Errorf("dashboard panel %q: %v", p.Title, err)
-			}
+	for _, q := range testenv.DashboardQueries(t, "../deploy/grafana/kvbus.json") {
+		if _, _, err := promQuery(t, prom, q.Expr); err != nil {
+			t.Errorf("dashboard panel %q: %v", q.Panel, err)
 		}
 	}
 }

@@ -1,13 +1,14 @@
 package testenv_test
 
 import (
-	"encoding/json"
 	"io/fs"
 	"os"
 	"path/filepath"
 	"regexp"
 	"strings"
 	"testing"
+
+	"github.com/kvbus/kvbus/testenv"
 )
 
 // TestGrafanaDashboardNamesExist: every kvbus metric the Grafana dashboard
@@ -15,24 +16,10 @@ import (
 // stays empty because of a renamed metric. (The compose smoke test runs
 // every query against a real Prometheus scraping the cluster.)
 func TestGrafanaDashboardNamesExist(t *testing.T) {
-	raw, err := os.ReadFile("../deploy/grafana/kvbus.json")
-	if err != nil {
-		t.Fatal(err)
-	}
-	var dash struct {
-		Panels []struct {
-			Title   string `json:"title"`
-			Targets []struct {
-				Expr string `json:"expr"`
-			} `json:"targets"`
-		} `json:"panels"`
-	}
-	if err := json.Unmarshal(raw, &dash); err != nil {
-		t.Fatalf("the dashboard is not JSON: %v", err)
-	}
+	queries := testenv.DashboardQueries(t, "../deploy/grafana/kvbus.json")
 	registered := map[string]bool{}
 	name := regexp.MustCompile(`Name:\s+"(kvbus_[a-z_]+)"`)
-	err = filepath.WalkDir("..", func(path string, d fs.DirEntry, err error) error {
+	err := filepath.WalkDir("..", func(path string, d fs.DirEntry, err error) error {
 		if err != nil || d.IsDir() || !strings.HasSuffix(path, ".go") || strings.HasSuffix(path, "_test.go") {
 			return err
 		}
@@ -46,19 +33,15 @@ func TestGrafanaDashboardNamesExist(t *testing.T) {
 		t.Fatal(err)
 	}
 	used := regexp.MustCompile(`kvbus_[a-z_]+`)
-	panels := 0
-	for _, p := range dash.Panels {
-		for _, tg := range p.Targets {
-			panels++
-			for _, m := range used.FindAllString(tg.Expr, -1) {
-				base := strings.TrimSuffix(strings.TrimSuffix(strings.TrimSuffix(m, "_bucket"), "_sum"), "_count")
-				if !registered[base] {
-					t.Errorf("panel %q queries %s, which kvbus does not register", p.Title, m)
-				}
+	for _, q := range queries {
+		for _, m := range used.FindAllString(q.Expr, -1) {
+			base := strings.TrimSuffix(strings.TrimSuffix(strings.TrimSuffix(m, "_bucket"), "_sum"), "_count")
+			if !registered[base] {
+				t.Errorf("panel %q queries %s, which kvbus does not register", q.Panel, m)
 			}
 		}
 	}
-	if panels < 10 {
-		t.Errorf("%d queries in the dashboard", panels)
+	if len(queries) < 10 {
+		t.Errorf("%d queries in the dashboard", len(queries))
 	}
 }
