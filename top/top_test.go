@@ -1,7 +1,6 @@
 package top_test
 
 import (
-	"context"
 	"fmt"
 	"net/http"
 	"path/filepath"
@@ -30,19 +29,7 @@ func TestWatcherSeesWhatClientsSee(t *testing.T) {
 		t.Fatal(err)
 	}
 	c := testenv.StartCluster(t, testenv.ClusterConfig{Groups: 2, Ranks: 2, AuthDir: dir})
-	nc, err := c.Cluster.Connect("top") // not a role's name: the admin key
-	if err != nil {
-		t.Fatal(err)
-	}
-	w, err := top.New(top.Config{Conn: nc})
-	if err != nil {
-		t.Fatal(err)
-	}
-	ctx, cancel := context.WithCancel(t.Context())
-	done := make(chan error, 1)
-	go func() { done <- w.Run(ctx) }()
-	defer func() { cancel(); <-done }()
-	<-w.Subscribed()
+	w := c.StartTop(t) // the admin key: "top" is not a role's name
 
 	client := &http.Client{Timeout: 30 * time.Second}
 	defer client.CloseIdleConnections()

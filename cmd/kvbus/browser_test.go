@@ -6,7 +6,6 @@
 package main
 
 import (
-	"context"
 	"fmt"
 	"html"
 	"image"
@@ -130,19 +129,7 @@ func TestBenchHTMLInChromium(t *testing.T) {
 func TestTopScreenshot(t *testing.T) {
 	browser := chromium(t)
 	c := testenv.StartCluster(t, testenv.ClusterConfig{Groups: 2, Ranks: 4})
-	nc, err := c.Cluster.Connect("top")
-	if err != nil {
-		t.Fatal(err)
-	}
-	w, err := top.New(top.Config{Conn: nc})
-	if err != nil {
-		t.Fatal(err)
-	}
-	ctx, cancel := context.WithCancel(t.Context())
-	done := make(chan error, 1)
-	go func() { done <- w.Run(ctx) }()
-	defer func() { cancel(); <-done }()
-	<-w.Subscribed()
+	w := c.StartTop(t)
 	converse(t, c.URL, "support-chat-17", "code-review-4", "travel-plans-2")
 	time.Sleep(1200 * time.Millisecond) // a heartbeat after the last answer
 	screen := top.NewModel(w, time.Second, 10).Render()
