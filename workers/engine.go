@@ -79,7 +79,8 @@ type Engine interface {
 
 // SimProfile is the sim engine's cost model. Defaults approximate an 8B
 // model on one modern GPU (see the README): prefill 60 µs per uncached
-// token, load 5 µs per cached token, decode 10 ms per output token.
+// token, load 5 µs per cached token, decode 10 ms per output token after
+// the first (which the prefill yields).
 type SimProfile struct {
 	PrefillPerToken time.Duration
 	LoadPerToken    time.Duration
@@ -124,6 +125,9 @@ func (c SimConfig) Validate() error {
 type SimEngine struct {
 	cfg     SimConfig
 	prefill chan struct{} // a one-slot semaphore: FCFS prefill
+	// freeAt is when the last prefill ended in the model; only the
+	// holder of the prefill slot reads or writes it.
+	freeAt time.Time
 }
 
 // NewSimEngine returns a sim engine.
@@ -154,12 +158,18 @@ const (
 func (e *SimEngine) Generate(ctx context.Context, req EngineRequest, prefilled func(), emit func(Chunk) error) (EngineResult, error) {
 	p := e.cfg.Profile
 	// Prefill is FCFS per group: wait for the slot, then load and prefill.
+	arrived := time.Now()
 	select {
 	case e.prefill <- struct{}{}:
 	case <-ctx.Done():
 		return EngineResult{}, ctx.Err()
 	}
-	err := e.wait(ctx, e.prefillTime(req))
+	end := prefillEnd(e.freeAt, arrived, e.prefillTime(req))
+	err := e.waitUntil(ctx, end)
+	if err != nil {
+		end = time.Now() // the prefill stopped here
+	}
+	e.freeAt = end
 	<-e.prefill
 	if err != nil {
 		return EngineResult{}, err
@@ -195,8 +205,14 @@ func (e *SimEngine) Generate(ctx context.Context, req EngineRequest, prefilled f
 		return emit(c)
 	}
 	for n < maxTokens {
-		if err := e.sleep(ctx, p.DecodePerToken); err != nil {
-			return EngineResult{CompletionTokens: n}, err
+		// The prefill's forward pass yields the first token, as in vLLM;
+		// each later one takes a decode step.
+		if n > 0 {
+			if err := e.sleep(ctx, p.DecodePerToken); err != nil {
+				return EngineResult{CompletionTokens: n}, err
+			}
+		} else if err := ctx.Err(); err != nil {
+			return EngineResult{}, err
 		}
 		rng = splitmix64(rng)
 		if n >= req.Params.MinTokens && !req.Params.IgnoreEOS && rng%simEOSOdds == 0 {
@@ -263,6 +279,23 @@ func (e *SimEngine) sleep(ctx context.Context, d time.Duration) error {
 // scaled is a modelled duration in wall time.
 func (e *SimEngine) scaled(d time.Duration) time.Duration {
 	return time.Duration(float64(d) * e.cfg.TimeScale)
+}
+
+// prefillEnd is when a prefill of d ends in the model: it starts when the
+// request arrived or when the previous prefill ended (freeAt), whichever is
+// later. The queue is kept in modelled time, so a holder that the host woke
+// late does not delay the ones behind it: on a busy host that lateness
+// would otherwise add up along the queue, which a GPU's does not.
+func prefillEnd(freeAt, arrived time.Time, d time.Duration) time.Time {
+	if freeAt.After(arrived) {
+		return freeAt.Add(d)
+	}
+	return arrived.Add(d)
+}
+
+// waitUntil sleeps until t, or until ctx ends.
+func (e *SimEngine) waitUntil(ctx context.Context, t time.Time) error {
+	return e.wait(ctx, time.Until(t))
 }
 
 // wait sleeps for d of wall time, or until ctx ends.

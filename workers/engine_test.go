@@ -488,3 +488,44 @@ func TestSimPrefillTime(t *testing.T) {
 		}
 	}
 }
+
+// TestSimPrefillEnd: the prefill queue runs in modelled time. A prefill
+// starts when it arrived or when the previous one ended in the model,
+// whichever is later — never when the host got round to waking it.
+func TestSimPrefillEnd(t *testing.T) {
+	t0 := time.Unix(1000, 0)
+	ms := time.Millisecond
+	for _, tc := range []struct {
+		name            string
+		freeAt, arrived time.Time
+		want            time.Time
+	}{
+		{"idle group", time.Time{}, t0, t0.Add(10 * ms)},
+		{"previous ended before it arrived", t0.Add(-5 * ms), t0, t0.Add(10 * ms)},
+		{"queued behind a prefill", t0.Add(30 * ms), t0, t0.Add(40 * ms)},
+	} {
+		if got := prefillEnd(tc.freeAt, tc.arrived, 10*ms); !got.Equal(tc.want) {
+			t.Errorf("%s: prefillEnd = %v, want %v", tc.name, got.Sub(t0), tc.want.Sub(t0))
+		}
+	}
+}
+
+// TestSimEngineFirstTokenAtPrefillEnd: the prefill yields the first token,
+// as vLLM's does; only later tokens wait for a decode step. With decode
+// steps of an hour, the first chunk still arrives, and the second never
+// does before the request is cancelled.
+func TestSimEngineFirstTokenAtPrefillEnd(t *testing.T) {
+	e := newSim(t, SimConfig{Profile: SimProfile{DecodePerToken: time.Hour}, TimeScale: 1})
+	ctx, cancel := context.WithCancel(t.Context())
+	defer cancel()
+	var chunks []Chunk
+	res, err := e.Generate(ctx, EngineRequest{PromptTokens: prompt(1, 10), Params: messages.SamplingParams{MaxTokens: 3, IgnoreEOS: true}},
+		nil, func(c Chunk) error {
+			chunks = append(chunks, c)
+			cancel() // the second token would take an hour
+			return nil
+		})
+	if !errors.Is(err, context.Canceled) || len(chunks) != 1 || len(chunks[0].TokenIDs) != 1 || res.CompletionTokens != 1 {
+		t.Errorf("Generate = %+v, %v with %d chunks; want one chunk of one token, then the cancellation", res, err, len(chunks))
+	}
+}

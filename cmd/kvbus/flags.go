@@ -150,7 +150,7 @@ type engineFlags struct {
 	PrefillPerToken  time.Duration `name:"prefill-per-token" default:"60us" help:"Sim engine: prefill time per uncached prompt token."`
 	LoadPerToken     time.Duration `name:"load-per-token" default:"5us" help:"Sim engine: time to load one cached token's KV."`
 	RemoteLoad       time.Duration `name:"remote-load-per-token" default:"15us" help:"Sim engine: time to load one cached token's KV from another group's segment of the pool (--pool global)."`
-	DecodePerToken   time.Duration `name:"decode-per-token" default:"10ms" help:"Sim engine: time per output token."`
+	DecodePerToken   time.Duration `name:"decode-per-token" default:"10ms" help:"Sim engine: time per output token after the first (the prefill yields the first, as in vLLM)."`
 	HeartbeatEvery   time.Duration `name:"heartbeat-interval" default:"1s" help:"How often a rank sends a heartbeat."`
 	ShutdownTimeout  time.Duration `name:"shutdown-timeout" default:"10s" help:"How long a stopping rank lets in-flight requests finish."`
 	SaveWait         time.Duration `name:"save-wait" default:"2s" help:"How long a load waits for a block this rank is still saving (the previous turn's); past it the block is recomputed."`

@@ -211,6 +211,7 @@ func (c *tapCmd) Run(ctx context.Context) error {
 
 type benchCmd struct {
 	logFlags   `embed:""`
+	pprofFlags `embed:""`
 	traceFlags `embed:""`
 	Trace      string        `name:"trace" required:"" type:"existingfile" help:"Trace or capture file."`
 	Policies   string        `name:"policies" default:"kv,session,round-robin,random" help:"Comma-separated policies to compare."`
@@ -226,7 +227,7 @@ type benchCmd struct {
 	Load       time.Duration `name:"load-per-token" default:"5us" help:"Sim engine: load time per cached token (scaled by 1/--speed)."`
 	RemoteLoad time.Duration `name:"remote-load-per-token" default:"15us" help:"Sim engine: load time per token read from another group's segment of the pool (scaled by 1/--speed)."`
 	Pools      string        `name:"pool" default:"global" help:"Comma-separated KV pool modes to run each policy with: local, global (e.g. local,global for a side-by-side table)."`
-	Decode     time.Duration `name:"decode-per-token" default:"10ms" help:"Sim engine: time per output token (scaled by 1/--speed)."`
+	Decode     time.Duration `name:"decode-per-token" default:"10ms" help:"Sim engine: time per output token after the first, which the prefill yields (scaled by 1/--speed)."`
 	Timeout    time.Duration `name:"timeout" default:"10m" help:"Deadline of one request."`
 	Runs       int           `name:"runs" default:"1" help:"Run each policy and pool this many times, each on a fresh cluster, and report the requests of all runs together (a short trace's p95 is otherwise one request)."`
 }
@@ -248,6 +249,11 @@ func (c *benchCmd) Run(ctx context.Context) error {
 	if err != nil {
 		return fmt.Errorf("--kv-capacity: %w", err)
 	}
+	stopPprof, err := c.startPprof(ctx, log)
+	if err != nil {
+		return err
+	}
+	defer stopPprof()
 	const model = "kvbus-sim"
 	ideal := replay.IdealHitRatio(tr.Items, model, c.BlockSize)
 	var reports []*replay.Report
