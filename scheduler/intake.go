@@ -97,7 +97,7 @@ func (s *Scheduler) onRequest(ctx context.Context, m jetstream.Msg) error {
 	if !s.trackers.add(t) {
 		return m.Ack()
 	}
-	s.groups.addInflight(group, 1, t.PrefillBlocks)
+	s.groups.addInflight(group, 1, t.queued)
 	// The plan goes out first: another replica hears of it before anything
 	// this request causes (see awaitCausal).
 	s.publishPlan(t)

@@ -16,8 +16,13 @@ func (s *Scheduler) onDone(_ context.Context, m *nats.Msg) error {
 		return err
 	}
 	if r.Prefilled {
-		if group, blocks := s.trackers.prefilled(r); blocks > 0 {
-			s.groups.addInflight(group, 0, -blocks)
+		// The group's queue is not changed here: the driver sent a
+		// heartbeat at the prefill, whose count no longer holds it. Taking
+		// it off here too took it off twice whenever that heartbeat was
+		// handled first. What the prefill took teaches how fast the group
+		// works off its queue.
+		if group, work := s.trackers.prefilled(r); work > 0 && r.PrefillUs > 0 {
+			s.groups.observePrefill(group, work, r.PrefillUs)
 		}
 	}
 	t, known := s.trackers.addResult(r)

@@ -153,18 +153,20 @@ func (tt *trackerTable) addResult(r *messages.RankResult) (done *RequestTracker,
 	return t, true
 }
 
-// prefilled records the driver's prefill report and returns the blocks to
-// take off the group's prefill queue (0 when already done or unknown).
-func (tt *trackerTable) prefilled(r *messages.RankResult) (group string, blocks int) {
+// prefilled records the driver's prefill report and returns the request's
+// group and its work in blocks of prefill time (0 when already reported or
+// unknown): the work is off the group's queue, so its end takes nothing
+// more off.
+func (tt *trackerTable) prefilled(r *messages.RankResult) (group string, work int) {
 	tt.mu.Lock()
 	defer tt.mu.Unlock()
 	t := tt.m[r.ReqID]
 	if t == nil || r.Attempt != t.Attempt || r.Group != t.Group {
 		return "", 0
 	}
-	blocks, t.queued = t.queued, 0
+	work, t.queued = t.queued, 0
 	t.Prefilled = true
-	return t.Group, blocks
+	return t.Group, work
 }
 
 // stranded returns the trackers placed on groups that are not ready: those
