@@ -147,6 +147,11 @@ type RankResult struct {
 	// scheduler can tell a rank that missed the ReqMeta from a busy one.
 	Received bool   `msgpack:"received,omitempty" json:"received,omitempty"`
 	Error    string `msgpack:"error,omitempty" json:"error,omitempty"`
+	// PrefillUs, on a Prefilled report, is the engine time of the prefill
+	// (loads included): from when the engine could start it (the request
+	// reached it, or the prefill before it ended) to its end. Schedulers
+	// learn from it how fast a group works off its queue.
+	PrefillUs int64 `msgpack:"prefill_us,omitempty" json:"prefill_us,omitempty"`
 }
 
 // Usage counts tokens like OpenAI's usage object.
@@ -267,6 +272,13 @@ type Heartbeat struct {
 	// pool): loading holds the engine too.
 	QueuedLoadTokens       int64 `msgpack:"queued_load_tokens,omitempty" json:"queued_load_tokens,omitempty"`
 	QueuedRemoteLoadTokens int64 `msgpack:"queued_remote_load_tokens,omitempty" json:"queued_remote_load_tokens,omitempty"`
+	// The prefill at the head of the engine's queue (counted in the
+	// queued tokens above): how long the engine has been on it, and its
+	// tokens to prefill and load. A scheduler takes the work done on it
+	// off the queue, up to those tokens, rather than count it whole until
+	// it ends.
+	PrefillingUs     int64 `msgpack:"prefilling_us,omitempty" json:"prefilling_us,omitempty"`
+	PrefillingTokens int64 `msgpack:"prefilling_tokens,omitempty" json:"prefilling_tokens,omitempty"`
 }
 
 // Announcement tells the cluster that a role's process is alive and whether

@@ -975,8 +975,8 @@ func (z *HandoffTarget) Msgsize() (s int) {
 func (z *Heartbeat) MarshalMsg(b []byte) (o []byte, err error) {
 	o = msgp.Require(b, z.Msgsize())
 	// check for omitted fields
-	zb0001Len := uint32(18)
-	var zb0001Mask uint32 /* 18 bits */
+	zb0001Len := uint32(20)
+	var zb0001Mask uint32 /* 20 bits */
 	_ = zb0001Mask
 	if z.UsedBytes == 0 {
 		zb0001Len--
@@ -1009,6 +1009,14 @@ func (z *Heartbeat) MarshalMsg(b []byte) (o []byte, err error) {
 	if z.QueuedRemoteLoadTokens == 0 {
 		zb0001Len--
 		zb0001Mask |= 0x20000
+	}
+	if z.PrefillingUs == 0 {
+		zb0001Len--
+		zb0001Mask |= 0x40000
+	}
+	if z.PrefillingTokens == 0 {
+		zb0001Len--
+		zb0001Mask |= 0x80000
 	}
 	// variable map header, size zb0001Len
 	o = msgp.AppendMapHeader(o, zb0001Len)
@@ -1084,6 +1092,16 @@ func (z *Heartbeat) MarshalMsg(b []byte) (o []byte, err error) {
 			// string "queued_remote_load_tokens"
 			o = append(o, 0xb9, 0x71, 0x75, 0x65, 0x75, 0x65, 0x64, 0x5f, 0x72, 0x65, 0x6d, 0x6f, 0x74, 0x65, 0x5f, 0x6c, 0x6f, 0x61, 0x64, 0x5f, 0x74, 0x6f, 0x6b, 0x65, 0x6e, 0x73)
 			o = msgp.AppendInt64(o, z.QueuedRemoteLoadTokens)
+		}
+		if (zb0001Mask & 0x40000) == 0 { // if not omitted
+			// string "prefilling_us"
+			o = append(o, 0xad, 0x70, 0x72, 0x65, 0x66, 0x69, 0x6c, 0x6c, 0x69, 0x6e, 0x67, 0x5f, 0x75, 0x73)
+			o = msgp.AppendInt64(o, z.PrefillingUs)
+		}
+		if (zb0001Mask & 0x80000) == 0 { // if not omitted
+			// string "prefilling_tokens"
+			o = append(o, 0xb1, 0x70, 0x72, 0x65, 0x66, 0x69, 0x6c, 0x6c, 0x69, 0x6e, 0x67, 0x5f, 0x74, 0x6f, 0x6b, 0x65, 0x6e, 0x73)
+			o = msgp.AppendInt64(o, z.PrefillingTokens)
 		}
 	}
 	return
@@ -1215,6 +1233,18 @@ func (z *Heartbeat) UnmarshalMsg(bts []byte) (o []byte, err error) {
 				err = msgp.WrapError(err, "QueuedRemoteLoadTokens")
 				return
 			}
+		case "prefilling_us":
+			z.PrefillingUs, bts, err = msgp.ReadInt64Bytes(bts)
+			if err != nil {
+				err = msgp.WrapError(err, "PrefillingUs")
+				return
+			}
+		case "prefilling_tokens":
+			z.PrefillingTokens, bts, err = msgp.ReadInt64Bytes(bts)
+			if err != nil {
+				err = msgp.WrapError(err, "PrefillingTokens")
+				return
+			}
 		default:
 			bts, err = msgp.Skip(bts)
 			if err != nil {
@@ -1229,7 +1259,7 @@ func (z *Heartbeat) UnmarshalMsg(bts []byte) (o []byte, err error) {
 
 // Msgsize returns an upper bound estimate of the number of bytes occupied by the serialized message
 func (z *Heartbeat) Msgsize() (s int) {
-	s = 3 + 2 + msgp.IntSize + 6 + msgp.StringPrefixSize + len(z.Group) + 8 + msgp.IntSize + 8 + msgp.IntSize + 11 + msgp.IntSize + 6 + msgp.StringPrefixSize + len(z.Model) + 16 + msgp.Int64Size + 12 + msgp.Int64Size + 11 + msgp.Int64Size + 12 + msgp.IntSize + 16 + msgp.Int64Size + 9 + msgp.BoolSize + 10 + msgp.BoolSize + 17 + msgp.StringPrefixSize + len(z.NotReadyReason) + 18 + msgp.IntSize + 22 + msgp.Int64Size + 19 + msgp.Int64Size + 26 + msgp.Int64Size
+	s = 3 + 2 + msgp.IntSize + 6 + msgp.StringPrefixSize + len(z.Group) + 8 + msgp.IntSize + 8 + msgp.IntSize + 11 + msgp.IntSize + 6 + msgp.StringPrefixSize + len(z.Model) + 16 + msgp.Int64Size + 12 + msgp.Int64Size + 11 + msgp.Int64Size + 12 + msgp.IntSize + 16 + msgp.Int64Size + 9 + msgp.BoolSize + 10 + msgp.BoolSize + 17 + msgp.StringPrefixSize + len(z.NotReadyReason) + 18 + msgp.IntSize + 22 + msgp.Int64Size + 19 + msgp.Int64Size + 26 + msgp.Int64Size + 14 + msgp.Int64Size + 18 + msgp.Int64Size
 	return
 }
 
@@ -2374,8 +2404,8 @@ func (z *PoolRead) Msgsize() (s int) {
 func (z *RankResult) MarshalMsg(b []byte) (o []byte, err error) {
 	o = msgp.Require(b, z.Msgsize())
 	// check for omitted fields
-	zb0001Len := uint32(17)
-	var zb0001Mask uint32 /* 17 bits */
+	zb0001Len := uint32(18)
+	var zb0001Mask uint32 /* 18 bits */
 	_ = zb0001Mask
 	if z.RemoteTokens == 0 {
 		zb0001Len--
@@ -2396,6 +2426,10 @@ func (z *RankResult) MarshalMsg(b []byte) (o []byte, err error) {
 	if z.Error == "" {
 		zb0001Len--
 		zb0001Mask |= 0x10000
+	}
+	if z.PrefillUs == 0 {
+		zb0001Len--
+		zb0001Mask |= 0x20000
 	}
 	// variable map header, size zb0001Len
 	o = msgp.AppendMapHeader(o, zb0001Len)
@@ -2462,6 +2496,11 @@ func (z *RankResult) MarshalMsg(b []byte) (o []byte, err error) {
 			// string "error"
 			o = append(o, 0xa5, 0x65, 0x72, 0x72, 0x6f, 0x72)
 			o = msgp.AppendString(o, z.Error)
+		}
+		if (zb0001Mask & 0x20000) == 0 { // if not omitted
+			// string "prefill_us"
+			o = append(o, 0xaa, 0x70, 0x72, 0x65, 0x66, 0x69, 0x6c, 0x6c, 0x5f, 0x75, 0x73)
+			o = msgp.AppendInt64(o, z.PrefillUs)
 		}
 	}
 	return
@@ -2587,6 +2626,12 @@ func (z *RankResult) UnmarshalMsg(bts []byte) (o []byte, err error) {
 				err = msgp.WrapError(err, "Error")
 				return
 			}
+		case "prefill_us":
+			z.PrefillUs, bts, err = msgp.ReadInt64Bytes(bts)
+			if err != nil {
+				err = msgp.WrapError(err, "PrefillUs")
+				return
+			}
 		default:
 			bts, err = msgp.Skip(bts)
 			if err != nil {
@@ -2601,7 +2646,7 @@ func (z *RankResult) UnmarshalMsg(bts []byte) (o []byte, err error) {
 
 // Msgsize returns an upper bound estimate of the number of bytes occupied by the serialized message
 func (z *RankResult) Msgsize() (s int) {
-	s = 3 + 2 + msgp.IntSize + 7 + msgp.StringPrefixSize + len(z.ReqID) + 6 + msgp.StringPrefixSize + len(z.Group) + 8 + msgp.IntSize + 8 + msgp.IntSize + 8 + msgp.IntSize + 14 + msgp.IntSize + 14 + msgp.IntSize + 14 + msgp.IntSize + 15 + msgp.IntSize + 14 + msgp.IntSize + 8 + msgp.Int64Size + 9 + msgp.Int64Size + 18 + msgp.IntSize + 10 + msgp.BoolSize + 9 + msgp.BoolSize + 6 + msgp.StringPrefixSize + len(z.Error)
+	s = 3 + 2 + msgp.IntSize + 7 + msgp.StringPrefixSize + len(z.ReqID) + 6 + msgp.StringPrefixSize + len(z.Group) + 8 + msgp.IntSize + 8 + msgp.IntSize + 8 + msgp.IntSize + 14 + msgp.IntSize + 14 + msgp.IntSize + 14 + msgp.IntSize + 15 + msgp.IntSize + 14 + msgp.IntSize + 8 + msgp.Int64Size + 9 + msgp.Int64Size + 18 + msgp.IntSize + 10 + msgp.BoolSize + 9 + msgp.BoolSize + 6 + msgp.StringPrefixSize + len(z.Error) + 11 + msgp.Int64Size
 	return
 }
 

@@ -25,17 +25,39 @@ type groupTable struct {
 type groupInfo struct {
 	worldSize int
 	ranks     map[int]rankInfo
-	// From the driver's last heartbeat.
+	// From the driver's last heartbeat, heard at hbAt.
+	hbAt       time.Time
 	hbInflight int
 	hbQueued   int // blocks of prefill time: prefills and the loads before them
+	// The prefill at the head of the queue (part of hbQueued): how long
+	// the engine had been on it, and at most how many blocks it is.
+	prefilling       time.Duration
+	prefillingBlocks int
 	// This replica's changes since that heartbeat.
 	inflight int
 	queued   int
+	// blockTime is how long the group takes per block of prefill time,
+	// learnt from its prefills (0: not yet known).
+	blockTime time.Duration
 }
 
-func (g *groupInfo) load() (inflight, queued int) {
-	return max(g.hbInflight+g.inflight, 0), max(g.hbQueued+g.queued, 0)
+// load is the group's requests in flight and its queue in blocks of
+// prefill time at now. The work done on the prefill at the head of the
+// queue since it began is taken off (up to that prefill's blocks), once
+// the group's pace is known: a queue whose head is nearly done is not as
+// long as one whose head has just begun, and the heartbeat that says so
+// comes only when the head ends.
+func (g *groupInfo) load(now time.Time) (inflight, queued int) {
+	q := g.hbQueued
+	if g.blockTime > 0 && g.prefillingBlocks > 0 {
+		done := int((g.prefilling + now.Sub(g.hbAt)) / g.blockTime)
+		q -= min(max(done, 0), g.prefillingBlocks, q)
+	}
+	return max(g.hbInflight+g.inflight, 0), max(q+g.queued, 0)
 }
+
+// blockTimeWeight is the weight of a new prefill in a group's learnt pace.
+const blockTimeWeight = 0.2
 
 type rankInfo struct {
 	seen       time.Time
@@ -81,6 +103,9 @@ func (t *groupTable) observe(hb *messages.Heartbeat, now time.Time) {
 		bs := int64(t.blockSize)
 		g.hbQueued = int((hb.QueuedPrefillTokens+bs-1)/bs) +
 			loadWork(int(hb.QueuedLoadTokens/bs), int(hb.QueuedRemoteLoadTokens/bs), t.localLoad, t.remoteLoad)
+		g.hbAt = now
+		g.prefilling = time.Duration(hb.PrefillingUs) * time.Microsecond
+		g.prefillingBlocks = int((hb.PrefillingTokens + bs - 1) / bs)
 		g.inflight, g.queued = 0, 0
 	}
 }
@@ -102,7 +127,7 @@ func (t *groupTable) ready(now time.Time) []GroupState {
 			}
 		}
 		if alive == g.worldSize && !draining {
-			inflight, queued := g.load()
+			inflight, queued := g.load(now)
 			out = append(out, GroupState{Name: name, WorldSize: g.worldSize, Inflight: inflight, QueuedBlocks: queued, QueueDepth: depth})
 		}
 	}
@@ -140,13 +165,30 @@ func (t *groupTable) addInflight(group string, requests, blocks int) {
 	}
 }
 
+// observePrefill learns a group's pace from one of its prefills: work
+// blocks of prefill time that took the engine us microseconds.
+func (t *groupTable) observePrefill(group string, work int, us int64) {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	g := t.groups[group]
+	if g == nil || work <= 0 || us <= 0 {
+		return
+	}
+	sample := time.Duration(us) * time.Microsecond / time.Duration(work)
+	if g.blockTime == 0 {
+		g.blockTime = sample
+		return
+	}
+	g.blockTime += time.Duration(blockTimeWeight * float64(sample-g.blockTime))
+}
+
 // each calls f for every known group with its queue depth and in-flight
-// count.
-func (t *groupTable) each(f func(name string, inflight, queued int)) {
+// count at now.
+func (t *groupTable) each(now time.Time, f func(name string, inflight, queued int)) {
 	t.mu.Lock()
 	defer t.mu.Unlock()
 	for name, g := range t.groups {
-		inflight, queued := g.load()
+		inflight, queued := g.load(now)
 		f(name, inflight, queued)
 	}
 }

@@ -134,3 +134,58 @@ func TestGroupTableLoadIsClusterWide(t *testing.T) {
 	gt.observe(h, now)
 	check("loads queued", 2, 2+13)
 }
+
+// TestGroupTableTakesOffTheHeadsProgress: once a group's pace is learnt
+// from its prefills, the work its engine has done on the prefill at the
+// head of its queue comes off the queue — up to that prefill's blocks, so
+// an engine stuck on one never looks idle.
+func TestGroupTableTakesOffTheHeadsProgress(t *testing.T) {
+	gt := newGroupTable(time.Second, 16, 0.25, 0.5)
+	now := time.Now()
+	ms := time.Millisecond
+	gt.observe(hb("g0", 1, 2), now)
+	driver := func(at time.Time, prefillingUs int64) {
+		h := hb("g0", 0, 2)
+		// 100 blocks queued; the head is 30 of them, on the engine for prefillingUs.
+		h.InflightRequests, h.QueuedPrefillTokens, h.PrefillingTokens, h.PrefillingUs = 4, 1600, 480, prefillingUs
+		gt.observe(h, at)
+	}
+	queued := func(at time.Time) int {
+		t.Helper()
+		got := gt.ready(at)
+		if len(got) != 1 {
+			t.Fatalf("ready = %+v", got)
+		}
+		return got[0].QueuedBlocks
+	}
+	driver(now, 5000)
+	if q := queued(now.Add(10 * ms)); q != 100 {
+		t.Errorf("pace unknown: %d blocks queued, want all 100", q)
+	}
+	gt.observePrefill("g0", 10, 10_000) // 10 blocks in 10 ms: 1 ms a block
+	for _, tc := range []struct {
+		after time.Duration
+		want  int
+	}{
+		{0, 95},       // 5 ms on the head at the heartbeat
+		{10 * ms, 85}, // and 10 ms since
+		{40 * ms, 70}, // the head's 30 blocks at most
+	} {
+		if q := queued(now.Add(tc.after)); q != tc.want {
+			t.Errorf("%v after the heartbeat: %d blocks queued, want %d", tc.after, q, tc.want)
+		}
+	}
+	// This replica's own dispatches are not worked off: they may not have
+	// reached the engine.
+	gt.addInflight("g0", 1, 7)
+	if q := queued(now.Add(40 * ms)); q != 77 {
+		t.Errorf("with 7 blocks dispatched here: %d queued, want 77", q)
+	}
+	// The pace moves towards new prefills: 1 ms + 0.2 × (2 ms − 1 ms).
+	gt.observePrefill("g0", 10, 20_000)
+	gt.observePrefill("unknown", 10, 20_000) // ignored
+	driver(now, 0)
+	if q := queued(now.Add(12 * ms)); q != 90 {
+		t.Errorf("at 1.2 ms a block, 12 ms into the head: %d queued, want 90", q)
+	}
+}

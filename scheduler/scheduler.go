@@ -378,7 +378,7 @@ func (s *Scheduler) sweep(ctx context.Context, now time.Time) {
 			s.requestDump(ctx, group, r)
 		}
 	}
-	s.groups.each(func(name string, inflight, queued int) {
+	s.groups.each(now, func(name string, inflight, queued int) {
 		s.m.groupInflight.WithLabelValues(name).Set(float64(inflight))
 		s.m.groupQueued.WithLabelValues(name).Set(float64(queued))
 		s.m.groupBlocks.WithLabelValues(name).Set(float64(s.index.GroupBlocks(name)))

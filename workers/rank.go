@@ -166,6 +166,7 @@ type Rank struct {
 	// prefilled, and the cached tokens they will load locally and from
 	// other groups first; reported in heartbeats.
 	queuedTokens, queuedLoad, queuedRemote atomic.Int64
+	prefills                               prefillClock // the driver's engine queue
 
 	drivers sync.WaitGroup // driver goroutines, started by the load loop
 }

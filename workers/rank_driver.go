@@ -23,12 +23,14 @@ func (r *Rank) drive(rr *rankReq) {
 	cached := min(rr.loaded, max(meta.TokenLen-1, 0)) // at least one token is computed
 	storeQueued := false
 	var last *Chunk // the answer's last chunk, when the engine marks it
+	r.prefills.enter(rr, time.Now())
 	res, err := r.cfg.Engine.Generate(rr.ctx, EngineRequest{
 		ReqID: meta.ReqID, PromptTokens: meta.TokenIDs, CachedTokens: cached, RemoteTokens: min(rr.remote, cached),
 		LoadTime: time.Duration(rr.loadUs) * time.Microsecond, Params: meta.SamplingParams,
 		Model: meta.Model, SessionID: meta.SessionID, Endpoint: meta.Endpoint, Body: meta.Body, KVTransferParams: meta.KVTransferParams,
 	}, func() {
 		storeQueued = true
+		prefillTime := r.prefills.prefilled(rr, time.Now())
 		r.donePrefill(rr)
 		// Tell every scheduler replica at once that the group's prefill
 		// queue shrank: the client's next turn follows this answer, and
@@ -38,6 +40,7 @@ func (r *Rank) drive(rr *rankReq) {
 		r.pushStore(rr)
 		r.publish(meta.ResultSubject, &messages.RankResult{
 			ReqID: meta.ReqID, Group: r.cfg.Group, TPRank: r.cfg.TPRank, EPRank: r.cfg.EPRank, Attempt: meta.Attempt, Prefilled: true,
+			PrefillUs: prefillTime.Microseconds(),
 		}, meta)
 	}, func(c Chunk) error {
 		if c.Last && last == nil {
@@ -47,6 +50,7 @@ func (r *Rank) drive(rr *rankReq) {
 		publish(&messages.Output{Text: c.Text, TokenIDs: c.TokenIDs, Raw: c.Raw})
 		return nil
 	})
+	r.prefills.leave(rr, time.Now()) // when it ended without a prefill
 	// The prompt's blocks are stored (and their KV events published) before
 	// the final chunk, so a client's next turn finds them.
 	if !storeQueued {

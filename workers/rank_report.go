@@ -158,6 +158,8 @@ func (r *Rank) heartbeat() {
 	if r.IsDriver() {
 		hb.InflightRequests, hb.QueuedPrefillTokens = depth, max(r.queuedTokens.Load(), 0)
 		hb.QueuedLoadTokens, hb.QueuedRemoteLoadTokens = max(r.queuedLoad.Load(), 0), max(r.queuedRemote.Load(), 0)
+		elapsed, tokens := r.prefills.head(time.Now())
+		hb.PrefillingUs, hb.PrefillingTokens = elapsed.Microseconds(), tokens
 	}
 	data, err := messages.Marshal(hb)
 	if err == nil {

@@ -802,7 +802,9 @@ func TestRankLoadWaitsForInflightSave(t *testing.T) {
 // ReceiptAfter (here the driver, generating) sends a receipt, so the
 // scheduler can tell it from a rank that lost the ReqMeta; the others,
 // done sooner, send their result instead. The driver's heartbeats carry its group's load
-// (requests in flight, prompt tokens not yet prefilled, none once done).
+// (requests in flight, prompt tokens not yet prefilled, none once done) and
+// how long its engine has been on the prefill at the head of its queue; its
+// prefill report says how long the prefill took.
 func TestRankReceiptsAndDriverLoad(t *testing.T) {
 	env := startRanks(t, rankEnvConfig{engine: workers.SimConfig{
 		Profile: workers.SimProfile{PrefillPerToken: time.Millisecond, DecodePerToken: 50 * time.Millisecond}, TimeScale: 1,
@@ -837,6 +839,27 @@ func TestRankReceiptsAndDriverLoad(t *testing.T) {
 	testenv.Eventually(t, waitFor, "the driver's load back to zero", func() bool {
 		hbs := env.heartbeats(0)
 		last := hbs[len(hbs)-1]
-		return last.InflightRequests == 0 && last.QueuedPrefillTokens == 0
+		return last.InflightRequests == 0 && last.QueuedPrefillTokens == 0 && last.PrefillingTokens == 0 && last.PrefillingUs == 0
 	})
+	// Heartbeats every 20 ms during the 200 ms prefill: the time the engine
+	// has been on it grows from one to the next.
+	var prefilling []int64
+	for _, hb := range env.heartbeats(0) {
+		if hb.PrefillingTokens == 200 {
+			prefilling = append(prefilling, hb.PrefillingUs)
+		}
+	}
+	if len(prefilling) < 2 || !slices.IsSorted(prefilling) || prefilling[len(prefilling)-1] <= prefilling[0] {
+		t.Errorf("prefilling_us of the heartbeats during the prefill = %v, want a rising series", prefilling)
+	}
+	var prefillUs int64 = -1
+	for _, msg := range env.rec.all() {
+		if r, err := messages.DecodeRankResult(msg.Data); msg.Subject == env.subj.Done(testSchedID) && err == nil && r.Prefilled {
+			prefillUs = r.PrefillUs
+		}
+	}
+	// Timers never fire early: 200 tokens at 1 ms took at least 200 ms.
+	if prefillUs < 200_000 {
+		t.Errorf("the prefill report's prefill_us = %d, want >= 200000 (200 tokens at 1 ms)", prefillUs)
+	}
 }
