@@ -50,10 +50,10 @@ func (r *Rank) drive(rr *rankReq) {
 		publish(&messages.Output{Text: c.Text, TokenIDs: c.TokenIDs, Raw: c.Raw})
 		return nil
 	})
-	r.prefills.leave(rr, time.Now()) // when it ended without a prefill
 	// The prompt's blocks are stored (and their KV events published) before
 	// the final chunk, so a client's next turn finds them.
-	if !storeQueued {
+	if !storeQueued { // it ended without a prefill
+		r.prefills.leave(rr, time.Now())
 		close(rr.storeDone)
 	}
 	<-rr.storeDone
