@@ -3,6 +3,7 @@ package messages
 import (
 	"bytes"
 	"fmt"
+	"sync"
 
 	"github.com/tinylib/msgp/msgp"
 	"github.com/vmihailenco/msgpack/v5"
@@ -104,6 +105,13 @@ func (a Args) String(key string) (string, bool) {
 	return s, ok
 }
 
+// argsEncoders write free-form Args with sorted keys.
+var argsEncoders = sync.Pool{New: func() any {
+	enc := msgpack.NewEncoder(nil)
+	enc.SetSortMapKeys(true) // deterministic bytes for free-form maps
+	return enc
+}}
+
 var (
 	_ msgp.Marshaler   = Args(nil)
 	_ msgp.Unmarshaler = (*Args)(nil)
@@ -113,8 +121,8 @@ var (
 // equal Args are equal bytes. Free-form values are rare and small; the
 // reflection-based encoder writes them.
 func (a Args) MarshalMsg(b []byte) ([]byte, error) {
-	enc := encoderPool.Get().(*msgpack.Encoder)
-	defer encoderPool.Put(enc)
+	enc := argsEncoders.Get().(*msgpack.Encoder)
+	defer argsEncoders.Put(enc)
 	buf := bytes.NewBuffer(b)
 	enc.ResetWriter(buf) // keeps SetSortMapKeys
 	err := enc.Encode(map[string]any(a))

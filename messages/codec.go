@@ -3,7 +3,6 @@ package messages
 import (
 	"errors"
 	"fmt"
-	"sync"
 
 	"github.com/tinylib/msgp/msgp"
 	"github.com/vmihailenco/msgpack/v5"
@@ -60,17 +59,12 @@ func (m *DrainPlan) setVersion()     { m.V = Version }
 func (m *Handoff) setVersion()       { m.V = Version }
 func (m *HandoffResult) setVersion() { m.V = Version }
 
-var encoderPool = sync.Pool{New: func() any {
-	enc := msgpack.NewEncoder(nil)
-	enc.SetSortMapKeys(true) // deterministic bytes for free-form maps
-	return enc
-}}
-
 // Marshal encodes m as a msgpack map, setting its version field. The
 // returned slice is owned by the caller.
 func Marshal(m Message) ([]byte, error) {
 	m.setVersion()
-	// Msgsize bounds the encoding from above: one allocation.
+	// Msgsize bounds the encoding from above (free-form Args only
+	// estimate theirs): one allocation.
 	b, err := m.MarshalMsg(make([]byte, 0, m.Msgsize()))
 	if err != nil {
 		return nil, fmt.Errorf("messages: encode %T: %w", m, err)

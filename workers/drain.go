@@ -51,7 +51,7 @@ type peerGroups struct {
 	mu     sync.Mutex
 	latest map[string]peerHeartbeat // subject -> last heartbeat on it
 	// since is when the rank began to follow heartbeats (when it began to
-	// drain); set before the first one arrives.
+	// drain); set by Run once subscribed, read by the hand-off after it.
 	since time.Time
 }
 
