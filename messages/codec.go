@@ -292,7 +292,7 @@ func (m *Output) validate() error {
 }
 
 func (m *KVEventBatch) validate() error {
-	if m.DumpChunk < 0 || m.DumpChunks < 0 || (m.DumpChunks > 0 && m.DumpChunk >= m.DumpChunks) {
+	if m.DumpChunk < 0 || m.DumpChunks < 0 || m.DumpChunks > MaxDumpChunks || (m.DumpChunks > 0 && m.DumpChunk >= m.DumpChunks) {
 		return invalid("kv event batch: dump chunk %d of %d", m.DumpChunk, m.DumpChunks)
 	}
 	for i, ev := range m.Events {

@@ -625,6 +625,10 @@ func TestValidation(t *testing.T) {
 			return m
 		}(), decKVEventBatch},
 		{"KVEventBatch/empty event type", &KVEventBatch{Group: "g0", Events: []KVEvent{{}}}, decKVEventBatch},
+		// A receiver allocates by the chunk count: 1<<62 made a scheduler's
+		// resync panic.
+		{"KVEventBatch/dump_chunks above MaxDumpChunks", &KVEventBatch{Group: "g0", DumpChunks: 1 << 62}, decKVEventBatch},
+		{"KVEventBatch/dump_chunk not below dump_chunks", &KVEventBatch{Group: "g0", DumpChunk: 2, DumpChunks: 2}, decKVEventBatch},
 		{"Heartbeat/bad group", func() Message { m := sampleHeartbeat(); m.Group = "g 0"; return m }(), decHeartbeat},
 		{"Heartbeat/zero world_size", func() Message { m := sampleHeartbeat(); m.WorldSize, m.TPRank = 0, 0; return m }(), decHeartbeat},
 		{"Heartbeat/tp_rank = world_size", func() Message { m := sampleHeartbeat(); m.TPRank = m.WorldSize; return m }(), decHeartbeat},

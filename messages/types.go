@@ -234,10 +234,16 @@ type KVEventBatch struct {
 	// DumpChunk and DumpChunks number the chunks of a dump (a reply on
 	// kvbus.ctl.dump.<group>.<rank>): a rank's held set is sent in as many
 	// batches as fit the connection's max payload, all at the same seq, the
-	// first starting with AllBlocksCleared. Zero outside dumps.
+	// first starting with AllBlocksCleared. Zero outside dumps; at most
+	// MaxDumpChunks.
 	DumpChunk  int `msgpack:"dump_chunk,omitempty" json:"dump_chunk,omitempty"`
 	DumpChunks int `msgpack:"dump_chunks,omitempty" json:"dump_chunks,omitempty"`
 }
+
+// MaxDumpChunks bounds a dump's chunk count: 65,536 chunks of a 1 MiB
+// payload hold ~8 billion block hashes, more than any rank has. A receiver
+// allocates by the count, so a larger one is malformed.
+const MaxDumpChunks = 1 << 16
 
 // Heartbeat announces a live rank on kvbus.hb.<group>.<rank>.
 type Heartbeat struct {
@@ -274,9 +280,9 @@ type Heartbeat struct {
 	QueuedRemoteLoadTokens int64 `msgpack:"queued_remote_load_tokens,omitempty" json:"queued_remote_load_tokens,omitempty"`
 	// The prefill at the head of the engine's queue (counted in the
 	// queued tokens above): how long the engine has been on it, and its
-	// tokens to prefill and load. A scheduler takes the work done on it
-	// off the queue, up to those tokens, rather than count it whole until
-	// it ends.
+	// tokens to prefill (not those it loads, which a scheduler weighs
+	// differently). A scheduler takes the work done on it off the queue, up
+	// to those tokens, rather than count it whole until it ends.
 	PrefillingUs     int64 `msgpack:"prefilling_us,omitempty" json:"prefilling_us,omitempty"`
 	PrefillingTokens int64 `msgpack:"prefilling_tokens,omitempty" json:"prefilling_tokens,omitempty"`
 }

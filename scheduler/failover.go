@@ -46,6 +46,13 @@ func (s *Scheduler) rescue(now time.Time) {
 				return
 			}
 			s.groups.addInflight(t.Group, 1, t.queued)
+			// The next request of the batch sees this one's work.
+			for i := range groups {
+				if groups[i].Name == t.Group {
+					groups[i].Inflight++
+					groups[i].QueuedBlocks += t.queued
+				}
+			}
 			subj, data, meta = t.metaSubj, t.metaData, true
 		})
 		s.withdraw(old.ReqID, from, "worker group not ready: dispatched again elsewhere")

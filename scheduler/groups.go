@@ -143,15 +143,35 @@ func (t *groupTable) alive(now time.Time) map[string]bool {
 	defer t.mu.Unlock()
 	out := map[string]bool{}
 	for name, g := range t.groups {
-		n := 0
-		for _, r := range g.ranks {
-			if now.Sub(r.seen) <= t.timeout && !r.notReady {
-				n++
-			}
-		}
-		out[name] = n == g.worldSize
+		out[name] = t.completeLocked(g, now)
 	}
 	return out
+}
+
+// sources returns the names of the alive groups (see alive): those whose
+// segments of the KV pool answer reads, a draining group's until it exits.
+func (t *groupTable) sources(now time.Time) []string {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	out := make([]string, 0, len(t.groups))
+	for name, g := range t.groups {
+		if t.completeLocked(g, now) {
+			out = append(out, name)
+		}
+	}
+	return out
+}
+
+// completeLocked reports whether every rank of g was heard within the
+// timeout and none fails its health check.
+func (t *groupTable) completeLocked(g *groupInfo, now time.Time) bool {
+	n := 0
+	for _, r := range g.ranks {
+		if now.Sub(r.seen) <= t.timeout && !r.notReady {
+			n++
+		}
+	}
+	return n == g.worldSize
 }
 
 // addInflight changes a group's in-flight requests and queued prefill

@@ -541,14 +541,17 @@ func (x *KVIndex) Match(hashes []uint64, groups []GroupState) {
 }
 
 // PoolPrefix returns how many leading blocks of hashes are held in full by
-// at least one group, or being saved by one of the groups in savers: what a
-// request can read from the KV pool as a whole.
-func (x *KVIndex) PoolPrefix(hashes []uint64, savers []string) int {
+// at least one of the groups in sources, or being saved by one of the groups
+// in savers: what a request can read from the KV pool as a whole. sources
+// are the groups whose segments answer reads (alive, draining or not): a
+// group that stopped sending heartbeats is in the index until its blocks
+// are cleared, but nobody would answer a read from it.
+func (x *KVIndex) PoolPrefix(hashes []uint64, sources, savers []string) int {
 	x.mu.RLock()
 	defer x.mu.RUnlock()
-	planOK := x.maskLocked(savers)
+	fullOK, planOK := x.maskLocked(sources), x.maskLocked(savers)
 	for i, h := range hashes {
-		if x.full[h]|x.planned[h]&planOK == 0 {
+		if x.full[h]&fullOK|x.planned[h]&planOK == 0 {
 			return i
 		}
 	}
@@ -557,21 +560,22 @@ func (x *KVIndex) PoolPrefix(hashes []uint64, savers []string) int {
 
 // RemoteRuns returns where blocks [from, limit) of hashes can be read
 // from: the group's own segments where it holds (or is saving) a block,
-// else consecutive runs from other groups whose ranks all hold them, or
-// that are saving them if listed in savers — groups whose prefill queue is
-// empty, so the save is imminent and the source's pool read waits for it.
+// else consecutive runs from other groups in sources whose ranks all hold
+// them, or that are saving them if listed in savers — groups whose prefill
+// queue is empty, so the save is imminent and the source's pool read waits
+// for it. sources are as PoolPrefix's.
 // One source is kept while it holds the next block (fewer, longer reads).
 // end is the block after the last one readable; the prefix stops at the
 // first block no group can give.
-func (x *KVIndex) RemoteRuns(hashes []uint64, group string, from, limit int, savers []string) (runs []messages.RemoteRun, end int) {
+func (x *KVIndex) RemoteRuns(hashes []uint64, group string, from, limit int, sources, savers []string) (runs []messages.RemoteRun, end int) {
 	x.mu.RLock()
 	defer x.mu.RUnlock()
 	self := x.maskLocked([]string{group})
-	planOK := x.maskLocked(savers) | self
+	fullOK, planOK := x.maskLocked(sources)|self, x.maskLocked(savers)|self
 	src := -1
 	i := from
 	for ; i < min(limit, len(hashes)); i++ {
-		m := x.full[hashes[i]] | x.planned[hashes[i]]&planOK
+		m := x.full[hashes[i]]&fullOK | x.planned[hashes[i]]&planOK
 		switch {
 		case m&self != 0:
 			src = -1 // local

@@ -164,7 +164,8 @@ func TestKVIndexRemoteRuns(t *testing.T) {
 	x.Apply(kvBatch("g0", 0, 2, stored(a[:2]...)))  // g0: blocks 0-1
 	x.Apply(kvBatch("g1", 0, 2, stored(a[:5]...)))  // g1: blocks 0-4
 	x.Apply(kvBatch("g2", 0, 2, stored(a[3:7]...))) // g2: blocks 3-6
-	if got := x.PoolPrefix(a, nil); got != 7 {
+	all := []string{"g0", "g1", "g2"}
+	if got := x.PoolPrefix(a, all, nil); got != 7 {
 		t.Errorf("PoolPrefix = %d, want 7", got)
 	}
 	tests := []struct {
@@ -181,10 +182,22 @@ func TestKVIndexRemoteRuns(t *testing.T) {
 		{"g1", 0, 0, nil, 0},
 	}
 	for _, tt := range tests {
-		got, end := x.RemoteRuns(a, tt.group, tt.from, tt.limit, nil)
+		got, end := x.RemoteRuns(a, tt.group, tt.from, tt.limit, all, nil)
 		if !slices.Equal(got, tt.want) || end != tt.end {
 			t.Errorf("RemoteRuns(%s, %d, %d) = %+v, %d; want %+v, %d", tt.group, tt.from, tt.limit, got, end, tt.want, tt.end)
 		}
+	}
+	// g1 stopped answering (not among the sources): its blocks are
+	// nobody's, though the index still lists them until they are cleared.
+	if got := x.PoolPrefix(a, []string{"g0", "g2"}, nil); got != 2 {
+		t.Errorf("PoolPrefix without g1 = %d, want 2", got)
+	}
+	if got, end := x.RemoteRuns(a, "g2", 0, 8, []string{"g2"}, nil); len(got) != 0 || end != 0 {
+		t.Errorf("RemoteRuns from no other source = %+v, %d; want none, 0", got, end)
+	}
+	// A group's own blocks are local whatever the sources.
+	if got, end := x.RemoteRuns(a, "g1", 0, 8, nil, nil); len(got) != 0 || end != 5 {
+		t.Errorf("RemoteRuns on g1 with no sources = %+v, %d; want none, 5", got, end)
 	}
 }
 
@@ -199,21 +212,22 @@ func TestKVIndexRemoteRunsFromSavers(t *testing.T) {
 		x.Apply(kvBatch(g, 0, 1, clearedAll()))
 	}
 	x.Plan("g1", a, time.Now().Add(time.Minute)) // g1 is saving blocks 0-3
-	if runs, end := x.RemoteRuns(a, "g0", 0, 4, nil); len(runs) != 0 || end != 0 {
+	all := []string{"g0", "g1"}
+	if runs, end := x.RemoteRuns(a, "g0", 0, 4, all, nil); len(runs) != 0 || end != 0 {
 		t.Errorf("busy saver: runs %+v, end %d; want none", runs, end)
 	}
-	if got := x.PoolPrefix(a, nil); got != 0 {
+	if got := x.PoolPrefix(a, all, nil); got != 0 {
 		t.Errorf("PoolPrefix with no savers = %d, want 0", got)
 	}
 	want := []messages.RemoteRun{{Group: "g1", FromBlock: 0, Blocks: 4}}
-	if runs, end := x.RemoteRuns(a, "g0", 0, 4, []string{"g1"}); !slices.Equal(runs, want) || end != 4 {
+	if runs, end := x.RemoteRuns(a, "g0", 0, 4, all, []string{"g1"}); !slices.Equal(runs, want) || end != 4 {
 		t.Errorf("idle saver: runs %+v, end %d; want %+v, 4", runs, end, want)
 	}
-	if got := x.PoolPrefix(a, []string{"g1"}); got != 4 {
+	if got := x.PoolPrefix(a, all, []string{"g1"}); got != 4 {
 		t.Errorf("PoolPrefix with g1 saving = %d, want 4", got)
 	}
 	// A group's own plans are local whatever the savers.
-	if runs, end := x.RemoteRuns(a, "g1", 0, 4, nil); len(runs) != 0 || end != 4 {
+	if runs, end := x.RemoteRuns(a, "g1", 0, 4, all, nil); len(runs) != 0 || end != 4 {
 		t.Errorf("own plans: runs %+v, end %d; want none, 4", runs, end)
 	}
 }

@@ -26,7 +26,7 @@ func (s *Scheduler) onRequest(ctx context.Context, m jetstream.Msg) error {
 		_ = m.Term()
 		return fmt.Errorf("request on %s: %w", m.Subject(), err)
 	}
-	if s.trackers.seen(req.RequestID) { // a redelivery of a request already dispatched
+	if s.trackers.seen(req.RequestID) { // a redelivery of a request already dispatched, or one its client aborted
 		s.m.requests.WithLabelValues("duplicate").Inc()
 		return m.Ack()
 	}
@@ -148,13 +148,12 @@ func (s *Scheduler) place(t *RequestTracker, groups []GroupState, binding Bindin
 	s.index.Match(t.BlockHashes, groups)
 	pool := 0
 	if s.cfg.Pool == PoolGlobal {
-		t.savers = savers(groups)
-		pool = s.index.PoolPrefix(t.BlockHashes, t.savers)
+		t.sources, t.savers = s.groups.sources(time.Now()), savers(groups)
+		pool = s.index.PoolPrefix(t.BlockHashes, t.sources, t.savers)
 	}
 	for i := range groups {
 		g := &groups[i]
 		g.CachedBlocks = g.IndexBlocks
-		g.RemoteBlocks = max(pool-g.IndexBlocks, 0)
 		if bound && g.Name == binding.Group {
 			g.Bound = true
 			// The previous turn's blocks, if this prompt extends it.
@@ -162,6 +161,8 @@ func (s *Scheduler) place(t *RequestTracker, groups []GroupState, binding Bindin
 				g.CachedBlocks = max(g.CachedBlocks, n)
 			}
 		}
+		// The pool's blocks past what the group has (or is credited with).
+		g.RemoteBlocks = max(pool-g.CachedBlocks, 0)
 	}
 	group, err := s.cfg.Policy.Place(t, groups)
 	if err != nil {
@@ -186,7 +187,7 @@ func (s *Scheduler) setLoad(t *RequestTracker, local int, global bool) {
 	t.LocalBlocks = min(local, limit)
 	t.Remote, t.LoadBlocks = nil, t.LocalBlocks
 	if global {
-		t.Remote, t.LoadBlocks = s.index.RemoteRuns(t.BlockHashes, t.Group, t.LocalBlocks, limit, t.savers)
+		t.Remote, t.LoadBlocks = s.index.RemoteRuns(t.BlockHashes, t.Group, t.LocalBlocks, limit, t.sources, t.savers)
 	}
 	t.PrefillBlocks = len(t.BlockHashes) - t.LoadBlocks
 	t.queued = t.PrefillBlocks + loadWork(t.LocalBlocks, t.LoadBlocks-t.LocalBlocks, s.cfg.LocalLoadCost, s.cfg.RemoteLoadCost)

@@ -68,7 +68,7 @@ func (s *Scheduler) onAbort(_ context.Context, m *nats.Msg) error {
 	if a.Group != "" {
 		return nil // a scheduler withdrawing a request from one group
 	}
-	if t := s.trackers.remove(a.ReqID); t != nil {
+	if t := s.trackers.abort(a.ReqID); t != nil {
 		s.groups.addInflight(t.Group, -1, -t.queued)
 		s.m.requests.WithLabelValues("aborted").Inc()
 		s.log.Info("request aborted", "req_id", t.ReqID, "session_id", t.SessionID, "group", t.Group, "reason", a.Reason)

@@ -34,6 +34,7 @@ type RequestTracker struct {
 	// the runs read from other groups (global pool).
 	LocalBlocks int
 	Remote      []messages.RemoteRun
+	sources     []string // groups whose held blocks may be read (see groupTable.sources)
 	savers      []string // groups whose planned blocks may be read (see savers)
 	// LoadBlocks is the LoadSpec's prefix in blocks (the prediction);
 	// PrefillBlocks the blocks left to prefill.
@@ -83,12 +84,16 @@ func (tt *trackerTable) endLocked(id string) {
 	tt.ended.Put(id, struct{}{}, time.Now())
 }
 
-// add inserts t unless a tracker with its id exists; it reports whether t
-// was added.
+// add inserts t unless a tracker with its id exists or the request ended
+// (an abort that came before it: see abort); it reports whether t was
+// added.
 func (tt *trackerTable) add(t *RequestTracker) bool {
 	tt.mu.Lock()
 	defer tt.mu.Unlock()
 	if _, ok := tt.m[t.ReqID]; ok {
+		return false
+	}
+	if _, ended := tt.ended.Get(t.ReqID, time.Now()); ended {
 		return false
 	}
 	tt.m[t.ReqID] = t
@@ -119,13 +124,15 @@ func (tt *trackerTable) drop(id string) {
 	delete(tt.m, id)
 }
 
-func (tt *trackerTable) remove(id string) *RequestTracker {
+// abort ends a request its client gave up on and returns its tracker, nil
+// if it had none yet: the id is remembered either way, so a request aborted
+// while it still waits in the request log (a backlog is when clients give
+// up) is never dispatched.
+func (tt *trackerTable) abort(id string) *RequestTracker {
 	tt.mu.Lock()
 	defer tt.mu.Unlock()
 	t := tt.m[id]
-	if t != nil {
-		tt.endLocked(id)
-	}
+	tt.endLocked(id)
 	return t
 }
 

@@ -14,7 +14,7 @@ func newTracker(id, group string, worldSize, attempt int, deadline time.Time) *R
 		Results: map[int]*messages.RankResult{}}
 }
 
-func TestTrackerTableAddRemove(t *testing.T) {
+func TestTrackerTableAddAbort(t *testing.T) {
 	tt := testTrackerTable(t)
 	a := newTracker("a", "g0", 2, 0, time.Now())
 	if !tt.add(a) || tt.Len() != 1 || !tt.has("a") {
@@ -23,11 +23,15 @@ func TestTrackerTableAddRemove(t *testing.T) {
 	if tt.add(newTracker("a", "g1", 1, 0, time.Now())) {
 		t.Error("a second tracker with the same id was added")
 	}
-	if tt.remove("missing") != nil {
-		t.Error("remove(missing) returned a tracker")
+	if tt.abort("missing") != nil {
+		t.Error("abort(missing) returned a tracker")
 	}
-	if got := tt.remove("a"); got != a || tt.Len() != 0 || tt.has("a") {
-		t.Errorf("remove(a) = %v, Len %d", got, tt.Len())
+	// Aborted before it was dispatched: it never is.
+	if !tt.seen("missing") || tt.add(newTracker("missing", "g0", 2, 0, time.Now())) {
+		t.Error("a request aborted before it had a tracker can still be added")
+	}
+	if got := tt.abort("a"); got != a || tt.Len() != 0 || tt.has("a") {
+		t.Errorf("abort(a) = %v, Len %d", got, tt.Len())
 	}
 }
 

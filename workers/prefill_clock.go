@@ -21,18 +21,20 @@ type prefillClock struct {
 
 type prefillEntry struct {
 	at     time.Time // when it reached the engine
-	tokens int64     // tokens to prefill and to load
+	tokens int64     // tokens to prefill
 }
 
 // enter records that rr reached the engine at now.
 func (c *prefillClock) enter(rr *rankReq, now time.Time) {
-	local, remote := loadTokens(rr.meta)
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	if c.waiting == nil {
 		c.waiting = map[*rankReq]prefillEntry{}
 	}
-	c.waiting[rr] = prefillEntry{at: now, tokens: int64(prefillTokens(rr.meta) + local + remote)}
+	// Its loads are left out: a scheduler counts them in its queue at a
+	// fraction of a prefilled token, so a cap in whole tokens would take
+	// off far more than the head's own work.
+	c.waiting[rr] = prefillEntry{at: now, tokens: int64(prefillTokens(rr.meta))}
 }
 
 // prefilled records that rr's prefill ended at now and returns its engine
@@ -69,7 +71,8 @@ func (c *prefillClock) leave(rr *rankReq, now time.Time) {
 }
 
 // head returns how long the engine has been on the prefill at the head of
-// its queue at now, and that prefill's tokens; zeros when none waits.
+// its queue at now, and that prefill's tokens to prefill (not those it
+// loads); zeros when none waits.
 func (c *prefillClock) head(now time.Time) (elapsed time.Duration, tokens int64) {
 	c.mu.Lock()
 	defer c.mu.Unlock()

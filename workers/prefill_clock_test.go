@@ -37,7 +37,7 @@ func TestPrefillClock(t *testing.T) {
 		t.Errorf("a's prefill took %v, want 10ms", got)
 	}
 	// b waited behind a: its prefill began when a's ended.
-	check("b prefilling", at(12), 2*time.Millisecond, 200) // 136 to prefill + 64 to load
+	check("b prefilling", at(12), 2*time.Millisecond, 136) // its 64 loaded tokens are not counted
 	if got := c.prefilled(b, at(20)); got != 10*time.Millisecond {
 		t.Errorf("b's prefill took %v, want 10ms (from a's end)", got)
 	}

@@ -1,0 +1,249 @@
+package scheduler
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"log/slog"
+	"testing"
+	"time"
+
+	"github.com/nats-io/nats.go"
+	"github.com/nats-io/nats.go/jetstream"
+
+	"github.com/kvbus/kvbus/bus"
+	"github.com/kvbus/kvbus/messages"
+)
+
+// newBareScheduler is a scheduler on an embedded server that is not
+// running: its handlers and placement are called directly.
+func newBareScheduler(t *testing.T) (*Scheduler, *nats.Conn) {
+	t.Helper()
+	srv, err := bus.StartServer(bus.ServerConfig{Addr: "127.0.0.1:0", DataDir: t.TempDir()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(srv.Shutdown)
+	nc, err := nats.Connect(srv.ClientURL())
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(nc.Close)
+	s, err := New(Config{Conn: nc, ID: "s0", Policy: KVPolicy{}, HeartbeatTimeout: time.Second,
+		Logger: slog.New(slog.NewTextHandler(io.Discard, nil))})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return s, nc
+}
+
+// holding makes a one-rank group known and synced in the index, holding
+// hashes.
+func holding(s *Scheduler, g string, hashes ...uint64) {
+	s.index.ObserveRank(g, 0, 1, 1)
+	s.index.ApplyDump(g, 0, kvDump(g, 0, 1, hashes...))
+}
+
+// heard records a heartbeat of group g's only rank at at, with queued
+// prefill tokens.
+func heard(s *Scheduler, g string, at time.Time, queuedTokens int64) {
+	s.groups.observe(&messages.Heartbeat{Group: g, TPRank: 0, WorldSize: 1, StartedUnixMs: 1, QueuedPrefillTokens: queuedTokens}, at)
+}
+
+// promptTracker is a request of blocks full blocks and one token more.
+func promptTracker(id string, blocks int) *RequestTracker {
+	toks := make([]uint32, blocks*16+1)
+	for i := range toks {
+		toks[i] = uint32(i) + uint32(len(id))*100_000 + uint32(id[len(id)-1])*1000
+	}
+	t := &RequestTracker{ReqID: id, SessionID: "s-" + id, Model: "m", FrontendID: "fe", TokenLen: len(toks), TokenIDs: toks,
+		Request:  &messages.Request{RequestID: id, FrontendID: "fe", Model: "m", PromptTokenIDs: toks},
+		Received: time.Now(), Deadline: time.Now().Add(time.Minute), Results: map[int]*messages.RankResult{}}
+	t.BlockHashes = HashBlocks(nil, HashSeed("m"), toks, 16)
+	return t
+}
+
+// TestPlaceReadsOnlyFromLiveGroups: a group that stopped sending
+// heartbeats stays in the index until its blocks are cleared, but nobody
+// answers a pool read from it: its blocks are neither in the cost nor in
+// the LoadSpec.
+func TestPlaceReadsOnlyFromLiveGroups(t *testing.T) {
+	s, _ := newBareScheduler(t)
+	now := time.Now()
+	tr := promptTracker("r1", 20)
+	holding(s, "g0")
+	holding(s, "gone", tr.BlockHashes[:10]...)
+	holding(s, "draining", tr.BlockHashes[:4]...)
+	heard(s, "g0", now, 0)
+	heard(s, "gone", now.Add(-5*time.Second), 0)
+	s.groups.observe(&messages.Heartbeat{Group: "draining", TPRank: 0, WorldSize: 1, StartedUnixMs: 1, Draining: true}, now)
+	groups := s.PlaceableGroups(now)
+	if len(groups) != 1 || groups[0].Name != "g0" {
+		t.Fatalf("placeable groups = %+v, want g0 only", groups)
+	}
+	if _, err := s.place(tr, groups, Binding{}, false); err != nil {
+		t.Fatal(err)
+	}
+	// The draining group still answers reads of its 4 blocks; the one that
+	// is gone does not.
+	want := []messages.RemoteRun{{Group: "draining", FromBlock: 0, Blocks: 4}}
+	if fmt.Sprint(tr.Remote) != fmt.Sprint(want) || tr.LoadBlocks != 4 {
+		t.Errorf("LoadSpec: remote %+v, %d blocks loaded; want %+v, 4", tr.Remote, tr.LoadBlocks, want)
+	}
+	if groups[0].RemoteBlocks != 4 {
+		t.Errorf("g0's cost counts %d remote blocks, want 4", groups[0].RemoteBlocks)
+	}
+}
+
+// TestPlaceBindingCreditIsNotRemote: the blocks the bound group is
+// credited with (the previous turn, still being saved) are not also
+// counted as pool reads; past them only what the pool holds is.
+func TestPlaceBindingCreditIsNotRemote(t *testing.T) {
+	s, _ := newBareScheduler(t)
+	now := time.Now()
+	tr := promptTracker("r2", 20)
+	holding(s, "g0")
+	holding(s, "g1", tr.BlockHashes[:10]...)
+	heard(s, "g0", now, 5*16)
+	heard(s, "g1", now, 0)
+	groups := s.PlaceableGroups(now)
+	b := Binding{Group: "g0", Blocks: 10, LastHash: tr.BlockHashes[9]} // g0 served blocks 0-9
+	g, err := s.place(tr, groups, b, true)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, gs := range groups {
+		if gs.CachedBlocks+gs.RemoteBlocks > 10 {
+			t.Errorf("%s: %d cached + %d remote blocks, but only blocks 0-9 exist anywhere", gs.Name, gs.CachedBlocks, gs.RemoteBlocks)
+		}
+	}
+	// Both have the first 10 blocks (credited or held); g0 has 5 queued.
+	if g != "g1" {
+		t.Errorf("placed on %s, want g1: the same prefix, no queue", g)
+	}
+}
+
+// TestRescueSpreadsStrandedRequests: requests moved off a failed group
+// are placed one after another, each seeing the work of those moved before
+// it, not all on the group that was idlest before the move.
+func TestRescueSpreadsStrandedRequests(t *testing.T) {
+	s, _ := newBareScheduler(t)
+	now := time.Now()
+	for _, g := range []string{"g0", "g1", "g2"} {
+		holding(s, g)
+	}
+	heard(s, "g0", now.Add(-5*time.Second), 0) // failed
+	heard(s, "g1", now, 0)
+	heard(s, "g2", now, 10*16)
+	for i := range 6 {
+		tr := promptTracker(fmt.Sprint("m", i), 20)
+		tr.Group, tr.WorldSize, tr.queued = "g0", 1, 20
+		s.trackers.add(tr)
+	}
+	s.rescue(now)
+	count := map[string]int{}
+	for i := range 6 {
+		s.trackers.update(fmt.Sprint("m", i), func(t *RequestTracker) { count[t.Group]++ })
+	}
+	if count["g0"] != 0 || count["g1"]+count["g2"] != 6 || count["g2"] == 0 || count["g1"] < count["g2"] {
+		t.Errorf("six 21-block requests moved off g0 (g1 idle, g2 with 10 blocks queued) went %v; want them spread, g1 taking no fewer", count)
+	}
+}
+
+// TestFetchDumpRefusesHugeChunkCounts: a dump reply's chunk count sizes an
+// allocation; one far beyond any rank's (1<<62) is malformed, not a crash.
+func TestFetchDumpRefusesHugeChunkCounts(t *testing.T) {
+	s, nc := newBareScheduler(t)
+	s.cfg.DumpTimeout = 2 * time.Second
+	// Encoded as a rank would, without the decoder's validation.
+	data, err := (&messages.KVEventBatch{V: 1, Group: "g0", Seq: 5, DumpChunks: 1 << 62}).MarshalMsg(nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	sub, err := nc.Subscribe(s.cfg.Subjects.Dump("g0", 0), func(m *nats.Msg) { _ = m.Respond(data) })
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() { _ = sub.Unsubscribe() }()
+	if err := nc.Flush(); err != nil {
+		t.Fatal(err)
+	}
+	_, _, err = s.fetchDump(context.Background(), "g0", 0)
+	if !errors.Is(err, messages.ErrInvalid) {
+		t.Errorf("fetchDump = %v, want an ErrInvalid dump chunk", err)
+	}
+}
+
+// ackMsg is a request delivered from the log, as onRequest sees it.
+type ackMsg struct {
+	jetstream.Msg // nil: only the methods below are called
+	data          []byte
+	acked         bool
+}
+
+func (m *ackMsg) Metadata() (*jetstream.MsgMetadata, error) {
+	return &jetstream.MsgMetadata{NumDelivered: 1, Timestamp: time.Now()}, nil
+}
+func (m *ackMsg) Data() []byte                     { return m.data }
+func (m *ackMsg) Subject() string                  { return "kvbus.req.m" }
+func (m *ackMsg) Ack() error                       { m.acked = true; return nil }
+func (m *ackMsg) NakWithDelay(time.Duration) error { return nil }
+func (m *ackMsg) Term() error                      { return nil }
+
+// TestAbortBeforeDispatch: a client that gives up while its request still
+// waits in the request log (a backlog is when clients give up) has it
+// dropped when the scheduler reaches it, not run for nobody.
+func TestAbortBeforeDispatch(t *testing.T) {
+	s, nc := newBareScheduler(t)
+	b, _ := openTestBindings(t)
+	s.bindings.Store(b)
+	holding(s, "g0")
+	heard(s, "g0", time.Now(), 0)
+	metas := make(chan *nats.Msg, 4)
+	sub, err := nc.ChanSubscribe(s.cfg.Subjects.MetaGroup("g0"), metas)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() { _ = sub.Unsubscribe() }()
+	if err := nc.Flush(); err != nil {
+		t.Fatal(err)
+	}
+	request := func(id string) *ackMsg {
+		data, err := messages.Marshal(&messages.Request{RequestID: id, FrontendID: "fe", Model: "m",
+			ArrivalUnixMs: time.Now().UnixMilli(), PromptTokenIDs: make([]uint32, 40)})
+		if err != nil {
+			t.Fatal(err)
+		}
+		return &ackMsg{data: data}
+	}
+	abort, err := messages.Marshal(&messages.Abort{ReqID: "gone", Reason: "client disconnected"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := s.onAbort(context.Background(), &nats.Msg{Data: abort}); err != nil {
+		t.Fatal(err)
+	}
+	gone, kept := request("gone"), request("kept")
+	for _, m := range []*ackMsg{gone, kept} {
+		if err := s.onRequest(context.Background(), m); err != nil {
+			t.Fatal(err)
+		}
+		if !m.acked {
+			t.Errorf("request not acknowledged")
+		}
+	}
+	// Only "kept" goes out: ReqMetas are published in order.
+	select {
+	case m := <-metas:
+		meta, err := messages.DecodeReqMeta(m.Data)
+		if err != nil || meta.ReqID != "kept" {
+			t.Errorf("first ReqMeta = %v (%v), want kept's: the aborted request was dispatched", meta, err)
+		}
+	case <-time.After(5 * time.Second):
+		t.Fatal("the request that was not aborted was not dispatched")
+	}
+	if s.trackers.has("gone") {
+		t.Error("the aborted request is tracked")
+	}
+}
