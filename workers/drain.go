@@ -147,8 +147,8 @@ func (r *Rank) drainPlan() *messages.DrainPlan {
 	if len(targets) == 0 {
 		return plan
 	}
-	// Twice the budget is listed so that a session cut by the listing's end
-	// can be told apart and left out.
+	// Twice the budget is listed, so that sessions cut by the listing's end
+	// do not leave the budget unused.
 	recent := r.store.Recent(2 * r.cfg.DrainHandoff)
 	type session struct {
 		tag    string
@@ -169,8 +169,13 @@ func (r *Rank) drainPlan() *messages.DrainPlan {
 		s.hashes = append(s.hashes, o.Hash)
 		s.bytes += o.Size
 	}
-	if listed+int64(r.blockBytes(r.cfg.BlockSize)) > 2*r.cfg.DrainHandoff && len(order) > 0 {
-		order = order[:len(order)-1] // may be cut short
+	if listed+int64(r.blockBytes(r.cfg.BlockSize)) > 2*r.cfg.DrainHandoff {
+		// The listing may have cut sessions short: those of which it saw
+		// only some blocks — often the oldest, the head of the prefix that
+		// gives the rest their use — are left out.
+		order = slices.DeleteFunc(order, func(s *session) bool {
+			return s.tag != "" && len(s.hashes) != r.store.GroupObjects(s.tag)
+		})
 	}
 	byTarget := map[string]int{}
 	budget := r.cfg.DrainHandoff
@@ -234,7 +239,10 @@ func (r *Rank) handOff() {
 			r.log.Error("drain hand-off: cannot send the plan to the group's ranks; their blocks leave with the group", "err", err)
 		}
 	} else {
-		if !r.waitFor(settle, func() bool { return r.peers.draining(r.cfg.Group, settle, 0) }) {
+		// A plan that came already (this rank finished its requests after
+		// the driver, which may have handed off and exited) is the
+		// driver's word that it stops.
+		if !r.waitFor(settle, func() bool { return len(r.plans) > 0 || r.peers.draining(r.cfg.Group, settle, 0) }) {
 			r.log.Info("drain hand-off: the group's driver rank is not stopping; nothing handed off")
 			return
 		}
@@ -369,7 +377,8 @@ func (r *Rank) onHandoff(ctx context.Context, m *nats.Msg) error {
 // copyHandedOff reads one chunk of a run from the source and keeps what
 // verifies; it returns the blocks stored and their bytes.
 func (r *Rank) copyHandedOff(ctx context.Context, h *messages.Handoff, session string, hashes messages.BlockHashes, size int) (int, int64) {
-	vals, err := r.pool.Read(ctx, h.Source, r.cfg.TPRank, &messages.PoolRead{Model: h.Model, TPRank: r.cfg.TPRank, BlockHashes: hashes})
+	vals, err := r.pool.Read(ctx, h.Source, r.cfg.TPRank, &messages.PoolRead{Model: h.Model, TPRank: r.cfg.TPRank, BlockHashes: hashes},
+		r.valueBytes(h.BlockSize))
 	if err != nil {
 		r.log.Warn("hand-off: pool read failed", "source_group", h.Source, "blocks", len(hashes), "err", err)
 		return 0, 0

@@ -111,3 +111,46 @@ func TestLoadTokens(t *testing.T) {
 		t.Fatalf("loadTokens without CanLoad = %d, %d", local, remote)
 	}
 }
+
+// TestDrainPlanLeavesOutCutSessions: a session of which the listing saw
+// only its newest blocks — its oldest, the head of its prefix, fell past
+// the end — is not handed off; a whole one listed after it is.
+func TestDrainPlanLeavesOutCutSessions(t *testing.T) {
+	ctx := t.Context()
+	profile, err := LookupModelProfile("tiny")
+	if err != nil {
+		t.Fatal(err)
+	}
+	r := &Rank{cfg: RankConfig{Group: "g0", Model: "m", BlockSize: 16, Profile: profile, TPSize: 1, HeartbeatInterval: time.Second}}
+	blk := int64(r.blockBytes(16))
+	r.cfg.DrainHandoff = 3 * blk // 6 blocks listed
+	store, _ := newTestStore(t, 100*blk)
+	r.store = store
+	put := func(session string, h uint64) {
+		store.BatchPut(ctx, []Object{{Key: StoreKey("m", 0, h), Hash: h, Value: []byte{1}, Size: blk, Group: session}})
+	}
+	// Oldest first: A's head (1) is the least recently used block.
+	put("A", 1)
+	put("C", 31)
+	put("C", 32)
+	put("A", 2)
+	put("B", 21)
+	put("B", 22)
+	put("A", 3)
+	data, err := messages.Marshal(&messages.Heartbeat{Group: "g1", TPRank: 0, WorldSize: 1, Model: "m", CapacityBlocks: 100})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := r.peers.onHeartbeat(ctx, &nats.Msg{Subject: messages.Subjects{Prefix: "kvbus"}.Heartbeat("g1", 0), Data: data}); err != nil {
+		t.Fatal(err)
+	}
+	var sessions []string
+	for _, tg := range r.drainPlan().Targets {
+		for _, run := range tg.Runs {
+			sessions = append(sessions, run.Session)
+		}
+	}
+	if !slices.Equal(sessions, []string{"B"}) {
+		t.Errorf("handed off sessions %v, want [B]: A is cut (its head is past the listing), C would exceed the budget after B", sessions)
+	}
+}

@@ -20,11 +20,20 @@ import (
 // (rank_load.go), and draining groups hand their blocks off over it
 // (drain.go).
 
-// poolPartOverhead is the room a PoolPart needs besides its pieces' bytes.
-const poolPartOverhead = 1024
+// poolPartOverhead is the room a PoolPart needs besides its pieces, and
+// poolPieceOverhead what each piece needs besides its bytes (its index,
+// offset, size and the msgpack around them: under 40 bytes).
+const (
+	poolPartOverhead  = 1024
+	poolPieceOverhead = 64
+)
 
 // onPoolRead answers a PoolRead with the blocks this rank holds, in as many
-// PoolParts as the connection's max payload needs.
+// PoolParts as the connection's max payload needs. A block this rank is
+// still saving (the turn that just ran here) is sent once saved, within
+// SaveWait, as a local load would wait for it; that wait happens off the
+// subscription's goroutine (up to poolWaitSlots at once), so that reads of
+// blocks already held are not queued behind it.
 func (r *Rank) onPoolRead(ctx context.Context, m *nats.Msg) error {
 	req, err := messages.DecodePoolRead(m.Data)
 	if err != nil {
@@ -38,14 +47,63 @@ func (r *Rank) onPoolRead(ctx context.Context, m *nats.Msg) error {
 		keys[i] = StoreKey(req.Model, req.TPRank, h)
 	}
 	values := r.store.BatchGet(ctx, keys)
-	// A block this rank is still saving (the turn that just ran here) is
-	// sent once saved, within SaveWait, as a local load would wait for it.
+	if !r.savingAny(keys, values) {
+		return r.answerPoolRead(m.Reply, values)
+	}
 	deadline := time.Now().Add(r.cfg.SaveWait)
+	select {
+	case r.poolWaitSlots <- struct{}{}:
+		r.poolWaits.Go(func() {
+			defer func() { <-r.poolWaitSlots }()
+			r.awaitPoolSaves(ctx, keys, values, deadline)
+			if err := r.answerPoolRead(m.Reply, values); err != nil {
+				r.log.Warn("pool read", "req_id", req.ReqID, "err", err)
+			}
+		})
+		return nil
+	default: // as many reads wait already: this one waits here
+		r.awaitPoolSaves(ctx, keys, values, deadline)
+		return r.answerPoolRead(m.Reply, values)
+	}
+}
+
+// poolWaitSlots bounds the pool reads of a rank waiting for saves at once.
+const poolWaitSlots = 64
+
+// savingAny reports whether a block missing from values is being saved.
+func (r *Rank) savingAny(keys []string, values [][]byte) bool {
+	r.mu.Lock()
+	defer r.mu.Unlock()
 	for i, v := range values {
-		if v == nil && r.awaitSave(keys[i], deadline) {
-			values[i] = r.store.BatchGet(ctx, keys[i:i+1])[0]
+		if v == nil && r.saving[keys[i]] != nil {
+			return true
 		}
 	}
+	return false
+}
+
+// awaitPoolSaves fills in the missing values whose saves settle by
+// deadline: it waits for each (one request's settling settles all its
+// keys), then reads again every value still missing.
+func (r *Rank) awaitPoolSaves(ctx context.Context, keys []string, values [][]byte, deadline time.Time) {
+	var missing []int
+	for i, v := range values {
+		if v == nil {
+			r.awaitSave(keys[i], deadline)
+			missing = append(missing, i)
+		}
+	}
+	again := make([]string, len(missing))
+	for j, i := range missing {
+		again[j] = keys[i]
+	}
+	for j, v := range r.store.BatchGet(ctx, again) {
+		values[missing[j]] = v
+	}
+}
+
+// answerPoolRead sends values (nil: absent) to reply.
+func (r *Rank) answerPoolRead(reply string, values [][]byte) error {
 	parts := poolParts(values, int(r.cfg.Conn.MaxPayload())-poolPartOverhead)
 	for i := range parts {
 		parts[i].Part, parts[i].Parts = i, len(parts)
@@ -53,7 +111,7 @@ func (r *Rank) onPoolRead(ctx context.Context, m *nats.Msg) error {
 		if err != nil {
 			return err
 		}
-		if err := r.cfg.Conn.Publish(m.Reply, data); err != nil {
+		if err := r.cfg.Conn.Publish(reply, data); err != nil {
 			return fmt.Errorf("answer pool read (part %d of %d): %w", i+1, len(parts), err)
 		}
 	}
@@ -61,10 +119,10 @@ func (r *Rank) onPoolRead(ctx context.Context, m *nats.Msg) error {
 }
 
 // poolParts packs the present values (nil: absent) into parts of at most
-// budget data bytes each, splitting values that do not fit; there is always
-// at least one part.
+// budget bytes each, pieces and their overhead counted, splitting values
+// that do not fit; there is always at least one part.
 func poolParts(values [][]byte, budget int) []messages.PoolPart {
-	budget = max(budget, 1)
+	budget = max(budget, poolPieceOverhead+1)
 	parts := []messages.PoolPart{{}}
 	room := budget
 	for i, v := range values {
@@ -72,14 +130,14 @@ func poolParts(values [][]byte, budget int) []messages.PoolPart {
 			continue
 		}
 		for off := 0; off < len(v) || (len(v) == 0 && off == 0); {
-			if room == 0 {
+			if room <= poolPieceOverhead {
 				parts = append(parts, messages.PoolPart{})
 				room = budget
 			}
-			n := min(len(v)-off, room)
+			n := min(len(v)-off, room-poolPieceOverhead)
 			last := &parts[len(parts)-1]
 			last.Pieces = append(last.Pieces, messages.PoolPiece{Index: i, Offset: off, Size: len(v), Data: v[off : off+n]})
-			room -= n
+			room -= poolPieceOverhead + n
 			off += n
 			if len(v) == 0 {
 				break
@@ -99,10 +157,12 @@ type PoolClient struct {
 // ErrPoolRead is wrapped by failed pool reads.
 var ErrPoolRead = errors.New("workers: pool read failed")
 
-// Read asks rank rank of group for req's blocks and returns, for each hash,
-// its value, or nil when the rank does not hold it (or sent it torn). It
-// waits for every part until ctx ends.
-func (c PoolClient) Read(ctx context.Context, group string, rank int, req *messages.PoolRead) ([][]byte, error) {
+// Read asks rank rank of group for req's blocks, every one size bytes
+// long, and returns for each hash its value, or nil when the rank does not
+// hold it, or sent it torn or of another size. It waits for every part
+// until ctx ends. A reply allocates nothing beyond the size bytes of each
+// block asked for, whatever it claims.
+func (c PoolClient) Read(ctx context.Context, group string, rank int, req *messages.PoolRead, size int) ([][]byte, error) {
 	data, err := messages.Marshal(req)
 	if err != nil {
 		return nil, err
@@ -117,44 +177,47 @@ func (c PoolClient) Read(ctx context.Context, group string, rank int, req *messa
 		return nil, fmt.Errorf("%w: %v", ErrPoolRead, err)
 	}
 	values := make([][]byte, len(req.BlockHashes))
-	filled := make([]int, len(req.BlockHashes))
-	var seen []bool
-	for got := 0; seen == nil || got < len(seen); {
+	filled := make([]int, len(req.BlockHashes)) // bytes received in order; -1: torn
+	seen := map[int]bool{}
+	parts := 0 // as the first reply says
+	for parts == 0 || len(seen) < parts {
 		msg, err := sub.NextMsgWithContext(ctx)
 		if err != nil {
-			return nil, fmt.Errorf("%w: %s/%d: %d parts received: %v", ErrPoolRead, group, rank, got, err)
+			return nil, fmt.Errorf("%w: %s/%d: %d of %d parts received: %v", ErrPoolRead, group, rank, len(seen), parts, err)
 		}
 		part, err := messages.DecodePoolPart(msg.Data)
 		if err != nil {
 			return nil, fmt.Errorf("%w: %s/%d: %v", ErrPoolRead, group, rank, err)
 		}
-		if seen == nil {
-			seen = make([]bool, part.Parts)
+		if parts == 0 {
+			parts = part.Parts
 		}
-		if part.Parts != len(seen) {
-			return nil, fmt.Errorf("%w: %s/%d: parts disagree (%d, %d)", ErrPoolRead, group, rank, part.Parts, len(seen))
+		if part.Parts != parts {
+			return nil, fmt.Errorf("%w: %s/%d: parts disagree (%d, %d)", ErrPoolRead, group, rank, part.Parts, parts)
 		}
 		if seen[part.Part] {
 			continue
 		}
 		seen[part.Part] = true
-		got++
 		for _, p := range part.Pieces {
-			if p.Index >= len(values) {
+			// A block is sent in order: a piece of another size, or one
+			// that does not start where the bytes so far end, tears it.
+			if p.Index >= len(values) || filled[p.Index] < 0 {
+				continue
+			}
+			if p.Size != size || p.Offset != filled[p.Index] {
+				filled[p.Index] = -1
 				continue
 			}
 			if values[p.Index] == nil {
-				values[p.Index] = make([]byte, p.Size)
-			}
-			if len(values[p.Index]) != p.Size {
-				continue // pieces of one block disagree on its size
+				values[p.Index] = make([]byte, size)
 			}
 			filled[p.Index] += copy(values[p.Index][p.Offset:], p.Data)
 		}
 	}
 	for i, v := range values {
 		if v != nil && filled[i] != len(v) {
-			values[i] = nil // torn: not every piece arrived
+			values[i] = nil // torn, or not every piece arrived
 		}
 	}
 	return values, nil

@@ -2,8 +2,10 @@ package workers_test
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"log/slog"
+	"runtime"
 	"slices"
 	"sync"
 	"testing"
@@ -158,6 +160,72 @@ func TestRankLoadsRemoteRuns(t *testing.T) {
 	}
 }
 
+// TestRemoteTokensAreWithinTheLoadedPrefix: copies past the first block
+// the load could not find are not part of the prefix loaded, so they are
+// not counted (or charged by the engine) as remote tokens.
+func TestRemoteTokensAreWithinTheLoadedPrefix(t *testing.T) {
+	p := startPoolRanks(t, 0, "g0", "g1")
+	tokens := testenv.PromptTokens(7, 10*blockSize+5)
+	fill := newMeta("fill", "s", tokens)
+	fill.Group = "g1"
+	p.run(t, fill)
+	local := newMeta("local", "s", tokens[:3*blockSize+1])
+	local.Group = "g0"
+	p.run(t, local) // g0 holds blocks 0-2
+	// Blocks 3-5 are nowhere; 6-9 are copied from g1 but come after the gap.
+	next := newMeta("next", "s", tokens)
+	next.Group = "g0"
+	next.LoadSpec = &messages.LoadSpec{KVPoolCachedTokens: 10 * blockSize, CanLoad: true,
+		Remote: []messages.RemoteRun{{Group: "g1", FromBlock: 6, Blocks: 4}}}
+	next.SaveFromBlock = 10
+	if r := p.run(t, next); r.LoadedTokens != 3*blockSize || r.RemoteTokens != 0 || r.FailedBlocks != 7 {
+		t.Errorf("loaded %d tokens (%d remote), %d failed blocks; want %d, 0 remote, 7 failed", r.LoadedTokens, r.RemoteTokens, r.FailedBlocks, 3*blockSize)
+	}
+}
+
+// TestPoolReadNotQueuedBehindASave: a read of blocks a rank is still
+// saving waits for the save, but a read of blocks it holds is answered
+// meanwhile, not queued behind it.
+func TestPoolReadNotQueuedBehindASave(t *testing.T) {
+	env := startRanks(t, rankEnvConfig{storeDelay: map[int]time.Duration{1: 1500 * time.Millisecond}, saveWait: 3 * time.Second})
+	hashes := func(tok []uint32) messages.BlockHashes {
+		return scheduler.HashBlocks(nil, scheduler.HashSeed(testModel), tok, blockSize)
+	}
+	held := testenv.PromptTokens(1, 4*blockSize+1)
+	env.sendMeta(newMeta("held", "s", held))
+	env.resultsByRank("held")
+	saving := testenv.PromptTokens(2, 4*blockSize+1)
+	env.sendMeta(newMeta("saving", "s2", saving))
+	client := workers.PoolClient{Conn: env.nc, Subjects: env.subj}
+	profile, err := workers.LookupModelProfile("tiny") // startRanks'
+	if err != nil {
+		t.Fatal(err)
+	}
+	size := blockSize * profile.BytesPerTokenPerRank(worldSize)
+	// The driver answers once it stored; rank 1, which got the ReqMeta at
+	// the same time, registered its saves on arrival and stores 1.5 s late.
+	env.finalOutput("saving")
+	var wg sync.WaitGroup
+	var waited [][]byte
+	wg.Go(func() {
+		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+		defer cancel()
+		waited, _ = client.Read(ctx, testGroup, 1, &messages.PoolRead{Model: testModel, TPRank: 1, BlockHashes: hashes(saving)[:4]}, size)
+	})
+	ctx, cancel := context.WithTimeout(t.Context(), 500*time.Millisecond) // well before the save ends
+	defer cancel()
+	got, err := client.Read(ctx, testGroup, 1, &messages.PoolRead{Model: testModel, TPRank: 1, BlockHashes: hashes(held)[:4]}, size)
+	isNil := func(v []byte) bool { return v == nil }
+	if err != nil || slices.ContainsFunc(got, isNil) {
+		t.Errorf("a read of 4 blocks rank 1 holds, while another waits for a save: %d values, err %v", len(got), err)
+	}
+	wg.Wait()
+	if len(waited) != 4 || slices.ContainsFunc(waited, isNil) {
+		t.Errorf("the read that waited for the save got %d values (some nil: %v), want 4 blocks", len(waited), slices.ContainsFunc(waited, isNil))
+	}
+	env.resultsByRank("saving")
+}
+
 // TestPoolRead: rank 1 of another group reads blocks from g1's rank 1:
 // every block it holds arrives whole and verified, through a server whose
 // max payload (64 KiB) is smaller than one block (512 KiB), and a block it
@@ -166,7 +234,7 @@ func TestPoolRead(t *testing.T) {
 	const blocks, size = 8, 512 << 10
 	client, hashes := poolSource(t, 64<<10, blocks)
 	want := append(hashes[:blocks:blocks], 0xdead) // the last one is held by nobody
-	got, err := client.Read(t.Context(), "g1", 1, &messages.PoolRead{Model: testModel, TPRank: 1, BlockHashes: want})
+	got, err := client.Read(t.Context(), "g1", 1, &messages.PoolRead{Model: testModel, TPRank: 1, BlockHashes: want}, size)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -179,16 +247,100 @@ func TestPoolRead(t *testing.T) {
 		t.Errorf("a block nobody holds came back with %d bytes", len(got[blocks]))
 	}
 	// Another rank's key space: rank 2's keys are not rank 1's.
-	got, err = client.Read(t.Context(), "g1", 1, &messages.PoolRead{Model: testModel, TPRank: 2, BlockHashes: want[:2]})
+	got, err = client.Read(t.Context(), "g1", 1, &messages.PoolRead{Model: testModel, TPRank: 2, BlockHashes: want[:2]}, size)
 	if err != nil || got[0] != nil || got[1] != nil {
 		t.Errorf("tp_rank 2's blocks from rank 1: %v, %v", got, err)
 	}
 	// Nobody serves g9: the read ends with the context, with an error.
 	ctx, cancel := context.WithTimeout(t.Context(), 200*time.Millisecond)
 	defer cancel()
-	if _, err := client.Read(ctx, "g9", 1, &messages.PoolRead{Model: testModel, TPRank: 1, BlockHashes: want}); err == nil {
+	if _, err := client.Read(ctx, "g9", 1, &messages.PoolRead{Model: testModel, TPRank: 1, BlockHashes: want}, size); err == nil {
 		t.Error("a read from a group that does not exist succeeded")
 	}
+}
+
+// replying answers every PoolRead on g1/1 with the given parts, encoded
+// without the decoder's checks, as a faulty or hostile rank would.
+func replying(t *testing.T, parts ...messages.PoolPart) workers.PoolClient {
+	t.Helper()
+	srv := testenv.StartNATS(t)
+	src := testenv.Connect(t, srv)
+	if _, err := src.Subscribe(messages.Subjects{}.Pool("g1", 1), func(m *nats.Msg) {
+		for i := range parts {
+			data, err := parts[i].MarshalMsg(nil)
+			if err != nil {
+				t.Error(err)
+				return
+			}
+			_ = src.Publish(m.Reply, data)
+		}
+	}); err != nil {
+		t.Fatal(err)
+	}
+	if err := src.Flush(); err != nil {
+		t.Fatal(err)
+	}
+	return workers.PoolClient{Conn: testenv.Connect(t, srv)}
+}
+
+// TestPoolReadMalformedReplies: what a reply claims never crashes the
+// reader, never makes it allocate beyond the blocks it asked for, and never
+// passes off a block whose bytes did not all arrive, in order.
+func TestPoolReadMalformedReplies(t *testing.T) {
+	const size = 512
+	h := uint64(0xabc)
+	full := workers.BlockPayload(h, 1, size)
+	read := func(t *testing.T, client workers.PoolClient, hashes messages.BlockHashes, wait time.Duration) ([][]byte, error) {
+		t.Helper()
+		ctx, cancel := context.WithTimeout(t.Context(), wait)
+		defer cancel()
+		return client.Read(ctx, "g1", 1, &messages.PoolRead{Model: "m", TPRank: 1, BlockHashes: hashes}, size)
+	}
+	t.Run("part count far beyond any reply", func(t *testing.T) {
+		// 1<<62 sized an allocation and panicked the load thread.
+		client := replying(t, messages.PoolPart{Part: 0, Parts: 1 << 62})
+		if _, err := read(t, client, messages.BlockHashes{h}, 300*time.Millisecond); !errors.Is(err, workers.ErrPoolRead) {
+			t.Errorf("err = %v, want ErrPoolRead once the context ends", err)
+		}
+	})
+	t.Run("pieces announcing 64 MiB blocks", func(t *testing.T) {
+		pieces := make([]messages.PoolPiece, 32)
+		hashes := make(messages.BlockHashes, 32)
+		for i := range pieces {
+			pieces[i] = messages.PoolPiece{Index: i, Size: messages.MaxPoolBlockBytes, Data: []byte{1}}
+			hashes[i] = uint64(i + 1)
+		}
+		client := replying(t, messages.PoolPart{Part: 0, Parts: 1, Pieces: pieces})
+		var before, after runtime.MemStats
+		runtime.ReadMemStats(&before)
+		got, err := read(t, client, hashes, 5*time.Second)
+		runtime.ReadMemStats(&after)
+		if err != nil || slices.ContainsFunc(got, func(v []byte) bool { return v != nil }) {
+			t.Errorf("blocks of the wrong size: %d values, err %v; want all nil", len(got), err)
+		}
+		if n := after.TotalAlloc - before.TotalAlloc; n > 64<<20 {
+			t.Errorf("a reply of 32 one-byte pieces made the reader allocate %d MiB", n>>20)
+		}
+	})
+	t.Run("the same half twice", func(t *testing.T) {
+		half := messages.PoolPiece{Index: 0, Size: size, Data: full[:size/2]}
+		client := replying(t,
+			messages.PoolPart{Part: 0, Parts: 2, Pieces: []messages.PoolPiece{half}},
+			messages.PoolPart{Part: 1, Parts: 2, Pieces: []messages.PoolPiece{half}})
+		got, err := read(t, client, messages.BlockHashes{h}, 5*time.Second)
+		if err != nil || got[0] != nil {
+			t.Errorf("a block of which half arrived twice: %d bytes, err %v; want nil", len(got[0]), err)
+		}
+	})
+	t.Run("in order across parts", func(t *testing.T) {
+		client := replying(t,
+			messages.PoolPart{Part: 0, Parts: 2, Pieces: []messages.PoolPiece{{Index: 0, Size: size, Data: full[:100]}}},
+			messages.PoolPart{Part: 1, Parts: 2, Pieces: []messages.PoolPiece{{Index: 0, Offset: 100, Size: size, Data: full[100:]}}})
+		got, err := read(t, client, messages.BlockHashes{h}, 5*time.Second)
+		if err != nil || !workers.VerifyPayload(got[0], h, 1, size) {
+			t.Errorf("a block sent in two pieces: %d bytes, err %v; want it whole", len(got[0]), err)
+		}
+	})
 }
 
 // BenchmarkPoolRead32Blocks512KiB: one pool read of 32 blocks of 512 KiB
@@ -201,7 +353,7 @@ func BenchmarkPoolRead32Blocks512KiB(b *testing.B) {
 	b.SetBytes(blocks * 512 << 10)
 	b.ResetTimer()
 	for b.Loop() {
-		got, err := client.Read(context.Background(), "g1", 1, req)
+		got, err := client.Read(context.Background(), "g1", 1, req, 512<<10)
 		if err != nil || got[blocks-1] == nil {
 			b.Fatal(fmt.Sprint("read: ", err))
 		}

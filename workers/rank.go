@@ -169,6 +169,9 @@ type Rank struct {
 	prefills                               prefillClock // the driver's engine queue
 
 	drivers sync.WaitGroup // driver goroutines, started by the load loop
+	// Pool reads waiting for saves (see onPoolRead), and their slots.
+	poolWaits     sync.WaitGroup
+	poolWaitSlots chan struct{}
 }
 
 // seenReq is what a rank remembers of a request it took: the attempt, and
@@ -286,6 +289,8 @@ func NewRank(cfg RankConfig) (*Rank, error) {
 		seen:   seen,
 		saving: map[string]*rankReq{},
 		plans:  make(chan *messages.DrainPlan, 1),
+
+		poolWaitSlots: make(chan struct{}, poolWaitSlots),
 	}, nil
 }
 
@@ -404,6 +409,7 @@ func (r *Rank) Run(ctx context.Context) error {
 	hbLoop.Wait()
 	engineLoops.Wait()
 	_ = abortSub.Unsubscribe()
+	r.poolWaits.Wait() // the saves they wait for have settled
 	// What this rank held leaves with it: no LoadSpec should name it as a
 	// source any more (the hand-off's targets announced their copies).
 	r.events.publish([]messages.KVEvent{{Type: messages.EventAllBlocksCleared}})

@@ -30,7 +30,7 @@ func (r *Rank) load(rr *rankReq) {
 	n := min(ls.KVPoolCachedTokens/meta.BlockSize, len(meta.BlockHashes))
 	// Runs held by other groups are copied in first (global pool); then
 	// the whole prefix is read locally, copies included.
-	rr.remote = r.copyRemoteRuns(rr, ls.Remote, n)
+	copied := r.copyRemoteRuns(rr, ls.Remote, n)
 	keys := make([]string, n)
 	for i := range n {
 		keys[i] = StoreKey(meta.Model, r.cfg.TPRank, meta.BlockHashes[i])
@@ -60,6 +60,13 @@ func (r *Rank) load(rr *rankReq) {
 			"waits", waited, "wait_us", time.Since(start).Microseconds())
 	}
 	rr.loaded = ok * meta.BlockSize
+	// Remote are the copies within the prefix loaded: one past a block
+	// that failed is not part of it.
+	for _, b := range copied {
+		if b < ok {
+			rr.remote += meta.BlockSize
+		}
+	}
 	rr.loadFail = n - ok
 	rr.loadUs = time.Since(start).Microseconds()
 	r.series.loadSec.Observe(time.Since(start).Seconds())
@@ -75,19 +82,27 @@ func (r *Rank) blockBytes(blockSize int) int {
 	return blockSize * r.cfg.Profile.BytesPerTokenPerRank(r.cfg.TPSize)
 }
 
+// valueBytes is the length of a stored block's value: its bytes, or its
+// 8-byte digest with --kv-payload accounting.
+func (r *Rank) valueBytes(blockSize int) int {
+	if r.cfg.Payload == PayloadAccounting {
+		return 8
+	}
+	return r.blockBytes(blockSize)
+}
+
 // copyRemoteRuns reads the LoadSpec's remote runs from the same tp_rank of
 // their source groups (the pool), keeps verified blocks as local copies
-// (evicted by LRU like any other, announced in KV events) and returns how
-// many tokens came from other groups. A run stops at its first block the
-// source no longer holds: that block and the rest are prefilled.
-func (r *Rank) copyRemoteRuns(rr *rankReq, runs []messages.RemoteRun, n int) int {
+// (evicted by LRU like any other, announced in KV events) and returns the
+// indexes of the blocks copied. A run stops at its first block the source
+// no longer holds: that block and the rest are prefilled.
+func (r *Rank) copyRemoteRuns(rr *rankReq, runs []messages.RemoteRun, n int) (copied []int) {
 	meta := rr.meta
 	size := r.blockBytes(meta.BlockSize)
 	group := ""
 	if meta.SessionID != "" {
 		group = messages.SessionKey(meta.SessionID)
 	}
-	copied := 0
 	for _, run := range runs {
 		end := min(run.FromBlock+run.Blocks, n)
 		if run.FromBlock >= end {
@@ -96,7 +111,8 @@ func (r *Rank) copyRemoteRuns(rr *rankReq, runs []messages.RemoteRun, n int) int
 		hashes := meta.BlockHashes[run.FromBlock:end]
 		ctx, cancel := context.WithTimeout(rr.ctx, r.cfg.SaveWait)
 		start := time.Now()
-		vals, err := r.pool.Read(ctx, run.Group, r.cfg.TPRank, &messages.PoolRead{ReqID: meta.ReqID, Model: meta.Model, TPRank: r.cfg.TPRank, BlockHashes: hashes})
+		vals, err := r.pool.Read(ctx, run.Group, r.cfg.TPRank, &messages.PoolRead{ReqID: meta.ReqID, Model: meta.Model, TPRank: r.cfg.TPRank, BlockHashes: hashes},
+			r.valueBytes(meta.BlockSize))
 		cancel()
 		if err != nil {
 			r.log.Warn("load thread: pool read failed, the run will be recomputed", "req_id", meta.ReqID, "session_id", meta.SessionID,
@@ -121,7 +137,7 @@ func (r *Rank) copyRemoteRuns(rr *rankReq, runs []messages.RemoteRun, n int) int
 			}
 		}
 		r.events.publish(append(storedEvents(meta, stored), r.events.takeEvicted()...))
-		copied += len(stored) * meta.BlockSize
+		copied = append(copied, stored...)
 		r.cfg.Metrics.remote.WithLabelValues(run.Group, r.cfg.Group, r.labels[1]).Add(float64(len(stored)))
 		r.cfg.Metrics.remoteBytes.WithLabelValues(run.Group, r.cfg.Group, r.labels[1]).Add(float64(bytes))
 		r.cfg.Metrics.remoteSec.WithLabelValues(run.Group, r.cfg.Group, r.labels[1]).Observe(time.Since(start).Seconds())

@@ -9,6 +9,7 @@ import (
 	"slices"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -861,5 +862,59 @@ func TestRankReceiptsAndDriverLoad(t *testing.T) {
 	// Timers never fire early: 200 tokens at 1 ms took at least 200 ms.
 	if prefillUs < 200_000 {
 		t.Errorf("the prefill report's prefill_us = %d, want >= 200000 (200 tokens at 1 ms)", prefillUs)
+	}
+}
+
+// TestSlowRankHandsOffAfterItsDriverLeft: when the whole group drains and
+// rank 1 finishes its saves after the driver handed off and exited, rank 1
+// still hands off by the plan it received, so the target holds whole
+// prefixes on every rank.
+func TestSlowRankHandsOffAfterItsDriverLeft(t *testing.T) {
+	env := startRanks(t, rankEnvConfig{drainHandoff: 1 << 20, storeDelay: map[int]time.Duration{1: 500 * time.Millisecond}})
+	// g1 (two ranks) is ready and takes whatever is handed to it.
+	var got [2]atomic.Int64
+	for r := range 2 {
+		if _, err := env.nc.Subscribe(env.subj.Handoff("g1", r), func(m *nats.Msg) {
+			h, err := messages.DecodeHandoff(m.Data)
+			if err != nil {
+				t.Error(err)
+				return
+			}
+			n := 0
+			for _, run := range h.Runs {
+				n += len(run.BlockHashes)
+			}
+			got[r].Add(int64(n))
+			data, _ := messages.Marshal(&messages.HandoffResult{Stored: n})
+			_ = m.Respond(data)
+		}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	stop := make(chan struct{})
+	var wg sync.WaitGroup
+	wg.Go(func() {
+		for {
+			for r := range 2 {
+				data, _ := messages.Marshal(&messages.Heartbeat{Group: "g1", TPRank: r, WorldSize: 2, Model: testModel, CapacityBlocks: 1000})
+				_ = env.nc.Publish(env.subj.Heartbeat("g1", r), data)
+			}
+			select {
+			case <-stop:
+				return
+			case <-time.After(10 * time.Millisecond):
+			}
+		}
+	})
+	defer func() { close(stop); wg.Wait() }()
+	env.sendMeta(newMeta("a", "s", testenv.PromptTokens(1, 4*blockSize+1)))
+	env.resultsByRank("a")
+	// The driver answers b at once; rank 1 saves it 500 ms later, after
+	// the driver has handed off and exited.
+	env.sendMeta(newMeta("b", "s2", testenv.PromptTokens(2, 4*blockSize+1)))
+	env.finalOutput("b")
+	env.stop()
+	if a, b := got[0].Load(), got[1].Load(); a != 8 || b != a {
+		t.Errorf("blocks handed to g1: rank 0 %d, rank 1 %d; want 8 each (two sessions of 4 blocks)", a, b)
 	}
 }

@@ -53,6 +53,9 @@ type BlockStore interface {
 	// their sizes reach maxBytes (values left out); it does not change
 	// their recency.
 	Recent(maxBytes int64) []Object
+	// GroupObjects reports how many objects of a group (a session's tag)
+	// the store holds.
+	GroupObjects(group string) int
 }
 
 // Eviction policies of a MemStore.
@@ -87,6 +90,7 @@ type MemStore struct {
 	lru     memList // front = most recently used
 	byKey   map[string]*memEntry
 	byGroup map[string]map[*memEntry]struct{} // only with EvictSession
+	groupN  map[string]int                    // objects per group
 }
 
 // memEntry is one object, linked into the store's recency list (an
@@ -147,7 +151,7 @@ func NewMemStore(cfg MemStoreConfig) (*MemStore, error) {
 	default:
 		return nil, fmt.Errorf("workers: unknown eviction policy %q (want %s or %s)", cfg.Evict, EvictLRU, EvictSession)
 	}
-	s := &MemStore{cfg: cfg, byKey: map[string]*memEntry{}}
+	s := &MemStore{cfg: cfg, byKey: map[string]*memEntry{}, groupN: map[string]int{}}
 	if cfg.Evict == EvictSession {
 		s.byGroup = map[string]map[*memEntry]struct{}{}
 	}
@@ -187,6 +191,7 @@ func (s *MemStore) BatchPut(_ context.Context, objs []Object) []error {
 		s.lru.pushFront(el)
 		s.byKey[o.Key] = el
 		s.used += size
+		s.groupN[o.Group]++
 		if s.byGroup != nil && o.Group != "" {
 			g := s.byGroup[o.Group]
 			if g == nil {
@@ -245,11 +250,21 @@ func (s *MemStore) Recent(maxBytes int64) []Object {
 	return out
 }
 
+// GroupObjects implements BlockStore.
+func (s *MemStore) GroupObjects(group string) int {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.groupN[group]
+}
+
 // unlink removes an entry without telling OnEvict (it is being replaced).
 func (s *MemStore) unlink(e *memEntry) {
 	s.lru.remove(e)
 	delete(s.byKey, e.key)
 	s.used -= e.size
+	if s.groupN[e.group]--; s.groupN[e.group] <= 0 {
+		delete(s.groupN, e.group)
+	}
 	if s.byGroup != nil && e.group != "" {
 		g := s.byGroup[e.group]
 		delete(g, e)
