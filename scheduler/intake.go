@@ -94,16 +94,19 @@ func (s *Scheduler) onRequest(ctx context.Context, m jetstream.Msg) error {
 		_ = m.Term()
 		return err
 	}
+	// Once added, the tracker is shared (a failover may move it): what
+	// this dispatch publishes and counts is read before. The plan goes out
+	// first: another replica hears of it before anything this request
+	// causes (see awaitCausal).
+	queued, subj, data := t.queued, t.metaSubj, t.metaData
+	s.publishPlan(t)
 	if !s.trackers.add(t) {
 		return m.Ack()
 	}
-	s.groups.addInflight(group, 1, t.queued)
-	// The plan goes out first: another replica hears of it before anything
-	// this request causes (see awaitCausal).
-	s.publishPlan(t)
-	if err := s.cfg.Conn.Publish(t.metaSubj, t.metaData); err != nil {
+	s.groups.addInflight(group, 1, queued)
+	if err := s.cfg.Conn.Publish(subj, data); err != nil {
 		s.trackers.drop(t.ReqID)
-		s.groups.addInflight(group, -1, -t.queued)
+		s.groups.addInflight(group, -1, -queued)
 		_ = m.NakWithDelay(100 * time.Millisecond)
 		return fmt.Errorf("publish ReqMeta %s: %w", t.ReqID, err)
 	}
