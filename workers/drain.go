@@ -109,16 +109,17 @@ func (p *peerGroups) draining(group string, fresh time.Duration, ranks ...int) b
 	return true
 }
 
-// ready returns the groups of model, other than self, whose every rank sent
-// a heartbeat within fresh and none of which is draining, with their free
-// room in blocks, sorted by name.
-func (p *peerGroups) ready(model, self string, fresh time.Duration) (names []string, free map[string]int64) {
+// ready returns the groups of model and of world ranks (rank t hands off
+// to rank t), other than self, whose every rank sent a heartbeat within
+// fresh and none of which is draining, with their free room in blocks,
+// sorted by name.
+func (p *peerGroups) ready(model, self string, world int, fresh time.Duration) (names []string, free map[string]int64) {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	free = map[string]int64{}
 	now := time.Now()
 	for name, g := range p.groups() {
-		if name == self || g.model != model || g.world < 1 {
+		if name == self || g.model != model || g.world != world {
 			continue
 		}
 		alive := 0
@@ -143,7 +144,7 @@ func (p *peerGroups) ready(model, self string, fresh time.Duration) (names []str
 // goes to the ready group with the most free room left.
 func (r *Rank) drainPlan() *messages.DrainPlan {
 	plan := &messages.DrainPlan{Group: r.cfg.Group, Model: r.cfg.Model, BlockSize: r.cfg.BlockSize}
-	targets, free := r.peers.ready(r.cfg.Model, r.cfg.Group, 3*r.cfg.HeartbeatInterval)
+	targets, free := r.peers.ready(r.cfg.Model, r.cfg.Group, r.cfg.TPSize, 3*r.cfg.HeartbeatInterval)
 	if len(targets) == 0 {
 		return plan
 	}

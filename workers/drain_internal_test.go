@@ -43,8 +43,8 @@ func TestMemStoreRecent(t *testing.T) {
 }
 
 // TestDrainPlan: whole sessions, newest first, within the budget; each to
-// the ready group (same model, every rank fresh, none draining) with the
-// most free room left.
+// the ready group (same model and world size, every rank fresh, none
+// draining) with the most free room left.
 func TestDrainPlan(t *testing.T) {
 	ctx := t.Context()
 	profile, err := LookupModelProfile("tiny")
@@ -79,6 +79,8 @@ func TestDrainPlan(t *testing.T) {
 	hb("g3", "m", 0, 1, true, 0)   // draining too
 	hb("g4", "other", 0, 1, false, 0)
 	hb("g5", "m", 0, 2, false, 0) // one of its two ranks is silent
+	hb("g6", "m", 0, 2, false, 0) // all free, but two ranks where g0 has one
+	hb("g6", "m", 1, 2, false, 0)
 	plan := r.drainPlan()
 	want := []messages.HandoffTarget{
 		{Group: "g2", Runs: []messages.HandoffRun{{Session: "s1", BlockHashes: messages.BlockHashes{12, 11, 10}}}},
