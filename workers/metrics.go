@@ -53,7 +53,7 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 			Name: "kvbus_worker_pool_remote_blocks_total", Help: "Blocks a rank copied from another group's segment of the KV pool.",
 		}, []string{"source_group", "group", "tp_rank"}),
 		remoteBytes: prometheus.NewCounterVec(prometheus.CounterOpts{
-			Name: "kvbus_worker_pool_remote_bytes_total", Help: "Bytes a rank copied from another group's segment of the KV pool.",
+			Name: "kvbus_worker_pool_remote_bytes_total", Help: "Bytes a rank copied from another group's segment of the KV pool (with --kv-payload accounting, the sizes charged).",
 		}, []string{"source_group", "group", "tp_rank"}),
 		remoteSec: prometheus.NewHistogramVec(prometheus.HistogramOpts{
 			Name: "kvbus_worker_pool_remote_read_seconds", Help: "Time of one pool read of a run of blocks from another group.",

@@ -128,7 +128,7 @@ func (r *Rank) copyRemoteRuns(rr *rankReq, runs []messages.RemoteRun, n int) (co
 			}
 			objs = append(objs, Object{Key: StoreKey(meta.Model, r.cfg.TPRank, hashes[i]), Hash: hashes[i], Value: v, Size: int64(size), Group: group})
 			blocks = append(blocks, run.FromBlock+i)
-			bytes += len(v)
+			bytes += size // charged: with --kv-payload accounting only a digest moves
 		}
 		stored := blocks[:0:0]
 		for i, err := range r.store.BatchPut(rr.ctx, objs) {
