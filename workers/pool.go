@@ -173,6 +173,11 @@ func (c PoolClient) Read(ctx context.Context, group string, rank int, req *messa
 		return nil, fmt.Errorf("%w: %v", ErrPoolRead, err)
 	}
 	defer func() { _ = sub.Unsubscribe() }()
+	// The replies may all arrive before the first is read: room for every
+	// block asked for (the default 64 MB is 128 blocks of 512 KiB).
+	if err := sub.SetPendingLimits(-1, max(64<<20, 2*len(req.BlockHashes)*size)); err != nil {
+		return nil, fmt.Errorf("%w: %v", ErrPoolRead, err)
+	}
 	if err := c.Conn.PublishRequest(c.Subjects.Pool(group, rank), inbox, data); err != nil {
 		return nil, fmt.Errorf("%w: %v", ErrPoolRead, err)
 	}
