@@ -27,6 +27,13 @@ func TestBadInput(t *testing.T) {
 		{"temperature out of range", "POST", "/v1/chat/completions", chat(`,"temperature":2.5`), nil, 400, "invalid_request_error", "temperature"},
 		{"top_p zero", "POST", "/v1/chat/completions", chat(`,"top_p":0`), nil, 400, "invalid_request_error", "top_p"},
 		{"max_tokens zero", "POST", "/v1/chat/completions", chat(`,"max_tokens":0`), nil, 400, "invalid_request_error", "max_tokens"},
+		// n + max_tokens wrapped: answered 200 and generated forever.
+		{"max_tokens beyond any context", "POST", "/v1/chat/completions", chat(`,"max_tokens":9223372036854775807`), nil, 400, "invalid_request_error", "messages"},
+		{"max_completion_tokens beyond any context", "POST", "/v1/chat/completions", chat(`,"max_completion_tokens":9223372036854775807`), nil, 400, "invalid_request_error", "messages"},
+		// The bus's decoders refuse what nests deeper than 16 levels: a 400
+		// here, not a request the scheduler drops and a 504 a minute later.
+		{"vllm_xargs nested too deeply", "POST", "/v1/chat/completions", chat(`,"vllm_xargs":{"deep":` + strings.Repeat("[", 20) + "1" + strings.Repeat("]", 20) + `}`), nil, 400, "invalid_request_error", "vllm_xargs"},
+		{"kv_transfer_params nested too deeply", "POST", "/v1/chat/completions", chat(`,"kv_transfer_params":{"deep":` + strings.Repeat("[", 20) + "1" + strings.Repeat("]", 20) + `}`), nil, 400, "invalid_request_error", "kv_transfer_params"},
 		{"max_tokens a string", "POST", "/v1/chat/completions", chat(`,"max_tokens":"ten"`), nil, 400, "invalid_request_error", "max_tokens"},
 		{"n above 1", "POST", "/v1/chat/completions", chat(`,"n":2`), nil, 400, "invalid_request_error", "n"},
 		{"empty messages", "POST", "/v1/chat/completions", `{"model":"` + c.Model + `","messages":[]}`, nil, 400, "invalid_request_error", "messages"},

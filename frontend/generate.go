@@ -291,7 +291,7 @@ func (s *Server) tokenize(ctx context.Context, p *parsedRequest) ([][]uint32, *A
 		if n >= maxLen {
 			return nil, badRequest(param, "The prompt (total length %d) is too long to fit into the model (context length %d). Make sure that `max_model_len` is no smaller than the number of text tokens plus multimodal tokens.", n, maxLen)
 		}
-		if p.maxTokensSet && n+p.params.MaxTokens > maxLen {
+		if p.maxTokensSet && p.params.MaxTokens > maxLen-n { // not n+max_tokens: a huge max_tokens would wrap
 			return nil, badRequest(param, "This model's maximum context length is %d tokens. However, you requested %d tokens (%d in the %s, %d in the completion). Please reduce the length of the %s or completion.", maxLen, n+p.params.MaxTokens, n, param, p.params.MaxTokens, param)
 		}
 	}

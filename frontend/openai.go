@@ -240,6 +240,15 @@ func parseCommon(c *commonParams, p *parsedRequest, o parseOptions) *APIError {
 		}
 	}
 	p.kvTransfer = c.KVTransferParams
+	// What the bus's decoders would refuse is refused here, with a 400,
+	// rather than dropped by the scheduler (the client would wait for its
+	// timeout).
+	if !messages.ArgsDepthOK(p.xargs) {
+		return badRequest("vllm_xargs", "vllm_xargs nests too deeply (more than 16 levels of objects and arrays)")
+	}
+	if !messages.ArgsDepthOK(p.kvTransfer) {
+		return badRequest("kv_transfer_params", "kv_transfer_params nests too deeply (more than 16 levels of objects and arrays)")
+	}
 	return nil
 }
 

@@ -15,6 +15,32 @@ import (
 // stack of a decoder.
 const maxArgsDepth = 16
 
+// ArgsDepthOK reports whether m nests no deeper than a decoder of Args
+// accepts (values more than 16 maps or arrays deep): a producer checks it
+// before sending what every receiver would refuse.
+func ArgsDepthOK(m map[string]any) bool { return argsDepthOK(m, 0) }
+
+func argsDepthOK(v any, depth int) bool {
+	if depth > maxArgsDepth {
+		return false
+	}
+	switch v := v.(type) {
+	case map[string]any:
+		for _, e := range v {
+			if !argsDepthOK(e, depth+1) {
+				return false
+			}
+		}
+	case []any:
+		for _, e := range v {
+			if !argsDepthOK(e, depth+1) {
+				return false
+			}
+		}
+	}
+	return true
+}
+
 // Args is a free-form map carried through the pipeline untouched, such as
 // vLLM's sampling_params.extra_args or kv_transfer_params. Values are the
 // JSON-like types nil, bool, int64, uint64, float64, string, []byte, []any

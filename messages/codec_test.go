@@ -738,6 +738,16 @@ func TestDeepNesting(t *testing.T) {
 			case !tc.ok && !errors.Is(err, ErrMalformed):
 				t.Errorf("err = %v, want ErrMalformed", err)
 			}
+			// A producer's check agrees with the decoder on Args.
+			for _, key := range []string{"kv_transfer_params", "sampling_params"} {
+				args, ok := tc.fields[key].(map[string]any)
+				if key == "sampling_params" && ok {
+					args, ok = args["extra_args"].(map[string]any)
+				}
+				if ok && ArgsDepthOK(args) != tc.ok {
+					t.Errorf("ArgsDepthOK(%s) = %v, want %v", key, !tc.ok, tc.ok)
+				}
+			}
 		})
 	}
 }
