@@ -5,6 +5,7 @@ import (
 	"math"
 	"slices"
 	"strings"
+	"unicode"
 
 	"github.com/maypok86/otter/v2"
 	"github.com/tiktoken-go/tokenizer"
@@ -88,17 +89,49 @@ func (t *BPETokenizer) Encode(text string) ([]uint32, error) {
 }
 
 func (t *BPETokenizer) encodeAppend(dst []uint32, text string) ([]uint32, error) {
-	if text == "" {
-		return dst, nil
-	}
-	ids, _, err := t.codec.Encode(text)
-	if err != nil {
-		return nil, fmt.Errorf("frontend: tokenize: %w", err)
-	}
-	for _, id := range ids {
-		dst = append(dst, uint32(id))
+	for _, part := range splitWhitespaceRuns(text) {
+		ids, _, err := t.codec.Encode(part)
+		if err != nil {
+			return nil, fmt.Errorf("frontend: tokenize: %w", err)
+		}
+		for _, id := range ids {
+			dst = append(dst, uint32(id))
+		}
 	}
 	return dst, nil
+}
+
+// maxWhitespaceRun bounds the whitespace the BPE encoder sees in one run.
+// Its pre-tokenizer takes a run of mixed spaces and newlines (" \n \n …")
+// as one piece and merges it in time quadratic in its length: 64 KiB took
+// 2.4 s, the 4 MiB a body may hold would take hours, on the request path.
+const maxWhitespaceRun = 256
+
+// splitWhitespaceRuns cuts text inside whitespace runs longer than
+// maxWhitespaceRun, every maxWhitespaceRun bytes of the run, so each part
+// is encoded on its own. Text without such a run is one part, encoded as
+// it always was; a longer run is tokenized a little differently at its
+// cuts — still exactly its text, the same way every time.
+func splitWhitespaceRuns(text string) []string {
+	if text == "" {
+		return nil
+	}
+	var parts []string
+	start, run := 0, -1 // the current part; the current run's start (or its last cut)
+	for i, r := range text {
+		if !unicode.IsSpace(r) {
+			run = -1
+			continue
+		}
+		if run < 0 {
+			run = i
+		}
+		if i-run >= maxWhitespaceRun {
+			parts = append(parts, text[start:i])
+			start, run = i, i
+		}
+	}
+	return append(parts, text[start:])
 }
 
 // encodeCached is encodeAppend through the cache.

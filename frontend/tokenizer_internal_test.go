@@ -2,6 +2,7 @@ package frontend
 
 import (
 	"slices"
+	"strings"
 	"testing"
 )
 
@@ -43,5 +44,51 @@ func TestTokenCacheGivesTheSameIDs(t *testing.T) {
 	}
 	if n := tok.cache.EstimatedSize(); n < 5 {
 		t.Fatalf("the cache holds %d texts after six turns: it is not used", n)
+	}
+}
+
+// TestLongWhitespaceRunsAreSplit: runs of mixed spaces and newlines, which
+// the BPE encoder merges in quadratic time (256 KiB of " \n" took ~40 s),
+// are encoded in parts: the ids still decode to exactly the text, the same
+// ids every time, and text without such a run is encoded as one part.
+func TestLongWhitespaceRunsAreSplit(t *testing.T) {
+	tok, err := NewBPETokenizer()
+	if err != nil {
+		t.Fatal(err)
+	}
+	decode := func(ids []uint32) string {
+		t.Helper()
+		in := make([]uint, len(ids))
+		for i, id := range ids {
+			in[i] = uint(id)
+		}
+		text, err := tok.codec.Decode(in)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return text
+	}
+	for _, text := range []string{
+		strings.Repeat(" \n", 128<<10),
+		"before" + strings.Repeat("\t \n", 1000) + "after\u3000\u3000" + strings.Repeat("\u3000 ", 500) + "end",
+	} {
+		ids, err := tok.Encode(text)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if got := decode(ids); got != text {
+			t.Errorf("%d bytes of text decode to %d different bytes", len(text), len(got))
+		}
+		if again, _ := tok.Encode(text); !slices.Equal(again, ids) {
+			t.Error("the same text gave other ids")
+		}
+	}
+	for _, text := range []string{"", "Hello there!", "  spaces  ", strings.Repeat(" ", maxWhitespaceRun), "a\n\n\nb"} {
+		if parts := splitWhitespaceRuns(text); len(parts) > 1 {
+			t.Errorf("%q split in %d parts", text, len(parts))
+		}
+	}
+	if parts := splitWhitespaceRuns(strings.Repeat(" ", 3*maxWhitespaceRun+1)); len(parts) != 4 || strings.Join(parts, "") != strings.Repeat(" ", 3*maxWhitespaceRun+1) {
+		t.Errorf("a run of 3×%d+1 spaces split in %d parts", maxWhitespaceRun, len(parts))
 	}
 }
