@@ -120,7 +120,7 @@ func (s *Server) generate(w http.ResponseWriter, r *http.Request, endpoint strin
 		return fail(&APIError{Status: http.StatusServiceUnavailable, Type: typeUnavailable, Code: "no_ready_scheduler", RetryAfter: 1,
 			Message: why + "; retry shortly"})
 	}
-	body, apiErr := readBody(w, r, s.cfg.MaxBodyBytes)
+	body, apiErr := readBody(w, r, s.cfg.MaxBodyBytes, s.cfg.ReadBodyTimeout)
 	if apiErr != nil {
 		return fail(apiErr)
 	}

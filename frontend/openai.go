@@ -8,7 +8,9 @@ import (
 	"io"
 	"math"
 	"net/http"
+	"os"
 	"strings"
+	"time"
 	"unicode/utf8"
 
 	"github.com/kvbus/kvbus/messages"
@@ -118,13 +120,21 @@ type parsedRequest struct {
 }
 
 // readBody reads at most limit bytes of the body; more is a 413.
-func readBody(w http.ResponseWriter, r *http.Request, limit int64) ([]byte, *APIError) {
+func readBody(w http.ResponseWriter, r *http.Request, limit int64, timeout time.Duration) ([]byte, *APIError) {
+	rc := http.NewResponseController(w)
+	_ = rc.SetReadDeadline(time.Now().Add(timeout)) // not every ResponseWriter can
 	body, err := io.ReadAll(http.MaxBytesReader(w, r.Body, limit))
+	_ = rc.SetReadDeadline(time.Time{})
 	if err != nil {
 		var mbe *http.MaxBytesError
 		if errors.As(err, &mbe) {
 			return nil, &APIError{Status: http.StatusRequestEntityTooLarge, Type: typeInvalidRequest, Code: "request_too_large",
 				Message: fmt.Sprintf("request body exceeds %d bytes (--max-body-bytes)", limit)}
+		}
+		if errors.Is(err, os.ErrDeadlineExceeded) {
+			w.Header().Set("Connection", "close")
+			return nil, &APIError{Status: http.StatusRequestTimeout, Type: typeInvalidRequest, Code: "request_timeout",
+				Message: fmt.Sprintf("the request body did not arrive within %s; send it whole", timeout)}
 		}
 		return nil, badRequest("", "cannot read request body: %v", err)
 	}

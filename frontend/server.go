@@ -75,6 +75,10 @@ type Config struct {
 	// 120 s).
 	ReadHeaderTimeout time.Duration
 	IdleTimeout       time.Duration
+	// ReadBodyTimeout bounds reading a generation request's body (default
+	// 30 s): a client that stalls mid-body would otherwise hold one of
+	// MaxInflight's slots for as long as it keeps the connection open.
+	ReadBodyTimeout time.Duration
 	// SchedulerTimeout: the frontend is healthy, and takes requests, while
 	// a ready scheduler announced itself within it (default 3 s).
 	SchedulerTimeout time.Duration
@@ -111,7 +115,7 @@ func (c *Config) Validate() error {
 	case c.RequestLogHistoryBytes > 0 && c.RequestLogHistoryBytes >= c.RequestLogMaxBytes && c.RequestLogMaxBytes > 0:
 		return fmt.Errorf("%w: --request-log-history-bytes (%d) must be below --request-log-max-bytes (%d), or history alone fills the log",
 			ErrConfig, c.RequestLogHistoryBytes, c.RequestLogMaxBytes)
-	case c.ReadHeaderTimeout < 0 || c.IdleTimeout < 0:
+	case c.ReadHeaderTimeout < 0 || c.IdleTimeout < 0 || c.ReadBodyTimeout < 0:
 		return fmt.Errorf("%w: --read-header-timeout and --idle-timeout must be >= 0 (0: default)", ErrConfig)
 	}
 	for _, h := range c.SessionHeaders {
@@ -185,6 +189,9 @@ func New(cfg Config) (*Server, error) {
 	}
 	if cfg.PublishTimeout <= 0 {
 		cfg.PublishTimeout = 5 * time.Second
+	}
+	if cfg.ReadBodyTimeout == 0 {
+		cfg.ReadBodyTimeout = 30 * time.Second
 	}
 	if cfg.ReadHeaderTimeout == 0 {
 		cfg.ReadHeaderTimeout = 10 * time.Second

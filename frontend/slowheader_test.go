@@ -1,6 +1,7 @@
 package frontend_test
 
 import (
+	"bufio"
 	"errors"
 	"net"
 	"net/http"
@@ -81,4 +82,38 @@ func TestSlowHeaderClient(t *testing.T) {
 		t.Fatalf("slow-header connection closed after %v, before ReadHeaderTimeout %v: %v", elapsed, headerTimeout, readErr)
 	}
 	t.Logf("slow-header connection closed by the server after %v: %v", elapsed, readErr)
+}
+
+// TestSlowBodyClient: a client that sends its headers and part of a body,
+// then stalls, is answered 408 after ReadBodyTimeout and its in-flight
+// slot freed: with --max-inflight 1 the next request is taken.
+func TestSlowBodyClient(t *testing.T) {
+	const bodyTimeout = 300 * time.Millisecond
+	fe := startFrontend(t, func(c *frontend.Config) { c.ReadBodyTimeout, c.MaxInflight = bodyTimeout, 1 })
+	conn, err := net.Dial("tcp", strings.TrimPrefix(fe.url, "http://"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close()
+	if _, err := conn.Write([]byte("POST /v1/chat/completions HTTP/1.1\r\nHost: kvbus\r\nContent-Type: application/json\r\n" +
+		"Content-Length: 1000\r\n\r\n{\"messages\":")); err != nil {
+		t.Fatal(err)
+	}
+	if err := conn.SetReadDeadline(time.Now().Add(5 * time.Second)); err != nil {
+		t.Fatal(err)
+	}
+	resp, err := http.ReadResponse(bufio.NewReader(conn), nil)
+	if err != nil {
+		t.Fatalf("no answer to a stalled body: %v", err)
+	}
+	resp.Body.Close()
+	if resp.StatusCode != http.StatusRequestTimeout {
+		t.Fatalf("stalled body: status %d, want 408", resp.StatusCode)
+	}
+	// Its slot is free again: the next request is judged (a 400 for its
+	// empty messages), not refused with a 429.
+	status, _, body := send(t, http.MethodPost, fe.url+"/v1/chat/completions", `{"messages":[]}`, map[string]string{"Content-Type": "application/json"})
+	if status != http.StatusBadRequest {
+		t.Fatalf("the next request: %d %.200s, want 400", status, body)
+	}
 }
