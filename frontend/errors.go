@@ -79,7 +79,7 @@ func outputError(code, msg string) *APIError {
 	switch code {
 	case "timeout":
 		return &APIError{Status: http.StatusGatewayTimeout, Type: typeTimeout, Code: code, Message: msg}
-	case "no_ready_group", "group_failed":
+	case "no_ready_group", "group_failed", "output_lost":
 		return &APIError{Status: http.StatusServiceUnavailable, Type: typeUnavailable, Code: code, Message: msg, RetryAfter: 1}
 	case "overloaded":
 		return &APIError{Status: http.StatusTooManyRequests, Type: typeRateLimit, Code: code, Message: msg, RetryAfter: 1}

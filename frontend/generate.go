@@ -424,6 +424,15 @@ func (g *generation) next(ctx context.Context, timer *time.Timer) ([]choiceOutpu
 				if c.done || !c.follow(o) || (o.Index < c.nextIndex && !o.Final()) {
 					continue // duplicate, late, or of an abandoned attempt
 				}
+				if o.Index > c.nextIndex && o.Error == nil {
+					// Outputs in between were lost on the bus (core NATS
+					// keeps order, so a gap is a loss): the answer would
+					// silently miss part of its text.
+					g.log.Warn("outputs lost on the bus; the answer ends with an error", "choice", it.choice,
+						"want_index", c.nextIndex, "got_index", o.Index)
+					o.Text, o.TokenIDs, o.FinishReason, o.Raw = "", nil, "", nil
+					o.Error = &messages.OutputError{Code: "output_lost", Message: "part of the answer was lost on the bus; retry the request"}
+				}
 				c.nextIndex = o.Index + 1
 				if c.firstByte.IsZero() {
 					c.firstByte = time.Now()
@@ -529,13 +538,12 @@ func (g *generation) respond(w http.ResponseWriter, ctx context.Context, deadlin
 	return http.StatusOK
 }
 
-// stream writes server-sent events as outputs arrive.
+// stream writes server-sent events as outputs arrive. The status line, the
+// headers and the role chunk wait for the request's first output: an error
+// before it (no ready group, overloaded, a timeout) is answered with its
+// HTTP status, as without streaming, so that clients and SDKs retry a 503
+// or 429 as they would any other.
 func (g *generation) stream(w http.ResponseWriter, ctx context.Context, deadline time.Time, includeUsage bool) int {
-	h := w.Header()
-	h.Set("Content-Type", "text/event-stream")
-	h.Set("Cache-Control", "no-cache")
-	h.Set("Connection", "keep-alive")
-	w.WriteHeader(http.StatusOK)
 	flusher, _ := w.(http.Flusher)
 	send := func(v any) {
 		b, _ := json.Marshal(v)
@@ -549,28 +557,52 @@ func (g *generation) stream(w http.ResponseWriter, ctx context.Context, deadline
 	object := "text_completion"
 	if g.endpoint == messages.EndpointChat {
 		object = "chat.completion.chunk"
-		// vLLM and OpenAI open with the role. Like vLLM, it goes out with
-		// the first output, in the same write.
-		for i := range g.choices {
-			send(completionJSON{ID: g.id, Object: object, Created: g.created, Model: g.model,
-				Choices: []choiceJSON{{Index: i, Delta: &messageJSON{Role: "assistant", Content: ptr("")}}}})
+	}
+	started := false
+	begin := func() {
+		started = true
+		h := w.Header()
+		h.Set("Content-Type", "text/event-stream")
+		h.Set("Cache-Control", "no-cache")
+		h.Set("Connection", "keep-alive")
+		w.WriteHeader(http.StatusOK)
+		if g.endpoint == messages.EndpointChat {
+			// vLLM and OpenAI open with the role. Like vLLM, it goes out
+			// with the first output, in the same write.
+			for i := range g.choices {
+				send(completionJSON{ID: g.id, Object: object, Created: g.created, Model: g.model,
+					Choices: []choiceJSON{{Index: i, Delta: &messageJSON{Role: "assistant", Content: ptr("")}}}})
+			}
 		}
 	}
 	timer := time.NewTimer(time.Until(deadline))
 	defer timer.Stop()
 	for !g.allDone() {
 		items, err := g.next(ctx, timer)
-		if err != nil {
+		switch {
+		case err != nil && !started:
+			if err.Status != 499 {
+				writeError(w, err)
+			}
+			return err.Status
+		case err != nil:
 			if err.Status != 499 {
 				send(err.body())
 				_, _ = fmt.Fprint(w, "data: [DONE]\n\n")
 				flush()
 			}
 			return err.Status
+		case !started:
+			if e := g.failedFirst(); e != nil {
+				g.log.Warn("request failed", "code", e.Code, "err", e.Message)
+				writeError(w, e)
+				return e.Status
+			}
+			begin()
 		}
 		for _, it := range items {
 			c, o := g.choices[it.choice], it.out
-			if c.err != nil {
+			if o.Error != nil { // the choice's error (text that came before it in the batch went out)
 				g.log.Warn("request failed while streaming", "code", c.err.Code, "err", c.err.Message)
 				send(c.err.body())
 				continue
@@ -596,6 +628,9 @@ func (g *generation) stream(w http.ResponseWriter, ctx context.Context, deadline
 			flush()
 		}
 	}
+	if !started {
+		begin()
+	}
 	if includeUsage {
 		send(completionJSON{ID: g.id, Object: object, Created: g.created, Model: g.model, Choices: []choiceJSON{}, Usage: ptr(g.usage())})
 	}
@@ -606,6 +641,18 @@ func (g *generation) stream(w http.ResponseWriter, ctx context.Context, deadline
 	g.log.Info("request completed", "stream", true, "prompt_tokens", u.PromptTokens, "cached_tokens", u.PromptTokensDetails.CachedTokens,
 		"completion_tokens", u.CompletionTokens, "ms", time.Since(g.start).Milliseconds())
 	return http.StatusOK
+}
+
+// failedFirst returns the error of a request whose choices all ended in
+// errors before any text: nothing was streamed, so its status can still
+// say so.
+func (g *generation) failedFirst() *APIError {
+	for _, c := range g.choices {
+		if c.err == nil || c.text.Len() > 0 {
+			return nil
+		}
+	}
+	return g.choices[0].err
 }
 
 // OpenAI response shapes.
