@@ -94,6 +94,26 @@ func TestBadInput(t *testing.T) {
 	if resp.StatusCode != http.StatusOK || resp.Header.Get("X-Session-ID") != "first" {
 		t.Errorf("repeated X-Session-ID: status %d, echo %q; want 200 and first", resp.StatusCode, resp.Header.Get("X-Session-ID"))
 	}
+	// Body keys are read as written (vLLM's are): encoding/json matched
+	// "SESSION_ID" to session_id, the last one winning, so a null there
+	// let the header override an explicit body value, and a variant could
+	// hide a session_id of the wrong type.
+	for _, tc := range []struct {
+		extra, want string
+		status      int
+	}{
+		{`,"session_id":"a","SESSION_ID":null`, "a", 200},
+		{`,"Session_Id":"x"`, "hdr", 200},
+		{`,"session_id":5,"Session_Id":"x"`, "", 400},
+		{`,"VLLM_XARGS":{"session_id":"x"}`, "hdr", 200},
+		{`,"vllm_xargs":{"session_id":"x"},"Vllm_Xargs":null`, "x", 200},
+	} {
+		status, h, body := send(t, http.MethodPost, c.URL+"/v1/chat/completions", chat(`,"max_tokens":2`+tc.extra),
+			map[string]string{"Content-Type": "application/json", "X-Session-ID": "hdr"})
+		if status != tc.status || (tc.status == 200 && h.Get("X-Session-ID") != tc.want) {
+			t.Errorf("%s: status %d, session %q (%.200s); want %d, %q", tc.extra, status, h.Get("X-Session-ID"), body, tc.status, tc.want)
+		}
+	}
 }
 
 // TestSimUnsupportedFields: over real HTTP, a request to the sim engine

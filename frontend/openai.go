@@ -141,6 +141,37 @@ func readBody(w http.ResponseWriter, r *http.Request, limit int64, timeout time.
 	return body, nil
 }
 
+// hasKeyVariant reports whether body holds a quoted string equal to key
+// but for case, and not key itself: a key encoding/json would match to key's
+// field. One pass, no allocation.
+func hasKeyVariant(body []byte, key string) bool {
+	for i := 0; ; {
+		j := bytes.IndexByte(body[i:], '"')
+		if j < 0 || i+j+len(key)+2 > len(body) {
+			return false
+		}
+		i += j + 1
+		if body[i+len(key)] == '"' && foldsTo(body[i:i+len(key)], key) && string(body[i:i+len(key)]) != key {
+			return true
+		}
+	}
+}
+
+// foldsTo reports whether w equals key, a lowercase ASCII key, ignoring
+// the case of letters.
+func foldsTo(w []byte, key string) bool {
+	for k := range len(key) {
+		b := w[k]
+		if 'A' <= b && b <= 'Z' {
+			b += 'a' - 'A'
+		}
+		if b != key[k] {
+			return false
+		}
+	}
+	return true
+}
+
 // decodeJSON unmarshals a request body, turning type errors into 400s that
 // name the field.
 func decodeJSON(body []byte, v any) *APIError {
@@ -235,8 +266,18 @@ func parseCommon(c *commonParams, p *parsedRequest, o parseOptions) *APIError {
 		return err
 	}
 	sp.Stop = stop
-	p.session.BodySessionID = c.SessionID
-	if x := bytes.TrimSpace(c.VLLMXargs); len(x) > 0 && string(x) != "null" {
+	sid, xargs := c.SessionID, c.VLLMXargs
+	if hasKeyVariant(p.body, "session_id") || hasKeyVariant(p.body, "vllm_xargs") {
+		// encoding/json matched "SESSION_ID" or "Vllm_Xargs" to these
+		// fields too, the last one winning; the session rules read the
+		// keys as written, as vLLM does.
+		var top map[string]json.RawMessage
+		if err := json.Unmarshal(p.body, &top); err == nil {
+			sid, xargs = top["session_id"], top["vllm_xargs"]
+		}
+	}
+	p.session.BodySessionID = sid
+	if x := bytes.TrimSpace(xargs); len(x) > 0 && string(x) != "null" {
 		var raw map[string]json.RawMessage
 		if x[0] != '{' || json.Unmarshal(x, &raw) != nil {
 			return badRequest("vllm_xargs", "vllm_xargs must be an object")

@@ -452,6 +452,8 @@ func FuzzParseChat(f *testing.F) {
 		`{"messages":[{"role":"user","content":"x"}],"temperature":"hot","top_p":0,"n":2}`,
 		`{"messages":[{"role":"user","content":"x"}],"stop":["a",""],"vllm_xargs":{"session_id":"s","k":[1]}}`,
 		`{"messages":[{"role":"user","content":"x"}],"session_id":{"a":1},"seed":-1}`,
+		`{"messages":[{"role":"user","content":"x"}],"session_id":"a","SESSION_ID":null,"Vllm_Xargs":{"Session_ID":1}}`,
+		`{"messages":[{"role":"user","content":"x"}],"vllm_xargs":{"x":[[[[[[[[[[[[[[[[[[1]]]]]]]]]]]]]]]]]}}`,
 	)
 	f.Fuzz(func(t *testing.T, body []byte) {
 		p, err := parseChat(body, parseOptions{})

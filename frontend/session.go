@@ -38,6 +38,9 @@ type SessionInput struct {
 // gives a value wins. It returns the session id ("" for none) and its source,
 // or a 400 APIError naming the offending source.
 func ResolveSession(in SessionInput, h http.Header, headers []string) (id, source string, err *APIError) {
+	// Both body values are checked before either wins: one of the wrong
+	// type is a 400 even when the other would have been chosen.
+	var first, from string
 	for _, b := range []struct {
 		raw  json.RawMessage
 		name string
@@ -46,9 +49,12 @@ func ResolveSession(in SessionInput, h http.Header, headers []string) (id, sourc
 		if err != nil {
 			return "", "", err
 		}
-		if given {
-			return checked(v, b.name)
+		if given && from == "" {
+			first, from = v, b.name
 		}
+	}
+	if from != "" {
+		return checked(first, from)
 	}
 	for _, name := range headers {
 		vals := headerValues(h, name)

@@ -52,6 +52,14 @@ func TestResolveSession(t *testing.T) {
 			wantID: "b", wantSrc: frontend.SourceBody,
 		},
 		{
+			// DESIGN §3: another type is a 400, never silently dropped —
+			// even where the other body value would have won.
+			name:      "vllm_xargs.session_id a number beside a body session_id",
+			in:        frontend.SessionInput{BodySessionID: quote("b"), XargsSessionID: json.RawMessage("7")},
+			h:         all,
+			wantParam: frontend.SourceVLLMXargs,
+		},
+		{
 			name:   "vllm_xargs.session_id used when body absent",
 			in:     frontend.SessionInput{XargsSessionID: quote("x")},
 			h:      all,
