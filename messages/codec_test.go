@@ -6,6 +6,7 @@ import (
 	"errors"
 	"math"
 	"reflect"
+	"runtime"
 	"strings"
 	"testing"
 
@@ -1032,5 +1033,37 @@ func TestReqMetaRemoteRuns(t *testing.T) {
 				t.Errorf("runs %+v, want %+v", got.LoadSpec.Remote, tt.runs)
 			}
 		})
+	}
+}
+
+// TestDeclaredLengthsAreBounded: a decoder allocates by the lengths a
+// message declares, so an array declared longer than the generated
+// codec's limit is malformed before anything is allocated for it. An 8 MiB
+// KVEventBatch of 8M one-byte events made its decoder allocate 768 MiB.
+func TestDeclaredLengthsAreBounded(t *testing.T) {
+	events := func(n int) []byte {
+		var buf bytes.Buffer
+		enc := msgpack.NewEncoder(&buf)
+		for _, err := range []error{enc.EncodeMapLen(2), enc.EncodeString("group"), enc.EncodeString("g0"), enc.EncodeString("events"), enc.EncodeArrayLen(n)} {
+			if err != nil {
+				t.Fatal(err)
+			}
+		}
+		buf.Write(bytes.Repeat([]byte{0x80}, n)) // empty maps: one byte each
+		return buf.Bytes()
+	}
+	if _, err := DecodeKVEventBatch(events(300_000)); !errors.Is(err, ErrMalformed) {
+		t.Errorf("300,000 events: err = %v, want ErrMalformed", err)
+	}
+	huge := events(MaxMessageBytes - 64)
+	var before, after runtime.MemStats
+	runtime.ReadMemStats(&before)
+	_, err := DecodeKVEventBatch(huge)
+	runtime.ReadMemStats(&after)
+	if !errors.Is(err, ErrMalformed) {
+		t.Errorf("8M events: err = %v, want ErrMalformed", err)
+	}
+	if n := after.TotalAlloc - before.TotalAlloc; n > 16<<20 {
+		t.Errorf("decoding an 8 MiB batch of empty events allocated %d MiB", n>>20)
 	}
 }

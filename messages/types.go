@@ -3,6 +3,13 @@ package messages
 //go:generate go run github.com/tinylib/msgp@v1.6.5 -file types.go -o types_gen.go -io=false -tests=false
 //msgp:tag msgpack
 
+// A decoder allocates by the lengths a message declares: no array may
+// declare more than 262,144 elements (a PoolPart of 8-byte digests in an
+// 8 MiB payload has ~120k pieces), no map more than 65,536 entries. Without
+// them an 8 MiB KVEventBatch declaring 8M one-byte events made its decoder
+// allocate 768 MiB.
+//msgp:limit arrays:262144 maps:65536
+
 // Version is the value of the "v" key this package writes.
 const Version = 1
 

@@ -6,6 +6,12 @@ import (
 	"github.com/tinylib/msgp/msgp"
 )
 
+// Size limits for msgp deserialization
+const (
+	z94b1f360limitArrays = 262144
+	z94b1f360limitMaps   = 65536
+)
+
 // MarshalMsg implements msgp.Marshaler
 func (z *Abort) MarshalMsg(b []byte) (o []byte, err error) {
 	o = msgp.Require(b, z.Msgsize())
@@ -54,6 +60,10 @@ func (z *Abort) UnmarshalMsg(bts []byte) (o []byte, err error) {
 	zb0001, bts, err = msgp.ReadMapHeaderBytes(bts)
 	if err != nil {
 		err = msgp.WrapError(err)
+		return
+	}
+	if zb0001 > z94b1f360limitMaps {
+		err = msgp.ErrLimitExceeded
 		return
 	}
 	for zb0001 > 0 {
@@ -163,6 +173,10 @@ func (z *Announcement) UnmarshalMsg(bts []byte) (o []byte, err error) {
 	zb0001, bts, err = msgp.ReadMapHeaderBytes(bts)
 	if err != nil {
 		err = msgp.WrapError(err)
+		return
+	}
+	if zb0001 > z94b1f360limitMaps {
+		err = msgp.ErrLimitExceeded
 		return
 	}
 	for zb0001 > 0 {
@@ -310,6 +324,10 @@ func (z *DrainPlan) UnmarshalMsg(bts []byte) (o []byte, err error) {
 		err = msgp.WrapError(err)
 		return
 	}
+	if zb0001 > z94b1f360limitMaps {
+		err = msgp.ErrLimitExceeded
+		return
+	}
 	for zb0001 > 0 {
 		zb0001--
 		field, bts, err = msgp.ReadMapKeyZC(bts)
@@ -353,6 +371,10 @@ func (z *DrainPlan) UnmarshalMsg(bts []byte) (o []byte, err error) {
 					err = msgp.WrapError(err, "Targets")
 					return
 				}
+				if zb0002 > z94b1f360limitArrays {
+					err = msgp.ErrLimitExceeded
+					return
+				}
 				if z.Targets != nil && cap(z.Targets) >= int(zb0002) {
 					z.Targets = (z.Targets)[:zb0002]
 				} else {
@@ -363,6 +385,10 @@ func (z *DrainPlan) UnmarshalMsg(bts []byte) (o []byte, err error) {
 					zb0003, bts, err = msgp.ReadMapHeaderBytes(bts)
 					if err != nil {
 						err = msgp.WrapError(err, "Targets", za0001)
+						return
+					}
+					if zb0003 > z94b1f360limitMaps {
+						err = msgp.ErrLimitExceeded
 						return
 					}
 					for zb0003 > 0 {
@@ -390,6 +416,10 @@ func (z *DrainPlan) UnmarshalMsg(bts []byte) (o []byte, err error) {
 									err = msgp.WrapError(err, "Targets", za0001, "Runs")
 									return
 								}
+								if zb0004 > z94b1f360limitArrays {
+									err = msgp.ErrLimitExceeded
+									return
+								}
 								if z.Targets[za0001].Runs != nil && cap(z.Targets[za0001].Runs) >= int(zb0004) {
 									z.Targets[za0001].Runs = (z.Targets[za0001].Runs)[:zb0004]
 								} else {
@@ -400,6 +430,10 @@ func (z *DrainPlan) UnmarshalMsg(bts []byte) (o []byte, err error) {
 									zb0005, bts, err = msgp.ReadMapHeaderBytes(bts)
 									if err != nil {
 										err = msgp.WrapError(err, "Targets", za0001, "Runs", za0002)
+										return
+									}
+									if zb0005 > z94b1f360limitMaps {
+										err = msgp.ErrLimitExceeded
 										return
 									}
 									for zb0005 > 0 {
@@ -533,6 +567,10 @@ func (z *Handoff) UnmarshalMsg(bts []byte) (o []byte, err error) {
 		err = msgp.WrapError(err)
 		return
 	}
+	if zb0001 > z94b1f360limitMaps {
+		err = msgp.ErrLimitExceeded
+		return
+	}
 	for zb0001 > 0 {
 		zb0001--
 		field, bts, err = msgp.ReadMapKeyZC(bts)
@@ -582,6 +620,10 @@ func (z *Handoff) UnmarshalMsg(bts []byte) (o []byte, err error) {
 					err = msgp.WrapError(err, "Runs")
 					return
 				}
+				if zb0002 > z94b1f360limitArrays {
+					err = msgp.ErrLimitExceeded
+					return
+				}
 				if z.Runs != nil && cap(z.Runs) >= int(zb0002) {
 					z.Runs = (z.Runs)[:zb0002]
 				} else {
@@ -592,6 +634,10 @@ func (z *Handoff) UnmarshalMsg(bts []byte) (o []byte, err error) {
 					zb0003, bts, err = msgp.ReadMapHeaderBytes(bts)
 					if err != nil {
 						err = msgp.WrapError(err, "Runs", za0001)
+						return
+					}
+					if zb0003 > z94b1f360limitMaps {
+						err = msgp.ErrLimitExceeded
 						return
 					}
 					for zb0003 > 0 {
@@ -692,6 +738,10 @@ func (z *HandoffResult) UnmarshalMsg(bts []byte) (o []byte, err error) {
 		err = msgp.WrapError(err)
 		return
 	}
+	if zb0001 > z94b1f360limitMaps {
+		err = msgp.ErrLimitExceeded
+		return
+	}
 	for zb0001 > 0 {
 		zb0001--
 		field, bts, err = msgp.ReadMapKeyZC(bts)
@@ -790,6 +840,10 @@ func (z *HandoffRun) UnmarshalMsg(bts []byte) (o []byte, err error) {
 		err = msgp.WrapError(err)
 		return
 	}
+	if zb0001 > z94b1f360limitMaps {
+		err = msgp.ErrLimitExceeded
+		return
+	}
 	for zb0001 > 0 {
 		zb0001--
 		field, bts, err = msgp.ReadMapKeyZC(bts)
@@ -883,6 +937,10 @@ func (z *HandoffTarget) UnmarshalMsg(bts []byte) (o []byte, err error) {
 		err = msgp.WrapError(err)
 		return
 	}
+	if zb0001 > z94b1f360limitMaps {
+		err = msgp.ErrLimitExceeded
+		return
+	}
 	for zb0001 > 0 {
 		zb0001--
 		field, bts, err = msgp.ReadMapKeyZC(bts)
@@ -908,6 +966,10 @@ func (z *HandoffTarget) UnmarshalMsg(bts []byte) (o []byte, err error) {
 					err = msgp.WrapError(err, "Runs")
 					return
 				}
+				if zb0002 > z94b1f360limitArrays {
+					err = msgp.ErrLimitExceeded
+					return
+				}
 				if z.Runs != nil && cap(z.Runs) >= int(zb0002) {
 					z.Runs = (z.Runs)[:zb0002]
 				} else {
@@ -918,6 +980,10 @@ func (z *HandoffTarget) UnmarshalMsg(bts []byte) (o []byte, err error) {
 					zb0003, bts, err = msgp.ReadMapHeaderBytes(bts)
 					if err != nil {
 						err = msgp.WrapError(err, "Runs", za0001)
+						return
+					}
+					if zb0003 > z94b1f360limitMaps {
+						err = msgp.ErrLimitExceeded
 						return
 					}
 					for zb0003 > 0 {
@@ -1115,6 +1181,10 @@ func (z *Heartbeat) UnmarshalMsg(bts []byte) (o []byte, err error) {
 	zb0001, bts, err = msgp.ReadMapHeaderBytes(bts)
 	if err != nil {
 		err = msgp.WrapError(err)
+		return
+	}
+	if zb0001 > z94b1f360limitMaps {
+		err = msgp.ErrLimitExceeded
 		return
 	}
 	for zb0001 > 0 {
@@ -1349,6 +1419,10 @@ func (z *KVEvent) UnmarshalMsg(bts []byte) (o []byte, err error) {
 		err = msgp.WrapError(err)
 		return
 	}
+	if zb0001 > z94b1f360limitMaps {
+		err = msgp.ErrLimitExceeded
+		return
+	}
 	for zb0001 > 0 {
 		zb0001--
 		field, bts, err = msgp.ReadMapKeyZC(bts)
@@ -1501,6 +1575,10 @@ func (z *KVEventBatch) UnmarshalMsg(bts []byte) (o []byte, err error) {
 		err = msgp.WrapError(err)
 		return
 	}
+	if zb0001 > z94b1f360limitMaps {
+		err = msgp.ErrLimitExceeded
+		return
+	}
 	for zb0001 > 0 {
 		zb0001--
 		field, bts, err = msgp.ReadMapKeyZC(bts)
@@ -1548,6 +1626,10 @@ func (z *KVEventBatch) UnmarshalMsg(bts []byte) (o []byte, err error) {
 				zb0002, bts, err = msgp.ReadArrayHeaderBytes(bts)
 				if err != nil {
 					err = msgp.WrapError(err, "Events")
+					return
+				}
+				if zb0002 > z94b1f360limitArrays {
+					err = msgp.ErrLimitExceeded
 					return
 				}
 				if z.Events != nil && cap(z.Events) >= int(zb0002) {
@@ -1653,6 +1735,10 @@ func (z *LoadSpec) UnmarshalMsg(bts []byte) (o []byte, err error) {
 		err = msgp.WrapError(err)
 		return
 	}
+	if zb0001 > z94b1f360limitMaps {
+		err = msgp.ErrLimitExceeded
+		return
+	}
 	for zb0001 > 0 {
 		zb0001--
 		field, bts, err = msgp.ReadMapKeyZC(bts)
@@ -1690,6 +1776,10 @@ func (z *LoadSpec) UnmarshalMsg(bts []byte) (o []byte, err error) {
 					err = msgp.WrapError(err, "Remote")
 					return
 				}
+				if zb0002 > z94b1f360limitArrays {
+					err = msgp.ErrLimitExceeded
+					return
+				}
 				if z.Remote != nil && cap(z.Remote) >= int(zb0002) {
 					z.Remote = (z.Remote)[:zb0002]
 				} else {
@@ -1700,6 +1790,10 @@ func (z *LoadSpec) UnmarshalMsg(bts []byte) (o []byte, err error) {
 					zb0003, bts, err = msgp.ReadMapHeaderBytes(bts)
 					if err != nil {
 						err = msgp.WrapError(err, "Remote", za0001)
+						return
+					}
+					if zb0003 > z94b1f360limitMaps {
+						err = msgp.ErrLimitExceeded
 						return
 					}
 					for zb0003 > 0 {
@@ -1871,6 +1965,10 @@ func (z *Output) UnmarshalMsg(bts []byte) (o []byte, err error) {
 		err = msgp.WrapError(err)
 		return
 	}
+	if zb0001 > z94b1f360limitMaps {
+		err = msgp.ErrLimitExceeded
+		return
+	}
 	for zb0001 > 0 {
 		zb0001--
 		field, bts, err = msgp.ReadMapKeyZC(bts)
@@ -1956,11 +2054,27 @@ func (z *Output) UnmarshalMsg(bts []byte) (o []byte, err error) {
 				}
 			}
 		case "raw":
-			z.Raw, bts, err = msgp.ReadBytesBytes(bts, z.Raw)
+			var zb0002 uint32
+			zb0002, bts, err = msgp.ReadBytesHeader(bts)
 			if err != nil {
 				err = msgp.WrapError(err, "Raw")
 				return
 			}
+			if zb0002 > z94b1f360limitArrays {
+				err = msgp.ErrLimitExceeded
+				return
+			}
+			if z.Raw == nil || uint32(cap(z.Raw)) < zb0002 {
+				z.Raw = make([]byte, zb0002)
+			} else {
+				z.Raw = z.Raw[:zb0002]
+			}
+			if uint32(len(bts)) < zb0002 {
+				err = msgp.ErrShortBytes
+				return
+			}
+			copy(z.Raw, bts[:zb0002])
+			bts = bts[zb0002:]
 		default:
 			bts, err = msgp.Skip(bts)
 			if err != nil {
@@ -2041,6 +2155,10 @@ func (z *OutputError) UnmarshalMsg(bts []byte) (o []byte, err error) {
 		err = msgp.WrapError(err)
 		return
 	}
+	if zb0001 > z94b1f360limitMaps {
+		err = msgp.ErrLimitExceeded
+		return
+	}
 	for zb0001 > 0 {
 		zb0001--
 		field, bts, err = msgp.ReadMapKeyZC(bts)
@@ -2068,11 +2186,27 @@ func (z *OutputError) UnmarshalMsg(bts []byte) (o []byte, err error) {
 				return
 			}
 		case "raw":
-			z.Raw, bts, err = msgp.ReadBytesBytes(bts, z.Raw)
+			var zb0002 uint32
+			zb0002, bts, err = msgp.ReadBytesHeader(bts)
 			if err != nil {
 				err = msgp.WrapError(err, "Raw")
 				return
 			}
+			if zb0002 > z94b1f360limitArrays {
+				err = msgp.ErrLimitExceeded
+				return
+			}
+			if z.Raw == nil || uint32(cap(z.Raw)) < zb0002 {
+				z.Raw = make([]byte, zb0002)
+			} else {
+				z.Raw = z.Raw[:zb0002]
+			}
+			if uint32(len(bts)) < zb0002 {
+				err = msgp.ErrShortBytes
+				return
+			}
+			copy(z.Raw, bts[:zb0002])
+			bts = bts[zb0002:]
 		default:
 			bts, err = msgp.Skip(bts)
 			if err != nil {
@@ -2131,6 +2265,10 @@ func (z *PoolPart) UnmarshalMsg(bts []byte) (o []byte, err error) {
 		err = msgp.WrapError(err)
 		return
 	}
+	if zb0001 > z94b1f360limitMaps {
+		err = msgp.ErrLimitExceeded
+		return
+	}
 	for zb0001 > 0 {
 		zb0001--
 		field, bts, err = msgp.ReadMapKeyZC(bts)
@@ -2166,6 +2304,10 @@ func (z *PoolPart) UnmarshalMsg(bts []byte) (o []byte, err error) {
 				zb0002, bts, err = msgp.ReadArrayHeaderBytes(bts)
 				if err != nil {
 					err = msgp.WrapError(err, "Pieces")
+					return
+				}
+				if zb0002 > z94b1f360limitArrays {
+					err = msgp.ErrLimitExceeded
 					return
 				}
 				if z.Pieces != nil && cap(z.Pieces) >= int(zb0002) {
@@ -2235,6 +2377,10 @@ func (z *PoolPiece) UnmarshalMsg(bts []byte) (o []byte, err error) {
 		err = msgp.WrapError(err)
 		return
 	}
+	if zb0001 > z94b1f360limitMaps {
+		err = msgp.ErrLimitExceeded
+		return
+	}
 	for zb0001 > 0 {
 		zb0001--
 		field, bts, err = msgp.ReadMapKeyZC(bts)
@@ -2266,14 +2412,27 @@ func (z *PoolPiece) UnmarshalMsg(bts []byte) (o []byte, err error) {
 				bts = bts[1:]
 				z.Data = nil
 			} else {
-				z.Data, bts, err = msgp.ReadBytesBytes(bts, z.Data)
+				var zb0002 uint32
+				zb0002, bts, err = msgp.ReadBytesHeader(bts)
 				if err != nil {
 					err = msgp.WrapError(err, "Data")
 					return
 				}
-				if z.Data == nil {
-					z.Data = make([]byte, 0)
+				if zb0002 > z94b1f360limitArrays {
+					err = msgp.ErrLimitExceeded
+					return
 				}
+				if z.Data == nil || uint32(cap(z.Data)) < zb0002 {
+					z.Data = make([]byte, zb0002)
+				} else {
+					z.Data = z.Data[:zb0002]
+				}
+				if uint32(len(bts)) < zb0002 {
+					err = msgp.ErrShortBytes
+					return
+				}
+				copy(z.Data, bts[:zb0002])
+				bts = bts[zb0002:]
 			}
 		default:
 			bts, err = msgp.Skip(bts)
@@ -2342,6 +2501,10 @@ func (z *PoolRead) UnmarshalMsg(bts []byte) (o []byte, err error) {
 	zb0001, bts, err = msgp.ReadMapHeaderBytes(bts)
 	if err != nil {
 		err = msgp.WrapError(err)
+		return
+	}
+	if zb0001 > z94b1f360limitMaps {
+		err = msgp.ErrLimitExceeded
 		return
 	}
 	for zb0001 > 0 {
@@ -2516,6 +2679,10 @@ func (z *RankResult) UnmarshalMsg(bts []byte) (o []byte, err error) {
 		err = msgp.WrapError(err)
 		return
 	}
+	if zb0001 > z94b1f360limitMaps {
+		err = msgp.ErrLimitExceeded
+		return
+	}
 	for zb0001 > 0 {
 		zb0001--
 		field, bts, err = msgp.ReadMapKeyZC(bts)
@@ -2674,6 +2841,10 @@ func (z *RemoteRun) UnmarshalMsg(bts []byte) (o []byte, err error) {
 	zb0001, bts, err = msgp.ReadMapHeaderBytes(bts)
 	if err != nil {
 		err = msgp.WrapError(err)
+		return
+	}
+	if zb0001 > z94b1f360limitMaps {
+		err = msgp.ErrLimitExceeded
 		return
 	}
 	for zb0001 > 0 {
@@ -2875,6 +3046,10 @@ func (z *ReqMeta) UnmarshalMsg(bts []byte) (o []byte, err error) {
 		err = msgp.WrapError(err)
 		return
 	}
+	if zb0001 > z94b1f360limitMaps {
+		err = msgp.ErrLimitExceeded
+		return
+	}
 	for zb0001 > 0 {
 		zb0001--
 		field, bts, err = msgp.ReadMapKeyZC(bts)
@@ -3021,11 +3196,27 @@ func (z *ReqMeta) UnmarshalMsg(bts []byte) (o []byte, err error) {
 				return
 			}
 		case "body":
-			z.Body, bts, err = msgp.ReadBytesBytes(bts, z.Body)
+			var zb0002 uint32
+			zb0002, bts, err = msgp.ReadBytesHeader(bts)
 			if err != nil {
 				err = msgp.WrapError(err, "Body")
 				return
 			}
+			if zb0002 > z94b1f360limitArrays {
+				err = msgp.ErrLimitExceeded
+				return
+			}
+			if z.Body == nil || uint32(cap(z.Body)) < zb0002 {
+				z.Body = make([]byte, zb0002)
+			} else {
+				z.Body = z.Body[:zb0002]
+			}
+			if uint32(len(bts)) < zb0002 {
+				err = msgp.ErrShortBytes
+				return
+			}
+			copy(z.Body, bts[:zb0002])
+			bts = bts[zb0002:]
 		case "kv_transfer_params":
 			bts, err = z.KVTransferParams.UnmarshalMsg(bts)
 			if err != nil {
@@ -3157,6 +3348,10 @@ func (z *Request) UnmarshalMsg(bts []byte) (o []byte, err error) {
 		err = msgp.WrapError(err)
 		return
 	}
+	if zb0001 > z94b1f360limitMaps {
+		err = msgp.ErrLimitExceeded
+		return
+	}
 	for zb0001 > 0 {
 		zb0001--
 		field, bts, err = msgp.ReadMapKeyZC(bts)
@@ -3238,11 +3433,27 @@ func (z *Request) UnmarshalMsg(bts []byte) (o []byte, err error) {
 				return
 			}
 		case "body":
-			z.Body, bts, err = msgp.ReadBytesBytes(bts, z.Body)
+			var zb0002 uint32
+			zb0002, bts, err = msgp.ReadBytesHeader(bts)
 			if err != nil {
 				err = msgp.WrapError(err, "Body")
 				return
 			}
+			if zb0002 > z94b1f360limitArrays {
+				err = msgp.ErrLimitExceeded
+				return
+			}
+			if z.Body == nil || uint32(cap(z.Body)) < zb0002 {
+				z.Body = make([]byte, zb0002)
+			} else {
+				z.Body = z.Body[:zb0002]
+			}
+			if uint32(len(bts)) < zb0002 {
+				err = msgp.ErrShortBytes
+				return
+			}
+			copy(z.Body, bts[:zb0002])
+			bts = bts[zb0002:]
 		default:
 			bts, err = msgp.Skip(bts)
 			if err != nil {
@@ -3352,6 +3563,10 @@ func (z *SamplingParams) UnmarshalMsg(bts []byte) (o []byte, err error) {
 		err = msgp.WrapError(err)
 		return
 	}
+	if zb0001 > z94b1f360limitMaps {
+		err = msgp.ErrLimitExceeded
+		return
+	}
 	for zb0001 > 0 {
 		zb0001--
 		field, bts, err = msgp.ReadMapKeyZC(bts)
@@ -3410,6 +3625,10 @@ func (z *SamplingParams) UnmarshalMsg(bts []byte) (o []byte, err error) {
 				zb0002, bts, err = msgp.ReadArrayHeaderBytes(bts)
 				if err != nil {
 					err = msgp.WrapError(err, "Stop")
+					return
+				}
+				if zb0002 > z94b1f360limitArrays {
+					err = msgp.ErrLimitExceeded
 					return
 				}
 				if z.Stop != nil && cap(z.Stop) >= int(zb0002) {
@@ -3522,6 +3741,10 @@ func (z *SavePlan) UnmarshalMsg(bts []byte) (o []byte, err error) {
 		err = msgp.WrapError(err)
 		return
 	}
+	if zb0001 > z94b1f360limitMaps {
+		err = msgp.ErrLimitExceeded
+		return
+	}
 	for zb0001 > 0 {
 		zb0001--
 		field, bts, err = msgp.ReadMapKeyZC(bts)
@@ -3632,6 +3855,10 @@ func (z *Usage) UnmarshalMsg(bts []byte) (o []byte, err error) {
 	zb0001, bts, err = msgp.ReadMapHeaderBytes(bts)
 	if err != nil {
 		err = msgp.WrapError(err)
+		return
+	}
+	if zb0001 > z94b1f360limitMaps {
+		err = msgp.ErrLimitExceeded
 		return
 	}
 	for zb0001 > 0 {
