@@ -15,10 +15,8 @@ import (
 	"github.com/kvbus/kvbus/messages"
 )
 
-// openTestBindings opens the session bucket on an embedded server without
-// running the watcher: the test feeds observe and write itself, in the order
-// Run could interleave them.
-func openTestBindings(t *testing.T) (*SessionBindings, jetstream.KeyValue) {
+// embeddedConn connects to an embedded server of the test's own.
+func embeddedConn(t *testing.T) *nats.Conn {
 	t.Helper()
 	srv, err := bus.StartServer(bus.ServerConfig{Addr: "127.0.0.1:0", DataDir: t.TempDir()})
 	if err != nil {
@@ -30,7 +28,15 @@ func openTestBindings(t *testing.T) (*SessionBindings, jetstream.KeyValue) {
 		t.Fatal(err)
 	}
 	t.Cleanup(nc.Close)
-	js, err := jetstream.New(nc)
+	return nc
+}
+
+// openTestBindings opens the session bucket on an embedded server without
+// running the watcher: the test feeds observe and write itself, in the order
+// Run could interleave them.
+func openTestBindings(t *testing.T) (*SessionBindings, jetstream.KeyValue) {
+	t.Helper()
+	js, err := jetstream.New(embeddedConn(t))
 	if err != nil {
 		t.Fatal(err)
 	}

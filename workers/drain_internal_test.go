@@ -42,20 +42,29 @@ func TestMemStoreRecent(t *testing.T) {
 	}
 }
 
+// drainingRank is rank 0 of g0 (one rank, the tiny profile) with a store
+// of 100 blocks and a hand-off budget of budget blocks; blk is a block's
+// size.
+func drainingRank(t *testing.T, budget int64) (r *Rank, store *MemStore, blk int64) {
+	t.Helper()
+	profile, err := LookupModelProfile("tiny")
+	if err != nil {
+		t.Fatal(err)
+	}
+	r = &Rank{cfg: RankConfig{Group: "g0", Model: "m", BlockSize: 16, Profile: profile, TPSize: 1, HeartbeatInterval: time.Second}}
+	blk = int64(r.blockBytes(16))
+	r.cfg.DrainHandoff = budget * blk
+	store, _ = newTestStore(t, 100*blk)
+	r.store = store
+	return r, store, blk
+}
+
 // TestDrainPlan: whole sessions, newest first, within the budget; each to
 // the ready group (same model and world size, every rank fresh, none
 // draining) with the most free room left.
 func TestDrainPlan(t *testing.T) {
 	ctx := t.Context()
-	profile, err := LookupModelProfile("tiny")
-	if err != nil {
-		t.Fatal(err)
-	}
-	r := &Rank{cfg: RankConfig{Group: "g0", Model: "m", BlockSize: 16, Profile: profile, TPSize: 1, HeartbeatInterval: time.Second}}
-	blk := int64(r.blockBytes(16))
-	r.cfg.DrainHandoff = 5 * blk
-	store, _ := newTestStore(t, 100*blk)
-	r.store = store
+	r, store, blk := drainingRank(t, 5)
 	put := func(session string, hashes ...uint64) {
 		for _, h := range hashes {
 			store.BatchPut(ctx, []Object{{Key: StoreKey("m", 0, h), Hash: h, Value: []byte{1}, Size: blk, Group: session}})
@@ -119,15 +128,7 @@ func TestLoadTokens(t *testing.T) {
 // the end — is not handed off; a whole one listed after it is.
 func TestDrainPlanLeavesOutCutSessions(t *testing.T) {
 	ctx := t.Context()
-	profile, err := LookupModelProfile("tiny")
-	if err != nil {
-		t.Fatal(err)
-	}
-	r := &Rank{cfg: RankConfig{Group: "g0", Model: "m", BlockSize: 16, Profile: profile, TPSize: 1, HeartbeatInterval: time.Second}}
-	blk := int64(r.blockBytes(16))
-	r.cfg.DrainHandoff = 3 * blk // 6 blocks listed
-	store, _ := newTestStore(t, 100*blk)
-	r.store = store
+	r, store, blk := drainingRank(t, 3) // 6 blocks listed
 	put := func(session string, h uint64) {
 		store.BatchPut(ctx, []Object{{Key: StoreKey("m", 0, h), Hash: h, Value: []byte{1}, Size: blk, Group: session}})
 	}
