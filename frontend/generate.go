@@ -285,6 +285,9 @@ func (s *Server) tokenize(ctx context.Context, p *parsedRequest) ([][]uint32, *A
 			prompts = append(prompts, ids)
 		}
 	}
+	if p.maxTokensSet && p.params.MinTokens > p.params.MaxTokens { // vLLM's check and words
+		return nil, badRequest("min_tokens", "min_tokens must be less than or equal to max_tokens=%d, got %d.", p.params.MaxTokens, p.params.MinTokens)
+	}
 	maxLen := s.cfg.MaxModelLen
 	for _, ids := range prompts {
 		n := len(ids)
