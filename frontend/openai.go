@@ -141,18 +141,20 @@ func readBody(w http.ResponseWriter, r *http.Request, limit int64, timeout time.
 	return body, nil
 }
 
-// hasKeyVariant reports whether body holds a quoted string equal to key
-// but for case, and not key itself: a key encoding/json would match to key's
-// field. One pass, no allocation.
-func hasKeyVariant(body []byte, key string) bool {
+// hasKeyVariant reports whether body holds a quoted string equal to one of
+// keys but for case, and not that key itself: a key encoding/json would
+// match to the key's field. One pass, no allocation.
+func hasKeyVariant(body []byte, keys ...string) bool {
 	for i := 0; ; {
 		j := bytes.IndexByte(body[i:], '"')
-		if j < 0 || i+j+len(key)+2 > len(body) {
+		if j < 0 {
 			return false
 		}
 		i += j + 1
-		if body[i+len(key)] == '"' && foldsTo(body[i:i+len(key)], key) && string(body[i:i+len(key)]) != key {
-			return true
+		for _, key := range keys {
+			if end := i + len(key); end < len(body) && body[end] == '"' && foldsTo(body[i:end], key) && string(body[i:end]) != key {
+				return true
+			}
 		}
 	}
 }
@@ -267,7 +269,7 @@ func parseCommon(c *commonParams, p *parsedRequest, o parseOptions) *APIError {
 	}
 	sp.Stop = stop
 	sid, xargs := c.SessionID, c.VLLMXargs
-	if hasKeyVariant(p.body, "session_id") || hasKeyVariant(p.body, "vllm_xargs") {
+	if hasKeyVariant(p.body, "session_id", "vllm_xargs") {
 		// encoding/json matched "SESSION_ID" or "Vllm_Xargs" to these
 		// fields too, the last one winning; the session rules read the
 		// keys as written, as vLLM does.

@@ -116,7 +116,7 @@ func (c *Config) Validate() error {
 		return fmt.Errorf("%w: --request-log-history-bytes (%d) must be below --request-log-max-bytes (%d), or history alone fills the log",
 			ErrConfig, c.RequestLogHistoryBytes, c.RequestLogMaxBytes)
 	case c.ReadHeaderTimeout < 0 || c.IdleTimeout < 0 || c.ReadBodyTimeout < 0:
-		return fmt.Errorf("%w: --read-header-timeout and --idle-timeout must be >= 0 (0: default)", ErrConfig)
+		return fmt.Errorf("%w: --read-header-timeout, --idle-timeout and the read-body timeout must be >= 0 (0: default)", ErrConfig)
 	}
 	for _, h := range c.SessionHeaders {
 		if strings.TrimSpace(h) == "" || strings.ContainsAny(h, " :\t") {

@@ -51,19 +51,21 @@ func (r *Rank) onPoolRead(ctx context.Context, m *nats.Msg) error {
 		return r.answerPoolRead(m.Reply, values)
 	}
 	deadline := time.Now().Add(r.cfg.SaveWait)
+	answer := func() error {
+		r.awaitPoolSaves(ctx, keys, values, deadline)
+		return r.answerPoolRead(m.Reply, values)
+	}
 	select {
 	case r.poolWaitSlots <- struct{}{}:
 		r.poolWaits.Go(func() {
 			defer func() { <-r.poolWaitSlots }()
-			r.awaitPoolSaves(ctx, keys, values, deadline)
-			if err := r.answerPoolRead(m.Reply, values); err != nil {
+			if err := answer(); err != nil {
 				r.log.Warn("pool read", "req_id", req.ReqID, "err", err)
 			}
 		})
 		return nil
 	default: // as many reads wait already: this one waits here
-		r.awaitPoolSaves(ctx, keys, values, deadline)
-		return r.answerPoolRead(m.Reply, values)
+		return answer()
 	}
 }
 
