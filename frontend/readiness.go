@@ -109,6 +109,19 @@ func (s *Server) serveHealthz(w http.ResponseWriter, _ *http.Request) {
 	writeJSON(w, http.StatusOK, map[string]string{"status": "ok"})
 }
 
+// serveHealth is vLLM's /health: 200 with an empty body while requests
+// can be served, 503 with an empty body while they cannot (vLLM answers 503
+// while its engine is dead or warming up). Load balancers and scripts that
+// wait for a vLLM server poll it and send at once; they must not be let in
+// before a ready scheduler is there to take their requests.
+func (s *Server) serveHealth(w http.ResponseWriter, _ *http.Request) {
+	if ok, _ := s.Healthy(); !ok {
+		w.WriteHeader(http.StatusServiceUnavailable)
+		return
+	}
+	w.WriteHeader(http.StatusOK)
+}
+
 // serveLivez answers 200 while the process serves HTTP: liveness, for
 // restarts, as opposed to readiness (/healthz).
 func (s *Server) serveLivez(w http.ResponseWriter, _ *http.Request) {

@@ -2,6 +2,7 @@ package frontend_test
 
 import (
 	"encoding/json"
+	"io"
 	"net/http"
 	"strings"
 	"testing"
@@ -14,22 +15,31 @@ import (
 )
 
 // TestNoReadySchedulerIsAFast503: while no scheduler announced itself
-// ready, /healthz is 503 and a request gets 503 no_ready_scheduler with
+// ready, /healthz and vLLM's /health are 503 and a request gets 503 no_ready_scheduler with
 // Retry-After at once (not a 504 after --request-timeout), and nothing is
 // published; a scheduler announcing "not ready" does not count; once one
-// announces ready, /healthz is 200.
+// announces ready, both are 200.
 func TestNoReadySchedulerIsAFast503(t *testing.T) {
 	s := startStandalone(t, false, func(c *frontend.Config) { c.RequestTimeout = 30 * time.Second })
-	check := func(step string) {
+	probe := func(step, path string, want int) {
 		t.Helper()
-		resp, err := http.Get(s.url + "/healthz")
+		resp, err := http.Get(s.url + path)
 		if err != nil {
 			t.Fatal(err)
 		}
+		body, _ := io.ReadAll(resp.Body)
 		resp.Body.Close()
-		if resp.StatusCode != http.StatusServiceUnavailable {
-			t.Errorf("%s: /healthz %d, want 503", step, resp.StatusCode)
+		if resp.StatusCode != want {
+			t.Errorf("%s: %s %d, want %d", step, path, resp.StatusCode, want)
 		}
+		if path == "/health" && len(body) != 0 {
+			t.Errorf("%s: /health body %q, want it empty as vLLM's", step, body)
+		}
+	}
+	check := func(step string) {
+		t.Helper()
+		probe(step, "/healthz", http.StatusServiceUnavailable)
+		probe(step, "/health", http.StatusServiceUnavailable)
 		start := time.Now()
 		r := s.post(t, "/v1/chat/completions", `{"model":"kvbus-sim","messages":[{"role":"user","content":"hi"}]}`)
 		took := time.Since(start)
@@ -87,4 +97,5 @@ func TestNoReadySchedulerIsAFast503(t *testing.T) {
 		}
 		time.Sleep(20 * time.Millisecond)
 	}
+	probe("a ready scheduler", "/health", http.StatusOK)
 }

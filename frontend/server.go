@@ -373,7 +373,7 @@ func (s *Server) routes() http.Handler {
 		"/v1/chat/completions": {http.MethodPost, func(w http.ResponseWriter, r *http.Request) { s.serveGenerate(w, r, messages.EndpointChat) }},
 		"/v1/completions":      {http.MethodPost, func(w http.ResponseWriter, r *http.Request) { s.serveGenerate(w, r, messages.EndpointCompletions) }},
 		"/v1/models":           {http.MethodGet, s.serveModels},
-		"/health":              {http.MethodGet, func(w http.ResponseWriter, _ *http.Request) { w.WriteHeader(http.StatusOK) }},
+		"/health":              {http.MethodGet, s.serveHealth},
 		"/healthz":             {http.MethodGet, s.serveHealthz},
 		"/livez":               {http.MethodGet, s.serveLivez},
 		"/metrics":             {http.MethodGet, promhttp.HandlerFor(s.cfg.Registry, promhttp.HandlerOpts{}).ServeHTTP},

@@ -58,7 +58,8 @@ func freeAddr(t *testing.T) string {
 }
 
 // TestServe runs `kvbus serve` in-process as `make run` does (with the
-// instant engine) and checks the README's curl example: a completion, and
+// instant engine) and checks the README's curl example, sent the moment
+// vLLM's /health passes: a completion, and
 // four store thread lines with session_id=abc, one per tp_rank.
 func TestServe(t *testing.T) {
 	var c cli
@@ -91,29 +92,30 @@ func TestServe(t *testing.T) {
 
 	client := &http.Client{Timeout: 10 * time.Second}
 	defer client.CloseIdleConnections()
-	testenv.Eventually(t, 30*time.Second, "a ready group", func() bool {
-		resp, err := client.Get("http://" + httpAddr + "/healthz")
+	// As a user of vLLM does: poll /health, and send the moment it passes.
+	// One request, no retry: a 503 here is a health check that lied.
+	testenv.Eventually(t, 30*time.Second, "/health 200", func() bool {
+		resp, err := client.Get("http://" + httpAddr + "/health")
 		if err != nil {
 			return false
 		}
 		resp.Body.Close()
-		return resp.StatusCode == http.StatusOK && len(logs.Lines("rank started")) == 4
+		return resp.StatusCode == http.StatusOK
 	})
-	var body string
-	testenv.Eventually(t, 10*time.Second, "a completion", func() bool {
-		req, _ := http.NewRequest(http.MethodPost, "http://"+httpAddr+"/v1/chat/completions",
-			strings.NewReader(`{"model":"kvbus-sim","messages":[{"role":"user","content":"hi"}]}`))
-		req.Header.Set("X-Session-ID", "abc")
-		req.Header.Set("Content-Type", "application/json")
-		resp, err := client.Do(req)
-		if err != nil {
-			return false
-		}
-		defer resp.Body.Close()
-		b, _ := io.ReadAll(resp.Body)
-		body = string(b)
-		return resp.StatusCode == http.StatusOK // 503/504 while the group is not ready yet
-	})
+	req, _ := http.NewRequest(http.MethodPost, "http://"+httpAddr+"/v1/chat/completions",
+		strings.NewReader(`{"model":"kvbus-sim","messages":[{"role":"user","content":"hi"}]}`))
+	req.Header.Set("X-Session-ID", "abc")
+	req.Header.Set("Content-Type", "application/json")
+	resp, err := client.Do(req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	b, _ := io.ReadAll(resp.Body)
+	resp.Body.Close()
+	body := string(b)
+	if resp.StatusCode != http.StatusOK {
+		t.Fatalf("the first request after /health passed: %d %s", resp.StatusCode, body)
+	}
 	if !strings.Contains(body, `"object":"chat.completion"`) {
 		t.Fatalf("body %s", body)
 	}
