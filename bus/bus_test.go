@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"net"
 	"strings"
 	"testing"
 	"time"
@@ -86,6 +87,28 @@ func TestConnectErrorSaysWhatToDo(t *testing.T) {
 	_, err := bus.Connect(ctx, bus.Config{URL: "nats://127.0.0.1:1", ConnectTimeout: 200 * time.Millisecond})
 	if !errors.Is(err, bus.ErrConnect) || !strings.Contains(err.Error(), "--nats-url") {
 		t.Fatalf("err = %v; want ErrConnect mentioning --nats-url", err)
+	}
+}
+
+// TestStartServerPortInUse: a second server on a taken port fails at once
+// (not after ReadyForConnections' 30 s) and says what to do.
+func TestStartServerPortInUse(t *testing.T) {
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer l.Close()
+	start := time.Now()
+	srv, err := bus.StartServer(bus.ServerConfig{Addr: l.Addr().String(), DataDir: t.TempDir()})
+	if err == nil {
+		srv.Shutdown()
+		t.Fatal("a server started on a port in use")
+	}
+	if !errors.Is(err, bus.ErrServer) || !strings.Contains(err.Error(), "another address") {
+		t.Errorf("err = %v; want ErrServer saying to pick another address", err)
+	}
+	if took := time.Since(start); took > 5*time.Second {
+		t.Errorf("the error took %s; want it at once", took)
 	}
 }
 

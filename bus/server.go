@@ -71,6 +71,8 @@ func StartServer(cfg ServerConfig) (*Server, error) {
 	}
 	if port == 0 {
 		port = server.RANDOM_PORT
+	} else if err := portFree(addr); err != nil {
+		return nil, err
 	}
 	s := &Server{}
 	dir := cfg.DataDir
@@ -158,6 +160,17 @@ func StartServer(cfg ServerConfig) (*Server, error) {
 	}
 	s.Server = ns
 	return s, nil
+}
+
+// portFree fails at once, and says what to do, when addr cannot be
+// listened on: nats-server would log the error and leave
+// ReadyForConnections to time out 30 s later.
+func portFree(addr string) error {
+	l, err := net.Listen("tcp", addr)
+	if err != nil {
+		return fmt.Errorf("%w: cannot listen on %s: %v (is another kvbus or NATS server running there? stop it, or give this one another address)", ErrServer, addr, err)
+	}
+	return l.Close()
 }
 
 // Shutdown stops the server, waits for it, and removes a temporary data
