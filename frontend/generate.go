@@ -591,8 +591,7 @@ func (g *generation) stream(w http.ResponseWriter, ctx context.Context, deadline
 		case err != nil:
 			if err.Status != 499 {
 				send(err.body())
-				_, _ = fmt.Fprint(w, "data: [DONE]\n\n")
-				flush()
+				_, _ = fmt.Fprint(w, "data: [DONE]\n\n") // flushed with the body's end
 			}
 			return err.Status
 		case !started:
@@ -637,8 +636,9 @@ func (g *generation) stream(w http.ResponseWriter, ctx context.Context, deadline
 	if includeUsage {
 		send(completionJSON{ID: g.id, Object: object, Created: g.created, Model: g.model, Choices: []choiceJSON{}, Usage: ptr(g.usage())})
 	}
+	// Not flushed: net/http flushes it with the chunked body's end when
+	// the handler returns, in one write where a flush here made two.
 	_, _ = fmt.Fprint(w, "data: [DONE]\n\n")
-	flush()
 	u := g.usage()
 	g.s.vm.finished(g.model, u.PromptTokens, u.CompletionTokens, u.PromptTokensDetails.CachedTokens, g.choices[0].finish, time.Since(g.start).Seconds())
 	g.log.Info("request completed", "stream", true, "prompt_tokens", u.PromptTokens, "cached_tokens", u.PromptTokensDetails.CachedTokens,

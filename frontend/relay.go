@@ -48,8 +48,7 @@ func (g *generation) relay(w http.ResponseWriter, ctx context.Context, deadline 
 			if started {
 				b, _ := json.Marshal(apiErr.body())
 				event(b)
-				event([]byte("[DONE]"))
-				flush()
+				event([]byte("[DONE]")) // flushed with the body's end
 				return http.StatusOK
 			}
 			writeError(w, apiErr)
@@ -65,7 +64,7 @@ func (g *generation) relay(w http.ResponseWriter, ctx context.Context, deadline 
 				event(raw)
 			}
 		}
-		if started {
+		if started && !g.allDone() { // the last events go out with [DONE], in one write
 			flush()
 		}
 	}
@@ -78,7 +77,6 @@ func (g *generation) relay(w http.ResponseWriter, ctx context.Context, deadline 
 		if started { // the stream had begun: the error is its last event
 			event(body)
 			event([]byte("[DONE]"))
-			flush()
 			return http.StatusOK
 		}
 		if len(c.errRaw) == 0 {
@@ -92,8 +90,9 @@ func (g *generation) relay(w http.ResponseWriter, ctx context.Context, deadline 
 	}
 	if stream {
 		begin()
+		// Not flushed: net/http flushes it with the chunked body's end when
+		// the handler returns, in one write where a flush here made two.
 		event([]byte("[DONE]"))
-		flush()
 	} else {
 		h.Set("Content-Type", "application/json")
 		w.WriteHeader(http.StatusOK)

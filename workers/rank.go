@@ -202,6 +202,7 @@ type rankReq struct {
 	prefilled atomic.Bool
 	ctx       context.Context
 	cancel    context.CancelCauseFunc
+	deadline  time.Time // zero: none; expireLoop cancels ctx past it
 	loaded    int
 	remote    int // of loaded, tokens copied from other groups
 	loadFail  int
@@ -358,6 +359,7 @@ func (r *Rank) Run(ctx context.Context) error {
 	storeLoop.Go(r.storeLoop)
 	hbCtx, stopHB := context.WithCancel(context.Background())
 	hbLoop.Go(func() { r.heartbeatLoop(hbCtx) })
+	hbLoop.Go(func() { r.expireLoop(hbCtx) })
 	// A model server's health and KV events are followed until the rank
 	// exits: its requests still finish while it drains.
 	if h := r.engineHealth(); h != nil {
@@ -534,23 +536,51 @@ func (r *Rank) donePrefill(rr *rankReq) {
 	}
 }
 
+// newRankReq starts a request's context. Its deadline is not a timer of its
+// own (two contexts, a timer and a child map per request per rank were an
+// eighth of the bytes a request allocates): expireLoop cancels requests past
+// their deadline with the cause context.DeadlineExceeded, and one already
+// past it starts cancelled.
 func newRankReq(meta *messages.ReqMeta) *rankReq {
-	deadline := time.Now().Add(24 * time.Hour)
-	if meta.DeadlineUnixMs > 0 {
-		deadline = time.UnixMilli(meta.DeadlineUnixMs)
-	}
-	base, stopDeadline := context.WithDeadline(context.Background(), deadline)
-	ctx, cancel := context.WithCancelCause(base)
-	return &rankReq{
+	ctx, cancel := context.WithCancelCause(context.Background())
+	rr := &rankReq{
 		meta:          meta,
 		resultSubject: meta.ResultSubject,
 		saved:         make(chan struct{}),
 		ctx:           ctx,
-		cancel: func(cause error) {
-			cancel(cause)
-			stopDeadline()
-		},
-		storeDone: make(chan struct{}),
+		cancel:        cancel,
+		storeDone:     make(chan struct{}),
+	}
+	if meta.DeadlineUnixMs > 0 {
+		rr.deadline = time.UnixMilli(meta.DeadlineUnixMs)
+		if !time.Now().Before(rr.deadline) {
+			cancel(context.DeadlineExceeded)
+		}
+	}
+	return rr
+}
+
+// expireInterval is how often expireLoop looks for requests past their
+// deadline: how late, at most, a request's work stops after it.
+const expireInterval = 50 * time.Millisecond
+
+// expireLoop cancels active requests whose deadline passed, until ctx ends.
+func (r *Rank) expireLoop(ctx context.Context) {
+	t := time.NewTicker(expireInterval)
+	defer t.Stop()
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case now := <-t.C:
+			r.mu.Lock()
+			for _, rr := range r.active {
+				if !rr.deadline.IsZero() && now.After(rr.deadline) {
+					rr.cancel(context.DeadlineExceeded)
+				}
+			}
+			r.mu.Unlock()
+		}
 	}
 }
 

@@ -83,7 +83,7 @@ func (r *Rank) drive(rr *rankReq) {
 			Status: engineErr.Status, Raw: engineErr.Body}})
 	case errors.Is(cause, errAborted):
 		// The client is gone; nobody is listening.
-	case errors.Is(err, context.DeadlineExceeded):
+	case errors.Is(cause, context.DeadlineExceeded) || errors.Is(err, context.DeadlineExceeded):
 		publish(&messages.Output{Usage: usage, Error: &messages.OutputError{Code: "timeout", Message: "request deadline passed during generation"}})
 	default:
 		publish(&messages.Output{Usage: usage, Error: &messages.OutputError{Code: "engine_error", Message: fmt.Sprintf("generation stopped: %v", cause)}})
