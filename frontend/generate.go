@@ -18,6 +18,7 @@ import (
 	"github.com/nats-io/nuid"
 
 	"github.com/kvbus/kvbus/bus"
+	"github.com/kvbus/kvbus/internal/logsink"
 	"github.com/kvbus/kvbus/messages"
 )
 
@@ -535,7 +536,7 @@ func (g *generation) respond(w http.ResponseWriter, ctx context.Context, deadlin
 	}
 	u := resp.Usage
 	g.s.vm.finished(g.model, u.PromptTokens, u.CompletionTokens, u.PromptTokensDetails.CachedTokens, g.choices[0].finish, time.Since(g.start).Seconds())
-	g.log.Info("request completed", "prompt_tokens", u.PromptTokens, "cached_tokens", u.PromptTokensDetails.CachedTokens,
+	logsink.Info(g.log, "request completed", "prompt_tokens", u.PromptTokens, "cached_tokens", u.PromptTokensDetails.CachedTokens,
 		"completion_tokens", u.CompletionTokens, "ms", time.Since(g.start).Milliseconds())
 	writeJSON(w, http.StatusOK, resp)
 	return http.StatusOK
@@ -641,7 +642,7 @@ func (g *generation) stream(w http.ResponseWriter, ctx context.Context, deadline
 	_, _ = fmt.Fprint(w, "data: [DONE]\n\n")
 	u := g.usage()
 	g.s.vm.finished(g.model, u.PromptTokens, u.CompletionTokens, u.PromptTokensDetails.CachedTokens, g.choices[0].finish, time.Since(g.start).Seconds())
-	g.log.Info("request completed", "stream", true, "prompt_tokens", u.PromptTokens, "cached_tokens", u.PromptTokensDetails.CachedTokens,
+	logsink.Info(g.log, "request completed", "stream", true, "prompt_tokens", u.PromptTokens, "cached_tokens", u.PromptTokensDetails.CachedTokens,
 		"completion_tokens", u.CompletionTokens, "ms", time.Since(g.start).Milliseconds())
 	return http.StatusOK
 }

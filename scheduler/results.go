@@ -7,6 +7,7 @@ import (
 
 	"github.com/nats-io/nats.go"
 
+	"github.com/kvbus/kvbus/internal/logsink"
 	"github.com/kvbus/kvbus/messages"
 )
 
@@ -53,7 +54,7 @@ func (s *Scheduler) onDone(_ context.Context, m *nats.Msg) error {
 	s.m.poolTokens.WithLabelValues("actual", "remote").Add(float64(driver.RemoteTokens))
 	s.m.promptTokens.WithLabelValues(depth).Add(float64(t.TokenLen))
 	s.m.cachedTokens.WithLabelValues(depth).Add(float64(driver.LoadedTokens))
-	s.log.Info("request done", "req_id", t.ReqID, "session_id", t.SessionID, "group", t.Group,
+	logsink.Info(s.log, "request done", "req_id", t.ReqID, "session_id", t.SessionID, "group", t.Group,
 		"outcome", outcome, "prompt_tokens", t.TokenLen, "predicted_tokens", t.LoadBlocks*s.cfg.BlockSize, "loaded_tokens", driver.LoadedTokens,
 		"completion_tokens", driver.CompletionTokens, "failed_blocks", failed, "error", driver.Error,
 		"ms", time.Since(t.Received).Milliseconds())

@@ -4,6 +4,7 @@ import (
 	"context"
 	"time"
 
+	"github.com/kvbus/kvbus/internal/logsink"
 	"github.com/kvbus/kvbus/messages"
 )
 
@@ -99,7 +100,7 @@ func (r *Rank) storeBlocks(rr *rankReq) {
 	r.series.storeFailed.Add(float64(rr.result.FailedBlocks))
 	used, _, _ := r.store.Usage()
 	r.series.usedBytes.Set(float64(used))
-	r.log.Info("store thread", "req_id", meta.ReqID, "session_id", meta.SessionID, "stored_blocks", rr.result.StoredBlocks, "skipped_blocks", rr.result.SkippedBlocks,
+	logsink.Info(r.log, "store thread", "req_id", meta.ReqID, "session_id", meta.SessionID, "stored_blocks", rr.result.StoredBlocks, "skipped_blocks", rr.result.SkippedBlocks,
 		"loaded_tokens", rr.loaded, "token_len", meta.TokenLen)
 }
 

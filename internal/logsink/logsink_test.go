@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"errors"
 	"fmt"
+	"log/slog"
 	"strings"
 	"sync"
 	"testing"
@@ -136,4 +137,29 @@ func BenchmarkWriteParallel(b *testing.B) {
 		}
 	})
 	_ = w.Close()
+}
+
+// TestInfoWritesWhatLoggerInfoWrites: the same line as slog's Logger.Info,
+// with the logger's own attributes, and nothing below the logger's level.
+func TestInfoWritesWhatLoggerInfoWrites(t *testing.T) {
+	var a, b bytes.Buffer
+	opts := &slog.HandlerOptions{ReplaceAttr: func(_ []string, at slog.Attr) slog.Attr {
+		if at.Key == slog.TimeKey {
+			return slog.Attr{}
+		}
+		return at
+	}}
+	la := slog.New(slog.NewTextHandler(&a, opts)).With("group", "g0", "tp_rank", 1)
+	lb := slog.New(slog.NewTextHandler(&b, opts)).With("group", "g0", "tp_rank", 1)
+	la.Info("store thread", "req_id", "r 1", "session_id", "abc", "stored_blocks", 3)
+	Info(lb, "store thread", "req_id", "r 1", "session_id", "abc", "stored_blocks", 3)
+	if a.String() != b.String() || a.Len() == 0 {
+		t.Errorf("Info wrote %q, Logger.Info %q", b.String(), a.String())
+	}
+	quiet := slog.New(slog.NewTextHandler(&b, &slog.HandlerOptions{Level: slog.LevelWarn}))
+	b.Reset()
+	Info(quiet, "store thread")
+	if b.Len() != 0 {
+		t.Errorf("a warn-level logger wrote %q", b.String())
+	}
 }
