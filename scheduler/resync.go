@@ -32,6 +32,9 @@ func (s *Scheduler) onHeartbeat(ctx context.Context, m *nats.Msg) error {
 	if err != nil {
 		return err
 	}
+	if err := s.ownSubject(m.Subject, s.cfg.Subjects.Heartbeat(hb.Group, hb.TPRank), "heartbeat", hb.Group, hb.TPRank); err != nil {
+		return err
+	}
 	s.groups.observe(hb, time.Now())
 	if s.index.ObserveRank(hb.Group, hb.TPRank, hb.WorldSize, hb.StartedUnixMs) {
 		s.log.Info("rank (re)started or first heard of: asking it for a dump", "group", hb.Group, "tp_rank", hb.TPRank)
@@ -40,9 +43,23 @@ func (s *Scheduler) onHeartbeat(ctx context.Context, m *nats.Msg) error {
 	return nil
 }
 
+// ownSubject refuses a rank's message that arrived on another rank's
+// subject: the bus's permissions let a worker publish only on its own
+// group's subjects, so the group and rank a message names must be those of
+// its subject, or one group could write another's index and load.
+func (s *Scheduler) ownSubject(got, want, what, group string, rank int) error {
+	if got == want {
+		return nil
+	}
+	return fmt.Errorf("%w: %s of %s/%d arrived on %s, not %s: dropped (a rank publishes only as itself)", messages.ErrInvalid, what, group, rank, got, want)
+}
+
 func (s *Scheduler) onKVEvents(ctx context.Context, m *nats.Msg) error {
 	b, err := messages.DecodeKVEventBatch(m.Data)
 	if err != nil {
+		return err
+	}
+	if err := s.ownSubject(m.Subject, s.cfg.Subjects.KV(b.Group, b.Rank), "KV event batch", b.Group, b.Rank); err != nil {
 		return err
 	}
 	rejected := s.index.Rejected()

@@ -678,3 +678,51 @@ func TestSchedulerResyncBacksOff(t *testing.T) {
 		t.Logf("not ready: %s", why)
 	}
 }
+
+// TestRankMessagesOnAnotherRanksSubject: a heartbeat or a KV event batch
+// that names a group other than its subject's is dropped as invalid. A
+// worker key is allowed only its own group's subjects; without the check a
+// g0 worker could write g1's index or make up a group.
+func TestRankMessagesOnAnotherRanksSubject(t *testing.T) {
+	e := startScheduler(t, schedEnvConfig{groups: []string{"g0"}})
+	publish := func(subject string, m messages.Message) {
+		t.Helper()
+		data, err := messages.Marshal(m)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := e.nc.Publish(subject, data); err != nil {
+			t.Fatal(err)
+		}
+	}
+	hb := func(r int) *messages.Heartbeat {
+		return &messages.Heartbeat{Group: "g9", TPRank: r, EPRank: r, WorldSize: worldSize, Model: testModel, StartedUnixMs: 1}
+	}
+	// g9's heartbeats, sent by g0's ranks: no group g9.
+	for r := range worldSize {
+		publish(e.subj.Heartbeat("g0", r), hb(r))
+	}
+	batch := &messages.KVEventBatch{Group: "g1", Rank: 0, Seq: 1, Events: []messages.KVEvent{{Type: messages.EventAllBlocksCleared}}}
+	publish(e.subj.KV("g0", 0), batch)
+	malformed := func(handler string) float64 {
+		return e.counter("kvbus_bus_messages_total", map[string]string{"handler": handler, "outcome": "malformed"})
+	}
+	testenv.Eventually(t, waitFor, "the forged messages refused", func() bool {
+		return malformed("scheduler_heartbeat") == worldSize && malformed("scheduler_kv_events") == 1
+	})
+	time.Sleep(200 * time.Millisecond) // a few of the env's heartbeat rounds
+	if n := e.s.ReadyGroups(); n != 1 {
+		t.Fatalf("%d ready groups after g9's heartbeats came on g0's subjects, want 1", n)
+	}
+	// The same messages on their own subjects are taken: g9 is a group.
+	for r := range worldSize {
+		publish(e.subj.Heartbeat("g9", r), hb(r))
+	}
+	publish(e.subj.KV("g1", 0), batch)
+	testenv.Eventually(t, waitFor, "g9 ready", func() bool {
+		return slices.ContainsFunc(e.s.Groups(), func(g scheduler.GroupState) bool { return g.Name == "g9" })
+	})
+	if got := malformed("scheduler_kv_events"); got != 1 {
+		t.Errorf("a batch on its own subject counted malformed: %v", got)
+	}
+}
