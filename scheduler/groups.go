@@ -174,6 +174,27 @@ func (t *groupTable) completeLocked(g *groupInfo, now time.Time) bool {
 	return n == g.worldSize
 }
 
+// forget drops the groups none of whose ranks was heard of for after, and
+// returns their names.
+func (t *groupTable) forget(now time.Time, after time.Duration) []string {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	var gone []string
+	for name, g := range t.groups {
+		last := time.Time{}
+		for _, r := range g.ranks {
+			if r.seen.After(last) {
+				last = r.seen
+			}
+		}
+		if now.Sub(last) > after {
+			delete(t.groups, name)
+			gone = append(gone, name)
+		}
+	}
+	return gone
+}
+
 // addInflight changes a group's in-flight requests and queued prefill
 // blocks.
 func (t *groupTable) addInflight(group string, requests, blocks int) {

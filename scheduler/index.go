@@ -10,9 +10,9 @@ import (
 	"github.com/kvbus/kvbus/messages"
 )
 
-// MaxIndexedGroups is how many worker groups one KV index tracks (group ids
-// are bits of a uint64); groups beyond it are placed as if they held
-// nothing.
+// MaxIndexedGroups is how many worker groups one KV index tracks at once
+// (group ids are bits of a uint64; a forgotten group's id is reused);
+// groups beyond it are placed as if they held nothing.
 const MaxIndexedGroups = 64
 
 // maxPendingBatches bounds the batches held back per rank during a resync.
@@ -35,7 +35,8 @@ const MaxSeqJump = 1 << 17
 type KVIndex struct {
 	mu     sync.RWMutex
 	groups map[string]*indexGroup
-	byID   []*indexGroup
+	byID   []*indexGroup // nil where a forgotten group's id is free
+	free   []uint8       // ids of forgotten groups, reused first
 	// full maps a block hash to the bitmask of group ids where every rank
 	// holds it; ranks maps (group id, hash) to the bitmask of ranks holding
 	// it.
@@ -101,13 +102,50 @@ func (x *KVIndex) group(name string) *indexGroup {
 	if g := x.groups[name]; g != nil {
 		return g
 	}
-	if len(x.byID) >= MaxIndexedGroups {
+	g := &indexGroup{name: name, ranks: map[int]*rankState{}}
+	switch {
+	case len(x.free) > 0:
+		g.id = x.free[len(x.free)-1]
+		x.free = x.free[:len(x.free)-1]
+		x.byID[g.id] = g
+	case len(x.byID) < MaxIndexedGroups:
+		g.id = uint8(len(x.byID))
+		x.byID = append(x.byID, g)
+	default:
 		return nil
 	}
-	g := &indexGroup{name: name, id: uint8(len(x.byID)), ranks: map[int]*rankState{}}
 	x.groups[name] = g
-	x.byID = append(x.byID, g)
 	return g
+}
+
+// Forget drops a group: its blocks, its save plans and its ranks' seqs,
+// and frees its id for another group. For a group gone for good (scaled
+// in, renamed); one that comes back is new to the index, and resyncs from
+// its ranks' dumps. A scan of every entry: rare.
+func (x *KVIndex) Forget(group string) {
+	x.mu.Lock()
+	defer x.mu.Unlock()
+	g := x.groups[group]
+	if g == nil {
+		return
+	}
+	for k := range x.planExp {
+		if k.gid == g.id {
+			x.unplanLocked(k)
+		}
+	}
+	bit := uint64(1) << g.id
+	for k := range x.ranks {
+		if k.gid == g.id {
+			delete(x.ranks, k)
+			if x.full[k.hash]&bit != 0 {
+				x.unfullLocked(g, k.hash)
+			}
+		}
+	}
+	delete(x.groups, group)
+	x.byID[g.id] = nil
+	x.free = append(x.free, g.id)
 }
 
 func (g *indexGroup) rank(r int) *rankState {
@@ -287,9 +325,9 @@ func (x *KVIndex) ApplyDumpOf(group string, rank int, epoch uint64, dump *messag
 	}
 	x.mu.Lock()
 	defer x.mu.Unlock()
-	g := x.group(group)
+	g := x.groups[group]
 	if g == nil {
-		return false
+		return false // forgotten while its dump was on the way
 	}
 	rs := g.rank(rank)
 	if rs.epoch != epoch {

@@ -5,6 +5,7 @@ import (
 	"math/rand/v2"
 	"slices"
 	"testing"
+	"time"
 
 	"github.com/kvbus/kvbus/messages"
 )
@@ -829,5 +830,59 @@ func TestKVIndexMatchesModel(t *testing.T) {
 		if entries != wantEntries || full != len(wantFull) {
 			t.Fatalf("after %d ops: Size = %d, %d; model says %d, %d", op, entries, full, wantEntries, len(wantFull))
 		}
+	}
+}
+
+// TestKVIndexForget: a forgotten group's blocks, plans and seqs go, its id
+// is reused by the next new group (so a long-running scheduler that sees
+// more than MaxIndexedGroups names over its life still indexes the live
+// ones), the other groups keep theirs, and the name, if it comes back, is
+// a new group that asks for a dump.
+func TestKVIndexForget(t *testing.T) {
+	x := NewKVIndex()
+	h := hashChain(1, 3)
+	only := hashChain(2, 2) // held by g05 alone
+	names := make([]string, MaxIndexedGroups)
+	for i := range names {
+		names[i] = fmt.Sprintf("g%02d", i)
+		x.ObserveRank(names[i], 0, 1, 1)
+		x.ApplyDump(names[i], 0, kvDump(names[i], 0, 0))
+		x.Apply(kvBatch(names[i], 0, 1, stored(h...)))
+	}
+	x.Apply(kvBatch("g05", 0, 2, stored(only...)))
+	x.Plan("g05", hashChain(3, 4), time.Now().Add(time.Hour))
+	x.Plan("g06", hashChain(3, 4), time.Now().Add(time.Hour))
+	if _, ok := x.GroupID("extra"); ok || x.ObserveRank("extra", 0, 1, 1) {
+		t.Fatal("a 65th group was indexed")
+	}
+	entries, full := x.Size()
+	x.Forget("g05")
+	x.Forget("g10")
+	x.Forget("never-seen") // no-op
+	if e, f := x.Size(); e != entries-2*len(h)-len(only) || f != full-len(only) {
+		t.Errorf("after forgetting two groups: %d entries, %d full blocks; want %d, %d", e, f, entries-2*len(h)-len(only), full-len(only))
+	}
+	if n := x.Plans(); n != 4 {
+		t.Errorf("%d plans left, want g06's 4", n)
+	}
+	if _, ok := x.GroupID("g05"); ok {
+		t.Error("g05 still has an id")
+	}
+	// Two new groups take the freed ids and are indexed.
+	for _, name := range []string{"extra", "g05"} {
+		if !x.ObserveRank(name, 0, 1, 2) {
+			t.Errorf("%s: first heartbeat after the id was freed asked for no dump", name)
+		}
+		if id, ok := x.GroupID(name); !ok || (id != 5 && id != 10) {
+			t.Errorf("%s: id %d, %v; want a freed one (5 or 10)", name, id, ok)
+		}
+		x.ApplyDump(name, 0, kvDump(name, 0, 0))
+	}
+	checkPrefixes(t, x, h, map[string]int{"extra": 0, "g05": 0, "g04": 3, "g63": 3})
+	checkPrefixes(t, x, only, map[string]int{"g05": 0})
+	x.Apply(kvBatch("extra", 0, 1, stored(h...)))
+	checkPrefixes(t, x, h, map[string]int{"extra": 3, "g05": 0, "g04": 3})
+	if pm := x.PrefixMatch(h, nil); len(pm) != MaxIndexedGroups {
+		t.Errorf("PrefixMatch over %d ids, want %d", len(pm), MaxIndexedGroups)
 	}
 }

@@ -47,6 +47,11 @@ type Config struct {
 	// HeartbeatTimeout: a group is ready when all its ranks sent a heartbeat
 	// within it (default 3 s).
 	HeartbeatTimeout time.Duration
+	// ForgetGroupAfter: a group none of whose ranks was heard of for this
+	// long is dropped, from the index too (its id is freed for another
+	// group), and comes back as a new group if it returns (default 10 ×
+	// HeartbeatTimeout).
+	ForgetGroupAfter time.Duration
 	// RequestTimeout applies to requests without a deadline (default 60 s).
 	RequestTimeout time.Duration
 	// AckWait is how long JetStream waits for this replica's ack before
@@ -151,6 +156,9 @@ func New(cfg Config) (*Scheduler, error) {
 	}
 	if cfg.HeartbeatTimeout <= 0 {
 		cfg.HeartbeatTimeout = 3 * time.Second
+	}
+	if cfg.ForgetGroupAfter <= 0 {
+		cfg.ForgetGroupAfter = 10 * cfg.HeartbeatTimeout
 	}
 	if cfg.RequestTimeout <= 0 {
 		cfg.RequestTimeout = 60 * time.Second
@@ -383,6 +391,20 @@ func (s *Scheduler) sweep(ctx context.Context, now time.Time) {
 		s.m.groupQueued.WithLabelValues(name).Set(float64(queued))
 		s.m.groupBlocks.WithLabelValues(name).Set(float64(s.index.GroupBlocks(name)))
 	})
+	for _, name := range s.groups.forget(now, s.cfg.ForgetGroupAfter) {
+		s.index.Forget(name)
+		s.resyncMu.Lock()
+		for id := range s.resyncs {
+			if id.group == name {
+				delete(s.resyncs, id)
+			}
+		}
+		s.resyncMu.Unlock()
+		s.m.groupInflight.DeleteLabelValues(name)
+		s.m.groupQueued.DeleteLabelValues(name)
+		s.m.groupBlocks.DeleteLabelValues(name)
+		s.log.Info("forgot a group not heard of", "group", name, "after", s.cfg.ForgetGroupAfter)
+	}
 	s.rescue(now)
 	s.resend(now)
 	entries, full := s.index.Size()

@@ -59,6 +59,7 @@ type schedEnvConfig struct {
 	noHeartbeats   bool
 	noAnswers      bool
 	dumpTimeout    time.Duration
+	forgetAfter    time.Duration
 }
 
 func startScheduler(t *testing.T, cfg schedEnvConfig) *schedEnv {
@@ -100,7 +101,7 @@ func startScheduler(t *testing.T, cfg schedEnvConfig) *schedEnv {
 	logs := &testenv.LogBuffer{}
 	e.s, err = scheduler.New(scheduler.Config{
 		Conn: testenv.Connect(t, srv), Subjects: e.subj, ID: testSchedID, Policy: cfg.policy,
-		HeartbeatTimeout: time.Second, RequestTimeout: cfg.requestTimeout, DumpTimeout: cfg.dumpTimeout,
+		HeartbeatTimeout: time.Second, RequestTimeout: cfg.requestTimeout, DumpTimeout: cfg.dumpTimeout, ForgetGroupAfter: cfg.forgetAfter,
 		Logger: slog.New(slog.NewTextHandler(logs, nil)), Registerer: e.reg,
 	})
 	if err != nil {
@@ -724,5 +725,51 @@ func TestRankMessagesOnAnotherRanksSubject(t *testing.T) {
 	})
 	if got := malformed("scheduler_kv_events"); got != 1 {
 		t.Errorf("a batch on its own subject counted malformed: %v", got)
+	}
+}
+
+// TestSchedulerForgetsAGroupGoneForGood: a group not heard of for
+// ForgetGroupAfter leaves the index (its id is free for another group) and
+// the per-group gauges; the group still heard of stays.
+func TestSchedulerForgetsAGroupGoneForGood(t *testing.T) {
+	e := startScheduler(t, schedEnvConfig{groups: []string{"g0", "g1"}, forgetAfter: 1500 * time.Millisecond})
+	if _, ok := e.s.Index().GroupID("g1"); !ok {
+		t.Fatal("g1 is not in the index to begin with")
+	}
+	e.hbOn.Store(false) // from now on only g0 is heard of
+	stop := time.Now().Add(waitFor)
+	for {
+		for r := range worldSize {
+			data, _ := messages.Marshal(&messages.Heartbeat{Group: "g0", TPRank: r, EPRank: r, WorldSize: worldSize, Model: testModel, StartedUnixMs: 1})
+			if err := e.nc.Publish(e.subj.Heartbeat("g0", r), data); err != nil {
+				t.Fatal(err)
+			}
+		}
+		if _, ok := e.s.Index().GroupID("g1"); !ok {
+			break
+		}
+		if time.Now().After(stop) {
+			t.Fatal("g1 was never forgotten")
+		}
+		time.Sleep(100 * time.Millisecond)
+	}
+	if _, ok := e.s.Index().GroupID("g0"); !ok {
+		t.Error("g0, still heard of, was forgotten too")
+	}
+	if n := e.s.ReadyGroups(); n != 1 {
+		t.Errorf("%d ready groups, want g0", n)
+	}
+	families, err := e.reg.Gather()
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, f := range families {
+		for _, m := range f.GetMetric() {
+			for _, l := range m.GetLabel() {
+				if l.GetName() == "group" && l.GetValue() == "g1" && strings.HasPrefix(f.GetName(), "kvbus_scheduler_group") {
+					t.Errorf("%s still has a series for the forgotten g1", f.GetName())
+				}
+			}
+		}
 	}
 }
