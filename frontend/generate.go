@@ -166,12 +166,14 @@ func (s *Server) generate(w http.ResponseWriter, r *http.Request, endpoint strin
 		prefix = "chatcmpl-"
 	}
 	// The bus id is the client's id made unique (a client may reuse its
-	// X-Request-Id), or a new id.
+	// X-Request-Id), or a new id. The whole nuid: its random prefix differs
+	// between frontends, and the request log dedupes by this id, so two
+	// frontends given one X-Request-Id must not make the same one.
 	busBase := nuid.Next()
 	if extID == "" {
 		extID = busBase
 	} else {
-		busBase = extID + "-" + busBase[16:]
+		busBase = extID + "-" + busBase
 	}
 	g.id = prefix + extID
 	g.log = s.log.With("req_id", busBase, "session_id", sessionID)
@@ -196,6 +198,12 @@ func (s *Server) generate(w http.ResponseWriter, r *http.Request, endpoint strin
 				g.abort("client disconnected")
 				g.unregister()
 				return 499
+			}
+			if errors.Is(err, errDuplicateID) { // not aborted: the id is another request's
+				g.log.Warn("request id already in the request log", "err", err)
+				g.unregister()
+				return fail(&APIError{Status: http.StatusConflict, Type: typeInvalidRequest, Code: "duplicate_request_id", Param: "X-Request-Id",
+					Message: "a request with this id is still in the request log; send it with another X-Request-Id"})
 			}
 			g.log.Warn("cannot publish request to the bus", "err", err)
 			g.abort("publish failed")
@@ -352,6 +360,9 @@ const logFullRetryAfter = 5
 
 // publish appends req to the JetStream request log and waits for the ack. A
 // publish the full log refused wraps bus.ErrLogFull.
+// errDuplicateID: the request log already holds a request with this id.
+var errDuplicateID = errors.New("frontend: duplicate request id")
+
 func (s *Server) publish(ctx context.Context, req *messages.Request) error {
 	data, err := messages.Marshal(req)
 	if err != nil {
@@ -360,9 +371,14 @@ func (s *Server) publish(ctx context.Context, req *messages.Request) error {
 	ctx, cancel := context.WithTimeout(ctx, s.cfg.PublishTimeout)
 	defer cancel()
 	msg := &nats.Msg{Subject: s.cfg.Subjects.Request(req.Model), Data: data, Header: nats.Header{}}
-	_, err = s.js.PublishMsg(ctx, msg, jetstream.WithMsgID(req.RequestID))
-	if bus.IsLogFull(err) {
+	ack, err := s.js.PublishMsg(ctx, msg, jetstream.WithMsgID(req.RequestID))
+	switch {
+	case bus.IsLogFull(err):
 		return fmt.Errorf("%w (schedulers are behind: add schedulers or raise --request-log-max-bytes): %w", bus.ErrLogFull, err)
+	case err == nil && ack.Duplicate:
+		// Another request holds this id in the log's dedupe window; its
+		// answer goes to its own client, none would come to this one.
+		return fmt.Errorf("frontend: request id %s is already in the request log (an id collision): %w", req.RequestID, errDuplicateID)
 	}
 	return err
 }
