@@ -402,7 +402,7 @@ func (r *Rank) copyHandedOff(ctx context.Context, h *messages.Handoff, session s
 		}
 	}
 	if len(kept) > 0 {
-		r.events.publish(append([]messages.KVEvent{{Type: messages.EventBlockStored, BlockHashes: kept, Medium: mediumKVPool}}, r.events.takeEvicted()...))
+		r.events.publishStored(h.Model, []messages.KVEvent{{Type: messages.EventBlockStored, BlockHashes: kept, Medium: mediumKVPool}})
 	}
 	return stored, bytes
 }

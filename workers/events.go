@@ -26,12 +26,21 @@ type eventLog struct {
 	rank    int
 	log     *slog.Logger
 
+	// exists reports whether the rank's store holds each key (see
+	// publishStored); required, set once before the rank runs.
+	exists func(keys []string) []bool
+
 	mu   sync.Mutex
 	seq  uint64
 	held map[uint64]struct{}
 
 	evMu    sync.Mutex
-	removed []uint64 // evicted since the last takeEvicted
+	removed []evictedBlock // evicted since they were last published
+}
+
+type evictedBlock struct {
+	key  string
+	hash uint64
 }
 
 func newEventLog(nc *nats.Conn, subject, group string, rank int, log *slog.Logger) *eventLog {
@@ -46,23 +55,88 @@ func (l *eventLog) heldBlocks() int {
 }
 
 // evicted is the block store's EvictFunc.
-func (l *eventLog) evicted(_ string, hash uint64, _ string) {
+func (l *eventLog) evicted(key string, hash uint64, _ string) {
 	l.evMu.Lock()
-	l.removed = append(l.removed, hash)
+	l.removed = append(l.removed, evictedBlock{key, hash})
 	l.evMu.Unlock()
 }
 
-// takeEvicted returns a BlockRemoved event for the blocks evicted since the
-// last call, or nothing.
-func (l *eventLog) takeEvicted() []messages.KVEvent {
+// publishStored publishes what a thread stored (BlockStored events of
+// model's blocks), then the blocks the store evicted since the last batch,
+// each block only if its event is still true when the batch goes out. The
+// store, load and hand-off threads put and evict concurrently: a block one
+// stored could be evicted by another's put, and that removal published,
+// before the first thread's BlockStored — which then told the index of a
+// block nobody holds, for good. Checking under the lock that orders the
+// batches makes every mention of a block agree with the store at the moment
+// its batch goes out; any change after that check publishes after it.
+func (l *eventLog) publishStored(model string, stored []messages.KVEvent) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
 	l.evMu.Lock()
 	removed := l.removed
 	l.removed = nil
 	l.evMu.Unlock()
-	if len(removed) == 0 {
-		return nil
+	var keys []string
+	for _, ev := range stored {
+		for _, h := range ev.BlockHashes {
+			keys = append(keys, StoreKey(model, l.rank, h))
+		}
 	}
-	return []messages.KVEvent{{Type: messages.EventBlockRemoved, BlockHashes: removed, Medium: mediumKVPool}}
+	for _, b := range removed {
+		keys = append(keys, b.key)
+	}
+	if len(keys) == 0 {
+		return
+	}
+	present := l.exists(keys)
+	var events []messages.KVEvent
+	i := 0
+	for _, ev := range stored {
+		events = append(events, presentRuns(ev, present[i:i+len(ev.BlockHashes)])...)
+		i += len(ev.BlockHashes)
+	}
+	var gone messages.BlockHashes
+	for j, b := range removed {
+		if !present[i+j] {
+			gone = append(gone, b.hash)
+		}
+	}
+	if len(gone) > 0 {
+		events = append(events, messages.KVEvent{Type: messages.EventBlockRemoved, BlockHashes: gone, Medium: mediumKVPool})
+	}
+	l.publishLocked(events)
+}
+
+// presentRuns returns ev (a BlockStored) cut to the runs of its blocks that
+// are present, each with its own tokens and parent.
+func presentRuns(ev messages.KVEvent, present []bool) []messages.KVEvent {
+	if !slices.Contains(present, false) {
+		return []messages.KVEvent{ev}
+	}
+	var out []messages.KVEvent
+	for a := 0; a < len(present); {
+		if !present[a] {
+			a++
+			continue
+		}
+		b := a
+		for b < len(present) && present[b] {
+			b++
+		}
+		run := ev
+		run.BlockHashes = ev.BlockHashes[a:b]
+		if bs := ev.BlockSize; bs > 0 && len(ev.TokenIDs) >= b*bs {
+			run.TokenIDs = ev.TokenIDs[a*bs : b*bs]
+		}
+		if a > 0 {
+			parent := ev.BlockHashes[a-1]
+			run.ParentBlockHash = &parent
+		}
+		out = append(out, run)
+		a = b
+	}
+	return out
 }
 
 // storedEvents describes newly stored blocks (indexes into meta's blocks,
@@ -94,13 +168,18 @@ func storedEvents(meta *messages.ReqMeta, blocks []int) []messages.KVEvent {
 }
 
 // publish sends one batch with the next seq and applies it to the held set.
-// Publishing under the lock keeps seq order on the wire.
+// Publishing under the lock keeps seq order on the wire. For events that are
+// not the rank's own stores (a cleared store, a model server's events).
 func (l *eventLog) publish(events []messages.KVEvent) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	l.publishLocked(events)
+}
+
+func (l *eventLog) publishLocked(events []messages.KVEvent) {
 	if len(events) == 0 {
 		return
 	}
-	l.mu.Lock()
-	defer l.mu.Unlock()
 	for _, ev := range events {
 		switch ev.Type {
 		case messages.EventBlockStored:

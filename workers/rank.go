@@ -272,6 +272,7 @@ func NewRank(cfg RankConfig) (*Rank, error) {
 	if err != nil {
 		return nil, fmt.Errorf("%w: %v", ErrConfig, err)
 	}
+	events.exists = func(keys []string) []bool { return store.BatchIsExist(context.Background(), keys) }
 	seen, err := recent.New[seenReq](recent.Config{MaxIDs: cfg.SeenIDs, MaxAge: cfg.SeenAge})
 	if err != nil {
 		return nil, fmt.Errorf("%w: %v", ErrConfig, err)

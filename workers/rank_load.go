@@ -136,7 +136,7 @@ func (r *Rank) copyRemoteRuns(rr *rankReq, runs []messages.RemoteRun, n int) (co
 				stored = append(stored, blocks[i])
 			}
 		}
-		r.events.publish(append(storedEvents(meta, stored), r.events.takeEvicted()...))
+		r.events.publishStored(meta.Model, storedEvents(meta, stored))
 		copied = append(copied, stored...)
 		r.cfg.Metrics.remote.WithLabelValues(run.Group, r.cfg.Group, r.labels[1]).Add(float64(len(stored)))
 		r.cfg.Metrics.remoteBytes.WithLabelValues(run.Group, r.cfg.Group, r.labels[1]).Add(float64(bytes))

@@ -92,7 +92,7 @@ func (r *Rank) storeBlocks(rr *rankReq) {
 	}
 	// KV events: what was stored, then what the puts evicted (possibly some
 	// of the blocks just stored, when the store is tiny).
-	r.events.publish(append(storedEvents(meta, stored), r.events.takeEvicted()...))
+	r.events.publishStored(meta.Model, storedEvents(meta, stored))
 	rr.result.StoreUs = time.Since(start).Microseconds()
 	r.series.storeSec.Observe(time.Since(start).Seconds())
 	r.series.stored.Add(float64(rr.result.StoredBlocks))
