@@ -90,25 +90,39 @@ func TestConnectErrorSaysWhatToDo(t *testing.T) {
 	}
 }
 
-// TestStartServerPortInUse: a second server on a taken port fails at once
-// (not after ReadyForConnections' 30 s) and says what to do.
+// TestStartServerPortInUse: a server whose client, monitoring or cluster
+// port is taken fails at once (not after ReadyForConnections' 30 s), names
+// the address and says what to do.
 func TestStartServerPortInUse(t *testing.T) {
 	l, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
 		t.Fatal(err)
 	}
 	defer l.Close()
-	start := time.Now()
-	srv, err := bus.StartServer(bus.ServerConfig{Addr: l.Addr().String(), DataDir: t.TempDir()})
-	if err == nil {
-		srv.Shutdown()
-		t.Fatal("a server started on a port in use")
-	}
-	if !errors.Is(err, bus.ErrServer) || !strings.Contains(err.Error(), "another address") {
-		t.Errorf("err = %v; want ErrServer saying to pick another address", err)
-	}
-	if took := time.Since(start); took > 5*time.Second {
-		t.Errorf("the error took %s; want it at once", took)
+	taken := l.Addr().String()
+	for _, tc := range []struct {
+		what string
+		cfg  bus.ServerConfig
+	}{
+		{"client", bus.ServerConfig{Addr: taken}},
+		{"monitoring", bus.ServerConfig{Addr: "127.0.0.1:0", MonitorAddr: taken}},
+		{"cluster", bus.ServerConfig{Addr: "127.0.0.1:0", Cluster: taken, ClusterName: "c"}},
+	} {
+		tc.cfg.DataDir = t.TempDir()
+		start := time.Now()
+		srv, err := bus.StartServer(tc.cfg)
+		if err == nil {
+			srv.Shutdown()
+			t.Errorf("%s: a server started on a port in use", tc.what)
+			continue
+		}
+		if !errors.Is(err, bus.ErrServer) || !strings.Contains(err.Error(), "another address") ||
+			!strings.Contains(err.Error(), taken) || !strings.Contains(err.Error(), tc.what) {
+			t.Errorf("%s: err = %v; want ErrServer naming %s, the %s address, and saying to pick another", tc.what, err, taken, tc.what)
+		}
+		if took := time.Since(start); took > 5*time.Second {
+			t.Errorf("%s: the error took %s; want it at once", tc.what, took)
+		}
 	}
 }
 

@@ -71,8 +71,11 @@ func StartServer(cfg ServerConfig) (*Server, error) {
 	}
 	if port == 0 {
 		port = server.RANDOM_PORT
-	} else if err := portFree(addr); err != nil {
-		return nil, err
+	}
+	for _, l := range []struct{ what, addr string }{{"client", addr}, {"monitoring", cfg.MonitorAddr}, {"cluster", cfg.Cluster}} {
+		if err := portFree(l.what, l.addr); err != nil {
+			return nil, err
+		}
 	}
 	s := &Server{}
 	dir := cfg.DataDir
@@ -162,13 +165,17 @@ func StartServer(cfg ServerConfig) (*Server, error) {
 	return s, nil
 }
 
-// portFree fails at once, and says what to do, when addr cannot be
-// listened on: nats-server would log the error and leave
-// ReadyForConnections to time out 30 s later.
-func portFree(addr string) error {
+// portFree fails at once, and says what to do, when addr (the server's
+// what address; "" or port 0: none to check) cannot be listened on:
+// nats-server would log the error and leave ReadyForConnections to time out
+// 30 s later, naming nothing.
+func portFree(what, addr string) error {
+	if _, p, err := net.SplitHostPort(addr); addr == "" || err != nil || p == "0" {
+		return nil // nothing to check, or an address the server will refuse itself
+	}
 	l, err := net.Listen("tcp", addr)
 	if err != nil {
-		return fmt.Errorf("%w: cannot listen on %s: %v (is another kvbus or NATS server running there? stop it, or give this one another address)", ErrServer, addr, err)
+		return fmt.Errorf("%w: cannot listen on %s, the %s address: %v (is another kvbus or NATS server running there? stop it, or give this one another address)", ErrServer, addr, what, err)
 	}
 	return l.Close()
 }

@@ -199,8 +199,14 @@ func (s *Server) generate(w http.ResponseWriter, r *http.Request, endpoint strin
 				g.unregister()
 				return 499
 			}
-			if errors.Is(err, errDuplicateID) { // not aborted: the id is another request's
+			if errors.Is(err, errDuplicateID) {
+				// This prompt's id is another request's: not aborted. The
+				// prompts published before it are this request's.
 				g.log.Warn("request id already in the request log", "err", err)
+				all := g.choices
+				g.choices = all[:i]
+				g.abort("request id collision")
+				g.choices = all
 				g.unregister()
 				return fail(&APIError{Status: http.StatusConflict, Type: typeInvalidRequest, Code: "duplicate_request_id", Param: "X-Request-Id",
 					Message: "a request with this id is still in the request log; send it with another X-Request-Id"})

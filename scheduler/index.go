@@ -68,7 +68,8 @@ type indexGroup struct {
 	name      string
 	id        uint8
 	worldSize int
-	blocks    int // blocks every rank holds
+	blocks    int   // blocks every rank holds
+	touched   int64 // unix nanos of the group's last heartbeat, batch or plan
 	ranks     map[int]*rankState
 }
 
@@ -97,12 +98,15 @@ func NewKVIndex() *KVIndex {
 // Rejected returns how many batches were dropped for an impossible seq.
 func (x *KVIndex) Rejected() uint64 { return x.rejected.Load() }
 
-// group returns the group's state, creating it; nil when the index is full.
+// group returns the group's state, creating it, and marks it heard of;
+// nil when the index is full.
 func (x *KVIndex) group(name string) *indexGroup {
+	now := time.Now().UnixNano()
 	if g := x.groups[name]; g != nil {
+		g.touched = now
 		return g
 	}
-	g := &indexGroup{name: name, ranks: map[int]*rankState{}}
+	g := &indexGroup{name: name, touched: now, ranks: map[int]*rankState{}}
 	switch {
 	case len(x.free) > 0:
 		g.id = x.free[len(x.free)-1]
@@ -118,34 +122,64 @@ func (x *KVIndex) group(name string) *indexGroup {
 	return g
 }
 
-// Forget drops a group: its blocks, its save plans and its ranks' seqs,
-// and frees its id for another group. For a group gone for good (scaled
-// in, renamed); one that comes back is new to the index, and resyncs from
-// its ranks' dumps. A scan of every entry: rare.
-func (x *KVIndex) Forget(group string) {
+// ForgetIdle forgets the groups not heard of (no heartbeat, KV batch or
+// save plan) for after, and returns their names. See Forget.
+func (x *KVIndex) ForgetIdle(now time.Time, after time.Duration) []string {
 	x.mu.Lock()
 	defer x.mu.Unlock()
-	g := x.groups[group]
-	if g == nil {
+	var names []string
+	for name, g := range x.groups {
+		if now.UnixNano()-g.touched > int64(after) {
+			names = append(names, name)
+		}
+	}
+	x.forgetLocked(names)
+	return names
+}
+
+// Forget drops groups: their blocks, their save plans and their ranks'
+// seqs, and frees their ids for other groups. For groups gone for good
+// (scaled in, renamed); one that comes back is new to the index, and
+// resyncs from its ranks' dumps. One scan of every entry, however many
+// groups go: rare.
+func (x *KVIndex) Forget(names ...string) {
+	x.mu.Lock()
+	defer x.mu.Unlock()
+	x.forgetLocked(names)
+}
+
+func (x *KVIndex) forgetLocked(names []string) {
+	var gone uint64 // ids
+	for _, name := range names {
+		if g := x.groups[name]; g != nil {
+			gone |= 1 << g.id
+		}
+	}
+	if gone == 0 {
 		return
 	}
 	for k := range x.planExp {
-		if k.gid == g.id {
+		if gone&(1<<k.gid) != 0 {
 			x.unplanLocked(k)
 		}
 	}
-	bit := uint64(1) << g.id
 	for k := range x.ranks {
-		if k.gid == g.id {
+		if gone&(1<<k.gid) != 0 {
 			delete(x.ranks, k)
-			if x.full[k.hash]&bit != 0 {
-				x.unfullLocked(g, k.hash)
+			if f := x.full[k.hash] &^ gone; f == 0 {
+				delete(x.full, k.hash)
+			} else {
+				x.full[k.hash] = f
 			}
 		}
 	}
-	delete(x.groups, group)
-	x.byID[g.id] = nil
-	x.free = append(x.free, g.id)
+	for _, name := range names {
+		if g := x.groups[name]; g != nil {
+			delete(x.groups, name)
+			x.byID[g.id] = nil
+			x.free = append(x.free, g.id)
+		}
+	}
 }
 
 func (g *indexGroup) rank(r int) *rankState {
@@ -443,6 +477,10 @@ func (x *KVIndex) Resyncing() map[string][]int {
 func (x *KVIndex) PrefixMatch(hashes []uint64, dst []int) []int {
 	x.mu.RLock()
 	defer x.mu.RUnlock()
+	return x.prefixMatchLocked(hashes, dst)
+}
+
+func (x *KVIndex) prefixMatchLocked(hashes []uint64, dst []int) []int {
 	n := len(x.byID)
 	dst = slices.Grow(dst[:0], n)[:n]
 	clear(dst)
@@ -567,9 +605,11 @@ func (x *KVIndex) Plans() int {
 // hashes every rank of the group holds. One read lock, one PrefixMatch.
 func (x *KVIndex) Match(hashes []uint64, groups []GroupState) {
 	var buf [MaxIndexedGroups]int
-	prefix := x.PrefixMatch(hashes, buf[:0])
 	x.mu.RLock()
 	defer x.mu.RUnlock()
+	// One lock for the walk and the names: a forgotten group's id may be
+	// another group's between two.
+	prefix := x.prefixMatchLocked(hashes, buf[:0])
 	for i := range groups {
 		groups[i].IndexBlocks = 0
 		if g, ok := x.groups[groups[i].Name]; ok && int(g.id) < len(prefix) {

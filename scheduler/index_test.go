@@ -4,6 +4,8 @@ import (
 	"fmt"
 	"math/rand/v2"
 	"slices"
+	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -884,5 +886,54 @@ func TestKVIndexForget(t *testing.T) {
 	checkPrefixes(t, x, h, map[string]int{"extra": 3, "g05": 0, "g04": 3})
 	if pm := x.PrefixMatch(h, nil); len(pm) != MaxIndexedGroups {
 		t.Errorf("PrefixMatch over %d ids, want %d", len(pm), MaxIndexedGroups)
+	}
+}
+
+// TestKVIndexMatchAcrossIDReuse: Match walks the prefix and maps names to
+// ids under one lock, so a group that takes a forgotten group's id is never
+// credited with that group's blocks.
+func TestKVIndexMatchAcrossIDReuse(t *testing.T) {
+	x := NewKVIndex()
+	h := hashChain(1, 8)
+	var stop atomic.Bool
+	var wg sync.WaitGroup
+	wg.Go(func() {
+		for !stop.Load() {
+			x.ObserveRank("old", 0, 1, 1)
+			x.ApplyDump("old", 0, kvDump("old", 0, 0))
+			x.Apply(kvBatch("old", 0, 1, stored(h...))) // holds h at the free id
+			x.Forget("old")
+			x.ObserveRank("new", 0, 1, 1) // takes the same id; holds nothing
+			x.Forget("new")
+		}
+	})
+	defer func() { stop.Store(true); wg.Wait() }()
+	for deadline := time.Now().Add(time.Second); time.Now().Before(deadline); {
+		g := []GroupState{{Name: "new"}}
+		x.Match(h, g)
+		if g[0].IndexBlocks != 0 {
+			t.Fatalf("Match credited the new group, which holds nothing, with %d blocks of the forgotten group's", g[0].IndexBlocks)
+		}
+	}
+}
+
+// TestKVIndexForgetIdle: groups not heard of (heartbeat, batch or plan) for
+// the given time are forgotten together; the others stay.
+func TestKVIndexForgetIdle(t *testing.T) {
+	x := readyIndex(t, 1, "a", "b", "c")
+	h := hashChain(1, 2)
+	for _, g := range []string{"a", "b", "c"} {
+		x.Apply(kvBatch(g, 0, 1, stored(h...)))
+	}
+	time.Sleep(20 * time.Millisecond)
+	x.Plan("b", hashChain(2, 1), time.Now().Add(time.Hour)) // b was heard of just now
+	gone := x.ForgetIdle(time.Now(), 10*time.Millisecond)
+	slices.Sort(gone)
+	if !slices.Equal(gone, []string{"a", "c"}) {
+		t.Fatalf("forgot %v, want [a c]", gone)
+	}
+	checkPrefixes(t, x, h, map[string]int{"a": 0, "b": 2, "c": 0})
+	if e, f := x.Size(); e != 2 || f != 2 {
+		t.Errorf("%d entries, %d full blocks left; want b's 2, 2", e, f)
 	}
 }

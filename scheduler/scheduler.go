@@ -391,20 +391,7 @@ func (s *Scheduler) sweep(ctx context.Context, now time.Time) {
 		s.m.groupQueued.WithLabelValues(name).Set(float64(queued))
 		s.m.groupBlocks.WithLabelValues(name).Set(float64(s.index.GroupBlocks(name)))
 	})
-	for _, name := range s.groups.forget(now, s.cfg.ForgetGroupAfter) {
-		s.index.Forget(name)
-		s.resyncMu.Lock()
-		for id := range s.resyncs {
-			if id.group == name {
-				delete(s.resyncs, id)
-			}
-		}
-		s.resyncMu.Unlock()
-		s.m.groupInflight.DeleteLabelValues(name)
-		s.m.groupQueued.DeleteLabelValues(name)
-		s.m.groupBlocks.DeleteLabelValues(name)
-		s.log.Info("forgot a group not heard of", "group", name, "after", s.cfg.ForgetGroupAfter)
-	}
+	s.forgetGroups(now)
 	s.rescue(now)
 	s.resend(now)
 	entries, full := s.index.Size()
@@ -416,6 +403,36 @@ func (s *Scheduler) sweep(ctx context.Context, now time.Time) {
 		s.log.Warn("request timed out in the scheduler", "req_id", t.ReqID, "session_id", t.SessionID,
 			"group", t.Group, "ranks_reported", len(t.Results), "world_size", t.WorldSize)
 		s.sendError(t.FrontendID, t.ReqID, t.SessionID, t.Attempt, "timeout", "request timed out waiting for worker ranks")
+	}
+}
+
+// forgetGroups forgets the groups not heard of for ForgetGroupAfter: in the
+// group table (heartbeats) and in the index (heartbeats, KV batches, save
+// plans: a group may be known there only), each by its own clock, with
+// their gauges and resync state.
+func (s *Scheduler) forgetGroups(now time.Time) {
+	gone := map[string]bool{}
+	for _, name := range s.groups.forget(now, s.cfg.ForgetGroupAfter) {
+		gone[name] = true
+	}
+	for _, name := range s.index.ForgetIdle(now, s.cfg.ForgetGroupAfter) {
+		gone[name] = true
+	}
+	if len(gone) == 0 {
+		return
+	}
+	s.resyncMu.Lock()
+	for id := range s.resyncs {
+		if gone[id.group] {
+			delete(s.resyncs, id)
+		}
+	}
+	s.resyncMu.Unlock()
+	for name := range gone {
+		s.m.groupInflight.DeleteLabelValues(name)
+		s.m.groupQueued.DeleteLabelValues(name)
+		s.m.groupBlocks.DeleteLabelValues(name)
+		s.log.Info("forgot a group not heard of", "group", name, "after", s.cfg.ForgetGroupAfter)
 	}
 }
 

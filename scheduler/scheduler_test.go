@@ -723,8 +723,14 @@ func TestRankMessagesOnAnotherRanksSubject(t *testing.T) {
 	testenv.Eventually(t, waitFor, "g9 ready", func() bool {
 		return slices.ContainsFunc(e.s.Groups(), func(g scheduler.GroupState) bool { return g.Name == "g9" })
 	})
+	testenv.Eventually(t, waitFor, "g1's batch on its own subject taken", func() bool {
+		return e.counter("kvbus_bus_messages_total", map[string]string{"handler": "scheduler_kv_events", "outcome": "ok"}) == 1
+	})
 	if got := malformed("scheduler_kv_events"); got != 1 {
 		t.Errorf("a batch on its own subject counted malformed: %v", got)
+	}
+	if _, ok := e.s.Index().GroupID("g1"); !ok {
+		t.Error("g1's batch on its own subject did not reach the index")
 	}
 }
 
@@ -771,5 +777,25 @@ func TestSchedulerForgetsAGroupGoneForGood(t *testing.T) {
 				}
 			}
 		}
+	}
+}
+
+// TestSchedulerForgetsAnIndexOnlyGroup: a group the index learnt of only
+// from KV events (it never sent a heartbeat: a rank that died right after
+// its first batch) is forgotten too, and frees its slot.
+func TestSchedulerForgetsAnIndexOnlyGroup(t *testing.T) {
+	e := startScheduler(t, schedEnvConfig{groups: []string{"g0"}, forgetAfter: 500 * time.Millisecond})
+	data, err := messages.Marshal(&messages.KVEventBatch{Group: "ghost", Rank: 0, Seq: 1,
+		Events: []messages.KVEvent{{Type: messages.EventAllBlocksCleared}}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := e.nc.Publish(e.subj.KV("ghost", 0), data); err != nil {
+		t.Fatal(err)
+	}
+	testenv.Eventually(t, waitFor, "ghost indexed", func() bool { _, ok := e.s.Index().GroupID("ghost"); return ok })
+	testenv.Eventually(t, waitFor, "ghost forgotten", func() bool { _, ok := e.s.Index().GroupID("ghost"); return !ok })
+	if _, ok := e.s.Index().GroupID("g0"); !ok {
+		t.Error("g0, still heard of, was forgotten")
 	}
 }

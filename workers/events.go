@@ -129,7 +129,7 @@ func presentRuns(ev messages.KVEvent, present []bool) []messages.KVEvent {
 		if bs := ev.BlockSize; bs > 0 && len(ev.TokenIDs) >= b*bs {
 			run.TokenIDs = ev.TokenIDs[a*bs : b*bs]
 		}
-		if a > 0 {
+		if a > 0 && len(ev.TokenIDs) > 0 { // a chain's run: its parent is the block before it
 			parent := ev.BlockHashes[a-1]
 			run.ParentBlockHash = &parent
 		}

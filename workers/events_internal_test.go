@@ -101,6 +101,10 @@ func TestPresentRuns(t *testing.T) {
 	if !slices.Equal(b.BlockHashes, []uint64{12, 13}) || !slices.Equal(b.TokenIDs, []uint32{4, 5, 6, 7}) || *b.ParentBlockHash != 11 {
 		t.Errorf("second run %+v", b)
 	}
+	handed := messages.KVEvent{Type: messages.EventBlockStored, BlockHashes: []uint64{10, 11, 12}} // no chain: a hand-off's
+	if got := presentRuns(handed, []bool{true, false, true}); len(got) != 2 || got[1].ParentBlockHash != nil {
+		t.Errorf("a hand-off's blocks got a parent: %+v", got)
+	}
 	if got := presentRuns(ev, []bool{false, false, false, false}); len(got) != 0 {
 		t.Errorf("no block present: %+v", got)
 	}
