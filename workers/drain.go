@@ -334,45 +334,73 @@ func (r *Rank) onDrainPlan(_ context.Context, m *nats.Msg) error {
 // onHandoff takes blocks a draining group hands to this rank: it reads them
 // from the same rank of the source group (the pool), verifies them, keeps
 // them tagged with their session and announces them in its KV events.
-func (r *Rank) onHandoff(ctx context.Context, m *nats.Msg) error {
+// Hand-offs are taken at once, up to handoffSlots together, off the
+// subscription's goroutine: groups scaled in together may all hand off to
+// this one, and each waits for its answer only as long as it has.
+func (r *Rank) onHandoff(_ context.Context, m *nats.Msg) error {
 	h, err := messages.DecodeHandoff(m.Data)
 	if err != nil {
 		return err
 	}
+	take := func() error {
+		data, err := messages.Marshal(r.takeHandoff(h))
+		if err != nil {
+			return err
+		}
+		return m.Respond(data)
+	}
+	select {
+	case r.handoffSlots <- struct{}{}:
+		r.handoffs.Go(func() {
+			defer func() { <-r.handoffSlots }()
+			if err := take(); err != nil {
+				r.log.Warn("drain hand-off: cannot answer", "source_group", h.Source, "err", err)
+			}
+		})
+		return nil
+	default:
+		return take()
+	}
+}
+
+// handoffSlots bounds the hand-offs a rank takes at once.
+const handoffSlots = 8
+
+// takeHandoff copies what h hands over, or says why not.
+func (r *Rank) takeHandoff(h *messages.Handoff) *messages.HandoffResult {
 	res := &messages.HandoffResult{}
 	switch {
 	case h.TPRank != r.cfg.TPRank || h.Model != r.cfg.Model || h.Source == r.cfg.Group:
 		res.Error = fmt.Sprintf("rank %s/%d of %s does not take blocks of %s/%d for %s", r.cfg.Group, r.cfg.TPRank, r.cfg.Model, h.Source, h.TPRank, h.Model)
+		return res
 	case r.draining.Load():
 		res.Error = fmt.Sprintf("group %s is draining too", r.cfg.Group)
+		return res
 	case h.BlockSize < 1:
 		res.Error = "no block_size"
-	default:
-		start := time.Now()
-		size := r.blockBytes(h.BlockSize)
-		// No client waits on a hand-off: its reads may take as long as the
-		// source waits for this answer (its shutdown timeout; ours is the
-		// best guess), not the few seconds a request's load may.
-		hctx, cancel := context.WithTimeout(ctx, r.cfg.ShutdownTimeout)
-		defer cancel()
-		for _, run := range h.Runs {
-			for hashes := range slices.Chunk(run.BlockHashes, handoffReadBlocks) {
-				stored, bytes := r.copyHandedOff(hctx, h, run.Session, hashes, size)
-				res.Stored += stored
-				res.Failed += len(hashes) - stored
-				res.Bytes += bytes
-			}
+		return res
+	}
+	start := time.Now()
+	size := r.blockBytes(h.BlockSize)
+	// No client waits on a hand-off: its reads may take as long as the
+	// source waits for this answer (its shutdown timeout; ours is the best
+	// guess), less a tenth, so that the answer, with what was kept by
+	// then, gets there in time.
+	ctx, cancel := context.WithTimeout(context.Background(), r.cfg.ShutdownTimeout*9/10)
+	defer cancel()
+	for _, run := range h.Runs {
+		for hashes := range slices.Chunk(run.BlockHashes, handoffReadBlocks) {
+			stored, bytes := r.copyHandedOff(ctx, h, run.Session, hashes, size)
+			res.Stored += stored
+			res.Failed += len(hashes) - stored
+			res.Bytes += bytes
 		}
-		r.cfg.Metrics.handoff.WithLabelValues(h.Source, r.cfg.Group, r.labels[1]).Add(float64(res.Stored))
-		r.cfg.Metrics.handoffBytes.WithLabelValues(h.Source, r.cfg.Group, r.labels[1]).Add(float64(res.Bytes))
-		r.log.Info("kept blocks handed off by a draining group", "source_group", h.Source, "sessions", len(h.Runs),
-			"stored_blocks", res.Stored, "failed_blocks", res.Failed, "bytes", res.Bytes, "took_ms", time.Since(start).Milliseconds())
 	}
-	data, err := messages.Marshal(res)
-	if err != nil {
-		return err
-	}
-	return m.Respond(data)
+	r.cfg.Metrics.handoff.WithLabelValues(h.Source, r.cfg.Group, r.labels[1]).Add(float64(res.Stored))
+	r.cfg.Metrics.handoffBytes.WithLabelValues(h.Source, r.cfg.Group, r.labels[1]).Add(float64(res.Bytes))
+	r.log.Info("kept blocks handed off by a draining group", "source_group", h.Source, "sessions", len(h.Runs),
+		"stored_blocks", res.Stored, "failed_blocks", res.Failed, "bytes", res.Bytes, "took_ms", time.Since(start).Milliseconds())
+	return res
 }
 
 // copyHandedOff reads one chunk of a run from the source and keeps what

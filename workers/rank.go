@@ -172,6 +172,8 @@ type Rank struct {
 	// Pool reads waiting for saves (see onPoolRead), and their slots.
 	poolWaits     sync.WaitGroup
 	poolWaitSlots chan struct{}
+	handoffs      sync.WaitGroup // hand-offs being taken
+	handoffSlots  chan struct{}
 }
 
 // seenReq is what a rank remembers of a request it took: the attempt, and
@@ -293,6 +295,7 @@ func NewRank(cfg RankConfig) (*Rank, error) {
 		plans:  make(chan *messages.DrainPlan, 1),
 
 		poolWaitSlots: make(chan struct{}, poolWaitSlots),
+		handoffSlots:  make(chan struct{}, handoffSlots),
 	}, nil
 }
 
@@ -413,6 +416,7 @@ func (r *Rank) Run(ctx context.Context) error {
 	engineLoops.Wait()
 	_ = abortSub.Unsubscribe()
 	r.poolWaits.Wait() // the saves they wait for have settled
+	r.handoffs.Wait()  // taken before this rank drained (it refuses them since)
 	// What this rank held leaves with it: no LoadSpec should name it as a
 	// source any more (the hand-off's targets announced their copies).
 	r.events.publish([]messages.KVEvent{{Type: messages.EventAllBlocksCleared}})

@@ -918,3 +918,55 @@ func TestSlowRankHandsOffAfterItsDriverLeft(t *testing.T) {
 		t.Errorf("blocks handed to g1: rank 0 %d, rank 1 %d; want 8 each (two sessions of 4 blocks)", a, b)
 	}
 }
+
+// TestHandoffsFromTwoGroupsAtOnce: two groups drain at once and hand off to
+// the same rank. Each source takes readDelay to answer its pool reads; the
+// target takes both hand-offs at once, so each answer comes within about
+// readDelay, inside its sender's wait, not one after the other.
+func TestHandoffsFromTwoGroupsAtOnce(t *testing.T) {
+	const readDelay = 400 * time.Millisecond
+	env := startRanks(t, rankEnvConfig{})
+	for _, src := range []string{"g8", "g9"} { // the draining groups' rank 0: slow, and it lost the blocks
+		if _, err := env.nc.Subscribe(env.subj.Pool(src, 0), func(m *nats.Msg) {
+			go func() {
+				time.Sleep(readDelay)
+				data, _ := messages.Marshal(&messages.PoolPart{Part: 0, Parts: 1})
+				_ = m.Respond(data)
+			}()
+		}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	type answer struct {
+		res  *messages.HandoffResult
+		err  error
+		took time.Duration
+	}
+	answers := make(chan answer, 2)
+	for _, src := range []string{"g8", "g9"} {
+		go func() {
+			data, _ := messages.Marshal(&messages.Handoff{Model: testModel, TPRank: 0, Source: src, BlockSize: blockSize,
+				Runs: []messages.HandoffRun{{Session: "s-" + src, BlockHashes: messages.BlockHashes{1, 2, 3}}}})
+			start := time.Now()
+			reply, err := env.nc.Request(env.subj.Handoff(testGroup, 0), data, readDelay*7/4) // a sender's wait
+			if err != nil {
+				answers <- answer{err: err, took: time.Since(start)}
+				return
+			}
+			res := &messages.HandoffResult{}
+			err = messages.Unmarshal(reply.Data, res)
+			answers <- answer{res: res, err: err, took: time.Since(start)}
+		}()
+	}
+	for range 2 {
+		a := <-answers
+		switch {
+		case a.err != nil:
+			t.Errorf("a hand-off got no answer within its sender's wait: %v after %s", a.err, a.took)
+		case a.res.Error != "" || a.res.Failed != 3 || a.res.Stored != 0:
+			t.Errorf("hand-off result %+v, want 3 failed (the source had lost them)", a.res)
+		case a.took < readDelay:
+			t.Errorf("answered in %s, before the source's read (%s) could have: the slow source did not take effect", a.took, readDelay)
+		}
+	}
+}
