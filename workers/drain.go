@@ -349,18 +349,7 @@ func (r *Rank) onHandoff(_ context.Context, m *nats.Msg) error {
 		}
 		return m.Respond(data)
 	}
-	select {
-	case r.handoffSlots <- struct{}{}:
-		r.handoffs.Go(func() {
-			defer func() { <-r.handoffSlots }()
-			if err := take(); err != nil {
-				r.log.Warn("drain hand-off: cannot answer", "source_group", h.Source, "err", err)
-			}
-		})
-		return nil
-	default:
-		return take()
-	}
+	return r.offload(r.handoffSlots, &r.handoffs, take, "drain hand-off: cannot answer", "source_group", h.Source)
 }
 
 // handoffSlots bounds the hand-offs a rank takes at once.

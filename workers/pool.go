@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"sync"
 	"time"
 
 	"github.com/nats-io/nats.go"
@@ -55,17 +56,25 @@ func (r *Rank) onPoolRead(ctx context.Context, m *nats.Msg) error {
 		r.awaitPoolSaves(ctx, keys, values, deadline)
 		return r.answerPoolRead(m.Reply, values)
 	}
+	return r.offload(r.poolWaitSlots, &r.poolWaits, answer, "pool read", "req_id", req.ReqID)
+}
+
+// offload runs f on a goroutine counted in wg while slots has room, else
+// here, on the subscription's goroutine: a handler that may wait long does
+// not hold up the messages behind it, and no more than cap(slots) wait at
+// once. An error of f run in the background is logged with msg and attrs.
+func (r *Rank) offload(slots chan struct{}, wg *sync.WaitGroup, f func() error, msg string, attrs ...any) error {
 	select {
-	case r.poolWaitSlots <- struct{}{}:
-		r.poolWaits.Go(func() {
-			defer func() { <-r.poolWaitSlots }()
-			if err := answer(); err != nil {
-				r.log.Warn("pool read", "req_id", req.ReqID, "err", err)
+	case slots <- struct{}{}:
+		wg.Go(func() {
+			defer func() { <-slots }()
+			if err := f(); err != nil {
+				r.log.Warn(msg, append(attrs, "err", err)...)
 			}
 		})
 		return nil
-	default: // as many reads wait already: this one waits here
-		return answer()
+	default:
+		return f()
 	}
 }
 
