@@ -261,20 +261,32 @@ func (r *Rank) handOff() {
 		}
 		return
 	}
+	// Every target copies at once: the hand-off takes one
+	// --shutdown-timeout at most, not one per target.
 	start := time.Now()
+	results := make([]*messages.HandoffResult, len(plan.Targets))
+	var sends sync.WaitGroup
+	for i, t := range plan.Targets {
+		sends.Go(func() {
+			res, err := r.sendHandoff(t, plan.BlockSize)
+			if err != nil {
+				r.log.Warn("drain hand-off to a group failed; its sessions will recompute", "target_group", t.Group, "err", err)
+				return
+			}
+			results[i] = res
+			r.log.Info("drain hand-off: blocks handed to a group", "target_group", t.Group, "sessions", len(t.Runs),
+				"stored_blocks", res.Stored, "failed_blocks", res.Failed, "bytes", res.Bytes)
+		})
+	}
+	sends.Wait()
 	var stored, failed int
 	var bytes int64
-	for _, t := range plan.Targets {
-		res, err := r.sendHandoff(t, plan.BlockSize)
-		if err != nil {
-			r.log.Warn("drain hand-off to a group failed; its sessions will recompute", "target_group", t.Group, "err", err)
-			continue
+	for _, res := range results {
+		if res != nil {
+			stored += res.Stored
+			failed += res.Failed
+			bytes += res.Bytes
 		}
-		stored += res.Stored
-		failed += res.Failed
-		bytes += res.Bytes
-		r.log.Info("drain hand-off: blocks handed to a group", "target_group", t.Group, "sessions", len(t.Runs),
-			"stored_blocks", res.Stored, "failed_blocks", res.Failed, "bytes", res.Bytes)
 	}
 	r.log.Info("drain hand-off done", "targets", len(plan.Targets), "stored_blocks", stored, "failed_blocks", failed,
 		"bytes", bytes, "took_ms", time.Since(start).Milliseconds())

@@ -970,3 +970,79 @@ func TestHandoffsFromTwoGroupsAtOnce(t *testing.T) {
 		}
 	}
 }
+
+// TestDrainHandsOffToEveryTargetAtOnce: a draining group's rank asks all
+// its targets at once, so the hand-off takes one target's time, not the sum
+// (one --shutdown-timeout at most, as the README says, however many targets).
+func TestDrainHandsOffToEveryTargetAtOnce(t *testing.T) {
+	const answerDelay = time.Second
+	env := startRanks(t, rankEnvConfig{drainHandoff: 1 << 20})
+	var got sync.Map // target group -> blocks handed to its rank 0
+	for _, g := range []string{"g1", "g2"} {
+		for r := range 2 {
+			if _, err := env.nc.Subscribe(env.subj.Handoff(g, r), func(m *nats.Msg) {
+				h, err := messages.DecodeHandoff(m.Data)
+				if err != nil {
+					t.Error(err)
+					return
+				}
+				n := 0
+				for _, run := range h.Runs {
+					n += len(run.BlockHashes)
+				}
+				if r == 0 {
+					got.Store(g, n)
+				}
+				go func() {
+					time.Sleep(answerDelay) // a target copying a large hand-off
+					data, _ := messages.Marshal(&messages.HandoffResult{Stored: n})
+					_ = m.Respond(data)
+				}()
+			}); err != nil {
+				t.Fatal(err)
+			}
+		}
+	}
+	stop := make(chan struct{})
+	var wg sync.WaitGroup
+	wg.Go(func() {
+		for {
+			for _, g := range []string{"g1", "g2"} {
+				for r := range 2 {
+					data, _ := messages.Marshal(&messages.Heartbeat{Group: g, TPRank: r, WorldSize: 2, Model: testModel, CapacityBlocks: 1000})
+					_ = env.nc.Publish(env.subj.Heartbeat(g, r), data)
+				}
+			}
+			select {
+			case <-stop:
+				return
+			case <-time.After(10 * time.Millisecond):
+			}
+		}
+	})
+	defer func() { close(stop); wg.Wait() }()
+	env.sendMeta(newMeta("a", "s", testenv.PromptTokens(1, 4*blockSize+1)))
+	env.finalOutput("a")
+	env.sendMeta(newMeta("b", "s2", testenv.PromptTokens(2, 4*blockSize+1)))
+	env.finalOutput("b")
+	env.resultsByRank("b")
+	env.stop()
+	for _, g := range []string{"g1", "g2"} {
+		if n, _ := got.Load(g); n != 4 {
+			t.Errorf("%s was handed %v blocks, want one session's 4 (the plan spreads two sessions over two targets)", g, n)
+		}
+	}
+	done := env.logs.Lines(`msg="drain hand-off done"`)
+	if len(done) != 2 {
+		t.Fatalf("%d ranks logged their hand-off done, want 2: %v", len(done), done)
+	}
+	for _, l := range done {
+		var ms int
+		if i := strings.Index(l, "took_ms="); i >= 0 {
+			fmt.Sscanf(l[i+len("took_ms="):], "%d", &ms)
+		}
+		if ms < int(answerDelay.Milliseconds()) || ms > int(answerDelay.Milliseconds())*3/2 {
+			t.Errorf("hand-off took %d ms with two targets answering after %s each; want about one answer's time: %s", ms, answerDelay, l)
+		}
+	}
+}
