@@ -365,7 +365,10 @@ func (c *Cluster) run(ctx context.Context, name string, f func(context.Context) 
 		if err := f(ctx); err != nil && !errors.Is(err, context.Canceled) {
 			c.errMu.Lock()
 			if c.err == nil {
-				c.err = fmt.Errorf("%s: %w", name, err)
+				c.err = err
+				if !strings.HasPrefix(err.Error(), name+":") { // package errors name their role already
+					c.err = fmt.Errorf("%s: %w", name, err)
+				}
 			}
 			c.errMu.Unlock()
 			c.cancel()
