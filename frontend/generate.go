@@ -203,10 +203,7 @@ func (s *Server) generate(w http.ResponseWriter, r *http.Request, endpoint strin
 				// This prompt's id is another request's: not aborted. The
 				// prompts published before it are this request's.
 				g.log.Warn("request id already in the request log", "err", err)
-				all := g.choices
-				g.choices = all[:i]
-				g.abort("request id collision")
-				g.choices = all
+				g.abortChoices(g.choices[:i], "request id collision")
 				g.unregister()
 				return fail(&APIError{Status: http.StatusConflict, Type: typeInvalidRequest, Code: "duplicate_request_id", Param: "X-Request-Id",
 					Message: "a request with this id is still in the request log; send it with another X-Request-Id"})
@@ -398,8 +395,12 @@ func (g *generation) unregister() {
 }
 
 // abort tells the pipeline to drop the unfinished bus requests.
-func (g *generation) abort(reason string) {
-	for _, c := range g.choices {
+func (g *generation) abort(reason string) { g.abortChoices(g.choices, reason) }
+
+// abortChoices tells the pipeline to drop the unfinished bus requests of
+// choices.
+func (g *generation) abortChoices(choices []*choiceState, reason string) {
+	for _, c := range choices {
 		if c.done {
 			continue
 		}

@@ -125,14 +125,24 @@ func (x *KVIndex) group(name string) *indexGroup {
 // ForgetIdle forgets the groups not heard of (no heartbeat, KV batch or
 // save plan) for after, and returns their names. See Forget.
 func (x *KVIndex) ForgetIdle(now time.Time, after time.Duration) []string {
+	idle := func() (names []string) {
+		for name, g := range x.groups {
+			if now.UnixNano()-g.touched > int64(after) {
+				names = append(names, name)
+			}
+		}
+		return names
+	}
+	// Called every sweep: lookups are not stopped unless a group goes.
+	x.mu.RLock()
+	names := idle()
+	x.mu.RUnlock()
+	if len(names) == 0 {
+		return nil
+	}
 	x.mu.Lock()
 	defer x.mu.Unlock()
-	var names []string
-	for name, g := range x.groups {
-		if now.UnixNano()-g.touched > int64(after) {
-			names = append(names, name)
-		}
-	}
+	names = idle() // heard of again in between: kept
 	x.forgetLocked(names)
 	return names
 }

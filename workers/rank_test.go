@@ -175,6 +175,30 @@ func startRanks(t *testing.T, cfg rankEnvConfig) *rankEnv {
 	return e
 }
 
+// readyGroups makes groups of two ranks, each with room for 1,000 blocks,
+// send heartbeats every 10 ms (other groups ready to take a hand-off) until
+// the returned func is called.
+func (e *rankEnv) readyGroups(groups ...string) (stop func()) {
+	done := make(chan struct{})
+	var wg sync.WaitGroup
+	wg.Go(func() {
+		for {
+			for _, g := range groups {
+				for r := range 2 {
+					data, _ := messages.Marshal(&messages.Heartbeat{Group: g, TPRank: r, WorldSize: 2, Model: testModel, CapacityBlocks: 1000})
+					_ = e.nc.Publish(e.subj.Heartbeat(g, r), data)
+				}
+			}
+			select {
+			case <-done:
+				return
+			case <-time.After(10 * time.Millisecond):
+			}
+		}
+	})
+	return func() { close(done); wg.Wait() }
+}
+
 func (e *rankEnv) heartbeats(rank int) []*messages.Heartbeat {
 	var out []*messages.Heartbeat
 	for _, m := range e.rec.all() {
@@ -891,22 +915,7 @@ func TestSlowRankHandsOffAfterItsDriverLeft(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
-	stop := make(chan struct{})
-	var wg sync.WaitGroup
-	wg.Go(func() {
-		for {
-			for r := range 2 {
-				data, _ := messages.Marshal(&messages.Heartbeat{Group: "g1", TPRank: r, WorldSize: 2, Model: testModel, CapacityBlocks: 1000})
-				_ = env.nc.Publish(env.subj.Heartbeat("g1", r), data)
-			}
-			select {
-			case <-stop:
-				return
-			case <-time.After(10 * time.Millisecond):
-			}
-		}
-	})
-	defer func() { close(stop); wg.Wait() }()
+	defer env.readyGroups("g1")()
 	env.sendMeta(newMeta("a", "s", testenv.PromptTokens(1, 4*blockSize+1)))
 	env.resultsByRank("a")
 	// The driver answers b at once; rank 1 saves it 500 ms later, after
@@ -1003,24 +1012,7 @@ func TestDrainHandsOffToEveryTargetAtOnce(t *testing.T) {
 			}
 		}
 	}
-	stop := make(chan struct{})
-	var wg sync.WaitGroup
-	wg.Go(func() {
-		for {
-			for _, g := range []string{"g1", "g2"} {
-				for r := range 2 {
-					data, _ := messages.Marshal(&messages.Heartbeat{Group: g, TPRank: r, WorldSize: 2, Model: testModel, CapacityBlocks: 1000})
-					_ = env.nc.Publish(env.subj.Heartbeat(g, r), data)
-				}
-			}
-			select {
-			case <-stop:
-				return
-			case <-time.After(10 * time.Millisecond):
-			}
-		}
-	})
-	defer func() { close(stop); wg.Wait() }()
+	defer env.readyGroups("g1", "g2")()
 	env.sendMeta(newMeta("a", "s", testenv.PromptTokens(1, 4*blockSize+1)))
 	env.finalOutput("a")
 	env.sendMeta(newMeta("b", "s2", testenv.PromptTokens(2, 4*blockSize+1)))
