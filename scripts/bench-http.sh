@@ -76,6 +76,13 @@ cluster)
 	;;
 esac
 for u in "${URLS[@]}"; do "$BIN" healthcheck --url "$u/healthz" --wait 60s >/dev/null; done
+for i in "${!PIDS[@]}"; do # a process that failed to start (a port in use) would leave another server measured
+	if ! kill -0 "${PIDS[$i]}" 2>/dev/null; then
+		echo "bench-http: ${NAMES[$i]} exited at start:" >&2
+		tail -n 5 "$TMP/${NAMES[$i]}.log" >&2
+		exit 1
+	fi
+done
 URL=$(
 	IFS=,
 	echo "${URLS[*]}"
