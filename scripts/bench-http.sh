@@ -10,7 +10,9 @@
 #                     (e.g. SERVE_ARGS="--groups 16")
 #   TOPOLOGY=cluster  separate processes: `kvbus nats`, SCHEDULERS schedulers,
 #                     WORKER_GROUPS groups of 4 `kvbus worker` ranks, FRONTENDS
-#                     frontends (the load is spread over them)
+#                     frontends (the load is spread over them); each worker
+#                     runs with GOMAXPROCS=$WORKER_GOMAXPROCS (default 1, as
+#                     in docker-compose.yml; empty: the Go runtime's default)
 #
 # With PEER_URL=http://127.0.0.1:PORT (another OpenAI-compatible server, e.g.
 # llm-d's simulator built outside the repo) every cell runs A/B/A/B, kvbus and
@@ -23,6 +25,7 @@ TOPOLOGY=${TOPOLOGY:-serve}
 CONCURRENCY=${CONCURRENCY:-1 16 64}
 STREAMS=${STREAMS:-no yes}
 PORT=${BENCH_HTTP_PORT:-18080}
+WORKER_GOMAXPROCS=${WORKER_GOMAXPROCS-1}
 NATS=127.0.0.1:${BENCH_NATS_PORT:-18222}
 TMP=$(mktemp -d)
 PIDS=()
@@ -60,7 +63,7 @@ cluster)
 	port=19100
 	for g in $(seq 0 $((${WORKER_GROUPS:-1} - 1))); do
 		for r in 0 1 2 3; do
-			start "worker-g$g-$r" worker "${bus[@]}" --group "g$g" --tp-rank "$r" --tp-size 4 --time-scale 0 \
+			GOMAXPROCS=$WORKER_GOMAXPROCS start "worker-g$g-$r" worker "${bus[@]}" --group "g$g" --tp-rank "$r" --tp-size 4 --time-scale 0 \
 				--metrics-addr "127.0.0.1:$port"
 			port=$((port + 1))
 		done
