@@ -439,7 +439,9 @@ func (r *Rank) onMeta(ctx context.Context, m *nats.Msg) error {
 	}
 	now := time.Now()
 	r.mu.Lock()
-	if s, ok := r.seen.Get(meta.ReqID, now); ok && s.attempt >= meta.Attempt {
+	// One lookup for a new request: it is remembered at once.
+	s, seen := r.seen.GetOrPut(meta.ReqID, seenReq{attempt: meta.Attempt}, now)
+	if seen && s.attempt >= meta.Attempt {
 		rr := r.active[meta.ReqID]
 		if s.attempt > meta.Attempt {
 			r.mu.Unlock()
@@ -470,7 +472,9 @@ func (r *Rank) onMeta(ctx context.Context, m *nats.Msg) error {
 	if old, ok := r.active[meta.ReqID]; ok { // a newer attempt replaces an old one
 		old.cancel(errors.New("superseded by a newer attempt"))
 	}
-	r.seen.Put(meta.ReqID, seenReq{attempt: meta.Attempt}, now)
+	if seen { // an older attempt is remembered: this one replaces it
+		r.seen.Put(meta.ReqID, seenReq{attempt: meta.Attempt}, now)
+	}
 	rr := newRankReq(meta)
 	queued := false
 	if !r.closed {

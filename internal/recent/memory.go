@@ -135,19 +135,28 @@ func (m *Memory[V]) Put(id string, v V, now time.Time) {
 		delete(m.index, id)
 	}
 	m.sweep(t)
-	for len(m.index) >= m.maxIDs {
-		m.evictHead()
+	m.insert(id, v, t)
+}
+
+// GetOrPut returns the value remembered for id and true if id is present
+// and not older than MaxAge at now, leaving it as it is. Otherwise it
+// remembers id with v as seen at now, as Put does, and returns v and false.
+// It is Get followed by Put in one step: one lookup, and nothing can Put id
+// in between.
+func (m *Memory[V]) GetOrPut(id string, v V, now time.Time) (V, bool) {
+	t := clampAt(now)
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	m.sweep(t)
+	if pos, ok := m.index[id]; ok {
+		if !m.stale(pos, t) {
+			return m.ring[pos].v, true
+		}
+		m.tombstone(pos)
+		delete(m.index, id)
 	}
-	if m.n == len(m.ring) {
-		m.makeRoom(t)
-	}
-	pos := m.head + m.n
-	if pos >= len(m.ring) {
-		pos -= len(m.ring)
-	}
-	m.ring[pos] = entry[V]{id: id, at: t, v: v}
-	m.n++
-	m.index[id] = pos
+	m.insert(id, v, t)
+	return v, false
 }
 
 // Get returns the value remembered for id and true, or the zero value and
@@ -214,6 +223,23 @@ func (m *Memory[V]) Len() int {
 }
 
 // --- internals; all require m.mu held ---
+
+// insert adds id, which is not in the index, as the newest entry.
+func (m *Memory[V]) insert(id string, v V, t int64) {
+	for len(m.index) >= m.maxIDs {
+		m.evictHead()
+	}
+	if m.n == len(m.ring) {
+		m.makeRoom(t)
+	}
+	pos := m.head + m.n
+	if pos >= len(m.ring) {
+		pos -= len(m.ring)
+	}
+	m.ring[pos] = entry[V]{id: id, at: t, v: v}
+	m.n++
+	m.index[id] = pos
+}
 
 func (m *Memory[V]) tailPos() int {
 	if m.n == 0 {

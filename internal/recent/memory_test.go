@@ -369,7 +369,19 @@ func TestMatchesReferenceModel(t *testing.T) {
 					now = now.Add(time.Duration(rng.IntN(int(cfg.MaxAge) / 8)))
 				}
 				id := fmt.Sprint("id", rng.IntN(universe))
-				switch op := rng.IntN(10); {
+				switch op := rng.IntN(11); {
+				case op == 10:
+					v := val{rng.Int()}
+					got, found := m.GetOrPut(id, v, now)
+					want, wantFound := v, ref.fresh(id, now)
+					if wantFound {
+						want = ref.vals[id]
+					} else {
+						ref.put(id, v, now)
+					}
+					if found != wantFound || got != want {
+						t.Fatalf("op %d: GetOrPut(%q, %v)=%v,%v want %v,%v (cfg %+v)", i, id, v, got, found, want, wantFound, cfg)
+					}
 				case op < 4:
 					v := val{rng.Int()}
 					m.Put(id, v, now)
