@@ -23,6 +23,7 @@ import (
 	"github.com/kvbus/kvbus/bus"
 	"github.com/kvbus/kvbus/cluster"
 	"github.com/kvbus/kvbus/frontend"
+	"github.com/kvbus/kvbus/internal/logsink"
 	"github.com/kvbus/kvbus/scheduler"
 	"github.com/kvbus/kvbus/workers"
 )
@@ -147,6 +148,7 @@ type ClusterConfig struct {
 	// LogLevel defaults to info.
 	LogLevel slog.Level
 	// LogTo also receives the logs (for example os.Stderr when debugging).
+	// Lines are written to it concurrently, each in one Write.
 	LogTo io.Writer
 }
 
@@ -193,7 +195,7 @@ func StartCluster(t testing.TB, cfg ClusterConfig) *Cluster {
 		DrainHandoff: cfg.DrainHandoff, Engines: cfg.Engines, AuthDir: cfg.AuthDir,
 		Frontend: &frontend.Config{Listener: ln, SessionHeaders: cfg.SessionHeaders, MaxModelLen: cfg.MaxModelLen,
 			MaxInflight: cfg.MaxInflight, APIKey: cfg.APIKey, Tokenizer: cfg.Tokenizer},
-		Logger:   slog.New(slog.NewTextHandler(w, &slog.HandlerOptions{Level: cfg.LogLevel})),
+		Logger:   slog.New(logsink.NewTextHandler(w, &slog.HandlerOptions{Level: cfg.LogLevel})), // as kvbus logs
 		Registry: reg,
 	})
 	if err != nil {

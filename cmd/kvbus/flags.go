@@ -69,7 +69,7 @@ func (f logFlags) logger() *slog.Logger {
 	if f.LogFormat == "json" {
 		return slog.New(slog.NewJSONHandler(w, opts))
 	}
-	return slog.New(slog.NewTextHandler(w, opts))
+	return slog.New(logsink.NewTextHandler(w, opts))
 }
 
 // busFlags are shared by every role that talks to the bus.
