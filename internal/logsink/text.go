@@ -26,9 +26,12 @@ import (
 type TextHandler struct {
 	out   io.Writer
 	level slog.Leveler
-	pre   []byte       // the attributes given to WithAttrs, formatted
-	fast  bool         // false: every record goes to slow
-	slow  slog.Handler // slog.TextHandler with the same options and attributes
+	pre   []byte // the attributes given to WithAttrs, formatted
+	fast  bool   // false: every record goes to slow
+	// slow is slog.TextHandler with the same options, attributes and
+	// groups, made when a record first needs it: a logger made per request
+	// with With rarely does.
+	slow func() slog.Handler
 }
 
 // NewTextHandler returns a TextHandler writing to w; nil opts are the
@@ -37,7 +40,8 @@ func NewTextHandler(w io.Writer, opts *slog.HandlerOptions) *TextHandler {
 	if opts == nil {
 		opts = &slog.HandlerOptions{}
 	}
-	h := &TextHandler{out: w, level: opts.Level, fast: opts.ReplaceAttr == nil && !opts.AddSource, slow: slog.NewTextHandler(w, opts)}
+	slow := slog.NewTextHandler(w, opts)
+	h := &TextHandler{out: w, level: opts.Level, fast: opts.ReplaceAttr == nil && !opts.AddSource, slow: func() slog.Handler { return slow }}
 	if h.level == nil {
 		h.level = slog.LevelInfo
 	}
@@ -55,7 +59,8 @@ func (h *TextHandler) WithAttrs(attrs []slog.Attr) slog.Handler {
 		return h
 	}
 	c := *h
-	c.slow = h.slow.WithAttrs(attrs)
+	parent := h.slow
+	c.slow = sync.OnceValue(func() slog.Handler { return parent().WithAttrs(attrs) })
 	if c.fast {
 		c.pre = append([]byte(nil), h.pre...)
 		for _, a := range attrs {
@@ -74,7 +79,8 @@ func (h *TextHandler) WithGroup(name string) slog.Handler {
 	if name == "" {
 		return h
 	}
-	return &TextHandler{out: h.out, level: h.level, slow: h.slow.WithGroup(name)}
+	parent := h.slow
+	return &TextHandler{out: h.out, level: h.level, slow: sync.OnceValue(func() slog.Handler { return parent().WithGroup(name) })}
 }
 
 // info writes an Info line of msg and args, if every arg pair is a
@@ -133,7 +139,7 @@ var bufPool = sync.Pool{New: func() any { b := make([]byte, 0, 512); return &b }
 // Handle writes r as one line.
 func (h *TextHandler) Handle(ctx context.Context, r slog.Record) error {
 	if !h.fast {
-		return h.slow.Handle(ctx, r)
+		return h.slow().Handle(ctx, r)
 	}
 	fast := true
 	r.Attrs(func(a slog.Attr) bool {
@@ -141,7 +147,7 @@ func (h *TextHandler) Handle(ctx context.Context, r slog.Record) error {
 		return fast
 	})
 	if !fast {
-		return h.slow.Handle(ctx, r)
+		return h.slow().Handle(ctx, r)
 	}
 	bp := bufPool.Get().(*[]byte)
 	b := (*bp)[:0]

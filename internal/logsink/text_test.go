@@ -46,6 +46,7 @@ func TestTextHandlerWritesWhatSlogWrites(t *testing.T) {
 	// What goes through slog.TextHandler: other kinds, groups, empty keys.
 	sameAsSlog(t, slog.LevelInfo, nil, "error", "err", errors.New("boom: x=1"), "t", time.Unix(0, 0).UTC(), "any", []int{1, 2})
 	sameAsSlog(t, slog.LevelInfo, [][]any{{"err", errors.New("e")}}, "with an error first", "n", 1)
+	sameAsSlog(t, slog.LevelInfo, [][]any{{"a", 1}, {"b", "x y"}}, "fast With, then an error", "err", errors.New("e"))
 	sameAsSlog(t, slog.LevelInfo, nil, "group", slog.Group("g", "a", 1), "b", 2)
 	sameAsSlog(t, slog.LevelInfo, nil, "empty key", slog.Int("", 3), slog.Attr{}, "b", 2)
 	sameAsSlog(t, slog.LevelInfo, nil, "odd args", "alone")
