@@ -40,8 +40,9 @@ func TestAttemptsNeverMix(t *testing.T) {
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
-			g := &generation{s: &Server{m: newMetrics(prometheus.NewRegistry(), func() float64 { return 0 }), vm: newVLLMMetrics(prometheus.NewRegistry(), "fe-test")}, q: newOutputQueue(),
-				choices: []*choiceState{{busID: "r"}}}
+			vm := newVLLMMetrics(prometheus.NewRegistry(), "fe-test", []string{"m"})
+			g := &generation{s: &Server{m: newMetrics(prometheus.NewRegistry(), func() float64 { return 0 }), vm: vm}, q: newOutputQueue(),
+				vm: vm.of("m"), choices: []*choiceState{{busID: "r"}}}
 			for _, o := range tt.outs {
 				g.q.push(0, o)
 			}

@@ -81,6 +81,7 @@ type generation struct {
 	endpoint  string
 	id        string // response id: chatcmpl-… / cmpl-…
 	model     string
+	vm        *modelSeries // the model's vLLM metrics
 	created   int64
 	sessionID string
 	log       *slog.Logger
@@ -160,7 +161,7 @@ func (s *Server) generate(w http.ResponseWriter, r *http.Request, endpoint strin
 		prompts = prompts[:1]
 	}
 
-	g := &generation{s: s, endpoint: endpoint, model: p.model, created: start.Unix(), sessionID: sessionID, q: newOutputQueue(), start: start}
+	g := &generation{s: s, endpoint: endpoint, model: p.model, vm: s.vm.of(p.model), created: start.Unix(), sessionID: sessionID, q: newOutputQueue(), start: start}
 	prefix := "cmpl-"
 	if endpoint == messages.EndpointChat {
 		prefix = "chatcmpl-"
@@ -221,13 +222,13 @@ func (s *Server) generate(w http.ResponseWriter, r *http.Request, endpoint strin
 		}
 	}
 	defer g.unregister()
-	waiting := s.vm.waiting.WithLabelValues(g.model, s.vm.engine)
+	waiting := g.vm.waiting
 	waiting.Inc()
 	defer func() {
 		if g.firstByte.IsZero() {
 			waiting.Dec()
 		} else {
-			s.vm.running.WithLabelValues(g.model, s.vm.engine).Dec()
+			g.vm.running.Dec()
 		}
 	}()
 
@@ -467,10 +468,9 @@ func (g *generation) next(ctx context.Context, timer *time.Timer) ([]choiceOutpu
 				}
 				if g.firstByte.IsZero() { // the HTTP request's first output
 					g.firstByte = c.firstByte
-					vm := g.s.vm
-					vm.ttft.WithLabelValues(g.model, vm.engine).Observe(g.firstByte.Sub(g.start).Seconds())
-					vm.waiting.WithLabelValues(g.model, vm.engine).Dec()
-					vm.running.WithLabelValues(g.model, vm.engine).Inc()
+					g.vm.ttft.Observe(g.firstByte.Sub(g.start).Seconds())
+					g.vm.waiting.Dec()
+					g.vm.running.Inc()
 				}
 				c.text.WriteString(o.Text)
 				if o.Usage != nil {
@@ -558,7 +558,7 @@ func (g *generation) respond(w http.ResponseWriter, ctx context.Context, deadlin
 		resp.Choices = append(resp.Choices, ch)
 	}
 	u := resp.Usage
-	g.s.vm.finished(g.model, u.PromptTokens, u.CompletionTokens, u.PromptTokensDetails.CachedTokens, g.choices[0].finish, time.Since(g.start).Seconds())
+	g.vm.finished(u.PromptTokens, u.CompletionTokens, u.PromptTokensDetails.CachedTokens, g.choices[0].finish, time.Since(g.start).Seconds())
 	logsink.Info(g.log, "request completed", "prompt_tokens", u.PromptTokens, "cached_tokens", u.PromptTokensDetails.CachedTokens,
 		"completion_tokens", u.CompletionTokens, "ms", time.Since(g.start).Milliseconds())
 	writeJSON(w, http.StatusOK, resp)
@@ -664,7 +664,7 @@ func (g *generation) stream(w http.ResponseWriter, ctx context.Context, deadline
 	// the handler returns, in one write where a flush here made two.
 	_, _ = fmt.Fprint(w, "data: [DONE]\n\n")
 	u := g.usage()
-	g.s.vm.finished(g.model, u.PromptTokens, u.CompletionTokens, u.PromptTokensDetails.CachedTokens, g.choices[0].finish, time.Since(g.start).Seconds())
+	g.vm.finished(u.PromptTokens, u.CompletionTokens, u.PromptTokensDetails.CachedTokens, g.choices[0].finish, time.Since(g.start).Seconds())
 	logsink.Info(g.log, "request completed", "stream", true, "prompt_tokens", u.PromptTokens, "cached_tokens", u.PromptTokensDetails.CachedTokens,
 		"completion_tokens", u.CompletionTokens, "ms", time.Since(g.start).Milliseconds())
 	return http.StatusOK

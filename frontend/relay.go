@@ -99,7 +99,7 @@ func (g *generation) relay(w http.ResponseWriter, ctx context.Context, deadline 
 		_, _ = w.Write(answer)
 	}
 	u := c.usage
-	g.s.vm.finished(g.model, u.PromptTokens, u.CompletionTokens, u.CachedTokens, c.finish, time.Since(g.start).Seconds())
+	g.vm.finished(u.PromptTokens, u.CompletionTokens, u.CachedTokens, c.finish, time.Since(g.start).Seconds())
 	g.log.Info("request completed", "engine", true, "stream", stream, "prompt_tokens", u.PromptTokens, "cached_tokens", u.CachedTokens,
 		"completion_tokens", u.CompletionTokens, "ms", time.Since(g.start).Milliseconds())
 	return http.StatusOK

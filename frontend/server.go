@@ -232,7 +232,7 @@ func New(cfg Config) (*Server, error) {
 	}
 	s.schedulers.timeout = cfg.SchedulerTimeout
 	s.m = newMetrics(cfg.Registry, s.inflight)
-	s.vm = newVLLMMetrics(cfg.Registry, cfg.ID)
+	s.vm = newVLLMMetrics(cfg.Registry, cfg.ID, cfg.Models)
 	s.mux = s.routes()
 	return s, nil
 }

@@ -20,9 +20,22 @@ type vllmMetrics struct {
 	queries, hits      *prometheus.CounterVec
 	success            *prometheus.CounterVec
 	running, waiting   *prometheus.GaugeVec
+	// models holds each served model's series, looked up once: a request
+	// touches a dozen of them. Read-only after newVLLMMetrics.
+	models map[string]*modelSeries
 }
 
-func newVLLMMetrics(reg prometheus.Registerer, engine string) *vllmMetrics {
+// modelSeries are one model's series of the vLLM metrics.
+type modelSeries struct {
+	ttft, e2e                         prometheus.Observer
+	prompt, generation, queries, hits prometheus.Counter
+	running, waiting                  prometheus.Gauge
+	stop, length                      prometheus.Counter // vllm:request_success by the usual finish reasons
+	success                           *prometheus.CounterVec
+	model, engine                     string
+}
+
+func newVLLMMetrics(reg prometheus.Registerer, engine string, models []string) *vllmMetrics {
 	labels := []string{"model_name", "engine"}
 	m := &vllmMetrics{
 		engine: engine,
@@ -48,18 +61,47 @@ func newVLLMMetrics(reg prometheus.Registerer, engine string) *vllmMetrics {
 			Help: "Number of requests waiting to be processed."}, labels),
 	}
 	reg.MustRegister(m.ttft, m.e2e, m.prompt, m.generation, m.queries, m.hits, m.success, m.running, m.waiting)
+	m.models = make(map[string]*modelSeries, len(models))
+	for _, model := range models {
+		m.models[model] = m.series(model)
+	}
 	return m
 }
 
-// finished records a request that completed.
-func (m *vllmMetrics) finished(model string, prompt, completion, cached int, finish string, e2eSeconds float64) {
-	m.prompt.WithLabelValues(model, m.engine).Add(float64(prompt))
-	m.generation.WithLabelValues(model, m.engine).Add(float64(completion))
-	m.queries.WithLabelValues(model, m.engine).Add(float64(prompt))
-	m.hits.WithLabelValues(model, m.engine).Add(float64(cached))
-	if finish == "" {
-		finish = "stop"
+// of returns model's series: those of a served model, made at start, or
+// looked up now.
+func (m *vllmMetrics) of(model string) *modelSeries {
+	if ms := m.models[model]; ms != nil {
+		return ms
 	}
-	m.success.WithLabelValues(model, m.engine, finish).Inc()
-	m.e2e.WithLabelValues(model, m.engine).Observe(e2eSeconds)
+	return m.series(model)
+}
+
+func (m *vllmMetrics) series(model string) *modelSeries {
+	e := m.engine
+	return &modelSeries{
+		ttft: m.ttft.WithLabelValues(model, e), e2e: m.e2e.WithLabelValues(model, e),
+		prompt: m.prompt.WithLabelValues(model, e), generation: m.generation.WithLabelValues(model, e),
+		queries: m.queries.WithLabelValues(model, e), hits: m.hits.WithLabelValues(model, e),
+		running: m.running.WithLabelValues(model, e), waiting: m.waiting.WithLabelValues(model, e),
+		stop: m.success.WithLabelValues(model, e, "stop"), length: m.success.WithLabelValues(model, e, "length"),
+		success: m.success, model: model, engine: e,
+	}
+}
+
+// finished records a request that completed.
+func (ms *modelSeries) finished(prompt, completion, cached int, finish string, e2eSeconds float64) {
+	ms.prompt.Add(float64(prompt))
+	ms.generation.Add(float64(completion))
+	ms.queries.Add(float64(prompt))
+	ms.hits.Add(float64(cached))
+	switch finish {
+	case "", "stop":
+		ms.stop.Inc()
+	case "length":
+		ms.length.Inc()
+	default:
+		ms.success.WithLabelValues(ms.model, ms.engine, finish).Inc()
+	}
+	ms.e2e.Observe(e2eSeconds)
 }
