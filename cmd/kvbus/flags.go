@@ -67,7 +67,7 @@ func (f logFlags) logger() *slog.Logger {
 	_ = lvl.UnmarshalText([]byte(f.LogLevel))
 	opts := &slog.HandlerOptions{Level: lvl}
 	if f.LogFormat == "json" {
-		return slog.New(slog.NewJSONHandler(w, opts))
+		return slog.New(logsink.NewJSONHandler(w, opts))
 	}
 	return slog.New(logsink.NewTextHandler(w, opts))
 }

@@ -9,7 +9,7 @@ import (
 // Info logs msg and args at slog.LevelInfo through l, as l.Info does, but
 // without the caller's program counter: slog.Logger takes it with
 // runtime.Callers for every line, a fifth of a short line's cost, and no
-// kvbus handler prints it (none sets AddSource). Through a TextHandler, a
+// kvbus handler prints it (none sets AddSource). Through a Handler, a
 // line whose values are strings, numbers, bools or durations is formatted
 // straight from args, without a Record. For lines logged once per request
 // per rank; elsewhere l.Info reads better.
@@ -19,7 +19,7 @@ func Info(l *slog.Logger, msg string, args ...any) {
 		return
 	}
 	now := time.Now()
-	if h, ok := l.Handler().(*TextHandler); ok {
+	if h, ok := l.Handler().(*Handler); ok {
 		if done, _ := h.info(now, msg, args); done {
 			return
 		}

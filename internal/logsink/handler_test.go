@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"errors"
+	"io"
 	"log/slog"
 	"math"
 	"math/rand/v2"
@@ -12,30 +13,44 @@ import (
 	"time"
 )
 
-// sameAsSlog logs one record through slog.TextHandler and through a
-// TextHandler, each with the same With chain, and fails if the lines differ.
+// formats pairs slog's handlers with this package's.
+var formats = []struct {
+	name       string
+	slog, fast func(io.Writer, *slog.HandlerOptions) slog.Handler
+}{
+	{"text", func(w io.Writer, o *slog.HandlerOptions) slog.Handler { return slog.NewTextHandler(w, o) },
+		func(w io.Writer, o *slog.HandlerOptions) slog.Handler { return NewTextHandler(w, o) }},
+	{"json", func(w io.Writer, o *slog.HandlerOptions) slog.Handler { return slog.NewJSONHandler(w, o) },
+		func(w io.Writer, o *slog.HandlerOptions) slog.Handler { return NewJSONHandler(w, o) }},
+}
+
+// sameAsSlog logs one record through slog's handler and through a Handler,
+// in each format, each with the same With chain, and fails if the lines
+// differ.
 func sameAsSlog(t *testing.T, level slog.Level, with [][]any, msg string, args ...any) {
 	t.Helper()
-	var want, got bytes.Buffer
-	opts := &slog.HandlerOptions{Level: slog.LevelDebug}
-	ref, fast := slog.New(slog.NewTextHandler(&want, opts)), slog.New(NewTextHandler(&got, opts))
-	for _, w := range with {
-		ref, fast = ref.With(w...), fast.With(w...)
-	}
-	at := time.Date(2026, 12, 2, 9, 4, 25, 414_999_999, time.FixedZone("x", 3600))
-	for _, l := range []*slog.Logger{ref, fast} {
-		r := slog.NewRecord(at, level, msg, 0)
-		r.Add(args...)
-		if err := l.Handler().Handle(context.Background(), r); err != nil {
-			t.Fatal(err)
+	for _, f := range formats {
+		var want, got bytes.Buffer
+		opts := &slog.HandlerOptions{Level: slog.LevelDebug}
+		ref, fast := slog.New(f.slog(&want, opts)), slog.New(f.fast(&got, opts))
+		for _, w := range with {
+			ref, fast = ref.With(w...), fast.With(w...)
 		}
-	}
-	if got.String() != want.String() {
-		t.Fatalf("TextHandler wrote\n%q\nslog.TextHandler wrote\n%q", got.String(), want.String())
+		at := time.Date(2026, 12, 2, 9, 4, 25, 414_999_999, time.FixedZone("x", 3600))
+		for _, l := range []*slog.Logger{ref, fast} {
+			r := slog.NewRecord(at, level, msg, 0)
+			r.Add(args...)
+			if err := l.Handler().Handle(context.Background(), r); err != nil {
+				t.Fatal(err)
+			}
+		}
+		if got.String() != want.String() {
+			t.Fatalf("%s: Handler wrote\n%q\nslog wrote\n%q", f.name, got.String(), want.String())
+		}
 	}
 }
 
-func TestTextHandlerWritesWhatSlogWrites(t *testing.T) {
+func TestHandlerWritesWhatSlogWrites(t *testing.T) {
 	sameAsSlog(t, slog.LevelInfo, [][]any{{"group", "g0", "tp_rank", 1, "ep_rank", 1}}, "store thread",
 		"req_id", "fy5yI7OB6D9riQVJwIwvrc", "session_id", "", "stored_blocks", 3, "loaded_tokens", uint64(16), "ok", true)
 	sameAsSlog(t, slog.LevelWarn, nil, "two words", "s", "a b", "q", `say "hi"`, "eq", "k=v", "bs", `back\slash`, "nl", "a\nb",
@@ -51,35 +66,39 @@ func TestTextHandlerWritesWhatSlogWrites(t *testing.T) {
 	sameAsSlog(t, slog.LevelInfo, nil, "empty key", slog.Int("", 3), slog.Attr{}, "b", 2)
 	sameAsSlog(t, slog.LevelInfo, nil, "odd args", "alone")
 
-	var want, got bytes.Buffer
-	ref := slog.New(slog.NewTextHandler(&want, nil)).WithGroup("grp").With("a", 1)
-	fast := slog.New(NewTextHandler(&got, nil)).WithGroup("grp").With("a", 1)
-	ref.Info("in a group", "b", 2)
-	fast.Info("in a group", "b", 2)
-	if w, g := strings.SplitN(want.String(), " ", 2)[1], strings.SplitN(got.String(), " ", 2)[1]; w != g {
-		t.Fatalf("with a group: got %q, want %q", g, w)
-	}
-	if fast.Enabled(context.Background(), slog.LevelDebug) || !fast.Enabled(context.Background(), slog.LevelInfo) {
-		t.Fatal("a handler without options must log from Info up")
+	for _, f := range formats {
+		var want, got bytes.Buffer
+		ref := slog.New(f.slog(&want, nil)).WithGroup("grp").With("a", 1)
+		fast := slog.New(f.fast(&got, nil)).WithGroup("grp").With("a", 1)
+		ref.Info("in a group", "b", 2)
+		fast.Info("in a group", "b", 2)
+		if _, w, _ := strings.Cut(want.String(), "level"); !strings.HasSuffix(got.String(), w) {
+			t.Fatalf("%s, with a group: got %q, want %q", f.name, got.String(), want.String())
+		}
+		if fast.Enabled(context.Background(), slog.LevelDebug) || !fast.Enabled(context.Background(), slog.LevelInfo) {
+			t.Fatalf("%s: a handler without options must log from Info up", f.name)
+		}
 	}
 }
 
-// sameInfo logs through Info with a TextHandler and through slog's own
-// Info with an slog.TextHandler, and fails if the lines differ past their
-// time.
+// sameInfo logs through Info with a Handler and through slog's own Info
+// with slog's handler, in each format, and fails if the lines differ past
+// their time.
 func sameInfo(t *testing.T, with []any, msg string, args ...any) {
 	t.Helper()
-	var want, got bytes.Buffer
-	ref, fast := slog.New(slog.NewTextHandler(&want, nil)), slog.New(NewTextHandler(&got, nil))
-	if with != nil {
-		ref, fast = ref.With(with...), fast.With(with...)
-	}
-	ref.Info(msg, args...)
-	Info(fast, msg, args...)
-	_, w, _ := strings.Cut(want.String(), " level=")
-	t0, g, _ := strings.Cut(got.String(), " level=")
-	if !strings.HasPrefix(t0, "time=") || g != w {
-		t.Fatalf("Info through a TextHandler wrote\n%q\nslog wrote\n%q", g, w)
+	for _, f := range formats {
+		var want, got bytes.Buffer
+		ref, fast := slog.New(f.slog(&want, nil)), slog.New(f.fast(&got, nil))
+		if with != nil {
+			ref, fast = ref.With(with...), fast.With(with...)
+		}
+		ref.Info(msg, args...)
+		Info(fast, msg, args...)
+		_, w, _ := strings.Cut(want.String(), "level")
+		t0, g, _ := strings.Cut(got.String(), "level")
+		if !strings.Contains(t0, "time") || g != w {
+			t.Fatalf("%s: Info through a Handler wrote\n%q\nslog wrote\n%q", f.name, got.String(), want.String())
+		}
 	}
 }
 
@@ -96,7 +115,7 @@ func TestInfoWritesWhatSlogWrites(t *testing.T) {
 	sameInfo(t, []any{"err", errors.New("e")}, "a With that is not fast", "n", 1)
 }
 
-func TestTextHandlerRandomStrings(t *testing.T) {
+func TestHandlerRandomStrings(t *testing.T) {
 	rng := rand.New(rand.NewPCG(1, 2))
 	alphabet := []rune("ab =\"\\\n\t\x00\x7f\u00a0é\u200b\u2028日😀")
 	for range 2000 {
@@ -108,7 +127,7 @@ func TestTextHandlerRandomStrings(t *testing.T) {
 	}
 }
 
-func FuzzTextHandler(f *testing.F) {
+func FuzzHandler(f *testing.F) {
 	f.Add("store thread", "req_id", "abc", int64(3), 0.5, int64(time.Millisecond))
 	f.Add("", "a b", "\xff", int64(-1), math.NaN(), int64(0))
 	f.Fuzz(func(t *testing.T, msg, key, val string, n int64, x float64, d int64) {
@@ -117,13 +136,15 @@ func FuzzTextHandler(f *testing.F) {
 	})
 }
 
-func BenchmarkTextHandler(b *testing.B) {
+func BenchmarkHandler(b *testing.B) {
 	for _, bc := range []struct {
 		name string
 		h    func(*bytes.Buffer) slog.Handler
 	}{
 		{"slog", func(w *bytes.Buffer) slog.Handler { return slog.NewTextHandler(w, nil) }},
 		{"logsink", func(w *bytes.Buffer) slog.Handler { return NewTextHandler(w, nil) }},
+		{"slog-json", func(w *bytes.Buffer) slog.Handler { return slog.NewJSONHandler(w, nil) }},
+		{"logsink-json", func(w *bytes.Buffer) slog.Handler { return NewJSONHandler(w, nil) }},
 	} {
 		b.Run(bc.name, func(b *testing.B) {
 			var buf bytes.Buffer
