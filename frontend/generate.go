@@ -222,11 +222,10 @@ func (s *Server) generate(w http.ResponseWriter, r *http.Request, endpoint strin
 		}
 	}
 	defer g.unregister()
-	waiting := g.vm.waiting
-	waiting.Inc()
+	g.vm.waiting.Inc()
 	defer func() {
 		if g.firstByte.IsZero() {
-			waiting.Dec()
+			g.vm.waiting.Dec()
 		} else {
 			g.vm.running.Dec()
 		}
