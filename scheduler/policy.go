@@ -99,11 +99,11 @@ func placementKey(t *RequestTracker) string {
 // more cached blocks, then by rendezvous order of the session, so a session
 // is stable.
 //
-// With a global KV pool (LocalLoad or RemoteLoad set) the cost is in one
-// unit, the prefill time of a block: blocks found nowhere are prefilled
-// (1 each), cached blocks cost LocalLoad each, blocks read from another
-// group RemoteLoad each, plus the blocks queued for prefill on the group.
-// Zero weights are today's cost (--pool local).
+// The cost is in one unit, the prefill time of a block: blocks found
+// nowhere are prefilled (1 each), cached blocks cost LocalLoad each, blocks
+// read from another group (--pool global) RemoteLoad each, plus the blocks
+// queued for prefill on the group. A Scheduler given zero weights sets its
+// LocalLoadCost and RemoteLoadCost.
 type KVPolicy struct {
 	LocalLoad, RemoteLoad float64
 }

@@ -190,7 +190,9 @@ func New(cfg Config) (*Scheduler, error) {
 	if cfg.RemoteLoadCost <= 0 {
 		cfg.RemoteLoadCost = 15.0 / 60
 	}
-	if kv, ok := cfg.Policy.(KVPolicy); ok && cfg.Pool == PoolGlobal && kv == (KVPolicy{}) {
+	if kv, ok := cfg.Policy.(KVPolicy); ok && kv == (KVPolicy{}) {
+		// Local reads cost time in either pool mode; with --pool local no
+		// block is remote.
 		cfg.Policy = KVPolicy{LocalLoad: cfg.LocalLoadCost, RemoteLoad: cfg.RemoteLoadCost}
 	}
 	if cfg.EndedIDs <= 0 {
