@@ -586,6 +586,10 @@ func (c *Cluster) failure() error {
 // Stop ends every role; Wait returns once they are done.
 func (c *Cluster) Stop() { c.cancel() }
 
+// Done is closed when the cluster stops: after Stop, when the context
+// given to Start ends, or when a role fails (Wait returns its error).
+func (c *Cluster) Done() <-chan struct{} { return c.ctx.Done() }
+
 // Wait waits for every role to end (after Stop or the context), drains the
 // connections, stops the embedded server, and returns the first role error.
 func (c *Cluster) Wait() error {

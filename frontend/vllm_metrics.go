@@ -79,6 +79,7 @@ func (m *vllmMetrics) of(model string) *modelSeries {
 
 func (m *vllmMetrics) series(model string) *modelSeries {
 	e := m.engine
+	m.success.WithLabelValues(model, e, "abort") // at zero from the start, as vLLM makes one per finish reason
 	return &modelSeries{
 		ttft: m.ttft.WithLabelValues(model, e), e2e: m.e2e.WithLabelValues(model, e),
 		prompt: m.prompt.WithLabelValues(model, e), generation: m.generation.WithLabelValues(model, e),

@@ -43,6 +43,13 @@ start() { # name args...: runs kvbus in the background, logs in $TMP/name.log
 	PIDS+=($!)
 	NAMES+=("$name")
 }
+in_use() { (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null; }
+for p in "${NATS##*:}" $(seq "$PORT" $((PORT + ${FRONTENDS:-1} - 1))); do # else another server would answer for kvbus
+	if in_use "$p"; then
+		echo "bench-http: 127.0.0.1:$p is in use (another kvbus?); stop it, or set BENCH_HTTP_PORT / BENCH_NATS_PORT" >&2
+		exit 1
+	fi
+done
 URLS=()
 METRICS=() # the schedulers' /metrics
 case $TOPOLOGY in

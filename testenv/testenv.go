@@ -76,6 +76,11 @@ func (b *LogBuffer) Write(p []byte) (int, error) {
 	return b.buf.Write(p)
 }
 
+// writerFunc is an io.Writer that is a function.
+type writerFunc func(p []byte) (int, error)
+
+func (f writerFunc) Write(p []byte) (int, error) { return f(p) }
+
 // String returns everything written so far.
 func (b *LogBuffer) String() string {
 	b.mu.Lock()
@@ -148,7 +153,6 @@ type ClusterConfig struct {
 	// LogLevel defaults to info.
 	LogLevel slog.Level
 	// LogTo also receives the logs (for example os.Stderr when debugging).
-	// Lines are written to it concurrently, each in one Write.
 	LogTo io.Writer
 }
 
@@ -178,7 +182,13 @@ func StartCluster(t testing.TB, cfg ClusterConfig) *Cluster {
 	logs := &LogBuffer{}
 	var w io.Writer = logs
 	if cfg.LogTo != nil {
-		w = io.MultiWriter(logs, cfg.LogTo)
+		// One line at a time: the handler writes from many goroutines.
+		w = writerFunc(func(p []byte) (int, error) {
+			logs.mu.Lock() // LogTo need not be safe for concurrent use
+			defer logs.mu.Unlock()
+			logs.buf.Write(p)
+			return cfg.LogTo.Write(p)
+		})
 	}
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {

@@ -129,6 +129,36 @@ func TestServe(t *testing.T) {
 	}
 }
 
+// TestServeHTTPPortInUse: `kvbus serve` (make run) whose HTTP address is
+// taken exits at once with an error that names it, instead of running on
+// without a frontend.
+func TestServeHTTPPortInUse(t *testing.T) {
+	taken, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer taken.Close()
+	var c cli
+	p, err := kong.New(&c, kong.Bind((*logsink.Writer)(nil)), kong.DefaultEnvars("KVBUS"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := p.Parse([]string{"serve", "--nats-addr", freeAddr(t), "--http-addr", taken.Addr().String(), "--time-scale", "0", "--kv-capacity", "64MiB"}); err != nil {
+		t.Fatal(err)
+	}
+	c.Serve.out = &testenv.LogBuffer{}
+	done := make(chan error, 1)
+	go func() { done <- c.Serve.Run(t.Context()) }()
+	select {
+	case err := <-done:
+		if err == nil || !strings.Contains(err.Error(), taken.Addr().String()) || !strings.Contains(err.Error(), "--http-addr") {
+			t.Fatalf("serve with its HTTP address taken returned %v; want an error naming %s and --http-addr", err, taken.Addr())
+		}
+	case <-time.After(20 * time.Second):
+		t.Fatal("serve with its HTTP address taken still runs after 20 s")
+	}
+}
+
 func TestHealthcheck(t *testing.T) {
 	ok := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, _ *http.Request) { w.WriteHeader(http.StatusOK) }))
 	defer ok.Close()

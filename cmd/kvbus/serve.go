@@ -50,7 +50,10 @@ func (c *serveCmd) Run(ctx context.Context) error {
 		return err
 	}
 	log.Info("kvbus serving", "nats_url", cl.NATSURL, "http_addr", c.HTTPAddr, "groups", c.Groups, "ranks", c.Ranks, "policy", c.Policy)
-	<-ctx.Done()
+	select {
+	case <-ctx.Done():
+	case <-cl.Done(): // a role failed (a port in use): stop, and say why
+	}
 	return cl.Wait()
 }
 

@@ -76,24 +76,28 @@ func (h *Handler) WithAttrs(attrs []slog.Attr) slog.Handler {
 	c := *h
 	parent := h.slow
 	c.slow = sync.OnceValue(func() slog.Handler { return parent().WithAttrs(attrs) })
+	for _, a := range attrs {
+		if !h.fastAttr(a) {
+			// slog formats (and resolves) such a value now, not when a
+			// record is logged: so does this handler.
+			slow := parent().WithAttrs(attrs)
+			c.slow, c.fast, c.pre = func() slog.Handler { return slow }, false, nil
+			return &c
+		}
+	}
 	if c.fast {
 		c.pre = append([]byte(nil), h.pre...)
 		for _, a := range attrs {
-			if !h.fastAttr(a) {
-				c.fast, c.pre = false, nil
-				break
-			}
 			c.pre = h.appendAttr(c.pre, a)
 		}
 	}
 	return &c
 }
 
-// WithGroup returns a handler whose records go through slog's handler.
+// WithGroup returns a handler whose records go through slog's handler
+// (an empty name too: slog's handlers do not ignore it, though slog.Logger
+// does).
 func (h *Handler) WithGroup(name string) slog.Handler {
-	if name == "" {
-		return h
-	}
 	parent := h.slow
 	return &Handler{out: h.out, json: h.json, level: h.level, slow: sync.OnceValue(func() slog.Handler { return parent().WithGroup(name) })}
 }

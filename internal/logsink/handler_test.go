@@ -115,6 +115,44 @@ func TestInfoWritesWhatSlogWrites(t *testing.T) {
 	sameInfo(t, []any{"err", errors.New("e")}, "a With that is not fast", "n", 1)
 }
 
+type counter struct{ N int }
+
+type lazyValue struct{ calls *int }
+
+func (v lazyValue) LogValue() slog.Value { *v.calls++; return slog.IntValue(*v.calls) }
+
+// TestHandlerFormatsWithAttrsWhenSlogDoes: slog formats a With value, and
+// resolves a LogValuer, when With is called; a value changed later is not
+// what the line shows.
+func TestHandlerFormatsWithAttrsWhenSlogDoes(t *testing.T) {
+	for _, f := range formats {
+		var want, got bytes.Buffer
+		c1, c2 := &counter{}, &counter{}
+		var calls1, calls2 int
+		ref := slog.New(f.slog(&want, nil)).With("c", c1, "v", lazyValue{&calls1})
+		fast := slog.New(f.fast(&got, nil)).With("c", c2, "v", lazyValue{&calls2})
+		c1.N, c2.N = 42, 42
+		ref.Info("m", "n", 1)
+		fast.Info("m", "n", 1)
+		_, w, _ := strings.Cut(want.String(), "level")
+		if _, g, _ := strings.Cut(got.String(), "level"); g != w {
+			t.Fatalf("%s: Handler wrote %q, slog %q", f.name, got.String(), want.String())
+		}
+	}
+	// A group named "" at the handler (slog.Logger drops it before).
+	for _, f := range formats {
+		var want, got bytes.Buffer
+		at := time.Date(2026, 12, 2, 0, 0, 0, 0, time.UTC)
+		r := slog.NewRecord(at, slog.LevelInfo, "m", 0)
+		r.Add("a", 1)
+		_ = f.slog(&want, nil).WithGroup("").Handle(context.Background(), r)
+		_ = f.fast(&got, nil).WithGroup("").Handle(context.Background(), r)
+		if got.String() != want.String() {
+			t.Fatalf("%s: WithGroup(\"\"): Handler wrote %q, slog %q", f.name, got.String(), want.String())
+		}
+	}
+}
+
 func TestHandlerRandomStrings(t *testing.T) {
 	rng := rand.New(rand.NewPCG(1, 2))
 	alphabet := []rune("ab =\"\\\n\t\x00\x7f\u00a0é\u200b\u2028日😀")
