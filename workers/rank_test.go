@@ -892,28 +892,44 @@ func TestRankReceiptsAndDriverLoad(t *testing.T) {
 // TestSlowRankHandsOffAfterItsDriverLeft: when the whole group drains and
 // rank 1 finishes its saves after the driver handed off and exited, rank 1
 // still hands off by the plan it received, so the target holds whole
+
+// takeHandoffs answers the hand-offs sent on subject as a target that
+// stores every block, after delay, and tells seen how many blocks each one
+// carried.
+func takeHandoffs(t *testing.T, nc *nats.Conn, subject string, delay time.Duration, seen func(blocks int)) {
+	t.Helper()
+	if _, err := nc.Subscribe(subject, func(m *nats.Msg) {
+		h, err := messages.DecodeHandoff(m.Data)
+		if err != nil {
+			t.Error(err)
+			return
+		}
+		n := 0
+		for _, run := range h.Runs {
+			n += len(run.BlockHashes)
+		}
+		seen(n)
+		answer := func() {
+			data, _ := messages.Marshal(&messages.HandoffResult{Stored: n})
+			_ = m.Respond(data)
+		}
+		if delay == 0 {
+			answer()
+			return
+		}
+		go func() { time.Sleep(delay); answer() }()
+	}); err != nil {
+		t.Fatal(err)
+	}
+}
+
 // prefixes on every rank.
 func TestSlowRankHandsOffAfterItsDriverLeft(t *testing.T) {
 	env := startRanks(t, rankEnvConfig{drainHandoff: 1 << 20, storeDelay: map[int]time.Duration{1: 500 * time.Millisecond}})
 	// g1 (two ranks) is ready and takes whatever is handed to it.
 	var got [2]atomic.Int64
 	for r := range 2 {
-		if _, err := env.nc.Subscribe(env.subj.Handoff("g1", r), func(m *nats.Msg) {
-			h, err := messages.DecodeHandoff(m.Data)
-			if err != nil {
-				t.Error(err)
-				return
-			}
-			n := 0
-			for _, run := range h.Runs {
-				n += len(run.BlockHashes)
-			}
-			got[r].Add(int64(n))
-			data, _ := messages.Marshal(&messages.HandoffResult{Stored: n})
-			_ = m.Respond(data)
-		}); err != nil {
-			t.Fatal(err)
-		}
+		takeHandoffs(t, env.nc, env.subj.Handoff("g1", r), 0, func(n int) { got[r].Add(int64(n)) })
 	}
 	defer env.readyGroups("g1")()
 	env.sendMeta(newMeta("a", "s", testenv.PromptTokens(1, 4*blockSize+1)))
@@ -989,27 +1005,12 @@ func TestDrainHandsOffToEveryTargetAtOnce(t *testing.T) {
 	var got sync.Map // target group -> blocks handed to its rank 0
 	for _, g := range []string{"g1", "g2"} {
 		for r := range 2 {
-			if _, err := env.nc.Subscribe(env.subj.Handoff(g, r), func(m *nats.Msg) {
-				h, err := messages.DecodeHandoff(m.Data)
-				if err != nil {
-					t.Error(err)
-					return
-				}
-				n := 0
-				for _, run := range h.Runs {
-					n += len(run.BlockHashes)
-				}
+			// answerDelay: a target copying a large hand-off.
+			takeHandoffs(t, env.nc, env.subj.Handoff(g, r), answerDelay, func(n int) {
 				if r == 0 {
 					got.Store(g, n)
 				}
-				go func() {
-					time.Sleep(answerDelay) // a target copying a large hand-off
-					data, _ := messages.Marshal(&messages.HandoffResult{Stored: n})
-					_ = m.Respond(data)
-				}()
-			}); err != nil {
-				t.Fatal(err)
-			}
+			})
 		}
 	}
 	defer env.readyGroups("g1", "g2")()
