@@ -1067,3 +1067,34 @@ func TestDeclaredLengthsAreBounded(t *testing.T) {
 		t.Errorf("decoding an 8 MiB batch of empty events allocated %d MiB", n>>20)
 	}
 }
+
+// TestLargeByteFields: a byte string up to the message bound decodes. The
+// array limit once applied to them too, and a pool read of 512 KiB blocks
+// (one piece each) failed with "reader limit exceeded".
+func TestLargeByteFields(t *testing.T) {
+	big := bytes.Repeat([]byte{7}, 512<<10)
+	part := &PoolPart{Part: 0, Parts: 1, Pieces: []PoolPiece{{Index: 0, Size: len(big), Data: big}}}
+	data, err := Marshal(part)
+	if err != nil {
+		t.Fatal(err)
+	}
+	got, err := DecodePoolPart(data)
+	if err != nil || !bytes.Equal(got.Pieces[0].Data, big) {
+		t.Fatalf("a 512 KiB piece: err %v", err)
+	}
+	big = []byte(`{"prompt":"` + strings.Repeat("a", 512<<10) + `"}`) // a body is a JSON object
+	req := &Request{RequestID: "r", Model: "m", FrontendID: "f", PromptTokenIDs: []uint32{1}, Body: big}
+	if data, err = Marshal(req); err != nil {
+		t.Fatal(err)
+	}
+	if r, err := DecodeRequest(data); err != nil || !bytes.Equal(r.Body, big) {
+		t.Fatalf("a 512 KiB engine body: err %v", err)
+	}
+	out := &Output{ReqID: "r", Raw: big}
+	if data, err = Marshal(out); err != nil {
+		t.Fatal(err)
+	}
+	if o, err := DecodeOutput(data); err != nil || !bytes.Equal(o.Raw, big) {
+		t.Fatalf("a 512 KiB raw engine answer: err %v", err)
+	}
+}

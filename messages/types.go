@@ -7,7 +7,9 @@ package messages
 // declare more than 262,144 elements (a PoolPart of 8-byte digests in an
 // 8 MiB payload has ~120k pieces), no map more than 65,536 entries. Without
 // them an 8 MiB KVEventBatch declaring 8M one-byte events made its decoder
-// allocate 768 MiB.
+// allocate 768 MiB. The array limit bounds byte strings too: each []byte
+// field says limit=8388608 (MaxMessageBytes), or a 512 KiB block in one
+// PoolPiece (or an engine body over 256 KiB) would be refused.
 //msgp:limit arrays:262144 maps:65536
 
 // Version is the value of the "v" key this package writes.
@@ -43,7 +45,7 @@ type Request struct {
 	// forwards requests to real engines (--engine openai): the driver rank
 	// passes it to the engine so that every field the engine supports
 	// keeps working. Empty with the sim engine and for replayed traces.
-	Body []byte `msgpack:"body,omitempty,allownil" json:"body,omitempty"`
+	Body []byte `msgpack:"body,omitempty,allownil,limit=8388608" json:"body,omitempty"`
 }
 
 // SamplingParams is the subset of vLLM's SamplingParams that kvbus carries.
@@ -119,7 +121,7 @@ type ReqMeta struct {
 	// (Request.Body) and kv_transfer_params.
 	Endpoint         string `msgpack:"endpoint,omitempty" json:"endpoint,omitempty"`
 	Stream           bool   `msgpack:"stream,omitempty" json:"stream,omitempty"`
-	Body             []byte `msgpack:"body,omitempty,allownil" json:"body,omitempty"`
+	Body             []byte `msgpack:"body,omitempty,allownil,limit=8388608" json:"body,omitempty"`
 	KVTransferParams Args   `msgpack:"kv_transfer_params,omitempty,omitzero" json:"kv_transfer_params,omitempty"`
 }
 
@@ -180,7 +182,7 @@ type OutputError struct {
 	// refused); zero means the frontend picks one from Code.
 	Status int `msgpack:"status,omitempty" json:"status,omitempty"`
 	// Raw is the engine's error body, relayed to the client as it is.
-	Raw []byte `msgpack:"raw,omitempty,allownil" json:"raw,omitempty"`
+	Raw []byte `msgpack:"raw,omitempty,allownil,limit=8388608" json:"raw,omitempty"`
 }
 
 // Output is one chunk of a request's answer on kvbus.out.<frontend-id>.
@@ -203,7 +205,7 @@ type Output struct {
 	// Raw is an engine's own JSON (--engine openai), which the frontend
 	// relays as it is: one streamed chunk's data, or the whole response of
 	// a request that does not stream (on the last Output).
-	Raw []byte `msgpack:"raw,omitempty,allownil" json:"raw,omitempty"`
+	Raw []byte `msgpack:"raw,omitempty,allownil,limit=8388608" json:"raw,omitempty"`
 }
 
 // Final reports whether o is the last chunk of its request.
@@ -370,7 +372,7 @@ type PoolPiece struct {
 	Index  int    `msgpack:"index" json:"index"`
 	Offset int    `msgpack:"offset" json:"offset"`
 	Size   int    `msgpack:"size" json:"size"`
-	Data   []byte `msgpack:"data,allownil" json:"data"`
+	Data   []byte `msgpack:"data,allownil,limit=8388608" json:"data"`
 }
 
 // DrainPlan is what the driver rank of a draining group (scaled down)

@@ -2060,7 +2060,7 @@ func (z *Output) UnmarshalMsg(bts []byte) (o []byte, err error) {
 				err = msgp.WrapError(err, "Raw")
 				return
 			}
-			if zb0002 > z94b1f360limitArrays {
+			if zb0002 > 8388608 {
 				err = msgp.ErrLimitExceeded
 				return
 			}
@@ -2192,7 +2192,7 @@ func (z *OutputError) UnmarshalMsg(bts []byte) (o []byte, err error) {
 				err = msgp.WrapError(err, "Raw")
 				return
 			}
-			if zb0002 > z94b1f360limitArrays {
+			if zb0002 > 8388608 {
 				err = msgp.ErrLimitExceeded
 				return
 			}
@@ -2418,7 +2418,7 @@ func (z *PoolPiece) UnmarshalMsg(bts []byte) (o []byte, err error) {
 					err = msgp.WrapError(err, "Data")
 					return
 				}
-				if zb0002 > z94b1f360limitArrays {
+				if zb0002 > 8388608 {
 					err = msgp.ErrLimitExceeded
 					return
 				}
@@ -3202,7 +3202,7 @@ func (z *ReqMeta) UnmarshalMsg(bts []byte) (o []byte, err error) {
 				err = msgp.WrapError(err, "Body")
 				return
 			}
-			if zb0002 > z94b1f360limitArrays {
+			if zb0002 > 8388608 {
 				err = msgp.ErrLimitExceeded
 				return
 			}
@@ -3439,7 +3439,7 @@ func (z *Request) UnmarshalMsg(bts []byte) (o []byte, err error) {
 				err = msgp.WrapError(err, "Body")
 				return
 			}
-			if zb0002 > z94b1f360limitArrays {
+			if zb0002 > 8388608 {
 				err = msgp.ErrLimitExceeded
 				return
 			}

@@ -232,7 +232,15 @@ func TestPoolReadNotQueuedBehindASave(t *testing.T) {
 // does not hold comes back nil.
 func TestPoolRead(t *testing.T) {
 	const blocks, size = 8, 512 << 10
-	client, hashes := poolSource(t, 64<<10, blocks)
+	// The server's default payload (8 MiB) sends each block in one piece;
+	// a 64 KiB one in eight.
+	for _, payload := range []int32{0, 64 << 10} {
+		t.Run(fmt.Sprint("max_payload=", payload), func(t *testing.T) { testPoolRead(t, payload, blocks, size) })
+	}
+}
+
+func testPoolRead(t *testing.T, payload int32, blocks, size int) {
+	client, hashes := poolSource(t, payload, blocks)
 	want := append(hashes[:blocks:blocks], 0xdead) // the last one is held by nobody
 	got, err := client.Read(t.Context(), "g1", 1, &messages.PoolRead{Model: testModel, TPRank: 1, BlockHashes: want}, size)
 	if err != nil {
