@@ -424,15 +424,15 @@ func (r *Rank) Run(ctx context.Context) error {
 	return nil
 }
 
-func (r *Rank) onMeta(ctx context.Context, m *nats.Msg) error {
+// onMeta takes a ReqMeta. It runs until the subscription ends, drainGrace
+// after the rank began to stop: a request placed before the scheduler
+// heard the draining heartbeat still runs.
+func (r *Rank) onMeta(_ context.Context, m *nats.Msg) error {
 	meta, err := messages.DecodeReqMeta(m.Data)
 	if err != nil {
 		return fmt.Errorf("dropping ReqMeta on %s: %w", m.Subject, err)
 	}
 	r.series.reqMetas.Inc()
-	if ctx.Err() != nil {
-		return nil
-	}
 	if r.cfg.DropReqMetas > 0 && r.dropped.Add(1) <= int64(r.cfg.DropReqMetas) {
 		r.log.Warn("fault injection: ReqMeta ignored", "req_id", meta.ReqID, "session_id", meta.SessionID)
 		return nil
@@ -475,24 +475,26 @@ func (r *Rank) onMeta(ctx context.Context, m *nats.Msg) error {
 	if seen { // an older attempt is remembered: this one replaces it
 		r.seen.Put(meta.ReqID, seenReq{attempt: meta.Attempt}, now)
 	}
+	if r.closed { // delivered as intake stopped: the scheduler moves it once the group is gone
+		r.mu.Unlock()
+		return nil
+	}
 	rr := newRankReq(meta)
 	queued := false
-	if !r.closed {
-		// Set up before the load loop can see it.
-		rr.id = r.nextID + 1
-		rr.receipt = time.AfterFunc(r.cfg.ReceiptAfter, func() { r.sendReceipt(rr) })
-		select {
-		case r.loadQ <- rr:
-			queued = true
-			r.nextID++
-			r.active[meta.ReqID] = rr
-			r.registerSavesLocked(rr)
-			if r.IsDriver() {
-				r.queue(meta, 1)
-			}
-		default:
-			rr.receipt.Stop()
+	// Set up before the load loop can see it.
+	rr.id = r.nextID + 1
+	rr.receipt = time.AfterFunc(r.cfg.ReceiptAfter, func() { r.sendReceipt(rr) })
+	select {
+	case r.loadQ <- rr:
+		queued = true
+		r.nextID++
+		r.active[meta.ReqID] = rr
+		r.registerSavesLocked(rr)
+		if r.IsDriver() {
+			r.queue(meta, 1)
 		}
+	default:
+		rr.receipt.Stop()
 	}
 	r.mu.Unlock()
 	r.series.queue.Inc()
