@@ -220,7 +220,7 @@ func (x *KVIndex) Apply(b *messages.KVEventBatch) (needDump bool) {
 		// The rank's process (re)started and says it holds nothing: whatever
 		// a resync was waiting for is moot, and a dump asked of the old
 		// process is stale.
-		x.clearRankLocked(g, b.Rank, rs)
+		x.clearRankLocked(g, b.Rank, rs, false)
 		rs.pending, rs.resyncing, rs.synced = nil, false, true
 		rs.epoch++
 	case rs.synced && b.Seq > rs.seq+MaxSeqJump:
@@ -241,11 +241,13 @@ func (x *KVIndex) Apply(b *messages.KVEventBatch) (needDump bool) {
 		rs.pending = append(rs.pending, b)
 		return true
 	}
-	x.applyLocked(g, b.Rank, rs, b)
+	x.applyLocked(g, b.Rank, rs, b, false)
 	return false
 }
 
-func (x *KVIndex) applyLocked(g *indexGroup, rank int, rs *rankState, b *messages.KVEventBatch) {
+// applyLocked applies a batch of a rank's events; in a dump (keepPlans) its
+// AllBlocksCleared keeps the group's plans (see clearRankLocked).
+func (x *KVIndex) applyLocked(g *indexGroup, rank int, rs *rankState, b *messages.KVEventBatch, keepPlans bool) {
 	for i := range b.Events {
 		ev := &b.Events[i]
 		switch ev.Type {
@@ -258,7 +260,7 @@ func (x *KVIndex) applyLocked(g *indexGroup, rank int, rs *rankState, b *message
 				x.removeLocked(g, rank, rs, h)
 			}
 		case messages.EventAllBlocksCleared:
-			x.clearRankLocked(g, rank, rs)
+			x.clearRankLocked(g, rank, rs, keepPlans)
 		}
 	}
 	rs.seq = b.Seq
@@ -294,22 +296,29 @@ func (g *indexGroup) isFull(mask uint64) bool {
 }
 
 func (x *KVIndex) removeLocked(g *indexGroup, rank int, rs *rankState, h uint64) {
+	if x.dropLocked(g, rank, rs, h) {
+		x.unplanLocked(rankKey{h, g.id}) // a rank evicted it: a plan for it is stale
+	}
+}
+
+// dropLocked forgets that rank holds h; it reports whether it did.
+func (x *KVIndex) dropLocked(g *indexGroup, rank int, rs *rankState, h uint64) bool {
 	k := rankKey{h, g.id}
 	m, ok := x.ranks[k]
 	bit := uint64(1) << rank
 	if !ok || m&bit == 0 {
-		return
+		return false
 	}
 	if g.isFull(m) && !g.isFull(m&^bit) {
 		x.unfullLocked(g, h)
 	}
-	x.unplanLocked(k) // a rank evicted it: a plan for it is stale
 	rs.held--
 	if m &^= bit; m == 0 {
 		delete(x.ranks, k)
 	} else {
 		x.ranks[k] = m
 	}
+	return true
 }
 
 func (x *KVIndex) unfullLocked(g *indexGroup, h uint64) {
@@ -322,12 +331,16 @@ func (x *KVIndex) unfullLocked(g *indexGroup, h uint64) {
 }
 
 // clearRankLocked forgets every block of one rank: a scan of the group's
-// entries, which happens only at a restart or a resync.
-func (x *KVIndex) clearRankLocked(g *indexGroup, rank int, rs *rankState) {
-	// The rank lost what it was saving too: the group's plans go.
-	for k := range x.planExp {
-		if k.gid == g.id {
-			x.unplanLocked(k)
+// entries, which happens only at a restart, a clear or a resync. At a
+// restart or a clear the rank lost what it was saving too, and the group's
+// plans go; a resync's dump (keepPlans) only replaces what the index knows
+// the rank holds: the rank is still saving what it was.
+func (x *KVIndex) clearRankLocked(g *indexGroup, rank int, rs *rankState, keepPlans bool) {
+	if !keepPlans {
+		for k := range x.planExp {
+			if k.gid == g.id {
+				x.unplanLocked(k)
+			}
 		}
 	}
 	if rs.held == 0 {
@@ -335,7 +348,7 @@ func (x *KVIndex) clearRankLocked(g *indexGroup, rank int, rs *rankState) {
 	}
 	for k, m := range x.ranks {
 		if k.gid == g.id && m&(1<<rank) != 0 {
-			x.removeLocked(g, rank, rs, k.hash)
+			x.dropLocked(g, rank, rs, k.hash)
 		}
 	}
 	rs.held = 0
@@ -377,8 +390,8 @@ func (x *KVIndex) ApplyDumpOf(group string, rank int, epoch uint64, dump *messag
 	if rs.epoch != epoch {
 		return false
 	}
-	x.clearRankLocked(g, rank, rs)
-	x.applyLocked(g, rank, rs, dump)
+	x.clearRankLocked(g, rank, rs, true)
+	x.applyLocked(g, rank, rs, dump, true)
 	pending := rs.pending
 	rs.pending, rs.resyncing, rs.synced = nil, false, true
 	slices.SortFunc(pending, func(a, b *messages.KVEventBatch) int { return cmpUint(a.Seq, b.Seq) })
@@ -390,7 +403,7 @@ func (x *KVIndex) ApplyDumpOf(group string, rank int, epoch uint64, dump *messag
 			x.rejected.Add(uint64(len(pending) - i)) // sorted: the rest are impossible too
 			return false
 		case b.Seq == rs.seq+1:
-			x.applyLocked(g, rank, rs, b)
+			x.applyLocked(g, rank, rs, b, false)
 		default:
 			rs.resyncing = true
 			rs.pending = pending[i:]

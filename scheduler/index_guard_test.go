@@ -231,3 +231,35 @@ func TestKVIndexRemoteRunsFromSavers(t *testing.T) {
 		t.Errorf("own plans: runs %+v, end %d; want none, 4", runs, end)
 	}
 }
+
+// TestKVIndexResyncKeepsPlans: a gap in one rank's KV events (one core
+// NATS message lost) makes the index ask that rank for a dump. The rank did
+// not restart: the blocks a request just dispatched to the group is still
+// saving keep counting, whether no rank holds them yet or some already do.
+// A restart of the rank drops them.
+func TestKVIndexResyncKeepsPlans(t *testing.T) {
+	x := readyIndex(t, 2, "g0")
+	prev := hashChain(1, 4) // the previous turn, held by both ranks
+	x.Apply(kvBatch("g0", 0, 1, stored(prev...)))
+	x.Apply(kvBatch("g0", 1, 1, stored(prev...)))
+	next := append(slices.Clone(prev), hashChain(2, 4)...)
+	x.Plan("g0", next[4:], time.Now().Add(30*time.Second)) // the turn just dispatched, being saved
+	x.Apply(kvBatch("g0", 1, 2, stored(next[4:6]...)))    // rank 1 saved two of them already
+	if got := prefixOn(x, "g0", next); got != 8 {
+		t.Fatalf("prefix with the plan = %d, want 8", got)
+	}
+	// Rank 1's batch seq 3 is lost: seq 4 is a gap, the rank is asked for
+	// a dump, which says what it holds at seq 4.
+	if !x.Apply(kvBatch("g0", 1, 4)) {
+		t.Fatal("a gap did not ask for a dump")
+	}
+	x.ApplyDump("g0", 1, kvDump("g0", 1, 4, next[:6]...))
+	if got := prefixOn(x, "g0", next); got != 8 {
+		t.Errorf("after rank 1's resync: prefix = %d, want 8 (the plan of the turn being saved was dropped; %d plans left)", got, x.Plans())
+	}
+	// A restart: the rank lost what it was saving.
+	x.Apply(kvBatch("g0", 1, 1, clearedAll()))
+	if got := prefixOn(x, "g0", next); got != 0 {
+		t.Errorf("after rank 1 restarted: prefix = %d, want 0", got)
+	}
+}
