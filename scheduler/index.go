@@ -531,7 +531,23 @@ func (x *KVIndex) prefixMatchLocked(hashes []uint64, dst []int) []int {
 func (x *KVIndex) Synced(group string) bool {
 	x.mu.RLock()
 	defer x.mu.RUnlock()
+	return x.syncedLocked(x.groups[group])
+}
+
+// Placeable reports whether a request may be placed on group from what the
+// index says: its ranks are synced, or the index is full and does not
+// track it, so it is placed as if it held nothing.
+func (x *KVIndex) Placeable(group string) bool {
+	x.mu.RLock()
+	defer x.mu.RUnlock()
 	g := x.groups[group]
+	if g == nil {
+		return len(x.free) == 0 && len(x.byID) >= MaxIndexedGroups
+	}
+	return x.syncedLocked(g)
+}
+
+func (x *KVIndex) syncedLocked(g *indexGroup) bool {
 	if g == nil || g.worldSize == 0 {
 		return false
 	}

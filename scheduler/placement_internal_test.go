@@ -237,3 +237,36 @@ func TestAbortBeforeDispatch(t *testing.T) {
 		t.Error("the aborted request is tracked")
 	}
 }
+
+// TestGroupsBeyondTheIndexArePlaceable: the KV index tracks
+// MaxIndexedGroups groups; the rest are placed as if they held nothing. With
+// one more ready group than that (65 engines behind --engine openai are 65
+// groups of one rank), the untracked one is placeable, and takes a request
+// when every tracked group is busy.
+func TestGroupsBeyondTheIndexArePlaceable(t *testing.T) {
+	s, _ := newBareScheduler(t)
+	now := time.Now()
+	for i := range MaxIndexedGroups + 1 {
+		g := fmt.Sprintf("g%02d", i)
+		holding(s, g)
+		queued := int64(10_000)
+		if i == MaxIndexedGroups {
+			queued = 0
+		}
+		heard(s, g, now, queued)
+	}
+	if s.index.Synced(fmt.Sprintf("g%02d", MaxIndexedGroups)) {
+		t.Fatal("the index tracks more groups than MaxIndexedGroups: the test sets up nothing")
+	}
+	groups := s.PlaceableGroups(now)
+	if len(groups) != MaxIndexedGroups+1 {
+		t.Fatalf("%d placeable groups of %d ready", len(groups), MaxIndexedGroups+1)
+	}
+	g, err := s.place(promptTracker("r1", 4), groups, Binding{}, false)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if want := fmt.Sprintf("g%02d", MaxIndexedGroups); g != want {
+		t.Errorf("placed on %s, want the idle untracked group %s", g, want)
+	}
+}

@@ -26,21 +26,21 @@ func (s *Scheduler) Ready() (bool, string) {
 		return false, "no ready worker group"
 	}
 	for _, g := range groups {
-		if s.index.Synced(g.Name) {
+		if s.index.Placeable(g.Name) {
 			return true, ""
 		}
 	}
 	return false, fmt.Sprintf("KV index of the %d ready group(s) not synced yet", len(groups))
 }
 
-// PlaceableGroups returns the ready groups whose index is synced, or all
-// ready groups when none is (a resync in progress everywhere must not stop
-// placement).
+// PlaceableGroups returns the ready groups whose index is synced (or that
+// a full index does not track), or all ready groups when none is (a resync
+// in progress everywhere must not stop placement).
 func (s *Scheduler) PlaceableGroups(now time.Time) []GroupState {
 	groups := s.groups.ready(now)
 	synced := groups[:0:0]
 	for _, g := range groups {
-		if s.index.Synced(g.Name) {
+		if s.index.Placeable(g.Name) {
 			synced = append(synced, g)
 		}
 	}
