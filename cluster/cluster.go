@@ -491,6 +491,20 @@ func (c *Cluster) KillRank(group string, rank int) error {
 	return c.StopRank(group, rank)
 }
 
+// CrashRestartRank crashes one rank as KillRank does and starts a new
+// process of it at once, as a supervisor restarting a crashed worker would
+// (well within the heartbeat timeout); the old one finishes stopping in the
+// background, unable to publish.
+func (c *Cluster) CrashRestartRank(group string, rank int) error {
+	rr, err := c.rankRun(group, rank)
+	if err != nil {
+		return err
+	}
+	rr.nc.Close()
+	rr.stop()
+	return c.startRank(group, rank)
+}
+
 // KillScheduler makes scheduler replica i vanish as a crashed process
 // would: its connection closes at once, then it stops.
 func (c *Cluster) KillScheduler(i int) error {

@@ -316,8 +316,11 @@ func (m *Heartbeat) validate() error {
 }
 
 func (m *Abort) validate() error {
-	if m.ReqID == "" {
+	switch {
+	case m.ReqID == "":
 		return invalid("abort without req_id")
+	case m.BeforeAttempt < 0:
+		return invalid("abort of %s: negative before_attempt %d", m.ReqID, m.BeforeAttempt)
 	}
 	return nil
 }

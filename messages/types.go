@@ -336,9 +336,14 @@ type Abort struct {
 	ReqID  string `msgpack:"req_id" json:"req_id"`
 	Reason string `msgpack:"reason,omitempty" json:"reason,omitempty"`
 	// Group, if set, limits the abort to that group's ranks: the scheduler
-	// withdrawing a request from a failed group (the request goes on
-	// elsewhere). Without it every role drops the request.
+	// withdrawing a request from a group that failed or lost it (the request
+	// goes on elsewhere, or on the same group at a higher attempt). Without
+	// it every role drops the request.
 	Group string `msgpack:"group,omitempty" json:"group,omitempty"`
+	// BeforeAttempt, if above 0, limits the abort to attempts below it: the
+	// request goes on at that attempt, which a rank may receive before this
+	// Abort (they come on different subjects).
+	BeforeAttempt int `msgpack:"before_attempt,omitempty" json:"before_attempt,omitempty"`
 }
 
 // PoolRead asks a rank for blocks of its segment of the KV pool, on

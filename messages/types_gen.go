@@ -16,8 +16,8 @@ const (
 func (z *Abort) MarshalMsg(b []byte) (o []byte, err error) {
 	o = msgp.Require(b, z.Msgsize())
 	// check for omitted fields
-	zb0001Len := uint32(4)
-	var zb0001Mask uint8 /* 4 bits */
+	zb0001Len := uint32(5)
+	var zb0001Mask uint8 /* 5 bits */
 	_ = zb0001Mask
 	if z.Reason == "" {
 		zb0001Len--
@@ -26,6 +26,10 @@ func (z *Abort) MarshalMsg(b []byte) (o []byte, err error) {
 	if z.Group == "" {
 		zb0001Len--
 		zb0001Mask |= 0x8
+	}
+	if z.BeforeAttempt == 0 {
+		zb0001Len--
+		zb0001Mask |= 0x10
 	}
 	// variable map header, size zb0001Len
 	o = append(o, 0x80|uint8(zb0001Len))
@@ -47,6 +51,11 @@ func (z *Abort) MarshalMsg(b []byte) (o []byte, err error) {
 			// string "group"
 			o = append(o, 0xa5, 0x67, 0x72, 0x6f, 0x75, 0x70)
 			o = msgp.AppendString(o, z.Group)
+		}
+		if (zb0001Mask & 0x10) == 0 { // if not omitted
+			// string "before_attempt"
+			o = append(o, 0xae, 0x62, 0x65, 0x66, 0x6f, 0x72, 0x65, 0x5f, 0x61, 0x74, 0x74, 0x65, 0x6d, 0x70, 0x74)
+			o = msgp.AppendInt(o, z.BeforeAttempt)
 		}
 	}
 	return
@@ -98,6 +107,12 @@ func (z *Abort) UnmarshalMsg(bts []byte) (o []byte, err error) {
 				err = msgp.WrapError(err, "Group")
 				return
 			}
+		case "before_attempt":
+			z.BeforeAttempt, bts, err = msgp.ReadIntBytes(bts)
+			if err != nil {
+				err = msgp.WrapError(err, "BeforeAttempt")
+				return
+			}
 		default:
 			bts, err = msgp.Skip(bts)
 			if err != nil {
@@ -112,7 +127,7 @@ func (z *Abort) UnmarshalMsg(bts []byte) (o []byte, err error) {
 
 // Msgsize returns an upper bound estimate of the number of bytes occupied by the serialized message
 func (z *Abort) Msgsize() (s int) {
-	s = 1 + 2 + msgp.IntSize + 7 + msgp.StringPrefixSize + len(z.ReqID) + 7 + msgp.StringPrefixSize + len(z.Reason) + 6 + msgp.StringPrefixSize + len(z.Group)
+	s = 1 + 2 + msgp.IntSize + 7 + msgp.StringPrefixSize + len(z.ReqID) + 7 + msgp.StringPrefixSize + len(z.Reason) + 6 + msgp.StringPrefixSize + len(z.Group) + 15 + msgp.IntSize
 	return
 }
 

@@ -6,19 +6,32 @@ import (
 	"github.com/kvbus/kvbus/messages"
 )
 
-// rescue handles the requests of groups that lost a rank: a request
-// whose output has not started is withdrawn from its group and dispatched
-// again elsewhere (attempt + 1); one that streamed already ends with an
-// error. No request waits for a dead group.
+// rescue handles the requests of groups that lost a rank, or whose rank
+// restarted (a new process, within the heartbeat timeout, as a supervisor
+// restarts a crashed one) before it finished them: a request whose output
+// has not started is withdrawn from its group and dispatched again (attempt
+// + 1, on any ready group, the restarted one included); one that streamed
+// already ends with an error. No request waits for a rank that forgot it.
 func (s *Scheduler) rescue(now time.Time) {
 	groups := s.PlaceableGroups(now)
 	alive := s.groups.alive(now) // a draining group finishes its requests
-	movable, lost := s.trackers.stranded(func(g string) bool { return alive[g] })
+	restarts := s.groups.restarts()
+	movable, lost := s.trackers.stranded(func(t *RequestTracker) bool {
+		if !alive[t.Group] {
+			return true
+		}
+		for r, at := range restarts[t.Group] {
+			if at.After(t.Dispatched) && t.Results[r] == nil {
+				return true // the new process never heard of it
+			}
+		}
+		return false
+	})
 	for _, t := range lost {
 		s.groups.addInflight(t.Group, -1, -t.queued)
-		s.withdraw(t.ReqID, t.Group, "worker group failed")
+		s.withdraw(t.ReqID, t.Group, 0, "worker group failed")
 		s.m.requests.WithLabelValues("failed").Inc()
-		s.log.Warn("worker group failed during generation; the request ends with an error", "req_id", t.ReqID,
+		s.log.Warn("worker group failed, or a rank restarted, during generation; the request ends with an error", "req_id", t.ReqID,
 			"session_id", t.SessionID, "group", t.Group)
 		s.sendError(t.FrontendID, t.ReqID, t.SessionID, t.Attempt, "group_failed", "the worker group failed while generating this answer; retry the request")
 	}
@@ -30,6 +43,7 @@ func (s *Scheduler) rescue(now time.Time) {
 			from, subj string
 			data       []byte
 			meta       bool
+			before     int // the attempt it goes on at; 0: withdrawn whole
 		)
 		s.trackers.update(old.ReqID, func(t *RequestTracker) {
 			from = t.Group
@@ -53,14 +67,14 @@ func (s *Scheduler) rescue(now time.Time) {
 					groups[i].QueuedBlocks += t.queued
 				}
 			}
-			subj, data, meta = t.metaSubj, t.metaData, true
+			subj, data, meta, before = t.metaSubj, t.metaData, true, t.Attempt
 		})
-		s.withdraw(old.ReqID, from, "worker group not ready: dispatched again elsewhere")
+		s.withdraw(old.ReqID, from, before, "worker group lost the request: dispatched again")
 		if !meta {
 			continue
 		}
 		s.m.requests.WithLabelValues("redispatched").Inc()
-		s.log.Warn("worker group not ready: request dispatched again", "req_id", old.ReqID, "session_id", old.SessionID,
+		s.log.Warn("worker group lost the request (not ready, or a rank restarted): dispatched again", "req_id", old.ReqID, "session_id", old.SessionID,
 			"from", from, "to", old.Group, "attempt", old.Attempt)
 		s.publishPlan(old)
 		if err := s.cfg.Conn.Publish(subj, data); err != nil {
@@ -69,9 +83,10 @@ func (s *Scheduler) rescue(now time.Time) {
 	}
 }
 
-// withdraw tells one group's ranks to drop a request.
-func (s *Scheduler) withdraw(reqID, group, reason string) {
-	if data, err := messages.Marshal(&messages.Abort{ReqID: reqID, Group: group, Reason: reason}); err == nil {
+// withdraw tells one group's ranks to drop a request: its attempts below
+// before, or all of them (0).
+func (s *Scheduler) withdraw(reqID, group string, before int, reason string) {
+	if data, err := messages.Marshal(&messages.Abort{ReqID: reqID, Group: group, BeforeAttempt: before, Reason: reason}); err == nil {
 		_ = s.cfg.Conn.Publish(s.cfg.Subjects.Abort(), data)
 	}
 }

@@ -60,8 +60,12 @@ func (g *groupInfo) load(now time.Time) (inflight, queued int) {
 const blockTimeWeight = 0.2
 
 type rankInfo struct {
-	seen       time.Time
-	started    int64
+	seen    time.Time
+	started int64
+	// restarted is when this replica heard the rank's process change (a
+	// new started_unix_ms): requests dispatched before it that the rank
+	// had not finished are lost on it.
+	restarted  time.Time
 	queueDepth int
 	draining   bool
 	// notReady: the rank's engine does not take requests (it fails its
@@ -97,7 +101,13 @@ func (t *groupTable) observe(hb *messages.Heartbeat, now time.Time) {
 		g.worldSize = hb.WorldSize
 		g.ranks = map[int]rankInfo{}
 	}
-	g.ranks[hb.TPRank] = rankInfo{seen: now, started: hb.StartedUnixMs, queueDepth: hb.QueueDepth, draining: hb.Draining, notReady: hb.NotReady}
+	prev, known := g.ranks[hb.TPRank]
+	restarted := prev.restarted
+	if known && prev.started != hb.StartedUnixMs {
+		restarted = now
+	}
+	g.ranks[hb.TPRank] = rankInfo{seen: now, started: hb.StartedUnixMs, restarted: restarted, queueDepth: hb.QueueDepth,
+		draining: hb.Draining, notReady: hb.NotReady}
 	if hb.TPRank == 0 { // the driver knows the group's load
 		g.hbInflight = hb.InflightRequests
 		bs := int64(t.blockSize)
@@ -144,6 +154,29 @@ func (t *groupTable) alive(now time.Time) map[string]bool {
 	out := map[string]bool{}
 	for name, g := range t.groups {
 		out[name] = t.completeLocked(g, now)
+	}
+	return out
+}
+
+// restarts returns, per group, when this replica heard each rank that
+// restarted (a rank that never did is left out).
+func (t *groupTable) restarts() map[string]map[int]time.Time {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	var out map[string]map[int]time.Time
+	for name, g := range t.groups {
+		for r, ri := range g.ranks {
+			if ri.restarted.IsZero() {
+				continue
+			}
+			if out == nil {
+				out = map[string]map[int]time.Time{}
+			}
+			if out[name] == nil {
+				out[name] = map[int]time.Time{}
+			}
+			out[name][r] = ri.restarted
+		}
 	}
 	return out
 }

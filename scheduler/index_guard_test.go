@@ -244,7 +244,7 @@ func TestKVIndexResyncKeepsPlans(t *testing.T) {
 	x.Apply(kvBatch("g0", 1, 1, stored(prev...)))
 	next := append(slices.Clone(prev), hashChain(2, 4)...)
 	x.Plan("g0", next[4:], time.Now().Add(30*time.Second)) // the turn just dispatched, being saved
-	x.Apply(kvBatch("g0", 1, 2, stored(next[4:6]...)))    // rank 1 saved two of them already
+	x.Apply(kvBatch("g0", 1, 2, stored(next[4:6]...)))     // rank 1 saved two of them already
 	if got := prefixOn(x, "g0", next); got != 8 {
 		t.Fatalf("prefix with the plan = %d, want 8", got)
 	}

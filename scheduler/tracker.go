@@ -176,13 +176,14 @@ func (tt *trackerTable) prefilled(r *messages.RankResult) (group string, work in
 	return t.Group, work
 }
 
-// stranded returns the trackers placed on groups that are not ready: those
-// whose output has not started are left in the table, the others removed.
-func (tt *trackerTable) stranded(ready func(group string) bool) (movable, lost []*RequestTracker) {
+// stranded returns the trackers whose group lost their work (gone, called
+// under the table's lock): those whose output has not started are left in
+// the table, the others removed.
+func (tt *trackerTable) stranded(gone func(t *RequestTracker) bool) (movable, lost []*RequestTracker) {
 	tt.mu.Lock()
 	defer tt.mu.Unlock()
 	for id, t := range tt.m {
-		if t.Group == "" || ready(t.Group) {
+		if t.Group == "" || !gone(t) {
 			continue
 		}
 		if t.Prefilled {

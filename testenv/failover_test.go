@@ -239,3 +239,65 @@ func TestScaleDownDrainsAGroup(t *testing.T) {
 		}
 	}
 }
+
+// TestRankRestartMidRequestRedispatches: a rank crashes in the middle of a
+// request's prefill and its supervisor starts a new process of it at once,
+// well within the heartbeat timeout, so its group never looks unready. The
+// new process knows nothing of the request, which had streamed nothing: it
+// is dispatched again (attempt 1) and answers, instead of waiting for its
+// deadline. For the driver, and for another rank before it reported (its
+// store thread is slowed down: a rank that did report lost nothing).
+func TestRankRestartMidRequestRedispatches(t *testing.T) {
+	for _, rank := range []int{0, 2} {
+		t.Run(fmt.Sprintf("tp_rank %d", rank), func(t *testing.T) {
+			c := testenv.StartCluster(t, testenv.ClusterConfig{Groups: 2, TimeScale: 20, RequestTimeout: 30 * time.Second,
+				StoreDelays: map[int]time.Duration{2: 3 * time.Second}})
+			metas := c.Observe(t, "kvbus.meta.>")
+			prompt := strings.Repeat("a long prompt to prefill slowly ", 300) // ~2.4 s of prefill
+			body, _ := json.Marshal(map[string]any{"model": c.Model, "max_tokens": 1, "messages": []map[string]string{{"role": "user", "content": prompt}}})
+			type reply struct {
+				status int
+				body   []byte
+				took   time.Duration
+			}
+			done := make(chan reply, 1)
+			start := time.Now()
+			go func() {
+				status, _, raw := post(t, c, "/v1/chat/completions", string(body), map[string]string{"X-Session-ID": "restart"})
+				done <- reply{status, raw, time.Since(start)}
+			}()
+			var first *messages.ReqMeta
+			testenv.Eventually(t, 10*time.Second, "the first dispatch", func() bool {
+				for _, m := range metas.Messages() {
+					first, _ = messages.DecodeReqMeta(m.Data)
+					return first != nil
+				}
+				return false
+			})
+			time.Sleep(300 * time.Millisecond) // past --receipt-after: every rank said it has the request
+			c.CrashRestartRank(t, first.Group, rank)
+			var r reply
+			select {
+			case r = <-done:
+			case <-time.After(20 * time.Second):
+				t.Fatalf("no answer 20 s after the rank restarted: the request waits for its deadline (%d trackers)", c.Scheduler.Trackers())
+			}
+			if r.status != http.StatusOK {
+				t.Fatalf("after %s: status %d: %s", r.took.Round(time.Millisecond), r.status, r.body)
+			}
+			attempts := map[int]bool{}
+			for _, m := range metas.Messages() {
+				if meta, _ := messages.DecodeReqMeta(m.Data); meta != nil && meta.ReqID == first.ReqID {
+					attempts[meta.Attempt] = true
+				}
+			}
+			if !attempts[0] || !attempts[1] || len(attempts) != 2 {
+				t.Errorf("attempts dispatched %v: want 0, then 1 after the restart", attempts)
+			}
+			if got := testenv.CounterSum(t, c.SchedulerRegistries[0], "kvbus_scheduler_requests_total", map[string]string{"outcome": "redispatched"}); got != 1 {
+				t.Errorf("redispatched = %v, want 1", got)
+			}
+			testenv.Eventually(t, 10*time.Second, "no tracker left", func() bool { return c.Scheduler.Trackers() == 0 })
+		})
+	}
+}

@@ -236,6 +236,15 @@ func (c *Cluster) KillRank(t testing.TB, group string, rank int) {
 	}
 }
 
+// CrashRestartRank crashes one rank and starts a new process of it at once
+// (see cluster.Cluster.CrashRestartRank).
+func (c *Cluster) CrashRestartRank(t testing.TB, group string, rank int) {
+	t.Helper()
+	if err := c.Cluster.CrashRestartRank(group, rank); err != nil {
+		t.Fatal(err)
+	}
+}
+
 // RestartRank restarts one rank (see cluster.Cluster.RestartRank) and waits
 // until the cluster is ready again, as a client retrying a 503 would.
 func (c *Cluster) RestartRank(t testing.TB, group string, rank int) {

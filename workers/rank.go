@@ -606,6 +606,9 @@ func (r *Rank) onAbort(_ context.Context, m *nats.Msg) error {
 	r.mu.Lock()
 	rr := r.active[a.ReqID]
 	r.mu.Unlock()
+	if rr != nil && a.BeforeAttempt > 0 && rr.meta.Attempt >= a.BeforeAttempt {
+		return nil // the attempt the request goes on at
+	}
 	if rr != nil {
 		r.log.Info("request aborted", "req_id", a.ReqID, "session_id", rr.meta.SessionID, "reason", a.Reason)
 		rr.cancel(errAborted)

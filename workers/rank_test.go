@@ -589,6 +589,35 @@ func TestRankAbort(t *testing.T) {
 	env.publish(env.subj.Abort(), &messages.Abort{ReqID: "never-seen"})
 }
 
+// TestRankWithdrawSparesTheNewAttempt: a scheduler that dispatches a
+// request again on the same group (a rank restarted) withdraws the attempts
+// below the new one; ranks that got the new attempt's ReqMeta first (another
+// subject) keep running it, and an abort below an attempt they do not run
+// yet stops the one they run.
+func TestRankWithdrawSparesTheNewAttempt(t *testing.T) {
+	env := startRanks(t, rankEnvConfig{engine: workers.SimConfig{
+		Profile: workers.SimProfile{DecodePerToken: 50 * time.Millisecond}, TimeScale: 1,
+	}})
+	for _, tc := range []struct {
+		id      string
+		before  int
+		aborted bool
+	}{{"spared", 1, false}, {"withdrawn", 2, true}} {
+		m := newMeta(tc.id, "sess", testenv.PromptTokens(len(tc.id), 40))
+		m.Attempt, m.SamplingParams.MaxTokens = 1, 20 // 1 s of decoding
+		env.sendMeta(m)
+		testenv.Eventually(t, waitFor, "the first streamed chunk of "+tc.id, func() bool { return len(env.outputs(tc.id)) > 0 })
+		env.publish(env.subj.Abort(), &messages.Abort{ReqID: tc.id, Group: testGroup, BeforeAttempt: tc.before, Reason: "dispatched again"})
+		driver := env.resultsByRank(tc.id)[0]
+		if got := driver.Error != ""; got != tc.aborted {
+			t.Errorf("%s: attempt 1 after an abort of attempts below %d: error %q, want aborted %v", tc.id, tc.before, driver.Error, tc.aborted)
+		}
+		if !tc.aborted && driver.CompletionTokens != 20 {
+			t.Errorf("%s: %d tokens, want all 20", tc.id, driver.CompletionTokens)
+		}
+	}
+}
+
 func TestRankDropsMalformedMeta(t *testing.T) {
 	env := startRanks(t, rankEnvConfig{})
 	invalid := newMeta("bad", "sess", testenv.PromptTokens(1, 40))
