@@ -212,6 +212,11 @@ func (s *Server) generate(w http.ResponseWriter, r *http.Request, endpoint strin
 			g.log.Warn("cannot publish request to the bus", "err", err)
 			g.abort("publish failed")
 			g.unregister()
+			if errors.Is(err, errAboveMaxPayload) {
+				return fail(&APIError{Status: http.StatusRequestEntityTooLarge, Type: typeInvalidRequest, Code: "request_too_large",
+					Message: fmt.Sprintf("the request is too large for the bus (%v); send a smaller one. "+
+						"Operator: raise the NATS server's max_payload (kvbus nats takes 8 MiB), or lower --max-body-bytes below it", err)})
+			}
 			if errors.Is(err, bus.ErrLogFull) {
 				return fail(&APIError{Status: http.StatusServiceUnavailable, Type: typeUnavailable, Code: "request_log_full", RetryAfter: logFullRetryAfter,
 					Message: "the request log is full of requests no scheduler has dispatched yet; retry later. " +
@@ -366,10 +371,21 @@ const logFullRetryAfter = 5
 // errDuplicateID: the request log already holds a request with this id.
 var errDuplicateID = errors.New("frontend: duplicate request id")
 
+// errAboveMaxPayload: the encoded request is larger than the NATS server
+// takes in one message (its max_payload); a retry cannot succeed.
+var errAboveMaxPayload = errors.New("frontend: request above the bus's max payload")
+
+// busHeaderRoom is what a published request's headers and protocol line
+// take besides its data, at most.
+const busHeaderRoom = 1 << 10
+
 func (s *Server) publish(ctx context.Context, req *messages.Request) error {
 	data, err := messages.Marshal(req)
 	if err != nil {
 		return err
+	}
+	if limit := s.cfg.Conn.MaxPayload(); limit > 0 && int64(len(data)) > limit-busHeaderRoom {
+		return fmt.Errorf("%w: %d bytes on the bus, the NATS server takes %d", errAboveMaxPayload, len(data), limit)
 	}
 	ctx, cancel := context.WithTimeout(ctx, s.cfg.PublishTimeout)
 	defer cancel()
@@ -378,6 +394,8 @@ func (s *Server) publish(ctx context.Context, req *messages.Request) error {
 	switch {
 	case bus.IsLogFull(err):
 		return fmt.Errorf("%w (schedulers are behind: add schedulers or raise --request-log-max-bytes): %w", bus.ErrLogFull, err)
+	case errors.Is(err, nats.ErrMaxPayload):
+		return fmt.Errorf("%w: %w", errAboveMaxPayload, err)
 	case err == nil && ack.Duplicate:
 		// Another request holds this id in the log's dedupe window; its
 		// answer goes to its own client, none would come to this one.

@@ -8,6 +8,9 @@ import (
 	"testing"
 	"time"
 
+	"github.com/kvbus/kvbus/bus"
+	"github.com/kvbus/kvbus/frontend"
+	"github.com/kvbus/kvbus/messages"
 	"github.com/kvbus/kvbus/testenv"
 )
 
@@ -114,5 +117,35 @@ func TestBusDownIsAFast503(t *testing.T) {
 	}
 	if _, code := errorOf(t, body); code != "bus_unavailable" {
 		t.Errorf("code %q", code)
+	}
+}
+
+// TestStopListAboveTheBusLimitIsA400: a stop list longer than the bus's
+// decoders take (messages.MaxArrayLen strings, ~1 MiB of body, within the
+// body limit) is refused with a 400 naming stop; published, the scheduler
+// would have dropped it as malformed and the client waited for its 504.
+func TestStopListAboveTheBusLimitIsA400(t *testing.T) {
+	fe := startFrontend(t, func(*frontend.Config) {})
+	body := `{"model":"kvbus-sim","messages":[{"role":"user","content":"hi"}],"max_tokens":3,"stop":[` +
+		strings.Repeat(`"a",`, messages.MaxArrayLen) + `"a"]}`
+	status, _, b := testenv.Send(t, http.MethodPost, fe.url+"/v1/chat/completions", body, nil)
+	if status != http.StatusBadRequest || !strings.Contains(string(b), `"param":"stop"`) {
+		t.Errorf("stop with %d strings: %d %.200s; want a 400 naming stop", messages.MaxArrayLen+1, status, b)
+	}
+}
+
+// TestRequestAboveTheBusMaxPayloadIsA413: with real engines the client's
+// body travels in the Request. Against a NATS server with a 1 MiB
+// max_payload (an external server's default), a 1.5 MiB body within
+// --max-body-bytes is a 413, not a 503 "retry shortly" that no retry can
+// pass.
+func TestRequestAboveTheBusMaxPayloadIsA413(t *testing.T) {
+	fe := startStandaloneOn(t, bus.ServerConfig{MaxPayload: 1 << 20}, true, func(c *frontend.Config) { c.Passthrough = true })
+	img := strings.Repeat("A", 1536<<10)
+	body := `{"model":"kvbus-sim","messages":[{"role":"user","content":[{"type":"text","text":"what is this?"},` +
+		`{"type":"image_url","image_url":{"url":"data:image/png;base64,` + img + `"}}]}],"max_tokens":4}`
+	status, h, b := testenv.Send(t, http.MethodPost, fe.url+"/v1/chat/completions", body, nil)
+	if status != http.StatusRequestEntityTooLarge || h.Get("Retry-After") != "" || !strings.Contains(string(b), "max_payload") {
+		t.Errorf("1.5 MiB body on a 1 MiB bus: %d Retry-After %q %.300s; want a 413 naming max_payload", status, h.Get("Retry-After"), b)
 	}
 }

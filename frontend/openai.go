@@ -321,6 +321,9 @@ func parseStop(raw json.RawMessage) ([]string, *APIError) {
 	if err := json.Unmarshal(raw, &many); err != nil {
 		return nil, badRequest("stop", "stop must be a string or an array of strings")
 	}
+	if len(many) > messages.MaxArrayLen { // the bus's decoders would refuse the request
+		return nil, badRequest("stop", "stop has %d strings; at most %d", len(many), messages.MaxArrayLen)
+	}
 	out := many[:0]
 	for _, s := range many {
 		if s != "" {

@@ -35,7 +35,7 @@ func TestPublishRefusesADuplicateID(t *testing.T) {
 	if _, err := bus.EnsureRequestStream(t.Context(), js, bus.StreamConfig{Subjects: subj}); err != nil {
 		t.Fatal(err)
 	}
-	s := &Server{js: js, cfg: Config{Subjects: subj, PublishTimeout: 5 * time.Second}}
+	s := &Server{js: js, cfg: Config{Conn: nc, Subjects: subj, PublishTimeout: 5 * time.Second}}
 	req := &messages.Request{RequestID: "abc-1", Model: "m", FrontendID: "fe", ArrivalUnixMs: time.Now().UnixMilli(), PromptTokenIDs: []uint32{1, 2}}
 	if err := s.publish(t.Context(), req); err != nil {
 		t.Fatalf("first publish: %v", err)

@@ -38,7 +38,15 @@ func startFrontend(t *testing.T, edit func(*frontend.Config)) *standalone {
 // announces itself ready every 100 ms (it never consumes the log).
 func startStandalone(t *testing.T, announce bool, edit func(*frontend.Config)) *standalone {
 	t.Helper()
-	srv, err := bus.StartServer(bus.ServerConfig{Addr: "127.0.0.1:0", DataDir: t.TempDir()})
+	return startStandaloneOn(t, bus.ServerConfig{}, announce, edit)
+}
+
+// startStandaloneOn is startStandalone with a server of config sc (its
+// address and data directory are the test's).
+func startStandaloneOn(t *testing.T, sc bus.ServerConfig, announce bool, edit func(*frontend.Config)) *standalone {
+	t.Helper()
+	sc.Addr, sc.DataDir = "127.0.0.1:0", t.TempDir()
+	srv, err := bus.StartServer(sc)
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -19,6 +19,15 @@ const MaxMessageBytes = 8 << 20
 // message's second level).
 const maxNesting = 32
 
+// MaxArrayLen and MaxMapLen bound the arrays and maps of a message's typed
+// fields, as the //msgp:limit directive in types.go says (a decoder
+// refuses more; byte strings are bounded by MaxMessageBytes instead). A
+// producer checks what a client sent against them.
+const (
+	MaxArrayLen = 262144
+	MaxMapLen   = 65536
+)
+
 // MaxPoolBlockBytes bounds the size of one block a PoolPart may announce
 // (a Llama-3.1-70B block of 16 tokens at TP 1 is 5 MiB).
 const MaxPoolBlockBytes = 64 << 20

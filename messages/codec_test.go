@@ -1098,3 +1098,21 @@ func TestLargeByteFields(t *testing.T) {
 		t.Fatalf("a 512 KiB raw engine answer: err %v", err)
 	}
 }
+
+// TestArrayLimit: MaxArrayLen is the decoders' limit on a typed array (the
+// //msgp:limit directive): a request with that many stop strings decodes,
+// one more does not.
+func TestArrayLimit(t *testing.T) {
+	for _, n := range []int{MaxArrayLen, MaxArrayLen + 1} {
+		req := &Request{RequestID: "r", Model: "m", FrontendID: "f", PromptTokenIDs: []uint32{1},
+			SamplingParams: SamplingParams{Stop: make([]string, n)}}
+		data, err := Marshal(req)
+		if err != nil {
+			t.Fatal(err)
+		}
+		_, err = DecodeRequest(data)
+		if ok := err == nil; ok != (n <= MaxArrayLen) {
+			t.Errorf("%d stop strings: decode error %v", n, err)
+		}
+	}
+}
