@@ -108,6 +108,14 @@ func TestBadInput(t *testing.T) {
 		{`,"session_id":5,"Session_Id":"x"`, "", 400},
 		{`,"VLLM_XARGS":{"session_id":"x"}`, "hdr", 200},
 		{`,"vllm_xargs":{"session_id":"x"},"Vllm_Xargs":null`, "x", 200},
+		// Variants written with an escape, or with a non-ASCII letter that
+		// folds to an ASCII one (ſ, U+017F, folds to s), match too; a key
+		// that is session_id once unescaped is session_id.
+		{`,"session_id":"a","SESSION\u005fID":null`, "a", 200},
+		{`,"session_id":"a","ſession_id":null`, "a", 200},
+		{`,"ſession_id":"evil"`, "hdr", 200},
+		{`,"\u0073ession_id":"esc"`, "esc", 200},
+		{`,"vllm_xargs":{"session_id":"x"},"VLLM\u005fxargs":null`, "x", 200},
 	} {
 		status, h, body := send(t, http.MethodPost, c.URL+"/v1/chat/completions", chat(`,"max_tokens":2`+tc.extra),
 			map[string]string{"Content-Type": "application/json", "X-Session-ID": "hdr"})

@@ -141,9 +141,12 @@ func readBody(w http.ResponseWriter, r *http.Request, limit int64, timeout time.
 	return body, nil
 }
 
-// hasKeyVariant reports whether body holds a quoted string equal to one of
-// keys but for case, and not that key itself: a key encoding/json would
-// match to the key's field. One pass, no allocation.
+// hasKeyVariant reports whether body may hold a quoted string equal to one
+// of keys but for case, and not that key itself: a key encoding/json would
+// match to the key's field. One pass, no allocation for plain ASCII; a
+// string written with escapes or non-ASCII bytes is decoded (encoding/json
+// also matches "SESSION\u005fID", and "ſession_id", whose ſ folds to s).
+// A false positive only costs the caller an exact look-up.
 func hasKeyVariant(body []byte, keys ...string) bool {
 	for i := 0; ; {
 		j := bytes.IndexByte(body[i:], '"')
@@ -156,7 +159,45 @@ func hasKeyVariant(body []byte, keys ...string) bool {
 				return true
 			}
 		}
+		if encodedVariant(body[i-1:], keys) {
+			return true
+		}
 	}
+}
+
+// maxEncodedKey bounds the written length of a key hasKeyVariant decodes:
+// every letter of a 10-letter key as a \uXXXX escape, and its quotes.
+const maxEncodedKey = 6*10 + 2
+
+// encodedVariant reports whether the JSON string at the start of q (its
+// opening quote) is written with escapes or non-ASCII bytes and decodes to
+// a case variant of one of keys.
+func encodedVariant(q []byte, keys []string) bool {
+	plain := true
+	for n := 1; n < len(q) && n < maxEncodedKey; n++ {
+		switch c := q[n]; {
+		case c == '\\':
+			plain = false
+			n++ // the escaped byte
+		case c >= utf8.RuneSelf:
+			plain = false
+		case c == '"':
+			if plain {
+				return false
+			}
+			var s string
+			if json.Unmarshal(q[:n+1], &s) != nil {
+				return false
+			}
+			for _, key := range keys {
+				if s != key && strings.EqualFold(s, key) {
+					return true
+				}
+			}
+			return false
+		}
+	}
+	return false
 }
 
 // foldsTo reports whether w equals key, a lowercase ASCII key, ignoring
