@@ -419,6 +419,9 @@ func TestHTTP(t *testing.T) {
 			{"without stream_options", `,"stream":true`, false},
 			{"include_usage false", `,"stream":true,"stream_options":{"include_usage":false}`, false},
 			{"include_usage true", `,"stream":true,"stream_options":{"include_usage":true}`, true},
+			// vLLM's StreamOptions defaults include_usage to true.
+			{"stream_options empty", `,"stream":true,"stream_options":{}`, true},
+			{"include_usage null", `,"stream":true,"stream_options":{"include_usage":null}`, false},
 		} {
 			t.Run(tc.name, func(t *testing.T) {
 				t.Parallel()

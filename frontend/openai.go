@@ -73,7 +73,9 @@ func (c *commonParams) simUnsupported() string {
 }
 
 type streamOptions struct {
-	IncludeUsage bool `json:"include_usage"`
+	// IncludeUsage is true when left out, as vLLM's StreamOptions has it
+	// (and kvbus's real-engine path); null or false leaves usage out.
+	IncludeUsage json.RawMessage `json:"include_usage"`
 }
 
 type chatRequest struct {
@@ -266,7 +268,13 @@ func parseCommon(c *commonParams, p *parsedRequest, o parseOptions) *APIError {
 		if !c.Stream {
 			return badRequest("stream_options", "stream_options is only allowed when stream is true")
 		}
-		p.includeUsage = c.StreamOptions.IncludeUsage
+		switch v := string(bytes.TrimSpace(c.StreamOptions.IncludeUsage)); v {
+		case "", "true":
+			p.includeUsage = true
+		case "null", "false":
+		default:
+			return badRequest("stream_options.include_usage", "stream_options.include_usage must be a boolean, got %s", v)
+		}
 	}
 	sp := &p.params
 	sp.Temperature, sp.TopP = 1, 1

@@ -291,6 +291,7 @@ func TestParseInvalid(t *testing.T) {
 		{"text part without text", chat, `{"messages":[{"role":"user","content":[{"type":"text"}]}]}`, "messages[0].content[0]"},
 		{"stream_options without stream", chat, `{` + msgs + `,"stream_options":{"include_usage":true}}`, "stream_options"},
 		{"stream_options without stream (completions)", completions, `{"prompt":"x","stream":false,"stream_options":{}}`, "stream_options"},
+		{"include_usage not a boolean", chat, `{` + msgs + `,"stream":true,"stream_options":{"include_usage":"yes"}}`, "stream_options.include_usage"},
 		{"vllm_xargs not an object: string", chat, `{` + msgs + `,"vllm_xargs":"session_id=a"}`, "vllm_xargs"},
 		{"vllm_xargs not an object: array", completions, `{"prompt":"x","vllm_xargs":[{"session_id":"a"}]}`, "vllm_xargs"},
 		{"vllm_xargs not an object: number", completions, `{"prompt":"x","vllm_xargs":1}`, "vllm_xargs"},
