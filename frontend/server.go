@@ -55,6 +55,10 @@ type Config struct {
 	// <key>" (vLLM's --api-key); other requests get a 401. It is never
 	// logged.
 	APIKey string
+	// AllowedOrigins are the origins browsers may call from (CORS), as
+	// vLLM's --allowed-origins ("*": any); every method and requested header
+	// is allowed, without credentials. None: no CORS headers.
+	AllowedOrigins []string
 	// RequestTimeout bounds a request end to end (default 60 s).
 	RequestTimeout time.Duration
 	// PublishTimeout bounds the wait for JetStream's ack (default 5 s).
@@ -378,7 +382,11 @@ func (s *Server) routes() http.Handler {
 		"/livez":               {http.MethodGet, s.serveLivez},
 		"/metrics":             {http.MethodGet, promhttp.HandlerFor(s.cfg.Registry, promhttp.HandlerOpts{}).ServeHTTP},
 	}
+	cors := newCORS(s.cfg.AllowedOrigins)
 	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if cors.handle(w, r) {
+			return
+		}
 		if n := headerBytes(r.Header); n > MaxHeaderBytes {
 			writeError(w, &APIError{Status: http.StatusRequestHeaderFieldsTooLarge, Type: typeInvalidRequest, Code: "headers_too_large",
 				Message: fmt.Sprintf("request headers are %d bytes; at most %d are accepted", n, MaxHeaderBytes)})
