@@ -96,7 +96,7 @@ type frontendFlags struct {
 	MaxBodyBytes      int64         `name:"max-body-bytes" default:"4194304" help:"Largest request body, in bytes (413 above)."`
 	MaxInflight       int           `name:"max-inflight" default:"4096" help:"Generate requests served at once; more get 429 with Retry-After (0: no bound)."`
 	APIKey            string        `name:"api-key" help:"Require Authorization: Bearer <key> on /v1/ routes (like vLLM's --api-key)."`
-	AllowedOrigins    []string      `name:"allowed-origins" default:"*" help:"Origins browsers may call the API from (CORS), like vLLM's --allowed-origins; '*' allows any, '' none."`
+	AllowedOrigins    []string      `name:"allowed-origins" default:"*" help:"Origins browsers may call the API from (CORS), like vLLM's --allowed-origins; * allows any; empty: none."`
 	ReadHeaderTimeout time.Duration `name:"read-header-timeout" default:"10s" help:"Time a client has to send a request's headers before its connection is closed."`
 	IdleTimeout       time.Duration `name:"idle-timeout" default:"120s" help:"Idle keep-alive connections are closed after this."`
 }
