@@ -109,8 +109,8 @@ func (m Model) Render() string {
 	dimStyle := lipgloss.NewStyle().Faint(true)
 	s := m.snap
 	var b strings.Builder
-	fmt.Fprintf(&b, "%s  %s   %.1f req/s   TTFT p50 %.0f ms  p95 %.0f ms   in flight %d   failed %d (last %.0fs)\n",
-		titleStyle.Render("kvbus top"), s.At.Format("15:04:05"), s.RequestsPerSec, s.TTFTP50Ms, s.TTFTP95Ms, s.InFlight, s.Failed, s.WindowSec)
+	fmt.Fprintf(&b, "%s  %s   %.1f req/s   TTFT p50 %.0f ms  p95 %.0f ms   in flight %d   failed %d   aborted %d (last %.0fs)\n",
+		titleStyle.Render("kvbus top"), s.At.Format("15:04:05"), s.RequestsPerSec, s.TTFTP50Ms, s.TTFTP95Ms, s.InFlight, s.Failed, s.Aborted, s.WindowSec)
 	b.WriteString("hit ratio by turn:")
 	for _, l := range []string{"1", "2", "3", "4+"} {
 		if r, ok := s.HitRatio[l]; ok {

@@ -18,9 +18,12 @@ type Snapshot struct {
 	RequestsPerSec float64 `json:"requests_per_sec"`
 	Finished       int     `json:"finished"`
 	Failed         int     `json:"failed"`
-	InFlight       int     `json:"in_flight"`
-	TTFTP50Ms      float64 `json:"ttft_p50_ms"`
-	TTFTP95Ms      float64 `json:"ttft_p95_ms"`
+	// Aborted are the requests whose client went away, over the window
+	// (not in Finished).
+	Aborted   int     `json:"aborted"`
+	InFlight  int     `json:"in_flight"`
+	TTFTP50Ms float64 `json:"ttft_p50_ms"`
+	TTFTP95Ms float64 `json:"ttft_p95_ms"`
 	// HitRatio is cached over prompt tokens of the finished requests, by
 	// turn depth of their session ("1", "2", "3", "4+").
 	HitRatio map[string]float64 `json:"hit_ratio_by_turn"`
@@ -137,6 +140,10 @@ func (w *Watcher) Snapshot(now time.Time) Snapshot {
 	prompt, cached := map[string]int{}, map[string]int{}
 	for _, d := range w.done {
 		if d.at.Before(cut) {
+			continue
+		}
+		if d.aborted {
+			s.Aborted++
 			continue
 		}
 		s.Finished++

@@ -1,6 +1,7 @@
 package top_test
 
 import (
+	"context"
 	"fmt"
 	"net/http"
 	"path/filepath"
@@ -114,5 +115,43 @@ func TestWatcherNeedsTheAdminKey(t *testing.T) {
 	}
 	if err := w.Run(t.Context()); err == nil || !strings.Contains(err.Error(), "admin key") {
 		t.Errorf("Run with a worker key: %v, want an error naming the admin key", err)
+	}
+}
+
+// TestWatcherEndsAbortedRequests: a request whose client went away (an
+// Abort on the bus; the driver publishes no final output for it) leaves
+// in_flight at once and counts as aborted, not finished; a scheduler's
+// withdrawal from one group (a group-scoped Abort) does not end it.
+func TestWatcherEndsAbortedRequests(t *testing.T) {
+	srv := testenv.StartNATS(t)
+	nc := testenv.Connect(t, srv)
+	w, err := top.New(top.Config{Conn: nc})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan struct{})
+	go func() { _ = w.Run(ctx); close(done) }()
+	defer func() { cancel(); <-done }()
+	<-w.Subscribed()
+	s := messages.Subjects{}
+	publish := func(subject string, m messages.Message) {
+		data, err := messages.Marshal(m)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := nc.Publish(subject, data); err != nil {
+			t.Fatal(err)
+		}
+	}
+	for _, id := range []string{"r1", "r2"} {
+		publish(s.Request("kvbus-sim"), &messages.Request{RequestID: id, FrontendID: "fe-1", SessionID: "s", Model: "kvbus-sim", PromptTokenIDs: []uint32{1, 2, 3}})
+	}
+	publish(s.Abort(), &messages.Abort{ReqID: "r1", Group: "g0", BeforeAttempt: 1, Reason: "dispatched again"})
+	publish(s.Abort(), &messages.Abort{ReqID: "r2", Reason: "client disconnected"})
+	testenv.Eventually(t, 5*time.Second, "the client's abort seen", func() bool { return w.Snapshot(time.Now()).Aborted == 1 })
+	snap := w.Snapshot(time.Now())
+	if snap.InFlight != 1 || snap.Finished != 0 {
+		t.Errorf("in_flight %d, finished %d; want 1 (the withdrawn request goes on) and 0", snap.InFlight, snap.Finished)
 	}
 }

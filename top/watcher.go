@@ -97,6 +97,7 @@ type doneReq struct {
 	prompt  int
 	cached  int
 	failed  bool
+	aborted bool // its client went away (an Abort): no answer was due
 	session string
 }
 
@@ -140,6 +141,7 @@ func (w *Watcher) Run(ctx context.Context) error {
 	prefix := strings.TrimSuffix(s.All(), ">")
 	handlers := map[string]func(*nats.Msg, time.Time){
 		"hb": w.onHeartbeat, "kv": w.onKV, "req": w.onRequest, "meta": w.onMeta, "out": w.onOutput, "ann": w.onAnnouncement,
+		"ctl": w.onControl,
 	}
 	sub, err := w.cfg.Conn.Subscribe(s.All(), func(m *nats.Msg) {
 		kind, _, _ := strings.Cut(strings.TrimPrefix(m.Subject, prefix), ".")
@@ -292,6 +294,27 @@ func (w *Watcher) onOutput(m *nats.Msg, now time.Time) {
 	}
 	w.done = append(w.done, d)
 	delete(w.reqs, o.ReqID)
+}
+
+// onControl follows client aborts: the driver sends no final output for
+// an aborted request, so it ends here. A scheduler's withdrawal from one
+// group (Abort.group) is not an end: the request goes on.
+func (w *Watcher) onControl(m *nats.Msg, now time.Time) {
+	if m.Subject != w.cfg.Subjects.Abort() {
+		return
+	}
+	a, err := messages.DecodeAbort(m.Data)
+	if err != nil || a.Group != "" {
+		return
+	}
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	rv := w.reqs[a.ReqID]
+	if rv == nil {
+		return
+	}
+	w.done = append(w.done, doneReq{at: now, depth: rv.depth, prompt: rv.prompt, aborted: true, session: rv.session})
+	delete(w.reqs, a.ReqID)
 }
 
 // expire drops what is older than the window (requests that never ended
