@@ -234,7 +234,7 @@ func (c *Cluster) start() error {
 		}
 	}
 	for g := range cfg.Groups {
-		group := fmt.Sprintf("g%d", g)
+		group := GroupName(g)
 		var engine workers.Engine
 		var err error
 		if len(cfg.Engines) > 0 {
@@ -415,10 +415,13 @@ func (c *Cluster) startRank(group string, r int) error {
 }
 
 // rankRun returns a running rank.
+// GroupName is the name of the cluster's group i: g0, g1, …
+func GroupName(i int) string { return fmt.Sprintf("g%d", i) }
+
 // kvEvents is the KV event subscription of a group's model server, if any.
 func (c *Cluster) kvEvents(group string) *vllmevents.Config {
 	for i, e := range c.cfg.Engines {
-		if group == fmt.Sprintf("g%d", i) && e.KVEvents != nil {
+		if group == GroupName(i) && e.KVEvents != nil {
 			kc := *e.KVEvents
 			return &kc
 		}

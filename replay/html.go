@@ -2,6 +2,7 @@ package replay
 
 import (
 	"encoding/json"
+	"errors"
 	"fmt"
 	"html"
 	"io"
@@ -82,6 +83,9 @@ func ReadJSON(r io.Reader) ([]*Report, error) {
 	}
 	var list []*Report
 	if err := json.Unmarshal(data, &list); err == nil {
+		if slices.Contains(list, nil) {
+			return nil, errors.New("replay: not a kvbus report: a null in the list of reports")
+		}
 		return list, nil
 	}
 	var one Report

@@ -352,6 +352,12 @@ func (r *Replayer) request(it *Item, id string) *messages.Request {
 		for k, v := range it.Request.SamplingParams.ExtraArgs {
 			req.SamplingParams.ExtraArgs[k] = v
 		}
+		// A captured request without a session gets the one inferred for
+		// it (--infer-sessions), as a trace's item does.
+		if it.SessionID != "" && req.SessionID == "" && req.SamplingParams.SessionFromExtraArgs() == "" {
+			req.SessionID = it.SessionID
+			req.SamplingParams.ExtraArgs[messages.ExtraArgSessionID] = it.SessionID
+		}
 	} else {
 		req = messages.Request{
 			Model: r.cfg.Model, PromptTokenIDs: it.Prompt, SessionID: it.SessionID, Endpoint: messages.EndpointCompletions,

@@ -62,7 +62,10 @@ type Report struct {
 	TTFT                 Latency            `json:"ttft_ms"`
 	E2E                  Latency            `json:"e2e_ms"`
 	GroupRequests        map[string]int     `json:"group_requests,omitempty"`
-	GroupLoadMaxOverMean float64            `json:"group_load_max_over_mean"`
+	// GroupLoadMaxOverMean is the busiest group's requests over the mean
+	// of the groups': those that served requests, and every group of the
+	// cluster when it is known (CountGroups), idle ones at zero.
+	GroupLoadMaxOverMean float64 `json:"group_load_max_over_mean"`
 	Errors               map[string]int     `json:"errors,omitempty"`
 	// TTFTCDF is the TTFT distribution, for plotting: its 0th, 1st, …,
 	// 100th percentiles in milliseconds.
@@ -129,13 +132,35 @@ func Summarize(policy string, results []Result, ideal float64, elapsed time.Dura
 	r.GroupTimeline = timeline(results)
 	if len(groups) > 0 {
 		r.GroupRequests = groups
-		maxN, sum := 0, 0
-		for _, n := range groups {
-			maxN, sum = max(maxN, n), sum+n
-		}
-		r.GroupLoadMaxOverMean = float64(maxN) / (float64(sum) / float64(len(groups)))
+		r.spread()
 	}
 	return r
+}
+
+// CountGroups adds the cluster's groups that served no request to the
+// load spread, at zero: a run that put every request on one of four groups
+// is 4.00, not an even 1.00.
+func (r *Report) CountGroups(names []string) {
+	if r.GroupRequests == nil {
+		r.GroupRequests = map[string]int{}
+	}
+	for _, g := range names {
+		if _, ok := r.GroupRequests[g]; !ok {
+			r.GroupRequests[g] = 0
+		}
+	}
+	r.spread()
+}
+
+func (r *Report) spread() {
+	maxN, sum := 0, 0
+	for _, n := range r.GroupRequests {
+		maxN, sum = max(maxN, n), sum+n
+	}
+	r.GroupLoadMaxOverMean = 0
+	if sum > 0 {
+		r.GroupLoadMaxOverMean = float64(maxN) / (float64(sum) / float64(len(r.GroupRequests)))
+	}
 }
 
 // timeline buckets the successful requests by group and send time, in at

@@ -1077,3 +1077,79 @@ func TestWriteJSON(t *testing.T) {
 		t.Error("WriteJSON into a missing directory succeeded")
 	}
 }
+
+// TestInferSessionsOfACapture: sessions inferred for a capture's requests
+// (--infer-sessions) reach the replayed requests, as a trace's do; before,
+// the report split hit ratios by inferred turns that the scheduler never
+// saw. A captured session is kept.
+func TestInferSessionsOfACapture(t *testing.T) {
+	base := make([]uint32, 2*MooncakeBlockTokens)
+	for i := range base {
+		base[i] = uint32(i + 1)
+	}
+	var buf bytes.Buffer
+	cw, err := NewCaptureWriter(&buf)
+	if err != nil {
+		t.Fatal(err)
+	}
+	prompts := [][]uint32{base, append(slices.Clone(base), 7, 8, 9), {5, 6}}
+	for i, p := range prompts {
+		req := &messages.Request{RequestID: fmt.Sprintf("r%d", i), FrontendID: "fe-1", Model: "kvbus-sim", PromptTokenIDs: p}
+		if i == 2 {
+			req.SessionID = "captured"
+			req.SamplingParams.ExtraArgs = messages.Args{messages.ExtraArgSessionID: "captured"}
+		}
+		data, err := messages.Marshal(req)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := cw.Write(Frame{Time: time.Unix(int64(i), 0), Subject: "kvbus.req.kvbus-sim", Payload: data}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := cw.Flush(); err != nil {
+		t.Fatal(err)
+	}
+	tr, err := ReadTrace(&buf, FormatCapture)
+	if err != nil {
+		t.Fatal(err)
+	}
+	InferSessions(tr, MooncakeBlockTokens)
+	if s := tr.Items[0].SessionID; s == "" || s != tr.Items[1].SessionID || tr.Items[2].SessionID != "captured" {
+		t.Fatalf("sessions %q %q %q: want the first two inferred alike, the third captured", s, tr.Items[1].SessionID, tr.Items[2].SessionID)
+	}
+	r := &Replayer{cfg: Config{Model: "kvbus-sim", Timeout: time.Minute}, frontendID: "replay-x"}
+	for i := range tr.Items {
+		req := r.request(&tr.Items[i], "rp-1")
+		if req.SessionID != tr.Items[i].SessionID || req.SamplingParams.SessionFromExtraArgs() != tr.Items[i].SessionID {
+			t.Errorf("item %d: session %q, replayed with session_id %q and extra_args session %q",
+				i, tr.Items[i].SessionID, req.SessionID, req.SamplingParams.SessionFromExtraArgs())
+		}
+	}
+}
+
+// TestGroupLoadCountsIdleGroups: every request on one group of four is a
+// spread of 4.00 once the cluster's groups are known (bench knows them),
+// not an even 1.00.
+func TestGroupLoadCountsIdleGroups(t *testing.T) {
+	var res []Result
+	for range 8 {
+		res = append(res, Result{ReqID: "x", Group: "g0", PromptTokens: 10, TTFT: time.Millisecond, E2E: time.Millisecond, Sent: time.Now()})
+	}
+	rep := Summarize("session", res, 0, time.Second)
+	if rep.GroupLoadMaxOverMean != 1 {
+		t.Fatalf("over the groups that served: %.2f, want 1", rep.GroupLoadMaxOverMean)
+	}
+	rep.CountGroups([]string{"g0", "g1", "g2", "g3"})
+	if rep.GroupLoadMaxOverMean != 4 || len(rep.GroupRequests) != 4 {
+		t.Errorf("over the cluster's 4 groups: %.2f (%v), want 4.00", rep.GroupLoadMaxOverMean, rep.GroupRequests)
+	}
+}
+
+// TestReadJSONRefusesNull: a list of reports with a null in it is not a
+// report file (kvbus report panicked on it).
+func TestReadJSONRefusesNull(t *testing.T) {
+	if _, err := ReadJSON(strings.NewReader(`[null]`)); err == nil {
+		t.Error("[null] read as a list of reports")
+	}
+}

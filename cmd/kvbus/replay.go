@@ -309,6 +309,11 @@ func (c *benchCmd) runOne(ctx context.Context, tr *replay.Trace, policy, pool st
 		total += elapsed
 	}
 	rep := replay.Summarize(policy, all, ideal, total)
+	groups := make([]string, c.Groups)
+	for i := range groups {
+		groups[i] = cluster.GroupName(i)
+	}
+	rep.CountGroups(groups)
 	if profile, err := workers.LookupModelProfile(c.Profile); err == nil {
 		// Every rank of the group reads its shard of each remote token.
 		rep.RemoteBytes = rep.RemoteTokens * int64(profile.BytesPerTokenPerRank(c.Ranks)*c.Ranks)
