@@ -71,9 +71,11 @@ type Config struct {
 	// MaxPayload of the embedded server (default: bus.StartServer's).
 	MaxPayload int32
 
-	Schedulers       int    // replicas, default 1
-	Policy           string // default "kv"
-	SessionEpsilon   float64
+	Schedulers int    // replicas, default 1
+	Policy     string // default "kv"
+	// SessionEpsilon is the session policy's slack; nil: 0.25 (0 is a
+	// value: no slack).
+	SessionEpsilon   *float64
 	BlockSize        int
 	HeartbeatTimeout time.Duration
 	RequestTimeout   time.Duration
@@ -166,8 +168,9 @@ func (c *Config) defaults() {
 	if c.Policy == "" {
 		c.Policy = scheduler.PolicyKV
 	}
-	if c.SessionEpsilon == 0 {
-		c.SessionEpsilon = 0.25
+	if c.SessionEpsilon == nil {
+		eps := 0.25
+		c.SessionEpsilon = &eps
 	}
 	if c.Logger == nil {
 		c.Logger = slog.Default()
@@ -259,7 +262,7 @@ func (c *Cluster) start() error {
 		requestLog = cfg.Frontend.RequestLog()
 	}
 	for i := range cfg.Schedulers {
-		policy, err := scheduler.NewPolicy(cfg.Policy, cfg.SessionEpsilon)
+		policy, err := scheduler.NewPolicy(cfg.Policy, *cfg.SessionEpsilon)
 		if err != nil {
 			return err
 		}

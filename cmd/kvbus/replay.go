@@ -333,7 +333,7 @@ func (c *benchCmd) runCluster(ctx context.Context, tr *replay.Trace, policy, poo
 			Profile:   workers.SimProfile{PrefillPerToken: c.Prefill, LoadPerToken: c.Load, RemoteLoadPerToken: c.RemoteLoad, DecodePerToken: c.Decode},
 			TimeScale: 1 / c.Speed,
 		},
-		HeartbeatInterval: 250 * time.Millisecond, Policy: policy, Pool: pool, SessionEpsilon: c.Epsilon, RequestTimeout: c.Timeout,
+		HeartbeatInterval: 250 * time.Millisecond, Policy: policy, Pool: pool, SessionEpsilon: &c.Epsilon, RequestTimeout: c.Timeout,
 		Logger: quiet.logger(),
 	})
 	if err != nil {

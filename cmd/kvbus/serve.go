@@ -96,7 +96,7 @@ func (c *serveCmd) clusterConfig() (cluster.Config, error) {
 			TimeScale: c.TimeScale, DefaultMaxTokens: c.DefaultMaxTokens,
 		},
 		HeartbeatInterval: c.HeartbeatEvery, ShutdownTimeout: c.ShutdownTimeout,
-		Policy: c.Policy, SessionEpsilon: c.SessionEpsilon, BlockSize: c.BlockSize,
+		Policy: c.Policy, SessionEpsilon: &c.SessionEpsilon, BlockSize: c.BlockSize,
 		HeartbeatTimeout: c.HeartbeatTimeout, RequestTimeout: c.RequestTimeout, SessionTTL: c.SessionTTL,
 		NoGroupWait: c.NoGroupWait, ResendAfter: c.ResendAfter, SaveWait: c.SaveWait, DrainHandoff: handoff, Pool: c.Pool,
 	}, nil
