@@ -7,6 +7,8 @@ import (
 	"net"
 	"net/http"
 	"net/http/httptest"
+	"os"
+	"path/filepath"
 	"strings"
 	"sync"
 	"testing"
@@ -192,6 +194,34 @@ func TestWorkerBadSizes(t *testing.T) {
 		err = c.Worker.Run(t.Context())
 		if err == nil || !strings.Contains(err.Error(), tc.flag) {
 			t.Errorf("worker %s %s: error %v, want one naming %s", tc.flag, tc.value, err, tc.flag)
+		}
+	}
+}
+
+// TestBenchChecksEveryRunFirst: a typo in a later policy or pool fails at
+// once, before anything else (it failed after the runs before it, minutes
+// on a real trace, and printed nothing of them): here before the trace,
+// which is not one, is even read.
+func TestBenchChecksEveryRunFirst(t *testing.T) {
+	trace := filepath.Join(t.TempDir(), "t.jsonl")
+	if err := os.WriteFile(trace, []byte("not a trace\n"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	for _, tc := range []struct{ flag, value, want string }{
+		{"--policies", "kv,round-robbin", "round-robbin"},
+		{"--pool", "global,locl", "locl"},
+	} {
+		var c cli
+		p, err := kong.New(&c, kong.Bind((*logsink.Writer)(nil)), kong.DefaultEnvars("KVBUS"))
+		if err != nil {
+			t.Fatal(err)
+		}
+		if _, err := p.Parse([]string{"bench", "--trace", trace, tc.flag, tc.value}); err != nil {
+			t.Fatal(err)
+		}
+		err = c.Bench.Run(t.Context())
+		if err == nil || !strings.Contains(err.Error(), tc.want) {
+			t.Errorf("bench %s %s: error %v, want one naming %s", tc.flag, tc.value, err, tc.want)
 		}
 	}
 }

@@ -14,6 +14,7 @@ import (
 
 	"github.com/kvbus/kvbus/cluster"
 	"github.com/kvbus/kvbus/replay"
+	"github.com/kvbus/kvbus/scheduler"
 	"github.com/kvbus/kvbus/workers"
 )
 
@@ -237,6 +238,10 @@ func (c *benchCmd) Run(ctx context.Context) error {
 	if c.BlockSize < 1 || c.Speed <= 0 || c.Runs < 1 {
 		return errors.New("--block-size and --runs must be at least 1 and --speed positive")
 	}
+	policies, pools, err := c.runs()
+	if err != nil {
+		return err
+	}
 	tr, err := c.load(c.Trace)
 	if err != nil {
 		return err
@@ -257,10 +262,8 @@ func (c *benchCmd) Run(ctx context.Context) error {
 	const model = "kvbus-sim"
 	ideal := replay.IdealHitRatio(tr.Items, model, c.BlockSize)
 	var reports []*replay.Report
-	pools := strings.Split(c.Pools, ",")
-	for _, policy := range strings.Split(c.Policies, ",") {
+	for _, policy := range policies {
 		for _, pool := range pools {
-			policy, pool := strings.TrimSpace(policy), strings.TrimSpace(pool)
 			log.Info("bench: starting a cluster", "policy", policy, "pool", pool, "groups", c.Groups, "ranks", c.Ranks,
 				"requests", len(tr.Items), "speed", c.Speed)
 			rep, err := c.runOne(ctx, tr, policy, pool, capacity, ideal)
@@ -278,6 +281,27 @@ func (c *benchCmd) Run(ctx context.Context) error {
 		return err
 	}
 	return c.write("kvbus bench: "+c.Trace, reports)
+}
+
+// runs returns the policies and pools to bench, each checked before any
+// cluster runs: a typo in the last one must not cost the runs before it.
+func (c *benchCmd) runs() (policies, pools []string, err error) {
+	for p := range strings.SplitSeq(c.Policies, ",") {
+		p = strings.TrimSpace(p)
+		if _, err := scheduler.NewPolicy(p, c.Epsilon); err != nil {
+			return nil, nil, fmt.Errorf("--policies: %w", err)
+		}
+		policies = append(policies, p)
+	}
+	for p := range strings.SplitSeq(c.Pools, ",") {
+		switch p = strings.TrimSpace(p); p {
+		case scheduler.PoolLocal, scheduler.PoolGlobal:
+			pools = append(pools, p)
+		default:
+			return nil, nil, fmt.Errorf("--pool: %q must be %s or %s", p, scheduler.PoolLocal, scheduler.PoolGlobal)
+		}
+	}
+	return policies, pools, nil
 }
 
 // reportCmd redraws the plots of a JSON report.
