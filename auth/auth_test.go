@@ -297,3 +297,32 @@ func TestRotate(t *testing.T) {
 		t.Errorf("rotating an unknown key: %v", err)
 	}
 }
+
+// TestRotateKeepsThePrefix: rotating one key of a directory written for
+// another subject prefix keeps every role's permissions on that prefix,
+// without --subject-prefix repeated (it rewrote them for kvbus.*, and after
+// the reload every role was refused its real subjects); naming another
+// prefix is refused. Matrix reads the recorded prefix too.
+func TestRotateKeepsThePrefix(t *testing.T) {
+	dir := t.TempDir()
+	if err := auth.Init(dir, messages.Subjects{Prefix: "prod"}, nil, false); err != nil {
+		t.Fatal(err)
+	}
+	if err := auth.Rotate(dir, messages.Subjects{}, "worker"); err != nil {
+		t.Fatal(err)
+	}
+	conf, err := os.ReadFile(filepath.Join(dir, auth.ConfigFile))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !strings.Contains(string(conf), `"prod.`) || strings.Contains(string(conf), `"kvbus.`) {
+		t.Errorf("after a rotation the permissions are not on prod.*:\n%s", conf)
+	}
+	if err := auth.Rotate(dir, messages.Subjects{Prefix: "kvbus"}, "worker"); !errors.Is(err, auth.ErrConfig) || !strings.Contains(err.Error(), "prod") {
+		t.Errorf("rotating with another prefix: %v, want a refusal naming prod", err)
+	}
+	m, err := auth.Matrix(dir, messages.Subjects{})
+	if err != nil || !strings.Contains(m, "prod.") || strings.Contains(m, "kvbus.") {
+		t.Errorf("matrix of a prod directory: %v\n%s", err, m)
+	}
+}

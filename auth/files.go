@@ -2,6 +2,7 @@ package auth
 
 import (
 	"bytes"
+	"cmp"
 	"errors"
 	"fmt"
 	"io/fs"
@@ -18,6 +19,10 @@ import (
 
 // ConfigFile is the name of the authorization block Init writes.
 const ConfigFile = "nats-auth.conf"
+
+// PrefixFile records, in a key directory, the subject prefix its
+// permissions were written for: Rotate and Matrix read it.
+const PrefixFile = "subject-prefix"
 
 // Identities are the keys Init writes: one per role, and one worker key per
 // group of groups.
@@ -51,7 +56,30 @@ func Init(dir string, s messages.Subjects, groups []string, force bool) error {
 	if err := os.MkdirAll(dir, 0o700); err != nil {
 		return err
 	}
+	prefix := cmp.Or(s.Prefix, messages.DefaultPrefix)
+	if err := writeFile(filepath.Join(dir, PrefixFile), []byte(prefix+"\n"), 0o644); err != nil {
+		return err
+	}
 	return write(dir, s, ids, func(Identity) bool { return true })
+}
+
+// dirSubjects returns the subjects dir's keys were written for: its
+// recorded prefix, unless s names another (an error: the permissions
+// would move to other subjects). An empty s.Prefix takes the recorded one;
+// a directory without a record (written before it was kept) takes s.
+func dirSubjects(dir string, s messages.Subjects) (messages.Subjects, error) {
+	data, err := os.ReadFile(filepath.Join(dir, PrefixFile))
+	if errors.Is(err, fs.ErrNotExist) {
+		return s, nil
+	}
+	if err != nil {
+		return s, err
+	}
+	stored := strings.TrimSpace(string(data))
+	if s.Prefix != "" && s.Prefix != stored {
+		return s, fmt.Errorf("%w: the keys in %s are for subject prefix %q, not %q; give --subject-prefix %s (or none)", ErrConfig, dir, stored, s.Prefix, stored)
+	}
+	return messages.Subjects{Prefix: stored}, nil
 }
 
 // Rotate gives one identity of dir (its Name: "worker", "worker-g0", ...)
@@ -60,6 +88,9 @@ func Init(dir string, s messages.Subjects, groups []string, force bool) error {
 func Rotate(dir string, s messages.Subjects, name string) error {
 	ids, err := Keys(dir)
 	if err != nil {
+		return err
+	}
+	if s, err = dirSubjects(dir, s); err != nil {
 		return err
 	}
 	if !slices.ContainsFunc(ids, func(id Identity) bool { return id.Name() == name }) {
@@ -188,6 +219,9 @@ func Keys(dir string) ([]Identity, error) {
 func Matrix(dir string, s messages.Subjects) (string, error) {
 	ids, err := Keys(dir)
 	if err != nil {
+		return "", err
+	}
+	if s, err = dirSubjects(dir, s); err != nil {
 		return "", err
 	}
 	var b strings.Builder

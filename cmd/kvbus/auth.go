@@ -27,7 +27,7 @@ type authInitCmd struct {
 	Groups []string `name:"groups" sep:"," help:"Also write one worker key per group (worker-<group>.nk), allowed only that group's ReqMetas, dumps, pool, KV events and heartbeats."`
 	Force  bool     `name:"force" help:"Overwrite existing keys (rotation: every role then needs its new seed, and NATS the new config)."`
 	Rotate string   `name:"rotate" help:"Give only this key (a role, or worker-<group>) a new seed and rewrite nats-auth.conf; the other keys stay."`
-	Prefix string   `name:"subject-prefix" default:"kvbus" help:"First token of every kvbus subject."`
+	Prefix string   `name:"subject-prefix" help:"First token of every kvbus subject (default kvbus; with --rotate, the one DIR was written for)."`
 }
 
 func (c *authInitCmd) Run() error {
@@ -58,7 +58,7 @@ func names(ids []auth.Identity) []string {
 
 type authShowCmd struct {
 	Dir    string `arg:"" name:"dir" help:"Directory written by kvbus auth init."`
-	Prefix string `name:"subject-prefix" default:"kvbus" help:"First token of every kvbus subject."`
+	Prefix string `name:"subject-prefix" help:"First token of every kvbus subject (default: the one DIR was written for)."`
 }
 
 func (c *authShowCmd) Run() error {
