@@ -12,6 +12,7 @@ import (
 	"text/tabwriter"
 	"time"
 
+	"github.com/kvbus/kvbus/internal/quantile"
 	"github.com/kvbus/kvbus/scheduler"
 )
 
@@ -56,17 +57,17 @@ type Report struct {
 	RemoteHitRatio float64 `json:"remote_hit_ratio"`
 	// RemoteBytes is what moved between groups, when the caller knows the
 	// bytes per token of all ranks of a group (kvbus bench does).
-	RemoteBytes          int64              `json:"remote_bytes,omitempty"`
-	IdealHitRatio        float64            `json:"ideal_hit_ratio"`
-	HitRatioByTurn       map[string]float64 `json:"hit_ratio_by_turn"`
-	TTFT                 Latency            `json:"ttft_ms"`
-	E2E                  Latency            `json:"e2e_ms"`
-	GroupRequests        map[string]int     `json:"group_requests,omitempty"`
+	RemoteBytes    int64              `json:"remote_bytes,omitempty"`
+	IdealHitRatio  float64            `json:"ideal_hit_ratio"`
+	HitRatioByTurn map[string]float64 `json:"hit_ratio_by_turn"`
+	TTFT           Latency            `json:"ttft_ms"`
+	E2E            Latency            `json:"e2e_ms"`
+	GroupRequests  map[string]int     `json:"group_requests,omitempty"`
 	// GroupLoadMaxOverMean is the busiest group's requests over the mean
 	// of the groups': those that served requests, and every group of the
 	// cluster when it is known (CountGroups), idle ones at zero.
-	GroupLoadMaxOverMean float64 `json:"group_load_max_over_mean"`
-	Errors               map[string]int     `json:"errors,omitempty"`
+	GroupLoadMaxOverMean float64        `json:"group_load_max_over_mean"`
+	Errors               map[string]int `json:"errors,omitempty"`
 	// TTFTCDF is the TTFT distribution, for plotting: its 0th, 1st, …,
 	// 100th percentiles in milliseconds.
 	TTFTCDF []float64 `json:"ttft_cdf_ms,omitempty"`
@@ -126,7 +127,7 @@ func Summarize(policy string, results []Result, ideal float64, elapsed time.Dura
 	if len(ttft) > 0 {
 		r.TTFTCDF = make([]float64, 101)
 		for p := range r.TTFTCDF {
-			r.TTFTCDF[p] = ms(ttft[min(p*len(ttft)/100, len(ttft)-1)])
+			r.TTFTCDF[p] = ms(quantile.NearestRank(ttft, float64(p)/100))
 		}
 	}
 	r.GroupTimeline = timeline(results)
@@ -222,10 +223,7 @@ func summarize(ds []time.Duration) Latency {
 	for _, d := range ds {
 		sum += d
 	}
-	q := func(p float64) float64 {
-		i := int(math.Ceil(p*float64(len(ds)))) - 1
-		return ms(ds[min(max(i, 0), len(ds)-1)])
-	}
+	q := func(p float64) float64 { return ms(quantile.NearestRank(ds, p)) }
 	return Latency{Mean: ms(sum / time.Duration(len(ds))), P50: q(0.50), P95: q(0.95), P99: q(0.99)}
 }
 

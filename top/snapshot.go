@@ -4,6 +4,8 @@ import (
 	"slices"
 	"sort"
 	"time"
+
+	"github.com/kvbus/kvbus/internal/quantile"
 )
 
 // Snapshot is the cluster as the bus showed it at At; `kvbus top --once
@@ -203,6 +205,5 @@ func quantileMs(sorted []time.Duration, q float64) float64 {
 	if len(sorted) == 0 {
 		return 0
 	}
-	i := min(int(q*float64(len(sorted))), len(sorted)-1)
-	return float64(sorted[i].Microseconds()) / 1000
+	return float64(quantile.NearestRank(sorted, q).Microseconds()) / 1000
 }

@@ -13,6 +13,8 @@ import (
 	"strings"
 	"sync"
 	"time"
+
+	"github.com/kvbus/kvbus/internal/quantile"
 )
 
 // loadgenCmd drives an OpenAI-compatible server over HTTP as wrk would:
@@ -102,12 +104,7 @@ func (c *loadgenCmd) measure(ctx context.Context) (loadResult, error) {
 	wg.Wait()
 	elapsed := time.Since(start)
 	slices.Sort(latencies)
-	q := func(p float64) float64 {
-		if len(latencies) == 0 {
-			return 0
-		}
-		return float64(latencies[min(int(p*float64(len(latencies))), len(latencies)-1)].Microseconds()) / 1000
-	}
+	q := func(p float64) float64 { return float64(quantile.NearestRank(latencies, p).Microseconds()) / 1000 }
 	return loadResult{Concurrency: c.Concurrency, Stream: c.Stream, Requests: len(latencies), Errors: errs, Seconds: elapsed.Seconds(),
 		RPS: float64(len(latencies)) / elapsed.Seconds(), P50Ms: q(0.5), P99Ms: q(0.99)}, nil
 }
