@@ -63,9 +63,12 @@ type rankInfo struct {
 	seen    time.Time
 	started int64
 	// restarted is when this replica heard the rank's process change (a
-	// new started_unix_ms): requests dispatched before it that the rank
+	// later started_unix_ms): requests dispatched before it that the rank
 	// had not finished are lost on it.
-	restarted  time.Time
+	restarted time.Time
+	// dupSaid is when a second process claiming this rank was last
+	// reported.
+	dupSaid    time.Time
 	queueDepth int
 	draining   bool
 	// notReady: the rank's engine does not take requests (it fails its
@@ -87,8 +90,15 @@ func loadWork(local, remote int, localLoad, remoteLoad float64) int {
 	return int(math.Round(localLoad*float64(local) + remoteLoad*float64(remote)))
 }
 
-// observe records a heartbeat.
-func (t *groupTable) observe(hb *messages.Heartbeat, now time.Time) {
+// dupReportEvery is how often a rank claimed by two processes is reported.
+const dupReportEvery = time.Minute
+
+// observe records a heartbeat. A later started_unix_ms than the rank's is
+// a restart; an earlier one comes from a second, older process with the
+// same identity (two workers given one --tp-rank): it is not the rank's
+// (stale), and report says to tell the operator (at most once a minute per
+// rank).
+func (t *groupTable) observe(hb *messages.Heartbeat, now time.Time) (stale, report bool) {
 	t.mu.Lock()
 	defer t.mu.Unlock()
 	g := t.groups[hb.Group]
@@ -102,12 +112,19 @@ func (t *groupTable) observe(hb *messages.Heartbeat, now time.Time) {
 		g.ranks = map[int]rankInfo{}
 	}
 	prev, known := g.ranks[hb.TPRank]
+	if known && hb.StartedUnixMs < prev.started {
+		if report = now.Sub(prev.dupSaid) >= dupReportEvery; report {
+			prev.dupSaid = now
+			g.ranks[hb.TPRank] = prev
+		}
+		return true, report
+	}
 	restarted := prev.restarted
-	if known && prev.started != hb.StartedUnixMs {
+	if known && hb.StartedUnixMs > prev.started {
 		restarted = now
 	}
-	g.ranks[hb.TPRank] = rankInfo{seen: now, started: hb.StartedUnixMs, restarted: restarted, queueDepth: hb.QueueDepth,
-		draining: hb.Draining, notReady: hb.NotReady}
+	g.ranks[hb.TPRank] = rankInfo{seen: now, started: hb.StartedUnixMs, restarted: restarted, dupSaid: prev.dupSaid,
+		queueDepth: hb.QueueDepth, draining: hb.Draining, notReady: hb.NotReady}
 	if hb.TPRank == 0 { // the driver knows the group's load
 		g.hbInflight = hb.InflightRequests
 		bs := int64(t.blockSize)
@@ -118,6 +135,7 @@ func (t *groupTable) observe(hb *messages.Heartbeat, now time.Time) {
 		g.prefillingBlocks = int((hb.PrefillingTokens + bs - 1) / bs)
 		g.inflight, g.queued = 0, 0
 	}
+	return false, false
 }
 
 // ready returns the groups whose world_size ranks all sent a heartbeat

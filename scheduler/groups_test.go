@@ -189,3 +189,45 @@ func TestGroupTableTakesOffTheHeadsProgress(t *testing.T) {
 		t.Errorf("at 1.2 ms a block, 12 ms into the head: %d queued, want 90", q)
 	}
 }
+
+// TestGroupTableRestartsAndDuplicates: a rank's later started_unix_ms is a
+// restart, recorded when heard; an earlier one is a second, older process
+// claiming the same rank: its heartbeats are not the rank's (no restart,
+// no liveness), reported once a minute, not on every heartbeat.
+func TestGroupTableRestartsAndDuplicates(t *testing.T) {
+	gt := newGroupTable(time.Second, 16, 0.25, 0.5)
+	beat := func(started int64, at time.Time) (stale, report bool) {
+		h := hb("g0", 0, 1)
+		h.StartedUnixMs = started
+		return gt.observe(h, at)
+	}
+	t0 := time.Now()
+	beat(100, t0)
+	if r := gt.restarts(); r != nil {
+		t.Fatalf("first heartbeat counted as a restart: %v", r)
+	}
+	t1 := t0.Add(time.Second)
+	beat(200, t1)
+	if at := gt.restarts()["g0"][0]; !at.Equal(t1) {
+		t.Fatalf("restart heard at %v, want %v", at, t1)
+	}
+	if stale, report := beat(100, t1.Add(100*time.Millisecond)); !stale || !report {
+		t.Errorf("the older process's heartbeat: stale %v report %v, want both", stale, report)
+	}
+	if stale, report := beat(100, t1.Add(200*time.Millisecond)); !stale || report {
+		t.Errorf("again within a minute: stale %v report %v, want stale, not reported", stale, report)
+	}
+	if stale, _ := beat(200, t1.Add(300*time.Millisecond)); stale {
+		t.Error("the newer process's heartbeat is stale")
+	}
+	if at := gt.restarts()["g0"][0]; !at.Equal(t1) {
+		t.Errorf("after the older process's heartbeats: restart at %v, want still %v", at, t1)
+	}
+	if _, report := beat(100, t1.Add(2*time.Minute)); !report {
+		t.Error("not reported again after a minute")
+	}
+	// Only the newer process keeps the rank alive.
+	if got := len(gt.ready(t1.Add(2*time.Minute + 100*time.Millisecond))); got != 0 {
+		t.Errorf("%d ready groups on the older process's heartbeats alone, want 0", got)
+	}
+}

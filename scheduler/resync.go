@@ -35,7 +35,14 @@ func (s *Scheduler) onHeartbeat(ctx context.Context, m *nats.Msg) error {
 	if err := s.ownSubject(m.Subject, s.cfg.Subjects.Heartbeat(hb.Group, hb.TPRank), "heartbeat", hb.Group, hb.TPRank); err != nil {
 		return err
 	}
-	s.groups.observe(hb, time.Now())
+	if stale, report := s.groups.observe(hb, time.Now()); stale {
+		if report {
+			s.log.Error("two worker processes claim the same rank: give each its own --tp-rank (or use --rank auto); "+
+				"the older one's heartbeats are ignored", "group", hb.Group, "tp_rank", hb.TPRank,
+				"older_started", time.UnixMilli(hb.StartedUnixMs).UTC().Format(time.RFC3339Nano))
+		}
+		return nil
+	}
 	if s.index.ObserveRank(hb.Group, hb.TPRank, hb.WorldSize, hb.StartedUnixMs) {
 		s.log.Info("rank (re)started or first heard of: asking it for a dump", "group", hb.Group, "tp_rank", hb.TPRank)
 		s.requestDump(ctx, hb.Group, hb.TPRank)
