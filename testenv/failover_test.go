@@ -20,28 +20,9 @@ import (
 // before it produced any output is dispatched again on another group and
 // answers normally.
 func TestGroupFailureBeforeOutputRedispatches(t *testing.T) {
-	// Prefill takes 60 µs × 20 per token: about 2.4 s for this prompt.
 	c := testenv.StartCluster(t, testenv.ClusterConfig{Groups: 2, TimeScale: 20})
 	metas := c.Observe(t, "kvbus.meta.>")
-	prompt := strings.Repeat("a long prompt to prefill slowly ", 300)
-	body, _ := json.Marshal(map[string]any{"model": c.Model, "max_tokens": 1, "messages": []map[string]string{{"role": "user", "content": prompt}}})
-	type reply struct {
-		status int
-		body   []byte
-	}
-	done := make(chan reply, 1)
-	go func() {
-		status, _, raw := post(t, c, "/v1/chat/completions", string(body), map[string]string{"X-Session-ID": "failover"})
-		done <- reply{status, raw}
-	}()
-	var first *messages.ReqMeta
-	testenv.Eventually(t, 10*time.Second, "the first dispatch", func() bool {
-		for _, m := range metas.Messages() {
-			first, _ = messages.DecodeReqMeta(m.Data)
-			return first != nil
-		}
-		return false
-	})
+	done, first := sendSlowPrefill(t, c, metas, "failover")
 	c.KillRank(t, first.Group, 0) // the driver, in the middle of the prefill
 	r := <-done
 	if r.status != http.StatusOK {
@@ -63,6 +44,37 @@ func TestGroupFailureBeforeOutputRedispatches(t *testing.T) {
 		t.Errorf("redispatched = %v, want 1", got)
 	}
 	testenv.Eventually(t, 5*time.Second, "no tracker left", func() bool { return c.Scheduler.Trackers() == 0 })
+}
+
+// slowReply is the answer to sendSlowPrefill's request.
+type slowReply struct {
+	status int
+	body   []byte
+	took   time.Duration
+}
+
+// sendSlowPrefill sends, in the background, a chat request whose prefill
+// takes about 2.4 s at --time-scale 20, and waits for its first ReqMeta
+// among metas.
+func sendSlowPrefill(t *testing.T, c *testenv.Cluster, metas *testenv.Observer, session string) (<-chan slowReply, *messages.ReqMeta) {
+	t.Helper()
+	prompt := strings.Repeat("a long prompt to prefill slowly ", 300) // 60 µs × 20 per token
+	body, _ := json.Marshal(map[string]any{"model": c.Model, "max_tokens": 1, "messages": []map[string]string{{"role": "user", "content": prompt}}})
+	done := make(chan slowReply, 1)
+	start := time.Now()
+	go func() {
+		status, _, raw := post(t, c, "/v1/chat/completions", string(body), map[string]string{"X-Session-ID": session})
+		done <- slowReply{status, raw, time.Since(start)}
+	}()
+	var first *messages.ReqMeta
+	testenv.Eventually(t, 10*time.Second, "the first dispatch", func() bool {
+		for _, m := range metas.Messages() {
+			first, _ = messages.DecodeReqMeta(m.Data)
+			return first != nil
+		}
+		return false
+	})
+	return done, first
 }
 
 // TestGroupFailureWhileStreamingEndsWithAnError: a request that already
@@ -253,30 +265,10 @@ func TestRankRestartMidRequestRedispatches(t *testing.T) {
 			c := testenv.StartCluster(t, testenv.ClusterConfig{Groups: 2, TimeScale: 20, RequestTimeout: 30 * time.Second,
 				StoreDelays: map[int]time.Duration{2: 3 * time.Second}})
 			metas := c.Observe(t, "kvbus.meta.>")
-			prompt := strings.Repeat("a long prompt to prefill slowly ", 300) // ~2.4 s of prefill
-			body, _ := json.Marshal(map[string]any{"model": c.Model, "max_tokens": 1, "messages": []map[string]string{{"role": "user", "content": prompt}}})
-			type reply struct {
-				status int
-				body   []byte
-				took   time.Duration
-			}
-			done := make(chan reply, 1)
-			start := time.Now()
-			go func() {
-				status, _, raw := post(t, c, "/v1/chat/completions", string(body), map[string]string{"X-Session-ID": "restart"})
-				done <- reply{status, raw, time.Since(start)}
-			}()
-			var first *messages.ReqMeta
-			testenv.Eventually(t, 10*time.Second, "the first dispatch", func() bool {
-				for _, m := range metas.Messages() {
-					first, _ = messages.DecodeReqMeta(m.Data)
-					return first != nil
-				}
-				return false
-			})
+			done, first := sendSlowPrefill(t, c, metas, "restart")
 			time.Sleep(300 * time.Millisecond) // past --receipt-after: every rank said it has the request
 			c.CrashRestartRank(t, first.Group, rank)
-			var r reply
+			var r slowReply
 			select {
 			case r = <-done:
 			case <-time.After(20 * time.Second):
