@@ -166,6 +166,12 @@ type user struct {
 	perms Permissions
 }
 
+// responseWindow is how long a role may answer a request it received:
+// above the longest answer kvbus makes, a hand-off target's, which may take
+// 9/10 of its --shutdown-timeout (with 1m, a target given more than 66 s
+// would have had its answer refused).
+const responseWindow = "10m"
+
 // configText renders the authorization block of nats-server's
 // configuration format.
 func configText(users []user) string {
@@ -178,7 +184,7 @@ func configText(users []user) string {
 		fmt.Fprintf(&b, "        publish: { allow: %s }\n", list(u.perms.Publish))
 		fmt.Fprintf(&b, "        subscribe: { allow: %s }\n", list(u.perms.Subscribe))
 		if u.perms.Responses > 0 {
-			fmt.Fprintf(&b, "        allow_responses: { max: %d, expires: \"1m\" }\n", u.perms.Responses)
+			fmt.Fprintf(&b, "        allow_responses: { max: %d, expires: %q }\n", u.perms.Responses, responseWindow)
 		}
 		b.WriteString("      }\n    }\n")
 	}
