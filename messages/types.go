@@ -161,6 +161,11 @@ type RankResult struct {
 	// reached it, or the prefill before it ended) to its end. Schedulers
 	// learn from it how fast a group works off its queue.
 	PrefillUs int64 `msgpack:"prefill_us,omitempty" json:"prefill_us,omitempty"`
+	// StartedUnixMs is when the answering rank's process started, as in its
+	// heartbeats: a scheduler that hears a rank restart tells the requests
+	// the new process has (it answered them) from those the old one took
+	// with it. 0: not said (an older worker).
+	StartedUnixMs int64 `msgpack:"started_unix_ms,omitempty" json:"started_unix_ms,omitempty"`
 }
 
 // Usage counts tokens like OpenAI's usage object.

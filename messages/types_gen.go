@@ -2582,8 +2582,8 @@ func (z *PoolRead) Msgsize() (s int) {
 func (z *RankResult) MarshalMsg(b []byte) (o []byte, err error) {
 	o = msgp.Require(b, z.Msgsize())
 	// check for omitted fields
-	zb0001Len := uint32(18)
-	var zb0001Mask uint32 /* 18 bits */
+	zb0001Len := uint32(19)
+	var zb0001Mask uint32 /* 19 bits */
 	_ = zb0001Mask
 	if z.RemoteTokens == 0 {
 		zb0001Len--
@@ -2608,6 +2608,10 @@ func (z *RankResult) MarshalMsg(b []byte) (o []byte, err error) {
 	if z.PrefillUs == 0 {
 		zb0001Len--
 		zb0001Mask |= 0x20000
+	}
+	if z.StartedUnixMs == 0 {
+		zb0001Len--
+		zb0001Mask |= 0x40000
 	}
 	// variable map header, size zb0001Len
 	o = msgp.AppendMapHeader(o, zb0001Len)
@@ -2679,6 +2683,11 @@ func (z *RankResult) MarshalMsg(b []byte) (o []byte, err error) {
 			// string "prefill_us"
 			o = append(o, 0xaa, 0x70, 0x72, 0x65, 0x66, 0x69, 0x6c, 0x6c, 0x5f, 0x75, 0x73)
 			o = msgp.AppendInt64(o, z.PrefillUs)
+		}
+		if (zb0001Mask & 0x40000) == 0 { // if not omitted
+			// string "started_unix_ms"
+			o = append(o, 0xaf, 0x73, 0x74, 0x61, 0x72, 0x74, 0x65, 0x64, 0x5f, 0x75, 0x6e, 0x69, 0x78, 0x5f, 0x6d, 0x73)
+			o = msgp.AppendInt64(o, z.StartedUnixMs)
 		}
 	}
 	return
@@ -2814,6 +2823,12 @@ func (z *RankResult) UnmarshalMsg(bts []byte) (o []byte, err error) {
 				err = msgp.WrapError(err, "PrefillUs")
 				return
 			}
+		case "started_unix_ms":
+			z.StartedUnixMs, bts, err = msgp.ReadInt64Bytes(bts)
+			if err != nil {
+				err = msgp.WrapError(err, "StartedUnixMs")
+				return
+			}
 		default:
 			bts, err = msgp.Skip(bts)
 			if err != nil {
@@ -2828,7 +2843,7 @@ func (z *RankResult) UnmarshalMsg(bts []byte) (o []byte, err error) {
 
 // Msgsize returns an upper bound estimate of the number of bytes occupied by the serialized message
 func (z *RankResult) Msgsize() (s int) {
-	s = 3 + 2 + msgp.IntSize + 7 + msgp.StringPrefixSize + len(z.ReqID) + 6 + msgp.StringPrefixSize + len(z.Group) + 8 + msgp.IntSize + 8 + msgp.IntSize + 8 + msgp.IntSize + 14 + msgp.IntSize + 14 + msgp.IntSize + 14 + msgp.IntSize + 15 + msgp.IntSize + 14 + msgp.IntSize + 8 + msgp.Int64Size + 9 + msgp.Int64Size + 18 + msgp.IntSize + 10 + msgp.BoolSize + 9 + msgp.BoolSize + 6 + msgp.StringPrefixSize + len(z.Error) + 11 + msgp.Int64Size
+	s = 3 + 2 + msgp.IntSize + 7 + msgp.StringPrefixSize + len(z.ReqID) + 6 + msgp.StringPrefixSize + len(z.Group) + 8 + msgp.IntSize + 8 + msgp.IntSize + 8 + msgp.IntSize + 14 + msgp.IntSize + 14 + msgp.IntSize + 14 + msgp.IntSize + 15 + msgp.IntSize + 14 + msgp.IntSize + 8 + msgp.Int64Size + 9 + msgp.Int64Size + 18 + msgp.IntSize + 10 + msgp.BoolSize + 9 + msgp.BoolSize + 6 + msgp.StringPrefixSize + len(z.Error) + 11 + msgp.Int64Size + 16 + msgp.Int64Size
 	return
 }
 

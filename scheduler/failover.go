@@ -20,9 +20,19 @@ func (s *Scheduler) rescue(now time.Time) {
 		if !alive[t.Group] {
 			return true
 		}
-		for r, at := range restarts[t.Group] {
-			if at.After(t.Dispatched) && t.Results[r] == nil {
-				return true // the new process never heard of it
+		for r, rs := range restarts[t.Group] {
+			switch {
+			case !rs.at.After(t.Dispatched), t.Results[r] != nil:
+				// Sent after the restart was heard (the new process has it,
+				// or a resend follows), or the rank is done with it.
+			case t.Heard[r] == rs.started:
+				// The new process answered it: it got the ReqMeta after it
+				// subscribed, before its first heartbeat was heard.
+			case now.Sub(rs.at) < restartGrace:
+				// The new process may have it: its receipt comes within the
+				// rank's --receipt-after.
+			default:
+				return true // the old process took it with it
 			}
 		}
 		return false
@@ -82,6 +92,11 @@ func (s *Scheduler) rescue(now time.Time) {
 		}
 	}
 }
+
+// restartGrace is how long after hearing a rank restart a request it had
+// not answered from its new process still waits for that process's receipt
+// (a rank sends one --receipt-after, 100 ms, after a ReqMeta arrives).
+const restartGrace = time.Second
 
 // withdraw tells one group's ranks to drop a request: its attempts below
 // before, or all of them (0).

@@ -93,11 +93,12 @@ func loadWork(local, remote int, localLoad, remoteLoad float64) int {
 // dupReportEvery is how often a rank claimed by two processes is reported.
 const dupReportEvery = time.Minute
 
-// observe records a heartbeat. A later started_unix_ms than the rank's is
-// a restart; an earlier one comes from a second, older process with the
-// same identity (two workers given one --tp-rank): it is not the rank's
-// (stale), and report says to tell the operator (at most once a minute per
-// rank).
+// observe records a heartbeat. Another started_unix_ms than the rank's is
+// a restart, unless it is earlier and the rank's process is still heard
+// from: then it comes from a second, older process with the same identity
+// (two workers given one --tp-rank), which is not the rank (stale), and
+// report says to tell the operator (at most once a minute per rank). Once
+// the newer process is silent for the timeout, the older one is the rank.
 func (t *groupTable) observe(hb *messages.Heartbeat, now time.Time) (stale, report bool) {
 	t.mu.Lock()
 	defer t.mu.Unlock()
@@ -112,7 +113,7 @@ func (t *groupTable) observe(hb *messages.Heartbeat, now time.Time) (stale, repo
 		g.ranks = map[int]rankInfo{}
 	}
 	prev, known := g.ranks[hb.TPRank]
-	if known && hb.StartedUnixMs < prev.started {
+	if known && hb.StartedUnixMs < prev.started && now.Sub(prev.seen) <= t.timeout {
 		if report = now.Sub(prev.dupSaid) >= dupReportEvery; report {
 			prev.dupSaid = now
 			g.ranks[hb.TPRank] = prev
@@ -120,7 +121,7 @@ func (t *groupTable) observe(hb *messages.Heartbeat, now time.Time) (stale, repo
 		return true, report
 	}
 	restarted := prev.restarted
-	if known && hb.StartedUnixMs > prev.started {
+	if known && hb.StartedUnixMs != prev.started {
 		restarted = now
 	}
 	g.ranks[hb.TPRank] = rankInfo{seen: now, started: hb.StartedUnixMs, restarted: restarted, dupSaid: prev.dupSaid,
@@ -176,24 +177,31 @@ func (t *groupTable) alive(now time.Time) map[string]bool {
 	return out
 }
 
-// restarts returns, per group, when this replica heard each rank that
+// rankRestart is a rank's last restart: when this replica heard it, and
+// the new process's started_unix_ms.
+type rankRestart struct {
+	at      time.Time
+	started int64
+}
+
+// restarts returns, per group, the last restart of each rank that
 // restarted (a rank that never did is left out).
-func (t *groupTable) restarts() map[string]map[int]time.Time {
+func (t *groupTable) restarts() map[string]map[int]rankRestart {
 	t.mu.Lock()
 	defer t.mu.Unlock()
-	var out map[string]map[int]time.Time
+	var out map[string]map[int]rankRestart
 	for name, g := range t.groups {
 		for r, ri := range g.ranks {
 			if ri.restarted.IsZero() {
 				continue
 			}
 			if out == nil {
-				out = map[string]map[int]time.Time{}
+				out = map[string]map[int]rankRestart{}
 			}
 			if out[name] == nil {
-				out[name] = map[int]time.Time{}
+				out[name] = map[int]rankRestart{}
 			}
-			out[name][r] = ri.restarted
+			out[name][r] = rankRestart{ri.restarted, ri.started}
 		}
 	}
 	return out

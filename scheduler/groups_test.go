@@ -191,9 +191,10 @@ func TestGroupTableTakesOffTheHeadsProgress(t *testing.T) {
 }
 
 // TestGroupTableRestartsAndDuplicates: a rank's later started_unix_ms is a
-// restart, recorded when heard; an earlier one is a second, older process
-// claiming the same rank: its heartbeats are not the rank's (no restart,
-// no liveness), reported once a minute, not on every heartbeat.
+// restart, recorded when heard; an earlier one while the rank's process is
+// heard from is a second, older process claiming the same rank: its
+// heartbeats are not the rank's (no restart, no liveness), reported once a
+// minute, not on every heartbeat.
 func TestGroupTableRestartsAndDuplicates(t *testing.T) {
 	gt := newGroupTable(time.Second, 16, 0.25, 0.5)
 	beat := func(started int64, at time.Time) (stale, report bool) {
@@ -208,7 +209,7 @@ func TestGroupTableRestartsAndDuplicates(t *testing.T) {
 	}
 	t1 := t0.Add(time.Second)
 	beat(200, t1)
-	if at := gt.restarts()["g0"][0]; !at.Equal(t1) {
+	if at := gt.restarts()["g0"][0].at; !at.Equal(t1) {
 		t.Fatalf("restart heard at %v, want %v", at, t1)
 	}
 	if stale, report := beat(100, t1.Add(100*time.Millisecond)); !stale || !report {
@@ -220,14 +221,44 @@ func TestGroupTableRestartsAndDuplicates(t *testing.T) {
 	if stale, _ := beat(200, t1.Add(300*time.Millisecond)); stale {
 		t.Error("the newer process's heartbeat is stale")
 	}
-	if at := gt.restarts()["g0"][0]; !at.Equal(t1) {
+	if at := gt.restarts()["g0"][0].at; !at.Equal(t1) {
 		t.Errorf("after the older process's heartbeats: restart at %v, want still %v", at, t1)
 	}
-	if _, report := beat(100, t1.Add(2*time.Minute)); !report {
+	beat(200, t1.Add(2*time.Minute))
+	if _, report := beat(100, t1.Add(2*time.Minute+100*time.Millisecond)); !report {
 		t.Error("not reported again after a minute")
 	}
-	// Only the newer process keeps the rank alive.
-	if got := len(gt.ready(t1.Add(2*time.Minute + 100*time.Millisecond))); got != 0 {
-		t.Errorf("%d ready groups on the older process's heartbeats alone, want 0", got)
+}
+
+// TestGroupTableRankBackWithAnEarlierStart: a rank's new process whose
+// started_unix_ms is below the old one's (its host's clock is behind, or
+// of two processes given one rank the newer exited) is the rank once the
+// process that outranked it is silent for the timeout.
+func TestGroupTableRankBackWithAnEarlierStart(t *testing.T) {
+	gt := newGroupTable(3*time.Second, 16, 0.25, 0.5)
+	beat := func(rank int, started int64, at time.Time) (stale bool) {
+		h := hb("g0", rank, 2)
+		h.StartedUnixMs = started
+		stale, _ = gt.observe(h, at)
+		return stale
+	}
+	t0 := time.Now()
+	beat(0, 1_000_000, t0)
+	beat(1, 1_000_000, t0) // then it crashes
+	if !beat(1, 996_000, t0.Add(time.Second)) {
+		t.Error("an earlier start while the rank's process is heard from is not stale")
+	}
+	for i := 4; i <= 10; i++ { // the old process is silent past the timeout
+		at := t0.Add(time.Duration(i) * time.Second)
+		beat(0, 1_000_000, at)
+		if beat(1, 996_000, at) {
+			t.Fatalf("%d s after the old process's last heartbeat, the new one is still stale", i)
+		}
+	}
+	if got := readyNames(gt.ready(t0.Add(10*time.Second + 100*time.Millisecond))); len(got) != 1 {
+		t.Errorf("ready groups with rank 1 back: %v, want [g0]", got)
+	}
+	if rs := gt.restarts()["g0"][1]; rs.started != 996_000 {
+		t.Errorf("the new process is not recorded as a restart: %+v", rs)
 	}
 }

@@ -337,11 +337,7 @@ func (x *KVIndex) unfullLocked(g *indexGroup, h uint64) {
 // the rank holds: the rank is still saving what it was.
 func (x *KVIndex) clearRankLocked(g *indexGroup, rank int, rs *rankState, keepPlans bool) {
 	if !keepPlans {
-		for k := range x.planExp {
-			if k.gid == g.id {
-				x.unplanLocked(k)
-			}
-		}
+		x.dropPlansLocked(g)
 	}
 	if rs.held == 0 {
 		return
@@ -352,6 +348,15 @@ func (x *KVIndex) clearRankLocked(g *indexGroup, rank int, rs *rankState, keepPl
 		}
 	}
 	rs.held = 0
+}
+
+// dropPlansLocked forgets every save plan of g.
+func (x *KVIndex) dropPlansLocked(g *indexGroup) {
+	for k := range x.planExp {
+		if k.gid == g.id {
+			x.unplanLocked(k)
+		}
+	}
 }
 
 // ApplyDump replaces a rank's entries by a dump (a full KVEventBatch of what
@@ -444,8 +449,12 @@ func (x *KVIndex) ObserveRank(group string, rank, worldSize int, startedUnixMs i
 		return false
 	}
 	if rs.started != 0 {
-		rs.epoch++ // a restart: a dump asked of the old process is stale
+		// A restart: a dump asked of the old process is stale, and the
+		// group's plans go, as at the new process's AllBlocksCleared
+		// (which may be lost): it lost what the old one was saving.
+		rs.epoch++
 		rs.synced = false
+		x.dropPlansLocked(g)
 	}
 	rs.started = startedUnixMs
 	// A restart, or a rank first heard of before any of its events (this

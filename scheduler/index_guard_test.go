@@ -263,3 +263,24 @@ func TestKVIndexResyncKeepsPlans(t *testing.T) {
 		t.Errorf("after rank 1 restarted: prefix = %d, want 0", got)
 	}
 }
+
+// TestKVIndexRestartHeardByHeartbeatDropsPlans: a rank restarts and its new
+// process's first KV batch (seq 1, AllBlocksCleared) is lost; the index
+// learns of the restart from the heartbeat's started_unix_ms and asks for
+// a dump. The new process lost what the old one was saving: the group's
+// plans go, as at an AllBlocksCleared.
+func TestKVIndexRestartHeardByHeartbeatDropsPlans(t *testing.T) {
+	x := readyIndex(t, 2, "g0")
+	turn := hashChain(1, 8)
+	x.Plan("g0", turn, time.Now().Add(10*time.Second)) // being saved by both ranks
+	if got := prefixOn(x, "g0", turn); got != 8 {
+		t.Fatalf("prefix with the plan = %d, want 8", got)
+	}
+	if !x.ObserveRank("g0", 1, 2, 2) { // a new started_unix_ms
+		t.Fatal("a restart heard in a heartbeat did not ask for a dump")
+	}
+	x.ApplyDump("g0", 1, kvDump("g0", 1, 1))
+	if got := prefixOn(x, "g0", turn); got != 0 {
+		t.Errorf("after rank 1 restarted: prefix = %d, want 0 (the plan outlived the loss of what it was saving)", got)
+	}
+}

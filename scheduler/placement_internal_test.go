@@ -270,3 +270,48 @@ func TestGroupsBeyondTheIndexArePlaceable(t *testing.T) {
 		t.Errorf("placed on %s, want the idle untracked group %s", g, want)
 	}
 }
+
+// TestRestartSparesWhatTheNewProcessRuns: a rank's new process subscribes
+// to ReqMetas before its first heartbeat is heard, so a request dispatched
+// in between reaches it; its answers name its start. When the restart is
+// heard, that request goes on; one the old process had, never answered by
+// the new one, is dispatched again once the grace for a receipt is over.
+func TestRestartSparesWhatTheNewProcessRuns(t *testing.T) {
+	s, _ := newBareScheduler(t)
+	holding(s, "g0")
+	t0 := time.Now()
+	heard(s, "g0", t0, 0) // the old process (started 1)
+	dispatch := func(id string) {
+		tr := promptTracker(id, 4)
+		if _, err := s.place(tr, s.PlaceableGroups(time.Now()), Binding{}, false); err != nil {
+			t.Fatal(err)
+		}
+		if err := s.buildMeta(tr); err != nil {
+			t.Fatal(err)
+		}
+		s.trackers.add(tr)
+	}
+	dispatch("old")
+	dispatch("new")
+	s.trackers.addResult(&messages.RankResult{ReqID: "old", Group: "g0", TPRank: 0, Received: true, StartedUnixMs: 1})
+	s.trackers.prefilled(&messages.RankResult{ReqID: "new", Group: "g0", TPRank: 0, Prefilled: true, StartedUnixMs: 2})
+	s.trackers.addResult(&messages.RankResult{ReqID: "new", Group: "g0", TPRank: 0, Prefilled: true, StartedUnixMs: 2})
+	time.Sleep(2 * time.Millisecond)
+	now := time.Now()
+	s.groups.observe(&messages.Heartbeat{Group: "g0", TPRank: 0, WorldSize: 1, StartedUnixMs: 2}, now)
+	s.rescue(now)
+	if !s.trackers.has("new") || !s.trackers.has("old") {
+		t.Fatalf("right after the restart was heard: new kept %v, old kept %v; want both (the old one's grace)", s.trackers.has("new"), s.trackers.has("old"))
+	}
+	later := now.Add(restartGrace + time.Millisecond)
+	s.groups.observe(&messages.Heartbeat{Group: "g0", TPRank: 0, WorldSize: 1, StartedUnixMs: 2}, later)
+	s.rescue(later)
+	if !s.trackers.has("new") {
+		t.Error("the request the new process is streaming was ended")
+	}
+	var attempt int
+	s.trackers.update("old", func(t *RequestTracker) { attempt = t.Attempt })
+	if attempt != 1 {
+		t.Errorf("the old process's request: attempt %d after the grace, want 1 (dispatched again)", attempt)
+	}
+}

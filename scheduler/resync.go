@@ -27,6 +27,10 @@ type resyncState struct {
 	backoff  time.Duration
 }
 
+// maxStartSkew is how far in the future a heartbeat's started_unix_ms may
+// be (clocks of different machines): past it, the heartbeat is refused.
+const maxStartSkew = time.Minute
+
 func (s *Scheduler) onHeartbeat(ctx context.Context, m *nats.Msg) error {
 	hb, err := messages.DecodeHeartbeat(m.Data)
 	if err != nil {
@@ -35,7 +39,14 @@ func (s *Scheduler) onHeartbeat(ctx context.Context, m *nats.Msg) error {
 	if err := s.ownSubject(m.Subject, s.cfg.Subjects.Heartbeat(hb.Group, hb.TPRank), "heartbeat", hb.Group, hb.TPRank); err != nil {
 		return err
 	}
-	if stale, report := s.groups.observe(hb, time.Now()); stale {
+	now := time.Now()
+	if started := time.UnixMilli(hb.StartedUnixMs); started.After(now.Add(maxStartSkew)) {
+		// A later start is a restart and outranks the rank's process: one
+		// from the future would silence the real one.
+		return fmt.Errorf("%w: heartbeat of %s/%d says its process started at %s, in the future: dropped (a wrong clock, or forged)",
+			messages.ErrInvalid, hb.Group, hb.TPRank, started.UTC().Format(time.RFC3339Nano))
+	}
+	if stale, report := s.groups.observe(hb, now); stale {
 		if report {
 			s.log.Error("two worker processes claim the same rank: give each its own --tp-rank (or use --rank auto); "+
 				"the older one's heartbeats are ignored", "group", hb.Group, "tp_rank", hb.TPRank,

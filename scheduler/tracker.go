@@ -49,11 +49,13 @@ type RequestTracker struct {
 	Prefilled bool
 	// Results holds the RankResult of each tp_rank for the current attempt.
 	Results map[int]*messages.RankResult
-	// Heard marks the tp_ranks that answered the current attempt (a
-	// receipt, the prefill report or the result); Dispatched is when its
-	// ReqMeta was last published, meta its subject and bytes, and Resends
-	// how often it was published again for ranks not heard from.
-	Heard      map[int]bool
+	// Heard holds the tp_ranks that answered the current attempt (a
+	// receipt, the prefill report or the result), each with the
+	// started_unix_ms of the process that last did (0: not said);
+	// Dispatched is when its ReqMeta was last published, meta its subject
+	// and bytes, and Resends how often it was published again for ranks not
+	// heard from.
+	Heard      map[int]int64
 	Dispatched time.Time
 	Resends    int
 	metaSubj   string
@@ -146,9 +148,9 @@ func (tt *trackerTable) addResult(r *messages.RankResult) (done *RequestTracker,
 		return nil, false
 	}
 	if t.Heard == nil {
-		t.Heard = map[int]bool{}
+		t.Heard = map[int]int64{}
 	}
-	t.Heard[r.TPRank] = true
+	t.Heard[r.TPRank] = r.StartedUnixMs
 	if r.Prefilled || r.Received {
 		return nil, true // see prefilled
 	}

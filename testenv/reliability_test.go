@@ -115,7 +115,7 @@ func TestDumpLargerThanMaxPayload(t *testing.T) {
 	}
 	testenv.Eventually(t, 5*time.Second, "the index to settle", func() bool { return c.Scheduler.Index().Plans() == 0 })
 	held := c.Scheduler.Index().GroupBlocks("g0")
-	// A heartbeat of g0/1 with another start time: the scheduler takes it
+	// A heartbeat of g0/1 with a later start time: the scheduler takes it
 	// for a restart and asks for a dump (3,000 hashes: 24 KB, over 16 KiB).
 	nc, err := nats.Connect(c.NATS.ClientURL())
 	if err != nil {
@@ -123,7 +123,7 @@ func TestDumpLargerThanMaxPayload(t *testing.T) {
 	}
 	defer nc.Close()
 	before := len(c.Logs.Lines("rank resynced from its dump", "tp_rank=1"))
-	data, _ := messages.Marshal(&messages.Heartbeat{Group: "g0", TPRank: 1, EPRank: 1, WorldSize: 4, Model: c.Model, StartedUnixMs: 1})
+	data, _ := messages.Marshal(&messages.Heartbeat{Group: "g0", TPRank: 1, EPRank: 1, WorldSize: 4, Model: c.Model, StartedUnixMs: time.Now().UnixMilli()})
 	if err := nc.Publish(messages.Subjects{}.Heartbeat("g0", 1), data); err != nil {
 		t.Fatal(err)
 	}

@@ -40,7 +40,7 @@ func (r *Rank) drive(rr *rankReq) {
 		r.pushStore(rr)
 		r.publish(meta.ResultSubject, &messages.RankResult{
 			ReqID: meta.ReqID, Group: r.cfg.Group, TPRank: r.cfg.TPRank, EPRank: r.cfg.EPRank, Attempt: meta.Attempt, Prefilled: true,
-			PrefillUs: prefillTime.Microseconds(),
+			PrefillUs: prefillTime.Microseconds(), StartedUnixMs: r.started.UnixMilli(),
 		}, meta)
 	}, func(c Chunk) error {
 		if c.Last && last == nil {

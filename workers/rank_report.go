@@ -14,6 +14,7 @@ import (
 func (r *Rank) report(rr *rankReq) {
 	res := &rr.result
 	res.ReqID, res.Group, res.TPRank, res.EPRank, res.Attempt = rr.meta.ReqID, r.cfg.Group, r.cfg.TPRank, r.cfg.EPRank, rr.meta.Attempt
+	res.StartedUnixMs = r.started.UnixMilli()
 	res.LoadedTokens, res.LoadUs, res.RemoteTokens = rr.loaded, rr.loadUs, min(rr.remote, rr.loaded)
 	res.FailedBlocks += rr.loadFail
 	if res.Error == "" {
@@ -60,7 +61,7 @@ func (r *Rank) sendReceipt(rr *rankReq) {
 	}
 	r.publish(subject, &messages.RankResult{
 		ReqID: rr.meta.ReqID, Group: r.cfg.Group, TPRank: r.cfg.TPRank, EPRank: r.cfg.EPRank,
-		Attempt: rr.meta.Attempt, Received: true,
+		Attempt: rr.meta.Attempt, Received: true, StartedUnixMs: r.started.UnixMilli(),
 	}, rr.meta)
 }
 
