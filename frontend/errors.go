@@ -83,6 +83,8 @@ func outputError(code, msg string) *APIError {
 		return &APIError{Status: http.StatusServiceUnavailable, Type: typeUnavailable, Code: code, Message: msg, RetryAfter: 1}
 	case "overloaded":
 		return &APIError{Status: http.StatusTooManyRequests, Type: typeRateLimit, Code: code, Message: msg, RetryAfter: 1}
+	case "request_too_large":
+		return &APIError{Status: http.StatusRequestEntityTooLarge, Type: typeInvalidRequest, Code: code, Message: msg}
 	}
 	return &APIError{Status: http.StatusInternalServerError, Type: typeServer, Code: code, Message: msg}
 }

@@ -2,10 +2,12 @@ package scheduler
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"log/slog"
 	"time"
 
+	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
 
 	"github.com/kvbus/kvbus/messages"
@@ -107,6 +109,13 @@ func (s *Scheduler) onRequest(ctx context.Context, m jetstream.Msg) error {
 	if err := s.cfg.Conn.Publish(subj, data); err != nil {
 		s.trackers.drop(t.ReqID)
 		s.groups.addInflight(group, -1, -queued)
+		if errors.Is(err, nats.ErrMaxPayload) { // no retry can pass
+			s.m.requests.WithLabelValues("too_large").Inc()
+			s.sendError(req.FrontendID, req.RequestID, sessionID, t.Attempt, "request_too_large",
+				fmt.Sprintf("the request's ReqMeta is %d bytes, above the NATS server's max_payload (%d); send a shorter prompt, or raise max_payload", len(data), s.cfg.Conn.MaxPayload()))
+			_ = m.Term()
+			return fmt.Errorf("publish ReqMeta %s: %w", t.ReqID, err)
+		}
 		_ = m.NakWithDelay(100 * time.Millisecond)
 		return fmt.Errorf("publish ReqMeta %s: %w", t.ReqID, err)
 	}

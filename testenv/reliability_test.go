@@ -270,3 +270,24 @@ func TestNoGroupIsAFast503(t *testing.T) {
 		}
 	}
 }
+
+// TestReqMetaAboveMaxPayloadIsA413: a request that fits in one message of
+// a 1 MiB bus but whose ReqMeta does not (the same token ids, plus a block
+// hash per 16 tokens and the LoadSpec) is answered with a 413 at once; the
+// scheduler nak'ed it every 100 ms until the client's 504.
+func TestReqMetaAboveMaxPayloadIsA413(t *testing.T) {
+	c := testenv.StartCluster(t, testenv.ClusterConfig{Ranks: 1, MaxPayload: 1 << 20, MaxModelLen: 400_000, RequestTimeout: 20 * time.Second})
+	const n = 245_000 // ~980 KB of Request, ~1.1 MB of ReqMeta
+	ids := make([]string, n)
+	for i := range ids {
+		ids[i] = fmt.Sprint(100 + i%800)
+	}
+	body := fmt.Sprintf(`{"model":%q,"prompt":[%s],"max_tokens":1}`, c.Model, strings.Join(ids, ","))
+	status, _, b := post(t, c, "/v1/completions", body, nil)
+	if status != http.StatusRequestEntityTooLarge || !strings.Contains(string(b), "max_payload") {
+		t.Errorf("a %d-token prompt on a 1 MiB bus: %d %.300s; want a 413 naming max_payload", n, status, b)
+	}
+	if got := testenv.CounterSum(t, c.SchedulerRegistries[0], "kvbus_scheduler_requests_total", map[string]string{"outcome": "too_large"}); got != 1 {
+		t.Errorf("too_large = %v, want 1", got)
+	}
+}
