@@ -9,6 +9,7 @@ import (
 	"math"
 	"net/http"
 	"os"
+	"slices"
 	"strings"
 	"time"
 	"unicode/utf8"
@@ -173,18 +174,27 @@ const maxEncodedKey = 6*10 + 2
 
 // encodedVariant reports whether the JSON string at the start of q (its
 // opening quote) is written with escapes or non-ASCII bytes and decodes to
-// a case variant of one of keys.
+// a case variant of one of keys. Only a string of as many characters as a
+// key is decoded: a body of short non-ASCII strings costs a scan.
 func encodedVariant(q []byte, keys []string) bool {
-	plain := true
+	plain, runes := true, 0
 	for n := 1; n < len(q) && n < maxEncodedKey; n++ {
 		switch c := q[n]; {
 		case c == '\\':
 			plain = false
-			n++ // the escaped byte
+			runes++
+			if n+1 < len(q) && q[n+1] == 'u' {
+				n += 5 // \uXXXX
+			} else {
+				n++ // the escaped byte
+			}
 		case c >= utf8.RuneSelf:
 			plain = false
+			runes++
+			_, size := utf8.DecodeRune(q[n:])
+			n += size - 1
 		case c == '"':
-			if plain {
+			if plain || !slices.ContainsFunc(keys, func(k string) bool { return len(k) == runes }) {
 				return false
 			}
 			var s string
@@ -197,6 +207,8 @@ func encodedVariant(q []byte, keys []string) bool {
 				}
 			}
 			return false
+		default:
+			runes++
 		}
 	}
 	return false
