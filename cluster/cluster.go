@@ -417,7 +417,6 @@ func (c *Cluster) startRank(group string, r int) error {
 	return nil
 }
 
-// rankRun returns a running rank.
 // GroupName is the name of the cluster's group i: g0, g1, …
 func GroupName(i int) string { return fmt.Sprintf("g%d", i) }
 
@@ -432,6 +431,7 @@ func (c *Cluster) kvEvents(group string) *vllmevents.Config {
 	return nil
 }
 
+// rankRun returns a running rank.
 func (c *Cluster) rankRun(group string, rank int) (*rankRun, error) {
 	c.mu.Lock()
 	defer c.mu.Unlock()
