@@ -444,6 +444,10 @@ func TestRankLoadAndStore(t *testing.T) {
 				want := st.want
 				want.V, want.ReqID, want.Group, want.TPRank, want.EPRank = messages.Version, st.meta.ReqID, testGroup, rank, rank
 				want.LoadUs, want.StoreUs = r.LoadUs, r.StoreUs
+				if r.StartedUnixMs <= 0 || r.StartedUnixMs > time.Now().UnixMilli() {
+					t.Errorf("rank %d: started_unix_ms %d is not its process's start", rank, r.StartedUnixMs)
+				}
+				want.StartedUnixMs = r.StartedUnixMs
 				if rank == 0 {
 					want.CompletionTokens = st.meta.SamplingParams.MaxTokens
 				}
