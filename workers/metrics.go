@@ -77,7 +77,7 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 // the labels and takes a lock, and a rank touches a dozen series per
 // request.
 type rankSeries struct {
-	reqMetas, duplicate, overloaded                                 prometheus.Counter
+	reqMetas, duplicate, overloaded, aborted                        prometheus.Counter
 	loaded, loadFailed, waitedForSave, stored, skipped, storeFailed prometheus.Counter
 	loadSec, storeSec                                               prometheus.Observer
 	usedBytes, queue                                                prometheus.Gauge
@@ -89,6 +89,7 @@ func (m *Metrics) forRank(group, rank string) rankSeries {
 		reqMetas:      m.reqMetas.WithLabelValues(group, rank),
 		duplicate:     m.dropped.WithLabelValues(group, rank, "duplicate"),
 		overloaded:    m.dropped.WithLabelValues(group, rank, "overloaded"),
+		aborted:       m.dropped.WithLabelValues(group, rank, "aborted"),
 		loaded:        op("loaded"),
 		loadFailed:    op("load_failed"),
 		waitedForSave: op("waited_for_save"),

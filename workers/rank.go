@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"math"
 	"strconv"
 	"sync"
 	"sync/atomic"
@@ -182,6 +183,9 @@ type Rank struct {
 type seenReq struct {
 	attempt int
 	result  []byte // the encoded RankResult: bytes the GC does not scan
+	// aborted: its client's Abort came before its ReqMeta (they come from
+	// different publishers), which is dropped if it comes.
+	aborted bool
 }
 
 // rankReq is one request's state on a rank.
@@ -445,6 +449,11 @@ func (r *Rank) onMeta(_ context.Context, m *nats.Msg) error {
 		rr := r.active[meta.ReqID]
 		if s.attempt > meta.Attempt {
 			r.mu.Unlock()
+			if s.aborted {
+				r.series.aborted.Inc()
+				r.log.Info("dropping a ReqMeta its client aborted before it came", "req_id", meta.ReqID, "session_id", meta.SessionID)
+				return nil
+			}
 			r.series.duplicate.Inc()
 			r.log.Info("dropping a ReqMeta of an older attempt", "req_id", meta.ReqID, "session_id", meta.SessionID, "attempt", meta.Attempt)
 			return nil
@@ -605,6 +614,11 @@ func (r *Rank) onAbort(_ context.Context, m *nats.Msg) error {
 	}
 	r.mu.Lock()
 	rr := r.active[a.ReqID]
+	if rr == nil && a.Group == "" {
+		// The client's abort may come before the ReqMeta: remember it (a
+		// request this rank already saw is left as it is).
+		r.seen.GetOrPut(a.ReqID, seenReq{attempt: math.MaxInt, aborted: true}, time.Now())
+	}
 	r.mu.Unlock()
 	if rr != nil && a.BeforeAttempt > 0 && rr.meta.Attempt >= a.BeforeAttempt {
 		return nil // the attempt the request goes on at

@@ -593,6 +593,30 @@ func TestRankAbort(t *testing.T) {
 	env.publish(env.subj.Abort(), &messages.Abort{ReqID: "never-seen"})
 }
 
+// TestRankAbortBeforeReqMeta: a client's Abort can reach the ranks before
+// the request's ReqMeta (the frontend and the scheduler publish them); the
+// ranks then drop the ReqMeta instead of running the request for nobody.
+// A group-scoped withdrawal of an unknown request is not remembered.
+func TestRankAbortBeforeReqMeta(t *testing.T) {
+	env := startRanks(t, rankEnvConfig{})
+	env.publish(env.subj.Abort(), &messages.Abort{ReqID: "gone", Reason: "client disconnected"})
+	env.publish(env.subj.Abort(), &messages.Abort{ReqID: "moved", Group: testGroup, BeforeAttempt: 1, Reason: "dispatched again"})
+	testenv.Eventually(t, waitFor, "the aborts handled", func() bool {
+		return env.counter("kvbus_bus_messages_total", map[string]string{"handler": "worker_abort"}) >= 2*worldSize
+	})
+	env.sendMeta(newMeta("gone", "sess", testenv.PromptTokens(1, 40)))
+	moved := newMeta("moved", "sess", testenv.PromptTokens(2, 40))
+	moved.Attempt = 1
+	env.sendMeta(moved)
+	env.resultsByRank("moved") // the withdrawn request's next attempt runs
+	testenv.Eventually(t, waitFor, "every rank to drop the aborted request", func() bool {
+		return env.counter("kvbus_worker_dropped_total", map[string]string{"reason": "aborted"}) == worldSize
+	})
+	if got := env.results("gone"); len(got) != 0 {
+		t.Errorf("the aborted request ran: %d RankResults", len(got))
+	}
+}
+
 // TestRankWithdrawSparesTheNewAttempt: a scheduler that dispatches a
 // request again on the same group (a rank restarted) withdraws the attempts
 // below the new one; ranks that got the new attempt's ReqMeta first (another
