@@ -489,6 +489,7 @@ func (r *Rank) onMeta(_ context.Context, m *nats.Msg) error {
 		return nil
 	}
 	rr := newRankReq(meta)
+	rr.result = r.resultOf(meta)
 	queued := false
 	// Set up before the load loop can see it.
 	rr.id = r.nextID + 1

@@ -38,10 +38,9 @@ func (r *Rank) drive(rr *rankReq) {
 		// expensive.
 		r.heartbeat()
 		r.pushStore(rr)
-		r.publish(meta.ResultSubject, &messages.RankResult{
-			ReqID: meta.ReqID, Group: r.cfg.Group, TPRank: r.cfg.TPRank, EPRank: r.cfg.EPRank, Attempt: meta.Attempt, Prefilled: true,
-			PrefillUs: prefillTime.Microseconds(), StartedUnixMs: r.started.UnixMilli(),
-		}, meta)
+		prefilled := r.resultOf(meta)
+		prefilled.Prefilled, prefilled.PrefillUs = true, prefillTime.Microseconds()
+		r.publish(meta.ResultSubject, &prefilled, meta)
 	}, func(c Chunk) error {
 		if c.Last && last == nil {
 			last = &c // sent with the finish reason below

@@ -13,8 +13,6 @@ import (
 // report publishes the rank's RankResult and forgets the request.
 func (r *Rank) report(rr *rankReq) {
 	res := &rr.result
-	res.ReqID, res.Group, res.TPRank, res.EPRank, res.Attempt = rr.meta.ReqID, r.cfg.Group, r.cfg.TPRank, r.cfg.EPRank, rr.meta.Attempt
-	res.StartedUnixMs = r.started.UnixMilli()
 	res.LoadedTokens, res.LoadUs, res.RemoteTokens = rr.loaded, rr.loadUs, min(rr.remote, rr.loaded)
 	res.FailedBlocks += rr.loadFail
 	if res.Error == "" {
@@ -59,10 +57,17 @@ func (r *Rank) sendReceipt(rr *rankReq) {
 	if !active {
 		return
 	}
-	r.publish(subject, &messages.RankResult{
-		ReqID: rr.meta.ReqID, Group: r.cfg.Group, TPRank: r.cfg.TPRank, EPRank: r.cfg.EPRank,
-		Attempt: rr.meta.Attempt, Received: true, StartedUnixMs: r.started.UnixMilli(),
-	}, rr.meta)
+	receipt := r.resultOf(rr.meta)
+	receipt.Received = true
+	r.publish(subject, &receipt, rr.meta)
+}
+
+// resultOf is an empty RankResult of meta's attempt from this rank's
+// process: what every result, receipt and prefill report it sends says of
+// itself.
+func (r *Rank) resultOf(meta *messages.ReqMeta) messages.RankResult {
+	return messages.RankResult{ReqID: meta.ReqID, Group: r.cfg.Group, TPRank: r.cfg.TPRank, EPRank: r.cfg.EPRank,
+		Attempt: meta.Attempt, StartedUnixMs: r.started.UnixMilli()}
 }
 
 // fail ends a request that could not run, telling the scheduler and, on the
