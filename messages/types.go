@@ -252,6 +252,10 @@ type KVEventBatch struct {
 	// MaxDumpChunks.
 	DumpChunk  int `msgpack:"dump_chunk,omitempty" json:"dump_chunk,omitempty"`
 	DumpChunks int `msgpack:"dump_chunks,omitempty" json:"dump_chunks,omitempty"`
+	// StartedUnixMs names the publishing process, as in its heartbeats, so
+	// that a scheduler can drop the events of a second process given the
+	// same rank. Zero from workers that predate it.
+	StartedUnixMs int64 `msgpack:"started_unix_ms,omitempty" json:"started_unix_ms,omitempty"`
 }
 
 // MaxDumpChunks bounds a dump's chunk count: 65,536 chunks of a 1 MiB

@@ -1521,8 +1521,8 @@ func (z *KVEvent) Msgsize() (s int) {
 func (z *KVEventBatch) MarshalMsg(b []byte) (o []byte, err error) {
 	o = msgp.Require(b, z.Msgsize())
 	// check for omitted fields
-	zb0001Len := uint32(8)
-	var zb0001Mask uint8 /* 8 bits */
+	zb0001Len := uint32(9)
+	var zb0001Mask uint16 /* 9 bits */
 	_ = zb0001Mask
 	if z.DumpChunk == 0 {
 		zb0001Len--
@@ -1531,6 +1531,10 @@ func (z *KVEventBatch) MarshalMsg(b []byte) (o []byte, err error) {
 	if z.DumpChunks == 0 {
 		zb0001Len--
 		zb0001Mask |= 0x80
+	}
+	if z.StartedUnixMs == 0 {
+		zb0001Len--
+		zb0001Mask |= 0x100
 	}
 	// variable map header, size zb0001Len
 	o = append(o, 0x80|uint8(zb0001Len))
@@ -1575,6 +1579,11 @@ func (z *KVEventBatch) MarshalMsg(b []byte) (o []byte, err error) {
 			// string "dump_chunks"
 			o = append(o, 0xab, 0x64, 0x75, 0x6d, 0x70, 0x5f, 0x63, 0x68, 0x75, 0x6e, 0x6b, 0x73)
 			o = msgp.AppendInt(o, z.DumpChunks)
+		}
+		if (zb0001Mask & 0x100) == 0 { // if not omitted
+			// string "started_unix_ms"
+			o = append(o, 0xaf, 0x73, 0x74, 0x61, 0x72, 0x74, 0x65, 0x64, 0x5f, 0x75, 0x6e, 0x69, 0x78, 0x5f, 0x6d, 0x73)
+			o = msgp.AppendInt64(o, z.StartedUnixMs)
 		}
 	}
 	return
@@ -1672,6 +1681,12 @@ func (z *KVEventBatch) UnmarshalMsg(bts []byte) (o []byte, err error) {
 				err = msgp.WrapError(err, "DumpChunks")
 				return
 			}
+		case "started_unix_ms":
+			z.StartedUnixMs, bts, err = msgp.ReadInt64Bytes(bts)
+			if err != nil {
+				err = msgp.WrapError(err, "StartedUnixMs")
+				return
+			}
 		default:
 			bts, err = msgp.Skip(bts)
 			if err != nil {
@@ -1690,7 +1705,7 @@ func (z *KVEventBatch) Msgsize() (s int) {
 	for za0001 := range z.Events {
 		s += z.Events[za0001].Msgsize()
 	}
-	s += 11 + msgp.IntSize + 12 + msgp.IntSize
+	s += 11 + msgp.IntSize + 12 + msgp.IntSize + 16 + msgp.Int64Size
 	return
 }
 

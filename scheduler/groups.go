@@ -93,6 +93,28 @@ func loadWork(local, remote int, localLoad, remoteLoad float64) int {
 // dupReportEvery is how often a rank claimed by two processes is reported.
 const dupReportEvery = time.Minute
 
+// olderLocked reports whether the process that started at started is a
+// second, older process given rank while the rank's own process is heard
+// from (see observe). Called with t.mu held.
+func (t *groupTable) olderLocked(g *groupInfo, rank int, started int64, now time.Time) bool {
+	prev, known := g.ranks[rank]
+	return known && started < prev.started && now.Sub(prev.seen) <= t.timeout
+}
+
+// notTheRank reports whether a message of the process that started at
+// started comes from a second, older process given rank of group, whose
+// heartbeats observe ignores: its KV events are not the rank's either. A
+// started of zero (a worker that does not say) is taken as the rank's.
+func (t *groupTable) notTheRank(group string, rank int, started int64, now time.Time) bool {
+	if started == 0 {
+		return false
+	}
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	g := t.groups[group]
+	return g != nil && t.olderLocked(g, rank, started, now)
+}
+
 // observe records a heartbeat. Another started_unix_ms than the rank's is
 // a restart, unless it is earlier and the rank's process is still heard
 // from: then it comes from a second, older process with the same identity
@@ -113,7 +135,7 @@ func (t *groupTable) observe(hb *messages.Heartbeat, now time.Time) (stale, repo
 		g.ranks = map[int]rankInfo{}
 	}
 	prev, known := g.ranks[hb.TPRank]
-	if known && hb.StartedUnixMs < prev.started && now.Sub(prev.seen) <= t.timeout {
+	if t.olderLocked(g, hb.TPRank, hb.StartedUnixMs, now) {
 		if report = now.Sub(prev.dupSaid) >= dupReportEvery; report {
 			prev.dupSaid = now
 			g.ranks[hb.TPRank] = prev

@@ -315,3 +315,72 @@ func TestRestartSparesWhatTheNewProcessRuns(t *testing.T) {
 		t.Errorf("the old process's request: attempt %d after the grace, want 1 (dispatched again)", attempt)
 	}
 }
+
+// TestSecondProcessOfARankIsIgnored: a second worker process given a rank
+// that is running (an operator's slip: a worker left over from an earlier
+// run) publishes KV events and answers dumps under the rank's name. Its
+// heartbeats are ignored while the rank's own process, which started later,
+// is heard from; its KV events and its dump replies must be too. Before,
+// its seqs interleaved with the rank's, so the index took in blocks the
+// rank does not hold, was cleared by its AllBlocksCleared, and resynced on
+// every other batch.
+func TestSecondProcessOfARankIsIgnored(t *testing.T) {
+	s, nc := newBareScheduler(t)
+	s.cfg.DumpTimeout = 2 * time.Second
+	const rank, older = 2000, 1000 // the processes' started_unix_ms
+	now := time.Now()
+	s.groups.observe(&messages.Heartbeat{Group: "g0", TPRank: 0, WorldSize: 1, StartedUnixMs: rank}, now)
+	if stale, _ := s.groups.observe(&messages.Heartbeat{Group: "g0", TPRank: 0, WorldSize: 1, StartedUnixMs: older}, now); !stale {
+		t.Fatal("the older process's heartbeat was taken for the rank's")
+	}
+	holding(s, "g0", 11, 12) // the rank's dump, at seq 1
+	deliver := func(b *messages.KVEventBatch, started int64) {
+		t.Helper()
+		b.StartedUnixMs = started
+		data, err := messages.Marshal(b)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := s.onKVEvents(t.Context(), &nats.Msg{Subject: s.cfg.Subjects.KV("g0", 0), Data: data}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	deliver(kvBatch("g0", 0, 1, clearedAll(), stored(98)), older) // looks like a restart
+	deliver(kvBatch("g0", 0, 9, stored(99)), older)               // a gap in the rank's seqs
+	deliver(kvBatch("g0", 0, 2, stored(13)), rank)
+	if got := s.index.GroupBlocks("g0"); got != 3 {
+		t.Errorf("the index holds %d blocks of g0, want the rank's 3 (11, 12, 13)", got)
+	}
+	if r := s.index.Resyncing(); len(r) != 0 {
+		t.Errorf("resyncing %v: the second process's seqs made a gap", r)
+	}
+
+	// A dump request reaches both processes; the second answers first.
+	dump := func(started int64, delay time.Duration, hashes ...uint64) {
+		data, err := messages.Marshal(&messages.KVEventBatch{Group: "g0", Rank: 0, Seq: 2, StartedUnixMs: started,
+			Events: []messages.KVEvent{clearedAll(), stored(hashes...)}})
+		if err != nil {
+			t.Fatal(err)
+		}
+		sub, err := nc.Subscribe(s.cfg.Subjects.Dump("g0", 0), func(m *nats.Msg) {
+			time.Sleep(delay)
+			_ = m.Respond(data)
+		})
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { _ = sub.Unsubscribe() })
+	}
+	dump(older, 0, 98, 99)
+	dump(rank, 50*time.Millisecond, 11, 12, 13)
+	if err := nc.Flush(); err != nil {
+		t.Fatal(err)
+	}
+	got, _, err := s.fetchDump(t.Context(), "g0", 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got.StartedUnixMs != rank || dumpBlocks(got) != 3 {
+		t.Errorf("took the dump of the process started at %d with %d blocks; want the rank's (%d), with 3", got.StartedUnixMs, dumpBlocks(got), rank)
+	}
+}

@@ -80,6 +80,14 @@ func (s *Scheduler) onKVEvents(ctx context.Context, m *nats.Msg) error {
 	if err := s.ownSubject(m.Subject, s.cfg.Subjects.KV(b.Group, b.Rank), "KV event batch", b.Group, b.Rank); err != nil {
 		return err
 	}
+	if s.groups.notTheRank(b.Group, b.Rank, b.StartedUnixMs, time.Now()) {
+		// A second process given this rank (its heartbeats are ignored and
+		// reported): its seqs would interleave with the rank's and make
+		// the index resync on every batch.
+		s.log.Debug("KV events of a second process claiming the rank: dropped", "group", b.Group, "tp_rank", b.Rank,
+			"started_unix_ms", b.StartedUnixMs)
+		return nil
+	}
 	rejected := s.index.Rejected()
 	if s.index.Apply(b) {
 		s.log.Warn("gap in KV events: asking the rank for a dump", "group", b.Group, "tp_rank", b.Rank, "seq", b.Seq)
@@ -164,6 +172,9 @@ func (s *Scheduler) fetchDump(ctx context.Context, group string, rank int) (dump
 		b, err := messages.DecodeKVEventBatch(msg.Data)
 		if err != nil {
 			return nil, 0, fmt.Errorf("malformed dump chunk: %w", err)
+		}
+		if s.groups.notTheRank(group, rank, b.StartedUnixMs, time.Now()) {
+			continue // a second process given this rank answers too
 		}
 		if b.DumpChunks <= 1 {
 			return b, 1, nil // the whole dump in one message

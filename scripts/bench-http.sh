@@ -12,7 +12,10 @@
 #                     WORKER_GROUPS groups of 4 `kvbus worker` ranks, FRONTENDS
 #                     frontends (the load is spread over them); each worker
 #                     runs with GOMAXPROCS=$WORKER_GOMAXPROCS (default 1, as
-#                     in docker-compose.yml; empty: the Go runtime's default)
+#                     in docker-compose.yml; empty: the Go runtime's default);
+#                     NATS_GOMAXPROCS, SCHEDULER_GOMAXPROCS and
+#                     FRONTEND_GOMAXPROCS do the same for the other roles
+#                     (unset: the runtime's default)
 #
 # With PEER_URL=http://127.0.0.1:PORT (another OpenAI-compatible server, e.g.
 # llm-d's simulator built outside the repo) every cell runs A/B/A/B, kvbus and
@@ -61,10 +64,10 @@ serve)
 	;;
 cluster)
 	bus=(--nats-url "nats://$NATS")
-	start nats nats --addr "$NATS" --data-dir "$TMP/js"
+	GOMAXPROCS=${NATS_GOMAXPROCS-} start nats nats --addr "$NATS" --data-dir "$TMP/js"
 	sleep 1
 	for i in $(seq 0 $((${SCHEDULERS:-1} - 1))); do
-		start "scheduler-$i" scheduler "${bus[@]}" --metrics-addr "127.0.0.1:$((19000 + i))"
+		GOMAXPROCS=${SCHEDULER_GOMAXPROCS-} start "scheduler-$i" scheduler "${bus[@]}" --metrics-addr "127.0.0.1:$((19000 + i))"
 		METRICS+=("http://127.0.0.1:$((19000 + i))/metrics")
 	done
 	port=19100
@@ -76,7 +79,7 @@ cluster)
 		done
 	done
 	for f in $(seq 0 $((${FRONTENDS:-1} - 1))); do
-		start "frontend-$f" frontend "${bus[@]}" --http-addr "127.0.0.1:$((PORT + f))"
+		GOMAXPROCS=${FRONTEND_GOMAXPROCS-} start "frontend-$f" frontend "${bus[@]}" --http-addr "127.0.0.1:$((PORT + f))"
 		URLS+=("http://127.0.0.1:$((PORT + f))")
 	done
 	;;

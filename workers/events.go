@@ -25,6 +25,9 @@ type eventLog struct {
 	group   string
 	rank    int
 	log     *slog.Logger
+	// started is the process's started_unix_ms, sent in every batch (set
+	// once, before the rank runs).
+	started int64
 
 	// exists reports whether the rank's store holds each key (see
 	// publishStored); required, set once before the rank runs.
@@ -196,7 +199,7 @@ func (l *eventLog) publishLocked(events []messages.KVEvent) {
 	}
 	l.seq++
 	data, err := messages.Marshal(&messages.KVEventBatch{
-		TS: float64(time.Now().UnixMicro()) / 1e6, Seq: l.seq, Group: l.group, Rank: l.rank, Events: events,
+		TS: float64(time.Now().UnixMicro()) / 1e6, Seq: l.seq, Group: l.group, Rank: l.rank, Events: events, StartedUnixMs: l.started,
 	})
 	if err == nil {
 		err = l.nc.Publish(l.subject, data)
@@ -223,7 +226,8 @@ func (l *eventLog) onDump(_ context.Context, m *nats.Msg) error {
 	chunks := dumpChunks(hashes, dumpHashesPerChunk(l.nc.MaxPayload()))
 	ts := float64(time.Now().UnixMicro()) / 1e6
 	for i, part := range chunks {
-		batch := &messages.KVEventBatch{TS: ts, Seq: seq, Group: l.group, Rank: l.rank, DumpChunk: i, DumpChunks: len(chunks)}
+		batch := &messages.KVEventBatch{TS: ts, Seq: seq, Group: l.group, Rank: l.rank, DumpChunk: i, DumpChunks: len(chunks),
+			StartedUnixMs: l.started}
 		if i == 0 {
 			batch.Events = append(batch.Events, messages.KVEvent{Type: messages.EventAllBlocksCleared})
 		}

@@ -310,6 +310,7 @@ func (r *Rank) IsDriver() bool { return r.cfg.TPRank == 0 }
 // finish within ShutdownTimeout, and returns.
 func (r *Rank) Run(ctx context.Context) error {
 	r.started = time.Now()
+	r.events.started = r.started.UnixMilli() // before anything is published or dumped
 	nc, subj := r.cfg.Conn, r.cfg.Subjects
 	metaSub, err := bus.Subscribe(ctx, nc, subj.MetaGroup(r.cfg.Group), bus.Wrap(r.onMeta, r.log, r.cfg.HandlerMetrics, "worker_reqmeta"))
 	if err != nil {
