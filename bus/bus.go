@@ -6,9 +6,14 @@ package bus
 
 import (
 	"context"
+	"crypto/tls"
+	"crypto/x509"
 	"errors"
 	"fmt"
+	"io/fs"
 	"log/slog"
+	neturl "net/url"
+	"strings"
 	"sync"
 	"time"
 
@@ -145,27 +150,82 @@ func Connect(ctx context.Context, cfg Config) (*nats.Conn, error) {
 	}
 
 	deadline := time.Now().Add(timeout)
+	shown := redactURLs(url)
 	for {
 		nc, err := nats.Connect(url, opts...)
 		if err == nil {
 			return nc, nil
 		}
-		if time.Now().After(deadline) {
-			return nil, fmt.Errorf("%w at %s: %v (start one with `kvbus nats`, or set --nats-url / KVBUS_NATS_URL)", ErrConnect, url, err)
+		advice, final := connectAdvice(err)
+		if final || time.Now().After(deadline) {
+			return nil, fmt.Errorf("%w at %s: %v (%s)", ErrConnect, shown, err, advice)
 		}
 		select {
 		case <-ctx.Done():
-			return nil, fmt.Errorf("%w at %s: %v", ErrConnect, url, ctx.Err())
+			return nil, fmt.Errorf("%w at %s: %v", ErrConnect, shown, ctx.Err())
 		case <-time.After(250 * time.Millisecond):
 		}
 	}
 }
 
+// redactURLs is urls (comma-separated) with every password shown as
+// "xxxxx", as nats.go's ConnectedUrlRedacted shows it: errors are logged.
+func redactURLs(urls string) string {
+	parts := strings.Split(urls, ",")
+	for i, p := range parts {
+		if u, err := neturl.Parse(strings.TrimSpace(p)); err == nil && u.User != nil {
+			if _, has := u.User.Password(); has {
+				u.User = neturl.UserPassword(u.User.Username(), "xxxxx")
+			} else {
+				u.User = neturl.User("xxxxx") // a token
+			}
+			parts[i] = u.String()
+		}
+	}
+	return strings.Join(parts, ",")
+}
+
+// connectAdvice says what to do about a failed connection, and whether
+// retrying cannot help: a server that refused this role's credentials or
+// its TLS will refuse them again, where a server not yet up may come.
+func connectAdvice(err error) (advice string, final bool) {
+	var (
+		unknownCA *x509.UnknownAuthorityError
+		verify    *tls.CertificateVerificationError
+		hostname  x509.HostnameError
+		pathErr   *fs.PathError
+	)
+	switch {
+	case errors.Is(err, nats.ErrAuthorization), errors.Is(err, nats.ErrAuthExpired), errors.Is(err, nats.ErrAuthRevoked),
+		errors.Is(err, nats.ErrAccountAuthExpired):
+		return "the server refused this role's credentials: check --nats-creds, --nats-nkey, --nats-token or " +
+			"--nats-user/--nats-password (with keys made by `kvbus auth init`, `kvbus auth show` says which file each role uses)", true
+	case errors.Is(err, nats.ErrSecureConnRequired):
+		return "the server requires TLS: give its CA with --nats-tls-ca", true
+	case errors.Is(err, nats.ErrSecureConnWanted):
+		return "TLS was asked for but the server does not use it: drop the --nats-tls-* flags or start the server with TLS", true
+	case errors.As(err, &unknownCA), errors.As(err, &verify), errors.As(err, &hostname):
+		return "the server's TLS certificate did not verify: give the CA that signed it with --nats-tls-ca, and connect by a name the certificate holds", true
+	case errors.As(err, &pathErr):
+		return "a credentials or TLS file could not be read: check the path given to the --nats-* flag", true
+	}
+	return "start one with `kvbus nats`, or set --nats-url / KVBUS_NATS_URL", false
+}
+
 // Drain drains nc (flushing pending publishes and letting subscription
-// handlers finish) and waits until it is closed or ctx ends.
+// handlers finish) and waits until it is closed or ctx ends. A connection
+// that is reconnecting (NATS restarting) holds its publishes in the
+// reconnect buffer: Drain waits, within ctx, for the server to come back,
+// and closes the connection with them unsent only when ctx ends.
 func Drain(ctx context.Context, nc *nats.Conn) {
 	if nc == nil || nc.IsClosed() {
 		return
+	}
+	for nc.IsReconnecting() && ctx.Err() == nil {
+		select {
+		case <-ctx.Done():
+		case <-time.After(20 * time.Millisecond):
+		}
 	}
 	if !nc.IsConnected() { // nothing can be flushed to a server that is gone
 		nc.Close()

@@ -120,6 +120,10 @@ func StartServer(cfg ServerConfig) (*Server, error) {
 		}
 		opts.Nkeys, opts.Users = ac.Nkeys, ac.Users
 	}
+	if cfg.TLSCA != "" && (cfg.TLSCert == "" || cfg.TLSKey == "") {
+		s.cleanup()
+		return nil, fmt.Errorf("%w: --tls-ca verifies client certificates on a TLS listener: give the server's own --tls-cert and --tls-key too", ErrServer)
+	}
 	if cfg.TLSCert != "" || cfg.TLSKey != "" {
 		tc, err := server.GenTLSConfig(&server.TLSConfigOpts{CertFile: cfg.TLSCert, KeyFile: cfg.TLSKey, CaFile: cfg.TLSCA, Verify: cfg.TLSCA != ""})
 		if err != nil {
@@ -135,15 +139,16 @@ func StartServer(cfg ServerConfig) (*Server, error) {
 			return nil, fmt.Errorf("%w: monitor address %q: %v", ErrServer, cfg.MonitorAddr, err)
 		}
 		opts.HTTPHost = mh
-		opts.HTTPPort, _ = strconv.Atoi(mp)
+		opts.HTTPPort = serverPort(mp)
 	}
 	if cfg.Cluster != "" {
 		ch, cp, err := net.SplitHostPort(cfg.Cluster)
 		if err != nil {
+			s.cleanup()
 			return nil, fmt.Errorf("%w: cluster address %q: %v", ErrServer, cfg.Cluster, err)
 		}
 		opts.Cluster.Host = ch
-		opts.Cluster.Port, _ = strconv.Atoi(cp)
+		opts.Cluster.Port = serverPort(cp)
 		opts.Cluster.Name = cfg.ClusterName
 		opts.Routes = server.RoutesFromStr(joinComma(cfg.Routes))
 	}
@@ -163,6 +168,17 @@ func StartServer(cfg ServerConfig) (*Server, error) {
 	}
 	s.Server = ns
 	return s, nil
+}
+
+// serverPort is a listener's port as nats-server takes it: port 0 asks for
+// a free one (RANDOM_PORT), as it does for the client address; nats-server
+// reads a 0 as "no listener".
+func serverPort(p string) int {
+	n, _ := strconv.Atoi(p)
+	if n == 0 {
+		return server.RANDOM_PORT
+	}
+	return n
 }
 
 // portFree fails at once, and says what to do, when addr (the server's

@@ -12,6 +12,7 @@ import (
 	"log/slog"
 	"net"
 	"path/filepath"
+	"slices"
 	"strings"
 	"sync"
 	"time"
@@ -119,9 +120,16 @@ type Cluster struct {
 
 	ctx    context.Context
 	cancel context.CancelFunc
-	wg     sync.WaitGroup
-	errMu  sync.Mutex
-	err    error
+	// The roles stop in the order a request crosses them backwards, so
+	// that what the frontend accepted is answered: the frontend first
+	// (ctx), then, once it returned, the schedulers (schedCtx), then the
+	// ranks (rankCtx). See stopInOrder.
+	schedCtx, rankCtx     context.Context
+	stopScheds, stopRanks context.CancelFunc
+	feDone                chan struct{} // closed when the frontend's Run returned; nil without one
+	wg                    sync.WaitGroup
+	errMu                 sync.Mutex
+	err                   error
 
 	mu        sync.Mutex
 	conns     []*nats.Conn
@@ -207,6 +215,9 @@ func Start(ctx context.Context, cfg Config) (*Cluster, error) {
 		ranks: map[rankKey]*rankRun{}, engines: map[string]workers.Engine{},
 	}
 	c.ctx, c.cancel = context.WithCancel(ctx)
+	c.schedCtx, c.stopScheds = context.WithCancel(context.WithoutCancel(c.ctx))
+	c.rankCtx, c.stopRanks = context.WithCancel(context.WithoutCancel(c.ctx))
+	go c.stopInOrder()
 	c.NATSURL = cfg.NATSURL
 	if c.NATSURL == "" {
 		if c.NATS, err = bus.StartServer(bus.ServerConfig{Addr: cfg.NATSAddr, DataDir: cfg.DataDir, MaxPayload: cfg.MaxPayload, AuthConfig: c.authConfig()}); err != nil {
@@ -285,9 +296,11 @@ func (c *Cluster) start() error {
 		}
 		c.Schedulers = append(c.Schedulers, s)
 		c.SchedulerRegistries = append(c.SchedulerRegistries, reg)
-		ctx, stop := context.WithCancel(c.ctx)
+		ctx, stop := context.WithCancel(c.schedCtx)
 		sr := &rankRun{nc: nc, stop: stop, done: make(chan struct{})}
+		c.mu.Lock()
 		c.schedRuns = append(c.schedRuns, sr)
+		c.mu.Unlock()
 		c.run(ctx, fmt.Sprintf("scheduler %d", i), func(ctx context.Context) error {
 			defer close(sr.done)
 			return s.Run(ctx)
@@ -307,7 +320,14 @@ func (c *Cluster) start() error {
 			return err
 		}
 		c.Frontend = fe
-		c.run(c.ctx, "frontend", c.Frontend.Run)
+		done := make(chan struct{})
+		c.mu.Lock()
+		c.feDone = done
+		c.mu.Unlock()
+		c.run(c.ctx, "frontend", func(ctx context.Context) error {
+			defer close(done)
+			return fe.Run(ctx)
+		})
 	}
 	return nil
 }
@@ -400,7 +420,7 @@ func (c *Cluster) startRank(group string, r int) error {
 	if err != nil {
 		return err
 	}
-	ctx, stop := context.WithCancel(c.ctx)
+	ctx, stop := context.WithCancel(c.rankCtx)
 	rr := &rankRun{rank: rank, nc: nc, stop: stop, done: make(chan struct{})}
 	c.mu.Lock()
 	c.ranks[rankKey{group, r}] = rr
@@ -605,6 +625,30 @@ func (c *Cluster) failure() error {
 
 // Stop ends every role; Wait returns once they are done.
 func (c *Cluster) Stop() { c.cancel() }
+
+// stopInOrder, once the cluster stops, lets the frontend finish first: it
+// stops taking requests and answers those it accepted, which needs the
+// schedulers to dispatch what is still in the request log and the ranks to
+// run it. Then the schedulers stop, then the ranks. Stopping all at once
+// left requests accepted in the last moments in the log with nobody to
+// dispatch them, and their clients waited for --request-timeout.
+func (c *Cluster) stopInOrder() {
+	<-c.ctx.Done()
+	c.mu.Lock()
+	feDone := c.feDone
+	c.mu.Unlock()
+	if feDone != nil {
+		<-feDone
+	}
+	c.stopScheds()
+	c.mu.Lock()
+	scheds := slices.Clone(c.schedRuns)
+	c.mu.Unlock()
+	for _, sr := range scheds {
+		<-sr.done
+	}
+	c.stopRanks()
+}
 
 // Done is closed when the cluster stops: after Stop, when the context
 // given to Start ends, or when a role fails (Wait returns its error).

@@ -79,6 +79,14 @@ type Config struct {
 	// 120 s).
 	ReadHeaderTimeout time.Duration
 	IdleTimeout       time.Duration
+	// StopGrace is how long, once Run's context ends, the frontend keeps
+	// its listener open answering new requests with 503 shutting_down
+	// (Connection: close) and /health with 503, so that clients on
+	// keep-alive connections and load balancers learn of the stop, before
+	// it closes the listener and waits for the requests in flight (default
+	// 500 ms; negative: none). Without it a request sent on a kept-alive
+	// connection at that moment gets no answer at all.
+	StopGrace time.Duration
 	// ReadBodyTimeout bounds reading a generation request's body (default
 	// 30 s): a client that stalls mid-body would otherwise hold one of
 	// MaxInflight's slots for as long as it keeps the connection open.
@@ -206,6 +214,9 @@ func New(cfg Config) (*Server, error) {
 	if cfg.IdleTimeout == 0 {
 		cfg.IdleTimeout = 120 * time.Second
 	}
+	if cfg.StopGrace == 0 {
+		cfg.StopGrace = 500 * time.Millisecond
+	}
 	if cfg.Registry == nil {
 		cfg.Registry = prometheus.NewRegistry()
 	}
@@ -315,6 +326,13 @@ func (s *Server) Run(ctx context.Context) error {
 	case <-ctx.Done():
 	}
 	s.draining.Store(true)
+	if s.cfg.StopGrace > 0 {
+		select {
+		case <-time.After(s.cfg.StopGrace):
+		case err := <-errc:
+			return fmt.Errorf("frontend: serve: %w", err)
+		}
+	}
 	shutdown, cancel2 := context.WithTimeout(context.Background(), s.cfg.RequestTimeout+time.Second)
 	defer cancel2()
 	if err := srv.Shutdown(shutdown); err != nil {

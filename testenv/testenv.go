@@ -204,7 +204,8 @@ func StartCluster(t testing.TB, cfg ClusterConfig) *Cluster {
 		StoreDelays: cfg.StoreDelays, DropReqMetas: cfg.DropReqMetas, MaxPayload: cfg.MaxPayload, NoGroupWait: cfg.NoGroupWait, ResendAfter: cfg.ResendAfter, Pool: cfg.Pool,
 		DrainHandoff: cfg.DrainHandoff, Engines: cfg.Engines, AuthDir: cfg.AuthDir,
 		Frontend: &frontend.Config{Listener: ln, SessionHeaders: cfg.SessionHeaders, MaxModelLen: cfg.MaxModelLen,
-			MaxInflight: cfg.MaxInflight, APIKey: cfg.APIKey, Tokenizer: cfg.Tokenizer},
+			MaxInflight: cfg.MaxInflight, APIKey: cfg.APIKey, Tokenizer: cfg.Tokenizer,
+			StopGrace: 100 * time.Millisecond}, // what a test's clients need; kvbus's default is 500 ms
 		Logger:   slog.New(logsink.NewTextHandler(w, &slog.HandlerOptions{Level: cfg.LogLevel})), // as kvbus logs
 		Registry: reg,
 	})

@@ -1,0 +1,156 @@
+package bus_test
+
+import (
+	"context"
+	"errors"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/nats-io/nats.go"
+	"github.com/nats-io/nats.go/jetstream"
+
+	"github.com/kvbus/kvbus/bus"
+)
+
+// TestConnectErrorRedactsPassword: a --nats-url with user:password
+// (nats://user:pass@host, as nats.go takes it) is printed in the connect
+// error every role shows at start-up: without its password.
+func TestConnectErrorRedactsPassword(t *testing.T) {
+	_, err := bus.Connect(t.Context(), bus.Config{URL: "nats://kvbus:hunter2@127.0.0.1:1,nats://tok3n@127.0.0.1:2", ConnectTimeout: 100 * time.Millisecond})
+	if err == nil {
+		t.Fatal("connected to port 1")
+	}
+	if strings.Contains(err.Error(), "hunter2") || strings.Contains(err.Error(), "tok3n") {
+		t.Fatalf("the connect error shows a secret: %v", err)
+	}
+	if !strings.Contains(err.Error(), "nats://kvbus:xxxxx@127.0.0.1:1") || !strings.Contains(err.Error(), "start one with `kvbus nats`") {
+		t.Errorf("the connect error should name the redacted URL and say to start a server: %v", err)
+	}
+}
+
+// TestConnectAuthErrorAdvice: a wrong credential is not "no server": the
+// error says to check the credentials, at once, not after retrying for the
+// whole ConnectTimeout and telling the operator to start a server.
+func TestConnectAuthErrorAdvice(t *testing.T) {
+	srv := startServer(t, "s3cret")
+	start := time.Now()
+	_, err := bus.Connect(t.Context(), bus.Config{URL: srv.ClientURL(), Token: "wrong", ConnectTimeout: 5 * time.Second})
+	took := time.Since(start)
+	if !errors.Is(err, bus.ErrConnect) {
+		t.Fatalf("err %v", err)
+	}
+	if strings.Contains(err.Error(), "start one with `kvbus nats`") || !strings.Contains(err.Error(), "--nats-token") {
+		t.Errorf("an authorization failure should point at the credentials: %v", err)
+	}
+	if took >= 4*time.Second {
+		t.Errorf("an authorization failure was retried for the whole connect timeout (%s)", took)
+	}
+}
+
+// TestServerTLSCAAlone: `kvbus nats --tls-ca ca.pem` ("CA to require and
+// verify client certificates") without the server's own certificate would
+// start a plaintext server that asks nobody for one: refused.
+func TestServerTLSCAAlone(t *testing.T) {
+	dir := t.TempDir()
+	_, _, caPath, _ := writeCert(t, dir, "ca", true, nil, nil)
+	srv, err := bus.StartServer(bus.ServerConfig{Addr: "127.0.0.1:0", DataDir: t.TempDir(), TLSCA: caPath})
+	if err == nil {
+		srv.Shutdown()
+		t.Fatal("a server with --tls-ca and no --tls-cert started")
+	}
+	if !errors.Is(err, bus.ErrServer) || !strings.Contains(err.Error(), "--tls-cert") {
+		t.Errorf("err = %v; want an ErrServer naming --tls-cert", err)
+	}
+}
+
+// TestMonitorPortZero: port 0 asks for a free port for monitoring as it
+// does for clients; nats-server alone reads it as "off".
+func TestMonitorPortZero(t *testing.T) {
+	srv, err := bus.StartServer(bus.ServerConfig{Addr: "127.0.0.1:0", DataDir: t.TempDir(), MonitorAddr: "127.0.0.1:0"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer srv.Shutdown()
+	if srv.MonitorAddr() == nil || srv.MonitorAddr().Port == 0 {
+		t.Fatal("MonitorAddr 127.0.0.1:0 started no monitoring endpoint")
+	}
+}
+
+// TestDrainWhileReconnecting: a role that stops while NATS restarts holds
+// its last publishes (final outputs, rank results) in the reconnect
+// buffer; Drain waits, within its context, for the server to come back and
+// sends them, where it used to close the connection and drop them.
+func TestDrainWhileReconnecting(t *testing.T) {
+	dir := t.TempDir()
+	srv, err := bus.StartServer(bus.ServerConfig{Addr: "127.0.0.1:0", DataDir: dir})
+	if err != nil {
+		t.Fatal(err)
+	}
+	addr := srv.Addr().String()
+	admin, err := nats.Connect(srv.ClientURL())
+	if err != nil {
+		t.Fatal(err)
+	}
+	js, _ := jetstream.New(admin)
+	if _, err := js.CreateStream(t.Context(), jetstream.StreamConfig{Name: "OUT", Subjects: []string{"out"}, Storage: jetstream.FileStorage}); err != nil {
+		t.Fatal(err)
+	}
+	admin.Close()
+	nc, err := bus.Connect(t.Context(), bus.Config{URL: srv.ClientURL(), Name: "worker"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	srv.Shutdown() // NATS restarts
+	for nc.IsConnected() {
+		time.Sleep(10 * time.Millisecond)
+	}
+	if !nc.IsReconnecting() {
+		t.Fatal("the connection is not reconnecting: the fault did not take effect")
+	}
+	if err := nc.Publish("out", []byte("final output")); err != nil { // buffered for the reconnect
+		t.Fatal(err)
+	}
+	restarted := make(chan *bus.Server, 1)
+	go func() {
+		time.Sleep(300 * time.Millisecond)
+		s, err := bus.StartServer(bus.ServerConfig{Addr: addr, DataDir: dir})
+		if err != nil {
+			t.Error(err)
+		}
+		restarted <- s
+	}()
+	ctx, cancel := context.WithTimeout(t.Context(), 10*time.Second)
+	defer cancel()
+	bus.Drain(ctx, nc) // the role stops, with 10 s to drain
+	srv2 := <-restarted
+	if srv2 == nil {
+		return
+	}
+	defer srv2.Shutdown()
+	c2, err := nats.Connect(srv2.ClientURL())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c2.Close()
+	js2, _ := jetstream.New(c2)
+	testEventually(t, 5*time.Second, func() bool {
+		st, err := js2.Stream(t.Context(), "OUT")
+		if err != nil {
+			return false
+		}
+		info, err := st.Info(t.Context())
+		return err == nil && info.State.Msgs == 1
+	}, "the publish buffered while NATS restarted to reach the stream after Drain")
+}
+
+func testEventually(t *testing.T, within time.Duration, cond func() bool, what string) {
+	t.Helper()
+	deadline := time.Now().Add(within)
+	for !cond() {
+		if time.Now().After(deadline) {
+			t.Fatalf("waited %s for %s", within, what)
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+}
