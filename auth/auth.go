@@ -18,8 +18,6 @@ import (
 
 	"github.com/kvbus/kvbus/bus"
 	"github.com/kvbus/kvbus/messages"
-	"github.com/kvbus/kvbus/scheduler"
-	"github.com/kvbus/kvbus/workers"
 )
 
 // Role names, and the seed file of each: DIR/<role>.nk (worker keys of one
@@ -42,13 +40,9 @@ var (
 	ErrConfig = errors.New("auth: bad configuration")
 )
 
-// JetStream names the roles use.
-const (
-	requestStream     = messages.RequestStream
-	schedulerConsumer = bus.SchedulerConsumer
-	sessionBucket     = scheduler.SessionBucket
-	slotBucket        = workers.SlotBucket
-)
+// schedulerConsumer is the durable consumer of the request log the roles
+// use; the stream and buckets are named by the subject prefix.
+const schedulerConsumer = bus.SchedulerConsumer
 
 // Permissions are a role's allow-lists; what is not listed is denied.
 // Responses, when set, lets the role answer requests it received (on their
@@ -105,6 +99,7 @@ func kvBucket(bucket string) []string {
 // KV events and heartbeats.
 func For(s messages.Subjects, id Identity) (Permissions, error) {
 	p := func(rest string) string { return s.All()[:len(s.All())-1] + rest } // "kvbus." + rest
+	requestStream := s.RequestStream()
 	inbox := "_INBOX.>"
 	switch id.Role {
 	case RoleFrontend:
@@ -128,7 +123,7 @@ func For(s messages.Subjects, id Identity) (Permissions, error) {
 					jsAPI + "CONSUMER.DURABLE.CREATE." + requestStream + "." + schedulerConsumer,
 					jsAPI + "CONSUMER.MSG.NEXT." + requestStream + "." + schedulerConsumer,
 					"$JS.ACK." + requestStream + "." + schedulerConsumer + ".>"},
-				kvBucket(sessionBucket)),
+				kvBucket(s.SessionBucket())),
 			Subscribe: []string{p("done.*"), s.KVAll(), s.HeartbeatAll(), s.PlanAll(), s.Abort(), inbox},
 		}, nil
 	case RoleWorker:
@@ -144,7 +139,7 @@ func For(s messages.Subjects, id Identity) (Permissions, error) {
 				// Pool reads and hand-offs go to any group; the drain plan
 				// only to its own.
 				p("pool.*.*"), p("pool.*.*.handoff"), p("pool." + g + ".drain"), jsAPI + "INFO"},
-				kvBucket(slotBucket)),
+				kvBucket(s.SlotBucket())),
 			Subscribe: []string{p("meta." + g + ".>"), s.Abort(), p("ctl.dump." + g + ".*"), p("pool." + g + ".>"),
 				s.HeartbeatAll(), inbox},
 			Responses: maxResponses,

@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"log/slog"
 	"strings"
+	"slices"
 	"time"
 
 	"github.com/nats-io/nats.go/jetstream"
@@ -24,6 +25,10 @@ const DefaultAckWait = 5 * time.Second
 // was accepted, so new requests are refused until schedulers catch up and
 // TrimHistory frees space.
 var ErrLogFull = errors.New("bus: request log is full")
+
+// ErrRequestLog is wrapped when the stream named as this deployment's
+// request log exists but logs other subjects.
+var ErrRequestLog = errors.New("bus: not this deployment's request log")
 
 // jsErrStreamStoreFailed is nats-server's JSStreamStoreFailedF error code: a
 // publish the stream did not store. With DiscardNew its description names
@@ -80,7 +85,8 @@ func (c StreamConfig) HistoryBound() int64 {
 	return 1 << 29
 }
 
-// EnsureRequestStream creates the KVBUS_REQUESTS stream unless it exists.
+// EnsureRequestStream creates the request log (cfg.Subjects.RequestStream,
+// KVBUS_REQUESTS under the default prefix) unless it exists.
 // Any process may call it; whichever starts first creates the stream, and an
 // existing stream is used as it is, except that one created with DiscardOld
 // (by an older kvbus) is switched to DiscardNew.
@@ -108,7 +114,7 @@ func Retry[T any](ctx context.Context, f func(ctx context.Context) (T, error)) (
 		actx, cancel := context.WithTimeout(ctx, 3*time.Second)
 		v, err := f(actx)
 		cancel()
-		if err == nil || ctx.Err() != nil {
+		if err == nil || ctx.Err() != nil || errors.Is(err, ErrRequestLog) { // no retry makes another deployment's log ours
 			return v, err
 		}
 		select {
@@ -124,21 +130,26 @@ func ensureStream(ctx context.Context, js jetstream.JetStream, cfg StreamConfig)
 	// another process creates a consumer on it races inside nats-server.
 	// The one exception is DiscardOld, which would drop accepted requests; a
 	// failed update is only logged, and the next process to start retries it.
-	if st, err := js.Stream(ctx, messages.RequestStream); err == nil {
+	name := cfg.Subjects.RequestStream()
+	if st, err := js.Stream(ctx, name); err == nil {
+		if subjects := st.CachedInfo().Config.Subjects; !slices.Contains(subjects, cfg.Subjects.RequestAll()) {
+			return nil, fmt.Errorf("%w: stream %s logs %v, not %s: it is another deployment's; give this one its own --subject-prefix, or delete the stream",
+				ErrRequestLog, name, subjects, cfg.Subjects.RequestAll())
+		}
 		if sc := st.CachedInfo().Config; sc.Discard != jetstream.DiscardNew {
 			sc.Discard = jetstream.DiscardNew
 			if updated, err := js.UpdateStream(ctx, sc); err != nil {
 				slog.WarnContext(ctx, "cannot switch the request log to discard new; a full log drops accepted requests until it is",
-					"stream", messages.RequestStream, "err", err)
+					"stream", name, "err", err)
 			} else {
-				slog.InfoContext(ctx, "request log switched to discard new", "stream", messages.RequestStream)
+				slog.InfoContext(ctx, "request log switched to discard new", "stream", name)
 				st = updated
 			}
 		}
 		return st, nil
 	}
 	st, err := js.CreateStream(ctx, jetstream.StreamConfig{
-		Name:        messages.RequestStream,
+		Name:        name,
 		Description: "kvbus request log: every Request accepted by a frontend",
 		Subjects:    []string{cfg.Subjects.RequestAll()},
 		Storage:     jetstream.FileStorage,
@@ -154,10 +165,10 @@ func ensureStream(ctx context.Context, js jetstream.JetStream, cfg StreamConfig)
 		Discard: jetstream.DiscardNew,
 	})
 	if errors.Is(err, jetstream.ErrStreamNameAlreadyInUse) {
-		st, err = js.Stream(ctx, messages.RequestStream) // another process won the race
+		st, err = js.Stream(ctx, name) // another process won the race
 	}
 	if err != nil {
-		return nil, fmt.Errorf("bus: create stream %s: %w (is JetStream enabled on the server?)", messages.RequestStream, err)
+		return nil, fmt.Errorf("bus: create stream %s: %w (is JetStream enabled on the server?)", name, err)
 	}
 	return st, nil
 }

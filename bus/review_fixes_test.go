@@ -11,6 +11,7 @@ import (
 	"github.com/nats-io/nats.go/jetstream"
 
 	"github.com/kvbus/kvbus/bus"
+	"github.com/kvbus/kvbus/messages"
 )
 
 // TestConnectErrorRedactsPassword: a --nats-url with user:password
@@ -152,5 +153,67 @@ func testEventually(t *testing.T, within time.Duration, cond func() bool, what s
 			t.Fatalf("waited %s for %s", within, what)
 		}
 		time.Sleep(20 * time.Millisecond)
+	}
+}
+
+// TestRequestLogPerPrefix: two deployments with their own --subject-prefix
+// on one NATS keep their own request logs. Before, the stream's name was
+// fixed: the second deployment found the first one's log, which holds
+// none of its subjects, so every request it published was refused; and its
+// schedulers attached to the first one's durable consumer and took (and
+// acked) the first deployment's requests.
+func TestRequestLogPerPrefix(t *testing.T) {
+	js := newJS(t)
+	ctx := t.Context()
+	a, b := messages.Subjects{Prefix: "a"}, messages.Subjects{Prefix: "b"}
+	stA, err := bus.EnsureRequestStream(ctx, js, bus.StreamConfig{Subjects: a})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := bus.EnsureSchedulerConsumer(ctx, stA, 0, 1); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := js.Publish(ctx, a.Request("m"), []byte("a's request")); err != nil {
+		t.Fatal(err)
+	}
+	stB, err := bus.EnsureRequestStream(ctx, js, bus.StreamConfig{Subjects: b})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if stA.CachedInfo().Config.Name == stB.CachedInfo().Config.Name {
+		t.Fatalf("both prefixes log to stream %s", stA.CachedInfo().Config.Name)
+	}
+	if _, err := js.Publish(ctx, b.Request("m"), []byte("b's request"), jetstream.WithMsgID("r1")); err != nil {
+		t.Fatalf("publishing a request on %s: %v", b.Request("m"), err)
+	}
+	consB, err := bus.EnsureSchedulerConsumer(ctx, stB, 0, 1)
+	if err != nil {
+		t.Fatal(err)
+	}
+	batch, err := consB.Fetch(2, jetstream.FetchMaxWait(time.Second))
+	if err != nil {
+		t.Fatal(err)
+	}
+	var got []string
+	for m := range batch.Messages() {
+		got = append(got, string(m.Data()))
+	}
+	if len(got) != 1 || got[0] != "b's request" {
+		t.Errorf("prefix b's scheduler received %q, want only b's request", got)
+	}
+}
+
+// TestRequestLogOfAnotherDeploymentIsRefused: a stream under this
+// deployment's log name that logs other subjects (made by hand, or by
+// another tool) is refused with what to do, not used to refuse every
+// request later.
+func TestRequestLogOfAnotherDeploymentIsRefused(t *testing.T) {
+	js := newJS(t)
+	if _, err := js.CreateStream(t.Context(), jetstream.StreamConfig{Name: messages.Subjects{}.RequestStream(), Subjects: []string{"other.>"}}); err != nil {
+		t.Fatal(err)
+	}
+	_, err := bus.EnsureRequestStream(t.Context(), js, bus.StreamConfig{})
+	if !errors.Is(err, bus.ErrRequestLog) || !strings.Contains(err.Error(), "--subject-prefix") {
+		t.Errorf("err = %v; want ErrRequestLog saying to use another --subject-prefix", err)
 	}
 }

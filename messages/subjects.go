@@ -11,7 +11,8 @@ import (
 // DefaultPrefix is the first token of every kvbus subject.
 const DefaultPrefix = "kvbus"
 
-// RequestStream is the JetStream stream that logs every Request.
+// RequestStream is the JetStream stream that logs every Request under the
+// default prefix; Subjects.RequestStream names it for any prefix.
 const RequestStream = "KVBUS_REQUESTS"
 
 // NoSession is the session key of a request without a session id.
@@ -95,6 +96,30 @@ func (s Subjects) p() string {
 		return DefaultPrefix
 	}
 	return s.Prefix
+}
+
+// RequestStream is the JetStream stream that logs this deployment's
+// Requests: KVBUS_REQUESTS under the default prefix, KVBUS_REQUESTS_<prefix>
+// under another, so that deployments with their own prefixes on one NATS
+// keep their own request logs (and schedulers, whose durable consumer is
+// the stream's).
+func (s Subjects) RequestStream() string { return s.jetStreamName(RequestStream) }
+
+// SessionBucket is the JetStream KV bucket of session bindings
+// (KVBUS_SESSIONS, with the prefix as for RequestStream).
+func (s Subjects) SessionBucket() string { return s.jetStreamName("KVBUS_SESSIONS") }
+
+// SlotBucket is the JetStream KV bucket where `kvbus worker --rank auto`
+// claims slots (KVBUS_RANKS, with the prefix as for RequestStream).
+func (s Subjects) SlotBucket() string { return s.jetStreamName("KVBUS_RANKS") }
+
+// jetStreamName is base under the default prefix and base_<prefix> under
+// another: a prefix is [A-Za-z0-9_-], which stream and bucket names take.
+func (s Subjects) jetStreamName(base string) string {
+	if s.p() == DefaultPrefix {
+		return base
+	}
+	return base + "_" + s.p()
 }
 
 // Validate checks the prefix.

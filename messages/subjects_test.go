@@ -214,3 +214,18 @@ func TestSubjectsNeverSpellRawSession(t *testing.T) {
 		}
 	}
 }
+
+// TestJetStreamNamesPerPrefix: the default prefix keeps DESIGN.md's
+// names; another prefix gets its own stream and buckets.
+func TestJetStreamNamesPerPrefix(t *testing.T) {
+	def, b := Subjects{}, Subjects{Prefix: "team-b"}
+	for _, c := range []struct{ got, want string }{
+		{def.RequestStream(), "KVBUS_REQUESTS"}, {def.SessionBucket(), "KVBUS_SESSIONS"}, {def.SlotBucket(), "KVBUS_RANKS"},
+		{Subjects{Prefix: DefaultPrefix}.RequestStream(), "KVBUS_REQUESTS"},
+		{b.RequestStream(), "KVBUS_REQUESTS_team-b"}, {b.SessionBucket(), "KVBUS_SESSIONS_team-b"}, {b.SlotBucket(), "KVBUS_RANKS_team-b"},
+	} {
+		if c.got != c.want {
+			t.Errorf("got %s, want %s", c.got, c.want)
+		}
+	}
+}

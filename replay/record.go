@@ -40,9 +40,9 @@ func Capture(ctx context.Context, cfg CaptureConfig, w io.Writer) (int, error) {
 	if err != nil {
 		return 0, err
 	}
-	st, err := js.Stream(ctx, messages.RequestStream)
+	st, err := js.Stream(ctx, cfg.Subjects.RequestStream())
 	if err != nil {
-		return 0, fmt.Errorf("replay: request log %s: %w (has a frontend or scheduler run on this bus?)", messages.RequestStream, err)
+		return 0, fmt.Errorf("replay: request log %s: %w (has a frontend or scheduler run on this bus, with this --subject-prefix?)", cfg.Subjects.RequestStream(), err)
 	}
 	info, err := st.Info(ctx)
 	if err != nil {

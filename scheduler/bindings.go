@@ -15,7 +15,8 @@ import (
 	"github.com/kvbus/kvbus/messages"
 )
 
-// SessionBucket is the JetStream KV bucket of session bindings.
+// SessionBucket is the JetStream KV bucket of session bindings under the
+// default prefix (messages.Subjects.SessionBucket names it for any).
 const SessionBucket = "KVBUS_SESSIONS"
 
 // Binding says where a session's previous turn ran: its group, how many
@@ -59,17 +60,17 @@ type bindingWrite struct {
 }
 
 // OpenSessionBindings creates or opens the bucket.
-func OpenSessionBindings(ctx context.Context, js jetstream.JetStream, ttl time.Duration, replicas int, log *slog.Logger) (*SessionBindings, error) {
+func OpenSessionBindings(ctx context.Context, js jetstream.JetStream, bucket string, ttl time.Duration, replicas int, log *slog.Logger) (*SessionBindings, error) {
 	if ttl <= 0 {
 		return nil, fmt.Errorf("%w: --session-ttl must be positive", ErrConfig)
 	}
 	kv, err := bus.Retry(ctx, func(ctx context.Context) (jetstream.KeyValue, error) {
-		kv, err := js.KeyValue(ctx, SessionBucket) // an existing bucket is used as it is
+		kv, err := js.KeyValue(ctx, bucket) // an existing bucket is used as it is
 		if err == nil {
 			return kv, nil
 		}
 		kv, err = js.CreateKeyValue(ctx, jetstream.KeyValueConfig{
-			Bucket:         SessionBucket,
+			Bucket:         bucket,
 			Description:    "kvbus session bindings: session key → worker group of the previous turn",
 			TTL:            ttl,
 			History:        1,
@@ -78,12 +79,12 @@ func OpenSessionBindings(ctx context.Context, js jetstream.JetStream, ttl time.D
 			LimitMarkerTTL: max(ttl, time.Second), // watchers hear about expiry
 		})
 		if errors.Is(err, jetstream.ErrBucketExists) {
-			kv, err = js.KeyValue(ctx, SessionBucket)
+			kv, err = js.KeyValue(ctx, bucket)
 		}
 		return kv, err
 	})
 	if err != nil {
-		return nil, fmt.Errorf("scheduler: session bucket %s: %w", SessionBucket, err)
+		return nil, fmt.Errorf("scheduler: session bucket %s: %w", bucket, err)
 	}
 	return &SessionBindings{kv: kv, ttl: ttl, log: log, local: map[string]boundEntry{}, writes: make(chan bindingWrite, 4096)}, nil
 }
@@ -92,7 +93,7 @@ func OpenSessionBindings(ctx context.Context, js jetstream.JetStream, ttl time.D
 func (s *SessionBindings) Run(ctx context.Context) error {
 	w, err := s.kv.WatchAll(ctx)
 	if err != nil {
-		return fmt.Errorf("scheduler: watch %s: %w", SessionBucket, err)
+		return fmt.Errorf("scheduler: watch %s: %w", s.kv.Bucket(), err)
 	}
 	defer func() { _ = w.Stop() }()
 	for {

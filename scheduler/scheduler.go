@@ -266,7 +266,7 @@ func (s *Scheduler) Run(ctx context.Context) error {
 	if err != nil {
 		return err
 	}
-	bindings, err := OpenSessionBindings(setupCtx, js, s.cfg.SessionTTL, s.cfg.StreamReplicas, s.log)
+	bindings, err := OpenSessionBindings(setupCtx, js, s.cfg.Subjects.SessionBucket(), s.cfg.SessionTTL, s.cfg.StreamReplicas, s.log)
 	if err != nil {
 		return err
 	}
@@ -340,7 +340,7 @@ func (s *Scheduler) Run(ctx context.Context) error {
 			}
 		}))
 	if err != nil {
-		return fmt.Errorf("scheduler: consume %s: %w", messages.RequestStream, err)
+		return fmt.Errorf("scheduler: consume %s: %w", s.cfg.Subjects.RequestStream(), err)
 	}
 	s.consuming.Store(true)
 	s.log.Info("scheduler started", "block_size", s.cfg.BlockSize, "policy", fmt.Sprintf("%T", s.cfg.Policy))

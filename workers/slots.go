@@ -13,7 +13,8 @@ import (
 )
 
 // SlotBucket is the JetStream KV bucket where `kvbus worker --rank auto`
-// claims (group, rank) slots.
+// claims (group, rank) slots, under the default prefix
+// (messages.Subjects.SlotBucket names it for any).
 const SlotBucket = "KVBUS_RANKS"
 
 // ErrNoSlot is returned when every slot of MaxGroups groups is taken.
@@ -21,6 +22,8 @@ var ErrNoSlot = errors.New("workers: no free (group, rank) slot")
 
 // SlotConfig configures slot claiming.
 type SlotConfig struct {
+	// Bucket is the KV bucket of the slots (default SlotBucket).
+	Bucket string
 	// GroupPrefix names groups <prefix>0, <prefix>1, … (default "g").
 	GroupPrefix string
 	// Size is the ranks per group (the TP size).
@@ -60,6 +63,9 @@ func ClaimSlot(ctx context.Context, js jetstream.JetStream, cfg SlotConfig) (*Sl
 	if cfg.TTL <= 0 {
 		cfg.TTL = 10 * time.Second
 	}
+	if cfg.Bucket == "" {
+		cfg.Bucket = SlotBucket
+	}
 	if cfg.Size < 1 {
 		return nil, fmt.Errorf("%w: --tp-size must be at least 1", ErrConfig)
 	}
@@ -67,21 +73,21 @@ func ClaimSlot(ctx context.Context, js jetstream.JetStream, cfg SlotConfig) (*Sl
 		cfg.Logger = slog.Default()
 	}
 	kv, err := bus.Retry(ctx, func(ctx context.Context) (jetstream.KeyValue, error) {
-		kv, err := js.KeyValue(ctx, SlotBucket)
+		kv, err := js.KeyValue(ctx, cfg.Bucket)
 		if err == nil {
 			return kv, nil
 		}
 		kv, err = js.CreateKeyValue(ctx, jetstream.KeyValueConfig{
-			Bucket: SlotBucket, Description: "kvbus worker slots: <group>.<rank> → the worker holding it",
+			Bucket: cfg.Bucket, Description: "kvbus worker slots: <group>.<rank> → the worker holding it",
 			TTL: cfg.TTL, History: 1, Storage: jetstream.MemoryStorage, Replicas: max(cfg.Replicas, 1),
 		})
 		if errors.Is(err, jetstream.ErrBucketExists) {
-			kv, err = js.KeyValue(ctx, SlotBucket)
+			kv, err = js.KeyValue(ctx, cfg.Bucket)
 		}
 		return kv, err
 	})
 	if err != nil {
-		return nil, fmt.Errorf("workers: slot bucket %s: %w", SlotBucket, err)
+		return nil, fmt.Errorf("workers: slot bucket %s: %w", cfg.Bucket, err)
 	}
 	for g := range cfg.MaxGroups {
 		group := fmt.Sprintf("%s%d", cfg.GroupPrefix, g)

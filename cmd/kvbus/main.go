@@ -389,7 +389,7 @@ func (c *workerCmd) Run(ctx context.Context) error {
 			return err
 		}
 		owner, _ := os.Hostname()
-		if slot, err = workers.ClaimSlot(ctx, js, workers.SlotConfig{Size: c.TPSize, TTL: c.SlotTTL, Owner: owner, Replicas: c.Replicas, Logger: log}); err != nil {
+		if slot, err = workers.ClaimSlot(ctx, js, workers.SlotConfig{Bucket: c.subjects().SlotBucket(), Size: c.TPSize, TTL: c.SlotTTL, Owner: owner, Replicas: c.Replicas, Logger: log}); err != nil {
 			return err
 		}
 		c.Group, c.TPRank, c.EPRank = slot.Group, slot.Rank, slot.Rank
