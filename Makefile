@@ -7,7 +7,12 @@ PKGS    ?= ./...
 ARGS    ?=
 BENCHTIME ?= 1s
 
-IMAGE   ?= kvbus:dev
+# The images `make image*` build are the ones the compose files run: IMAGE
+# defaults to the compose files' KVBUS_IMAGE and is exported as it (likewise
+# PROMETHEUS_IMAGE and KVBUS_PROMETHEUS_IMAGE), so `make up IMAGE=kvbus:test`
+# runs kvbus:test. ENGINE_IMAGE (the engines) defaults to FAKEENGINE_IMAGE.
+IMAGE   := $(or $(IMAGE),$(KVBUS_IMAGE),kvbus:dev)
+export KVBUS_IMAGE := $(IMAGE)
 
 # docker compose (the plugin) when present, else docker-compose (1.29).
 COMPOSE ?= $(shell docker compose version >/dev/null 2>&1 && echo "docker compose" || echo docker-compose)
@@ -75,13 +80,15 @@ image:
 
 # The fake vLLM engine image of docker-compose.engine.yml (a test tool).
 FAKEENGINE_IMAGE ?= kvbus-fakeengine:dev
+export ENGINE_IMAGE ?= $(FAKEENGINE_IMAGE)
 image-fakeengine: image
 	CGO_ENABLED=0 $(GO) build -trimpath -ldflags '-s -w' -o build/docker/kvbus-fakeengine ./cmd/kvbus-fakeengine
 	docker build -f Dockerfile.fakeengine -t $(FAKEENGINE_IMAGE) build/docker
 
 # Prometheus from Debian's package (apt-get download; the binary links only
 # glibc, copied along) for docker-compose.monitoring.yml.
-PROMETHEUS_IMAGE ?= kvbus-prometheus:dev
+PROMETHEUS_IMAGE := $(or $(PROMETHEUS_IMAGE),$(KVBUS_PROMETHEUS_IMAGE),kvbus-prometheus:dev)
+export KVBUS_PROMETHEUS_IMAGE := $(PROMETHEUS_IMAGE)
 image-prometheus:
 	rm -rf build/prometheus && mkdir -p build/prometheus/empty build/prometheus/deb
 	cd build/prometheus/deb && apt-get download prometheus

@@ -6,6 +6,7 @@ import (
 	"net"
 	"os"
 	"strconv"
+	"syscall"
 	"time"
 
 	"github.com/nats-io/nats-server/v2/server"
@@ -72,8 +73,12 @@ func StartServer(cfg ServerConfig) (*Server, error) {
 	if port == 0 {
 		port = server.RANDOM_PORT
 	}
-	for _, l := range []struct{ what, addr string }{{"client", addr}, {"monitoring", cfg.MonitorAddr}, {"cluster", cfg.Cluster}} {
-		if err := portFree(l.what, l.addr); err != nil {
+	for _, l := range []struct{ what, flag, addr string }{
+		{"client", "--addr (kvbus nats) or --nats-addr (kvbus serve)", addr},
+		{"monitoring", "--monitor-addr", cfg.MonitorAddr},
+		{"cluster", "--cluster-addr", cfg.Cluster},
+	} {
+		if err := portFree(l.what, l.flag, l.addr); err != nil {
 			return nil, err
 		}
 	}
@@ -185,13 +190,17 @@ func serverPort(p string) int {
 // what address; "" or port 0: none to check) cannot be listened on:
 // nats-server would log the error and leave ReadyForConnections to time out
 // 30 s later, naming nothing.
-func portFree(what, addr string) error {
+func portFree(what, flag, addr string) error {
 	if _, p, err := net.SplitHostPort(addr); addr == "" || err != nil || p == "0" {
 		return nil // nothing to check, or an address the server will refuse itself
 	}
 	l, err := net.Listen("tcp", addr)
+	if errors.Is(err, syscall.EADDRINUSE) {
+		return fmt.Errorf("%w: cannot listen on %s, the %s address: %v (is another kvbus or NATS server running there? stop it, or give this one another address with %s)",
+			ErrServer, addr, what, err, flag)
+	}
 	if err != nil {
-		return fmt.Errorf("%w: cannot listen on %s, the %s address: %v (is another kvbus or NATS server running there? stop it, or give this one another address)", ErrServer, addr, what, err)
+		return fmt.Errorf("%w: cannot listen on %s, the %s address: %v (check %s)", ErrServer, addr, what, err, flag)
 	}
 	return l.Close()
 }

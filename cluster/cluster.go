@@ -623,6 +623,13 @@ func (c *Cluster) failure() error {
 	return errors.New("cluster: stopped")
 }
 
+// Groups and Ranks are the cluster's shape as it runs (with engines, one
+// group of one rank per engine, whatever Config said).
+func (c *Cluster) Groups() int { return c.cfg.Groups }
+
+// Ranks is the ranks per group; see Groups.
+func (c *Cluster) Ranks() int { return c.cfg.Ranks }
+
 // Stop ends every role; Wait returns once they are done.
 func (c *Cluster) Stop() { c.cancel() }
 

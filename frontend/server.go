@@ -12,6 +12,7 @@ import (
 	"strings"
 	"sync"
 	"sync/atomic"
+	"syscall"
 	"time"
 
 	"github.com/nats-io/nats.go"
@@ -302,7 +303,10 @@ func (s *Server) Run(ctx context.Context) error {
 	ln := s.cfg.Listener
 	if ln == nil {
 		if ln, err = net.Listen("tcp", s.cfg.Addr); err != nil {
-			return fmt.Errorf("frontend: listen on %s: %w (is another kvbus running? choose another --http-addr)", s.cfg.Addr, err)
+			if errors.Is(err, syscall.EADDRINUSE) {
+				return fmt.Errorf("frontend: listen on %s: %w (is another kvbus running? stop it, or choose another --http-addr)", s.cfg.Addr, err)
+			}
+			return fmt.Errorf("frontend: listen on %s: %w (--http-addr takes HOST:PORT, e.g. 0.0.0.0:8000)", s.cfg.Addr, err)
 		}
 	}
 	s.addr = ln.Addr()

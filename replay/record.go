@@ -305,6 +305,23 @@ func decodeAny(rest string, data []byte) (string, any) {
 		v, err = messages.DecodeKVEventBatch(data)
 	case "hb":
 		v, err = messages.DecodeHeartbeat(data)
+	case "ann":
+		kind = "announcement"
+		v, err = messages.DecodeAnnouncement(data)
+	case "sched":
+		kind = "save_plan"
+		v, err = messages.DecodeSavePlan(data)
+	case "pool":
+		switch {
+		case strings.HasSuffix(rest, ".drain"):
+			kind = "drain_plan"
+			v, err = messages.DecodeDrainPlan(data)
+		case strings.HasSuffix(rest, ".handoff"): // block bytes: their size only
+			kind, v = "handoff", map[string]int{"bytes": len(data)}
+		default:
+			kind = "pool_read"
+			v, err = messages.DecodePoolRead(data)
+		}
 	case "ctl":
 		if strings.HasPrefix(rest, "ctl.abort") {
 			kind = "abort"

@@ -321,3 +321,45 @@ func TestTapOddMessages(t *testing.T) {
 		t.Errorf("kinds %v, want malformed and unknown lines too", kinds)
 	}
 }
+
+// TestTapDecodesControlMessages: announcements, save plans, pool reads and
+// drain plans, all in the wire contract, are printed decoded, not as
+// "unknown" byte counts; a hand-off (block bytes) by its size.
+func TestTapDecodesControlMessages(t *testing.T) {
+	srv := testenv.StartNATS(t)
+	pub := testenv.Connect(t, srv)
+	subj := messages.Subjects{Prefix: "taptest"}
+	tap := startTap(t, testenv.Connect(t, srv), replay.TapConfig{Subjects: subj})
+	marshal := func(m messages.Message) []byte {
+		data, err := messages.Marshal(m)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return data
+	}
+	sent := []struct {
+		subject string
+		data    []byte
+		kind    string
+	}{
+		{subj.Announce(messages.RoleScheduler, "s1"), marshal(&messages.Announcement{Role: messages.RoleScheduler, ID: "s1"}), "announcement"},
+		{subj.Plan("s1"), marshal(&messages.SavePlan{SchedulerID: "s1", ReqID: "r1", Group: "g0", BlockHashes: messages.BlockHashes{7}}), "save_plan"},
+		{subj.Pool("g0", 1), marshal(&messages.PoolRead{ReqID: "r1", Model: "m", TPRank: 1, BlockHashes: messages.BlockHashes{7}}), "pool_read"},
+		{subj.Drain("g0"), marshal(&messages.DrainPlan{Group: "g0", Model: "m"}), "drain_plan"},
+		{subj.Handoff("g1", 1), []byte("block bytes"), "handoff"},
+	}
+	for _, m := range sent {
+		if err := pub.Publish(m.subject, m.data); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := pub.Flush(); err != nil {
+		t.Fatal(err)
+	}
+	testenv.Eventually(t, 5*time.Second, "a line per message", func() bool { return len(tapLines(t, tap.out)) >= len(sent) })
+	for i, l := range tapLines(t, tap.out) {
+		if l.Kind != sent[i].kind {
+			t.Errorf("%s printed as %q (%v), want %q", l.Subject, l.Kind, l.Msg, sent[i].kind)
+		}
+	}
+}

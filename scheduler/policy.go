@@ -83,6 +83,24 @@ func NewPolicy(name string, epsilon float64) (Policy, error) {
 	return nil, fmt.Errorf("scheduler: unknown --policy %q (known: %s)", name, strings.Join(PolicyNames(), ", "))
 }
 
+// policyName is the --policy name of p, for logs (its Go type for a policy
+// kvbus does not name).
+func policyName(p Policy) string {
+	switch p.(type) {
+	case KVPolicy, *KVPolicy:
+		return PolicyKV
+	case *SessionPolicy:
+		return PolicySession
+	case *RoundRobinPolicy:
+		return PolicyRoundRobin
+	case RandomPolicy:
+		return PolicyRandom
+	case LeastLoadedPolicy:
+		return PolicyLeastLoaded
+	}
+	return fmt.Sprintf("%T", p)
+}
+
 // placementKey is what rendezvous hashing uses for a request: its session,
 // or its own id when it has none.
 func placementKey(t *RequestTracker) string {

@@ -343,7 +343,7 @@ func (s *Scheduler) Run(ctx context.Context) error {
 		return fmt.Errorf("scheduler: consume %s: %w", s.cfg.Subjects.RequestStream(), err)
 	}
 	s.consuming.Store(true)
-	s.log.Info("scheduler started", "block_size", s.cfg.BlockSize, "policy", fmt.Sprintf("%T", s.cfg.Policy))
+	s.log.Info("scheduler started", "block_size", s.cfg.BlockSize, "policy", policyName(s.cfg.Policy))
 	s.announce(time.Now(), true)
 
 	var trimmer sync.WaitGroup

@@ -42,6 +42,8 @@ type loadResult struct {
 	RPS         float64 `json:"rps"`
 	P50Ms       float64 `json:"p50_ms"`
 	P99Ms       float64 `json:"p99_ms"`
+	// FirstError is the first failed request's error, when one failed.
+	FirstError string `json:"first_error,omitempty"`
 }
 
 func (c *loadgenCmd) Run(ctx context.Context) error {
@@ -50,10 +52,20 @@ func (c *loadgenCmd) Run(ctx context.Context) error {
 		return err
 	}
 	if c.JSON {
-		return json.NewEncoder(os.Stdout).Encode(r)
+		if err := json.NewEncoder(os.Stdout).Encode(r); err != nil {
+			return err
+		}
+	} else {
+		fmt.Printf("c=%d stream=%v: %d requests (%d errors) in %.1fs: %.0f req/s, p50 %.2f ms, p99 %.2f ms\n",
+			r.Concurrency, r.Stream, r.Requests, r.Errors, r.Seconds, r.RPS, r.P50Ms, r.P99Ms)
+		if r.Errors > 0 {
+			fmt.Printf("first error: %s\n", r.FirstError)
+		}
 	}
-	fmt.Printf("c=%d stream=%v: %d requests (%d errors) in %.1fs: %.0f req/s, p50 %.2f ms, p99 %.2f ms\n",
-		r.Concurrency, r.Stream, r.Requests, r.Errors, r.Seconds, r.RPS, r.P50Ms, r.P99Ms)
+	if r.Requests == 0 && r.Errors > 0 {
+		return fmt.Errorf("no request succeeded (%d failed; the first: %s): is the server at %s up, and does it serve --model %q?",
+			r.Errors, r.FirstError, strings.Join(c.URLs, ","), c.Model)
+	}
 	return nil
 }
 
@@ -78,6 +90,7 @@ func (c *loadgenCmd) measure(ctx context.Context) (loadResult, error) {
 		mu        sync.Mutex
 		latencies []time.Duration
 		errs      int
+		firstErr  error
 		wg        sync.WaitGroup
 	)
 	start := time.Now()
@@ -94,6 +107,9 @@ func (c *loadgenCmd) measure(ctx context.Context) (loadResult, error) {
 				mu.Lock()
 				if err != nil {
 					errs++
+					if firstErr == nil {
+						firstErr = err
+					}
 				} else {
 					latencies = append(latencies, d)
 				}
@@ -105,8 +121,12 @@ func (c *loadgenCmd) measure(ctx context.Context) (loadResult, error) {
 	elapsed := time.Since(start)
 	slices.Sort(latencies)
 	q := func(p float64) float64 { return float64(quantile.NearestRank(latencies, p).Microseconds()) / 1000 }
-	return loadResult{Concurrency: c.Concurrency, Stream: c.Stream, Requests: len(latencies), Errors: errs, Seconds: elapsed.Seconds(),
-		RPS: float64(len(latencies)) / elapsed.Seconds(), P50Ms: q(0.5), P99Ms: q(0.99)}, nil
+	r := loadResult{Concurrency: c.Concurrency, Stream: c.Stream, Requests: len(latencies), Errors: errs, Seconds: elapsed.Seconds(),
+		RPS: float64(len(latencies)) / elapsed.Seconds(), P50Ms: q(0.5), P99Ms: q(0.99)}
+	if firstErr != nil {
+		r.FirstError = firstErr.Error()
+	}
+	return r, nil
 }
 
 // once sends one request and reads its whole answer.
@@ -122,8 +142,9 @@ func (c *loadgenCmd) once(ctx context.Context, client *http.Client, url string, 
 	}
 	defer resp.Body.Close()
 	if resp.StatusCode != http.StatusOK {
+		msg, _ := io.ReadAll(io.LimitReader(resp.Body, 300))
 		_, _ = io.Copy(io.Discard, resp.Body)
-		return fmt.Errorf("status %d", resp.StatusCode)
+		return fmt.Errorf("status %d: %s", resp.StatusCode, strings.TrimSpace(string(msg)))
 	}
 	if !c.Stream {
 		_, err = io.Copy(io.Discard, resp.Body)

@@ -1,6 +1,7 @@
 package main
 
 import (
+	"strings"
 	"testing"
 	"time"
 
@@ -26,5 +27,17 @@ func TestLoadgenCountsWhatTheServerServed(t *testing.T) {
 		if r.Errors != 0 || float64(r.Requests) > got || got > float64(r.Requests+4) || r.P50Ms <= 0 || r.P50Ms > r.P99Ms {
 			t.Errorf("stream=%v: loadgen %+v, the frontend served %v", stream, r, got)
 		}
+	}
+}
+
+// TestLoadgenFailsWhenNothingSucceeds: a run where every request failed (a
+// server that is down, a model it does not serve) exits non-zero and says
+// why, where it printed "0 requests" and exited 0.
+func TestLoadgenFailsWhenNothingSucceeds(t *testing.T) {
+	c := testenv.StartCluster(t, testenv.ClusterConfig{})
+	lg := &loadgenCmd{URLs: []string{c.URL}, Concurrency: 2, Duration: 300 * time.Millisecond, Model: "no-such-model", MaxTokens: 4, Prompt: "hello"}
+	err := lg.Run(t.Context())
+	if err == nil || !strings.Contains(err.Error(), "status 404") || !strings.Contains(err.Error(), "no-such-model") {
+		t.Errorf("Run = %v; want an error with the first failure (a 404 naming the model)", err)
 	}
 }

@@ -3,6 +3,7 @@ package main
 import (
 	"context"
 	"errors"
+	"fmt"
 
 	"github.com/kvbus/kvbus/cluster"
 	"github.com/kvbus/kvbus/messages"
@@ -49,7 +50,7 @@ func (c *serveCmd) Run(ctx context.Context) error {
 	if err != nil {
 		return err
 	}
-	log.Info("kvbus serving", "nats_url", cl.NATSURL, "http_addr", c.HTTPAddr, "groups", c.Groups, "ranks", c.Ranks, "policy", c.Policy)
+	log.Info("kvbus serving", "nats_url", cl.NATSURL, "http_addr", c.HTTPAddr, "groups", cl.Groups(), "ranks", cl.Ranks(), "policy", c.Policy)
 	select {
 	case <-ctx.Done():
 	case <-cl.Done(): // a role failed (a port in use): stop, and say why
@@ -62,6 +63,9 @@ func (c *serveCmd) clusterConfig() (cluster.Config, error) {
 	profile, err := workers.LookupModelProfile(c.ModelProfile)
 	if err != nil {
 		return cluster.Config{}, err
+	}
+	if c.Groups < 1 || c.Ranks < 1 || c.BlockSize < 1 {
+		return cluster.Config{}, fmt.Errorf("--groups (%d), --ranks (%d) and --block-size (%d) must be at least 1", c.Groups, c.Ranks, c.BlockSize)
 	}
 	capacity, err := workers.ParseCapacity(c.KVCapacity, profile.BytesPerTokenPerRank(c.Ranks))
 	if err != nil {
