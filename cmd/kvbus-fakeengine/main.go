@@ -73,15 +73,15 @@ func main() {
 		case <-ctx.Done():
 		case <-t.C:
 		}
-		reqs := e.Requests()
-		for _, r := range reqs[seen:] {
+		var reqs []fakeengine.Received
+		reqs, seen = e.RequestsSince(seen)
+		for _, r := range reqs {
 			if strings.HasPrefix(r.Path, "/v1/") && r.Method == "POST" {
 				log.Info("request", "path", r.Path, "status", r.Status, "x_request_id", r.Header.Get("X-Request-Id"),
 					"x_session_id", r.Header.Get("X-Session-ID"), "vllm_xargs_session_id", r.VLLMXArgs["session_id"],
 					"prompt_tokens", len(r.PromptTokens), "cached_tokens", r.CachedTokens)
 			}
 		}
-		seen = len(reqs)
 	}
 	log.Info("fake engine stopping")
 	if err := e.Close(); err != nil {

@@ -17,6 +17,8 @@ const (
 	// DefaultCacheBlocks is the default cache capacity, 16,384 tokens at
 	// the default block size (raised to hold MaxModelLen if needed).
 	DefaultCacheBlocks = 1024
+	// DefaultMaxRecorded is how many requests an Engine keeps by default.
+	DefaultMaxRecorded = 10_000
 	// DefaultReplyTokens is the length of the fake model's replies.
 	DefaultReplyTokens = 8
 	// DefaultBufferSteps is vLLM's KVEventsConfig.buffer_steps: the number
@@ -49,6 +51,10 @@ type Config struct {
 	// more. It must hold one request of MaxModelLen tokens, as vLLM checks
 	// at startup.
 	CacheBlocks int
+	// MaxRecorded bounds the requests kept for Requests (zero:
+	// DefaultMaxRecorded): past it the oldest are forgotten, so that a
+	// long-lived engine polled for health does not grow without end.
+	MaxRecorded int
 	// HashBytes makes KV events carry block hashes as 32-byte sha256
 	// digests (vLLM's default) instead of unsigned 64-bit integers (vLLM
 	// with VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES, the digests' low 64 bits).
@@ -167,6 +173,9 @@ func (c Config) withDefaults() Config {
 	}
 	if c.ReplyTokens == 0 {
 		c.ReplyTokens = DefaultReplyTokens
+	}
+	if c.MaxRecorded <= 0 {
+		c.MaxRecorded = DefaultMaxRecorded
 	}
 	if c.KVEvents != nil {
 		k := *c.KVEvents

@@ -40,7 +40,8 @@ type Engine struct {
 	// in the order of the cache's changes.
 	mu       sync.Mutex
 	cache    *prefixCache
-	requests []Received
+	requests []Received // the last MaxRecorded or fewer
+	first    int        // the number (from 0) of requests[0] among all received
 }
 
 // Received is a request the Engine received, for assertions.
@@ -146,17 +147,26 @@ func (e *Engine) Close() error {
 // they do not reach the engine core.
 func (e *Engine) SetHealthy(ok bool) { e.healthy.Store(ok) }
 
-// Requests returns the requests received so far, oldest first.
+// Requests returns the requests received so far, oldest first (the last
+// Config.MaxRecorded of them).
 func (e *Engine) Requests() []Received {
+	out, _ := e.RequestsSince(0)
+	return out
+}
+
+// RequestsSince returns the requests received since the n-th (from 0),
+// oldest first, of those still kept, and the number to ask from next time.
+func (e *Engine) RequestsSince(n int) ([]Received, int) {
 	e.mu.Lock()
 	defer e.mu.Unlock()
-	out := make([]Received, len(e.requests))
-	for i, r := range e.requests {
+	from := min(max(n-e.first, 0), len(e.requests))
+	out := make([]Received, 0, len(e.requests)-from)
+	for _, r := range e.requests[from:] {
 		r.Header = r.Header.Clone()
 		r.PromptTokens = slices.Clone(r.PromptTokens)
-		out[i] = r
+		out = append(out, r)
 	}
-	return out
+	return out, e.first + len(e.requests)
 }
 
 // CachedBlocks returns the number of blocks in the cache.
@@ -305,13 +315,20 @@ func (e *Engine) record(r *http.Request) (int, []byte) {
 	}
 	e.mu.Lock()
 	defer e.mu.Unlock()
+	if len(e.requests) >= e.cfg.MaxRecorded { // forget the older half: amortized O(1)
+		drop := len(e.requests) - e.cfg.MaxRecorded/2
+		e.requests = append(e.requests[:0:0], e.requests[drop:]...)
+		e.first += drop
+	}
 	e.requests = append(e.requests, rec)
-	return len(e.requests) - 1, body
+	return e.first + len(e.requests) - 1, body
 }
 
 func (e *Engine) setStatus(idx, code int) {
 	e.mu.Lock()
-	e.requests[idx].Status = code
+	if i := idx - e.first; i >= 0 { // else forgotten already
+		e.requests[i].Status = code
+	}
 	e.mu.Unlock()
 }
 

@@ -817,3 +817,34 @@ func TestConfigValidate(t *testing.T) {
 		t.Error("New accepted an invalid Config")
 	}
 }
+
+// TestRecordingIsBounded: a long-lived engine (a compose service polled for
+// health every second) keeps only the last MaxRecorded requests, and
+// RequestsSince hands out each new one once.
+func TestRecordingIsBounded(t *testing.T) {
+	e := newEngine(t, fakeengine.Config{MaxRecorded: 100})
+	client := &http.Client{}
+	defer client.CloseIdleConnections()
+	next, got := 0, 0
+	for i := range 1000 {
+		resp, err := client.Get(e.URL() + "/health")
+		if err != nil {
+			t.Fatal(err)
+		}
+		_, _ = io.Copy(io.Discard, resp.Body)
+		resp.Body.Close()
+		if i%30 == 0 {
+			var reqs []fakeengine.Received
+			reqs, next = e.RequestsSince(next)
+			got += len(reqs)
+		}
+	}
+	reqs, next := e.RequestsSince(next)
+	got += len(reqs)
+	if n := len(e.Requests()); n > 100 || n < 50 {
+		t.Errorf("%d requests kept of 1,000, want at most MaxRecorded (100) and at least half of it", n)
+	}
+	if got != 1000 || next != 1000 {
+		t.Errorf("RequestsSince handed out %d requests, up to number %d; want each of the 1,000 once", got, next)
+	}
+}

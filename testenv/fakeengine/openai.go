@@ -245,8 +245,10 @@ func (e *Engine) generate(idx int, prompt []uint32, maxTokens *int) (*generation
 	defer e.mu.Unlock()
 	a := e.cache.admit(prompt, computed)
 	g.cached = a.cachedTokens
-	e.requests[idx].PromptTokens = prompt
-	e.requests[idx].CachedTokens = g.cached
+	if i := idx - e.first; i >= 0 { // else forgotten already
+		e.requests[i].PromptTokens = prompt
+		e.requests[i].CachedTokens = g.cached
+	}
 	if e.pub != nil {
 		if evs := eventsOf(a, e.cfg.BlockSize); len(evs) > 0 {
 			if err := e.pub.send(evs); err != nil {
