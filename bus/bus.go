@@ -151,6 +151,7 @@ func Connect(ctx context.Context, cfg Config) (*nats.Conn, error) {
 
 	deadline := time.Now().Add(timeout)
 	shown := redactURLs(url)
+	said := false // the first failure is logged, so a wait is not silent
 	for {
 		nc, err := nats.Connect(url, opts...)
 		if err == nil {
@@ -159,6 +160,10 @@ func Connect(ctx context.Context, cfg Config) (*nats.Conn, error) {
 		advice, final := connectAdvice(err)
 		if final || time.Now().After(deadline) {
 			return nil, fmt.Errorf("%w at %s: %v (%s)", ErrConnect, shown, err, advice)
+		}
+		if !said {
+			said = true
+			log.Warn("cannot reach NATS yet; retrying", "conn", cfg.Name, "url", shown, "for", timeout.String(), "err", err)
 		}
 		select {
 		case <-ctx.Done():

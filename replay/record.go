@@ -243,6 +243,11 @@ func Tap(ctx context.Context, cfg TapConfig, w io.Writer) error {
 	if err := cfg.Conn.Flush(); err != nil {
 		return err
 	}
+	// A refused subscription is said on the connection, not by Subscribe:
+	// without this check tap would wait for ever, printing nothing.
+	if err := cfg.Conn.LastError(); errors.Is(err, nats.ErrPermissionViolation) {
+		return fmt.Errorf("replay: tap: %w: tap reads every subject it is given; give it the admin key (--nats-nkey admin.nk)", err)
+	}
 	key := messages.SessionKey(cfg.SessionID)
 	for {
 		select {

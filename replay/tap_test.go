@@ -7,6 +7,7 @@ import (
 	"io"
 	"math"
 	"net/http"
+	"path/filepath"
 	"slices"
 	"strings"
 	"testing"
@@ -14,6 +15,8 @@ import (
 
 	"github.com/nats-io/nats.go"
 
+	"github.com/kvbus/kvbus/auth"
+	"github.com/kvbus/kvbus/bus"
 	"github.com/kvbus/kvbus/messages"
 	"github.com/kvbus/kvbus/replay"
 	"github.com/kvbus/kvbus/testenv"
@@ -361,5 +364,30 @@ func TestTapDecodesControlMessages(t *testing.T) {
 		if l.Kind != sent[i].kind {
 			t.Errorf("%s printed as %q (%v), want %q", l.Subject, l.Kind, l.Msg, sent[i].kind)
 		}
+	}
+}
+
+// TestTapNeedsTheAdminKey: with keys on the bus, a role's key may not read
+// every subject; tap says which key it needs instead of waiting for ever.
+func TestTapNeedsTheAdminKey(t *testing.T) {
+	dir := t.TempDir()
+	if err := auth.Init(dir, messages.Subjects{}, nil, false); err != nil {
+		t.Fatal(err)
+	}
+	srv, err := bus.StartServer(bus.ServerConfig{Addr: "127.0.0.1:0", DataDir: t.TempDir(), AuthConfig: filepath.Join(dir, auth.ConfigFile)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer srv.Shutdown()
+	nc, err := bus.Connect(t.Context(), bus.Config{URL: srv.ClientURL(), NKeySeedFile: filepath.Join(dir, "worker.nk")})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer nc.Close()
+	ctx, cancel := context.WithTimeout(t.Context(), 10*time.Second)
+	defer cancel()
+	err = replay.Tap(ctx, replay.TapConfig{Conn: nc}, io.Discard)
+	if err == nil || !strings.Contains(err.Error(), "admin key") || ctx.Err() != nil {
+		t.Errorf("Tap with a worker key: %v (context %v); want an error naming the admin key, at once", err, ctx.Err())
 	}
 }

@@ -162,16 +162,30 @@ type engineFlags struct {
 
 // checkSizes reports a bad --model-profile, --kv-capacity or
 // --drain-handoff before a role connects to anything.
-func (f engineFlags) checkSizes(tpSize int) error {
+func (f engineFlags) checkSizes(tpSize, blockSize int) error {
 	profile, err := workers.LookupModelProfile(f.ModelProfile)
 	if err != nil {
 		return err
 	}
-	if _, err := workers.ParseCapacity(f.KVCapacity, profile.BytesPerTokenPerRank(tpSize)); err != nil {
-		return fmt.Errorf("--kv-capacity: %w", err)
+	if _, err := kvCapacity(f.KVCapacity, profile.BytesPerTokenPerRank(tpSize), blockSize); err != nil {
+		return err
 	}
 	_, err = f.drainHandoff(profile.BytesPerTokenPerRank(tpSize))
 	return err
+}
+
+// kvCapacity is --kv-capacity in bytes per rank. Less than one block of
+// blockSize tokens is refused: a rank could hold nothing ("12" is 12 bytes).
+func kvCapacity(s string, bytesPerToken, blockSize int) (int64, error) {
+	n, err := workers.ParseCapacity(s, bytesPerToken)
+	if err != nil {
+		return 0, fmt.Errorf("--kv-capacity: %w", err)
+	}
+	if block := int64(bytesPerToken) * int64(max(blockSize, 1)); n < block {
+		return 0, fmt.Errorf("--kv-capacity %s is %d bytes per rank, less than one block of %d tokens (%d bytes): give a size such as 8GiB or a token count such as 4Mtok",
+			s, n, blockSize, block)
+	}
+	return n, nil
 }
 
 // drainHandoff is --drain-handoff in bytes per rank (0: off).

@@ -182,7 +182,7 @@ func TestHealthcheck(t *testing.T) {
 // TestWorkerBadSizes: a bad size flag is reported before the worker
 // connects (no NATS runs here), naming the flag.
 func TestWorkerBadSizes(t *testing.T) {
-	for _, tc := range []struct{ flag, value string }{{"--drain-handoff", "lots"}, {"--kv-capacity", "-1GiB"}} {
+	for _, tc := range []struct{ flag, value string }{{"--drain-handoff", "lots"}, {"--kv-capacity", "-1GiB"}, {"--kv-capacity", "12"}} {
 		var c cli
 		p, err := kong.New(&c, kong.Bind((*logsink.Writer)(nil)), kong.DefaultEnvars("KVBUS"))
 		if err != nil {

@@ -250,9 +250,9 @@ func (c *benchCmd) Run(ctx context.Context) error {
 	if err != nil {
 		return err
 	}
-	capacity, err := workers.ParseCapacity(c.Capacity, profile.BytesPerTokenPerRank(c.Ranks))
+	capacity, err := kvCapacity(c.Capacity, profile.BytesPerTokenPerRank(c.Ranks), c.BlockSize)
 	if err != nil {
-		return fmt.Errorf("--kv-capacity: %w", err)
+		return err
 	}
 	stopPprof, err := c.startPprof(ctx, log)
 	if err != nil {

@@ -67,7 +67,7 @@ func (c *serveCmd) clusterConfig() (cluster.Config, error) {
 	if c.Groups < 1 || c.Ranks < 1 || c.BlockSize < 1 {
 		return cluster.Config{}, fmt.Errorf("--groups (%d), --ranks (%d) and --block-size (%d) must be at least 1", c.Groups, c.Ranks, c.BlockSize)
 	}
-	capacity, err := workers.ParseCapacity(c.KVCapacity, profile.BytesPerTokenPerRank(c.Ranks))
+	capacity, err := kvCapacity(c.KVCapacity, profile.BytesPerTokenPerRank(c.Ranks), c.BlockSize)
 	if err != nil {
 		return cluster.Config{}, err
 	}
