@@ -326,3 +326,33 @@ func TestRotateKeepsThePrefix(t *testing.T) {
 		t.Errorf("matrix of a prod directory: %v\n%s", err, m)
 	}
 }
+
+// TestInitAddsGroupKeys: `auth init DIR --groups g0,g1` on a directory of
+// keys adds the groups' worker keys and keeps every key it has (the roles
+// already running go on), where it refused unless --force replaced them all.
+func TestInitAddsGroupKeys(t *testing.T) {
+	dir := t.TempDir()
+	if err := auth.Init(dir, messages.Subjects{Prefix: "prod"}, nil, false); err != nil {
+		t.Fatal(err)
+	}
+	before, _ := os.ReadFile(filepath.Join(dir, "worker.nk"))
+	if err := auth.Init(dir, messages.Subjects{}, []string{"g0", "g1"}, false); err != nil {
+		t.Fatal(err)
+	}
+	after, _ := os.ReadFile(filepath.Join(dir, "worker.nk"))
+	if string(before) != string(after) {
+		t.Error("adding group keys replaced the worker key")
+	}
+	conf, _ := os.ReadFile(filepath.Join(dir, auth.ConfigFile))
+	for _, name := range []string{"worker-g0", "worker-g1"} {
+		if _, err := os.Stat(filepath.Join(dir, name+".nk")); err != nil {
+			t.Errorf("%s.nk: %v", name, err)
+		}
+	}
+	if !strings.Contains(string(conf), "prod.meta.g1.>") || strings.Contains(string(conf), "kvbus.meta") {
+		t.Errorf("the config should give worker-g1 prod.meta.g1.> (the directory's prefix):\n%s", conf)
+	}
+	if err := auth.Init(dir, messages.Subjects{}, []string{"g1"}, false); !errors.Is(err, auth.ErrExists) {
+		t.Errorf("asking again for keys that exist: %v, want ErrExists", err)
+	}
+}

@@ -36,13 +36,18 @@ func Identities(groups []string) []Identity {
 
 // Init writes, into dir, one nkey seed per identity (<name>.nk, mode 0600)
 // and ConfigFile, the nats-server authorization block for their public
-// keys. It refuses to overwrite existing files unless force.
+// keys. It refuses to overwrite existing files unless force; on a
+// directory of keys, it adds the keys of groups it lacks and keeps the
+// others (ErrExists when none is missing).
 func Init(dir string, s messages.Subjects, groups []string, force bool) error {
 	ids := Identities(groups)
 	for _, id := range ids {
 		if _, err := For(s, id); err != nil {
 			return err
 		}
+	}
+	if existing, err := Keys(dir); err == nil && !force {
+		return addKeys(dir, s, existing, ids)
 	}
 	if !force {
 		for _, name := range append(seedFiles(ids), ConfigFile) {
@@ -61,6 +66,29 @@ func Init(dir string, s messages.Subjects, groups []string, force bool) error {
 		return err
 	}
 	return write(dir, s, ids, func(Identity) bool { return true })
+}
+
+// addKeys writes the seeds of the identities in want that dir lacks (a
+// group's worker key, say) and rewrites ConfigFile with every key.
+func addKeys(dir string, s messages.Subjects, existing, want []Identity) error {
+	s, err := dirSubjects(dir, s)
+	if err != nil {
+		return err
+	}
+	have := map[string]bool{}
+	for _, id := range existing {
+		have[id.Name()] = true
+	}
+	all := existing
+	for _, id := range want {
+		if !have[id.Name()] {
+			all = append(all, id)
+		}
+	}
+	if len(all) == len(existing) {
+		return fmt.Errorf("%w: every key asked for is in %s already; rotate one with --rotate NAME, or all with --force (every role then needs its new seed)", ErrExists, dir)
+	}
+	return write(dir, s, all, func(id Identity) bool { return !have[id.Name()] })
 }
 
 // dirSubjects returns the subjects dir's keys were written for: its
