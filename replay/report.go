@@ -95,7 +95,7 @@ func Summarize(policy string, results []Result, ideal float64, elapsed time.Dura
 			if r.Errors == nil {
 				r.Errors = map[string]int{}
 			}
-			r.Errors[firstLine(res.Err)]++
+			r.Errors[errorClass(res.Err)]++
 			continue
 		}
 		r.OK++
@@ -207,6 +207,31 @@ func firstLine(s string) string {
 	return s
 }
 
+// errorClass is an error's first line with every run of four or more
+// digits (token counts, lengths, ids) as "N", so that one cause is one
+// key of Report.Errors however many requests it failed; status codes stay.
+func errorClass(s string) string {
+	s = firstLine(s)
+	var b strings.Builder
+	for i := 0; i < len(s); {
+		j := i
+		for j < len(s) && s[j] >= '0' && s[j] <= '9' {
+			j++
+		}
+		switch {
+		case j-i >= 4:
+			b.WriteByte('N')
+		case j > i:
+			b.WriteString(s[i:j])
+		default:
+			b.WriteByte(s[i])
+			j++
+		}
+		i = j
+	}
+	return b.String()
+}
+
 func turnLabel(d int) string {
 	if d >= 4 {
 		return "4+"
@@ -307,7 +332,28 @@ func WriteTable(w io.Writer, reports []*Report) error {
 		row(l.name+" p99", func(r *Report) string { return fmt.Sprintf("%.1f", l.f(r).P99) })
 	}
 	row("group load max/mean", func(r *Report) string { return fmt.Sprintf("%.2f", r.GroupLoadMaxOverMean) })
-	return tw.Flush()
+	if err := tw.Flush(); err != nil {
+		return err
+	}
+	// Why requests failed: the three commonest causes of each report.
+	for _, r := range reports {
+		classes := make([]string, 0, len(r.Errors))
+		for c := range r.Errors {
+			classes = append(classes, c)
+		}
+		sort.Slice(classes, func(i, j int) bool {
+			if r.Errors[classes[i]] != r.Errors[classes[j]] {
+				return r.Errors[classes[i]] > r.Errors[classes[j]]
+			}
+			return classes[i] < classes[j]
+		})
+		for _, c := range classes[:min(3, len(classes))] {
+			if _, err := fmt.Fprintf(w, "failed (%s): %d × %s\n", r.Policy, r.Errors[c], c); err != nil {
+				return err
+			}
+		}
+	}
+	return nil
 }
 
 // WriteJSON writes reports as a JSON list to path.

@@ -1000,7 +1000,12 @@ func TestWriteTable(t *testing.T) {
 	lines := strings.Split(strings.TrimRight(out, "\n"), "\n")
 	rows := map[string]string{}
 	var names []string
+	var causes []string
 	for _, l := range lines {
+		if strings.HasPrefix(l, "failed (") {
+			causes = append(causes, l)
+			continue
+		}
 		f := strings.Fields(l)
 		if len(f) < 3 {
 			t.Fatalf("row %q has not a name and two columns", l)
@@ -1016,6 +1021,9 @@ func TestWriteTable(t *testing.T) {
 		"group load max/mean"}
 	if !slices.Equal(names, wantNames) {
 		t.Errorf("rows\n%q\nwant\n%q", names, wantNames)
+	}
+	if len(causes) != 1 || !strings.HasPrefix(causes[0], "failed (kv): 1 × ") {
+		t.Errorf("under the table %q, want kv's one failure and its cause", causes)
 	}
 	for name, want := range map[string]string{
 		"policy": "kv round-robin", "requests": "4 2", "ok": "3 2", "failed": "1 0", "throughput req/s": "1.5 2.0",
@@ -1151,5 +1159,28 @@ func TestGroupLoadCountsIdleGroups(t *testing.T) {
 func TestReadJSONRefusesNull(t *testing.T) {
 	if _, err := ReadJSON(strings.NewReader(`[null]`)); err == nil {
 		t.Error("[null] read as a list of reports")
+	}
+}
+
+// TestFailuresAreClassed: requests that failed for one cause, with
+// different numbers in their messages, count under one key, and the table
+// says under it why requests failed.
+func TestFailuresAreClassed(t *testing.T) {
+	results := []Result{
+		{Err: "http 400: total length 16838 exceeds 8192"},
+		{Err: "http 400: total length 18053 exceeds 8192"},
+		{Err: "http 503: no ready group"},
+		{TTFT: time.Millisecond, E2E: time.Millisecond, PromptTokens: 10},
+	}
+	r := Summarize("kv", results, 0, time.Second)
+	if len(r.Errors) != 2 || r.Errors["http 400: total length N exceeds N"] != 2 || r.Errors["http 503: no ready group"] != 1 {
+		t.Errorf("errors %v, want the two 400s under one key", r.Errors)
+	}
+	var b strings.Builder
+	if err := WriteTable(&b, []*Report{r}); err != nil {
+		t.Fatal(err)
+	}
+	if !strings.Contains(b.String(), "failed (kv): 2 × http 400: total length N exceeds N\nfailed (kv): 1 × http 503") {
+		t.Errorf("the table does not say why requests failed:\n%s", b.String())
 	}
 }
