@@ -15,7 +15,6 @@ import (
 
 	"github.com/nats-io/nats.go"
 
-	"github.com/kvbus/kvbus/auth"
 	"github.com/kvbus/kvbus/bus"
 	"github.com/kvbus/kvbus/messages"
 	"github.com/kvbus/kvbus/replay"
@@ -370,15 +369,7 @@ func TestTapDecodesControlMessages(t *testing.T) {
 // TestTapNeedsTheAdminKey: with keys on the bus, a role's key may not read
 // every subject; tap says which key it needs instead of waiting for ever.
 func TestTapNeedsTheAdminKey(t *testing.T) {
-	dir := t.TempDir()
-	if err := auth.Init(dir, messages.Subjects{}, nil, false); err != nil {
-		t.Fatal(err)
-	}
-	srv, err := bus.StartServer(bus.ServerConfig{Addr: "127.0.0.1:0", DataDir: t.TempDir(), AuthConfig: filepath.Join(dir, auth.ConfigFile)})
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer srv.Shutdown()
+	srv, dir := testenv.StartKeyedNATS(t)
 	nc, err := bus.Connect(t.Context(), bus.Config{URL: srv.ClientURL(), NKeySeedFile: filepath.Join(dir, "worker.nk")})
 	if err != nil {
 		t.Fatal(err)

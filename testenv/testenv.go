@@ -11,6 +11,7 @@ import (
 	"io"
 	"log/slog"
 	"net"
+	"path/filepath"
 	"strings"
 	"sync"
 	"testing"
@@ -20,10 +21,12 @@ import (
 	"github.com/nats-io/nats.go"
 	"github.com/prometheus/client_golang/prometheus"
 
+	"github.com/kvbus/kvbus/auth"
 	"github.com/kvbus/kvbus/bus"
 	"github.com/kvbus/kvbus/cluster"
 	"github.com/kvbus/kvbus/frontend"
 	"github.com/kvbus/kvbus/internal/logsink"
+	"github.com/kvbus/kvbus/messages"
 	"github.com/kvbus/kvbus/scheduler"
 	"github.com/kvbus/kvbus/workers"
 )
@@ -313,4 +316,21 @@ func (c *Cluster) Connected(t testing.TB, name string) bool {
 		}
 	}
 	return false
+}
+
+// StartKeyedNATS starts an embedded NATS server that admits only the keys
+// `kvbus auth init` writes into the returned directory (one per role, for
+// the default prefix), as a bus with keys does.
+func StartKeyedNATS(t testing.TB) (*bus.Server, string) {
+	t.Helper()
+	dir := t.TempDir()
+	if err := auth.Init(dir, messages.Subjects{}, nil, false); err != nil {
+		t.Fatal(err)
+	}
+	srv, err := bus.StartServer(bus.ServerConfig{Addr: "127.0.0.1:0", DataDir: t.TempDir(), AuthConfig: filepath.Join(dir, auth.ConfigFile)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(srv.Shutdown)
+	return srv, dir
 }

@@ -95,15 +95,7 @@ func TestWatcherSeesWhatClientsSee(t *testing.T) {
 // TestWatcherNeedsTheAdminKey: with keys on the bus, a role's key cannot
 // watch everything, and top says which key it needs.
 func TestWatcherNeedsTheAdminKey(t *testing.T) {
-	dir := t.TempDir()
-	if err := auth.Init(dir, messages.Subjects{}, nil, false); err != nil {
-		t.Fatal(err)
-	}
-	srv, err := bus.StartServer(bus.ServerConfig{Addr: "127.0.0.1:0", DataDir: t.TempDir(), AuthConfig: filepath.Join(dir, auth.ConfigFile)})
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer srv.Shutdown()
+	srv, dir := testenv.StartKeyedNATS(t)
 	nc, err := bus.Connect(t.Context(), bus.Config{URL: srv.ClientURL(), NKeySeedFile: filepath.Join(dir, "worker.nk")})
 	if err != nil {
 		t.Fatal(err)

@@ -12,6 +12,7 @@ import (
 
 	"github.com/kvbus/kvbus/bus"
 	"github.com/kvbus/kvbus/messages"
+	"github.com/kvbus/kvbus/testenv"
 )
 
 // TestConnectErrorRedactsPassword: a --nats-url with user:password
@@ -135,25 +136,14 @@ func TestDrainWhileReconnecting(t *testing.T) {
 	}
 	defer c2.Close()
 	js2, _ := jetstream.New(c2)
-	testEventually(t, 5*time.Second, func() bool {
+	testenv.Eventually(t, 5*time.Second, "the publish buffered while NATS restarted to reach the stream after Drain", func() bool {
 		st, err := js2.Stream(t.Context(), "OUT")
 		if err != nil {
 			return false
 		}
 		info, err := st.Info(t.Context())
 		return err == nil && info.State.Msgs == 1
-	}, "the publish buffered while NATS restarted to reach the stream after Drain")
-}
-
-func testEventually(t *testing.T, within time.Duration, cond func() bool, what string) {
-	t.Helper()
-	deadline := time.Now().Add(within)
-	for !cond() {
-		if time.Now().After(deadline) {
-			t.Fatalf("waited %s for %s", within, what)
-		}
-		time.Sleep(20 * time.Millisecond)
-	}
+	})
 }
 
 // TestRequestLogPerPrefix: two deployments with their own --subject-prefix
