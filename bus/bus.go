@@ -157,6 +157,7 @@ func Connect(ctx context.Context, cfg Config) (*nats.Conn, error) {
 		if err == nil {
 			return nc, nil
 		}
+		err = redactError(err, url, shown)
 		advice, final := connectAdvice(err)
 		if final || time.Now().After(deadline) {
 			return nil, fmt.Errorf("%w at %s: %v (%s)", ErrConnect, shown, err, advice)
@@ -175,20 +176,54 @@ func Connect(ctx context.Context, cfg Config) (*nats.Conn, error) {
 
 // redactURLs is urls (comma-separated) with every password shown as
 // "xxxxx", as nats.go's ConnectedUrlRedacted shows it: errors are logged.
+// A URL net/url cannot parse (a password with '/' or '#' unescaped) has
+// everything between its scheme and its last '@' replaced.
 func redactURLs(urls string) string {
 	parts := strings.Split(urls, ",")
 	for i, p := range parts {
-		if u, err := neturl.Parse(strings.TrimSpace(p)); err == nil && u.User != nil {
+		u, err := neturl.Parse(strings.TrimSpace(p))
+		switch {
+		case err == nil && u.User != nil:
 			if _, has := u.User.Password(); has {
 				u.User = neturl.UserPassword(u.User.Username(), "xxxxx")
 			} else {
 				u.User = neturl.User("xxxxx") // a token
 			}
 			parts[i] = u.String()
+		case err != nil:
+			if at := strings.LastIndex(p, "@"); at >= 0 {
+				from := 0
+				if s := strings.Index(p, "://"); s >= 0 && s < at {
+					from = s + 3
+				}
+				parts[i] = p[:from] + "xxxxx" + p[at:]
+			}
 		}
 	}
 	return strings.Join(parts, ",")
 }
+
+// redactError is err with the URLs in its text (nats.go quotes a URL it
+// cannot parse) as shown; a parse error is wrapped as ErrBadURL.
+func redactError(err error, urls, shown string) error {
+	text := err.Error()
+	if urls != shown {
+		for i, p := range strings.Split(urls, ",") {
+			text = strings.ReplaceAll(text, p, strings.Split(shown, ",")[i])
+		}
+	}
+	var uerr *neturl.Error
+	if errors.As(err, &uerr) {
+		return fmt.Errorf("%w: %s", errBadURL, text)
+	}
+	if text == err.Error() {
+		return err
+	}
+	return errors.New(text)
+}
+
+// errBadURL marks a --nats-url that cannot be parsed.
+var errBadURL = errors.New("bad NATS URL")
 
 // connectAdvice says what to do about a failed connection, and whether
 // retrying cannot help: a server that refused this role's credentials or
@@ -211,6 +246,8 @@ func connectAdvice(err error) (advice string, final bool) {
 		return "TLS was asked for but the server does not use it: drop the --nats-tls-* flags or start the server with TLS", true
 	case errors.As(err, &unknownCA), errors.As(err, &verify), errors.As(err, &hostname):
 		return "the server's TLS certificate did not verify: give the CA that signed it with --nats-tls-ca, and connect by a name the certificate holds", true
+	case errors.Is(err, errBadURL):
+		return "--nats-url must be nats://[user:password@]host:port[,...]; escape '/', '#' and '%' in a password as %2F, %23 and %25", true
 	case errors.As(err, &pathErr):
 		return "a credentials or TLS file could not be read: check the path given to the --nats-* flag", true
 	}

@@ -125,12 +125,48 @@ func Retry[T any](ctx context.Context, f func(ctx context.Context) (T, error)) (
 	}
 }
 
+// JetStreamNames are the names of a deployment's request log and buckets.
+type JetStreamNames struct {
+	RequestStream, SessionBucket, SlotBucket string
+}
+
+// ResolveNames returns the names s gives (messages.Subjects.RequestStream,
+// SessionBucket, SlotBucket), unless the deployment predates them: under a
+// prefix other than the default whose requests the stream KVBUS_REQUESTS
+// logs (kvbus named it so under every prefix before), it keeps the old
+// names, KVBUS_REQUESTS, KVBUS_SESSIONS and KVBUS_RANKS, so that an upgrade
+// finds its waiting requests, session bindings and worker slots where the
+// processes before it left them.
+func ResolveNames(ctx context.Context, js jetstream.JetStream, s messages.Subjects) (JetStreamNames, error) {
+	names := JetStreamNames{s.RequestStream(), s.SessionBucket(), s.SlotBucket()}
+	if names.RequestStream == messages.RequestStream {
+		return names, nil // the default prefix: the names never changed
+	}
+	_, err := js.Stream(ctx, names.RequestStream)
+	if !errors.Is(err, jetstream.ErrStreamNotFound) {
+		return names, err // this prefix's own log (nil), or JetStream cannot say
+	}
+	// A key written for this prefix may not look at the old name: the
+	// server then does not answer, so the look is bounded.
+	lctx, cancel := context.WithTimeout(ctx, time.Second)
+	defer cancel()
+	if st, err := js.Stream(lctx, messages.RequestStream); err == nil && slices.Contains(st.CachedInfo().Config.Subjects, s.RequestAll()) {
+		return JetStreamNames{RequestStream: messages.RequestStream, SessionBucket: messages.Subjects{}.SessionBucket(),
+			SlotBucket: messages.Subjects{}.SlotBucket()}, nil
+	}
+	return names, nil
+}
+
 func ensureStream(ctx context.Context, js jetstream.JetStream, cfg StreamConfig) (jetstream.Stream, error) {
 	// An existing stream is used as it is: updating its configuration while
 	// another process creates a consumer on it races inside nats-server.
 	// The one exception is DiscardOld, which would drop accepted requests; a
 	// failed update is only logged, and the next process to start retries it.
-	name := cfg.Subjects.RequestStream()
+	names, err := ResolveNames(ctx, js, cfg.Subjects)
+	if err != nil {
+		return nil, fmt.Errorf("bus: request log %s: %w", names.RequestStream, err)
+	}
+	name := names.RequestStream
 	if st, err := js.Stream(ctx, name); err == nil {
 		if subjects := st.CachedInfo().Config.Subjects; !slices.Contains(subjects, cfg.Subjects.RequestAll()) {
 			return nil, fmt.Errorf("%w: stream %s logs %v, not %s: it is another deployment's; give this one its own --subject-prefix, or delete the stream",

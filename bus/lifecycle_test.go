@@ -29,6 +29,13 @@ func TestConnectErrorRedactsPassword(t *testing.T) {
 	if !strings.Contains(err.Error(), "nats://kvbus:xxxxx@127.0.0.1:1") || !strings.Contains(err.Error(), "start one with `kvbus nats`") {
 		t.Errorf("the connect error should name the redacted URL and say to start a server: %v", err)
 	}
+	// A password net/url cannot parse: nats.go quotes the whole URL in its
+	// error; it is redacted too, and said at once, with how to escape it.
+	start := time.Now()
+	_, err = bus.Connect(t.Context(), bus.Config{URL: "nats://kvbus:hun/ter2@127.0.0.1:1", ConnectTimeout: 5 * time.Second})
+	if err == nil || strings.Contains(err.Error(), "ter2") || !strings.Contains(err.Error(), "escape") || time.Since(start) > 4*time.Second {
+		t.Errorf("an unparsable URL with a password: %v after %s; want it redacted, at once, saying how to escape the password", err, time.Since(start))
+	}
 }
 
 // TestConnectAuthErrorAdvice: a wrong credential is not "no server": the
@@ -205,5 +212,42 @@ func TestRequestLogOfAnotherDeploymentIsRefused(t *testing.T) {
 	_, err := bus.EnsureRequestStream(t.Context(), js, bus.StreamConfig{})
 	if !errors.Is(err, bus.ErrRequestLog) || !strings.Contains(err.Error(), "--subject-prefix") {
 		t.Errorf("err = %v; want ErrRequestLog saying to use another --subject-prefix", err)
+	}
+}
+
+// TestRequestLogOfAnEarlierVersionIsKept: a deployment under its own
+// prefix that an earlier kvbus started has its log in KVBUS_REQUESTS (the
+// name was the same under every prefix). Upgraded, it goes on with that
+// log and the old buckets, requests waiting in it included, instead of
+// failing to create a second log for the same subjects.
+func TestRequestLogOfAnEarlierVersionIsKept(t *testing.T) {
+	js := newJS(t)
+	ctx := t.Context()
+	prod := messages.Subjects{Prefix: "prod"}
+	if _, err := js.CreateStream(ctx, jetstream.StreamConfig{Name: "KVBUS_REQUESTS", Subjects: []string{prod.RequestAll()}}); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := js.Publish(ctx, prod.Request("m"), []byte("waiting")); err != nil {
+		t.Fatal(err)
+	}
+	sctx, cancel := context.WithTimeout(ctx, 10*time.Second)
+	defer cancel()
+	st, err := bus.EnsureRequestStream(sctx, js, bus.StreamConfig{Subjects: prod})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if name := st.CachedInfo().Config.Name; name != "KVBUS_REQUESTS" || st.CachedInfo().State.Msgs != 1 {
+		t.Errorf("the log is %s with %d requests; want the earlier KVBUS_REQUESTS with its waiting request", name, st.CachedInfo().State.Msgs)
+	}
+	names, err := bus.ResolveNames(ctx, js, prod)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if names != (bus.JetStreamNames{RequestStream: "KVBUS_REQUESTS", SessionBucket: "KVBUS_SESSIONS", SlotBucket: "KVBUS_RANKS"}) {
+		t.Errorf("names %+v, want the earlier ones", names)
+	}
+	// A new deployment under another prefix on the same server gets its own.
+	if names, err := bus.ResolveNames(ctx, js, messages.Subjects{Prefix: "dev"}); err != nil || names.RequestStream != "KVBUS_REQUESTS_dev" {
+		t.Errorf("another prefix: %+v, %v; want KVBUS_REQUESTS_dev", names, err)
 	}
 }

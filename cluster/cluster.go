@@ -221,6 +221,7 @@ func Start(ctx context.Context, cfg Config) (*Cluster, error) {
 	c.NATSURL = cfg.NATSURL
 	if c.NATSURL == "" {
 		if c.NATS, err = bus.StartServer(bus.ServerConfig{Addr: cfg.NATSAddr, DataDir: cfg.DataDir, MaxPayload: cfg.MaxPayload, AuthConfig: c.authConfig()}); err != nil {
+			c.cancel() // ends stopInOrder
 			return nil, err
 		}
 		c.NATSURL = c.NATS.ClientURL()

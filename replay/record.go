@@ -13,6 +13,7 @@ import (
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
 
+	"github.com/kvbus/kvbus/bus"
 	"github.com/kvbus/kvbus/messages"
 )
 
@@ -40,9 +41,13 @@ func Capture(ctx context.Context, cfg CaptureConfig, w io.Writer) (int, error) {
 	if err != nil {
 		return 0, err
 	}
-	st, err := js.Stream(ctx, cfg.Subjects.RequestStream())
+	names, err := bus.ResolveNames(ctx, js, cfg.Subjects)
 	if err != nil {
-		return 0, fmt.Errorf("replay: request log %s: %w (has a frontend or scheduler run on this bus, with this --subject-prefix?)", cfg.Subjects.RequestStream(), err)
+		return 0, fmt.Errorf("replay: request log %s: %w", names.RequestStream, err)
+	}
+	st, err := js.Stream(ctx, names.RequestStream)
+	if err != nil {
+		return 0, fmt.Errorf("replay: request log %s: %w (has a frontend or scheduler run on this bus, with this --subject-prefix?)", names.RequestStream, err)
 	}
 	info, err := st.Info(ctx)
 	if err != nil {

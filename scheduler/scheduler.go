@@ -266,7 +266,11 @@ func (s *Scheduler) Run(ctx context.Context) error {
 	if err != nil {
 		return err
 	}
-	bindings, err := OpenSessionBindings(setupCtx, js, s.cfg.Subjects.SessionBucket(), s.cfg.SessionTTL, s.cfg.StreamReplicas, s.log)
+	names, err := bus.ResolveNames(setupCtx, js, s.cfg.Subjects)
+	if err != nil {
+		return fmt.Errorf("scheduler: %w", err)
+	}
+	bindings, err := OpenSessionBindings(setupCtx, js, names.SessionBucket, s.cfg.SessionTTL, s.cfg.StreamReplicas, s.log)
 	if err != nil {
 		return err
 	}
@@ -340,7 +344,7 @@ func (s *Scheduler) Run(ctx context.Context) error {
 			}
 		}))
 	if err != nil {
-		return fmt.Errorf("scheduler: consume %s: %w", s.cfg.Subjects.RequestStream(), err)
+		return fmt.Errorf("scheduler: consume the request log: %w", err)
 	}
 	s.consuming.Store(true)
 	s.log.Info("scheduler started", "block_size", s.cfg.BlockSize, "policy", policyName(s.cfg.Policy))

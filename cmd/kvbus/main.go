@@ -212,7 +212,7 @@ func (c *natsCmd) Run(ctx context.Context) error {
 	if err != nil {
 		return err
 	}
-	log.Info("nats server ready", "url", srv.ClientURL(), "jetstream", true, "data_dir", srv.StoreDir())
+	log.Info("nats server ready", "url", srv.ClientURL(), "jetstream", true, "data_dir", srv.StoreDir(), "monitor_addr", fmt.Sprint(srv.MonitorAddr()))
 	<-ctx.Done()
 	log.Info("nats server stopping")
 	srv.Shutdown()
@@ -389,7 +389,11 @@ func (c *workerCmd) Run(ctx context.Context) error {
 			return err
 		}
 		owner, _ := os.Hostname()
-		if slot, err = workers.ClaimSlot(ctx, js, workers.SlotConfig{Bucket: c.subjects().SlotBucket(), Size: c.TPSize, TTL: c.SlotTTL, Owner: owner, Replicas: c.Replicas, Logger: log}); err != nil {
+		names, err := bus.ResolveNames(ctx, js, c.subjects())
+		if err != nil {
+			return err
+		}
+		if slot, err = workers.ClaimSlot(ctx, js, workers.SlotConfig{Bucket: names.SlotBucket, Size: c.TPSize, TTL: c.SlotTTL, Owner: owner, Replicas: c.Replicas, Logger: log}); err != nil {
 			return err
 		}
 		c.Group, c.TPRank, c.EPRank = slot.Group, slot.Rank, slot.Rank
