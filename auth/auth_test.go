@@ -17,6 +17,7 @@ import (
 	"github.com/kvbus/kvbus/auth"
 	"github.com/kvbus/kvbus/bus"
 	"github.com/kvbus/kvbus/messages"
+	"github.com/kvbus/kvbus/testenv"
 )
 
 func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
@@ -25,16 +26,7 @@ func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
 // wrote into dir (keys for groups g0 and g1 too).
 func server(t *testing.T) (*bus.Server, string) {
 	t.Helper()
-	dir := t.TempDir()
-	if err := auth.Init(dir, messages.Subjects{}, []string{"g0", "g1"}, false); err != nil {
-		t.Fatal(err)
-	}
-	srv, err := bus.StartServer(bus.ServerConfig{Addr: "127.0.0.1:0", DataDir: t.TempDir(), AuthConfig: filepath.Join(dir, auth.ConfigFile)})
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(srv.Shutdown)
-	return srv, dir
+	return testenv.StartKeyedNATS(t, "g0", "g1")
 }
 
 // client is a connection that records the server's permission errors.
@@ -173,14 +165,14 @@ func TestPermissionMatrix(t *testing.T) {
 // private to their owner (0600).
 func TestInitRefusesToOverwrite(t *testing.T) {
 	dir := t.TempDir()
-	if err := auth.Init(dir, messages.Subjects{}, nil, false); err != nil {
+	if _, err := auth.Init(dir, messages.Subjects{}, nil, false); err != nil {
 		t.Fatal(err)
 	}
 	before, _ := os.ReadFile(filepath.Join(dir, "worker.nk"))
-	if err := auth.Init(dir, messages.Subjects{}, nil, false); !errors.Is(err, auth.ErrExists) {
+	if _, err := auth.Init(dir, messages.Subjects{}, nil, false); !errors.Is(err, auth.ErrExists) {
 		t.Fatalf("second Init: %v, want ErrExists", err)
 	}
-	if err := auth.Init(dir, messages.Subjects{}, nil, true); err != nil {
+	if _, err := auth.Init(dir, messages.Subjects{}, nil, true); err != nil {
 		t.Fatal(err)
 	}
 	after, _ := os.ReadFile(filepath.Join(dir, "worker.nk"))
@@ -196,7 +188,7 @@ func TestInitRefusesToOverwrite(t *testing.T) {
 			t.Errorf("%s.nk has mode %v, want 0600", role, fi.Mode().Perm())
 		}
 	}
-	if err := auth.Init(t.TempDir(), messages.Subjects{}, []string{"bad group!"}, false); !errors.Is(err, auth.ErrConfig) {
+	if _, err := auth.Init(t.TempDir(), messages.Subjects{}, []string{"bad group!"}, false); !errors.Is(err, auth.ErrConfig) {
 		t.Errorf("a bad group name: %v, want ErrConfig", err)
 	}
 }
@@ -243,7 +235,7 @@ func TestViolationLoggedOnce(t *testing.T) {
 // TestMatrix: `kvbus auth show` prints every key's allow-lists.
 func TestMatrix(t *testing.T) {
 	dir := t.TempDir()
-	if err := auth.Init(dir, messages.Subjects{}, []string{"g3"}, false); err != nil {
+	if _, err := auth.Init(dir, messages.Subjects{}, []string{"g3"}, false); err != nil {
 		t.Fatal(err)
 	}
 	m, err := auth.Matrix(dir, messages.Subjects{})
@@ -265,7 +257,7 @@ func TestMatrix(t *testing.T) {
 // configuration then admits the new key and refuses the old one.
 func TestRotate(t *testing.T) {
 	dir := t.TempDir()
-	if err := auth.Init(dir, messages.Subjects{}, nil, false); err != nil {
+	if _, err := auth.Init(dir, messages.Subjects{}, nil, false); err != nil {
 		t.Fatal(err)
 	}
 	read := func(name string) string { b, _ := os.ReadFile(filepath.Join(dir, name+".nk")); return string(b) }
@@ -305,7 +297,7 @@ func TestRotate(t *testing.T) {
 // prefix is refused. Matrix reads the recorded prefix too.
 func TestRotateKeepsThePrefix(t *testing.T) {
 	dir := t.TempDir()
-	if err := auth.Init(dir, messages.Subjects{Prefix: "prod"}, nil, false); err != nil {
+	if _, err := auth.Init(dir, messages.Subjects{Prefix: "prod"}, nil, false); err != nil {
 		t.Fatal(err)
 	}
 	if err := auth.Rotate(dir, messages.Subjects{}, "worker"); err != nil {
@@ -332,11 +324,11 @@ func TestRotateKeepsThePrefix(t *testing.T) {
 // already running go on), where it refused unless --force replaced them all.
 func TestInitAddsGroupKeys(t *testing.T) {
 	dir := t.TempDir()
-	if err := auth.Init(dir, messages.Subjects{Prefix: "prod"}, nil, false); err != nil {
+	if _, err := auth.Init(dir, messages.Subjects{Prefix: "prod"}, nil, false); err != nil {
 		t.Fatal(err)
 	}
 	before, _ := os.ReadFile(filepath.Join(dir, "worker.nk"))
-	if err := auth.Init(dir, messages.Subjects{}, []string{"g0", "g1"}, false); err != nil {
+	if _, err := auth.Init(dir, messages.Subjects{}, []string{"g0", "g1"}, false); err != nil {
 		t.Fatal(err)
 	}
 	after, _ := os.ReadFile(filepath.Join(dir, "worker.nk"))
@@ -352,7 +344,7 @@ func TestInitAddsGroupKeys(t *testing.T) {
 	if !strings.Contains(string(conf), "prod.meta.g1.>") || strings.Contains(string(conf), "kvbus.meta") {
 		t.Errorf("the config should give worker-g1 prod.meta.g1.> (the directory's prefix):\n%s", conf)
 	}
-	if err := auth.Init(dir, messages.Subjects{}, []string{"g1"}, false); !errors.Is(err, auth.ErrExists) {
+	if _, err := auth.Init(dir, messages.Subjects{}, []string{"g1"}, false); !errors.Is(err, auth.ErrExists) {
 		t.Errorf("asking again for keys that exist: %v, want ErrExists", err)
 	}
 }

@@ -38,12 +38,13 @@ func Identities(groups []string) []Identity {
 // and ConfigFile, the nats-server authorization block for their public
 // keys. It refuses to overwrite existing files unless force; on a
 // directory of keys, it adds the keys of groups it lacks and keeps the
-// others (ErrExists when none is missing).
-func Init(dir string, s messages.Subjects, groups []string, force bool) error {
+// others (ErrExists when none is missing). It returns the identities whose
+// seeds it wrote.
+func Init(dir string, s messages.Subjects, groups []string, force bool) ([]Identity, error) {
 	ids := Identities(groups)
 	for _, id := range ids {
 		if _, err := For(s, id); err != nil {
-			return err
+			return nil, err
 		}
 	}
 	if existing, err := Keys(dir); err == nil && !force {
@@ -52,43 +53,43 @@ func Init(dir string, s messages.Subjects, groups []string, force bool) error {
 	if !force {
 		for _, name := range append(seedFiles(ids), ConfigFile) {
 			if _, err := os.Stat(filepath.Join(dir, name)); err == nil {
-				return fmt.Errorf("%w: %s already exists; rotate keys with --force (every role then needs its new seed)", ErrExists, filepath.Join(dir, name))
+				return nil, fmt.Errorf("%w: %s already exists; rotate keys with --force (every role then needs its new seed)", ErrExists, filepath.Join(dir, name))
 			} else if !errors.Is(err, fs.ErrNotExist) {
-				return err
+				return nil, err
 			}
 		}
 	}
 	if err := os.MkdirAll(dir, 0o700); err != nil {
-		return err
+		return nil, err
 	}
 	prefix := cmp.Or(s.Prefix, messages.DefaultPrefix)
 	if err := writeFile(filepath.Join(dir, PrefixFile), []byte(prefix+"\n"), 0o644); err != nil {
-		return err
+		return nil, err
 	}
-	return write(dir, s, ids, func(Identity) bool { return true })
+	return ids, write(dir, s, ids, func(Identity) bool { return true })
 }
 
 // addKeys writes the seeds of the identities in want that dir lacks (a
 // group's worker key, say) and rewrites ConfigFile with every key.
-func addKeys(dir string, s messages.Subjects, existing, want []Identity) error {
+func addKeys(dir string, s messages.Subjects, existing, want []Identity) ([]Identity, error) {
 	s, err := dirSubjects(dir, s)
 	if err != nil {
-		return err
+		return nil, err
 	}
 	have := map[string]bool{}
 	for _, id := range existing {
 		have[id.Name()] = true
 	}
-	all := existing
+	var added []Identity
 	for _, id := range want {
 		if !have[id.Name()] {
-			all = append(all, id)
+			added = append(added, id)
 		}
 	}
-	if len(all) == len(existing) {
-		return fmt.Errorf("%w: every key asked for is in %s already; rotate one with --rotate NAME, or all with --force (every role then needs its new seed)", ErrExists, dir)
+	if len(added) == 0 {
+		return nil, fmt.Errorf("%w: every key asked for is in %s already; rotate one with --rotate NAME, or all with --force (every role then needs its new seed)", ErrExists, dir)
 	}
-	return write(dir, s, all, func(id Identity) bool { return !have[id.Name()] })
+	return added, write(dir, s, append(existing, added...), func(id Identity) bool { return !have[id.Name()] })
 }
 
 // dirSubjects returns the subjects dir's keys were written for: its

@@ -151,8 +151,7 @@ func ResolveNames(ctx context.Context, js jetstream.JetStream, s messages.Subjec
 	lctx, cancel := context.WithTimeout(ctx, time.Second)
 	defer cancel()
 	if st, err := js.Stream(lctx, messages.RequestStream); err == nil && slices.Contains(st.CachedInfo().Config.Subjects, s.RequestAll()) {
-		return JetStreamNames{RequestStream: messages.RequestStream, SessionBucket: messages.Subjects{}.SessionBucket(),
-			SlotBucket: messages.Subjects{}.SlotBucket()}, nil
+		return JetStreamNames{RequestStream: messages.RequestStream, SessionBucket: messages.SessionBucket, SlotBucket: messages.SlotBucket}, nil
 	}
 	return names, nil
 }

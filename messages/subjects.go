@@ -11,9 +11,14 @@ import (
 // DefaultPrefix is the first token of every kvbus subject.
 const DefaultPrefix = "kvbus"
 
-// RequestStream is the JetStream stream that logs every Request under the
-// default prefix; Subjects.RequestStream names it for any prefix.
-const RequestStream = "KVBUS_REQUESTS"
+// The JetStream stream that logs every Request, the KV bucket of session
+// bindings and the one of worker slots, under the default prefix;
+// Subjects.RequestStream, SessionBucket and SlotBucket name them for any.
+const (
+	RequestStream = "KVBUS_REQUESTS"
+	SessionBucket = "KVBUS_SESSIONS"
+	SlotBucket    = "KVBUS_RANKS"
+)
 
 // NoSession is the session key of a request without a session id.
 const NoSession = "none"
@@ -107,11 +112,11 @@ func (s Subjects) RequestStream() string { return s.jetStreamName(RequestStream)
 
 // SessionBucket is the JetStream KV bucket of session bindings
 // (KVBUS_SESSIONS, with the prefix as for RequestStream).
-func (s Subjects) SessionBucket() string { return s.jetStreamName("KVBUS_SESSIONS") }
+func (s Subjects) SessionBucket() string { return s.jetStreamName(SessionBucket) }
 
 // SlotBucket is the JetStream KV bucket where `kvbus worker --rank auto`
 // claims slots (KVBUS_RANKS, with the prefix as for RequestStream).
-func (s Subjects) SlotBucket() string { return s.jetStreamName("KVBUS_RANKS") }
+func (s Subjects) SlotBucket() string { return s.jetStreamName(SlotBucket) }
 
 // jetStreamName is base under the default prefix and base_<prefix> under
 // another: a prefix is [A-Za-z0-9_-], which stream and bucket names take.

@@ -17,7 +17,7 @@ import (
 
 // SessionBucket is the JetStream KV bucket of session bindings under the
 // default prefix (messages.Subjects.SessionBucket names it for any).
-const SessionBucket = "KVBUS_SESSIONS"
+const SessionBucket = messages.SessionBucket
 
 // Binding says where a session's previous turn ran: its group, how many
 // full blocks its prompt had and the hash of the last of them (so that the

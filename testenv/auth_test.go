@@ -20,7 +20,7 @@ import (
 // has every subject it uses, and (TestPermissionMatrix) nothing more.
 func TestPipelineWithKeys(t *testing.T) {
 	dir := t.TempDir()
-	if err := auth.Init(dir, messages.Subjects{}, nil, false); err != nil {
+	if _, err := auth.Init(dir, messages.Subjects{}, nil, false); err != nil {
 		t.Fatal(err)
 	}
 	c := testenv.StartCluster(t, testenv.ClusterConfig{Groups: 2, Ranks: 2, AuthDir: dir})

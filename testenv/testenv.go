@@ -319,12 +319,13 @@ func (c *Cluster) Connected(t testing.TB, name string) bool {
 }
 
 // StartKeyedNATS starts an embedded NATS server that admits only the keys
-// `kvbus auth init` writes into the returned directory (one per role, for
-// the default prefix), as a bus with keys does.
-func StartKeyedNATS(t testing.TB) (*bus.Server, string) {
+// `kvbus auth init` writes into the returned directory (one per role, and
+// one worker key per group of groups, for the default prefix), as a bus
+// with keys does.
+func StartKeyedNATS(t testing.TB, groups ...string) (*bus.Server, string) {
 	t.Helper()
 	dir := t.TempDir()
-	if err := auth.Init(dir, messages.Subjects{}, nil, false); err != nil {
+	if _, err := auth.Init(dir, messages.Subjects{}, groups, false); err != nil {
 		t.Fatal(err)
 	}
 	srv, err := bus.StartServer(bus.ServerConfig{Addr: "127.0.0.1:0", DataDir: t.TempDir(), AuthConfig: filepath.Join(dir, auth.ConfigFile)})

@@ -26,7 +26,7 @@ func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
 // in their usage; each session is listed on the group that served it.
 func TestWatcherSeesWhatClientsSee(t *testing.T) {
 	dir := t.TempDir()
-	if err := auth.Init(dir, messages.Subjects{}, nil, false); err != nil {
+	if _, err := auth.Init(dir, messages.Subjects{}, nil, false); err != nil {
 		t.Fatal(err)
 	}
 	c := testenv.StartCluster(t, testenv.ClusterConfig{Groups: 2, Ranks: 2, AuthDir: dir})

@@ -10,12 +10,13 @@ import (
 	"github.com/nats-io/nats.go/jetstream"
 
 	"github.com/kvbus/kvbus/bus"
+	"github.com/kvbus/kvbus/messages"
 )
 
 // SlotBucket is the JetStream KV bucket where `kvbus worker --rank auto`
 // claims (group, rank) slots, under the default prefix
 // (messages.Subjects.SlotBucket names it for any).
-const SlotBucket = "KVBUS_RANKS"
+const SlotBucket = messages.SlotBucket
 
 // ErrNoSlot is returned when every slot of MaxGroups groups is taken.
 var ErrNoSlot = errors.New("workers: no free (group, rank) slot")

@@ -39,26 +39,15 @@ func (c *authInitCmd) Run() error {
 		fmt.Printf("new key %s/%s.nk; reload NATS (restart `kvbus nats`, or `nats-server --signal reload`), then restart the %s role with it\n", c.Dir, c.Rotate, c.Rotate)
 		return nil
 	}
-	before, _ := auth.Keys(c.Dir)
-	if err := auth.Init(c.Dir, s, c.Groups, c.Force); err != nil {
+	written, err := auth.Init(c.Dir, s, c.Groups, c.Force)
+	if err != nil {
 		return err
 	}
-	if len(before) > 0 && !c.Force { // keys added to a directory of keys
-		had := map[string]bool{}
-		for _, id := range before {
-			had[id.Name()] = true
-		}
-		var added []string
-		for _, id := range auth.Identities(c.Groups) {
-			if !had[id.Name()] {
-				added = append(added, c.Dir+"/"+id.Name()+".nk")
-			}
-		}
-		fmt.Printf("added %s; the other keys are unchanged. Reload NATS (restart `kvbus nats`, or `nats-server --signal reload`) before the new keys connect\n",
-			strings.Join(added, ", "))
+	fmt.Printf("wrote %s/{%s}.nk and %s/%s\n", c.Dir, strings.Join(names(written), ","), c.Dir, auth.ConfigFile)
+	if len(written) < len(auth.Identities(c.Groups)) { // added to a directory of keys
+		fmt.Println("the other keys are unchanged; reload NATS (restart `kvbus nats`, or `nats-server --signal reload`) before the new keys connect")
 		return nil
 	}
-	fmt.Printf("wrote %s/{%s}.nk and %s/%s\n", c.Dir, strings.Join(names(auth.Identities(c.Groups)), ","), c.Dir, auth.ConfigFile)
 	fmt.Printf("start NATS with: kvbus nats --auth-config %s/%s\n", c.Dir, auth.ConfigFile)
 	fmt.Println("and each role with: --nats-nkey <dir>/<role>.nk (admin.nk for capture, replay, tap)")
 	return nil
