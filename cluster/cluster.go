@@ -83,8 +83,10 @@ type Config struct {
 	SessionTTL       time.Duration
 	NoGroupWait      time.Duration
 	ResendAfter      time.Duration
-	// Pool is the schedulers' --pool: local (default) or global.
+	// Pool is the schedulers' --pool: global (default) or local.
 	Pool string
+	// IndexGroups is the schedulers' IndexGroups (0: MaxIndexedGroups).
+	IndexGroups int
 
 	// Frontend, if set, is served too; Conn, Subjects, Logger and Registry
 	// are filled in.
@@ -291,6 +293,7 @@ func (c *Cluster) start() error {
 			HeartbeatTimeout: cfg.HeartbeatTimeout, RequestTimeout: cfg.RequestTimeout, SessionTTL: cfg.SessionTTL,
 			StreamReplicas: 1, Logger: c.log, Registerer: reg,
 			NoGroupWait: cfg.NoGroupWait, ResendAfter: cfg.ResendAfter, RequestLog: requestLog, Pool: cfg.Pool,
+			IndexGroups: cfg.IndexGroups,
 		})
 		if err != nil {
 			return err
@@ -566,9 +569,9 @@ func (c *Cluster) RestartNATS() error {
 }
 
 // WaitReady waits until the cluster is ready as its health checks say:
-// every scheduler replica sees every group ready and is ready itself
-// (consuming, with a synced KV index), and the frontend (if any) serves and
-// reports healthy.
+// every scheduler replica sees every group ready and placeable (its KV
+// index synced, or beyond what the index tracks) and is ready itself, and
+// the frontend (if any) serves and reports healthy.
 func (c *Cluster) WaitReady(ctx context.Context) error {
 	if c.Frontend != nil {
 		select {
@@ -586,14 +589,14 @@ func (c *Cluster) WaitReady(ctx context.Context) error {
 		ready := true
 		for _, s := range c.Schedulers {
 			ok, reason := s.Ready()
-			synced := 0
+			placeable := 0
 			for _, g := range s.Groups() {
-				if s.Index().Synced(g.Name) {
-					synced++
+				if s.Index().Placeable(g.Name) {
+					placeable++
 				}
 			}
-			if !ok || s.ReadyGroups() != c.cfg.Groups || synced != c.cfg.Groups {
-				ready, why = false, fmt.Sprintf("scheduler %s: %d of %d groups ready, %d synced (%s)", s.ID(), s.ReadyGroups(), c.cfg.Groups, synced, reason)
+			if !ok || s.ReadyGroups() != c.cfg.Groups || placeable != c.cfg.Groups {
+				ready, why = false, fmt.Sprintf("scheduler %s: %d of %d groups ready, %d placeable (index synced, or beyond what it tracks) (%s)", s.ID(), s.ReadyGroups(), c.cfg.Groups, placeable, reason)
 				break
 			}
 		}

@@ -226,13 +226,21 @@ type fakeRank struct {
 // block hashing, index match over 8 groups, session binding, placement,
 // tracker, ReqMeta encode and publish, ack. The index is fed through the
 // scheduler's own subscriptions (dumps and KV events from fake ranks).
-func BenchmarkRoutingDecision(b *testing.B) {
+func BenchmarkRoutingDecision(b *testing.B) { benchRouting(b, 8, 20_000, 100*time.Millisecond) }
+
+// BenchmarkRoutingDecision256Groups is BenchmarkRoutingDecision over 256
+// groups of 4 ranks (1,024 GPUs), each holding 2,000 other blocks, each
+// rank sending a heartbeat a second (the workers' default).
+func BenchmarkRoutingDecision256Groups(b *testing.B) { benchRouting(b, 256, 2_000, time.Second) }
+
+// benchRouting runs the routing benchmark over groups groups of 4 ranks,
+// each rank holding others blocks besides a share of the prompt and
+// sending a heartbeat every hbEvery.
+func benchRouting(b *testing.B, groups, others int, hbEvery time.Duration) {
 	const (
-		groups     = 8
 		worldSize  = 4
 		promptLen  = 8192
 		blockSize  = 16
-		others     = 20_000 // other blocks every rank holds
 		sessions   = 1024
 		drainEvery = 256 // trackers answered (timer stopped) every so many decisions
 	)
@@ -290,7 +298,7 @@ func BenchmarkRoutingDecision(b *testing.B) {
 	hbDone := make(chan struct{})
 	go func() {
 		defer close(hbDone)
-		tick := time.NewTicker(100 * time.Millisecond)
+		tick := time.NewTicker(hbEvery)
 		defer tick.Stop()
 		for {
 			for _, g := range names {
@@ -333,7 +341,7 @@ func BenchmarkRoutingDecision(b *testing.B) {
 			time.Sleep(10 * time.Millisecond)
 		}
 	}
-	waitUntil("8 ready groups", func() bool { return s.ReadyGroups() == groups })
+	waitUntil("every group ready", func() bool { return s.ReadyGroups() == groups })
 	waitUntil("every rank synced from its dump", func() bool {
 		s.index.mu.RLock()
 		n := 0
@@ -348,12 +356,14 @@ func BenchmarkRoutingDecision(b *testing.B) {
 		return n == groups*worldSize
 	})
 
-	// Group gi holds the first (gi+1)·64 blocks of the prompt, plus others.
+	// Group gi holds the first (gi+1)/groups of the prompt's 512 blocks,
+	// plus others.
 	tokens := benchTokens(3, promptLen)
 	prompt := HashBlocks(nil, HashSeed(benchModel), tokens, blockSize)
+	share := func(i int) int { return (i + 1) * len(prompt) / groups }
 	rng := rand.New(rand.NewPCG(3, 3))
 	for i, g := range names {
-		held := append(slices.Clone(prompt[:(i+1)*64]), randomHashes(rng, others)...)
+		held := append(slices.Clone(prompt[:share(i)]), randomHashes(rng, others)...)
 		for r := range worldSize {
 			fr := ranks[rankID{g, r}]
 			fr.mu.Lock()
@@ -370,7 +380,7 @@ func BenchmarkRoutingDecision(b *testing.B) {
 		}
 	}
 	for i, g := range names {
-		waitUntil(g+" indexed", func() bool { return s.index.GroupBlocks(g) == (i+1)*64+others })
+		waitUntil(g+" indexed", func() bool { return s.index.GroupBlocks(g) == share(i)+others })
 	}
 
 	// One request, its id and session patched in place per decision (the
@@ -445,8 +455,8 @@ func BenchmarkRoutingDecision(b *testing.B) {
 	s.trackers.mu.Lock()
 	first := s.trackers.m[idPrefix+"000000000"]
 	s.trackers.mu.Unlock()
-	if first == nil || first.Group != "g7" || first.LoadBlocks != 511 {
-		b.Fatalf("first decision %+v, want g7 loading 511 blocks", first)
+	if last := names[groups-1]; first == nil || first.Group != last || first.LoadBlocks != 511 {
+		b.Fatalf("first decision %+v, want %s loading 511 blocks", first, last)
 	}
 	drain(1)
 	clear(placed)

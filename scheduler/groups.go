@@ -2,7 +2,8 @@ package scheduler
 
 import (
 	"math"
-	"sort"
+	"slices"
+	"strings"
 	"sync"
 	"time"
 
@@ -16,6 +17,9 @@ type groupTable struct {
 	blockSize             int
 	localLoad, remoteLoad float64
 	groups                map[string]*groupInfo
+	// order holds the groups sorted by name, so that the per-request
+	// ready list needs no sort.
+	order []*groupInfo
 }
 
 // groupInfo is what a scheduler knows of a group. Its load is the driver
@@ -23,6 +27,7 @@ type groupTable struct {
 // this replica changed since: its own dispatches, and the prefills and
 // completions it heard of. So two replicas see one cluster's load.
 type groupInfo struct {
+	name      string
 	worldSize int
 	ranks     map[int]rankInfo
 	// From the driver's last heartbeat, heard at hbAt.
@@ -126,8 +131,10 @@ func (t *groupTable) observe(hb *messages.Heartbeat, now time.Time) (stale, repo
 	defer t.mu.Unlock()
 	g := t.groups[hb.Group]
 	if g == nil {
-		g = &groupInfo{ranks: map[int]rankInfo{}}
+		g = &groupInfo{name: hb.Group, ranks: map[int]rankInfo{}}
 		t.groups[hb.Group] = g
+		i, _ := slices.BinarySearchFunc(t.order, hb.Group, func(g *groupInfo, name string) int { return strings.Compare(g.name, name) })
+		t.order = slices.Insert(t.order, i, g)
 	}
 	if g.worldSize != hb.WorldSize {
 		// A group re-formed with another size: forget the old ranks.
@@ -167,8 +174,8 @@ func (t *groupTable) observe(hb *messages.Heartbeat, now time.Time) (stale, repo
 func (t *groupTable) ready(now time.Time) []GroupState {
 	t.mu.Lock()
 	defer t.mu.Unlock()
-	var out []GroupState
-	for name, g := range t.groups {
+	out := make([]GroupState, 0, len(t.order))
+	for _, g := range t.order {
 		alive, depth, draining := 0, 0, false
 		for _, r := range g.ranks {
 			if now.Sub(r.seen) <= t.timeout && !r.notReady {
@@ -179,10 +186,9 @@ func (t *groupTable) ready(now time.Time) []GroupState {
 		}
 		if alive == g.worldSize && !draining {
 			inflight, queued := g.load(now)
-			out = append(out, GroupState{Name: name, WorldSize: g.worldSize, Inflight: inflight, QueuedBlocks: queued, QueueDepth: depth})
+			out = append(out, GroupState{Name: g.name, WorldSize: g.worldSize, Inflight: inflight, QueuedBlocks: queued, QueueDepth: depth})
 		}
 	}
-	sort.Slice(out, func(i, j int) bool { return out[i].Name < out[j].Name })
 	return out
 }
 
@@ -272,6 +278,9 @@ func (t *groupTable) forget(now time.Time, after time.Duration) []string {
 			delete(t.groups, name)
 			gone = append(gone, name)
 		}
+	}
+	if len(gone) > 0 {
+		t.order = slices.DeleteFunc(t.order, func(g *groupInfo) bool { return t.groups[g.name] != g })
 	}
 	return gone
 }

@@ -11,9 +11,9 @@ import (
 )
 
 // MaxIndexedGroups is how many worker groups one KV index tracks at once
-// (group ids are bits of a uint64; a forgotten group's id is reused);
-// groups beyond it are placed as if they held nothing.
-const MaxIndexedGroups = 64
+// (a forgotten group's id is reused); groups beyond it are placed as if
+// they held nothing. 1,024 groups of 4 ranks are 4,096 GPUs.
+const MaxIndexedGroups = 1024
 
 // maxPendingBatches bounds the batches held back per rank during a resync.
 const maxPendingBatches = 4096
@@ -36,18 +36,21 @@ type KVIndex struct {
 	mu     sync.RWMutex
 	groups map[string]*indexGroup
 	byID   []*indexGroup // nil where a forgotten group's id is free
-	free   []uint8       // ids of forgotten groups, reused first
-	// full maps a block hash to the bitmask of group ids where every rank
-	// holds it; ranks maps (group id, hash) to the bitmask of ranks holding
-	// it.
-	full  map[uint64]uint64
+	free   []groupID     // ids of forgotten groups, reused first
+	// maxGroups is MaxIndexedGroups (tests lower it).
+	maxGroups int
+	// full maps a block hash to the group ids where every rank holds it;
+	// ranks maps (group id, hash) to the bitmask of ranks holding it.
+	full  wordMaps
 	ranks map[rankKey]uint64
+	// fullBlocks counts the hashes in full (held in full by some group).
+	fullBlocks int
 
 	// Save plans: blocks a request just dispatched to a group will store.
-	// planned maps a hash to the bitmask of groups that plan it; planExp
+	// planned maps a hash to the groups that plan it; planExp
 	// holds each plan's expiry (unix nanos) and planQ the plans in order of
 	// expiry, so expiring them is O(1) amortized.
-	planned map[uint64]uint64
+	planned wordMaps
 	planExp map[rankKey]int64
 	planQ   []planItem
 
@@ -61,12 +64,95 @@ type planItem struct {
 
 type rankKey struct {
 	hash uint64
-	gid  uint8
+	gid  groupID
+}
+
+// groupID numbers a group in the index: bit id%64 of word id/64 in a
+// groupMask or a wordMaps value.
+type groupID = uint16
+
+func wordBit(id groupID) (word int, bit uint64) { return int(id >> 6), 1 << (id & 63) }
+
+// groupMask is a set of group ids, a bitmask per word of 64 ids.
+type groupMask []uint64
+
+func (m groupMask) has(id groupID) bool {
+	w, bit := wordBit(id)
+	return w < len(m) && m[w]&bit != 0
+}
+
+// word returns the ids of word w (0 past the end).
+func (m groupMask) word(w int) uint64 {
+	if w < len(m) {
+		return m[w]
+	}
+	return 0
+}
+
+func (m *groupMask) add(id groupID) {
+	w, bit := wordBit(id)
+	for len(*m) <= w {
+		*m = append(*m, 0)
+	}
+	(*m)[w] |= bit
+}
+
+// wordMaps maps a block hash to a set of group ids: one map per word of 64
+// ids, so that up to 64 groups a lookup is one map access per block, and
+// each further 64 groups add one.
+type wordMaps []map[uint64]uint64
+
+func (wm wordMaps) has(id groupID, h uint64) bool {
+	w, bit := wordBit(id)
+	return w < len(wm) && wm[w][h]&bit != 0
+}
+
+// add puts id into h's set and reports whether h was in no set before.
+func (wm *wordMaps) add(id groupID, h uint64) (first bool) {
+	w, bit := wordBit(id)
+	for len(*wm) <= w {
+		*wm = append(*wm, map[uint64]uint64{})
+	}
+	m := (*wm)[w]
+	old, ok := m[h]
+	m[h] = old | bit
+	return !ok && !wm.inOthers(w, h)
+}
+
+// remove takes the ids in bits of word w out of h's set and reports
+// whether h is in no set any more (having been in one).
+func (wm wordMaps) remove(w int, h uint64, bits uint64) (last bool) {
+	if w >= len(wm) {
+		return false
+	}
+	m := wm[w]
+	old, ok := m[h]
+	if !ok {
+		return false
+	}
+	if f := old &^ bits; f != 0 {
+		m[h] = f
+		return false
+	}
+	delete(m, h)
+	return !wm.inOthers(w, h)
+}
+
+// inOthers reports whether h is in a set of a word other than w.
+func (wm wordMaps) inOthers(w int, h uint64) bool {
+	for i, m := range wm {
+		if i != w {
+			if _, ok := m[h]; ok {
+				return true
+			}
+		}
+	}
+	return false
 }
 
 type indexGroup struct {
 	name      string
-	id        uint8
+	id        groupID
 	worldSize int
 	blocks    int   // blocks every rank holds
 	touched   int64 // unix nanos of the group's last heartbeat, batch or plan
@@ -87,11 +173,13 @@ type rankState struct {
 	pending []*messages.KVEventBatch
 }
 
-// NewKVIndex returns an empty index.
-func NewKVIndex() *KVIndex {
+// NewKVIndex returns an empty index of MaxIndexedGroups groups.
+func NewKVIndex() *KVIndex { return newKVIndex(MaxIndexedGroups) }
+
+func newKVIndex(maxGroups int) *KVIndex {
 	return &KVIndex{
-		groups: map[string]*indexGroup{}, full: map[uint64]uint64{}, ranks: map[rankKey]uint64{},
-		planned: map[uint64]uint64{}, planExp: map[rankKey]int64{},
+		groups: map[string]*indexGroup{}, maxGroups: maxGroups, ranks: map[rankKey]uint64{},
+		planExp: map[rankKey]int64{},
 	}
 }
 
@@ -112,8 +200,8 @@ func (x *KVIndex) group(name string) *indexGroup {
 		g.id = x.free[len(x.free)-1]
 		x.free = x.free[:len(x.free)-1]
 		x.byID[g.id] = g
-	case len(x.byID) < MaxIndexedGroups:
-		g.id = uint8(len(x.byID))
+	case len(x.byID) < x.maxGroups:
+		g.id = groupID(len(x.byID))
 		x.byID = append(x.byID, g)
 	default:
 		return nil
@@ -159,27 +247,26 @@ func (x *KVIndex) Forget(names ...string) {
 }
 
 func (x *KVIndex) forgetLocked(names []string) {
-	var gone uint64 // ids
+	var gone groupMask
 	for _, name := range names {
 		if g := x.groups[name]; g != nil {
-			gone |= 1 << g.id
+			gone.add(g.id)
 		}
 	}
-	if gone == 0 {
+	if gone == nil {
 		return
 	}
 	for k := range x.planExp {
-		if gone&(1<<k.gid) != 0 {
+		if gone.has(k.gid) {
 			x.unplanLocked(k)
 		}
 	}
 	for k := range x.ranks {
-		if gone&(1<<k.gid) != 0 {
+		if gone.has(k.gid) {
 			delete(x.ranks, k)
-			if f := x.full[k.hash] &^ gone; f == 0 {
-				delete(x.full, k.hash)
-			} else {
-				x.full[k.hash] = f
+			w, _ := wordBit(k.gid)
+			if x.full.remove(w, k.hash, gone.word(w)) {
+				x.fullBlocks--
 			}
 		}
 	}
@@ -276,7 +363,7 @@ func (x *KVIndex) storeLocked(g *indexGroup, rank int, rs *rankState, h uint64) 
 	x.ranks[k] = m | bit
 	rs.held++
 	if !g.isFull(m) && g.isFull(m|bit) {
-		x.full[h] |= 1 << g.id
+		x.markFull(g.id, h)
 		g.blocks++
 		x.unplanLocked(k) // confirmed by every rank
 	}
@@ -322,12 +409,23 @@ func (x *KVIndex) dropLocked(g *indexGroup, rank int, rs *rankState, h uint64) b
 }
 
 func (x *KVIndex) unfullLocked(g *indexGroup, h uint64) {
-	if f := x.full[h] &^ (1 << g.id); f == 0 {
-		delete(x.full, h)
-	} else {
-		x.full[h] = f
-	}
+	x.clearFull(g.id, h)
 	g.blocks--
+}
+
+// markFull records that every rank of group id holds h; clearFull that
+// they do not.
+func (x *KVIndex) markFull(id groupID, h uint64) {
+	if x.full.add(id, h) {
+		x.fullBlocks++
+	}
+}
+
+func (x *KVIndex) clearFull(id groupID, h uint64) {
+	w, bit := wordBit(id)
+	if x.full.remove(w, h, bit) {
+		x.fullBlocks--
+	}
 }
 
 // clearRankLocked forgets every block of one rank: a scan of the group's
@@ -476,14 +574,10 @@ func (x *KVIndex) setWorldSizeLocked(g *indexGroup, ws int) {
 			continue
 		}
 		if g.isFull(m) {
-			x.full[k.hash] |= 1 << g.id
+			x.markFull(g.id, k.hash)
 			g.blocks++
-		} else if f, ok := x.full[k.hash]; ok && f&(1<<g.id) != 0 {
-			if f &^= 1 << g.id; f == 0 {
-				delete(x.full, k.hash)
-			} else {
-				x.full[k.hash] = f
-			}
+		} else {
+			x.clearFull(g.id, k.hash)
 		}
 	}
 }
@@ -516,21 +610,31 @@ func (x *KVIndex) prefixMatchLocked(hashes []uint64, dst []int) []int {
 	n := len(x.byID)
 	dst = slices.Grow(dst[:0], n)[:n]
 	clear(dst)
-	alive := uint64(1)<<n - 1
-	if n == 64 {
-		alive = ^uint64(0)
-	}
-	for i, h := range hashes {
-		m := (x.full[h] | x.planned[h]) & alive
-		for dropped := alive &^ m; dropped != 0; dropped &= dropped - 1 {
-			dst[bits.TrailingZeros64(dropped)] = i
+	for w := 0; w*64 < n; w++ { // each word of 64 groups on its own
+		base := w * 64
+		alive := ^uint64(0)
+		if k := n - base; k < 64 {
+			alive = uint64(1)<<k - 1
 		}
-		if alive = m; alive == 0 {
-			return dst
+		var full, planned map[uint64]uint64
+		if w < len(x.full) {
+			full = x.full[w]
 		}
-	}
-	for ; alive != 0; alive &= alive - 1 {
-		dst[bits.TrailingZeros64(alive)] = len(hashes)
+		if w < len(x.planned) {
+			planned = x.planned[w]
+		}
+		for i, h := range hashes {
+			m := (full[h] | planned[h]) & alive
+			for dropped := alive &^ m; dropped != 0; dropped &= dropped - 1 {
+				dst[base+bits.TrailingZeros64(dropped)] = i
+			}
+			if alive = m; alive == 0 {
+				break
+			}
+		}
+		for ; alive != 0; alive &= alive - 1 {
+			dst[base+bits.TrailingZeros64(alive)] = len(hashes)
+		}
 	}
 	return dst
 }
@@ -547,13 +651,21 @@ func (x *KVIndex) Synced(group string) bool {
 // index says: its ranks are synced, or the index is full and does not
 // track it, so it is placed as if it held nothing.
 func (x *KVIndex) Placeable(group string) bool {
+	return len(x.placeable([]GroupState{{Name: group}})) == 1
+}
+
+// placeable returns the groups that Placeable allows, under one lock.
+func (x *KVIndex) placeable(groups []GroupState) []GroupState {
 	x.mu.RLock()
 	defer x.mu.RUnlock()
-	g := x.groups[group]
-	if g == nil {
-		return len(x.free) == 0 && len(x.byID) >= MaxIndexedGroups
+	full := len(x.free) == 0 && len(x.byID) >= x.maxGroups
+	out := make([]GroupState, 0, len(groups))
+	for _, g := range groups {
+		if ig := x.groups[g.Name]; (ig == nil && full) || x.syncedLocked(ig) {
+			out = append(out, g)
+		}
 	}
-	return x.syncedLocked(g)
+	return out
 }
 
 func (x *KVIndex) syncedLocked(g *indexGroup) bool {
@@ -587,16 +699,15 @@ func (x *KVIndex) Plan(group string, hashes []uint64, expires time.Time) {
 	if g == nil {
 		return
 	}
-	bit := uint64(1) << g.id
 	for _, h := range hashes {
 		k := rankKey{h, g.id}
-		if x.full[h]&bit != 0 {
+		if x.full.has(g.id, h) {
 			continue // already held by every rank
 		}
 		if old, ok := x.planExp[k]; ok && old >= exp {
 			continue
 		}
-		x.planned[h] |= bit
+		x.planned.add(g.id, h)
 		x.planExp[k] = exp
 		x.planQ = append(x.planQ, planItem{k, exp})
 	}
@@ -635,11 +746,8 @@ func (x *KVIndex) unplanLocked(k rankKey) {
 		return
 	}
 	delete(x.planExp, k)
-	if m := x.planned[k.hash] &^ (1 << k.gid); m == 0 {
-		delete(x.planned, k.hash)
-	} else {
-		x.planned[k.hash] = m
-	}
+	w, bit := wordBit(k.gid)
+	x.planned.remove(w, k.hash, bit)
 }
 
 // Plans returns the number of (group, block) plans not yet confirmed.
@@ -652,7 +760,7 @@ func (x *KVIndex) Plans() int {
 // Match sets, for each group, IndexBlocks: how many leading blocks of
 // hashes every rank of the group holds. One read lock, one PrefixMatch.
 func (x *KVIndex) Match(hashes []uint64, groups []GroupState) {
-	var buf [MaxIndexedGroups]int
+	var buf [64]int // more groups: one allocation
 	x.mu.RLock()
 	defer x.mu.RUnlock()
 	// One lock for the walk and the names: a forgotten group's id may be
@@ -677,11 +785,35 @@ func (x *KVIndex) PoolPrefix(hashes []uint64, sources, savers []string) int {
 	defer x.mu.RUnlock()
 	fullOK, planOK := x.maskLocked(sources), x.maskLocked(savers)
 	for i, h := range hashes {
-		if x.full[h]&fullOK|x.planned[h]&planOK == 0 {
+		if !x.anyLocked(h, fullOK, planOK) {
 			return i
 		}
 	}
 	return len(hashes)
+}
+
+// anyLocked reports whether a group of fullOK holds h in full or one of
+// planOK is saving it.
+func (x *KVIndex) anyLocked(h uint64, fullOK, planOK groupMask) bool {
+	for w := range max(len(fullOK), len(planOK)) {
+		if x.wordLocked(w, h, fullOK, planOK) != 0 {
+			return true
+		}
+	}
+	return false
+}
+
+// wordLocked returns the groups of word w that hold h in full (among
+// fullOK) or are saving it (among planOK).
+func (x *KVIndex) wordLocked(w int, h uint64, fullOK, planOK groupMask) uint64 {
+	var m uint64
+	if f := fullOK.word(w); f != 0 && w < len(x.full) {
+		m = x.full[w][h] & f
+	}
+	if p := planOK.word(w); p != 0 && w < len(x.planned) {
+		m |= x.planned[w][h] & p
+	}
+	return m
 }
 
 // RemoteRuns returns where blocks [from, limit) of hashes can be read
@@ -697,32 +829,47 @@ func (x *KVIndex) RemoteRuns(hashes []uint64, group string, from, limit int, sou
 	x.mu.RLock()
 	defer x.mu.RUnlock()
 	self := x.maskLocked([]string{group})
-	fullOK, planOK := x.maskLocked(sources)|self, x.maskLocked(savers)|self
+	fullOK, planOK := x.maskLocked(sources), x.maskLocked(savers)
 	src := -1
 	i := from
 	for ; i < min(limit, len(hashes)); i++ {
-		m := x.full[hashes[i]]&fullOK | x.planned[hashes[i]]&planOK
-		switch {
-		case m&self != 0:
+		h := hashes[i]
+		if x.anyLocked(h, self, self) {
 			src = -1 // local
 			continue
-		case m == 0:
-			return runs, i
-		case src < 0 || m&(1<<src) == 0:
-			src = bits.TrailingZeros64(m)
-			runs = append(runs, messages.RemoteRun{Group: x.byID[src].name, FromBlock: i})
 		}
-		runs[len(runs)-1].Blocks++
+		if src >= 0 {
+			if w, bit := wordBit(groupID(src)); x.wordLocked(w, h, fullOK, planOK)&bit != 0 {
+				runs[len(runs)-1].Blocks++
+				continue
+			}
+		}
+		src = x.firstLocked(h, fullOK, planOK)
+		if src < 0 {
+			return runs, i
+		}
+		runs = append(runs, messages.RemoteRun{Group: x.byID[src].name, FromBlock: i, Blocks: 1})
 	}
 	return runs, max(i, from)
 }
 
-// maskLocked returns the bitmask of the named groups' ids.
-func (x *KVIndex) maskLocked(names []string) uint64 {
-	var m uint64
+// firstLocked returns the lowest group id that holds h in full (among
+// fullOK) or is saving it (among planOK), or -1.
+func (x *KVIndex) firstLocked(h uint64, fullOK, planOK groupMask) int {
+	for w := range max(len(fullOK), len(planOK)) {
+		if m := x.wordLocked(w, h, fullOK, planOK); m != 0 {
+			return w*64 + bits.TrailingZeros64(m)
+		}
+	}
+	return -1
+}
+
+// maskLocked returns the set of the named groups' ids.
+func (x *KVIndex) maskLocked(names []string) groupMask {
+	var m groupMask
 	for _, n := range names {
 		if g := x.groups[n]; g != nil {
-			m |= 1 << g.id
+			m.add(g.id)
 		}
 	}
 	return m
@@ -754,5 +901,5 @@ func (x *KVIndex) GroupBlocks(name string) int {
 func (x *KVIndex) Size() (entries, fullBlocks int) {
 	x.mu.RLock()
 	defer x.mu.RUnlock()
-	return len(x.ranks), len(x.full)
+	return len(x.ranks), x.fullBlocks
 }

@@ -1,6 +1,7 @@
 package scheduler
 
 import (
+	"fmt"
 	"slices"
 	"testing"
 	"time"
@@ -282,5 +283,111 @@ func TestKVIndexRestartHeardByHeartbeatDropsPlans(t *testing.T) {
 	x.ApplyDump("g0", 1, kvDump("g0", 1, 1))
 	if got := prefixOn(x, "g0", turn); got != 0 {
 		t.Errorf("after rank 1 restarted: prefix = %d, want 0 (the plan outlived the loss of what it was saving)", got)
+	}
+}
+
+// TestKVIndexBeyond64Groups: group ids past 63 live in further words of
+// 64; prefix matches, remote runs, save plans, sizes and forgetting work
+// across them as within the first.
+func TestKVIndexBeyond64Groups(t *testing.T) {
+	const n = 200 // ids 0–199: four words, the last one partial
+	names := make([]string, n)
+	for i := range names {
+		names[i] = fmt.Sprintf("g%03d", i)
+	}
+	x := readyIndex(t, 2, names...)
+	a := hashChain(7, 40)
+	// Group i holds blocks [0, i%40) on both ranks; g199 only on rank 0.
+	for i, g := range names {
+		for r := range 2 {
+			if g == "g199" && r == 1 {
+				continue
+			}
+			if x.Apply(kvBatch(g, r, 1, stored(a[:i%40]...))) {
+				t.Fatalf("%s/%d asked for a dump", g, r)
+			}
+		}
+	}
+	pm := x.PrefixMatch(a, nil)
+	for i, g := range names {
+		id, ok := x.GroupID(g)
+		if !ok {
+			t.Fatalf("%s not indexed", g)
+		}
+		want := i % 40
+		if g == "g199" {
+			want = 0
+		}
+		if pm[id] != want {
+			t.Errorf("prefix of %s (id %d) = %d, want %d", g, id, pm[id], want)
+		}
+	}
+	// One entry per (group, block), g199's on one rank too; blocks 0–38 are
+	// held in full by the groups with i%40 == 39 (but g199).
+	if entries, full := x.Size(); entries != 5*780 || full != 39 {
+		t.Errorf("Size() = %d entries, %d full blocks; want %d, 39", entries, full, 5*780)
+	}
+
+	// g150 holds blocks 0–29 (150%40), g159, g039 and g079 0–38.
+	if got := x.PoolPrefix(a, []string{"g150"}, nil); got != 30 {
+		t.Errorf("PoolPrefix from g150 alone = %d, want 30", got)
+	}
+	want := []messages.RemoteRun{{Group: "g150", FromBlock: 5, Blocks: 25}, {Group: "g159", FromBlock: 30, Blocks: 9}}
+	if runs, end := x.RemoteRuns(a, "g005", 5, 40, []string{"g150", "g159"}, nil); !slices.Equal(runs, want) || end != 39 {
+		t.Errorf("RemoteRuns from g150, g159 = %+v, %d; want %+v, 39", runs, end, want)
+	}
+	// g130 (the third word) reads past its own 10 blocks from the lowest
+	// id among its sources: g039, in the first word.
+	want = []messages.RemoteRun{{Group: "g039", FromBlock: 10, Blocks: 29}}
+	if runs, end := x.RemoteRuns(a, "g130", 0, 40, []string{"g079", "g039"}, nil); !slices.Equal(runs, want) || end != 39 {
+		t.Errorf("RemoteRuns from g079, g039 = %+v, %d; want %+v, 39", runs, end, want)
+	}
+
+	// A plan of g170 (id 170, the third word) counts for it and, as a
+	// saver's, for others.
+	x.Plan("g170", a, time.Now().Add(time.Minute))
+	id170, _ := x.GroupID("g170")
+	if pm := x.PrefixMatch(a, nil); pm[id170] != 40 {
+		t.Errorf("prefix of g170 with its plan = %d, want 40", pm[id170])
+	}
+	want = []messages.RemoteRun{{Group: "g170", FromBlock: 0, Blocks: 40}}
+	if runs, end := x.RemoteRuns(a, "g000", 0, 40, []string{"g170"}, []string{"g170"}); !slices.Equal(runs, want) || end != 40 {
+		t.Errorf("RemoteRuns from the saver g170 = %+v, %d; want %+v, 40", runs, end, want)
+	}
+
+	// Forgetting groups of every word leaves the others as they were.
+	x.Forget("g039", "g079", "g119", "g159", "g170", "g199")
+	for _, g := range []string{"g039", "g079", "g119", "g159", "g170", "g199"} {
+		if _, ok := x.GroupID(g); ok {
+			t.Errorf("%s still indexed", g)
+		}
+	}
+	if x.Plans() != 0 {
+		t.Errorf("%d plans left of a forgotten group", x.Plans())
+	}
+	if _, full := x.Size(); full != 38 {
+		t.Errorf("%d full blocks after forgetting every group holding block 38, want 38", full)
+	}
+	pm = x.PrefixMatch(a, nil)
+	for _, g := range []string{"g000", "g038", "g078", "g118", "g158", "g198"} {
+		id, _ := x.GroupID(g)
+		var i int
+		fmt.Sscanf(g, "g%d", &i)
+		if pm[id] != i%40 {
+			t.Errorf("prefix of %s after the forgetting = %d, want %d", g, pm[id], i%40)
+		}
+	}
+	// Their ids are reused by new groups, which start empty.
+	x2 := []string{"n0", "n1"}
+	for _, g := range x2 {
+		x.ObserveRank(g, 0, 1, 1)
+		x.ApplyDump(g, 0, kvDump(g, 0, 0))
+	}
+	pm = x.PrefixMatch(a, nil)
+	for _, g := range x2 {
+		id, ok := x.GroupID(g)
+		if !ok || pm[id] != 0 {
+			t.Errorf("new group %s: id %d (%v), prefix %d; want an indexed empty group", g, id, ok, pm[id])
+		}
 	}
 }

@@ -240,9 +240,9 @@ func TestAbortBeforeDispatch(t *testing.T) {
 
 // TestGroupsBeyondTheIndexArePlaceable: the KV index tracks
 // MaxIndexedGroups groups; the rest are placed as if they held nothing. With
-// one more ready group than that (65 engines behind --engine openai are 65
-// groups of one rank), the untracked one is placeable, and takes a request
-// when every tracked group is busy.
+// one more ready group than that (1,025 engines behind --engine openai are
+// 1,025 groups of one rank), the untracked one is placeable, and takes a
+// request when every tracked group is busy.
 func TestGroupsBeyondTheIndexArePlaceable(t *testing.T) {
 	s, _ := newBareScheduler(t)
 	now := time.Now()

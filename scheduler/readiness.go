@@ -38,16 +38,10 @@ func (s *Scheduler) Ready() (bool, string) {
 // in progress everywhere must not stop placement).
 func (s *Scheduler) PlaceableGroups(now time.Time) []GroupState {
 	groups := s.groups.ready(now)
-	synced := groups[:0:0]
-	for _, g := range groups {
-		if s.index.Placeable(g.Name) {
-			synced = append(synced, g)
-		}
+	if synced := s.index.placeable(groups); len(synced) > 0 {
+		return synced
 	}
-	if len(synced) == 0 {
-		return groups
-	}
-	return synced
+	return groups
 }
 
 // Groups returns the ready groups as this replica sees them, load

@@ -92,6 +92,10 @@ type Config struct {
 	// prefill (defaults 5/60 and 15/60, the sim engine's per-token costs).
 	Pool                          string
 	LocalLoadCost, RemoteLoadCost float64
+	// IndexGroups caps the groups the KV index tracks at once (0: the
+	// maximum, MaxIndexedGroups); groups beyond it are placed as if they
+	// held nothing. Tests lower it to reach that case with a few groups.
+	IndexGroups int
 	// RequestLog holds the request log's limits, applied when this replica
 	// creates it (Subjects and Replicas come from above); the replica
 	// trims the log's dispatched history to RequestLog.HistoryBound().
@@ -110,6 +114,8 @@ func (c *Config) Validate() error {
 		return fmt.Errorf("%w: no placement policy", ErrConfig)
 	case c.BlockSize < 1:
 		return fmt.Errorf("%w: --block-size must be >= 1", ErrConfig)
+	case c.IndexGroups < 0 || c.IndexGroups > MaxIndexedGroups:
+		return fmt.Errorf("%w: IndexGroups %d, want 0 to %d", ErrConfig, c.IndexGroups, MaxIndexedGroups)
 	}
 	if err := messages.ValidateToken("scheduler id", c.ID); err != nil {
 		return fmt.Errorf("%w: %v", ErrConfig, err)
@@ -201,6 +207,9 @@ func New(cfg Config) (*Scheduler, error) {
 	if cfg.EndedAge <= 0 {
 		cfg.EndedAge = 10 * time.Minute
 	}
+	if cfg.IndexGroups == 0 {
+		cfg.IndexGroups = MaxIndexedGroups
+	}
 	if err := cfg.Validate(); err != nil {
 		return nil, err
 	}
@@ -222,7 +231,7 @@ func New(cfg Config) (*Scheduler, error) {
 		log:        log.With("scheduler_id", cfg.ID),
 		groups:     newGroupTable(cfg.HeartbeatTimeout, cfg.BlockSize, cfg.LocalLoadCost, cfg.RemoteLoadCost),
 		trackers:   trackers,
-		index:      NewKVIndex(),
+		index:      newKVIndex(cfg.IndexGroups),
 		hm:         bus.NewHandlerMetrics(cfg.Registerer),
 		resyncs:    map[rankID]*resyncState{},
 		dispatched: dispatched,

@@ -141,7 +141,10 @@ type ClusterConfig struct {
 	MaxPayload  int32
 	NoGroupWait time.Duration
 	ResendAfter time.Duration
-	Pool        string // the schedulers' --pool (default local)
+	Pool        string // the schedulers' --pool (default global)
+	// IndexGroups caps the groups the schedulers' KV index tracks (0: the
+	// maximum, scheduler.MaxIndexedGroups).
+	IndexGroups int
 	// DrainHandoff is the ranks' --drain-handoff in bytes (0: off).
 	DrainHandoff int64
 	// Engines puts a model server (a fakeengine, say) behind each group
@@ -205,7 +208,7 @@ func StartCluster(t testing.TB, cfg ClusterConfig) *Cluster {
 		HeartbeatInterval: 100 * time.Millisecond, HeartbeatTimeout: 2 * time.Second, ShutdownTimeout: 2 * time.Second,
 		Schedulers: cfg.Schedulers, Policy: cfg.Policy, RequestTimeout: cfg.RequestTimeout, SessionTTL: cfg.SessionTTL,
 		StoreDelays: cfg.StoreDelays, DropReqMetas: cfg.DropReqMetas, MaxPayload: cfg.MaxPayload, NoGroupWait: cfg.NoGroupWait, ResendAfter: cfg.ResendAfter, Pool: cfg.Pool,
-		DrainHandoff: cfg.DrainHandoff, Engines: cfg.Engines, AuthDir: cfg.AuthDir,
+		IndexGroups: cfg.IndexGroups, DrainHandoff: cfg.DrainHandoff, Engines: cfg.Engines, AuthDir: cfg.AuthDir,
 		Frontend: &frontend.Config{Listener: ln, SessionHeaders: cfg.SessionHeaders, MaxModelLen: cfg.MaxModelLen,
 			MaxInflight: cfg.MaxInflight, APIKey: cfg.APIKey, Tokenizer: cfg.Tokenizer,
 			StopGrace: 100 * time.Millisecond}, // what a test's clients need; kvbus's default is 500 ms
