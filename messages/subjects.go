@@ -20,6 +20,11 @@ const (
 	SlotBucket    = "KVBUS_RANKS"
 )
 
+// MaxGroups is how many worker groups a deployment is built for: a
+// scheduler's KV index tracks this many at once, and workers given their
+// rank by slot (kvbus worker --rank auto) claim slots in this many.
+const MaxGroups = 1024
+
 // NoSession is the session key of a request without a session id.
 const NoSession = "none"
 

@@ -13,7 +13,7 @@ import (
 // MaxIndexedGroups is how many worker groups one KV index tracks at once
 // (a forgotten group's id is reused); groups beyond it are placed as if
 // they held nothing. 1,024 groups of 4 ranks are 4,096 GPUs.
-const MaxIndexedGroups = 1024
+const MaxIndexedGroups = messages.MaxGroups
 
 // maxPendingBatches bounds the batches held back per rank during a resync.
 const maxPendingBatches = 4096
@@ -39,10 +39,9 @@ type KVIndex struct {
 	free   []groupID     // ids of forgotten groups, reused first
 	// maxGroups is MaxIndexedGroups (tests lower it).
 	maxGroups int
-	// full maps a block hash to the group ids where every rank holds it;
-	// ranks maps (group id, hash) to the bitmask of ranks holding it.
-	full  wordMaps
-	ranks map[rankKey]uint64
+	// full maps a block hash to the group ids where every rank holds it
+	// (each group's entries say which of its ranks hold which blocks).
+	full wordMaps
 	// fullBlocks counts the hashes in full (held in full by some group).
 	fullBlocks int
 
@@ -157,6 +156,9 @@ type indexGroup struct {
 	blocks    int   // blocks every rank holds
 	touched   int64 // unix nanos of the group's last heartbeat, batch or plan
 	ranks     map[int]*rankState
+	// entries maps a block hash to the bitmask of the ranks holding it: a
+	// rank's restart or the group's resize scans only its own group.
+	entries map[uint64]uint64
 }
 
 type rankState struct {
@@ -178,8 +180,7 @@ func NewKVIndex() *KVIndex { return newKVIndex(MaxIndexedGroups) }
 
 func newKVIndex(maxGroups int) *KVIndex {
 	return &KVIndex{
-		groups: map[string]*indexGroup{}, maxGroups: maxGroups, ranks: map[rankKey]uint64{},
-		planExp: map[rankKey]int64{},
+		groups: map[string]*indexGroup{}, maxGroups: maxGroups, planExp: map[rankKey]int64{},
 	}
 }
 
@@ -194,7 +195,7 @@ func (x *KVIndex) group(name string) *indexGroup {
 		g.touched = now
 		return g
 	}
-	g := &indexGroup{name: name, touched: now, ranks: map[int]*rankState{}}
+	g := &indexGroup{name: name, touched: now, ranks: map[int]*rankState{}, entries: map[uint64]uint64{}}
 	switch {
 	case len(x.free) > 0:
 		g.id = x.free[len(x.free)-1]
@@ -261,17 +262,11 @@ func (x *KVIndex) forgetLocked(names []string) {
 			x.unplanLocked(k)
 		}
 	}
-	for k := range x.ranks {
-		if gone.has(k.gid) {
-			delete(x.ranks, k)
-			w, _ := wordBit(k.gid)
-			if x.full.remove(w, k.hash, gone.word(w)) {
-				x.fullBlocks--
-			}
-		}
-	}
 	for _, name := range names {
 		if g := x.groups[name]; g != nil {
+			for h := range g.entries {
+				x.clearFull(g.id, h)
+			}
 			delete(x.groups, name)
 			x.byID[g.id] = nil
 			x.free = append(x.free, g.id)
@@ -354,18 +349,17 @@ func (x *KVIndex) applyLocked(g *indexGroup, rank int, rs *rankState, b *message
 }
 
 func (x *KVIndex) storeLocked(g *indexGroup, rank int, rs *rankState, h uint64) {
-	k := rankKey{h, g.id}
-	m := x.ranks[k]
+	m := g.entries[h]
 	bit := uint64(1) << rank
 	if m&bit != 0 {
 		return
 	}
-	x.ranks[k] = m | bit
+	g.entries[h] = m | bit
 	rs.held++
 	if !g.isFull(m) && g.isFull(m|bit) {
 		x.markFull(g.id, h)
 		g.blocks++
-		x.unplanLocked(k) // confirmed by every rank
+		x.unplanLocked(rankKey{h, g.id}) // confirmed by every rank
 	}
 }
 
@@ -390,8 +384,7 @@ func (x *KVIndex) removeLocked(g *indexGroup, rank int, rs *rankState, h uint64)
 
 // dropLocked forgets that rank holds h; it reports whether it did.
 func (x *KVIndex) dropLocked(g *indexGroup, rank int, rs *rankState, h uint64) bool {
-	k := rankKey{h, g.id}
-	m, ok := x.ranks[k]
+	m, ok := g.entries[h]
 	bit := uint64(1) << rank
 	if !ok || m&bit == 0 {
 		return false
@@ -401,9 +394,9 @@ func (x *KVIndex) dropLocked(g *indexGroup, rank int, rs *rankState, h uint64) b
 	}
 	rs.held--
 	if m &^= bit; m == 0 {
-		delete(x.ranks, k)
+		delete(g.entries, h)
 	} else {
-		x.ranks[k] = m
+		g.entries[h] = m
 	}
 	return true
 }
@@ -440,9 +433,9 @@ func (x *KVIndex) clearRankLocked(g *indexGroup, rank int, rs *rankState, keepPl
 	if rs.held == 0 {
 		return
 	}
-	for k, m := range x.ranks {
-		if k.gid == g.id && m&(1<<rank) != 0 {
-			x.dropLocked(g, rank, rs, k.hash)
+	for h, m := range g.entries {
+		if m&(1<<rank) != 0 {
+			x.dropLocked(g, rank, rs, h)
 		}
 	}
 	rs.held = 0
@@ -569,15 +562,12 @@ func (x *KVIndex) ObserveRank(group string, rank, worldSize int, startedUnixMs i
 func (x *KVIndex) setWorldSizeLocked(g *indexGroup, ws int) {
 	g.worldSize = ws
 	g.blocks = 0
-	for k, m := range x.ranks {
-		if k.gid != g.id {
-			continue
-		}
+	for h, m := range g.entries {
 		if g.isFull(m) {
-			x.markFull(g.id, k.hash)
+			x.markFull(g.id, h)
 			g.blocks++
 		} else {
-			x.clearFull(g.id, k.hash)
+			x.clearFull(g.id, h)
 		}
 	}
 }
@@ -901,5 +891,8 @@ func (x *KVIndex) GroupBlocks(name string) int {
 func (x *KVIndex) Size() (entries, fullBlocks int) {
 	x.mu.RLock()
 	defer x.mu.RUnlock()
-	return len(x.ranks), x.fullBlocks
+	for _, g := range x.groups {
+		entries += len(g.entries)
+	}
+	return entries, x.fullBlocks
 }

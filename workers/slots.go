@@ -29,7 +29,8 @@ type SlotConfig struct {
 	GroupPrefix string
 	// Size is the ranks per group (the TP size).
 	Size int
-	// MaxGroups bounds the groups tried (default 64).
+	// MaxGroups bounds the groups tried (default messages.MaxGroups, as
+	// many as a scheduler's KV index tracks).
 	MaxGroups int
 	// TTL is how long a claim lives without a refresh (default 10 s); the
 	// holder refreshes it every TTL/3.
@@ -59,7 +60,7 @@ func ClaimSlot(ctx context.Context, js jetstream.JetStream, cfg SlotConfig) (*Sl
 		cfg.GroupPrefix = "g"
 	}
 	if cfg.MaxGroups <= 0 {
-		cfg.MaxGroups = 64
+		cfg.MaxGroups = messages.MaxGroups
 	}
 	if cfg.TTL <= 0 {
 		cfg.TTL = 10 * time.Second

@@ -60,3 +60,26 @@ func TestClaimSlots(t *testing.T) {
 		return false
 	})
 }
+
+// TestClaimSlotsBeyond64Groups: workers given their rank by slot (kvbus
+// worker --rank auto, which sets no MaxGroups) form more than 64 groups, as
+// the scheduler's KV index tracks up to messages.MaxGroups (the default
+// stopped at 64).
+func TestClaimSlotsBeyond64Groups(t *testing.T) {
+	srv := testenv.StartNATS(t)
+	js, err := jetstream.New(testenv.Connect(t, srv))
+	if err != nil {
+		t.Fatal(err)
+	}
+	cfg := workers.SlotConfig{Size: 1, TTL: time.Minute}
+	for i := range 70 {
+		cfg.Owner = fmt.Sprint("w", i)
+		s, err := workers.ClaimSlot(t.Context(), js, cfg)
+		if err != nil {
+			t.Fatalf("worker %d: %v", i, err)
+		}
+		if want := fmt.Sprint("g", i); s.Group != want || s.Rank != 0 {
+			t.Fatalf("worker %d got %s/%d, want %s/0", i, s.Group, s.Rank, want)
+		}
+	}
+}
