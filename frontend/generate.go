@@ -107,8 +107,14 @@ func (s *Server) generate(w http.ResponseWriter, r *http.Request, endpoint strin
 			Message: fmt.Sprintf("this frontend is serving its maximum of %d requests (--max-inflight); retry shortly", s.cfg.MaxInflight)})
 	}
 	defer s.active.Add(-1)
+	// Counted before the check: a stop that began after it waits for this
+	// request (holdGrace), one that began before answers it the 503.
+	s.accepted.Add(1)
+	defer s.accepted.Add(-1)
 	switch {
 	case s.draining.Load():
+		s.accepted.Add(-1) // refused, not waited for
+		defer s.accepted.Add(1)
 		w.Header().Set("Connection", "close")
 		return fail(&APIError{Status: http.StatusServiceUnavailable, Type: typeUnavailable, Code: "shutting_down", RetryAfter: 1,
 			Message: "this frontend is shutting down; retry on another one"})

@@ -80,13 +80,14 @@ type Config struct {
 	// 120 s).
 	ReadHeaderTimeout time.Duration
 	IdleTimeout       time.Duration
-	// StopGrace is how long, once Run's context ends, the frontend keeps
+	// StopGrace is how long, once Run's context ends and the requests it
+	// had accepted are answered (within RequestTimeout), the frontend keeps
 	// its listener open answering new requests with 503 shutting_down
 	// (Connection: close) and /health with 503, so that clients on
 	// keep-alive connections and load balancers learn of the stop, before
-	// it closes the listener and waits for the requests in flight (default
-	// 500 ms; negative: none). Without it a request sent on a kept-alive
-	// connection at that moment gets no answer at all.
+	// it closes the listener (default 500 ms; negative: none). Without it
+	// a request sent on a kept-alive connection at that moment, such as
+	// the next one of a client just answered, gets no answer at all.
 	StopGrace time.Duration
 	// ReadBodyTimeout bounds reading a generation request's body (default
 	// 30 s): a client that stalls mid-body would otherwise hold one of
@@ -169,6 +170,7 @@ type Server struct {
 	ready    chan struct{}
 	addr     net.Addr
 	active   atomic.Int64 // generate requests being served
+	accepted atomic.Int64 // of those, the ones taken before the stop began
 	draining atomic.Bool  // Run's context ended: new requests get a 503
 
 	schedulers schedulerTable
@@ -330,12 +332,8 @@ func (s *Server) Run(ctx context.Context) error {
 	case <-ctx.Done():
 	}
 	s.draining.Store(true)
-	if s.cfg.StopGrace > 0 {
-		select {
-		case <-time.After(s.cfg.StopGrace):
-		case err := <-errc:
-			return fmt.Errorf("frontend: serve: %w", err)
-		}
+	if err := s.holdGrace(errc); err != nil {
+		return err
 	}
 	shutdown, cancel2 := context.WithTimeout(context.Background(), s.cfg.RequestTimeout+time.Second)
 	defer cancel2()
@@ -344,6 +342,32 @@ func (s *Server) Run(ctx context.Context) error {
 		_ = srv.Close()
 	}
 	s.log.Info("frontend stopped")
+	return nil
+}
+
+// holdGrace keeps the listener open, new requests answered with 503, until
+// the accepted requests are answered (within RequestTimeout) and then for
+// StopGrace: a client answered during the stop sends its next request on
+// its kept-alive connection, and gets the 503 rather than a connection
+// closed under it.
+func (s *Server) holdGrace(errc <-chan error) error {
+	if s.cfg.StopGrace <= 0 {
+		return nil
+	}
+	deadline := time.Now().Add(s.cfg.RequestTimeout)
+	quiet := time.Now() // since when no accepted request is in flight
+	tick := time.NewTicker(5 * time.Millisecond)
+	defer tick.Stop()
+	for time.Since(quiet) < s.cfg.StopGrace && time.Now().Before(deadline) {
+		select {
+		case <-tick.C:
+		case err := <-errc:
+			return fmt.Errorf("frontend: serve: %w", err)
+		}
+		if s.accepted.Load() > 0 {
+			quiet = time.Now()
+		}
+	}
 	return nil
 }
 
