@@ -99,7 +99,7 @@ type frontendFlags struct {
 	AllowedOrigins    []string      `name:"allowed-origins" default:"*" help:"Origins browsers may call the API from (CORS), like vLLM's --allowed-origins; * allows any; empty: none."`
 	ReadHeaderTimeout time.Duration `name:"read-header-timeout" default:"10s" help:"Time a client has to send a request's headers before its connection is closed."`
 	IdleTimeout       time.Duration `name:"idle-timeout" default:"120s" help:"Idle keep-alive connections are closed after this."`
-	StopGrace         time.Duration `name:"stop-grace" default:"500ms" help:"On SIGTERM, how long new requests still get a 503 shutting_down (Connection: close), and /health a 503, before the listener closes and the requests in flight finish (raise it to the deregistration delay of a load balancer in front; 0: the default; negative: none)."`
+	StopGrace         time.Duration `name:"stop-grace" default:"500ms" help:"On SIGTERM, how long, once the requests accepted before it are answered, new requests still get a 503 shutting_down (Connection: close), and /health a 503, before the listener closes (raise it to the deregistration delay of a load balancer in front; 0: the default; negative: none)."`
 }
 
 // requestLogFlags bound the JetStream request log; whichever role creates
