@@ -830,7 +830,9 @@ func (x *KVIndex) RemoteRuns(hashes []uint64, group string, from, limit int, sou
 		}
 		if src >= 0 {
 			if w, bit := wordBit(groupID(src)); x.wordLocked(w, h, fullOK, planOK)&bit != 0 {
-				runs[len(runs)-1].Blocks++
+				run := &runs[len(runs)-1]
+				run.Blocks++
+				run.Saving = run.Saving || !x.heldLocked(groupID(src), h, fullOK)
 				continue
 			}
 		}
@@ -838,9 +840,16 @@ func (x *KVIndex) RemoteRuns(hashes []uint64, group string, from, limit int, sou
 		if src < 0 {
 			return runs, i
 		}
-		runs = append(runs, messages.RemoteRun{Group: x.byID[src].name, FromBlock: i, Blocks: 1})
+		runs = append(runs, messages.RemoteRun{Group: x.byID[src].name, FromBlock: i, Blocks: 1,
+			Saving: !x.heldLocked(groupID(src), h, fullOK)})
 	}
 	return runs, max(i, from)
+}
+
+// heldLocked reports whether group id, among fullOK, holds h in full (not
+// only saving it).
+func (x *KVIndex) heldLocked(id groupID, h uint64, fullOK groupMask) bool {
+	return fullOK.has(id) && x.full.has(id, h)
 }
 
 // firstLocked returns the lowest group id that holds h in full (among
