@@ -85,15 +85,11 @@ type LoadSpec struct {
 }
 
 // RemoteRun is Blocks blocks of a prefix, from block index FromBlock, read
-// from the same tp_rank of group Group. Saving marks a run some of whose
-// blocks Group is still saving (the previous turn just ran there): a rank
-// of Group may not have had the ReqMeta of that save yet, so the read asks
-// it to wait for the save (PoolRead.AwaitSaves).
+// from the same tp_rank of group Group.
 type RemoteRun struct {
 	Group     string `msgpack:"group" json:"group"`
 	FromBlock int    `msgpack:"from_block" json:"from_block"`
 	Blocks    int    `msgpack:"blocks" json:"blocks"`
-	Saving    bool   `msgpack:"saving,omitempty" json:"saving,omitempty"`
 }
 
 // ReqMeta is the per-request KV-connector metadata the scheduler publishes
@@ -370,11 +366,6 @@ type PoolRead struct {
 	Model       string      `msgpack:"model" json:"model"`
 	TPRank      int         `msgpack:"tp_rank" json:"tp_rank"`
 	BlockHashes BlockHashes `msgpack:"block_hashes" json:"block_hashes"`
-	// AwaitSaves: some blocks are a save in flight on this rank's group;
-	// a block neither held nor being saved may be one whose ReqMeta has
-	// not reached this rank yet, and is waited for (within the rank's
-	// --save-wait/4) before it counts as missing.
-	AwaitSaves bool `msgpack:"await_saves,omitempty" json:"await_saves,omitempty"`
 }
 
 // PoolPart is one reply to a PoolRead: part Part of Parts (every reply

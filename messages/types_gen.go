@@ -1739,11 +1739,16 @@ func (z *LoadSpec) MarshalMsg(b []byte) (o []byte, err error) {
 			o = append(o, 0xa6, 0x72, 0x65, 0x6d, 0x6f, 0x74, 0x65)
 			o = msgp.AppendArrayHeader(o, uint32(len(z.Remote)))
 			for za0001 := range z.Remote {
-				o, err = z.Remote[za0001].MarshalMsg(o)
-				if err != nil {
-					err = msgp.WrapError(err, "Remote", za0001)
-					return
-				}
+				// map header, size 3
+				// string "group"
+				o = append(o, 0x83, 0xa5, 0x67, 0x72, 0x6f, 0x75, 0x70)
+				o = msgp.AppendString(o, z.Remote[za0001].Group)
+				// string "from_block"
+				o = append(o, 0xaa, 0x66, 0x72, 0x6f, 0x6d, 0x5f, 0x62, 0x6c, 0x6f, 0x63, 0x6b)
+				o = msgp.AppendInt(o, z.Remote[za0001].FromBlock)
+				// string "blocks"
+				o = append(o, 0xa6, 0x62, 0x6c, 0x6f, 0x63, 0x6b, 0x73)
+				o = msgp.AppendInt(o, z.Remote[za0001].Blocks)
 			}
 		}
 	}
@@ -1811,10 +1816,49 @@ func (z *LoadSpec) UnmarshalMsg(bts []byte) (o []byte, err error) {
 					z.Remote = make([]RemoteRun, zb0002)
 				}
 				for za0001 := range z.Remote {
-					bts, err = z.Remote[za0001].UnmarshalMsg(bts)
+					var zb0003 uint32
+					zb0003, bts, err = msgp.ReadMapHeaderBytes(bts)
 					if err != nil {
 						err = msgp.WrapError(err, "Remote", za0001)
 						return
+					}
+					if zb0003 > z94b1f360limitMaps {
+						err = msgp.ErrLimitExceeded
+						return
+					}
+					for zb0003 > 0 {
+						zb0003--
+						field, bts, err = msgp.ReadMapKeyZC(bts)
+						if err != nil {
+							err = msgp.WrapError(err, "Remote", za0001)
+							return
+						}
+						switch msgp.UnsafeString(field) {
+						case "group":
+							z.Remote[za0001].Group, bts, err = msgp.ReadStringBytes(bts)
+							if err != nil {
+								err = msgp.WrapError(err, "Remote", za0001, "Group")
+								return
+							}
+						case "from_block":
+							z.Remote[za0001].FromBlock, bts, err = msgp.ReadIntBytes(bts)
+							if err != nil {
+								err = msgp.WrapError(err, "Remote", za0001, "FromBlock")
+								return
+							}
+						case "blocks":
+							z.Remote[za0001].Blocks, bts, err = msgp.ReadIntBytes(bts)
+							if err != nil {
+								err = msgp.WrapError(err, "Remote", za0001, "Blocks")
+								return
+							}
+						default:
+							bts, err = msgp.Skip(bts)
+							if err != nil {
+								err = msgp.WrapError(err, "Remote", za0001)
+								return
+							}
+						}
 					}
 				}
 			}
@@ -1834,7 +1878,7 @@ func (z *LoadSpec) UnmarshalMsg(bts []byte) (o []byte, err error) {
 func (z *LoadSpec) Msgsize() (s int) {
 	s = 1 + 19 + msgp.IntSize + 21 + msgp.IntSize + 9 + msgp.BoolSize + 7 + msgp.ArrayHeaderSize
 	for za0001 := range z.Remote {
-		s += z.Remote[za0001].Msgsize()
+		s += 1 + 6 + msgp.StringPrefixSize + len(z.Remote[za0001].Group) + 11 + msgp.IntSize + 7 + msgp.IntSize
 	}
 	return
 }
@@ -2442,16 +2486,12 @@ func (z *PoolPiece) Msgsize() (s int) {
 func (z *PoolRead) MarshalMsg(b []byte) (o []byte, err error) {
 	o = msgp.Require(b, z.Msgsize())
 	// check for omitted fields
-	zb0001Len := uint32(6)
-	var zb0001Mask uint8 /* 6 bits */
+	zb0001Len := uint32(5)
+	var zb0001Mask uint8 /* 5 bits */
 	_ = zb0001Mask
 	if z.ReqID == "" {
 		zb0001Len--
 		zb0001Mask |= 0x2
-	}
-	if z.AwaitSaves == false {
-		zb0001Len--
-		zb0001Mask |= 0x20
 	}
 	// variable map header, size zb0001Len
 	o = append(o, 0x80|uint8(zb0001Len))
@@ -2478,11 +2518,6 @@ func (z *PoolRead) MarshalMsg(b []byte) (o []byte, err error) {
 		if err != nil {
 			err = msgp.WrapError(err, "BlockHashes")
 			return
-		}
-		if (zb0001Mask & 0x20) == 0 { // if not omitted
-			// string "await_saves"
-			o = append(o, 0xab, 0x61, 0x77, 0x61, 0x69, 0x74, 0x5f, 0x73, 0x61, 0x76, 0x65, 0x73)
-			o = msgp.AppendBool(o, z.AwaitSaves)
 		}
 	}
 	return
@@ -2540,12 +2575,6 @@ func (z *PoolRead) UnmarshalMsg(bts []byte) (o []byte, err error) {
 				err = msgp.WrapError(err, "BlockHashes")
 				return
 			}
-		case "await_saves":
-			z.AwaitSaves, bts, err = msgp.ReadBoolBytes(bts)
-			if err != nil {
-				err = msgp.WrapError(err, "AwaitSaves")
-				return
-			}
 		default:
 			bts, err = msgp.Skip(bts)
 			if err != nil {
@@ -2560,7 +2589,7 @@ func (z *PoolRead) UnmarshalMsg(bts []byte) (o []byte, err error) {
 
 // Msgsize returns an upper bound estimate of the number of bytes occupied by the serialized message
 func (z *PoolRead) Msgsize() (s int) {
-	s = 1 + 2 + msgp.IntSize + 7 + msgp.StringPrefixSize + len(z.ReqID) + 6 + msgp.StringPrefixSize + len(z.Model) + 8 + msgp.IntSize + 13 + z.BlockHashes.Msgsize() + 12 + msgp.BoolSize
+	s = 1 + 2 + msgp.IntSize + 7 + msgp.StringPrefixSize + len(z.ReqID) + 6 + msgp.StringPrefixSize + len(z.Model) + 8 + msgp.IntSize + 13 + z.BlockHashes.Msgsize()
 	return
 }
 
@@ -2834,36 +2863,18 @@ func (z *RankResult) Msgsize() (s int) {
 }
 
 // MarshalMsg implements msgp.Marshaler
-func (z *RemoteRun) MarshalMsg(b []byte) (o []byte, err error) {
+func (z RemoteRun) MarshalMsg(b []byte) (o []byte, err error) {
 	o = msgp.Require(b, z.Msgsize())
-	// check for omitted fields
-	zb0001Len := uint32(4)
-	var zb0001Mask uint8 /* 4 bits */
-	_ = zb0001Mask
-	if z.Saving == false {
-		zb0001Len--
-		zb0001Mask |= 0x8
-	}
-	// variable map header, size zb0001Len
-	o = append(o, 0x80|uint8(zb0001Len))
-
-	// skip if no fields are to be emitted
-	if zb0001Len != 0 {
-		// string "group"
-		o = append(o, 0xa5, 0x67, 0x72, 0x6f, 0x75, 0x70)
-		o = msgp.AppendString(o, z.Group)
-		// string "from_block"
-		o = append(o, 0xaa, 0x66, 0x72, 0x6f, 0x6d, 0x5f, 0x62, 0x6c, 0x6f, 0x63, 0x6b)
-		o = msgp.AppendInt(o, z.FromBlock)
-		// string "blocks"
-		o = append(o, 0xa6, 0x62, 0x6c, 0x6f, 0x63, 0x6b, 0x73)
-		o = msgp.AppendInt(o, z.Blocks)
-		if (zb0001Mask & 0x8) == 0 { // if not omitted
-			// string "saving"
-			o = append(o, 0xa6, 0x73, 0x61, 0x76, 0x69, 0x6e, 0x67)
-			o = msgp.AppendBool(o, z.Saving)
-		}
-	}
+	// map header, size 3
+	// string "group"
+	o = append(o, 0x83, 0xa5, 0x67, 0x72, 0x6f, 0x75, 0x70)
+	o = msgp.AppendString(o, z.Group)
+	// string "from_block"
+	o = append(o, 0xaa, 0x66, 0x72, 0x6f, 0x6d, 0x5f, 0x62, 0x6c, 0x6f, 0x63, 0x6b)
+	o = msgp.AppendInt(o, z.FromBlock)
+	// string "blocks"
+	o = append(o, 0xa6, 0x62, 0x6c, 0x6f, 0x63, 0x6b, 0x73)
+	o = msgp.AppendInt(o, z.Blocks)
 	return
 }
 
@@ -2907,12 +2918,6 @@ func (z *RemoteRun) UnmarshalMsg(bts []byte) (o []byte, err error) {
 				err = msgp.WrapError(err, "Blocks")
 				return
 			}
-		case "saving":
-			z.Saving, bts, err = msgp.ReadBoolBytes(bts)
-			if err != nil {
-				err = msgp.WrapError(err, "Saving")
-				return
-			}
 		default:
 			bts, err = msgp.Skip(bts)
 			if err != nil {
@@ -2926,8 +2931,8 @@ func (z *RemoteRun) UnmarshalMsg(bts []byte) (o []byte, err error) {
 }
 
 // Msgsize returns an upper bound estimate of the number of bytes occupied by the serialized message
-func (z *RemoteRun) Msgsize() (s int) {
-	s = 1 + 6 + msgp.StringPrefixSize + len(z.Group) + 11 + msgp.IntSize + 7 + msgp.IntSize + 7 + msgp.BoolSize
+func (z RemoteRun) Msgsize() (s int) {
+	s = 1 + 6 + msgp.StringPrefixSize + len(z.Group) + 11 + msgp.IntSize + 7 + msgp.IntSize
 	return
 }
 

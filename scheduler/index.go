@@ -830,9 +830,7 @@ func (x *KVIndex) RemoteRuns(hashes []uint64, group string, from, limit int, sou
 		}
 		if src >= 0 {
 			if w, bit := wordBit(groupID(src)); x.wordLocked(w, h, fullOK, planOK)&bit != 0 {
-				run := &runs[len(runs)-1]
-				run.Blocks++
-				run.Saving = run.Saving || !x.heldLocked(groupID(src), h, fullOK)
+				runs[len(runs)-1].Blocks++
 				continue
 			}
 		}
@@ -840,16 +838,9 @@ func (x *KVIndex) RemoteRuns(hashes []uint64, group string, from, limit int, sou
 		if src < 0 {
 			return runs, i
 		}
-		runs = append(runs, messages.RemoteRun{Group: x.byID[src].name, FromBlock: i, Blocks: 1,
-			Saving: !x.heldLocked(groupID(src), h, fullOK)})
+		runs = append(runs, messages.RemoteRun{Group: x.byID[src].name, FromBlock: i, Blocks: 1})
 	}
 	return runs, max(i, from)
-}
-
-// heldLocked reports whether group id, among fullOK, holds h in full (not
-// only saving it).
-func (x *KVIndex) heldLocked(id groupID, h uint64, fullOK groupMask) bool {
-	return fullOK.has(id) && x.full.has(id, h)
 }
 
 // firstLocked returns the lowest group id that holds h in full (among

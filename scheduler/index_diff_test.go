@@ -172,11 +172,8 @@ func (r *diffRef) remoteRuns(hashes []uint64, group string, from, limit int, sou
 			continue
 		}
 		hs := r.holders(h, sources, savers)
-		// A run is Saving when the source gives a block only as a saver.
-		held := func(id int) bool { return r.holders(h, sources, nil)[id] }
 		if src >= 0 && hs[src] {
 			runs[len(runs)-1].Blocks++
-			runs[len(runs)-1].Saving = runs[len(runs)-1].Saving || !held(src)
 			continue
 		}
 		if len(hs) == 0 {
@@ -189,7 +186,7 @@ func (r *diffRef) remoteRuns(hashes []uint64, group string, from, limit int, sou
 			}
 		}
 		src = low
-		runs = append(runs, messages.RemoteRun{Group: r.byID[src], FromBlock: i, Blocks: 1, Saving: !held(src)})
+		runs = append(runs, messages.RemoteRun{Group: r.byID[src], FromBlock: i, Blocks: 1})
 	}
 	return runs, max(i, from)
 }

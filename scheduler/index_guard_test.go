@@ -220,7 +220,7 @@ func TestKVIndexRemoteRunsFromSavers(t *testing.T) {
 	if got := x.PoolPrefix(a, all, nil); got != 0 {
 		t.Errorf("PoolPrefix with no savers = %d, want 0", got)
 	}
-	want := []messages.RemoteRun{{Group: "g1", FromBlock: 0, Blocks: 4, Saving: true}}
+	want := []messages.RemoteRun{{Group: "g1", FromBlock: 0, Blocks: 4}}
 	if runs, end := x.RemoteRuns(a, "g0", 0, 4, all, []string{"g1"}); !slices.Equal(runs, want) || end != 4 {
 		t.Errorf("idle saver: runs %+v, end %d; want %+v, 4", runs, end, want)
 	}
@@ -350,7 +350,7 @@ func TestKVIndexBeyond64Groups(t *testing.T) {
 	if pm := x.PrefixMatch(a, nil); pm[id170] != 40 {
 		t.Errorf("prefix of g170 with its plan = %d, want 40", pm[id170])
 	}
-	want = []messages.RemoteRun{{Group: "g170", FromBlock: 0, Blocks: 40, Saving: true}} // 10 held, 30 saving
+	want = []messages.RemoteRun{{Group: "g170", FromBlock: 0, Blocks: 40}}
 	if runs, end := x.RemoteRuns(a, "g000", 0, 40, []string{"g170"}, []string{"g170"}); !slices.Equal(runs, want) || end != 40 {
 		t.Errorf("RemoteRuns from the saver g170 = %+v, %d; want %+v, 40", runs, end, want)
 	}

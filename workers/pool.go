@@ -4,7 +4,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"slices"
 	"sync"
 	"time"
 
@@ -33,12 +32,9 @@ const (
 // onPoolRead answers a PoolRead with the blocks this rank holds, in as many
 // PoolParts as the connection's max payload needs. A block this rank is
 // still saving (the turn that just ran here) is sent once saved, within
-// SaveWait, as a local load would wait for it; with AwaitSaves, a block
-// neither held nor being saved is waited for too (within SaveWait/4): the
-// ReqMeta that saves it may not have reached this rank yet, though it
-// reached the rank's group. That wait happens off the subscription's
-// goroutine (up to poolWaitSlots at once), so that reads of blocks already
-// held are not queued behind it.
+// SaveWait, as a local load would wait for it; that wait happens off the
+// subscription's goroutine (up to poolWaitSlots at once), so that reads of
+// blocks already held are not queued behind it.
 func (r *Rank) onPoolRead(ctx context.Context, m *nats.Msg) error {
 	req, err := messages.DecodePoolRead(m.Data)
 	if err != nil {
@@ -52,12 +48,12 @@ func (r *Rank) onPoolRead(ctx context.Context, m *nats.Msg) error {
 		keys[i] = StoreKey(req.Model, req.TPRank, h)
 	}
 	values := r.store.BatchGet(ctx, keys)
-	if !r.savingAny(keys, values) && !(req.AwaitSaves && slices.ContainsFunc(values, func(v []byte) bool { return v == nil })) {
+	if !r.savingAny(keys, values) {
 		return r.answerPoolRead(m.Reply, values)
 	}
 	deadline := time.Now().Add(r.cfg.SaveWait)
 	answer := func() error {
-		r.awaitPoolSaves(ctx, keys, values, deadline, req.AwaitSaves)
+		r.awaitPoolSaves(ctx, keys, values, deadline)
 		return r.answerPoolRead(m.Reply, values)
 	}
 	return r.offload(r.poolWaitSlots, &r.poolWaits, answer, "pool read", "req_id", req.ReqID)
@@ -99,20 +95,11 @@ func (r *Rank) savingAny(keys []string, values [][]byte) bool {
 
 // awaitPoolSaves fills in the missing values whose saves settle by
 // deadline: it waits for each (one request's settling settles all its
-// keys), then reads again every value still missing. With unregistered, a
-// missing value not being saved is first waited for until a save of it is
-// registered or it is stored (within a quarter of the rank's SaveWait).
-func (r *Rank) awaitPoolSaves(ctx context.Context, keys []string, values [][]byte, deadline time.Time, unregistered bool) {
+// keys), then reads again every value still missing.
+func (r *Rank) awaitPoolSaves(ctx context.Context, keys []string, values [][]byte, deadline time.Time) {
 	var missing []int
-	registerBy := time.Now().Add(r.cfg.SaveWait / 4)
-	if deadline.Before(registerBy) {
-		registerBy = deadline
-	}
 	for i, v := range values {
 		if v == nil {
-			if unregistered {
-				r.awaitRegistration(ctx, keys[i], registerBy)
-			}
 			r.awaitSave(keys[i], deadline)
 			missing = append(missing, i)
 		}
@@ -123,30 +110,6 @@ func (r *Rank) awaitPoolSaves(ctx context.Context, keys []string, values [][]byt
 	}
 	for j, v := range r.store.BatchGet(ctx, again) {
 		values[missing[j]] = v
-	}
-}
-
-// registrationPoll is how often awaitRegistration looks again.
-const registrationPoll = 2 * time.Millisecond
-
-// awaitRegistration waits until a save of key is registered on this rank
-// or the store holds key, or deadline passes. It polls: it serves only
-// reads that raced the ReqMeta of their blocks' save (AwaitSaves).
-func (r *Rank) awaitRegistration(ctx context.Context, key string, deadline time.Time) {
-	t := time.NewTicker(registrationPoll)
-	defer t.Stop()
-	for time.Now().Before(deadline) {
-		r.mu.Lock()
-		saving := r.saving[key] != nil
-		r.mu.Unlock()
-		if saving || r.store.BatchIsExist(ctx, []string{key})[0] {
-			return
-		}
-		select {
-		case <-t.C:
-		case <-ctx.Done():
-			return
-		}
 	}
 }
 

@@ -90,9 +90,6 @@ type RankConfig struct {
 	// DropReqMetas is a fault-injection knob: the rank ignores its first
 	// DropReqMetas ReqMetas, as if those core NATS messages were lost.
 	DropReqMetas int
-	// DelayFirstReqMeta is a fault-injection knob: the rank handles its
-	// first ReqMeta this late (a rank whose intake is behind its group's).
-	DelayFirstReqMeta time.Duration
 	// ShutdownTimeout bounds how long Run lets in-flight requests finish
 	// after its context ends (default 10 s).
 	ShutdownTimeout time.Duration
@@ -166,7 +163,6 @@ type Rank struct {
 	hbAsked   atomic.Int64 // unix ns of heartbeatSoon's last call
 	lastHB    atomic.Int64 // unix ns when the last heartbeat read the rank's state
 	dropped   atomic.Int64 // ReqMetas ignored for DropReqMetas
-	delayed   atomic.Bool  // the first ReqMeta was delayed (DelayFirstReqMeta)
 	// queuedTokens: prompt tokens of the driver's requests not yet
 	// prefilled, and the cached tokens they will load locally and from
 	// other groups first; reported in heartbeats.
@@ -445,10 +441,6 @@ func (r *Rank) onMeta(_ context.Context, m *nats.Msg) error {
 	if r.cfg.DropReqMetas > 0 && r.dropped.Add(1) <= int64(r.cfg.DropReqMetas) {
 		r.log.Warn("fault injection: ReqMeta ignored", "req_id", meta.ReqID, "session_id", meta.SessionID)
 		return nil
-	}
-	if d := r.cfg.DelayFirstReqMeta; d > 0 && r.delayed.CompareAndSwap(false, true) {
-		r.log.Warn("fault injection: ReqMeta delayed", "req_id", meta.ReqID, "session_id", meta.SessionID, "delay", d)
-		time.Sleep(d)
 	}
 	now := time.Now()
 	r.mu.Lock()

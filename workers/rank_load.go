@@ -111,8 +111,7 @@ func (r *Rank) copyRemoteRuns(rr *rankReq, runs []messages.RemoteRun, n int) (co
 		hashes := meta.BlockHashes[run.FromBlock:end]
 		ctx, cancel := context.WithTimeout(rr.ctx, r.cfg.SaveWait)
 		start := time.Now()
-		vals, err := r.pool.Read(ctx, run.Group, r.cfg.TPRank, &messages.PoolRead{ReqID: meta.ReqID, Model: meta.Model, TPRank: r.cfg.TPRank, BlockHashes: hashes,
-			AwaitSaves: run.Saving},
+		vals, err := r.pool.Read(ctx, run.Group, r.cfg.TPRank, &messages.PoolRead{ReqID: meta.ReqID, Model: meta.Model, TPRank: r.cfg.TPRank, BlockHashes: hashes},
 			r.valueBytes(meta.BlockSize))
 		cancel()
 		if err != nil {
