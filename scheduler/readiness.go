@@ -25,10 +25,8 @@ func (s *Scheduler) Ready() (bool, string) {
 	if len(groups) == 0 {
 		return false, "no ready worker group"
 	}
-	for _, g := range groups {
-		if s.index.Placeable(g.Name) {
-			return true, ""
-		}
+	if len(s.index.placeable(groups)) > 0 {
+		return true, ""
 	}
 	return false, fmt.Sprintf("KV index of the %d ready group(s) not synced yet", len(groups))
 }
