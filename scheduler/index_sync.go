@@ -1,0 +1,250 @@
+package scheduler
+
+import (
+	"slices"
+	"time"
+
+	"github.com/kvbus/kvbus/messages"
+)
+
+// ApplyDump replaces a rank's entries by a dump (a full KVEventBatch of what
+// it holds at dump.Seq), then replays the batches that arrived after it. It
+// returns true when the replay found another gap.
+func (x *KVIndex) ApplyDump(group string, rank int, dump *messages.KVEventBatch) (needDump bool) {
+	return x.ApplyDumpOf(group, rank, x.Epoch(group, rank), dump)
+}
+
+// Epoch returns the number of restarts the index has seen of a rank; a
+// dump asked for at one epoch is applied with ApplyDumpOf at that epoch.
+func (x *KVIndex) Epoch(group string, rank int) uint64 {
+	x.mu.RLock()
+	defer x.mu.RUnlock()
+	if g := x.groups[group]; g != nil && g.ranks[rank] != nil {
+		return g.ranks[rank].epoch
+	}
+	return 0
+}
+
+// ApplyDumpOf is ApplyDump for a dump asked for at epoch: if the rank
+// restarted since, the dump describes a process that is gone and is
+// ignored. Batches held back with a seq the dump covers are discarded;
+// those with an impossible seq past it are dropped and counted (Rejected).
+func (x *KVIndex) ApplyDumpOf(group string, rank int, epoch uint64, dump *messages.KVEventBatch) (needDump bool) {
+	if rank < 0 || rank >= 64 {
+		return false
+	}
+	x.mu.Lock()
+	defer x.mu.Unlock()
+	g := x.groups[group]
+	if g == nil {
+		return false // forgotten while its dump was on the way
+	}
+	rs := g.rank(rank)
+	if rs.epoch != epoch {
+		return false
+	}
+	x.clearRankLocked(g, rank, rs, true)
+	x.applyLocked(g, rank, rs, dump, true)
+	pending := rs.pending
+	rs.pending, rs.resyncing, rs.synced = nil, false, true
+	slices.SortFunc(pending, func(a, b *messages.KVEventBatch) int { return cmpUint(a.Seq, b.Seq) })
+	for i, b := range pending {
+		switch {
+		case b.Seq <= rs.seq:
+			continue // superseded by the dump
+		case b.Seq > rs.seq+MaxSeqJump:
+			x.rejected.Add(uint64(len(pending) - i)) // sorted: the rest are impossible too
+			return false
+		case b.Seq == rs.seq+1:
+			x.applyLocked(g, rank, rs, b, false)
+		default:
+			rs.resyncing = true
+			rs.pending = pending[i:]
+			return true
+		}
+	}
+	return false
+}
+
+func cmpUint(a, b uint64) int {
+	switch {
+	case a < b:
+		return -1
+	case a > b:
+		return 1
+	}
+	return 0
+}
+
+// ObserveRank records a rank's heartbeat: the group's world size and the
+// rank's process start time. It returns true when the rank restarted (its
+// start time changed) and needs a resync.
+func (x *KVIndex) ObserveRank(group string, rank, worldSize int, startedUnixMs int64) (needDump bool) {
+	if rank < 0 || rank >= 64 || worldSize > 64 {
+		return false
+	}
+	x.mu.Lock()
+	defer x.mu.Unlock()
+	g := x.group(group)
+	if g == nil {
+		return false
+	}
+	if g.worldSize != worldSize {
+		x.setWorldSizeLocked(g, worldSize)
+	}
+	rs := g.rank(rank)
+	if rs.started == startedUnixMs {
+		return false
+	}
+	if rs.started != 0 {
+		// A restart: a dump asked of the old process is stale, and the
+		// group's plans go, as at the new process's AllBlocksCleared
+		// (which may be lost): it lost what the old one was saving.
+		rs.epoch++
+		rs.synced = false
+		x.dropPlansLocked(g)
+	}
+	rs.started = startedUnixMs
+	// A restart, or a rank first heard of before any of its events (this
+	// scheduler started after it): learn what it holds from a dump.
+	if !rs.resyncing {
+		rs.resyncing = true
+		return true
+	}
+	return false
+}
+
+// setWorldSizeLocked recomputes which blocks are full for a group whose size
+// changed (or became known).
+func (x *KVIndex) setWorldSizeLocked(g *indexGroup, ws int) {
+	g.worldSize = ws
+	g.blocks = 0
+	for h, m := range g.entries {
+		if g.isFull(m) {
+			x.markFull(g.id, h)
+			g.blocks++
+		} else {
+			x.clearFull(g.id, h)
+		}
+	}
+}
+
+// Resyncing returns the ranks of a group waiting for a dump.
+func (x *KVIndex) Resyncing() map[string][]int {
+	x.mu.RLock()
+	defer x.mu.RUnlock()
+	out := map[string][]int{}
+	for name, g := range x.groups {
+		for r, rs := range g.ranks {
+			if rs.resyncing {
+				out[name] = append(out[name], r)
+			}
+		}
+	}
+	return out
+}
+
+// Synced reports whether the index knows what every rank of a group holds:
+// each of its world-size ranks was heard of and none waits for a dump.
+func (x *KVIndex) Synced(group string) bool {
+	x.mu.RLock()
+	defer x.mu.RUnlock()
+	return x.syncedLocked(x.groups[group])
+}
+
+// Placeable reports whether a request may be placed on group from what the
+// index says: its ranks are synced, or the index is full and does not
+// track it, so it is placed as if it held nothing.
+func (x *KVIndex) Placeable(group string) bool {
+	return len(x.placeable([]GroupState{{Name: group}})) == 1
+}
+
+// placeable returns the groups that Placeable allows, under one lock.
+func (x *KVIndex) placeable(groups []GroupState) []GroupState {
+	x.mu.RLock()
+	defer x.mu.RUnlock()
+	full := len(x.free) == 0 && len(x.byID) >= x.maxGroups
+	out := make([]GroupState, 0, len(groups))
+	for _, g := range groups {
+		if ig := x.groups[g.Name]; (ig == nil && full) || x.syncedLocked(ig) {
+			out = append(out, g)
+		}
+	}
+	return out
+}
+
+func (x *KVIndex) syncedLocked(g *indexGroup) bool {
+	if g == nil || g.worldSize == 0 {
+		return false
+	}
+	for r := range g.worldSize {
+		rs := g.ranks[r]
+		if rs == nil || rs.resyncing || !rs.synced {
+			return false
+		}
+	}
+	return true
+}
+
+// ForgetIdle forgets the groups not heard of (no heartbeat, KV batch or
+// save plan) for after, and returns their names. See Forget.
+func (x *KVIndex) ForgetIdle(now time.Time, after time.Duration) []string {
+	idle := func() (names []string) {
+		for name, g := range x.groups {
+			if now.UnixNano()-g.touched > int64(after) {
+				names = append(names, name)
+			}
+		}
+		return names
+	}
+	// Called every sweep: lookups are not stopped unless a group goes.
+	x.mu.RLock()
+	names := idle()
+	x.mu.RUnlock()
+	if len(names) == 0 {
+		return nil
+	}
+	x.mu.Lock()
+	defer x.mu.Unlock()
+	names = idle() // heard of again in between: kept
+	x.forgetLocked(names)
+	return names
+}
+
+// Forget drops groups: their blocks, their save plans and their ranks'
+// seqs, and frees their ids for other groups. For groups gone for good
+// (scaled in, renamed); one that comes back is new to the index, and
+// resyncs from its ranks' dumps. One scan of every entry, however many
+// groups go: rare.
+func (x *KVIndex) Forget(names ...string) {
+	x.mu.Lock()
+	defer x.mu.Unlock()
+	x.forgetLocked(names)
+}
+
+func (x *KVIndex) forgetLocked(names []string) {
+	var gone groupMask
+	for _, name := range names {
+		if g := x.groups[name]; g != nil {
+			gone.add(g.id)
+		}
+	}
+	if gone == nil {
+		return
+	}
+	for k := range x.planExp {
+		if gone.has(k.gid) {
+			x.unplanLocked(k)
+		}
+	}
+	for _, name := range names {
+		if g := x.groups[name]; g != nil {
+			for h := range g.entries {
+				x.clearFull(g.id, h)
+			}
+			delete(x.groups, name)
+			x.byID[g.id] = nil
+			x.free = append(x.free, g.id)
+		}
+	}
+}
