@@ -61,6 +61,9 @@ type Config struct {
 	// DropReqMetas makes the ranks with these tp_ranks ignore their first
 	// N ReqMetas (fault injection: lost core NATS messages).
 	DropReqMetas map[int]int
+	// DelayFirstReqMeta makes the ranks with these tp_ranks (in every
+	// group) handle their first ReqMeta this late.
+	DelayFirstReqMeta map[int]time.Duration
 	// Engines, if set, puts a model server behind each group (--engine
 	// openai) instead of the sim: group gi fronts Engines[i] with one rank,
 	// and Groups and Ranks are ignored.
@@ -419,7 +422,8 @@ func (c *Cluster) startRank(group string, r int) error {
 		Engine: engine, EngineCache: len(cfg.Engines) > 0, KVEvents: c.kvEvents(group),
 		BlockSize: cfg.BlockSize, HeartbeatInterval: cfg.HeartbeatInterval, ShutdownTimeout: cfg.ShutdownTimeout,
 		SaveWait: cfg.SaveWait, DrainHandoff: cfg.DrainHandoff, StoreDelay: cfg.StoreDelays[r], DropReqMetas: cfg.DropReqMetas[r],
-		Logger: c.log, Metrics: c.wm, HandlerMetrics: c.hm,
+		DelayFirstReqMeta: cfg.DelayFirstReqMeta[r],
+		Logger:            c.log, Metrics: c.wm, HandlerMetrics: c.hm,
 	})
 	if err != nil {
 		return err

@@ -31,13 +31,15 @@ func TestGlobalPoolServesOtherGroups(t *testing.T) {
 					worst, best = min(worst, s), max(best, s)
 				}
 			}
-			remote := testenv.CounterSum(t, c.Registry, "kvbus_worker_pool_remote_blocks_total", nil)
-			var predicted, actual float64
-			testenv.Eventually(t, 5*time.Second, "every request counted", func() bool {
+			var remote, predicted, actual float64
+			// The driver's report counts its own remote tokens; the other
+			// ranks may finish their loads after it answered.
+			testenv.Eventually(t, 5*time.Second, "every request and every rank's remote reads counted", func() bool {
 				done := testenv.CounterSum(t, c.Registry, "kvbus_scheduler_requests_total", map[string]string{"outcome": "completed"})
 				predicted = testenv.CounterSum(t, c.Registry, "kvbus_scheduler_pool_cached_tokens_total", map[string]string{"kind": "predicted", "source": "remote"})
 				actual = testenv.CounterSum(t, c.Registry, "kvbus_scheduler_pool_cached_tokens_total", map[string]string{"kind": "actual", "source": "remote"})
-				return done == 2*4 && predicted == actual
+				remote = testenv.CounterSum(t, c.Registry, "kvbus_worker_pool_remote_blocks_total", nil)
+				return done == 2*4 && predicted == actual && remote == 4*actual/16
 			})
 			t.Logf("pool %s: previous-prompt share cached worst %.3f, best %.3f; blocks read from the other group %v; remote tokens predicted %v, loaded %v",
 				pool, worst, best, remote, predicted, actual)
@@ -62,5 +64,58 @@ func TestGlobalPoolServesOtherGroups(t *testing.T) {
 				}
 			}
 		})
+	}
+}
+
+// TestPoolReadWaitsForASaveNotYetRegistered: a conversation's next turn
+// lands on another group while a rank of the previous turn's group has not
+// yet handled that turn's ReqMeta (its intake is behind its driver's: the
+// fault delays its first ReqMeta). The next turn's rank reads those blocks
+// from it: the rank neither holds them nor knows yet that it will save
+// them. The read came after that ReqMeta, on the same connection, so the
+// source waits for its intake to handle it, then for the save, rather than
+// answering "missing" (which cost a recompute of every block on that rank).
+func TestPoolReadWaitsForASaveNotYetRegistered(t *testing.T) {
+	const delay = 400 * time.Millisecond
+	c := testenv.StartCluster(t, testenv.ClusterConfig{Groups: 2, Ranks: 2, Policy: "round-robin", Pool: "global",
+		DelayFirstReqMeta: map[int]time.Duration{1: delay}})
+	// A first request takes one group's delayed ReqMeta, and the delay
+	// passes; the conversation's turn 1 then goes to the other group, whose
+	// rank 1 handles it only after the delay, and turn 2 comes back here.
+	body := fmt.Sprintf(`{"model":%q,"prompt":"warm up","max_tokens":2}`, c.Model)
+	if code, _, resp := testenv.Send(t, http.MethodPost, c.URL+"/v1/completions", body, nil); code != http.StatusOK {
+		t.Fatalf("warm-up: %d %s", code, resp)
+	}
+	time.Sleep(delay + 100*time.Millisecond)
+	client := &http.Client{Timeout: 30 * time.Second}
+	defer client.CloseIdleConnections()
+	turns, err := testenv.Conversation{BaseURL: c.URL, Client: client, Model: c.Model, Seed: 77,
+		Headers: map[string]string{"X-Session-ID": "unregistered"}}.Run(t.Context(), 2)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got := len(c.Logs.Lines("fault injection: ReqMeta delayed")); got != 2 {
+		t.Fatalf("%d delayed ReqMetas, want 2 (one per group): the fault did not take effect", got)
+	}
+	due := float64(turns[0].PromptTokens / 16) // turn 1's full blocks, read by each rank of the other group
+	var remote [2]float64
+	var failed float64
+	testenv.Eventually(t, 5*time.Second, "both ranks' loads counted", func() bool {
+		for r := range remote {
+			remote[r] = testenv.CounterSum(t, c.Registry, "kvbus_worker_pool_remote_blocks_total", map[string]string{"tp_rank": fmt.Sprint(r)})
+		}
+		failed = testenv.CounterSum(t, c.Registry, "kvbus_worker_blocks_total", map[string]string{"op": "load_failed"})
+		return remote[0] >= due && remote[1]+failed >= due
+	})
+	t.Logf("turn 2 cached %d of %d tokens; remote blocks read by rank 0 %v, rank 1 %v (due %v); load_failed %v",
+		turns[1].CachedTokens, turns[0].PromptTokens, remote[0], remote[1], due, failed)
+	if awaited := testenv.CounterSum(t, c.Registry, "kvbus_worker_blocks_total", map[string]string{"op": "pool_awaited_intake"}); awaited != due {
+		t.Errorf("%v blocks found after waiting for the source's intake, want %v: the read did not meet the delayed intake", awaited, due)
+	}
+	if failed != 0 || remote[1] != remote[0] {
+		t.Errorf("rank 1 read %v blocks where rank 0 read %v, %v blocks recomputed: the read did not wait for the save", remote[1], remote[0], failed)
+	}
+	if s := testenv.PreviousShares(turns, 16)[0]; s < 1 {
+		t.Errorf("turn 2 found %.2f of turn 1's full blocks, want all", s)
 	}
 }

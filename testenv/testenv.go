@@ -137,6 +137,9 @@ type ClusterConfig struct {
 	// DropReqMetas makes the ranks with these tp_ranks (in every group)
 	// ignore their first N ReqMetas.
 	DropReqMetas map[int]int
+	// DelayFirstReqMeta makes the ranks with these tp_ranks (in every
+	// group) handle their first ReqMeta this late.
+	DelayFirstReqMeta map[int]time.Duration
 	// MaxPayload of the embedded NATS server (default 8 MiB).
 	MaxPayload  int32
 	NoGroupWait time.Duration
@@ -207,7 +210,7 @@ func StartCluster(t testing.TB, cfg ClusterConfig) *Cluster {
 		Sim:               workers.SimConfig{Profile: workers.DefaultSimProfile, TimeScale: cfg.TimeScale},
 		HeartbeatInterval: 100 * time.Millisecond, HeartbeatTimeout: 2 * time.Second, ShutdownTimeout: 2 * time.Second,
 		Schedulers: cfg.Schedulers, Policy: cfg.Policy, RequestTimeout: cfg.RequestTimeout, SessionTTL: cfg.SessionTTL,
-		StoreDelays: cfg.StoreDelays, DropReqMetas: cfg.DropReqMetas, MaxPayload: cfg.MaxPayload, NoGroupWait: cfg.NoGroupWait, ResendAfter: cfg.ResendAfter, Pool: cfg.Pool,
+		StoreDelays: cfg.StoreDelays, DropReqMetas: cfg.DropReqMetas, DelayFirstReqMeta: cfg.DelayFirstReqMeta, MaxPayload: cfg.MaxPayload, NoGroupWait: cfg.NoGroupWait, ResendAfter: cfg.ResendAfter, Pool: cfg.Pool,
 		IndexGroups: cfg.IndexGroups, DrainHandoff: cfg.DrainHandoff, Engines: cfg.Engines, AuthDir: cfg.AuthDir,
 		Frontend: &frontend.Config{Listener: ln, SessionHeaders: cfg.SessionHeaders, MaxModelLen: cfg.MaxModelLen,
 			MaxInflight: cfg.MaxInflight, APIKey: cfg.APIKey, Tokenizer: cfg.Tokenizer,

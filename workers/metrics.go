@@ -79,6 +79,7 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 type rankSeries struct {
 	reqMetas, duplicate, overloaded, aborted                        prometheus.Counter
 	loaded, loadFailed, waitedForSave, stored, skipped, storeFailed prometheus.Counter
+	poolAwaitedIntake                                               prometheus.Counter
 	loadSec, storeSec                                               prometheus.Observer
 	usedBytes, queue                                                prometheus.Gauge
 }
@@ -93,12 +94,15 @@ func (m *Metrics) forRank(group, rank string) rankSeries {
 		loaded:        op("loaded"),
 		loadFailed:    op("load_failed"),
 		waitedForSave: op("waited_for_save"),
-		stored:        op("stored"),
-		skipped:       op("skipped"),
-		storeFailed:   op("store_failed"),
-		loadSec:       m.loadSec.WithLabelValues(group, rank),
-		storeSec:      m.storeSec.WithLabelValues(group, rank),
-		usedBytes:     m.usedBytes.WithLabelValues(group, rank),
-		queue:         m.queue.WithLabelValues(group, rank),
+		// Blocks a pool read that had to wait for this rank's ReqMeta
+		// intake found after waiting (see onPoolRead).
+		poolAwaitedIntake: op("pool_awaited_intake"),
+		stored:            op("stored"),
+		skipped:           op("skipped"),
+		storeFailed:       op("store_failed"),
+		loadSec:           m.loadSec.WithLabelValues(group, rank),
+		storeSec:          m.storeSec.WithLabelValues(group, rank),
+		usedBytes:         m.usedBytes.WithLabelValues(group, rank),
+		queue:             m.queue.WithLabelValues(group, rank),
 	}
 }

@@ -32,9 +32,14 @@ const (
 // onPoolRead answers a PoolRead with the blocks this rank holds, in as many
 // PoolParts as the connection's max payload needs. A block this rank is
 // still saving (the turn that just ran here) is sent once saved, within
-// SaveWait, as a local load would wait for it; that wait happens off the
-// subscription's goroutine (up to poolWaitSlots at once), so that reads of
-// blocks already held are not queued behind it.
+// SaveWait, as a local load would wait for it. A block it neither holds
+// nor saves may belong to a ReqMeta that reached this rank before the read
+// but that its intake has not handled yet (the group's driver answered
+// first, and the next turn went elsewhere): the read waits for the intake
+// to catch up with what it had received, then for the saves it registered.
+// Those waits happen off the subscription's goroutine (up to poolWaitSlots
+// at once), so that reads of blocks already held are not queued behind
+// them; with every slot taken, a read waits only for saves it knows of.
 func (r *Rank) onPoolRead(ctx context.Context, m *nats.Msg) error {
 	req, err := messages.DecodePoolRead(m.Data)
 	if err != nil {
@@ -48,15 +53,86 @@ func (r *Rank) onPoolRead(ctx context.Context, m *nats.Msg) error {
 		keys[i] = StoreKey(req.Model, req.TPRank, h)
 	}
 	values := r.store.BatchGet(ctx, keys)
-	if !r.savingAny(keys, values) {
+	intake, caughtUp := r.intakeMark()
+	caughtUp = caughtUp || missing(values) == 0
+	if caughtUp && !r.savingAny(keys, values) {
 		return r.answerPoolRead(m.Reply, values)
 	}
 	deadline := time.Now().Add(r.cfg.SaveWait)
-	answer := func() error {
-		r.awaitPoolSaves(ctx, keys, values, deadline)
-		return r.answerPoolRead(m.Reply, values)
+	answer := func(intake int64) func() error {
+		return func() error {
+			before := missing(values)
+			if intake > 0 {
+				r.awaitIntake(intake, deadline)
+			}
+			r.awaitPoolSaves(ctx, keys, values, deadline)
+			if intake > 0 {
+				r.series.poolAwaitedIntake.Add(float64(before - missing(values)))
+			}
+			return r.answerPoolRead(m.Reply, values)
+		}
 	}
-	return r.offload(r.poolWaitSlots, &r.poolWaits, answer, "pool read", "req_id", req.ReqID)
+	if caughtUp {
+		return r.offload(r.poolWaitSlots, &r.poolWaits, answer(0), "pool read", "req_id", req.ReqID)
+	}
+	select {
+	case r.poolWaitSlots <- struct{}{}:
+		r.poolWaits.Go(func() {
+			defer func() { <-r.poolWaitSlots }()
+			if err := answer(intake)(); err != nil {
+				r.log.Warn("pool read", "req_id", req.ReqID, "err", err)
+			}
+		})
+		return nil
+	default: // no slot: the intake is not waited for on this goroutine
+		return answer(0)()
+	}
+}
+
+// missing counts the absent values.
+func missing(values [][]byte) int {
+	n := 0
+	for _, v := range values {
+		if v == nil {
+			n++
+		}
+	}
+	return n
+}
+
+// intakeMark returns how many ReqMetas this rank's subscription has
+// received so far (delivered to its handler or queued for it; it may count
+// one being handed over twice, never none), and whether the handler has
+// already finished with every one of them. A stopped intake is caught up.
+func (r *Rank) intakeMark() (received int64, caughtUp bool) {
+	if r.metaSub == nil {
+		return 0, true
+	}
+	pending, _, err := r.metaSub.Pending() // before Delivered: a message moving between the two is counted twice
+	if err != nil {
+		return 0, true
+	}
+	delivered, err := r.metaSub.Delivered()
+	if err != nil {
+		return 0, true
+	}
+	received = delivered + int64(pending)
+	return received, r.metaHandled.Load() >= received || (pending == 0 && r.metaHandled.Load() >= delivered)
+}
+
+// awaitIntake waits until the ReqMeta handler has finished with received
+// messages, or the intake is caught up otherwise (received counted a
+// message twice), or deadline passes.
+func (r *Rank) awaitIntake(received int64, deadline time.Time) {
+	for wait := 50 * time.Microsecond; time.Now().Before(deadline); wait = min(2*wait, 5*time.Millisecond) {
+		if r.metaHandled.Load() >= received {
+			return
+		}
+		if _, caughtUp := r.intakeMark(); caughtUp {
+			return
+		}
+		time.Sleep(min(wait, time.Until(deadline)))
+	}
 }
 
 // offload runs f on a goroutine counted in wg while slots has room, else

@@ -226,6 +226,59 @@ func TestPoolReadNotQueuedBehindASave(t *testing.T) {
 	env.resultsByRank("saving")
 }
 
+// TestPoolReadWaitsForTheIntake: rank 1 has received a ReqMeta but not yet
+// handled it (its intake is behind) when pool reads arrive. A read of the
+// blocks that ReqMeta saves waits for the intake, then for the save, and
+// gets them all; a read of blocks nobody saves is answered (missing) as
+// soon as the intake has caught up, not after SaveWait.
+func TestPoolReadWaitsForTheIntake(t *testing.T) {
+	const delay, saveWait = 500 * time.Millisecond, 5 * time.Second
+	env := startRanks(t, rankEnvConfig{delayFirstMeta: map[int]time.Duration{1: delay}, saveWait: saveWait})
+	tokens := testenv.PromptTokens(3, 4*blockSize+1)
+	hashes := scheduler.HashBlocks(nil, scheduler.HashSeed(testModel), tokens, blockSize)[:4]
+	profile, err := workers.LookupModelProfile("tiny") // startRanks'
+	if err != nil {
+		t.Fatal(err)
+	}
+	size := blockSize * profile.BytesPerTokenPerRank(worldSize)
+	client := workers.PoolClient{Conn: env.nc, Subjects: env.subj}
+	env.sendMeta(newMeta("delayed", "s", tokens))
+	// The driver answers while rank 1 still sleeps on the ReqMeta.
+	env.finalOutput("delayed")
+	testenv.Eventually(t, delay/2, "rank 1's ReqMeta delayed (the fault took effect)", func() bool {
+		return len(env.logs.Lines("fault injection: ReqMeta delayed")) == 1
+	})
+	var wg sync.WaitGroup
+	var absent [][]byte
+	var absentErr error
+	wg.Go(func() {
+		// Well under SaveWait: a read that waited for saves nobody makes
+		// would time out.
+		ctx, cancel := context.WithTimeout(context.Background(), saveWait/2)
+		defer cancel()
+		absent, absentErr = client.Read(ctx, testGroup, 1, &messages.PoolRead{Model: testModel, TPRank: 1, BlockHashes: []uint64{0xdead, 0xbeef}}, size)
+	})
+	ctx, cancel := context.WithTimeout(t.Context(), saveWait)
+	defer cancel()
+	got, err := client.Read(ctx, testGroup, 1, &messages.PoolRead{Model: testModel, TPRank: 1, BlockHashes: hashes}, size)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for i, h := range hashes {
+		if !workers.VerifyPayload(got[i], h, 1, size) {
+			t.Errorf("block %d of the delayed ReqMeta's save: %d bytes, want the block", i, len(got[i]))
+		}
+	}
+	wg.Wait()
+	if absentErr != nil || len(absent) != 2 || absent[0] != nil || absent[1] != nil {
+		t.Errorf("a read of blocks nobody saves: %d values, err %v; want 2 nil values, answered once the intake caught up", len(absent), absentErr)
+	}
+	if got := testenv.CounterSum(t, env.reg, "kvbus_worker_blocks_total", map[string]string{"op": "pool_awaited_intake"}); got != 4 {
+		t.Errorf("%v blocks found after waiting for the intake, want 4", got)
+	}
+	env.resultsByRank("delayed")
+}
+
 // TestPoolRead: rank 1 of another group reads blocks from g1's rank 1:
 // every block it holds arrives whole and verified, through a server whose
 // max payload (64 KiB) is smaller than one block (512 KiB), and a block it

@@ -90,6 +90,9 @@ type RankConfig struct {
 	// DropReqMetas is a fault-injection knob: the rank ignores its first
 	// DropReqMetas ReqMetas, as if those core NATS messages were lost.
 	DropReqMetas int
+	// DelayFirstReqMeta is a fault-injection knob: the rank handles its
+	// first ReqMeta this late (a rank whose intake is behind its group's).
+	DelayFirstReqMeta time.Duration
 	// ShutdownTimeout bounds how long Run lets in-flight requests finish
 	// after its context ends (default 10 s).
 	ShutdownTimeout time.Duration
@@ -163,6 +166,12 @@ type Rank struct {
 	hbAsked   atomic.Int64 // unix ns of heartbeatSoon's last call
 	lastHB    atomic.Int64 // unix ns when the last heartbeat read the rank's state
 	dropped   atomic.Int64 // ReqMetas ignored for DropReqMetas
+	delayed   atomic.Bool  // the first ReqMeta was delayed (DelayFirstReqMeta)
+	// metaSub is the ReqMeta subscription, and metaHandled counts the
+	// messages its handler has finished with: a pool read tells from them
+	// whether the ReqMetas that came before it have been handled.
+	metaSub     *nats.Subscription
+	metaHandled atomic.Int64
 	// queuedTokens: prompt tokens of the driver's requests not yet
 	// prefilled, and the cached tokens they will load locally and from
 	// other groups first; reported in heartbeats.
@@ -312,10 +321,15 @@ func (r *Rank) Run(ctx context.Context) error {
 	r.started = time.Now()
 	r.events.started = r.started.UnixMilli() // before anything is published or dumped
 	nc, subj := r.cfg.Conn, r.cfg.Subjects
-	metaSub, err := bus.Subscribe(ctx, nc, subj.MetaGroup(r.cfg.Group), bus.Wrap(r.onMeta, r.log, r.cfg.HandlerMetrics, "worker_reqmeta"))
+	onMeta := func(ctx context.Context, m *nats.Msg) error {
+		defer r.metaHandled.Add(1)
+		return r.onMeta(ctx, m)
+	}
+	metaSub, err := bus.Subscribe(ctx, nc, subj.MetaGroup(r.cfg.Group), bus.Wrap(onMeta, r.log, r.cfg.HandlerMetrics, "worker_reqmeta"))
 	if err != nil {
 		return fmt.Errorf("workers: subscribe %s: %w", subj.MetaGroup(r.cfg.Group), err)
 	}
+	r.metaSub = metaSub // before the pool subscription that reads it
 	abortSub, err := bus.Subscribe(ctx, nc, subj.Abort(), bus.Wrap(r.onAbort, r.log, r.cfg.HandlerMetrics, "worker_abort"))
 	if err != nil {
 		_ = metaSub.Unsubscribe()
@@ -441,6 +455,10 @@ func (r *Rank) onMeta(_ context.Context, m *nats.Msg) error {
 	if r.cfg.DropReqMetas > 0 && r.dropped.Add(1) <= int64(r.cfg.DropReqMetas) {
 		r.log.Warn("fault injection: ReqMeta ignored", "req_id", meta.ReqID, "session_id", meta.SessionID)
 		return nil
+	}
+	if d := r.cfg.DelayFirstReqMeta; d > 0 && r.delayed.CompareAndSwap(false, true) {
+		r.log.Warn("fault injection: ReqMeta delayed", "req_id", meta.ReqID, "session_id", meta.SessionID, "delay", d)
+		time.Sleep(d)
 	}
 	now := time.Now()
 	r.mu.Lock()

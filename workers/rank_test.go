@@ -80,6 +80,8 @@ type rankEnvConfig struct {
 	hbInterval time.Duration
 	// drainHandoff is every rank's DrainHandoff (0: off).
 	drainHandoff int64
+	// delayFirstMeta delays these ranks' first ReqMeta.
+	delayFirstMeta map[int]time.Duration
 }
 
 func startRanks(t *testing.T, cfg rankEnvConfig) *rankEnv {
@@ -118,7 +120,7 @@ func startRanks(t *testing.T, cfg rankEnvConfig) *rankEnv {
 			Model: testModel, Profile: profile, CapacityBytes: testCapacity, Engine: engine,
 			BlockSize: blockSize, HeartbeatInterval: hbInterval, ShutdownTimeout: 5 * time.Second,
 			Logger: log, Metrics: metrics, HandlerMetrics: hm, StoreDelay: cfg.storeDelay[r], SaveWait: cfg.saveWait,
-			DrainHandoff: cfg.drainHandoff,
+			DrainHandoff: cfg.drainHandoff, DelayFirstReqMeta: cfg.delayFirstMeta[r],
 		})
 		if err != nil {
 			t.Fatal(err)
