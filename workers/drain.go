@@ -361,7 +361,7 @@ func (r *Rank) onHandoff(_ context.Context, m *nats.Msg) error {
 		}
 		return m.Respond(data)
 	}
-	return r.offload(r.handoffSlots, &r.handoffs, take, "drain hand-off: cannot answer", "source_group", h.Source)
+	return r.offload(r.handoffSlots, &r.handoffs, take, take, "drain hand-off: cannot answer", "source_group", h.Source)
 }
 
 // handoffSlots bounds the hand-offs a rank takes at once.

@@ -73,20 +73,10 @@ func (r *Rank) onPoolRead(ctx context.Context, m *nats.Msg) error {
 		}
 	}
 	if caughtUp {
-		return r.offload(r.poolWaitSlots, &r.poolWaits, answer(0), "pool read", "req_id", req.ReqID)
+		intake = 0
 	}
-	select {
-	case r.poolWaitSlots <- struct{}{}:
-		r.poolWaits.Go(func() {
-			defer func() { <-r.poolWaitSlots }()
-			if err := answer(intake)(); err != nil {
-				r.log.Warn("pool read", "req_id", req.ReqID, "err", err)
-			}
-		})
-		return nil
-	default: // no slot: the intake is not waited for on this goroutine
-		return answer(0)()
-	}
+	// With no slot free, the intake is not waited for on this goroutine.
+	return r.offload(r.poolWaitSlots, &r.poolWaits, answer(intake), answer(0), "pool read", "req_id", req.ReqID)
 }
 
 // missing counts the absent values.
@@ -136,10 +126,11 @@ func (r *Rank) awaitIntake(received int64, deadline time.Time) {
 }
 
 // offload runs f on a goroutine counted in wg while slots has room, else
-// here, on the subscription's goroutine: a handler that may wait long does
-// not hold up the messages behind it, and no more than cap(slots) wait at
-// once. An error of f run in the background is logged with msg and attrs.
-func (r *Rank) offload(slots chan struct{}, wg *sync.WaitGroup, f func() error, msg string, attrs ...any) error {
+// inline here, on the subscription's goroutine: a handler that may wait
+// long does not hold up the messages behind it, and no more than
+// cap(slots) wait at once. An error of f run in the background is logged
+// with msg and attrs.
+func (r *Rank) offload(slots chan struct{}, wg *sync.WaitGroup, f, inline func() error, msg string, attrs ...any) error {
 	select {
 	case slots <- struct{}{}:
 		wg.Go(func() {
@@ -150,7 +141,7 @@ func (r *Rank) offload(slots chan struct{}, wg *sync.WaitGroup, f func() error, 
 		})
 		return nil
 	default:
-		return f()
+		return inline()
 	}
 }
 
