@@ -36,7 +36,8 @@ const (
 // nor saves may belong to a ReqMeta that reached this rank before the read
 // but that its intake has not handled yet (the group's driver answered
 // first, and the next turn went elsewhere): the read waits for the intake
-// to catch up with what it had received, then for the saves it registered.
+// to catch up with what it had received (within a quarter of SaveWait),
+// then for the saves it registered.
 // Those waits happen off the subscription's goroutine (up to poolWaitSlots
 // at once), so that reads of blocks already held are not queued behind
 // them; with every slot taken, a read waits only for saves it knows of.
@@ -53,66 +54,62 @@ func (r *Rank) onPoolRead(ctx context.Context, m *nats.Msg) error {
 		keys[i] = StoreKey(req.Model, req.TPRank, h)
 	}
 	values := r.store.BatchGet(ctx, keys)
+	unknown, saving := r.notSaving(keys, values)
 	intake, caughtUp := r.intakeMark()
-	caughtUp = caughtUp || missing(values) == 0
-	if caughtUp && !r.savingAny(keys, values) {
-		return r.answerPoolRead(m.Reply, values)
+	if len(unknown) == 0 || caughtUp {
+		if !saving {
+			return r.answerPoolRead(m.Reply, values)
+		}
+		intake = 0
 	}
-	deadline := time.Now().Add(r.cfg.SaveWait)
+	arrived := time.Now()
 	answer := func(intake int64) func() error {
 		return func() error {
-			before := missing(values)
 			if intake > 0 {
-				r.awaitIntake(intake, deadline)
+				// A quarter of SaveWait: the reader gave the whole read
+				// SaveWait from when it sent it.
+				r.awaitIntake(intake, arrived.Add(r.cfg.SaveWait/4))
 			}
-			r.awaitPoolSaves(ctx, keys, values, deadline)
+			r.awaitPoolSaves(ctx, keys, values, arrived.Add(r.cfg.SaveWait))
 			if intake > 0 {
-				r.series.poolAwaitedIntake.Add(float64(before - missing(values)))
+				found := 0
+				for _, i := range unknown {
+					if values[i] != nil {
+						found++
+					}
+				}
+				r.series.poolAwaitedIntake.Add(float64(found))
 			}
 			return r.answerPoolRead(m.Reply, values)
 		}
-	}
-	if caughtUp {
-		intake = 0
 	}
 	// With no slot free, the intake is not waited for on this goroutine.
 	return r.offload(r.poolWaitSlots, &r.poolWaits, answer(intake), answer(0), "pool read", "req_id", req.ReqID)
 }
 
-// missing counts the absent values.
-func missing(values [][]byte) int {
-	n := 0
-	for _, v := range values {
-		if v == nil {
-			n++
-		}
-	}
-	return n
-}
-
 // intakeMark returns how many ReqMetas this rank's subscription has
-// received so far (delivered to its handler or queued for it; it may count
-// one being handed over twice, never none), and whether the handler has
-// already finished with every one of them. A stopped intake is caught up.
+// received so far (delivered to its handler or queued for it; the one in
+// the handler is counted twice, as nats.go counts it pending until its
+// handler returns), and whether the handler has finished with every one of
+// them. A stopped intake is caught up once its handler returned.
 func (r *Rank) intakeMark() (received int64, caughtUp bool) {
 	if r.metaSub == nil {
 		return 0, true
 	}
-	pending, _, err := r.metaSub.Pending() // before Delivered: a message moving between the two is counted twice
+	pending, _, err := r.metaSub.Pending()
 	if err != nil {
-		return 0, true
+		return 0, r.metaBusy.Load() == 0
 	}
 	delivered, err := r.metaSub.Delivered()
 	if err != nil {
-		return 0, true
+		return 0, r.metaBusy.Load() == 0
 	}
 	received = delivered + int64(pending)
-	return received, r.metaHandled.Load() >= received || (pending == 0 && r.metaHandled.Load() >= delivered)
+	return received, pending == 0 || r.metaHandled.Load() >= received
 }
 
 // awaitIntake waits until the ReqMeta handler has finished with received
-// messages, or the intake is caught up otherwise (received counted a
-// message twice), or deadline passes.
+// messages, or the intake is caught up otherwise, or deadline passes.
 func (r *Rank) awaitIntake(received int64, deadline time.Time) {
 	for wait := 50 * time.Microsecond; time.Now().Before(deadline); wait = min(2*wait, 5*time.Millisecond) {
 		if r.metaHandled.Load() >= received {
@@ -148,16 +145,21 @@ func (r *Rank) offload(slots chan struct{}, wg *sync.WaitGroup, f, inline func()
 // poolWaitSlots bounds the pool reads of a rank waiting for saves at once.
 const poolWaitSlots = 64
 
-// savingAny reports whether a block missing from values is being saved.
-func (r *Rank) savingAny(keys []string, values [][]byte) bool {
+// notSaving returns the indexes of the values missing that no request
+// here is saving, and whether any missing one is being saved.
+func (r *Rank) notSaving(keys []string, values [][]byte) (unknown []int, saving bool) {
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	for i, v := range values {
-		if v == nil && r.saving[keys[i]] != nil {
-			return true
+		switch {
+		case v != nil:
+		case r.saving[keys[i]] != nil:
+			saving = true
+		default:
+			unknown = append(unknown, i)
 		}
 	}
-	return false
+	return unknown, saving
 }
 
 // awaitPoolSaves fills in the missing values whose saves settle by

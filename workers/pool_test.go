@@ -279,6 +279,26 @@ func TestPoolReadWaitsForTheIntake(t *testing.T) {
 	env.resultsByRank("delayed")
 }
 
+// TestPoolReadIntakeWaitIsBounded: a rank whose intake is stuck longer
+// than SaveWait answers a read within the reader's own SaveWait, with what
+// it has, instead of waiting until the reader has given up.
+func TestPoolReadIntakeWaitIsBounded(t *testing.T) {
+	const delay, saveWait = 1500 * time.Millisecond, time.Second
+	env := startRanks(t, rankEnvConfig{delayFirstMeta: map[int]time.Duration{1: delay}, saveWait: saveWait})
+	env.sendMeta(newMeta("stuck", "s", testenv.PromptTokens(4, 2*blockSize+1)))
+	testenv.Eventually(t, time.Second, "rank 1's ReqMeta delayed (the fault took effect)", func() bool {
+		return len(env.logs.Lines("fault injection: ReqMeta delayed")) == 1
+	})
+	client := workers.PoolClient{Conn: env.nc, Subjects: env.subj}
+	ctx, cancel := context.WithTimeout(t.Context(), saveWait) // as a reader's load gives it
+	defer cancel()
+	got, err := client.Read(ctx, testGroup, 1, &messages.PoolRead{Model: testModel, TPRank: 1, BlockHashes: []uint64{0xdead}}, 64)
+	if err != nil || len(got) != 1 || got[0] != nil {
+		t.Errorf("a read while the intake is stuck: %d values, err %v; want one nil value within the reader's SaveWait", len(got), err)
+	}
+	env.resultsByRank("stuck")
+}
+
 // TestPoolRead: rank 1 of another group reads blocks from g1's rank 1:
 // every block it holds arrives whole and verified, through a server whose
 // max payload (64 KiB) is smaller than one block (512 KiB), and a block it

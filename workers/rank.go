@@ -172,6 +172,7 @@ type Rank struct {
 	// whether the ReqMetas that came before it have been handled.
 	metaSub     *nats.Subscription
 	metaHandled atomic.Int64
+	metaBusy    atomic.Int32 // the handler is running
 	// queuedTokens: prompt tokens of the driver's requests not yet
 	// prefilled, and the cached tokens they will load locally and from
 	// other groups first; reported in heartbeats.
@@ -322,6 +323,8 @@ func (r *Rank) Run(ctx context.Context) error {
 	r.events.started = r.started.UnixMilli() // before anything is published or dumped
 	nc, subj := r.cfg.Conn, r.cfg.Subjects
 	onMeta := func(ctx context.Context, m *nats.Msg) error {
+		r.metaBusy.Add(1)
+		defer r.metaBusy.Add(-1)
 		defer r.metaHandled.Add(1)
 		return r.onMeta(ctx, m)
 	}
