@@ -33,7 +33,7 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 			Name: "kvbus_worker_dropped_total", Help: "ReqMetas a rank did not run, by reason (duplicate, overloaded, aborted).",
 		}, append(l, "reason")),
 		blocks: prometheus.NewCounterVec(prometheus.CounterOpts{
-			Name: "kvbus_worker_blocks_total", Help: "KV blocks handled by a rank, by op (loaded, load_failed, waited_for_save, stored, skipped, store_failed).",
+			Name: "kvbus_worker_blocks_total", Help: "KV blocks handled by a rank, by op (loaded, load_failed, waited_for_save, pool_awaited_intake, stored, skipped, store_failed).",
 		}, append(l, "op")),
 		loadSec: prometheus.NewHistogramVec(prometheus.HistogramOpts{
 			Name: "kvbus_worker_load_seconds", Help: "Time a rank's load thread spent on one request.",
