@@ -13,6 +13,10 @@ import (
 	"github.com/kvbus/kvbus/messages"
 )
 
+// noGroupRetry is how soon a request that found no ready group is tried
+// again.
+const noGroupRetry = 100 * time.Millisecond
+
 // onRequest dispatches one request from the log. It acks after the ReqMeta
 // is published. With no ready group it asks for redelivery for up to
 // NoGroupWait, then answers with a fast no_ready_group error (503).
@@ -54,15 +58,19 @@ func (s *Scheduler) onRequest(ctx context.Context, m jetstream.Msg) error {
 	groups := s.PlaceableGroups(start)
 	s.m.ready.Set(float64(len(groups)))
 	if len(groups) == 0 {
-		logged := start
+		// The wait is the request's own: its retries, not its time in the
+		// log, so that a backlog is not refused at once for a group that
+		// missed one heartbeat while it queued.
+		logged, deliveries := start, uint64(1)
 		if mdErr == nil {
-			logged = md.Timestamp
+			logged, deliveries = md.Timestamp, md.NumDelivered
 		}
-		if start.Sub(logged) < s.cfg.NoGroupWait {
-			return m.NakWithDelay(100 * time.Millisecond)
+		retried := time.Duration(deliveries-1) * noGroupRetry
+		if retried < s.cfg.NoGroupWait {
+			return m.NakWithDelay(noGroupRetry)
 		}
 		s.m.requests.WithLabelValues("no_ready_group").Inc()
-		log().Warn("no ready worker group: request refused", "waited", start.Sub(logged).Round(time.Millisecond))
+		log().Warn("no ready worker group: request refused", "waited", start.Sub(logged).Round(time.Millisecond), "deliveries", deliveries)
 		s.sendError(req.FrontendID, req.RequestID, sessionID, 0, "no_ready_group",
 			fmt.Sprintf("no worker group is ready (waited %s); retry shortly, and check that the workers run", s.cfg.NoGroupWait))
 		return m.Ack()

@@ -60,6 +60,11 @@ type schedEnvConfig struct {
 	noAnswers      bool
 	dumpTimeout    time.Duration
 	forgetAfter    time.Duration
+	noGroupWait    time.Duration
+	// backlog is put in the request log backlogAge before the scheduler
+	// starts.
+	backlog    []*messages.Request
+	backlogAge time.Duration
 }
 
 func startScheduler(t *testing.T, cfg schedEnvConfig) *schedEnv {
@@ -98,10 +103,15 @@ func startScheduler(t *testing.T, cfg schedEnvConfig) *schedEnv {
 	if err := e.nc.Flush(); err != nil {
 		t.Fatal(err)
 	}
+	for _, req := range cfg.backlog {
+		e.publishRequest(req)
+	}
+	time.Sleep(cfg.backlogAge)
 	logs := &testenv.LogBuffer{}
 	e.s, err = scheduler.New(scheduler.Config{
 		Conn: testenv.Connect(t, srv), Subjects: e.subj, ID: testSchedID, Policy: cfg.policy,
 		HeartbeatTimeout: time.Second, RequestTimeout: cfg.requestTimeout, DumpTimeout: cfg.dumpTimeout, ForgetGroupAfter: cfg.forgetAfter,
+		NoGroupWait: cfg.noGroupWait,
 		Logger: slog.New(slog.NewTextHandler(logs, nil)), Registerer: e.reg,
 	})
 	if err != nil {
@@ -538,6 +548,37 @@ func TestSchedulerWaitsForReadyGroup(t *testing.T) {
 	}
 	if out := e.outputs("early"); len(out) != 0 {
 		t.Errorf("a request that waited for a group got outputs from the scheduler: %+v", out[0])
+	}
+}
+
+// TestSchedulerBacklogWaitsForAGroup: requests that queued in the log
+// longer than NoGroupWait (the scheduler was down) get the whole wait of
+// their own when the restarted scheduler has not heard its groups yet; they
+// were refused at once, all of them, with no_ready_group.
+func TestSchedulerBacklogWaitsForAGroup(t *testing.T) {
+	const wait = time.Second
+	var backlog []*messages.Request
+	for i := range 3 {
+		backlog = append(backlog, newRequest(fmt.Sprintf("queued-%d", i), fmt.Sprintf("s%d", i), testenv.PromptTokens(i, 48)))
+	}
+	e := startScheduler(t, schedEnvConfig{noHeartbeats: true, noGroupWait: wait, requestTimeout: time.Minute,
+		backlog: backlog, backlogAge: wait + 200*time.Millisecond})
+	testenv.Eventually(t, waitFor, "the backlog tried without a group", func() bool {
+		return e.counter("kvbus_bus_messages_total", map[string]string{"handler": "scheduler_request", "outcome": "ok"}) >= 3
+	})
+	e.hbOn.Store(true)
+	for _, req := range backlog {
+		testenv.Eventually(t, waitFor, req.RequestID+" dispatched or refused", func() bool {
+			return len(e.metas(req.RequestID))+len(e.outputs(req.RequestID)) > 0
+		})
+		if out := e.outputs(req.RequestID); len(out) != 0 {
+			t.Errorf("%s was refused: %+v", req.RequestID, *out[0].Error)
+		} else if mm := e.metas(req.RequestID)[0]; mm.meta.Group != "g0" {
+			t.Errorf("%s dispatched to %q", req.RequestID, mm.meta.Group)
+		}
+	}
+	if n := e.counter("kvbus_scheduler_requests_total", map[string]string{"outcome": "no_ready_group"}); n != 0 {
+		t.Errorf("no_ready_group = %v, want 0", n)
 	}
 }
 
