@@ -112,7 +112,7 @@ func startScheduler(t *testing.T, cfg schedEnvConfig) *schedEnv {
 		Conn: testenv.Connect(t, srv), Subjects: e.subj, ID: testSchedID, Policy: cfg.policy,
 		HeartbeatTimeout: time.Second, RequestTimeout: cfg.requestTimeout, DumpTimeout: cfg.dumpTimeout, ForgetGroupAfter: cfg.forgetAfter,
 		NoGroupWait: cfg.noGroupWait,
-		Logger: slog.New(slog.NewTextHandler(logs, nil)), Registerer: e.reg,
+		Logger:      slog.New(slog.NewTextHandler(logs, nil)), Registerer: e.reg,
 	})
 	if err != nil {
 		t.Fatal(err)
