@@ -58,8 +58,8 @@ type indexGroup struct {
 	name      string
 	id        groupID
 	worldSize int
-	blocks    int   // blocks every rank holds
-	touched   int64 // unix nanos of the group's last heartbeat, batch or plan
+	blocks    int          // blocks every rank holds
+	touched   atomic.Int64 // unix nanos of the group's last heartbeat, batch or plan
 	ranks     map[int]*rankState
 	// entries maps a block hash to the bitmask of the ranks holding it: a
 	// rank's restart or the group's resize scans only its own group.
@@ -97,10 +97,11 @@ func (x *KVIndex) Rejected() uint64 { return x.rejected.Load() }
 func (x *KVIndex) group(name string) *indexGroup {
 	now := time.Now().UnixNano()
 	if g := x.groups[name]; g != nil {
-		g.touched = now
+		g.touched.Store(now)
 		return g
 	}
-	g := &indexGroup{name: name, touched: now, ranks: map[int]*rankState{}, entries: map[uint64]uint64{}}
+	g := &indexGroup{name: name, ranks: map[int]*rankState{}, entries: map[uint64]uint64{}}
+	g.touched.Store(now)
 	switch {
 	case len(x.free) > 0:
 		g.id = x.free[len(x.free)-1]

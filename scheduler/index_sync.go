@@ -83,6 +83,17 @@ func (x *KVIndex) ObserveRank(group string, rank, worldSize int, startedUnixMs i
 	if rank < 0 || rank >= 64 || worldSize > 64 {
 		return false
 	}
+	// Most heartbeats change nothing: they take no write lock, which
+	// would hold up the lookups of the requests being placed.
+	x.mu.RLock()
+	if g := x.groups[group]; g != nil && g.worldSize == worldSize {
+		if rs := g.ranks[rank]; rs != nil && rs.started == startedUnixMs {
+			g.touched.Store(time.Now().UnixNano())
+			x.mu.RUnlock()
+			return false
+		}
+	}
+	x.mu.RUnlock()
 	x.mu.Lock()
 	defer x.mu.Unlock()
 	g := x.group(group)
@@ -191,7 +202,7 @@ func (x *KVIndex) syncedLocked(g *indexGroup) bool {
 func (x *KVIndex) ForgetIdle(now time.Time, after time.Duration) []string {
 	idle := func() (names []string) {
 		for name, g := range x.groups {
-			if now.UnixNano()-g.touched > int64(after) {
+			if now.UnixNano()-g.touched.Load() > int64(after) {
 				names = append(names, name)
 			}
 		}
