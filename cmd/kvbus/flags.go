@@ -161,14 +161,22 @@ type engineFlags struct {
 }
 
 // checkSizes reports a bad --model-profile, --kv-capacity or
-// --drain-handoff before a role connects to anything.
-func (f engineFlags) checkSizes(tpSize, blockSize int) error {
+// --drain-handoff, or a store larger than the memory here (unless
+// engineCache: a model server keeps the cache), before a role connects to
+// anything.
+func (f engineFlags) checkSizes(tpSize, blockSize int, engineCache bool) error {
 	profile, err := workers.LookupModelProfile(f.ModelProfile)
 	if err != nil {
 		return err
 	}
-	if _, err := kvCapacity(f.KVCapacity, profile.BytesPerTokenPerRank(tpSize), blockSize); err != nil {
+	capacity, err := kvCapacity(f.KVCapacity, profile.BytesPerTokenPerRank(tpSize), blockSize)
+	if err != nil {
 		return err
+	}
+	if !engineCache {
+		if err := checkMemory(f.KVPayload, f.KVCapacity, 1, capacity, memoryLimit()); err != nil {
+			return err
+		}
 	}
 	_, err = f.drainHandoff(profile.BytesPerTokenPerRank(tpSize))
 	return err

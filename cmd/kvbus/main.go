@@ -340,7 +340,7 @@ func (c *workerCmd) Run(ctx context.Context) error {
 	if c.Rank != "" && c.Rank != "auto" {
 		return fmt.Errorf("--rank %q: want auto, or give --group and --tp-rank", c.Rank)
 	}
-	if err := c.checkSizes(c.TPSize, c.BlockSize); err != nil {
+	if err := c.checkSizes(c.TPSize, c.BlockSize, c.Engine == workers.EngineOpenAI); err != nil {
 		return err
 	}
 	// An engine's configuration is checked before anything connects.

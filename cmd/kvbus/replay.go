@@ -242,15 +242,18 @@ func (c *benchCmd) Run(ctx context.Context) error {
 	if err != nil {
 		return err
 	}
-	tr, err := c.load(c.Trace)
-	if err != nil {
-		return err
-	}
 	profile, err := workers.LookupModelProfile(c.Profile)
 	if err != nil {
 		return err
 	}
 	capacity, err := kvCapacity(c.Capacity, profile.BytesPerTokenPerRank(c.Ranks), c.BlockSize)
+	if err != nil {
+		return err
+	}
+	if err := checkMemory(c.Payload, c.Capacity, c.Groups*c.Ranks, capacity, memoryLimit()); err != nil {
+		return err
+	}
+	tr, err := c.load(c.Trace)
 	if err != nil {
 		return err
 	}

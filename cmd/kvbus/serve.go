@@ -71,6 +71,11 @@ func (c *serveCmd) clusterConfig() (cluster.Config, error) {
 	if err != nil {
 		return cluster.Config{}, err
 	}
+	if c.Engine != workers.EngineOpenAI { // a model server keeps its own cache
+		if err := checkMemory(c.KVPayload, c.KVCapacity, c.Groups*c.Ranks, capacity, memoryLimit()); err != nil {
+			return cluster.Config{}, err
+		}
+	}
 	handoff, err := c.drainHandoff(profile.BytesPerTokenPerRank(c.Ranks))
 	if err != nil {
 		return cluster.Config{}, err

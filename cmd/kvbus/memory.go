@@ -1,0 +1,75 @@
+package main
+
+import (
+	"bufio"
+	"bytes"
+	"fmt"
+	"os"
+	"strconv"
+	"strings"
+
+	"github.com/kvbus/kvbus/workers"
+)
+
+// checkMemory refuses block stores that cannot fit in this process's
+// memory. With --kv-payload bytes a rank keeps every block's bytes up to
+// --kv-capacity, so ranks stores filling past the machine's memory (or the
+// container's limit) leave the host thrashing, every role on it stalled,
+// long before an out-of-memory kill says why. limit is what the process may
+// use in bytes (0: unknown, nothing is checked); accounting stores keep an
+// 8-byte digest per block and are not checked.
+func checkMemory(payload, capacityFlag string, ranks int, perRank, limit int64) error {
+	if payload != workers.PayloadBytes || limit <= 0 || ranks < 1 {
+		return nil
+	}
+	if total := perRank * int64(ranks); perRank > limit/int64(ranks) {
+		return fmt.Errorf("--kv-capacity %s × %d ranks in this process is %s of block bytes (--kv-payload bytes), more than the %s of memory here: "+
+			"the stores would fill it as they cache; give at most %s per rank with --kv-capacity, or keep digests only with --kv-payload accounting",
+			capacityFlag, ranks, gib(total), gib(limit), gib(limit/int64(ranks)))
+	}
+	return nil
+}
+
+// gib formats n bytes in GiB.
+func gib(n int64) string { return strconv.FormatFloat(float64(n)/(1<<30), 'f', 1, 64) + " GiB" }
+
+// memoryLimit is the memory this process may use: the machine's
+// (/proc/meminfo MemTotal), or its cgroup's limit when lower. 0: unknown
+// (not Linux).
+func memoryLimit() int64 {
+	read := func(path string) []byte { data, _ := os.ReadFile(path); return data }
+	limit := parseMemTotal(read("/proc/meminfo"))
+	for _, path := range []string{"/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"} {
+		if n := parseCgroupLimit(read(path)); n > 0 && (limit == 0 || n < limit) {
+			limit = n
+		}
+	}
+	return limit
+}
+
+// parseMemTotal reads MemTotal (in kB) from /proc/meminfo's text, in
+// bytes; 0 when absent or malformed.
+func parseMemTotal(meminfo []byte) int64 {
+	sc := bufio.NewScanner(bytes.NewReader(meminfo))
+	for sc.Scan() {
+		fields := strings.Fields(sc.Text())
+		if len(fields) >= 2 && fields[0] == "MemTotal:" {
+			kb, err := strconv.ParseInt(fields[1], 10, 64)
+			if err != nil || kb <= 0 || kb >= 1<<53 {
+				return 0
+			}
+			return kb << 10
+		}
+	}
+	return 0
+}
+
+// parseCgroupLimit reads a cgroup memory limit in bytes; 0 when unlimited
+// ("max", or v1's huge sentinel) or malformed.
+func parseCgroupLimit(data []byte) int64 {
+	n, err := strconv.ParseInt(strings.TrimSpace(string(data)), 10, 64)
+	if err != nil || n <= 0 || n >= 1<<62 {
+		return 0
+	}
+	return n
+}

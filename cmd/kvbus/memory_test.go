@@ -1,0 +1,132 @@
+package main
+
+import (
+	"context"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/alecthomas/kong"
+
+	"github.com/kvbus/kvbus/internal/logsink"
+	"github.com/kvbus/kvbus/workers"
+)
+
+func TestCheckMemory(t *testing.T) {
+	const gb = int64(1) << 30
+	for _, tc := range []struct {
+		payload       string
+		ranks         int
+		perRank       int64
+		limit         int64
+		wantRefusal   bool
+		wantInMessage []string
+	}{
+		{workers.PayloadBytes, 4, gb, 8 * gb, false, nil},
+		{workers.PayloadBytes, 8, gb, 8 * gb, false, nil}, // exactly the memory
+		{workers.PayloadBytes, 16, gb, 8 * gb, true, []string{"--kv-capacity 1GiB × 16 ranks", "16.0 GiB", "8.0 GiB of memory", "at most 0.5 GiB per rank", "--kv-payload accounting"}},
+		{workers.PayloadBytes, 1, 1 << 62, 8 * gb, true, []string{"at most 8.0 GiB per rank"}},
+		{workers.PayloadAccounting, 16, 1 << 50, 8 * gb, false, nil}, // digests only
+		{workers.PayloadBytes, 16, 1 << 50, 0, false, nil},           // memory unknown
+	} {
+		err := checkMemory(tc.payload, "1GiB", tc.ranks, tc.perRank, tc.limit)
+		if (err != nil) != tc.wantRefusal {
+			t.Errorf("%s, %d ranks of %d bytes, %d bytes of memory: %v, want refused %v", tc.payload, tc.ranks, tc.perRank, tc.limit, err, tc.wantRefusal)
+			continue
+		}
+		for _, want := range tc.wantInMessage {
+			if !strings.Contains(err.Error(), want) {
+				t.Errorf("%v: want %q in it", err, want)
+			}
+		}
+	}
+}
+
+func TestParseMemoryLimits(t *testing.T) {
+	meminfo := "MemTotal:       24683664 kB\nMemFree:        23000000 kB\n"
+	if got := parseMemTotal([]byte(meminfo)); got != 24683664<<10 {
+		t.Errorf("MemTotal = %d", got)
+	}
+	for _, bad := range []string{"", "MemFree: 1 kB\n", "MemTotal: lots kB\n", "MemTotal:\n", "MemTotal: -5 kB\n"} {
+		if got := parseMemTotal([]byte(bad)); got != 0 {
+			t.Errorf("parseMemTotal(%q) = %d, want 0", bad, got)
+		}
+	}
+	for in, want := range map[string]int64{"8589934592\n": 8 << 30, "max\n": 0, "9223372036854771712\n": 0, "": 0, "-1": 0} {
+		if got := parseCgroupLimit([]byte(in)); got != want {
+			t.Errorf("parseCgroupLimit(%q) = %d, want %d", in, got, want)
+		}
+	}
+	if limit := memoryLimit(); limit < 0 {
+		t.Errorf("memoryLimit() = %d", limit)
+	}
+}
+
+func FuzzParseMemoryLimits(f *testing.F) {
+	f.Add([]byte("MemTotal:       24683664 kB\n"))
+	f.Add([]byte("max\n"))
+	f.Add([]byte("8589934592"))
+	f.Fuzz(func(t *testing.T, data []byte) {
+		if n := parseMemTotal(data); n < 0 {
+			t.Errorf("parseMemTotal = %d", n)
+		}
+		if n := parseCgroupLimit(data); n < 0 || n >= 1<<62 {
+			t.Errorf("parseCgroupLimit = %d", n)
+		}
+	})
+}
+
+// TestStoresLargerThanMemoryAreRefused: serve, worker and bench refuse
+// --kv-payload bytes stores that add up to more than this machine's memory
+// before anything starts, and take the same capacity with accounting
+// payloads (or a model server's own cache).
+func TestStoresLargerThanMemoryAreRefused(t *testing.T) {
+	limit := memoryLimit()
+	if limit == 0 {
+		t.Skip("this machine's memory is unknown (no /proc/meminfo)")
+	}
+	huge := "1000TiB"
+	parse := func(args ...string) *cli {
+		t.Helper()
+		var c cli
+		p, err := kong.New(&c, kong.Bind((*logsink.Writer)(nil)), kong.DefaultEnvars("KVBUS"))
+		if err != nil {
+			t.Fatal(err)
+		}
+		if _, err := p.Parse(args); err != nil {
+			t.Fatal(err)
+		}
+		return &c
+	}
+	refused := func(err error) bool {
+		return err != nil && strings.Contains(err.Error(), "more than the") && strings.Contains(err.Error(), "--kv-payload accounting")
+	}
+	c := parse("serve", "--kv-capacity", huge)
+	if _, err := c.Serve.clusterConfig(); !refused(err) {
+		t.Errorf("serve --kv-capacity %s: %v, want a refusal", huge, err)
+	}
+	c = parse("serve", "--kv-capacity", huge, "--kv-payload", "accounting")
+	if _, err := c.Serve.clusterConfig(); err != nil {
+		t.Errorf("serve --kv-capacity %s --kv-payload accounting: %v", huge, err)
+	}
+	c = parse("worker", "--group", "g0", "--nats-url", "nats://127.0.0.1:1", "--kv-capacity", huge)
+	if err := c.Worker.Run(t.Context()); !refused(err) {
+		t.Errorf("worker --kv-capacity %s: %v, want a refusal", huge, err)
+	}
+	c = parse("worker", "--group", "g0", "--nats-url", "nats://127.0.0.1:1", "--kv-capacity", huge, "--kv-payload", "accounting")
+	ctx, cancel := context.WithTimeout(t.Context(), 300*time.Millisecond) // no NATS runs here
+	defer cancel()
+	if err := c.Worker.Run(ctx); err == nil || refused(err) {
+		t.Errorf("worker --kv-capacity %s --kv-payload accounting: %v, want it past the check (to the connection)", huge, err)
+	}
+	trace := filepath.Join(t.TempDir(), "t.jsonl") // never read: the check comes first
+	if err := os.WriteFile(trace, []byte("not a trace\n"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	c = parse("bench", "--trace", trace, "--kv-capacity", huge, "--kv-payload", "bytes")
+	if err := c.Bench.Run(t.Context()); !refused(err) {
+		t.Errorf("bench --kv-payload bytes --kv-capacity %s: %v, want a refusal", huge, err)
+	}
+}
