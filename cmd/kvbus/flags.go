@@ -174,7 +174,7 @@ func (f engineFlags) checkSizes(tpSize, blockSize int, engineCache bool) error {
 		return err
 	}
 	if !engineCache {
-		if err := checkMemory(f.KVPayload, f.KVCapacity, 1, capacity, memoryLimit()); err != nil {
+		if err := fitStores(f.KVPayload, f.KVCapacity, 1, capacity); err != nil {
 			return err
 		}
 	}

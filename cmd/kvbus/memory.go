@@ -5,27 +5,45 @@ import (
 	"bytes"
 	"fmt"
 	"os"
+	"runtime/debug"
 	"strconv"
 	"strings"
 
 	"github.com/kvbus/kvbus/workers"
 )
 
+// fitStores checks that the block stores of ranks ranks fit in this
+// process's memory (checkMemory), and with --kv-payload bytes sets the Go
+// runtime's soft memory limit, unless GOMEMLIMIT does: the collector lets
+// the heap grow to twice what is live, and ranks making blocks at GB/s
+// held three times their stores' bytes, freed but not yet returned.
+func fitStores(payload, capacityFlag string, ranks int, perRank int64) error {
+	limit := memoryLimit()
+	if err := checkMemory(payload, capacityFlag, ranks, perRank, limit); err != nil {
+		return err
+	}
+	if payload == workers.PayloadBytes && limit > 0 && os.Getenv("GOMEMLIMIT") == "" {
+		debug.SetMemoryLimit(limit / 4 * 3)
+	}
+	return nil
+}
+
 // checkMemory refuses block stores that cannot fit in this process's
 // memory. With --kv-payload bytes a rank keeps every block's bytes up to
-// --kv-capacity, so ranks stores filling past the machine's memory (or the
-// container's limit) leave the host thrashing, every role on it stalled,
-// long before an out-of-memory kill says why. limit is what the process may
-// use in bytes (0: unknown, nothing is checked); accounting stores keep an
-// 8-byte digest per block and are not checked.
+// --kv-capacity, and the Go collector lets the heap grow to twice what is
+// live, so ranks stores filling past half the machine's memory (or the
+// container's limit) left the host thrashing, every role on it stalled,
+// long before an out-of-memory kill said why. limit is what the process
+// may use in bytes (0: unknown, nothing is checked); accounting stores keep
+// an 8-byte digest per block and are not checked.
 func checkMemory(payload, capacityFlag string, ranks int, perRank, limit int64) error {
 	if payload != workers.PayloadBytes || limit <= 0 || ranks < 1 {
 		return nil
 	}
-	if total := perRank * int64(ranks); perRank > limit/int64(ranks) {
-		return fmt.Errorf("--kv-capacity %s × %d ranks in this process is %s of block bytes (--kv-payload bytes), more than the %s of memory here: "+
-			"the stores would fill it as they cache; give at most %s per rank with --kv-capacity, or keep digests only with --kv-payload accounting",
-			capacityFlag, ranks, gib(total), gib(limit), gib(limit/int64(ranks)))
+	if room := limit / 2 / int64(ranks); perRank > room {
+		return fmt.Errorf("--kv-capacity %s × %d ranks in this process is %s of block bytes (--kv-payload bytes), more than half the %s of memory here "+
+			"(Go's collector lets the heap grow to twice what is live): give at most %s per rank with --kv-capacity, or keep digests only with --kv-payload accounting",
+			capacityFlag, ranks, gib(perRank*int64(ranks)), gib(limit), gib(room))
 	}
 	return nil
 }

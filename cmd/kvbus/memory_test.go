@@ -24,10 +24,10 @@ func TestCheckMemory(t *testing.T) {
 		wantRefusal   bool
 		wantInMessage []string
 	}{
-		{workers.PayloadBytes, 4, gb, 8 * gb, false, nil},
-		{workers.PayloadBytes, 8, gb, 8 * gb, false, nil}, // exactly the memory
-		{workers.PayloadBytes, 16, gb, 8 * gb, true, []string{"--kv-capacity 1GiB × 16 ranks", "16.0 GiB", "8.0 GiB of memory", "at most 0.5 GiB per rank", "--kv-payload accounting"}},
-		{workers.PayloadBytes, 1, 1 << 62, 8 * gb, true, []string{"at most 8.0 GiB per rank"}},
+		{workers.PayloadBytes, 2, gb, 8 * gb, false, nil},
+		{workers.PayloadBytes, 4, gb, 8 * gb, false, nil}, // exactly half the memory
+		{workers.PayloadBytes, 16, gb, 8 * gb, true, []string{"--kv-capacity 1GiB × 16 ranks", "16.0 GiB", "half the 8.0 GiB of memory", "at most 0.2 GiB per rank", "--kv-payload accounting"}},
+		{workers.PayloadBytes, 1, 1 << 62, 8 * gb, true, []string{"at most 4.0 GiB per rank"}},
 		{workers.PayloadAccounting, 16, 1 << 50, 8 * gb, false, nil}, // digests only
 		{workers.PayloadBytes, 16, 1 << 50, 0, false, nil},           // memory unknown
 	} {
@@ -101,7 +101,7 @@ func TestStoresLargerThanMemoryAreRefused(t *testing.T) {
 		return &c
 	}
 	refused := func(err error) bool {
-		return err != nil && strings.Contains(err.Error(), "more than the") && strings.Contains(err.Error(), "--kv-payload accounting")
+		return err != nil && strings.Contains(err.Error(), "more than half the") && strings.Contains(err.Error(), "--kv-payload accounting")
 	}
 	c := parse("serve", "--kv-capacity", huge)
 	if _, err := c.Serve.clusterConfig(); !refused(err) {

@@ -250,7 +250,7 @@ func (c *benchCmd) Run(ctx context.Context) error {
 	if err != nil {
 		return err
 	}
-	if err := checkMemory(c.Payload, c.Capacity, c.Groups*c.Ranks, capacity, memoryLimit()); err != nil {
+	if err := fitStores(c.Payload, c.Capacity, c.Groups*c.Ranks, capacity); err != nil {
 		return err
 	}
 	tr, err := c.load(c.Trace)

@@ -72,7 +72,7 @@ func (c *serveCmd) clusterConfig() (cluster.Config, error) {
 		return cluster.Config{}, err
 	}
 	if c.Engine != workers.EngineOpenAI { // a model server keeps its own cache
-		if err := checkMemory(c.KVPayload, c.KVCapacity, c.Groups*c.Ranks, capacity, memoryLimit()); err != nil {
+		if err := fitStores(c.KVPayload, c.KVCapacity, c.Groups*c.Ranks, capacity); err != nil {
 			return cluster.Config{}, err
 		}
 	}
