@@ -348,3 +348,53 @@ func TestInitAddsGroupKeys(t *testing.T) {
 		t.Errorf("asking again for keys that exist: %v, want ErrExists", err)
 	}
 }
+
+// TestStrayKeysGetNoPermissions: a *.nk file that names no kvbus identity
+// (an old key kept under another name) is listed as stray and left out of
+// the config and the matrix; "admin-old.nk" was read as an admin key, and
+// "worker-g0.bak.nk" made init fail on its group name.
+func TestStrayKeysGetNoPermissions(t *testing.T) {
+	dir := t.TempDir()
+	if _, err := auth.Init(dir, messages.Subjects{}, nil, false); err != nil {
+		t.Fatal(err)
+	}
+	var strayKeys []string
+	for _, name := range []string{"admin-old.nk", "frontend-old.nk", "worker-g0.bak.nk", "worker-.nk"} {
+		kp, err := nkeys.CreateUser()
+		if err != nil {
+			t.Fatal(err)
+		}
+		seed, _ := kp.Seed()
+		pub, _ := kp.PublicKey()
+		strayKeys = append(strayKeys, pub)
+		if err := os.WriteFile(filepath.Join(dir, name), seed, 0o600); err != nil {
+			t.Fatal(err)
+		}
+	}
+	ids, stray, err := auth.Keys(dir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(ids) != 4 || len(stray) != 4 {
+		t.Errorf("keys %v, stray %v: want the 4 roles and 4 stray files", ids, stray)
+	}
+	if _, err := auth.Init(dir, messages.Subjects{}, []string{"g0"}, false); err != nil {
+		t.Fatalf("adding a group's key beside stray files: %v", err)
+	}
+	conf, _ := os.ReadFile(filepath.Join(dir, auth.ConfigFile))
+	for _, pub := range strayKeys {
+		if strings.Contains(string(conf), pub) {
+			t.Errorf("the config gives a stray key permissions:\n%s", conf)
+		}
+	}
+	if !strings.Contains(string(conf), "# worker-g0") {
+		t.Errorf("the config lacks worker-g0:\n%s", conf)
+	}
+	m, err := auth.Matrix(dir, messages.Subjects{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if strings.Contains(m, "old") || strings.Contains(m, "bak") {
+		t.Errorf("the matrix lists a stray key:\n%s", m)
+	}
+}

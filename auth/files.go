@@ -47,7 +47,7 @@ func Init(dir string, s messages.Subjects, groups []string, force bool) ([]Ident
 			return nil, err
 		}
 	}
-	if existing, err := Keys(dir); err == nil && !force {
+	if existing, _, err := Keys(dir); err == nil && !force {
 		return addKeys(dir, s, existing, ids)
 	}
 	if !force {
@@ -115,7 +115,7 @@ func dirSubjects(dir string, s messages.Subjects) (messages.Subjects, error) {
 // a new key and rewrites ConfigFile; the other keys stay. NATS must then
 // reload the configuration and that role restart with its new seed.
 func Rotate(dir string, s messages.Subjects, name string) error {
-	ids, err := Keys(dir)
+	ids, _, err := Keys(dir)
 	if err != nil {
 		return err
 	}
@@ -229,30 +229,49 @@ func list(subjects []string) string {
 	return "[" + strings.Join(q, ", ") + "]"
 }
 
-// Keys lists the identities whose seeds are in dir.
-func Keys(dir string) ([]Identity, error) {
+// Keys lists the identities whose seeds are in dir, and the stray *.nk
+// files it skipped: names that are no kvbus identity (a role, or
+// worker-<group>), such as a renamed old key. A stray seed is never given
+// permissions: "admin-old.nk" was read as an admin key before.
+func Keys(dir string) (ids []Identity, stray []string, err error) {
 	entries, err := os.ReadDir(dir)
 	if err != nil {
-		return nil, err
+		return nil, nil, err
 	}
-	var ids []Identity
 	for _, e := range entries {
 		name, ok := strings.CutSuffix(e.Name(), ".nk")
-		if !ok {
+		if !ok || e.IsDir() {
 			continue
 		}
-		role, group, _ := strings.Cut(name, "-")
-		ids = append(ids, Identity{Role: role, Group: group})
+		id, ok := identityNamed(name)
+		if !ok {
+			stray = append(stray, e.Name())
+			continue
+		}
+		ids = append(ids, id)
 	}
 	if len(ids) == 0 {
-		return nil, fmt.Errorf("%w: no *.nk seeds in %s: write them with `kvbus auth init %s`", ErrConfig, dir, dir)
+		return nil, stray, fmt.Errorf("%w: no *.nk seeds in %s: write them with `kvbus auth init %s`", ErrConfig, dir, dir)
 	}
-	return ids, nil
+	return ids, stray, nil
+}
+
+// identityNamed returns the identity whose seed file is name.nk: a role,
+// or worker-<group> with a valid group.
+func identityNamed(name string) (Identity, bool) {
+	if slices.Contains(Roles(), name) {
+		return Identity{Role: name}, true
+	}
+	group, ok := strings.CutPrefix(name, RoleWorker+"-")
+	if !ok || messages.ValidateGroup(group) != nil {
+		return Identity{}, false
+	}
+	return Identity{Role: RoleWorker, Group: group}, true
 }
 
 // Matrix renders who may do what: one block per identity of dir.
 func Matrix(dir string, s messages.Subjects) (string, error) {
-	ids, err := Keys(dir)
+	ids, _, err := Keys(dir)
 	if err != nil {
 		return "", err
 	}

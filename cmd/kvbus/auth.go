@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"os"
+	"path/filepath"
 	"strings"
 	"time"
 
@@ -36,6 +37,7 @@ func (c *authInitCmd) Run() error {
 		if err := auth.Rotate(c.Dir, s, c.Rotate); err != nil {
 			return err
 		}
+		warnStrayKeys(c.Dir)
 		fmt.Printf("new key %s/%s.nk; reload NATS (restart `kvbus nats`, or `nats-server --signal reload`), then restart the %s role with it\n", c.Dir, c.Rotate, c.Rotate)
 		return nil
 	}
@@ -44,6 +46,7 @@ func (c *authInitCmd) Run() error {
 		return err
 	}
 	fmt.Printf("wrote %s/{%s}.nk and %s/%s\n", c.Dir, strings.Join(names(written), ","), c.Dir, auth.ConfigFile)
+	warnStrayKeys(c.Dir)
 	if len(written) < len(auth.Identities(c.Groups)) { // added to a directory of keys
 		fmt.Println("the other keys are unchanged; reload NATS (restart `kvbus nats`, or `nats-server --signal reload`) before the new keys connect")
 		return nil
@@ -51,6 +54,16 @@ func (c *authInitCmd) Run() error {
 	fmt.Printf("start NATS with: kvbus nats --auth-config %s/%s\n", c.Dir, auth.ConfigFile)
 	fmt.Println("and each role with: --nats-nkey <dir>/<role>.nk (admin.nk for capture, replay, tap)")
 	return nil
+}
+
+// warnStrayKeys names the *.nk files of dir that are no kvbus identity:
+// nats-auth.conf gives them no permissions.
+func warnStrayKeys(dir string) {
+	_, stray, _ := auth.Keys(dir)
+	for _, f := range stray {
+		fmt.Fprintf(os.Stderr, "ignored %s: not a kvbus key name (frontend, scheduler, worker, worker-<group>, admin), so it has no permissions; move it out of %s\n",
+			filepath.Join(dir, f), dir)
+	}
 }
 
 func names(ids []auth.Identity) []string {
@@ -72,6 +85,7 @@ func (c *authShowCmd) Run() error {
 		return err
 	}
 	fmt.Print(m)
+	warnStrayKeys(c.Dir)
 	return nil
 }
 
