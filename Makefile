@@ -55,7 +55,7 @@ bench-http: build
 
 lint:
 	@out=$$(gofmt -l $$(git ls-files '*.go')); if [ -n "$$out" ]; then echo "gofmt needed:"; echo "$$out"; exit 1; fi
-	$(GO) vet $(PKGS)
+	CGO_ENABLED=0 $(GO) vet -trimpath $(PKGS) # the images' build settings: what vet compiles, they reuse
 	@$(GO) generate ./messages && git diff --exit-code --stat messages/types_gen.go || { echo "messages/types_gen.go is stale: run go generate ./messages and commit it"; exit 1; }
 	@if command -v staticcheck >/dev/null 2>&1; then staticcheck $(PKGS); else echo "staticcheck not installed (go install honnef.co/go/tools/cmd/staticcheck@latest); skipped"; fi
 
@@ -136,7 +136,7 @@ logs:
 # Builds, starts, checks a conversation, scaling and a killed worker, tears down.
 smoke: image image-fakeengine auth-keys
 	@$(MAKE) image-prometheus || echo "NOTICE: cannot build the Prometheus image (apt-get download prometheus failed): TestSmokeMonitoring will skip"
-	COMPOSE="$(COMPOSE)" COMPOSE_FILES="$(COMPOSE_FILES)" $(GO) test -tags smoke -count=1 -v -timeout 10m ./smoke
+	COMPOSE="$(COMPOSE)" COMPOSE_FILES="$(COMPOSE_FILES)" CGO_ENABLED=0 $(GO) test -trimpath -tags smoke -count=1 -v -timeout 10m ./smoke
 
 clean:
 	rm -rf bin build
