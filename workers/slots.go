@@ -8,6 +8,7 @@ import (
 	"time"
 
 	"github.com/nats-io/nats.go/jetstream"
+	"github.com/nats-io/nuid"
 
 	"github.com/kvbus/kvbus/bus"
 	"github.com/kvbus/kvbus/messages"
@@ -45,9 +46,13 @@ type SlotConfig struct {
 type Slot struct {
 	Group string
 	Rank  int
+	js    jetstream.JetStream
 	kv    jetstream.KeyValue
 	key   string
 	rev   uint64
+	// token is what the slot's key holds: the owner and a per-claim id,
+	// so that two workers of one host are told apart.
+	token string
 	cfg   SlotConfig
 }
 
@@ -74,28 +79,16 @@ func ClaimSlot(ctx context.Context, js jetstream.JetStream, cfg SlotConfig) (*Sl
 	if cfg.Logger == nil {
 		cfg.Logger = slog.Default()
 	}
-	kv, err := bus.Retry(ctx, func(ctx context.Context) (jetstream.KeyValue, error) {
-		kv, err := js.KeyValue(ctx, cfg.Bucket)
-		if err == nil {
-			return kv, nil
-		}
-		kv, err = js.CreateKeyValue(ctx, jetstream.KeyValueConfig{
-			Bucket: cfg.Bucket, Description: "kvbus worker slots: <group>.<rank> → the worker holding it",
-			TTL: cfg.TTL, History: 1, Storage: jetstream.MemoryStorage, Replicas: max(cfg.Replicas, 1),
-		})
-		if errors.Is(err, jetstream.ErrBucketExists) {
-			kv, err = js.KeyValue(ctx, cfg.Bucket)
-		}
-		return kv, err
-	})
+	kv, err := bus.Retry(ctx, func(ctx context.Context) (jetstream.KeyValue, error) { return openSlotBucket(ctx, js, cfg) })
 	if err != nil {
 		return nil, fmt.Errorf("workers: slot bucket %s: %w", cfg.Bucket, err)
 	}
+	token := cfg.Owner + "#" + nuid.Next()
 	for g := range cfg.MaxGroups {
 		group := fmt.Sprintf("%s%d", cfg.GroupPrefix, g)
 		for r := range cfg.Size {
 			key := fmt.Sprintf("%s.%d", group, r)
-			rev, err := kv.Create(ctx, key, []byte(cfg.Owner))
+			rev, err := kv.Create(ctx, key, []byte(token))
 			if errors.Is(err, jetstream.ErrKeyExists) {
 				continue
 			}
@@ -103,16 +96,36 @@ func ClaimSlot(ctx context.Context, js jetstream.JetStream, cfg SlotConfig) (*Sl
 				return nil, fmt.Errorf("workers: claim slot %s: %w", key, err)
 			}
 			cfg.Logger.Info("claimed a worker slot", "group", group, "tp_rank", r, "owner", cfg.Owner)
-			return &Slot{Group: group, Rank: r, kv: kv, key: key, rev: rev, cfg: cfg}, nil
+			return &Slot{Group: group, Rank: r, js: js, kv: kv, key: key, rev: rev, token: token, cfg: cfg}, nil
 		}
 	}
 	return nil, fmt.Errorf("%w in %d groups of %d", ErrNoSlot, cfg.MaxGroups, cfg.Size)
 }
 
-// Hold refreshes the claim every TTL/3 until ctx ends. It returns an error
-// if the claim was lost (someone else holds the slot): the worker must stop.
+// openSlotBucket returns the slot bucket, creating it when missing.
+func openSlotBucket(ctx context.Context, js jetstream.JetStream, cfg SlotConfig) (jetstream.KeyValue, error) {
+	kv, err := js.KeyValue(ctx, cfg.Bucket)
+	if err == nil {
+		return kv, nil
+	}
+	kv, err = js.CreateKeyValue(ctx, jetstream.KeyValueConfig{
+		Bucket: cfg.Bucket, Description: "kvbus worker slots: <group>.<rank> → the worker holding it",
+		TTL: cfg.TTL, History: 1, Storage: jetstream.MemoryStorage, Replicas: max(cfg.Replicas, 1),
+	})
+	if errors.Is(err, jetstream.ErrBucketExists) {
+		kv, err = js.KeyValue(ctx, cfg.Bucket)
+	}
+	return kv, err
+}
+
+// Hold refreshes the claim every third of the TTL until ctx ends (of the
+// bucket's TTL when that is shorter: the worker that created the bucket set
+// it). It returns an error if the claim was lost (another worker holds the
+// slot): the worker must stop. A claim the bucket forgot — the bucket lives
+// in the NATS server's memory, so a restarted server has none, or a new
+// one another worker made — is made again.
 func (s *Slot) Hold(ctx context.Context) error {
-	t := time.NewTicker(s.cfg.TTL / 3)
+	t := time.NewTicker(s.refreshEvery(ctx))
 	defer t.Stop()
 	for {
 		select {
@@ -120,20 +133,81 @@ func (s *Slot) Hold(ctx context.Context) error {
 			return nil
 		case <-t.C:
 		}
-		rctx, cancel := context.WithTimeout(ctx, s.cfg.TTL/3)
-		rev, err := s.kv.Update(rctx, s.key, []byte(s.cfg.Owner), s.rev)
-		cancel()
+		err := s.refresh(ctx)
 		switch {
 		case err == nil:
-			s.rev = rev
-		case errors.Is(err, jetstream.ErrKeyExists), errors.Is(err, jetstream.ErrKeyRevisionMismatch):
-			return fmt.Errorf("workers: lost slot %s to another worker", s.key)
+		case errors.Is(err, errSlotLost):
+			return err
 		case ctx.Err() != nil:
 			return nil
 		default:
 			s.cfg.Logger.Warn("cannot refresh the worker slot; retrying", "slot", s.key, "err", err)
 		}
 	}
+}
+
+// errSlotLost: another worker holds the slot.
+var errSlotLost = errors.New("workers: lost slot")
+
+// refreshEvery is a third of the shorter of the worker's TTL and the
+// bucket's.
+func (s *Slot) refreshEvery(ctx context.Context) time.Duration {
+	ttl := s.cfg.TTL
+	if st, err := s.kv.Status(ctx); err == nil && st.TTL() > 0 && st.TTL() < ttl {
+		s.cfg.Logger.Warn("the worker slot bucket expires claims sooner than --slot-ttl (another worker created it with its own): refreshing at the bucket's pace",
+			"slot", s.key, "bucket_ttl", st.TTL(), "slot_ttl", ttl)
+		ttl = st.TTL()
+	}
+	return max(ttl/3, time.Millisecond)
+}
+
+// refresh renews the claim, or makes it again where the bucket no longer
+// has it. Each call to the server has a third of the TTL.
+func (s *Slot) refresh(parent context.Context) error {
+	ctx, cancel := context.WithTimeout(parent, s.cfg.TTL/3)
+	defer cancel()
+	rev, err := s.kv.Update(ctx, s.key, []byte(s.token), s.rev)
+	switch {
+	case err == nil:
+		s.rev = rev
+		return nil
+	case errors.Is(err, jetstream.ErrKeyExists), errors.Is(err, jetstream.ErrKeyRevisionMismatch):
+	default:
+		// Is the bucket gone (a NATS server restarted without it)? An
+		// update of a missing stream's subject may only time out.
+		cancel()
+		ctx, cancel = context.WithTimeout(parent, s.cfg.TTL/3)
+		defer cancel()
+		if _, kerr := s.js.KeyValue(ctx, s.cfg.Bucket); !errors.Is(kerr, jetstream.ErrBucketNotFound) {
+			return err
+		}
+		kv, oerr := openSlotBucket(ctx, s.js, s.cfg)
+		if oerr != nil {
+			return fmt.Errorf("%w (and the bucket cannot be made again: %w)", err, oerr)
+		}
+		s.kv = kv
+	}
+	// The key is not at our revision: still ours, forgotten, or another's.
+	e, err := s.kv.Get(ctx, s.key)
+	switch {
+	case errors.Is(err, jetstream.ErrKeyNotFound), errors.Is(err, jetstream.ErrKeyDeleted):
+		rev, err := s.kv.Create(ctx, s.key, []byte(s.token))
+		if errors.Is(err, jetstream.ErrKeyExists) {
+			return fmt.Errorf("%w %s to another worker", errSlotLost, s.key)
+		}
+		if err != nil {
+			return err
+		}
+		s.rev = rev
+		s.cfg.Logger.Info("claimed the worker slot again: the bucket had forgotten it (a NATS restart)", "slot", s.key)
+		return nil
+	case err != nil:
+		return err
+	case string(e.Value()) == s.token:
+		s.rev = e.Revision()
+		return nil
+	}
+	return fmt.Errorf("%w %s to another worker (%s)", errSlotLost, s.key, e.Value())
 }
 
 // Release frees the slot for the next worker.

@@ -2,7 +2,9 @@ package workers_test
 
 import (
 	"context"
+	"errors"
 	"fmt"
+	"strings"
 	"testing"
 	"time"
 
@@ -81,5 +83,123 @@ func TestClaimSlotsBeyond64Groups(t *testing.T) {
 		if want := fmt.Sprint("g", i); s.Group != want || s.Rank != 0 {
 			t.Fatalf("worker %d got %s/%d, want %s/0", i, s.Group, s.Rank, want)
 		}
+	}
+}
+
+// TestSlotsSurviveABucketLoss: the slot bucket lives in the NATS server's
+// memory, so a server that restarts has none. Workers holding slots make
+// their claims again instead of exiting ("lost slot"), and a worker that
+// comes after gets a free slot, not one of theirs. Before, every holder's
+// refresh failed ("no response from stream") until a new worker made a new
+// bucket, and then every holder exited.
+func TestSlotsSurviveABucketLoss(t *testing.T) {
+	srv := testenv.StartNATS(t)
+	js, err := jetstream.New(testenv.Connect(t, srv))
+	if err != nil {
+		t.Fatal(err)
+	}
+	cfg := workers.SlotConfig{Size: 2, TTL: 600 * time.Millisecond}
+	ctx, cancel := context.WithCancel(t.Context())
+	defer cancel()
+	held := make(chan error, 4)
+	for range 4 {
+		cfg.Owner = "host" // one host: its workers differ by claim, not by name
+		s, err := workers.ClaimSlot(t.Context(), js, cfg)
+		if err != nil {
+			t.Fatal(err)
+		}
+		go func() { held <- s.Hold(ctx) }()
+	}
+	if err := js.DeleteKeyValue(t.Context(), workers.SlotBucket); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := js.KeyValue(t.Context(), workers.SlotBucket); !errors.Is(err, jetstream.ErrBucketNotFound) {
+		t.Fatalf("the bucket is not gone: %v", err)
+	}
+	// Every claim is back, each its holder's.
+	testenv.Eventually(t, 5*time.Second, "the four claims made again", func() bool {
+		kv, err := js.KeyValue(t.Context(), workers.SlotBucket)
+		if err != nil {
+			return false
+		}
+		keys, err := kv.ListKeys(t.Context())
+		if err != nil {
+			return false
+		}
+		n := 0
+		for range keys.Keys() {
+			n++
+		}
+		return n == 4
+	})
+	next, err := workers.ClaimSlot(t.Context(), js, cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if next.Group != "g2" || next.Rank != 0 {
+		t.Errorf("a new worker after the loss got %s/%d, want g2/0 (the first free slot)", next.Group, next.Rank)
+	}
+	time.Sleep(2 * cfg.TTL) // refreshes go on, none lost
+	select {
+	case err := <-held:
+		t.Fatalf("a holder stopped: %v", err)
+	default:
+	}
+	// A slot really taken by another is still lost: its holder stops.
+	kv, err := js.KeyValue(t.Context(), workers.SlotBucket)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := kv.Put(t.Context(), "g0.0", []byte("intruder")); err != nil {
+		t.Fatal(err)
+	}
+	select {
+	case err := <-held:
+		if err == nil || !strings.Contains(err.Error(), "lost slot g0.0") {
+			t.Fatalf("holder of g0.0 stopped with %v, want lost slot g0.0", err)
+		}
+	case <-time.After(5 * time.Second):
+		t.Fatal("the holder of g0.0 did not notice another worker took it")
+	}
+}
+
+// TestSlotTTLOfTheBucketWins: the bucket's TTL is its creator's --slot-ttl.
+// A worker with a longer one refreshes at the bucket's pace; before, its
+// claim expired between refreshes, and it exited saying another worker took
+// its slot when none had.
+func TestSlotTTLOfTheBucketWins(t *testing.T) {
+	srv := testenv.StartNATS(t)
+	js, err := jetstream.New(testenv.Connect(t, srv))
+	if err != nil {
+		t.Fatal(err)
+	}
+	short, err := workers.ClaimSlot(t.Context(), js, workers.SlotConfig{Size: 2, TTL: 500 * time.Millisecond, Owner: "a"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	long, err := workers.ClaimSlot(t.Context(), js, workers.SlotConfig{Size: 2, TTL: 10 * time.Second, Owner: "b"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(t.Context())
+	defer cancel()
+	held := make(chan error, 2)
+	for _, s := range []*workers.Slot{short, long} {
+		go func() { held <- s.Hold(ctx) }()
+	}
+	kv, err := js.KeyValue(t.Context(), workers.SlotBucket)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for range 8 { // 2 s: four bucket TTLs
+		time.Sleep(250 * time.Millisecond)
+		if _, err := kv.Get(t.Context(), "g0.1"); err != nil {
+			t.Fatalf("the long-TTL worker's claim g0.1 expired: %v", err)
+		}
+	}
+	select {
+	case err := <-held:
+		t.Fatalf("a holder stopped: %v", err)
+	default:
 	}
 }
