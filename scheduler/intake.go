@@ -55,17 +55,29 @@ func (s *Scheduler) onRequest(ctx context.Context, m jetstream.Msg) error {
 	}
 	md, mdErr := m.Metadata()
 	s.awaitCausal()
-	groups := s.PlaceableGroups(start)
+	// The waits below are the request's own: its retries, not its time in
+	// the log, so that a backlog is not refused at once for a group that
+	// missed one heartbeat while it queued.
+	logged, deliveries := start, uint64(1)
+	if mdErr == nil {
+		logged, deliveries = md.Timestamp, md.NumDelivered
+	}
+	retried := time.Duration(deliveries-1) * noGroupRetry
+	ready := s.groups.ready(start)
+	groups := s.index.placeable(ready)
+	if len(groups) == 0 && len(ready) > 0 {
+		// Groups are ready but the index of none is synced: a scheduler
+		// that just started, its ranks' dumps on the way. Placed now, the
+		// next turn of every waiting conversation would miss its blocks;
+		// it waits for the dumps, up to UnsyncedWait (a resync in
+		// progress everywhere must not stop placement).
+		if retried < s.cfg.UnsyncedWait {
+			return m.NakWithDelay(noGroupRetry)
+		}
+		groups = ready
+	}
 	s.m.ready.Set(float64(len(groups)))
 	if len(groups) == 0 {
-		// The wait is the request's own: its retries, not its time in the
-		// log, so that a backlog is not refused at once for a group that
-		// missed one heartbeat while it queued.
-		logged, deliveries := start, uint64(1)
-		if mdErr == nil {
-			logged, deliveries = md.Timestamp, md.NumDelivered
-		}
-		retried := time.Duration(deliveries-1) * noGroupRetry
 		if retried < s.cfg.NoGroupWait {
 			return m.NakWithDelay(noGroupRetry)
 		}

@@ -71,6 +71,12 @@ type Config struct {
 	// before it gets a fast no_ready_group error (503 with Retry-After)
 	// instead of waiting out its deadline (default 2 s).
 	NoGroupWait time.Duration
+	// UnsyncedWait is how long a request waits, when groups are ready but
+	// the KV index of none is synced yet (a scheduler that just started,
+	// its ranks' dumps on the way), before it is placed on them anyway
+	// (default 2 s; negative: no wait). Placed before the dumps, the next
+	// turn of a waiting conversation misses the blocks its group holds.
+	UnsyncedWait time.Duration
 	// ResendAfter: a ReqMeta is published again (at most 3 times) when a
 	// rank of its group has not answered it within this bound — no
 	// receipt, no result — as when one core NATS message was lost
@@ -174,6 +180,9 @@ func New(cfg Config) (*Scheduler, error) {
 	}
 	if cfg.DumpTimeout <= 0 {
 		cfg.DumpTimeout = 5 * time.Second
+	}
+	if cfg.UnsyncedWait == 0 {
+		cfg.UnsyncedWait = 2 * time.Second
 	}
 	if cfg.NoGroupWait <= 0 {
 		cfg.NoGroupWait = 2 * time.Second

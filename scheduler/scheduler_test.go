@@ -1,6 +1,7 @@
 package scheduler_test
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
@@ -61,6 +62,9 @@ type schedEnvConfig struct {
 	dumpTimeout    time.Duration
 	forgetAfter    time.Duration
 	noGroupWait    time.Duration
+	// unsyncedWait: the fake ranks answer no dump, so no group is ever
+	// synced; 0 here means no wait.
+	unsyncedWait time.Duration
 	// backlog is put in the request log backlogAge before the scheduler
 	// starts.
 	backlog    []*messages.Request
@@ -111,8 +115,8 @@ func startScheduler(t *testing.T, cfg schedEnvConfig) *schedEnv {
 	e.s, err = scheduler.New(scheduler.Config{
 		Conn: testenv.Connect(t, srv), Subjects: e.subj, ID: testSchedID, Policy: cfg.policy,
 		HeartbeatTimeout: time.Second, RequestTimeout: cfg.requestTimeout, DumpTimeout: cfg.dumpTimeout, ForgetGroupAfter: cfg.forgetAfter,
-		NoGroupWait: cfg.noGroupWait,
-		Logger:      slog.New(slog.NewTextHandler(logs, nil)), Registerer: e.reg,
+		NoGroupWait: cfg.noGroupWait, UnsyncedWait: cmp.Or(cfg.unsyncedWait, -1),
+		Logger: slog.New(slog.NewTextHandler(logs, nil)), Registerer: e.reg,
 	})
 	if err != nil {
 		t.Fatal(err)
@@ -548,6 +552,28 @@ func TestSchedulerWaitsForReadyGroup(t *testing.T) {
 	}
 	if out := e.outputs("early"); len(out) != 0 {
 		t.Errorf("a request that waited for a group got outputs from the scheduler: %+v", out[0])
+	}
+}
+
+// TestSchedulerWaitsForTheIndexToSync: a group is ready, but its ranks
+// have not answered the scheduler's dump requests (a scheduler that just
+// started): a request waits up to UnsyncedWait for the index to sync, then
+// is placed anyway. It was placed at once, and after a scheduler restart 9
+// of 24 waiting second turns found none of their cached blocks.
+func TestSchedulerWaitsForTheIndexToSync(t *testing.T) {
+	const wait = 600 * time.Millisecond
+	e := startScheduler(t, schedEnvConfig{unsyncedWait: wait})
+	if ok, why := e.s.Ready(); ok || !strings.Contains(why, "not synced") {
+		t.Fatalf("Ready() = %v, %q; want not ready, index not synced", ok, why)
+	}
+	sent := time.Now()
+	e.publishRequest(newRequest("unsynced", "s", testenv.PromptTokens(1, 48)))
+	mm := e.waitMeta("unsynced")
+	if waited := time.Since(sent); waited < wait {
+		t.Errorf("placed %s after it arrived, before the index synced; want a wait of %s", waited.Round(time.Millisecond), wait)
+	}
+	if mm.meta.Group != "g0" {
+		t.Errorf("dispatched to %q", mm.meta.Group)
 	}
 }
 
