@@ -6,6 +6,8 @@ import (
 	"fmt"
 	"log/slog"
 	"net"
+	"os"
+	"path/filepath"
 	"strings"
 	"testing"
 	"time"
@@ -93,6 +95,28 @@ func TestConnectErrorSaysWhatToDo(t *testing.T) {
 // TestStartServerPortInUse: a server whose client, monitoring or cluster
 // port is taken fails at once (not after ReadyForConnections' 30 s), names
 // the address and says what to do.
+// TestStartServerUnusableDataDir: a --data-dir that cannot hold JetStream's
+// files is named at once. nats-server logged the cause only with --debug,
+// and the error came 30 s later asking whether the port was in use.
+func TestStartServerUnusableDataDir(t *testing.T) {
+	file := filepath.Join(t.TempDir(), "afile")
+	if err := os.WriteFile(file, nil, 0o644); err != nil {
+		t.Fatal(err)
+	}
+	start := time.Now()
+	srv, err := bus.StartServer(bus.ServerConfig{Addr: "127.0.0.1:0", DataDir: filepath.Join(file, "x")})
+	if err == nil {
+		srv.Shutdown()
+		t.Fatal("a server started on a data dir under a file")
+	}
+	if !errors.Is(err, bus.ErrServer) || !strings.Contains(err.Error(), "--data-dir") || !strings.Contains(err.Error(), file) {
+		t.Errorf("err = %v; want ErrServer naming the directory and --data-dir", err)
+	}
+	if took := time.Since(start); took > 5*time.Second {
+		t.Errorf("the error took %s; want it at once", took)
+	}
+}
+
 func TestStartServerPortInUse(t *testing.T) {
 	l, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {

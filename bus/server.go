@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"net"
 	"os"
+	"path/filepath"
 	"strconv"
 	"syscall"
 	"time"
@@ -89,6 +90,10 @@ func StartServer(cfg ServerConfig) (*Server, error) {
 			return nil, fmt.Errorf("%w: %v", ErrServer, err)
 		}
 		s.tempDir = dir
+	} else if err := os.MkdirAll(filepath.Join(dir, "jetstream"), 0o755); err != nil {
+		// nats-server says why only in its own log, then never becomes
+		// ready: say it here.
+		return nil, fmt.Errorf("%w: JetStream storage directory %s: %v (give --data-dir a writable directory)", ErrServer, dir, err)
 	}
 	maxPayload := cfg.MaxPayload
 	if maxPayload == 0 {
@@ -169,7 +174,7 @@ func StartServer(cfg ServerConfig) (*Server, error) {
 	if !ns.ReadyForConnections(30 * time.Second) {
 		ns.Shutdown()
 		s.cleanup()
-		return nil, fmt.Errorf("%w: not ready to accept connections on %s within 30s (is the port in use?)", ErrServer, addr)
+		return nil, fmt.Errorf("%w: not ready to accept connections on %s within 30s (is the port in use? --debug shows the server's own log)", ErrServer, addr)
 	}
 	s.Server = ns
 	return s, nil
