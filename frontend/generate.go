@@ -228,8 +228,13 @@ func (s *Server) generate(w http.ResponseWriter, r *http.Request, endpoint strin
 					Message: "the request log is full of requests no scheduler has dispatched yet; retry later. " +
 						"Operator: add schedulers, or raise --request-log-max-bytes (applies when the log is created)"})
 			}
-			return fail(&APIError{Status: http.StatusServiceUnavailable, Type: typeUnavailable, Code: "bus_unavailable", RetryAfter: 1,
-				Message: "the request log is unavailable; retry shortly"})
+			msg := "the request log is unavailable; retry shortly"
+			if errors.Is(err, jetstream.ErrNoStreamResponse) {
+				// A server restarted without its store has no log until a
+				// scheduler makes it again (within seconds).
+				msg = "no request log answered on the NATS server (after a NATS restart, schedulers make it again within seconds); retry shortly"
+			}
+			return fail(&APIError{Status: http.StatusServiceUnavailable, Type: typeUnavailable, Code: "bus_unavailable", RetryAfter: 1, Message: msg})
 		}
 	}
 	defer g.unregister()

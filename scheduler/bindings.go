@@ -36,14 +36,16 @@ type Binding struct {
 // writes are compare-and-set, applied in the background. Safe for concurrent
 // use.
 type SessionBindings struct {
-	kv  jetstream.KeyValue
-	ttl time.Duration
-	log *slog.Logger
+	kv   jetstream.KeyValue
+	open func(context.Context) (jetstream.KeyValue, error) // creates the bucket unless it exists
+	ttl  time.Duration
+	log  *slog.Logger
 
 	mu    sync.RWMutex
 	local map[string]boundEntry // by session key
 
-	writes chan bindingWrite
+	writes  chan bindingWrite
+	rewatch chan struct{} // remake made the bucket again
 }
 
 type boundEntry struct {
@@ -64,29 +66,49 @@ func OpenSessionBindings(ctx context.Context, js jetstream.JetStream, bucket str
 	if ttl <= 0 {
 		return nil, fmt.Errorf("%w: --session-ttl must be positive", ErrConfig)
 	}
-	kv, err := bus.Retry(ctx, func(ctx context.Context) (jetstream.KeyValue, error) {
-		kv, err := js.KeyValue(ctx, bucket) // an existing bucket is used as it is
-		if err == nil {
-			return kv, nil
-		}
-		kv, err = js.CreateKeyValue(ctx, jetstream.KeyValueConfig{
-			Bucket:         bucket,
-			Description:    "kvbus session bindings: session key → worker group of the previous turn",
-			TTL:            ttl,
-			History:        1,
-			Storage:        jetstream.FileStorage,
-			Replicas:       max(replicas, 1),
-			LimitMarkerTTL: max(ttl, time.Second), // watchers hear about expiry
+	open := func(ctx context.Context) (jetstream.KeyValue, error) {
+		return bus.Retry(ctx, func(ctx context.Context) (jetstream.KeyValue, error) {
+			kv, err := js.KeyValue(ctx, bucket) // an existing bucket is used as it is
+			if err == nil {
+				return kv, nil
+			}
+			kv, err = js.CreateKeyValue(ctx, jetstream.KeyValueConfig{
+				Bucket:         bucket,
+				Description:    "kvbus session bindings: session key → worker group of the previous turn",
+				TTL:            ttl,
+				History:        1,
+				Storage:        jetstream.FileStorage,
+				Replicas:       max(replicas, 1),
+				LimitMarkerTTL: max(ttl, time.Second), // watchers hear about expiry
+			})
+			if errors.Is(err, jetstream.ErrBucketExists) {
+				kv, err = js.KeyValue(ctx, bucket)
+			}
+			return kv, err
 		})
-		if errors.Is(err, jetstream.ErrBucketExists) {
-			kv, err = js.KeyValue(ctx, bucket)
-		}
-		return kv, err
-	})
+	}
+	kv, err := open(ctx)
 	if err != nil {
 		return nil, fmt.Errorf("scheduler: session bucket %s: %w", bucket, err)
 	}
-	return &SessionBindings{kv: kv, ttl: ttl, log: log, local: map[string]boundEntry{}, writes: make(chan bindingWrite, 4096)}, nil
+	return &SessionBindings{kv: kv, open: open, ttl: ttl, log: log, local: map[string]boundEntry{},
+		writes: make(chan bindingWrite, 4096), rewatch: make(chan struct{}, 1)}, nil
+}
+
+// remake makes the bucket again after the NATS server lost it (with the
+// request log: a server restarted without its store) and watches it anew:
+// a watcher on the lost bucket waits for sequences the new one reaches
+// only much later. The bindings this replica knows are kept; their next
+// writes create their keys again.
+func (s *SessionBindings) remake(ctx context.Context) {
+	if _, err := s.open(ctx); err != nil {
+		s.log.Warn("cannot make the session bucket again; sessions are bound by this replica only until it can", "bucket", s.kv.Bucket(), "err", err)
+		return
+	}
+	select {
+	case s.rewatch <- struct{}{}:
+	default:
+	}
 }
 
 // Run watches the bucket and applies queued writes until ctx ends.
@@ -96,17 +118,28 @@ func (s *SessionBindings) Run(ctx context.Context) error {
 		return fmt.Errorf("scheduler: watch %s: %w", s.kv.Bucket(), err)
 	}
 	defer func() { _ = w.Stop() }()
+	updates := w.Updates()
 	for {
 		select {
 		case <-ctx.Done():
 			return nil
-		case e, ok := <-w.Updates():
+		case e, ok := <-updates:
 			if !ok {
-				return nil
+				updates = nil // stopped; a rewatch may start another
+				continue
 			}
 			if e != nil {
 				s.observe(e)
 			}
+		case <-s.rewatch:
+			_ = w.Stop()
+			nw, err := s.kv.WatchAll(ctx)
+			if err != nil {
+				s.log.Warn("cannot watch the session bucket made again; other replicas' bindings are not seen", "bucket", s.kv.Bucket(), "err", err)
+				updates = nil
+				continue
+			}
+			w, updates = nw, nw.Updates()
 		case wr := <-s.writes:
 			s.write(ctx, wr)
 		}

@@ -276,12 +276,10 @@ func (s *Scheduler) Run(ctx context.Context) error {
 	defer cancel()
 	rl := s.cfg.RequestLog
 	rl.Subjects, rl.Replicas = subj, s.cfg.StreamReplicas
-	st, err := bus.EnsureRequestStream(setupCtx, js, rl)
-	if err != nil {
-		return err
-	}
-	cons, err := bus.EnsureSchedulerConsumer(setupCtx, st, s.cfg.AckWait, s.cfg.StreamReplicas)
-	if err != nil {
+	onRequest := bus.Wrap(s.onRequest, s.log, s.hm, "scheduler_request")
+	reqLog := &requestLog{js: js, cfg: rl, ackWait: s.cfg.AckWait, log: s.log, consuming: &s.consuming,
+		onMsg: func(m jetstream.Msg) { _ = onRequest(ctx, m) }}
+	if err := reqLog.ensure(setupCtx); err != nil {
 		return err
 	}
 	names, err := bus.ResolveNames(setupCtx, js, s.cfg.Subjects)
@@ -293,6 +291,7 @@ func (s *Scheduler) Run(ctx context.Context) error {
 		return err
 	}
 	s.bindings.Store(bindings)
+	reqLog.remade = bindings.remake
 	bindCtx, stopBindings := context.WithCancel(context.Background())
 	var bindingsDone sync.WaitGroup
 	bindingsDone.Go(func() {
@@ -350,46 +349,27 @@ func (s *Scheduler) Run(ctx context.Context) error {
 		s.log.Warn("flush after subscribe", "err", err)
 	}
 
-	onRequest := bus.Wrap(s.onRequest, s.log, s.hm, "scheduler_request")
-	cc, err := cons.Consume(func(m jetstream.Msg) { _ = onRequest(ctx, m) },
-		jetstream.PullMaxMessages(512),
-		// Pulls expire every 5 s: a replica notices a stream that was
-		// recreated or a consumer it lost within that, not after 30 s.
-		jetstream.PullExpiry(5*time.Second),
-		jetstream.ConsumeErrHandler(func(_ jetstream.ConsumeContext, err error) {
-			if !errors.Is(err, jetstream.ErrNoHeartbeat) {
-				s.log.Warn("request consumer", "err", err)
-			}
-		}))
-	if err != nil {
+	if err := reqLog.consume(); err != nil {
 		return fmt.Errorf("scheduler: consume the request log: %w", err)
 	}
-	s.consuming.Store(true)
 	s.log.Info("scheduler started", "block_size", s.cfg.BlockSize, "policy", policyName(s.cfg.Policy))
 	s.announce(time.Now(), true)
 
-	var trimmer sync.WaitGroup
-	trimCtx, stopTrim := context.WithCancel(ctx)
-	defer func() { stopTrim(); trimmer.Wait() }()
-	trimmer.Go(func() { s.trimHistory(trimCtx, st, cons, rl.HistoryBound()) })
+	var watcher sync.WaitGroup
+	watchCtx, stopWatch := context.WithCancel(ctx)
+	defer func() { stopWatch(); watcher.Wait() }()
+	watcher.Go(func() { reqLog.watch(watchCtx) })
 
 	tick := time.NewTicker(250 * time.Millisecond)
 	defer tick.Stop()
 	for {
 		select {
 		case <-ctx.Done():
+			stopWatch()
+			watcher.Wait()
 			s.consuming.Store(false)
 			s.announce(time.Now(), true) // not ready: frontends stop counting on this replica
-			if !nc.IsConnected() {
-				cc.Stop() // NATS is gone: nothing to drain
-			} else {
-				cc.Drain()
-			}
-			select {
-			case <-cc.Closed():
-			case <-time.After(5 * time.Second):
-				cc.Stop()
-			}
+			reqLog.stop(nc.IsConnected())
 			s.log.Info("scheduler stopped", "trackers_left", s.trackers.Len())
 			return nil
 		case now := <-tick.C:
@@ -457,26 +437,5 @@ func (s *Scheduler) forgetGroups(now time.Time) {
 		s.m.groupQueued.DeleteLabelValues(name)
 		s.m.groupBlocks.DeleteLabelValues(name)
 		s.log.Info("forgot a group not heard of", "group", name, "after", s.cfg.ForgetGroupAfter)
-	}
-}
-
-// trimHistory keeps the request log's dispatched history within its bound,
-// every 5 s, so that a full log means undispatched requests, not history.
-func (s *Scheduler) trimHistory(ctx context.Context, st jetstream.Stream, cons jetstream.Consumer, bound int64) {
-	t := time.NewTicker(5 * time.Second)
-	defer t.Stop()
-	for {
-		select {
-		case <-ctx.Done():
-			return
-		case <-t.C:
-		}
-		purged, err := bus.TrimHistory(ctx, st, cons, bound)
-		switch {
-		case err != nil && ctx.Err() == nil:
-			s.log.Warn("cannot trim the request log's history", "err", err)
-		case purged > 0:
-			s.log.Info("trimmed the request log's history", "purged", purged, "history_bytes", bound)
-		}
 	}
 }

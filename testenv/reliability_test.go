@@ -2,6 +2,7 @@ package testenv_test
 
 import (
 	"encoding/json"
+	"errors"
 	"fmt"
 	"net/http"
 	"strings"
@@ -12,6 +13,7 @@ import (
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
 
+	"github.com/kvbus/kvbus/bus"
 	"github.com/kvbus/kvbus/messages"
 	"github.com/kvbus/kvbus/scheduler"
 	"github.com/kvbus/kvbus/testenv"
@@ -293,4 +295,64 @@ func TestReqMetaAboveMaxPayloadIsA413(t *testing.T) {
 	if got := testenv.CounterSum(t, c.SchedulerRegistries[0], "kvbus_scheduler_requests_total", map[string]string{"outcome": "too_large"}); got != 1 {
 		t.Errorf("too_large = %v, want 1", got)
 	}
+}
+
+// TestLostRequestLogIsMadeAgain: the request log, its consumer and the
+// session bucket vanish from the server (as from a NATS server restarted
+// without its store; here deleted, as `nats stream rm` would). The
+// schedulers make them again within seconds: requests are answered, a
+// conversation's turns find the previous prompt cached, and both replicas
+// see its binding (their watchers follow the new bucket).
+func TestLostRequestLogIsMadeAgain(t *testing.T) {
+	c := testenv.StartCluster(t, testenv.ClusterConfig{Groups: 2, Schedulers: 2, SessionTTL: time.Minute})
+	converse(t, c, 3, 2, map[string]string{"X-Session-ID": "before"})
+	js, err := jetstream.New(testenv.Connect(t, c.NATS))
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx := t.Context()
+	if err := js.DeleteStream(ctx, messages.RequestStream); err != nil {
+		t.Fatal(err)
+	}
+	if err := js.DeleteKeyValue(ctx, messages.SessionBucket); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := js.Stream(ctx, messages.RequestStream); !errors.Is(err, jetstream.ErrStreamNotFound) {
+		t.Fatalf("the request log is still there after its deletion: %v", err)
+	}
+	testenv.Eventually(t, 15*time.Second, "the request log, its consumer and the session bucket made again", func() bool {
+		_, cerr := js.Consumer(ctx, messages.RequestStream, bus.SchedulerConsumer)
+		_, kerr := js.KeyValue(ctx, messages.SessionBucket)
+		return cerr == nil && kerr == nil
+	})
+	testenv.Eventually(t, 10*time.Second, "both replicas ready again", func() bool {
+		for _, s := range c.Schedulers {
+			if ok, _ := s.Ready(); !ok {
+				return false
+			}
+		}
+		return true
+	})
+
+	res := converse(t, c, 4, 3, map[string]string{"X-Session-ID": "after"})
+	for i := 1; i < len(res); i++ {
+		if due := res[i-1].promptTokens / 16 * 16; float64(res[i].cachedTokens) < 0.95*float64(due) {
+			t.Errorf("turn %d: %d tokens cached of the previous prompt's %d", i+1, res[i].cachedTokens, due)
+		}
+	}
+	kv, err := js.KeyValue(ctx, messages.SessionBucket)
+	if err != nil {
+		t.Fatal(err)
+	}
+	testenv.Eventually(t, 5*time.Second, "the binding stored in the new bucket and seen by both replicas", func() bool {
+		if _, err := kv.Get(ctx, messages.SessionKey("after")); err != nil {
+			return false
+		}
+		for _, s := range c.Schedulers {
+			if b, ok := s.Bindings().Get("after"); !ok || b.Turn != 3 {
+				return false
+			}
+		}
+		return true
+	})
 }

@@ -93,7 +93,8 @@ func healthz(url string) int {
 // a frontend, two schedulers and four workers, each its own process of the
 // real binary. The frontend is unhealthy until a scheduler can place on a
 // synced group; the moment /healthz passes, conversations sent back to back
-// find >= 95% of each previous prompt cached; a SIGKILLed worker takes its
+// find >= 95% of each previous prompt cached; NATS restarted without its
+// store is repaired by the schedulers; a SIGKILLed worker takes its
 // group out and requests get a fast 503; every other process exits 0 on
 // SIGTERM.
 func TestProcessCluster(t *testing.T) {
@@ -148,6 +149,41 @@ func TestProcessCluster(t *testing.T) {
 				t.Errorf("conversation %d turn %d: %.0f%% of the previous prompt cached (%d of %d tokens), want >= 95%%",
 					conv, i+2, 100*share, turns[i+1].CachedTokens, turns[i].PromptTokens/16*16)
 			}
+		}
+	}
+
+	// NATS dies and comes back without its store (kvbus nats without
+	// --data-dir keeps it in a temp dir): the request log, its consumer and
+	// the session bucket are gone. The schedulers make them again, and a
+	// conversation goes on finding its cache.
+	natsProc := procs[0]
+	if err := natsProc.cmd.Process.Kill(); err != nil {
+		t.Fatal(err)
+	}
+	<-natsProc.done
+	natsProc.done <- nil
+	procs[0] = startProc(t, bin, dir, "nats-restarted", "nats", "--addr", natsAddr, "--data-dir", filepath.Join(dir, "js-empty"))
+	testenv.Eventually(t, 30*time.Second, "a request answered after NATS lost its store", func() bool {
+		status, _, _ := testenv.Send(t, http.MethodPost, base+"/v1/chat/completions",
+			`{"messages":[{"role":"user","content":"still there?"}],"max_tokens":2}`, nil)
+		return status == http.StatusOK
+	})
+	remade := 0
+	for i := range 2 {
+		b, _ := os.ReadFile(filepath.Join(dir, fmt.Sprint("scheduler-", i, ".log")))
+		remade += strings.Count(string(b), "request log made again")
+	}
+	if remade == 0 {
+		t.Error("no scheduler logged making the request log again: the restarted server did not lose it, or the test did not restart it")
+	}
+	turns, err := testenv.Conversation{BaseURL: base, Client: client, Headers: map[string]string{"X-Session-ID": "after-nats-restart"}, Seed: 7}.
+		Run(context.Background(), 3)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for i, share := range testenv.PreviousShares(turns, 16) {
+		if share < 0.95 {
+			t.Errorf("after the NATS restart, turn %d: %.0f%% of the previous prompt cached, want >= 95%%", i+2, 100*share)
 		}
 	}
 

@@ -1,0 +1,185 @@
+package scheduler
+
+import (
+	"context"
+	"errors"
+	"log/slog"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/nats-io/nats.go/jetstream"
+
+	"github.com/kvbus/kvbus/bus"
+)
+
+// The request log from a replica's side: the stream, the schedulers'
+// durable consumer on it and this replica's pull. A NATS server that
+// restarts without its store (kvbus nats without --data-dir) comes back
+// with neither, and every request would be refused as bus_unavailable
+// while the replica still said it was ready. watch looks every
+// logCheckEvery: a log or consumer gone is made again, and the replica is
+// not ready until it consumes again.
+
+// logCheckEvery is how often a replica checks that the request log and its
+// consumer exist.
+const logCheckEvery = 2 * time.Second
+
+// trimEvery is how often a replica trims the log's dispatched history.
+const trimEvery = 5 * time.Second
+
+// requestLog holds a replica's stream, consumer and consume context. Its
+// methods are safe for concurrent use; consuming is true while a consume
+// context runs on a consumer that exists.
+type requestLog struct {
+	js        jetstream.JetStream
+	cfg       bus.StreamConfig
+	ackWait   time.Duration
+	onMsg     func(jetstream.Msg)
+	log       *slog.Logger
+	consuming *atomic.Bool
+	// remade is called after the log was made again (the session bucket
+	// went with it).
+	remade func(ctx context.Context)
+
+	mu   sync.Mutex
+	st   jetstream.Stream
+	cons jetstream.Consumer
+	cc   jetstream.ConsumeContext // nil until consume
+}
+
+// ensure makes the stream and the consumer unless they exist.
+func (l *requestLog) ensure(ctx context.Context) error {
+	st, err := bus.EnsureRequestStream(ctx, l.js, l.cfg)
+	if err != nil {
+		return err
+	}
+	cons, err := bus.EnsureSchedulerConsumer(ctx, st, l.ackWait, l.cfg.Replicas)
+	if err != nil {
+		return err
+	}
+	l.mu.Lock()
+	l.st, l.cons = st, cons
+	l.mu.Unlock()
+	return nil
+}
+
+// consume starts pulling requests from the consumer ensure found.
+func (l *requestLog) consume() error {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	cc, err := l.cons.Consume(l.onMsg,
+		jetstream.PullMaxMessages(512),
+		// Pulls expire every 5 s: a replica notices a stream that was
+		// recreated or a consumer it lost within that, not after 30 s.
+		jetstream.PullExpiry(5*time.Second),
+		jetstream.ConsumeErrHandler(func(_ jetstream.ConsumeContext, err error) {
+			if !errors.Is(err, jetstream.ErrNoHeartbeat) {
+				l.log.Warn("request consumer", "err", err)
+			}
+		}))
+	if err != nil {
+		return err
+	}
+	l.cc = cc
+	l.consuming.Store(true)
+	return nil
+}
+
+// watch checks the log every logCheckEvery and trims its history every
+// trimEvery, until ctx ends.
+func (l *requestLog) watch(ctx context.Context) {
+	check := time.NewTicker(logCheckEvery)
+	defer check.Stop()
+	trim := time.NewTicker(trimEvery)
+	defer trim.Stop()
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-check.C:
+			l.check(ctx)
+		case <-trim.C:
+			l.trim(ctx)
+		}
+	}
+}
+
+// check makes the log and the consumer again when the server has lost
+// them. A server that does not answer is not a lost log: the connection's
+// own reconnect handles that.
+func (l *requestLog) check(ctx context.Context) {
+	l.mu.Lock()
+	cons := l.cons
+	l.mu.Unlock()
+	cctx, cancel := context.WithTimeout(ctx, logCheckEvery)
+	_, err := cons.Info(cctx)
+	cancel()
+	if !errors.Is(err, jetstream.ErrConsumerNotFound) && !errors.Is(err, jetstream.ErrStreamNotFound) {
+		return
+	}
+	if l.consuming.Swap(false) {
+		l.log.Warn("the request log or its consumer is gone from the NATS server (a server restarted without --data-dir loses both, "+
+			"with the requests not yet dispatched); making them again", "stream", l.cfg.Subjects.RequestStream(), "err", err)
+	}
+	l.mu.Lock()
+	if l.cc != nil {
+		l.cc.Stop()
+	}
+	l.mu.Unlock()
+	rctx, cancel := context.WithTimeout(ctx, 10*time.Second)
+	defer cancel()
+	if err := l.ensure(rctx); err != nil {
+		l.log.Warn("cannot make the request log again; retrying", "err", err)
+		return
+	}
+	if err := l.consume(); err != nil {
+		l.log.Warn("cannot consume the request log made again; retrying", "err", err)
+		return
+	}
+	if l.remade != nil {
+		l.remade(rctx)
+	}
+	l.log.Info("request log made again; consuming")
+}
+
+// trim keeps the log's dispatched history within its bound, so that a full
+// log means undispatched requests, not history.
+func (l *requestLog) trim(ctx context.Context) {
+	if !l.consuming.Load() {
+		return
+	}
+	l.mu.Lock()
+	st, cons := l.st, l.cons
+	l.mu.Unlock()
+	bound := l.cfg.HistoryBound()
+	purged, err := bus.TrimHistory(ctx, st, cons, bound)
+	switch {
+	case err != nil && ctx.Err() == nil:
+		l.log.Warn("cannot trim the request log's history", "err", err)
+	case purged > 0:
+		l.log.Info("trimmed the request log's history", "purged", purged, "history_bytes", bound)
+	}
+}
+
+// stop stops consuming: it lets the requests fetched finish (drain) when
+// connected, and waits for that at most 5 s.
+func (l *requestLog) stop(connected bool) {
+	l.consuming.Store(false)
+	l.mu.Lock()
+	cc := l.cc
+	l.mu.Unlock()
+	if cc == nil {
+		return
+	}
+	if !connected {
+		cc.Stop() // NATS is gone: nothing to drain
+	} else {
+		cc.Drain()
+	}
+	select {
+	case <-cc.Closed():
+	case <-time.After(5 * time.Second):
+		cc.Stop()
+	}
+}
