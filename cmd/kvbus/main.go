@@ -119,8 +119,25 @@ func newRegistry() *prometheus.Registry {
 // serveMetrics serves /metrics, /livez (the process is up and connected to
 // NATS) and /healthz (readiness: live, and ready() if given) on addr until
 // ctx ends; an empty addr serves nothing.
-func serveMetrics(ctx context.Context, log *slog.Logger, addr string, reg *prometheus.Registry, nc *nats.Conn, ready func() (bool, string)) error {
+// listenMetrics binds --metrics-addr, or returns nil when it is empty. A
+// role binds it before it connects: a port in use stops the process before
+// it acts as a scheduler or joins a rank (a second worker given a running
+// rank's identity took its group out until it exited).
+func listenMetrics(addr string) (net.Listener, error) {
 	if addr == "" {
+		return nil, nil
+	}
+	ln, err := net.Listen("tcp", addr)
+	if err != nil {
+		return nil, fmt.Errorf("metrics listen on %s: %w (is this role already running? stop it, or choose another --metrics-addr, or empty to disable)", addr, err)
+	}
+	return ln, nil
+}
+
+// serveMetrics serves /metrics, /livez and /healthz on ln (nothing when ln
+// is nil) until ctx ends.
+func serveMetrics(ctx context.Context, log *slog.Logger, ln net.Listener, reg *prometheus.Registry, nc *nats.Conn, ready func() (bool, string)) error {
+	if ln == nil {
 		return nil
 	}
 	mux := http.NewServeMux()
@@ -154,10 +171,6 @@ func serveMetrics(ctx context.Context, log *slog.Logger, addr string, reg *prome
 		}
 		status(w, http.StatusOK, map[string]string{"status": "ok"})
 	})
-	ln, err := net.Listen("tcp", addr)
-	if err != nil {
-		return fmt.Errorf("metrics listen on %s: %w (choose another --metrics-addr, or empty to disable)", addr, err)
-	}
 	srv := &http.Server{Handler: mux, ReadHeaderTimeout: 5 * time.Second}
 	go func() { <-ctx.Done(); _ = srv.Close() }()
 	log.Info("metrics listening", "addr", ln.Addr().String())
@@ -284,6 +297,13 @@ func (c *schedulerCmd) Run(ctx context.Context) error {
 		return err
 	}
 	defer stopPprof()
+	ln, err := listenMetrics(c.MetricsAddr)
+	if err != nil {
+		return err
+	}
+	if ln != nil {
+		defer ln.Close()
+	}
 	cfg := c.natsFlags.config("kvbus-scheduler", log)
 	cfg.NoEcho = true // a scheduler does not receive its own save plans
 	nc, err := bus.Connect(ctx, cfg)
@@ -298,7 +318,7 @@ func (c *schedulerCmd) Run(ctx context.Context) error {
 	}
 	r := newRoles(ctx)
 	r.run("scheduler", s.Run)
-	r.run("metrics", func(ctx context.Context) error { return serveMetrics(ctx, log, c.MetricsAddr, reg, nc, s.Ready) })
+	r.run("metrics", func(ctx context.Context) error { return serveMetrics(ctx, log, ln, reg, nc, s.Ready) })
 	return r.wait()
 }
 
@@ -377,6 +397,13 @@ func (c *workerCmd) Run(ctx context.Context) error {
 		}
 		engine = sim
 	}
+	ln, err := listenMetrics(c.MetricsAddr)
+	if err != nil {
+		return err
+	}
+	if ln != nil {
+		defer ln.Close()
+	}
 	nc, err := connect(ctx, c.natsFlags, "kvbus-worker", log)
 	if err != nil {
 		return err
@@ -421,7 +448,7 @@ func (c *workerCmd) Run(ctx context.Context) error {
 	}
 	r := newRoles(ctx)
 	r.run("worker", rank.Run)
-	r.run("metrics", func(ctx context.Context) error { return serveMetrics(ctx, log, c.MetricsAddr, reg, nc, nil) })
+	r.run("metrics", func(ctx context.Context) error { return serveMetrics(ctx, log, ln, reg, nc, nil) })
 	if slot != nil {
 		r.run("slot", slot.Hold) // losing the slot stops the worker
 	}

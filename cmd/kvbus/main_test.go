@@ -198,6 +198,49 @@ func TestWorkerBadSizes(t *testing.T) {
 	}
 }
 
+// TestMetricsAddrInUseStopsARoleBeforeItConnects: a worker or scheduler
+// whose --metrics-addr is taken (a second process started with a running
+// one's flags) fails naming the address before it connects, so it never
+// joins a rank or takes requests: the worker did, and its group was
+// unusable for seconds before it exited.
+func TestMetricsAddrInUseStopsARoleBeforeItConnects(t *testing.T) {
+	srv := testenv.StartNATS(t)
+	taken, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer taken.Close()
+	for _, args := range [][]string{
+		{"worker", "--group", "g0", "--tp-rank", "0", "--tp-size", "1", "--time-scale", "0", "--kv-capacity", "64MiB"},
+		{"scheduler"},
+	} {
+		before, err := srv.Varz(nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		var c cli
+		p, err := kong.New(&c, kong.Bind((*logsink.Writer)(nil)), kong.DefaultEnvars("KVBUS"))
+		if err != nil {
+			t.Fatal(err)
+		}
+		if _, err := p.Parse(append(args, "--nats-url", srv.ClientURL(), "--metrics-addr", taken.Addr().String())); err != nil {
+			t.Fatal(err)
+		}
+		if args[0] == "worker" {
+			err = c.Worker.Run(t.Context())
+		} else {
+			err = c.Scheduler.Run(t.Context())
+		}
+		if err == nil || !strings.Contains(err.Error(), taken.Addr().String()) || !strings.Contains(err.Error(), "--metrics-addr") {
+			t.Errorf("%s with its metrics address taken returned %v; want an error naming %s and --metrics-addr", args[0], err, taken.Addr())
+		}
+		if after, _ := srv.Varz(nil); after.TotalConnections != before.TotalConnections {
+			t.Errorf("%s connected to NATS (%d connections, %d before) before it found its metrics address taken",
+				args[0], after.TotalConnections, before.TotalConnections)
+		}
+	}
+}
+
 // TestBenchChecksEveryRunFirst: a typo in a later policy or pool fails at
 // once, before anything else (it failed after the runs before it, minutes
 // on a real trace, and printed nothing of them): here before the trace,
