@@ -99,7 +99,10 @@ func ClaimSlot(ctx context.Context, js jetstream.JetStream, cfg SlotConfig) (*Sl
 			return &Slot{Group: group, Rank: r, js: js, kv: kv, key: key, rev: rev, token: token, cfg: cfg}, nil
 		}
 	}
-	return nil, fmt.Errorf("%w in %d groups of %d", ErrNoSlot, cfg.MaxGroups, cfg.Size)
+	return nil, fmt.Errorf("%w: all %d groups of %d ranks are held, the most a scheduler tracks. "+
+		"A stopped worker's slot frees within --slot-ttl (%s): if workers just stopped, start this one again then; "+
+		"otherwise the cluster is full: stop workers it does not need, or run another deployment under its own --subject-prefix",
+		ErrNoSlot, cfg.MaxGroups, cfg.Size, cfg.TTL)
 }
 
 // openSlotBucket returns the slot bucket, creating it when missing.
@@ -162,32 +165,46 @@ func (s *Slot) refreshEvery(ctx context.Context) time.Duration {
 }
 
 // refresh renews the claim, or makes it again where the bucket no longer
-// has it. Each call to the server has a third of the TTL.
+// has it. Each step's calls to the server have a third of the TTL.
 func (s *Slot) refresh(parent context.Context) error {
-	ctx, cancel := context.WithTimeout(parent, s.cfg.TTL/3)
-	defer cancel()
-	rev, err := s.kv.Update(ctx, s.key, []byte(s.token), s.rev)
+	uctx, ucancel := context.WithTimeout(parent, s.cfg.TTL/3)
+	rev, err := s.kv.Update(uctx, s.key, []byte(s.token), s.rev)
+	ucancel()
 	switch {
 	case err == nil:
 		s.rev = rev
 		return nil
 	case errors.Is(err, jetstream.ErrKeyExists), errors.Is(err, jetstream.ErrKeyRevisionMismatch):
 	default:
-		// Is the bucket gone (a NATS server restarted without it)? An
-		// update of a missing stream's subject may only time out.
-		cancel()
-		ctx, cancel = context.WithTimeout(parent, s.cfg.TTL/3)
-		defer cancel()
-		if _, kerr := s.js.KeyValue(ctx, s.cfg.Bucket); !errors.Is(kerr, jetstream.ErrBucketNotFound) {
+		if err := s.remakeBucket(parent, err); err != nil {
 			return err
 		}
-		kv, oerr := openSlotBucket(ctx, s.js, s.cfg)
-		if oerr != nil {
-			return fmt.Errorf("%w (and the bucket cannot be made again: %w)", err, oerr)
-		}
-		s.kv = kv
 	}
-	// The key is not at our revision: still ours, forgotten, or another's.
+	rctx, rcancel := context.WithTimeout(parent, s.cfg.TTL/3)
+	defer rcancel()
+	return s.reclaim(rctx)
+}
+
+// remakeBucket makes the bucket again when it is gone (a NATS server
+// restarted without it), else returns updateErr: an update of a missing
+// stream's subject may only time out.
+func (s *Slot) remakeBucket(parent context.Context, updateErr error) error {
+	ctx, cancel := context.WithTimeout(parent, s.cfg.TTL/3)
+	defer cancel()
+	if _, err := s.js.KeyValue(ctx, s.cfg.Bucket); !errors.Is(err, jetstream.ErrBucketNotFound) {
+		return updateErr
+	}
+	kv, err := openSlotBucket(ctx, s.js, s.cfg)
+	if err != nil {
+		return fmt.Errorf("%w (and the bucket cannot be made again: %w)", updateErr, err)
+	}
+	s.kv = kv
+	return nil
+}
+
+// reclaim looks at a key not at the claim's revision: still ours (adopt
+// its revision), forgotten (create it again) or another worker's (lost).
+func (s *Slot) reclaim(ctx context.Context) error {
 	e, err := s.kv.Get(ctx, s.key)
 	switch {
 	case errors.Is(err, jetstream.ErrKeyNotFound), errors.Is(err, jetstream.ErrKeyDeleted):

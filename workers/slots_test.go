@@ -63,6 +63,31 @@ func TestClaimSlots(t *testing.T) {
 	})
 }
 
+// TestNoFreeSlotSaysWhatToDo: with every slot held, the error names the
+// limit and what an operator can do.
+func TestNoFreeSlotSaysWhatToDo(t *testing.T) {
+	srv := testenv.StartNATS(t)
+	js, err := jetstream.New(testenv.Connect(t, srv))
+	if err != nil {
+		t.Fatal(err)
+	}
+	cfg := workers.SlotConfig{Size: 2, MaxGroups: 2, TTL: 3 * time.Second, Owner: "w"}
+	for range 4 {
+		if _, err := workers.ClaimSlot(t.Context(), js, cfg); err != nil {
+			t.Fatal(err)
+		}
+	}
+	_, err = workers.ClaimSlot(t.Context(), js, cfg)
+	if !errors.Is(err, workers.ErrNoSlot) {
+		t.Fatalf("a fifth worker for 2 groups of 2: %v, want ErrNoSlot", err)
+	}
+	for _, want := range []string{"all 2 groups of 2 ranks", "--slot-ttl (3s)", "stop workers", "--subject-prefix"} {
+		if !strings.Contains(err.Error(), want) {
+			t.Errorf("error %q does not say %q", err, want)
+		}
+	}
+}
+
 // TestClaimSlotsBeyond64Groups: workers given their rank by slot (kvbus
 // worker --rank auto, which sets no MaxGroups) form more than 64 groups, as
 // the scheduler's KV index tracks up to messages.MaxGroups (the default
