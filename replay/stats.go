@@ -1,0 +1,93 @@
+package replay
+
+import (
+	"errors"
+	"fmt"
+	"io"
+	"sort"
+	"time"
+
+	"github.com/kvbus/kvbus/messages"
+)
+
+// CaptureStats summarises a capture file.
+type CaptureStats struct {
+	Requests     int            `json:"requests"`
+	Span         time.Duration  `json:"span_ns"`
+	First, Last  time.Time      `json:"-"`
+	Subjects     map[string]int `json:"subjects"`
+	Sessions     int            `json:"sessions"`
+	PromptTokens struct {
+		Min, Max int
+		Mean     float64
+	} `json:"prompt_tokens"`
+	MaxTokensMean float64 `json:"max_tokens_mean"`
+	Malformed     int     `json:"malformed"`
+}
+
+// Stats reads a capture file and summarises it.
+func Stats(r io.Reader) (*CaptureStats, error) {
+	cr, err := NewCaptureReader(r)
+	if err != nil {
+		return nil, err
+	}
+	s := &CaptureStats{Subjects: map[string]int{}}
+	sessions := map[string]bool{}
+	var prompt, maxTok int
+	for {
+		f, err := cr.Next()
+		if errors.Is(err, io.EOF) {
+			break
+		}
+		if err != nil {
+			return s, err
+		}
+		if s.Requests == 0 {
+			s.First = f.Time
+		}
+		s.Last = f.Time
+		s.Requests++
+		s.Subjects[f.Subject]++
+		req, err := messages.DecodeRequest(f.Payload)
+		if err != nil {
+			s.Malformed++
+			continue
+		}
+		if req.SessionID != "" {
+			sessions[req.SessionID] = true
+		}
+		n := len(req.PromptTokenIDs)
+		if s.Requests-s.Malformed == 1 || n < s.PromptTokens.Min {
+			s.PromptTokens.Min = n
+		}
+		s.PromptTokens.Max = max(s.PromptTokens.Max, n)
+		prompt += n
+		maxTok += req.SamplingParams.MaxTokens
+	}
+	s.Span = s.Last.Sub(s.First)
+	s.Sessions = len(sessions)
+	if ok := s.Requests - s.Malformed; ok > 0 {
+		s.PromptTokens.Mean = float64(prompt) / float64(ok)
+		s.MaxTokensMean = float64(maxTok) / float64(ok)
+	}
+	return s, nil
+}
+
+// Write prints the stats for a person.
+func (s *CaptureStats) Write(w io.Writer) {
+	fmt.Fprintf(w, "requests      %d (%d malformed)\n", s.Requests, s.Malformed)
+	if s.Requests > 0 {
+		fmt.Fprintf(w, "time          %s → %s (%s)\n", s.First.UTC().Format(time.RFC3339Nano), s.Last.UTC().Format(time.RFC3339Nano), s.Span)
+	}
+	fmt.Fprintf(w, "sessions      %d\n", s.Sessions)
+	fmt.Fprintf(w, "prompt tokens min %d, mean %.1f, max %d\n", s.PromptTokens.Min, s.PromptTokens.Mean, s.PromptTokens.Max)
+	fmt.Fprintf(w, "max_tokens    mean %.1f\n", s.MaxTokensMean)
+	subjects := make([]string, 0, len(s.Subjects))
+	for subj := range s.Subjects {
+		subjects = append(subjects, subj)
+	}
+	sort.Strings(subjects)
+	for _, subj := range subjects {
+		fmt.Fprintf(w, "subject       %s: %d\n", subj, s.Subjects[subj])
+	}
+}

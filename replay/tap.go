@@ -1,0 +1,145 @@
+package replay
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"strings"
+
+	"github.com/nats-io/nats.go"
+
+	"github.com/kvbus/kvbus/messages"
+)
+
+// TapConfig says what to print.
+type TapConfig struct {
+	Conn     *nats.Conn
+	Subjects messages.Subjects
+	// SessionID, if set, keeps only that session's messages: its requests,
+	// ReqMetas, results and outputs.
+	SessionID string
+	// Subject, if set, is the subject to tap (default every kvbus subject).
+	Subject string
+}
+
+// Tap prints every matching bus message as one JSON line until ctx ends:
+// {"subject": …, "kind": …, "msg": {decoded}}.
+func Tap(ctx context.Context, cfg TapConfig, w io.Writer) error {
+	subject := cfg.Subject
+	if subject == "" {
+		subject = cfg.Subjects.All()
+	}
+	enc := json.NewEncoder(w)
+	ids := map[string]bool{} // request ids of the session
+	prefix := cfg.Subjects.All()
+	prefix = prefix[:len(prefix)-1] // "kvbus."
+	msgs := make(chan *nats.Msg, 4096)
+	sub, err := cfg.Conn.ChanSubscribe(subject, msgs)
+	if err != nil {
+		return err
+	}
+	defer func() { _ = sub.Unsubscribe() }()
+	if err := cfg.Conn.Flush(); err != nil {
+		return err
+	}
+	// A refused subscription is said on the connection, not by Subscribe:
+	// without this check tap would wait for ever, printing nothing.
+	if err := cfg.Conn.LastError(); errors.Is(err, nats.ErrPermissionViolation) {
+		return fmt.Errorf("replay: tap: %w: tap reads every subject it is given; give it the admin key (--nats-nkey admin.nk)", err)
+	}
+	key := messages.SessionKey(cfg.SessionID)
+	for {
+		select {
+		case <-ctx.Done():
+			return nil
+		case m := <-msgs:
+			kind, v := decodeAny(strings.TrimPrefix(m.Subject, prefix), m.Data)
+			if cfg.SessionID != "" && !keepForSession(kind, m.Subject, v, cfg.SessionID, key, ids) {
+				continue
+			}
+			if err := enc.Encode(map[string]any{"subject": m.Subject, "kind": kind, "msg": v}); err != nil {
+				// A value JSON cannot hold (a NaN temperature): say so and go on.
+				if err := enc.Encode(map[string]any{"subject": m.Subject, "kind": "unprintable", "msg": map[string]string{"error": err.Error()}}); err != nil {
+					return err
+				}
+			}
+		}
+	}
+}
+
+func keepForSession(kind, subject string, v any, sessionID, key string, ids map[string]bool) bool {
+	switch m := v.(type) {
+	case *messages.Request:
+		if m.SessionID == sessionID || m.SamplingParams.SessionFromExtraArgs() == sessionID {
+			ids[m.RequestID] = true
+			return true
+		}
+	case *messages.ReqMeta:
+		if strings.HasSuffix(subject, "."+key) {
+			ids[m.ReqID] = true
+			return true
+		}
+	case *messages.RankResult:
+		return ids[m.ReqID]
+	case *messages.Output:
+		return ids[m.ReqID]
+	case *messages.Abort:
+		return ids[m.ReqID]
+	}
+	return false
+}
+
+// decodeAny decodes a payload by its subject (without the prefix).
+func decodeAny(rest string, data []byte) (string, any) {
+	kind, _, _ := strings.Cut(rest, ".")
+	var (
+		v   any
+		err error
+	)
+	switch kind {
+	case "req":
+		v, err = messages.DecodeRequest(data)
+	case "meta":
+		v, err = messages.DecodeReqMeta(data)
+	case "done":
+		v, err = messages.DecodeRankResult(data)
+	case "out":
+		v, err = messages.DecodeOutput(data)
+	case "kv":
+		v, err = messages.DecodeKVEventBatch(data)
+	case "hb":
+		v, err = messages.DecodeHeartbeat(data)
+	case "ann":
+		kind = "announcement"
+		v, err = messages.DecodeAnnouncement(data)
+	case "sched":
+		kind = "save_plan"
+		v, err = messages.DecodeSavePlan(data)
+	case "pool":
+		switch {
+		case strings.HasSuffix(rest, ".drain"):
+			kind = "drain_plan"
+			v, err = messages.DecodeDrainPlan(data)
+		case strings.HasSuffix(rest, ".handoff"): // block bytes: their size only
+			kind, v = "handoff", map[string]int{"bytes": len(data)}
+		default:
+			kind = "pool_read"
+			v, err = messages.DecodePoolRead(data)
+		}
+	case "ctl":
+		if strings.HasPrefix(rest, "ctl.abort") {
+			kind = "abort"
+			v, err = messages.DecodeAbort(data)
+		} else {
+			kind, v = "dump_request", map[string]int{"bytes": len(data)}
+		}
+	default:
+		kind, v = "unknown", map[string]int{"bytes": len(data)}
+	}
+	if err != nil {
+		return "malformed", map[string]string{"error": err.Error()}
+	}
+	return kind, v
+}
