@@ -230,6 +230,17 @@ func TestStats(t *testing.T) {
 		}
 	}
 
+	// A cut tail: the stats of the frames before it, with the error.
+	t.Run("truncated", func(t *testing.T) {
+		s, err := Stats(bytes.NewReader(data[:len(data)-3]))
+		if !errors.Is(err, ErrCorrupt) || s == nil {
+			t.Fatalf("%+v, %v; want the stats and ErrCorrupt", s, err)
+		}
+		if s.Requests != 4 || s.Sessions != 1 || s.Span != 2*time.Second || s.PromptTokens.Mean != 20 || s.MaxTokensMean != 8 {
+			t.Errorf("requests %d sessions %d span %s prompt mean %.1f max_tokens mean %.1f; want 4, 1, 2s, 20, 8",
+				s.Requests, s.Sessions, s.Span, s.PromptTokens.Mean, s.MaxTokensMean)
+		}
+	})
 	t.Run("empty", func(t *testing.T) {
 		s, err := Stats(bytes.NewReader(captureBytes(t)))
 		if err != nil || s.Requests != 0 || s.Span != 0 || s.PromptTokens.Mean != 0 {

@@ -59,6 +59,9 @@ type Config struct {
 	// the request log acknowledged it (to load a cluster, or to measure the
 	// publisher).
 	NoWait bool
+	// APIKey, with an http target, is sent as a bearer token (the
+	// frontend's --api-key); empty sends none.
+	APIKey string
 	// Progress, if set, shows a progress bar there (a terminal).
 	Progress io.Writer
 	Logger   *slog.Logger
@@ -145,6 +148,13 @@ func (r *Replayer) Run(ctx context.Context, items []Item) ([]Result, time.Durati
 				_ = s.Unsubscribe()
 			}
 		}()
+	}
+	if r.js != nil && !r.cfg.NoWait {
+		stop, err := r.warnWithoutScheduler(ctx, schedulerGrace)
+		if err != nil {
+			return nil, 0, err
+		}
+		defer stop()
 	}
 	if r.http != nil {
 		defer r.http.CloseIdleConnections()
@@ -284,6 +294,40 @@ func (r *Replayer) subscribe(ctx context.Context) ([]*nats.Subscription, error) 
 	return subs, nc.Flush()
 }
 
+// schedulerGrace is how long a replay onto the bus waits for a ready
+// scheduler's announcement before it warns that none answers.
+const schedulerGrace = 3 * time.Second
+
+// warnWithoutScheduler warns when no scheduler announces itself ready
+// within grace: published requests would then wait out their timeout in
+// silence. It does not delay the replay.
+func (r *Replayer) warnWithoutScheduler(ctx context.Context, grace time.Duration) (stop func(), err error) {
+	ready := make(chan struct{})
+	var once sync.Once
+	sub, err := r.cfg.Conn.Subscribe(r.cfg.Subjects.AnnounceRole(messages.RoleScheduler), func(m *nats.Msg) {
+		if a, err := messages.DecodeAnnouncement(m.Data); err == nil && a.Ready {
+			once.Do(func() { close(ready) })
+		}
+	})
+	if err != nil {
+		return nil, err
+	}
+	wctx, cancel := context.WithCancel(ctx)
+	var wg sync.WaitGroup
+	wg.Go(func() {
+		t := time.NewTimer(grace)
+		defer t.Stop()
+		select {
+		case <-ready:
+		case <-wctx.Done():
+		case <-t.C:
+			r.log.Warn("no ready scheduler has announced itself on this bus: requests wait until one comes, or until --timeout",
+				"subject", r.cfg.Subjects.AnnounceRole(messages.RoleScheduler), "timeout", r.cfg.Timeout)
+		}
+	})
+	return func() { cancel(); wg.Wait(); _ = sub.Unsubscribe() }, nil
+}
+
 // reqIDOf reads req_id from a ReqMeta without decoding its token ids.
 func reqIDOf(data []byte) string {
 	var m struct {
@@ -402,9 +446,13 @@ func (r *Replayer) doNATS(ctx context.Context, req *messages.Request, res *Resul
 		r.mu.Lock()
 		delete(r.pending, req.RequestID)
 		r.mu.Unlock()
-		if err != nil {
+		switch {
+		case errors.Is(err, jetstream.ErrNoStreamResponse):
+			res.Err = fmt.Sprintf("publish: no request log takes %s: give the cluster's --subject-prefix, or start its frontend or scheduler first (%v)",
+				r.cfg.Subjects.Request(req.Model), err)
+		case err != nil:
 			res.Err = "publish: " + err.Error()
-		} else {
+		default:
 			res.E2E = time.Since(res.Sent) // acknowledged by the log
 		}
 		return
@@ -469,6 +517,9 @@ func (r *Replayer) doHTTP(ctx context.Context, req *messages.Request, res *Resul
 	}
 	hreq.Header.Set("Content-Type", "application/json")
 	hreq.Header.Set("X-Request-Id", req.RequestID)
+	if r.cfg.APIKey != "" {
+		hreq.Header.Set("Authorization", "Bearer "+r.cfg.APIKey)
+	}
 	res.Sent = time.Now()
 	resp, err := r.http.Do(hreq)
 	if err != nil {

@@ -65,8 +65,9 @@ type Report struct {
 	GroupRequests  map[string]int     `json:"group_requests,omitempty"`
 	// GroupLoadMaxOverMean is the busiest group's requests over the mean
 	// of the groups': those that served requests, and every group of the
-	// cluster when it is known (CountGroups), idle ones at zero.
-	GroupLoadMaxOverMean float64        `json:"group_load_max_over_mean"`
+	// cluster when it is known (CountGroups), idle ones at zero. Absent
+	// when no request's group is known.
+	GroupLoadMaxOverMean float64        `json:"group_load_max_over_mean,omitempty"`
 	Errors               map[string]int `json:"errors,omitempty"`
 	// TTFTCDF is the TTFT distribution, for plotting: its 0th, 1st, …,
 	// 100th percentiles in milliseconds.
@@ -201,8 +202,8 @@ func timeline(results []Result) *Timeline {
 
 func firstLine(s string) string {
 	s, _, _ = strings.Cut(s, "\n")
-	if len(s) > 120 {
-		s = s[:120]
+	if len(s) > 240 {
+		s = s[:240]
 	}
 	return s
 }
@@ -331,7 +332,12 @@ func WriteTable(w io.Writer, reports []*Report) error {
 		row(l.name+" p95", func(r *Report) string { return fmt.Sprintf("%.1f", l.f(r).P95) })
 		row(l.name+" p99", func(r *Report) string { return fmt.Sprintf("%.1f", l.f(r).P99) })
 	}
-	row("group load max/mean", func(r *Report) string { return fmt.Sprintf("%.2f", r.GroupLoadMaxOverMean) })
+	row("group load max/mean", func(r *Report) string {
+		if len(r.GroupRequests) == 0 {
+			return "-" // groups unknown (a replay through HTTP without the bus)
+		}
+		return fmt.Sprintf("%.2f", r.GroupLoadMaxOverMean)
+	})
 	if err := tw.Flush(); err != nil {
 		return err
 	}

@@ -25,7 +25,8 @@ type CaptureStats struct {
 	Malformed     int     `json:"malformed"`
 }
 
-// Stats reads a capture file and summarises it.
+// Stats reads a capture file and summarises it. Of a file with a damaged
+// tail it returns the summary of the frames before it, and the error.
 func Stats(r io.Reader) (*CaptureStats, error) {
 	cr, err := NewCaptureReader(r)
 	if err != nil {
@@ -40,7 +41,9 @@ func Stats(r io.Reader) (*CaptureStats, error) {
 			break
 		}
 		if err != nil {
-			return s, err
+			// A damaged tail: the stats of what was read, and the error.
+			s.finish(sessions, prompt, maxTok)
+			return s, fmt.Errorf("%w (the stats above are of the %d frames before it)", err, s.Requests)
 		}
 		if s.Requests == 0 {
 			s.First = f.Time
@@ -64,13 +67,18 @@ func Stats(r io.Reader) (*CaptureStats, error) {
 		prompt += n
 		maxTok += req.SamplingParams.MaxTokens
 	}
+	s.finish(sessions, prompt, maxTok)
+	return s, nil
+}
+
+// finish computes what Stats sums up as it reads.
+func (s *CaptureStats) finish(sessions map[string]bool, prompt, maxTok int) {
 	s.Span = s.Last.Sub(s.First)
 	s.Sessions = len(sessions)
 	if ok := s.Requests - s.Malformed; ok > 0 {
 		s.PromptTokens.Mean = float64(prompt) / float64(ok)
 		s.MaxTokensMean = float64(maxTok) / float64(ok)
 	}
-	return s, nil
 }
 
 // Write prints the stats for a person.

@@ -65,6 +65,10 @@ type Item struct {
 type Trace struct {
 	Format string
 	Items  []Item
+	// Damage says what of a damaged capture file was left out (frames
+	// that are not requests, a truncated tail) and why; empty when the
+	// whole file was read.
+	Damage []string
 }
 
 // Sessions returns the number of distinct sessions.
@@ -174,37 +178,37 @@ func lines(r io.Reader, f func(n int, line []byte) error) error {
 	return nil
 }
 
+// readCaptureTrace reads a capture's requests. A damaged file — a frame
+// that is not a request, or a tail cut short (a capture killed, a copy of
+// a live one, a full disk) — gives the requests it has, and says in Damage
+// what was left out; only a file with none is an error.
 func readCaptureTrace(r io.Reader) (*Trace, error) {
 	cr, err := NewCaptureReader(r)
 	if err != nil {
 		return nil, err
 	}
 	t := &Trace{}
+	skipped, firstSkip := 0, ""
 	for i := 0; ; i++ {
 		f, err := cr.Next()
 		if errors.Is(err, io.EOF) {
-			// Times are relative to the earliest frame (frames of a live
-			// capture are in arrival order, not always in log order).
-			var first time.Duration
-			for j, it := range t.Items {
-				if j == 0 || it.At < first {
-					first = it.At
-				}
-			}
-			for j := range t.Items {
-				t.Items[j].At -= first
-			}
-			return t, nil
+			break
 		}
 		if err != nil {
-			return nil, err
+			// A frame whose length or bytes are wrong: what follows cannot
+			// be found.
+			t.Damage = append(t.Damage, fmt.Sprintf("the file is damaged from frame %d on (%v): the %d requests before it are kept", i, err, len(t.Items)))
+			break
 		}
 		req, err := messages.DecodeRequest(f.Payload)
-		if err != nil {
-			return nil, fmt.Errorf("%w: frame %d: %v", ErrFormat, i, err)
+		if err == nil && len(req.PromptTokenIDs) == 0 {
+			err = fmt.Errorf("request %s has an empty prompt", req.RequestID)
 		}
-		if len(req.PromptTokenIDs) == 0 {
-			return nil, fmt.Errorf("%w: frame %d: request %s has an empty prompt", ErrFormat, i, req.RequestID)
+		if err != nil {
+			if skipped++; skipped == 1 {
+				firstSkip = fmt.Sprintf("frame %d: %v", i, err)
+			}
+			continue
 		}
 		sid := req.SamplingParams.SessionFromExtraArgs()
 		if sid == "" {
@@ -215,6 +219,24 @@ func readCaptureTrace(r io.Reader) (*Trace, error) {
 			OriginalID: req.RequestID, Request: req, Subject: f.Subject,
 		})
 	}
+	if skipped > 0 {
+		t.Damage = append(t.Damage, fmt.Sprintf("%d frames are not requests kvbus can replay and are left out (the first: %s)", skipped, firstSkip))
+	}
+	if len(t.Items) == 0 && len(t.Damage) > 0 {
+		return nil, fmt.Errorf("%w: no request can be read from the capture: %s", ErrFormat, strings.Join(t.Damage, "; "))
+	}
+	// Times are relative to the earliest frame (frames of a live capture
+	// are in arrival order, not always in log order).
+	var first time.Duration
+	for j, it := range t.Items {
+		if j == 0 || it.At < first {
+			first = it.At
+		}
+	}
+	for j := range t.Items {
+		t.Items[j].At -= first
+	}
+	return t, nil
 }
 
 type mooncakeLine struct {

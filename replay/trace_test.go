@@ -603,13 +603,37 @@ func TestReadCaptureTrace(t *testing.T) {
 		}
 	}
 
+	// A damaged capture gives the requests it has and says what it left
+	// out; one with none is an error.
 	t.Run("malformed payload", func(t *testing.T) {
 		data := captureBytes(t,
 			Frame{Time: t0, Subject: "kvbus.req.m", Payload: marshal(t, testRequest("r1", "", 3))},
-			Frame{Time: t0, Subject: "kvbus.req.m", Payload: []byte("not msgpack")})
+			Frame{Time: t0, Subject: "kvbus.req.m", Payload: []byte("not msgpack")},
+			Frame{Time: t0.Add(time.Second), Subject: "kvbus.req.m", Payload: marshal(t, testRequest("r3", "", 3))})
+		tr, err := ReadTrace(bytes.NewReader(data), FormatCapture)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if len(tr.Items) != 2 || tr.Items[1].OriginalID != "r3" || len(tr.Damage) != 1 || !strings.Contains(tr.Damage[0], "1 frames are not requests") ||
+			!strings.Contains(tr.Damage[0], "frame 1") {
+			t.Errorf("%d items, damage %q; want r1 and r3, and frame 1 named as left out", len(tr.Items), tr.Damage)
+		}
+	})
+	t.Run("truncated tail", func(t *testing.T) {
+		whole := captureFixture(t)
+		tr, err := ReadTrace(bytes.NewReader(whole[:len(whole)-5]), FormatCapture)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if len(tr.Items) != 2 || len(tr.Damage) != 1 || !strings.Contains(tr.Damage[0], "damaged from frame 2") {
+			t.Errorf("%d items, damage %q; want the 2 whole frames and the cut one named", len(tr.Items), tr.Damage)
+		}
+	})
+	t.Run("nothing readable", func(t *testing.T) {
+		data := captureBytes(t, Frame{Time: t0, Subject: "kvbus.req.m", Payload: []byte("not msgpack")})
 		_, err := ReadTrace(bytes.NewReader(data), FormatCapture)
-		if !errors.Is(err, ErrFormat) || !strings.Contains(err.Error(), "frame 1") {
-			t.Errorf("error %v, want ErrFormat naming frame 1", err)
+		if !errors.Is(err, ErrFormat) || !strings.Contains(err.Error(), "frame 0") {
+			t.Errorf("error %v, want ErrFormat naming frame 0", err)
 		}
 	})
 	t.Run("not a capture", func(t *testing.T) {
@@ -872,7 +896,7 @@ func TestSummarize(t *testing.T) {
 			PromptTokens: 100, CachedTokens: 50 * (i % 2), TTFT: msDur(float64(i)), E2E: msDur(float64(2 * i)),
 		})
 	}
-	long := strings.Repeat("x", 200)
+	long := strings.Repeat("x", 300)
 	results = append(results,
 		Result{ReqID: "f1", TurnDepth: 1, Group: "g2", PromptTokens: 1000, CachedTokens: 1000, TTFT: time.Hour, E2E: time.Hour, Err: "timeout: no answer\nmore detail"},
 		Result{ReqID: "f2", TurnDepth: 4, Group: "g2", PromptTokens: 1000, CachedTokens: 1000, TTFT: time.Hour, E2E: time.Hour, Err: "timeout: no answer"},
@@ -922,7 +946,7 @@ func TestSummarize(t *testing.T) {
 	if r.GroupLoadMaxOverMean != 67.0/50 {
 		t.Errorf("group load max/mean %v, want %v", r.GroupLoadMaxOverMean, 67.0/50)
 	}
-	if want := map[string]int{"timeout: no answer": 2, long[:120]: 1}; !equalMaps(r.Errors, want) {
+	if want := map[string]int{"timeout: no answer": 2, long[:240]: 1}; !equalMaps(r.Errors, want) {
 		t.Errorf("errors %v, want %v", r.Errors, want)
 	}
 }

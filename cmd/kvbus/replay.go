@@ -5,6 +5,8 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"log/slog"
+	"math"
 	"net/url"
 	"os"
 	"strings"
@@ -12,6 +14,7 @@ import (
 
 	"golang.org/x/term"
 
+	"github.com/kvbus/kvbus/bus"
 	"github.com/kvbus/kvbus/cluster"
 	"github.com/kvbus/kvbus/replay"
 	"github.com/kvbus/kvbus/scheduler"
@@ -44,28 +47,42 @@ type captureRecordCmd struct {
 
 func (c *captureRecordCmd) Run(ctx context.Context) error {
 	log := c.logger()
+	if c.For > 0 && !c.Follow {
+		return errors.New("--for bounds a --follow capture: add --follow, or bound a capture of the log with --until")
+	}
+	cfg := replay.CaptureConfig{Subjects: c.subjects(), Follow: c.Follow, Since: c.Since, FromSeq: c.FromSeq, Until: c.Until, Logger: log}
+	if err := cfg.Validate(); err != nil {
+		return err
+	}
+	out, err := createOutput(c.Out)
+	if err != nil {
+		return err
+	}
 	nc, err := connect(ctx, c.natsFlags, "kvbus-capture", log)
 	if err != nil {
+		out.discard()
 		return err
 	}
 	defer drain(nc)
-	f, err := os.Create(c.Out)
-	if err != nil {
-		return err
-	}
 	if c.For > 0 {
 		var cancel context.CancelFunc
 		ctx, cancel = context.WithTimeout(ctx, c.For)
 		defer cancel()
 	}
-	n, err := replay.Capture(ctx, replay.CaptureConfig{
-		Conn: nc, Subjects: c.subjects(), Follow: c.Follow, Since: c.Since, FromSeq: c.FromSeq, Until: c.Until,
-	}, f)
-	if cerr := f.Close(); err == nil {
-		err = cerr
+	cfg.Conn = nc
+	n, err := replay.Capture(ctx, cfg, out)
+	if err != nil && n == 0 {
+		out.discard() // an existing file stays as it was
+		return err
+	}
+	if cerr := out.commit(); cerr != nil {
+		return errors.Join(err, cerr)
+	}
+	if err != nil {
+		return fmt.Errorf("%w (the %d requests captured before it are in %s)", err, n, c.Out)
 	}
 	log.Info("capture done", "file", c.Out, "requests", n)
-	return err
+	return nil
 }
 
 type captureStatsCmd struct {
@@ -110,10 +127,27 @@ func (f traceFlags) write(title string, reports []*replay.Report) error {
 	return nil
 }
 
-func (f traceFlags) load(path string) (*replay.Trace, error) {
+// check fails on flags no run can use, and when --json or --html cannot be
+// written: before a run, not after it.
+func (f traceFlags) check() error {
+	if f.Speed <= 0 || math.IsInf(f.Speed, 0) || math.IsNaN(f.Speed) {
+		return fmt.Errorf("--speed %v must be a positive number", f.Speed)
+	}
+	if f.Limit < 0 || f.Skip < 0 {
+		return fmt.Errorf("--limit (%d) and --skip (%d) cannot be negative (0: no limit, none skipped)", f.Limit, f.Skip)
+	}
+	return checkOutputs(map[string]string{"--json": f.JSON, "--html": f.HTML})
+}
+
+// load reads the part of the trace to replay; what a damaged capture left
+// out is logged.
+func (f traceFlags) load(path string, log *slog.Logger) (*replay.Trace, error) {
 	tr, err := replay.ReadTraceFile(path, f.Format)
 	if err != nil {
 		return nil, err
+	}
+	for _, d := range tr.Damage {
+		log.Warn("damaged capture: replaying what it holds", "file", path, "left_out", d)
 	}
 	if f.InferSessions {
 		replay.InferSessions(tr, replay.MooncakeBlockTokens)
@@ -144,6 +178,7 @@ type replayCmd struct {
 	Policy     string        `name:"policy-label" default:"" help:"Label of the report's policy column."`
 	BlockSize  int           `name:"block-size" default:"16" help:"The cluster's block size, for ideal_hit_ratio."`
 	Timeout    time.Duration `name:"timeout" default:"10m" help:"Deadline of one request."`
+	APIKey     string        `name:"api-key" env:"KVBUS_API_KEY,OPENAI_API_KEY" help:"With an http:// target, the frontend's --api-key, sent as a bearer token."`
 }
 
 func (c *replayCmd) Run(ctx context.Context) error {
@@ -151,7 +186,10 @@ func (c *replayCmd) Run(ctx context.Context) error {
 	if c.BlockSize < 1 {
 		return errors.New("--block-size must be at least 1")
 	}
-	tr, err := c.load(c.File)
+	if err := c.check(); err != nil {
+		return err
+	}
+	tr, err := c.load(c.File, log)
 	if err != nil {
 		return err
 	}
@@ -165,9 +203,17 @@ func (c *replayCmd) Run(ctx context.Context) error {
 	}
 	nf := c.natsFlags
 	nf.NATSURL = natsURL
-	nc, err := connect(ctx, nf, "kvbus-replay", log)
+	bc := nf.config("kvbus-replay", log)
+	overHTTP := u.Scheme != "nats" && u.Scheme != "tls"
+	if overHTTP {
+		// The bus only tells which group served each request: a replay
+		// through the frontend does not wait long for it.
+		bc.ConnectTimeout = 2 * time.Second
+		log.Info("connecting to NATS to learn each request's group (give --nats-url the cluster's)", "nats_url", natsURL)
+	}
+	nc, err := bus.Connect(ctx, bc)
 	if err != nil {
-		if u.Scheme == "nats" || u.Scheme == "tls" {
+		if !overHTTP {
 			return err
 		}
 		log.Warn("replaying over HTTP without the bus: groups will not be reported", "err", err)
@@ -176,7 +222,7 @@ func (c *replayCmd) Run(ctx context.Context) error {
 	}
 	r, err := replay.New(replay.Config{
 		Target: c.Target, Conn: nc, Subjects: c.subjects(), Model: c.Model, Speed: c.Speed, Mode: c.Mode,
-		Timeout: c.Timeout, Progress: progressOut(), Logger: log,
+		Timeout: c.Timeout, APIKey: c.APIKey, Progress: progressOut(), Logger: log,
 	})
 	if err != nil {
 		return err
@@ -191,7 +237,41 @@ func (c *replayCmd) Run(ctx context.Context) error {
 	if werr := c.write("kvbus replay: "+c.File, []*replay.Report{rep}); werr != nil {
 		return werr
 	}
-	return err
+	if err != nil {
+		return err
+	}
+	return outcome(log, rep)
+}
+
+// policyLabel is " (policy P)", or "" for a replay without a label.
+func policyLabel(p string) string {
+	if p == "" {
+		return ""
+	}
+	return " (policy " + p + ")"
+}
+
+// outcome fails a run in which no request succeeded (a script must not
+// take it for a measurement), naming the most frequent error, and warns
+// that a run's hit ratios count only the requests that succeeded.
+func outcome(log *slog.Logger, reports ...*replay.Report) error {
+	for _, rep := range reports {
+		if rep.Failed == 0 {
+			continue
+		}
+		worst, n := "", 0
+		for e, k := range rep.Errors {
+			if k > n || (k == n && e < worst) {
+				worst, n = e, k
+			}
+		}
+		if rep.OK == 0 {
+			return fmt.Errorf("none of the %d requests succeeded%s; the most frequent error (%d of them): %s", rep.Requests, policyLabel(rep.Policy), n, worst)
+		}
+		log.Warn("some requests failed: latencies and hit_ratio count only those that succeeded, ideal_hit_ratio every request of the trace",
+			"policy", rep.Policy, "failed", rep.Failed, "of", rep.Requests, "most_frequent_error", worst)
+	}
+	return nil
 }
 
 type tapCmd struct {
@@ -235,8 +315,11 @@ type benchCmd struct {
 
 func (c *benchCmd) Run(ctx context.Context) error {
 	log := c.logger()
-	if c.BlockSize < 1 || c.Speed <= 0 || c.Runs < 1 {
-		return errors.New("--block-size and --runs must be at least 1 and --speed positive")
+	if c.BlockSize < 1 || c.Runs < 1 || c.Groups < 1 || c.Ranks < 1 {
+		return fmt.Errorf("--block-size (%d), --runs (%d), --groups (%d) and --ranks (%d) must be at least 1", c.BlockSize, c.Runs, c.Groups, c.Ranks)
+	}
+	if err := c.check(); err != nil {
+		return err
 	}
 	policies, pools, err := c.runs()
 	if err != nil {
@@ -253,7 +336,7 @@ func (c *benchCmd) Run(ctx context.Context) error {
 	if err := fitStores(c.Payload, c.Capacity, c.Groups*c.Ranks, capacity); err != nil {
 		return err
 	}
-	tr, err := c.load(c.Trace)
+	tr, err := c.load(c.Trace, log)
 	if err != nil {
 		return err
 	}
@@ -271,7 +354,14 @@ func (c *benchCmd) Run(ctx context.Context) error {
 				"requests", len(tr.Items), "speed", c.Speed)
 			rep, err := c.runOne(ctx, tr, policy, pool, capacity, ideal)
 			if err != nil {
-				return fmt.Errorf("policy %s, pool %s: %w", policy, pool, err)
+				err = fmt.Errorf("policy %s, pool %s: %w", policy, pool, err)
+				if len(reports) == 0 {
+					return err
+				}
+				// Interrupted (or failed): the runs that finished are
+				// still reported.
+				log.Warn("bench stopped; reporting the runs that finished", "finished", len(reports), "err", err)
+				return errors.Join(err, c.report(reports))
 			}
 			rep.Trace = c.Trace
 			if len(pools) > 1 {
@@ -280,6 +370,14 @@ func (c *benchCmd) Run(ctx context.Context) error {
 			reports = append(reports, rep)
 		}
 	}
+	if err := c.report(reports); err != nil {
+		return err
+	}
+	return outcome(log, reports...)
+}
+
+// report prints the table and writes the files of the runs done.
+func (c *benchCmd) report(reports []*replay.Report) error {
 	if err := replay.WriteTable(os.Stdout, reports); err != nil {
 		return err
 	}

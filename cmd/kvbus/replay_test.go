@@ -1,0 +1,144 @@
+package main
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/alecthomas/kong"
+
+	"github.com/kvbus/kvbus/internal/logsink"
+	"github.com/kvbus/kvbus/testenv"
+)
+
+// parseCLI parses args as the kvbus command line.
+func parseCLI(t *testing.T, args ...string) *cli {
+	t.Helper()
+	var c cli
+	p, err := kong.New(&c, kong.Bind((*logsink.Writer)(nil)), kong.DefaultEnvars("KVBUS"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := p.Parse(args); err != nil {
+		t.Fatal(err)
+	}
+	return &c
+}
+
+// tinyTrace writes a Mooncake trace of n requests, two sessions.
+func tinyTrace(t *testing.T, n int) string {
+	t.Helper()
+	var b strings.Builder
+	for i := range n {
+		fmt.Fprintf(&b, `{"timestamp": %d, "input_length": 40, "output_length": 2, "hash_ids": [%d], "session_id": "s%d"}`+"\n", i*10, i%2, i%2)
+	}
+	path := filepath.Join(t.TempDir(), "trace.jsonl")
+	if err := os.WriteFile(path, []byte(b.String()), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	return path
+}
+
+// TestFailedCaptureKeepsTheFile: a capture that fails (here: no request log
+// under its prefix) leaves the file it was to replace as it was; it
+// truncated it to nothing. Flags that exclude each other are refused.
+func TestFailedCaptureKeepsTheFile(t *testing.T) {
+	srv := testenv.StartNATS(t)
+	out := filepath.Join(t.TempDir(), "x.kvcap")
+	if err := os.WriteFile(out, []byte("an earlier capture"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	c := parseCLI(t, "capture", "--out", out, "--nats-url", srv.ClientURL(), "--subject-prefix", "foo")
+	c.Capture.Record.out = &testenv.LogBuffer{}
+	err := c.Capture.Record.Run(t.Context())
+	if err == nil || !strings.Contains(err.Error(), "--subject-prefix") {
+		t.Errorf("capture of a prefix without a log: %v, want an error naming --subject-prefix", err)
+	}
+	if b, _ := os.ReadFile(out); string(b) != "an earlier capture" {
+		t.Errorf("the failed capture left %q in the file", b)
+	}
+	if left, _ := filepath.Glob(filepath.Join(filepath.Dir(out), ".*partial")); len(left) > 0 {
+		t.Errorf("temporary files left: %v", left)
+	}
+	for _, args := range [][]string{
+		{"--for", "3s"},
+		{"--since", "2026-01-01T00:00:00Z", "--from-seq", "3"},
+	} {
+		c := parseCLI(t, append([]string{"capture", "--out", out, "--nats-url", srv.ClientURL()}, args...)...)
+		c.Capture.Record.out = &testenv.LogBuffer{}
+		if err := c.Capture.Record.Run(t.Context()); err == nil {
+			t.Errorf("capture %v: no error", args)
+		}
+	}
+}
+
+// TestReplayFailsWhenNothingSucceeds: a replay none of whose requests
+// succeeded exits with an error naming the cause (here a bus without this
+// prefix's request log, which the error says), and still writes its
+// report; an unwritable --json fails before anything is replayed.
+func TestReplayFailsWhenNothingSucceeds(t *testing.T) {
+	srv := testenv.StartNATS(t)
+	trace := tinyTrace(t, 3)
+	report := filepath.Join(t.TempDir(), "r.json")
+	c := parseCLI(t, "replay", trace, "--target", srv.ClientURL(), "--subject-prefix", "elsewhere", "--speed", "100", "--json", report)
+	c.Replay.out = &testenv.LogBuffer{}
+	err := c.Replay.Run(t.Context())
+	if err == nil || !strings.Contains(err.Error(), "none of the 3 requests succeeded") || !strings.Contains(err.Error(), "--subject-prefix") {
+		t.Errorf("replay onto no request log: %v; want an error saying none succeeded and naming --subject-prefix", err)
+	}
+	var reports []map[string]any
+	if b, err := os.ReadFile(report); err != nil || json.Unmarshal(b, &reports) != nil || len(reports) != 1 || reports[0]["failed"] != 3.0 {
+		t.Errorf("report %s: %v, %v", report, reports, err)
+	}
+
+	begin := time.Now()
+	c = parseCLI(t, "replay", trace, "--target", srv.ClientURL(), "--json", filepath.Join(t.TempDir(), "no", "such", "dir", "r.json"))
+	c.Replay.out = &testenv.LogBuffer{}
+	if err := c.Replay.Run(t.Context()); err == nil || !strings.Contains(err.Error(), "--json") {
+		t.Errorf("replay with an unwritable --json: %v, want an error naming --json", err)
+	}
+	if took := time.Since(begin); took > 5*time.Second {
+		t.Errorf("the unwritable --json was found after %s", took)
+	}
+}
+
+// TestBenchFlagsAndInterruption: sizes a run cannot use are refused at
+// once, and a bench interrupted in its second policy still reports the
+// first.
+func TestBenchFlagsAndInterruption(t *testing.T) {
+	trace := tinyTrace(t, 4)
+	for _, args := range [][]string{{"--groups", "0"}, {"--ranks", "0"}, {"--limit=-5"}, {"--speed", "0"}} {
+		c := parseCLI(t, append([]string{"bench", "--trace", trace}, args...)...)
+		c.Bench.out = &testenv.LogBuffer{}
+		if err := c.Bench.Run(t.Context()); err == nil || !strings.Contains(err.Error(), strings.TrimLeft(strings.Split(args[0], "=")[0], "-")) {
+			t.Errorf("bench %v: %v, want an error naming the flag", args, err)
+		}
+	}
+
+	report := filepath.Join(t.TempDir(), "r.json")
+	c := parseCLI(t, "bench", "--trace", trace, "--policies", "round-robin,random", "--groups", "1", "--ranks", "1",
+		"--kv-capacity", "64MiB", "--speed", "1000", "--json", report)
+	logs := &testenv.LogBuffer{}
+	c.Bench.out = logs
+	ctx, cancel := context.WithCancel(t.Context())
+	defer cancel()
+	go func() {
+		for ctx.Err() == nil && len(logs.Lines("bench: starting a cluster")) < 2 {
+			time.Sleep(5 * time.Millisecond)
+		}
+		cancel() // in the second policy's run
+	}()
+	err := c.Bench.Run(ctx)
+	if err == nil {
+		t.Fatal("an interrupted bench returned no error")
+	}
+	var reports []map[string]any
+	if b, rerr := os.ReadFile(report); rerr != nil || json.Unmarshal(b, &reports) != nil || len(reports) != 1 || reports[0]["policy"] != "round-robin" || reports[0]["ok"] != 4.0 {
+		t.Errorf("after an interruption (%v) the report holds %v (%v); want round-robin's run of 4 requests", err, reports, rerr)
+	}
+}
