@@ -11,7 +11,6 @@ import (
 	"strings"
 	"sync"
 	"time"
-	"unicode"
 
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
@@ -22,7 +21,7 @@ import (
 	"github.com/kvbus/kvbus/messages"
 )
 
-// maxRequestIDBytes bounds a client's X-Request-Id.
+// maxRequestIDBytes bounds a client's X-Request-Id and request_id.
 const maxRequestIDBytes = 128
 
 // outputQueue collects the Outputs of one HTTP request's bus requests. The
@@ -67,12 +66,15 @@ type choiceState struct {
 	started   bool
 	nextIndex int
 	text      strings.Builder
-	finish    string
-	usage     messages.Usage
-	done      bool
-	err       *APIError
-	errRaw    []byte // an engine's error body, relayed as it is
-	firstByte time.Time
+	// promptTokens is the prompt's length (continuous usage stats).
+	promptTokens int
+	finish       string
+	stopReason   string // the stop string that ended it, if one did
+	usage        messages.Usage
+	done         bool
+	err          *APIError
+	errRaw       []byte // an engine's error body, relayed as it is
+	firstByte    time.Time
 }
 
 // generation is one HTTP generate request in flight.
@@ -101,6 +103,17 @@ func (s *Server) serveGenerate(w http.ResponseWriter, r *http.Request, endpoint 
 // generate serves one request and returns the HTTP status it answered.
 func (s *Server) generate(w http.ResponseWriter, r *http.Request, endpoint string, start time.Time) int {
 	fail := func(e *APIError) int { writeError(w, e); return e.Status }
+	// X-Request-Id is on every response, errors included, from the start:
+	// the client's id, or the generated one (README). The body's request_id
+	// replaces the generated one once read.
+	busBase := nuid.Next()
+	hdrID, hdrErr := requestID(r.Header)
+	h := w.Header()
+	if hdrErr == nil && hdrID != "" {
+		h.Set("X-Request-Id", hdrID)
+	} else {
+		h.Set("X-Request-Id", busBase)
+	}
 	if n := s.active.Add(1); s.cfg.MaxInflight > 0 && n > int64(s.cfg.MaxInflight) {
 		s.active.Add(-1)
 		return fail(&APIError{Status: http.StatusTooManyRequests, Type: typeRateLimit, Code: "overloaded", RetryAfter: 1,
@@ -139,6 +152,15 @@ func (s *Server) generate(w http.ResponseWriter, r *http.Request, endpoint strin
 	} else {
 		p, apiErr = parseCompletion(body, opts)
 	}
+	// vLLM names the request after X-Request-Id, else after the body's
+	// request_id. A p with an error holds the request_id when it was valid.
+	extID, idParam := hdrID, "X-Request-Id"
+	if p != nil && extID == "" && p.requestID != "" {
+		extID, idParam = p.requestID, "request_id"
+		if hdrErr == nil {
+			h.Set("X-Request-Id", extID)
+		}
+	}
 	if apiErr != nil {
 		return fail(apiErr)
 	}
@@ -153,9 +175,8 @@ func (s *Server) generate(w http.ResponseWriter, r *http.Request, endpoint strin
 	if apiErr != nil {
 		return fail(apiErr)
 	}
-	extID, apiErr := requestID(r.Header)
-	if apiErr != nil {
-		return fail(apiErr)
+	if hdrErr != nil {
+		return fail(hdrErr)
 	}
 	prompts, apiErr := s.tokenize(r.Context(), p)
 	if apiErr != nil {
@@ -173,10 +194,10 @@ func (s *Server) generate(w http.ResponseWriter, r *http.Request, endpoint strin
 		prefix = "chatcmpl-"
 	}
 	// The bus id is the client's id made unique (a client may reuse its
-	// X-Request-Id), or a new id. The whole nuid: its random prefix differs
-	// between frontends, and the request log dedupes by this id, so two
-	// frontends given one X-Request-Id must not make the same one.
-	busBase := nuid.Next()
+	// X-Request-Id or request_id), or a new id. The whole nuid: its random
+	// prefix differs between frontends, and the request log dedupes by this
+	// id, so two frontends given one X-Request-Id must not make the same
+	// one.
 	if extID == "" {
 		extID = busBase
 	} else {
@@ -196,7 +217,7 @@ func (s *Server) generate(w http.ResponseWriter, r *http.Request, endpoint strin
 		if len(prompts) > 1 {
 			busID = busBase + "-" + strconv.Itoa(i)
 		}
-		g.choices = append(g.choices, &choiceState{busID: busID})
+		g.choices = append(g.choices, &choiceState{busID: busID, promptTokens: len(prompt)})
 		s.register(busID, g.q, i)
 		req := s.busRequest(p, busID, sessionID, prompt, start, deadline)
 		if err := s.publish(r.Context(), req); err != nil {
@@ -212,8 +233,8 @@ func (s *Server) generate(w http.ResponseWriter, r *http.Request, endpoint strin
 				g.log.Warn("request id already in the request log", "err", err)
 				g.abortChoices(g.choices[:i], "request id collision")
 				g.unregister()
-				return fail(&APIError{Status: http.StatusConflict, Type: typeInvalidRequest, Code: "duplicate_request_id", Param: "X-Request-Id",
-					Message: "a request with this id is still in the request log; send it with another X-Request-Id"})
+				return fail(&APIError{Status: http.StatusConflict, Type: typeInvalidRequest, Code: "duplicate_request_id", Param: idParam,
+					Message: "a request with this id is still in the request log; send it with another " + idParam})
 			}
 			g.log.Warn("cannot publish request to the bus", "err", err)
 			g.abort("publish failed")
@@ -247,8 +268,6 @@ func (s *Server) generate(w http.ResponseWriter, r *http.Request, endpoint strin
 		}
 	}()
 
-	h := w.Header()
-	h.Set("X-Request-Id", extID)
 	if sessionID != "" {
 		h.Set("X-Session-ID", sessionID)
 	}
@@ -256,7 +275,7 @@ func (s *Server) generate(w http.ResponseWriter, r *http.Request, endpoint strin
 	case s.cfg.Passthrough:
 		return g.relay(w, r.Context(), deadline, p.stream)
 	case p.stream:
-		return g.stream(w, r.Context(), deadline, p.includeUsage)
+		return g.stream(w, r.Context(), deadline, p.includeUsage, p.continuousUsage)
 	}
 	return g.respond(w, r.Context(), deadline)
 }
@@ -274,7 +293,7 @@ func (s *Server) serves(model string) bool {
 // short.
 func requestID(h http.Header) (string, *APIError) {
 	v := strings.TrimSpace(h.Get("X-Request-Id"))
-	if len(v) > maxRequestIDBytes || strings.ContainsFunc(v, func(r rune) bool { return r > unicode.MaxASCII || !unicode.IsPrint(r) }) {
+	if !validRequestID(v) {
 		return "", badRequest("X-Request-Id", "X-Request-Id must be at most %d printable ASCII characters", maxRequestIDBytes)
 	}
 	return v, nil
@@ -510,7 +529,7 @@ func (g *generation) next(ctx context.Context, timer *time.Timer) ([]choiceOutpu
 						c.err.Status, c.errRaw = o.Error.Status, o.Error.Raw
 					}
 				} else if o.FinishReason != "" {
-					c.done, c.finish = true, o.FinishReason
+					c.done, c.finish, c.stopReason = true, o.FinishReason, o.StopReason
 				}
 				fresh = append(fresh, it)
 			}
@@ -544,7 +563,7 @@ func (g *generation) allDone() bool {
 }
 
 func (g *generation) usage() usageJSON {
-	var u usageJSON
+	u := usageJSON{PromptTokensDetails: &promptTokensDetails{}}
 	for _, c := range g.choices {
 		u.PromptTokens += c.usage.PromptTokens
 		u.CompletionTokens += c.usage.CompletionTokens
@@ -552,6 +571,13 @@ func (g *generation) usage() usageJSON {
 	}
 	u.TotalTokens = u.PromptTokens + u.CompletionTokens
 	return u
+}
+
+// usageSoFar is one choice's usage on a streamed chunk (vLLM's continuous
+// usage stats): its prompt and the completion tokens streamed so far, and
+// no prompt_tokens_details, which vLLM leaves out there.
+func (c *choiceState) usageSoFar(completion int) *usageJSON {
+	return &usageJSON{PromptTokens: c.promptTokens, CompletionTokens: completion, TotalTokens: c.promptTokens + completion}
 }
 
 // respond waits for every choice and writes one JSON response.
@@ -575,7 +601,7 @@ func (g *generation) respond(w http.ResponseWriter, ctx context.Context, deadlin
 	}
 	resp := completionJSON{ID: g.id, Created: g.created, Model: g.model, Usage: ptr(g.usage())}
 	for i, c := range g.choices {
-		ch := choiceJSON{Index: i, FinishReason: ptr(c.finish)}
+		ch := choiceJSON{Index: i, FinishReason: ptr(c.finish), StopReason: stopReason(c.stopReason)}
 		if g.endpoint == messages.EndpointChat {
 			resp.Object = "chat.completion"
 			ch.Message = &messageJSON{Role: "assistant", Content: ptr(c.text.String())}
@@ -598,7 +624,10 @@ func (g *generation) respond(w http.ResponseWriter, ctx context.Context, deadlin
 // before it (no ready group, overloaded, a timeout) is answered with its
 // HTTP status, as without streaming, so that clients and SDKs retry a 503
 // or 429 as they would any other.
-func (g *generation) stream(w http.ResponseWriter, ctx context.Context, deadline time.Time, includeUsage bool) int {
+//
+// With continuousUsage every chunk but the usage one carries the usage of
+// its choice so far, the role chunk included, as vLLM's do.
+func (g *generation) stream(w http.ResponseWriter, ctx context.Context, deadline time.Time, includeUsage, continuousUsage bool) int {
 	flusher, _ := w.(http.Flusher)
 	send := func(v any) {
 		b, _ := json.Marshal(v)
@@ -624,11 +653,20 @@ func (g *generation) stream(w http.ResponseWriter, ctx context.Context, deadline
 		if g.endpoint == messages.EndpointChat {
 			// vLLM and OpenAI open with the role. Like vLLM, it goes out
 			// with the first output, in the same write.
-			for i := range g.choices {
-				send(completionJSON{ID: g.id, Object: object, Created: g.created, Model: g.model,
-					Choices: []choiceJSON{{Index: i, Delta: &messageJSON{Role: "assistant", Content: ptr("")}}}})
+			for i, c := range g.choices {
+				chunk := completionJSON{ID: g.id, Object: object, Created: g.created, Model: g.model,
+					Choices: []choiceJSON{{Index: i, Delta: &messageJSON{Role: "assistant", Content: ptr("")}}}}
+				if continuousUsage {
+					chunk.Usage = c.usageSoFar(0)
+				}
+				send(chunk)
 			}
 		}
+	}
+	// completion counts each choice's tokens streamed so far.
+	var completion []int
+	if continuousUsage {
+		completion = make([]int, len(g.choices))
 	}
 	timer := time.NewTimer(time.Until(deadline))
 	defer timer.Stop()
@@ -661,6 +699,12 @@ func (g *generation) stream(w http.ResponseWriter, ctx context.Context, deadline
 				send(c.err.body())
 				continue
 			}
+			if continuousUsage {
+				completion[it.choice] += len(o.TokenIDs)
+				if o.FinishReason != "" && o.Usage != nil {
+					completion[it.choice] = o.Usage.CompletionTokens // the engine's count
+				}
+			}
 			if o.Text == "" && o.FinishReason == "" {
 				continue
 			}
@@ -673,10 +717,18 @@ func (g *generation) stream(w http.ResponseWriter, ctx context.Context, deadline
 				if o.Text != "" {
 					ch.Delta.Content = ptr(o.Text)
 				}
+				if o.FinishReason != "" { // vLLM sets it on the finishing chunk only
+					ch.StopReason = stopReason(o.StopReason)
+				}
 			} else {
 				ch.Text = ptr(o.Text)
+				ch.StopReason = stopReason(o.StopReason) // null until the end, on every chunk
 			}
-			send(completionJSON{ID: g.id, Object: object, Created: g.created, Model: g.model, Choices: []choiceJSON{ch}})
+			chunk := completionJSON{ID: g.id, Object: object, Created: g.created, Model: g.model, Choices: []choiceJSON{ch}}
+			if continuousUsage {
+				chunk.Usage = c.usageSoFar(completion[it.choice])
+			}
+			send(chunk)
 		}
 		if !g.allDone() { // the last events go out with [DONE], in one write
 			flush()
@@ -727,6 +779,21 @@ type choiceJSON struct {
 	Text         *string      `json:"text,omitempty"`
 	Logprobs     *struct{}    `json:"logprobs"`
 	FinishReason *string      `json:"finish_reason"`
+	// StopReason is vLLM's stop_reason: the stop string or token id that
+	// ended the choice, JSON null when it ended otherwise; left out where
+	// vLLM leaves it out (a chat chunk that does not finish).
+	StopReason json.RawMessage `json:"stop_reason,omitempty"`
+}
+
+// stopReason is vLLM's stop_reason of a finished choice: the stop string
+// that ended it (the engine says which), else JSON null.
+func stopReason(stop string) json.RawMessage {
+	if stop != "" {
+		if b, err := json.Marshal(stop); err == nil {
+			return b
+		}
+	}
+	return json.RawMessage("null")
 }
 
 type messageJSON struct {
@@ -735,12 +802,16 @@ type messageJSON struct {
 }
 
 type usageJSON struct {
-	PromptTokens        int `json:"prompt_tokens"`
-	CompletionTokens    int `json:"completion_tokens"`
-	TotalTokens         int `json:"total_tokens"`
-	PromptTokensDetails struct {
-		CachedTokens int `json:"cached_tokens"`
-	} `json:"prompt_tokens_details"`
+	PromptTokens     int `json:"prompt_tokens"`
+	CompletionTokens int `json:"completion_tokens"`
+	TotalTokens      int `json:"total_tokens"`
+	// PromptTokensDetails is on a response's usage, not on a chunk's
+	// continuous usage (vLLM's neither).
+	PromptTokensDetails *promptTokensDetails `json:"prompt_tokens_details,omitempty"`
+}
+
+type promptTokensDetails struct {
+	CachedTokens int `json:"cached_tokens"`
 }
 
 func ptr[T any](v T) *T { return &v }

@@ -9,9 +9,12 @@ import (
 	"math"
 	"net/http"
 	"os"
+	"reflect"
 	"slices"
+	"strconv"
 	"strings"
 	"time"
+	"unicode"
 	"unicode/utf8"
 
 	"github.com/kvbus/kvbus/messages"
@@ -20,16 +23,17 @@ import (
 // commonParams are the request fields shared by both endpoints.
 type commonParams struct {
 	Model            string          `json:"model"`
-	MaxTokens        *int            `json:"max_tokens"`
-	MinTokens        *int            `json:"min_tokens"`
+	MaxTokens        *wholeInt       `json:"max_tokens"`
+	MinTokens        *wholeInt       `json:"min_tokens"`
 	Temperature      *float64        `json:"temperature"`
 	TopP             *float64        `json:"top_p"`
-	N                *int            `json:"n"`
-	Seed             *int64          `json:"seed"`
+	N                *wholeInt       `json:"n"`
+	Seed             *wholeInt       `json:"seed"`
 	Stop             json.RawMessage `json:"stop"`
 	Stream           bool            `json:"stream"`
-	StreamOptions    *streamOptions  `json:"stream_options"`
+	StreamOptions    json.RawMessage `json:"stream_options"`
 	IgnoreEOS        bool            `json:"ignore_eos"`
+	RequestID        json.RawMessage `json:"request_id"`
 	SessionID        json.RawMessage `json:"session_id"`
 	VLLMXargs        json.RawMessage `json:"vllm_xargs"`
 	KVTransferParams map[string]any  `json:"kv_transfer_params"`
@@ -51,7 +55,7 @@ type commonParams struct {
 
 // simUnsupported names the first field set in c that the sim engine
 // cannot honour (a value that asks for nothing, such as null, false, 0,
-// [] or tool_choice "none", is fine).
+// 0.0, [] or tool_choice "none", is fine).
 func (c *commonParams) simUnsupported() string {
 	fields := []struct {
 		name string
@@ -67,22 +71,75 @@ func (c *commonParams) simUnsupported() string {
 			if f.name == "response_format" && strings.ReplaceAll(v, " ", "") == `{"type":"text"}` {
 				continue // the default: plain text
 			}
+			if n, err := strconv.ParseFloat(v, 64); err == nil && n == 0 && v[0] != '"' {
+				continue // 0.0, as pydantic takes it for 0
+			}
 			return f.name
 		}
 	}
 	return ""
 }
 
-type streamOptions struct {
-	// IncludeUsage is true when left out, as vLLM's StreamOptions has it
-	// (and kvbus's real-engine path); null or false leaves usage out.
-	IncludeUsage json.RawMessage `json:"include_usage"`
+// wholeInt is an integer field that also takes a number with a zero
+// fraction (4.0, 4e0), as vLLM's pydantic models do; 4.5 is a type error.
+type wholeInt int64
+
+// UnmarshalJSON implements json.Unmarshaler. null leaves n as it is (a
+// *wholeInt field is left nil without a call).
+func (n *wholeInt) UnmarshalJSON(b []byte) error {
+	if string(b) == "null" {
+		return nil
+	}
+	v, ok := parseWholeNumber(b)
+	if !ok {
+		return &json.UnmarshalTypeError{Value: typeErrorValue(b), Type: reflect.TypeFor[int64]()}
+	}
+	*n = wholeInt(v)
+	return nil
+}
+
+// parseWholeNumber reads a JSON number that is a whole number within
+// int64: an integer literal, or a number with a zero fraction.
+func parseWholeNumber(b []byte) (int64, bool) {
+	if len(b) == 0 || (b[0] != '-' && (b[0] < '0' || b[0] > '9')) {
+		return 0, false
+	}
+	if !bytes.ContainsAny(b, ".eE") {
+		v, err := strconv.ParseInt(string(b), 10, 64)
+		if err != nil {
+			return 0, false
+		}
+		return v, true
+	}
+	f, err := strconv.ParseFloat(string(b), 64)
+	// -2^63 is exact in a float64, and 2^63 the first float above int64.
+	if err != nil || f != math.Trunc(f) || f < math.MinInt64 || f >= math.MaxInt64 {
+		return 0, false
+	}
+	return int64(f), true
+}
+
+// typeErrorValue names a JSON value as encoding/json's type errors do.
+func typeErrorValue(b []byte) string {
+	switch b = bytes.TrimSpace(b); {
+	case len(b) == 0:
+		return "value"
+	case b[0] == '"':
+		return "string"
+	case b[0] == 't' || b[0] == 'f':
+		return "bool"
+	case b[0] == '[':
+		return "array"
+	case b[0] == '{':
+		return "object"
+	}
+	return "number " + string(b)
 }
 
 type chatRequest struct {
 	commonParams
 	Messages            []chatMessage `json:"messages"`
-	MaxCompletionTokens *int          `json:"max_completion_tokens"`
+	MaxCompletionTokens *wholeInt     `json:"max_completion_tokens"`
 }
 
 type chatMessage struct {
@@ -93,6 +150,95 @@ type chatMessage struct {
 type completionRequest struct {
 	commonParams
 	Prompt json.RawMessage `json:"prompt"`
+}
+
+// fieldSchema names the keys of a JSON object that the parser decodes into
+// a struct, each with the schema of its value: of the object, or of the
+// objects of the array, it holds (nil: a value decoded whole, such as a
+// number or a json.RawMessage kept as sent). It is read-only.
+type fieldSchema map[string]fieldSchema
+
+// requestSchema is every field of chatRequest and completionRequest, with
+// the objects inside them that are decoded into structs: stream_options,
+// messages and their content parts. Read-only; TestRequestSchema keeps it
+// in step with the structs.
+var requestSchema = fieldSchema{
+	"model": nil, "max_tokens": nil, "min_tokens": nil, "temperature": nil, "top_p": nil, "n": nil, "seed": nil,
+	"stop": nil, "stream": nil, "stream_options": {"include_usage": nil, "continuous_usage_stats": nil},
+	"ignore_eos": nil, "request_id": nil, "session_id": nil, "vllm_xargs": nil, "kv_transfer_params": nil,
+	"tools": nil, "tool_choice": nil, "response_format": nil, "logprobs": nil, "top_logprobs": nil, "echo": nil,
+	"logit_bias": nil, "guided_json": nil, "guided_regex": nil, "guided_choice": nil, "guided_grammar": nil,
+	"structured_outputs":    nil,
+	"messages":              {"role": nil, "content": {"type": nil, "text": nil}},
+	"max_completion_tokens": nil,
+	"prompt":                nil,
+}
+
+// maxKeyLen is the length of the longest key of requestSchema.
+const maxKeyLen = len("continuous_usage_stats")
+
+// requestKeysByLen holds the keys of requestSchema, at every level, by
+// length. Read-only.
+var requestKeysByLen = keysByLen(requestSchema)
+
+func keysByLen(s fieldSchema) *[maxKeyLen + 1][]string {
+	var out [maxKeyLen + 1][]string
+	var walk func(fieldSchema)
+	walk = func(s fieldSchema) {
+		for k, sub := range s {
+			if !slices.Contains(out[len(k)], k) {
+				out[len(k)] = append(out[len(k)], k)
+			}
+			walk(sub)
+		}
+	}
+	walk(s)
+	return &out
+}
+
+// exactKeys returns raw, a JSON value of schema s, with every object key
+// that is not one of s's fields as written left out, at every level s
+// describes; the other keys and values are kept, in the same meaning.
+// encoding/json matches keys to fields ignoring case ("STREAM" sets
+// Stream); with this done first, only exact keys are matched, as
+// pydantic does (vLLM ignores "STREAM" as an unknown field). Invalid JSON
+// is returned as it is, for the decoder to report.
+func exactKeys(raw json.RawMessage, s fieldSchema) json.RawMessage {
+	raw = bytes.TrimSpace(raw)
+	if len(raw) == 0 {
+		return raw
+	}
+	switch raw[0] {
+	case '{':
+		var m map[string]json.RawMessage
+		if json.Unmarshal(raw, &m) != nil {
+			return raw
+		}
+		for k, v := range m {
+			sub, ok := s[k]
+			switch {
+			case !ok:
+				delete(m, k)
+			case sub != nil:
+				m[k] = exactKeys(v, sub)
+			}
+		}
+		if out, err := json.Marshal(m); err == nil {
+			return out
+		}
+	case '[':
+		var a []json.RawMessage
+		if json.Unmarshal(raw, &a) != nil {
+			return raw
+		}
+		for i, v := range a {
+			a[i] = exactKeys(v, s)
+		}
+		if out, err := json.Marshal(a); err == nil {
+			return out
+		}
+	}
+	return raw
 }
 
 // parseOptions say what the requests will run on.
@@ -117,9 +263,14 @@ type parsedRequest struct {
 	maxTokensSet bool
 	stream       bool
 	includeUsage bool
-	session      SessionInput
-	xargs        map[string]any
-	kvTransfer   map[string]any
+	// continuousUsage: usage on every streamed chunk
+	// (stream_options.continuous_usage_stats with include_usage).
+	continuousUsage bool
+	// requestID is the body's request_id, validated (empty: none).
+	requestID  string
+	session    SessionInput
+	xargs      map[string]any
+	kvTransfer map[string]any
 }
 
 // readBody reads at most limit bytes of the body; more is a 413.
@@ -144,39 +295,67 @@ func readBody(w http.ResponseWriter, r *http.Request, limit int64, timeout time.
 	return body, nil
 }
 
-// hasKeyVariant reports whether body may hold a quoted string equal to one
-// of keys but for case, and not that key itself: a key encoding/json would
-// match to the key's field. One pass, no allocation for plain ASCII; a
-// string written with escapes or non-ASCII bytes is decoded (encoding/json
-// also matches "SESSION\u005fID", and "ſession_id", whose ſ folds to s).
-// A false positive only costs the caller an exact look-up.
-func hasKeyVariant(body []byte, keys ...string) bool {
+// hasKeyVariant reports whether body may hold a quoted string that
+// encoding/json would match to a key of requestSchema without being that
+// key as written: a case variant ("STREAM"), or one written with a
+// non-ASCII letter that folds to an ASCII one (ſ, U+017F, folds to s; K,
+// U+212A, to k). One pass, no allocation for plain ASCII; a string written
+// with escapes is decoded (encoding/json also matches "STREA\u004d"). A
+// false positive (a value such as "Text", or a quote inside a string) only
+// costs the caller an exact decode.
+func hasKeyVariant(body []byte) bool {
 	for i := 0; ; {
 		j := bytes.IndexByte(body[i:], '"')
 		if j < 0 {
 			return false
 		}
 		i += j + 1
-		for _, key := range keys {
-			if end := i + len(key); end < len(body) && body[end] == '"' && foldsTo(body[i:end], key) && string(body[i:end]) != key {
+		if i >= len(body) {
+			return false
+		}
+		switch c := body[i]; {
+		case c == '\\' || c >= utf8.RuneSelf:
+			if encodedVariant(body[i-1:]) {
 				return true
 			}
+			continue
+		case !('a' <= c && c <= 'z' || 'A' <= c && c <= 'Z'): // every key starts with a letter
+			continue
 		}
-		if encodedVariant(body[i-1:], keys) {
-			return true
+		n := 0 // the string's length, while plain ASCII
+		for ; n <= maxKeyLen && i+n < len(body); n++ {
+			if c := body[i+n]; c == '"' || c == '\\' || c >= utf8.RuneSelf {
+				break
+			}
+		}
+		if i+n >= len(body) || n > maxKeyLen {
+			continue
+		}
+		if body[i+n] != '"' {
+			if encodedVariant(body[i-1:]) {
+				return true
+			}
+			continue
+		}
+		for _, key := range requestKeysByLen[n] {
+			if foldsTo(body[i:i+n], key) && string(body[i:i+n]) != key {
+				return true
+			}
 		}
 	}
 }
 
 // maxEncodedKey bounds the written length of a key hasKeyVariant decodes:
-// every letter of a 10-letter key as a \uXXXX escape, and its quotes.
-const maxEncodedKey = 6*10 + 2
+// every letter of the longest key as a \uXXXX escape, and its quotes.
+const maxEncodedKey = 6*maxKeyLen + 2
 
 // encodedVariant reports whether the JSON string at the start of q (its
-// opening quote) is written with escapes or non-ASCII bytes and decodes to
-// a case variant of one of keys. Only a string of as many characters as a
-// key is decoded: a body of short non-ASCII strings costs a scan.
-func encodedVariant(q []byte, keys []string) bool {
+// opening quote) is written with escapes or non-ASCII letters and decodes
+// to a case variant of a key of requestSchema. Only a string of as many
+// characters as a key, and without non-ASCII letters other than the two
+// that fold to ASCII ones, is decoded: a body of short non-ASCII strings
+// costs a scan.
+func encodedVariant(q []byte) bool {
 	plain, runes := true, 0
 	for n := 1; n < len(q) && n < maxEncodedKey; n++ {
 		switch c := q[n]; {
@@ -191,17 +370,20 @@ func encodedVariant(q []byte, keys []string) bool {
 		case c >= utf8.RuneSelf:
 			plain = false
 			runes++
-			_, size := utf8.DecodeRune(q[n:])
+			r, size := utf8.DecodeRune(q[n:])
+			if r != 'ſ' && r != 'K' { // U+017F, U+212A: the only ones that fold to ASCII
+				return false
+			}
 			n += size - 1
 		case c == '"':
-			if plain || !slices.ContainsFunc(keys, func(k string) bool { return len(k) == runes }) {
+			if plain || runes > maxKeyLen || len(requestKeysByLen[runes]) == 0 {
 				return false
 			}
 			var s string
 			if json.Unmarshal(q[:n+1], &s) != nil {
 				return false
 			}
-			for _, key := range keys {
+			for _, key := range requestKeysByLen[runes] {
 				if s != key && strings.EqualFold(s, key) {
 					return true
 				}
@@ -237,6 +419,10 @@ func decodeJSON(body []byte, v any) *APIError {
 	}
 	if !utf8.Valid(body) { // encoding/json would quietly replace the bad bytes
 		return badRequest("", "request body is not valid UTF-8")
+	}
+	if hasKeyVariant(body) {
+		// Rare: decode the keys as written only (a second decode).
+		body = exactKeys(body, requestSchema)
 	}
 	if err := json.Unmarshal(body, v); err != nil {
 		var te *json.UnmarshalTypeError
@@ -274,19 +460,16 @@ func goTypeName(t string) string {
 
 // parseCommon validates the shared fields into p.
 func parseCommon(c *commonParams, p *parsedRequest, o parseOptions) *APIError {
+	// First: the request's id names even the error of a later field.
+	id, err := bodyRequestID(c.RequestID)
+	if err != nil {
+		return err
+	}
+	p.requestID = id
 	p.model = c.Model
 	p.stream = c.Stream
-	if c.StreamOptions != nil {
-		if !c.Stream {
-			return badRequest("stream_options", "stream_options is only allowed when stream is true")
-		}
-		switch v := string(bytes.TrimSpace(c.StreamOptions.IncludeUsage)); v {
-		case "", "true":
-			p.includeUsage = true
-		case "null", "false":
-		default:
-			return badRequest("stream_options.include_usage", "stream_options.include_usage must be a boolean, got %s", v)
-		}
+	if err := parseStreamOptions(c.StreamOptions, p); err != nil {
+		return err
 	}
 	sp := &p.params
 	sp.Temperature, sp.TopP = 1, 1
@@ -314,33 +497,24 @@ func parseCommon(c *commonParams, p *parsedRequest, o parseOptions) *APIError {
 		if *c.MaxTokens < 1 {
 			return badRequest("max_tokens", "max_tokens must be at least 1, got %d", *c.MaxTokens)
 		}
-		sp.MaxTokens, p.maxTokensSet = *c.MaxTokens, true
+		sp.MaxTokens, p.maxTokensSet = int(*c.MaxTokens), true
 	}
 	if c.MinTokens != nil {
 		if *c.MinTokens < 0 {
 			return badRequest("min_tokens", "min_tokens must be >= 0, got %d", *c.MinTokens)
 		}
-		sp.MinTokens = *c.MinTokens
+		sp.MinTokens = int(*c.MinTokens)
 	}
-	sp.Seed = c.Seed
+	sp.Seed = (*int64)(c.Seed)
 	sp.IgnoreEOS = c.IgnoreEOS
 	stop, err := parseStop(c.Stop)
 	if err != nil {
 		return err
 	}
 	sp.Stop = stop
-	sid, xargs := c.SessionID, c.VLLMXargs
-	if hasKeyVariant(p.body, "session_id", "vllm_xargs") {
-		// encoding/json matched "SESSION_ID" or "Vllm_Xargs" to these
-		// fields too, the last one winning; the session rules read the
-		// keys as written, as vLLM does.
-		var top map[string]json.RawMessage
-		if err := json.Unmarshal(p.body, &top); err == nil {
-			sid, xargs = top["session_id"], top["vllm_xargs"]
-		}
-	}
-	p.session.BodySessionID = sid
-	if x := bytes.TrimSpace(xargs); len(x) > 0 && string(x) != "null" {
+	// The keys were matched as written (decodeJSON), as vLLM reads them.
+	p.session.BodySessionID = c.SessionID
+	if x := bytes.TrimSpace(c.VLLMXargs); len(x) > 0 && string(x) != "null" {
 		var raw map[string]json.RawMessage
 		if x[0] != '{' || json.Unmarshal(x, &raw) != nil {
 			return badRequest("vllm_xargs", "vllm_xargs must be an object")
@@ -366,15 +540,100 @@ func parseCommon(c *commonParams, p *parsedRequest, o parseOptions) *APIError {
 	return nil
 }
 
+// validRequestID reports whether id may name a request: at most
+// maxRequestIDBytes printable ASCII characters (X-Request-Id's rule).
+func validRequestID(id string) bool {
+	return len(id) <= maxRequestIDBytes && !strings.ContainsFunc(id, func(r rune) bool { return r > unicode.MaxASCII || !unicode.IsPrint(r) })
+}
+
+// bodyRequestID reads the body's request_id (vLLM's ChatCompletionRequest
+// and CompletionRequest field): a string, validated as X-Request-Id is;
+// null, or a string empty after trimming, is none.
+func bodyRequestID(raw json.RawMessage) (string, *APIError) {
+	raw = bytes.TrimSpace(raw)
+	if len(raw) == 0 || string(raw) == "null" {
+		return "", nil
+	}
+	var id string
+	if raw[0] != '"' || json.Unmarshal(raw, &id) != nil {
+		return "", badRequest("request_id", "request_id must be a string, got %s", jsonKind(raw))
+	}
+	id = strings.TrimSpace(id)
+	if !validRequestID(id) {
+		return "", badRequest("request_id", "request_id must be at most %d printable ASCII characters", maxRequestIDBytes)
+	}
+	return id, nil
+}
+
+// streamOptions is vLLM's StreamOptions.
+type streamOptions struct {
+	// IncludeUsage is true when left out, as vLLM's StreamOptions has it
+	// (and kvbus's real-engine path); null or false leaves usage out.
+	IncludeUsage         json.RawMessage `json:"include_usage"`
+	ContinuousUsageStats json.RawMessage `json:"continuous_usage_stats"`
+}
+
+// parseStreamOptions reads stream_options into p. Like vLLM, which
+// refuses a stream_options that Python finds true without stream, an
+// empty object (or null) is fine without stream; anything else needs it.
+func parseStreamOptions(raw json.RawMessage, p *parsedRequest) *APIError {
+	raw = bytes.TrimSpace(raw)
+	if len(raw) == 0 || string(raw) == "null" {
+		return nil
+	}
+	if raw[0] != '{' {
+		return badRequest("stream_options", "stream_options must be an object, such as {\"include_usage\": true}")
+	}
+	if !p.stream {
+		if len(bytes.TrimSpace(raw[1:len(raw)-1])) == 0 {
+			return nil // {}
+		}
+		return badRequest("stream_options", "stream_options is only allowed when stream is true")
+	}
+	var so streamOptions
+	if json.Unmarshal(raw, &so) != nil {
+		return badRequest("stream_options", "stream_options must be an object, such as {\"include_usage\": true}")
+	}
+	var err *APIError
+	if p.includeUsage, err = optionalBool("stream_options.include_usage", so.IncludeUsage, true); err != nil {
+		return err
+	}
+	continuous, err := optionalBool("stream_options.continuous_usage_stats", so.ContinuousUsageStats, false)
+	if err != nil {
+		return err
+	}
+	// vLLM's should_include_usage: continuous usage needs include_usage.
+	p.continuousUsage = p.includeUsage && continuous
+	return nil
+}
+
+// optionalBool reads an optional boolean: unset when left out, false when
+// null.
+func optionalBool(param string, v json.RawMessage, unset bool) (bool, *APIError) {
+	switch v := string(bytes.TrimSpace(v)); v {
+	case "":
+		return unset, nil
+	case "true":
+		return true, nil
+	case "null", "false":
+		return false, nil
+	default:
+		return false, badRequest(param, "%s must be a boolean, got %s", param, v)
+	}
+}
+
+// parseStop reads stop: a string or an array of strings, none empty (vLLM's
+// SamplingParams refuses an empty one, in its words).
 func parseStop(raw json.RawMessage) ([]string, *APIError) {
 	raw = bytes.TrimSpace(raw)
 	if len(raw) == 0 || string(raw) == "null" {
 		return nil, nil
 	}
+	const empty = "stop cannot contain an empty string."
 	var one string
 	if json.Unmarshal(raw, &one) == nil {
 		if one == "" {
-			return nil, nil
+			return nil, badRequest("stop", empty)
 		}
 		return []string{one}, nil
 	}
@@ -385,15 +644,18 @@ func parseStop(raw json.RawMessage) ([]string, *APIError) {
 	if len(many) > messages.MaxArrayLen { // the bus's decoders would refuse the request
 		return nil, badRequest("stop", "stop has %d strings; at most %d", len(many), messages.MaxArrayLen)
 	}
-	out := many[:0]
-	for _, s := range many {
-		if s != "" {
-			out = append(out, s)
-		}
+	if slices.Contains(many, "") {
+		return nil, badRequest("stop", empty)
 	}
-	return out, nil
+	if len(many) == 0 {
+		return nil, nil
+	}
+	return many, nil
 }
 
+// parseChat validates a chat request's body. With an error, p is nil when
+// the body did not decode, else it holds what was read before the error,
+// the body's request_id among it (the caller names the response after it).
 func parseChat(body []byte, o parseOptions) (*parsedRequest, *APIError) {
 	var req chatRequest
 	if err := decodeJSON(body, &req); err != nil {
@@ -401,30 +663,27 @@ func parseChat(body []byte, o parseOptions) (*parsedRequest, *APIError) {
 	}
 	p := &parsedRequest{endpoint: messages.EndpointChat, body: body}
 	if err := parseCommon(&req.commonParams, p, o); err != nil {
-		return nil, err
+		return p, err
 	}
-	if req.MaxCompletionTokens != nil {
-		if *req.MaxCompletionTokens < 1 {
-			return nil, badRequest("max_completion_tokens", "max_completion_tokens must be at least 1, got %d", *req.MaxCompletionTokens)
+	if n := req.MaxCompletionTokens; n != nil {
+		if *n < 1 {
+			return p, badRequest("max_completion_tokens", "max_completion_tokens must be at least 1, got %d", *n)
 		}
-		p.params.MaxTokens, p.maxTokensSet = *req.MaxCompletionTokens, true
+		p.params.MaxTokens, p.maxTokensSet = int(*n), true
 	}
 	if len(req.Messages) == 0 {
-		return nil, badRequest("messages", "messages must be a non-empty array")
+		return p, badRequest("messages", "messages must be a non-empty array")
 	}
 	for i, m := range req.Messages {
+		// Any role: vLLM's chat template path takes any string (custom
+		// roles such as "observation" or "ipython"), and so does the sim's.
 		param := fmt.Sprintf("messages[%d]", i)
-		switch {
-		case m.Role == "system", m.Role == "developer", m.Role == "user", m.Role == "assistant", m.Role == "tool":
-		case o.passthrough && m.Role != "": // the engine's template decides
-		case m.Role == "":
-			return nil, badRequest(param+".role", "%s.role is required", param)
-		default:
-			return nil, badRequest(param+".role", "%s.role %q is not one of system, developer, user, assistant, tool", param, m.Role)
+		if m.Role == "" {
+			return p, badRequest(param+".role", "%s.role is required: a string such as \"user\"", param)
 		}
 		text, err := messageText(m.Content, param+".content", m.Role == "assistant" || o.passthrough, o.passthrough)
 		if err != nil {
-			return nil, err
+			return p, err
 		}
 		p.turns = append(p.turns, ChatTurn{Role: m.Role, Content: text})
 	}
@@ -474,6 +733,8 @@ func messageText(raw json.RawMessage, param string, nullOK, otherParts bool) (st
 	return b.String(), nil
 }
 
+// parseCompletion validates a completion request's body; p with an error
+// as parseChat's.
 func parseCompletion(body []byte, o parseOptions) (*parsedRequest, *APIError) {
 	vocab := o.vocab
 	var req completionRequest
@@ -482,7 +743,7 @@ func parseCompletion(body []byte, o parseOptions) (*parsedRequest, *APIError) {
 	}
 	p := &parsedRequest{endpoint: messages.EndpointCompletions, body: body}
 	if err := parseCommon(&req.commonParams, p, o); err != nil {
-		return nil, err
+		return p, err
 	}
 	if !p.maxTokensSet {
 		p.params.MaxTokens, p.maxTokensSet = 16, true // OpenAI's and vLLM's default for completions
@@ -490,63 +751,96 @@ func parseCompletion(body []byte, o parseOptions) (*parsedRequest, *APIError) {
 	raw := bytes.TrimSpace(req.Prompt)
 	const param = "prompt"
 	if len(raw) == 0 || string(raw) == "null" {
-		return nil, badRequest(param, "prompt is required")
+		return p, badRequest(param, "prompt is required")
 	}
 	var one string
 	if raw[0] == '"' {
 		if err := json.Unmarshal(raw, &one); err != nil {
-			return nil, badRequest(param, "prompt is not a valid string")
+			return p, badRequest(param, "prompt is not a valid string")
 		}
 		p.texts = []string{one}
 		return p, nil
 	}
-	var items []json.RawMessage
-	if raw[0] != '[' || json.Unmarshal(raw, &items) != nil || len(items) == 0 {
-		return nil, badRequest(param, "prompt must be a string, a non-empty array of strings, or an array of token ids")
+	// An array: its first element says of what (raw is valid JSON).
+	first := bytes.TrimLeft(raw[min(1, len(raw)):], " \t\r\n")
+	if raw[0] != '[' || len(first) == 0 || first[0] == ']' {
+		return p, badRequest(param, "prompt must be a string, a non-empty array of strings, or an array of token ids")
 	}
-	switch first := bytes.TrimSpace(items[0]); {
-	case len(first) > 0 && first[0] == '"':
+	switch first[0] {
+	case '"':
 		var texts []string
 		if err := json.Unmarshal(raw, &texts); err != nil {
-			return nil, badRequest(param, "prompt must not mix strings with other types")
+			return p, badRequest(param, "prompt must not mix strings with other types")
 		}
 		p.texts = texts
-	case len(first) > 0 && first[0] == '[':
-		var lists [][]*int64
+	case '[':
+		var lists []json.RawMessage
 		if err := json.Unmarshal(raw, &lists); err != nil {
-			return nil, badRequest(param, "prompt must be an array of token-id arrays")
+			return p, badRequest(param, "prompt must be an array of token-id arrays")
 		}
 		for i, l := range lists {
+			if l = bytes.TrimSpace(l); len(l) == 0 || l[0] != '[' {
+				return p, badRequest(param, "prompt must be an array of token-id arrays")
+			}
 			ids, err := tokenIDs(l, vocab, fmt.Sprintf("prompt[%d]", i))
 			if err != nil {
-				return nil, err
+				if err.Message == notTokenIDs {
+					err = badRequest(param, "prompt must be an array of token-id arrays")
+				}
+				return p, err
 			}
 			p.tokenPrompts = append(p.tokenPrompts, ids)
 		}
 	default:
-		var l []*int64
-		if err := json.Unmarshal(raw, &l); err != nil {
-			return nil, badRequest(param, "prompt must be an array of integer token ids")
-		}
-		ids, err := tokenIDs(l, vocab, param)
+		ids, err := tokenIDs(raw, vocab, param)
 		if err != nil {
-			return nil, err
+			if err.Message == notTokenIDs {
+				err.Message = "prompt must be an array of integer token ids"
+			}
+			return p, err
 		}
 		p.tokenPrompts = [][]uint32{ids}
 	}
 	return p, nil
 }
 
-func tokenIDs(l []*int64, vocab int, param string) ([]uint32, *APIError) {
-	if len(l) == 0 {
+// notTokenIDs is tokenIDs' message for an array that is not of integers.
+const notTokenIDs = "not an array of integer token ids"
+
+// tokenIDs decodes raw, a JSON array, as token ids below vocab: integers,
+// or whole-number floats (1.0), which pydantic takes for integers.
+// Integers decode straight into a slice; the others take a second, slower
+// decode.
+func tokenIDs(raw json.RawMessage, vocab int, param string) ([]uint32, *APIError) {
+	var ids []int64
+	if bytes.Contains(raw, []byte("null")) {
+		// A null would decode as 0: find it, or what else is wrong.
+		var l []*wholeInt
+		if json.Unmarshal(raw, &l) != nil {
+			return nil, badRequest(param, notTokenIDs)
+		}
+		for i, v := range l {
+			if v == nil {
+				return nil, badRequest(param, "%s[%d] is null; token ids must be integers", param, i)
+			}
+		}
+		return nil, badRequest(param, notTokenIDs) // "null" was in a string
+	}
+	if json.Unmarshal(raw, &ids) != nil {
+		var whole []wholeInt
+		if json.Unmarshal(raw, &whole) != nil {
+			return nil, badRequest(param, notTokenIDs)
+		}
+		ids = make([]int64, len(whole))
+		for i, v := range whole {
+			ids[i] = int64(v)
+		}
+	}
+	if len(ids) == 0 {
 		return nil, badRequest(param, "%s is an empty token-id array", param)
 	}
-	out := make([]uint32, len(l))
-	for i, p := range l {
-		if p == nil {
-			return nil, badRequest(param, "%s[%d] is null; token ids must be integers", param, i)
-		}
-		v := *p
+	out := make([]uint32, len(ids))
+	for i, v := range ids {
 		if v < 0 || v >= int64(vocab) {
 			return nil, badRequest(param, "token id %d in %s is out of vocabulary [0, %d)", v, param, vocab)
 		}

@@ -2,8 +2,10 @@ package frontend
 
 import (
 	"encoding/json"
+	"math"
 	"net/http"
 	"reflect"
+	"slices"
 	"strings"
 	"testing"
 
@@ -120,6 +122,22 @@ func TestParseCompletionValid(t *testing.T) {
 			},
 		},
 		{
+			name: "whole-number floats in token ids",
+			body: `{"prompt":[[1.0,2],[3e0]],"max_tokens":4.0}`,
+			check: func(t *testing.T, p *parsedRequest) {
+				eq(t, "tokenPrompts", p.tokenPrompts, [][]uint32{{1, 2}, {3}})
+				eq(t, "max_tokens", p.params.MaxTokens, 4)
+			},
+		},
+		{
+			name: "PROMPT is not prompt",
+			body: `{"PROMPT":"a","prompt":"b","Stop":"x"}`,
+			check: func(t *testing.T, p *parsedRequest) {
+				eq(t, "texts", p.texts, []string{"b"})
+				eq(t, "stop", p.params.Stop, []string(nil))
+			},
+		},
+		{
 			name: "kv_transfer_params passed through",
 			body: `{"prompt":"x","kv_transfer_params":{"do_remote_prefill":true}}`,
 			check: func(t *testing.T, p *parsedRequest) {
@@ -222,6 +240,65 @@ func TestParseChatValid(t *testing.T) {
 				eq(t, "includeUsage", p.includeUsage, false)
 			},
 		},
+		{
+			name: "continuous_usage_stats needs include_usage",
+			body: `{"messages":[{"role":"user","content":"hi"}],"stream":true,"stream_options":{"include_usage":false,"continuous_usage_stats":true}}`,
+			check: func(t *testing.T, p *parsedRequest) {
+				eq(t, "includeUsage", p.includeUsage, false)
+				eq(t, "continuousUsage", p.continuousUsage, false)
+			},
+		},
+		{
+			name: "continuous_usage_stats, include_usage by default",
+			body: `{"messages":[{"role":"user","content":"hi"}],"stream":true,"stream_options":{"continuous_usage_stats":true}}`,
+			check: func(t *testing.T, p *parsedRequest) {
+				eq(t, "includeUsage", p.includeUsage, true)
+				eq(t, "continuousUsage", p.continuousUsage, true)
+			},
+		},
+		{
+			name: "empty stream_options without stream",
+			body: `{"messages":[{"role":"user","content":"hi"}],"stream_options":{}}`,
+			check: func(t *testing.T, p *parsedRequest) {
+				eq(t, "stream", p.stream, false)
+				eq(t, "includeUsage", p.includeUsage, false)
+			},
+		},
+		{
+			name: "any role",
+			body: `{"messages":[{"role":"observation","content":"o"},{"role":"Custom Role","content":"c"}]}`,
+			check: func(t *testing.T, p *parsedRequest) {
+				eq(t, "turns", p.turns, []ChatTurn{{Role: "observation", Content: "o"}, {Role: "Custom Role", Content: "c"}})
+			},
+		},
+		{
+			name: "whole-number floats for integers",
+			body: `{"messages":[{"role":"user","content":"hi"}],"max_tokens":10.0,"max_completion_tokens":2e1,"min_tokens":1.0,"seed":-3.0,"n":1.0,"top_logprobs":0.0}`,
+			check: func(t *testing.T, p *parsedRequest) {
+				eq(t, "max_tokens", p.params.MaxTokens, 20)
+				eq(t, "min_tokens", p.params.MinTokens, 1)
+				eq(t, "seed", p.params.Seed, ptr(int64(-3)))
+			},
+		},
+		{
+			name: "request_id",
+			body: `{"messages":[{"role":"user","content":"hi"}],"request_id":" my-id "}`,
+			check: func(t *testing.T, p *parsedRequest) {
+				eq(t, "requestID", p.requestID, "my-id")
+			},
+		},
+		{
+			name: "keys match as written",
+			body: `{"messages":[{"role":"user","content":[{"type":"text","text":"a","TEXT":"b"}],"Content":"x","ROLE":"system"}],` +
+				`"STREAM":true,"Max_Tokens":5,"max_tokens":7,"Seed":1,"SESSION_ID":"s","stream_options":{"Include_Usage":true}}`,
+			check: func(t *testing.T, p *parsedRequest) {
+				eq(t, "turns", p.turns, []ChatTurn{{Role: "user", Content: "a"}})
+				eq(t, "stream", p.stream, false)
+				eq(t, "max_tokens", p.params.MaxTokens, 7)
+				eq(t, "seed", p.params.Seed, (*int64)(nil))
+				eq(t, "session_id", p.session.BodySessionID, json.RawMessage(nil))
+			},
+		},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
@@ -280,9 +357,10 @@ func TestParseInvalid(t *testing.T) {
 		{"stop list with a number", completions, `{"prompt":"x","stop":["a",1]}`, "stop"},
 		{"empty messages", chat, `{"messages":[]}`, "messages"},
 		{"missing messages", chat, `{"model":"m"}`, "messages"},
-		{"unknown role", chat, `{"messages":[{"role":"wizard","content":"hi"}]}`, "messages[0].role"},
 		{"missing role", chat, `{"messages":[{"content":"hi"}]}`, "messages[0].role"},
-		{"unknown role in second message", chat, `{"messages":[{"role":"user","content":"a"},{"role":"bot","content":"b"}]}`, "messages[1].role"},
+		{"empty role in second message", chat, `{"messages":[{"role":"user","content":"a"},{"role":"","content":"b"}]}`, "messages[1].role"},
+		{"role a number", chat, `{"messages":[{"role":1,"content":"a"}]}`, "messages.role"},
+		{"ROLE is not role", chat, `{"messages":[{"ROLE":"user","content":"a"}]}`, "messages[0].role"},
 		{"user content missing", chat, `{"messages":[{"role":"user"}]}`, "messages[0].content"},
 		{"content number", chat, `{"messages":[{"role":"user","content":5}]}`, "messages[0].content"},
 		{"image_url content part", chat,
@@ -290,7 +368,23 @@ func TestParseInvalid(t *testing.T) {
 			"messages[0].content[1]"},
 		{"text part without text", chat, `{"messages":[{"role":"user","content":[{"type":"text"}]}]}`, "messages[0].content[0]"},
 		{"stream_options without stream", chat, `{` + msgs + `,"stream_options":{"include_usage":true}}`, "stream_options"},
-		{"stream_options without stream (completions)", completions, `{"prompt":"x","stream":false,"stream_options":{}}`, "stream_options"},
+		{"stream_options without stream (completions)", completions, `{"prompt":"x","stream":false,"stream_options":{"include_usage":false}}`, "stream_options"},
+		{"stream_options a string", completions, `{"prompt":"x","stream":true,"stream_options":"yes"}`, "stream_options"},
+		{"continuous_usage_stats not a boolean", chat, `{` + msgs + `,"stream":true,"stream_options":{"continuous_usage_stats":1}}`, "stream_options.continuous_usage_stats"},
+		{"empty stop", chat, `{` + msgs + `,"stop":""}`, "stop"},
+		{"empty stop in a list", completions, `{"prompt":"x","stop":["a",""]}`, "stop"},
+		{"request_id a number", chat, `{` + msgs + `,"request_id":1}`, "request_id"},
+		{"request_id not printable", completions, `{"prompt":"x","request_id":"a\u0001b"}`, "request_id"},
+		{"request_id too long", completions, `{"prompt":"x","request_id":"` + strings.Repeat("r", 129) + `"}`, "request_id"},
+		{"seed fractional", completions, `{"prompt":"x","seed":1.5}`, "seed"},
+		{"seed beyond int64", completions, `{"prompt":"x","seed":9223372036854775808.0}`, "seed"},
+		{"n fractional", chat, `{` + msgs + `,"n":1.5}`, "n"},
+		{"min_tokens fractional", chat, `{` + msgs + `,"min_tokens":0.5}`, "min_tokens"},
+		{"max_completion_tokens fractional", chat, `{` + msgs + `,"max_completion_tokens":1e-1}`, "max_completion_tokens"},
+		{"max_tokens a bool", chat, `{` + msgs + `,"max_tokens":true}`, "max_tokens"},
+		{"token id fractional in a list", completions, `{"prompt":[[1],[2.5]]}`, "prompt"},
+		{"token id string", completions, `{"prompt":[1,"2"]}`, "prompt"},
+		{"MESSAGES is not messages", chat, `{"MESSAGES":[{"role":"user","content":"hi"}]}`, "messages"},
 		{"include_usage not a boolean", chat, `{` + msgs + `,"stream":true,"stream_options":{"include_usage":"yes"}}`, "stream_options.include_usage"},
 		{"vllm_xargs not an object: string", chat, `{` + msgs + `,"vllm_xargs":"session_id=a"}`, "vllm_xargs"},
 		{"vllm_xargs not an object: array", completions, `{"prompt":"x","vllm_xargs":[{"session_id":"a"}]}`, "vllm_xargs"},
@@ -397,7 +491,7 @@ func TestParsePassthrough(t *testing.T) {
 		{"only an image", `{"messages":[{"role":"user","content":[{"type":"image_url","image_url":{"url":"data:image/png;base64,AA=="}}]}]}`,
 			[]ChatTurn{{Role: "user", Content: ""}}, "messages[0].content[0]"},
 		{"a role of the engine's template, null user content", `{"messages":[{"role":"ipython","content":"out"},{"role":"user","content":null}]}`,
-			[]ChatTurn{{Role: "ipython", Content: "out"}, {Role: "user", Content: ""}}, "messages[0].role"},
+			[]ChatTurn{{Role: "ipython", Content: "out"}, {Role: "user", Content: ""}}, "messages[1].content"},
 	} {
 		t.Run(tt.name, func(t *testing.T) {
 			parse := parseChat
@@ -429,6 +523,24 @@ func eq[T any](t *testing.T, what string, got, want T) {
 	}
 }
 
+// sameParse fails the test unless p and q are the same request but for
+// how their JSON was written.
+func sameParse(t *testing.T, p, q *parsedRequest) {
+	t.Helper()
+	value := func(raw json.RawMessage) any {
+		var v any
+		if json.Unmarshal(raw, &v) != nil {
+			return string(raw)
+		}
+		return v
+	}
+	eq(t, "session_id", value(p.session.BodySessionID), value(q.session.BodySessionID))
+	eq(t, "vllm_xargs.session_id", value(p.session.XargsSessionID), value(q.session.XargsSessionID))
+	p2, q2 := *p, *q
+	p2.body, q2.body, p2.session, q2.session = nil, nil, SessionInput{}, SessionInput{}
+	eq(t, "parsed request", p2, q2)
+}
+
 func parseSeeds(f *testing.F, bodies ...string) {
 	for _, b := range bodies {
 		f.Add([]byte(b))
@@ -455,6 +567,10 @@ func FuzzParseChat(f *testing.F) {
 		`{"messages":[{"role":"user","content":"x"}],"session_id":{"a":1},"seed":-1}`,
 		`{"messages":[{"role":"user","content":"x"}],"session_id":"a","SESSION_ID":null,"Vllm_Xargs":{"Session_ID":1}}`,
 		`{"messages":[{"role":"user","content":"x"}],"vllm_xargs":{"x":[[[[[[[[[[[[[[[[[[1]]]]]]]]]]]]]]]]]}}`,
+		`{"messages":[{"ROLE":"user","role":"observation","Content":1,"content":[{"TYPE":"x","type":"text","text":"a"}]}],"STREAM":true}`,
+		`{"messages":[{"role":"user","content":"x"}],"stream":true,"stream_options":{"continuous_usage_stats":true,"Include_Usage":false}}`,
+		`{"messages":[{"role":"user","content":"x"}],"stream_options":{},"max_tokens":4.0,"seed":-1e3,"n":1.0,"request_id":"r-1"}`,
+		`{"messages":[{"role":"user","content":"x"}],"ſtop":[""],"max_tokens":"x","max_tokens":3,"STOP\u005f":1}`,
 	)
 	f.Fuzz(func(t *testing.T, body []byte) {
 		p, err := parseChat(body, parseOptions{})
@@ -462,6 +578,13 @@ func FuzzParseChat(f *testing.F) {
 			checkFuzzError(t, err)
 			return
 		}
+		// Keys match as written: the body with its other keys left out
+		// reads the same (a case variant hasKeyVariant missed would not).
+		q, err := parseChat(exactKeys(body, requestSchema), parseOptions{})
+		if err != nil {
+			t.Fatalf("accepted, but not with only its exact keys (%s): %v", exactKeys(body, requestSchema), err)
+		}
+		sameParse(t, p, q)
 		if len(p.turns) == 0 {
 			t.Fatal("accepted a chat request without messages")
 		}
@@ -490,6 +613,9 @@ func FuzzParseCompletion(f *testing.F) {
 		`{"prompt":["a",1]}`,
 		`{"prompt":"x","stop":"\n","max_tokens":0}`,
 		`{"prompt":"x","stream":true,"stream_options":{"include_usage":true},"vllm_xargs":{"session_id":1}}`,
+		`{"prompt":[[1.0,2e0],[3]],"max_tokens":2.0,"min_tokens":1.0,"Prompt":"y","request_id":" a "}`,
+		`{"prompt":[1,null],"stop":["a",""],"stream_options":{"Continuous_usage_stats":1}}`,
+		`{"PROMPT":"x","prompt":"y","\u006dax_tokens":3,"MAX_TOKENS":9,"KV_TRANSFER_PARAMS":{"a":1}}`,
 	)
 	f.Fuzz(func(t *testing.T, body []byte) {
 		p, err := parseCompletion(body, parseOptions{vocab: testVocab})
@@ -497,6 +623,11 @@ func FuzzParseCompletion(f *testing.F) {
 			checkFuzzError(t, err)
 			return
 		}
+		q, err := parseCompletion(exactKeys(body, requestSchema), parseOptions{vocab: testVocab})
+		if err != nil {
+			t.Fatalf("accepted, but not with only its exact keys (%s): %v", exactKeys(body, requestSchema), err)
+		}
+		sameParse(t, p, q)
 		if len(p.texts) == 0 && len(p.tokenPrompts) == 0 {
 			t.Fatal("accepted a completion request without a prompt")
 		}
@@ -514,4 +645,105 @@ func FuzzParseCompletion(f *testing.F) {
 			t.Fatalf("max_tokens = %d (set %v)", p.params.MaxTokens, p.maxTokensSet)
 		}
 	})
+}
+
+// TestRequestSchema keeps requestSchema, which decides the keys decoded
+// as written, in step with the request structs.
+func TestRequestSchema(t *testing.T) {
+	t.Parallel()
+	tags := func(v any) map[string]bool {
+		out := map[string]bool{}
+		var walk func(reflect.Type)
+		walk = func(rt reflect.Type) {
+			for f := range rt.Fields() {
+				if f.Anonymous {
+					walk(f.Type)
+					continue
+				}
+				out[strings.Split(f.Tag.Get("json"), ",")[0]] = true
+			}
+		}
+		walk(reflect.TypeOf(v))
+		return out
+	}
+	keys := func(s fieldSchema) map[string]bool {
+		out := map[string]bool{}
+		for k := range s {
+			out[k] = true
+		}
+		return out
+	}
+	top := tags(chatRequest{})
+	for k := range tags(completionRequest{}) {
+		top[k] = true
+	}
+	eq(t, "top-level keys", keys(requestSchema), top)
+	eq(t, "stream_options keys", keys(requestSchema["stream_options"]), tags(streamOptions{}))
+	eq(t, "message keys", keys(requestSchema["messages"]), tags(chatMessage{}))
+	eq(t, "content part keys", keys(requestSchema["messages"]["content"]), map[string]bool{"type": true, "text": true})
+	longest := 0
+	var walk func(fieldSchema)
+	walk = func(s fieldSchema) {
+		for k, sub := range s {
+			longest = max(longest, len(k))
+			if !slices.Contains(requestKeysByLen[len(k)], k) {
+				t.Errorf("requestKeysByLen lacks %q", k)
+			}
+			walk(sub)
+		}
+	}
+	walk(requestSchema)
+	eq(t, "maxKeyLen", maxKeyLen, longest)
+}
+
+func TestHasKeyVariant(t *testing.T) {
+	t.Parallel()
+	for _, tc := range []struct {
+		body string
+		want bool
+	}{
+		{`{"model":"m","messages":[{"role":"user","content":"hi"}],"stream":true}`, false},
+		{`{"prompt":"x","max_tokens":3,"stream_options":{"include_usage":true,"continuous_usage_stats":false}}`, false},
+		{`{"STREAM":true}`, true},
+		{`{"Max_Tokens":1}`, true},
+		{`{"messages":[{"Role":"user"}]}`, true},
+		{`{"stream_options":{"INCLUDE_USAGE":true}}`, true},
+		{`{"Continuous_Usage_Stats":true}`, true},
+		{`{"N":1}`, true},
+		{`{"STREA\u004d":true}`, true},
+		{`{"ſtream":true}`, true},
+		{`{"K":1,"top_\u006b":1}`, false}, // K (U+212A) alone is no key; top_k is not one
+		{`{"\u0073tream":true}`, false},   // stream, written with an escape
+		{`{"content":"Stream"}`, true},    // a value: a false positive, harmless
+		{`{"content":"Streams of thought"}`, false},
+		{`{"content":"ünïcödé"}`, false},
+		{`{"x":"` + strings.Repeat("MODEL", 40) + `"}`, false},
+		{`"`, false},
+		{`"Model`, false},
+		{``, false},
+	} {
+		if got := hasKeyVariant([]byte(tc.body)); got != tc.want {
+			t.Errorf("hasKeyVariant(%s) = %v, want %v", tc.body, got, tc.want)
+		}
+	}
+}
+
+func TestParseWholeNumber(t *testing.T) {
+	t.Parallel()
+	for _, tc := range []struct {
+		in   string
+		want int64
+		ok   bool
+	}{
+		{"4", 4, true}, {"-4", -4, true}, {"4.0", 4, true}, {"4e0", 4, true}, {"4.00E+1", 40, true}, {"-0.0", 0, true},
+		{"9223372036854775807", math.MaxInt64, true}, {"-9223372036854775808", math.MinInt64, true},
+		{"-9223372036854775808.0", math.MinInt64, true},
+		{"4.5", 0, false}, {"1e-1", 0, false}, {"9223372036854775808", 0, false}, {"9223372036854775808.0", 0, false},
+		{"1e400", 0, false}, {`"4"`, 0, false}, {"true", 0, false}, {"", 0, false}, {"[4]", 0, false},
+	} {
+		got, ok := parseWholeNumber([]byte(tc.in))
+		if got != tc.want || ok != tc.ok {
+			t.Errorf("parseWholeNumber(%s) = %d, %v; want %d, %v", tc.in, got, ok, tc.want, tc.ok)
+		}
+	}
 }

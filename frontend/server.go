@@ -433,13 +433,25 @@ func (s *Server) routes() http.Handler {
 		if cors.handle(w, r) {
 			return
 		}
+		// A generate route's refusal here carries X-Request-Id as its
+		// other responses do (generate sets it on those).
+		refuse := func(e *APIError) {
+			if r.URL.Path == "/v1/chat/completions" || r.URL.Path == "/v1/completions" {
+				id, err := requestID(r.Header)
+				if err != nil || id == "" {
+					id = nuid.Next()
+				}
+				w.Header().Set("X-Request-Id", id)
+			}
+			writeError(w, e)
+		}
 		if n := headerBytes(r.Header); n > MaxHeaderBytes {
-			writeError(w, &APIError{Status: http.StatusRequestHeaderFieldsTooLarge, Type: typeInvalidRequest, Code: "headers_too_large",
+			refuse(&APIError{Status: http.StatusRequestHeaderFieldsTooLarge, Type: typeInvalidRequest, Code: "headers_too_large",
 				Message: fmt.Sprintf("request headers are %d bytes; at most %d are accepted", n, MaxHeaderBytes)})
 			return
 		}
 		if s.cfg.APIKey != "" && strings.HasPrefix(r.URL.Path, "/v1/") && !s.authorized(r) {
-			writeError(w, &APIError{Status: http.StatusUnauthorized, Type: typeAuthentication, Code: "invalid_api_key",
+			refuse(&APIError{Status: http.StatusUnauthorized, Type: typeAuthentication, Code: "invalid_api_key",
 				Message: "missing or wrong API key: send Authorization: Bearer <key>"})
 			return
 		}
@@ -451,7 +463,7 @@ func (s *Server) routes() http.Handler {
 		}
 		if r.Method != rt.method && !(rt.method == http.MethodGet && r.Method == http.MethodHead) {
 			w.Header().Set("Allow", rt.method)
-			writeError(w, &APIError{Status: http.StatusMethodNotAllowed, Type: typeInvalidRequest, Code: "method_not_allowed",
+			refuse(&APIError{Status: http.StatusMethodNotAllowed, Type: typeInvalidRequest, Code: "method_not_allowed",
 				Message: fmt.Sprintf("%s does not allow %s; use %s", r.URL.Path, r.Method, rt.method)})
 			return
 		}

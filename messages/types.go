@@ -201,12 +201,16 @@ type Output struct {
 	// Attempt is the dispatch attempt that produced the chunk (ReqMeta's
 	// attempt): a request moved to another group starts again at index 0
 	// with a higher attempt, and the frontend never mixes two attempts.
-	Attempt      int          `msgpack:"attempt,omitempty" json:"attempt,omitempty"`
-	Text         string       `msgpack:"text" json:"text"`
-	TokenIDs     TokenIDs     `msgpack:"token_ids,omitempty,omitzero" json:"token_ids,omitempty"`
-	FinishReason string       `msgpack:"finish_reason,omitempty" json:"finish_reason,omitempty"`
-	Usage        *Usage       `msgpack:"usage,omitempty" json:"usage,omitempty"`
-	Error        *OutputError `msgpack:"error,omitempty" json:"error,omitempty"`
+	Attempt      int      `msgpack:"attempt,omitempty" json:"attempt,omitempty"`
+	Text         string   `msgpack:"text" json:"text"`
+	TokenIDs     TokenIDs `msgpack:"token_ids,omitempty,omitzero" json:"token_ids,omitempty"`
+	FinishReason string   `msgpack:"finish_reason,omitempty" json:"finish_reason,omitempty"`
+	// StopReason is the stop string that ended the request (vLLM's
+	// stop_reason), with FinishReason "stop"; empty when it ended at the
+	// end of sequence or by length.
+	StopReason string       `msgpack:"stop_reason,omitempty" json:"stop_reason,omitempty"`
+	Usage      *Usage       `msgpack:"usage,omitempty" json:"usage,omitempty"`
+	Error      *OutputError `msgpack:"error,omitempty" json:"error,omitempty"`
 	// Raw is an engine's own JSON (--engine openai), which the frontend
 	// relays as it is: one streamed chunk's data, or the whole response of
 	// a request that does not stream (on the last Output).

@@ -1887,8 +1887,8 @@ func (z *LoadSpec) Msgsize() (s int) {
 func (z *Output) MarshalMsg(b []byte) (o []byte, err error) {
 	o = msgp.Require(b, z.Msgsize())
 	// check for omitted fields
-	zb0001Len := uint32(10)
-	var zb0001Mask uint16 /* 10 bits */
+	zb0001Len := uint32(11)
+	var zb0001Mask uint16 /* 11 bits */
 	_ = zb0001Mask
 	if z.Attempt == 0 {
 		zb0001Len--
@@ -1902,17 +1902,21 @@ func (z *Output) MarshalMsg(b []byte) (o []byte, err error) {
 		zb0001Len--
 		zb0001Mask |= 0x40
 	}
-	if z.Usage == nil {
+	if z.StopReason == "" {
 		zb0001Len--
 		zb0001Mask |= 0x80
 	}
-	if z.Error == nil {
+	if z.Usage == nil {
 		zb0001Len--
 		zb0001Mask |= 0x100
 	}
-	if z.Raw == nil {
+	if z.Error == nil {
 		zb0001Len--
 		zb0001Mask |= 0x200
+	}
+	if z.Raw == nil {
+		zb0001Len--
+		zb0001Mask |= 0x400
 	}
 	// variable map header, size zb0001Len
 	o = append(o, 0x80|uint8(zb0001Len))
@@ -1951,6 +1955,11 @@ func (z *Output) MarshalMsg(b []byte) (o []byte, err error) {
 			o = msgp.AppendString(o, z.FinishReason)
 		}
 		if (zb0001Mask & 0x80) == 0 { // if not omitted
+			// string "stop_reason"
+			o = append(o, 0xab, 0x73, 0x74, 0x6f, 0x70, 0x5f, 0x72, 0x65, 0x61, 0x73, 0x6f, 0x6e)
+			o = msgp.AppendString(o, z.StopReason)
+		}
+		if (zb0001Mask & 0x100) == 0 { // if not omitted
 			// string "usage"
 			o = append(o, 0xa5, 0x75, 0x73, 0x61, 0x67, 0x65)
 			if z.Usage == nil {
@@ -1963,7 +1972,7 @@ func (z *Output) MarshalMsg(b []byte) (o []byte, err error) {
 				}
 			}
 		}
-		if (zb0001Mask & 0x100) == 0 { // if not omitted
+		if (zb0001Mask & 0x200) == 0 { // if not omitted
 			// string "error"
 			o = append(o, 0xa5, 0x65, 0x72, 0x72, 0x6f, 0x72)
 			if z.Error == nil {
@@ -1976,7 +1985,7 @@ func (z *Output) MarshalMsg(b []byte) (o []byte, err error) {
 				}
 			}
 		}
-		if (zb0001Mask & 0x200) == 0 { // if not omitted
+		if (zb0001Mask & 0x400) == 0 { // if not omitted
 			// string "raw"
 			o = append(o, 0xa3, 0x72, 0x61, 0x77)
 			o = msgp.AppendBytes(o, z.Raw)
@@ -2049,6 +2058,12 @@ func (z *Output) UnmarshalMsg(bts []byte) (o []byte, err error) {
 				err = msgp.WrapError(err, "FinishReason")
 				return
 			}
+		case "stop_reason":
+			z.StopReason, bts, err = msgp.ReadStringBytes(bts)
+			if err != nil {
+				err = msgp.WrapError(err, "StopReason")
+				return
+			}
 		case "usage":
 			if msgp.IsNil(bts) {
 				bts, err = msgp.ReadNilBytes(bts)
@@ -2119,7 +2134,7 @@ func (z *Output) UnmarshalMsg(bts []byte) (o []byte, err error) {
 
 // Msgsize returns an upper bound estimate of the number of bytes occupied by the serialized message
 func (z *Output) Msgsize() (s int) {
-	s = 1 + 2 + msgp.IntSize + 7 + msgp.StringPrefixSize + len(z.ReqID) + 6 + msgp.IntSize + 8 + msgp.IntSize + 5 + msgp.StringPrefixSize + len(z.Text) + 10 + z.TokenIDs.Msgsize() + 14 + msgp.StringPrefixSize + len(z.FinishReason) + 6
+	s = 1 + 2 + msgp.IntSize + 7 + msgp.StringPrefixSize + len(z.ReqID) + 6 + msgp.IntSize + 8 + msgp.IntSize + 5 + msgp.StringPrefixSize + len(z.Text) + 10 + z.TokenIDs.Msgsize() + 14 + msgp.StringPrefixSize + len(z.FinishReason) + 12 + msgp.StringPrefixSize + len(z.StopReason) + 6
 	if z.Usage == nil {
 		s += msgp.NilSize
 	} else {

@@ -60,7 +60,9 @@ type Chunk struct {
 
 // EngineResult is how a generation ended.
 type EngineResult struct {
-	FinishReason     string
+	FinishReason string
+	// StopReason is the stop string that ended the answer, if one did.
+	StopReason       string
 	CompletionTokens int
 	// Usage is a model server's own count, cached tokens included; nil
 	// from the sim, whose cached tokens are the rank's loads.
@@ -223,11 +225,11 @@ func (e *SimEngine) Generate(ctx context.Context, req EngineRequest, prefilled f
 		text.WriteString(" " + simWords[w])
 		pending = append(pending, uint32(simTokenBase+w))
 		n++
-		if cut, ok := findStop(text.String(), stops, sent); ok {
+		if cut, stop, ok := findStop(text.String(), stops, sent); ok {
 			if err := flush(max(cut, sent), true); err != nil {
 				return EngineResult{CompletionTokens: n}, err
 			}
-			return EngineResult{FinishReason: FinishStop, CompletionTokens: n}, nil
+			return EngineResult{FinishReason: FinishStop, StopReason: stop, CompletionTokens: n}, nil
 		}
 		if !instant {
 			if err := flush(max(sent, text.Len()-holdBack), false); err != nil {
@@ -242,19 +244,19 @@ func (e *SimEngine) Generate(ctx context.Context, req EngineRequest, prefilled f
 }
 
 // findStop returns the offset of the first stop string in s that ends after
-// from, or false.
-func findStop(s string, stops []string, from int) (int, bool) {
-	best, found := len(s), false
+// from, and which string it is, or false.
+func findStop(s string, stops []string, from int) (int, string, bool) {
+	best, which, found := len(s), "", false
 	for _, st := range stops {
 		if st == "" {
 			continue
 		}
 		start := max(0, from-len(st)+1)
 		if i := strings.Index(s[start:], st); i >= 0 && start+i < best {
-			best, found = start+i, true
+			best, which, found = start+i, st, true
 		}
 	}
-	return best, found
+	return best, which, found
 }
 
 // prefillTime is the wall time a request holds the group's prefill slot:

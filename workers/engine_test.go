@@ -219,8 +219,8 @@ func TestSimEngineStopStrings(t *testing.T) {
 	if r.text != want {
 		t.Fatalf("with stop %q:\n got %q\nwant %q", stop, r.text, want)
 	}
-	if r.res.FinishReason != FinishStop {
-		t.Errorf("finish = %q, want %q", r.res.FinishReason, FinishStop)
+	if r.res.FinishReason != FinishStop || r.res.StopReason != stop {
+		t.Errorf("finish = %q, stop reason %q; want %q, %q", r.res.FinishReason, r.res.StopReason, FinishStop, stop)
 	}
 	if r.res.CompletionTokens >= params.MaxTokens {
 		t.Errorf("%d completion tokens: the stop string did not end the generation", r.res.CompletionTokens)

@@ -70,7 +70,7 @@ func (r *Rank) drive(rr *rankReq) {
 		if res.FinishReason == "" {
 			res.FinishReason = FinishStop // an engine that named no reason
 		}
-		final := &messages.Output{FinishReason: res.FinishReason, Usage: usage}
+		final := &messages.Output{FinishReason: res.FinishReason, StopReason: res.StopReason, Usage: usage}
 		if last != nil {
 			final.Text, final.TokenIDs, final.Raw = last.Text, last.TokenIDs, last.Raw
 		}
