@@ -150,7 +150,7 @@ func Connect(ctx context.Context, cfg Config) (*nats.Conn, error) {
 	}
 
 	deadline := time.Now().Add(timeout)
-	shown := redactURLs(url)
+	shown := RedactURLs(url)
 	said := false // the first failure is logged, so a wait is not silent
 	for {
 		nc, err := nats.Connect(url, opts...)
@@ -174,11 +174,12 @@ func Connect(ctx context.Context, cfg Config) (*nats.Conn, error) {
 	}
 }
 
-// redactURLs is urls (comma-separated) with every password shown as
-// "xxxxx", as nats.go's ConnectedUrlRedacted shows it: errors are logged.
+// RedactURLs is urls (comma-separated) with every password (or token)
+// shown as "xxxxx", as nats.go's ConnectedUrlRedacted shows it: for
+// errors and logs.
 // A URL net/url cannot parse (a password with '/' or '#' unescaped) has
 // everything between its scheme and its last '@' replaced.
-func redactURLs(urls string) string {
+func RedactURLs(urls string) string {
 	parts := strings.Split(urls, ",")
 	for i, p := range parts {
 		u, err := neturl.Parse(strings.TrimSpace(p))

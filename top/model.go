@@ -32,15 +32,13 @@ type Model struct {
 	width    int
 }
 
-// NewModel returns the view of w, redrawn every refresh (at most 1 s),
-// listing up to sessions sessions.
+// NewModel returns the view of w, redrawn every refresh (at most 1 s; 0
+// or less: 1 s), listing up to sessions sessions (0 or less: none).
 func NewModel(w *Watcher, refresh time.Duration, sessions int) Model {
 	if refresh <= 0 || refresh > time.Second {
 		refresh = time.Second
 	}
-	if sessions <= 0 {
-		sessions = 10
-	}
+	sessions = max(sessions, 0)
 	return Model{w: w, refresh: refresh, sessions: sessions, snap: w.Snapshot(time.Now())}
 }
 

@@ -147,3 +147,21 @@ func TestWatcherEndsAbortedRequests(t *testing.T) {
 		t.Errorf("in_flight %d, finished %d; want 1 (the withdrawn request goes on) and 0", snap.InFlight, snap.Finished)
 	}
 }
+
+// TestConfigRefusesNegatives: a negative window, heartbeat timeout or
+// session count is refused (a negative window silently became 1 min).
+func TestConfigRefusesNegatives(t *testing.T) {
+	nc := testenv.Connect(t, testenv.StartNATS(t))
+	for _, cfg := range []top.Config{
+		{Conn: nc, Window: -time.Second},
+		{Conn: nc, HeartbeatTimeout: -time.Second},
+		{Conn: nc, Sessions: -1},
+	} {
+		if _, err := top.New(cfg); err == nil {
+			t.Errorf("top.New(%+v) accepted it", cfg)
+		}
+	}
+	if _, err := top.New(top.Config{Conn: nc}); err != nil {
+		t.Errorf("the defaults: %v", err)
+	}
+}

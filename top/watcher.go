@@ -29,12 +29,12 @@ type Config struct {
 	// Conn is the watcher's connection (the admin key); the caller owns it.
 	Conn     *nats.Conn
 	Subjects messages.Subjects
-	// Window is the span of the rates and percentiles (default 1 min).
+	// Window is the span of the rates and percentiles (0: 1 min).
 	Window time.Duration
 	// HeartbeatTimeout: a rank silent for longer is gone (default 3 s, the
 	// schedulers' default).
 	HeartbeatTimeout time.Duration
-	// Sessions is how many busiest sessions a Snapshot lists (default 10).
+	// Sessions is how many busiest sessions a Snapshot lists (0: 10).
 	Sessions int
 }
 
@@ -42,6 +42,15 @@ type Config struct {
 func (c *Config) Validate() error {
 	if c.Conn == nil {
 		return errors.New("top: no NATS connection")
+	}
+	if c.Window < 0 {
+		return fmt.Errorf("top: Window is negative (%s); give a span, or 0 for 1 min", c.Window)
+	}
+	if c.HeartbeatTimeout < 0 {
+		return fmt.Errorf("top: HeartbeatTimeout is negative (%s); give a timeout, or 0 for 3 s", c.HeartbeatTimeout)
+	}
+	if c.Sessions < 0 {
+		return fmt.Errorf("top: Sessions is negative (%d); give a count, or 0 for 10", c.Sessions)
 	}
 	return c.Subjects.Validate()
 }

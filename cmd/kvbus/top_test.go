@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"fmt"
 	"io"
+	"net"
 	"net/http"
 	"os/exec"
 	"strings"
@@ -12,9 +13,11 @@ import (
 	"testing"
 	"time"
 
+	"github.com/alecthomas/kong"
 	"github.com/charmbracelet/x/vt"
 	"github.com/creack/pty"
 
+	"github.com/kvbus/kvbus/internal/logsink"
 	"github.com/kvbus/kvbus/testenv"
 	"github.com/kvbus/kvbus/top"
 )
@@ -139,4 +142,63 @@ func (l *lockedScreen) String() string {
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	return l.e.String()
+}
+
+// TestTopRefusesBadFlags: a negative --sessions is refused (`top --once
+// --sessions=-1` panicked: slice bounds out of range), and so is a window
+// that is not positive (--window=-1s silently became 1 min).
+func TestTopRefusesBadFlags(t *testing.T) {
+	for _, tc := range []struct{ arg, want string }{
+		{"--sessions=-1", "--sessions"},
+		{"--window=-1s", "--window"},
+		{"--window=0s", "--window"},
+		{"--refresh=-1s", "--refresh"},
+		{"--watch=-1s", "--watch"},
+	} {
+		var c cli
+		p, err := kong.New(&c, kong.Bind((*logsink.Writer)(nil)), kong.DefaultEnvars("KVBUS"), kong.Exit(func(int) {}))
+		if err != nil {
+			t.Fatal(err)
+		}
+		if _, err := p.Parse([]string{"top", "--once", tc.arg}); err == nil || !strings.Contains(err.Error(), tc.want) {
+			t.Errorf("kvbus top --once %s: %v; want it refused naming %s", tc.arg, err, tc.want)
+		}
+	}
+	// Run, as a caller that did not parse the flags: refused before it
+	// connects, not a panic after the watch.
+	srv := testenv.StartNATS(t)
+	cmd := &topCmd{natsFlags: natsFlags{NATSURL: srv.ClientURL()}, Once: true, JSON: true, Watch: 0, Refresh: time.Second,
+		Window: time.Minute, Sessions: -1, errOut: io.Discard}
+	if err := cmd.Run(t.Context()); err == nil || !strings.Contains(err.Error(), "--sessions") {
+		t.Errorf("Run with --sessions=-1: %v", err)
+	}
+}
+
+// TestTopSaysWhereItConnects: against a NATS that is not there, top says at
+// once which URL it connects to (it waited 10 s in silence), without the
+// password, and gives up with an error naming the URL and what to check.
+func TestTopSaysWhereItConnects(t *testing.T) {
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	addr := ln.Addr().String()
+	_ = ln.Close() // nothing listens there now
+	logs := &testenv.LogBuffer{}
+	cmd := &topCmd{natsFlags: natsFlags{NATSURL: "nats://kvbus:hunter2@" + addr}, Once: true, Watch: time.Second, Refresh: time.Second,
+		Window: time.Minute, Sessions: 10, errOut: logs, connectTimeout: 1500 * time.Millisecond}
+	done := make(chan error, 1)
+	start := time.Now()
+	go func() { done <- cmd.Run(t.Context()) }()
+	testenv.Eventually(t, 500*time.Millisecond, "top to say where it connects", func() bool {
+		return len(logs.Lines("connecting to NATS", addr)) > 0
+	})
+	err = <-done
+	if err == nil || !strings.Contains(err.Error(), addr) || !strings.Contains(err.Error(), "gave up after 1.5s") ||
+		!strings.Contains(err.Error(), "reachable") || time.Since(start) < 1500*time.Millisecond {
+		t.Errorf("top against nothing: %v after %s; want an error naming %s and what to check, after 1.5 s", err, time.Since(start), addr)
+	}
+	if strings.Contains(logs.String(), "hunter2") || err != nil && strings.Contains(err.Error(), "hunter2") {
+		t.Errorf("the password was printed:\n%s\n%v", logs.String(), err)
+	}
 }
