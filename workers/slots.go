@@ -5,6 +5,8 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"strconv"
+	"strings"
 	"time"
 
 	"github.com/nats-io/nats.go/jetstream"
@@ -54,6 +56,8 @@ type Slot struct {
 	// so that two workers of one host are told apart.
 	token string
 	cfg   SlotConfig
+	// misplaced counts the checks in a row that found a group to move to.
+	misplaced int
 }
 
 // ClaimSlot claims the first free slot, groups in order and ranks in order
@@ -127,6 +131,10 @@ func openSlotBucket(ctx context.Context, js jetstream.JetStream, cfg SlotConfig)
 // slot): the worker must stop. A claim the bucket forgot — the bucket lives
 // in the NATS server's memory, so a restarted server has none, or a new
 // one another worker made — is made again.
+//
+// It returns ErrRegrouped when it moved the slot to another group to make
+// a whole one (see regroup): Group and Rank then name the new slot, which
+// it holds, and the worker must serve it as a new rank.
 func (s *Slot) Hold(ctx context.Context) error {
 	t := time.NewTicker(s.refreshEvery(ctx))
 	defer t.Stop()
@@ -139,6 +147,9 @@ func (s *Slot) Hold(ctx context.Context) error {
 		err := s.refresh(ctx)
 		switch {
 		case err == nil:
+			if s.regroup(ctx) {
+				return ErrRegrouped
+			}
 		case errors.Is(err, errSlotLost):
 			return err
 		case ctx.Err() != nil:
@@ -147,6 +158,87 @@ func (s *Slot) Hold(ctx context.Context) error {
 			s.cfg.Logger.Warn("cannot refresh the worker slot; retrying", "slot", s.key, "err", err)
 		}
 	}
+}
+
+// ErrRegrouped is returned by Hold when it moved the slot to another group.
+var ErrRegrouped = errors.New("workers: slot moved to another group")
+
+// regroup moves the slot to another group when that helps make whole
+// groups: compose removes the workers it scales down by container number,
+// not by group, so "--scale worker=8 → 4" can leave two groups with two or
+// three ranks each, neither able to serve. A worker of an incomplete group
+// moves to the incomplete group with more holders (ties: the lower group)
+// once it has seen that twice in a row (a crashed worker's slot is free
+// only until it is back). Every move makes the larger group larger, so the
+// workers settle with at most one incomplete group. The new slot is
+// claimed before the old one is released.
+func (s *Slot) regroup(ctx context.Context) bool {
+	target, ok := s.regroupTarget(ctx)
+	if !ok {
+		s.misplaced = 0
+		return false
+	}
+	if s.misplaced++; s.misplaced < 2 {
+		return false
+	}
+	s.misplaced = 0
+	for r := range s.cfg.Size {
+		key := fmt.Sprintf("%s.%d", target, r)
+		rev, err := s.kv.Create(ctx, key, []byte(s.token))
+		if err != nil {
+			continue // held (or the bucket cannot say): the next rank
+		}
+		if err := s.kv.Delete(ctx, s.key, jetstream.LastRevision(s.rev)); err != nil {
+			s.cfg.Logger.Warn("cannot release the old worker slot; it expires after --slot-ttl", "slot", s.key, "err", err)
+		}
+		s.cfg.Logger.Info("moved to another worker slot to make a whole group", "from", s.key, "group", target, "tp_rank", r)
+		s.Group, s.Rank, s.key, s.rev = target, r, key, rev
+		return true
+	}
+	return false
+}
+
+// regroupTarget is the group this slot should move to, if any.
+func (s *Slot) regroupTarget(ctx context.Context) (string, bool) {
+	lister, err := s.kv.ListKeys(ctx)
+	if err != nil {
+		return "", false
+	}
+	held := map[string]int{}
+	for key := range lister.Keys() {
+		group, rank, ok := strings.Cut(key, ".")
+		if n, err := strconv.Atoi(rank); ok && err == nil && n >= 0 && n < s.cfg.Size {
+			held[group]++
+		}
+	}
+	mine := held[s.Group]
+	if mine >= s.cfg.Size {
+		return "", false
+	}
+	best, bestN := "", mine
+	for group, n := range held {
+		if group == s.Group || n >= s.cfg.Size {
+			continue
+		}
+		tie := best
+		if tie == "" {
+			tie = s.Group // a group as held as this one wins if it is lower
+		}
+		if n > bestN || n == bestN && groupBefore(group, tie, s.cfg.GroupPrefix) {
+			best, bestN = group, n
+		}
+	}
+	return best, best != ""
+}
+
+// groupBefore orders group names by their number (g2 before g10).
+func groupBefore(a, b, prefix string) bool {
+	na, ea := strconv.Atoi(strings.TrimPrefix(a, prefix))
+	nb, eb := strconv.Atoi(strings.TrimPrefix(b, prefix))
+	if ea != nil || eb != nil {
+		return a < b
+	}
+	return na < nb
 }
 
 // errSlotLost: another worker holds the slot.

@@ -4,7 +4,9 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"log/slog"
 	"strings"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -226,5 +228,71 @@ func TestSlotTTLOfTheBucketWins(t *testing.T) {
 	case err := <-held:
 		t.Fatalf("a holder stopped: %v", err)
 	default:
+	}
+}
+
+// TestSlotsRegroupIntoWholeGroups: compose scales workers down by container
+// number, not by group, and can leave no group whole (here g0 with rank 0
+// and g1 with ranks 0-2 of 4, as a review saw after --scale worker=8 → 4:
+// every request got 503 until it scaled back up). The worker of the smaller
+// incomplete group moves to the larger one; a whole group stays put.
+func TestSlotsRegroupIntoWholeGroups(t *testing.T) {
+	srv := testenv.StartNATS(t)
+	js, err := jetstream.New(testenv.Connect(t, srv))
+	if err != nil {
+		t.Fatal(err)
+	}
+	logs := &testenv.LogBuffer{}
+	cfg := workers.SlotConfig{Size: 4, TTL: 600 * time.Millisecond, Logger: slog.New(slog.NewTextHandler(logs, nil))}
+	var slots []*workers.Slot
+	for i := range 12 {
+		cfg.Owner = fmt.Sprint("w", i)
+		s, err := workers.ClaimSlot(t.Context(), js, cfg)
+		if err != nil {
+			t.Fatal(err)
+		}
+		slots = append(slots, s)
+	}
+	// Scaled down: g0 keeps rank 0, g1 ranks 0-2, g2 stays whole.
+	var kept []*workers.Slot
+	for _, s := range slots {
+		if (s.Group == "g0" && s.Rank > 0) || (s.Group == "g1" && s.Rank == 3) {
+			if err := s.Release(t.Context()); err != nil {
+				t.Fatal(err)
+			}
+			continue
+		}
+		kept = append(kept, s)
+	}
+	ctx, cancel := context.WithCancel(t.Context())
+	defer cancel()
+	var moves atomic.Int32
+	for _, s := range kept {
+		go func() {
+			for {
+				err := s.Hold(ctx) // as the worker does: serve the new slot
+				if !errors.Is(err, workers.ErrRegrouped) {
+					return
+				}
+				moves.Add(1)
+			}
+		}()
+	}
+	testenv.Eventually(t, 10*time.Second, "g1 whole again", func() bool {
+		kv, err := js.KeyValue(t.Context(), workers.SlotBucket)
+		if err != nil {
+			return false
+		}
+		for r := range 4 {
+			if _, err := kv.Get(t.Context(), fmt.Sprintf("g1.%d", r)); err != nil {
+				return false
+			}
+		}
+		return true
+	})
+	time.Sleep(time.Second) // no further move
+	cancel()
+	if moves.Load() != 1 || !strings.Contains(logs.String(), "moved to another worker slot") {
+		t.Errorf("%d moves, want the one worker of g0 to move:\n%s", moves.Load(), logs)
 	}
 }

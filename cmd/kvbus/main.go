@@ -116,9 +116,6 @@ func newRegistry() *prometheus.Registry {
 	return reg
 }
 
-// serveMetrics serves /metrics, /livez (the process is up and connected to
-// NATS) and /healthz (readiness: live, and ready() if given) on addr until
-// ctx ends; an empty addr serves nothing.
 // listenMetrics binds --metrics-addr, or returns nil when it is empty. A
 // role binds it before it connects: a port in use stops the process before
 // it acts as a scheduler or joins a rank (a second worker given a running
@@ -134,8 +131,9 @@ func listenMetrics(addr string) (net.Listener, error) {
 	return ln, nil
 }
 
-// serveMetrics serves /metrics, /livez and /healthz on ln (nothing when ln
-// is nil) until ctx ends.
+// serveMetrics serves /metrics, /livez (the process is up and connected to
+// NATS) and /healthz (readiness: live, and ready() if given) on ln until
+// ctx ends; a nil ln serves nothing.
 func serveMetrics(ctx context.Context, log *slog.Logger, ln net.Listener, reg *prometheus.Registry, nc *nats.Conn, ready func() (bool, string)) error {
 	if ln == nil {
 		return nil
@@ -439,19 +437,32 @@ func (c *workerCmd) Run(ctx context.Context) error {
 		c.EPSize = c.TPSize
 	}
 	reg := newRegistry()
-	rank, err := newRank(nc, c.busFlags, c.modelFlags, c.engineFlags, engine, c.Group, c.TPRank, c.TPSize, c.EPRank, c.EPSize, log,
-		workers.NewMetrics(reg), bus.NewHandlerMetrics(reg), func(rc *workers.RankConfig) {
-			rc.EngineCache, rc.KVEvents, rc.BlockSize = c.Engine == workers.EngineOpenAI, kvEvents, c.BlockSize
-		})
-	if err != nil {
-		return err
-	}
+	wm, hm := workers.NewMetrics(reg), bus.NewHandlerMetrics(reg)
 	r := newRoles(ctx)
-	r.run("worker", rank.Run)
 	r.run("metrics", func(ctx context.Context) error { return serveMetrics(ctx, log, ln, reg, nc, nil) })
-	if slot != nil {
-		r.run("slot", slot.Hold) // losing the slot stops the worker
-	}
+	r.run("worker", func(ctx context.Context) error {
+		for {
+			rank, err := newRank(nc, c.busFlags, c.modelFlags, c.engineFlags, engine, c.Group, c.TPRank, c.TPSize, c.EPRank, c.EPSize, log,
+				wm, hm, func(rc *workers.RankConfig) {
+					rc.EngineCache, rc.KVEvents, rc.BlockSize = c.Engine == workers.EngineOpenAI, kvEvents, c.BlockSize
+				})
+			if err != nil {
+				return err
+			}
+			ranks := newRoles(ctx)
+			ranks.run("rank", rank.Run)
+			if slot != nil {
+				ranks.run("slot", slot.Hold) // losing the slot stops the worker
+			}
+			err = ranks.wait()
+			if slot == nil || !errors.Is(err, workers.ErrRegrouped) || ctx.Err() != nil {
+				return err
+			}
+			// The slot moved to make a whole group: the worker is that
+			// rank now, with an empty store.
+			c.Group, c.TPRank, c.EPRank = slot.Group, slot.Rank, slot.Rank
+		}
+	})
 	return r.wait()
 }
 

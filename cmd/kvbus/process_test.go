@@ -219,3 +219,56 @@ func TestProcessCluster(t *testing.T) {
 		}
 	}
 }
+
+// TestProcessRegroup: workers with --rank auto, scaled down so that no group
+// is whole (compose stops workers by container number, not by group: a
+// review's --scale worker=8 → 4 left every request a 503 until it scaled
+// back up). The remaining workers move into whole groups, and requests are
+// answered again.
+func TestProcessRegroup(t *testing.T) {
+	if testing.Short() {
+		t.Skip("builds and runs the binary")
+	}
+	dir := t.TempDir()
+	bin := buildBinary(t, dir)
+	natsAddr, httpAddr := freeAddr(t), freeAddr(t)
+	bus := []string{"--nats-url", "nats://" + natsAddr}
+	startProc(t, bin, dir, "nats", "nats", "--addr", natsAddr, "--data-dir", filepath.Join(dir, "js"))
+	startProc(t, bin, dir, "scheduler", append([]string{"scheduler", "--metrics-addr", freeAddr(t), "--heartbeat-timeout", "1s"}, bus...)...)
+	startProc(t, bin, dir, "frontend", append([]string{"frontend", "--http-addr", httpAddr}, bus...)...)
+	base := "http://" + httpAddr
+	var workers []*proc
+	for i := range 4 {
+		workers = append(workers, startProc(t, bin, dir, fmt.Sprint("worker-", i), append([]string{"worker", "--rank", "auto", "--tp-size", "2",
+			"--slot-ttl", "1500ms", "--heartbeat-interval", "200ms", "--time-scale", "0", "--kv-capacity", "64MiB", "--metrics-addr", freeAddr(t)}, bus...)...))
+		// One at a time: the slots go g0/0, g0/1, g1/0, g1/1 in order.
+		testenv.Eventually(t, 30*time.Second, "the worker's slot", func() bool {
+			b, _ := os.ReadFile(workers[i].log)
+			return strings.Contains(string(b), "claimed a worker slot")
+		})
+	}
+	testenv.Eventually(t, 60*time.Second, "/healthz 200", func() bool { return healthz(base+"/healthz") == http.StatusOK })
+	chat := func() int {
+		status, _, _ := testenv.Send(t, http.MethodPost, base+"/v1/chat/completions", `{"messages":[{"role":"user","content":"hello"}],"max_tokens":2}`, nil)
+		return status
+	}
+	if s := chat(); s != http.StatusOK {
+		t.Fatalf("status %d before the scale-down", s)
+	}
+	// Stop g0/1 and g1/0: g0 and g1 keep one rank each.
+	for _, w := range []*proc{workers[1], workers[2]} {
+		if err := w.stop(t); err != nil {
+			t.Errorf("%s: %v", w.name, err)
+		}
+	}
+	testenv.Eventually(t, 10*time.Second, "no whole group (the scale-down took effect)", func() bool { return chat() == http.StatusServiceUnavailable })
+	testenv.Eventually(t, 30*time.Second, "requests answered again", func() bool { return chat() == http.StatusOK })
+	moved := 0
+	for _, w := range []*proc{workers[0], workers[3]} {
+		b, _ := os.ReadFile(w.log)
+		moved += strings.Count(string(b), "moved to another worker slot")
+	}
+	if moved != 1 {
+		t.Errorf("%d workers moved, want 1 (g1's into g0, the lower of two groups as held)", moved)
+	}
+}
