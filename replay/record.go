@@ -104,7 +104,7 @@ func Capture(ctx context.Context, cfg CaptureConfig, w io.Writer) (int, error) {
 	if !cfg.Follow && (last == 0 || (cfg.FromSeq > last)) {
 		return 0, cw.Flush()
 	}
-	c := &capturer{cfg: cfg, cw: cw, last: last}
+	c := &capturer{cfg: cfg, cw: cw, last: last, st: st, created: info.Created}
 	for {
 		cons, err := st.OrderedConsumer(ctx, occ)
 		if err == nil {
@@ -133,11 +133,12 @@ func Capture(ctx context.Context, cfg CaptureConfig, w io.Writer) (int, error) {
 		if c.seq == 0 {
 			occ = c.resumeAtStart(occ)
 		}
-		if info, err := st.Info(ctx); err == nil && occ.OptStartSeq > info.State.LastSeq+1 {
+		if info, err := st.Info(ctx); err == nil && (!info.Created.Equal(c.created) || occ.OptStartSeq > info.State.LastSeq+1) {
 			// The log was made again (a server restarted without its
 			// store): its sequences start over.
 			cfg.Logger.Warn("the request log starts over (made again after a NATS restart); capturing it from its start", "after_seq", c.seq)
-			occ.OptStartSeq, c.seq, c.last = 1, 0, 0
+			occ.DeliverPolicy, occ.OptStartTime = jetstream.DeliverByStartSequencePolicy, nil
+			occ.OptStartSeq, c.seq, c.last, c.created = 1, 0, 0, info.Created
 		}
 	}
 }
@@ -149,7 +150,16 @@ type capturer struct {
 	cw   *CaptureWriter
 	last uint64 // the log's end when the capture began (without Follow)
 	seq  uint64
+	// st and created tell a log made again (a NATS server restarted
+	// without its store) while a follow waits: the ordered consumer would
+	// wait for sequences the new log reaches only much later.
+	st        jetstream.Stream
+	created   time.Time
+	lastCheck time.Time
 }
+
+// errLogRemade: the request log was made again under a follow.
+var errLogRemade = errors.New("replay: the request log was made again")
 
 // resumeAtStart keeps the original start of a follow that has written
 // nothing yet.
@@ -223,6 +233,12 @@ func (c *capturer) copy(ctx context.Context, cons jetstream.Consumer) error {
 			// back, not an error: say so instead of waiting.
 			if err := c.cfg.Conn.LastError(); errors.Is(err, nats.ErrPermissionViolation) {
 				return err
+			}
+			if time.Since(c.lastCheck) >= time.Second {
+				c.lastCheck = time.Now()
+				if info, err := c.st.Info(ctx); err == nil && !info.Created.Equal(c.created) {
+					return errLogRemade
+				}
 			}
 		}
 	}
