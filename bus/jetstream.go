@@ -114,7 +114,9 @@ func Retry[T any](ctx context.Context, f func(ctx context.Context) (T, error)) (
 		actx, cancel := context.WithTimeout(ctx, 3*time.Second)
 		v, err := f(actx)
 		cancel()
-		if err == nil || ctx.Err() != nil || errors.Is(err, ErrRequestLog) { // no retry makes another deployment's log ours
+		// No retry makes another deployment's log ours, or gives a key
+		// the permissions it lacks.
+		if err == nil || ctx.Err() != nil || errors.Is(err, ErrRequestLog) || errors.Is(err, ErrPermission) {
 			return v, err
 		}
 		select {
@@ -163,6 +165,9 @@ func ensureStream(ctx context.Context, js jetstream.JetStream, cfg StreamConfig)
 	// failed update is only logged, and the next process to start retries it.
 	names, err := ResolveNames(ctx, js, cfg.Subjects)
 	if err != nil {
+		if subject, ok := jetStreamRefused(js.Conn(), names.RequestStream); ok {
+			return nil, fmt.Errorf("%w: request log %s: %w: the server refused %s; %s", ErrPermission, names.RequestStream, err, subject, jetStreamAdvice)
+		}
 		return nil, fmt.Errorf("bus: request log %s: %w", names.RequestStream, err)
 	}
 	name := names.RequestStream
@@ -203,6 +208,11 @@ func ensureStream(ctx context.Context, js jetstream.JetStream, cfg StreamConfig)
 		st, err = js.Stream(ctx, name) // another process won the race
 	}
 	if err != nil {
+		// A refused API request is not answered: it fails as a timeout,
+		// like a server without JetStream.
+		if subject, ok := jetStreamRefused(js.Conn(), name); ok {
+			return nil, fmt.Errorf("%w: create stream %s: %w: the server refused %s; %s", ErrPermission, name, err, subject, jetStreamAdvice)
+		}
 		return nil, fmt.Errorf("bus: create stream %s: %w (is JetStream enabled on the server?)", name, err)
 	}
 	return st, nil

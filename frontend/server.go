@@ -278,6 +278,14 @@ func (s *Server) inflight() float64 {
 // connections and lets in-flight requests finish (bounded by their own
 // timeouts).
 func (s *Server) Run(ctx context.Context) error {
+	annSubject := s.cfg.Subjects.AnnounceRole(messages.RoleScheduler)
+	// Another role's key is refused these subjects: say so now, naming the
+	// key to give, rather than wait 30 s for JetStream or serve requests
+	// that never find a scheduler.
+	if err := bus.CheckPermissions(ctx, s.cfg.Conn, bus.RoleCheck{Role: "frontend",
+		Subscribe: []string{s.cfg.Subjects.Out(s.cfg.ID), annSubject}}); err != nil {
+		return err
+	}
 	setup, cancel := context.WithTimeout(ctx, 30*time.Second)
 	defer cancel()
 	st, err := bus.EnsureRequestStream(setup, s.js, s.cfg.RequestLog())
@@ -292,7 +300,6 @@ func (s *Server) Run(ctx context.Context) error {
 		return fmt.Errorf("frontend: subscribe: %w", err)
 	}
 	defer func() { _ = sub.Unsubscribe() }()
-	annSubject := s.cfg.Subjects.AnnounceRole(messages.RoleScheduler)
 	annSub, err := bus.Subscribe(ctx, s.cfg.Conn, annSubject, bus.Wrap(s.onAnnouncement, s.log, s.hm, "frontend_announcement"))
 	if err != nil {
 		return fmt.Errorf("frontend: subscribe %s: %w", annSubject, err)

@@ -268,6 +268,29 @@ func (s *Scheduler) Trackers() int { return s.trackers.Len() }
 // Run serves until ctx ends.
 func (s *Scheduler) Run(ctx context.Context) error {
 	nc, subj := s.cfg.Conn, s.cfg.Subjects
+	handlers := []struct {
+		subject, name string
+		fn            bus.Handler[*nats.Msg]
+		// causal: the state this feeds (load, plans) must be current
+		// when a request is placed; see awaitCausal. KV events are not:
+		// the plans already cover what a just-answered turn stored.
+		causal bool
+	}{
+		{subj.HeartbeatAll(), "scheduler_heartbeat", s.onHeartbeat, true},
+		{subj.KVAll(), "scheduler_kv_events", s.onKVEvents, false},
+		{subj.Done(s.cfg.ID), "scheduler_done", s.onDone, false},
+		{subj.Abort(), "scheduler_abort", s.onAbort, false},
+		{subj.PlanAll(), "scheduler_plan", s.onPlan, true},
+	}
+	// Another role's key is refused these subjects: say so now, naming the
+	// key to give, rather than wait 30 s for JetStream or run deaf.
+	check := bus.RoleCheck{Role: messages.RoleScheduler}
+	for _, h := range handlers {
+		check.Subscribe = append(check.Subscribe, h.subject)
+	}
+	if err := bus.CheckPermissions(ctx, nc, check); err != nil {
+		return err
+	}
 	js, err := jetstream.New(nc)
 	if err != nil {
 		return fmt.Errorf("scheduler: jetstream: %w", err)
@@ -311,20 +334,7 @@ func (s *Scheduler) Run(ctx context.Context) error {
 			_ = sub.Unsubscribe()
 		}
 	}()
-	for _, h := range []struct {
-		subject, name string
-		fn            bus.Handler[*nats.Msg]
-		// causal: the state this feeds (load, plans) must be current
-		// when a request is placed; see awaitCausal. KV events are not:
-		// the plans already cover what a just-answered turn stored.
-		causal bool
-	}{
-		{subj.HeartbeatAll(), "scheduler_heartbeat", s.onHeartbeat, true},
-		{subj.KVAll(), "scheduler_kv_events", s.onKVEvents, false},
-		{subj.Done(s.cfg.ID), "scheduler_done", s.onDone, false},
-		{subj.Abort(), "scheduler_abort", s.onAbort, false},
-		{subj.PlanAll(), "scheduler_plan", s.onPlan, true},
-	} {
+	for _, h := range handlers {
 		fn := bus.Wrap(h.fn, s.log, s.hm, h.name)
 		var cs *causalSub
 		if h.causal {

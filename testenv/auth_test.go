@@ -2,15 +2,28 @@ package testenv_test
 
 import (
 	"bytes"
+	"context"
+	"errors"
 	"fmt"
+	"log/slog"
+	"net"
 	"net/http"
+	"path/filepath"
+	"strings"
+	"sync"
 	"testing"
 	"time"
 
+	"github.com/nats-io/nats.go"
+
 	"github.com/kvbus/kvbus/auth"
+	"github.com/kvbus/kvbus/bus"
+	"github.com/kvbus/kvbus/frontend"
 	"github.com/kvbus/kvbus/messages"
 	"github.com/kvbus/kvbus/replay"
+	"github.com/kvbus/kvbus/scheduler"
 	"github.com/kvbus/kvbus/testenv"
+	"github.com/kvbus/kvbus/workers"
 )
 
 // TestPipelineWithKeys runs the whole pipeline with one key per role and
@@ -76,4 +89,146 @@ func TestPipelineWithKeys(t *testing.T) {
 	if lines := c.Logs.Lines("permissions violation"); len(lines) > 0 {
 		t.Errorf("a role used a subject its key may not:\n%v", lines)
 	}
+}
+
+// TestRoleWithAnotherRolesKeyStopsAtStart starts each role with a key
+// `kvbus auth init` wrote for another role (or another worker group): it
+// returns at once an error naming a subject it may not use and the key to
+// give it, instead of running deaf (a worker logged "rank started" and ran
+// for ever; a frontend waited 30 s for JetStream, or served requests that
+// never found a scheduler). With its own key the same role starts.
+func TestRoleWithAnotherRolesKeyStopsAtStart(t *testing.T) {
+	srv, dir := testenv.StartKeyedNATS(t, "g0", "g2")
+	connect := func(t *testing.T, key string) *nats.Conn {
+		t.Helper()
+		nc, err := bus.Connect(t.Context(), bus.Config{URL: srv.ClientURL(), Name: "kvbus-" + key,
+			NKeySeedFile: filepath.Join(dir, key+".nk"), Logger: slog.New(slog.DiscardHandler)})
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(nc.Close)
+		return nc
+	}
+	admin := connect(t, auth.RoleAdmin)
+	profile, err := workers.LookupModelProfile("tiny")
+	if err != nil {
+		t.Fatal(err)
+	}
+	engine, err := workers.NewSimEngine(workers.SimConfig{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	subj := messages.Subjects{}
+	type role struct {
+		// start makes the role on nc and returns its Run and a channel
+		// closed once it runs (a heartbeat, an announcement, the
+		// frontend's Ready).
+		start func(t *testing.T, nc *nats.Conn) (run func(context.Context) error, ready <-chan struct{})
+	}
+	worker := func(group string) role {
+		return role{func(t *testing.T, nc *nats.Conn) (func(context.Context) error, <-chan struct{}) {
+			rank, err := workers.NewRank(workers.RankConfig{Conn: nc, Group: group, TPRank: 0, TPSize: 1, EPRank: 0, EPSize: 1,
+				Model: "kvbus-sim", Profile: profile, Engine: engine, CapacityBytes: 1 << 30, HeartbeatInterval: 50 * time.Millisecond,
+				Logger: slog.New(slog.DiscardHandler)})
+			if err != nil {
+				t.Fatal(err)
+			}
+			return rank.Run, seen(t, admin, subj.Heartbeat(group, 0))
+		}}
+	}
+	frontendRole := role{func(t *testing.T, nc *nats.Conn) (func(context.Context) error, <-chan struct{}) {
+		ln, err := net.Listen("tcp", "127.0.0.1:0")
+		if err != nil {
+			t.Fatal(err)
+		}
+		fe, err := frontend.New(frontend.Config{Conn: nc, Listener: ln, Models: []string{"kvbus-sim"}, Logger: slog.New(slog.DiscardHandler)})
+		if err != nil {
+			t.Fatal(err)
+		}
+		return fe.Run, fe.Ready()
+	}}
+	schedulerRole := role{func(t *testing.T, nc *nats.Conn) (func(context.Context) error, <-chan struct{}) {
+		s, err := scheduler.New(scheduler.Config{Conn: nc, Policy: &scheduler.RoundRobinPolicy{}, Logger: slog.New(slog.DiscardHandler)})
+		if err != nil {
+			t.Fatal(err)
+		}
+		return s.Run, seen(t, admin, subj.Announce(messages.RoleScheduler, s.ID()))
+	}}
+	for _, tt := range []struct {
+		name      string
+		role      role
+		key       string   // the wrong key given
+		subject   string   // the subject the error names
+		advice    []string // the keys it says to give
+		rightKeys []string
+	}{
+		{"worker with the frontend key", worker("g2"), "frontend", "kvbus.meta.g2.>", []string{"worker-g2.nk", "worker.nk"}, []string{"worker", "worker-g2"}},
+		{"worker with another group's key", worker("g2"), "worker-g0", "kvbus.meta.g2.>", []string{"worker-g2.nk", "worker.nk"}, nil},
+		{"frontend with the worker key", frontendRole, "worker", "kvbus.out.", []string{"frontend.nk"}, []string{"frontend"}},
+		{"frontend with the scheduler key", frontendRole, "scheduler", "kvbus.out.", []string{"frontend.nk"}, nil},
+		{"scheduler with the worker key", schedulerRole, "worker", "kvbus.kv.>", []string{"scheduler.nk"}, []string{"scheduler"}},
+		{"scheduler with the frontend key", schedulerRole, "frontend", "kvbus.hb.>", []string{"scheduler.nk"}, nil},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			run, _ := tt.role.start(t, connect(t, tt.key))
+			start := time.Now()
+			errc := make(chan error, 1)
+			go func() { errc <- run(t.Context()) }()
+			var err error
+			select {
+			case err = <-errc:
+			case <-time.After(10 * time.Second):
+				t.Fatal("still running after 10 s with another role's key")
+			}
+			t.Logf("Run = %v", err)
+			if took := time.Since(start); took > 5*time.Second {
+				t.Errorf("the error took %s, want at start", took)
+			}
+			if !errors.Is(err, bus.ErrPermission) || !errors.Is(err, nats.ErrPermissionViolation) {
+				t.Fatalf("Run = %v, want a bus.ErrPermission", err)
+			}
+			for _, want := range append([]string{tt.subject, "--nats-nkey"}, tt.advice...) {
+				if !strings.Contains(err.Error(), want) {
+					t.Errorf("the error does not say %q: %v", want, err)
+				}
+			}
+			for _, key := range tt.rightKeys {
+				nc := connect(t, key)
+				run, ready := tt.role.start(t, nc)
+				ctx, cancel := context.WithCancel(t.Context())
+				errc := make(chan error, 1)
+				go func() { errc <- run(ctx) }()
+				select {
+				case <-ready:
+				case err := <-errc:
+					t.Fatalf("with %s.nk: Run = %v", key, err)
+				case <-time.After(10 * time.Second):
+					t.Fatalf("with %s.nk: not started after 10 s", key)
+				}
+				cancel()
+				if err := <-errc; err != nil {
+					t.Errorf("with %s.nk: Run = %v", key, err)
+				}
+				if err := nc.LastError(); err != nil {
+					t.Errorf("with %s.nk: the connection saw %v", key, err)
+				}
+			}
+		})
+	}
+}
+
+// seen is closed when a message arrives on subject.
+func seen(t *testing.T, nc *nats.Conn, subject string) <-chan struct{} {
+	t.Helper()
+	ch := make(chan struct{})
+	var once sync.Once
+	sub, err := nc.Subscribe(subject, func(*nats.Msg) { once.Do(func() { close(ch) }) })
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = sub.Unsubscribe() })
+	if err := nc.Flush(); err != nil {
+		t.Fatal(err)
+	}
+	return ch
 }

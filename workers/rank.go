@@ -372,6 +372,19 @@ func (r *Rank) Run(ctx context.Context) error {
 		}
 		defer func() { _ = sub.Unsubscribe() }()
 	}
+	// Another role's key, or another group's, is refused these subjects: say
+	// so now, naming the key to give, rather than run without ever getting
+	// a ReqMeta (the group would never appear).
+	check := bus.RoleCheck{Role: "worker", Group: r.cfg.Group,
+		Subscribe: []string{subj.MetaGroup(r.cfg.Group), subj.Abort(), subj.Dump(r.cfg.Group, r.cfg.TPRank), subj.Pool(r.cfg.Group, r.cfg.TPRank)}}
+	for _, e := range extra {
+		check.Subscribe = append(check.Subscribe, e.subject)
+	}
+	if err := bus.CheckPermissions(ctx, nc, check); err != nil {
+		_ = metaSub.Unsubscribe()
+		_ = abortSub.Unsubscribe()
+		return err
+	}
 	// A (re)started rank holds nothing: say so first, as vLLM does.
 	r.events.publish([]messages.KVEvent{{Type: messages.EventAllBlocksCleared}})
 	if err := nc.Flush(); err != nil {

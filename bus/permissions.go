@@ -1,0 +1,159 @@
+package bus
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"regexp"
+	"slices"
+	"strings"
+	"time"
+
+	"github.com/nats-io/nats.go"
+)
+
+// ErrPermission is wrapped when the NATS server refused a role one of its
+// own subjects (CheckPermissions; its error also wraps
+// nats.ErrPermissionViolation) or the JetStream API of its request log
+// (EnsureRequestStream): the role was given another role's key, or a key
+// written for another --subject-prefix, and would otherwise run without
+// ever receiving what it is there for, or wait for JetStream in vain.
+var ErrPermission = errors.New("bus: this role's NATS key may not use its subjects")
+
+// RoleCheck names a role for CheckPermissions.
+type RoleCheck struct {
+	// Role is "frontend", "scheduler" or "worker": the role whose key the
+	// connection should hold (`kvbus auth init` writes DIR/<Role>.nk).
+	Role string
+	// Group is a worker's group: worker-<Group>.nk is the key for that
+	// group only, worker.nk the one for any group.
+	Group string
+	// Subscribe are the subjects the role subscribes to, spelled as it
+	// subscribes them, the one that tells most first: when several are
+	// refused, the error names the first. Its reply inbox (nc.NewInbox) is
+	// checked too.
+	Subscribe []string
+}
+
+// permissionCheckTimeout bounds CheckPermissions' flush.
+const permissionCheckTimeout = 5 * time.Second
+
+// CheckPermissions tells at once a role whose key the server refuses its
+// own subjects. It subscribes to each of c.Subscribe and to a reply inbox,
+// flushes once (the server's -ERR for a refused subscription arrives before
+// the PONG), unsubscribes, and returns an error wrapping ErrPermission
+// (and nats.ErrPermissionViolation) that names the refused subject, the
+// role, and the key `kvbus auth init` wrote for it. The subscriptions are
+// its own, so it can be called before or after the role makes its real
+// ones; a message they receive in between is dropped.
+//
+// Only a violation naming one of these subscriptions counts: nc.LastError
+// is connection-wide, and the server reports only the last violation, so a
+// violation of another subject (an earlier JetStream call, say) is not this
+// check's business and, if it arrives last, hides the role's own (the role
+// then runs and logs the violation, as without the check). A bus without
+// authorization never refuses a subject, so there the check always passes.
+//
+// Publishes are not checked: the only way to learn that a publish is
+// refused is to publish, and every subject a role publishes to has
+// consumers (a heartbeat, a KV event, a ReqMeta, an output, a request in
+// the log) that would act on a probe. A key that may subscribe to all of
+// a role's subjects is that role's key (or admin) among those `kvbus auth
+// init` writes, so with its keys the subscriptions decide.
+//
+// A flush that fails (the connection is reconnecting, or ctx ended first)
+// skips the check: it returns nil.
+func CheckPermissions(ctx context.Context, nc *nats.Conn, c RoleCheck) error {
+	// The connection keeps only the last violation: subscribed in reverse,
+	// the first subject refused is the one named.
+	inbox := nc.NewInbox()
+	subjects := append([]string{inbox}, c.Subscribe...)
+	slices.Reverse(subjects[1:])
+	var subs []*nats.Subscription
+	defer func() {
+		for _, sub := range subs {
+			_ = sub.Unsubscribe()
+		}
+	}()
+	for _, s := range subjects {
+		sub, err := nc.SubscribeSync(s)
+		if err != nil {
+			return fmt.Errorf("bus: check the %s's permissions: subscribe %s: %w", roleName(c), s, err)
+		}
+		subs = append(subs, sub)
+	}
+	fctx, cancel := context.WithTimeout(ctx, permissionCheckTimeout)
+	defer cancel()
+	if err := nc.FlushWithContext(fctx); err != nil {
+		return nil // not known: the role goes on, as without the check
+	}
+	kind, subject, ok := violation(nc.LastError())
+	if !ok || kind != "Subscription" || !slices.Contains(subjects, subject) {
+		return nil
+	}
+	what := subject
+	if subject == inbox {
+		what = "its reply inbox " + subject
+	}
+	return fmt.Errorf("%w: the server refused to let the %s subscribe to %s (%w): its NATS key is another role's (or "+
+		"another group's), or was written for another --subject-prefix. Give it the key `kvbus auth init DIR` wrote for it: %s; "+
+		"`kvbus auth show DIR` lists what each key may use, and with your own NATS users give this one the %s's allow-list",
+		ErrPermission, roleName(c), what, nats.ErrPermissionViolation, keyAdvice(c.Role, c.Group), c.Role)
+}
+
+// keyAdvice names the key `kvbus auth init DIR` wrote for a role (group:
+// a worker's group, or ""), as the flag that gives it.
+func keyAdvice(role, group string) string {
+	if role == "worker" && group != "" {
+		return fmt.Sprintf("--nats-nkey DIR/worker-%s.nk (group %s only; `kvbus auth init DIR --groups %s` adds it) "+
+			"or DIR/worker.nk (any group)", group, group, group)
+	}
+	return fmt.Sprintf("--nats-nkey DIR/%s.nk", role)
+}
+
+// roleName is "frontend", "scheduler", or "worker of group g2".
+func roleName(c RoleCheck) string {
+	if c.Group != "" {
+		return c.Role + " of group " + c.Group
+	}
+	return c.Role
+}
+
+// violationRe reads the subject out of the server's permissions violation.
+var violationRe = regexp.MustCompile(`for (Subscription|Publish) to "([^"]+)"`)
+
+// violation returns what err, a connection's last error, says was refused:
+// kind "Subscription" or "Publish", and the subject. ok is false when err
+// is no permissions violation.
+func violation(err error) (kind, subject string, ok bool) {
+	if !errors.Is(err, nats.ErrPermissionViolation) {
+		return "", "", false
+	}
+	m := violationRe.FindStringSubmatch(err.Error())
+	if m == nil {
+		return "", "", false
+	}
+	return m[1], m[2], true
+}
+
+// jetStreamRefused returns the JetStream API subject of the stream name
+// that the server last refused nc to publish to, if that is nc's last error:
+// a key without the stream's JetStream permissions, whose API requests
+// go unanswered until they time out.
+func jetStreamRefused(nc *nats.Conn, name string) (string, bool) {
+	if nc == nil {
+		return "", false
+	}
+	kind, subject, ok := violation(nc.LastError())
+	if !ok || kind != "Publish" || !strings.HasPrefix(subject, "$JS.API.") {
+		return "", false
+	}
+	if !strings.HasSuffix(subject, "."+name) && !strings.Contains(subject, "."+name+".") {
+		return "", false
+	}
+	return subject, true
+}
+
+// jetStreamAdvice is what to do about a key refused the JetStream API.
+const jetStreamAdvice = "this role's key has no JetStream permission for it: give each role its own key from " +
+	"`kvbus auth init DIR` (--nats-nkey DIR/frontend.nk, scheduler.nk, …; `kvbus auth show DIR` lists what each may use)"
