@@ -9,7 +9,9 @@ import (
 	"io"
 	"net"
 	"net/http"
+	"net/http/httptest"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -132,6 +134,9 @@ func TestEngineConversationKeepsItsCache(t *testing.T) {
 		if share < 1 {
 			t.Errorf("turn %d found %.2f of the previous prompt cached in the engine, want 1.00", i+2, share)
 		}
+	}
+	if l := c.Logs.Lines(tokenizerWarning); len(l) != 0 {
+		t.Errorf("tokenizer warning with --tokenizer engine: %q", l)
 	}
 }
 
@@ -542,3 +547,222 @@ func TestEngineAbortClosesTheEngineStream(t *testing.T) {
 		t.Fatal("the engine's stream stayed open after the client left")
 	}
 }
+
+// TestEngine5xxReachesTheClientAtOnce: an engine that answers a request
+// 500 (or 503) while its /health answers 200 has failed that request, as
+// vLLM answers its client: the client gets the engine's status and body at
+// once, the engine gets the request once, and the group stays ready (no
+// health flapping in the log). It failed before: the worker sent the
+// request again ~40 times a second until the client's timeout (a 504),
+// logging "engine not healthy"/"engine healthy" each time.
+func TestEngine5xxReachesTheClientAtOnce(t *testing.T) {
+	const body500 = `{"error":{"message":"CUDA error: an illegal memory access was encountered","type":"InternalServerError","param":null,"code":500}}`
+	const body503 = `{"error":{"message":"The engine is busy","type":"ServiceUnavailableError","param":null,"code":503}}`
+	var mu sync.Mutex
+	posts := 0
+	engine := testenv.ServeEngine(t, func(w http.ResponseWriter, r *http.Request) {
+		mu.Lock()
+		posts++
+		mu.Unlock()
+		_, _ = io.Copy(io.Discard, r.Body)
+		w.Header().Set("Content-Type", "application/json")
+		if strings.Contains(r.Header.Get("X-Request-Id"), "busy") {
+			w.WriteHeader(http.StatusServiceUnavailable)
+			io.WriteString(w, body503)
+			return
+		}
+		w.WriteHeader(http.StatusInternalServerError)
+		io.WriteString(w, body500)
+	})
+	c := testenv.StartCluster(t, testenv.ClusterConfig{RequestTimeout: 15 * time.Second,
+		Engines: []cluster.EngineBackend{{OpenAI: workers.OpenAIConfig{URL: engine, HealthInterval: 50 * time.Millisecond}}}})
+	tests := []struct {
+		name, path, reqID, body string
+		status                  int
+		want                    string
+	}{
+		{"chat 500", "/v1/chat/completions", "five-hundred", fmt.Sprintf(`{"model":%q,"messages":[{"role":"user","content":"hi"}]}`, c.Model), 500, body500},
+		{"streamed completion 503", "/v1/completions", "busy-1", fmt.Sprintf(`{"model":%q,"prompt":"hi","stream":true}`, c.Model), 503, body503},
+	}
+	for _, tt := range tests {
+		mu.Lock()
+		before := posts
+		mu.Unlock()
+		start := time.Now()
+		status, _, body := testenv.Send(t, "POST", c.URL+tt.path, tt.body, map[string]string{"X-Request-Id": tt.reqID})
+		took := time.Since(start)
+		if status != tt.status || string(body) != tt.want {
+			t.Fatalf("%s: status %d body %s after %s; want the engine's %d and body", tt.name, status, body, took.Round(time.Millisecond), tt.status)
+		}
+		if took > 5*time.Second {
+			t.Errorf("%s: the engine's error took %s to reach the client", tt.name, took)
+		}
+		mu.Lock()
+		n := posts - before
+		mu.Unlock()
+		if n != 1 {
+			t.Errorf("%s: the engine got the request %d times, want once", tt.name, n)
+		}
+	}
+	if n := len(c.Logs.Lines("engine not healthy")); n != 0 {
+		t.Errorf("%d \"engine not healthy\" lines: a request's error moved the engine's health", n)
+	}
+	if groups := c.Scheduler.PlaceableGroups(time.Now()); len(groups) != 1 {
+		t.Errorf("the group left the ready groups: %v", groups)
+	}
+}
+
+// TestEngineDeathMidRequestFailsFast: the only engine dies while a request
+// is in flight (its connection is reset, then refused, /health too). The
+// request ends within seconds with 503 group_failed and Retry-After, as a
+// new request gets no_ready_group after --no-group-wait, not a 504 at its
+// deadline. It failed before: the worker waited for the engine until the
+// client's timeout.
+func TestEngineDeathMidRequestFailsFast(t *testing.T) {
+	arrived := make(chan struct{}, 1)
+	mux := http.NewServeMux()
+	mux.HandleFunc("GET /health", func(w http.ResponseWriter, _ *http.Request) { w.WriteHeader(http.StatusOK) })
+	mux.HandleFunc("/", func(w http.ResponseWriter, r *http.Request) {
+		_, _ = io.Copy(io.Discard, r.Body)
+		select {
+		case arrived <- struct{}{}:
+		default:
+		}
+		<-r.Context().Done() // prefilling until the process dies
+	})
+	srv := httptest.NewServer(mux)
+	t.Cleanup(srv.Close)
+	c := testenv.StartCluster(t, testenv.ClusterConfig{RequestTimeout: 30 * time.Second,
+		Engines: []cluster.EngineBackend{{OpenAI: workers.OpenAIConfig{URL: srv.URL, HealthInterval: 100 * time.Millisecond}}}})
+	type answer struct {
+		status int
+		hdr    http.Header
+		body   []byte
+	}
+	done := make(chan answer, 1)
+	go func() {
+		var a answer
+		defer func() { done <- a }()
+		client := &http.Client{Timeout: 40 * time.Second}
+		defer client.CloseIdleConnections()
+		resp, err := client.Post(c.URL+"/v1/chat/completions", "application/json",
+			strings.NewReader(fmt.Sprintf(`{"model":%q,"messages":[{"role":"user","content":"a long prompt"}],"stream":true}`, c.Model)))
+		if err != nil {
+			a.body = []byte(err.Error())
+			return
+		}
+		defer resp.Body.Close()
+		a.status, a.hdr = resp.StatusCode, resp.Header
+		a.body, _ = io.ReadAll(resp.Body)
+	}()
+	select {
+	case <-arrived:
+	case <-time.After(20 * time.Second):
+		t.Fatal("the request never reached the engine")
+	}
+	// The engine process dies: connections reset, then refused.
+	srv.Listener.Close()
+	srv.CloseClientConnections()
+	died := time.Now()
+	var a answer
+	select {
+	case a = <-done:
+	case <-time.After(25 * time.Second):
+		t.Fatal("no answer 25 s after the engine died")
+	}
+	took := time.Since(died)
+	var e struct {
+		Error struct {
+			Message, Code string
+		} `json:"error"`
+	}
+	_ = json.Unmarshal(a.body, &e)
+	if a.status != http.StatusServiceUnavailable || e.Error.Code != "group_failed" || a.hdr.Get("Retry-After") == "" {
+		t.Fatalf("status %d, Retry-After %q, body %s after %s; want 503 group_failed with Retry-After",
+			a.status, a.hdr.Get("Retry-After"), a.body, took.Round(time.Millisecond))
+	}
+	if !strings.Contains(e.Error.Message, "engine") || !strings.Contains(e.Error.Message, "retry") {
+		t.Errorf("message %q does not say the engine failed and to retry", e.Error.Message)
+	}
+	if took > 8*time.Second {
+		t.Errorf("the request ended %s after the engine died", took)
+	}
+	t.Logf("503 %s after the engine died: %s", took.Round(time.Millisecond), e.Error.Message)
+}
+
+// TestEngineStreamBreakOffNamesTheCause: an engine whose stream stops
+// after a few chunks, without [DONE], ends the client's stream with an
+// error event that says why. It said "generation stopped: <nil>" before.
+func TestEngineStreamBreakOffNamesTheCause(t *testing.T) {
+	engine := testenv.ServeEngine(t, func(w http.ResponseWriter, r *http.Request) {
+		_, _ = io.Copy(io.Discard, r.Body)
+		w.Header().Set("Content-Type", "text/event-stream")
+		for _, text := range []string{"one", " two"} {
+			fmt.Fprintf(w, `data: {"id":"x","object":"text_completion","created":1,"model":"kvbus-sim","choices":[{"index":0,"text":%q,"logprobs":null,"finish_reason":null}]}`+"\n\n", text)
+		}
+		w.(http.Flusher).Flush()
+		if conn, _, err := http.NewResponseController(w).Hijack(); err == nil {
+			conn.Close() // the engine's end of the stream is gone
+		}
+	})
+	c := testenv.StartCluster(t, testenv.ClusterConfig{Engines: []cluster.EngineBackend{{OpenAI: workers.OpenAIConfig{URL: engine, HealthInterval: 100 * time.Millisecond}}}})
+	status, _, body := testenv.Send(t, "POST", c.URL+"/v1/completions",
+		fmt.Sprintf(`{"model":%q,"prompt":"count","max_tokens":10,"stream":true}`, c.Model), nil)
+	if status != http.StatusOK {
+		t.Fatalf("status %d: %s", status, body)
+	}
+	var events []string
+	for _, line := range strings.Split(string(body), "\n") {
+		if data, ok := strings.CutPrefix(line, "data: "); ok {
+			events = append(events, data)
+		}
+	}
+	if len(events) < 4 || events[len(events)-1] != "[DONE]" || !strings.Contains(events[1], `" two"`) {
+		t.Fatalf("events %q: want the engine's two chunks, an error, [DONE]", events)
+	}
+	var e struct {
+		Error struct{ Message, Code string } `json:"error"`
+	}
+	if err := json.Unmarshal([]byte(events[len(events)-2]), &e); err != nil || e.Error.Code != "engine_error" {
+		t.Fatalf("last event %s (%v): want an engine_error", events[len(events)-2], err)
+	}
+	if strings.Contains(e.Error.Message, "<nil>") || !strings.Contains(e.Error.Message, "stream broke off") {
+		t.Errorf("error message %q does not name the cause (the engine's stream broke off)", e.Error.Message)
+	}
+}
+
+// TestEngineTokenizerMismatchWarnsOnce: kvbus's default tokenizer (o200k)
+// in front of an engine with another one counts other prompt lengths than
+// the engine: the worker says so once, with both counts and the fix
+// (--tokenizer engine). With --tokenizer engine nothing is said
+// (TestEngineConversationKeepsItsCache).
+func TestEngineTokenizerMismatchWarnsOnce(t *testing.T) {
+	e, err := fakeengine.New(fakeengine.Config{ModelName: "kvbus-sim"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = e.Close() })
+	c := testenv.StartCluster(t, testenv.ClusterConfig{ // the frontend's default tokenizer: o200k
+		Engines: []cluster.EngineBackend{{OpenAI: workers.OpenAIConfig{URL: e.URL(), HealthInterval: 100 * time.Millisecond}}}})
+	for i := range 3 {
+		status, _, body := testenv.Send(t, "POST", c.URL+"/v1/chat/completions",
+			fmt.Sprintf(`{"model":%q,"max_tokens":2,"messages":[{"role":"user","content":"question %d: what do caches hold, and why?"}]}`, c.Model, i), nil)
+		if status != http.StatusOK {
+			t.Fatalf("status %d: %s", status, body)
+		}
+	}
+	lines := c.Logs.Lines(tokenizerWarning)
+	if len(lines) != 1 {
+		t.Fatalf("%d tokenizer warnings, want 1: %q", len(lines), lines)
+	}
+	for _, want := range []string{"kvbus_prompt_tokens=", "engine_prompt_tokens=", "--tokenizer engine", "req_id="} {
+		if !strings.Contains(lines[0], want) {
+			t.Errorf("warning %q lacks %q", lines[0], want)
+		}
+	}
+	t.Log(lines[0])
+}
+
+// tokenizerWarning is in the worker's warning of a tokenizer that does not
+// match the engine's.
+const tokenizerWarning = "kvbus's tokenizer does not match the engine's"

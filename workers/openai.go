@@ -15,6 +15,7 @@ import (
 	"net/url"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/kvbus/kvbus/messages"
@@ -31,6 +32,10 @@ const (
 	DefaultEngineMaxConcurrency = 256
 	DefaultEngineConnectTimeout = 5 * time.Second
 	DefaultEngineHealthInterval = time.Second
+	// DefaultEngineUnavailableWait is as long as the scheduler's default
+	// --no-group-wait: a request in flight on a dead engine ends no later
+	// than a new one finding no ready group.
+	DefaultEngineUnavailableWait = 2 * time.Second
 	// maxEngineLine bounds one SSE line of an engine's stream, and
 	// maxEngineBody a whole answer (or error) that does not stream: both
 	// are sent on the bus, whose messages are smaller still.
@@ -38,9 +43,19 @@ const (
 	maxEngineBody = 8 << 20
 )
 
+// Retries of a request the engine did not take (see Generate).
+const (
+	// maxEngineAttempts bounds how often one request is sent to the
+	// engine.
+	maxEngineAttempts = 3
+	// engineRetryBackoff is the pause before the second attempt, doubled
+	// before each later one.
+	engineRetryBackoff = 100 * time.Millisecond
+)
+
 // ErrEngineUnavailable is wrapped by errors of an engine that cannot be
-// reached or answers 5xx: the request did not run there, and may run on
-// another group.
+// reached or answers 5xx before any output: the request did not run there,
+// and may run on another group.
 var ErrEngineUnavailable = errors.New("workers: engine unavailable")
 
 // EngineError is an engine's answer that is not a success, relayed to the
@@ -88,6 +103,11 @@ type OpenAIConfig struct {
 	// HealthInterval is how often /health is polled (default 1 s); a poll
 	// times out after the same interval.
 	HealthInterval time.Duration
+	// UnavailableWait bounds how long a request waits for an engine that
+	// is down (or for the scheduler to move it to another group) before it
+	// fails with ErrEngineUnavailable (default
+	// DefaultEngineUnavailableWait).
+	UnavailableWait time.Duration
 	// TLS configures https engines; nil means Go's defaults.
 	TLS *tls.Config
 	// Logger; nil means slog.Default().
@@ -108,7 +128,7 @@ func (c *OpenAIConfig) Validate() error {
 		return fmt.Errorf("%w: --engine-url %q has no host", ErrConfig, c.URL)
 	case u.RawQuery != "" || u.Fragment != "":
 		return fmt.Errorf("%w: --engine-url %q must be a base URL, without query or fragment", ErrConfig, c.URL)
-	case c.MaxConcurrency < 0 || c.ConnectTimeout < 0 || c.Timeout < 0 || c.HealthInterval < 0:
+	case c.MaxConcurrency < 0 || c.ConnectTimeout < 0 || c.Timeout < 0 || c.HealthInterval < 0 || c.UnavailableWait < 0:
 		return fmt.Errorf("%w: engine concurrency and timeouts must be >= 0 (0: default)", ErrConfig)
 	}
 	return nil
@@ -125,6 +145,10 @@ type OpenAIEngine struct {
 	client *http.Client
 	slots  chan struct{}
 	log    *slog.Logger
+
+	// tokensWarned is set once the engine's prompt count was found to
+	// differ from kvbus's (warnTokenMismatch).
+	tokensWarned atomic.Bool
 
 	mu      sync.Mutex
 	healthy bool
@@ -146,6 +170,9 @@ func NewOpenAIEngine(cfg OpenAIConfig) (*OpenAIEngine, error) {
 	}
 	if cfg.HealthInterval == 0 {
 		cfg.HealthInterval = DefaultEngineHealthInterval
+	}
+	if cfg.UnavailableWait == 0 {
+		cfg.UnavailableWait = DefaultEngineUnavailableWait
 	}
 	log := cfg.Logger
 	if log == nil {
@@ -183,6 +210,24 @@ func (e *OpenAIEngine) Healthy() (bool, string) {
 func (e *OpenAIEngine) setHealth(ok bool, why string) bool {
 	e.mu.Lock()
 	defer e.mu.Unlock()
+	return e.setHealthLocked(ok, why)
+}
+
+// setPolled records the result of a health poll that began when the
+// health's change channel was since. It reports whether the poll changed
+// the health, and returns the channel that the next change closes. A poll
+// that overlapped a change (a request that found the engine down) is stale
+// and dropped, since returned closed: it would undo what the request saw.
+func (e *OpenAIEngine) setPolled(since chan struct{}, ok bool, why string) (bool, chan struct{}) {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	if e.changed != since {
+		return false, since
+	}
+	return e.setHealthLocked(ok, why), e.changed
+}
+
+func (e *OpenAIEngine) setHealthLocked(ok bool, why string) bool {
 	if e.healthy == ok {
 		e.why = why
 		return false
@@ -200,26 +245,33 @@ func (e *OpenAIEngine) setHealth(ok bool, why string) bool {
 
 // WatchHealth polls GET /health every HealthInterval until ctx ends and
 // calls changed (if not nil) after each change of health, also when a
-// request found the engine unreachable.
+// request found the engine down. Only a poll makes the engine healthy
+// again: a request's failure is followed by the next regular poll, not by
+// one at once, so that health cannot flip as fast as requests fail.
 func (e *OpenAIEngine) WatchHealth(ctx context.Context, changed func()) {
 	t := time.NewTicker(e.cfg.HealthInterval)
 	defer t.Stop()
-	for {
+	for poll := true; ; {
 		e.mu.Lock()
 		ch := e.changed
 		e.mu.Unlock()
-		ok, why := e.checkHealth(ctx)
-		if ctx.Err() != nil {
-			return
-		}
-		if e.setHealth(ok, why) && changed != nil {
-			changed()
+		if poll {
+			ok, why := e.checkHealth(ctx)
+			if ctx.Err() != nil {
+				return
+			}
+			var moved bool
+			if moved, ch = e.setPolled(ch, ok, why); moved && changed != nil {
+				changed()
+			}
 		}
 		select {
 		case <-ctx.Done():
 			return
 		case <-t.C:
-		case <-ch: // a request saw the engine fail: tell the cluster now
+			poll = true
+		case <-ch: // a request found the engine down: tell the cluster now
+			poll = false
 			if changed != nil {
 				changed()
 			}
@@ -247,19 +299,37 @@ func (e *OpenAIEngine) checkHealth(ctx context.Context) (bool, string) {
 	return true, ""
 }
 
-// waitHealthy waits until the engine is healthy or ctx ends.
-func (e *OpenAIEngine) waitHealthy(ctx context.Context) error {
+// awaitHealthy waits until the engine is healthy, or ctx ends, or
+// UnavailableWait has passed since *down: when the request first found the
+// engine down, which is set now if it is zero and the engine is down.
+// failure is how the request's last attempt failed ("" before the first).
+func (e *OpenAIEngine) awaitHealthy(ctx context.Context, down *time.Time, failure string) error {
 	for {
 		e.mu.Lock()
-		ok, ch := e.healthy, e.changed
+		ok, why, ch := e.healthy, e.why, e.changed
 		e.mu.Unlock()
 		if ok {
 			return nil
 		}
+		if down.IsZero() {
+			*down = time.Now()
+		}
+		left := e.cfg.UnavailableWait - time.Since(*down)
+		if left <= 0 {
+			if failure != "" && !strings.Contains(why, failure) {
+				why = failure + "; " + why
+			}
+			return fmt.Errorf("%w: %s; it did not recover within %s, and no other worker group took the request",
+				ErrEngineUnavailable, why, e.cfg.UnavailableWait)
+		}
+		timer := time.NewTimer(left)
 		select {
 		case <-ctx.Done():
+			timer.Stop()
 			return ctx.Err()
 		case <-ch:
+			timer.Stop()
+		case <-timer.C:
 		}
 	}
 }
@@ -272,10 +342,22 @@ func (e *OpenAIEngine) authorize(h http.Header) {
 
 // Generate implements Engine: it runs req on the engine, emitting each
 // streamed chunk (or the whole answer) as the engine sent it. prefilled is
-// called with the first chunk. A request the engine could not take (it is
-// unreachable or answered 5xx before any output) waits until the engine is
-// healthy again and is retried, until ctx ends: meanwhile the rank is not
-// ready, and the scheduler moves the request to another group.
+// called with the first chunk.
+//
+// A request the engine did not take (unreachable, a 5xx, a stream that
+// ended before any output) asks /health whether the engine is down:
+//   - /health passes and the engine answered 5xx: the error is the
+//     request's own; it is returned at once as the engine's *EngineError
+//     (vLLM answers its client so), and the engine's health stays;
+//   - /health fails: the engine is marked unhealthy (the rank is not ready,
+//     and the scheduler moves the request to another group) and the
+//     request waits for it, up to UnavailableWait from when it first found
+//     the engine down;
+//   - otherwise (the connection failed, /health passes) it is sent again.
+//
+// It is sent at most maxEngineAttempts times, with engineRetryBackoff
+// doubling between attempts; past that, or past the wait, it fails with an
+// error wrapping ErrEngineUnavailable.
 func (e *OpenAIEngine) Generate(ctx context.Context, req EngineRequest, prefilled func(), emit func(Chunk) error) (EngineResult, error) {
 	select {
 	case e.slots <- struct{}{}:
@@ -292,18 +374,122 @@ func (e *OpenAIEngine) Generate(ctx context.Context, req EngineRequest, prefille
 	if err != nil {
 		return EngineResult{}, err
 	}
-	for {
-		if err := e.waitHealthy(ctx); err != nil {
+	var down time.Time // when this request first found the engine down
+	failure := ""      // how the last attempt failed
+	backoff := engineRetryBackoff
+	for attempt := 1; ; attempt++ {
+		if err := e.awaitHealthy(ctx, &down, failure); err != nil {
 			return EngineResult{}, err
 		}
 		res, err := e.run(ctx, call, prefilled, emit)
 		if !errors.Is(err, ErrEngineUnavailable) || call.started || ctx.Err() != nil {
+			if err == nil {
+				e.warnTokenMismatch(req, res)
+			}
 			return res, err
 		}
-		e.log.Warn("engine unavailable before the answer began: waiting for it (the request may move to another group)",
-			"req_id", req.ReqID, "session_id", req.SessionID, "err", err)
-		e.setHealth(false, err.Error())
+		failure = strings.TrimPrefix(err.Error(), ErrEngineUnavailable.Error()+": ")
+		ok, why := e.checkHealth(ctx)
+		if ctx.Err() != nil {
+			return EngineResult{}, ctx.Err()
+		}
+		log := e.log.With("req_id", req.ReqID, "session_id", req.SessionID)
+		var ee *EngineError
+		switch {
+		case ok && errors.As(err, &ee):
+			log.Warn("engine answered the request with an error while its /health passes: relayed to the client",
+				"status", ee.Status, "err", ee)
+			return EngineResult{}, ee
+		case !ok:
+			e.setHealth(false, failure+"; "+why)
+		}
+		if attempt == maxEngineAttempts {
+			return EngineResult{}, fmt.Errorf("%w: %s (sent %d times)", ErrEngineUnavailable, failure, attempt)
+		}
+		if ok {
+			why = "passes"
+		}
+		log.Warn("engine did not take the request: sending it again, once the engine is healthy (it may move to another group first)",
+			"attempt", attempt, "err", failure, "health", why, "retry_in", backoff)
+		select {
+		case <-ctx.Done():
+			return EngineResult{}, ctx.Err()
+		case <-time.After(backoff):
+		}
+		backoff *= 2
 	}
+}
+
+// warnTokenMismatch warns, once per engine, when the engine counted
+// another number of prompt tokens than kvbus's tokenizer did for a prompt
+// kvbus sent as text: the token ids differ, so kvbus's block hashes can
+// never match the blocks of the engine's KV events. A request whose count
+// the engine may rightly make otherwise is not compared (see
+// comparablePrompt).
+func (e *OpenAIEngine) warnTokenMismatch(req EngineRequest, res EngineResult) {
+	if res.Usage == nil || res.Usage.PromptTokens == 0 || res.Usage.PromptTokens == len(req.PromptTokens) ||
+		e.tokensWarned.Load() || !comparablePrompt(req) || !e.tokensWarned.CompareAndSwap(false, true) {
+		return
+	}
+	e.log.Warn("kvbus's tokenizer does not match the engine's: it counted another number of prompt tokens; "+
+		"KV-event placement cannot find the engine's cached blocks (reported once)",
+		"req_id", req.ReqID, "session_id", req.SessionID, "kvbus_prompt_tokens", len(req.PromptTokens),
+		"engine_prompt_tokens", res.Usage.PromptTokens,
+		"hint", "run the frontend (or serve) with --tokenizer engine --tokenizer-url <the engine's URL>, which tokenizes with the model's own tokenizer and chat template")
+}
+
+// comparablePrompt reports whether the engine's usage.prompt_tokens for
+// req must equal kvbus's count of it when both tokenize alike. With
+// --tokenizer engine the frontend's ids are the engine's own /tokenize
+// answer for the same messages or prompt, chat template included, so any
+// difference is a tokenizer mismatch. Not comparable: a request sent as
+// token ids (the engine took kvbus's), several prompts (kvbus counts the
+// first, the engine all), truncate_prompt_tokens, and content parts other
+// than text (images, audio: their placeholder tokens).
+func comparablePrompt(req EngineRequest) bool {
+	if len(req.Body) == 0 || len(req.PromptTokens) == 0 {
+		return false
+	}
+	var body struct {
+		Messages []struct {
+			Content json.RawMessage `json:"content"`
+		} `json:"messages"`
+		Prompt   json.RawMessage `json:"prompt"`
+		Truncate json.RawMessage `json:"truncate_prompt_tokens"`
+	}
+	if json.Unmarshal(req.Body, &body) != nil || len(body.Truncate) > 0 && string(body.Truncate) != "null" {
+		return false
+	}
+	if req.Endpoint == messages.EndpointChat {
+		for _, m := range body.Messages {
+			var parts []struct {
+				Type string `json:"type"`
+			}
+			if c := bytes.TrimSpace(m.Content); len(c) > 0 && c[0] == '[' {
+				if json.Unmarshal(m.Content, &parts) != nil {
+					return false
+				}
+				for _, p := range parts {
+					if p.Type != "text" {
+						return false
+					}
+				}
+			}
+		}
+		return len(body.Messages) > 0
+	}
+	var prompts []json.RawMessage
+	switch {
+	case len(body.Prompt) == 0:
+		return false
+	case body.Prompt[0] == '"':
+		return true
+	case json.Unmarshal(body.Prompt, &prompts) != nil || len(prompts) == 0:
+		return false
+	}
+	// One prompt: token ids, or a list of one string or one list of ids.
+	first := bytes.TrimSpace(prompts[0])
+	return len(prompts) == 1 || len(first) > 0 && first[0] != '"' && first[0] != '['
 }
 
 // engineCall is one request as sent to the engine.
@@ -472,7 +658,7 @@ func (e *OpenAIEngine) run(ctx context.Context, c *engineCall, prefilled func(),
 		body, _ := io.ReadAll(io.LimitReader(resp.Body, maxEngineBody))
 		ee := &EngineError{Status: resp.StatusCode, Body: body}
 		if resp.StatusCode >= 500 {
-			return EngineResult{}, fmt.Errorf("%w: %w", ErrEngineUnavailable, ee)
+			return EngineResult{}, fmt.Errorf("%w: POST %s: %w", ErrEngineUnavailable, c.path, ee)
 		}
 		return EngineResult{}, ee
 	}

@@ -699,60 +699,85 @@ func TestOpenAIGenerateErrors(t *testing.T) {
 
 // TestOpenAIGenerateRetriesWhenUnavailable proves that a request the
 // engine could not take (a 5xx, a dropped connection, a stream that ends
-// before any output) marks the engine unhealthy and is sent again, once,
-// the same, when the engine is healthy again, without waiting for the next
-// health poll (an hour away here: the failure itself makes WatchHealth look
-// again); the client gets only the second answer.
+// before any output) is sent again, the same, and the client gets only
+// the second answer. When /health fails too the engine is down: it is
+// marked unhealthy and the request waits for the next poll that passes;
+// when /health passes, the engine's health does not move (a 5xx then is
+// the request's own, relayed: TestOpenAIGenerate5xxOfAHealthyEngine).
 func TestOpenAIGenerateRetriesWhenUnavailable(t *testing.T) {
 	t.Parallel()
 	const answer = `{"choices":[{"index":0,"text":"ok","finish_reason":"stop"}],"usage":{"prompt_tokens":1,"completion_tokens":1}}`
 	tests := []struct {
-		name  string
-		first func(w http.ResponseWriter, r *http.Request)
+		name       string
+		first      func(w http.ResponseWriter, r *http.Request)
+		engineDown bool // /health fails from the first answer until the test sees the engine unhealthy
 	}{
-		{"503", func(w http.ResponseWriter, r *http.Request) {
+		{"503, engine down", func(w http.ResponseWriter, r *http.Request) {
 			w.WriteHeader(http.StatusServiceUnavailable)
 			_, _ = io.WriteString(w, `{"error":{"message":"overloaded","code":503}}`)
-		}},
-		{"500 dead engine core", func(w http.ResponseWriter, r *http.Request) {
+		}, true},
+		{"500 dead engine core, engine down", func(w http.ResponseWriter, r *http.Request) {
 			w.WriteHeader(http.StatusInternalServerError)
 			_, _ = io.WriteString(w, `{"error":{"message":"EngineCore encountered an issue.","type":"InternalServerError","code":500}}`)
-		}},
-		{"connection dropped", func(w http.ResponseWriter, r *http.Request) {
+		}, true},
+		{"connection dropped, engine down", func(w http.ResponseWriter, r *http.Request) {
 			conn, _, err := http.NewResponseController(w).Hijack()
 			if err == nil {
 				_ = conn.Close()
 			}
-		}},
-		{"stream ended before output", func(w http.ResponseWriter, r *http.Request) {
+		}, true},
+		{"connection dropped, /health passes", func(w http.ResponseWriter, r *http.Request) {
+			conn, _, err := http.NewResponseController(w).Hijack()
+			if err == nil {
+				_ = conn.Close()
+			}
+		}, false},
+		{"stream ended before output, /health passes", func(w http.ResponseWriter, r *http.Request) {
 			sse(w, ": ping", "")
-		}},
+		}, false},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
 			t.Parallel()
-			stub := newStubEngine(t, func(w http.ResponseWriter, r *http.Request, n int) {
+			var stub *stubEngine
+			stub = newStubEngine(t, func(w http.ResponseWriter, r *http.Request, n int) {
 				if n == 1 {
+					if tt.engineDown {
+						stub.health.Store(http.StatusServiceUnavailable)
+					}
 					tt.first(w, r)
 					return
 				}
 				sse(w, "data: "+answer, "", "data: [DONE]", "")
 			})
-			e := newOpenAI(t, OpenAIConfig{URL: stub.URL, HealthInterval: time.Hour})
+			logs, log := newLogLines()
+			e := newOpenAI(t, OpenAIConfig{URL: stub.URL, HealthInterval: 50 * time.Millisecond, UnavailableWait: time.Minute, Logger: log})
 			seen := watchHealth(t, e)
 			awaitHealth(t, seen, true)
-			e.mu.Lock()
-			healthy := e.changed // closed by the next change: to unhealthy
-			e.mu.Unlock()
 			body := `{"prompt":"p","stream":true}`
-			r := generate(t.Context(), e, EngineRequest{ReqID: "r", Endpoint: messages.EndpointCompletions, Body: []byte(body)})
+			done := make(chan genRun, 1)
+			go func() {
+				done <- generate(t.Context(), e, EngineRequest{ReqID: "r", Endpoint: messages.EndpointCompletions, Body: []byte(body)})
+			}()
+			if tt.engineDown {
+				// The request asked /health (and logged what it found) before
+				// the engine recovers.
+				deadline := time.Now().Add(20 * time.Second)
+				for len(logs.lines("engine did not take the request", "POST /v1/completions", "health=\"GET /health answered 503\"")) == 0 {
+					if time.Now().After(deadline) {
+						t.Fatal("the request never logged its failure with the engine's /health")
+					}
+					time.Sleep(5 * time.Millisecond)
+				}
+				if ok, _ := e.Healthy(); ok {
+					t.Error("the engine is healthy while its /health fails")
+				}
+				awaitHealth(t, seen, false)
+				stub.health.Store(http.StatusOK)
+			}
+			r := <-done
 			if r.err != nil {
 				t.Fatal(r.err)
-			}
-			select {
-			case <-healthy:
-			default:
-				t.Error("the engine was never marked unhealthy")
 			}
 			if len(r.chunks) != 1 || string(r.chunks[0].Raw) != answer || r.prefilled != 1 {
 				t.Errorf("chunks %+v (prefilled %d times), want only the second attempt's answer", r.chunks, r.prefilled)
@@ -764,21 +789,29 @@ func TestOpenAIGenerateRetriesWhenUnavailable(t *testing.T) {
 			if ok, why := e.Healthy(); !ok {
 				t.Errorf("engine unhealthy after the retry: %s", why)
 			}
+			if !tt.engineDown {
+				select {
+				case h := <-seen:
+					t.Errorf("health changed to %v while /health passed", h)
+				default:
+				}
+			}
 		})
 	}
 }
 
 // TestOpenAIGenerateWaitsForUnreachableEngine proves that an engine that
 // refuses connections, while it was thought healthy, is marked unhealthy
-// by the request, which then waits for it (instead of failing: the
+// by the request, which then waits for it (instead of failing at once: the
 // scheduler moves it to another group) until its context ends, and
-// returns the context's error.
+// returns the context's error. The wait is bounded by UnavailableWait
+// (TestOpenAIGenerateGivesUpOnADeadEngine), an hour here.
 func TestOpenAIGenerateWaitsForUnreachableEngine(t *testing.T) {
 	t.Parallel()
 	srv := httptest.NewServer(http.NotFoundHandler())
 	url := srv.URL
 	srv.Close() // nothing listens there now
-	e := healthyOpenAI(t, OpenAIConfig{URL: url})
+	e := healthyOpenAI(t, OpenAIConfig{URL: url, UnavailableWait: time.Hour})
 	e.mu.Lock()
 	healthy := e.changed
 	e.mu.Unlock()

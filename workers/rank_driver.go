@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"strings"
 	"time"
 
 	"github.com/kvbus/kvbus/messages"
@@ -75,9 +76,17 @@ func (r *Rank) drive(rr *rankReq) {
 			final.Text, final.TokenIDs, final.Raw = last.Text, last.TokenIDs, last.Raw
 		}
 		publish(final)
+	case errors.Is(err, ErrEngineUnavailable) && cause == nil:
+		// The engine is down (or kept failing the request) and nothing
+		// moved the request in time: the client hears now, not at its
+		// deadline, with the code of a group that failed (503, Retry-After).
+		publish(&messages.Output{Usage: usage, Error: &messages.OutputError{Code: "group_failed",
+			Message: fmt.Sprintf("the worker group's engine did not take the request (%s); retry the request",
+				strings.TrimPrefix(err.Error(), ErrEngineUnavailable.Error()+": "))}})
 	case errors.As(err, &engineErr) && cause == nil:
 		// The engine refused the request (a field it does not take, a
-		// prompt too long): the client gets the engine's own answer.
+		// prompt too long) or failed it (a 5xx while its /health passes):
+		// the client gets the engine's own answer.
 		publish(&messages.Output{Usage: usage, Error: &messages.OutputError{Code: "engine_error", Message: engineErr.Error(),
 			Status: engineErr.Status, Raw: engineErr.Body}})
 	case errors.Is(cause, errAborted):
@@ -85,7 +94,11 @@ func (r *Rank) drive(rr *rankReq) {
 	case errors.Is(cause, context.DeadlineExceeded) || errors.Is(err, context.DeadlineExceeded):
 		publish(&messages.Output{Usage: usage, Error: &messages.OutputError{Code: "timeout", Message: "request deadline passed during generation"}})
 	default:
-		publish(&messages.Output{Usage: usage, Error: &messages.OutputError{Code: "engine_error", Message: fmt.Sprintf("generation stopped: %v", cause)}})
+		why := err // what the engine did; a cancel cause says more
+		if cause != nil {
+			why = cause
+		}
+		publish(&messages.Output{Usage: usage, Error: &messages.OutputError{Code: "engine_error", Message: fmt.Sprintf("generation stopped: %v", why)}})
 	}
 	rr.result.CompletionTokens = res.CompletionTokens
 	if err != nil {
