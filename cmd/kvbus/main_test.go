@@ -30,6 +30,20 @@ func TestMain(m *testing.M) {
 }
 
 // TestEveryFlagHasAnEnvTwin parses the CLI and checks that every flag of
+// parseCLI parses args as the kvbus command line.
+func parseCLI(t *testing.T, args ...string) *cli {
+	t.Helper()
+	var c cli
+	p, err := kong.New(&c, kong.Bind((*logsink.Writer)(nil)), kong.DefaultEnvars("KVBUS"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := p.Parse(args); err != nil {
+		t.Fatal(err)
+	}
+	return &c
+}
+
 // every command names a KVBUS_* variable.
 func TestEveryFlagHasAnEnvTwin(t *testing.T) {
 	var c cli
@@ -140,14 +154,7 @@ func TestServeHTTPPortInUse(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer taken.Close()
-	var c cli
-	p, err := kong.New(&c, kong.Bind((*logsink.Writer)(nil)), kong.DefaultEnvars("KVBUS"))
-	if err != nil {
-		t.Fatal(err)
-	}
-	if _, err := p.Parse([]string{"serve", "--nats-addr", freeAddr(t), "--http-addr", taken.Addr().String(), "--time-scale", "0", "--kv-capacity", "64MiB"}); err != nil {
-		t.Fatal(err)
-	}
+	c := parseCLI(t, "serve", "--nats-addr", freeAddr(t), "--http-addr", taken.Addr().String(), "--time-scale", "0", "--kv-capacity", "64MiB")
 	c.Serve.out = &testenv.LogBuffer{}
 	done := make(chan error, 1)
 	go func() { done <- c.Serve.Run(t.Context()) }()
@@ -183,15 +190,8 @@ func TestHealthcheck(t *testing.T) {
 // connects (no NATS runs here), naming the flag.
 func TestWorkerBadSizes(t *testing.T) {
 	for _, tc := range []struct{ flag, value string }{{"--drain-handoff", "lots"}, {"--kv-capacity", "-1GiB"}, {"--kv-capacity", "12"}} {
-		var c cli
-		p, err := kong.New(&c, kong.Bind((*logsink.Writer)(nil)), kong.DefaultEnvars("KVBUS"))
-		if err != nil {
-			t.Fatal(err)
-		}
-		if _, err := p.Parse([]string{"worker", "--group", "g0", "--nats-url", "nats://127.0.0.1:1", tc.flag + "=" + tc.value}); err != nil {
-			t.Fatal(err)
-		}
-		err = c.Worker.Run(t.Context())
+		c := parseCLI(t, "worker", "--group", "g0", "--nats-url", "nats://127.0.0.1:1", tc.flag+"="+tc.value)
+		err := c.Worker.Run(t.Context())
 		if err == nil || !strings.Contains(err.Error(), tc.flag) {
 			t.Errorf("worker %s %s: error %v, want one naming %s", tc.flag, tc.value, err, tc.flag)
 		}
@@ -218,14 +218,7 @@ func TestMetricsAddrInUseStopsARoleBeforeItConnects(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		var c cli
-		p, err := kong.New(&c, kong.Bind((*logsink.Writer)(nil)), kong.DefaultEnvars("KVBUS"))
-		if err != nil {
-			t.Fatal(err)
-		}
-		if _, err := p.Parse(append(args, "--nats-url", srv.ClientURL(), "--metrics-addr", taken.Addr().String())); err != nil {
-			t.Fatal(err)
-		}
+		c := parseCLI(t, append(args, "--nats-url", srv.ClientURL(), "--metrics-addr", taken.Addr().String())...)
 		if args[0] == "worker" {
 			err = c.Worker.Run(t.Context())
 		} else {
@@ -254,15 +247,8 @@ func TestBenchChecksEveryRunFirst(t *testing.T) {
 		{"--policies", "kv,round-robbin", "round-robbin"},
 		{"--pool", "global,locl", "locl"},
 	} {
-		var c cli
-		p, err := kong.New(&c, kong.Bind((*logsink.Writer)(nil)), kong.DefaultEnvars("KVBUS"))
-		if err != nil {
-			t.Fatal(err)
-		}
-		if _, err := p.Parse([]string{"bench", "--trace", trace, tc.flag, tc.value}); err != nil {
-			t.Fatal(err)
-		}
-		err = c.Bench.Run(t.Context())
+		c := parseCLI(t, "bench", "--trace", trace, tc.flag, tc.value)
+		err := c.Bench.Run(t.Context())
 		if err == nil || !strings.Contains(err.Error(), tc.want) {
 			t.Errorf("bench %s %s: error %v, want one naming %s", tc.flag, tc.value, err, tc.want)
 		}

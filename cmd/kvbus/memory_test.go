@@ -8,9 +8,6 @@ import (
 	"testing"
 	"time"
 
-	"github.com/alecthomas/kong"
-
-	"github.com/kvbus/kvbus/internal/logsink"
 	"github.com/kvbus/kvbus/workers"
 )
 
@@ -88,34 +85,22 @@ func TestStoresLargerThanMemoryAreRefused(t *testing.T) {
 		t.Skip("this machine's memory is unknown (no /proc/meminfo)")
 	}
 	huge := "1000TiB"
-	parse := func(args ...string) *cli {
-		t.Helper()
-		var c cli
-		p, err := kong.New(&c, kong.Bind((*logsink.Writer)(nil)), kong.DefaultEnvars("KVBUS"))
-		if err != nil {
-			t.Fatal(err)
-		}
-		if _, err := p.Parse(args); err != nil {
-			t.Fatal(err)
-		}
-		return &c
-	}
 	refused := func(err error) bool {
 		return err != nil && strings.Contains(err.Error(), "more than half the") && strings.Contains(err.Error(), "--kv-payload accounting")
 	}
-	c := parse("serve", "--kv-capacity", huge)
+	c := parseCLI(t, "serve", "--kv-capacity", huge)
 	if _, err := c.Serve.clusterConfig(); !refused(err) {
 		t.Errorf("serve --kv-capacity %s: %v, want a refusal", huge, err)
 	}
-	c = parse("serve", "--kv-capacity", huge, "--kv-payload", "accounting")
+	c = parseCLI(t, "serve", "--kv-capacity", huge, "--kv-payload", "accounting")
 	if _, err := c.Serve.clusterConfig(); err != nil {
 		t.Errorf("serve --kv-capacity %s --kv-payload accounting: %v", huge, err)
 	}
-	c = parse("worker", "--group", "g0", "--nats-url", "nats://127.0.0.1:1", "--kv-capacity", huge)
+	c = parseCLI(t, "worker", "--group", "g0", "--nats-url", "nats://127.0.0.1:1", "--kv-capacity", huge)
 	if err := c.Worker.Run(t.Context()); !refused(err) {
 		t.Errorf("worker --kv-capacity %s: %v, want a refusal", huge, err)
 	}
-	c = parse("worker", "--group", "g0", "--nats-url", "nats://127.0.0.1:1", "--kv-capacity", huge, "--kv-payload", "accounting")
+	c = parseCLI(t, "worker", "--group", "g0", "--nats-url", "nats://127.0.0.1:1", "--kv-capacity", huge, "--kv-payload", "accounting")
 	ctx, cancel := context.WithTimeout(t.Context(), 300*time.Millisecond) // no NATS runs here
 	defer cancel()
 	if err := c.Worker.Run(ctx); err == nil || refused(err) {
@@ -125,7 +110,7 @@ func TestStoresLargerThanMemoryAreRefused(t *testing.T) {
 	if err := os.WriteFile(trace, []byte("not a trace\n"), 0o644); err != nil {
 		t.Fatal(err)
 	}
-	c = parse("bench", "--trace", trace, "--kv-capacity", huge, "--kv-payload", "bytes")
+	c = parseCLI(t, "bench", "--trace", trace, "--kv-capacity", huge, "--kv-payload", "bytes")
 	if err := c.Bench.Run(t.Context()); !refused(err) {
 		t.Errorf("bench --kv-payload bytes --kv-capacity %s: %v, want a refusal", huge, err)
 	}

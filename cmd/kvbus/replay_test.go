@@ -10,25 +10,8 @@ import (
 	"testing"
 	"time"
 
-	"github.com/alecthomas/kong"
-
-	"github.com/kvbus/kvbus/internal/logsink"
 	"github.com/kvbus/kvbus/testenv"
 )
-
-// parseCLI parses args as the kvbus command line.
-func parseCLI(t *testing.T, args ...string) *cli {
-	t.Helper()
-	var c cli
-	p, err := kong.New(&c, kong.Bind((*logsink.Writer)(nil)), kong.DefaultEnvars("KVBUS"))
-	if err != nil {
-		t.Fatal(err)
-	}
-	if _, err := p.Parse(args); err != nil {
-		t.Fatal(err)
-	}
-	return &c
-}
 
 // tinyTrace writes a Mooncake trace of n requests, two sessions.
 func tinyTrace(t *testing.T, n int) string {
