@@ -218,22 +218,23 @@ func (f engineFlags) engine() (*workers.SimEngine, error) {
 
 // engineAdapterFlags put model servers behind the groups (--engine openai).
 type engineAdapterFlags struct {
-	Engine               string        `name:"engine" enum:"sim,openai" default:"sim" help:"What runs requests on a group's driver rank: sim (the simulated engine) or openai (an OpenAI-compatible model server such as vLLM at --engine-url; the group is then one rank, and the engine's KV events feed the index)."`
-	EngineURL            []string      `name:"engine-url" sep:"," help:"--engine openai: the engine's base URL, http(s)://HOST:PORT (kvbus adds /v1/chat/completions, /v1/completions, /health). serve takes one per group, comma-separated."`
-	EngineModel          string        `name:"engine-model" help:"--engine openai: the model name the engine serves, when clients use another (--model); empty sends the client's."`
-	EngineAPIKey         string        `name:"engine-api-key" help:"--engine openai: sent to the engine as Authorization: Bearer <key> (vLLM's --api-key); never logged."`
-	EngineMaxConcurrency int           `name:"engine-max-concurrency" default:"256" help:"--engine openai: requests in flight at one engine; more wait in the rank."`
-	EngineConnectTimeout time.Duration `name:"engine-connect-timeout" default:"5s" help:"--engine openai: bound on connecting to the engine."`
-	EngineTimeout        time.Duration `name:"engine-timeout" default:"0s" help:"--engine openai: bound on one engine request end to end (0: only --request-timeout)."`
-	EngineHealthInterval time.Duration `name:"engine-health-interval" default:"1s" help:"--engine openai: how often the engine's /health is polled; while it fails the group takes no requests and its queued ones move."`
-	EngineTLSCA          string        `name:"engine-tls-ca" type:"path" help:"--engine openai: CA certificate (PEM) to verify an https engine."`
-	EngineTLSCert        string        `name:"engine-tls-cert" type:"path" help:"--engine openai: client certificate (PEM) for an engine that wants mutual TLS."`
-	EngineTLSKey         string        `name:"engine-tls-key" type:"path" help:"--engine openai: client key (PEM)."`
-	EngineTLSInsecure    bool          `name:"engine-tls-insecure-skip-verify" help:"--engine openai: do not verify the engine's certificate (testing only)."`
-	KVEvents             []string      `name:"kv-events" sep:"," help:"--engine openai: the engine's ZeroMQ KV event publisher to connect to, tcp://HOST:PORT (vLLM's --kv-events-config endpoint). serve takes one per group."`
-	KVEventsBind         []string      `name:"kv-events-bind" sep:"," help:"--engine openai: bind a SUB socket here, tcp://ADDR:PORT, for engines that connect to their subscriber (llm-d's simulator), instead of --kv-events."`
-	KVEventsTopic        string        `name:"kv-events-topic" help:"--engine openai: topic prefix of the engine's KV events (vLLM's kv-events-config topic); empty: all."`
-	KVEventsReplay       []string      `name:"kv-events-replay" sep:"," help:"--engine openai: the engine's KV event replay endpoint (vLLM's replay_endpoint), to recover lost batches; without it a gap clears the group's blocks."`
+	Engine                string        `name:"engine" enum:"sim,openai" default:"sim" help:"What runs requests on a group's driver rank: sim (the simulated engine) or openai (an OpenAI-compatible model server such as vLLM at --engine-url; the group is then one rank, and the engine's KV events feed the index)."`
+	EngineURL             []string      `name:"engine-url" sep:"," help:"--engine openai: the engine's base URL, http(s)://HOST:PORT (kvbus adds /v1/chat/completions, /v1/completions, /health). serve takes one per group, comma-separated."`
+	EngineModel           string        `name:"engine-model" help:"--engine openai: the model name the engine serves, when clients use another (--model); empty sends the client's."`
+	EngineAPIKey          string        `name:"engine-api-key" help:"--engine openai: sent to the engine as Authorization: Bearer <key> (vLLM's --api-key); never logged."`
+	EngineMaxConcurrency  int           `name:"engine-max-concurrency" default:"256" help:"--engine openai: requests in flight at one engine; more wait in the rank."`
+	EngineConnectTimeout  time.Duration `name:"engine-connect-timeout" default:"5s" help:"--engine openai: bound on connecting to the engine."`
+	EngineTimeout         time.Duration `name:"engine-timeout" default:"0s" help:"--engine openai: bound on one engine request end to end (0: only --request-timeout)."`
+	EngineHealthInterval  time.Duration `name:"engine-health-interval" default:"1s" help:"--engine openai: how often the engine's /health is polled; while it fails the group takes no requests and its queued ones move."`
+	EngineUnavailableWait time.Duration `name:"engine-unavailable-wait" default:"2s" help:"--engine openai: how long a request waits for an engine that is down (or to be moved to another group) before it fails with 503 group_failed."`
+	EngineTLSCA           string        `name:"engine-tls-ca" type:"path" help:"--engine openai: CA certificate (PEM) to verify an https engine."`
+	EngineTLSCert         string        `name:"engine-tls-cert" type:"path" help:"--engine openai: client certificate (PEM) for an engine that wants mutual TLS."`
+	EngineTLSKey          string        `name:"engine-tls-key" type:"path" help:"--engine openai: client key (PEM)."`
+	EngineTLSInsecure     bool          `name:"engine-tls-insecure-skip-verify" help:"--engine openai: do not verify the engine's certificate (testing only)."`
+	KVEvents              []string      `name:"kv-events" sep:"," help:"--engine openai: the engine's ZeroMQ KV event publisher to connect to, tcp://HOST:PORT (vLLM's --kv-events-config endpoint). serve takes one per group."`
+	KVEventsBind          []string      `name:"kv-events-bind" sep:"," help:"--engine openai: bind a SUB socket here, tcp://ADDR:PORT, for engines that connect to their subscriber (llm-d's simulator), instead of --kv-events."`
+	KVEventsTopic         string        `name:"kv-events-topic" help:"--engine openai: topic prefix of the engine's KV events (vLLM's kv-events-config topic); empty: all."`
+	KVEventsReplay        []string      `name:"kv-events-replay" sep:"," help:"--engine openai: the engine's KV event replay endpoint (vLLM's replay_endpoint), to recover lost batches; without it a gap clears the group's blocks."`
 }
 
 // openAI returns the engine configuration of group i's model server and
@@ -257,7 +258,8 @@ func (f engineAdapterFlags) openAI(i int) (workers.OpenAIConfig, *vllmevents.Con
 		return workers.OpenAIConfig{}, nil, err
 	}
 	oc := workers.OpenAIConfig{URL: url, Model: f.EngineModel, APIKey: f.EngineAPIKey, MaxConcurrency: f.EngineMaxConcurrency,
-		ConnectTimeout: f.EngineConnectTimeout, Timeout: f.EngineTimeout, HealthInterval: f.EngineHealthInterval, TLS: tlsCfg}
+		ConnectTimeout: f.EngineConnectTimeout, Timeout: f.EngineTimeout, HealthInterval: f.EngineHealthInterval,
+		UnavailableWait: f.EngineUnavailableWait, TLS: tlsCfg}
 	if err := oc.Validate(); err != nil {
 		return oc, nil, err
 	}

@@ -254,3 +254,18 @@ func TestBenchChecksEveryRunFirst(t *testing.T) {
 		}
 	}
 }
+
+// TestEngineUnavailableWaitFlag: --engine-unavailable-wait reaches the
+// engine adapter (2 s unless given).
+func TestEngineUnavailableWaitFlag(t *testing.T) {
+	for _, tc := range []struct {
+		args []string
+		want time.Duration
+	}{{nil, 2 * time.Second}, {[]string{"--engine-unavailable-wait", "5s"}, 5 * time.Second}} {
+		c := parseCLI(t, append([]string{"worker", "--engine", "openai", "--engine-url", "http://127.0.0.1:1", "--tp-size", "1"}, tc.args...)...)
+		oc, _, err := c.Worker.openAI(0)
+		if err != nil || oc.UnavailableWait != tc.want {
+			t.Errorf("%v: UnavailableWait %s, %v; want %s", tc.args, oc.UnavailableWait, err, tc.want)
+		}
+	}
+}
