@@ -38,6 +38,21 @@ func publishRequests(t *testing.T, js jetstream.JetStream, prefix string, n int)
 	}
 }
 
+// requestLog starts a NATS server with this deployment's request log.
+func requestLog(t *testing.T) (*bus.Server, *nats.Conn, jetstream.JetStream) {
+	t.Helper()
+	srv := testenv.StartNATS(t)
+	nc := testenv.Connect(t, srv)
+	js, err := jetstream.New(nc)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := bus.EnsureRequestStream(t.Context(), js, bus.StreamConfig{Subjects: messages.Subjects{}}); err != nil {
+		t.Fatal(err)
+	}
+	return srv, nc, js
+}
+
 // TestCaptureFollowOutlivesNATSRestarts: a --follow capture goes on when
 // the NATS server restarts, from the request after the last it wrote, and
 // when the server comes back without its store (the log made again,
@@ -125,15 +140,7 @@ func TestCaptureFollowOutlivesNATSRestarts(t *testing.T) {
 // TestCaptureUntilOnAnIdleLog: a --follow --until capture stops once until
 // passes even when nothing more is logged.
 func TestCaptureUntilOnAnIdleLog(t *testing.T) {
-	srv := testenv.StartNATS(t)
-	nc := testenv.Connect(t, srv)
-	js, err := jetstream.New(nc)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if _, err := bus.EnsureRequestStream(t.Context(), js, bus.StreamConfig{Subjects: messages.Subjects{}}); err != nil {
-		t.Fatal(err)
-	}
+	_, nc, js := requestLog(t)
 	publishRequests(t, js, "r", 1)
 	begin := time.Now()
 	var out testenv.LogBuffer
@@ -162,15 +169,7 @@ func TestCaptureConfigValidate(t *testing.T) {
 // scheduler announces itself would wait out their timeout in silence; the
 // replay says so within its grace.
 func TestReplayWarnsWithoutAScheduler(t *testing.T) {
-	srv := testenv.StartNATS(t)
-	nc := testenv.Connect(t, srv)
-	js, err := jetstream.New(nc)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if _, err := bus.EnsureRequestStream(t.Context(), js, bus.StreamConfig{Subjects: messages.Subjects{}}); err != nil {
-		t.Fatal(err)
-	}
+	srv, nc, _ := requestLog(t)
 	logs := &testenv.LogBuffer{}
 	r, err := replay.New(replay.Config{Target: srv.ClientURL(), Conn: nc, Timeout: 4 * time.Second, Logger: slog.New(slog.NewTextHandler(logs, nil))})
 	if err != nil {

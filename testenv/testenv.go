@@ -5,14 +5,12 @@
 package testenv
 
 import (
-	"bytes"
 	"cmp"
 	"context"
 	"io"
 	"log/slog"
 	"net"
 	"path/filepath"
-	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -25,6 +23,7 @@ import (
 	"github.com/kvbus/kvbus/bus"
 	"github.com/kvbus/kvbus/cluster"
 	"github.com/kvbus/kvbus/frontend"
+	"github.com/kvbus/kvbus/internal/logbuf"
 	"github.com/kvbus/kvbus/internal/logsink"
 	"github.com/kvbus/kvbus/messages"
 	"github.com/kvbus/kvbus/scheduler"
@@ -67,46 +66,12 @@ func Eventually(t testing.TB, timeout time.Duration, what string, cond func() bo
 }
 
 // LogBuffer is a concurrency-safe buffer of log output.
-type LogBuffer struct {
-	mu  sync.Mutex
-	buf bytes.Buffer
-}
-
-// Write implements io.Writer.
-func (b *LogBuffer) Write(p []byte) (int, error) {
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	return b.buf.Write(p)
-}
+type LogBuffer = logbuf.Buffer
 
 // writerFunc is an io.Writer that is a function.
 type writerFunc func(p []byte) (int, error)
 
 func (f writerFunc) Write(p []byte) (int, error) { return f(p) }
-
-// String returns everything written so far.
-func (b *LogBuffer) String() string {
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	return b.buf.String()
-}
-
-// Lines returns the log lines that contain every one of substrs.
-func (b *LogBuffer) Lines(substrs ...string) []string {
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	var out []string
-	for _, l := range strings.Split(b.buf.String(), "\n") {
-		ok := l != ""
-		for _, s := range substrs {
-			ok = ok && strings.Contains(l, s)
-		}
-		if ok {
-			out = append(out, l)
-		}
-	}
-	return out
-}
 
 // ClusterConfig configures an in-process cluster for a test.
 type ClusterConfig struct {
@@ -192,10 +157,11 @@ func StartCluster(t testing.TB, cfg ClusterConfig) *Cluster {
 	var w io.Writer = logs
 	if cfg.LogTo != nil {
 		// One line at a time: the handler writes from many goroutines.
+		var mu sync.Mutex // LogTo need not be safe for concurrent use
 		w = writerFunc(func(p []byte) (int, error) {
-			logs.mu.Lock() // LogTo need not be safe for concurrent use
-			defer logs.mu.Unlock()
-			logs.buf.Write(p)
+			mu.Lock()
+			defer mu.Unlock()
+			_, _ = logs.Write(p)
 			return cfg.LogTo.Write(p)
 		})
 	}

@@ -1,7 +1,6 @@
 package workers
 
 import (
-	"bytes"
 	"context"
 	"errors"
 	"fmt"
@@ -10,44 +9,16 @@ import (
 	"net/http"
 	"net/http/httptest"
 	"strings"
-	"sync"
 	"testing"
 	"time"
 
+	"github.com/kvbus/kvbus/internal/logbuf"
 	"github.com/kvbus/kvbus/messages"
 )
 
-// logLines collects an engine's log for a test; safe for concurrent use.
-type logLines struct {
-	mu sync.Mutex
-	b  bytes.Buffer
-}
-
-func (l *logLines) Write(p []byte) (int, error) {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return l.b.Write(p)
-}
-
-// lines returns the lines that contain every one of substrs.
-func (l *logLines) lines(substrs ...string) []string {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	var out []string
-	for _, line := range strings.Split(l.b.String(), "\n") {
-		ok := line != ""
-		for _, s := range substrs {
-			ok = ok && strings.Contains(line, s)
-		}
-		if ok {
-			out = append(out, line)
-		}
-	}
-	return out
-}
-
-func newLogLines() (*logLines, *slog.Logger) {
-	l := &logLines{}
+// newLogLines returns a log buffer and a logger writing to it.
+func newLogLines() (*logbuf.Buffer, *slog.Logger) {
+	l := &logbuf.Buffer{}
 	return l, slog.New(slog.NewTextHandler(l, nil))
 }
 
@@ -105,10 +76,10 @@ func TestOpenAIGenerate5xxOfAHealthyEngine(t *testing.T) {
 			if ok, why := e.Healthy(); !ok {
 				t.Errorf("engine unhealthy after a request's 5xx: %s", why)
 			}
-			if n := len(logs.lines("engine not healthy")); n != 0 {
+			if n := len(logs.Lines("engine not healthy")); n != 0 {
 				t.Errorf("%d \"engine not healthy\" lines", n)
 			}
-			if l := logs.lines("req_id=r-5xx", "session_id=s-5xx", "relayed"); len(l) != 1 {
+			if l := logs.Lines("req_id=r-5xx", "session_id=s-5xx", "relayed"); len(l) != 1 {
 				t.Errorf("want one line naming the request and its 5xx, got %q", l)
 			}
 		})
@@ -242,13 +213,13 @@ func TestOpenAIWarnsOnceOnTokenCountMismatch(t *testing.T) {
 	send("two-prompts", completions, `{"prompt":["a","b"]}`, 415)
 	send("truncated", completions, `{"prompt":"a","truncate_prompt_tokens":10}`, 415)
 	send("image", chat, `{"messages":[{"role":"user","content":[{"type":"text","text":"what?"},{"type":"image_url","image_url":{"url":"http://x/y.png"}}]}]}`, 415)
-	if l := logs.lines(warning); len(l) != 0 {
+	if l := logs.Lines(warning); len(l) != 0 {
 		t.Fatalf("warned on a request whose count may rightly differ: %q", l)
 	}
 	send("mismatch", chat, `{"messages":[{"role":"user","content":[{"type":"text","text":"hi"}]}],"stream":true}`, 415)
 	send("again", completions, `{"prompt":"hello"}`, 415)
 	send("again-ids", completions, `{"prompt":[1,2,3]}`, 415)
-	l := logs.lines(warning)
+	l := logs.Lines(warning)
 	if len(l) != 1 {
 		t.Fatalf("want one warning, got %q", l)
 	}

@@ -763,7 +763,7 @@ func TestOpenAIGenerateRetriesWhenUnavailable(t *testing.T) {
 				// The request asked /health (and logged what it found) before
 				// the engine recovers.
 				deadline := time.Now().Add(20 * time.Second)
-				for len(logs.lines("engine did not take the request", "POST /v1/completions", "health=\"GET /health answered 503\"")) == 0 {
+				for len(logs.Lines("engine did not take the request", "POST /v1/completions", "health=\"GET /health answered 503\"")) == 0 {
 					if time.Now().After(deadline) {
 						t.Fatal("the request never logged its failure with the engine's /health")
 					}
