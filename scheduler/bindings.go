@@ -200,20 +200,23 @@ func (s *SessionBindings) Record(sessionID string, b Binding) {
 
 // write stores a binding with compare-and-set: it creates the key, or
 // updates the revision it knows. On a conflict it rereads; a stored binding
-// of a later turn wins, otherwise it retries once.
+// that is not before it (see follows) wins, otherwise it retries once.
 func (s *SessionBindings) write(ctx context.Context, wr bindingWrite) {
-	data, err := json.Marshal(wr.b)
-	if err != nil {
-		return
-	}
 	ctx, cancel := context.WithTimeout(ctx, 5*time.Second)
 	defer cancel()
 	for attempt := 0; attempt < 2; attempt++ {
 		s.mu.RLock()
 		cur := s.local[wr.key]
 		s.mu.RUnlock()
-		if !cur.mine && cur.rev > 0 && cur.Turn >= wr.b.Turn {
-			return // another replica recorded this turn (or a later one) first: it wins
+		if !cur.mine && cur.rev > 0 {
+			var ok bool
+			if wr.b, ok = wr.b.follows(cur.Binding); !ok {
+				return // another replica recorded this turn (or a later one) first: it wins
+			}
+		}
+		data, err := json.Marshal(wr.b)
+		if err != nil {
+			return
 		}
 		var rev uint64
 		if cur.rev > 0 {
@@ -237,22 +240,35 @@ func (s *SessionBindings) write(ctx context.Context, wr bindingWrite) {
 			s.log.Warn("cannot write a session binding", "session_key", wr.key, "err", err)
 			return
 		}
-		// Someone else wrote (or the key expired): reread.
+		// Someone else wrote (or the key expired): reread; the next attempt
+		// compares with what is stored.
 		e, gerr := s.kv.Get(ctx, wr.key)
 		s.mu.Lock()
-		switch {
-		case gerr == nil:
-			var b Binding
-			if json.Unmarshal(e.Value(), &b) == nil {
-				s.local[wr.key] = boundEntry{Binding: b, rev: e.Revision()}
-				if b.Turn >= wr.b.Turn {
-					s.mu.Unlock()
-					return // a later (or equal) turn is recorded: keep it
-				}
-			}
-		default:
+		var b Binding
+		if gerr == nil && json.Unmarshal(e.Value(), &b) == nil {
+			s.local[wr.key] = boundEntry{Binding: b, rev: e.Revision()}
+		} else {
 			delete(s.local, wr.key)
 		}
 		s.mu.Unlock()
 	}
+}
+
+// follows says whether b, recorded by this replica, comes after the stored
+// binding, and returns the binding to write. A later turn does. So does a
+// prompt of more blocks numbered as the same turn or an earlier one: the
+// next turn, placed by a replica whose watcher had not yet heard of the
+// previous one (it numbers that turn again); it is written as the turn
+// after the stored one. A binding of the same turn and no more blocks (the
+// same request placed twice, or a race on the first turn) does not: the
+// first write wins.
+func (b Binding) follows(stored Binding) (Binding, bool) {
+	switch {
+	case b.Turn > stored.Turn:
+		return b, true
+	case b.Blocks > stored.Blocks:
+		b.Turn = stored.Turn + 1
+		return b, true
+	}
+	return b, false
 }

@@ -119,3 +119,44 @@ func TestSessionBindingsRecordThenWrite(t *testing.T) {
 		}
 	}
 }
+
+// TestSessionBindingsLaggingReplicaNumbersTheNextTurn: another replica
+// recorded turn 2; this one, whose watcher has heard only of turn 1, places
+// the next turn and numbers it 2 again. Its write finds turn 2 stored with
+// a shorter prompt: it is the turn after, stored as turn 3 (it was dropped,
+// and both replicas kept turn 2 for good).
+func TestSessionBindingsLaggingReplicaNumbersTheNextTurn(t *testing.T) {
+	b, kv := openTestBindings(t)
+	const session = "lagging"
+	key := messages.SessionKey(session)
+	ctx := context.Background()
+	put := func(bd Binding, rev uint64) jetstream.KeyValueEntry {
+		bd.UpdatedUnixMs = time.Now().UnixMilli()
+		data, _ := json.Marshal(bd)
+		var err error
+		if rev == 0 {
+			_, err = kv.Create(ctx, key, data)
+		} else {
+			_, err = kv.Update(ctx, key, data, rev)
+		}
+		if err != nil {
+			t.Fatal(err)
+		}
+		_, e := bucketBinding(t, kv, key)
+		return e
+	}
+	e1 := put(Binding{Group: "g0", Blocks: 4, Turn: 1}, 0)
+	b.observe(e1)                                                // this replica heard of turn 1 ...
+	put(Binding{Group: "g0", Blocks: 8, Turn: 2}, e1.Revision()) // ... not yet of turn 2
+
+	prev, _ := b.Get(session)
+	b.Record(session, Binding{Group: "g0", Blocks: 12, Turn: prev.Turn + 1})
+	b.write(ctx, <-b.writes)
+	stored, _ := bucketBinding(t, kv, key)
+	if stored.Turn != 3 || stored.Blocks != 12 {
+		t.Fatalf("bucket holds %+v; want the 12-block prompt as turn 3", stored)
+	}
+	if local, _ := b.Get(session); local.Turn != 3 {
+		t.Errorf("this replica holds %+v; want turn 3", local)
+	}
+}

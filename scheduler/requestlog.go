@@ -106,41 +106,44 @@ func (l *requestLog) watch(ctx context.Context) {
 }
 
 // check makes the log and the consumer again when the server has lost
-// them. A server that does not answer is not a lost log: the connection's
-// own reconnect handles that.
+// them, and consumes again while an earlier try failed. A server that does
+// not answer is not a lost log: the connection's own reconnect handles
+// that. The session bucket is made again before consuming, and the line
+// saying so is logged before the first request can be answered.
 func (l *requestLog) check(ctx context.Context) {
-	l.mu.Lock()
-	cons := l.cons
-	l.mu.Unlock()
-	cctx, cancel := context.WithTimeout(ctx, logCheckEvery)
-	_, err := cons.Info(cctx)
-	cancel()
-	if !errors.Is(err, jetstream.ErrConsumerNotFound) && !errors.Is(err, jetstream.ErrStreamNotFound) {
-		return
-	}
-	if l.consuming.Swap(false) {
+	if l.consuming.Load() {
+		l.mu.Lock()
+		cons := l.cons
+		l.mu.Unlock()
+		cctx, cancel := context.WithTimeout(ctx, logCheckEvery)
+		_, err := cons.Info(cctx)
+		cancel()
+		if !errors.Is(err, jetstream.ErrConsumerNotFound) && !errors.Is(err, jetstream.ErrStreamNotFound) {
+			return
+		}
+		l.consuming.Store(false)
 		l.log.Warn("the request log or its consumer is gone from the NATS server (a server restarted without --data-dir loses both, "+
 			"with the requests not yet dispatched); making them again", "stream", l.cfg.Subjects.RequestStream(), "err", err)
+		l.mu.Lock()
+		if l.cc != nil {
+			l.cc.Stop()
+			l.cc = nil
+		}
+		l.mu.Unlock()
 	}
-	l.mu.Lock()
-	if l.cc != nil {
-		l.cc.Stop()
-	}
-	l.mu.Unlock()
 	rctx, cancel := context.WithTimeout(ctx, 10*time.Second)
 	defer cancel()
 	if err := l.ensure(rctx); err != nil {
 		l.log.Warn("cannot make the request log again; retrying", "err", err)
 		return
 	}
-	if err := l.consume(); err != nil {
-		l.log.Warn("cannot consume the request log made again; retrying", "err", err)
-		return
-	}
 	if l.remade != nil {
 		l.remade(rctx)
 	}
 	l.log.Info("request log made again; consuming")
+	if err := l.consume(); err != nil {
+		l.log.Warn("cannot consume the request log made again; retrying", "err", err)
+	}
 }
 
 // trim keeps the log's dispatched history within its bound, so that a full
