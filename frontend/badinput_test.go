@@ -95,6 +95,23 @@ func TestBadInput(t *testing.T) {
 	if resp.StatusCode != http.StatusOK || resp.Header.Get("X-Session-ID") != "first" {
 		t.Errorf("repeated X-Session-ID: status %d, echo %q; want 200 and first", resp.StatusCode, resp.Header.Get("X-Session-ID"))
 	}
+	// Errors after the session id is known echo it too (DESIGN: the
+	// response echoes it): an unknown model, a prompt too long, a bad
+	// X-Request-Id.
+	for _, tc := range []struct {
+		name, body string
+		headers    map[string]string
+		status     int
+	}{
+		{"unknown model", `{"model":"nope","messages":[{"role":"user","content":"hi"}]}`, map[string]string{"X-Session-ID": "echo"}, 404},
+		{"prompt too long", chat(`,"session_id":"echo","messages":[{"role":"user","content":"` + strings.Repeat("word ", 600) + `"}]`), nil, 400},
+		{"bad X-Request-Id", chat(""), map[string]string{"X-Session-ID": "echo", "X-Request-Id": strings.Repeat("r", 1000)}, 400},
+	} {
+		status, h, body := send(t, http.MethodPost, c.URL+"/v1/chat/completions", tc.body, tc.headers)
+		if status != tc.status || h.Get("X-Session-ID") != "echo" {
+			t.Errorf("%s: status %d, X-Session-ID %q (%.200s); want %d and the session echoed", tc.name, status, h.Get("X-Session-ID"), body, tc.status)
+		}
+	}
 	// Body keys are read as written (vLLM's are): encoding/json matched
 	// "SESSION_ID" to session_id, the last one winning, so a null there
 	// let the header override an explicit body value, and a variant could

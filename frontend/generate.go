@@ -164,16 +164,21 @@ func (s *Server) generate(w http.ResponseWriter, r *http.Request, endpoint strin
 	if apiErr != nil {
 		return fail(apiErr)
 	}
+	sessionID, source, apiErr := ResolveSession(p.session, r.Header, s.cfg.SessionHeaders)
+	if apiErr != nil {
+		return fail(apiErr)
+	}
+	// Echoed from here on, on errors too: a client or proxy ties a failed
+	// turn to its conversation.
+	if sessionID != "" {
+		h.Set("X-Session-ID", sessionID)
+	}
 	if p.model == "" {
 		p.model = s.cfg.Models[0]
 	}
 	if !s.serves(p.model) {
 		return fail(&APIError{Status: http.StatusNotFound, Type: typeNotFound, Param: "model", Code: "model_not_found",
 			Message: fmt.Sprintf("The model `%s` does not exist. Served models: %s.", p.model, strings.Join(s.cfg.Models, ", "))})
-	}
-	sessionID, source, apiErr := ResolveSession(p.session, r.Header, s.cfg.SessionHeaders)
-	if apiErr != nil {
-		return fail(apiErr)
 	}
 	if hdrErr != nil {
 		return fail(hdrErr)
@@ -268,9 +273,6 @@ func (s *Server) generate(w http.ResponseWriter, r *http.Request, endpoint strin
 		}
 	}()
 
-	if sessionID != "" {
-		h.Set("X-Session-ID", sessionID)
-	}
 	switch {
 	case s.cfg.Passthrough:
 		return g.relay(w, r.Context(), deadline, p.stream)

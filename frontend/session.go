@@ -99,7 +99,9 @@ func bodySessionValue(raw json.RawMessage, name string) (string, bool, *APIError
 	if raw[0] != '"' {
 		return "", false, badRequest(name, "%s must be a string, got %s", name, jsonKind(raw))
 	}
-	if !utf8.Valid(raw) { // json.Unmarshal would quietly replace bad bytes
+	// json.Unmarshal would quietly replace bad bytes, and a lone surrogate
+	// escape, with U+FFFD: two different ids would be one session.
+	if !utf8.Valid(raw) || hasLoneSurrogate(raw) {
 		return "", false, badRequest(name, "%s is not valid UTF-8", name)
 	}
 	var s string
@@ -108,6 +110,58 @@ func bodySessionValue(raw json.RawMessage, name string) (string, bool, *APIError
 	}
 	s = strings.TrimSpace(s)
 	return s, s != "", nil
+}
+
+// hasLoneSurrogate reports whether a JSON string literal holds a \uD800–
+// \uDFFF escape that is not a high surrogate followed by a low one: no
+// code point, so no UTF-8.
+func hasLoneSurrogate(raw []byte) bool {
+	for i := 0; i < len(raw)-1; i++ {
+		if raw[i] != '\\' {
+			continue
+		}
+		if raw[i+1] != 'u' {
+			i++ // \" \\ \n ...: the escaped byte is no escape of its own
+			continue
+		}
+		r, ok := hexEscape(raw, i)
+		switch {
+		case !ok:
+			return false // json.Unmarshal refuses it
+		case r >= 0xDC00 && r <= 0xDFFF:
+			return true
+		case r >= 0xD800 && r <= 0xDBFF:
+			lo, ok := hexEscape(raw, i+6)
+			if !ok || lo < 0xDC00 || lo > 0xDFFF {
+				return true
+			}
+			i += 11
+		default:
+			i += 5
+		}
+	}
+	return false
+}
+
+// hexEscape reads the \uXXXX escape at raw[i:].
+func hexEscape(raw []byte, i int) (rune, bool) {
+	if i+6 > len(raw) || raw[i] != '\\' || raw[i+1] != 'u' {
+		return 0, false
+	}
+	var r rune
+	for _, c := range raw[i+2 : i+6] {
+		switch {
+		case c >= '0' && c <= '9':
+			r = r<<4 | rune(c-'0')
+		case c >= 'a' && c <= 'f':
+			r = r<<4 | rune(c-'a'+10)
+		case c >= 'A' && c <= 'F':
+			r = r<<4 | rune(c-'A'+10)
+		default:
+			return 0, false
+		}
+	}
+	return r, true
 }
 
 func checkSessionID(v, source string) *APIError {

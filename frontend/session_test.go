@@ -203,6 +203,36 @@ func TestResolveSession(t *testing.T) {
 			wantParam: frontend.SourceBody,
 		},
 		{
+			name:      "a lone high surrogate escape in the body is a 400 (json.Unmarshal makes it U+FFFD)",
+			in:        frontend.SessionInput{BodySessionID: json.RawMessage(`"a\ud800b"`)},
+			wantParam: frontend.SourceBody,
+		},
+		{
+			name:      "a lone low surrogate escape in vllm_xargs is a 400",
+			in:        frontend.SessionInput{XargsSessionID: json.RawMessage(`"a\uDC00b"`)},
+			wantParam: frontend.SourceVLLMXargs,
+		},
+		{
+			name:      "a high surrogate escape at the end of the body's id is a 400",
+			in:        frontend.SessionInput{BodySessionID: json.RawMessage(`"ab\ud83d"`)},
+			wantParam: frontend.SourceBody,
+		},
+		{
+			name:      "surrogates the wrong way round are a 400",
+			in:        frontend.SessionInput{BodySessionID: json.RawMessage(`"\ude00\ud83d"`)},
+			wantParam: frontend.SourceBody,
+		},
+		{
+			name:   "a surrogate pair escape is its code point",
+			in:     frontend.SessionInput{BodySessionID: json.RawMessage(`"a\ud83d\ude00"`)},
+			wantID: "a\U0001F600", wantSrc: frontend.SourceBody,
+		},
+		{
+			name:   "an escaped backslash before u is no escape",
+			in:     frontend.SessionInput{BodySessionID: json.RawMessage(`"a\\ud800"`)},
+			wantID: `a\ud800`, wantSrc: frontend.SourceBody,
+		},
+		{
 			name:      "control character U+0001 is a 400",
 			h:         hdr("X-Session-ID", "a\x01b"),
 			wantParam: "X-Session-ID",
@@ -329,6 +359,13 @@ func FuzzResolveSession(f *testing.F) {
 		}
 		if !utf8.ValidString(id) {
 			t.Errorf("id %q is not valid UTF-8", id)
+		}
+		// U+FFFD only when sent: never one made up for a bad byte or escape.
+		if strings.ContainsRune(id, utf8.RuneError) {
+			sent := string(body) + string(xargs) + header
+			if !strings.ContainsRune(sent, utf8.RuneError) && !strings.Contains(strings.ToLower(sent), `\ufffd`) {
+				t.Errorf("id %q holds U+FFFD that the request did not send", id)
+			}
 		}
 		if strings.ContainsFunc(id, unicode.IsControl) {
 			t.Errorf("id %q contains a control character", id)
