@@ -250,3 +250,34 @@ func TestMiddleware(t *testing.T) {
 		t.Fatalf("counts %v", counts)
 	}
 }
+
+// TestEnsureRequestStreamRefusesBadLimits: a negative limit is refused at
+// once, naming the flags; a configuration the server refuses is not
+// retried until the caller's deadline (a scheduler given
+// --request-log-max-age=-1s hung for ever, retrying every 200 ms, and
+// asked whether JetStream was enabled).
+func TestEnsureRequestStreamRefusesBadLimits(t *testing.T) {
+	srv := startServer(t, "")
+	nc, err := nats.Connect(srv.ClientURL())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer nc.Close()
+	js, err := jetstream.New(nc)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithTimeout(t.Context(), 30*time.Second)
+	defer cancel()
+	_, err = bus.EnsureRequestStream(ctx, js, bus.StreamConfig{MaxAge: -time.Second})
+	if !errors.Is(err, bus.ErrStreamConfig) || !strings.Contains(err.Error(), "--request-log-max-age") {
+		t.Errorf("negative max age: %v; want ErrStreamConfig naming the flag", err)
+	}
+	_, err = bus.Retry(ctx, func(ctx context.Context) (jetstream.Stream, error) {
+		return js.CreateStream(ctx, jetstream.StreamConfig{Name: "BAD", Subjects: []string{"bad.>"}, MaxAge: -time.Second})
+	})
+	var apiErr *jetstream.APIError
+	if !errors.As(err, &apiErr) || ctx.Err() != nil {
+		t.Errorf("Retry of a configuration the server refuses: %v (deadline passed: %v); want the server's answer at once", err, ctx.Err())
+	}
+}

@@ -36,6 +36,13 @@ var ErrRequestLog = errors.New("bus: not this deployment's request log")
 // exceeded", "maximum messages per subject exceeded").
 const jsErrStreamStoreFailed jetstream.ErrorCode = 10077
 
+// jsErrStreamInvalidConfig is nats-server's JSStreamInvalidConfigF error
+// code: the server refuses a stream's configuration.
+const jsErrStreamInvalidConfig jetstream.ErrorCode = 10052
+
+// ErrStreamConfig is wrapped when a request log's limits are invalid.
+var ErrStreamConfig = errors.New("bus: invalid request log configuration")
+
 // IsLogFull reports whether err is a publish refused because the stream is
 // at its size or message limit (or wraps ErrLogFull). A message too large
 // for the stream is not "full" and gives false.
@@ -73,6 +80,14 @@ type StreamConfig struct {
 	DuplicateWindow time.Duration
 }
 
+// Validate refuses negative limits (zero takes the default).
+func (c StreamConfig) Validate() error {
+	if c.MaxAge < 0 || c.MaxBytes < 0 || c.HistoryBytes < 0 || c.Replicas < 0 || c.DuplicateWindow < 0 {
+		return fmt.Errorf("%w: --request-log-max-bytes, --request-log-max-age, --request-log-history-bytes and --stream-replicas must be >= 0 (0: the default)", ErrStreamConfig)
+	}
+	return nil
+}
+
 // HistoryBound is the bound to pass TrimHistory: HistoryBytes, or half of
 // MaxBytes (default 1 GiB) when it is zero.
 func (c StreamConfig) HistoryBound() int64 {
@@ -91,6 +106,9 @@ func (c StreamConfig) HistoryBound() int64 {
 // existing stream is used as it is, except that one created with DiscardOld
 // (by an older kvbus) is switched to DiscardNew.
 func EnsureRequestStream(ctx context.Context, js jetstream.JetStream, cfg StreamConfig) (jetstream.Stream, error) {
+	if err := cfg.Validate(); err != nil {
+		return nil, err
+	}
 	if cfg.MaxAge == 0 {
 		cfg.MaxAge = 24 * time.Hour
 	}
@@ -116,7 +134,7 @@ func Retry[T any](ctx context.Context, f func(ctx context.Context) (T, error)) (
 		cancel()
 		// No retry makes another deployment's log ours, or gives a key
 		// the permissions it lacks.
-		if err == nil || ctx.Err() != nil || errors.Is(err, ErrRequestLog) || errors.Is(err, ErrPermission) {
+		if err == nil || ctx.Err() != nil || errors.Is(err, ErrRequestLog) || errors.Is(err, ErrPermission) || permanent(err) {
 			return v, err
 		}
 		select {
@@ -125,6 +143,13 @@ func Retry[T any](ctx context.Context, f func(ctx context.Context) (T, error)) (
 		case <-time.After(200 * time.Millisecond):
 		}
 	}
+}
+
+// permanent reports a JetStream API error that no retry changes: a
+// configuration the server refuses (a negative limit, say).
+func permanent(err error) bool {
+	var apiErr *jetstream.APIError
+	return errors.As(err, &apiErr) && apiErr.ErrorCode == jsErrStreamInvalidConfig
 }
 
 // JetStreamNames are the names of a deployment's request log and buckets.
@@ -212,6 +237,10 @@ func ensureStream(ctx context.Context, js jetstream.JetStream, cfg StreamConfig)
 		// like a server without JetStream.
 		if subject, ok := jetStreamRefused(js.Conn(), name); ok {
 			return nil, fmt.Errorf("%w: create stream %s: %w: the server refused %s; %s", ErrPermission, name, err, subject, jetStreamAdvice)
+		}
+		var apiErr *jetstream.APIError
+		if errors.As(err, &apiErr) {
+			return nil, fmt.Errorf("bus: create stream %s: %w", name, err) // the server answered: it says why
 		}
 		return nil, fmt.Errorf("bus: create stream %s: %w (is JetStream enabled on the server?)", name, err)
 	}

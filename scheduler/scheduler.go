@@ -126,6 +126,9 @@ func (c *Config) Validate() error {
 	if err := messages.ValidateToken("scheduler id", c.ID); err != nil {
 		return fmt.Errorf("%w: %v", ErrConfig, err)
 	}
+	if err := c.RequestLog.Validate(); err != nil {
+		return fmt.Errorf("%w: %w", ErrConfig, err)
+	}
 	return c.Subjects.Validate()
 }
 
