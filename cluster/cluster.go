@@ -552,6 +552,18 @@ func (c *Cluster) KillScheduler(i int) error {
 	return nil
 }
 
+// StopScheduler stops scheduler replica i as SIGTERM would (its
+// connection stays open while it stops) and waits until it has.
+func (c *Cluster) StopScheduler(i int) error {
+	if i < 0 || i >= len(c.schedRuns) {
+		return fmt.Errorf("cluster: no scheduler %d", i)
+	}
+	sr := c.schedRuns[i]
+	sr.stop()
+	<-sr.done
+	return nil
+}
+
 // RestartNATS stops the embedded server and starts it again on the same
 // address and data directory, as an operator restarting NATS would; every
 // role reconnects by itself. It needs Config.DataDir (file storage that

@@ -20,6 +20,28 @@ type groupTable struct {
 	// order holds the groups sorted by name, so that the per-request
 	// ready list needs no sort.
 	order []*groupInfo
+	// heardFrom is when this replica last reconnected to NATS: it heard
+	// no heartbeat while cut off, so a rank's silence counts from then.
+	heardFrom time.Time
+}
+
+// reconnected says this replica was cut off from NATS until now: the
+// ranks' silence before says nothing about them.
+func (t *groupTable) reconnected(now time.Time) {
+	t.mu.Lock()
+	t.heardFrom = now
+	t.mu.Unlock()
+}
+
+// heardLocked reports whether r was heard within the timeout, counting
+// from the last reconnect when it was heard before it. Called with t.mu
+// held.
+func (t *groupTable) heardLocked(r rankInfo, now time.Time) bool {
+	seen := r.seen
+	if t.heardFrom.After(seen) {
+		seen = t.heardFrom
+	}
+	return now.Sub(seen) <= t.timeout
 }
 
 // groupInfo is what a scheduler knows of a group. Its load is the driver
@@ -178,7 +200,7 @@ func (t *groupTable) ready(now time.Time) []GroupState {
 	for _, g := range t.order {
 		alive, depth, draining := 0, 0, false
 		for _, r := range g.ranks {
-			if now.Sub(r.seen) <= t.timeout && !r.notReady {
+			if t.heardLocked(r, now) && !r.notReady {
 				alive++
 				depth = max(depth, r.queueDepth)
 				draining = draining || r.draining
@@ -254,7 +276,7 @@ func (t *groupTable) sources(now time.Time) []string {
 func (t *groupTable) completeLocked(g *groupInfo, now time.Time) bool {
 	n := 0
 	for _, r := range g.ranks {
-		if now.Sub(r.seen) <= t.timeout && !r.notReady {
+		if t.heardLocked(r, now) && !r.notReady {
 			n++
 		}
 	}

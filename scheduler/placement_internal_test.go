@@ -384,3 +384,42 @@ func TestSecondProcessOfARankIsIgnored(t *testing.T) {
 		t.Errorf("took the dump of the process started at %d with %d blocks; want the rank's (%d), with 3", got.StartedUnixMs, dumpBlocks(got), rank)
 	}
 }
+
+// TestReconnectIsNoGroupFailure: a replica cut off from NATS for longer
+// than the heartbeat timeout heard no heartbeat meanwhile. Back, it must
+// not take its own silence for the groups': the request in flight on g0
+// stays there (it was withdrawn as group_failed while g0's ranks finished
+// it, and every request in flight failed at a NATS restart). A group still
+// silent a heartbeat timeout after the reconnect has failed.
+func TestReconnectIsNoGroupFailure(t *testing.T) {
+	s, _ := newBareScheduler(t)
+	now := time.Now()
+	holding(s, "g0")
+	holding(s, "g1")
+	heard(s, "g0", now.Add(-5*time.Second), 0) // before the cut
+	heard(s, "g1", now, 0)
+	tr := promptTracker("inflight", 4)
+	tr.Group, tr.WorldSize, tr.Deadline = "g0", 1, now.Add(time.Minute)
+	s.trackers.add(tr)
+	// The connection reconnected since the last sweep (the count a sweep
+	// compares with was from before).
+	s.reconnects = s.cfg.Conn.Stats().Reconnects + 1
+	s.sweep(t.Context(), now)
+	if !s.trackers.has("inflight") {
+		t.Fatal("the request on g0 was withdrawn at the reconnect: this replica's silence was taken for g0's")
+	}
+	var group string
+	s.trackers.update("inflight", func(t *RequestTracker) { group = t.Group })
+	if group != "g0" {
+		t.Errorf("the request moved to %s at the reconnect; want it left on g0", group)
+	}
+	// g0 stays silent a heartbeat timeout after the reconnect, while g1
+	// is heard: g0 failed, and the request moves.
+	later := now.Add(2 * s.cfg.HeartbeatTimeout)
+	heard(s, "g1", later, 0)
+	s.sweep(t.Context(), later)
+	s.trackers.update("inflight", func(t *RequestTracker) { group = t.Group })
+	if group == "g0" && s.trackers.has("inflight") {
+		t.Error("g0, silent for two heartbeat timeouts after the reconnect, still holds the request")
+	}
+}

@@ -64,6 +64,9 @@ type Config struct {
 	// SessionTTL is how long a session binding lives after its last turn
 	// (default 30 min).
 	SessionTTL time.Duration
+	// ShutdownTimeout bounds how long a stopping replica watches the
+	// requests it dispatched until they end (default 20 s).
+	ShutdownTimeout time.Duration
 	// DumpTimeout bounds a rank's answer to a dump request, all its chunks
 	// (default 5 s).
 	DumpTimeout time.Duration
@@ -152,6 +155,7 @@ type Scheduler struct {
 	// SavePlans): a redelivered request goes to the same group and attempt.
 	dispatched *recent.Memory[dispatchRecord]
 	consuming  atomic.Bool  // the request consumer runs
+	reconnects uint64       // the connection's reconnects, as sweep last saw them
 	causal     []*causalSub // set by Run before it consumes
 	announced  announcement
 }
@@ -180,6 +184,9 @@ func New(cfg Config) (*Scheduler, error) {
 	}
 	if cfg.SessionTTL <= 0 {
 		cfg.SessionTTL = 30 * time.Minute
+	}
+	if cfg.ShutdownTimeout <= 0 {
+		cfg.ShutdownTimeout = 20 * time.Second
 	}
 	if cfg.DumpTimeout <= 0 {
 		cfg.DumpTimeout = 5 * time.Second
@@ -331,6 +338,10 @@ func (s *Scheduler) Run(ctx context.Context) error {
 		s.dumps.Wait()
 	}()
 
+	// The handlers outlive ctx: a stopping replica still hears the results
+	// of the requests it dispatched (finish).
+	handlerCtx, stopHandlers := context.WithCancel(context.WithoutCancel(ctx))
+	defer stopHandlers()
 	var subs []*nats.Subscription
 	defer func() {
 		for _, sub := range subs {
@@ -348,7 +359,7 @@ func (s *Scheduler) Run(ctx context.Context) error {
 				return inner(ctx, m)
 			}
 		}
-		sub, err := bus.Subscribe(ctx, nc, h.subject, fn)
+		sub, err := bus.Subscribe(handlerCtx, nc, h.subject, fn)
 		if err != nil {
 			return fmt.Errorf("scheduler: subscribe %s: %w", h.subject, err)
 		}
@@ -383,8 +394,37 @@ func (s *Scheduler) Run(ctx context.Context) error {
 			s.consuming.Store(false)
 			s.announce(time.Now(), true) // not ready: frontends stop counting on this replica
 			reqLog.stop(nc.IsConnected())
+			s.finish(handlerCtx)
 			s.log.Info("scheduler stopped", "trackers_left", s.trackers.Len())
 			return nil
+		case now := <-tick.C:
+			s.sweep(ctx, now)
+		}
+	}
+}
+
+// finish watches the requests this replica dispatched, once it takes no
+// more, until they end or ShutdownTimeout passes: their results, and the
+// failover of a group that fails meanwhile, are this replica's alone (the
+// request log's copy was acknowledged at dispatch). A replica that left at
+// once left them unwatched: one whose group then failed waited for its
+// deadline.
+func (s *Scheduler) finish(ctx context.Context) {
+	n := s.trackers.Len()
+	if n == 0 {
+		return
+	}
+	s.log.Info("stopping: watching the requests this replica dispatched until they end", "requests", n, "up_to", s.cfg.ShutdownTimeout)
+	bound := time.NewTimer(s.cfg.ShutdownTimeout)
+	defer bound.Stop()
+	tick := time.NewTicker(100 * time.Millisecond)
+	defer tick.Stop()
+	for s.trackers.Len() > 0 {
+		select {
+		case <-bound.C:
+			s.log.Warn("stopping with requests in flight: their results go unheard, and a failure of their group is not handled (raise --shutdown-timeout)",
+				"requests", s.trackers.Len(), "shutdown_timeout", s.cfg.ShutdownTimeout)
+			return
 		case now := <-tick.C:
 			s.sweep(ctx, now)
 		}
@@ -409,6 +449,19 @@ func (s *Scheduler) sweep(ctx context.Context, now time.Time) {
 		s.m.groupBlocks.WithLabelValues(name).Set(float64(s.index.GroupBlocks(name)))
 	})
 	s.forgetGroups(now)
+	// Cut off from NATS, this replica hears no heartbeat: the groups'
+	// silence is its own. It judges no group until it is back, and gives
+	// every rank a heartbeat timeout from then (it withdrew every request
+	// in flight as group_failed while the workers finished them).
+	if !s.cfg.Conn.IsConnected() {
+		return
+	}
+	if n := s.cfg.Conn.Stats().Reconnects; n != s.reconnects {
+		s.reconnects = n
+		s.groups.reconnected(now)
+		s.log.Info("reconnected to NATS; worker groups get a heartbeat timeout from now before any is judged failed",
+			"heartbeat_timeout", s.cfg.HeartbeatTimeout)
+	}
 	s.rescue(now)
 	s.resend(now)
 	entries, full := s.index.Size()

@@ -7,6 +7,7 @@ import (
 	"net/http"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -355,4 +356,57 @@ func TestLostRequestLogIsMadeAgain(t *testing.T) {
 		}
 		return true
 	})
+}
+
+// TestStoppedSchedulerWatchesItsRequests: scheduler replica 0 is stopped
+// (SIGTERM) while requests it dispatched run, then both groups' driver
+// ranks die. The requests were acknowledged in the log at dispatch: only
+// replica 0 knows them. It keeps watching them while it stops, so each
+// ends with a 503 group_failed within the heartbeat timeout; a replica that
+// returned at once left them to hang until their 20 s deadline (504).
+func TestStoppedSchedulerWatchesItsRequests(t *testing.T) {
+	c := testenv.StartCluster(t, testenv.ClusterConfig{Groups: 2, Schedulers: 2, TimeScale: 1, RequestTimeout: 20 * time.Second})
+	body := fmt.Sprintf(`{"model":%q,"messages":[{"role":"user","content":"a long answer"}],"max_tokens":1500,"ignore_eos":true}`, c.Model)
+	const n = 12
+	type outcome struct {
+		status int
+		took   time.Duration
+		raw    string
+	}
+	results := make(chan outcome, n)
+	var killed atomic.Int64 // unix nanos of the kill
+	for range n {
+		go func() {
+			status, _, raw := post(t, c, "/v1/chat/completions", body, nil)
+			results <- outcome{status, time.Since(time.Unix(0, killed.Load())), string(raw)}
+		}()
+	}
+	testenv.Eventually(t, 10*time.Second, "replica 0 dispatched requests", func() bool { return c.Schedulers[0].Trackers() > 0 })
+	mine := c.Schedulers[0].Trackers()
+	stopped := make(chan error, 1)
+	go func() { stopped <- c.Cluster.StopScheduler(0) }()
+	time.Sleep(300 * time.Millisecond) // replica 0 has stopped taking requests
+	killed.Store(time.Now().UnixNano())
+	c.KillRank(t, "g0", 0)
+	c.KillRank(t, "g1", 0)
+	failed := 0
+	for range n {
+		o := <-results
+		switch {
+		case o.status == http.StatusServiceUnavailable && strings.Contains(o.raw, "group_failed"):
+			failed++
+			if o.took > 10*time.Second {
+				t.Errorf("a request ended %v after its group's driver died; want within the heartbeat timeout", o.took)
+			}
+		case o.status == http.StatusOK:
+		default:
+			t.Errorf("a request ended %d after %v: %.200s; want 503 group_failed (or 200)", o.status, o.took, o.raw)
+		}
+	}
+	if failed < mine {
+		t.Errorf("%d requests ended group_failed, fewer than the %d replica 0 held when it stopped: the fault did not take effect", failed, mine)
+	}
+	if err := <-stopped; err != nil {
+		t.Error(err)
+	}
 }
