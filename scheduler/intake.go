@@ -76,7 +76,6 @@ func (s *Scheduler) onRequest(ctx context.Context, m jetstream.Msg) error {
 		}
 		groups = ready
 	}
-	s.m.ready.Set(float64(len(groups)))
 	if len(groups) == 0 {
 		if retried < s.cfg.NoGroupWait {
 			return m.NakWithDelay(noGroupRetry)

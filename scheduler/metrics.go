@@ -18,6 +18,10 @@ type metrics struct {
 	resyncs       prometheus.Counter
 	resends       prometheus.Counter
 	poolTokens    *prometheus.CounterVec
+	// The request log, as this replica last read it (every logCheckEvery).
+	logPending prometheus.Gauge
+	logBytes   prometheus.Gauge
+	logLimit   prometheus.Gauge
 }
 
 func newMetrics(reg prometheus.Registerer, trackers, rejected, plans func() float64) *metrics {
@@ -29,11 +33,11 @@ func newMetrics(reg prometheus.Registerer, trackers, rejected, plans func() floa
 		}),
 		requests: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "kvbus_scheduler_requests_total",
-			Help: "Requests by outcome (dispatched, completed, failed, timeout, aborted, duplicate, expired).",
+			Help: "Requests by outcome: dispatched, redispatched (moved off a failed group), completed, failed, timeout, aborted, duplicate, expired, no_ready_group (refused: no group ready within --no-group-wait), too_large (its ReqMeta above the server's max_payload).",
 		}, []string{"outcome"}),
 		ready: prometheus.NewGauge(prometheus.GaugeOpts{
 			Name: "kvbus_scheduler_ready_groups",
-			Help: "Worker groups whose ranks all sent a recent heartbeat.",
+			Help: "Worker groups that take requests: every rank sent a heartbeat within --heartbeat-timeout, none drains or fails its engine's health check.",
 		}),
 		predicted: prometheus.NewCounter(prometheus.CounterOpts{
 			Name: "kvbus_scheduler_predicted_cached_tokens_total",
@@ -53,7 +57,7 @@ func newMetrics(reg prometheus.Registerer, trackers, rejected, plans func() floa
 		}, []string{"turn_depth"}),
 		groupInflight: prometheus.NewGaugeVec(prometheus.GaugeOpts{
 			Name: "kvbus_scheduler_group_inflight_requests",
-			Help: "Requests this scheduler placed on a group and that have not finished.",
+			Help: "Requests in flight on a group, cluster-wide as this replica sees it (the driver rank's last heartbeat plus what this replica dispatched and heard finish since): every replica reports about the same value, so take max by group, never sum over replicas.",
 		}, []string{"group"}),
 		groupQueued: prometheus.NewGaugeVec(prometheus.GaugeOpts{
 			Name: "kvbus_scheduler_group_queue_blocks",
@@ -83,11 +87,23 @@ func newMetrics(reg prometheus.Registerer, trackers, rejected, plans func() floa
 			Name: "kvbus_scheduler_reqmeta_resends_total",
 			Help: "ReqMetas published again because a rank of the group had not answered (receipt or result) within --resend-after.",
 		}),
+		logPending: prometheus.NewGauge(prometheus.GaugeOpts{
+			Name: "kvbus_scheduler_request_log_pending_messages",
+			Help: "Requests in the request log no scheduler has taken yet (the schedulers' consumer's pending count, read every 2 s).",
+		}),
+		logBytes: prometheus.NewGauge(prometheus.GaugeOpts{
+			Name: "kvbus_scheduler_request_log_bytes",
+			Help: "Bytes the request log holds (undispatched requests and the dispatched history kept for capture), read every 2 s.",
+		}),
+		logLimit: prometheus.NewGauge(prometheus.GaugeOpts{
+			Name: "kvbus_scheduler_request_log_limit_bytes",
+			Help: "The request log's size limit (--request-log-max-bytes when it was created): at it new requests get 503 request_log_full.",
+		}),
 	}
 	if reg != nil {
 		reg.MustRegister(m.routing, m.requests, m.ready, m.predicted, m.actual, m.promptTokens, m.cachedTokens,
 			m.groupInflight, m.groupQueued, m.groupBlocks, m.indexEntries, m.indexBlocks, m.resyncs,
-			m.resends, m.poolTokens,
+			m.resends, m.poolTokens, m.logPending, m.logBytes, m.logLimit,
 			prometheus.NewGaugeFunc(prometheus.GaugeOpts{Name: "kvbus_scheduler_trackers", Help: "Live RequestTrackers."}, trackers),
 			prometheus.NewCounterFunc(prometheus.CounterOpts{
 				Name: "kvbus_scheduler_kv_batches_rejected_total",

@@ -38,6 +38,7 @@ type requestLog struct {
 	onMsg     func(jetstream.Msg)
 	log       *slog.Logger
 	consuming *atomic.Bool
+	m         *metrics // the request log gauges; nil: none
 	// remade is called after the log was made again (the session bucket
 	// went with it).
 	remade func(ctx context.Context)
@@ -116,7 +117,10 @@ func (l *requestLog) check(ctx context.Context) {
 		cons := l.cons
 		l.mu.Unlock()
 		cctx, cancel := context.WithTimeout(ctx, logCheckEvery)
-		_, err := cons.Info(cctx)
+		info, err := cons.Info(cctx)
+		if err == nil {
+			l.observe(cctx, info)
+		}
 		cancel()
 		if !errors.Is(err, jetstream.ErrConsumerNotFound) && !errors.Is(err, jetstream.ErrStreamNotFound) {
 			return
@@ -144,6 +148,24 @@ func (l *requestLog) check(ctx context.Context) {
 	if err := l.consume(); err != nil {
 		l.log.Warn("cannot consume the request log made again; retrying", "err", err)
 	}
+}
+
+// observe sets the request log gauges from the consumer's info and the
+// stream's.
+func (l *requestLog) observe(ctx context.Context, info *jetstream.ConsumerInfo) {
+	if l.m == nil {
+		return
+	}
+	l.m.logPending.Set(float64(info.NumPending))
+	l.mu.Lock()
+	st := l.st
+	l.mu.Unlock()
+	si, err := st.Info(ctx)
+	if err != nil {
+		return
+	}
+	l.m.logBytes.Set(float64(si.State.Bytes))
+	l.m.logLimit.Set(float64(si.Config.MaxBytes))
 }
 
 // trim keeps the log's dispatched history within its bound, so that a full

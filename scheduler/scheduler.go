@@ -310,7 +310,7 @@ func (s *Scheduler) Run(ctx context.Context) error {
 	rl := s.cfg.RequestLog
 	rl.Subjects, rl.Replicas = subj, s.cfg.StreamReplicas
 	onRequest := bus.Wrap(s.onRequest, s.log, s.hm, "scheduler_request")
-	reqLog := &requestLog{js: js, cfg: rl, ackWait: s.cfg.AckWait, log: s.log, consuming: &s.consuming,
+	reqLog := &requestLog{js: js, cfg: rl, ackWait: s.cfg.AckWait, log: s.log, consuming: &s.consuming, m: s.m,
 		onMsg: func(m jetstream.Msg) { _ = onRequest(ctx, m) }}
 	if err := reqLog.ensure(setupCtx); err != nil {
 		return err
