@@ -102,7 +102,12 @@ func (s *Server) serveGenerate(w http.ResponseWriter, r *http.Request, endpoint 
 
 // generate serves one request and returns the HTTP status it answered.
 func (s *Server) generate(w http.ResponseWriter, r *http.Request, endpoint string, start time.Time) int {
-	fail := func(e *APIError) int { writeError(w, e); return e.Status }
+	// Refused before reaching the bus: the refusal log tells the operator.
+	fail := func(e *APIError) int {
+		writeError(w, e)
+		s.refusals.note(time.Now(), e)
+		return e.Status
+	}
 	// X-Request-Id is on every response, errors included, from the start:
 	// the client's id, or the generated one (README). The body's request_id
 	// replaces the generated one once read.

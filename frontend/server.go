@@ -169,6 +169,7 @@ type Server struct {
 
 	ready    chan struct{}
 	addr     net.Addr
+	refusals refusalLog
 	active   atomic.Int64 // generate requests being served
 	accepted atomic.Int64 // of those, the ones taken before the stop began
 	draining atomic.Bool  // Run's context ended: new requests get a 503
@@ -249,8 +250,9 @@ func New(cfg Config) (*Server, error) {
 		ready:   make(chan struct{}),
 	}
 	s.schedulers.timeout = cfg.SchedulerTimeout
+	s.refusals.log = s.log
 	s.m = newMetrics(cfg.Registry, s.inflight)
-	s.vm = newVLLMMetrics(cfg.Registry, cfg.ID, cfg.Models)
+	s.vm = newVLLMMetrics(cfg.Registry, vllmEngineIndex, cfg.Models)
 	s.mux = s.routes()
 	return s, nil
 }

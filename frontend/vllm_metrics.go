@@ -9,8 +9,10 @@ import (
 // Names, types, buckets and labels follow vllm/v1/metrics/loggers.py
 // (PrometheusStatLogger: labelnames ["model_name", "engine"], plus
 // "finished_reason" on vllm:request_success; prometheus_client appends
-// _total to counters). The engine label is the frontend's id: requests are
-// counted where clients meet kvbus. vllm:num_requests_waiting counts this
+// _total to counters). The engine label is vLLM's engine index, "0" for
+// one engine (vllmEngineIndex): requests are counted where clients meet
+// kvbus, and Prometheus' instance label tells frontends apart. It was the
+// frontend's random id, so every restart began new series. vllm:num_requests_waiting counts this
 // frontend's requests with no output yet, vllm:num_requests_running those
 // streaming.
 type vllmMetrics struct {
@@ -34,6 +36,9 @@ type modelSeries struct {
 	success                           *prometheus.CounterVec
 	model, engine                     string
 }
+
+// vllmEngineIndex is the engine label of a frontend's vLLM metrics.
+const vllmEngineIndex = "0"
 
 func newVLLMMetrics(reg prometheus.Registerer, engine string, models []string) *vllmMetrics {
 	labels := []string{"model_name", "engine"}

@@ -56,8 +56,10 @@ func TestVLLMMetricNames(t *testing.T) {
 			for _, l := range m.GetLabel() {
 				labels[l.GetName()] = l.GetValue()
 			}
-			if labels["model_name"] != c.Model || !strings.HasPrefix(labels["engine"], "fe-") {
-				t.Errorf("%s has labels %v, want model_name and engine", name, labels)
+			// engine is vLLM's engine index, stable across restarts (the
+			// frontend's random id began new series at each).
+			if labels["model_name"] != c.Model || labels["engine"] != "0" {
+				t.Errorf("%s has labels %v, want model_name and engine 0", name, labels)
 			}
 			for k, v := range want {
 				if labels[k] != v {
