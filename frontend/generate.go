@@ -752,7 +752,13 @@ func (g *generation) stream(w http.ResponseWriter, ctx context.Context, deadline
 	_, _ = fmt.Fprint(w, "data: [DONE]\n\n")
 	u := g.usage()
 	g.vm.finished(u.PromptTokens, u.CompletionTokens, u.PromptTokensDetails.CachedTokens, g.choices[0].finish, time.Since(g.start).Seconds())
-	logsink.Info(g.log, "request completed", "stream", true, "prompt_tokens", u.PromptTokens, "cached_tokens", u.PromptTokensDetails.CachedTokens,
+	msg := "request completed"
+	for _, c := range g.choices {
+		if c.err != nil { // logged as it went out; this line must not say it completed
+			msg = "request ended with an error after its stream began"
+		}
+	}
+	logsink.Info(g.log, msg, "stream", true, "prompt_tokens", u.PromptTokens, "cached_tokens", u.PromptTokensDetails.CachedTokens,
 		"completion_tokens", u.CompletionTokens, "ms", time.Since(g.start).Milliseconds())
 	return http.StatusOK
 }

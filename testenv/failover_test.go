@@ -116,6 +116,17 @@ func TestGroupFailureWhileStreamingEndsWithAnError(t *testing.T) {
 		t.Fatalf("stream ended with %q, want a group_failed error then [DONE]", events[max(0, len(events)-2):])
 	}
 	testenv.Eventually(t, 5*time.Second, "no tracker left", func() bool { return c.Scheduler.Trackers() == 0 })
+	// The frontend's last line for it does not say it completed (it did,
+	// right after "request failed while streaming").
+	if lines := c.Logs.Lines("request failed while streaming"); len(lines) != 1 {
+		t.Errorf("%d 'request failed while streaming' lines, want 1", len(lines))
+	}
+	if lines := c.Logs.Lines("request completed", "stream=true"); len(lines) != 0 {
+		t.Errorf("the failed stream was logged as completed: %q", lines)
+	}
+	if lines := c.Logs.Lines("request ended with an error after its stream began"); len(lines) != 1 {
+		t.Errorf("%d lines saying the stream ended with an error, want 1", len(lines))
+	}
 }
 
 // TestRedeliveredRequestRunsOnce: a request delivered again by the log after
