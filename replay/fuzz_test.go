@@ -8,6 +8,8 @@ import (
 	"strings"
 	"testing"
 	"time"
+	"unicode"
+	"unicode/utf8"
 )
 
 // maxFuzzInput keeps fuzz inputs small: a reader materialises every
@@ -235,6 +237,33 @@ func FuzzCaptureReader(f *testing.F) {
 		}
 		if _, err := cr2.Next(); err != io.EOF {
 			t.Fatalf("after the rewritten frames: %v", err)
+		}
+	})
+}
+
+// FuzzErrorClass: any error, whatever its body, has a key of
+// Report.Errors: one printable line of valid UTF-8, bounded, and no panic.
+func FuzzErrorClass(f *testing.F) {
+	for _, s := range []string{
+		`http 400: {"error":{"message":"The prompt (total length 16838) is too long.","type":"invalid_request_error","param":"prompt","code":null}}`,
+		`http 404: {"error":{"message":"no","type":"not_found_error","code":"model_not_found"}}`,
+		`http 400: {"object":"error","message":"m","type":"BadRequestError","param":null,"code":400}`,
+		"http 400: {\n \"error\": {\"message\": \"a\\nb\", \"type\": 7}}",
+		`http 400: {"error":null}`, `http 400: {"error":"x"}`, `http 400: [1,2]`, `http 4000: {}`, "http : ", "http 400:",
+		"timeout: no answer\nmore", strings.Repeat("é", 300), "x" + strings.Repeat("é", 300), "\xff\xfe" + strings.Repeat("1", 500), "0\r0", "\x1b[31mred\x1b[0m", "",
+	} {
+		f.Add(s)
+	}
+	f.Fuzz(func(t *testing.T, s string) {
+		k := errorClass(s)
+		if strings.IndexFunc(k, unicode.IsControl) >= 0 {
+			t.Fatalf("key %q of %q has a line break or another control character", k, s)
+		}
+		if len(k) > maxErrorKey+len("…") {
+			t.Fatalf("key of %d bytes, over %d", len(k), maxErrorKey)
+		}
+		if !utf8.ValidString(k) {
+			t.Fatalf("key %q of %q is not valid UTF-8", k, s)
 		}
 	})
 }

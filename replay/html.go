@@ -9,6 +9,7 @@ import (
 	"math"
 	"os"
 	"slices"
+	"strconv"
 	"strings"
 )
 
@@ -19,9 +20,11 @@ func palette(i int) string {
 }
 
 // WriteHTML writes one self-contained page (inline SVG, no script, nothing
-// fetched at view time) drawn from reports: the TTFT CDF per report, the
-// hit ratio by turn depth per report against the ideal, local and remote
-// cached tokens, requests per group over time, and the reports' figures.
+// fetched at view time) drawn from reports: why requests failed, if any
+// did; the TTFT CDF per report, the hit ratio by turn depth per report
+// against the ideal, local and remote cached tokens, requests per group
+// over time, and the reports' figures. What a report has no data for is
+// "–", never drawn as a zero.
 func WriteHTML(w io.Writer, title string, reports []*Report) error {
 	var b strings.Builder
 	fmt.Fprintf(&b, `<!DOCTYPE html>
@@ -33,6 +36,7 @@ table{border-collapse:collapse;font-variant-numeric:tabular-nums}td,th{padding:3
 th:first-child,td:first-child{text-align:left}.legend span{display:inline-block;margin-right:16px}
 .legend i{display:inline-block;width:12px;height:12px;margin-right:5px;vertical-align:-1px}
 svg text{font:11px system-ui,sans-serif;fill:#333}
+td.cause,th.cause{text-align:left;max-width:760px;overflow-wrap:anywhere}
 </style></head><body>
 <h1>%s</h1>
 `, html.EscapeString(title), html.EscapeString(title))
@@ -44,6 +48,10 @@ svg text{font:11px system-ui,sans-serif;fill:#333}
 			fmt.Fprintf(&b, `<span><i style="background:%s"></i>%s</span>`, palette(i), html.EscapeString(label(r)))
 		}
 		b.WriteString("</p>\n")
+		if slices.ContainsFunc(reports, func(r *Report) bool { return r.Failed > 0 }) {
+			b.WriteString("<h2>Failed requests, by cause</h2>\n")
+			b.WriteString(failures(reports))
+		}
 		b.WriteString("<h2>TTFT, cumulative distribution</h2>\n")
 		b.WriteString(ttftCDF(reports))
 		b.WriteString("<h2>Hit ratio by turn depth (dashed: ideal hit ratio of the trace)</h2>\n")
@@ -105,11 +113,12 @@ func ReadJSONFile(path string) ([]*Report, error) {
 	return ReadJSON(f)
 }
 
+// label names a report: its policy, and its trace when known.
 func label(r *Report) string {
 	if r.Trace != "" {
-		return r.Policy + " (" + r.Trace + ")"
+		return r.name() + " (" + r.Trace + ")"
 	}
-	return r.Policy
+	return r.name()
 }
 
 // chart geometry: a plot area inside margins.
@@ -124,35 +133,47 @@ const (
 func plotW() float64 { return chartW - marginL - marginR }
 func plotH() float64 { return chartH - marginT - marginB }
 
-// axes draws the frame with y ticks from 0 to yMax and x ticks to xMax.
-func axes(b *strings.Builder, xMax, yMax float64, xLabel, yLabel string, yFmt string) {
+// axes draws the frame with y ticks from 0 to yMax and x ticks to xMax,
+// in quarters.
+func axes(b *strings.Builder, xMax, yMax float64, xLabel, yLabel string) {
 	fmt.Fprintf(b, `<svg xmlns="http://www.w3.org/2000/svg" width="%d" height="%d" viewBox="0 0 %d %d" role="img">`, chartW, chartH, chartW, chartH)
 	fmt.Fprintf(b, `<rect x="%d" y="%d" width="%.0f" height="%.0f" fill="none" stroke="#999"/>`, marginL, marginT, plotW(), plotH())
 	for i := 0; i <= 4; i++ {
 		y := marginT + plotH()*(1-float64(i)/4)
 		fmt.Fprintf(b, `<line x1="%d" x2="%.0f" y1="%.1f" y2="%.1f" stroke="#eee"/>`, marginL, marginL+plotW(), y, y)
-		fmt.Fprintf(b, `<text x="%d" y="%.1f" text-anchor="end">`+yFmt+`</text>`, marginL-6, y+4, yMax*float64(i)/4)
+		fmt.Fprintf(b, `<text x="%d" y="%.1f" text-anchor="end">%s</text>`, marginL-6, y+4, tick(yMax*float64(i)/4))
 		if xMax > 0 {
 			x := marginL + plotW()*float64(i)/4
-			fmt.Fprintf(b, `<text x="%.1f" y="%.0f" text-anchor="middle">%s</text>`, x, marginT+plotH()+16, trim(xMax*float64(i)/4))
+			fmt.Fprintf(b, `<text x="%.1f" y="%.0f" text-anchor="middle">%s</text>`, x, marginT+plotH()+16, tick(xMax*float64(i)/4))
 		}
 	}
 	fmt.Fprintf(b, `<text x="%.0f" y="%d" text-anchor="middle">%s</text>`, marginL+plotW()/2, chartH-4, html.EscapeString(xLabel))
 	fmt.Fprintf(b, `<text x="12" y="%.0f" transform="rotate(-90 12 %.0f)" text-anchor="middle">%s</text>`, marginT+plotH()/2, marginT+plotH()/2, html.EscapeString(yLabel))
 }
 
-func trim(v float64) string {
-	if v >= 100 {
-		return fmt.Sprintf("%.0f", v)
-	}
-	return strings.TrimRight(strings.TrimRight(fmt.Sprintf("%.2f", v), "0"), ".")
+// tick writes an axis value exactly, in as few digits as it takes: 0.025,
+// not 0.03; 137.25, not 137.
+func tick(v float64) string {
+	v, _ = strconv.ParseFloat(strconv.FormatFloat(v, 'g', 12, 64), 64) // 0.1*3/4 is 0.075, not 0.07500000000000001
+	return strconv.FormatFloat(v, 'f', -1, 64)
 }
 
+// mark writes a vertical note up from the bottom of the plot, centred on
+// x where a bar would be, with what it stands for as its title.
+func mark(b *strings.Builder, x float64, text, title string) {
+	x, y := x+4, marginT+plotH()-4 // the baseline, half a line right of x
+	fmt.Fprintf(b, `<text x="%.1f" y="%.1f" transform="rotate(-90 %.1f %.1f)" fill="#777" style="fill:#777"><title>%s</title>%s</text>`,
+		x, y, x, y, html.EscapeString(title), html.EscapeString(text))
+}
+
+// ttftCDF draws the TTFT distribution of each report up to the largest
+// p99 (the tail beyond it would flatten the rest), and says what it left
+// out.
 func ttftCDF(reports []*Report) string {
 	xMax := 0.0
 	for _, r := range reports {
 		if n := len(r.TTFTCDF); n > 0 {
-			xMax = max(xMax, r.TTFTCDF[min(99, n-1)]) // up to the p99: the tail beyond it would flatten the rest
+			xMax = max(xMax, r.TTFTCDF[min(99, n-1)])
 		}
 	}
 	if xMax == 0 {
@@ -160,35 +181,71 @@ func ttftCDF(reports []*Report) string {
 	}
 	xMax = niceCeil(xMax)
 	var b strings.Builder
-	axes(&b, xMax, 1, "TTFT (ms)", "share of requests", "%.2f")
+	axes(&b, xMax, 1, "TTFT (ms)", "share of requests")
+	var cut []string
 	for i, r := range reports {
-		var pts []string
-		for p, v := range r.TTFTCDF {
-			x := marginL + plotW()*math.Min(v/xMax, 1)
-			y := marginT + plotH()*(1-float64(p)/100)
-			pts = append(pts, fmt.Sprintf("%.1f,%.1f", x, y))
-		}
+		pts, beyond := cdfPoints(r.TTFTCDF, xMax)
 		fmt.Fprintf(&b, `<polyline fill="none" stroke="%s" stroke-width="2" points="%s"><title>%s</title></polyline>`,
 			palette(i), strings.Join(pts, " "), html.EscapeString(label(r)))
+		if beyond > 0 {
+			cut = append(cut, fmt.Sprintf("%s: up to %d%% of requests (slowest %s ms)", label(r), beyond, tick(r.TTFTCDF[len(r.TTFTCDF)-1])))
+		}
 	}
 	b.WriteString("</svg>\n")
+	if len(cut) > 0 {
+		fmt.Fprintf(&b, "<p>The x axis cut at %s ms, past the largest p99; not drawn beyond it: %s.</p>\n",
+			tick(xMax), html.EscapeString(strings.Join(cut, "; ")))
+	}
 	return b.String()
 }
 
+// cdfPoints are the points of a CDF given as percentiles (0th to 100th)
+// within xMax, then flat to the axis' edge at the share known to be within
+// it; beyond is how many percentiles are past xMax, each 1% of requests at
+// most.
+func cdfPoints(cdf []float64, xMax float64) (pts []string, beyond int) {
+	at := func(v float64, p int) string {
+		return fmt.Sprintf("%.1f,%.1f", marginL+plotW()*v/xMax, marginT+plotH()*(1-float64(p)/100))
+	}
+	last := -1
+	for p, v := range cdf {
+		if v > xMax {
+			break
+		}
+		pts, last = append(pts, at(v, p)), p
+	}
+	beyond = len(cdf) - 1 - last
+	if beyond > 0 && last >= 0 && cdf[last] < xMax {
+		pts = append(pts, at(xMax, last))
+	}
+	return pts, beyond
+}
+
+// hitByTurn draws each report's hit ratio at each turn depth at which any
+// report had requests; a report without requests at a depth is marked so,
+// not drawn as 0.
 func hitByTurn(reports []*Report) string {
-	depths := []string{"1", "2", "3", "4+"}
+	depths := turnDepths(reports)
+	if len(depths) == 0 {
+		return "<p>No hit ratio by turn: no request succeeded.</p>\n"
+	}
 	var b strings.Builder
-	axes(&b, 0, 1, "turn depth of the session", "hit ratio", "%.2f")
+	axes(&b, 0, 1, "turn depth of the session", "hit ratio")
 	slot := plotW() / float64(len(depths))
 	bar := slot * 0.8 / float64(len(reports))
 	for d, depth := range depths {
 		x0 := marginL + slot*float64(d) + slot*0.1
-		fmt.Fprintf(&b, `<text x="%.1f" y="%.0f" text-anchor="middle">%s</text>`, marginL+slot*(float64(d)+0.5), marginT+plotH()+16, depth)
+		fmt.Fprintf(&b, `<text x="%.1f" y="%.0f" text-anchor="middle">%s</text>`, marginL+slot*(float64(d)+0.5), marginT+plotH()+16, html.EscapeString(depth))
 		for i, r := range reports {
-			v := r.HitRatioByTurn[depth]
+			x := x0 + bar*float64(i)
+			v, ok := r.HitRatioByTurn[depth]
+			if !ok {
+				mark(&b, x+bar*0.45, "no requests", fmt.Sprintf("%s turn %s: no requests", label(r), depth))
+				continue
+			}
 			h := plotH() * math.Min(v, 1)
 			fmt.Fprintf(&b, `<rect x="%.1f" y="%.1f" width="%.1f" height="%.1f" fill="%s"><title>%s turn %s: %.3f</title></rect>`,
-				x0+bar*float64(i), marginT+plotH()-h, bar*0.9, h, palette(i), html.EscapeString(label(r)), depth, v)
+				x, marginT+plotH()-h, bar*0.9, h, palette(i), html.EscapeString(label(r)), html.EscapeString(depth), v)
 		}
 	}
 	for i, r := range reports {
@@ -202,27 +259,45 @@ func hitByTurn(reports []*Report) string {
 	return b.String()
 }
 
+// localRemote draws each report's cached tokens, local and remote, as a
+// share of its prompt tokens; a report in which nothing succeeded is
+// marked so.
 func localRemote(reports []*Report) string {
+	if !slices.ContainsFunc(reports, func(r *Report) bool { return r.HitRatio != nil }) {
+		return "<p>No cached tokens: no request succeeded.</p>\n"
+	}
 	var b strings.Builder
 	yMax := 0.0
 	for _, r := range reports {
-		yMax = max(yMax, r.HitRatio, r.IdealHitRatio)
+		yMax = max(yMax, deref(r.HitRatio), r.IdealHitRatio)
 	}
 	yMax = math.Min(niceCeil(math.Max(yMax, 0.05)), 1)
-	axes(&b, 0, yMax, "report (darker: local, lighter: remote)", "share of prompt tokens", "%.2f")
+	axes(&b, 0, yMax, "report (darker: local, lighter: remote)", "share of prompt tokens")
 	slot := plotW() / float64(len(reports))
 	for i, r := range reports {
 		x := marginL + slot*float64(i) + slot*0.2
-		hl := plotH() * r.LocalHitRatio / yMax
-		hr := plotH() * r.RemoteHitRatio / yMax
+		fmt.Fprintf(&b, `<text x="%.1f" y="%.0f" text-anchor="middle">%s</text>`, x+slot*0.3, marginT+plotH()+16, html.EscapeString(truncateLabel(r.name(), 16)))
+		if r.LocalHitRatio == nil || r.RemoteHitRatio == nil {
+			mark(&b, x+slot*0.3, "no request succeeded", label(r)+": no request succeeded")
+			continue
+		}
+		local, remote := *r.LocalHitRatio, *r.RemoteHitRatio
+		hl, hr := plotH()*local/yMax, plotH()*remote/yMax
 		fmt.Fprintf(&b, `<rect x="%.1f" y="%.1f" width="%.1f" height="%.1f" fill="%s"><title>%s local %.3f</title></rect>`,
-			x, marginT+plotH()-hl, slot*0.6, hl, palette(i), html.EscapeString(label(r)), r.LocalHitRatio)
+			x, marginT+plotH()-hl, slot*0.6, hl, palette(i), html.EscapeString(label(r)), local)
 		fmt.Fprintf(&b, `<rect x="%.1f" y="%.1f" width="%.1f" height="%.1f" fill="%s" fill-opacity="0.4"><title>%s remote %.3f</title></rect>`,
-			x, marginT+plotH()-hl-hr, slot*0.6, hr, palette(i), html.EscapeString(label(r)), r.RemoteHitRatio)
-		fmt.Fprintf(&b, `<text x="%.1f" y="%.0f" text-anchor="middle">%s</text>`, x+slot*0.3, marginT+plotH()+16, html.EscapeString(truncateLabel(r.Policy, 16)))
+			x, marginT+plotH()-hl-hr, slot*0.6, hr, palette(i), html.EscapeString(label(r)), remote)
 	}
 	b.WriteString("</svg>\n")
 	return b.String()
+}
+
+// deref is *p, or 0 for nil.
+func deref(p *float64) float64 {
+	if p == nil {
+		return 0
+	}
+	return *p
 }
 
 func groupTimeline(r *Report) string {
@@ -240,9 +315,10 @@ func groupTimeline(r *Report) string {
 		}
 	}
 	slices.Sort(names)
+	yMax = (yMax + 3) / 4 * 4 // whole requests at every tick
 	var b strings.Builder
 	fmt.Fprintf(&b, "<p>%s</p>\n", html.EscapeString(label(r)))
-	axes(&b, float64(n)*tl.BucketS, float64(yMax), "seconds from the first request", fmt.Sprintf("requests per %gs", tl.BucketS), "%.0f")
+	axes(&b, float64(n)*tl.BucketS, float64(yMax), "seconds from the first request", fmt.Sprintf("requests per %gs", tl.BucketS))
 	for g, name := range names {
 		var pts []string
 		for k, c := range tl.Groups[name] {
@@ -258,14 +334,47 @@ func groupTimeline(r *Report) string {
 	return b.String()
 }
 
+// figures is the table of the reports' figures: one row per field, each
+// titled with its unit, one column per report.
 func figures(reports []*Report) string {
 	var b strings.Builder
-	b.WriteString("<table><tr><th>report</th><th>requests</th><th>failed</th><th>hit ratio</th><th>ideal</th><th>local</th><th>remote</th>" +
-		"<th>TTFT mean</th><th>p50</th><th>p95</th><th>p99 (ms)</th><th>e2e p95 (ms)</th><th>req/s</th></tr>\n")
+	b.WriteString("<table><tr><th></th>")
 	for _, r := range reports {
-		fmt.Fprintf(&b, "<tr><td>%s</td><td>%d</td><td>%d</td><td>%.3f</td><td>%.3f</td><td>%.3f</td><td>%.3f</td><td>%.1f</td><td>%.1f</td><td>%.1f</td><td>%.1f</td><td>%.1f</td><td>%.1f</td></tr>\n",
-			html.EscapeString(label(r)), r.Requests, r.Failed, r.HitRatio, r.IdealHitRatio, r.LocalHitRatio, r.RemoteHitRatio,
-			r.TTFT.Mean, r.TTFT.P50, r.TTFT.P95, r.TTFT.P99, r.E2E.P95, r.ThroughputRPS)
+		fmt.Fprintf(&b, "<th>%s</th>", html.EscapeString(label(r)))
+	}
+	b.WriteString("</tr>\n")
+	for _, f := range fields(reports) {
+		fmt.Fprintf(&b, "<tr><th>%s</th>", html.EscapeString(f.title))
+		for _, r := range reports {
+			if v, ok := f.cell(r); ok {
+				fmt.Fprintf(&b, "<td>%s</td>", html.EscapeString(v))
+			} else {
+				b.WriteString(`<td title="no data">–</td>`)
+			}
+		}
+		b.WriteString("</tr>\n")
+	}
+	b.WriteString("</table>\n")
+	return b.String()
+}
+
+// failures lists, per report that had failures, how many requests each
+// cause failed, the commonest first.
+func failures(reports []*Report) string {
+	var b strings.Builder
+	b.WriteString("<p>Latencies and hit ratios count only the requests that succeeded; the ideal hit ratio, every request of the trace.</p>\n")
+	b.WriteString(`<table><tr><th>report</th><th>failed (requests)</th><th class="cause">cause</th></tr>` + "\n")
+	for _, r := range reports {
+		if r.Failed == 0 {
+			continue
+		}
+		cs := causes(r)
+		if len(cs) == 0 {
+			fmt.Fprintf(&b, `<tr><td>%s</td><td>%d</td><td class="cause">– (not in this report)</td></tr>`+"\n", html.EscapeString(label(r)), r.Failed)
+		}
+		for _, c := range cs {
+			fmt.Fprintf(&b, `<tr><td>%s</td><td>%d</td><td class="cause">%s</td></tr>`+"\n", html.EscapeString(label(r)), r.Errors[c], html.EscapeString(c))
+		}
 	}
 	b.WriteString("</table>\n")
 	return b.String()

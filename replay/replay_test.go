@@ -75,8 +75,8 @@ func TestKnownAnswerReplay(t *testing.T) {
 			if rep.OK != 9 || rep.Failed != 0 {
 				t.Fatalf("ok %d failed %d: %v", rep.OK, rep.Failed, rep.Errors)
 			}
-			if rep.HitRatio != 0.5 || rep.IdealHitRatio != 0.5 {
-				t.Errorf("hit_ratio %v ideal %v, want exactly 0.5 and 0.5", rep.HitRatio, rep.IdealHitRatio)
+			if *rep.HitRatio != 0.5 || rep.IdealHitRatio != 0.5 {
+				t.Errorf("hit_ratio %v ideal %v, want exactly 0.5 and 0.5", *rep.HitRatio, rep.IdealHitRatio)
 				for _, res := range results {
 					t.Logf("%s turn %d group %s prompt %d cached %d sent %v", res.SessionID, res.TurnDepth, res.Group, res.PromptTokens, res.CachedTokens, res.Sent.Format("15:04:05.000"))
 				}
@@ -235,13 +235,13 @@ func TestSharedTracesReplay(t *testing.T) {
 			}
 		}},
 		{"tracelab_example_round_trace.jsonl", 0, 1000, false, func(t *testing.T, rep *replay.Report) {
-			if rep.IdealHitRatio < 0.5 || rep.HitRatio <= 0 {
-				t.Errorf("agent sessions reuse their prefix: hit %v ideal %v", rep.HitRatio, rep.IdealHitRatio)
+			if rep.IdealHitRatio < 0.5 || *rep.HitRatio <= 0 {
+				t.Errorf("agent sessions reuse their prefix: hit %v ideal %v", *rep.HitRatio, rep.IdealHitRatio)
 			}
 		}},
 		{"azure_llm_2023_code.csv", 300, 200, false, func(t *testing.T, rep *replay.Report) {
-			if rep.IdealHitRatio != 0 || rep.HitRatio != 0 {
-				t.Errorf("unique prompts must not share: hit %v ideal %v", rep.HitRatio, rep.IdealHitRatio)
+			if rep.IdealHitRatio != 0 || *rep.HitRatio != 0 {
+				t.Errorf("unique prompts must not share: hit %v ideal %v", *rep.HitRatio, rep.IdealHitRatio)
 			}
 		}},
 	}
@@ -271,11 +271,11 @@ func TestSharedTracesReplay(t *testing.T) {
 			if rep.Failed != 0 || rep.OK != len(tr.Items) {
 				t.Fatalf("ok %d failed %d: %v", rep.OK, rep.Failed, rep.Errors)
 			}
-			if rep.HitRatio > rep.IdealHitRatio+1e-9 {
-				t.Errorf("hit ratio %v above the ideal %v", rep.HitRatio, rep.IdealHitRatio)
+			if *rep.HitRatio > rep.IdealHitRatio+1e-9 {
+				t.Errorf("hit ratio %v above the ideal %v", *rep.HitRatio, rep.IdealHitRatio)
 			}
 			tc.check(t, rep)
-			t.Logf("%s: %d requests, hit %.3f ideal %.3f, ttft p50 %.1f ms", tc.file, rep.OK, rep.HitRatio, rep.IdealHitRatio, rep.TTFT.P50)
+			t.Logf("%s: %d requests, hit %.3f ideal %.3f, ttft p50 %.1f ms", tc.file, rep.OK, *rep.HitRatio, rep.IdealHitRatio, rep.TTFT.P50)
 		})
 	}
 }
@@ -384,5 +384,74 @@ func TestCaptureRanges(t *testing.T) {
 	cancel()
 	if n := <-got; n != 2 {
 		t.Errorf("--follow captured %d requests, want the 2 new ones", n)
+	}
+}
+
+// otherModelCapture is a capture of n completions made on a cluster that
+// served the model "prod-model".
+func otherModelCapture(t *testing.T, n int) []byte {
+	t.Helper()
+	var file bytes.Buffer
+	cw, err := replay.NewCaptureWriter(&file)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for i := range n {
+		data, err := messages.Marshal(&messages.Request{RequestID: fmt.Sprint("prod-", i), FrontendID: "fe-prod", Model: "prod-model",
+			Endpoint: messages.EndpointCompletions, PromptTokenIDs: testenv.PromptTokens(i, 40), SamplingParams: messages.SamplingParams{MaxTokens: 2}})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := cw.Write(replay.Frame{Time: time.Unix(int64(i), 0), Subject: "kvbus.req.prod-model", Payload: data}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := cw.Flush(); err != nil {
+		t.Fatal(err)
+	}
+	return file.Bytes()
+}
+
+// TestModelReplacesACapturesModel: Config.Model, when set, is the model
+// a captured request asks for (a production capture replayed on a cluster
+// serving another name); left empty, a captured request keeps its own and
+// a trace's asks for kvbus-sim. Before, a capture's model was kept
+// whatever the replay was told.
+func TestModelReplacesACapturesModel(t *testing.T) {
+	c := testenv.StartCluster(t, testenv.ClusterConfig{Payload: "accounting"})
+	capture, err := replay.ReadTrace(bytes.NewReader(otherModelCapture(t, 3)), replay.FormatCapture)
+	if err != nil {
+		t.Fatal(err)
+	}
+	trace, err := replay.ReadTrace(strings.NewReader(knownTrace()), replay.FormatMooncake)
+	if err != nil {
+		t.Fatal(err)
+	}
+	run := func(model string, items []replay.Item) []replay.Result {
+		t.Helper()
+		r, err := replay.New(replay.Config{Target: c.URL, Model: model, Speed: 100})
+		if err != nil {
+			t.Fatal(err)
+		}
+		results, _, err := r.Run(t.Context(), items)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return results
+	}
+	for _, res := range run(c.Model, capture.Items) {
+		if res.Err != "" {
+			t.Errorf("captured request replayed with Model %q: %s", c.Model, res.Err)
+		}
+	}
+	for _, res := range run("", capture.Items) {
+		if !strings.Contains(res.Err, "model_not_found") || !strings.Contains(res.Err, "prod-model") {
+			t.Errorf("captured request replayed without a model: %q, want its own prod-model, which this cluster does not serve", res.Err)
+		}
+	}
+	for _, res := range run("", trace.Items[:3]) {
+		if res.Err != "" {
+			t.Errorf("trace request replayed without a model (kvbus-sim): %s", res.Err)
+		}
 	}
 }

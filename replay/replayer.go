@@ -3,6 +3,7 @@ package replay
 import (
 	"bufio"
 	"bytes"
+	"cmp"
 	"context"
 	"encoding/json"
 	"errors"
@@ -37,6 +38,10 @@ const (
 // original id.
 const ExtraArgOriginalID = "original_request_id"
 
+// DefaultModel is the model a trace's requests ask for when Config.Model
+// is empty.
+const DefaultModel = "kvbus-sim"
+
 // Config configures a replay.
 type Config struct {
 	// Target is nats://HOST:PORT (publish Requests into the request log) or
@@ -47,7 +52,10 @@ type Config struct {
 	// each request's group from ReqMeta subjects.
 	Conn     *nats.Conn
 	Subjects messages.Subjects
-	// Model is the model name to request (default "kvbus-sim").
+	// Model is the model name every request asks for: a capture's too (a
+	// production capture replayed on a cluster that serves another name).
+	// Empty: a captured request asks for its own model, a trace's for
+	// DefaultModel.
 	Model string
 	Speed float64 // trace clock divided by Speed (default 1)
 	Mode  string  // ModeOpen (default) or ModeSession
@@ -89,9 +97,6 @@ type pendingReq struct {
 
 // New checks the configuration and prepares the target.
 func New(cfg Config) (*Replayer, error) {
-	if cfg.Model == "" {
-		cfg.Model = "kvbus-sim"
-	}
 	if cfg.Speed == 0 {
 		cfg.Speed = 1
 	}
@@ -386,12 +391,20 @@ func (r *Replayer) do(ctx context.Context, it *Item, res *Result) {
 	}
 }
 
+// model is the model to request for an item that asked for captured
+// ("" for a trace's): Config.Model when given, else captured, else
+// DefaultModel.
+func (r *Replayer) model(captured string) string {
+	return cmp.Or(r.cfg.Model, captured, DefaultModel)
+}
+
 // request builds the bus request of an item: a new id, the original one in
-// extra_args, exact output length for traces.
+// extra_args, the model to request, exact output length for traces.
 func (r *Replayer) request(it *Item, id string) *messages.Request {
 	var req messages.Request
 	if it.Request != nil {
 		req = *it.Request
+		req.Model = r.model(it.Request.Model)
 		req.SamplingParams.ExtraArgs = make(messages.Args, len(it.Request.SamplingParams.ExtraArgs)+1)
 		for k, v := range it.Request.SamplingParams.ExtraArgs {
 			req.SamplingParams.ExtraArgs[k] = v
@@ -404,7 +417,7 @@ func (r *Replayer) request(it *Item, id string) *messages.Request {
 		}
 	} else {
 		req = messages.Request{
-			Model: r.cfg.Model, PromptTokenIDs: it.Prompt, SessionID: it.SessionID, Endpoint: messages.EndpointCompletions,
+			Model: r.model(""), PromptTokenIDs: it.Prompt, SessionID: it.SessionID, Endpoint: messages.EndpointCompletions,
 			SamplingParams: messages.SamplingParams{MaxTokens: max(it.OutputTokens, 1), MinTokens: it.OutputTokens, IgnoreEOS: true, Temperature: 1, TopP: 1},
 		}
 		req.SamplingParams.ExtraArgs = messages.Args{}

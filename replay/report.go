@@ -11,6 +11,8 @@ import (
 	"strings"
 	"text/tabwriter"
 	"time"
+	"unicode"
+	"unicode/utf8"
 
 	"github.com/kvbus/kvbus/internal/quantile"
 	"github.com/kvbus/kvbus/scheduler"
@@ -31,6 +33,10 @@ type Result struct {
 	Err          string
 }
 
+// DefaultPolicyLabel labels a report given no policy (a replay without
+// --policy-label).
+const DefaultPolicyLabel = "replay"
+
 // Latency summarises durations in milliseconds.
 type Latency struct {
 	Mean float64 `json:"mean"`
@@ -41,27 +47,32 @@ type Latency struct {
 
 // Report is the summary of a replay. JSON keys are the contract of
 // `kvbus replay --json` and `kvbus bench --json`.
+//
+// What only succeeded requests measure (the hit ratios, TTFT, e2e) is nil,
+// null in the JSON, when none succeeded: no data, not a zero.
 type Report struct {
-	Policy         string  `json:"policy"`
-	Trace          string  `json:"trace,omitempty"`
-	Requests       int     `json:"requests"`
-	OK             int     `json:"ok"`
-	Failed         int     `json:"failed"`
-	DurationS      float64 `json:"duration_s"`
-	ThroughputRPS  float64 `json:"throughput_rps"`
-	PromptTokens   int64   `json:"prompt_tokens"`
-	CachedTokens   int64   `json:"cached_tokens"`
-	RemoteTokens   int64   `json:"remote_cached_tokens"`
-	HitRatio       float64 `json:"hit_ratio"`
-	LocalHitRatio  float64 `json:"local_hit_ratio"`
-	RemoteHitRatio float64 `json:"remote_hit_ratio"`
+	Policy         string   `json:"policy"`
+	Trace          string   `json:"trace,omitempty"`
+	Requests       int      `json:"requests"`
+	OK             int      `json:"ok"`
+	Failed         int      `json:"failed"`
+	DurationS      float64  `json:"duration_s"`
+	ThroughputRPS  float64  `json:"throughput_rps"`
+	PromptTokens   int64    `json:"prompt_tokens"`
+	CachedTokens   int64    `json:"cached_tokens"`
+	RemoteTokens   int64    `json:"remote_cached_tokens"`
+	HitRatio       *float64 `json:"hit_ratio"`
+	LocalHitRatio  *float64 `json:"local_hit_ratio"`
+	RemoteHitRatio *float64 `json:"remote_hit_ratio"`
 	// RemoteBytes is what moved between groups, when the caller knows the
 	// bytes per token of all ranks of a group (kvbus bench does).
-	RemoteBytes    int64              `json:"remote_bytes,omitempty"`
-	IdealHitRatio  float64            `json:"ideal_hit_ratio"`
+	RemoteBytes   int64   `json:"remote_bytes,omitempty"`
+	IdealHitRatio float64 `json:"ideal_hit_ratio"`
+	// HitRatioByTurn has a key only for the turn depths (1, 2, 3, 4+) at
+	// which requests succeeded.
 	HitRatioByTurn map[string]float64 `json:"hit_ratio_by_turn"`
-	TTFT           Latency            `json:"ttft_ms"`
-	E2E            Latency            `json:"e2e_ms"`
+	TTFT           *Latency           `json:"ttft_ms"`
+	E2E            *Latency           `json:"e2e_ms"`
 	GroupRequests  map[string]int     `json:"group_requests,omitempty"`
 	// GroupLoadMaxOverMean is the busiest group's requests over the mean
 	// of the groups': those that served requests, and every group of the
@@ -84,8 +95,12 @@ type Timeline struct {
 }
 
 // Summarize builds a report from per-request results (ok ones count toward
-// latency and hit ratios) and the ideal hit ratio of the trace.
+// latency and hit ratios) and the ideal hit ratio of the trace. An empty
+// policy is DefaultPolicyLabel.
 func Summarize(policy string, results []Result, ideal float64, elapsed time.Duration) *Report {
+	if policy == "" {
+		policy = DefaultPolicyLabel
+	}
 	r := &Report{Policy: policy, Requests: len(results), IdealHitRatio: ideal, HitRatioByTurn: map[string]float64{}, DurationS: elapsed.Seconds()}
 	var ttft, e2e []time.Duration
 	byTurn := map[string][2]int64{}
@@ -111,11 +126,9 @@ func Summarize(policy string, results []Result, ideal float64, elapsed time.Dura
 			groups[res.Group]++
 		}
 	}
-	if r.PromptTokens > 0 {
-		r.HitRatio = float64(r.CachedTokens) / float64(r.PromptTokens)
-		r.RemoteHitRatio = float64(r.RemoteTokens) / float64(r.PromptTokens)
-		r.LocalHitRatio = r.HitRatio - r.RemoteHitRatio
-	}
+	r.HitRatio = ratio(r.CachedTokens, r.PromptTokens)
+	r.LocalHitRatio = ratio(r.CachedTokens-r.RemoteTokens, r.PromptTokens)
+	r.RemoteHitRatio = ratio(r.RemoteTokens, r.PromptTokens)
 	for d, t := range byTurn {
 		if t[1] > 0 {
 			r.HitRatioByTurn[d] = float64(t[0]) / float64(t[1])
@@ -152,6 +165,24 @@ func (r *Report) CountGroups(names []string) {
 		}
 	}
 	r.spread()
+}
+
+// ratio is n/d, or nil when there is nothing to divide (d = 0).
+func ratio(n, d int64) *float64 {
+	if d <= 0 {
+		return nil
+	}
+	v := float64(n) / float64(d)
+	return &v
+}
+
+// name is the report's policy, DefaultPolicyLabel for a report without
+// one (a JSON file of an older replay).
+func (r *Report) name() string {
+	if r.Policy == "" {
+		return DefaultPolicyLabel
+	}
+	return r.Policy
 }
 
 func (r *Report) spread() {
@@ -200,19 +231,104 @@ func timeline(results []Result) *Timeline {
 	return tl
 }
 
-func firstLine(s string) string {
-	s, _, _ = strings.Cut(s, "\n")
-	if len(s) > 240 {
-		s = s[:240]
+// maxErrorLine bounds an error's first line as a key of Report.Errors, and
+// maxErrorKey any key (an OpenAI error's whole message), in bytes.
+const (
+	maxErrorLine = 240
+	maxErrorKey  = 1024
+)
+
+// errorClass is the cause of a failure as a key of Report.Errors: an HTTP
+// OpenAI error body as its status, code (or type) and whole message, any
+// other error as its first line; every run of four or more digits (token
+// counts, lengths, ids) reads "N", so that one cause is one key however
+// many requests it failed. Status codes stay. A key is one printable line
+// of valid UTF-8: the table prints it on a terminal.
+func errorClass(s string) string {
+	if k, ok := openAIError(s); ok {
+		return clip(digitsAsN(printable(k)), maxErrorKey)
 	}
-	return s
+	return clip(digitsAsN(printable(firstLine(s))), maxErrorLine)
 }
 
-// errorClass is an error's first line with every run of four or more
-// digits (token counts, lengths, ids) as "N", so that one cause is one
-// key of Report.Errors however many requests it failed; status codes stay.
-func errorClass(s string) string {
-	s = firstLine(s)
+// openAIError reads "http STATUS: BODY" (a failed replayed request) where
+// BODY is an OpenAI error, {"error":{"message","type","code"}} (or vLLM's
+// older {"object":"error","message","type","code"}), as "http STATUS CODE:
+// MESSAGE", CODE being the error's code when it is a word, else its type.
+func openAIError(s string) (string, bool) {
+	rest, ok := strings.CutPrefix(s, "http ")
+	if !ok {
+		return "", false
+	}
+	status, body, ok := strings.Cut(rest, ": ")
+	if !ok || len(status) != 3 || strings.Trim(status, "0123456789") != "" {
+		return "", false
+	}
+	type object struct {
+		Message string          `json:"message"`
+		Type    string          `json:"type"`
+		Code    json.RawMessage `json:"code"`
+	}
+	var e struct {
+		object
+		Object string  `json:"object"`
+		Error  *object `json:"error"`
+	}
+	if json.Unmarshal([]byte(body), &e) != nil {
+		return "", false
+	}
+	o := e.Error
+	if o == nil && e.Object == "error" {
+		o = &e.object
+	}
+	if o == nil || strings.TrimSpace(o.Message) == "" {
+		return "", false
+	}
+	kind := o.Type
+	var code string
+	if json.Unmarshal(o.Code, &code) == nil && strings.TrimSpace(code) != "" {
+		kind = code
+	}
+	key := "http " + status
+	if kind = strings.Join(strings.Fields(kind), " "); kind != "" {
+		key += " " + kind
+	}
+	return key + ": " + strings.Join(strings.Fields(o.Message), " "), true
+}
+
+// firstLine is s up to its first line break (\n or \r), trimmed.
+func firstLine(s string) string {
+	if i := strings.IndexAny(s, "\r\n"); i >= 0 {
+		s = s[:i]
+	}
+	return strings.TrimSpace(s)
+}
+
+// printable is s with each control character (an escape sequence's ESC, a
+// tab) a space, and each byte that is not UTF-8 U+FFFD.
+func printable(s string) string {
+	return strings.Map(func(r rune) rune {
+		if unicode.IsControl(r) {
+			return ' '
+		}
+		return r
+	}, s)
+}
+
+// clip cuts s to at most n bytes at a character boundary, and says so
+// with "…".
+func clip(s string, n int) string {
+	if len(s) <= n {
+		return s
+	}
+	for n > 0 && !utf8.RuneStart(s[n]) {
+		n--
+	}
+	return s[:n] + "…"
+}
+
+// digitsAsN writes every run of four or more digits of s as "N".
+func digitsAsN(s string) string {
 	var b strings.Builder
 	for i := 0; i < len(s); {
 		j := i
@@ -240,9 +356,10 @@ func turnLabel(d int) string {
 	return fmt.Sprint(max(d, 1))
 }
 
-func summarize(ds []time.Duration) Latency {
+// summarize sorts ds and summarises them; nil when there are none.
+func summarize(ds []time.Duration) *Latency {
 	if len(ds) == 0 {
-		return Latency{}
+		return nil
 	}
 	slices.Sort(ds)
 	var sum time.Duration
@@ -250,7 +367,7 @@ func summarize(ds []time.Duration) Latency {
 		sum += d
 	}
 	q := func(p float64) float64 { return ms(quantile.NearestRank(ds, p)) }
-	return Latency{Mean: ms(sum / time.Duration(len(ds))), P50: q(0.50), P95: q(0.95), P99: q(0.99)}
+	return &Latency{Mean: ms(sum / time.Duration(len(ds))), P50: q(0.50), P95: q(0.95), P99: q(0.99)}
 }
 
 func ms(d time.Duration) float64 { return math.Round(float64(d)/1e3) / 1e3 }
@@ -289,72 +406,137 @@ func IdealHitRatio(items []Item, model string, blockSize int) float64 {
 	return float64(cached) / float64(total)
 }
 
-// WriteTable prints reports side by side, one column per report.
+// field is one figure of the reports: key names it in the table, title on
+// the page, with its unit. cell is false when a report has no data for it
+// (nothing succeeded, no request at that depth, groups unknown).
+type field struct {
+	key, title string
+	cell       func(r *Report) (string, bool)
+}
+
+// fields are the figures the table and the page show, in order: those of
+// the JSON report (DESIGN §8), and the hit ratio at each turn depth at
+// which a report had requests.
+func fields(reports []*Report) []field {
+	count := func(n func(r *Report) int) func(r *Report) (string, bool) {
+		return func(r *Report) (string, bool) { return fmt.Sprint(n(r)), true }
+	}
+	share := func(v func(r *Report) *float64) func(r *Report) (string, bool) {
+		return func(r *Report) (string, bool) {
+			if p := v(r); p != nil {
+				return fmt.Sprintf("%.3f", *p), true
+			}
+			return "", false
+		}
+	}
+	fs := []field{
+		{"requests", "requests", count(func(r *Report) int { return r.Requests })},
+		{"ok", "ok (requests)", count(func(r *Report) int { return r.OK })},
+		{"failed", "failed (requests)", count(func(r *Report) int { return r.Failed })},
+		{"throughput req/s", "throughput (ok req/s)", func(r *Report) (string, bool) { return fmt.Sprintf("%.1f", r.ThroughputRPS), true }},
+		{"hit_ratio", "hit ratio (cached / prompt tokens)", share(func(r *Report) *float64 { return r.HitRatio })},
+		{"local_hit_ratio", "local hit ratio (cached in the group / prompt tokens)", share(func(r *Report) *float64 { return r.LocalHitRatio })},
+		{"remote_hit_ratio", "remote hit ratio (from other groups / prompt tokens)", share(func(r *Report) *float64 { return r.RemoteHitRatio })},
+		{"remote MiB moved", "moved between groups (MiB)", remoteMiB},
+		{"ideal_hit_ratio", "ideal hit ratio (infinite shared cache / prompt tokens)", func(r *Report) (string, bool) { return fmt.Sprintf("%.3f", r.IdealHitRatio), true }},
+	}
+	for _, d := range turnDepths(reports) {
+		fs = append(fs, field{"hit_ratio turn " + d, "hit ratio at turn " + d + " (cached / prompt tokens)", func(r *Report) (string, bool) {
+			v, ok := r.HitRatioByTurn[d]
+			return fmt.Sprintf("%.3f", v), ok
+		}})
+	}
+	for _, l := range []struct {
+		key, title string
+		of         func(r *Report) *Latency
+	}{{"ttft_ms", "TTFT", func(r *Report) *Latency { return r.TTFT }}, {"e2e_ms", "e2e latency", func(r *Report) *Latency { return r.E2E }}} {
+		for _, q := range []struct {
+			name string
+			of   func(l *Latency) float64
+		}{{"mean", func(l *Latency) float64 { return l.Mean }}, {"p50", func(l *Latency) float64 { return l.P50 }},
+			{"p95", func(l *Latency) float64 { return l.P95 }}, {"p99", func(l *Latency) float64 { return l.P99 }}} {
+			fs = append(fs, field{l.key + " " + q.name, l.title + " " + q.name + " (ms)", func(r *Report) (string, bool) {
+				if lat := l.of(r); lat != nil {
+					return fmt.Sprintf("%.1f", q.of(lat)), true
+				}
+				return "", false
+			}})
+		}
+	}
+	return append(fs, field{"group load max/mean", "group load (busiest / mean requests per group)", func(r *Report) (string, bool) {
+		if len(r.GroupRequests) == 0 {
+			return "", false // groups unknown (a replay through HTTP without the bus)
+		}
+		return fmt.Sprintf("%.2f", r.GroupLoadMaxOverMean), true
+	}})
+}
+
+// remoteMiB is what moved between groups, known when the caller gave the
+// bytes (kvbus bench) or nothing was read from another group.
+func remoteMiB(r *Report) (string, bool) {
+	if r.OK == 0 || (r.RemoteTokens > 0 && r.RemoteBytes == 0) {
+		return "", false
+	}
+	return fmt.Sprintf("%.1f", float64(r.RemoteBytes)/(1<<20)), true
+}
+
+// turnDepths are the turn depths at which any of reports had requests,
+// sorted.
+func turnDepths(reports []*Report) []string {
+	var ds []string
+	for _, r := range reports {
+		for d := range r.HitRatioByTurn {
+			if !slices.Contains(ds, d) {
+				ds = append(ds, d)
+			}
+		}
+	}
+	slices.Sort(ds)
+	return ds
+}
+
+// causes are the keys of r.Errors, the commonest first.
+func causes(r *Report) []string {
+	cs := make([]string, 0, len(r.Errors))
+	for c := range r.Errors {
+		cs = append(cs, c)
+	}
+	sort.Slice(cs, func(i, j int) bool {
+		if r.Errors[cs[i]] != r.Errors[cs[j]] {
+			return r.Errors[cs[i]] > r.Errors[cs[j]]
+		}
+		return cs[i] < cs[j]
+	})
+	return cs
+}
+
+// WriteTable prints reports side by side, one column per report, "-" where
+// a report has no data (see Report), and under them the three commonest
+// causes of each report's failures.
 func WriteTable(w io.Writer, reports []*Report) error {
 	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', tabwriter.AlignRight)
-	row := func(name string, f func(r *Report) string) {
+	row := func(name string, cell func(r *Report) (string, bool)) {
 		fmt.Fprint(tw, name+"\t")
 		for _, r := range reports {
-			fmt.Fprint(tw, f(r)+"\t")
+			v, ok := cell(r)
+			if !ok {
+				v = "-"
+			}
+			fmt.Fprint(tw, v+"\t")
 		}
 		fmt.Fprintln(tw)
 	}
-	row("policy", func(r *Report) string { return r.Policy })
-	row("requests", func(r *Report) string { return fmt.Sprint(r.Requests) })
-	row("ok", func(r *Report) string { return fmt.Sprint(r.OK) })
-	row("failed", func(r *Report) string { return fmt.Sprint(r.Failed) })
-	row("throughput req/s", func(r *Report) string { return fmt.Sprintf("%.1f", r.ThroughputRPS) })
-	row("hit_ratio", func(r *Report) string { return fmt.Sprintf("%.3f", r.HitRatio) })
-	row("local_hit_ratio", func(r *Report) string { return fmt.Sprintf("%.3f", r.LocalHitRatio) })
-	row("remote_hit_ratio", func(r *Report) string { return fmt.Sprintf("%.3f", r.RemoteHitRatio) })
-	row("remote MiB moved", func(r *Report) string { return fmt.Sprintf("%.1f", float64(r.RemoteBytes)/(1<<20)) })
-	row("ideal_hit_ratio", func(r *Report) string { return fmt.Sprintf("%.3f", r.IdealHitRatio) })
-	turns := map[string]bool{}
-	for _, r := range reports {
-		for d := range r.HitRatioByTurn {
-			turns[d] = true
-		}
+	row("policy", func(r *Report) (string, bool) { return r.name(), true })
+	for _, f := range fields(reports) {
+		row(f.key, f.cell)
 	}
-	ds := make([]string, 0, len(turns))
-	for d := range turns {
-		ds = append(ds, d)
-	}
-	sort.Strings(ds)
-	for _, d := range ds {
-		row("hit_ratio turn "+d, func(r *Report) string { return fmt.Sprintf("%.3f", r.HitRatioByTurn[d]) })
-	}
-	for _, l := range []struct {
-		name string
-		f    func(r *Report) Latency
-	}{{"ttft_ms", func(r *Report) Latency { return r.TTFT }}, {"e2e_ms", func(r *Report) Latency { return r.E2E }}} {
-		row(l.name+" mean", func(r *Report) string { return fmt.Sprintf("%.1f", l.f(r).Mean) })
-		row(l.name+" p50", func(r *Report) string { return fmt.Sprintf("%.1f", l.f(r).P50) })
-		row(l.name+" p95", func(r *Report) string { return fmt.Sprintf("%.1f", l.f(r).P95) })
-		row(l.name+" p99", func(r *Report) string { return fmt.Sprintf("%.1f", l.f(r).P99) })
-	}
-	row("group load max/mean", func(r *Report) string {
-		if len(r.GroupRequests) == 0 {
-			return "-" // groups unknown (a replay through HTTP without the bus)
-		}
-		return fmt.Sprintf("%.2f", r.GroupLoadMaxOverMean)
-	})
 	if err := tw.Flush(); err != nil {
 		return err
 	}
-	// Why requests failed: the three commonest causes of each report.
 	for _, r := range reports {
-		classes := make([]string, 0, len(r.Errors))
-		for c := range r.Errors {
-			classes = append(classes, c)
-		}
-		sort.Slice(classes, func(i, j int) bool {
-			if r.Errors[classes[i]] != r.Errors[classes[j]] {
-				return r.Errors[classes[i]] > r.Errors[classes[j]]
-			}
-			return classes[i] < classes[j]
-		})
-		for _, c := range classes[:min(3, len(classes))] {
-			if _, err := fmt.Fprintf(w, "failed (%s): %d × %s\n", r.Policy, r.Errors[c], c); err != nil {
+		cs := causes(r)
+		for _, c := range cs[:min(3, len(cs))] {
+			if _, err := fmt.Fprintf(w, "failed (%s): %d × %s\n", r.name(), r.Errors[c], c); err != nil {
 				return err
 			}
 		}

@@ -8,6 +8,7 @@ import (
 	"math"
 	"os"
 	"path/filepath"
+	"reflect"
 	"slices"
 	"strings"
 	"testing"
@@ -919,8 +920,8 @@ func TestSummarize(t *testing.T) {
 	if r.Policy != "kv" || r.Requests != 103 || r.OK != 100 || r.Failed != 3 {
 		t.Errorf("policy %q requests %d ok %d failed %d", r.Policy, r.Requests, r.OK, r.Failed)
 	}
-	if r.PromptTokens != 10000 || r.CachedTokens != 2500 || r.HitRatio != 0.25 || r.IdealHitRatio != 0.75 {
-		t.Errorf("prompt %d cached %d hit %v ideal %v", r.PromptTokens, r.CachedTokens, r.HitRatio, r.IdealHitRatio)
+	if r.PromptTokens != 10000 || r.CachedTokens != 2500 || *r.HitRatio != 0.25 || r.IdealHitRatio != 0.75 {
+		t.Errorf("prompt %d cached %d hit %v ideal %v", r.PromptTokens, r.CachedTokens, *r.HitRatio, r.IdealHitRatio)
 	}
 	if len(r.HitRatioByTurn) != 4 {
 		t.Errorf("by turn %v, want %v", r.HitRatioByTurn, byTurn)
@@ -930,10 +931,10 @@ func TestSummarize(t *testing.T) {
 			t.Errorf("turn %s: %v, want %v", turn, r.HitRatioByTurn[turn], want)
 		}
 	}
-	if want := (Latency{Mean: 50.5, P50: 50, P95: 95, P99: 99}); r.TTFT != want {
+	if want := (Latency{Mean: 50.5, P50: 50, P95: 95, P99: 99}); r.TTFT == nil || *r.TTFT != want {
 		t.Errorf("ttft %+v, want %+v", r.TTFT, want)
 	}
-	if want := (Latency{Mean: 101, P50: 100, P95: 190, P99: 198}); r.E2E != want {
+	if want := (Latency{Mean: 101, P50: 100, P95: 190, P99: 198}); r.E2E == nil || *r.E2E != want {
 		t.Errorf("e2e %+v, want %+v", r.E2E, want)
 	}
 	if r.DurationS != 10 || r.ThroughputRPS != 10 {
@@ -946,7 +947,7 @@ func TestSummarize(t *testing.T) {
 	if r.GroupLoadMaxOverMean != 67.0/50 {
 		t.Errorf("group load max/mean %v, want %v", r.GroupLoadMaxOverMean, 67.0/50)
 	}
-	if want := map[string]int{"timeout: no answer": 2, long[:240]: 1}; !equalMaps(r.Errors, want) {
+	if want := map[string]int{"timeout: no answer": 2, long[:240] + "…": 1}; !equalMaps(r.Errors, want) {
 		t.Errorf("errors %v, want %v", r.Errors, want)
 	}
 }
@@ -963,33 +964,40 @@ func equalMaps[K comparable, V comparable](a, b map[K]V) bool {
 	return true
 }
 
+// TestSummarizeSmall: what no request measured is nil (null in the JSON),
+// never a made-up 0.
 func TestSummarizeSmall(t *testing.T) {
+	f := func(v float64) *float64 { return &v }
 	cases := []struct {
-		name      string
-		results   []Result
-		elapsed   time.Duration
-		ttft      Latency
-		hit, load float64
-		thr       float64
+		name    string
+		results []Result
+		elapsed time.Duration
+		ttft    *Latency
+		hit     *float64
+		load    float64
+		thr     float64
 	}{
-		{"nothing", nil, time.Second, Latency{}, 0, 0, 0},
-		{"only failures", []Result{{Err: "x", PromptTokens: 5, TTFT: time.Second}}, time.Second, Latency{}, 0, 0, 0},
+		{"nothing", nil, time.Second, nil, nil, 0, 0},
+		{"only failures", []Result{{Err: "x", PromptTokens: 5, TTFT: time.Second}}, time.Second, nil, nil, 0, 0},
 		{"one", []Result{{TTFT: 1500 * time.Microsecond, PromptTokens: 4, CachedTokens: 1, Group: "g"}}, 0,
-			Latency{Mean: 1.5, P50: 1.5, P95: 1.5, P99: 1.5}, 0.25, 1, 0},
-		{"two", []Result{{TTFT: 10 * time.Millisecond, Group: "a"}, {TTFT: 20 * time.Millisecond, Group: "b"}}, 500 * time.Millisecond,
-			Latency{Mean: 15, P50: 10, P95: 20, P99: 20}, 0, 1, 4},
-		{"sub-microsecond rounding", []Result{{TTFT: 1234567}, {TTFT: 1234}}, time.Second,
-			Latency{Mean: 0.618, P50: 0.001, P95: 1.235, P99: 1.235}, 0, 0, 2},
-		{"no groups known", []Result{{TTFT: time.Millisecond}}, time.Second, Latency{Mean: 1, P50: 1, P95: 1, P99: 1}, 0, 0, 1},
+			&Latency{Mean: 1.5, P50: 1.5, P95: 1.5, P99: 1.5}, f(0.25), 1, 0},
+		{"two", []Result{{TTFT: 10 * time.Millisecond, Group: "a", PromptTokens: 3}, {TTFT: 20 * time.Millisecond, Group: "b", PromptTokens: 3}}, 500 * time.Millisecond,
+			&Latency{Mean: 15, P50: 10, P95: 20, P99: 20}, f(0), 1, 4},
+		{"sub-microsecond rounding", []Result{{TTFT: 1234567, PromptTokens: 1}, {TTFT: 1234, PromptTokens: 1}}, time.Second,
+			&Latency{Mean: 0.618, P50: 0.001, P95: 1.235, P99: 1.235}, f(0), 0, 2},
+		{"no groups known", []Result{{TTFT: time.Millisecond, PromptTokens: 1}}, time.Second, &Latency{Mean: 1, P50: 1, P95: 1, P99: 1}, f(0), 0, 1},
 	}
 	for _, tc := range cases {
 		t.Run(tc.name, func(t *testing.T) {
 			r := Summarize("p", tc.results, 0, tc.elapsed)
-			if r.TTFT != tc.ttft || r.HitRatio != tc.hit || r.GroupLoadMaxOverMean != tc.load || r.ThroughputRPS != tc.thr {
+			if !reflect.DeepEqual(r.TTFT, tc.ttft) || !reflect.DeepEqual(r.HitRatio, tc.hit) || r.GroupLoadMaxOverMean != tc.load || r.ThroughputRPS != tc.thr {
 				t.Errorf("ttft %+v hit %v load %v throughput %v; want %+v %v %v %v", r.TTFT, r.HitRatio, r.GroupLoadMaxOverMean, r.ThroughputRPS,
 					tc.ttft, tc.hit, tc.load, tc.thr)
 			}
-			for _, v := range []float64{r.HitRatio, r.GroupLoadMaxOverMean, r.ThroughputRPS, r.TTFT.Mean, r.E2E.P99} {
+			if (r.TTFT == nil) != (r.E2E == nil) || (r.HitRatio == nil) != (r.LocalHitRatio == nil) || (r.HitRatio == nil) != (r.RemoteHitRatio == nil) {
+				t.Errorf("ttft %v e2e %v hit %v local %v remote %v: all measured or none", r.TTFT, r.E2E, r.HitRatio, r.LocalHitRatio, r.RemoteHitRatio)
+			}
+			for _, v := range []float64{deref(r.HitRatio), r.GroupLoadMaxOverMean, r.ThroughputRPS} {
 				if math.IsNaN(v) || math.IsInf(v, 0) {
 					t.Errorf("a non-finite value in %+v", r)
 				}
@@ -1051,8 +1059,8 @@ func TestWriteTable(t *testing.T) {
 	}
 	for name, want := range map[string]string{
 		"policy": "kv round-robin", "requests": "4 2", "ok": "3 2", "failed": "1 0", "throughput req/s": "1.5 2.0",
-		"hit_ratio": "0.567 0.053", "local_hit_ratio": "0.467 0.053", "remote_hit_ratio": "0.100 0.000", "ideal_hit_ratio": "0.600 0.600", "hit_ratio turn 2": "0.500 0.000",
-		"hit_ratio turn 3": "0.000 0.080", "hit_ratio turn 4+": "0.800 0.000", "ttft_ms p50": "7.0 6.0", "e2e_ms p99": "12.0 14.0",
+		"hit_ratio": "0.567 0.053", "local_hit_ratio": "0.467 0.053", "remote_hit_ratio": "0.100 0.000", "ideal_hit_ratio": "0.600 0.600", "hit_ratio turn 2": "0.500 -",
+		"hit_ratio turn 3": "- 0.080", "hit_ratio turn 4+": "0.800 -", "remote MiB moved": "- 0.0", "ttft_ms p50": "7.0 6.0", "e2e_ms p99": "12.0 14.0",
 		"group load max/mean": "1.33 1.00",
 	} {
 		if rows[name] != want {

@@ -1,6 +1,7 @@
 package main
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
@@ -174,8 +175,8 @@ type replayCmd struct {
 	traceFlags `embed:""`
 	File       string        `arg:"" type:"existingfile" help:"Capture file or trace to replay."`
 	Target     string        `name:"target" required:"" help:"nats://HOST:PORT (publish Requests onto the bus) or http://HOST:PORT (through the frontend)."`
-	Model      string        `name:"model" default:"kvbus-sim" help:"Model to request."`
-	Policy     string        `name:"policy-label" default:"" help:"Label of the report's policy column."`
+	Model      string        `name:"model" help:"Model every request asks for, a capture's included (replaying a capture on a cluster that serves another model name). Default: each captured request's own model; kvbus-sim for a trace."`
+	Policy     string        `name:"policy-label" default:"replay" help:"Label of the report's policy column."`
 	BlockSize  int           `name:"block-size" default:"16" help:"The cluster's block size, for ideal_hit_ratio."`
 	Timeout    time.Duration `name:"timeout" default:"10m" help:"Deadline of one request."`
 	APIKey     string        `name:"api-key" env:"KVBUS_API_KEY,OPENAI_API_KEY" help:"With an http:// target, the frontend's --api-key, sent as a bearer token."`
@@ -229,7 +230,9 @@ func (c *replayCmd) Run(ctx context.Context) error {
 	}
 	log.Info("replaying", "file", c.File, "format", tr.Format, "requests", len(tr.Items), "sessions", tr.Sessions(), "target", c.Target, "speed", c.Speed, "mode", c.Mode)
 	results, elapsed, err := r.Run(ctx, tr.Items)
-	rep := replay.Summarize(c.Policy, results, replay.IdealHitRatio(tr.Items, c.Model, c.BlockSize), elapsed)
+	// The model seeds the block hashes, which does not change which prompts
+	// share a prefix.
+	rep := replay.Summarize(c.Policy, results, replay.IdealHitRatio(tr.Items, cmp.Or(c.Model, replay.DefaultModel), c.BlockSize), elapsed)
 	rep.Trace = c.File
 	if werr := replay.WriteTable(os.Stdout, []*replay.Report{rep}); werr != nil {
 		return werr
@@ -479,8 +482,10 @@ func (c *benchCmd) runCluster(ctx context.Context, tr *replay.Trace, policy, poo
 	if err != nil {
 		return nil, 0, err
 	}
+	// No Model: a capture's requests keep their own model, a trace's ask
+	// for replay.DefaultModel, the kvbus-sim this cluster serves.
 	r, err := replay.New(replay.Config{
-		Target: cl.NATSURL, Conn: nc, Model: "kvbus-sim", Speed: c.Speed, Mode: c.Mode, Timeout: c.Timeout,
+		Target: cl.NATSURL, Conn: nc, Speed: c.Speed, Mode: c.Mode, Timeout: c.Timeout,
 		Progress: progressOut(), Logger: log,
 	})
 	if err != nil {

@@ -3,6 +3,7 @@ package main
 import (
 	"context"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"os"
 	"path/filepath"
@@ -10,6 +11,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/kvbus/kvbus/messages"
+	"github.com/kvbus/kvbus/replay"
 	"github.com/kvbus/kvbus/testenv"
 )
 
@@ -123,5 +126,47 @@ func TestBenchFlagsAndInterruption(t *testing.T) {
 	var reports []map[string]any
 	if b, rerr := os.ReadFile(report); rerr != nil || json.Unmarshal(b, &reports) != nil || len(reports) != 1 || reports[0]["policy"] != "round-robin" || reports[0]["ok"] != 4.0 {
 		t.Errorf("after an interruption (%v) the report holds %v (%v); want round-robin's run of 4 requests", err, reports, rerr)
+	}
+}
+
+// TestReplayModelFlag: `replay --model` applies to a capture's requests
+// too: a capture of a cluster that served "prod-model" replays on one that
+// serves kvbus-sim when told so; without --model each request keeps its
+// own (here refused: model_not_found). Before, --model was ignored for
+// captures, and its default made "given" undetectable.
+func TestReplayModelFlag(t *testing.T) {
+	c := testenv.StartCluster(t, testenv.ClusterConfig{Payload: "accounting"})
+	path := filepath.Join(t.TempDir(), "prod.kvcap")
+	f, err := os.Create(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	cw, err := replay.NewCaptureWriter(f)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for i := range 2 {
+		data, err := messages.Marshal(&messages.Request{RequestID: fmt.Sprint("prod-", i), FrontendID: "fe-prod", Model: "prod-model",
+			Endpoint: messages.EndpointCompletions, PromptTokenIDs: testenv.PromptTokens(i, 40), SamplingParams: messages.SamplingParams{MaxTokens: 2}})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := cw.Write(replay.Frame{Time: time.Unix(int64(i), 0), Subject: "kvbus.req.prod-model", Payload: data}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := errors.Join(cw.Flush(), f.Close()); err != nil {
+		t.Fatal(err)
+	}
+	run := func(args ...string) error {
+		c := parseCLI(t, append([]string{"replay", path, "--target", c.URL, "--nats-url", c.NATS.ClientURL(), "--speed", "100"}, args...)...)
+		c.Replay.out = &testenv.LogBuffer{}
+		return c.Replay.Run(t.Context())
+	}
+	if err := run("--model", c.Model); err != nil {
+		t.Errorf("replay --model %s of a prod-model capture: %v", c.Model, err)
+	}
+	if err := run(); err == nil || !strings.Contains(err.Error(), "model_not_found") {
+		t.Errorf("replay of a prod-model capture without --model: %v, want its own model asked for and refused", err)
 	}
 }
