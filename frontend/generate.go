@@ -10,6 +10,7 @@ import (
 	"strconv"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/nats-io/nats.go"
@@ -30,6 +31,9 @@ type outputQueue struct {
 	mu     sync.Mutex
 	items  []choiceOutput
 	signal chan struct{}
+	// pushed counts the outputs pushed (lostOutputs compares it across a
+	// reconnect).
+	pushed atomic.Int64
 }
 
 type choiceOutput struct {
@@ -43,6 +47,7 @@ func (q *outputQueue) push(choice int, o *messages.Output) {
 	q.mu.Lock()
 	q.items = append(q.items, choiceOutput{choice, o})
 	q.mu.Unlock()
+	q.pushed.Add(1)
 	select {
 	case q.signal <- struct{}{}:
 	default:

@@ -93,6 +93,10 @@ type Config struct {
 	// 30 s): a client that stalls mid-body would otherwise hold one of
 	// MaxInflight's slots for as long as it keeps the connection open.
 	ReadBodyTimeout time.Duration
+	// LostOutputWait: a request in flight when the frontend reconnects to
+	// NATS that hears no output within it ends with a 503 output_lost, its
+	// answer lost on the bus while the frontend was cut off (default 10 s).
+	LostOutputWait time.Duration
 	// SchedulerTimeout: the frontend is healthy, and takes requests, while
 	// a ready scheduler announced itself within it (default 3 s).
 	SchedulerTimeout time.Duration
@@ -190,6 +194,9 @@ func New(cfg Config) (*Server, error) {
 	}
 	if cfg.Addr == "" {
 		cfg.Addr = ":8000"
+	}
+	if cfg.LostOutputWait <= 0 {
+		cfg.LostOutputWait = 10 * time.Second
 	}
 	if cfg.SessionHeaders == nil {
 		cfg.SessionHeaders = DefaultSessionHeaders()
@@ -330,6 +337,11 @@ func (s *Server) Run(ctx context.Context) error {
 		MaxHeaderBytes: 4 * MaxHeaderBytes,
 		ErrorLog:       slog.NewLogLogger(s.log.Handler(), slog.LevelWarn),
 	}
+	// Until Run returns: requests are answered after ctx ends too.
+	watchCtx, stopWatch := context.WithCancel(context.WithoutCancel(ctx))
+	var watcher sync.WaitGroup
+	watcher.Go(func() { s.watchReconnects(watchCtx) })
+	defer func() { stopWatch(); watcher.Wait() }()
 	errc := make(chan error, 1)
 	go func() { errc <- srv.Serve(ln) }()
 	s.log.Info("frontend listening", "addr", s.addr.String(), "models", s.cfg.Models, "tokenizer", s.tok.Name(),

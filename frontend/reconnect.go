@@ -1,0 +1,93 @@
+package frontend
+
+import (
+	"context"
+	"math"
+	"time"
+
+	"github.com/kvbus/kvbus/messages"
+)
+
+// Outputs lost across a reconnect. While the frontend is cut off from NATS
+// (a NATS server restarting), a driver rank that reconnects first flushes
+// the outputs it buffered to a server where this frontend has not yet
+// subscribed again: they are dropped. A later output shows the gap
+// (output_lost at once); but a request whose answer ended in that window
+// hears nothing more, and waited for its deadline (--request-timeout, 60 s)
+// while its client hung. So a request in flight at a reconnect that hears
+// nothing within Config.LostOutputWait (10 s) after it ends with a 503
+// output_lost, which clients retry. A request still generating hears its next token within
+// milliseconds; one queued behind others for longer is retried.
+
+// reconnectCheckEvery is how often the frontend looks for a reconnect.
+const reconnectCheckEvery = 250 * time.Millisecond
+
+// suspect is a request in flight at a reconnect, with the outputs its
+// queue had then.
+type suspect struct {
+	id     string
+	rt     route
+	pushed int64
+}
+
+// watchReconnects runs until ctx ends.
+func (s *Server) watchReconnects(ctx context.Context) {
+	seen := s.cfg.Conn.Stats().Reconnects
+	var suspects []suspect
+	var due time.Time // when suspects are judged
+	tick := time.NewTicker(reconnectCheckEvery)
+	defer tick.Stop()
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case now := <-tick.C:
+			if n := s.cfg.Conn.Stats().Reconnects; n != seen {
+				seen = n
+				// A second reconnect restarts the wait, for every request.
+				suspects, due = s.inFlight(), now.Add(s.cfg.LostOutputWait)
+				if len(suspects) > 0 {
+					s.log.Info("reconnected to NATS: requests in flight that hear nothing more may have lost their answer on the bus",
+						"requests", len(suspects), "wait", s.cfg.LostOutputWait)
+				}
+			}
+			if len(suspects) > 0 && !now.Before(due) {
+				s.endLost(suspects)
+				suspects = nil
+			}
+		}
+	}
+}
+
+// inFlight returns the requests in flight, with the outputs they heard.
+func (s *Server) inFlight() []suspect {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	out := make([]suspect, 0, len(s.pending))
+	for id, rt := range s.pending {
+		out = append(out, suspect{id, rt, rt.q.pushed.Load()})
+	}
+	return out
+}
+
+// endLost ends with output_lost each suspect still in flight that heard no
+// output since.
+func (s *Server) endLost(suspects []suspect) {
+	lost := 0
+	for _, sp := range suspects {
+		s.mu.Lock()
+		cur, ok := s.pending[sp.id]
+		s.mu.Unlock()
+		if !ok || cur.q != sp.rt.q || sp.rt.q.pushed.Load() != sp.pushed {
+			continue // answered, or hearing outputs
+		}
+		lost++
+		// Of any attempt: it ends the choice, whichever attempt runs.
+		sp.rt.q.push(sp.rt.choice, &messages.Output{ReqID: sp.id, Attempt: math.MaxInt32, Error: &messages.OutputError{Code: "output_lost",
+			Message: "the answer was lost on the bus while NATS reconnected; retry the request"}})
+	}
+	if lost > 0 {
+		s.log.Warn("requests heard nothing after a NATS reconnect: their answers were lost on the bus; they end with 503 output_lost",
+			"requests", lost, "wait", s.cfg.LostOutputWait)
+	}
+}

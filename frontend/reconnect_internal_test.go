@@ -1,0 +1,77 @@
+package frontend
+
+import (
+	"context"
+	"io"
+	"log/slog"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/nats-io/nats.go"
+
+	"github.com/kvbus/kvbus/bus"
+	"github.com/kvbus/kvbus/messages"
+)
+
+// TestOutputsLostAcrossAReconnect: the NATS server restarts under a
+// frontend with two requests in flight. One hears an output after the
+// reconnect (it is generating); the other hears nothing: its answer ended
+// while the frontend was cut off, and the driver's outputs reached a server
+// where the frontend had not yet subscribed again. That one ends with a
+// 503 output_lost after LostOutputWait; before, it waited for its deadline
+// (60 s) with its client hanging.
+func TestOutputsLostAcrossAReconnect(t *testing.T) {
+	srv, err := bus.StartServer(bus.ServerConfig{Addr: "127.0.0.1:0", DataDir: t.TempDir()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	addr := srv.Addr().String()
+	nc, err := nats.Connect(srv.ClientURL(), nats.MaxReconnects(-1), nats.ReconnectWait(20*time.Millisecond))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer nc.Close()
+	s := &Server{cfg: Config{Conn: nc, LostOutputWait: 300 * time.Millisecond}, log: slog.New(slog.NewTextHandler(io.Discard, nil)),
+		pending: map[string]route{}}
+	silent, hearing := newOutputQueue(), newOutputQueue()
+	s.register("silent", silent, 0)
+	s.register("hearing", hearing, 0)
+	ctx, cancel := context.WithCancel(t.Context())
+	var wg sync.WaitGroup
+	wg.Go(func() { s.watchReconnects(ctx) })
+	defer func() { cancel(); wg.Wait() }()
+
+	srv.Shutdown()
+	srv2, err := bus.StartServer(bus.ServerConfig{Addr: addr, DataDir: t.TempDir()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer srv2.Shutdown()
+	for deadline := time.Now().Add(10 * time.Second); nc.Stats().Reconnects == 0; time.Sleep(10 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatal("the connection did not reconnect: the fault did not take effect")
+		}
+	}
+	time.Sleep(2 * reconnectCheckEvery) // the watcher has seen the reconnect
+	hearing.push(0, &messages.Output{ReqID: "hearing", Index: 3, Text: "more"})
+	late := newOutputQueue() // registered after the reconnect
+	s.register("late", late, 0)
+
+	time.Sleep(s.cfg.LostOutputWait + 3*reconnectCheckEvery)
+	got := silent.pop()
+	if len(got) != 1 || got[0].out.Error == nil || got[0].out.Error.Code != "output_lost" {
+		t.Fatalf("the silent request's queue holds %+v; want one output_lost error", got)
+	}
+	if items := hearing.pop(); len(items) != 1 || items[0].out.Error != nil {
+		t.Errorf("the request hearing outputs got %d items (first error %v); want only its own output", len(items), items[0].out.Error)
+	}
+	if items := late.pop(); len(items) != 0 {
+		t.Errorf("a request sent after the reconnect was ended: %+v", items[0].out)
+	}
+	// The error ends the choice, whichever attempt it was on.
+	c := &choiceState{attempt: 2, started: true, nextIndex: 5}
+	if !c.follow(got[0].out) {
+		t.Error("the output_lost error is not taken by a choice on attempt 2")
+	}
+}
