@@ -78,7 +78,7 @@ type busFlags struct {
 	logFlags   `embed:""`
 	pprofFlags `embed:""`
 	Prefix     string `name:"subject-prefix" default:"kvbus" help:"First token of every kvbus subject."`
-	Replicas   int    `name:"stream-replicas" default:"1" help:"JetStream replicas of the request log and the buckets this role creates (3 on a 3-node NATS cluster)."`
+	Replicas   int    `name:"stream-replicas" positive:"" default:"1" help:"JetStream replicas of the request log and the buckets this role creates (3 on a 3-node NATS cluster)."`
 }
 
 func (f busFlags) subjects() messages.Subjects { return messages.Subjects{Prefix: f.Prefix} }
@@ -92,14 +92,14 @@ type modelFlags struct {
 type frontendFlags struct {
 	HTTPAddr          string        `name:"http-addr" default:":8000" help:"HTTP listen address of the OpenAI-compatible API."`
 	SessionHeader     []string      `name:"session-header" default:"X-Session-ID,X-Correlation-ID" help:"Headers read for a session id, in order of precedence (repeatable)."`
-	MaxModelLen       int           `name:"max-model-len" default:"8192" help:"Largest prompt + completion, in tokens."`
-	MaxBodyBytes      int64         `name:"max-body-bytes" default:"4194304" help:"Largest request body, in bytes (413 above)."`
+	MaxModelLen       int           `name:"max-model-len" positive:"" default:"8192" help:"Largest prompt + completion, in tokens."`
+	MaxBodyBytes      int64         `name:"max-body-bytes" positive:"" default:"4194304" help:"Largest request body, in bytes (413 above)."`
 	MaxInflight       int           `name:"max-inflight" default:"4096" help:"Generate requests served at once; more get 429 with Retry-After (0: no bound)."`
 	APIKey            string        `name:"api-key" help:"Require Authorization: Bearer <key> on /v1/ routes (like vLLM's --api-key)."`
 	AllowedOrigins    []string      `name:"allowed-origins" default:"*" help:"Origins browsers may call the API from (CORS), like vLLM's --allowed-origins; * allows any; empty: none."`
-	ReadHeaderTimeout time.Duration `name:"read-header-timeout" default:"10s" help:"Time a client has to send a request's headers before its connection is closed."`
-	IdleTimeout       time.Duration `name:"idle-timeout" default:"120s" help:"Idle keep-alive connections are closed after this."`
-	StopGrace         time.Duration `name:"stop-grace" default:"500ms" help:"On SIGTERM, how long, once the requests accepted before it are answered, new requests still get a 503 shutting_down (Connection: close), and /health a 503, before the listener closes (raise it to the deregistration delay of a load balancer in front; 0: the default; negative: none)."`
+	ReadHeaderTimeout time.Duration `name:"read-header-timeout" positive:"" default:"10s" help:"Time a client has to send a request's headers before its connection is closed."`
+	IdleTimeout       time.Duration `name:"idle-timeout" positive:"" default:"120s" help:"Idle keep-alive connections are closed after this."`
+	StopGrace         time.Duration `name:"stop-grace" negative:"allowed" default:"500ms" help:"On SIGTERM, how long, once the requests accepted before it are answered, new requests still get a 503 shutting_down (Connection: close), and /health a 503, before the listener closes (raise it to the deregistration delay of a load balancer in front; 0: the default; negative: none)."`
 }
 
 // requestLogFlags bound the JetStream request log; whichever role creates
@@ -127,18 +127,18 @@ func (f frontendFlags) baseConfig(rl requestLogFlags) frontend.Config {
 
 // timeoutFlags bound a request end to end.
 type timeoutFlags struct {
-	RequestTimeout time.Duration `name:"request-timeout" default:"60s" help:"Deadline of a request, from arrival to its last token."`
+	RequestTimeout time.Duration `name:"request-timeout" positive:"" default:"60s" help:"Deadline of a request, from arrival to its last token."`
 }
 
 // schedulerFlags configure placement.
 type schedulerFlags struct {
 	Policy           string        `name:"policy" enum:"kv,session,round-robin,random,least-loaded" default:"kv" help:"Placement policy: kv (least prefill cost from the KV index, session as a signal), session (rendezvous on the session id, bounded load), or the baselines round-robin, random, least-loaded."`
-	SessionTTL       time.Duration `name:"session-ttl" default:"30m" help:"How long a session binding (session → group) lives after its last turn."`
+	SessionTTL       time.Duration `name:"session-ttl" positive:"" default:"30m" help:"How long a session binding (session → group) lives after its last turn."`
 	SessionEpsilon   float64       `name:"session-epsilon" default:"0.25" help:"Bounded-load slack of the session policy: a group above (1+ε)× the mean load passes the session on."`
-	BlockSize        int           `name:"block-size" default:"16" help:"Tokens per KV block."`
-	HeartbeatTimeout time.Duration `name:"heartbeat-timeout" default:"3s" help:"A group is ready when all its ranks sent a heartbeat within this."`
-	NoGroupWait      time.Duration `name:"no-group-wait" default:"2s" help:"How long a request waits for a ready worker group before it gets 503 no_ready_group with Retry-After."`
-	ResendAfter      time.Duration `name:"resend-after" default:"1s" help:"A ReqMeta that a rank has not answered (receipt or result) within this is published again, up to 3 times."`
+	BlockSize        int           `name:"block-size" positive:"" default:"16" help:"Tokens per KV block."`
+	HeartbeatTimeout time.Duration `name:"heartbeat-timeout" positive:"" default:"3s" help:"A group is ready when all its ranks sent a heartbeat within this."`
+	NoGroupWait      time.Duration `name:"no-group-wait" positive:"" default:"2s" help:"How long a request waits for a ready worker group before it gets 503 no_ready_group with Retry-After."`
+	ResendAfter      time.Duration `name:"resend-after" positive:"" default:"1s" help:"A ReqMeta that a rank has not answered (receipt or result) within this is published again, up to 3 times."`
 	Pool             string        `name:"pool" enum:"local,global" default:"global" help:"KV pool: local (a group loads what its own ranks hold) or global (the ranks' stores are one pool: a LoadSpec may read runs of the prefix from other groups, and kv costs loads in prefill time)."`
 }
 
@@ -153,11 +153,11 @@ type engineFlags struct {
 	LoadPerToken     time.Duration `name:"load-per-token" default:"5us" help:"Sim engine: time to load one cached token's KV."`
 	RemoteLoad       time.Duration `name:"remote-load-per-token" default:"15us" help:"Sim engine: time to load one cached token's KV from another group's segment of the pool (--pool global)."`
 	DecodePerToken   time.Duration `name:"decode-per-token" default:"10ms" help:"Sim engine: time per output token after the first (the prefill yields the first, as in vLLM)."`
-	HeartbeatEvery   time.Duration `name:"heartbeat-interval" default:"1s" help:"How often a rank sends a heartbeat."`
-	ShutdownTimeout  time.Duration `name:"shutdown-timeout" default:"10s" help:"How long a stopping rank lets in-flight requests finish."`
-	SaveWait         time.Duration `name:"save-wait" default:"2s" help:"How long a load waits for a block this rank is still saving (the previous turn's); past it the block is recomputed."`
+	HeartbeatEvery   time.Duration `name:"heartbeat-interval" positive:"" default:"1s" help:"How often a rank sends a heartbeat."`
+	ShutdownTimeout  time.Duration `name:"shutdown-timeout" positive:"" default:"10s" help:"How long a stopping rank lets in-flight requests finish."`
+	SaveWait         time.Duration `name:"save-wait" positive:"" default:"2s" help:"How long a load waits for a block this rank is still saving (the previous turn's); past it the block is recomputed."`
 	DrainHandoff     string        `name:"drain-handoff" default:"512MiB" help:"When a group is scaled down, each of its ranks hands up to this much of its most recently used blocks (whole sessions; a size or tokens) to the same rank of other ready groups before it exits, so its conversations keep their cache; 0 turns it off."`
-	DefaultMaxTokens int           `name:"default-max-tokens" default:"256" help:"Sim engine: max tokens when a request sets none."`
+	DefaultMaxTokens int           `name:"default-max-tokens" positive:"" default:"256" help:"Sim engine: max tokens when a request sets none."`
 }
 
 // checkSizes reports a bad --model-profile, --kv-capacity or
@@ -222,11 +222,11 @@ type engineAdapterFlags struct {
 	EngineURL             []string      `name:"engine-url" sep:"," help:"--engine openai: the engine's base URL, http(s)://HOST:PORT (kvbus adds /v1/chat/completions, /v1/completions, /health). serve takes one per group, comma-separated."`
 	EngineModel           string        `name:"engine-model" help:"--engine openai: the model name the engine serves, when clients use another (--model); empty sends the client's."`
 	EngineAPIKey          string        `name:"engine-api-key" help:"--engine openai: sent to the engine as Authorization: Bearer <key> (vLLM's --api-key); never logged."`
-	EngineMaxConcurrency  int           `name:"engine-max-concurrency" default:"256" help:"--engine openai: requests in flight at one engine; more wait in the rank."`
-	EngineConnectTimeout  time.Duration `name:"engine-connect-timeout" default:"5s" help:"--engine openai: bound on connecting to the engine."`
+	EngineMaxConcurrency  int           `name:"engine-max-concurrency" positive:"" default:"256" help:"--engine openai: requests in flight at one engine; more wait in the rank."`
+	EngineConnectTimeout  time.Duration `name:"engine-connect-timeout" positive:"" default:"5s" help:"--engine openai: bound on connecting to the engine."`
 	EngineTimeout         time.Duration `name:"engine-timeout" default:"0s" help:"--engine openai: bound on one engine request end to end (0: only --request-timeout)."`
-	EngineHealthInterval  time.Duration `name:"engine-health-interval" default:"1s" help:"--engine openai: how often the engine's /health is polled; while it fails the group takes no requests and its queued ones move."`
-	EngineUnavailableWait time.Duration `name:"engine-unavailable-wait" default:"2s" help:"--engine openai: how long a request waits for an engine that is down (or to be moved to another group) before it fails with 503 group_failed."`
+	EngineHealthInterval  time.Duration `name:"engine-health-interval" positive:"" default:"1s" help:"--engine openai: how often the engine's /health is polled; while it fails the group takes no requests and its queued ones move."`
+	EngineUnavailableWait time.Duration `name:"engine-unavailable-wait" positive:"" default:"2s" help:"--engine openai: how long a request waits for an engine that is down (or to be moved to another group) before it fails with 503 group_failed."`
 	EngineTLSCA           string        `name:"engine-tls-ca" type:"path" help:"--engine openai: CA certificate (PEM) to verify an https engine."`
 	EngineTLSCert         string        `name:"engine-tls-cert" type:"path" help:"--engine openai: client certificate (PEM) for an engine that wants mutual TLS."`
 	EngineTLSKey          string        `name:"engine-tls-key" type:"path" help:"--engine openai: client key (PEM)."`
@@ -327,7 +327,7 @@ func (f engineAdapterFlags) tls() (*tls.Config, error) {
 type tokenizerFlags struct {
 	Tokenizer        string        `name:"tokenizer" enum:"o200k,engine" default:"o200k" help:"o200k (the embedded o200k_base BPE with a ChatML template, for the sim) or engine (the engine's POST /tokenize at --tokenizer-url, so block hashes match its cache)."`
 	TokenizerURL     []string      `name:"tokenizer-url" sep:"," help:"--tokenizer engine: base URLs of engines serving the model, comma-separated; the first that answers tokenizes."`
-	TokenizerTimeout time.Duration `name:"tokenizer-timeout" default:"5s" help:"--tokenizer engine: bound on one /tokenize call; past it, or when the engine is unreachable, the request gets 503 tokenizer_unavailable."`
+	TokenizerTimeout time.Duration `name:"tokenizer-timeout" positive:"" default:"5s" help:"--tokenizer engine: bound on one /tokenize call; past it, or when the engine is unreachable, the request gets 503 tokenizer_unavailable."`
 }
 
 // tokenizer returns the configured tokenizer; nil means the embedded one.

@@ -14,7 +14,7 @@ import (
 // to return only once the cluster is ready.
 type healthcheckCmd struct {
 	URL     string        `name:"url" default:"http://127.0.0.1:9090/healthz" help:"The /healthz to probe (the frontend's is on its --http-addr)."`
-	Timeout time.Duration `name:"timeout" default:"2s" help:"How long to wait for one answer."`
+	Timeout time.Duration `name:"timeout" positive:"" default:"2s" help:"How long to wait for one answer."`
 	Wait    time.Duration `name:"wait" help:"Probe every 250 ms until healthy or this long has passed (0: probe once)."`
 }
 

@@ -36,7 +36,7 @@ type loadgenCmd struct {
 	Grace       time.Duration `name:"grace" default:"5s" help:"At the end of --duration, how long the requests in flight may take to finish (they are counted); those still running then are cancelled and reported as cut."`
 	Stream      bool          `name:"stream" help:"Stream the answers (SSE); latency is to the last chunk."`
 	Model       string        `name:"model" default:"kvbus-sim" help:"Model name sent."`
-	MaxTokens   int           `name:"max-tokens" default:"8" help:"max_tokens of every request (with ignore_eos)."`
+	MaxTokens   int           `name:"max-tokens" positive:"" default:"8" help:"max_tokens of every request (with ignore_eos)."`
 	Prompt      string        `name:"prompt" default:"Write one short sentence about caches and prefixes, please." help:"The user message."`
 	APIKey      string        `name:"api-key" env:"KVBUS_API_KEY,OPENAI_API_KEY" help:"Send Authorization: Bearer <key>, for a server run with --api-key (never printed)."`
 	JSON        bool          `name:"json" help:"Print the result as JSON."`

@@ -51,8 +51,10 @@ type cli struct {
 }
 
 func main() {
-	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGINT, syscall.SIGTERM)
-	defer stop()
+	// The first SIGINT/SIGTERM stops the command gracefully, the second at
+	// once (see watchSignals).
+	sigs := make(chan os.Signal, 2)
+	signal.Notify(sigs, syscall.SIGINT, syscall.SIGTERM)
 	// Every role logs through one sink: a line costs its formatting, and
 	// one goroutine writes them out in batches.
 	sink, err := logsink.New(logsink.Config{Out: os.Stderr})
@@ -60,6 +62,19 @@ func main() {
 		fmt.Fprintln(os.Stderr, "kvbus:", err)
 		os.Exit(1)
 	}
+	notice := &stopNotice{out: sink}
+	ctx, cancel := context.WithCancel(withStopNotice(context.Background(), notice))
+	defer cancel()
+	go watchSignals(sigs, notice, cancel, func(code int) {
+		// What is logged is written out first, within a second.
+		flushed := make(chan struct{})
+		go func() { _ = sink.Close(); close(flushed) }()
+		select {
+		case <-flushed:
+		case <-time.After(time.Second):
+		}
+		os.Exit(code)
+	})
 	var c cli
 	kctx := kong.Parse(&c,
 		kong.Bind(sink),
@@ -73,7 +88,6 @@ func main() {
 	_ = sink.Close()
 	if err != nil {
 		fmt.Fprintln(os.Stderr, "kvbus:", err)
-		stop()
 		os.Exit(1)
 	}
 }
@@ -84,7 +98,7 @@ type roles struct {
 	ctx    context.Context
 	cancel context.CancelFunc
 	wg     sync.WaitGroup
-	once   sync.Once
+	mu     sync.Mutex // guards err: fail may be called from outside run
 	err    error
 }
 
@@ -95,17 +109,27 @@ func newRoles(ctx context.Context) *roles {
 }
 
 func (r *roles) run(name string, f func(context.Context) error) {
-	r.wg.Go(func() {
-		if err := f(r.ctx); err != nil && !errors.Is(err, context.Canceled) {
-			r.once.Do(func() { r.err = fmt.Errorf("%s: %w", name, err) })
-			r.cancel()
+	r.wg.Go(func() { r.fail(name, f(r.ctx)) })
+}
+
+// fail records a role's error, the first one only, and cancels the
+// others; a nil error or a cancellation is not a failure.
+func (r *roles) fail(name string, err error) {
+	if err != nil && !errors.Is(err, context.Canceled) {
+		r.mu.Lock()
+		if r.err == nil {
+			r.err = fmt.Errorf("%s: %w", name, err)
 		}
-	})
+		r.mu.Unlock()
+		r.cancel()
+	}
 }
 
 func (r *roles) wait() error {
 	r.wg.Wait()
 	r.cancel()
+	r.mu.Lock()
+	defer r.mu.Unlock()
 	return r.err
 }
 
@@ -131,13 +155,71 @@ func listenMetrics(addr string) (net.Listener, error) {
 	return ln, nil
 }
 
-// serveMetrics serves /metrics, /livez (the process is up and connected to
-// NATS) and /healthz (readiness: live, and ready() if given) on ln until
-// ctx ends; a nil ln serves nothing.
-func serveMetrics(ctx context.Context, log *slog.Logger, ln net.Listener, reg *prometheus.Registry, nc *nats.Conn, ready func() (bool, string)) error {
-	if ln == nil {
-		return nil
+// metricsServer serves /metrics, /livez (the process is up and connected
+// to NATS) and /healthz (readiness: live, and ready() if given) on
+// --metrics-addr. It outlives the role it reports on: the role closes it
+// last, once it has stopped and drained its connection, so that while it
+// stops probes get /healthz 503 "draining" and /livez 200 rather than
+// "connection refused", and the drain's and the hand-off's counters can
+// still be scraped. (It closed with the role's context before: the moment
+// SIGTERM came.)
+type metricsServer struct {
+	log *slog.Logger
+	ln  net.Listener // nil: --metrics-addr is empty, nothing is served
+
+	mu     sync.Mutex
+	srv    *http.Server
+	served chan struct{} // closed when Serve returned
+}
+
+// metricsProbe is what the endpoints report on.
+type metricsProbe struct {
+	nc    *nats.Conn
+	ready func() (bool, string) // nil: ready while live
+	// stopping is closed when the role begins to stop: /healthz answers
+	// 503 draining, with drainReason, and /livez 200 whatever NATS does
+	// (a liveness failure would get the process killed mid-drain).
+	stopping    <-chan struct{}
+	drainReason string
+}
+
+func newMetricsServer(log *slog.Logger, ln net.Listener) *metricsServer {
+	return &metricsServer{log: log, ln: ln}
+}
+
+// serve starts serving on the listener; fail gets an error that ends the
+// serving before close.
+func (m *metricsServer) serve(reg *prometheus.Registry, p metricsProbe, fail func(error)) {
+	if m.ln == nil {
+		return
 	}
+	srv := &http.Server{Handler: metricsHandler(reg, p), ReadHeaderTimeout: 5 * time.Second}
+	served := make(chan struct{})
+	m.mu.Lock()
+	m.srv, m.served = srv, served
+	m.mu.Unlock()
+	m.log.Info("metrics listening", "addr", m.ln.Addr().String())
+	go func() {
+		defer close(served)
+		if err := srv.Serve(m.ln); !errors.Is(err, http.ErrServerClosed) {
+			fail(err)
+		}
+	}()
+}
+
+// close stops serving and waits for Serve to return.
+func (m *metricsServer) close() {
+	m.mu.Lock()
+	srv, served := m.srv, m.served
+	m.mu.Unlock()
+	if srv == nil {
+		return
+	}
+	_ = srv.Close()
+	<-served
+}
+
+func metricsHandler(reg *prometheus.Registry, p metricsProbe) http.Handler {
 	mux := http.NewServeMux()
 	mux.Handle("/metrics", promhttp.HandlerFor(reg, promhttp.HandlerOpts{}))
 	status := func(w http.ResponseWriter, code int, v map[string]string) {
@@ -145,37 +227,47 @@ func serveMetrics(ctx context.Context, log *slog.Logger, ln net.Listener, reg *p
 		w.WriteHeader(code)
 		_ = json.NewEncoder(w).Encode(v)
 	}
+	stopping := func() bool {
+		select {
+		case <-p.stopping:
+			return true
+		default:
+			return false
+		}
+	}
 	live := func(w http.ResponseWriter) bool {
-		if nc != nil && !nc.IsConnected() {
+		if p.nc != nil && !p.nc.IsConnected() {
 			status(w, http.StatusServiceUnavailable, map[string]string{"status": "nats disconnected"})
 			return false
 		}
 		return true
 	}
 	mux.HandleFunc("/livez", func(w http.ResponseWriter, _ *http.Request) {
+		if stopping() {
+			status(w, http.StatusOK, map[string]string{"status": "alive", "detail": "stopping"})
+			return
+		}
 		if live(w) {
 			status(w, http.StatusOK, map[string]string{"status": "alive"})
 		}
 	})
 	mux.HandleFunc("/healthz", func(w http.ResponseWriter, _ *http.Request) {
+		if stopping() {
+			status(w, http.StatusServiceUnavailable, map[string]string{"status": "draining", "reason": p.drainReason})
+			return
+		}
 		if !live(w) {
 			return
 		}
-		if ready != nil {
-			if ok, why := ready(); !ok {
+		if p.ready != nil {
+			if ok, why := p.ready(); !ok {
 				status(w, http.StatusServiceUnavailable, map[string]string{"status": "not ready", "reason": why})
 				return
 			}
 		}
 		status(w, http.StatusOK, map[string]string{"status": "ok"})
 	})
-	srv := &http.Server{Handler: mux, ReadHeaderTimeout: 5 * time.Second}
-	go func() { <-ctx.Done(); _ = srv.Close() }()
-	log.Info("metrics listening", "addr", ln.Addr().String())
-	if err := srv.Serve(ln); !errors.Is(err, http.ErrServerClosed) {
-		return err
-	}
-	return nil
+	return mux
 }
 
 // connect opens a NATS connection for a role.
@@ -183,9 +275,12 @@ func connect(ctx context.Context, f natsFlags, name string, log *slog.Logger) (*
 	return bus.Connect(ctx, f.config(name, log))
 }
 
+// drainTimeout bounds a role's drain of its NATS connections.
+const drainTimeout = 5 * time.Second
+
 // drain drains connections with a deadline.
 func drain(conns ...*nats.Conn) {
-	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	ctx, cancel := context.WithTimeout(context.Background(), drainTimeout)
 	defer cancel()
 	for _, nc := range conns {
 		bus.Drain(ctx, nc)
@@ -212,6 +307,7 @@ type natsCmd struct {
 
 func (c *natsCmd) Run(ctx context.Context) error {
 	log := c.logger()
+	onStop(ctx, log, func() stopPlan { return stopPlan{doing: "shutting the NATS server down", inFlight: -1} })
 	stopPprof, err := c.startPprof(ctx, log)
 	if err != nil {
 		return err
@@ -243,6 +339,7 @@ type frontendCmd struct {
 
 func (c *frontendCmd) Run(ctx context.Context) error {
 	log := c.logger()
+	onStop(ctx, log, nil)
 	stopPprof, err := c.startPprof(ctx, log)
 	if err != nil {
 		return err
@@ -265,7 +362,19 @@ func (c *frontendCmd) Run(ctx context.Context) error {
 	if err != nil {
 		return err
 	}
+	onStop(ctx, log, func() stopPlan { return c.stopPlan(reg) })
 	return fe.Run(ctx)
+}
+
+// stopPlan: the frontend answers new requests with 503 shutting_down and
+// finishes those in flight, then drains NATS.
+func (c *frontendCmd) stopPlan(reg *prometheus.Registry) stopPlan {
+	n := gaugeSum(reg, "kvbus_frontend_inflight_requests")
+	upTo, bound := frontendStopBound(c.RequestTimeout, c.StopGrace)
+	return stopPlan{
+		doing:    fmt.Sprintf("finishing %s in flight (new ones get 503 shutting_down), then draining NATS", requests(n)),
+		inFlight: n, upTo: upTo + drainTimeout, bound: bound + " + 5s NATS drain",
+	}
 }
 
 func (c *frontendCmd) frontendConfig(nc *nats.Conn, log *slog.Logger, reg *prometheus.Registry, id string) frontend.Config {
@@ -284,12 +393,14 @@ type schedulerCmd struct {
 	schedulerFlags  `embed:""`
 	requestLogFlags `embed:""`
 	timeoutFlags    `embed:""`
-	ID              string `name:"id" help:"Scheduler id in subjects (default: a random sched-…)."`
-	MetricsAddr     string `name:"metrics-addr" default:":9090" help:"Address of /metrics and /healthz (empty: off)."`
+	ID              string        `name:"id" help:"Scheduler id in subjects (default: a random sched-…)."`
+	MetricsAddr     string        `name:"metrics-addr" default:":9090" help:"Address of /metrics and /healthz (empty: off)."`
+	ShutdownTimeout time.Duration `name:"shutdown-timeout" positive:"" default:"20s" help:"On SIGTERM, how long the scheduler watches the requests it placed (their results, and moving them if their group fails) until they end."`
 }
 
 func (c *schedulerCmd) Run(ctx context.Context) error {
 	log := c.logger()
+	onStop(ctx, log, nil)
 	stopPprof, err := c.startPprof(ctx, log)
 	if err != nil {
 		return err
@@ -302,6 +413,9 @@ func (c *schedulerCmd) Run(ctx context.Context) error {
 	if ln != nil {
 		defer ln.Close()
 	}
+	// Closed last, after the NATS drain below.
+	metrics := newMetricsServer(log, ln)
+	defer metrics.close()
 	cfg := c.natsFlags.config("kvbus-scheduler", log)
 	cfg.NoEcho = true // a scheduler does not receive its own save plans
 	nc, err := bus.Connect(ctx, cfg)
@@ -310,24 +424,39 @@ func (c *schedulerCmd) Run(ctx context.Context) error {
 	}
 	defer drain(nc)
 	reg := newRegistry()
-	s, err := newScheduler(nc, c.busFlags, c.schedulerFlags, c.requestLogFlags, c.timeoutFlags, c.ID, log, reg)
+	s, err := newScheduler(nc, c, log, reg)
 	if err != nil {
 		return err
 	}
+	onStop(ctx, log, func() stopPlan {
+		n := s.Trackers()
+		return stopPlan{
+			doing:    fmt.Sprintf("taking no new requests, watching the %s in flight it placed until they end, then draining NATS", requests(n)),
+			inFlight: n, upTo: drainTimeout + c.ShutdownTimeout + drainTimeout,
+			bound: fmt.Sprintf("5s request-log consumer drain + %s for its requests (--shutdown-timeout) + 5s NATS drain", c.ShutdownTimeout),
+		}
+	})
 	r := newRoles(ctx)
+	metrics.serve(reg, metricsProbe{nc: nc, ready: s.Ready, stopping: r.ctx.Done(),
+		drainReason: "scheduler stopping: it takes no new requests"}, func(err error) { r.fail("metrics", err) })
 	r.run("scheduler", s.Run)
-	r.run("metrics", func(ctx context.Context) error { return serveMetrics(ctx, log, ln, reg, nc, s.Ready) })
 	return r.wait()
 }
 
-func newScheduler(nc *nats.Conn, b busFlags, f schedulerFlags, rl requestLogFlags, t timeoutFlags, id string, log *slog.Logger, reg prometheus.Registerer) (*scheduler.Scheduler, error) {
+// schedulerShutdownTimeout is scheduler.Config's default ShutdownTimeout,
+// which serve's schedulers take (kvbus scheduler has --shutdown-timeout).
+const schedulerShutdownTimeout = 20 * time.Second
+
+func newScheduler(nc *nats.Conn, c *schedulerCmd, log *slog.Logger, reg prometheus.Registerer) (*scheduler.Scheduler, error) {
+	b, f, rl, t := c.busFlags, c.schedulerFlags, c.requestLogFlags, c.timeoutFlags
 	policy, err := scheduler.NewPolicy(f.Policy, f.SessionEpsilon)
 	if err != nil {
 		return nil, err
 	}
 	return scheduler.New(scheduler.Config{
-		Conn: nc, Subjects: b.subjects(), ID: id, Policy: policy, BlockSize: f.BlockSize, StreamReplicas: b.Replicas,
-		HeartbeatTimeout: f.HeartbeatTimeout, RequestTimeout: t.RequestTimeout, SessionTTL: f.SessionTTL, Logger: log, Registerer: reg,
+		Conn: nc, Subjects: b.subjects(), ID: c.ID, Policy: policy, BlockSize: f.BlockSize, StreamReplicas: b.Replicas,
+		HeartbeatTimeout: f.HeartbeatTimeout, RequestTimeout: t.RequestTimeout, SessionTTL: f.SessionTTL, ShutdownTimeout: c.ShutdownTimeout,
+		Logger: log, Registerer: reg,
 		NoGroupWait: f.NoGroupWait, ResendAfter: f.ResendAfter, RequestLog: rl.streamConfig(), Pool: f.Pool,
 	})
 }
@@ -337,19 +466,20 @@ type workerCmd struct {
 	modelFlags         `embed:""`
 	engineFlags        `embed:""`
 	engineAdapterFlags `embed:""`
-	BlockSize          int           `name:"block-size" default:"16" help:"Tokens per KV block: the schedulers' --block-size, and the engine's with --engine openai."`
+	BlockSize          int           `name:"block-size" positive:"" default:"16" help:"Tokens per KV block: the schedulers' --block-size, and the engine's with --engine openai."`
 	Rank               string        `name:"rank" help:"'auto' claims the first free (group, rank) slot through the KVBUS_RANKS bucket (groups g0, g1, … filled in order, --tp-size ranks each); otherwise --group and --tp-rank say it."`
-	SlotTTL            time.Duration `name:"slot-ttl" default:"10s" help:"With --rank auto: a slot whose worker stopped refreshing it is free again after this."`
+	SlotTTL            time.Duration `name:"slot-ttl" positive:"" default:"10s" help:"With --rank auto: a slot whose worker stopped refreshing it is free again after this."`
 	Group              string        `name:"group" default:"g0" help:"Worker group: one engine instance (a DP replica)."`
 	TPRank             int           `name:"tp-rank" default:"0" help:"Tensor-parallel rank; rank 0 is the driver and runs the engine."`
-	TPSize             int           `name:"tp-size" default:"4" help:"Tensor-parallel size: the group's world size."`
-	EPRank             int           `name:"ep-rank" default:"-1" help:"Expert-parallel rank (default: the TP rank)."`
+	TPSize             int           `name:"tp-size" positive:"" default:"4" help:"Tensor-parallel size: the group's world size."`
+	EPRank             int           `name:"ep-rank" negative:"allowed" default:"-1" help:"Expert-parallel rank (default: the TP rank)."`
 	EPSize             int           `name:"ep-size" default:"0" help:"Expert-parallel size (default: the TP size)."`
 	MetricsAddr        string        `name:"metrics-addr" default:":9090" help:"Address of /metrics and /healthz (empty: off)."`
 }
 
 func (c *workerCmd) Run(ctx context.Context) error {
 	log := c.logger()
+	onStop(ctx, log, nil)
 	stopPprof, err := c.startPprof(ctx, log)
 	if err != nil {
 		return err
@@ -402,6 +532,9 @@ func (c *workerCmd) Run(ctx context.Context) error {
 	if ln != nil {
 		defer ln.Close()
 	}
+	// Closed last, after the slot's release and the NATS drain below.
+	metrics := newMetricsServer(log, ln)
+	defer metrics.close()
 	nc, err := connect(ctx, c.natsFlags, "kvbus-worker", log)
 	if err != nil {
 		return err
@@ -438,8 +571,11 @@ func (c *workerCmd) Run(ctx context.Context) error {
 	}
 	reg := newRegistry()
 	wm, hm := workers.NewMetrics(reg), bus.NewHandlerMetrics(reg)
+	handoff, _ := c.drainHandoff(1)
+	onStop(ctx, log, func() stopPlan { return c.stopPlan(reg, handoff > 0, slot != nil) })
 	r := newRoles(ctx)
-	r.run("metrics", func(ctx context.Context) error { return serveMetrics(ctx, log, ln, reg, nc, nil) })
+	metrics.serve(reg, metricsProbe{nc: nc, stopping: r.ctx.Done(),
+		drainReason: "worker stopping: its group takes no new requests; it finishes those in flight"}, func(err error) { r.fail("metrics", err) })
 	r.run("worker", func(ctx context.Context) error {
 		for {
 			rank, err := newRank(nc, c.busFlags, c.modelFlags, c.engineFlags, engine, c.Group, c.TPRank, c.TPSize, c.EPRank, c.EPSize, log,
@@ -464,6 +600,29 @@ func (c *workerCmd) Run(ctx context.Context) error {
 		}
 	})
 	return r.wait()
+}
+
+// stopPlan: a rank finishes its requests within --shutdown-timeout, hands
+// its blocks to other groups (--drain-handoff: one more
+// --shutdown-timeout at most, after up to 5 heartbeat intervals to see
+// who is draining), releases its --rank auto slot (2 s at most) and
+// drains NATS.
+func (c *workerCmd) stopPlan(reg *prometheus.Registry, handoff, autoSlot bool) stopPlan {
+	n := gaugeSum(reg, "kvbus_worker_queue_depth")
+	p := stopPlan{inFlight: n, upTo: c.ShutdownTimeout + drainTimeout, bound: "--shutdown-timeout + 5s NATS drain"}
+	p.doing = fmt.Sprintf("finishing %s in flight (its group takes no new ones) within --shutdown-timeout", requests(n))
+	if handoff {
+		p.doing += ", handing its blocks to other groups (--drain-handoff)"
+		p.upTo += c.ShutdownTimeout + 5*c.HeartbeatEvery
+		p.bound = "2 × --shutdown-timeout + 5 × --heartbeat-interval + 5s NATS drain"
+	}
+	if autoSlot {
+		p.doing += ", releasing its slot"
+		p.upTo += 2 * time.Second
+		p.bound += " + 2s slot release"
+	}
+	p.doing += ", then draining NATS"
+	return p
 }
 
 func newRank(nc *nats.Conn, b busFlags, m modelFlags, e engineFlags, engine workers.Engine, group string, tp, tpSize, ep, epSize int,

@@ -106,7 +106,7 @@ func (c *captureStatsCmd) Run() error {
 // traceFlags say which part of a trace to replay, and how.
 type traceFlags struct {
 	Format        string  `name:"format" enum:"auto,capture,mooncake,tracelab,azure" default:"auto" help:"Trace format."`
-	Speed         float64 `name:"speed" default:"1" help:"Replay speed: the trace clock is divided by this."`
+	Speed         float64 `name:"speed" positive:"" default:"1" help:"Replay speed: the trace clock is divided by this."`
 	Mode          string  `name:"mode" enum:"open,session" default:"open" help:"open: each request at its trace time; session: closed loop per session (a turn waits for the previous answer plus the original gap / speed)."`
 	Limit         int     `name:"limit" help:"Replay at most this many requests (after --skip)."`
 	Skip          int     `name:"skip" help:"Skip this many requests first."`
@@ -177,8 +177,8 @@ type replayCmd struct {
 	Target     string        `name:"target" required:"" help:"nats://HOST:PORT (publish Requests onto the bus) or http://HOST:PORT (through the frontend)."`
 	Model      string        `name:"model" help:"Model every request asks for, a capture's included (replaying a capture on a cluster that serves another model name). Default: each captured request's own model; kvbus-sim for a trace."`
 	Policy     string        `name:"policy-label" default:"replay" help:"Label of the report's policy column."`
-	BlockSize  int           `name:"block-size" default:"16" help:"The cluster's block size, for ideal_hit_ratio."`
-	Timeout    time.Duration `name:"timeout" default:"10m" help:"Deadline of one request."`
+	BlockSize  int           `name:"block-size" positive:"" default:"16" help:"The cluster's block size, for ideal_hit_ratio."`
+	Timeout    time.Duration `name:"timeout" positive:"" default:"10m" help:"Deadline of one request."`
 	APIKey     string        `name:"api-key" env:"KVBUS_API_KEY,OPENAI_API_KEY" help:"With an http:// target, the frontend's --api-key, sent as a bearer token."`
 }
 
@@ -299,21 +299,21 @@ type benchCmd struct {
 	traceFlags `embed:""`
 	Trace      string        `name:"trace" required:"" type:"existingfile" help:"Trace or capture file."`
 	Policies   string        `name:"policies" default:"kv,session,round-robin,random" help:"Comma-separated policies to compare."`
-	Groups     int           `name:"groups" default:"4" help:"Worker groups."`
-	Ranks      int           `name:"ranks" default:"4" help:"Ranks per group."`
+	Groups     int           `name:"groups" positive:"" default:"4" help:"Worker groups."`
+	Ranks      int           `name:"ranks" positive:"" default:"4" help:"Ranks per group."`
 	Profile    string        `name:"model-profile" default:"llama-3.1-8b" help:"KV shape of the model."`
 	Capacity   string        `name:"kv-capacity" default:"8Mtok" help:"Block store capacity per rank (size or tokens)."`
 	Payload    string        `name:"kv-payload" enum:"bytes,accounting" default:"accounting" help:"Block payloads: accounting keeps a digest per block."`
 	Evict      string        `name:"evict" enum:"lru,session" default:"lru" help:"Eviction policy."`
 	Epsilon    float64       `name:"session-epsilon" default:"0.25" help:"Bounded-load slack of the session policy."`
-	BlockSize  int           `name:"block-size" default:"16" help:"Tokens per KV block."`
+	BlockSize  int           `name:"block-size" positive:"" default:"16" help:"Tokens per KV block."`
 	Prefill    time.Duration `name:"prefill-per-token" default:"60us" help:"Sim engine: prefill time per uncached token (scaled by 1/--speed)."`
 	Load       time.Duration `name:"load-per-token" default:"5us" help:"Sim engine: load time per cached token (scaled by 1/--speed)."`
 	RemoteLoad time.Duration `name:"remote-load-per-token" default:"15us" help:"Sim engine: load time per token read from another group's segment of the pool (scaled by 1/--speed)."`
 	Pools      string        `name:"pool" default:"global" help:"Comma-separated KV pool modes to run each policy with: local, global (e.g. local,global for a side-by-side table)."`
 	Decode     time.Duration `name:"decode-per-token" default:"10ms" help:"Sim engine: time per output token after the first, which the prefill yields (scaled by 1/--speed)."`
-	Timeout    time.Duration `name:"timeout" default:"10m" help:"Deadline of one request."`
-	Runs       int           `name:"runs" default:"1" help:"Run each policy and pool this many times, each on a fresh cluster, and report the requests of all runs together (a short trace's p95 is otherwise one request)."`
+	Timeout    time.Duration `name:"timeout" positive:"" default:"10m" help:"Deadline of one request."`
+	Runs       int           `name:"runs" positive:"" default:"1" help:"Run each policy and pool this many times, each on a fresh cluster, and report the requests of all runs together (a short trace's p95 is otherwise one request)."`
 }
 
 func (c *benchCmd) Run(ctx context.Context) error {

@@ -5,6 +5,8 @@ import (
 	"errors"
 	"fmt"
 
+	"github.com/prometheus/client_golang/prometheus"
+
 	"github.com/kvbus/kvbus/cluster"
 	"github.com/kvbus/kvbus/messages"
 	"github.com/kvbus/kvbus/workers"
@@ -24,12 +26,13 @@ type serveCmd struct {
 	Prefix             string `name:"subject-prefix" default:"kvbus" help:"First token of every kvbus subject."`
 	NATSAddr           string `name:"nats-addr" default:"127.0.0.1:4222" help:"Listen address of the embedded NATS server (point the nats CLI at it to watch the bus)."`
 	DataDir            string `name:"data-dir" help:"JetStream storage directory (default: a temporary directory, removed at exit)."`
-	Groups             int    `name:"groups" default:"1" help:"Worker groups (engine instances); with --engine openai, one per --engine-url."`
-	Ranks              int    `name:"ranks" default:"4" help:"Ranks per group (TP size; EP ranks equal TP ranks)."`
+	Groups             int    `name:"groups" positive:"" default:"1" help:"Worker groups (engine instances); with --engine openai, one per --engine-url."`
+	Ranks              int    `name:"ranks" positive:"" default:"4" help:"Ranks per group (TP size; EP ranks equal TP ranks)."`
 }
 
 func (c *serveCmd) Run(ctx context.Context) error {
 	log := c.logger()
+	onStop(ctx, log, nil)
 	stopPprof, err := c.startPprof(ctx, log)
 	if err != nil {
 		return err
@@ -50,6 +53,8 @@ func (c *serveCmd) Run(ctx context.Context) error {
 	if err != nil {
 		return err
 	}
+	reg := cfg.Registry
+	onStop(ctx, log, func() stopPlan { return c.stopPlan(reg) })
 	log.Info("kvbus serving", "nats_url", cl.NATSURL, "http_addr", c.HTTPAddr, "groups", cl.Groups(), "ranks", cl.Ranks(), "policy", c.Policy)
 	select {
 	case <-ctx.Done():
@@ -109,4 +114,22 @@ func (c *serveCmd) clusterConfig() (cluster.Config, error) {
 		HeartbeatTimeout: c.HeartbeatTimeout, RequestTimeout: c.RequestTimeout, SessionTTL: c.SessionTTL,
 		NoGroupWait: c.NoGroupWait, ResendAfter: c.ResendAfter, SaveWait: c.SaveWait, DrainHandoff: handoff, Pool: c.Pool,
 	}, nil
+}
+
+// stopPlan: serve stops its roles in order (cluster.Cluster.stopInOrder):
+// the frontend finishes what it accepted, then the schedulers stop (5 s
+// request-log consumer drain, then up to 20 s watching what they placed),
+// then the ranks finish theirs within --shutdown-timeout (a hand-off finds
+// no other group to take blocks: they all stop; up to 3 heartbeat
+// intervals to see it), then the connections drain and the embedded NATS
+// server stops.
+func (c *serveCmd) stopPlan(reg *prometheus.Registry) stopPlan {
+	n := gaugeSum(reg, "kvbus_frontend_inflight_requests")
+	fe, bound := frontendStopBound(c.RequestTimeout, c.StopGrace)
+	return stopPlan{
+		doing:    fmt.Sprintf("finishing %s in flight (new ones get 503 shutting_down), then stopping the schedulers and the ranks", requests(n)),
+		inFlight: n,
+		upTo:     fe + drainTimeout + schedulerShutdownTimeout + c.ShutdownTimeout + 3*c.HeartbeatEvery + drainTimeout,
+		bound:    bound + " + 25s (schedulers) + --shutdown-timeout + 3 × --heartbeat-interval + 5s NATS drain",
+	}
 }

@@ -1,0 +1,59 @@
+package main
+
+import (
+	"fmt"
+	"reflect"
+	"time"
+
+	"github.com/alecthomas/kong"
+)
+
+// Numbers on the command line. A library Config takes 0 (and, for many
+// fields, a negative value) as "the default"; on the command line the
+// defaults are written out, so a 0 or a negative value is the operator's,
+// and quietly serving the default instead (--request-timeout=0 as 60 s,
+// --heartbeat-timeout=-1s as 3 s, the scheduler's --block-size 0 as 16)
+// hid a mistake. So every number and duration flag refuses a negative
+// value unless its tag says `negative:"allowed"` (and its help what it
+// means), and refuses 0 where its tag says `positive:""`; a 0 that means
+// something ("0: no bound") is said in its help.
+
+// Validate checks the number flags of the command given (kong calls it
+// after parsing, flags from the environment included).
+func (c *cli) Validate(kctx *kong.Context) error {
+	for _, f := range kctx.Flags() {
+		if err := checkNumber(f); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// checkNumber refuses f's value when it is negative or, for a positive
+// flag, zero.
+func checkNumber(f *kong.Flag) error {
+	v := f.Target
+	if !v.IsValid() {
+		return nil
+	}
+	var neg, zero bool
+	var shown any
+	switch v.Kind() {
+	case reflect.Int, reflect.Int8, reflect.Int16, reflect.Int32, reflect.Int64:
+		neg, zero, shown = v.Int() < 0, v.Int() == 0, v.Int()
+		if v.Type() == reflect.TypeFor[time.Duration]() {
+			shown = time.Duration(v.Int())
+		}
+	case reflect.Float32, reflect.Float64:
+		neg, zero, shown = v.Float() < 0, v.Float() == 0, v.Float()
+	default:
+		return nil
+	}
+	switch {
+	case neg && !f.Tag.Has("negative"):
+		return fmt.Errorf("--%s is %v: it may not be negative (see --help)", f.Name, shown)
+	case zero && f.Tag.Has("positive"):
+		return fmt.Errorf("--%s is 0: it must be positive (0 does not mean none or the default here; see --help)", f.Name)
+	}
+	return nil
+}

@@ -1,0 +1,68 @@
+package main
+
+import (
+	"strings"
+	"testing"
+
+	"github.com/alecthomas/kong"
+
+	"github.com/kvbus/kvbus/internal/logsink"
+)
+
+// TestNumberFlags: a negative number or duration, or a 0 where 0 does not
+// mean anything, is refused naming the flag, for every role alike; each of
+// these started and served the default before (the scheduler's
+// --block-size 0 as 16, serve's --request-timeout=0 as 60 s, a negative
+// --heartbeat-timeout as 3 s). Values whose help gives them a meaning
+// still pass.
+func TestNumberFlags(t *testing.T) {
+	parse := func(args ...string) error {
+		var c cli
+		p, err := kong.New(&c, kong.Bind((*logsink.Writer)(nil)), kong.DefaultEnvars("KVBUS"), kong.Exit(func(int) {}))
+		if err != nil {
+			t.Fatal(err)
+		}
+		_, err = p.Parse(args)
+		return err
+	}
+	for _, tc := range []struct {
+		args []string
+		flag string // "" when the command line is valid
+	}{
+		{[]string{"serve", "--request-timeout=0"}, "--request-timeout"},
+		{[]string{"serve", "--request-timeout=-1s"}, "--request-timeout"},
+		{[]string{"scheduler", "--block-size=0"}, "--block-size"},
+		{[]string{"scheduler", "--heartbeat-timeout=-1s"}, "--heartbeat-timeout"},
+		{[]string{"scheduler", "--session-epsilon=-1"}, "--session-epsilon"},
+		{[]string{"scheduler", "--no-group-wait=-1s"}, "--no-group-wait"},
+		{[]string{"serve", "--default-max-tokens=-1"}, "--default-max-tokens"},
+		{[]string{"serve", "--save-wait=-1s"}, "--save-wait"},
+		{[]string{"frontend", "--max-body-bytes=0"}, "--max-body-bytes"},
+		{[]string{"frontend", "--max-inflight=-1"}, "--max-inflight"},
+		{[]string{"frontend", "--request-log-max-age=-1s"}, "--request-log-max-age"},
+		{[]string{"bench", "--trace=numbers_test.go", "--groups=0"}, "--groups"},
+		{[]string{"replay", "--target=http://127.0.0.1:1", "numbers_test.go", "--limit=-5"}, "--limit"},
+		{[]string{"worker", "--group=g0", "--slot-ttl=0"}, "--slot-ttl"},
+		{[]string{"worker", "--group=g0", "--tp-size=0"}, "--tp-size"},
+		{[]string{"worker", "--group=g0", "--heartbeat-interval=-1s"}, "--heartbeat-interval"},
+		{[]string{"scheduler", "--shutdown-timeout=0"}, "--shutdown-timeout"},
+		{[]string{"serve", "--groups=0"}, "--groups"},
+		// Meaningful values pass.
+		{[]string{"worker", "--group=g0"}, ""},         // --ep-rank -1: the TP rank
+		{[]string{"frontend", "--max-inflight=0"}, ""}, // no bound
+		{[]string{"frontend", "--stop-grace=-1s"}, ""}, // none
+		{[]string{"serve", "--time-scale=0"}, ""},      // instant
+		{[]string{"scheduler", "--session-epsilon=0"}, ""},
+		{[]string{"serve"}, ""},
+		{[]string{"scheduler"}, ""},
+		{[]string{"frontend"}, ""},
+	} {
+		err := parse(tc.args...)
+		switch {
+		case tc.flag == "" && err != nil:
+			t.Errorf("%v: %v; want it accepted", tc.args, err)
+		case tc.flag != "" && (err == nil || !strings.Contains(err.Error(), tc.flag)):
+			t.Errorf("%v: %v; want an error naming %s", tc.args, err, tc.flag)
+		}
+	}
+}

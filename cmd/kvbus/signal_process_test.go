@@ -1,0 +1,243 @@
+package main
+
+import (
+	"bufio"
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"net/http"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/kvbus/kvbus/testenv"
+)
+
+// signal sends sig to the process.
+func (p *proc) signal(t *testing.T, sig syscall.Signal) {
+	t.Helper()
+	if err := p.cmd.Process.Signal(sig); err != nil {
+		t.Fatalf("%s: %v", p.name, err)
+	}
+}
+
+// exitWithin waits up to d for the process to exit and returns its exit
+// code (-1: killed by a signal); ok is false when it is still running.
+func (p *proc) exitWithin(d time.Duration) (code int, ok bool) {
+	select {
+	case err := <-p.done:
+		p.done <- err // for the cleanup
+		var ee *exec.ExitError
+		switch {
+		case err == nil:
+			return 0, true
+		case errors.As(err, &ee):
+			return ee.ExitCode(), true
+		}
+		return -1, true
+	case <-time.After(d):
+		return 0, false
+	}
+}
+
+// logged waits up to d for the process's log to contain s.
+func (p *proc) logged(t *testing.T, d time.Duration, s string) {
+	t.Helper()
+	testenv.Eventually(t, d, fmt.Sprintf("%s logging %q", p.name, s), func() bool {
+		b, _ := os.ReadFile(p.log)
+		return strings.Contains(string(b), s)
+	})
+}
+
+// slowStream starts a streaming chat completion of max_tokens tokens and
+// returns once its first chunk arrived; the request stays open until the
+// test ends.
+func slowStream(t *testing.T, base string, maxTokens int) {
+	t.Helper()
+	ctx, cancel := context.WithCancel(context.Background())
+	body := fmt.Sprintf(`{"messages":[{"role":"user","content":"tell me a long story"}],"max_tokens":%d,"ignore_eos":true,"stream":true}`, maxTokens)
+	req, err := http.NewRequestWithContext(ctx, http.MethodPost, base+"/v1/chat/completions", strings.NewReader(body))
+	if err != nil {
+		t.Fatal(err)
+	}
+	req.Header.Set("Content-Type", "application/json")
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil {
+		cancel()
+		t.Fatal(err)
+	}
+	done := make(chan struct{})
+	t.Cleanup(func() { cancel(); resp.Body.Close(); <-done })
+	if resp.StatusCode != http.StatusOK {
+		b, _ := io.ReadAll(resp.Body)
+		close(done)
+		t.Fatalf("streaming request: %d %s", resp.StatusCode, b)
+	}
+	first := make(chan struct{})
+	go func() {
+		defer close(done)
+		sc := bufio.NewScanner(resp.Body)
+		sent := false
+		for sc.Scan() {
+			if !sent && strings.HasPrefix(sc.Text(), "data:") {
+				close(first)
+				sent = true
+			}
+		}
+		if !sent {
+			close(first)
+		}
+	}()
+	select {
+	case <-first:
+	case <-time.After(30 * time.Second):
+		t.Fatal("no first chunk within 30 s")
+	}
+}
+
+// probe GETs url: its status (0: no answer) and JSON body.
+func probe(url string) (int, map[string]string) {
+	resp, err := http.Get(url)
+	if err != nil {
+		return 0, nil
+	}
+	defer resp.Body.Close()
+	var v map[string]string
+	_ = json.NewDecoder(resp.Body).Decode(&v)
+	return resp.StatusCode, v
+}
+
+// TestProcessStopSignals runs NATS, a scheduler, a worker and a frontend
+// as processes of the real binary, with a slow streaming request in
+// flight, and stops them as an operator (or Kubernetes) does.
+//
+// The frontend: the first SIGTERM logs that it stops, the request it
+// finishes and how long it may take; a second SIGTERM ends it at once with
+// 143 (it was silently ignored: signal.NotifyContext kept catching).
+//
+// The scheduler, watching the request it placed until it ends: while it
+// stops, /healthz answers 503 "draining" and /livez 200 (they closed the
+// moment SIGTERM came: "connection refused"); it exits 0 once the request
+// is over.
+//
+// The worker, still running the request: while it drains, /healthz 503
+// "draining", /livez 200, and /metrics is scraped; a second SIGTERM ends
+// it with 143.
+func TestProcessStopSignals(t *testing.T) {
+	if testing.Short() {
+		t.Skip("builds and runs the binary")
+	}
+	dir := t.TempDir()
+	bin := buildBinary(t, dir)
+	natsAddr, httpAddr, schedMetrics, workerMetrics := freeAddr(t), freeAddr(t), freeAddr(t), freeAddr(t)
+	bus := []string{"--nats-url", "nats://" + natsAddr}
+	natsProc := startProc(t, bin, dir, "nats", "nats", "--addr", natsAddr, "--data-dir", filepath.Join(dir, "js"))
+	sched := startProc(t, bin, dir, "scheduler", append([]string{"scheduler", "--metrics-addr", schedMetrics, "--heartbeat-timeout", "1s"}, bus...)...)
+	worker := startProc(t, bin, dir, "worker", append([]string{"worker", "--group", "g0", "--tp-rank", "0", "--ep-rank", "0", "--tp-size", "1",
+		"--kv-capacity", "64MiB", "--heartbeat-interval", "200ms", "--decode-per-token", "50ms", "--shutdown-timeout", "60s",
+		"--metrics-addr", workerMetrics}, bus...)...)
+	fe := startProc(t, bin, dir, "frontend", append([]string{"frontend", "--http-addr", httpAddr, "--request-timeout", "120s"}, bus...)...)
+	base := "http://" + httpAddr
+	testenv.Eventually(t, 60*time.Second, "the frontend's /healthz 200", func() bool { return healthz(base+"/healthz") == http.StatusOK })
+	slowStream(t, base, 2000) // 100 s of decoding
+
+	// The frontend.
+	fe.signal(t, syscall.SIGTERM)
+	fe.logged(t, 10*time.Second, "SIGTERM: stopping: finishing 1 request in flight")
+	fe.logged(t, time.Second, "up to 4m6s (2 × --request-timeout + 1s + 5s NATS drain); send the signal again to stop at once")
+	if code, ok := fe.exitWithin(500 * time.Millisecond); ok {
+		t.Fatalf("the frontend exited (%d) at the first SIGTERM with a request in flight", code)
+	}
+	fe.signal(t, syscall.SIGTERM)
+	if code, ok := fe.exitWithin(5 * time.Second); !ok || code != 143 {
+		t.Fatalf("the frontend after a second SIGTERM: exited %v, code %d; want an exit within 5 s with 143", ok, code)
+	}
+	fe.logged(t, time.Second, "SIGTERM again: stopping at once, without finishing")
+
+	// The scheduler watches the request it placed, which the worker still
+	// runs.
+	sched.signal(t, syscall.SIGTERM)
+	sched.logged(t, 10*time.Second, "SIGTERM: stopping: taking no new requests, watching the 1 request in flight it placed until they end")
+	sbase := "http://" + schedMetrics
+	if code, v := probe(sbase + "/healthz"); code != http.StatusServiceUnavailable || v["status"] != "draining" {
+		t.Errorf("the stopping scheduler's /healthz: %d %v, want 503 draining", code, v)
+	}
+	if code, _ := probe(sbase + "/livez"); code != http.StatusOK {
+		t.Errorf("the stopping scheduler's /livez: %d, want 200", code)
+	}
+	if code, _ := probe(sbase + "/metrics"); code != http.StatusOK {
+		t.Errorf("the stopping scheduler's /metrics: %d, want 200", code)
+	}
+
+	// The worker.
+	worker.signal(t, syscall.SIGTERM)
+	worker.logged(t, 10*time.Second, "SIGTERM: stopping: finishing 1 request in flight (its group takes no new ones) within --shutdown-timeout")
+	wbase := "http://" + workerMetrics
+	if code, v := probe(wbase + "/healthz"); code != http.StatusServiceUnavailable || v["status"] != "draining" {
+		t.Errorf("the draining worker's /healthz: %d %v, want 503 draining", code, v)
+	}
+	if code, _ := probe(wbase + "/livez"); code != http.StatusOK {
+		t.Errorf("the draining worker's /livez: %d, want 200", code)
+	}
+	resp, err := http.Get(wbase + "/metrics")
+	if err != nil {
+		t.Errorf("the draining worker's /metrics: %v", err)
+	} else {
+		b, _ := io.ReadAll(resp.Body)
+		resp.Body.Close()
+		if resp.StatusCode != http.StatusOK || !strings.Contains(string(b), "kvbus_worker_queue_depth") {
+			t.Errorf("the draining worker's /metrics: %d, %d bytes without kvbus_worker_queue_depth", resp.StatusCode, len(b))
+		}
+	}
+	if code, ok := worker.exitWithin(0); ok {
+		t.Fatalf("the worker exited (%d) with a request in flight and --shutdown-timeout 60s", code)
+	}
+	worker.signal(t, syscall.SIGTERM)
+	if code, ok := worker.exitWithin(5 * time.Second); !ok || code != 143 {
+		t.Fatalf("the worker after a second SIGTERM: exited %v, code %d; want an exit within 5 s with 143", ok, code)
+	}
+	worker.logged(t, time.Second, "SIGTERM again: stopping at once, without finishing")
+
+	// The scheduler's request is over (its group is gone): it exits 0 of
+	// itself, and NATS on SIGTERM.
+	if code, ok := sched.exitWithin(40 * time.Second); !ok || code != 0 {
+		t.Errorf("the scheduler after one SIGTERM: exited %v, code %d; want 0", ok, code)
+	}
+	if err := natsProc.stop(t); err != nil {
+		t.Errorf("nats: %v", err)
+	}
+}
+
+// TestProcessServeSIGINTTwice: Ctrl-C on `kvbus serve` with a slow request
+// in flight says what it finishes and how to stop at once; a second Ctrl-C
+// ends it at once with 130 (it was ignored until the request ended).
+func TestProcessServeSIGINTTwice(t *testing.T) {
+	if testing.Short() {
+		t.Skip("builds and runs the binary")
+	}
+	dir := t.TempDir()
+	bin := buildBinary(t, dir)
+	httpAddr := freeAddr(t)
+	p := startProc(t, bin, dir, "serve", "serve", "--nats-addr", freeAddr(t), "--http-addr", httpAddr, "--groups", "1", "--ranks", "1",
+		"--kv-capacity", "64MiB", "--decode-per-token", "50ms")
+	base := "http://" + httpAddr
+	testenv.Eventually(t, 60*time.Second, "/health 200", func() bool { return healthz(base+"/health") == http.StatusOK })
+	slowStream(t, base, 2000) // 100 s of decoding
+	p.signal(t, syscall.SIGINT)
+	p.logged(t, 10*time.Second, "SIGINT: stopping: finishing 1 request in flight (new ones get 503 shutting_down), then stopping the schedulers and the ranks")
+	p.logged(t, time.Second, "send the signal again to stop at once")
+	if code, ok := p.exitWithin(500 * time.Millisecond); ok {
+		t.Fatalf("serve exited (%d) at the first SIGINT with a request in flight", code)
+	}
+	p.signal(t, syscall.SIGINT)
+	if code, ok := p.exitWithin(5 * time.Second); !ok || code != 130 {
+		t.Fatalf("serve after a second SIGINT: exited %v, code %d; want an exit within 5 s with 130", ok, code)
+	}
+	p.logged(t, time.Second, "SIGINT again: stopping at once, without finishing")
+}
