@@ -208,12 +208,16 @@ func (r *Rank) drainPlan() *messages.DrainPlan {
 // when one rank restarts: the driver waits, for a few heartbeats, until
 // every rank of its group says it is draining, then publishes the plan —
 // empty when they do not, so no rank waits for nothing. A rank other than
-// the driver waits for the plan only once its driver is draining.
+// the driver waits for the plan only once its driver is draining. A rank
+// that holds no block has nothing to hand off and waits for nobody: the
+// plan comes from the driver's store (an empty one is published at once),
+// and another rank's part of it is what its own store holds.
 func (r *Rank) handOff() {
 	if r.cfg.DrainHandoff <= 0 {
 		return
 	}
 	settle := 3 * r.cfg.HeartbeatInterval
+	_, _, held := r.store.Usage()
 	var plan *messages.DrainPlan
 	if r.IsDriver() {
 		plan = &messages.DrainPlan{Group: r.cfg.Group, Model: r.cfg.Model, BlockSize: r.cfg.BlockSize}
@@ -221,12 +225,15 @@ func (r *Rank) handOff() {
 		for i := range all {
 			all[i] = i
 		}
-		if r.waitFor(settle, func() bool { return r.peers.draining(r.cfg.Group, settle, all...) }) {
+		switch {
+		case held == 0:
+			// Nothing to plan: the group's ranks hear so now.
+		case r.waitFor(settle, func() bool { return r.peers.draining(r.cfg.Group, settle, all...) }):
 			// Every ready group's ranks send one within an interval: hear
 			// each of them once before choosing targets.
 			time.Sleep(time.Until(r.peers.since.Add(3 * r.cfg.HeartbeatInterval / 2)))
 			plan = r.drainPlan()
-		} else {
+		default:
 			r.log.Info("drain hand-off: only part of the group is stopping; nothing handed off")
 		}
 		data, err := messages.Marshal(plan)
@@ -240,6 +247,9 @@ func (r *Rank) handOff() {
 			r.log.Error("drain hand-off: cannot send the plan to the group's ranks; their blocks leave with the group", "err", err)
 		}
 	} else {
+		if held == 0 {
+			return // whatever the plan says, this rank has none of it
+		}
 		// A plan that came already (this rank finished its requests after
 		// the driver, which may have handed off and exited) is the
 		// driver's word that it stops.

@@ -162,6 +162,7 @@ type Rank struct {
 	saving map[string]*rankReq     // store key -> the request saving it
 
 	draining  atomic.Bool  // Run's context ended
+	gaveUp    atomic.Bool  // ShutdownTimeout passed with requests running: heartbeats say not ready
 	hbPending atomic.Bool  // heartbeatSoon has one scheduled
 	hbAsked   atomic.Int64 // unix ns of heartbeatSoon's last call
 	lastHB    atomic.Int64 // unix ns when the last heartbeat read the rank's state
@@ -225,6 +226,12 @@ type rankReq struct {
 	loadUs    int64
 	result    messages.RankResult
 	storeDone chan struct{} // closed by the store thread
+	// withdrawn: an Abort for this attempt came (a scheduler moved it to
+	// another group, or its client left); onWithdraw, made only by a
+	// driver that waits for it (see awaitWithdraw), is closed then. Both
+	// guarded by Rank.mu.
+	withdrawn  bool
+	onWithdraw chan struct{}
 }
 
 // drainGrace is how long a stopping rank still takes ReqMetas after its
@@ -233,6 +240,20 @@ const drainGrace = 200 * time.Millisecond
 
 // errAborted is the cancel cause of an aborted request.
 var errAborted = errors.New("request aborted")
+
+// errShutdown is the cancel cause of a request still running when its
+// rank's ShutdownTimeout passed: the group stops (scaled down, restarted),
+// which is no failure of the model. The client hears it as a group that
+// failed (group_failed: 503 with Retry-After), and a request whose output
+// had not started is left to the scheduler to dispatch again.
+var errShutdown = errors.New("worker shutting down: the request outlived its rank's --shutdown-timeout")
+
+// withdrawWait bounds how long a stopping driver waits, for each request it
+// ended before its output started, for the scheduler to withdraw it (an
+// Abort: the request goes on at another group) before it ends it at the
+// frontend itself (group_failed). The scheduler judges groups every 250 ms,
+// from the not-ready heartbeat the rank sends as it gives up.
+const withdrawWait = time.Second
 
 // NewRank builds a rank; Run starts it.
 func NewRank(cfg RankConfig) (*Rank, error) {
@@ -435,7 +456,7 @@ func (r *Rank) Run(ctx context.Context) error {
 	// can nothing push to storeQ any more.
 	_ = metaSub.Unsubscribe()
 	r.log.Info("rank stopping: finishing in-flight requests", "timeout", r.cfg.ShutdownTimeout)
-	timer := time.AfterFunc(r.cfg.ShutdownTimeout, func() { r.cancelAll(errors.New("worker shutting down")) })
+	timer := time.AfterFunc(r.cfg.ShutdownTimeout, r.giveUp)
 	defer timer.Stop()
 	r.mu.Lock()
 	r.closed = true
@@ -445,6 +466,7 @@ func (r *Rank) Run(ctx context.Context) error {
 	r.drivers.Wait()
 	close(r.storeQ)
 	storeLoop.Wait()
+	timer.Stop() // the requests are finished: the hand-off is bounded on its own
 	r.handOff()
 	stopHB()
 	hbLoop.Wait()
@@ -655,15 +677,69 @@ func (r *Rank) onAbort(_ context.Context, m *nats.Msg) error {
 		// request this rank already saw is left as it is).
 		r.seen.GetOrPut(a.ReqID, seenReq{attempt: math.MaxInt, aborted: true}, time.Now())
 	}
-	r.mu.Unlock()
 	if rr != nil && a.BeforeAttempt > 0 && rr.meta.Attempt >= a.BeforeAttempt {
+		r.mu.Unlock()
 		return nil // the attempt the request goes on at
 	}
+	if rr != nil && !rr.withdrawn {
+		rr.withdrawn = true
+		if rr.onWithdraw != nil {
+			close(rr.onWithdraw)
+		}
+	}
+	r.mu.Unlock()
 	if rr != nil {
 		r.log.Info("request aborted", "req_id", a.ReqID, "session_id", rr.meta.SessionID, "reason", a.Reason)
 		rr.cancel(errAborted)
 	}
 	return nil
+}
+
+// giveUp ends the requests still running once ShutdownTimeout has passed.
+// A planned stop must not look like a failure of the model: the rank first
+// says in a heartbeat that it is not ready, which the schedulers handle as a
+// group that lost a rank (their failover: a request whose output has not
+// started is withdrawn and dispatched again on another group, one that
+// streamed ends with group_failed), then cancels the requests with
+// errShutdown; the driver ends those whose output started with
+// group_failed (503, Retry-After), and waits for the others' withdrawal
+// (see awaitWithdraw).
+func (r *Rank) giveUp() {
+	r.mu.Lock()
+	n := len(r.active)
+	r.mu.Unlock()
+	if n == 0 {
+		return
+	}
+	r.log.Warn("rank stopping: requests still running past --shutdown-timeout end here; those whose output has not started are left to the scheduler to dispatch again",
+		"requests", n, "timeout", r.cfg.ShutdownTimeout)
+	r.gaveUp.Store(true)
+	r.heartbeat() // before the cancels: the scheduler hears it as soon as it can
+	r.cancelAll(errShutdown)
+}
+
+// awaitWithdraw waits, up to withdrawWait, until rr is withdrawn (an Abort
+// for its attempt came: the scheduler dispatched it again elsewhere, or its
+// client left), and reports whether it was.
+func (r *Rank) awaitWithdraw(rr *rankReq) bool {
+	r.mu.Lock()
+	if rr.withdrawn {
+		r.mu.Unlock()
+		return true
+	}
+	if rr.onWithdraw == nil {
+		rr.onWithdraw = make(chan struct{})
+	}
+	ch := rr.onWithdraw
+	r.mu.Unlock()
+	t := time.NewTimer(withdrawWait)
+	defer t.Stop()
+	select {
+	case <-ch:
+		return true
+	case <-t.C:
+		return false
+	}
 }
 
 func (r *Rank) cancelAll(cause error) {

@@ -91,6 +91,19 @@ func (r *Rank) drive(rr *rankReq) {
 			Status: engineErr.Status, Raw: engineErr.Body}})
 	case errors.Is(cause, errAborted):
 		// The client is gone; nobody is listening.
+	case errors.Is(cause, errShutdown):
+		// The group stops and this request outlived the drain. Its client
+		// saw nothing of it yet (no output before the prefill): the
+		// scheduler dispatches it again on another group, if one is ready,
+		// and withdraws it here; this attempt then says nothing. Otherwise
+		// the client hears of a group that stopped, which a retry answers
+		// (503 with Retry-After), not of a model that failed (500).
+		if !storeQueued && r.awaitWithdraw(rr) {
+			break
+		}
+		publish(&messages.Output{Usage: usage, Error: &messages.OutputError{Code: "group_failed",
+			Message: fmt.Sprintf("the worker group %s stopped (scaled down or restarted) before this answer was finished: its drain ran past --shutdown-timeout (%s); retry the request",
+				r.cfg.Group, r.cfg.ShutdownTimeout)}})
 	case errors.Is(cause, context.DeadlineExceeded) || errors.Is(err, context.DeadlineExceeded):
 		publish(&messages.Output{Usage: usage, Error: &messages.OutputError{Code: "timeout", Message: "request deadline passed during generation"}})
 	default:

@@ -161,6 +161,11 @@ func (r *Rank) heartbeat() {
 		ok, why := h.Healthy()
 		hb.NotReady, hb.NotReadyReason = !ok, why
 	}
+	if r.gaveUp.Load() {
+		// The rank ends the requests it still has (see giveUp): the
+		// schedulers' failover moves those that have not started.
+		hb.NotReady, hb.NotReadyReason = true, "stopping: requests outlived --shutdown-timeout"
+	}
 	if r.IsDriver() {
 		hb.InflightRequests, hb.QueuedPrefillTokens = depth, max(r.queuedTokens.Load(), 0)
 		hb.QueuedLoadTokens, hb.QueuedRemoteLoadTokens = max(r.queuedLoad.Load(), 0), max(r.queuedRemote.Load(), 0)

@@ -68,6 +68,24 @@ type rankEnv struct {
 	logs    *testenv.LogBuffer
 	stop    func() []error // cancels Run and waits for every rank
 	stopped chan struct{}
+	// rankStop and rankDone, by tp_rank: one rank's own stop (its
+	// process's SIGTERM) and the end of its Run.
+	rankStop []context.CancelFunc
+	rankDone []chan struct{}
+}
+
+// stopRank stops one rank as SIGTERM stops a worker process, waits until
+// its Run returned, and says how long that took.
+func (e *rankEnv) stopRank(rank int) time.Duration {
+	e.t.Helper()
+	start := time.Now()
+	e.rankStop[rank]()
+	select {
+	case <-e.rankDone[rank]:
+	case <-time.After(waitFor):
+		e.t.Fatalf("rank %d: Run did not return %s after its context ended", rank, waitFor)
+	}
+	return time.Since(start)
 }
 
 type rankEnvConfig struct {
@@ -134,7 +152,14 @@ func startRanks(t *testing.T, cfg rankEnvConfig) *rankEnv {
 	errs := make(chan error, worldSize)
 	var wg sync.WaitGroup
 	for _, rank := range ranks {
-		wg.Go(func() { errs <- rank.Run(ctx) })
+		rankCtx, stop := context.WithCancel(ctx)
+		done := make(chan struct{})
+		e.rankStop, e.rankDone = append(e.rankStop, stop), append(e.rankDone, done)
+		wg.Go(func() {
+			defer close(done)
+			defer stop()
+			errs <- rank.Run(rankCtx)
+		})
 	}
 	var once sync.Once
 	var runErrs []error
