@@ -17,10 +17,19 @@ export KVBUS_IMAGE := $(IMAGE)
 # docker compose (the plugin) when present, else docker-compose (1.29).
 COMPOSE ?= $(shell docker compose version >/dev/null 2>&1 && echo "docker compose" || echo docker-compose)
 COMPOSE_FILES ?= -f docker-compose.yml
+# Prometheus (docker-compose.monitoring.yml) joins COMPOSE_FILES for `up` and
+# `logs` with MONITORING=1 (`make up-monitoring`), and by itself while the
+# project's Prometheus container exists, so that `make up WORKERS=12` on a
+# monitored cluster keeps Prometheus instead of leaving it an orphan. Adding
+# the file changes no other service's config hash (TestComposeConfigHashes),
+# so switching never recreates NATS or a role. MONITORING=0 leaves it out.
+MONITORING_FILE := docker-compose.monitoring.yml
+MONITORING ?= $(if $(shell $(COMPOSE) $(COMPOSE_FILES) -f $(MONITORING_FILE) ps -q prometheus 2>/dev/null),1,0)
+UP_FILES = $(COMPOSE_FILES)$(if $(findstring $(MONITORING_FILE),$(COMPOSE_FILES)),,$(if $(filter 1,$(MONITORING)), -f $(MONITORING_FILE)))
 WORKERS ?= 8
 SCHEDULERS ?= 2
 
-.PHONY: bench-http image-prometheus up-monitoring build run test test-browser test-short bench lint fmt fuzz clean image image-fakeengine auth-keys up down logs smoke up-engine down-engine
+.PHONY: bench-http image-prometheus check-prometheus up-monitoring purge build run test test-browser test-short bench lint fmt fuzz clean image image-fakeengine auth-keys up down logs smoke up-engine down-engine
 
 build:
 	CGO_ENABLED=0 $(GO) build -trimpath -o $(BIN) ./cmd/kvbus
@@ -85,21 +94,37 @@ image-fakeengine: image
 	CGO_ENABLED=0 $(GO) build -trimpath -ldflags '-s -w' -o build/docker/kvbus-fakeengine ./cmd/kvbus-fakeengine
 	docker build -f Dockerfile.fakeengine -t $(FAKEENGINE_IMAGE) build/docker
 
-# Prometheus from Debian's package (apt-get download; the binary links only
-# glibc, copied along) for docker-compose.monitoring.yml.
+# Prometheus from Debian's package (apt-get download, once: `make clean`
+# fetches it again; the binary links only glibc, copied along) for
+# docker-compose.monitoring.yml, with the static kvbus binary of `make image`
+# for its health check. The package's promtool checks deploy/prometheus/
+# first: the config, the rules and their unit tests (rules_test.yml).
 PROMETHEUS_IMAGE := $(or $(PROMETHEUS_IMAGE),$(KVBUS_PROMETHEUS_IMAGE),kvbus-prometheus:dev)
 export KVBUS_PROMETHEUS_IMAGE := $(PROMETHEUS_IMAGE)
-image-prometheus:
-	rm -rf build/prometheus && mkdir -p build/prometheus/empty build/prometheus/deb
-	cd build/prometheus/deb && apt-get download prometheus
-	dpkg-deb -x build/prometheus/deb/prometheus_*.deb build/prometheus/deb/x
-	cp build/prometheus/deb/x/usr/bin/prometheus build/prometheus/
+PROMETHEUS_DEB := build/prometheus-deb
+PROMTOOL := $(PROMETHEUS_DEB)/x/usr/bin/promtool
+$(PROMTOOL):
+	rm -rf $(PROMETHEUS_DEB) && mkdir -p $(PROMETHEUS_DEB)
+	cd $(PROMETHEUS_DEB) && apt-get download prometheus
+	dpkg-deb -x $(PROMETHEUS_DEB)/prometheus_*.deb $(PROMETHEUS_DEB)/x
+
+check-prometheus: $(PROMTOOL)
+	$(PROMTOOL) check config deploy/prometheus/prometheus.yml
+	cd deploy/prometheus && $(CURDIR)/$(PROMTOOL) test rules rules_test.yml
+
+image-prometheus: image check-prometheus
+	rm -rf build/prometheus && mkdir -p build/prometheus/empty
+	cp $(PROMETHEUS_DEB)/x/usr/bin/prometheus build/docker/kvbus build/prometheus/
 	cp -L /lib/x86_64-linux-gnu/libc.so.6 /lib64/ld-linux-x86-64.so.2 build/prometheus/
-	cp deploy/prometheus/prometheus.yml build/prometheus/
+	cp deploy/prometheus/prometheus.yml deploy/prometheus/rules.yml build/prometheus/
 	docker build -f Dockerfile.prometheus -t $(PROMETHEUS_IMAGE) build/prometheus
 
+# The cluster with Prometheus (on 127.0.0.1:$(PROMETHEUS_PORT)); from then on
+# `make up` keeps it (MONITORING above).
+PROMETHEUS_PORT ?= $(or $(KVBUS_PROMETHEUS_PORT),9091)
 up-monitoring: image-prometheus
-	$(MAKE) up COMPOSE_FILES="-f docker-compose.yml -f docker-compose.monitoring.yml"
+	$(MAKE) up MONITORING=1
+	@build/docker/kvbus healthcheck --url http://127.0.0.1:$(PROMETHEUS_PORT)/-/ready --wait 60s && echo "Prometheus is ready on http://127.0.0.1:$(PROMETHEUS_PORT)"
 
 # kvbus in front of two (fake) vLLM engines; ENGINE_IMAGE=your vLLM image
 # for GPUs (then change the engines' command, see the file).
@@ -124,19 +149,27 @@ auth-keys: image
 	@test -f $(KVBUS_AUTH_DIR)/nats-auth.conf || build/docker/kvbus auth init $(KVBUS_AUTH_DIR)
 
 up: image auth-keys
-	$(COMPOSE) $(COMPOSE_FILES) up -d --scale scheduler=$(SCHEDULERS) --scale worker=$(WORKERS)
+	$(COMPOSE) $(UP_FILES) up -d --scale scheduler=$(SCHEDULERS) --scale worker=$(WORKERS)
 	@build/docker/kvbus healthcheck --url http://127.0.0.1:$(HTTP_PORT)/healthz --wait 120s && echo "kvbus is ready on http://127.0.0.1:$(HTTP_PORT)"
 
+# Removes every container (Prometheus too) and the cluster's volumes, but
+# keeps Prometheus's data (the volume prometheus-data, declared only in
+# docker-compose.monitoring.yml) for the next `make up-monitoring`; `make
+# purge` deletes it as well.
 down:
 	$(COMPOSE) $(COMPOSE_FILES) down -v --remove-orphans
 
+purge:
+	$(COMPOSE) $(COMPOSE_FILES)$(if $(findstring $(MONITORING_FILE),$(COMPOSE_FILES)),, -f $(MONITORING_FILE)) down -v --remove-orphans
+
 logs:
-	$(COMPOSE) $(COMPOSE_FILES) logs -f --tail=100
+	$(COMPOSE) $(UP_FILES) logs -f --tail=100
 
 # Builds, starts, checks a conversation, scaling and a killed worker, tears down.
 smoke: image image-fakeengine auth-keys
-	@$(MAKE) image-prometheus || echo "NOTICE: cannot build the Prometheus image (apt-get download prometheus failed): TestSmokeMonitoring will skip"
-	COMPOSE="$(COMPOSE)" COMPOSE_FILES="$(COMPOSE_FILES)" CGO_ENABLED=0 $(GO) test -trimpath -tags smoke -count=1 -v -timeout 10m ./smoke
+	@$(MAKE) $(PROMTOOL) || echo "NOTICE: cannot fetch Debian's prometheus package (apt-get download prometheus failed): TestSmokeMonitoring will skip"
+	@if [ -x $(PROMTOOL) ]; then $(MAKE) image-prometheus; fi
+	COMPOSE="$(COMPOSE)" COMPOSE_FILES="$(COMPOSE_FILES)" CGO_ENABLED=0 $(GO) test -trimpath -tags smoke -count=1 -v -timeout 15m ./smoke
 
 clean:
 	rm -rf bin build

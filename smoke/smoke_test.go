@@ -14,11 +14,13 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"maps"
 	"net/http"
 	"net/url"
 	"os"
 	"os/exec"
 	"path/filepath"
+	"regexp"
 	"slices"
 	"strconv"
 	"strings"
@@ -37,13 +39,19 @@ var base = "http://127.0.0.1:" + cmp.Or(os.Getenv("KVBUS_HTTP_PORT"), "8000")
 // from the repository root.
 func compose(t *testing.T, args ...string) string {
 	t.Helper()
-	cmdline := strings.Fields(os.Getenv("COMPOSE"))
-	if len(cmdline) == 0 {
-		cmdline = []string{"docker-compose"}
-	}
 	files := strings.Fields(os.Getenv("COMPOSE_FILES"))
 	if len(files) == 0 {
 		files = []string{"-f", "docker-compose.yml"}
+	}
+	return composeFiles(t, files, args...)
+}
+
+// composeFiles runs the Makefile's compose command with the -f list files.
+func composeFiles(t *testing.T, files []string, args ...string) string {
+	t.Helper()
+	cmdline := strings.Fields(os.Getenv("COMPOSE"))
+	if len(cmdline) == 0 {
+		cmdline = []string{"docker-compose"}
 	}
 	cmd := exec.Command(cmdline[0], append(append(cmdline[1:], files...), args...)...)
 	cmd.Dir = ".."
@@ -466,9 +474,36 @@ func probe(t *testing.T, service, subject string, allowed bool) {
 // promQuery runs an instant query against the compose Prometheus.
 func promQuery(t *testing.T, base, q string) (float64, string, error) {
 	t.Helper()
-	resp, err := http.Get(base + "/api/v1/query?query=" + url.QueryEscape(q))
+	return promQueryAt(t, base, q, time.Time{})
+}
+
+// promQueryAt runs an instant query at a time (zero: now) and returns the
+// first sample's value.
+func promQueryAt(t *testing.T, base, q string, at time.Time) (float64, string, error) {
+	t.Helper()
+	res, status, err := promVector(t, base, q, at)
+	if err != nil || len(res) == 0 {
+		return 0, status, err
+	}
+	return res[0].Value, status, nil
+}
+
+type promSample struct {
+	Labels map[string]string
+	Value  float64
+}
+
+// promVector runs an instant query at a time (zero: now) and returns every
+// sample with its labels.
+func promVector(t *testing.T, base, q string, at time.Time) ([]promSample, string, error) {
+	t.Helper()
+	u := base + "/api/v1/query?query=" + url.QueryEscape(q)
+	if !at.IsZero() {
+		u += fmt.Sprintf("&time=%.3f", float64(at.UnixMilli())/1000)
+	}
+	resp, err := http.Get(u)
 	if err != nil {
-		return 0, "", err
+		return nil, "", err
 	}
 	defer resp.Body.Close()
 	var r struct {
@@ -476,29 +511,89 @@ func promQuery(t *testing.T, base, q string) (float64, string, error) {
 		Error  string `json:"error"`
 		Data   struct {
 			Result []struct {
-				Value [2]any `json:"value"`
+				Metric map[string]string `json:"metric"`
+				Value  [2]any            `json:"value"`
 			} `json:"result"`
 		} `json:"data"`
 	}
 	if err := json.NewDecoder(resp.Body).Decode(&r); err != nil {
-		return 0, "", err
+		return nil, "", err
 	}
 	if r.Status != "success" {
-		return 0, r.Status, fmt.Errorf("%s: %s", q, r.Error)
+		return nil, r.Status, fmt.Errorf("%s: %s", q, r.Error)
 	}
-	if len(r.Data.Result) == 0 {
-		return 0, r.Status, nil
+	var out []promSample
+	for _, s := range r.Data.Result {
+		str, _ := s.Value[1].(string)
+		v, err := strconv.ParseFloat(str, 64)
+		if err != nil {
+			return nil, r.Status, err
+		}
+		out = append(out, promSample{Labels: s.Metric, Value: v})
 	}
-	s, _ := r.Data.Result[0].Value[1].(string)
-	v, err := strconv.ParseFloat(s, 64)
-	return v, r.Status, err
+	return out, r.Status, nil
+}
+
+// grafanaVar matches a Grafana template variable in a query: $name,
+// ${name} or ${name:format}.
+var grafanaVar = regexp.MustCompile(`\$\{([A-Za-z0-9_]+)(?::[a-z]+)?\}|\$([A-Za-z0-9_]+)`)
+
+// expandGrafanaVars replaces a dashboard query's variables as Grafana does
+// with every variable at "All" (the dashboard's allValue, .*) and
+// $__rate_interval at 1m, so that Prometheus can run it.
+func expandGrafanaVars(expr string) string {
+	return grafanaVar.ReplaceAllStringFunc(expr, func(m string) string {
+		sub := grafanaVar.FindStringSubmatch(m)
+		switch sub[1] + sub[2] {
+		case "__rate_interval", "__interval", "__range":
+			return "1m"
+		}
+		return ".*"
+	})
+}
+
+// TestComposeConfigHashes: adding docker-compose.monitoring.yml changes no
+// other service's config hash (com.docker.compose.config-hash), in the
+// default and the cluster file sets, so switching between `make up` and
+// `make up-monitoring` recreates nothing (docker-compose 1.29 reordered the
+// NATS service's volumes when merging several files, and the bus restarted).
+func TestComposeConfigHashes(t *testing.T) {
+	hashes := func(files ...string) map[string]string {
+		var args []string
+		for _, f := range files {
+			args = append(args, "-f", f)
+		}
+		out := map[string]string{}
+		for _, line := range strings.Split(strings.TrimSpace(composeFiles(t, args, "config", "--hash=*")), "\n") {
+			if service, hash, ok := strings.Cut(strings.TrimSpace(line), " "); ok {
+				out[service] = hash
+			}
+		}
+		return out
+	}
+	for _, set := range [][]string{{"docker-compose.yml"}, {"docker-compose.yml", "docker-compose.cluster.yml"}} {
+		without := hashes(set...)
+		with := hashes(append(slices.Clone(set), "docker-compose.monitoring.yml")...)
+		if len(without) == 0 || with["prometheus"] == "" {
+			t.Fatalf("%v: hashes %v, with monitoring %v", set, without, with)
+		}
+		for service, h := range without {
+			if with[service] != h {
+				t.Errorf("%v: service %s's config hash is %s, with docker-compose.monitoring.yml %s: compose would recreate it", set, service, h, with[service])
+			}
+		}
+		t.Logf("%v: %v", set, without)
+	}
 }
 
 // TestSmokeMonitoring runs the compose cluster with
 // docker-compose.monitoring.yml: Prometheus (built from Debian's package)
-// finds and scrapes every role, has the prompt tokens the clients sent, and
-// every query of the Grafana dashboard (deploy/grafana/kvbus.json) is valid
-// PromQL there.
+// finds and scrapes every role, each target labelled with its role, has the
+// prompt tokens the clients sent, is healthy, has loaded every rule of
+// deploy/prometheus/rules.yml (health ok, none firing), every query of the
+// Grafana dashboard (deploy/grafana/kvbus.json) is valid PromQL there, a
+// new Prometheus container keeps the old one's data (the volume), and `up`
+// without the monitoring file and with it again recreates nothing.
 func TestSmokeMonitoring(t *testing.T) {
 	promImage := cmp.Or(os.Getenv("KVBUS_PROMETHEUS_IMAGE"), "kvbus-prometheus:dev")
 	if err := exec.Command("docker", "image", "inspect", promImage).Run(); err != nil {
@@ -520,19 +615,82 @@ func TestSmokeMonitoring(t *testing.T) {
 	for _, turn := range turns {
 		sent += turn.PromptTokens
 	}
-	eventually(t, 60*time.Second, "Prometheus scraping 6 roles with the clients' prompt tokens", func() bool {
-		up, _, err := promQuery(t, prom, `count(up{job="kvbus"} == 1)`)
-		if err != nil || up != 6 {
+	// 1 frontend + 1 scheduler + 4 workers, each with its role.
+	wantRoles := map[string]float64{"frontend": 1, "scheduler": 1, "worker": 4}
+	var roles map[string]float64
+	eventually(t, 60*time.Second, "Prometheus scraping 6 targets by role with the clients' prompt tokens", func() bool {
+		res, _, err := promVector(t, prom, `count by (role) (up{job="kvbus"} == 1)`, time.Time{})
+		if err != nil {
+			return false
+		}
+		roles = map[string]float64{}
+		for _, s := range res {
+			roles[s.Labels["role"]] = s.Value
+		}
+		if !maps.Equal(roles, wantRoles) {
 			return false
 		}
 		tokens, _, err := promQuery(t, prom, `sum(kvbus_scheduler_prompt_tokens_total)`)
 		return err == nil && tokens == float64(sent)
 	})
+	t.Logf("targets up by role: %v", roles)
+	// Healthy (its health check runs the kvbus binary in the image), and
+	// every rule of deploy/prometheus/rules.yml loaded and evaluated.
+	promID := strings.TrimSpace(compose(t, "ps", "-q", "prometheus"))
+	eventually(t, 90*time.Second, "the Prometheus container healthy", func() bool {
+		out, err := exec.Command("docker", "inspect", "--format", "{{.State.Health.Status}}", promID).Output()
+		return err == nil && strings.TrimSpace(string(out)) == "healthy"
+	})
+	wantAlerts := []string{"KvbusNoReadyScheduler", "KvbusWorkerGroupNotReady", "KvbusFrontend5xxRate",
+		"KvbusCacheHitRatioDrop", "KvbusTTFTHigh", "KvbusRequestLogFilling"}
+	var ruleStates []string
+	eventually(t, 60*time.Second, "every rule evaluated, health ok", func() bool {
+		resp, err := http.Get(prom + "/api/v1/rules")
+		if err != nil {
+			return false
+		}
+		defer resp.Body.Close()
+		var r struct {
+			Data struct {
+				Groups []struct {
+					Name  string
+					Rules []struct {
+						Name, Health, LastError, Type string
+					}
+				}
+			}
+		}
+		if json.NewDecoder(resp.Body).Decode(&r) != nil {
+			return false
+		}
+		ruleStates = ruleStates[:0]
+		ok, alerts := true, map[string]bool{}
+		for _, g := range r.Data.Groups {
+			for _, rule := range g.Rules {
+				ruleStates = append(ruleStates, g.Name+"/"+rule.Name+": "+rule.Health+" "+rule.LastError)
+				ok = ok && rule.Health == "ok"
+				alerts[rule.Name] = rule.Type == "alerting"
+			}
+		}
+		for _, a := range wantAlerts {
+			ok = ok && alerts[a]
+		}
+		return ok
+	})
+	t.Logf("%d rules, every one ok", len(ruleStates))
+	// Nothing fires on this healthy cluster (a fresh one: the rules that
+	// need history cannot fire yet).
+	if res, _, err := promVector(t, prom, `ALERTS{alertstate="firing"}`, time.Time{}); err != nil || len(res) > 0 {
+		t.Errorf("alerts firing on a healthy cluster: %v %v", res, err)
+	}
 	// kvbus top, from inside the network with the admin key, sees the group
 	// and a conversation that runs while it watches.
 	frontendID := strings.TrimSpace(compose(t, "ps", "-q", "frontend"))
 	network := strings.TrimSpace(docker(t, "inspect", "--format", "{{range $k, $v := .NetworkSettings.Networks}}{{$k}}{{end}}", frontendID))
-	authDir, _ := filepath.Abs(filepath.Join("..", cmp.Or(os.Getenv("KVBUS_AUTH_DIR"), ".kvbus-auth")))
+	authDir := cmp.Or(os.Getenv("KVBUS_AUTH_DIR"), ".kvbus-auth")
+	if !filepath.IsAbs(authDir) { // relative to the repository root, as in the compose files
+		authDir, _ = filepath.Abs(filepath.Join("..", authDir))
+	}
 	topOut := make(chan []byte, 1)
 	go func() {
 		out, _ := exec.Command("docker", "run", "--rm", "--network", network, "--user", cmp.Or(os.Getenv("KVBUS_UID"), "65532"),
@@ -569,8 +727,41 @@ func TestSmokeMonitoring(t *testing.T) {
 	}
 
 	for _, q := range testenv.DashboardQueries(t, "../deploy/grafana/kvbus.json") {
-		if _, _, err := promQuery(t, prom, q.Expr); err != nil {
+		if _, _, err := promQuery(t, prom, expandGrafanaVars(q.Expr)); err != nil {
 			t.Errorf("dashboard panel %q: %v", q.Panel, err)
 		}
+	}
+	// A local-only cluster's pool traffic panel shows 0, not "No data".
+	if v, _, err := promVector(t, prom, `sum(rate(kvbus_worker_pool_remote_bytes_total[1m])) or on() vector(0)`, time.Time{}); err != nil || len(v) != 1 {
+		t.Errorf("pool traffic total: %v %v", v, err)
+	}
+
+	// The TSDB is the volume prometheus-data: a new Prometheus container
+	// still has what the old one scraped.
+	before := time.Now()
+	tokens, _, err := promQueryAt(t, prom, `sum(kvbus_scheduler_prompt_tokens_total)`, before)
+	if err != nil || tokens == 0 {
+		t.Fatalf("prompt tokens before recreating Prometheus: %v %v", tokens, err)
+	}
+	compose(t, "up", "-d", "--no-deps", "--force-recreate", "prometheus")
+	eventually(t, 60*time.Second, "the new Prometheus answering with the old one's samples", func() bool {
+		v, _, err := promQueryAt(t, prom, `sum(kvbus_scheduler_prompt_tokens_total)`, before)
+		return err == nil && v == tokens
+	})
+
+	// `up` with docker-compose.yml alone (what `make up` ran) and again
+	// with the monitoring file recreates no container: NATS keeps running.
+	ids := func() map[string]string {
+		out := map[string]string{}
+		for _, id := range strings.Fields(compose(t, "ps", "-q")) {
+			out[id] = strings.TrimSpace(docker(t, "inspect", "--format", "{{.Name}} {{.State.StartedAt}}", id))
+		}
+		return out
+	}
+	running := ids()
+	composeFiles(t, []string{"-f", "docker-compose.yml"}, "up", "-d", "--scale", "scheduler=1", "--scale", "worker=4")
+	compose(t, "up", "-d", "--scale", "scheduler=1", "--scale", "worker=4")
+	if after := ids(); !maps.Equal(running, after) {
+		t.Errorf("up with and without docker-compose.monitoring.yml recreated or restarted containers:\nbefore %v\nafter  %v", running, after)
 	}
 }
