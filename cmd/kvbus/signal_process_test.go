@@ -47,6 +47,27 @@ func (p *proc) exitWithin(d time.Duration) (code int, ok bool) {
 }
 
 // logged waits up to d for the process's log to contain s.
+// stopsAtTheSecondSignal: p, with a request in flight, logs each of said
+// at the first sig and goes on; at the second it logs so and exits within
+// 5 s with code.
+func (p *proc) stopsAtTheSecondSignal(t *testing.T, sig syscall.Signal, code int, said ...string) {
+	t.Helper()
+	p.signal(t, sig)
+	wait := 10 * time.Second // the first line; the others follow it
+	for _, s := range said {
+		p.logged(t, wait, s)
+		wait = time.Second
+	}
+	if got, ok := p.exitWithin(500 * time.Millisecond); ok {
+		t.Fatalf("%s exited (%d) at the first %v with a request in flight", p.name, got, sig)
+	}
+	p.signal(t, sig)
+	if got, ok := p.exitWithin(5 * time.Second); !ok || got != code {
+		t.Fatalf("%s after a second %v: exited %v, code %d; want an exit within 5 s with %d", p.name, sig, ok, got, code)
+	}
+	p.logged(t, time.Second, fmt.Sprintf("%s again: stopping at once, without finishing", signalName(sig)))
+}
+
 func (p *proc) logged(t *testing.T, d time.Duration, s string) {
 	t.Helper()
 	testenv.Eventually(t, d, fmt.Sprintf("%s logging %q", p.name, s), func() bool {
@@ -148,17 +169,8 @@ func TestProcessStopSignals(t *testing.T) {
 	slowStream(t, base, 2000) // 100 s of decoding
 
 	// The frontend.
-	fe.signal(t, syscall.SIGTERM)
-	fe.logged(t, 10*time.Second, "SIGTERM: stopping: finishing 1 request in flight")
-	fe.logged(t, time.Second, "up to 4m6s (2 × --request-timeout + 1s + 5s NATS drain); send the signal again to stop at once")
-	if code, ok := fe.exitWithin(500 * time.Millisecond); ok {
-		t.Fatalf("the frontend exited (%d) at the first SIGTERM with a request in flight", code)
-	}
-	fe.signal(t, syscall.SIGTERM)
-	if code, ok := fe.exitWithin(5 * time.Second); !ok || code != 143 {
-		t.Fatalf("the frontend after a second SIGTERM: exited %v, code %d; want an exit within 5 s with 143", ok, code)
-	}
-	fe.logged(t, time.Second, "SIGTERM again: stopping at once, without finishing")
+	fe.stopsAtTheSecondSignal(t, syscall.SIGTERM, 143, "SIGTERM: stopping: finishing 1 request in flight",
+		"up to 4m6s (2 × --request-timeout + 1s + 5s NATS drain); send the signal again to stop at once")
 
 	// The scheduler watches the request it placed, which the worker still
 	// runs.
@@ -229,15 +241,7 @@ func TestProcessServeSIGINTTwice(t *testing.T) {
 	base := "http://" + httpAddr
 	testenv.Eventually(t, 60*time.Second, "/health 200", func() bool { return healthz(base+"/health") == http.StatusOK })
 	slowStream(t, base, 2000) // 100 s of decoding
-	p.signal(t, syscall.SIGINT)
-	p.logged(t, 10*time.Second, "SIGINT: stopping: finishing 1 request in flight (new ones get 503 shutting_down), then stopping the schedulers and the ranks")
-	p.logged(t, time.Second, "send the signal again to stop at once")
-	if code, ok := p.exitWithin(500 * time.Millisecond); ok {
-		t.Fatalf("serve exited (%d) at the first SIGINT with a request in flight", code)
-	}
-	p.signal(t, syscall.SIGINT)
-	if code, ok := p.exitWithin(5 * time.Second); !ok || code != 130 {
-		t.Fatalf("serve after a second SIGINT: exited %v, code %d; want an exit within 5 s with 130", ok, code)
-	}
-	p.logged(t, time.Second, "SIGINT again: stopping at once, without finishing")
+	p.stopsAtTheSecondSignal(t, syscall.SIGINT, 130,
+		"SIGINT: stopping: finishing 1 request in flight (new ones get 503 shutting_down), then stopping the schedulers and the ranks",
+		"send the signal again to stop at once")
 }
