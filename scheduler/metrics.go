@@ -24,7 +24,7 @@ type metrics struct {
 	logLimit   prometheus.Gauge
 }
 
-func newMetrics(reg prometheus.Registerer, trackers, rejected, plans func() float64) *metrics {
+func newMetrics(reg prometheus.Registerer, trackers, rejected, plans, ready func() float64) *metrics {
 	m := &metrics{
 		routing: prometheus.NewHistogram(prometheus.HistogramOpts{
 			Name:    "kvbus_scheduler_routing_seconds",
@@ -105,6 +105,10 @@ func newMetrics(reg prometheus.Registerer, trackers, rejected, plans func() floa
 			m.groupInflight, m.groupQueued, m.groupBlocks, m.indexEntries, m.indexBlocks, m.resyncs,
 			m.resends, m.poolTokens, m.logPending, m.logBytes, m.logLimit,
 			prometheus.NewGaugeFunc(prometheus.GaugeOpts{Name: "kvbus_scheduler_trackers", Help: "Live RequestTrackers."}, trackers),
+			prometheus.NewGaugeFunc(prometheus.GaugeOpts{
+				Name: "kvbus_scheduler_ready",
+				Help: "1 while the replica is ready (what its /healthz and its announcements say): it consumes the request log and a ready worker group's KV index is synced.",
+			}, ready),
 			prometheus.NewCounterFunc(prometheus.CounterOpts{
 				Name: "kvbus_scheduler_kv_batches_rejected_total",
 				Help: "KV event batches dropped as malformed: a seq impossibly far past the rank's last known seq (corrupted, replayed or forged).",

@@ -256,7 +256,13 @@ func New(cfg Config) (*Scheduler, error) {
 		dispatched: dispatched,
 	}
 	s.m = newMetrics(cfg.Registerer, func() float64 { return float64(s.trackers.Len()) },
-		func() float64 { return float64(s.index.Rejected()) }, func() float64 { return float64(s.index.Plans()) })
+		func() float64 { return float64(s.index.Rejected()) }, func() float64 { return float64(s.index.Plans()) },
+		func() float64 {
+			if ok, _ := s.Ready(); ok {
+				return 1
+			}
+			return 0
+		})
 	return s, nil
 }
 

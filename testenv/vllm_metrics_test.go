@@ -103,3 +103,33 @@ func TestVLLMMetricNames(t *testing.T) {
 		t.Error("the conversation found nothing cached")
 	}
 }
+
+// TestSchedulerReadyGauge: kvbus_scheduler_ready says what the scheduler's
+// /healthz says, so an alert can ask whether any scheduler is ready (it
+// could only ask whether one had a ready group, which a scheduler that
+// stopped consuming the request log still has).
+func TestSchedulerReadyGauge(t *testing.T) {
+	c := testenv.StartCluster(t, testenv.ClusterConfig{})
+	gauge := func() float64 {
+		mfs, err := c.Registry.Gather()
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, mf := range mfs {
+			if mf.GetName() == "kvbus_scheduler_ready" {
+				return mf.GetMetric()[0].GetGauge().GetValue()
+			}
+		}
+		t.Fatal("no kvbus_scheduler_ready")
+		return 0
+	}
+	testenv.Eventually(t, 10*time.Second, "the scheduler ready", func() bool { ok, _ := c.Scheduler.Ready(); return ok })
+	if g := gauge(); g != 1 {
+		t.Errorf("kvbus_scheduler_ready = %v with the scheduler ready, want 1", g)
+	}
+	c.KillRank(t, "g0", 1) // its only group incomplete: not ready
+	testenv.Eventually(t, 10*time.Second, "the scheduler not ready", func() bool { ok, _ := c.Scheduler.Ready(); return !ok })
+	if g := gauge(); g != 0 {
+		t.Errorf("kvbus_scheduler_ready = %v with the scheduler not ready, want 0", g)
+	}
+}
