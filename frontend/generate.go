@@ -556,6 +556,11 @@ func (g *generation) next(ctx context.Context, timer *time.Timer) ([]choiceOutpu
 			g.log.Info("client disconnected; aborting request")
 			g.abort("client disconnected")
 			return nil, &APIError{Status: 499, Type: typeInvalidRequest, Message: "client disconnected"}
+		case <-g.s.stopNow:
+			g.log.Warn("request cut off: the frontend stopped before it was answered (--stop-timeout)", "stop_timeout", g.s.cfg.StopTimeout)
+			g.abort("frontend stopped")
+			return nil, &APIError{Status: http.StatusServiceUnavailable, Type: typeUnavailable, Code: "shutting_down", RetryAfter: 1,
+				Message: fmt.Sprintf("this frontend stopped before the answer was finished (--stop-timeout %s); retry the request on another one", g.s.cfg.StopTimeout)}
 		case <-timer.C:
 			g.log.Warn("request timed out", "timeout", g.s.cfg.RequestTimeout)
 			g.abort("timeout")

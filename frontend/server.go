@@ -89,6 +89,15 @@ type Config struct {
 	// a request sent on a kept-alive connection at that moment, such as
 	// the next one of a client just answered, gets no answer at all.
 	StopGrace time.Duration
+	// StopTimeout, if positive, bounds the whole stop: the requests still
+	// running when it has passed since Run's context ended get a 503
+	// shutting_down (an error event for a stream already under way) and
+	// the listener closes. 0: no bound but theirs (each within
+	// RequestTimeout, so up to 2 × RequestTimeout + 1 s). An orchestrator
+	// kills the process at the end of its grace period (Kubernetes: 30 s):
+	// set it a few seconds below that, and clients get an error they retry
+	// instead of a connection reset.
+	StopTimeout time.Duration
 	// ReadBodyTimeout bounds reading a generation request's body (default
 	// 30 s): a client that stalls mid-body would otherwise hold one of
 	// MaxInflight's slots for as long as it keeps the connection open.
@@ -174,9 +183,10 @@ type Server struct {
 	ready    chan struct{}
 	addr     net.Addr
 	refusals refusalLog
-	active   atomic.Int64 // generate requests being served
-	accepted atomic.Int64 // of those, the ones taken before the stop began
-	draining atomic.Bool  // Run's context ended: new requests get a 503
+	stopNow  chan struct{} // closed when StopTimeout has passed since the stop began
+	active   atomic.Int64  // generate requests being served
+	accepted atomic.Int64  // of those, the ones taken before the stop began
+	draining atomic.Bool   // Run's context ended: new requests get a 503
 
 	schedulers schedulerTable
 }
@@ -255,6 +265,7 @@ func New(cfg Config) (*Server, error) {
 		created: time.Now().Unix(),
 		pending: map[string]route{},
 		ready:   make(chan struct{}),
+		stopNow: make(chan struct{}),
 	}
 	s.schedulers.timeout = cfg.SchedulerTimeout
 	s.refusals.log = s.log
@@ -353,10 +364,16 @@ func (s *Server) Run(ctx context.Context) error {
 	case <-ctx.Done():
 	}
 	s.draining.Store(true)
-	if err := s.holdGrace(errc); err != nil {
+	wait := s.cfg.RequestTimeout // for the requests in flight
+	if s.cfg.StopTimeout > 0 {
+		wait = min(wait, s.cfg.StopTimeout)
+		stop := time.AfterFunc(s.cfg.StopTimeout, func() { close(s.stopNow) })
+		defer stop.Stop()
+	}
+	if err := s.holdGrace(errc, wait); err != nil {
 		return err
 	}
-	shutdown, cancel2 := context.WithTimeout(context.Background(), s.cfg.RequestTimeout+time.Second)
+	shutdown, cancel2 := context.WithTimeout(context.Background(), wait+time.Second)
 	defer cancel2()
 	if err := srv.Shutdown(shutdown); err != nil {
 		s.log.Warn("http shutdown", "err", err)
@@ -367,15 +384,15 @@ func (s *Server) Run(ctx context.Context) error {
 }
 
 // holdGrace keeps the listener open, new requests answered with 503, until
-// the accepted requests are answered (within RequestTimeout) and then for
+// the accepted requests are answered (within wait) and then for
 // StopGrace: a client answered during the stop sends its next request on
 // its kept-alive connection, and gets the 503 rather than a connection
 // closed under it.
-func (s *Server) holdGrace(errc <-chan error) error {
+func (s *Server) holdGrace(errc <-chan error, wait time.Duration) error {
 	if s.cfg.StopGrace <= 0 {
 		return nil
 	}
-	deadline := time.Now().Add(s.cfg.RequestTimeout)
+	deadline := time.Now().Add(wait)
 	quiet := time.Now() // since when no accepted request is in flight
 	tick := time.NewTicker(5 * time.Millisecond)
 	defer tick.Stop()

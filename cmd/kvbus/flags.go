@@ -99,6 +99,7 @@ type frontendFlags struct {
 	AllowedOrigins    []string      `name:"allowed-origins" default:"*" help:"Origins browsers may call the API from (CORS), like vLLM's --allowed-origins; * allows any; empty: none."`
 	ReadHeaderTimeout time.Duration `name:"read-header-timeout" positive:"" default:"10s" help:"Time a client has to send a request's headers before its connection is closed."`
 	IdleTimeout       time.Duration `name:"idle-timeout" positive:"" default:"120s" help:"Idle keep-alive connections are closed after this."`
+	StopTimeout       time.Duration `name:"stop-timeout" default:"0s" help:"On SIGTERM, the most the stop may take: requests still running then get a 503 shutting_down (an error event in a stream) and the listener closes; set it a few seconds below the grace period of what stops the process (Kubernetes: 30 s), so clients get an error they retry, not a reset (0: no bound but --request-timeout per request)."`
 	StopGrace         time.Duration `name:"stop-grace" negative:"allowed" default:"500ms" help:"On SIGTERM, how long, once the requests accepted before it are answered, new requests still get a 503 shutting_down (Connection: close), and /health a 503, before the listener closes (raise it to the deregistration delay of a load balancer in front; 0: the default; negative: none)."`
 }
 
@@ -121,7 +122,7 @@ func (f frontendFlags) baseConfig(rl requestLogFlags) frontend.Config {
 		Addr: f.HTTPAddr, SessionHeaders: f.SessionHeader, MaxModelLen: f.MaxModelLen, MaxBodyBytes: f.MaxBodyBytes,
 		MaxInflight: f.MaxInflight, APIKey: f.APIKey, AllowedOrigins: f.AllowedOrigins,
 		RequestLogMaxBytes: rl.RequestLogMaxBytes, RequestLogMaxAge: rl.RequestLogMaxAge, RequestLogHistoryBytes: rl.RequestLogHistoryBytes,
-		ReadHeaderTimeout: f.ReadHeaderTimeout, IdleTimeout: f.IdleTimeout, StopGrace: f.StopGrace,
+		ReadHeaderTimeout: f.ReadHeaderTimeout, IdleTimeout: f.IdleTimeout, StopGrace: f.StopGrace, StopTimeout: f.StopTimeout,
 	}
 }
 

@@ -370,7 +370,7 @@ func (c *frontendCmd) Run(ctx context.Context) error {
 // finishes those in flight, then drains NATS.
 func (c *frontendCmd) stopPlan(reg *prometheus.Registry) stopPlan {
 	n := gaugeSum(reg, "kvbus_frontend_inflight_requests")
-	upTo, bound := frontendStopBound(c.RequestTimeout, c.StopGrace)
+	upTo, bound := frontendStopBound(c.RequestTimeout, c.StopGrace, c.StopTimeout)
 	return stopPlan{
 		doing:    fmt.Sprintf("finishing %s in flight (new ones get 503 shutting_down), then draining NATS", requests(n)),
 		inFlight: n, upTo: upTo + drainTimeout, bound: bound + " + 5s NATS drain",

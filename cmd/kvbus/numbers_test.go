@@ -47,6 +47,7 @@ func TestNumberFlags(t *testing.T) {
 		{[]string{"worker", "--group=g0", "--heartbeat-interval=-1s"}, "--heartbeat-interval"},
 		{[]string{"scheduler", "--shutdown-timeout=0"}, "--shutdown-timeout"},
 		{[]string{"serve", "--groups=0"}, "--groups"},
+		{[]string{"frontend", "--stop-timeout=-1s"}, "--stop-timeout"},
 		// Meaningful values pass.
 		{[]string{"worker", "--group=g0"}, ""},         // --ep-rank -1: the TP rank
 		{[]string{"frontend", "--max-inflight=0"}, ""}, // no bound

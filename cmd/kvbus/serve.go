@@ -125,7 +125,7 @@ func (c *serveCmd) clusterConfig() (cluster.Config, error) {
 // server stops.
 func (c *serveCmd) stopPlan(reg *prometheus.Registry) stopPlan {
 	n := gaugeSum(reg, "kvbus_frontend_inflight_requests")
-	fe, bound := frontendStopBound(c.RequestTimeout, c.StopGrace)
+	fe, bound := frontendStopBound(c.RequestTimeout, c.StopGrace, c.StopTimeout)
 	return stopPlan{
 		doing:    fmt.Sprintf("finishing %s in flight (new ones get 503 shutting_down), then stopping the schedulers and the ranks", requests(n)),
 		inFlight: n,

@@ -245,3 +245,68 @@ func TestProcessServeSIGINTTwice(t *testing.T) {
 		"SIGINT: stopping: finishing 1 request in flight (new ones get 503 shutting_down), then stopping the schedulers and the ranks",
 		"send the signal again to stop at once")
 }
+
+// TestProcessServeStopTimeout: `kvbus serve --stop-timeout 2s` stopped with
+// a 100 s stream and a 100 s non-streamed request in flight ends both with
+// a retryable 503 shutting_down (an error event then [DONE] in the stream)
+// within the bound, and exits 0. Without the bound the stop waited up to
+// --request-timeout for them, and an orchestrator's SIGKILL at the end of
+// its grace period cut them with a connection reset.
+func TestProcessServeStopTimeout(t *testing.T) {
+	if testing.Short() {
+		t.Skip("builds and runs the binary")
+	}
+	dir := t.TempDir()
+	bin := buildBinary(t, dir)
+	httpAddr := freeAddr(t)
+	p := startProc(t, bin, dir, "serve", "serve", "--nats-addr", freeAddr(t), "--http-addr", httpAddr, "--groups", "1", "--ranks", "1",
+		"--kv-capacity", "64MiB", "--decode-per-token", "50ms", "--stop-timeout", "2s", "--request-timeout", "5m")
+	base := "http://" + httpAddr
+	testenv.Eventually(t, 60*time.Second, "/health 200", func() bool { return healthz(base+"/health") == http.StatusOK })
+	type answer struct {
+		status int
+		body   string
+	}
+	send := func(stream bool) <-chan answer {
+		out := make(chan answer, 1)
+		body := fmt.Sprintf(`{"messages":[{"role":"user","content":"a long story"}],"max_tokens":2000,"ignore_eos":true,"stream":%v}`, stream)
+		go func() {
+			resp, err := http.Post(base+"/v1/chat/completions", "application/json", strings.NewReader(body))
+			if err != nil {
+				out <- answer{0, err.Error()}
+				return
+			}
+			defer resp.Body.Close()
+			b, _ := io.ReadAll(resp.Body)
+			out <- answer{resp.StatusCode, string(b)}
+		}()
+		return out
+	}
+	streamed, whole := send(true), send(false)
+	testenv.Eventually(t, 10*time.Second, "both requests generating", func() bool {
+		b, _ := os.ReadFile(p.log)
+		return strings.Count(string(b), `"msg":"store thread"`) >= 2
+	})
+	stopped := time.Now()
+	p.signal(t, syscall.SIGTERM)
+	for name, ch := range map[string]<-chan answer{"the stream": streamed, "the non-streamed request": whole} {
+		select {
+		case a := <-ch:
+			took := time.Since(stopped)
+			if !strings.Contains(a.body, `"code":"shutting_down"`) || took > 5*time.Second {
+				t.Errorf("%s ended %v after SIGTERM with %d %.300s; want shutting_down within the 2 s bound", name, took, a.status, a.body)
+			}
+			if name == "the stream" && (a.status != http.StatusOK || !strings.HasSuffix(strings.TrimSpace(a.body), "data: [DONE]")) {
+				t.Errorf("the stream: status %d, ends %q; want 200 with an error event then [DONE]", a.status, a.body[max(0, len(a.body)-120):])
+			}
+			if name == "the non-streamed request" && a.status != http.StatusServiceUnavailable {
+				t.Errorf("the non-streamed request: status %d, want 503", a.status)
+			}
+		case <-time.After(30 * time.Second):
+			t.Fatalf("%s still running 30 s after SIGTERM with --stop-timeout 2s", name)
+		}
+	}
+	if code, ok := p.exitWithin(30 * time.Second); !ok || code != 0 {
+		t.Errorf("serve after SIGTERM: exited %v, code %d; want 0", ok, code)
+	}
+}

@@ -189,8 +189,11 @@ func gaugeSum(reg *prometheus.Registry, name string) int {
 // connection drains: it holds the listener open until the accepted
 // requests are answered, up to --request-timeout (not with a negative
 // --stop-grace), then gives the HTTP server's shutdown up to
-// --request-timeout + 1 s.
-func frontendStopBound(requestTimeout, stopGrace time.Duration) (time.Duration, string) {
+// --request-timeout + 1 s; with --stop-timeout, that bound + 1 s.
+func frontendStopBound(requestTimeout, stopGrace, stopTimeout time.Duration) (time.Duration, string) {
+	if stopTimeout > 0 {
+		return stopTimeout + time.Second, "--stop-timeout + 1s"
+	}
 	if requestTimeout <= 0 {
 		requestTimeout = 60 * time.Second // frontend.Config's default
 	}
