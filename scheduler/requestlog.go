@@ -43,10 +43,11 @@ type requestLog struct {
 	// went with it).
 	remade func(ctx context.Context)
 
-	mu   sync.Mutex
-	st   jetstream.Stream
-	cons jetstream.Consumer
-	cc   jetstream.ConsumeContext // nil until consume
+	mu      sync.Mutex
+	st      jetstream.Stream
+	created time.Time // st's creation: another one under its name is a log made again
+	cons    jetstream.Consumer
+	cc      jetstream.ConsumeContext // nil until consume
 }
 
 // ensure makes the stream and the consumer unless they exist.
@@ -60,7 +61,7 @@ func (l *requestLog) ensure(ctx context.Context) error {
 		return err
 	}
 	l.mu.Lock()
-	l.st, l.cons = st, cons
+	l.st, l.cons, l.created = st, cons, st.CachedInfo().Created
 	l.mu.Unlock()
 	return nil
 }
@@ -118,16 +119,26 @@ func (l *requestLog) check(ctx context.Context) {
 		l.mu.Unlock()
 		cctx, cancel := context.WithTimeout(ctx, logCheckEvery)
 		info, err := cons.Info(cctx)
+		again := false // another replica made the log again first
 		if err == nil {
-			l.observe(cctx, info)
+			again = l.observe(cctx, info)
 		}
 		cancel()
-		if !errors.Is(err, jetstream.ErrConsumerNotFound) && !errors.Is(err, jetstream.ErrStreamNotFound) {
+		switch {
+		case again:
+			// Its consumer has this one's name, and the session bucket was
+			// made again with it: this replica consumes anew and watches
+			// the new bucket (its watcher on the lost one heard nothing
+			// more, and the other replica's bindings went unseen).
+			l.log.Warn("the request log was made again by another scheduler replica (the NATS server lost it); consuming the new one",
+				"stream", l.cfg.Subjects.RequestStream())
+		case errors.Is(err, jetstream.ErrConsumerNotFound) || errors.Is(err, jetstream.ErrStreamNotFound):
+			l.log.Warn("the request log or its consumer is gone from the NATS server (a server restarted without --data-dir loses both, "+
+				"with the requests not yet dispatched); making them again", "stream", l.cfg.Subjects.RequestStream(), "err", err)
+		default:
 			return
 		}
 		l.consuming.Store(false)
-		l.log.Warn("the request log or its consumer is gone from the NATS server (a server restarted without --data-dir loses both, "+
-			"with the requests not yet dispatched); making them again", "stream", l.cfg.Subjects.RequestStream(), "err", err)
 		l.mu.Lock()
 		if l.cc != nil {
 			l.cc.Stop()
@@ -151,21 +162,22 @@ func (l *requestLog) check(ctx context.Context) {
 }
 
 // observe sets the request log gauges from the consumer's info and the
-// stream's.
-func (l *requestLog) observe(ctx context.Context, info *jetstream.ConsumerInfo) {
-	if l.m == nil {
-		return
-	}
-	l.m.logPending.Set(float64(info.NumPending))
+// stream's, and reports whether the stream is another than the one ensure
+// found: made again (by another replica) since.
+func (l *requestLog) observe(ctx context.Context, info *jetstream.ConsumerInfo) (again bool) {
 	l.mu.Lock()
-	st := l.st
+	st, created := l.st, l.created
 	l.mu.Unlock()
 	si, err := st.Info(ctx)
 	if err != nil {
-		return
+		return false
 	}
-	l.m.logBytes.Set(float64(si.State.Bytes))
-	l.m.logLimit.Set(float64(si.Config.MaxBytes))
+	if l.m != nil {
+		l.m.logPending.Set(float64(info.NumPending))
+		l.m.logBytes.Set(float64(si.State.Bytes))
+		l.m.logLimit.Set(float64(si.Config.MaxBytes))
+	}
+	return !si.Created.Equal(created)
 }
 
 // trim keeps the log's dispatched history within its bound, so that a full

@@ -1,6 +1,7 @@
 package scheduler
 
 import (
+	"context"
 	"io"
 	"log/slog"
 	"sync/atomic"
@@ -65,4 +66,51 @@ func gaugeValue(t *testing.T, g prometheus.Gatherer, name string) float64 {
 	}
 	t.Fatalf("no gauge %s", name)
 	return 0
+}
+
+// TestRequestLogMadeAgainByAnotherReplica: the log and its consumer vanish
+// (a NATS server restarted without its store); replica a notices first and
+// makes them again, with the session bucket. Replica b's consumer then
+// exists again under its name, so it used to see nothing wrong: it kept
+// watching the lost bucket and never saw a's bindings (a flaky
+// TestLostRequestLogIsMadeAgain). b notices the log is another by its
+// creation time, consumes it anew and watches the new bucket.
+func TestRequestLogMadeAgainByAnotherReplica(t *testing.T) {
+	nc := embeddedConn(t)
+	js, err := jetstream.New(nc)
+	if err != nil {
+		t.Fatal(err)
+	}
+	replica := func() (*requestLog, *atomic.Int32) {
+		remade := &atomic.Int32{}
+		l := &requestLog{js: js, cfg: bus.StreamConfig{}, ackWait: time.Second, consuming: &atomic.Bool{},
+			log: slog.New(slog.NewTextHandler(io.Discard, nil)), onMsg: func(m jetstream.Msg) { _ = m.Ack() },
+			remade: func(context.Context) { remade.Add(1) }}
+		if err := l.ensure(t.Context()); err != nil {
+			t.Fatal(err)
+		}
+		if err := l.consume(); err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { l.stop(true) })
+		return l, remade
+	}
+	a, aRemade := replica()
+	b, bRemade := replica()
+	time.Sleep(10 * time.Millisecond) // distinct creation times
+	if err := js.DeleteStream(t.Context(), messages.RequestStream); err != nil {
+		t.Fatal(err)
+	}
+	a.check(t.Context())
+	if aRemade.Load() != 1 || !a.consuming.Load() {
+		t.Fatalf("replica a: remade %d times, consuming %v; want it to make the log again and consume", aRemade.Load(), a.consuming.Load())
+	}
+	b.check(t.Context())
+	if bRemade.Load() != 1 || !b.consuming.Load() {
+		t.Errorf("replica b, after a made the log again: remade %d times, consuming %v; want it to take the new log (and bucket)", bRemade.Load(), b.consuming.Load())
+	}
+	b.check(t.Context())
+	if bRemade.Load() != 1 {
+		t.Errorf("replica b took the log again on its next check (%d); want once", bRemade.Load())
+	}
 }
