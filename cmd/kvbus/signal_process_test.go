@@ -134,6 +134,21 @@ func probe(url string) (int, map[string]string) {
 	return resp.StatusCode, v
 }
 
+// drainingProbes: a role that is stopping (name) answers on base /healthz
+// 503 draining, /livez and /metrics 200.
+func drainingProbes(t *testing.T, name, base string) {
+	t.Helper()
+	if code, v := probe(base + "/healthz"); code != http.StatusServiceUnavailable || v["status"] != "draining" {
+		t.Errorf("%s's /healthz: %d %v, want 503 draining", name, code, v)
+	}
+	if code, _ := probe(base + "/livez"); code != http.StatusOK {
+		t.Errorf("%s's /livez: %d, want 200", name, code)
+	}
+	if code, _ := probe(base + "/metrics"); code != http.StatusOK {
+		t.Errorf("%s's /metrics: %d, want 200", name, code)
+	}
+}
+
 // TestProcessStopSignals runs NATS, a scheduler, a worker and a frontend
 // as processes of the real binary, with a slow streaming request in
 // flight, and stops them as an operator (or Kubernetes) does.
@@ -176,27 +191,13 @@ func TestProcessStopSignals(t *testing.T) {
 	// runs.
 	sched.signal(t, syscall.SIGTERM)
 	sched.logged(t, 10*time.Second, "SIGTERM: stopping: taking no new requests, watching the 1 request in flight it placed until they end")
-	sbase := "http://" + schedMetrics
-	if code, v := probe(sbase + "/healthz"); code != http.StatusServiceUnavailable || v["status"] != "draining" {
-		t.Errorf("the stopping scheduler's /healthz: %d %v, want 503 draining", code, v)
-	}
-	if code, _ := probe(sbase + "/livez"); code != http.StatusOK {
-		t.Errorf("the stopping scheduler's /livez: %d, want 200", code)
-	}
-	if code, _ := probe(sbase + "/metrics"); code != http.StatusOK {
-		t.Errorf("the stopping scheduler's /metrics: %d, want 200", code)
-	}
+	drainingProbes(t, "the stopping scheduler", "http://"+schedMetrics)
 
 	// The worker.
 	worker.signal(t, syscall.SIGTERM)
 	worker.logged(t, 10*time.Second, "SIGTERM: stopping: finishing 1 request in flight (its group takes no new ones) within --shutdown-timeout")
 	wbase := "http://" + workerMetrics
-	if code, v := probe(wbase + "/healthz"); code != http.StatusServiceUnavailable || v["status"] != "draining" {
-		t.Errorf("the draining worker's /healthz: %d %v, want 503 draining", code, v)
-	}
-	if code, _ := probe(wbase + "/livez"); code != http.StatusOK {
-		t.Errorf("the draining worker's /livez: %d, want 200", code)
-	}
+	drainingProbes(t, "the draining worker", wbase)
 	resp, err := http.Get(wbase + "/metrics")
 	if err != nil {
 		t.Errorf("the draining worker's /metrics: %v", err)
