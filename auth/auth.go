@@ -116,7 +116,8 @@ func For(s messages.Subjects, id Identity) (Permissions, error) {
 		return Permissions{
 			Publish: slices.Concat([]string{p("meta.>"), p("out.*"), s.Abort(), p("ctl.dump.>"), s.PlanAll(),
 				s.AnnounceRole(messages.RoleScheduler), jsAPI + "INFO"},
-				streamAPI(requestStream, "INFO", "CREATE", "UPDATE", "PURGE"),
+				// MSG.GET: a dead replica's requests, adopted (scheduler/peers.go).
+				streamAPI(requestStream, "INFO", "CREATE", "UPDATE", "PURGE", "MSG.GET"),
 				[]string{jsAPI + "CONSUMER.INFO." + requestStream + "." + schedulerConsumer,
 					jsAPI + "CONSUMER.CREATE." + requestStream + "." + schedulerConsumer,
 					jsAPI + "CONSUMER.CREATE." + requestStream + "." + schedulerConsumer + ".>",
@@ -124,7 +125,8 @@ func For(s messages.Subjects, id Identity) (Permissions, error) {
 					jsAPI + "CONSUMER.MSG.NEXT." + requestStream + "." + schedulerConsumer,
 					"$JS.ACK." + requestStream + "." + schedulerConsumer + ".>"},
 				kvBucket(s.SessionBucket())),
-			Subscribe: []string{p("done.*"), s.KVAll(), s.HeartbeatAll(), s.PlanAll(), s.Abort(), inbox},
+			Subscribe: []string{p("done.*"), s.KVAll(), s.HeartbeatAll(), s.PlanAll(), s.Abort(),
+				s.AnnounceRole(messages.RoleScheduler), inbox},
 		}, nil
 	case RoleWorker:
 		g := "*"

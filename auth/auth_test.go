@@ -133,7 +133,9 @@ func TestPermissionMatrix(t *testing.T) {
 		{"scheduler", sub, "kvbus.kv.>", true},
 		{"scheduler", pub, "kvbus.req.kvbus-sim", false},
 		{"scheduler", pub, "$JS.API.CONSUMER.MSG.NEXT.KVBUS_REQUESTS.kvbus-scheduler", true},
-		{"scheduler", pub, "$JS.API.STREAM.MSG.GET.KVBUS_REQUESTS", false},
+		{"scheduler", pub, "$JS.API.STREAM.MSG.GET.KVBUS_REQUESTS", true},
+		{"scheduler", sub, "kvbus.ann.scheduler.sched-1", true},
+		{"scheduler", sub, "kvbus.ann.frontend.f1", false},
 		{"scheduler", pub, "$JS.API.CONSUMER.CREATE.KVBUS_REQUESTS.mine", false},
 		// Only admin reads the whole request log (capture, replay, tap, top).
 		{"admin", pub, "$JS.API.STREAM.MSG.GET.KVBUS_REQUESTS", true},

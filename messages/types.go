@@ -321,6 +321,11 @@ type Announcement struct {
 	// ReadyGroups is, for a scheduler, how many groups it can place on.
 	ReadyGroups int   `msgpack:"ready_groups,omitempty" json:"ready_groups,omitempty"`
 	UnixMs      int64 `msgpack:"unix_ms" json:"unix_ms"`
+	// Stopped is a scheduler's last announcement after a clean stop, once
+	// every request it dispatched has ended: the other replicas have none
+	// of its requests to adopt. A replica that falls silent without it
+	// died, and its requests are adopted (see SavePlan.LogSeq).
+	Stopped bool `msgpack:"stopped,omitempty" json:"stopped,omitempty"`
 }
 
 // RoleScheduler is the role name of schedulers in announcements.
@@ -332,7 +337,10 @@ const RoleScheduler = "scheduler"
 // same group and attempt, and the group is about to store the request's
 // prefix (BlockHashes). Until the ranks' KV events confirm them, or the plan
 // expires, every replica treats the blocks as the group's, so the next turn
-// of a conversation loads them whichever replica places it.
+// of a conversation loads them whichever replica places it. LogSeq is the
+// request's sequence in the request log: if the replica dies (is no longer
+// announced) while the request runs, the replica that adopts its requests
+// reads it from there, and a failure of its group afterwards is handled.
 type SavePlan struct {
 	V             int         `msgpack:"v" json:"v"`
 	SchedulerID   string      `msgpack:"scheduler_id" json:"scheduler_id"`
@@ -341,6 +349,7 @@ type SavePlan struct {
 	Attempt       int         `msgpack:"attempt,omitempty" json:"attempt,omitempty"`
 	BlockHashes   BlockHashes `msgpack:"block_hashes" json:"block_hashes"`
 	ExpiresUnixMs int64       `msgpack:"expires_unix_ms" json:"expires_unix_ms"`
+	LogSeq        uint64      `msgpack:"log_seq,omitempty" json:"log_seq,omitempty"`
 }
 
 // Abort cancels a request; published on kvbus.ctl.abort.

@@ -135,8 +135,8 @@ func (z *Abort) Msgsize() (s int) {
 func (z *Announcement) MarshalMsg(b []byte) (o []byte, err error) {
 	o = msgp.Require(b, z.Msgsize())
 	// check for omitted fields
-	zb0001Len := uint32(7)
-	var zb0001Mask uint8 /* 7 bits */
+	zb0001Len := uint32(8)
+	var zb0001Mask uint8 /* 8 bits */
 	_ = zb0001Mask
 	if z.Reason == "" {
 		zb0001Len--
@@ -145,6 +145,10 @@ func (z *Announcement) MarshalMsg(b []byte) (o []byte, err error) {
 	if z.ReadyGroups == 0 {
 		zb0001Len--
 		zb0001Mask |= 0x20
+	}
+	if z.Stopped == false {
+		zb0001Len--
+		zb0001Mask |= 0x80
 	}
 	// variable map header, size zb0001Len
 	o = append(o, 0x80|uint8(zb0001Len))
@@ -176,6 +180,11 @@ func (z *Announcement) MarshalMsg(b []byte) (o []byte, err error) {
 		// string "unix_ms"
 		o = append(o, 0xa7, 0x75, 0x6e, 0x69, 0x78, 0x5f, 0x6d, 0x73)
 		o = msgp.AppendInt64(o, z.UnixMs)
+		if (zb0001Mask & 0x80) == 0 { // if not omitted
+			// string "stopped"
+			o = append(o, 0xa7, 0x73, 0x74, 0x6f, 0x70, 0x70, 0x65, 0x64)
+			o = msgp.AppendBool(o, z.Stopped)
+		}
 	}
 	return
 }
@@ -244,6 +253,12 @@ func (z *Announcement) UnmarshalMsg(bts []byte) (o []byte, err error) {
 				err = msgp.WrapError(err, "UnixMs")
 				return
 			}
+		case "stopped":
+			z.Stopped, bts, err = msgp.ReadBoolBytes(bts)
+			if err != nil {
+				err = msgp.WrapError(err, "Stopped")
+				return
+			}
 		default:
 			bts, err = msgp.Skip(bts)
 			if err != nil {
@@ -258,7 +273,7 @@ func (z *Announcement) UnmarshalMsg(bts []byte) (o []byte, err error) {
 
 // Msgsize returns an upper bound estimate of the number of bytes occupied by the serialized message
 func (z *Announcement) Msgsize() (s int) {
-	s = 1 + 2 + msgp.IntSize + 5 + msgp.StringPrefixSize + len(z.Role) + 3 + msgp.StringPrefixSize + len(z.ID) + 6 + msgp.BoolSize + 7 + msgp.StringPrefixSize + len(z.Reason) + 13 + msgp.IntSize + 8 + msgp.Int64Size
+	s = 1 + 2 + msgp.IntSize + 5 + msgp.StringPrefixSize + len(z.Role) + 3 + msgp.StringPrefixSize + len(z.ID) + 6 + msgp.BoolSize + 7 + msgp.StringPrefixSize + len(z.Reason) + 13 + msgp.IntSize + 8 + msgp.Int64Size + 8 + msgp.BoolSize
 	return
 }
 
@@ -3748,12 +3763,16 @@ func (z *SamplingParams) Msgsize() (s int) {
 func (z *SavePlan) MarshalMsg(b []byte) (o []byte, err error) {
 	o = msgp.Require(b, z.Msgsize())
 	// check for omitted fields
-	zb0001Len := uint32(7)
-	var zb0001Mask uint8 /* 7 bits */
+	zb0001Len := uint32(8)
+	var zb0001Mask uint8 /* 8 bits */
 	_ = zb0001Mask
 	if z.Attempt == 0 {
 		zb0001Len--
 		zb0001Mask |= 0x10
+	}
+	if z.LogSeq == 0 {
+		zb0001Len--
+		zb0001Mask |= 0x80
 	}
 	// variable map header, size zb0001Len
 	o = append(o, 0x80|uint8(zb0001Len))
@@ -3787,6 +3806,11 @@ func (z *SavePlan) MarshalMsg(b []byte) (o []byte, err error) {
 		// string "expires_unix_ms"
 		o = append(o, 0xaf, 0x65, 0x78, 0x70, 0x69, 0x72, 0x65, 0x73, 0x5f, 0x75, 0x6e, 0x69, 0x78, 0x5f, 0x6d, 0x73)
 		o = msgp.AppendInt64(o, z.ExpiresUnixMs)
+		if (zb0001Mask & 0x80) == 0 { // if not omitted
+			// string "log_seq"
+			o = append(o, 0xa7, 0x6c, 0x6f, 0x67, 0x5f, 0x73, 0x65, 0x71)
+			o = msgp.AppendUint64(o, z.LogSeq)
+		}
 	}
 	return
 }
@@ -3855,6 +3879,12 @@ func (z *SavePlan) UnmarshalMsg(bts []byte) (o []byte, err error) {
 				err = msgp.WrapError(err, "ExpiresUnixMs")
 				return
 			}
+		case "log_seq":
+			z.LogSeq, bts, err = msgp.ReadUint64Bytes(bts)
+			if err != nil {
+				err = msgp.WrapError(err, "LogSeq")
+				return
+			}
 		default:
 			bts, err = msgp.Skip(bts)
 			if err != nil {
@@ -3869,7 +3899,7 @@ func (z *SavePlan) UnmarshalMsg(bts []byte) (o []byte, err error) {
 
 // Msgsize returns an upper bound estimate of the number of bytes occupied by the serialized message
 func (z *SavePlan) Msgsize() (s int) {
-	s = 1 + 2 + msgp.IntSize + 13 + msgp.StringPrefixSize + len(z.SchedulerID) + 7 + msgp.StringPrefixSize + len(z.ReqID) + 6 + msgp.StringPrefixSize + len(z.Group) + 8 + msgp.IntSize + 13 + z.BlockHashes.Msgsize() + 16 + msgp.Int64Size
+	s = 1 + 2 + msgp.IntSize + 13 + msgp.StringPrefixSize + len(z.SchedulerID) + 7 + msgp.StringPrefixSize + len(z.ReqID) + 6 + msgp.StringPrefixSize + len(z.Group) + 8 + msgp.IntSize + 13 + z.BlockHashes.Msgsize() + 16 + msgp.Int64Size + 8 + msgp.Uint64Size
 	return
 }
 

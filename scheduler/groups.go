@@ -227,6 +227,16 @@ func (t *groupTable) alive(now time.Time) map[string]bool {
 	return out
 }
 
+// worldSize returns a group's world size, 0 when the group is unknown.
+func (t *groupTable) worldSize(name string) int {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	if g := t.groups[name]; g != nil {
+		return g.worldSize
+	}
+	return 0
+}
+
 // rankRestart is a rank's last restart: when this replica heard it, and
 // the new process's started_unix_ms.
 type rankRestart struct {

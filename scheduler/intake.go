@@ -32,18 +32,11 @@ func (s *Scheduler) onRequest(ctx context.Context, m jetstream.Msg) error {
 		_ = m.Term()
 		return fmt.Errorf("request on %s: %w", m.Subject(), err)
 	}
-	if s.trackers.seen(req.RequestID) { // a redelivery of a request already dispatched, or one its client aborted
+	if s.trackers.seen(req.RequestID) { // a redelivery of a request already dispatched (or adopted), or one its client aborted
 		s.m.requests.WithLabelValues("duplicate").Inc()
 		return m.Ack()
 	}
-	deadline := time.UnixMilli(req.ArrivalUnixMs).Add(s.cfg.RequestTimeout)
-	if req.DeadlineUnixMs > 0 {
-		deadline = time.UnixMilli(req.DeadlineUnixMs)
-	}
-	sessionID := req.SamplingParams.SessionFromExtraArgs()
-	if sessionID == "" {
-		sessionID = req.SessionID
-	}
+	deadline, sessionID := s.requestDeadline(req), requestSession(req)
 	// Bound only when a line is written: With formats its attributes
 	// at once, and the usual dispatch writes none at info level.
 	log := func() *slog.Logger { return s.log.With("req_id", req.RequestID, "session_id", sessionID) }
@@ -87,12 +80,10 @@ func (s *Scheduler) onRequest(ctx context.Context, m jetstream.Msg) error {
 		return m.Ack()
 	}
 
-	t := &RequestTracker{
-		ReqID: req.RequestID, SessionID: sessionID, Model: req.Model, FrontendID: req.FrontendID,
-		TokenLen: len(req.PromptTokenIDs), TokenIDs: req.PromptTokenIDs, Request: req,
-		Received: start, Deadline: deadline, Results: map[int]*messages.RankResult{}, TurnDepth: 1,
+	t := s.newTracker(req, start)
+	if mdErr == nil {
+		t.logSeq = md.Sequence.Stream
 	}
-	t.BlockHashes = HashBlocks(make([]uint64, 0, t.TokenLen/s.cfg.BlockSize), HashSeed(req.Model), req.PromptTokenIDs, s.cfg.BlockSize)
 	bindings := s.bindings.Load()
 	binding, bound := bindings.Get(sessionID)
 	if bound {
@@ -152,6 +143,37 @@ func (s *Scheduler) onRequest(ctx context.Context, m jetstream.Msg) error {
 			"load_blocks", t.LoadBlocks, "turn_depth", t.TurnDepth)
 	}
 	return m.Ack()
+}
+
+// requestDeadline is when req's client stops waiting: its own deadline, or
+// the request timeout from its arrival.
+func (s *Scheduler) requestDeadline(req *messages.Request) time.Time {
+	if req.DeadlineUnixMs > 0 {
+		return time.UnixMilli(req.DeadlineUnixMs)
+	}
+	return time.UnixMilli(req.ArrivalUnixMs).Add(s.cfg.RequestTimeout)
+}
+
+// requestSession is req's session id: vllm_xargs.session_id, else the one
+// the frontend resolved.
+func requestSession(req *messages.Request) string {
+	if id := req.SamplingParams.SessionFromExtraArgs(); id != "" {
+		return id
+	}
+	return req.SessionID
+}
+
+// newTracker makes the tracker of req, taken from the log at start, its
+// prompt hashed into blocks; TurnDepth is 1 (the caller sets it from the
+// session's binding).
+func (s *Scheduler) newTracker(req *messages.Request, start time.Time) *RequestTracker {
+	t := &RequestTracker{
+		ReqID: req.RequestID, SessionID: requestSession(req), Model: req.Model, FrontendID: req.FrontendID,
+		TokenLen: len(req.PromptTokenIDs), TokenIDs: req.PromptTokenIDs, Request: req,
+		Received: start, Deadline: s.requestDeadline(req), Results: map[int]*messages.RankResult{}, TurnDepth: 1,
+	}
+	t.BlockHashes = HashBlocks(make([]uint64, 0, t.TokenLen/s.cfg.BlockSize), HashSeed(req.Model), req.PromptTokenIDs, s.cfg.BlockSize)
+	return t
 }
 
 // takeOver sets t to the group and attempt another replica dispatched it

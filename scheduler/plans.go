@@ -34,7 +34,7 @@ func (s *Scheduler) publishPlan(t *RequestTracker) {
 	s.index.Plan(t.Group, saves, expires)
 	data, err := messages.Marshal(&messages.SavePlan{
 		SchedulerID: s.cfg.ID, ReqID: t.ReqID, Group: t.Group, Attempt: t.Attempt,
-		BlockHashes: saves, ExpiresUnixMs: expires.UnixMilli(),
+		BlockHashes: saves, ExpiresUnixMs: expires.UnixMilli(), LogSeq: t.logSeq,
 	})
 	if err == nil {
 		err = s.cfg.Conn.Publish(s.cfg.Subjects.Plan(s.cfg.ID), data)
@@ -61,6 +61,7 @@ func (s *Scheduler) onPlan(_ context.Context, m *nats.Msg) error {
 	s.index.Plan(p.Group, p.BlockHashes, expires)
 	if p.ReqID != "" {
 		s.dispatched.Put(p.ReqID, dispatchRecord{group: p.Group, attempt: p.Attempt, scheduler: p.SchedulerID}, now)
+		s.peers.dispatched(p.SchedulerID, p.ReqID, p.LogSeq, now)
 	}
 	return nil
 }

@@ -80,3 +80,18 @@ func (s *Scheduler) announce(now time.Time, force bool) {
 		s.log.Warn("cannot announce readiness", "err", err)
 	}
 }
+
+// announceStopped is the replica's last announcement after a clean stop
+// with no request left: the other replicas forget it at once, with
+// nothing to adopt.
+func (s *Scheduler) announceStopped() {
+	data, err := messages.Marshal(&messages.Announcement{
+		Role: messages.RoleScheduler, ID: s.cfg.ID, Reason: "stopped", Stopped: true, UnixMs: time.Now().UnixMilli(),
+	})
+	if err == nil {
+		err = s.cfg.Conn.Publish(s.cfg.Subjects.Announce(messages.RoleScheduler, s.cfg.ID), data)
+	}
+	if err != nil {
+		s.log.Warn("cannot announce the stop", "err", err)
+	}
+}

@@ -66,6 +66,14 @@ func (l *requestLog) ensure(ctx context.Context) error {
 	return nil
 }
 
+// get reads the message at seq from the log.
+func (l *requestLog) get(ctx context.Context, seq uint64) (*jetstream.RawStreamMsg, error) {
+	l.mu.Lock()
+	st := l.st
+	l.mu.Unlock()
+	return st.GetMsg(ctx, seq)
+}
+
 // consume starts pulling requests from the consumer ensure found.
 func (l *requestLog) consume() error {
 	l.mu.Lock()

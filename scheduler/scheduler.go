@@ -154,6 +154,11 @@ type Scheduler struct {
 	// dispatched remembers where other replicas sent requests (from their
 	// SavePlans): a redelivered request goes to the same group and attempt.
 	dispatched *recent.Memory[dispatchRecord]
+	// peers follows the other replicas, to adopt a dead one's requests
+	// (peers.go); reqLog, set by Run, is where they are read.
+	peers      *peerTable
+	reqLog     *requestLog
+	adoptions  sync.WaitGroup
 	consuming  atomic.Bool  // the request consumer runs
 	reconnects uint64       // the connection's reconnects, as sweep last saw them
 	causal     []*causalSub // set by Run before it consumes
@@ -254,6 +259,7 @@ func New(cfg Config) (*Scheduler, error) {
 		hm:         bus.NewHandlerMetrics(cfg.Registerer),
 		resyncs:    map[rankID]*resyncState{},
 		dispatched: dispatched,
+		peers:      newPeerTable(cfg.RequestTimeout, time.Now()),
 	}
 	s.m = newMetrics(cfg.Registerer, func() float64 { return float64(s.trackers.Len()) },
 		func() float64 { return float64(s.index.Rejected()) }, func() float64 { return float64(s.index.Plans()) },
@@ -284,14 +290,15 @@ func (s *Scheduler) Trackers() int { return s.trackers.Len() }
 // Run serves until ctx ends.
 func (s *Scheduler) Run(ctx context.Context) error {
 	nc, subj := s.cfg.Conn, s.cfg.Subjects
-	handlers := []struct {
+	type handler struct {
 		subject, name string
 		fn            bus.Handler[*nats.Msg]
 		// causal: the state this feeds (load, plans) must be current
 		// when a request is placed; see awaitCausal. KV events are not:
 		// the plans already cover what a just-answered turn stored.
 		causal bool
-	}{
+	}
+	handlers := []handler{
 		{subj.HeartbeatAll(), "scheduler_heartbeat", s.onHeartbeat, true},
 		{subj.KVAll(), "scheduler_kv_events", s.onKVEvents, false},
 		{subj.Done(s.cfg.ID), "scheduler_done", s.onDone, false},
@@ -307,6 +314,11 @@ func (s *Scheduler) Run(ctx context.Context) error {
 	if err := bus.CheckPermissions(ctx, nc, check); err != nil {
 		return err
 	}
+	// The other replicas' announcements are not checked, so that a key
+	// from an older kvbus auth init (without them) still runs, only
+	// without adopting a dead replica's requests (the server's refusal is
+	// logged).
+	handlers = append(handlers, handler{subj.AnnounceRole(messages.RoleScheduler), "scheduler_peers", s.onPeer, false})
 	js, err := jetstream.New(nc)
 	if err != nil {
 		return fmt.Errorf("scheduler: jetstream: %w", err)
@@ -318,6 +330,7 @@ func (s *Scheduler) Run(ctx context.Context) error {
 	onRequest := bus.Wrap(s.onRequest, s.log, s.hm, "scheduler_request")
 	reqLog := &requestLog{js: js, cfg: rl, ackWait: s.cfg.AckWait, log: s.log, consuming: &s.consuming, m: s.m,
 		onMsg: func(m jetstream.Msg) { _ = onRequest(ctx, m) }}
+	s.reqLog = reqLog
 	if err := reqLog.ensure(setupCtx); err != nil {
 		return err
 	}
@@ -342,6 +355,7 @@ func (s *Scheduler) Run(ctx context.Context) error {
 		stopBindings()
 		bindingsDone.Wait()
 		s.dumps.Wait()
+		s.adoptions.Wait()
 	}()
 
 	// The handlers outlive ctx: a stopping replica still hears the results
@@ -401,6 +415,9 @@ func (s *Scheduler) Run(ctx context.Context) error {
 			s.announce(time.Now(), true) // not ready: frontends stop counting on this replica
 			reqLog.stop(nc.IsConnected())
 			s.finish(handlerCtx)
+			if s.trackers.Len() == 0 {
+				s.announceStopped() // nothing for another replica to adopt
+			}
 			s.log.Info("scheduler stopped", "trackers_left", s.trackers.Len())
 			return nil
 		case now := <-tick.C:
@@ -425,7 +442,7 @@ func (s *Scheduler) finish(ctx context.Context) {
 	defer bound.Stop()
 	tick := time.NewTicker(100 * time.Millisecond)
 	defer tick.Stop()
-	for s.trackers.Len() > 0 {
+	for s.trackers.Len() > 0 && !s.cfg.Conn.IsClosed() { // a closed connection hears nothing more
 		select {
 		case <-bound.C:
 			s.log.Warn("stopping with requests in flight: their results go unheard, and a failure of their group is not handled (raise --shutdown-timeout)",
@@ -465,9 +482,11 @@ func (s *Scheduler) sweep(ctx context.Context, now time.Time) {
 	if n := s.cfg.Conn.Stats().Reconnects; n != s.reconnects {
 		s.reconnects = n
 		s.groups.reconnected(now)
+		s.peers.reconnected(now)
 		s.log.Info("reconnected to NATS; worker groups get a heartbeat timeout from now before any is judged failed",
 			"heartbeat_timeout", s.cfg.HeartbeatTimeout)
 	}
+	s.adoptDead(ctx, now)
 	s.rescue(now)
 	s.resend(now)
 	entries, full := s.index.Size()

@@ -57,9 +57,12 @@ type RequestTracker struct {
 	// heard from.
 	Heard      map[int]int64
 	Dispatched time.Time
-	Resends    int
-	metaSubj   string
-	metaData   []byte
+	// logSeq is the request's sequence in the request log (0: unknown),
+	// announced with its save plan for a replica that adopts it.
+	logSeq   uint64
+	Resends  int
+	metaSubj string
+	metaData []byte
 }
 
 // trackerTable holds the live trackers by request id. It is safe for

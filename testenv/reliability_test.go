@@ -409,4 +409,78 @@ func TestStoppedSchedulerWatchesItsRequests(t *testing.T) {
 	if err := <-stopped; err != nil {
 		t.Error(err)
 	}
+	// Its requests ended before it stopped, and it said so: replica 1,
+	// once replica 0 is silent for longer than the heartbeat timeout (2 s),
+	// adopts nothing.
+	time.Sleep(2500 * time.Millisecond)
+	if n := len(c.Logs.Lines("adopting the requests it dispatched")); n != 0 {
+		t.Errorf("replica 1 adopted the requests of a replica that stopped cleanly (%d log lines)", n)
+	}
+}
+
+// TestCrashedSchedulerRequestsAreAdopted: scheduler replica 0 crashes
+// (its connection gone, no stop) while requests it dispatched generate on
+// g0, and g0's driver rank dies with it. Those requests were acknowledged
+// in the log at dispatch, so only replica 0 knew them: they hung until
+// their 30 s deadline (504). Replica 1 now hears replica 0 fall silent,
+// adopts its requests from their save plans and the log, and handles g0's
+// failure for them as for its own: each ends within seconds, answered
+// from g1 or with a retryable 503 group_failed (its answer had begun).
+func TestCrashedSchedulerRequestsAreAdopted(t *testing.T) {
+	c := testenv.StartCluster(t, testenv.ClusterConfig{Groups: 2, Schedulers: 2, TimeScale: 1, RequestTimeout: 30 * time.Second})
+	// g1 is out while the requests are placed: all go to g0.
+	if err := c.Cluster.StopRank("g1", 0); err != nil {
+		t.Fatal(err)
+	}
+	testenv.Eventually(t, 10*time.Second, "both replicas to see only g0 ready", func() bool {
+		return c.Schedulers[0].ReadyGroups() == 1 && c.Schedulers[1].ReadyGroups() == 1
+	})
+	body := fmt.Sprintf(`{"model":%q,"messages":[{"role":"user","content":"a long answer"}],"max_tokens":500,"ignore_eos":true}`, c.Model)
+	const n = 12
+	type outcome struct {
+		status int
+		took   time.Duration
+		raw    string
+	}
+	results := make(chan outcome, n)
+	var killed atomic.Int64 // unix nanos of the crash
+	for range n {
+		go func() {
+			status, _, raw := post(t, c, "/v1/chat/completions", body, nil)
+			results <- outcome{status, time.Since(time.Unix(0, killed.Load())), string(raw)}
+		}()
+	}
+	testenv.Eventually(t, 10*time.Second, "every request dispatched", func() bool {
+		return c.Schedulers[0].Trackers()+c.Schedulers[1].Trackers() == n
+	})
+	mine := c.Schedulers[0].Trackers()
+	if mine == 0 {
+		t.Skip("replica 1 took every request: nothing for the crash to strand")
+	}
+	c.RestartRank(t, "g1", 0) // g1 is back, to move the requests to
+	killed.Store(time.Now().UnixNano())
+	crashed := make(chan error, 1)
+	go func() { crashed <- c.Cluster.KillScheduler(0) }()
+	c.KillRank(t, "g0", 0)
+	for range n {
+		o := <-results
+		switch {
+		case o.status != http.StatusOK && !(o.status == http.StatusServiceUnavailable && strings.Contains(o.raw, "group_failed")):
+			t.Errorf("a request ended %d %v after the crash: %.200s; want 200 or 503 group_failed", o.status, o.took, o.raw)
+		case o.took > 10*time.Second:
+			t.Errorf("a request ended %d %v after the crash; want within seconds (the heartbeat timeout is 2 s)", o.status, o.took)
+		}
+	}
+	if err := <-crashed; err != nil {
+		t.Error(err)
+	}
+	if got := len(c.Logs.Lines("request adopted from a scheduler replica that is no longer heard", "group=g0")); got != mine {
+		t.Errorf("%d requests adopted, want the %d replica 0 held when it crashed", got, mine)
+	}
+	// Replica 1 does not know whether an adopted request's output had
+	// begun: it moves it, and the frontend ends the answer with an error
+	// if it had.
+	if got := len(c.Logs.Lines("worker group lost the request", "from=g0", "to=g1")); got < mine {
+		t.Errorf("%d requests moved from g0 to g1, want at least the %d adopted ones", got, mine)
+	}
 }

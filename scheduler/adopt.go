@@ -1,0 +1,110 @@
+package scheduler
+
+import (
+	"context"
+	"time"
+
+	"github.com/kvbus/kvbus/messages"
+)
+
+// adoptDead starts adopting the requests of the replicas that died (see
+// peers.go), when this replica is the one to adopt them. A replica that
+// does not consume the request log adopts nothing: it is stopping, or its
+// log is being made again.
+func (s *Scheduler) adoptDead(ctx context.Context, now time.Time) {
+	dead := s.peers.dead(s.cfg.ID, now, s.cfg.HeartbeatTimeout)
+	if len(dead) == 0 || !s.consuming.Load() {
+		return
+	}
+	for id, ds := range dead {
+		s.adoptions.Go(func() { s.adopt(ctx, id, ds) })
+	}
+}
+
+// adopt takes over the requests a dead replica dispatched: each is read
+// from the request log and its group is sent the same ReqMeta (same group,
+// same attempt) with this replica's result subject. Ranks still working on
+// it send their receipt and results here from then on, ranks that finished
+// it send their result again, so this replica's tracker ends as if it had
+// dispatched it; a group that is gone is handled by the next rescue (the
+// request moves to another group, or ends with group_failed once its
+// output had begun). Requests that ended, are past their deadline or are
+// already tracked here (redelivered from the log) are left alone.
+func (s *Scheduler) adopt(ctx context.Context, from string, ds []peerDispatch) {
+	s.log.Warn("a scheduler replica is no longer heard: adopting the requests it dispatched", "replica", from,
+		"requests", len(ds), "silent_for", s.cfg.HeartbeatTimeout)
+	adopted, ended, unreadable := 0, 0, 0
+	for _, d := range ds {
+		if ctx.Err() != nil {
+			break
+		}
+		if s.trackers.seen(d.reqID) {
+			ended++
+			continue
+		}
+		getCtx, cancel := context.WithTimeout(ctx, 5*time.Second)
+		raw, err := s.reqLog.get(getCtx, d.seq)
+		cancel()
+		if err != nil {
+			unreadable++
+			s.log.Warn("cannot adopt a request: reading it from the request log failed (its history may be trimmed, or this key may not read the log: kvbus auth init again and restart NATS)",
+				"req_id", d.reqID, "replica", from, "seq", d.seq, "err", err)
+			continue
+		}
+		req, err := messages.DecodeRequest(raw.Data)
+		if err != nil || req.RequestID != d.reqID {
+			unreadable++
+			s.log.Warn("cannot adopt a request: the request log holds another message at its sequence", "req_id", d.reqID, "replica", from, "seq", d.seq)
+			continue
+		}
+		if s.adoptOne(req, d.seq, from) {
+			adopted++
+		} else {
+			ended++
+		}
+	}
+	s.log.Warn("adopted the requests of a scheduler replica that is no longer heard", "replica", from,
+		"adopted", adopted, "ended_or_known", ended, "unreadable", unreadable)
+}
+
+// adoptOne tracks and re-sends one adopted request; false when it is past
+// its deadline or already tracked.
+func (s *Scheduler) adoptOne(req *messages.Request, seq uint64, from string) bool {
+	now := time.Now()
+	t := s.newTracker(req, now)
+	t.logSeq = seq
+	prev, known := s.dispatched.Get(req.RequestID, now)
+	if !known || now.After(t.Deadline) {
+		return false
+	}
+	// Its binding was recorded at its dispatch: its turn is that binding's
+	// when it is this request's own prefix.
+	if b, ok := s.bindings.Load().Get(t.SessionID); ok {
+		t.TurnDepth = b.Turn + 1
+		if n := len(t.BlockHashes); b.Blocks == n && (n == 0 || t.BlockHashes[n-1] == b.LastHash) {
+			t.TurnDepth = b.Turn
+		}
+	}
+	if !s.takeOver(t, prev, s.groups.ready(now)) {
+		// Draining, or gone: its ranks still finish it, or rescue moves it.
+		t.Group, t.Attempt, t.WorldSize = prev.group, prev.attempt, s.groups.worldSize(prev.group)
+		s.setLoad(t, 0, false)
+	}
+	if err := s.buildMeta(t); err != nil {
+		s.log.Error("cannot adopt a request", "req_id", t.ReqID, "session_id", t.SessionID, "err", err)
+		return false
+	}
+	subj, data, queued := t.metaSubj, t.metaData, t.queued
+	s.publishPlan(t)
+	if !s.trackers.add(t) {
+		return false
+	}
+	s.groups.addInflight(t.Group, 1, queued)
+	s.m.requests.WithLabelValues("adopted").Inc()
+	s.log.Info("request adopted from a scheduler replica that is no longer heard", "req_id", t.ReqID, "session_id", t.SessionID,
+		"replica", from, "group", t.Group, "attempt", t.Attempt)
+	if err := s.cfg.Conn.Publish(subj, data); err != nil {
+		s.log.Warn("cannot send an adopted request's ReqMeta (resent within a second)", "req_id", t.ReqID, "session_id", t.SessionID, "err", err)
+	}
+	return true
+}
