@@ -155,8 +155,10 @@ func listenMetrics(addr string) (net.Listener, error) {
 	return ln, nil
 }
 
-// metricsServer serves /metrics, /livez (the process is up and connected
-// to NATS) and /healthz (readiness: live, and ready() if given) on
+// metricsServer serves /metrics, /livez (the process is up and its NATS
+// connection not closed for good: a NATS restart is not a reason to kill
+// the process, and its store with it) and /healthz (readiness: connected
+// to NATS, and ready() if given) on
 // --metrics-addr. It outlives the role it reports on: the role closes it
 // last, once it has stopped and drained its connection, so that while it
 // stops probes get /healthz 503 "draining" and /livez 200 rather than
@@ -235,7 +237,7 @@ func metricsHandler(reg *prometheus.Registry, p metricsProbe) http.Handler {
 			return false
 		}
 	}
-	live := func(w http.ResponseWriter) bool {
+	connected := func(w http.ResponseWriter) bool {
 		if p.nc != nil && !p.nc.IsConnected() {
 			status(w, http.StatusServiceUnavailable, map[string]string{"status": "nats disconnected"})
 			return false
@@ -243,11 +245,19 @@ func metricsHandler(reg *prometheus.Registry, p metricsProbe) http.Handler {
 		return true
 	}
 	mux.HandleFunc("/livez", func(w http.ResponseWriter, _ *http.Request) {
-		if stopping() {
+		switch {
+		case stopping():
 			status(w, http.StatusOK, map[string]string{"status": "alive", "detail": "stopping"})
-			return
-		}
-		if live(w) {
+		case p.nc != nil && p.nc.IsClosed():
+			// Closed for good (the server refused its credentials twice):
+			// only a restart helps.
+			status(w, http.StatusServiceUnavailable, map[string]string{"status": "nats connection closed"})
+		case p.nc != nil && !p.nc.IsConnected():
+			// A NATS restart: the connection comes back by itself, and a
+			// liveness probe that failed now would restart the process and
+			// empty its KV store.
+			status(w, http.StatusOK, map[string]string{"status": "alive", "detail": "nats reconnecting"})
+		default:
 			status(w, http.StatusOK, map[string]string{"status": "alive"})
 		}
 	})
@@ -256,7 +266,7 @@ func metricsHandler(reg *prometheus.Registry, p metricsProbe) http.Handler {
 			status(w, http.StatusServiceUnavailable, map[string]string{"status": "draining", "reason": p.drainReason})
 			return
 		}
-		if !live(w) {
+		if !connected(w) {
 			return
 		}
 		if p.ready != nil {
