@@ -21,6 +21,7 @@ import (
 	"github.com/nats-io/nuid"
 	"github.com/schollz/progressbar/v3"
 
+	"github.com/kvbus/kvbus/bus"
 	"github.com/kvbus/kvbus/messages"
 )
 
@@ -120,8 +121,8 @@ func New(cfg Config) (*Replayer, error) {
 	}
 	r := &Replayer{cfg: cfg, log: cfg.Logger, frontendID: "replay-" + nuid.Next(), pending: map[string]*pendingReq{}, groups: map[string]string{}}
 	u, err := url.Parse(cfg.Target)
-	if err != nil {
-		return nil, fmt.Errorf("replay: --target %q: %w", cfg.Target, err)
+	if err != nil { // url's error quotes the URL, password and all
+		return nil, fmt.Errorf("replay: --target %s: not a URL; want nats://HOST:PORT or http://HOST:PORT", bus.RedactURLs(cfg.Target))
 	}
 	switch u.Scheme {
 	case "nats", "tls":
@@ -136,7 +137,7 @@ func New(cfg Config) (*Replayer, error) {
 		r.httpURL = strings.TrimSuffix(cfg.Target, "/") + "/v1/completions"
 		r.http = &http.Client{Timeout: cfg.Timeout, Transport: &http.Transport{MaxIdleConnsPerHost: 1024, MaxConnsPerHost: cfg.MaxInflight}}
 	default:
-		return nil, fmt.Errorf("replay: --target %q: want nats://HOST:PORT or http://HOST:PORT", cfg.Target)
+		return nil, fmt.Errorf("replay: --target %s: want nats://HOST:PORT or http://HOST:PORT", bus.RedactURLs(cfg.Target))
 	}
 	return r, nil
 }
@@ -296,7 +297,19 @@ func (r *Replayer) subscribe(ctx context.Context) ([]*nats.Subscription, error) 
 		out.SetPendingLimits(-1, -1)
 		subs = append(subs, out)
 	}
-	return subs, nc.Flush()
+	if err := nc.Flush(); err != nil {
+		return subs, err
+	}
+	// A refused subscription is said on the connection, not by Subscribe:
+	// onto the bus, the replay would wait for answers it cannot read
+	// until --timeout, blaming the scheduler.
+	if err := nc.LastError(); errors.Is(err, nats.ErrPermissionViolation) {
+		if r.js != nil {
+			return subs, fmt.Errorf("replay: %w: a replay onto the bus reads the answers (kvbus.out.*) and ReqMetas; give it the admin key (--nats-nkey admin.nk)", err)
+		}
+		r.log.Warn("the bus refused to let replay read ReqMetas: the groups that served the requests will not be reported (give it the admin key, --nats-nkey admin.nk)", "err", err)
+	}
+	return subs, nil
 }
 
 // schedulerGrace is how long a replay onto the bus waits for a ready

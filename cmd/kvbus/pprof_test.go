@@ -5,6 +5,7 @@ import (
 	"io"
 	"net/http"
 	"path/filepath"
+	"strings"
 	"testing"
 	"time"
 
@@ -39,5 +40,20 @@ func TestPprofAddr(t *testing.T) {
 	}
 	if err := p.stop(t); err != nil {
 		t.Errorf("exit after SIGTERM: %v", err)
+	}
+}
+
+// TestPprofCmdlineHidesSecrets: pprof's /debug/pprof/cmdline served
+// --api-key and the NATS password to anyone reaching --pprof-addr.
+func TestPprofCmdlineHidesSecrets(t *testing.T) {
+	got := strings.Join(redactArgs([]string{"kvbus", "frontend", "--api-key", "sk-1", "--nats-password=pw2",
+		"--nats-url", "nats://u:pw3@h:4222", "--nats-token", "tok4", "--engine-api-key=sk-5", "--model", "m"}), " ")
+	for _, secret := range []string{"sk-1", "pw2", "pw3", "tok4", "sk-5"} {
+		if strings.Contains(got, secret) {
+			t.Errorf("cmdline %q shows %q", got, secret)
+		}
+	}
+	if want := "kvbus frontend --api-key xxxxx --nats-password=xxxxx --nats-url nats://u:xxxxx@h:4222 --nats-token xxxxx --engine-api-key=xxxxx --model m"; got != want {
+		t.Errorf("cmdline %q, want %q", got, want)
 	}
 }

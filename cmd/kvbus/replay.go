@@ -196,7 +196,8 @@ func (c *replayCmd) Run(ctx context.Context) error {
 	}
 	u, err := url.Parse(c.Target)
 	if err != nil {
-		return fmt.Errorf("--target: %w", err)
+		// url's error quotes the URL, password and all.
+		return fmt.Errorf("--target %s: not a URL; want nats://HOST:PORT or http://HOST:PORT", bus.RedactURLs(c.Target))
 	}
 	natsURL := c.NATSURL
 	if u.Scheme == "nats" || u.Scheme == "tls" {
@@ -210,7 +211,7 @@ func (c *replayCmd) Run(ctx context.Context) error {
 		// The bus only tells which group served each request: a replay
 		// through the frontend does not wait long for it.
 		bc.ConnectTimeout = 2 * time.Second
-		log.Info("connecting to NATS to learn each request's group (give --nats-url the cluster's)", "nats_url", natsURL)
+		log.Info("connecting to NATS to learn each request's group (give --nats-url the cluster's)", "nats_url", bus.RedactURLs(natsURL))
 	}
 	nc, err := bus.Connect(ctx, bc)
 	if err != nil {
@@ -228,7 +229,7 @@ func (c *replayCmd) Run(ctx context.Context) error {
 	if err != nil {
 		return err
 	}
-	log.Info("replaying", "file", c.File, "format", tr.Format, "requests", len(tr.Items), "sessions", tr.Sessions(), "target", c.Target, "speed", c.Speed, "mode", c.Mode)
+	log.Info("replaying", "file", c.File, "format", tr.Format, "requests", len(tr.Items), "sessions", tr.Sessions(), "target", bus.RedactURLs(c.Target), "speed", c.Speed, "mode", c.Mode)
 	results, elapsed, err := r.Run(ctx, tr.Items)
 	// The model seeds the block hashes, which does not change which prompts
 	// share a prefix.
