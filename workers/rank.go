@@ -343,6 +343,9 @@ func (r *Rank) Run(ctx context.Context) error {
 	r.started = time.Now()
 	r.events.started = r.started.UnixMilli() // before anything is published or dumped
 	nc, subj := r.cfg.Conn, r.cfg.Subjects
+	if err := r.awaitIdentityFree(ctx); err != nil {
+		return err
+	}
 	onMeta := func(ctx context.Context, m *nats.Msg) error {
 		r.metaBusy.Add(1)
 		defer r.metaBusy.Add(-1)
