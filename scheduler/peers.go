@@ -119,8 +119,9 @@ func (pt *peerTable) reconnected(now time.Time) {
 // the last reconnect) and returns, when self has the lowest id among the
 // replicas still alive (itself and the announced peers heard within
 // timeout), the dispatches of each dead peer to adopt; otherwise nil (the
-// adopter is another replica). Peers that never announced are kept: their
-// silence says nothing.
+// adopter is another replica). Peers that never announced are not judged
+// (their silence says nothing): they are forgotten once their last
+// dispatch is older than the request timeout.
 func (pt *peerTable) dead(self string, now time.Time, timeout time.Duration) map[string][]peerDispatch {
 	pt.mu.Lock()
 	defer pt.mu.Unlock()
@@ -128,6 +129,10 @@ func (pt *peerTable) dead(self string, now time.Time, timeout time.Duration) map
 	adopter := true
 	for id, p := range pt.peers {
 		if !p.announced {
+			// Known from its plans only: kept while they are recent.
+			if p.trim(now, pt.keep); len(p.dispatches) == 0 {
+				delete(pt.peers, id)
+			}
 			continue
 		}
 		last := p.seen

@@ -52,8 +52,15 @@ func TestPeerTableStoppedAndSilentPeers(t *testing.T) {
 	// A peer known only from its plans (its announcements refused, or not
 	// yet heard) is never judged by its silence.
 	pt.dispatched("sched-x", "r1", 1, t0)
-	if got := pt.dead("sched-b", t0.Add(time.Hour), timeout); got != nil {
+	if got := pt.dead("sched-b", t0.Add(30*time.Second), timeout); got != nil {
 		t.Fatalf("a peer never heard to announce was judged dead: %v", got)
+	}
+	if _, kept := pt.peers["sched-x"]; !kept {
+		t.Fatal("a peer known from a recent plan was forgotten")
+	}
+	pt.dead("sched-b", t0.Add(2*time.Minute), timeout)
+	if _, kept := pt.peers["sched-x"]; kept {
+		t.Fatal("a peer known only from plans older than the request timeout is kept for ever")
 	}
 	// A clean stop leaves nothing to adopt.
 	pt.heard("sched-y", false, t0)

@@ -482,6 +482,10 @@ func TestEngineKVEventGapClearsTheGroup(t *testing.T) {
 		n := c.Scheduler.Index().GroupBlocks("g0")
 		return n > 0 && n < engines[0].CachedBlocks()
 	})
+	// Lines reach the log's writer asynchronously (logsink).
+	testenv.Eventually(t, 5*time.Second, "the gap warning", func() bool {
+		return len(c.Logs.Lines("engine KV events lost and not replayed")) > 0
+	})
 	if lines := c.Logs.Lines("engine KV events lost and not replayed"); len(lines) != 1 {
 		t.Errorf("%d gap warnings, want 1", len(lines))
 	}
