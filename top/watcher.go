@@ -12,6 +12,7 @@
 package top
 
 import (
+	"container/list"
 	"context"
 	"errors"
 	"fmt"
@@ -36,7 +37,34 @@ type Config struct {
 	HeartbeatTimeout time.Duration
 	// Sessions is how many busiest sessions a Snapshot lists (0: 10).
 	Sessions int
+	// MaxSessions bounds the sessions followed: past it the least
+	// recently active is forgotten (0: DefaultMaxSessions). Its next turn
+	// then counts as a first turn.
+	MaxSessions int
+	// URL names the NATS server in the disconnection banner when the
+	// connection cannot (passwords hidden by the caller); optional.
+	URL string
 }
+
+// DefaultMaxSessions is Config.MaxSessions' default.
+const DefaultMaxSessions = 10_000
+
+const (
+	// schedulerSilence is the frontend's rule: a scheduler not heard for
+	// longer is not ready (frontend --scheduler-timeout, 3 s).
+	schedulerSilence = 3 * time.Second
+	// schedulerForget: a silent or stopped scheduler is listed this long.
+	schedulerForget = time.Minute
+	// groupForget: a group whose ranks all went silent is listed as down
+	// this long.
+	groupForget = 5 * time.Minute
+)
+
+// The reasons the frontend gives its Aborts (frontend/generate.go).
+const (
+	abortClientGone    = "client disconnected" // the client went away: aborted
+	abortPublishFailed = "publish failed"      // never entered the log: never ran
+)
 
 // Validate checks the configuration.
 func (c *Config) Validate() error {
@@ -52,6 +80,9 @@ func (c *Config) Validate() error {
 	if c.Sessions < 0 {
 		return fmt.Errorf("top: Sessions is negative (%d); give a count, or 0 for 10", c.Sessions)
 	}
+	if c.MaxSessions < 0 {
+		return fmt.Errorf("top: MaxSessions is negative (%d); give a count, or 0 for %d", c.MaxSessions, DefaultMaxSessions)
+	}
 	return c.Subjects.Validate()
 }
 
@@ -62,18 +93,27 @@ type Watcher struct {
 
 	mu         sync.Mutex
 	started    time.Time
+	running    bool // Run follows the connection's status
 	groups     map[string]*groupView
-	schedulers map[string]messages.Announcement
+	schedulers map[string]schedulerView
 	reqs       map[string]*reqView     // requests in flight, by req_id
 	sessions   map[string]*sessionView // by session id
+	lru        list.List               // of *sessionView, most recently active first
 	done       []doneReq               // finished within the window, oldest first
 	pool       []poolRun               // remote runs within the window
+	// The connection: lost since discSince (zero while connected), to url.
+	discSince time.Time
+	url       string
 }
 
 type groupView struct {
-	worldSize int
-	ranks     map[int]rankView
+	ranks     map[int]rankView // each with its own world size
 	kvBatches uint64
+}
+
+type schedulerView struct {
+	ann  messages.Announcement
+	seen time.Time // on top's clock, as the frontend judges silence
 }
 
 type rankView struct {
@@ -82,7 +122,8 @@ type rankView struct {
 }
 
 type reqView struct {
-	arrived   time.Time
+	arrived   time.Time // on top's clock
+	start     time.Time // the frontend's arrival (its clock), else arrived
 	session   string
 	depth     int
 	group     string
@@ -91,6 +132,8 @@ type reqView struct {
 }
 
 type sessionView struct {
+	id       string
+	elem     *list.Element // in Watcher.lru
 	turns    int
 	group    string
 	last     time.Time
@@ -130,8 +173,11 @@ func New(cfg Config) (*Watcher, error) {
 	if cfg.Sessions <= 0 {
 		cfg.Sessions = 10
 	}
-	return &Watcher{cfg: cfg, ready: make(chan struct{}), groups: map[string]*groupView{}, schedulers: map[string]messages.Announcement{},
-		reqs: map[string]*reqView{}, sessions: map[string]*sessionView{}}, nil
+	if cfg.MaxSessions <= 0 {
+		cfg.MaxSessions = DefaultMaxSessions
+	}
+	return &Watcher{cfg: cfg, ready: make(chan struct{}), groups: map[string]*groupView{}, schedulers: map[string]schedulerView{},
+		reqs: map[string]*reqView{}, sessions: map[string]*sessionView{}, url: cfg.URL}, nil
 }
 
 // Subscribed is closed once Run follows the bus: what is published after
@@ -142,8 +188,15 @@ func (w *Watcher) Subscribed() <-chan struct{} { return w.ready }
 // skipped.
 func (w *Watcher) Run(ctx context.Context) error {
 	s := w.cfg.Subjects
+	nc := w.cfg.Conn
+	// Follow the connection (the snapshot also asks it: events can be
+	// dropped): while it is lost, the view says so and keeps the last rows.
+	status := nc.StatusChanged()
+	defer nc.RemoveStatusListener(status)
 	w.mu.Lock()
 	w.started = time.Now()
+	w.running = true
+	w.connStatus(nc.Status(), w.started)
 	w.mu.Unlock()
 	// One subscription, so that messages are handled in the order the
 	// server delivers them: a request before its outputs.
@@ -181,7 +234,26 @@ func (w *Watcher) Run(ctx context.Context) error {
 			return nil
 		case now := <-t.C:
 			w.expire(now)
+		case st := <-status:
+			w.mu.Lock()
+			w.connStatus(st, time.Now())
+			w.mu.Unlock()
 		}
+	}
+}
+
+// connStatus records the connection's status st, seen at now. Call with
+// w.mu held.
+func (w *Watcher) connStatus(st nats.Status, now time.Time) {
+	if st == nats.CONNECTED {
+		w.discSince = time.Time{}
+		if u := w.cfg.Conn.ConnectedUrlRedacted(); u != "" {
+			w.url = u
+		}
+		return
+	}
+	if w.discSince.IsZero() {
+		w.discSince = now
 	}
 }
 
@@ -192,11 +264,10 @@ func (w *Watcher) onHeartbeat(m *nats.Msg, now time.Time) {
 	}
 	w.mu.Lock()
 	defer w.mu.Unlock()
-	g := w.group(hb.Group)
-	if g.worldSize != hb.WorldSize {
-		g.worldSize, g.ranks = hb.WorldSize, map[int]rankView{}
-	}
-	g.ranks[hb.TPRank] = rankView{seen: now, hb: *hb}
+	// Each rank keeps the world size it says: ranks that disagree show as
+	// a conflict, where resetting the group at each disagreement made it
+	// flap between incomplete 1/4 and 3/4.
+	w.group(hb.Group).ranks[hb.TPRank] = rankView{seen: now, hb: *hb}
 }
 
 func (w *Watcher) group(name string) *groupView {
@@ -218,13 +289,13 @@ func (w *Watcher) onKV(m *nats.Msg, _ time.Time) {
 	w.mu.Unlock()
 }
 
-func (w *Watcher) onAnnouncement(m *nats.Msg, _ time.Time) {
+func (w *Watcher) onAnnouncement(m *nats.Msg, now time.Time) {
 	a, err := messages.DecodeAnnouncement(m.Data)
 	if err != nil {
 		return
 	}
 	w.mu.Lock()
-	w.schedulers[a.ID] = *a
+	w.schedulers[a.ID] = schedulerView{ann: *a, seen: now}
 	w.mu.Unlock()
 }
 
@@ -238,12 +309,28 @@ func (w *Watcher) onRequest(m *nats.Msg, now time.Time) {
 	if _, ok := w.reqs[req.RequestID]; ok {
 		return // a redelivery
 	}
-	rv := &reqView{arrived: now, session: req.SessionID, depth: 1, prompt: len(req.PromptTokenIDs)}
+	rv := &reqView{arrived: now, start: now, session: req.SessionID, depth: 1, prompt: len(req.PromptTokenIDs)}
+	if req.ArrivalUnixMs > 0 {
+		// The frontend's clock: a top that reads its backlog late (paused,
+		// behind) would otherwise stamp both ends at once.
+		// The stamp is in whole milliseconds: take the end of that
+		// millisecond (understating by less than 1 ms rather than
+		// overstating), and never after top read the request.
+		if t := time.UnixMilli(req.ArrivalUnixMs).Add(time.Millisecond - 1); t.Before(now) {
+			rv.start = t
+		}
+	}
 	if req.SessionID != "" {
 		sv := w.sessions[req.SessionID]
 		if sv == nil {
-			sv = &sessionView{}
+			sv = &sessionView{id: req.SessionID}
+			sv.elem = w.lru.PushFront(sv)
 			w.sessions[req.SessionID] = sv
+			for w.lru.Len() > w.cfg.MaxSessions {
+				w.forget(w.lru.Back().Value.(*sessionView))
+			}
+		} else {
+			w.lru.MoveToFront(sv.elem)
 		}
 		sv.turns++
 		sv.last = now
@@ -292,7 +379,7 @@ func (w *Watcher) onOutput(m *nats.Msg, now time.Time) {
 	}
 	d := doneReq{at: now, depth: rv.depth, prompt: rv.prompt, failed: o.Error != nil, session: rv.session}
 	if !rv.firstByte.IsZero() {
-		d.ttft = rv.firstByte.Sub(rv.arrived)
+		d.ttft = rv.firstByte.Sub(rv.start) // 0 or less (clocks apart): no sample
 	}
 	if u := o.Usage; u != nil {
 		d.prompt, d.cached = u.PromptTokens, u.CachedTokens
@@ -305,9 +392,19 @@ func (w *Watcher) onOutput(m *nats.Msg, now time.Time) {
 	delete(w.reqs, o.ReqID)
 }
 
-// onControl follows client aborts: the driver sends no final output for
-// an aborted request, so it ends here. A scheduler's withdrawal from one
-// group (Abort.group) is not an end: the request goes on.
+// forget drops session sv. Call with w.mu held.
+func (w *Watcher) forget(sv *sessionView) {
+	w.lru.Remove(sv.elem)
+	delete(w.sessions, sv.id)
+}
+
+// onControl follows the frontend's aborts: the driver sends no final
+// output for an aborted request, so it ends here. Only a client that went
+// away counts as aborted; a timeout or a stopping frontend is a failure;
+// a request whose publication failed (the log refused it: 503
+// request_log_full) never ran, and is forgotten with its session turn. A
+// scheduler's withdrawal from one group (Abort.group) is not an end: the
+// request goes on.
 func (w *Watcher) onControl(m *nats.Msg, now time.Time) {
 	if m.Subject != w.cfg.Subjects.Abort() {
 		return
@@ -322,12 +419,28 @@ func (w *Watcher) onControl(m *nats.Msg, now time.Time) {
 	if rv == nil {
 		return
 	}
-	w.done = append(w.done, doneReq{at: now, depth: rv.depth, prompt: rv.prompt, aborted: true, session: rv.session})
 	delete(w.reqs, a.ReqID)
+	switch {
+	case a.Reason == abortClientGone:
+		w.done = append(w.done, doneReq{at: now, depth: rv.depth, prompt: rv.prompt, aborted: true, session: rv.session})
+	case strings.HasPrefix(a.Reason, abortPublishFailed):
+		if sv := w.sessions[rv.session]; sv != nil {
+			sv.turns--
+			if k := len(sv.inWindow) - 1; k >= 0 && sv.inWindow[k].Equal(rv.arrived) {
+				sv.inWindow = sv.inWindow[:k]
+			}
+			if sv.turns <= 0 {
+				w.forget(sv)
+			}
+		}
+	default: // a timeout, a stopping frontend or replayer
+		w.done = append(w.done, doneReq{at: now, depth: rv.depth, prompt: rv.prompt, failed: true, session: rv.session})
+	}
 }
 
 // expire drops what is older than the window (requests that never ended
-// after 10 minutes, sessions idle for 30).
+// after 10 minutes, sessions idle for 30, ranks silent for groupForget,
+// schedulers for schedulerForget).
 func (w *Watcher) expire(now time.Time) {
 	w.mu.Lock()
 	defer w.mu.Unlock()
@@ -347,9 +460,29 @@ func (w *Watcher) expire(now time.Time) {
 			delete(w.reqs, id)
 		}
 	}
-	for id, sv := range w.sessions {
-		if now.Sub(sv.last) > 30*time.Minute {
-			delete(w.sessions, id)
+	for e := w.lru.Back(); e != nil; e = w.lru.Back() {
+		sv := e.Value.(*sessionView)
+		if now.Sub(sv.last) <= 30*time.Minute {
+			break
+		}
+		w.forget(sv)
+	}
+	if !w.discSince.IsZero() {
+		return // nothing is heard: keep the last rows
+	}
+	for name, g := range w.groups {
+		for tp, r := range g.ranks {
+			if now.Sub(r.seen) > groupForget {
+				delete(g.ranks, tp)
+			}
+		}
+		if len(g.ranks) == 0 {
+			delete(w.groups, name)
+		}
+	}
+	for id, sc := range w.schedulers {
+		if now.Sub(sc.seen) > schedulerForget {
+			delete(w.schedulers, id)
 		}
 	}
 }

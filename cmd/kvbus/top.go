@@ -3,6 +3,7 @@ package main
 import (
 	"context"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"io"
 	"log/slog"
@@ -12,6 +13,7 @@ import (
 	tea "charm.land/bubbletea/v2"
 
 	"github.com/nats-io/nats.go"
+	"golang.org/x/term"
 
 	"github.com/kvbus/kvbus/bus"
 	"github.com/kvbus/kvbus/internal/logsink"
@@ -28,9 +30,13 @@ type topCmd struct {
 	Once      bool          `name:"once" help:"Watch for --watch, print one snapshot and exit (for scripts and tests)."`
 	JSON      bool          `name:"json" help:"With --once: print the snapshot as JSON."`
 	Watch     time.Duration `name:"watch" default:"3s" help:"With --once: how long to listen before the snapshot (heartbeats come every second)."`
-	Refresh   time.Duration `name:"refresh" default:"500ms" help:"Redraw interval (positive; at most 1s)."`
+	Refresh   time.Duration `name:"refresh" default:"500ms" help:"Redraw interval (positive)."`
 	Window    time.Duration `name:"window" default:"1m" help:"Span of the rates, TTFT percentiles and hit ratios (positive)."`
 	Sessions  int           `name:"sessions" default:"10" help:"Busiest sessions listed (0: none)."`
+	// HeartbeatTimeout is the schedulers' --heartbeat-timeout: give the
+	// same when groups beat slower than every second.
+	HeartbeatTimeout time.Duration `name:"heartbeat-timeout" default:"3s" help:"A rank not heard for longer is gone (positive; the schedulers' default, 3s)."`
+	MaxSessions      int           `name:"max-sessions" default:"10000" help:"Sessions followed at most; past it the least recently active are forgotten (positive)."`
 
 	// errOut receives what top says while it connects; nil means standard
 	// error (tests set it).
@@ -48,7 +54,13 @@ func (c *topCmd) Validate() error {
 	case c.Window <= 0:
 		return fmt.Errorf("--window must be positive (got %s): the span of the rates, percentiles and hit ratios, e.g. 1m", c.Window)
 	case c.Refresh <= 0:
-		return fmt.Errorf("--refresh must be positive (got %s): the redraw interval, e.g. 500ms (at most 1s)", c.Refresh)
+		return fmt.Errorf("--refresh must be positive (got %s): the redraw interval, e.g. 500ms", c.Refresh)
+	case c.HeartbeatTimeout <= 0:
+		return fmt.Errorf("--heartbeat-timeout must be positive (got %s): how long a silent rank counts as live, e.g. 3s", c.HeartbeatTimeout)
+	case c.MaxSessions <= 0:
+		return fmt.Errorf("--max-sessions must be positive (got %d): how many sessions top follows at most, e.g. 10000", c.MaxSessions)
+	case c.JSON && !c.Once:
+		return errors.New("--json needs --once: the live view is for a terminal; kvbus top --once --json prints one snapshot")
 	case c.Watch < 0:
 		return fmt.Errorf("--watch must be 0 or more (got %s): how long --once listens before its snapshot, e.g. 3s", c.Watch)
 	}
@@ -64,7 +76,8 @@ func (c *topCmd) Run(ctx context.Context) error {
 		return err
 	}
 	defer nc.Close()
-	w, err := top.New(top.Config{Conn: nc, Subjects: busFlags{Prefix: c.Prefix}.subjects(), Window: c.Window, Sessions: c.Sessions})
+	w, err := top.New(top.Config{Conn: nc, Subjects: busFlags{Prefix: c.Prefix}.subjects(), Window: c.Window, Sessions: c.Sessions,
+		HeartbeatTimeout: c.HeartbeatTimeout, MaxSessions: c.MaxSessions, URL: bus.RedactURLs(c.NATSURL)})
 	if err != nil {
 		return err
 	}
@@ -83,16 +96,12 @@ func (c *topCmd) Run(ctx context.Context) error {
 			return err
 		case <-time.After(c.Watch):
 		}
-		snap := w.Snapshot(time.Now())
-		if len(snap.Sessions) > c.Sessions {
-			snap.Sessions = snap.Sessions[:c.Sessions]
-		}
 		if c.JSON {
 			enc := json.NewEncoder(os.Stdout)
 			enc.SetIndent("", "  ")
-			return enc.Encode(snap)
+			return enc.Encode(w.SnapshotWith(time.Now(), top.SnapshotOptions{Sessions: c.Sessions}))
 		}
-		_, err := os.Stdout.WriteString(top.NewModel(w, c.Refresh, c.Sessions).Render())
+		_, err := os.Stdout.WriteString(top.NewModel(w, c.Refresh, c.Sessions).Report(plainOutput(os.Stdout)))
 		return err
 	}
 	p := tea.NewProgram(top.NewModel(w, c.Refresh, c.Sessions), tea.WithContext(ctx))
@@ -101,6 +110,12 @@ func (c *topCmd) Run(ctx context.Context) error {
 	}
 	cancel()
 	return <-errc
+}
+
+// plainOutput reports whether f takes no styling: not a terminal (a pipe,
+// a file), or NO_COLOR or TERM=dumb set.
+func plainOutput(f *os.File) bool {
+	return !term.IsTerminal(int(f.Fd())) || os.Getenv("NO_COLOR") != "" || os.Getenv("TERM") == "dumb"
 }
 
 // connect reaches NATS, saying at once where it connects and why it waits;

@@ -186,7 +186,7 @@ func TestTopSaysWhereItConnects(t *testing.T) {
 	_ = ln.Close() // nothing listens there now
 	logs := &testenv.LogBuffer{}
 	cmd := &topCmd{natsFlags: natsFlags{NATSURL: "nats://kvbus:hunter2@" + addr}, Once: true, Watch: time.Second, Refresh: time.Second,
-		Window: time.Minute, Sessions: 10, errOut: logs, connectTimeout: 1500 * time.Millisecond}
+		Window: time.Minute, Sessions: 10, HeartbeatTimeout: 3 * time.Second, MaxSessions: 10, errOut: logs, connectTimeout: 1500 * time.Millisecond}
 	done := make(chan error, 1)
 	start := time.Now()
 	go func() { done <- cmd.Run(t.Context()) }()
@@ -200,5 +200,62 @@ func TestTopSaysWhereItConnects(t *testing.T) {
 	}
 	if strings.Contains(logs.String(), "hunter2") || err != nil && strings.Contains(err.Error(), "hunter2") {
 		t.Errorf("the password was printed:\n%s\n%v", logs.String(), err)
+	}
+}
+
+// TestTopOnceIsPlainForScripts: `kvbus top --once` into a pipe writes no
+// escape sequence and no help line for keys (it wrote both), and `--once
+// --json` on an empty cluster prints empty lists, not null.
+func TestTopOnceIsPlainForScripts(t *testing.T) {
+	if testing.Short() {
+		t.Skip("builds and runs the binary")
+	}
+	bin := buildBinary(t, t.TempDir())
+	srv := testenv.StartNATS(t)
+	out, err := exec.Command(bin, "top", "--once", "--watch", "200ms", "--nats-url", srv.ClientURL()).Output()
+	if err != nil {
+		t.Fatalf("top --once: %v\n%s", err, out)
+	}
+	if strings.Contains(string(out), "\x1b") || strings.Contains(string(out), "q quit") || !strings.Contains(string(out), "kvbus top") {
+		t.Errorf("top --once into a pipe:\n%q", out)
+	}
+	out, err = exec.Command(bin, "top", "--once", "--json", "--watch", "200ms", "--nats-url", srv.ClientURL()).Output()
+	if err != nil {
+		t.Fatalf("top --once --json: %v\n%s", err, out)
+	}
+	for _, want := range []string{`"groups": []`, `"schedulers": []`, `"sessions": []`} {
+		if !strings.Contains(string(out), want) {
+			t.Errorf("top --once --json on an empty cluster lacks %s:\n%s", want, out)
+		}
+	}
+}
+
+// TestTopFlagsSayWhatTheyNeed: --json without --once says it needs --once
+// (it failed opening a TTY), --refresh above 1 s is honoured (it was
+// silently clamped), and --heartbeat-timeout and --max-sessions must be
+// positive.
+func TestTopFlagsSayWhatTheyNeed(t *testing.T) {
+	for _, tc := range []struct {
+		args []string
+		want string // "": accepted
+	}{
+		{[]string{"top", "--json"}, "--json needs --once"},
+		{[]string{"top", "--refresh", "5s"}, ""},
+		{[]string{"top", "--heartbeat-timeout", "4s"}, ""},
+		{[]string{"top", "--heartbeat-timeout", "0s"}, "--heartbeat-timeout"},
+		{[]string{"top", "--max-sessions", "0"}, "--max-sessions"},
+	} {
+		var c cli
+		p, err := kong.New(&c, kong.Bind((*logsink.Writer)(nil)), kong.DefaultEnvars("KVBUS"), kong.Exit(func(int) {}))
+		if err != nil {
+			t.Fatal(err)
+		}
+		_, err = p.Parse(tc.args)
+		switch {
+		case tc.want == "" && err != nil:
+			t.Errorf("kvbus %s: %v", strings.Join(tc.args, " "), err)
+		case tc.want != "" && (err == nil || !strings.Contains(err.Error(), tc.want)):
+			t.Errorf("kvbus %s: %v; want it refused naming %s", strings.Join(tc.args, " "), err, tc.want)
+		}
 	}
 }
