@@ -139,14 +139,16 @@ down-engine:
 # when a scheduler is ready, i.e. consumes requests and places them on a
 # group whose KV index is synced (polled: docker-compose 1.29 has no --wait).
 HTTP_PORT ?= $(or $(KVBUS_HTTP_PORT),8000)
-# One NATS key per role (kvbus auth init), written once; the containers run
-# as the caller so that they can read their 0600 seed.
+# One NATS key per role (kvbus auth init), written once, and the routes'
+# password of docker-compose.cluster.yml (cluster-password, written into a
+# key directory that lacks it, keys unchanged); the containers run as the
+# caller so that they can read their 0600 seed.
 KVBUS_AUTH_DIR ?= .kvbus-auth
 export KVBUS_AUTH_DIR
 export KVBUS_UID := $(shell id -u)
 export KVBUS_GID := $(shell id -g)
 auth-keys: image
-	@test -f $(KVBUS_AUTH_DIR)/nats-auth.conf || build/docker/kvbus auth init $(KVBUS_AUTH_DIR)
+	@{ test -f $(KVBUS_AUTH_DIR)/nats-auth.conf && test -f $(KVBUS_AUTH_DIR)/cluster-password; } || build/docker/kvbus auth init $(KVBUS_AUTH_DIR)
 
 up: image auth-keys
 	$(COMPOSE) $(UP_FILES) up -d --scale scheduler=$(SCHEDULERS) --scale worker=$(WORKERS)

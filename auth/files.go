@@ -3,6 +3,8 @@ package auth
 import (
 	"bytes"
 	"cmp"
+	"crypto/rand"
+	"encoding/base64"
 	"errors"
 	"fmt"
 	"io/fs"
@@ -23,6 +25,12 @@ const ConfigFile = "nats-auth.conf"
 // PrefixFile records, in a key directory, the subject prefix its
 // permissions were written for: Rotate and Matrix read it.
 const PrefixFile = "subject-prefix"
+
+// ClusterPasswordFile holds, in a key directory, the password NATS servers
+// give each other on their routes (`kvbus nats --cluster-password-file`),
+// mode 0600. Init writes it when it is missing; Rotate(dir, s,
+// ClusterPasswordFile) replaces it.
+const ClusterPasswordFile = "cluster-password"
 
 // Identities are the keys Init writes: one per role, and one worker key per
 // group of groups.
@@ -63,10 +71,15 @@ func Init(dir string, s messages.Subjects, groups []string, force bool) ([]Ident
 		return nil, err
 	}
 	prefix := cmp.Or(s.Prefix, messages.DefaultPrefix)
-	if err := writeFile(filepath.Join(dir, PrefixFile), []byte(prefix+"\n"), 0o644); err != nil {
+	files, err := keyFiles(dir, s, ids, func(Identity) bool { return true })
+	if err != nil {
 		return nil, err
 	}
-	return ids, write(dir, s, ids, func(Identity) bool { return true })
+	files = append([]file{{filepath.Join(dir, PrefixFile), []byte(prefix + "\n"), 0o644}}, files...)
+	if files, err = withClusterPassword(dir, files); err != nil {
+		return nil, err
+	}
+	return ids, commit(files)
 }
 
 // addKeys writes the seeds of the identities in want that dir lacks (a
@@ -86,10 +99,21 @@ func addKeys(dir string, s messages.Subjects, existing, want []Identity) ([]Iden
 			added = append(added, id)
 		}
 	}
+	files, err := withClusterPassword(dir, nil)
+	if err != nil {
+		return nil, err
+	}
 	if len(added) == 0 {
+		if len(files) > 0 { // a directory written before the cluster password was
+			return nil, commit(files)
+		}
 		return nil, fmt.Errorf("%w: every key asked for is in %s already; rotate one with --rotate NAME, or all with --force (every role then needs its new seed)", ErrExists, dir)
 	}
-	return added, write(dir, s, append(existing, added...), func(id Identity) bool { return !have[id.Name()] })
+	keys, err := keyFiles(dir, s, append(existing, added...), func(id Identity) bool { return !have[id.Name()] })
+	if err != nil {
+		return nil, err
+	}
+	return added, commit(append(files, keys...))
 }
 
 // dirSubjects returns the subjects dir's keys were written for: its
@@ -115,6 +139,13 @@ func dirSubjects(dir string, s messages.Subjects) (messages.Subjects, error) {
 // a new key and rewrites ConfigFile; the other keys stay. NATS must then
 // reload the configuration and that role restart with its new seed.
 func Rotate(dir string, s messages.Subjects, name string) error {
+	if name == ClusterPasswordFile {
+		pw, err := clusterPassword(dir)
+		if err != nil {
+			return err
+		}
+		return commit([]file{pw})
+	}
 	ids, _, err := Keys(dir)
 	if err != nil {
 		return err
@@ -125,12 +156,27 @@ func Rotate(dir string, s messages.Subjects, name string) error {
 	if !slices.ContainsFunc(ids, func(id Identity) bool { return id.Name() == name }) {
 		return fmt.Errorf("%w: no key %s.nk in %s", ErrConfig, name, dir)
 	}
-	return write(dir, s, ids, func(id Identity) bool { return id.Name() == name })
+	files, err := keyFiles(dir, s, ids, func(id Identity) bool { return id.Name() == name })
+	if err != nil {
+		return err
+	}
+	return commit(files)
 }
 
-// write writes ConfigFile for ids, with a new seed for those renew says
-// and the existing seed of the others.
-func write(dir string, s messages.Subjects, ids []Identity, renew func(Identity) bool) error {
+// file is a file to write: path, content and mode.
+type file struct {
+	path string
+	data []byte
+	mode os.FileMode
+}
+
+// keyFiles returns the files that give ids their keys: a new seed for
+// those renew says (the existing seed of the others is read, and must be
+// valid), and ConfigFile for all of them, last. Nothing is written: every
+// seed is read and every key made first, so that a bad seed file leaves
+// the directory as it was.
+func keyFiles(dir string, s messages.Subjects, ids []Identity, renew func(Identity) bool) ([]file, error) {
+	var files []file
 	var users []user
 	for _, id := range ids {
 		path := filepath.Join(dir, id.Name()+".nk")
@@ -145,28 +191,81 @@ func write(dir string, s messages.Subjects, ids []Identity, renew func(Identity)
 			}
 		}
 		if err != nil {
-			return fmt.Errorf("auth: key %s: %w", path, err)
+			return nil, fmt.Errorf("auth: key %s: %w (nothing was written: move the file out, or replace every key with --force)", path, err)
 		}
 		pub, err := kp.PublicKey()
 		if err != nil {
-			return err
+			return nil, err
 		}
 		if renew(id) {
 			seed, err := kp.Seed()
 			if err != nil {
-				return err
+				return nil, err
 			}
-			if err := writeFile(path, append(seed, '\n'), 0o600); err != nil {
-				return err
-			}
+			files = append(files, file{path, append(seed, '\n'), 0o600})
 		}
 		perms, err := For(s, id)
 		if err != nil {
-			return err
+			return nil, err
 		}
 		users = append(users, user{id: id, nkey: pub, perms: perms})
 	}
-	return writeFile(filepath.Join(dir, ConfigFile), []byte(configText(users)), 0o644)
+	return append(files, file{filepath.Join(dir, ConfigFile), []byte(configText(users)), 0o644}), nil
+}
+
+// withClusterPassword appends a new ClusterPasswordFile to files when dir
+// has none.
+func withClusterPassword(dir string, files []file) ([]file, error) {
+	if _, err := os.Stat(filepath.Join(dir, ClusterPasswordFile)); err == nil {
+		return files, nil
+	} else if !errors.Is(err, fs.ErrNotExist) {
+		return nil, err
+	}
+	pw, err := clusterPassword(dir)
+	if err != nil {
+		return nil, err
+	}
+	return append(files, pw), nil
+}
+
+// clusterPassword is a new random ClusterPasswordFile for dir.
+func clusterPassword(dir string) (file, error) {
+	b := make([]byte, 32)
+	if _, err := rand.Read(b); err != nil {
+		return file{}, err
+	}
+	return file{filepath.Join(dir, ClusterPasswordFile), []byte(base64.RawURLEncoding.EncodeToString(b) + "\n"), 0o600}, nil
+}
+
+// commit writes files: each to a temporary name first, and only when all
+// are written does it rename them into place, in order (ConfigFile, which
+// names the seeds' keys, last). A failure before the renames leaves every
+// file as it was.
+func commit(files []file) error {
+	for _, f := range files {
+		if fi, err := os.Lstat(f.path); err == nil && !fi.Mode().IsRegular() {
+			return fmt.Errorf("auth: %s is not a regular file; nothing was written", f.path)
+		}
+	}
+	var tmps []string
+	defer func() {
+		for _, tmp := range tmps {
+			_ = os.Remove(tmp) // gone once renamed
+		}
+	}()
+	for _, f := range files {
+		tmp := f.path + ".tmp"
+		tmps = append(tmps, tmp)
+		if err := writeTemp(tmp, f.data, f.mode); err != nil {
+			return fmt.Errorf("auth: %w; nothing was written", err)
+		}
+	}
+	for i, f := range files {
+		if err := os.Rename(tmps[i], f.path); err != nil {
+			return fmt.Errorf("auth: %w", err)
+		}
+	}
+	return nil
 }
 
 func seedFiles(ids []Identity) []string {
@@ -177,16 +276,23 @@ func seedFiles(ids []Identity) []string {
 	return out
 }
 
-// writeFile replaces path atomically with data at mode.
-func writeFile(path string, data []byte, mode os.FileMode) error {
-	tmp := path + ".tmp"
-	if err := os.WriteFile(tmp, data, mode); err != nil {
+// writeTemp writes data to tmp at mode, synced.
+func writeTemp(tmp string, data []byte, mode os.FileMode) error {
+	f, err := os.OpenFile(tmp, os.O_WRONLY|os.O_CREATE|os.O_TRUNC, mode)
+	if err != nil {
 		return err
 	}
-	if err := os.Chmod(tmp, mode); err != nil { // the umask does not widen or narrow it
-		return err
+	_, err = f.Write(data)
+	if err == nil {
+		err = f.Chmod(mode) // the umask does not widen or narrow it
 	}
-	return os.Rename(tmp, path)
+	if err == nil {
+		err = f.Sync()
+	}
+	if cerr := f.Close(); err == nil {
+		err = cerr
+	}
+	return err
 }
 
 type user struct {

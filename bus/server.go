@@ -3,10 +3,13 @@ package bus
 import (
 	"errors"
 	"fmt"
+	"log/slog"
 	"net"
+	"net/url"
 	"os"
 	"path/filepath"
 	"strconv"
+	"strings"
 	"syscall"
 	"time"
 
@@ -34,6 +37,12 @@ type ServerConfig struct {
 	Cluster     string
 	ClusterName string
 	Routes      []string
+	// ClusterUser and ClusterPassword, if the password is set, are required
+	// from every server that routes in, and sent on the routes this server
+	// makes (a route URL's own user info wins). The user defaults to
+	// "kvbus". With Token or AuthConfig, a Cluster needs them: otherwise any
+	// server that reaches the route port joins and bypasses every key.
+	ClusterUser, ClusterPassword string
 	// Token, if set, is required from every client.
 	Token string
 	// AuthConfig, if set, is a nats-server configuration file whose
@@ -41,12 +50,20 @@ type ServerConfig struct {
 	// init` writes one) applies to every client. Not with Token.
 	AuthConfig string
 	// TLSCert and TLSKey (PEM files), if set, make clients connect with TLS;
-	// TLSCA, if also set, requires and verifies client certificates.
+	// TLSCA, if also set, requires and verifies client certificates. With a
+	// Cluster, the routes use TLS too, both ways verified against TLSCA (the
+	// system's roots without it). An expired certificate, or one not yet
+	// valid, is refused; one that expires within 14 days is warned about.
 	TLSCert, TLSKey, TLSCA string
 	// MonitorAddr, if set, serves nats-server's monitoring endpoints there
 	// (HOST:PORT), /healthz among them.
 	MonitorAddr string
-	// Debug enables the server's own logging to stderr.
+	// Logger receives the server's notices (at info), warnings and errors
+	// (refused credentials, failed TLS handshakes, route trouble), a
+	// connection's repeats collapsed to one line per host and message per
+	// 10 s; nil means slog.Default().
+	Logger *slog.Logger
+	// Debug adds the server's debug output, at debug level.
 	Debug bool
 }
 
@@ -54,6 +71,7 @@ type ServerConfig struct {
 type Server struct {
 	*server.Server
 	tempDir string
+	log     *serverLogger
 }
 
 // StartServer starts an embedded nats-server with JetStream and waits until
@@ -80,6 +98,18 @@ func StartServer(cfg ServerConfig) (*Server, error) {
 		{"cluster", "--cluster-addr", cfg.Cluster},
 	} {
 		if err := portFree(l.what, l.flag, l.addr); err != nil {
+			return nil, err
+		}
+	}
+	logger := cfg.Logger
+	if logger == nil {
+		logger = slog.Default()
+	}
+	if err := checkRouteAuth(cfg); err != nil {
+		return nil, err
+	}
+	if cfg.TLSCert != "" {
+		if err := checkServerCert(cfg.TLSCert, cfg.Cluster != "", logger, time.Now()); err != nil {
 			return nil, err
 		}
 	}
@@ -160,22 +190,42 @@ func StartServer(cfg ServerConfig) (*Server, error) {
 		opts.Cluster.Host = ch
 		opts.Cluster.Port = serverPort(cp)
 		opts.Cluster.Name = cfg.ClusterName
-		opts.Routes = server.RoutesFromStr(joinComma(cfg.Routes))
+		if opts.Routes, err = routeURLs(cfg); err != nil {
+			s.cleanup()
+			return nil, err
+		}
+		if cfg.ClusterPassword != "" {
+			opts.Cluster.Username, opts.Cluster.Password = clusterUser(cfg), cfg.ClusterPassword
+		}
+		if opts.TLSConfig != nil {
+			// Routes are TLS both ways: each server is the other's client,
+			// and both verify the peer's certificate against the CA.
+			rc, err := server.GenTLSConfig(&server.TLSConfigOpts{CertFile: cfg.TLSCert, KeyFile: cfg.TLSKey, CaFile: cfg.TLSCA, Verify: true})
+			if err != nil {
+				s.cleanup()
+				return nil, fmt.Errorf("%w: route TLS: %v", ErrServer, err)
+			}
+			rc.RootCAs = rc.ClientCAs
+			opts.Cluster.TLSConfig, opts.Cluster.TLSTimeout = rc, 2
+		}
 	}
 	ns, err := server.NewServer(opts)
 	if err != nil {
 		s.cleanup()
 		return nil, fmt.Errorf("%w: %v", ErrServer, err)
 	}
-	if cfg.Debug {
-		ns.ConfigureLogger()
-	}
+	s.log = newServerLogger(logger, cfg.ClusterPassword, cfg.Token)
+	ns.SetLoggerV2(s.log, cfg.Debug, false, false)
 	go ns.Start()
 	if !ns.ReadyForConnections(30 * time.Second) {
 		ns.Shutdown()
+		s.log.close()
 		s.cleanup()
 		return nil, fmt.Errorf("%w: not ready to accept connections on %s within 30s (is the port in use? --debug shows the server's own log)", ErrServer, addr)
 	}
+	// The start-up banner went to debug; from here on notices (routes
+	// joining, JetStream leaders, slow consumers) are logged at info.
+	s.log.quiet.Store(false)
 	s.Server = ns
 	return s, nil
 }
@@ -213,9 +263,15 @@ func portFree(what, flag, addr string) error {
 // Shutdown stops the server, waits for it, and removes a temporary data
 // directory.
 func (s *Server) Shutdown() {
+	if s.log != nil {
+		s.log.quiet.Store(true) // the shutdown's steps
+	}
 	if s.Server != nil {
 		s.Server.Shutdown()
 		s.Server.WaitForShutdown()
+	}
+	if s.log != nil {
+		s.log.close()
 	}
 	s.cleanup()
 }
@@ -226,13 +282,67 @@ func (s *Server) cleanup() {
 	}
 }
 
-func joinComma(ss []string) string {
-	out := ""
-	for i, s := range ss {
-		if i > 0 {
-			out += ","
-		}
-		out += s
+// clusterUser is the user name routes authenticate with.
+func clusterUser(cfg ServerConfig) string {
+	if cfg.ClusterUser != "" {
+		return cfg.ClusterUser
 	}
-	return out
+	return "kvbus"
+}
+
+// checkRouteAuth refuses a route port without authentication on a server
+// whose clients need credentials: any server reaching it could join the
+// cluster and give its own anonymous clients every subject.
+func checkRouteAuth(cfg ServerConfig) error {
+	if cfg.ClusterUser != "" && cfg.ClusterPassword == "" {
+		return fmt.Errorf("%w: --cluster-user needs a --cluster-password (or --cluster-password-file)", ErrServer)
+	}
+	if cfg.Cluster == "" || cfg.ClusterPassword != "" {
+		return nil
+	}
+	locked := ""
+	switch {
+	case cfg.AuthConfig != "":
+		locked = "--auth-config"
+	case cfg.Token != "":
+		locked = "--token"
+	default:
+		return nil
+	}
+	return fmt.Errorf("%w: %s with --cluster-addr but no route authentication: any server that reaches the route port %s could join the cluster, "+
+		"and its clients read and publish every subject without a key; add --cluster-password-file FILE (kvbus auth init writes DIR/cluster-password) "+
+		"or --cluster-password (KVBUS_CLUSTER_PASSWORD), the same on every server of the cluster", ErrServer, locked, cfg.Cluster)
+}
+
+// routeURLs parses cfg.Routes (comma-separated within an element too),
+// with the cluster's credentials on each URL that carries none of its own.
+func routeURLs(cfg ServerConfig) ([]*url.URL, error) {
+	var out []*url.URL
+	for _, r := range cfg.Routes {
+		for _, r := range strings.Split(r, ",") {
+			if r = strings.TrimSpace(r); r == "" {
+				continue
+			}
+			u, err := url.Parse(r)
+			if err != nil || u.Host == "" {
+				return nil, fmt.Errorf("%w: route %q: want nats://HOST:PORT (--routes)", ErrServer, redactURL(r))
+			}
+			if u.User == nil && cfg.ClusterPassword != "" {
+				u.User = url.UserPassword(clusterUser(cfg), cfg.ClusterPassword)
+			}
+			out = append(out, u)
+		}
+	}
+	return out, nil
+}
+
+// redactURL hides a password in a URL that failed to parse.
+func redactURL(s string) string {
+	if at := strings.LastIndex(s, "@"); at >= 0 {
+		if i := strings.Index(s, "://"); i >= 0 && i < at {
+			return s[:i+3] + "xxxxx" + s[at:]
+		}
+		return "xxxxx" + s[at:]
+	}
+	return s
 }

@@ -27,7 +27,7 @@ type authInitCmd struct {
 	Dir    string   `arg:"" name:"dir" help:"Directory for the seeds (<role>.nk, mode 0600) and nats-auth.conf."`
 	Groups []string `name:"groups" sep:"," help:"Also write one worker key per group (worker-<group>.nk), allowed only that group's ReqMetas, dumps, pool, KV events and heartbeats."`
 	Force  bool     `name:"force" help:"Overwrite existing keys (rotation: every role then needs its new seed, and NATS the new config)."`
-	Rotate string   `name:"rotate" help:"Give only this key (a role, or worker-<group>) a new seed and rewrite nats-auth.conf; the other keys stay."`
+	Rotate string   `name:"rotate" help:"Give only this key (a role, or worker-<group>) a new seed and rewrite nats-auth.conf; the other keys stay. --rotate cluster-password replaces the routes' password (restart every kvbus nats of the cluster with it)."`
 	Prefix string   `name:"subject-prefix" help:"First token of every kvbus subject (default kvbus; with --rotate, the one DIR was written for)."`
 }
 
@@ -37,6 +37,10 @@ func (c *authInitCmd) Run() error {
 		if err := auth.Rotate(c.Dir, s, c.Rotate); err != nil {
 			return err
 		}
+		if c.Rotate == auth.ClusterPasswordFile {
+			fmt.Printf("new %s/%s; restart every kvbus nats of the cluster with it (until all have it, the routes between old and new are refused)\n", c.Dir, c.Rotate)
+			return nil
+		}
 		warnStrayKeys(c.Dir)
 		fmt.Printf("new key %s/%s.nk; reload NATS (restart `kvbus nats`, or `nats-server --signal reload`), then restart the %s role with it\n", c.Dir, c.Rotate, c.Rotate)
 		return nil
@@ -45,13 +49,17 @@ func (c *authInitCmd) Run() error {
 	if err != nil {
 		return err
 	}
+	if len(written) == 0 { // only the cluster password was missing
+		fmt.Printf("wrote %s/%s (the routes' password: kvbus nats --cluster-password-file); the keys are unchanged\n", c.Dir, auth.ClusterPasswordFile)
+		return nil
+	}
 	fmt.Printf("wrote %s/{%s}.nk and %s/%s\n", c.Dir, strings.Join(names(written), ","), c.Dir, auth.ConfigFile)
 	warnStrayKeys(c.Dir)
 	if len(written) < len(auth.Identities(c.Groups)) { // added to a directory of keys
 		fmt.Println("the other keys are unchanged; reload NATS (restart `kvbus nats`, or `nats-server --signal reload`) before the new keys connect")
 		return nil
 	}
-	fmt.Printf("start NATS with: kvbus nats --auth-config %s/%s\n", c.Dir, auth.ConfigFile)
+	fmt.Printf("start NATS with: kvbus nats --auth-config %s/%s (and, clustered, --cluster-password-file %s/%s)\n", c.Dir, auth.ConfigFile, c.Dir, auth.ClusterPasswordFile)
 	fmt.Println("and each role with: --nats-nkey <dir>/<role>.nk (admin.nk for capture, replay, tap)")
 	return nil
 }

@@ -13,6 +13,7 @@ import (
 	"net/http"
 	"os"
 	"os/signal"
+	"strings"
 	"sync"
 	"syscall"
 	"time"
@@ -313,19 +314,52 @@ type natsCmd struct {
 	Cluster    string   `name:"cluster-addr" help:"Route listen address HOST:PORT: join a cluster of kvbus nats servers."`
 	CName      string   `name:"cluster-name" default:"kvbus" help:"Cluster name."`
 	Routes     []string `name:"routes" help:"Route URLs of the other servers (nats://host:6222), comma-separated."`
+	// Route authentication: never logged.
+	ClusterUser     string `name:"cluster-user" help:"User name of the route authentication (default kvbus; needs a cluster password)."`
+	ClusterPassword string `name:"cluster-password" help:"Password every server routing in must give, and this one gives on its routes: the same on every server. Required with --cluster-addr and --auth-config or --token. Prefer --cluster-password-file (a flag shows in ps)."`
+	ClusterPassFile string `name:"cluster-password-file" type:"path" help:"File holding the cluster password (kvbus auth init writes DIR/cluster-password)."`
+}
+
+// clusterPassword is --cluster-password, or the content of
+// --cluster-password-file (one of them).
+func (c *natsCmd) clusterPassword() (string, error) {
+	if c.ClusterPassFile == "" {
+		return c.ClusterPassword, nil
+	}
+	if c.ClusterPassword != "" {
+		return "", errors.New("--cluster-password and --cluster-password-file exclude each other")
+	}
+	data, err := os.ReadFile(c.ClusterPassFile)
+	if err != nil {
+		return "", fmt.Errorf("--cluster-password-file: %w (kvbus auth init DIR writes DIR/cluster-password)", err)
+	}
+	pw := strings.TrimSpace(string(data))
+	if pw == "" {
+		return "", fmt.Errorf("--cluster-password-file %s is empty", c.ClusterPassFile)
+	}
+	return pw, nil
 }
 
 func (c *natsCmd) Run(ctx context.Context) error {
-	log := c.logger()
+	lf := c.logFlags
+	if c.Debug { // the server's debug output is logged at debug level
+		lf.LogLevel = "debug"
+	}
+	log := lf.logger()
 	onStop(ctx, log, func() stopPlan { return stopPlan{doing: "shutting the NATS server down", inFlight: -1} })
 	stopPprof, err := c.startPprof(ctx, log)
 	if err != nil {
 		return err
 	}
 	defer stopPprof()
+	clusterPassword, err := c.clusterPassword()
+	if err != nil {
+		return err
+	}
 	srv, err := bus.StartServer(bus.ServerConfig{Addr: c.Addr, DataDir: c.DataDir, Token: c.Token, AuthConfig: c.Auth, Debug: c.Debug,
 		TLSCert: c.TLSCert, TLSKey: c.TLSKey, TLSCA: c.TLSCA, MonitorAddr: c.Monitor,
-		ServerName: c.Name, Cluster: c.Cluster, ClusterName: c.CName, Routes: c.Routes})
+		ServerName: c.Name, Cluster: c.Cluster, ClusterName: c.CName, Routes: c.Routes,
+		ClusterUser: c.ClusterUser, ClusterPassword: clusterPassword, Logger: log})
 	if err != nil {
 		return err
 	}
