@@ -225,7 +225,7 @@ func Start(ctx context.Context, cfg Config) (*Cluster, error) {
 	go c.stopInOrder()
 	c.NATSURL = cfg.NATSURL
 	if c.NATSURL == "" {
-		if c.NATS, err = bus.StartServer(bus.ServerConfig{Addr: cfg.NATSAddr, DataDir: cfg.DataDir, MaxPayload: cfg.MaxPayload, AuthConfig: c.authConfig()}); err != nil {
+		if c.NATS, err = bus.StartServer(bus.ServerConfig{Addr: cfg.NATSAddr, DataDir: cfg.DataDir, MaxPayload: cfg.MaxPayload, AuthConfig: c.authConfig(), Logger: c.log.With("role", "nats")}); err != nil {
 			c.cancel() // ends stopInOrder
 			return nil, err
 		}
@@ -574,7 +574,7 @@ func (c *Cluster) RestartNATS() error {
 	}
 	addr := c.NATS.Addr().String()
 	c.NATS.Shutdown()
-	srv, err := bus.StartServer(bus.ServerConfig{Addr: addr, DataDir: c.cfg.DataDir, MaxPayload: c.cfg.MaxPayload, AuthConfig: c.authConfig()})
+	srv, err := bus.StartServer(bus.ServerConfig{Addr: addr, DataDir: c.cfg.DataDir, MaxPayload: c.cfg.MaxPayload, AuthConfig: c.authConfig(), Logger: c.log.With("role", "nats")})
 	if err != nil {
 		return err
 	}
