@@ -29,7 +29,7 @@ UP_FILES = $(COMPOSE_FILES)$(if $(findstring $(MONITORING_FILE),$(COMPOSE_FILES)
 WORKERS ?= 8
 SCHEDULERS ?= 2
 
-.PHONY: bench-http image-prometheus check-prometheus up-monitoring purge build run test test-browser test-short bench lint fmt fuzz clean image image-fakeengine auth-keys up down logs smoke up-engine down-engine
+.PHONY: bench-http image-prometheus check-prometheus up-monitoring purge build run test test-browser test-short bench lint fmt fuzz clean image image-fakeengine auth-keys up down logs smoke up-engine up-engine-monitoring down-engine
 
 build:
 	CGO_ENABLED=0 $(GO) build -trimpath -o $(BIN) ./cmd/kvbus
@@ -127,10 +127,25 @@ up-monitoring: image-prometheus
 	@build/docker/kvbus healthcheck --url http://127.0.0.1:$(PROMETHEUS_PORT)/-/ready --wait 60s && echo "Prometheus is ready on http://127.0.0.1:$(PROMETHEUS_PORT)"
 
 # kvbus in front of two (fake) vLLM engines; ENGINE_IMAGE=your vLLM image
-# for GPUs (then change the engines' command, see the file).
+# for GPUs (then change the engines' command, see the file). ENGINE_WAIT:
+# how long to wait for the frontend's /healthz (give it the engines' load
+# time, e.g. ENGINE_WAIT=15m). Keys per role and per group in
+# KVBUS_ENGINE_AUTH_DIR, written once. `make up-engine-monitoring` adds
+# Prometheus; later `make up-engine`s keep it (ENGINE_MONITORING=0 leaves it
+# out).
+ENGINE_WAIT ?= 120s
+KVBUS_ENGINE_AUTH_DIR ?= .kvbus-auth-engine
+export KVBUS_ENGINE_AUTH_DIR
+ENGINE_MONITORING ?= $(if $(shell $(COMPOSE) -f docker-compose.engine.yml -f $(MONITORING_FILE) ps -q prometheus 2>/dev/null),1,0)
+ENGINE_FILES = -f docker-compose.engine.yml$(if $(filter 1,$(ENGINE_MONITORING)), -f $(MONITORING_FILE))
 up-engine: image-fakeengine
-	$(COMPOSE) -f docker-compose.engine.yml up -d
-	@build/docker/kvbus healthcheck --url http://127.0.0.1:$(HTTP_PORT)/healthz --wait 120s && echo "kvbus (engines) is ready on http://127.0.0.1:$(HTTP_PORT)"
+	@test -f $(KVBUS_ENGINE_AUTH_DIR)/nats-auth.conf || build/docker/kvbus auth init $(KVBUS_ENGINE_AUTH_DIR) --groups g0,g1
+	$(COMPOSE) $(ENGINE_FILES) up -d
+	@build/docker/kvbus healthcheck --url http://127.0.0.1:$(HTTP_PORT)/healthz --wait $(ENGINE_WAIT) && echo "kvbus (engines) is ready on http://127.0.0.1:$(HTTP_PORT)"
+
+up-engine-monitoring: image-prometheus
+	$(MAKE) up-engine ENGINE_MONITORING=1
+	@build/docker/kvbus healthcheck --url http://127.0.0.1:$(PROMETHEUS_PORT)/-/ready --wait 60s && echo "Prometheus is ready on http://127.0.0.1:$(PROMETHEUS_PORT)"
 
 down-engine:
 	$(COMPOSE) -f docker-compose.engine.yml down -v --remove-orphans

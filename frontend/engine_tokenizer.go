@@ -2,6 +2,7 @@ package frontend
 
 import (
 	"bytes"
+	"cmp"
 	"context"
 	"crypto/tls"
 	"encoding/json"
@@ -10,10 +11,16 @@ import (
 	"io"
 	"net/http"
 	"net/url"
+	"slices"
 	"strings"
 	"sync/atomic"
 	"time"
 )
+
+// tokenizeCoolOff is how long an engine whose /tokenize timed out is asked
+// only after the others: a hung engine (stopped, swapping) would otherwise
+// cost every request a whole attempt.
+const tokenizeCoolOff = 10 * time.Second
 
 // ErrTokenizerUnavailable is wrapped when the engine's /tokenize cannot be
 // reached or fails on its side: the request gets a 503.
@@ -50,7 +57,9 @@ type EngineTokenizerConfig struct {
 	Model string
 	// APIKey, if set, is sent as "Authorization: Bearer <key>".
 	APIKey string
-	// Timeout bounds one /tokenize call (default 5 s).
+	// Timeout bounds one /tokenize call to one engine (default 5 s): an
+	// engine that does not answer within it is left for the next one, and
+	// asked last for the next tokenizeCoolOff.
 	Timeout time.Duration
 	// TLS configures an https engine; nil means Go's defaults.
 	TLS *tls.Config
@@ -66,6 +75,10 @@ type EngineTokenizer struct {
 	bases  []string
 	client *http.Client
 	next   atomic.Int64 // the engine that answered last: tried first
+	// timedOut holds, per base, when its last /tokenize timed out (unix
+	// nanoseconds; 0: never): such an engine is asked after the others
+	// until tokenizeCoolOff has passed.
+	timedOut []atomic.Int64
 }
 
 // maxTokenizeAnswer bounds /tokenize's answer (a million token ids).
@@ -87,7 +100,7 @@ func NewEngineTokenizer(cfg EngineTokenizerConfig) (*EngineTokenizer, error) {
 	if cfg.Timeout <= 0 {
 		cfg.Timeout = 5 * time.Second
 	}
-	return &EngineTokenizer{cfg: cfg, bases: bases,
+	return &EngineTokenizer{cfg: cfg, bases: bases, timedOut: make([]atomic.Int64, len(bases)),
 		client: &http.Client{Transport: &http.Transport{Proxy: http.ProxyFromEnvironment, TLSClientConfig: cfg.TLS, MaxIdleConnsPerHost: 64}}}, nil
 }
 
@@ -152,27 +165,56 @@ func (t *EngineTokenizer) TokenizeChat(ctx context.Context, body []byte) ([]uint
 
 // tokenize posts a /tokenize body (without the model, added here) to the
 // engines in turn, from the one that answered last, until one answers.
+// Each engine gets its own attempt of cfg.Timeout: one that does not
+// answer within it is left for the next, and tried after the others for
+// tokenizeCoolOff. Only ctx (the request's deadline) bounds the whole.
 func (t *EngineTokenizer) tokenize(ctx context.Context, body []byte) ([]uint32, error) {
 	if t.cfg.Model != "" {
 		m, _ := json.Marshal(t.cfg.Model)
 		body = append(append(append([]byte(`{"model":`), m...), ','), body[1:]...)
 	}
-	ctx, cancel := context.WithTimeout(ctx, t.cfg.Timeout)
-	defer cancel()
-	first := int(t.next.Load())
 	var errs []error
-	for i := range t.bases {
-		n := (first + i) % len(t.bases)
-		ids, err := t.tokenizeAt(ctx, t.bases[n], body)
+	for _, n := range t.order() {
+		actx, cancel := context.WithTimeout(ctx, t.cfg.Timeout)
+		ids, err := t.tokenizeAt(actx, t.bases[n], body)
+		timedOut := err != nil && ctx.Err() == nil && errors.Is(actx.Err(), context.DeadlineExceeded)
+		cancel()
+		if timedOut {
+			t.timedOut[n].Store(time.Now().UnixNano())
+			errs = append(errs, fmt.Errorf("%w: POST %s/tokenize: no answer within %s (--tokenizer-timeout); asked after the others for %s",
+				ErrTokenizerUnavailable, t.bases[n], t.cfg.Timeout, tokenizeCoolOff))
+			continue
+		}
 		if !errors.Is(err, ErrTokenizerUnavailable) || ctx.Err() != nil {
 			if err == nil {
 				t.next.Store(int64(n))
+				t.timedOut[n].Store(0)
 			}
 			return ids, err
 		}
 		errs = append(errs, err)
 	}
 	return nil, errors.Join(errs...)
+}
+
+// order returns the engines to ask, by index: from the one that answered
+// last, round the list, with those that timed out within tokenizeCoolOff
+// moved to the end (longest ago first). All are asked: an engine cooling
+// off may be the only one left.
+func (t *EngineTokenizer) order() []int {
+	first := int(t.next.Load())
+	now := time.Now().UnixNano()
+	var fresh, cooling []int
+	for i := range t.bases {
+		n := (first + i) % len(t.bases)
+		if at := t.timedOut[n].Load(); at != 0 && now-at < int64(tokenizeCoolOff) {
+			cooling = append(cooling, n)
+		} else {
+			fresh = append(fresh, n)
+		}
+	}
+	slices.SortStableFunc(cooling, func(a, b int) int { return cmp.Compare(t.timedOut[a].Load(), t.timedOut[b].Load()) })
+	return append(fresh, cooling...)
 }
 
 // tokenizeAt asks one engine.

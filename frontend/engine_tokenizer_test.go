@@ -4,11 +4,14 @@ import (
 	"errors"
 	"net/http"
 	"net/http/httptest"
+	"net/http/httputil"
+	"net/url"
 	"slices"
 	"strconv"
 	"strings"
 	"sync/atomic"
 	"testing"
+	"time"
 
 	"github.com/kvbus/kvbus/frontend"
 	"github.com/kvbus/kvbus/testenv"
@@ -283,5 +286,77 @@ func TestNewEngineTokenizerValidates(t *testing.T) {
 		if !errors.Is(err, frontend.ErrConfig) || !strings.Contains(err.Error(), "--tokenizer-url") {
 			t.Errorf("URLs %q: %v, want ErrConfig naming --tokenizer-url", urls, err)
 		}
+	}
+}
+
+// TestEngineTokenizerHungEngine proves that an engine that accepts
+// /tokenize but never answers (a stopped process) costs one attempt of
+// Timeout, not the request: the next engine answers within the same call,
+// and an engine that timed out is asked after the others for a while, so
+// requests do not each wait for it again. It failed before: one timeout
+// covered every engine, so the hung first engine ate it and the call
+// failed with ErrTokenizerUnavailable though the next engine was healthy.
+func TestEngineTokenizerHungEngine(t *testing.T) {
+	t.Parallel()
+	var hungHits atomic.Int32
+	release := make(chan struct{})
+	hung := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		hungHits.Add(1)
+		select {
+		case <-release:
+		case <-r.Context().Done():
+		}
+	}))
+	t.Cleanup(hung.Close)
+	t.Cleanup(func() { close(release) })
+	// Engines A and B answer /tokenize, or 503 when told to.
+	toggled := func(fe *fakeengine.Engine, down *atomic.Bool) string {
+		u, err := url.Parse(fe.URL())
+		if err != nil {
+			t.Fatal(err)
+		}
+		proxy := httputil.NewSingleHostReverseProxy(u)
+		srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+			if down.Load() {
+				w.WriteHeader(http.StatusServiceUnavailable)
+				return
+			}
+			proxy.ServeHTTP(w, r)
+		}))
+		t.Cleanup(srv.Close)
+		return srv.URL
+	}
+	var downA, downB atomic.Bool
+	a := toggled(startFakeEngine(t, fakeengine.Config{}), &downA)
+	b := toggled(startFakeEngine(t, fakeengine.Config{}), &downB)
+	const timeout = 300 * time.Millisecond
+	tok := newEngineTokenizer(t, frontend.EngineTokenizerConfig{URLs: []string{hung.URL, a, b}, Timeout: timeout})
+	encode := func(step string) time.Duration {
+		t.Helper()
+		start := time.Now()
+		got, err := tok.Encode(step)
+		took := time.Since(start)
+		if err != nil {
+			t.Fatalf("%s: %v after %s", step, err, took)
+		}
+		if want := fakeengine.Tokenize(step, true); !slices.Equal(got, want) {
+			t.Fatalf("%s: Encode = %v, want %v", step, got, want)
+		}
+		return took
+	}
+	if took := encode("the hung engine first"); took < timeout {
+		t.Errorf("the first call took %s, less than the attempt timeout %s: was the hung engine asked?", took, timeout)
+	}
+	downA.Store(true)
+	encode("engine A fails") // asked A (it answered last), then B
+	downB.Store(true)
+	downA.Store(false)
+	// From B, round the list, the hung engine would come next: it timed
+	// out a moment ago, so A is asked first.
+	if took := encode("engine B fails"); took >= timeout {
+		t.Errorf("the call took %s: it waited for the engine that timed out a moment ago", took)
+	}
+	if n := hungHits.Load(); n != 1 {
+		t.Errorf("the hung engine got %d /tokenize requests, want 1", n)
 	}
 }

@@ -1,12 +1,15 @@
 package frontend
 
 import (
+	"bytes"
 	"context"
 	"encoding/json"
 	"errors"
 	"fmt"
 	"log/slog"
+	"maps"
 	"net/http"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -79,7 +82,7 @@ type choiceState struct {
 	done         bool
 	err          *APIError
 	errRaw       []byte // an engine's error body, relayed as it is
-	firstByte    time.Time
+	ttftSeen     bool   // its time to first token was observed
 }
 
 // generation is one HTTP generate request in flight.
@@ -96,6 +99,16 @@ type generation struct {
 	q         *outputQueue
 	start     time.Time
 	firstByte time.Time // of any choice
+	// wholeAnswer: an engine answers the request in one output (--engine
+	// openai, not streamed), whose time is the whole request's, not a
+	// first token's: no TTFT is recorded for it.
+	wholeAnswer bool
+	ttftSeen    bool // the request's time to first token was observed
+	// engineID and clientID, when set (--engine openai, a client's request
+	// id): the answer's id as the engine made it from the bus id it was
+	// sent ("chatcmpl-<id>-<nuid>", quoted) and the one the client gets
+	// ("chatcmpl-<id>", as vLLM answers a client's X-Request-Id).
+	engineID, clientID []byte
 }
 
 func (s *Server) serveGenerate(w http.ResponseWriter, r *http.Request, endpoint string) {
@@ -186,9 +199,17 @@ func (s *Server) generate(w http.ResponseWriter, r *http.Request, endpoint strin
 	if p.model == "" {
 		p.model = s.cfg.Models[0]
 	}
+	// The model on the bus: kvbus's name, whose hash seed the workers
+	// index the engines' KV events with, also for a name only the engines
+	// serve (the body sent to them keeps the client's).
+	busModel := p.model
 	if !s.serves(p.model) {
-		return fail(&APIError{Status: http.StatusNotFound, Type: typeNotFound, Param: "model", Code: "model_not_found",
-			Message: fmt.Sprintf("The model `%s` does not exist. Served models: %s.", p.model, strings.Join(s.cfg.Models, ", "))})
+		served, ok := s.engineServes(r.Context(), p.model)
+		if !ok {
+			return fail(&APIError{Status: http.StatusNotFound, Type: typeNotFound, Param: "model", Code: "model_not_found",
+				Message: fmt.Sprintf("The model `%s` does not exist. Served models: %s.", p.model, strings.Join(served, ", "))})
+		}
+		busModel = s.cfg.Models[0]
 	}
 	if hdrErr != nil {
 		return fail(hdrErr)
@@ -203,7 +224,8 @@ func (s *Server) generate(w http.ResponseWriter, r *http.Request, endpoint strin
 		prompts = prompts[:1]
 	}
 
-	g := &generation{s: s, endpoint: endpoint, model: p.model, vm: s.vm.of(p.model), created: start.Unix(), sessionID: sessionID, q: newOutputQueue(), start: start}
+	g := &generation{s: s, endpoint: endpoint, model: p.model, vm: s.vm.of(p.model), created: start.Unix(), sessionID: sessionID, q: newOutputQueue(), start: start,
+		wholeAnswer: s.cfg.Passthrough && !p.stream}
 	prefix := "cmpl-"
 	if endpoint == messages.EndpointChat {
 		prefix = "chatcmpl-"
@@ -219,6 +241,9 @@ func (s *Server) generate(w http.ResponseWriter, r *http.Request, endpoint strin
 		busBase = extID + "-" + busBase
 	}
 	g.id = prefix + extID
+	if s.cfg.Passthrough && busBase != extID {
+		g.engineID, g.clientID = []byte(`"`+prefix+busBase+`"`), []byte(`"`+g.id+`"`)
+	}
 	g.log = s.log.With("req_id", busBase, "session_id", sessionID)
 	if sessionID != "" {
 		g.log.Debug("session resolved", "source", source)
@@ -235,6 +260,7 @@ func (s *Server) generate(w http.ResponseWriter, r *http.Request, endpoint strin
 		g.choices = append(g.choices, &choiceState{busID: busID, promptTokens: len(prompt)})
 		s.register(busID, g.q, i)
 		req := s.busRequest(p, busID, sessionID, prompt, start, deadline)
+		req.Model = busModel
 		if err := s.publish(r.Context(), req); err != nil {
 			if r.Context().Err() != nil { // the client left while the request was being logged
 				g.log.Info("client disconnected; aborting request")
@@ -292,6 +318,26 @@ func (s *Server) generate(w http.ResponseWriter, r *http.Request, endpoint strin
 	return g.respond(w, r.Context(), deadline)
 }
 
+// engineServes reports whether the engines serve model (their GET
+// /v1/models, asked again when the list lacks it and was not asked within
+// engineModelsRetry), and the names served.
+func (s *Server) engineServes(ctx context.Context, model string) ([]string, bool) {
+	served := slices.Clone(s.cfg.Models)
+	if s.engineModels == nil {
+		return served, false
+	}
+	_, ids := s.engineModels.list(ctx, engineModelsTTL)
+	if !ids[model] {
+		_, ids = s.engineModels.list(ctx, engineModelsRetry)
+	}
+	for _, id := range slices.Sorted(maps.Keys(ids)) {
+		if !slices.Contains(served, id) {
+			served = append(served, id)
+		}
+	}
+	return served, ids[model]
+}
+
 func (s *Server) serves(model string) bool {
 	for _, m := range s.cfg.Models {
 		if m == model {
@@ -347,6 +393,11 @@ func (s *Server) tokenize(ctx context.Context, p *parsedRequest) ([][]uint32, *A
 	if p.maxTokensSet && p.params.MinTokens > p.params.MaxTokens { // vLLM's check and words
 		return nil, badRequest("min_tokens", "min_tokens must be less than or equal to max_tokens=%d, got %d.", p.params.MaxTokens, p.params.MinTokens)
 	}
+	if s.cfg.Passthrough {
+		// The engine knows its own max_model_len (its --max-model-len, not
+		// kvbus's) and answers a prompt too long with vLLM's 400, relayed.
+		return prompts, nil
+	}
 	maxLen := s.cfg.MaxModelLen
 	for _, ids := range prompts {
 		n := len(ids)
@@ -378,7 +429,9 @@ func tokenizeError(param string, err error) *APIError {
 func (s *Server) busRequest(p *parsedRequest, busID, sessionID string, prompt []uint32, start, deadline time.Time) *messages.Request {
 	sp := p.params
 	if !p.maxTokensSet {
-		sp.MaxTokens = s.cfg.MaxModelLen - len(prompt) // vLLM's default for chat
+		// vLLM's default for chat; with an engine (passthrough) the prompt
+		// may be longer than kvbus's --max-model-len: the engine decides.
+		sp.MaxTokens = max(s.cfg.MaxModelLen-len(prompt), 1)
 	}
 	extra := make(messages.Args, len(p.xargs)+1)
 	for k, v := range p.xargs {
@@ -521,15 +574,30 @@ func (g *generation) next(ctx context.Context, timer *time.Timer) ([]choiceOutpu
 					o.Error = &messages.OutputError{Code: "output_lost", Message: "part of the answer was lost on the bus; retry the request"}
 				}
 				c.nextIndex = o.Index + 1
-				if c.firstByte.IsZero() {
-					c.firstByte = time.Now()
-					g.s.m.ttft.WithLabelValues(g.endpoint).Observe(c.firstByte.Sub(g.start).Seconds())
+				if g.engineID != nil && len(o.Raw) > 0 {
+					// vLLM names its answer after the X-Request-Id it got:
+					// the bus id, unique (see generate). The client gets
+					// the id it asked for, as from vLLM itself.
+					o.Raw = bytes.Replace(o.Raw, g.engineID, g.clientID, 1)
 				}
+				now := time.Now()
 				if g.firstByte.IsZero() { // the HTTP request's first output
-					g.firstByte = c.firstByte
-					g.vm.ttft.Observe(g.firstByte.Sub(g.start).Seconds())
+					g.firstByte = now
 					g.vm.waiting.Dec()
 					g.vm.running.Inc()
+				}
+				// TTFT is the time to a first token: an error (an engine's
+				// 500, group_failed) is none, and an engine's whole answer
+				// took the whole request (its e2e latency).
+				if o.Error == nil && !g.wholeAnswer {
+					if !c.ttftSeen {
+						c.ttftSeen = true
+						g.s.m.ttft.WithLabelValues(g.endpoint).Observe(now.Sub(g.start).Seconds())
+					}
+					if !g.ttftSeen {
+						g.ttftSeen = true
+						g.vm.ttft.Observe(now.Sub(g.start).Seconds())
+					}
 				}
 				c.text.WriteString(o.Text)
 				if o.Usage != nil {

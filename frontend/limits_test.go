@@ -3,6 +3,7 @@ package frontend_test
 import (
 	"encoding/json"
 	"io"
+	"log/slog"
 	"net/http"
 	"strings"
 	"testing"
@@ -10,6 +11,7 @@ import (
 
 	"github.com/kvbus/kvbus/bus"
 	"github.com/kvbus/kvbus/frontend"
+	"github.com/kvbus/kvbus/internal/logbuf"
 	"github.com/kvbus/kvbus/messages"
 	"github.com/kvbus/kvbus/testenv"
 )
@@ -147,5 +149,40 @@ func TestRequestAboveTheBusMaxPayloadIsA413(t *testing.T) {
 	status, h, b := testenv.Send(t, http.MethodPost, fe.url+"/v1/chat/completions", body, nil)
 	if status != http.StatusRequestEntityTooLarge || h.Get("Retry-After") != "" || !strings.Contains(string(b), "max_payload") {
 		t.Errorf("1.5 MiB body on a 1 MiB bus: %d Retry-After %q %.300s; want a 413 naming max_payload", status, h.Get("Retry-After"), b)
+	}
+}
+
+// TestWrongAPIKeyIsCountedAndLogged proves that a request refused for its
+// API key shows: kvbus_frontend_requests_total counts it under status 401,
+// and the refusal log has a line at once with the code invalid_api_key,
+// then counts the next ones, never with the header's value. It failed
+// before: a client with a wrong key showed in no metric and no log line.
+func TestWrongAPIKeyIsCountedAndLogged(t *testing.T) {
+	logs := &logbuf.Buffer{}
+	fe := startFrontend(t, func(c *frontend.Config) {
+		c.APIKey, c.Logger = "s3cret", slog.New(slog.NewJSONHandler(logs, nil))
+	})
+	chat := `{"messages":[{"role":"user","content":"hi"}],"max_tokens":2}`
+	for _, auth := range []string{"Bearer wr0ng-key-1", "Bearer wr0ng-key-2", ""} {
+		if status, _, body := send(t, http.MethodPost, fe.url+"/v1/chat/completions", chat, map[string]string{"Authorization": auth}); status != http.StatusUnauthorized {
+			t.Fatalf("%q: %d %s, want 401", auth, status, body)
+		}
+	}
+	if status, _, _ := send(t, http.MethodPost, fe.url+"/v1/completions", `{"prompt":"hi"}`, map[string]string{"Authorization": "Bearer wr0ng-key-3"}); status != http.StatusUnauthorized {
+		t.Fatalf("completions: %d, want 401", status)
+	}
+	_, _, metrics := send(t, http.MethodGet, fe.url+"/metrics", "", nil)
+	for _, want := range []string{`kvbus_frontend_requests_total{endpoint="chat",status="401"} 3`,
+		`kvbus_frontend_requests_total{endpoint="completions",status="401"} 1`} {
+		if !strings.Contains(string(metrics), want) {
+			t.Errorf("/metrics lacks %s", want)
+		}
+	}
+	got := logs.Lines("requests refused before reaching the bus")
+	if len(got) != 1 || !strings.Contains(got[0], `"last_code":"invalid_api_key"`) || !strings.Contains(got[0], `"last_status":401`) {
+		t.Errorf("refusal log: %q; want one line at once naming invalid_api_key (the next ones counted)", got)
+	}
+	if leaked := logs.Lines("wr0ng-key"); len(leaked) != 0 {
+		t.Errorf("the header's value appears in the log: %q", leaked)
 	}
 }

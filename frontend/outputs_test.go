@@ -11,6 +11,7 @@ import (
 	"github.com/kvbus/kvbus/frontend"
 	"github.com/kvbus/kvbus/messages"
 	"github.com/kvbus/kvbus/testenv"
+	"github.com/kvbus/kvbus/testenv/fakeengine"
 )
 
 // answering stands in for the scheduler and the workers: it answers every
@@ -95,5 +96,92 @@ func TestLostOutputEndsTheAnswer(t *testing.T) {
 	status, _, body = testenv.Send(t, http.MethodPost, fe.url+"/v1/chat/completions", chatHi+`,"stream":true}`, nil)
 	if status != http.StatusOK || !strings.Contains(string(body), `"output_lost"`) || strings.Contains(string(body), `"content":"c"`) {
 		t.Errorf("streaming: %d %s; want the first text, then an output_lost error event, never the text after the gap", status, body)
+	}
+}
+
+// TestEngineAnswerIDIsTheClients proves that with engines behind the
+// frontend (passthrough) a client's X-Request-Id my-req-1 gets the answer
+// id chatcmpl-my-req-1, streamed or not, as vLLM answers it, while the bus
+// request (and so the engine, which names its answer after it) keeps the
+// unique my-req-1-<nuid>. It failed before: the client got the engine's
+// chatcmpl-my-req-1-<nuid>, where the README promised chatcmpl-<id>.
+func TestEngineAnswerIDIsTheClients(t *testing.T) {
+	fe := startFrontend(t, func(c *frontend.Config) { c.Passthrough = true })
+	busIDs := make(chan string, 4)
+	answering(t, fe, func(req *messages.Request) []*messages.Output {
+		busIDs <- req.RequestID
+		id := `"chatcmpl-` + req.RequestID + `"`
+		if !req.Stream {
+			return []*messages.Output{{Index: 0, Text: "a", FinishReason: "stop",
+				Raw: []byte(`{"id":` + id + `,"object":"chat.completion","choices":[{"index":0,"message":{"role":"assistant","content":"a"},"finish_reason":"stop"}]}`)}}
+		}
+		return []*messages.Output{
+			{Index: 0, Text: "a", Raw: []byte(`{"id":` + id + `,"object":"chat.completion.chunk","choices":[{"index":0,"delta":{"content":"a"}}]}`)},
+			{Index: 1, FinishReason: "stop", Raw: []byte(`{"id":` + id + `,"object":"chat.completion.chunk","choices":[{"index":0,"delta":{},"finish_reason":"stop"}]}`)},
+		}
+	})
+	for _, stream := range []string{`}`, `,"stream":true}`} {
+		status, h, body := testenv.Send(t, http.MethodPost, fe.url+"/v1/chat/completions", chatHi+stream, map[string]string{"X-Request-Id": "my-req-1"})
+		busID := <-busIDs
+		if status != http.StatusOK || h.Get("X-Request-Id") != "my-req-1" {
+			t.Fatalf("%s: %d, X-Request-Id %q: %s", stream, status, h.Get("X-Request-Id"), body)
+		}
+		if !strings.HasPrefix(busID, "my-req-1-") {
+			t.Errorf("%s: bus request id %q, want my-req-1-<nuid> (unique)", stream, busID)
+		}
+		if n := strings.Count(string(body), `"id":"chatcmpl-my-req-1"`); n == 0 || strings.Contains(string(body), busID) {
+			t.Errorf("%s: answer %s; want the id chatcmpl-my-req-1 and not the bus id %s", stream, body, busID)
+		}
+	}
+	// Without a client id the engine's id is the client's: unchanged.
+	status, h, body := testenv.Send(t, http.MethodPost, fe.url+"/v1/chat/completions", chatHi+`}`, nil)
+	<-busIDs
+	if want := `"id":"chatcmpl-` + h.Get("X-Request-Id") + `"`; status != http.StatusOK || !strings.Contains(string(body), want) {
+		t.Errorf("without X-Request-Id: %d %s; want %s", status, body, want)
+	}
+}
+
+// TestEngineModeServesTheEnginesModelsAndLimits proves that with engines
+// behind the frontend (passthrough, --tokenizer engine) the engine's limits
+// and names apply, not kvbus's own: a prompt longer than kvbus's
+// --max-model-len reaches the engine (whose max_model_len is larger, and
+// which answers a prompt too long itself), a model the engine serves under
+// another name than --model is served (on the bus under kvbus's model, whose
+// hash seed indexes the engine's cache; the body keeps the client's name),
+// GET /v1/models lists the engine's models with their max_model_len, and a
+// model nobody serves is a 404 naming all. It failed before: the long
+// prompt got kvbus's 400, the engine's model name a 404, and /v1/models
+// listed only --model with kvbus's 8192.
+func TestEngineModeServesTheEnginesModelsAndLimits(t *testing.T) {
+	engine := startFakeEngine(t, fakeengine.Config{ModelName: "org/served-model", MaxModelLen: 32768})
+	tok := newEngineTokenizer(t, frontend.EngineTokenizerConfig{URLs: []string{engine.URL()}})
+	fe := startFrontend(t, func(c *frontend.Config) { c.Passthrough, c.Tokenizer, c.MaxModelLen = true, tok, 8192 })
+	got := make(chan *messages.Request, 4)
+	answering(t, fe, func(req *messages.Request) []*messages.Output {
+		got <- req
+		return []*messages.Output{{Index: 0, Text: "ok", FinishReason: "stop",
+			Raw: []byte(`{"id":"x","object":"chat.completion","choices":[{"index":0,"message":{"role":"assistant","content":"ok"},"finish_reason":"stop"}]}`)}}
+	})
+	long := strings.Repeat("word ", 10000)
+	for _, model := range []string{"kvbus-sim", "org/served-model"} {
+		body := `{"model":"` + model + `","messages":[{"role":"user","content":"` + long + `"}]}`
+		status, _, resp := testenv.Send(t, http.MethodPost, fe.url+"/v1/chat/completions", body, nil)
+		if status != http.StatusOK {
+			t.Fatalf("model %s, a 10k-token prompt: %d %.300s; want it sent to the engine", model, status, resp)
+		}
+		req := <-got
+		if req.Model != "kvbus-sim" || len(req.PromptTokenIDs) <= 10000 || !strings.Contains(string(req.Body), `"model":"`+model+`"`) {
+			t.Errorf("model %s: bus request of model %q with %d prompt tokens; want kvbus-sim, over 10000 tokens, the client's body",
+				model, req.Model, len(req.PromptTokenIDs))
+		}
+	}
+	status, _, resp := testenv.Send(t, http.MethodGet, fe.url+"/v1/models", "", nil)
+	if status != http.StatusOK || !strings.Contains(string(resp), `"id":"org/served-model"`) || !strings.Contains(string(resp), `"max_model_len":32768`) ||
+		!strings.Contains(string(resp), `"id":"kvbus-sim"`) {
+		t.Errorf("/v1/models: %d %s; want the engine's model with its max_model_len, and kvbus-sim", status, resp)
+	}
+	status, _, resp = testenv.Send(t, http.MethodPost, fe.url+"/v1/chat/completions", `{"model":"nobody/serves","messages":[{"role":"user","content":"hi"}]}`, nil)
+	if status != http.StatusNotFound || !strings.Contains(string(resp), "kvbus-sim, org/served-model") {
+		t.Errorf("unknown model: %d %s; want a 404 naming the served models", status, resp)
 	}
 }

@@ -189,6 +189,9 @@ type Server struct {
 	draining atomic.Bool   // Run's context ended: new requests get a 503
 
 	schedulers schedulerTable
+	// engineModels: the engines' model list (--engine openai with
+	// --tokenizer engine); nil otherwise.
+	engineModels *engineModels
 }
 
 // route sends one bus request's outputs to the queue of its HTTP request.
@@ -268,6 +271,9 @@ func New(cfg Config) (*Server, error) {
 		stopNow: make(chan struct{}),
 	}
 	s.schedulers.timeout = cfg.SchedulerTimeout
+	if lister, ok := tok.(ModelLister); ok && cfg.Passthrough {
+		s.engineModels = &engineModels{lister: lister}
+	}
 	s.refusals.log = s.log
 	s.m = newMetrics(cfg.Registry, s.inflight)
 	s.vm = newVLLMMetrics(cfg.Registry, vllmEngineIndex, cfg.Models)
@@ -489,8 +495,19 @@ func (s *Server) routes() http.Handler {
 			return
 		}
 		if s.cfg.APIKey != "" && strings.HasPrefix(r.URL.Path, "/v1/") && !s.authorized(r) {
-			refuse(&APIError{Status: http.StatusUnauthorized, Type: typeAuthentication, Code: "invalid_api_key",
-				Message: "missing or wrong API key: send Authorization: Bearer <key>"})
+			e := &APIError{Status: http.StatusUnauthorized, Type: typeAuthentication, Code: "invalid_api_key",
+				Message: "missing or wrong API key: send Authorization: Bearer <key>"}
+			refuse(e)
+			// Counted and logged as every refusal is (never the header's
+			// value): a client with a wrong key showed nowhere.
+			s.refusals.note(time.Now(), &APIError{Status: e.Status, Type: e.Type, Code: e.Code,
+				Message: fmt.Sprintf("%s %s: %s", r.Method, r.URL.Path, e.Message)})
+			switch r.URL.Path {
+			case "/v1/chat/completions":
+				s.m.requests.WithLabelValues(messages.EndpointChat, "401").Inc()
+			case "/v1/completions":
+				s.m.requests.WithLabelValues(messages.EndpointCompletions, "401").Inc()
+			}
 			return
 		}
 		rt, ok := table[r.URL.Path]
@@ -515,7 +532,7 @@ func (s *Server) authorized(r *http.Request) bool {
 	return ok && subtle.ConstantTimeCompare([]byte(strings.TrimSpace(token)), []byte(s.cfg.APIKey)) == 1
 }
 
-func (s *Server) serveModels(w http.ResponseWriter, _ *http.Request) {
+func (s *Server) serveModels(w http.ResponseWriter, r *http.Request) {
 	type model struct {
 		ID          string `json:"id"`
 		Object      string `json:"object"`
@@ -524,14 +541,23 @@ func (s *Server) serveModels(w http.ResponseWriter, _ *http.Request) {
 		Root        string `json:"root"`
 		MaxModelLen int    `json:"max_model_len"`
 	}
-	list := struct {
-		Object string  `json:"object"`
-		Data   []model `json:"data"`
-	}{Object: "list"}
-	for _, m := range s.cfg.Models {
-		list.Data = append(list.Data, model{ID: m, Object: "model", Created: s.created, OwnedBy: "kvbus", Root: m, MaxModelLen: s.cfg.MaxModelLen})
+	// With engines behind it, the engines' own list (their ids, their
+	// max_model_len), then kvbus's --model names they do not list (the
+	// workers' --engine-model maps those).
+	engine, ids := s.engineModels.list(r.Context(), engineModelsTTL)
+	var data []any
+	for _, raw := range engine {
+		data = append(data, raw)
 	}
-	writeJSON(w, http.StatusOK, list)
+	for _, m := range s.cfg.Models {
+		if !ids[m] {
+			data = append(data, model{ID: m, Object: "model", Created: s.created, OwnedBy: "kvbus", Root: m, MaxModelLen: s.cfg.MaxModelLen})
+		}
+	}
+	writeJSON(w, http.StatusOK, struct {
+		Object string `json:"object"`
+		Data   []any  `json:"data"`
+	}{"list", data})
 }
 
 func writeJSON(w http.ResponseWriter, status int, v any) {

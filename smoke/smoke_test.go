@@ -391,6 +391,7 @@ func engineLines(t *testing.T, service string) []map[string]any {
 // other engine.
 func TestSmokeEngine(t *testing.T) {
 	t.Setenv("COMPOSE_FILES", "-f docker-compose.engine.yml")
+	engineAuthKeys(t)
 	compose(t, "down", "-v", "--remove-orphans")
 	t.Cleanup(func() { compose(t, "down", "-v", "--remove-orphans") })
 	compose(t, "up", "-d")
@@ -438,6 +439,8 @@ func TestSmokeEngine(t *testing.T) {
 	if home == "" {
 		t.Fatal("no engine logged the session")
 	}
+	// The bus has keys: worker0's is its group's only.
+	probe(t, "worker0", "kvbus.hb.g1.0", false)
 	other := map[string]string{"engine0": "engine1", "engine1": "engine0"}[home]
 	before := len(engineLines(t, other))
 	compose(t, "kill", home)
@@ -447,6 +450,22 @@ func TestSmokeEngine(t *testing.T) {
 	}
 	if after := len(engineLines(t, other)); after != before+1 {
 		t.Errorf("%s served %d requests after %s was killed, want 1 (turn %+v)", other, after-before, home, turn)
+	}
+}
+
+// engineAuthKeys writes the engine stack's keys (per role, and per group
+// for g0 and g1) as `make up-engine` does, unless they exist.
+func engineAuthKeys(t *testing.T) {
+	t.Helper()
+	dir := cmp.Or(os.Getenv("KVBUS_ENGINE_AUTH_DIR"), ".kvbus-auth-engine")
+	if !filepath.IsAbs(dir) { // relative to the repository root, as in the compose file
+		dir = filepath.Join("..", dir)
+	}
+	if _, err := os.Stat(filepath.Join(dir, "nats-auth.conf")); err == nil {
+		return
+	}
+	if out, err := exec.Command("../build/docker/kvbus", "auth", "init", dir, "--groups", "g0,g1").CombinedOutput(); err != nil {
+		t.Fatalf("kvbus auth init %s --groups g0,g1: %v\n%s", dir, err, out)
 	}
 }
 

@@ -32,6 +32,13 @@ const (
 	DefaultEngineMaxConcurrency = 256
 	DefaultEngineConnectTimeout = 5 * time.Second
 	DefaultEngineHealthInterval = time.Second
+	// DefaultEngineHealthTimeout bounds one /health poll: vLLM's /health
+	// slows down under load, which is no reason to move its requests.
+	DefaultEngineHealthTimeout = 5 * time.Second
+	// engineHealthFailures is how many polls in a row must fail before a
+	// healthy engine is marked not healthy (one that refuses connections
+	// is marked at once).
+	engineHealthFailures = 3
 	// DefaultEngineUnavailableWait is as long as the scheduler's default
 	// --no-group-wait: a request in flight on a dead engine ends no later
 	// than a new one finding no ready group.
@@ -100,9 +107,13 @@ type OpenAIConfig struct {
 	// Timeout bounds one engine request end to end; zero means only the
 	// request's own deadline does.
 	Timeout time.Duration
-	// HealthInterval is how often /health is polled (default 1 s); a poll
-	// times out after the same interval.
+	// HealthInterval is how often /health is polled (default 1 s).
 	HealthInterval time.Duration
+	// HealthTimeout bounds one /health call (default
+	// DefaultEngineHealthTimeout). A healthy engine becomes unhealthy
+	// after engineHealthFailures failed polls in a row, at once when
+	// nothing accepts the connection or a request found it down.
+	HealthTimeout time.Duration
 	// UnavailableWait bounds how long a request waits for an engine that
 	// is down (or for the scheduler to move it to another group) before it
 	// fails with ErrEngineUnavailable (default
@@ -128,7 +139,7 @@ func (c *OpenAIConfig) Validate() error {
 		return fmt.Errorf("%w: --engine-url %q has no host", ErrConfig, c.URL)
 	case u.RawQuery != "" || u.Fragment != "":
 		return fmt.Errorf("%w: --engine-url %q must be a base URL, without query or fragment", ErrConfig, c.URL)
-	case c.MaxConcurrency < 0 || c.ConnectTimeout < 0 || c.Timeout < 0 || c.HealthInterval < 0 || c.UnavailableWait < 0:
+	case c.MaxConcurrency < 0 || c.ConnectTimeout < 0 || c.Timeout < 0 || c.HealthInterval < 0 || c.HealthTimeout < 0 || c.UnavailableWait < 0:
 		return fmt.Errorf("%w: engine concurrency and timeouts must be >= 0 (0: default)", ErrConfig)
 	}
 	return nil
@@ -170,6 +181,9 @@ func NewOpenAIEngine(cfg OpenAIConfig) (*OpenAIEngine, error) {
 	}
 	if cfg.HealthInterval == 0 {
 		cfg.HealthInterval = DefaultEngineHealthInterval
+	}
+	if cfg.HealthTimeout == 0 {
+		cfg.HealthTimeout = DefaultEngineHealthTimeout
 	}
 	if cfg.UnavailableWait == 0 {
 		cfg.UnavailableWait = DefaultEngineUnavailableWait
@@ -247,22 +261,40 @@ func (e *OpenAIEngine) setHealthLocked(ok bool, why string) bool {
 // calls changed (if not nil) after each change of health, also when a
 // request found the engine down. Only a poll makes the engine healthy
 // again: a request's failure is followed by the next regular poll, not by
-// one at once, so that health cannot flip as fast as requests fail.
+// one at once, so that health cannot flip as fast as requests fail. A
+// healthy engine is marked not healthy by engineHealthFailures failed
+// polls in a row (a slow or failed /health under load would otherwise move
+// every request not yet answered), or by one that could not connect at all.
 func (e *OpenAIEngine) WatchHealth(ctx context.Context, changed func()) {
 	t := time.NewTicker(e.cfg.HealthInterval)
 	defer t.Stop()
+	fails := 0 // polls failed in a row
 	for poll := true; ; {
 		e.mu.Lock()
-		ch := e.changed
+		ch, healthy := e.changed, e.healthy
 		e.mu.Unlock()
 		if poll {
-			ok, why := e.checkHealth(ctx)
+			ok, why, gone := e.checkHealth(ctx)
 			if ctx.Err() != nil {
 				return
 			}
-			var moved bool
-			if moved, ch = e.setPolled(ch, ok, why); moved && changed != nil {
-				changed()
+			if ok {
+				fails = 0
+			} else {
+				fails++
+			}
+			switch {
+			case !ok && healthy && !gone && fails < engineHealthFailures:
+				e.log.Info("engine /health failed: the group stays ready unless it fails again",
+					"reason", why, "failed_polls", fails, "of", engineHealthFailures)
+			default:
+				if !ok && fails >= engineHealthFailures {
+					why = fmt.Sprintf("%s (%d polls in a row)", why, fails)
+				}
+				var moved bool
+				if moved, ch = e.setPolled(ch, ok, why); moved && changed != nil {
+					changed()
+				}
 			}
 		}
 		select {
@@ -279,24 +311,29 @@ func (e *OpenAIEngine) WatchHealth(ctx context.Context, changed func()) {
 	}
 }
 
-func (e *OpenAIEngine) checkHealth(ctx context.Context) (bool, string) {
-	ctx, cancel := context.WithTimeout(ctx, e.cfg.HealthInterval)
+// checkHealth asks GET /health, within HealthTimeout. gone reports a
+// failure to connect at all (refused, no such host): the engine is not
+// there, as opposed to slow or answering an error.
+func (e *OpenAIEngine) checkHealth(ctx context.Context) (ok bool, why string, gone bool) {
+	ctx, cancel := context.WithTimeout(ctx, e.cfg.HealthTimeout)
 	defer cancel()
 	req, err := http.NewRequestWithContext(ctx, http.MethodGet, e.base+"/health", nil)
 	if err != nil {
-		return false, err.Error()
+		return false, err.Error(), true
 	}
 	e.authorize(req.Header)
 	resp, err := e.client.Do(req)
 	if err != nil {
-		return false, fmt.Sprintf("GET /health: %v", err)
+		var op *net.OpError
+		gone := errors.As(err, &op) && op.Op == "dial" && !op.Timeout()
+		return false, fmt.Sprintf("GET /health: %v", err), gone
 	}
 	_, _ = io.Copy(io.Discard, io.LimitReader(resp.Body, 64<<10))
 	_ = resp.Body.Close()
 	if resp.StatusCode != http.StatusOK {
-		return false, fmt.Sprintf("GET /health answered %d", resp.StatusCode)
+		return false, fmt.Sprintf("GET /health answered %d", resp.StatusCode), false
 	}
-	return true, ""
+	return true, "", false
 }
 
 // awaitHealthy waits until the engine is healthy, or ctx ends, or
@@ -389,7 +426,7 @@ func (e *OpenAIEngine) Generate(ctx context.Context, req EngineRequest, prefille
 			return res, err
 		}
 		failure = strings.TrimPrefix(err.Error(), ErrEngineUnavailable.Error()+": ")
-		ok, why := e.checkHealth(ctx)
+		ok, why, _ := e.checkHealth(ctx)
 		if ctx.Err() != nil {
 			return EngineResult{}, ctx.Err()
 		}

@@ -9,6 +9,7 @@ import (
 	"net/http"
 	"net/http/httptest"
 	"strings"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -229,4 +230,91 @@ func TestOpenAIWarnsOnceOnTokenCountMismatch(t *testing.T) {
 			t.Errorf("warning %q lacks %q", l[0], want)
 		}
 	}
+}
+
+// TestOpenAIWatchHealthToleratesSlowAndFailedPolls proves that a healthy
+// engine is not marked unhealthy by a /health that answers slower than the
+// poll interval (within HealthTimeout) or by one or two failed polls: it
+// takes engineHealthFailures failed polls in a row. An engine that refuses
+// the connection is marked unhealthy by the first poll. It failed before:
+// a poll timed out after the interval, and one failed poll marked the
+// engine unhealthy, so vLLM's /health slowing down under load moved every
+// request on it not yet answered.
+func TestOpenAIWatchHealthToleratesSlowAndFailedPolls(t *testing.T) {
+	t.Parallel()
+	// healthServer answers /health after delay, 503 for the first
+	// failFirst polls (or all of them with failFirst < 0), and counts them.
+	type healthServer struct {
+		url   string
+		polls *atomic.Int32
+	}
+	start := func(t *testing.T, delay time.Duration, failFirst int32) healthServer {
+		var polls atomic.Int32
+		srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+			n := polls.Add(1)
+			select {
+			case <-time.After(delay):
+			case <-r.Context().Done():
+				return
+			}
+			if failFirst < 0 || n <= failFirst {
+				w.WriteHeader(http.StatusServiceUnavailable)
+			}
+		}))
+		t.Cleanup(srv.Close)
+		return healthServer{srv.URL, &polls}
+	}
+	// stays runs the watcher until the engine was polled polls times and
+	// fails if it was ever marked unhealthy.
+	stays := func(t *testing.T, e *OpenAIEngine, s healthServer, polls int32) {
+		seen := watchHealth(t, e)
+		deadline := time.Now().Add(20 * time.Second)
+		for s.polls.Load() < polls && time.Now().Before(deadline) {
+			select {
+			case ok := <-seen:
+				if !ok {
+					_, why := e.Healthy()
+					t.Fatalf("marked unhealthy after %d polls: %s", s.polls.Load(), why)
+				}
+			case <-time.After(10 * time.Millisecond):
+			}
+		}
+		if ok, why := e.Healthy(); !ok {
+			t.Fatalf("unhealthy after %d polls: %s", s.polls.Load(), why)
+		}
+	}
+	t.Run("slow", func(t *testing.T) {
+		t.Parallel()
+		s := start(t, 300*time.Millisecond, 0)
+		e := healthyOpenAI(t, OpenAIConfig{URL: s.url, HealthInterval: 50 * time.Millisecond})
+		stays(t, e, s, 5)
+	})
+	t.Run("two failed polls", func(t *testing.T) {
+		t.Parallel()
+		s := start(t, 0, 2)
+		e := healthyOpenAI(t, OpenAIConfig{URL: s.url, HealthInterval: 50 * time.Millisecond})
+		stays(t, e, s, 6)
+	})
+	t.Run("three failed polls", func(t *testing.T) {
+		t.Parallel()
+		s := start(t, 0, -1)
+		e := healthyOpenAI(t, OpenAIConfig{URL: s.url, HealthInterval: 50 * time.Millisecond})
+		seen := watchHealth(t, e)
+		awaitHealth(t, seen, false)
+		if n := s.polls.Load(); n < engineHealthFailures {
+			t.Errorf("unhealthy after %d polls, want %d failed in a row", n, engineHealthFailures)
+		}
+		if _, why := e.Healthy(); !strings.Contains(why, "answered 503") || !strings.Contains(why, "3 polls in a row") {
+			t.Errorf("reason %q does not name the status and the polls", why)
+		}
+	})
+	t.Run("refused", func(t *testing.T) {
+		t.Parallel()
+		srv := httptest.NewServer(http.NotFoundHandler())
+		url := srv.URL
+		srv.Close()
+		// One poll in the test's time: the first, as the watcher starts.
+		e := healthyOpenAI(t, OpenAIConfig{URL: url, HealthInterval: time.Hour})
+		awaitHealth(t, watchHealth(t, e), false)
+	})
 }

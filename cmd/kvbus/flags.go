@@ -227,6 +227,7 @@ type engineAdapterFlags struct {
 	EngineConnectTimeout  time.Duration `name:"engine-connect-timeout" positive:"" default:"5s" help:"--engine openai: bound on connecting to the engine."`
 	EngineTimeout         time.Duration `name:"engine-timeout" default:"0s" help:"--engine openai: bound on one engine request end to end (0: only --request-timeout)."`
 	EngineHealthInterval  time.Duration `name:"engine-health-interval" positive:"" default:"1s" help:"--engine openai: how often the engine's /health is polled; while it fails the group takes no requests and its queued ones move."`
+	EngineHealthTimeout   time.Duration `name:"engine-health-timeout" positive:"" default:"5s" help:"--engine openai: bound on one /health poll; a healthy engine is taken out after 3 failed polls in a row (at once when it refuses the connection or a request finds it down)."`
 	EngineUnavailableWait time.Duration `name:"engine-unavailable-wait" positive:"" default:"2s" help:"--engine openai: how long a request waits for an engine that is down (or to be moved to another group) before it fails with 503 group_failed."`
 	EngineTLSCA           string        `name:"engine-tls-ca" type:"path" help:"--engine openai: CA certificate (PEM) to verify an https engine."`
 	EngineTLSCert         string        `name:"engine-tls-cert" type:"path" help:"--engine openai: client certificate (PEM) for an engine that wants mutual TLS."`
@@ -259,7 +260,7 @@ func (f engineAdapterFlags) openAI(i int) (workers.OpenAIConfig, *vllmevents.Con
 		return workers.OpenAIConfig{}, nil, err
 	}
 	oc := workers.OpenAIConfig{URL: url, Model: f.EngineModel, APIKey: f.EngineAPIKey, MaxConcurrency: f.EngineMaxConcurrency,
-		ConnectTimeout: f.EngineConnectTimeout, Timeout: f.EngineTimeout, HealthInterval: f.EngineHealthInterval,
+		ConnectTimeout: f.EngineConnectTimeout, Timeout: f.EngineTimeout, HealthInterval: f.EngineHealthInterval, HealthTimeout: f.EngineHealthTimeout,
 		UnavailableWait: f.EngineUnavailableWait, TLS: tlsCfg}
 	if err := oc.Validate(); err != nil {
 		return oc, nil, err
@@ -328,7 +329,7 @@ func (f engineAdapterFlags) tls() (*tls.Config, error) {
 type tokenizerFlags struct {
 	Tokenizer        string        `name:"tokenizer" enum:"o200k,engine" default:"o200k" help:"o200k (the embedded o200k_base BPE with a ChatML template, for the sim) or engine (the engine's POST /tokenize at --tokenizer-url, so block hashes match its cache)."`
 	TokenizerURL     []string      `name:"tokenizer-url" sep:"," help:"--tokenizer engine: base URLs of engines serving the model, comma-separated; the first that answers tokenizes."`
-	TokenizerTimeout time.Duration `name:"tokenizer-timeout" positive:"" default:"5s" help:"--tokenizer engine: bound on one /tokenize call; past it, or when the engine is unreachable, the request gets 503 tokenizer_unavailable."`
+	TokenizerTimeout time.Duration `name:"tokenizer-timeout" positive:"" default:"5s" help:"--tokenizer engine: bound on one /tokenize call to one engine; past it the next --tokenizer-url is asked (and the slow one only after the others for 10s); when none answers, the request gets 503 tokenizer_unavailable."`
 }
 
 // tokenizer returns the configured tokenizer; nil means the embedded one.

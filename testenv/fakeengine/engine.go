@@ -264,6 +264,20 @@ func (e *Engine) WaitSubscribed(ctx context.Context) error {
 	return nil
 }
 
+// handleMetrics answers GET /metrics, as vLLM serves its own, in the
+// Prometheus text format: the HTTP requests received and the blocks its
+// prefix cache holds; enough for a scrape (docker-compose.engine.yml's
+// Prometheus job "engine") to succeed.
+func (e *Engine) handleMetrics(w http.ResponseWriter, _ *http.Request) {
+	e.mu.Lock()
+	received := e.first + len(e.requests)
+	e.mu.Unlock()
+	w.Header().Set("Content-Type", "text/plain; version=0.0.4; charset=utf-8")
+	_, _ = fmt.Fprintf(w, "# HELP fakeengine_http_requests_total HTTP requests received.\n# TYPE fakeengine_http_requests_total counter\nfakeengine_http_requests_total %d\n"+
+		"# HELP fakeengine_cached_blocks Blocks the prefix cache holds.\n# TYPE fakeengine_cached_blocks gauge\nfakeengine_cached_blocks %d\n",
+		received, e.CachedBlocks())
+}
+
 // routes returns the Engine's HTTP handler.
 func (e *Engine) routes() http.Handler {
 	mux := http.NewServeMux()
@@ -273,6 +287,7 @@ func (e *Engine) routes() http.Handler {
 	mux.HandleFunc("GET /health", e.handleHealth)
 	mux.HandleFunc("GET /v1/models", e.handleModels)
 	mux.HandleFunc("POST /reset_prefix_cache", e.handleReset)
+	mux.HandleFunc("GET /metrics", e.handleMetrics)
 	mux.HandleFunc("/", func(w http.ResponseWriter, r *http.Request) {
 		// FastAPI's answer to an unknown path.
 		writeJSON(w, http.StatusNotFound, map[string]string{"detail": "Not Found"})

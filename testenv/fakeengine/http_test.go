@@ -848,3 +848,16 @@ func TestRecordingIsBounded(t *testing.T) {
 		t.Errorf("RequestsSince handed out %d requests, up to number %d; want each of the 1,000 once", got, next)
 	}
 }
+
+// TestMetricsScrapes: GET /metrics answers in the Prometheus text format
+// (Prometheus scrapes the engines of docker-compose.engine.yml; the fake
+// answered 404, a target always down).
+func TestMetricsScrapes(t *testing.T) {
+	e := newEngine(t, fakeengine.Config{})
+	do(t, http.MethodGet, e.URL()+"/health", nil, nil)
+	resp, b := do(t, http.MethodGet, e.URL()+"/metrics", nil, nil)
+	if resp.StatusCode != http.StatusOK || !strings.HasPrefix(resp.Header.Get("Content-Type"), "text/plain") ||
+		!strings.Contains(string(b), "\nfakeengine_http_requests_total 2\n") || !strings.Contains(string(b), "\nfakeengine_cached_blocks 0\n") {
+		t.Errorf("/metrics: %d %q\n%s", resp.StatusCode, resp.Header.Get("Content-Type"), b)
+	}
+}

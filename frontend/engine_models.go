@@ -1,0 +1,141 @@
+package frontend
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"net/http"
+	"sync"
+	"time"
+)
+
+// ModelLister is a tokenizer that can also ask the engines behind it which
+// models they serve (EngineTokenizer: their GET /v1/models).
+type ModelLister interface {
+	// Models returns the entries of the first engine's model list that
+	// answers, as the engine wrote them.
+	Models(ctx context.Context) ([]json.RawMessage, error)
+}
+
+// Models implements ModelLister: GET /v1/models of the engines in the
+// order /tokenize asks them, each within cfg.Timeout.
+func (t *EngineTokenizer) Models(ctx context.Context) ([]json.RawMessage, error) {
+	var errs []error
+	for _, n := range t.order() {
+		data, err := t.modelsAt(ctx, t.bases[n])
+		if err == nil {
+			return data, nil
+		}
+		errs = append(errs, err)
+		if ctx.Err() != nil {
+			break
+		}
+	}
+	return nil, errors.Join(errs...)
+}
+
+func (t *EngineTokenizer) modelsAt(ctx context.Context, base string) ([]json.RawMessage, error) {
+	ctx, cancel := context.WithTimeout(ctx, t.cfg.Timeout)
+	defer cancel()
+	req, err := http.NewRequestWithContext(ctx, http.MethodGet, base+"/v1/models", nil)
+	if err != nil {
+		return nil, err
+	}
+	if t.cfg.APIKey != "" {
+		req.Header.Set("Authorization", "Bearer "+t.cfg.APIKey)
+	}
+	resp, err := t.client.Do(req)
+	if err != nil {
+		return nil, fmt.Errorf("GET %s/v1/models: %w", base, err)
+	}
+	defer resp.Body.Close()
+	body, err := io.ReadAll(io.LimitReader(resp.Body, 1<<20))
+	if err != nil {
+		return nil, fmt.Errorf("GET %s/v1/models: %w", base, err)
+	}
+	if resp.StatusCode != http.StatusOK {
+		return nil, fmt.Errorf("GET %s/v1/models answered %d", base, resp.StatusCode)
+	}
+	var list struct {
+		Data []json.RawMessage `json:"data"`
+	}
+	if err := json.Unmarshal(body, &list); err != nil || len(list.Data) == 0 {
+		return nil, fmt.Errorf("GET %s/v1/models: no model list in the answer (%v)", base, err)
+	}
+	return list.Data, nil
+}
+
+// How long the engines' model list is used before it is asked again, and
+// how often an unknown model may make the frontend ask.
+const (
+	engineModelsTTL   = 30 * time.Second
+	engineModelsRetry = 5 * time.Second
+)
+
+// engineModels caches the engines' model list (--engine openai with
+// --tokenizer engine): their ids are served too, and GET /v1/models
+// relays their entries (their max_model_len included).
+type engineModels struct {
+	lister ModelLister // nil: no engine to ask
+
+	mu    sync.Mutex
+	at    time.Time // of the last attempt
+	ok    time.Time // of the last answer
+	data  []json.RawMessage
+	ids   map[string]bool
+	fresh chan struct{} // closed when the running attempt ends; nil when none runs
+}
+
+// list returns the engines' entries and ids, asking the engines first when
+// the list is older than maxAge (and no attempt was made within
+// engineModelsRetry). Concurrent callers share one attempt.
+func (m *engineModels) list(ctx context.Context, maxAge time.Duration) ([]json.RawMessage, map[string]bool) {
+	if m == nil || m.lister == nil {
+		return nil, nil
+	}
+	m.mu.Lock()
+	if time.Since(m.ok) < maxAge || time.Since(m.at) < engineModelsRetry && m.fresh == nil {
+		data, ids := m.data, m.ids
+		m.mu.Unlock()
+		return data, ids
+	}
+	wait := m.fresh
+	if wait == nil {
+		wait = make(chan struct{})
+		m.fresh, m.at = wait, time.Now()
+		go m.refresh(wait)
+	}
+	m.mu.Unlock()
+	select {
+	case <-wait:
+	case <-ctx.Done():
+	}
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	return m.data, m.ids
+}
+
+// refresh asks the engines once, independently of the request that made it
+// ask (each engine within --tokenizer-timeout).
+func (m *engineModels) refresh(done chan struct{}) {
+	data, err := m.lister.Models(context.Background())
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	defer close(done)
+	m.fresh = nil
+	if err != nil {
+		return // the last list stays
+	}
+	ids := map[string]bool{}
+	for _, raw := range data {
+		var e struct {
+			ID string `json:"id"`
+		}
+		if json.Unmarshal(raw, &e) == nil && e.ID != "" {
+			ids[e.ID] = true
+		}
+	}
+	m.data, m.ids, m.ok = data, ids, time.Now()
+}
