@@ -5,12 +5,13 @@ import (
 	"encoding/json"
 	"net/http"
 	"strings"
-	"unicode"
 	"unicode/utf8"
+
+	"github.com/kvbus/kvbus/messages"
 )
 
 // MaxSessionIDBytes is the longest accepted session id.
-const MaxSessionIDBytes = 256
+const MaxSessionIDBytes = messages.MaxSessionIDBytes
 
 // DefaultSessionHeaders are the headers read for a session id, in order of
 // precedence, when --session-header is not given.
@@ -165,13 +166,8 @@ func hexEscape(raw []byte, i int) (rune, bool) {
 }
 
 func checkSessionID(v, source string) *APIError {
-	switch {
-	case len(v) > MaxSessionIDBytes:
-		return badRequest(source, "%s is %d bytes; a session id may have at most %d", source, len(v), MaxSessionIDBytes)
-	case !utf8.ValidString(v):
-		return badRequest(source, "%s is not valid UTF-8", source)
-	case strings.ContainsFunc(v, unicode.IsControl):
-		return badRequest(source, "%s contains a control character", source)
+	if err := messages.CheckSessionID(v); err != nil {
+		return badRequest(source, "%s: %v", source, err)
 	}
 	return nil
 }

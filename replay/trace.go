@@ -124,6 +124,17 @@ func ReadTrace(r io.Reader, format string) (*Trace, error) {
 	if err != nil {
 		return nil, err
 	}
+	// The frontend refuses such session ids; replayed onto the bus they
+	// would reach the ranks' logs and the operators' terminals (kvbus top).
+	for i, it := range t.Items {
+		if err := messages.CheckSessionID(it.SessionID); err != nil {
+			id := it.SessionID
+			if len(id) > 64 {
+				id = id[:64] + "…"
+			}
+			return nil, fmt.Errorf("%w: request %d of the trace (id %q): session id %q: %w", ErrFormat, i+1, it.OriginalID, id, err)
+		}
+	}
 	t.Format = format
 	sort.SliceStable(t.Items, func(i, j int) bool { return t.Items[i].At < t.Items[j].At })
 	return t, nil
