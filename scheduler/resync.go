@@ -47,7 +47,7 @@ func (s *Scheduler) onHeartbeat(ctx context.Context, m *nats.Msg) error {
 			messages.ErrInvalid, hb.Group, hb.TPRank, started.UTC().Format(time.RFC3339Nano))
 	}
 	if stale, report := s.groups.observe(hb, now); stale {
-		if report {
+		if report && !hb.Draining { // a draining one is being replaced: no slip
 			s.log.Error("two worker processes claim the same rank: give each its own --tp-rank (or use --rank auto); "+
 				"the older one's heartbeats are ignored", "group", hb.Group, "tp_rank", hb.TPRank,
 				"older_started", time.UnixMilli(hb.StartedUnixMs).UTC().Format(time.RFC3339Nano))

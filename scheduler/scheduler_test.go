@@ -41,6 +41,7 @@ type schedEnv struct {
 	subj messages.Subjects
 	s    *scheduler.Scheduler
 	reg  *prometheus.Registry
+	logs *testenv.LogBuffer
 
 	mu   sync.Mutex
 	msgs []*nats.Msg // everything under the prefix, in arrival order
@@ -112,6 +113,7 @@ func startScheduler(t *testing.T, cfg schedEnvConfig) *schedEnv {
 	}
 	time.Sleep(cfg.backlogAge)
 	logs := &testenv.LogBuffer{}
+	e.logs = logs
 	e.s, err = scheduler.New(scheduler.Config{
 		Conn: testenv.Connect(t, srv), Subjects: e.subj, ID: testSchedID, Policy: cfg.policy,
 		HeartbeatTimeout: time.Second, RequestTimeout: cfg.requestTimeout, DumpTimeout: cfg.dumpTimeout, ForgetGroupAfter: cfg.forgetAfter,
@@ -864,5 +866,34 @@ func TestSchedulerForgetsAnIndexOnlyGroup(t *testing.T) {
 	testenv.Eventually(t, waitFor, "ghost forgotten", func() bool { _, ok := e.s.Index().GroupID("ghost"); return !ok })
 	if _, ok := e.s.Index().GroupID("g0"); !ok {
 		t.Error("g0, still heard of, was forgotten")
+	}
+}
+
+// TestReplacedRankIsNoDuplicate: a rank's new process that starts while
+// its predecessor drains (a rolling replacement) is not "two worker
+// processes claim the same rank": that ERROR came at every replacement.
+// A second process that is not draining still gets it.
+func TestReplacedRankIsNoDuplicate(t *testing.T) {
+	e := startScheduler(t, schedEnvConfig{groups: []string{"g0"}})
+	publish := func(r int, started int64, draining bool) {
+		t.Helper()
+		data, err := messages.Marshal(&messages.Heartbeat{Group: "g5", TPRank: r, EPRank: r, WorldSize: worldSize, Model: testModel,
+			StartedUnixMs: started, Draining: draining})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := e.nc.Publish(e.subj.Heartbeat("g5", r), data); err != nil {
+			t.Fatal(err)
+		}
+	}
+	now := time.Now().UnixMilli()
+	publish(0, now, false)     // the new process of g5/0
+	publish(0, now-1000, true) // its predecessor, draining
+	publish(1, now, false)
+	publish(1, now-1000, false) // a second process of g5/1: an operator's slip
+	const dup = "two worker processes claim the same rank"
+	testenv.Eventually(t, waitFor, "the duplicate of g5/1 reported", func() bool { return len(e.logs.Lines(dup, "tp_rank=1")) == 1 })
+	if n := len(e.logs.Lines(dup, "tp_rank=0")); n != 0 {
+		t.Errorf("a draining predecessor reported as a duplicate (%d lines)", n)
 	}
 }

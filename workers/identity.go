@@ -24,12 +24,11 @@ var ErrRankServed = errors.New("workers: another process serves this rank")
 // and refuses to start while another process serves it. One that is
 // draining (being replaced) does not count.
 
-// maxIdentityWait bounds that wait (the heartbeat interval may be long).
-const maxIdentityWait = 3 * time.Second
+// maxIdentityWait bounds that wait by default (RankConfig.IdentityWait).
+const maxIdentityWait = 10 * time.Second
 
 // awaitIdentityFree returns nil once no other process has sent a
-// heartbeat for this rank within 1.5 heartbeat intervals (at most
-// maxIdentityWait).
+// heartbeat for this rank within RankConfig.IdentityWait.
 func (r *Rank) awaitIdentityFree(ctx context.Context) error {
 	subject := r.cfg.Subjects.Heartbeat(r.cfg.Group, r.cfg.TPRank)
 	heard := make(chan *messages.Heartbeat, 1)
@@ -47,7 +46,14 @@ func (r *Rank) awaitIdentityFree(ctx context.Context) error {
 		return fmt.Errorf("workers: subscribe %s: %w", subject, err)
 	}
 	defer func() { _ = sub.Unsubscribe() }()
-	t := time.NewTimer(min(r.cfg.HeartbeatInterval*3/2, maxIdentityWait))
+	wait := r.cfg.IdentityWait
+	if wait == 0 {
+		wait = min(r.cfg.HeartbeatInterval*3/2, maxIdentityWait)
+	}
+	if wait < 0 {
+		return nil
+	}
+	t := time.NewTimer(wait)
 	defer t.Stop()
 	select {
 	case hb := <-heard:

@@ -64,6 +64,12 @@ type RankConfig struct {
 	BlockSize int
 	// HeartbeatInterval defaults to 1 s.
 	HeartbeatInterval time.Duration
+	// IdentityWait is how long Run first listens for another process
+	// heartbeating with this rank's identity, and refuses to start if one
+	// does (0: 1.5 heartbeat intervals, at most 10 s; negative: not at
+	// all). A wait shorter than the other process's heartbeat interval may
+	// miss it.
+	IdentityWait time.Duration
 	// QueueSize bounds the load and store queues (default 1024).
 	QueueSize int
 	// SaveWait bounds how long a load waits for a block that this rank is

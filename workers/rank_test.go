@@ -137,7 +137,8 @@ func startRanks(t *testing.T, cfg rankEnvConfig) *rankEnv {
 			TPRank: r, TPSize: worldSize, EPRank: r, EPSize: worldSize,
 			Model: testModel, Profile: profile, CapacityBytes: testCapacity, Engine: engine,
 			BlockSize: blockSize, HeartbeatInterval: hbInterval, ShutdownTimeout: 5 * time.Second,
-			Logger: log, Metrics: metrics, HandlerMetrics: hm, StoreDelay: cfg.storeDelay[r], SaveWait: cfg.saveWait,
+			IdentityWait: -1, // fresh identities (TestSecondProcessOfARankRefused checks the wait)
+			Logger:       log, Metrics: metrics, HandlerMetrics: hm, StoreDelay: cfg.storeDelay[r], SaveWait: cfg.saveWait,
 			DrainHandoff: cfg.drainHandoff, DelayFirstReqMeta: cfg.delayFirstMeta[r],
 		})
 		if err != nil {
