@@ -12,8 +12,11 @@
 package auth
 
 import (
+	"bytes"
 	"errors"
 	"fmt"
+	"os"
+	"path/filepath"
 	"slices"
 
 	"github.com/kvbus/kvbus/bus"
@@ -100,7 +103,11 @@ func kvBucket(bucket string) []string {
 func For(s messages.Subjects, id Identity) (Permissions, error) {
 	p := func(rest string) string { return s.All()[:len(s.All())-1] + rest } // "kvbus." + rest
 	requestStream := s.RequestStream()
-	inbox := "_INBOX.>"
+	// Each role reads only its own reply inbox (bus.InboxPrefix): with
+	// _INBOX.> for all, any key could read the request log's deliveries to
+	// the schedulers, the JetStream API's and the buckets' answers, dumps
+	// and pool reads.
+	inbox := bus.InboxSubscriptions(id.Role, id.Group)
 	switch id.Role {
 	case RoleFrontend:
 		return Permissions{
@@ -110,7 +117,7 @@ func For(s messages.Subjects, id Identity) (Permissions, error) {
 					jsAPI + "CONSUMER.CREATE." + requestStream + "." + schedulerConsumer,
 					jsAPI + "CONSUMER.CREATE." + requestStream + "." + schedulerConsumer + ".>",
 					jsAPI + "CONSUMER.DURABLE.CREATE." + requestStream + "." + schedulerConsumer}),
-			Subscribe: []string{p("out.*"), s.AnnounceRole(messages.RoleScheduler), inbox},
+			Subscribe: append([]string{p("out.*"), s.AnnounceRole(messages.RoleScheduler)}, inbox...),
 		}, nil
 	case RoleScheduler:
 		return Permissions{
@@ -125,8 +132,8 @@ func For(s messages.Subjects, id Identity) (Permissions, error) {
 					jsAPI + "CONSUMER.MSG.NEXT." + requestStream + "." + schedulerConsumer,
 					"$JS.ACK." + requestStream + "." + schedulerConsumer + ".>"},
 				kvBucket(s.SessionBucket())),
-			Subscribe: []string{p("done.*"), s.KVAll(), s.HeartbeatAll(), s.PlanAll(), s.Abort(),
-				s.AnnounceRole(messages.RoleScheduler), inbox},
+			Subscribe: append([]string{p("done.*"), s.KVAll(), s.HeartbeatAll(), s.PlanAll(), s.Abort(),
+				s.AnnounceRole(messages.RoleScheduler)}, inbox...),
 		}, nil
 	case RoleWorker:
 		g := "*"
@@ -142,12 +149,35 @@ func For(s messages.Subjects, id Identity) (Permissions, error) {
 				// only to its own.
 				p("pool.*.*"), p("pool.*.*.handoff"), p("pool." + g + ".drain"), jsAPI + "INFO"},
 				kvBucket(s.SlotBucket())),
-			Subscribe: []string{p("meta." + g + ".>"), s.Abort(), p("ctl.dump." + g + ".*"), p("pool." + g + ".>"),
-				s.HeartbeatAll(), inbox},
+			Subscribe: append([]string{p("meta." + g + ".>"), s.Abort(), p("ctl.dump." + g + ".*"), p("pool." + g + ".>"),
+				s.HeartbeatAll()}, inbox...),
 			Responses: maxResponses,
 		}, nil
 	case RoleAdmin:
 		return Permissions{Publish: []string{">"}, Subscribe: []string{">"}, Responses: maxResponses}, nil
 	}
 	return Permissions{}, fmt.Errorf("%w: unknown role %q (want frontend, scheduler, worker or admin)", ErrConfig, id.Role)
+}
+
+// RewriteConfig rewrites dir's ConfigFile with the permissions this kvbus
+// gives the keys there, keeping every seed: the upgrade of a directory
+// written by an older `kvbus auth init` (whose roles all read _INBOX.>).
+// It reports whether the file changed; NATS must then load it again.
+func RewriteConfig(dir string, s messages.Subjects) (bool, error) {
+	ids, _, err := Keys(dir)
+	if err != nil {
+		return false, err
+	}
+	if s, err = dirSubjects(dir, s); err != nil {
+		return false, err
+	}
+	files, err := keyFiles(dir, s, ids, func(Identity) bool { return false })
+	if err != nil {
+		return false, err
+	}
+	conf := files[len(files)-1]
+	if old, err := os.ReadFile(filepath.Join(dir, ConfigFile)); err == nil && bytes.Equal(old, conf.data) {
+		return false, nil
+	}
+	return true, commit([]file{conf})
 }

@@ -3,8 +3,10 @@ package auth_test
 import (
 	"context"
 	"errors"
+	"log/slog"
 	"os"
 	"path/filepath"
+	"regexp"
 	"strings"
 	"sync"
 	"testing"
@@ -137,6 +139,29 @@ func TestPermissionMatrix(t *testing.T) {
 		{"scheduler", sub, "kvbus.ann.scheduler.sched-1", true},
 		{"scheduler", sub, "kvbus.ann.frontend.f1", false},
 		{"scheduler", pub, "$JS.API.CONSUMER.CREATE.KVBUS_REQUESTS.mine", false},
+		// Reply inboxes: each role reads only its own (bus.InboxPrefix), so
+		// no key reads the request log's deliveries to the schedulers, the
+		// JetStream API's answers, dumps or pool reads of another.
+		{"worker-g1", sub, "_INBOX.>", false},
+		{"worker-g1", sub, "_INBOX_scheduler.>", false},
+		{"worker-g1", sub, "_INBOX_frontend.>", false},
+		{"worker-g1", sub, "_INBOX_worker.>", false},
+		{"worker-g1", sub, "_INBOX_worker_g.g0.>", false},
+		{"worker-g1", sub, "_INBOX_worker_g.>", false},
+		{"worker-g1", sub, "_INBOX_worker_g.g1.>", true},
+		{"worker-g1", sub, "_INBOX_worker_g.g1.abc", true},
+		{"worker", sub, "_INBOX.>", false},
+		{"worker", sub, "_INBOX_scheduler.>", false},
+		{"worker", sub, "_INBOX_worker.>", true},
+		{"worker", sub, "_INBOX_worker_g.g1.>", true},
+		{"frontend", sub, "_INBOX.>", false},
+		{"frontend", sub, "_INBOX_scheduler.>", false},
+		{"frontend", sub, "_INBOX_frontend.>", true},
+		{"scheduler", sub, "_INBOX.>", false},
+		{"scheduler", sub, "_INBOX_frontend.>", false},
+		{"scheduler", sub, "_INBOX_scheduler.>", true},
+		{"admin", sub, "_INBOX.>", true},
+		{"admin", sub, "_INBOX_scheduler.>", true},
 		// Only admin reads the whole request log (capture, replay, tap, top).
 		{"admin", pub, "$JS.API.STREAM.MSG.GET.KVBUS_REQUESTS", true},
 		{"admin", pub, "$JS.API.CONSUMER.CREATE.KVBUS_REQUESTS.capture", true},
@@ -398,5 +423,77 @@ func TestStrayKeysGetNoPermissions(t *testing.T) {
 	}
 	if strings.Contains(m, "old") || strings.Contains(m, "bak") {
 		t.Errorf("the matrix lists a stray key:\n%s", m)
+	}
+}
+
+// TestOlderConfigStopsARoleAtStartUntilInitRewritesIt: a nats-auth.conf
+// written by an older `kvbus auth init` lets every role read _INBOX.> and
+// none its own inbox: a role fails at start saying to run `kvbus auth init
+// DIR` again and restart NATS; doing so keeps every seed, rewrites the
+// file, and the role starts.
+func TestOlderConfigStopsARoleAtStartUntilInitRewritesIt(t *testing.T) {
+	dir := t.TempDir()
+	if _, err := auth.Init(dir, messages.Subjects{}, []string{"g0"}, false); err != nil {
+		t.Fatal(err)
+	}
+	conf := filepath.Join(dir, auth.ConfigFile)
+	data, err := os.ReadFile(conf)
+	if err != nil {
+		t.Fatal(err)
+	}
+	older := regexp.MustCompile(`"_INBOX_[^"]*"(, "_INBOX_[^"]*")*`).ReplaceAll(data, []byte(`"_INBOX.>"`))
+	if !strings.Contains(string(older), `"_INBOX.>"`) || strings.Contains(string(older), "_INBOX_") {
+		t.Fatalf("could not write an older configuration:\n%s", older)
+	}
+	if err := os.WriteFile(conf, older, 0o644); err != nil {
+		t.Fatal(err)
+	}
+	seeds := map[string][]byte{}
+	for _, key := range []string{"frontend", "scheduler", "worker", "worker-g0", "admin"} {
+		seeds[key], _ = os.ReadFile(filepath.Join(dir, key+".nk"))
+	}
+	s := messages.Subjects{}
+	check := bus.RoleCheck{Role: "worker", Group: "g0", Subscribe: []string{s.MetaGroup("g0"), s.Abort(), s.Dump("g0", 0), s.Pool("g0", 0)}}
+	start := func() (*bus.Server, *nats.Conn) {
+		srv, err := bus.StartServer(bus.ServerConfig{Addr: "127.0.0.1:0", DataDir: t.TempDir(), AuthConfig: conf})
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(srv.Shutdown)
+		nc, err := bus.Connect(t.Context(), bus.Config{URL: srv.ClientURL(), NKeySeedFile: filepath.Join(dir, "worker-g0.nk"),
+			InboxPrefix: bus.InboxPrefix("worker", "g0"), Logger: slog.New(slog.DiscardHandler)})
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(nc.Close)
+		return srv, nc
+	}
+	_, nc := start()
+	err = bus.CheckPermissions(t.Context(), nc, check)
+	if !errors.Is(err, bus.ErrPermission) {
+		t.Fatalf("with an older nats-auth.conf: CheckPermissions = %v, want ErrPermission", err)
+	}
+	for _, want := range []string{"reply inbox _INBOX_worker_g.g0.", "older `kvbus auth init`", "Run `kvbus auth init DIR` again",
+		"keeps the keys and rewrites nats-auth.conf", "restart NATS"} {
+		if !strings.Contains(err.Error(), want) {
+			t.Errorf("the error does not say %q: %v", want, err)
+		}
+	}
+
+	changed, err := auth.RewriteConfig(dir, messages.Subjects{})
+	if err != nil || !changed {
+		t.Fatalf("RewriteConfig = %v, %v; want the older file rewritten", changed, err)
+	}
+	for key, seed := range seeds {
+		if now, _ := os.ReadFile(filepath.Join(dir, key+".nk")); string(now) != string(seed) {
+			t.Errorf("%s.nk changed", key)
+		}
+	}
+	_, nc = start() // NATS restarted with the rewritten file
+	if err := bus.CheckPermissions(t.Context(), nc, check); err != nil {
+		t.Errorf("after the rewrite: %v", err)
+	}
+	if changed, err := auth.RewriteConfig(dir, messages.Subjects{}); err != nil || changed {
+		t.Errorf("RewriteConfig of a current file = %v, %v; want unchanged", changed, err)
 	}
 }

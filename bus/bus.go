@@ -47,6 +47,17 @@ type Config struct {
 	// scheduler sets it: it subscribes to every replica's save plans and
 	// must not spend time on its own (JetStream deliveries are unaffected).
 	NoEcho bool
+	// InboxPrefix is the prefix of the connection's reply inboxes
+	// (InboxPrefix(role, group)); "" is nats.go's _INBOX. With the keys of
+	// `kvbus auth init` each role may read only its own.
+	InboxPrefix string
+	// OnClosed, when set, is called once if the server closed the
+	// connection for good: it refused the role's credentials at a
+	// reconnect (a rotated key after a NATS restart), and nats.go gives
+	// up after the second refusal despite reconnecting forever. err wraps
+	// ErrClosed and says what to do; the role should stop with it. A close
+	// by the role itself (Close, Drain) does not call it.
+	OnClosed func(err error)
 	// Logger receives connection state changes; nil means slog.Default().
 	Logger *slog.Logger
 }
@@ -59,14 +70,26 @@ func (c Config) Validate() error {
 	if (c.TLSCert == "") != (c.TLSKey == "") {
 		return fmt.Errorf("%w: --nats-tls-cert and --nats-tls-key must be given together", ErrConnect)
 	}
-	n := 0
-	for _, s := range []string{c.CredsFile, c.NKeySeedFile, c.Token, c.User} {
-		if s != "" {
-			n++
+	if c.Password != "" && c.User == "" {
+		return fmt.Errorf("%w: --nats-password needs --nats-user", ErrConnect)
+	}
+	var seen []string
+	for _, s := range []struct{ value, name string }{
+		{c.CredsFile, "--nats-creds (KVBUS_NATS_CREDS)"}, {c.NKeySeedFile, "--nats-nkey (KVBUS_NATS_NKEY)"},
+		{c.Token, "--nats-token (KVBUS_NATS_TOKEN)"}, {c.User, "--nats-user (KVBUS_NATS_USER)"},
+	} {
+		if s.value != "" {
+			seen = append(seen, s.name)
 		}
 	}
-	if n > 1 {
-		return fmt.Errorf("%w: give only one of credentials file, nkey seed, token, or user/password", ErrConnect)
+	if len(seen) > 1 {
+		return fmt.Errorf("%w: give only one of credentials file, nkey seed, token, or user/password; got %s "+
+			"(a value may come from a KVBUS_* environment variable: unset the one you do not mean)", ErrConnect, strings.Join(seen, " and "))
+	}
+	if c.InboxPrefix != "" {
+		if err := nats.CustomInboxPrefix(c.InboxPrefix)(&nats.Options{}); err != nil {
+			return fmt.Errorf("%w: inbox prefix %q: %v", ErrConnect, c.InboxPrefix, err)
+		}
 	}
 	return nil
 }
@@ -83,6 +106,12 @@ func Connect(ctx context.Context, cfg Config) (*nats.Conn, error) {
 	if log == nil {
 		log = slog.Default()
 	}
+	// Local files are checked before anything connects: a bad one is no
+	// server that may yet come up.
+	if err := checkTLSFiles(cfg, log); err != nil {
+		return nil, err
+	}
+	warnSecretFileModes(cfg, log)
 	url := cfg.URL
 	if url == "" {
 		url = DefaultURL
@@ -112,6 +141,12 @@ func Connect(ctx context.Context, cfg Config) (*nats.Conn, error) {
 			if sub != nil {
 				subject = sub.Subject
 			}
+			if isAuthError(err) {
+				// At a reconnect: nats.go closes the connection at the
+				// second refusal (the ClosedHandler below ends the role).
+				log.Error("nats refused this role's credentials at a reconnect: "+refusedAtReconnect, "conn", cfg.Name, "err", err)
+				return
+			}
 			if errors.Is(err, nats.ErrPermissionViolation) {
 				// The server refused a subject this role may not use: said
 				// once per subject, not on every message.
@@ -124,6 +159,23 @@ func Connect(ctx context.Context, cfg Config) (*nats.Conn, error) {
 			}
 			log.Error("nats async error", "conn", cfg.Name, "subject", subject, "err", err)
 		}),
+		nats.ClosedHandler(func(nc *nats.Conn) {
+			// Closed by nats.go (not by Close or Drain, which replaces
+			// this handler) only when it gave up reconnecting: the server
+			// refused the credentials twice.
+			err := nc.LastError()
+			if !isAuthError(err) {
+				return
+			}
+			lost := fmt.Errorf("%w: %v (%s)", ErrClosed, err, refusedAtReconnect)
+			log.Error("nats connection closed: "+refusedAtReconnect, "conn", cfg.Name, "err", err)
+			if cfg.OnClosed != nil {
+				cfg.OnClosed(lost)
+			}
+		}),
+	}
+	if cfg.InboxPrefix != "" {
+		opts = append(opts, nats.CustomInboxPrefix(cfg.InboxPrefix))
 	}
 	switch {
 	case cfg.CredsFile != "":
@@ -151,6 +203,7 @@ func Connect(ctx context.Context, cfg Config) (*nats.Conn, error) {
 
 	deadline := time.Now().Add(timeout)
 	shown := RedactURLs(url)
+	tlsOn := cfg.TLSCA != "" || cfg.TLSCert != "" || strings.Contains(strings.ToLower(url), "tls://")
 	said := false // the first failure is logged, so a wait is not silent
 	for {
 		nc, err := nats.Connect(url, opts...)
@@ -158,7 +211,7 @@ func Connect(ctx context.Context, cfg Config) (*nats.Conn, error) {
 			return nc, nil
 		}
 		err = redactError(err, url, shown)
-		advice, final := connectAdvice(err)
+		advice, final := connectAdvice(err, tlsOn)
 		if final || time.Now().After(deadline) {
 			return nil, fmt.Errorf("%w at %s: %v (%s)", ErrConnect, shown, err, advice)
 		}
@@ -168,7 +221,7 @@ func Connect(ctx context.Context, cfg Config) (*nats.Conn, error) {
 		}
 		select {
 		case <-ctx.Done():
-			return nil, fmt.Errorf("%w at %s: %v", ErrConnect, shown, ctx.Err())
+			return nil, fmt.Errorf("%w at %s: %v; the last attempt: %v (%s)", ErrConnect, shown, ctx.Err(), err, advice)
 		case <-time.After(250 * time.Millisecond):
 		}
 	}
@@ -229,7 +282,7 @@ var errBadURL = errors.New("bad NATS URL")
 // connectAdvice says what to do about a failed connection, and whether
 // retrying cannot help: a server that refused this role's credentials or
 // its TLS will refuse them again, where a server not yet up may come.
-func connectAdvice(err error) (advice string, final bool) {
+func connectAdvice(err error, tlsOn bool) (advice string, final bool) {
 	var (
 		unknownCA *x509.UnknownAuthorityError
 		verify    *tls.CertificateVerificationError
@@ -247,12 +300,34 @@ func connectAdvice(err error) (advice string, final bool) {
 		return "TLS was asked for but the server does not use it: drop the --nats-tls-* flags or start the server with TLS", true
 	case errors.As(err, &unknownCA), errors.As(err, &verify), errors.As(err, &hostname):
 		return "the server's TLS certificate did not verify: give the CA that signed it with --nats-tls-ca, and connect by a name the certificate holds", true
+	case tlsOn && (strings.Contains(err.Error(), "remote error: tls:") ||
+		strings.Contains(err.Error(), "connection closed by remote after TLS handshake")):
+		return clientCertRefused, true
 	case errors.Is(err, errBadURL):
 		return "--nats-url must be nats://[user:password@]host:port[,...]; escape '/', '#' and '%' in a password as %2F, %23 and %25", true
 	case errors.As(err, &pathErr):
 		return "a credentials or TLS file could not be read: check the path given to the --nats-* flag", true
 	}
 	return "start one with `kvbus nats`, or set --nats-url / KVBUS_NATS_URL", false
+}
+
+// ErrClosed is wrapped by the error Config.OnClosed gets: the server closed
+// the connection for good.
+var ErrClosed = errors.New("bus: the NATS connection was closed")
+
+// refusedAtReconnect is the advice for credentials refused at a reconnect.
+const refusedAtReconnect = "the server refused this role's credentials after a reconnect " +
+	"(rotated key? restart the role with its new seed)"
+
+// clientCertRefused is the advice for a server that refused the client's
+// certificate in the TLS handshake.
+const clientCertRefused = "the server refused this client's certificate (mutual TLS): give --nats-tls-cert/--nats-tls-key " +
+	"signed by the CA of the server's --tls-ca, not expired"
+
+// isAuthError reports whether err is the server refusing the credentials.
+func isAuthError(err error) bool {
+	return errors.Is(err, nats.ErrAuthorization) || errors.Is(err, nats.ErrAuthExpired) || errors.Is(err, nats.ErrAuthRevoked) ||
+		errors.Is(err, nats.ErrAccountAuthExpired)
 }
 
 // Drain drains nc (flushing pending publishes and letting subscription
@@ -264,6 +339,7 @@ func Drain(ctx context.Context, nc *nats.Conn) {
 	if nc == nil || nc.IsClosed() {
 		return
 	}
+	nc.SetClosedHandler(nil) // a close from here on is the role's own
 	for nc.IsReconnecting() && ctx.Err() == nil {
 		select {
 		case <-ctx.Done():

@@ -39,7 +39,8 @@ type RoleCheck struct {
 const permissionCheckTimeout = 5 * time.Second
 
 // CheckPermissions tells at once a role whose key the server refuses its
-// own subjects. It subscribes to each of c.Subscribe and to a reply inbox,
+// own subjects. It subscribes to each of c.Subscribe and to a reply inbox
+// (the connection's own prefix, Config.InboxPrefix),
 // flushes once (the server's -ERR for a refused subscription arrives before
 // the PONG), unsubscribes, and returns an error wrapping ErrPermission
 // (and nats.ErrPermissionViolation) that names the refused subject, the
@@ -91,10 +92,17 @@ func CheckPermissions(ctx context.Context, nc *nats.Conn, c RoleCheck) error {
 	if !ok || kind != "Subscription" || !slices.Contains(subjects, subject) {
 		return nil
 	}
-	what := subject
 	if subject == inbox {
-		what = "its reply inbox " + subject
+		// Every subject of the role passed: its key is right, but the
+		// server's allow-list has no inbox of its own.
+		prefix := inbox[:strings.LastIndex(inbox, ".")] // the connection's prefix
+		return fmt.Errorf("%w: the server refused to let the %s subscribe to its reply inbox %s (%w): the server's nats-auth.conf "+
+			"was written by an older `kvbus auth init`, which let every role read _INBOX.>; each role now has its own inbox "+
+			"(%s.>). Run `kvbus auth init DIR` again (it keeps the keys and rewrites nats-auth.conf), then restart NATS "+
+			"(restart `kvbus nats`, or `nats-server --signal reload`); with your own NATS users, allow this one to subscribe to %s.>",
+			ErrPermission, roleName(c), subject, nats.ErrPermissionViolation, prefix, prefix)
 	}
+	what := subject
 	return fmt.Errorf("%w: the server refused to let the %s subscribe to %s (%w): its NATS key is another role's (or "+
 		"another group's), or was written for another --subject-prefix. Give it the key `kvbus auth init DIR` wrote for it: %s; "+
 		"`kvbus auth show DIR` lists what each key may use, and with your own NATS users give this one the %s's allow-list",

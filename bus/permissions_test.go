@@ -17,11 +17,12 @@ import (
 	"github.com/kvbus/kvbus/testenv"
 )
 
-// keyedConn connects to srv with the key DIR/<key>.nk.
-func keyedConn(t *testing.T, srv *bus.Server, dir, key string) *nats.Conn {
+// keyedConn connects to srv with the key DIR/<key>.nk and the reply inbox
+// prefix of the role the connection is for (bus.InboxPrefix).
+func keyedConn(t *testing.T, srv *bus.Server, dir, key, inbox string) *nats.Conn {
 	t.Helper()
 	nc, err := bus.Connect(t.Context(), bus.Config{URL: srv.ClientURL(), NKeySeedFile: filepath.Join(dir, key+".nk"),
-		Logger: slog.New(slog.DiscardHandler)})
+		InboxPrefix: inbox, Logger: slog.New(slog.DiscardHandler)})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -48,7 +49,7 @@ func TestCheckPermissions(t *testing.T) {
 
 	srv, dir := testenv.StartKeyedNATS(t, "g0")
 	for _, key := range []string{"worker", "admin"} {
-		nc := keyedConn(t, srv, dir, key)
+		nc := keyedConn(t, srv, dir, key, bus.InboxPrefix("worker", "g2"))
 		// A refused publish of another role's subject is not the check's.
 		if err := nc.Publish(s.Request("m"), nil); err != nil {
 			t.Fatal(err)
@@ -58,7 +59,7 @@ func TestCheckPermissions(t *testing.T) {
 		}
 	}
 	for _, key := range []string{"frontend", "worker-g0"} {
-		nc := keyedConn(t, srv, dir, key)
+		nc := keyedConn(t, srv, dir, key, bus.InboxPrefix("worker", "g2"))
 		start := time.Now()
 		err := bus.CheckPermissions(t.Context(), nc, worker)
 		if !errors.Is(err, bus.ErrPermission) || !errors.Is(err, nats.ErrPermissionViolation) {
@@ -86,7 +87,7 @@ func TestCheckPermissions(t *testing.T) {
 // JetStream is enabled.
 func TestEnsureRequestStreamWithoutJetStreamPermission(t *testing.T) {
 	srv, dir := testenv.StartKeyedNATS(t)
-	js, err := jetstream.New(keyedConn(t, srv, dir, "worker"))
+	js, err := jetstream.New(keyedConn(t, srv, dir, "worker", bus.InboxPrefix("frontend", "")))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -109,7 +110,7 @@ func TestEnsureRequestStreamWithoutJetStreamPermission(t *testing.T) {
 		t.Errorf("the error asks whether JetStream is enabled: %v", err)
 	}
 	// With its own key the same call succeeds.
-	js, err = jetstream.New(keyedConn(t, srv, dir, "frontend"))
+	js, err = jetstream.New(keyedConn(t, srv, dir, "frontend", bus.InboxPrefix("frontend", "")))
 	if err != nil {
 		t.Fatal(err)
 	}

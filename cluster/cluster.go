@@ -356,7 +356,9 @@ func (c *Cluster) ensureRequestLog(nc *nats.Conn) error {
 func (c *Cluster) connect(name string) (*nats.Conn, error) {
 	// Schedulers do not receive their own publications (save plans).
 	noEcho := strings.HasPrefix(name, "kvbus-scheduler")
-	nc, err := bus.Connect(c.ctx, bus.Config{URL: c.NATSURL, Name: name, Logger: c.log, NoEcho: noEcho, NKeySeedFile: c.seed(name)})
+	role, group := roleOf(name)
+	nc, err := bus.Connect(c.ctx, bus.Config{URL: c.NATSURL, Name: name, Logger: c.log, NoEcho: noEcho, NKeySeedFile: c.seed(name),
+		InboxPrefix: bus.InboxPrefix(role, group)})
 	if err != nil {
 		return nil, err
 	}
@@ -381,13 +383,27 @@ func (c *Cluster) seed(name string) string {
 	if c.cfg.AuthDir == "" {
 		return ""
 	}
-	role := auth.RoleAdmin
-	for _, r := range []string{auth.RoleFrontend, auth.RoleScheduler, auth.RoleWorker} {
-		if strings.HasPrefix(name, "kvbus-"+r) {
-			role = r
-		}
-	}
+	role, _ := roleOf(name)
 	return filepath.Join(c.cfg.AuthDir, role+".nk")
+}
+
+// roleOf is the role of a connection of this name (admin for any other
+// than the roles' own), and a worker's group: "kvbus-worker-g0-1" is the
+// worker of group g0, which reads that group's inbox (worker.nk allows it).
+func roleOf(name string) (role, group string) {
+	for _, r := range []string{auth.RoleFrontend, auth.RoleScheduler, auth.RoleWorker} {
+		rest, ok := strings.CutPrefix(name, "kvbus-"+r)
+		if !ok {
+			continue
+		}
+		if r == auth.RoleWorker {
+			if i := strings.LastIndex(rest, "-"); i > 0 {
+				group = rest[1:i]
+			}
+		}
+		return r, group
+	}
+	return auth.RoleAdmin, ""
 }
 
 func (c *Cluster) run(ctx context.Context, name string, f func(context.Context) error) {

@@ -99,17 +99,19 @@ func TestPipelineWithKeys(t *testing.T) {
 // never found a scheduler). With its own key the same role starts.
 func TestRoleWithAnotherRolesKeyStopsAtStart(t *testing.T) {
 	srv, dir := testenv.StartKeyedNATS(t, "g0", "g2")
-	connect := func(t *testing.T, key string) *nats.Conn {
+	// connect connects with DIR/<key>.nk and the reply inbox of the role
+	// (group: a worker's) the connection is for, as the roles do.
+	connect := func(t *testing.T, key, role, group string) *nats.Conn {
 		t.Helper()
 		nc, err := bus.Connect(t.Context(), bus.Config{URL: srv.ClientURL(), Name: "kvbus-" + key,
-			NKeySeedFile: filepath.Join(dir, key+".nk"), Logger: slog.New(slog.DiscardHandler)})
+			NKeySeedFile: filepath.Join(dir, key+".nk"), InboxPrefix: bus.InboxPrefix(role, group), Logger: slog.New(slog.DiscardHandler)})
 		if err != nil {
 			t.Fatal(err)
 		}
 		t.Cleanup(nc.Close)
 		return nc
 	}
-	admin := connect(t, auth.RoleAdmin)
+	admin := connect(t, auth.RoleAdmin, auth.RoleAdmin, "")
 	profile, err := workers.LookupModelProfile("tiny")
 	if err != nil {
 		t.Fatal(err)
@@ -120,13 +122,15 @@ func TestRoleWithAnotherRolesKeyStopsAtStart(t *testing.T) {
 	}
 	subj := messages.Subjects{}
 	type role struct {
+		// name and group say which reply inbox its connection uses.
+		name, group string
 		// start makes the role on nc and returns its Run and a channel
 		// closed once it runs (a heartbeat, an announcement, the
 		// frontend's Ready).
 		start func(t *testing.T, nc *nats.Conn) (run func(context.Context) error, ready <-chan struct{})
 	}
 	worker := func(group string) role {
-		return role{func(t *testing.T, nc *nats.Conn) (func(context.Context) error, <-chan struct{}) {
+		return role{auth.RoleWorker, group, func(t *testing.T, nc *nats.Conn) (func(context.Context) error, <-chan struct{}) {
 			rank, err := workers.NewRank(workers.RankConfig{Conn: nc, Group: group, TPRank: 0, TPSize: 1, EPRank: 0, EPSize: 1,
 				Model: "kvbus-sim", Profile: profile, Engine: engine, CapacityBytes: 1 << 30, HeartbeatInterval: 50 * time.Millisecond,
 				Logger: slog.New(slog.DiscardHandler)})
@@ -136,7 +140,7 @@ func TestRoleWithAnotherRolesKeyStopsAtStart(t *testing.T) {
 			return rank.Run, seen(t, admin, subj.Heartbeat(group, 0))
 		}}
 	}
-	frontendRole := role{func(t *testing.T, nc *nats.Conn) (func(context.Context) error, <-chan struct{}) {
+	frontendRole := role{auth.RoleFrontend, "", func(t *testing.T, nc *nats.Conn) (func(context.Context) error, <-chan struct{}) {
 		ln, err := net.Listen("tcp", "127.0.0.1:0")
 		if err != nil {
 			t.Fatal(err)
@@ -147,7 +151,7 @@ func TestRoleWithAnotherRolesKeyStopsAtStart(t *testing.T) {
 		}
 		return fe.Run, fe.Ready()
 	}}
-	schedulerRole := role{func(t *testing.T, nc *nats.Conn) (func(context.Context) error, <-chan struct{}) {
+	schedulerRole := role{auth.RoleScheduler, "", func(t *testing.T, nc *nats.Conn) (func(context.Context) error, <-chan struct{}) {
 		s, err := scheduler.New(scheduler.Config{Conn: nc, Policy: &scheduler.RoundRobinPolicy{}, Logger: slog.New(slog.DiscardHandler)})
 		if err != nil {
 			t.Fatal(err)
@@ -170,7 +174,7 @@ func TestRoleWithAnotherRolesKeyStopsAtStart(t *testing.T) {
 		{"scheduler with the frontend key", schedulerRole, "frontend", "kvbus.hb.>", []string{"scheduler.nk"}, nil},
 	} {
 		t.Run(tt.name, func(t *testing.T) {
-			run, _ := tt.role.start(t, connect(t, tt.key))
+			run, _ := tt.role.start(t, connect(t, tt.key, tt.role.name, tt.role.group))
 			start := time.Now()
 			errc := make(chan error, 1)
 			go func() { errc <- run(t.Context()) }()
@@ -193,7 +197,7 @@ func TestRoleWithAnotherRolesKeyStopsAtStart(t *testing.T) {
 				}
 			}
 			for _, key := range tt.rightKeys {
-				nc := connect(t, key)
+				nc := connect(t, key, tt.role.name, tt.role.group)
 				run, ready := tt.role.start(t, nc)
 				ctx, cancel := context.WithCancel(t.Context())
 				errc := make(chan error, 1)

@@ -46,6 +46,15 @@ func (c *authInitCmd) Run() error {
 		return nil
 	}
 	written, err := auth.Init(c.Dir, s, c.Groups, c.Force)
+	if errors.Is(err, auth.ErrExists) && !c.Force {
+		// Every key is there: a directory written by an older kvbus gets
+		// this one's permissions (each role's own reply inbox), keys kept.
+		if changed, rerr := auth.RewriteConfig(c.Dir, s); rerr == nil && changed {
+			fmt.Printf("rewrote %s/%s with this kvbus's permissions (each role reads only its own reply inbox); the keys are unchanged: "+
+				"restart NATS (`kvbus nats`, or `nats-server --signal reload`), then the roles\n", c.Dir, auth.ConfigFile)
+			return nil
+		}
+	}
 	if err != nil {
 		return err
 	}
@@ -105,7 +114,7 @@ type authProbeCmd struct {
 func (c *authProbeCmd) Run(ctx context.Context) error {
 	ctx, cancel := context.WithTimeout(ctx, 10*time.Second)
 	defer cancel()
-	cfg := c.config("kvbus-auth-probe", nil)
+	cfg := c.config("kvbus-auth-probe", "", nil)
 	cfg.Logger = logFlags{LogLevel: "error"}.logger()
 	nc, err := bus.Connect(ctx, cfg)
 	if err != nil {

@@ -11,6 +11,8 @@ import (
 	"strings"
 	"time"
 
+	"github.com/alecthomas/kong"
+
 	"github.com/kvbus/kvbus/bus"
 	"github.com/kvbus/kvbus/frontend"
 	"github.com/kvbus/kvbus/internal/logsink"
@@ -19,25 +21,40 @@ import (
 	"github.com/kvbus/kvbus/workers/vllmevents"
 )
 
-// natsFlags say how a role reaches NATS.
+// natsFlags say how a role reaches NATS. The file flags are plain
+// strings, expanded by config: kong's type:"path" made an empty value (an
+// empty KVBUS_NATS_NKEY=, say) the current directory.
 type natsFlags struct {
 	NATSURL      string `name:"nats-url" default:"nats://127.0.0.1:4222" help:"NATS server URL(s), comma-separated."`
-	NATSCreds    string `name:"nats-creds" type:"path" help:"NATS credentials file (JWT and nkey seed)."`
-	NATSNKey     string `name:"nats-nkey" type:"path" help:"File holding an nkey seed."`
+	NATSCreds    string `name:"nats-creds" help:"NATS credentials file (JWT and nkey seed)."`
+	NATSNKey     string `name:"nats-nkey" help:"File holding an nkey seed."`
 	NATSToken    string `name:"nats-token" help:"NATS authentication token."`
 	NATSUser     string `name:"nats-user" help:"NATS user name."`
-	NATSPassword string `name:"nats-password" help:"NATS password."`
-	NATSTLSCA    string `name:"nats-tls-ca" type:"path" help:"CA certificate (PEM) to verify the NATS server."`
-	NATSTLSCert  string `name:"nats-tls-cert" type:"path" help:"Client certificate (PEM)."`
-	NATSTLSKey   string `name:"nats-tls-key" type:"path" help:"Client key (PEM)."`
+	NATSPassword string `name:"nats-password" help:"NATS password (with --nats-user)."`
+	NATSTLSCA    string `name:"nats-tls-ca" help:"CA certificate (PEM) to verify the NATS server."`
+	NATSTLSCert  string `name:"nats-tls-cert" help:"Client certificate (PEM)."`
+	NATSTLSKey   string `name:"nats-tls-key" help:"Client key (PEM)."`
 }
 
-func (f natsFlags) config(name string, log *slog.Logger) bus.Config {
+// config is the connection of a role named name whose reply inboxes start
+// with inbox (bus.InboxPrefix; "" for the tools, which use the admin key).
+// An empty (or blank) value is unset.
+func (f natsFlags) config(name, inbox string, log *slog.Logger) bus.Config {
 	return bus.Config{
-		URL: f.NATSURL, Name: name, CredsFile: f.NATSCreds, NKeySeedFile: f.NATSNKey, Token: f.NATSToken,
-		User: f.NATSUser, Password: f.NATSPassword, TLSCA: f.NATSTLSCA, TLSCert: f.NATSTLSCert, TLSKey: f.NATSTLSKey,
-		Logger: log,
+		URL: f.NATSURL, Name: name, CredsFile: filePath(f.NATSCreds), NKeySeedFile: filePath(f.NATSNKey), Token: f.NATSToken,
+		User: f.NATSUser, Password: f.NATSPassword,
+		TLSCA: filePath(f.NATSTLSCA), TLSCert: filePath(f.NATSTLSCert), TLSKey: filePath(f.NATSTLSKey),
+		InboxPrefix: inbox, Logger: log,
 	}
+}
+
+// filePath is a file flag's value with ~ expanded and made absolute, as
+// kong's type:"path" does; an empty or blank value stays "" (unset).
+func filePath(s string) string {
+	if strings.TrimSpace(s) == "" {
+		return ""
+	}
+	return kong.ExpandPath(s)
 }
 
 // logFlags choose the log format.

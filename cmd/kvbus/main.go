@@ -25,6 +25,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus/collectors"
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 
+	"github.com/kvbus/kvbus/auth"
 	"github.com/kvbus/kvbus/bus"
 	"github.com/kvbus/kvbus/frontend"
 	"github.com/kvbus/kvbus/internal/logsink"
@@ -281,9 +282,45 @@ func metricsHandler(reg *prometheus.Registry, p metricsProbe) http.Handler {
 	return mux
 }
 
-// connect opens a NATS connection for a role.
-func connect(ctx context.Context, f natsFlags, name string, log *slog.Logger) (*nats.Conn, error) {
-	return bus.Connect(ctx, f.config(name, log))
+// connect opens a role's NATS connection; inbox is its reply inbox prefix
+// (bus.InboxPrefix: with the keys of `kvbus auth init` each role may read
+// only its own). See connectRole for the context it returns.
+func connect(ctx context.Context, f natsFlags, name, inbox string, log *slog.Logger) (context.Context, *nats.Conn, error) {
+	return connectRole(ctx, f.config(name, inbox, log))
+}
+
+// connectRole connects with cfg and returns, with the connection, the
+// context the role runs in: ctx, ended when the server closes the
+// connection for good (it refused the role's credentials at a reconnect:
+// a rotated key after a NATS restart), with that error as its cause. The
+// role then stops as at a signal, and roleErr makes Run return the error,
+// so that the process exits non-zero instead of running on a closed
+// connection. A close by the role itself (its drain) is no such error.
+func connectRole(ctx context.Context, cfg bus.Config) (context.Context, *nats.Conn, error) {
+	ctx, lost := context.WithCancelCause(ctx)
+	cfg.OnClosed = lost
+	nc, err := bus.Connect(ctx, cfg)
+	if err != nil {
+		lost(nil)
+		return ctx, nil, err
+	}
+	return ctx, nc, nil
+}
+
+// closeConn closes nc at once, as the role's own close (not reported as
+// the server's, see connectRole).
+func closeConn(nc *nats.Conn) {
+	nc.SetClosedHandler(nil)
+	nc.Close()
+}
+
+// roleErr is what a role's Run returns: err, unless its connection was
+// closed for good (connectRole), which is the error then.
+func roleErr(ctx context.Context, err error) error {
+	if cause := context.Cause(ctx); errors.Is(cause, bus.ErrClosed) {
+		return cause
+	}
+	return err
 }
 
 // drainTimeout bounds a role's drain of its NATS connections.
@@ -393,7 +430,7 @@ func (c *frontendCmd) Run(ctx context.Context) error {
 	if err != nil {
 		return err
 	}
-	nc, err := connect(ctx, c.natsFlags, "kvbus-frontend", log)
+	ctx, nc, err := connect(ctx, c.natsFlags, "kvbus-frontend", bus.InboxPrefix(auth.RoleFrontend, ""), log)
 	if err != nil {
 		return err
 	}
@@ -407,7 +444,7 @@ func (c *frontendCmd) Run(ctx context.Context) error {
 		return err
 	}
 	onStop(ctx, log, func() stopPlan { return c.stopPlan(reg) })
-	return fe.Run(ctx)
+	return roleErr(ctx, fe.Run(ctx))
 }
 
 // stopPlan: the frontend answers new requests with 503 shutting_down and
@@ -460,9 +497,9 @@ func (c *schedulerCmd) Run(ctx context.Context) error {
 	// Closed last, after the NATS drain below.
 	metrics := newMetricsServer(log, ln)
 	defer metrics.close()
-	cfg := c.natsFlags.config("kvbus-scheduler", log)
+	cfg := c.natsFlags.config("kvbus-scheduler", bus.InboxPrefix(auth.RoleScheduler, ""), log)
 	cfg.NoEcho = true // a scheduler does not receive its own save plans
-	nc, err := bus.Connect(ctx, cfg)
+	ctx, nc, err := connectRole(ctx, cfg)
 	if err != nil {
 		return err
 	}
@@ -484,7 +521,7 @@ func (c *schedulerCmd) Run(ctx context.Context) error {
 	metrics.serve(reg, metricsProbe{nc: nc, ready: s.Ready, stopping: r.ctx.Done(),
 		drainReason: "scheduler stopping: it takes no new requests"}, func(err error) { r.fail("metrics", err) })
 	r.run("scheduler", s.Run)
-	return r.wait()
+	return roleErr(ctx, r.wait())
 }
 
 // schedulerShutdownTimeout is scheduler.Config's default ShutdownTimeout,
@@ -579,7 +616,13 @@ func (c *workerCmd) Run(ctx context.Context) error {
 	// Closed last, after the slot's release and the NATS drain below.
 	metrics := newMetricsServer(log, ln)
 	defer metrics.close()
-	nc, err := connect(ctx, c.natsFlags, "kvbus-worker", log)
+	// A worker of one group reads the inbox of that group (which
+	// worker-<group>.nk allows); one that claims a slot may serve any.
+	inbox := bus.InboxPrefix(auth.RoleWorker, c.Group)
+	if c.Rank == "auto" {
+		inbox = bus.InboxPrefix(auth.RoleWorker, "")
+	}
+	ctx, nc, err := connect(ctx, c.natsFlags, "kvbus-worker", inbox, log)
 	if err != nil {
 		return err
 	}
@@ -643,7 +686,7 @@ func (c *workerCmd) Run(ctx context.Context) error {
 			c.Group, c.TPRank, c.EPRank = slot.Group, slot.Rank, slot.Rank
 		}
 	})
-	return r.wait()
+	return roleErr(ctx, r.wait())
 }
 
 // stopPlan: a rank finishes its requests within --shutdown-timeout, hands

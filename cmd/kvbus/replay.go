@@ -59,7 +59,7 @@ func (c *captureRecordCmd) Run(ctx context.Context) error {
 	if err != nil {
 		return err
 	}
-	nc, err := connect(ctx, c.natsFlags, "kvbus-capture", log)
+	ctx, nc, err := connect(ctx, c.natsFlags, "kvbus-capture", "", log)
 	if err != nil {
 		out.discard()
 		return err
@@ -205,7 +205,7 @@ func (c *replayCmd) Run(ctx context.Context) error {
 	}
 	nf := c.natsFlags
 	nf.NATSURL = natsURL
-	bc := nf.config("kvbus-replay", log)
+	bc := nf.config("kvbus-replay", "", log)
 	overHTTP := u.Scheme != "nats" && u.Scheme != "tls"
 	if overHTTP {
 		// The bus only tells which group served each request: a replay
@@ -286,12 +286,12 @@ type tapCmd struct {
 
 func (c *tapCmd) Run(ctx context.Context) error {
 	log := c.logger()
-	nc, err := connect(ctx, c.natsFlags, "kvbus-tap", log)
+	ctx, nc, err := connect(ctx, c.natsFlags, "kvbus-tap", "", log)
 	if err != nil {
 		return err
 	}
-	defer nc.Close()
-	return replay.Tap(ctx, replay.TapConfig{Conn: nc, Subjects: c.subjects(), SessionID: c.Session, Subject: c.Subject}, os.Stdout)
+	defer closeConn(nc)
+	return roleErr(ctx, replay.Tap(ctx, replay.TapConfig{Conn: nc, Subjects: c.subjects(), SessionID: c.Session, Subject: c.Subject}, os.Stdout))
 }
 
 type benchCmd struct {

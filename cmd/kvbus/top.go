@@ -133,7 +133,7 @@ func (c *topCmd) connect(ctx context.Context) (*nats.Conn, error) {
 	}
 	shown := bus.RedactURLs(c.NATSURL)
 	log.Info("kvbus top: connecting to NATS", "url", shown, "gives_up_after", timeout.String())
-	cfg := c.natsFlags.config("kvbus-top", log)
+	cfg := c.natsFlags.config("kvbus-top", "", log)
 	cfg.ConnectTimeout = timeout
 	start := time.Now()
 	nc, err := bus.Connect(ctx, cfg)
