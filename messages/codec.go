@@ -345,6 +345,9 @@ func (m *Announcement) validate() error {
 }
 
 func (m *SavePlan) validate() error {
+	if m.Group == "" && m.ReqID == "" && len(m.BlockHashes) == 0 && len(m.Ended) > 0 {
+		return nil // only the requests a replica ended
+	}
 	if err := ValidateGroup(m.Group); err != nil {
 		return invalid("save_plan %s: %v", m.ReqID, err)
 	}

@@ -326,6 +326,10 @@ type Announcement struct {
 	// of its requests to adopt. A replica that falls silent without it
 	// died, and its requests are adopted (see SavePlan.LogSeq).
 	Stopped bool `msgpack:"stopped,omitempty" json:"stopped,omitempty"`
+	// StartedUnixMs is when the announcing process started: a scheduler
+	// heard again under its id with another start died in between (a
+	// fixed --id restarted at once), and its requests are adopted.
+	StartedUnixMs int64 `msgpack:"started_unix_ms,omitempty" json:"started_unix_ms,omitempty"`
 }
 
 // RoleScheduler is the role name of schedulers in announcements.
@@ -350,6 +354,10 @@ type SavePlan struct {
 	BlockHashes   BlockHashes `msgpack:"block_hashes" json:"block_hashes"`
 	ExpiresUnixMs int64       `msgpack:"expires_unix_ms" json:"expires_unix_ms"`
 	LogSeq        uint64      `msgpack:"log_seq,omitempty" json:"log_seq,omitempty"`
+	// Ended, in a plan without a req_id, lists requests the replica
+	// ended since its last such plan (sent every 250 ms while it has
+	// peers): they are not to be adopted if it dies.
+	Ended []string `msgpack:"ended,omitempty" json:"ended,omitempty"`
 }
 
 // Abort cancels a request; published on kvbus.ctl.abort.

@@ -135,8 +135,8 @@ func (z *Abort) Msgsize() (s int) {
 func (z *Announcement) MarshalMsg(b []byte) (o []byte, err error) {
 	o = msgp.Require(b, z.Msgsize())
 	// check for omitted fields
-	zb0001Len := uint32(8)
-	var zb0001Mask uint8 /* 8 bits */
+	zb0001Len := uint32(9)
+	var zb0001Mask uint16 /* 9 bits */
 	_ = zb0001Mask
 	if z.Reason == "" {
 		zb0001Len--
@@ -149,6 +149,10 @@ func (z *Announcement) MarshalMsg(b []byte) (o []byte, err error) {
 	if z.Stopped == false {
 		zb0001Len--
 		zb0001Mask |= 0x80
+	}
+	if z.StartedUnixMs == 0 {
+		zb0001Len--
+		zb0001Mask |= 0x100
 	}
 	// variable map header, size zb0001Len
 	o = append(o, 0x80|uint8(zb0001Len))
@@ -184,6 +188,11 @@ func (z *Announcement) MarshalMsg(b []byte) (o []byte, err error) {
 			// string "stopped"
 			o = append(o, 0xa7, 0x73, 0x74, 0x6f, 0x70, 0x70, 0x65, 0x64)
 			o = msgp.AppendBool(o, z.Stopped)
+		}
+		if (zb0001Mask & 0x100) == 0 { // if not omitted
+			// string "started_unix_ms"
+			o = append(o, 0xaf, 0x73, 0x74, 0x61, 0x72, 0x74, 0x65, 0x64, 0x5f, 0x75, 0x6e, 0x69, 0x78, 0x5f, 0x6d, 0x73)
+			o = msgp.AppendInt64(o, z.StartedUnixMs)
 		}
 	}
 	return
@@ -259,6 +268,12 @@ func (z *Announcement) UnmarshalMsg(bts []byte) (o []byte, err error) {
 				err = msgp.WrapError(err, "Stopped")
 				return
 			}
+		case "started_unix_ms":
+			z.StartedUnixMs, bts, err = msgp.ReadInt64Bytes(bts)
+			if err != nil {
+				err = msgp.WrapError(err, "StartedUnixMs")
+				return
+			}
 		default:
 			bts, err = msgp.Skip(bts)
 			if err != nil {
@@ -273,7 +288,7 @@ func (z *Announcement) UnmarshalMsg(bts []byte) (o []byte, err error) {
 
 // Msgsize returns an upper bound estimate of the number of bytes occupied by the serialized message
 func (z *Announcement) Msgsize() (s int) {
-	s = 1 + 2 + msgp.IntSize + 5 + msgp.StringPrefixSize + len(z.Role) + 3 + msgp.StringPrefixSize + len(z.ID) + 6 + msgp.BoolSize + 7 + msgp.StringPrefixSize + len(z.Reason) + 13 + msgp.IntSize + 8 + msgp.Int64Size + 8 + msgp.BoolSize
+	s = 1 + 2 + msgp.IntSize + 5 + msgp.StringPrefixSize + len(z.Role) + 3 + msgp.StringPrefixSize + len(z.ID) + 6 + msgp.BoolSize + 7 + msgp.StringPrefixSize + len(z.Reason) + 13 + msgp.IntSize + 8 + msgp.Int64Size + 8 + msgp.BoolSize + 16 + msgp.Int64Size
 	return
 }
 
@@ -3763,8 +3778,8 @@ func (z *SamplingParams) Msgsize() (s int) {
 func (z *SavePlan) MarshalMsg(b []byte) (o []byte, err error) {
 	o = msgp.Require(b, z.Msgsize())
 	// check for omitted fields
-	zb0001Len := uint32(8)
-	var zb0001Mask uint8 /* 8 bits */
+	zb0001Len := uint32(9)
+	var zb0001Mask uint16 /* 9 bits */
 	_ = zb0001Mask
 	if z.Attempt == 0 {
 		zb0001Len--
@@ -3773,6 +3788,10 @@ func (z *SavePlan) MarshalMsg(b []byte) (o []byte, err error) {
 	if z.LogSeq == 0 {
 		zb0001Len--
 		zb0001Mask |= 0x80
+	}
+	if z.Ended == nil {
+		zb0001Len--
+		zb0001Mask |= 0x100
 	}
 	// variable map header, size zb0001Len
 	o = append(o, 0x80|uint8(zb0001Len))
@@ -3810,6 +3829,14 @@ func (z *SavePlan) MarshalMsg(b []byte) (o []byte, err error) {
 			// string "log_seq"
 			o = append(o, 0xa7, 0x6c, 0x6f, 0x67, 0x5f, 0x73, 0x65, 0x71)
 			o = msgp.AppendUint64(o, z.LogSeq)
+		}
+		if (zb0001Mask & 0x100) == 0 { // if not omitted
+			// string "ended"
+			o = append(o, 0xa5, 0x65, 0x6e, 0x64, 0x65, 0x64)
+			o = msgp.AppendArrayHeader(o, uint32(len(z.Ended)))
+			for za0001 := range z.Ended {
+				o = msgp.AppendString(o, z.Ended[za0001])
+			}
 		}
 	}
 	return
@@ -3885,6 +3912,29 @@ func (z *SavePlan) UnmarshalMsg(bts []byte) (o []byte, err error) {
 				err = msgp.WrapError(err, "LogSeq")
 				return
 			}
+		case "ended":
+			var zb0002 uint32
+			zb0002, bts, err = msgp.ReadArrayHeaderBytes(bts)
+			if err != nil {
+				err = msgp.WrapError(err, "Ended")
+				return
+			}
+			if zb0002 > z94b1f360limitArrays {
+				err = msgp.ErrLimitExceeded
+				return
+			}
+			if cap(z.Ended) >= int(zb0002) {
+				z.Ended = (z.Ended)[:zb0002]
+			} else {
+				z.Ended = make([]string, zb0002)
+			}
+			for za0001 := range z.Ended {
+				z.Ended[za0001], bts, err = msgp.ReadStringBytes(bts)
+				if err != nil {
+					err = msgp.WrapError(err, "Ended", za0001)
+					return
+				}
+			}
 		default:
 			bts, err = msgp.Skip(bts)
 			if err != nil {
@@ -3899,7 +3949,10 @@ func (z *SavePlan) UnmarshalMsg(bts []byte) (o []byte, err error) {
 
 // Msgsize returns an upper bound estimate of the number of bytes occupied by the serialized message
 func (z *SavePlan) Msgsize() (s int) {
-	s = 1 + 2 + msgp.IntSize + 13 + msgp.StringPrefixSize + len(z.SchedulerID) + 7 + msgp.StringPrefixSize + len(z.ReqID) + 6 + msgp.StringPrefixSize + len(z.Group) + 8 + msgp.IntSize + 13 + z.BlockHashes.Msgsize() + 16 + msgp.Int64Size + 8 + msgp.Uint64Size
+	s = 1 + 2 + msgp.IntSize + 13 + msgp.StringPrefixSize + len(z.SchedulerID) + 7 + msgp.StringPrefixSize + len(z.ReqID) + 6 + msgp.StringPrefixSize + len(z.Group) + 8 + msgp.IntSize + 13 + z.BlockHashes.Msgsize() + 16 + msgp.Int64Size + 8 + msgp.Uint64Size + 6 + msgp.ArrayHeaderSize
+	for za0001 := range z.Ended {
+		s += msgp.StringPrefixSize + len(z.Ended[za0001])
+	}
 	return
 }
 

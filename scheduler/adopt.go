@@ -31,8 +31,8 @@ func (s *Scheduler) adoptDead(ctx context.Context, now time.Time) {
 // output had begun). Requests that ended, are past their deadline or are
 // already tracked here (redelivered from the log) are left alone.
 func (s *Scheduler) adopt(ctx context.Context, from string, ds []peerDispatch) {
-	s.log.Warn("a scheduler replica is no longer heard: adopting the requests it dispatched", "replica", from,
-		"requests", len(ds), "silent_for", s.cfg.HeartbeatTimeout)
+	s.log.Warn("a scheduler replica is no longer heard (or was restarted): adopting the requests it dispatched that have not ended",
+		"replica", from, "requests", len(ds), "heartbeat_timeout", s.cfg.HeartbeatTimeout)
 	adopted, ended, unreadable := 0, 0, 0
 	for _, d := range ds {
 		if ctx.Err() != nil {
@@ -71,7 +71,7 @@ func (s *Scheduler) adopt(ctx context.Context, from string, ds []peerDispatch) {
 // its deadline or already tracked.
 func (s *Scheduler) adoptOne(req *messages.Request, seq uint64, from string) bool {
 	now := time.Now()
-	t := s.newTracker(req, now)
+	t := s.newTracker(req, time.UnixMilli(req.ArrivalUnixMs)) // its times count from its arrival
 	t.logSeq = seq
 	prev, known := s.dispatched.Get(req.RequestID, now)
 	if !known || now.After(t.Deadline) {
@@ -101,7 +101,7 @@ func (s *Scheduler) adoptOne(req *messages.Request, seq uint64, from string) boo
 	}
 	s.groups.addInflight(t.Group, 1, queued)
 	s.m.requests.WithLabelValues("adopted").Inc()
-	s.log.Info("request adopted from a scheduler replica that is no longer heard", "req_id", t.ReqID, "session_id", t.SessionID,
+	s.log.Debug("request adopted from a scheduler replica that is no longer heard", "req_id", t.ReqID, "session_id", t.SessionID,
 		"replica", from, "group", t.Group, "attempt", t.Attempt)
 	if err := s.cfg.Conn.Publish(subj, data); err != nil {
 		s.log.Warn("cannot send an adopted request's ReqMeta (resent within a second)", "req_id", t.ReqID, "session_id", t.SessionID, "err", err)

@@ -2,6 +2,7 @@ package scheduler
 
 import (
 	"context"
+	"maps"
 	"slices"
 	"sync"
 	"time"
@@ -40,8 +41,15 @@ type peerTable struct {
 type peer struct {
 	seen      time.Time // its last announcement
 	announced bool      // only a replica heard to announce is judged by its silence
-	// dispatches are oldest first.
-	dispatches []peerDispatch
+	started   int64     // its process's start, as announced (0: not said)
+	// dispatches are its requests not known to have ended, by id;
+	// trimAt is the size at which the old ones are dropped next.
+	dispatches map[string]peerDispatch
+	trimAt     int
+	trimmed    time.Time // the last trim
+	// orphans are the dispatches of an earlier process under its id,
+	// which died: to adopt.
+	orphans []peerDispatch
 }
 
 // peerDispatch is a request a peer dispatched: its id and sequence in the
@@ -59,15 +67,23 @@ func newPeerTable(keep time.Duration, now time.Time) *peerTable {
 func (pt *peerTable) getLocked(id string) *peer {
 	p := pt.peers[id]
 	if p == nil {
-		p = &peer{}
+		p = &peer{dispatches: map[string]peerDispatch{}, trimAt: 1024}
 		pt.peers[id] = p
 	}
 	return p
 }
 
+// known reports whether any other replica is known.
+func (pt *peerTable) known() bool {
+	pt.mu.Lock()
+	defer pt.mu.Unlock()
+	return len(pt.peers) > 0
+}
+
 // heard records a peer's announcement; a Stopped one forgets the peer
-// with its dispatches.
-func (pt *peerTable) heard(id string, stopped bool, now time.Time) {
+// with its dispatches. Another start than the one heard before is a new
+// process under the same id: the old one's dispatches become orphans.
+func (pt *peerTable) heard(id string, started int64, stopped bool, now time.Time) {
 	pt.mu.Lock()
 	defer pt.mu.Unlock()
 	if stopped {
@@ -75,7 +91,16 @@ func (pt *peerTable) heard(id string, stopped bool, now time.Time) {
 		return
 	}
 	p := pt.getLocked(id)
+	if p.started != 0 && started != 0 && started != p.started {
+		for _, d := range p.dispatches {
+			p.orphans = append(p.orphans, d)
+		}
+		clear(p.dispatches)
+	}
 	p.seen, p.announced = now, true
+	if started != 0 {
+		p.started = started
+	}
 }
 
 // dispatched records a request a peer dispatched (a save plan). A plan
@@ -87,25 +112,38 @@ func (pt *peerTable) dispatched(id, reqID string, seq uint64, now time.Time) {
 	pt.mu.Lock()
 	defer pt.mu.Unlock()
 	p := pt.getLocked(id)
-	p.dispatches = append(p.dispatches, peerDispatch{reqID: reqID, seq: seq, at: now})
-	p.trim(now, pt.keep)
+	p.dispatches[reqID] = peerDispatch{reqID: reqID, seq: seq, at: now}
+	if len(p.dispatches) >= p.trimAt {
+		p.trim(now, pt.keep)
+	}
 }
 
-// trim drops the dispatches older than keep, and the oldest past
-// maxPeerDispatches.
-func (p *peer) trim(now time.Time, keep time.Duration) {
-	i := 0
-	for i < len(p.dispatches) && (now.Sub(p.dispatches[i].at) > keep || len(p.dispatches)-i > maxPeerDispatches) {
-		i++
-	}
-	if i > 0 {
-		// Copy once half is dead, so the slice does not keep growing.
-		if i >= len(p.dispatches)/2 {
-			p.dispatches = append(p.dispatches[:0:0], p.dispatches[i:]...)
-		} else {
-			p.dispatches = p.dispatches[i:]
+// ended forgets the requests a peer ended.
+func (pt *peerTable) ended(id string, reqIDs []string) {
+	pt.mu.Lock()
+	defer pt.mu.Unlock()
+	if p := pt.peers[id]; p != nil {
+		for _, r := range reqIDs {
+			delete(p.dispatches, r)
 		}
 	}
+}
+
+// trim drops the dispatches older than keep, and all but the newest
+// maxPeerDispatches.
+func (p *peer) trim(now time.Time, keep time.Duration) {
+	for r, d := range p.dispatches {
+		if now.Sub(d.at) > keep {
+			delete(p.dispatches, r)
+		}
+	}
+	if len(p.dispatches) > maxPeerDispatches {
+		ds := slices.SortedFunc(maps.Values(p.dispatches), func(a, b peerDispatch) int { return a.at.Compare(b.at) })
+		for _, d := range ds[:len(ds)-maxPeerDispatches] {
+			delete(p.dispatches, d.reqID)
+		}
+	}
+	p.trimAt, p.trimmed = max(2*len(p.dispatches), 1024), now
 }
 
 // reconnected says this replica was cut off from NATS until now.
@@ -118,19 +156,23 @@ func (pt *peerTable) reconnected(now time.Time) {
 // dead removes the announced peers not heard within timeout (counting from
 // the last reconnect) and returns, when self has the lowest id among the
 // replicas still alive (itself and the announced peers heard within
-// timeout), the dispatches of each dead peer to adopt; otherwise nil (the
-// adopter is another replica). Peers that never announced are not judged
-// (their silence says nothing): they are forgotten once their last
-// dispatch is older than the request timeout.
+// timeout), the dispatches to adopt of each dead peer and of each earlier
+// process of a live one, oldest first; otherwise nil (the adopter is
+// another replica). Peers that never announced are not judged (their
+// silence says nothing): they are forgotten once their last dispatch is
+// older than the request timeout.
 func (pt *peerTable) dead(self string, now time.Time, timeout time.Duration) map[string][]peerDispatch {
 	pt.mu.Lock()
 	defer pt.mu.Unlock()
 	var gone []string
 	adopter := true
 	for id, p := range pt.peers {
+		if now.Sub(p.trimmed) > pt.keep/4 { // a peer that dispatches nothing more is trimmed too
+			p.trim(now, pt.keep)
+		}
 		if !p.announced {
 			// Known from its plans only: kept while they are recent.
-			if p.trim(now, pt.keep); len(p.dispatches) == 0 {
+			if len(p.dispatches) == 0 {
 				delete(pt.peers, id)
 			}
 			continue
@@ -145,18 +187,27 @@ func (pt *peerTable) dead(self string, now time.Time, timeout time.Duration) map
 			adopter = false
 		}
 	}
-	if len(gone) == 0 {
-		return nil
-	}
-	slices.Sort(gone)
 	out := map[string][]peerDispatch{}
+	keep := func(id string, ds []peerDispatch) {
+		ds = slices.DeleteFunc(ds, func(d peerDispatch) bool { return now.Sub(d.at) > pt.keep })
+		if adopter && len(ds) > 0 {
+			slices.SortFunc(ds, func(a, b peerDispatch) int { return a.at.Compare(b.at) })
+			out[id] = append(out[id], ds...)
+		}
+	}
+	for id, p := range pt.peers {
+		if len(p.orphans) > 0 {
+			keep(id, p.orphans)
+			p.orphans = nil
+		}
+	}
 	for _, id := range gone {
 		p := pt.peers[id]
 		delete(pt.peers, id)
-		p.trim(now, pt.keep)
-		if adopter && len(p.dispatches) > 0 {
-			out[id] = p.dispatches
-		}
+		keep(id, slices.Collect(maps.Values(p.dispatches)))
+	}
+	if len(out) == 0 {
+		return nil
 	}
 	return out
 }
@@ -170,6 +221,6 @@ func (s *Scheduler) onPeer(_ context.Context, m *nats.Msg) error {
 	if a.ID == s.cfg.ID || a.Role != messages.RoleScheduler {
 		return nil
 	}
-	s.peers.heard(a.ID, a.Stopped, time.Now())
+	s.peers.heard(a.ID, a.StartedUnixMs, a.Stopped, time.Now())
 	return nil
 }

@@ -10,8 +10,8 @@ func TestPeerTableAdopter(t *testing.T) {
 	t0 := time.Unix(1_000, 0)
 	const timeout = 3 * time.Second
 	pt := newPeerTable(time.Minute, t0)
-	pt.heard("sched-a", false, t0)
-	pt.heard("sched-c", false, t0)
+	pt.heard("sched-a", 1, false, t0)
+	pt.heard("sched-c", 1, false, t0)
 	pt.dispatched("sched-a", "r1", 11, t0)
 	pt.dispatched("sched-a", "r2", 12, t0.Add(time.Second))
 	pt.dispatched("sched-c", "r3", 13, t0)
@@ -22,7 +22,7 @@ func TestPeerTableAdopter(t *testing.T) {
 	}
 	// sched-c keeps announcing, sched-a falls silent: of the live
 	// replicas, sched-b has the lowest id, so it adopts a's dispatches.
-	pt.heard("sched-c", false, t0.Add(3*time.Second))
+	pt.heard("sched-c", 1, false, t0.Add(3*time.Second))
 	got := pt.dead("sched-b", t0.Add(4*time.Second), timeout)
 	if len(got) != 1 || len(got["sched-a"]) != 2 || got["sched-a"][0].reqID != "r1" || got["sched-a"][1].seq != 12 {
 		t.Fatalf("dead: %v; want sched-a's r1 and r2", got)
@@ -34,8 +34,8 @@ func TestPeerTableAdopter(t *testing.T) {
 	// sched-c dies while sched-a (a lower id than sched-d) lives: a adopts,
 	// d only forgets c.
 	pt2 := newPeerTable(time.Minute, t0)
-	pt2.heard("sched-a", false, t0.Add(10*time.Second))
-	pt2.heard("sched-c", false, t0)
+	pt2.heard("sched-a", 1, false, t0.Add(10*time.Second))
+	pt2.heard("sched-c", 1, false, t0)
 	pt2.dispatched("sched-c", "r3", 13, t0)
 	if got := pt2.dead("sched-d", t0.Add(10*time.Second), timeout); len(got) != 0 {
 		t.Fatalf("sched-d adopted %v while sched-a (a lower id) lives", got)
@@ -63,14 +63,14 @@ func TestPeerTableStoppedAndSilentPeers(t *testing.T) {
 		t.Fatal("a peer known only from plans older than the request timeout is kept for ever")
 	}
 	// A clean stop leaves nothing to adopt.
-	pt.heard("sched-y", false, t0)
+	pt.heard("sched-y", 1, false, t0)
 	pt.dispatched("sched-y", "r2", 2, t0)
-	pt.heard("sched-y", true, t0.Add(time.Second))
+	pt.heard("sched-y", 1, true, t0.Add(time.Second))
 	if got := pt.dead("sched-b", t0.Add(time.Hour), timeout); got != nil {
 		t.Fatalf("a replica that stopped cleanly had its requests adopted: %v", got)
 	}
 	// This replica's own reconnect gives every peer a timeout from then.
-	pt.heard("sched-z", false, t0)
+	pt.heard("sched-z", 1, false, t0)
 	pt.dispatched("sched-z", "r3", 3, t0)
 	pt.reconnected(t0.Add(10 * time.Second))
 	if got := pt.dead("sched-b", t0.Add(12*time.Second), timeout); got != nil {
@@ -84,15 +84,47 @@ func TestPeerTableStoppedAndSilentPeers(t *testing.T) {
 func TestPeerTableKeepsOnlyRecentDispatches(t *testing.T) {
 	t0 := time.Unix(1_000, 0)
 	pt := newPeerTable(10*time.Second, t0)
-	pt.heard("sched-a", false, t0)
-	for i := range 100 {
+	pt.heard("sched-a", 1, false, t0)
+	for i := range 3000 {
 		pt.dispatched("sched-a", fmt.Sprint("r", i), uint64(i+1), t0.Add(time.Duration(i)*time.Second))
 	}
-	if n := len(pt.peers["sched-a"].dispatches); n != 11 {
-		t.Fatalf("%d dispatches kept; want the last 10 s worth (11)", n)
+	if n := len(pt.peers["sched-a"].dispatches); n > 1100 {
+		t.Fatalf("%d dispatches kept of 3,000 over 50 minutes; want them trimmed to the last 10 s as they grow", n)
 	}
-	got := pt.dead("sched-b", t0.Add(105*time.Second), 3*time.Second)
-	if n := len(got["sched-a"]); n != 5 {
-		t.Fatalf("%d dispatches adopted at 105 s: %v; want those of the last 10 s (95..99 s: 5)", n, got["sched-a"])
+	got := pt.dead("sched-b", t0.Add(3005*time.Second), 3*time.Second)
+	if n := len(got["sched-a"]); n != 5 || got["sched-a"][0].reqID != "r2995" {
+		t.Fatalf("%d dispatches adopted at 3,005 s: %v; want those of the last 10 s (2,995..2,999 s: 5), oldest first", n, got["sched-a"])
+	}
+}
+
+// TestPeerTableEndedAndRestarted: a peer's requests that it said ended are
+// not adopted (14 of 15 requests a review saw re-run had been answered);
+// a peer heard again under its id with another start died in between
+// (a fixed --id restarted at once), and what the earlier process
+// dispatched is adopted.
+func TestPeerTableEndedAndRestarted(t *testing.T) {
+	t0 := time.Unix(1_000, 0)
+	const timeout = 3 * time.Second
+	pt := newPeerTable(time.Minute, t0)
+	pt.heard("sched-a", 100, false, t0)
+	pt.dispatched("sched-a", "r1", 1, t0)
+	pt.dispatched("sched-a", "r2", 2, t0)
+	pt.dispatched("sched-a", "r3", 3, t0)
+	pt.ended("sched-a", []string{"r1", "r3"})
+	got := pt.dead("sched-b", t0.Add(5*time.Second), timeout)
+	if len(got["sched-a"]) != 1 || got["sched-a"][0].reqID != "r2" {
+		t.Fatalf("dead: %v; want only r2, the request sched-a had not ended", got)
+	}
+
+	pt.heard("sched-c", 100, false, t0)
+	pt.dispatched("sched-c", "r4", 4, t0)
+	pt.heard("sched-c", 200, false, t0.Add(time.Second)) // a new process
+	pt.dispatched("sched-c", "r5", 5, t0.Add(time.Second))
+	got = pt.dead("sched-b", t0.Add(2*time.Second), timeout)
+	if len(got["sched-c"]) != 1 || got["sched-c"][0].reqID != "r4" {
+		t.Fatalf("dead after sched-c restarted: %v; want r4, its earlier process's", got)
+	}
+	if got := pt.dead("sched-b", t0.Add(3*time.Second), timeout); got != nil {
+		t.Fatalf("adopted again: %v", got)
 	}
 }

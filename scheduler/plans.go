@@ -2,6 +2,7 @@ package scheduler
 
 import (
 	"context"
+	"slices"
 	"time"
 
 	"github.com/nats-io/nats.go"
@@ -53,6 +54,12 @@ func (s *Scheduler) onPlan(_ context.Context, m *nats.Msg) error {
 		return nil
 	}
 	now := time.Now()
+	if len(p.Ended) > 0 {
+		s.peers.ended(p.SchedulerID, p.Ended)
+		if p.Group == "" {
+			return nil // nothing else in it
+		}
+	}
 	// A plan lives at most PlanTTL here, whatever it claims.
 	expires := time.UnixMilli(p.ExpiresUnixMs)
 	if limit := now.Add(s.cfg.PlanTTL); expires.After(limit) {
@@ -62,6 +69,36 @@ func (s *Scheduler) onPlan(_ context.Context, m *nats.Msg) error {
 	if p.ReqID != "" {
 		s.dispatched.Put(p.ReqID, dispatchRecord{group: p.Group, attempt: p.Attempt, scheduler: p.SchedulerID}, now)
 		s.peers.dispatched(p.SchedulerID, p.ReqID, p.LogSeq, now)
+		// Another replica dispatched a request this one tracks: it adopted
+		// it while this one was silent (paused, cut off), and the ranks
+		// answer it now. Watching it on would end it as a timeout.
+		if t := s.trackers.handOver(p.ReqID); t != nil {
+			s.groups.addInflight(t.Group, -1, -t.queued)
+			s.log.Info("request handed over: another scheduler replica took it while this one was not heard", "req_id", t.ReqID,
+				"session_id", t.SessionID, "to", p.SchedulerID)
+		}
 	}
 	return nil
+}
+
+// endedPlanIDs bounds the ids of one plan of ended requests.
+const endedPlanIDs = 4096
+
+// publishEnded tells the other replicas which requests this one ended
+// since it last did, so that they do not adopt them if it dies. Without
+// peers (one replica) nothing is sent.
+func (s *Scheduler) publishEnded() {
+	ids := s.trackers.takeEnded()
+	if len(ids) == 0 || !s.peers.known() {
+		return
+	}
+	for chunk := range slices.Chunk(ids, endedPlanIDs) {
+		data, err := messages.Marshal(&messages.SavePlan{SchedulerID: s.cfg.ID, Ended: chunk})
+		if err == nil {
+			err = s.cfg.Conn.Publish(s.cfg.Subjects.Plan(s.cfg.ID), data)
+		}
+		if err != nil {
+			s.log.Warn("cannot tell the other replicas which requests ended", "requests", len(chunk), "err", err)
+		}
+	}
 }

@@ -71,7 +71,7 @@ func (s *Scheduler) announce(now time.Time, force bool) {
 	a.mu.Unlock()
 	data, err := messages.Marshal(&messages.Announcement{
 		Role: messages.RoleScheduler, ID: s.cfg.ID, Ready: ready, Reason: reason,
-		ReadyGroups: len(s.groups.ready(now)), UnixMs: now.UnixMilli(),
+		ReadyGroups: len(s.groups.ready(now)), UnixMs: now.UnixMilli(), StartedUnixMs: s.started.UnixMilli(),
 	})
 	if err == nil {
 		err = s.cfg.Conn.Publish(s.cfg.Subjects.Announce(messages.RoleScheduler, s.cfg.ID), data)
@@ -87,6 +87,7 @@ func (s *Scheduler) announce(now time.Time, force bool) {
 func (s *Scheduler) announceStopped() {
 	data, err := messages.Marshal(&messages.Announcement{
 		Role: messages.RoleScheduler, ID: s.cfg.ID, Reason: "stopped", Stopped: true, UnixMs: time.Now().UnixMilli(),
+		StartedUnixMs: s.started.UnixMilli(),
 	})
 	if err == nil {
 		err = s.cfg.Conn.Publish(s.cfg.Subjects.Announce(messages.RoleScheduler, s.cfg.ID), data)

@@ -159,6 +159,7 @@ type Scheduler struct {
 	peers      *peerTable
 	reqLog     *requestLog
 	adoptions  sync.WaitGroup
+	started    time.Time // announced, so that a restart under the same id is told apart
 	consuming  atomic.Bool  // the request consumer runs
 	reconnects uint64       // the connection's reconnects, as sweep last saw them
 	causal     []*causalSub // set by Run before it consumes
@@ -260,6 +261,7 @@ func New(cfg Config) (*Scheduler, error) {
 		resyncs:    map[rankID]*resyncState{},
 		dispatched: dispatched,
 		peers:      newPeerTable(cfg.RequestTimeout, time.Now()),
+		started:    time.Now(),
 	}
 	s.m = newMetrics(cfg.Registerer, func() float64 { return float64(s.trackers.Len()) },
 		func() float64 { return float64(s.index.Rejected()) }, func() float64 { return float64(s.index.Plans()) },
@@ -486,6 +488,7 @@ func (s *Scheduler) sweep(ctx context.Context, now time.Time) {
 		s.log.Info("reconnected to NATS; worker groups get a heartbeat timeout from now before any is judged failed",
 			"heartbeat_timeout", s.cfg.HeartbeatTimeout)
 	}
+	s.publishEnded()
 	s.adoptDead(ctx, now)
 	s.rescue(now)
 	s.resend(now)

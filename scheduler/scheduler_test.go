@@ -897,3 +897,31 @@ func TestReplacedRankIsNoDuplicate(t *testing.T) {
 		t.Errorf("a draining predecessor reported as a duplicate (%d lines)", n)
 	}
 }
+
+// TestRequestHandedOverToAnAdopter: a replica that was paused or cut off
+// for longer than the heartbeat timeout comes back to find another replica
+// adopted its requests (the adopter's save plan names them): it drops
+// their trackers. It kept them, and ended each as a timeout 30 s later,
+// while the ranks answered the adopter.
+func TestRequestHandedOverToAnAdopter(t *testing.T) {
+	e := startScheduler(t, schedEnvConfig{groups: []string{"g0"}, noAnswers: true, requestTimeout: 3 * time.Second})
+	e.waitReady(1)
+	e.publishRequest(newRequest("r-adopted", "s", testenv.PromptTokens(1, 64)))
+	e.waitMeta("r-adopted")
+	if n := e.s.Trackers(); n != 1 {
+		t.Fatalf("%d trackers, want 1", n)
+	}
+	data, err := messages.Marshal(&messages.SavePlan{SchedulerID: "sched-adopter", ReqID: "r-adopted", Group: "g0", LogSeq: 1,
+		ExpiresUnixMs: time.Now().Add(time.Second).UnixMilli()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := e.nc.Publish(e.subj.Plan("sched-adopter"), data); err != nil {
+		t.Fatal(err)
+	}
+	e.waitNoTrackers()
+	time.Sleep(3 * time.Second) // past the request's deadline
+	if n := e.counter("kvbus_scheduler_requests_total", map[string]string{"outcome": "timeout"}); n != 0 {
+		t.Errorf("%v timeouts: the handed-over request was still watched", n)
+	}
+}

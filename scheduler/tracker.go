@@ -73,6 +73,9 @@ type trackerTable struct {
 	// ended remembers recently ended requests, so that a redelivery of one
 	// from the request log is not run twice. Bounded by count and age.
 	ended *recent.Memory[struct{}]
+	// endedIDs are the requests ended since takeEnded last ran, for the
+	// other replicas (not to adopt them).
+	endedIDs []string
 }
 
 func newTrackerTable(ended recent.Config) (*trackerTable, error) {
@@ -87,6 +90,30 @@ func newTrackerTable(ended recent.Config) (*trackerTable, error) {
 func (tt *trackerTable) endLocked(id string) {
 	delete(tt.m, id)
 	tt.ended.Put(id, struct{}{}, time.Now())
+	tt.endedIDs = append(tt.endedIDs, id)
+}
+
+// takeEnded returns the requests ended since it last ran.
+func (tt *trackerTable) takeEnded() []string {
+	tt.mu.Lock()
+	defer tt.mu.Unlock()
+	ids := tt.endedIDs
+	tt.endedIDs = nil
+	return ids
+}
+
+// handOver removes the tracker of a request another replica now watches
+// (it adopted or took it over while this one was cut off or paused) and
+// returns it, nil if there was none; the id is remembered as ended here.
+func (tt *trackerTable) handOver(id string) *RequestTracker {
+	tt.mu.Lock()
+	defer tt.mu.Unlock()
+	t := tt.m[id]
+	if t != nil {
+		delete(tt.m, id)
+		tt.ended.Put(id, struct{}{}, time.Now())
+	}
+	return t
 }
 
 // add inserts t unless a tracker with its id exists or the request ended
