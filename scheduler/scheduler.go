@@ -159,7 +159,7 @@ type Scheduler struct {
 	peers      *peerTable
 	reqLog     *requestLog
 	adoptions  sync.WaitGroup
-	started    time.Time // announced, so that a restart under the same id is told apart
+	started    time.Time    // announced, so that a restart under the same id is told apart
 	consuming  atomic.Bool  // the request consumer runs
 	reconnects uint64       // the connection's reconnects, as sweep last saw them
 	causal     []*causalSub // set by Run before it consumes
