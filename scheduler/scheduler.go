@@ -160,6 +160,7 @@ type Scheduler struct {
 	reqLog     *requestLog
 	adoptions  sync.WaitGroup
 	started    time.Time    // announced, so that a restart under the same id is told apart
+	ended      []endedBatch // requests ended, not yet told to the peers (sweep's own)
 	consuming  atomic.Bool  // the request consumer runs
 	reconnects uint64       // the connection's reconnects, as sweep last saw them
 	causal     []*causalSub // set by Run before it consumes
@@ -488,7 +489,7 @@ func (s *Scheduler) sweep(ctx context.Context, now time.Time) {
 		s.log.Info("reconnected to NATS; worker groups get a heartbeat timeout from now before any is judged failed",
 			"heartbeat_timeout", s.cfg.HeartbeatTimeout)
 	}
-	s.publishEnded()
+	s.publishEnded(now)
 	s.adoptDead(ctx, now)
 	s.rescue(now)
 	s.resend(now)

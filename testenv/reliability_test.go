@@ -358,6 +358,28 @@ func TestLostRequestLogIsMadeAgain(t *testing.T) {
 	})
 }
 
+// outcome is how a request sent by sendAll ended, took counting from the
+// fault (sendAll's second result, unix nanos, set by the test).
+type outcome struct {
+	status int
+	took   time.Duration
+	raw    string
+}
+
+// sendAll sends n copies of the chat body at once; each outcome arrives on
+// the channel as its answer ends.
+func sendAll(t *testing.T, c *testenv.Cluster, body string, n int) (<-chan outcome, *atomic.Int64) {
+	results := make(chan outcome, n)
+	var fault atomic.Int64
+	for range n {
+		go func() {
+			status, _, raw := post(t, c, "/v1/chat/completions", body, nil)
+			results <- outcome{status, time.Since(time.Unix(0, fault.Load())), string(raw)}
+		}()
+	}
+	return results, &fault
+}
+
 // TestStoppedSchedulerWatchesItsRequests: scheduler replica 0 is stopped
 // (SIGTERM) while requests it dispatched run, then both groups' driver
 // ranks die. The requests were acknowledged in the log at dispatch: only
@@ -368,19 +390,7 @@ func TestStoppedSchedulerWatchesItsRequests(t *testing.T) {
 	c := testenv.StartCluster(t, testenv.ClusterConfig{Groups: 2, Schedulers: 2, TimeScale: 1, RequestTimeout: 20 * time.Second})
 	body := fmt.Sprintf(`{"model":%q,"messages":[{"role":"user","content":"a long answer"}],"max_tokens":1500,"ignore_eos":true}`, c.Model)
 	const n = 12
-	type outcome struct {
-		status int
-		took   time.Duration
-		raw    string
-	}
-	results := make(chan outcome, n)
-	var killed atomic.Int64 // unix nanos of the kill
-	for range n {
-		go func() {
-			status, _, raw := post(t, c, "/v1/chat/completions", body, nil)
-			results <- outcome{status, time.Since(time.Unix(0, killed.Load())), string(raw)}
-		}()
-	}
+	results, killed := sendAll(t, c, body, n)
 	testenv.Eventually(t, 10*time.Second, "replica 0 dispatched requests", func() bool { return c.Schedulers[0].Trackers() > 0 })
 	mine := c.Schedulers[0].Trackers()
 	stopped := make(chan error, 1)
@@ -442,21 +452,13 @@ func TestCrashedSchedulerRequestsAreAdopted(t *testing.T) {
 			t.Fatalf("warm-up: %d %s", status, raw)
 		}
 	}
+	testenv.Eventually(t, 10*time.Second, "the warm-up's trackers ended", func() bool {
+		return c.Schedulers[0].Trackers()+c.Schedulers[1].Trackers() == 0
+	})
+	time.Sleep(500 * time.Millisecond) // replicas tell each other what ended every 250 ms
 	body := fmt.Sprintf(`{"model":%q,"messages":[{"role":"user","content":"a long answer"}],"max_tokens":500,"ignore_eos":true}`, c.Model)
 	const n = 12
-	type outcome struct {
-		status int
-		took   time.Duration
-		raw    string
-	}
-	results := make(chan outcome, n)
-	var killed atomic.Int64 // unix nanos of the crash
-	for range n {
-		go func() {
-			status, _, raw := post(t, c, "/v1/chat/completions", body, nil)
-			results <- outcome{status, time.Since(time.Unix(0, killed.Load())), string(raw)}
-		}()
-	}
+	results, killed := sendAll(t, c, body, n)
 	testenv.Eventually(t, 10*time.Second, "every request dispatched", func() bool {
 		return c.Schedulers[0].Trackers()+c.Schedulers[1].Trackers() == n
 	})
