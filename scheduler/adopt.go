@@ -12,11 +12,10 @@ import (
 // does not consume the request log adopts nothing: it is stopping, or its
 // log is being made again.
 func (s *Scheduler) adoptDead(ctx context.Context, now time.Time) {
-	dead := s.peers.dead(s.cfg.ID, now, s.cfg.HeartbeatTimeout)
-	if len(dead) == 0 || !s.consuming.Load() {
-		return
+	if !s.consuming.Load() {
+		return // the peers are judged once it consumes again
 	}
-	for id, ds := range dead {
+	for id, ds := range s.peers.dead(s.cfg.ID, now, s.cfg.HeartbeatTimeout) {
 		s.adoptions.Go(func() { s.adopt(ctx, id, ds) })
 	}
 }
