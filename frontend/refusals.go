@@ -1,6 +1,7 @@
 package frontend
 
 import (
+	"cmp"
 	"context"
 	"fmt"
 	"log/slog"
@@ -24,19 +25,25 @@ type refusalLog struct {
 	log *slog.Logger
 
 	mu     sync.Mutex
-	last   time.Time      // when a line was last written
-	counts map[string]int // by "status code", since last
+	last   time.Time          // when a line was last written
+	counts map[refusalKey]int // since last
 }
+
+// refusalKey is a refusal's status and code (its type when it has none).
+type refusalKey struct {
+	status int
+	code   string
+}
+
+// String is how the log line names it: "503 no_ready_scheduler".
+func (k refusalKey) String() string { return fmt.Sprint(k.status, " ", k.code) }
 
 // note records a refused request.
 func (r *refusalLog) note(now time.Time, e *APIError) {
-	key := fmt.Sprint(e.Status, " ", e.Code)
-	if e.Code == "" {
-		key = fmt.Sprint(e.Status, " ", e.Type)
-	}
+	key := refusalKey{e.Status, cmp.Or(e.Code, e.Type)}
 	r.mu.Lock()
 	if r.counts == nil {
-		r.counts = map[string]int{}
+		r.counts = map[refusalKey]int{}
 	}
 	r.counts[key]++
 	if now.Sub(r.last) < refusalLogEvery {
@@ -48,7 +55,7 @@ func (r *refusalLog) note(now time.Time, e *APIError) {
 	r.mu.Unlock()
 	total := 0
 	parts := make([]string, 0, len(counts))
-	for _, k := range slices.Sorted(maps.Keys(counts)) {
+	for _, k := range slices.SortedFunc(maps.Keys(counts), func(a, b refusalKey) int { return strings.Compare(a.String(), b.String()) }) {
 		total += counts[k]
 		parts = append(parts, fmt.Sprintf("%s: %d", k, counts[k]))
 	}

@@ -165,6 +165,9 @@ func (c *Config) RequestLog() bus.StreamConfig {
 	}
 }
 
+// DefaultRequestTimeout is Config.RequestTimeout's default.
+const DefaultRequestTimeout = 60 * time.Second
+
 // Server is an OpenAI-compatible HTTP frontend.
 type Server struct {
 	cfg     Config
@@ -221,7 +224,7 @@ func New(cfg Config) (*Server, error) {
 		cfg.MaxBodyBytes = 4 << 20
 	}
 	if cfg.RequestTimeout <= 0 {
-		cfg.RequestTimeout = 60 * time.Second
+		cfg.RequestTimeout = DefaultRequestTimeout
 	}
 	if cfg.PublishTimeout <= 0 {
 		cfg.PublishTimeout = 5 * time.Second

@@ -135,6 +135,9 @@ func (c *Config) Validate() error {
 	return c.Subjects.Validate()
 }
 
+// DefaultShutdownTimeout is Config.ShutdownTimeout's default.
+const DefaultShutdownTimeout = 20 * time.Second
+
 // Scheduler is one scheduler replica. Several replicas share the request
 // log's durable consumer; each request is dispatched by one of them.
 type Scheduler struct {
@@ -193,7 +196,7 @@ func New(cfg Config) (*Scheduler, error) {
 		cfg.SessionTTL = 30 * time.Minute
 	}
 	if cfg.ShutdownTimeout <= 0 {
-		cfg.ShutdownTimeout = 20 * time.Second
+		cfg.ShutdownTimeout = DefaultShutdownTimeout
 	}
 	if cfg.DumpTimeout <= 0 {
 		cfg.DumpTimeout = 5 * time.Second

@@ -30,6 +30,9 @@ const maxIdentityWait = 10 * time.Second
 // awaitIdentityFree returns nil once no other process has sent a
 // heartbeat for this rank within RankConfig.IdentityWait.
 func (r *Rank) awaitIdentityFree(ctx context.Context) error {
+	if r.cfg.IdentityWait < 0 {
+		return nil
+	}
 	subject := r.cfg.Subjects.Heartbeat(r.cfg.Group, r.cfg.TPRank)
 	heard := make(chan *messages.Heartbeat, 1)
 	sub, err := r.cfg.Conn.Subscribe(subject, func(m *nats.Msg) {
@@ -46,14 +49,7 @@ func (r *Rank) awaitIdentityFree(ctx context.Context) error {
 		return fmt.Errorf("workers: subscribe %s: %w", subject, err)
 	}
 	defer func() { _ = sub.Unsubscribe() }()
-	wait := r.cfg.IdentityWait
-	if wait == 0 {
-		wait = min(r.cfg.HeartbeatInterval*3/2, maxIdentityWait)
-	}
-	if wait < 0 {
-		return nil
-	}
-	t := time.NewTimer(wait)
+	t := time.NewTimer(r.cfg.IdentityWait)
 	defer t.Stop()
 	select {
 	case hb := <-heard:

@@ -272,6 +272,9 @@ func NewRank(cfg RankConfig) (*Rank, error) {
 	if cfg.HeartbeatInterval <= 0 {
 		cfg.HeartbeatInterval = time.Second
 	}
+	if cfg.IdentityWait == 0 {
+		cfg.IdentityWait = min(cfg.HeartbeatInterval*3/2, maxIdentityWait)
+	}
 	if cfg.QueueSize <= 0 {
 		cfg.QueueSize = 1024
 	}

@@ -215,8 +215,11 @@ func kvCapacity(s string, bytesPerToken, blockSize int) (int64, error) {
 }
 
 // drainHandoff is --drain-handoff in bytes per rank (0: off).
+// handoffOn reports whether --drain-handoff is not 0.
+func (f engineFlags) handoffOn() bool { return strings.TrimSpace(f.DrainHandoff) != "0" }
+
 func (f engineFlags) drainHandoff(bytesPerToken int) (int64, error) {
-	if strings.TrimSpace(f.DrainHandoff) == "0" {
+	if !f.handoffOn() {
 		return 0, nil
 	}
 	n, err := workers.ParseCapacity(f.DrainHandoff, bytesPerToken)

@@ -524,10 +524,6 @@ func (c *schedulerCmd) Run(ctx context.Context) error {
 	return roleErr(ctx, r.wait())
 }
 
-// schedulerShutdownTimeout is scheduler.Config's default ShutdownTimeout,
-// which serve's schedulers take (kvbus scheduler has --shutdown-timeout).
-const schedulerShutdownTimeout = 20 * time.Second
-
 func newScheduler(nc *nats.Conn, c *schedulerCmd, log *slog.Logger, reg prometheus.Registerer) (*scheduler.Scheduler, error) {
 	b, f, rl, t := c.busFlags, c.schedulerFlags, c.requestLogFlags, c.timeoutFlags
 	policy, err := scheduler.NewPolicy(f.Policy, f.SessionEpsilon)
@@ -658,8 +654,7 @@ func (c *workerCmd) Run(ctx context.Context) error {
 	}
 	reg := newRegistry()
 	wm, hm := workers.NewMetrics(reg), bus.NewHandlerMetrics(reg)
-	handoff, _ := c.drainHandoff(1)
-	onStop(ctx, log, func() stopPlan { return c.stopPlan(reg, handoff > 0, slot != nil) })
+	onStop(ctx, log, func() stopPlan { return c.stopPlan(reg, c.handoffOn(), slot != nil) })
 	r := newRoles(ctx)
 	metrics.serve(reg, metricsProbe{nc: nc, stopping: r.ctx.Done(),
 		drainReason: "worker stopping: its group takes no new requests; it finishes those in flight"}, func(err error) { r.fail("metrics", err) })

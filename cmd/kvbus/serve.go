@@ -9,6 +9,7 @@ import (
 
 	"github.com/kvbus/kvbus/cluster"
 	"github.com/kvbus/kvbus/messages"
+	"github.com/kvbus/kvbus/scheduler"
 	"github.com/kvbus/kvbus/workers"
 )
 
@@ -129,7 +130,7 @@ func (c *serveCmd) stopPlan(reg *prometheus.Registry) stopPlan {
 	return stopPlan{
 		doing:    fmt.Sprintf("finishing %s in flight (new ones get 503 shutting_down), then stopping the schedulers and the ranks", requests(n)),
 		inFlight: n,
-		upTo:     fe + drainTimeout + schedulerShutdownTimeout + c.ShutdownTimeout + 3*c.HeartbeatEvery + drainTimeout,
+		upTo:     fe + drainTimeout + scheduler.DefaultShutdownTimeout + c.ShutdownTimeout + 3*c.HeartbeatEvery + drainTimeout,
 		bound:    bound + " + 25s (schedulers) + --shutdown-timeout + 3 × --heartbeat-interval + 5s NATS drain",
 	}
 }

@@ -11,6 +11,8 @@ import (
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/kvbus/kvbus/frontend"
 )
 
 // Signals. The first SIGINT or SIGTERM ends the command's context: a role
@@ -195,7 +197,7 @@ func frontendStopBound(requestTimeout, stopGrace, stopTimeout time.Duration) (ti
 		return stopTimeout + time.Second, "--stop-timeout + 1s"
 	}
 	if requestTimeout <= 0 {
-		requestTimeout = 60 * time.Second // frontend.Config's default
+		requestTimeout = frontend.DefaultRequestTimeout
 	}
 	if stopGrace < 0 {
 		return requestTimeout + time.Second, "--request-timeout + 1s"
