@@ -29,7 +29,7 @@ UP_FILES = $(COMPOSE_FILES)$(if $(findstring $(MONITORING_FILE),$(COMPOSE_FILES)
 WORKERS ?= 8
 SCHEDULERS ?= 2
 
-.PHONY: bench-http image-prometheus check-prometheus up-monitoring purge build run test test-browser test-short bench lint fmt fuzz clean image image-fakeengine auth-keys up down logs smoke up-engine up-engine-monitoring down-engine
+.PHONY: bench-http image-prometheus check-prometheus up-monitoring purge build run test test-browser test-short bench lint fmt fuzz clean image image-fakeengine auth-keys up down logs smoke up-engine up-engine-monitoring down-engine top top-engine
 
 build:
 	CGO_ENABLED=0 $(GO) build -trimpath -o $(BIN) ./cmd/kvbus
@@ -147,6 +147,10 @@ up-engine-monitoring: image-prometheus
 	$(MAKE) up-engine ENGINE_MONITORING=1
 	@build/docker/kvbus healthcheck --url http://127.0.0.1:$(PROMETHEUS_PORT)/-/ready --wait 60s && echo "Prometheus is ready on http://127.0.0.1:$(PROMETHEUS_PORT)"
 
+top-engine: # kvbus top on `make up-engine`'s cluster (see top)
+	@test -f $(KVBUS_ENGINE_AUTH_DIR)/observer.nk || build/docker/kvbus auth init $(KVBUS_ENGINE_AUTH_DIR)
+	@t=; [ -t 0 ] || t=-T; $(COMPOSE) $(ENGINE_FILES) run --rm --no-deps $$t top top $(ARGS)
+
 down-engine:
 	$(COMPOSE) -f docker-compose.engine.yml down -v --remove-orphans
 
@@ -163,7 +167,16 @@ export KVBUS_AUTH_DIR
 export KVBUS_UID := $(shell id -u)
 export KVBUS_GID := $(shell id -g)
 auth-keys: image
-	@{ test -f $(KVBUS_AUTH_DIR)/nats-auth.conf && test -f $(KVBUS_AUTH_DIR)/cluster-password; } || build/docker/kvbus auth init $(KVBUS_AUTH_DIR)
+	@{ test -f $(KVBUS_AUTH_DIR)/nats-auth.conf && test -f $(KVBUS_AUTH_DIR)/cluster-password && test -f $(KVBUS_AUTH_DIR)/observer.nk; } || build/docker/kvbus auth init $(KVBUS_AUTH_DIR)
+
+# kvbus top on the running cluster, from inside its network, with the
+# observer key (it reads every kvbus subject and can publish nothing);
+# ARGS="--once" prints one plain snapshot, ARGS="--once --json" one for
+# scripts. A key directory made before the observer key existed gets it
+# here; NATS loads it when restarted ($(COMPOSE) restart nats).
+top:
+	@test -f $(KVBUS_AUTH_DIR)/observer.nk || $(MAKE) --no-print-directory auth-keys
+	@t=; [ -t 0 ] || t=-T; $(COMPOSE) $(UP_FILES) run --rm --no-deps $$t top top $(ARGS)
 
 up: image auth-keys
 	$(COMPOSE) $(UP_FILES) up -d --scale scheduler=$(SCHEDULERS) --scale worker=$(WORKERS)

@@ -1,6 +1,6 @@
 // Package auth gives every kvbus role its own NATS identity and exactly the
 // bus subjects it needs. Init writes one nkey seed per role (frontend,
-// scheduler, worker, admin; optionally one worker key per group) and an
+// scheduler, worker, observer, admin; optionally one worker key per group) and an
 // authorization block for nats-server that lists each role's public key
 // with publish and subscribe allow-lists derived from the subject table
 // (DESIGN §4) plus the JetStream API, KV-bucket and inbox subjects the role
@@ -29,11 +29,17 @@ const (
 	RoleFrontend  = "frontend"
 	RoleScheduler = "scheduler"
 	RoleWorker    = "worker"
-	RoleAdmin     = "admin"
+	// RoleObserver reads every kvbus subject and publishes nothing: the
+	// key of `kvbus top` and `kvbus tap`, which watch the bus and must not
+	// be able to forge a message on it.
+	RoleObserver = "observer"
+	RoleAdmin    = "admin"
 )
 
 // Roles are the roles in the order the matrix prints them.
-func Roles() []string { return []string{RoleFrontend, RoleScheduler, RoleWorker, RoleAdmin} }
+func Roles() []string {
+	return []string{RoleFrontend, RoleScheduler, RoleWorker, RoleObserver, RoleAdmin}
+}
 
 // Sentinel errors.
 var (
@@ -153,10 +159,15 @@ func For(s messages.Subjects, id Identity) (Permissions, error) {
 				s.HeartbeatAll()}, inbox...),
 			Responses: maxResponses,
 		}, nil
+	case RoleObserver:
+		// Core subscriptions only: no JetStream API (a consumer it created
+		// could deliver the request log onto any subject), no inbox (it
+		// makes no request), no publish at all.
+		return Permissions{Subscribe: []string{s.All()}}, nil
 	case RoleAdmin:
 		return Permissions{Publish: []string{">"}, Subscribe: []string{">"}, Responses: maxResponses}, nil
 	}
-	return Permissions{}, fmt.Errorf("%w: unknown role %q (want frontend, scheduler, worker or admin)", ErrConfig, id.Role)
+	return Permissions{}, fmt.Errorf("%w: unknown role %q (want frontend, scheduler, worker, observer or admin)", ErrConfig, id.Role)
 }
 
 // RewriteConfig rewrites dir's ConfigFile with the permissions this kvbus

@@ -1,6 +1,7 @@
 package auth_test
 
 import (
+	"bytes"
 	"context"
 	"errors"
 	"log/slog"
@@ -162,7 +163,26 @@ func TestPermissionMatrix(t *testing.T) {
 		{"scheduler", sub, "_INBOX_scheduler.>", true},
 		{"admin", sub, "_INBOX.>", true},
 		{"admin", sub, "_INBOX_scheduler.>", true},
-		// Only admin reads the whole request log (capture, replay, tap, top).
+		// The observer (kvbus top, tap) reads every kvbus subject, prompts
+		// and answers included, and can write nothing: no message, no
+		// JetStream API call (a consumer it made could deliver the request
+		// log onto any subject), no reply inbox of a role.
+		{"observer", sub, "kvbus.>", true},
+		{"observer", sub, "kvbus.meta.g0.>", true},
+		{"observer", sub, "kvbus.out.fe-1", true},
+		{"observer", pub, "kvbus.req.kvbus-sim", false},
+		{"observer", pub, "kvbus.out.fe-1", false},
+		{"observer", pub, "kvbus.kv.g0.0", false},
+		{"observer", pub, "kvbus.hb.g0.0", false},
+		{"observer", pub, "kvbus.ctl.abort", false},
+		{"observer", pub, "$JS.API.INFO", false},
+		{"observer", pub, "$JS.API.CONSUMER.CREATE.KVBUS_REQUESTS.mine", false},
+		{"observer", pub, "$JS.API.STREAM.MSG.GET.KVBUS_REQUESTS", false},
+		{"observer", pub, "$KV.KVBUS_RANKS.g0.0", false},
+		{"observer", sub, "_INBOX.>", false},
+		{"observer", sub, "_INBOX_scheduler.>", false},
+		{"observer", sub, "$JS.API.>", false},
+		// Only admin reads the whole request log (capture, replay).
 		{"admin", pub, "$JS.API.STREAM.MSG.GET.KVBUS_REQUESTS", true},
 		{"admin", pub, "$JS.API.CONSUMER.CREATE.KVBUS_REQUESTS.capture", true},
 		{"admin", sub, "kvbus.req.>", true},
@@ -270,7 +290,7 @@ func TestMatrix(t *testing.T) {
 		t.Fatal(err)
 	}
 	for _, want := range []string{"frontend (frontend.nk)", "publish:   kvbus.req.>", "worker-g3 (worker-g3.nk)", "kvbus.meta.g3.>",
-		"admin (admin.nk)", "everything else is denied"} {
+		"observer (observer.nk)\n  publish:   nothing\n  subscribe: kvbus.>\n", "admin (admin.nk)", "everything else is denied"} {
 		if !strings.Contains(m, want) {
 			t.Errorf("matrix lacks %q:\n%s", want, m)
 		}
@@ -346,6 +366,46 @@ func TestRotateKeepsThePrefix(t *testing.T) {
 	}
 }
 
+// TestInitAddsTheObserverKey: a key directory written before the observer
+// role existed gets observer.nk from `kvbus auth init DIR`, every other seed
+// kept, and nats-auth.conf lists it (with a deny-all publish: an empty allow
+// list would be no restriction to nats-server).
+func TestInitAddsTheObserverKey(t *testing.T) {
+	dir := t.TempDir()
+	if _, err := auth.Init(dir, messages.Subjects{}, nil, false); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Remove(filepath.Join(dir, "observer.nk")); err != nil {
+		t.Fatal(err)
+	}
+	before, _ := os.ReadFile(filepath.Join(dir, "admin.nk"))
+	added, err := auth.Init(dir, messages.Subjects{}, nil, false)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(added) != 1 || added[0].Name() != "observer" {
+		t.Errorf("init on an older directory added %v, want the observer key", added)
+	}
+	if after, _ := os.ReadFile(filepath.Join(dir, "admin.nk")); string(after) != string(before) {
+		t.Error("adding the observer key replaced the admin key")
+	}
+	seed, err := os.ReadFile(filepath.Join(dir, "observer.nk"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	kp, err := nkeys.FromSeed(bytes.TrimSpace(seed))
+	if err != nil {
+		t.Fatal(err)
+	}
+	pub, _ := kp.PublicKey()
+	conf, _ := os.ReadFile(filepath.Join(dir, auth.ConfigFile))
+	_, block, ok := strings.Cut(string(conf), "# observer\n")
+	block, _, _ = strings.Cut(block, "# ")
+	if !ok || !strings.Contains(block, pub) || !strings.Contains(block, `publish: { deny: [">"] }`) {
+		t.Errorf("nats-auth.conf does not give the observer key %s a deny-all publish:\n%s", pub, conf)
+	}
+}
+
 // TestInitAddsGroupKeys: `auth init DIR --groups g0,g1` on a directory of
 // keys adds the groups' worker keys and keeps every key it has (the roles
 // already running go on), where it refused unless --force replaced them all.
@@ -402,8 +462,8 @@ func TestStrayKeysGetNoPermissions(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if len(ids) != 4 || len(stray) != 4 {
-		t.Errorf("keys %v, stray %v: want the 4 roles and 4 stray files", ids, stray)
+	if len(ids) != len(auth.Roles()) || len(stray) != 4 {
+		t.Errorf("keys %v, stray %v: want every role and 4 stray files", ids, stray)
 	}
 	if _, err := auth.Init(dir, messages.Subjects{}, []string{"g0"}, false); err != nil {
 		t.Fatalf("adding a group's key beside stray files: %v", err)

@@ -35,7 +35,7 @@ const ClusterPasswordFile = "cluster-password"
 // Identities are the keys Init writes: one per role, and one worker key per
 // group of groups.
 func Identities(groups []string) []Identity {
-	ids := []Identity{{Role: RoleFrontend}, {Role: RoleScheduler}, {Role: RoleWorker}, {Role: RoleAdmin}}
+	ids := []Identity{{Role: RoleFrontend}, {Role: RoleScheduler}, {Role: RoleWorker}, {Role: RoleObserver}, {Role: RoleAdmin}}
 	for _, g := range groups {
 		ids = append(ids, Identity{Role: RoleWorker, Group: g})
 	}
@@ -316,7 +316,12 @@ func configText(users []user) string {
 	b.WriteString("authorization {\n  users = [\n")
 	for _, u := range users {
 		fmt.Fprintf(&b, "    # %s\n    {\n      nkey: %s\n      permissions: {\n", u.id.Name(), u.nkey)
-		fmt.Fprintf(&b, "        publish: { allow: %s }\n", list(u.perms.Publish))
+		if len(u.perms.Publish) == 0 {
+			// nats-server reads an empty allow list as no restriction.
+			b.WriteString("        publish: { deny: [\">\"] }\n")
+		} else {
+			fmt.Fprintf(&b, "        publish: { allow: %s }\n", list(u.perms.Publish))
+		}
 		fmt.Fprintf(&b, "        subscribe: { allow: %s }\n", list(u.perms.Subscribe))
 		if u.perms.Responses > 0 {
 			fmt.Fprintf(&b, "        allow_responses: { max: %d, expires: %q }\n", u.perms.Responses, responseWindow)
@@ -390,7 +395,11 @@ func Matrix(dir string, s messages.Subjects) (string, error) {
 		if err != nil {
 			return "", err
 		}
-		fmt.Fprintf(&b, "%s (%s.nk)\n  publish:   %s\n  subscribe: %s\n", id.Name(), id.Name(), strings.Join(p.Publish, " "), strings.Join(p.Subscribe, " "))
+		pub := strings.Join(p.Publish, " ")
+		if pub == "" {
+			pub = "nothing"
+		}
+		fmt.Fprintf(&b, "%s (%s.nk)\n  publish:   %s\n  subscribe: %s\n", id.Name(), id.Name(), pub, strings.Join(p.Subscribe, " "))
 		if p.Responses > 0 {
 			b.WriteString("  replies:   to the requests it receives\n")
 		}

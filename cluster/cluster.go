@@ -388,10 +388,11 @@ func (c *Cluster) seed(name string) string {
 }
 
 // roleOf is the role of a connection of this name (admin for any other
-// than the roles' own), and a worker's group: "kvbus-worker-g0-1" is the
-// worker of group g0, which reads that group's inbox (worker.nk allows it).
+// than the roles' own and "kvbus-observer…"), and a worker's group:
+// "kvbus-worker-g0-1" is the worker of group g0, which reads that group's
+// inbox (worker.nk allows it).
 func roleOf(name string) (role, group string) {
-	for _, r := range []string{auth.RoleFrontend, auth.RoleScheduler, auth.RoleWorker} {
+	for _, r := range []string{auth.RoleFrontend, auth.RoleScheduler, auth.RoleWorker, auth.RoleObserver} {
 		rest, ok := strings.CutPrefix(name, "kvbus-"+r)
 		if !ok {
 			continue

@@ -206,6 +206,7 @@ func TestSmoke(t *testing.T) {
 		t.Errorf("the four ranks are not four containers: %v", ranks)
 	}
 	t.Logf("session %s: group %s, ranks %v", session, group, ranks)
+	topSeesTheCluster(t)
 
 	// Scale to 12 workers: a third group forms and gets requests.
 	compose(t, "up", "-d", "--no-recreate", "--scale", "scheduler=2", "--scale", "worker=12")
@@ -488,6 +489,47 @@ func probe(t *testing.T, service, subject string, allowed bool) {
 		return
 	}
 	t.Logf("%s publishing %s: %s", service, subject, strings.TrimSpace(string(out)))
+}
+
+// topSeesTheCluster runs `make top`'s service, kvbus top with the observer
+// key, as `kvbus top --once --json`: it sees both groups whole and ready and
+// both schedulers ready; and the observer key may publish nothing.
+func topSeesTheCluster(t *testing.T) {
+	t.Helper()
+	out := compose(t, "run", "--rm", "--no-deps", "-T", "top", "top", "--once", "--json", "--watch", "3s")
+	i := strings.Index(out, "{\n")
+	if i < 0 {
+		t.Fatalf("kvbus top --once --json printed no snapshot:\n%s", out)
+	}
+	var snap struct {
+		Groups []struct {
+			Name, State string
+			Ranks       int
+		} `json:"groups"`
+		Schedulers []struct {
+			ID    string `json:"id"`
+			Ready bool   `json:"ready"`
+		} `json:"schedulers"`
+	}
+	if err := json.NewDecoder(strings.NewReader(out[i:])).Decode(&snap); err != nil {
+		t.Fatalf("kvbus top's snapshot: %v\n%s", err, out)
+	}
+	ready := 0
+	for _, g := range snap.Groups {
+		if g.State == "ready" && g.Ranks == 4 {
+			ready++
+		}
+	}
+	readySchedulers := 0
+	for _, s := range snap.Schedulers {
+		if s.Ready {
+			readySchedulers++
+		}
+	}
+	if ready != 2 || readySchedulers != 2 {
+		t.Errorf("kvbus top with the observer key saw %d whole ready groups and %d ready schedulers, want 2 and 2:\n%s", ready, readySchedulers, out[i:])
+	}
+	probe(t, "top", "kvbus.ctl.abort", false)
 }
 
 // promQuery runs an instant query against the compose Prometheus.

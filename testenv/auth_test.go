@@ -19,18 +19,21 @@ import (
 	"github.com/kvbus/kvbus/auth"
 	"github.com/kvbus/kvbus/bus"
 	"github.com/kvbus/kvbus/frontend"
+	"github.com/kvbus/kvbus/internal/logbuf"
 	"github.com/kvbus/kvbus/messages"
 	"github.com/kvbus/kvbus/replay"
 	"github.com/kvbus/kvbus/scheduler"
 	"github.com/kvbus/kvbus/testenv"
+	"github.com/kvbus/kvbus/top"
 	"github.com/kvbus/kvbus/workers"
 )
 
 // TestPipelineWithKeys runs the whole pipeline with one key per role and
 // the generated subject permissions: conversations keep their cache, a
-// group that loses a rank is routed around, and an admin key captures the
-// request log and replays it. No role logs a permissions violation: each
-// has every subject it uses, and (TestPermissionMatrix) nothing more.
+// group that loses a rank is routed around, the observer key watches it
+// all with kvbus top and tap, and an admin key captures the request log and
+// replays it. No role logs a permissions violation: each has every subject
+// it uses, and (TestPermissionMatrix) nothing more.
 func TestPipelineWithKeys(t *testing.T) {
 	dir := t.TempDir()
 	if _, err := auth.Init(dir, messages.Subjects{}, nil, false); err != nil {
@@ -39,6 +42,28 @@ func TestPipelineWithKeys(t *testing.T) {
 	c := testenv.StartCluster(t, testenv.ClusterConfig{Groups: 2, Ranks: 2, AuthDir: dir})
 	client := &http.Client{Timeout: 30 * time.Second}
 	defer client.CloseIdleConnections()
+
+	// kvbus top and kvbus tap with the observer key, as an operator runs them.
+	observer, err := c.Cluster.Connect("kvbus-observer-top")
+	if err != nil {
+		t.Fatal(err)
+	}
+	watcher, err := top.New(top.Config{Conn: observer})
+	if err != nil {
+		t.Fatal(err)
+	}
+	watchCtx, stopWatching := context.WithCancel(t.Context())
+	defer stopWatching()
+	watchErr := make(chan error, 2)
+	go func() { watchErr <- watcher.Run(watchCtx) }()
+	var tapped logbuf.Buffer
+	go func() { watchErr <- replay.Tap(watchCtx, replay.TapConfig{Conn: observer}, &tapped) }()
+	select {
+	case <-watcher.Subscribed():
+	case err := <-watchErr:
+		t.Fatalf("kvbus top or tap with the observer key: %v", err)
+	}
+
 	for conv := range 2 {
 		turns, err := testenv.Conversation{BaseURL: c.URL, Client: client, Model: c.Model, Seed: 900 + conv,
 			Headers: map[string]string{"X-Session-ID": fmt.Sprint("keys-", conv)}}.Run(t.Context(), 3)
@@ -49,6 +74,22 @@ func TestPipelineWithKeys(t *testing.T) {
 			if share < 0.95 {
 				t.Errorf("conversation %d turn %d: %.2f of the previous prompt cached, want >= 0.95", conv, i+2, share)
 			}
+		}
+	}
+
+	// top saw both groups and the six requests end; tap printed them.
+	testenv.Eventually(t, 5*time.Second, "kvbus top's view of the conversations", func() bool {
+		snap := watcher.Snapshot(time.Now())
+		return len(snap.Groups) == 2 && snap.Finished == 6 && snap.Failed == 0
+	})
+	testenv.Eventually(t, 5*time.Second, "kvbus tap's lines", func() bool {
+		out := tapped.String()
+		return strings.Count(out, `"kind":"req"`) == 6 && strings.Count(out, `"kind":"meta"`) >= 6
+	})
+	stopWatching()
+	for range 2 {
+		if err := <-watchErr; err != nil {
+			t.Errorf("kvbus top or tap with the observer key: %v", err)
 		}
 	}
 

@@ -212,7 +212,7 @@ func (w *Watcher) Run(ctx context.Context) error {
 		}
 	})
 	if err != nil {
-		return fmt.Errorf("top: subscribe %s: %w (kvbus top needs the admin key)", s.All(), err)
+		return fmt.Errorf("top: subscribe %s: %w", s.All(), err)
 	}
 	defer func() { _ = sub.Unsubscribe() }()
 	// The whole bus passes here: do not let a burst drop messages.
@@ -223,7 +223,8 @@ func (w *Watcher) Run(ctx context.Context) error {
 		return fmt.Errorf("top: %w", err)
 	}
 	if err := w.cfg.Conn.LastError(); errors.Is(err, nats.ErrPermissionViolation) {
-		return fmt.Errorf("top: %w: kvbus top reads the whole bus; give it the admin key (--nats-nkey admin.nk)", err)
+		return fmt.Errorf("top: %w: kvbus top reads the whole bus; give it the observer key (--nats-nkey DIR/observer.nk, "+
+			"written by `kvbus auth init DIR`) or the admin key", err)
 	}
 	close(w.ready)
 	t := time.NewTicker(5 * time.Second)

@@ -69,7 +69,7 @@ func (c *authInitCmd) Run() error {
 		return nil
 	}
 	fmt.Printf("start NATS with: kvbus nats --auth-config %s/%s (and, clustered, --cluster-password-file %s/%s)\n", c.Dir, auth.ConfigFile, c.Dir, auth.ClusterPasswordFile)
-	fmt.Println("and each role with: --nats-nkey <dir>/<role>.nk (admin.nk for capture, replay, tap)")
+	fmt.Println("and each role with: --nats-nkey <dir>/<role>.nk (observer.nk for top and tap; admin.nk for capture and replay)")
 	return nil
 }
 
