@@ -109,7 +109,8 @@ type OpenAIConfig struct {
 	Timeout time.Duration
 	// HealthInterval is how often /health is polled (default 1 s).
 	HealthInterval time.Duration
-	// HealthTimeout bounds one /health call (default
+	// HealthTimeout bounds one /health call, and one /metrics call that
+	// reads the engine's start time (see restartRules) (default
 	// DefaultEngineHealthTimeout). A healthy engine becomes unhealthy
 	// after engineHealthFailures failed polls in a row, at once when
 	// nothing accepts the connection or a request found it down.
@@ -160,6 +161,9 @@ type OpenAIEngine struct {
 	// tokensWarned is set once the engine's prompt count was found to
 	// differ from kvbus's (warnTokenMismatch).
 	tokensWarned atomic.Bool
+	// requestFoundGone is set by a request that could not connect to the
+	// engine at all, for the health watcher's restart rules.
+	requestFoundGone atomic.Bool
 
 	mu      sync.Mutex
 	healthy bool
@@ -266,22 +270,47 @@ func (e *OpenAIEngine) setHealthLocked(ok bool, why string) bool {
 // polls in a row (a slow or failed /health under load would otherwise move
 // every request not yet answered), or by one that could not connect at all.
 func (e *OpenAIEngine) WatchHealth(ctx context.Context, changed func()) {
+	e.WatchHealthAndRestarts(ctx, changed, nil)
+}
+
+// WatchHealthAndRestarts is WatchHealth that also tells restarted (if not
+// nil) when the engine restarted, by the rules of restartRules: before the
+// poll that found it changes the health, so a rank clears the engine's
+// blocks before it heartbeats ready again.
+func (e *OpenAIEngine) WatchHealthAndRestarts(ctx context.Context, changed func(), restarted func(EngineRestart)) {
 	t := time.NewTicker(e.cfg.HealthInterval)
 	defer t.Stop()
 	fails := 0 // polls failed in a row
+	rules := newRestartRules()
 	for poll := true; ; {
 		e.mu.Lock()
 		ch, healthy := e.changed, e.healthy
 		e.mu.Unlock()
 		if poll {
+			at := time.Now()
 			ok, why, gone := e.checkHealth(ctx)
 			if ctx.Err() != nil {
 				return
 			}
+			if e.requestFoundGone.Swap(false) {
+				rules.requestFoundGone()
+			}
 			if ok {
 				fails = 0
+				var start float64
+				read := rules.wantIdentity()
+				if read {
+					start = e.startTime(ctx)
+					if ctx.Err() != nil {
+						return
+					}
+				}
+				if rs, restart := rules.pollPassed(at, read, start); restart && restarted != nil {
+					restarted(rs)
+				}
 			} else {
 				fails++
+				rules.pollFailed(gone)
 			}
 			switch {
 			case !ok && healthy && !gone && fails < engineHealthFailures:
@@ -426,9 +455,12 @@ func (e *OpenAIEngine) Generate(ctx context.Context, req EngineRequest, prefille
 			return res, err
 		}
 		failure = strings.TrimPrefix(err.Error(), ErrEngineUnavailable.Error()+": ")
-		ok, why, _ := e.checkHealth(ctx)
+		ok, why, gone := e.checkHealth(ctx)
 		if ctx.Err() != nil {
 			return EngineResult{}, ctx.Err()
+		}
+		if gone {
+			e.requestFoundGone.Store(true)
 		}
 		log := e.log.With("req_id", req.ReqID, "session_id", req.SessionID)
 		var ee *EngineError

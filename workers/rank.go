@@ -434,11 +434,8 @@ func (r *Rank) Run(ctx context.Context) error {
 	hbLoop.Go(func() { r.expireLoop(hbCtx) })
 	// A model server's health and KV events are followed until the rank
 	// exits: its requests still finish while it drains.
-	if h := r.engineHealth(); h != nil {
-		engineLoops.Go(func() { h.WatchHealth(hbCtx, r.heartbeat) })
-	}
-	if r.cfg.KVEvents != nil {
-		engineLoops.Go(func() { r.runEngineEvents(hbCtx) })
+	if h := r.engineHealth(); h != nil || r.cfg.KVEvents != nil {
+		engineLoops.Go(func() { r.runEngine(hbCtx, h) })
 	}
 
 	<-ctx.Done()

@@ -3,8 +3,10 @@ package workers
 import (
 	"context"
 	"errors"
+	"sync"
 	"time"
 
+	"github.com/kvbus/kvbus/messages"
 	"github.com/kvbus/kvbus/scheduler"
 	"github.com/kvbus/kvbus/workers/vllmevents"
 )
@@ -45,28 +47,136 @@ func chainedHash(model string) vllmevents.HashFunc {
 // after the subscriber stopped with an error.
 const engineEventsRetry = time.Second
 
+// engineKV is what a driver rank's engine KV events and its engine's
+// restarts share. The translator (nil without --kv-events) is used under mu
+// by both: the events' goroutine and the health watcher's. A restart is
+// found by whichever comes first, the health watcher (the engine's new
+// process start time, or its coming back after refusing connections) or the
+// KV events (their sequence went back), and clears the engine's blocks once:
+//
+//   - a sequence that goes back after the health watcher's clear, with no
+//     batch in between, is the first batch of the engine that clear was
+//     for: nothing more to clear;
+//   - a restart the health watcher finds after the KV events showed one
+//     (their sequence went back after the old engine was last seen) was
+//     cleared then, and the new engine's blocks announced since stay.
+type engineKV struct {
+	mu sync.Mutex
+	tr *vllmevents.Translator
+	// seqBack is when the engine's KV event sequence last went back
+	// without a health watcher's clear before it (zero once a health
+	// restart was matched to it).
+	seqBack time.Time
+	// healthCleared: the health watcher cleared the engine's blocks and no
+	// KV event batch came since.
+	healthCleared bool
+}
+
+// newEngineKV returns the rank's engineKV, with a translator when the rank
+// follows the engine's KV events (nil and an error when it cannot).
+func (r *Rank) newEngineKV() (*engineKV, error) {
+	k := &engineKV{}
+	if r.cfg.KVEvents == nil {
+		return k, nil
+	}
+	tr, err := vllmevents.NewTranslator(vllmevents.TranslatorConfig{BlockSize: r.cfg.BlockSize, Hash: chainedHash(r.cfg.Model)})
+	if err != nil {
+		return nil, err
+	}
+	k.tr = tr
+	return k, nil
+}
+
+// runEngine follows the driver's model server until ctx ends: its health
+// (h, nil for none) and its KV events (with KVEvents).
+func (r *Rank) runEngine(ctx context.Context, h EngineHealth) {
+	k, err := r.newEngineKV()
+	if err != nil {
+		r.log.Error("engine KV events: cannot translate", "err", err)
+		k = &engineKV{}
+	}
+	var loops sync.WaitGroup
+	if hr, ok := h.(EngineRestarts); ok && r.cfg.EngineCache {
+		loops.Go(func() {
+			hr.WatchHealthAndRestarts(ctx, r.heartbeat, func(rs EngineRestart) { r.engineRestarted(k, rs) })
+		})
+	} else if h != nil {
+		loops.Go(func() { h.WatchHealth(ctx, r.heartbeat) })
+	}
+	if r.cfg.KVEvents != nil && k.tr != nil {
+		loops.Go(func() { r.runEngineEvents(ctx, k) })
+	}
+	loops.Wait()
+}
+
+// engineRestarted clears the engine's blocks, in the rank's KV events and
+// so in the schedulers' index, when its health watcher found it restarted:
+// a restarted engine's cache is empty, and placement must not count the
+// old one's blocks (nor the save plans of requests the old one took). It
+// runs before the heartbeat that says the engine is ready again. A restart
+// the engine's KV events already showed (see engineKV) is not cleared
+// again: the blocks the new engine announced since are its own.
+func (r *Rank) engineRestarted(k *engineKV, rs EngineRestart) {
+	k.mu.Lock()
+	defer k.mu.Unlock()
+	seqBack := k.seqBack
+	k.seqBack = time.Time{}
+	if !seqBack.IsZero() && seqBack.After(rs.LastSeen) {
+		r.log.Info("engine restarted; its KV events showed it first and its blocks were cleared then", "reason", rs.Why)
+		return
+	}
+	events := []messages.KVEvent{{Type: messages.EventAllBlocksCleared}}
+	if k.tr != nil {
+		events = k.tr.Reset()
+	}
+	r.events.publish(events)
+	k.healthCleared = true
+	r.log.Warn("engine restarted: its KV cache is empty, so its blocks are cleared from the schedulers' index",
+		"reason", rs.Why, "hint", "expected after the engine's supervisor restarted it; a restart loop shows in the engine's own logs")
+}
+
+// engineGap handles a gap in the engine's KV events (vllmevents'
+// Config.OnGap): lost batches, or a sequence that went back (a new
+// publisher process). Either clears the engine's blocks, but for the first
+// batch of an engine whose restart the health watcher cleared already.
+func (r *Rank) engineGap(k *engineKV, from, to uint64) {
+	k.mu.Lock()
+	defer k.mu.Unlock()
+	switch {
+	case to < from && k.healthCleared:
+		r.log.Info("engine KV events: the engine's sequence went back: the restart its health showed, whose blocks were cleared then",
+			"from", from, "to", to)
+		return
+	case to < from:
+		k.seqBack = time.Now()
+		r.log.Warn("engine KV events: the engine's sequence went back (it restarted): its blocks are cleared", "from", from, "to", to)
+	default:
+		r.log.Warn("engine KV events lost and not replayed: the engine's blocks are cleared until it stores them again",
+			"from_seq", from, "to_seq", to, "hint", "give --kv-events-replay the engine's replay endpoint to recover lost batches")
+	}
+	r.events.publish(k.tr.Reset())
+}
+
+// engineBatch translates one batch of the engine's KV events and publishes
+// the rank's; it returns the translation's error (blocks skipped).
+func (r *Rank) engineBatch(k *engineKV, b *vllmevents.Batch) error {
+	k.mu.Lock()
+	defer k.mu.Unlock()
+	k.healthCleared = false
+	evs, err := k.tr.Translate(b)
+	r.events.publish(evs)
+	return err
+}
+
 // runEngineEvents turns the engine's KV events into the rank's, until ctx
 // ends: the group's blocks in the scheduler's index are the engine's. A
 // gap the engine cannot replay, or an engine restart, clears the rank's
 // blocks (the scheduler's index follows); blocks of another size than
 // kvbus's are reported once, with what to do.
-func (r *Rank) runEngineEvents(ctx context.Context) {
+func (r *Rank) runEngineEvents(ctx context.Context, k *engineKV) {
 	cfg := *r.cfg.KVEvents
-	tr, err := vllmevents.NewTranslator(vllmevents.TranslatorConfig{BlockSize: r.cfg.BlockSize, Hash: chainedHash(r.cfg.Model)})
-	if err != nil {
-		r.log.Error("engine KV events: cannot translate", "err", err)
-		return
-	}
 	cfg.Logger = r.log.With("kv_events", cfg.Endpoint)
-	cfg.OnGap = func(from, to uint64) {
-		if to < from {
-			r.log.Warn("engine KV events: the engine's sequence went back (it restarted): its blocks are cleared", "from", from, "to", to)
-		} else {
-			r.log.Warn("engine KV events lost and not replayed: the engine's blocks are cleared until it stores them again",
-				"from_seq", from, "to_seq", to, "hint", "give --kv-events-replay the engine's replay endpoint to recover lost batches")
-		}
-		r.events.publish(tr.Reset())
-	}
+	cfg.OnGap = func(from, to uint64) { r.engineGap(k, from, to) }
 	sub, err := vllmevents.New(cfg)
 	if err != nil {
 		r.log.Error("engine KV events: bad configuration", "err", err)
@@ -74,7 +184,7 @@ func (r *Rank) runEngineEvents(ctx context.Context) {
 	}
 	reported := map[error]bool{}
 	handle := func(_ uint64, b *vllmevents.Batch) error {
-		evs, err := tr.Translate(b)
+		err := r.engineBatch(k, b)
 		for _, kind := range []error{vllmevents.ErrBlockSize, vllmevents.ErrUnknownParent, vllmevents.ErrMalformed} {
 			if errors.Is(err, kind) && !reported[kind] {
 				reported[kind] = true
@@ -85,7 +195,6 @@ func (r *Rank) runEngineEvents(ctx context.Context) {
 				r.log.Error("engine KV events: blocks skipped", "err", err, "hint", hint)
 			}
 		}
-		r.events.publish(evs)
 		return nil
 	}
 	r.log.Info("engine KV events: subscribing", "endpoint", cfg.Endpoint, "bind", cfg.Bind, "topic", cfg.Topic, "replay", cfg.ReplayEndpoint)
@@ -95,7 +204,10 @@ func (r *Rank) runEngineEvents(ctx context.Context) {
 			return
 		}
 		r.log.Error("engine KV events: subscriber stopped; subscribing again", "err", err, "retry_in", engineEventsRetry)
-		r.events.publish(tr.Reset())
+		k.mu.Lock()
+		r.events.publish(k.tr.Reset())
+		k.healthCleared = false
+		k.mu.Unlock()
 		select {
 		case <-ctx.Done():
 			return

@@ -10,6 +10,7 @@ import (
 	"net"
 	"net/http"
 	"slices"
+	"strconv"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -29,6 +30,7 @@ type Engine struct {
 	pub *publisher // nil without KV events
 
 	healthy  atomic.Bool
+	started  time.Time       // when New started it: its /metrics process_start_time_seconds
 	ctx      context.Context // ends at Close: in-flight requests stop
 	cancel   context.CancelFunc
 	handlers sync.WaitGroup
@@ -82,7 +84,7 @@ func New(cfg Config) (*Engine, error) {
 		return nil, err
 	}
 	cfg = cfg.withDefaults()
-	e := &Engine{cfg: cfg, cache: newPrefixCache(cfg.BlockSize, cfg.CacheBlocks), serveErr: make(chan error, 1)}
+	e := &Engine{cfg: cfg, cache: newPrefixCache(cfg.BlockSize, cfg.CacheBlocks), serveErr: make(chan error, 1), started: time.Now()}
 	e.healthy.Store(true)
 	e.ctx, e.cancel = context.WithCancel(context.Background())
 	if cfg.KVEvents != nil {
@@ -267,7 +269,10 @@ func (e *Engine) WaitSubscribed(ctx context.Context) error {
 // handleMetrics answers GET /metrics, as vLLM serves its own, in the
 // Prometheus text format: the HTTP requests received and the blocks its
 // prefix cache holds; enough for a scrape (docker-compose.engine.yml's
-// Prometheus job "engine") to succeed.
+// Prometheus job "engine") to succeed. process_start_time_seconds is when
+// New started the Engine, as vLLM's (prometheus_client's process
+// collector) is its process's start: an Engine made again at the same
+// address is a restarted engine, and kvbus tells it by this series.
 func (e *Engine) handleMetrics(w http.ResponseWriter, _ *http.Request) {
 	e.mu.Lock()
 	received := e.first + len(e.requests)
@@ -276,7 +281,13 @@ func (e *Engine) handleMetrics(w http.ResponseWriter, _ *http.Request) {
 	_, _ = fmt.Fprintf(w, "# HELP fakeengine_http_requests_total HTTP requests received.\n# TYPE fakeengine_http_requests_total counter\nfakeengine_http_requests_total %d\n"+
 		"# HELP fakeengine_cached_blocks Blocks the prefix cache holds.\n# TYPE fakeengine_cached_blocks gauge\nfakeengine_cached_blocks %d\n",
 		received, e.CachedBlocks())
+	_, _ = fmt.Fprintf(w, "# HELP process_start_time_seconds Start time of the process since unix epoch in seconds.\n# TYPE process_start_time_seconds gauge\nprocess_start_time_seconds %s\n",
+		strconv.FormatFloat(float64(e.started.UnixMicro())/1e6, 'f', -1, 64))
 }
+
+// StartedAt returns when New started the Engine (its /metrics
+// process_start_time_seconds).
+func (e *Engine) StartedAt() time.Time { return e.started }
 
 // routes returns the Engine's HTTP handler.
 func (e *Engine) routes() http.Handler {

@@ -1,0 +1,250 @@
+package testenv_test
+
+import (
+	"context"
+	"fmt"
+	"math/rand/v2"
+	"net"
+	"net/http"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/kvbus/kvbus/cluster"
+	"github.com/kvbus/kvbus/frontend"
+	"github.com/kvbus/kvbus/scheduler"
+	"github.com/kvbus/kvbus/testenv"
+	"github.com/kvbus/kvbus/testenv/fakeengine"
+	"github.com/kvbus/kvbus/workers"
+	"github.com/kvbus/kvbus/workers/vllmevents"
+)
+
+// restartPort returns a free loopback port in 21000-21999 (the range these
+// tests may use), chosen at random and checked free.
+func restartPort(t *testing.T) int {
+	t.Helper()
+	for range 200 {
+		p := 21000 + rand.IntN(1000)
+		ln, err := net.Listen("tcp", fmt.Sprintf("127.0.0.1:%d", p))
+		if err == nil {
+			ln.Close()
+			return p
+		}
+	}
+	t.Fatal("no free port in 21000-21999")
+	return 0
+}
+
+// restartableEngine is a fake vLLM at a fixed HTTP address and KV event
+// endpoint, which restart starts again as a new process would: a new
+// process_start_time_seconds, an empty cache, a KV event sequence from 0.
+type restartableEngine struct {
+	cfg fakeengine.Config
+	*fakeengine.Engine
+}
+
+func newRestartableEngine(t *testing.T) *restartableEngine {
+	t.Helper()
+	e := &restartableEngine{cfg: fakeengine.Config{ModelName: "kvbus-sim", Addr: fmt.Sprintf("127.0.0.1:%d", restartPort(t)),
+		KVEvents: &fakeengine.KVEventsConfig{Endpoint: fmt.Sprintf("tcp://127.0.0.1:%d", restartPort(t))}}}
+	e.start(t)
+	t.Cleanup(func() { _ = e.Close() })
+	return e
+}
+
+// start starts the engine's process; its address may linger a moment
+// after the process before closed.
+func (e *restartableEngine) start(t *testing.T) {
+	t.Helper()
+	var err error
+	for range 100 {
+		var ng *fakeengine.Engine
+		if ng, err = fakeengine.New(e.cfg); err == nil {
+			e.Engine = ng
+			return
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+	t.Fatalf("restart the engine: %v", err)
+}
+
+// restartCluster is a kvbus (one group, g0) in front of one restartable
+// engine.
+func restartCluster(t *testing.T) (*testenv.Cluster, *restartableEngine) {
+	t.Helper()
+	e := newRestartableEngine(t)
+	// The frontend tokenizes with another fake (the same tokenizer), so a
+	// turn sent while the engine is down reaches the scheduler.
+	tokenizer, err := fakeengine.New(fakeengine.Config{ModelName: "kvbus-sim", Addr: fmt.Sprintf("127.0.0.1:%d", restartPort(t))})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = tokenizer.Close() })
+	tok, err := frontend.NewEngineTokenizer(frontend.EngineTokenizerConfig{URLs: []string{tokenizer.URL()}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	c := testenv.StartCluster(t, testenv.ClusterConfig{Tokenizer: tok, Policy: "kv", MaxModelLen: 8192, NoGroupWait: 10 * time.Second,
+		Engines: []cluster.EngineBackend{{
+			OpenAI:   workers.OpenAIConfig{URL: e.URL(), HealthInterval: 100 * time.Millisecond},
+			KVEvents: &vllmevents.Config{Endpoint: e.KVEventsAddr()},
+		}}})
+	waitSubscribed(t, e)
+	return c, e
+}
+
+func waitSubscribed(t *testing.T, e *restartableEngine) {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(t.Context(), 10*time.Second)
+	defer cancel()
+	if err := e.WaitSubscribed(ctx); err != nil {
+		t.Fatalf("the rank never subscribed to the engine's KV events: %v", err)
+	}
+}
+
+// credited is how many leading blocks of tokens the scheduler's index
+// credits group g0 with (plans included, as placement counts them).
+func credited(t *testing.T, c *testenv.Cluster, model string, tokens []uint32) (credit, blocks int) {
+	t.Helper()
+	hashes := scheduler.HashBlocks(nil, scheduler.HashSeed(model), tokens, fakeengine.DefaultBlockSize)
+	id, ok := c.Scheduler.Index().GroupID("g0")
+	if !ok {
+		return 0, len(hashes)
+	}
+	return c.Scheduler.Index().PrefixMatch(hashes, nil)[id], len(hashes)
+}
+
+// promptOf is the prompt the engine received for a turn.
+func promptOf(t *testing.T, e *restartableEngine, turn testenv.Turn) []uint32 {
+	t.Helper()
+	for _, r := range e.Requests() {
+		if strings.HasPrefix(r.Header.Get("X-Request-Id"), turn.RequestID) && r.Path == "/v1/chat/completions" {
+			return r.PromptTokens
+		}
+	}
+	t.Fatalf("the engine did not receive %s", turn.RequestID)
+	return nil
+}
+
+// predicted is the scheduler's predicted cached tokens of a turn, from its
+// "request done" line.
+func predicted(t *testing.T, c *testenv.Cluster, turn testenv.Turn) string {
+	t.Helper()
+	var p string
+	testenv.Eventually(t, 5*time.Second, "the scheduler's request done line of "+turn.RequestID, func() bool {
+		for _, l := range c.Logs.Lines("request done") {
+			if strings.Contains(l, turn.RequestID) {
+				if _, v, ok := strings.Cut(l, "predicted_tokens="); ok {
+					p = strings.Fields(v)[0]
+					return true
+				}
+			}
+		}
+		return false
+	})
+	return p
+}
+
+func waitPlaceable(t *testing.T, c *testenv.Cluster, want bool) {
+	t.Helper()
+	testenv.Eventually(t, 10*time.Second, fmt.Sprintf("g0 placeable = %v", want), func() bool {
+		return (len(c.Scheduler.PlaceableGroups(time.Now())) == 1) == want
+	})
+}
+
+// TestEngineRestartClearsItsBlocks: an engine that restarts (its process
+// stops and a new one starts at the same URL and KV event endpoint, with an
+// empty cache) no longer gets credit in the scheduler's index for the
+// blocks the old process held, before the new one publishes any KV event:
+//
+// the health poll sees it refused, then a process_start_time_seconds after
+// it was last seen healthy: within one health poll of the new process
+// answering (bound asserted: 1 s, polls every 100 ms), before the group is
+// ready again.
+//
+// The next turn's predicted cached tokens are 0, as the engine's own
+// cached_tokens, and the new engine's blocks are credited again once it
+// stores them (its KV events, whose sequence went back, clear nothing
+// more). An engine that is unhealthy for a while but the same process
+// keeps its blocks. Before the fix the index kept the old blocks until the new
+// engine's first KV event: the bounds failed, and a turn placed after the
+// restart was predicted the whole old prefix.
+func TestEngineRestartClearsItsBlocks(t *testing.T) {
+	for _, tc := range []struct {
+		name   string
+		down   bool // wait for the cluster to see the engine down before the new process starts
+		within time.Duration
+	}{
+		{"down and back", true, time.Second},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			c, e := restartCluster(t)
+			client := &http.Client{Timeout: 30 * time.Second}
+			defer client.CloseIdleConnections()
+			d := testenv.Conversation{BaseURL: c.URL, Client: client, Model: c.Model, Seed: 3,
+				Headers: map[string]string{"X-Session-ID": "restart-" + strings.ReplaceAll(tc.name, " ", "-")}}.Start()
+			first, err := d.Next(t.Context())
+			if err != nil {
+				t.Fatal(err)
+			}
+			prompt := promptOf(t, e, first)
+			testenv.Eventually(t, 10*time.Second, "turn 1's prompt credited to g0", func() bool {
+				got, n := credited(t, c, c.Model, prompt)
+				return got == n && n > 0
+			})
+
+			old := e.StartedAt()
+			if err := e.Close(); err != nil {
+				t.Fatal(err)
+			}
+			if tc.down {
+				waitPlaceable(t, c, false)
+			}
+			e.start(t)
+			restarted := time.Now()
+			if !e.StartedAt().After(old) {
+				t.Fatal("the new engine has the old process's start time")
+			}
+			testenv.Eventually(t, tc.within, "the index forgets the old engine's blocks", func() bool {
+				got, _ := credited(t, c, c.Model, prompt)
+				return got == 0
+			})
+			t.Logf("the index forgot the old engine's blocks %v after the new process started", time.Since(restarted).Round(time.Millisecond))
+			if n := e.NextSeq(); n != 0 {
+				t.Fatalf("the new engine published %d KV event batches: the clear did not come from the health watcher", n)
+			}
+			if l := c.Logs.Lines("engine restarted: its KV cache is empty"); len(l) != 1 {
+				t.Errorf("restart log lines %q, want one", l)
+			}
+
+			waitPlaceable(t, c, true)
+			waitSubscribed(t, e)
+			second, err := d.Next(t.Context())
+			if err != nil {
+				t.Fatal(err)
+			}
+			if p := predicted(t, c, second); p != "0" || second.CachedTokens != 0 {
+				t.Fatalf("turn 2 after the restart: predicted %s cached tokens, the engine had %d; want 0 and 0", p, second.CachedTokens)
+			}
+			prompt = promptOf(t, e, second)
+			testenv.Eventually(t, 10*time.Second, "the new engine's blocks credited to g0", func() bool {
+				got, n := credited(t, c, c.Model, prompt)
+				return got == n
+			})
+
+			// An engine that fails its health polls for a while (3 in a
+			// row: the group is taken out) but is the same process keeps
+			// its blocks: that is no restart.
+			e.SetHealthy(false)
+			waitPlaceable(t, c, false)
+			e.SetHealthy(true)
+			waitPlaceable(t, c, true)
+			if got, n := credited(t, c, c.Model, prompt); got != n {
+				t.Fatalf("an engine that was unhealthy, not restarted, is credited with %d of %d blocks", got, n)
+			}
+			if l := c.Logs.Lines("engine restarted: its KV cache is empty"); len(l) != 1 {
+				t.Errorf("restart log lines %q, want the one restart", l)
+			}
+		})
+	}
+}
