@@ -94,13 +94,14 @@ func streamAPI(name string, ops ...string) []string {
 }
 
 // kvBucket is what a client of the KV bucket needs: its stream's info and
-// creation, direct gets, watches (ordered consumers) and puts.
-func kvBucket(bucket string) []string {
+// creation, direct gets, watches (ordered consumers) and puts of the keys
+// matching keys (">" for all).
+func kvBucket(bucket, keys string) []string {
 	st := "KV_" + bucket
 	return append(streamAPI(st, "INFO", "CREATE", "MSG.GET"),
 		jsAPI+"DIRECT.GET."+st+".>", jsAPI+"DIRECT.GET."+st,
 		jsAPI+"CONSUMER.CREATE."+st+".>", jsAPI+"CONSUMER.DELETE."+st+".>", jsAPI+"CONSUMER.INFO."+st+".>",
-		"$KV."+bucket+".>")
+		"$KV."+bucket+"."+keys)
 }
 
 // For returns the permissions of an identity for subjects s. A worker
@@ -137,24 +138,26 @@ func For(s messages.Subjects, id Identity) (Permissions, error) {
 					jsAPI + "CONSUMER.DURABLE.CREATE." + requestStream + "." + schedulerConsumer,
 					jsAPI + "CONSUMER.MSG.NEXT." + requestStream + "." + schedulerConsumer,
 					"$JS.ACK." + requestStream + "." + schedulerConsumer + ".>"},
-				kvBucket(s.SessionBucket())),
+				kvBucket(s.SessionBucket(), ">")),
 			Subscribe: append([]string{p("done.*"), s.KVAll(), s.HeartbeatAll(), s.PlanAll(), s.Abort(),
 				s.AnnounceRole(messages.RoleScheduler)}, inbox...),
 		}, nil
 	case RoleWorker:
 		g := "*"
+		slots := ">"
 		if id.Group != "" {
 			if err := messages.ValidateGroup(id.Group); err != nil {
 				return Permissions{}, fmt.Errorf("%w: %v", ErrConfig, err)
 			}
 			g = id.Group
+			slots = g + ".*" // its group's slots (--rank auto --group g): <group>.<rank>
 		}
 		return Permissions{
 			Publish: slices.Concat([]string{p("kv." + g + ".*"), p("hb." + g + ".*"), p("done.*"), p("out.*"),
 				// Pool reads and hand-offs go to any group; the drain plan
 				// only to its own.
 				p("pool.*.*"), p("pool.*.*.handoff"), p("pool." + g + ".drain"), jsAPI + "INFO"},
-				kvBucket(s.SlotBucket())),
+				kvBucket(s.SlotBucket(), slots)),
 			Subscribe: append([]string{p("meta." + g + ".>"), s.Abort(), p("ctl.dump." + g + ".*"), p("pool." + g + ".>"),
 				s.HeartbeatAll()}, inbox...),
 			Responses: maxResponses,

@@ -118,6 +118,9 @@ func TestPermissionMatrix(t *testing.T) {
 		{"worker-g0", pub, "kvbus.kv.g1.0", false},
 		{"worker-g0", pub, "kvbus.hb.g1.0", false},
 		{"worker-g0", pub, "kvbus.pool.g1.0", true},
+		// --rank auto --group g0: only g0's slots.
+		{"worker-g0", pub, "$KV.KVBUS_RANKS.g0.3", true},
+		{"worker-g0", pub, "$KV.KVBUS_RANKS.g1.0", false},
 		// A frontend publishes requests and reads its outputs.
 		{"frontend", pub, "kvbus.req.kvbus-sim", true},
 		{"frontend", sub, "kvbus.out.fe-1", true},

@@ -30,6 +30,10 @@ type SlotConfig struct {
 	Bucket string
 	// GroupPrefix names groups <prefix>0, <prefix>1, … (default "g").
 	GroupPrefix string
+	// Group, when set, is the only group whose ranks are claimed (a
+	// worker with a key of that group, worker-<group>.nk): no other group
+	// is tried, and the slot never moves to another (regroup).
+	Group string
 	// Size is the ranks per group (the TP size).
 	Size int
 	// MaxGroups bounds the groups tried (default messages.MaxGroups, as
@@ -88,8 +92,18 @@ func ClaimSlot(ctx context.Context, js jetstream.JetStream, cfg SlotConfig) (*Sl
 		return nil, fmt.Errorf("workers: slot bucket %s: %w", cfg.Bucket, err)
 	}
 	token := cfg.Owner + "#" + nuid.Next()
-	for g := range cfg.MaxGroups {
-		group := fmt.Sprintf("%s%d", cfg.GroupPrefix, g)
+	groups := func(yield func(string) bool) {
+		if cfg.Group != "" {
+			yield(cfg.Group)
+			return
+		}
+		for g := range cfg.MaxGroups {
+			if !yield(fmt.Sprintf("%s%d", cfg.GroupPrefix, g)) {
+				return
+			}
+		}
+	}
+	for group := range groups {
 		for r := range cfg.Size {
 			key := fmt.Sprintf("%s.%d", group, r)
 			rev, err := kv.Create(ctx, key, []byte(token))
@@ -102,6 +116,11 @@ func ClaimSlot(ctx context.Context, js jetstream.JetStream, cfg SlotConfig) (*Sl
 			cfg.Logger.Info("claimed a worker slot", "group", group, "tp_rank", r, "owner", cfg.Owner)
 			return &Slot{Group: group, Rank: r, js: js, kv: kv, key: key, rev: rev, token: token, cfg: cfg}, nil
 		}
+	}
+	if cfg.Group != "" {
+		return nil, fmt.Errorf("%w: all %d ranks of group %s are held. A stopped worker's slot frees within --slot-ttl (%s): "+
+			"if a worker of %s just stopped, start this one again then; otherwise give this worker another --group (and that group's key)",
+			ErrNoSlot, cfg.Size, cfg.Group, cfg.TTL, cfg.Group)
 	}
 	return nil, fmt.Errorf("%w: all %d groups of %d ranks are held, the most a scheduler tracks. "+
 		"A stopped worker's slot frees within --slot-ttl (%s): if workers just stopped, start this one again then; "+
@@ -200,6 +219,9 @@ func (s *Slot) regroup(ctx context.Context) bool {
 
 // regroupTarget is the group this slot should move to, if any.
 func (s *Slot) regroupTarget(ctx context.Context) (string, bool) {
+	if s.cfg.Group != "" { // bound to its group
+		return "", false
+	}
 	lister, err := s.kv.ListKeys(ctx)
 	if err != nil {
 		return "", false

@@ -65,6 +65,48 @@ func TestClaimSlots(t *testing.T) {
 	})
 }
 
+// TestClaimSlotsOfOneGroup: a worker given a group (--rank auto --group g7,
+// the way a key of one group is used) claims only that group's ranks, says
+// so when they are all held, and never moves to another group to make it
+// whole.
+func TestClaimSlotsOfOneGroup(t *testing.T) {
+	srv := testenv.StartNATS(t)
+	js, err := jetstream.New(testenv.Connect(t, srv))
+	if err != nil {
+		t.Fatal(err)
+	}
+	// g0 has one rank held: a worker of any group would make it whole.
+	if _, err := workers.ClaimSlot(t.Context(), js, workers.SlotConfig{Size: 2, TTL: 10 * time.Second, Owner: "other"}); err != nil {
+		t.Fatal(err)
+	}
+	cfg := workers.SlotConfig{Size: 2, TTL: 600 * time.Millisecond, Group: "g7"}
+	var slots []*workers.Slot
+	for i := range 2 {
+		cfg.Owner = fmt.Sprint("w", i)
+		s, err := workers.ClaimSlot(t.Context(), js, cfg)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if s.Group != "g7" || s.Rank != i {
+			t.Errorf("worker %d of g7 got %s/%d, want g7/%d", i, s.Group, s.Rank, i)
+		}
+		slots = append(slots, s)
+	}
+	if _, err := workers.ClaimSlot(t.Context(), js, cfg); !errors.Is(err, workers.ErrNoSlot) || !strings.Contains(err.Error(), "group g7") {
+		t.Errorf("a third worker of g7: %v, want ErrNoSlot naming g7", err)
+	}
+	// Release g7/1: g7/0 is alone in its group, g0 has one rank too; a
+	// worker bound to g7 stays there (an unbound one would move to g0).
+	if err := slots[1].Release(t.Context()); err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithTimeout(t.Context(), 1500*time.Millisecond)
+	defer cancel()
+	if err := slots[0].Hold(ctx); err != nil {
+		t.Errorf("a worker bound to g7 left its slot: %v (now %s/%d)", err, slots[0].Group, slots[0].Rank)
+	}
+}
+
 // TestNoFreeSlotSaysWhatToDo: with every slot held, the error names the
 // limit and what an operator can do.
 func TestNoFreeSlotSaysWhatToDo(t *testing.T) {

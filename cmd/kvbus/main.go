@@ -544,9 +544,9 @@ type workerCmd struct {
 	engineFlags        `embed:""`
 	engineAdapterFlags `embed:""`
 	BlockSize          int           `name:"block-size" positive:"" default:"16" help:"Tokens per KV block: the schedulers' --block-size, and the engine's with --engine openai."`
-	Rank               string        `name:"rank" help:"'auto' claims the first free (group, rank) slot through the KVBUS_RANKS bucket (groups g0, g1, … filled in order, --tp-size ranks each); otherwise --group and --tp-rank say it."`
+	Rank               string        `name:"rank" help:"'auto' claims the first free (group, rank) slot through the KVBUS_RANKS bucket (groups g0, g1, … filled in order, --tp-size ranks each; with --group, a rank of that group only); otherwise --group and --tp-rank say it."`
 	SlotTTL            time.Duration `name:"slot-ttl" positive:"" default:"10s" help:"With --rank auto: a slot whose worker stopped refreshing it is free again after this."`
-	Group              string        `name:"group" default:"g0" help:"Worker group: one engine instance (a DP replica)."`
+	Group              string        `name:"group" help:"Worker group: one engine instance (a DP replica); default g0. With --rank auto: claim a rank of this group only (for a key of one group, worker-<group>.nk)."`
 	TPRank             int           `name:"tp-rank" default:"0" help:"Tensor-parallel rank; rank 0 is the driver and runs the engine."`
 	TPSize             int           `name:"tp-size" positive:"" default:"4" help:"Tensor-parallel size: the group's world size."`
 	EPRank             int           `name:"ep-rank" negative:"allowed" default:"-1" help:"Expert-parallel rank (default: the TP rank)."`
@@ -564,6 +564,13 @@ func (c *workerCmd) Run(ctx context.Context) error {
 	defer stopPprof()
 	if c.Rank != "" && c.Rank != "auto" {
 		return fmt.Errorf("--rank %q: want auto, or give --group and --tp-rank", c.Rank)
+	}
+	if c.Group != "" {
+		if err := messages.ValidateGroup(c.Group); err != nil {
+			return fmt.Errorf("--group: %w", err)
+		}
+	} else if c.Rank != "auto" {
+		c.Group = "g0"
 	}
 	if err := c.checkSizes(c.TPSize, c.BlockSize, c.Engine == workers.EngineOpenAI); err != nil {
 		return err
@@ -613,11 +620,9 @@ func (c *workerCmd) Run(ctx context.Context) error {
 	metrics := newMetricsServer(log, ln)
 	defer metrics.close()
 	// A worker of one group reads the inbox of that group (which
-	// worker-<group>.nk allows); one that claims a slot may serve any.
+	// worker-<group>.nk allows); one that claims a slot in any group may
+	// serve any.
 	inbox := bus.InboxPrefix(auth.RoleWorker, c.Group)
-	if c.Rank == "auto" {
-		inbox = bus.InboxPrefix(auth.RoleWorker, "")
-	}
 	ctx, nc, err := connect(ctx, c.natsFlags, "kvbus-worker", inbox, log)
 	if err != nil {
 		return err
@@ -634,7 +639,7 @@ func (c *workerCmd) Run(ctx context.Context) error {
 		if err != nil {
 			return err
 		}
-		if slot, err = workers.ClaimSlot(ctx, js, workers.SlotConfig{Bucket: names.SlotBucket, Size: c.TPSize, TTL: c.SlotTTL, Owner: owner, Replicas: c.Replicas, Logger: log}); err != nil {
+		if slot, err = workers.ClaimSlot(ctx, js, workers.SlotConfig{Bucket: names.SlotBucket, Group: c.Group, Size: c.TPSize, TTL: c.SlotTTL, Owner: owner, Replicas: c.Replicas, Logger: log}); err != nil {
 			return err
 		}
 		c.Group, c.TPRank, c.EPRank = slot.Group, slot.Rank, slot.Rank
