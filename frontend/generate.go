@@ -113,13 +113,17 @@ type generation struct {
 
 func (s *Server) serveGenerate(w http.ResponseWriter, r *http.Request, endpoint string) {
 	start := time.Now()
-	status := s.generate(w, r, endpoint, start)
-	s.m.requests.WithLabelValues(endpoint, strconv.Itoa(status)).Inc()
-	s.m.latency.WithLabelValues(endpoint).Observe(time.Since(start).Seconds())
+	// The model label is a served model's name, or "": a client's unknown
+	// names must not make series without bound.
+	var model string
+	status := s.generate(w, r, endpoint, start, &model)
+	s.m.requests.WithLabelValues(endpoint, strconv.Itoa(status), model).Inc()
+	s.m.latency.WithLabelValues(endpoint, model).Observe(time.Since(start).Seconds())
 }
 
-// generate serves one request and returns the HTTP status it answered.
-func (s *Server) generate(w http.ResponseWriter, r *http.Request, endpoint string, start time.Time) int {
+// generate serves one request and returns the HTTP status it answered; it
+// sets *model to the request's model once it is known to be served.
+func (s *Server) generate(w http.ResponseWriter, r *http.Request, endpoint string, start time.Time, model *string) int {
 	// Refused before reaching the bus: the refusal log tells the operator.
 	fail := func(e *APIError) int {
 		writeError(w, e)
@@ -211,6 +215,7 @@ func (s *Server) generate(w http.ResponseWriter, r *http.Request, endpoint strin
 		}
 		busModel = s.cfg.Models[0]
 	}
+	*model = p.model
 	if hdrErr != nil {
 		return fail(hdrErr)
 	}
@@ -592,7 +597,7 @@ func (g *generation) next(ctx context.Context, timer *time.Timer) ([]choiceOutpu
 				if o.Error == nil && !g.wholeAnswer {
 					if !c.ttftSeen {
 						c.ttftSeen = true
-						g.s.m.ttft.WithLabelValues(g.endpoint).Observe(now.Sub(g.start).Seconds())
+						g.s.m.ttft.WithLabelValues(g.endpoint, g.model).Observe(now.Sub(g.start).Seconds())
 					}
 					if !g.ttftSeen {
 						g.ttftSeen = true

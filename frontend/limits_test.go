@@ -172,8 +172,8 @@ func TestWrongAPIKeyIsCountedAndLogged(t *testing.T) {
 		t.Fatalf("completions: %d, want 401", status)
 	}
 	_, _, metrics := send(t, http.MethodGet, fe.url+"/metrics", "", nil)
-	for _, want := range []string{`kvbus_frontend_requests_total{endpoint="chat",status="401"} 3`,
-		`kvbus_frontend_requests_total{endpoint="completions",status="401"} 1`} {
+	for _, want := range []string{`kvbus_frontend_requests_total{endpoint="chat",model="",status="401"} 3`,
+		`kvbus_frontend_requests_total{endpoint="completions",model="",status="401"} 1`} {
 		if !strings.Contains(string(metrics), want) {
 			t.Errorf("/metrics lacks %s", want)
 		}

@@ -11,16 +11,16 @@ type metrics struct {
 func newMetrics(reg prometheus.Registerer, inflight func() float64) *metrics {
 	m := &metrics{
 		requests: prometheus.NewCounterVec(prometheus.CounterOpts{
-			Name: "kvbus_frontend_requests_total", Help: "HTTP generate requests by endpoint and status.",
-		}, []string{"endpoint", "status"}),
+			Name: "kvbus_frontend_requests_total", Help: "HTTP generate requests by endpoint, status and served model (\"\" when refused before the model is known, or for a model not served).",
+		}, []string{"endpoint", "status", "model"}),
 		latency: prometheus.NewHistogramVec(prometheus.HistogramOpts{
-			Name: "kvbus_frontend_request_seconds", Help: "End-to-end latency of generate requests.",
+			Name: "kvbus_frontend_request_seconds", Help: "End-to-end latency of generate requests, by endpoint and served model.",
 			Buckets: prometheus.ExponentialBuckets(1e-4, 2, 20),
-		}, []string{"endpoint"}),
+		}, []string{"endpoint", "model"}),
 		ttft: prometheus.NewHistogramVec(prometheus.HistogramOpts{
-			Name: "kvbus_frontend_ttft_seconds", Help: "Time to the first output chunk.",
+			Name: "kvbus_frontend_ttft_seconds", Help: "Time to the first output chunk, by endpoint and served model.",
 			Buckets: prometheus.ExponentialBuckets(1e-4, 2, 20),
-		}, []string{"endpoint"}),
+		}, []string{"endpoint", "model"}),
 	}
 	reg.MustRegister(m.requests, m.latency, m.ttft, prometheus.NewGaugeFunc(prometheus.GaugeOpts{
 		Name: "kvbus_frontend_inflight_requests", Help: "Bus requests waiting for output.",

@@ -507,9 +507,9 @@ func (s *Server) routes() http.Handler {
 				Message: fmt.Sprintf("%s %s: %s", r.Method, r.URL.Path, e.Message)})
 			switch r.URL.Path {
 			case "/v1/chat/completions":
-				s.m.requests.WithLabelValues(messages.EndpointChat, "401").Inc()
+				s.m.requests.WithLabelValues(messages.EndpointChat, "401", "").Inc()
 			case "/v1/completions":
-				s.m.requests.WithLabelValues(messages.EndpointCompletions, "401").Inc()
+				s.m.requests.WithLabelValues(messages.EndpointCompletions, "401", "").Inc()
 			}
 			return
 		}

@@ -43,7 +43,7 @@ func TestTTFTOnlyForAFirstToken(t *testing.T) {
 			vm := newVLLMMetrics(prometheus.NewRegistry(), "0", []string{"m"})
 			m := newMetrics(prometheus.NewRegistry(), func() float64 { return 0 })
 			g := &generation{s: &Server{m: m, vm: vm}, q: newOutputQueue(), endpoint: messages.EndpointChat,
-				vm: vm.of("m"), choices: []*choiceState{{busID: "r"}}, wholeAnswer: tt.whole}
+				model: "m", vm: vm.of("m"), choices: []*choiceState{{busID: "r"}}, wholeAnswer: tt.whole}
 			for _, o := range tt.outs {
 				g.q.push(0, o)
 			}
@@ -52,7 +52,7 @@ func TestTTFTOnlyForAFirstToken(t *testing.T) {
 					t.Fatal(err)
 				}
 			}
-			if got := count(m.ttft.WithLabelValues(messages.EndpointChat)); got != tt.want {
+			if got := count(m.ttft.WithLabelValues(messages.EndpointChat, "m")); got != tt.want {
 				t.Errorf("kvbus_frontend_ttft_seconds observed %d times, want %d", got, tt.want)
 			}
 			if got := count(g.vm.ttft); got != tt.want {

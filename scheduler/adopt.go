@@ -78,13 +78,13 @@ func (s *Scheduler) adoptOne(req *messages.Request, seq uint64, from string) boo
 	}
 	// Its binding was recorded at its dispatch: its turn is that binding's
 	// when it is this request's own prefix.
-	if b, ok := s.bindings.Load().Get(t.SessionID); ok {
+	if b, ok := s.bindings.Load().GetModel(t.Model, t.SessionID); ok {
 		t.TurnDepth = b.Turn + 1
 		if n := len(t.BlockHashes); b.Blocks == n && (n == 0 || t.BlockHashes[n-1] == b.LastHash) {
 			t.TurnDepth = b.Turn
 		}
 	}
-	if !s.takeOver(t, prev, s.groups.ready(now)) {
+	if !s.takeOver(t, prev, forModel(s.groups.ready(now), t.Model)) {
 		// Draining, or gone: its ranks still finish it, or rescue moves it.
 		t.Group, t.Attempt, t.WorldSize = prev.group, prev.attempt, s.groups.worldSize(prev.group)
 		s.setLoad(t, 0, false)

@@ -23,6 +23,9 @@ const SessionBucket = messages.SessionBucket
 // full blocks its prompt had and the hash of the last of them (so that the
 // next turn can check it extends that prompt), and the turn number.
 type Binding struct {
+	// Model is the model of the turn (its group serves it); "" from a
+	// kvbus before bindings were per model.
+	Model         string `json:"model,omitempty"`
 	Group         string `json:"group"`
 	Blocks        int    `json:"blocks"`
 	LastHash      uint64 `json:"last_hash"`
@@ -30,7 +33,49 @@ type Binding struct {
 	UpdatedUnixMs int64  `json:"updated_unix_ms"`
 }
 
-// SessionBindings keeps session → group bindings in a JetStream KV bucket
+// sessionEntry is a session's value in the bucket: the binding of its
+// latest turn at the top level, as every kvbus reads it, and in Others the
+// latest binding of each other model the session id was used with. One
+// session id sent with two models is two conversations, on each model's
+// own groups: each model's turns follow its own previous turn.
+type sessionEntry struct {
+	Binding
+	Others map[string]Binding `json:"others,omitempty"`
+}
+
+// of returns the binding of model. A top-level binding that names no model
+// (written by a kvbus before bindings were per model, or for a caller that
+// names none) is every model's.
+func (e sessionEntry) of(model string) (Binding, bool) {
+	if e.Group != "" && (e.Model == model || e.Model == "" || model == "") {
+		return e.Binding, true
+	}
+	b, ok := e.Others[model]
+	return b, ok
+}
+
+// with returns e with b as its latest binding, the previous latest kept
+// under its model unless it is b's (or names none).
+func (e sessionEntry) with(b Binding) sessionEntry {
+	out := sessionEntry{Binding: b}
+	for m, o := range e.Others {
+		if m != b.Model {
+			if out.Others == nil {
+				out.Others = map[string]Binding{}
+			}
+			out.Others[m] = o
+		}
+	}
+	if e.Group != "" && e.Model != "" && e.Model != b.Model {
+		if out.Others == nil {
+			out.Others = map[string]Binding{}
+		}
+		out.Others[e.Model] = e.Binding
+	}
+	return out
+}
+
+// SessionBindings keeps (session, model) → group bindings in a JetStream KV bucket
 // with a TTL, shared by all scheduler replicas. Reads come from a local copy
 // that a watcher keeps current, so placement never waits on the network;
 // writes are compare-and-set, applied in the background. Safe for concurrent
@@ -49,7 +94,7 @@ type SessionBindings struct {
 }
 
 type boundEntry struct {
-	Binding
+	sessionEntry
 	rev uint64
 	// mine marks a decision of this replica not yet confirmed by the
 	// bucket.
@@ -153,48 +198,63 @@ func (s *SessionBindings) observe(e jetstream.KeyValueEntry) {
 		delete(s.local, e.Key())
 		return
 	}
-	var b Binding
-	if err := json.Unmarshal(e.Value(), &b); err != nil {
+	var v sessionEntry
+	if err := json.Unmarshal(e.Value(), &v); err != nil {
 		s.log.Warn("ignoring a malformed session binding", "key", e.Key(), "err", err)
 		return
 	}
 	if cur, ok := s.local[e.Key()]; ok && cur.rev >= e.Revision() {
 		return
 	}
-	s.local[e.Key()] = boundEntry{Binding: b, rev: e.Revision()}
+	s.local[e.Key()] = boundEntry{sessionEntry: v, rev: e.Revision()}
 }
 
-// Get returns the live binding of a session id.
-func (s *SessionBindings) Get(sessionID string) (Binding, bool) {
+// GetModel returns the live binding of a session id for model: where the
+// session's previous turn of that model ran.
+func (s *SessionBindings) GetModel(model, sessionID string) (Binding, bool) {
 	if sessionID == "" {
 		return Binding{}, false
 	}
 	s.mu.RLock()
 	e, ok := s.local[messages.SessionKey(sessionID)]
 	s.mu.RUnlock()
-	if !ok || time.Since(time.UnixMilli(e.UpdatedUnixMs)) > s.ttl {
+	if !ok {
 		return Binding{}, false
 	}
-	return e.Binding, true
+	b, ok := e.of(model)
+	if !ok || time.Since(time.UnixMilli(b.UpdatedUnixMs)) > s.ttl {
+		return Binding{}, false
+	}
+	return b, true
 }
 
-// Record queues a binding for a session id; it never blocks (a full queue
-// drops the write: the next turn writes again).
-func (s *SessionBindings) Record(sessionID string, b Binding) {
+// Get returns the live binding of a session id's latest turn, of whatever
+// model: what tools and tests ask. Placement uses GetModel.
+func (s *SessionBindings) Get(sessionID string) (Binding, bool) { return s.GetModel("", sessionID) }
+
+// Record queues a binding for a session id's latest turn, of no model in
+// particular (see sessionEntry.of); placement uses RecordModel.
+func (s *SessionBindings) Record(sessionID string, b Binding) { s.RecordModel("", sessionID, b) }
+
+// RecordModel queues a binding for a session id's turn of model; it never
+// blocks (a full queue drops the write: the next turn writes again).
+func (s *SessionBindings) RecordModel(model, sessionID string, b Binding) {
 	if sessionID == "" {
 		return
 	}
 	b.UpdatedUnixMs = time.Now().UnixMilli()
+	b.Model = model
 	key := messages.SessionKey(sessionID)
 	// This replica sees its own decision at once; the revision stays the one
 	// the compare-and-set will be checked against.
 	s.mu.Lock()
-	s.local[key] = boundEntry{Binding: b, rev: s.local[key].rev, mine: true}
+	cur := s.local[key]
+	s.local[key] = boundEntry{sessionEntry: cur.with(b), rev: cur.rev, mine: true}
 	s.mu.Unlock()
 	select {
 	case s.writes <- bindingWrite{key: key, b: b}:
 	default:
-		s.log.Warn("session binding queue full; dropping a write", "session_key", messages.SessionKey(sessionID))
+		s.log.Warn("session binding queue full; dropping a write", "session_key", key)
 	}
 }
 
@@ -209,12 +269,15 @@ func (s *SessionBindings) write(ctx context.Context, wr bindingWrite) {
 		cur := s.local[wr.key]
 		s.mu.RUnlock()
 		if !cur.mine && cur.rev > 0 {
-			var ok bool
-			if wr.b, ok = wr.b.follows(cur.Binding); !ok {
-				return // another replica recorded this turn (or a later one) first: it wins
+			if prev, ok := cur.of(wr.b.Model); ok {
+				if wr.b, ok = wr.b.follows(prev); !ok {
+					return // another replica recorded this turn (or a later one) first: it wins
+				}
 			}
 		}
-		data, err := json.Marshal(wr.b)
+		// The session's other models' bindings are kept.
+		val := cur.with(wr.b)
+		data, err := json.Marshal(val)
 		if err != nil {
 			return
 		}
@@ -229,9 +292,9 @@ func (s *SessionBindings) write(ctx context.Context, wr bindingWrite) {
 			switch e := s.local[wr.key]; {
 			case e.rev >= rev: // the watcher already has this or a later write
 			case e.mine && e.UpdatedUnixMs > wr.b.UpdatedUnixMs: // a later Record is queued
-				s.local[wr.key] = boundEntry{Binding: e.Binding, rev: rev, mine: true}
+				s.local[wr.key] = boundEntry{sessionEntry: e.sessionEntry, rev: rev, mine: true}
 			default:
-				s.local[wr.key] = boundEntry{Binding: wr.b, rev: rev}
+				s.local[wr.key] = boundEntry{sessionEntry: val, rev: rev}
 			}
 			s.mu.Unlock()
 			return
@@ -244,9 +307,9 @@ func (s *SessionBindings) write(ctx context.Context, wr bindingWrite) {
 		// compares with what is stored.
 		e, gerr := s.kv.Get(ctx, wr.key)
 		s.mu.Lock()
-		var b Binding
-		if gerr == nil && json.Unmarshal(e.Value(), &b) == nil {
-			s.local[wr.key] = boundEntry{Binding: b, rev: e.Revision()}
+		var v sessionEntry
+		if gerr == nil && json.Unmarshal(e.Value(), &v) == nil {
+			s.local[wr.key] = boundEntry{sessionEntry: v, rev: e.Revision()}
 		} else {
 			delete(s.local, wr.key)
 		}

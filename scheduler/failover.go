@@ -10,10 +10,10 @@ import (
 // restarted (a new process, within the heartbeat timeout, as a supervisor
 // restarts a crashed one) before it finished them: a request whose output
 // has not started is withdrawn from its group and dispatched again (attempt
-// + 1, on any ready group, the restarted one included); one that streamed
+// + 1, on any ready group of its model, the restarted one included); one that streamed
 // already ends with an error. No request waits for a rank that forgot it.
 func (s *Scheduler) rescue(now time.Time) {
-	groups := s.PlaceableGroups(now)
+	ready := s.groups.ready(now)
 	alive := s.groups.alive(now) // a draining group finishes its requests
 	restarts := s.groups.restarts()
 	movable, lost := s.trackers.stranded(func(t *RequestTracker) bool {
@@ -45,10 +45,21 @@ func (s *Scheduler) rescue(now time.Time) {
 			"session_id", t.SessionID, "group", t.Group)
 		s.sendError(t.FrontendID, t.ReqID, t.SessionID, t.Attempt, "group_failed", "the worker group failed while generating this answer; retry the request")
 	}
-	if len(movable) == 0 || len(groups) == 0 {
+	if len(movable) == 0 || len(ready) == 0 {
 		return // with no ready group the requests wait, until their deadline
 	}
+	// The placeable groups of each model: a request moves only to a group
+	// of its own model (with none, it waits, until its deadline).
+	byModel := map[string][]GroupState{}
 	for _, old := range movable {
+		groups, ok := byModel[old.Model]
+		if !ok {
+			groups = s.placeableOf(forModel(ready, old.Model))
+			byModel[old.Model] = groups
+		}
+		if len(groups) == 0 {
+			continue
+		}
 		var (
 			from, subj string
 			data       []byte

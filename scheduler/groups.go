@@ -66,6 +66,9 @@ type groupInfo struct {
 	// blockTime is how long the group takes per block of prefill time,
 	// learnt from its prefills (0: not yet known).
 	blockTime time.Duration
+	// mixedSaid is when ranks of the group serving different models were
+	// last reported.
+	mixedSaid time.Time
 }
 
 // load is the group's requests in flight and its queue in blocks of
@@ -101,6 +104,9 @@ type rankInfo struct {
 	// notReady: the rank's engine does not take requests (it fails its
 	// health check); the group is treated as one that lost a rank.
 	notReady bool
+	// model is the model the rank serves (its --model; "" from a worker
+	// that does not say).
+	model string
 }
 
 // newGroupTable counts a group's queue in blocks of prefill time: prefill
@@ -176,7 +182,7 @@ func (t *groupTable) observe(hb *messages.Heartbeat, now time.Time) (stale, repo
 		restarted = now
 	}
 	g.ranks[hb.TPRank] = rankInfo{seen: now, started: hb.StartedUnixMs, restarted: restarted, dupSaid: prev.dupSaid,
-		queueDepth: hb.QueueDepth, draining: hb.Draining, notReady: hb.NotReady}
+		queueDepth: hb.QueueDepth, draining: hb.Draining, notReady: hb.NotReady, model: hb.Model}
 	if hb.TPRank == 0 { // the driver knows the group's load
 		g.hbInflight = hb.InflightRequests
 		bs := int64(t.blockSize)
@@ -191,26 +197,90 @@ func (t *groupTable) observe(hb *messages.Heartbeat, now time.Time) (stale, repo
 }
 
 // ready returns the groups whose world_size ranks all sent a heartbeat
-// within the timeout and none is draining, sorted by name: where new
-// requests may go.
+// within the timeout, none is draining and all serve one model, sorted by
+// name: where new requests may go (of that model: see forModel). A group
+// whose live ranks name different models (workers of two models given one
+// --group, or --rank auto slots shared by two models) is no group: a
+// request of either model would be answered by ranks of both.
 func (t *groupTable) ready(now time.Time) []GroupState {
 	t.mu.Lock()
 	defer t.mu.Unlock()
 	out := make([]GroupState, 0, len(t.order))
 	for _, g := range t.order {
 		alive, depth, draining := 0, 0, false
+		model, mixed := "", false
 		for _, r := range g.ranks {
 			if t.heardLocked(r, now) && !r.notReady {
 				alive++
 				depth = max(depth, r.queueDepth)
 				draining = draining || r.draining
+				if alive > 1 && r.model != model {
+					mixed = true
+				}
+				model = r.model
 			}
 		}
-		if alive == g.worldSize && !draining {
+		if alive == g.worldSize && !draining && !mixed {
 			inflight, queued := g.load(now)
-			out = append(out, GroupState{Name: g.name, WorldSize: g.worldSize, Inflight: inflight, QueuedBlocks: queued, QueueDepth: depth})
+			out = append(out, GroupState{Name: g.name, Model: model, WorldSize: g.worldSize, Inflight: inflight, QueuedBlocks: queued, QueueDepth: depth})
 		}
 	}
+	return out
+}
+
+// mixedModels returns the models the live ranks of group serve when they
+// are more than one, sorted, and whether to report it now (at most once a
+// minute per group).
+func (t *groupTable) mixedModels(group string, now time.Time) (models []string, report bool) {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	g := t.groups[group]
+	if g == nil {
+		return nil, false
+	}
+	for _, r := range g.ranks {
+		if t.heardLocked(r, now) && !slices.Contains(models, r.model) {
+			models = append(models, r.model)
+		}
+	}
+	if len(models) < 2 {
+		return nil, false
+	}
+	slices.Sort(models)
+	if report = now.Sub(g.mixedSaid) >= dupReportEvery; report {
+		g.mixedSaid = now
+	}
+	return models, report
+}
+
+// servesModel reports whether a group serving groupModel takes a request
+// for model. A group or request that names no model (a worker or client of
+// a kvbus before models were told apart, a test) matches any.
+func servesModel(groupModel, model string) bool {
+	return groupModel == model || groupModel == "" || model == ""
+}
+
+// forModel returns the groups of groups that serve model, in their order
+// (a new slice: groups is not changed).
+func forModel(groups []GroupState, model string) []GroupState {
+	out := make([]GroupState, 0, len(groups))
+	for _, g := range groups {
+		if servesModel(g.Model, model) {
+			out = append(out, g)
+		}
+	}
+	return out
+}
+
+// servedModels lists the models groups serve, sorted, for error messages.
+func servedModels(groups []GroupState) []string {
+	var out []string
+	for _, g := range groups {
+		if g.Model != "" && !slices.Contains(out, g.Model) {
+			out = append(out, g.Model)
+		}
+	}
+	slices.Sort(out)
 	return out
 }
 
@@ -345,13 +415,22 @@ func (t *groupTable) observePrefill(group string, work int, us int64) {
 	g.blockTime += time.Duration(blockTimeWeight * float64(sample-g.blockTime))
 }
 
-// each calls f for every known group with its queue depth and in-flight
-// count at now.
-func (t *groupTable) each(now time.Time, f func(name string, inflight, queued int)) {
+// each calls f for every known group with the model its driver rank (else
+// any rank) serves, and its queue depth and in-flight count at now.
+func (t *groupTable) each(now time.Time, f func(name, model string, inflight, queued int)) {
 	t.mu.Lock()
 	defer t.mu.Unlock()
 	for name, g := range t.groups {
 		inflight, queued := g.load(now)
-		f(name, inflight, queued)
+		model := ""
+		if r, ok := g.ranks[0]; ok {
+			model = r.model
+		} else {
+			for _, r := range g.ranks {
+				model = r.model
+				break
+			}
+		}
+		f(name, model, inflight, queued)
 	}
 }

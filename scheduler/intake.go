@@ -5,6 +5,8 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"strconv"
+	"strings"
 	"time"
 
 	"github.com/nats-io/nats.go"
@@ -56,7 +58,8 @@ func (s *Scheduler) onRequest(ctx context.Context, m jetstream.Msg) error {
 		logged, deliveries = md.Timestamp, md.NumDelivered
 	}
 	retried := time.Duration(deliveries-1) * noGroupRetry
-	ready := s.groups.ready(start)
+	all := s.groups.ready(start)
+	ready := forModel(all, req.Model) // a request of model a never goes to model b's ranks
 	groups := s.index.placeable(ready)
 	if len(groups) == 0 && len(ready) > 0 {
 		// Groups are ready but the index of none is synced: a scheduler
@@ -74,9 +77,16 @@ func (s *Scheduler) onRequest(ctx context.Context, m jetstream.Msg) error {
 			return m.NakWithDelay(noGroupRetry)
 		}
 		s.m.requests.WithLabelValues("no_ready_group").Inc()
-		log().Warn("no ready worker group: request refused", "waited", start.Sub(logged).Round(time.Millisecond), "deliveries", deliveries)
-		s.sendError(req.FrontendID, req.RequestID, sessionID, 0, "no_ready_group",
-			fmt.Sprintf("no worker group is ready (waited %s); retry shortly, and check that the workers run", s.cfg.NoGroupWait))
+		msg := fmt.Sprintf("no worker group is ready (waited %s); retry shortly, and check that the workers run", s.cfg.NoGroupWait)
+		if len(all) > 0 {
+			// Groups are ready, but for other models: say so, or the
+			// operator looks for workers that are down.
+			msg = fmt.Sprintf("no worker group of model %q is ready (waited %s; the ready groups serve %s); retry shortly, and check that workers with --model %s run",
+				req.Model, s.cfg.NoGroupWait, strings.Join(quoted(servedModels(all)), ", "), req.Model)
+		}
+		log().Warn("no ready worker group: request refused", "model", req.Model, "ready_groups_other_models", len(all),
+			"waited", start.Sub(logged).Round(time.Millisecond), "deliveries", deliveries)
+		s.sendError(req.FrontendID, req.RequestID, sessionID, 0, "no_ready_group", msg)
 		return m.Ack()
 	}
 
@@ -85,7 +95,7 @@ func (s *Scheduler) onRequest(ctx context.Context, m jetstream.Msg) error {
 		t.logSeq = md.Sequence.Stream
 	}
 	bindings := s.bindings.Load()
-	binding, bound := bindings.Get(sessionID)
+	binding, bound := bindings.GetModel(req.Model, sessionID)
 	if bound {
 		t.TurnDepth = binding.Turn + 1
 	}
@@ -134,7 +144,7 @@ func (s *Scheduler) onRequest(ctx context.Context, m jetstream.Msg) error {
 		if b.Blocks > 0 {
 			b.LastHash = t.BlockHashes[b.Blocks-1]
 		}
-		bindings.Record(sessionID, b)
+		bindings.RecordModel(req.Model, sessionID, b)
 	}
 	s.m.routing.Observe(time.Since(start).Seconds())
 	s.m.requests.WithLabelValues("dispatched").Inc()
@@ -280,4 +290,13 @@ func (s *Scheduler) buildMeta(t *RequestTracker) error {
 	t.metaSubj, t.metaData = s.cfg.Subjects.Meta(t.Group, t.SessionID), data
 	t.Dispatched, t.Heard, t.Resends = time.Now(), nil, 0
 	return nil
+}
+
+// quoted returns each of names in Go quotes, for messages.
+func quoted(names []string) []string {
+	out := make([]string, len(names))
+	for i, n := range names {
+		out[i] = strconv.Quote(n)
+	}
+	return out
 }

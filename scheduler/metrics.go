@@ -6,6 +6,7 @@ type metrics struct {
 	routing       prometheus.Histogram
 	requests      *prometheus.CounterVec
 	ready         prometheus.Gauge
+	modelReady    *prometheus.GaugeVec
 	predicted     prometheus.Counter
 	actual        prometheus.Counter
 	promptTokens  *prometheus.CounterVec
@@ -39,6 +40,10 @@ func newMetrics(reg prometheus.Registerer, trackers, rejected, plans, ready func
 			Name: "kvbus_scheduler_ready_groups",
 			Help: "Worker groups that take requests: every rank sent a heartbeat within --heartbeat-timeout, none drains or fails its engine's health check.",
 		}),
+		modelReady: prometheus.NewGaugeVec(prometheus.GaugeOpts{
+			Name: "kvbus_scheduler_model_ready_groups",
+			Help: "Ready worker groups by the model their ranks serve (a request is placed only on a group of its model); a model whose groups all stopped is 0 until they are forgotten.",
+		}, []string{"model"}),
 		predicted: prometheus.NewCounter(prometheus.CounterOpts{
 			Name: "kvbus_scheduler_predicted_cached_tokens_total",
 			Help: "Prompt tokens the LoadSpecs told ranks to load (the prediction), over completed requests.",
@@ -57,16 +62,16 @@ func newMetrics(reg prometheus.Registerer, trackers, rejected, plans, ready func
 		}, []string{"turn_depth"}),
 		groupInflight: prometheus.NewGaugeVec(prometheus.GaugeOpts{
 			Name: "kvbus_scheduler_group_inflight_requests",
-			Help: "Requests in flight on a group, cluster-wide as this replica sees it (the driver rank's last heartbeat plus what this replica dispatched and heard finish since): every replica reports about the same value, so take max by group, never sum over replicas.",
-		}, []string{"group"}),
+			Help: "Requests in flight on a group, cluster-wide as this replica sees it (the driver rank's last heartbeat plus what this replica dispatched and heard finish since): every replica reports about the same value, so take max by group, never sum over replicas. model is the model the group's driver rank serves.",
+		}, []string{"group", "model"}),
 		groupQueued: prometheus.NewGaugeVec(prometheus.GaugeOpts{
 			Name: "kvbus_scheduler_group_queue_blocks",
 			Help: "Blocks to prefill of the in-flight requests on a group (the load term of the kv policy).",
-		}, []string{"group"}),
+		}, []string{"group", "model"}),
 		groupBlocks: prometheus.NewGaugeVec(prometheus.GaugeOpts{
 			Name: "kvbus_scheduler_group_blocks",
 			Help: "KV blocks every rank of a group holds, per the index.",
-		}, []string{"group"}),
+		}, []string{"group", "model"}),
 		indexEntries: prometheus.NewGauge(prometheus.GaugeOpts{
 			Name: "kvbus_scheduler_index_entries",
 			Help: "(group, block) entries in the KV index.",
@@ -102,7 +107,7 @@ func newMetrics(reg prometheus.Registerer, trackers, rejected, plans, ready func
 	}
 	if reg != nil {
 		reg.MustRegister(m.routing, m.requests, m.ready, m.predicted, m.actual, m.promptTokens, m.cachedTokens,
-			m.groupInflight, m.groupQueued, m.groupBlocks, m.indexEntries, m.indexBlocks, m.resyncs,
+			m.modelReady, m.groupInflight, m.groupQueued, m.groupBlocks, m.indexEntries, m.indexBlocks, m.resyncs,
 			m.resends, m.poolTokens, m.logPending, m.logBytes, m.logLimit,
 			prometheus.NewGaugeFunc(prometheus.GaugeOpts{Name: "kvbus_scheduler_trackers", Help: "Live RequestTrackers."}, trackers),
 			prometheus.NewGaugeFunc(prometheus.GaugeOpts{

@@ -18,7 +18,10 @@ var ErrNoReadyGroup = errors.New("scheduler: no ready worker group")
 // GroupState is a snapshot of one ready worker group as placement sees it,
 // for one request.
 type GroupState struct {
-	Name      string
+	Name string
+	// Model is the model the group's ranks serve (their heartbeats'
+	// model); a request is placed only on groups of its model.
+	Model     string
 	WorldSize int
 	// Inflight counts the group's requests not yet finished and
 	// QueuedBlocks their blocks still to prefill, cluster-wide: the

@@ -35,7 +35,12 @@ func (s *Scheduler) Ready() (bool, string) {
 // a full index does not track), or all ready groups when none is (a resync
 // in progress everywhere must not stop placement).
 func (s *Scheduler) PlaceableGroups(now time.Time) []GroupState {
-	groups := s.groups.ready(now)
+	return s.placeableOf(s.groups.ready(now))
+}
+
+// placeableOf returns the groups of groups whose index is synced, or all
+// of them when none is.
+func (s *Scheduler) placeableOf(groups []GroupState) []GroupState {
 	if synced := s.index.placeable(groups); len(synced) > 0 {
 		return synced
 	}

@@ -54,6 +54,11 @@ func (s *Scheduler) onHeartbeat(ctx context.Context, m *nats.Msg) error {
 		}
 		return nil
 	}
+	if models, report := s.groups.mixedModels(hb.Group, now); report {
+		s.log.Error("the ranks of one worker group serve different models: it takes no request until they agree. "+
+			"Give each model's workers groups of their own (--group); with --rank auto, run each model under its own --subject-prefix",
+			"group", hb.Group, "models", models)
+	}
 	if s.index.ObserveRank(hb.Group, hb.TPRank, hb.WorldSize, hb.StartedUnixMs) {
 		s.log.Info("rank (re)started or first heard of: asking it for a dump", "group", hb.Group, "tp_rank", hb.TPRank)
 		s.requestDump(ctx, hb.Group, hb.TPRank)

@@ -168,6 +168,10 @@ type Scheduler struct {
 	reconnects uint64       // the connection's reconnects, as sweep last saw them
 	causal     []*causalSub // set by Run before it consumes
 	announced  announcement
+	// groupModels is the model of each group's gauges, and readyModels the
+	// models of kvbus_scheduler_model_ready_groups (sweep's own).
+	groupModels map[string]string
+	readyModels map[string]int
 }
 
 type rankID struct {
@@ -266,6 +270,8 @@ func New(cfg Config) (*Scheduler, error) {
 		dispatched: dispatched,
 		peers:      newPeerTable(cfg.RequestTimeout, time.Now()),
 		started:    time.Now(),
+
+		groupModels: map[string]string{},
 	}
 	s.m = newMetrics(cfg.Registerer, func() float64 { return float64(s.trackers.Len()) },
 		func() float64 { return float64(s.index.Rejected()) }, func() float64 { return float64(s.index.Plans()) },
@@ -464,7 +470,12 @@ func (s *Scheduler) finish(ctx context.Context) {
 // driver's own timeout report) so that none leaks, retries dumps that did
 // not arrive, and refreshes the gauges.
 func (s *Scheduler) sweep(ctx context.Context, now time.Time) {
-	s.m.ready.Set(float64(len(s.groups.ready(now))))
+	ready := s.groups.ready(now)
+	s.m.ready.Set(float64(len(ready)))
+	perModel := map[string]int{}
+	for _, g := range ready {
+		perModel[g.Model]++
+	}
 	s.announce(now, false)
 	s.index.ExpirePlans(now)
 	for group, ranks := range s.index.Resyncing() {
@@ -472,11 +483,27 @@ func (s *Scheduler) sweep(ctx context.Context, now time.Time) {
 			s.requestDump(ctx, group, r)
 		}
 	}
-	s.groups.each(now, func(name string, inflight, queued int) {
-		s.m.groupInflight.WithLabelValues(name).Set(float64(inflight))
-		s.m.groupQueued.WithLabelValues(name).Set(float64(queued))
-		s.m.groupBlocks.WithLabelValues(name).Set(float64(s.index.GroupBlocks(name)))
+	s.groups.each(now, func(name, model string, inflight, queued int) {
+		if prev, ok := s.groupModels[name]; ok && prev != model { // its ranks now serve another model
+			s.deleteGroupSeries(name)
+		}
+		s.groupModels[name] = model
+		if _, ok := perModel[model]; !ok {
+			perModel[model] = 0 // known, none ready
+		}
+		s.m.groupInflight.WithLabelValues(name, model).Set(float64(inflight))
+		s.m.groupQueued.WithLabelValues(name, model).Set(float64(queued))
+		s.m.groupBlocks.WithLabelValues(name, model).Set(float64(s.index.GroupBlocks(name)))
 	})
+	for model := range s.readyModels {
+		if _, ok := perModel[model]; !ok { // its groups are all forgotten
+			s.m.modelReady.DeleteLabelValues(model)
+		}
+	}
+	for model, n := range perModel {
+		s.m.modelReady.WithLabelValues(model).Set(float64(n))
+	}
+	s.readyModels = perModel
 	s.forgetGroups(now)
 	// Cut off from NATS, this replica hears no heartbeat: the groups'
 	// silence is its own. It judges no group until it is back, and gives
@@ -508,6 +535,13 @@ func (s *Scheduler) sweep(ctx context.Context, now time.Time) {
 	}
 }
 
+// deleteGroupSeries drops a group's gauges, of whatever model.
+func (s *Scheduler) deleteGroupSeries(name string) {
+	for _, v := range []*prometheus.GaugeVec{s.m.groupInflight, s.m.groupQueued, s.m.groupBlocks} {
+		v.DeletePartialMatch(prometheus.Labels{"group": name})
+	}
+}
+
 // forgetGroups forgets the groups not heard of for ForgetGroupAfter: in the
 // group table (heartbeats) and in the index (heartbeats, KV batches, save
 // plans: a group may be known there only), each by its own clock, with
@@ -531,9 +565,8 @@ func (s *Scheduler) forgetGroups(now time.Time) {
 	}
 	s.resyncMu.Unlock()
 	for name := range gone {
-		s.m.groupInflight.DeleteLabelValues(name)
-		s.m.groupQueued.DeleteLabelValues(name)
-		s.m.groupBlocks.DeleteLabelValues(name)
+		s.deleteGroupSeries(name)
+		delete(s.groupModels, name)
 		s.log.Info("forgot a group not heard of", "group", name, "after", s.cfg.ForgetGroupAfter)
 	}
 }
