@@ -507,6 +507,17 @@ func (r *Rank) onMeta(_ context.Context, m *nats.Msg) error {
 		r.log.Warn("fault injection: ReqMeta delayed", "req_id", meta.ReqID, "session_id", meta.SessionID, "delay", d)
 		time.Sleep(d)
 	}
+	if meta.Model != "" && meta.Model != r.cfg.Model {
+		// Placed on a group of another model (a scheduler of a kvbus that
+		// did not tell models apart, or a hand-made ReqMeta): these weights
+		// would answer it as if they were its model's.
+		rr := newRankReq(meta)
+		rr.result = r.resultOf(meta)
+		rr.prefilled.Store(true) // never counted in the prefill queue
+		r.fail(rr, "model_mismatch", fmt.Sprintf("group %s serves model %q, not %q: the request was placed on another model's group; "+
+			"run schedulers of this kvbus (they place a request only on groups of its model)", r.cfg.Group, r.cfg.Model, meta.Model))
+		return nil
+	}
 	now := time.Now()
 	r.mu.Lock()
 	// One lookup for a new request: it is remembered at once.

@@ -867,6 +867,27 @@ func TestRankDeadlinePassed(t *testing.T) {
 	}
 }
 
+// TestRankRefusesAnotherModelsReqMeta: a ReqMeta naming another model (a
+// scheduler that did not tell models apart) is not run on these weights:
+// every rank answers it with an error, nothing is stored, and the driver
+// ends the answer with model_mismatch. It was run as if it were its model's.
+func TestRankRefusesAnotherModelsReqMeta(t *testing.T) {
+	env := startRanks(t, rankEnvConfig{})
+	m := newMeta("other-model", "sess", testenv.PromptTokens(2, 40))
+	m.Model = "another-model"
+	env.sendMeta(m)
+	results := env.resultsByRank("other-model")
+	final := env.finalOutput("other-model")
+	if final.Error == nil || final.Error.Code != "model_mismatch" || !strings.Contains(final.Error.Message, `"another-model"`) {
+		t.Errorf("final output %+v (error %+v), want a model_mismatch error naming the model", final, final.Error)
+	}
+	for rank, r := range results {
+		if r.Error == "" || r.StoredBlocks != 0 {
+			t.Errorf("rank %d: %+v, want an error and nothing stored", rank, r)
+		}
+	}
+}
+
 // TestRankLoadWaitsForInflightSave: the next turn arrives while rank 1 is
 // still saving the previous turn's blocks. Its load waits for that save
 // (within SaveWait) and finds every block; past SaveWait the blocks count
