@@ -8,6 +8,7 @@ import (
 	"io"
 	"log/slog"
 	"os"
+	"slices"
 	"strings"
 	"time"
 
@@ -102,7 +103,31 @@ func (f busFlags) subjects() messages.Subjects { return messages.Subjects{Prefix
 
 // modelFlags name the served model.
 type modelFlags struct {
-	Model string `name:"model" default:"kvbus-sim" help:"Served model name."`
+	Model []string `name:"model" default:"kvbus-sim" help:"Served model name. A frontend serves several (comma-separated or repeated; the first is the default of a request naming none); a worker or serve one."`
+}
+
+// one is the one model a worker or `kvbus serve` runs: several are
+// refused (a repeated --model kept the last, silently).
+func (m modelFlags) one() (string, error) {
+	if len(m.Model) != 1 || m.Model[0] == "" {
+		return "", fmt.Errorf("--model %q: a worker (and kvbus serve) runs one model; start one worker per model, each with its own groups (a frontend may serve several)",
+			strings.Join(m.Model, ","))
+	}
+	return m.Model[0], nil
+}
+
+// models are a frontend's served models, each once.
+func (m modelFlags) models() ([]string, error) {
+	var out []string
+	for _, name := range m.Model {
+		switch {
+		case name == "":
+			return nil, fmt.Errorf("--model %q: a model name is empty", strings.Join(m.Model, ","))
+		case !slices.Contains(out, name):
+			out = append(out, name)
+		}
+	}
+	return out, nil
 }
 
 // frontendFlags configure the HTTP frontend.

@@ -426,6 +426,9 @@ func (c *frontendCmd) Run(ctx context.Context) error {
 		return err
 	}
 	defer stopPprof()
+	if _, err := c.models(); err != nil {
+		return err
+	}
 	tok, err := c.tokenizer()
 	if err != nil {
 		return err
@@ -464,7 +467,8 @@ func (c *frontendCmd) frontendConfig(nc *nats.Conn, log *slog.Logger, reg *prome
 
 func newFrontendConfig(nc *nats.Conn, subj messages.Subjects, replicas int, log *slog.Logger, reg *prometheus.Registry, id string, m modelFlags, f frontendFlags, rl requestLogFlags, t timeoutFlags) frontend.Config {
 	cfg := f.baseConfig(rl)
-	cfg.Conn, cfg.Subjects, cfg.ID, cfg.StreamReplicas, cfg.Models = nc, subj, id, replicas, []string{m.Model}
+	cfg.Conn, cfg.Subjects, cfg.ID, cfg.StreamReplicas = nc, subj, id, replicas
+	cfg.Models, _ = m.models() // checked in Run
 	cfg.RequestTimeout, cfg.Logger, cfg.Registry = t.RequestTimeout, log, reg
 	return cfg
 }
@@ -564,6 +568,9 @@ func (c *workerCmd) Run(ctx context.Context) error {
 	defer stopPprof()
 	if c.Rank != "" && c.Rank != "auto" {
 		return fmt.Errorf("--rank %q: want auto, or give --group and --tp-rank", c.Rank)
+	}
+	if _, err := c.one(); err != nil {
+		return err
 	}
 	if c.Group != "" {
 		if err := messages.ValidateGroup(c.Group); err != nil {
@@ -726,9 +733,13 @@ func newRank(nc *nats.Conn, b busFlags, m modelFlags, e engineFlags, engine work
 	if err != nil {
 		return nil, err
 	}
+	model, err := m.one()
+	if err != nil {
+		return nil, err
+	}
 	cfg := workers.RankConfig{
 		Conn: nc, Subjects: b.subjects(), Group: group, TPRank: tp, TPSize: tpSize, EPRank: ep, EPSize: epSize,
-		Model: m.Model, Profile: profile, CapacityBytes: capacity, Payload: e.KVPayload, Evict: e.Evict, Engine: engine,
+		Model: model, Profile: profile, CapacityBytes: capacity, Payload: e.KVPayload, Evict: e.Evict, Engine: engine,
 		HeartbeatInterval: e.HeartbeatEvery, ShutdownTimeout: e.ShutdownTimeout, SaveWait: e.SaveWait, DrainHandoff: handoff, Logger: log, Metrics: wm, HandlerMetrics: hm,
 	}
 	if with != nil {

@@ -101,10 +101,14 @@ func (c *serveCmd) clusterConfig() (cluster.Config, error) {
 	case len(c.EngineURL)+len(c.KVEvents)+len(c.KVEventsBind) > 0:
 		return cluster.Config{}, errors.New("--engine-url and --kv-events need --engine openai")
 	}
+	model, err := c.one()
+	if err != nil {
+		return cluster.Config{}, err
+	}
 	return cluster.Config{
 		Engines:  engines,
 		Subjects: messages.Subjects{Prefix: c.Prefix}, Groups: c.Groups, Ranks: c.Ranks,
-		Model: c.Model, ModelProfile: c.ModelProfile, KVCapacity: capacity, Payload: c.KVPayload, Evict: c.Evict,
+		Model: model, ModelProfile: c.ModelProfile, KVCapacity: capacity, Payload: c.KVPayload, Evict: c.Evict,
 		Sim: workers.SimConfig{
 			Profile: workers.SimProfile{PrefillPerToken: c.PrefillPerToken, LoadPerToken: c.LoadPerToken, RemoteLoadPerToken: c.RemoteLoad,
 				DecodePerToken: c.DecodePerToken},

@@ -1,0 +1,111 @@
+package main
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"net/http"
+	"slices"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/kvbus/kvbus/testenv"
+)
+
+// TestModelFlag: a frontend serves every --model given (comma-separated or
+// repeated, each once); a worker and `kvbus serve` refuse more than one
+// rather than keep the last, as a repeated --model did.
+func TestModelFlag(t *testing.T) {
+	c := parseCLI(t, "frontend", "--model", "a,b", "--model", "c", "--model", "a")
+	if got, err := c.Frontend.models(); err != nil || !slices.Equal(got, []string{"a", "b", "c"}) {
+		t.Errorf("frontend --model a,b --model c --model a: %v, %v; want [a b c]", got, err)
+	}
+	if got, _ := parseCLI(t, "frontend").Frontend.models(); !slices.Equal(got, []string{"kvbus-sim"}) {
+		t.Errorf("frontend's default models %v, want [kvbus-sim]", got)
+	}
+	for _, args := range [][]string{
+		{"worker", "--model", "a,b", "--metrics-addr", ""},
+		{"worker", "--model", "a", "--model", "b", "--metrics-addr", ""},
+		{"serve", "--model", "a,b", "--http-addr", "127.0.0.1:0", "--nats-addr", "127.0.0.1:0"},
+	} {
+		c := parseCLI(t, args...)
+		var err error
+		if args[0] == "worker" {
+			err = c.Worker.Run(t.Context())
+		} else {
+			err = c.Serve.Run(t.Context())
+		}
+		if err == nil || !strings.Contains(err.Error(), "runs one model") {
+			t.Errorf("%v: %v, want a refusal saying it runs one model", args, err)
+		}
+	}
+}
+
+// TestOneFrontendServesTwoModels: `kvbus frontend --model a,b` in front of a
+// worker group of each model: /v1/models lists both, and each model's
+// requests are answered by its own group.
+func TestOneFrontendServesTwoModels(t *testing.T) {
+	srv := testenv.StartNATS(t)
+	natsURL := srv.ClientURL()
+	ctx, cancel := context.WithCancel(t.Context())
+	var wg sync.WaitGroup
+	defer func() { cancel(); wg.Wait() }()
+	httpAddr := freeAddr(t)
+	run := func(args ...string) {
+		c := parseCLI(t, append(args, "--nats-url", natsURL, "--log-level", "error")...)
+		wg.Go(func() {
+			var err error
+			switch args[0] {
+			case "worker":
+				err = c.Worker.Run(ctx)
+			case "scheduler":
+				err = c.Scheduler.Run(ctx)
+			default:
+				err = c.Frontend.Run(ctx)
+			}
+			if err != nil && ctx.Err() == nil {
+				t.Errorf("%v: %v", args, err)
+			}
+		})
+	}
+	run("scheduler", "--metrics-addr", "")
+	for _, m := range []string{"a", "b"} {
+		run("worker", "--model", m, "--group", "g"+m, "--tp-rank", "0", "--tp-size", "1", "--time-scale", "0", "--kv-capacity", "64MiB", "--metrics-addr", "")
+	}
+	run("frontend", "--model", "a,b", "--http-addr", httpAddr)
+	base := "http://" + httpAddr
+	testenv.Eventually(t, 30*time.Second, "/healthz 200", func() bool { return healthz(base+"/healthz") == http.StatusOK })
+
+	status, _, body := testenv.Send(t, http.MethodGet, base+"/v1/models", "", nil)
+	var list struct {
+		Data []struct {
+			ID string `json:"id"`
+		} `json:"data"`
+	}
+	if err := json.Unmarshal(body, &list); status != http.StatusOK || err != nil || len(list.Data) != 2 || list.Data[0].ID != "a" || list.Data[1].ID != "b" {
+		t.Errorf("/v1/models: %d %s, want a and b", status, body)
+	}
+	for _, m := range []string{"a", "b", "a", "b"} {
+		var status int
+		var body []byte
+		// A group is placeable once the scheduler heard it: the first
+		// request of a model may find its group not yet ready.
+		testenv.Eventually(t, 10*time.Second, "model "+m+" answered", func() bool {
+			status, _, body = testenv.Send(t, http.MethodPost, base+"/v1/chat/completions",
+				fmt.Sprintf(`{"model":%q,"messages":[{"role":"user","content":"which model?"}],"max_tokens":2}`, m), nil)
+			return status == http.StatusOK
+		})
+		var out struct {
+			Model string `json:"model"`
+		}
+		if err := json.Unmarshal(body, &out); err != nil || out.Model != m {
+			t.Errorf("model %s: answer %s", m, body)
+		}
+	}
+	status, _, body = testenv.Send(t, http.MethodPost, base+"/v1/chat/completions", `{"model":"c","messages":[{"role":"user","content":"x"}]}`, nil)
+	if status != http.StatusNotFound {
+		t.Errorf("an unknown model: %d %s, want a 404 naming the served models", status, body)
+	}
+}
