@@ -43,7 +43,11 @@ type SlotConfig struct {
 	// holder refreshes it every TTL/3.
 	TTL time.Duration
 	// Owner identifies the claimant (its host name, say).
-	Owner    string
+	Owner string
+	// Model is the model the claimant serves: a group some of whose slots
+	// are held for another model is not joined ("" joins any, and is
+	// joined by any: a worker of a kvbus before models were told apart).
+	Model    string
 	Replicas int
 	Logger   *slog.Logger
 }
@@ -91,7 +95,7 @@ func ClaimSlot(ctx context.Context, js jetstream.JetStream, cfg SlotConfig) (*Sl
 	if err != nil {
 		return nil, fmt.Errorf("workers: slot bucket %s: %w", cfg.Bucket, err)
 	}
-	token := cfg.Owner + "#" + nuid.Next()
+	token := cfg.Owner + "#" + nuid.Next() + "#" + cfg.Model
 	groups := func(yield func(string) bool) {
 		if cfg.Group != "" {
 			yield(cfg.Group)
@@ -104,10 +108,17 @@ func ClaimSlot(ctx context.Context, js jetstream.JetStream, cfg SlotConfig) (*Sl
 		}
 	}
 	for group := range groups {
+		checked := false // whether the group's holders serve cfg.Model
 		for r := range cfg.Size {
 			key := fmt.Sprintf("%s.%d", group, r)
 			rev, err := kv.Create(ctx, key, []byte(token))
 			if errors.Is(err, jetstream.ErrKeyExists) {
+				if !checked && cfg.Group == "" {
+					checked = true
+					if m, ok := holderModel(ctx, kv, key); ok && !sameModel(m, cfg.Model) {
+						break // another model's group: the next group
+					}
+				}
 				continue
 			}
 			if err != nil {
@@ -127,6 +138,28 @@ func ClaimSlot(ctx context.Context, js jetstream.JetStream, cfg SlotConfig) (*Sl
 		"otherwise the cluster is full: stop workers it does not need, or run another deployment under its own --subject-prefix",
 		ErrNoSlot, cfg.MaxGroups, cfg.Size, cfg.TTL)
 }
+
+// slotModel is the model in a slot's token (owner#claim#model; "" in a
+// token of a kvbus before models were told apart).
+func slotModel(token []byte) string {
+	parts := strings.SplitN(string(token), "#", 3)
+	if len(parts) < 3 {
+		return ""
+	}
+	return parts[2]
+}
+
+// holderModel is the model of the worker holding key, if it can be read.
+func holderModel(ctx context.Context, kv jetstream.KeyValue, key string) (string, bool) {
+	e, err := kv.Get(ctx, key)
+	if err != nil {
+		return "", false
+	}
+	return slotModel(e.Value()), true
+}
+
+// sameModel: workers of models a and b may share a group ("" is any).
+func sameModel(a, b string) bool { return a == b || a == "" || b == "" }
 
 // openSlotBucket returns the slot bucket, creating it when missing.
 func openSlotBucket(ctx context.Context, js jetstream.JetStream, cfg SlotConfig) (jetstream.KeyValue, error) {
@@ -222,15 +255,36 @@ func (s *Slot) regroupTarget(ctx context.Context) (string, bool) {
 	if s.cfg.Group != "" { // bound to its group
 		return "", false
 	}
-	lister, err := s.kv.ListKeys(ctx)
+	ctx, cancel := context.WithTimeout(ctx, s.cfg.TTL/3)
+	defer cancel()
+	w, err := s.kv.WatchAll(ctx, jetstream.IgnoreDeletes())
 	if err != nil {
 		return "", false
 	}
+	defer func() { _ = w.Stop() }()
 	held := map[string]int{}
-	for key := range lister.Keys() {
-		group, rank, ok := strings.Cut(key, ".")
-		if n, err := strconv.Atoi(rank); ok && err == nil && n >= 0 && n < s.cfg.Size {
-			held[group]++
+	other := map[string]bool{} // groups with a holder of another model
+	for listed := false; !listed; {
+		select {
+		case <-ctx.Done():
+			return "", false
+		case e, ok := <-w.Updates():
+			if !ok {
+				return "", false
+			}
+			if listed = e == nil; listed { // every key seen
+				break
+			}
+			group, rank, ok := strings.Cut(e.Key(), ".")
+			if n, err := strconv.Atoi(rank); ok && err == nil && n >= 0 && n < s.cfg.Size {
+				held[group]++
+				other[group] = other[group] || !sameModel(slotModel(e.Value()), s.cfg.Model)
+			}
+		}
+	}
+	for group := range other {
+		if other[group] && group != s.Group {
+			delete(held, group) // never a target
 		}
 	}
 	mine := held[s.Group]

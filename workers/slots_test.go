@@ -107,6 +107,49 @@ func TestClaimSlotsOfOneGroup(t *testing.T) {
 	}
 }
 
+// TestSlotsKeepModelsApart: workers of two models claiming --rank auto
+// slots of one bucket form groups of one model each: a worker skips a group
+// held for another model, and regroups only into a group of its own. Before,
+// slots ignored the model, so workers started a, b, a, b made two groups of
+// both models, which the schedulers refuse.
+func TestSlotsKeepModelsApart(t *testing.T) {
+	srv := testenv.StartNATS(t)
+	js, err := jetstream.New(testenv.Connect(t, srv))
+	if err != nil {
+		t.Fatal(err)
+	}
+	claim := func(model string) *workers.Slot {
+		t.Helper()
+		s, err := workers.ClaimSlot(t.Context(), js, workers.SlotConfig{Size: 3, TTL: 600 * time.Millisecond, Owner: "w-" + model, Model: model})
+		if err != nil {
+			t.Fatal(err)
+		}
+		return s
+	}
+	got := func(s *workers.Slot) string { return fmt.Sprintf("%s/%d", s.Group, s.Rank) }
+	a1, b1, b2, a2, a3, a4 := claim("a"), claim("b"), claim("b"), claim("a"), claim("a"), claim("a")
+	for s, want := range map[*workers.Slot]string{a1: "g0/0", b1: "g1/0", b2: "g1/1", a2: "g0/1", a3: "g0/2", a4: "g2/0"} {
+		if got(s) != want {
+			t.Errorf("a worker got %s, want %s", got(s), want)
+		}
+	}
+	// g0 keeps a1 alone, g1 two of b's, g2 a4 alone: a4 moves to g0, the
+	// incomplete group of its model, not to g1, the larger one.
+	for _, s := range []*workers.Slot{a2, a3} {
+		if err := s.Release(t.Context()); err != nil {
+			t.Fatal(err)
+		}
+	}
+	ctx, cancel := context.WithTimeout(t.Context(), 5*time.Second)
+	defer cancel()
+	for _, s := range []*workers.Slot{a1, b1, b2} {
+		go func() { _ = s.Hold(ctx) }()
+	}
+	if err := a4.Hold(ctx); !errors.Is(err, workers.ErrRegrouped) || a4.Group != "g0" {
+		t.Errorf("a4 holding g2/0: %v, now %s; want it moved to g0", err, got(a4))
+	}
+}
+
 // TestNoFreeSlotSaysWhatToDo: with every slot held, the error names the
 // limit and what an operator can do.
 func TestNoFreeSlotSaysWhatToDo(t *testing.T) {

@@ -569,7 +569,8 @@ func (c *workerCmd) Run(ctx context.Context) error {
 	if c.Rank != "" && c.Rank != "auto" {
 		return fmt.Errorf("--rank %q: want auto, or give --group and --tp-rank", c.Rank)
 	}
-	if _, err := c.one(); err != nil {
+	model, err := c.one()
+	if err != nil {
 		return err
 	}
 	if c.Group != "" {
@@ -646,7 +647,7 @@ func (c *workerCmd) Run(ctx context.Context) error {
 		if err != nil {
 			return err
 		}
-		if slot, err = workers.ClaimSlot(ctx, js, workers.SlotConfig{Bucket: names.SlotBucket, Group: c.Group, Size: c.TPSize, TTL: c.SlotTTL, Owner: owner, Replicas: c.Replicas, Logger: log}); err != nil {
+		if slot, err = workers.ClaimSlot(ctx, js, workers.SlotConfig{Bucket: names.SlotBucket, Group: c.Group, Model: model, Size: c.TPSize, TTL: c.SlotTTL, Owner: owner, Replicas: c.Replicas, Logger: log}); err != nil {
 			return err
 		}
 		c.Group, c.TPRank, c.EPRank = slot.Group, slot.Rank, slot.Rank
