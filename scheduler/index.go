@@ -60,7 +60,11 @@ type indexGroup struct {
 	worldSize int
 	blocks    int          // blocks every rank holds
 	touched   atomic.Int64 // unix nanos of the group's last heartbeat, batch or plan
-	ranks     map[int]*rankState
+	// lostAt is when (unix ms) the group last lost what a rank held: a
+	// rank's process restarted, or cleared its store (an engine that
+	// restarted); 0: not since this index knew the group.
+	lostAt atomic.Int64
+	ranks  map[int]*rankState
 	// entries maps a block hash to the bitmask of the ranks holding it: a
 	// rank's restart or the group's resize scans only its own group.
 	entries map[uint64]uint64
@@ -271,7 +275,7 @@ func (x *KVIndex) clearFull(id groupID, h uint64) {
 // the rank holds: the rank is still saving what it was.
 func (x *KVIndex) clearRankLocked(g *indexGroup, rank int, rs *rankState, keepPlans bool) {
 	if !keepPlans {
-		x.dropPlansLocked(g)
+		x.lostCacheLocked(g)
 	}
 	if rs.held == 0 {
 		return

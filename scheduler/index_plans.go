@@ -81,6 +81,24 @@ func (x *KVIndex) Plans() int {
 	return len(x.planExp)
 }
 
+// lostCacheLocked records that a rank of g lost what it held (it restarted,
+// or cleared its store): the group's save plans go, and so does the credit
+// of session bindings made before now (LostCacheSince).
+func (x *KVIndex) lostCacheLocked(g *indexGroup) {
+	g.lostAt.Store(time.Now().UnixMilli())
+	x.dropPlansLocked(g)
+}
+
+// LostCacheSince reports whether a rank of group lost what it held after
+// unixMs (see lostCacheLocked): what a session's previous turn stored there
+// then may be gone. Safe for concurrent use.
+func (x *KVIndex) LostCacheSince(group string, unixMs int64) bool {
+	x.mu.RLock()
+	g := x.groups[group]
+	x.mu.RUnlock()
+	return g != nil && g.lostAt.Load() > unixMs
+}
+
 // dropPlansLocked forgets every save plan of g.
 func (x *KVIndex) dropPlansLocked(g *indexGroup) {
 	for k := range x.planExp {

@@ -113,7 +113,7 @@ func (x *KVIndex) ObserveRank(group string, rank, worldSize int, startedUnixMs i
 		// (which may be lost): it lost what the old one was saving.
 		rs.epoch++
 		rs.synced = false
-		x.dropPlansLocked(g)
+		x.lostCacheLocked(g)
 	}
 	rs.started = startedUnixMs
 	// A restart, or a rank first heard of before any of its events (this

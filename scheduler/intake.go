@@ -219,8 +219,10 @@ func (s *Scheduler) place(t *RequestTracker, groups []GroupState, binding Bindin
 		g.CachedBlocks = g.IndexBlocks
 		if bound && g.Name == binding.Group {
 			g.Bound = true
-			// The previous turn's blocks, if this prompt extends it.
-			if n := binding.Blocks; n > 0 && n <= len(t.BlockHashes) && t.BlockHashes[n-1] == binding.LastHash {
+			// The previous turn's blocks, if this prompt extends it and
+			// the group has not lost its cache since (a restarted engine).
+			if n := binding.Blocks; n > 0 && n <= len(t.BlockHashes) && t.BlockHashes[n-1] == binding.LastHash &&
+				!s.index.LostCacheSince(g.Name, binding.UpdatedUnixMs) {
 				g.CachedBlocks = max(g.CachedBlocks, n)
 			}
 		}

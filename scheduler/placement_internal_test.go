@@ -423,3 +423,47 @@ func TestReconnectIsNoGroupFailure(t *testing.T) {
 		t.Error("g0, silent for two heartbeat timeouts after the reconnect, still holds the request")
 	}
 }
+
+// TestBindingNotCreditedAfterTheGroupLostItsCache: a session's previous
+// turn is credited to the group it ran on (its binding) until a rank of that
+// group loses what it held — a restarted engine or worker process clears its
+// store — after which only what the index holds counts. The binding kept
+// steering the next turn to an engine that had restarted empty, credited
+// with the whole previous prompt.
+func TestBindingNotCreditedAfterTheGroupLostItsCache(t *testing.T) {
+	s, _ := newBareScheduler(t)
+	now := time.Now()
+	tr := promptTracker("r1", 12)
+	holding(s, "g0")
+	holding(s, "g1")
+	heard(s, "g0", now, 0)
+	heard(s, "g1", now, 0)
+	binding := Binding{Group: "g0", Blocks: 10, LastHash: tr.BlockHashes[9], Turn: 1, UpdatedUnixMs: now.Add(-time.Second).UnixMilli()}
+	credit := func() int {
+		t.Helper()
+		groups := s.PlaceableGroups(time.Now())
+		if _, err := s.place(tr, groups, binding, true); err != nil {
+			t.Fatal(err)
+		}
+		for _, g := range groups {
+			if g.Name == "g0" {
+				return g.CachedBlocks
+			}
+		}
+		t.Fatal("g0 is not placeable")
+		return 0
+	}
+	if n := credit(); n != 10 {
+		t.Fatalf("before any loss g0 is credited %d blocks, want the binding's 10", n)
+	}
+	// g0's only rank restarts: its first batch clears its store.
+	s.index.Apply(kvBatch("g0", 0, 1, clearedAll()))
+	if n := credit(); n != 0 {
+		t.Errorf("after g0 lost its cache it is credited %d blocks, want 0", n)
+	}
+	// A binding made after the loss (the next turn ran there again) counts.
+	binding.UpdatedUnixMs = time.Now().Add(time.Millisecond).UnixMilli()
+	if n := credit(); n != 10 {
+		t.Errorf("a binding newer than the loss is credited %d blocks, want 10", n)
+	}
+}
