@@ -2,6 +2,7 @@ package top
 
 import (
 	"fmt"
+	"slices"
 	"sort"
 	"strconv"
 	"strings"
@@ -379,6 +380,15 @@ func (m Model) groupTable(st styles) []string {
 	cols := []column{{"GROUP", false, 0}, {"STATE", false, 0}, {"RANKS", true, 0}, {"INFLIGHT", true, 7},
 		{"QUEUED_TOK", true, 5}, {"LOAD_TOK", true, 3}, {"BLOCKS", true, 6}, {"BYTES", true, 4},
 		{"POOL_IN", true, 2}, {"POOL_OUT", true, 1}}
+	// A MODEL column when the groups serve more than one model.
+	models := map[string]bool{}
+	for _, g := range groups {
+		models[g.Model] = true
+	}
+	byModel := len(models) > 1
+	if byModel {
+		cols = slices.Insert(cols, 1, column{"MODEL", false, 8})
+	}
 	rows := make([][]string, len(groups))
 	for i, g := range groups {
 		state := g.State
@@ -398,6 +408,9 @@ func (m Model) groupTable(st styles) []string {
 		rows[i] = []string{Printable(g.Name), state, fmt.Sprintf("%d/%d", g.Ranks, g.WorldSize), strconv.Itoa(g.Inflight),
 			strconv.FormatInt(g.QueuedPrefillTokens, 10), strconv.FormatInt(g.QueuedLoadTokens, 10), blocks,
 			bytesString(g.Bytes), strconv.Itoa(g.PoolIn), strconv.Itoa(g.PoolOut)}
+		if byModel {
+			rows[i] = slices.Insert(rows[i], 1, Printable(g.Model))
+		}
 	}
 	head, lines := table(cols, rows, m.width, 24)
 	out := append([]string{st.head.Render(head)}, lines...)

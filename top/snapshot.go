@@ -63,10 +63,14 @@ type GroupRow struct {
 	Name string `json:"name"`
 	// State is ready, draining, not_ready (an engine fails its health
 	// check), incomplete (fewer live ranks than its world size), conflict
-	// (its live ranks disagree on the world size: Conflict says how) or
+	// (its live ranks disagree on the world size or the model: Conflict
+	// says how; the schedulers place nothing there) or
 	// down (every rank silent; listed for 5 minutes).
 	State    string `json:"state"`
 	Conflict string `json:"conflict,omitempty"`
+	// Model is the model the group serves, as its driver rank (else the
+	// most recently heard rank) says.
+	Model string `json:"model,omitempty"`
 	Ranks    int    `json:"ranks"`
 	// WorldSize is what the driver rank (else the most recently heard
 	// rank) says.
@@ -230,24 +234,26 @@ func (w *Watcher) groupRow(name string, g *groupView, asOf time.Time, poolIn, po
 	row := GroupRow{Name: name, PoolIn: poolIn, PoolOut: poolOut}
 	var lastHeard time.Time
 	draining, notReady := false, false
-	sizes := map[int]bool{}
+	sizes, models := map[int]bool{}, map[string]bool{}
 	driverSize, latestSize := 0, 0
+	driverModel, latestModel := "", ""
 	for tp, r := range g.ranks {
 		if r.seen.After(lastHeard) {
-			lastHeard, latestSize = r.seen, r.hb.WorldSize
+			lastHeard, latestSize, latestModel = r.seen, r.hb.WorldSize, r.hb.Model
 		}
 		if asOf.Sub(r.seen) > w.cfg.HeartbeatTimeout {
 			continue
 		}
 		row.Ranks++
 		sizes[r.hb.WorldSize] = true
+		models[r.hb.Model] = true
 		draining = draining || r.hb.Draining
 		notReady = notReady || r.hb.NotReady
 		row.Blocks = max(row.Blocks, r.hb.UsedBlocks)
 		row.CapacityBlocks = max(row.CapacityBlocks, r.hb.CapacityBlocks)
 		row.Bytes += r.hb.UsedBytes
 		if tp == 0 {
-			driverSize = r.hb.WorldSize
+			driverSize, driverModel = r.hb.WorldSize, r.hb.Model
 			row.Inflight, row.QueuedPrefillTokens = r.hb.InflightRequests, r.hb.QueuedPrefillTokens
 			row.QueuedLoadTokens = r.hb.QueuedLoadTokens + r.hb.QueuedRemoteLoadTokens
 		}
@@ -255,19 +261,28 @@ func (w *Watcher) groupRow(name string, g *groupView, asOf time.Time, poolIn, po
 	row.LastHeardMs = max(asOf.Sub(lastHeard), 0).Milliseconds()
 	row.WorldSize = latestSize
 	if driverSize > 0 {
-		row.WorldSize = driverSize
+		row.WorldSize, row.Model = driverSize, driverModel
+	} else {
+		row.Model = latestModel
 	}
-	switch {
-	case row.Ranks == 0:
-		row.State = "down"
-	case len(sizes) > 1:
-		row.State = "conflict"
+	var conflicts []string
+	if len(sizes) > 1 {
 		ws := slices.Sorted(maps.Keys(sizes))
 		parts := make([]string, len(ws))
 		for i, n := range ws {
 			parts[i] = strconv.Itoa(n)
 		}
-		row.Conflict = "world size " + strings.Join(parts, " vs ")
+		conflicts = append(conflicts, "world size "+strings.Join(parts, " vs "))
+	}
+	if len(models) > 1 { // workers of two models in one group
+		conflicts = append(conflicts, "models "+strings.Join(slices.Sorted(maps.Keys(models)), " vs "))
+	}
+	switch {
+	case row.Ranks == 0:
+		row.State = "down"
+	case len(conflicts) > 0:
+		row.State = "conflict"
+		row.Conflict = strings.Join(conflicts, "; ")
 	case notReady:
 		row.State = "not_ready"
 	case row.Ranks < row.WorldSize:

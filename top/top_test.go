@@ -337,6 +337,44 @@ func TestGroupsAsTheirRanksSayThem(t *testing.T) {
 	}
 }
 
+// TestGroupsOfSeveralModels: with groups of two models the screen has a
+// MODEL column (one model: none, as before), and a group whose live ranks
+// serve different models — which the schedulers refuse to place on — is a
+// conflict naming them (it showed as ready).
+func TestGroupsOfSeveralModels(t *testing.T) {
+	b := startWatcher(t, top.Config{})
+	for tp := range 2 {
+		b.heartbeat(messages.Heartbeat{Group: "ga", TPRank: tp, WorldSize: 2, Model: "model-a"})
+		b.heartbeat(messages.Heartbeat{Group: "gb", TPRank: tp, WorldSize: 2, Model: "model-b"})
+	}
+	b.heartbeat(messages.Heartbeat{Group: "gmix", TPRank: 0, WorldSize: 2, Model: "model-a"})
+	b.heartbeat(messages.Heartbeat{Group: "gmix", TPRank: 1, WorldSize: 2, Model: "model-b"})
+	b.flush()
+	s := b.w.Snapshot(time.Now())
+	if len(s.Groups) != 3 {
+		t.Fatalf("groups %+v, want 3", s.Groups)
+	}
+	ga, gb, mix := s.Groups[0], s.Groups[1], s.Groups[2]
+	if ga.Model != "model-a" || ga.State != "ready" || gb.Model != "model-b" || gb.State != "ready" {
+		t.Errorf("ga %+v, gb %+v: want ready groups of model-a and model-b", ga, gb)
+	}
+	if mix.State != "conflict" || mix.Conflict != "models model-a vs model-b" || mix.Model != "model-a" {
+		t.Errorf("gmix %+v, want a conflict of models model-a vs model-b (its driver's model-a)", mix)
+	}
+	screen := top.NewModel(b.w, time.Second, 10).Report(true)
+	for _, want := range []string{"MODEL", "conflict (models model-a vs model-b)", "model-b"} {
+		if !strings.Contains(screen, want) {
+			t.Errorf("the screen lacks %q:\n%s", want, screen)
+		}
+	}
+	one := startWatcher(t, top.Config{})
+	one.heartbeat(messages.Heartbeat{Group: "g0", TPRank: 0, WorldSize: 1, Model: "m"})
+	one.flush()
+	if screen := top.NewModel(one.w, time.Second, 10).Report(true); strings.Contains(screen, "MODEL") {
+		t.Errorf("one model: the screen has a MODEL column:\n%s", screen)
+	}
+}
+
 // TestSchedulersAsTheFrontendSeesThem: a scheduler silent for over 3 s is
 // not ready (top said ready for 10 s), a stopped one says so, and when none
 // is ready the screen says what the frontends answer.
