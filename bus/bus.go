@@ -15,6 +15,7 @@ import (
 	neturl "net/url"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/nats-io/nats.go"
@@ -120,6 +121,11 @@ func Connect(ctx context.Context, cfg Config) (*nats.Conn, error) {
 	if timeout <= 0 {
 		timeout = 10 * time.Second
 	}
+	tlsOn := cfg.TLSCA != "" || cfg.TLSCert != "" || strings.Contains(strings.ToLower(url), "tls://")
+	var watching atomic.Bool // a reconnectProbe.watch runs
+	// What a reconnect that cannot succeed was told: once per outage.
+	refusals := &onceSet{seen: map[string]struct{}{}}
+	probe := &reconnectProbe{log: log, name: cfg.Name, tlsOn: tlsOn, said: refusals}
 	opts := []nats.Option{
 		nats.Name(cfg.Name),
 		nats.MaxReconnects(-1),
@@ -128,12 +134,19 @@ func Connect(ctx context.Context, cfg Config) (*nats.Conn, error) {
 		nats.ReconnectBufSize(64 << 20),
 		nats.RetryOnFailedConnect(false),
 		nats.Timeout(2 * time.Second),
-		nats.DisconnectErrHandler(func(_ *nats.Conn, err error) {
+		nats.DisconnectErrHandler(func(nc *nats.Conn, err error) {
 			if err != nil {
 				log.Warn("nats disconnected", "conn", cfg.Name, "err", err)
 			}
+			if nc.IsReconnecting() && watching.CompareAndSwap(false, true) { // not at a Close
+				go func() {
+					defer watching.Store(false)
+					probe.watch(nc)
+				}()
+			}
 		}),
 		nats.ReconnectHandler(func(nc *nats.Conn) {
+			refusals.reset()
 			log.Info("nats reconnected", "conn", cfg.Name, "url", nc.ConnectedUrlRedacted())
 		}),
 		nats.ErrorHandler(func(_ *nats.Conn, sub *nats.Subscription, err error) {
@@ -157,6 +170,12 @@ func Connect(ctx context.Context, cfg Config) (*nats.Conn, error) {
 					"conn", cfg.Name, "subject", subject, "err", err)
 				return
 			}
+			if advice, final := connectAdvice(err, tlsOn); sub == nil && final {
+				// A reconnect's TLS handshake refused (nats.go reports
+				// some of them here): said as reconnectProbe says them.
+				probe.say(advice, err)
+				return
+			}
 			log.Error("nats async error", "conn", cfg.Name, "subject", subject, "err", err)
 		}),
 		nats.ClosedHandler(func(nc *nats.Conn) {
@@ -177,33 +196,37 @@ func Connect(ctx context.Context, cfg Config) (*nats.Conn, error) {
 	if cfg.InboxPrefix != "" {
 		opts = append(opts, nats.CustomInboxPrefix(cfg.InboxPrefix))
 	}
+	// What a server may refuse: the credentials and TLS, for Connect and
+	// for reconnectProbe's probes.
+	var secure []nats.Option
 	switch {
 	case cfg.CredsFile != "":
-		opts = append(opts, nats.UserCredentials(cfg.CredsFile))
+		secure = append(secure, nats.UserCredentials(cfg.CredsFile))
 	case cfg.NKeySeedFile != "":
 		o, err := nats.NkeyOptionFromSeed(cfg.NKeySeedFile)
 		if err != nil {
 			return nil, fmt.Errorf("%w: nkey seed %s: %v", ErrConnect, cfg.NKeySeedFile, err)
 		}
-		opts = append(opts, o)
+		secure = append(secure, o)
 	case cfg.Token != "":
-		opts = append(opts, nats.Token(cfg.Token))
+		secure = append(secure, nats.Token(cfg.Token))
 	case cfg.User != "":
-		opts = append(opts, nats.UserInfo(cfg.User, cfg.Password))
-	}
-	if cfg.NoEcho {
-		opts = append(opts, nats.NoEcho())
+		secure = append(secure, nats.UserInfo(cfg.User, cfg.Password))
 	}
 	if cfg.TLSCA != "" {
-		opts = append(opts, nats.RootCAs(cfg.TLSCA))
+		secure = append(secure, nats.RootCAs(cfg.TLSCA))
 	}
 	if cfg.TLSCert != "" {
-		opts = append(opts, nats.ClientCert(cfg.TLSCert, cfg.TLSKey))
+		secure = append(secure, nats.ClientCert(cfg.TLSCert, cfg.TLSKey))
+	}
+	probe.url, probe.opts = url, append(secure, nats.Name(cfg.Name+"-probe"), nats.NoReconnect(), nats.Timeout(2*time.Second))
+	opts = append(opts, secure...)
+	if cfg.NoEcho {
+		opts = append(opts, nats.NoEcho())
 	}
 
 	deadline := time.Now().Add(timeout)
 	shown := RedactURLs(url)
-	tlsOn := cfg.TLSCA != "" || cfg.TLSCert != "" || strings.Contains(strings.ToLower(url), "tls://")
 	said := false // the first failure is logged, so a wait is not silent
 	for {
 		nc, err := nats.Connect(url, opts...)
@@ -224,6 +247,83 @@ func Connect(ctx context.Context, cfg Config) (*nats.Conn, error) {
 			return nil, fmt.Errorf("%w at %s: %v; the last attempt: %v (%s)", ErrConnect, shown, ctx.Err(), err, advice)
 		case <-time.After(250 * time.Millisecond):
 		}
+	}
+}
+
+// reconnectCheck is how often a reconnecting connection's last error is
+// looked at; reconnectProbeEvery how often its servers are probed.
+const (
+	reconnectCheck      = 250 * time.Millisecond
+	reconnectProbeFirst = 2 * time.Second
+	reconnectProbeEvery = 30 * time.Second
+)
+
+// reconnectProbe says, once per cause until the connection is back, why a
+// reconnecting connection cannot reconnect when a server refuses it in a
+// way retrying will not mend: its TLS certificate does not verify against
+// --nats-tls-ca, or it refuses this client's certificate (a NATS server
+// restarted with new certificates, a client certificate that expired while
+// the role ran). nats.go reports most of these to no callback and retries
+// for ever, so a role said "nats disconnected" and then nothing. A server
+// not up yet is not said (the disconnect was), nor a refused key (the
+// ErrorHandler says it).
+type reconnectProbe struct {
+	log   *slog.Logger
+	name  string
+	tlsOn bool
+	said  *onceSet
+	// url and opts connect a probe: the role's URLs, credentials and TLS.
+	url  string
+	opts []nats.Option
+}
+
+// watch looks at nc's last error every reconnectCheck and, since nats.go
+// clears it at the next server's attempt, probes each server itself
+// (one connection, closed at once) reconnectProbeFirst after the
+// disconnect and every reconnectProbeEvery after. It returns once nc is
+// connected again or closed.
+func (p *reconnectProbe) watch(nc *nats.Conn) {
+	t := time.NewTicker(reconnectCheck)
+	defer t.Stop()
+	next := time.Now().Add(reconnectProbeFirst)
+	for range t.C {
+		if !nc.IsReconnecting() {
+			return
+		}
+		p.check(nc.LastError())
+		if time.Now().Before(next) {
+			continue
+		}
+		next = time.Now().Add(reconnectProbeEvery)
+		for _, u := range strings.Split(p.url, ",") {
+			if !nc.IsReconnecting() {
+				return
+			}
+			pc, err := nats.Connect(strings.TrimSpace(u), p.opts...)
+			if err == nil {
+				pc.Close()
+				continue
+			}
+			p.check(redactError(err, u, RedactURLs(u)))
+		}
+	}
+}
+
+// check says err if retrying cannot mend it.
+func (p *reconnectProbe) check(err error) {
+	if err == nil || isAuthError(err) {
+		return
+	}
+	if advice, final := connectAdvice(err, p.tlsOn); final {
+		p.say(advice, err)
+	}
+}
+
+// say logs a reconnect refused for a reason retrying will not mend, once
+// per advice (the errors of one cause vary) until the connection is back.
+func (p *reconnectProbe) say(advice string, err error) {
+	if p.said.first(advice) {
+		p.log.Error("nats cannot reconnect: "+advice+"; retrying", "conn", p.name, "err", err)
 	}
 }
 
@@ -367,6 +467,13 @@ func Drain(ctx context.Context, nc *nats.Conn) {
 type onceSet struct {
 	mu   sync.Mutex
 	seen map[string]struct{}
+}
+
+// reset forgets every string.
+func (o *onceSet) reset() {
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	clear(o.seen)
 }
 
 // first reports whether k is new (and remembers it while there is room).

@@ -9,9 +9,10 @@ package bus
 //
 //	frontend                      _INBOX_frontend.>
 //	scheduler                     _INBOX_scheduler.>
-//	worker of group g (--group g) _INBOX_worker_g.g.>
-//	worker of any group (--rank auto, or a tool)  _INBOX_worker.>
-//	admin and the tools (capture, replay, tap, top, auth probe): nats.go's _INBOX.>
+//	worker of group g (--group g, also with --rank auto) _INBOX_worker_g.g.>
+//	worker of any group (--rank auto without --group)  _INBOX_worker.>
+//	admin and the tools (capture, replay, auth probe): nats.go's _INBOX.>
+//	top and tap (the observer key) make no request: no inbox
 //
 // The worker.nk key (any group) may use both worker prefixes; worker-g.nk
 // only _INBOX_worker_g.g.>, which no other group's inbox starts with (the

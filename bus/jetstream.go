@@ -242,6 +242,9 @@ func ensureStream(ctx context.Context, js jetstream.JetStream, cfg StreamConfig)
 		if errors.As(err, &apiErr) {
 			return nil, fmt.Errorf("bus: create stream %s: %w", name, err) // the server answered: it says why
 		}
+		if errors.Is(err, context.Canceled) {
+			return nil, fmt.Errorf("bus: create stream %s: %w", name, err) // the caller stopped: no server to blame
+		}
 		return nil, fmt.Errorf("bus: create stream %s: %w (is JetStream enabled on the server?)", name, err)
 	}
 	return st, nil

@@ -33,7 +33,8 @@ type ServerConfig struct {
 	// MaxPayload is the largest message the server accepts (default 8 MiB).
 	MaxPayload int32
 	// Cluster is an optional route listen address (HOST:PORT) and Routes the
-	// other nodes' route URLs, for a clustered JetStream.
+	// other nodes' route URLs, for a clustered JetStream: each needs the
+	// other, and a clustered server should have its own ServerName.
 	Cluster     string
 	ClusterName string
 	Routes      []string
@@ -52,8 +53,9 @@ type ServerConfig struct {
 	// TLSCert and TLSKey (PEM files), if set, make clients connect with TLS;
 	// TLSCA, if also set, requires and verifies client certificates. With a
 	// Cluster, the routes use TLS too, both ways verified against TLSCA (the
-	// system's roots without it). An expired certificate, or one not yet
-	// valid, is refused; one that expires within 14 days is warned about.
+	// system's roots without it), so with a Cluster TLSCert must verify
+	// against TLSCA. An expired certificate, or one not yet valid, is
+	// refused; one that expires within 14 days is warned about.
 	TLSCert, TLSKey, TLSCA string
 	// MonitorAddr, if set, serves nats-server's monitoring endpoints there
 	// (HOST:PORT), /healthz among them.
@@ -108,10 +110,11 @@ func StartServer(cfg ServerConfig) (*Server, error) {
 	if err := checkRouteAuth(cfg); err != nil {
 		return nil, err
 	}
-	if cfg.TLSCert != "" {
-		if err := checkServerCert(cfg.TLSCert, cfg.Cluster != "", logger, time.Now()); err != nil {
-			return nil, err
-		}
+	if err := checkClusterFlags(cfg, logger); err != nil {
+		return nil, err
+	}
+	if err := checkServerTLS(cfg, logger, time.Now()); err != nil {
+		return nil, err
 	}
 	s := &Server{}
 	dir := cfg.DataDir
@@ -159,10 +162,6 @@ func StartServer(cfg ServerConfig) (*Server, error) {
 			return nil, fmt.Errorf("%w: --auth-config %s has no users: write one with `kvbus auth init DIR`", ErrServer, cfg.AuthConfig)
 		}
 		opts.Nkeys, opts.Users = ac.Nkeys, ac.Users
-	}
-	if cfg.TLSCA != "" && (cfg.TLSCert == "" || cfg.TLSKey == "") {
-		s.cleanup()
-		return nil, fmt.Errorf("%w: --tls-ca verifies client certificates on a TLS listener: give the server's own --tls-cert and --tls-key too", ErrServer)
 	}
 	if cfg.TLSCert != "" || cfg.TLSKey != "" {
 		tc, err := server.GenTLSConfig(&server.TLSConfigOpts{CertFile: cfg.TLSCert, KeyFile: cfg.TLSKey, CaFile: cfg.TLSCA, Verify: cfg.TLSCA != ""})
@@ -280,6 +279,41 @@ func (s *Server) cleanup() {
 	if s.tempDir != "" {
 		_ = os.RemoveAll(s.tempDir)
 	}
+}
+
+// checkClusterFlags refuses route settings that nats-server would ignore or
+// wait on for ever: --routes without --cluster-addr (the server ran alone,
+// saying nothing), and --cluster-addr without --routes (a clustered
+// JetStream needs its routes at start: nats-server never became ready, and
+// the error came 30 s later asking whether the port was in use). A cluster
+// password without --cluster-addr is only warned about, and a clustered
+// server without --server-name too: every kvbus nats on the same port has
+// the same default name, and servers with the same name refuse each
+// other's routes.
+func checkClusterFlags(cfg ServerConfig, log *slog.Logger) error {
+	routes := strings.Trim(strings.Join(cfg.Routes, ","), ", ") != "" // an empty KVBUS_ROUTES= is none
+	if cfg.Cluster == "" {
+		if routes {
+			return fmt.Errorf("%w: --routes %s without --cluster-addr: the server would run alone and ignore them; "+
+				"give this server's own route listen address too (--cluster-addr 0.0.0.0:6222), the same way on every server of the cluster",
+				ErrServer, RedactURLs(strings.Join(cfg.Routes, ",")))
+		}
+		if cfg.ClusterPassword != "" || cfg.ClusterUser != "" {
+			log.Warn("a cluster password (--cluster-password-file, --cluster-password or --cluster-user) without --cluster-addr: "+
+				"this server runs alone and has no routes; give --cluster-addr and --routes to cluster it", "component", "nats-server")
+		}
+		return nil
+	}
+	if !routes {
+		return fmt.Errorf("%w: --cluster-addr %s without --routes: a clustered JetStream server needs the other servers' route URLs to start; "+
+			"give every server of the cluster the others' (--routes nats://n2:6222,nats://n3:6222), or drop --cluster-addr to run one server alone",
+			ErrServer, cfg.Cluster)
+	}
+	if cfg.ServerName == "" {
+		log.Warn("no --server-name on a clustered server: it is named kvbus-<port of --addr>, as is every other kvbus nats with that port, "+
+			"and servers with the same name refuse each other's routes; give each server of the cluster its own --server-name", "component", "nats-server")
+	}
+	return nil
 }
 
 // clusterUser is the user name routes authenticate with.

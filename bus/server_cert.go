@@ -1,6 +1,7 @@
 package bus
 
 import (
+	"crypto/tls"
 	"crypto/x509"
 	"encoding/pem"
 	"fmt"
@@ -13,6 +14,75 @@ import (
 // certExpiryWarning is how long before its NotAfter a server certificate
 // makes StartServer warn.
 const certExpiryWarning = 14 * 24 * time.Hour
+
+// checkServerTLS checks the server's TLS files before anything starts, and
+// says what is wrong naming the flag: --tls-ca without the server's own
+// certificate, --tls-cert without --tls-key (or the reverse), files that
+// cannot be read or hold no PEM certificate or key, a key that is not the
+// certificate's (nats-server's errors named its own options, "key_file",
+// or no file at all), a certificate out of its validity period
+// (checkServerCert). With a cluster, the routes verify each other's
+// certificates against --tls-ca (the system's roots without it): a
+// certificate that does not verify there is refused, since no other
+// server of the cluster could accept this one's routes.
+func checkServerTLS(cfg ServerConfig, log *slog.Logger, now time.Time) error {
+	switch {
+	case cfg.TLSCert == "" && cfg.TLSKey == "":
+		if cfg.TLSCA != "" {
+			return fmt.Errorf("%w: --tls-ca verifies client certificates on a TLS listener: give the server's own --tls-cert and --tls-key too", ErrServer)
+		}
+		return nil
+	case cfg.TLSKey == "":
+		return fmt.Errorf("%w: --tls-cert needs --tls-key, the PEM private key of the server's certificate", ErrServer)
+	case cfg.TLSCert == "":
+		return fmt.Errorf("%w: --tls-key needs --tls-cert, the server's PEM certificate", ErrServer)
+	}
+	if err := checkServerCert(cfg.TLSCert, cfg.Cluster != "", log, now); err != nil {
+		return err
+	}
+	pair, err := tls.LoadX509KeyPair(cfg.TLSCert, cfg.TLSKey)
+	if err != nil {
+		return fmt.Errorf("%w: --tls-cert %s / --tls-key %s: %v (give the server's PEM certificate and the key it was made for)",
+			ErrServer, cfg.TLSCert, cfg.TLSKey, err)
+	}
+	var roots *x509.CertPool // nil: the system's
+	if cfg.TLSCA != "" {
+		data, err := os.ReadFile(cfg.TLSCA)
+		if err != nil {
+			return fmt.Errorf("%w: --tls-ca: %v", ErrServer, err)
+		}
+		if roots = x509.NewCertPool(); !roots.AppendCertsFromPEM(data) {
+			return fmt.Errorf("%w: --tls-ca %s holds no PEM certificate: give the CA certificate that signed the clients' certificates", ErrServer, cfg.TLSCA)
+		}
+	}
+	if cfg.Cluster == "" {
+		return nil
+	}
+	leaf, err := x509.ParseCertificate(pair.Certificate[0])
+	if err != nil {
+		return fmt.Errorf("%w: --tls-cert %s: %v", ErrServer, cfg.TLSCert, err)
+	}
+	inter := x509.NewCertPool()
+	for _, der := range pair.Certificate[1:] {
+		if c, err := x509.ParseCertificate(der); err == nil {
+			inter.AddCert(c)
+		}
+	}
+	_, err = leaf.Verify(x509.VerifyOptions{Roots: roots, Intermediates: inter, CurrentTime: now, KeyUsages: []x509.ExtKeyUsage{x509.ExtKeyUsageAny}})
+	switch {
+	case err == nil:
+		return nil
+	case cfg.TLSCA == "":
+		return fmt.Errorf("%w: --tls-cert %s does not verify against the system's roots (%v): with --cluster-addr and no --tls-ca the servers "+
+			"verify each other's route certificates against the system's roots, so no server of the cluster would accept this one's routes; "+
+			"give --tls-ca FILE with the CA that signed every server's certificate (then clients need certificates of a CA in that file too: "+
+			"mutual TLS), or use certificates from a CA this system trusts", ErrServer, cfg.TLSCert, err)
+	default:
+		return fmt.Errorf("%w: --tls-cert %s does not verify against --tls-ca %s (%v): with --cluster-addr the servers verify each other's "+
+			"route certificates against --tls-ca, so no server of the cluster would accept this one's routes; issue every server's certificate "+
+			"from a CA in --tls-ca, or give as --tls-ca a file holding both the servers' CA and the clients'", ErrServer, cfg.TLSCert, cfg.TLSCA, err)
+	}
+}
 
 // checkServerCert refuses a server certificate (the first CERTIFICATE
 // block of the PEM file path) that has expired or is not valid yet, and

@@ -118,14 +118,50 @@ func (l *serverLogger) logf(level slog.Level, format string, v ...any) {
 	if names != "" {
 		args = append(args, "names", names)
 	}
+	if hint := routeHint(conn, msg); hint != "" {
+		args = append(args, "hint", hint)
+	}
 	l.log.Log(ctx, level, msg, args...)
 }
+
+// Hints for nats-server's messages about routes that say what happened but
+// not which kvbus nats flag to fix.
+const (
+	hintClusterPassword = "the two servers have different cluster passwords: give every server of the cluster the same " +
+		"--cluster-password-file (after `kvbus auth init DIR --rotate cluster-password`, restart every kvbus nats of the cluster with the new file)"
+	hintServerName = "every server of the cluster needs its own --server-name (the default, kvbus-<port of --addr>, " +
+		"is the same on every host using that port)"
+	hintRouteCA = "the routes verify each other's certificates against --tls-ca (the system's roots without it): " +
+		"give every server a certificate from a CA in every server's --tls-ca"
+)
+
+// routeHint is the hint for a message of nats-server about connection
+// conn ("rid:7" for a route), or "".
+func routeHint(conn, msg string) string {
+	route := strings.HasPrefix(conn, "rid:")
+	switch {
+	case strings.HasPrefix(msg, "Remote server has a duplicate name"), strings.HasPrefix(msg, "Router connection closed: Duplicate Server Name"):
+		return hintServerName
+	case route && (strings.HasPrefix(msg, "authentication error") || strings.Contains(msg, "'Authorization Violation'")):
+		return hintClusterPassword
+	case route && strings.Contains(msg, "TLS route handshake error") &&
+		(strings.Contains(msg, "unknown authority") || strings.Contains(msg, "bad certificate")):
+		return hintRouteCA
+	}
+	return ""
+}
+
+// digits are replaced in the key under which repeats are counted: a
+// message that differs only in a port or a count ("Error flushing: writev
+// tcp 127.0.0.1:47574->…: broken pipe" once a second from a route refused
+// its password) is a repeat.
+var digits = regexp.MustCompile(`[0-9]+`)
 
 // first reports whether msg from host is to be logged now: not when the
 // same was logged for host within the window, in which case it is counted
 // and the count logged at the window's end.
 func (l *serverLogger) first(level slog.Level, host, msg string) bool {
-	key := host + "\x00" + msg
+	key := host + "\x00" + digits.ReplaceAllString(msg, "#")
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	if r := l.repeats[key]; r != nil {

@@ -1,0 +1,180 @@
+package bus_test
+
+import (
+	"errors"
+	"log/slog"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/kvbus/kvbus/bus"
+)
+
+// TestServerBadTLSFiles: each bad or missing TLS file of kvbus nats fails
+// at start naming its flag (and the file), never nats-server's own option
+// names. Before, --tls-cert alone said "missing 'key_file' in TLS
+// configuration", a --tls-ca holding no certificate "failed to parse root
+// ca certificate" (no file, no flag), a missing one or a key that is not
+// the certificate's named no flag.
+func TestServerBadTLSFiles(t *testing.T) {
+	dir := t.TempDir()
+	ca, caKey, caPath, _ := writeCert(t, dir, "ca", true, nil, nil)
+	_, _, cert, key := writeCert(t, dir, "server", false, ca, caKey)
+	_, _, _, otherKey := writeCert(t, dir, "other", false, ca, caKey)
+	garbage := filepath.Join(dir, "garbage.pem")
+	if err := os.WriteFile(garbage, []byte("not a certificate\n"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	missing := filepath.Join(dir, "missing.pem")
+	for _, tc := range []struct {
+		name          string
+		cert, key, ca string
+		want          []string
+	}{
+		{"cert without key", cert, "", "", []string{"--tls-cert", "--tls-key"}},
+		{"key without cert", "", key, "", []string{"--tls-key", "--tls-cert"}},
+		{"key of another certificate", cert, otherKey, "", []string{"--tls-cert", "--tls-key", otherKey}},
+		{"missing key", cert, missing, "", []string{"--tls-key", missing}},
+		{"garbage key", cert, garbage, "", []string{"--tls-key", garbage}},
+		{"missing CA", cert, key, missing, []string{"--tls-ca", missing}},
+		{"CA without a certificate", cert, key, garbage, []string{"--tls-ca", garbage}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			srv, err := bus.StartServer(bus.ServerConfig{Addr: "127.0.0.1:0", DataDir: t.TempDir(), TLSCert: tc.cert, TLSKey: tc.key, TLSCA: tc.ca})
+			if err == nil {
+				srv.Shutdown()
+				t.Fatal("started")
+			}
+			if !errors.Is(err, bus.ErrServer) {
+				t.Errorf("%v does not wrap bus.ErrServer", err)
+			}
+			for _, w := range tc.want {
+				if !strings.Contains(err.Error(), w) {
+					t.Errorf("%v: does not say %q", err, w)
+				}
+			}
+			if strings.Contains(err.Error(), "key_file") || strings.Contains(err.Error(), "cert_file") {
+				t.Errorf("%v: names nats-server's option, not the flag", err)
+			}
+		})
+	}
+	_ = caPath
+}
+
+// TestRoutesWithoutClusterAddr: --routes without --cluster-addr, and
+// --cluster-addr without --routes, are refused at start naming the flag to
+// add. Before, the routes were ignored and the
+// server ran alone, saying nothing: three servers started that way never
+// formed a cluster.
+func TestRoutesWithoutClusterAddr(t *testing.T) {
+	srv, err := bus.StartServer(bus.ServerConfig{Addr: "127.0.0.1:0", DataDir: t.TempDir(), Routes: []string{"nats://127.0.0.1:6222"}})
+	if err == nil {
+		srv.Shutdown()
+		t.Fatal("--routes without --cluster-addr started a server that runs alone")
+	}
+	if !errors.Is(err, bus.ErrServer) || !strings.Contains(err.Error(), "--cluster-addr") {
+		t.Errorf("--routes without --cluster-addr: %v, want a refusal naming --cluster-addr", err)
+	}
+	// The reverse, a clustered JetStream with no routes, never became
+	// ready: the error came after 30 s asking whether the port was in use.
+	start := time.Now()
+	srv, err = bus.StartServer(bus.ServerConfig{Addr: "127.0.0.1:0", DataDir: t.TempDir(), ServerName: "n1", Cluster: "127.0.0.1:0"})
+	if err == nil {
+		srv.Shutdown()
+		t.Fatal("--cluster-addr without --routes started")
+	}
+	if !errors.Is(err, bus.ErrServer) || !strings.Contains(err.Error(), "--routes") || time.Since(start) > 5*time.Second {
+		t.Errorf("--cluster-addr without --routes: %v after %s, want a refusal at once naming --routes", err, time.Since(start).Round(time.Millisecond))
+	}
+	// A cluster password alone is said, not refused: the server runs alone
+	// as asked.
+	log, logs := captureLogger(slog.LevelInfo)
+	srv, err = bus.StartServer(bus.ServerConfig{Addr: "127.0.0.1:0", DataDir: t.TempDir(), ClusterPassword: "route-secret-3", Logger: log})
+	if err != nil {
+		t.Fatal(err)
+	}
+	srv.Shutdown()
+	if !strings.Contains(logs.String(), "--cluster-addr") || strings.Contains(logs.String(), "route-secret-3") {
+		t.Errorf("a cluster password without --cluster-addr: want a warning naming --cluster-addr (and not the password):\n%s", logs)
+	}
+}
+
+// TestRouteCertMustVerifyAgainstTheCA: with --cluster-addr and TLS, the
+// routes verify each other's certificates against --tls-ca (the system's
+// roots without it), so a server certificate that does not verify there is
+// refused at start, naming --tls-ca. Before, such a server started, and
+// its cluster never formed: every route logged "certificate signed by
+// unknown authority" while clients connected fine.
+func TestRouteCertMustVerifyAgainstTheCA(t *testing.T) {
+	dir := t.TempDir()
+	ca, caKey, caPath, _ := writeCert(t, dir, "ca", true, nil, nil)
+	_, _, cert, key := writeCert(t, dir, "n1", false, ca, caKey)
+	_, _, clientCAPath, _ := writeCert(t, dir, "client-ca", true, nil, nil)
+	cl := freeAddrs(t, 2)
+	routes := []string{"nats://" + cl[1]}
+	for _, tc := range []struct {
+		name, ca string
+		want     []string
+	}{
+		{"no --tls-ca: the system's roots", "", []string{"--tls-ca", "system"}},
+		{"--tls-ca of another CA", clientCAPath, []string{"--tls-ca", clientCAPath, cert}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			srv, err := bus.StartServer(bus.ServerConfig{Addr: "127.0.0.1:0", DataDir: t.TempDir(), ServerName: "n1", Cluster: cl[0], ClusterName: "kvbus",
+				ClusterPassword: "route-secret-4", TLSCert: cert, TLSKey: key, TLSCA: tc.ca, Routes: routes})
+			if err == nil {
+				srv.Shutdown()
+				t.Fatal("started a clustered server whose routes no peer can verify")
+			}
+			for _, w := range tc.want {
+				if !errors.Is(err, bus.ErrServer) || !strings.Contains(err.Error(), w) {
+					t.Errorf("%v: want bus.ErrServer saying %q", err, w)
+				}
+			}
+		})
+	}
+	// A --tls-ca holding both CAs verifies clients and routes.
+	both := filepath.Join(dir, "both.pem")
+	a, _ := os.ReadFile(caPath)
+	b, _ := os.ReadFile(clientCAPath)
+	if err := os.WriteFile(both, append(a, b...), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	startCfg(t, bus.ServerConfig{ServerName: "n1", Cluster: cl[0], ClusterName: "kvbus", ClusterPassword: "route-secret-4", TLSCert: cert, TLSKey: key, TLSCA: both,
+		Routes: routes})
+	// Not clustered, a --tls-ca of the clients' CA alone is right.
+	startCfg(t, bus.ServerConfig{TLSCert: cert, TLSKey: key, TLSCA: clientCAPath})
+}
+
+// TestServerLogSaysWhyRoutesFail: a clustered server without --server-name
+// is warned about at start (every kvbus nats on the same port has the same
+// default name), and the server's log lines about a duplicate server name
+// and a refused cluster password say which flag to fix. Before, two servers
+// on different hosts with the default name refused each other's routes and
+// the log said only "Remote server has a duplicate name", and a rotated
+// password only "authentication error".
+func TestServerLogSaysWhyRoutesFail(t *testing.T) {
+	cl := freeAddrs(t, 3)
+	log1, logs1 := captureLogger(slog.LevelInfo)
+	n1 := startCfg(t, bus.ServerConfig{Cluster: cl[0], ClusterName: "kvbus", ClusterPassword: "route-secret-5", Logger: log1,
+		Routes: []string{"nats://" + cl[1]}})
+	if !strings.Contains(logs1.String(), "--server-name") {
+		t.Errorf("no warning about a clustered server without --server-name:\n%s", logs1)
+	}
+	// Same name as n1's default.
+	startCfg(t, bus.ServerConfig{ServerName: n1.Name(), Cluster: cl[1], ClusterName: "kvbus", ClusterPassword: "route-secret-5", Routes: []string{routeURL(n1)}})
+	waitFor(t, 10*time.Second, "n1 to say what to do about a duplicate server name", func() bool {
+		return strings.Contains(logs1.String(), "duplicate name") && strings.Contains(logs1.String(), "hint=") &&
+			strings.Contains(logs1.String(), "its own --server-name")
+	})
+	// Another cluster password.
+	startCfg(t, bus.ServerConfig{ServerName: "n3", Cluster: cl[2], ClusterName: "kvbus", ClusterPassword: "route-secret-6", Routes: []string{routeURL(n1)}})
+	waitFor(t, 10*time.Second, "n1 to say what to do about a route with another password", func() bool {
+		return strings.Contains(logs1.String(), "authentication error") && strings.Contains(logs1.String(), "--cluster-password-file")
+	})
+	if strings.Contains(logs1.String(), "route-secret") {
+		t.Errorf("a cluster password is in the log:\n%s", logs1)
+	}
+}
