@@ -2,6 +2,7 @@ package replay
 
 import (
 	"bytes"
+	"encoding/json"
 	"errors"
 	"io"
 	"slices"
@@ -264,6 +265,82 @@ func FuzzErrorClass(f *testing.F) {
 		}
 		if !utf8.ValidString(k) {
 			t.Fatalf("key %q of %q is not valid UTF-8", k, s)
+		}
+	})
+}
+
+// FuzzReadJSON: a report file (kvbus report --html reads any file given
+// it) is read or refused with an error, never a panic, and what is read
+// can be drawn as the table and the page. (ReadJSON had no fuzz target.)
+func FuzzReadJSON(f *testing.F) {
+	rep := Summarize("kv", []Result{
+		{TurnDepth: 1, PromptTokens: 100, CachedTokens: 40, RemoteTokens: 8, Group: "g0", Sent: t0, TTFT: time.Millisecond, E2E: 3 * time.Millisecond},
+		{TurnDepth: 4, PromptTokens: 50, Group: "g1", Sent: t0.Add(time.Second), TTFT: 2 * time.Millisecond, E2E: 5 * time.Millisecond},
+		{TurnDepth: 2, Err: "http 503: no"},
+	}, 0.5, time.Second)
+	var good bytes.Buffer
+	if err := json.NewEncoder(&good).Encode([]*Report{rep, Summarize("", nil, 0, 0)}); err != nil {
+		f.Fatal(err)
+	}
+	for _, s := range []string{
+		good.String(), `{"policy":"x"}`, `[]`, `[null]`, `null`, `{}`, `[{}]`, `"x"`,
+		`[{"ttft_cdf_ms":[1e308,-1,0],"hit_ratio_by_turn":{"zz\t\n":2,"1":-1},"group_timeline":{"bucket_s":0,"groups":{"g":[-5,1e9]}}}]`,
+		`[{"group_timeline":{"bucket_s":-1,"groups":{"":[]}},"group_requests":{"a":-3},"errors":{"\u001b[31m":-1},"failed":2}]`,
+		`[{"hit_ratio":-0.5,"local_hit_ratio":2,"remote_hit_ratio":null,"ideal_hit_ratio":1e300,"policy":"` + strings.Repeat("é", 40) + `"}]`,
+	} {
+		f.Add([]byte(s))
+	}
+	f.Fuzz(func(t *testing.T, data []byte) {
+		if len(data) > maxFuzzInput {
+			return
+		}
+		reports, err := ReadJSON(bytes.NewReader(data))
+		if err != nil {
+			if reports != nil {
+				t.Fatalf("reports and an error")
+			}
+			return
+		}
+		if slices.Contains(reports, nil) {
+			t.Fatalf("a nil report")
+		}
+		if err := WriteTable(io.Discard, reports); err != nil {
+			t.Fatal(err)
+		}
+		if err := WriteHTML(io.Discard, "fuzz", reports); err != nil {
+			t.Fatal(err)
+		}
+	})
+}
+
+// FuzzReadStream: a streamed /v1/completions answer, whatever the server
+// sends, gives a result that is a failure, or a success with its TTFT
+// before its end and cached tokens within the prompt. (The stream parser
+// had no fuzz target.)
+func FuzzReadStream(f *testing.F) {
+	for _, s := range []string{
+		"data: {\"choices\":[{\"text\":\"a\"}]}\n\ndata: {\"usage\":{\"prompt_tokens\":10,\"prompt_tokens_details\":{\"cached_tokens\":8}}}\n\ndata: [DONE]\n\n",
+		"data: {\"usage\":{\"prompt_tokens_details\":{\"cached_tokens\":11}}}\ndata: [DONE]\n",
+		"data: {\"usage\":{\"prompt_tokens_details\":{\"cached_tokens\":-1}}}\ndata: [DONE]\n",
+		"data: {\"error\":{\"message\":\"m\",\"code\":\"c\"}}\n\ndata: [DONE]\n\n",
+		"data: [DONE]\n", "data: {}\n", ": ping\n\n", "data: {\"usage\":null}\n", "data: " + strings.Repeat("x", 70000) + "\n", "",
+	} {
+		f.Add([]byte(s), 10)
+	}
+	f.Fuzz(func(t *testing.T, data []byte, prompt int) {
+		if len(data) > maxFuzzInput || prompt < 0 {
+			return
+		}
+		res := Result{Sent: time.Now()}
+		readStream(bytes.NewReader(data), prompt, &res)
+		if res.Err != "" {
+			return
+		}
+		if res.TTFT <= 0 || res.E2E < res.TTFT {
+			t.Fatalf("a success with TTFT %v and E2E %v", res.TTFT, res.E2E)
+		}
+		if res.CachedTokens < 0 || res.CachedTokens > prompt {
+			t.Fatalf("a success with %d cached tokens of a %d-token prompt", res.CachedTokens, prompt)
 		}
 	})
 }

@@ -94,13 +94,35 @@ func ReadJSON(r io.Reader) ([]*Report, error) {
 		if slices.Contains(list, nil) {
 			return nil, errors.New("replay: not a kvbus report: a null in the list of reports")
 		}
+		if err := checkDepths(list); err != nil {
+			return nil, err
+		}
 		return list, nil
 	}
 	var one Report
 	if err := json.Unmarshal(data, &one); err != nil {
 		return nil, fmt.Errorf("replay: not a kvbus report (a JSON list of reports, or one): %w", err)
 	}
+	if err := checkDepths([]*Report{&one}); err != nil {
+		return nil, err
+	}
 	return []*Report{&one}, nil
+}
+
+// checkDepths refuses turn depths that a report does not have (1, 2, 3,
+// 4+): each is a row of the table and a group of bars of the page for
+// every report, so a file of thousands would draw millions of cells.
+func checkDepths(reports []*Report) error {
+	for i, r := range reports {
+		for d := range r.HitRatioByTurn {
+			switch d {
+			case "1", "2", "3", "4+":
+			default:
+				return fmt.Errorf("replay: not a kvbus report: report %d has a hit_ratio_by_turn of depth %q (want 1, 2, 3 or 4+)", i+1, clip(printable(d), 40))
+			}
+		}
+	}
+	return nil
 }
 
 // ReadJSONFile reads reports from a file written by WriteJSON.
@@ -277,8 +299,12 @@ func localRemote(reports []*Report) string {
 	for i, r := range reports {
 		x := marginL + slot*float64(i) + slot*0.2
 		fmt.Fprintf(&b, `<text x="%.1f" y="%.0f" text-anchor="middle">%s</text>`, x+slot*0.3, marginT+plotH()+16, html.EscapeString(truncateLabel(r.name(), 16)))
-		if r.LocalHitRatio == nil || r.RemoteHitRatio == nil {
+		if r.HitRatio == nil {
 			mark(&b, x+slot*0.3, "no request succeeded", label(r)+": no request succeeded")
+			continue
+		}
+		if r.LocalHitRatio == nil || r.RemoteHitRatio == nil {
+			mark(&b, x+slot*0.3, "local/remote not known", label(r)+": how much was read from other groups is not known (replayed through HTTP without the bus)")
 			continue
 		}
 		local, remote := *r.LocalHitRatio, *r.RemoteHitRatio

@@ -88,6 +88,10 @@ type Replayer struct {
 	mu      sync.Mutex
 	pending map[string]*pendingReq // by request id (nats target)
 	groups  map[string]string      // request id → group, from ReqMeta subjects
+	// remote is, through HTTP, each request's cached tokens read from
+	// another group, from its final Output on the bus: the frontend's
+	// usage does not tell them.
+	remote map[string]int
 }
 
 type pendingReq struct {
@@ -119,7 +123,7 @@ func New(cfg Config) (*Replayer, error) {
 	if cfg.Logger == nil {
 		cfg.Logger = slog.Default()
 	}
-	r := &Replayer{cfg: cfg, log: cfg.Logger, frontendID: "replay-" + nuid.Next(), pending: map[string]*pendingReq{}, groups: map[string]string{}}
+	r := &Replayer{cfg: cfg, log: cfg.Logger, frontendID: "replay-" + nuid.Next(), pending: map[string]*pendingReq{}, groups: map[string]string{}, remote: map[string]int{}}
 	u, err := url.Parse(cfg.Target)
 	if err != nil { // url's error quotes the URL, password and all
 		return nil, fmt.Errorf("replay: --target %s: not a URL; want nats://HOST:PORT or http://HOST:PORT", bus.RedactURLs(cfg.Target))
@@ -237,10 +241,17 @@ func (r *Replayer) Run(ctx context.Context, items []Item) ([]Result, time.Durati
 	if bar != nil {
 		_ = bar.Finish()
 	}
+	if r.http != nil && r.cfg.Conn != nil {
+		r.awaitRemote(ctx, results)
+	}
 	r.mu.Lock()
 	for i := range results {
 		if g, ok := r.groups[results[i].ReqID]; ok {
 			results[i].Group = g
+		}
+		if r.http != nil {
+			remote, ok := r.remote[results[i].ReqID]
+			results[i].RemoteTokens, results[i].RemoteUnknown = remote, !ok
 		}
 		if results[i].ReqID == "" && results[i].Err == "" {
 			results[i].Err = "not sent: the replay was stopped"
@@ -248,6 +259,31 @@ func (r *Replayer) Run(ctx context.Context, items []Item) ([]Result, time.Durati
 	}
 	r.mu.Unlock()
 	return results, elapsed, ctx.Err()
+}
+
+// remoteGrace bounds how long, through HTTP, a replay waits for the bus to
+// tell the remote cached tokens of requests the frontend has answered.
+const remoteGrace = time.Second
+
+// awaitRemote waits, up to remoteGrace, until the final Output of every
+// request answered through HTTP has been read from the bus: it can come
+// after the HTTP answer.
+func (r *Replayer) awaitRemote(ctx context.Context, results []Result) {
+	deadline := time.Now().Add(remoteGrace)
+	for {
+		missing := false
+		r.mu.Lock()
+		for i := range results {
+			if _, ok := r.remote[results[i].ReqID]; !ok && results[i].Err == "" && results[i].E2E > 0 {
+				missing = true
+				break
+			}
+		}
+		r.mu.Unlock()
+		if !missing || !sleepUntil(ctx, time.Now().Add(10*time.Millisecond)) || time.Now().After(deadline) {
+			return
+		}
+	}
 }
 
 func sleepUntil(ctx context.Context, t time.Time) bool {
@@ -291,6 +327,27 @@ func (r *Replayer) subscribe(ctx context.Context) ([]*nats.Subscription, error) 
 	subs = append(subs, meta)
 	if r.js != nil {
 		out, err := nc.Subscribe(subj.Out(r.frontendID), func(m *nats.Msg) { r.onOutput(m) })
+		if err != nil {
+			return subs, err
+		}
+		out.SetPendingLimits(-1, -1)
+		subs = append(subs, out)
+	} else {
+		// Through HTTP, the frontends' outputs tell how much of each
+		// request's cache was read from another group.
+		out, err := nc.Subscribe(subj.Out("*"), func(m *nats.Msg) {
+			id, u := usageOf(m.Data)
+			if u == nil || !strings.HasPrefix(id, "rp-") {
+				return // not the end of a replayed request
+			}
+			r.mu.Lock()
+			r.remote[id] = u.RemoteCachedTokens
+			// The frontend suffixes the client's X-Request-Id.
+			if i := strings.LastIndexByte(id, '-'); i > 0 {
+				r.remote[id[:i]] = u.RemoteCachedTokens
+			}
+			r.mu.Unlock()
+		})
 		if err != nil {
 			return subs, err
 		}
@@ -346,6 +403,19 @@ func (r *Replayer) warnWithoutScheduler(ctx context.Context, grace time.Duration
 	return func() { cancel(); wg.Wait(); _ = sub.Unsubscribe() }, nil
 }
 
+// usageOf reads req_id and usage from an Output without decoding its
+// text or token ids; usage is nil but on a request's final Output.
+func usageOf(data []byte) (string, *messages.Usage) {
+	var m struct {
+		ReqID string          `msgpack:"req_id"`
+		Usage *messages.Usage `msgpack:"usage"`
+	}
+	if messages.Unmarshal(data, &m) != nil {
+		return "", nil
+	}
+	return m.ReqID, m.Usage
+}
+
 // reqIDOf reads req_id from a ReqMeta without decoding its token ids.
 func reqIDOf(data []byte) string {
 	var m struct {
@@ -380,8 +450,17 @@ func (r *Replayer) onOutput(m *nats.Msg) {
 	if final {
 		delete(r.pending, o.ReqID)
 		p.res.E2E = now.Sub(p.res.Sent)
-		if o.Usage != nil {
-			p.res.CachedTokens, p.res.RemoteTokens = o.Usage.CachedTokens, o.Usage.RemoteCachedTokens
+		if u := o.Usage; u != nil {
+			p.res.CachedTokens, p.res.RemoteTokens = u.CachedTokens, u.RemoteCachedTokens
+			// An engine (--engine openai) may count the prompt in its own
+			// tokens: the bound is the larger count.
+			if prompt := max(p.res.PromptTokens, u.PromptTokens); u.CachedTokens < 0 || u.CachedTokens > prompt ||
+				u.RemoteCachedTokens < 0 || u.RemoteCachedTokens > u.CachedTokens {
+				// A count that would put a hit ratio over 1: as readStream.
+				p.res.Err = fmt.Sprintf("usage: %d cached tokens (%d remote) of a prompt of %d: the engine's count is wrong",
+					u.CachedTokens, u.RemoteCachedTokens, prompt)
+				p.res.CachedTokens, p.res.RemoteTokens = 0, 0
+			}
 		}
 		if o.Error != nil {
 			p.res.Err = o.Error.Code + ": " + o.Error.Message
@@ -558,7 +637,17 @@ func (r *Replayer) doHTTP(ctx context.Context, req *messages.Request, res *Resul
 		res.Err = fmt.Sprintf("http %d: %s", resp.StatusCode, bytes.TrimSpace(b))
 		return
 	}
-	sc := bufio.NewScanner(resp.Body)
+	readStream(resp.Body, len(req.PromptTokenIDs), res)
+}
+
+// readStream reads a streamed /v1/completions answer (server-sent events)
+// into res: TTFT at the first event, E2E at [DONE], the cached tokens of
+// the usage chunk, an error chunk's code and message. res.Sent is when the
+// request was sent. An answer without [DONE], or whose usage has cached
+// tokens outside the prompt's (a server's bug, which would put a hit ratio
+// over 1), is a failure.
+func readStream(body io.Reader, promptTokens int, res *Result) {
+	sc := bufio.NewScanner(body)
 	sc.Buffer(make([]byte, 0, 1<<16), 16<<20)
 	for sc.Scan() {
 		line, ok := bytes.CutPrefix(sc.Bytes(), []byte("data: "))
@@ -566,10 +655,10 @@ func (r *Replayer) doHTTP(ctx context.Context, req *messages.Request, res *Resul
 			continue
 		}
 		if res.TTFT == 0 {
-			res.TTFT = time.Since(res.Sent)
+			res.TTFT = max(time.Since(res.Sent), 1)
 		}
 		if string(line) == "[DONE]" {
-			res.E2E = time.Since(res.Sent)
+			res.E2E = max(time.Since(res.Sent), res.TTFT)
 			return
 		}
 		var chunk struct {
@@ -588,6 +677,11 @@ func (r *Replayer) doHTTP(ctx context.Context, req *messages.Request, res *Resul
 		}
 		if chunk.Usage != nil {
 			res.CachedTokens = chunk.Usage.Details.Cached
+			// The prompt was sent as token ids: the server's has as many.
+			if res.CachedTokens < 0 || res.CachedTokens > promptTokens {
+				res.Err = fmt.Sprintf("usage: %d cached tokens of a prompt of %d: the server's count is wrong", res.CachedTokens, promptTokens)
+				res.CachedTokens = 0
+			}
 		}
 		if chunk.Error != nil {
 			res.Err = chunk.Error.Code + ": " + chunk.Error.Message

@@ -27,10 +27,13 @@ type Result struct {
 	PromptTokens int
 	CachedTokens int
 	RemoteTokens int // of CachedTokens, read from another group (global pool)
-	Sent         time.Time
-	TTFT         time.Duration // to the first output chunk
-	E2E          time.Duration // to the last
-	Err          string
+	// RemoteUnknown: how much of CachedTokens was read from another group
+	// is not known (through HTTP, where the bus did not tell it).
+	RemoteUnknown bool
+	Sent          time.Time
+	TTFT          time.Duration // to the first output chunk
+	E2E           time.Duration // to the last
+	Err           string
 }
 
 // DefaultPolicyLabel labels a report given no policy (a replay without
@@ -49,7 +52,9 @@ type Latency struct {
 // `kvbus replay --json` and `kvbus bench --json`.
 //
 // What only succeeded requests measure (the hit ratios, TTFT, e2e) is nil,
-// null in the JSON, when none succeeded: no data, not a zero.
+// null in the JSON, when none succeeded: no data, not a zero. So are the
+// local and remote hit ratios when the split of a succeeded request's
+// cached tokens is not known (RemoteCachedTokens is then 0).
 type Report struct {
 	Policy         string   `json:"policy"`
 	Trace          string   `json:"trace,omitempty"`
@@ -103,6 +108,7 @@ func Summarize(policy string, results []Result, ideal float64, elapsed time.Dura
 	}
 	r := &Report{Policy: policy, Requests: len(results), IdealHitRatio: ideal, HitRatioByTurn: map[string]float64{}, DurationS: elapsed.Seconds()}
 	var ttft, e2e []time.Duration
+	remoteUnknown := false
 	byTurn := map[string][2]int64{}
 	groups := map[string]int{}
 	for _, res := range results {
@@ -119,6 +125,7 @@ func Summarize(policy string, results []Result, ideal float64, elapsed time.Dura
 		r.PromptTokens += int64(res.PromptTokens)
 		r.CachedTokens += int64(res.CachedTokens)
 		r.RemoteTokens += int64(res.RemoteTokens)
+		remoteUnknown = remoteUnknown || res.RemoteUnknown
 		d := turnLabel(res.TurnDepth)
 		t := byTurn[d]
 		byTurn[d] = [2]int64{t[0] + int64(res.CachedTokens), t[1] + int64(res.PromptTokens)}
@@ -127,8 +134,12 @@ func Summarize(policy string, results []Result, ideal float64, elapsed time.Dura
 		}
 	}
 	r.HitRatio = ratio(r.CachedTokens, r.PromptTokens)
-	r.LocalHitRatio = ratio(r.CachedTokens-r.RemoteTokens, r.PromptTokens)
-	r.RemoteHitRatio = ratio(r.RemoteTokens, r.PromptTokens)
+	if remoteUnknown {
+		r.RemoteTokens = 0 // a part would read as the whole
+	} else {
+		r.LocalHitRatio = ratio(r.CachedTokens-r.RemoteTokens, r.PromptTokens)
+		r.RemoteHitRatio = ratio(r.RemoteTokens, r.PromptTokens)
+	}
 	for d, t := range byTurn {
 		if t[1] > 0 {
 			r.HitRatioByTurn[d] = float64(t[0]) / float64(t[1])
@@ -474,7 +485,7 @@ func fields(reports []*Report) []field {
 // remoteMiB is what moved between groups, known when the caller gave the
 // bytes (kvbus bench) or nothing was read from another group.
 func remoteMiB(r *Report) (string, bool) {
-	if r.OK == 0 || (r.RemoteTokens > 0 && r.RemoteBytes == 0) {
+	if r.OK == 0 || r.RemoteHitRatio == nil || (r.RemoteTokens > 0 && r.RemoteBytes == 0) {
 		return "", false
 	}
 	return fmt.Sprintf("%.1f", float64(r.RemoteBytes)/(1<<20)), true

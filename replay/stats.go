@@ -1,6 +1,7 @@
 package replay
 
 import (
+	"cmp"
 	"errors"
 	"fmt"
 	"io"
@@ -45,10 +46,14 @@ func Stats(r io.Reader) (*CaptureStats, error) {
 			s.finish(sessions, prompt, maxTok)
 			return s, fmt.Errorf("%w (the stats above are of the %d frames before it)", err, s.Requests)
 		}
-		if s.Requests == 0 {
+		// Frames of a live capture are in arrival order, not always in
+		// log order: the span is from the earliest to the latest.
+		if s.Requests == 0 || f.Time.Before(s.First) {
 			s.First = f.Time
 		}
-		s.Last = f.Time
+		if s.Requests == 0 || f.Time.After(s.Last) {
+			s.Last = f.Time
+		}
 		s.Requests++
 		s.Subjects[f.Subject]++
 		req, err := messages.DecodeRequest(f.Payload)
@@ -56,8 +61,9 @@ func Stats(r io.Reader) (*CaptureStats, error) {
 			s.Malformed++
 			continue
 		}
-		if req.SessionID != "" {
-			sessions[req.SessionID] = true
+		// The session a replay gives the request (readCaptureTrace).
+		if sid := cmp.Or(req.SamplingParams.SessionFromExtraArgs(), req.SessionID); sid != "" {
+			sessions[sid] = true
 		}
 		n := len(req.PromptTokenIDs)
 		if s.Requests-s.Malformed == 1 || n < s.PromptTokens.Min {

@@ -94,13 +94,18 @@ func ReadTraceFile(path, format string) (*Trace, error) {
 
 // ReadTrace reads a trace from r.
 func ReadTrace(r io.Reader, format string) (*Trace, error) {
-	br := bufio.NewReaderSize(r, 1<<16)
+	tail := &lastByteReader{r: r}
+	br := bufio.NewReaderSize(tail, 1<<16)
 	if bom, _ := br.Peek(3); string(bom) == "\xef\xbb\xbf" {
 		_, _ = br.Discard(3) // a UTF-8 byte order mark
 	}
+	head, _ := br.Peek(4096)
+	detected := detectFormat(head)
 	if format == "" || format == FormatAuto {
-		head, _ := br.Peek(4096)
-		format = detectFormat(head)
+		if len(head) < 4096 && len(bytes.TrimSpace(head)) == 0 {
+			return nil, fmt.Errorf("%w: the file is empty: there is no request to replay", ErrFormat)
+		}
+		format = detected
 		if format == "" {
 			return nil, fmt.Errorf("%w: cannot tell the format; give --format capture, mooncake, tracelab or azure", ErrFormat)
 		}
@@ -113,15 +118,19 @@ func ReadTrace(r io.Reader, format string) (*Trace, error) {
 	case FormatCapture:
 		t, err = readCaptureTrace(br)
 	case FormatMooncake:
-		t, err = readMooncake(br)
+		t, err = readMooncake(br, tail)
 	case FormatTraceLab:
-		t, err = readTraceLab(br)
+		t, err = readTraceLab(br, tail)
 	case FormatAzure:
-		t, err = readAzure(br)
+		t, err = readAzure(br, tail)
 	default:
 		return nil, fmt.Errorf("%w: unknown format %q (want auto, capture, mooncake, tracelab, azure)", ErrFormat, format)
 	}
 	if err != nil {
+		if detected != "" && detected != format {
+			// --format names another format than the file's.
+			return nil, fmt.Errorf("%w (the file's content looks like --format %s: give that, or auto)", err, detected)
+		}
 		return nil, err
 	}
 	// The frontend refuses such session ids; replayed onto the bus they
@@ -168,25 +177,78 @@ func detectFormat(head []byte) string {
 	return ""
 }
 
-// lines calls f for each non-empty line of r, with its 1-based number.
-func lines(r io.Reader, f func(n int, line []byte) error) error {
+// lastByteReader remembers the last byte read through it: whether a file
+// ends with a line break.
+type lastByteReader struct {
+	r    io.Reader
+	last byte
+}
+
+func (l *lastByteReader) Read(p []byte) (int, error) {
+	n, err := l.r.Read(p)
+	if n > 0 {
+		l.last = p[n-1]
+	}
+	return n, err
+}
+
+// errIncomplete marks a line that is the start of a valid one, cut short.
+var errIncomplete = errors.New("the line ends before its request does")
+
+// incomplete is err marked errIncomplete when it says that line ends
+// before its JSON does.
+func incomplete(err error, line []byte) error {
+	var se *json.SyntaxError
+	if errors.As(err, &se) && se.Offset >= int64(len(line)) {
+		return fmt.Errorf("%w: %w", errIncomplete, err)
+	}
+	return err
+}
+
+// cutTail is the Damage note of a trace's last line that ends before its
+// request does and that the file ends in without a line break: a line cut
+// short (a copy of a trace still being written, a file cut at a byte
+// count), left out as a capture's cut tail is.
+func cutTail(n int, err error) string {
+	return fmt.Sprintf("line %d, the last, is cut short (the file ends in it without a line break) and is left out: %v", n, err)
+}
+
+// lines calls f for each non-empty line of r, with its 1-based number. A
+// last line that f refused as errIncomplete and that the file ends in
+// without a line break (tail saw the file's last byte) is cut short: it is
+// left out and said in the returned note, not an error.
+func lines(r io.Reader, tail *lastByteReader, f func(n int, line []byte) error) (cut string, err error) {
 	sc := bufio.NewScanner(r)
 	sc.Buffer(make([]byte, 0, 1<<16), maxTraceLineBytes)
 	n := 0
+	var pending error // f's error on the last non-empty line so far
+	pendingLine := 0
 	for sc.Scan() {
 		n++
 		line := bytes.TrimSpace(sc.Bytes())
 		if len(line) == 0 {
 			continue
 		}
+		if pending != nil {
+			return "", pending // a refused line that is not the last
+		}
 		if err := f(n, line); err != nil {
-			return err
+			pending, pendingLine = err, n
 		}
 	}
 	if err := sc.Err(); err != nil {
-		return fmt.Errorf("%w: line %d: %v", ErrFormat, n+1, err)
+		if errors.Is(err, bufio.ErrTooLong) {
+			return "", fmt.Errorf("%w: line %d: longer than %d MiB, more than one request's line can be: check that the file is a JSONL trace (one request a line) of the --format it is read as", ErrFormat, n+1, maxTraceLineBytes>>20)
+		}
+		return "", fmt.Errorf("%w: line %d: %v", ErrFormat, n+1, err)
 	}
-	return nil
+	if pending != nil {
+		if pendingLine == n && tail != nil && tail.last != '\n' && errors.Is(pending, errIncomplete) {
+			return cutTail(pendingLine, pending), nil
+		}
+		return "", pending
+	}
+	return "", nil
 }
 
 // readCaptureTrace reads a capture's requests. A damaged file — a frame
@@ -258,12 +320,12 @@ type mooncakeLine struct {
 	SessionID    json.RawMessage `json:"session_id"`
 }
 
-func readMooncake(r io.Reader) (*Trace, error) {
+func readMooncake(r io.Reader, tail *lastByteReader) (*Trace, error) {
 	t := &Trace{}
-	err := lines(r, func(n int, line []byte) error {
+	cut, err := lines(r, tail, func(n int, line []byte) error {
 		var m mooncakeLine
 		if err := json.Unmarshal(line, &m); err != nil {
-			return fmt.Errorf("%w: line %d: %v", ErrFormat, n, err)
+			return fmt.Errorf("%w: line %d: %w", ErrFormat, n, incomplete(err, line))
 		}
 		switch {
 		case m.Timestamp == nil || m.InputLength == nil || m.OutputLength == nil:
@@ -298,7 +360,13 @@ func readMooncake(r io.Reader) (*Trace, error) {
 		t.Items = append(t.Items, it)
 		return nil
 	})
-	return t, err
+	if err != nil {
+		return nil, err
+	}
+	if cut != "" {
+		t.Damage = append(t.Damage, cut)
+	}
+	return t, nil
 }
 
 // appendBlockTokens appends n deterministic token ids for block id: equal
@@ -340,7 +408,7 @@ type traceLabLine struct {
 // far (the previous prompt and its output) and appends fresh tokens up to
 // input_tokens_total. Sessions keep their relative timing and all start at
 // time 0.
-func readTraceLab(r io.Reader) (*Trace, error) {
+func readTraceLab(r io.Reader, tail *lastByteReader) (*Trace, error) {
 	type round struct {
 		line   traceLabLine
 		at     time.Time
@@ -348,10 +416,10 @@ func readTraceLab(r io.Reader) (*Trace, error) {
 	}
 	bySession := map[string][]round{}
 	var order []string
-	err := lines(r, func(n int, line []byte) error {
+	cut, err := lines(r, tail, func(n int, line []byte) error {
 		var l traceLabLine
 		if err := json.Unmarshal(line, &l); err != nil {
-			return fmt.Errorf("%w: line %d: %v", ErrFormat, n, err)
+			return fmt.Errorf("%w: line %d: %w", ErrFormat, n, incomplete(err, line))
 		}
 		switch {
 		case l.SessionID == "" || l.RoundIndex == nil || l.InputTotal == nil || l.OutputTokens == nil || len(l.TimingEvents) == 0:
@@ -375,6 +443,9 @@ func readTraceLab(r io.Reader) (*Trace, error) {
 		return nil, err
 	}
 	t := &Trace{}
+	if cut != "" {
+		t.Damage = append(t.Damage, cut)
+	}
 	for si, sid := range order {
 		rounds := bySession[sid]
 		sort.SliceStable(rounds, func(i, j int) bool { return *rounds[i].line.RoundIndex < *rounds[j].line.RoundIndex })
@@ -404,7 +475,7 @@ func readTraceLab(r io.Reader) (*Trace, error) {
 // readAzure reads the Azure LLM inference trace CSV
 // (TIMESTAMP,ContextTokens,GeneratedTokens). It has no sessions and no
 // prefixes: every prompt is unique, so no sharing is invented.
-func readAzure(r io.Reader) (*Trace, error) {
+func readAzure(r io.Reader, tail *lastByteReader) (*Trace, error) {
 	cr := csv.NewReader(r)
 	cr.ReuseRecord = true
 	cr.FieldsPerRecord = 3
@@ -414,22 +485,22 @@ func readAzure(r io.Reader) (*Trace, error) {
 	}
 	t := &Trace{}
 	var start time.Time
-	for n := 2; ; n++ {
-		rec, err := cr.Read()
-		if errors.Is(err, io.EOF) {
-			return t, nil
-		}
+	// record reads line n's record into t.
+	record := func(n int, rec []string, err error) error {
 		if err != nil {
-			return nil, fmt.Errorf("%w: line %d: %v", ErrFormat, n, err)
+			if errors.Is(err, csv.ErrFieldCount) && len(rec) < 3 {
+				err = fmt.Errorf("%w: %w", errIncomplete, err)
+			}
+			return fmt.Errorf("%w: line %d: %w", ErrFormat, n, err)
 		}
 		at, err := time.Parse("2006-01-02 15:04:05.9999999", rec[0])
 		if err != nil {
-			return nil, fmt.Errorf("%w: line %d: timestamp %q: %v", ErrFormat, n, rec[0], err)
+			return fmt.Errorf("%w: line %d: timestamp %q: %v", ErrFormat, n, rec[0], err)
 		}
 		in, err1 := strconv.Atoi(rec[1])
 		out, err2 := strconv.Atoi(rec[2])
 		if err1 != nil || err2 != nil || in < 1 || out < 0 || in > maxPromptTokens || out > maxPromptTokens {
-			return nil, fmt.Errorf("%w: line %d: bad token counts %q, %q", ErrFormat, n, rec[1], rec[2])
+			return fmt.Errorf("%w: line %d: bad token counts %q, %q", ErrFormat, n, rec[1], rec[2])
 		}
 		if len(t.Items) == 0 {
 			start = at
@@ -439,7 +510,29 @@ func readAzure(r io.Reader) (*Trace, error) {
 			prompt = appendBlockTokens(prompt, uint64(n)<<24|b|1<<63, min(MooncakeBlockTokens, in-len(prompt)))
 		}
 		t.Items = append(t.Items, Item{At: max(at.Sub(start), 0), Prompt: prompt, OutputTokens: out, OriginalID: "line-" + strconv.Itoa(n)})
+		return nil
 	}
+	var pending error // the last record's error
+	pendingLine := 0
+	for n := 2; ; n++ {
+		rec, err := cr.Read()
+		if errors.Is(err, io.EOF) {
+			break
+		}
+		if pending != nil {
+			return nil, pending // a refused record that is not the last
+		}
+		if err := record(n, rec, err); err != nil {
+			pending, pendingLine = err, n
+		}
+	}
+	if pending != nil {
+		if tail == nil || tail.last == '\n' || !errors.Is(pending, errIncomplete) {
+			return nil, pending
+		}
+		t.Damage = append(t.Damage, cutTail(pendingLine, pending))
+	}
+	return t, nil
 }
 
 // InferSessions gives sessions to a trace that has none: a request

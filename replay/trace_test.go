@@ -714,7 +714,8 @@ func TestReadTraceAuto(t *testing.T) {
 	}
 
 	t.Run("unknown content", func(t *testing.T) {
-		for _, in := range []string{"", "hello\n", `{"prompt": "hi"}` + "\n", "a,b,c\n1,2,3\n"} {
+		// (An empty file says so: TestEmptyTraceSaysSo.)
+		for _, in := range []string{"hello\n", `{"prompt": "hi"}` + "\n", "a,b,c\n1,2,3\n"} {
 			_, err := ReadTrace(strings.NewReader(in), FormatAuto)
 			if !errors.Is(err, ErrFormat) || !strings.Contains(err.Error(), "--format") {
 				t.Errorf("%q: error %v, want ErrFormat telling to give --format", in, err)

@@ -10,6 +10,7 @@ import (
 	"math"
 	"net/url"
 	"os"
+	"slices"
 	"strings"
 	"time"
 
@@ -48,6 +49,9 @@ type captureRecordCmd struct {
 
 func (c *captureRecordCmd) Run(ctx context.Context) error {
 	log := c.logger()
+	onStop(ctx, log, func() stopPlan {
+		return stopPlan{doing: "closing " + c.Out + " with the requests captured so far", inFlight: -1}
+	})
 	if c.For > 0 && !c.Follow {
 		return errors.New("--for bounds a --follow capture: add --follow, or bound a capture of the log with --until")
 	}
@@ -75,6 +79,15 @@ func (c *captureRecordCmd) Run(ctx context.Context) error {
 	if err != nil && n == 0 {
 		out.discard() // an existing file stays as it was
 		return err
+	}
+	if n == 0 {
+		// A file of no request replays nothing, and would have replaced
+		// an earlier capture of the same name.
+		out.discard()
+		if c.Follow {
+			return fmt.Errorf("no request was logged while the capture followed the log: %s is left as it was (nothing was written)", c.Out)
+		}
+		return fmt.Errorf("the request log holds no request in the range asked for: %s is left as it was (nothing was written); check --since, --from-seq and --until (without them capture copies the whole log)", c.Out)
 	}
 	if cerr := out.commit(); cerr != nil {
 		return errors.Join(err, cerr)
@@ -105,7 +118,7 @@ func (c *captureStatsCmd) Run() error {
 
 // traceFlags say which part of a trace to replay, and how.
 type traceFlags struct {
-	Format        string  `name:"format" enum:"auto,capture,mooncake,tracelab,azure" default:"auto" help:"Trace format."`
+	Format        string  `name:"format" enum:"auto,capture,mooncake,tracelab,azure" default:"auto" help:"Trace format: auto (told by the file's content), capture (kvbus capture), mooncake (JSONL), tracelab (JSONL round trace) or azure (LLM inference CSV)."`
 	Speed         float64 `name:"speed" positive:"" default:"1" help:"Replay speed: the trace clock is divided by this."`
 	Mode          string  `name:"mode" enum:"open,session" default:"open" help:"open: each request at its trace time; session: closed loop per session (a turn waits for the previous answer plus the original gap / speed)."`
 	Limit         int     `name:"limit" help:"Replay at most this many requests (after --skip)."`
@@ -148,19 +161,22 @@ func (f traceFlags) load(path string, log *slog.Logger) (*replay.Trace, error) {
 		return nil, err
 	}
 	for _, d := range tr.Damage {
-		log.Warn("damaged capture: replaying what it holds", "file", path, "left_out", d)
+		log.Warn("damaged "+tr.Format+" file: replaying what it holds", "file", path, "left_out", d)
+	}
+	if len(tr.Items) == 0 {
+		return nil, fmt.Errorf("%s holds no request to replay (read as a %s file): check that it is the file you meant", path, tr.Format)
 	}
 	if f.InferSessions {
 		replay.InferSessions(tr, replay.MooncakeBlockTokens)
 	}
+	if total := len(tr.Items); f.Skip >= total {
+		return nil, fmt.Errorf("--skip %d leaves none of the %d requests of %s: give a smaller --skip", f.Skip, total, path)
+	}
 	if f.Skip > 0 {
-		tr.Items = tr.Items[min(f.Skip, len(tr.Items)):]
+		tr.Items = tr.Items[f.Skip:]
 	}
 	if f.Limit > 0 && f.Limit < len(tr.Items) {
 		tr.Items = tr.Items[:f.Limit]
-	}
-	if len(tr.Items) == 0 {
-		return nil, errors.New("the trace has no request to replay (check --skip and --limit)")
 	}
 	// Times are relative to the first replayed request.
 	first := tr.Items[0].At
@@ -184,6 +200,9 @@ type replayCmd struct {
 
 func (c *replayCmd) Run(ctx context.Context) error {
 	log := c.logger()
+	onStop(ctx, log, func() stopPlan {
+		return stopPlan{doing: "abandoning the requests in flight and reporting those sent so far", inFlight: -1}
+	})
 	if c.BlockSize < 1 {
 		return errors.New("--block-size must be at least 1")
 	}
@@ -208,8 +227,9 @@ func (c *replayCmd) Run(ctx context.Context) error {
 	bc := nf.config("kvbus-replay", "", log)
 	overHTTP := u.Scheme != "nats" && u.Scheme != "tls"
 	if overHTTP {
-		// The bus only tells which group served each request: a replay
-		// through the frontend does not wait long for it.
+		// The bus only tells which group served each request, and how
+		// much of its cache came from other groups: a replay through the
+		// frontend does not wait long for it.
 		bc.ConnectTimeout = 2 * time.Second
 		log.Info("connecting to NATS to learn each request's group (give --nats-url the cluster's)", "nats_url", bus.RedactURLs(natsURL))
 	}
@@ -218,7 +238,7 @@ func (c *replayCmd) Run(ctx context.Context) error {
 		if !overHTTP {
 			return err
 		}
-		log.Warn("replaying over HTTP without the bus: groups will not be reported", "err", err)
+		log.Warn("replaying over HTTP without the bus: groups and the local/remote split of cached tokens will not be reported", "err", err)
 	} else {
 		defer drain(nc)
 	}
@@ -235,6 +255,12 @@ func (c *replayCmd) Run(ctx context.Context) error {
 	// share a prefix.
 	rep := replay.Summarize(c.Policy, results, replay.IdealHitRatio(tr.Items, cmp.Or(c.Model, replay.DefaultModel), c.BlockSize), elapsed)
 	rep.Trace = c.File
+	if rep.Failed == 0 && rep.HitRatio != nil && *rep.HitRatio > rep.IdealHitRatio+1e-9 {
+		// The ideal counts only what the replay itself stored. (With
+		// failures the two count different requests: outcome says so.)
+		log.Warn("hit_ratio is over ideal_hit_ratio: the cluster's cache held prompts of this trace before the replay (an earlier replay of it?); for a measurement, replay onto a cluster started afresh, or use kvbus bench",
+			"hit_ratio", *rep.HitRatio, "ideal_hit_ratio", rep.IdealHitRatio)
+	}
 	if werr := replay.WriteTable(os.Stdout, []*replay.Report{rep}); werr != nil {
 		return werr
 	}
@@ -242,9 +268,26 @@ func (c *replayCmd) Run(ctx context.Context) error {
 		return werr
 	}
 	if err != nil {
+		if ctx.Err() != nil {
+			return interrupted(results, err)
+		}
 		return err
 	}
 	return outcome(log, rep)
+}
+
+// interrupted is the error of a replay stopped (Ctrl-C) before its end:
+// what the report printed before it holds.
+func interrupted(results []replay.Result, err error) error {
+	sent := 0
+	for _, r := range results {
+		if r.ReqID != "" {
+			sent++
+		}
+	}
+	return fmt.Errorf("replay interrupted: the report holds what happened to the %d of the %d requests sent before it "+
+		"(those in flight count as failed: \"stopped\"); the %d never sent count as failed too (\"not sent\"): %w",
+		sent, len(results), len(results)-sent, err)
 }
 
 // policyLabel is " (policy P)", or "" for a replay without a label.
@@ -304,8 +347,8 @@ type benchCmd struct {
 	Ranks      int           `name:"ranks" positive:"" default:"4" help:"Ranks per group."`
 	Profile    string        `name:"model-profile" default:"llama-3.1-8b" help:"KV shape of the model."`
 	Capacity   string        `name:"kv-capacity" default:"8Mtok" help:"Block store capacity per rank (size or tokens)."`
-	Payload    string        `name:"kv-payload" enum:"bytes,accounting" default:"accounting" help:"Block payloads: accounting keeps a digest per block."`
-	Evict      string        `name:"evict" enum:"lru,session" default:"lru" help:"Eviction policy."`
+	Payload    string        `name:"kv-payload" enum:"bytes,accounting" default:"accounting" help:"What a rank keeps per block: accounting (an 8-byte digest, charged the full size) or bytes (the full deterministic bytes, as serve keeps by default: memory of --kv-capacity per rank)."`
+	Evict      string        `name:"evict" enum:"lru,session" default:"lru" help:"Eviction: lru, or session (evict a session's blocks together, as serve's --evict)."`
 	Epsilon    float64       `name:"session-epsilon" default:"0.25" help:"Bounded-load slack of the session policy."`
 	BlockSize  int           `name:"block-size" positive:"" default:"16" help:"Tokens per KV block."`
 	Prefill    time.Duration `name:"prefill-per-token" default:"60us" help:"Sim engine: prefill time per uncached token (scaled by 1/--speed)."`
@@ -319,6 +362,9 @@ type benchCmd struct {
 
 func (c *benchCmd) Run(ctx context.Context) error {
 	log := c.logger()
+	onStop(ctx, log, func() stopPlan {
+		return stopPlan{doing: "ending the policy running, then reporting those that finished", inFlight: -1}
+	})
 	if c.BlockSize < 1 || c.Runs < 1 || c.Groups < 1 || c.Ranks < 1 {
 		return fmt.Errorf("--block-size (%d), --runs (%d), --groups (%d) and --ranks (%d) must be at least 1", c.BlockSize, c.Runs, c.Groups, c.Ranks)
 	}
@@ -358,7 +404,16 @@ func (c *benchCmd) Run(ctx context.Context) error {
 				"requests", len(tr.Items), "speed", c.Speed)
 			rep, err := c.runOne(ctx, tr, policy, pool, capacity, ideal)
 			if err != nil {
-				err = fmt.Errorf("policy %s, pool %s: %w", policy, pool, err)
+				switch {
+				case ctx.Err() != nil && len(reports) == 0:
+					return fmt.Errorf("bench interrupted in policy %s, pool %s, before any policy finished: nothing to report "+
+						"(a shorter bench: --limit, a higher --speed, fewer --policies): %w", policy, pool, err)
+				case ctx.Err() != nil:
+					err = fmt.Errorf("bench interrupted in policy %s, pool %s: the report holds the policies that finished before it (%d): %w",
+						policy, pool, len(reports), err)
+				default:
+					err = fmt.Errorf("policy %s, pool %s: %w", policy, pool, err)
+				}
 				if len(reports) == 0 {
 					return err
 				}
@@ -396,11 +451,19 @@ func (c *benchCmd) runs() (policies, pools []string, err error) {
 		if _, err := scheduler.NewPolicy(p, c.Epsilon); err != nil {
 			return nil, nil, fmt.Errorf("--policies: %w", err)
 		}
+		if slices.Contains(policies, p) {
+			// Two columns of one name, and two reports no reader of the
+			// JSON can tell apart.
+			return nil, nil, fmt.Errorf("--policies names %s twice: to run a policy again, give --runs", p)
+		}
 		policies = append(policies, p)
 	}
 	for p := range strings.SplitSeq(c.Pools, ",") {
 		switch p = strings.TrimSpace(p); p {
 		case scheduler.PoolLocal, scheduler.PoolGlobal:
+			if slices.Contains(pools, p) {
+				return nil, nil, fmt.Errorf("--pool names %s twice: to run a pool again, give --runs", p)
+			}
 			pools = append(pools, p)
 		default:
 			return nil, nil, fmt.Errorf("--pool: %q must be %s or %s", p, scheduler.PoolLocal, scheduler.PoolGlobal)

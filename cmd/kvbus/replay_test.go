@@ -135,6 +135,9 @@ func TestBenchFlagsAndInterruption(t *testing.T) {
 	if err == nil {
 		t.Fatal("an interrupted bench returned no error")
 	}
+	if msg := err.Error(); !strings.Contains(msg, "bench interrupted in policy random") || !strings.Contains(msg, "policies that finished") {
+		t.Errorf("error %q, want one saying the bench was interrupted in policy random and what the report holds", msg)
+	}
 	var reports []map[string]any
 	if b, rerr := os.ReadFile(report); rerr != nil || json.Unmarshal(b, &reports) != nil || len(reports) != 1 || reports[0]["policy"] != "round-robin" || reports[0]["ok"] != 4.0 {
 		t.Errorf("after an interruption (%v) the report holds %v (%v); want round-robin's run of 4 requests", err, reports, rerr)
@@ -180,5 +183,183 @@ func TestReplayModelFlag(t *testing.T) {
 	}
 	if err := run(); err == nil || !strings.Contains(err.Error(), "model_not_found") {
 		t.Errorf("replay of a prod-model capture without --model: %v, want its own model asked for and refused", err)
+	}
+}
+
+// TestBenchInterruptedBeforeAnyPolicySaysSo: Ctrl-C in the first policy's
+// run says that the bench was interrupted and that there is nothing to
+// report, and how to make a bench shorter. Before: "policy round-robin,
+// pool global: context canceled".
+func TestBenchInterruptedBeforeAnyPolicySaysSo(t *testing.T) {
+	report := filepath.Join(t.TempDir(), "r.json")
+	c := parseCLI(t, "bench", "--trace", tinyTrace(t, 4), "--policies", "round-robin,random", "--groups", "1", "--ranks", "1",
+		"--kv-capacity", "64MiB", "--speed", "1000", "--json", report)
+	logs := &testenv.LogBuffer{}
+	c.Bench.out = logs
+	ctx, cancel := context.WithCancel(t.Context())
+	defer cancel()
+	go func() {
+		for ctx.Err() == nil && len(logs.Lines("bench: starting a cluster")) < 1 {
+			time.Sleep(time.Millisecond)
+		}
+		cancel() // in the first policy's run
+	}()
+	err := c.Bench.Run(ctx)
+	if err == nil || !strings.Contains(err.Error(), "bench interrupted in policy round-robin") ||
+		!strings.Contains(err.Error(), "nothing to report") || !strings.Contains(err.Error(), "--limit") {
+		t.Errorf("error %v, want one saying the bench was interrupted before any policy finished, and how to shorten it", err)
+	}
+	if _, serr := os.Stat(report); serr == nil {
+		t.Errorf("an interrupted bench with no finished policy wrote %s", report)
+	}
+}
+
+// TestReplayInterruptedSaysWhatTheReportHolds: a replay stopped by Ctrl-C
+// says how many of its requests were sent before it, and that the others
+// count as failed. Before: "context canceled".
+func TestReplayInterruptedSaysWhatTheReportHolds(t *testing.T) {
+	cl := testenv.StartCluster(t, testenv.ClusterConfig{Payload: "accounting"})
+	// 3 requests at once, then 5 more a minute later: never sent.
+	var b strings.Builder
+	for i := range 8 {
+		fmt.Fprintf(&b, `{"timestamp": %d, "input_length": 40, "output_length": 2, "hash_ids": [%d]}`+"\n", (i/3)*60000, i)
+	}
+	path := filepath.Join(t.TempDir(), "trace.jsonl")
+	if err := os.WriteFile(path, []byte(b.String()), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	c := parseCLI(t, "replay", path, "--target", cl.NATS.ClientURL(), "--model", cl.Model)
+	logs := &testenv.LogBuffer{}
+	c.Replay.out = logs
+	ctx, cancel := context.WithCancel(t.Context())
+	defer cancel()
+	go func() {
+		for ctx.Err() == nil && len(logs.Lines("replaying")) < 1 {
+			time.Sleep(time.Millisecond)
+		}
+		time.Sleep(500 * time.Millisecond) // the first three are answered
+		cancel()
+	}()
+	err := c.Replay.Run(ctx)
+	if err == nil || !errors.Is(err, context.Canceled) || !strings.Contains(err.Error(), "replay interrupted") ||
+		!strings.Contains(err.Error(), "the 3 of the 8 requests sent before it") || !strings.Contains(err.Error(), "the 5 never sent") {
+		t.Errorf("error %v, want one saying the replay was interrupted after sending 3 of 8 requests", err)
+	}
+}
+
+// TestTraceLoadSaysWhatIsWrong: a trace with no request says so and names
+// the file; a --skip past its end names --skip. Before, both read "the
+// trace has no request to replay (check --skip and --limit)", given no
+// --skip or --limit at all. A trace whose last line was cut short replays
+// the lines before it, with a warning.
+func TestTraceLoadSaysWhatIsWrong(t *testing.T) {
+	dir := t.TempDir()
+	write := func(name, data string) string {
+		path := filepath.Join(dir, name)
+		if err := os.WriteFile(path, []byte(data), 0o644); err != nil {
+			t.Fatal(err)
+		}
+		return path
+	}
+	const line = `{"timestamp": 1, "input_length": 40, "output_length": 2, "hash_ids": [1]}`
+	logs := &testenv.LogBuffer{}
+	log := logFlags{out: logs}.logger()
+
+	empty := write("empty.jsonl", "\n\n")
+	_, err := traceFlags{Format: replay.FormatMooncake}.load(empty, log)
+	if err == nil || !strings.Contains(err.Error(), empty) || !strings.Contains(err.Error(), "holds no request") || strings.Contains(err.Error(), "--skip") {
+		t.Errorf("empty trace: %v, want an error naming the file and saying it holds no request", err)
+	}
+	_, err = traceFlags{Format: replay.FormatAuto}.load(empty, log)
+	if err == nil || !strings.Contains(err.Error(), "empty") {
+		t.Errorf("empty trace, auto: %v, want an error saying the file is empty", err)
+	}
+
+	two := write("two.jsonl", line+"\n"+line+"\n")
+	_, err = traceFlags{Format: replay.FormatAuto, Skip: 2}.load(two, log)
+	if err == nil || !strings.Contains(err.Error(), "--skip 2 leaves none of the 2 requests") {
+		t.Errorf("--skip 2 of 2: %v, want an error naming --skip", err)
+	}
+	tr, err := traceFlags{Format: replay.FormatAuto, Skip: 1}.load(two, log)
+	if err != nil || len(tr.Items) != 1 {
+		t.Errorf("--skip 1 of 2: %v, %v", tr, err)
+	}
+
+	cut := write("cut.jsonl", line+"\n"+line+"\n"+line[:25])
+	tr, err = traceFlags{Format: replay.FormatAuto}.load(cut, log)
+	if err != nil || len(tr.Items) != 2 {
+		t.Fatalf("a trace with a cut last line: %v, %v; want its 2 whole lines", tr, err)
+	}
+	if w := logs.Lines("damaged mooncake file"); len(w) != 1 || !strings.Contains(w[0], "line 3, the last, is cut short") {
+		t.Errorf("warnings %q, want one saying line 3 was cut short", w)
+	}
+}
+
+// TestBenchRefusesARepeatedPolicyOrPool: --policies kv,kv ran kv twice
+// into two columns and two JSON reports named kv that nothing could tell
+// apart; it is refused before any cluster starts, pointing to --runs.
+func TestBenchRefusesARepeatedPolicyOrPool(t *testing.T) {
+	trace := tinyTrace(t, 2)
+	for _, args := range [][]string{{"--policies", "kv,round-robin, kv"}, {"--pool", "local,global,local"}} {
+		c := parseCLI(t, append([]string{"bench", "--trace", trace}, args...)...)
+		logs := &testenv.LogBuffer{}
+		c.Bench.out = logs
+		err := c.Bench.Run(t.Context())
+		if err == nil || !strings.Contains(err.Error(), "twice") || !strings.Contains(err.Error(), "--runs") {
+			t.Errorf("bench %v: %v, want an error saying it names one twice, pointing to --runs", args, err)
+		}
+		if n := len(logs.Lines("bench: starting a cluster")); n != 0 {
+			t.Errorf("bench %v started %d clusters before refusing", args, n)
+		}
+	}
+}
+
+// TestCaptureOfNothingKeepsTheFile: a capture that copies no request (a
+// --since past the last request, a --follow during which nothing came)
+// says so and leaves the file it was to replace as it was. Before, it
+// exited 0 with "capture done requests=0" having replaced an earlier
+// capture of that name with an empty one, which replay then refused.
+func TestCaptureOfNothingKeepsTheFile(t *testing.T) {
+	cl := testenv.StartCluster(t, testenv.ClusterConfig{Payload: "accounting"})
+	out := filepath.Join(t.TempDir(), "x.kvcap")
+	if err := os.WriteFile(out, []byte("an earlier capture"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	future := time.Now().Add(24 * time.Hour).UTC().Format(time.RFC3339)
+	for _, args := range [][]string{{"--since", future}, {"--follow", "--for", "300ms"}} {
+		c := parseCLI(t, append([]string{"capture", "--out", out, "--nats-url", cl.NATS.ClientURL()}, args...)...)
+		c.Capture.Record.out = &testenv.LogBuffer{}
+		err := c.Capture.Record.Run(t.Context())
+		if err == nil || !strings.Contains(err.Error(), "left as it was") {
+			t.Errorf("capture %v: %v, want an error saying nothing was captured and the file is left as it was", args, err)
+		}
+		if b, _ := os.ReadFile(out); string(b) != "an earlier capture" {
+			t.Errorf("capture %v of nothing left %q in the file", args, b)
+		}
+		if left, _ := filepath.Glob(filepath.Join(filepath.Dir(out), ".*partial")); len(left) > 0 {
+			t.Errorf("temporary files left: %v", left)
+		}
+	}
+}
+
+// TestReplayOverItsIdealWarns: a replay onto a cluster whose cache already
+// holds the trace's prompts (here: the same trace replayed a second time)
+// reads a hit_ratio over its ideal_hit_ratio, which counts only what the
+// replay stores; it says why, and what to do for a measurement. Before, the
+// report stood unexplained, hit_ratio 0.9 of an "ideal" 0.5.
+func TestReplayOverItsIdealWarns(t *testing.T) {
+	cl := testenv.StartCluster(t, testenv.ClusterConfig{Payload: "accounting"})
+	trace := tinyTrace(t, 4)
+	for run := range 2 {
+		c := parseCLI(t, "replay", trace, "--target", cl.NATS.ClientURL(), "--model", cl.Model, "--mode", "session", "--speed", "100")
+		logs := &testenv.LogBuffer{}
+		c.Replay.out = logs
+		if err := c.Replay.Run(t.Context()); err != nil {
+			t.Fatal(err)
+		}
+		warned := len(logs.Lines("hit_ratio is over ideal_hit_ratio")) > 0
+		if warned != (run == 1) {
+			t.Errorf("run %d: warned %v; want a warning only when the cache held the trace before (run 1)", run, warned)
+		}
 	}
 }

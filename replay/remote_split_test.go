@@ -1,0 +1,137 @@
+package replay_test
+
+import (
+	"fmt"
+	"net/http"
+	"net/http/httptest"
+	"regexp"
+	"strings"
+	"testing"
+
+	"github.com/kvbus/kvbus/replay"
+	"github.com/kvbus/kvbus/testenv"
+)
+
+// TestRemoteSplitThroughHTTP: a replay through the frontend reports how
+// much of the cache was read from another group as a replay onto the bus
+// does, learning it from the outputs on the bus; without the bus the split
+// is not known, and the report says so (null local and remote hit ratios,
+// "-" in the table). Before, through HTTP every cached token counted as
+// local: remote_hit_ratio 0.000 on a global pool that read half of them
+// from other groups.
+func TestRemoteSplitThroughHTTP(t *testing.T) {
+	// One session of 4 turns, each extending the previous: round-robin
+	// over 2 groups puts every turn on the other group than the last, so
+	// each turn reads its prefix from the other group's segment. Each run
+	// has blocks of its own (base): none is cached by a run before it.
+	trace := func(base int) []replay.Item {
+		var b strings.Builder
+		for turn := 1; turn <= 4; turn++ {
+			ids := make([]string, turn)
+			for k := range ids {
+				ids[k] = fmt.Sprint(base + k)
+			}
+			fmt.Fprintf(&b, `{"timestamp": %d, "input_length": %d, "output_length": 2, "hash_ids": [%s], "session_id": "s%d"}`+"\n",
+				turn, 512*turn, strings.Join(ids, ", "), base)
+		}
+		tr, err := replay.ReadTrace(strings.NewReader(b.String()), replay.FormatMooncake)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return tr.Items
+	}
+	c := testenv.StartCluster(t, testenv.ClusterConfig{Groups: 2, Policy: "round-robin", Pool: "global", Payload: "accounting"})
+	run := func(target string, bus bool, base int) *replay.Report {
+		t.Helper()
+		items := trace(base)
+		cfg := replay.Config{Target: target, Mode: replay.ModeSession, Model: c.Model}
+		if bus {
+			cfg.Conn = testenv.Connect(t, c.NATS)
+		}
+		r, err := replay.New(cfg)
+		if err != nil {
+			t.Fatal(err)
+		}
+		results, elapsed, err := r.Run(t.Context(), items)
+		if err != nil {
+			t.Fatal(err)
+		}
+		rep := replay.Summarize("rr", results, replay.IdealHitRatio(items, c.Model, 16), elapsed)
+		if rep.OK != len(items) {
+			t.Fatalf("%s: ok %d of %d: %v", target, rep.OK, len(items), rep.Errors)
+		}
+		return rep
+	}
+	onBus := run(c.NATS.ClientURL(), true, 100)
+	if onBus.RemoteHitRatio == nil || *onBus.RemoteHitRatio == 0 {
+		t.Fatalf("onto the bus: remote hit ratio %v; the test wants a cluster that reads from other groups", onBus.RemoteHitRatio)
+	}
+	viaHTTP := run(c.URL, true, 200)
+	if viaHTTP.RemoteHitRatio == nil || viaHTTP.LocalHitRatio == nil || *viaHTTP.RemoteHitRatio == 0 ||
+		viaHTTP.RemoteTokens > viaHTTP.CachedTokens || *viaHTTP.LocalHitRatio+*viaHTTP.RemoteHitRatio-*viaHTTP.HitRatio > 1e-9 {
+		t.Errorf("through HTTP with the bus: hit %v local %v remote %v (%d of %d cached tokens remote); want a remote share, as onto the bus (%v)",
+			deref(viaHTTP.HitRatio), viaHTTP.LocalHitRatio, viaHTTP.RemoteHitRatio, viaHTTP.RemoteTokens, viaHTTP.CachedTokens, *onBus.RemoteHitRatio)
+	}
+	blind := run(c.URL, false, 300)
+	if blind.HitRatio == nil || blind.LocalHitRatio != nil || blind.RemoteHitRatio != nil || blind.RemoteTokens != 0 {
+		t.Errorf("through HTTP without the bus: hit %v local %v remote %v remote tokens %d; want the hit ratio and no split",
+			blind.HitRatio, blind.LocalHitRatio, blind.RemoteHitRatio, blind.RemoteTokens)
+	}
+	var table strings.Builder
+	if err := replay.WriteTable(&table, []*replay.Report{blind}); err != nil {
+		t.Fatal(err)
+	}
+	for _, row := range []string{"local_hit_ratio", "remote_hit_ratio", "remote MiB moved"} {
+		if !regexp.MustCompile(`(?m)^ *` + regexp.QuoteMeta(row) + ` +-$`).MatchString(table.String()) {
+			t.Errorf("table row %s is not \"-\" without the split:\n%s", row, table.String())
+		}
+	}
+	var page strings.Builder
+	if err := replay.WriteHTML(&page, "t", []*replay.Report{blind}); err != nil {
+		t.Fatal(err)
+	}
+	if !strings.Contains(page.String(), "local/remote not known") {
+		t.Errorf("the page does not say the split is not known")
+	}
+}
+
+func deref(p *float64) any {
+	if p == nil {
+		return nil
+	}
+	return *p
+}
+
+// TestImpossibleUsageIsAFailure: a server whose usage has more cached
+// tokens than the prompt (or fewer than none) fails that request, saying
+// so, rather than put the report's hit_ratio over 1 and over its ideal.
+func TestImpossibleUsageIsAFailure(t *testing.T) {
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		w.Header().Set("Content-Type", "text/event-stream")
+		fmt.Fprint(w, "data: {\"choices\":[{\"text\":\"a\"}]}\n\n")
+		fmt.Fprint(w, "data: {\"usage\":{\"prompt_tokens\":512,\"prompt_tokens_details\":{\"cached_tokens\":4096}}}\n\n")
+		fmt.Fprint(w, "data: [DONE]\n\n")
+	}))
+	defer srv.Close()
+	tr, err := replay.ReadTrace(strings.NewReader(`{"timestamp": 0, "input_length": 512, "output_length": 1, "hash_ids": [1]}`+"\n"), replay.FormatMooncake)
+	if err != nil {
+		t.Fatal(err)
+	}
+	r, err := replay.New(replay.Config{Target: srv.URL})
+	if err != nil {
+		t.Fatal(err)
+	}
+	results, elapsed, err := r.Run(t.Context(), tr.Items)
+	if err != nil {
+		t.Fatal(err)
+	}
+	rep := replay.Summarize("x", results, replay.IdealHitRatio(tr.Items, "m", 16), elapsed)
+	if rep.OK != 0 || rep.Failed != 1 || rep.HitRatio != nil {
+		t.Fatalf("ok %d failed %d hit ratio %v; want the request failed for its usage", rep.OK, rep.Failed, deref(rep.HitRatio))
+	}
+	for cause := range rep.Errors {
+		if !strings.Contains(cause, "cached tokens of a prompt of 512") {
+			t.Errorf("cause %q, want one naming the impossible usage", cause)
+		}
+	}
+}
