@@ -47,7 +47,8 @@ func Tap(ctx context.Context, cfg TapConfig, w io.Writer) error {
 	// A refused subscription is said on the connection, not by Subscribe:
 	// without this check tap would wait for ever, printing nothing.
 	if err := cfg.Conn.LastError(); errors.Is(err, nats.ErrPermissionViolation) {
-		return fmt.Errorf("replay: tap: %w: tap reads every subject it is given; give it the admin key (--nats-nkey admin.nk)", err)
+		return fmt.Errorf("replay: tap: %w: tap reads every subject it is given; give it the observer key (--nats-nkey DIR/observer.nk, "+
+			"written by `kvbus auth init DIR`) or the admin key", err)
 	}
 	key := messages.SessionKey(cfg.SessionID)
 	for {

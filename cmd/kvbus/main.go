@@ -84,7 +84,7 @@ func main() {
 		kong.Name("kvbus"),
 		kong.Description("kvbus: an LLM-serving request pipeline over NATS that carries a conversation's session id from the OpenAI API to every KV store rank."),
 		kong.DefaultEnvars("KVBUS"),
-		kong.UsageOnError(),
+		kong.ShortUsageOnError(), // the full usage buried a one-line error under 80 lines
 	)
 	err = kctx.Run()
 	_ = sink.Close()
