@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"net/http"
+	"slices"
 	"sort"
 	"strings"
 	"sync"
@@ -34,6 +35,9 @@ type schedulerSeen struct {
 	ready  bool
 	reason string
 	at     time.Time
+	// models are the models of its ready groups; nil from a scheduler
+	// that does not say (any model).
+	models []string
 }
 
 func (t *schedulerTable) observe(a *messages.Announcement, now time.Time) {
@@ -42,7 +46,35 @@ func (t *schedulerTable) observe(a *messages.Announcement, now time.Time) {
 	if t.m == nil {
 		t.m = map[string]schedulerSeen{}
 	}
-	t.m[a.ID] = schedulerSeen{ready: a.Ready, reason: a.Reason, at: now}
+	t.m[a.ID] = schedulerSeen{ready: a.Ready, reason: a.Reason, at: now, models: a.ReadyModels}
+}
+
+// readyFor reports whether a ready scheduler announced within the timeout
+// that it can place requests of model (a group of it, or of no named
+// model, is ready).
+func (t *schedulerTable) readyFor(model string, now time.Time) bool {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	for _, s := range t.m {
+		if s.ready && now.Sub(s.at) <= t.timeout &&
+			(s.models == nil || slices.Contains(s.models, model) || slices.Contains(s.models, "")) {
+			return true
+		}
+	}
+	return false
+}
+
+// readyModels says which of models a ready scheduler can place, and which
+// not (nil when all can).
+func (t *schedulerTable) readyModels(models []string, now time.Time) (ready, not []string) {
+	for _, m := range models {
+		if t.readyFor(m, now) {
+			ready = append(ready, m)
+		} else {
+			not = append(not, m)
+		}
+	}
+	return ready, not
 }
 
 // ready reports whether a ready scheduler announced itself recently; if
@@ -97,7 +129,26 @@ func (s *Server) Healthy() (bool, string) {
 	case !s.cfg.Conn.IsConnected():
 		return false, "not connected to NATS"
 	}
-	return s.schedulers.ready(time.Now())
+	now := time.Now()
+	if ok, why := s.schedulers.ready(now); !ok {
+		return false, why
+	}
+	// Ready while any served model can be placed (a request of another
+	// waits the scheduler's --no-group-wait for a group of it, then gets a
+	// 503 naming it): a frontend of one model whose workers are not up is
+	// not ready, as a vLLM server without its engine.
+	if ready, not := s.schedulers.readyModels(s.cfg.Models, now); len(ready) == 0 {
+		return false, fmt.Sprintf("no worker group of the served model%s %s is ready: check that workers with --model %s run",
+			plural(len(not)), strings.Join(not, ", "), strings.Join(not, " or "))
+	}
+	return true, ""
+}
+
+func plural(n int) string {
+	if n == 1 {
+		return ""
+	}
+	return "s"
 }
 
 func (s *Server) serveHealthz(w http.ResponseWriter, _ *http.Request) {

@@ -99,3 +99,58 @@ func TestNoReadySchedulerIsAFast503(t *testing.T) {
 	}
 	probe("a ready scheduler", "/health", http.StatusOK)
 }
+
+// TestNotReadyWhileNoGroupOfItsModels: a frontend is ready while a ready
+// scheduler can place one of its models (ready_models in the
+// announcements): one serving only a model whose workers are not up is not
+// (/healthz 503 naming the model), as vLLM is not without its engine; it
+// answered 200 and every request waited 2 s for a 503. A scheduler that
+// does not list its models (an older kvbus) counts for every model.
+func TestNotReadyWhileNoGroupOfItsModels(t *testing.T) {
+	s := startStandalone(t, false, func(c *frontend.Config) { c.Models = []string{"c", "d"} })
+	nc, err := nats.Connect(s.natsURL)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer nc.Close()
+	healthz := func(models []string, settled func(int, string) bool) (int, string) {
+		t.Helper()
+		data, _ := messages.Marshal(&messages.Announcement{Role: messages.RoleScheduler, ID: "s1", Ready: true,
+			ReadyGroups: 1, UnixMs: time.Now().UnixMilli(), ReadyModels: models})
+		if err := nc.Publish(messages.Subjects{}.Announce(messages.RoleScheduler, "s1"), data); err != nil {
+			t.Fatal(err)
+		}
+		var status int
+		var body []byte
+		deadline := time.Now().Add(2 * time.Second)
+		for time.Now().Before(deadline) { // the announcement reaches the frontend
+			resp, err := http.Get(s.url + "/healthz")
+			if err != nil {
+				t.Fatal(err)
+			}
+			body, _ = io.ReadAll(resp.Body)
+			resp.Body.Close()
+			status = resp.StatusCode
+			if settled(status, string(body)) {
+				break
+			}
+			time.Sleep(20 * time.Millisecond)
+		}
+		return status, string(body)
+	}
+	saysModels := func(_ int, body string) bool { return strings.Contains(body, "model") }
+	ok := func(status int, _ string) bool { return status == http.StatusOK }
+	if status, body := healthz([]string{"a", "b"}, saysModels); status != http.StatusServiceUnavailable || !strings.Contains(body, "c, d") ||
+		!strings.Contains(body, "--model c or d") {
+		t.Errorf("groups of a and b only: /healthz %d %s, want 503 naming c and d", status, body)
+	}
+	if status, body := healthz([]string{"a", "d"}, ok); status != http.StatusOK {
+		t.Errorf("a group of d ready: /healthz %d %s, want 200", status, body)
+	}
+	if status, body := healthz([]string{"a"}, saysModels); status != http.StatusServiceUnavailable {
+		t.Errorf("again only a: /healthz %d %s, want 503", status, body)
+	}
+	if status, body := healthz(nil, ok); status != http.StatusOK {
+		t.Errorf("a scheduler that lists no models: /healthz %d %s, want 200", status, body)
+	}
+}

@@ -330,6 +330,10 @@ type Announcement struct {
 	// heard again under its id with another start died in between (a
 	// fixed --id restarted at once), and its requests are adopted.
 	StartedUnixMs int64 `msgpack:"started_unix_ms,omitempty" json:"started_unix_ms,omitempty"`
+	// ReadyModels are, for a ready scheduler, the models of the groups it
+	// can place on, sorted ("" for groups whose ranks name no model: any).
+	// Absent from a scheduler of a kvbus before models were told apart.
+	ReadyModels []string `msgpack:"ready_models,omitempty" json:"ready_models,omitempty"`
 }
 
 // RoleScheduler is the role name of schedulers in announcements.

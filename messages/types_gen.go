@@ -135,8 +135,8 @@ func (z *Abort) Msgsize() (s int) {
 func (z *Announcement) MarshalMsg(b []byte) (o []byte, err error) {
 	o = msgp.Require(b, z.Msgsize())
 	// check for omitted fields
-	zb0001Len := uint32(9)
-	var zb0001Mask uint16 /* 9 bits */
+	zb0001Len := uint32(10)
+	var zb0001Mask uint16 /* 10 bits */
 	_ = zb0001Mask
 	if z.Reason == "" {
 		zb0001Len--
@@ -153,6 +153,10 @@ func (z *Announcement) MarshalMsg(b []byte) (o []byte, err error) {
 	if z.StartedUnixMs == 0 {
 		zb0001Len--
 		zb0001Mask |= 0x100
+	}
+	if z.ReadyModels == nil {
+		zb0001Len--
+		zb0001Mask |= 0x200
 	}
 	// variable map header, size zb0001Len
 	o = append(o, 0x80|uint8(zb0001Len))
@@ -193,6 +197,14 @@ func (z *Announcement) MarshalMsg(b []byte) (o []byte, err error) {
 			// string "started_unix_ms"
 			o = append(o, 0xaf, 0x73, 0x74, 0x61, 0x72, 0x74, 0x65, 0x64, 0x5f, 0x75, 0x6e, 0x69, 0x78, 0x5f, 0x6d, 0x73)
 			o = msgp.AppendInt64(o, z.StartedUnixMs)
+		}
+		if (zb0001Mask & 0x200) == 0 { // if not omitted
+			// string "ready_models"
+			o = append(o, 0xac, 0x72, 0x65, 0x61, 0x64, 0x79, 0x5f, 0x6d, 0x6f, 0x64, 0x65, 0x6c, 0x73)
+			o = msgp.AppendArrayHeader(o, uint32(len(z.ReadyModels)))
+			for za0001 := range z.ReadyModels {
+				o = msgp.AppendString(o, z.ReadyModels[za0001])
+			}
 		}
 	}
 	return
@@ -274,6 +286,29 @@ func (z *Announcement) UnmarshalMsg(bts []byte) (o []byte, err error) {
 				err = msgp.WrapError(err, "StartedUnixMs")
 				return
 			}
+		case "ready_models":
+			var zb0002 uint32
+			zb0002, bts, err = msgp.ReadArrayHeaderBytes(bts)
+			if err != nil {
+				err = msgp.WrapError(err, "ReadyModels")
+				return
+			}
+			if zb0002 > z94b1f360limitArrays {
+				err = msgp.ErrLimitExceeded
+				return
+			}
+			if cap(z.ReadyModels) >= int(zb0002) {
+				z.ReadyModels = (z.ReadyModels)[:zb0002]
+			} else {
+				z.ReadyModels = make([]string, zb0002)
+			}
+			for za0001 := range z.ReadyModels {
+				z.ReadyModels[za0001], bts, err = msgp.ReadStringBytes(bts)
+				if err != nil {
+					err = msgp.WrapError(err, "ReadyModels", za0001)
+					return
+				}
+			}
 		default:
 			bts, err = msgp.Skip(bts)
 			if err != nil {
@@ -288,7 +323,10 @@ func (z *Announcement) UnmarshalMsg(bts []byte) (o []byte, err error) {
 
 // Msgsize returns an upper bound estimate of the number of bytes occupied by the serialized message
 func (z *Announcement) Msgsize() (s int) {
-	s = 1 + 2 + msgp.IntSize + 5 + msgp.StringPrefixSize + len(z.Role) + 3 + msgp.StringPrefixSize + len(z.ID) + 6 + msgp.BoolSize + 7 + msgp.StringPrefixSize + len(z.Reason) + 13 + msgp.IntSize + 8 + msgp.Int64Size + 8 + msgp.BoolSize + 16 + msgp.Int64Size
+	s = 1 + 2 + msgp.IntSize + 5 + msgp.StringPrefixSize + len(z.Role) + 3 + msgp.StringPrefixSize + len(z.ID) + 6 + msgp.BoolSize + 7 + msgp.StringPrefixSize + len(z.Reason) + 13 + msgp.IntSize + 8 + msgp.Int64Size + 8 + msgp.BoolSize + 16 + msgp.Int64Size + 13 + msgp.ArrayHeaderSize
+	for za0001 := range z.ReadyModels {
+		s += msgp.StringPrefixSize + len(z.ReadyModels[za0001])
+	}
 	return
 }
 

@@ -2,6 +2,7 @@ package scheduler
 
 import (
 	"fmt"
+	"slices"
 	"sync"
 	"time"
 
@@ -74,9 +75,17 @@ func (s *Scheduler) announce(now time.Time, force bool) {
 	}
 	a.ready, a.reason, a.at = ready, reason, now
 	a.mu.Unlock()
+	groups := s.groups.ready(now)
+	var models []string // the frontends' readiness per model
+	for _, g := range groups {
+		if !slices.Contains(models, g.Model) {
+			models = append(models, g.Model)
+		}
+	}
+	slices.Sort(models)
 	data, err := messages.Marshal(&messages.Announcement{
 		Role: messages.RoleScheduler, ID: s.cfg.ID, Ready: ready, Reason: reason,
-		ReadyGroups: len(s.groups.ready(now)), UnixMs: now.UnixMilli(), StartedUnixMs: s.started.UnixMilli(),
+		ReadyGroups: len(groups), UnixMs: now.UnixMilli(), StartedUnixMs: s.started.UnixMilli(), ReadyModels: models,
 	})
 	if err == nil {
 		err = s.cfg.Conn.Publish(s.cfg.Subjects.Announce(messages.RoleScheduler, s.cfg.ID), data)

@@ -7,6 +7,7 @@ import (
 	"log/slog"
 	"net"
 	"net/http"
+	"slices"
 	"strings"
 	"sync"
 	"testing"
@@ -226,6 +227,26 @@ func TestMultiModelPlacement(t *testing.T) {
 		return gaugeOf(t, m.reg, "kvbus_scheduler_model_ready_groups", map[string]string{"model": "a"}) == 2 &&
 			gaugeOf(t, m.reg, "kvbus_scheduler_model_ready_groups", map[string]string{"model": "b"}) == 2 &&
 			gaugeOf(t, m.reg, "kvbus_scheduler_group_blocks", map[string]string{"group": "b1", "model": "b"}) >= 0
+	})
+
+	// The schedulers tell the frontends which models they can place (a
+	// frontend of c alone would not be ready).
+	nc, err := nats.Connect(m.c.NATSURL)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer nc.Close()
+	anns, err := nc.SubscribeSync(messages.Subjects{}.AnnounceRole(messages.RoleScheduler))
+	if err != nil {
+		t.Fatal(err)
+	}
+	testenv.Eventually(t, 5*time.Second, "an announcement of models a and b", func() bool {
+		msg, err := anns.NextMsg(time.Second)
+		if err != nil {
+			return false
+		}
+		a, err := messages.DecodeAnnouncement(msg.Data)
+		return err == nil && slices.Equal(a.ReadyModels, []string{"a", "b"})
 	})
 
 	// Model c is served by the frontend, by no worker.

@@ -71,7 +71,7 @@ type GroupRow struct {
 	// Model is the model the group serves, as its driver rank (else the
 	// most recently heard rank) says.
 	Model string `json:"model,omitempty"`
-	Ranks    int    `json:"ranks"`
+	Ranks int    `json:"ranks"`
 	// WorldSize is what the driver rank (else the most recently heard
 	// rank) says.
 	WorldSize int `json:"world_size"`
