@@ -24,7 +24,6 @@ import (
 	"github.com/kvbus/kvbus/replay"
 	"github.com/kvbus/kvbus/scheduler"
 	"github.com/kvbus/kvbus/testenv"
-	"github.com/kvbus/kvbus/top"
 	"github.com/kvbus/kvbus/workers"
 )
 
@@ -44,25 +43,16 @@ func TestPipelineWithKeys(t *testing.T) {
 	defer client.CloseIdleConnections()
 
 	// kvbus top and kvbus tap with the observer key, as an operator runs them.
-	observer, err := c.Cluster.Connect("kvbus-observer-top")
+	watcher := c.StartTop(t)
+	observer, err := c.Cluster.Connect("kvbus-observer-tap")
 	if err != nil {
 		t.Fatal(err)
 	}
-	watcher, err := top.New(top.Config{Conn: observer})
-	if err != nil {
-		t.Fatal(err)
-	}
-	watchCtx, stopWatching := context.WithCancel(t.Context())
-	defer stopWatching()
-	watchErr := make(chan error, 2)
-	go func() { watchErr <- watcher.Run(watchCtx) }()
+	tapCtx, stopTap := context.WithCancel(t.Context())
+	defer stopTap()
+	tapErr := make(chan error, 1)
 	var tapped logbuf.Buffer
-	go func() { watchErr <- replay.Tap(watchCtx, replay.TapConfig{Conn: observer}, &tapped) }()
-	select {
-	case <-watcher.Subscribed():
-	case err := <-watchErr:
-		t.Fatalf("kvbus top or tap with the observer key: %v", err)
-	}
+	go func() { tapErr <- replay.Tap(tapCtx, replay.TapConfig{Conn: observer}, &tapped) }()
 
 	for conv := range 2 {
 		turns, err := testenv.Conversation{BaseURL: c.URL, Client: client, Model: c.Model, Seed: 900 + conv,
@@ -86,11 +76,9 @@ func TestPipelineWithKeys(t *testing.T) {
 		out := tapped.String()
 		return strings.Count(out, `"kind":"req"`) == 6 && strings.Count(out, `"kind":"meta"`) >= 6
 	})
-	stopWatching()
-	for range 2 {
-		if err := <-watchErr; err != nil {
-			t.Errorf("kvbus top or tap with the observer key: %v", err)
-		}
+	stopTap()
+	if err := <-tapErr; err != nil {
+		t.Errorf("kvbus tap with the observer key: %v", err)
 	}
 
 	// Capture the request log and replay it, as an operator with the admin key.

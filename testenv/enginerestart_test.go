@@ -3,7 +3,6 @@ package testenv_test
 import (
 	"context"
 	"fmt"
-	"math/rand/v2"
 	"net"
 	"net/http"
 	"strings"
@@ -19,20 +18,16 @@ import (
 	"github.com/kvbus/kvbus/workers/vllmevents"
 )
 
-// restartPort returns a free loopback port in 21000-21999 (the range these
-// tests may use), chosen at random and checked free.
+// restartPort returns a loopback port that was free a moment ago: an engine is
+// started at it again, at the same address, after a stop.
 func restartPort(t *testing.T) int {
 	t.Helper()
-	for range 200 {
-		p := 21000 + rand.IntN(1000)
-		ln, err := net.Listen("tcp", fmt.Sprintf("127.0.0.1:%d", p))
-		if err == nil {
-			ln.Close()
-			return p
-		}
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
 	}
-	t.Fatal("no free port in 21000-21999")
-	return 0
+	defer ln.Close()
+	return ln.Addr().(*net.TCPAddr).Port
 }
 
 // restartableEngine is a fake vLLM at a fixed HTTP address and KV event

@@ -9,11 +9,31 @@ import (
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
+	dto "github.com/prometheus/client_model/go"
 )
 
 // CounterSum sums the series of the counter name in g whose labels include
 // every pair of want.
 func CounterSum(t testing.TB, g prometheus.Gatherer, name string, want map[string]string) float64 {
+	t.Helper()
+	return metricSum(t, g, name, want, func(m *dto.Metric) float64 { return m.GetCounter().GetValue() })
+}
+
+// GaugeSum sums the series of the gauge name in g whose labels include
+// every pair of want (the one series they name, with every label).
+func GaugeSum(t testing.TB, g prometheus.Gatherer, name string, want map[string]string) float64 {
+	t.Helper()
+	return metricSum(t, g, name, want, func(m *dto.Metric) float64 { return m.GetGauge().GetValue() })
+}
+
+// SeriesCount counts the series of the metric name in g whose labels
+// include every pair of want.
+func SeriesCount(t testing.TB, g prometheus.Gatherer, name string, want map[string]string) int {
+	t.Helper()
+	return int(metricSum(t, g, name, want, func(*dto.Metric) float64 { return 1 }))
+}
+
+func metricSum(t testing.TB, g prometheus.Gatherer, name string, want map[string]string, value func(*dto.Metric) float64) float64 {
 	t.Helper()
 	mfs, err := g.Gather()
 	if err != nil {
@@ -35,7 +55,7 @@ func CounterSum(t testing.TB, g prometheus.Gatherer, name string, want map[strin
 					continue series
 				}
 			}
-			sum += m.GetCounter().GetValue()
+			sum += value(m)
 		}
 	}
 	return sum

@@ -224,9 +224,9 @@ func TestMultiModelPlacement(t *testing.T) {
 		}
 	}
 	testenv.Eventually(t, 5*time.Second, "per-model scheduler gauges", func() bool {
-		return gaugeOf(t, m.reg, "kvbus_scheduler_model_ready_groups", map[string]string{"model": "a"}) == 2 &&
-			gaugeOf(t, m.reg, "kvbus_scheduler_model_ready_groups", map[string]string{"model": "b"}) == 2 &&
-			gaugeOf(t, m.reg, "kvbus_scheduler_group_blocks", map[string]string{"group": "b1", "model": "b"}) >= 0
+		return testenv.GaugeSum(t, m.reg, "kvbus_scheduler_model_ready_groups", map[string]string{"model": "a"}) == 2 &&
+			testenv.GaugeSum(t, m.reg, "kvbus_scheduler_model_ready_groups", map[string]string{"model": "b"}) == 2 &&
+			testenv.SeriesCount(t, m.reg, "kvbus_scheduler_group_blocks", map[string]string{"group": "b1", "model": "b"}) == 1
 	})
 
 	// The schedulers tell the frontends which models they can place (a
@@ -350,33 +350,4 @@ func TestMultiModelFailoverKeepsTheModel(t *testing.T) {
 			t.Errorf("model a's request was dispatched again on %s, a group of model b", g)
 		}
 	}
-}
-
-// gaugeOf returns the value of the gauge name whose labels include every
-// pair of want, -1 when there is none.
-func gaugeOf(t *testing.T, g prometheus.Gatherer, name string, want map[string]string) float64 {
-	t.Helper()
-	mfs, err := g.Gather()
-	if err != nil {
-		t.Fatal(err)
-	}
-	for _, mf := range mfs {
-		if mf.GetName() != name {
-			continue
-		}
-	series:
-		for _, m := range mf.GetMetric() {
-			labels := map[string]string{}
-			for _, l := range m.GetLabel() {
-				labels[l.GetName()] = l.GetValue()
-			}
-			for k, v := range want {
-				if labels[k] != v {
-					continue series
-				}
-			}
-			return m.GetGauge().GetValue()
-		}
-	}
-	return -1
 }

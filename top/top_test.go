@@ -25,8 +25,8 @@ import (
 
 func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
 
-// TestWatcherSeesWhatClientsSee: top, reading only the bus with the admin
-// key, reports the groups as the heartbeats describe them, every finished
+// TestWatcherSeesWhatClientsSee: top, reading only the bus with the
+// observer key, reports the groups as the heartbeats describe them, every finished
 // request, and for each turn depth exactly the hit ratio the clients got
 // in their usage; each session is listed on the group that served it.
 func TestWatcherSeesWhatClientsSee(t *testing.T) {
@@ -35,7 +35,7 @@ func TestWatcherSeesWhatClientsSee(t *testing.T) {
 		t.Fatal(err)
 	}
 	c := testenv.StartCluster(t, testenv.ClusterConfig{Groups: 2, Ranks: 2, AuthDir: dir})
-	w := c.StartTop(t) // the admin key: "top" is not a role's name
+	w := c.StartTop(t) // the observer key
 
 	client := &http.Client{Timeout: 30 * time.Second}
 	defer client.CloseIdleConnections()
@@ -100,9 +100,9 @@ func TestWatcherSeesWhatClientsSee(t *testing.T) {
 	}
 }
 
-// TestWatcherNeedsTheAdminKey: with keys on the bus, a role's key cannot
+// TestWatcherNeedsTheObserverKey: with keys on the bus, a role's key cannot
 // watch everything, and top says which key it needs.
-func TestWatcherNeedsTheAdminKey(t *testing.T) {
+func TestWatcherNeedsTheObserverKey(t *testing.T) {
 	srv, dir := testenv.StartKeyedNATS(t)
 	nc, err := bus.Connect(t.Context(), bus.Config{URL: srv.ClientURL(), NKeySeedFile: filepath.Join(dir, "worker.nk")})
 	if err != nil {
@@ -113,8 +113,8 @@ func TestWatcherNeedsTheAdminKey(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if err := w.Run(t.Context()); err == nil || !strings.Contains(err.Error(), "admin key") {
-		t.Errorf("Run with a worker key: %v, want an error naming the admin key", err)
+	if err := w.Run(t.Context()); err == nil || !strings.Contains(err.Error(), "observer.nk") {
+		t.Errorf("Run with a worker key: %v, want an error naming the observer key", err)
 	}
 }
 

@@ -5,7 +5,6 @@ import (
 	"fmt"
 	"log/slog"
 	"math"
-	"math/rand/v2"
 	"net"
 	"net/http"
 	"strings"
@@ -126,20 +125,16 @@ func FuzzParseStartTime(f *testing.F) {
 	})
 }
 
-// testPort returns a free loopback port in 21000-21999 (the range these
-// tests may use), chosen at random and checked free.
+// testPort returns a loopback port that was free a moment ago: an engine is
+// started at it again, at the same address, after a stop.
 func testPort(t *testing.T) int {
 	t.Helper()
-	for range 200 {
-		p := 21000 + rand.IntN(1000)
-		ln, err := net.Listen("tcp", fmt.Sprintf("127.0.0.1:%d", p))
-		if err == nil {
-			ln.Close()
-			return p
-		}
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
 	}
-	t.Fatal("no free port in 21000-21999")
-	return 0
+	defer ln.Close()
+	return ln.Addr().(*net.TCPAddr).Port
 }
 
 // restartableEngine is an HTTP engine at a fixed address that can be
