@@ -1,6 +1,7 @@
 package bus
 
 import (
+	"cmp"
 	"errors"
 	"fmt"
 	"log/slog"
@@ -52,11 +53,17 @@ type ServerConfig struct {
 	AuthConfig string
 	// TLSCert and TLSKey (PEM files), if set, make clients connect with TLS;
 	// TLSCA, if also set, requires and verifies client certificates. With a
-	// Cluster, the routes use TLS too, both ways verified against TLSCA (the
-	// system's roots without it), so with a Cluster TLSCert must verify
-	// against TLSCA. An expired certificate, or one not yet valid, is
-	// refused; one that expires within 14 days is warned about.
+	// Cluster, the routes use TLS too, both ways verified against
+	// ClusterTLSCA, else TLSCA (the system's roots without either), so with
+	// a Cluster TLSCert must verify against it. An expired certificate, or
+	// one not yet valid, is refused; one that expires within 14 days is
+	// warned about.
 	TLSCert, TLSKey, TLSCA string
+	// ClusterTLSCA, if set, is the CA (PEM) the routes verify each other's
+	// certificates against, so that servers with certificates of a private
+	// CA can route over TLS while clients connect without certificates of
+	// their own (TLSCA empty). Needs TLSCert and a Cluster.
+	ClusterTLSCA string
 	// MonitorAddr, if set, serves nats-server's monitoring endpoints there
 	// (HOST:PORT), /healthz among them.
 	MonitorAddr string
@@ -199,7 +206,7 @@ func StartServer(cfg ServerConfig) (*Server, error) {
 		if opts.TLSConfig != nil {
 			// Routes are TLS both ways: each server is the other's client,
 			// and both verify the peer's certificate against the CA.
-			rc, err := server.GenTLSConfig(&server.TLSConfigOpts{CertFile: cfg.TLSCert, KeyFile: cfg.TLSKey, CaFile: cfg.TLSCA, Verify: true})
+			rc, err := server.GenTLSConfig(&server.TLSConfigOpts{CertFile: cfg.TLSCert, KeyFile: cfg.TLSKey, CaFile: cmp.Or(cfg.ClusterTLSCA, cfg.TLSCA), Verify: true})
 			if err != nil {
 				s.cleanup()
 				return nil, fmt.Errorf("%w: route TLS: %v", ErrServer, err)

@@ -31,7 +31,12 @@ func checkServerTLS(cfg ServerConfig, log *slog.Logger, now time.Time) error {
 		if cfg.TLSCA != "" {
 			return fmt.Errorf("%w: --tls-ca verifies client certificates on a TLS listener: give the server's own --tls-cert and --tls-key too", ErrServer)
 		}
+		if cfg.ClusterTLSCA != "" {
+			return fmt.Errorf("%w: --cluster-tls-ca verifies the routes' certificates: give the server's own --tls-cert and --tls-key too", ErrServer)
+		}
 		return nil
+	case cfg.ClusterTLSCA != "" && cfg.Cluster == "":
+		return fmt.Errorf("%w: --cluster-tls-ca verifies the routes' certificates, and there are no routes: give --cluster-addr (and --routes), or leave it out", ErrServer)
 	case cfg.TLSKey == "":
 		return fmt.Errorf("%w: --tls-cert needs --tls-key, the PEM private key of the server's certificate", ErrServer)
 	case cfg.TLSCert == "":
@@ -45,18 +50,20 @@ func checkServerTLS(cfg ServerConfig, log *slog.Logger, now time.Time) error {
 		return fmt.Errorf("%w: --tls-cert %s / --tls-key %s: %v (give the server's PEM certificate and the key it was made for)",
 			ErrServer, cfg.TLSCert, cfg.TLSKey, err)
 	}
-	var roots *x509.CertPool // nil: the system's
-	if cfg.TLSCA != "" {
-		data, err := os.ReadFile(cfg.TLSCA)
-		if err != nil {
-			return fmt.Errorf("%w: --tls-ca: %v", ErrServer, err)
-		}
-		if roots = x509.NewCertPool(); !roots.AppendCertsFromPEM(data) {
-			return fmt.Errorf("%w: --tls-ca %s holds no PEM certificate: give the CA certificate that signed the clients' certificates", ErrServer, cfg.TLSCA)
-		}
+	clientRoots, err := readCA("--tls-ca", cfg.TLSCA, "the clients' certificates")
+	if err != nil {
+		return err
+	}
+	routeRoots, err := readCA("--cluster-tls-ca", cfg.ClusterTLSCA, "every server's certificate")
+	if err != nil {
+		return err
 	}
 	if cfg.Cluster == "" {
 		return nil
+	}
+	roots, rootsFlag, rootsFile := routeRoots, "--cluster-tls-ca", cfg.ClusterTLSCA // nil: the system's
+	if cfg.ClusterTLSCA == "" {
+		roots, rootsFlag, rootsFile = clientRoots, "--tls-ca", cfg.TLSCA
 	}
 	leaf, err := x509.ParseCertificate(pair.Certificate[0])
 	if err != nil {
@@ -72,16 +79,34 @@ func checkServerTLS(cfg ServerConfig, log *slog.Logger, now time.Time) error {
 	switch {
 	case err == nil:
 		return nil
-	case cfg.TLSCA == "":
-		return fmt.Errorf("%w: --tls-cert %s does not verify against the system's roots (%v): with --cluster-addr and no --tls-ca the servers "+
-			"verify each other's route certificates against the system's roots, so no server of the cluster would accept this one's routes; "+
-			"give --tls-ca FILE with the CA that signed every server's certificate (then clients need certificates of a CA in that file too: "+
-			"mutual TLS), or use certificates from a CA this system trusts", ErrServer, cfg.TLSCert, err)
+	case rootsFile == "":
+		return fmt.Errorf("%w: --tls-cert %s does not verify against the system's roots (%v): with --cluster-addr the servers "+
+			"verify each other's route certificates against --cluster-tls-ca (else --tls-ca, else the system's roots), so no server of the "+
+			"cluster would accept this one's routes; give --cluster-tls-ca FILE with the CA that signed every server's certificate, "+
+			"or use certificates from a CA this system trusts", ErrServer, cfg.TLSCert, err)
 	default:
-		return fmt.Errorf("%w: --tls-cert %s does not verify against --tls-ca %s (%v): with --cluster-addr the servers verify each other's "+
-			"route certificates against --tls-ca, so no server of the cluster would accept this one's routes; issue every server's certificate "+
-			"from a CA in --tls-ca, or give as --tls-ca a file holding both the servers' CA and the clients'", ErrServer, cfg.TLSCert, cfg.TLSCA, err)
+		return fmt.Errorf("%w: --tls-cert %s does not verify against %s %s (%v): with --cluster-addr the servers verify each other's "+
+			"route certificates against it, so no server of the cluster would accept this one's routes; issue every server's certificate "+
+			"from a CA in that file, or give --cluster-tls-ca FILE with the servers' CA (--tls-ca then verifies only the clients')",
+			ErrServer, cfg.TLSCert, rootsFlag, rootsFile, err)
 	}
+}
+
+// readCA reads the CA certificates of flag's file path (nil for none: the
+// system's roots); what names what they verify, for the error.
+func readCA(flag, path, what string) (*x509.CertPool, error) {
+	if path == "" {
+		return nil, nil
+	}
+	data, err := os.ReadFile(path)
+	if err != nil {
+		return nil, fmt.Errorf("%w: %s: %v", ErrServer, flag, err)
+	}
+	pool := x509.NewCertPool()
+	if !pool.AppendCertsFromPEM(data) {
+		return nil, fmt.Errorf("%w: %s %s holds no PEM certificate: give the CA certificate that signed %s", ErrServer, flag, path, what)
+	}
+	return pool, nil
 }
 
 // checkServerCert refuses a server certificate (the first CERTIFICATE

@@ -9,6 +9,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/nats-io/nats.go"
+
 	"github.com/kvbus/kvbus/bus"
 )
 
@@ -176,5 +178,58 @@ func TestServerLogSaysWhyRoutesFail(t *testing.T) {
 	})
 	if strings.Contains(logs1.String(), "route-secret") {
 		t.Errorf("a cluster password is in the log:\n%s", logs1)
+	}
+}
+
+// TestRoutesWithAClusterCA: servers whose certificates come from a private
+// CA route over TLS with --cluster-tls-ca while clients connect with TLS
+// and no certificate of their own (no --tls-ca); a server of another CA does
+// not route in. Before, the routes' CA was --tls-ca, which also demands a
+// certificate of every client: TLS routes of a private CA meant mutual TLS
+// for every role. --cluster-tls-ca without routes, or without the server's
+// own certificate, is refused naming the flag.
+func TestRoutesWithAClusterCA(t *testing.T) {
+	dir := t.TempDir()
+	ca, caKey, caPath, _ := writeCert(t, dir, "ca", true, nil, nil)
+	_, _, cert1, key1 := writeCert(t, dir, "n1", false, ca, caKey)
+	_, _, cert2, key2 := writeCert(t, dir, "n2", false, ca, caKey)
+	other, otherKey, _, _ := writeCert(t, dir, "other-ca", true, nil, nil)
+	_, _, cert3, key3 := writeCert(t, dir, "n3", false, other, otherKey)
+	const pw = "route-secret-7"
+	cl := freeAddrs(t, 3)
+	n1 := startCfg(t, bus.ServerConfig{ServerName: "n1", Cluster: cl[0], ClusterName: "kvbus", ClusterPassword: pw,
+		TLSCert: cert1, TLSKey: key1, ClusterTLSCA: caPath, Routes: []string{"nats://" + cl[1]}})
+	n2 := startCfg(t, bus.ServerConfig{ServerName: "n2", Cluster: cl[1], ClusterName: "kvbus", ClusterPassword: pw,
+		TLSCert: cert2, TLSKey: key2, ClusterTLSCA: caPath, Routes: []string{routeURL(n1)}})
+	foreign, err := bus.StartServer(bus.ServerConfig{Addr: "127.0.0.1:0", DataDir: t.TempDir(), ServerName: "n3", Cluster: cl[2], ClusterName: "kvbus",
+		ClusterPassword: pw, TLSCert: cert3, TLSKey: key3, ClusterTLSCA: caPath, Routes: []string{routeURL(n1)}})
+	if err == nil {
+		foreign.Shutdown()
+		t.Error("a server whose certificate is not of --cluster-tls-ca started")
+	} else if !strings.Contains(err.Error(), "--cluster-tls-ca") {
+		t.Errorf("a server of another CA: %v, want an error naming --cluster-tls-ca", err)
+	}
+	waitFor(t, 10*time.Second, "n1 and n2 to route over TLS", func() bool { return n1.NumRoutes() > 0 && n2.NumRoutes() > 0 })
+	if v, err := n1.Varz(nil); err != nil || !v.Cluster.TLSRequired || !v.Cluster.TLSVerify || v.TLSVerify {
+		t.Errorf("n1: routes TLS %v verified %v, clients verified %v (%v); want TLS routes verified, clients not asked for a certificate",
+			v.Cluster.TLSRequired, v.Cluster.TLSVerify, v.TLSVerify, err)
+	}
+	// A client with the CA to verify the server, and no certificate.
+	connectTo(t, n2.ClientURL(), nats.RootCAs(caPath))
+
+	for _, tc := range []struct {
+		name string
+		cfg  bus.ServerConfig
+	}{
+		{"no routes", bus.ServerConfig{TLSCert: cert1, TLSKey: key1, ClusterTLSCA: caPath}},
+		{"no certificate", bus.ServerConfig{ServerName: "n4", Cluster: "127.0.0.1:0", Routes: []string{routeURL(n1)}, ClusterPassword: pw, ClusterTLSCA: caPath}},
+	} {
+		tc.cfg.Addr, tc.cfg.DataDir = "127.0.0.1:0", t.TempDir()
+		if srv, err := bus.StartServer(tc.cfg); err == nil {
+			srv.Shutdown()
+			t.Errorf("%s: --cluster-tls-ca accepted", tc.name)
+		} else if !strings.Contains(err.Error(), "--cluster-tls-ca") {
+			t.Errorf("%s: %v, want an error naming --cluster-tls-ca", tc.name, err)
+		}
 	}
 }

@@ -344,7 +344,8 @@ type natsCmd struct {
 	Auth       string   `name:"auth-config" type:"path" help:"nats-server config file whose authorization block applies (kvbus auth init writes one): each role's key gets only its subjects."`
 	TLSCert    string   `name:"tls-cert" type:"path" help:"Server certificate (PEM): clients connect with TLS."`
 	TLSKey     string   `name:"tls-key" type:"path" help:"Server key (PEM)."`
-	TLSCA      string   `name:"tls-ca" type:"path" help:"CA (PEM) to require and verify client certificates."`
+	TLSCA      string   `name:"tls-ca" type:"path" help:"CA (PEM) to require and verify client certificates (and, without --cluster-tls-ca, the routes')."`
+	ClusterCA  string   `name:"cluster-tls-ca" type:"path" help:"CA (PEM) the routes verify each other's certificates against (with --tls-cert and --cluster-addr): servers of a private CA route over TLS while clients need no certificate."`
 	Debug      bool     `name:"debug" help:"Log the server's own debug output."`
 	Monitor    string   `name:"monitor-addr" help:"Serve the server's monitoring endpoints (/healthz, /varz, /jsz) on HOST:PORT."`
 	Name       string   `name:"server-name" help:"Server name (default kvbus-<port>; must differ in a cluster)."`
@@ -394,7 +395,7 @@ func (c *natsCmd) Run(ctx context.Context) error {
 		return err
 	}
 	srv, err := bus.StartServer(bus.ServerConfig{Addr: c.Addr, DataDir: c.DataDir, Token: c.Token, AuthConfig: c.Auth, Debug: c.Debug,
-		TLSCert: c.TLSCert, TLSKey: c.TLSKey, TLSCA: c.TLSCA, MonitorAddr: c.Monitor,
+		TLSCert: c.TLSCert, TLSKey: c.TLSKey, TLSCA: c.TLSCA, ClusterTLSCA: c.ClusterCA, MonitorAddr: c.Monitor,
 		ServerName: c.Name, Cluster: c.Cluster, ClusterName: c.CName, Routes: c.Routes,
 		ClusterUser: c.ClusterUser, ClusterPassword: clusterPassword, Logger: log})
 	if err != nil {
