@@ -29,7 +29,7 @@ UP_FILES = $(COMPOSE_FILES)$(if $(findstring $(MONITORING_FILE),$(COMPOSE_FILES)
 WORKERS ?= 8
 SCHEDULERS ?= 2
 
-.PHONY: bench-http image-prometheus check-prometheus up-monitoring purge build run test test-browser test-short bench lint fmt fuzz clean image image-fakeengine auth-keys up down logs smoke up-engine up-engine-monitoring down-engine top top-engine
+.PHONY: bench-http image-prometheus check-prometheus up-monitoring purge build run test test-browser test-short bench lint fmt fuzz clean image image-fakeengine auth-keys up down logs smoke up-engine up-engine-monitoring down-engine top top-engine reload-nats
 
 build:
 	CGO_ENABLED=0 $(GO) build -trimpath -o $(BIN) ./cmd/kvbus
@@ -148,7 +148,7 @@ up-engine-monitoring: image-prometheus
 	@build/docker/kvbus healthcheck --url http://127.0.0.1:$(PROMETHEUS_PORT)/-/ready --wait 60s && echo "Prometheus is ready on http://127.0.0.1:$(PROMETHEUS_PORT)"
 
 top-engine: # kvbus top on `make up-engine`'s cluster (see top)
-	@test -f $(KVBUS_ENGINE_AUTH_DIR)/observer.nk || build/docker/kvbus auth init $(KVBUS_ENGINE_AUTH_DIR)
+	@test -f $(KVBUS_ENGINE_AUTH_DIR)/observer.nk || { build/docker/kvbus auth init $(KVBUS_ENGINE_AUTH_DIR) && $(COMPOSE) $(ENGINE_FILES) kill -s SIGHUP nats; }
 	@t=; [ -t 0 ] || t=-T; $(COMPOSE) $(ENGINE_FILES) run --rm --no-deps $$t top top $(ARGS)
 
 down-engine:
@@ -175,8 +175,14 @@ auth-keys: image
 # scripts. A key directory made before the observer key existed gets it
 # here; NATS loads it when restarted ($(COMPOSE) restart nats).
 top:
-	@test -f $(KVBUS_AUTH_DIR)/observer.nk || $(MAKE) --no-print-directory auth-keys
+	@test -f $(KVBUS_AUTH_DIR)/observer.nk || { $(MAKE) --no-print-directory auth-keys && $(MAKE) --no-print-directory reload-nats; }
 	@t=; [ -t 0 ] || t=-T; $(COMPOSE) $(UP_FILES) run --rm --no-deps $$t top top $(ARGS)
+
+# Makes the running NATS containers read nats-auth.conf and their TLS files
+# again (SIGHUP): keys added or rotated by `kvbus auth init` take effect
+# without a restart.
+reload-nats:
+	$(COMPOSE) $(UP_FILES) kill -s SIGHUP $$($(COMPOSE) $(UP_FILES) config --services | grep '^nats')
 
 up: image auth-keys
 	$(COMPOSE) $(UP_FILES) up -d --scale scheduler=$(SCHEDULERS) --scale worker=$(WORKERS)

@@ -537,7 +537,7 @@ func TestOlderConfigStopsARoleAtStartUntilInitRewritesIt(t *testing.T) {
 		t.Fatalf("with an older nats-auth.conf: CheckPermissions = %v, want ErrPermission", err)
 	}
 	for _, want := range []string{"reply inbox _INBOX_worker_g.g0.", "older `kvbus auth init`", "Run `kvbus auth init DIR` again",
-		"keeps the keys and rewrites nats-auth.conf", "restart NATS"} {
+		"keeps the keys and rewrites nats-auth.conf", "reload NATS"} {
 		if !strings.Contains(err.Error(), want) {
 			t.Errorf("the error does not say %q: %v", want, err)
 		}

@@ -261,6 +261,17 @@ func commit(files []file) error {
 		}
 	}
 	for i, f := range files {
+		if filepath.Base(f.path) == ConfigFile {
+			if _, err := os.Stat(f.path); err == nil {
+				// Rewritten in place: a container that mounts this one file
+				// (compose's NATS) keeps the inode it started with, and a
+				// renamed file would never reach its reload (SIGHUP).
+				if err := writeTemp(f.path, f.data, f.mode); err != nil {
+					return fmt.Errorf("auth: %w", err)
+				}
+				continue
+			}
+		}
 		if err := os.Rename(tmps[i], f.path); err != nil {
 			return fmt.Errorf("auth: %w", err)
 		}

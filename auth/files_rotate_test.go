@@ -4,6 +4,7 @@ import (
 	"os"
 	"path/filepath"
 	"strings"
+	"syscall"
 	"testing"
 
 	"github.com/kvbus/kvbus/auth"
@@ -143,4 +144,54 @@ func TestInitWritesTheClusterPassword(t *testing.T) {
 	}
 	after[auth.ClusterPasswordFile] = before[auth.ClusterPasswordFile]
 	sameFiles(t, "rotating the cluster password", before, after)
+}
+
+// TestConfigRewrittenInPlace: nats-auth.conf is rewritten in place by a
+// rotation or an added key, the same file (inode) holding the new text:
+// compose mounts this one file into the NATS container, which keeps the
+// inode it started with, so a file replaced by a rename never reached the
+// server's reload (SIGHUP; `make top` adding the observer key found it
+// refused after the reload).
+func TestConfigRewrittenInPlace(t *testing.T) {
+	dir := t.TempDir()
+	if _, err := auth.Init(dir, messages.Subjects{}, nil, false); err != nil {
+		t.Fatal(err)
+	}
+	path := filepath.Join(dir, auth.ConfigFile)
+	inode := func() uint64 {
+		t.Helper()
+		fi, err := os.Stat(path)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return fi.Sys().(*syscall.Stat_t).Ino
+	}
+	before := inode()
+	for step, rewrite := range map[string]func() error{
+		"a rotation": func() error { return auth.Rotate(dir, messages.Subjects{}, "worker") },
+		"a group's key added": func() error {
+			_, err := auth.Init(dir, messages.Subjects{}, []string{"g0"}, false)
+			return err
+		},
+	} {
+		text := readFile(t, path)
+		if err := rewrite(); err != nil {
+			t.Fatal(err)
+		}
+		if after := readFile(t, path); after == text {
+			t.Fatalf("%s: nats-auth.conf not rewritten", step)
+		}
+		if after := inode(); after != before {
+			t.Errorf("%s: nats-auth.conf is inode %d, was %d: a container mounting it sees the old text", step, after, before)
+		}
+	}
+}
+
+func readFile(t *testing.T, path string) string {
+	t.Helper()
+	b, err := os.ReadFile(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return string(b)
 }

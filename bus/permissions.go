@@ -98,8 +98,8 @@ func CheckPermissions(ctx context.Context, nc *nats.Conn, c RoleCheck) error {
 		prefix := inbox[:strings.LastIndex(inbox, ".")] // the connection's prefix
 		return fmt.Errorf("%w: the server refused to let the %s subscribe to its reply inbox %s (%w): the server's nats-auth.conf "+
 			"was written by an older `kvbus auth init`, which let every role read _INBOX.>; each role now has its own inbox "+
-			"(%s.>). Run `kvbus auth init DIR` again (it keeps the keys and rewrites nats-auth.conf), then restart NATS "+
-			"(restart `kvbus nats`, or `nats-server --signal reload`); with your own NATS users, allow this one to subscribe to %s.>",
+			"(%s.>). Run `kvbus auth init DIR` again (it keeps the keys and rewrites nats-auth.conf), then reload NATS "+
+			"(kill -HUP the kvbus nats process, make reload-nats in compose, or nats-server --signal reload); with your own NATS users, allow this one to subscribe to %s.>",
 			ErrPermission, roleName(c), subject, nats.ErrPermissionViolation, prefix, prefix)
 	}
 	what := subject

@@ -81,6 +81,10 @@ type Server struct {
 	*server.Server
 	tempDir string
 	log     *serverLogger
+	// cfg and base are what the server was started with (Reload).
+	cfg    ServerConfig
+	base   server.Options
+	logger *slog.Logger
 }
 
 // StartServer starts an embedded nats-server with JetStream and waits until
@@ -143,7 +147,8 @@ func StartServer(cfg ServerConfig) (*Server, error) {
 	if name == "" {
 		name = "kvbus-" + portStr
 	}
-	opts := &server.Options{
+	s.cfg, s.logger = cfg, logger
+	s.base = server.Options{
 		ServerName:    name,
 		Host:          host,
 		Port:          port,
@@ -154,66 +159,10 @@ func StartServer(cfg ServerConfig) (*Server, error) {
 		Authorization: cfg.Token,
 		Debug:         cfg.Debug,
 	}
-	if cfg.AuthConfig != "" {
-		if cfg.Token != "" {
-			s.cleanup()
-			return nil, fmt.Errorf("%w: --token and --auth-config exclude each other", ErrServer)
-		}
-		ac, err := server.ProcessConfigFile(cfg.AuthConfig)
-		if err != nil {
-			s.cleanup()
-			return nil, fmt.Errorf("%w: --auth-config %s: %v", ErrServer, cfg.AuthConfig, err)
-		}
-		if len(ac.Nkeys) == 0 && len(ac.Users) == 0 {
-			s.cleanup()
-			return nil, fmt.Errorf("%w: --auth-config %s has no users: write one with `kvbus auth init DIR`", ErrServer, cfg.AuthConfig)
-		}
-		opts.Nkeys, opts.Users = ac.Nkeys, ac.Users
-	}
-	if cfg.TLSCert != "" || cfg.TLSKey != "" {
-		tc, err := server.GenTLSConfig(&server.TLSConfigOpts{CertFile: cfg.TLSCert, KeyFile: cfg.TLSKey, CaFile: cfg.TLSCA, Verify: cfg.TLSCA != ""})
-		if err != nil {
-			s.cleanup()
-			return nil, fmt.Errorf("%w: TLS: %v", ErrServer, err)
-		}
-		opts.TLS, opts.TLSConfig, opts.TLSVerify, opts.TLSTimeout = true, tc, cfg.TLSCA != "", 2
-	}
-	if cfg.MonitorAddr != "" {
-		mh, mp, err := net.SplitHostPort(cfg.MonitorAddr)
-		if err != nil {
-			s.cleanup()
-			return nil, fmt.Errorf("%w: monitor address %q: %v", ErrServer, cfg.MonitorAddr, err)
-		}
-		opts.HTTPHost = mh
-		opts.HTTPPort = serverPort(mp)
-	}
-	if cfg.Cluster != "" {
-		ch, cp, err := net.SplitHostPort(cfg.Cluster)
-		if err != nil {
-			s.cleanup()
-			return nil, fmt.Errorf("%w: cluster address %q: %v", ErrServer, cfg.Cluster, err)
-		}
-		opts.Cluster.Host = ch
-		opts.Cluster.Port = serverPort(cp)
-		opts.Cluster.Name = cfg.ClusterName
-		if opts.Routes, err = routeURLs(cfg); err != nil {
-			s.cleanup()
-			return nil, err
-		}
-		if cfg.ClusterPassword != "" {
-			opts.Cluster.Username, opts.Cluster.Password = clusterUser(cfg), cfg.ClusterPassword
-		}
-		if opts.TLSConfig != nil {
-			// Routes are TLS both ways: each server is the other's client,
-			// and both verify the peer's certificate against the CA.
-			rc, err := server.GenTLSConfig(&server.TLSConfigOpts{CertFile: cfg.TLSCert, KeyFile: cfg.TLSKey, CaFile: cmp.Or(cfg.ClusterTLSCA, cfg.TLSCA), Verify: true})
-			if err != nil {
-				s.cleanup()
-				return nil, fmt.Errorf("%w: route TLS: %v", ErrServer, err)
-			}
-			rc.RootCAs = rc.ClientCAs
-			opts.Cluster.TLSConfig, opts.Cluster.TLSTimeout = rc, 2
-		}
+	opts, err := serverOptions(cfg, s.base)
+	if err != nil {
+		s.cleanup()
+		return nil, err
 	}
 	ns, err := server.NewServer(opts)
 	if err != nil {
@@ -234,6 +183,89 @@ func StartServer(cfg ServerConfig) (*Server, error) {
 	s.log.quiet.Store(false)
 	s.Server = ns
 	return s, nil
+}
+
+// Reload reads the authorization file (--auth-config) and the TLS files
+// again and applies them to the running server, as nats-server does on
+// SIGHUP: keys that `kvbus auth init` added, rotated or rewrote, and renewed
+// certificates, take effect without a restart. Clients stay connected but
+// for those whose key is gone. The files are checked as at start (a
+// certificate out of its validity period, a key that is not the
+// certificate's, a file without users); on an error nothing changes.
+func (s *Server) Reload() error {
+	if err := checkServerTLS(s.cfg, s.logger, time.Now()); err != nil {
+		return err
+	}
+	opts, err := serverOptions(s.cfg, s.base)
+	if err != nil {
+		return err
+	}
+	if err := s.Server.ReloadOptions(opts); err != nil {
+		return fmt.Errorf("%w: reload: %v", ErrServer, err)
+	}
+	return nil
+}
+
+// serverOptions are base with what cfg's files and flags add: the keys of
+// the authorization file, TLS for clients and routes, monitoring and the
+// cluster. StartServer and Reload build them alike, so a reload changes
+// only what the files now say.
+func serverOptions(cfg ServerConfig, base server.Options) (*server.Options, error) {
+	opts := &base
+	if cfg.AuthConfig != "" {
+		if cfg.Token != "" {
+			return nil, fmt.Errorf("%w: --token and --auth-config exclude each other", ErrServer)
+		}
+		ac, err := server.ProcessConfigFile(cfg.AuthConfig)
+		if err != nil {
+			return nil, fmt.Errorf("%w: --auth-config %s: %v", ErrServer, cfg.AuthConfig, err)
+		}
+		if len(ac.Nkeys) == 0 && len(ac.Users) == 0 {
+			return nil, fmt.Errorf("%w: --auth-config %s has no users: write one with `kvbus auth init DIR`", ErrServer, cfg.AuthConfig)
+		}
+		opts.Nkeys, opts.Users = ac.Nkeys, ac.Users
+	}
+	if cfg.TLSCert != "" || cfg.TLSKey != "" {
+		tc, err := server.GenTLSConfig(&server.TLSConfigOpts{CertFile: cfg.TLSCert, KeyFile: cfg.TLSKey, CaFile: cfg.TLSCA, Verify: cfg.TLSCA != ""})
+		if err != nil {
+			return nil, fmt.Errorf("%w: TLS: %v", ErrServer, err)
+		}
+		opts.TLS, opts.TLSConfig, opts.TLSVerify, opts.TLSTimeout = true, tc, cfg.TLSCA != "", 2
+	}
+	if cfg.MonitorAddr != "" {
+		mh, mp, err := net.SplitHostPort(cfg.MonitorAddr)
+		if err != nil {
+			return nil, fmt.Errorf("%w: monitor address %q: %v", ErrServer, cfg.MonitorAddr, err)
+		}
+		opts.HTTPHost = mh
+		opts.HTTPPort = serverPort(mp)
+	}
+	if cfg.Cluster != "" {
+		ch, cp, err := net.SplitHostPort(cfg.Cluster)
+		if err != nil {
+			return nil, fmt.Errorf("%w: cluster address %q: %v", ErrServer, cfg.Cluster, err)
+		}
+		opts.Cluster.Host = ch
+		opts.Cluster.Port = serverPort(cp)
+		opts.Cluster.Name = cfg.ClusterName
+		if opts.Routes, err = routeURLs(cfg); err != nil {
+			return nil, err
+		}
+		if cfg.ClusterPassword != "" {
+			opts.Cluster.Username, opts.Cluster.Password = clusterUser(cfg), cfg.ClusterPassword
+		}
+		if opts.TLSConfig != nil {
+			// Routes are TLS both ways: each server is the other's client,
+			// and both verify the peer's certificate against the CA.
+			rc, err := server.GenTLSConfig(&server.TLSConfigOpts{CertFile: cfg.TLSCert, KeyFile: cfg.TLSKey, CaFile: cmp.Or(cfg.ClusterTLSCA, cfg.TLSCA), Verify: true})
+			if err != nil {
+				return nil, fmt.Errorf("%w: route TLS: %v", ErrServer, err)
+			}
+			rc.RootCAs = rc.ClientCAs
+			opts.Cluster.TLSConfig, opts.Cluster.TLSTimeout = rc, 2
+		}
+	}
+	return opts, nil
 }
 
 // serverPort is a listener's port as nats-server takes it: port 0 asks for

@@ -42,7 +42,7 @@ func (c *authInitCmd) Run() error {
 			return nil
 		}
 		warnStrayKeys(c.Dir)
-		fmt.Printf("new key %s/%s.nk; reload NATS (restart `kvbus nats`, or `nats-server --signal reload`), then restart the %s role with it\n", c.Dir, c.Rotate, c.Rotate)
+		fmt.Printf("new key %s/%s.nk; reload NATS (kill -HUP the kvbus nats process, make reload-nats in compose, or nats-server --signal reload), then restart the %s role with it\n", c.Dir, c.Rotate, c.Rotate)
 		return nil
 	}
 	written, err := auth.Init(c.Dir, s, c.Groups, c.Force)
@@ -51,7 +51,7 @@ func (c *authInitCmd) Run() error {
 		// this one's permissions (each role's own reply inbox), keys kept.
 		if changed, rerr := auth.RewriteConfig(c.Dir, s); rerr == nil && changed {
 			fmt.Printf("rewrote %s/%s with this kvbus's permissions (each role reads only its own reply inbox); the keys are unchanged: "+
-				"restart NATS (`kvbus nats`, or `nats-server --signal reload`), then the roles\n", c.Dir, auth.ConfigFile)
+				"reload NATS (kill -HUP the kvbus nats process, make reload-nats in compose, or nats-server --signal reload), then the roles\n", c.Dir, auth.ConfigFile)
 			return nil
 		}
 	}
@@ -65,7 +65,7 @@ func (c *authInitCmd) Run() error {
 	fmt.Printf("wrote %s/{%s}.nk and %s/%s\n", c.Dir, strings.Join(names(written), ","), c.Dir, auth.ConfigFile)
 	warnStrayKeys(c.Dir)
 	if len(written) < len(auth.Identities(c.Groups)) { // added to a directory of keys
-		fmt.Println("the other keys are unchanged; reload NATS (restart `kvbus nats`, or `nats-server --signal reload`) before the new keys connect")
+		fmt.Println("the other keys are unchanged; reload NATS (kill -HUP the kvbus nats process, make reload-nats in compose, or nats-server --signal reload) before the new keys connect")
 		return nil
 	}
 	fmt.Printf("start NATS with: kvbus nats --auth-config %s/%s (and, clustered, --cluster-password-file %s/%s)\n", c.Dir, auth.ConfigFile, c.Dir, auth.ClusterPasswordFile)

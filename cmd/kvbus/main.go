@@ -402,10 +402,25 @@ func (c *natsCmd) Run(ctx context.Context) error {
 		return err
 	}
 	log.Info("nats server ready", "url", srv.ClientURL(), "jetstream", true, "data_dir", srv.StoreDir(), "monitor_addr", fmt.Sprint(srv.MonitorAddr()))
-	<-ctx.Done()
-	log.Info("nats server stopping")
-	srv.Shutdown()
-	return nil
+	// SIGHUP reads --auth-config and the TLS files again, as nats-server
+	// does: new or rotated keys and renewed certificates without a restart.
+	hup := make(chan os.Signal, 1)
+	signal.Notify(hup, syscall.SIGHUP)
+	defer signal.Stop(hup)
+	for {
+		select {
+		case <-hup:
+			if err := srv.Reload(); err != nil {
+				log.Error("SIGHUP: the configuration was not reloaded; the server runs on as it was: fix the files and send SIGHUP again", "err", err)
+			} else {
+				log.Info("SIGHUP: reloaded the authorization and TLS files", "auth_config", c.Auth, "tls_cert", c.TLSCert)
+			}
+		case <-ctx.Done():
+			log.Info("nats server stopping")
+			srv.Shutdown()
+			return nil
+		}
+	}
 }
 
 type frontendCmd struct {
