@@ -167,7 +167,8 @@ export KVBUS_AUTH_DIR
 export KVBUS_UID := $(shell id -u)
 export KVBUS_GID := $(shell id -g)
 auth-keys: image
-	@{ test -f $(KVBUS_AUTH_DIR)/nats-auth.conf && test -f $(KVBUS_AUTH_DIR)/cluster-password && test -f $(KVBUS_AUTH_DIR)/observer.nk; } || build/docker/kvbus auth init $(KVBUS_AUTH_DIR)
+	@{ test -f $(KVBUS_AUTH_DIR)/nats-auth.conf && test -f $(KVBUS_AUTH_DIR)/cluster-password && test -f $(KVBUS_AUTH_DIR)/observer.nk; } || \
+		{ build/docker/kvbus auth init $(KVBUS_AUTH_DIR) && $(MAKE) --no-print-directory reload-nats; }
 
 # kvbus top on the running cluster, from inside its network, with the
 # observer key (it reads every kvbus subject and can publish nothing);
@@ -175,7 +176,7 @@ auth-keys: image
 # scripts. A key directory made before the observer key existed gets it
 # here; NATS loads it when restarted ($(COMPOSE) restart nats).
 top:
-	@test -f $(KVBUS_AUTH_DIR)/observer.nk || { $(MAKE) --no-print-directory auth-keys && $(MAKE) --no-print-directory reload-nats; }
+	@test -f $(KVBUS_AUTH_DIR)/observer.nk || $(MAKE) --no-print-directory auth-keys
 	@t=; [ -t 0 ] || t=-T; $(COMPOSE) $(UP_FILES) run --rm --no-deps $$t top top $(ARGS)
 
 # Makes the running NATS containers read nats-auth.conf and their TLS files
