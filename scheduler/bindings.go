@@ -31,6 +31,11 @@ type Binding struct {
 	LastHash      uint64 `json:"last_hash"`
 	Turn          int    `json:"turn"`
 	UpdatedUnixMs int64  `json:"updated_unix_ms"`
+	// continuesLegacy marks the binding of a model's turn that continued a
+	// binding naming no model (an older kvbus's): that binding was this
+	// model's, and is not kept for the others (see sessionEntry.with). Not
+	// stored.
+	continuesLegacy bool
 }
 
 // sessionEntry is a session's value in the bucket: the binding of its
@@ -43,34 +48,46 @@ type sessionEntry struct {
 	Others map[string]Binding `json:"others,omitempty"`
 }
 
-// of returns the binding of model. A top-level binding that names no model
-// (written by a kvbus before bindings were per model, or for a caller that
-// names none) is every model's.
+// of returns the binding of model. A binding that names no model (written
+// by a kvbus before bindings were per model, or for a caller that names
+// none) is any model's: at the top level, or kept under "" in Others until
+// the model whose conversation it was continues it (see with).
 func (e sessionEntry) of(model string) (Binding, bool) {
 	if e.Group != "" && (e.Model == model || e.Model == "" || model == "") {
 		return e.Binding, true
 	}
-	b, ok := e.Others[model]
+	if b, ok := e.Others[model]; ok {
+		return b, true
+	}
+	b, ok := e.Others[""]
 	return b, ok
 }
 
 // with returns e with b as its latest binding, the previous latest kept
-// under its model unless it is b's (or names none).
+// under its model unless it is b's. A binding naming no model (an older
+// kvbus's) that b does not continue (b.continuesLegacy) is kept under "":
+// it is the conversation of a model not known, which another model's turn
+// with the same session id must not take from it.
 func (e sessionEntry) with(b Binding) sessionEntry {
 	out := sessionEntry{Binding: b}
-	for m, o := range e.Others {
-		if m != b.Model {
-			if out.Others == nil {
-				out.Others = map[string]Binding{}
-			}
-			out.Others[m] = o
-		}
-	}
-	if e.Group != "" && e.Model != "" && e.Model != b.Model {
+	keep := func(m string, o Binding) {
 		if out.Others == nil {
 			out.Others = map[string]Binding{}
 		}
-		out.Others[e.Model] = e.Binding
+		out.Others[m] = o
+	}
+	legacyTaken := b.Model == "" || b.continuesLegacy
+	for m, o := range e.Others {
+		if m != b.Model && (m != "" || !legacyTaken) {
+			keep(m, o)
+		}
+	}
+	switch {
+	case e.Group == "" || e.Model == b.Model:
+	case e.Model != "":
+		keep(e.Model, e.Binding)
+	case !legacyTaken:
+		keep("", e.Binding)
 	}
 	return out
 }
@@ -269,7 +286,9 @@ func (s *SessionBindings) write(ctx context.Context, wr bindingWrite) {
 		cur := s.local[wr.key]
 		s.mu.RUnlock()
 		if !cur.mine && cur.rev > 0 {
-			if prev, ok := cur.of(wr.b.Model); ok {
+			// Another replica's binding of this model's turn, not an older
+			// kvbus's this turn did not continue.
+			if prev, ok := cur.of(wr.b.Model); ok && (prev.Model != "" || wr.b.Model == "" || wr.b.continuesLegacy) {
 				if wr.b, ok = wr.b.follows(prev); !ok {
 					return // another replica recorded this turn (or a later one) first: it wins
 				}

@@ -96,6 +96,13 @@ func (s *Scheduler) onRequest(ctx context.Context, m jetstream.Msg) error {
 	}
 	bindings := s.bindings.Load()
 	binding, bound := bindings.GetModel(req.Model, sessionID)
+	legacy := bound && binding.Model == "" && req.Model != ""
+	if n := binding.Blocks; legacy && n > 0 && (n > len(t.BlockHashes) || t.BlockHashes[n-1] != binding.LastHash) {
+		// A binding of an older kvbus names no model: it is this model's
+		// previous turn only if this prompt extends it (each model hashes
+		// from its own seed); else another model's conversation.
+		bound, legacy = false, false
+	}
 	if bound {
 		t.TurnDepth = binding.Turn + 1
 	}
@@ -140,7 +147,7 @@ func (s *Scheduler) onRequest(ctx context.Context, m jetstream.Msg) error {
 		return fmt.Errorf("publish ReqMeta %s: %w", t.ReqID, err)
 	}
 	if sessionID != "" {
-		b := Binding{Group: group, Blocks: len(t.BlockHashes), Turn: t.TurnDepth}
+		b := Binding{Group: group, Blocks: len(t.BlockHashes), Turn: t.TurnDepth, continuesLegacy: legacy}
 		if b.Blocks > 0 {
 			b.LastHash = t.BlockHashes[b.Blocks-1]
 		}

@@ -56,7 +56,8 @@ func (s *Scheduler) onHeartbeat(ctx context.Context, m *nats.Msg) error {
 	}
 	if models, report := s.groups.mixedModels(hb.Group, now); report {
 		s.log.Error("the ranks of one worker group serve different models: it takes no request until they agree. "+
-			"Give each model's workers groups of their own (--group); with --rank auto, run each model under its own --subject-prefix",
+			"Give each model's workers groups of their own: fix the --group of the workers started with one; "+
+			"a --rank auto worker of this kvbus claims only a group of its own model, so restart one that joined this group (a worker of an older kvbus joins any)",
 			"group", hb.Group, "models", models)
 	}
 	if s.index.ObserveRank(hb.Group, hb.TPRank, hb.WorldSize, hb.StartedUnixMs) {

@@ -14,6 +14,7 @@ import (
 	"time"
 
 	"github.com/nats-io/nats.go"
+	"github.com/nats-io/nats.go/jetstream"
 	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/kvbus/kvbus/bus"
@@ -349,5 +350,80 @@ func TestMultiModelFailoverKeepsTheModel(t *testing.T) {
 		if g != "g0" {
 			t.Errorf("model a's request was dispatched again on %s, a group of model b", g)
 		}
+	}
+}
+
+// TestMultiModelLegacyBinding: a session binding written by a kvbus before
+// bindings were per model (no model, no others) still serves the model whose
+// conversation it is after another model's turn used the same session id:
+// model b's first turn is counted as its first, and model a's next turn
+// follows a's previous one. Before, model b took the old binding (its first
+// turn counted as the conversation's second) and model a lost it (its next
+// turn counted as a first).
+func TestMultiModelLegacyBinding(t *testing.T) {
+	m := startMultiModel(t, multiModelConfig{groupsA: 1, frontendModels: []string{"a", "b"}})
+	m.startRanks(t, "b0", "b", "b")
+	m.waitGroups(t, "b0", "g0")
+
+	long := strings.Repeat("a conversation of many words that fill blocks ", 20)
+	if status, out := m.chat(t, "a", "upgraded", long); status != http.StatusOK {
+		t.Fatalf("model a, turn 1: %d %v", status, out)
+	}
+	bindings := m.c.Schedulers[0].Bindings()
+	testenv.Eventually(t, 5*time.Second, "model a's binding", func() bool {
+		a, ok := bindings.GetModel("a", "upgraded")
+		return ok && a.Turn == 1 && a.Model == "a"
+	})
+	// Rewrite it as an older kvbus wrote it.
+	js, err := jetstream.New(testenv.Connect(t, m.c.NATS))
+	if err != nil {
+		t.Fatal(err)
+	}
+	kv, err := js.KeyValue(t.Context(), messages.SessionBucket)
+	if err != nil {
+		t.Fatal(err)
+	}
+	key := messages.SessionKey("upgraded")
+	e, err := kv.Get(t.Context(), key)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var v map[string]json.RawMessage // last_hash is a uint64: no float64 in between
+	if err := json.Unmarshal(e.Value(), &v); err != nil {
+		t.Fatal(err)
+	}
+	delete(v, "model")
+	delete(v, "others")
+	old, _ := json.Marshal(v)
+	if _, err := kv.Put(t.Context(), key, old); err != nil {
+		t.Fatal(err)
+	}
+	testenv.Eventually(t, 5*time.Second, "the scheduler reads the old binding", func() bool {
+		a, ok := bindings.GetModel("a", "upgraded")
+		return ok && a.Model == ""
+	})
+
+	if status, out := m.chat(t, "b", "upgraded", long); status != http.StatusOK {
+		t.Fatalf("model b, turn 1: %d %v", status, out)
+	}
+	testenv.Eventually(t, 5*time.Second, "model b's own binding", func() bool {
+		b, ok := bindings.GetModel("b", "upgraded")
+		return ok && b.Model == "b"
+	})
+	if b, _ := bindings.GetModel("b", "upgraded"); b.Turn != 1 {
+		t.Errorf("model b's first turn was counted as turn %d", b.Turn)
+	}
+	// Model a's next turn: the conversation so far, and a new question.
+	body := fmt.Sprintf(`{"model":"a","messages":[{"role":"user","content":%q},{"role":"assistant","content":"an answer"},`+
+		`{"role":"user","content":"and more"}],"max_tokens":2}`, long)
+	if status, _, b := testenv.Send(t, http.MethodPost, m.url+"/v1/chat/completions", body, map[string]string{"X-Session-ID": "upgraded"}); status != http.StatusOK {
+		t.Fatalf("model a, turn 2: %d %s", status, b)
+	}
+	testenv.Eventually(t, 5*time.Second, "model a's turn 2 follows its turn 1", func() bool {
+		a, _ := bindings.GetModel("a", "upgraded")
+		return a.Model == "a" && a.Turn == 2 && a.Group == "g0"
+	})
+	if b, _ := bindings.GetModel("b", "upgraded"); b.Turn != 1 || b.Group != "b0" {
+		t.Errorf("model b's binding after model a's turn: %+v", b)
 	}
 }

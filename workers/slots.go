@@ -95,7 +95,8 @@ func ClaimSlot(ctx context.Context, js jetstream.JetStream, cfg SlotConfig) (*Sl
 	if err != nil {
 		return nil, fmt.Errorf("workers: slot bucket %s: %w", cfg.Bucket, err)
 	}
-	token := cfg.Owner + "#" + nuid.Next() + "#" + cfg.Model
+	token := cfg.Owner + "#" + nuid.Next() + "#" + cfg.Model + "#" + strconv.Itoa(cfg.Size)
+	mine := slotKind{cfg.Model, cfg.Size}
 	groups := func(yield func(string) bool) {
 		if cfg.Group != "" {
 			yield(cfg.Group)
@@ -115,7 +116,7 @@ func ClaimSlot(ctx context.Context, js jetstream.JetStream, cfg SlotConfig) (*Sl
 			if errors.Is(err, jetstream.ErrKeyExists) {
 				if !checked && cfg.Group == "" {
 					checked = true
-					if m, ok := holderModel(ctx, kv, key); ok && !sameModel(m, cfg.Model) {
+					if k, ok := holderKind(ctx, kv, key); ok && !k.joins(mine) {
 						break // another model's group: the next group
 					}
 				}
@@ -123,6 +124,18 @@ func ClaimSlot(ctx context.Context, js jetstream.JetStream, cfg SlotConfig) (*Sl
 			}
 			if err != nil {
 				return nil, fmt.Errorf("workers: claim slot %s: %w", key, err)
+			}
+			// A free rank of a group another model's worker holds a rank of
+			// (its rank 0 stopped, say) is no slot for this worker: it
+			// would make a group of two models, which takes no request and
+			// which no regroup undoes. Checked after the create, so that of
+			// two workers of different models claiming one group at once
+			// the later to check sees the other and leaves.
+			if cfg.Group == "" && heldByAnotherKind(ctx, kv, group, r, cfg) {
+				if err := kv.Delete(ctx, key, jetstream.LastRevision(rev)); err != nil {
+					cfg.Logger.Warn("cannot release a worker slot of another model's group; it expires after --slot-ttl", "slot", key, "err", err)
+				}
+				break // the next group
 			}
 			cfg.Logger.Info("claimed a worker slot", "group", group, "tp_rank", r, "owner", cfg.Owner)
 			return &Slot{Group: group, Rank: r, js: js, kv: kv, key: key, rev: rev, token: token, cfg: cfg}, nil
@@ -139,27 +152,63 @@ func ClaimSlot(ctx context.Context, js jetstream.JetStream, cfg SlotConfig) (*Sl
 		ErrNoSlot, cfg.MaxGroups, cfg.Size, cfg.TTL)
 }
 
-// slotModel is the model in a slot's token (owner#claim#model; "" in a
-// token of a kvbus before models were told apart).
-func slotModel(token []byte) string {
-	parts := strings.SplitN(string(token), "#", 3)
-	if len(parts) < 3 {
-		return ""
-	}
-	return parts[2]
+// slotKind is what a slot's holder serves: its model and its group's size
+// (--tp-size). Workers of two kinds in one group make a group that takes no
+// request (two models) or whose ranks disagree on its world size.
+type slotKind struct {
+	model string
+	size  int
 }
 
-// holderModel is the model of the worker holding key, if it can be read.
-func holderModel(ctx context.Context, kv jetstream.KeyValue, key string) (string, bool) {
+// parseSlotKind reads a slot's token, owner#claim#model#size ("" and 0 in
+// a token of an older kvbus: any).
+func parseSlotKind(token []byte) slotKind {
+	parts := strings.SplitN(string(token), "#", 4)
+	var k slotKind
+	if len(parts) > 2 {
+		k.model = parts[2]
+	}
+	if len(parts) > 3 {
+		k.size, _ = strconv.Atoi(parts[3])
+	}
+	return k
+}
+
+// joins reports whether workers of kinds k and o may share a group (""
+// and 0 are any).
+func (k slotKind) joins(o slotKind) bool {
+	return (k.model == o.model || k.model == "" || o.model == "") && (k.size == o.size || k.size == 0 || o.size == 0)
+}
+
+// holderKind is the kind of the worker holding key, if it can be read.
+func holderKind(ctx context.Context, kv jetstream.KeyValue, key string) (slotKind, bool) {
 	e, err := kv.Get(ctx, key)
 	if err != nil {
-		return "", false
+		return slotKind{}, false
 	}
-	return slotModel(e.Value()), true
+	return parseSlotKind(e.Value()), true
 }
 
-// sameModel: workers of models a and b may share a group ("" is any).
-func sameModel(a, b string) bool { return a == b || a == "" || b == "" }
+// heldByAnotherKind reports whether a rank of group other than rank is
+// held by a worker of another model or --tp-size than cfg's (ranks past
+// cfg.Size included: a group of a larger size).
+func heldByAnotherKind(ctx context.Context, kv jetstream.KeyValue, group string, rank int, cfg SlotConfig) bool {
+	mine := slotKind{cfg.Model, cfg.Size}
+	lister, err := kv.ListKeysFiltered(ctx, group+".*")
+	if err != nil {
+		return false // cannot say: the regroup and the schedulers catch a mixed group
+	}
+	defer func() { _ = lister.Stop() }()
+	for key := range lister.Keys() {
+		if key == fmt.Sprintf("%s.%d", group, rank) {
+			continue
+		}
+		if k, ok := holderKind(ctx, kv, key); ok && !k.joins(mine) {
+			return true
+		}
+	}
+	return false
+}
 
 // openSlotBucket returns the slot bucket, creating it when missing.
 func openSlotBucket(ctx context.Context, js jetstream.JetStream, cfg SlotConfig) (jetstream.KeyValue, error) {
@@ -278,7 +327,7 @@ func (s *Slot) regroupTarget(ctx context.Context) (string, bool) {
 			group, rank, ok := strings.Cut(e.Key(), ".")
 			if n, err := strconv.Atoi(rank); ok && err == nil && n >= 0 && n < s.cfg.Size {
 				held[group]++
-				other[group] = other[group] || !sameModel(slotModel(e.Value()), s.cfg.Model)
+				other[group] = other[group] || !parseSlotKind(e.Value()).joins(slotKind{s.cfg.Model, s.cfg.Size})
 			}
 		}
 	}

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"slices"
 	"strings"
 	"sync/atomic"
 	"testing"
@@ -147,6 +148,41 @@ func TestSlotsKeepModelsApart(t *testing.T) {
 	}
 	if err := a4.Hold(ctx); !errors.Is(err, workers.ErrRegrouped) || a4.Group != "g0" {
 		t.Errorf("a4 holding g2/0: %v, now %s; want it moved to g0", err, got(a4))
+	}
+}
+
+// TestSlotsSkipAGroupWhoseFirstRankIsFree: a group of model a whose rank 0
+// stopped (its slot released, rank 1 still held) is no slot for a worker of
+// model b. Before, a worker looked at a group's holders only when its first
+// rank was held: b took a's free rank 0 and made a group of two models, which
+// the schedulers never place on and no regroup undid.
+func TestSlotsSkipAGroupWhoseFirstRankIsFree(t *testing.T) {
+	srv := testenv.StartNATS(t)
+	js, err := jetstream.New(testenv.Connect(t, srv))
+	if err != nil {
+		t.Fatal(err)
+	}
+	claim := func(model string) *workers.Slot {
+		t.Helper()
+		s, err := workers.ClaimSlot(t.Context(), js, workers.SlotConfig{Size: 2, TTL: 10 * time.Second, Owner: "w-" + model, Model: model})
+		if err != nil {
+			t.Fatal(err)
+		}
+		return s
+	}
+	a0, a1 := claim("a"), claim("a")
+	if a0.Group != "g0" || a1.Group != "g0" {
+		t.Fatalf("model a's workers got %s/%d and %s/%d, want g0", a0.Group, a0.Rank, a1.Group, a1.Rank)
+	}
+	if err := a0.Release(t.Context()); err != nil {
+		t.Fatal(err)
+	}
+	if b := claim("b"); b.Group == "g0" {
+		t.Errorf("a worker of model b took %s/%d, in model a's group", b.Group, b.Rank)
+	}
+	// The rank stays free for a's next worker.
+	if a := claim("a"); a.Group != "g0" || a.Rank != 0 {
+		t.Errorf("model a's next worker got %s/%d, want g0/0", a.Group, a.Rank)
 	}
 }
 
@@ -379,5 +415,29 @@ func TestSlotsRegroupIntoWholeGroups(t *testing.T) {
 	cancel()
 	if moves.Load() != 1 || !strings.Contains(logs.String(), "moved to another worker slot") {
 		t.Errorf("%d moves, want the one worker of g0 to move:\n%s", moves.Load(), logs)
+	}
+}
+
+// TestSlotsKeepTPSizesApart: workers of another --tp-size do not take the
+// free ranks of a group whose holders have a size of their own: two
+// --tp-size 2 workers started beside two --tp-size 1 workers took g0/1 and
+// g1/1, and both working groups then disagreed on their world size.
+func TestSlotsKeepTPSizesApart(t *testing.T) {
+	srv := testenv.StartNATS(t)
+	js, err := jetstream.New(testenv.Connect(t, srv))
+	if err != nil {
+		t.Fatal(err)
+	}
+	claim := func(size int) string {
+		t.Helper()
+		s, err := workers.ClaimSlot(t.Context(), js, workers.SlotConfig{Size: size, TTL: 5 * time.Second, Owner: "w", Model: "m"})
+		if err != nil {
+			t.Fatal(err)
+		}
+		return fmt.Sprintf("%s/%d", s.Group, s.Rank)
+	}
+	got := []string{claim(1), claim(1), claim(2), claim(2), claim(1)}
+	if want := []string{"g0/0", "g1/0", "g2/0", "g2/1", "g3/0"}; !slices.Equal(got, want) {
+		t.Errorf("slots of --tp-size 1, 1, 2, 2, 1: %v, want %v", got, want)
 	}
 }

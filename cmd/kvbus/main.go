@@ -442,7 +442,9 @@ func (c *frontendCmd) Run(ctx context.Context) error {
 		return err
 	}
 	defer stopPprof()
-	if _, err := c.models(); err != nil {
+	if names, err := c.models(); err != nil {
+		return err
+	} else if err := checkModelNames(names...); err != nil {
 		return err
 	}
 	tok, err := c.tokenizer()
@@ -586,6 +588,9 @@ func (c *workerCmd) Run(ctx context.Context) error {
 		return fmt.Errorf("--rank %q: want auto, or give --group and --tp-rank", c.Rank)
 	}
 	model, err := c.one()
+	if err == nil {
+		err = checkModelNames(model)
+	}
 	if err != nil {
 		return err
 	}
@@ -658,6 +663,13 @@ func (c *workerCmd) Run(ctx context.Context) error {
 		if err != nil {
 			return err
 		}
+		// The slot is claimed through JetStream, whose answers come to the
+		// reply inbox: a key that may not read it (a key of one group
+		// without --group, another role's) would wait for them for ever,
+		// saying nothing. Say now which key or flag it needs.
+		if err := checkRankAutoKey(ctx, nc, c.subjects(), c.Group); err != nil {
+			return err
+		}
 		owner, _ := os.Hostname()
 		names, err := bus.ResolveNames(ctx, js, c.subjects())
 		if err != nil {
@@ -711,6 +723,37 @@ func (c *workerCmd) Run(ctx context.Context) error {
 		}
 	})
 	return roleErr(ctx, r.wait())
+}
+
+// checkModelNames refuses a model name with spaces around it: `--model
+// "a, b"` (or KVBUS_MODEL="a, b") served " b", which no client names, and
+// every request for b was a 404 listing "a,  b".
+func checkModelNames(names ...string) error {
+	for _, n := range names {
+		if n != strings.TrimSpace(n) {
+			return fmt.Errorf("--model: the model name %q has spaces around it, which clients would have to send; "+
+				"separate names with a comma alone (--model a,b) or repeat --model", n)
+		}
+	}
+	return nil
+}
+
+// checkRankAutoKey checks, before a --rank auto worker claims a slot, that
+// its key may read what the slot's group needs (every group's ReqMetas
+// without --group) and its reply inbox. Without --group, a refusal also
+// names --group: a key of one group (worker-<g>.nk) claims with --rank auto
+// --group <g>.
+func checkRankAutoKey(ctx context.Context, nc *nats.Conn, subj messages.Subjects, group string) error {
+	g := group
+	if g == "" {
+		g = "*"
+	}
+	err := bus.CheckPermissions(ctx, nc, bus.RoleCheck{Role: "worker", Group: group, Subscribe: []string{subj.MetaGroup(g)}})
+	if err != nil && group == "" {
+		return fmt.Errorf("%w. --rank auto without --group may claim a rank of any group, so it needs the key of any group; "+
+			"with a key of one group (DIR/worker-<g>.nk) add --group <g>", err)
+	}
+	return err
 }
 
 // stopPlan: a rank finishes its requests within --shutdown-timeout, hands

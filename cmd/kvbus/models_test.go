@@ -43,6 +43,34 @@ func TestModelFlag(t *testing.T) {
 	}
 }
 
+// TestModelNamesWithSpacesAreRefused: `--model "a, b"` (the way a list is
+// often written, in KVBUS_MODEL too) is refused naming the name with spaces.
+// Before, the frontend served " b": /v1/models listed it, and every request
+// for b got a 404 saying the served models were "a,  b".
+func TestModelNamesWithSpacesAreRefused(t *testing.T) {
+	for _, args := range [][]string{
+		{"frontend", "--model", "a, b", "--http-addr", "127.0.0.1:0", "--nats-url", "nats://127.0.0.1:1"},
+		{"worker", "--model", " b", "--metrics-addr", "", "--nats-url", "nats://127.0.0.1:1"},
+		{"serve", "--model", "b ", "--http-addr", "127.0.0.1:0", "--nats-addr", "127.0.0.1:0"},
+	} {
+		c := parseCLI(t, args...)
+		ctx, cancel := context.WithTimeout(t.Context(), 10*time.Second)
+		var err error
+		switch args[0] {
+		case "frontend":
+			err = c.Frontend.Run(ctx)
+		case "worker":
+			err = c.Worker.Run(ctx)
+		default:
+			err = c.Serve.Run(ctx)
+		}
+		cancel()
+		if err == nil || !strings.Contains(err.Error(), "spaces around it") || !strings.Contains(err.Error(), "--model a,b") {
+			t.Errorf("%v: %v, want a refusal naming the name with spaces", args, err)
+		}
+	}
+}
+
 // TestOneFrontendServesTwoModels: `kvbus frontend --model a,b` in front of a
 // worker group of each model: /v1/models lists both, and each model's
 // requests are answered by its own group.

@@ -10,6 +10,7 @@ import (
 
 	"github.com/nats-io/nats.go"
 
+	"github.com/kvbus/kvbus/bus"
 	"github.com/kvbus/kvbus/testenv"
 	"github.com/kvbus/kvbus/workers"
 )
@@ -70,5 +71,48 @@ func TestRankAutoWithAGroupsKey(t *testing.T) {
 		if err := <-errc; err != nil {
 			t.Errorf("a worker of g1 ended with %v", err)
 		}
+	}
+}
+
+// TestRankAutoWithAKeyItCannotUseSaysSo: a --rank auto worker whose key may
+// not read what it needs stops at once saying which key or flag to give: a
+// key of one group without --group (it needs --group g1), or another role's
+// key. Before, it logged one permissions violation for its reply inbox and
+// then waited for ever for the slot bucket's JetStream answers, which that
+// inbox never received.
+func TestRankAutoWithAKeyItCannotUseSaysSo(t *testing.T) {
+	srv, dir := testenv.StartKeyedNATS(t, "g1")
+	for _, tc := range []struct {
+		name, key string
+		args      []string
+		want      []string
+	}{
+		{"a group's key without --group", "worker-g1.nk", nil, []string{"kvbus.meta.*.>", "add --group <g>", "DIR/worker.nk"}},
+		{"another role's key", "frontend.nk", []string{"--group", "g1"}, []string{"kvbus.meta.g1.>", "DIR/worker-g1.nk"}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			args := append([]string{"worker", "--rank", "auto", "--tp-size", "2", "--time-scale", "0", "--kv-capacity", "64MiB",
+				"--metrics-addr", "", "--nats-url", srv.ClientURL(), "--nats-nkey", filepath.Join(dir, tc.key), "--log-level", "error"}, tc.args...)
+			c := parseCLI(t, args...)
+			ctx, cancel := context.WithCancel(t.Context())
+			defer cancel()
+			errc := make(chan error, 1)
+			go func() { errc <- c.Worker.Run(ctx) }()
+			select {
+			case err := <-errc:
+				if !errors.Is(err, bus.ErrPermission) {
+					t.Errorf("the worker ended with %v, want a permissions error", err)
+				}
+				for _, w := range tc.want {
+					if err != nil && !strings.Contains(err.Error(), w) {
+						t.Errorf("the worker's error does not say %q: %v", w, err)
+					}
+				}
+			case <-time.After(15 * time.Second):
+				cancel()
+				<-errc
+				t.Error("the worker still waits after 15 s, saying nothing")
+			}
+		})
 	}
 }
