@@ -336,6 +336,13 @@ func (s *SessionBindings) write(ctx context.Context, wr bindingWrite) {
 	}
 }
 
+// extendedBy reports whether a prompt of these block hashes extends the
+// binding's turn: it has the turn's full blocks, the last of them the same.
+func (b Binding) extendedBy(hashes []uint64) bool {
+	n := b.Blocks
+	return n > 0 && n <= len(hashes) && hashes[n-1] == b.LastHash
+}
+
 // follows says whether b, recorded by this replica, comes after the stored
 // binding, and returns the binding to write. A later turn does. So does a
 // prompt of more blocks numbered as the same turn or an earlier one: the

@@ -260,16 +260,23 @@ func servesModel(groupModel, model string) bool {
 	return groupModel == model || groupModel == "" || model == ""
 }
 
-// forModel returns the groups of groups that serve model, in their order
-// (a new slice: groups is not changed).
+// forModel returns the groups of groups that serve model, in their order:
+// groups itself when all do (one model: no copy per request), else a new
+// slice (groups is not changed).
 func forModel(groups []GroupState, model string) []GroupState {
-	out := make([]GroupState, 0, len(groups))
-	for _, g := range groups {
+	for i, g := range groups {
 		if servesModel(g.Model, model) {
-			out = append(out, g)
+			continue
 		}
+		out := slices.Clone(groups[:i])
+		for _, g := range groups[i+1:] {
+			if servesModel(g.Model, model) {
+				out = append(out, g)
+			}
+		}
+		return out
 	}
-	return out
+	return groups
 }
 
 // servedModels lists the models groups serve, sorted, for error messages.

@@ -97,7 +97,7 @@ func (s *Scheduler) onRequest(ctx context.Context, m jetstream.Msg) error {
 	bindings := s.bindings.Load()
 	binding, bound := bindings.GetModel(req.Model, sessionID)
 	legacy := bound && binding.Model == "" && req.Model != ""
-	if n := binding.Blocks; legacy && n > 0 && (n > len(t.BlockHashes) || t.BlockHashes[n-1] != binding.LastHash) {
+	if legacy && binding.Blocks > 0 && !binding.extendedBy(t.BlockHashes) {
 		// A binding of an older kvbus names no model: it is this model's
 		// previous turn only if this prompt extends it (each model hashes
 		// from its own seed); else another model's conversation.
@@ -228,9 +228,8 @@ func (s *Scheduler) place(t *RequestTracker, groups []GroupState, binding Bindin
 			g.Bound = true
 			// The previous turn's blocks, if this prompt extends it and
 			// the group has not lost its cache since (a restarted engine).
-			if n := binding.Blocks; n > 0 && n <= len(t.BlockHashes) && t.BlockHashes[n-1] == binding.LastHash &&
-				!s.index.LostCacheSince(g.Name, binding.UpdatedUnixMs) {
-				g.CachedBlocks = max(g.CachedBlocks, n)
+			if binding.extendedBy(t.BlockHashes) && !s.index.LostCacheSince(g.Name, binding.UpdatedUnixMs) {
+				g.CachedBlocks = max(g.CachedBlocks, binding.Blocks)
 			}
 		}
 		// The pool's blocks past what the group has (or is credited with).

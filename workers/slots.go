@@ -96,7 +96,6 @@ func ClaimSlot(ctx context.Context, js jetstream.JetStream, cfg SlotConfig) (*Sl
 		return nil, fmt.Errorf("workers: slot bucket %s: %w", cfg.Bucket, err)
 	}
 	token := cfg.Owner + "#" + nuid.Next() + "#" + cfg.Model + "#" + strconv.Itoa(cfg.Size)
-	mine := slotKind{cfg.Model, cfg.Size}
 	groups := func(yield func(string) bool) {
 		if cfg.Group != "" {
 			yield(cfg.Group)
@@ -109,28 +108,21 @@ func ClaimSlot(ctx context.Context, js jetstream.JetStream, cfg SlotConfig) (*Sl
 		}
 	}
 	for group := range groups {
-		checked := false // whether the group's holders serve cfg.Model
 		for r := range cfg.Size {
 			key := fmt.Sprintf("%s.%d", group, r)
 			rev, err := kv.Create(ctx, key, []byte(token))
 			if errors.Is(err, jetstream.ErrKeyExists) {
-				if !checked && cfg.Group == "" {
-					checked = true
-					if k, ok := holderKind(ctx, kv, key); ok && !k.joins(mine) {
-						break // another model's group: the next group
-					}
-				}
 				continue
 			}
 			if err != nil {
 				return nil, fmt.Errorf("workers: claim slot %s: %w", key, err)
 			}
-			// A free rank of a group another model's worker holds a rank of
-			// (its rank 0 stopped, say) is no slot for this worker: it
-			// would make a group of two models, which takes no request and
-			// which no regroup undoes. Checked after the create, so that of
-			// two workers of different models claiming one group at once
-			// the later to check sees the other and leaves.
+			// A free rank of a group a worker of another model or size holds
+			// a rank of is no slot for this worker: it would make a group of
+			// two models, which takes no request, or of two world sizes,
+			// and no regroup undoes it. Checked after the create, so that of
+			// two workers of different kinds claiming one group at once the
+			// later to check sees the other and leaves.
 			if cfg.Group == "" && heldByAnotherKind(ctx, kv, group, r, cfg) {
 				if err := kv.Delete(ctx, key, jetstream.LastRevision(rev)); err != nil {
 					cfg.Logger.Warn("cannot release a worker slot of another model's group; it expires after --slot-ttl", "slot", key, "err", err)
@@ -174,6 +166,9 @@ func parseSlotKind(token []byte) slotKind {
 	return k
 }
 
+// kind is what a worker of c serves.
+func (c SlotConfig) kind() slotKind { return slotKind{c.Model, c.Size} }
+
 // joins reports whether workers of kinds k and o may share a group (""
 // and 0 are any).
 func (k slotKind) joins(o slotKind) bool {
@@ -193,7 +188,6 @@ func holderKind(ctx context.Context, kv jetstream.KeyValue, key string) (slotKin
 // held by a worker of another model or --tp-size than cfg's (ranks past
 // cfg.Size included: a group of a larger size).
 func heldByAnotherKind(ctx context.Context, kv jetstream.KeyValue, group string, rank int, cfg SlotConfig) bool {
-	mine := slotKind{cfg.Model, cfg.Size}
 	lister, err := kv.ListKeysFiltered(ctx, group+".*")
 	if err != nil {
 		return false // cannot say: the regroup and the schedulers catch a mixed group
@@ -203,7 +197,7 @@ func heldByAnotherKind(ctx context.Context, kv jetstream.KeyValue, group string,
 		if key == fmt.Sprintf("%s.%d", group, rank) {
 			continue
 		}
-		if k, ok := holderKind(ctx, kv, key); ok && !k.joins(mine) {
+		if k, ok := holderKind(ctx, kv, key); ok && !k.joins(cfg.kind()) {
 			return true
 		}
 	}
@@ -312,7 +306,7 @@ func (s *Slot) regroupTarget(ctx context.Context) (string, bool) {
 	}
 	defer func() { _ = w.Stop() }()
 	held := map[string]int{}
-	other := map[string]bool{} // groups with a holder of another model
+	other := map[string]bool{} // groups with a holder of another kind
 	for listed := false; !listed; {
 		select {
 		case <-ctx.Done():
@@ -327,12 +321,14 @@ func (s *Slot) regroupTarget(ctx context.Context) (string, bool) {
 			group, rank, ok := strings.Cut(e.Key(), ".")
 			if n, err := strconv.Atoi(rank); ok && err == nil && n >= 0 && n < s.cfg.Size {
 				held[group]++
-				other[group] = other[group] || !parseSlotKind(e.Value()).joins(slotKind{s.cfg.Model, s.cfg.Size})
+				if !parseSlotKind(e.Value()).joins(s.cfg.kind()) {
+					other[group] = true
+				}
 			}
 		}
 	}
 	for group := range other {
-		if other[group] && group != s.Group {
+		if group != s.Group {
 			delete(held, group) // never a target
 		}
 	}

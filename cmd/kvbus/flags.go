@@ -113,17 +113,20 @@ func (m modelFlags) one() (string, error) {
 		return "", fmt.Errorf("--model %q: a worker (and kvbus serve) runs one model; start one worker per model, each with its own groups (a frontend may serve several)",
 			strings.Join(m.Model, ","))
 	}
-	return m.Model[0], nil
+	return m.Model[0], checkModelName(m.Model[0])
 }
 
 // models are a frontend's served models, each once.
 func (m modelFlags) models() ([]string, error) {
 	var out []string
 	for _, name := range m.Model {
-		switch {
-		case name == "":
+		if name == "" {
 			return nil, fmt.Errorf("--model %q: a model name is empty", strings.Join(m.Model, ","))
-		case !slices.Contains(out, name):
+		}
+		if err := checkModelName(name); err != nil {
+			return nil, err
+		}
+		if !slices.Contains(out, name) {
 			out = append(out, name)
 		}
 	}
@@ -387,4 +390,15 @@ func (f tokenizerFlags) tokenizer() (frontend.Tokenizer, error) {
 		return nil, nil
 	}
 	return frontend.NewEngineTokenizer(frontend.EngineTokenizerConfig{URLs: f.TokenizerURL, Timeout: f.TokenizerTimeout})
+}
+
+// checkModelName refuses a model name with spaces around it: `--model
+// "a, b"` (or KVBUS_MODEL="a, b") served " b", which no client names, and
+// every request for b was a 404 listing "a,  b".
+func checkModelName(n string) error {
+	if n != strings.TrimSpace(n) {
+		return fmt.Errorf("--model: the model name %q has spaces around it, which clients would have to send; "+
+			"separate names with a comma alone (--model a,b) or repeat --model", n)
+	}
+	return nil
 }

@@ -442,9 +442,7 @@ func (c *frontendCmd) Run(ctx context.Context) error {
 		return err
 	}
 	defer stopPprof()
-	if names, err := c.models(); err != nil {
-		return err
-	} else if err := checkModelNames(names...); err != nil {
+	if _, err := c.models(); err != nil {
 		return err
 	}
 	tok, err := c.tokenizer()
@@ -588,9 +586,6 @@ func (c *workerCmd) Run(ctx context.Context) error {
 		return fmt.Errorf("--rank %q: want auto, or give --group and --tp-rank", c.Rank)
 	}
 	model, err := c.one()
-	if err == nil {
-		err = checkModelNames(model)
-	}
 	if err != nil {
 		return err
 	}
@@ -723,19 +718,6 @@ func (c *workerCmd) Run(ctx context.Context) error {
 		}
 	})
 	return roleErr(ctx, r.wait())
-}
-
-// checkModelNames refuses a model name with spaces around it: `--model
-// "a, b"` (or KVBUS_MODEL="a, b") served " b", which no client names, and
-// every request for b was a 404 listing "a,  b".
-func checkModelNames(names ...string) error {
-	for _, n := range names {
-		if n != strings.TrimSpace(n) {
-			return fmt.Errorf("--model: the model name %q has spaces around it, which clients would have to send; "+
-				"separate names with a comma alone (--model a,b) or repeat --model", n)
-		}
-	}
-	return nil
 }
 
 // checkRankAutoKey checks, before a --rank auto worker claims a slot, that

@@ -102,9 +102,6 @@ func (c *serveCmd) clusterConfig() (cluster.Config, error) {
 		return cluster.Config{}, errors.New("--engine-url and --kv-events need --engine openai")
 	}
 	model, err := c.one()
-	if err == nil {
-		err = checkModelNames(model)
-	}
 	if err != nil {
 		return cluster.Config{}, err
 	}
