@@ -33,11 +33,10 @@ func (t *groupTable) reconnected(now time.Time) {
 	t.mu.Unlock()
 }
 
-// heardLocked reports whether r was heard within the timeout, counting
-// from the last reconnect when it was heard before it. Called with t.mu
-// held.
-func (t *groupTable) heardLocked(r rankInfo, now time.Time) bool {
-	seen := r.seen
+// heardLocked reports whether a rank last heard at seen was heard within
+// the timeout, counting from the last reconnect when it was heard before
+// it. Called with t.mu held.
+func (t *groupTable) heardLocked(seen, now time.Time) bool {
 	if t.heardFrom.After(seen) {
 		seen = t.heardFrom
 	}
@@ -69,6 +68,50 @@ type groupInfo struct {
 	// mixedSaid is when ranks of the group serving different models were
 	// last reported.
 	mixedSaid time.Time
+	// status is what the ranks' last heartbeats say of the group as a
+	// whole, kept by observe (the only writer of ranks), so that the
+	// per-request ready list costs no walk over every rank.
+	status groupStatus
+}
+
+// groupStatus sums up a group's ranks. Heartbeats validate tp_rank <
+// world_size and a new world size forgets the ranks, so a group whose
+// world_size ranks are all in ranks, none failing its health check
+// (complete), is alive while its least recently heard rank (oldestSeen)
+// is heard; its other fields are then those of every rank.
+type groupStatus struct {
+	complete   bool
+	oldestSeen time.Time
+	draining   bool
+	mixed      bool
+	model      string
+	depth      int
+}
+
+// refresh recomputes g's status from its ranks.
+func (g *groupInfo) refresh() {
+	st := groupStatus{complete: len(g.ranks) == g.worldSize}
+	n := 0
+	for _, r := range g.ranks {
+		st.complete = st.complete && !r.notReady
+		if n == 0 || r.seen.Before(st.oldestSeen) {
+			st.oldestSeen = r.seen
+		}
+		if n > 0 && r.model != st.model {
+			st.mixed = true
+		}
+		st.model = r.model
+		st.depth = max(st.depth, r.queueDepth)
+		st.draining = st.draining || r.draining
+		n++
+	}
+	g.status = st
+}
+
+// aliveLocked reports whether every rank of g was heard within the
+// timeout and none fails its health check. Called with t.mu held.
+func (t *groupTable) aliveLocked(g *groupInfo, now time.Time) bool {
+	return g.status.complete && g.worldSize > 0 && t.heardLocked(g.status.oldestSeen, now)
 }
 
 // load is the group's requests in flight and its queue in blocks of
@@ -183,6 +226,7 @@ func (t *groupTable) observe(hb *messages.Heartbeat, now time.Time) (stale, repo
 	}
 	g.ranks[hb.TPRank] = rankInfo{seen: now, started: hb.StartedUnixMs, restarted: restarted, dupSaid: prev.dupSaid,
 		queueDepth: hb.QueueDepth, draining: hb.Draining, notReady: hb.NotReady, model: hb.Model}
+	g.refresh()
 	if hb.TPRank == 0 { // the driver knows the group's load
 		g.hbInflight = hb.InflightRequests
 		bs := int64(t.blockSize)
@@ -207,22 +251,9 @@ func (t *groupTable) ready(now time.Time) []GroupState {
 	defer t.mu.Unlock()
 	out := make([]GroupState, 0, len(t.order))
 	for _, g := range t.order {
-		alive, depth, draining := 0, 0, false
-		model, mixed := "", false
-		for _, r := range g.ranks {
-			if t.heardLocked(r, now) && !r.notReady {
-				alive++
-				depth = max(depth, r.queueDepth)
-				draining = draining || r.draining
-				if alive > 1 && r.model != model {
-					mixed = true
-				}
-				model = r.model
-			}
-		}
-		if alive == g.worldSize && !draining && !mixed {
+		if st := &g.status; t.aliveLocked(g, now) && !st.draining && !st.mixed {
 			inflight, queued := g.load(now)
-			out = append(out, GroupState{Name: g.name, Model: model, WorldSize: g.worldSize, Inflight: inflight, QueuedBlocks: queued, QueueDepth: depth})
+			out = append(out, GroupState{Name: g.name, Model: st.model, WorldSize: g.worldSize, Inflight: inflight, QueuedBlocks: queued, QueueDepth: st.depth})
 		}
 	}
 	return out
@@ -239,7 +270,7 @@ func (t *groupTable) mixedModels(group string, now time.Time) (models []string, 
 		return nil, false
 	}
 	for _, r := range g.ranks {
-		if t.heardLocked(r, now) && !slices.Contains(models, r.model) {
+		if t.heardLocked(r.seen, now) && !slices.Contains(models, r.model) {
 			models = append(models, r.model)
 		}
 	}
@@ -299,7 +330,7 @@ func (t *groupTable) alive(now time.Time) map[string]bool {
 	defer t.mu.Unlock()
 	out := map[string]bool{}
 	for name, g := range t.groups {
-		out[name] = t.completeLocked(g, now)
+		out[name] = t.aliveLocked(g, now)
 	}
 	return out
 }
@@ -349,25 +380,13 @@ func (t *groupTable) restarts() map[string]map[int]rankRestart {
 func (t *groupTable) sources(now time.Time) []string {
 	t.mu.Lock()
 	defer t.mu.Unlock()
-	out := make([]string, 0, len(t.groups))
-	for name, g := range t.groups {
-		if t.completeLocked(g, now) {
-			out = append(out, name)
+	out := make([]string, 0, len(t.order))
+	for _, g := range t.order {
+		if t.aliveLocked(g, now) {
+			out = append(out, g.name)
 		}
 	}
 	return out
-}
-
-// completeLocked reports whether every rank of g was heard within the
-// timeout and none fails its health check.
-func (t *groupTable) completeLocked(g *groupInfo, now time.Time) bool {
-	n := 0
-	for _, r := range g.ranks {
-		if t.heardLocked(r, now) && !r.notReady {
-			n++
-		}
-	}
-	return n == g.worldSize
 }
 
 // forget drops the groups none of whose ranks was heard of for after, and

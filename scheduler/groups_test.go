@@ -1,6 +1,9 @@
 package scheduler
 
 import (
+	"fmt"
+	"maps"
+	"math/rand/v2"
 	"slices"
 	"testing"
 	"time"
@@ -260,5 +263,120 @@ func TestGroupTableRankBackWithAnEarlierStart(t *testing.T) {
 	}
 	if rs := gt.restarts()["g0"][1]; rs.started != 996_000 {
 		t.Errorf("the new process is not recorded as a restart: %+v", rs)
+	}
+}
+
+// TestGroupTableStatusMatchesItsRanks drives a group table through random
+// heartbeats (world sizes, failing health checks, drains, two models, an
+// older second process, reconnects, time passing) and checks after every
+// step that ready, sources and alive say what a walk over every rank's last
+// heartbeat says: the per-group status kept by observe is only a cache.
+func TestGroupTableStatusMatchesItsRanks(t *testing.T) {
+	const timeout = 3 * time.Second
+	rng := rand.New(rand.NewPCG(7, 7))
+	t0 := time.Unix(1_700_000_000, 0)
+	gt := newGroupTable(timeout, 16, 0.25, 0.5)
+	now := t0
+	names := []string{"g0", "g1", "g2", "g3", "g4"}
+	sizes := map[string]int{}
+	for step := range 20_000 {
+		switch k := rng.IntN(100); {
+		case k < 80:
+			g := names[rng.IntN(len(names))]
+			if sizes[g] == 0 || rng.IntN(50) == 0 {
+				sizes[g] = 1 + rng.IntN(4)
+			}
+			h := hb(g, rng.IntN(sizes[g]), sizes[g])
+			h.StartedUnixMs = 1 + int64(rng.IntN(3)) // now and then an older or newer process
+			h.NotReady = rng.IntN(20) == 0
+			h.Draining = rng.IntN(20) == 0
+			h.QueueDepth = rng.IntN(5)
+			h.Model = []string{"a", "a", "a", "b"}[rng.IntN(4)]
+			gt.observe(h, now)
+		case k < 99:
+			now = now.Add(time.Duration(rng.IntN(400)) * time.Millisecond)
+		default:
+			gt.reconnected(now)
+		}
+		if want, got := walkReady(gt, now), gt.ready(now); !slices.Equal(got, want) {
+			t.Fatalf("step %d: ready = %+v, want %+v", step, got, want)
+		}
+		wantSources, wantAlive := walkAlive(gt, now)
+		if got := gt.sources(now); !slices.Equal(got, wantSources) {
+			t.Fatalf("step %d: sources = %v, want %v", step, got, wantSources)
+		}
+		if got := gt.alive(now); !maps.Equal(got, wantAlive) {
+			t.Fatalf("step %d: alive = %v, want %v", step, got, wantAlive)
+		}
+	}
+}
+
+// walkReady is groupTable.ready computed from every rank's last heartbeat.
+func walkReady(t *groupTable, now time.Time) []GroupState {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	out := make([]GroupState, 0, len(t.order))
+	for _, g := range t.order {
+		alive, depth, draining := 0, 0, false
+		model, mixed := "", false
+		for _, r := range g.ranks {
+			if t.heardLocked(r.seen, now) && !r.notReady {
+				alive++
+				depth = max(depth, r.queueDepth)
+				draining = draining || r.draining
+				if alive > 1 && r.model != model {
+					mixed = true
+				}
+				model = r.model
+			}
+		}
+		if alive == g.worldSize && !draining && !mixed {
+			inflight, queued := g.load(now)
+			out = append(out, GroupState{Name: g.name, Model: model, WorldSize: g.worldSize, Inflight: inflight, QueuedBlocks: queued, QueueDepth: depth})
+		}
+	}
+	return out
+}
+
+// walkAlive is groupTable.sources (sorted) and alive computed from every
+// rank's last heartbeat.
+func walkAlive(t *groupTable, now time.Time) ([]string, map[string]bool) {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	var sources []string
+	alive := map[string]bool{}
+	for _, g := range t.order {
+		n := 0
+		for _, r := range g.ranks {
+			if t.heardLocked(r.seen, now) && !r.notReady {
+				n++
+			}
+		}
+		alive[g.name] = n == g.worldSize
+		if alive[g.name] {
+			sources = append(sources, g.name)
+		}
+	}
+	return sources, alive
+}
+
+// BenchmarkGroupTableReady256Groups is the group table's share of one
+// routing decision over 256 groups of 4 ranks: the ready list and the
+// pool's sources.
+func BenchmarkGroupTableReady256Groups(b *testing.B) {
+	gt := newGroupTable(3*time.Second, 16, 0.25, 0.5)
+	now := time.Now()
+	for g := range 256 {
+		for r := range 4 {
+			h := hb(fmt.Sprint("g", g), r, 4)
+			h.Model = "m"
+			gt.observe(h, now)
+		}
+	}
+	b.ReportAllocs()
+	for b.Loop() {
+		if len(gt.ready(now)) != 256 || len(gt.sources(now)) != 256 {
+			b.Fatal("not every group ready")
+		}
 	}
 }

@@ -267,7 +267,7 @@ func (s *Scheduler) setLoad(t *RequestTracker, local int, global bool) {
 // savers are the groups with no prefill queued: what they are saving is
 // saved within a moment, so other groups may plan to read it.
 func savers(groups []GroupState) []string {
-	var out []string
+	out := make([]string, 0, len(groups))
 	for _, g := range groups {
 		if g.QueuedBlocks == 0 {
 			out = append(out, g.Name)

@@ -135,16 +135,21 @@ func (p KVPolicy) Place(t *RequestTracker, groups []GroupState) (string, error) 
 		return "", ErrNoReadyGroup
 	}
 	total := len(t.BlockHashes)
-	best, bestCost := -1, 0.0
-	for _, i := range RendezvousOrder(placementKey(t), groups) {
+	key := placementKey(t)
+	buf := make([]byte, 0, len(key)+40)
+	best, bestCost, bestWeight := -1, 0.0, uint64(0)
+	for i := range groups {
 		g := &groups[i]
 		cached := min(g.CachedBlocks, total)
 		remote := min(g.RemoteBlocks, total-cached)
 		cost := float64(total-cached-remote) + p.LocalLoad*float64(cached) + p.RemoteLoad*float64(remote) + float64(g.QueuedBlocks)
 		// At equal cost the group with more of the prefix wins (it keeps the
-		// cache warm for the next turn), then rendezvous order.
-		if best < 0 || cost < bestCost || cost == bestCost && g.CachedBlocks > groups[best].CachedBlocks {
-			best, bestCost = i, cost
+		// cache warm for the next turn), then the higher rendezvous weight
+		// (see RendezvousOrder; one pass, no sort).
+		w := rendezvousWeight(buf, key, g.Name)
+		if best < 0 || cost < bestCost || cost == bestCost &&
+			(g.CachedBlocks > groups[best].CachedBlocks || g.CachedBlocks == groups[best].CachedBlocks && w > bestWeight) {
+			best, bestCost, bestWeight = i, cost, w
 		}
 	}
 	return groups[best].Name, nil
@@ -199,12 +204,16 @@ func RendezvousOrder(key string, groups []GroupState) []int {
 	order := make([]int, len(groups))
 	buf := make([]byte, 0, len(key)+40)
 	for i, g := range groups {
-		buf = append(append(append(buf[:0], key...), 0), g.Name...)
-		w[i] = xxh3.Hash(buf)
+		w[i] = rendezvousWeight(buf, key, g.Name)
 		order[i] = i
 	}
 	sort.Slice(order, func(a, b int) bool { return w[order[a]] > w[order[b]] })
 	return order
+}
+
+// rendezvousWeight is xxh3(key ‖ 0 ‖ group), hashed in buf's memory.
+func rendezvousWeight(buf []byte, key, group string) uint64 {
+	return xxh3.Hash(append(append(append(buf[:0], key...), 0), group...))
 }
 
 // RoundRobinPolicy cycles through the ready groups, ignoring sessions: a

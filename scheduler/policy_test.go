@@ -4,6 +4,7 @@ import (
 	"errors"
 	"fmt"
 	"maps"
+	"math/rand/v2"
 	"slices"
 	"strings"
 	"testing"
@@ -494,6 +495,37 @@ func TestKVPolicyTieKeepsTheCache(t *testing.T) {
 		groups[1].CachedBlocks, groups[1].QueuedBlocks = 0, 0   // cost 64 without
 		if got, err := (KVPolicy{}).Place(tr, groups); err != nil || got != "g0" {
 			t.Fatalf("session %s: Place = %q, %v; want g0 (equal cost, more cached)", tr.SessionID, got, err)
+		}
+	}
+}
+
+// TestKVPolicyAgreesWithRendezvousWalk checks the one-pass KVPolicy.Place
+// against its rule spelled as a walk in rendezvous order (the first of the
+// cheapest, more cached blocks first at equal cost) on random clusters with
+// many ties.
+func TestKVPolicyAgreesWithRendezvousWalk(t *testing.T) {
+	rng := rand.New(rand.NewPCG(11, 11))
+	p := KVPolicy{LocalLoad: 0.25, RemoteLoad: 0.5}
+	for trial := range 5_000 {
+		groups := groupStates()
+		for i := range 1 + rng.IntN(40) {
+			groups = append(groups, GroupState{Name: fmt.Sprint("g", i), WorldSize: 4,
+				CachedBlocks: rng.IntN(4) * 8, RemoteBlocks: rng.IntN(3) * 8, QueuedBlocks: rng.IntN(3) * 4})
+		}
+		tr := kvTracker(fmt.Sprint("s", trial), 8+rng.IntN(24))
+		total := len(tr.BlockHashes)
+		want, bestCost := -1, 0.0
+		for _, i := range RendezvousOrder(placementKey(tr), groups) {
+			g := groups[i]
+			cached := min(g.CachedBlocks, total)
+			remote := min(g.RemoteBlocks, total-cached)
+			cost := float64(total-cached-remote) + p.LocalLoad*float64(cached) + p.RemoteLoad*float64(remote) + float64(g.QueuedBlocks)
+			if want < 0 || cost < bestCost || cost == bestCost && g.CachedBlocks > groups[want].CachedBlocks {
+				want, bestCost = i, cost
+			}
+		}
+		if got := must(p.Place(tr, groups)); got != groups[want].Name {
+			t.Fatalf("trial %d: Place = %s, want %s (groups %+v)", trial, got, groups[want].Name, groups)
 		}
 	}
 }
