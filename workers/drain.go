@@ -399,8 +399,12 @@ func (r *Rank) takeHandoff(h *messages.Handoff) *messages.HandoffResult {
 	// then, gets there in time.
 	ctx, cancel := context.WithTimeout(context.Background(), r.cfg.ShutdownTimeout*9/10)
 	defer cancel()
+	// At most handoffReadBlocks a read, and within poolReadBytes: 32 blocks
+	// of a large model at a small TP size are past the server's pending
+	// limit for this rank.
+	chunk := min(handoffReadBlocks, poolReadBlocks(r.valueBytes(h.BlockSize)))
 	for _, run := range h.Runs {
-		for hashes := range slices.Chunk(run.BlockHashes, handoffReadBlocks) {
+		for hashes := range slices.Chunk(run.BlockHashes, chunk) {
 			stored, bytes := r.copyHandedOff(ctx, h, run.Session, hashes, size)
 			res.Stored += stored
 			res.Failed += len(hashes) - stored

@@ -29,6 +29,11 @@ type poolRanks struct {
 
 func startPoolRanks(t testing.TB, maxPayload int32, groups ...string) *poolRanks {
 	t.Helper()
+	return startPoolRanksWithCapacity(t, maxPayload, 1<<30, groups...)
+}
+
+func startPoolRanksWithCapacity(t testing.TB, maxPayload int32, capacity int64, groups ...string) *poolRanks {
+	t.Helper()
 	srv, err := bus.StartServer(bus.ServerConfig{Addr: "127.0.0.1:0", MaxPayload: maxPayload})
 	if err != nil {
 		t.Fatal(err)
@@ -43,7 +48,7 @@ func startPoolRanks(t testing.TB, maxPayload int32, groups ...string) *poolRanks
 	for _, g := range groups {
 		rank, err := workers.NewRank(workers.RankConfig{
 			Conn: testenv.Connect(t, srv), Group: g, TPRank: 1, TPSize: 4, EPRank: 1, EPSize: 4,
-			Model: testModel, Profile: profile, CapacityBytes: 1 << 30, Logger: slog.New(slog.DiscardHandler),
+			Model: testModel, Profile: profile, CapacityBytes: capacity, Logger: slog.New(slog.DiscardHandler),
 		})
 		if err != nil {
 			t.Fatal(err)
@@ -438,5 +443,145 @@ func BenchmarkPoolRead32Blocks512KiB(b *testing.B) {
 		if err != nil || got[blocks-1] == nil {
 			b.Fatal(fmt.Sprint("read: ", err))
 		}
+	}
+}
+
+// TestLongRemoteRunKeepsWhatArrivedInTime: a remote run far larger than
+// one read should carry is read in pieces of at most 16 MiB, so that a
+// source that cannot send the whole run within SaveWait still hands over
+// the blocks it sent by then. Read in one PoolRead (128 blocks of 512 KiB,
+// 64 MiB: past the server's pending limit for the reader when the reader
+// is slow, as a GOMAXPROCS=1 worker is) a run that missed its deadline
+// lost every block, those received included, and the reader could be cut
+// off as a slow consumer.
+func TestLongRemoteRunKeepsWhatArrivedInTime(t *testing.T) {
+	p := startPoolRanks(t, 0, "g0")
+	const blocks = 128
+	const perBlock = 25 * time.Millisecond // the source sends 40 blocks a second
+	size := 16 * blockSize * 1024 * 2      // llama-3.1-8b at TP 4: 512 KiB a block
+	var mu sync.Mutex
+	var asked []int
+	stop := make(chan struct{})
+	stopped := false
+	var busy sync.WaitGroup
+	t.Cleanup(func() {
+		mu.Lock()
+		stopped = true
+		mu.Unlock()
+		close(stop)
+		busy.Wait()
+	})
+	if _, err := p.nc.Subscribe(messages.Subjects{}.Pool("g1", 1), func(m *nats.Msg) {
+		mu.Lock()
+		if stopped {
+			mu.Unlock()
+			return
+		}
+		busy.Add(1)
+		mu.Unlock()
+		defer busy.Done()
+		req, err := messages.DecodePoolRead(m.Data)
+		if err != nil {
+			t.Error(err)
+			return
+		}
+		mu.Lock()
+		asked = append(asked, len(req.BlockHashes))
+		mu.Unlock()
+		select {
+		case <-time.After(time.Duration(len(req.BlockHashes)) * perBlock):
+		case <-stop:
+			return
+		}
+		for i, h := range req.BlockHashes {
+			part := messages.PoolPart{Part: i, Parts: len(req.BlockHashes), Pieces: []messages.PoolPiece{
+				{Index: i, Size: size, Data: workers.BlockPayload(h, 1, size)}}}
+			data, err := messages.Marshal(&part)
+			if err != nil {
+				t.Error(err)
+				return
+			}
+			_ = p.nc.Publish(m.Reply, data)
+		}
+	}); err != nil {
+		t.Fatal(err)
+	}
+	if err := p.nc.Flush(); err != nil {
+		t.Fatal(err)
+	}
+	next := newMeta("long", "s", testenv.PromptTokens(11, blocks*blockSize+5))
+	next.LoadSpec = &messages.LoadSpec{KVPoolCachedTokens: blocks * blockSize, CanLoad: true,
+		Remote: []messages.RemoteRun{{Group: "g1", FromBlock: 0, Blocks: blocks}}}
+	next.SaveFromBlock = blocks
+	r := p.run(t, next)
+	// Within the default SaveWait (2 s) pieces of 32 blocks (0.8 s each)
+	// bring 64 blocks; the third piece is late.
+	if r.LoadedTokens < 32*blockSize || r.RemoteTokens != r.LoadedTokens || r.FailedBlocks != blocks-r.LoadedTokens/blockSize {
+		t.Errorf("long remote run: loaded %d tokens (%d remote), %d failed blocks; want at least 32 blocks loaded, all remote, the rest failed",
+			r.LoadedTokens, r.RemoteTokens, r.FailedBlocks)
+	}
+	mu.Lock()
+	defer mu.Unlock()
+	for _, n := range asked {
+		if n*size > 16<<20 {
+			t.Errorf("a PoolRead asked for %d blocks (%d MiB); want at most 16 MiB a read (reads: %v)", n, n*size>>20, asked)
+			break
+		}
+	}
+}
+
+// TestRemoteCopiesDoNotEvictThePrefixTheyExtend: a rank whose store is
+// nearly full copies a remote run that extends a prefix it holds. The
+// copies evicted the least recently used blocks — the local head of that
+// very prefix — and the load then found nothing (0 of 8 blocks). A
+// prefix longer than the store, all of it remote, evicted its own first
+// copies and loaded nothing either; what was read is loaded, whether or
+// not the store keeps it.
+func TestRemoteCopiesDoNotEvictThePrefixTheyExtend(t *testing.T) {
+	const size = 512 << 10 // llama-3.1-8b at TP 4
+	p := startPoolRanksWithCapacity(t, 0, 8*size, "g0")
+	// g1's rank 1 holds every block asked for.
+	sub, err := p.nc.Subscribe(messages.Subjects{}.Pool("g1", 1), func(m *nats.Msg) {
+		req, err := messages.DecodePoolRead(m.Data)
+		if err != nil {
+			t.Error(err)
+			return
+		}
+		for i, h := range req.BlockHashes {
+			part := messages.PoolPart{Part: i, Parts: len(req.BlockHashes), Pieces: []messages.PoolPiece{
+				{Index: i, Size: size, Data: workers.BlockPayload(h, 1, size)}}}
+			data, err := messages.Marshal(&part)
+			if err != nil {
+				t.Error(err)
+				return
+			}
+			_ = p.nc.Publish(m.Reply, data)
+		}
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = sub.Drain() })
+	tokens := testenv.PromptTokens(21, 8*blockSize+3)
+	head := newMeta("head", "s", tokens[:3*blockSize+1])
+	p.run(t, head) // g0 holds blocks 0-2 of s
+	other := newMeta("other", "o", testenv.PromptTokens(22, 5*blockSize+1))
+	p.run(t, other) // and 5 of another session: the store is full, s's oldest
+	next := newMeta("next", "s", tokens)
+	next.LoadSpec = &messages.LoadSpec{KVPoolCachedTokens: 8 * blockSize, CanLoad: true,
+		Remote: []messages.RemoteRun{{Group: "g1", FromBlock: 3, Blocks: 5}}}
+	next.SaveFromBlock = 8
+	if r := p.run(t, next); r.LoadedTokens != 8*blockSize || r.RemoteTokens != 5*blockSize || r.FailedBlocks != 0 {
+		t.Errorf("prefix of 3 local and 5 remote blocks in a full store of 8: loaded %d tokens (%d remote), %d failed blocks; want 8 blocks, 5 remote, none failed",
+			r.LoadedTokens, r.RemoteTokens, r.FailedBlocks)
+	}
+	long := testenv.PromptTokens(23, 12*blockSize+3)
+	all := newMeta("long", "l", long)
+	all.LoadSpec = &messages.LoadSpec{KVPoolCachedTokens: 12 * blockSize, CanLoad: true,
+		Remote: []messages.RemoteRun{{Group: "g1", FromBlock: 0, Blocks: 12}}}
+	all.SaveFromBlock = 12
+	if r := p.run(t, all); r.LoadedTokens != 12*blockSize || r.RemoteTokens != 12*blockSize || r.FailedBlocks != 0 {
+		t.Errorf("remote prefix of 12 blocks into a store of 8: loaded %d tokens (%d remote), %d failed blocks; want 12 blocks, all remote, none failed",
+			r.LoadedTokens, r.RemoteTokens, r.FailedBlocks)
 	}
 }

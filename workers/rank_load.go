@@ -28,15 +28,41 @@ func (r *Rank) load(rr *rankReq) {
 	}
 	start := time.Now()
 	n := min(ls.KVPoolCachedTokens/meta.BlockSize, len(meta.BlockHashes))
-	// Runs held by other groups are copied in first (global pool); then
-	// the whole prefix is read locally, copies included.
-	copied := r.copyRemoteRuns(rr, ls.Remote, n)
 	keys := make([]string, n)
 	for i := range n {
 		keys[i] = StoreKey(meta.Model, r.cfg.TPRank, meta.BlockHashes[i])
 	}
+	// What this rank holds of the prefix is read first: the read makes it
+	// the most recently used, so the copies below evict other blocks, not
+	// the local part of this very prefix (they evicted it whenever the
+	// prefix was close to the store's capacity, and nothing was loaded).
+	// Runs held by other groups are copied in (global pool); what was read
+	// or copied counts as loaded even if the store has evicted it since —
+	// a prefix longer than the store's capacity evicts its own first
+	// copies — as a load into the engine's memory would; then the whole
+	// prefix is read locally again, for blocks saved meanwhile. Without
+	// remote runs, that one read is all.
+	var copied []int
+	fetched := make([][]byte, n)
+	if len(ls.Remote) > 0 {
+		held := r.store.BatchGet(rr.ctx, keys)
+		copied, fetched = r.copyRemoteRuns(rr, ls.Remote, n)
+		for i, v := range held {
+			if fetched[i] == nil {
+				fetched[i] = v
+			}
+		}
+	}
 	size := r.blockBytes(meta.BlockSize)
 	vals := r.store.BatchGet(rr.ctx, keys)
+	fill := func(from int) {
+		for i := from; i < n; i++ {
+			if vals[i] == nil {
+				vals[i] = fetched[i]
+			}
+		}
+	}
+	fill(0)
 	ok, waited := 0, 0
 	deadline := start.Add(r.cfg.SaveWait)
 	for ok < n {
@@ -50,6 +76,7 @@ func (r *Rank) load(rr *rankReq) {
 		}
 		waited++
 		copy(vals[ok:], r.store.BatchGet(rr.ctx, keys[ok:]))
+		fill(ok)
 		if !verifyBlock(r.cfg.Payload, vals[ok], meta.BlockHashes[ok], r.cfg.TPRank, size) {
 			break
 		}
@@ -91,14 +118,38 @@ func (r *Rank) valueBytes(blockSize int) int {
 	return r.blockBytes(blockSize)
 }
 
+// poolReadBytes bounds the bytes one PoolRead asks for. A long run read in
+// one PoolRead (a few thousand tokens of an 8B model are hundreds of MiB
+// per rank) had the source publish it all at once: past the server's
+// pending limit for the reader (64 MiB by default) the server cut the
+// reader off as a slow consumer, and a read still short at its deadline
+// lost every block, those received included. Read in pieces of this size,
+// a run keeps what arrived in time.
+const poolReadBytes = 16 << 20
+
+// poolReadBlocks is how many blocks of valueBytes each one PoolRead asks
+// for: within poolReadBytes, at least one, at most maxPoolReadBlocks.
+func poolReadBlocks(valueBytes int) int {
+	return min(max(poolReadBytes/max(valueBytes, 1), 1), maxPoolReadBlocks)
+}
+
+// maxPoolReadBlocks bounds a PoolRead's hash list (8 bytes a hash), however
+// small the blocks (--kv-payload accounting).
+const maxPoolReadBlocks = 4096
+
 // copyRemoteRuns reads the LoadSpec's remote runs from the same tp_rank of
 // their source groups (the pool), keeps verified blocks as local copies
 // (evicted by LRU like any other, announced in KV events) and returns the
-// indexes of the blocks copied. A run stops at its first block the source
-// no longer holds: that block and the rest are prefilled.
-func (r *Rank) copyRemoteRuns(rr *rankReq, runs []messages.RemoteRun, n int) (copied []int) {
+// indexes of the blocks copied, and every block's value verified, by index
+// in the prefix (nil: not copied). A run is read in pieces of poolReadBlocks
+// within SaveWait, and stops at its first block the source no longer holds
+// or that did not arrive in time: that block and the rest are prefilled,
+// and the runs after it are not read (the prefix loaded ends there).
+func (r *Rank) copyRemoteRuns(rr *rankReq, runs []messages.RemoteRun, n int) (copied []int, fetched [][]byte) {
+	fetched = make([][]byte, n)
 	meta := rr.meta
 	size := r.blockBytes(meta.BlockSize)
+	valueBytes := r.valueBytes(meta.BlockSize)
 	group := ""
 	if meta.SessionID != "" {
 		group = messages.SessionKey(meta.SessionID)
@@ -111,40 +162,60 @@ func (r *Rank) copyRemoteRuns(rr *rankReq, runs []messages.RemoteRun, n int) (co
 		hashes := meta.BlockHashes[run.FromBlock:end]
 		ctx, cancel := context.WithTimeout(rr.ctx, r.cfg.SaveWait)
 		start := time.Now()
-		vals, err := r.pool.Read(ctx, run.Group, r.cfg.TPRank, &messages.PoolRead{ReqID: meta.ReqID, Model: meta.Model, TPRank: r.cfg.TPRank, BlockHashes: hashes},
-			r.valueBytes(meta.BlockSize))
-		cancel()
-		if err != nil {
-			r.log.Warn("load thread: pool read failed, the run will be recomputed", "req_id", meta.ReqID, "session_id", meta.SessionID,
-				"source_group", run.Group, "blocks", len(hashes), "err", err)
-			continue
-		}
-		var objs []Object
-		var blocks []int
-		bytes := 0
-		for i, v := range vals {
-			if !verifyBlock(r.cfg.Payload, v, hashes[i], r.cfg.TPRank, size) {
+		var (
+			got     []int
+			bytes   int
+			readErr error
+		)
+		for from := 0; from < len(hashes) && readErr == nil; {
+			piece := hashes[from:min(from+poolReadBlocks(valueBytes), len(hashes))]
+			vals, err := r.pool.Read(ctx, run.Group, r.cfg.TPRank, &messages.PoolRead{ReqID: meta.ReqID, Model: meta.Model, TPRank: r.cfg.TPRank, BlockHashes: piece},
+				valueBytes)
+			if err != nil {
+				readErr = err
 				break
 			}
-			objs = append(objs, Object{Key: StoreKey(meta.Model, r.cfg.TPRank, hashes[i]), Hash: hashes[i], Value: v, Size: int64(size), Group: group})
-			blocks = append(blocks, run.FromBlock+i)
-			bytes += size // charged: with --kv-payload accounting only a digest moves
-		}
-		stored := blocks[:0:0]
-		for i, err := range r.store.BatchPut(rr.ctx, objs) {
-			if err == nil {
-				stored = append(stored, blocks[i])
+			var objs []Object
+			var blocks []int
+			for i, v := range vals {
+				if !verifyBlock(r.cfg.Payload, v, piece[i], r.cfg.TPRank, size) {
+					break
+				}
+				objs = append(objs, Object{Key: StoreKey(meta.Model, r.cfg.TPRank, piece[i]), Hash: piece[i], Value: v, Size: int64(size), Group: group})
+				blocks = append(blocks, run.FromBlock+from+i)
+				fetched[run.FromBlock+from+i] = v
 			}
+			kept := blocks[:0:0]
+			for i, err := range r.store.BatchPut(rr.ctx, objs) {
+				if err == nil {
+					kept = append(kept, blocks[i])
+				}
+			}
+			r.events.publishStored(meta.Model, storedEvents(meta, kept))
+			// Copied: read and verified, whether or not the store kept it.
+			got = append(got, blocks...)
+			bytes += len(blocks) * size // charged: with --kv-payload accounting only a digest moves
+			if len(blocks) < len(piece) {
+				break
+			}
+			from += len(piece)
 		}
-		r.events.publishStored(meta.Model, storedEvents(meta, stored))
-		copied = append(copied, stored...)
-		r.cfg.Metrics.remote.WithLabelValues(run.Group, r.cfg.Group, r.labels[1]).Add(float64(len(stored)))
+		cancel()
+		copied = append(copied, got...)
+		r.cfg.Metrics.remote.WithLabelValues(run.Group, r.cfg.Group, r.labels[1]).Add(float64(len(got)))
 		r.cfg.Metrics.remoteBytes.WithLabelValues(run.Group, r.cfg.Group, r.labels[1]).Add(float64(bytes))
 		r.cfg.Metrics.remoteSec.WithLabelValues(run.Group, r.cfg.Group, r.labels[1]).Observe(time.Since(start).Seconds())
-		if len(stored) < len(hashes) {
-			r.log.Warn("load thread: source group no longer holds part of a run, it will be recomputed", "req_id", meta.ReqID,
-				"session_id", meta.SessionID, "source_group", run.Group, "blocks", len(hashes), "copied", len(stored))
+		if len(got) == len(hashes) {
+			continue
 		}
+		if readErr != nil {
+			r.log.Warn("load thread: pool read failed, the rest of the run will be recomputed", "req_id", meta.ReqID, "session_id", meta.SessionID,
+				"source_group", run.Group, "blocks", len(hashes), "copied", len(got), "err", readErr)
+		} else {
+			r.log.Warn("load thread: source group no longer holds part of a run, it will be recomputed", "req_id", meta.ReqID,
+				"session_id", meta.SessionID, "source_group", run.Group, "blocks", len(hashes), "copied", len(got))
+		}
+		return copied, fetched // the prefix loaded ends in this run
 	}
-	return copied
+	return copied, fetched
 }
