@@ -138,7 +138,12 @@ func For(s messages.Subjects, id Identity) (Permissions, error) {
 					jsAPI + "CONSUMER.DURABLE.CREATE." + requestStream + "." + schedulerConsumer,
 					jsAPI + "CONSUMER.MSG.NEXT." + requestStream + "." + schedulerConsumer,
 					"$JS.ACK." + requestStream + "." + schedulerConsumer + ".>"},
-				kvBucket(s.SessionBucket(), ">")),
+				kvBucket(s.SessionBucket(), ">"),
+				// The plan stream: made, and read once at start
+				// (scheduler/journal.go).
+				streamAPI(s.PlanStream(), "INFO", "CREATE"),
+				[]string{jsAPI + "CONSUMER.CREATE." + s.PlanStream() + ".>", jsAPI + "CONSUMER.MSG.NEXT." + s.PlanStream() + ".>",
+					jsAPI + "CONSUMER.DELETE." + s.PlanStream() + ".>", jsAPI + "CONSUMER.INFO." + s.PlanStream() + ".>"}),
 			Subscribe: append([]string{p("done.*"), s.KVAll(), s.HeartbeatAll(), s.PlanAll(), s.Abort(),
 				s.AnnounceRole(messages.RoleScheduler)}, inbox...),
 		}, nil

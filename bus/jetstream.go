@@ -339,3 +339,43 @@ func createConsumer(ctx context.Context, st jetstream.Stream, cfg jetstream.Cons
 	}
 	return c, nil
 }
+
+// PlanStreamBytes bounds the plan stream (see EnsurePlanStream).
+const PlanStreamBytes = 256 << 20
+
+// EnsurePlanStream creates the stream that keeps the schedulers' save plans
+// (s.PlanStream, KVBUS_PLANS under the default prefix, on s.PlanAll) unless
+// it exists, and returns it. It is kept in memory — it is for a scheduler
+// that dies, and the requests it names are in the request log on disk —
+// for maxAge, at most PlanStreamBytes, the oldest plans dropped first. An
+// existing stream is used as it is (see ensureStream).
+func EnsurePlanStream(ctx context.Context, js jetstream.JetStream, s messages.Subjects, replicas int, maxAge time.Duration) (jetstream.Stream, error) {
+	name := s.PlanStream()
+	return Retry(ctx, func(ctx context.Context) (jetstream.Stream, error) {
+		if st, err := js.Stream(ctx, name); err == nil {
+			return st, nil
+		}
+		st, err := js.CreateStream(ctx, jetstream.StreamConfig{
+			Name:        name,
+			Description: "kvbus save plans: what each scheduler replica dispatched and ended, for one that starts after it died",
+			Subjects:    []string{s.PlanAll()},
+			Storage:     jetstream.MemoryStorage,
+			Retention:   jetstream.LimitsPolicy,
+			MaxAge:      maxAge,
+			MaxBytes:    PlanStreamBytes,
+			MaxMsgSize:  messages.MaxMessageBytes,
+			Replicas:    max(replicas, 1),
+			Discard:     jetstream.DiscardOld,
+		})
+		if errors.Is(err, jetstream.ErrStreamNameAlreadyInUse) {
+			st, err = js.Stream(ctx, name) // another replica won the race
+		}
+		if err != nil {
+			if subject, ok := jetStreamRefused(js.Conn(), name); ok {
+				return nil, fmt.Errorf("%w: plan stream %s: %w: the server refused %s; %s", ErrPermission, name, err, subject, jetStreamAdvice)
+			}
+			return nil, fmt.Errorf("bus: plan stream %s: %w", name, err)
+		}
+		return st, nil
+	})
+}

@@ -274,44 +274,10 @@ func (c *Cluster) start() error {
 			}
 		}
 	}
-	var requestLog bus.StreamConfig
-	if cfg.Frontend != nil {
-		requestLog = cfg.Frontend.RequestLog()
-	}
-	for i := range cfg.Schedulers {
-		policy, err := scheduler.NewPolicy(cfg.Policy, *cfg.SessionEpsilon)
-		if err != nil {
+	for range cfg.Schedulers {
+		if err := c.startScheduler(); err != nil {
 			return err
 		}
-		reg := cfg.Registry
-		if i > 0 {
-			reg = prometheus.NewRegistry()
-		}
-		nc, err := c.connect(fmt.Sprintf("kvbus-scheduler-%d", i))
-		if err != nil {
-			return err
-		}
-		s, err := scheduler.New(scheduler.Config{
-			Conn: nc, Subjects: cfg.Subjects, Policy: policy, BlockSize: cfg.BlockSize,
-			HeartbeatTimeout: cfg.HeartbeatTimeout, RequestTimeout: cfg.RequestTimeout, SessionTTL: cfg.SessionTTL,
-			StreamReplicas: 1, Logger: c.log, Registerer: reg,
-			NoGroupWait: cfg.NoGroupWait, ResendAfter: cfg.ResendAfter, RequestLog: requestLog, Pool: cfg.Pool,
-			IndexGroups: cfg.IndexGroups,
-		})
-		if err != nil {
-			return err
-		}
-		c.Schedulers = append(c.Schedulers, s)
-		c.SchedulerRegistries = append(c.SchedulerRegistries, reg)
-		ctx, stop := context.WithCancel(c.schedCtx)
-		sr := &rankRun{nc: nc, stop: stop, done: make(chan struct{})}
-		c.mu.Lock()
-		c.schedRuns = append(c.schedRuns, sr)
-		c.mu.Unlock()
-		c.run(ctx, fmt.Sprintf("scheduler %d", i), func(ctx context.Context) error {
-			defer close(sr.done)
-			return s.Run(ctx)
-		})
 	}
 	if cfg.Frontend != nil {
 		fc := *cfg.Frontend
@@ -338,6 +304,58 @@ func (c *Cluster) start() error {
 	}
 	return nil
 }
+
+// startScheduler starts the next scheduler replica (Schedulers[i]); the
+// first one registers its metrics in Config.Registry.
+func (c *Cluster) startScheduler() error {
+	cfg := c.cfg
+	var requestLog bus.StreamConfig
+	if cfg.Frontend != nil {
+		requestLog = cfg.Frontend.RequestLog()
+	}
+	c.mu.Lock()
+	i := len(c.schedRuns)
+	c.mu.Unlock()
+	policy, err := scheduler.NewPolicy(cfg.Policy, *cfg.SessionEpsilon)
+	if err != nil {
+		return err
+	}
+	reg := cfg.Registry
+	if i > 0 {
+		reg = prometheus.NewRegistry()
+	}
+	nc, err := c.connect(fmt.Sprintf("kvbus-scheduler-%d", i))
+	if err != nil {
+		return err
+	}
+	s, err := scheduler.New(scheduler.Config{
+		Conn: nc, Subjects: cfg.Subjects, Policy: policy, BlockSize: cfg.BlockSize,
+		HeartbeatTimeout: cfg.HeartbeatTimeout, RequestTimeout: cfg.RequestTimeout, SessionTTL: cfg.SessionTTL,
+		StreamReplicas: 1, Logger: c.log, Registerer: reg,
+		NoGroupWait: cfg.NoGroupWait, ResendAfter: cfg.ResendAfter, RequestLog: requestLog, Pool: cfg.Pool,
+		IndexGroups: cfg.IndexGroups,
+	})
+	if err != nil {
+		return err
+	}
+	ctx, stop := context.WithCancel(c.schedCtx)
+	sr := &rankRun{nc: nc, stop: stop, done: make(chan struct{})}
+	c.mu.Lock()
+	c.Schedulers = append(c.Schedulers, s)
+	c.SchedulerRegistries = append(c.SchedulerRegistries, reg)
+	c.schedRuns = append(c.schedRuns, sr)
+	c.mu.Unlock()
+	c.run(ctx, fmt.Sprintf("scheduler %d", i), func(ctx context.Context) error {
+		defer close(sr.done)
+		return s.Run(ctx)
+	})
+	return nil
+}
+
+// StartScheduler starts one more scheduler replica, Schedulers[len-1], as
+// an operator starting (or restarting, after KillScheduler) one would: it
+// is not the first, so its metrics go to a registry of its own.
+func (c *Cluster) StartScheduler() error { return c.startScheduler() }
 
 // ensureRequestLog creates the request log with the frontend's limits.
 func (c *Cluster) ensureRequestLog(nc *nats.Conn) error {

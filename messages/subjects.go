@@ -12,12 +12,14 @@ import (
 const DefaultPrefix = "kvbus"
 
 // The JetStream stream that logs every Request, the KV bucket of session
-// bindings and the one of worker slots, under the default prefix;
-// Subjects.RequestStream, SessionBucket and SlotBucket name them for any.
+// bindings, the one of worker slots and the stream that keeps the
+// schedulers' save plans, under the default prefix; Subjects.RequestStream,
+// SessionBucket, SlotBucket and PlanStream name them for any.
 const (
 	RequestStream = "KVBUS_REQUESTS"
 	SessionBucket = "KVBUS_SESSIONS"
 	SlotBucket    = "KVBUS_RANKS"
+	PlanStream    = "KVBUS_PLANS"
 )
 
 // MaxGroups is how many worker groups a deployment is built for: a
@@ -122,6 +124,12 @@ func (s Subjects) SessionBucket() string { return s.jetStreamName(SessionBucket)
 // SlotBucket is the JetStream KV bucket where `kvbus worker --rank auto`
 // claims slots (KVBUS_RANKS, with the prefix as for RequestStream).
 func (s Subjects) SlotBucket() string { return s.jetStreamName(SlotBucket) }
+
+// PlanStream is the JetStream stream that keeps the schedulers' SavePlans
+// (kvbus.sched.plan.*) for a while (KVBUS_PLANS, with the prefix as for
+// RequestStream): what a replica dispatched and ended, for one that starts
+// after it died.
+func (s Subjects) PlanStream() string { return s.jetStreamName(PlanStream) }
 
 // jetStreamName is base under the default prefix and base_<prefix> under
 // another: a prefix is [A-Za-z0-9_-], which stream and bucket names take.

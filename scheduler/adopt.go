@@ -56,7 +56,7 @@ func (s *Scheduler) adopt(ctx context.Context, from string, ds []peerDispatch) {
 			s.log.Warn("cannot adopt a request: the request log holds another message at its sequence", "req_id", d.reqID, "replica", from, "seq", d.seq)
 			continue
 		}
-		if s.adoptOne(req, d.seq, from) {
+		if s.adoptOne(req, d, from) {
 			adopted++
 		} else {
 			ended++
@@ -66,12 +66,12 @@ func (s *Scheduler) adopt(ctx context.Context, from string, ds []peerDispatch) {
 		"adopted", adopted, "ended_or_known", ended, "unreadable", unreadable)
 }
 
-// adoptOne tracks and re-sends one adopted request; false when it is past
-// its deadline or already tracked.
-func (s *Scheduler) adoptOne(req *messages.Request, seq uint64, from string) bool {
+// adoptOne tracks and re-sends one adopted request, dispatched as d said;
+// false when it is past its deadline or already tracked.
+func (s *Scheduler) adoptOne(req *messages.Request, d peerDispatch, from string) bool {
 	now := time.Now()
 	t := s.newTracker(req, time.UnixMilli(req.ArrivalUnixMs)) // its times count from its arrival
-	t.logSeq = seq
+	t.logSeq = d.seq
 	prev, known := s.dispatched.Get(req.RequestID, now)
 	if !known || now.After(t.Deadline) {
 		return false
@@ -84,7 +84,14 @@ func (s *Scheduler) adoptOne(req *messages.Request, seq uint64, from string) boo
 			t.TurnDepth = b.Turn
 		}
 	}
-	if !s.takeOver(t, prev, forModel(s.groups.ready(now), t.Model)) {
+	ready := forModel(s.groups.ready(now), t.Model)
+	switch {
+	case s.groups.startedSince(prev.group, d.at) && s.placeAnew(t, prev, ready):
+		// A rank of its group restarted since: the new process does not
+		// have it, and the same attempt run again there would be spliced
+		// into what the old one had sent.
+	case s.takeOver(t, prev, ready):
+	default:
 		// Draining, or gone: its ranks still finish it, or rescue moves it.
 		t.Group, t.Attempt, t.WorldSize = prev.group, prev.attempt, s.groups.worldSize(prev.group)
 		s.setLoad(t, 0, false)
@@ -106,4 +113,16 @@ func (s *Scheduler) adoptOne(req *messages.Request, seq uint64, from string) boo
 		s.log.Warn("cannot send an adopted request's ReqMeta (resent within a second)", "req_id", t.ReqID, "session_id", t.SessionID, "err", err)
 	}
 	return true
+}
+
+// placeAnew places t as a new attempt after prev among groups' placeable
+// ones; false when there is none.
+func (s *Scheduler) placeAnew(t *RequestTracker, prev dispatchRecord, groups []GroupState) bool {
+	groups = s.placeableOf(groups)
+	if len(groups) == 0 {
+		return false
+	}
+	t.Attempt = prev.attempt + 1
+	_, err := s.place(t, groups, Binding{}, false)
+	return err == nil
 }

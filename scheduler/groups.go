@@ -345,6 +345,22 @@ func (t *groupTable) worldSize(name string) int {
 	return 0
 }
 
+// startedSince reports whether a rank of the group runs a process that
+// started after at (its heartbeats' started_unix_ms): one that cannot have
+// a request dispatched at at.
+func (t *groupTable) startedSince(name string, at time.Time) bool {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	if g := t.groups[name]; g != nil {
+		for _, r := range g.ranks {
+			if r.started > at.UnixMilli() {
+				return true
+			}
+		}
+	}
+	return false
+}
+
 // rankRestart is a rank's last restart: when this replica heard it, and
 // the new process's started_unix_ms.
 type rankRestart struct {

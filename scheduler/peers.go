@@ -32,6 +32,9 @@ const maxPeerDispatches = 200_000
 type peerTable struct {
 	mu    sync.Mutex
 	peers map[string]*peer
+	// tombs, while the plan stream is read (journal.go), are the requests
+	// peers ended meanwhile: a dispatch read after its end is not running.
+	tombs map[string]struct{}
 	keep  time.Duration // a dispatch is worth adopting this long (the request timeout)
 	// since is when this replica last (re)connected: a peer's silence
 	// before then says nothing about it.
@@ -50,6 +53,9 @@ type peer struct {
 	// orphans are the dispatches of an earlier process under its id,
 	// which died: to adopt.
 	orphans []peerDispatch
+	// replayed: some dispatches were read from the plan stream, not heard
+	// live, so they may be an earlier process's (see heard).
+	replayed bool
 }
 
 // peerDispatch is a request a peer dispatched: its id and sequence in the
@@ -91,12 +97,23 @@ func (pt *peerTable) heard(id string, started int64, stopped bool, now time.Time
 		return
 	}
 	p := pt.getLocked(id)
-	if p.started != 0 && started != 0 && started != p.started {
+	switch {
+	case p.started != 0 && started != 0 && started != p.started:
 		for _, d := range p.dispatches {
 			p.orphans = append(p.orphans, d)
 		}
 		clear(p.dispatches)
+	case p.replayed && started != 0:
+		// Dispatches from the plan stream made before this process
+		// started are an earlier process's under the same id.
+		for r, d := range p.dispatches {
+			if d.at.UnixMilli() < started {
+				p.orphans = append(p.orphans, d)
+				delete(p.dispatches, r)
+			}
+		}
 	}
+	p.replayed = p.replayed && started == 0
 	p.seen, p.announced = now, true
 	if started != 0 {
 		p.started = started
@@ -122,11 +139,49 @@ func (pt *peerTable) dispatched(id, reqID string, seq uint64, now time.Time) {
 func (pt *peerTable) ended(id string, reqIDs []string) {
 	pt.mu.Lock()
 	defer pt.mu.Unlock()
+	if pt.tombs != nil {
+		for _, r := range reqIDs {
+			pt.tombs[r] = struct{}{}
+		}
+	}
 	if p := pt.peers[id]; p != nil {
 		for _, r := range reqIDs {
 			delete(p.dispatches, r)
 		}
 	}
+}
+
+// replay begins a read of the plan stream: the ends heard live meanwhile
+// are kept until replayed.
+func (pt *peerTable) replay() {
+	pt.mu.Lock()
+	defer pt.mu.Unlock()
+	pt.tombs = map[string]struct{}{}
+}
+
+// replayed records what the plan stream says replicas dispatched and had
+// not ended, by replica id, and ends the read. Those replicas are judged
+// by their silence from then on, like ones heard to announce: one that
+// died before this replica started is never heard again, and its requests
+// are adopted once the heartbeat timeout passed since this replica started
+// (dead). An entry under this replica's own id is its earlier process's.
+func (pt *peerTable) replayed(ds map[string][]peerDispatch) {
+	pt.mu.Lock()
+	defer pt.mu.Unlock()
+	for id, list := range ds {
+		p := pt.getLocked(id)
+		for _, d := range list {
+			if _, ended := pt.tombs[d.reqID]; ended {
+				continue
+			}
+			if _, known := p.dispatches[d.reqID]; !known {
+				p.dispatches[d.reqID] = d
+				p.replayed = true
+			}
+		}
+		p.announced = true
+	}
+	pt.tombs = nil
 }
 
 // trim drops the dispatches older than keep, and all but the newest

@@ -84,43 +84,17 @@ func (s *Scheduler) onPlan(_ context.Context, m *nats.Msg) error {
 // endedPlanIDs bounds the ids of one plan of ended requests.
 const endedPlanIDs = 4096
 
-// endedKeep is how long ended ids are kept while no peer is known: a
-// replica that just started records this one's save plans before its
-// first announcement is heard (within a second).
-const endedKeep = 3 * time.Second
-
-// endedBatch is the ids of requests ended at one sweep.
-type endedBatch struct {
-	ids []string
-	at  time.Time
-}
-
-// publishEnded tells the other replicas which requests this one ended
-// since it last did, so that they do not adopt them if it dies. Without
-// a known peer (one replica) nothing is sent, and the ids of the last
-// endedKeep are kept for a peer that is about to be heard.
-func (s *Scheduler) publishEnded(now time.Time) {
-	if ids := s.trackers.takeEnded(); len(ids) > 0 {
-		s.ended = append(s.ended, endedBatch{ids, now})
-	}
-	if !s.peers.known() {
-		i := 0
-		for i < len(s.ended) && now.Sub(s.ended[i].at) > endedKeep {
-			i++
+// publishEnded tells the other replicas, and the plan stream (journal.go)
+// for those that start later, which requests this one ended since it last
+// did, so that none adopts them if it dies.
+func (s *Scheduler) publishEnded() {
+	for chunk := range slices.Chunk(s.trackers.takeEnded(), endedPlanIDs) {
+		data, err := messages.Marshal(&messages.SavePlan{SchedulerID: s.cfg.ID, Ended: chunk})
+		if err == nil {
+			err = s.cfg.Conn.Publish(s.cfg.Subjects.Plan(s.cfg.ID), data)
 		}
-		s.ended = s.ended[i:]
-		return
-	}
-	for _, b := range s.ended {
-		for chunk := range slices.Chunk(b.ids, endedPlanIDs) {
-			data, err := messages.Marshal(&messages.SavePlan{SchedulerID: s.cfg.ID, Ended: chunk})
-			if err == nil {
-				err = s.cfg.Conn.Publish(s.cfg.Subjects.Plan(s.cfg.ID), data)
-			}
-			if err != nil {
-				s.log.Warn("cannot tell the other replicas which requests ended", "requests", len(chunk), "err", err)
-			}
+		if err != nil {
+			s.log.Warn("cannot tell the other replicas which requests ended", "requests", len(chunk), "err", err)
 		}
 	}
-	s.ended = s.ended[:0]
 }

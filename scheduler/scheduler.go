@@ -163,7 +163,6 @@ type Scheduler struct {
 	reqLog     *requestLog
 	adoptions  sync.WaitGroup
 	started    time.Time    // announced, so that a restart under the same id is told apart
-	ended      []endedBatch // requests ended, not yet told to the peers (sweep's own)
 	consuming  atomic.Bool  // the request consumer runs
 	reconnects uint64       // the connection's reconnects, as sweep last saw them
 	causal     []*causalSub // set by Run before it consumes
@@ -405,6 +404,9 @@ func (s *Scheduler) Run(ctx context.Context) error {
 		s.log.Warn("flush after subscribe", "err", err)
 	}
 
+	// Before the first request: a dead replica's dispatches, and this
+	// replica's earlier process's, from the plan stream.
+	s.readPlanStream(setupCtx, js)
 	if err := reqLog.consume(); err != nil {
 		return fmt.Errorf("scheduler: consume the request log: %w", err)
 	}
@@ -519,7 +521,7 @@ func (s *Scheduler) sweep(ctx context.Context, now time.Time) {
 		s.log.Info("reconnected to NATS; worker groups get a heartbeat timeout from now before any is judged failed",
 			"heartbeat_timeout", s.cfg.HeartbeatTimeout)
 	}
-	s.publishEnded(now)
+	s.publishEnded()
 	s.adoptDead(ctx, now)
 	s.rescue(now)
 	s.resend(now)

@@ -496,3 +496,85 @@ func TestCrashedSchedulerRequestsAreAdopted(t *testing.T) {
 		t.Errorf("%d requests moved from g0 to g1, want at least the %d adopted ones", got, mine)
 	}
 }
+
+// TestLoneSchedulerCrashRequestsAreAdopted: the only scheduler replica
+// crashes while requests it dispatched generate on g0, and g0's driver rank
+// dies with it (a host that ran both). No other replica heard its save
+// plans, so the requests hung until their deadline (504), even after a new
+// scheduler started. The plans are also kept in the plan stream: the new
+// replica reads them at start, finds the dead one silent and adopts its
+// requests, which end within seconds of its start, answered from g1 or with
+// a retryable 503 group_failed (their answer had begun). When the driver is
+// started again at once instead, the new process does not have them: they
+// go out as a new attempt, which the frontend does not splice into what the
+// old process had sent (each ends 503 group_failed); the same attempt sent
+// again ran from the start and was answered 200, half of one run and half
+// of another.
+func TestLoneSchedulerCrashRequestsAreAdopted(t *testing.T) {
+	t.Run("driver dead", func(t *testing.T) { loneSchedulerCrash(t, false) })
+	t.Run("driver restarted", func(t *testing.T) { loneSchedulerCrash(t, true) })
+}
+
+func loneSchedulerCrash(t *testing.T, restartDriver bool) {
+	c := testenv.StartCluster(t, testenv.ClusterConfig{Groups: 2, Schedulers: 1, TimeScale: 1, RequestTimeout: 30 * time.Second})
+	if err := c.Cluster.StopRank("g1", 0); err != nil { // every request goes to g0
+		t.Fatal(err)
+	}
+	testenv.Eventually(t, 10*time.Second, "the scheduler to see only g0 ready", func() bool { return c.Scheduler.ReadyGroups() == 1 })
+	// Answered before the crash: ended in the plan stream, not adopted.
+	for i := range 4 {
+		if status, _, raw := post(t, c, "/v1/chat/completions", chatBody(c.Model, fmt.Sprint("warm-up ", i), ""), nil); status != http.StatusOK {
+			t.Fatalf("warm-up: %d %s", status, raw)
+		}
+	}
+	time.Sleep(500 * time.Millisecond) // ended ids go out every 250 ms
+	body := fmt.Sprintf(`{"model":%q,"messages":[{"role":"user","content":"a long answer"}],"max_tokens":500,"ignore_eos":true}`, c.Model)
+	const n = 12
+	results, killed := sendAll(t, c, body, n)
+	testenv.Eventually(t, 10*time.Second, "every request dispatched", func() bool { return c.Scheduler.Trackers() == n })
+	c.RestartRank(t, "g1", 0) // g1 is back, to move the requests to
+	killed.Store(time.Now().UnixNano())
+	if err := c.Cluster.KillScheduler(0); err != nil {
+		t.Fatal(err)
+	}
+	c.KillRank(t, "g0", 0)
+	if restartDriver {
+		if err := c.Cluster.RestartRank("g0", 0); err != nil { // not c.RestartRank: no scheduler is ready to wait for
+			t.Fatal(err)
+		}
+	}
+	// The fault took effect: with no scheduler, nothing ends.
+	select {
+	case o := <-results:
+		t.Fatalf("a request ended with no scheduler running (%d %.200s): the crash did not strand it", o.status, o.raw)
+	case <-time.After(2 * time.Second):
+	}
+	if err := c.Cluster.StartScheduler(); err != nil {
+		t.Fatal(err)
+	}
+	restarted := time.Now()
+	answered := 0
+	for i := range n {
+		var o outcome
+		select {
+		case o = <-results:
+		case <-time.After(20 * time.Second):
+			t.Fatalf("%d of %d requests had not ended 20 s after the new scheduler started: not adopted", n-i, n)
+		}
+		switch took := time.Since(restarted); {
+		case o.status != http.StatusOK && !(o.status == http.StatusServiceUnavailable && strings.Contains(o.raw, "group_failed")):
+			t.Errorf("a request ended %d %v after the new scheduler started: %.200s; want 200 or 503 group_failed", o.status, took, o.raw)
+		case took > 15*time.Second:
+			t.Errorf("a request ended %d %v after the new scheduler started; want within seconds (the heartbeat timeout is 2 s)", o.status, took)
+		case o.status == http.StatusOK:
+			answered++
+		}
+	}
+	if restartDriver && answered > 0 {
+		t.Errorf("%d of %d requests were answered 200 by a driver process started after they were dispatched: the same attempt ran again from the start and was spliced into the old process's output", answered, n)
+	}
+	if got := c.Logs.Lines("adopted the requests of a scheduler replica", fmt.Sprintf("adopted=%d ", n)); len(got) != 1 {
+		t.Errorf("no line says the %d requests of the crashed replica were adopted (and only they, not the warm-up's): %q", n,
+			c.Logs.Lines("adopted the requests of a scheduler replica"))
+	}
+}
