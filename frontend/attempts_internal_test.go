@@ -22,27 +22,32 @@ func TestAttemptsNeverMix(t *testing.T) {
 	}
 	tests := []struct {
 		name     string
+		buffered bool // not streamed: nothing reaches the client before the end
 		outs     []*messages.Output
 		wantText string
 		wantErr  string // error code that ends the answer
 	}{
-		{"one attempt", []*messages.Output{chunk(0, 0, "a"), chunk(0, 1, "b"), final(0, 2)}, "ab", ""},
-		{"moved before output: the new attempt from index 0, the old one's late chunks dropped",
+		{"one attempt", false, []*messages.Output{chunk(0, 0, "a"), chunk(0, 1, "b"), final(0, 2)}, "ab", ""},
+		{"moved before output: the new attempt from index 0, the old one's late chunks dropped", false,
 			[]*messages.Output{chunk(1, 0, "x"), chunk(0, 0, "a"), chunk(1, 1, "y"), chunk(0, 1, "b"), final(1, 2)}, "xy", ""},
-		{"an old attempt's final chunk does not end the new one",
+		{"an old attempt's final chunk does not end the new one", false,
 			[]*messages.Output{chunk(1, 0, "x"), final(0, 1), chunk(1, 1, "y"), final(1, 2)}, "xy", ""},
-		{"a new attempt after output began ends the answer with an error, nothing spliced",
+		{"a new attempt after output began ends the answer with an error, nothing spliced", false,
 			[]*messages.Output{chunk(0, 0, "a"), chunk(1, 0, "x"), chunk(0, 1, "b")}, "a", "group_failed"},
-		{"an error of a newer attempt ends the answer",
+		{"an error of a newer attempt ends the answer", false,
 			[]*messages.Output{chunk(0, 0, "a"), fail(1)}, "a", "timeout"},
-		{"duplicates of the same attempt are dropped",
+		{"duplicates of the same attempt are dropped", false,
 			[]*messages.Output{chunk(0, 0, "a"), chunk(0, 0, "a"), chunk(0, 1, "b"), final(0, 2)}, "ab", ""},
+		{"not streamed: a new attempt after output began replaces it whole (the client had none of it)", true,
+			[]*messages.Output{chunk(0, 0, "a"), chunk(0, 1, "b"), chunk(1, 0, "x"), chunk(0, 2, "c"), chunk(1, 1, "y"), final(1, 2)}, "xy", ""},
+		{"not streamed: an error of a newer attempt still ends the answer", true,
+			[]*messages.Output{chunk(0, 0, "a"), fail(1)}, "a", "timeout"},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
 			vm := newVLLMMetrics(prometheus.NewRegistry(), "fe-test", []string{"m"})
 			g := &generation{s: &Server{m: newMetrics(prometheus.NewRegistry(), func() float64 { return 0 }), vm: vm}, q: newOutputQueue(),
-				vm: vm.of("m"), choices: []*choiceState{{busID: "r"}}}
+				vm: vm.of("m"), choices: []*choiceState{{busID: "r", buffered: tt.buffered}}}
 			for _, o := range tt.outs {
 				g.q.push(0, o)
 			}

@@ -69,9 +69,11 @@ func (q *outputQueue) pop() []choiceOutput {
 type choiceState struct {
 	busID string
 	// attempt is the dispatch attempt whose chunks are taken; started is
-	// set once one of them reached the client.
+	// set once one of them reached the client, which for a buffered choice
+	// (a non-streamed answer, sent whole at its end) is never.
 	attempt   int
 	started   bool
+	buffered  bool
 	nextIndex int
 	text      strings.Builder
 	// promptTokens is the prompt's length (continuous usage stats).
@@ -262,7 +264,7 @@ func (s *Server) generate(w http.ResponseWriter, r *http.Request, endpoint strin
 		if len(prompts) > 1 {
 			busID = busBase + "-" + strconv.Itoa(i)
 		}
-		g.choices = append(g.choices, &choiceState{busID: busID, promptTokens: len(prompt)})
+		g.choices = append(g.choices, &choiceState{busID: busID, promptTokens: len(prompt), buffered: !p.stream})
 		s.register(busID, g.q, i)
 		req := s.busRequest(p, busID, sessionID, prompt, start, deadline)
 		req.Model = busModel
@@ -535,9 +537,10 @@ func (g *generation) abortChoices(choices []*choiceState, reason string) {
 // follow decides whether o, of any attempt, belongs to the answer. Chunks
 // of an attempt older than the one followed are dropped (its group was
 // abandoned); a newer attempt is followed from its index 0 if nothing
-// reached the client yet; once output started, a newer attempt's chunks
-// cannot be spliced into it, so the answer ends with an explicit error
-// (an error chunk of any newer attempt ends it too).
+// reached the client yet (what a buffered choice holds of the old one is
+// dropped); once output started, a newer attempt's chunks cannot be
+// spliced into it, so the answer ends with an explicit error (an error
+// chunk of any newer attempt ends it too).
 func (c *choiceState) follow(o *messages.Output) bool {
 	switch {
 	case o.Attempt == c.attempt:
@@ -547,13 +550,15 @@ func (c *choiceState) follow(o *messages.Output) bool {
 		c.attempt = o.Attempt
 	case !c.started:
 		c.attempt, c.nextIndex = o.Attempt, 0
+		c.text.Reset()
+		c.usage = messages.Usage{}
 	default:
 		c.attempt = o.Attempt
 		o.Text, o.TokenIDs, o.FinishReason, o.Raw = "", nil, "", nil
 		o.Error = &messages.OutputError{Code: "group_failed",
 			Message: "the request moved to another worker group after its answer had begun; retry the request"}
 	}
-	c.started = true
+	c.started = !c.buffered
 	return true
 }
 
