@@ -139,7 +139,10 @@ export KVBUS_ENGINE_AUTH_DIR
 ENGINE_MONITORING ?= $(if $(shell $(COMPOSE) -f docker-compose.engine.yml -f $(MONITORING_FILE) ps -q prometheus 2>/dev/null),1,0)
 ENGINE_FILES = -f docker-compose.engine.yml$(if $(filter 1,$(ENGINE_MONITORING)), -f $(MONITORING_FILE))
 up-engine: image-fakeengine
-	@test -f $(KVBUS_ENGINE_AUTH_DIR)/nats-auth.conf || build/docker/kvbus auth init $(KVBUS_ENGINE_AUTH_DIR) --groups g0,g1
+	@if test -f $(KVBUS_ENGINE_AUTH_DIR)/nats-auth.conf; then \
+		out=$$(build/docker/kvbus auth init $(KVBUS_ENGINE_AUTH_DIR) --groups g0,g1 2>/dev/null); \
+		case "$$out" in rewrote*) echo "$$out"; $(COMPOSE) $(ENGINE_FILES) kill -s SIGHUP nats 2>/dev/null || true;; esac; \
+	else build/docker/kvbus auth init $(KVBUS_ENGINE_AUTH_DIR) --groups g0,g1; fi
 	$(COMPOSE) $(ENGINE_FILES) up -d
 	@build/docker/kvbus healthcheck --url http://127.0.0.1:$(HTTP_PORT)/healthz --wait $(ENGINE_WAIT) && echo "kvbus (engines) is ready on http://127.0.0.1:$(HTTP_PORT)"
 
@@ -160,15 +163,19 @@ down-engine:
 HTTP_PORT ?= $(or $(KVBUS_HTTP_PORT),8000)
 # One NATS key per role (kvbus auth init), written once, and the routes'
 # password of docker-compose.cluster.yml (cluster-password, written into a
-# key directory that lacks it, keys unchanged); the containers run as the
-# caller so that they can read their 0600 seed.
+# key directory that lacks it, keys unchanged); a directory of an older
+# kvbus gets this one's permissions (nats-auth.conf rewritten, NATS
+# reloaded); the containers run as the caller so that they can read their
+# 0600 seed.
 KVBUS_AUTH_DIR ?= .kvbus-auth
 export KVBUS_AUTH_DIR
 export KVBUS_UID := $(shell id -u)
 export KVBUS_GID := $(shell id -g)
 auth-keys: image
-	@{ test -f $(KVBUS_AUTH_DIR)/nats-auth.conf && test -f $(KVBUS_AUTH_DIR)/cluster-password && test -f $(KVBUS_AUTH_DIR)/observer.nk; } || \
-		{ build/docker/kvbus auth init $(KVBUS_AUTH_DIR) && $(MAKE) --no-print-directory reload-nats; }
+	@if { test -f $(KVBUS_AUTH_DIR)/nats-auth.conf && test -f $(KVBUS_AUTH_DIR)/cluster-password && test -f $(KVBUS_AUTH_DIR)/observer.nk; }; then \
+		out=$$(build/docker/kvbus auth init $(KVBUS_AUTH_DIR) 2>/dev/null); \
+		case "$$out" in rewrote*) echo "$$out"; $(MAKE) --no-print-directory reload-nats;; esac; \
+	else build/docker/kvbus auth init $(KVBUS_AUTH_DIR) && $(MAKE) --no-print-directory reload-nats; fi
 
 # kvbus top on the running cluster, from inside its network, with the
 # observer key (it reads every kvbus subject and can publish nothing);

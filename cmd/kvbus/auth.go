@@ -50,7 +50,7 @@ func (c *authInitCmd) Run() error {
 		// Every key is there: a directory written by an older kvbus gets
 		// this one's permissions (each role's own reply inbox), keys kept.
 		if changed, rerr := auth.RewriteConfig(c.Dir, s); rerr == nil && changed {
-			fmt.Printf("rewrote %s/%s with this kvbus's permissions (each role reads only its own reply inbox); the keys are unchanged: "+
+			fmt.Printf("rewrote %s/%s with this kvbus's permissions (an older kvbus auth init wrote it); the keys are unchanged: "+
 				"reload NATS (kill -HUP the kvbus nats process, make reload-nats in compose, or nats-server --signal reload), then the roles\n", c.Dir, auth.ConfigFile)
 			return nil
 		}
