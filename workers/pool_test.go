@@ -493,16 +493,7 @@ func TestLongRemoteRunKeepsWhatArrivedInTime(t *testing.T) {
 		case <-stop:
 			return
 		}
-		for i, h := range req.BlockHashes {
-			part := messages.PoolPart{Part: i, Parts: len(req.BlockHashes), Pieces: []messages.PoolPiece{
-				{Index: i, Size: size, Data: workers.BlockPayload(h, 1, size)}}}
-			data, err := messages.Marshal(&part)
-			if err != nil {
-				t.Error(err)
-				return
-			}
-			_ = p.nc.Publish(m.Reply, data)
-		}
+		answerPoolRead(t, p.nc, m.Reply, req, size)
 	}); err != nil {
 		t.Fatal(err)
 	}
@@ -547,16 +538,7 @@ func TestRemoteCopiesDoNotEvictThePrefixTheyExtend(t *testing.T) {
 			t.Error(err)
 			return
 		}
-		for i, h := range req.BlockHashes {
-			part := messages.PoolPart{Part: i, Parts: len(req.BlockHashes), Pieces: []messages.PoolPiece{
-				{Index: i, Size: size, Data: workers.BlockPayload(h, 1, size)}}}
-			data, err := messages.Marshal(&part)
-			if err != nil {
-				t.Error(err)
-				return
-			}
-			_ = p.nc.Publish(m.Reply, data)
-		}
+		answerPoolRead(t, p.nc, m.Reply, req, size)
 	})
 	if err != nil {
 		t.Fatal(err)
@@ -583,5 +565,20 @@ func TestRemoteCopiesDoNotEvictThePrefixTheyExtend(t *testing.T) {
 	if r := p.run(t, all); r.LoadedTokens != 12*blockSize || r.RemoteTokens != 12*blockSize || r.FailedBlocks != 0 {
 		t.Errorf("remote prefix of 12 blocks into a store of 8: loaded %d tokens (%d remote), %d failed blocks; want 12 blocks, all remote, none failed",
 			r.LoadedTokens, r.RemoteTokens, r.FailedBlocks)
+	}
+}
+
+// answerPoolRead answers a PoolRead as rank 1 holding every block asked
+// for would: one part a block of size bytes.
+func answerPoolRead(t *testing.T, nc *nats.Conn, reply string, req *messages.PoolRead, size int) {
+	for i, h := range req.BlockHashes {
+		part := messages.PoolPart{Part: i, Parts: len(req.BlockHashes), Pieces: []messages.PoolPiece{
+			{Index: i, Size: size, Data: workers.BlockPayload(h, 1, size)}}}
+		data, err := messages.Marshal(&part)
+		if err != nil {
+			t.Error(err)
+			return
+		}
+		_ = nc.Publish(reply, data)
 	}
 }
