@@ -79,13 +79,6 @@ func (pt *peerTable) getLocked(id string) *peer {
 	return p
 }
 
-// known reports whether any other replica is known.
-func (pt *peerTable) known() bool {
-	pt.mu.Lock()
-	defer pt.mu.Unlock()
-	return len(pt.peers) > 0
-}
-
 // heard records a peer's announcement; a Stopped one forgets the peer
 // with its dispatches. Another start than the one heard before is a new
 // process under the same id: the old one's dispatches become orphans.

@@ -128,3 +128,46 @@ func TestPeerTableEndedAndRestarted(t *testing.T) {
 		t.Fatalf("adopted again: %v", got)
 	}
 }
+
+// TestPeerTableReplayedFromThePlanStream: what the plan stream says
+// replicas dispatched and had not ended enters the table at start. A
+// replica named there that is never heard (it died before this one
+// started) is adopted once the timeout passed since this start; one that
+// announces is not, but its dispatches made before its process's announced
+// start are an earlier process's, adopted. A request ended live while the
+// stream was read is not taken for running.
+func TestPeerTableReplayedFromThePlanStream(t *testing.T) {
+	t0 := time.Unix(1_000, 0)
+	const timeout = 3 * time.Second
+	start := t0.Add(10 * time.Second) // this replica's start
+	pt := newPeerTable(time.Minute, start)
+	pt.replay()
+	pt.ended("sched-live", []string{"ended-meanwhile"})
+	pt.replayed(map[string][]peerDispatch{
+		"sched-dead": {{reqID: "d1", seq: 1, at: t0}, {reqID: "d2", seq: 2, at: t0.Add(time.Second)}},
+		"sched-live": {{reqID: "old", seq: 3, at: t0}, {reqID: "new", seq: 4, at: t0.Add(5 * time.Second)},
+			{reqID: "ended-meanwhile", seq: 5, at: t0.Add(5 * time.Second)}},
+	})
+	if pt.tombs != nil {
+		t.Error("the read's tombs were kept after it")
+	}
+	ids := func(ds []peerDispatch) (out []string) {
+		for _, d := range ds {
+			out = append(out, d.reqID)
+		}
+		return out
+	}
+	// sched-live's process started at t0+2s: "old" was its predecessor's,
+	// adopted at once; sched-dead is not judged before the timeout.
+	pt.heard("sched-live", t0.Add(2*time.Second).UnixMilli(), false, start.Add(time.Second))
+	if got := pt.dead("sched-a", start.Add(timeout), timeout); len(got) != 1 || fmt.Sprint(ids(got["sched-live"])) != "[old]" {
+		t.Fatalf("adopted %v at the timeout since this start; want only sched-live's predecessor's old", got)
+	}
+	pt.heard("sched-live", t0.Add(2*time.Second).UnixMilli(), false, start.Add(3*time.Second))
+	if got := pt.dead("sched-a", start.Add(timeout+time.Millisecond), timeout); len(got) != 1 || fmt.Sprint(ids(got["sched-dead"])) != "[d1 d2]" {
+		t.Fatalf("adopted %v past the timeout; want sched-dead's d1 and d2", got)
+	}
+	if p := pt.peers["sched-live"]; p == nil || len(p.dispatches) != 1 || p.dispatches["new"].seq != 4 {
+		t.Fatalf("sched-live's own dispatch: %+v; want only new, not adopted", pt.peers["sched-live"])
+	}
+}
