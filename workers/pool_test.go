@@ -582,3 +582,28 @@ func answerPoolRead(t *testing.T, nc *nats.Conn, reply string, req *messages.Poo
 		_ = nc.Publish(reply, data)
 	}
 }
+
+// TestAPromptLongerThanTheStoreKeepsItsStart: a rank whose store holds 8
+// blocks saves a 12-block prompt. Saved in order, the last blocks pushed
+// out the first and the next turn loaded nothing (a prefix is usable only
+// from block 0); now the store keeps the first 8, and later pressure
+// evicts a prefix from its end (0 of 8 loaded before; then 0 of 6).
+func TestAPromptLongerThanTheStoreKeepsItsStart(t *testing.T) {
+	const size = 512 << 10 // llama-3.1-8b at TP 4
+	p := startPoolRanksWithCapacity(t, 0, 8*size, "g0")
+	tokens := testenv.PromptTokens(31, 12*blockSize+3)
+	p.run(t, newMeta("first", "s", tokens))
+	turn := func(id string, cached int) *messages.RankResult {
+		m := newMeta(id, "s", tokens)
+		m.LoadSpec = &messages.LoadSpec{KVPoolCachedTokens: cached * blockSize, CanLoad: true}
+		m.SaveFromBlock = cached
+		return p.run(t, m)
+	}
+	if r := turn("second", 8); r.LoadedTokens != 8*blockSize || r.FailedBlocks != 0 {
+		t.Errorf("after a 12-block prompt in a store of 8: loaded %d tokens, %d failed blocks; want the first 8 blocks", r.LoadedTokens, r.FailedBlocks)
+	}
+	p.run(t, newMeta("other", "o", testenv.PromptTokens(32, 2*blockSize+1))) // 2 blocks of another session
+	if r := turn("third", 6); r.LoadedTokens != 6*blockSize || r.FailedBlocks != 0 {
+		t.Errorf("after another session's 2 blocks: loaded %d tokens, %d failed blocks; want the first 6 blocks (the prefix's end evicted)", r.LoadedTokens, r.FailedBlocks)
+	}
+}

@@ -2,6 +2,7 @@ package workers
 
 import (
 	"context"
+	"slices"
 	"time"
 
 	"github.com/kvbus/kvbus/messages"
@@ -45,7 +46,7 @@ func (r *Rank) load(rr *rankReq) {
 	var copied []int
 	fetched := make([][]byte, n)
 	if len(ls.Remote) > 0 {
-		held := r.store.BatchGet(rr.ctx, keys)
+		held := r.getPrefix(rr.ctx, keys)
 		copied, fetched = r.copyRemoteRuns(rr, ls.Remote, n)
 		for i, v := range held {
 			if fetched[i] == nil {
@@ -54,7 +55,7 @@ func (r *Rank) load(rr *rankReq) {
 		}
 	}
 	size := r.blockBytes(meta.BlockSize)
-	vals := r.store.BatchGet(rr.ctx, keys)
+	vals := r.getPrefix(rr.ctx, keys)
 	fill := func(from int) {
 		for i := from; i < n; i++ {
 			if vals[i] == nil {
@@ -75,7 +76,7 @@ func (r *Rank) load(rr *rankReq) {
 			break
 		}
 		waited++
-		copy(vals[ok:], r.store.BatchGet(rr.ctx, keys[ok:]))
+		copy(vals[ok:], r.getPrefix(rr.ctx, keys[ok:]))
 		fill(ok)
 		if !verifyBlock(r.cfg.Payload, vals[ok], meta.BlockHashes[ok], r.cfg.TPRank, size) {
 			break
@@ -116,6 +117,18 @@ func (r *Rank) valueBytes(blockSize int) int {
 		return 8
 	}
 	return r.blockBytes(blockSize)
+}
+
+// getPrefix reads the blocks of keys, a prefix in order, touching them
+// from the last to the first: the first block ends the most recently used,
+// so the store evicts a prefix from its end, where it is worth least (see
+// storeBlocks).
+func (r *Rank) getPrefix(ctx context.Context, keys []string) [][]byte {
+	rev := slices.Clone(keys)
+	slices.Reverse(rev)
+	vals := r.store.BatchGet(ctx, rev)
+	slices.Reverse(vals)
+	return vals
 }
 
 // poolReadBytes bounds the bytes one PoolRead asks for. A long run read in

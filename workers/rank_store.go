@@ -2,6 +2,7 @@ package workers
 
 import (
 	"context"
+	"slices"
 	"time"
 
 	"github.com/kvbus/kvbus/internal/logsink"
@@ -58,15 +59,22 @@ func (r *Rank) storeBlocks(rr *rankReq) {
 	if rr.loadFail > 0 {
 		from = min(from, rr.loaded/meta.BlockSize)
 	}
+	// A rank's store holds at most capacity/size blocks, and a prefix is
+	// usable only from its first block: blocks past that many could only
+	// push out the prefix's own start.
+	size := r.blockBytes(meta.BlockSize)
+	limit := len(meta.BlockHashes)
+	if _, capacity, _ := r.store.Usage(); size > 0 && capacity > 0 {
+		limit = min(limit, int(capacity/int64(size)))
+	}
 	var stored []int // block indexes
-	if meta.CanSave && from < len(meta.BlockHashes) {
-		hashes := meta.BlockHashes[from:]
+	if meta.CanSave && from < limit {
+		hashes := meta.BlockHashes[from:limit]
 		keys := make([]string, len(hashes))
 		for i, h := range hashes {
 			keys[i] = StoreKey(meta.Model, r.cfg.TPRank, h)
 		}
 		exist := r.store.BatchIsExist(rr.ctx, keys)
-		size := r.blockBytes(meta.BlockSize)
 		group := ""
 		if meta.SessionID != "" {
 			group = messages.SessionKey(meta.SessionID)
@@ -90,19 +98,33 @@ func (r *Rank) storeBlocks(rr *rankReq) {
 			clear(objs) // the payloads are the store's now
 			objs, blocks = objs[:0], blocks[:0]
 		}
-		for i, k := range keys {
+		// Last block first, and the prefix before them touched last, from
+		// its end to its start (getPrefix): the store evicts the least
+		// recently used, and a prefix is worth only what it holds from its
+		// first block on. Put in order, a prompt near the store's size
+		// pushed out its own first blocks, and no later turn could use the
+		// rest.
+		for i := len(keys) - 1; i >= 0; i-- {
 			if exist[i] {
 				rr.result.SkippedBlocks++
 				continue
 			}
 			value, charged := blockObject(r.cfg.Payload, hashes[i], r.cfg.TPRank, size)
-			objs = append(objs, Object{Key: k, Hash: hashes[i], Value: value, Size: charged, Group: group})
+			objs = append(objs, Object{Key: keys[i], Hash: hashes[i], Value: value, Size: charged, Group: group})
 			blocks = append(blocks, from+i)
 			if len(objs) == per {
 				put()
 			}
 		}
 		put()
+		slices.Sort(stored)
+		if from > 0 {
+			head := make([]string, from)
+			for i, h := range meta.BlockHashes[:from] {
+				head[i] = StoreKey(meta.Model, r.cfg.TPRank, h)
+			}
+			r.getPrefix(rr.ctx, head)
+		}
 	}
 	// KV events: what was stored, then what the puts evicted (possibly some
 	// of the blocks just stored, when the store is tiny).
