@@ -54,13 +54,13 @@ func (s *Scheduler) readPlanStream(ctx context.Context, js jetstream.JetStream) 
 		s.log.Warn("cannot read the plan stream: requests a replica that died before this one started had dispatched may not be adopted",
 			"stream", s.cfg.Subjects.PlanStream(), "plans_read", read, "err", err)
 	}
-	n := 0
+	replicas, n := 0, 0
 	for _, ds := range pending {
-		n += len(ds)
+		replicas, n = replicas+min(len(ds), 1), n+len(ds)
 	}
 	if n > 0 {
 		s.log.Info("read the plan stream: requests dispatched by replicas and not ended, adopted if their replica is not heard",
-			"replicas", len(pending), "requests", n, "plans_read", read)
+			"replicas", replicas, "requests", n, "plans_read", read)
 	}
 }
 
@@ -69,7 +69,7 @@ func (s *Scheduler) readPlanStream(ctx context.Context, js jetstream.JetStream) 
 // requests each dispatched and had not ended. Each dispatch also goes into
 // the dispatch records, so that a request redelivered from the log goes to
 // the group and attempt its plan named.
-func (s *Scheduler) pendingDispatches(ctx context.Context, st jetstream.Stream) (map[string][]peerDispatch, int, error) {
+func (s *Scheduler) pendingDispatches(ctx context.Context, st jetstream.Stream) (map[string]map[string]peerDispatch, int, error) {
 	info, err := st.Info(ctx)
 	if err != nil || info.State.Msgs == 0 {
 		return nil, 0, err
@@ -96,7 +96,7 @@ func (s *Scheduler) pendingDispatches(ctx context.Context, st jetstream.Stream) 
 			break
 		}
 		if err != nil {
-			return collect(byReplica), read, err
+			return byReplica, read, err
 		}
 		md, err := m.Metadata()
 		if err != nil {
@@ -121,16 +121,5 @@ func (s *Scheduler) pendingDispatches(ctx context.Context, st jetstream.Stream) 
 			break
 		}
 	}
-	return collect(byReplica), read, ctx.Err()
-}
-
-// collect lists each replica's dispatches; replicas with none are left out.
-func collect(byReplica map[string]map[string]peerDispatch) map[string][]peerDispatch {
-	out := map[string][]peerDispatch{}
-	for id, ds := range byReplica {
-		for _, d := range ds {
-			out[id] = append(out[id], d)
-		}
-	}
-	return out
+	return byReplica, read, ctx.Err()
 }

@@ -157,11 +157,15 @@ func (pt *peerTable) replay() {
 // by their silence from then on, like ones heard to announce: one that
 // died before this replica started is never heard again, and its requests
 // are adopted once the heartbeat timeout passed since this replica started
-// (dead). An entry under this replica's own id is its earlier process's.
-func (pt *peerTable) replayed(ds map[string][]peerDispatch) {
+// (dead). An entry under this replica's own id is its earlier process's;
+// replicas without a dispatch are left out.
+func (pt *peerTable) replayed(ds map[string]map[string]peerDispatch) {
 	pt.mu.Lock()
 	defer pt.mu.Unlock()
 	for id, list := range ds {
+		if len(list) == 0 {
+			continue
+		}
 		p := pt.getLocked(id)
 		for _, d := range list {
 			if _, ended := pt.tombs[d.reqID]; ended {

@@ -143,13 +143,24 @@ func TestPeerTableReplayedFromThePlanStream(t *testing.T) {
 	pt := newPeerTable(time.Minute, start)
 	pt.replay()
 	pt.ended("sched-live", []string{"ended-meanwhile"})
-	pt.replayed(map[string][]peerDispatch{
-		"sched-dead": {{reqID: "d1", seq: 1, at: t0}, {reqID: "d2", seq: 2, at: t0.Add(time.Second)}},
-		"sched-live": {{reqID: "old", seq: 3, at: t0}, {reqID: "new", seq: 4, at: t0.Add(5 * time.Second)},
-			{reqID: "ended-meanwhile", seq: 5, at: t0.Add(5 * time.Second)}},
+	byID := func(ds ...peerDispatch) map[string]peerDispatch {
+		out := map[string]peerDispatch{}
+		for _, d := range ds {
+			out[d.reqID] = d
+		}
+		return out
+	}
+	pt.replayed(map[string]map[string]peerDispatch{
+		"sched-dead": byID(peerDispatch{reqID: "d1", seq: 1, at: t0}, peerDispatch{reqID: "d2", seq: 2, at: t0.Add(time.Second)}),
+		"sched-live": byID(peerDispatch{reqID: "old", seq: 3, at: t0}, peerDispatch{reqID: "new", seq: 4, at: t0.Add(5 * time.Second)},
+			peerDispatch{reqID: "ended-meanwhile", seq: 5, at: t0.Add(5 * time.Second)}),
+		"sched-done": {}, // every request it dispatched ended
 	})
 	if pt.tombs != nil {
 		t.Error("the read's tombs were kept after it")
+	}
+	if _, known := pt.peers["sched-done"]; known {
+		t.Error("a replica whose requests all ended was entered")
 	}
 	ids := func(ds []peerDispatch) (out []string) {
 		for _, d := range ds {
