@@ -3,6 +3,7 @@ package messages
 import (
 	"errors"
 	"fmt"
+	"slices"
 
 	"github.com/tinylib/msgp/msgp"
 	"github.com/vmihailenco/msgpack/v5"
@@ -274,12 +275,19 @@ func (m *ReqMeta) validate() error {
 }
 
 // validRuns reports whether remote runs lie within the first n blocks, in
-// order, without overlap, each from a valid group.
+// order, without overlap, each from a valid group with at most
+// MaxRunAlternates valid alternates, none of them the run's group.
 func validRuns(runs []RemoteRun, n int) bool {
 	next := 0
 	for _, r := range runs {
-		if ValidateGroup(r.Group) != nil || r.Blocks < 1 || r.FromBlock < next || r.FromBlock > n || r.Blocks > n-r.FromBlock {
+		if ValidateGroup(r.Group) != nil || r.Blocks < 1 || r.FromBlock < next || r.FromBlock > n || r.Blocks > n-r.FromBlock ||
+			len(r.Alternates) > MaxRunAlternates {
 			return false
+		}
+		for i, a := range r.Alternates {
+			if ValidateGroup(a) != nil || a == r.Group || slices.Contains(r.Alternates[:i], a) {
+				return false
+			}
 		}
 		next = r.FromBlock + r.Blocks
 	}

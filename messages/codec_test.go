@@ -1013,6 +1013,11 @@ func TestReqMetaRemoteRuns(t *testing.T) {
 		{"empty run", []RemoteRun{{Group: "g1", FromBlock: 1, Blocks: 0}}, false},
 		{"bad group", []RemoteRun{{Group: "g.1", FromBlock: 1, Blocks: 1}}, false},
 		{"negative start", []RemoteRun{{Group: "g1", FromBlock: -1, Blocks: 2}}, false},
+		{"alternates", []RemoteRun{{Group: "g1", FromBlock: 0, Blocks: 2, Alternates: []string{"g3", "g2"}}}, true},
+		{"too many alternates", []RemoteRun{{Group: "g1", FromBlock: 0, Blocks: 2, Alternates: []string{"g2", "g3", "g4"}}}, false},
+		{"alternate is the source", []RemoteRun{{Group: "g1", FromBlock: 0, Blocks: 2, Alternates: []string{"g1"}}}, false},
+		{"alternate twice", []RemoteRun{{Group: "g1", FromBlock: 0, Blocks: 2, Alternates: []string{"g2", "g2"}}}, false},
+		{"bad alternate", []RemoteRun{{Group: "g1", FromBlock: 0, Blocks: 2, Alternates: []string{"g>"}}}, false},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
@@ -1029,7 +1034,7 @@ func TestReqMetaRemoteRuns(t *testing.T) {
 			if (err == nil) != tt.ok {
 				t.Fatalf("decode error %v, want ok=%v", err, tt.ok)
 			}
-			if tt.ok && len(got.LoadSpec.Remote) != len(tt.runs) {
+			if tt.ok && !reflect.DeepEqual(got.LoadSpec.Remote, tt.runs) {
 				t.Errorf("runs %+v, want %+v", got.LoadSpec.Remote, tt.runs)
 			}
 		})

@@ -85,12 +85,21 @@ type LoadSpec struct {
 }
 
 // RemoteRun is Blocks blocks of a prefix, from block index FromBlock, read
-// from the same tp_rank of group Group.
+// from the same tp_rank of group Group. Alternates are other groups whose
+// ranks all held the whole run when it was planned (at most
+// MaxRunAlternates, in the order to try them): a rank whose read from Group
+// fails (the source stopped, or evicted part of the run) reads the rest of
+// the run from them before it gives up and recomputes it. Empty when no
+// other group held it; older schedulers send none.
 type RemoteRun struct {
-	Group     string `msgpack:"group" json:"group"`
-	FromBlock int    `msgpack:"from_block" json:"from_block"`
-	Blocks    int    `msgpack:"blocks" json:"blocks"`
+	Group      string   `msgpack:"group" json:"group"`
+	FromBlock  int      `msgpack:"from_block" json:"from_block"`
+	Blocks     int      `msgpack:"blocks" json:"blocks"`
+	Alternates []string `msgpack:"alternates,omitempty,allownil" json:"alternates,omitempty"`
 }
+
+// MaxRunAlternates is how many alternates a RemoteRun may name.
+const MaxRunAlternates = 2
 
 // ReqMeta is the per-request KV-connector metadata the scheduler publishes
 // once on kvbus.meta.<group>.<session-key>; NATS fans it out to every rank

@@ -1807,16 +1807,11 @@ func (z *LoadSpec) MarshalMsg(b []byte) (o []byte, err error) {
 			o = append(o, 0xa6, 0x72, 0x65, 0x6d, 0x6f, 0x74, 0x65)
 			o = msgp.AppendArrayHeader(o, uint32(len(z.Remote)))
 			for za0001 := range z.Remote {
-				// map header, size 3
-				// string "group"
-				o = append(o, 0x83, 0xa5, 0x67, 0x72, 0x6f, 0x75, 0x70)
-				o = msgp.AppendString(o, z.Remote[za0001].Group)
-				// string "from_block"
-				o = append(o, 0xaa, 0x66, 0x72, 0x6f, 0x6d, 0x5f, 0x62, 0x6c, 0x6f, 0x63, 0x6b)
-				o = msgp.AppendInt(o, z.Remote[za0001].FromBlock)
-				// string "blocks"
-				o = append(o, 0xa6, 0x62, 0x6c, 0x6f, 0x63, 0x6b, 0x73)
-				o = msgp.AppendInt(o, z.Remote[za0001].Blocks)
+				o, err = z.Remote[za0001].MarshalMsg(o)
+				if err != nil {
+					err = msgp.WrapError(err, "Remote", za0001)
+					return
+				}
 			}
 		}
 	}
@@ -1884,49 +1879,10 @@ func (z *LoadSpec) UnmarshalMsg(bts []byte) (o []byte, err error) {
 					z.Remote = make([]RemoteRun, zb0002)
 				}
 				for za0001 := range z.Remote {
-					var zb0003 uint32
-					zb0003, bts, err = msgp.ReadMapHeaderBytes(bts)
+					bts, err = z.Remote[za0001].UnmarshalMsg(bts)
 					if err != nil {
 						err = msgp.WrapError(err, "Remote", za0001)
 						return
-					}
-					if zb0003 > z94b1f360limitMaps {
-						err = msgp.ErrLimitExceeded
-						return
-					}
-					for zb0003 > 0 {
-						zb0003--
-						field, bts, err = msgp.ReadMapKeyZC(bts)
-						if err != nil {
-							err = msgp.WrapError(err, "Remote", za0001)
-							return
-						}
-						switch msgp.UnsafeString(field) {
-						case "group":
-							z.Remote[za0001].Group, bts, err = msgp.ReadStringBytes(bts)
-							if err != nil {
-								err = msgp.WrapError(err, "Remote", za0001, "Group")
-								return
-							}
-						case "from_block":
-							z.Remote[za0001].FromBlock, bts, err = msgp.ReadIntBytes(bts)
-							if err != nil {
-								err = msgp.WrapError(err, "Remote", za0001, "FromBlock")
-								return
-							}
-						case "blocks":
-							z.Remote[za0001].Blocks, bts, err = msgp.ReadIntBytes(bts)
-							if err != nil {
-								err = msgp.WrapError(err, "Remote", za0001, "Blocks")
-								return
-							}
-						default:
-							bts, err = msgp.Skip(bts)
-							if err != nil {
-								err = msgp.WrapError(err, "Remote", za0001)
-								return
-							}
-						}
 					}
 				}
 			}
@@ -1946,7 +1902,7 @@ func (z *LoadSpec) UnmarshalMsg(bts []byte) (o []byte, err error) {
 func (z *LoadSpec) Msgsize() (s int) {
 	s = 1 + 19 + msgp.IntSize + 21 + msgp.IntSize + 9 + msgp.BoolSize + 7 + msgp.ArrayHeaderSize
 	for za0001 := range z.Remote {
-		s += 1 + 6 + msgp.StringPrefixSize + len(z.Remote[za0001].Group) + 11 + msgp.IntSize + 7 + msgp.IntSize
+		s += z.Remote[za0001].Msgsize()
 	}
 	return
 }
@@ -2946,18 +2902,39 @@ func (z *RankResult) Msgsize() (s int) {
 }
 
 // MarshalMsg implements msgp.Marshaler
-func (z RemoteRun) MarshalMsg(b []byte) (o []byte, err error) {
+func (z *RemoteRun) MarshalMsg(b []byte) (o []byte, err error) {
 	o = msgp.Require(b, z.Msgsize())
-	// map header, size 3
-	// string "group"
-	o = append(o, 0x83, 0xa5, 0x67, 0x72, 0x6f, 0x75, 0x70)
-	o = msgp.AppendString(o, z.Group)
-	// string "from_block"
-	o = append(o, 0xaa, 0x66, 0x72, 0x6f, 0x6d, 0x5f, 0x62, 0x6c, 0x6f, 0x63, 0x6b)
-	o = msgp.AppendInt(o, z.FromBlock)
-	// string "blocks"
-	o = append(o, 0xa6, 0x62, 0x6c, 0x6f, 0x63, 0x6b, 0x73)
-	o = msgp.AppendInt(o, z.Blocks)
+	// check for omitted fields
+	zb0001Len := uint32(4)
+	var zb0001Mask uint8 /* 4 bits */
+	_ = zb0001Mask
+	if z.Alternates == nil {
+		zb0001Len--
+		zb0001Mask |= 0x8
+	}
+	// variable map header, size zb0001Len
+	o = append(o, 0x80|uint8(zb0001Len))
+
+	// skip if no fields are to be emitted
+	if zb0001Len != 0 {
+		// string "group"
+		o = append(o, 0xa5, 0x67, 0x72, 0x6f, 0x75, 0x70)
+		o = msgp.AppendString(o, z.Group)
+		// string "from_block"
+		o = append(o, 0xaa, 0x66, 0x72, 0x6f, 0x6d, 0x5f, 0x62, 0x6c, 0x6f, 0x63, 0x6b)
+		o = msgp.AppendInt(o, z.FromBlock)
+		// string "blocks"
+		o = append(o, 0xa6, 0x62, 0x6c, 0x6f, 0x63, 0x6b, 0x73)
+		o = msgp.AppendInt(o, z.Blocks)
+		if (zb0001Mask & 0x8) == 0 { // if not omitted
+			// string "alternates"
+			o = append(o, 0xaa, 0x61, 0x6c, 0x74, 0x65, 0x72, 0x6e, 0x61, 0x74, 0x65, 0x73)
+			o = msgp.AppendArrayHeader(o, uint32(len(z.Alternates)))
+			for za0001 := range z.Alternates {
+				o = msgp.AppendString(o, z.Alternates[za0001])
+			}
+		}
+	}
 	return
 }
 
@@ -3001,6 +2978,34 @@ func (z *RemoteRun) UnmarshalMsg(bts []byte) (o []byte, err error) {
 				err = msgp.WrapError(err, "Blocks")
 				return
 			}
+		case "alternates":
+			if msgp.IsNil(bts) {
+				bts = bts[1:]
+				z.Alternates = nil
+			} else {
+				var zb0002 uint32
+				zb0002, bts, err = msgp.ReadArrayHeaderBytes(bts)
+				if err != nil {
+					err = msgp.WrapError(err, "Alternates")
+					return
+				}
+				if zb0002 > z94b1f360limitArrays {
+					err = msgp.ErrLimitExceeded
+					return
+				}
+				if z.Alternates != nil && cap(z.Alternates) >= int(zb0002) {
+					z.Alternates = (z.Alternates)[:zb0002]
+				} else {
+					z.Alternates = make([]string, zb0002)
+				}
+				for za0001 := range z.Alternates {
+					z.Alternates[za0001], bts, err = msgp.ReadStringBytes(bts)
+					if err != nil {
+						err = msgp.WrapError(err, "Alternates", za0001)
+						return
+					}
+				}
+			}
 		default:
 			bts, err = msgp.Skip(bts)
 			if err != nil {
@@ -3014,8 +3019,11 @@ func (z *RemoteRun) UnmarshalMsg(bts []byte) (o []byte, err error) {
 }
 
 // Msgsize returns an upper bound estimate of the number of bytes occupied by the serialized message
-func (z RemoteRun) Msgsize() (s int) {
-	s = 1 + 6 + msgp.StringPrefixSize + len(z.Group) + 11 + msgp.IntSize + 7 + msgp.IntSize
+func (z *RemoteRun) Msgsize() (s int) {
+	s = 1 + 6 + msgp.StringPrefixSize + len(z.Group) + 11 + msgp.IntSize + 7 + msgp.IntSize + 11 + msgp.ArrayHeaderSize
+	for za0001 := range z.Alternates {
+		s += msgp.StringPrefixSize + len(z.Alternates[za0001])
+	}
 	return
 }
 

@@ -93,6 +93,38 @@ func BenchmarkIndexPrefixMatch8kTokens8Groups(b *testing.B) {
 	b.ReportMetric(float64(b.N)/b.Elapsed().Seconds(), "lookups/s")
 }
 
+// BenchmarkIndexRemoteRuns8kTokens: the LoadSpec's runs of an 8k-token
+// prefix that 3 of 8 groups hold and the chosen one does not: one run of
+// 512 blocks, whose two alternates are found by a second walk over it.
+func BenchmarkIndexRemoteRuns8kTokens(b *testing.B) {
+	const ranks = 4
+	prompt := HashBlocks(nil, HashSeed(benchModel), benchTokens(1, 8192), 16)
+	names := make([]string, 8)
+	for i := range names {
+		names[i] = fmt.Sprint("g", i)
+	}
+	x := readyIndex(b, ranks, names...)
+	rng := rand.New(rand.NewPCG(1, 1))
+	for i, g := range names {
+		held := randomHashes(rng, 100_000)
+		if i >= 5 {
+			held = append(held, prompt...)
+		}
+		for r := range ranks {
+			if x.Apply(kvBatch(g, r, 1, stored(held...))) {
+				b.Fatal("dump asked")
+			}
+		}
+	}
+	runs, end := x.RemoteRuns(prompt, "g0", 0, len(prompt), names, nil)
+	if end != 512 || len(runs) != 1 || len(runs[0].Alternates) != 2 {
+		b.Fatalf("runs %+v, end %d; want one run of 512 blocks with 2 alternates", runs, end)
+	}
+	for b.Loop() {
+		x.RemoteRuns(prompt, "g0", 0, len(prompt), names, nil)
+	}
+}
+
 func BenchmarkIndexIngest(b *testing.B) {
 	const (
 		ranks     = 4

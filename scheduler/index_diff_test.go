@@ -2,8 +2,10 @@ package scheduler
 
 import (
 	"fmt"
+	"maps"
 	"math/rand/v2"
 	"os"
+	"reflect"
 	"slices"
 	"strconv"
 	"testing"
@@ -160,7 +162,33 @@ func (r *diffRef) holders(h uint64, sources, savers []string) map[int]bool {
 	return out
 }
 
+// remoteRuns is runs, each with the lowest ids but its source among the
+// groups that hold every block of it as alternates.
 func (r *diffRef) remoteRuns(hashes []uint64, group string, from, limit int, sources, savers []string) ([]messages.RemoteRun, int) {
+	runs, end := r.runs(hashes, group, from, limit, sources, savers)
+	for i, run := range runs {
+		all := map[int]bool{}
+		for j, h := range hashes[run.FromBlock : run.FromBlock+run.Blocks] {
+			hs := r.holders(h, sources, savers)
+			for id := range all {
+				if !hs[id] {
+					delete(all, id)
+				}
+			}
+			if j == 0 {
+				all = hs
+			}
+		}
+		delete(all, r.groups[run.Group].id)
+		ids := slices.Sorted(maps.Keys(all))
+		for _, id := range ids[:min(len(ids), messages.MaxRunAlternates)] {
+			runs[i].Alternates = append(runs[i].Alternates, r.byID[id])
+		}
+	}
+	return runs, end
+}
+
+func (r *diffRef) runs(hashes []uint64, group string, from, limit int, sources, savers []string) ([]messages.RemoteRun, int) {
 	var runs []messages.RemoteRun
 	self := r.groups[group]
 	src := -1
@@ -485,7 +513,7 @@ func diffCheck(t *testing.T, x *KVIndex, ref *diffRef, names []string, randHashe
 	limit := from + rng.IntN(len(hs)+2)
 	runs, end := x.RemoteRuns(hs, self, from, limit, sources, savers)
 	wruns, wend := ref.remoteRuns(hs, self, from, limit, sources, savers)
-	if !slices.Equal(runs, wruns) || end != wend {
+	if !reflect.DeepEqual(runs, wruns) || end != wend {
 		fail("step %d: RemoteRuns(%s, %d, %d) = %+v, %d; want %+v, %d", step, self, from, limit, runs, end, wruns, wend)
 	}
 	entries, full := x.Size()

@@ -2,6 +2,7 @@ package scheduler
 
 import (
 	"fmt"
+	"reflect"
 	"slices"
 	"testing"
 	"time"
@@ -179,12 +180,13 @@ func TestKVIndexRemoteRuns(t *testing.T) {
 		{"g0", 2, 4, []messages.RemoteRun{{Group: "g1", FromBlock: 2, Blocks: 2}}, 4},
 		{"g1", 5, 8, []messages.RemoteRun{{Group: "g2", FromBlock: 5, Blocks: 2}}, 7},
 		// g2's own blocks 3-6 are read locally, between and after the runs.
-		{"g2", 0, 8, []messages.RemoteRun{{Group: "g0", FromBlock: 0, Blocks: 2}, {Group: "g1", FromBlock: 2, Blocks: 1}}, 7},
+		// g1 holds g0's run too: it is the run's alternate.
+		{"g2", 0, 8, []messages.RemoteRun{{Group: "g0", FromBlock: 0, Blocks: 2, Alternates: []string{"g1"}}, {Group: "g1", FromBlock: 2, Blocks: 1}}, 7},
 		{"g1", 0, 0, nil, 0},
 	}
 	for _, tt := range tests {
 		got, end := x.RemoteRuns(a, tt.group, tt.from, tt.limit, all, nil)
-		if !slices.Equal(got, tt.want) || end != tt.end {
+		if !reflect.DeepEqual(got, tt.want) || end != tt.end {
 			t.Errorf("RemoteRuns(%s, %d, %d) = %+v, %d; want %+v, %d", tt.group, tt.from, tt.limit, got, end, tt.want, tt.end)
 		}
 	}
@@ -221,7 +223,7 @@ func TestKVIndexRemoteRunsFromSavers(t *testing.T) {
 		t.Errorf("PoolPrefix with no savers = %d, want 0", got)
 	}
 	want := []messages.RemoteRun{{Group: "g1", FromBlock: 0, Blocks: 4}}
-	if runs, end := x.RemoteRuns(a, "g0", 0, 4, all, []string{"g1"}); !slices.Equal(runs, want) || end != 4 {
+	if runs, end := x.RemoteRuns(a, "g0", 0, 4, all, []string{"g1"}); !reflect.DeepEqual(runs, want) || end != 4 {
 		t.Errorf("idle saver: runs %+v, end %d; want %+v, 4", runs, end, want)
 	}
 	if got := x.PoolPrefix(a, all, []string{"g1"}); got != 4 {
@@ -332,15 +334,22 @@ func TestKVIndexBeyond64Groups(t *testing.T) {
 	if got := x.PoolPrefix(a, []string{"g150"}, nil); got != 30 {
 		t.Errorf("PoolPrefix from g150 alone = %d, want 30", got)
 	}
-	want := []messages.RemoteRun{{Group: "g150", FromBlock: 5, Blocks: 25}, {Group: "g159", FromBlock: 30, Blocks: 9}}
-	if runs, end := x.RemoteRuns(a, "g005", 5, 40, []string{"g150", "g159"}, nil); !slices.Equal(runs, want) || end != 39 {
+	want := []messages.RemoteRun{{Group: "g150", FromBlock: 5, Blocks: 25, Alternates: []string{"g159"}}, {Group: "g159", FromBlock: 30, Blocks: 9}}
+	if runs, end := x.RemoteRuns(a, "g005", 5, 40, []string{"g150", "g159"}, nil); !reflect.DeepEqual(runs, want) || end != 39 {
 		t.Errorf("RemoteRuns from g150, g159 = %+v, %d; want %+v, 39", runs, end, want)
 	}
 	// g130 (the third word) reads past its own 10 blocks from the lowest
 	// id among its sources: g039, in the first word.
-	want = []messages.RemoteRun{{Group: "g039", FromBlock: 10, Blocks: 29}}
-	if runs, end := x.RemoteRuns(a, "g130", 0, 40, []string{"g079", "g039"}, nil); !slices.Equal(runs, want) || end != 39 {
+	want = []messages.RemoteRun{{Group: "g039", FromBlock: 10, Blocks: 29, Alternates: []string{"g079"}}}
+	if runs, end := x.RemoteRuns(a, "g130", 0, 40, []string{"g079", "g039"}, nil); !reflect.DeepEqual(runs, want) || end != 39 {
 		t.Errorf("RemoteRuns from g079, g039 = %+v, %d; want %+v, 39", runs, end, want)
+	}
+	// With more holders of the whole run, the two of lowest id but the
+	// source are its alternates, across words (g199 holds it on one rank
+	// only: not a source).
+	want = []messages.RemoteRun{{Group: "g039", FromBlock: 10, Blocks: 29, Alternates: []string{"g079", "g119"}}}
+	if runs, end := x.RemoteRuns(a, "g130", 0, 40, []string{"g199", "g159", "g119", "g079", "g039"}, nil); !reflect.DeepEqual(runs, want) || end != 39 {
+		t.Errorf("RemoteRuns from five holders = %+v, %d; want %+v, 39", runs, end, want)
 	}
 
 	// A plan of g170 (id 170, the third word) counts for it and, as a
@@ -351,7 +360,7 @@ func TestKVIndexBeyond64Groups(t *testing.T) {
 		t.Errorf("prefix of g170 with its plan = %d, want 40", pm[id170])
 	}
 	want = []messages.RemoteRun{{Group: "g170", FromBlock: 0, Blocks: 40}}
-	if runs, end := x.RemoteRuns(a, "g000", 0, 40, []string{"g170"}, []string{"g170"}); !slices.Equal(runs, want) || end != 40 {
+	if runs, end := x.RemoteRuns(a, "g000", 0, 40, []string{"g170"}, []string{"g170"}); !reflect.DeepEqual(runs, want) || end != 40 {
 		t.Errorf("RemoteRuns from the saver g170 = %+v, %d; want %+v, 40", runs, end, want)
 	}
 

@@ -115,6 +115,8 @@ func (x *KVIndex) wordLocked(w int, h uint64, fullOK, planOK groupMask) uint64 {
 // queue is empty, so the save is imminent and the source's pool read waits
 // for it. sources are as PoolPrefix's.
 // One source is kept while it holds the next block (fewer, longer reads).
+// Each run names as alternates the other such groups that hold all of it
+// (lowest id first): a rank whose source stopped since reads from them.
 // end is the block after the last one readable; the prefix stops at the
 // first block no group can give.
 func (x *KVIndex) RemoteRuns(hashes []uint64, group string, from, limit int, sources, savers []string) (runs []messages.RemoteRun, end int) {
@@ -122,6 +124,7 @@ func (x *KVIndex) RemoteRuns(hashes []uint64, group string, from, limit int, sou
 	defer x.mu.RUnlock()
 	self := x.maskLocked([]string{group})
 	fullOK, planOK := x.maskLocked(sources), x.maskLocked(savers)
+	var srcs []int // each run's source
 	src := -1
 	i := from
 	for ; i < min(limit, len(hashes)); i++ {
@@ -138,11 +141,42 @@ func (x *KVIndex) RemoteRuns(hashes []uint64, group string, from, limit int, sou
 		}
 		src = x.firstLocked(h, fullOK, planOK)
 		if src < 0 {
-			return runs, i
+			break
 		}
 		runs = append(runs, messages.RemoteRun{Group: x.byID[src].name, FromBlock: i, Blocks: 1})
+		srcs = append(srcs, src)
+	}
+	for r := range runs {
+		runs[r].Alternates = x.alternatesLocked(hashes[runs[r].FromBlock:runs[r].FromBlock+runs[r].Blocks], srcs[r], fullOK, planOK)
 	}
 	return runs, max(i, from)
+}
+
+// alternatesLocked returns up to messages.MaxRunAlternates groups, other
+// than src, that hold in full (among fullOK) or are saving (among planOK)
+// every one of hashes, lowest id first; nil if none.
+func (x *KVIndex) alternatesLocked(hashes []uint64, src int, fullOK, planOK groupMask) []string {
+	var alts []string
+	srcWord, srcBit := wordBit(groupID(src))
+	for w := range max(len(fullOK), len(planOK)) {
+		m := fullOK.word(w) | planOK.word(w)
+		if w == srcWord {
+			m &^= srcBit
+		}
+		for _, h := range hashes {
+			if m == 0 {
+				break
+			}
+			m &= x.wordLocked(w, h, fullOK, planOK)
+		}
+		for ; m != 0 && len(alts) < messages.MaxRunAlternates; m &= m - 1 {
+			alts = append(alts, x.byID[w*64+bits.TrailingZeros64(m)].name)
+		}
+		if len(alts) == messages.MaxRunAlternates {
+			break
+		}
+	}
+	return alts
 }
 
 // firstLocked returns the lowest group id that holds h in full (among

@@ -119,3 +119,64 @@ func TestPoolReadWaitsForASaveNotYetRegistered(t *testing.T) {
 		t.Errorf("turn 2 found %.2f of turn 1's full blocks, want all", s)
 	}
 }
+
+// TestPoolReadsFromAnotherHolderWhenTheSourceStopped: round-robin places
+// a conversation's turns on g0, g1, g2 in turn; turn 2 copies turn 1's
+// prefix from g0, so g0 and g1 both hold it. The group a LoadSpec names
+// for that prefix (the lower index id of the two) is then killed, and
+// turn 3 goes out at once, well within the heartbeat timeout: the
+// scheduler still counts the dead group as a source. Turn 3's ranks find
+// no rank serving it and read the run from the other holder, its
+// alternate, so turn 3 still finds the whole previous prompt cached
+// (before, the run and everything after it were recomputed: 0 of it).
+func TestPoolReadsFromAnotherHolderWhenTheSourceStopped(t *testing.T) {
+	const ranks = 2
+	c := testenv.StartCluster(t, testenv.ClusterConfig{Groups: 3, Ranks: ranks, Policy: "round-robin", Pool: "global"})
+	client := &http.Client{Timeout: 30 * time.Second}
+	defer client.CloseIdleConnections()
+	d := testenv.Conversation{BaseURL: c.URL, Client: client, Model: c.Model, Seed: 77,
+		Headers: map[string]string{"X-Session-ID": "alternate-source"}}.Start()
+	for range 2 {
+		if _, err := d.Next(t.Context()); err != nil {
+			t.Fatal(err)
+		}
+	}
+	// Turn 2's ranks have copied turn 1's blocks when its answer is
+	// back; its KV events, which make g1 a holder, follow at once.
+	turn1Blocks := d.Turns[0].PromptTokens / 16
+	testenv.Eventually(t, 5*time.Second, "g1 holding turn 1's prefix as the scheduler's index sees it", func() bool {
+		return c.Scheduler.Index().GroupBlocks("g1") >= d.Turns[1].PromptTokens/16
+	})
+	id0, ok0 := c.Scheduler.Index().GroupID("g0")
+	id1, ok1 := c.Scheduler.Index().GroupID("g1")
+	if !ok0 || !ok1 {
+		t.Fatal("g0 or g1 unknown to the index")
+	}
+	dead, alive := "g0", "g1"
+	if id1 < id0 {
+		dead, alive = "g1", "g0"
+	}
+	for r := range ranks {
+		c.KillRank(t, dead, r)
+	}
+	testenv.Eventually(t, 5*time.Second, "the killed ranks' connections gone", func() bool {
+		return !c.Connected(t, "kvbus-worker-"+dead+"-0") && !c.Connected(t, fmt.Sprintf("kvbus-worker-%s-%d", dead, ranks-1))
+	})
+	turn, err := d.Next(t.Context())
+	if err != nil {
+		t.Fatal(err)
+	}
+	share := testenv.PreviousShares(d.Turns, 16)[1]
+	fromDead := testenv.CounterSum(t, c.Registry, "kvbus_worker_pool_remote_blocks_total", map[string]string{"source_group": dead, "group": "g2"})
+	fromAlive := testenv.CounterSum(t, c.Registry, "kvbus_worker_pool_remote_blocks_total", map[string]string{"source_group": alive, "group": "g2"})
+	t.Logf("killed %s; turn 3 found %d of %d tokens cached (share %.3f); g2's ranks copied %v blocks from %s, %v from %s",
+		dead, turn.CachedTokens, d.Turns[1].PromptTokens, share, fromDead, dead, fromAlive, alive)
+	if share < 0.95 {
+		t.Errorf("turn 3 found %.3f of turn 2's prompt cached, want >= 0.95: the run of the stopped source was not read from its alternate", share)
+	}
+	// The fault took effect: nothing came from the dead group, and every
+	// rank of g2 read turn 1's prefix from the other holder.
+	if fromDead != 0 || fromAlive < float64(ranks*turn1Blocks) {
+		t.Errorf("g2 copied %v blocks from the killed %s and %v from %s; want 0 and >= %d", fromDead, dead, fromAlive, alive, ranks*turn1Blocks)
+	}
+}

@@ -267,6 +267,9 @@ func (c PoolClient) Read(ctx context.Context, group string, rank int, req *messa
 	parts := 0 // as the first reply says
 	for parts == 0 || len(seen) < parts {
 		msg, err := sub.NextMsgWithContext(ctx)
+		if errors.Is(err, nats.ErrNoResponders) {
+			return nil, fmt.Errorf("%w: %s/%d: no rank serves pool reads there (it stopped, or never started)", ErrPoolRead, group, rank)
+		}
 		if err != nil {
 			return nil, fmt.Errorf("%w: %s/%d: %d of %d parts received: %v", ErrPoolRead, group, rank, len(seen), parts, err)
 		}

@@ -154,12 +154,62 @@ const maxPoolReadBlocks = 4096
 // their source groups (the pool), keeps verified blocks as local copies
 // (evicted by LRU like any other, announced in KV events) and returns the
 // indexes of the blocks copied, and every block's value verified, by index
-// in the prefix (nil: not copied). A run is read in pieces of poolReadBlocks
-// within SaveWait, and stops at its first block the source no longer holds
-// or that did not arrive in time: that block and the rest are prefilled,
-// and the runs after it are not read (the prefix loaded ends there).
+// in the prefix (nil: not copied). A run is read within SaveWait: from its
+// group, and from its alternates in turn for what is left when a read fails
+// (the source stopped, or did not answer in its share of the time) or the
+// source no longer holds a block. A run that no source gave whole ends the
+// copy: its missing block and the rest are prefilled, and the runs after it
+// are not read (the prefix loaded ends there).
 func (r *Rank) copyRemoteRuns(rr *rankReq, runs []messages.RemoteRun, n int) (copied []int, fetched [][]byte) {
 	fetched = make([][]byte, n)
+	meta := rr.meta
+	for _, run := range runs {
+		end := min(run.FromBlock+run.Blocks, n)
+		if run.FromBlock >= end {
+			continue
+		}
+		sources := append([]string{run.Group}, run.Alternates...)
+		deadline := time.Now().Add(r.cfg.SaveWait)
+		next := run.FromBlock // the first block of the run not copied yet
+		for k, source := range sources {
+			// Each source left gets an equal share of the time left: a
+			// source that hangs leaves time for the others.
+			ctx, cancel := context.WithDeadline(rr.ctx, time.Now().Add(time.Until(deadline)/time.Duration(len(sources)-k)))
+			got, err := r.copyRun(ctx, rr, source, next, end, fetched)
+			cancel()
+			copied = append(copied, got...)
+			next += len(got)
+			if next == end {
+				break
+			}
+			then := "the rest of the run will be recomputed"
+			if k+1 < len(sources) && rr.ctx.Err() == nil {
+				then = "reading the rest of the run from " + sources[k+1]
+			}
+			if err != nil {
+				r.log.Warn("load thread: pool read failed; "+then, "req_id", meta.ReqID, "session_id", meta.SessionID,
+					"source_group", source, "blocks", end-run.FromBlock, "copied", next-run.FromBlock, "err", err)
+			} else {
+				r.log.Warn("load thread: source group no longer holds part of a run; "+then, "req_id", meta.ReqID,
+					"session_id", meta.SessionID, "source_group", source, "blocks", end-run.FromBlock, "copied", next-run.FromBlock)
+			}
+			if rr.ctx.Err() != nil {
+				break
+			}
+		}
+		if next < end {
+			return copied, fetched // the prefix loaded ends in this run
+		}
+	}
+	return copied, fetched
+}
+
+// copyRun reads blocks [from, end) of the request's prefix from rank
+// TPRank of group source, in pieces of poolReadBlocks, and keeps each
+// verified block as a local copy and in fetched. It returns the blocks
+// copied, from and on in order: the first read that fails (err) or block
+// the source no longer holds ends them.
+func (r *Rank) copyRun(ctx context.Context, rr *rankReq, source string, from, end int, fetched [][]byte) (got []int, err error) {
 	meta := rr.meta
 	size := r.blockBytes(meta.BlockSize)
 	valueBytes := r.valueBytes(meta.BlockSize)
@@ -167,68 +217,42 @@ func (r *Rank) copyRemoteRuns(rr *rankReq, runs []messages.RemoteRun, n int) (co
 	if meta.SessionID != "" {
 		group = messages.SessionKey(meta.SessionID)
 	}
-	for _, run := range runs {
-		end := min(run.FromBlock+run.Blocks, n)
-		if run.FromBlock >= end {
-			continue
+	start := time.Now()
+	defer func() {
+		r.cfg.Metrics.remote.WithLabelValues(source, r.cfg.Group, r.labels[1]).Add(float64(len(got)))
+		r.cfg.Metrics.remoteBytes.WithLabelValues(source, r.cfg.Group, r.labels[1]).Add(float64(len(got) * size)) // charged: with --kv-payload accounting only a digest moves
+		r.cfg.Metrics.remoteSec.WithLabelValues(source, r.cfg.Group, r.labels[1]).Observe(time.Since(start).Seconds())
+	}()
+	for at := from; at < end; {
+		piece := meta.BlockHashes[at:min(at+poolReadBlocks(valueBytes), end)]
+		vals, err := r.pool.Read(ctx, source, r.cfg.TPRank, &messages.PoolRead{ReqID: meta.ReqID, Model: meta.Model, TPRank: r.cfg.TPRank, BlockHashes: piece},
+			valueBytes)
+		if err != nil {
+			return got, err
 		}
-		hashes := meta.BlockHashes[run.FromBlock:end]
-		ctx, cancel := context.WithTimeout(rr.ctx, r.cfg.SaveWait)
-		start := time.Now()
-		var (
-			got     []int
-			bytes   int
-			readErr error
-		)
-		for from := 0; from < len(hashes) && readErr == nil; {
-			piece := hashes[from:min(from+poolReadBlocks(valueBytes), len(hashes))]
-			vals, err := r.pool.Read(ctx, run.Group, r.cfg.TPRank, &messages.PoolRead{ReqID: meta.ReqID, Model: meta.Model, TPRank: r.cfg.TPRank, BlockHashes: piece},
-				valueBytes)
-			if err != nil {
-				readErr = err
+		var objs []Object
+		var blocks []int
+		for i, v := range vals {
+			if !verifyBlock(r.cfg.Payload, v, piece[i], r.cfg.TPRank, size) {
 				break
 			}
-			var objs []Object
-			var blocks []int
-			for i, v := range vals {
-				if !verifyBlock(r.cfg.Payload, v, piece[i], r.cfg.TPRank, size) {
-					break
-				}
-				objs = append(objs, Object{Key: StoreKey(meta.Model, r.cfg.TPRank, piece[i]), Hash: piece[i], Value: v, Size: int64(size), Group: group})
-				blocks = append(blocks, run.FromBlock+from+i)
-				fetched[run.FromBlock+from+i] = v
-			}
-			kept := blocks[:0:0]
-			for i, err := range r.store.BatchPut(rr.ctx, objs) {
-				if err == nil {
-					kept = append(kept, blocks[i])
-				}
-			}
-			r.events.publishStored(meta.Model, storedEvents(meta, kept))
-			// Copied: read and verified, whether or not the store kept it.
-			got = append(got, blocks...)
-			bytes += len(blocks) * size // charged: with --kv-payload accounting only a digest moves
-			if len(blocks) < len(piece) {
-				break
-			}
-			from += len(piece)
+			objs = append(objs, Object{Key: StoreKey(meta.Model, r.cfg.TPRank, piece[i]), Hash: piece[i], Value: v, Size: int64(size), Group: group})
+			blocks = append(blocks, at+i)
+			fetched[at+i] = v
 		}
-		cancel()
-		copied = append(copied, got...)
-		r.cfg.Metrics.remote.WithLabelValues(run.Group, r.cfg.Group, r.labels[1]).Add(float64(len(got)))
-		r.cfg.Metrics.remoteBytes.WithLabelValues(run.Group, r.cfg.Group, r.labels[1]).Add(float64(bytes))
-		r.cfg.Metrics.remoteSec.WithLabelValues(run.Group, r.cfg.Group, r.labels[1]).Observe(time.Since(start).Seconds())
-		if len(got) == len(hashes) {
-			continue
+		kept := blocks[:0:0]
+		for i, err := range r.store.BatchPut(rr.ctx, objs) {
+			if err == nil {
+				kept = append(kept, blocks[i])
+			}
 		}
-		if readErr != nil {
-			r.log.Warn("load thread: pool read failed, the rest of the run will be recomputed", "req_id", meta.ReqID, "session_id", meta.SessionID,
-				"source_group", run.Group, "blocks", len(hashes), "copied", len(got), "err", readErr)
-		} else {
-			r.log.Warn("load thread: source group no longer holds part of a run, it will be recomputed", "req_id", meta.ReqID,
-				"session_id", meta.SessionID, "source_group", run.Group, "blocks", len(hashes), "copied", len(got))
+		r.events.publishStored(meta.Model, storedEvents(meta, kept))
+		// Copied: read and verified, whether or not the store kept it.
+		got = append(got, blocks...)
+		if len(blocks) < len(piece) {
+			return got, nil
 		}
-		return copied, fetched // the prefix loaded ends in this run
+		at += len(piece)
 	}
-	return copied, fetched
+	return got, nil
 }
