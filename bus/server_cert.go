@@ -15,6 +15,19 @@ import (
 // makes StartServer warn.
 const certExpiryWarning = 14 * 24 * time.Hour
 
+// CheckCertificate checks the server's certificate (--tls-cert) as of now,
+// as StartServer did: it warns through the server's logger when it expires
+// within 14 days, and returns an error once it has expired (or is not valid
+// yet). kvbus nats calls it periodically, so that a certificate nearing its
+// end while the server runs is said before clients are refused. Without
+// TLS it does nothing. Safe for concurrent use.
+func (s *Server) CheckCertificate(now time.Time) error {
+	if s.cfg.TLSCert == "" {
+		return nil
+	}
+	return checkServerCert(s.cfg.TLSCert, s.cfg.Cluster != "", s.logger, now)
+}
+
 // checkServerTLS checks the server's TLS files before anything starts, and
 // says what is wrong naming the flag: --tls-ca without the server's own
 // certificate, --tls-cert without --tls-key (or the reverse), files that
@@ -141,7 +154,7 @@ func checkServerCert(path string, cluster bool, log *slog.Logger, now time.Time)
 		return fmt.Errorf("%w: --tls-cert %s (%s) is not valid before %s (NotBefore), %s from now: clients would refuse every connection; check the clock or the certificate",
 			ErrServer, path, cert.Subject, cert.NotBefore.UTC().Format(layout), cert.NotBefore.Sub(now).Round(time.Minute))
 	case cert.NotAfter.Sub(now) < certExpiryWarning:
-		log.Warn("the NATS server's TLS certificate expires soon: renew it and restart the server",
+		log.Warn("the NATS server's TLS certificate expires soon: renew it, then send the server SIGHUP (make reload-nats) to load it",
 			"cert", path, "subject", cert.Subject.String(), "not_after", cert.NotAfter.UTC().Format(layout),
 			"expires_in", cert.NotAfter.Sub(now).Round(time.Minute).String())
 	}

@@ -45,8 +45,19 @@ func TestServerCertValidity(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	srv.Shutdown()
+	defer srv.Shutdown()
 	if strings.Contains(logs.String(), "expires soon") {
 		t.Errorf("a warning about a certificate valid 90 more days:\n%s", logs)
+	}
+	// While it runs: the periodic check warns once the certificate is
+	// within 14 days of its end, and says it expired after.
+	if err := srv.CheckCertificate(now.Add(30 * 24 * time.Hour)); err != nil || strings.Contains(logs.String(), "expires soon") {
+		t.Errorf("check 60 days before the end: %v, log:\n%s", err, logs)
+	}
+	if err := srv.CheckCertificate(now.Add(80 * 24 * time.Hour)); err != nil || !strings.Contains(logs.String(), "expires soon") || !strings.Contains(logs.String(), goodCert) {
+		t.Errorf("check 10 days before the end: %v, want a warning naming %s; log:\n%s", err, goodCert, logs)
+	}
+	if err := srv.CheckCertificate(now.Add(91 * 24 * time.Hour)); !errors.Is(err, bus.ErrServer) || !strings.Contains(err.Error(), "expired") {
+		t.Errorf("check a day after the end: %v, want an error saying it expired", err)
 	}
 }

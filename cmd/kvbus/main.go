@@ -407,8 +407,16 @@ func (c *natsCmd) Run(ctx context.Context) error {
 	hup := make(chan os.Signal, 1)
 	signal.Notify(hup, syscall.SIGHUP)
 	defer signal.Stop(hup)
+	// The certificate is checked as at start every few hours: a warning
+	// from 14 days before it ends, an error once it has.
+	certCheck := time.NewTicker(certCheckEvery)
+	defer certCheck.Stop()
 	for {
 		select {
+		case now := <-certCheck.C:
+			if err := srv.CheckCertificate(now); err != nil {
+				log.Error("the NATS server's TLS certificate is not valid now: clients refuse new connections to it; renew it, then send the server SIGHUP (make reload-nats)", "err", err)
+			}
 		case <-hup:
 			if err := srv.Reload(); err != nil {
 				log.Error("SIGHUP: the configuration was not reloaded; the server runs on as it was: fix the files and send SIGHUP again", "err", err)
@@ -422,6 +430,10 @@ func (c *natsCmd) Run(ctx context.Context) error {
 		}
 	}
 }
+
+// certCheckEvery is how often kvbus nats checks its TLS certificate's
+// validity while it runs.
+const certCheckEvery = 6 * time.Hour
 
 type frontendCmd struct {
 	busFlags        `embed:""`
