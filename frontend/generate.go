@@ -641,7 +641,7 @@ func (g *generation) next(ctx context.Context, timer *time.Timer) ([]choiceOutpu
 				Message: fmt.Sprintf("this frontend stopped before the answer was finished (--stop-timeout %s); retry the request on another one", g.s.cfg.StopTimeout)}
 		case <-timer.C:
 			g.log.Warn("request timed out", "timeout", g.s.cfg.RequestTimeout)
-			g.abort("timeout")
+			g.abort(messages.AbortReasonTimeout)
 			return nil, &APIError{Status: http.StatusGatewayTimeout, Type: typeTimeout, Code: "timeout",
 				Message: fmt.Sprintf("request did not complete within %s (--request-timeout)", g.s.cfg.RequestTimeout)}
 		}

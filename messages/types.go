@@ -1,5 +1,7 @@
 package messages
 
+import "strings"
+
 //go:generate go run github.com/tinylib/msgp@v1.6.5 -file types.go -o types_gen.go -io=false -tests=false
 //msgp:tag msgpack
 
@@ -165,6 +167,11 @@ type RankResult struct {
 	// scheduler can tell a rank that missed the ReqMeta from a busy one.
 	Received bool   `msgpack:"received,omitempty" json:"received,omitempty"`
 	Error    string `msgpack:"error,omitempty" json:"error,omitempty"`
+	// ErrorCode says what Error is, in the codes of OutputError and
+	// RankErr*: the request's deadline passed (timeout), its client went
+	// away (aborted), or it failed (any other code). Empty with an Error
+	// from a rank of an older kvbus: a failure.
+	ErrorCode string `msgpack:"error_code,omitempty" json:"error_code,omitempty"`
 	// PrefillUs, on a Prefilled report, is the engine time of the prefill
 	// (loads included): from when the engine could start it (the request
 	// reached it, or the prefill before it ended) to its end. Schedulers
@@ -186,6 +193,18 @@ type Usage struct {
 	// group's segment of the KV pool (not part of OpenAI's usage).
 	RemoteCachedTokens int `msgpack:"remote_cached_tokens,omitempty" json:"remote_cached_tokens,omitempty"`
 }
+
+// Codes of RankResult.ErrorCode that are not a failure of the group: a
+// scheduler counts such a request under its own outcome, not as failed.
+const (
+	// RankErrTimeout: the request's deadline passed before the rank was done.
+	RankErrTimeout = "timeout"
+	// RankErrAborted: the request's client went away (an Abort).
+	RankErrAborted = "aborted"
+	// RankErrStoreSkipped: the answer was produced, but the rank's store
+	// queue was full and the prompt's new blocks were not saved.
+	RankErrStoreSkipped = "store_skipped"
+)
 
 // OutputError is an error that ends a request, with an OpenAI error code
 // (for example "timeout", "no_ready_group") and a message for the client.
@@ -372,6 +391,14 @@ type SavePlan struct {
 	// peers): they are not to be adopted if it dies.
 	Ended []string `msgpack:"ended,omitempty" json:"ended,omitempty"`
 }
+
+// AbortReasonTimeout begins the Reason of an Abort sent because the
+// request's deadline passed (a frontend's --request-timeout, a replay's
+// --timeout), not because its client went away.
+const AbortReasonTimeout = "timeout"
+
+// Timeout reports whether the Abort is for a request whose deadline passed.
+func (a *Abort) Timeout() bool { return strings.HasPrefix(a.Reason, AbortReasonTimeout) }
 
 // Abort cancels a request; published on kvbus.ctl.abort.
 type Abort struct {

@@ -2636,8 +2636,8 @@ func (z *PoolRead) Msgsize() (s int) {
 func (z *RankResult) MarshalMsg(b []byte) (o []byte, err error) {
 	o = msgp.Require(b, z.Msgsize())
 	// check for omitted fields
-	zb0001Len := uint32(19)
-	var zb0001Mask uint32 /* 19 bits */
+	zb0001Len := uint32(20)
+	var zb0001Mask uint32 /* 20 bits */
 	_ = zb0001Mask
 	if z.RemoteTokens == 0 {
 		zb0001Len--
@@ -2659,13 +2659,17 @@ func (z *RankResult) MarshalMsg(b []byte) (o []byte, err error) {
 		zb0001Len--
 		zb0001Mask |= 0x10000
 	}
-	if z.PrefillUs == 0 {
+	if z.ErrorCode == "" {
 		zb0001Len--
 		zb0001Mask |= 0x20000
 	}
-	if z.StartedUnixMs == 0 {
+	if z.PrefillUs == 0 {
 		zb0001Len--
 		zb0001Mask |= 0x40000
+	}
+	if z.StartedUnixMs == 0 {
+		zb0001Len--
+		zb0001Mask |= 0x80000
 	}
 	// variable map header, size zb0001Len
 	o = msgp.AppendMapHeader(o, zb0001Len)
@@ -2734,11 +2738,16 @@ func (z *RankResult) MarshalMsg(b []byte) (o []byte, err error) {
 			o = msgp.AppendString(o, z.Error)
 		}
 		if (zb0001Mask & 0x20000) == 0 { // if not omitted
+			// string "error_code"
+			o = append(o, 0xaa, 0x65, 0x72, 0x72, 0x6f, 0x72, 0x5f, 0x63, 0x6f, 0x64, 0x65)
+			o = msgp.AppendString(o, z.ErrorCode)
+		}
+		if (zb0001Mask & 0x40000) == 0 { // if not omitted
 			// string "prefill_us"
 			o = append(o, 0xaa, 0x70, 0x72, 0x65, 0x66, 0x69, 0x6c, 0x6c, 0x5f, 0x75, 0x73)
 			o = msgp.AppendInt64(o, z.PrefillUs)
 		}
-		if (zb0001Mask & 0x40000) == 0 { // if not omitted
+		if (zb0001Mask & 0x80000) == 0 { // if not omitted
 			// string "started_unix_ms"
 			o = append(o, 0xaf, 0x73, 0x74, 0x61, 0x72, 0x74, 0x65, 0x64, 0x5f, 0x75, 0x6e, 0x69, 0x78, 0x5f, 0x6d, 0x73)
 			o = msgp.AppendInt64(o, z.StartedUnixMs)
@@ -2871,6 +2880,12 @@ func (z *RankResult) UnmarshalMsg(bts []byte) (o []byte, err error) {
 				err = msgp.WrapError(err, "Error")
 				return
 			}
+		case "error_code":
+			z.ErrorCode, bts, err = msgp.ReadStringBytes(bts)
+			if err != nil {
+				err = msgp.WrapError(err, "ErrorCode")
+				return
+			}
 		case "prefill_us":
 			z.PrefillUs, bts, err = msgp.ReadInt64Bytes(bts)
 			if err != nil {
@@ -2897,7 +2912,7 @@ func (z *RankResult) UnmarshalMsg(bts []byte) (o []byte, err error) {
 
 // Msgsize returns an upper bound estimate of the number of bytes occupied by the serialized message
 func (z *RankResult) Msgsize() (s int) {
-	s = 3 + 2 + msgp.IntSize + 7 + msgp.StringPrefixSize + len(z.ReqID) + 6 + msgp.StringPrefixSize + len(z.Group) + 8 + msgp.IntSize + 8 + msgp.IntSize + 8 + msgp.IntSize + 14 + msgp.IntSize + 14 + msgp.IntSize + 14 + msgp.IntSize + 15 + msgp.IntSize + 14 + msgp.IntSize + 8 + msgp.Int64Size + 9 + msgp.Int64Size + 18 + msgp.IntSize + 10 + msgp.BoolSize + 9 + msgp.BoolSize + 6 + msgp.StringPrefixSize + len(z.Error) + 11 + msgp.Int64Size + 16 + msgp.Int64Size
+	s = 3 + 2 + msgp.IntSize + 7 + msgp.StringPrefixSize + len(z.ReqID) + 6 + msgp.StringPrefixSize + len(z.Group) + 8 + msgp.IntSize + 8 + msgp.IntSize + 8 + msgp.IntSize + 14 + msgp.IntSize + 14 + msgp.IntSize + 14 + msgp.IntSize + 15 + msgp.IntSize + 14 + msgp.IntSize + 8 + msgp.Int64Size + 9 + msgp.Int64Size + 18 + msgp.IntSize + 10 + msgp.BoolSize + 9 + msgp.BoolSize + 6 + msgp.StringPrefixSize + len(z.Error) + 11 + msgp.StringPrefixSize + len(z.ErrorCode) + 11 + msgp.Int64Size + 16 + msgp.Int64Size
 	return
 }
 

@@ -567,7 +567,7 @@ func (r *Replayer) doNATS(ctx context.Context, req *messages.Request, res *Resul
 	select {
 	case <-p.done:
 	case <-timer.C:
-		r.abandon(req.RequestID, res, "timeout: no answer within "+r.cfg.Timeout.String())
+		r.abandon(req.RequestID, res, messages.AbortReasonTimeout+": no answer within "+r.cfg.Timeout.String())
 	case <-ctx.Done():
 		r.abandon(req.RequestID, res, "stopped: "+ctx.Err().Error())
 	}

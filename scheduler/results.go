@@ -35,14 +35,16 @@ func (s *Scheduler) onDone(_ context.Context, m *nats.Msg) error {
 		return nil
 	}
 	s.groups.addInflight(t.Group, -1, -t.queued)
-	outcome, failed := "completed", 0
-	for _, res := range t.Results {
+	// The request's outcome is the gravest of its ranks' (a failure on one
+	// rank is the request's, whatever the others say).
+	outcome, failed, errRank, errText := outcomeCompleted, 0, 0, ""
+	for rank, res := range t.Results {
 		failed += res.FailedBlocks
-		if res.Error != "" {
-			outcome = "failed"
+		if o := resultOutcome(res); o > outcome {
+			outcome, errRank, errText = o, rank, res.Error
 		}
 	}
-	s.m.requests.WithLabelValues(outcome).Inc()
+	s.m.requests.WithLabelValues(outcome.String()).Inc()
 	driver := t.Results[0]
 	depth := turnDepthLabel(t.TurnDepth)
 	s.m.predicted.Add(float64(t.LoadBlocks * s.cfg.BlockSize))
@@ -55,10 +57,42 @@ func (s *Scheduler) onDone(_ context.Context, m *nats.Msg) error {
 	s.m.promptTokens.WithLabelValues(depth).Add(float64(t.TokenLen))
 	s.m.cachedTokens.WithLabelValues(depth).Add(float64(driver.LoadedTokens))
 	logsink.Info(s.log, "request done", "req_id", t.ReqID, "session_id", t.SessionID, "group", t.Group,
-		"outcome", outcome, "prompt_tokens", t.TokenLen, "predicted_tokens", t.LoadBlocks*s.cfg.BlockSize, "loaded_tokens", driver.LoadedTokens,
-		"completion_tokens", driver.CompletionTokens, "failed_blocks", failed, "error", driver.Error,
+		"outcome", outcome.String(), "prompt_tokens", t.TokenLen, "predicted_tokens", t.LoadBlocks*s.cfg.BlockSize, "loaded_tokens", driver.LoadedTokens,
+		"completion_tokens", driver.CompletionTokens, "failed_blocks", failed, "error", errText, "error_rank", errRank,
 		"ms", time.Since(t.Received).Milliseconds())
 	return nil
+}
+
+// resultOutcome is what one rank's result makes of its request: completed
+// (a skipped save is no error of the answer), aborted (its client went
+// away), timeout (its deadline passed) or failed.
+func resultOutcome(res *messages.RankResult) requestOutcome {
+	switch {
+	case res.Error == "" || res.ErrorCode == messages.RankErrStoreSkipped:
+		return outcomeCompleted
+	case res.ErrorCode == messages.RankErrAborted:
+		return outcomeAborted
+	case res.ErrorCode == messages.RankErrTimeout:
+		return outcomeTimeout
+	default:
+		return outcomeFailed
+	}
+}
+
+// requestOutcome is how a request that every rank answered ended, from the
+// least grave to the gravest.
+type requestOutcome int
+
+const (
+	outcomeCompleted requestOutcome = iota
+	outcomeAborted
+	outcomeTimeout
+	outcomeFailed
+)
+
+// String is the outcome's label of kvbus_scheduler_requests_total.
+func (o requestOutcome) String() string {
+	return [...]string{"completed", "aborted", "timeout", "failed"}[o]
 }
 
 func (s *Scheduler) onAbort(_ context.Context, m *nats.Msg) error {
@@ -71,7 +105,11 @@ func (s *Scheduler) onAbort(_ context.Context, m *nats.Msg) error {
 	}
 	if t := s.trackers.abort(a.ReqID); t != nil {
 		s.groups.addInflight(t.Group, -1, -t.queued)
-		s.m.requests.WithLabelValues("aborted").Inc()
+		outcome := outcomeAborted
+		if a.Timeout() { // its deadline passed at the frontend
+			outcome = outcomeTimeout
+		}
+		s.m.requests.WithLabelValues(outcome.String()).Inc()
 		s.log.Info("request aborted", "req_id", t.ReqID, "session_id", t.SessionID, "group", t.Group, "reason", a.Reason)
 	}
 	return nil

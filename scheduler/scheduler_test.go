@@ -485,6 +485,61 @@ func TestSchedulerRoundRobinUsesEveryGroup(t *testing.T) {
 	e.waitNoTrackers()
 }
 
+// TestRequestOutcomeOfRankErrors: a request every rank answered is counted
+// by the gravest of its ranks' results: an error whose code is the
+// request's deadline is a timeout, its client's abort aborted, a skipped
+// save no error (the answer was produced), anything else failed (an older
+// rank's error without a code too). Before, any rank's error counted
+// failed: an overloaded cluster's requests running out of time looked like
+// failed groups.
+func TestRequestOutcomeOfRankErrors(t *testing.T) {
+	e := startScheduler(t, schedEnvConfig{noAnswers: true})
+	type res struct{ err, code string }
+	ok := res{}
+	timeout := res{"context deadline exceeded", messages.RankErrTimeout}
+	aborted := res{"request aborted", messages.RankErrAborted}
+	skipped := res{"store queue full", messages.RankErrStoreSkipped}
+	engine := res{"engine said no", "engine_error"}
+	old := res{"something broke", ""}
+	tests := []struct {
+		results [worldSize]res
+		want    string
+	}{
+		{[worldSize]res{ok, ok}, "completed"},
+		{[worldSize]res{ok, timeout}, "timeout"},
+		{[worldSize]res{aborted, aborted}, "aborted"},
+		{[worldSize]res{skipped, ok}, "completed"},
+		{[worldSize]res{timeout, aborted}, "timeout"},
+		{[worldSize]res{timeout, engine}, "failed"},
+		{[worldSize]res{old, skipped}, "failed"},
+	}
+	want := map[string]float64{}
+	for i, tt := range tests {
+		id := fmt.Sprint("outcome-", i)
+		e.publishRequest(newRequest(id, "", testenv.PromptTokens(i, 32)))
+		meta := e.waitMeta(id).meta
+		for r, rr := range tt.results {
+			data, err := messages.Marshal(&messages.RankResult{ReqID: meta.ReqID, Group: meta.Group, TPRank: r, Attempt: meta.Attempt,
+				Error: rr.err, ErrorCode: rr.code})
+			if err != nil {
+				t.Fatal(err)
+			}
+			if err := e.nc.Publish(meta.ResultSubject, data); err != nil {
+				t.Fatal(err)
+			}
+		}
+		want[tt.want]++
+		testenv.Eventually(t, waitFor, "request "+id+" counted "+tt.want, func() bool {
+			return e.counter("kvbus_scheduler_requests_total", map[string]string{"outcome": tt.want}) == want[tt.want]
+		})
+	}
+	for _, o := range []string{"completed", "timeout", "aborted", "failed"} {
+		if got := e.counter("kvbus_scheduler_requests_total", map[string]string{"outcome": o}); got != want[o] {
+			t.Errorf("outcome %s: %v, want %v", o, got, want[o])
+		}
+	}
+}
+
 func TestSchedulerDedupe(t *testing.T) {
 	e := startScheduler(t, schedEnvConfig{noAnswers: true})
 	req := newRequest("dup", "s", testenv.PromptTokens(1, 64))

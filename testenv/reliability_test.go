@@ -587,3 +587,26 @@ func loneSchedulerCrash(t *testing.T, restartDriver bool) {
 			c.Logs.Lines("adopted the requests of a scheduler replica"))
 	}
 }
+
+// TestDeadlineDuringGenerationIsATimeout: a request whose deadline passes
+// while its group generates is ended by its frontend (504) with an Abort
+// whose reason says so; the scheduler counts it as a timeout, as it is,
+// not as aborted by a client that went away (nor, when the ranks' own
+// deadline reports come first, as a failure: TestRequestOutcomeOfRankErrors).
+func TestDeadlineDuringGenerationIsATimeout(t *testing.T) {
+	c := testenv.StartCluster(t, testenv.ClusterConfig{Groups: 1, TimeScale: 1, RequestTimeout: time.Second})
+	// 10 ms a token: 500 tokens take 5 s.
+	status, _, raw := post(t, c, "/v1/chat/completions", fmt.Sprintf(`{"model":%q,"messages":[{"role":"user","content":"hello"}],"max_tokens":500,"ignore_eos":true}`, c.Model), nil)
+	if status != http.StatusGatewayTimeout {
+		t.Fatalf("status %d: %s; want 504 once the 1 s deadline passed", status, raw)
+	}
+	outcome := func(o string) float64 {
+		return testenv.CounterSum(t, c.Registry, "kvbus_scheduler_requests_total", map[string]string{"outcome": o})
+	}
+	testenv.Eventually(t, 5*time.Second, "the request's end counted in the scheduler", func() bool {
+		return outcome("timeout")+outcome("aborted")+outcome("failed")+outcome("completed") > 0
+	})
+	if outcome("timeout") != 1 || outcome("aborted") != 0 || outcome("failed") != 0 {
+		t.Errorf("outcome timeout %v, aborted %v, failed %v; want 1, 0, 0", outcome("timeout"), outcome("aborted"), outcome("failed"))
+	}
+}

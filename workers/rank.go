@@ -254,6 +254,21 @@ var errAborted = errors.New("request aborted")
 // had not started is left to the scheduler to dispatch again.
 var errShutdown = errors.New("worker shutting down: the request outlived its rank's --shutdown-timeout")
 
+// rankErrCode is the RankResult.ErrorCode of a request whose work ended
+// with err, its context's cancel cause being cause (either may be nil).
+func rankErrCode(cause, err error) string {
+	switch {
+	case errors.Is(cause, errAborted):
+		return messages.RankErrAborted
+	case errors.Is(cause, context.DeadlineExceeded) || errors.Is(err, context.DeadlineExceeded):
+		return messages.RankErrTimeout
+	case errors.Is(cause, errShutdown) || errors.Is(err, ErrEngineUnavailable):
+		return "group_failed"
+	default:
+		return "engine_error"
+	}
+}
+
 // withdrawWait bounds how long a stopping driver waits, for each request it
 // ended before its output started, for the scheduler to withdraw it (an
 // Abort: the request goes on at another group) before it ends it at the

@@ -115,7 +115,7 @@ func (r *Rank) drive(rr *rankReq) {
 	}
 	rr.result.CompletionTokens = res.CompletionTokens
 	if err != nil {
-		rr.result.Error = err.Error()
+		rr.result.Error, rr.result.ErrorCode = err.Error(), rankErrCode(context.Cause(rr.ctx), err)
 	}
 	r.report(rr)
 }

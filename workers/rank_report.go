@@ -15,10 +15,11 @@ func (r *Rank) report(rr *rankReq) {
 	res := &rr.result
 	res.LoadedTokens, res.LoadUs, res.RemoteTokens = rr.loaded, rr.loadUs, min(rr.remote, rr.loaded)
 	res.FailedBlocks += rr.loadFail
-	if res.Error == "" {
-		if err := context.Cause(rr.ctx); err != nil {
-			res.Error = err.Error()
-		}
+	// A request that ended with its context (deadline, abort, shutdown)
+	// says so, unless it failed otherwise first; a skipped save is no
+	// error of the answer, and gives way.
+	if cause := context.Cause(rr.ctx); cause != nil && (res.Error == "" || res.ErrorCode == messages.RankErrStoreSkipped) {
+		res.Error, res.ErrorCode = cause.Error(), rankErrCode(cause, nil)
 	}
 	if rr.receipt != nil {
 		rr.receipt.Stop()
@@ -74,7 +75,7 @@ func (r *Rank) resultOf(meta *messages.ReqMeta) messages.RankResult {
 // driver, the frontend.
 func (r *Rank) fail(rr *rankReq, code, msg string) {
 	r.log.Warn("request failed on rank", "req_id", rr.meta.ReqID, "session_id", rr.meta.SessionID, "code", code, "err", msg)
-	rr.result.Error = msg
+	rr.result.Error, rr.result.ErrorCode = msg, code
 	if r.IsDriver() {
 		r.publish(r.cfg.Subjects.Out(rr.meta.FrontendID), &messages.Output{
 			ReqID: rr.meta.ReqID, Attempt: rr.meta.Attempt, Error: &messages.OutputError{Code: code, Message: msg},

@@ -15,7 +15,7 @@ func (r *Rank) pushStore(rr *rankReq) {
 	default:
 		// The store queue is full: skip saving; the request still completes.
 		r.log.Warn("store queue full: not saving this request's blocks", "req_id", rr.meta.ReqID, "session_id", rr.meta.SessionID)
-		rr.result.Error = "store queue full"
+		rr.result.Error, rr.result.ErrorCode = "store queue full: the prompt's new blocks were not saved", messages.RankErrStoreSkipped
 		r.settleSaves(rr)
 		r.finishStore(rr)
 	}

@@ -593,6 +593,9 @@ func TestRankAbort(t *testing.T) {
 	if driver.Error == "" {
 		t.Errorf("driver RankResult of an aborted request has no error: %+v", driver)
 	}
+	if driver.ErrorCode != messages.RankErrAborted {
+		t.Errorf("driver: error code %q (%q), want %q: the scheduler counts the request by it", driver.ErrorCode, driver.Error, messages.RankErrAborted)
+	}
 	if driver.CompletionTokens >= 100 {
 		t.Errorf("aborted request generated all %d tokens", driver.CompletionTokens)
 	}
@@ -861,8 +864,8 @@ func TestRankDeadlinePassed(t *testing.T) {
 		t.Errorf("final output %+v (error %+v), want a timeout error", final, final.Error)
 	}
 	for rank, r := range results {
-		if r.Error == "" || r.StoredBlocks != 0 {
-			t.Errorf("rank %d: %+v, want an error and nothing stored", rank, r)
+		if r.Error == "" || r.ErrorCode != messages.RankErrTimeout || r.StoredBlocks != 0 {
+			t.Errorf("rank %d: %+v, want a timeout error and nothing stored", rank, r)
 		}
 	}
 }
@@ -882,8 +885,8 @@ func TestRankRefusesAnotherModelsReqMeta(t *testing.T) {
 		t.Errorf("final output %+v (error %+v), want a model_mismatch error naming the model", final, final.Error)
 	}
 	for rank, r := range results {
-		if r.Error == "" || r.StoredBlocks != 0 {
-			t.Errorf("rank %d: %+v, want an error and nothing stored", rank, r)
+		if r.Error == "" || r.ErrorCode != "model_mismatch" || r.StoredBlocks != 0 {
+			t.Errorf("rank %d: %+v, want a model_mismatch error and nothing stored", rank, r)
 		}
 	}
 }
