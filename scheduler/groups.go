@@ -197,7 +197,10 @@ func (t *groupTable) notTheRank(group string, rank int, started int64, now time.
 // (two workers given one --tp-rank), which is not the rank (stale), and
 // report says to tell the operator (at most once a minute per rank). Once
 // the newer process is silent for the timeout, the older one is the rank.
-func (t *groupTable) observe(hb *messages.Heartbeat, now time.Time) (stale, report bool) {
+//
+// gap is how long after the process's previous heartbeat this one was
+// handled (0 for its first).
+func (t *groupTable) observe(hb *messages.Heartbeat, now time.Time) (stale, report bool, gap time.Duration) {
 	t.mu.Lock()
 	defer t.mu.Unlock()
 	g := t.groups[hb.Group]
@@ -218,11 +221,15 @@ func (t *groupTable) observe(hb *messages.Heartbeat, now time.Time) (stale, repo
 			prev.dupSaid = now
 			g.ranks[hb.TPRank] = prev
 		}
-		return true, report
+		return true, report, 0
 	}
 	restarted := prev.restarted
 	if known && hb.StartedUnixMs != prev.started {
 		restarted = now
+	}
+	if known && hb.StartedUnixMs == prev.started {
+		// Not counting a time this replica was cut off from NATS.
+		gap = now.Sub(maxTime(prev.seen, t.heardFrom))
 	}
 	g.ranks[hb.TPRank] = rankInfo{seen: now, started: hb.StartedUnixMs, restarted: restarted, dupSaid: prev.dupSaid,
 		queueDepth: hb.QueueDepth, draining: hb.Draining, notReady: hb.NotReady, model: hb.Model}
@@ -237,7 +244,7 @@ func (t *groupTable) observe(hb *messages.Heartbeat, now time.Time) (stale, repo
 		g.prefillingBlocks = int((hb.PrefillingTokens + bs - 1) / bs)
 		g.inflight, g.queued = 0, 0
 	}
-	return false, false
+	return false, false, gap
 }
 
 // ready returns the groups whose world_size ranks all sent a heartbeat
@@ -475,4 +482,12 @@ func (t *groupTable) each(now time.Time, f func(name, model string, inflight, qu
 		}
 		f(name, model, inflight, queued)
 	}
+}
+
+// maxTime returns the later of a and b.
+func maxTime(a, b time.Time) time.Time {
+	if a.After(b) {
+		return a
+	}
+	return b
 }

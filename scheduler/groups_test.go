@@ -200,10 +200,12 @@ func TestGroupTableTakesOffTheHeadsProgress(t *testing.T) {
 // minute, not on every heartbeat.
 func TestGroupTableRestartsAndDuplicates(t *testing.T) {
 	gt := newGroupTable(time.Second, 16, 0.25, 0.5)
+	var gap time.Duration
 	beat := func(started int64, at time.Time) (stale, report bool) {
 		h := hb("g0", 0, 1)
 		h.StartedUnixMs = started
-		return gt.observe(h, at)
+		stale, report, gap = gt.observe(h, at)
+		return stale, report
 	}
 	t0 := time.Now()
 	beat(100, t0)
@@ -215,6 +217,9 @@ func TestGroupTableRestartsAndDuplicates(t *testing.T) {
 	if at := gt.restarts()["g0"][0].at; !at.Equal(t1) {
 		t.Fatalf("restart heard at %v, want %v", at, t1)
 	}
+	if gap != 0 {
+		t.Errorf("gap %v across a restart, want none", gap)
+	}
 	if stale, report := beat(100, t1.Add(100*time.Millisecond)); !stale || !report {
 		t.Errorf("the older process's heartbeat: stale %v report %v, want both", stale, report)
 	}
@@ -224,10 +229,19 @@ func TestGroupTableRestartsAndDuplicates(t *testing.T) {
 	if stale, _ := beat(200, t1.Add(300*time.Millisecond)); stale {
 		t.Error("the newer process's heartbeat is stale")
 	}
+	// The gap is between one process's heartbeats: not across a restart,
+	// not from the older process's.
+	if gap != 300*time.Millisecond {
+		t.Errorf("gap %v after the newer process's heartbeats 300 ms apart, want 300ms", gap)
+	}
 	if at := gt.restarts()["g0"][0].at; !at.Equal(t1) {
 		t.Errorf("after the older process's heartbeats: restart at %v, want still %v", at, t1)
 	}
+	gt.reconnected(t1.Add(time.Minute)) // cut off from NATS until then
 	beat(200, t1.Add(2*time.Minute))
+	if gap != time.Minute {
+		t.Errorf("gap %v a minute after this replica reconnected, want 1m0s (its outage is not the rank's)", gap)
+	}
 	if _, report := beat(100, t1.Add(2*time.Minute+100*time.Millisecond)); !report {
 		t.Error("not reported again after a minute")
 	}
@@ -242,7 +256,7 @@ func TestGroupTableRankBackWithAnEarlierStart(t *testing.T) {
 	beat := func(rank int, started int64, at time.Time) (stale bool) {
 		h := hb("g0", rank, 2)
 		h.StartedUnixMs = started
-		stale, _ = gt.observe(h, at)
+		stale, _, _ = gt.observe(h, at)
 		return stale
 	}
 	t0 := time.Now()

@@ -23,6 +23,10 @@ type metrics struct {
 	logPending prometheus.Gauge
 	logBytes   prometheus.Gauge
 	logLimit   prometheus.Gauge
+	// Heartbeats: how far apart a rank's arrive, and the timeout they
+	// are judged by.
+	heartbeatGap     prometheus.Histogram
+	heartbeatTimeout prometheus.Gauge
 }
 
 func newMetrics(reg prometheus.Registerer, trackers, rejected, plans, ready func() float64) *metrics {
@@ -34,7 +38,7 @@ func newMetrics(reg prometheus.Registerer, trackers, rejected, plans, ready func
 		}),
 		requests: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "kvbus_scheduler_requests_total",
-			Help: "Requests by outcome: dispatched, redispatched (moved off a failed group), adopted (dispatched by a replica that died; this one watches it now), completed, failed (a rank's error other than these two, or the group failed while generating), timeout (its deadline passed: at the ranks, at the frontend, or unanswered here), aborted (its client went away), duplicate, expired, no_ready_group (refused: no group ready within --no-group-wait), too_large (its ReqMeta above the server's max_payload).",
+			Help: "Requests by outcome: dispatched, redispatched (moved off a failed group), adopted (dispatched by a replica that died; this one watches it now), completed, failed (an error of its group or engine, or the group failed while generating), timeout (its deadline passed: at the ranks, at the frontend, or unanswered here), aborted (its client went away), duplicate, expired, no_ready_group (refused: no group ready within --no-group-wait), too_large (its ReqMeta above the server's max_payload).",
 		}, []string{"outcome"}),
 		ready: prometheus.NewGauge(prometheus.GaugeOpts{
 			Name: "kvbus_scheduler_ready_groups",
@@ -104,9 +108,18 @@ func newMetrics(reg prometheus.Registerer, trackers, rejected, plans, ready func
 			Name: "kvbus_scheduler_request_log_limit_bytes",
 			Help: "The request log's size limit (--request-log-max-bytes when it was created): at it new requests get 503 request_log_full.",
 		}),
+		heartbeatGap: prometheus.NewHistogram(prometheus.HistogramOpts{
+			Name: "kvbus_scheduler_heartbeat_gap_seconds",
+			Help: "Time between two heartbeats of one rank's process as this replica handled them (a rank sends one every --heartbeat-every, 1 s, and a driver one per request too). Gaps near kvbus_scheduler_heartbeat_timeout_seconds mean starved workers or a congested bus: their groups are about to be judged failed.",
+			Buckets: []float64{0.05, 0.25, 0.5, 1, 1.1, 1.25, 1.5, 2, 2.5, 3, 5, 10},
+		}),
+		heartbeatTimeout: prometheus.NewGauge(prometheus.GaugeOpts{
+			Name: "kvbus_scheduler_heartbeat_timeout_seconds",
+			Help: "--heartbeat-timeout: a group with a rank not heard from for this long takes no request, and its requests move (or fail).",
+		}),
 	}
 	if reg != nil {
-		reg.MustRegister(m.routing, m.requests, m.ready, m.predicted, m.actual, m.promptTokens, m.cachedTokens,
+		reg.MustRegister(m.heartbeatGap, m.heartbeatTimeout, m.routing, m.requests, m.ready, m.predicted, m.actual, m.promptTokens, m.cachedTokens,
 			m.modelReady, m.groupInflight, m.groupQueued, m.groupBlocks, m.indexEntries, m.indexBlocks, m.resyncs,
 			m.resends, m.poolTokens, m.logPending, m.logBytes, m.logLimit,
 			prometheus.NewGaugeFunc(prometheus.GaugeOpts{Name: "kvbus_scheduler_trackers", Help: "Live RequestTrackers."}, trackers),

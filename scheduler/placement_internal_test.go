@@ -330,7 +330,7 @@ func TestSecondProcessOfARankIsIgnored(t *testing.T) {
 	const rank, older = 2000, 1000 // the processes' started_unix_ms
 	now := time.Now()
 	s.groups.observe(&messages.Heartbeat{Group: "g0", TPRank: 0, WorldSize: 1, StartedUnixMs: rank}, now)
-	if stale, _ := s.groups.observe(&messages.Heartbeat{Group: "g0", TPRank: 0, WorldSize: 1, StartedUnixMs: older}, now); !stale {
+	if stale, _, _ := s.groups.observe(&messages.Heartbeat{Group: "g0", TPRank: 0, WorldSize: 1, StartedUnixMs: older}, now); !stale {
 		t.Fatal("the older process's heartbeat was taken for the rank's")
 	}
 	holding(s, "g0", 11, 12) // the rank's dump, at seq 1

@@ -46,7 +46,11 @@ func (s *Scheduler) onHeartbeat(ctx context.Context, m *nats.Msg) error {
 		return fmt.Errorf("%w: heartbeat of %s/%d says its process started at %s, in the future: dropped (a wrong clock, or forged)",
 			messages.ErrInvalid, hb.Group, hb.TPRank, started.UTC().Format(time.RFC3339Nano))
 	}
-	if stale, report := s.groups.observe(hb, now); stale {
+	stale, report, gap := s.groups.observe(hb, now)
+	if gap > 0 {
+		s.m.heartbeatGap.Observe(gap.Seconds())
+	}
+	if stale {
 		if report && !hb.Draining { // a draining one is being replaced: no slip
 			s.log.Error("two worker processes claim the same rank: give each its own --tp-rank (or use --rank auto); "+
 				"the older one's heartbeats are ignored", "group", hb.Group, "tp_rank", hb.TPRank,

@@ -280,6 +280,7 @@ func New(cfg Config) (*Scheduler, error) {
 			}
 			return 0
 		})
+	s.m.heartbeatTimeout.Set(cfg.HeartbeatTimeout.Seconds())
 	return s, nil
 }
 
