@@ -523,6 +523,10 @@ func (s *Scheduler) sweep(ctx context.Context, now time.Time) {
 			"heartbeat_timeout", s.cfg.HeartbeatTimeout)
 	}
 	s.publishEnded()
+	// The memories of ended and dispatched ids forget what aged even when
+	// no request comes to sweep them (an idle replica kept ~30 MB).
+	s.trackers.ended.Expire(now)
+	s.dispatched.Expire(now)
 	s.adoptDead(ctx, now)
 	s.rescue(now)
 	s.resend(now)

@@ -1,6 +1,7 @@
 package workers
 
 import (
+	"bytes"
 	"context"
 	"errors"
 	"time"
@@ -36,7 +37,10 @@ func (r *Rank) report(rr *rankReq) {
 		delete(r.active, rr.meta.ReqID)
 		r.seen.Update(rr.meta.ReqID, time.Now(), func(s *seenReq) {
 			if s.attempt == rr.meta.Attempt {
-				s.result = data
+				// Kept for minutes (duplicates are answered from it): the
+				// bytes only, not the room Marshal's upper bound left
+				// (383 bytes allocated for a 177-byte result).
+				s.result = bytes.Clone(data)
 			}
 		})
 	}
@@ -110,6 +114,10 @@ func (r *Rank) heartbeatLoop(ctx context.Context) {
 	defer t.Stop()
 	for {
 		r.heartbeat()
+		// The memory of finished requests forgets what aged even when no
+		// request comes to sweep it (an idle worker kept its busy
+		// minutes' results: 190 MB for 4 ranks in a soak run).
+		r.seen.Expire(time.Now())
 		select {
 		case <-ctx.Done():
 			return

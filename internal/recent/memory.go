@@ -280,6 +280,29 @@ func (m *Memory[V]) popHead() {
 	m.n--
 }
 
+// Expire forgets every id older than MaxAge at now and, when what is left
+// fills under an eighth of the ring, gives the ring's and the index's
+// memory back. The other methods sweep only a few aged ids each, as they
+// are called: a process that goes idle calls Expire periodically, or it
+// keeps its last busy minutes' ids (and values) until traffic returns.
+func (m *Memory[V]) Expire(now time.Time) {
+	t := clampAt(now)
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	for m.n > 0 {
+		if e := &m.ring[m.head]; e.live() && t-e.at <= m.maxAge {
+			break
+		}
+		m.popHead()
+	}
+	live := m.n - m.tombs
+	if size := len(m.ring); size > minRing && live < size/8 {
+		// A map keeps its buckets when emptied: relayout fills a new one.
+		m.index = make(map[string]int, live)
+		m.relayout(max(minRing, 2*live), t)
+	}
+}
+
 // evictHead drops head entries up to and including the oldest live one.
 // Tombstones popped on the way were paid for when they were made.
 func (m *Memory[V]) evictHead() {

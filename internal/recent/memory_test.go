@@ -275,6 +275,40 @@ func TestAgedEntriesAreSwept(t *testing.T) {
 	}
 }
 
+// TestExpireGivesMemoryBack: an idle memory forgets its aged ids and
+// gives back its ring when Expire is called, where the other methods only
+// sweep a few aged ids each as they are called (a worker gone idle kept its
+// last 100k requests' results).
+func TestExpireGivesMemoryBack(t *testing.T) {
+	m := mustNew[int](t, Config{MaxIDs: 100_000, MaxAge: time.Second})
+	for i := range 50_000 {
+		m.Put(fmt.Sprint("old-", i), i, t0)
+	}
+	m.Put("fresh", 1, t0.Add(900*time.Millisecond))
+	m.Expire(t0.Add(900 * time.Millisecond)) // nothing aged yet
+	if got := m.Len(); got != 50_001 {
+		t.Fatalf("Len=%d after an Expire with nothing aged, want 50001", got)
+	}
+	m.Expire(t0.Add(1500 * time.Millisecond))
+	checkInvariants(t, m)
+	m.mu.Lock()
+	size := len(m.ring)
+	m.mu.Unlock()
+	if got := m.Len(); got != 1 || size > minRing {
+		t.Errorf("after Expire: Len=%d, ring of %d; want 1 and at most %d", got, size, minRing)
+	}
+	if v, ok := m.Get("fresh", t0.Add(1500*time.Millisecond)); !ok || v != 1 {
+		t.Errorf("the fresh id: %v, %v; want 1, true", v, ok)
+	}
+	for i := range 1000 { // and it fills again as before
+		m.Put(fmt.Sprint("new-", i), i, t0.Add(1500*time.Millisecond))
+	}
+	checkInvariants(t, m)
+	if got := m.Len(); got != 1001 {
+		t.Errorf("Len=%d after 1000 new ids, want 1001", got)
+	}
+}
+
 // TestTombstonesStayBounded replaces and deletes ids in patterns that leave
 // tombstones in the ring and checks the ring never outgrows 2*MaxIDs.
 func TestTombstonesStayBounded(t *testing.T) {
@@ -367,6 +401,10 @@ func TestMatchesReferenceModel(t *testing.T) {
 					now = now.Add(time.Duration(rng.IntN(int(cfg.MaxAge) * 2)))
 				default:
 					now = now.Add(time.Duration(rng.IntN(int(cfg.MaxAge) / 8)))
+				}
+				if rng.IntN(40) == 0 { // what only forgets the aged: the model is unchanged
+					m.Expire(now)
+					checkInvariants(t, m)
 				}
 				id := fmt.Sprint("id", rng.IntN(universe))
 				switch op := rng.IntN(11); {
