@@ -839,12 +839,14 @@ func (g *generation) stream(w http.ResponseWriter, ctx context.Context, deadline
 	// the handler returns, in one write where a flush here made two.
 	_, _ = fmt.Fprint(w, "data: [DONE]\n\n")
 	u := g.usage()
-	g.vm.finished(u.PromptTokens, u.CompletionTokens, u.PromptTokensDetails.CachedTokens, g.choices[0].finish, time.Since(g.start).Seconds())
 	msg := "request completed"
 	for _, c := range g.choices {
 		if c.err != nil { // logged as it went out; this line must not say it completed
 			msg = "request ended with an error after its stream began"
 		}
+	}
+	if msg == "request completed" { // vLLM counts a request that failed in no success series
+		g.vm.finished(u.PromptTokens, u.CompletionTokens, u.PromptTokensDetails.CachedTokens, g.choices[0].finish, time.Since(g.start).Seconds())
 	}
 	logsink.Info(g.log, msg, "stream", true, "prompt_tokens", u.PromptTokens, "cached_tokens", u.PromptTokensDetails.CachedTokens,
 		"completion_tokens", u.CompletionTokens, "ms", time.Since(g.start).Milliseconds())

@@ -127,6 +127,10 @@ func TestGroupFailureWhileStreamingEndsWithAnError(t *testing.T) {
 	if lines := c.Logs.Lines("request ended with an error after its stream began"); len(lines) != 1 {
 		t.Errorf("%d lines saying the stream ended with an error, want 1", len(lines))
 	}
+	// Nor does vLLM's success counter count it (it did, as finished "stop").
+	if n := testenv.CounterSum(t, c.Registry, "vllm:request_success_total", nil); n != 0 {
+		t.Errorf("vllm:request_success_total = %v after a stream that failed, want 0", n)
+	}
 }
 
 // TestRedeliveredRequestRunsOnce: a request delivered again by the log after
