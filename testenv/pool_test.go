@@ -167,8 +167,14 @@ func TestPoolReadsFromAnotherHolderWhenTheSourceStopped(t *testing.T) {
 		t.Fatal(err)
 	}
 	share := testenv.PreviousShares(d.Turns, 16)[1]
-	fromDead := testenv.CounterSum(t, c.Registry, "kvbus_worker_pool_remote_blocks_total", map[string]string{"source_group": dead, "group": "g2"})
-	fromAlive := testenv.CounterSum(t, c.Registry, "kvbus_worker_pool_remote_blocks_total", map[string]string{"source_group": alive, "group": "g2"})
+	// The driver answered after its own load; the other rank's copies may
+	// be counted a moment later.
+	var fromDead, fromAlive float64
+	testenv.Eventually(t, 5*time.Second, "every rank of g2 to count its copies", func() bool {
+		fromDead = testenv.CounterSum(t, c.Registry, "kvbus_worker_pool_remote_blocks_total", map[string]string{"source_group": dead, "group": "g2"})
+		fromAlive = testenv.CounterSum(t, c.Registry, "kvbus_worker_pool_remote_blocks_total", map[string]string{"source_group": alive, "group": "g2"})
+		return fromAlive >= float64(ranks*turn1Blocks)
+	})
 	t.Logf("killed %s; turn 3 found %d of %d tokens cached (share %.3f); g2's ranks copied %v blocks from %s, %v from %s",
 		dead, turn.CachedTokens, d.Turns[1].PromptTokens, share, fromDead, dead, fromAlive, alive)
 	if share < 0.95 {

@@ -182,6 +182,9 @@ type testBus struct {
 	s   messages.Subjects
 	t   *testing.T
 	nc  *nats.Conn
+	// clientAborts counts the aborts published of requests whose client
+	// went away: what the watcher counts as Aborted once it read them.
+	clientAborts int
 }
 
 func startWatcher(t *testing.T, cfg top.Config) *testBus {
@@ -210,16 +213,23 @@ func (b *testBus) publish(subject string, m messages.Message) {
 	if err := b.nc.Publish(subject, data); err != nil {
 		b.t.Fatal(err)
 	}
+	if a, ok := m.(*messages.Abort); ok && a.Reason == "client disconnected" {
+		b.clientAborts++
+	}
 }
 
-// flush waits until what was published reached the watcher.
+// flush waits until what was published reached the watcher (one
+// subscription: it reads in order).
 func (b *testBus) flush() {
 	b.t.Helper()
-	// A marker request, aborted by its client: seen once counted.
-	before := b.w.Snapshot(time.Now()).Aborted
-	b.publish(b.s.Request("m"), &messages.Request{RequestID: "flush-" + fmt.Sprint(before), FrontendID: "fe", Model: "m"})
-	b.publish(b.s.Abort(), &messages.Abort{ReqID: "flush-" + fmt.Sprint(before), Reason: "client disconnected"})
-	testenv.Eventually(b.t, 5*time.Second, "the watcher to catch up", func() bool { return b.w.Snapshot(time.Now()).Aborted > before })
+	// A marker request, aborted by its client: once the watcher counted
+	// every client abort published, the marker's included, it read all
+	// that came before. (Waiting for one more abort than a snapshot taken
+	// here showed could be met by an earlier abort read late.)
+	id := fmt.Sprint("flush-", b.clientAborts)
+	b.publish(b.s.Request("m"), &messages.Request{RequestID: id, FrontendID: "fe", Model: "m"})
+	b.publish(b.s.Abort(), &messages.Abort{ReqID: id, Reason: "client disconnected"})
+	testenv.Eventually(b.t, 5*time.Second, "the watcher to catch up", func() bool { return b.w.Snapshot(time.Now()).Aborted >= b.clientAborts })
 }
 
 func (b *testBus) request(id, session string, arrival time.Time) {
