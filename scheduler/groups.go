@@ -37,10 +37,7 @@ func (t *groupTable) reconnected(now time.Time) {
 // the timeout, counting from the last reconnect when it was heard before
 // it. Called with t.mu held.
 func (t *groupTable) heardLocked(seen, now time.Time) bool {
-	if t.heardFrom.After(seen) {
-		seen = t.heardFrom
-	}
-	return now.Sub(seen) <= t.timeout
+	return now.Sub(maxTime(seen, t.heardFrom)) <= t.timeout
 }
 
 // groupInfo is what a scheduler knows of a group. Its load is the driver

@@ -535,7 +535,7 @@ func (s *Scheduler) sweep(ctx context.Context, now time.Time) {
 	s.m.indexBlocks.Set(float64(full))
 	for _, t := range s.trackers.expired(now.Add(-2 * time.Second)) {
 		s.groups.addInflight(t.Group, -1, -t.queued)
-		s.m.requests.WithLabelValues("timeout").Inc()
+		s.m.requests.WithLabelValues(outcomeTimeout.String()).Inc()
 		s.log.Warn("request timed out in the scheduler", "req_id", t.ReqID, "session_id", t.SessionID,
 			"group", t.Group, "ranks_reported", len(t.Results), "world_size", t.WorldSize)
 		s.sendError(t.FrontendID, t.ReqID, t.SessionID, t.Attempt, "timeout", "request timed out waiting for worker ranks")
