@@ -88,11 +88,12 @@ type LoadSpec struct {
 
 // RemoteRun is Blocks blocks of a prefix, from block index FromBlock, read
 // from the same tp_rank of group Group. Alternates are other groups whose
-// ranks all held the whole run when it was planned (at most
-// MaxRunAlternates, in the order to try them): a rank whose read from Group
-// fails (the source stopped, or evicted part of the run) reads the rest of
-// the run from them before it gives up and recomputes it. Empty when no
-// other group held it; older schedulers send none.
+// ranks all held the longest start of the run when it was planned (the
+// whole run first; at most MaxRunAlternates, in the order to try them): a
+// rank whose read from Group fails (the source stopped, or evicted part of
+// the run) reads what it can of the rest of the run from them, in turn,
+// and recomputes what none gave. Empty when no other group held its first
+// block; older schedulers send none.
 type RemoteRun struct {
 	Group      string   `msgpack:"group" json:"group"`
 	FromBlock  int      `msgpack:"from_block" json:"from_block"`

@@ -162,25 +162,24 @@ func (r *diffRef) holders(h uint64, sources, savers []string) map[int]bool {
 	return out
 }
 
-// remoteRuns is runs, each with the lowest ids but its source among the
-// groups that hold every block of it as alternates.
+// remoteRuns is runs, each with as alternates the groups but its source
+// that hold the longest start of it: longest first, then lowest id.
 func (r *diffRef) remoteRuns(hashes []uint64, group string, from, limit int, sources, savers []string) ([]messages.RemoteRun, int) {
 	runs, end := r.runs(hashes, group, from, limit, sources, savers)
 	for i, run := range runs {
-		all := map[int]bool{}
-		for j, h := range hashes[run.FromBlock : run.FromBlock+run.Blocks] {
-			hs := r.holders(h, sources, savers)
-			for id := range all {
-				if !hs[id] {
-					delete(all, id)
-				}
-			}
-			if j == 0 {
-				all = hs
+		held := map[int]int{} // id -> leading blocks of the run held
+		for id := range r.holders(hashes[run.FromBlock], sources, savers) {
+			for held[id] < run.Blocks && r.holders(hashes[run.FromBlock+held[id]], sources, savers)[id] {
+				held[id]++
 			}
 		}
-		delete(all, r.groups[run.Group].id)
-		ids := slices.Sorted(maps.Keys(all))
+		delete(held, r.groups[run.Group].id)
+		ids := slices.SortedFunc(maps.Keys(held), func(a, b int) int {
+			if held[a] != held[b] {
+				return held[b] - held[a]
+			}
+			return a - b
+		})
 		for _, id := range ids[:min(len(ids), messages.MaxRunAlternates)] {
 			runs[i].Alternates = append(runs[i].Alternates, r.byID[id])
 		}

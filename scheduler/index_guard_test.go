@@ -190,6 +190,32 @@ func TestKVIndexRemoteRuns(t *testing.T) {
 			t.Errorf("RemoteRuns(%s, %d, %d) = %+v, %d; want %+v, %d", tt.group, tt.from, tt.limit, got, end, tt.want, tt.end)
 		}
 	}
+	// The alternates are the groups holding the longest start of the run,
+	// the whole first, then by how much, not by id: g3 holds block 0, g4
+	// blocks 0-4. With g0 as the source, g4 holds all of its run, g3 half.
+	x.ObserveRank("g3", 0, 1, 0)
+	x.Apply(kvBatch("g3", 0, 1, clearedAll()))
+	x.Apply(kvBatch("g3", 0, 2, stored(a[:1]...)))
+	x.ObserveRank("g4", 0, 1, 0)
+	x.Apply(kvBatch("g4", 0, 1, clearedAll()))
+	x.Apply(kvBatch("g4", 0, 2, stored(a[:5]...)))
+	want := []messages.RemoteRun{{Group: "g0", FromBlock: 0, Blocks: 2, Alternates: []string{"g4", "g3"}}, {Group: "g4", FromBlock: 2, Blocks: 1}}
+	if got, end := x.RemoteRuns(a, "g2", 0, 8, []string{"g0", "g3", "g4"}, nil); !reflect.DeepEqual(got, want) || end != 7 {
+		t.Errorf("RemoteRuns with partial holders = %+v, %d; want %+v, 7", got, end, want)
+	}
+	// A source holding more than any other still gets an alternate for the
+	// part another holds: g3's block 0 of g1's run of three.
+	want = []messages.RemoteRun{{Group: "g1", FromBlock: 0, Blocks: 3, Alternates: []string{"g3"}}}
+	if got, end := x.RemoteRuns(a, "g2", 0, 8, []string{"g1", "g3"}, nil); !reflect.DeepEqual(got, want) || end != 7 {
+		t.Errorf("RemoteRuns with a shorter alternate = %+v, %d; want %+v, 7", got, end, want)
+	}
+	// Two whole holders beat a partial one (g3, id 3, would tie-break
+	// before g4 only at equal length).
+	want = []messages.RemoteRun{{Group: "g0", FromBlock: 0, Blocks: 2, Alternates: []string{"g1", "g4"}}, {Group: "g1", FromBlock: 2, Blocks: 1, Alternates: []string{"g4"}}}
+	if got, end := x.RemoteRuns(a, "g2", 0, 8, []string{"g0", "g1", "g3", "g4"}, nil); !reflect.DeepEqual(got, want) || end != 7 {
+		t.Errorf("RemoteRuns with three holders = %+v, %d; want %+v, 7", got, end, want)
+	}
+
 	// g1 stopped answering (not among the sources): its blocks are
 	// nobody's, though the index still lists them until they are cleared.
 	if got := x.PoolPrefix(a, []string{"g0", "g2"}, nil); got != 2 {
@@ -350,6 +376,13 @@ func TestKVIndexBeyond64Groups(t *testing.T) {
 	want = []messages.RemoteRun{{Group: "g039", FromBlock: 10, Blocks: 29, Alternates: []string{"g079", "g119"}}}
 	if runs, end := x.RemoteRuns(a, "g130", 0, 40, []string{"g199", "g159", "g119", "g079", "g039"}, nil); !reflect.DeepEqual(runs, want) || end != 39 {
 		t.Errorf("RemoteRuns from five holders = %+v, %d; want %+v, 39", runs, end, want)
+	}
+
+	// A longer start beats a lower id across words: g110 (word 1) holds
+	// blocks 10-29 of g039's run, g159 (word 2) all of it.
+	want = []messages.RemoteRun{{Group: "g039", FromBlock: 10, Blocks: 29, Alternates: []string{"g159", "g110"}}}
+	if runs, end := x.RemoteRuns(a, "g130", 0, 40, []string{"g110", "g159", "g039"}, nil); !reflect.DeepEqual(runs, want) || end != 39 {
+		t.Errorf("RemoteRuns from a partial and a whole holder = %+v, %d; want %+v, 39", runs, end, want)
 	}
 
 	// A plan of g170 (id 170, the third word) counts for it and, as a

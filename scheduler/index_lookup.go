@@ -115,8 +115,9 @@ func (x *KVIndex) wordLocked(w int, h uint64, fullOK, planOK groupMask) uint64 {
 // queue is empty, so the save is imminent and the source's pool read waits
 // for it. sources are as PoolPrefix's.
 // One source is kept while it holds the next block (fewer, longer reads).
-// Each run names as alternates the other such groups that hold all of it
-// (lowest id first): a rank whose source stopped since reads from them.
+// Each run names as alternates the other such groups that hold the longest
+// start of it (see alternatesLocked): a rank whose source stopped since
+// reads from them.
 // end is the block after the last one readable; the prefix stops at the
 // first block no group can give.
 func (x *KVIndex) RemoteRuns(hashes []uint64, group string, from, limit int, sources, savers []string) (runs []messages.RemoteRun, end int) {
@@ -154,27 +155,58 @@ func (x *KVIndex) RemoteRuns(hashes []uint64, group string, from, limit int, sou
 
 // alternatesLocked returns up to messages.MaxRunAlternates groups, other
 // than src, that hold in full (among fullOK) or are saving (among planOK)
-// every one of hashes, lowest id first; nil if none.
+// the longest start of hashes (at least its first block): those that hold
+// all of it first, then by how much, ties lowest id first; nil if none. A
+// rank reads from an alternate what it holds and goes on to the next, so
+// one that holds part of the run still saves that part's prefill. The
+// lengths are the groups' own, across index words.
 func (x *KVIndex) alternatesLocked(hashes []uint64, src int, fullOK, planOK groupMask) []string {
-	var alts []string
+	type held struct{ id, blocks int }
+	var best [messages.MaxRunAlternates]held // longest first
+	found := 0
+	offer := func(id, blocks int) {
+		at := found
+		for at > 0 && (blocks > best[at-1].blocks || blocks == best[at-1].blocks && id < best[at-1].id) {
+			at--
+		}
+		if at == len(best) {
+			return
+		}
+		found = min(found+1, len(best))
+		copy(best[at+1:found], best[at:found-1])
+		best[at] = held{id, blocks}
+	}
 	srcWord, srcBit := wordBit(groupID(src))
 	for w := range max(len(fullOK), len(planOK)) {
+		if found == len(best) && best[found-1].blocks == len(hashes) {
+			break // a later word's ids would lose every tie
+		}
 		m := fullOK.word(w) | planOK.word(w)
 		if w == srcWord {
 			m &^= srcBit
 		}
-		for _, h := range hashes {
+		for i, h := range hashes {
 			if m == 0 {
 				break
 			}
-			m &= x.wordLocked(w, h, fullOK, planOK)
+			still := m & x.wordLocked(w, h, fullOK, planOK)
+			if i > 0 {
+				for gone := m &^ still; gone != 0; gone &= gone - 1 {
+					offer(w*64+bits.TrailingZeros64(gone), i)
+				}
+			}
+			m = still
 		}
-		for ; m != 0 && len(alts) < messages.MaxRunAlternates; m &= m - 1 {
-			alts = append(alts, x.byID[w*64+bits.TrailingZeros64(m)].name)
+		for ; m != 0; m &= m - 1 {
+			offer(w*64+bits.TrailingZeros64(m), len(hashes))
 		}
-		if len(alts) == messages.MaxRunAlternates {
-			break
-		}
+	}
+	if found == 0 {
+		return nil
+	}
+	alts := make([]string, found)
+	for i := range alts {
+		alts[i] = x.byID[best[i].id].name
 	}
 	return alts
 }

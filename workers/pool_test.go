@@ -353,7 +353,7 @@ func testPoolRead(t *testing.T, payload int32, blocks, size int) {
 // all of the run, is read, the rest of it, from the run's alternates in
 // turn; with none left the rest is recomputed, as before.
 func TestRemoteRunReadFromAnAlternate(t *testing.T) {
-	p := startPoolRanks(t, 64<<10, "g1", "g2", "t1", "t2", "t3", "t4")
+	p := startPoolRanks(t, 64<<10, "g1", "g2", "t1", "t2", "t3", "t4", "t5")
 	tokens := testenv.PromptTokens(11, 8*blockSize+5)
 	fill := newMeta("fill", "s", tokens)
 	fill.Group = "g1" // g1 holds blocks 0-7
@@ -370,6 +370,8 @@ func TestRemoteRunReadFromAnAlternate(t *testing.T) {
 		{"t2", messages.RemoteRun{Group: "g2", Blocks: 8, Alternates: []string{"g1"}}, 8},
 		{"t3", messages.RemoteRun{Group: "gone", Blocks: 8, Alternates: []string{"g2", "g1"}}, 8},
 		{"t4", messages.RemoteRun{Group: "gone", Blocks: 8}, 0},
+		// An alternate holding the run's start gives that much.
+		{"t5", messages.RemoteRun{Group: "gone", Blocks: 8, Alternates: []string{"g2"}}, 4},
 	}
 	for _, tt := range tests {
 		next := newMeta("next-"+tt.target, "s", append(slices.Clone(tokens), testenv.PromptTokens(12, blockSize)...))

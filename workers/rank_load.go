@@ -190,7 +190,7 @@ func (r *Rank) copyRemoteRuns(rr *rankReq, runs []messages.RemoteRun, n int) (co
 				r.log.Warn("load thread: pool read failed; "+then, "req_id", meta.ReqID, "session_id", meta.SessionID,
 					"source_group", source, "blocks", end-run.FromBlock, "copied", next-run.FromBlock, "err", err)
 			} else {
-				r.log.Warn("load thread: source group no longer holds part of a run; "+then, "req_id", meta.ReqID,
+				r.log.Warn("load thread: source group holds no more of the run; "+then, "req_id", meta.ReqID,
 					"session_id", meta.SessionID, "source_group", source, "blocks", end-run.FromBlock, "copied", next-run.FromBlock)
 			}
 			if rr.ctx.Err() != nil {
