@@ -44,6 +44,9 @@ type choiceOutput struct {
 	out    *messages.Output
 }
 
+// codeOutputLost is the error code of an answer lost on the bus.
+const codeOutputLost = "output_lost"
+
 func newOutputQueue() *outputQueue { return &outputQueue{signal: make(chan struct{}, 1)} }
 
 func (q *outputQueue) push(choice int, o *messages.Output) {
@@ -85,6 +88,10 @@ type choiceState struct {
 	err          *APIError
 	errRaw       []byte // an engine's error body, relayed as it is
 	ttftSeen     bool   // its time to first token was observed
+	// req is the request as published; askedAgain counts the times it was
+	// published again because its answer was lost on the bus (askAgain).
+	req        *messages.Request
+	askedAgain int
 }
 
 // generation is one HTTP generate request in flight.
@@ -160,7 +167,7 @@ func (s *Server) generate(w http.ResponseWriter, r *http.Request, endpoint strin
 		w.Header().Set("Connection", "close")
 		return fail(&APIError{Status: http.StatusServiceUnavailable, Type: typeUnavailable, Code: "shutting_down", RetryAfter: 1,
 			Message: "this frontend is shutting down; retry on another one"})
-	case !s.cfg.Conn.IsConnected():
+	case !s.connected(r.Context()):
 		// Fail fast instead of waiting for a publish timeout.
 		return fail(&APIError{Status: http.StatusServiceUnavailable, Type: typeUnavailable, Code: "bus_unavailable", RetryAfter: 1,
 			Message: "not connected to NATS; retry shortly"})
@@ -264,10 +271,10 @@ func (s *Server) generate(w http.ResponseWriter, r *http.Request, endpoint strin
 		if len(prompts) > 1 {
 			busID = busBase + "-" + strconv.Itoa(i)
 		}
-		g.choices = append(g.choices, &choiceState{busID: busID, promptTokens: len(prompt), buffered: !p.stream})
-		s.register(busID, g.q, i)
 		req := s.busRequest(p, busID, sessionID, prompt, start, deadline)
 		req.Model = busModel
+		g.choices = append(g.choices, &choiceState{busID: busID, promptTokens: len(prompt), buffered: !p.stream, req: req})
+		s.register(busID, g.q, i)
 		if err := s.publish(r.Context(), req); err != nil {
 			if r.Context().Err() != nil { // the client left while the request was being logged
 				g.log.Info("client disconnected; aborting request")
@@ -323,6 +330,38 @@ func (s *Server) generate(w http.ResponseWriter, r *http.Request, endpoint strin
 		return g.stream(w, r.Context(), deadline, p.includeUsage, p.continuousUsage)
 	}
 	return g.respond(w, r.Context(), deadline)
+}
+
+// reconnectWait is how long a request waits for the frontend to reconnect
+// to NATS before it is refused: a server of a cluster that stopped is left
+// for another within milliseconds.
+const reconnectWait = 2 * time.Second
+
+// connected reports whether the frontend is connected to NATS, waiting up
+// to reconnectWait (or while ctx lasts) for a reconnect under way.
+func (s *Server) connected(ctx context.Context) bool {
+	if s.cfg.Conn.IsConnected() {
+		return true
+	}
+	tick := time.NewTicker(10 * time.Millisecond)
+	defer tick.Stop()
+	timeout := time.NewTimer(reconnectWait)
+	defer timeout.Stop()
+	for {
+		select {
+		case <-tick.C:
+			if s.cfg.Conn.IsConnected() {
+				return true
+			}
+			if !s.cfg.Conn.IsReconnecting() {
+				return false // closed
+			}
+		case <-timeout.C:
+			return false
+		case <-ctx.Done():
+			return false
+		}
+	}
 }
 
 // engineServes reports whether the engines serve model (their GET
@@ -481,6 +520,10 @@ var errAboveMaxPayload = errors.New("frontend: request above the bus's max paylo
 // take besides its data, at most.
 const busHeaderRoom = 1 << 10
 
+// publishTries is how many times a request is published when the request
+// log does not acknowledge it within Config.PublishTimeout.
+const publishTries = 2
+
 func (s *Server) publish(ctx context.Context, req *messages.Request) error {
 	data, err := messages.Marshal(req)
 	if err != nil {
@@ -489,15 +532,31 @@ func (s *Server) publish(ctx context.Context, req *messages.Request) error {
 	if limit := s.cfg.Conn.MaxPayload(); limit > 0 && int64(len(data)) > limit-busHeaderRoom {
 		return fmt.Errorf("%w: %d bytes on the bus, the NATS server takes %d", errAboveMaxPayload, len(data), limit)
 	}
-	ctx, cancel := context.WithTimeout(ctx, s.cfg.PublishTimeout)
-	defer cancel()
 	msg := &nats.Msg{Subject: s.cfg.Subjects.Request(req.Model), Data: data, Header: nats.Header{}}
-	ack, err := s.js.PublishMsg(ctx, msg, jetstream.WithMsgID(req.RequestID))
+	var ack *jetstream.PubAck
+	try := 1
+	for ; ; try++ {
+		pctx, cancel := context.WithTimeout(ctx, s.cfg.PublishTimeout)
+		ack, err = s.js.PublishMsg(pctx, msg, jetstream.WithMsgID(req.RequestID))
+		cancel()
+		// A log whose leader is being elected again (its NATS server of a
+		// cluster stopped) acknowledges nothing for seconds: publish once
+		// more, under the same id (the log keeps one copy).
+		if try < publishTries && errors.Is(err, context.DeadlineExceeded) && ctx.Err() == nil {
+			s.log.Warn("the request log did not acknowledge the request in time; publishing it again", "req_id", req.RequestID,
+				"session_id", req.SessionID, "publish_timeout", s.cfg.PublishTimeout)
+			continue
+		}
+		break
+	}
 	switch {
 	case bus.IsLogFull(err):
 		return fmt.Errorf("%w (schedulers are behind: add schedulers or raise --request-log-max-bytes): %w", bus.ErrLogFull, err)
 	case errors.Is(err, nats.ErrMaxPayload):
 		return fmt.Errorf("%w: %w", errAboveMaxPayload, err)
+	case err == nil && ack.Duplicate && try > 1:
+		// The first try was logged; its acknowledgement was lost.
+		return nil
 	case err == nil && ack.Duplicate:
 		// Another request holds this id in the log's dedupe window; its
 		// answer goes to its own client, none would come to this one.
@@ -524,14 +583,60 @@ func (g *generation) abortChoices(choices []*choiceState, reason string) {
 		if c.done {
 			continue
 		}
-		data, err := messages.Marshal(&messages.Abort{ReqID: c.busID, Reason: reason})
-		if err == nil {
-			err = g.s.cfg.Conn.Publish(g.s.cfg.Subjects.Abort(), data)
-		}
-		if err != nil {
-			g.log.Warn("cannot publish abort", "err", err)
-		}
+		g.publishAbort(c.busID, reason)
 	}
+}
+
+func (g *generation) publishAbort(busID, reason string) {
+	data, err := messages.Marshal(&messages.Abort{ReqID: busID, Reason: reason})
+	if err == nil {
+		err = g.s.cfg.Conn.Publish(g.s.cfg.Subjects.Abort(), data)
+	}
+	if err != nil {
+		g.log.Warn("cannot publish abort", "req_id", busID, "err", err)
+	}
+}
+
+// maxAskAgain is how many times a choice's request is published again
+// because its answer was lost on the bus.
+const maxAskAgain = 2
+
+// askAgain publishes choice i's request again, under a new bus id, when
+// its answer was lost on the bus (a NATS server of a cluster stopped, or
+// the frontend reconnected) before any of it reached the client: the
+// client then gets the whole answer, a little later, instead of a 503
+// output_lost to retry. The lost request is aborted (it may still be
+// generating); its outputs are no longer heard. It reports whether the
+// request went out again; not after maxAskAgain times, nor when the
+// deadline or the client leaves no time, nor when the publish fails.
+func (g *generation) askAgain(ctx context.Context, i int, why string) bool {
+	c := g.choices[i]
+	if c.req == nil || c.askedAgain >= maxAskAgain || ctx.Err() != nil ||
+		(c.req.DeadlineUnixMs > 0 && time.Now().UnixMilli() >= c.req.DeadlineUnixMs) {
+		return false
+	}
+	old := c.busID
+	req := *c.req
+	c.askedAgain++
+	req.RequestID = c.req.RequestID + "-again" + strconv.Itoa(c.askedAgain)
+	g.s.register(req.RequestID, g.q, i)
+	if err := g.s.publish(ctx, &req); err != nil {
+		g.s.unregister([]string{req.RequestID})
+		g.log.Warn("answer lost on the bus; cannot publish the request again, it ends with an error", "choice", i, "why", why, "err", err)
+		return false
+	}
+	g.s.unregister([]string{old})
+	g.publishAbort(old, "answer lost on the bus; asked again as "+req.RequestID)
+	g.log.Warn("answer lost on the bus before any of it reached the client; asked again", "choice", i, "why", why,
+		"lost_req_id", old, "new_req_id", req.RequestID)
+	g.s.m.askedAgain.Inc()
+	c.busID, c.attempt, c.nextIndex, c.started = req.RequestID, 0, 0, false
+	c.text.Reset()
+	c.usage = messages.Usage{}
+	if g.engineID != nil { // the engine names its answer after the bus id
+		g.engineID = bytes.Replace(g.engineID, []byte(old), []byte(req.RequestID), 1)
+	}
+	return true
 }
 
 // follow decides whether o, of any attempt, belongs to the answer. Chunks
@@ -571,17 +676,31 @@ func (g *generation) next(ctx context.Context, timer *time.Timer) ([]choiceOutpu
 			for _, it := range items {
 				c := g.choices[it.choice]
 				o := it.out
-				if c.done || !c.follow(o) || (o.Index < c.nextIndex && !o.Final()) {
+				if c.done || o.ReqID != c.busID {
+					continue // of a request asked again
+				}
+				started := c.started
+				if !c.follow(o) || (o.Index < c.nextIndex && !o.Final()) {
 					continue // duplicate, late, or of an abandoned attempt
 				}
-				if o.Index > c.nextIndex && o.Error == nil {
+				gap := o.Index > c.nextIndex && o.Error == nil
+				if !started && (gap || o.Error != nil && o.Error.Code == codeOutputLost) {
+					why := "an output index skipped"
+					if !gap {
+						why = "nothing heard after a NATS reconnect"
+					}
+					if g.askAgain(ctx, it.choice, why) {
+						continue
+					}
+				}
+				if gap {
 					// Outputs in between were lost on the bus (core NATS
 					// keeps order, so a gap is a loss): the answer would
 					// silently miss part of its text.
 					g.log.Warn("outputs lost on the bus; the answer ends with an error", "choice", it.choice,
 						"want_index", c.nextIndex, "got_index", o.Index)
 					o.Text, o.TokenIDs, o.FinishReason, o.Raw = "", nil, "", nil
-					o.Error = &messages.OutputError{Code: "output_lost", Message: "part of the answer was lost on the bus; retry the request"}
+					o.Error = &messages.OutputError{Code: codeOutputLost, Message: "part of the answer was lost on the bus; retry the request"}
 				}
 				c.nextIndex = o.Index + 1
 				if g.engineID != nil && len(o.Raw) > 0 {

@@ -6,6 +6,9 @@ type metrics struct {
 	requests *prometheus.CounterVec
 	latency  *prometheus.HistogramVec
 	ttft     *prometheus.HistogramVec
+	// askedAgain counts requests published again because their answer
+	// was lost on the bus.
+	askedAgain prometheus.Counter
 }
 
 func newMetrics(reg prometheus.Registerer, inflight func() float64) *metrics {
@@ -21,8 +24,11 @@ func newMetrics(reg prometheus.Registerer, inflight func() float64) *metrics {
 			Name: "kvbus_frontend_ttft_seconds", Help: "Time to the first output chunk, by endpoint and served model.",
 			Buckets: prometheus.ExponentialBuckets(1e-4, 2, 20),
 		}, []string{"endpoint", "model"}),
+		askedAgain: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "kvbus_frontend_asked_again_total", Help: "Requests published again because their answer was lost on the bus (a NATS server stopped) before any of it reached the client.",
+		}),
 	}
-	reg.MustRegister(m.requests, m.latency, m.ttft, prometheus.NewGaugeFunc(prometheus.GaugeOpts{
+	reg.MustRegister(m.requests, m.latency, m.ttft, m.askedAgain, prometheus.NewGaugeFunc(prometheus.GaugeOpts{
 		Name: "kvbus_frontend_inflight_requests", Help: "Bus requests waiting for output.",
 	}, inflight))
 	return m

@@ -1,7 +1,9 @@
 package frontend
 
 import (
+	"context"
 	"errors"
+	"log/slog"
 	"testing"
 	"time"
 
@@ -42,5 +44,64 @@ func TestPublishRefusesADuplicateID(t *testing.T) {
 	}
 	if err := s.publish(t.Context(), req); !errors.Is(err, errDuplicateID) {
 		t.Fatalf("second publish of the same id: %v, want errDuplicateID", err)
+	}
+}
+
+// TestPublishTriesAgainWhenNotAcknowledged: a request the log does not
+// acknowledge within PublishTimeout (its leader being elected again after
+// a NATS server of a cluster stopped) is published once more under the
+// same id; the log's "duplicate" then means the first try was logged, and
+// the request is accepted, not refused as another's id. Before, the client
+// got a 503 after the first timeout.
+func TestPublishTriesAgainWhenNotAcknowledged(t *testing.T) {
+	srv, err := bus.StartServer(bus.ServerConfig{Addr: "127.0.0.1:0", DataDir: t.TempDir()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer srv.Shutdown()
+	nc, err := nats.Connect(srv.ClientURL())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer nc.Close()
+	js, err := jetstream.New(nc)
+	if err != nil {
+		t.Fatal(err)
+	}
+	subj := messages.Subjects{}
+	// A log that takes the first try but whose acknowledgement is lost.
+	var ids []string
+	sub, err := nc.SubscribeSync(subj.Request("m"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		for try := 1; try <= 2; try++ {
+			m, err := sub.NextMsg(5 * time.Second)
+			if err != nil {
+				t.Error(err)
+				return
+			}
+			ids = append(ids, m.Header.Get(nats.MsgIdHdr))
+			if try == 2 {
+				_ = m.Respond([]byte(`{"stream":"KVBUS_REQUESTS","seq":1,"duplicate":true}`))
+			}
+		}
+	}()
+	s := &Server{js: js, cfg: Config{Conn: nc, Subjects: subj, PublishTimeout: 200 * time.Millisecond}, log: slog.New(slog.DiscardHandler)}
+	req := &messages.Request{RequestID: "abc-1", Model: "m", FrontendID: "fe", ArrivalUnixMs: time.Now().UnixMilli(), PromptTokenIDs: []uint32{1, 2}}
+	if err := s.publish(t.Context(), req); err != nil {
+		t.Fatalf("publish whose first acknowledgement was lost: %v, want accepted", err)
+	}
+	<-done
+	if len(ids) != 2 || ids[0] != "abc-1" || ids[1] != "abc-1" {
+		t.Errorf("the log got %q; want the request twice under its id", ids)
+	}
+	// Not acknowledged twice: the error stands.
+	s.cfg.PublishTimeout = 50 * time.Millisecond
+	if err := s.publish(t.Context(), req); !errors.Is(err, context.DeadlineExceeded) {
+		t.Errorf("publish never acknowledged: %v, want a deadline error", err)
 	}
 }

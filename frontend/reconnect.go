@@ -83,7 +83,7 @@ func (s *Server) endLost(suspects []suspect) {
 		}
 		lost++
 		// Of any attempt: it ends the choice, whichever attempt runs.
-		sp.rt.q.push(sp.rt.choice, &messages.Output{ReqID: sp.id, Attempt: math.MaxInt32, Error: &messages.OutputError{Code: "output_lost",
+		sp.rt.q.push(sp.rt.choice, &messages.Output{ReqID: sp.id, Attempt: math.MaxInt32, Error: &messages.OutputError{Code: codeOutputLost,
 			Message: "the answer was lost on the bus while NATS reconnected; retry the request"}})
 	}
 	if lost > 0 {

@@ -75,3 +75,64 @@ func TestOutputsLostAcrossAReconnect(t *testing.T) {
 		t.Error("the output_lost error is not taken by a choice on attempt 2")
 	}
 }
+
+// TestRequestWaitsForAReconnect: a request that arrives while the frontend
+// is between two NATS servers (one of a cluster stopped) waits for the
+// reconnect, up to reconnectWait, instead of a 503 at once; with NATS
+// gone for longer it is refused after that wait, and at once on a closed
+// connection.
+func TestRequestWaitsForAReconnect(t *testing.T) {
+	srv, err := bus.StartServer(bus.ServerConfig{Addr: "127.0.0.1:0", DataDir: t.TempDir()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	addr := srv.Addr().String()
+	nc, err := nats.Connect(srv.ClientURL(), nats.MaxReconnects(-1), nats.ReconnectWait(20*time.Millisecond))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer nc.Close()
+	s := &Server{cfg: Config{Conn: nc}}
+	srv.Shutdown()
+	for nc.IsConnected() {
+		time.Sleep(5 * time.Millisecond)
+	}
+	restarted := make(chan *bus.Server, 1)
+	go func() {
+		time.Sleep(300 * time.Millisecond)
+		srv2, err := bus.StartServer(bus.ServerConfig{Addr: addr, DataDir: t.TempDir()})
+		if err != nil {
+			t.Error(err)
+		}
+		restarted <- srv2
+	}()
+	start := time.Now()
+	if !s.connected(t.Context()) {
+		t.Fatalf("not connected after %v; want the reconnect waited for", time.Since(start))
+	}
+	t.Logf("reconnected after %v", time.Since(start))
+	// The fault took effect: the connection was down when the request came.
+	if nc.Stats().Reconnects == 0 {
+		t.Error("no reconnect counted")
+	}
+
+	// NATS gone for longer than the wait.
+	if srv2 := <-restarted; srv2 != nil {
+		srv2.Shutdown()
+	}
+	for nc.IsConnected() {
+		time.Sleep(5 * time.Millisecond)
+	}
+	start = time.Now()
+	if s.connected(t.Context()) {
+		t.Fatal("connected with NATS down")
+	}
+	if waited := time.Since(start); waited < reconnectWait {
+		t.Errorf("refused after %v; want a wait of %v", waited, reconnectWait)
+	}
+	nc.Close()
+	start = time.Now()
+	if s.connected(t.Context()) || time.Since(start) > reconnectWait/2 {
+		t.Errorf("a closed connection was waited for %v", time.Since(start))
+	}
+}
