@@ -74,6 +74,10 @@ type ServerConfig struct {
 	Logger *slog.Logger
 	// Debug adds the server's debug output, at debug level.
 	Debug bool
+	// LameDuckDuration and LameDuckGracePeriod shape LameDuck: the whole
+	// of it, and the wait before the first client is closed (defaults
+	// nats-server's: 2 min and 10 s; the grace period must be shorter).
+	LameDuckDuration, LameDuckGracePeriod time.Duration
 }
 
 // Server is a running embedded nats-server.
@@ -158,6 +162,9 @@ func StartServer(cfg ServerConfig) (*Server, error) {
 		NoSigs:        true,
 		Authorization: cfg.Token,
 		Debug:         cfg.Debug,
+		// nats-server's defaults when zero.
+		LameDuckDuration:    cfg.LameDuckDuration,
+		LameDuckGracePeriod: cfg.LameDuckGracePeriod,
 	}
 	opts, err := serverOptions(cfg, s.base)
 	if err != nil {
@@ -296,6 +303,26 @@ func portFree(what, flag, addr string) error {
 		return fmt.Errorf("%w: cannot listen on %s, the %s address: %v (check %s)", ErrServer, addr, what, err, flag)
 	}
 	return l.Close()
+}
+
+// LameDuck stops the server the way a planned stop of one server of a
+// cluster should go (nats-server's lame duck mode): it stops accepting
+// clients, hands the leadership of its JetStream streams and consumers to
+// the other servers and stops its JetStream, tells its clients to go
+// elsewhere, waits the grace period, then closes them one by one over the
+// rest of LameDuckDuration, so they reconnect to the other servers spread
+// out rather than all at once. It returns once the server is down, and
+// removes a temporary data directory as Shutdown does. A second signal's
+// Shutdown (or process exit) cuts it short.
+func (s *Server) LameDuck() {
+	if s.Server != nil {
+		s.Server.LameDuckShutdown()
+		s.Server.WaitForShutdown()
+	}
+	if s.log != nil {
+		s.log.close()
+	}
+	s.cleanup()
 }
 
 // Shutdown stops the server, waits for it, and removes a temporary data

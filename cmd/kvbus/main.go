@@ -353,9 +353,11 @@ type natsCmd struct {
 	CName      string   `name:"cluster-name" default:"kvbus" help:"Cluster name."`
 	Routes     []string `name:"routes" help:"Route URLs of the other servers (nats://host:6222), comma-separated."`
 	// Route authentication: never logged.
-	ClusterUser     string `name:"cluster-user" help:"User name of the route authentication (default kvbus; needs a cluster password)."`
-	ClusterPassword string `name:"cluster-password" help:"Password every server routing in must give, and this one gives on its routes: the same on every server. Required with --cluster-addr and --auth-config or --token. Prefer --cluster-password-file (a flag shows in ps)."`
-	ClusterPassFile string `name:"cluster-password-file" type:"path" help:"File holding the cluster password (kvbus auth init writes DIR/cluster-password)."`
+	ClusterUser     string        `name:"cluster-user" help:"User name of the route authentication (default kvbus; needs a cluster password)."`
+	ClusterPassword string        `name:"cluster-password" help:"Password every server routing in must give, and this one gives on its routes: the same on every server. Required with --cluster-addr and --auth-config or --token. Prefer --cluster-password-file (a flag shows in ps)."`
+	ClusterPassFile string        `name:"cluster-password-file" type:"path" help:"File holding the cluster password (kvbus auth init writes DIR/cluster-password)."`
+	LameDuck        time.Duration `name:"lame-duck-duration" default:"30s" help:"How long lame duck mode takes (SIGUSR2, as nats-server's: a planned stop of one server of a cluster): the stream leaders move to the other servers at once, then the clients are closed one by one, so they reconnect spread out. SIGTERM stops at once."`
+	LameDuckGrace   time.Duration `name:"lame-duck-grace-period" default:"5s" help:"In lame duck mode, how long the clients are told to go elsewhere before the first is closed (shorter than --lame-duck-duration)."`
 }
 
 // clusterPassword is --cluster-password, or the content of
@@ -384,6 +386,9 @@ func (c *natsCmd) Run(ctx context.Context) error {
 		lf.LogLevel = "debug"
 	}
 	log := lf.logger()
+	if c.LameDuck <= 0 || c.LameDuckGrace >= c.LameDuck {
+		return fmt.Errorf("--lame-duck-grace-period (%s) must be shorter than --lame-duck-duration (%s), which must be above 0", c.LameDuckGrace, c.LameDuck)
+	}
 	onStop(ctx, log, func() stopPlan { return stopPlan{doing: "shutting the NATS server down", inFlight: -1} })
 	stopPprof, err := c.startPprof(ctx, log)
 	if err != nil {
@@ -397,7 +402,8 @@ func (c *natsCmd) Run(ctx context.Context) error {
 	srv, err := bus.StartServer(bus.ServerConfig{Addr: c.Addr, DataDir: c.DataDir, Token: c.Token, AuthConfig: c.Auth, Debug: c.Debug,
 		TLSCert: c.TLSCert, TLSKey: c.TLSKey, TLSCA: c.TLSCA, ClusterTLSCA: c.ClusterCA, MonitorAddr: c.Monitor,
 		ServerName: c.Name, Cluster: c.Cluster, ClusterName: c.CName, Routes: c.Routes,
-		ClusterUser: c.ClusterUser, ClusterPassword: clusterPassword, Logger: log})
+		ClusterUser: c.ClusterUser, ClusterPassword: clusterPassword, Logger: log,
+		LameDuckDuration: c.LameDuck, LameDuckGracePeriod: c.LameDuckGrace})
 	if err != nil {
 		return err
 	}
@@ -407,6 +413,10 @@ func (c *natsCmd) Run(ctx context.Context) error {
 	hup := make(chan os.Signal, 1)
 	signal.Notify(hup, syscall.SIGHUP)
 	defer signal.Stop(hup)
+	// SIGUSR2 enters lame duck mode, as nats-server's does.
+	ldm := make(chan os.Signal, 1)
+	signal.Notify(ldm, syscall.SIGUSR2)
+	defer signal.Stop(ldm)
 	// The certificate is checked as at start every few hours: a warning
 	// from 14 days before it ends, an error once it has.
 	certCheck := time.NewTicker(certCheckEvery)
@@ -423,6 +433,23 @@ func (c *natsCmd) Run(ctx context.Context) error {
 			} else {
 				log.Info("SIGHUP: reloaded the authorization and TLS files", "auth_config", c.Auth, "tls_cert", c.TLSCert)
 			}
+		case <-ldm:
+			log.Info("SIGUSR2: entering lame duck mode: the stream leaders move to the other servers, the clients are told to go elsewhere and closed one by one",
+				"lame_duck_duration", c.LameDuck, "lame_duck_grace_period", c.LameDuckGrace)
+			done := make(chan struct{})
+			go func() {
+				defer close(done)
+				srv.LameDuck()
+			}()
+			select {
+			case <-done:
+				log.Info("nats server stopped after lame duck mode")
+			case <-ctx.Done(): // SIGTERM or SIGINT cuts it short
+				log.Info("nats server stopping before lame duck mode ended")
+				srv.Shutdown()
+				<-done
+			}
+			return nil
 		case <-ctx.Done():
 			log.Info("nats server stopping")
 			srv.Shutdown()
