@@ -384,10 +384,13 @@ func TestMultiModelLegacyBinding(t *testing.T) {
 		t.Fatal(err)
 	}
 	key := messages.SessionKey("upgraded")
-	e, err := kv.Get(t.Context(), key)
-	if err != nil {
-		t.Fatal(err)
-	}
+	// The replica writes its binding to the bucket after it holds it (on
+	// a busy host, later than the check above).
+	var e jetstream.KeyValueEntry
+	testenv.Eventually(t, 5*time.Second, "model a's binding in the session bucket", func() bool {
+		e, err = kv.Get(t.Context(), key)
+		return err == nil
+	})
 	var v map[string]json.RawMessage // last_hash is a uint64: no float64 in between
 	if err := json.Unmarshal(e.Value(), &v); err != nil {
 		t.Fatal(err)
