@@ -43,9 +43,13 @@ func TestNATSLameDuckOnSIGUSR2(t *testing.T) {
 		return len(nc.DiscoveredServers()) > 0
 	})
 
+	testenv.Eventually(t, 20*time.Second, "server a's ready line", func() bool {
+		logs, _ := os.ReadFile(a.log)
+		return strings.Contains(string(logs), "nats server ready")
+	})
 	start := time.Now()
 	a.signal(t, syscall.SIGUSR2)
-	testenv.Eventually(t, 5*time.Second, "the client told of lame duck mode", told.Load)
+	testenv.Eventually(t, 10*time.Second, "the client told of lame duck mode", told.Load)
 	testenv.Eventually(t, 10*time.Second, "the client moved to server b", func() bool {
 		return nc.IsConnected() && strings.Contains(nc.ConnectedUrl(), clientB)
 	})

@@ -399,6 +399,17 @@ func (c *natsCmd) Run(ctx context.Context) error {
 	if err != nil {
 		return err
 	}
+	// SIGHUP reads --auth-config and the TLS files again, as nats-server
+	// does: new or rotated keys and renewed certificates without a restart.
+	hup := make(chan os.Signal, 1)
+	signal.Notify(hup, syscall.SIGHUP)
+	defer signal.Stop(hup)
+	// SIGUSR2 enters lame duck mode, as nats-server's does. Both are
+	// caught from before the server is ready: unhandled, SIGUSR2 would
+	// kill the process.
+	ldm := make(chan os.Signal, 1)
+	signal.Notify(ldm, syscall.SIGUSR2)
+	defer signal.Stop(ldm)
 	srv, err := bus.StartServer(bus.ServerConfig{Addr: c.Addr, DataDir: c.DataDir, Token: c.Token, AuthConfig: c.Auth, Debug: c.Debug,
 		TLSCert: c.TLSCert, TLSKey: c.TLSKey, TLSCA: c.TLSCA, ClusterTLSCA: c.ClusterCA, MonitorAddr: c.Monitor,
 		ServerName: c.Name, Cluster: c.Cluster, ClusterName: c.CName, Routes: c.Routes,
@@ -408,15 +419,6 @@ func (c *natsCmd) Run(ctx context.Context) error {
 		return err
 	}
 	log.Info("nats server ready", "url", srv.ClientURL(), "jetstream", true, "data_dir", srv.StoreDir(), "monitor_addr", fmt.Sprint(srv.MonitorAddr()))
-	// SIGHUP reads --auth-config and the TLS files again, as nats-server
-	// does: new or rotated keys and renewed certificates without a restart.
-	hup := make(chan os.Signal, 1)
-	signal.Notify(hup, syscall.SIGHUP)
-	defer signal.Stop(hup)
-	// SIGUSR2 enters lame duck mode, as nats-server's does.
-	ldm := make(chan os.Signal, 1)
-	signal.Notify(ldm, syscall.SIGUSR2)
-	defer signal.Stop(ldm)
 	// The certificate is checked as at start every few hours: a warning
 	// from 14 days before it ends, an error once it has.
 	certCheck := time.NewTicker(certCheckEvery)
