@@ -231,6 +231,8 @@ func Connect(ctx context.Context, cfg Config) (*nats.Conn, error) {
 	for {
 		nc, err := nats.Connect(url, opts...)
 		if err == nil {
+			// Which server of a cluster: the one whose stop this role feels.
+			log.Info("nats connected", "conn", cfg.Name, "url", nc.ConnectedUrlRedacted())
 			return nc, nil
 		}
 		err = redactError(err, url, shown)

@@ -337,7 +337,11 @@ func TestSmoke(t *testing.T) {
 }
 
 // TestSmokeNATSCluster runs the cluster file (three NATS servers, JetStream
-// at replicas 3) and stops one NATS container: the pipeline keeps serving.
+// at replicas 3) and stops the NATS container the frontend is connected to
+// while four clients send requests back to back: none fails (an answer
+// lost with the server is asked again, a request the log's new leader
+// acknowledges late is published again, one that comes while the frontend
+// reconnects waits for it), and the pipeline keeps serving after it.
 func TestSmokeNATSCluster(t *testing.T) {
 	t.Setenv("COMPOSE_FILES", "-f docker-compose.yml -f docker-compose.cluster.yml")
 	compose(t, "down", "-v", "--remove-orphans")
@@ -345,26 +349,77 @@ func TestSmokeNATSCluster(t *testing.T) {
 	compose(t, "up", "-d", "--scale", "scheduler=2", "--scale", "worker=8")
 	client := &http.Client{Timeout: 60 * time.Second}
 	waitHealthy(t, client)
-	ask := func(i int) (int, error) {
-		status, _, err := chat(client, fmt.Sprint("cluster-", i%5), []map[string]string{{"role": "user", "content": fmt.Sprint("cluster ", i)}})
-		return status, err
-	}
-	ids := strings.Fields(compose(t, "ps", "-q", "nats2"))
+	server := frontendNATS(t)
+	ids := strings.Fields(compose(t, "ps", "-q", server))
 	if len(ids) != 1 {
-		t.Fatalf("nats2 containers: %v", ids)
+		t.Fatalf("%s containers: %v", server, ids)
 	}
+	var answered, failed atomic.Int64
+	stop := make(chan struct{})
+	var wg sync.WaitGroup
+	for c := range 4 {
+		wg.Go(func() {
+			for i := 0; ; i++ {
+				select {
+				case <-stop:
+					return
+				default:
+				}
+				status, _, err := chat(client, fmt.Sprint("cluster-", c), []map[string]string{{"role": "user", "content": fmt.Sprint("cluster ", c, " ", i)}})
+				if err != nil || status != http.StatusOK {
+					if failed.Add(1) <= 5 {
+						t.Logf("client %d, request %d: status %d, %v", c, i, status, err)
+					}
+					continue
+				}
+				answered.Add(1)
+			}
+		})
+	}
+	time.Sleep(2 * time.Second)
 	docker(t, "stop", ids[0])
-	failed := 0
-	for i := range 30 {
-		status, err := ask(i)
-		if err != nil || status != http.StatusOK {
-			failed++
-			t.Logf("request %d after stopping nats2: status %d, %v", i, status, err)
+	atStop := answered.Load()
+	// Longer than a frontend waits for an answer it may have lost (10 s).
+	time.Sleep(12 * time.Second)
+	close(stop)
+	wg.Wait()
+	// The fault took effect: the frontend's server is down, and the
+	// frontend is on another.
+	if state := strings.TrimSpace(docker(t, "inspect", "--format", "{{.State.Running}}", ids[0])); state != "false" {
+		t.Fatalf("%s running: %s", server, state)
+	}
+	after := answered.Load() - atStop
+	t.Logf("answered %d requests before %s (the frontend's NATS server) stopped and %d after; %d failed", atStop, server, after, failed.Load())
+	if failed.Load() > 0 {
+		t.Errorf("%d requests failed while one of three NATS servers stopped", failed.Load())
+	}
+	if after < 30 {
+		t.Errorf("%d requests answered in the 12 s after %s stopped, want >= 30: the pipeline stalled", after, server)
+	}
+}
+
+// frontendNATS returns the compose service of the NATS server the frontend
+// is connected to, from its "nats connected" log line.
+func frontendNATS(t *testing.T) string {
+	t.Helper()
+	ids := strings.Fields(compose(t, "ps", "-q", "frontend"))
+	if len(ids) != 1 {
+		t.Fatalf("frontend containers: %v", ids)
+	}
+	logs, _ := exec.Command("docker", "logs", ids[0]).CombinedOutput()
+	sc := bufio.NewScanner(bytes.NewReader(logs))
+	sc.Buffer(nil, 1<<20)
+	for sc.Scan() {
+		var l struct{ Msg, Conn, URL string }
+		if json.Unmarshal(sc.Bytes(), &l) != nil || l.Msg != "nats connected" || l.Conn != "kvbus-frontend" {
+			continue
+		}
+		if u, err := url.Parse(l.URL); err == nil && u.Hostname() != "" {
+			return u.Hostname()
 		}
 	}
-	if failed > 0 {
-		t.Errorf("%d of 30 requests failed with one of three NATS servers stopped", failed)
-	}
+	t.Fatalf("no 'nats connected' line naming a server in the frontend's log:\n%s", logs)
+	return ""
 }
 
 // engineLines returns the fake engine's request log lines of a service.
