@@ -314,25 +314,24 @@ func portFree(what, flag, addr string) error {
 // out rather than all at once. It returns once the server is down, and
 // removes a temporary data directory as Shutdown does. A second signal's
 // Shutdown (or process exit) cuts it short.
-func (s *Server) LameDuck() {
-	if s.Server != nil {
-		s.Server.LameDuckShutdown()
-		s.Server.WaitForShutdown()
-	}
-	if s.log != nil {
-		s.log.close()
-	}
-	s.cleanup()
-}
+func (s *Server) LameDuck() { s.stop(false) }
 
 // Shutdown stops the server, waits for it, and removes a temporary data
 // directory.
-func (s *Server) Shutdown() {
-	if s.log != nil {
+func (s *Server) Shutdown() { s.stop(true) }
+
+// stop stops the server at once or in lame duck mode (whose steps are
+// logged), waits for it, and removes a temporary data directory.
+func (s *Server) stop(now bool) {
+	if s.log != nil && now {
 		s.log.quiet.Store(true) // the shutdown's steps
 	}
 	if s.Server != nil {
-		s.Server.Shutdown()
+		if now {
+			s.Server.Shutdown()
+		} else {
+			s.Server.LameDuckShutdown()
+		}
 		s.Server.WaitForShutdown()
 	}
 	if s.log != nil {

@@ -14,25 +14,32 @@ import (
 	"github.com/kvbus/kvbus/messages"
 )
 
+// startJetStream starts an embedded NATS server and connects to it.
+func startJetStream(t *testing.T) (*nats.Conn, jetstream.JetStream) {
+	t.Helper()
+	srv, err := bus.StartServer(bus.ServerConfig{Addr: "127.0.0.1:0", DataDir: t.TempDir()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(srv.Shutdown)
+	nc, err := nats.Connect(srv.ClientURL())
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(nc.Close)
+	js, err := jetstream.New(nc)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return nc, js
+}
+
 // TestPublishRefusesADuplicateID: a second request with an id the request
 // log holds is refused with errDuplicateID (the client gets a 409), where
 // before it was acknowledged as a duplicate and waited for an answer that
 // went to the other request's client.
 func TestPublishRefusesADuplicateID(t *testing.T) {
-	srv, err := bus.StartServer(bus.ServerConfig{Addr: "127.0.0.1:0", DataDir: t.TempDir()})
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer srv.Shutdown()
-	nc, err := nats.Connect(srv.ClientURL())
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer nc.Close()
-	js, err := jetstream.New(nc)
-	if err != nil {
-		t.Fatal(err)
-	}
+	nc, js := startJetStream(t)
 	subj := messages.Subjects{}
 	if _, err := bus.EnsureRequestStream(t.Context(), js, bus.StreamConfig{Subjects: subj}); err != nil {
 		t.Fatal(err)
@@ -54,20 +61,7 @@ func TestPublishRefusesADuplicateID(t *testing.T) {
 // the request is accepted, not refused as another's id. Before, the client
 // got a 503 after the first timeout.
 func TestPublishTriesAgainWhenNotAcknowledged(t *testing.T) {
-	srv, err := bus.StartServer(bus.ServerConfig{Addr: "127.0.0.1:0", DataDir: t.TempDir()})
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer srv.Shutdown()
-	nc, err := nats.Connect(srv.ClientURL())
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer nc.Close()
-	js, err := jetstream.New(nc)
-	if err != nil {
-		t.Fatal(err)
-	}
+	nc, js := startJetStream(t)
 	subj := messages.Subjects{}
 	// A log that takes the first try but whose acknowledgement is lost.
 	var ids []string
