@@ -45,6 +45,10 @@ type ServerConfig struct {
 	// "kvbus". With Token or AuthConfig, a Cluster needs them: otherwise any
 	// server that reaches the route port joins and bypasses every key.
 	ClusterUser, ClusterPassword string
+	// ClusterPasswordFile, if set, holds ClusterPassword (not with it; `kvbus
+	// auth init` writes one): read at start and again by every Reload, so a
+	// rotated password takes effect without a restart.
+	ClusterPasswordFile string
 	// Token, if set, is required from every client.
 	Token string
 	// AuthConfig, if set, is a nats-server configuration file whose
@@ -122,6 +126,12 @@ func StartServer(cfg ServerConfig) (*Server, error) {
 	if logger == nil {
 		logger = slog.Default()
 	}
+	if cfg.ClusterPassword != "" && cfg.ClusterPasswordFile != "" {
+		return nil, fmt.Errorf("%w: --cluster-password and --cluster-password-file exclude each other", ErrServer)
+	}
+	if cfg.ClusterPassword, err = readClusterPassword(cfg); err != nil {
+		return nil, err
+	}
 	if err := checkRouteAuth(cfg); err != nil {
 		return nil, err
 	}
@@ -194,23 +204,49 @@ func StartServer(cfg ServerConfig) (*Server, error) {
 
 // Reload reads the authorization file (--auth-config) and the TLS files
 // again and applies them to the running server, as nats-server does on
-// SIGHUP: keys that `kvbus auth init` added, rotated or rewrote, and renewed
-// certificates, take effect without a restart. Clients stay connected but
+// SIGHUP: keys that `kvbus auth init` added, rotated or rewrote, renewed
+// certificates and a rotated cluster password (ClusterPasswordFile) take
+// effect without a restart; routes already up stay, new ones need the new
+// password. Clients stay connected but
 // for those whose key is gone. The files are checked as at start (a
 // certificate out of its validity period, a key that is not the
 // certificate's, a file without users); on an error nothing changes.
 func (s *Server) Reload() error {
-	if err := checkServerTLS(s.cfg, s.logger, time.Now()); err != nil {
+	cfg := s.cfg
+	var err error
+	if cfg.ClusterPassword, err = readClusterPassword(cfg); err != nil {
 		return err
 	}
-	opts, err := serverOptions(s.cfg, s.base)
+	if err := checkServerTLS(cfg, s.logger, time.Now()); err != nil {
+		return err
+	}
+	opts, err := serverOptions(cfg, s.base)
 	if err != nil {
 		return err
 	}
+	s.log.redact(cfg.ClusterPassword)
 	if err := s.Server.ReloadOptions(opts); err != nil {
 		return fmt.Errorf("%w: reload: %v", ErrServer, err)
 	}
+	s.cfg = cfg
 	return nil
+}
+
+// readClusterPassword returns cfg's cluster password: the content of
+// ClusterPasswordFile if set, else ClusterPassword.
+func readClusterPassword(cfg ServerConfig) (string, error) {
+	if cfg.ClusterPasswordFile == "" {
+		return cfg.ClusterPassword, nil
+	}
+	data, err := os.ReadFile(cfg.ClusterPasswordFile)
+	if err != nil {
+		return "", fmt.Errorf("%w: --cluster-password-file: %v (kvbus auth init DIR writes DIR/cluster-password)", ErrServer, err)
+	}
+	pw := strings.TrimSpace(string(data))
+	if pw == "" {
+		return "", fmt.Errorf("%w: --cluster-password-file %s is empty", ErrServer, cfg.ClusterPasswordFile)
+	}
+	return pw, nil
 }
 
 // serverOptions are base with what cfg's files and flags add: the keys of

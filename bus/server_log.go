@@ -6,6 +6,7 @@ import (
 	"log/slog"
 	"net"
 	"regexp"
+	"slices"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -35,8 +36,8 @@ type serverLogger struct {
 	// quiet logs notices at debug level: nats-server's start-up banner and
 	// shutdown steps, which StartServer and its caller sum up in one line.
 	quiet atomic.Bool
-	// secrets are replaced by "xxxxx" in every line.
-	secrets []string
+	// secrets are replaced by "xxxxx" in every line (redact adds one).
+	secrets atomic.Pointer[[]string]
 	window  time.Duration
 
 	mu      sync.Mutex
@@ -62,13 +63,26 @@ func newServerLogger(log *slog.Logger, secrets ...string) *serverLogger {
 		log = slog.Default()
 	}
 	l := &serverLogger{log: log.With("component", "nats-server"), window: repeatWindow, repeats: map[string]*repeat{}}
+	l.secrets.Store(&[]string{})
 	for _, s := range secrets {
-		if len(s) >= minSecret {
-			l.secrets = append(l.secrets, s)
-		}
+		l.redact(s)
 	}
 	l.quiet.Store(true)
 	return l
+}
+
+// redact adds s to the secrets replaced in every line, unless it is
+// shorter than minSecret or there already.
+func (l *serverLogger) redact(s string) {
+	if l == nil || len(s) < minSecret {
+		return
+	}
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	old := *l.secrets.Load()
+	if !slices.Contains(old, s) {
+		l.secrets.Store(new(append(slices.Clip(old), s)))
+	}
 }
 
 func (l *serverLogger) Noticef(format string, v ...any) {
@@ -98,7 +112,7 @@ func (l *serverLogger) logf(level slog.Level, format string, v ...any) {
 		return
 	}
 	text := strings.TrimRight(fmt.Sprintf(format, v...), "\n")
-	for _, s := range l.secrets {
+	for _, s := range *l.secrets.Load() {
 		text = strings.ReplaceAll(text, s, "xxxxx")
 	}
 	m := connLine.FindStringSubmatch(text)

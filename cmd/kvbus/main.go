@@ -13,7 +13,6 @@ import (
 	"net/http"
 	"os"
 	"os/signal"
-	"strings"
 	"sync"
 	"syscall"
 	"time"
@@ -360,26 +359,6 @@ type natsCmd struct {
 	LameDuckGrace   time.Duration `name:"lame-duck-grace-period" default:"5s" help:"In lame duck mode, how long the clients are told to go elsewhere before the first is closed (shorter than --lame-duck-duration)."`
 }
 
-// clusterPassword is --cluster-password, or the content of
-// --cluster-password-file (one of them).
-func (c *natsCmd) clusterPassword() (string, error) {
-	if c.ClusterPassFile == "" {
-		return c.ClusterPassword, nil
-	}
-	if c.ClusterPassword != "" {
-		return "", errors.New("--cluster-password and --cluster-password-file exclude each other")
-	}
-	data, err := os.ReadFile(c.ClusterPassFile)
-	if err != nil {
-		return "", fmt.Errorf("--cluster-password-file: %w (kvbus auth init DIR writes DIR/cluster-password)", err)
-	}
-	pw := strings.TrimSpace(string(data))
-	if pw == "" {
-		return "", fmt.Errorf("--cluster-password-file %s is empty", c.ClusterPassFile)
-	}
-	return pw, nil
-}
-
 func (c *natsCmd) Run(ctx context.Context) error {
 	lf := c.logFlags
 	if c.Debug { // the server's debug output is logged at debug level
@@ -395,10 +374,6 @@ func (c *natsCmd) Run(ctx context.Context) error {
 		return err
 	}
 	defer stopPprof()
-	clusterPassword, err := c.clusterPassword()
-	if err != nil {
-		return err
-	}
 	// SIGHUP reads --auth-config and the TLS files again, as nats-server
 	// does: new or rotated keys and renewed certificates without a restart.
 	hup := make(chan os.Signal, 1)
@@ -413,7 +388,7 @@ func (c *natsCmd) Run(ctx context.Context) error {
 	srv, err := bus.StartServer(bus.ServerConfig{Addr: c.Addr, DataDir: c.DataDir, Token: c.Token, AuthConfig: c.Auth, Debug: c.Debug,
 		TLSCert: c.TLSCert, TLSKey: c.TLSKey, TLSCA: c.TLSCA, ClusterTLSCA: c.ClusterCA, MonitorAddr: c.Monitor,
 		ServerName: c.Name, Cluster: c.Cluster, ClusterName: c.CName, Routes: c.Routes,
-		ClusterUser: c.ClusterUser, ClusterPassword: clusterPassword, Logger: log,
+		ClusterUser: c.ClusterUser, ClusterPassword: c.ClusterPassword, ClusterPasswordFile: c.ClusterPassFile, Logger: log,
 		LameDuckDuration: c.LameDuck, LameDuckGracePeriod: c.LameDuckGrace})
 	if err != nil {
 		return err
@@ -433,7 +408,8 @@ func (c *natsCmd) Run(ctx context.Context) error {
 			if err := srv.Reload(); err != nil {
 				log.Error("SIGHUP: the configuration was not reloaded; the server runs on as it was: fix the files and send SIGHUP again", "err", err)
 			} else {
-				log.Info("SIGHUP: reloaded the authorization and TLS files", "auth_config", c.Auth, "tls_cert", c.TLSCert)
+				log.Info("SIGHUP: reloaded the authorization and TLS files and the cluster password file", "auth_config", c.Auth, "tls_cert", c.TLSCert,
+					"cluster_password_file", c.ClusterPassFile)
 			}
 		case <-ldm:
 			log.Info("SIGUSR2: entering lame duck mode: the stream leaders move to the other servers, the clients are told to go elsewhere and closed one by one",
