@@ -8,6 +8,7 @@ import (
 	"fmt"
 	"log/slog"
 	"maps"
+	"math"
 	"net/http"
 	"slices"
 	"strconv"
@@ -92,6 +93,18 @@ type choiceState struct {
 	// published again because its answer was lost on the bus (askAgain).
 	req        *messages.Request
 	askedAgain int
+	// hedged, when set, is the bus id of the request busID was asked
+	// again for while it may still answer: the first of the two to send an
+	// output is followed, the other aborted.
+	hedged string
+}
+
+// ids returns the bus ids the choice listens to.
+func (c *choiceState) ids() []string {
+	if c.hedged != "" {
+		return []string{c.busID, c.hedged}
+	}
+	return []string{c.busID}
 }
 
 // generation is one HTTP generate request in flight.
@@ -520,9 +533,13 @@ var errAboveMaxPayload = errors.New("frontend: request above the bus's max paylo
 // take besides its data, at most.
 const busHeaderRoom = 1 << 10
 
-// publishTries is how many times a request is published when the request
-// log does not acknowledge it within Config.PublishTimeout.
-const publishTries = 2
+// publishTries bounds, in Config.PublishTimeouts, how long a request is
+// published again while the request log does not acknowledge it;
+// republishPause is the pause between tries that failed at once.
+const (
+	publishTries   = 2
+	republishPause = 250 * time.Millisecond
+)
 
 func (s *Server) publish(ctx context.Context, req *messages.Request) error {
 	data, err := messages.Marshal(req)
@@ -534,20 +551,30 @@ func (s *Server) publish(ctx context.Context, req *messages.Request) error {
 	}
 	msg := &nats.Msg{Subject: s.cfg.Subjects.Request(req.Model), Data: data, Header: nats.Header{}}
 	var ack *jetstream.PubAck
+	// A log whose leader is being elected again (its NATS server of a
+	// cluster stopped) acknowledges nothing, or has no responder, for
+	// seconds: publish again under the same id (the log keeps one copy)
+	// within publishTries publish timeouts.
+	budget := time.Now().Add(publishTries * s.cfg.PublishTimeout)
 	try := 1
 	for ; ; try++ {
-		pctx, cancel := context.WithTimeout(ctx, s.cfg.PublishTimeout)
+		pctx, cancel := context.WithTimeout(ctx, min(s.cfg.PublishTimeout, time.Until(budget)))
 		ack, err = s.js.PublishMsg(pctx, msg, jetstream.WithMsgID(req.RequestID))
 		cancel()
-		// A log whose leader is being elected again (its NATS server of a
-		// cluster stopped) acknowledges nothing for seconds: publish once
-		// more, under the same id (the log keeps one copy).
-		if try < publishTries && errors.Is(err, context.DeadlineExceeded) && ctx.Err() == nil {
-			s.log.Warn("the request log did not acknowledge the request in time; publishing it again", "req_id", req.RequestID,
-				"session_id", req.SessionID, "publish_timeout", s.cfg.PublishTimeout)
-			continue
+		noResponder := errors.Is(err, jetstream.ErrNoStreamResponse)
+		if !errors.Is(err, context.DeadlineExceeded) && !noResponder || ctx.Err() != nil || time.Until(budget) <= 0 {
+			break
 		}
-		break
+		if try == 1 {
+			s.log.Warn("the request log did not acknowledge the request; publishing it again", "req_id", req.RequestID,
+				"session_id", req.SessionID, "err", err, "for", time.Until(budget).Round(time.Millisecond))
+		}
+		if noResponder { // at once: wait a little for a leader
+			select {
+			case <-ctx.Done():
+			case <-time.After(republishPause):
+			}
+		}
 	}
 	switch {
 	case bus.IsLogFull(err):
@@ -566,9 +593,9 @@ func (s *Server) publish(ctx context.Context, req *messages.Request) error {
 }
 
 func (g *generation) unregister() {
-	ids := make([]string, len(g.choices))
-	for i, c := range g.choices {
-		ids[i] = c.busID
+	ids := make([]string, 0, len(g.choices))
+	for _, c := range g.choices {
+		ids = append(ids, c.ids()...)
 	}
 	g.s.unregister(ids)
 }
@@ -583,7 +610,9 @@ func (g *generation) abortChoices(choices []*choiceState, reason string) {
 		if c.done {
 			continue
 		}
-		g.publishAbort(c.busID, reason)
+		for _, id := range c.ids() {
+			g.publishAbort(id, reason)
+		}
 	}
 }
 
@@ -605,11 +634,14 @@ const maxAskAgain = 2
 // its answer was lost on the bus (a NATS server of a cluster stopped, or
 // the frontend reconnected) before any of it reached the client: the
 // client then gets the whole answer, a little later, instead of a 503
-// output_lost to retry. The lost request is aborted (it may still be
-// generating); its outputs are no longer heard. It reports whether the
-// request went out again; not after maxAskAgain times, nor when the
-// deadline or the client leaves no time, nor when the publish fails.
-func (g *generation) askAgain(ctx context.Context, i int, why string) bool {
+// output_lost to retry. A request known to be broken (an output index
+// skipped) is aborted and no longer heard; one that only heard nothing
+// since a reconnect (hedge) may be queued, not lost, so it is kept, and
+// the first of the two to send an output is followed (settleHedge). It
+// reports whether the request went out again; not after maxAskAgain
+// times, nor when the deadline or the client leaves no time, nor when the
+// publish fails.
+func (g *generation) askAgain(ctx context.Context, i int, why string, hedge bool) bool {
 	c := g.choices[i]
 	if c.req == nil || c.askedAgain >= maxAskAgain || ctx.Err() != nil ||
 		(c.req.DeadlineUnixMs > 0 && time.Now().UnixMilli() >= c.req.DeadlineUnixMs) {
@@ -625,10 +657,17 @@ func (g *generation) askAgain(ctx context.Context, i int, why string) bool {
 		g.log.Warn("answer lost on the bus; cannot publish the request again, it ends with an error", "choice", i, "why", why, "err", err)
 		return false
 	}
-	g.s.unregister([]string{old})
-	g.publishAbort(old, "answer lost on the bus; asked again as "+req.RequestID)
+	if c.hedged != "" { // a third id: the oldest is given up
+		g.dropRequest(c.hedged, "asked again as "+req.RequestID)
+	}
+	c.hedged = ""
+	if hedge {
+		c.hedged = old
+	} else {
+		g.dropRequest(old, "answer lost on the bus; asked again as "+req.RequestID)
+	}
 	g.log.Warn("answer lost on the bus before any of it reached the client; asked again", "choice", i, "why", why,
-		"lost_req_id", old, "new_req_id", req.RequestID)
+		"lost_req_id", old, "new_req_id", req.RequestID, "kept", hedge)
 	g.s.m.askedAgain.Inc()
 	c.busID, c.attempt, c.nextIndex, c.started = req.RequestID, 0, 0, false
 	c.text.Reset()
@@ -637,6 +676,27 @@ func (g *generation) askAgain(ctx context.Context, i int, why string) bool {
 		g.engineID = bytes.Replace(g.engineID, []byte(old), []byte(req.RequestID), 1)
 	}
 	return true
+}
+
+// settleHedge follows the request that sent the choice's first output
+// since it was asked again, and aborts the other.
+func (g *generation) settleHedge(c *choiceState, from string) {
+	loser := c.hedged
+	if from == c.hedged {
+		loser = c.busID
+		if g.engineID != nil {
+			g.engineID = bytes.Replace(g.engineID, []byte(c.busID), []byte(from), 1)
+		}
+		c.busID = from
+	}
+	c.hedged = ""
+	g.dropRequest(loser, "a copy of it answered first: "+from)
+}
+
+// dropRequest stops hearing a bus request and aborts it.
+func (g *generation) dropRequest(busID, reason string) {
+	g.s.unregister([]string{busID})
+	g.publishAbort(busID, reason)
 }
 
 // follow decides whether o, of any attempt, belongs to the answer. Chunks
@@ -676,8 +736,11 @@ func (g *generation) next(ctx context.Context, timer *time.Timer) ([]choiceOutpu
 			for _, it := range items {
 				c := g.choices[it.choice]
 				o := it.out
-				if c.done || o.ReqID != c.busID {
+				if c.done || o.ReqID != c.busID && o.ReqID != c.hedged {
 					continue // of a request asked again
+				}
+				if c.hedged != "" && o.Attempt != math.MaxInt32 { // not endLost's verdict
+					g.settleHedge(c, o.ReqID)
 				}
 				started := c.started
 				if !c.follow(o) || (o.Index < c.nextIndex && !o.Final()) {
@@ -689,7 +752,8 @@ func (g *generation) next(ctx context.Context, timer *time.Timer) ([]choiceOutpu
 					if !gap {
 						why = "nothing heard after a NATS reconnect"
 					}
-					if g.askAgain(ctx, it.choice, why) {
+					// Nothing heard may be a queued request: kept.
+					if g.askAgain(ctx, it.choice, why, !gap) {
 						continue
 					}
 				}

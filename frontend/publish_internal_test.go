@@ -99,3 +99,39 @@ func TestPublishTriesAgainWhenNotAcknowledged(t *testing.T) {
 		t.Errorf("publish never acknowledged: %v, want a deadline error", err)
 	}
 }
+
+// TestPublishWaitsForTheLogToAnswer: a request log with no responder (its
+// leader being elected again, or the log being made again after a NATS
+// restart without its store) is published to again within two publish
+// timeouts: a log that appears 300 ms later takes the request. Before,
+// the client got a 503 at once.
+func TestPublishWaitsForTheLogToAnswer(t *testing.T) {
+	nc, js := startJetStream(t)
+	subj := messages.Subjects{}
+	made := make(chan error, 1)
+	go func() {
+		time.Sleep(300 * time.Millisecond)
+		_, err := bus.EnsureRequestStream(t.Context(), js, bus.StreamConfig{Subjects: subj})
+		made <- err
+	}()
+	s := &Server{js: js, cfg: Config{Conn: nc, Subjects: subj, PublishTimeout: time.Second}, log: slog.New(slog.DiscardHandler)}
+	req := &messages.Request{RequestID: "abc-1", Model: "m", FrontendID: "fe", ArrivalUnixMs: time.Now().UnixMilli(), PromptTokenIDs: []uint32{1, 2}}
+	start := time.Now()
+	if err := s.publish(t.Context(), req); err != nil {
+		t.Fatalf("publish while the log was being made: %v after %v", err, time.Since(start))
+	}
+	if err := <-made; err != nil {
+		t.Fatal(err)
+	}
+	st, err := js.Stream(t.Context(), subj.RequestStream())
+	if err != nil {
+		t.Fatal(err)
+	}
+	info, err := st.Info(t.Context())
+	if err != nil {
+		t.Fatal(err)
+	}
+	if info.State.Msgs != 1 {
+		t.Errorf("the log holds %d messages; want the request once", info.State.Msgs)
+	}
+}

@@ -9,15 +9,18 @@ import (
 )
 
 // Outputs lost across a reconnect. While the frontend is cut off from NATS
-// (a NATS server restarting), a driver rank that reconnects first flushes
-// the outputs it buffered to a server where this frontend has not yet
-// subscribed again: they are dropped. A later output shows the gap
-// (output_lost at once); but a request whose answer ended in that window
-// hears nothing more, and waited for its deadline (--request-timeout, 60 s)
-// while its client hung. So a request in flight at a reconnect that hears
-// nothing within Config.LostOutputWait (10 s) after it ends with a 503
-// output_lost, which clients retry. A request still generating hears its next token within
-// milliseconds; one queued behind others for longer is retried.
+// (a NATS server restarting, or the frontend's server of a cluster
+// stopped), outputs routed to it are dropped, and a driver rank that
+// reconnects first flushes the outputs it buffered to a server where this
+// frontend has not yet subscribed again. A later output shows the gap (the
+// request is asked again at once); but a request whose answer ended in
+// that window hears nothing more, and waited for its deadline
+// (--request-timeout, 60 s) while its client hung. So a request in flight
+// at a reconnect that hears nothing within Config.LostOutputWait (3 s)
+// after it gets an output_lost verdict: generation.askAgain publishes it
+// again and, since it may only be queued, keeps the first one too; the
+// first of the two to answer is followed. A stream already under way ends
+// with a 503 output_lost, which clients retry.
 
 // reconnectCheckEvery is how often the frontend looks for a reconnect.
 const reconnectCheckEvery = 250 * time.Millisecond
@@ -87,7 +90,7 @@ func (s *Server) endLost(suspects []suspect) {
 			Message: "the answer was lost on the bus while NATS reconnected; retry the request"}})
 	}
 	if lost > 0 {
-		s.log.Warn("requests heard nothing after a NATS reconnect: their answers were lost on the bus; they end with 503 output_lost",
+		s.log.Warn("requests heard nothing after a NATS reconnect: their answers may be lost on the bus; they are asked again (a stream under way ends with 503 output_lost)",
 			"requests", lost, "wait", s.cfg.LostOutputWait)
 	}
 }

@@ -103,8 +103,10 @@ type Config struct {
 	// MaxInflight's slots for as long as it keeps the connection open.
 	ReadBodyTimeout time.Duration
 	// LostOutputWait: a request in flight when the frontend reconnects to
-	// NATS that hears no output within it ends with a 503 output_lost, its
-	// answer lost on the bus while the frontend was cut off (default 10 s).
+	// NATS that hears no output within it may have lost its answer on the
+	// bus while the frontend was cut off: it is asked again, the first copy
+	// to answer followed (or, once part of a stream was sent, it ends with
+	// a 503 output_lost) (default 3 s).
 	LostOutputWait time.Duration
 	// SchedulerTimeout: the frontend is healthy, and takes requests, while
 	// a ready scheduler announced itself within it (default 3 s).
@@ -212,7 +214,7 @@ func New(cfg Config) (*Server, error) {
 		cfg.Addr = ":8000"
 	}
 	if cfg.LostOutputWait <= 0 {
-		cfg.LostOutputWait = 10 * time.Second
+		cfg.LostOutputWait = 3 * time.Second
 	}
 	if cfg.SessionHeaders == nil {
 		cfg.SessionHeaders = DefaultSessionHeaders()

@@ -7,6 +7,7 @@ import (
 	"strings"
 	"sync"
 	"testing"
+	"time"
 
 	"github.com/nats-io/nats.go"
 
@@ -115,4 +116,68 @@ func TestAnswerLostOnTheBusIsAskedAgain(t *testing.T) {
 	if ids := seen(); len(ids) != 3 || askedAgain() != 4 {
 		t.Fatalf("requests published %v, asked again %v in all; want 3 and 4", ids, askedAgain())
 	}
+}
+
+// TestAnswerHeardNothingAfterAReconnectIsAskedAgain: a request in flight
+// when NATS restarts that hears nothing for 3 s after the reconnect may
+// have lost its answer, or only be slow (here: the driver handles it 5 s
+// late). It is asked again and kept: the client gets one whole answer from
+// whichever copy answers first, the other is aborted, and the frontend
+// listens for neither afterwards. Before, it waited 10 s and, had the
+// answer been lost, ended with a 503.
+func TestAnswerHeardNothingAfterAReconnectIsAskedAgain(t *testing.T) {
+	c := testenv.StartCluster(t, testenv.ClusterConfig{Ranks: 2, DelayFirstReqMeta: map[int]time.Duration{0: 5 * time.Second},
+		RequestTimeout: 30 * time.Second})
+	seen := loseFirstOutputs(t, c, 0)
+	aborts := c.Observe(t, messages.Subjects{}.Abort())
+	type answer struct {
+		status int
+		out    []byte
+	}
+	done := make(chan answer, 1)
+	go func() {
+		status, _, out := testenv.Send(t, http.MethodPost, c.URL+"/v1/chat/completions",
+			fmt.Sprintf(`{"model":%q,"max_tokens":12,"ignore_eos":true,"messages":[{"role":"user","content":"slow"}]}`, c.Model), nil)
+		done <- answer{status, out}
+	}()
+	testenv.Eventually(t, 5*time.Second, "the request published", func() bool { return len(seen()) == 1 })
+	if err := c.Cluster.RestartNATS(); err != nil {
+		t.Fatal(err)
+	}
+	a := <-done
+	var resp struct {
+		Usage struct {
+			CompletionTokens int `json:"completion_tokens"`
+		} `json:"usage"`
+	}
+	if a.status != http.StatusOK || json.Unmarshal(a.out, &resp) != nil || resp.Usage.CompletionTokens != 12 {
+		t.Fatalf("answer of a request silent after a reconnect: %d %s; want 200 with 12 tokens", a.status, a.out)
+	}
+	askedAgain := testenv.CounterSum(t, c.Registry, "kvbus_frontend_asked_again_total", nil)
+	ids := seen()
+	t.Logf("requests published after the restart: %v; asked again %v", ids, askedAgain)
+	if askedAgain != 1 || len(ids) < 1 || !strings.HasSuffix(ids[len(ids)-1], "-again1") {
+		t.Errorf("asked again %v times, requests seen %v; want once, as <id>-again1", askedAgain, ids)
+	}
+	// The copy that did not answer first is aborted, once; the first one
+	// was kept while the copy was asked (aborted then, as an answer known
+	// lost is, the reason would name the copy).
+	var reasons []string
+	testenv.Eventually(t, 5*time.Second, "the slower copy aborted", func() bool {
+		reasons = reasons[:0]
+		for _, m := range aborts.Messages() {
+			var a messages.Abort
+			if messages.Unmarshal(m.Data, &a) == nil && strings.HasPrefix(a.ReqID, ids[0]) {
+				reasons = append(reasons, a.ReqID+": "+a.Reason)
+			}
+		}
+		return len(reasons) > 0
+	})
+	if len(reasons) != 1 || !strings.Contains(reasons[0], "a copy of it answered first") {
+		t.Errorf("aborts of the request and its copy: %q; want one, of the copy that answered second", reasons)
+	}
+	// Neither copy is listened for once the answer is back.
+	testenv.Eventually(t, 5*time.Second, "no request left in flight at the frontend", func() bool {
+		return testenv.GaugeSum(t, c.Registry, "kvbus_frontend_inflight_requests", nil) == 0
+	})
 }
