@@ -739,7 +739,11 @@ func (g *generation) next(ctx context.Context, timer *time.Timer) ([]choiceOutpu
 				if c.done || o.ReqID != c.busID && o.ReqID != c.hedged {
 					continue // of a request asked again
 				}
-				if c.hedged != "" && o.Attempt != math.MaxInt32 { // not endLost's verdict
+				if o.Attempt == math.MaxInt32 { // endLost's verdict
+					if o.ReqID != c.busID {
+						continue // on the copy kept beside the newest: that one is waited for
+					}
+				} else if c.hedged != "" {
 					g.settleHedge(c, o.ReqID)
 				}
 				started := c.started
