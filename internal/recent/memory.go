@@ -128,13 +128,13 @@ func (m *Memory[V]) Put(id string, v V, now time.Time) {
 			// Already the newest: refresh in place, no tombstone.
 			e := &m.ring[pos]
 			e.at, e.v = t, v
-			m.sweep(t)
+			m.sweep(t, sweepBudget)
 			return
 		}
 		m.tombstone(pos)
 		delete(m.index, id)
 	}
-	m.sweep(t)
+	m.sweep(t, sweepBudget)
 	m.insert(id, v, t)
 }
 
@@ -147,7 +147,7 @@ func (m *Memory[V]) GetOrPut(id string, v V, now time.Time) (V, bool) {
 	t := clampAt(now)
 	m.mu.Lock()
 	defer m.mu.Unlock()
-	m.sweep(t)
+	m.sweep(t, sweepBudget)
 	if pos, ok := m.index[id]; ok {
 		if !m.stale(pos, t) {
 			return m.ring[pos].v, true
@@ -165,7 +165,7 @@ func (m *Memory[V]) Get(id string, now time.Time) (V, bool) {
 	t := clampAt(now)
 	m.mu.Lock()
 	defer m.mu.Unlock()
-	m.sweep(t)
+	m.sweep(t, sweepBudget)
 	pos, ok := m.index[id]
 	if !ok {
 		var zero V
@@ -190,7 +190,7 @@ func (m *Memory[V]) Update(id string, now time.Time, f func(v *V)) bool {
 	t := clampAt(now)
 	m.mu.Lock()
 	defer m.mu.Unlock()
-	m.sweep(t)
+	m.sweep(t, sweepBudget)
 	pos, ok := m.index[id]
 	if !ok {
 		return false
@@ -289,12 +289,7 @@ func (m *Memory[V]) Expire(now time.Time) {
 	t := clampAt(now)
 	m.mu.Lock()
 	defer m.mu.Unlock()
-	for m.n > 0 {
-		if e := &m.ring[m.head]; e.live() && t-e.at <= m.maxAge {
-			break
-		}
-		m.popHead()
-	}
+	m.sweep(t, m.n)
 	live := m.n - m.tombs
 	if size := len(m.ring); size > minRing && live < size/8 {
 		// A map keeps its buckets when emptied: relayout fills a new one.
@@ -315,10 +310,10 @@ func (m *Memory[V]) evictHead() {
 	}
 }
 
-// sweep drops at most sweepBudget head entries that are tombstones or
+// sweep drops at most budget head entries that are tombstones or
 // older than MaxAge at t. It stops at the first fresh live entry.
-func (m *Memory[V]) sweep(t int64) {
-	for i := 0; i < sweepBudget && m.n > 0; i++ {
+func (m *Memory[V]) sweep(t int64, budget int) {
+	for i := 0; i < budget && m.n > 0; i++ {
 		e := &m.ring[m.head]
 		if e.live() && t-e.at <= m.maxAge {
 			return
