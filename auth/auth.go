@@ -118,7 +118,7 @@ func For(s messages.Subjects, id Identity) (Permissions, error) {
 	switch id.Role {
 	case RoleFrontend:
 		return Permissions{
-			Publish: slices.Concat([]string{p("req.>"), s.Abort(), jsAPI + "INFO"},
+			Publish: slices.Concat([]string{p("req.>"), s.Abort(), s.Resend(), jsAPI + "INFO"},
 				streamAPI(requestStream, "INFO", "CREATE", "UPDATE"),
 				[]string{jsAPI + "CONSUMER.INFO." + requestStream + "." + schedulerConsumer,
 					jsAPI + "CONSUMER.CREATE." + requestStream + "." + schedulerConsumer,
@@ -163,7 +163,7 @@ func For(s messages.Subjects, id Identity) (Permissions, error) {
 				// only to its own.
 				p("pool.*.*"), p("pool.*.*.handoff"), p("pool." + g + ".drain"), jsAPI + "INFO"},
 				kvBucket(s.SlotBucket(), slots)),
-			Subscribe: append([]string{p("meta." + g + ".>"), s.Abort(), p("ctl.dump." + g + ".*"), p("pool." + g + ".>"),
+			Subscribe: append([]string{p("meta." + g + ".>"), s.Abort(), s.Resend(), p("ctl.dump." + g + ".*"), p("pool." + g + ".>"),
 				s.HeartbeatAll()}, inbox...),
 			Responses: maxResponses,
 		}, nil

@@ -178,6 +178,12 @@ func TestPermissionMatrix(t *testing.T) {
 		{"observer", pub, "kvbus.kv.g0.0", false},
 		{"observer", pub, "kvbus.hb.g0.0", false},
 		{"observer", pub, "kvbus.ctl.abort", false},
+		// A frontend asks drivers for lost outputs; workers of any group
+		// hear it, and no other role may ask.
+		{"frontend", pub, "kvbus.ctl.resend", true},
+		{"worker-g1", sub, "kvbus.ctl.resend", true},
+		{"scheduler", pub, "kvbus.ctl.resend", false},
+		{"observer", pub, "kvbus.ctl.resend", false},
 		{"observer", pub, "$JS.API.INFO", false},
 		{"observer", pub, "$JS.API.CONSUMER.CREATE.KVBUS_REQUESTS.mine", false},
 		{"observer", pub, "$JS.API.STREAM.MSG.GET.KVBUS_REQUESTS", false},

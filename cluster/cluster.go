@@ -55,6 +55,7 @@ type Config struct {
 	ShutdownTimeout   time.Duration // ranks' drain, default 10 s
 	SaveWait          time.Duration // ranks' --save-wait
 	DrainHandoff      int64         // ranks' --drain-handoff in bytes (0: off)
+	StreamReplay      int64         // drivers' --stream-replay in bytes (0: the default, negative: off)
 	// StoreDelays slows the store thread of the ranks with these tp_ranks
 	// (fault injection: a rank that saves late).
 	StoreDelays map[int]time.Duration
@@ -456,7 +457,7 @@ func (c *Cluster) startRank(group string, r int) error {
 		Model: cfg.Model, Profile: c.profile, CapacityBytes: capacity, Payload: cfg.Payload, Evict: cfg.Evict,
 		Engine: engine, EngineCache: len(cfg.Engines) > 0, KVEvents: c.kvEvents(group),
 		BlockSize: cfg.BlockSize, HeartbeatInterval: cfg.HeartbeatInterval, ShutdownTimeout: cfg.ShutdownTimeout,
-		SaveWait: cfg.SaveWait, DrainHandoff: cfg.DrainHandoff, StoreDelay: cfg.StoreDelays[r], DropReqMetas: cfg.DropReqMetas[r],
+		SaveWait: cfg.SaveWait, DrainHandoff: cfg.DrainHandoff, ReplayBytes: cfg.StreamReplay, StoreDelay: cfg.StoreDelays[r], DropReqMetas: cfg.DropReqMetas[r],
 		DelayFirstReqMeta: cfg.DelayFirstReqMeta[r],
 		Logger:            c.log, Metrics: c.wm, HandlerMetrics: c.hm,
 	})

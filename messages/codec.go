@@ -68,6 +68,8 @@ func (m *PoolPart) setVersion()      { m.V = Version }
 func (m *DrainPlan) setVersion()     { m.V = Version }
 func (m *Handoff) setVersion()       { m.V = Version }
 func (m *HandoffResult) setVersion() { m.V = Version }
+func (m *Resend) setVersion()        { m.V = Version }
+func (m *ResendReply) setVersion()   { m.V = Version }
 
 // Marshal encodes m as a msgpack map, setting its version field. The
 // returned slice is owned by the caller.
@@ -204,6 +206,18 @@ func DecodeDrainPlan(data []byte) (*DrainPlan, error) {
 // DecodeHandoff decodes and validates a Handoff.
 func DecodeHandoff(data []byte) (*Handoff, error) {
 	var m Handoff
+	return &m, decode(data, &m)
+}
+
+// DecodeResend decodes and validates a Resend.
+func DecodeResend(data []byte) (*Resend, error) {
+	var m Resend
+	return &m, decode(data, &m)
+}
+
+// DecodeResendReply decodes and validates a ResendReply.
+func DecodeResendReply(data []byte) (*ResendReply, error) {
+	var m ResendReply
 	return &m, decode(data, &m)
 }
 
@@ -402,6 +416,23 @@ func (m *Handoff) validate() error {
 	}
 	if m.Model == "" || m.TPRank < 0 {
 		return invalid("handoff from %s: model %q, tp_rank %d", m.Source, m.Model, m.TPRank)
+	}
+	return nil
+}
+
+func (m *Resend) validate() error {
+	switch {
+	case m.ReqID == "":
+		return invalid("resend without req_id")
+	case m.Attempt < 0 || m.FromIndex < 0:
+		return invalid("resend of %s: negative attempt %d or from_index %d", m.ReqID, m.Attempt, m.FromIndex)
+	}
+	return nil
+}
+
+func (m *ResendReply) validate() error {
+	if m.Resent < 0 {
+		return invalid("resend reply: negative resent %d", m.Resent)
 	}
 	return nil
 }

@@ -225,6 +225,10 @@ func codecCases() []codecCase {
 		{"Heartbeat", func() Message { return sampleHeartbeat() }, decHeartbeat},
 		{"Abort", func() Message { return sampleAbort() }, decAbort},
 		{"Abort/no-reason", func() Message { return &Abort{ReqID: "r"} }, decAbort},
+		{"Resend", func() Message { return &Resend{ReqID: "r", Attempt: 1, FromIndex: 7} }, decodeAs(DecodeResend)},
+		{"Resend/from 0", func() Message { return &Resend{ReqID: "r"} }, decodeAs(DecodeResend)},
+		{"ResendReply", func() Message { return &ResendReply{Resent: 3, Done: true} }, decodeAs(DecodeResendReply)},
+		{"ResendReply/error", func() Message { return &ResendReply{Error: "no longer kept"} }, decodeAs(DecodeResendReply)},
 	}
 }
 
@@ -635,6 +639,10 @@ func TestValidation(t *testing.T) {
 		{"Heartbeat/tp_rank = world_size", func() Message { m := sampleHeartbeat(); m.TPRank = m.WorldSize; return m }(), decHeartbeat},
 		{"Heartbeat/negative tp_rank", func() Message { m := sampleHeartbeat(); m.TPRank = -1; return m }(), decHeartbeat},
 		{"Abort/no req_id", &Abort{Reason: "x"}, decAbort},
+		{"Resend/no req_id", &Resend{FromIndex: 1}, decodeAs(DecodeResend)},
+		{"Resend/negative from_index", &Resend{ReqID: "r", FromIndex: -1}, decodeAs(DecodeResend)},
+		{"Resend/negative attempt", &Resend{ReqID: "r", Attempt: -1}, decodeAs(DecodeResend)},
+		{"ResendReply/negative resent", &ResendReply{Resent: -1}, decodeAs(DecodeResendReply)},
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {

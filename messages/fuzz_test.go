@@ -266,3 +266,13 @@ func FuzzDecodeHandoffResult(f *testing.F) {
 	addSeeds(f, &HandoffResult{Stored: 3, Failed: 1, Bytes: 1 << 20})
 	f.Fuzz(func(t *testing.T, data []byte) { fuzzDecode(t, data, DecodeHandoffResult) })
 }
+
+func FuzzDecodeResend(f *testing.F) {
+	addSeeds(f, &Resend{ReqID: "r", Attempt: 1, FromIndex: 7})
+	f.Fuzz(func(t *testing.T, data []byte) { fuzzDecode(t, data, DecodeResend) })
+}
+
+func FuzzDecodeResendReply(f *testing.F) {
+	addSeeds(f, &ResendReply{Resent: 3, Done: true}, &ResendReply{Error: "gone"})
+	f.Fuzz(func(t *testing.T, data []byte) { fuzzDecode(t, data, DecodeResendReply) })
+}

@@ -188,6 +188,10 @@ func (s Subjects) HeartbeatAll() string { return s.p() + ".hb.>" }
 // Abort is kvbus.ctl.abort.
 func (s Subjects) Abort() string { return s.p() + ".ctl.abort" }
 
+// Resend is kvbus.ctl.resend, a request to the driver rank of a request
+// for outputs lost on the bus (see Resend).
+func (s Subjects) Resend() string { return s.p() + ".ctl.resend" }
+
 // Dump is kvbus.ctl.dump.<group>.<rank>, a request/reply for a full
 // KVEventBatch of what a rank holds.
 func (s Subjects) Dump(group string, rank int) string {

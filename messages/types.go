@@ -417,6 +417,30 @@ type Abort struct {
 	BeforeAttempt int `msgpack:"before_attempt,omitempty" json:"before_attempt,omitempty"`
 }
 
+// Resend asks the driver rank of a request for its outputs again, from
+// FromIndex on, on kvbus.ctl.resend (a request; only the driver that holds
+// the request's outputs answers, with a ResendReply, after publishing them
+// again on the request's output subject). A frontend sends it when a
+// stream already under way lost outputs on the bus (an index skipped, or
+// nothing heard after a NATS reconnect): the client's stream goes on where
+// it was cut instead of ending with output_lost.
+type Resend struct {
+	V         int    `msgpack:"v" json:"v"`
+	ReqID     string `msgpack:"req_id" json:"req_id"`
+	Attempt   int    `msgpack:"attempt,omitempty" json:"attempt,omitempty"`
+	FromIndex int    `msgpack:"from_index" json:"from_index"`
+}
+
+// ResendReply answers a Resend: how many outputs were published again
+// (zero: none after FromIndex yet, the request is still running), or why
+// none could be (the outputs are no longer kept).
+type ResendReply struct {
+	V      int    `msgpack:"v" json:"v"`
+	Resent int    `msgpack:"resent" json:"resent"`
+	Done   bool   `msgpack:"done,omitempty" json:"done,omitempty"`
+	Error  string `msgpack:"error,omitempty" json:"error,omitempty"`
+}
+
 // PoolRead asks a rank for blocks of its segment of the KV pool, on
 // kvbus.pool.<group>.<rank> (a request with several replies): the blocks of
 // model with these hashes, at the asking rank's tp_rank, which is the

@@ -130,10 +130,14 @@ func decodeAny(rest string, data []byte) (string, any) {
 			v, err = messages.DecodePoolRead(data)
 		}
 	case "ctl":
-		if strings.HasPrefix(rest, "ctl.abort") {
+		switch {
+		case strings.HasPrefix(rest, "ctl.abort"):
 			kind = "abort"
 			v, err = messages.DecodeAbort(data)
-		} else {
+		case strings.HasPrefix(rest, "ctl.resend"):
+			kind = "resend"
+			v, err = messages.DecodeResend(data)
+		default:
 			kind, v = "dump_request", map[string]int{"bytes": len(data)}
 		}
 	default:

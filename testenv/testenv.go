@@ -115,6 +115,9 @@ type ClusterConfig struct {
 	IndexGroups int
 	// DrainHandoff is the ranks' --drain-handoff in bytes (0: off).
 	DrainHandoff int64
+	// StreamReplay is the drivers' --stream-replay in bytes (0: the
+	// default, negative: off).
+	StreamReplay int64
 	// Engines puts a model server (a fakeengine, say) behind each group
 	// instead of the sim: one group of one rank per engine, the frontend
 	// forwarding client bodies (--engine openai).
@@ -177,7 +180,7 @@ func StartCluster(t testing.TB, cfg ClusterConfig) *Cluster {
 		HeartbeatInterval: 100 * time.Millisecond, HeartbeatTimeout: 2 * time.Second, ShutdownTimeout: 2 * time.Second,
 		Schedulers: cfg.Schedulers, Policy: cfg.Policy, RequestTimeout: cfg.RequestTimeout, SessionTTL: cfg.SessionTTL,
 		StoreDelays: cfg.StoreDelays, DropReqMetas: cfg.DropReqMetas, DelayFirstReqMeta: cfg.DelayFirstReqMeta, MaxPayload: cfg.MaxPayload, NoGroupWait: cfg.NoGroupWait, ResendAfter: cfg.ResendAfter, Pool: cfg.Pool,
-		IndexGroups: cfg.IndexGroups, DrainHandoff: cfg.DrainHandoff, Engines: cfg.Engines, AuthDir: cfg.AuthDir,
+		IndexGroups: cfg.IndexGroups, DrainHandoff: cfg.DrainHandoff, StreamReplay: cfg.StreamReplay, Engines: cfg.Engines, AuthDir: cfg.AuthDir,
 		Frontend: &frontend.Config{Listener: ln, SessionHeaders: cfg.SessionHeaders, MaxModelLen: cfg.MaxModelLen,
 			MaxInflight: cfg.MaxInflight, APIKey: cfg.APIKey, Tokenizer: cfg.Tokenizer,
 			StopGrace: 100 * time.Millisecond}, // what a test's clients need; kvbus's default is 500 ms

@@ -19,6 +19,8 @@ type Metrics struct {
 	// Blocks kept from a draining group, by source group, group, tp_rank.
 	handoff      *prometheus.CounterVec
 	handoffBytes *prometheus.CounterVec
+	// Outputs of streams published again for a frontend that lost them.
+	resent *prometheus.CounterVec
 }
 
 // NewMetrics registers the worker metrics with reg; a nil reg leaves them
@@ -65,10 +67,13 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 		handoffBytes: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "kvbus_worker_handoff_bytes_total", Help: "Bytes (charged block sizes) a rank kept that a draining group handed off.",
 		}, []string{"source_group", "group", "tp_rank"}),
+		resent: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "kvbus_worker_outputs_resent_total", Help: "Outputs of streamed answers a driver rank published again for a frontend that lost them on the bus.",
+		}, l),
 	}
 	if reg != nil {
 		reg.MustRegister(m.reqMetas, m.dropped, m.blocks, m.loadSec, m.storeSec, m.usedBytes, m.queue,
-			m.remote, m.remoteBytes, m.remoteSec, m.handoff, m.handoffBytes)
+			m.remote, m.remoteBytes, m.remoteSec, m.handoff, m.handoffBytes, m.resent)
 	}
 	return m
 }
@@ -80,6 +85,7 @@ type rankSeries struct {
 	reqMetas, duplicate, overloaded, aborted                        prometheus.Counter
 	loaded, loadFailed, waitedForSave, stored, skipped, storeFailed prometheus.Counter
 	poolAwaitedIntake                                               prometheus.Counter
+	resent                                                          prometheus.Counter
 	loadSec, storeSec                                               prometheus.Observer
 	usedBytes, queue                                                prometheus.Gauge
 }
@@ -100,6 +106,7 @@ func (m *Metrics) forRank(group, rank string) rankSeries {
 		stored:            op("stored"),
 		skipped:           op("skipped"),
 		storeFailed:       op("store_failed"),
+		resent:            m.resent.WithLabelValues(group, rank),
 		loadSec:           m.loadSec.WithLabelValues(group, rank),
 		storeSec:          m.storeSec.WithLabelValues(group, rank),
 		usedBytes:         m.usedBytes.WithLabelValues(group, rank),

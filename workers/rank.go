@@ -85,6 +85,14 @@ type RankConfig struct {
 	// drops duplicate ReqMetas (defaults 100,000 and 10 min).
 	SeenIDs int
 	SeenAge time.Duration
+	// ReplayBytes and ReplayAge bound what a driver rank keeps of its
+	// streamed requests' outputs, to publish them again for a frontend
+	// that lost some on the bus (messages.Resend): while a request runs
+	// and ReplayAge after (defaults 64 MiB and 30 s). A negative
+	// ReplayBytes keeps nothing: a stream that lost outputs after its first
+	// chunk ends with output_lost.
+	ReplayBytes int64
+	ReplayAge   time.Duration
 	// DrainHandoff is the byte budget per rank of the drain hand-off: a
 	// stopping group gives up to this many bytes of its most recently used
 	// blocks (whole sessions) to the other groups before it exits, so the
@@ -163,6 +171,7 @@ type Rank struct {
 	mu     sync.Mutex
 	active map[string]*rankReq     // by req_id
 	seen   *recent.Memory[seenReq] // recent req_ids, for deduplication
+	replay *streamReplay           // the driver's streamed outputs (nil: none kept)
 	closed bool                    // loadQ is closed
 	nextID uint64                  // numbers rankReqs in arrival order
 	saving map[string]*rankReq     // store key -> the request saving it
@@ -308,6 +317,12 @@ func NewRank(cfg RankConfig) (*Rank, error) {
 	if cfg.ShutdownTimeout <= 0 {
 		cfg.ShutdownTimeout = 10 * time.Second
 	}
+	if cfg.ReplayBytes == 0 {
+		cfg.ReplayBytes = defaultReplayBytes
+	}
+	if cfg.ReplayAge <= 0 {
+		cfg.ReplayAge = defaultReplayAge
+	}
 	if cfg.Payload == "" {
 		cfg.Payload = PayloadBytes
 	}
@@ -338,7 +353,12 @@ func NewRank(cfg RankConfig) (*Rank, error) {
 	if err != nil {
 		return nil, fmt.Errorf("%w: %v", ErrConfig, err)
 	}
+	var replay *streamReplay
+	if cfg.TPRank == 0 && cfg.ReplayBytes > 0 {
+		replay = newStreamReplay(cfg.ReplayBytes, cfg.ReplayAge)
+	}
 	return &Rank{
+		replay: replay,
 		pool:   PoolClient{Conn: cfg.Conn, Subjects: cfg.Subjects},
 		cfg:    cfg,
 		log:    log,
@@ -411,6 +431,7 @@ func (r *Rank) Run(ctx context.Context) error {
 	if r.cfg.DrainHandoff > 0 {
 		extra = append(extra, handler{subj.Drain(r.cfg.Group), "worker_drain_plan", r.onDrainPlan})
 	}
+
 	for _, e := range extra {
 		sub, err := bus.Subscribe(context.Background(), nc, e.subject, bus.Wrap(e.fn, r.log, r.cfg.HandlerMetrics, e.name))
 		if err != nil {
@@ -432,6 +453,18 @@ func (r *Rank) Run(ctx context.Context) error {
 		_ = metaSub.Unsubscribe()
 		_ = abortSub.Unsubscribe()
 		return err
+	}
+	if r.replay != nil {
+		// Answered until the rank exits: a draining group's streams run on.
+		sub, err := r.subscribeResend(ctx, nc)
+		if err != nil {
+			_ = metaSub.Unsubscribe()
+			_ = abortSub.Unsubscribe()
+			return err
+		}
+		if sub != nil {
+			defer func() { _ = sub.Unsubscribe() }()
+		}
 	}
 	// A (re)started rank holds nothing: say so first, as vLLM does.
 	r.events.publish([]messages.KVEvent{{Type: messages.EventAllBlocksCleared}})

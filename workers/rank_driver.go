@@ -16,10 +16,24 @@ func (r *Rank) drive(rr *rankReq) {
 	meta := rr.meta
 	outSubj := r.cfg.Subjects.Out(meta.FrontendID)
 	index := 0
+	var kept *replayed // a stream's outputs, kept to be sent again (replay.go)
+	if meta.Stream && r.replay != nil {
+		kept = r.replay.begin(meta, outSubj)
+		defer func() { r.replay.end(kept, time.Now()) }()
+	}
 	publish := func(o *messages.Output) {
 		o.ReqID, o.Index, o.Attempt = meta.ReqID, index, meta.Attempt
 		index++
-		r.publish(outSubj, o, meta)
+		if kept == nil {
+			r.publish(outSubj, o, meta)
+			return
+		}
+		data, err := messages.Marshal(o)
+		if err != nil {
+			r.log.Error("encode failed", "subject", outSubj, "req_id", meta.ReqID, "session_id", meta.SessionID, "err", err)
+			return
+		}
+		r.replay.publish(kept, data, func(data []byte) { r.publishData(outSubj, data, meta) })
 	}
 	cached := min(rr.loaded, max(meta.TokenLen-1, 0)) // at least one token is computed
 	storeQueued := false

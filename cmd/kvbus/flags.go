@@ -204,6 +204,7 @@ type engineFlags struct {
 	SaveWait         time.Duration `name:"save-wait" positive:"" default:"2s" help:"How long a load waits for a block this rank is still saving (the previous turn's); past it the block is recomputed."`
 	DrainHandoff     string        `name:"drain-handoff" default:"512MiB" help:"When a group is scaled down, each of its ranks hands up to this much of its most recently used blocks (whole sessions; a size or tokens) to the same rank of other ready groups before it exits, so its conversations keep their cache; 0 turns it off."`
 	DefaultMaxTokens int           `name:"default-max-tokens" positive:"" default:"256" help:"Sim engine: max tokens when a request sets none."`
+	StreamReplay     string        `name:"stream-replay" default:"64MiB" help:"A driver rank keeps the outputs of its streamed answers, up to this size and for 30 s after each ends, to send again those a frontend lost on the bus (a NATS server of a cluster stopped): the client's stream goes on instead of ending with output_lost; 0 keeps none."`
 }
 
 // checkSizes reports a bad --model-profile, --kv-capacity or
@@ -224,8 +225,24 @@ func (f engineFlags) checkSizes(tpSize, blockSize int, engineCache bool) error {
 			return err
 		}
 	}
-	_, err = f.drainHandoff(profile.BytesPerTokenPerRank(tpSize))
+	if _, err = f.drainHandoff(profile.BytesPerTokenPerRank(tpSize)); err != nil {
+		return err
+	}
+	_, err = f.streamReplay()
 	return err
+}
+
+// streamReplay is --stream-replay in bytes (negative: off, as
+// workers.RankConfig.ReplayBytes takes it).
+func (f engineFlags) streamReplay() (int64, error) {
+	if strings.TrimSpace(f.StreamReplay) == "0" {
+		return -1, nil
+	}
+	n, err := workers.ParseCapacity(f.StreamReplay, 0)
+	if err != nil {
+		return 0, fmt.Errorf("--stream-replay: bad size %q: want a size such as 64MiB (or 0 to keep nothing)", f.StreamReplay)
+	}
+	return n, nil
 }
 
 // kvCapacity is --kv-capacity in bytes per rank. Less than one block of

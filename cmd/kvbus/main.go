@@ -792,6 +792,10 @@ func newRank(nc *nats.Conn, b busFlags, m modelFlags, e engineFlags, engine work
 	if err != nil {
 		return nil, err
 	}
+	replay, err := e.streamReplay()
+	if err != nil {
+		return nil, err
+	}
 	model, err := m.one()
 	if err != nil {
 		return nil, err
@@ -799,7 +803,8 @@ func newRank(nc *nats.Conn, b busFlags, m modelFlags, e engineFlags, engine work
 	cfg := workers.RankConfig{
 		Conn: nc, Subjects: b.subjects(), Group: group, TPRank: tp, TPSize: tpSize, EPRank: ep, EPSize: epSize,
 		Model: model, Profile: profile, CapacityBytes: capacity, Payload: e.KVPayload, Evict: e.Evict, Engine: engine,
-		HeartbeatInterval: e.HeartbeatEvery, ShutdownTimeout: e.ShutdownTimeout, SaveWait: e.SaveWait, DrainHandoff: handoff, Logger: log, Metrics: wm, HandlerMetrics: hm,
+		HeartbeatInterval: e.HeartbeatEvery, ShutdownTimeout: e.ShutdownTimeout, SaveWait: e.SaveWait, DrainHandoff: handoff,
+		ReplayBytes: replay, Logger: log, Metrics: wm, HandlerMetrics: hm,
 	}
 	if with != nil {
 		with(&cfg)

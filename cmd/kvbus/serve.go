@@ -86,6 +86,10 @@ func (c *serveCmd) clusterConfig() (cluster.Config, error) {
 	if err != nil {
 		return cluster.Config{}, err
 	}
+	replay, err := c.streamReplay()
+	if err != nil {
+		return cluster.Config{}, err
+	}
 	var engines []cluster.EngineBackend
 	switch {
 	case c.Engine == workers.EngineOpenAI && len(c.EngineURL) == 0:
@@ -117,7 +121,7 @@ func (c *serveCmd) clusterConfig() (cluster.Config, error) {
 		HeartbeatInterval: c.HeartbeatEvery, ShutdownTimeout: c.ShutdownTimeout,
 		Policy: c.Policy, SessionEpsilon: &c.SessionEpsilon, BlockSize: c.BlockSize,
 		HeartbeatTimeout: c.HeartbeatTimeout, RequestTimeout: c.RequestTimeout, SessionTTL: c.SessionTTL,
-		NoGroupWait: c.NoGroupWait, ResendAfter: c.ResendAfter, SaveWait: c.SaveWait, DrainHandoff: handoff, Pool: c.Pool,
+		NoGroupWait: c.NoGroupWait, ResendAfter: c.ResendAfter, SaveWait: c.SaveWait, DrainHandoff: handoff, StreamReplay: replay, Pool: c.Pool,
 	}, nil
 }
 

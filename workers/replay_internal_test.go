@@ -1,0 +1,112 @@
+package workers
+
+import (
+	"fmt"
+	"testing"
+	"time"
+
+	"github.com/kvbus/kvbus/messages"
+)
+
+// sent collects what a streamReplay publishes.
+type sent struct{ data []string }
+
+func (s *sent) send(data []byte)                   { s.data = append(s.data, string(data)) }
+func (s *sent) resend(subject string, data []byte) { s.data = append(s.data, subject+":"+string(data)) }
+func out(i int) []byte                             { return []byte(fmt.Sprintf("o%d", i)) }
+func meta(id string, attempt int) *messages.ReqMeta {
+	return &messages.ReqMeta{ReqID: id, SessionID: "s", Attempt: attempt}
+}
+
+func TestStreamReplayResendsFromAnIndex(t *testing.T) {
+	m := newStreamReplay(1<<20, time.Minute)
+	e := m.begin(meta("r1", 0), "kvbus.out.fe")
+	var live sent
+	for i := range 4 {
+		m.publish(e, out(i), live.send)
+	}
+	if len(live.data) != 4 {
+		t.Fatalf("published %q; want every output at once", live.data)
+	}
+	var again sent
+	res, known, err := m.resend("r1", 0, 2, again.resend)
+	if !known || err != nil || res.n != 2 || res.done || res.session != "s" {
+		t.Fatalf("resend from 2: %+v known %v err %v; want 2 outputs of a running request", res, known, err)
+	}
+	if want := []string{"kvbus.out.fe:o2", "kvbus.out.fe:o3"}; fmt.Sprint(again.data) != fmt.Sprint(want) {
+		t.Errorf("sent again %q; want %q", again.data, want)
+	}
+	// Nothing past the last: none, still known (the request runs on).
+	if res, known, err = m.resend("r1", 0, 4, again.resend); !known || err != nil || res.n != 0 {
+		t.Errorf("resend past the end: %+v %v %v; want none, known", res, known, err)
+	}
+	// Another attempt, or another request, is not this driver's to answer.
+	if _, known, _ = m.resend("r1", 1, 0, again.resend); known {
+		t.Error("another attempt is known")
+	}
+	if _, known, _ = m.resend("r2", 0, 0, again.resend); known {
+		t.Error("an unknown request is known")
+	}
+	m.end(e, time.Now())
+	if res, known, _ = m.resend("r1", 0, 3, again.resend); !known || !res.done || res.n != 1 {
+		t.Errorf("after its end: %+v known %v; want the last output, done", res, known)
+	}
+}
+
+func TestStreamReplayForgetsAfterItsAge(t *testing.T) {
+	m := newStreamReplay(1<<20, time.Minute)
+	now := time.Now()
+	e := m.begin(meta("r1", 0), "s")
+	m.publish(e, out(0), func([]byte) {})
+	m.end(e, now)
+	m.expire(now.Add(59 * time.Second))
+	if _, known, _ := m.resend("r1", 0, 0, func(string, []byte) {}); !known {
+		t.Fatal("forgotten before its age")
+	}
+	m.expire(now.Add(61 * time.Second))
+	if _, known, _ := m.resend("r1", 0, 0, func(string, []byte) {}); known {
+		t.Error("kept past its age")
+	}
+	if m.bytes != 0 || len(m.byID) != 0 || len(m.ended) != 0 {
+		t.Errorf("memory after expiry: %d bytes, %d ids, %d ended; want empty", m.bytes, len(m.byID), len(m.ended))
+	}
+}
+
+func TestStreamReplayWithinItsBudget(t *testing.T) {
+	per := int64(cap(out(0)) + replayEntryBytes)
+	m := newStreamReplay(3*per, time.Minute)
+	old := m.begin(meta("old", 0), "s")
+	m.publish(old, out(0), func([]byte) {})
+	m.publish(old, out(1), func([]byte) {})
+	m.end(old, time.Now())
+	// A running request's outputs push out the ended one's.
+	e := m.begin(meta("new", 0), "s")
+	m.publish(e, out(0), func([]byte) {})
+	m.publish(e, out(1), func([]byte) {})
+	if _, known, _ := m.resend("old", 0, 0, func(string, []byte) {}); known {
+		t.Error("an ended request kept over the budget")
+	}
+	if res, known, err := m.resend("new", 0, 0, func(string, []byte) {}); !known || err != nil || res.n != 2 {
+		t.Fatalf("running request: %+v %v %v; want both outputs", res, known, err)
+	}
+	// Running requests alone over the budget: the newest outputs' request
+	// is cut, still published, and says so when asked.
+	var live sent
+	m.publish(e, out(2), live.send)
+	m.publish(e, out(3), live.send)
+	if len(live.data) != 2 {
+		t.Errorf("published %q over the budget; want both", live.data)
+	}
+	if _, known, err := m.resend("new", 0, 0, func(string, []byte) {}); !known || err == nil {
+		t.Errorf("cut request: known %v err %v; want known with an error", known, err)
+	}
+	if m.bytes != 0 {
+		t.Errorf("%d bytes counted after the cut; want 0", m.bytes)
+	}
+	// A new attempt of the same request starts afresh.
+	e2 := m.begin(meta("new", 1), "s")
+	m.publish(e2, out(0), func([]byte) {})
+	if res, known, err := m.resend("new", 1, 0, func(string, []byte) {}); !known || err != nil || res.n != 1 {
+		t.Errorf("new attempt: %+v %v %v; want its one output", res, known, err)
+	}
+}
