@@ -43,6 +43,9 @@ type outputQueue struct {
 type choiceOutput struct {
 	choice int
 	out    *messages.Output
+	// resend, instead of an output, is the driver's answer to a Resend
+	// (resend.go).
+	resend *resendOutcome
 }
 
 // codeOutputLost is the error code of an answer lost on the bus.
@@ -52,9 +55,20 @@ func newOutputQueue() *outputQueue { return &outputQueue{signal: make(chan struc
 
 func (q *outputQueue) push(choice int, o *messages.Output) {
 	q.mu.Lock()
-	q.items = append(q.items, choiceOutput{choice, o})
+	q.items = append(q.items, choiceOutput{choice: choice, out: o})
 	q.mu.Unlock()
 	q.pushed.Add(1)
+	select {
+	case q.signal <- struct{}{}:
+	default:
+	}
+}
+
+// pushResend queues a driver's answer to a Resend for choice.
+func (q *outputQueue) pushResend(choice int, r *resendOutcome) {
+	q.mu.Lock()
+	q.items = append(q.items, choiceOutput{choice: choice, resend: r})
+	q.mu.Unlock()
 	select {
 	case q.signal <- struct{}{}:
 	default:
@@ -97,6 +111,11 @@ type choiceState struct {
 	// again for while it may still answer: the first of the two to send an
 	// output is followed, the other aborted.
 	hedged string
+	// resending: the driver was asked to send lost outputs again from
+	// nextIndex (resend.go); outputs past it are dropped until they come
+	// again, in order. resends counts the asks.
+	resending bool
+	resends   int
 }
 
 // ids returns the bus ids the choice listens to.
@@ -735,6 +754,11 @@ func (g *generation) next(ctx context.Context, timer *time.Timer) ([]choiceOutpu
 			var fresh []choiceOutput
 			for _, it := range items {
 				c := g.choices[it.choice]
+				if it.resend != nil {
+					if it.out = g.resendAnswered(c, it.resend); it.out == nil {
+						continue
+					}
+				}
 				o := it.out
 				if c.done || o.ReqID != c.busID && o.ReqID != c.hedged {
 					continue // of a request asked again
@@ -742,6 +766,9 @@ func (g *generation) next(ctx context.Context, timer *time.Timer) ([]choiceOutpu
 				if o.Attempt == math.MaxInt32 { // endLost's verdict
 					if o.ReqID != c.busID {
 						continue // on the copy kept beside the newest: that one is waited for
+					}
+					if c.started && g.resend(it.choice, "nothing heard after a NATS reconnect") {
+						continue
 					}
 				} else if c.hedged != "" {
 					g.settleHedge(c, o.ReqID)
@@ -751,6 +778,15 @@ func (g *generation) next(ctx context.Context, timer *time.Timer) ([]choiceOutpu
 					continue // duplicate, late, or of an abandoned attempt
 				}
 				gap := o.Index > c.nextIndex && o.Error == nil
+				if c.resending && o.Error == nil {
+					if gap {
+						continue // the driver sends it again, after the ones missing
+					}
+					c.resending = false // caught up
+				}
+				if started && gap && g.resend(it.choice, "an output index skipped") {
+					continue
+				}
 				if !started && (gap || o.Error != nil && o.Error.Code == codeOutputLost) {
 					why := "an output index skipped"
 					if !gap {

@@ -9,6 +9,9 @@ type metrics struct {
 	// askedAgain counts requests published again because their answer
 	// was lost on the bus.
 	askedAgain prometheus.Counter
+	// resends counts asks to a driver for outputs of a stream under way
+	// lost on the bus.
+	resends prometheus.Counter
 }
 
 func newMetrics(reg prometheus.Registerer, inflight func() float64) *metrics {
@@ -27,8 +30,11 @@ func newMetrics(reg prometheus.Registerer, inflight func() float64) *metrics {
 		askedAgain: prometheus.NewCounter(prometheus.CounterOpts{
 			Name: "kvbus_frontend_asked_again_total", Help: "Requests published again because their answer was lost on the bus (a NATS server stopped) before any of it reached the client.",
 		}),
+		resends: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "kvbus_frontend_resends_total", Help: "Asks to a driver rank to send again the outputs of a stream under way that were lost on the bus (a NATS server stopped).",
+		}),
 	}
-	reg.MustRegister(m.requests, m.latency, m.ttft, m.askedAgain, prometheus.NewGaugeFunc(prometheus.GaugeOpts{
+	reg.MustRegister(m.requests, m.latency, m.ttft, m.askedAgain, m.resends, prometheus.NewGaugeFunc(prometheus.GaugeOpts{
 		Name: "kvbus_frontend_inflight_requests", Help: "Bus requests waiting for output.",
 	}, inflight))
 	return m

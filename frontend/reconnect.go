@@ -19,8 +19,8 @@ import (
 // at a reconnect that hears nothing within Config.LostOutputWait (3 s)
 // after it gets an output_lost verdict: generation.askAgain publishes it
 // again and, since it may only be queued, keeps the first one too; the
-// first of the two to answer is followed. A stream already under way ends
-// with a 503 output_lost, which clients retry.
+// first of the two to answer is followed. A stream already under way asks
+// its driver for the outputs it missed (resend.go).
 
 // reconnectCheckEvery is how often the frontend looks for a reconnect.
 const reconnectCheckEvery = 250 * time.Millisecond
@@ -90,7 +90,7 @@ func (s *Server) endLost(suspects []suspect) {
 			Message: "the answer was lost on the bus while NATS reconnected; retry the request"}})
 	}
 	if lost > 0 {
-		s.log.Warn("requests heard nothing after a NATS reconnect: their answers may be lost on the bus; they are asked again (a stream under way ends with 503 output_lost)",
+		s.log.Warn("requests heard nothing after a NATS reconnect: their answers may be lost on the bus; they are asked again (a stream under way asks its driver for what it missed)",
 			"requests", lost, "wait", s.cfg.LostOutputWait)
 	}
 }

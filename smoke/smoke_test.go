@@ -158,6 +158,51 @@ func chat(client *http.Client, session string, msgs []map[string]string) (int, m
 	return resp.StatusCode, out, nil
 }
 
+// streamChat sends one streamed chat request of maxTokens tokens (with
+// ignore_eos) and reads it to its end: an error is a status other than
+// 200, an error event, a stream cut before data: [DONE], or fewer tokens
+// than asked for.
+func streamChat(client *http.Client, session, content string, maxTokens int) (int, error) {
+	body, _ := json.Marshal(map[string]any{"messages": []map[string]string{{"role": "user", "content": content}},
+		"max_tokens": maxTokens, "ignore_eos": true, "stream": true, "stream_options": map[string]any{"include_usage": true}})
+	req, _ := http.NewRequest(http.MethodPost, base+"/v1/chat/completions", bytes.NewReader(body))
+	req.Header.Set("Content-Type", "application/json")
+	req.Header.Set("X-Session-ID", session)
+	resp, err := client.Do(req)
+	if err != nil {
+		return 0, err
+	}
+	defer resp.Body.Close()
+	raw, err := io.ReadAll(resp.Body)
+	if err != nil || resp.StatusCode != http.StatusOK {
+		return resp.StatusCode, fmt.Errorf("%v: %.300s", err, raw)
+	}
+	tokens, done := 0, false
+	for _, ev := range strings.Split(string(raw), "\n\n") {
+		data, ok := strings.CutPrefix(strings.TrimSpace(ev), "data: ")
+		switch {
+		case !ok:
+		case data == "[DONE]":
+			done = true
+		case strings.Contains(data, `"error"`):
+			return resp.StatusCode, fmt.Errorf("error event: %s", data)
+		default:
+			var chunk struct {
+				Usage *struct {
+					CompletionTokens int `json:"completion_tokens"`
+				}
+			}
+			if json.Unmarshal([]byte(data), &chunk) == nil && chunk.Usage != nil {
+				tokens = chunk.Usage.CompletionTokens
+			}
+		}
+	}
+	if !done || tokens != maxTokens {
+		return resp.StatusCode, fmt.Errorf("stream cut: [DONE] %v, %d of %d tokens: %.300s", done, tokens, maxTokens, raw)
+	}
+	return resp.StatusCode, nil
+}
+
 func TestSmoke(t *testing.T) {
 	compose(t, "down", "-v", "--remove-orphans")
 	t.Cleanup(func() { compose(t, "down", "-v", "--remove-orphans") })
@@ -365,7 +410,13 @@ func TestSmokeNATSCluster(t *testing.T) {
 					return
 				default:
 				}
-				status, _, err := chat(client, fmt.Sprint("cluster-", c), []map[string]string{{"role": "user", "content": fmt.Sprint("cluster ", c, " ", i)}})
+				var status int
+				var err error
+				if c < 2 {
+					status, _, err = chat(client, fmt.Sprint("cluster-", c), []map[string]string{{"role": "user", "content": fmt.Sprint("cluster ", c, " ", i)}})
+				} else { // streams of ~0.5 s: some are under way at the stop
+					status, err = streamChat(client, fmt.Sprint("cluster-", c), fmt.Sprint("stream ", c, " ", i), 48)
+				}
 				if err != nil || status != http.StatusOK {
 					if failed.Add(1) <= 5 {
 						t.Logf("client %d, request %d: status %d, %v", c, i, status, err)
@@ -389,13 +440,34 @@ func TestSmokeNATSCluster(t *testing.T) {
 		t.Fatalf("%s running: %s", server, state)
 	}
 	after := answered.Load() - atStop
-	t.Logf("answered %d requests before %s (the frontend's NATS server) stopped and %d after; %d failed", atStop, server, after, failed.Load())
+	t.Logf("answered %d requests before %s (the frontend's NATS server) stopped and %d after; %d failed; the frontend's %s",
+		atStop, server, after, failed.Load(), frontendCounters(client, "kvbus_frontend_asked_again_total", "kvbus_frontend_resends_total"))
 	if failed.Load() > 0 {
 		t.Errorf("%d requests failed while one of three NATS servers stopped", failed.Load())
 	}
 	if after < 30 {
 		t.Errorf("%d requests answered in the 12 s after %s stopped, want >= 30: the pipeline stalled", after, server)
 	}
+}
+
+// frontendCounters reads counters from the frontend's /metrics, as
+// "name value" pairs.
+func frontendCounters(client *http.Client, names ...string) string {
+	resp, err := client.Get(base + "/metrics")
+	if err != nil {
+		return err.Error()
+	}
+	defer resp.Body.Close()
+	raw, _ := io.ReadAll(resp.Body)
+	var out []string
+	for _, l := range strings.Split(string(raw), "\n") {
+		for _, n := range names {
+			if strings.HasPrefix(l, n+" ") {
+				out = append(out, l)
+			}
+		}
+	}
+	return strings.Join(out, ", ")
 }
 
 // frontendNATS returns the compose service of the NATS server the frontend

@@ -181,3 +181,153 @@ func TestAnswerHeardNothingAfterAReconnectIsAskedAgain(t *testing.T) {
 		return testenv.GaugeSum(t, c.Registry, "kvbus_frontend_inflight_requests", nil) == 0
 	})
 }
+
+// streamText reads a chat stream: the text of its chunks, its completion
+// tokens (include_usage), and the error event, if one came.
+func streamText(t *testing.T, raw []byte) (text string, tokens int, errEvent string) {
+	t.Helper()
+	events := strings.Split(strings.TrimSuffix(string(raw), "\n\n"), "\n\n")
+	var b strings.Builder
+	for _, ev := range events {
+		data := strings.TrimPrefix(ev, "data: ")
+		if data == "[DONE]" {
+			continue
+		}
+		var chunk struct {
+			Choices []struct {
+				Delta struct{ Content string }
+			}
+			Usage *struct {
+				CompletionTokens int `json:"completion_tokens"`
+			}
+			Error json.RawMessage
+		}
+		if err := json.Unmarshal([]byte(data), &chunk); err != nil {
+			t.Fatalf("event %q: %v", ev, err)
+		}
+		if chunk.Error != nil {
+			errEvent = string(chunk.Error)
+		}
+		for _, ch := range chunk.Choices {
+			b.WriteString(ch.Delta.Content)
+		}
+		if chunk.Usage != nil {
+			tokens = chunk.Usage.CompletionTokens
+		}
+	}
+	return b.String(), tokens, errEvent
+}
+
+// loseOutputsMidStream makes the next stream's outputs look lost on the bus
+// once it is under way: when its first output goes by, an output three
+// indexes further on reaches the frontend ahead of the real ones.
+func loseOutputsMidStream(t *testing.T, c *testenv.Cluster) {
+	t.Helper()
+	nc := testenv.Connect(t, c.NATS)
+	var once sync.Once
+	if _, err := nc.Subscribe(messages.Subjects{}.Out("*"), func(m *nats.Msg) {
+		o, err := messages.DecodeOutput(m.Data)
+		if err != nil || o.Index != 0 {
+			return
+		}
+		once.Do(func() {
+			data, err := messages.Marshal(&messages.Output{ReqID: o.ReqID, Attempt: o.Attempt, Index: 3, Text: " injected"})
+			if err == nil {
+				err = nc.Publish(m.Subject, data)
+			}
+			if err != nil {
+				t.Error(err)
+			}
+		})
+	}); err != nil {
+		t.Fatal(err)
+	}
+	if err := nc.Flush(); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// TestStreamUnderWayGetsLostOutputsAgain: a stream that lost outputs on
+// the bus after its first chunk reached the client (an output index
+// skipped) asks its driver for them again, and the client gets the whole
+// stream, the same as one that lost nothing. Without the driver's memory
+// (--stream-replay 0) it ends with output_lost, as every such stream did
+// before.
+func TestStreamUnderWayGetsLostOutputsAgain(t *testing.T) {
+	body := func(model string) string {
+		return fmt.Sprintf(`{"model":%q,"max_tokens":24,"ignore_eos":true,"stream":true,"stream_options":{"include_usage":true},"messages":[{"role":"user","content":"%s"}]}`,
+			model, strings.Repeat("tell me about caches and prefixes ", 8))
+	}
+	resends := func(c *testenv.Cluster) float64 {
+		return testenv.CounterSum(t, c.Registry, "kvbus_frontend_resends_total", nil)
+	}
+	c := testenv.StartCluster(t, testenv.ClusterConfig{Ranks: 2, TimeScale: 1})
+	status, _, out := testenv.Send(t, http.MethodPost, c.URL+"/v1/chat/completions", body(c.Model), nil)
+	want, wantTokens, errEvent := streamText(t, out)
+	if status != http.StatusOK || wantTokens != 24 || errEvent != "" {
+		t.Fatalf("stream that lost nothing: %d, %d tokens, error %s", status, wantTokens, errEvent)
+	}
+
+	loseOutputsMidStream(t, c)
+	status, _, out = testenv.Send(t, http.MethodPost, c.URL+"/v1/chat/completions", body(c.Model), nil)
+	got, tokens, errEvent := streamText(t, out)
+	if status != http.StatusOK || errEvent != "" || got != want || tokens != 24 {
+		t.Fatalf("stream that lost outputs: %d, %d tokens, error %s, text %q; want the whole stream %q", status, tokens, errEvent, got, want)
+	}
+	// The fault took effect: the frontend asked once, the driver answered.
+	if n := resends(c); n != 1 {
+		t.Errorf("resends %v; want 1", n)
+	}
+	if lines := c.Logs.Lines(`msg="outputs lost on the bus sent again"`); len(lines) != 1 {
+		t.Errorf("driver's resend log lines: %q; want one", lines)
+	}
+
+	// The same loss without the driver's memory: the stream ends with an
+	// error event, output_lost.
+	off := testenv.StartCluster(t, testenv.ClusterConfig{Ranks: 2, TimeScale: 1, StreamReplay: -1})
+	loseOutputsMidStream(t, off)
+	status, _, out = testenv.Send(t, http.MethodPost, off.URL+"/v1/chat/completions", body(off.Model), nil)
+	if _, _, errEvent = streamText(t, out); status != http.StatusOK || !strings.Contains(errEvent, "output_lost") {
+		t.Fatalf("stream that lost outputs, no driver memory: %d, error %q; want an output_lost event", status, errEvent)
+	}
+	if n := resends(off); n != 1 {
+		t.Errorf("resends without the driver's memory %v; want 1 (asked, nobody answered)", n)
+	}
+}
+
+// TestSlowStreamHeardNothingAfterAReconnectGoesOn: a stream under way when
+// NATS restarts that hears nothing for 3 s after the reconnect (here the
+// engine takes 8 s a token) asks its driver for what it missed; the driver
+// has nothing new, and the stream goes on to its end. Before, the silence
+// alone ended it with output_lost.
+func TestSlowStreamHeardNothingAfterAReconnectGoesOn(t *testing.T) {
+	c := testenv.StartCluster(t, testenv.ClusterConfig{Ranks: 2, TimeScale: 800, RequestTimeout: 40 * time.Second})
+	outs := c.Observe(t, messages.Subjects{}.Out("*"))
+	type answer struct {
+		status int
+		out    []byte
+	}
+	done := make(chan answer, 1)
+	go func() {
+		status, _, out := testenv.Send(t, http.MethodPost, c.URL+"/v1/chat/completions",
+			fmt.Sprintf(`{"model":%q,"max_tokens":2,"ignore_eos":true,"stream":true,"stream_options":{"include_usage":true},"messages":[{"role":"user","content":"slow"}]}`, c.Model), nil)
+		done <- answer{status, out}
+	}()
+	testenv.Eventually(t, 10*time.Second, "the stream's first output", func() bool { return len(outs.Messages()) > 0 })
+	if err := c.Cluster.RestartNATS(); err != nil {
+		t.Fatal(err)
+	}
+	a := <-done
+	_, tokens, errEvent := streamText(t, a.out)
+	if a.status != http.StatusOK || tokens != 2 || errEvent != "" {
+		t.Fatalf("slow stream across a reconnect: %d, %d tokens, error %s; want 200 and both tokens", a.status, tokens, errEvent)
+	}
+	// The fault took effect: the frontend judged the stream silent and
+	// asked its driver, which had nothing to send again.
+	if n := testenv.CounterSum(t, c.Registry, "kvbus_frontend_resends_total", nil); n != 1 {
+		t.Errorf("resends %v; want 1", n)
+	}
+	if lines := c.Logs.Lines(`msg="outputs lost on the bus sent again"`, "outputs=0"); len(lines) != 1 {
+		t.Errorf("driver's resend log lines with nothing to send: %q; want one", lines)
+	}
+}

@@ -1,0 +1,100 @@
+package frontend
+
+import (
+	"errors"
+	"fmt"
+	"time"
+
+	"github.com/nats-io/nats.go"
+
+	"github.com/kvbus/kvbus/messages"
+)
+
+// A stream under way that lost outputs on the bus (an output index
+// skipped, or nothing heard after a NATS reconnect) cannot be asked again
+// from the start: the client has its first chunks. Its driver rank keeps
+// the outputs of every stream (workers/replay.go), so the frontend asks it
+// (messages.Resend on kvbus.ctl.resend) to publish them again from the
+// first index missing; outputs past it are dropped until they come again,
+// in order, and the client's stream goes on where it was cut. A driver that
+// does not answer within resendWait (it stopped: the scheduler moves the
+// request, which ends the stream with group_failed; or it no longer keeps
+// the outputs) ends the stream with 503 output_lost, as before.
+
+// resendWait is how long the frontend waits for a driver's ResendReply.
+const resendWait = 2 * time.Second
+
+// maxResends is how many times one choice asks for lost outputs.
+const maxResends = 3
+
+// resendOutcome is a driver's answer to a Resend, as the generation's
+// queue carries it.
+type resendOutcome struct {
+	busID   string
+	attempt int
+	n       int    // outputs sent again
+	err     string // none could be: why
+}
+
+// resend asks the driver of choice i for its outputs again from the first
+// one missing. It reports whether it asked: not after maxResends asks.
+func (g *generation) resend(i int, why string) bool {
+	c := g.choices[i]
+	if c.resends >= maxResends {
+		return false
+	}
+	rs := &messages.Resend{ReqID: c.busID, Attempt: c.attempt, FromIndex: c.nextIndex}
+	data, err := messages.Marshal(rs)
+	if err != nil {
+		g.log.Error("encode resend", "err", err)
+		return false
+	}
+	c.resends++
+	c.resending = true
+	g.s.m.resends.Inc()
+	g.log.Warn("outputs of a stream under way lost on the bus; asking its driver to send them again",
+		"choice", i, "why", why, "req_id", rs.ReqID, "from_index", rs.FromIndex)
+	conn, subject, q := g.s.cfg.Conn, g.s.cfg.Subjects.Resend(), g.q
+	go func() {
+		out := &resendOutcome{busID: rs.ReqID, attempt: rs.Attempt}
+		msg, err := conn.Request(subject, data, resendWait)
+		var reply *messages.ResendReply
+		if err == nil {
+			reply, err = messages.DecodeResendReply(msg.Data)
+		}
+		switch {
+		case errors.Is(err, nats.ErrTimeout) || errors.Is(err, nats.ErrNoResponders):
+			out.err = fmt.Sprintf("no worker holds its outputs (none answered within %s)", resendWait)
+		case err != nil:
+			out.err = err.Error()
+		case reply.Error != "":
+			out.err = reply.Error
+		default:
+			out.n = reply.Resent
+		}
+		q.pushResend(i, out)
+	}()
+	return true
+}
+
+// resendAnswered applies a driver's answer to choice c: nil when the stream
+// goes on (the outputs come again, or none were missing), or the error
+// output that ends it when they cannot come.
+func (g *generation) resendAnswered(c *choiceState, r *resendOutcome) *messages.Output {
+	if c.done || !c.resending || r.busID != c.busID || r.attempt != c.attempt {
+		return nil // an answer to an older ask, or outputs came since
+	}
+	if r.err == "" {
+		if r.n == 0 {
+			// Nothing after nextIndex yet: the request runs on, and
+			// its next output is the one wanted.
+			c.resending = false
+		}
+		return nil
+	}
+	c.resending = false
+	g.log.Warn("outputs of a stream under way lost on the bus cannot be sent again; the answer ends with an error",
+		"req_id", c.busID, "from_index", c.nextIndex, "err", r.err)
+	return &messages.Output{ReqID: c.busID, Attempt: c.attempt, Index: c.nextIndex, Error: &messages.OutputError{Code: codeOutputLost,
+		Message: "part of the streamed answer was lost on the bus and " + r.err + "; retry the request"}}
+}
