@@ -88,7 +88,7 @@ type RankConfig struct {
 	// ReplayBytes and ReplayAge bound what a driver rank keeps of its
 	// streamed requests' outputs, to publish them again for a frontend
 	// that lost some on the bus (messages.Resend): while a request runs
-	// and ReplayAge after (defaults 64 MiB and 30 s). A negative
+	// and ReplayAge after (defaults 64 MiB and 10 s). A negative
 	// ReplayBytes keeps nothing: a stream that lost outputs after its first
 	// chunk ends with output_lost.
 	ReplayBytes int64

@@ -73,16 +73,18 @@ func TestStreamReplayForgetsAfterItsAge(t *testing.T) {
 }
 
 func TestStreamReplayWithinItsBudget(t *testing.T) {
-	per := int64(cap(out(0)) + replayEntryBytes)
-	m := newStreamReplay(3*per, time.Minute)
+	// Outputs of 100 bytes: two (202 bytes with their lengths) fit, three
+	// (303) do not, whatever room append leaves.
+	big := func(i int) []byte { return []byte(fmt.Sprintf("%-100d", i)) }
+	m := newStreamReplay(replayEntryBytes+250, time.Minute)
 	old := m.begin(meta("old", 0), "s")
-	m.publish(old, out(0), func([]byte) {})
-	m.publish(old, out(1), func([]byte) {})
+	m.publish(old, big(0), func([]byte) {})
+	m.publish(old, big(1), func([]byte) {})
 	m.end(old, time.Now())
 	// A running request's outputs push out the ended one's.
 	e := m.begin(meta("new", 0), "s")
-	m.publish(e, out(0), func([]byte) {})
-	m.publish(e, out(1), func([]byte) {})
+	m.publish(e, big(0), func([]byte) {})
+	m.publish(e, big(1), func([]byte) {})
 	if _, known, _ := m.resend("old", 0, 0, func(string, []byte) {}); known {
 		t.Error("an ended request kept over the budget")
 	}
@@ -92,8 +94,8 @@ func TestStreamReplayWithinItsBudget(t *testing.T) {
 	// Running requests alone over the budget: the newest outputs' request
 	// is cut, still published, and says so when asked.
 	var live sent
-	m.publish(e, out(2), live.send)
-	m.publish(e, out(3), live.send)
+	m.publish(e, big(2), live.send)
+	m.publish(e, big(3), live.send)
 	if len(live.data) != 2 {
 		t.Errorf("published %q over the budget; want both", live.data)
 	}
@@ -105,7 +107,7 @@ func TestStreamReplayWithinItsBudget(t *testing.T) {
 	}
 	// A new attempt of the same request starts afresh.
 	e2 := m.begin(meta("new", 1), "s")
-	m.publish(e2, out(0), func([]byte) {})
+	m.publish(e2, big(0), func([]byte) {})
 	if res, known, err := m.resend("new", 1, 0, func(string, []byte) {}); !known || err != nil || res.n != 1 {
 		t.Errorf("new attempt: %+v %v %v; want its one output", res, known, err)
 	}
