@@ -35,6 +35,12 @@ func startPoolRanks(t testing.TB, maxPayload int32, groups ...string) *poolRanks
 
 func startPoolRanksWithCapacity(t testing.TB, maxPayload int32, capacity int64, groups ...string) *poolRanks {
 	t.Helper()
+	return startPoolRanksWith(t, maxPayload, capacity, 0, groups...)
+}
+
+// startPoolRanksWith starts the ranks with a --save-wait (0: the default).
+func startPoolRanksWith(t testing.TB, maxPayload int32, capacity int64, saveWait time.Duration, groups ...string) *poolRanks {
+	t.Helper()
 	srv, err := bus.StartServer(bus.ServerConfig{Addr: "127.0.0.1:0", MaxPayload: maxPayload})
 	if err != nil {
 		t.Fatal(err)
@@ -49,7 +55,7 @@ func startPoolRanksWithCapacity(t testing.TB, maxPayload int32, capacity int64, 
 	for _, g := range groups {
 		rank, err := workers.NewRank(workers.RankConfig{
 			Conn: testenv.Connect(t, srv), Group: g, TPRank: 1, TPSize: 4, EPRank: 1, EPSize: 4,
-			Model: testModel, Profile: profile, CapacityBytes: capacity, Logger: slog.New(slog.DiscardHandler),
+			Model: testModel, Profile: profile, CapacityBytes: capacity, SaveWait: saveWait, Logger: slog.New(slog.DiscardHandler),
 		})
 		if err != nil {
 			t.Fatal(err)
@@ -496,10 +502,12 @@ func BenchmarkPoolRead32Blocks512KiB(b *testing.B) {
 // lost every block, those received included, and the reader could be cut
 // off as a slow consumer.
 func TestLongRemoteRunKeepsWhatArrivedInTime(t *testing.T) {
-	p := startPoolRanks(t, 0, "g0")
+	// Under the race detector, 16 MiB take the server and the reader over
+	// a second: the wait and the source's pace are scaled alike.
+	p := startPoolRanksWith(t, 0, 1<<30, 2*time.Second*raceSlowdown, "g0")
 	const blocks = 128
-	const perBlock = 25 * time.Millisecond // the source sends 40 blocks a second
-	size := 16 * blockSize * 1024 * 2      // llama-3.1-8b at TP 4: 512 KiB a block
+	perBlock := 25 * time.Millisecond * raceSlowdown // the source sends 40 blocks a second
+	size := 16 * blockSize * 1024 * 2                // llama-3.1-8b at TP 4: 512 KiB a block
 	var mu sync.Mutex
 	var asked []int
 	stop := make(chan struct{})
@@ -546,7 +554,7 @@ func TestLongRemoteRunKeepsWhatArrivedInTime(t *testing.T) {
 		Remote: []messages.RemoteRun{{Group: "g1", FromBlock: 0, Blocks: blocks}}}
 	next.SaveFromBlock = blocks
 	r := p.run(t, next)
-	// Within the default SaveWait (2 s) pieces of 32 blocks (0.8 s each)
+	// Within SaveWait (2 s, scaled) pieces of 32 blocks (0.8 s each, scaled)
 	// bring 64 blocks; the third piece is late.
 	if r.LoadedTokens < 32*blockSize || r.RemoteTokens != r.LoadedTokens || r.FailedBlocks != blocks-r.LoadedTokens/blockSize {
 		t.Errorf("long remote run: loaded %d tokens (%d remote), %d failed blocks; want at least 32 blocks loaded, all remote, the rest failed",
