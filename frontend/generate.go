@@ -54,20 +54,18 @@ const codeOutputLost = "output_lost"
 func newOutputQueue() *outputQueue { return &outputQueue{signal: make(chan struct{}, 1)} }
 
 func (q *outputQueue) push(choice int, o *messages.Output) {
-	q.mu.Lock()
-	q.items = append(q.items, choiceOutput{choice: choice, out: o})
-	q.mu.Unlock()
 	q.pushed.Add(1)
-	select {
-	case q.signal <- struct{}{}:
-	default:
-	}
+	q.add(choiceOutput{choice: choice, out: o})
 }
 
 // pushResend queues a driver's answer to a Resend for choice.
 func (q *outputQueue) pushResend(choice int, r *resendOutcome) {
+	q.add(choiceOutput{choice: choice, resend: r})
+}
+
+func (q *outputQueue) add(it choiceOutput) {
 	q.mu.Lock()
-	q.items = append(q.items, choiceOutput{choice: choice, resend: r})
+	q.items = append(q.items, it)
 	q.mu.Unlock()
 	select {
 	case q.signal <- struct{}{}:

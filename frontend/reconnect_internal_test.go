@@ -14,6 +14,23 @@ import (
 	"github.com/kvbus/kvbus/messages"
 )
 
+// reconnectingConn starts a NATS server on a loopback port and connects
+// to it with a client that reconnects forever, every 20 ms; it returns the
+// server, its address (to start it again on) and the connection.
+func reconnectingConn(t *testing.T) (*bus.Server, string, *nats.Conn) {
+	t.Helper()
+	srv, err := bus.StartServer(bus.ServerConfig{Addr: "127.0.0.1:0", DataDir: t.TempDir()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	nc, err := nats.Connect(srv.ClientURL(), nats.MaxReconnects(-1), nats.ReconnectWait(20*time.Millisecond))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(nc.Close)
+	return srv, srv.Addr().String(), nc
+}
+
 // TestOutputsLostAcrossAReconnect: the NATS server restarts under a
 // frontend with two requests in flight. One hears an output after the
 // reconnect (it is generating); the other hears nothing: its answer ended
@@ -22,16 +39,7 @@ import (
 // 503 output_lost after LostOutputWait; before, it waited for its deadline
 // (60 s) with its client hanging.
 func TestOutputsLostAcrossAReconnect(t *testing.T) {
-	srv, err := bus.StartServer(bus.ServerConfig{Addr: "127.0.0.1:0", DataDir: t.TempDir()})
-	if err != nil {
-		t.Fatal(err)
-	}
-	addr := srv.Addr().String()
-	nc, err := nats.Connect(srv.ClientURL(), nats.MaxReconnects(-1), nats.ReconnectWait(20*time.Millisecond))
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer nc.Close()
+	srv, addr, nc := reconnectingConn(t)
 	s := &Server{cfg: Config{Conn: nc, LostOutputWait: 300 * time.Millisecond}, log: slog.New(slog.NewTextHandler(io.Discard, nil)),
 		pending: map[string]route{}}
 	silent, hearing := newOutputQueue(), newOutputQueue()
@@ -82,16 +90,7 @@ func TestOutputsLostAcrossAReconnect(t *testing.T) {
 // gone for longer it is refused after that wait, and at once on a closed
 // connection.
 func TestRequestWaitsForAReconnect(t *testing.T) {
-	srv, err := bus.StartServer(bus.ServerConfig{Addr: "127.0.0.1:0", DataDir: t.TempDir()})
-	if err != nil {
-		t.Fatal(err)
-	}
-	addr := srv.Addr().String()
-	nc, err := nats.Connect(srv.ClientURL(), nats.MaxReconnects(-1), nats.ReconnectWait(20*time.Millisecond))
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer nc.Close()
+	srv, addr, nc := reconnectingConn(t)
 	s := &Server{cfg: Config{Conn: nc}}
 	srv.Shutdown()
 	for nc.IsConnected() {

@@ -15,6 +15,17 @@ import (
 	"github.com/kvbus/kvbus/testenv"
 )
 
+// inject publishes a made-up output on subject, as if a driver sent it.
+func inject(t *testing.T, nc *nats.Conn, subject string, o *messages.Output) {
+	data, err := messages.Marshal(o)
+	if err == nil {
+		err = nc.Publish(subject, data)
+	}
+	if err != nil {
+		t.Error(err)
+	}
+}
+
 // loseFirstOutputs makes the answers of the next n requests published look
 // lost on the bus: as each request is logged, an output that skips
 // indexes 0 and 1 reaches its frontend ahead of the real ones (what the
@@ -39,13 +50,7 @@ func loseFirstOutputs(t *testing.T, c *testenv.Cluster, n int) func() []string {
 		if !lose {
 			return
 		}
-		data, err := messages.Marshal(&messages.Output{ReqID: req.RequestID, Index: 2, Text: " injected"})
-		if err == nil {
-			err = nc.Publish(subj.Out(req.FrontendID), data)
-		}
-		if err != nil {
-			t.Error(err)
-		}
+		inject(t, nc, subj.Out(req.FrontendID), &messages.Output{ReqID: req.RequestID, Index: 2, Text: " injected"})
 	}); err != nil {
 		t.Fatal(err)
 	}
@@ -231,13 +236,7 @@ func loseOutputsMidStream(t *testing.T, c *testenv.Cluster) {
 			return
 		}
 		once.Do(func() {
-			data, err := messages.Marshal(&messages.Output{ReqID: o.ReqID, Attempt: o.Attempt, Index: 3, Text: " injected"})
-			if err == nil {
-				err = nc.Publish(m.Subject, data)
-			}
-			if err != nil {
-				t.Error(err)
-			}
+			inject(t, nc, m.Subject, &messages.Output{ReqID: o.ReqID, Attempt: o.Attempt, Index: 3, Text: " injected"})
 		})
 	}); err != nil {
 		t.Fatal(err)

@@ -17,9 +17,11 @@ func (r *Rank) drive(rr *rankReq) {
 	outSubj := r.cfg.Subjects.Out(meta.FrontendID)
 	index := 0
 	var kept *replayed // a stream's outputs, kept to be sent again (replay.go)
+	var send func([]byte)
 	if meta.Stream && r.replay != nil {
 		kept = r.replay.begin(meta, outSubj)
 		defer func() { r.replay.end(kept, time.Now()) }()
+		send = func(data []byte) { r.publishData(outSubj, data, meta) }
 	}
 	publish := func(o *messages.Output) {
 		o.ReqID, o.Index, o.Attempt = meta.ReqID, index, meta.Attempt
@@ -33,7 +35,7 @@ func (r *Rank) drive(rr *rankReq) {
 			r.log.Error("encode failed", "subject", outSubj, "req_id", meta.ReqID, "session_id", meta.SessionID, "err", err)
 			return
 		}
-		r.replay.publish(kept, data, func(data []byte) { r.publishData(outSubj, data, meta) })
+		r.replay.publish(kept, data, send)
 	}
 	cached := min(rr.loaded, max(meta.TokenLen-1, 0)) // at least one token is computed
 	storeQueued := false
