@@ -68,8 +68,8 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 			Name: "kvbus_worker_handoff_bytes_total", Help: "Bytes (charged block sizes) a rank kept that a draining group handed off.",
 		}, []string{"source_group", "group", "tp_rank"}),
 		resent: prometheus.NewCounterVec(prometheus.CounterOpts{
-			Name: "kvbus_worker_outputs_resent_total", Help: "Outputs of streamed answers a driver rank published again for a frontend that lost them on the bus.",
-		}, l),
+			Name: "kvbus_worker_outputs_resent_total", Help: "Outputs a driver rank published again: why=asked, of a stream whose frontend lost them on the bus; why=reconnect, published just before the rank's NATS connection broke, in case its server lost them.",
+		}, append(l, "why")),
 	}
 	if reg != nil {
 		reg.MustRegister(m.reqMetas, m.dropped, m.blocks, m.loadSec, m.storeSec, m.usedBytes, m.queue,
@@ -85,7 +85,7 @@ type rankSeries struct {
 	reqMetas, duplicate, overloaded, aborted                        prometheus.Counter
 	loaded, loadFailed, waitedForSave, stored, skipped, storeFailed prometheus.Counter
 	poolAwaitedIntake                                               prometheus.Counter
-	resent                                                          prometheus.Counter
+	resent, republished                                             prometheus.Counter
 	loadSec, storeSec                                               prometheus.Observer
 	usedBytes, queue                                                prometheus.Gauge
 }
@@ -106,7 +106,8 @@ func (m *Metrics) forRank(group, rank string) rankSeries {
 		stored:            op("stored"),
 		skipped:           op("skipped"),
 		storeFailed:       op("store_failed"),
-		resent:            m.resent.WithLabelValues(group, rank),
+		resent:            m.resent.WithLabelValues(group, rank, "asked"),
+		republished:       m.resent.WithLabelValues(group, rank, "reconnect"),
 		loadSec:           m.loadSec.WithLabelValues(group, rank),
 		storeSec:          m.storeSec.WithLabelValues(group, rank),
 		usedBytes:         m.usedBytes.WithLabelValues(group, rank),

@@ -86,11 +86,14 @@ type RankConfig struct {
 	SeenIDs int
 	SeenAge time.Duration
 	// ReplayBytes and ReplayAge bound what a driver rank keeps of its
-	// streamed requests' outputs, to publish them again for a frontend
-	// that lost some on the bus (messages.Resend): while a request runs
-	// and ReplayAge after (defaults 64 MiB and 10 s). A negative
-	// ReplayBytes keeps nothing: a stream that lost outputs after its first
-	// chunk ends with output_lost.
+	// requests' outputs, to publish them again when they were lost on the
+	// bus (replay.go): a stream's while it runs and ReplayAge after, for a
+	// frontend that asks (messages.Resend); every answer's until the
+	// driver's server confirmed it, for the driver's own reconnect
+	// (defaults 64 MiB and 10 s). A negative ReplayBytes keeps nothing: a
+	// stream that lost outputs after its first chunk ends with output_lost,
+	// and an answer lost with the driver's connection waits for its
+	// deadline.
 	ReplayBytes int64
 	ReplayAge   time.Duration
 	// DrainHandoff is the byte budget per rank of the drain hand-off: a
@@ -171,7 +174,7 @@ type Rank struct {
 	mu     sync.Mutex
 	active map[string]*rankReq     // by req_id
 	seen   *recent.Memory[seenReq] // recent req_ids, for deduplication
-	replay *streamReplay           // the driver's streamed outputs (nil: none kept)
+	replay *outputReplay           // the driver's outputs, kept to be sent again (nil: none kept)
 	closed bool                    // loadQ is closed
 	nextID uint64                  // numbers rankReqs in arrival order
 	saving map[string]*rankReq     // store key -> the request saving it
@@ -353,9 +356,9 @@ func NewRank(cfg RankConfig) (*Rank, error) {
 	if err != nil {
 		return nil, fmt.Errorf("%w: %v", ErrConfig, err)
 	}
-	var replay *streamReplay
+	var replay *outputReplay
 	if cfg.TPRank == 0 && cfg.ReplayBytes > 0 {
-		replay = newStreamReplay(cfg.ReplayBytes, cfg.ReplayAge)
+		replay = newOutputReplay(cfg.ReplayBytes, cfg.ReplayAge)
 	}
 	return &Rank{
 		replay: replay,
@@ -480,6 +483,9 @@ func (r *Rank) Run(ctx context.Context) error {
 	hbCtx, stopHB := context.WithCancel(context.Background())
 	hbLoop.Go(func() { r.heartbeatLoop(hbCtx) })
 	hbLoop.Go(func() { r.expireLoop(hbCtx) })
+	if r.replay != nil {
+		hbLoop.Go(func() { r.watchDelivery(hbCtx) })
+	}
 	// A model server's health and KV events are followed until the rank
 	// exits: its requests still finish while it drains.
 	if h := r.engineHealth(); h != nil || r.cfg.KVEvents != nil {

@@ -16,9 +16,9 @@ func (r *Rank) drive(rr *rankReq) {
 	meta := rr.meta
 	outSubj := r.cfg.Subjects.Out(meta.FrontendID)
 	index := 0
-	var kept *replayed // a stream's outputs, kept to be sent again (replay.go)
+	var kept *replayed // the outputs, kept to be sent again (replay.go)
 	var send func([]byte)
-	if meta.Stream && r.replay != nil {
+	if r.replay != nil {
 		kept = r.replay.begin(meta, outSubj)
 		defer func() { r.replay.end(kept, time.Now()) }()
 		send = func(data []byte) { r.publishData(outSubj, data, meta) }

@@ -14,16 +14,27 @@ import (
 	"github.com/kvbus/kvbus/messages"
 )
 
-// Streams resumed after a loss on the bus. Outputs go to the frontend over
-// core NATS: when a NATS server of a cluster stops, or the frontend
-// reconnects, the outputs in flight through it are lost, and a stream
-// already under way at the client cannot be asked again from the start
-// (the client has its first chunks). So the driver rank keeps the encoded
-// outputs of every streamed request, while it runs and for
-// RankConfig.ReplayAge after, within RankConfig.ReplayBytes, and publishes
-// them again from an index when the frontend asks (messages.Resend on
-// kvbus.ctl.resend); the frontend drops what it already has, and the
-// client's stream goes on where it was cut.
+// Outputs resumed after a loss on the bus. Outputs go to the frontend over
+// core NATS: when a NATS server of a cluster stops, or a role reconnects,
+// the outputs in flight through it are lost. Two cases:
+//
+//   - The frontend's side: a stream already under way at the client cannot
+//     be asked again from the start (the client has its first chunks). So
+//     the driver rank keeps the encoded outputs of every streamed request,
+//     while it runs and for RankConfig.ReplayAge after, within
+//     RankConfig.ReplayBytes, and publishes them again from an index when
+//     the frontend asks (messages.Resend on kvbus.ctl.resend); the frontend
+//     drops what it already has, and the client's stream goes on where it
+//     was cut.
+//   - The driver's side: outputs the driver wrote to its connection just
+//     before its server stopped never left that server, and the frontend,
+//     whose own connection stayed up, cannot tell an answer lost from one
+//     still being computed: it waited for --request-timeout. So the driver
+//     also keeps every answer, streamed or not, until its server confirmed
+//     it (a flush's PONG, every deliveryCheckEvery) plus deliveryMargin,
+//     and after a reconnect publishes again every output published since
+//     the last confirmation less that margin (watchDelivery). The frontend
+//     drops the duplicates (an index it has, or a request it answered).
 
 // Defaults of RankConfig.ReplayBytes and ReplayAge. The age is above the
 // frontend's wait before it judges a request silent after a reconnect
@@ -36,46 +47,65 @@ const (
 	defaultReplayAge   = 10 * time.Second
 )
 
+// deliveryCheckEvery is how often a driver asks its server to confirm what
+// it published (a PING, answered once the server read everything before
+// it), and looks for a reconnect.
+const deliveryCheckEvery = 250 * time.Millisecond
+
+// deliveryMargin is how long before its last confirmation an output may
+// still have been lost: a server that read it may stop before it passed it
+// on (to a route, or to the frontend's socket), which takes it
+// milliseconds.
+const deliveryMargin = time.Second
+
 // replayEntryBytes is what one kept request costs beyond its outputs'
 // bytes (the entry, its map slot): counted against the budget.
 const replayEntryBytes = 160
 
-// streamReplay is a driver's memory of the outputs of its streamed
-// requests. Its methods are safe for concurrent use; one lock covers both
-// the memory and the publishing, so that outputs sent again and outputs
-// sent for the first time reach the bus in index order.
-type streamReplay struct {
-	mu     sync.Mutex
-	byID   map[string]*replayed
-	ended  []*replayed // ended requests, oldest first
-	bytes  int64
-	budget int64
-	age    time.Duration
+// outputReplay is a driver's memory of the outputs it published. Its
+// methods are safe for concurrent use; one lock covers both the memory and
+// the publishing, so that outputs sent again and outputs sent for the first
+// time reach the bus in index order.
+type outputReplay struct {
+	mu       sync.Mutex
+	base     time.Time // outputs' times are milliseconds since
+	byID     map[string]*replayed
+	ended    []*replayed // ended streams, oldest first
+	answered []*replayed // ended answers not streamed, oldest first
+	bytes    int64
+	budget   int64
+	age      time.Duration
+	// confirmed: every output published before it reached the server.
+	confirmed time.Time
+	clock     func() time.Time // when an output is published
 }
 
 // replayed is one request's kept outputs.
 type replayed struct {
 	id, session, subject string
 	attempt              int
-	// outputs holds the encoded outputs by index, each after its length as
-	// a uvarint: one allocation the GC does not scan, where a slice per
+	stream               bool
+	// outputs holds the encoded outputs by index, each after the time it
+	// was published (milliseconds since the memory's base) and its length,
+	// as uvarints: one allocation the GC does not scan, where a slice per
 	// output made a heap object each to mark for as long as it was kept.
 	outputs []byte
-	count   int // outputs kept
+	count   int   // outputs kept
+	lastMs  int64 // when the last one was published
 	bytes   int64
 	endedAt time.Time
 	done    bool // the request's last output was published
 	cut     bool // over the budget: its outputs were dropped
 }
 
-func newStreamReplay(budget int64, age time.Duration) *streamReplay {
-	return &streamReplay{byID: map[string]*replayed{}, budget: budget, age: age}
+func newOutputReplay(budget int64, age time.Duration) *outputReplay {
+	return &outputReplay{byID: map[string]*replayed{}, budget: budget, age: age, base: time.Now(), clock: time.Now}
 }
 
 // begin starts keeping the outputs of a request's attempt, published on
 // subject; it replaces what an earlier attempt kept.
-func (m *streamReplay) begin(meta *messages.ReqMeta, subject string) *replayed {
-	e := &replayed{id: meta.ReqID, session: meta.SessionID, subject: subject, attempt: meta.Attempt}
+func (m *outputReplay) begin(meta *messages.ReqMeta, subject string) *replayed {
+	e := &replayed{id: meta.ReqID, session: meta.SessionID, subject: subject, attempt: meta.Attempt, stream: meta.Stream}
 	m.mu.Lock()
 	if old := m.byID[e.id]; old != nil {
 		m.drop(old)
@@ -87,7 +117,7 @@ func (m *streamReplay) begin(meta *messages.ReqMeta, subject string) *replayed {
 
 // publish keeps data as e's next output and sends it with send, under the
 // lock.
-func (m *streamReplay) publish(e *replayed, data []byte, send func([]byte)) {
+func (m *outputReplay) publish(e *replayed, data []byte, send func([]byte)) {
 	m.mu.Lock()
 	defer m.mu.Unlock()
 	if !e.cut {
@@ -95,6 +125,8 @@ func (m *streamReplay) publish(e *replayed, data []byte, send func([]byte)) {
 		if e.count == 0 {
 			before = -replayEntryBytes
 		}
+		e.lastMs = m.clock().Sub(m.base).Milliseconds()
+		e.outputs = binary.AppendUvarint(e.outputs, uint64(e.lastMs))
 		e.outputs = binary.AppendUvarint(e.outputs, uint64(len(data)))
 		e.outputs = append(e.outputs, data...)
 		e.count++
@@ -106,13 +138,15 @@ func (m *streamReplay) publish(e *replayed, data []byte, send func([]byte)) {
 	send(data)
 }
 
-// fit frees ended requests' outputs, oldest first, until the memory is
-// within its budget; if the running ones alone exceed it, e's are dropped.
-func (m *streamReplay) fit(e *replayed) {
+// fit frees ended requests' outputs, answers first, oldest first, until
+// the memory is within its budget; if the running ones alone exceed it,
+// e's are dropped.
+func (m *outputReplay) fit(e *replayed) {
+	for m.bytes > m.budget && len(m.answered) > 0 {
+		m.answered = m.forgetFirst(m.answered)
+	}
 	for m.bytes > m.budget && len(m.ended) > 0 {
-		m.forget(m.ended[0])
-		m.ended[0] = nil
-		m.ended = m.ended[1:]
+		m.ended = m.forgetFirst(m.ended)
 	}
 	if m.bytes > m.budget {
 		m.drop(e)
@@ -120,45 +154,83 @@ func (m *streamReplay) fit(e *replayed) {
 	}
 }
 
-// end marks e's request ended: its outputs are kept for the memory's age.
-func (m *streamReplay) end(e *replayed, now time.Time) {
+// end marks e's request ended: a stream's outputs are kept for the
+// memory's age, and any answer's until its server confirmed it.
+func (m *outputReplay) end(e *replayed, now time.Time) {
 	m.mu.Lock()
 	defer m.mu.Unlock()
 	e.done, e.endedAt = true, now
-	m.ended = append(m.ended, e)
+	if e.stream {
+		m.ended = append(m.ended, e)
+	} else {
+		m.answered = append(m.answered, e)
+	}
 	m.expireLocked(now)
 }
 
-// expire forgets the ended requests older than the memory's age.
-func (m *streamReplay) expire(now time.Time) {
+// confirm records that every output published before at reached the
+// server, and forgets what needs keeping no longer.
+func (m *outputReplay) confirm(at time.Time) {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	if at.After(m.confirmed) {
+		m.confirmed = at
+	}
+	m.expireLocked(time.Now())
+}
+
+// expire forgets the ended requests that need keeping no longer.
+func (m *outputReplay) expire(now time.Time) {
 	m.mu.Lock()
 	defer m.mu.Unlock()
 	m.expireLocked(now)
 }
 
-func (m *streamReplay) expireLocked(now time.Time) {
-	for len(m.ended) > 0 && now.Sub(m.ended[0].endedAt) > m.age {
-		m.forget(m.ended[0])
-		m.ended[0] = nil
-		m.ended = m.ended[1:]
+// expireLocked forgets ended answers that ended before the last
+// confirmation less deliveryMargin, and ended streams that did and are
+// older than the memory's age.
+func (m *outputReplay) expireLocked(now time.Time) {
+	settled := m.confirmed.Add(-deliveryMargin)
+	for len(m.answered) > 0 && m.answered[0].endedAt.Before(settled) {
+		m.answered = m.forgetFirst(m.answered)
 	}
-	if len(m.ended) == 0 {
-		m.ended = nil // let the backing array go
+	for len(m.ended) > 0 && m.ended[0].endedAt.Before(settled) && now.Sub(m.ended[0].endedAt) > m.age {
+		m.ended = m.forgetFirst(m.ended)
 	}
 }
 
-// forget removes an ended request from the memory.
-func (m *streamReplay) forget(e *replayed) {
+// forgetFirst removes the first request of an ended list from the memory
+// and returns the rest.
+func (m *outputReplay) forgetFirst(list []*replayed) []*replayed {
+	e := list[0]
 	m.drop(e)
 	if m.byID[e.id] == e {
 		delete(m.byID, e.id)
 	}
+	list[0] = nil
+	if len(list) == 1 {
+		return nil // let the backing array go
+	}
+	return list[1:]
 }
 
 // drop frees e's outputs.
-func (m *streamReplay) drop(e *replayed) {
+func (m *outputReplay) drop(e *replayed) {
 	m.bytes -= e.bytes
 	e.outputs, e.count, e.bytes = nil, 0, 0
+}
+
+// each calls f with every kept output of e, its index and when it was
+// published (milliseconds since the memory's base), in order.
+func (e *replayed) each(f func(i int, ms int64, data []byte)) {
+	b := e.outputs
+	for i := 0; i < e.count; i++ {
+		ms, w := binary.Uvarint(b)
+		b = b[w:]
+		n, w := binary.Uvarint(b)
+		f(i, int64(ms), b[w:w+int(n)])
+		b = b[w+int(n):]
+	}
 }
 
 // errReplayCut is why outputs cannot be sent again.
@@ -175,7 +247,7 @@ type resent struct {
 // with send, under the lock. known is false when the memory has no such
 // request or attempt (another driver's, or forgotten); err says why a
 // known one's outputs cannot be sent.
-func (m *streamReplay) resend(id string, attempt, from int, send func(subject string, data []byte)) (res resent, known bool, err error) {
+func (m *outputReplay) resend(id string, attempt, from int, send func(subject string, data []byte)) (res resent, known bool, err error) {
 	m.mu.Lock()
 	defer m.mu.Unlock()
 	e := m.byID[id]
@@ -186,17 +258,81 @@ func (m *streamReplay) resend(id string, attempt, from int, send func(subject st
 	if e.cut {
 		return res, true, errReplayCut
 	}
-	b := e.outputs
-	for i := 0; i < e.count; i++ {
-		n, w := binary.Uvarint(b)
-		data := b[w : w+int(n)]
-		b = b[w+int(n):]
+	e.each(func(i int, _ int64, data []byte) {
 		if i >= from {
 			send(e.subject, data)
 			res.n++
 		}
-	}
+	})
 	return res, true, nil
+}
+
+// unconfirmed sends again, with send, every kept output published since
+// the last confirmation less deliveryMargin, under the lock; it returns
+// how many outputs of how many requests.
+func (m *outputReplay) unconfirmed(send func(subject string, data []byte)) (outputs, requests int) {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	since := m.confirmed.Add(-deliveryMargin).Sub(m.base).Milliseconds()
+	for _, e := range m.byID {
+		if e.cut || e.count == 0 || e.lastMs < since {
+			continue
+		}
+		requests++
+		e.each(func(_ int, ms int64, data []byte) {
+			if ms >= since {
+				send(e.subject, data)
+				outputs++
+			}
+		})
+	}
+	return outputs, requests
+}
+
+// watchDelivery runs on a driver that keeps its outputs, until ctx ends:
+// every deliveryCheckEvery it has its server confirm what it published,
+// and after a reconnect it publishes again what the server may have lost
+// (see the top of this file).
+func (r *Rank) watchDelivery(ctx context.Context) {
+	nc := r.cfg.Conn
+	seen := nc.Stats().Reconnects
+	tick := time.NewTicker(deliveryCheckEvery)
+	defer tick.Stop()
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-tick.C:
+		}
+		if n := nc.Stats().Reconnects; n != seen {
+			seen = n
+			r.republish()
+		}
+		at := time.Now()
+		// A reconnect during the flush confirms nothing: what was
+		// written before at may have gone down with the old connection.
+		if err := nc.FlushTimeout(4 * deliveryCheckEvery); err == nil && nc.Stats().Reconnects == seen {
+			r.replay.confirm(at)
+		}
+	}
+}
+
+// republish publishes again the outputs its server may have lost when the
+// driver's connection broke.
+func (r *Rank) republish() {
+	var perr error
+	outputs, requests := r.replay.unconfirmed(func(subject string, data []byte) {
+		if e := r.cfg.Conn.Publish(subject, data); e != nil && perr == nil {
+			perr = e
+		}
+	})
+	if perr != nil {
+		r.log.Error("reconnected to NATS: publishing again the outputs sent just before failed; their requests wait for their deadline", "requests", requests, "err", perr)
+		return
+	}
+	r.series.republished.Add(float64(outputs))
+	r.log.Info("reconnected to NATS: outputs published just before it sent again, in case the server lost them",
+		"outputs", outputs, "requests", requests)
 }
 
 // onResend answers a frontend that lost outputs of a stream under way: the

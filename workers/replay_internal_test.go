@@ -2,24 +2,25 @@ package workers
 
 import (
 	"fmt"
+	"sort"
 	"testing"
 	"time"
 
 	"github.com/kvbus/kvbus/messages"
 )
 
-// sent collects what a streamReplay publishes.
+// sent collects what an outputReplay publishes.
 type sent struct{ data []string }
 
 func (s *sent) send(data []byte)                   { s.data = append(s.data, string(data)) }
 func (s *sent) resend(subject string, data []byte) { s.data = append(s.data, subject+":"+string(data)) }
 func out(i int) []byte                             { return []byte(fmt.Sprintf("o%d", i)) }
 func meta(id string, attempt int) *messages.ReqMeta {
-	return &messages.ReqMeta{ReqID: id, SessionID: "s", Attempt: attempt}
+	return &messages.ReqMeta{ReqID: id, SessionID: "s", Attempt: attempt, Stream: true}
 }
 
 func TestStreamReplayResendsFromAnIndex(t *testing.T) {
-	m := newStreamReplay(1<<20, time.Minute)
+	m := newOutputReplay(1<<20, time.Minute)
 	e := m.begin(meta("r1", 0), "kvbus.out.fe")
 	var live sent
 	for i := range 4 {
@@ -54,11 +55,16 @@ func TestStreamReplayResendsFromAnIndex(t *testing.T) {
 }
 
 func TestStreamReplayForgetsAfterItsAge(t *testing.T) {
-	m := newStreamReplay(1<<20, time.Minute)
+	m := newOutputReplay(1<<20, time.Minute)
 	now := time.Now()
 	e := m.begin(meta("r1", 0), "s")
 	m.publish(e, out(0), func([]byte) {})
 	m.end(e, now)
+	m.expire(now.Add(61 * time.Second))
+	if _, known, _ := m.resend("r1", 0, 0, func(string, []byte) {}); !known {
+		t.Fatal("forgotten past its age before its server confirmed it")
+	}
+	m.confirm(now.Add(deliveryMargin + time.Millisecond))
 	m.expire(now.Add(59 * time.Second))
 	if _, known, _ := m.resend("r1", 0, 0, func(string, []byte) {}); !known {
 		t.Fatal("forgotten before its age")
@@ -76,7 +82,7 @@ func TestStreamReplayWithinItsBudget(t *testing.T) {
 	// Outputs of 100 bytes: two (202 bytes with their lengths) fit, three
 	// (303) do not, whatever room append leaves.
 	big := func(i int) []byte { return []byte(fmt.Sprintf("%-100d", i)) }
-	m := newStreamReplay(replayEntryBytes+250, time.Minute)
+	m := newOutputReplay(replayEntryBytes+250, time.Minute)
 	old := m.begin(meta("old", 0), "s")
 	m.publish(old, big(0), func([]byte) {})
 	m.publish(old, big(1), func([]byte) {})
@@ -110,5 +116,58 @@ func TestStreamReplayWithinItsBudget(t *testing.T) {
 	m.publish(e2, big(0), func([]byte) {})
 	if res, known, err := m.resend("new", 1, 0, func(string, []byte) {}); !known || err != nil || res.n != 1 {
 		t.Errorf("new attempt: %+v %v %v; want its one output", res, known, err)
+	}
+}
+
+// TestOutputReplayKeepsAnAnswerUntilItsServerConfirmedIt: an answer not
+// streamed is kept after its end until the driver's server confirmed what
+// was published deliveryMargin after it, then forgotten at once.
+func TestOutputReplayKeepsAnAnswerUntilItsServerConfirmedIt(t *testing.T) {
+	m := newOutputReplay(1<<20, time.Minute)
+	now := time.Now()
+	e := m.begin(&messages.ReqMeta{ReqID: "a1"}, "s")
+	m.publish(e, out(0), func([]byte) {})
+	m.end(e, now)
+	m.expire(now.Add(time.Hour))
+	if len(m.byID) != 1 {
+		t.Fatal("an unconfirmed answer forgotten")
+	}
+	m.confirm(now.Add(deliveryMargin - time.Millisecond))
+	if len(m.byID) != 1 {
+		t.Fatal("an answer forgotten within deliveryMargin of its confirmation")
+	}
+	m.confirm(now.Add(deliveryMargin + time.Millisecond))
+	if m.bytes != 0 || len(m.byID) != 0 || len(m.answered) != 0 {
+		t.Errorf("after its confirmation: %d bytes, %d ids, %d answered; want empty", m.bytes, len(m.byID), len(m.answered))
+	}
+}
+
+// TestOutputReplaySendsAgainWhatItsServerDidNotConfirm: after a reconnect
+// the outputs published since the last confirmation less deliveryMargin
+// go out again, those before it do not; of streams and answers alike.
+func TestOutputReplaySendsAgainWhatItsServerDidNotConfirm(t *testing.T) {
+	m := newOutputReplay(1<<20, time.Minute)
+	at := m.base
+	m.clock = func() time.Time { return at }
+	stream := m.begin(meta("s1", 0), "kvbus.out.fe")
+	answer := m.begin(&messages.ReqMeta{ReqID: "a1"}, "kvbus.out.fe")
+	old := m.begin(&messages.ReqMeta{ReqID: "a0"}, "kvbus.out.fe")
+	m.publish(old, []byte("a0"), func([]byte) {})
+	m.end(old, at)
+	m.publish(stream, out(0), func([]byte) {})
+	at = at.Add(5 * time.Second)
+	m.confirm(at) // everything above reached the server
+	at = at.Add(deliveryMargin / 2)
+	m.publish(stream, out(1), func([]byte) {}) // within the margin: sent again
+	at = at.Add(time.Second)
+	m.publish(stream, out(2), func([]byte) {})
+	m.publish(answer, []byte("a1"), func([]byte) {})
+	m.end(answer, at)
+	var again sent
+	outputs, requests := m.unconfirmed(again.resend)
+	sort.Strings(again.data)
+	want := []string{"kvbus.out.fe:a1", "kvbus.out.fe:o1", "kvbus.out.fe:o2"}
+	if fmt.Sprint(again.data) != fmt.Sprint(want) || outputs != 3 || requests != 2 {
+		t.Errorf("sent again %q (%d outputs of %d requests); want %q of 2", again.data, outputs, requests, want)
 	}
 }

@@ -204,7 +204,7 @@ type engineFlags struct {
 	SaveWait         time.Duration `name:"save-wait" positive:"" default:"2s" help:"How long a load waits for a block this rank is still saving (the previous turn's); past it the block is recomputed."`
 	DrainHandoff     string        `name:"drain-handoff" default:"512MiB" help:"When a group is scaled down, each of its ranks hands up to this much of its most recently used blocks (whole sessions; a size or tokens) to the same rank of other ready groups before it exits, so its conversations keep their cache; 0 turns it off."`
 	DefaultMaxTokens int           `name:"default-max-tokens" positive:"" default:"256" help:"Sim engine: max tokens when a request sets none."`
-	StreamReplay     string        `name:"stream-replay" default:"64MiB" help:"A driver rank keeps the outputs of its streamed answers, up to this size and for 10 s after each ends, to send again those a frontend lost on the bus (a NATS server of a cluster stopped): the client's stream goes on instead of ending with output_lost; 0 keeps none."`
+	StreamReplay     string        `name:"stream-replay" default:"64MiB" help:"A driver rank keeps the outputs of its answers, up to this size, to send again those lost on the bus (a NATS server of a cluster stopped): a stream's for 10 s after it ends, so that a frontend that lost some can ask for them and the client's stream goes on instead of ending with output_lost; every answer's until its NATS server confirmed it, sent again after the driver's own reconnect instead of waiting for --request-timeout; 0 keeps none."`
 }
 
 // checkSizes reports a bad --model-profile, --kv-capacity or
