@@ -1061,9 +1061,14 @@ func (g *generation) stream(w http.ResponseWriter, ctx context.Context, deadline
 	_, _ = fmt.Fprint(w, "data: [DONE]\n\n")
 	u := g.usage()
 	msg := "request completed"
+	// A stream that ended with an error event counts under that error's
+	// status, not the 200 its headers said: an alert on the share of 5xx
+	// sees the streams that failed.
+	status := http.StatusOK
 	for _, c := range g.choices {
-		if c.err != nil { // logged as it went out; this line must not say it completed
+		if c.err != nil && status == http.StatusOK { // logged as it went out; this line must not say it completed
 			msg = "request ended with an error after its stream began"
+			status = c.err.Status
 		}
 	}
 	if msg == "request completed" { // vLLM counts a request that failed in no success series
@@ -1071,7 +1076,7 @@ func (g *generation) stream(w http.ResponseWriter, ctx context.Context, deadline
 	}
 	logsink.Info(g.log, msg, "stream", true, "prompt_tokens", u.PromptTokens, "cached_tokens", u.PromptTokensDetails.CachedTokens,
 		"completion_tokens", u.CompletionTokens, "ms", time.Since(g.start).Milliseconds())
-	return http.StatusOK
+	return status
 }
 
 // failedFirst returns the error of a request whose choices all ended in

@@ -292,6 +292,12 @@ func TestStreamUnderWayGetsLostOutputsAgain(t *testing.T) {
 	if n := resends(off); n != 1 {
 		t.Errorf("resends without the driver's memory %v; want 1 (asked, nobody answered)", n)
 	}
+	// Counted as the failure it is, though its headers said 200.
+	for status, want := range map[string]float64{"200": 0, "503": 1} {
+		if n := testenv.CounterSum(t, off.Registry, "kvbus_frontend_requests_total", map[string]string{"status": status}); n != want {
+			t.Errorf("kvbus_frontend_requests_total{status=%q} %v after the stream that failed; want %v", status, n, want)
+		}
+	}
 }
 
 // TestSlowStreamHeardNothingAfterAReconnectGoesOn: a stream under way when
