@@ -753,7 +753,7 @@ func (g *generation) next(ctx context.Context, timer *time.Timer) ([]choiceOutpu
 			for _, it := range items {
 				c := g.choices[it.choice]
 				if it.resend != nil {
-					if it.out = g.resendAnswered(c, it.resend); it.out == nil {
+					if it.out = g.resendAnswered(it.choice, it.resend); it.out == nil {
 						continue
 					}
 				}

@@ -3,6 +3,7 @@ package frontend_test
 import (
 	"net/http"
 	"strings"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -183,5 +184,78 @@ func TestEngineModeServesTheEnginesModelsAndLimits(t *testing.T) {
 	status, _, resp = testenv.Send(t, http.MethodPost, fe.url+"/v1/chat/completions", `{"model":"nobody/serves","messages":[{"role":"user","content":"hi"}]}`, nil)
 	if status != http.StatusNotFound || !strings.Contains(string(resp), "kvbus-sim, org/served-model") {
 		t.Errorf("unknown model: %d %s; want a 404 naming the served models", status, resp)
+	}
+}
+
+// TestOutputsSentAgainAndLostAgainAreAskedOnceMore: a stream skips an
+// index; its driver answers the frontend's Resend but the outputs it sent
+// again are lost on the bus too (here: not published at all). The frontend
+// asks once more resendWait after the answer, and the stream ends whole;
+// before, it waited for its deadline.
+func TestOutputsSentAgainAndLostAgainAreAskedOnceMore(t *testing.T) {
+	fe := startFrontend(t, func(c *frontend.Config) { c.RequestTimeout = 20 * time.Second })
+	outs := []*messages.Output{{Index: 0, Text: "a"}, {Index: 1, Text: "b"}, {Index: 2, Text: "c"}, {Index: 3, FinishReason: "length"}}
+	subj := messages.Subjects{Prefix: "kvbus"}
+	nc, err := nats.Connect(fe.natsURL)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(nc.Close)
+	publish := func(frontendID, id string, outs ...*messages.Output) {
+		for _, o := range outs {
+			o.ReqID = id
+			data, err := messages.Marshal(o)
+			if err == nil {
+				err = nc.Publish(subj.Out(frontendID), data)
+			}
+			if err != nil {
+				t.Error(err)
+			}
+		}
+	}
+	var frontendID atomic.Value // the subscriptions' callbacks run on goroutines of their own
+	if _, err := nc.Subscribe(subj.RequestAll(), func(m *nats.Msg) {
+		req, err := messages.DecodeRequest(m.Data)
+		if err != nil {
+			t.Error(err)
+			return
+		}
+		frontendID.Store(req.FrontendID)
+		publish(req.FrontendID, req.RequestID, outs[0], outs[2]) // index 1 lost
+	}); err != nil {
+		t.Fatal(err)
+	}
+	var asks atomic.Int32
+	if _, err := nc.Subscribe(subj.Resend(), func(m *nats.Msg) {
+		rs, err := messages.DecodeResend(m.Data)
+		if err != nil {
+			t.Error(err)
+			return
+		}
+		if asks.Add(1) > 1 { // the first time, what it sends again is lost
+			publish(frontendID.Load().(string), rs.ReqID, outs[rs.FromIndex:]...)
+		}
+		data, _ := messages.Marshal(&messages.ResendReply{Resent: len(outs) - rs.FromIndex, Done: true})
+		_ = m.Respond(data)
+	}); err != nil {
+		t.Fatal(err)
+	}
+	if err := nc.Flush(); err != nil {
+		t.Fatal(err)
+	}
+	start := time.Now()
+	status, _, body := testenv.Send(t, http.MethodPost, fe.url+"/v1/chat/completions", chatHi+`,"stream":true}`, nil)
+	took := time.Since(start)
+	text := ""
+	for _, c := range []string{"a", "b", "c"} {
+		if strings.Contains(string(body), `"content":"`+c+`"`) {
+			text += c
+		}
+	}
+	if status != http.StatusOK || text != "abc" || strings.Contains(string(body), `"error"`) || !strings.HasSuffix(string(body), "data: [DONE]\n\n") {
+		t.Fatalf("%d after %s: %s; want the whole stream abc", status, took, body)
+	}
+	if n := asks.Load(); n != 2 {
+		t.Errorf("the driver was asked %d times; want 2 (the outputs it sent the first time were lost)", n)
 	}
 }

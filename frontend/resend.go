@@ -28,12 +28,15 @@ const resendWait = 2 * time.Second
 const maxResends = 3
 
 // resendOutcome is a driver's answer to a Resend, as the generation's
-// queue carries it.
+// queue carries it; or, with check set, the look resendWait after an
+// answer at whether the outputs sent again arrived.
 type resendOutcome struct {
 	busID   string
 	attempt int
 	n       int    // outputs sent again
 	err     string // none could be: why
+	ask     int    // the choice's ask it answers (choiceState.resends)
+	check   bool
 }
 
 // resend asks the driver of choice i for its outputs again from the first
@@ -54,9 +57,9 @@ func (g *generation) resend(i int, why string) bool {
 	g.s.m.resends.Inc()
 	g.log.Warn("outputs of a stream under way lost on the bus; asking its driver to send them again",
 		"choice", i, "why", why, "req_id", rs.ReqID, "from_index", rs.FromIndex)
-	conn, subject, q := g.s.cfg.Conn, g.s.cfg.Subjects.Resend(), g.q
+	conn, subject, q, ask := g.s.cfg.Conn, g.s.cfg.Subjects.Resend(), g.q, c.resends
 	go func() {
-		out := &resendOutcome{busID: rs.ReqID, attempt: rs.Attempt}
+		out := &resendOutcome{busID: rs.ReqID, attempt: rs.Attempt, ask: ask}
 		msg, err := conn.Request(subject, data, resendWait)
 		var reply *messages.ResendReply
 		if err == nil {
@@ -77,19 +80,31 @@ func (g *generation) resend(i int, why string) bool {
 	return true
 }
 
-// resendAnswered applies a driver's answer to choice c: nil when the stream
+// resendAnswered applies a driver's answer to choice i: nil when the stream
 // goes on (the outputs come again, or none were missing), or the error
 // output that ends it when they cannot come.
-func (g *generation) resendAnswered(c *choiceState, r *resendOutcome) *messages.Output {
-	if c.done || !c.resending || r.busID != c.busID || r.attempt != c.attempt {
+func (g *generation) resendAnswered(i int, r *resendOutcome) *messages.Output {
+	c := g.choices[i]
+	if c.done || !c.resending || r.busID != c.busID || r.attempt != c.attempt || r.ask != c.resends {
 		return nil // an answer to an older ask, or outputs came since
 	}
-	if r.err == "" {
-		if r.n == 0 {
-			// Nothing after nextIndex yet: the request runs on, and
-			// its next output is the one wanted.
-			c.resending = false
+	switch {
+	case r.check:
+		// The outputs sent again reach the frontend before the answer
+		// (one publisher, one connection): none in resendWait after it
+		// were lost on the bus too, and are asked for once more.
+		if g.resend(i, "the outputs sent again were lost too") {
+			return nil
 		}
+		r.err = fmt.Sprintf("they were lost again each of the %d times its driver sent them", maxResends)
+	case r.err == "" && r.n == 0:
+		// Nothing after nextIndex yet: the request runs on, and its
+		// next output is the one wanted.
+		c.resending = false
+		return nil
+	case r.err == "":
+		check := &resendOutcome{busID: r.busID, attempt: r.attempt, ask: r.ask, check: true}
+		time.AfterFunc(resendWait, func() { g.q.pushResend(i, check) })
 		return nil
 	}
 	c.resending = false
