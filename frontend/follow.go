@@ -1,0 +1,404 @@
+package frontend
+
+import (
+	"bytes"
+	"context"
+	"fmt"
+	"math"
+	"net/http"
+	"strconv"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/kvbus/kvbus/messages"
+)
+
+// A generation's outputs: the queue the NATS callback fills, each
+// choice's state, and following them — taking a choice's outputs in index
+// order, an attempt moved to another group, a request asked again when
+// its answer was lost on the bus (askAgain, settleHedge), and aborting
+// what the client no longer waits for.
+
+// outputQueue collects the Outputs of one HTTP request's bus requests. The
+// NATS callback pushes without blocking; the HTTP handler pops.
+type outputQueue struct {
+	mu     sync.Mutex
+	items  []choiceOutput
+	signal chan struct{}
+	// pushed counts the outputs pushed (lostOutputs compares it across a
+	// reconnect).
+	pushed atomic.Int64
+}
+
+type choiceOutput struct {
+	choice int
+	out    *messages.Output
+	// resend, instead of an output, is the driver's answer to a Resend
+	// (resend.go).
+	resend *resendOutcome
+}
+
+// codeOutputLost is the error code of an answer lost on the bus.
+const codeOutputLost = "output_lost"
+
+func newOutputQueue() *outputQueue { return &outputQueue{signal: make(chan struct{}, 1)} }
+
+func (q *outputQueue) push(choice int, o *messages.Output) {
+	q.pushed.Add(1)
+	q.add(choiceOutput{choice: choice, out: o})
+}
+
+// pushResend queues a driver's answer to a Resend for choice.
+func (q *outputQueue) pushResend(choice int, r *resendOutcome) {
+	q.add(choiceOutput{choice: choice, resend: r})
+}
+
+func (q *outputQueue) add(it choiceOutput) {
+	q.mu.Lock()
+	q.items = append(q.items, it)
+	q.mu.Unlock()
+	select {
+	case q.signal <- struct{}{}:
+	default:
+	}
+}
+
+func (q *outputQueue) pop() []choiceOutput {
+	q.mu.Lock()
+	defer q.mu.Unlock()
+	items := q.items
+	q.items = nil
+	return items
+}
+
+// choiceState follows one choice (one bus request) of an HTTP request.
+type choiceState struct {
+	busID string
+	// attempt is the dispatch attempt whose chunks are taken; started is
+	// set once one of them reached the client, which for a buffered choice
+	// (a non-streamed answer, sent whole at its end) is never.
+	attempt   int
+	started   bool
+	buffered  bool
+	nextIndex int
+	text      strings.Builder
+	// promptTokens is the prompt's length (continuous usage stats).
+	promptTokens int
+	finish       string
+	stopReason   string // the stop string that ended it, if one did
+	usage        messages.Usage
+	done         bool
+	err          *APIError
+	errRaw       []byte // an engine's error body, relayed as it is
+	ttftSeen     bool   // its time to first token was observed
+	// req is the request as published; askedAgain counts the times it was
+	// published again because its answer was lost on the bus (askAgain).
+	req        *messages.Request
+	askedAgain int
+	// hedged, when set, is the bus id of the request busID was asked
+	// again for while it may still answer: the first of the two to send an
+	// output is followed, the other aborted.
+	hedged string
+	// resending: the driver was asked to send lost outputs again from
+	// nextIndex (resend.go); outputs past it are dropped until they come
+	// again, in order. resends counts the asks.
+	resending bool
+	resends   int
+}
+
+// ids returns the bus ids the choice listens to.
+func (c *choiceState) ids() []string {
+	if c.hedged != "" {
+		return []string{c.busID, c.hedged}
+	}
+	return []string{c.busID}
+}
+
+func (g *generation) unregister() {
+	ids := make([]string, 0, len(g.choices))
+	for _, c := range g.choices {
+		ids = append(ids, c.ids()...)
+	}
+	g.s.unregister(ids)
+}
+
+// abort tells the pipeline to drop the unfinished bus requests.
+func (g *generation) abort(reason string) { g.abortChoices(g.choices, reason) }
+
+// abortChoices tells the pipeline to drop the unfinished bus requests of
+// choices.
+func (g *generation) abortChoices(choices []*choiceState, reason string) {
+	for _, c := range choices {
+		if c.done {
+			continue
+		}
+		for _, id := range c.ids() {
+			g.publishAbort(id, reason)
+		}
+	}
+}
+
+func (g *generation) publishAbort(busID, reason string) {
+	data, err := messages.Marshal(&messages.Abort{ReqID: busID, Reason: reason})
+	if err == nil {
+		err = g.s.cfg.Conn.Publish(g.s.cfg.Subjects.Abort(), data)
+	}
+	if err != nil {
+		g.log.Warn("cannot publish abort", "req_id", busID, "err", err)
+	}
+}
+
+// maxAskAgain is how many times a choice's request is published again
+// because its answer was lost on the bus.
+const maxAskAgain = 2
+
+// askAgain publishes choice i's request again, under a new bus id, when
+// its answer was lost on the bus (a NATS server of a cluster stopped, or
+// the frontend reconnected) before any of it reached the client: the
+// client then gets the whole answer, a little later, instead of a 503
+// output_lost to retry. A request known to be broken (an output index
+// skipped) is aborted and no longer heard; one that only heard nothing
+// since a reconnect (hedge) may be queued, not lost, so it is kept, and
+// the first of the two to send an output is followed (settleHedge). It
+// reports whether the request went out again; not after maxAskAgain
+// times, nor when the deadline or the client leaves no time, nor when the
+// publish fails.
+func (g *generation) askAgain(ctx context.Context, i int, why string, hedge bool) bool {
+	c := g.choices[i]
+	if c.req == nil || c.askedAgain >= maxAskAgain || ctx.Err() != nil ||
+		(c.req.DeadlineUnixMs > 0 && time.Now().UnixMilli() >= c.req.DeadlineUnixMs) {
+		return false
+	}
+	old := c.busID
+	req := *c.req
+	c.askedAgain++
+	req.RequestID = c.req.RequestID + "-again" + strconv.Itoa(c.askedAgain)
+	g.s.register(req.RequestID, g.q, i)
+	if err := g.s.publish(ctx, &req); err != nil {
+		g.s.unregister([]string{req.RequestID})
+		g.log.Warn("answer lost on the bus; cannot publish the request again, it ends with an error", "choice", i, "why", why, "err", err)
+		return false
+	}
+	if c.hedged != "" { // a third id: the oldest is given up
+		g.dropRequest(c.hedged, "asked again as "+req.RequestID)
+	}
+	c.hedged = ""
+	if hedge {
+		c.hedged = old
+	} else {
+		g.dropRequest(old, "answer lost on the bus; asked again as "+req.RequestID)
+	}
+	g.log.Warn("answer lost on the bus before any of it reached the client; asked again", "choice", i, "why", why,
+		"lost_req_id", old, "new_req_id", req.RequestID, "kept", hedge)
+	g.s.m.askedAgain.Inc()
+	c.busID, c.attempt, c.nextIndex, c.started = req.RequestID, 0, 0, false
+	c.text.Reset()
+	c.usage = messages.Usage{}
+	if g.engineID != nil { // the engine names its answer after the bus id
+		g.engineID = bytes.Replace(g.engineID, []byte(old), []byte(req.RequestID), 1)
+	}
+	return true
+}
+
+// settleHedge follows the request that sent the choice's first output
+// since it was asked again, and aborts the other.
+func (g *generation) settleHedge(c *choiceState, from string) {
+	loser := c.hedged
+	if from == c.hedged {
+		loser = c.busID
+		if g.engineID != nil {
+			g.engineID = bytes.Replace(g.engineID, []byte(c.busID), []byte(from), 1)
+		}
+		c.busID = from
+	}
+	c.hedged = ""
+	g.dropRequest(loser, "a copy of it answered first: "+from)
+}
+
+// dropRequest stops hearing a bus request and aborts it.
+func (g *generation) dropRequest(busID, reason string) {
+	g.s.unregister([]string{busID})
+	g.publishAbort(busID, reason)
+}
+
+// follow decides whether o, of any attempt, belongs to the answer. Chunks
+// of an attempt older than the one followed are dropped (its group was
+// abandoned); a newer attempt is followed from its index 0 if nothing
+// reached the client yet (what a buffered choice holds of the old one is
+// dropped); once output started, a newer attempt's chunks cannot be
+// spliced into it, so the answer ends with an explicit error (an error
+// chunk of any newer attempt ends it too).
+func (c *choiceState) follow(o *messages.Output) bool {
+	switch {
+	case o.Attempt == c.attempt:
+	case o.Attempt < c.attempt:
+		return false
+	case o.Error != nil:
+		c.attempt = o.Attempt
+	case !c.started:
+		c.attempt, c.nextIndex = o.Attempt, 0
+		c.text.Reset()
+		c.usage = messages.Usage{}
+	default:
+		c.attempt = o.Attempt
+		o.Text, o.TokenIDs, o.FinishReason, o.Raw = "", nil, "", nil
+		o.Error = &messages.OutputError{Code: "group_failed",
+			Message: "the request moved to another worker group after its answer had begun; retry the request"}
+	}
+	c.started = !c.buffered
+	return true
+}
+
+// next waits for outputs and applies them; it returns the choices that
+// changed, or an error when the client left or the deadline passed.
+func (g *generation) next(ctx context.Context, timer *time.Timer) ([]choiceOutput, *APIError) {
+	for {
+		if items := g.q.pop(); len(items) > 0 {
+			var fresh []choiceOutput
+			for _, it := range items {
+				c := g.choices[it.choice]
+				if it.resend != nil {
+					if it.out = g.resendAnswered(it.choice, it.resend); it.out == nil {
+						continue
+					}
+				}
+				o := it.out
+				if c.done || o.ReqID != c.busID && o.ReqID != c.hedged {
+					continue // of a request asked again
+				}
+				if o.Attempt == math.MaxInt32 { // endLost's verdict
+					if o.ReqID != c.busID {
+						continue // on the copy kept beside the newest: that one is waited for
+					}
+					if c.started && g.resend(it.choice, "nothing heard after a NATS reconnect") {
+						continue
+					}
+				} else if c.hedged != "" {
+					g.settleHedge(c, o.ReqID)
+				}
+				started := c.started
+				if !c.follow(o) || (o.Index < c.nextIndex && !o.Final()) {
+					continue // duplicate, late, or of an abandoned attempt
+				}
+				gap := o.Index > c.nextIndex && o.Error == nil
+				if c.resending && o.Error == nil {
+					if gap {
+						continue // the driver sends it again, after the ones missing
+					}
+					c.resending = false // caught up
+				}
+				if started && gap && g.resend(it.choice, "an output index skipped") {
+					continue
+				}
+				if !started && (gap || o.Error != nil && o.Error.Code == codeOutputLost) {
+					why := "an output index skipped"
+					if !gap {
+						why = "nothing heard after a NATS reconnect"
+					}
+					// Nothing heard may be a queued request: kept.
+					if g.askAgain(ctx, it.choice, why, !gap) {
+						continue
+					}
+				}
+				if gap {
+					// Outputs in between were lost on the bus (core NATS
+					// keeps order, so a gap is a loss): the answer would
+					// silently miss part of its text.
+					g.log.Warn("outputs lost on the bus; the answer ends with an error", "choice", it.choice,
+						"want_index", c.nextIndex, "got_index", o.Index)
+					o.Text, o.TokenIDs, o.FinishReason, o.Raw = "", nil, "", nil
+					o.Error = &messages.OutputError{Code: codeOutputLost, Message: "part of the answer was lost on the bus; retry the request"}
+				}
+				c.nextIndex = o.Index + 1
+				if g.engineID != nil && len(o.Raw) > 0 {
+					// vLLM names its answer after the X-Request-Id it got:
+					// the bus id, unique (see generate). The client gets
+					// the id it asked for, as from vLLM itself.
+					o.Raw = bytes.Replace(o.Raw, g.engineID, g.clientID, 1)
+				}
+				now := time.Now()
+				if g.firstByte.IsZero() { // the HTTP request's first output
+					g.firstByte = now
+					g.vm.waiting.Dec()
+					g.vm.running.Inc()
+				}
+				// TTFT is the time to a first token: an error (an engine's
+				// 500, group_failed) is none, and an engine's whole answer
+				// took the whole request (its e2e latency).
+				if o.Error == nil && !g.wholeAnswer {
+					if !c.ttftSeen {
+						c.ttftSeen = true
+						g.s.m.ttft.WithLabelValues(g.endpoint, g.model).Observe(now.Sub(g.start).Seconds())
+					}
+					if !g.ttftSeen {
+						g.ttftSeen = true
+						g.vm.ttft.Observe(now.Sub(g.start).Seconds())
+					}
+				}
+				c.text.WriteString(o.Text)
+				if o.Usage != nil {
+					c.usage = *o.Usage
+				}
+				if o.Error != nil {
+					c.done, c.err = true, outputError(o.Error.Code, o.Error.Message)
+					if o.Error.Status >= 400 && o.Error.Status < 600 { // an engine's own answer
+						c.err.Status, c.errRaw = o.Error.Status, o.Error.Raw
+					}
+				} else if o.FinishReason != "" {
+					c.done, c.finish, c.stopReason = true, o.FinishReason, o.StopReason
+				}
+				fresh = append(fresh, it)
+			}
+			if len(fresh) > 0 {
+				return fresh, nil
+			}
+			continue
+		}
+		select {
+		case <-g.q.signal:
+		case <-ctx.Done():
+			g.log.Info("client disconnected; aborting request")
+			g.abort("client disconnected")
+			return nil, &APIError{Status: 499, Type: typeInvalidRequest, Message: "client disconnected"}
+		case <-g.s.stopNow:
+			g.log.Warn("request cut off: the frontend stopped before it was answered (--stop-timeout)", "stop_timeout", g.s.cfg.StopTimeout)
+			g.abort("frontend stopped")
+			return nil, &APIError{Status: http.StatusServiceUnavailable, Type: typeUnavailable, Code: "shutting_down", RetryAfter: 1,
+				Message: fmt.Sprintf("this frontend stopped before the answer was finished (--stop-timeout %s); retry the request on another one", g.s.cfg.StopTimeout)}
+		case <-timer.C:
+			g.log.Warn("request timed out", "timeout", g.s.cfg.RequestTimeout)
+			g.abort(messages.AbortReasonTimeout)
+			return nil, &APIError{Status: http.StatusGatewayTimeout, Type: typeTimeout, Code: "timeout",
+				Message: fmt.Sprintf("request did not complete within %s (--request-timeout)", g.s.cfg.RequestTimeout)}
+		}
+	}
+}
+
+func (g *generation) allDone() bool {
+	for _, c := range g.choices {
+		if !c.done {
+			return false
+		}
+	}
+	return true
+}
+
+func (g *generation) usage() usageJSON {
+	u := usageJSON{PromptTokensDetails: &promptTokensDetails{}}
+	for _, c := range g.choices {
+		u.PromptTokens += c.usage.PromptTokens
+		u.CompletionTokens += c.usage.CompletionTokens
+		u.PromptTokensDetails.CachedTokens += c.usage.CachedTokens
+	}
+	u.TotalTokens = u.PromptTokens + u.CompletionTokens
+	return u
+}
+
+// usageSoFar is one choice's usage on a streamed chunk (vLLM's continuous
+// usage stats): its prompt and the completion tokens streamed so far, and
+// no prompt_tokens_details, which vLLM leaves out there.
+func (c *choiceState) usageSoFar(completion int) *usageJSON {
+	return &usageJSON{PromptTokens: c.promptTokens, CompletionTokens: completion, TotalTokens: c.promptTokens + completion}
+}

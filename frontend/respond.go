@@ -1,0 +1,264 @@
+package frontend
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"net/http"
+	"time"
+
+	"github.com/kvbus/kvbus/internal/logsink"
+	"github.com/kvbus/kvbus/messages"
+)
+
+// Writing a generation's answer: one JSON response (respond) or an SSE
+// stream (stream), in OpenAI's and vLLM's shapes.
+
+// respond waits for every choice and writes one JSON response.
+func (g *generation) respond(w http.ResponseWriter, ctx context.Context, deadline time.Time) int {
+	timer := time.NewTimer(time.Until(deadline))
+	defer timer.Stop()
+	for !g.allDone() {
+		if _, err := g.next(ctx, timer); err != nil {
+			if err.Status != 499 {
+				writeError(w, err)
+			}
+			return err.Status
+		}
+	}
+	for _, c := range g.choices {
+		if c.err != nil {
+			g.log.Warn("request failed", "code", c.err.Code, "err", c.err.Message)
+			writeError(w, c.err)
+			return c.err.Status
+		}
+	}
+	resp := completionJSON{ID: g.id, Created: g.created, Model: g.model, Usage: ptr(g.usage())}
+	for i, c := range g.choices {
+		ch := choiceJSON{Index: i, FinishReason: ptr(c.finish), StopReason: stopReason(c.stopReason)}
+		if g.endpoint == messages.EndpointChat {
+			resp.Object = "chat.completion"
+			ch.Message = &messageJSON{Role: "assistant", Content: ptr(c.text.String())}
+		} else {
+			resp.Object = "text_completion"
+			ch.Text = ptr(c.text.String())
+		}
+		resp.Choices = append(resp.Choices, ch)
+	}
+	u := resp.Usage
+	g.vm.finished(u.PromptTokens, u.CompletionTokens, u.PromptTokensDetails.CachedTokens, g.choices[0].finish, time.Since(g.start).Seconds())
+	logsink.Info(g.log, "request completed", "prompt_tokens", u.PromptTokens, "cached_tokens", u.PromptTokensDetails.CachedTokens,
+		"completion_tokens", u.CompletionTokens, "ms", time.Since(g.start).Milliseconds())
+	writeJSON(w, http.StatusOK, resp)
+	return http.StatusOK
+}
+
+// stream writes server-sent events as outputs arrive. The status line, the
+// headers and the role chunk wait for the request's first output: an error
+// before it (no ready group, overloaded, a timeout) is answered with its
+// HTTP status, as without streaming, so that clients and SDKs retry a 503
+// or 429 as they would any other.
+//
+// With continuousUsage every chunk but the usage one carries the usage of
+// its choice so far, the role chunk included, as vLLM's do.
+func (g *generation) stream(w http.ResponseWriter, ctx context.Context, deadline time.Time, includeUsage, continuousUsage bool) int {
+	flusher, _ := w.(http.Flusher)
+	send := func(v any) {
+		b, _ := json.Marshal(v)
+		_, _ = fmt.Fprintf(w, "data: %s\n\n", b)
+	}
+	flush := func() {
+		if flusher != nil {
+			flusher.Flush()
+		}
+	}
+	object := "text_completion"
+	if g.endpoint == messages.EndpointChat {
+		object = "chat.completion.chunk"
+	}
+	started := false
+	begin := func() {
+		started = true
+		h := w.Header()
+		h.Set("Content-Type", "text/event-stream")
+		h.Set("Cache-Control", "no-cache")
+		h.Set("Connection", "keep-alive")
+		w.WriteHeader(http.StatusOK)
+		if g.endpoint == messages.EndpointChat {
+			// vLLM and OpenAI open with the role. Like vLLM, it goes out
+			// with the first output, in the same write.
+			for i, c := range g.choices {
+				chunk := completionJSON{ID: g.id, Object: object, Created: g.created, Model: g.model,
+					Choices: []choiceJSON{{Index: i, Delta: &messageJSON{Role: "assistant", Content: ptr("")}}}}
+				if continuousUsage {
+					chunk.Usage = c.usageSoFar(0)
+				}
+				send(chunk)
+			}
+		}
+	}
+	// completion counts each choice's tokens streamed so far.
+	var completion []int
+	if continuousUsage {
+		completion = make([]int, len(g.choices))
+	}
+	timer := time.NewTimer(time.Until(deadline))
+	defer timer.Stop()
+	for !g.allDone() {
+		items, err := g.next(ctx, timer)
+		switch {
+		case err != nil && !started:
+			if err.Status != 499 {
+				writeError(w, err)
+			}
+			return err.Status
+		case err != nil:
+			if err.Status != 499 {
+				send(err.body())
+				_, _ = fmt.Fprint(w, "data: [DONE]\n\n") // flushed with the body's end
+			}
+			return err.Status
+		case !started:
+			if e := g.failedFirst(); e != nil {
+				g.log.Warn("request failed", "code", e.Code, "err", e.Message)
+				writeError(w, e)
+				return e.Status
+			}
+			begin()
+		}
+		for _, it := range items {
+			c, o := g.choices[it.choice], it.out
+			if o.Error != nil { // the choice's error (text that came before it in the batch went out)
+				g.log.Warn("request failed while streaming", "code", c.err.Code, "err", c.err.Message)
+				send(c.err.body())
+				continue
+			}
+			if continuousUsage {
+				completion[it.choice] += len(o.TokenIDs)
+				if o.FinishReason != "" && o.Usage != nil {
+					completion[it.choice] = o.Usage.CompletionTokens // the engine's count
+				}
+			}
+			if o.Text == "" && o.FinishReason == "" {
+				continue
+			}
+			ch := choiceJSON{Index: it.choice}
+			if o.FinishReason != "" {
+				ch.FinishReason = ptr(o.FinishReason)
+			}
+			if g.endpoint == messages.EndpointChat {
+				ch.Delta = &messageJSON{}
+				if o.Text != "" {
+					ch.Delta.Content = ptr(o.Text)
+				}
+				if o.FinishReason != "" { // vLLM sets it on the finishing chunk only
+					ch.StopReason = stopReason(o.StopReason)
+				}
+			} else {
+				ch.Text = ptr(o.Text)
+				ch.StopReason = stopReason(o.StopReason) // null until the end, on every chunk
+			}
+			chunk := completionJSON{ID: g.id, Object: object, Created: g.created, Model: g.model, Choices: []choiceJSON{ch}}
+			if continuousUsage {
+				chunk.Usage = c.usageSoFar(completion[it.choice])
+			}
+			send(chunk)
+		}
+		if !g.allDone() { // the last events go out with [DONE], in one write
+			flush()
+		}
+	}
+	if !started {
+		begin()
+	}
+	if includeUsage {
+		send(completionJSON{ID: g.id, Object: object, Created: g.created, Model: g.model, Choices: []choiceJSON{}, Usage: ptr(g.usage())})
+	}
+	// Not flushed: net/http flushes it with the chunked body's end when
+	// the handler returns, in one write where a flush here made two.
+	_, _ = fmt.Fprint(w, "data: [DONE]\n\n")
+	u := g.usage()
+	msg := "request completed"
+	// A stream that ended with an error event counts under that error's
+	// status, not the 200 its headers said: an alert on the share of 5xx
+	// sees the streams that failed.
+	status := http.StatusOK
+	for _, c := range g.choices {
+		if c.err != nil && status == http.StatusOK { // logged as it went out; this line must not say it completed
+			msg = "request ended with an error after its stream began"
+			status = c.err.Status
+		}
+	}
+	if msg == "request completed" { // vLLM counts a request that failed in no success series
+		g.vm.finished(u.PromptTokens, u.CompletionTokens, u.PromptTokensDetails.CachedTokens, g.choices[0].finish, time.Since(g.start).Seconds())
+	}
+	logsink.Info(g.log, msg, "stream", true, "prompt_tokens", u.PromptTokens, "cached_tokens", u.PromptTokensDetails.CachedTokens,
+		"completion_tokens", u.CompletionTokens, "ms", time.Since(g.start).Milliseconds())
+	return status
+}
+
+// failedFirst returns the error of a request whose choices all ended in
+// errors before any text: nothing was streamed, so its status can still
+// say so.
+func (g *generation) failedFirst() *APIError {
+	for _, c := range g.choices {
+		if c.err == nil || c.text.Len() > 0 {
+			return nil
+		}
+	}
+	return g.choices[0].err
+}
+
+// OpenAI response shapes.
+type completionJSON struct {
+	ID      string       `json:"id"`
+	Object  string       `json:"object"`
+	Created int64        `json:"created"`
+	Model   string       `json:"model"`
+	Choices []choiceJSON `json:"choices"`
+	Usage   *usageJSON   `json:"usage,omitempty"`
+}
+
+type choiceJSON struct {
+	Index        int          `json:"index"`
+	Message      *messageJSON `json:"message,omitempty"`
+	Delta        *messageJSON `json:"delta,omitempty"`
+	Text         *string      `json:"text,omitempty"`
+	Logprobs     *struct{}    `json:"logprobs"`
+	FinishReason *string      `json:"finish_reason"`
+	// StopReason is vLLM's stop_reason: the stop string or token id that
+	// ended the choice, JSON null when it ended otherwise; left out where
+	// vLLM leaves it out (a chat chunk that does not finish).
+	StopReason json.RawMessage `json:"stop_reason,omitempty"`
+}
+
+// stopReason is vLLM's stop_reason of a finished choice: the stop string
+// that ended it (the engine says which), else JSON null.
+func stopReason(stop string) json.RawMessage {
+	if stop != "" {
+		if b, err := json.Marshal(stop); err == nil {
+			return b
+		}
+	}
+	return json.RawMessage("null")
+}
+
+type messageJSON struct {
+	Role    string  `json:"role,omitempty"`
+	Content *string `json:"content,omitempty"`
+}
+
+type usageJSON struct {
+	PromptTokens     int `json:"prompt_tokens"`
+	CompletionTokens int `json:"completion_tokens"`
+	TotalTokens      int `json:"total_tokens"`
+	// PromptTokensDetails is on a response's usage, not on a chunk's
+	// continuous usage (vLLM's neither).
+	PromptTokensDetails *promptTokensDetails `json:"prompt_tokens_details,omitempty"`
+}
+
+type promptTokensDetails struct {
+	CachedTokens int `json:"cached_tokens"`
+}
+
+func ptr[T any](v T) *T { return &v }
