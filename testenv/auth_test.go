@@ -53,6 +53,10 @@ func TestPipelineWithKeys(t *testing.T) {
 	tapErr := make(chan error, 1)
 	var tapped logbuf.Buffer
 	go func() { tapErr <- replay.Tap(tapCtx, replay.TapConfig{Conn: observer}, &tapped) }()
+	// Tap subscribes on its own goroutine: the conversations start once it
+	// hears the bus (the ranks' heartbeats), or it may miss the first
+	// request (it did, once, on a loaded host).
+	testenv.Eventually(t, 10*time.Second, "kvbus tap hearing the bus", func() bool { return tapped.String() != "" })
 
 	for conv := range 2 {
 		turns, err := testenv.Conversation{BaseURL: c.URL, Client: client, Model: c.Model, Seed: 900 + conv,
@@ -72,7 +76,7 @@ func TestPipelineWithKeys(t *testing.T) {
 		snap := watcher.Snapshot(time.Now())
 		return len(snap.Groups) == 2 && snap.Finished == 6 && snap.Failed == 0
 	})
-	testenv.Eventually(t, 5*time.Second, "kvbus tap's lines", func() bool {
+	testenv.Eventually(t, 10*time.Second, "kvbus tap's lines", func() bool {
 		out := tapped.String()
 		return strings.Count(out, `"kind":"req"`) == 6 && strings.Count(out, `"kind":"meta"`) >= 6
 	})
