@@ -154,6 +154,10 @@ session token model store load save group rank`)
 const (
 	simTokenBase = 1000
 	simEOSOdds   = 48 // after min_tokens, 1 in simEOSOdds tokens ends the text
+	// simEOSToken is the sim model's end-of-sequence token. As in vLLM, it
+	// is a generated token: it counts in completion_tokens and max_tokens
+	// and is among the output's token ids, but adds no text.
+	simEOSToken = 2
 )
 
 // Generate implements Engine.
@@ -218,6 +222,8 @@ func (e *SimEngine) Generate(ctx context.Context, req EngineRequest, prefilled f
 		}
 		rng = splitmix64(rng)
 		if n >= req.Params.MinTokens && !req.Params.IgnoreEOS && rng%simEOSOdds == 0 {
+			pending = append(pending, simEOSToken)
+			n++
 			finish = FinishStop
 			break
 		}

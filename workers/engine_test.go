@@ -166,17 +166,25 @@ func TestSimEngineStopsEarlyWithoutIgnoreEOS(t *testing.T) {
 		switch {
 		case n < 3:
 			t.Fatalf("prompt %d: %d tokens, below min_tokens 3", i, n)
-		case r.res.FinishReason == FinishStop && n < maxTokens:
+		case r.res.FinishReason == FinishStop && n <= maxTokens:
+			// vLLM counts the EOS token: it is the last token id and
+			// adds no text.
+			if r.tokens[n-1] != simEOSToken || len(strings.Fields(r.text)) != n-1 {
+				t.Fatalf("prompt %d: stopped with token ids ending %d and %d words for %d tokens; want the EOS token %d last and one word per other token",
+					i, r.tokens[n-1], len(strings.Fields(r.text)), n, simEOSToken)
+			}
 			stopped++
 		case r.res.FinishReason == FinishLength && n == maxTokens:
 		default:
 			t.Fatalf("prompt %d: finish %q after %d of %d tokens", i, r.res.FinishReason, n, maxTokens)
 		}
 	}
-	// EOS comes with probability 1/48 per token: about 88% of 100-token
-	// runs stop early.
-	if stopped == 0 {
-		t.Fatal("no prompt out of 50 finished with stop before max_tokens")
+	// EOS comes with probability 1/48 per token after min_tokens: about
+	// 87% of 100-token runs (43.5 of 50, sd 2.4) stop early. The text is a
+	// function of the prompt, so the count is fixed; the bound only says
+	// the odds are what the comment claims.
+	if stopped < 36 || stopped == 50 {
+		t.Fatalf("%d of 50 prompts finished with stop before max_tokens; want about 43", stopped)
 	}
 }
 
