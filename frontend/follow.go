@@ -175,6 +175,7 @@ func (g *generation) askAgain(ctx context.Context, i int, why string, hedge bool
 	req := *c.req
 	c.askedAgain++
 	req.RequestID = c.req.RequestID + "-again" + strconv.Itoa(c.askedAgain)
+	req.AgainOf = c.req.RequestID // the same turn of its session
 	g.s.register(req.RequestID, g.q, i)
 	if err := g.s.publish(ctx, &req); err != nil {
 		g.s.unregister([]string{req.RequestID})

@@ -46,6 +46,7 @@ func sampleRequest() *Request {
 			"none":              nil,
 		},
 		Endpoint: EndpointChat,
+		AgainOf:  "req-0000",
 	}
 }
 

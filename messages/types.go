@@ -48,6 +48,11 @@ type Request struct {
 	// passes it to the engine so that every field the engine supports
 	// keeps working. Empty with the sim engine and for replayed traces.
 	Body []byte `msgpack:"body,omitempty,allownil,limit=8388608" json:"body,omitempty"`
+	// AgainOf is the request id this request asks again for: the frontend
+	// publishes a request again, under a new id, when its answer was lost
+	// on the bus. It is the same turn of its session, not the next. Empty
+	// for every other request.
+	AgainOf string `msgpack:"again_of,omitempty" json:"again_of,omitempty"`
 }
 
 // SamplingParams is the subset of vLLM's SamplingParams that kvbus carries.

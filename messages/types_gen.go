@@ -3402,8 +3402,8 @@ func (z *ReqMeta) Msgsize() (s int) {
 func (z *Request) MarshalMsg(b []byte) (o []byte, err error) {
 	o = msgp.Require(b, z.Msgsize())
 	// check for omitted fields
-	zb0001Len := uint32(13)
-	var zb0001Mask uint16 /* 13 bits */
+	zb0001Len := uint32(14)
+	var zb0001Mask uint16 /* 14 bits */
 	_ = zb0001Mask
 	if z.SessionID == "" {
 		zb0001Len--
@@ -3420,6 +3420,10 @@ func (z *Request) MarshalMsg(b []byte) (o []byte, err error) {
 	if z.Body == nil {
 		zb0001Len--
 		zb0001Mask |= 0x1000
+	}
+	if z.AgainOf == "" {
+		zb0001Len--
+		zb0001Mask |= 0x2000
 	}
 	// variable map header, size zb0001Len
 	o = append(o, 0x80|uint8(zb0001Len))
@@ -3484,6 +3488,11 @@ func (z *Request) MarshalMsg(b []byte) (o []byte, err error) {
 			// string "body"
 			o = append(o, 0xa4, 0x62, 0x6f, 0x64, 0x79)
 			o = msgp.AppendBytes(o, z.Body)
+		}
+		if (zb0001Mask & 0x2000) == 0 { // if not omitted
+			// string "again_of"
+			o = append(o, 0xa8, 0x61, 0x67, 0x61, 0x69, 0x6e, 0x5f, 0x6f, 0x66)
+			o = msgp.AppendString(o, z.AgainOf)
 		}
 	}
 	return
@@ -3605,6 +3614,12 @@ func (z *Request) UnmarshalMsg(bts []byte) (o []byte, err error) {
 			}
 			copy(z.Body, bts[:zb0002])
 			bts = bts[zb0002:]
+		case "again_of":
+			z.AgainOf, bts, err = msgp.ReadStringBytes(bts)
+			if err != nil {
+				err = msgp.WrapError(err, "AgainOf")
+				return
+			}
 		default:
 			bts, err = msgp.Skip(bts)
 			if err != nil {
@@ -3619,7 +3634,7 @@ func (z *Request) UnmarshalMsg(bts []byte) (o []byte, err error) {
 
 // Msgsize returns an upper bound estimate of the number of bytes occupied by the serialized message
 func (z *Request) Msgsize() (s int) {
-	s = 1 + 2 + msgp.IntSize + 11 + msgp.StringPrefixSize + len(z.RequestID) + 11 + msgp.StringPrefixSize + len(z.SessionID) + 6 + msgp.StringPrefixSize + len(z.Model) + 12 + msgp.StringPrefixSize + len(z.FrontendID) + 16 + msgp.Int64Size + 17 + msgp.Int64Size + 17 + z.PromptTokenIDs.Msgsize() + 16 + z.SamplingParams.Msgsize() + 7 + msgp.BoolSize + 19 + z.KVTransferParams.Msgsize() + 9 + msgp.StringPrefixSize + len(z.Endpoint) + 5 + msgp.BytesPrefixSize + len(z.Body)
+	s = 1 + 2 + msgp.IntSize + 11 + msgp.StringPrefixSize + len(z.RequestID) + 11 + msgp.StringPrefixSize + len(z.SessionID) + 6 + msgp.StringPrefixSize + len(z.Model) + 12 + msgp.StringPrefixSize + len(z.FrontendID) + 16 + msgp.Int64Size + 17 + msgp.Int64Size + 17 + z.PromptTokenIDs.Msgsize() + 16 + z.SamplingParams.Msgsize() + 7 + msgp.BoolSize + 19 + z.KVTransferParams.Msgsize() + 9 + msgp.StringPrefixSize + len(z.Endpoint) + 5 + msgp.BytesPrefixSize + len(z.Body) + 9 + msgp.StringPrefixSize + len(z.AgainOf)
 	return
 }
 

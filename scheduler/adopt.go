@@ -79,10 +79,7 @@ func (s *Scheduler) adoptOne(req *messages.Request, d peerDispatch, from string)
 	// Its binding was recorded at its dispatch: its turn is that binding's
 	// when it is this request's own prefix.
 	if b, ok := s.bindings.Load().GetModel(t.Model, t.SessionID); ok {
-		t.TurnDepth = b.Turn + 1
-		if n := len(t.BlockHashes); b.Blocks == n && (n == 0 || t.BlockHashes[n-1] == b.LastHash) {
-			t.TurnDepth = b.Turn
-		}
+		t.TurnDepth = b.turnOf(t.BlockHashes, true)
 	}
 	ready := forModel(s.groups.ready(now), t.Model)
 	switch {

@@ -343,6 +343,18 @@ func (b Binding) extendedBy(hashes []uint64) bool {
 	return n > 0 && n <= len(hashes) && hashes[n-1] == b.LastHash
 }
 
+// turnOf is the turn number of a request of these block hashes in the
+// session whose latest turn is b's: the next one, or b's own when the
+// request is that turn asked again (a redelivery, a replica's adoption, the
+// frontend's ask again of a lost answer) with b's prompt.
+func (b Binding) turnOf(hashes []uint64, again bool) int {
+	n := len(hashes)
+	if again && b.Blocks == n && (n == 0 || hashes[n-1] == b.LastHash) {
+		return b.Turn
+	}
+	return b.Turn + 1
+}
+
 // follows says whether b, recorded by this replica, comes after the stored
 // binding, and returns the binding to write. A later turn does. So does a
 // prompt of more blocks numbered as the same turn or an earlier one: the

@@ -160,3 +160,30 @@ func TestSessionBindingsLaggingReplicaNumbersTheNextTurn(t *testing.T) {
 		t.Errorf("this replica holds %+v; want turn 3", local)
 	}
 }
+
+// TestBindingTurnOf: a request is the turn after its session's binding,
+// unless it is that turn asked again (redelivered, adopted, or the
+// frontend's copy of a request whose answer was lost) with its prompt.
+func TestBindingTurnOf(t *testing.T) {
+	b := Binding{Blocks: 3, LastHash: 30, Turn: 2}
+	for _, tt := range []struct {
+		name   string
+		hashes []uint64
+		again  bool
+		want   int
+	}{
+		{"the next turn", []uint64{10, 20, 30, 40}, false, 3},
+		{"the next turn, asked again", []uint64{10, 20, 30, 40}, true, 3},
+		{"the same prompt, not asked again (a client's retry is a new request)", []uint64{10, 20, 30}, false, 3},
+		{"the same prompt asked again", []uint64{10, 20, 30}, true, 2},
+		{"as many blocks, another prompt", []uint64{10, 20, 31}, true, 3},
+		{"fewer blocks", []uint64{10, 20}, true, 3},
+	} {
+		if got := b.turnOf(tt.hashes, tt.again); got != tt.want {
+			t.Errorf("%s: turn %d, want %d", tt.name, got, tt.want)
+		}
+	}
+	if got := (Binding{Turn: 1}).turnOf(nil, true); got != 1 {
+		t.Errorf("a prompt shorter than a block asked again after such a turn: turn %d, want 1", got)
+	}
+}

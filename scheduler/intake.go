@@ -103,10 +103,11 @@ func (s *Scheduler) onRequest(ctx context.Context, m jetstream.Msg) error {
 		// from its own seed); else another model's conversation.
 		bound, legacy = false, false
 	}
+	redelivered := mdErr == nil && md.NumDelivered > 1
 	if bound {
-		t.TurnDepth = binding.Turn + 1
+		t.TurnDepth = binding.turnOf(t.BlockHashes, redelivered || req.AgainOf != "")
 	}
-	if mdErr == nil && md.NumDelivered > 1 {
+	if redelivered {
 		// A redelivery: another replica may have dispatched it before it
 		// died. Without its SavePlan, a higher attempt makes sure a second
 		// run is never mixed into the first one's answer.

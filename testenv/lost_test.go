@@ -77,8 +77,9 @@ func TestAnswerLostOnTheBusIsAskedAgain(t *testing.T) {
 	}
 	askedAgain := func() float64 { return testenv.CounterSum(t, c.Registry, "kvbus_frontend_asked_again_total", nil) }
 
+	const session = "lost-conv"
 	seen := loseFirstOutputs(t, c, 1)
-	status, _, out := testenv.Send(t, http.MethodPost, c.URL+"/v1/chat/completions", body(false), nil)
+	status, _, out := testenv.Send(t, http.MethodPost, c.URL+"/v1/chat/completions", body(false), map[string]string{"X-Session-ID": session})
 	var resp struct {
 		Choices []struct {
 			Message struct{ Content string } `json:"message"`
@@ -97,6 +98,16 @@ func TestAnswerLostOnTheBusIsAskedAgain(t *testing.T) {
 	// under the first's id with -again1.
 	if ids := seen(); len(ids) != 2 || ids[1] != ids[0]+"-again1" || askedAgain() != 1 {
 		t.Fatalf("requests published %v, asked again %v; want the request and its -again1, asked again once", ids, askedAgain())
+	}
+	// The copy asked again is the same turn of its session: the next
+	// message is turn 2 (it was numbered 3: the copy counted as turn 2).
+	next := fmt.Sprintf(`{"model":%q,"max_tokens":4,"ignore_eos":true,"messages":[{"role":"user","content":"%s"},{"role":"assistant","content":%q},{"role":"user","content":"and then?"}]}`,
+		c.Model, strings.Repeat("tell me about caches and prefixes ", 20), resp.Choices[0].Message.Content)
+	if status, _, out := testenv.Send(t, http.MethodPost, c.URL+"/v1/chat/completions", next, map[string]string{"X-Session-ID": session}); status != http.StatusOK {
+		t.Fatalf("turn 2: %d %s", status, out)
+	}
+	if b, ok := c.Schedulers[0].Bindings().Get(session); !ok || b.Turn != 2 {
+		t.Errorf("session after turn 2: %+v (bound %v); want turn 2", b, ok)
 	}
 
 	// Streamed, lost before its first chunk: the client gets the whole
