@@ -26,15 +26,16 @@ import (
 // strings, expanded by config: kong's type:"path" made an empty value (an
 // empty KVBUS_NATS_NKEY=, say) the current directory.
 type natsFlags struct {
-	NATSURL      string `name:"nats-url" default:"nats://127.0.0.1:4222" help:"NATS server URL(s), comma-separated."`
-	NATSCreds    string `name:"nats-creds" help:"NATS credentials file (JWT and nkey seed)."`
-	NATSNKey     string `name:"nats-nkey" help:"File holding an nkey seed."`
-	NATSToken    string `name:"nats-token" help:"NATS authentication token."`
-	NATSUser     string `name:"nats-user" help:"NATS user name."`
-	NATSPassword string `name:"nats-password" help:"NATS password (with --nats-user)."`
-	NATSTLSCA    string `name:"nats-tls-ca" help:"CA certificate (PEM) to verify the NATS server."`
-	NATSTLSCert  string `name:"nats-tls-cert" help:"Client certificate (PEM)."`
-	NATSTLSKey   string `name:"nats-tls-key" help:"Client key (PEM)."`
+	NATSURL      string        `name:"nats-url" default:"nats://127.0.0.1:4222" help:"NATS server URL(s), comma-separated."`
+	NATSCreds    string        `name:"nats-creds" help:"NATS credentials file (JWT and nkey seed)."`
+	NATSNKey     string        `name:"nats-nkey" help:"File holding an nkey seed."`
+	NATSToken    string        `name:"nats-token" help:"NATS authentication token."`
+	NATSUser     string        `name:"nats-user" help:"NATS user name."`
+	NATSPassword string        `name:"nats-password" help:"NATS password (with --nats-user)."`
+	NATSTLSCA    string        `name:"nats-tls-ca" help:"CA certificate (PEM) to verify the NATS server."`
+	NATSTLSCert  string        `name:"nats-tls-cert" help:"Client certificate (PEM)."`
+	NATSTLSKey   string        `name:"nats-tls-key" help:"Client key (PEM)."`
+	NATSPing     time.Duration `name:"nats-ping-interval" positive:"" default:"5s" help:"How often to ping the NATS server; a server that answers none of three pings in a row is left for another of the cluster (a host that stopped closes no socket)."`
 }
 
 // config is the connection of a role named name whose reply inboxes start
@@ -45,7 +46,7 @@ func (f natsFlags) config(name, inbox string, log *slog.Logger) bus.Config {
 		URL: f.NATSURL, Name: name, CredsFile: filePath(f.NATSCreds), NKeySeedFile: filePath(f.NATSNKey), Token: f.NATSToken,
 		User: f.NATSUser, Password: f.NATSPassword,
 		TLSCA: filePath(f.NATSTLSCA), TLSCert: filePath(f.NATSTLSCert), TLSKey: filePath(f.NATSTLSKey),
-		InboxPrefix: inbox, Logger: log,
+		InboxPrefix: inbox, Logger: log, PingInterval: f.NATSPing,
 	}
 }
 

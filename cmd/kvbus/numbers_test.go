@@ -48,6 +48,7 @@ func TestNumberFlags(t *testing.T) {
 		{[]string{"scheduler", "--shutdown-timeout=0"}, "--shutdown-timeout"},
 		{[]string{"serve", "--groups=0"}, "--groups"},
 		{[]string{"frontend", "--stop-timeout=-1s"}, "--stop-timeout"},
+		{[]string{"worker", "--group=g0", "--nats-ping-interval=0"}, "--nats-ping-interval"},
 		// Meaningful values pass.
 		{[]string{"worker", "--group=g0"}, ""},         // --ep-rank -1: the TP rank
 		{[]string{"frontend", "--max-inflight=0"}, ""}, // no bound
