@@ -273,7 +273,12 @@ func (g *generation) next(ctx context.Context, timer *time.Timer) ([]choiceOutpu
 					if o.ReqID != c.busID {
 						continue // on the copy kept beside the newest: that one is waited for
 					}
-					if c.started && g.resend(it.choice, "nothing heard after a NATS reconnect") {
+					// Its driver is asked first: a stream under way
+					// for what it missed; a request not started
+					// whether it holds it (queued or running: no copy
+					// is needed; a copy doubles an overloaded group's
+					// queue). Held by none, it is asked again below.
+					if g.resend(it.choice, "nothing heard after a NATS reconnect") {
 						continue
 					}
 				} else if c.hedged != "" {

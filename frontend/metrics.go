@@ -9,8 +9,8 @@ type metrics struct {
 	// askedAgain counts requests published again because their answer
 	// was lost on the bus.
 	askedAgain prometheus.Counter
-	// resends counts asks to a driver for outputs of a stream under way
-	// lost on the bus.
+	// resends counts asks to the drivers for outputs lost on the bus, or
+	// whether one holds a request silent after a reconnect.
 	resends prometheus.Counter
 }
 
@@ -31,7 +31,7 @@ func newMetrics(reg prometheus.Registerer, inflight func() float64) *metrics {
 			Name: "kvbus_frontend_asked_again_total", Help: "Requests published again because their answer was lost on the bus (a NATS server stopped) before any of it reached the client.",
 		}),
 		resends: prometheus.NewCounter(prometheus.CounterOpts{
-			Name: "kvbus_frontend_resends_total", Help: "Asks to a driver rank to send again the outputs of a stream under way that were lost on the bus (a NATS server stopped).",
+			Name: "kvbus_frontend_resends_total", Help: "Asks to the driver ranks to send again the outputs of a request that were lost on the bus (a NATS server stopped), or whether one holds a request that heard nothing after a NATS reconnect.",
 		}),
 	}
 	reg.MustRegister(m.requests, m.latency, m.ttft, m.askedAgain, m.resends, prometheus.NewGaugeFunc(prometheus.GaugeOpts{

@@ -17,10 +17,13 @@ import (
 // that window hears nothing more, and waited for its deadline
 // (--request-timeout, 60 s) while its client hung. So a request in flight
 // at a reconnect that hears nothing within Config.LostOutputWait (3 s)
-// after it gets an output_lost verdict: generation.askAgain publishes it
-// again and, since it may only be queued, keeps the first one too; the
-// first of the two to answer is followed. A stream already under way asks
-// its driver for the outputs it missed (resend.go).
+// after it gets an output_lost verdict. Its drivers are asked first
+// (resend.go): the one that holds it (queued, running, or waiting for its
+// blocks) sends again what it published, and the request goes on; a stream
+// under way gets the outputs it missed. One no driver holds is published
+// again by generation.askAgain, which, since it may only be queued in the
+// request log, keeps the first one too; the first of the two to answer is
+// followed.
 
 // reconnectCheckEvery is how often the frontend looks for a reconnect.
 const reconnectCheckEvery = 250 * time.Millisecond
@@ -90,7 +93,7 @@ func (s *Server) endLost(suspects []suspect) {
 			Message: "the answer was lost on the bus while NATS reconnected; retry the request"}})
 	}
 	if lost > 0 {
-		s.log.Warn("requests heard nothing after a NATS reconnect: their answers may be lost on the bus; they are asked again (a stream under way asks its driver for what it missed)",
+		s.log.Warn("requests heard nothing after a NATS reconnect: their answers may be lost on the bus; their drivers are asked for them, and those no driver holds are published again",
 			"requests", lost, "wait", s.cfg.LostOutputWait)
 	}
 }

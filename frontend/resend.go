@@ -20,6 +20,11 @@ import (
 // does not answer within resendWait (it stopped: the scheduler moves the
 // request, which ends the stream with group_failed; or it no longer keeps
 // the outputs) ends the stream with 503 output_lost, as before.
+//
+// A request that heard nothing at all after a NATS reconnect is asked about
+// the same way, from index 0: a driver that holds it (queued at its engine,
+// or running) answers, sending again what it published, and the frontend
+// waits on; only a request no driver holds is published again (askAgain).
 
 // resendWait is how long the frontend waits for a driver's ResendReply.
 const resendWait = 2 * time.Second
@@ -55,8 +60,13 @@ func (g *generation) resend(i int, why string) bool {
 	c.resends++
 	c.resending = true
 	g.s.m.resends.Inc()
-	g.log.Warn("outputs of a stream under way lost on the bus; asking its driver to send them again",
-		"choice", i, "why", why, "req_id", rs.ReqID, "from_index", rs.FromIndex)
+	if c.started {
+		g.log.Warn("outputs of a stream under way lost on the bus; asking its driver to send them again",
+			"choice", i, "why", why, "req_id", rs.ReqID, "from_index", rs.FromIndex)
+	} else {
+		g.log.Info("asking the drivers whether one holds the request (and to send again what it published)",
+			"choice", i, "why", why, "req_id", rs.ReqID)
+	}
 	conn, subject, q, ask := g.s.cfg.Conn, g.s.cfg.Subjects.Resend(), g.q, c.resends
 	go func() {
 		out := &resendOutcome{busID: rs.ReqID, attempt: rs.Attempt, ask: ask}
@@ -108,6 +118,12 @@ func (g *generation) resendAnswered(i int, r *resendOutcome) *messages.Output {
 		return nil
 	}
 	c.resending = false
+	if !c.started {
+		// Held by no driver (or its outputs cannot come): the caller
+		// asks it again, and this is the answer if it cannot.
+		return &messages.Output{ReqID: c.busID, Attempt: c.attempt, Index: c.nextIndex, Error: &messages.OutputError{Code: codeOutputLost,
+			Message: "the answer was lost on the bus while NATS reconnected and " + r.err + "; retry the request"}}
+	}
 	g.log.Warn("outputs of a stream under way lost on the bus cannot be sent again; the answer ends with an error",
 		"req_id", c.busID, "from_index", c.nextIndex, "err", r.err)
 	return &messages.Output{ReqID: c.busID, Attempt: c.attempt, Index: c.nextIndex, Error: &messages.OutputError{Code: codeOutputLost,

@@ -136,13 +136,14 @@ func TestAnswerLostOnTheBusIsAskedAgain(t *testing.T) {
 
 // TestAnswerHeardNothingAfterAReconnectIsAskedAgain: a request in flight
 // when NATS restarts that hears nothing for 3 s after the reconnect may
-// have lost its answer, or only be slow (here: the driver handles it 5 s
-// late). It is asked again and kept: the client gets one whole answer from
-// whichever copy answers first, the other is aborted, and the frontend
-// listens for neither afterwards. Before, it waited 10 s and, had the
-// answer been lost, ended with a 503.
+// have lost its answer, or only be slow (here: its driver handles its
+// ReqMeta 8 s late, so no driver holds it when asked). It is asked again and
+// kept: the client gets one whole answer from whichever copy answers
+// first, the other is aborted, and the frontend listens for neither
+// afterwards. Before, it waited 10 s and, had the answer been lost, ended
+// with a 503.
 func TestAnswerHeardNothingAfterAReconnectIsAskedAgain(t *testing.T) {
-	c := testenv.StartCluster(t, testenv.ClusterConfig{Ranks: 2, DelayFirstReqMeta: map[int]time.Duration{0: 5 * time.Second},
+	c := testenv.StartCluster(t, testenv.ClusterConfig{Ranks: 2, DelayFirstReqMeta: map[int]time.Duration{0: 8 * time.Second},
 		RequestTimeout: 30 * time.Second})
 	seen := loseFirstOutputs(t, c, 0)
 	aborts := c.Observe(t, messages.Subjects{}.Abort())
@@ -196,6 +197,119 @@ func TestAnswerHeardNothingAfterAReconnectIsAskedAgain(t *testing.T) {
 	testenv.Eventually(t, 5*time.Second, "no request left in flight at the frontend", func() bool {
 		return testenv.GaugeSum(t, c.Registry, "kvbus_frontend_inflight_requests", nil) == 0
 	})
+}
+
+// TestRequestHeldByItsDriverIsNotAskedAgainAfterAReconnect: requests that
+// hear nothing after a NATS reconnect because their driver is still on
+// them (the sim 100 times slower: one prefills 1,000 prompt tokens for
+// 6 s, the other waits for it in the group's prefill queue) are asked
+// about, their driver says it holds them, and no copy is published: each
+// client gets its one answer. Before, every such request was published
+// again, and under overload the copies doubled the groups' queues.
+func TestRequestHeldByItsDriverIsNotAskedAgainAfterAReconnect(t *testing.T) {
+	c := testenv.StartCluster(t, testenv.ClusterConfig{Ranks: 2, TimeScale: 100, RequestTimeout: 60 * time.Second})
+	seen := loseFirstOutputs(t, c, 0)
+	type answer struct {
+		status int
+		out    []byte
+	}
+	done := make(chan answer, 2)
+	start := time.Now()
+	for i, words := range []int{1000, 300} {
+		body := fmt.Sprintf(`{"model":%q,"max_tokens":1,"ignore_eos":true,"messages":[{"role":"user","content":%q}]}`,
+			c.Model, strings.Repeat(" cache", words))
+		go func() {
+			status, _, out := testenv.Send(t, http.MethodPost, c.URL+"/v1/chat/completions", body, nil)
+			done <- answer{status, out}
+		}()
+		testenv.Eventually(t, 5*time.Second, "the request published", func() bool { return len(seen()) == i+1 })
+	}
+	if err := c.Cluster.RestartNATS(); err != nil {
+		t.Fatal(err)
+	}
+	for range 2 {
+		a := <-done
+		var resp struct {
+			Usage struct {
+				CompletionTokens int `json:"completion_tokens"`
+			} `json:"usage"`
+		}
+		if a.status != http.StatusOK || json.Unmarshal(a.out, &resp) != nil || resp.Usage.CompletionTokens != 1 {
+			t.Fatalf("answer of a request its driver held across a reconnect: %d %s; want 200 with 1 token", a.status, a.out)
+		}
+	}
+	// The fault took effect: the frontend reconnected and suspected both
+	// requests (they heard nothing for 3 s after the reconnect), and asked
+	// the drivers about each.
+	took := time.Since(start)
+	asked := testenv.CounterSum(t, c.Registry, "kvbus_frontend_resends_total", nil)
+	if took < 4*time.Second || asked != 2 {
+		t.Fatalf("answered after %v with %v asks to the drivers; want two asks, the answers after the 3 s wait", took, asked)
+	}
+	if n := testenv.CounterSum(t, c.Registry, "kvbus_frontend_asked_again_total", nil); n != 0 || len(seen()) != 2 {
+		t.Errorf("asked again %v times, requests published %v; want the two requests, never asked again", n, seen())
+	}
+}
+
+// TestRequestWaitingForItsLoadIsNotAskedAgainAfterAReconnect: a driver
+// holds a request from its ReqMeta on, before it starts it: here request B
+// waits for the blocks of request A, of the same prompt, which the driver
+// saves 8 s late, when NATS restarts. Asked about, the driver says it holds
+// it, and no copy is published.
+func TestRequestWaitingForItsLoadIsNotAskedAgainAfterAReconnect(t *testing.T) {
+	c := testenv.StartCluster(t, testenv.ClusterConfig{Ranks: 2, StoreDelays: map[int]time.Duration{0: 8 * time.Second},
+		SaveWait: 15 * time.Second, RequestTimeout: 60 * time.Second})
+	seen := loseFirstOutputs(t, c, 0)
+	metas := c.Observe(t, messages.Subjects{}.MetaGroup("g0"))
+	body := fmt.Sprintf(`{"model":%q,"max_tokens":4,"ignore_eos":true,"messages":[{"role":"user","content":%q}]}`, c.Model, strings.Repeat(" cache", 200))
+	done := make(chan answerOf, 2)
+	for i, session := range []string{"a", "b"} {
+		go func() {
+			status, _, out := testenv.Send(t, http.MethodPost, c.URL+"/v1/chat/completions", body, map[string]string{"X-Session-ID": session})
+			done <- answerOf{status, out}
+		}()
+		// Its ReqMeta reached the ranks: B's driver holds it, waiting
+		// for A's blocks.
+		testenv.Eventually(t, 5*time.Second, "the ReqMeta of "+session, func() bool { return len(metas.Messages()) == i+1 })
+	}
+	time.Sleep(100 * time.Millisecond)
+	if err := c.Cluster.RestartNATS(); err != nil {
+		t.Fatal(err)
+	}
+	cached := 0
+	for range 2 {
+		a := <-done
+		var resp struct {
+			Usage struct {
+				Details struct {
+					CachedTokens int `json:"cached_tokens"`
+				} `json:"prompt_tokens_details"`
+			} `json:"usage"`
+		}
+		if a.status != http.StatusOK || json.Unmarshal(a.out, &resp) != nil {
+			t.Fatalf("answer after the reconnect: %d %s; want 200", a.status, a.out)
+		}
+		cached += resp.Usage.Details.CachedTokens
+	}
+	// The fault took effect: B waited for A's blocks (it loaded all 12 of
+	// them), both heard nothing for 3 s after the reconnect (A's answer
+	// waits for its blocks' save, as the session's next turn needs), and
+	// the drivers were asked about each.
+	if cached != 192 {
+		t.Errorf("%d prompt tokens cached over both answers; want B's 192 (A's 12 blocks)", cached)
+	}
+	if asked := testenv.CounterSum(t, c.Registry, "kvbus_frontend_resends_total", nil); asked != 2 {
+		t.Fatalf("%v asks to the drivers; want two, one for each request", asked)
+	}
+	if n := testenv.CounterSum(t, c.Registry, "kvbus_frontend_asked_again_total", nil); n != 0 || len(seen()) != 2 {
+		t.Errorf("asked again %v times, requests published %v; want the two requests, never asked again", n, seen())
+	}
+}
+
+// answerOf is an HTTP answer's status and body.
+type answerOf struct {
+	status int
+	out    []byte
 }
 
 // streamText reads a chat stream: the text of its chunks, its completion

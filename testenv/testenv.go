@@ -99,6 +99,8 @@ type ClusterConfig struct {
 	// StoreDelays slows the store thread of the ranks with these tp_ranks
 	// in every group (a rank that saves late).
 	StoreDelays map[int]time.Duration
+	// SaveWait is the ranks' --save-wait (0: its default).
+	SaveWait time.Duration
 	// DropReqMetas makes the ranks with these tp_ranks (in every group)
 	// ignore their first N ReqMetas.
 	DropReqMetas map[int]int
@@ -179,7 +181,7 @@ func StartCluster(t testing.TB, cfg ClusterConfig) *Cluster {
 		Sim:               workers.SimConfig{Profile: workers.DefaultSimProfile, TimeScale: cfg.TimeScale},
 		HeartbeatInterval: 100 * time.Millisecond, HeartbeatTimeout: 2 * time.Second, ShutdownTimeout: 2 * time.Second,
 		Schedulers: cfg.Schedulers, Policy: cfg.Policy, RequestTimeout: cfg.RequestTimeout, SessionTTL: cfg.SessionTTL,
-		StoreDelays: cfg.StoreDelays, DropReqMetas: cfg.DropReqMetas, DelayFirstReqMeta: cfg.DelayFirstReqMeta, MaxPayload: cfg.MaxPayload, NoGroupWait: cfg.NoGroupWait, ResendAfter: cfg.ResendAfter, Pool: cfg.Pool,
+		StoreDelays: cfg.StoreDelays, SaveWait: cfg.SaveWait, DropReqMetas: cfg.DropReqMetas, DelayFirstReqMeta: cfg.DelayFirstReqMeta, MaxPayload: cfg.MaxPayload, NoGroupWait: cfg.NoGroupWait, ResendAfter: cfg.ResendAfter, Pool: cfg.Pool,
 		IndexGroups: cfg.IndexGroups, DrainHandoff: cfg.DrainHandoff, StreamReplay: cfg.StreamReplay, Engines: cfg.Engines, AuthDir: cfg.AuthDir,
 		Frontend: &frontend.Config{Listener: ln, SessionHeaders: cfg.SessionHeaders, MaxModelLen: cfg.MaxModelLen,
 			MaxInflight: cfg.MaxInflight, APIKey: cfg.APIKey, Tokenizer: cfg.Tokenizer,

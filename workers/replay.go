@@ -335,9 +335,10 @@ func (r *Rank) republish() {
 		"outputs", outputs, "requests", requests)
 }
 
-// onResend answers a frontend that lost outputs of a stream under way: the
-// driver that holds the request publishes them again from the index asked
-// for, then replies; any other rank says nothing.
+// onResend answers a frontend that lost outputs of a stream under way, or
+// heard nothing of a request after a NATS reconnect: the driver that holds
+// the request publishes its outputs again from the index asked for (none
+// yet, if it has not started), then replies; any other rank says nothing.
 func (r *Rank) onResend(_ context.Context, m *nats.Msg) error {
 	rs, err := messages.DecodeResend(m.Data)
 	if err != nil {
@@ -350,7 +351,15 @@ func (r *Rank) onResend(_ context.Context, m *nats.Msg) error {
 		}
 	})
 	if !known {
-		return nil
+		// Not driven yet (its ReqMeta came; it waits for its load): it
+		// runs, and nothing was published to send again.
+		r.mu.Lock()
+		rr := r.active[rs.ReqID]
+		r.mu.Unlock()
+		if rr == nil || rr.meta.Attempt != rs.Attempt {
+			return nil
+		}
+		res.session = rr.meta.SessionID
 	}
 	reply := &messages.ResendReply{Resent: res.n, Done: res.done}
 	switch {
