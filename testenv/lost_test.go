@@ -147,15 +147,11 @@ func TestAnswerHeardNothingAfterAReconnectIsAskedAgain(t *testing.T) {
 		RequestTimeout: 30 * time.Second})
 	seen := loseFirstOutputs(t, c, 0)
 	aborts := c.Observe(t, messages.Subjects{}.Abort())
-	type answer struct {
-		status int
-		out    []byte
-	}
-	done := make(chan answer, 1)
+	done := make(chan answerOf, 1)
 	go func() {
 		status, _, out := testenv.Send(t, http.MethodPost, c.URL+"/v1/chat/completions",
 			fmt.Sprintf(`{"model":%q,"max_tokens":12,"ignore_eos":true,"messages":[{"role":"user","content":"slow"}]}`, c.Model), nil)
-		done <- answer{status, out}
+		done <- answerOf{status, out}
 	}()
 	testenv.Eventually(t, 5*time.Second, "the request published", func() bool { return len(seen()) == 1 })
 	if err := c.Cluster.RestartNATS(); err != nil {
@@ -209,18 +205,14 @@ func TestAnswerHeardNothingAfterAReconnectIsAskedAgain(t *testing.T) {
 func TestRequestHeldByItsDriverIsNotAskedAgainAfterAReconnect(t *testing.T) {
 	c := testenv.StartCluster(t, testenv.ClusterConfig{Ranks: 2, TimeScale: 100, RequestTimeout: 60 * time.Second})
 	seen := loseFirstOutputs(t, c, 0)
-	type answer struct {
-		status int
-		out    []byte
-	}
-	done := make(chan answer, 2)
+	done := make(chan answerOf, 2)
 	start := time.Now()
 	for i, words := range []int{1000, 300} {
 		body := fmt.Sprintf(`{"model":%q,"max_tokens":1,"ignore_eos":true,"messages":[{"role":"user","content":%q}]}`,
 			c.Model, strings.Repeat(" cache", words))
 		go func() {
 			status, _, out := testenv.Send(t, http.MethodPost, c.URL+"/v1/chat/completions", body, nil)
-			done <- answer{status, out}
+			done <- answerOf{status, out}
 		}()
 		testenv.Eventually(t, 5*time.Second, "the request published", func() bool { return len(seen()) == i+1 })
 	}
@@ -433,15 +425,11 @@ func TestStreamUnderWayGetsLostOutputsAgain(t *testing.T) {
 func TestSlowStreamHeardNothingAfterAReconnectGoesOn(t *testing.T) {
 	c := testenv.StartCluster(t, testenv.ClusterConfig{Ranks: 2, TimeScale: 800, RequestTimeout: 40 * time.Second})
 	outs := c.Observe(t, messages.Subjects{}.Out("*"))
-	type answer struct {
-		status int
-		out    []byte
-	}
-	done := make(chan answer, 1)
+	done := make(chan answerOf, 1)
 	go func() {
 		status, _, out := testenv.Send(t, http.MethodPost, c.URL+"/v1/chat/completions",
 			fmt.Sprintf(`{"model":%q,"max_tokens":2,"ignore_eos":true,"stream":true,"stream_options":{"include_usage":true},"messages":[{"role":"user","content":"slow"}]}`, c.Model), nil)
-		done <- answer{status, out}
+		done <- answerOf{status, out}
 	}()
 	testenv.Eventually(t, 10*time.Second, "the stream's first output", func() bool { return len(outs.Messages()) > 0 })
 	if err := c.Cluster.RestartNATS(); err != nil {
