@@ -27,9 +27,19 @@ type outputQueue struct {
 	mu     sync.Mutex
 	items  []choiceOutput
 	signal chan struct{}
-	// pushed counts the outputs pushed (lostOutputs compares it across a
-	// reconnect).
-	pushed atomic.Int64
+	// latest is, per bus request, the newest output pushed (under mu).
+	latest []outputMark
+	// heard counts the outputs pushed that were news: not a copy of one
+	// pushed before, as a driver sends again after a reconnect the outputs
+	// it published just before it (watchReconnects compares it across its
+	// wait: a copy says nothing of whether the answer goes on).
+	heard atomic.Int64
+}
+
+// outputMark is where a bus request's outputs have got to.
+type outputMark struct {
+	reqID          string
+	attempt, index int
 }
 
 type choiceOutput struct {
@@ -46,7 +56,19 @@ const codeOutputLost = "output_lost"
 func newOutputQueue() *outputQueue { return &outputQueue{signal: make(chan struct{}, 1)} }
 
 func (q *outputQueue) push(choice int, o *messages.Output) {
-	q.pushed.Add(1)
+	q.mu.Lock()
+	i := 0
+	for i < len(q.latest) && q.latest[i].reqID != o.ReqID {
+		i++
+	}
+	if i == len(q.latest) {
+		q.latest = append(q.latest, outputMark{o.ReqID, o.Attempt, o.Index})
+		q.heard.Add(1)
+	} else if m := &q.latest[i]; o.Attempt > m.attempt || o.Attempt == m.attempt && o.Index > m.index {
+		m.attempt, m.index = o.Attempt, o.Index
+		q.heard.Add(1)
+	}
+	q.mu.Unlock()
 	q.add(choiceOutput{choice: choice, out: o})
 }
 

@@ -31,9 +31,9 @@ const reconnectCheckEvery = 250 * time.Millisecond
 // suspect is a request in flight at a reconnect, with the outputs its
 // queue had then.
 type suspect struct {
-	id     string
-	rt     route
-	pushed int64
+	id    string
+	rt    route
+	heard int64
 }
 
 // watchReconnects runs until ctx ends.
@@ -71,7 +71,7 @@ func (s *Server) inFlight() []suspect {
 	defer s.mu.Unlock()
 	out := make([]suspect, 0, len(s.pending))
 	for id, rt := range s.pending {
-		out = append(out, suspect{id, rt, rt.q.pushed.Load()})
+		out = append(out, suspect{id, rt, rt.q.heard.Load()})
 	}
 	return out
 }
@@ -84,13 +84,15 @@ func (s *Server) endLost(suspects []suspect) {
 		s.mu.Lock()
 		cur, ok := s.pending[sp.id]
 		s.mu.Unlock()
-		if !ok || cur.q != sp.rt.q || sp.rt.q.pushed.Load() != sp.pushed {
+		if !ok || cur.q != sp.rt.q || sp.rt.q.heard.Load() != sp.heard {
 			continue // answered, or hearing outputs
 		}
 		lost++
 		// Of any attempt: it ends the choice, whichever attempt runs.
-		sp.rt.q.push(sp.rt.choice, &messages.Output{ReqID: sp.id, Attempt: math.MaxInt32, Error: &messages.OutputError{Code: codeOutputLost,
-			Message: "the answer was lost on the bus while NATS reconnected; retry the request"}})
+		// Not news of the request (add, not push): a later reconnect
+		// judges it by its own outputs again.
+		sp.rt.q.add(choiceOutput{choice: sp.rt.choice, out: &messages.Output{ReqID: sp.id, Attempt: math.MaxInt32, Error: &messages.OutputError{Code: codeOutputLost,
+			Message: "the answer was lost on the bus while NATS reconnected; retry the request"}}})
 	}
 	if lost > 0 {
 		s.log.Warn("requests heard nothing after a NATS reconnect: their answers may be lost on the bus; their drivers are asked for them, and those no driver holds are published again",

@@ -37,14 +37,20 @@ func reconnectingConn(t *testing.T) (*bus.Server, string, *nats.Conn) {
 // while the frontend was cut off, and the driver's outputs reached a server
 // where the frontend had not yet subscribed again. That one ends with a
 // 503 output_lost after LostOutputWait; before, it waited for its deadline
-// (60 s) with its client hanging.
+// (60 s) with its client hanging. A third hears only a copy of the output
+// it had before the restart (its driver sends again what it published just
+// before a reconnect): a copy is no sign that its answer goes on, and it is
+// judged as the silent one is (before, the copy alone kept it waiting).
 func TestOutputsLostAcrossAReconnect(t *testing.T) {
 	srv, addr, nc := reconnectingConn(t)
 	s := &Server{cfg: Config{Conn: nc, LostOutputWait: 300 * time.Millisecond}, log: slog.New(slog.NewTextHandler(io.Discard, nil)),
 		pending: map[string]route{}}
-	silent, hearing := newOutputQueue(), newOutputQueue()
+	silent, hearing, repeated := newOutputQueue(), newOutputQueue(), newOutputQueue()
 	s.register("silent", silent, 0)
 	s.register("hearing", hearing, 0)
+	s.register("repeated", repeated, 0)
+	first := &messages.Output{ReqID: "repeated", Attempt: 1, Index: 0, Text: "first"}
+	repeated.push(0, first)
 	ctx, cancel := context.WithCancel(t.Context())
 	var wg sync.WaitGroup
 	wg.Go(func() { s.watchReconnects(ctx) })
@@ -63,6 +69,7 @@ func TestOutputsLostAcrossAReconnect(t *testing.T) {
 	}
 	time.Sleep(2 * reconnectCheckEvery) // the watcher has seen the reconnect
 	hearing.push(0, &messages.Output{ReqID: "hearing", Index: 3, Text: "more"})
+	repeated.push(0, first)
 	late := newOutputQueue() // registered after the reconnect
 	s.register("late", late, 0)
 
@@ -70,6 +77,9 @@ func TestOutputsLostAcrossAReconnect(t *testing.T) {
 	got := silent.pop()
 	if len(got) != 1 || got[0].out.Error == nil || got[0].out.Error.Code != "output_lost" {
 		t.Fatalf("the silent request's queue holds %+v; want one output_lost error", got)
+	}
+	if items := repeated.pop(); len(items) != 3 || items[2].out.Error == nil || items[2].out.Error.Code != "output_lost" {
+		t.Errorf("the request that heard only a copy holds %d items; want its output, the copy and an output_lost error", len(items))
 	}
 	if items := hearing.pop(); len(items) != 1 || items[0].out.Error != nil {
 		t.Errorf("the request hearing outputs got %d items (first error %v); want only its own output", len(items), items[0].out.Error)
