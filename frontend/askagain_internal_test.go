@@ -7,6 +7,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/nats-io/nats.go"
 	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/kvbus/kvbus/bus"
@@ -59,5 +60,71 @@ func TestSilentVerdictsAcrossTwoReconnects(t *testing.T) {
 	defer s.mu.Unlock()
 	if _, ok := s.pending["r"]; ok || len(s.pending) != 2 {
 		t.Errorf("listening for %v; want r-again1 and r-again2 only", s.pending)
+	}
+}
+
+// TestProbesAfterReconnectsSpendNoResendAsk: a stream under way that hears
+// nothing after each of four NATS reconnects asks its driver each time,
+// and the driver has nothing missing; those probes spend none of the
+// stream's maxResends, and an output index skipped after them is still
+// asked for. Before, the fourth reconnect found the asks spent and ended a
+// healthy stream with output_lost.
+func TestProbesAfterReconnectsSpendNoResendAsk(t *testing.T) {
+	nc, _ := startJetStream(t)
+	subj := messages.Subjects{}
+	asked := make(chan *messages.Resend, 16)
+	sub, err := nc.Subscribe(subj.Resend(), func(m *nats.Msg) {
+		rs, err := messages.DecodeResend(m.Data)
+		if err != nil {
+			t.Error(err)
+			return
+		}
+		asked <- rs
+		data, _ := messages.Marshal(&messages.ResendReply{})
+		_ = m.Respond(data)
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer sub.Unsubscribe()
+	log := slog.New(slog.DiscardHandler)
+	s := &Server{cfg: Config{Conn: nc, Subjects: subj}, log: log, pending: map[string]route{},
+		m: newMetrics(prometheus.NewRegistry(), func() float64 { return 0 })}
+	// Its first chunks reached the client.
+	g := &generation{s: s, q: newOutputQueue(), log: log, firstByte: time.Now()}
+	c := &choiceState{busID: "r", attempt: 1, started: true, nextIndex: 3}
+	g.choices = []*choiceState{c}
+	s.register("r", g.q, 0)
+	apply := func(o *messages.Output) {
+		g.q.add(choiceOutput{out: o})
+		ctx, cancel := context.WithTimeout(t.Context(), 300*time.Millisecond)
+		defer cancel()
+		if items, _ := g.next(ctx, time.NewTimer(time.Hour)); len(items) > 0 {
+			t.Fatalf("reached the client: %+v (error %v)", items[0].out, items[0].out.Error)
+		}
+	}
+	for n := range maxResends + 1 {
+		apply(&messages.Output{ReqID: "r", Attempt: math.MaxInt32, Error: &messages.OutputError{Code: codeOutputLost}})
+		select {
+		case rs := <-asked:
+			if rs.FromIndex != 3 {
+				t.Fatalf("probe %d asked from index %d; want 3", n+1, rs.FromIndex)
+			}
+		default:
+			t.Fatalf("reconnect %d: the driver was not asked", n+1)
+		}
+		if c.resending || c.done {
+			t.Fatalf("after probe %d: resending %v, done %v; want the stream going on", n+1, c.resending, c.done)
+		}
+	}
+	// A real loss after the probes: index 5 where 3 was due.
+	apply(&messages.Output{ReqID: "r", Attempt: 1, Index: 5, Text: "late"})
+	select {
+	case rs := <-asked:
+		if rs.FromIndex != 3 {
+			t.Errorf("the gap asked from index %d; want 3", rs.FromIndex)
+		}
+	default:
+		t.Error("an index skipped after the probes was not asked for")
 	}
 }

@@ -125,9 +125,12 @@ type choiceState struct {
 	hedged string
 	// resending: the driver was asked to send lost outputs again from
 	// nextIndex (resend.go); outputs past it are dropped until they come
-	// again, in order. resends counts the asks.
-	resending bool
-	resends   int
+	// again, in order. resends numbers the asks; idleProbes counts the
+	// probes after a reconnect the driver answered with nothing missing,
+	// which spend none of the choice's maxResends.
+	resending  bool
+	resends    int
+	idleProbes int
 }
 
 // ids returns the bus ids the choice listens to.
@@ -300,7 +303,7 @@ func (g *generation) next(ctx context.Context, timer *time.Timer) ([]choiceOutpu
 					// whether it holds it (queued or running: no copy
 					// is needed; a copy doubles an overloaded group's
 					// queue). Held by none, it is asked again below.
-					if g.resend(it.choice, "nothing heard after a NATS reconnect") {
+					if g.resend(it.choice, "nothing heard after a NATS reconnect", true) {
 						continue
 					}
 				} else if c.hedged != "" {
@@ -317,7 +320,7 @@ func (g *generation) next(ctx context.Context, timer *time.Timer) ([]choiceOutpu
 					}
 					c.resending = false // caught up
 				}
-				if started && gap && g.resend(it.choice, "an output index skipped") {
+				if started && gap && g.resend(it.choice, "an output index skipped", false) {
 					continue
 				}
 				if !started && (gap || o.Error != nil && o.Error.Code == codeOutputLost) {

@@ -29,7 +29,8 @@ import (
 // resendWait is how long the frontend waits for a driver's ResendReply.
 const resendWait = 2 * time.Second
 
-// maxResends is how many times one choice asks for lost outputs.
+// maxResends is how many times one choice asks for lost outputs; a probe
+// after a reconnect that found none missing is not counted.
 const maxResends = 3
 
 // resendOutcome is a driver's answer to a Resend, as the generation's
@@ -41,14 +42,16 @@ type resendOutcome struct {
 	n       int    // outputs sent again
 	err     string // none could be: why
 	ask     int    // the choice's ask it answers (choiceState.resends)
+	probe   bool   // the ask was a probe after a reconnect
 	check   bool
 }
 
 // resend asks the driver of choice i for its outputs again from the first
-// one missing. It reports whether it asked: not after maxResends asks.
-func (g *generation) resend(i int, why string) bool {
+// one missing; probe says it was asked after a reconnect, not for a loss
+// seen. It reports whether it asked: not after maxResends asks.
+func (g *generation) resend(i int, why string, probe bool) bool {
 	c := g.choices[i]
-	if c.resends >= maxResends {
+	if c.resends-c.idleProbes >= maxResends {
 		return false
 	}
 	rs := &messages.Resend{ReqID: c.busID, Attempt: c.attempt, FromIndex: c.nextIndex}
@@ -69,7 +72,7 @@ func (g *generation) resend(i int, why string) bool {
 	}
 	conn, subject, q, ask := g.s.cfg.Conn, g.s.cfg.Subjects.Resend(), g.q, c.resends
 	go func() {
-		out := &resendOutcome{busID: rs.ReqID, attempt: rs.Attempt, ask: ask}
+		out := &resendOutcome{busID: rs.ReqID, attempt: rs.Attempt, ask: ask, probe: probe}
 		msg, err := conn.Request(subject, data, resendWait)
 		var reply *messages.ResendReply
 		if err == nil {
@@ -103,14 +106,18 @@ func (g *generation) resendAnswered(i int, r *resendOutcome) *messages.Output {
 		// The outputs sent again reach the frontend before the answer
 		// (one publisher, one connection): none in resendWait after it
 		// were lost on the bus too, and are asked for once more.
-		if g.resend(i, "the outputs sent again were lost too") {
+		if g.resend(i, "the outputs sent again were lost too", false) {
 			return nil
 		}
 		r.err = fmt.Sprintf("they were lost again each of the %d times its driver sent them", maxResends)
 	case r.err == "" && r.n == 0:
 		// Nothing after nextIndex yet: the request runs on, and its
-		// next output is the one wanted.
+		// next output is the one wanted. A probe that found nothing
+		// lost is not one of the choice's maxResends.
 		c.resending = false
+		if r.probe {
+			c.idleProbes++
+		}
 		return nil
 	case r.err == "":
 		check := &resendOutcome{busID: r.busID, attempt: r.attempt, ask: r.ask, check: true}
