@@ -2,130 +2,17 @@ package main
 
 import (
 	"bufio"
-	"bytes"
 	"encoding/json"
 	"io"
-	"net"
 	"net/http"
 	"os"
 	"path/filepath"
 	"strings"
-	"sync"
-	"sync/atomic"
 	"testing"
 	"time"
 
 	"github.com/kvbus/kvbus/testenv"
 )
-
-// swallowProxy forwards TCP connections to a NATS server. swallow makes the
-// connections open at that moment drop what their clients send, keeping a
-// copy (the bytes a process wrote just before its server stopped, which
-// the server never read); cut then closes them, and the clients reconnect
-// through the proxy, which forwards the new connections whole.
-type swallowProxy struct {
-	ln     net.Listener
-	target string
-	mu     sync.Mutex
-	conns  []*proxied
-}
-
-type proxied struct {
-	client, server net.Conn
-	swallowing     atomic.Bool
-	mu             sync.Mutex
-	swallowed      bytes.Buffer
-}
-
-func startSwallowProxy(t *testing.T, target string) *swallowProxy {
-	t.Helper()
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	p := &swallowProxy{ln: ln, target: target}
-	t.Cleanup(func() {
-		ln.Close()
-		p.cut()
-	})
-	go func() {
-		for {
-			c, err := ln.Accept()
-			if err != nil {
-				return
-			}
-			s, err := net.Dial("tcp", target)
-			if err != nil {
-				c.Close()
-				continue
-			}
-			pc := &proxied{client: c, server: s}
-			p.mu.Lock()
-			p.conns = append(p.conns, pc)
-			p.mu.Unlock()
-			go func() { _, _ = io.Copy(c, s); c.Close() }()
-			go pc.forward()
-		}
-	}()
-	return p
-}
-
-// forward copies what the client sends to the server, or keeps it while
-// the connection swallows.
-func (pc *proxied) forward() {
-	defer pc.server.Close()
-	buf := make([]byte, 32<<10)
-	for {
-		n, err := pc.client.Read(buf)
-		if n > 0 {
-			if pc.swallowing.Load() {
-				pc.mu.Lock()
-				pc.swallowed.Write(buf[:n])
-				pc.mu.Unlock()
-			} else if _, werr := pc.server.Write(buf[:n]); werr != nil {
-				return
-			}
-		}
-		if err != nil {
-			return
-		}
-	}
-}
-
-func (p *swallowProxy) url() string { return "nats://" + p.ln.Addr().String() }
-
-// swallow starts dropping what the open connections' clients send.
-func (p *swallowProxy) swallow() {
-	p.mu.Lock()
-	defer p.mu.Unlock()
-	for _, pc := range p.conns {
-		pc.swallowing.Store(true)
-	}
-}
-
-// swallowed is what the connections dropped.
-func (p *swallowProxy) swallowed() string {
-	p.mu.Lock()
-	defer p.mu.Unlock()
-	var b strings.Builder
-	for _, pc := range p.conns {
-		pc.mu.Lock()
-		b.Write(pc.swallowed.Bytes())
-		pc.mu.Unlock()
-	}
-	return b.String()
-}
-
-// cut closes the open connections and forgets them.
-func (p *swallowProxy) cut() {
-	p.mu.Lock()
-	defer p.mu.Unlock()
-	for _, pc := range p.conns {
-		pc.client.Close()
-		pc.server.Close()
-	}
-	p.conns = nil
-}
 
 // TestLastOutputsLostWithTheDriversConnectionAreSentAgain: the driver's
 // connection breaks after it published a request's last outputs, which its
@@ -148,11 +35,11 @@ func TestLastOutputsLostWithTheDriversConnectionAreSentAgain(t *testing.T) {
 	const requestTimeout = 30 * time.Second
 	startProc(t, bin, dir, "frontend", "frontend", "--http-addr", httpAddr, "--nats-url", natsURL, "--request-timeout", requestTimeout.String())
 	startProc(t, bin, dir, "scheduler", "scheduler", "--nats-url", natsURL, "--metrics-addr", freeAddr(t))
-	proxy := startSwallowProxy(t, natsAddr)
+	proxy := testenv.StartFaultProxy(t, natsAddr)
 	workerLog := filepath.Join(dir, "worker.log")
 	// 10 ms a token: 40 tokens take 0.4 s.
 	startProc(t, bin, dir, "worker", "worker", "--group", "g0", "--tp-size", "1", "--time-scale", "1",
-		"--heartbeat-interval", "200ms", "--metrics-addr", freeAddr(t), "--nats-url", proxy.url())
+		"--heartbeat-interval", "200ms", "--metrics-addr", freeAddr(t), "--nats-url", proxy.URL())
 	base := "http://" + httpAddr
 	testenv.Eventually(t, 60*time.Second, "/healthz 200", func() bool { return healthz(base+"/healthz") == http.StatusOK })
 	client := &http.Client{Timeout: requestTimeout + 10*time.Second}
@@ -164,12 +51,12 @@ func TestLastOutputsLostWithTheDriversConnectionAreSentAgain(t *testing.T) {
 	breakDriver := func(t *testing.T, began <-chan struct{}) time.Time {
 		t.Helper()
 		<-began
-		proxy.swallow()
+		proxy.Swallow()
 		testenv.Eventually(t, 10*time.Second, "the answer's end published into the broken connection", func() bool {
-			s := proxy.swallowed()
+			s := proxy.Swallowed()
 			return strings.Contains(s, "PUB kvbus.out.") && strings.Contains(s, "finish_reason")
 		})
-		proxy.cut()
+		proxy.Cut()
 		return time.Now()
 	}
 	body := func(stream bool) string {
