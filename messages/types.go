@@ -98,12 +98,16 @@ type LoadSpec struct {
 // rank whose read from Group fails (the source stopped, or evicted part of
 // the run) reads what it can of the rest of the run from them, in turn,
 // and recomputes what none gave. Empty when no other group held its first
-// block; older schedulers send none.
+// block; older schedulers send none. Saving says Group's ranks were still
+// to save part of the run when it was planned (the previous turn just ran
+// there): the read from Group asks it to wait for that save's ReqMeta
+// (PoolRead.Saving).
 type RemoteRun struct {
 	Group      string   `msgpack:"group" json:"group"`
 	FromBlock  int      `msgpack:"from_block" json:"from_block"`
 	Blocks     int      `msgpack:"blocks" json:"blocks"`
 	Alternates []string `msgpack:"alternates,omitempty,allownil" json:"alternates,omitempty"`
+	Saving     bool     `msgpack:"saving,omitempty" json:"saving,omitempty"`
 }
 
 // MaxRunAlternates is how many alternates a RemoteRun may name.
@@ -450,13 +454,18 @@ type ResendReply struct {
 // kvbus.pool.<group>.<rank> (a request with several replies): the blocks of
 // model with these hashes, at the asking rank's tp_rank, which is the
 // answering rank's too (rank t reads rank t of another group, as in
-// Mooncake, whose keys name no instance).
+// Mooncake, whose keys name no instance). Saving says the scheduler
+// planned the read from a save in flight at the answering rank's group
+// (RemoteRun.Saving): blocks it neither holds nor saves yet are waited
+// for, within a quarter of its SaveWait, since in a NATS cluster the read
+// can reach it before the ReqMeta that saves them.
 type PoolRead struct {
 	V           int         `msgpack:"v" json:"v"`
 	ReqID       string      `msgpack:"req_id,omitempty" json:"req_id,omitempty"`
 	Model       string      `msgpack:"model" json:"model"`
 	TPRank      int         `msgpack:"tp_rank" json:"tp_rank"`
 	BlockHashes BlockHashes `msgpack:"block_hashes" json:"block_hashes"`
+	Saving      bool        `msgpack:"saving,omitempty" json:"saving,omitempty"`
 }
 
 // PoolPart is one reply to a PoolRead: part Part of Parts (every reply

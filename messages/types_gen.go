@@ -2525,12 +2525,16 @@ func (z *PoolPiece) Msgsize() (s int) {
 func (z *PoolRead) MarshalMsg(b []byte) (o []byte, err error) {
 	o = msgp.Require(b, z.Msgsize())
 	// check for omitted fields
-	zb0001Len := uint32(5)
-	var zb0001Mask uint8 /* 5 bits */
+	zb0001Len := uint32(6)
+	var zb0001Mask uint8 /* 6 bits */
 	_ = zb0001Mask
 	if z.ReqID == "" {
 		zb0001Len--
 		zb0001Mask |= 0x2
+	}
+	if z.Saving == false {
+		zb0001Len--
+		zb0001Mask |= 0x20
 	}
 	// variable map header, size zb0001Len
 	o = append(o, 0x80|uint8(zb0001Len))
@@ -2557,6 +2561,11 @@ func (z *PoolRead) MarshalMsg(b []byte) (o []byte, err error) {
 		if err != nil {
 			err = msgp.WrapError(err, "BlockHashes")
 			return
+		}
+		if (zb0001Mask & 0x20) == 0 { // if not omitted
+			// string "saving"
+			o = append(o, 0xa6, 0x73, 0x61, 0x76, 0x69, 0x6e, 0x67)
+			o = msgp.AppendBool(o, z.Saving)
 		}
 	}
 	return
@@ -2614,6 +2623,12 @@ func (z *PoolRead) UnmarshalMsg(bts []byte) (o []byte, err error) {
 				err = msgp.WrapError(err, "BlockHashes")
 				return
 			}
+		case "saving":
+			z.Saving, bts, err = msgp.ReadBoolBytes(bts)
+			if err != nil {
+				err = msgp.WrapError(err, "Saving")
+				return
+			}
 		default:
 			bts, err = msgp.Skip(bts)
 			if err != nil {
@@ -2628,7 +2643,7 @@ func (z *PoolRead) UnmarshalMsg(bts []byte) (o []byte, err error) {
 
 // Msgsize returns an upper bound estimate of the number of bytes occupied by the serialized message
 func (z *PoolRead) Msgsize() (s int) {
-	s = 1 + 2 + msgp.IntSize + 7 + msgp.StringPrefixSize + len(z.ReqID) + 6 + msgp.StringPrefixSize + len(z.Model) + 8 + msgp.IntSize + 13 + z.BlockHashes.Msgsize()
+	s = 1 + 2 + msgp.IntSize + 7 + msgp.StringPrefixSize + len(z.ReqID) + 6 + msgp.StringPrefixSize + len(z.Model) + 8 + msgp.IntSize + 13 + z.BlockHashes.Msgsize() + 7 + msgp.BoolSize
 	return
 }
 
@@ -2920,12 +2935,16 @@ func (z *RankResult) Msgsize() (s int) {
 func (z *RemoteRun) MarshalMsg(b []byte) (o []byte, err error) {
 	o = msgp.Require(b, z.Msgsize())
 	// check for omitted fields
-	zb0001Len := uint32(4)
-	var zb0001Mask uint8 /* 4 bits */
+	zb0001Len := uint32(5)
+	var zb0001Mask uint8 /* 5 bits */
 	_ = zb0001Mask
 	if z.Alternates == nil {
 		zb0001Len--
 		zb0001Mask |= 0x8
+	}
+	if z.Saving == false {
+		zb0001Len--
+		zb0001Mask |= 0x10
 	}
 	// variable map header, size zb0001Len
 	o = append(o, 0x80|uint8(zb0001Len))
@@ -2948,6 +2967,11 @@ func (z *RemoteRun) MarshalMsg(b []byte) (o []byte, err error) {
 			for za0001 := range z.Alternates {
 				o = msgp.AppendString(o, z.Alternates[za0001])
 			}
+		}
+		if (zb0001Mask & 0x10) == 0 { // if not omitted
+			// string "saving"
+			o = append(o, 0xa6, 0x73, 0x61, 0x76, 0x69, 0x6e, 0x67)
+			o = msgp.AppendBool(o, z.Saving)
 		}
 	}
 	return
@@ -3021,6 +3045,12 @@ func (z *RemoteRun) UnmarshalMsg(bts []byte) (o []byte, err error) {
 					}
 				}
 			}
+		case "saving":
+			z.Saving, bts, err = msgp.ReadBoolBytes(bts)
+			if err != nil {
+				err = msgp.WrapError(err, "Saving")
+				return
+			}
 		default:
 			bts, err = msgp.Skip(bts)
 			if err != nil {
@@ -3039,6 +3069,7 @@ func (z *RemoteRun) Msgsize() (s int) {
 	for za0001 := range z.Alternates {
 		s += msgp.StringPrefixSize + len(z.Alternates[za0001])
 	}
+	s += 7 + msgp.BoolSize
 	return
 }
 

@@ -199,8 +199,10 @@ func (r *diffRef) runs(hashes []uint64, group string, from, limit int, sources, 
 			continue
 		}
 		hs := r.holders(h, sources, savers)
+		saving := func(id int) bool { return !r.groups[r.byID[id]].full(h) }
 		if src >= 0 && hs[src] {
 			runs[len(runs)-1].Blocks++
+			runs[len(runs)-1].Saving = runs[len(runs)-1].Saving || saving(src)
 			continue
 		}
 		if len(hs) == 0 {
@@ -213,7 +215,7 @@ func (r *diffRef) runs(hashes []uint64, group string, from, limit int, sources, 
 			}
 		}
 		src = low
-		runs = append(runs, messages.RemoteRun{Group: r.byID[src], FromBlock: i, Blocks: 1})
+		runs = append(runs, messages.RemoteRun{Group: r.byID[src], FromBlock: i, Blocks: 1, Saving: saving(src)})
 	}
 	return runs, max(i, from)
 }

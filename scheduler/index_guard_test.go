@@ -248,9 +248,21 @@ func TestKVIndexRemoteRunsFromSavers(t *testing.T) {
 	if got := x.PoolPrefix(a, all, nil); got != 0 {
 		t.Errorf("PoolPrefix with no savers = %d, want 0", got)
 	}
-	want := []messages.RemoteRun{{Group: "g1", FromBlock: 0, Blocks: 4}}
+	// The run is Saving: the read asks g1 to wait for the ReqMeta.
+	want := []messages.RemoteRun{{Group: "g1", FromBlock: 0, Blocks: 4, Saving: true}}
 	if runs, end := x.RemoteRuns(a, "g0", 0, 4, all, []string{"g1"}); !reflect.DeepEqual(runs, want) || end != 4 {
 		t.Errorf("idle saver: runs %+v, end %d; want %+v, 4", runs, end, want)
+	}
+	// Once g1's rank confirms the first two, the run is still Saving (its
+	// last two blocks are not held yet); once it holds them all, not.
+	x.Apply(kvBatch("g1", 0, 2, stored(a[:2]...)))
+	if runs, _ := x.RemoteRuns(a, "g0", 0, 4, all, []string{"g1"}); !reflect.DeepEqual(runs, want) {
+		t.Errorf("saver holding half: runs %+v; want %+v", runs, want)
+	}
+	x.Apply(kvBatch("g1", 0, 3, stored(a[2:]...)))
+	want[0].Saving = false
+	if runs, _ := x.RemoteRuns(a, "g0", 0, 4, all, []string{"g1"}); !reflect.DeepEqual(runs, want) {
+		t.Errorf("saver holding all: runs %+v; want %+v", runs, want)
 	}
 	if got := x.PoolPrefix(a, all, []string{"g1"}); got != 4 {
 		t.Errorf("PoolPrefix with g1 saving = %d, want 4", got)
@@ -392,7 +404,7 @@ func TestKVIndexBeyond64Groups(t *testing.T) {
 	if pm := x.PrefixMatch(a, nil); pm[id170] != 40 {
 		t.Errorf("prefix of g170 with its plan = %d, want 40", pm[id170])
 	}
-	want = []messages.RemoteRun{{Group: "g170", FromBlock: 0, Blocks: 40}}
+	want = []messages.RemoteRun{{Group: "g170", FromBlock: 0, Blocks: 40, Saving: true}}
 	if runs, end := x.RemoteRuns(a, "g000", 0, 40, []string{"g170"}, []string{"g170"}); !reflect.DeepEqual(runs, want) || end != 40 {
 		t.Errorf("RemoteRuns from the saver g170 = %+v, %d; want %+v, 40", runs, end, want)
 	}

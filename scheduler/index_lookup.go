@@ -113,7 +113,7 @@ func (x *KVIndex) wordLocked(w int, h uint64, fullOK, planOK groupMask) uint64 {
 // else consecutive runs from other groups in sources whose ranks all hold
 // them, or that are saving them if listed in savers — groups whose prefill
 // queue is empty, so the save is imminent and the source's pool read waits
-// for it. sources are as PoolPrefix's.
+// for it (such a run is Saving). sources are as PoolPrefix's.
 // One source is kept while it holds the next block (fewer, longer reads).
 // Each run names as alternates the other such groups that hold the longest
 // start of it (see alternatesLocked): a rank whose source stopped since
@@ -137,6 +137,7 @@ func (x *KVIndex) RemoteRuns(hashes []uint64, group string, from, limit int, sou
 		if src >= 0 {
 			if w, bit := wordBit(groupID(src)); x.wordLocked(w, h, fullOK, planOK)&bit != 0 {
 				runs[len(runs)-1].Blocks++
+				runs[len(runs)-1].Saving = runs[len(runs)-1].Saving || !x.full.has(groupID(src), h)
 				continue
 			}
 		}
@@ -144,7 +145,7 @@ func (x *KVIndex) RemoteRuns(hashes []uint64, group string, from, limit int, sou
 		if src < 0 {
 			break
 		}
-		runs = append(runs, messages.RemoteRun{Group: x.byID[src].name, FromBlock: i, Blocks: 1})
+		runs = append(runs, messages.RemoteRun{Group: x.byID[src].name, FromBlock: i, Blocks: 1, Saving: !x.full.has(groupID(src), h)})
 		srcs = append(srcs, src)
 	}
 	for r := range runs {

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"slices"
 	"sync"
 	"time"
 
@@ -37,7 +38,10 @@ const (
 // but that its intake has not handled yet (the group's driver answered
 // first, and the next turn went elsewhere): the read waits for the intake
 // to catch up with what it had received (within a quarter of SaveWait),
-// then for the saves it registered.
+// then for the saves it registered. In a NATS cluster the read can also
+// come before that ReqMeta reached this rank at all: a read the scheduler
+// planned from a save in flight here (PoolRead.Saving) waits, within the
+// same quarter of SaveWait, for the ReqMeta that saves its blocks.
 // Those waits happen off the subscription's goroutine (up to poolWaitSlots
 // at once), so that reads of blocks already held are not queued behind
 // them; with every slot taken, a read waits only for saves it knows of.
@@ -56,22 +60,26 @@ func (r *Rank) onPoolRead(ctx context.Context, m *nats.Msg) error {
 	values := r.store.BatchGet(ctx, keys)
 	unknown, saving := r.notSaving(keys, values)
 	intake, caughtUp := r.intakeMark()
-	if len(unknown) == 0 || caughtUp {
+	planned := req.Saving && len(unknown) > 0
+	if (len(unknown) == 0 || caughtUp) && !planned {
 		if !saving {
 			return r.answerPoolRead(m.Reply, values)
 		}
 		intake = 0
 	}
 	arrived := time.Now()
-	answer := func(intake int64) func() error {
+	answer := func(intake int64, planned bool) func() error {
 		return func() error {
+			// A quarter of SaveWait: the reader gave the whole read
+			// SaveWait from when it sent it.
 			if intake > 0 {
-				// A quarter of SaveWait: the reader gave the whole read
-				// SaveWait from when it sent it.
 				r.awaitIntake(intake, arrived.Add(r.cfg.SaveWait/4))
 			}
+			if planned {
+				r.awaitUnreceivedSaves(ctx, keys, values, unknown, arrived.Add(r.cfg.SaveWait/4))
+			}
 			r.awaitPoolSaves(ctx, keys, values, arrived.Add(r.cfg.SaveWait))
-			if intake > 0 {
+			if intake > 0 || planned {
 				found := 0
 				for _, i := range unknown {
 					if values[i] != nil {
@@ -84,7 +92,33 @@ func (r *Rank) onPoolRead(ctx context.Context, m *nats.Msg) error {
 		}
 	}
 	// With no slot free, the intake is not waited for on this goroutine.
-	return r.offload(r.poolWaitSlots, &r.poolWaits, answer(intake), answer(0), "pool read", "req_id", req.ReqID)
+	return r.offload(r.poolWaitSlots, &r.poolWaits, answer(intake, planned), answer(0, false), "pool read", "req_id", req.ReqID)
+}
+
+// awaitUnreceivedSaves waits until deadline for the ReqMeta that saves the
+// blocks at unknown (neither held nor being saved when the read came) to
+// reach this rank and be handled: a block it registers is left to
+// awaitPoolSaves, one already saved by then is filled into values.
+func (r *Rank) awaitUnreceivedSaves(ctx context.Context, keys []string, values [][]byte, unknown []int, deadline time.Time) {
+	left := slices.Clone(unknown)
+	seen := r.metaHandled.Load()
+	for wait := 50 * time.Microsecond; len(left) > 0 && time.Now().Before(deadline); wait = min(2*wait, 5*time.Millisecond) {
+		time.Sleep(min(wait, time.Until(deadline)))
+		if n := r.metaHandled.Load(); n != seen {
+			seen = n
+			r.mu.Lock()
+			left = slices.DeleteFunc(left, func(i int) bool { return r.saving[keys[i]] != nil })
+			r.mu.Unlock()
+			again := make([]string, len(left))
+			for j, i := range left {
+				again[j] = keys[i]
+			}
+			for j, v := range r.store.BatchGet(ctx, again) {
+				values[left[j]] = v
+			}
+			left = slices.DeleteFunc(left, func(i int) bool { return values[i] != nil })
+		}
+	}
 }
 
 // intakeMark returns how many ReqMetas this rank's subscription has

@@ -170,6 +170,43 @@ func TestRankLoadsRemoteRuns(t *testing.T) {
 	if r := p.run(t, other); r.LoadedTokens != 0 || r.FailedBlocks != 4 || r.StoredBlocks != 4 {
 		t.Errorf("missing run: %+v; want 0 loaded, 4 failed, 4 stored", r)
 	}
+
+	// A run planned from a save in flight at g1 (Saving) whose ReqMeta
+	// reaches g1 300 ms after g0's read, as it can in a NATS cluster: the
+	// read waits for it, and the run is loaded whole.
+	late := testenv.PromptTokens(10, 4*blockSize+1)
+	lateFill := newMeta("late-fill", "s2", late)
+	lateFill.Group = "g1"
+	lateNext := newMeta("late-next", "s2", late)
+	lateNext.Group = "g0"
+	lateNext.LoadSpec = &messages.LoadSpec{KVPoolCachedTokens: 4 * blockSize, CanLoad: true,
+		Remote: []messages.RemoteRun{{Group: "g1", FromBlock: 0, Blocks: 4, Saving: true}}}
+	lateNext.SaveFromBlock = 4
+	publish := func(m *messages.ReqMeta) {
+		data, err := messages.Marshal(m)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := p.nc.Publish(messages.Subjects{}.Meta(m.Group, m.SessionID), data); err != nil {
+			t.Fatal(err)
+		}
+	}
+	publish(lateNext)
+	time.Sleep(300 * time.Millisecond)
+	publish(lateFill)
+	var res *messages.RankResult
+	for deadline := time.Now().Add(waitFor); res == nil && time.Now().Before(deadline); {
+		m, err := p.done.NextMsg(time.Until(deadline))
+		if err != nil {
+			break
+		}
+		if r, err := messages.DecodeRankResult(m.Data); err == nil && r.ReqID == lateNext.ReqID && !r.Received && !r.Prefilled {
+			res = r
+		}
+	}
+	if res == nil || res.LoadedTokens != 4*blockSize || res.RemoteTokens != 4*blockSize || res.FailedBlocks != 0 {
+		t.Errorf("a Saving run read before its source's ReqMeta: %+v; want 4 blocks loaded, all remote", res)
+	}
 }
 
 // TestRemoteTokensAreWithinTheLoadedPrefix: copies past the first block
@@ -289,6 +326,61 @@ func TestPoolReadWaitsForTheIntake(t *testing.T) {
 		t.Errorf("%v blocks found after waiting for the intake, want 4", got)
 	}
 	env.resultsByRank("delayed")
+}
+
+// TestPoolReadOfASaveNotYetReceived: in a NATS cluster a read can reach a
+// rank before the ReqMeta that saves its blocks has reached it at all (the
+// two took different routes), so the rank's intake is caught up and knows
+// of no such save. A read the scheduler planned from that save (Saving)
+// waits for the ReqMeta and gets every block; the same read without Saving
+// is answered at once with none (what every such read got before), and a
+// Saving read of blocks nobody saves is answered, missing, within the
+// reader's SaveWait.
+func TestPoolReadOfASaveNotYetReceived(t *testing.T) {
+	const saveWait = 4 * time.Second
+	env := startRanks(t, rankEnvConfig{saveWait: saveWait})
+	tokens := testenv.PromptTokens(5, 4*blockSize+1)
+	hashes := scheduler.HashBlocks(nil, scheduler.HashSeed(testModel), tokens, blockSize)[:4]
+	profile, err := workers.LookupModelProfile("tiny") // startRanks'
+	if err != nil {
+		t.Fatal(err)
+	}
+	size := blockSize * profile.BytesPerTokenPerRank(worldSize)
+	client := workers.PoolClient{Conn: env.nc, Subjects: env.subj}
+	read := func(saving bool, hs []uint64) ([][]byte, error) {
+		ctx, cancel := context.WithTimeout(context.Background(), saveWait) // as a reader's load gives it
+		defer cancel()
+		return client.Read(ctx, testGroup, 1, &messages.PoolRead{Model: testModel, TPRank: 1, BlockHashes: hs, Saving: saving}, size)
+	}
+	isSet := func(v []byte) bool { return v != nil }
+	if got, err := read(false, hashes); err != nil || len(got) != 4 || slices.ContainsFunc(got, isSet) {
+		t.Fatalf("a read before the ReqMeta, not Saving: %d values (some set: %v), err %v; want 4 missing", len(got), slices.ContainsFunc(got, isSet), err)
+	}
+
+	var wg sync.WaitGroup
+	var got [][]byte
+	var gotErr error
+	wg.Go(func() { got, gotErr = read(true, hashes) })
+	time.Sleep(300 * time.Millisecond) // the ReqMeta comes 300 ms after the read
+	env.sendMeta(newMeta("late", "s", tokens))
+	wg.Wait()
+	if gotErr != nil || len(got) != 4 {
+		t.Fatalf("a Saving read before the ReqMeta: %d values, err %v; want 4", len(got), gotErr)
+	}
+	for i, h := range hashes {
+		if !workers.VerifyPayload(got[i], h, 1, size) {
+			t.Errorf("block %d of the late ReqMeta's save: %d bytes, want the block", i, len(got[i]))
+		}
+	}
+	// The read came before the ReqMeta (the fault took effect): its blocks
+	// were unknown to the rank, and found after the wait.
+	if n := testenv.CounterSum(t, env.reg, "kvbus_worker_blocks_total", map[string]string{"op": "pool_awaited_intake"}); n != 4 {
+		t.Errorf("%v blocks found after waiting for their ReqMeta, want 4", n)
+	}
+	if absent, err := read(true, []uint64{0xdead}); err != nil || len(absent) != 1 || absent[0] != nil {
+		t.Errorf("a Saving read of a block nobody saves: %d values, err %v; want one missing, within the reader's SaveWait", len(absent), err)
+	}
+	env.resultsByRank("late")
 }
 
 // TestPoolReadIntakeWaitIsBounded: a rank whose intake is stuck longer

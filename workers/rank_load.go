@@ -175,7 +175,8 @@ func (r *Rank) copyRemoteRuns(rr *rankReq, runs []messages.RemoteRun, n int) (co
 			// Each source left gets an equal share of the time left: a
 			// source that hangs leaves time for the others.
 			ctx, cancel := context.WithDeadline(rr.ctx, time.Now().Add(time.Until(deadline)/time.Duration(len(sources)-k)))
-			got, err := r.copyRun(ctx, rr, source, next, end, fetched)
+			// Only the run's own source was planned as saving it.
+			got, err := r.copyRun(ctx, rr, source, next, end, fetched, k == 0 && run.Saving)
 			cancel()
 			copied = append(copied, got...)
 			next += len(got)
@@ -208,8 +209,9 @@ func (r *Rank) copyRemoteRuns(rr *rankReq, runs []messages.RemoteRun, n int) (co
 // TPRank of group source, in pieces of poolReadBlocks, and keeps each
 // verified block as a local copy and in fetched. It returns the blocks
 // copied, from and on in order: the first read that fails (err) or block
-// the source no longer holds ends them.
-func (r *Rank) copyRun(ctx context.Context, rr *rankReq, source string, from, end int, fetched [][]byte) (got []int, err error) {
+// the source no longer holds ends them. saving asks the source to wait for
+// the save that the scheduler planned the run from (PoolRead.Saving).
+func (r *Rank) copyRun(ctx context.Context, rr *rankReq, source string, from, end int, fetched [][]byte, saving bool) (got []int, err error) {
 	meta := rr.meta
 	size := r.blockBytes(meta.BlockSize)
 	valueBytes := r.valueBytes(meta.BlockSize)
@@ -225,7 +227,7 @@ func (r *Rank) copyRun(ctx context.Context, rr *rankReq, source string, from, en
 	}()
 	for at := from; at < end; {
 		piece := meta.BlockHashes[at:min(at+poolReadBlocks(valueBytes), end)]
-		vals, err := r.pool.Read(ctx, source, r.cfg.TPRank, &messages.PoolRead{ReqID: meta.ReqID, Model: meta.Model, TPRank: r.cfg.TPRank, BlockHashes: piece},
+		vals, err := r.pool.Read(ctx, source, r.cfg.TPRank, &messages.PoolRead{ReqID: meta.ReqID, Model: meta.Model, TPRank: r.cfg.TPRank, BlockHashes: piece, Saving: saving},
 			valueBytes)
 		if err != nil {
 			return got, err
