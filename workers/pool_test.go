@@ -246,11 +246,7 @@ func TestPoolReadNotQueuedBehindASave(t *testing.T) {
 	saving := testenv.PromptTokens(2, 4*blockSize+1)
 	env.sendMeta(newMeta("saving", "s2", saving))
 	client := workers.PoolClient{Conn: env.nc, Subjects: env.subj}
-	profile, err := workers.LookupModelProfile("tiny") // startRanks'
-	if err != nil {
-		t.Fatal(err)
-	}
-	size := blockSize * profile.BytesPerTokenPerRank(worldSize)
+	size := env.blockBytes(t)
 	// The driver answers once it stored; rank 1, which got the ReqMeta at
 	// the same time, registered its saves on arrival and stores 1.5 s late.
 	env.finalOutput("saving")
@@ -285,11 +281,7 @@ func TestPoolReadWaitsForTheIntake(t *testing.T) {
 	env := startRanks(t, rankEnvConfig{delayFirstMeta: map[int]time.Duration{1: delay}, saveWait: saveWait})
 	tokens := testenv.PromptTokens(3, 4*blockSize+1)
 	hashes := scheduler.HashBlocks(nil, scheduler.HashSeed(testModel), tokens, blockSize)[:4]
-	profile, err := workers.LookupModelProfile("tiny") // startRanks'
-	if err != nil {
-		t.Fatal(err)
-	}
-	size := blockSize * profile.BytesPerTokenPerRank(worldSize)
+	size := env.blockBytes(t)
 	client := workers.PoolClient{Conn: env.nc, Subjects: env.subj}
 	env.sendMeta(newMeta("delayed", "s", tokens))
 	// The driver answers while rank 1 still sleeps on the ReqMeta.
@@ -341,11 +333,7 @@ func TestPoolReadOfASaveNotYetReceived(t *testing.T) {
 	env := startRanks(t, rankEnvConfig{saveWait: saveWait})
 	tokens := testenv.PromptTokens(5, 4*blockSize+1)
 	hashes := scheduler.HashBlocks(nil, scheduler.HashSeed(testModel), tokens, blockSize)[:4]
-	profile, err := workers.LookupModelProfile("tiny") // startRanks'
-	if err != nil {
-		t.Fatal(err)
-	}
-	size := blockSize * profile.BytesPerTokenPerRank(worldSize)
+	size := env.blockBytes(t)
 	client := workers.PoolClient{Conn: env.nc, Subjects: env.subj}
 	read := func(saving bool, hs []uint64) ([][]byte, error) {
 		ctx, cancel := context.WithTimeout(context.Background(), saveWait) // as a reader's load gives it
@@ -747,4 +735,14 @@ func TestAPromptLongerThanTheStoreKeepsItsStart(t *testing.T) {
 	if r := turn("third", 6); r.LoadedTokens != 6*blockSize || r.FailedBlocks != 0 {
 		t.Errorf("after another session's 2 blocks: loaded %d tokens, %d failed blocks; want the first 6 blocks (the prefix's end evicted)", r.LoadedTokens, r.FailedBlocks)
 	}
+}
+
+// blockBytes is the size of one block at one rank of startRanks' model.
+func (e *rankEnv) blockBytes(t *testing.T) int {
+	t.Helper()
+	profile, err := workers.LookupModelProfile("tiny") // startRanks'
+	if err != nil {
+		t.Fatal(err)
+	}
+	return blockSize * profile.BytesPerTokenPerRank(worldSize)
 }
