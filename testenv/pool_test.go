@@ -6,6 +6,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/kvbus/kvbus/messages"
 	"github.com/kvbus/kvbus/testenv"
 )
 
@@ -87,12 +88,25 @@ func TestPoolReadWaitsForASaveNotYetRegistered(t *testing.T) {
 		t.Fatalf("warm-up: %d %s", code, resp)
 	}
 	time.Sleep(delay + 100*time.Millisecond)
+	metas := c.Observe(t, messages.Subjects{}.MetaSession("unregistered"))
 	client := &http.Client{Timeout: 30 * time.Second}
 	defer client.CloseIdleConnections()
 	turns, err := testenv.Conversation{BaseURL: c.URL, Client: client, Model: c.Model, Seed: 77,
 		Headers: map[string]string{"X-Session-ID": "unregistered"}}.Run(t.Context(), 2)
 	if err != nil {
 		t.Fatal(err)
+	}
+	// Turn 2 was planned from turn 1's save in flight: its run is marked
+	// saving, so the read would wait for the source's ReqMeta even where
+	// (in a NATS cluster) the read overtook it.
+	var runs []messages.RemoteRun
+	for _, m := range metas.Messages() {
+		if meta, err := messages.DecodeReqMeta(m.Data); err == nil && meta.LoadSpec != nil && len(meta.LoadSpec.Remote) > 0 {
+			runs = meta.LoadSpec.Remote
+		}
+	}
+	if len(runs) != 1 || !runs[0].Saving {
+		t.Errorf("turn 2's remote runs %+v; want one, marked saving", runs)
 	}
 	if got := len(c.Logs.Lines("fault injection: ReqMeta delayed")); got != 2 {
 		t.Fatalf("%d delayed ReqMetas, want 2 (one per group): the fault did not take effect", got)
