@@ -147,23 +147,14 @@ func TestAnswerHeardNothingAfterAReconnectIsAskedAgain(t *testing.T) {
 		RequestTimeout: 30 * time.Second})
 	seen := loseFirstOutputs(t, c, 0)
 	aborts := c.Observe(t, messages.Subjects{}.Abort())
-	done := make(chan answerOf, 1)
-	go func() {
-		status, _, out := testenv.Send(t, http.MethodPost, c.URL+"/v1/chat/completions",
-			fmt.Sprintf(`{"model":%q,"max_tokens":12,"ignore_eos":true,"messages":[{"role":"user","content":"slow"}]}`, c.Model), nil)
-		done <- answerOf{status, out}
-	}()
+	done := sendAsync(t, c.URL+"/v1/chat/completions",
+		fmt.Sprintf(`{"model":%q,"max_tokens":12,"ignore_eos":true,"messages":[{"role":"user","content":"slow"}]}`, c.Model), nil)
 	testenv.Eventually(t, 5*time.Second, "the request published", func() bool { return len(seen()) == 1 })
 	if err := c.Cluster.RestartNATS(); err != nil {
 		t.Fatal(err)
 	}
 	a := <-done
-	var resp struct {
-		Usage struct {
-			CompletionTokens int `json:"completion_tokens"`
-		} `json:"usage"`
-	}
-	if a.status != http.StatusOK || json.Unmarshal(a.out, &resp) != nil || resp.Usage.CompletionTokens != 12 {
+	if u, ok := a.usage(); !ok || u.CompletionTokens != 12 {
 		t.Fatalf("answer of a request silent after a reconnect: %d %s; want 200 with 12 tokens", a.status, a.out)
 	}
 	askedAgain := testenv.CounterSum(t, c.Registry, "kvbus_frontend_asked_again_total", nil)
@@ -205,28 +196,20 @@ func TestAnswerHeardNothingAfterAReconnectIsAskedAgain(t *testing.T) {
 func TestRequestHeldByItsDriverIsNotAskedAgainAfterAReconnect(t *testing.T) {
 	c := testenv.StartCluster(t, testenv.ClusterConfig{Ranks: 2, TimeScale: 100, RequestTimeout: 60 * time.Second})
 	seen := loseFirstOutputs(t, c, 0)
-	done := make(chan answerOf, 2)
+	var done []<-chan answerOf
 	start := time.Now()
 	for i, words := range []int{1000, 300} {
 		body := fmt.Sprintf(`{"model":%q,"max_tokens":1,"ignore_eos":true,"messages":[{"role":"user","content":%q}]}`,
 			c.Model, strings.Repeat(" cache", words))
-		go func() {
-			status, _, out := testenv.Send(t, http.MethodPost, c.URL+"/v1/chat/completions", body, nil)
-			done <- answerOf{status, out}
-		}()
+		done = append(done, sendAsync(t, c.URL+"/v1/chat/completions", body, nil))
 		testenv.Eventually(t, 5*time.Second, "the request published", func() bool { return len(seen()) == i+1 })
 	}
 	if err := c.Cluster.RestartNATS(); err != nil {
 		t.Fatal(err)
 	}
-	for range 2 {
-		a := <-done
-		var resp struct {
-			Usage struct {
-				CompletionTokens int `json:"completion_tokens"`
-			} `json:"usage"`
-		}
-		if a.status != http.StatusOK || json.Unmarshal(a.out, &resp) != nil || resp.Usage.CompletionTokens != 1 {
+	for _, d := range done {
+		a := <-d
+		if u, ok := a.usage(); !ok || u.CompletionTokens != 1 {
 			t.Fatalf("answer of a request its driver held across a reconnect: %d %s; want 200 with 1 token", a.status, a.out)
 		}
 	}
@@ -254,12 +237,9 @@ func TestRequestWaitingForItsLoadIsNotAskedAgainAfterAReconnect(t *testing.T) {
 	seen := loseFirstOutputs(t, c, 0)
 	metas := c.Observe(t, messages.Subjects{}.MetaGroup("g0"))
 	body := fmt.Sprintf(`{"model":%q,"max_tokens":4,"ignore_eos":true,"messages":[{"role":"user","content":%q}]}`, c.Model, strings.Repeat(" cache", 200))
-	done := make(chan answerOf, 2)
+	var done []<-chan answerOf
 	for i, session := range []string{"a", "b"} {
-		go func() {
-			status, _, out := testenv.Send(t, http.MethodPost, c.URL+"/v1/chat/completions", body, map[string]string{"X-Session-ID": session})
-			done <- answerOf{status, out}
-		}()
+		done = append(done, sendAsync(t, c.URL+"/v1/chat/completions", body, map[string]string{"X-Session-ID": session}))
 		// Its ReqMeta reached the ranks: B's driver holds it, waiting
 		// for A's blocks.
 		testenv.Eventually(t, 5*time.Second, "the ReqMeta of "+session, func() bool { return len(metas.Messages()) == i+1 })
@@ -269,19 +249,13 @@ func TestRequestWaitingForItsLoadIsNotAskedAgainAfterAReconnect(t *testing.T) {
 		t.Fatal(err)
 	}
 	cached := 0
-	for range 2 {
-		a := <-done
-		var resp struct {
-			Usage struct {
-				Details struct {
-					CachedTokens int `json:"cached_tokens"`
-				} `json:"prompt_tokens_details"`
-			} `json:"usage"`
-		}
-		if a.status != http.StatusOK || json.Unmarshal(a.out, &resp) != nil {
+	for _, d := range done {
+		a := <-d
+		u, ok := a.usage()
+		if !ok {
 			t.Fatalf("answer after the reconnect: %d %s; want 200", a.status, a.out)
 		}
-		cached += resp.Usage.Details.CachedTokens
+		cached += u.Details.CachedTokens
 	}
 	// The fault took effect: B waited for A's blocks (it loaded all 12 of
 	// them), both heard nothing for 3 s after the reconnect (A's answer
@@ -302,6 +276,36 @@ func TestRequestWaitingForItsLoadIsNotAskedAgainAfterAReconnect(t *testing.T) {
 type answerOf struct {
 	status int
 	out    []byte
+}
+
+// sendAsync posts body to url on its own goroutine and sends the answer
+// on the channel returned.
+func sendAsync(t *testing.T, url, body string, headers map[string]string) <-chan answerOf {
+	done := make(chan answerOf, 1)
+	go func() {
+		status, _, out := testenv.Send(t, http.MethodPost, url, body, headers)
+		done <- answerOf{status, out}
+	}()
+	return done
+}
+
+// answerUsage is a non-streamed chat answer's usage.
+type answerUsage struct {
+	CompletionTokens int `json:"completion_tokens"`
+	Details          struct {
+		CachedTokens int `json:"cached_tokens"`
+	} `json:"prompt_tokens_details"`
+}
+
+// usage returns the answer's usage, and whether it is a 200 that has one.
+func (a answerOf) usage() (answerUsage, bool) {
+	var resp struct {
+		Usage *answerUsage `json:"usage"`
+	}
+	if a.status != http.StatusOK || json.Unmarshal(a.out, &resp) != nil || resp.Usage == nil {
+		return answerUsage{}, false
+	}
+	return *resp.Usage, true
 }
 
 // streamText reads a chat stream: the text of its chunks, its completion
@@ -425,12 +429,8 @@ func TestStreamUnderWayGetsLostOutputsAgain(t *testing.T) {
 func TestSlowStreamHeardNothingAfterAReconnectGoesOn(t *testing.T) {
 	c := testenv.StartCluster(t, testenv.ClusterConfig{Ranks: 2, TimeScale: 800, RequestTimeout: 40 * time.Second})
 	outs := c.Observe(t, messages.Subjects{}.Out("*"))
-	done := make(chan answerOf, 1)
-	go func() {
-		status, _, out := testenv.Send(t, http.MethodPost, c.URL+"/v1/chat/completions",
-			fmt.Sprintf(`{"model":%q,"max_tokens":2,"ignore_eos":true,"stream":true,"stream_options":{"include_usage":true},"messages":[{"role":"user","content":"slow"}]}`, c.Model), nil)
-		done <- answerOf{status, out}
-	}()
+	done := sendAsync(t, c.URL+"/v1/chat/completions",
+		fmt.Sprintf(`{"model":%q,"max_tokens":2,"ignore_eos":true,"stream":true,"stream_options":{"include_usage":true},"messages":[{"role":"user","content":"slow"}]}`, c.Model), nil)
 	testenv.Eventually(t, 10*time.Second, "the stream's first output", func() bool { return len(outs.Messages()) > 0 })
 	if err := c.Cluster.RestartNATS(); err != nil {
 		t.Fatal(err)

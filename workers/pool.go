@@ -109,13 +109,7 @@ func (r *Rank) awaitUnreceivedSaves(ctx context.Context, keys []string, values [
 			r.mu.Lock()
 			left = slices.DeleteFunc(left, func(i int) bool { return r.saving[keys[i]] != nil })
 			r.mu.Unlock()
-			again := make([]string, len(left))
-			for j, i := range left {
-				again[j] = keys[i]
-			}
-			for j, v := range r.store.BatchGet(ctx, again) {
-				values[left[j]] = v
-			}
+			r.readAgain(ctx, keys, values, left)
 			left = slices.DeleteFunc(left, func(i int) bool { return values[i] != nil })
 		}
 	}
@@ -207,12 +201,17 @@ func (r *Rank) awaitPoolSaves(ctx context.Context, keys []string, values [][]byt
 			missing = append(missing, i)
 		}
 	}
-	again := make([]string, len(missing))
-	for j, i := range missing {
+	r.readAgain(ctx, keys, values, missing)
+}
+
+// readAgain reads the values at indexes at from the store again.
+func (r *Rank) readAgain(ctx context.Context, keys []string, values [][]byte, at []int) {
+	again := make([]string, len(at))
+	for j, i := range at {
 		again[j] = keys[i]
 	}
 	for j, v := range r.store.BatchGet(ctx, again) {
-		values[missing[j]] = v
+		values[at[j]] = v
 	}
 }
 
