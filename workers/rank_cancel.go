@@ -1,0 +1,159 @@
+package workers
+
+import (
+	"context"
+	"errors"
+	"math"
+	"time"
+
+	"github.com/nats-io/nats.go"
+
+	"github.com/kvbus/kvbus/messages"
+)
+
+// Ending a request's work early: its client's or a scheduler's Abort, its
+// deadline, and the rank's own shutdown.
+
+// errAborted is the cancel cause of an aborted request.
+var errAborted = errors.New("request aborted")
+
+// errShutdown is the cancel cause of a request still running when its
+// rank's ShutdownTimeout passed: the group stops (scaled down, restarted),
+// which is no failure of the model. The client hears it as a group that
+// failed (group_failed: 503 with Retry-After), and a request whose output
+// had not started is left to the scheduler to dispatch again.
+var errShutdown = errors.New("worker shutting down: the request outlived its rank's --shutdown-timeout")
+
+// rankErrCode is the RankResult.ErrorCode of a request whose work ended
+// with err, its context's cancel cause being cause (either may be nil).
+func rankErrCode(cause, err error) string {
+	switch {
+	case errors.Is(cause, errAborted):
+		return messages.RankErrAborted
+	case errors.Is(cause, context.DeadlineExceeded) || errors.Is(err, context.DeadlineExceeded):
+		return messages.RankErrTimeout
+	case errors.Is(cause, errShutdown) || errors.Is(err, ErrEngineUnavailable):
+		return "group_failed"
+	default:
+		return "engine_error"
+	}
+}
+
+// withdrawWait bounds how long a stopping driver waits, for each request it
+// ended before its output started, for the scheduler to withdraw it (an
+// Abort: the request goes on at another group) before it ends it at the
+// frontend itself (group_failed). The scheduler judges groups every 250 ms,
+// from the not-ready heartbeat the rank sends as it gives up.
+const withdrawWait = time.Second
+
+// expireInterval is how often expireLoop looks for requests past their
+// deadline: how late, at most, a request's work stops after it.
+const expireInterval = 50 * time.Millisecond
+
+// expireLoop cancels active requests whose deadline passed, until ctx ends.
+func (r *Rank) expireLoop(ctx context.Context) {
+	t := time.NewTicker(expireInterval)
+	defer t.Stop()
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case now := <-t.C:
+			r.mu.Lock()
+			for _, rr := range r.active {
+				if !rr.deadline.IsZero() && now.After(rr.deadline) {
+					rr.cancel(context.DeadlineExceeded)
+				}
+			}
+			r.mu.Unlock()
+		}
+	}
+}
+
+func (r *Rank) onAbort(_ context.Context, m *nats.Msg) error {
+	a, err := messages.DecodeAbort(m.Data)
+	if err != nil {
+		return err
+	}
+	if a.Group != "" && a.Group != r.cfg.Group {
+		return nil
+	}
+	r.mu.Lock()
+	rr := r.active[a.ReqID]
+	if rr == nil && a.Group == "" {
+		// The client's abort may come before the ReqMeta: remember it (a
+		// request this rank already saw is left as it is).
+		r.seen.GetOrPut(a.ReqID, seenReq{attempt: math.MaxInt, aborted: true}, time.Now())
+	}
+	if rr != nil && a.BeforeAttempt > 0 && rr.meta.Attempt >= a.BeforeAttempt {
+		r.mu.Unlock()
+		return nil // the attempt the request goes on at
+	}
+	if rr != nil && !rr.withdrawn {
+		rr.withdrawn = true
+		if rr.onWithdraw != nil {
+			close(rr.onWithdraw)
+		}
+	}
+	r.mu.Unlock()
+	if rr != nil {
+		r.log.Info("request aborted", "req_id", a.ReqID, "session_id", rr.meta.SessionID, "reason", a.Reason)
+		rr.cancel(errAborted)
+	}
+	return nil
+}
+
+// giveUp ends the requests still running once ShutdownTimeout has passed.
+// A planned stop must not look like a failure of the model: the rank first
+// says in a heartbeat that it is not ready, which the schedulers handle as a
+// group that lost a rank (their failover: a request whose output has not
+// started is withdrawn and dispatched again on another group, one that
+// streamed ends with group_failed), then cancels the requests with
+// errShutdown; the driver ends those whose output started with
+// group_failed (503, Retry-After), and waits for the others' withdrawal
+// (see awaitWithdraw).
+func (r *Rank) giveUp() {
+	r.mu.Lock()
+	n := len(r.active)
+	r.mu.Unlock()
+	if n == 0 {
+		return
+	}
+	r.log.Warn("rank stopping: requests still running past --shutdown-timeout end here; those whose output has not started are left to the scheduler to dispatch again",
+		"requests", n, "timeout", r.cfg.ShutdownTimeout)
+	r.gaveUp.Store(true)
+	r.heartbeat() // before the cancels: the scheduler hears it as soon as it can
+	r.cancelAll(errShutdown)
+}
+
+// awaitWithdraw waits, up to withdrawWait, until rr is withdrawn (an Abort
+// for its attempt came: the scheduler dispatched it again elsewhere, or its
+// client left), and reports whether it was.
+func (r *Rank) awaitWithdraw(rr *rankReq) bool {
+	r.mu.Lock()
+	if rr.withdrawn {
+		r.mu.Unlock()
+		return true
+	}
+	if rr.onWithdraw == nil {
+		rr.onWithdraw = make(chan struct{})
+	}
+	ch := rr.onWithdraw
+	r.mu.Unlock()
+	t := time.NewTimer(withdrawWait)
+	defer t.Stop()
+	select {
+	case <-ch:
+		return true
+	case <-t.C:
+		return false
+	}
+}
+
+func (r *Rank) cancelAll(cause error) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	for _, rr := range r.active {
+		rr.cancel(cause)
+	}
+}

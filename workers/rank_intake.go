@@ -1,0 +1,180 @@
+package workers
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"time"
+
+	"github.com/nats-io/nats.go"
+
+	"github.com/kvbus/kvbus/messages"
+)
+
+// onMeta takes a ReqMeta. It runs until the subscription ends, drainGrace
+// after the rank began to stop: a request placed before the scheduler
+// heard the draining heartbeat still runs.
+func (r *Rank) onMeta(_ context.Context, m *nats.Msg) error {
+	meta, err := messages.DecodeReqMeta(m.Data)
+	if err != nil {
+		return fmt.Errorf("dropping ReqMeta on %s: %w", m.Subject, err)
+	}
+	r.series.reqMetas.Inc()
+	if r.cfg.DropReqMetas > 0 && r.dropped.Add(1) <= int64(r.cfg.DropReqMetas) {
+		r.log.Warn("fault injection: ReqMeta ignored", "req_id", meta.ReqID, "session_id", meta.SessionID)
+		return nil
+	}
+	if d := r.cfg.DelayFirstReqMeta; d > 0 && r.delayed.CompareAndSwap(false, true) {
+		r.log.Warn("fault injection: ReqMeta delayed", "req_id", meta.ReqID, "session_id", meta.SessionID, "delay", d)
+		time.Sleep(d)
+	}
+	if meta.Model != "" && meta.Model != r.cfg.Model {
+		// Placed on a group of another model (a scheduler of a kvbus that
+		// did not tell models apart, or a hand-made ReqMeta): these weights
+		// would answer it as if they were its model's.
+		rr := newRankReq(meta)
+		rr.result = r.resultOf(meta)
+		rr.prefilled.Store(true) // never counted in the prefill queue
+		r.fail(rr, "model_mismatch", fmt.Sprintf("group %s serves model %q, not %q: the request was placed on another model's group; "+
+			"run schedulers of this kvbus (they place a request only on groups of its model)", r.cfg.Group, r.cfg.Model, meta.Model))
+		return nil
+	}
+	now := time.Now()
+	r.mu.Lock()
+	// One lookup for a new request: it is remembered at once.
+	s, seen := r.seen.GetOrPut(meta.ReqID, seenReq{attempt: meta.Attempt}, now)
+	if seen && s.attempt >= meta.Attempt {
+		rr := r.active[meta.ReqID]
+		if s.attempt > meta.Attempt {
+			r.mu.Unlock()
+			if s.aborted {
+				r.series.aborted.Inc()
+				r.log.Info("dropping a ReqMeta its client aborted before it came", "req_id", meta.ReqID, "session_id", meta.SessionID)
+				return nil
+			}
+			r.series.duplicate.Inc()
+			r.log.Info("dropping a ReqMeta of an older attempt", "req_id", meta.ReqID, "session_id", meta.SessionID, "attempt", meta.Attempt)
+			return nil
+		}
+		// The same attempt again: the scheduler re-sent it (it did not hear
+		// from this rank) or another replica took the request over after
+		// the first one died. Answer where it asks now.
+		if rr != nil {
+			rr.resultSubject = meta.ResultSubject
+		}
+		r.mu.Unlock()
+		r.series.duplicate.Inc()
+		switch {
+		case rr != nil:
+			r.sendReceipt(rr)
+			r.log.Info("ReqMeta again: still working on it, receipt sent", "req_id", meta.ReqID, "session_id", meta.SessionID,
+				"attempt", meta.Attempt, "result_subject", meta.ResultSubject)
+		case s.result != nil:
+			r.publishData(meta.ResultSubject, s.result, meta)
+			r.log.Info("ReqMeta again: result sent again", "req_id", meta.ReqID, "session_id", meta.SessionID,
+				"attempt", meta.Attempt, "result_subject", meta.ResultSubject)
+		}
+		return nil
+	}
+	if old, ok := r.active[meta.ReqID]; ok { // a newer attempt replaces an old one
+		old.cancel(errors.New("superseded by a newer attempt"))
+	}
+	if seen { // an older attempt is remembered: this one replaces it
+		r.seen.Put(meta.ReqID, seenReq{attempt: meta.Attempt}, now)
+	}
+	if r.closed { // delivered as intake stopped: the scheduler moves it once the group is gone
+		r.mu.Unlock()
+		return nil
+	}
+	rr := newRankReq(meta)
+	rr.result = r.resultOf(meta)
+	queued := false
+	// Set up before the load loop can see it.
+	rr.id = r.nextID + 1
+	rr.receipt = time.AfterFunc(r.cfg.ReceiptAfter, func() { r.sendReceipt(rr) })
+	select {
+	case r.loadQ <- rr:
+		queued = true
+		r.nextID++
+		r.active[meta.ReqID] = rr
+		r.registerSavesLocked(rr)
+		if r.IsDriver() {
+			r.queue(meta, 1)
+		}
+	default:
+		rr.receipt.Stop()
+	}
+	r.mu.Unlock()
+	r.series.queue.Inc()
+	if !queued {
+		rr.prefilled.Store(true) // never counted in the prefill queue
+		r.series.overloaded.Inc()
+		r.fail(rr, "overloaded", fmt.Sprintf("rank %s/%d: load queue full (%d requests)", r.cfg.Group, r.cfg.TPRank, cap(r.loadQ)))
+	}
+	return nil
+}
+
+// prefillTokens is what a request adds to the driver's prefill queue: its
+// prompt tokens not covered by the LoadSpec.
+func prefillTokens(meta *messages.ReqMeta) int {
+	cached := 0
+	if ls := meta.LoadSpec; ls != nil && ls.CanLoad {
+		cached = ls.KVPoolCachedTokens
+	}
+	return max(meta.TokenLen-cached, 0)
+}
+
+// loadTokens are the cached tokens a request loads: from the group's own
+// segments, and from other groups' (its LoadSpec's remote runs).
+func loadTokens(meta *messages.ReqMeta) (local, remote int) {
+	ls := meta.LoadSpec
+	if ls == nil || !ls.CanLoad || meta.BlockSize < 1 {
+		return 0, 0
+	}
+	n := ls.KVPoolCachedTokens / meta.BlockSize
+	for _, run := range ls.Remote {
+		remote += max(min(run.FromBlock+run.Blocks, n)-run.FromBlock, 0)
+	}
+	remote = min(remote, n) * meta.BlockSize
+	return ls.KVPoolCachedTokens - remote, remote
+}
+
+// queue adds (sign 1) or removes (-1) a request's work to the driver's
+// queue counters.
+func (r *Rank) queue(meta *messages.ReqMeta, sign int64) {
+	local, remote := loadTokens(meta)
+	r.queuedTokens.Add(sign * int64(prefillTokens(meta)))
+	r.queuedLoad.Add(sign * int64(local))
+	r.queuedRemote.Add(sign * int64(remote))
+}
+
+// donePrefill takes rr's work off the driver's prefill queue, once.
+func (r *Rank) donePrefill(rr *rankReq) {
+	if r.IsDriver() && rr.prefilled.CompareAndSwap(false, true) {
+		r.queue(rr.meta, -1)
+	}
+}
+
+// newRankReq starts a request's context. Its deadline is not a timer of its
+// own (two contexts, a timer and a child map per request per rank were an
+// eighth of the bytes a request allocates): expireLoop cancels requests past
+// their deadline with the cause context.DeadlineExceeded, and one already
+// past it starts cancelled.
+func newRankReq(meta *messages.ReqMeta) *rankReq {
+	ctx, cancel := context.WithCancelCause(context.Background())
+	rr := &rankReq{
+		meta:          meta,
+		resultSubject: meta.ResultSubject,
+		saved:         make(chan struct{}),
+		ctx:           ctx,
+		cancel:        cancel,
+		storeDone:     make(chan struct{}),
+	}
+	if meta.DeadlineUnixMs > 0 {
+		rr.deadline = time.UnixMilli(meta.DeadlineUnixMs)
+		if !time.Now().Before(rr.deadline) {
+			cancel(context.DeadlineExceeded)
+		}
+	}
+	return rr
+}
