@@ -1,0 +1,151 @@
+package workers
+
+import (
+	"bufio"
+	"bytes"
+	"context"
+	"encoding/json"
+	"fmt"
+	"io"
+	"net/http"
+
+	"github.com/kvbus/kvbus/messages"
+)
+
+// Reading an engine's answer, whole or streamed (SSE): relayed as it came,
+// with what kvbus needs of it (text, finish reason, usage) read on the way.
+
+// engineAnswer is what kvbus reads of an engine's answer or chunk: the
+// rest is relayed as it came.
+type engineAnswer struct {
+	Error   json.RawMessage `json:"error"`
+	Choices []struct {
+		Index        int     `json:"index"`
+		Text         string  `json:"text"`
+		FinishReason *string `json:"finish_reason"`
+		Delta        *struct {
+			Content *string `json:"content"`
+		} `json:"delta"`
+		Message *struct {
+			Content *string `json:"content"`
+		} `json:"message"`
+	} `json:"choices"`
+	Usage *struct {
+		PromptTokens        int `json:"prompt_tokens"`
+		CompletionTokens    int `json:"completion_tokens"`
+		PromptTokensDetails *struct {
+			CachedTokens int `json:"cached_tokens"`
+		} `json:"prompt_tokens_details"`
+	} `json:"usage"`
+}
+
+// apply folds a into res and returns the text of its first choice.
+func (a *engineAnswer) apply(res *EngineResult) string {
+	if u := a.Usage; u != nil {
+		res.Usage = &messages.Usage{PromptTokens: u.PromptTokens, CompletionTokens: u.CompletionTokens}
+		if u.PromptTokensDetails != nil {
+			res.Usage.CachedTokens = u.PromptTokensDetails.CachedTokens
+		}
+		res.CompletionTokens = u.CompletionTokens
+	}
+	text := ""
+	for _, ch := range a.Choices {
+		if ch.FinishReason != nil && *ch.FinishReason != "" && (res.FinishReason == "" || ch.Index == 0) {
+			res.FinishReason = *ch.FinishReason
+		}
+		if ch.Index != 0 {
+			continue
+		}
+		switch {
+		case ch.Delta != nil && ch.Delta.Content != nil:
+			text = *ch.Delta.Content
+		case ch.Message != nil && ch.Message.Content != nil:
+			text = *ch.Message.Content
+		default:
+			text = ch.Text
+		}
+	}
+	return text
+}
+
+// readAnswer reads a whole (not streamed) answer.
+func (e *OpenAIEngine) readAnswer(ctx context.Context, c *engineCall, r io.Reader, prefilled func(), emit func(Chunk) error) (EngineResult, error) {
+	body, err := io.ReadAll(io.LimitReader(r, maxEngineBody+1))
+	switch {
+	case err != nil && ctx.Err() != nil:
+		return EngineResult{}, ctx.Err()
+	case err != nil:
+		return EngineResult{}, fmt.Errorf("%w: reading the answer: %v", ErrEngineUnavailable, err)
+	case len(body) > maxEngineBody:
+		return EngineResult{}, fmt.Errorf("workers: the engine's answer exceeds %d bytes", maxEngineBody)
+	}
+	var a engineAnswer
+	if err := json.Unmarshal(body, &a); err != nil {
+		return EngineResult{}, fmt.Errorf("workers: the engine's answer is not JSON: %w", err)
+	}
+	var res EngineResult
+	text := a.apply(&res)
+	if prefilled != nil {
+		prefilled()
+	}
+	c.started = true
+	if err := emit(Chunk{Text: text, Raw: body}); err != nil {
+		return res, err
+	}
+	return res, nil
+}
+
+// readStream reads server-sent events until "data: [DONE]".
+func (e *OpenAIEngine) readStream(ctx context.Context, c *engineCall, r io.Reader, prefilled func(), emit func(Chunk) error) (EngineResult, error) {
+	var res EngineResult
+	sc := bufio.NewScanner(r)
+	sc.Buffer(make([]byte, 0, 64<<10), maxEngineLine)
+	for sc.Scan() {
+		line := sc.Bytes()
+		data, ok := bytes.CutPrefix(line, []byte("data:"))
+		if !ok {
+			continue // blank lines, comments, event: and id: fields
+		}
+		data = bytes.TrimSpace(data)
+		if string(data) == "[DONE]" {
+			return res, nil
+		}
+		var a engineAnswer
+		if err := json.Unmarshal(data, &a); err != nil {
+			return res, fmt.Errorf("workers: engine stream chunk is not JSON: %w", err)
+		}
+		if len(a.Error) > 0 && string(a.Error) != "null" {
+			// vLLM reports an error inside a started stream as a data chunk
+			// {"error": {...}} (serving_engine.py create_streaming_error_response).
+			return res, &EngineError{Status: http.StatusInternalServerError, Body: bytes.Clone(data)}
+		}
+		text := a.apply(&res)
+		if !c.started {
+			c.started = true
+			if prefilled != nil {
+				prefilled()
+			}
+		}
+		if len(a.Choices) == 0 && a.Usage != nil && !c.wantUsage {
+			continue // the usage chunk kvbus asked for, not the client
+		}
+		chunk := Chunk{Text: text}
+		if len(c.req.Body) > 0 {
+			chunk.Raw = bytes.Clone(data)
+		}
+		if err := emit(chunk); err != nil {
+			return res, err
+		}
+	}
+	if ctx.Err() != nil {
+		return res, ctx.Err()
+	}
+	err := sc.Err()
+	if err == nil {
+		err = io.ErrUnexpectedEOF
+	}
+	if !c.started {
+		return res, fmt.Errorf("%w: stream ended before any output: %v", ErrEngineUnavailable, err)
+	}
+	return res, fmt.Errorf("workers: the engine's stream broke off: %w", err)
+}
