@@ -1,0 +1,84 @@
+package main
+
+import (
+	"context"
+	"fmt"
+	"log/slog"
+	"time"
+
+	"github.com/nats-io/nats.go"
+	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/kvbus/kvbus/auth"
+	"github.com/kvbus/kvbus/bus"
+	"github.com/kvbus/kvbus/scheduler"
+)
+
+type schedulerCmd struct {
+	busFlags        `embed:""`
+	schedulerFlags  `embed:""`
+	requestLogFlags `embed:""`
+	timeoutFlags    `embed:""`
+	ID              string        `name:"id" help:"Scheduler id in subjects (default: a random sched-…)."`
+	MetricsAddr     string        `name:"metrics-addr" default:":9090" help:"Address of /metrics and /healthz (empty: off)."`
+	ShutdownTimeout time.Duration `name:"shutdown-timeout" positive:"" default:"20s" help:"On SIGTERM, how long the scheduler watches the requests it placed (their results, and moving them if their group fails) until they end."`
+}
+
+func (c *schedulerCmd) Run(ctx context.Context) error {
+	log := c.logger()
+	onStop(ctx, log, nil)
+	stopPprof, err := c.startPprof(ctx, log)
+	if err != nil {
+		return err
+	}
+	defer stopPprof()
+	ln, err := listenMetrics(c.MetricsAddr)
+	if err != nil {
+		return err
+	}
+	if ln != nil {
+		defer ln.Close()
+	}
+	// Closed last, after the NATS drain below.
+	metrics := newMetricsServer(log, ln)
+	defer metrics.close()
+	cfg := c.natsFlags.config("kvbus-scheduler", bus.InboxPrefix(auth.RoleScheduler, ""), log)
+	cfg.NoEcho = true // a scheduler does not receive its own save plans
+	ctx, nc, err := connectRole(ctx, cfg)
+	if err != nil {
+		return err
+	}
+	defer drain(nc)
+	reg := newRegistry()
+	s, err := newScheduler(nc, c, log, reg)
+	if err != nil {
+		return err
+	}
+	onStop(ctx, log, func() stopPlan {
+		n := s.Trackers()
+		return stopPlan{
+			doing:    fmt.Sprintf("taking no new requests, watching the %s in flight it placed until they end, then draining NATS", requests(n)),
+			inFlight: n, upTo: drainTimeout + c.ShutdownTimeout + drainTimeout,
+			bound: fmt.Sprintf("5s request-log consumer drain + %s for its requests (--shutdown-timeout) + 5s NATS drain", c.ShutdownTimeout),
+		}
+	})
+	r := newRoles(ctx)
+	metrics.serve(reg, metricsProbe{nc: nc, ready: s.Ready, stopping: r.ctx.Done(),
+		drainReason: "scheduler stopping: it takes no new requests"}, func(err error) { r.fail("metrics", err) })
+	r.run("scheduler", s.Run)
+	return roleErr(ctx, r.wait())
+}
+
+func newScheduler(nc *nats.Conn, c *schedulerCmd, log *slog.Logger, reg prometheus.Registerer) (*scheduler.Scheduler, error) {
+	b, f, rl, t := c.busFlags, c.schedulerFlags, c.requestLogFlags, c.timeoutFlags
+	policy, err := scheduler.NewPolicy(f.Policy, f.SessionEpsilon)
+	if err != nil {
+		return nil, err
+	}
+	return scheduler.New(scheduler.Config{
+		Conn: nc, Subjects: b.subjects(), ID: c.ID, Policy: policy, BlockSize: f.BlockSize, StreamReplicas: b.Replicas,
+		HeartbeatTimeout: f.HeartbeatTimeout, RequestTimeout: t.RequestTimeout, SessionTTL: f.SessionTTL, ShutdownTimeout: c.ShutdownTimeout,
+		Logger: log, Registerer: reg,
+		NoGroupWait: f.NoGroupWait, ResendAfter: f.ResendAfter, RequestLog: rl.streamConfig(), Pool: f.Pool,
+	})
+}
