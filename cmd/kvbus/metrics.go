@@ -25,19 +25,20 @@ func newRegistry() *prometheus.Registry {
 	return reg
 }
 
-// listenMetrics binds --metrics-addr, or returns nil when it is empty. A
-// role binds it before it connects: a port in use stops the process before
-// it acts as a scheduler or joins a rank (a second worker given a running
-// rank's identity took its group out until it exited).
-func listenMetrics(addr string) (net.Listener, error) {
+// listenMetrics binds --metrics-addr (nothing when it is empty) for a
+// metricsServer, which the caller closes. A role binds it before it
+// connects: a port in use stops the process before it acts as a scheduler
+// or joins a rank (a second worker given a running rank's identity took its
+// group out until it exited).
+func listenMetrics(log *slog.Logger, addr string) (*metricsServer, error) {
 	if addr == "" {
-		return nil, nil
+		return newMetricsServer(log, nil), nil
 	}
 	ln, err := net.Listen("tcp", addr)
 	if err != nil {
 		return nil, fmt.Errorf("metrics listen on %s: %w (is this role already running? stop it, or choose another --metrics-addr, or empty to disable)", addr, err)
 	}
-	return ln, nil
+	return newMetricsServer(log, ln), nil
 }
 
 // metricsServer serves /metrics, /livez (the process is up and its NATS
@@ -94,16 +95,18 @@ func (m *metricsServer) serve(reg *prometheus.Registry, p metricsProbe, fail fun
 	}()
 }
 
-// close stops serving and waits for Serve to return.
+// close stops serving, waits for Serve to return and closes the listener.
 func (m *metricsServer) close() {
 	m.mu.Lock()
 	srv, served := m.srv, m.served
 	m.mu.Unlock()
-	if srv == nil {
-		return
+	if srv != nil {
+		_ = srv.Close()
+		<-served
 	}
-	_ = srv.Close()
-	<-served
+	if m.ln != nil {
+		_ = m.ln.Close()
+	}
 }
 
 func metricsHandler(reg *prometheus.Registry, p metricsProbe) http.Handler {

@@ -32,15 +32,11 @@ func (c *schedulerCmd) Run(ctx context.Context) error {
 		return err
 	}
 	defer stopPprof()
-	ln, err := listenMetrics(c.MetricsAddr)
+	metrics, err := listenMetrics(log, c.MetricsAddr)
 	if err != nil {
 		return err
 	}
-	if ln != nil {
-		defer ln.Close()
-	}
 	// Closed last, after the NATS drain below.
-	metrics := newMetricsServer(log, ln)
 	defer metrics.close()
 	cfg := c.natsFlags.config("kvbus-scheduler", bus.InboxPrefix(auth.RoleScheduler, ""), log)
 	cfg.NoEcho = true // a scheduler does not receive its own save plans

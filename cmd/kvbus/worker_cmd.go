@@ -94,15 +94,11 @@ func (c *workerCmd) Run(ctx context.Context) error {
 		}
 		engine = sim
 	}
-	ln, err := listenMetrics(c.MetricsAddr)
+	metrics, err := listenMetrics(log, c.MetricsAddr)
 	if err != nil {
 		return err
 	}
-	if ln != nil {
-		defer ln.Close()
-	}
 	// Closed last, after the slot's release and the NATS drain below.
-	metrics := newMetricsServer(log, ln)
 	defer metrics.close()
 	// A worker of one group reads the inbox of that group (which
 	// worker-<group>.nk allows); one that claims a slot in any group may
