@@ -29,7 +29,7 @@ func TestSilentVerdictsAcrossTwoReconnects(t *testing.T) {
 	log := slog.New(slog.DiscardHandler)
 	s := &Server{js: js, cfg: Config{Conn: nc, Subjects: subj, PublishTimeout: time.Second}, log: log, pending: map[string]route{},
 		m: newMetrics(prometheus.NewRegistry(), func() float64 { return 0 })}
-	g := &generation{s: s, q: newOutputQueue(), log: log}
+	g := &generation{s: s, q: newOutputQueue(1), log: log}
 	c := &choiceState{busID: "r", buffered: true,
 		req: &messages.Request{RequestID: "r", Model: "m", FrontendID: "fe", ArrivalUnixMs: time.Now().UnixMilli(), PromptTokenIDs: []uint32{1}}}
 	g.choices = []*choiceState{c}
@@ -91,7 +91,7 @@ func TestProbesAfterReconnectsSpendNoResendAsk(t *testing.T) {
 	s := &Server{cfg: Config{Conn: nc, Subjects: subj}, log: log, pending: map[string]route{},
 		m: newMetrics(prometheus.NewRegistry(), func() float64 { return 0 })}
 	// Its first chunks reached the client.
-	g := &generation{s: s, q: newOutputQueue(), log: log, firstByte: time.Now()}
+	g := &generation{s: s, q: newOutputQueue(1), log: log, firstByte: time.Now()}
 	c := &choiceState{busID: "r", attempt: 1, started: true, nextIndex: 3}
 	g.choices = []*choiceState{c}
 	s.register("r", g.q, 0)

@@ -46,7 +46,7 @@ func TestAttemptsNeverMix(t *testing.T) {
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
 			vm := newVLLMMetrics(prometheus.NewRegistry(), "fe-test", []string{"m"})
-			g := &generation{s: &Server{m: newMetrics(prometheus.NewRegistry(), func() float64 { return 0 }), vm: vm}, q: newOutputQueue(),
+			g := &generation{s: &Server{m: newMetrics(prometheus.NewRegistry(), func() float64 { return 0 }), vm: vm}, q: newOutputQueue(1),
 				vm: vm.of("m"), choices: []*choiceState{{busID: "r", buffered: tt.buffered}}}
 			for _, o := range tt.outs {
 				g.q.push(0, o)

@@ -9,7 +9,6 @@ import (
 	"strconv"
 	"strings"
 	"sync"
-	"sync/atomic"
 	"time"
 
 	"github.com/kvbus/kvbus/messages"
@@ -27,19 +26,21 @@ type outputQueue struct {
 	mu     sync.Mutex
 	items  []choiceOutput
 	signal chan struct{}
-	// latest is, per bus request, the newest output pushed (under mu).
-	latest []outputMark
-	// heard counts the outputs pushed that were news: not a copy of one
-	// pushed before, as a driver sends again after a reconnect the outputs
-	// it published just before it (watchReconnects compares it across its
-	// wait: a copy says nothing of whether the answer goes on).
-	heard atomic.Int64
+	// latest is, per choice, where each of its bus requests' outputs got
+	// to (under mu): a choice has one bus request, two while one asked
+	// again may still answer.
+	latest [][]outputMark
 }
 
-// outputMark is where a bus request's outputs have got to.
+// outputMark is where a bus request's outputs have got to. heard counts
+// its outputs pushed that were news: not a copy of one pushed before, as a
+// driver sends again after a reconnect the outputs it published just
+// before it (watchReconnects compares it across its wait: a copy says
+// nothing of whether the answer goes on).
 type outputMark struct {
 	reqID          string
 	attempt, index int
+	heard          int64
 }
 
 type choiceOutput struct {
@@ -53,23 +54,43 @@ type choiceOutput struct {
 // codeOutputLost is the error code of an answer lost on the bus.
 const codeOutputLost = "output_lost"
 
-func newOutputQueue() *outputQueue { return &outputQueue{signal: make(chan struct{}, 1)} }
+// newOutputQueue makes the queue of a request of n choices.
+func newOutputQueue(n int) *outputQueue {
+	return &outputQueue{signal: make(chan struct{}, 1), latest: make([][]outputMark, n)}
+}
 
 func (q *outputQueue) push(choice int, o *messages.Output) {
 	q.mu.Lock()
+	if choice >= len(q.latest) {
+		q.latest = append(q.latest, make([][]outputMark, choice+1-len(q.latest))...)
+	}
+	marks := q.latest[choice]
 	i := 0
-	for i < len(q.latest) && q.latest[i].reqID != o.ReqID {
+	for i < len(marks) && marks[i].reqID != o.ReqID {
 		i++
 	}
-	if i == len(q.latest) {
-		q.latest = append(q.latest, outputMark{o.ReqID, o.Attempt, o.Index})
-		q.heard.Add(1)
-	} else if m := &q.latest[i]; o.Attempt > m.attempt || o.Attempt == m.attempt && o.Index > m.index {
+	if i == len(marks) {
+		q.latest[choice] = append(marks, outputMark{o.ReqID, o.Attempt, o.Index, 1})
+	} else if m := &marks[i]; o.Attempt > m.attempt || o.Attempt == m.attempt && o.Index > m.index {
 		m.attempt, m.index = o.Attempt, o.Index
-		q.heard.Add(1)
+		m.heard++
 	}
 	q.mu.Unlock()
 	q.add(choiceOutput{choice: choice, out: o})
+}
+
+// heard returns how many outputs of choice's bus request reqID were news.
+func (q *outputQueue) heard(choice int, reqID string) int64 {
+	q.mu.Lock()
+	defer q.mu.Unlock()
+	if choice < len(q.latest) {
+		for _, m := range q.latest[choice] {
+			if m.reqID == reqID {
+				return m.heard
+			}
+		}
+	}
+	return 0
 }
 
 // pushResend queues a driver's answer to a Resend for choice.

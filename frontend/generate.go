@@ -167,7 +167,7 @@ func (s *Server) generate(w http.ResponseWriter, r *http.Request, endpoint strin
 		prompts = prompts[:1]
 	}
 
-	g := &generation{s: s, endpoint: endpoint, model: p.model, vm: s.vm.of(p.model), created: start.Unix(), sessionID: sessionID, q: newOutputQueue(), start: start,
+	g := &generation{s: s, endpoint: endpoint, model: p.model, vm: s.vm.of(p.model), created: start.Unix(), sessionID: sessionID, q: newOutputQueue(len(prompts)), start: start,
 		wholeAnswer: s.cfg.Passthrough && !p.stream}
 	prefix := "cmpl-"
 	if endpoint == messages.EndpointChat {

@@ -28,8 +28,8 @@ import (
 // reconnectCheckEvery is how often the frontend looks for a reconnect.
 const reconnectCheckEvery = 250 * time.Millisecond
 
-// suspect is a request in flight at a reconnect, with the outputs its
-// queue had then.
+// suspect is a bus request in flight at a reconnect, with the outputs it
+// had heard then.
 type suspect struct {
 	id    string
 	rt    route
@@ -71,7 +71,7 @@ func (s *Server) inFlight() []suspect {
 	defer s.mu.Unlock()
 	out := make([]suspect, 0, len(s.pending))
 	for id, rt := range s.pending {
-		out = append(out, suspect{id, rt, rt.q.heard.Load()})
+		out = append(out, suspect{id, rt, rt.q.heard(rt.choice, id)})
 	}
 	return out
 }
@@ -84,7 +84,7 @@ func (s *Server) endLost(suspects []suspect) {
 		s.mu.Lock()
 		cur, ok := s.pending[sp.id]
 		s.mu.Unlock()
-		if !ok || cur.q != sp.rt.q || sp.rt.q.heard.Load() != sp.heard {
+		if !ok || cur.q != sp.rt.q || sp.rt.q.heard(sp.rt.choice, sp.id) != sp.heard {
 			continue // answered, or hearing outputs
 		}
 		lost++

@@ -41,14 +41,21 @@ func reconnectingConn(t *testing.T) (*bus.Server, string, *nats.Conn) {
 // it had before the restart (its driver sends again what it published just
 // before a reconnect): a copy is no sign that its answer goes on, and it is
 // judged as the silent one is (before, the copy alone kept it waiting).
+// A request of two prompts (two bus requests, one queue) whose first choice
+// streams on while its second hears nothing gets the verdict for the
+// second: before, the first choice's outputs counted for the whole queue,
+// and the silent one waited for its deadline.
 func TestOutputsLostAcrossAReconnect(t *testing.T) {
 	srv, addr, nc := reconnectingConn(t)
 	s := &Server{cfg: Config{Conn: nc, LostOutputWait: 300 * time.Millisecond}, log: slog.New(slog.NewTextHandler(io.Discard, nil)),
 		pending: map[string]route{}}
-	silent, hearing, repeated := newOutputQueue(), newOutputQueue(), newOutputQueue()
+	silent, hearing, repeated := newOutputQueue(1), newOutputQueue(1), newOutputQueue(1)
 	s.register("silent", silent, 0)
 	s.register("hearing", hearing, 0)
 	s.register("repeated", repeated, 0)
+	twoPrompts := newOutputQueue(2)
+	s.register("two-0", twoPrompts, 0)
+	s.register("two-1", twoPrompts, 1)
 	first := &messages.Output{ReqID: "repeated", Attempt: 1, Index: 0, Text: "first"}
 	repeated.push(0, first)
 	ctx, cancel := context.WithCancel(t.Context())
@@ -70,7 +77,8 @@ func TestOutputsLostAcrossAReconnect(t *testing.T) {
 	time.Sleep(2 * reconnectCheckEvery) // the watcher has seen the reconnect
 	hearing.push(0, &messages.Output{ReqID: "hearing", Index: 3, Text: "more"})
 	repeated.push(0, first)
-	late := newOutputQueue() // registered after the reconnect
+	twoPrompts.push(0, &messages.Output{ReqID: "two-0", Index: 7, Text: "streaming"})
+	late := newOutputQueue(1) // registered after the reconnect
 	s.register("late", late, 0)
 
 	time.Sleep(s.cfg.LostOutputWait + 3*reconnectCheckEvery)
@@ -83,6 +91,13 @@ func TestOutputsLostAcrossAReconnect(t *testing.T) {
 	}
 	if items := hearing.pop(); len(items) != 1 || items[0].out.Error != nil {
 		t.Errorf("the request hearing outputs got %d items (first error %v); want only its own output", len(items), items[0].out.Error)
+	}
+	if items := twoPrompts.pop(); len(items) != 2 || items[0].out.Error != nil || items[1].choice != 1 ||
+		items[1].out.ReqID != "two-1" || items[1].out.Error == nil || items[1].out.Error.Code != "output_lost" {
+		t.Errorf("the request of two prompts holds %d items; want choice 0's output, then an output_lost error for choice 1 (two-1)", len(items))
+		for _, it := range items {
+			t.Logf("choice %d: %+v", it.choice, it.out)
+		}
 	}
 	if items := late.pop(); len(items) != 0 {
 		t.Errorf("a request sent after the reconnect was ended: %+v", items[0].out)

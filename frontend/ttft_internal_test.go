@@ -42,7 +42,7 @@ func TestTTFTOnlyForAFirstToken(t *testing.T) {
 		t.Run(tt.name, func(t *testing.T) {
 			vm := newVLLMMetrics(prometheus.NewRegistry(), "0", []string{"m"})
 			m := newMetrics(prometheus.NewRegistry(), func() float64 { return 0 })
-			g := &generation{s: &Server{m: m, vm: vm}, q: newOutputQueue(), endpoint: messages.EndpointChat,
+			g := &generation{s: &Server{m: m, vm: vm}, q: newOutputQueue(1), endpoint: messages.EndpointChat,
 				model: "m", vm: vm.of("m"), choices: []*choiceState{{busID: "r"}}, wholeAnswer: tt.whole}
 			for _, o := range tt.outs {
 				g.q.push(0, o)
