@@ -371,7 +371,7 @@ func (r *Rank) onHandoff(_ context.Context, m *nats.Msg) error {
 		}
 		return m.Respond(data)
 	}
-	return r.offload(r.handoffSlots, &r.handoffs, take, take, "drain hand-off: cannot answer", "source_group", h.Source)
+	return r.handoffs.run(r.log, take, take, "drain hand-off: cannot answer", "source_group", h.Source)
 }
 
 // handoffSlots bounds the hand-offs a rank takes at once.

@@ -5,7 +5,6 @@ import (
 	"errors"
 	"fmt"
 	"slices"
-	"sync"
 	"time"
 
 	"github.com/nats-io/nats.go"
@@ -43,7 +42,7 @@ const (
 // planned from a save in flight here (PoolRead.Saving) waits, within the
 // same quarter of SaveWait, for the ReqMeta that saves its blocks.
 // Those waits happen off the subscription's goroutine (up to poolWaitSlots
-// at once), so that reads of blocks already held are not queued behind
+// at once, and until Run closes r.poolWaits), so that reads of blocks already held are not queued behind
 // them; with every slot taken, a read waits only for saves it knows of.
 func (r *Rank) onPoolRead(ctx context.Context, m *nats.Msg) error {
 	req, err := messages.DecodePoolRead(m.Data)
@@ -60,7 +59,8 @@ func (r *Rank) onPoolRead(ctx context.Context, m *nats.Msg) error {
 	values := r.store.BatchGet(ctx, keys)
 	unknown, saving := r.notSaving(keys, values)
 	intake, caughtUp := r.intakeMark()
-	planned := req.Saving && len(unknown) > 0
+	// No ReqMeta comes once the intake stopped.
+	planned := req.Saving && len(unknown) > 0 && r.intakeOpen()
 	if (len(unknown) == 0 || caughtUp) && !planned {
 		if !saving {
 			return r.answerPoolRead(m.Reply, values)
@@ -92,27 +92,40 @@ func (r *Rank) onPoolRead(ctx context.Context, m *nats.Msg) error {
 		}
 	}
 	// With no slot free, the intake is not waited for on this goroutine.
-	return r.offload(r.poolWaitSlots, &r.poolWaits, answer(intake, planned), answer(0, false), "pool read", "req_id", req.ReqID)
+	return r.poolWaits.run(r.log, answer(intake, planned), answer(0, false), "pool read", "req_id", req.ReqID)
 }
 
-// awaitUnreceivedSaves waits until deadline for the ReqMeta that saves the
-// blocks at unknown (neither held nor being saved when the read came) to
-// reach this rank and be handled: a block it registers is left to
-// awaitPoolSaves, one already saved by then is filled into values.
+// awaitUnreceivedSaves waits until deadline, or until the intake stops,
+// for the blocks at unknown (neither held nor being saved when the read
+// came): for the ReqMeta that saves them to reach this rank and be
+// handled (a block it registers is left to awaitPoolSaves), or for them to
+// arrive in the store. One arrived by then is filled into values.
 func (r *Rank) awaitUnreceivedSaves(ctx context.Context, keys []string, values [][]byte, unknown []int, deadline time.Time) {
 	left := slices.Clone(unknown)
-	seen := r.metaHandled.Load()
-	for wait := 50 * time.Microsecond; len(left) > 0 && time.Now().Before(deadline); wait = min(2*wait, 5*time.Millisecond) {
-		time.Sleep(min(wait, time.Until(deadline)))
-		if n := r.metaHandled.Load(); n != seen {
-			seen = n
-			r.mu.Lock()
-			left = slices.DeleteFunc(left, func(i int) bool { return r.saving[keys[i]] != nil })
-			r.mu.Unlock()
-			r.readAgain(ctx, keys, values, left)
-			left = slices.DeleteFunc(left, func(i int) bool { return values[i] != nil })
+	for wait := 50 * time.Microsecond; ; wait = min(2*wait, 5*time.Millisecond) {
+		// Each poll: a ReqMeta handled since registered its saves (the
+		// one the read came just behind, maybe, before this wait began),
+		// or a block came another way (a copy from another group, which
+		// no ReqMeta of this rank saves).
+		r.mu.Lock()
+		closed := r.closed
+		left = slices.DeleteFunc(left, func(i int) bool { return r.saving[keys[i]] != nil })
+		r.mu.Unlock()
+		r.readAgain(ctx, keys, values, left)
+		left = slices.DeleteFunc(left, func(i int) bool { return values[i] != nil })
+		if len(left) == 0 || closed || !time.Now().Before(deadline) {
+			return
 		}
+		time.Sleep(min(wait, time.Until(deadline)))
 	}
+}
+
+// intakeOpen reports whether ReqMetas can still come: the intake has not
+// stopped.
+func (r *Rank) intakeOpen() bool {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return !r.closed
 }
 
 // intakeMark returns how many ReqMetas this rank's subscription has
@@ -147,26 +160,6 @@ func (r *Rank) awaitIntake(received int64, deadline time.Time) {
 			return
 		}
 		time.Sleep(min(wait, time.Until(deadline)))
-	}
-}
-
-// offload runs f on a goroutine counted in wg while slots has room, else
-// inline here, on the subscription's goroutine: a handler that may wait
-// long does not hold up the messages behind it, and no more than
-// cap(slots) wait at once. An error of f run in the background is logged
-// with msg and attrs.
-func (r *Rank) offload(slots chan struct{}, wg *sync.WaitGroup, f, inline func() error, msg string, attrs ...any) error {
-	select {
-	case slots <- struct{}{}:
-		wg.Go(func() {
-			defer func() { <-slots }()
-			if err := f(); err != nil {
-				r.log.Warn(msg, append(attrs, "err", err)...)
-			}
-		})
-		return nil
-	default:
-		return inline()
 	}
 }
 

@@ -2,6 +2,7 @@ package workers
 
 import (
 	"testing"
+	"time"
 
 	"github.com/kvbus/kvbus/messages"
 )
@@ -48,5 +49,29 @@ func TestPoolPartsFitMaxPayload(t *testing.T) {
 				t.Errorf("%s: value %d: %d bytes sent, want %d", tc.name, i, n, want)
 			}
 		}
+	}
+}
+
+// TestSavingReadSeesACopyArrive: a read the scheduler planned from a
+// rank's save (Saving) may name blocks that rank is copying from another
+// group (a LoadSpec's remote run, stored by BatchPut), not saving from a
+// ReqMeta of its own: no ReqMeta comes for them. The wait sees the copy
+// land and ends then, with the block, instead of waiting out its deadline.
+func TestSavingReadSeesACopyArrive(t *testing.T) {
+	store, _ := newTestStore(t, 1<<20)
+	r := &Rank{store: store, saving: map[string]*rankReq{}}
+	keys := []string{"copied", "absent"}
+	values := make([][]byte, len(keys))
+	const copyAfter, deadline = 100 * time.Millisecond, 3 * time.Second
+	time.AfterFunc(copyAfter, func() {
+		store.BatchPut(t.Context(), []Object{{Key: "copied", Value: []byte("block"), Size: 5}})
+	})
+	start := time.Now()
+	r.awaitUnreceivedSaves(t.Context(), keys, values, []int{0}, start.Add(deadline))
+	if took := time.Since(start); took >= deadline/2 {
+		t.Errorf("the wait took %v; want it over once the copy landed (%v), well before its deadline (%v)", took, copyAfter, deadline)
+	}
+	if string(values[0]) != "block" || values[1] != nil {
+		t.Errorf("values = %q; want the copied block, and nothing for the block not waited for", values)
 	}
 }

@@ -275,9 +275,18 @@ func TestPoolReadNotQueuedBehindASave(t *testing.T) {
 // handled it (its intake is behind) when pool reads arrive. A read of the
 // blocks that ReqMeta saves waits for the intake, then for the save, and
 // gets them all; a read of blocks nobody saves is answered (missing) as
-// soon as the intake has caught up, not after SaveWait.
+// soon as the intake has caught up, not after SaveWait. A read the
+// scheduler planned from that save (Saving) is answered as soon as the
+// save is done too: before, it then waited out a quarter of SaveWait for
+// a ReqMeta to come, the one it had just waited for.
 func TestPoolReadWaitsForTheIntake(t *testing.T) {
-	const delay, saveWait = 500 * time.Millisecond, 5 * time.Second
+	for _, saving := range []bool{false, true} {
+		t.Run(fmt.Sprintf("saving=%v", saving), func(t *testing.T) { testPoolReadWaitsForTheIntake(t, saving) })
+	}
+}
+
+func testPoolReadWaitsForTheIntake(t *testing.T, saving bool) {
+	const delay, saveWait = 500 * time.Millisecond, 12 * time.Second
 	env := startRanks(t, rankEnvConfig{delayFirstMeta: map[int]time.Duration{1: delay}, saveWait: saveWait})
 	tokens := testenv.PromptTokens(3, 4*blockSize+1)
 	hashes := scheduler.HashBlocks(nil, scheduler.HashSeed(testModel), tokens, blockSize)[:4]
@@ -301,9 +310,15 @@ func TestPoolReadWaitsForTheIntake(t *testing.T) {
 	})
 	ctx, cancel := context.WithTimeout(t.Context(), saveWait)
 	defer cancel()
-	got, err := client.Read(ctx, testGroup, 1, &messages.PoolRead{Model: testModel, TPRank: 1, BlockHashes: hashes}, size)
+	start := time.Now()
+	got, err := client.Read(ctx, testGroup, 1, &messages.PoolRead{Model: testModel, TPRank: 1, BlockHashes: hashes, Saving: saving}, size)
 	if err != nil {
 		t.Fatal(err)
+	}
+	// The ReqMeta is handled delay after it came (the read came after
+	// it); a read that then waited for another would take saveWait/4.
+	if took := time.Since(start); took >= delay+saveWait/8 {
+		t.Errorf("the read took %v; want it answered once the delayed ReqMeta's save is done (%v after it came), well before %v", took, delay, saveWait/4)
 	}
 	for i, h := range hashes {
 		if !workers.VerifyPayload(got[i], h, 1, size) {
@@ -369,6 +384,48 @@ func TestPoolReadOfASaveNotYetReceived(t *testing.T) {
 		t.Errorf("a Saving read of a block nobody saves: %d values, err %v; want one missing, within the reader's SaveWait", len(absent), err)
 	}
 	env.resultsByRank("late")
+}
+
+// TestSavingReadOfADrainingRank: once a rank has stopped its intake (it
+// drains, finishing what it holds), no ReqMeta can come that saves the
+// blocks a Saving read names; the read is answered with what the rank has
+// at once, not after a quarter of SaveWait spent waiting for one.
+func TestSavingReadOfADrainingRank(t *testing.T) {
+	const saveWait, storeDelay = 12 * time.Second, 2 * time.Second
+	env := startRanks(t, rankEnvConfig{saveWait: saveWait, storeDelay: map[int]time.Duration{1: storeDelay}})
+	env.sendMeta(newMeta("storing", "s", testenv.PromptTokens(6, 2*blockSize+1)))
+	env.finalOutput("storing") // rank 1 got it too, and stores it storeDelay late
+	env.rankStop[1]()          // as SIGTERM stops its process
+	testenv.Eventually(t, waitFor, "rank 1 stopped its intake (the fault took effect)", func() bool {
+		for _, l := range env.logs.Lines("rank stopping: finishing in-flight requests") {
+			if strings.Contains(l, "tp_rank=1") {
+				return true
+			}
+		}
+		return false
+	})
+	client := workers.PoolClient{Conn: env.nc, Subjects: env.subj}
+	ctx, cancel := context.WithTimeout(t.Context(), saveWait)
+	defer cancel()
+	start := time.Now()
+	got, err := client.Read(ctx, testGroup, 1, &messages.PoolRead{Model: testModel, TPRank: 1, BlockHashes: []uint64{0xdead}, Saving: true}, env.blockBytes(t))
+	took := time.Since(start)
+	if err != nil || len(got) != 1 || got[0] != nil {
+		t.Fatalf("a Saving read of a draining rank: %d values, err %v; want one missing", len(got), err)
+	}
+	if took >= saveWait/8 {
+		t.Errorf("a Saving read of a draining rank took %v; want it answered at once, not after a wait for a ReqMeta (%v)", took, saveWait/4)
+	}
+	select {
+	case <-env.rankDone[1]:
+		t.Error("rank 1 had stopped before the read: the read did not reach a draining rank")
+	default:
+	}
+	select {
+	case <-env.rankDone[1]:
+	case <-time.After(waitFor):
+		t.Fatalf("rank 1: Run did not return %s after its context ended", waitFor)
+	}
 }
 
 // TestPoolReadIntakeWaitIsBounded: a rank whose intake is stuck longer

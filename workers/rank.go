@@ -65,10 +65,8 @@ type Rank struct {
 
 	drivers sync.WaitGroup // driver goroutines, started by the load loop
 	// Pool reads waiting for saves (see onPoolRead), and their slots.
-	poolWaits     sync.WaitGroup
-	poolWaitSlots chan struct{}
-	handoffs      sync.WaitGroup // hand-offs being taken
-	handoffSlots  chan struct{}
+	poolWaits *offloader
+	handoffs  *offloader // hand-offs being taken
 }
 
 // seenReq is what a rank remembers of a request it took: the attempt, and
@@ -209,8 +207,8 @@ func NewRank(cfg RankConfig) (*Rank, error) {
 		saving: map[string]*rankReq{},
 		plans:  make(chan *messages.DrainPlan, 1),
 
-		poolWaitSlots: make(chan struct{}, poolWaitSlots),
-		handoffSlots:  make(chan struct{}, handoffSlots),
+		poolWaits: newOffloader(poolWaitSlots),
+		handoffs:  newOffloader(handoffSlots),
 	}, nil
 }
 
@@ -352,8 +350,8 @@ func (r *Rank) Run(ctx context.Context) error {
 	hbLoop.Wait()
 	engineLoops.Wait()
 	_ = abortSub.Unsubscribe()
-	r.poolWaits.Wait() // the saves they wait for have settled
-	r.handoffs.Wait()  // taken before this rank drained (it refuses them since)
+	r.poolWaits.close() // the saves they wait for have settled
+	r.handoffs.close()  // taken before this rank drained (it refuses them since)
 	// What this rank held leaves with it: no LoadSpec should name it as a
 	// source any more (the hand-off's targets announced their copies).
 	r.events.publish([]messages.KVEvent{{Type: messages.EventAllBlocksCleared}})
