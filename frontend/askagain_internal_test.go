@@ -2,6 +2,7 @@ package frontend
 
 import (
 	"context"
+	"fmt"
 	"log/slog"
 	"math"
 	"testing"
@@ -126,5 +127,77 @@ func TestProbesAfterReconnectsSpendNoResendAsk(t *testing.T) {
 		}
 	default:
 		t.Error("an index skipped after the probes was not asked for")
+	}
+}
+
+// TestProbeAnsweredLateSpendsNoResendAsk: a probe after a reconnect whose
+// driver answers "nothing missing" only after the stream's next output
+// came spends none of the stream's maxResends either: after more such
+// probes than maxResends, an output index skipped is still asked for.
+// Before, a late answer was dropped uncounted, and the fourth loss ended
+// a healthy stream with output_lost.
+func TestProbeAnsweredLateSpendsNoResendAsk(t *testing.T) {
+	nc, _ := startJetStream(t)
+	subj := messages.Subjects{}
+	asked := make(chan *nats.Msg, 16)
+	sub, err := nc.Subscribe(subj.Resend(), func(m *nats.Msg) { asked <- m })
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer sub.Unsubscribe()
+	log := slog.New(slog.DiscardHandler)
+	s := &Server{cfg: Config{Conn: nc, Subjects: subj}, log: log, pending: map[string]route{},
+		m: newMetrics(prometheus.NewRegistry(), func() float64 { return 0 })}
+	g := &generation{s: s, q: newOutputQueue(1), log: log, firstByte: time.Now(), ttftSeen: true}
+	c := &choiceState{busID: "r", attempt: 1, started: true, nextIndex: 3, ttftSeen: true}
+	g.choices = []*choiceState{c}
+	s.register("r", g.q, 0)
+	// apply queues o and returns what reached the client.
+	apply := func(o *messages.Output) []choiceOutput {
+		g.q.add(choiceOutput{out: o})
+		ctx, cancel := context.WithTimeout(t.Context(), 300*time.Millisecond)
+		defer cancel()
+		items, _ := g.next(ctx, time.NewTimer(time.Hour))
+		return items
+	}
+	nextAsk := func(what string) *nats.Msg {
+		select {
+		case m := <-asked:
+			return m
+		case <-time.After(5 * time.Second):
+			t.Fatalf("%s: the driver was not asked", what)
+			return nil
+		}
+	}
+	for n := range maxResends + 1 {
+		if items := apply(&messages.Output{ReqID: "r", Attempt: math.MaxInt32, Error: &messages.OutputError{Code: codeOutputLost}}); len(items) > 0 {
+			t.Fatalf("reconnect %d: the verdict reached the client: %+v", n+1, items[0].out)
+		}
+		probe := nextAsk(fmt.Sprintf("reconnect %d", n+1))
+		// The stream's next output comes before the driver's answer.
+		if items := apply(&messages.Output{ReqID: "r", Attempt: 1, Index: c.nextIndex, Text: "on"}); len(items) != 1 || items[0].out.Error != nil {
+			t.Fatalf("reconnect %d: the next output did not reach the client (%d items)", n+1, len(items))
+		}
+		data, _ := messages.Marshal(&messages.ResendReply{})
+		if err := probe.Respond(data); err != nil {
+			t.Fatal(err)
+		}
+		// The late answer is taken, and ends nothing.
+		ctx, cancel := context.WithTimeout(t.Context(), 300*time.Millisecond)
+		if items, _ := g.next(ctx, time.NewTimer(time.Hour)); len(items) > 0 {
+			t.Fatalf("reconnect %d: the late answer reached the client: %+v", n+1, items[0].out)
+		}
+		cancel()
+	}
+	if c.done || c.resending {
+		t.Fatalf("after the probes: done %v, resending %v; want the stream going on", c.done, c.resending)
+	}
+	// A real loss after the probes: two indexes skipped.
+	want := c.nextIndex
+	if items := apply(&messages.Output{ReqID: "r", Attempt: 1, Index: want + 2, Text: "late"}); len(items) > 0 {
+		t.Fatalf("the output past a gap reached the client: %+v", items[0].out)
+	}
+	if rs, err := messages.DecodeResend(nextAsk("the gap").Data); err != nil || rs.FromIndex != want {
+		t.Errorf("the gap asked %+v (err %v); want from index %d", rs, err, want)
 	}
 }

@@ -98,6 +98,11 @@ func (g *generation) resend(i int, why string, probe bool) bool {
 // output that ends it when they cannot come.
 func (g *generation) resendAnswered(i int, r *resendOutcome) *messages.Output {
 	c := g.choices[i]
+	if r.probe && r.err == "" && r.n == 0 && r.busID == c.busID && r.attempt == c.attempt {
+		// A probe that found nothing lost is not one of the choice's
+		// maxResends, even answered after outputs came.
+		c.idleProbes++
+	}
 	if c.done || !c.resending || r.busID != c.busID || r.attempt != c.attempt || r.ask != c.resends {
 		return nil // an answer to an older ask, or outputs came since
 	}
@@ -112,12 +117,8 @@ func (g *generation) resendAnswered(i int, r *resendOutcome) *messages.Output {
 		r.err = fmt.Sprintf("they were lost again each of the %d times its driver sent them", maxResends)
 	case r.err == "" && r.n == 0:
 		// Nothing after nextIndex yet: the request runs on, and its
-		// next output is the one wanted. A probe that found nothing
-		// lost is not one of the choice's maxResends.
+		// next output is the one wanted.
 		c.resending = false
-		if r.probe {
-			c.idleProbes++
-		}
 		return nil
 	case r.err == "":
 		check := &resendOutcome{busID: r.busID, attempt: r.attempt, ask: r.ask, check: true}
