@@ -88,14 +88,7 @@ func TestProbesAfterReconnectsSpendNoResendAsk(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer sub.Unsubscribe()
-	log := slog.New(slog.DiscardHandler)
-	s := &Server{cfg: Config{Conn: nc, Subjects: subj}, log: log, pending: map[string]route{},
-		m: newMetrics(prometheus.NewRegistry(), func() float64 { return 0 })}
-	// Its first chunks reached the client.
-	g := &generation{s: s, q: newOutputQueue(1), log: log, firstByte: time.Now()}
-	c := &choiceState{busID: "r", attempt: 1, started: true, nextIndex: 3}
-	g.choices = []*choiceState{c}
-	s.register("r", g.q, 0)
+	g, c := streamUnderWay(nc, subj)
 	apply := func(o *messages.Output) {
 		g.q.add(choiceOutput{out: o})
 		ctx, cancel := context.WithTimeout(t.Context(), 300*time.Millisecond)
@@ -130,6 +123,19 @@ func TestProbesAfterReconnectsSpendNoResendAsk(t *testing.T) {
 	}
 }
 
+// streamUnderWay is a streamed request "r" of one choice on a frontend
+// without HTTP: its outputs up to index 2 reached the client.
+func streamUnderWay(nc *nats.Conn, subj messages.Subjects) (*generation, *choiceState) {
+	log := slog.New(slog.DiscardHandler)
+	s := &Server{cfg: Config{Conn: nc, Subjects: subj}, log: log, pending: map[string]route{},
+		m: newMetrics(prometheus.NewRegistry(), func() float64 { return 0 })}
+	g := &generation{s: s, q: newOutputQueue(1), log: log, firstByte: time.Now(), ttftSeen: true}
+	c := &choiceState{busID: "r", attempt: 1, started: true, nextIndex: 3, ttftSeen: true}
+	g.choices = []*choiceState{c}
+	s.register("r", g.q, 0)
+	return g, c
+}
+
 // TestProbeAnsweredLateSpendsNoResendAsk: a probe after a reconnect whose
 // driver answers "nothing missing" only after the stream's next output
 // came spends none of the stream's maxResends either: after more such
@@ -145,13 +151,7 @@ func TestProbeAnsweredLateSpendsNoResendAsk(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer sub.Unsubscribe()
-	log := slog.New(slog.DiscardHandler)
-	s := &Server{cfg: Config{Conn: nc, Subjects: subj}, log: log, pending: map[string]route{},
-		m: newMetrics(prometheus.NewRegistry(), func() float64 { return 0 })}
-	g := &generation{s: s, q: newOutputQueue(1), log: log, firstByte: time.Now(), ttftSeen: true}
-	c := &choiceState{busID: "r", attempt: 1, started: true, nextIndex: 3, ttftSeen: true}
-	g.choices = []*choiceState{c}
-	s.register("r", g.q, 0)
+	g, c := streamUnderWay(nc, subj)
 	// apply queues o and returns what reached the client.
 	apply := func(o *messages.Output) []choiceOutput {
 		g.q.add(choiceOutput{out: o})
