@@ -42,8 +42,9 @@ const (
 // planned from a save in flight here (PoolRead.Saving) waits, within the
 // same quarter of SaveWait, for the ReqMeta that saves its blocks.
 // Those waits happen off the subscription's goroutine (up to poolWaitSlots
-// at once, and until Run closes r.poolWaits), so that reads of blocks already held are not queued behind
-// them; with every slot taken, a read waits only for saves it knows of.
+// at once, and until Run closes r.poolWaits), so that reads of blocks
+// already held are not queued behind them; with every slot taken, a read
+// waits only for saves it knows of.
 func (r *Rank) onPoolRead(ctx context.Context, m *nats.Msg) error {
 	req, err := messages.DecodePoolRead(m.Data)
 	if err != nil {
