@@ -33,7 +33,9 @@ func (r *Rank) report(rr *rankReq) {
 	}
 	r.mu.Lock()
 	subject := rr.resultSubject
-	if r.active[rr.meta.ReqID] == rr {
+	// A request refused at intake (overloaded) was never active: its
+	// result is remembered too, for a replica that asks again.
+	if active := r.active[rr.meta.ReqID]; active == rr || active == nil {
 		delete(r.active, rr.meta.ReqID)
 		r.seen.Update(rr.meta.ReqID, time.Now(), func(s *seenReq) {
 			if s.attempt == rr.meta.Attempt {

@@ -100,6 +100,8 @@ type rankEnvConfig struct {
 	drainHandoff int64
 	// delayFirstMeta delays these ranks' first ReqMeta.
 	delayFirstMeta map[int]time.Duration
+	// queueSize is every rank's QueueSize (0: default).
+	queueSize int
 }
 
 func startRanks(t *testing.T, cfg rankEnvConfig) *rankEnv {
@@ -139,7 +141,7 @@ func startRanks(t *testing.T, cfg rankEnvConfig) *rankEnv {
 			BlockSize: blockSize, HeartbeatInterval: hbInterval, ShutdownTimeout: 5 * time.Second,
 			IdentityWait: -1, // fresh identities (TestSecondProcessOfARankRefused checks the wait)
 			Logger:       log, Metrics: metrics, HandlerMetrics: hm, StoreDelay: cfg.storeDelay[r], SaveWait: cfg.saveWait,
-			DrainHandoff: cfg.drainHandoff, DelayFirstReqMeta: cfg.delayFirstMeta[r],
+			DrainHandoff: cfg.drainHandoff, DelayFirstReqMeta: cfg.delayFirstMeta[r], QueueSize: cfg.queueSize,
 		})
 		if err != nil {
 			t.Fatal(err)
@@ -1145,6 +1147,77 @@ func TestDrainHandsOffToEveryTargetAtOnce(t *testing.T) {
 		}
 		if ms < int(answerDelay.Milliseconds()) || ms > int(answerDelay.Milliseconds())*3/2 {
 			t.Errorf("hand-off took %d ms with two targets answering after %s each; want about one answer's time: %s", ms, answerDelay, l)
+		}
+	}
+}
+
+// TestQueueDepthAfterModelMismatch: a ReqMeta of another model is refused;
+// the rank's queue-depth gauge comes back to 0. Before, each such refusal
+// took it one lower, for good (the worker's stop message then counted
+// requests in flight wrong).
+func TestQueueDepthAfterModelMismatch(t *testing.T) {
+	env := startRanks(t, rankEnvConfig{})
+	for i := range 3 {
+		m := newMeta(fmt.Sprint("other-model-", i), "sess", testenv.PromptTokens(2, 40))
+		m.Model = "another-model"
+		env.sendMeta(m)
+		for r, res := range env.resultsByRank(m.ReqID) {
+			if res.ErrorCode != "model_mismatch" {
+				t.Fatalf("rank %d: %+v; want model_mismatch (the fault did not take effect)", r, res)
+			}
+		}
+	}
+	for r := range worldSize {
+		if depth := testenv.GaugeSum(t, env.reg, "kvbus_worker_queue_depth", map[string]string{"tp_rank": fmt.Sprint(r)}); depth != 0 {
+			t.Errorf("rank %d: kvbus_worker_queue_depth = %v after 3 refused ReqMetas, want 0", r, depth)
+		}
+	}
+}
+
+// TestOverloadedResultAnsweredAgain: a rank refuses a ReqMeta with
+// "overloaded" (its load queue is full). A scheduler replica that takes
+// the request over (or sends it again because the result was lost) sends
+// the same attempt again, to its own result subject: the ranks answer it
+// again, as they do every other finished request. Before, they remembered
+// no result for it and said nothing, and the replica waited for its
+// deadline.
+func TestOverloadedResultAnsweredAgain(t *testing.T) {
+	env := startRanks(t, rankEnvConfig{saveWait: 500 * time.Millisecond, queueSize: 1})
+	otherDone := env.subj.Done("sched-other")
+	var mu sync.Mutex
+	var again []*messages.RankResult
+	if _, err := env.nc.Subscribe(otherDone, func(m *nats.Msg) {
+		if r, err := messages.DecodeRankResult(m.Data); err == nil && r.ReqID == "over" && !r.Received && !r.Prefilled {
+			mu.Lock()
+			again = append(again, r)
+			mu.Unlock()
+		}
+	}); err != nil {
+		t.Fatal(err)
+	}
+	blockLoadThread(t, env)
+	time.Sleep(50 * time.Millisecond) // the load thread holds the blocker
+	env.sendMeta(newMeta("queued", "sq", testenv.PromptTokens(2, 2*blockSize)))
+	over := newMeta("over", "so", testenv.PromptTokens(3, 2*blockSize))
+	env.sendMeta(over)
+	for r, res := range env.resultsByRank("over") {
+		if res.ErrorCode != "overloaded" {
+			t.Fatalf("rank %d: %+v; want overloaded (the queue was not full: the fault did not take effect)", r, res)
+		}
+	}
+	// Another scheduler replica asks again, to its own subject.
+	over.ResultSubject = otherDone
+	env.sendMeta(over)
+	testenv.Eventually(t, waitFor, "every rank's result sent again to the other replica", func() bool {
+		mu.Lock()
+		defer mu.Unlock()
+		return len(again) >= worldSize
+	})
+	mu.Lock()
+	defer mu.Unlock()
+	for _, r := range again {
+		if r.ErrorCode != "overloaded" {
+			t.Errorf("rank %d answered again %+v; want its overloaded result", r.TPRank, r)
 		}
 	}
 }
