@@ -35,6 +35,7 @@ func (r *Rank) onMeta(_ context.Context, m *nats.Msg) error {
 		rr := newRankReq(meta)
 		rr.result = r.resultOf(meta)
 		rr.prefilled.Store(true) // never counted in the prefill queue
+		r.series.queue.Inc()     // report counts it out
 		r.fail(rr, "model_mismatch", fmt.Sprintf("group %s serves model %q, not %q: the request was placed on another model's group; "+
 			"run schedulers of this kvbus (they place a request only on groups of its model)", r.cfg.Group, r.cfg.Model, meta.Model))
 		return nil
