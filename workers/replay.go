@@ -103,15 +103,20 @@ func newOutputReplay(budget int64, age time.Duration) *outputReplay {
 }
 
 // begin starts keeping the outputs of a request's attempt, published on
-// subject; it replaces what an earlier attempt kept.
+// subject; it replaces what an earlier attempt kept. The driver starts
+// each attempt on a goroutine of its own, so a superseded attempt may get
+// here after the newer one: its entry is kept apart, never asked for.
 func (m *outputReplay) begin(meta *messages.ReqMeta, subject string) *replayed {
 	e := &replayed{id: meta.ReqID, session: meta.SessionID, subject: subject, attempt: meta.Attempt, stream: meta.Stream}
 	m.mu.Lock()
+	defer m.mu.Unlock()
 	if old := m.byID[e.id]; old != nil {
+		if old.attempt > e.attempt {
+			return e
+		}
 		m.drop(old)
 	}
 	m.byID[e.id] = e
-	m.mu.Unlock()
 	return e
 }
 

@@ -1,0 +1,81 @@
+package workers_test
+
+import (
+	"fmt"
+	"testing"
+	"time"
+
+	"github.com/nats-io/nats.go"
+
+	"github.com/kvbus/kvbus/messages"
+	"github.com/kvbus/kvbus/testenv"
+)
+
+// blockLoadThread sends a ReqMeta whose LoadSpec reads a segment that
+// never answers: the load thread of every rank is held for SaveWait, so
+// that the ReqMetas sent behind it queue up.
+func blockLoadThread(t *testing.T, env *rankEnv) {
+	t.Helper()
+	for r := range worldSize {
+		if _, err := env.nc.Subscribe(env.subj.Pool("gx", r), func(*nats.Msg) {}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := env.nc.Flush(); err != nil {
+		t.Fatal(err)
+	}
+	blocker := newMeta("blocker", "sb", testenv.PromptTokens(1, 2*blockSize))
+	blocker.LoadSpec = &messages.LoadSpec{CanLoad: true, KVPoolCachedTokens: blockSize,
+		Remote: []messages.RemoteRun{{Group: "gx", FromBlock: 0, Blocks: 1}}}
+	env.sendMeta(blocker)
+}
+
+// TestResendFindsTheNewerAttempt: attempt 0 of a request is superseded on
+// the same group by attempt 1 while both wait in the load queue. The
+// driver starts a goroutine for each; the older one may start keeping its
+// outputs after the newer did. Its memory must still hold the newer
+// attempt's outputs, which the frontend follows and may ask for again.
+// Before, the older attempt's entry replaced the newer one's in about a
+// third of such requests, and a frontend that lost outputs on the bus
+// ended the stream with output_lost.
+func TestResendFindsTheNewerAttempt(t *testing.T) {
+	env := startRanks(t, rankEnvConfig{saveWait: 300 * time.Millisecond})
+	blockLoadThread(t, env)
+	const n = 20
+	for i := range n {
+		for attempt := range 2 {
+			m := newMeta(fmt.Sprint("req-", i), fmt.Sprint("s", i), testenv.PromptTokens(10+i, 2*blockSize))
+			m.Stream, m.Attempt = true, attempt
+			env.sendMeta(m)
+		}
+	}
+	for i := range n {
+		id := fmt.Sprint("req-", i)
+		testenv.Eventually(t, waitFor, "attempt 1's final output of "+id, func() bool {
+			for _, o := range env.outputs(id) {
+				if o.Attempt == 1 && o.Final() {
+					return true
+				}
+			}
+			return false
+		})
+	}
+	lost := 0
+	for i := range n {
+		data, err := messages.Marshal(&messages.Resend{ReqID: fmt.Sprint("req-", i), Attempt: 1, FromIndex: 0})
+		if err != nil {
+			t.Fatal(err)
+		}
+		msg, err := env.nc.Request(env.subj.Resend(), data, 500*time.Millisecond)
+		if err != nil {
+			lost++
+			continue
+		}
+		if reply, err := messages.DecodeResendReply(msg.Data); err != nil || reply.Error != "" || reply.Resent == 0 {
+			lost++
+		}
+	}
+	if lost > 0 {
+		t.Errorf("%d of %d streamed requests (attempt 1, ended well within --stream-replay's age): the driver could not send their outputs again", lost, n)
+	}
+}
