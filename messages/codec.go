@@ -309,8 +309,16 @@ func validRuns(runs []RemoteRun, n int) bool {
 }
 
 func (m *RankResult) validate() error {
-	if m.ReqID == "" {
+	switch {
+	case m.ReqID == "":
 		return invalid("rank_result without req_id")
+	case m.TPRank < 0 || m.EPRank < 0 || m.Attempt < 0:
+		return invalid("rank_result with a negative tp_rank, ep_rank or attempt")
+	case m.LoadedTokens < 0 || m.RemoteTokens < 0 || m.CompletionTokens < 0 ||
+		m.StoredBlocks < 0 || m.SkippedBlocks < 0 || m.FailedBlocks < 0:
+		return invalid("rank_result with a negative token or block count")
+	case m.RemoteTokens > m.LoadedTokens:
+		return invalid(fmt.Sprintf("rank_result with remote_tokens %d above loaded_tokens %d (remote tokens are among those loaded)", m.RemoteTokens, m.LoadedTokens))
 	}
 	return nil
 }

@@ -624,6 +624,12 @@ func TestValidation(t *testing.T) {
 		{"ReqMeta/frontend_id not a token", func() Message { m := sampleReqMeta(); m.FrontendID = "a>b"; return m }(), decReqMeta},
 		{"ReqMeta/no result_subject", func() Message { m := sampleReqMeta(); m.ResultSubject = ""; return m }(), decReqMeta},
 		{"RankResult/no req_id", &RankResult{Group: "g0"}, decRankResult},
+		// A scheduler adds these to its counters: a negative one panicked
+		// its result handler.
+		{"RankResult/remote_tokens above loaded_tokens", &RankResult{ReqID: "r", RemoteTokens: 16}, decRankResult},
+		{"RankResult/negative loaded_tokens", &RankResult{ReqID: "r", LoadedTokens: -16}, decRankResult},
+		{"RankResult/negative completion_tokens", &RankResult{ReqID: "r", CompletionTokens: -1}, decRankResult},
+		{"RankResult/negative tp_rank", &RankResult{ReqID: "r", TPRank: -1}, decRankResult},
 		{"Output/no req_id", &Output{Text: "x"}, decOutput},
 		{"KVEventBatch/unknown event type", func() Message {
 			m := sampleKVEventBatch()
