@@ -110,7 +110,11 @@ func (s *Scheduler) pendingDispatches(ctx context.Context, st jetstream.Stream) 
 				byReplica[p.SchedulerID] = ds
 			}
 			for _, r := range p.Ended {
-				delete(ds, r)
+				// A request ends once, whoever ended it: one a replica
+				// adopted is ended by the adopter, not by its first one.
+				for _, other := range byReplica {
+					delete(other, r)
+				}
 			}
 			if p.ReqID != "" && p.LogSeq != 0 {
 				ds[p.ReqID] = peerDispatch{reqID: p.ReqID, seq: p.LogSeq, at: md.Timestamp}
