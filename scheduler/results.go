@@ -46,16 +46,20 @@ func (s *Scheduler) onDone(_ context.Context, m *nats.Msg) error {
 	}
 	s.m.requests.WithLabelValues(outcome.String()).Inc()
 	driver := t.Results[0]
-	depth := turnDepthLabel(t.TurnDepth)
-	s.m.predicted.Add(float64(t.LoadBlocks * s.cfg.BlockSize))
-	s.m.actual.Add(float64(driver.LoadedTokens))
-	bs := s.cfg.BlockSize
-	s.m.poolTokens.WithLabelValues("predicted", "local").Add(float64(t.LocalBlocks * bs))
-	s.m.poolTokens.WithLabelValues("predicted", "remote").Add(float64((t.LoadBlocks - t.LocalBlocks) * bs))
-	s.m.poolTokens.WithLabelValues("actual", "local").Add(float64(driver.LoadedTokens - driver.RemoteTokens))
-	s.m.poolTokens.WithLabelValues("actual", "remote").Add(float64(driver.RemoteTokens))
-	s.m.promptTokens.WithLabelValues(depth).Add(float64(t.TokenLen))
-	s.m.cachedTokens.WithLabelValues(depth).Add(float64(driver.LoadedTokens))
+	if outcome == outcomeCompleted {
+		// The cache's counters are over completed requests: a failed or
+		// aborted one may have loaded nothing, or not all it was told to.
+		depth := turnDepthLabel(t.TurnDepth)
+		s.m.predicted.Add(float64(t.LoadBlocks * s.cfg.BlockSize))
+		s.m.actual.Add(float64(driver.LoadedTokens))
+		bs := s.cfg.BlockSize
+		s.m.poolTokens.WithLabelValues("predicted", "local").Add(float64(t.LocalBlocks * bs))
+		s.m.poolTokens.WithLabelValues("predicted", "remote").Add(float64((t.LoadBlocks - t.LocalBlocks) * bs))
+		s.m.poolTokens.WithLabelValues("actual", "local").Add(float64(driver.LoadedTokens - driver.RemoteTokens))
+		s.m.poolTokens.WithLabelValues("actual", "remote").Add(float64(driver.RemoteTokens))
+		s.m.promptTokens.WithLabelValues(depth).Add(float64(t.TokenLen))
+		s.m.cachedTokens.WithLabelValues(depth).Add(float64(driver.LoadedTokens))
+	}
 	logsink.Info(s.log, "request done", "req_id", t.ReqID, "session_id", t.SessionID, "group", t.Group,
 		"outcome", outcome.String(), "prompt_tokens", t.TokenLen, "predicted_tokens", t.LoadBlocks*s.cfg.BlockSize, "loaded_tokens", driver.LoadedTokens,
 		"completion_tokens", driver.CompletionTokens, "failed_blocks", failed, "error", errText, "error_rank", errRank,
