@@ -17,8 +17,8 @@ func (s *Scheduler) rescue(now time.Time) {
 	alive := s.groups.alive(now) // a draining group finishes its requests
 	restarts := s.groups.restarts()
 	movable, lost := s.trackers.stranded(func(t *RequestTracker) bool {
-		if !alive[t.Group] {
-			return true
+		if !alive[t.Group] || s.groups.worldSize(t.Group) != t.WorldSize {
+			return true // gone, or formed again of other ranks: none has it
 		}
 		for r, rs := range restarts[t.Group] {
 			switch {
