@@ -114,11 +114,16 @@ func (s *Scheduler) onRequest(ctx context.Context, m jetstream.Msg) error {
 		t.Attempt = int(md.NumDelivered - 1)
 	}
 	var group string
-	if prev, ok := s.dispatched.Get(req.RequestID, start); ok && s.takeOver(t, prev, groups) {
+	prev, dispatched := s.dispatched.Get(req.RequestID, start)
+	if dispatched && (s.takeOver(t, prev, ready) || s.keepOnAlive(t, prev, start)) {
 		group = t.Group
 		log().Info("request taken over from another scheduler replica", "group", group, "attempt", t.Attempt, "from", prev.scheduler)
 	} else if group, err = s.place(t, groups, binding, bound); err != nil {
 		return m.NakWithDelay(200 * time.Millisecond)
+	} else if dispatched {
+		// Its group is gone: should any of it still run the old attempt,
+		// it drops it, and the answer is generated once.
+		s.withdraw(req.RequestID, prev.group, t.Attempt, "placed again by another scheduler replica: its group is gone")
 	}
 	if err := s.buildMeta(t); err != nil {
 		_ = m.Term()
@@ -211,6 +216,20 @@ func (s *Scheduler) takeOver(t *RequestTracker, prev dispatchRecord, groups []Gr
 	}
 	t.Attempt = prev.attempt + 1 // its group is gone: a new attempt elsewhere
 	return false
+}
+
+// keepOnAlive leaves t on the group prev named, with its attempt, when that
+// group is still alive though not ready (draining: it finishes its
+// requests): its ranks run it already, and a second run elsewhere would
+// generate the answer twice, or end one already streaming with
+// group_failed.
+func (s *Scheduler) keepOnAlive(t *RequestTracker, prev dispatchRecord, now time.Time) bool {
+	if !s.groups.alive(now)[prev.group] {
+		return false
+	}
+	t.Group, t.Attempt, t.WorldSize = prev.group, prev.attempt, s.groups.worldSize(prev.group)
+	s.setLoad(t, 0, false)
+	return true
 }
 
 // place chooses a group among groups for t and sets its Group, WorldSize,

@@ -1,0 +1,192 @@
+package scheduler
+
+import (
+	"context"
+	"testing"
+	"time"
+
+	"github.com/nats-io/nats.go"
+	"github.com/nats-io/nats.go/jetstream"
+	"github.com/prometheus/client_golang/prometheus"
+	dto "github.com/prometheus/client_model/go"
+
+	"github.com/kvbus/kvbus/messages"
+)
+
+// TestRescueGroupFormedAgainWithAnotherWorldSize: a group's processes are
+// replaced by new ones of another world size (restarted with another
+// --tp-size). The old processes took the request with them, as in a
+// restart at the same size, and it is dispatched again. Before, the table
+// forgot the old ranks on the change of world size without recording a
+// restart, and the request waited for its deadline.
+func TestRescueGroupFormedAgainWithAnotherWorldSize(t *testing.T) {
+	s, _ := newBareScheduler(t)
+	holding(s, "g0")
+	t0 := time.Now()
+	heard(s, "g0", t0, 0) // one rank, its process started at 1
+	tr := promptTracker("r1", 4)
+	if _, err := s.place(tr, s.PlaceableGroups(t0), Binding{}, false); err != nil {
+		t.Fatal(err)
+	}
+	if err := s.buildMeta(tr); err != nil {
+		t.Fatal(err)
+	}
+	s.trackers.add(tr)
+	// The group comes back as two new processes (started at 2).
+	for i := 1; i <= 4; i++ {
+		now := t0.Add(time.Duration(i) * restartGrace / 2)
+		for r := range 2 {
+			s.groups.observe(&messages.Heartbeat{Group: "g0", TPRank: r, WorldSize: 2, StartedUnixMs: 2}, now)
+		}
+		s.rescue(now)
+	}
+	var attempt, worldSize int
+	s.trackers.update("r1", func(t *RequestTracker) { attempt, worldSize = t.Attempt, t.WorldSize })
+	if attempt != 1 || worldSize != 2 {
+		t.Errorf("after the group was formed again of new processes (world size 1 -> 2) the request is attempt %d for %d ranks; want attempt 1, dispatched again to the 2 new ranks",
+			attempt, worldSize)
+	}
+}
+
+// redelivered is a request delivered a second time from the log: the
+// replica that took it first died before acknowledging it.
+type redelivered struct{ ackMsg }
+
+func (m *redelivered) Metadata() (*jetstream.MsgMetadata, error) {
+	return &jetstream.MsgMetadata{NumDelivered: 2, Timestamp: time.Now(), Sequence: jetstream.SequencePair{Stream: 7}}, nil
+}
+
+// TestRedeliveredRequestOfADrainingGroup: a request redelivered from the
+// log, that a dead replica dispatched to g0, stays on g0 with its attempt
+// while g0 drains (its ranks still finish what they have); before, it was
+// placed again on g1 as attempt 1 and nobody told g0, so the answer was
+// generated twice (and one already streaming ended with group_failed). A
+// request whose group is gone is placed again, and the group told to drop
+// the old attempt should any of it still run.
+func TestRedeliveredRequestOfADrainingGroup(t *testing.T) {
+	for _, tc := range []struct {
+		name                    string
+		draining                bool // else gone: never heard
+		wantGroup               string
+		wantAttempt             int
+		wantWithdrawnFromFormer bool
+	}{
+		{"draining", true, "g0", 0, false},
+		{"gone", false, "g1", 1, true},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			s, nc := newBareScheduler(t)
+			b, _ := openTestBindings(t)
+			s.bindings.Store(b)
+			now := time.Now()
+			holding(s, "g0")
+			holding(s, "g1")
+			if tc.draining {
+				s.groups.observe(&messages.Heartbeat{Group: "g0", TPRank: 0, WorldSize: 1, StartedUnixMs: 1, Draining: true}, now)
+			}
+			heard(s, "g1", now, 0)
+			s.dispatched.Put("r1", dispatchRecord{group: "g0", attempt: 0, scheduler: "dead"}, now)
+			metas := make(chan *nats.Msg, 8)
+			sub, err := nc.ChanSubscribe(messages.DefaultPrefix+".meta.>", metas)
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer func() { _ = sub.Unsubscribe() }()
+			aborts := make(chan *nats.Msg, 8)
+			asub, err := nc.ChanSubscribe(s.cfg.Subjects.Abort(), aborts)
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer func() { _ = asub.Unsubscribe() }()
+			if err := nc.Flush(); err != nil {
+				t.Fatal(err)
+			}
+			data, err := messages.Marshal(&messages.Request{RequestID: "r1", FrontendID: "fe", Model: "m",
+				ArrivalUnixMs: time.Now().UnixMilli(), PromptTokenIDs: make([]uint32, 40)})
+			if err != nil {
+				t.Fatal(err)
+			}
+			if err := s.onRequest(context.Background(), &redelivered{ackMsg{data: data}}); err != nil {
+				t.Fatal(err)
+			}
+			var meta *messages.ReqMeta
+			select {
+			case mm := <-metas:
+				if meta, err = messages.DecodeReqMeta(mm.Data); err != nil {
+					t.Fatal(err)
+				}
+			case <-time.After(5 * time.Second):
+				t.Fatal("no ReqMeta")
+			}
+			if meta.Group != tc.wantGroup || meta.Attempt != tc.wantAttempt {
+				t.Errorf("dispatched to %s as attempt %d; want %s, attempt %d", meta.Group, meta.Attempt, tc.wantGroup, tc.wantAttempt)
+			}
+			withdrawn := false
+			if err := nc.Flush(); err != nil {
+				t.Fatal(err)
+			}
+		wait:
+			for deadline := time.After(300 * time.Millisecond); ; {
+				select {
+				case am := <-aborts:
+					if a, err := messages.DecodeAbort(am.Data); err == nil && a.ReqID == "r1" && a.Group == "g0" && a.BeforeAttempt == 1 {
+						withdrawn = true
+					}
+				case <-deadline:
+					break wait
+				}
+			}
+			if withdrawn != tc.wantWithdrawnFromFormer {
+				t.Errorf("g0 told to drop attempt 0: %v, want %v", withdrawn, tc.wantWithdrawnFromFormer)
+			}
+		})
+	}
+}
+
+// TestCacheCountersOverCompletedRequests: the cache's counters (prompt,
+// predicted and loaded tokens) are over completed requests, as their help
+// says: a failed request adds nothing to them (it may have loaded nothing,
+// and took the hit ratio down), only to requests_total{outcome="failed"}.
+func TestCacheCountersOverCompletedRequests(t *testing.T) {
+	nc := embeddedConn(t)
+	s, err := New(Config{Conn: nc, ID: "s0", Policy: KVPolicy{}, HeartbeatTimeout: time.Second, Registerer: prometheus.NewRegistry()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	now := time.Now()
+	holding(s, "g0")
+	heard(s, "g0", now, 0)
+	val := func(c prometheus.Counter) float64 {
+		var m dto.Metric
+		if err := c.Write(&m); err != nil {
+			t.Fatal(err)
+		}
+		return m.GetCounter().GetValue()
+	}
+	for _, r := range []*messages.RankResult{
+		{ReqID: "failed", Group: "g0", Error: "engine unavailable"},
+		{ReqID: "completed", Group: "g0", LoadedTokens: 32},
+	} {
+		tr := promptTracker(r.ReqID, 4)
+		if _, err := s.place(tr, s.PlaceableGroups(now), Binding{}, false); err != nil {
+			t.Fatal(err)
+		}
+		if err := s.buildMeta(tr); err != nil {
+			t.Fatal(err)
+		}
+		s.trackers.add(tr)
+		data, err := messages.Marshal(r)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := s.onDone(context.Background(), &nats.Msg{Data: data}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if failed, completed := val(s.m.requests.WithLabelValues("failed")), val(s.m.requests.WithLabelValues("completed")); failed != 1 || completed != 1 {
+		t.Fatalf("requests{failed} = %v, {completed} = %v; want 1 each", failed, completed)
+	}
+	if prompt, cached := val(s.m.promptTokens.WithLabelValues("1")), val(s.m.cachedTokens.WithLabelValues("1")); prompt != 65 || cached != 32 {
+		t.Errorf("prompt_tokens_total = %v, cached_tokens_total = %v; want 65 and 32, the completed request's only", prompt, cached)
+	}
+}
