@@ -49,7 +49,8 @@ func (g *generation) relay(w http.ResponseWriter, ctx context.Context, deadline 
 				b, _ := json.Marshal(apiErr.body())
 				event(b)
 				event([]byte("[DONE]")) // flushed with the body's end
-				return http.StatusOK
+				// Counted under its status, whatever the headers said.
+				return apiErr.Status
 			}
 			writeError(w, apiErr)
 			return apiErr.Status
@@ -77,7 +78,7 @@ func (g *generation) relay(w http.ResponseWriter, ctx context.Context, deadline 
 		if started { // the stream had begun: the error is its last event
 			event(body)
 			event([]byte("[DONE]"))
-			return http.StatusOK
+			return c.err.Status
 		}
 		if len(c.errRaw) == 0 {
 			writeError(w, c.err)
