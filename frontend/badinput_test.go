@@ -209,6 +209,9 @@ func TestSimUnsupportedFields(t *testing.T) {
 		`,"logit_bias":{}`, `,"logit_bias":null`, `,"guided_json":null`, `,"guided_choice":[]`,
 		`,"structured_outputs":null`, `,"n":1`, `,"n":null`,
 		`,"tools":[],"tool_choice":"none","response_format":{"type":"text"},"logprobs":false,"echo":false,"logit_bias":{}`,
+		// Indented, as json.dumps(indent=2) or curl -d @file.json sends
+		// them: these were refused as asking for more.
+		",\n  \"response_format\": {\n    \"type\": \"text\"\n  }", ",\"tools\": [ ]", ",\"logit_bias\": {\n}",
 	}
 	for _, extra := range harmless {
 		for path, body := range map[string]string{"/v1/chat/completions": chat(extra), "/v1/completions": completion(extra)} {

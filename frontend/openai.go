@@ -65,10 +65,16 @@ func (c *commonParams) simUnsupported() string {
 		{"guided_regex", c.GuidedRegex}, {"guided_choice", c.GuidedChoice}, {"guided_grammar", c.GuidedGrammar},
 		{"structured_outputs", c.Structured}}
 	for _, f := range fields {
-		switch v := string(bytes.TrimSpace(f.raw)); v {
+		// Compact: an indented body ("tools": [ ], a response_format
+		// over three lines) asks for nothing more than a compact one.
+		var compact bytes.Buffer
+		if json.Compact(&compact, f.raw) != nil {
+			compact.Write(bytes.TrimSpace(f.raw))
+		}
+		switch v := compact.String(); v {
 		case "", "null", "false", "0", "[]", "{}", `"none"`:
 		default:
-			if f.name == "response_format" && strings.ReplaceAll(v, " ", "") == `{"type":"text"}` {
+			if f.name == "response_format" && v == `{"type":"text"}` {
 				continue // the default: plain text
 			}
 			if n, err := strconv.ParseFloat(v, 64); err == nil && n == 0 && v[0] != '"' {
