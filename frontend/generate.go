@@ -196,6 +196,15 @@ func (s *Server) generate(w http.ResponseWriter, r *http.Request, endpoint strin
 	// Publish every prompt; each is acknowledged by JetStream before any
 	// byte of the response is written.
 	for i, prompt := range prompts {
+		if i > 0 && time.Now().After(deadline) {
+			// Each prompt waits for its acknowledgement: a long list on a
+			// slow log must not go on publishing what nobody waits for.
+			g.log.Warn("request timed out while its prompts were published", "published", i, "prompts", len(prompts), "timeout", s.cfg.RequestTimeout)
+			g.abort(messages.AbortReasonTimeout)
+			g.unregister()
+			return fail(&APIError{Status: http.StatusGatewayTimeout, Type: typeTimeout, Code: "timeout",
+				Message: fmt.Sprintf("request did not complete within %s (--request-timeout): its %d prompts could not all be published in time; send fewer at once", s.cfg.RequestTimeout, len(prompts))})
+		}
 		busID := busBase
 		if len(prompts) > 1 {
 			busID = busBase + "-" + strconv.Itoa(i)

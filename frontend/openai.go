@@ -573,11 +573,17 @@ func parseCompletion(body []byte, o parseOptions) (*parsedRequest, *APIError) {
 		if err := json.Unmarshal(raw, &texts); err != nil {
 			return p, badRequest(param, "prompt must not mix strings with other types")
 		}
+		if len(texts) > MaxPrompts {
+			return p, tooManyPrompts(len(texts))
+		}
 		p.texts = texts
 	case '[':
 		var lists []json.RawMessage
 		if err := json.Unmarshal(raw, &lists); err != nil {
 			return p, badRequest(param, "prompt must be an array of token-id arrays")
+		}
+		if len(lists) > MaxPrompts {
+			return p, tooManyPrompts(len(lists))
 		}
 		for i, l := range lists {
 			if l = bytes.TrimSpace(l); len(l) == 0 || l[0] != '[' {
@@ -603,6 +609,15 @@ func parseCompletion(body []byte, o parseOptions) (*parsedRequest, *APIError) {
 		p.tokenPrompts = [][]uint32{ids}
 	}
 	return p, nil
+}
+
+// MaxPrompts bounds the prompts of one completion request: each is a
+// request of its own in the request log, published one after the other
+// (a 4 MiB body held a million).
+const MaxPrompts = 1024
+
+func tooManyPrompts(n int) *APIError {
+	return badRequest("prompt", "prompt holds %d prompts; at most %d go in one request: send the others in further requests", n, MaxPrompts)
 }
 
 // notTokenIDs is tokenIDs' message for an array that is not of integers.
