@@ -104,6 +104,10 @@ func (g *generation) stream(w http.ResponseWriter, ctx context.Context, deadline
 	}
 	timer := time.NewTimer(time.Until(deadline))
 	defer timer.Stop()
+	// held: what came before the stream began, while no choice had
+	// answered (its outputs carry no text; or the choices that ended, ended
+	// in errors).
+	var held []choiceOutput
 	for !g.allDone() {
 		items, err := g.next(ctx, timer)
 		switch {
@@ -124,7 +128,14 @@ func (g *generation) stream(w http.ResponseWriter, ctx context.Context, deadline
 				writeError(w, e)
 				return e.Status
 			}
+			if !g.answering() {
+				// Every choice may yet fail (the scheduler refuses each
+				// prompt of a list on its own): then the status says so.
+				held = append(held, items...)
+				continue
+			}
 			begin()
+			items, held = append(held, items...), nil
 		}
 		for _, it := range items {
 			c, o := g.choices[it.choice], it.out
@@ -207,6 +218,17 @@ func (g *generation) failedFirst() *APIError {
 		}
 	}
 	return g.choices[0].err
+}
+
+// answering reports whether a choice has text, or finished without an
+// error: the stream begins then.
+func (g *generation) answering() bool {
+	for _, c := range g.choices {
+		if c.text.Len() > 0 || c.done && c.err == nil {
+			return true
+		}
+	}
+	return false
 }
 
 // OpenAI response shapes.
