@@ -190,3 +190,37 @@ func TestCacheCountersOverCompletedRequests(t *testing.T) {
 		t.Errorf("prompt_tokens_total = %v, cached_tokens_total = %v; want 65 and 32, the completed request's only", prompt, cached)
 	}
 }
+
+// TestLongCutForgetsNoHealthyGroup: a replica cut off from NATS for longer
+// than ForgetGroupAfter heard no heartbeat meanwhile: the groups' silence
+// was its own. At the reconnect it keeps them, and the request streaming
+// on g0 goes on. Before, its sweep forgot every group during the cut, and
+// at the reconnect the request was taken for lost: ended with group_failed
+// and withdrawn from g0, whose ranks were fine all along.
+func TestLongCutForgetsNoHealthyGroup(t *testing.T) {
+	s, _ := newBareScheduler(t)
+	now := time.Now()
+	holding(s, "g0")
+	holding(s, "g1")
+	cut := s.cfg.ForgetGroupAfter + time.Second
+	heard(s, "g0", now.Add(-cut), 0) // last heard just before the cut
+	heard(s, "g1", now, 0)
+	tr := promptTracker("inflight", 4)
+	tr.Group, tr.WorldSize, tr.Deadline = "g0", 1, now.Add(time.Minute)
+	s.trackers.add(tr)
+	s.trackers.prefilled(&messages.RankResult{ReqID: "inflight", Group: "g0", TPRank: 0, Prefilled: true})
+	// The connection reconnected since the last sweep.
+	s.reconnects = s.cfg.Conn.Stats().Reconnects + 1
+	s.sweep(t.Context(), now)
+	if !s.trackers.has("inflight") {
+		t.Fatalf("the request streaming on g0 was ended (group_failed) at the reconnect after a %s cut: the replica forgot g0 during its own silence", cut)
+	}
+	if s.groups.worldSize("g0") == 0 {
+		t.Errorf("g0 forgotten at the reconnect after a %s cut", cut)
+	}
+	// Still silent a ForgetGroupAfter after the reconnect: forgotten.
+	s.sweep(t.Context(), now.Add(s.cfg.ForgetGroupAfter+time.Second))
+	if s.groups.worldSize("g0") != 0 {
+		t.Errorf("g0, silent for ForgetGroupAfter since the reconnect, is not forgotten")
+	}
+}

@@ -33,6 +33,14 @@ func (t *groupTable) reconnected(now time.Time) {
 	t.mu.Unlock()
 }
 
+// reconnectedAt is when this replica last reconnected to NATS (zero:
+// never cut off).
+func (t *groupTable) reconnectedAt() time.Time {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	return t.heardFrom
+}
+
 // heardLocked reports whether a rank last heard at seen was heard within
 // the timeout, counting from the last reconnect when it was heard before
 // it. Called with t.mu held.
@@ -422,7 +430,7 @@ func (t *groupTable) forget(now time.Time, after time.Duration) []string {
 				last = r.seen
 			}
 		}
-		if now.Sub(last) > after {
+		if now.Sub(maxTime(last, t.heardFrom)) > after { // as heardLocked counts
 			delete(t.groups, name)
 			gone = append(gone, name)
 		}

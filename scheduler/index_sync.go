@@ -147,7 +147,7 @@ func (x *KVIndex) Resyncing() map[string][]int {
 	out := map[string][]int{}
 	for name, g := range x.groups {
 		for r, rs := range g.ranks {
-			if rs.resyncing {
+			if rs.resyncing && (g.worldSize == 0 || r < g.worldSize) { // not a rank of a larger group it was
 				out[name] = append(out[name], r)
 			}
 		}
@@ -198,11 +198,13 @@ func (x *KVIndex) syncedLocked(g *indexGroup) bool {
 }
 
 // ForgetIdle forgets the groups not heard of (no heartbeat, KV batch or
-// save plan) for after, and returns their names. See Forget.
-func (x *KVIndex) ForgetIdle(now time.Time, after time.Duration) []string {
+// save plan) for after, counted from since when they were heard of before
+// it (this replica was cut off from NATS until since: their silence was
+// its own), and returns their names. See Forget.
+func (x *KVIndex) ForgetIdle(now time.Time, after time.Duration, since time.Time) []string {
 	idle := func() (names []string) {
 		for name, g := range x.groups {
-			if now.UnixNano()-g.touched.Load() > int64(after) {
+			if now.UnixNano()-max(g.touched.Load(), since.UnixNano()) > int64(after) {
 				names = append(names, name)
 			}
 		}

@@ -927,7 +927,10 @@ func TestKVIndexForgetIdle(t *testing.T) {
 	}
 	time.Sleep(20 * time.Millisecond)
 	x.Plan("b", hashChain(2, 1), time.Now().Add(time.Hour)) // b was heard of just now
-	gone := x.ForgetIdle(time.Now(), 10*time.Millisecond)
+	if gone := x.ForgetIdle(time.Now(), 10*time.Millisecond, time.Now().Add(-5*time.Millisecond)); len(gone) != 0 {
+		t.Fatalf("forgot %v within 10 ms of a reconnect; want none forgotten yet", gone)
+	}
+	gone := x.ForgetIdle(time.Now(), 10*time.Millisecond, time.Time{})
 	slices.Sort(gone)
 	if !slices.Equal(gone, []string{"a", "c"}) {
 		t.Fatalf("forgot %v, want [a c]", gone)
@@ -935,5 +938,33 @@ func TestKVIndexForgetIdle(t *testing.T) {
 	checkPrefixes(t, x, h, map[string]int{"a": 0, "b": 2, "c": 0})
 	if e, f := x.Size(); e != 2 || f != 2 {
 		t.Errorf("%d entries, %d full blocks left; want b's 2, 2", e, f)
+	}
+}
+
+// TestShrunkGroupAsksNoGoneRankForDumps: a group formed again of fewer
+// ranks (another --tp-size) while a rank above the new size still waited
+// for its dump: that rank no longer exists, and is not asked for dumps
+// again and again (each ask failed, warned and backed off, for as long as
+// the group lived).
+func TestShrunkGroupAsksNoGoneRankForDumps(t *testing.T) {
+	x := NewKVIndex()
+	for r := range 4 {
+		x.ObserveRank("g0", r, 4, 1) // first heard: each waits for a dump
+	}
+	for r := range 3 {
+		x.ApplyDump("g0", r, kvDump("g0", r, 1))
+	}
+	if got := x.Resyncing(); len(got["g0"]) != 1 {
+		t.Fatalf("Resyncing() = %v; want rank 3 of 4 waiting for its dump (the setup)", got)
+	}
+	for r := range 2 { // formed again as tp-size 2 (new processes)
+		x.ObserveRank("g0", r, 2, 2)
+		x.ApplyDump("g0", r, kvDump("g0", r, 1))
+	}
+	if !x.Synced("g0") {
+		t.Fatal("g0 not synced")
+	}
+	if got := x.Resyncing(); len(got) != 0 {
+		t.Errorf("Resyncing() = %v for a synced group of 2 ranks; want none (rank 3 no longer exists)", got)
 	}
 }

@@ -507,7 +507,6 @@ func (s *Scheduler) sweep(ctx context.Context, now time.Time) {
 		s.m.modelReady.WithLabelValues(model).Set(float64(n))
 	}
 	s.readyModels = perModel
-	s.forgetGroups(now)
 	// Cut off from NATS, this replica hears no heartbeat: the groups'
 	// silence is its own. It judges no group until it is back, and gives
 	// every rank a heartbeat timeout from then (it withdrew every request
@@ -522,6 +521,10 @@ func (s *Scheduler) sweep(ctx context.Context, now time.Time) {
 		s.log.Info("reconnected to NATS; worker groups get a heartbeat timeout from now before any is judged failed",
 			"heartbeat_timeout", s.cfg.HeartbeatTimeout)
 	}
+	// Connected only, and counting from the last reconnect: after a cut
+	// longer than ForgetGroupAfter every group was forgotten, its index
+	// wiped, and its requests streaming fine ended group_failed.
+	s.forgetGroups(now)
 	s.publishEnded()
 	// The memories of ended and dispatched ids forget what aged even when
 	// no request comes to sweep them (an idle replica kept ~30 MB).
@@ -558,7 +561,7 @@ func (s *Scheduler) forgetGroups(now time.Time) {
 	for _, name := range s.groups.forget(now, s.cfg.ForgetGroupAfter) {
 		gone[name] = true
 	}
-	for _, name := range s.index.ForgetIdle(now, s.cfg.ForgetGroupAfter) {
+	for _, name := range s.index.ForgetIdle(now, s.cfg.ForgetGroupAfter, s.groups.reconnectedAt()) {
 		gone[name] = true
 	}
 	if len(gone) == 0 {
