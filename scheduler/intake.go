@@ -247,8 +247,14 @@ func (s *Scheduler) place(t *RequestTracker, groups []GroupState, binding Bindin
 		if bound && g.Name == binding.Group {
 			g.Bound = true
 			// The previous turn's blocks, if this prompt extends it and
-			// the group has not lost its cache since (a restarted engine).
-			if binding.extendedBy(t.BlockHashes) && !s.index.LostCacheSince(g.Name, binding.UpdatedUnixMs) {
+			// the group has not lost its cache since (a restarted engine),
+			// while the ranks' KV events may not have told the index yet
+			// (within PlanTTL of the turn), or its index is not synced:
+			// later the index knows, evictions included, and a group
+			// credited with blocks it evicted got the turn behind its
+			// queue to prefill it all.
+			if binding.extendedBy(t.BlockHashes) && !s.index.LostCacheSince(g.Name, binding.UpdatedUnixMs) &&
+				(time.Since(time.UnixMilli(binding.UpdatedUnixMs)) < s.cfg.PlanTTL || !s.index.Synced(g.Name)) {
 				g.CachedBlocks = max(g.CachedBlocks, binding.Blocks)
 			}
 		}

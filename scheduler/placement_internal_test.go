@@ -467,3 +467,37 @@ func TestBindingNotCreditedAfterTheGroupLostItsCache(t *testing.T) {
 		t.Errorf("a binding newer than the loss is credited %d blocks, want 10", n)
 	}
 }
+
+// TestBindingCreditEndsWhenTheIndexKnows: the session's binding credits
+// its group with the previous turn's blocks while the ranks' KV events may
+// not have told the index (within PlanTTL of that turn). Later the index
+// knows, and it says g0 evicted them: the next turn goes to the idle g1,
+// not behind g0's queue to prefill all 12 blocks there.
+func TestBindingCreditEndsWhenTheIndexKnows(t *testing.T) {
+	s, _ := newBareScheduler(t)
+	now := time.Now()
+	tr := promptTracker("r1", 12)
+	s.index.ObserveRank("g0", 0, 1, 1)
+	s.index.ApplyDump("g0", 0, kvDump("g0", 0, 1, tr.BlockHashes[:10]...)) // turn 1's blocks stored
+	s.index.Apply(kvBatch("g0", 0, 2, removed(tr.BlockHashes[:10]...)))    // and evicted
+	holding(s, "g1")
+	heard(s, "g0", now, 8*16)
+	heard(s, "g1", now, 0)
+	if n := s.index.GroupBlocks("g0"); n != 0 {
+		t.Fatalf("index: g0 holds %d blocks, want 0 (the setup did not evict them)", n)
+	}
+	for _, tc := range []struct {
+		age  time.Duration
+		want string
+	}{
+		{time.Second, "g0"}, // the events may be on their way: credited
+		{time.Minute, "g1"},
+	} {
+		binding := Binding{Group: "g0", Blocks: 10, LastHash: tr.BlockHashes[9], Turn: 1, UpdatedUnixMs: now.Add(-tc.age).UnixMilli()}
+		tr := promptTracker("r1", 12)
+		if g, err := s.place(tr, s.PlaceableGroups(now), binding, true); err != nil || g != tc.want {
+			t.Errorf("a turn %v after its previous one, whose blocks g0 evicted: placed on %s (err %v, LoadSpec %d blocks); want %s",
+				tc.age, g, err, tr.LoadBlocks, tc.want)
+		}
+	}
+}
