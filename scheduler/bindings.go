@@ -181,10 +181,14 @@ func (s *SessionBindings) Run(ctx context.Context) error {
 	}
 	defer func() { _ = w.Stop() }()
 	updates := w.Updates()
+	prune := time.NewTicker(max(s.ttl/2, time.Second))
+	defer prune.Stop()
 	for {
 		select {
 		case <-ctx.Done():
 			return nil
+		case now := <-prune.C:
+			s.pruneExpired(now)
 		case e, ok := <-updates:
 			if !ok {
 				updates = nil // stopped; a rewatch may start another
@@ -206,6 +210,43 @@ func (s *SessionBindings) Run(ctx context.Context) error {
 			s.write(ctx, wr)
 		}
 	}
+}
+
+// pruneExpired drops the local entries none of whose bindings is live. The
+// bucket's expiry reaches the watcher for those it held; one whose write
+// was dropped (a full queue) or failed never got there, and was kept for
+// good. Found under the read lock: lookups go on meanwhile.
+func (s *SessionBindings) pruneExpired(now time.Time) {
+	cut := now.Add(-s.ttl).UnixMilli()
+	expired := func(e boundEntry) bool {
+		if e.UpdatedUnixMs > cut {
+			return false
+		}
+		for _, o := range e.Others {
+			if o.UpdatedUnixMs > cut {
+				return false
+			}
+		}
+		return true
+	}
+	var keys []string
+	s.mu.RLock()
+	for k, e := range s.local {
+		if expired(e) {
+			keys = append(keys, k)
+		}
+	}
+	s.mu.RUnlock()
+	if len(keys) == 0 {
+		return
+	}
+	s.mu.Lock()
+	for _, k := range keys {
+		if e, ok := s.local[k]; ok && expired(e) { // not recorded again since
+			delete(s.local, k)
+		}
+	}
+	s.mu.Unlock()
 }
 
 func (s *SessionBindings) observe(e jetstream.KeyValueEntry) {

@@ -3,6 +3,7 @@ package scheduler
 import (
 	"context"
 	"encoding/json"
+	"fmt"
 	"io"
 	"log/slog"
 	"testing"
@@ -185,5 +186,34 @@ func TestBindingTurnOf(t *testing.T) {
 	}
 	if got := (Binding{Turn: 1}).turnOf(nil, true); got != 1 {
 		t.Errorf("a prompt shorter than a block asked again after such a turn: turn %d, want 1", got)
+	}
+}
+
+// TestDroppedBindingWritesArePruned: bindings whose write never reached
+// the bucket (dropped from a full queue, or failed) get no expiry marker
+// from it; they leave this replica's memory once expired, as the others
+// do, instead of staying for good. A live one stays.
+func TestDroppedBindingWritesArePruned(t *testing.T) {
+	b, _ := openTestBindings(t) // TTL 1 min; not running: writes queue, then drop
+	n := cap(b.writes) + 100
+	for i := range n {
+		b.Record(fmt.Sprintf("s-%d", i), Binding{Group: "g0", Blocks: 1, Turn: 1})
+	}
+	b.mu.RLock()
+	held := len(b.local)
+	b.mu.RUnlock()
+	if held != n {
+		t.Fatalf("%d bindings held, want %d", held, n)
+	}
+	b.pruneExpired(time.Now())
+	if _, ok := b.Get("s-0"); !ok {
+		t.Fatal("a live binding was pruned")
+	}
+	b.pruneExpired(time.Now().Add(b.ttl + time.Second))
+	b.mu.RLock()
+	left := len(b.local)
+	b.mu.RUnlock()
+	if left != 0 {
+		t.Errorf("%d of %d bindings (%d of them dropped from the full queue) still held after their TTL", left, n, n-cap(b.writes))
 	}
 }
