@@ -70,6 +70,9 @@ type schedEnvConfig struct {
 	// starts.
 	backlog    []*messages.Request
 	backlogAge time.Duration
+	// before runs once the server and the fake ranks are up, before the
+	// scheduler starts.
+	before func(e *schedEnv)
 }
 
 func startScheduler(t *testing.T, cfg schedEnvConfig) *schedEnv {
@@ -112,6 +115,9 @@ func startScheduler(t *testing.T, cfg schedEnvConfig) *schedEnv {
 		e.publishRequest(req)
 	}
 	time.Sleep(cfg.backlogAge)
+	if cfg.before != nil {
+		cfg.before(e)
+	}
 	logs := &testenv.LogBuffer{}
 	e.logs = logs
 	e.s, err = scheduler.New(scheduler.Config{
