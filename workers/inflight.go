@@ -1,6 +1,7 @@
 package workers
 
 import (
+	"slices"
 	"time"
 )
 
@@ -12,8 +13,10 @@ import (
 // later request's load of such a key waits for that save (bounded by
 // SaveWait) instead of reporting it missing.
 
-// registerSavesLocked records the keys rr will save that no earlier request
-// is saving. Called with r.mu held, in ReqMeta arrival order. Keys the store
+// registerSavesLocked records the keys rr will save. Called with r.mu
+// held, in ReqMeta arrival order. A key an earlier request is saving is
+// recorded after it: should that one not save it after all (aborted,
+// superseded, failed), rr's save is the one to wait for. Keys the store
 // already holds are registered too: only a load that misses a key waits,
 // so no store lookup is needed under the rank's lock.
 func (r *Rank) registerSavesLocked(rr *rankReq) {
@@ -24,55 +27,84 @@ func (r *Rank) registerSavesLocked(rr *rankReq) {
 	for _, h := range meta.BlockHashes[meta.SaveFromBlock:] {
 		k := StoreKey(meta.Model, r.cfg.TPRank, h)
 		if _, busy := r.saving[k]; busy {
-			continue
+			r.savingAfter[k] = append(r.savingAfter[k], rr)
+		} else {
+			r.saving[k] = rr
 		}
-		r.saving[k] = rr
 		rr.saveKeys = append(rr.saveKeys, k)
 	}
 }
 
 // settleSaves ends rr's registrations: its blocks are saved, or will not be
-// (it failed, was aborted or skipped its save). Waiters wake up and read the
+// (it failed, was aborted or skipped its save); the next request saving a
+// key, if any, is waited for from then on. Waiters wake up and read the
 // store. Safe to call more than once.
 func (r *Rank) settleSaves(rr *rankReq) {
 	r.mu.Lock()
 	keys := rr.saveKeys
 	rr.saveKeys = nil
 	for _, k := range keys {
-		if r.saving[k] == rr {
+		after := r.savingAfter[k]
+		switch {
+		case r.saving[k] != rr:
+			after = slices.DeleteFunc(after, func(o *rankReq) bool { return o == rr })
+		case len(after) > 0:
+			r.saving[k], after = after[0], after[1:]
+		default:
 			delete(r.saving, k)
+		}
+		if len(after) == 0 {
+			delete(r.savingAfter, k)
+		} else {
+			r.savingAfter[k] = after
 		}
 	}
 	r.mu.Unlock()
 	rr.settle.Do(func() { close(rr.saved) })
 }
 
-// awaitSave waits until the request saving key (if any) has settled or
-// deadline passes; it reports whether it settled in time.
-func (r *Rank) awaitSave(key string, deadline time.Time) bool {
+// savingOwner returns the earliest request saving key, nil when none. One
+// that settled is never registered (settleSaves deregisters, then
+// closes saved); should one be, it is no owner, and no wait spins on it.
+func (r *Rank) savingOwner(key string) *rankReq {
 	r.mu.Lock()
+	defer r.mu.Unlock()
 	owner := r.saving[key]
-	r.mu.Unlock()
-	if owner == nil {
-		return false
+	if owner != nil {
+		select {
+		case <-owner.saved:
+			return nil
+		default:
+		}
 	}
+	return owner
+}
+
+// awaitSave waits until every request saving key (if any) has settled or
+// deadline passes; it reports whether they settled in time.
+func (r *Rank) awaitSave(key string, deadline time.Time) bool {
 	t := time.NewTimer(max(time.Until(deadline), 0))
 	defer t.Stop()
-	select {
-	case <-owner.saved:
-		return true
-	case <-t.C:
-		return false
+	for {
+		owner := r.savingOwner(key)
+		if owner == nil {
+			return true
+		}
+		select {
+		case <-owner.saved: // settled: the next one, if any, is the owner now
+		case <-t.C:
+			return false
+		}
 	}
 }
 
-// waitForSave waits until the request that arrived before rr and is saving
-// key has settled, rr ends, or deadline passes. It reports whether there was
-// such a save and it settled in time.
+// waitForSave waits until the earliest request saving key, when it arrived
+// before rr, has settled, rr ends, or deadline passes. It reports whether
+// there was such a save and it settled in time; the caller reads the store
+// again, and asks again while the key is missing (the request after it
+// may be saving it too).
 func (r *Rank) waitForSave(rr *rankReq, key string, deadline time.Time) bool {
-	r.mu.Lock()
-	owner := r.saving[key]
-	r.mu.Unlock()
+	owner := r.savingOwner(key)
 	if owner == nil || owner.id >= rr.id {
 		return false
 	}

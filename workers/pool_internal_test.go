@@ -59,7 +59,7 @@ func TestPoolPartsFitMaxPayload(t *testing.T) {
 // land and ends then, with the block, instead of waiting out its deadline.
 func TestSavingReadSeesACopyArrive(t *testing.T) {
 	store, _ := newTestStore(t, 1<<20)
-	r := &Rank{store: store, saving: map[string]*rankReq{}}
+	r := &Rank{store: store, saving: map[string]*rankReq{}, savingAfter: map[string][]*rankReq{}}
 	keys := []string{"copied", "absent"}
 	values := make([][]byte, len(keys))
 	const copyAfter, deadline = 100 * time.Millisecond, 3 * time.Second

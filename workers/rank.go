@@ -42,7 +42,11 @@ type Rank struct {
 	replay *outputReplay           // the driver's outputs, kept to be sent again (nil: none kept)
 	closed bool                    // loadQ is closed
 	nextID uint64                  // numbers rankReqs in arrival order
-	saving map[string]*rankReq     // store key -> the request saving it
+	saving map[string]*rankReq     // store key -> the earliest request saving it
+	// savingAfter: store key -> the later requests saving it too, in
+	// arrival order (a regenerated turn, a newer attempt, the same prompt
+	// twice): one takes over when the one before settles.
+	savingAfter map[string][]*rankReq
 
 	draining  atomic.Bool  // Run's context ended
 	gaveUp    atomic.Bool  // ShutdownTimeout passed with requests running: heartbeats say not ready
@@ -204,8 +208,8 @@ func NewRank(cfg RankConfig) (*Rank, error) {
 		storeQ: make(chan *rankReq, cfg.QueueSize),
 		active: map[string]*rankReq{},
 		seen:   seen,
-		saving: map[string]*rankReq{},
-		plans:  make(chan *messages.DrainPlan, 1),
+		saving: map[string]*rankReq{}, savingAfter: map[string][]*rankReq{},
+		plans: make(chan *messages.DrainPlan, 1),
 
 		poolWaits: newOffloader(poolWaitSlots),
 		handoffs:  newOffloader(handoffSlots),

@@ -1221,3 +1221,34 @@ func TestOverloadedResultAnsweredAgain(t *testing.T) {
 		}
 	}
 }
+
+// TestLoadWaitsForTheSaverAfterAnAbortedOne: two requests of one prompt
+// (a regenerated turn) both save its blocks; the first is aborted and
+// saves nothing. The next turn reaches rank 1 while its store thread is
+// still saving the second: its load waits for that save and loads the
+// whole prefix. Before, only the first saver was recorded per block, the
+// second's save was waited for by nobody, and rank 1 recomputed all 4
+// blocks of the previous turn.
+func TestLoadWaitsForTheSaverAfterAnAbortedOne(t *testing.T) {
+	env := startRanks(t, rankEnvConfig{storeDelay: map[int]time.Duration{1: 300 * time.Millisecond}, saveWait: 3 * time.Second})
+	prompt := testenv.PromptTokens(9, 4*blockSize+3)
+	env.sendMeta(newMeta("turn-1a", "sess-r", prompt))
+	env.sendMeta(newMeta("turn-1b", "sess-r", prompt))
+	env.publish(env.subj.Abort(), &messages.Abort{ReqID: "turn-1a", Reason: "client disconnected"})
+	env.finalOutput("turn-1b")
+	next := newMeta("turn-2", "sess-r", append(slices.Clone(prompt), testenv.PromptTokens(10, 2*blockSize)...))
+	next.LoadSpec = &messages.LoadSpec{KVPoolCachedTokens: 4 * blockSize, CanLoad: true}
+	next.SaveFromBlock = 4
+	env.sendMeta(next) // the driver answered turn-1b; rank 1 is still saving it
+	for rank, r := range env.resultsByRank("turn-2") {
+		if r.LoadedTokens != 4*blockSize || r.FailedBlocks != 0 {
+			t.Errorf("rank %d: loaded %d tokens, failed_blocks %d; want %d, 0", rank, r.LoadedTokens, r.FailedBlocks, 4*blockSize)
+		}
+	}
+	// The fault took effect: rank 1 saved nothing of the first.
+	for _, r := range env.results("turn-1a") {
+		if r.TPRank == 1 && r.StoredBlocks != 0 {
+			t.Errorf("rank 1 stored %d blocks of the aborted turn-1a; want 0 (the abort came too late to test anything)", r.StoredBlocks)
+		}
+	}
+}
