@@ -35,12 +35,17 @@ func Tap(ctx context.Context, cfg TapConfig, w io.Writer) error {
 	ids := map[string]bool{} // request ids of the session
 	prefix := cfg.Subjects.All()
 	prefix = prefix[:len(prefix)-1] // "kvbus."
-	msgs := make(chan *nats.Msg, 4096)
-	sub, err := cfg.Conn.ChanSubscribe(subject, msgs)
+	// Queued in the client while the output is slower than the bus (a
+	// terminal, a pipe to jq): a channel of 4,096 dropped the rest of a
+	// burst. Bounded all the same, and a loss is said.
+	sub, err := cfg.Conn.SubscribeSync(subject)
 	if err != nil {
 		return err
 	}
 	defer func() { _ = sub.Unsubscribe() }()
+	if err := sub.SetPendingLimits(tapPendingMsgs, tapPendingBytes); err != nil {
+		return err
+	}
 	if err := cfg.Conn.Flush(); err != nil {
 		return err
 	}
@@ -52,23 +57,38 @@ func Tap(ctx context.Context, cfg TapConfig, w io.Writer) error {
 	}
 	key := messages.SessionKey(cfg.SessionID)
 	for {
-		select {
-		case <-ctx.Done():
-			return nil
-		case m := <-msgs:
-			kind, v := decodeAny(strings.TrimPrefix(m.Subject, prefix), m.Data)
-			if cfg.SessionID != "" && !keepForSession(kind, m.Subject, v, cfg.SessionID, key, ids) {
-				continue
+		m, err := sub.NextMsgWithContext(ctx)
+		if ctx.Err() != nil {
+			if n, _ := sub.Dropped(); n > 0 {
+				return fmt.Errorf("replay: tap: %d messages were dropped: the output fell %d messages behind the bus; write to a file, or narrow --subject or --session", n, tapPendingMsgs)
 			}
-			if err := enc.Encode(map[string]any{"subject": m.Subject, "kind": kind, "msg": v}); err != nil {
-				// A value JSON cannot hold (a NaN temperature): say so and go on.
-				if err := enc.Encode(map[string]any{"subject": m.Subject, "kind": "unprintable", "msg": map[string]string{"error": err.Error()}}); err != nil {
-					return err
-				}
+			return nil
+		}
+		if err != nil {
+			if errors.Is(err, nats.ErrSlowConsumer) {
+				continue // counted in Dropped, said at the end
+			}
+			return err
+		}
+		kind, v := decodeAny(strings.TrimPrefix(m.Subject, prefix), m.Data)
+		if cfg.SessionID != "" && !keepForSession(kind, m.Subject, v, cfg.SessionID, key, ids) {
+			continue
+		}
+		if err := enc.Encode(map[string]any{"subject": m.Subject, "kind": kind, "msg": v}); err != nil {
+			// A value JSON cannot hold (a NaN temperature): say so and go on.
+			if err := enc.Encode(map[string]any{"subject": m.Subject, "kind": "unprintable", "msg": map[string]string{"error": err.Error()}}); err != nil {
+				return err
 			}
 		}
 	}
 }
+
+// How far tap's output may fall behind the bus before messages are
+// dropped.
+const (
+	tapPendingMsgs  = 1 << 20
+	tapPendingBytes = 1 << 30
+)
 
 func keepForSession(kind, subject string, v any, sessionID, key string, ids map[string]bool) bool {
 	switch m := v.(type) {

@@ -10,6 +10,7 @@ import (
 	"path/filepath"
 	"slices"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -380,5 +381,66 @@ func TestTapNeedsTheAdminKey(t *testing.T) {
 	err = replay.Tap(ctx, replay.TapConfig{Conn: nc}, io.Discard)
 	if err == nil || !strings.Contains(err.Error(), "admin key") || ctx.Err() != nil {
 		t.Errorf("Tap with a worker key: %v (context %v); want an error naming the admin key, at once", err, ctx.Err())
+	}
+}
+
+// slowWriter is a terminal: each line takes 200 µs to show.
+type slowWriter struct {
+	mu sync.Mutex
+	b  strings.Builder
+}
+
+func (w *slowWriter) Write(p []byte) (int, error) {
+	time.Sleep(200 * time.Microsecond)
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	return w.b.Write(p)
+}
+
+func (w *slowWriter) lines() int {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	return strings.Count(w.b.String(), "\n")
+}
+
+// TestTapKeepsUpWithABurst: a burst on the bus faster than tap's output
+// is printed whole, late. Before, tap's channel held 4,096 messages and
+// the client dropped the rest of the burst (as a slow consumer), saying
+// nothing on stdout.
+func TestTapKeepsUpWithABurst(t *testing.T) {
+	srv := testenv.StartNATS(t)
+	pub := testenv.Connect(t, srv)
+	subj := messages.Subjects{Prefix: "taptest"}
+	w := &slowWriter{}
+	ctx, cancel := context.WithCancel(t.Context())
+	defer cancel()
+	done := make(chan error, 1)
+	go func() { done <- replay.Tap(ctx, replay.TapConfig{Conn: testenv.Connect(t, srv), Subjects: subj}, w) }()
+	hb, err := messages.Marshal(&messages.Heartbeat{Group: "g0", WorldSize: 1, Model: "m"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	testenv.Eventually(t, 5*time.Second, "tap subscribed", func() bool {
+		_ = pub.Publish(subj.Heartbeat("g0", 1), hb) // rank 1: not counted below
+		return w.lines() > 0
+	})
+	const n = 6000
+	for range n {
+		if err := pub.Publish(subj.Heartbeat("g0", 0), hb); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := pub.Flush(); err != nil {
+		t.Fatal(err)
+	}
+	count := func() int {
+		w.mu.Lock()
+		defer w.mu.Unlock()
+		return strings.Count(w.b.String(), `"subject":"taptest.hb.g0.0"`)
+	}
+	testenv.Eventually(t, 30*time.Second, "every message of the burst printed", func() bool { return count() == n })
+	cancel()
+	if err := <-done; err != nil {
+		t.Errorf("Tap: %v", err)
 	}
 }
