@@ -7,8 +7,6 @@ import (
 	"io"
 	"sort"
 	"time"
-
-	"github.com/kvbus/kvbus/messages"
 )
 
 // CaptureStats summarises a capture file.
@@ -56,8 +54,8 @@ func Stats(r io.Reader) (*CaptureStats, error) {
 		}
 		s.Requests++
 		s.Subjects[f.Subject]++
-		req, err := messages.DecodeRequest(f.Payload)
-		if err != nil {
+		req, err := decodeReplayable(f.Payload)
+		if err != nil { // left out of a replay too
 			s.Malformed++
 			continue
 		}

@@ -3,6 +3,7 @@ package replay
 import (
 	"bufio"
 	"bytes"
+	"cmp"
 	"encoding/csv"
 	"encoding/json"
 	"errors"
@@ -10,6 +11,7 @@ import (
 	"io"
 	"math"
 	"os"
+	"slices"
 	"sort"
 	"strconv"
 	"strings"
@@ -273,10 +275,7 @@ func readCaptureTrace(r io.Reader) (*Trace, error) {
 			t.Damage = append(t.Damage, fmt.Sprintf("the file is damaged from frame %d on (%v): the %d requests before it are kept", i, err, len(t.Items)))
 			break
 		}
-		req, err := messages.DecodeRequest(f.Payload)
-		if err == nil && len(req.PromptTokenIDs) == 0 {
-			err = fmt.Errorf("request %s has an empty prompt", req.RequestID)
-		}
+		req, err := decodeReplayable(f.Payload)
 		if err != nil {
 			if skipped++; skipped == 1 {
 				firstSkip = fmt.Sprintf("frame %d: %v", i, err)
@@ -340,8 +339,8 @@ func readMooncake(r io.Reader, tail *lastByteReader) (*Trace, error) {
 			return fmt.Errorf("%w: line %d: timestamp %g ms is over a year", ErrFormat, n, *m.Timestamp)
 		}
 		prompt := make([]uint32, 0, *m.InputLength)
-		for _, id := range m.HashIDs {
-			prompt = appendBlockTokens(prompt, uint64(id), MooncakeBlockTokens)
+		for _, id := range m.HashIDs { // the last block only as long as needed: no array grown past the prompt
+			prompt = appendBlockTokens(prompt, uint64(id), min(MooncakeBlockTokens, *m.InputLength-len(prompt)))
 		}
 		it := Item{
 			At:           time.Duration(*m.Timestamp * float64(time.Millisecond)),
@@ -472,6 +471,17 @@ func readTraceLab(r io.Reader, tail *lastByteReader) (*Trace, error) {
 	return t, nil
 }
 
+// decodeReplayable decodes a captured request a replay can send: one with
+// a prompt (Stats counts the others as malformed, as a replay leaves them
+// out).
+func decodeReplayable(payload []byte) (*messages.Request, error) {
+	req, err := messages.DecodeRequest(payload)
+	if err == nil && len(req.PromptTokenIDs) == 0 {
+		err = fmt.Errorf("request %s has an empty prompt", req.RequestID)
+	}
+	return req, err
+}
+
 // readAzure reads the Azure LLM inference trace CSV
 // (TIMESTAMP,ContextTokens,GeneratedTokens). It has no sessions and no
 // prefixes: every prompt is unique, so no sharing is invented.
@@ -484,7 +494,6 @@ func readAzure(r io.Reader, tail *lastByteReader) (*Trace, error) {
 		return nil, fmt.Errorf("%w: want the header TIMESTAMP,ContextTokens,GeneratedTokens", ErrFormat)
 	}
 	t := &Trace{}
-	var start time.Time
 	// record reads line n's record into t.
 	record := func(n int, rec []string, err error) error {
 		if err != nil {
@@ -492,6 +501,9 @@ func readAzure(r io.Reader, tail *lastByteReader) (*Trace, error) {
 				err = fmt.Errorf("%w: %w", errIncomplete, err)
 			}
 			return fmt.Errorf("%w: line %d: %w", ErrFormat, n, err)
+		}
+		if rec[1] == "" || rec[2] == "" { // a line cut after a comma, if it is the last
+			return fmt.Errorf("%w: %w: line %d: a token count is empty", ErrFormat, errIncomplete, n)
 		}
 		at, err := time.Parse("2006-01-02 15:04:05.9999999", rec[0])
 		if err != nil {
@@ -502,19 +514,18 @@ func readAzure(r io.Reader, tail *lastByteReader) (*Trace, error) {
 		if err1 != nil || err2 != nil || in < 1 || out < 0 || in > maxPromptTokens || out > maxPromptTokens {
 			return fmt.Errorf("%w: line %d: bad token counts %q, %q", ErrFormat, n, rec[1], rec[2])
 		}
-		if len(t.Items) == 0 {
-			start = at
-		}
 		prompt := make([]uint32, 0, in)
 		for b := uint64(0); len(prompt) < in; b++ {
 			prompt = appendBlockTokens(prompt, uint64(n)<<24|b|1<<63, min(MooncakeBlockTokens, in-len(prompt)))
 		}
-		t.Items = append(t.Items, Item{At: max(at.Sub(start), 0), Prompt: prompt, OutputTokens: out, OriginalID: "line-" + strconv.Itoa(n)})
+		// The absolute time for now: made relative to the earliest row
+		// below (the rows need not be in time order).
+		t.Items = append(t.Items, Item{At: time.Duration(at.UnixNano()), Prompt: prompt, OutputTokens: out, OriginalID: "line-" + strconv.Itoa(n)})
 		return nil
 	}
 	var pending error // the last record's error
 	pendingLine := 0
-	for n := 2; ; n++ {
+	for {
 		rec, err := cr.Read()
 		if errors.Is(err, io.EOF) {
 			break
@@ -522,6 +533,9 @@ func readAzure(r io.Reader, tail *lastByteReader) (*Trace, error) {
 		if pending != nil {
 			return nil, pending // a refused record that is not the last
 		}
+		// The file's own line (blank lines are skipped by the reader,
+		// not counted).
+		n, _ := cr.FieldPos(0)
 		if err := record(n, rec, err); err != nil {
 			pending, pendingLine = err, n
 		}
@@ -531,6 +545,12 @@ func readAzure(r io.Reader, tail *lastByteReader) (*Trace, error) {
 			return nil, pending
 		}
 		t.Damage = append(t.Damage, cutTail(pendingLine, pending))
+	}
+	if len(t.Items) > 0 {
+		start := slices.MinFunc(t.Items, func(a, b Item) int { return cmp.Compare(a.At, b.At) }).At
+		for i := range t.Items {
+			t.Items[i].At -= start
+		}
 	}
 	return t, nil
 }

@@ -155,6 +155,9 @@ func TestStatsAgreesWithReplay(t *testing.T) {
 		Frame{Time: t0.Add(time.Second), Subject: "kvbus.req.m", Payload: marshal(t, testRequest("r1", "s1", 10))},
 		Frame{Time: t0.Add(3 * time.Second), Subject: "kvbus.req.m", Payload: marshal(t, xargs)},
 		Frame{Time: t0, Subject: "kvbus.req.m", Payload: marshal(t, testRequest("r3", "s1", 5))},
+		// An empty prompt: a replay leaves it out, and so do the stats
+		// (it counted as a request, with a session of its own).
+		Frame{Time: t0.Add(2 * time.Second), Subject: "kvbus.req.m", Payload: marshal(t, testRequest("r4", "only-empty", 0))},
 	)
 	s, err := Stats(bytes.NewReader(data))
 	if err != nil {
@@ -166,6 +169,10 @@ func TestStatsAgreesWithReplay(t *testing.T) {
 	}
 	if s.Sessions != tr.Sessions() || s.Sessions != 2 {
 		t.Errorf("stats count %d sessions, a replay %d; want 2", s.Sessions, tr.Sessions())
+	}
+	if s.Requests-s.Malformed != len(tr.Items) || s.PromptTokens.Min != 5 {
+		t.Errorf("stats: %d requests, %d malformed, shortest prompt %d; a replay sends %d requests, the shortest of 5 tokens",
+			s.Requests, s.Malformed, s.PromptTokens.Min, len(tr.Items))
 	}
 	if s.Span != 3*time.Second || !s.First.Equal(t0) || !s.Last.Equal(t0.Add(3*time.Second)) {
 		t.Errorf("span %v from %v to %v, want 3s from the earliest frame to the latest", s.Span, s.First, s.Last)
