@@ -10,7 +10,6 @@ import (
 	"path/filepath"
 	"slices"
 	"strings"
-	"sync"
 	"testing"
 	"time"
 
@@ -384,23 +383,12 @@ func TestTapNeedsTheAdminKey(t *testing.T) {
 	}
 }
 
-// slowWriter is a terminal: each line takes 200 µs to show.
-type slowWriter struct {
-	mu sync.Mutex
-	b  strings.Builder
-}
+// slowWriter is a terminal: each write takes 200 µs to show.
+type slowWriter struct{ testenv.LogBuffer }
 
 func (w *slowWriter) Write(p []byte) (int, error) {
 	time.Sleep(200 * time.Microsecond)
-	w.mu.Lock()
-	defer w.mu.Unlock()
-	return w.b.Write(p)
-}
-
-func (w *slowWriter) lines() int {
-	w.mu.Lock()
-	defer w.mu.Unlock()
-	return strings.Count(w.b.String(), "\n")
+	return w.LogBuffer.Write(p)
 }
 
 // TestTapKeepsUpWithABurst: a burst on the bus faster than tap's output
@@ -422,7 +410,7 @@ func TestTapKeepsUpWithABurst(t *testing.T) {
 	}
 	testenv.Eventually(t, 5*time.Second, "tap subscribed", func() bool {
 		_ = pub.Publish(subj.Heartbeat("g0", 1), hb) // rank 1: not counted below
-		return w.lines() > 0
+		return w.String() != ""
 	})
 	const n = 6000
 	for range n {
@@ -433,12 +421,9 @@ func TestTapKeepsUpWithABurst(t *testing.T) {
 	if err := pub.Flush(); err != nil {
 		t.Fatal(err)
 	}
-	count := func() int {
-		w.mu.Lock()
-		defer w.mu.Unlock()
-		return strings.Count(w.b.String(), `"subject":"taptest.hb.g0.0"`)
-	}
-	testenv.Eventually(t, 30*time.Second, "every message of the burst printed", func() bool { return count() == n })
+	testenv.Eventually(t, 30*time.Second, "every message of the burst printed", func() bool {
+		return len(w.Lines(`"subject":"taptest.hb.g0.0"`)) == n
+	})
 	cancel()
 	if err := <-done; err != nil {
 		t.Errorf("Tap: %v", err)
