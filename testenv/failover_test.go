@@ -101,6 +101,9 @@ func TestGroupFailureWhileStreamingEndsWithAnError(t *testing.T) {
 		}
 		events = append(events, line)
 		if !killed && strings.Contains(line, `"content":" `) { // real text is streaming
+			// The observer's own connection may hear the ReqMeta after the
+			// answer began (a loaded CI host read none here).
+			testenv.Eventually(t, 5*time.Second, "the ReqMeta observed", func() bool { return len(metas.Messages()) > 0 })
 			meta, err := messages.DecodeReqMeta(metas.Messages()[0].Data)
 			if err != nil {
 				t.Fatal(err)
