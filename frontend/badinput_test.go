@@ -35,6 +35,9 @@ func TestBadInput(t *testing.T) {
 		{"vllm_xargs nested too deeply", "POST", "/v1/chat/completions", chat(`,"vllm_xargs":{"deep":` + strings.Repeat("[", 20) + "1" + strings.Repeat("]", 20) + `}`), nil, 400, "invalid_request_error", "vllm_xargs"},
 		{"kv_transfer_params nested too deeply", "POST", "/v1/chat/completions", chat(`,"kv_transfer_params":{"deep":` + strings.Repeat("[", 20) + "1" + strings.Repeat("]", 20) + `}`), nil, 400, "invalid_request_error", "kv_transfer_params"},
 		{"min_tokens above max_tokens", "POST", "/v1/chat/completions", chat(`,"max_tokens":4,"min_tokens":5`), nil, 400, "invalid_request_error", "min_tokens"},
+		// Above the default max_tokens (max_model_len less the prompt), as
+		// vLLM refuses it: it was accepted.
+		{"min_tokens above the default max_tokens", "POST", "/v1/chat/completions", chat(`,"min_tokens":9000`), nil, 400, "invalid_request_error", "min_tokens"},
 		{"max_tokens a string", "POST", "/v1/chat/completions", chat(`,"max_tokens":"ten"`), nil, 400, "invalid_request_error", "max_tokens"},
 		{"n above 1", "POST", "/v1/chat/completions", chat(`,"n":2`), nil, 400, "invalid_request_error", "n"},
 		{"empty messages", "POST", "/v1/chat/completions", `{"model":"` + c.Model + `","messages":[]}`, nil, 400, "invalid_request_error", "messages"},

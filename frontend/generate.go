@@ -391,6 +391,9 @@ func (s *Server) tokenize(ctx context.Context, p *parsedRequest) ([][]uint32, *A
 		if p.maxTokensSet && p.params.MaxTokens > maxLen-n { // not n+max_tokens: a huge max_tokens would wrap
 			return nil, badRequest(param, "This model's maximum context length is %d tokens. However, you requested %d tokens (%d in the %s, %d in the completion). Please reduce the length of the %s or completion.", maxLen, n+p.params.MaxTokens, n, param, p.params.MaxTokens, param)
 		}
+		if !p.maxTokensSet && p.params.MinTokens > maxLen-n { // above the default max_tokens (busRequest), as vLLM checks it
+			return nil, badRequest("min_tokens", "min_tokens must be less than or equal to max_tokens=%d, got %d.", maxLen-n, p.params.MinTokens)
+		}
 	}
 	return prompts, nil
 }
