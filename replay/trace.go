@@ -297,18 +297,22 @@ func readCaptureTrace(r io.Reader) (*Trace, error) {
 	if len(t.Items) == 0 && len(t.Damage) > 0 {
 		return nil, fmt.Errorf("%w: no request can be read from the capture: %s", ErrFormat, strings.Join(t.Damage, "; "))
 	}
-	// Times are relative to the earliest frame (frames of a live capture
-	// are in arrival order, not always in log order).
-	var first time.Duration
-	for j, it := range t.Items {
-		if j == 0 || it.At < first {
-			first = it.At
-		}
-	}
-	for j := range t.Items {
-		t.Items[j].At -= first
-	}
+	// Frames of a live capture are in arrival order, not always in log
+	// order.
+	fromEarliest(t.Items)
 	return t, nil
+}
+
+// fromEarliest makes the items' times, absolute as read, relative to the
+// earliest of them: a file's records need not be in time order.
+func fromEarliest(items []Item) {
+	if len(items) == 0 {
+		return
+	}
+	start := slices.MinFunc(items, func(a, b Item) int { return cmp.Compare(a.At, b.At) }).At
+	for i := range items {
+		items[i].At -= start
+	}
 }
 
 type mooncakeLine struct {
@@ -518,8 +522,7 @@ func readAzure(r io.Reader, tail *lastByteReader) (*Trace, error) {
 		for b := uint64(0); len(prompt) < in; b++ {
 			prompt = appendBlockTokens(prompt, uint64(n)<<24|b|1<<63, min(MooncakeBlockTokens, in-len(prompt)))
 		}
-		// The absolute time for now: made relative to the earliest row
-		// below (the rows need not be in time order).
+		// The absolute time for now (fromEarliest, below).
 		t.Items = append(t.Items, Item{At: time.Duration(at.UnixNano()), Prompt: prompt, OutputTokens: out, OriginalID: "line-" + strconv.Itoa(n)})
 		return nil
 	}
@@ -546,12 +549,7 @@ func readAzure(r io.Reader, tail *lastByteReader) (*Trace, error) {
 		}
 		t.Damage = append(t.Damage, cutTail(pendingLine, pending))
 	}
-	if len(t.Items) > 0 {
-		start := slices.MinFunc(t.Items, func(a, b Item) int { return cmp.Compare(a.At, b.At) }).At
-		for i := range t.Items {
-			t.Items[i].At -= start
-		}
-	}
+	fromEarliest(t.Items)
 	return t, nil
 }
 

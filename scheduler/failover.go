@@ -15,9 +15,13 @@ import (
 func (s *Scheduler) rescue(now time.Time) {
 	ready := s.groups.ready(now)
 	alive := s.groups.alive(now) // a draining group finishes its requests
+	sizes := make(map[string]int, len(alive))
+	for name := range alive {
+		sizes[name] = s.groups.worldSize(name)
+	}
 	restarts := s.groups.restarts()
 	movable, lost := s.trackers.stranded(func(t *RequestTracker) bool {
-		if !alive[t.Group] || s.groups.worldSize(t.Group) != t.WorldSize {
+		if !alive[t.Group] || sizes[t.Group] != t.WorldSize {
 			return true // gone, or formed again of other ranks: none has it
 		}
 		for r, rs := range restarts[t.Group] {
