@@ -17,6 +17,11 @@ import (
 // errAborted is the cancel cause of an aborted request.
 var errAborted = errors.New("request aborted")
 
+// errSuperseded is the cancel cause of an attempt replaced by a newer one
+// of the same request on this group: the newer attempt answers, and the
+// older one ends without a word to the frontend.
+var errSuperseded = errors.New("superseded by a newer attempt")
+
 // errShutdown is the cancel cause of a request still running when its
 // rank's ShutdownTimeout passed: the group stops (scaled down, restarted),
 // which is no failure of the model. The client hears it as a group that

@@ -107,6 +107,9 @@ func (r *Rank) drive(rr *rankReq) {
 			Status: engineErr.Status, Raw: engineErr.Body}})
 	case errors.Is(cause, errAborted):
 		// The client is gone; nobody is listening.
+	case errors.Is(cause, errSuperseded):
+		// A newer attempt runs here: the frontend follows it from its
+		// first output, and an error of this one would end the answer.
 	case errors.Is(cause, errShutdown):
 		// The group stops and this request outlived the drain. Its client
 		// saw nothing of it yet (no output before the prefill): the

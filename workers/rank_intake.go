@@ -2,7 +2,6 @@ package workers
 
 import (
 	"context"
-	"errors"
 	"fmt"
 	"time"
 
@@ -78,7 +77,7 @@ func (r *Rank) onMeta(_ context.Context, m *nats.Msg) error {
 		return nil
 	}
 	if old, ok := r.active[meta.ReqID]; ok { // a newer attempt replaces an old one
-		old.cancel(errors.New("superseded by a newer attempt"))
+		old.cancel(errSuperseded)
 	}
 	if seen { // an older attempt is remembered: this one replaces it
 		r.seen.Put(meta.ReqID, seenReq{attempt: meta.Attempt}, now)

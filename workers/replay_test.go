@@ -79,3 +79,41 @@ func TestResendFindsTheNewerAttempt(t *testing.T) {
 		t.Errorf("%d of %d streamed requests (attempt 1, ended well within --stream-replay's age): the driver could not send their outputs again", lost, n)
 	}
 }
+
+// TestSupersededAttemptSaysNothing: a request's attempt 1 comes to the
+// group running its attempt 0 (a scheduler replica placed it again). The
+// newer attempt answers; the older one is cancelled and must not end the
+// answer: a frontend follows attempt 0 until attempt 1's first output, and
+// an error of attempt 0 reaching it before then ended the client's answer
+// with engine_error ("superseded by a newer attempt") while attempt 1 ran
+// on for nobody.
+func TestSupersededAttemptSaysNothing(t *testing.T) {
+	env := startRanks(t, rankEnvConfig{saveWait: 300 * time.Millisecond})
+	blockLoadThread(t, env)
+	const n = 10
+	for i := range n {
+		for attempt := range 2 {
+			m := newMeta(fmt.Sprint("req-", i), fmt.Sprint("s", i), testenv.PromptTokens(10+i, 2*blockSize))
+			m.Stream, m.Attempt = true, attempt
+			env.sendMeta(m)
+		}
+	}
+	for i := range n {
+		id := fmt.Sprint("req-", i)
+		testenv.Eventually(t, waitFor, "attempt 1's final output of "+id, func() bool {
+			for _, o := range env.outputs(id) {
+				if o.Attempt == 1 && o.Final() {
+					return true
+				}
+			}
+			return false
+		})
+	}
+	for i := range n {
+		for _, o := range env.outputs(fmt.Sprint("req-", i)) {
+			if o.Attempt == 0 && o.Error != nil {
+				t.Errorf("req-%d: attempt 0, superseded, sent an error: %s: %s", i, o.Error.Code, o.Error.Message)
+			}
+		}
+	}
+}
