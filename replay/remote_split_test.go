@@ -8,6 +8,7 @@ import (
 	"strings"
 	"testing"
 
+	"github.com/kvbus/kvbus/messages"
 	"github.com/kvbus/kvbus/replay"
 	"github.com/kvbus/kvbus/testenv"
 )
@@ -133,5 +134,57 @@ func TestImpossibleUsageIsAFailure(t *testing.T) {
 		if !strings.Contains(cause, "cached tokens of a prompt of 512") {
 			t.Errorf("cause %q, want one naming the impossible usage", cause)
 		}
+	}
+}
+
+// TestAskedAgainKeepsItsGroupThroughHTTP: a request the frontend published
+// again (its answer lost on the bus: bus id "<X-Request-Id>-<id>-again1")
+// is reported with the group that answered it and the cached tokens it
+// read from other groups. Before, the report looked them up under
+// "<X-Request-Id>-<id>": the group was empty and the remote split unknown
+// for that request, after waiting a second for it.
+func TestAskedAgainKeepsItsGroupThroughHTTP(t *testing.T) {
+	srv := testenv.StartNATS(t)
+	nc := testenv.Connect(t, srv)
+	var subj messages.Subjects
+	engine := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		busID := r.Header.Get("X-Request-Id") + "-Xq7nuid-again1"
+		for _, m := range []struct {
+			subject string
+			msg     messages.Message
+		}{
+			{subj.Meta("g7", "s1"), &messages.ReqMeta{ReqID: busID, SessionID: "s1"}},
+			{subj.Out("fe1"), &messages.Output{ReqID: busID, FinishReason: "length",
+				Usage: &messages.Usage{PromptTokens: 512, CompletionTokens: 1, CachedTokens: 256, RemoteCachedTokens: 128}}},
+		} {
+			data, err := messages.Marshal(m.msg)
+			if err != nil {
+				t.Error(err)
+			}
+			if err := nc.Publish(m.subject, data); err != nil {
+				t.Error(err)
+			}
+		}
+		w.Header().Set("Content-Type", "text/event-stream")
+		fmt.Fprint(w, "data: {\"choices\":[{\"text\":\"a\"}]}\n\n")
+		fmt.Fprint(w, "data: {\"usage\":{\"prompt_tokens\":512,\"completion_tokens\":1,\"prompt_tokens_details\":{\"cached_tokens\":256}}}\n\n")
+		fmt.Fprint(w, "data: [DONE]\n\n")
+	}))
+	defer engine.Close()
+	tr, err := replay.ReadTrace(strings.NewReader(`{"timestamp": 0, "input_length": 512, "output_length": 1, "hash_ids": [1]}`+"\n"), replay.FormatMooncake)
+	if err != nil {
+		t.Fatal(err)
+	}
+	r, err := replay.New(replay.Config{Target: engine.URL, Conn: testenv.Connect(t, srv)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	results, _, err := r.Run(t.Context(), tr.Items)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if res := results[0]; res.Err != "" || res.Group != "g7" || res.RemoteUnknown || res.RemoteTokens != 128 {
+		t.Fatalf("result: err %q, group %q, remote tokens %d (unknown %v); want group g7 and 128 remote tokens",
+			res.Err, res.Group, res.RemoteTokens, res.RemoteUnknown)
 	}
 }

@@ -313,9 +313,8 @@ func (r *Replayer) subscribe(ctx context.Context) ([]*nats.Subscription, error) 
 		if len(parts) >= 4 && id != "" {
 			r.mu.Lock()
 			r.groups[id] = parts[len(parts)-2]
-			// Through HTTP, the frontend suffixes the client's X-Request-Id.
-			if i := strings.LastIndexByte(id, '-'); i > 0 {
-				r.groups[id[:i]] = parts[len(parts)-2]
+			if client := clientRequestID(id); client != "" {
+				r.groups[client] = parts[len(parts)-2]
 			}
 			r.mu.Unlock()
 		}
@@ -342,9 +341,8 @@ func (r *Replayer) subscribe(ctx context.Context) ([]*nats.Subscription, error) 
 			}
 			r.mu.Lock()
 			r.remote[id] = u.RemoteCachedTokens
-			// The frontend suffixes the client's X-Request-Id.
-			if i := strings.LastIndexByte(id, '-'); i > 0 {
-				r.remote[id[:i]] = u.RemoteCachedTokens
+			if client := clientRequestID(id); client != "" {
+				r.remote[client] = u.RemoteCachedTokens
 			}
 			r.mu.Unlock()
 		})
@@ -414,6 +412,29 @@ func usageOf(data []byte) (string, *messages.Usage) {
 		return "", nil
 	}
 	return m.ReqID, m.Usage
+}
+
+// clientRequestID is the X-Request-Id a frontend's bus request id was made
+// from ("" if none): the frontend suffixes it with "-" and an id of its
+// own, and a request it publishes again (its answer lost on the bus) with
+// "-again" and a count besides.
+func clientRequestID(busID string) string {
+	if i := strings.LastIndex(busID, "-again"); i > 0 && isDigits(busID[i+len("-again"):]) {
+		busID = busID[:i]
+	}
+	if i := strings.LastIndexByte(busID, '-'); i > 0 {
+		return busID[:i]
+	}
+	return ""
+}
+
+func isDigits(s string) bool {
+	for _, c := range []byte(s) {
+		if c < '0' || c > '9' {
+			return false
+		}
+	}
+	return s != ""
 }
 
 // reqIDOf reads req_id from a ReqMeta without decoding its token ids.
