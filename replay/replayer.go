@@ -95,9 +95,10 @@ type Replayer struct {
 }
 
 type pendingReq struct {
-	res  *Result
-	done chan struct{}
-	got  bool
+	res     *Result
+	done    chan struct{}
+	got     bool // an output came
+	attempt int  // the newest attempt heard
 }
 
 // New checks the configuration and prepares the target.
@@ -463,6 +464,19 @@ func (r *Replayer) onOutput(m *nats.Msg) {
 		r.mu.Unlock()
 		return
 	}
+	switch {
+	case o.Attempt < p.attempt:
+		// Of an attempt given up (its group failed; a newer one superseded
+		// it, and may end it with an error): a frontend drops it too.
+		r.mu.Unlock()
+		return
+	case o.Attempt > p.attempt && p.got && o.Error == nil:
+		// Moved after its answer began: a frontend cannot splice the new
+		// attempt into what its client has, and ends the answer so.
+		o = &messages.Output{ReqID: o.ReqID, Attempt: o.Attempt, Error: &messages.OutputError{Code: "group_failed",
+			Message: "the request moved to another worker group after its answer had begun"}}
+	}
+	p.attempt = o.Attempt
 	if !p.got {
 		p.got = true
 		p.res.TTFT = now.Sub(p.res.Sent)
