@@ -598,3 +598,31 @@ func TestContinuousUsageCountsEachChunk(t *testing.T) {
 		}
 	}
 }
+
+// TestCompletionNullMaxTokensIsTheRestOfTheContext: a completion's
+// max_tokens left out is 16, as vLLM's; null (openai-python's
+// max_tokens=None) is, as in vLLM, the rest of the context
+// (--max-model-len less the prompt), not 16.
+func TestCompletionNullMaxTokensIsTheRestOfTheContext(t *testing.T) {
+	t.Parallel()
+	c := testenv.StartCluster(t, testenv.ClusterConfig{MaxModelLen: 64})
+	for _, tt := range []struct {
+		name, field string
+		rest        bool // want the rest of the context, not 16
+	}{{"absent", ``, false}, {"null", `"max_tokens":null,`, true}} {
+		body := `{"model":"` + c.Model + `",` + tt.field + `"ignore_eos":true,"prompt":"hi there"}`
+		r := do(t, c, http.MethodPost, "/v1/completions", body, nil)
+		if r.status != http.StatusOK {
+			t.Fatalf("%s: status %d: %s", tt.name, r.status, r.body)
+		}
+		m := decode(t, r.body)
+		prompt, completion := path(t, m, "usage", "prompt_tokens").(float64), path(t, m, "usage", "completion_tokens").(float64)
+		want := 16.0
+		if tt.rest {
+			want = 64 - prompt
+		}
+		if completion != want {
+			t.Errorf("max_tokens %s: completion_tokens %v, want %v (prompt %v, max_model_len 64)", tt.name, completion, want, prompt)
+		}
+	}
+}
