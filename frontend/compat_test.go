@@ -626,3 +626,24 @@ func TestCompletionNullMaxTokensIsTheRestOfTheContext(t *testing.T) {
 		}
 	}
 }
+
+// TestChatMaxCompletionTokensReplacesMaxTokens: with max_completion_tokens
+// given, vLLM does not read max_tokens, so a max_tokens it would refuse
+// alone (0) beside it is no 400; the answer is max_completion_tokens long.
+func TestChatMaxCompletionTokensReplacesMaxTokens(t *testing.T) {
+	t.Parallel()
+	c := testenv.StartCluster(t, testenv.ClusterConfig{})
+	body := `{"model":"` + c.Model + `","messages":[{"role":"user","content":"hi"}],"max_tokens":0,"max_completion_tokens":3,"ignore_eos":true}`
+	r := do(t, c, http.MethodPost, "/v1/chat/completions", body, nil)
+	if r.status != http.StatusOK {
+		t.Fatalf("status %d, want 200: %s", r.status, r.body)
+	}
+	if got := path(t, decode(t, r.body), "usage", "completion_tokens"); got != 3.0 {
+		t.Errorf("completion_tokens %v, want 3", got)
+	}
+	// max_tokens alone is still checked.
+	r = do(t, c, http.MethodPost, "/v1/chat/completions", chatBody(c.Model, "hi", `,"max_tokens":0`), nil)
+	if r.status != http.StatusBadRequest {
+		t.Errorf("max_tokens 0 alone: status %d, want 400: %s", r.status, r.body)
+	}
+}

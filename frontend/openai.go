@@ -486,6 +486,11 @@ func parseChat(body []byte, o parseOptions) (*parsedRequest, *APIError) {
 		return nil, err
 	}
 	p := &parsedRequest{endpoint: messages.EndpointChat, body: body}
+	if req.MaxCompletionTokens != nil {
+		// vLLM reads max_tokens only without max_completion_tokens: an
+		// SDK's max_tokens 0 beside it is not the request's limit.
+		req.MaxTokens = optionalInt{}
+	}
 	if err := parseCommon(&req.commonParams, p, o); err != nil {
 		return p, err
 	}
