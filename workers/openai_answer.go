@@ -115,9 +115,11 @@ func (e *OpenAIEngine) readStream(ctx context.Context, c *engineCall, r io.Reade
 			return res, fmt.Errorf("workers: engine stream chunk is not JSON: %w", err)
 		}
 		if len(a.Error) > 0 && string(a.Error) != "null" {
-			// vLLM reports an error inside a started stream as a data chunk
-			// {"error": {...}} (serving_engine.py create_streaming_error_response).
-			return res, &EngineError{Status: http.StatusInternalServerError, Body: bytes.Clone(data)}
+			// vLLM reports an error inside a stream as a data chunk
+			// {"error": {..., "code": status}} (serving_engine.py
+			// create_streaming_error_response, 400 unless told otherwise):
+			// a request's validation error comes so, before any output.
+			return res, &EngineError{Status: streamErrorStatus(a.Error), Body: bytes.Clone(data)}
 		}
 		text := a.apply(&res)
 		if !c.started {
@@ -148,4 +150,18 @@ func (e *OpenAIEngine) readStream(ctx context.Context, c *engineCall, r io.Reade
 		return res, fmt.Errorf("%w: stream ended before any output: %v", ErrEngineUnavailable, err)
 	}
 	return res, fmt.Errorf("workers: the engine's stream broke off: %w", err)
+}
+
+// streamErrorStatus is the HTTP status an error event of a stream names in
+// its "code" (vLLM's), or 500 when it names none.
+func streamErrorStatus(raw json.RawMessage) int {
+	var e struct {
+		Code any `json:"code"`
+	}
+	if json.Unmarshal(raw, &e) == nil {
+		if code, ok := e.Code.(float64); ok && code >= 400 && code < 600 && code == float64(int(code)) {
+			return int(code)
+		}
+	}
+	return http.StatusInternalServerError
 }

@@ -318,3 +318,47 @@ func TestOpenAIWatchHealthToleratesSlowAndFailedPolls(t *testing.T) {
 		awaitHealth(t, watchHealth(t, e), false)
 	})
 }
+
+// TestOpenAIGenerateStreamErrorChunkKeepsItsStatus proves that an error
+// event inside a stream (vLLM's create_streaming_error_response, a 200
+// stream whose data is {"error": {..., "code": 400}}) is relayed with the
+// status its code names, and 500 only when it names none: vLLM raises a
+// request's validation errors inside the stream generator, before any
+// output, with code 400. It failed before: every error chunk was a 500,
+// which the OpenAI SDKs retry (twice by default) and which counted as the
+// server's failure, for a request the engine refused as invalid.
+func TestOpenAIGenerateStreamErrorChunkKeepsItsStatus(t *testing.T) {
+	t.Parallel()
+	for _, tt := range []struct {
+		name   string
+		chunk  string
+		status int
+	}{
+		{"code 400", `{"error":{"message":"max_tokens is too large","type":"BadRequestError","param":null,"code":400}}`, 400},
+		{"code 503", `{"error":{"message":"overloaded","type":"ServiceUnavailableError","code":503}}`, 503},
+		{"no code", `{"error":{"message":"EngineCore died","type":"InternalServerError"}}`, 500},
+		{"code not a status", `{"error":{"message":"x","type":"X","code":"bad_request"}}`, 500},
+		{"code out of range", `{"error":{"message":"x","type":"X","code":200}}`, 500},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			t.Parallel()
+			stub := newStubEngine(t, func(w http.ResponseWriter, r *http.Request, n int) {
+				w.Header().Set("Content-Type", "text/event-stream")
+				sse(w, "data: "+tt.chunk, "", "data: [DONE]", "")
+			})
+			e := healthyOpenAI(t, OpenAIConfig{URL: stub.URL})
+			_, err := e.Generate(t.Context(), EngineRequest{ReqID: "r", Endpoint: messages.EndpointChat, Body: []byte(`{"stream":true}`)},
+				nil, func(Chunk) error { return nil })
+			var ee *EngineError
+			if !errors.As(err, &ee) || errors.Is(err, ErrEngineUnavailable) {
+				t.Fatalf("error %v, want an *EngineError", err)
+			}
+			if ee.Status != tt.status || string(ee.Body) != tt.chunk {
+				t.Errorf("*EngineError{%d, %s}, want {%d, %s}", ee.Status, ee.Body, tt.status, tt.chunk)
+			}
+			if n := len(stub.requests()); n != 1 {
+				t.Errorf("engine got %d requests, want 1", n)
+			}
+		})
+	}
+}
