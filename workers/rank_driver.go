@@ -63,7 +63,11 @@ func (r *Rank) drive(rr *rankReq) {
 			last = &c // sent with the finish reason below
 			return nil
 		}
-		publish(&messages.Output{Text: c.Text, TokenIDs: c.TokenIDs, Raw: c.Raw})
+		o := &messages.Output{Text: c.Text, TokenIDs: c.TokenIDs, Raw: c.Raw}
+		if err := r.fitsBus(o); err != nil {
+			return err // the generation ends with it, and the client hears why
+		}
+		publish(o)
 		return nil
 	})
 	// The prompt's blocks are stored (and their KV events published) before
@@ -137,4 +141,19 @@ func (r *Rank) drive(rr *rankReq) {
 		rr.result.Error, rr.result.ErrorCode = err.Error(), rankErrCode(context.Cause(rr.ctx), err)
 	}
 	r.report(rr)
+}
+
+// outputRoom is what an Output's ids, index and attempt (set by publish)
+// and NATS's protocol line take besides the fields fitsBus measures.
+const outputRoom = 1 << 10
+
+// fitsBus reports an error when o is too large for the NATS server's max
+// payload: publishing it would fail, the client would miss that part of
+// its answer, and the frontend would ask for the whole request again.
+func (r *Rank) fitsBus(o *messages.Output) error {
+	limit := r.cfg.Conn.MaxPayload()
+	if n := int64(o.Msgsize()) + outputRoom; limit > 0 && n > limit {
+		return fmt.Errorf("workers: an output of the engine's answer takes %d bytes on the bus, above the NATS server's max payload of %d bytes (raise the server's max_payload, or ask for less: fewer choices or logprobs, or stream)", n, limit)
+	}
+	return nil
 }

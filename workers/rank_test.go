@@ -102,6 +102,9 @@ type rankEnvConfig struct {
 	delayFirstMeta map[int]time.Duration
 	// queueSize is every rank's QueueSize (0: default).
 	queueSize int
+	// customEngine, if set, is every rank's Engine instead of a sim of
+	// engine.
+	customEngine workers.Engine
 }
 
 func startRanks(t *testing.T, cfg rankEnvConfig) *rankEnv {
@@ -125,9 +128,11 @@ func startRanks(t *testing.T, cfg rankEnvConfig) *rankEnv {
 	if err != nil {
 		t.Fatal(err)
 	}
-	engine, err := workers.NewSimEngine(cfg.engine)
-	if err != nil {
-		t.Fatal(err)
+	var engine workers.Engine = cfg.customEngine
+	if engine == nil {
+		if engine, err = workers.NewSimEngine(cfg.engine); err != nil {
+			t.Fatal(err)
+		}
 	}
 	log := slog.New(slog.NewTextHandler(e.logs, nil))
 	metrics, hm := workers.NewMetrics(e.reg), bus.NewHandlerMetrics(e.reg)
@@ -1250,5 +1255,40 @@ func TestLoadWaitsForTheSaverAfterAnAbortedOne(t *testing.T) {
 		if r.TPRank == 1 && r.StoredBlocks != 0 {
 			t.Errorf("rank 1 stored %d blocks of the aborted turn-1a; want 0 (the abort came too late to test anything)", r.StoredBlocks)
 		}
+	}
+}
+
+// bigAnswerEngine answers every request with one chunk whose raw JSON (a
+// model server's answer) is size bytes of text.
+type bigAnswerEngine struct{ size int }
+
+func (e bigAnswerEngine) Generate(ctx context.Context, req workers.EngineRequest, prefilled func(), emit func(workers.Chunk) error) (workers.EngineResult, error) {
+	if prefilled != nil {
+		prefilled()
+	}
+	raw := `{"choices":[{"index":0,"text":"` + strings.Repeat("x", e.size) + `","finish_reason":"stop"}]}`
+	if err := emit(workers.Chunk{Text: "x", Raw: []byte(raw)}); err != nil {
+		return workers.EngineResult{}, err
+	}
+	return workers.EngineResult{FinishReason: workers.FinishStop, CompletionTokens: 1}, nil
+}
+
+// TestDriverEndsAnAnswerTooLargeForTheBus proves that an engine's answer
+// (or chunk) above the NATS server's max payload ends the request with an
+// error naming the limit, in order on the output stream. It failed before:
+// its publish failed and was only logged, the output stream skipped an
+// index, and the frontend, taking the answer for lost on the bus, had the
+// engine run the whole request again, up to three times, before the client
+// got output_lost.
+func TestDriverEndsAnAnswerTooLargeForTheBus(t *testing.T) {
+	srvLimit := int(testenv.Connect(t, testenv.StartNATS(t)).MaxPayload())
+	env := startRanks(t, rankEnvConfig{customEngine: bigAnswerEngine{size: srvLimit}})
+	env.sendMeta(newMeta("big", "sess", testenv.PromptTokens(1, 40)))
+	final := env.finalOutput("big")
+	if final.Index != 0 || final.Error == nil || final.Error.Code != "engine_error" || !strings.Contains(final.Error.Message, "max payload") {
+		t.Fatalf("final output %+v (error %+v), want output 0 ending with an engine_error naming the bus's max payload", final, final.Error)
+	}
+	if n := len(env.logs.Lines("publish failed")); n != 0 {
+		t.Errorf("%d publishes failed", n)
 	}
 }
