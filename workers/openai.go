@@ -227,7 +227,8 @@ func (e *OpenAIEngine) authorize(h http.Header) {
 // called with the first chunk.
 //
 // A request the engine did not take (unreachable, a 5xx, a stream that
-// ended before any output) asks /health whether the engine is down:
+// ended before any output or whose first event is an error of a 5xx)
+// asks /health whether the engine is down:
 //   - /health passes and the engine answered 5xx: the error is the
 //     request's own; it is returned at once as the engine's *EngineError
 //     (vLLM answers its client so), and the engine's health stays;

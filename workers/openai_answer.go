@@ -119,7 +119,13 @@ func (e *OpenAIEngine) readStream(ctx context.Context, c *engineCall, r io.Reade
 			// {"error": {..., "code": status}} (serving_engine.py
 			// create_streaming_error_response, 400 unless told otherwise):
 			// a request's validation error comes so, before any output.
-			return res, &EngineError{Status: streamErrorStatus(a.Error), Body: bytes.Clone(data)}
+			ee := &EngineError{Status: streamErrorStatus(a.Error), Body: bytes.Clone(data)}
+			if !c.started && ee.Status >= 500 {
+				// Before any output it is a 5xx answer (an engine core
+				// that died answers so): Generate asks /health.
+				return res, fmt.Errorf("%w: POST %s: %w", ErrEngineUnavailable, c.path, ee)
+			}
+			return res, ee
 		}
 		text := a.apply(&res)
 		if !c.started {

@@ -720,6 +720,10 @@ func TestOpenAIGenerateRetriesWhenUnavailable(t *testing.T) {
 			w.WriteHeader(http.StatusInternalServerError)
 			_, _ = io.WriteString(w, `{"error":{"message":"EngineCore encountered an issue.","type":"InternalServerError","code":500}}`)
 		}, true},
+		{"500 error event before any output, engine down", func(w http.ResponseWriter, r *http.Request) {
+			w.Header().Set("Content-Type", "text/event-stream")
+			sse(w, `data: {"error":{"message":"EngineCore encountered an issue.","type":"InternalServerError","code":500}}`, "", "data: [DONE]", "")
+		}, true},
 		{"connection dropped, engine down", func(w http.ResponseWriter, r *http.Request) {
 			conn, _, err := http.NewResponseController(w).Hijack()
 			if err == nil {
