@@ -107,8 +107,16 @@ func (r *Rank) drive(rr *rankReq) {
 		// The engine refused the request (a field it does not take, a
 		// prompt too long) or failed it (a 5xx while its /health passes):
 		// the client gets the engine's own answer.
-		publish(&messages.Output{Usage: usage, Error: &messages.OutputError{Code: "engine_error", Message: engineErr.Error(),
-			Status: engineErr.Status, Raw: engineErr.Body}})
+		o := &messages.Output{Usage: usage, Error: &messages.OutputError{Code: "engine_error", Message: engineErr.Error(),
+			Status: engineErr.Status, Raw: engineErr.Body}}
+		if err := r.fitsBus(o); err != nil {
+			// The client gets the engine's status and message, not its
+			// whole body (a validation error may echo a huge input).
+			r.log.Warn("the engine's error body is too large for the bus: the client gets its status and message only",
+				"req_id", meta.ReqID, "session_id", meta.SessionID, "err", err)
+			o.Error.Raw = nil
+		}
+		publish(o)
 	case errors.Is(cause, errAborted):
 		// The client is gone; nobody is listening.
 	case errors.Is(cause, errSuperseded):

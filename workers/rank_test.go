@@ -1292,3 +1292,28 @@ func TestDriverEndsAnAnswerTooLargeForTheBus(t *testing.T) {
 		t.Errorf("%d publishes failed", n)
 	}
 }
+
+// bigErrorEngine refuses every request with an *EngineError whose body is
+// size bytes.
+type bigErrorEngine struct{ size int }
+
+func (e bigErrorEngine) Generate(context.Context, workers.EngineRequest, func(), func(workers.Chunk) error) (workers.EngineResult, error) {
+	body := `{"error":{"message":"Input should be a valid string","type":"BadRequestError","code":400,"input":"` + strings.Repeat("x", e.size) + `"}}`
+	return workers.EngineResult{}, &workers.EngineError{Status: 400, Body: []byte(body)}
+}
+
+// TestDriverRelaysAnEngineErrorTooLargeForTheBus proves that an engine's
+// error whose body is above the NATS server's max payload (a validation
+// error echoing a huge input) still ends the request, with the engine's
+// status and message. It failed before: its publish failed and was only
+// logged, and the client waited for --request-timeout.
+func TestDriverRelaysAnEngineErrorTooLargeForTheBus(t *testing.T) {
+	srvLimit := int(testenv.Connect(t, testenv.StartNATS(t)).MaxPayload())
+	env := startRanks(t, rankEnvConfig{customEngine: bigErrorEngine{size: srvLimit}})
+	env.sendMeta(newMeta("bigerr", "sess", testenv.PromptTokens(1, 40)))
+	final := env.finalOutput("bigerr")
+	if final.Index != 0 || final.Error == nil || final.Error.Code != "engine_error" || final.Error.Status != 400 ||
+		!strings.Contains(final.Error.Message, "Input should be a valid string") || len(final.Error.Raw) != 0 {
+		t.Fatalf("final output %+v (error %+v), want output 0 ending with the engine's 400 and message, without its body", final, final.Error)
+	}
+}
