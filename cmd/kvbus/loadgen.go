@@ -157,13 +157,20 @@ func (c *loadgenCmd) report(out io.Writer, r loadResult) error {
 	return nil
 }
 
-// statusError is a request the server answered with another status than 200.
+// statusError is a request the server answered with another status than
+// 200, or a 200 stream it ended with an error event (inStream).
 type statusError struct {
-	code int
-	msg  string
+	code     int
+	msg      string
+	inStream bool
 }
 
-func (e *statusError) Error() string { return fmt.Sprintf("status %d: %s", e.code, e.msg) }
+func (e *statusError) Error() string {
+	if e.inStream {
+		return "error event in the stream: " + e.msg
+	}
+	return fmt.Sprintf("status %d: %s", e.code, e.msg)
+}
 
 // measure runs the load and returns what it measured.
 func (c *loadgenCmd) measure(ctx context.Context) (loadResult, error) {
@@ -286,10 +293,17 @@ func (c *loadgenCmd) once(ctx context.Context, client *http.Client, url string, 
 		_, err = io.Copy(io.Discard, resp.Body)
 		return err
 	}
+	// A stream that failed after it began ends with an error event
+	// (data: {"error": …}), then [DONE]: the request failed.
+	var streamErr error
 	sc := bufio.NewScanner(resp.Body)
 	for sc.Scan() {
-		if sc.Text() == "data: [DONE]" {
-			return nil
+		line := sc.Bytes()
+		if bytes.HasPrefix(line, []byte(`data: {"error"`)) && streamErr == nil {
+			streamErr = &statusError{code: resp.StatusCode, msg: strings.TrimSpace(string(line[len("data: "):])), inStream: true}
+		}
+		if string(line) == "data: [DONE]" {
+			return streamErr
 		}
 	}
 	if err := sc.Err(); err != nil {

@@ -249,3 +249,31 @@ func TestLoadgenLetsRequestsInFlightFinish(t *testing.T) {
 		}
 	}
 }
+
+// TestLoadgenCountsErrorEventsInAStream: a stream the server ended with an
+// error event (a group that failed after the first chunk: 200, then
+// data: {"error":…}, then [DONE]) is an error, as the frontend counts it
+// (kvbus_frontend_requests_total under the error's status); loadgen
+// counted it answered, and a run where every stream failed printed a full
+// req/s and exited 0.
+func TestLoadgenCountsErrorEventsInAStream(t *testing.T) {
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, _ *http.Request) {
+		w.Header().Set("Content-Type", "text/event-stream")
+		_, _ = io.WriteString(w, "data: {\"choices\":[{\"index\":0,\"delta\":{\"content\":\"hi\"}}]}\n\n"+
+			"data: {\"error\":{\"message\":\"the group failed\",\"type\":\"server_error\",\"code\":\"group_failed\"}}\n\n"+
+			"data: [DONE]\n\n")
+	}))
+	defer srv.Close()
+	lg := &loadgenCmd{URLs: []string{srv.URL}, Concurrency: 1, Duration: 200 * time.Millisecond, Grace: time.Second, Stream: true,
+		Model: "m", MaxTokens: 4, Prompt: "hello", out: io.Discard}
+	r, err := lg.measure(t.Context())
+	if err != nil {
+		t.Fatal(err)
+	}
+	if r.Requests != 0 || r.Errors < 1 || !strings.Contains(r.FirstError, "group_failed") {
+		t.Errorf("loadgen %+v; want every stream counted an error, the first naming group_failed", r)
+	}
+	if err := lg.Run(t.Context()); err == nil || !strings.Contains(err.Error(), "no request succeeded") {
+		t.Errorf("Run = %v; want it to fail: no stream succeeded", err)
+	}
+}
