@@ -212,6 +212,7 @@ func (c *loadgenCmd) measure(ctx context.Context) (loadResult, error) {
 		latencies []time.Duration
 		errs, cut int
 		firstErr  error
+		lastEnd   time.Time // the end of the last request counted
 		wg        sync.WaitGroup
 	)
 	start := time.Now()
@@ -226,6 +227,9 @@ func (c *loadgenCmd) measure(ctx context.Context) (loadResult, error) {
 				var se *statusError
 				cancelled := err != nil && inflight.Err() != nil && !errors.As(err, &se)
 				mu.Lock()
+				if !cancelled {
+					lastEnd = t0.Add(d)
+				}
 				switch {
 				case cancelled:
 					cut++
@@ -256,7 +260,12 @@ func (c *loadgenCmd) measure(ctx context.Context) (loadResult, error) {
 		})
 	}
 	wg.Wait()
+	// The window ends with the last request counted: the requests cut at
+	// the end of --grace are not, and neither is the wait for them.
 	elapsed := time.Since(start)
+	if !lastEnd.IsZero() {
+		elapsed = lastEnd.Sub(start)
+	}
 	cancelInflight()
 	<-graceOver
 	slices.Sort(latencies)

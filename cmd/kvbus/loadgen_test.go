@@ -277,3 +277,32 @@ func TestLoadgenCountsErrorEventsInAStream(t *testing.T) {
 		t.Errorf("Run = %v; want it to fail: no stream succeeded", err)
 	}
 }
+
+// TestLoadgenWindowEndsWithTheLastCountedRequest: the measured window ends
+// with the last request counted, not with the grace that cut one that
+// never ended: a server that hangs on one request made a 0.3 s run report
+// 1.3 s, and req/s a quarter of what was served.
+func TestLoadgenWindowEndsWithTheLastCountedRequest(t *testing.T) {
+	var n atomic.Int64
+	release := make(chan struct{})
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if n.Add(1) == 1 { // the first request never ends: it is cut
+			select {
+			case <-r.Context().Done():
+			case <-release:
+			}
+			return
+		}
+		_, _ = w.Write([]byte(`{"choices":[]}`))
+	}))
+	defer srv.Close()
+	defer close(release)
+	lg := &loadgenCmd{URLs: []string{srv.URL}, Concurrency: 2, Duration: 300 * time.Millisecond, Grace: time.Second, Model: "m", MaxTokens: 4, Prompt: "hello"}
+	r, err := lg.measure(t.Context())
+	if err != nil {
+		t.Fatal(err)
+	}
+	if r.Cut != 1 || r.Requests < 1 || r.Seconds < 0.25 || r.Seconds > 0.8 || math.Abs(r.RPS-float64(r.Requests)/r.Seconds) > 1e-9 {
+		t.Errorf("loadgen %+v; want 1 cut and the window to end with the last request served (~0.3 s), not the grace (1.3 s)", r)
+	}
+}
