@@ -40,6 +40,8 @@ func TestNumberFlags(t *testing.T) {
 		{[]string{"frontend", "--max-body-bytes=0"}, "--max-body-bytes"},
 		{[]string{"frontend", "--max-inflight=-1"}, "--max-inflight"},
 		{[]string{"frontend", "--request-log-max-age=-1s"}, "--request-log-max-age"},
+		{[]string{"frontend", "--request-log-max-bytes=0"}, "--request-log-max-bytes"}, // served 1 GiB
+		{[]string{"scheduler", "--request-log-max-age=0"}, "--request-log-max-age"},    // served 24h
 		{[]string{"bench", "--trace=numbers_test.go", "--groups=0"}, "--groups"},
 		{[]string{"replay", "--target=http://127.0.0.1:1", "numbers_test.go", "--limit=-5"}, "--limit"},
 		{[]string{"worker", "--group=g0", "--slot-ttl=0"}, "--slot-ttl"},
