@@ -72,6 +72,12 @@ func main() {
 		kong.DefaultEnvars("KVBUS"),
 		kong.ShortUsageOnError(), // the full usage buried a one-line error under 80 lines
 	)
+	// SIGHUP (the terminal closed) stops a role as SIGTERM does, where
+	// Go's default killed it on the spot; kvbus nats reloads on it
+	// instead, and under nohup it stays ignored.
+	if (kctx.Selected() == nil || kctx.Selected().Name != "nats") && !signal.Ignored(syscall.SIGHUP) {
+		signal.Notify(sigs, syscall.SIGHUP)
+	}
 	err = kctx.Run()
 	_ = sink.Close()
 	if err != nil {

@@ -311,3 +311,28 @@ func TestProcessServeStopTimeout(t *testing.T) {
 		t.Errorf("serve after SIGTERM: exited %v, code %d; want 0", ok, code)
 	}
 }
+
+// TestProcessServeSIGHUPStopsGracefully: SIGHUP (the terminal of `kvbus
+// serve` closed, an ssh session ended) stops serve as SIGTERM does: it
+// says so, finishes what it accepted, flushes its log and removes its
+// temporary store, and exits 0. Go's default killed it on the spot: the
+// requests in flight were cut, the last log lines lost, and nothing said
+// why it was gone. (`kvbus nats` reloads on SIGHUP instead.)
+func TestProcessServeSIGHUPStopsGracefully(t *testing.T) {
+	if testing.Short() {
+		t.Skip("builds and runs the binary")
+	}
+	dir := t.TempDir()
+	bin := buildBinary(t, dir)
+	httpAddr := freeAddr(t)
+	p := startProc(t, bin, dir, "serve", "serve", "--nats-addr", freeAddr(t), "--http-addr", httpAddr, "--groups", "1", "--ranks", "1",
+		"--kv-capacity", "64MiB")
+	base := "http://" + httpAddr
+	testenv.Eventually(t, 60*time.Second, "/health 200", func() bool { return healthz(base+"/health") == http.StatusOK })
+	p.signal(t, syscall.SIGHUP)
+	code, ok := p.exitWithin(30 * time.Second)
+	if !ok || code != 0 {
+		t.Fatalf("after SIGHUP: exited %v, code %d; want a graceful stop, exit 0", ok, code)
+	}
+	p.logged(t, time.Second, "SIGHUP: stopping")
+}
