@@ -293,6 +293,49 @@ func TestWatcherSortsAbortsByReason(t *testing.T) {
 	}
 }
 
+// TestWatcherFollowsRequestsAskedAgain: a request the frontend publishes
+// again because its answer was lost on the bus (Request.again_of) is the
+// same turn of its session, and the copies it gives up (aborted "asked
+// again as", "a copy of it answered first") are not failures: the client
+// got its answer. Top counted each copy given up as failed and each copy
+// as one more turn, so one lost answer showed a failure and moved the
+// session's later turns a depth down.
+func TestWatcherFollowsRequestsAskedAgain(t *testing.T) {
+	b := startWatcher(t, top.Config{})
+	now := time.Now()
+	b.request("t1", "s", now)
+	b.finish("t1", 100, 0)
+	// Turn 2's answer is lost: asked again, the lost copy given up.
+	b.request("t2", "s", now)
+	b.publish(b.s.Request("m"), &messages.Request{RequestID: "t2-again1", AgainOf: "t2", FrontendID: "fe", SessionID: "s", Model: "m",
+		ArrivalUnixMs: now.UnixMilli(), PromptTokenIDs: []uint32{1, 2, 3, 4}})
+	b.publish(b.s.Abort(), &messages.Abort{ReqID: "t2", Reason: "answer lost on the bus; asked again as t2-again1"})
+	// Heard nothing after a reconnect: asked again, both kept; the copy
+	// answers first and the first is given up.
+	b.publish(b.s.Request("m"), &messages.Request{RequestID: "t2-again2", AgainOf: "t2", FrontendID: "fe", SessionID: "s", Model: "m",
+		ArrivalUnixMs: now.UnixMilli(), PromptTokenIDs: []uint32{1, 2, 3, 4}})
+	b.publish(b.s.Abort(), &messages.Abort{ReqID: "t2-again1", Reason: "a copy of it answered first: t2-again2"})
+	b.finish("t2-again2", 100, 80)
+	b.request("t3", "s", now)
+	b.finish("t3", 100, 90)
+	b.flush()
+	s := b.w.Snapshot(time.Now())
+	if s.Failed != 0 || s.Finished != 3 || s.InFlight != 0 {
+		t.Errorf("failed %d finished %d in flight %d; want 0, 3, 0: the copies given up are not failures", s.Failed, s.Finished, s.InFlight)
+	}
+	if r := s.HitRatio; r["2"] != 0.8 || r["3"] != 0.9 {
+		t.Errorf("hit ratio by turn %v; want 2: 0.80 and 3: 0.90 (the copies are turn 2)", r)
+	}
+	if _, ok := s.HitRatio["4+"]; ok {
+		t.Errorf("hit ratio by turn %v: the copies were counted as turns", s.HitRatio)
+	}
+	for _, ss := range s.Sessions {
+		if ss.ID == "s" && (ss.Turns != 3 || ss.Recent != 3) {
+			t.Errorf("session s has %d turns, %d recent; want 3, 3", ss.Turns, ss.Recent)
+		}
+	}
+}
+
 // TestTTFTFromTheFrontendsClock: a request that reached the frontend
 // 800 ms before top read it (top paused or behind) has a TTFT of at least
 // 800 ms, not the ~0 ms top's own clock gave both ends.

@@ -101,6 +101,9 @@ type Watcher struct {
 	lru        list.List               // of *sessionView, most recently active first
 	done       []doneReq               // finished within the window, oldest first
 	pool       []poolRun               // remote runs within the window
+	// again are the turns asked again (Request.again_of) with a copy in
+	// flight, by the turn's first request id.
+	again map[string]*againTurn
 	// The connection: lost since discSince (zero while connected), to url.
 	discSince time.Time
 	url       string
@@ -129,6 +132,16 @@ type reqView struct {
 	group     string
 	prompt    int
 	firstByte time.Time
+	again     *againTurn // nil: never asked again
+}
+
+// againTurn is a request the frontend published again, under other ids,
+// because its answer was lost on the bus: one turn of its session, ended
+// by its last copy in flight.
+type againTurn struct {
+	id    string // the first request's
+	live  int    // its copies in flight
+	depth int
 }
 
 type sessionView struct {
@@ -177,7 +190,7 @@ func New(cfg Config) (*Watcher, error) {
 		cfg.MaxSessions = DefaultMaxSessions
 	}
 	return &Watcher{cfg: cfg, ready: make(chan struct{}), groups: map[string]*groupView{}, schedulers: map[string]schedulerView{},
-		reqs: map[string]*reqView{}, sessions: map[string]*sessionView{}, url: cfg.URL}, nil
+		reqs: map[string]*reqView{}, again: map[string]*againTurn{}, sessions: map[string]*sessionView{}, url: cfg.URL}, nil
 }
 
 // Subscribed is closed once Run follows the bus: what is published after
@@ -321,7 +334,26 @@ func (w *Watcher) onRequest(m *nats.Msg, now time.Time) {
 			rv.start = t
 		}
 	}
-	if req.SessionID != "" {
+	if req.AgainOf != "" {
+		// The same turn asked again: not one more turn of its session.
+		at := w.again[req.AgainOf]
+		if at == nil {
+			at = &againTurn{id: req.AgainOf, depth: 1}
+			if first := w.reqs[req.AgainOf]; first != nil {
+				at.live, at.depth = 1, first.depth
+				first.again = at
+			} else if sv := w.sessions[req.SessionID]; sv != nil {
+				at.depth = max(sv.turns, 1)
+			}
+			w.again[req.AgainOf] = at
+		}
+		at.live++
+		rv.again, rv.depth = at, at.depth
+		if sv := w.sessions[req.SessionID]; sv != nil {
+			w.lru.MoveToFront(sv.elem)
+			sv.last = now
+		}
+	} else if req.SessionID != "" {
 		sv := w.sessions[req.SessionID]
 		if sv == nil {
 			sv = &sessionView{id: req.SessionID}
@@ -390,7 +422,18 @@ func (w *Watcher) onOutput(m *nats.Msg, now time.Time) {
 		sv.cached += d.cached
 	}
 	w.done = append(w.done, d)
-	delete(w.reqs, o.ReqID)
+	w.end(o.ReqID, rv)
+}
+
+// end drops request id, in flight, and its copy of a turn asked again.
+// Call with w.mu held.
+func (w *Watcher) end(id string, rv *reqView) {
+	delete(w.reqs, id)
+	if at := rv.again; at != nil {
+		if at.live--; at.live <= 0 {
+			delete(w.again, at.id)
+		}
+	}
 }
 
 // forget drops session sv. Call with w.mu held.
@@ -420,12 +463,15 @@ func (w *Watcher) onControl(m *nats.Msg, now time.Time) {
 	if rv == nil {
 		return
 	}
-	delete(w.reqs, a.ReqID)
+	w.end(a.ReqID, rv)
 	switch {
+	case rv.again != nil && rv.again.live > 0:
+		// A copy given up for another of the same turn, still in flight
+		// (asked again, or another answered first): that one ends the turn.
 	case a.Reason == abortClientGone:
 		w.done = append(w.done, doneReq{at: now, depth: rv.depth, prompt: rv.prompt, aborted: true, session: rv.session})
 	case strings.HasPrefix(a.Reason, abortPublishFailed):
-		if sv := w.sessions[rv.session]; sv != nil {
+		if sv := w.sessions[rv.session]; sv != nil && rv.again == nil { // a copy added no turn
 			sv.turns--
 			if k := len(sv.inWindow) - 1; k >= 0 && sv.inWindow[k].Equal(rv.arrived) {
 				sv.inWindow = sv.inWindow[:k]
@@ -458,7 +504,7 @@ func (w *Watcher) expire(now time.Time) {
 	w.pool = append(w.pool[:0:0], w.pool[j:]...)
 	for id, rv := range w.reqs {
 		if now.Sub(rv.arrived) > 10*time.Minute {
-			delete(w.reqs, id)
+			w.end(id, rv)
 		}
 	}
 	for e := w.lru.Back(); e != nil; e = w.lru.Back() {
