@@ -40,7 +40,8 @@ type Snapshot struct {
 	Aborted  int `json:"aborted"`
 	InFlight int `json:"in_flight"`
 	// TTFT from the request's arrival at the frontend (its clock) to its
-	// first output reaching top: a top reading late overstates it.
+	// first output reaching top: a top reading late overstates it. None
+	// for a request answered in one output (an engine's, not streamed).
 	TTFTP50Ms float64 `json:"ttft_p50_ms"`
 	TTFTP95Ms float64 `json:"ttft_p95_ms"`
 	// HitRatio is cached over prompt tokens of the finished requests, by

@@ -349,6 +349,34 @@ func TestTTFTFromTheFrontendsClock(t *testing.T) {
 	}
 }
 
+// TestTTFTNotForAWholeAnswer: a request to an engine (--engine openai,
+// Request.body set) that does not stream is answered in one output, the
+// whole answer: its time is the e2e latency, not a TTFT, as the frontend
+// counts it. Top took it as the TTFT, so a cluster of non-streaming
+// clients showed their full latency as TTFT p50.
+func TestTTFTNotForAWholeAnswer(t *testing.T) {
+	b := startWatcher(t, top.Config{})
+	for i, stream := range []bool{false, false, true} {
+		id := fmt.Sprint("r", i)
+		arrival := time.Now().Add(-2 * time.Second)
+		if stream {
+			arrival = time.Now() // its first token comes at once
+		}
+		b.publish(b.s.Request("m"), &messages.Request{RequestID: id, FrontendID: "fe", SessionID: id, Model: "m", Stream: stream,
+			ArrivalUnixMs: arrival.UnixMilli(), PromptTokenIDs: []uint32{1, 2}, Body: []byte(`{"model":"m","prompt":"x"}`)})
+		if stream {
+			b.publish(b.s.Out("fe"), &messages.Output{ReqID: id, Raw: []byte(`{"choices":[]}`)})
+		}
+		b.publish(b.s.Out("fe"), &messages.Output{ReqID: id, FinishReason: "stop", Raw: []byte(`{"choices":[]}`),
+			Usage: &messages.Usage{PromptTokens: 2}})
+	}
+	b.flush()
+	if s := b.w.Snapshot(time.Now()); s.Finished != 3 || s.TTFTP95Ms > 1000 {
+		t.Errorf("finished %d, TTFT p95 %.0f ms; want 3 and the streamed request's TTFT only (well under 2,000 ms, the answers' latency)",
+			s.Finished, s.TTFTP95Ms)
+	}
+}
+
 // TestGroupsAsTheirRanksSayThem: a group whose ranks all went silent stays
 // listed as down with when it was last heard (it vanished); a rank slower
 // than 3 s is live under a longer HeartbeatTimeout; ranks that disagree on

@@ -132,7 +132,10 @@ type reqView struct {
 	group     string
 	prompt    int
 	firstByte time.Time
-	again     *againTurn // nil: never asked again
+	// whole: an engine answers it in one output, the whole answer (an
+	// --engine openai request that does not stream): no TTFT.
+	whole bool
+	again *againTurn // nil: never asked again
 }
 
 // againTurn is a request the frontend published again, under other ids,
@@ -323,7 +326,8 @@ func (w *Watcher) onRequest(m *nats.Msg, now time.Time) {
 	if _, ok := w.reqs[req.RequestID]; ok {
 		return // a redelivery
 	}
-	rv := &reqView{arrived: now, start: now, session: req.SessionID, depth: 1, prompt: len(req.PromptTokenIDs)}
+	rv := &reqView{arrived: now, start: now, session: req.SessionID, depth: 1, prompt: len(req.PromptTokenIDs),
+		whole: len(req.Body) > 0 && !req.Stream}
 	if req.ArrivalUnixMs > 0 {
 		// The frontend's clock: a top that reads its backlog late (paused,
 		// behind) would otherwise stamp both ends at once.
@@ -404,7 +408,7 @@ func (w *Watcher) onOutput(m *nats.Msg, now time.Time) {
 	if rv == nil {
 		return
 	}
-	if rv.firstByte.IsZero() && o.Error == nil {
+	if rv.firstByte.IsZero() && o.Error == nil && !rv.whole {
 		rv.firstByte = now
 	}
 	if !o.Final() {
