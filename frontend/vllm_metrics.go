@@ -101,13 +101,16 @@ func (ms *modelSeries) finished(prompt, completion, cached int, finish string, e
 	ms.generation.Add(float64(completion))
 	ms.queries.Add(float64(prompt))
 	ms.hits.Add(float64(cached))
+	// vLLM's engine finishes a request by stop, length, abort, error or
+	// repetition (FINISH_REASON_STRINGS); its OpenAI server's "tool_calls"
+	// (or "function_call") is a stop there.
 	switch finish {
-	case "", "stop":
-		ms.stop.Inc()
 	case "length":
 		ms.length.Inc()
-	default:
+	case "abort", "error", "repetition":
 		ms.success.WithLabelValues(ms.model, ms.engine, finish).Inc()
+	default:
+		ms.stop.Inc()
 	}
 	ms.e2e.Observe(e2eSeconds)
 }
