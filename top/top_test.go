@@ -377,6 +377,37 @@ func TestTTFTNotForAWholeAnswer(t *testing.T) {
 	}
 }
 
+// TestPoolTrafficOncePerAttempt: a ReqMeta the scheduler publishes again
+// because a rank had not answered (the same attempt: the ranks that have
+// it read nothing again) adds no pool traffic; a request dispatched again
+// to another group (a higher attempt) reads its runs there, and counts.
+// Each resend counted the request's remote runs again: POOL_IN and
+// POOL_OUT doubled under a lossy bus.
+func TestPoolTrafficOncePerAttempt(t *testing.T) {
+	b := startWatcher(t, top.Config{})
+	for _, g := range []string{"g1", "g2", "g3"} {
+		b.heartbeat(messages.Heartbeat{Group: g, WorldSize: 1, Model: "m"})
+	}
+	b.request("r", "s", time.Now())
+	meta := func(group string, attempt int) *messages.ReqMeta {
+		return &messages.ReqMeta{ReqID: "r", SessionID: "s", Group: group, Attempt: attempt, FrontendID: "fe", ResultSubject: "done",
+			BlockSize: 1, TokenLen: 8, TokenIDs: make(messages.TokenIDs, 8),
+			LoadSpec: &messages.LoadSpec{CanLoad: true, KVPoolCachedTokens: 5, Remote: []messages.RemoteRun{{Group: "g1", Blocks: 5}}}}
+	}
+	b.publish(b.s.Meta("g2", "s"), meta("g2", 0))
+	b.publish(b.s.Meta("g2", "s"), meta("g2", 0)) // a resend
+	b.publish(b.s.Meta("g3", "s"), meta("g3", 1)) // dispatched again
+	b.publish(b.s.Meta("g3", "s"), meta("g3", 1)) // a resend
+	b.flush()
+	in, out := map[string]int{}, map[string]int{}
+	for _, g := range b.w.Snapshot(time.Now()).Groups {
+		in[g.Name], out[g.Name] = g.PoolIn, g.PoolOut
+	}
+	if out["g1"] != 10 || in["g2"] != 5 || in["g3"] != 5 {
+		t.Errorf("pool out of g1 %d, in g2 %d, in g3 %d; want 10, 5, 5 (once per attempt)", out["g1"], in["g2"], in["g3"])
+	}
+}
+
 // TestGroupsAsTheirRanksSayThem: a group whose ranks all went silent stays
 // listed as down with when it was last heard (it vanished); a rank slower
 // than 3 s is live under a longer HeartbeatTimeout; ranks that disagree on

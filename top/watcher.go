@@ -135,7 +135,10 @@ type reqView struct {
 	// whole: an engine answers it in one output, the whole answer (an
 	// --engine openai request that does not stream): no TTFT.
 	whole bool
-	again *againTurn // nil: never asked again
+	// poolFrom: the ReqMetas of attempts below it were counted in the
+	// pool traffic (a ReqMeta published again reads nothing again).
+	poolFrom int
+	again    *againTurn // nil: never asked again
 }
 
 // againTurn is a request the frontend published again, under other ids,
@@ -384,13 +387,18 @@ func (w *Watcher) onMeta(m *nats.Msg, now time.Time) {
 	}
 	w.mu.Lock()
 	defer w.mu.Unlock()
+	counted := false
 	if rv := w.reqs[meta.ReqID]; rv != nil {
 		rv.group = meta.Group
 		if sv := w.sessions[rv.session]; sv != nil {
 			sv.group = meta.Group
 		}
+		// The same attempt again (a rank had not answered, or a replica
+		// adopted it): the ranks that have it read nothing again.
+		counted = meta.Attempt < rv.poolFrom
+		rv.poolFrom = max(rv.poolFrom, meta.Attempt+1)
 	}
-	if ls := meta.LoadSpec; ls != nil {
+	if ls := meta.LoadSpec; ls != nil && !counted {
 		for _, run := range ls.Remote {
 			w.pool = append(w.pool, poolRun{at: now, from: run.Group, to: meta.Group, blocks: run.Blocks})
 		}
