@@ -408,6 +408,24 @@ func TestPoolTrafficOncePerAttempt(t *testing.T) {
 	}
 }
 
+// TestSessionHitRatioOfCompletedTurns: a session's HIT is over its
+// completed turns, as the cluster's hit ratio by turn and the scheduler's
+// counters are: a turn that failed (group_failed, an engine's error) loaded
+// nothing and is not a cache miss. Its prompt counted with 0 cached, so a
+// session whose group failed showed its HIT halved.
+func TestSessionHitRatioOfCompletedTurns(t *testing.T) {
+	b := startWatcher(t, top.Config{})
+	b.request("t1", "s", time.Now())
+	b.finish("t1", 100, 80)
+	b.request("t2", "s", time.Now())
+	b.publish(b.s.Out("fe"), &messages.Output{ReqID: "t2", Error: &messages.OutputError{Code: "group_failed", Message: "gone"}})
+	b.flush()
+	s := b.w.Snapshot(time.Now())
+	if len(s.Sessions) == 0 || s.Sessions[0].ID != "s" || s.Sessions[0].HitRatio != 0.8 {
+		t.Errorf("sessions %+v; want s with a hit ratio of 0.80 (its completed turn)", s.Sessions)
+	}
+}
+
 // TestGroupsAsTheirRanksSayThem: a group whose ranks all went silent stays
 // listed as down with when it was last heard (it vanished); a rank slower
 // than 3 s is live under a longer HeartbeatTimeout; ranks that disagree on

@@ -156,7 +156,7 @@ type sessionView struct {
 	turns    int
 	group    string
 	last     time.Time
-	prompt   int // tokens over its finished turns
+	prompt   int // tokens over its completed turns (not failed)
 	cached   int
 	inWindow []time.Time // its requests' arrivals within the window
 }
@@ -429,7 +429,7 @@ func (w *Watcher) onOutput(m *nats.Msg, now time.Time) {
 	if u := o.Usage; u != nil {
 		d.prompt, d.cached = u.PromptTokens, u.CachedTokens
 	}
-	if sv := w.sessions[rv.session]; sv != nil {
+	if sv := w.sessions[rv.session]; sv != nil && !d.failed { // a failed turn loaded nothing: no miss
 		sv.prompt += d.prompt
 		sv.cached += d.cached
 	}
