@@ -129,7 +129,7 @@ func streamUnderWay(nc *nats.Conn, subj messages.Subjects) (*generation, *choice
 	log := slog.New(slog.DiscardHandler)
 	s := &Server{cfg: Config{Conn: nc, Subjects: subj}, log: log, pending: map[string]route{},
 		m: newMetrics(prometheus.NewRegistry(), func() float64 { return 0 })}
-	g := &generation{s: s, q: newOutputQueue(1), log: log, firstByte: time.Now(), ttftSeen: true}
+	g := &generation{s: s, q: newOutputQueue(1), log: log, firstByte: time.Now()}
 	c := &choiceState{busID: "r", attempt: 1, started: true, nextIndex: 3, ttftSeen: true}
 	g.choices = []*choiceState{c}
 	s.register("r", g.q, 0)

@@ -380,12 +380,11 @@ func (g *generation) next(ctx context.Context, timer *time.Timer) ([]choiceOutpu
 				// 500, group_failed) is none, and an engine's whole answer
 				// took the whole request (its e2e latency).
 				if o.Error == nil && !g.wholeAnswer {
+					// Each prompt of a list is an engine request of its own
+					// in vLLM: each has its TTFT.
 					if !c.ttftSeen {
 						c.ttftSeen = true
 						g.s.m.ttft.WithLabelValues(g.endpoint, g.model).Observe(now.Sub(g.start).Seconds())
-					}
-					if !g.ttftSeen {
-						g.ttftSeen = true
 						g.vm.ttft.Observe(now.Sub(g.start).Seconds())
 					}
 				}
@@ -446,6 +445,16 @@ func (g *generation) usage() usageJSON {
 	}
 	u.TotalTokens = u.PromptTokens + u.CompletionTokens
 	return u
+}
+
+// completed records the completed generation in the vLLM metrics as vLLM
+// counts a prompt list: one engine request per prompt, each under its own
+// finish reason.
+func (g *generation) completed() {
+	e2e := time.Since(g.start).Seconds()
+	for _, c := range g.choices {
+		g.vm.finished(c.usage.PromptTokens, c.usage.CompletionTokens, c.usage.CachedTokens, c.finish, e2e)
+	}
 }
 
 // usageSoFar is one choice's usage on a streamed chunk (vLLM's continuous

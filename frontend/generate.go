@@ -41,7 +41,6 @@ type generation struct {
 	// openai, not streamed), whose time is the whole request's, not a
 	// first token's: no TTFT is recorded for it.
 	wholeAnswer bool
-	ttftSeen    bool // the request's time to first token was observed
 	// engineID and clientID, when set (--engine openai, a client's request
 	// id): the answer's id as the engine made it from the bus id it was
 	// sent ("chatcmpl-<id>-<nuid>", quoted) and the one the client gets

@@ -46,7 +46,7 @@ func (g *generation) respond(w http.ResponseWriter, ctx context.Context, deadlin
 		resp.Choices = append(resp.Choices, ch)
 	}
 	u := resp.Usage
-	g.vm.finished(u.PromptTokens, u.CompletionTokens, u.PromptTokensDetails.CachedTokens, g.choices[0].finish, time.Since(g.start).Seconds())
+	g.completed()
 	logsink.Info(g.log, "request completed", "prompt_tokens", u.PromptTokens, "cached_tokens", u.PromptTokensDetails.CachedTokens,
 		"completion_tokens", u.CompletionTokens, "ms", time.Since(g.start).Milliseconds())
 	writeJSON(w, http.StatusOK, resp)
@@ -201,7 +201,7 @@ func (g *generation) stream(w http.ResponseWriter, ctx context.Context, deadline
 		}
 	}
 	if msg == "request completed" { // vLLM counts a request that failed in no success series
-		g.vm.finished(u.PromptTokens, u.CompletionTokens, u.PromptTokensDetails.CachedTokens, g.choices[0].finish, time.Since(g.start).Seconds())
+		g.completed()
 	}
 	logsink.Info(g.log, msg, "stream", true, "prompt_tokens", u.PromptTokens, "cached_tokens", u.PromptTokensDetails.CachedTokens,
 		"completion_tokens", u.CompletionTokens, "ms", time.Since(g.start).Milliseconds())

@@ -1,0 +1,72 @@
+package frontend
+
+import (
+	"log/slog"
+	"net/http/httptest"
+	"testing"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+	dto "github.com/prometheus/client_model/go"
+
+	"github.com/kvbus/kvbus/messages"
+)
+
+// TestVLLMMetricsPerPrompt proves a completion's prompt list counts in the
+// vLLM metrics as vLLM counts it, one engine request per prompt: each
+// prompt's success under its own finish reason, and its own TTFT and e2e
+// latency. A list of two prompts, one stopped and one cut by length,
+// counted one success, as stop, one TTFT and one latency: a vLLM
+// dashboard's request rate undercounted prompt lists.
+func TestVLLMMetricsPerPrompt(t *testing.T) {
+	for _, streamed := range []bool{false, true} {
+		reg := prometheus.NewRegistry()
+		vm := newVLLMMetrics(reg, vllmEngineIndex, []string{"m"})
+		m := newMetrics(prometheus.NewRegistry(), func() float64 { return 0 })
+		g := &generation{s: &Server{m: m, vm: vm}, q: newOutputQueue(2), endpoint: messages.EndpointCompletions, log: slog.New(slog.DiscardHandler),
+			model: "m", vm: vm.of("m"), choices: []*choiceState{{busID: "r-0"}, {busID: "r-1", buffered: !streamed}}, start: time.Now()}
+		g.choices[0].buffered = !streamed
+		for i, finish := range []string{"stop", "length"} {
+			g.q.push(i, &messages.Output{ReqID: g.choices[i].busID, Index: 0, Text: "a"})
+			g.q.push(i, &messages.Output{ReqID: g.choices[i].busID, Index: 1, FinishReason: finish,
+				Usage: &messages.Usage{PromptTokens: 10, CompletionTokens: 2}})
+		}
+		deadline := time.Now().Add(5 * time.Second)
+		if streamed {
+			g.stream(httptest.NewRecorder(), t.Context(), deadline, false, false)
+		} else {
+			g.respond(httptest.NewRecorder(), t.Context(), deadline)
+		}
+		families, err := reg.Gather()
+		if err != nil {
+			t.Fatal(err)
+		}
+		success := map[string]float64{}
+		samples := map[string]uint64{}
+		for _, f := range families {
+			for _, mt := range f.GetMetric() {
+				switch f.GetName() {
+				case "vllm:request_success_total":
+					success[label(mt, "finished_reason")] = mt.GetCounter().GetValue()
+				case "vllm:time_to_first_token_seconds", "vllm:e2e_request_latency_seconds":
+					samples[f.GetName()] = mt.GetHistogram().GetSampleCount()
+				}
+			}
+		}
+		if success["stop"] != 1 || success["length"] != 1 {
+			t.Errorf("streamed %v: vllm:request_success_total by finished_reason %v, want stop 1, length 1", streamed, success)
+		}
+		if samples["vllm:time_to_first_token_seconds"] != 2 || samples["vllm:e2e_request_latency_seconds"] != 2 {
+			t.Errorf("streamed %v: samples %v, want 2 TTFTs and 2 e2e latencies (one per prompt)", streamed, samples)
+		}
+	}
+}
+
+func label(m *dto.Metric, name string) string {
+	for _, l := range m.GetLabel() {
+		if l.GetName() == name {
+			return l.GetValue()
+		}
+	}
+	return ""
+}
