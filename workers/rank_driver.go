@@ -94,6 +94,9 @@ func (r *Rank) drive(rr *rankReq) {
 		final := &messages.Output{FinishReason: res.FinishReason, StopReason: res.StopReason, Usage: usage}
 		if last != nil {
 			final.Text, final.TokenIDs, final.Raw = last.Text, last.TokenIDs, last.Raw
+			if err := r.fitsBus(final); err != nil {
+				final = &messages.Output{Usage: usage, Error: &messages.OutputError{Code: "engine_error", Message: err.Error()}}
+			}
 		}
 		publish(final)
 	case errors.Is(err, ErrEngineUnavailable) && cause == nil:

@@ -1260,14 +1260,17 @@ func TestLoadWaitsForTheSaverAfterAnAbortedOne(t *testing.T) {
 
 // bigAnswerEngine answers every request with one chunk whose raw JSON (a
 // model server's answer) is size bytes of text.
-type bigAnswerEngine struct{ size int }
+type bigAnswerEngine struct {
+	size int
+	last bool // the chunk is marked the answer's last (sent with its finish reason)
+}
 
 func (e bigAnswerEngine) Generate(ctx context.Context, req workers.EngineRequest, prefilled func(), emit func(workers.Chunk) error) (workers.EngineResult, error) {
 	if prefilled != nil {
 		prefilled()
 	}
 	raw := `{"choices":[{"index":0,"text":"` + strings.Repeat("x", e.size) + `","finish_reason":"stop"}]}`
-	if err := emit(workers.Chunk{Text: "x", Raw: []byte(raw)}); err != nil {
+	if err := emit(workers.Chunk{Text: "x", Raw: []byte(raw), Last: e.last}); err != nil {
 		return workers.EngineResult{}, err
 	}
 	return workers.EngineResult{FinishReason: workers.FinishStop, CompletionTokens: 1}, nil
@@ -1282,14 +1285,18 @@ func (e bigAnswerEngine) Generate(ctx context.Context, req workers.EngineRequest
 // got output_lost.
 func TestDriverEndsAnAnswerTooLargeForTheBus(t *testing.T) {
 	srvLimit := int(testenv.Connect(t, testenv.StartNATS(t)).MaxPayload())
-	env := startRanks(t, rankEnvConfig{customEngine: bigAnswerEngine{size: srvLimit}})
-	env.sendMeta(newMeta("big", "sess", testenv.PromptTokens(1, 40)))
-	final := env.finalOutput("big")
-	if final.Index != 0 || final.Error == nil || final.Error.Code != "engine_error" || !strings.Contains(final.Error.Message, "max payload") {
-		t.Fatalf("final output %+v (error %+v), want output 0 ending with an engine_error naming the bus's max payload", final, final.Error)
-	}
-	if n := len(env.logs.Lines("publish failed")); n != 0 {
-		t.Errorf("%d publishes failed", n)
+	for _, last := range []bool{false, true} {
+		t.Run(fmt.Sprint("last=", last), func(t *testing.T) {
+			env := startRanks(t, rankEnvConfig{customEngine: bigAnswerEngine{size: srvLimit, last: last}})
+			env.sendMeta(newMeta("big", "sess", testenv.PromptTokens(1, 40)))
+			final := env.finalOutput("big")
+			if final.Index != 0 || final.Error == nil || final.Error.Code != "engine_error" || !strings.Contains(final.Error.Message, "max payload") {
+				t.Fatalf("final output %+v (error %+v), want output 0 ending with an engine_error naming the bus's max payload", final, final.Error)
+			}
+			if n := len(env.logs.Lines("publish failed")); n != 0 {
+				t.Errorf("%d publishes failed", n)
+			}
+		})
 	}
 }
 
