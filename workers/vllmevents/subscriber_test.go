@@ -11,6 +11,7 @@ import (
 	"net"
 	"slices"
 	"sync"
+	"syscall"
 	"testing"
 	"time"
 
@@ -581,4 +582,75 @@ func TestSubscriberSilentPeers(t *testing.T) {
 			t.Errorf("the silent connection is still open: %v", err)
 		}
 	})
+}
+
+// TestSubscriberRefusesOversizedFrames: a peer of a binding Subscriber
+// (--kv-events-bind) that names a frame, or sends a message of frames,
+// above what a batch of KV events can be is cut off at the header, before
+// go-zeromq allocates what it names. Before, the Subscriber allocated any
+// size a header named (up to 2^63 bytes: out of memory, the worker gone)
+// and kept the connection open for its body.
+func TestSubscriberRefusesOversizedFrames(t *testing.T) {
+	s := newSub(t, vllmevents.Config{Endpoint: "tcp://127.0.0.1:0", Bind: true})
+	rec := newRecorder()
+	run(t, s, rec.handle)
+	for deadline := time.Now().Add(10 * time.Second); s.Addr() == nil; {
+		if time.Now().After(deadline) {
+			t.Fatal("the Subscriber did not bind")
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+	// handshake connects as a ZMTP 3.0 PUB with the NULL mechanism.
+	handshake := func(t *testing.T) net.Conn {
+		c, err := net.Dial("tcp", s.Addr().String())
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { _ = c.Close() })
+		greeting := make([]byte, 64)
+		greeting[0], greeting[9], greeting[10] = 0xff, 0x7f, 3
+		copy(greeting[12:], "NULL")
+		ready := append([]byte{5}, "READY"...)
+		ready = append(ready, 11)
+		ready = append(ready, "Socket-Type"...)
+		ready = binary.BigEndian.AppendUint32(ready, 3)
+		ready = append(ready, "PUB"...)
+		if _, err := c.Write(append(append(greeting, 0x04, byte(len(ready))), ready...)); err != nil {
+			t.Fatal(err)
+		}
+		return c
+	}
+	closed := func(t *testing.T, c net.Conn) {
+		t.Helper()
+		_ = c.SetReadDeadline(time.Now().Add(5 * time.Second))
+		// EOF, or a reset (closed with what was sent still unread).
+		if _, err := io.ReadAll(c); err != nil && !errors.Is(err, syscall.ECONNRESET) {
+			t.Errorf("the connection is still open: %v", err)
+		}
+	}
+	t.Run("one frame", func(t *testing.T) {
+		c := handshake(t)
+		hdr := []byte{0x02}
+		hdr = binary.BigEndian.AppendUint64(hdr, 64<<20) // 64 MiB, and nothing of it sent
+		if _, err := c.Write(hdr); err != nil {
+			t.Fatal(err)
+		}
+		closed(t, c)
+	})
+	t.Run("many frames", func(t *testing.T) {
+		c := handshake(t)
+		frame := binary.BigEndian.AppendUint64([]byte{0x02 | 0x01}, 1<<20)
+		frame = append(frame, make([]byte, 1<<20)...)
+		for range 12 { // 12 MiB as one message, never ended
+			if _, err := c.Write(frame); err != nil {
+				break // cut off
+			}
+		}
+		closed(t, c)
+	})
+	// A well-formed peer still gets its batches through.
+	pub, _ := newPub(t, "tcp://"+s.Addr().String())
+	pub.waitSubscribed(t, "")
+	pub.send(t, "", 0, batch(t, formArray, 1))
+	rec.wait(t, 1)
 }

@@ -3,6 +3,7 @@ package vllmevents
 import (
 	"context"
 	"encoding/binary"
+	"fmt"
 	"net"
 	"strings"
 	"sync"
@@ -11,6 +12,8 @@ import (
 
 	"github.com/go-zeromq/zmq4"
 	"github.com/go-zeromq/zmq4/transport"
+
+	"github.com/kvbus/kvbus/messages"
 )
 
 // handshakeTimeout bounds how long a new connection may take to complete
@@ -98,9 +101,10 @@ type ctxConn struct {
 	done  atomic.Bool // the handshake is over and the connection kept
 
 	// Owned by the reading goroutine.
-	head []byte // the first bytes read, up to the READY command's size
-	got  int    // bytes read
-	need int    // handshake bytes, once known
+	head   []byte // the first bytes read, up to the READY command's size
+	got    int    // bytes read
+	need   int    // handshake bytes, once known
+	frames frameLimit
 }
 
 // zmtpHeadBytes holds a greeting and a command frame header of the long
@@ -128,11 +132,27 @@ func (c *ctxConn) Read(p []byte) (int, error) {
 		_ = c.Conn.SetReadDeadline(time.Time{})
 	}
 	n, err := c.Conn.Read(p)
+	frames := p[:n] // what of it follows the handshake
 	if !c.done.Load() {
+		before := c.got
 		c.track(p[:n])
+		if c.need > zmtpGreetingBytes+9+maxCommandBytes {
+			err = fmt.Errorf("vllmevents: a ZMTP handshake command of %d bytes, above %d: closing the connection", c.need-zmtpHeadBytes, maxCommandBytes)
+		}
+		frames = p[min(max(c.need-before, 0), n):n]
+		if c.need == 0 {
+			frames = nil
+		}
 		if err != nil {
 			_ = c.Close() // the handshake failed
+			return 0, err
 		}
+	}
+	// The bytes go to go-zeromq only once their frame header was found
+	// within the limit: it allocates whatever size a header names.
+	if ferr := c.frames.feed(frames); ferr != nil {
+		_ = c.Close()
+		return 0, ferr
 	}
 	return n, err
 }
@@ -158,4 +178,77 @@ func (c *ctxConn) Close() error {
 	c.stop()
 	c.timer.Stop()
 	return c.Conn.Close()
+}
+
+// maxCommandBytes bounds the READY command of a handshake (a socket type
+// and an identity of at most 255 bytes).
+const maxCommandBytes = 64 << 10
+
+// maxZMTPMessageBytes bounds one message, all its frames: vLLM's topic,
+// sequence number and a batch of KV events, which Decode takes up to
+// messages.MaxMessageBytes.
+const maxZMTPMessageBytes = messages.MaxMessageBytes + 64<<10
+
+// frameLimit follows the ZMTP frames of a connection's stream (after its
+// handshake) and refuses a frame or message above maxZMTPMessageBytes:
+// go-zeromq allocates the size a frame's header names, and any peer of a
+// binding socket could have it allocate up to 2^63 bytes, or send frames
+// without end as one message. Owned by the reading goroutine.
+type frameLimit struct {
+	hdr  [9]byte // a frame's flags and size, as read so far
+	hdrN int     // bytes of hdr read
+	body uint64  // bytes of the current frame's body still to come
+	msg  uint64  // bytes of the current message's frames
+	more bool    // the current frame is followed by another of its message
+}
+
+// ZMTP frame flags.
+const (
+	zmtpMore    = 0x01
+	zmtpLong    = 0x02
+	zmtpCommand = 0x04
+)
+
+// feed follows b, the next bytes of the stream.
+func (f *frameLimit) feed(b []byte) error {
+	for len(b) > 0 {
+		if f.body > 0 {
+			k := min(uint64(len(b)), f.body)
+			f.body -= k
+			b = b[k:]
+			continue
+		}
+		f.hdr[f.hdrN] = b[0]
+		f.hdrN++
+		b = b[1:]
+		flags := f.hdr[0]
+		need := 2
+		if flags&zmtpLong != 0 {
+			need = 9
+		}
+		if f.hdrN < need {
+			continue
+		}
+		size := uint64(f.hdr[1])
+		if need == 9 {
+			size = binary.BigEndian.Uint64(f.hdr[1:9])
+		}
+		f.hdrN = 0
+		if flags&zmtpCommand != 0 { // a command (PING, PONG), no message's part
+			if size > maxCommandBytes {
+				return fmt.Errorf("vllmevents: a ZMTP command of %d bytes, above %d: closing the connection", size, maxCommandBytes)
+			}
+			f.body = size
+			continue
+		}
+		if size > maxZMTPMessageBytes || f.msg+size > maxZMTPMessageBytes {
+			return fmt.Errorf("vllmevents: a ZMTP message of more than %d bytes (a frame of %d after %d): closing the connection; a batch of KV events is at most %d",
+				maxZMTPMessageBytes, size, f.msg, messages.MaxMessageBytes)
+		}
+		f.body = size
+		if f.msg += size; flags&zmtpMore == 0 {
+			f.msg = 0
+		}
+	}
+	return nil
 }
