@@ -48,6 +48,7 @@ type Rank struct {
 	// twice): one takes over when the one before settles.
 	savingAfter map[string][]*rankReq
 
+	serving   atomic.Bool  // Run subscribed to its ReqMetas and has not returned
 	draining  atomic.Bool  // Run's context ended
 	gaveUp    atomic.Bool  // ShutdownTimeout passed with requests running: heartbeats say not ready
 	hbPending atomic.Bool  // heartbeatSoon has one scheduled
@@ -219,6 +220,27 @@ func NewRank(cfg RankConfig) (*Rank, error) {
 // IsDriver reports whether the rank runs the engine.
 func (r *Rank) IsDriver() bool { return r.cfg.TPRank == 0 }
 
+// Ready reports whether the rank takes requests, as its heartbeats tell the
+// schedulers, and if not why: Run has subscribed to its ReqMetas (after
+// the identity wait and the permission check) and is not draining, and on
+// the driver the engine is healthy. It is safe for concurrent use.
+func (r *Rank) Ready() (bool, string) {
+	switch {
+	case !r.serving.Load():
+		return false, "starting: the rank does not take requests yet"
+	case r.draining.Load():
+		return false, "draining: the rank takes no new requests"
+	case r.gaveUp.Load():
+		return false, "stopping: requests outlived --shutdown-timeout"
+	}
+	if h := r.engineHealth(); h != nil {
+		if ok, why := h.Healthy(); !ok {
+			return false, "engine not healthy: " + why
+		}
+	}
+	return true, ""
+}
+
 // Run serves until ctx ends, then stops taking requests, lets in-flight ones
 // finish within ShutdownTimeout, and returns.
 func (r *Rank) Run(ctx context.Context) error {
@@ -295,6 +317,8 @@ func (r *Rank) Run(ctx context.Context) error {
 	}
 	r.log.Info("rank started", "model", r.cfg.Model, "tp_size", r.cfg.TPSize, "ep_size", r.cfg.EPSize,
 		"capacity_bytes", r.cfg.CapacityBytes, "driver", r.IsDriver())
+	r.serving.Store(true)
+	defer r.serving.Store(false)
 
 	var loadLoop, storeLoop, hbLoop, engineLoops sync.WaitGroup
 	loadLoop.Go(r.loadLoop)

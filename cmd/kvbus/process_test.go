@@ -284,3 +284,59 @@ func TestProcessRegroup(t *testing.T) {
 		t.Errorf("%d workers moved, want 1 (g1's into g0, the lower of two groups as held)", moved)
 	}
 }
+
+// TestProcessWorkerHealthzWhenServing: a worker's /healthz passes only once
+// its rank takes requests, and not while its engine is down. Before, it
+// passed as soon as NATS was connected: during the rank's identity wait
+// (1.5 heartbeat intervals) and its permission check, and for a group
+// whose engine was down and took no requests.
+func TestProcessWorkerHealthzWhenServing(t *testing.T) {
+	if testing.Short() {
+		t.Skip("builds and runs the binary")
+	}
+	dir := t.TempDir()
+	bin := buildBinary(t, dir)
+	natsAddr := freeAddr(t)
+	startProc(t, bin, dir, "nats", "nats", "--addr", natsAddr, "--data-dir", filepath.Join(dir, "js"))
+	bus := []string{"--nats-url", "nats://" + natsAddr}
+	started := func(p *proc) bool {
+		b, _ := os.ReadFile(p.log)
+		return strings.Contains(string(b), `"msg":"rank started"`)
+	}
+
+	metricsAddr := freeAddr(t)
+	w := startProc(t, bin, dir, "worker", append([]string{"worker", "--group", "g0", "--tp-rank", "0", "--tp-size", "1",
+		"--time-scale", "0", "--heartbeat-interval", "2s", "--metrics-addr", metricsAddr}, bus...)...)
+	url := "http://" + metricsAddr + "/healthz"
+	unready := 0
+	testenv.Eventually(t, 60*time.Second, "the worker's /healthz 200", func() bool {
+		code := healthz(url)
+		if code == http.StatusServiceUnavailable {
+			unready++
+		}
+		if code == http.StatusOK && !started(w) {
+			t.Fatalf("/healthz 200 before the rank started")
+		}
+		return code == http.StatusOK
+	})
+	if unready == 0 {
+		t.Errorf("/healthz never answered 503 during the rank's identity wait (3 s): the test saw no start")
+	}
+
+	engineMetrics := freeAddr(t)
+	e := startProc(t, bin, dir, "engine-worker", append([]string{"worker", "--group", "g1", "--tp-rank", "0", "--tp-size", "1",
+		"--engine", "openai", "--engine-url", "http://" + freeAddr(t), "--heartbeat-interval", "200ms", "--metrics-addr", engineMetrics}, bus...)...)
+	testenv.Eventually(t, 60*time.Second, "the engine worker's rank started", func() bool { return started(e) })
+	for range 10 {
+		status, _, body := testenv.Send(t, http.MethodGet, "http://"+engineMetrics+"/healthz", "", nil)
+		if status != http.StatusServiceUnavailable || !strings.Contains(string(body), "engine") {
+			t.Fatalf("/healthz of a worker whose engine is down: %d %s; want 503 naming the engine", status, body)
+		}
+		time.Sleep(100 * time.Millisecond)
+	}
+	for _, p := range []*proc{e, w} {
+		if err := p.stop(t); err != nil {
+			t.Errorf("%s exited with %v on SIGTERM", p.name, err)
+		}
+	}
+}

@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"log/slog"
 	"os"
+	"sync/atomic"
 	"time"
 
 	"github.com/nats-io/nats.go"
@@ -149,7 +150,14 @@ func (c *workerCmd) Run(ctx context.Context) error {
 	wm, hm := workers.NewMetrics(reg), bus.NewHandlerMetrics(reg)
 	onStop(ctx, log, func() stopPlan { return c.stopPlan(reg, c.handoffOn(), slot != nil) })
 	r := newRoles(ctx)
-	metrics.serve(reg, metricsProbe{nc: nc, stopping: r.ctx.Done(),
+	var current atomic.Pointer[workers.Rank] // the rank running, for /healthz
+	ready := func() (bool, string) {
+		if rank := current.Load(); rank != nil {
+			return rank.Ready()
+		}
+		return false, "starting: no rank yet"
+	}
+	metrics.serve(reg, metricsProbe{nc: nc, ready: ready, stopping: r.ctx.Done(),
 		drainReason: "worker stopping: its group takes no new requests; it finishes those in flight"}, func(err error) { r.fail("metrics", err) })
 	r.run("worker", func(ctx context.Context) error {
 		for {
@@ -160,6 +168,7 @@ func (c *workerCmd) Run(ctx context.Context) error {
 			if err != nil {
 				return err
 			}
+			current.Store(rank)
 			ranks := newRoles(ctx)
 			ranks.run("rank", rank.Run)
 			if slot != nil {
