@@ -5,6 +5,7 @@ import (
 	"bytes"
 	"context"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"io"
 	"net/http"
@@ -100,12 +101,20 @@ func (e *OpenAIEngine) readStream(ctx context.Context, c *engineCall, r io.Reade
 	var res EngineResult
 	sc := bufio.NewScanner(r)
 	sc.Buffer(make([]byte, 0, 64<<10), maxEngineLine)
+	events, other := false, false // a line of the event stream's syntax came; one of another
 	for sc.Scan() {
 		line := sc.Bytes()
 		data, ok := bytes.CutPrefix(line, []byte("data:"))
 		if !ok {
-			continue // blank lines, comments, event: and id: fields
+			// Blank lines, comments, event:, id: and retry: fields.
+			if isSSELine(line) {
+				events = true
+			} else {
+				other = true
+			}
+			continue
 		}
+		events = true
 		data = bytes.TrimSpace(data)
 		if string(data) == "[DONE]" {
 			return res, nil
@@ -149,7 +158,13 @@ func (e *OpenAIEngine) readStream(ctx context.Context, c *engineCall, r io.Reade
 		return res, ctx.Err()
 	}
 	err := sc.Err()
-	if err == nil {
+	switch {
+	case errors.Is(err, bufio.ErrTooLong):
+		// The engine sends it so again: no retry, nor another group, helps.
+		return res, fmt.Errorf("workers: an event of the engine's stream exceeds %d bytes", maxEngineLine)
+	case err == nil && other && !events:
+		return res, errors.New("workers: the engine's answer is not a stream of server-sent events (it sent no data: line); does it take \"stream\": true?")
+	case err == nil:
 		err = io.ErrUnexpectedEOF
 	}
 	if !c.started {
@@ -170,4 +185,18 @@ func streamErrorStatus(raw json.RawMessage) int {
 		}
 	}
 	return http.StatusInternalServerError
+}
+
+// isSSELine reports whether line, not a data: field, is of the event
+// stream's syntax: blank, a comment, or an event:, id: or retry: field.
+func isSSELine(line []byte) bool {
+	if len(bytes.TrimSpace(line)) == 0 || line[0] == ':' {
+		return true
+	}
+	for _, f := range []string{"event:", "id:", "retry:"} {
+		if bytes.HasPrefix(line, []byte(f)) {
+			return true
+		}
+	}
+	return false
 }

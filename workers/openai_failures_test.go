@@ -362,3 +362,36 @@ func TestOpenAIGenerateStreamErrorChunkKeepsItsStatus(t *testing.T) {
 		})
 	}
 }
+
+// TestOpenAIGenerateMalformedStreamIsNotRetried: a stream the engine will
+// send the same way every time (an event above the line limit, a 200
+// answer that is no event stream) ends the request at once with an error
+// saying so. Before, either was taken for an engine that went away before
+// any output: the request was sent three times, then failed with 503
+// group_failed.
+func TestOpenAIGenerateMalformedStreamIsNotRetried(t *testing.T) {
+	t.Parallel()
+	for _, tt := range []struct {
+		name, body, want string
+	}{
+		{"event too long", "data: {\"choices\":[{\"text\":\"" + strings.Repeat("x", maxEngineLine) + "\"}]}\n\n", "exceeds"},
+		{"not an event stream", `{"choices":[{"index":0,"text":"hi","finish_reason":"stop"}]}`, "not a stream of server-sent events"},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			t.Parallel()
+			stub := newStubEngine(t, func(w http.ResponseWriter, r *http.Request, n int) {
+				w.Header().Set("Content-Type", "text/event-stream")
+				_, _ = io.WriteString(w, tt.body)
+			})
+			e := healthyOpenAI(t, OpenAIConfig{URL: stub.URL})
+			_, err := e.Generate(t.Context(), EngineRequest{ReqID: "r", Endpoint: messages.EndpointChat, Body: []byte(`{"stream":true}`)},
+				nil, func(Chunk) error { return nil })
+			if err == nil || errors.Is(err, ErrEngineUnavailable) || !strings.Contains(err.Error(), tt.want) {
+				t.Fatalf("error %v, want one saying %q, not an engine unavailable", err, tt.want)
+			}
+			if n := len(stub.requests()); n != 1 {
+				t.Errorf("engine got %d requests, want 1", n)
+			}
+		})
+	}
+}
