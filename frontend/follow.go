@@ -447,13 +447,15 @@ func (g *generation) usage() usageJSON {
 	return u
 }
 
-// completed records the completed generation in the vLLM metrics as vLLM
-// counts a prompt list: one engine request per prompt, each under its own
-// finish reason.
+// completed records the generation in the vLLM metrics as vLLM counts a
+// prompt list: one engine request per prompt, each that finished under its
+// own finish reason.
 func (g *generation) completed() {
 	e2e := time.Since(g.start).Seconds()
 	for _, c := range g.choices {
-		g.vm.finished(c.usage.PromptTokens, c.usage.CompletionTokens, c.usage.CachedTokens, c.finish, e2e)
+		if c.err == nil { // vLLM counts a request that failed in no success series
+			g.vm.finished(c.usage.PromptTokens, c.usage.CompletionTokens, c.usage.CachedTokens, c.finish, e2e)
+		}
 	}
 }
 

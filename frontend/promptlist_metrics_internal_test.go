@@ -70,3 +70,36 @@ func label(m *dto.Metric, name string) string {
 	}
 	return ""
 }
+
+// TestVLLMMetricsStreamWithAFailedPrompt: a streamed prompt list whose
+// second prompt failed after the stream began counts its first prompt's
+// success, as vLLM counts each engine request that finished; the failed one
+// counts in no success series. Before, one failed prompt took every
+// prompt's success out of the metrics.
+func TestVLLMMetricsStreamWithAFailedPrompt(t *testing.T) {
+	reg := prometheus.NewRegistry()
+	vm := newVLLMMetrics(reg, vllmEngineIndex, []string{"m"})
+	m := newMetrics(prometheus.NewRegistry(), func() float64 { return 0 })
+	g := &generation{s: &Server{m: m, vm: vm}, q: newOutputQueue(2), endpoint: messages.EndpointCompletions, log: slog.New(slog.DiscardHandler),
+		model: "m", vm: vm.of("m"), choices: []*choiceState{{busID: "r-0"}, {busID: "r-1"}}, start: time.Now()}
+	g.q.push(0, &messages.Output{ReqID: "r-0", Index: 0, Text: "a"})
+	g.q.push(0, &messages.Output{ReqID: "r-0", Index: 1, FinishReason: "stop", Usage: &messages.Usage{PromptTokens: 10, CompletionTokens: 2}})
+	g.q.push(1, &messages.Output{ReqID: "r-1", Index: 0, Text: "b"})
+	g.q.push(1, &messages.Output{ReqID: "r-1", Index: 1, Error: &messages.OutputError{Code: "engine_error", Message: "generation stopped"}})
+	g.stream(httptest.NewRecorder(), t.Context(), time.Now().Add(5*time.Second), false, false)
+	families, err := reg.Gather()
+	if err != nil {
+		t.Fatal(err)
+	}
+	success := map[string]float64{}
+	for _, f := range families {
+		if f.GetName() == "vllm:request_success_total" {
+			for _, mt := range f.GetMetric() {
+				success[label(mt, "finished_reason")] += mt.GetCounter().GetValue()
+			}
+		}
+	}
+	if success["stop"] != 1 || success["length"]+success["abort"] != 0 {
+		t.Errorf("vllm:request_success_total by finished_reason %v, want the finished prompt's stop 1 and nothing for the failed one", success)
+	}
+}

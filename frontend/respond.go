@@ -200,9 +200,7 @@ func (g *generation) stream(w http.ResponseWriter, ctx context.Context, deadline
 			status = c.err.Status
 		}
 	}
-	if msg == "request completed" { // vLLM counts a request that failed in no success series
-		g.completed()
-	}
+	g.completed()
 	logsink.Info(g.log, msg, "stream", true, "prompt_tokens", u.PromptTokens, "cached_tokens", u.PromptTokensDetails.CachedTokens,
 		"completion_tokens", u.CompletionTokens, "ms", time.Since(g.start).Milliseconds())
 	return status
