@@ -64,6 +64,11 @@ const (
 // and may run on another group.
 var ErrEngineUnavailable = errors.New("workers: engine unavailable")
 
+// ErrEngineTimeout is returned, with context.DeadlineExceeded, when a
+// request took longer than OpenAIConfig.Timeout (--engine-timeout) at the
+// engine, its attempts and waits included.
+var ErrEngineTimeout = errors.New("workers: the engine did not answer within --engine-timeout")
+
 // EngineError is an engine's answer that is not a success, relayed to the
 // client as the engine sent it.
 type EngineError struct {
@@ -241,7 +246,7 @@ func (e *OpenAIEngine) authorize(h http.Header) {
 // It is sent at most maxEngineAttempts times, with engineRetryBackoff
 // doubling between attempts; past that, or past the wait, it fails with an
 // error wrapping ErrEngineUnavailable.
-func (e *OpenAIEngine) Generate(ctx context.Context, req EngineRequest, prefilled func(), emit func(Chunk) error) (EngineResult, error) {
+func (e *OpenAIEngine) Generate(ctx context.Context, req EngineRequest, prefilled func(), emit func(Chunk) error) (_ EngineResult, err error) {
 	select {
 	case e.slots <- struct{}{}:
 	case <-ctx.Done():
@@ -249,9 +254,16 @@ func (e *OpenAIEngine) Generate(ctx context.Context, req EngineRequest, prefille
 	}
 	defer func() { <-e.slots }()
 	if e.cfg.Timeout > 0 {
+		parent := ctx
 		var cancel context.CancelFunc
-		ctx, cancel = context.WithTimeout(ctx, e.cfg.Timeout)
+		ctx, cancel = context.WithTimeoutCause(ctx, e.cfg.Timeout, ErrEngineTimeout)
 		defer cancel()
+		defer func() {
+			if err != nil && parent.Err() == nil && errors.Is(context.Cause(ctx), ErrEngineTimeout) {
+				// Said so: the client's own deadline did not pass.
+				err = fmt.Errorf("%w (%s): %w", ErrEngineTimeout, e.cfg.Timeout, context.DeadlineExceeded)
+			}
+		}()
 	}
 	call, err := newEngineCall(req, e.cfg.Model)
 	if err != nil {

@@ -395,3 +395,23 @@ func TestOpenAIGenerateMalformedStreamIsNotRetried(t *testing.T) {
 		})
 	}
 }
+
+// TestOpenAIGenerateEngineTimeoutSaysSo: a request the engine holds past
+// --engine-timeout fails with ErrEngineTimeout, a deadline, naming the
+// flag. Before, it was a bare context deadline, and the client was told its
+// own request deadline had passed during generation.
+func TestOpenAIGenerateEngineTimeoutSaysSo(t *testing.T) {
+	t.Parallel()
+	stub := newStubEngine(t, func(w http.ResponseWriter, r *http.Request, n int) {
+		select {
+		case <-r.Context().Done():
+		case <-time.After(10 * time.Second):
+		}
+	})
+	e := healthyOpenAI(t, OpenAIConfig{URL: stub.URL, Timeout: 200 * time.Millisecond})
+	_, err := e.Generate(t.Context(), EngineRequest{ReqID: "r", Endpoint: messages.EndpointChat, Body: []byte(`{}`)},
+		nil, func(Chunk) error { return nil })
+	if !errors.Is(err, ErrEngineTimeout) || !errors.Is(err, context.DeadlineExceeded) || !strings.Contains(err.Error(), "--engine-timeout (200ms)") {
+		t.Fatalf("error %v, want ErrEngineTimeout naming --engine-timeout (200ms), a deadline", err)
+	}
+}

@@ -139,7 +139,11 @@ func (r *Rank) drive(rr *rankReq) {
 			Message: fmt.Sprintf("the worker group %s stopped (scaled down or restarted) before this answer was finished: its drain ran past --shutdown-timeout (%s); retry the request",
 				r.cfg.Group, r.cfg.ShutdownTimeout)}})
 	case errors.Is(cause, context.DeadlineExceeded) || errors.Is(err, context.DeadlineExceeded):
-		publish(&messages.Output{Usage: usage, Error: &messages.OutputError{Code: "timeout", Message: "request deadline passed during generation"}})
+		msg := "request deadline passed during generation"
+		if cause == nil && errors.Is(err, ErrEngineTimeout) {
+			msg = err.Error() + "; retry the request, or raise --engine-timeout"
+		}
+		publish(&messages.Output{Usage: usage, Error: &messages.OutputError{Code: "timeout", Message: msg}})
 	default:
 		why := err // what the engine did; a cancel cause says more
 		if cause != nil {

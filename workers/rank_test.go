@@ -1324,3 +1324,22 @@ func TestDriverRelaysAnEngineErrorTooLargeForTheBus(t *testing.T) {
 		t.Fatalf("final output %+v (error %+v), want output 0 ending with the engine's 400 and message, without its body", final, final.Error)
 	}
 }
+
+// timeoutEngine fails every request as the engine's --engine-timeout does.
+type timeoutEngine struct{}
+
+func (timeoutEngine) Generate(context.Context, workers.EngineRequest, func(), func(workers.Chunk) error) (workers.EngineResult, error) {
+	return workers.EngineResult{}, fmt.Errorf("%w (1s): %w", workers.ErrEngineTimeout, context.DeadlineExceeded)
+}
+
+// TestDriverNamesTheEngineTimeout: the client of a request that outlived
+// --engine-timeout is told so (a timeout, 504), not that its own deadline
+// passed during generation, which its deadline had not.
+func TestDriverNamesTheEngineTimeout(t *testing.T) {
+	env := startRanks(t, rankEnvConfig{customEngine: timeoutEngine{}})
+	env.sendMeta(newMeta("slow", "sess", testenv.PromptTokens(1, 40)))
+	final := env.finalOutput("slow")
+	if final.Error == nil || final.Error.Code != "timeout" || !strings.Contains(final.Error.Message, "--engine-timeout") {
+		t.Fatalf("final output %+v (error %+v), want a timeout naming --engine-timeout", final, final.Error)
+	}
+}
