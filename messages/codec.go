@@ -274,6 +274,10 @@ func (m *ReqMeta) validate() error {
 		return invalid("req_meta %s: save_from_block %d out of range", m.ReqID, m.SaveFromBlock)
 	case m.LoadSpec != nil && (m.LoadSpec.KVPoolCachedTokens < 0 || m.LoadSpec.KVPoolCachedTokens > m.TokenLen):
 		return invalid("req_meta %s: kvpool_cached_tokens %d out of range", m.ReqID, m.LoadSpec.KVPoolCachedTokens)
+	case m.LoadSpec != nil && m.LoadSpec.KVPoolCachedTokens > len(m.BlockHashes)*m.BlockSize:
+		// The tokens loaded are those of whole blocks named by their hashes.
+		return invalid("req_meta %s: kvpool_cached_tokens %d beyond the %d blocks of %d tokens hashed", m.ReqID,
+			m.LoadSpec.KVPoolCachedTokens, len(m.BlockHashes), m.BlockSize)
 	case m.LoadSpec != nil && !validRuns(m.LoadSpec.Remote, m.LoadSpec.KVPoolCachedTokens/m.BlockSize):
 		return invalid("req_meta %s: remote runs %+v outside the %d blocks to load", m.ReqID, m.LoadSpec.Remote, m.LoadSpec.KVPoolCachedTokens/m.BlockSize)
 	case m.FrontendID == "" || !isToken(m.FrontendID):

@@ -616,6 +616,13 @@ func TestValidation(t *testing.T) {
 			m.LoadSpec.KVPoolCachedTokens = m.TokenLen + 1
 			return m
 		}(), decReqMeta},
+		// A rank loads the blocks of its block hashes, but counts every
+		// kvpool_cached_tokens as loaded in its queue and prefill counters.
+		{"ReqMeta/kvpool_cached_tokens beyond block_hashes", func() Message {
+			m := sampleReqMeta()
+			m.BlockHashes, m.SaveFromBlock = m.BlockHashes[:1], 1
+			return m
+		}(), decReqMeta},
 		{"ReqMeta/negative kvpool_cached_tokens", func() Message {
 			m := sampleReqMeta()
 			m.LoadSpec.KVPoolCachedTokens = -1

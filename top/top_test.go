@@ -391,7 +391,7 @@ func TestPoolTrafficOncePerAttempt(t *testing.T) {
 	b.request("r", "s", time.Now())
 	meta := func(group string, attempt int) *messages.ReqMeta {
 		return &messages.ReqMeta{ReqID: "r", SessionID: "s", Group: group, Attempt: attempt, FrontendID: "fe", ResultSubject: "done",
-			BlockSize: 1, TokenLen: 8, TokenIDs: make(messages.TokenIDs, 8),
+			BlockSize: 1, TokenLen: 8, TokenIDs: make(messages.TokenIDs, 8), BlockHashes: make(messages.BlockHashes, 8),
 			LoadSpec: &messages.LoadSpec{CanLoad: true, KVPoolCachedTokens: 5, Remote: []messages.RemoteRun{{Group: "g1", Blocks: 5}}}}
 	}
 	b.publish(b.s.Meta("g2", "s"), meta("g2", 0))
