@@ -1143,3 +1143,35 @@ func TestArrayLimit(t *testing.T) {
 		}
 	}
 }
+
+// TestPackedArraysAreBounded: a packed list sent as a plain array (what
+// other producers may send) is bounded by MaxArrayLen like every typed
+// array. An 8 MiB ReqMeta whose block_hashes were 8M one-byte integers made
+// its decoder allocate 64 MiB before validation refused it.
+func TestPackedArraysAreBounded(t *testing.T) {
+	hashes := func(n int) []byte {
+		var buf bytes.Buffer
+		enc := msgpack.NewEncoder(&buf)
+		for _, err := range []error{enc.EncodeMapLen(2), enc.EncodeString("req_id"), enc.EncodeString("r"), enc.EncodeString("block_hashes"), enc.EncodeArrayLen(n)} {
+			if err != nil {
+				t.Fatal(err)
+			}
+		}
+		buf.Write(bytes.Repeat([]byte{0x01}, n)) // positive fixints: one byte each
+		return buf.Bytes()
+	}
+	if _, err := DecodeReqMeta(hashes(MaxArrayLen + 1)); !errors.Is(err, ErrMalformed) {
+		t.Errorf("%d block hashes in an array: err = %v, want ErrMalformed", MaxArrayLen+1, err)
+	}
+	huge := hashes(MaxMessageBytes - 64)
+	var before, after runtime.MemStats
+	runtime.ReadMemStats(&before)
+	_, err := DecodeReqMeta(huge)
+	runtime.ReadMemStats(&after)
+	if !errors.Is(err, ErrMalformed) {
+		t.Errorf("8M block hashes in an array: err = %v, want ErrMalformed", err)
+	}
+	if n := after.TotalAlloc - before.TotalAlloc; n > 16<<20 {
+		t.Errorf("decoding an 8 MiB array of block hashes allocated %d MiB", n>>20)
+	}
+}

@@ -74,8 +74,8 @@ func appendPacked[E packable](b []byte, s []E, native bool) []byte {
 }
 
 // readPacked reads a list written by appendPacked, nil, or a plain msgpack
-// array of integers (what other producers may send). what names the list in
-// errors; native is appendPacked's.
+// array of at most MaxArrayLen integers (what other producers may send).
+// what names the list in errors; native is appendPacked's.
 func readPacked[E packable](b []byte, what string, native bool) ([]E, []byte, error) {
 	w := int(unsafe.Sizeof(E(0)))
 	switch msgp.NextType(b) {
@@ -89,6 +89,9 @@ func readPacked[E packable](b []byte, what string, native bool) ([]E, []byte, er
 		}
 		if int(n) > len(o) { // every element takes at least one byte
 			return nil, b, fmt.Errorf("%w: %s: array of %d elements in %d bytes", ErrMalformed, what, n, len(o))
+		}
+		if n > MaxArrayLen { // as every typed array (an element takes 8 bytes here, 1 on the wire)
+			return nil, b, fmt.Errorf("%w: %s: array of %d elements (limit %d)", ErrMalformed, what, n, MaxArrayLen)
 		}
 		out := make([]E, n)
 		for i := range out {
