@@ -241,6 +241,8 @@ func (m *Request) validate() error {
 		return invalid("request %s: negative max_tokens", m.RequestID)
 	case !jsonObject(m.Body):
 		return invalid("request %s: body is not a JSON object", m.RequestID)
+	case m.Endpoint != "" && m.Endpoint != EndpointChat && m.Endpoint != EndpointCompletions:
+		return invalid("request %s: endpoint %q is not %s or %s", m.RequestID, m.Endpoint, EndpointChat, EndpointCompletions)
 	}
 	return nil
 }

@@ -599,6 +599,8 @@ func TestValidation(t *testing.T) {
 		{"Request/no frontend_id", func() Message { m := sampleRequest(); m.FrontendID = ""; return m }(), decRequest},
 		{"Request/frontend_id not a token", func() Message { m := sampleRequest(); m.FrontendID = "fe.0"; return m }(), decRequest},
 		{"Request/negative max_tokens", func() Message { m := sampleRequest(); m.SamplingParams.MaxTokens = -1; return m }(), decRequest},
+		// The scheduler copies it into the ReqMeta, which every rank refuses.
+		{"Request/unknown endpoint", func() Message { m := sampleRequest(); m.Endpoint = "embeddings"; return m }(), decRequest},
 		{"ReqMeta/no req_id", func() Message { m := sampleReqMeta(); m.ReqID = ""; return m }(), decReqMeta},
 		{"ReqMeta/bad group", func() Message { m := sampleReqMeta(); m.Group = "g.0"; return m }(), decReqMeta},
 		{"ReqMeta/no group", func() Message { m := sampleReqMeta(); m.Group = ""; return m }(), decReqMeta},
