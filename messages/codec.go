@@ -330,8 +330,11 @@ func (m *RankResult) validate() error {
 }
 
 func (m *Output) validate() error {
-	if m.ReqID == "" {
+	switch u := m.Usage; {
+	case m.ReqID == "":
 		return invalid("output without req_id")
+	case u != nil && (u.PromptTokens < 0 || u.CompletionTokens < 0 || u.CachedTokens < 0 || u.RemoteCachedTokens < 0):
+		return invalid("output of %s with a negative token count in its usage %+v", m.ReqID, *u)
 	}
 	return nil
 }

@@ -640,6 +640,12 @@ func TestValidation(t *testing.T) {
 		{"RankResult/negative completion_tokens", &RankResult{ReqID: "r", CompletionTokens: -1}, decRankResult},
 		{"RankResult/negative tp_rank", &RankResult{ReqID: "r", TPRank: -1}, decRankResult},
 		{"Output/no req_id", &Output{Text: "x"}, decOutput},
+		// A frontend adds these to its Prometheus counters: a negative one
+		// panicked its HTTP handler, and the client's connection was cut.
+		{"Output/negative prompt_tokens", &Output{ReqID: "r", FinishReason: "stop", Usage: &Usage{PromptTokens: -1}}, decOutput},
+		{"Output/negative completion_tokens", &Output{ReqID: "r", FinishReason: "stop", Usage: &Usage{CompletionTokens: -1}}, decOutput},
+		{"Output/negative cached_tokens", &Output{ReqID: "r", FinishReason: "stop", Usage: &Usage{CachedTokens: -16}}, decOutput},
+		{"Output/negative remote_cached_tokens", &Output{ReqID: "r", FinishReason: "stop", Usage: &Usage{RemoteCachedTokens: -16}}, decOutput},
 		{"KVEventBatch/unknown event type", func() Message {
 			m := sampleKVEventBatch()
 			m.Events = append(m.Events, KVEvent{Type: "BlockUpdated"})
