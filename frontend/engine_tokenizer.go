@@ -44,6 +44,10 @@ type RequestTokenizer interface {
 	Tokenizer
 	// TokenizeChat returns the prompt tokens of a chat request's body.
 	TokenizeChat(ctx context.Context, body []byte) ([]uint32, error)
+	// TokenizePrompt returns the tokens of a completion prompt, with the
+	// model's special tokens (BOS) when addSpecialTokens is set, as the
+	// request's add_special_tokens asks.
+	TokenizePrompt(ctx context.Context, text string, addSpecialTokens bool) ([]uint32, error)
 }
 
 // EngineTokenizerConfig configures an EngineTokenizer.
@@ -113,11 +117,16 @@ func (t *EngineTokenizer) VocabSize() int { return 1 << 32 }
 // Encode implements Tokenizer: a completion prompt, with the special
 // tokens vLLM's /v1/completions adds by default.
 func (t *EngineTokenizer) Encode(text string) ([]uint32, error) {
-	body, err := json.Marshal(map[string]any{"prompt": text, "add_special_tokens": true})
+	return t.TokenizePrompt(context.Background(), text, true)
+}
+
+// TokenizePrompt implements RequestTokenizer.
+func (t *EngineTokenizer) TokenizePrompt(ctx context.Context, text string, addSpecialTokens bool) ([]uint32, error) {
+	body, err := json.Marshal(map[string]any{"prompt": text, "add_special_tokens": addSpecialTokens})
 	if err != nil {
 		return nil, err
 	}
-	return t.tokenize(context.Background(), body)
+	return t.tokenize(ctx, body)
 }
 
 // ApplyChatTemplate implements Tokenizer for plain text turns.

@@ -14,6 +14,7 @@ import (
 	"time"
 
 	"github.com/kvbus/kvbus/frontend"
+	"github.com/kvbus/kvbus/messages"
 	"github.com/kvbus/kvbus/testenv"
 	"github.com/kvbus/kvbus/testenv/fakeengine"
 )
@@ -358,5 +359,36 @@ func TestEngineTokenizerHungEngine(t *testing.T) {
 	}
 	if n := hungHits.Load(); n != 1 {
 		t.Errorf("the hung engine got %d /tokenize requests, want 1", n)
+	}
+}
+
+// TestEngineTokenizerCompletionSpecialTokens proves a completion's prompt
+// is tokenized with the body's add_special_tokens, as the engine's
+// /v1/completions tokenizes it: with false (a prompt the client rendered
+// with its own template and BOS) the bus request's tokens are the engine's
+// own, without a BOS, so kvbus's block hashes match the engine's cache;
+// without the field they start with the BOS, as before. It failed before:
+// /tokenize was always asked with add_special_tokens true, and every such
+// prompt was one BOS longer than the engine's, no block of it matching.
+func TestEngineTokenizerCompletionSpecialTokens(t *testing.T) {
+	engine := startFakeEngine(t, fakeengine.Config{ModelName: "kvbus-sim"})
+	tok := newEngineTokenizer(t, frontend.EngineTokenizerConfig{URLs: []string{engine.URL()}})
+	fe := startFrontend(t, func(c *frontend.Config) { c.Passthrough, c.Tokenizer = true, tok })
+	got := make(chan *messages.Request, 4)
+	answering(t, fe, func(req *messages.Request) []*messages.Output {
+		got <- req
+		return []*messages.Output{{Index: 0, Text: "ok", FinishReason: "stop",
+			Raw: []byte(`{"id":"x","object":"text_completion","choices":[{"index":0,"text":"ok","finish_reason":"stop"}]}`)}}
+	})
+	for _, extra := range []string{`,"add_special_tokens":false`, ``, `,"add_special_tokens":true`} {
+		body := `{"model":"kvbus-sim","prompt":"a prompt the client rendered itself","max_tokens":4` + extra + `}`
+		status, _, resp := testenv.Send(t, http.MethodPost, fe.url+"/v1/completions", body, nil)
+		if status != http.StatusOK {
+			t.Fatalf("%s: %d %s", body, status, resp)
+		}
+		req := <-got
+		if want := prefilled(t, engine, "/v1/completions", body); !slices.Equal(req.PromptTokenIDs, want) {
+			t.Errorf("%s: bus prompt tokens %v; the engine prefills %v", body, req.PromptTokenIDs, want)
+		}
 	}
 }

@@ -33,6 +33,7 @@ var requestSchema = fieldSchema{
 	"messages":              {"role": nil, "content": {"type": nil, "text": nil}},
 	"max_completion_tokens": nil,
 	"prompt":                nil,
+	"add_special_tokens":    nil,
 }
 
 // maxKeyLen is the length of the longest key of requestSchema.

@@ -363,7 +363,13 @@ func (s *Server) tokenize(ctx context.Context, p *parsedRequest) ([][]uint32, *A
 		prompts = p.tokenPrompts
 	default:
 		for _, t := range p.texts {
-			ids, err := s.tok.Encode(t)
+			var ids []uint32
+			var err error
+			if fromBody {
+				ids, err = rt.TokenizePrompt(ctx, t, !p.noSpecialTokens) // the body's add_special_tokens
+			} else {
+				ids, err = s.tok.Encode(t)
+			}
 			if err != nil {
 				return nil, tokenizeError("prompt", err)
 			}

@@ -179,6 +179,9 @@ type chatMessage struct {
 type completionRequest struct {
 	commonParams
 	Prompt json.RawMessage `json:"prompt"`
+	// AddSpecialTokens is vLLM's (default true): false tokenizes the
+	// prompt without the model's BOS, a prompt the client rendered itself.
+	AddSpecialTokens *bool `json:"add_special_tokens"`
 }
 
 // parseOptions say what the requests will run on.
@@ -206,6 +209,9 @@ type parsedRequest struct {
 	// continuousUsage: usage on every streamed chunk
 	// (stream_options.continuous_usage_stats with include_usage).
 	continuousUsage bool
+	// noSpecialTokens: a completion's add_special_tokens is false, its
+	// prompts are tokenized without the model's special tokens.
+	noSpecialTokens bool
 	// requestID is the body's request_id, validated (empty: none).
 	requestID  string
 	session    SessionInput
@@ -579,6 +585,7 @@ func parseCompletion(body []byte, o parseOptions) (*parsedRequest, *APIError) {
 		// is vLLM's rest of the context, as a chat's default (busRequest).
 		p.params.MaxTokens, p.maxTokensSet = 16, true
 	}
+	p.noSpecialTokens = req.AddSpecialTokens != nil && !*req.AddSpecialTokens
 	raw := bytes.TrimSpace(req.Prompt)
 	const param = "prompt"
 	if len(raw) == 0 || string(raw) == "null" {
