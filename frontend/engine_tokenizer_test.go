@@ -392,3 +392,38 @@ func TestEngineTokenizerCompletionSpecialTokens(t *testing.T) {
 		}
 	}
 }
+
+// TestEngineTokenizerPromptListAsksOnce proves a completion's prompt list
+// sent to an engine (passthrough, which answers the whole list and is
+// placed by its first prompt) costs one /tokenize call, for the prompt the
+// bus request carries. It failed before: every prompt of the list was
+// tokenized, one round trip to the engine after the other, before the
+// request was sent, and the tokens of all but the first were thrown away:
+// a list of 64 prompts waited for 64 calls.
+func TestEngineTokenizerPromptListAsksOnce(t *testing.T) {
+	engine := startFakeEngine(t, fakeengine.Config{ModelName: "kvbus-sim"})
+	tok := newEngineTokenizer(t, frontend.EngineTokenizerConfig{URLs: []string{engine.URL()}})
+	fe := startFrontend(t, func(c *frontend.Config) { c.Passthrough, c.Tokenizer = true, tok })
+	got := make(chan *messages.Request, 4)
+	answering(t, fe, func(req *messages.Request) []*messages.Output {
+		got <- req
+		return []*messages.Output{{Index: 0, Text: "ok", FinishReason: "stop",
+			Raw: []byte(`{"id":"x","object":"text_completion","choices":[{"index":0,"text":"ok","finish_reason":"stop"}]}`)}}
+	})
+	prompts := make([]string, 64)
+	for i := range prompts {
+		prompts[i] = strconv.Quote("prompt number " + strconv.Itoa(i))
+	}
+	body := `{"model":"kvbus-sim","max_tokens":4,"prompt":[` + strings.Join(prompts, ",") + `]}`
+	status, _, resp := testenv.Send(t, http.MethodPost, fe.url+"/v1/completions", body, nil)
+	if status != http.StatusOK {
+		t.Fatalf("%d %s", status, resp)
+	}
+	req := <-got
+	if want := fakeengine.Tokenize("prompt number 0", true); !slices.Equal(req.PromptTokenIDs, want) {
+		t.Errorf("bus prompt tokens %v; want the first prompt's %v", req.PromptTokenIDs, want)
+	}
+	if n := len(received(engine, "/tokenize")); n != 1 {
+		t.Errorf("the engine was asked /tokenize %d times for a list of %d prompts; want 1", n, len(prompts))
+	}
+}

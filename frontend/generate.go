@@ -362,7 +362,14 @@ func (s *Server) tokenize(ctx context.Context, p *parsedRequest) ([][]uint32, *A
 	case p.tokenPrompts != nil:
 		prompts = p.tokenPrompts
 	default:
-		for _, t := range p.texts {
+		texts := p.texts
+		if s.cfg.Passthrough {
+			// The engine answers the whole list, placed by its first
+			// prompt (the only one on the bus): the others are the
+			// engine's to tokenize, not one /tokenize call each here.
+			texts = texts[:1]
+		}
+		for _, t := range texts {
 			var ids []uint32
 			var err error
 			if fromBody {
