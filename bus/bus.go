@@ -385,8 +385,11 @@ func RedactURLs(urls string) string {
 func redactError(err error, urls, shown string) error {
 	text := err.Error()
 	if urls != shown {
+		// nats.go quotes a URL without the spaces around its comma.
 		for i, p := range strings.Split(urls, ",") {
-			text = strings.ReplaceAll(text, p, strings.Split(shown, ",")[i])
+			if p = strings.TrimSpace(p); p != "" {
+				text = strings.ReplaceAll(text, p, strings.TrimSpace(strings.Split(shown, ",")[i]))
+			}
 		}
 	}
 	var uerr *neturl.Error

@@ -38,6 +38,16 @@ func TestConnectErrorRedactsPassword(t *testing.T) {
 	}
 }
 
+// TestConnectErrorRedactsPasswordAfterASpace: a --nats-url list written
+// with a space after its comma ("nats://a:4222, nats://u:p@b:4222") is
+// redacted too: nats.go quotes the URL it cannot parse without the space.
+func TestConnectErrorRedactsPasswordAfterASpace(t *testing.T) {
+	_, err := bus.Connect(t.Context(), bus.Config{URL: "nats://127.0.0.1:2, nats://kvbus:hun/ter2@127.0.0.1:1", ConnectTimeout: time.Second})
+	if err == nil || strings.Contains(err.Error(), "ter2") || !strings.Contains(err.Error(), "escape") {
+		t.Errorf("an unparsable URL with a password after a space: %v; want it redacted, saying how to escape the password", err)
+	}
+}
+
 // TestConnectAuthErrorAdvice: a wrong credential is not "no server": the
 // error says to check the credentials, at once, not after retrying for the
 // whole ConnectTimeout and telling the operator to start a server.
