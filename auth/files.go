@@ -44,7 +44,8 @@ func Identities(groups []string) []Identity {
 
 // Init writes, into dir, one nkey seed per identity (<name>.nk, mode 0600)
 // and ConfigFile, the nats-server authorization block for their public
-// keys. It refuses to overwrite existing files unless force; on a
+// keys. It refuses to overwrite existing files unless force (which
+// replaces every key of dir, the group keys not in groups too); on a
 // directory of keys, it adds the keys of groups it lacks and keeps the
 // others (ErrExists when none is missing). It returns the identities whose
 // seeds it wrote.
@@ -55,8 +56,18 @@ func Init(dir string, s messages.Subjects, groups []string, force bool) ([]Ident
 			return nil, err
 		}
 	}
-	if existing, _, err := Keys(dir); err == nil && !force {
-		return addKeys(dir, s, existing, ids)
+	if existing, _, err := Keys(dir); err == nil {
+		if !force {
+			return addKeys(dir, s, existing, ids)
+		}
+		// Every key is replaced, the groups' not named too: one kept
+		// would be left out of ConfigFile, and written back into it
+		// with its old seed by the next rotation.
+		for _, id := range existing {
+			if !slices.ContainsFunc(ids, func(i Identity) bool { return i.Name() == id.Name() }) {
+				ids = append(ids, id)
+			}
+		}
 	}
 	if !force {
 		for _, name := range append(seedFiles(ids), ConfigFile) {

@@ -8,6 +8,7 @@ import (
 	"testing"
 
 	"github.com/kvbus/kvbus/auth"
+	"github.com/kvbus/kvbus/bus"
 	"github.com/kvbus/kvbus/messages"
 )
 
@@ -194,4 +195,47 @@ func readFile(t *testing.T, path string) string {
 		t.Fatal(err)
 	}
 	return string(b)
+}
+
+// TestForceReplacesTheGroupKeysToo: `kvbus auth init DIR --force` without
+// --groups on a directory with worker-g0.nk replaces that key too, as it
+// replaces every other. Before, worker-g0.nk kept its old seed, left out
+// of nats-auth.conf (its workers were refused at the next reload), and the
+// next rotation of any key wrote the old seed's key back into the
+// configuration: a key the operator had replaced connected again.
+func TestForceReplacesTheGroupKeysToo(t *testing.T) {
+	dir := t.TempDir()
+	if _, err := auth.Init(dir, messages.Subjects{}, []string{"g0"}, false); err != nil {
+		t.Fatal(err)
+	}
+	seed := filepath.Join(dir, "worker-g0.nk")
+	old, err := os.ReadFile(seed)
+	if err != nil {
+		t.Fatal(err)
+	}
+	oldSeed := filepath.Join(t.TempDir(), "old.nk")
+	if err := os.WriteFile(oldSeed, old, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := auth.Init(dir, messages.Subjects{}, nil, true); err != nil {
+		t.Fatal(err)
+	}
+	if now, _ := os.ReadFile(seed); string(now) == string(old) {
+		t.Error("--force kept worker-g0.nk's seed")
+	}
+	// Any later rotation rewrites the configuration from the seeds in DIR.
+	if err := auth.Rotate(dir, messages.Subjects{}, "observer"); err != nil {
+		t.Fatal(err)
+	}
+	srv, err := bus.StartServer(bus.ServerConfig{Addr: "127.0.0.1:0", DataDir: t.TempDir(), AuthConfig: filepath.Join(dir, auth.ConfigFile)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer srv.Shutdown()
+	if _, err := connect(t, srv, seed); err != nil {
+		t.Errorf("worker-g0's current key refused: %v", err)
+	}
+	if _, err := connect(t, srv, oldSeed); err == nil {
+		t.Error("worker-g0's key from before --force connects")
+	}
 }
