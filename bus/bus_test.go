@@ -281,3 +281,38 @@ func TestEnsureRequestStreamRefusesBadLimits(t *testing.T) {
 		t.Errorf("Retry of a configuration the server refuses: %v (deadline passed: %v); want the server's answer at once", err, ctx.Err())
 	}
 }
+
+// TestReplicasOnOneServerFailAtOnce: --stream-replicas above 1 against a
+// NATS server that is not clustered fails the request log, its consumer
+// and the plan stream at once with the server's answer. Before, each was
+// retried every 200 ms until the role's 30 s setup deadline passed, and
+// the role said nothing meanwhile.
+func TestReplicasOnOneServerFailAtOnce(t *testing.T) {
+	js := newJS(t)
+	st, err := bus.EnsureRequestStream(t.Context(), js, bus.StreamConfig{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	for what, ensure := range map[string]func(ctx context.Context) error{
+		"request log": func(ctx context.Context) error {
+			_, err := bus.EnsureRequestStream(ctx, js, bus.StreamConfig{Subjects: messages.Subjects{Prefix: "r3"}, Replicas: 3})
+			return err
+		},
+		"consumer": func(ctx context.Context) error {
+			_, err := bus.EnsureSchedulerConsumer(ctx, st, 0, 3)
+			return err
+		},
+		"plan stream": func(ctx context.Context) error {
+			_, err := bus.EnsurePlanStream(ctx, js, messages.Subjects{}, 3, time.Minute)
+			return err
+		},
+	} {
+		ctx, cancel := context.WithTimeout(t.Context(), 10*time.Second)
+		start := time.Now()
+		err := ensure(ctx)
+		cancel()
+		if err == nil || !strings.Contains(err.Error(), "replicas") || time.Since(start) > 3*time.Second {
+			t.Errorf("%s with 3 replicas on one server: %v after %s; want the server's refusal at once", what, err, time.Since(start).Round(time.Millisecond))
+		}
+	}
+}

@@ -145,11 +145,18 @@ func Retry[T any](ctx context.Context, f func(ctx context.Context) (T, error)) (
 	}
 }
 
+// jsErrReplicasNotSupported is nats-server's
+// JSStreamReplicasNotSupportedErr code: replicas above 1 asked of a server
+// that is not clustered (a stream's or a consumer's).
+const jsErrReplicasNotSupported jetstream.ErrorCode = 10074
+
 // permanent reports a JetStream API error that no retry changes: a
-// configuration the server refuses (a negative limit, say).
+// configuration the server refuses (a negative limit, say), or replicas a
+// server without a cluster cannot hold (--stream-replicas 3 against one
+// server).
 func permanent(err error) bool {
 	var apiErr *jetstream.APIError
-	return errors.As(err, &apiErr) && apiErr.ErrorCode == jsErrStreamInvalidConfig
+	return errors.As(err, &apiErr) && (apiErr.ErrorCode == jsErrStreamInvalidConfig || apiErr.ErrorCode == jsErrReplicasNotSupported)
 }
 
 // JetStreamNames are the names of a deployment's request log and buckets.
