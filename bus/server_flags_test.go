@@ -153,7 +153,8 @@ func TestRouteCertMustVerifyAgainstTheCA(t *testing.T) {
 // TestServerLogSaysWhyRoutesFail: a clustered server without --server-name
 // is warned about at start (every kvbus nats on the same port has the same
 // default name), and the server's log lines about a duplicate server name
-// and a refused cluster password say which flag to fix. Before, two servers
+// and a refused cluster password say which flag to fix (and that SIGHUP
+// reads a rotated password file again). Before, two servers
 // on different hosts with the default name refused each other's routes and
 // the log said only "Remote server has a duplicate name", and a rotated
 // password only "authentication error".
@@ -176,6 +177,11 @@ func TestServerLogSaysWhyRoutesFail(t *testing.T) {
 	waitFor(t, 10*time.Second, "n1 to say what to do about a route with another password", func() bool {
 		return strings.Contains(logs1.String(), "authentication error") && strings.Contains(logs1.String(), "--cluster-password-file")
 	})
+	// A rotated password is read again on SIGHUP (Reload): no server needs a
+	// restart, which would make every role reconnect.
+	if !strings.Contains(logs1.String(), "SIGHUP") || strings.Contains(logs1.String(), "restart every kvbus nats") {
+		t.Errorf("the hint about another cluster password should say to send SIGHUP, not to restart the servers:\n%s", logs1)
+	}
 	if strings.Contains(logs1.String(), "route-secret") {
 		t.Errorf("a cluster password is in the log:\n%s", logs1)
 	}

@@ -142,7 +142,7 @@ func (l *serverLogger) logf(level slog.Level, format string, v ...any) {
 // not which kvbus nats flag to fix.
 const (
 	hintClusterPassword = "the two servers have different cluster passwords: give every server of the cluster the same " +
-		"--cluster-password-file (after `kvbus auth init DIR --rotate cluster-password`, restart every kvbus nats of the cluster with the new file)"
+		"--cluster-password-file (after `kvbus auth init DIR --rotate cluster-password`, send every kvbus nats of the cluster SIGHUP, make reload-nats in compose, to read it again)"
 	hintServerName = "every server of the cluster needs its own --server-name (the default, kvbus-<port of --addr>, " +
 		"is the same on every host using that port)"
 	hintRouteCA = "the routes verify each other's certificates against --tls-ca (the system's roots without it): " +

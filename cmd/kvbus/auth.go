@@ -27,7 +27,7 @@ type authInitCmd struct {
 	Dir    string   `arg:"" name:"dir" help:"Directory for the seeds (<role>.nk, mode 0600) and nats-auth.conf."`
 	Groups []string `name:"groups" sep:"," help:"Also write one worker key per group (worker-<group>.nk), allowed only that group's ReqMetas, dumps, pool, KV events and heartbeats."`
 	Force  bool     `name:"force" help:"Overwrite existing keys (rotation: every role then needs its new seed, and NATS the new config)."`
-	Rotate string   `name:"rotate" help:"Give only this key (a role, or worker-<group>) a new seed and rewrite nats-auth.conf; the other keys stay. --rotate cluster-password replaces the routes' password (restart every kvbus nats of the cluster with it)."`
+	Rotate string   `name:"rotate" help:"Give only this key (a role, or worker-<group>) a new seed and rewrite nats-auth.conf; the other keys stay. --rotate cluster-password replaces the routes' password (then send every kvbus nats of the cluster SIGHUP: each reads --cluster-password-file again)."`
 	Prefix string   `name:"subject-prefix" help:"First token of every kvbus subject (default kvbus; with --rotate, the one DIR was written for)."`
 }
 
@@ -38,7 +38,7 @@ func (c *authInitCmd) Run() error {
 			return err
 		}
 		if c.Rotate == auth.ClusterPasswordFile {
-			fmt.Printf("new %s/%s; restart every kvbus nats of the cluster with it (until all have it, the routes between old and new are refused)\n", c.Dir, c.Rotate)
+			fmt.Printf("new %s/%s; reload every kvbus nats of the cluster within a minute (kill -HUP, make reload-nats in compose): each reads --cluster-password-file again, routes already up stay, and a new route between a server with the old password and one with the new is refused\n", c.Dir, c.Rotate)
 			return nil
 		}
 		warnStrayKeys(c.Dir)
