@@ -394,6 +394,11 @@ func redactError(err error, urls, shown string) error {
 	}
 	var uerr *neturl.Error
 	if errors.As(err, &uerr) {
+		if strings.Contains(uerr.URL, "@") {
+			// The reason quotes a piece of the URL, of its password too
+			// (`invalid port ":hun" after host`, `invalid URL escape "%zz"`).
+			return fmt.Errorf("%w: %s %q: the URL cannot be parsed", errBadURL, uerr.Op, RedactURLs(uerr.URL))
+		}
 		return fmt.Errorf("%w: %s", errBadURL, text)
 	}
 	if text == err.Error() {

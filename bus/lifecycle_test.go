@@ -48,6 +48,19 @@ func TestConnectErrorRedactsPasswordAfterASpace(t *testing.T) {
 	}
 }
 
+// TestConnectErrorShowsNoPieceOfThePassword: the reason net/url gives for a
+// URL it cannot parse quotes the piece it stopped at, which may be part of
+// the password ("hun" of hun/ter2 as `invalid port ":hun"`): the connect
+// error leaves it out and keeps the advice on escaping.
+func TestConnectErrorShowsNoPieceOfThePassword(t *testing.T) {
+	for _, url := range []string{"nats://kvbus:hun/ter2@127.0.0.1:1", "nats://kvbus:se%zzret@127.0.0.1:1"} {
+		_, err := bus.Connect(t.Context(), bus.Config{URL: url, ConnectTimeout: time.Second})
+		if err == nil || strings.Contains(err.Error(), "hun") || strings.Contains(err.Error(), "zz") || !strings.Contains(err.Error(), "escape") {
+			t.Errorf("an unparsable URL with a password: %v; want no piece of the password, saying how to escape it", err)
+		}
+	}
+}
+
 // TestConnectAuthErrorAdvice: a wrong credential is not "no server": the
 // error says to check the credentials, at once, not after retrying for the
 // whole ConnectTimeout and telling the operator to start a server.
