@@ -375,6 +375,38 @@ func TestRotateKeepsThePrefix(t *testing.T) {
 	}
 }
 
+// TestForceKeepsThePrefix: `kvbus auth init DIR --force` on a directory
+// written for another subject prefix replaces every key on that prefix,
+// as a rotation of one key does, without --subject-prefix repeated. Before,
+// it rewrote every role's permissions (and DIR's record) for kvbus.*: at
+// the next reload every role was refused its real subjects.
+func TestForceKeepsThePrefix(t *testing.T) {
+	dir := t.TempDir()
+	if _, err := auth.Init(dir, messages.Subjects{Prefix: "prod"}, nil, false); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := auth.Init(dir, messages.Subjects{}, nil, true); err != nil {
+		t.Fatal(err)
+	}
+	conf, err := os.ReadFile(filepath.Join(dir, auth.ConfigFile))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !strings.Contains(string(conf), `"prod.`) || strings.Contains(string(conf), `"kvbus.`) {
+		t.Errorf("after --force the permissions are not on prod.*:\n%s", conf)
+	}
+	if m, err := auth.Matrix(dir, messages.Subjects{}); err != nil || !strings.Contains(m, "prod.") || strings.Contains(m, "kvbus.") {
+		t.Errorf("matrix after --force: %v\n%s", err, m)
+	}
+	// Another prefix named on purpose is taken: --force starts anew.
+	if _, err := auth.Init(dir, messages.Subjects{Prefix: "staging"}, nil, true); err != nil {
+		t.Fatal(err)
+	}
+	if m, err := auth.Matrix(dir, messages.Subjects{}); err != nil || !strings.Contains(m, "staging.") || strings.Contains(m, "prod.") {
+		t.Errorf("matrix after --force --subject-prefix staging: %v\n%s", err, m)
+	}
+}
+
 // TestInitAddsTheObserverKey: a key directory written before the observer
 // role existed gets observer.nk from `kvbus auth init DIR`, every other seed
 // kept, and nats-auth.conf lists it (with a deny-all publish: an empty allow

@@ -45,7 +45,8 @@ func Identities(groups []string) []Identity {
 // Init writes, into dir, one nkey seed per identity (<name>.nk, mode 0600)
 // and ConfigFile, the nats-server authorization block for their public
 // keys. It refuses to overwrite existing files unless force (which
-// replaces every key of dir, the group keys not in groups too); on a
+// replaces every key of dir, the group keys not in groups too, on the
+// subject prefix dir records unless s names one); on a
 // directory of keys, it adds the keys of groups it lacks and keeps the
 // others (ErrExists when none is missing). It returns the identities whose
 // seeds it wrote.
@@ -62,7 +63,13 @@ func Init(dir string, s messages.Subjects, groups []string, force bool) ([]Ident
 		}
 		// Every key is replaced, the groups' not named too: one kept
 		// would be left out of ConfigFile, and written back into it
-		// with its old seed by the next rotation.
+		// with its old seed by the next rotation. Without a prefix
+		// named, on the prefix DIR was written for, as a rotation.
+		if s.Prefix == "" {
+			if s, err = dirSubjects(dir, s); err != nil {
+				return nil, err
+			}
+		}
 		for _, id := range existing {
 			if !slices.ContainsFunc(ids, func(i Identity) bool { return i.Name() == id.Name() }) {
 				ids = append(ids, id)
