@@ -92,6 +92,14 @@ func CheckPermissions(ctx context.Context, nc *nats.Conn, c RoleCheck) error {
 	if !ok || kind != "Subscription" || !slices.Contains(subjects, subject) {
 		return nil
 	}
+	if subject == inbox && !readsAnInbox(ctx, nc) {
+		// Every subject of the role passed and no reply inbox at all: a
+		// key that only watches (the observer's reads kvbus.>).
+		return fmt.Errorf("%w: the server refused to let the %s subscribe to its reply inbox %s, or to any (%w): its NATS key only "+
+			"watches the bus, as the observer key of kvbus top and tap does, and may make no request. Give it the key `kvbus auth init DIR` "+
+			"wrote for it: %s; `kvbus auth show DIR` lists what each key may use",
+			ErrPermission, roleName(c), subject, nats.ErrPermissionViolation, keyAdvice(c.Role, c.Group))
+	}
 	if subject == inbox {
 		// Every subject of the role passed: its key is right, but the
 		// server's allow-list has no inbox of its own.
@@ -107,6 +115,28 @@ func CheckPermissions(ctx context.Context, nc *nats.Conn, c RoleCheck) error {
 		"another group's), or was written for another --subject-prefix. Give it the key `kvbus auth init DIR` wrote for it: %s; "+
 		"`kvbus auth show DIR` lists what each key may use, and with your own NATS users give this one the %s's allow-list",
 		ErrPermission, roleName(c), what, nats.ErrPermissionViolation, keyAdvice(c.Role, c.Group), c.Role)
+}
+
+// readsAnInbox reports whether nc may subscribe to a reply inbox of
+// nats.go's own prefix, _INBOX, as every role's key could in the
+// nats-auth.conf of an older kvbus auth init (and admin's can): a key
+// refused its role's inbox is then that role's, under an older
+// configuration, and otherwise a key that may read no inbox at all. A
+// flush that fails says nothing: true, the older configuration.
+func readsAnInbox(ctx context.Context, nc *nats.Conn) bool {
+	probe := nats.NewInbox()
+	sub, err := nc.SubscribeSync(probe)
+	if err != nil {
+		return true
+	}
+	defer func() { _ = sub.Unsubscribe() }()
+	fctx, cancel := context.WithTimeout(ctx, permissionCheckTimeout)
+	defer cancel()
+	if err := nc.FlushWithContext(fctx); err != nil {
+		return true
+	}
+	kind, subject, ok := violation(nc.LastError())
+	return !ok || kind != "Subscription" || subject != probe
 }
 
 // keyAdvice names the key `kvbus auth init DIR` wrote for a role (group:

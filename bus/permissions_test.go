@@ -118,3 +118,31 @@ func TestEnsureRequestStreamWithoutJetStreamPermission(t *testing.T) {
 		t.Errorf("with frontend.nk: %v", err)
 	}
 }
+
+// TestCheckPermissionsWithTheObserverKey: a role given the observer key
+// (kvbus top and tap's), which reads every kvbus subject and may make no
+// request, is told its key is wrong and which to give. Before, since every
+// subject of the role passed and only its reply inbox was refused, it was
+// told that nats-auth.conf came from an older kvbus auth init and to run
+// it again, which changes nothing.
+func TestCheckPermissionsWithTheObserverKey(t *testing.T) {
+	s := messages.Subjects{}
+	srv, dir := testenv.StartKeyedNATS(t)
+	frontend := bus.RoleCheck{Role: "frontend", Subscribe: []string{s.Out("fe-1"), s.AnnounceRole(messages.RoleScheduler)}}
+	nc := keyedConn(t, srv, dir, "observer", bus.InboxPrefix("frontend", ""))
+	err := bus.CheckPermissions(t.Context(), nc, frontend)
+	if !errors.Is(err, bus.ErrPermission) {
+		t.Fatalf("with observer.nk: %v, want ErrPermission", err)
+	}
+	for _, want := range []string{"observer", "--nats-nkey DIR/frontend.nk"} {
+		if !strings.Contains(err.Error(), want) {
+			t.Errorf("with observer.nk: the error does not say %q: %v", want, err)
+		}
+	}
+	if strings.Contains(err.Error(), "older") {
+		t.Errorf("with observer.nk: the error blames an older nats-auth.conf: %v", err)
+	}
+	if n := nc.NumSubscriptions(); n != 0 {
+		t.Errorf("%d subscriptions left behind", n)
+	}
+}
