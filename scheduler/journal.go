@@ -127,3 +127,30 @@ func (s *Scheduler) pendingDispatches(ctx context.Context, st jetstream.Stream) 
 	}
 	return byReplica, read, ctx.Err()
 }
+
+// watchPlanStream makes the plan stream again, every logCheckEvery, when
+// the NATS server lost it: it is kept in memory, which a server's restart
+// loses even with its store on disk, and until a replica started again
+// nothing journaled the plans: a lone replica that then died left its
+// requests to their deadline. It runs until ctx ends.
+func (s *Scheduler) watchPlanStream(ctx context.Context, js jetstream.JetStream) {
+	check := time.NewTicker(logCheckEvery)
+	defer check.Stop()
+	name := s.cfg.Subjects.PlanStream()
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-check.C:
+		}
+		cctx, cancel := context.WithTimeout(ctx, logCheckEvery)
+		_, err := js.Stream(cctx, name)
+		if errors.Is(err, jetstream.ErrStreamNotFound) {
+			if _, err = bus.EnsurePlanStream(cctx, js, s.cfg.Subjects, s.cfg.StreamReplicas, s.cfg.RequestTimeout+time.Minute); err == nil {
+				s.log.Warn("the plan stream was gone from the NATS server (it is kept in memory: a restart of the server loses it); made again",
+					"stream", name)
+			}
+		}
+		cancel()
+	}
+}

@@ -418,6 +418,7 @@ func (s *Scheduler) Run(ctx context.Context) error {
 	watchCtx, stopWatch := context.WithCancel(ctx)
 	defer func() { stopWatch(); watcher.Wait() }()
 	watcher.Go(func() { reqLog.watch(watchCtx) })
+	watcher.Go(func() { s.watchPlanStream(watchCtx, js) })
 
 	tick := time.NewTicker(250 * time.Millisecond)
 	defer tick.Stop()
