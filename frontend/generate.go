@@ -160,11 +160,6 @@ func (s *Server) generate(w http.ResponseWriter, r *http.Request, endpoint strin
 	if apiErr != nil {
 		return fail(apiErr)
 	}
-	if s.cfg.Passthrough {
-		// The engine answers the whole body, every prompt of it, in one
-		// response: one bus request, placed by its first prompt.
-		prompts = prompts[:1]
-	}
 
 	g := &generation{s: s, endpoint: endpoint, model: p.model, vm: s.vm.of(p.model), created: start.Unix(), sessionID: sessionID, q: newOutputQueue(len(prompts)), start: start,
 		wholeAnswer: s.cfg.Passthrough && !p.stream}
@@ -364,8 +359,7 @@ func (s *Server) tokenize(ctx context.Context, p *parsedRequest) ([][]uint32, *A
 	default:
 		texts := p.texts
 		if s.cfg.Passthrough {
-			// The engine answers the whole list, placed by its first
-			// prompt (the only one on the bus): the others are the
+			// Only the first is on the bus (below): the others are the
 			// engine's to tokenize, not one /tokenize call each here.
 			texts = texts[:1]
 		}
@@ -390,9 +384,11 @@ func (s *Server) tokenize(ctx context.Context, p *parsedRequest) ([][]uint32, *A
 		return nil, badRequest("min_tokens", "min_tokens must be less than or equal to max_tokens=%d, got %d.", p.params.MaxTokens, p.params.MinTokens)
 	}
 	if s.cfg.Passthrough {
-		// The engine knows its own max_model_len (its --max-model-len, not
-		// kvbus's) and answers a prompt too long with vLLM's 400, relayed.
-		return prompts, nil
+		// The engine answers the whole body, every prompt of it, in one
+		// response: one bus request, placed by its first prompt. It knows
+		// its own max_model_len (its --max-model-len, not kvbus's) and
+		// answers a prompt too long with vLLM's 400, relayed.
+		return prompts[:1], nil
 	}
 	maxLen := s.cfg.MaxModelLen
 	for _, ids := range prompts {
