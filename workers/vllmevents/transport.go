@@ -199,7 +199,6 @@ type frameLimit struct {
 	hdrN int     // bytes of hdr read
 	body uint64  // bytes of the current frame's body still to come
 	msg  uint64  // bytes of the current message's frames
-	more bool    // the current frame is followed by another of its message
 }
 
 // ZMTP frame flags.
