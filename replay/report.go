@@ -1,6 +1,7 @@
 package replay
 
 import (
+	"cmp"
 	"encoding/json"
 	"fmt"
 	"io"
@@ -386,16 +387,24 @@ func ms(d time.Duration) float64 { return math.Round(float64(d)/1e3) / 1e3 }
 // IdealHitRatio is the hit ratio of an infinite cache shared by all groups:
 // each prompt, in arrival order, finds the longest prefix of its full blocks
 // seen in any earlier prompt (never the whole prompt: one token is always
-// computed, as in the pipeline).
+// computed, as in the pipeline). model is the model every request asks
+// for (Config.Model); empty, each request asks for the model a replay gives
+// it (a captured request its own, a trace's DefaultModel). The model seeds
+// the block hashes, as the scheduler's: prompts of two models share
+// nothing.
 func IdealHitRatio(items []Item, model string, blockSize int) float64 {
 	if blockSize < 1 {
 		return 0
 	}
 	seen := map[uint64]struct{}{}
-	seed := scheduler.HashSeed(model)
 	var cached, total int64
 	var hashes []uint64
 	for _, it := range items {
+		asked := ""
+		if it.Request != nil {
+			asked = it.Request.Model
+		}
+		seed := scheduler.HashSeed(cmp.Or(model, asked, DefaultModel))
 		hashes = scheduler.HashBlocks(hashes[:0], seed, it.Prompt, blockSize)
 		n := 0
 		for n < len(hashes) {

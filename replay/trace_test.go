@@ -886,6 +886,37 @@ func TestIdealHitRatio(t *testing.T) {
 	})
 }
 
+// TestIdealHitRatioSeedsEachModel: a capture of a cluster serving two
+// models replays each request with its own model, whose name seeds its
+// block hashes in the scheduler: the same prompt under two models shares
+// nothing, and the ideal says so. Before, every prompt was hashed with one
+// model's seed, and the ideal counted a prefix shared across models.
+func TestIdealHitRatioSeedsEachModel(t *testing.T) {
+	prompt := seq(1000, 64)
+	asks := func(model string) Item {
+		req := testRequest("r-"+model, "", 0)
+		req.Model, req.PromptTokenIDs = model, prompt
+		return Item{Prompt: prompt, Request: req}
+	}
+	items := []Item{asks("llama"), asks("qwen"), asks("llama")}
+	for _, tc := range []struct {
+		model string
+		want  float64
+	}{
+		{"", 48.0 / 192},      // each its own model: only the second llama hits
+		{"m", 2 * 48.0 / 192}, // --model m: all three ask for m
+	} {
+		if got := IdealHitRatio(items, tc.model, 16); got != tc.want {
+			t.Errorf("model %q: ideal %v, want %v", tc.model, got, tc.want)
+		}
+	}
+	// A trace's items ask for DefaultModel, whatever seeds it.
+	trace := []Item{{Prompt: prompt}, {Prompt: prompt}}
+	if got, want := IdealHitRatio(trace, "", 16), 48.0/128; got != want {
+		t.Errorf("trace: ideal %v, want %v", got, want)
+	}
+}
+
 // ---------------------------------------------------------------- report
 
 func msDur(v float64) time.Duration { return time.Duration(v * float64(time.Millisecond)) }

@@ -1,7 +1,6 @@
 package main
 
 import (
-	"cmp"
 	"context"
 	"errors"
 	"fmt"
@@ -251,9 +250,9 @@ func (c *replayCmd) Run(ctx context.Context) error {
 	}
 	log.Info("replaying", "file", c.File, "format", tr.Format, "requests", len(tr.Items), "sessions", tr.Sessions(), "target", bus.RedactURLs(c.Target), "speed", c.Speed, "mode", c.Mode)
 	results, elapsed, err := r.Run(ctx, tr.Items)
-	// The model seeds the block hashes, which does not change which prompts
-	// share a prefix.
-	rep := replay.Summarize(c.Policy, results, replay.IdealHitRatio(tr.Items, cmp.Or(c.Model, replay.DefaultModel), c.BlockSize), elapsed)
+	// Each request's model seeds its block hashes, as the replay asks for
+	// it: --model, else a captured request's own.
+	rep := replay.Summarize(c.Policy, results, replay.IdealHitRatio(tr.Items, c.Model, c.BlockSize), elapsed)
 	rep.Trace = c.File
 	if rep.Failed == 0 && rep.HitRatio != nil && *rep.HitRatio > rep.IdealHitRatio+1e-9 {
 		// The ideal counts only what the replay itself stored. (With
@@ -395,8 +394,9 @@ func (c *benchCmd) Run(ctx context.Context) error {
 		return err
 	}
 	defer stopPprof()
-	const model = "kvbus-sim"
-	ideal := replay.IdealHitRatio(tr.Items, model, c.BlockSize)
+	// The bench's replay gives no --model: a captured request asks for
+	// its own.
+	ideal := replay.IdealHitRatio(tr.Items, "", c.BlockSize)
 	var reports []*replay.Report
 	for _, policy := range policies {
 		for _, pool := range pools {
