@@ -211,3 +211,53 @@ func TestHTTPReplaySendsTheAPIKey(t *testing.T) {
 		t.Errorf("Authorization headers %q, want one Bearer s3cret", got)
 	}
 }
+
+// TestStoppedReplayDoesNotSendQueuedRequests: requests waiting for a slot
+// (--max-inflight) when the replay is stopped are not sent, and count as
+// "not sent". Before, each was sent after the stop, onto the bus or to a
+// frontend, as its slot came free, and counted as a request sent that
+// failed: the report and the error said more requests were sent than were.
+func TestStoppedReplayDoesNotSendQueuedRequests(t *testing.T) {
+	var mu sync.Mutex
+	got := 0
+	arrived, release := make(chan struct{}, 8), make(chan struct{})
+	url := testenv.ServeEngine(t, func(w http.ResponseWriter, req *http.Request) {
+		mu.Lock()
+		got++
+		mu.Unlock()
+		arrived <- struct{}{}
+		select { // no answer: the replay gives up on it
+		case <-req.Context().Done():
+		case <-release:
+		}
+	})
+	t.Cleanup(func() { close(release) }) // before the engine stops
+	r, err := replay.New(replay.Config{Target: url, MaxInflight: 1})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(t.Context())
+	go func() {
+		<-arrived
+		cancel()
+	}()
+	items := []replay.Item{{Prompt: []uint32{1}, OutputTokens: 1}, {Prompt: []uint32{2}, OutputTokens: 1}, {Prompt: []uint32{3}, OutputTokens: 1}}
+	results, _, err := r.Run(ctx, items)
+	if !errors.Is(err, context.Canceled) {
+		t.Fatalf("err %v, want context.Canceled", err)
+	}
+	sent := 0
+	for i, res := range results {
+		switch {
+		case res.ReqID != "":
+			sent++
+		case !strings.Contains(res.Err, "not sent"):
+			t.Errorf("result %d, never sent: err %q, want not sent", i, res.Err)
+		}
+	}
+	mu.Lock()
+	defer mu.Unlock()
+	if sent != 1 || got != 1 {
+		t.Errorf("%d results with a request id, %d requests received, want 1 and 1: %+v", sent, got, results)
+	}
+}

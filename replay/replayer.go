@@ -191,7 +191,17 @@ func (r *Replayer) Run(ctx context.Context, items []Item) ([]Result, time.Durati
 	var wg sync.WaitGroup
 	start := time.Now()
 	send := func(i int) {
-		sem <- struct{}{}
+		// A request still waiting for its turn when the replay is stopped
+		// is not sent (its result says so, below).
+		select {
+		case sem <- struct{}{}:
+		case <-ctx.Done():
+			return
+		}
+		if ctx.Err() != nil {
+			<-sem
+			return
+		}
 		r.do(ctx, &items[i], &results[i])
 		<-sem
 		if bar != nil {
