@@ -484,8 +484,10 @@ func fields(reports []*Report) []field {
 		}
 	}
 	return append(fs, field{"group load max/mean", "group load (busiest / mean requests per group)", func(r *Report) (string, bool) {
-		if len(r.GroupRequests) == 0 {
-			return "", false // groups unknown (a replay through HTTP without the bus)
+		if len(r.GroupRequests) == 0 || r.GroupLoadMaxOverMean == 0 {
+			// Groups unknown (a replay through HTTP without the bus), or
+			// none served a request (the JSON leaves the figure out).
+			return "", false
 		}
 		return fmt.Sprintf("%.2f", r.GroupLoadMaxOverMean), true
 	}})

@@ -337,3 +337,26 @@ func TestEmptyPolicyLabel(t *testing.T) {
 		}
 	}
 }
+
+// TestGroupLoadOfNoSuccessIsNoData: a bench run in which no request
+// succeeded knows its groups (CountGroups) but no load: the table and the
+// page read "-" and "–", as the JSON leaves group_load_max_over_mean out.
+// Before, both showed 0.00, a figure no spread of requests can have.
+func TestGroupLoadOfNoSuccessIsNoData(t *testing.T) {
+	rep := replay.Summarize("kv", []replay.Result{{ReqID: "a", PromptTokens: 10, Err: "timeout"}}, 0, time.Second)
+	rep.CountGroups([]string{"g0", "g1"})
+	data, err := json.Marshal(rep)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if bytes.Contains(data, []byte("group_load_max_over_mean")) {
+		t.Errorf("JSON %s has a group load", data)
+	}
+	rows, _ := tableRows(t, []*replay.Report{rep})
+	if c := rows["group load max/mean"]; len(c) != 1 || c[0] != "-" {
+		t.Errorf("table row group load max/mean: %q, want -", c)
+	}
+	if c := figure(t, page(t, []*replay.Report{rep}), "group load (busiest / mean requests per group)"); len(c) != 1 || c[0] != "–" {
+		t.Errorf("figure group load: %q, want –", c)
+	}
+}
