@@ -542,6 +542,9 @@ func (r *Replayer) request(it *Item, id string) *messages.Request {
 	if it.Request != nil {
 		req = *it.Request
 		req.Model = r.model(it.Request.Model)
+		// A new request of the replay, not a publish again of one it sent
+		// (the scheduler would take it for the same turn as its first).
+		req.AgainOf = ""
 		req.SamplingParams.ExtraArgs = make(messages.Args, len(it.Request.SamplingParams.ExtraArgs)+1)
 		for k, v := range it.Request.SamplingParams.ExtraArgs {
 			req.SamplingParams.ExtraArgs[k] = v

@@ -22,6 +22,9 @@ type CaptureStats struct {
 	} `json:"prompt_tokens"`
 	MaxTokensMean float64 `json:"max_tokens_mean"`
 	Malformed     int     `json:"malformed"`
+	// AskedAgain counts the requests a frontend published again whose
+	// first publish is in the file: a replay leaves them out.
+	AskedAgain int `json:"asked_again"`
 }
 
 // Stats reads a capture file and summarises it. Of a file with a damaged
@@ -32,7 +35,7 @@ func Stats(r io.Reader) (*CaptureStats, error) {
 		return nil, err
 	}
 	s := &CaptureStats{Subjects: map[string]int{}}
-	sessions := map[string]bool{}
+	sessions, ids := map[string]bool{}, map[string]bool{}
 	var prompt, maxTok int
 	for {
 		f, err := cr.Next()
@@ -59,12 +62,16 @@ func Stats(r io.Reader) (*CaptureStats, error) {
 			s.Malformed++
 			continue
 		}
+		if askedAgain(req, ids) {
+			s.AskedAgain++
+			continue
+		}
 		// The session a replay gives the request (readCaptureTrace).
 		if sid := cmp.Or(req.SamplingParams.SessionFromExtraArgs(), req.SessionID); sid != "" {
 			sessions[sid] = true
 		}
 		n := len(req.PromptTokenIDs)
-		if s.Requests-s.Malformed == 1 || n < s.PromptTokens.Min {
+		if s.Requests-s.Malformed-s.AskedAgain == 1 || n < s.PromptTokens.Min {
 			s.PromptTokens.Min = n
 		}
 		s.PromptTokens.Max = max(s.PromptTokens.Max, n)
@@ -79,7 +86,7 @@ func Stats(r io.Reader) (*CaptureStats, error) {
 func (s *CaptureStats) finish(sessions map[string]bool, prompt, maxTok int) {
 	s.Span = s.Last.Sub(s.First)
 	s.Sessions = len(sessions)
-	if ok := s.Requests - s.Malformed; ok > 0 {
+	if ok := s.Requests - s.Malformed - s.AskedAgain; ok > 0 {
 		s.PromptTokens.Mean = float64(prompt) / float64(ok)
 		s.MaxTokensMean = float64(maxTok) / float64(ok)
 	}
@@ -88,6 +95,9 @@ func (s *CaptureStats) finish(sessions map[string]bool, prompt, maxTok int) {
 // Write prints the stats for a person.
 func (s *CaptureStats) Write(w io.Writer) {
 	fmt.Fprintf(w, "requests      %d (%d malformed)\n", s.Requests, s.Malformed)
+	if s.AskedAgain > 0 {
+		fmt.Fprintf(w, "asked again   %d (published again by a frontend, its answer lost: a replay sends each once)\n", s.AskedAgain)
+	}
 	if s.Requests > 0 {
 		fmt.Fprintf(w, "time          %s → %s (%s)\n", s.First.UTC().Format(time.RFC3339Nano), s.Last.UTC().Format(time.RFC3339Nano), s.Span)
 	}

@@ -253,7 +253,9 @@ func lines(r io.Reader, tail *lastByteReader, f func(n int, line []byte) error) 
 	return "", nil
 }
 
-// readCaptureTrace reads a capture's requests. A damaged file — a frame
+// readCaptureTrace reads a capture's requests; a request a frontend
+// published again (its answer lost on the bus) is left out when its first
+// publish is in the file. A damaged file — a frame
 // that is not a request, or a tail cut short (a capture killed, a copy of
 // a live one, a full disk) — gives the requests it has, and says in Damage
 // what was left out; only a file with none is an error.
@@ -264,6 +266,7 @@ func readCaptureTrace(r io.Reader) (*Trace, error) {
 	}
 	t := &Trace{}
 	skipped, firstSkip := 0, ""
+	ids := map[string]bool{}
 	for i := 0; ; i++ {
 		f, err := cr.Next()
 		if errors.Is(err, io.EOF) {
@@ -280,6 +283,9 @@ func readCaptureTrace(r io.Reader) (*Trace, error) {
 			if skipped++; skipped == 1 {
 				firstSkip = fmt.Sprintf("frame %d: %v", i, err)
 			}
+			continue
+		}
+		if askedAgain(req, ids) {
 			continue
 		}
 		sid := req.SamplingParams.SessionFromExtraArgs()
@@ -301,6 +307,17 @@ func readCaptureTrace(r io.Reader) (*Trace, error) {
 	// order.
 	fromEarliest(t.Items)
 	return t, nil
+}
+
+// askedAgain reports whether req is a frontend's second publish of a
+// request whose first is among ids, the ids read so far (req's is added):
+// the client sent it once, and a replay sends it once, under its first id.
+func askedAgain(req *messages.Request, ids map[string]bool) bool {
+	if req.AgainOf != "" && ids[req.AgainOf] {
+		return true
+	}
+	ids[req.RequestID] = true
+	return false
 }
 
 // fromEarliest makes the items' times, absolute as read, relative to the

@@ -3,6 +3,7 @@ package replay
 import (
 	"bytes"
 	"errors"
+	"slices"
 	"strconv"
 	"strings"
 	"testing"
@@ -176,5 +177,48 @@ func TestStatsAgreesWithReplay(t *testing.T) {
 	}
 	if s.Span != 3*time.Second || !s.First.Equal(t0) || !s.Last.Equal(t0.Add(3*time.Second)) {
 		t.Errorf("span %v from %v to %v, want 3s from the earliest frame to the latest", s.Span, s.First, s.Last)
+	}
+}
+
+// TestCaptureReplaysAskedAgainOnce: a request a frontend published again,
+// its answer lost on the bus (a new id, AgainOf the first), is one request
+// of its client: a replay of the capture sends it once, and the stats
+// count it apart. Before, the replay sent it twice, as two turns of its
+// session, the second hitting the first's blocks: requests, turn depths
+// and hit ratios counted a request the client sent once.
+func TestCaptureReplaysAskedAgainOnce(t *testing.T) {
+	again := testRequest("r1-again1", "s1", 10)
+	again.AgainOf = "r1"
+	orphan := testRequest("r9-again1", "s2", 10) // its first is not in the file
+	orphan.AgainOf = "r9"
+	data := captureBytes(t,
+		Frame{Time: t0, Subject: "kvbus.req.m", Payload: marshal(t, testRequest("r1", "s1", 10))},
+		Frame{Time: t0.Add(time.Second), Subject: "kvbus.req.m", Payload: marshal(t, again)},
+		Frame{Time: t0.Add(2 * time.Second), Subject: "kvbus.req.m", Payload: marshal(t, orphan)},
+	)
+	tr, err := ReadTrace(bytes.NewReader(data), FormatCapture)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var ids []string
+	for _, it := range tr.Items {
+		ids = append(ids, it.OriginalID)
+	}
+	if !slices.Equal(ids, []string{"r1", "r9-again1"}) {
+		t.Errorf("replayed %q, want r1 and r9-again1", ids)
+	}
+	s, err := Stats(bytes.NewReader(data))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if s.AskedAgain != 1 || s.Requests-s.Malformed-s.AskedAgain != len(tr.Items) {
+		t.Errorf("stats: %d requests, %d malformed, %d asked again; a replay sends %d", s.Requests, s.Malformed, s.AskedAgain, len(tr.Items))
+	}
+	r, err := New(Config{Target: "http://127.0.0.1:1"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if req := r.request(&tr.Items[1], "rp-1"); req.AgainOf != "" {
+		t.Errorf("the replayed request is again of %q, want a request of its own", req.AgainOf)
 	}
 }
