@@ -571,8 +571,9 @@ func readAzure(r io.Reader, tail *lastByteReader) (*Trace, error) {
 }
 
 // InferSessions gives sessions to a trace that has none: a request
-// continues the session of the latest earlier request whose full blocks
-// (blockTokens each) its prompt starts with; otherwise it starts a session.
+// continues the session of the earlier request with the longest prompt
+// whose full blocks (blockTokens each) its prompt starts with, the latest
+// of equal ones; otherwise it starts a session.
 func InferSessions(t *Trace, blockTokens int) {
 	type key = uint64
 	owner := map[key]string{} // hash of a full-block prefix → session
