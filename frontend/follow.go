@@ -449,11 +449,15 @@ func (g *generation) usage() usageJSON {
 
 // completed records the generation in the vLLM metrics as vLLM counts a
 // prompt list: one engine request per prompt, each that finished under its
-// own finish reason.
+// own finish reason, and each its client left unfinished (it went away)
+// under "abort".
 func (g *generation) completed() {
 	e2e := time.Since(g.start).Seconds()
 	for _, c := range g.choices {
-		if c.err == nil { // vLLM counts a request that failed in no success series
+		switch {
+		case !c.done:
+			g.vm.aborted()
+		case c.err == nil: // vLLM counts a request that failed in no success series
 			g.vm.finished(c.usage.PromptTokens, c.usage.CompletionTokens, c.usage.CachedTokens, c.finish, e2e)
 		}
 	}

@@ -1,6 +1,7 @@
 package frontend
 
 import (
+	"context"
 	"log/slog"
 	"net/http/httptest"
 	"testing"
@@ -101,5 +102,47 @@ func TestVLLMMetricsStreamWithAFailedPrompt(t *testing.T) {
 	}
 	if success["stop"] != 1 || success["length"]+success["abort"] != 0 {
 		t.Errorf("vllm:request_success_total by finished_reason %v, want the finished prompt's stop 1 and nothing for the failed one", success)
+	}
+}
+
+// TestVLLMMetricsCountClientAborts: a client that leaves before its answer
+// is finished counts, in vllm:request_success_total, each prompt it left
+// unfinished under finished_reason="abort", as vLLM counts an engine
+// request its client aborted; a prompt already finished keeps its own
+// reason. Before, the abort series stayed at zero whatever clients did,
+// and a vLLM dashboard's abort rate showed none.
+func TestVLLMMetricsCountClientAborts(t *testing.T) {
+	nc, _ := startJetStream(t)
+	reg := prometheus.NewRegistry()
+	vm := newVLLMMetrics(reg, vllmEngineIndex, []string{"m"})
+	m := newMetrics(prometheus.NewRegistry(), func() float64 { return 0 })
+	s := &Server{m: m, vm: vm, cfg: Config{Conn: nc, Subjects: messages.Subjects{}}}
+	g := &generation{s: s, q: newOutputQueue(2), endpoint: messages.EndpointCompletions, log: slog.New(slog.DiscardHandler),
+		model: "m", vm: vm.of("m"), choices: []*choiceState{{busID: "r-0"}, {busID: "r-1"}}, start: time.Now()}
+	g.q.push(0, &messages.Output{ReqID: "r-0", Index: 0, Text: "a"})
+	g.q.push(0, &messages.Output{ReqID: "r-0", Index: 1, FinishReason: "stop", Usage: &messages.Usage{PromptTokens: 10, CompletionTokens: 2}})
+	g.q.push(1, &messages.Output{ReqID: "r-1", Index: 0, Text: "b"})
+	ctx, cancel := context.WithCancel(t.Context())
+	go func() {
+		time.Sleep(200 * time.Millisecond) // the outputs are streamed: the client leaves
+		cancel()
+	}()
+	if status := g.stream(httptest.NewRecorder(), ctx, time.Now().Add(5*time.Second), false, false); status != 499 {
+		t.Fatalf("status %d, want 499 (the client left)", status)
+	}
+	families, err := reg.Gather()
+	if err != nil {
+		t.Fatal(err)
+	}
+	success := map[string]float64{}
+	for _, f := range families {
+		if f.GetName() == "vllm:request_success_total" {
+			for _, mt := range f.GetMetric() {
+				success[label(mt, "finished_reason")] += mt.GetCounter().GetValue()
+			}
+		}
+	}
+	if success["stop"] != 1 || success["abort"] != 1 {
+		t.Errorf("vllm:request_success_total by finished_reason %v, want the finished prompt's stop 1 and the one left unfinished abort 1", success)
 	}
 }

@@ -43,6 +43,7 @@ func (g *generation) relay(w http.ResponseWriter, ctx context.Context, deadline 
 		items, apiErr := g.next(ctx, timer)
 		if apiErr != nil {
 			if apiErr.Status == 499 {
+				g.completed() // its client left it unfinished: counted as aborted
 				return apiErr.Status
 			}
 			if started {

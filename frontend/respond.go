@@ -22,6 +22,8 @@ func (g *generation) respond(w http.ResponseWriter, ctx context.Context, deadlin
 		if _, err := g.next(ctx, timer); err != nil {
 			if err.Status != 499 {
 				writeError(w, err)
+			} else {
+				g.completed() // what its client left unfinished counts as aborted
 			}
 			return err.Status
 		}
@@ -110,6 +112,9 @@ func (g *generation) stream(w http.ResponseWriter, ctx context.Context, deadline
 	var held []choiceOutput
 	for !g.allDone() {
 		items, err := g.next(ctx, timer)
+		if err != nil && err.Status == 499 {
+			g.completed() // what its client left unfinished counts as aborted
+		}
 		switch {
 		case err != nil && !started:
 			if err.Status != 499 {

@@ -32,7 +32,7 @@ type modelSeries struct {
 	ttft, e2e                         prometheus.Observer
 	prompt, generation, queries, hits prometheus.Counter
 	running, waiting                  prometheus.Gauge
-	stop, length                      prometheus.Counter // vllm:request_success by the usual finish reasons
+	stop, length, abort               prometheus.Counter // vllm:request_success by the usual finish reasons
 	success                           *prometheus.CounterVec
 	model, engine                     string
 }
@@ -84,13 +84,13 @@ func (m *vllmMetrics) of(model string) *modelSeries {
 
 func (m *vllmMetrics) series(model string) *modelSeries {
 	e := m.engine
-	m.success.WithLabelValues(model, e, "abort") // at zero from the start, as vLLM makes one per finish reason
 	return &modelSeries{
 		ttft: m.ttft.WithLabelValues(model, e), e2e: m.e2e.WithLabelValues(model, e),
 		prompt: m.prompt.WithLabelValues(model, e), generation: m.generation.WithLabelValues(model, e),
 		queries: m.queries.WithLabelValues(model, e), hits: m.hits.WithLabelValues(model, e),
 		running: m.running.WithLabelValues(model, e), waiting: m.waiting.WithLabelValues(model, e),
 		stop: m.success.WithLabelValues(model, e, "stop"), length: m.success.WithLabelValues(model, e, "length"),
+		abort:   m.success.WithLabelValues(model, e, "abort"), // at zero from the start, as vLLM makes one per finish reason
 		success: m.success, model: model, engine: e,
 	}
 }
@@ -107,10 +107,17 @@ func (ms *modelSeries) finished(prompt, completion, cached int, finish string, e
 	switch finish {
 	case "length":
 		ms.length.Inc()
-	case "abort", "error", "repetition":
+	case "abort":
+		ms.abort.Inc()
+	case "error", "repetition":
 		ms.success.WithLabelValues(ms.model, ms.engine, finish).Inc()
 	default:
 		ms.stop.Inc()
 	}
 	ms.e2e.Observe(e2eSeconds)
 }
+
+// aborted records an engine request its client left before it finished,
+// as vLLM's engine finishes one its client aborted: under
+// finished_reason="abort".
+func (ms *modelSeries) aborted() { ms.abort.Inc() }
