@@ -35,7 +35,13 @@ func (s *Scheduler) onRequest(ctx context.Context, m jetstream.Msg) error {
 		return fmt.Errorf("request on %s: %w", m.Subject(), err)
 	}
 	if s.trackers.seen(req.RequestID) { // a redelivery of a request already dispatched (or adopted), or one its client aborted
-		s.m.requests.WithLabelValues("duplicate").Inc()
+		outcome := "duplicate"
+		if o, aborted := s.trackers.abortedInLog(req.RequestID); aborted {
+			// Its client gave up while it waited in the log: counted
+			// here, where it ends, as one aborted after dispatch is.
+			outcome = o.String()
+		}
+		s.m.requests.WithLabelValues(outcome).Inc()
 		return m.Ack()
 	}
 	deadline, sessionID := s.requestDeadline(req), requestSession(req)

@@ -11,6 +11,7 @@ import (
 
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
+	dto "github.com/prometheus/client_model/go"
 
 	"github.com/kvbus/kvbus/messages"
 )
@@ -498,6 +499,48 @@ func TestBindingCreditEndsWhenTheIndexKnows(t *testing.T) {
 		if g, err := s.place(tr, s.PlaceableGroups(now), binding, true); err != nil || g != tc.want {
 			t.Errorf("a turn %v after its previous one, whose blocks g0 evicted: placed on %s (err %v, LoadSpec %d blocks); want %s",
 				tc.age, g, err, tr.LoadBlocks, tc.want)
+		}
+	}
+}
+
+// TestAbortInTheLogCountsItsOutcome: a request its client gave up on while
+// it waited in the request log counts in kvbus_scheduler_requests_total as
+// aborted (timeout when the frontend's deadline passed) when the log
+// delivers it, once, as a request aborted after its dispatch does; a
+// redelivery of it is a duplicate. Before, each counted as a duplicate, and
+// a backlog's client aborts showed as redeliveries, not as aborts.
+func TestAbortInTheLogCountsItsOutcome(t *testing.T) {
+	s, _ := newBareScheduler(t)
+	b, _ := openTestBindings(t)
+	s.bindings.Store(b)
+	holding(s, "g0")
+	heard(s, "g0", time.Now(), 0)
+	for id, reason := range map[string]string{"gone": "client disconnected", "late": messages.AbortReasonTimeout} {
+		data, err := messages.Marshal(&messages.Abort{ReqID: id, Reason: reason})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := s.onAbort(context.Background(), &nats.Msg{Data: data}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	for _, id := range []string{"gone", "late", "gone"} {
+		data, err := messages.Marshal(&messages.Request{RequestID: id, FrontendID: "fe", Model: "m",
+			ArrivalUnixMs: time.Now().UnixMilli(), PromptTokenIDs: make([]uint32, 40)})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := s.onRequest(context.Background(), &ackMsg{data: data}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	for outcome, want := range map[string]float64{"aborted": 1, "timeout": 1, "duplicate": 1, "dispatched": 0} {
+		var m dto.Metric
+		if err := s.m.requests.WithLabelValues(outcome).Write(&m); err != nil {
+			t.Fatal(err)
+		}
+		if got := m.GetCounter().GetValue(); got != want {
+			t.Errorf("kvbus_scheduler_requests_total{outcome=%q} = %v, want %v", outcome, got, want)
 		}
 	}
 }

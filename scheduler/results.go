@@ -107,12 +107,12 @@ func (s *Scheduler) onAbort(_ context.Context, m *nats.Msg) error {
 	if a.Group != "" {
 		return nil // a scheduler withdrawing a request from one group
 	}
-	if t := s.trackers.abort(a.ReqID); t != nil {
+	outcome := outcomeAborted
+	if a.Timeout() { // its deadline passed at the frontend
+		outcome = outcomeTimeout
+	}
+	if t := s.trackers.abort(a.ReqID, outcome); t != nil {
 		s.groups.addInflight(t.Group, -1, -t.queued)
-		outcome := outcomeAborted
-		if a.Timeout() { // its deadline passed at the frontend
-			outcome = outcomeTimeout
-		}
 		s.m.requests.WithLabelValues(outcome.String()).Inc()
 		s.log.Info("request aborted", "req_id", t.ReqID, "session_id", t.SessionID, "group", t.Group, "reason", a.Reason)
 	}

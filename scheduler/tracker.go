@@ -71,15 +71,17 @@ type trackerTable struct {
 	mu sync.Mutex
 	m  map[string]*RequestTracker
 	// ended remembers recently ended requests, so that a redelivery of one
-	// from the request log is not run twice. Bounded by count and age.
-	ended *recent.Memory[struct{}]
+	// from the request log is not run twice, with the outcome of an Abort
+	// that came before the request was dispatched (see abort). Bounded by
+	// count and age.
+	ended *recent.Memory[requestOutcome]
 	// endedIDs are the requests ended since takeEnded last ran, for the
 	// other replicas (not to adopt them).
 	endedIDs []string
 }
 
 func newTrackerTable(ended recent.Config) (*trackerTable, error) {
-	mem, err := recent.New[struct{}](ended)
+	mem, err := recent.New[requestOutcome](ended)
 	if err != nil {
 		return nil, err
 	}
@@ -89,7 +91,7 @@ func newTrackerTable(ended recent.Config) (*trackerTable, error) {
 // endLocked removes a tracker and remembers its id.
 func (tt *trackerTable) endLocked(id string) {
 	delete(tt.m, id)
-	tt.ended.Put(id, struct{}{}, time.Now())
+	tt.ended.Put(id, outcomeCompleted, time.Now())
 	tt.endedIDs = append(tt.endedIDs, id)
 }
 
@@ -111,7 +113,7 @@ func (tt *trackerTable) handOver(id string) *RequestTracker {
 	t := tt.m[id]
 	if t != nil {
 		delete(tt.m, id)
-		tt.ended.Put(id, struct{}{}, time.Now())
+		tt.ended.Put(id, outcomeCompleted, time.Now())
 	}
 	return t
 }
@@ -159,13 +161,31 @@ func (tt *trackerTable) drop(id string) {
 // abort ends a request its client gave up on and returns its tracker, nil
 // if it had none yet: the id is remembered either way, so a request aborted
 // while it still waits in the request log (a backlog is when clients give
-// up) is never dispatched.
-func (tt *trackerTable) abort(id string) *RequestTracker {
+// up) is never dispatched; such a request is remembered with outcome (see
+// abortedInLog).
+func (tt *trackerTable) abort(id string, outcome requestOutcome) *RequestTracker {
 	tt.mu.Lock()
 	defer tt.mu.Unlock()
 	t := tt.m[id]
-	tt.endLocked(id)
-	return t
+	if t != nil {
+		tt.endLocked(id)
+		return t
+	}
+	if _, ended := tt.ended.Get(id, time.Now()); !ended { // an abort again, or one of a request that ended, changes nothing
+		tt.ended.Put(id, outcome, time.Now())
+		tt.endedIDs = append(tt.endedIDs, id)
+	}
+	return nil
+}
+
+// abortedInLog returns the outcome of the Abort that ended a request before
+// it was dispatched, once: the request log's delivery of it counts it.
+func (tt *trackerTable) abortedInLog(id string) (requestOutcome, bool) {
+	tt.mu.Lock()
+	defer tt.mu.Unlock()
+	var outcome requestOutcome
+	tt.ended.Update(id, time.Now(), func(o *requestOutcome) { outcome, *o = *o, outcomeCompleted })
+	return outcome, outcome != outcomeCompleted
 }
 
 // addResult records a rank's result; when every rank of the current attempt

@@ -23,14 +23,14 @@ func TestTrackerTableAddAbort(t *testing.T) {
 	if tt.add(newTracker("a", "g1", 1, 0, time.Now())) {
 		t.Error("a second tracker with the same id was added")
 	}
-	if tt.abort("missing") != nil {
+	if tt.abort("missing", outcomeAborted) != nil {
 		t.Error("abort(missing) returned a tracker")
 	}
 	// Aborted before it was dispatched: it never is.
 	if !tt.seen("missing") || tt.add(newTracker("missing", "g0", 2, 0, time.Now())) {
 		t.Error("a request aborted before it had a tracker can still be added")
 	}
-	if got := tt.abort("a"); got != a || tt.Len() != 0 || tt.has("a") {
+	if got := tt.abort("a", outcomeAborted); got != a || tt.Len() != 0 || tt.has("a") {
 		t.Errorf("abort(a) = %v, Len %d", got, tt.Len())
 	}
 }
