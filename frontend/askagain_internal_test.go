@@ -201,3 +201,52 @@ func TestProbeAnsweredLateSpendsNoResendAsk(t *testing.T) {
 		t.Errorf("the gap asked %+v (err %v); want from index %d", rs, err, want)
 	}
 }
+
+// TestAskAgainAbortsACopyItGaveUp: a client that leaves while its request
+// is published again (its answer lost on the bus) has the copy aborted:
+// the log may have taken it, its acknowledgement not yet heard. Before,
+// the copy was forgotten without an Abort, and a rank generated its whole
+// answer for nobody.
+func TestAskAgainAbortsACopyItGaveUp(t *testing.T) {
+	nc, js := startJetStream(t)
+	subj := messages.Subjects{}
+	log := slog.New(slog.DiscardHandler)
+	s := &Server{js: js, cfg: Config{Conn: nc, Subjects: subj, PublishTimeout: 5 * time.Second}, log: log, pending: map[string]route{},
+		m: newMetrics(prometheus.NewRegistry(), func() float64 { return 0 })}
+	g := &generation{s: s, q: newOutputQueue(1), log: log}
+	c := &choiceState{busID: "r", buffered: true,
+		req: &messages.Request{RequestID: "r", Model: "m", FrontendID: "fe", ArrivalUnixMs: time.Now().UnixMilli(), PromptTokenIDs: []uint32{1}}}
+	g.choices = []*choiceState{c}
+	s.register("r", g.q, 0)
+	aborts := make(chan *nats.Msg, 4)
+	asub, err := nc.ChanSubscribe(subj.Abort(), aborts)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer asub.Unsubscribe()
+	// The log takes the copy; the client leaves before its acknowledgement.
+	ctx, cancel := context.WithCancel(t.Context())
+	defer cancel()
+	lsub, err := nc.Subscribe(subj.Request("m"), func(*nats.Msg) { cancel() })
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer lsub.Unsubscribe()
+	if err := nc.Flush(); err != nil {
+		t.Fatal(err)
+	}
+	if g.askAgain(ctx, 0, "an output index skipped", false) {
+		t.Fatal("asked again, though the client left before the log acknowledged it")
+	}
+	deadline := time.After(5 * time.Second)
+	for {
+		select {
+		case m := <-aborts:
+			if a, err := messages.DecodeAbort(m.Data); err == nil && a.ReqID == "r-again1" {
+				return
+			}
+		case <-deadline:
+			t.Fatal("no Abort for the copy r-again1, which the log may hold")
+		}
+	}
+}

@@ -225,6 +225,13 @@ func (g *generation) askAgain(ctx context.Context, i int, why string, hedge bool
 	g.s.register(req.RequestID, g.q, i)
 	if err := g.s.publish(ctx, &req); err != nil {
 		g.s.unregister([]string{req.RequestID})
+		// The log may have taken it, its acknowledgement not heard (the
+		// client left meanwhile, or the log was slow): nobody follows it.
+		reason := "publish failed"
+		if ctx.Err() != nil {
+			reason = "client disconnected"
+		}
+		g.publishAbort(req.RequestID, reason)
 		g.log.Warn("answer lost on the bus; cannot publish the request again, it ends with an error", "choice", i, "why", why, "err", err)
 		return false
 	}
