@@ -35,13 +35,9 @@ func (s *Scheduler) onRequest(ctx context.Context, m jetstream.Msg) error {
 		return fmt.Errorf("request on %s: %w", m.Subject(), err)
 	}
 	if s.trackers.seen(req.RequestID) { // a redelivery of a request already dispatched (or adopted), or one its client aborted
-		outcome := "duplicate"
-		if o, aborted := s.trackers.abortedInLog(req.RequestID); aborted {
-			// Its client gave up while it waited in the log: counted
-			// here, where it ends, as one aborted after dispatch is.
-			outcome = o.String()
+		if !s.countAbortedInLog(req.RequestID) {
+			s.m.requests.WithLabelValues("duplicate").Inc()
 		}
-		s.m.requests.WithLabelValues(outcome).Inc()
 		return m.Ack()
 	}
 	deadline, sessionID := s.requestDeadline(req), requestSession(req)
@@ -140,8 +136,14 @@ func (s *Scheduler) onRequest(ctx context.Context, m jetstream.Msg) error {
 	// first: another replica hears of it before anything this request
 	// causes (see awaitCausal).
 	queued, subj, data := t.queued, t.metaSubj, t.metaData
+	if s.countAbortedInLog(req.RequestID) {
+		// Its client gave up while it was placed: no save plan is
+		// announced for blocks nothing will save.
+		return m.Ack()
+	}
 	s.publishPlan(t)
 	if !s.trackers.add(t) {
+		s.countAbortedInLog(req.RequestID)
 		return m.Ack()
 	}
 	s.groups.addInflight(group, 1, queued)
@@ -172,6 +174,18 @@ func (s *Scheduler) onRequest(ctx context.Context, m jetstream.Msg) error {
 			"load_blocks", t.LoadBlocks, "turn_depth", t.TurnDepth)
 	}
 	return m.Ack()
+}
+
+// countAbortedInLog counts, once, the outcome of the Abort that ended a
+// request before it was dispatched (its client gave up while it waited in
+// the log, or while it was placed), as one aborted after dispatch is; it
+// reports whether there was one.
+func (s *Scheduler) countAbortedInLog(id string) bool {
+	o, aborted := s.trackers.abortedInLog(id)
+	if aborted {
+		s.m.requests.WithLabelValues(o.String()).Inc()
+	}
+	return aborted
 }
 
 // requestDeadline is when req's client stops waiting: its own deadline, or

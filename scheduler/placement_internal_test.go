@@ -544,3 +544,76 @@ func TestAbortInTheLogCountsItsOutcome(t *testing.T) {
 		}
 	}
 }
+
+// abortingPolicy places every request on its group, after running abort
+// (a client that gives up while its request is placed).
+type abortingPolicy struct {
+	group string
+	abort func(id string)
+}
+
+func (p abortingPolicy) Place(t *RequestTracker, _ []GroupState) (string, error) {
+	p.abort(t.ReqID)
+	return p.group, nil
+}
+
+// TestAbortWhilePlacedAnnouncesNoPlan: a request whose client gives up
+// while the scheduler places it is not dispatched, announces no save plan
+// (nothing will save its blocks) and counts as aborted. Before, its plan
+// credited its group with its prompt's blocks for --plan-ttl, so the
+// session's next request was told to load blocks never saved, and the
+// request counted under no outcome.
+func TestAbortWhilePlacedAnnouncesNoPlan(t *testing.T) {
+	s, nc := newBareScheduler(t)
+	b, _ := openTestBindings(t)
+	s.bindings.Store(b)
+	holding(s, "g0")
+	heard(s, "g0", time.Now(), 0)
+	s.cfg.Policy = abortingPolicy{group: "g0", abort: func(id string) {
+		data, err := messages.Marshal(&messages.Abort{ReqID: id, Reason: "client disconnected"})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := s.onAbort(context.Background(), &nats.Msg{Data: data}); err != nil {
+			t.Fatal(err)
+		}
+	}}
+	plans := make(chan *nats.Msg, 4)
+	sub, err := nc.ChanSubscribe(s.cfg.Subjects.Plan(s.cfg.ID), plans)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() { _ = sub.Unsubscribe() }()
+	if err := nc.Flush(); err != nil {
+		t.Fatal(err)
+	}
+	data, err := messages.Marshal(&messages.Request{RequestID: "gone", FrontendID: "fe", Model: "m",
+		ArrivalUnixMs: time.Now().UnixMilli(), PromptTokenIDs: make([]uint32, 40)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	msg := &ackMsg{data: data}
+	if err := s.onRequest(context.Background(), msg); err != nil {
+		t.Fatal(err)
+	}
+	if !msg.acked {
+		t.Error("request not acknowledged")
+	}
+	if n := s.index.Plans(); n != 0 {
+		t.Errorf("%d (group, block) save plans in the index for a request aborted before its dispatch, want 0", n)
+	}
+	select {
+	case m := <-plans:
+		if p, err := messages.DecodeSavePlan(m.Data); err == nil && p.ReqID == "gone" {
+			t.Errorf("a save plan announced for the aborted request: %d blocks", len(p.BlockHashes))
+		}
+	case <-time.After(200 * time.Millisecond):
+	}
+	var mt dto.Metric
+	if err := s.m.requests.WithLabelValues("aborted").Write(&mt); err != nil {
+		t.Fatal(err)
+	}
+	if got := mt.GetCounter().GetValue(); got != 1 {
+		t.Errorf("kvbus_scheduler_requests_total{outcome=\"aborted\"} = %v, want 1", got)
+	}
+}
