@@ -80,8 +80,8 @@ type Rank struct {
 type seenReq struct {
 	attempt int
 	result  []byte // the encoded RankResult: bytes the GC does not scan
-	// aborted: its client's Abort came before its ReqMeta (they come from
-	// different publishers), which is dropped if it comes.
+	// aborted: its client's Abort came (before its ReqMeta, maybe: they
+	// come from different publishers); any ReqMeta of it is dropped.
 	aborted bool
 }
 

@@ -85,10 +85,14 @@ func (r *Rank) onAbort(_ context.Context, m *nats.Msg) error {
 	}
 	r.mu.Lock()
 	rr := r.active[a.ReqID]
-	if rr == nil && a.Group == "" {
-		// The client's abort may come before the ReqMeta: remember it (a
-		// request this rank already saw is left as it is).
-		r.seen.GetOrPut(a.ReqID, seenReq{attempt: math.MaxInt, aborted: true}, time.Now())
+	if a.Group == "" {
+		// The client's abort may come before the ReqMeta, or before that
+		// of an attempt dispatched again while this rank ran (or ran) an
+		// earlier one: remember it, and drop every attempt to come.
+		now := time.Now()
+		if !r.seen.Update(a.ReqID, now, func(s *seenReq) { s.attempt, s.aborted = math.MaxInt, true }) {
+			r.seen.Put(a.ReqID, seenReq{attempt: math.MaxInt, aborted: true}, now)
+		}
 	}
 	if rr != nil && a.BeforeAttempt > 0 && rr.meta.Attempt >= a.BeforeAttempt {
 		r.mu.Unlock()

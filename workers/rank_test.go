@@ -655,6 +655,35 @@ func TestRankAbortBeforeReqMeta(t *testing.T) {
 	}
 }
 
+// TestRankAbortStopsTheAttemptsToCome: a client's Abort that reaches the
+// ranks while they run (or ran) one attempt of its request also stops the
+// next attempt, dispatched again before the scheduler heard the Abort (a
+// rank of the group restarted) and whose ReqMeta comes after it: the ranks
+// drop it. Before, the ranks that had seen the first attempt let the next
+// one run, and the driver generated the whole answer for nobody.
+func TestRankAbortStopsTheAttemptsToCome(t *testing.T) {
+	env := startRanks(t, rankEnvConfig{engine: workers.SimConfig{
+		Profile: workers.SimProfile{DecodePerToken: 50 * time.Millisecond}, TimeScale: 1,
+	}})
+	m := newMeta("left", "sess", testenv.PromptTokens(1, 40))
+	m.SamplingParams.MaxTokens = 100 // 5 s of decoding
+	env.sendMeta(m)
+	testenv.Eventually(t, waitFor, "the first streamed chunk", func() bool { return len(env.outputs("left")) > 0 })
+	env.publish(env.subj.Abort(), &messages.Abort{ReqID: "left", Reason: "client disconnected"})
+	env.resultsByRank("left")
+	next := newMeta("left", "sess", testenv.PromptTokens(1, 40))
+	next.Attempt, next.SamplingParams.MaxTokens = 1, 100
+	env.sendMeta(next)
+	testenv.Eventually(t, waitFor, "every rank to drop the next attempt", func() bool {
+		return env.counter("kvbus_worker_dropped_total", map[string]string{"reason": "aborted"}) == worldSize
+	})
+	for _, r := range env.results("left") {
+		if r.Attempt == 1 {
+			t.Errorf("rank %d ran the attempt after its client's abort: %+v", r.TPRank, r)
+		}
+	}
+}
+
 // TestRankWithdrawSparesTheNewAttempt: a scheduler that dispatches a
 // request again on the same group (a rank restarted) withdraws the attempts
 // below the new one; ranks that got the new attempt's ReqMeta first (another
