@@ -229,7 +229,7 @@ func (g *generation) askAgain(ctx context.Context, i int, why string, hedge bool
 		// client left meanwhile, or the log was slow): nobody follows it.
 		reason := "publish failed"
 		if ctx.Err() != nil {
-			reason = "client disconnected"
+			reason = messages.AbortReasonClientGone
 		}
 		g.publishAbort(req.RequestID, reason)
 		g.log.Warn("answer lost on the bus; cannot publish the request again, it ends with an error", "choice", i, "why", why, "err", err)
@@ -418,11 +418,11 @@ func (g *generation) next(ctx context.Context, timer *time.Timer) ([]choiceOutpu
 		case <-g.q.signal:
 		case <-ctx.Done():
 			g.log.Info("client disconnected; aborting request")
-			g.abort("client disconnected")
+			g.abort(messages.AbortReasonClientGone)
 			return nil, &APIError{Status: 499, Type: typeInvalidRequest, Message: "client disconnected"}
 		case <-g.s.stopNow:
 			g.log.Warn("request cut off: the frontend stopped before it was answered (--stop-timeout)", "stop_timeout", g.s.cfg.StopTimeout)
-			g.abort("frontend stopped")
+			g.abort(messages.AbortReasonFrontendStopped)
 			return nil, &APIError{Status: http.StatusServiceUnavailable, Type: typeUnavailable, Code: "shutting_down", RetryAfter: 1,
 				Message: fmt.Sprintf("this frontend stopped before the answer was finished (--stop-timeout %s); retry the request on another one", g.s.cfg.StopTimeout)}
 		case <-timer.C:

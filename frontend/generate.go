@@ -210,7 +210,7 @@ func (s *Server) generate(w http.ResponseWriter, r *http.Request, endpoint strin
 		if err := s.publish(r.Context(), req); err != nil {
 			if r.Context().Err() != nil { // the client left while the request was being logged
 				g.log.Info("client disconnected; aborting request")
-				g.abort("client disconnected")
+				g.abort(messages.AbortReasonClientGone)
 				g.unregister()
 				return 499
 			}

@@ -410,6 +410,21 @@ const AbortReasonTimeout = "timeout"
 // Timeout reports whether the Abort is for a request whose deadline passed.
 func (a *Abort) Timeout() bool { return strings.HasPrefix(a.Reason, AbortReasonTimeout) }
 
+// Reasons of an Abort sent because nobody waits for the answer any more:
+// its client went away, or its frontend stopped with it in flight. A
+// frontend's other Aborts withdraw a request it gave up for another (a
+// copy published again, one whose publish failed).
+const (
+	AbortReasonClientGone      = "client disconnected"
+	AbortReasonFrontendStopped = "frontend stopped"
+)
+
+// ByClient reports whether the Abort is for a request nobody waits for:
+// its client went away, or its frontend stopped.
+func (a *Abort) ByClient() bool {
+	return a.Reason == AbortReasonClientGone || a.Reason == AbortReasonFrontendStopped
+}
+
 // Abort cancels a request; published on kvbus.ctl.abort.
 type Abort struct {
 	V      int    `msgpack:"v" json:"v"`

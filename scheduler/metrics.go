@@ -38,7 +38,7 @@ func newMetrics(reg prometheus.Registerer, trackers, rejected, plans, ready func
 		}),
 		requests: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "kvbus_scheduler_requests_total",
-			Help: "Requests by outcome: dispatched, redispatched (moved off a failed group), adopted (dispatched by a replica that died; this one watches it now), completed, failed (an error of its group or engine, or the group failed while generating), timeout (its deadline passed: at the ranks, at the frontend, or unanswered here), aborted (its client went away), duplicate, expired, no_ready_group (refused: no group ready within --no-group-wait), too_large (its ReqMeta above the server's max_payload).",
+			Help: "Requests by outcome: dispatched, redispatched (moved off a failed group), adopted (dispatched by a replica that died; this one watches it now), completed, failed (an error of its group or engine, or the group failed while generating), timeout (its deadline passed: at the ranks, at the frontend, or unanswered here), aborted (its client went away, or its frontend stopped), withdrawn (its frontend gave it up for a copy it published again, or its publish failed), duplicate, expired, no_ready_group (refused: no group ready within --no-group-wait), too_large (its ReqMeta above the server's max_payload).",
 		}, []string{"outcome"}),
 		ready: prometheus.NewGauge(prometheus.GaugeOpts{
 			Name: "kvbus_scheduler_ready_groups",

@@ -617,3 +617,48 @@ func TestAbortWhilePlacedAnnouncesNoPlan(t *testing.T) {
 		t.Errorf("kvbus_scheduler_requests_total{outcome=\"aborted\"} = %v, want 1", got)
 	}
 }
+
+// TestAbortOutcomeByReason: a dispatched request counts `aborted` only
+// when nobody waits for it (its client went away, its frontend stopped),
+// `timeout` when its deadline passed, and `withdrawn` when its frontend
+// gave it up for a copy it published again. Before, every Abort counted
+// `aborted`: the copies a NATS failover made the frontend give up looked
+// like clients that went away.
+func TestAbortOutcomeByReason(t *testing.T) {
+	s, _ := newBareScheduler(t)
+	b, _ := openTestBindings(t)
+	s.bindings.Store(b)
+	holding(s, "g0")
+	heard(s, "g0", time.Now(), 0)
+	reasons := map[string]string{
+		"gone":    messages.AbortReasonClientGone,
+		"stopped": messages.AbortReasonFrontendStopped,
+		"late":    messages.AbortReasonTimeout + ": no answer within 10s",
+		"copy":    "answer lost on the bus; asked again as copy-again1",
+	}
+	for id, reason := range reasons {
+		data, err := messages.Marshal(&messages.Request{RequestID: id, FrontendID: "fe", Model: "m",
+			ArrivalUnixMs: time.Now().UnixMilli(), PromptTokenIDs: make([]uint32, 40)})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := s.onRequest(context.Background(), &ackMsg{data: data}); err != nil {
+			t.Fatal(err)
+		}
+		if data, err = messages.Marshal(&messages.Abort{ReqID: id, Reason: reason}); err != nil {
+			t.Fatal(err)
+		}
+		if err := s.onAbort(context.Background(), &nats.Msg{Data: data}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	for outcome, want := range map[string]float64{"dispatched": 4, "aborted": 2, "timeout": 1, "withdrawn": 1} {
+		var m dto.Metric
+		if err := s.m.requests.WithLabelValues(outcome).Write(&m); err != nil {
+			t.Fatal(err)
+		}
+		if got := m.GetCounter().GetValue(); got != want {
+			t.Errorf("kvbus_scheduler_requests_total{outcome=%q} = %v, want %v", outcome, got, want)
+		}
+	}
+}

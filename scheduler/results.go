@@ -92,11 +92,12 @@ const (
 	outcomeAborted
 	outcomeTimeout
 	outcomeFailed
+	outcomeWithdrawn
 )
 
 // String is the outcome's label of kvbus_scheduler_requests_total.
 func (o requestOutcome) String() string {
-	return [...]string{"completed", "aborted", "timeout", "failed"}[o]
+	return [...]string{"completed", "aborted", "timeout", "failed", "withdrawn"}[o]
 }
 
 func (s *Scheduler) onAbort(_ context.Context, m *nats.Msg) error {
@@ -107,9 +108,12 @@ func (s *Scheduler) onAbort(_ context.Context, m *nats.Msg) error {
 	if a.Group != "" {
 		return nil // a scheduler withdrawing a request from one group
 	}
-	outcome := outcomeAborted
-	if a.Timeout() { // its deadline passed at the frontend
+	outcome := outcomeWithdrawn // a copy the frontend gave up, or a publish that failed
+	switch {
+	case a.Timeout(): // its deadline passed at the frontend
 		outcome = outcomeTimeout
+	case a.ByClient():
+		outcome = outcomeAborted
 	}
 	if t := s.trackers.abort(a.ReqID, outcome); t != nil {
 		s.groups.addInflight(t.Group, -1, -t.queued)

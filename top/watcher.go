@@ -60,11 +60,9 @@ const (
 	groupForget = 5 * time.Minute
 )
 
-// The reasons the frontend gives its Aborts (frontend/generate.go).
-const (
-	abortClientGone    = "client disconnected" // the client went away: aborted
-	abortPublishFailed = "publish failed"      // never entered the log: never ran
-)
+// abortPublishFailed begins the reason of a frontend's Abort of a request
+// that never entered the log, and never ran (frontend/generate.go).
+const abortPublishFailed = "publish failed"
 
 // Validate checks the configuration.
 func (c *Config) Validate() error {
@@ -480,7 +478,7 @@ func (w *Watcher) onControl(m *nats.Msg, now time.Time) {
 	case rv.again != nil && rv.again.live > 0:
 		// A copy given up for another of the same turn, still in flight
 		// (asked again, or another answered first): that one ends the turn.
-	case a.Reason == abortClientGone:
+	case a.Reason == messages.AbortReasonClientGone:
 		w.done = append(w.done, doneReq{at: now, depth: rv.depth, prompt: rv.prompt, aborted: true, session: rv.session})
 	case strings.HasPrefix(a.Reason, abortPublishFailed):
 		if sv := w.sessions[rv.session]; sv != nil && rv.again == nil { // a copy added no turn
