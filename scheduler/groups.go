@@ -237,16 +237,19 @@ func (t *groupTable) observe(hb *messages.Heartbeat, now time.Time) (stale, repo
 		gap = now.Sub(maxTime(prev.seen, t.heardFrom))
 	}
 	g.ranks[hb.TPRank] = rankInfo{seen: now, started: hb.StartedUnixMs, restarted: restarted, dupSaid: prev.dupSaid,
-		queueDepth: hb.QueueDepth, draining: hb.Draining, notReady: hb.NotReady, model: hb.Model}
+		queueDepth: max(hb.QueueDepth, 0), draining: hb.Draining, notReady: hb.NotReady, model: hb.Model}
 	g.refresh()
 	if hb.TPRank == 0 { // the driver knows the group's load
-		g.hbInflight = hb.InflightRequests
+		// A count below 0 (a driver of an older kvbus whose counters
+		// drifted, a hand-made heartbeat) is none: taken as it is, it hid
+		// the requests dispatched there since, the group idle as it filled.
+		g.hbInflight = max(hb.InflightRequests, 0)
 		bs := int64(t.blockSize)
-		g.hbQueued = int((hb.QueuedPrefillTokens+bs-1)/bs) +
-			loadWork(int(hb.QueuedLoadTokens/bs), int(hb.QueuedRemoteLoadTokens/bs), t.localLoad, t.remoteLoad)
+		g.hbQueued = int((max(hb.QueuedPrefillTokens, 0)+bs-1)/bs) +
+			loadWork(int(max(hb.QueuedLoadTokens, 0)/bs), int(max(hb.QueuedRemoteLoadTokens, 0)/bs), t.localLoad, t.remoteLoad)
 		g.hbAt = now
-		g.prefilling = time.Duration(hb.PrefillingUs) * time.Microsecond
-		g.prefillingBlocks = int((hb.PrefillingTokens + bs - 1) / bs)
+		g.prefilling = time.Duration(max(hb.PrefillingUs, 0)) * time.Microsecond
+		g.prefillingBlocks = int((max(hb.PrefillingTokens, 0) + bs - 1) / bs)
 		g.inflight, g.queued = 0, 0
 	}
 	return false, false, gap

@@ -394,3 +394,24 @@ func BenchmarkGroupTableReady256Groups(b *testing.B) {
 		}
 	}
 }
+
+// TestGroupTableNegativeLoadIsNone: a driver's heartbeat with counts below
+// zero (an older kvbus whose counters drifted, a hand-made heartbeat)
+// gives its group no load, never less than none: the requests this
+// replica dispatched there since count in full. Before, -1000 queued
+// tokens hid the next 62 blocks dispatched there, and -3 in flight the next
+// 3 requests: the group looked idle while it filled.
+func TestGroupTableNegativeLoadIsNone(t *testing.T) {
+	gt := newGroupTable(time.Second, 16, 0.25, 0.5)
+	now := time.Now()
+	h := hb("g0", 0, 1)
+	h.InflightRequests, h.QueueDepth = -3, -3
+	h.QueuedPrefillTokens, h.QueuedLoadTokens, h.QueuedRemoteLoadTokens = -1000, -1600, -3200
+	h.PrefillingUs, h.PrefillingTokens = -5000, -160
+	gt.observe(h, now)
+	gt.addInflight("g0", 2, 10)
+	got := gt.ready(now)
+	if len(got) != 1 || got[0].Inflight != 2 || got[0].QueuedBlocks != 10 || got[0].QueueDepth != 0 {
+		t.Fatalf("ready = %+v, want inflight 2, queued blocks 10 (dispatched here since), queue depth 0", got)
+	}
+}
