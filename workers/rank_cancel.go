@@ -108,6 +108,13 @@ func (r *Rank) onAbort(_ context.Context, m *nats.Msg) error {
 	if rr != nil {
 		r.log.Info("request aborted", "req_id", a.ReqID, "session_id", rr.meta.SessionID, "reason", a.Reason)
 		rr.cancel(errAborted)
+		// Off the driver's prefill queue now, not when the load thread
+		// reaches it (behind a slow load, up to --save-wait): the
+		// schedulers place by that queue.
+		if r.IsDriver() && !rr.prefilled.Load() {
+			r.donePrefill(rr)
+			r.heartbeatSoon()
+		}
 	}
 	return nil
 }

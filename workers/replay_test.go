@@ -117,3 +117,31 @@ func TestSupersededAttemptSaysNothing(t *testing.T) {
 		}
 	}
 }
+
+// TestAbortedRequestLeavesThePrefillQueueAtOnce: a request aborted while it
+// waits behind a slow load leaves the driver's prefill queue at once: the
+// next heartbeat no longer counts its tokens, though the load thread has
+// not reached it. Before, the schedulers saw the group loaded with work
+// nobody waited for until the load ahead ended (up to --save-wait).
+func TestAbortedRequestLeavesThePrefillQueueAtOnce(t *testing.T) {
+	env := startRanks(t, rankEnvConfig{saveWait: 3 * time.Second})
+	blockLoadThread(t, env)
+	env.sendMeta(newMeta("gone", "sg", testenv.PromptTokens(7, 10*blockSize)))
+	queued := func() int64 {
+		hbs := env.heartbeats(0)
+		if len(hbs) == 0 {
+			return -1
+		}
+		return hbs[len(hbs)-1].QueuedPrefillTokens
+	}
+	// The blocker's uncached block and all of "gone".
+	testenv.Eventually(t, waitFor, "the driver's queue with both requests", func() bool { return queued() == int64(11*blockSize) })
+	data, err := messages.Marshal(&messages.Abort{ReqID: "gone", Reason: messages.AbortReasonClientGone})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := env.nc.Publish(env.subj.Abort(), data); err != nil {
+		t.Fatal(err)
+	}
+	testenv.Eventually(t, 2*time.Second, "the aborted request off the driver's queue", func() bool { return queued() == int64(blockSize) })
+}
