@@ -88,18 +88,7 @@ func TestVLLMMetricsStreamWithAFailedPrompt(t *testing.T) {
 	g.q.push(1, &messages.Output{ReqID: "r-1", Index: 0, Text: "b"})
 	g.q.push(1, &messages.Output{ReqID: "r-1", Index: 1, Error: &messages.OutputError{Code: "engine_error", Message: "generation stopped"}})
 	g.stream(httptest.NewRecorder(), t.Context(), time.Now().Add(5*time.Second), false, false)
-	families, err := reg.Gather()
-	if err != nil {
-		t.Fatal(err)
-	}
-	success := map[string]float64{}
-	for _, f := range families {
-		if f.GetName() == "vllm:request_success_total" {
-			for _, mt := range f.GetMetric() {
-				success[label(mt, "finished_reason")] += mt.GetCounter().GetValue()
-			}
-		}
-	}
+	success := successByReason(t, reg)
 	if success["stop"] != 1 || success["length"]+success["abort"] != 0 {
 		t.Errorf("vllm:request_success_total by finished_reason %v, want the finished prompt's stop 1 and nothing for the failed one", success)
 	}
@@ -130,6 +119,15 @@ func TestVLLMMetricsCountClientAborts(t *testing.T) {
 	if status := g.stream(httptest.NewRecorder(), ctx, time.Now().Add(5*time.Second), false, false); status != 499 {
 		t.Fatalf("status %d, want 499 (the client left)", status)
 	}
+	success := successByReason(t, reg)
+	if success["stop"] != 1 || success["abort"] != 1 {
+		t.Errorf("vllm:request_success_total by finished_reason %v, want the finished prompt's stop 1 and the one left unfinished abort 1", success)
+	}
+}
+
+// successByReason is vllm:request_success_total in reg by finished_reason.
+func successByReason(t *testing.T, reg *prometheus.Registry) map[string]float64 {
+	t.Helper()
 	families, err := reg.Gather()
 	if err != nil {
 		t.Fatal(err)
@@ -142,7 +140,5 @@ func TestVLLMMetricsCountClientAborts(t *testing.T) {
 			}
 		}
 	}
-	if success["stop"] != 1 || success["abort"] != 1 {
-		t.Errorf("vllm:request_success_total by finished_reason %v, want the finished prompt's stop 1 and the one left unfinished abort 1", success)
-	}
+	return success
 }

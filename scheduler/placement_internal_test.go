@@ -534,15 +534,7 @@ func TestAbortInTheLogCountsItsOutcome(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
-	for outcome, want := range map[string]float64{"aborted": 1, "timeout": 1, "duplicate": 1, "dispatched": 0} {
-		var m dto.Metric
-		if err := s.m.requests.WithLabelValues(outcome).Write(&m); err != nil {
-			t.Fatal(err)
-		}
-		if got := m.GetCounter().GetValue(); got != want {
-			t.Errorf("kvbus_scheduler_requests_total{outcome=%q} = %v, want %v", outcome, got, want)
-		}
-	}
+	checkOutcomes(t, s, map[string]float64{"aborted": 1, "timeout": 1, "duplicate": 1, "dispatched": 0})
 }
 
 // abortingPolicy places every request on its group, after running abort
@@ -609,13 +601,7 @@ func TestAbortWhilePlacedAnnouncesNoPlan(t *testing.T) {
 		}
 	case <-time.After(200 * time.Millisecond):
 	}
-	var mt dto.Metric
-	if err := s.m.requests.WithLabelValues("aborted").Write(&mt); err != nil {
-		t.Fatal(err)
-	}
-	if got := mt.GetCounter().GetValue(); got != 1 {
-		t.Errorf("kvbus_scheduler_requests_total{outcome=\"aborted\"} = %v, want 1", got)
-	}
+	checkOutcomes(t, s, map[string]float64{"aborted": 1})
 }
 
 // TestAbortOutcomeByReason: a dispatched request counts `aborted` only
@@ -652,13 +638,19 @@ func TestAbortOutcomeByReason(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
-	for outcome, want := range map[string]float64{"dispatched": 4, "aborted": 2, "timeout": 1, "withdrawn": 1} {
+	checkOutcomes(t, s, map[string]float64{"dispatched": 4, "aborted": 2, "timeout": 1, "withdrawn": 1})
+}
+
+// checkOutcomes checks kvbus_scheduler_requests_total by outcome.
+func checkOutcomes(t *testing.T, s *Scheduler, want map[string]float64) {
+	t.Helper()
+	for outcome, n := range want {
 		var m dto.Metric
 		if err := s.m.requests.WithLabelValues(outcome).Write(&m); err != nil {
 			t.Fatal(err)
 		}
-		if got := m.GetCounter().GetValue(); got != want {
-			t.Errorf("kvbus_scheduler_requests_total{outcome=%q} = %v, want %v", outcome, got, want)
+		if got := m.GetCounter().GetValue(); got != n {
+			t.Errorf("kvbus_scheduler_requests_total{outcome=%q} = %v, want %v", outcome, got, n)
 		}
 	}
 }

@@ -30,18 +30,14 @@ func blockLoadThread(t *testing.T, env *rankEnv) {
 	env.sendMeta(blocker)
 }
 
-// TestResendFindsTheNewerAttempt: attempt 0 of a request is superseded on
-// the same group by attempt 1 while both wait in the load queue. The
-// driver starts a goroutine for each; the older one may start keeping its
-// outputs after the newer did. Its memory must still hold the newer
-// attempt's outputs, which the frontend follows and may ask for again.
-// Before, the older attempt's entry replaced the newer one's in about a
-// third of such requests, and a frontend that lost outputs on the bus
-// ended the stream with output_lost.
-func TestResendFindsTheNewerAttempt(t *testing.T) {
+// supersededPairs sends attempts 0 and 1 of n streamed requests (req-0 …)
+// to ranks whose load thread is held, so that both wait in the load queue
+// and attempt 1 supersedes attempt 0, and waits for each attempt 1's final
+// output.
+func supersededPairs(t *testing.T, n int) *rankEnv {
+	t.Helper()
 	env := startRanks(t, rankEnvConfig{saveWait: 300 * time.Millisecond})
 	blockLoadThread(t, env)
-	const n = 20
 	for i := range n {
 		for attempt := range 2 {
 			m := newMeta(fmt.Sprint("req-", i), fmt.Sprint("s", i), testenv.PromptTokens(10+i, 2*blockSize))
@@ -60,6 +56,20 @@ func TestResendFindsTheNewerAttempt(t *testing.T) {
 			return false
 		})
 	}
+	return env
+}
+
+// TestResendFindsTheNewerAttempt: attempt 0 of a request is superseded on
+// the same group by attempt 1 while both wait in the load queue. The
+// driver starts a goroutine for each; the older one may start keeping its
+// outputs after the newer did. Its memory must still hold the newer
+// attempt's outputs, which the frontend follows and may ask for again.
+// Before, the older attempt's entry replaced the newer one's in about a
+// third of such requests, and a frontend that lost outputs on the bus
+// ended the stream with output_lost.
+func TestResendFindsTheNewerAttempt(t *testing.T) {
+	const n = 20
+	env := supersededPairs(t, n)
 	lost := 0
 	for i := range n {
 		data, err := messages.Marshal(&messages.Resend{ReqID: fmt.Sprint("req-", i), Attempt: 1, FromIndex: 0})
@@ -88,27 +98,8 @@ func TestResendFindsTheNewerAttempt(t *testing.T) {
 // with engine_error ("superseded by a newer attempt") while attempt 1 ran
 // on for nobody.
 func TestSupersededAttemptSaysNothing(t *testing.T) {
-	env := startRanks(t, rankEnvConfig{saveWait: 300 * time.Millisecond})
-	blockLoadThread(t, env)
 	const n = 10
-	for i := range n {
-		for attempt := range 2 {
-			m := newMeta(fmt.Sprint("req-", i), fmt.Sprint("s", i), testenv.PromptTokens(10+i, 2*blockSize))
-			m.Stream, m.Attempt = true, attempt
-			env.sendMeta(m)
-		}
-	}
-	for i := range n {
-		id := fmt.Sprint("req-", i)
-		testenv.Eventually(t, waitFor, "attempt 1's final output of "+id, func() bool {
-			for _, o := range env.outputs(id) {
-				if o.Attempt == 1 && o.Final() {
-					return true
-				}
-			}
-			return false
-		})
-	}
+	env := supersededPairs(t, n)
 	for i := range n {
 		for _, o := range env.outputs(fmt.Sprint("req-", i)) {
 			if o.Attempt == 0 && o.Error != nil {
