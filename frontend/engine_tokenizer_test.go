@@ -362,6 +362,23 @@ func TestEngineTokenizerHungEngine(t *testing.T) {
 	}
 }
 
+// passthroughCompletions starts a fake engine and a passthrough frontend
+// that tokenizes with it, whose bus requests come on got, each answered
+// with a completion "ok".
+func passthroughCompletions(t *testing.T) (engine *fakeengine.Engine, fe *standalone, got chan *messages.Request) {
+	t.Helper()
+	engine = startFakeEngine(t, fakeengine.Config{ModelName: "kvbus-sim"})
+	tok := newEngineTokenizer(t, frontend.EngineTokenizerConfig{URLs: []string{engine.URL()}})
+	fe = startFrontend(t, func(c *frontend.Config) { c.Passthrough, c.Tokenizer = true, tok })
+	got = make(chan *messages.Request, 4)
+	answering(t, fe, func(req *messages.Request) []*messages.Output {
+		got <- req
+		return []*messages.Output{{Index: 0, Text: "ok", FinishReason: "stop",
+			Raw: []byte(`{"id":"x","object":"text_completion","choices":[{"index":0,"text":"ok","finish_reason":"stop"}]}`)}}
+	})
+	return engine, fe, got
+}
+
 // TestEngineTokenizerCompletionSpecialTokens proves a completion's prompt
 // is tokenized with the body's add_special_tokens, as the engine's
 // /v1/completions tokenizes it: with false (a prompt the client rendered
@@ -371,15 +388,7 @@ func TestEngineTokenizerHungEngine(t *testing.T) {
 // /tokenize was always asked with add_special_tokens true, and every such
 // prompt was one BOS longer than the engine's, no block of it matching.
 func TestEngineTokenizerCompletionSpecialTokens(t *testing.T) {
-	engine := startFakeEngine(t, fakeengine.Config{ModelName: "kvbus-sim"})
-	tok := newEngineTokenizer(t, frontend.EngineTokenizerConfig{URLs: []string{engine.URL()}})
-	fe := startFrontend(t, func(c *frontend.Config) { c.Passthrough, c.Tokenizer = true, tok })
-	got := make(chan *messages.Request, 4)
-	answering(t, fe, func(req *messages.Request) []*messages.Output {
-		got <- req
-		return []*messages.Output{{Index: 0, Text: "ok", FinishReason: "stop",
-			Raw: []byte(`{"id":"x","object":"text_completion","choices":[{"index":0,"text":"ok","finish_reason":"stop"}]}`)}}
-	})
+	engine, fe, got := passthroughCompletions(t)
 	for _, extra := range []string{`,"add_special_tokens":false`, ``, `,"add_special_tokens":true`} {
 		body := `{"model":"kvbus-sim","prompt":"a prompt the client rendered itself","max_tokens":4` + extra + `}`
 		status, _, resp := testenv.Send(t, http.MethodPost, fe.url+"/v1/completions", body, nil)
@@ -401,15 +410,7 @@ func TestEngineTokenizerCompletionSpecialTokens(t *testing.T) {
 // request was sent, and the tokens of all but the first were thrown away:
 // a list of 64 prompts waited for 64 calls.
 func TestEngineTokenizerPromptListAsksOnce(t *testing.T) {
-	engine := startFakeEngine(t, fakeengine.Config{ModelName: "kvbus-sim"})
-	tok := newEngineTokenizer(t, frontend.EngineTokenizerConfig{URLs: []string{engine.URL()}})
-	fe := startFrontend(t, func(c *frontend.Config) { c.Passthrough, c.Tokenizer = true, tok })
-	got := make(chan *messages.Request, 4)
-	answering(t, fe, func(req *messages.Request) []*messages.Output {
-		got <- req
-		return []*messages.Output{{Index: 0, Text: "ok", FinishReason: "stop",
-			Raw: []byte(`{"id":"x","object":"text_completion","choices":[{"index":0,"text":"ok","finish_reason":"stop"}]}`)}}
-	})
+	engine, fe, got := passthroughCompletions(t)
 	prompts := make([]string, 64)
 	for i := range prompts {
 		prompts[i] = strconv.Quote("prompt number " + strconv.Itoa(i))

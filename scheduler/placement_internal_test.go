@@ -200,22 +200,8 @@ func TestAbortBeforeDispatch(t *testing.T) {
 	if err := nc.Flush(); err != nil {
 		t.Fatal(err)
 	}
-	request := func(id string) *ackMsg {
-		data, err := messages.Marshal(&messages.Request{RequestID: id, FrontendID: "fe", Model: "m",
-			ArrivalUnixMs: time.Now().UnixMilli(), PromptTokenIDs: make([]uint32, 40)})
-		if err != nil {
-			t.Fatal(err)
-		}
-		return &ackMsg{data: data}
-	}
-	abort, err := messages.Marshal(&messages.Abort{ReqID: "gone", Reason: "client disconnected"})
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := s.onAbort(context.Background(), &nats.Msg{Data: abort}); err != nil {
-		t.Fatal(err)
-	}
-	gone, kept := request("gone"), request("kept")
+	sendAbort(t, s, "gone", messages.AbortReasonClientGone)
+	gone, kept := requestMsg(t, "gone"), requestMsg(t, "kept")
 	for _, m := range []*ackMsg{gone, kept} {
 		if err := s.onRequest(context.Background(), m); err != nil {
 			t.Fatal(err)
@@ -515,22 +501,11 @@ func TestAbortInTheLogCountsItsOutcome(t *testing.T) {
 	s.bindings.Store(b)
 	holding(s, "g0")
 	heard(s, "g0", time.Now(), 0)
-	for id, reason := range map[string]string{"gone": "client disconnected", "late": messages.AbortReasonTimeout} {
-		data, err := messages.Marshal(&messages.Abort{ReqID: id, Reason: reason})
-		if err != nil {
-			t.Fatal(err)
-		}
-		if err := s.onAbort(context.Background(), &nats.Msg{Data: data}); err != nil {
-			t.Fatal(err)
-		}
+	for id, reason := range map[string]string{"gone": messages.AbortReasonClientGone, "late": messages.AbortReasonTimeout} {
+		sendAbort(t, s, id, reason)
 	}
 	for _, id := range []string{"gone", "late", "gone"} {
-		data, err := messages.Marshal(&messages.Request{RequestID: id, FrontendID: "fe", Model: "m",
-			ArrivalUnixMs: time.Now().UnixMilli(), PromptTokenIDs: make([]uint32, 40)})
-		if err != nil {
-			t.Fatal(err)
-		}
-		if err := s.onRequest(context.Background(), &ackMsg{data: data}); err != nil {
+		if err := s.onRequest(context.Background(), requestMsg(t, id)); err != nil {
 			t.Fatal(err)
 		}
 	}
@@ -561,15 +536,7 @@ func TestAbortWhilePlacedAnnouncesNoPlan(t *testing.T) {
 	s.bindings.Store(b)
 	holding(s, "g0")
 	heard(s, "g0", time.Now(), 0)
-	s.cfg.Policy = abortingPolicy{group: "g0", abort: func(id string) {
-		data, err := messages.Marshal(&messages.Abort{ReqID: id, Reason: "client disconnected"})
-		if err != nil {
-			t.Fatal(err)
-		}
-		if err := s.onAbort(context.Background(), &nats.Msg{Data: data}); err != nil {
-			t.Fatal(err)
-		}
-	}}
+	s.cfg.Policy = abortingPolicy{group: "g0", abort: func(id string) { sendAbort(t, s, id, messages.AbortReasonClientGone) }}
 	plans := make(chan *nats.Msg, 4)
 	sub, err := nc.ChanSubscribe(s.cfg.Subjects.Plan(s.cfg.ID), plans)
 	if err != nil {
@@ -579,12 +546,7 @@ func TestAbortWhilePlacedAnnouncesNoPlan(t *testing.T) {
 	if err := nc.Flush(); err != nil {
 		t.Fatal(err)
 	}
-	data, err := messages.Marshal(&messages.Request{RequestID: "gone", FrontendID: "fe", Model: "m",
-		ArrivalUnixMs: time.Now().UnixMilli(), PromptTokenIDs: make([]uint32, 40)})
-	if err != nil {
-		t.Fatal(err)
-	}
-	msg := &ackMsg{data: data}
+	msg := requestMsg(t, "gone")
 	if err := s.onRequest(context.Background(), msg); err != nil {
 		t.Fatal(err)
 	}
@@ -623,20 +585,10 @@ func TestAbortOutcomeByReason(t *testing.T) {
 		"copy":    "answer lost on the bus; asked again as copy-again1",
 	}
 	for id, reason := range reasons {
-		data, err := messages.Marshal(&messages.Request{RequestID: id, FrontendID: "fe", Model: "m",
-			ArrivalUnixMs: time.Now().UnixMilli(), PromptTokenIDs: make([]uint32, 40)})
-		if err != nil {
+		if err := s.onRequest(context.Background(), requestMsg(t, id)); err != nil {
 			t.Fatal(err)
 		}
-		if err := s.onRequest(context.Background(), &ackMsg{data: data}); err != nil {
-			t.Fatal(err)
-		}
-		if data, err = messages.Marshal(&messages.Abort{ReqID: id, Reason: reason}); err != nil {
-			t.Fatal(err)
-		}
-		if err := s.onAbort(context.Background(), &nats.Msg{Data: data}); err != nil {
-			t.Fatal(err)
-		}
+		sendAbort(t, s, id, reason)
 	}
 	checkOutcomes(t, s, map[string]float64{"dispatched": 4, "aborted": 2, "timeout": 1, "withdrawn": 1})
 }
@@ -652,5 +604,28 @@ func checkOutcomes(t *testing.T, s *Scheduler, want map[string]float64) {
 		if got := m.GetCounter().GetValue(); got != n {
 			t.Errorf("kvbus_scheduler_requests_total{outcome=%q} = %v, want %v", outcome, got, n)
 		}
+	}
+}
+
+// requestMsg is the request log's delivery of a 40-token request id.
+func requestMsg(t *testing.T, id string) *ackMsg {
+	t.Helper()
+	data, err := messages.Marshal(&messages.Request{RequestID: id, FrontendID: "fe", Model: "m",
+		ArrivalUnixMs: time.Now().UnixMilli(), PromptTokenIDs: make([]uint32, 40)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return &ackMsg{data: data}
+}
+
+// sendAbort hands s a frontend's Abort of id.
+func sendAbort(t *testing.T, s *Scheduler, id, reason string) {
+	t.Helper()
+	data, err := messages.Marshal(&messages.Abort{ReqID: id, Reason: reason})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := s.onAbort(context.Background(), &nats.Msg{Data: data}); err != nil {
+		t.Fatal(err)
 	}
 }

@@ -231,16 +231,7 @@ func TestProcessStopSignals(t *testing.T) {
 // in flight says what it finishes and how to stop at once; a second Ctrl-C
 // ends it at once with 130 (it was ignored until the request ended).
 func TestProcessServeSIGINTTwice(t *testing.T) {
-	if testing.Short() {
-		t.Skip("builds and runs the binary")
-	}
-	dir := t.TempDir()
-	bin := buildBinary(t, dir)
-	httpAddr := freeAddr(t)
-	p := startProc(t, bin, dir, "serve", "serve", "--nats-addr", freeAddr(t), "--http-addr", httpAddr, "--groups", "1", "--ranks", "1",
-		"--kv-capacity", "64MiB", "--decode-per-token", "50ms")
-	base := "http://" + httpAddr
-	testenv.Eventually(t, 60*time.Second, "/health 200", func() bool { return healthz(base+"/health") == http.StatusOK })
+	p, base := startServe(t, "--decode-per-token", "50ms")
 	slowStream(t, base, 2000) // 100 s of decoding
 	p.stopsAtTheSecondSignal(t, syscall.SIGINT, 130,
 		"SIGINT: stopping: finishing 1 request in flight (new ones get 503 shutting_down), then stopping the schedulers and the ranks",
@@ -254,16 +245,7 @@ func TestProcessServeSIGINTTwice(t *testing.T) {
 // --request-timeout for them, and an orchestrator's SIGKILL at the end of
 // its grace period cut them with a connection reset.
 func TestProcessServeStopTimeout(t *testing.T) {
-	if testing.Short() {
-		t.Skip("builds and runs the binary")
-	}
-	dir := t.TempDir()
-	bin := buildBinary(t, dir)
-	httpAddr := freeAddr(t)
-	p := startProc(t, bin, dir, "serve", "serve", "--nats-addr", freeAddr(t), "--http-addr", httpAddr, "--groups", "1", "--ranks", "1",
-		"--kv-capacity", "64MiB", "--decode-per-token", "50ms", "--stop-timeout", "2s", "--request-timeout", "5m")
-	base := "http://" + httpAddr
-	testenv.Eventually(t, 60*time.Second, "/health 200", func() bool { return healthz(base+"/health") == http.StatusOK })
+	p, base := startServe(t, "--decode-per-token", "50ms", "--stop-timeout", "2s", "--request-timeout", "5m")
 	type answer struct {
 		status int
 		body   string
@@ -319,20 +301,28 @@ func TestProcessServeStopTimeout(t *testing.T) {
 // requests in flight were cut, the last log lines lost, and nothing said
 // why it was gone. (`kvbus nats` reloads on SIGHUP instead.)
 func TestProcessServeSIGHUPStopsGracefully(t *testing.T) {
-	if testing.Short() {
-		t.Skip("builds and runs the binary")
-	}
-	dir := t.TempDir()
-	bin := buildBinary(t, dir)
-	httpAddr := freeAddr(t)
-	p := startProc(t, bin, dir, "serve", "serve", "--nats-addr", freeAddr(t), "--http-addr", httpAddr, "--groups", "1", "--ranks", "1",
-		"--kv-capacity", "64MiB")
-	base := "http://" + httpAddr
-	testenv.Eventually(t, 60*time.Second, "/health 200", func() bool { return healthz(base+"/health") == http.StatusOK })
+	p, _ := startServe(t)
 	p.signal(t, syscall.SIGHUP)
 	code, ok := p.exitWithin(30 * time.Second)
 	if !ok || code != 0 {
 		t.Fatalf("after SIGHUP: exited %v, code %d; want a graceful stop, exit 0", ok, code)
 	}
 	p.logged(t, time.Second, "SIGHUP: stopping")
+}
+
+// startServe runs `kvbus serve` (one group of one rank, 64 MiB of KV, on
+// ports of its own, with args besides) and waits for its /health.
+func startServe(t *testing.T, args ...string) (p *proc, base string) {
+	t.Helper()
+	if testing.Short() {
+		t.Skip("builds and runs the binary")
+	}
+	dir := t.TempDir()
+	bin := buildBinary(t, dir)
+	httpAddr := freeAddr(t)
+	p = startProc(t, bin, dir, "serve", append([]string{"serve", "--nats-addr", freeAddr(t), "--http-addr", httpAddr, "--groups", "1", "--ranks", "1",
+		"--kv-capacity", "64MiB"}, args...)...)
+	base = "http://" + httpAddr
+	testenv.Eventually(t, 60*time.Second, "/health 200", func() bool { return healthz(base+"/health") == http.StatusOK })
+	return p, base
 }
