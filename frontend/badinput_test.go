@@ -43,6 +43,11 @@ func TestBadInput(t *testing.T) {
 		{"empty messages", "POST", "/v1/chat/completions", `{"model":"` + c.Model + `","messages":[]}`, nil, 400, "invalid_request_error", "messages"},
 		{"role missing", "POST", "/v1/chat/completions", `{"messages":[{"content":"hi"}]}`, nil, 400, "invalid_request_error", "messages[0].role"},
 		{"image part", "POST", "/v1/chat/completions", `{"messages":[{"role":"user","content":[{"type":"image_url","image_url":{"url":"x"}}]}]}`, nil, 400, "invalid_request_error", "messages[0].content[0]"},
+		// vLLM's own check: "Parameter 'cache_salt' must be a non-empty
+		// string if provided." Accepted and ignored before.
+		{"cache_salt empty", "POST", "/v1/chat/completions", chat(`,"cache_salt":""`), nil, 400, "invalid_request_error", "cache_salt"},
+		{"cache_salt a number", "POST", "/v1/completions", `{"prompt":"hi","cache_salt":7}`, nil, 400, "invalid_request_error", "cache_salt"},
+		{"cache_salt too long", "POST", "/v1/chat/completions", chat(`,"cache_salt":"` + strings.Repeat("s", 1025) + `"`), nil, 400, "invalid_request_error", "cache_salt"},
 		{"session_id a number", "POST", "/v1/chat/completions", chat(`,"session_id":7`), nil, 400, "invalid_request_error", "session_id"},
 		{"session header too long", "POST", "/v1/chat/completions", chat(""), map[string]string{"X-Session-ID": strings.Repeat("s", 300)}, 400, "invalid_request_error", "X-Session-ID"},
 		{"prompt over max-model-len", "POST", "/v1/completions", `{"prompt":"` + strings.Repeat("word ", 600) + `"}`, nil, 400, "invalid_request_error", "prompt"},

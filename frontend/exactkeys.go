@@ -34,6 +34,7 @@ var requestSchema = fieldSchema{
 	"max_completion_tokens": nil,
 	"prompt":                nil,
 	"add_special_tokens":    nil,
+	"cache_salt":            nil,
 }
 
 // maxKeyLen is the length of the longest key of requestSchema.

@@ -443,7 +443,7 @@ func (s *Server) busRequest(p *parsedRequest, busID, sessionID string, prompt []
 		RequestID: busID, SessionID: sessionID, Model: p.model, FrontendID: s.cfg.ID,
 		ArrivalUnixMs: start.UnixMilli(), DeadlineUnixMs: deadline.UnixMilli(),
 		PromptTokenIDs: prompt, SamplingParams: sp, Stream: p.stream,
-		KVTransferParams: p.kvTransfer, Endpoint: p.endpoint,
+		KVTransferParams: p.kvTransfer, Endpoint: p.endpoint, CacheSalt: p.cacheSalt,
 	}
 	if s.cfg.Passthrough {
 		req.Body = p.body

@@ -37,6 +37,7 @@ type commonParams struct {
 	SessionID        json.RawMessage `json:"session_id"`
 	VLLMXargs        json.RawMessage `json:"vllm_xargs"`
 	KVTransferParams map[string]any  `json:"kv_transfer_params"`
+	CacheSalt        json.RawMessage `json:"cache_salt"`
 	// Fields the sim engine cannot honour: 400 with the sim, passed through
 	// to a real engine.
 	Tools          json.RawMessage `json:"tools"`
@@ -217,6 +218,8 @@ type parsedRequest struct {
 	session    SessionInput
 	xargs      map[string]any
 	kvTransfer map[string]any
+	// cacheSalt is the body's cache_salt (empty: none).
+	cacheSalt string
 }
 
 // readBody reads at most limit bytes of the body; more is a 413.
@@ -358,6 +361,11 @@ func parseCommon(c *commonParams, p *parsedRequest, o parseOptions) *APIError {
 		}
 	}
 	p.kvTransfer = c.KVTransferParams
+	salt, err := parseCacheSalt(c.CacheSalt)
+	if err != nil {
+		return err
+	}
+	p.cacheSalt = salt
 	// What the bus's decoders would refuse is refused here, with a 400,
 	// rather than dropped by the scheduler (the client would wait for its
 	// timeout).
@@ -368,6 +376,23 @@ func parseCommon(c *commonParams, p *parsedRequest, o parseOptions) *APIError {
 		return badRequest("kv_transfer_params", "kv_transfer_params nests too deeply (more than 16 levels of objects and arrays)")
 	}
 	return nil
+}
+
+// parseCacheSalt reads the body's cache_salt as vLLM does: null or absent
+// is none; anything but a non-empty string is refused.
+func parseCacheSalt(raw json.RawMessage) (string, *APIError) {
+	raw = bytes.TrimSpace(raw)
+	if len(raw) == 0 || string(raw) == "null" {
+		return "", nil
+	}
+	var salt string
+	if raw[0] != '"' || json.Unmarshal(raw, &salt) != nil || salt == "" {
+		return "", badRequest("cache_salt", "Parameter 'cache_salt' must be a non-empty string if provided.")
+	}
+	if len(salt) > messages.MaxCacheSaltBytes {
+		return "", badRequest("cache_salt", "cache_salt has %d bytes; at most %d", len(salt), messages.MaxCacheSaltBytes)
+	}
+	return salt, nil
 }
 
 // validRequestID reports whether id may name a request: at most

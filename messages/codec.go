@@ -243,9 +243,20 @@ func (m *Request) validate() error {
 		return invalid("request %s: body is not a JSON object", m.RequestID)
 	case m.Endpoint != "" && m.Endpoint != EndpointChat && m.Endpoint != EndpointCompletions:
 		return invalid("request %s: endpoint %q is not %s or %s", m.RequestID, m.Endpoint, EndpointChat, EndpointCompletions)
+	case CheckSessionID(m.SessionID) != nil:
+		return invalid("request %s: session_id: %v", m.RequestID, CheckSessionID(m.SessionID))
+	case CheckSessionID(m.SamplingParams.SessionFromExtraArgs()) != nil:
+		return invalid("request %s: extra_args session_id: %v", m.RequestID, CheckSessionID(m.SamplingParams.SessionFromExtraArgs()))
+	case len(m.CacheSalt) > MaxCacheSaltBytes:
+		return invalid("request %s: cache_salt of %d bytes; at most %d", m.RequestID, len(m.CacheSalt), MaxCacheSaltBytes)
 	}
 	return nil
 }
+
+// MaxCacheSaltBytes bounds a request's cache_salt. vLLM sets no bound; a
+// salt is a secret of some 43 characters (256 bits in base64), and 1 KiB
+// leaves room for any encoding of one.
+const MaxCacheSaltBytes = 1024
 
 // jsonObject reports whether b is empty or starts like a JSON object (the
 // engine parses it; kvbus only forwards it).

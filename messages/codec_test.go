@@ -601,6 +601,15 @@ func TestValidation(t *testing.T) {
 		{"Request/negative max_tokens", func() Message { m := sampleRequest(); m.SamplingParams.MaxTokens = -1; return m }(), decRequest},
 		// The scheduler copies it into the ReqMeta, which every rank refuses.
 		{"Request/unknown endpoint", func() Message { m := sampleRequest(); m.Endpoint = "embeddings"; return m }(), decRequest},
+		// A session id the frontend would refuse (too long, a control
+		// character) is refused from any other publisher too.
+		{"Request/session_id too long", func() Message { m := sampleRequest(); m.SessionID = strings.Repeat("s", MaxSessionIDBytes+1); return m }(), decRequest},
+		{"Request/extra_args session_id with a control character", func() Message {
+			m := sampleRequest()
+			m.SamplingParams.ExtraArgs = Args{ExtraArgSessionID: "a\nb"}
+			return m
+		}(), decRequest},
+		{"Request/cache_salt too long", func() Message { m := sampleRequest(); m.CacheSalt = strings.Repeat("s", MaxCacheSaltBytes+1); return m }(), decRequest},
 		{"ReqMeta/no req_id", func() Message { m := sampleReqMeta(); m.ReqID = ""; return m }(), decReqMeta},
 		{"ReqMeta/bad group", func() Message { m := sampleReqMeta(); m.Group = "g.0"; return m }(), decReqMeta},
 		{"ReqMeta/no group", func() Message { m := sampleReqMeta(); m.Group = ""; return m }(), decReqMeta},

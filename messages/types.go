@@ -53,6 +53,10 @@ type Request struct {
 	// on the bus. It is the same turn of its session, not the next. Empty
 	// for every other request.
 	AgainOf string `msgpack:"again_of,omitempty" json:"again_of,omitempty"`
+	// CacheSalt is vLLM's cache_salt: a prompt with a salt shares cached
+	// blocks only with prompts of the same model and the same salt (its
+	// block hash chain is seeded with both). Empty: no salt.
+	CacheSalt string `msgpack:"cache_salt,omitempty" json:"cache_salt,omitempty"`
 }
 
 // SamplingParams is the subset of vLLM's SamplingParams that kvbus carries.

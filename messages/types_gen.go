@@ -3433,8 +3433,8 @@ func (z *ReqMeta) Msgsize() (s int) {
 func (z *Request) MarshalMsg(b []byte) (o []byte, err error) {
 	o = msgp.Require(b, z.Msgsize())
 	// check for omitted fields
-	zb0001Len := uint32(14)
-	var zb0001Mask uint16 /* 14 bits */
+	zb0001Len := uint32(15)
+	var zb0001Mask uint16 /* 15 bits */
 	_ = zb0001Mask
 	if z.SessionID == "" {
 		zb0001Len--
@@ -3455,6 +3455,10 @@ func (z *Request) MarshalMsg(b []byte) (o []byte, err error) {
 	if z.AgainOf == "" {
 		zb0001Len--
 		zb0001Mask |= 0x2000
+	}
+	if z.CacheSalt == "" {
+		zb0001Len--
+		zb0001Mask |= 0x4000
 	}
 	// variable map header, size zb0001Len
 	o = append(o, 0x80|uint8(zb0001Len))
@@ -3524,6 +3528,11 @@ func (z *Request) MarshalMsg(b []byte) (o []byte, err error) {
 			// string "again_of"
 			o = append(o, 0xa8, 0x61, 0x67, 0x61, 0x69, 0x6e, 0x5f, 0x6f, 0x66)
 			o = msgp.AppendString(o, z.AgainOf)
+		}
+		if (zb0001Mask & 0x4000) == 0 { // if not omitted
+			// string "cache_salt"
+			o = append(o, 0xaa, 0x63, 0x61, 0x63, 0x68, 0x65, 0x5f, 0x73, 0x61, 0x6c, 0x74)
+			o = msgp.AppendString(o, z.CacheSalt)
 		}
 	}
 	return
@@ -3651,6 +3660,12 @@ func (z *Request) UnmarshalMsg(bts []byte) (o []byte, err error) {
 				err = msgp.WrapError(err, "AgainOf")
 				return
 			}
+		case "cache_salt":
+			z.CacheSalt, bts, err = msgp.ReadStringBytes(bts)
+			if err != nil {
+				err = msgp.WrapError(err, "CacheSalt")
+				return
+			}
 		default:
 			bts, err = msgp.Skip(bts)
 			if err != nil {
@@ -3665,7 +3680,7 @@ func (z *Request) UnmarshalMsg(bts []byte) (o []byte, err error) {
 
 // Msgsize returns an upper bound estimate of the number of bytes occupied by the serialized message
 func (z *Request) Msgsize() (s int) {
-	s = 1 + 2 + msgp.IntSize + 11 + msgp.StringPrefixSize + len(z.RequestID) + 11 + msgp.StringPrefixSize + len(z.SessionID) + 6 + msgp.StringPrefixSize + len(z.Model) + 12 + msgp.StringPrefixSize + len(z.FrontendID) + 16 + msgp.Int64Size + 17 + msgp.Int64Size + 17 + z.PromptTokenIDs.Msgsize() + 16 + z.SamplingParams.Msgsize() + 7 + msgp.BoolSize + 19 + z.KVTransferParams.Msgsize() + 9 + msgp.StringPrefixSize + len(z.Endpoint) + 5 + msgp.BytesPrefixSize + len(z.Body) + 9 + msgp.StringPrefixSize + len(z.AgainOf)
+	s = 1 + 2 + msgp.IntSize + 11 + msgp.StringPrefixSize + len(z.RequestID) + 11 + msgp.StringPrefixSize + len(z.SessionID) + 6 + msgp.StringPrefixSize + len(z.Model) + 12 + msgp.StringPrefixSize + len(z.FrontendID) + 16 + msgp.Int64Size + 17 + msgp.Int64Size + 17 + z.PromptTokenIDs.Msgsize() + 16 + z.SamplingParams.Msgsize() + 7 + msgp.BoolSize + 19 + z.KVTransferParams.Msgsize() + 9 + msgp.StringPrefixSize + len(z.Endpoint) + 5 + msgp.BytesPrefixSize + len(z.Body) + 9 + msgp.StringPrefixSize + len(z.AgainOf) + 11 + msgp.StringPrefixSize + len(z.CacheSalt)
 	return
 }
 

@@ -127,7 +127,7 @@ func TestCaptureReplayRoundTrip(t *testing.T) {
 	c := testenv.StartCluster(t, testenv.ClusterConfig{Groups: 2})
 	onBus := c.Observe(t, "kvbus.req.>")
 	for i := range 5 {
-		body := fmt.Sprintf(`{"model":%q,"messages":[{"role":"user","content":"capture me %d"}],"max_tokens":5,"seed":%d,"stop":["zz"],"vllm_xargs":{"tag":"x%d"}}`, c.Model, i, i, i)
+		body := fmt.Sprintf(`{"model":%q,"messages":[{"role":"user","content":"capture me %d"}],"max_tokens":5,"seed":%d,"stop":["zz"],"vllm_xargs":{"tag":"x%d"},"cache_salt":"salt-%d"}`, c.Model, i, i, i, i%2)
 		req, _ := http.NewRequestWithContext(t.Context(), http.MethodPost, c.URL+"/v1/chat/completions", strings.NewReader(body))
 		req.Header.Set("X-Session-ID", fmt.Sprintf("cap-%d", i%2))
 		resp, err := http.DefaultClient.Do(req)
@@ -154,6 +154,13 @@ func TestCaptureReplayRoundTrip(t *testing.T) {
 	}
 	bus := onBus.Messages()
 	for i := range 5 {
+		req, err := messages.DecodeRequest(bus[i].Data)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if req.CacheSalt != fmt.Sprintf("salt-%d", i%2) {
+			t.Fatalf("request %d on the bus: cache_salt %q, want salt-%d", i, req.CacheSalt, i%2)
+		}
 		f, err := cr.Next()
 		if err != nil {
 			t.Fatal(err)

@@ -658,6 +658,9 @@ func (r *Replayer) doHTTP(ctx context.Context, req *messages.Request, res *Resul
 	if sp.Seed != nil {
 		body["seed"] = *sp.Seed
 	}
+	if req.CacheSalt != "" {
+		body["cache_salt"] = req.CacheSalt
+	}
 	data, err := json.Marshal(body)
 	if err != nil {
 		res.Err = err.Error()

@@ -390,8 +390,8 @@ func ms(d time.Duration) float64 { return math.Round(float64(d)/1e3) / 1e3 }
 // computed, as in the pipeline). model is the model every request asks
 // for (Config.Model); empty, each request asks for the model a replay gives
 // it (a captured request its own, a trace's DefaultModel). The model seeds
-// the block hashes, as the scheduler's: prompts of two models share
-// nothing.
+// the block hashes with a captured request's cache_salt, as the
+// scheduler's: prompts of two models, or two salts, share nothing.
 func IdealHitRatio(items []Item, model string, blockSize int) float64 {
 	if blockSize < 1 {
 		return 0
@@ -400,11 +400,11 @@ func IdealHitRatio(items []Item, model string, blockSize int) float64 {
 	var cached, total int64
 	var hashes []uint64
 	for _, it := range items {
-		asked := ""
+		asked, salt := "", ""
 		if it.Request != nil {
-			asked = it.Request.Model
+			asked, salt = it.Request.Model, it.Request.CacheSalt
 		}
-		seed := scheduler.HashSeed(cmp.Or(model, asked, DefaultModel))
+		seed := scheduler.PromptSeed(cmp.Or(model, asked, DefaultModel), salt)
 		hashes = scheduler.HashBlocks(hashes[:0], seed, it.Prompt, blockSize)
 		n := 0
 		for n < len(hashes) {

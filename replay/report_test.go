@@ -12,6 +12,7 @@ import (
 	"time"
 	"unicode/utf8"
 
+	"github.com/kvbus/kvbus/messages"
 	"github.com/kvbus/kvbus/replay"
 	"github.com/kvbus/kvbus/testenv"
 )
@@ -358,5 +359,35 @@ func TestGroupLoadOfNoSuccessIsNoData(t *testing.T) {
 	}
 	if c := figure(t, page(t, []*replay.Report{rep}), "group load (busiest / mean requests per group)"); len(c) != 1 || c[0] != "–" {
 		t.Errorf("figure group load: %q, want –", c)
+	}
+}
+
+// TestIdealHitRatioKeepsSaltsApart: a captured request's cache_salt seeds
+// its blocks as the scheduler seeds them, so the ideal cache shares blocks
+// only between prompts of the same salt.
+func TestIdealHitRatioKeepsSaltsApart(t *testing.T) {
+	prompt := make([]uint32, 33) // two full blocks and one token more
+	for i := range prompt {
+		prompt[i] = uint32(i + 1)
+	}
+	item := func(salt string) replay.Item {
+		return replay.Item{Prompt: prompt, Request: &messages.Request{Model: "m", CacheSalt: salt, PromptTokenIDs: prompt}}
+	}
+	for _, tc := range []struct {
+		salts []string
+		want  float64 // cached tokens over 33 per prompt
+	}{
+		{[]string{"a", "b", ""}, 0},
+		{[]string{"a", "a"}, 32.0 / 66},
+		{[]string{"a", "b", "a", "b"}, 64.0 / 132},
+		{[]string{"", ""}, 32.0 / 66},
+	} {
+		var items []replay.Item
+		for _, s := range tc.salts {
+			items = append(items, item(s))
+		}
+		if got := replay.IdealHitRatio(items, "", 16); got != tc.want {
+			t.Errorf("salts %q: ideal hit ratio %v, want %v", tc.salts, got, tc.want)
+		}
 	}
 }

@@ -2,6 +2,7 @@ package scheduler
 
 import (
 	"encoding/binary"
+	"fmt"
 	"math/rand/v2"
 	"slices"
 	"testing"
@@ -119,6 +120,20 @@ func TestHashSeed(t *testing.T) {
 		if a[i] == b[i] {
 			t.Errorf("block %d: same hash under two models", i)
 		}
+	}
+}
+
+func TestPromptSeed(t *testing.T) {
+	if PromptSeed("m", "") != HashSeed("m") {
+		t.Error("PromptSeed without a salt is not HashSeed")
+	}
+	seeds := map[uint64]string{}
+	for _, c := range [][2]string{{"m", ""}, {"m", "salt-a"}, {"m", "salt-b"}, {"n", ""}, {"n", "salt-a"}} {
+		s := PromptSeed(c[0], c[1])
+		if prev, dup := seeds[s]; dup {
+			t.Errorf("model %q salt %q has the seed of %s", c[0], c[1], prev)
+		}
+		seeds[s] = fmt.Sprintf("model %q salt %q", c[0], c[1])
 	}
 }
 

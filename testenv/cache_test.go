@@ -47,50 +47,60 @@ func converse(t *testing.T, c *testenv.Cluster, conv, turns int, headers map[str
 	for n := range turns {
 		msgs = append(msgs, map[string]string{"role": "user", "content": userTurn(conv, n)})
 		body, _ := json.Marshal(map[string]any{"model": c.Model, "messages": msgs, "max_tokens": 12})
-		status, h, raw := post(t, c, "/v1/chat/completions", string(body), headers)
-		if status != http.StatusOK {
-			t.Fatalf("turn %d: status %d: %s", n+1, status, raw)
-		}
-		var resp struct {
-			Choices []struct{ Message struct{ Content string } }
-			Usage   struct {
-				PromptTokens        int `json:"prompt_tokens"`
-				PromptTokensDetails struct {
-					CachedTokens int `json:"cached_tokens"`
-				} `json:"prompt_tokens_details"`
-			}
-		}
-		if err := json.Unmarshal(raw, &resp); err != nil {
-			t.Fatal(err)
-		}
-		msgs = append(msgs, map[string]string{"role": "assistant", "content": resp.Choices[0].Message.Content})
-		tr := turnResult{reqID: h.Get("X-Request-Id"), promptTokens: resp.Usage.PromptTokens, cachedTokens: resp.Usage.PromptTokensDetails.CachedTokens}
-		var meta *messages.ReqMeta
-		testenv.Eventually(t, 5*time.Second, "the turn's ReqMeta", func() bool {
-			for _, m := range metas.Messages() {
-				if rm, err := messages.DecodeReqMeta(m.Data); err == nil && rm.ReqID == tr.reqID {
-					meta = rm
-					return true
-				}
-			}
-			return false
-		})
-		tr.group = meta.Group
-		testenv.Eventually(t, 5*time.Second, "the index to hold the turn's blocks", func() bool {
-			for _, s := range c.Schedulers {
-				g := []scheduler.GroupState{{Name: meta.Group}}
-				s.Index().Match(meta.BlockHashes, g)
-				// Held, and confirmed by every rank's events (no save plan left).
-				if g[0].IndexBlocks != len(meta.BlockHashes) || s.Index().Plans() != 0 {
-					return false
-				}
-			}
-			return true
-		})
+		tr, answer := settledChat(t, c, metas, string(body), headers)
+		msgs = append(msgs, map[string]string{"role": "assistant", "content": answer})
 		out = append(out, tr)
 		t.Logf("turn %d: group %s, prompt %d tokens, cached %d", n+1, tr.group, tr.promptTokens, tr.cachedTokens)
 	}
 	return out
+}
+
+// settledChat sends one chat request, then waits until every scheduler's
+// KV index holds its prompt's blocks on the group that ran it, confirmed by
+// every rank's events; metas observes kvbus.meta.>. It returns what the
+// turn reported and the assistant's answer.
+func settledChat(t *testing.T, c *testenv.Cluster, metas *testenv.Observer, body string, headers map[string]string) (turnResult, string) {
+	t.Helper()
+	status, h, raw := post(t, c, "/v1/chat/completions", body, headers)
+	if status != http.StatusOK {
+		t.Fatalf("status %d: %s", status, raw)
+	}
+	var resp struct {
+		Choices []struct{ Message struct{ Content string } }
+		Usage   struct {
+			PromptTokens        int `json:"prompt_tokens"`
+			PromptTokensDetails struct {
+				CachedTokens int `json:"cached_tokens"`
+			} `json:"prompt_tokens_details"`
+		}
+	}
+	if err := json.Unmarshal(raw, &resp); err != nil {
+		t.Fatal(err)
+	}
+	tr := turnResult{reqID: h.Get("X-Request-Id"), promptTokens: resp.Usage.PromptTokens, cachedTokens: resp.Usage.PromptTokensDetails.CachedTokens}
+	var meta *messages.ReqMeta
+	testenv.Eventually(t, 5*time.Second, "the turn's ReqMeta", func() bool {
+		for _, m := range metas.Messages() {
+			if rm, err := messages.DecodeReqMeta(m.Data); err == nil && rm.ReqID == tr.reqID {
+				meta = rm
+				return true
+			}
+		}
+		return false
+	})
+	tr.group = meta.Group
+	testenv.Eventually(t, 5*time.Second, "the index to hold the turn's blocks", func() bool {
+		for _, s := range c.Schedulers {
+			g := []scheduler.GroupState{{Name: meta.Group}}
+			s.Index().Match(meta.BlockHashes, g)
+			// Held, and confirmed by every rank's events (no save plan left).
+			if g[0].IndexBlocks != len(meta.BlockHashes) || s.Index().Plans() != 0 {
+				return false
+			}
+		}
+		return true
+	})
+	return tr, resp.Choices[0].Message.Content
 }
 
 // hits counts the turns n >= 2 whose cached tokens cover every full block of
@@ -408,4 +418,46 @@ func TestKVEventGapIsRepairedByADump(t *testing.T) {
 		c.Scheduler.Index().Match([]uint64{1, 2, 3, 4, 5}, g)
 		return g[0].IndexBlocks == 5
 	})
+}
+
+// TestCacheSaltSeparatesPrefixes: a prompt sent with vLLM's cache_salt
+// shares cached blocks only with the same prompt sent with the same salt,
+// as vLLM keys a salted prompt's first block with its salt: another
+// tenant's salt, or none, finds nothing cached.
+func TestCacheSaltSeparatesPrefixes(t *testing.T) {
+	c := testenv.StartCluster(t, testenv.ClusterConfig{Groups: 2, Policy: scheduler.PolicyKV})
+	metas := c.Observe(t, "kvbus.meta.>")
+	body := func(salt string) string {
+		b := map[string]any{"model": c.Model, "max_tokens": 4,
+			"messages": []map[string]string{{"role": "user", "content": userTurn(7, 0)}}}
+		if salt != "" {
+			b["cache_salt"] = salt
+		}
+		out, _ := json.Marshal(b)
+		return string(out)
+	}
+	steps := []struct {
+		salt   string
+		cached bool // whether the prompt's full blocks are due cached
+	}{
+		{"tenant-a", false},
+		{"tenant-b", false}, // another salt
+		{"", false},         // no salt
+		{"tenant-a", true},
+		{"tenant-b", true},
+		{"", true},
+	}
+	for i, st := range steps {
+		tr, _ := settledChat(t, c, metas, body(st.salt), nil)
+		want := 0
+		if st.cached {
+			want = (tr.promptTokens - 1) / 16 * 16 // every full block but the last token's
+		}
+		if want == 0 && st.cached {
+			t.Fatalf("the prompt has %d tokens: too short to hold a full block", tr.promptTokens)
+		}
+		if tr.cachedTokens != want {
+			t.Errorf("request %d (cache_salt %q): cached_tokens %d of a %d-token prompt, want %d", i+1, st.salt, tr.cachedTokens, tr.promptTokens, want)
+		}
+	}
 }
