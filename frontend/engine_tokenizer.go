@@ -173,25 +173,66 @@ func (t *EngineTokenizer) TokenizeChat(ctx context.Context, body []byte) ([]uint
 }
 
 // tokenize posts a /tokenize body (without the model, added here) to the
-// engines in turn, from the one that answered last, until one answers.
-// Each engine gets its own attempt of cfg.Timeout: one that does not
-// answer within it is left for the next, and tried after the others for
-// tokenizeCoolOff. Only ctx (the request's deadline) bounds the whole.
+// engines in turn (ask) and returns the tokens of the first answer.
 func (t *EngineTokenizer) tokenize(ctx context.Context, body []byte) ([]uint32, error) {
 	if t.cfg.Model != "" {
 		m, _ := json.Marshal(t.cfg.Model)
 		body = append(append(append([]byte(`{"model":`), m...), ','), body[1:]...)
 	}
+	var ids []uint32
+	err := t.ask(ctx, "/tokenize", body, func(status int, data []byte) error {
+		var err error
+		ids, err = tokenizeAnswer(status, data)
+		return err
+	})
+	return ids, err
+}
+
+// Relay posts a client's /tokenize or /detokenize body (path) to the
+// engines in turn (ask), its model set to the engine's (Config.Model) when
+// the body names none, and returns the first engine's answer that is not
+// its own failure (a 5xx, 401 or 404 leaves the engine for the next one).
+func (t *EngineTokenizer) Relay(ctx context.Context, path string, body map[string]json.RawMessage) (int, []byte, error) {
+	if _, ok := body["model"]; !ok && t.cfg.Model != "" {
+		body["model"], _ = json.Marshal(t.cfg.Model)
+	}
+	data, err := json.Marshal(body)
+	if err != nil {
+		return 0, nil, err
+	}
+	var status int
+	var answer []byte
+	err = t.ask(ctx, path, data, func(st int, data []byte) error {
+		if st >= 500 || st == http.StatusUnauthorized || st == http.StatusNotFound {
+			return fmt.Errorf("%w: %s answered %d: %s", ErrTokenizerUnavailable, path, st, errorMessage(data))
+		}
+		if len(data) > maxTokenizeAnswer {
+			return fmt.Errorf("%w: %s's answer exceeds %d bytes", ErrTokenizerUnavailable, path, maxTokenizeAnswer)
+		}
+		status, answer = st, data
+		return nil
+	})
+	return status, answer, err
+}
+
+// ask posts body to path of the engines in turn, from the one that
+// answered last, until one answers: handle reads an engine's status and
+// body, and an error of it that wraps ErrTokenizerUnavailable leaves the
+// engine for the next. Each engine gets its own attempt of cfg.Timeout:
+// one that does not answer within it is left for the next, and tried
+// after the others for tokenizeCoolOff. Only ctx (the request's deadline)
+// bounds the whole.
+func (t *EngineTokenizer) ask(ctx context.Context, path string, body []byte, handle func(status int, data []byte) error) error {
 	var errs []error
 	for _, n := range t.order() {
 		actx, cancel := context.WithTimeout(ctx, t.cfg.Timeout)
-		ids, err := t.tokenizeAt(actx, t.bases[n], body)
+		err := t.post(actx, t.bases[n], path, body, handle)
 		timedOut := err != nil && ctx.Err() == nil && errors.Is(actx.Err(), context.DeadlineExceeded)
 		cancel()
 		if timedOut {
 			t.timedOut[n].Store(time.Now().UnixNano())
-			errs = append(errs, fmt.Errorf("%w: POST %s/tokenize: no answer within %s (--tokenizer-timeout); asked after the others for %s",
-				ErrTokenizerUnavailable, t.bases[n], t.cfg.Timeout, tokenizeCoolOff))
+			errs = append(errs, fmt.Errorf("%w: POST %s%s: no answer within %s (--tokenizer-timeout); asked after the others for %s",
+				ErrTokenizerUnavailable, t.bases[n], path, t.cfg.Timeout, tokenizeCoolOff))
 			continue
 		}
 		if !errors.Is(err, ErrTokenizerUnavailable) || ctx.Err() != nil {
@@ -199,11 +240,11 @@ func (t *EngineTokenizer) tokenize(ctx context.Context, body []byte) ([]uint32, 
 				t.next.Store(int64(n))
 				t.timedOut[n].Store(0)
 			}
-			return ids, err
+			return err
 		}
 		errs = append(errs, err)
 	}
-	return nil, errors.Join(errs...)
+	return errors.Join(errs...)
 }
 
 // order returns the engines to ask, by index: from the one that answered
@@ -226,11 +267,11 @@ func (t *EngineTokenizer) order() []int {
 	return append(fresh, cooling...)
 }
 
-// tokenizeAt asks one engine.
-func (t *EngineTokenizer) tokenizeAt(ctx context.Context, base string, body []byte) ([]uint32, error) {
-	req, err := http.NewRequestWithContext(ctx, http.MethodPost, base+"/tokenize", bytes.NewReader(body))
+// post asks one engine and hands its answer to handle.
+func (t *EngineTokenizer) post(ctx context.Context, base, path string, body []byte, handle func(status int, data []byte) error) error {
+	req, err := http.NewRequestWithContext(ctx, http.MethodPost, base+path, bytes.NewReader(body))
 	if err != nil {
-		return nil, err
+		return err
 	}
 	req.Header.Set("Content-Type", "application/json")
 	if t.cfg.APIKey != "" {
@@ -238,27 +279,39 @@ func (t *EngineTokenizer) tokenizeAt(ctx context.Context, base string, body []by
 	}
 	resp, err := t.client.Do(req)
 	if err != nil {
-		return nil, fmt.Errorf("%w: POST %s/tokenize: %v", ErrTokenizerUnavailable, base, err)
+		return fmt.Errorf("%w: POST %s%s: %v", ErrTokenizerUnavailable, base, path, err)
 	}
 	defer resp.Body.Close()
 	data, err := io.ReadAll(io.LimitReader(resp.Body, maxTokenizeAnswer+1))
 	if err != nil {
-		return nil, fmt.Errorf("%w: reading /tokenize's answer: %v", ErrTokenizerUnavailable, err)
+		return fmt.Errorf("%w: reading %s's answer: %v", ErrTokenizerUnavailable, path, err)
 	}
-	if resp.StatusCode != http.StatusOK {
-		var e struct {
-			Error struct {
-				Message string `json:"message"`
-			} `json:"error"`
+	return handle(resp.StatusCode, data)
+}
+
+// errorMessage is an engine's error body's message, or the body.
+func errorMessage(data []byte) string {
+	var e struct {
+		Error struct {
+			Message string `json:"message"`
+		} `json:"error"`
+	}
+	if json.Unmarshal(data, &e) == nil && e.Error.Message != "" {
+		return e.Error.Message
+	}
+	return strings.TrimSpace(string(data))
+}
+
+// tokenizeAnswer reads /tokenize's answer: its tokens, the engine's
+// refusal of the request (a TokenizeError), or its failure
+// (ErrTokenizerUnavailable).
+func tokenizeAnswer(status int, data []byte) ([]uint32, error) {
+	if status != http.StatusOK {
+		msg := errorMessage(data)
+		if status >= 400 && status < 500 && status != http.StatusUnauthorized && status != http.StatusNotFound {
+			return nil, &TokenizeError{Status: status, Message: msg}
 		}
-		msg := strings.TrimSpace(string(data))
-		if json.Unmarshal(data, &e) == nil && e.Error.Message != "" {
-			msg = e.Error.Message
-		}
-		if resp.StatusCode >= 400 && resp.StatusCode < 500 && resp.StatusCode != http.StatusUnauthorized && resp.StatusCode != http.StatusNotFound {
-			return nil, &TokenizeError{Status: resp.StatusCode, Message: msg}
-		}
-		return nil, fmt.Errorf("%w: /tokenize answered %d: %s", ErrTokenizerUnavailable, resp.StatusCode, msg)
+		return nil, fmt.Errorf("%w: /tokenize answered %d: %s", ErrTokenizerUnavailable, status, msg)
 	}
 	if len(data) > maxTokenizeAnswer {
 		return nil, fmt.Errorf("%w: /tokenize's answer exceeds %d bytes", ErrTokenizerUnavailable, maxTokenizeAnswer)

@@ -19,9 +19,10 @@ import (
 // number or a json.RawMessage kept as sent). It is read-only.
 type fieldSchema map[string]fieldSchema
 
-// requestSchema is every field of chatRequest and completionRequest, with
-// the objects inside them that are decoded into structs: stream_options,
-// messages and their content parts. Read-only; TestRequestSchema keeps it
+// requestSchema is every field of chatRequest, completionRequest,
+// tokenizeRequest and detokenizeRequest, with the objects inside them that
+// are decoded into structs: stream_options, messages and their content
+// parts. Read-only; TestRequestSchema keeps it
 // in step with the structs.
 var requestSchema = fieldSchema{
 	"model": nil, "max_tokens": nil, "min_tokens": nil, "temperature": nil, "top_p": nil, "n": nil, "seed": nil,
@@ -35,6 +36,11 @@ var requestSchema = fieldSchema{
 	"prompt":                nil,
 	"add_special_tokens":    nil,
 	"cache_salt":            nil,
+	// /tokenize and /detokenize (tokenizeRequest, detokenizeRequest)
+	"add_generation_prompt":  nil,
+	"continue_final_message": nil,
+	"return_token_strs":      nil,
+	"tokens":                 nil,
 }
 
 // maxKeyLen is the length of the longest key of requestSchema.

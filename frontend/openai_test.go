@@ -674,8 +674,10 @@ func TestRequestSchema(t *testing.T) {
 		return out
 	}
 	top := tags(chatRequest{})
-	for k := range tags(completionRequest{}) {
-		top[k] = true
+	for _, v := range []any{completionRequest{}, tokenizeRequest{}, detokenizeRequest{}} {
+		for k := range tags(v) {
+			top[k] = true
+		}
 	}
 	eq(t, "top-level keys", keys(requestSchema), top)
 	eq(t, "stream_options keys", keys(requestSchema["stream_options"]), tags(streamOptions{}))

@@ -472,6 +472,8 @@ func (s *Server) routes() http.Handler {
 		"/v1/chat/completions": {http.MethodPost, func(w http.ResponseWriter, r *http.Request) { s.serveGenerate(w, r, messages.EndpointChat) }},
 		"/v1/completions":      {http.MethodPost, func(w http.ResponseWriter, r *http.Request) { s.serveGenerate(w, r, messages.EndpointCompletions) }},
 		"/v1/models":           {http.MethodGet, s.serveModels},
+		"/tokenize":            {http.MethodPost, s.serveTokenize},
+		"/detokenize":          {http.MethodPost, s.serveDetokenize},
 		"/health":              {http.MethodGet, s.serveHealth},
 		"/healthz":             {http.MethodGet, s.serveHealthz},
 		"/livez":               {http.MethodGet, s.serveLivez},
@@ -518,7 +520,7 @@ func (s *Server) routes() http.Handler {
 		rt, ok := table[r.URL.Path]
 		if !ok {
 			writeError(w, &APIError{Status: http.StatusNotFound, Type: typeNotFound, Code: "not_found",
-				Message: fmt.Sprintf("no route %s %s; see /v1/chat/completions, /v1/completions, /v1/models", r.Method, r.URL.Path)})
+				Message: fmt.Sprintf("no route %s %s; see /v1/chat/completions, /v1/completions, /v1/models, /tokenize, /detokenize", r.Method, r.URL.Path)})
 			return
 		}
 		if r.Method != rt.method && !(rt.method == http.MethodGet && r.Method == http.MethodHead) {

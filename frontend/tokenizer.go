@@ -1,6 +1,7 @@
 package frontend
 
 import (
+	"errors"
 	"fmt"
 	"math"
 	"slices"
@@ -24,6 +25,26 @@ type Tokenizer interface {
 	// Name identifies the vocabulary.
 	Name() string
 }
+
+// ChatRenderer is a Tokenizer that renders a conversation with the chat
+// template's options, as vLLM's /tokenize takes them.
+type ChatRenderer interface {
+	// RenderChat tokenizes msgs; generationPrompt ends them with the
+	// assistant's turn prompt, continueFinal leaves the last message open
+	// for the model to continue (never both).
+	RenderChat(msgs []ChatTurn, generationPrompt, continueFinal bool) ([]uint32, error)
+}
+
+// Detokenizer is a Tokenizer that turns token ids back into text.
+type Detokenizer interface {
+	// Decode returns the text of ids; an id outside the vocabulary is an
+	// error wrapping ErrUnknownToken.
+	Decode(ids []uint32) (string, error)
+}
+
+// ErrUnknownToken is wrapped by a Detokenizer's error for an id outside
+// its vocabulary.
+var ErrUnknownToken = errors.New("frontend: unknown token id")
 
 // ChatTurn is one message of a conversation, reduced to text.
 type ChatTurn struct {
@@ -158,9 +179,16 @@ func (t *BPETokenizer) encodeCached(dst []uint32, text string) ([]uint32, error)
 
 // ApplyChatTemplate implements Tokenizer.
 func (t *BPETokenizer) ApplyChatTemplate(msgs []ChatTurn) ([]uint32, error) {
+	return t.RenderChat(msgs, true, false)
+}
+
+// RenderChat implements ChatRenderer: the template, ending with the
+// assistant's turn prompt when generationPrompt is set, or with the last
+// message left open (no <|im_end|>) when continueFinal is.
+func (t *BPETokenizer) RenderChat(msgs []ChatTurn, generationPrompt, continueFinal bool) ([]uint32, error) {
 	out := make([]uint32, 0, 16)
 	var err error
-	for _, m := range msgs {
+	for i, m := range msgs {
 		out = append(out, imStart)
 		if out, err = t.encodeCached(out, strings.ToLower(m.Role)); err != nil {
 			return nil, err
@@ -169,11 +197,54 @@ func (t *BPETokenizer) ApplyChatTemplate(msgs []ChatTurn) ([]uint32, error) {
 		if out, err = t.encodeCached(out, m.Content); err != nil {
 			return nil, err
 		}
+		if continueFinal && i == len(msgs)-1 {
+			return out, nil
+		}
 		out = append(out, imEnd)
+	}
+	if !generationPrompt {
+		return out, nil
 	}
 	out = append(out, imStart)
 	if out, err = t.encodeAppend(out, "assistant"); err != nil {
 		return nil, err
 	}
 	return append(out, imSep), nil
+}
+
+// chatMarkers names the chat template's special tokens, which the BPE
+// vocabulary does not hold.
+var chatMarkers = map[uint32]string{imStart: "<|im_start|>", imEnd: "<|im_end|>", imSep: "<|im_sep|>"}
+
+// Decode implements Detokenizer: the text of ids, the chat markers by
+// their names, a token that is part of a UTF-8 sequence as its bytes.
+func (t *BPETokenizer) Decode(ids []uint32) (string, error) {
+	var b strings.Builder
+	run := make([]uint, 0, len(ids))
+	flush := func() error {
+		if len(run) == 0 {
+			return nil
+		}
+		text, err := t.codec.Decode(run) // fails only for an id it lacks
+		if err != nil {
+			return fmt.Errorf("%w: %v (the %s vocabulary)", ErrUnknownToken, err, t.Name())
+		}
+		b.WriteString(text)
+		run = run[:0]
+		return nil
+	}
+	for _, id := range ids {
+		if name, ok := chatMarkers[id]; ok {
+			if err := flush(); err != nil {
+				return "", err
+			}
+			b.WriteString(name)
+			continue
+		}
+		run = append(run, uint(id))
+	}
+	if err := flush(); err != nil {
+		return "", err
+	}
+	return b.String(), nil
 }
