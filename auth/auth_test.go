@@ -286,6 +286,11 @@ func TestViolationLoggedOnce(t *testing.T) {
 	if n := strings.Count(out, `msg="nats permissions violation`); n != 1 || !strings.Contains(out, "kvbus.req.kvbus-sim") {
 		t.Errorf("%d violation lines, want 1 naming the subject:\n%s", n, out)
 	}
+	// The subject field names it too (nats.go gives the handler no
+	// subscription: it was subject="", the subject only inside err).
+	if !strings.Contains(out, "subject=kvbus.req.kvbus-sim ") {
+		t.Errorf("the violation line's subject field does not name kvbus.req.kvbus-sim:\n%s", out)
+	}
 }
 
 // TestMatrix: `kvbus auth show` prints every key's allow-lists.

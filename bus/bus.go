@@ -13,6 +13,7 @@ import (
 	"io/fs"
 	"log/slog"
 	neturl "net/url"
+	"regexp"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -186,6 +187,11 @@ func Connect(ctx context.Context, cfg Config) (*nats.Conn, error) {
 				// once per subject, not on every message.
 				if !violations.first(err.Error()) {
 					return
+				}
+				if subject == "" {
+					// nats.go passes no subscription with a server's
+					// violation: the subject is in its text.
+					subject = violatedSubject(err)
 				}
 				log.Error("nats permissions violation: this role's key may not use the subject (see `kvbus auth show`)",
 					"conn", cfg.Name, "subject", subject, "err", err)
@@ -456,6 +462,18 @@ const clientCertRefused = "the server refused this client's certificate (mutual 
 	"signed by the CA of the server's --tls-ca, not expired"
 
 // isAuthError reports whether err is the server refusing the credentials.
+// violatedSubject is the subject a server's permissions violation names
+// ("Permissions Violation for Publish to \"kvbus.req.m\"", "… for
+// Subscription to …", "… for Publish with Reply of …"), or "".
+func violatedSubject(err error) string {
+	if m := violatedSubjectRe.FindStringSubmatch(err.Error()); m != nil {
+		return m[1]
+	}
+	return ""
+}
+
+var violatedSubjectRe = regexp.MustCompile(`Permissions Violation for [^"]*? (?:to|of) "([^"]*)"`)
+
 func isAuthError(err error) bool {
 	return errors.Is(err, nats.ErrAuthorization) || errors.Is(err, nats.ErrAuthExpired) || errors.Is(err, nats.ErrAuthRevoked) ||
 		errors.Is(err, nats.ErrAccountAuthExpired)
