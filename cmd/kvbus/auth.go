@@ -77,9 +77,10 @@ func (c *authInitCmd) Run() error {
 // nats-auth.conf gives them no permissions.
 func warnStrayKeys(dir string) {
 	_, stray, _ := auth.Keys(dir)
+	known := strings.Join(append(names(auth.Identities(nil)), "worker-<group>"), ", ")
 	for _, f := range stray {
-		fmt.Fprintf(os.Stderr, "ignored %s: not a kvbus key name (frontend, scheduler, worker, worker-<group>, admin), so it has no permissions; move it out of %s\n",
-			filepath.Join(dir, f), dir)
+		fmt.Fprintf(os.Stderr, "ignored %s: not a kvbus key name (%s), so it has no permissions; move it out of %s\n",
+			filepath.Join(dir, f), known, dir)
 	}
 }
 

@@ -3,6 +3,7 @@ package main
 import (
 	"context"
 	"errors"
+	"io"
 	"os"
 	"path/filepath"
 	"regexp"
@@ -122,5 +123,37 @@ func TestRoleEndsWhenItsKeyIsRefusedAtReconnect(t *testing.T) {
 				t.Fatal("the role still runs 30 s after the server refused its key")
 			}
 		})
+	}
+}
+
+// TestStrayKeyWarningNamesEveryKey: the warning about a seed file that is no
+// kvbus key lists the key names there are, the observer's too (it listed
+// frontend, scheduler, worker, worker-<group> and admin only).
+func TestStrayKeyWarningNamesEveryKey(t *testing.T) {
+	dir := t.TempDir()
+	if _, err := auth.Init(dir, messages.Subjects{}, nil, false); err != nil {
+		t.Fatal(err)
+	}
+	seed, _ := os.ReadFile(filepath.Join(dir, "observer.nk"))
+	if err := os.WriteFile(filepath.Join(dir, "observer-old.nk"), seed, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	r, w, err := os.Pipe()
+	if err != nil {
+		t.Fatal(err)
+	}
+	stderr := os.Stderr
+	os.Stderr = w
+	warnStrayKeys(dir)
+	os.Stderr = stderr
+	w.Close()
+	out, _ := io.ReadAll(r)
+	if !strings.Contains(string(out), "observer-old.nk") {
+		t.Fatalf("no warning about observer-old.nk: %q", out)
+	}
+	for _, id := range auth.Identities(nil) {
+		if !strings.Contains(string(out), id.Name()+",") && !strings.Contains(string(out), id.Name()+")") {
+			t.Errorf("the warning does not name the key %s: %q", id.Name(), out)
+		}
 	}
 }
