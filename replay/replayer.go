@@ -363,6 +363,17 @@ func (r *Replayer) subscribe(ctx context.Context) ([]*nats.Subscription, error) 
 		out.SetPendingLimits(-1, -1)
 		subs = append(subs, out)
 	}
+	if r.js != nil {
+		// The request log acknowledges each publish on this connection's
+		// inbox: a key that may not read it (the observer's, which may
+		// publish no request either) would wait for every acknowledgement
+		// until the replay's context ends.
+		inbox, err := nc.SubscribeSync(nc.NewInbox())
+		if err != nil {
+			return subs, err
+		}
+		subs = append(subs, inbox)
+	}
 	if err := nc.Flush(); err != nil {
 		return subs, err
 	}
@@ -371,7 +382,7 @@ func (r *Replayer) subscribe(ctx context.Context) ([]*nats.Subscription, error) 
 	// until --timeout, blaming the scheduler.
 	if err := nc.LastError(); errors.Is(err, nats.ErrPermissionViolation) {
 		if r.js != nil {
-			return subs, fmt.Errorf("replay: %w: a replay onto the bus reads the answers (kvbus.out.*) and ReqMetas; give it the admin key (--nats-nkey admin.nk)", err)
+			return subs, fmt.Errorf("replay: %w: a replay onto the bus publishes requests and reads the answers (kvbus.out.*), ReqMetas and the request log's acknowledgements (its _INBOX); give it the admin key (--nats-nkey admin.nk)", err)
 		}
 		r.log.Warn("the bus refused to let replay read ReqMetas: the groups that served the requests will not be reported (give it the admin key, --nats-nkey admin.nk)", "err", err)
 	}
