@@ -22,11 +22,14 @@ const refusalLogEvery = 10 * time.Second
 // code. Refused requests left no log line, and a restart of the schedulers
 // showed only as a counter. Safe for concurrent use.
 type refusalLog struct {
-	log *slog.Logger
+	log   *slog.Logger
+	every time.Duration // refusalLogEvery when 0
 
-	mu     sync.Mutex
-	last   time.Time          // when a line was last written
-	counts map[refusalKey]int // since last
+	mu       sync.Mutex
+	last     time.Time          // when a line was last written
+	counts   map[refusalKey]int // since last
+	lastErr  *APIError          // the latest refusal counted
+	flushing bool               // a flush of counts is scheduled
 }
 
 // refusalKey is a refusal's status and code (its type when it has none).
@@ -38,7 +41,11 @@ type refusalKey struct {
 // String is how the log line names it: "503 no_ready_scheduler".
 func (k refusalKey) String() string { return fmt.Sprint(k.status, " ", k.code) }
 
-// note records a refused request.
+func (r *refusalLog) interval() time.Duration { return cmp.Or(r.every, refusalLogEvery) }
+
+// note records a refused request. One counted within the interval of the
+// last line is logged once it has passed, whether or not another comes:
+// a burst that then stopped was never logged beyond its first refusal.
 func (r *refusalLog) note(now time.Time, e *APIError) {
 	key := refusalKey{e.Status, cmp.Or(e.Code, e.Type)}
 	r.mu.Lock()
@@ -46,11 +53,46 @@ func (r *refusalLog) note(now time.Time, e *APIError) {
 		r.counts = map[refusalKey]int{}
 	}
 	r.counts[key]++
-	if now.Sub(r.last) < refusalLogEvery {
+	r.lastErr = e
+	if wait := r.interval() - now.Sub(r.last); wait > 0 {
+		r.scheduleLocked(wait)
 		r.mu.Unlock()
 		return
 	}
-	counts, since := r.counts, r.last
+	r.writeLocked(now)
+}
+
+// scheduleLocked has the counts logged in wait, unless a flush is already
+// scheduled. r.mu is held.
+func (r *refusalLog) scheduleLocked(wait time.Duration) {
+	if r.flushing {
+		return
+	}
+	r.flushing = true
+	time.AfterFunc(wait, func() { r.flush(false) })
+}
+
+// flush logs the refusals counted since the last line, if any: once the
+// interval has passed, or at once with force (the frontend stopping).
+func (r *refusalLog) flush(force bool) {
+	now := time.Now()
+	r.mu.Lock()
+	r.flushing = false
+	if len(r.counts) == 0 {
+		r.mu.Unlock()
+		return
+	}
+	if wait := r.interval() - now.Sub(r.last); wait > 0 && !force { // a line was written since
+		r.scheduleLocked(wait)
+		r.mu.Unlock()
+		return
+	}
+	r.writeLocked(now)
+}
+
+// writeLocked logs the counts and resets them; r.mu is held, and released.
+func (r *refusalLog) writeLocked(now time.Time) {
+	counts, since, e := r.counts, r.last, r.lastErr
 	r.counts, r.last = nil, now
 	r.mu.Unlock()
 	total := 0

@@ -37,3 +37,44 @@ func TestRefusalLog(t *testing.T) {
 		t.Errorf("after %v: %q; want a second line counting 3 refusals by status", refusalLogEvery, got)
 	}
 }
+
+// TestRefusalsAfterTheFirstAreLoggedWithoutAnother: refusals counted within
+// the interval of the last line are logged once it has passed, though no
+// refusal comes after them, and at the frontend's stop. Before, they were
+// logged only by a later refusal: a burst of 429s that then stopped left
+// one line, for its first request.
+func TestRefusalsAfterTheFirstAreLoggedWithoutAnother(t *testing.T) {
+	buf := &logbuf.Buffer{}
+	r := &refusalLog{log: slog.New(slog.NewJSONHandler(buf, nil)), every: 200 * time.Millisecond}
+	over := &APIError{Status: http.StatusTooManyRequests, Code: "overloaded", Message: "over --max-inflight"}
+	r.note(time.Now(), over)
+	r.note(time.Now(), over)
+	r.note(time.Now(), over)
+	if got := buf.Lines("requests refused"); len(got) != 1 {
+		t.Fatalf("at once: %q; want the first refusal's line alone", got)
+	}
+	deadline := time.Now().Add(5 * time.Second)
+	for len(buf.Lines("requests refused")) < 2 && time.Now().Before(deadline) {
+		time.Sleep(10 * time.Millisecond)
+	}
+	got := buf.Lines("requests refused")
+	if len(got) != 2 || !strings.Contains(got[1], `"refused":2`) || !strings.Contains(got[1], `429 overloaded: 2`) || !strings.Contains(got[1], `"level":"WARN"`) {
+		t.Fatalf("after the interval, with no refusal since: %q; want a second WARN line counting the 2 refusals after the first", got)
+	}
+	time.Sleep(3 * r.every)
+	if got := buf.Lines("requests refused"); len(got) != 2 {
+		t.Errorf("nothing refused since: %d lines; want no new one", len(got))
+	}
+
+	// At the stop, whatever was counted since the last line is logged at
+	// once.
+	r.note(time.Now(), over) // logged: the interval has passed
+	r.note(time.Now(), over) // counted
+	if got := buf.Lines("requests refused"); len(got) != 3 {
+		t.Fatalf("a refusal after the interval: %d lines; want it logged at once, the next counted", len(got))
+	}
+	r.flush(true)
+	if got := buf.Lines("requests refused"); len(got) != 4 || !strings.Contains(got[3], `"refused":1`) {
+		t.Errorf("after a stop's flush: %q; want a fourth line counting 1", got)
+	}
+}

@@ -390,6 +390,7 @@ func (s *Server) Run(ctx context.Context) error {
 		s.log.Warn("http shutdown", "err", err)
 		_ = srv.Close()
 	}
+	s.refusals.flush(true) // those counted since the last line
 	s.log.Info("frontend stopped")
 	return nil
 }
