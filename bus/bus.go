@@ -461,7 +461,6 @@ const refusedAtReconnect = "the server refused this role's credentials after a r
 const clientCertRefused = "the server refused this client's certificate (mutual TLS): give --nats-tls-cert/--nats-tls-key " +
 	"signed by the CA of the server's --tls-ca, not expired"
 
-// isAuthError reports whether err is the server refusing the credentials.
 // violatedSubject is the subject a server's permissions violation names
 // ("Permissions Violation for Publish to \"kvbus.req.m\"", "… for
 // Subscription to …", "… for Publish with Reply of …"), or "".
@@ -474,6 +473,7 @@ func violatedSubject(err error) string {
 
 var violatedSubjectRe = regexp.MustCompile(`Permissions Violation for [^"]*? (?:to|of) "([^"]*)"`)
 
+// isAuthError reports whether err is the server refusing the credentials.
 func isAuthError(err error) bool {
 	return errors.Is(err, nats.ErrAuthorization) || errors.Is(err, nats.ErrAuthExpired) || errors.Is(err, nats.ErrAuthRevoked) ||
 		errors.Is(err, nats.ErrAccountAuthExpired)
