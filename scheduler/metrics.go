@@ -110,7 +110,7 @@ func newMetrics(reg prometheus.Registerer, trackers, rejected, plans, ready func
 		}),
 		heartbeatGap: prometheus.NewHistogram(prometheus.HistogramOpts{
 			Name:    "kvbus_scheduler_heartbeat_gap_seconds",
-			Help:    "Time between two heartbeats of one rank's process as this replica handled them (a rank sends one every --heartbeat-every, 1 s, and a driver one per request too). Gaps near kvbus_scheduler_heartbeat_timeout_seconds mean starved workers or a congested bus: their groups are about to be judged failed.",
+			Help:    "Time between two heartbeats of one rank's process as this replica handled them (a rank sends one every --heartbeat-interval, 1 s, and a driver one per request too). Gaps near kvbus_scheduler_heartbeat_timeout_seconds mean starved workers or a congested bus: their groups are about to be judged failed.",
 			Buckets: []float64{0.05, 0.25, 0.5, 1, 1.1, 1.25, 1.5, 2, 2.5, 3, 5, 10},
 		}),
 		heartbeatTimeout: prometheus.NewGauge(prometheus.GaugeOpts{
