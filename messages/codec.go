@@ -279,6 +279,8 @@ func (m *ReqMeta) validate() error {
 		return invalid("req_meta %s: %v", m.ReqID, ValidateGroup(m.Group))
 	case m.BlockSize <= 0:
 		return invalid("req_meta %s: block_size %d", m.ReqID, m.BlockSize)
+	case m.Attempt < 0:
+		return invalid("req_meta %s: negative attempt %d", m.ReqID, m.Attempt)
 	case m.TokenLen != len(m.TokenIDs):
 		return invalid("req_meta %s: token_len %d but %d token ids", m.ReqID, m.TokenLen, len(m.TokenIDs))
 	case len(m.BlockHashes) > len(m.TokenIDs)/m.BlockSize:
@@ -344,6 +346,8 @@ func (m *Output) validate() error {
 	switch u := m.Usage; {
 	case m.ReqID == "":
 		return invalid("output without req_id")
+	case m.Index < 0 || m.Attempt < 0:
+		return invalid("output of %s with index %d, attempt %d: neither may be negative", m.ReqID, m.Index, m.Attempt)
 	case u != nil && (u.PromptTokens < 0 || u.CompletionTokens < 0 || u.CachedTokens < 0 || u.RemoteCachedTokens < 0):
 		return invalid("output of %s with a negative token count in its usage %+v", m.ReqID, *u)
 	}

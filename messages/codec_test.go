@@ -613,6 +613,7 @@ func TestValidation(t *testing.T) {
 		{"ReqMeta/no req_id", func() Message { m := sampleReqMeta(); m.ReqID = ""; return m }(), decReqMeta},
 		{"ReqMeta/bad group", func() Message { m := sampleReqMeta(); m.Group = "g.0"; return m }(), decReqMeta},
 		{"ReqMeta/no group", func() Message { m := sampleReqMeta(); m.Group = ""; return m }(), decReqMeta},
+		{"ReqMeta/negative attempt", func() Message { m := sampleReqMeta(); m.Attempt = -1; return m }(), decReqMeta},
 		{"ReqMeta/zero block_size", func() Message { m := sampleReqMeta(); m.BlockSize = 0; return m }(), decReqMeta},
 		{"ReqMeta/token_len mismatch", func() Message { m := sampleReqMeta(); m.TokenLen++; return m }(), decReqMeta},
 		{"ReqMeta/too many block hashes", func() Message {
@@ -649,6 +650,9 @@ func TestValidation(t *testing.T) {
 		{"RankResult/negative completion_tokens", &RankResult{ReqID: "r", CompletionTokens: -1}, decRankResult},
 		{"RankResult/negative tp_rank", &RankResult{ReqID: "r", TPRank: -1}, decRankResult},
 		{"Output/no req_id", &Output{Text: "x"}, decOutput},
+		// The frontend orders chunks by index and follows the newest attempt.
+		{"Output/negative index", &Output{ReqID: "r", Index: -1, Text: "x"}, decOutput},
+		{"Output/negative attempt", &Output{ReqID: "r", Attempt: -2, Text: "x"}, decOutput},
 		// A frontend adds these to its Prometheus counters: a negative one
 		// panicked its HTTP handler, and the client's connection was cut.
 		{"Output/negative prompt_tokens", &Output{ReqID: "r", FinishReason: "stop", Usage: &Usage{PromptTokens: -1}}, decOutput},
