@@ -420,6 +420,20 @@ func (t *groupTable) sources(now time.Time) []string {
 	return out
 }
 
+// ofWorldSize returns the groups of names whose world size is size: those
+// whose ranks hold blocks sharded as a group of that size does.
+func (t *groupTable) ofWorldSize(names []string, size int) []string {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	out := make([]string, 0, len(names))
+	for _, name := range names {
+		if g := t.groups[name]; g != nil && g.worldSize == size {
+			out = append(out, name)
+		}
+	}
+	return out
+}
+
 // forget drops the groups none of whose ranks was heard of for after, and
 // returns their names.
 func (t *groupTable) forget(now time.Time, after time.Duration) []string {

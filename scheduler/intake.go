@@ -256,13 +256,33 @@ func (s *Scheduler) keepOnAlive(t *RequestTracker, prev dispatchRecord, now time
 // LoadBlocks, PrefillBlocks and queued.
 func (s *Scheduler) place(t *RequestTracker, groups []GroupState, binding Binding, bound bool) (string, error) {
 	s.index.Match(t.BlockHashes, groups)
-	pool := 0
+	// With the global pool, what each group can read: a rank reads the same
+	// tp_rank of another group, so only groups of its own world size (a
+	// rank of a 4-rank group holds a quarter of a block's heads, one of a
+	// 2-rank group half: the copy fails verification and is recomputed).
+	type poolView struct {
+		sources, savers []string
+		prefix          int
+	}
+	var views map[int]*poolView
 	if s.cfg.Pool == PoolGlobal {
-		t.sources, t.savers = s.groups.sources(time.Now()), savers(groups)
-		pool = s.index.PoolPrefix(t.BlockHashes, t.sources, t.savers)
+		sources, saving := s.groups.sources(time.Now()), savers(groups)
+		views = map[int]*poolView{}
+		for _, g := range groups {
+			if views[g.WorldSize] != nil {
+				continue
+			}
+			v := &poolView{sources: s.groups.ofWorldSize(sources, g.WorldSize), savers: s.groups.ofWorldSize(saving, g.WorldSize)}
+			v.prefix = s.index.PoolPrefix(t.BlockHashes, v.sources, v.savers)
+			views[g.WorldSize] = v
+		}
 	}
 	for i := range groups {
 		g := &groups[i]
+		pool := 0
+		if v := views[g.WorldSize]; v != nil {
+			pool = v.prefix
+		}
 		g.CachedBlocks = g.IndexBlocks
 		if bound && g.Name == binding.Group {
 			g.Bound = true
@@ -289,6 +309,9 @@ func (s *Scheduler) place(t *RequestTracker, groups []GroupState, binding Bindin
 	for _, g := range groups {
 		if g.Name == group {
 			t.WorldSize = g.WorldSize
+			if v := views[g.WorldSize]; v != nil {
+				t.sources, t.savers = v.sources, v.savers
+			}
 			s.setLoad(t, g.IndexBlocks, s.cfg.Pool == PoolGlobal)
 		}
 	}

@@ -629,3 +629,38 @@ func sendAbort(t *testing.T, s *Scheduler, id, reason string) {
 		t.Fatal(err)
 	}
 }
+
+// TestPlaceReadsOnlyFromGroupsOfItsWorldSize: a rank copies a run from the
+// same tp_rank of its source, so a group reads the pool only from groups of
+// its own world size. A 2-rank group's blocks were planned as reads for a
+// 1-rank group (with real processes, a tp 2 group reading from a tp 4
+// group: every block failed verification, the turn found none of its 720
+// cached tokens, and the cost had counted them).
+func TestPlaceReadsOnlyFromGroupsOfItsWorldSize(t *testing.T) {
+	s, _ := newBareScheduler(t)
+	now := time.Now()
+	tr := promptTracker("r3", 20)
+	holding(s, "g0")
+	for r := range 2 {
+		s.index.ObserveRank("g1", r, 2, 1)
+		s.index.ApplyDump("g1", r, kvDump("g1", r, 1, tr.BlockHashes[:10]...))
+		s.groups.observe(&messages.Heartbeat{Group: "g1", TPRank: r, WorldSize: 2, StartedUnixMs: 1, QueuedPrefillTokens: 50 * 16}, now)
+	}
+	heard(s, "g0", now, 0)
+	groups := s.PlaceableGroups(now)
+	if len(groups) != 2 {
+		t.Fatalf("placeable groups = %+v, want g0 and g1", groups)
+	}
+	g, err := s.place(tr, groups, Binding{}, false)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, gs := range groups {
+		if gs.Name == "g0" && gs.RemoteBlocks != 0 {
+			t.Errorf("g0 (1 rank) counts %d blocks readable from g1 (2 ranks), want 0", gs.RemoteBlocks)
+		}
+	}
+	if g == "g0" && (len(tr.Remote) != 0 || tr.LoadBlocks != 0) {
+		t.Errorf("LoadSpec on g0: remote %+v, %d blocks loaded; want none: g1's ranks hold other shards", tr.Remote, tr.LoadBlocks)
+	}
+}
