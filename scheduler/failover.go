@@ -43,6 +43,20 @@ func (s *Scheduler) rescue(now time.Time) {
 	})
 	for _, t := range lost {
 		s.groups.addInflight(t.Group, -1, -t.queued)
+		if driver := t.Results[0]; driver != nil {
+			// The driver answered: its client has the whole answer (or the
+			// driver's error); only other ranks' results, their saves, went
+			// with the rank. It ends as its ranks reported, not failed, and
+			// the ranks still saving it go on.
+			outcome := outcomeCompleted
+			for _, res := range t.Results {
+				outcome = max(outcome, resultOutcome(res))
+			}
+			s.m.requests.WithLabelValues(outcome.String()).Inc()
+			s.log.Info("request done; a rank of its group failed or restarted before it reported", "req_id", t.ReqID,
+				"session_id", t.SessionID, "group", t.Group, "outcome", outcome.String(), "ranks_reported", len(t.Results), "world_size", t.WorldSize)
+			continue
+		}
 		s.withdraw(t.ReqID, t.Group, 0, "worker group failed")
 		s.m.requests.WithLabelValues("failed").Inc()
 		s.log.Warn("worker group failed, or a rank restarted, during generation; the request ends with an error", "req_id", t.ReqID,
