@@ -664,3 +664,47 @@ func TestPlaceReadsOnlyFromGroupsOfItsWorldSize(t *testing.T) {
 		t.Errorf("LoadSpec on g0: remote %+v, %d blocks loaded; want none: g1's ranks hold other shards", tr.Remote, tr.LoadBlocks)
 	}
 }
+
+// TestResultLostAcrossAReconnectIsAskedAgain: a rank heard from before a
+// NATS restart whose result was published across it (lost: the server
+// died, or the scheduler had not subscribed again yet) is sent the ReqMeta
+// again after the reconnect, and answers with its result again. The
+// request waited for its deadline instead, its client long answered by the
+// driver: with real processes, 3 requests held a replica's trackers, and
+// their group's load, for the 30 s request timeout after a NATS restart,
+// and then counted as timeouts.
+func TestResultLostAcrossAReconnectIsAskedAgain(t *testing.T) {
+	s, nc := newBareScheduler(t)
+	now := time.Now()
+	for r := range 2 {
+		s.index.ObserveRank("g0", r, 2, 1)
+		s.groups.observe(&messages.Heartbeat{Group: "g0", TPRank: r, WorldSize: 2, StartedUnixMs: 1}, now)
+	}
+	sub, err := nc.SubscribeSync("test.meta.lost")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := nc.Flush(); err != nil {
+		t.Fatal(err)
+	}
+	tr := promptTracker("lost", 4)
+	tr.Group, tr.WorldSize, tr.Deadline, tr.Prefilled = "g0", 2, now.Add(time.Minute), true
+	tr.Dispatched, tr.metaSubj, tr.metaData = now, "test.meta.lost", []byte("meta")
+	tr.Heard = map[int]int64{0: 1, 1: 1} // both ranks took it before the cut
+	tr.Results[0] = &messages.RankResult{ReqID: "lost", Group: "g0", TPRank: 0}
+	s.trackers.add(tr)
+	s.reconnects = s.cfg.Conn.Stats().Reconnects + 1 // a reconnect since the last sweep
+	for i := range 4 {
+		at := now.Add(time.Duration(i) * s.cfg.ResendAfter / 2)
+		for r := range 2 {
+			s.groups.observe(&messages.Heartbeat{Group: "g0", TPRank: r, WorldSize: 2, StartedUnixMs: 1}, at)
+		}
+		s.sweep(t.Context(), at)
+	}
+	if _, err := sub.NextMsg(time.Second); err != nil {
+		t.Errorf("rank 1's result, lost across the reconnect, was not asked for again (%v): the request waits for its deadline", err)
+	}
+	if !s.trackers.has("lost") {
+		t.Error("the request ended without rank 1's result")
+	}
+}

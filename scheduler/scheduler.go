@@ -519,6 +519,7 @@ func (s *Scheduler) sweep(ctx context.Context, now time.Time) {
 		s.reconnects = n
 		s.groups.reconnected(now)
 		s.peers.reconnected(now)
+		s.trackers.reconnected(now)
 		s.log.Info("reconnected to NATS; worker groups get a heartbeat timeout from now before any is judged failed",
 			"heartbeat_timeout", s.cfg.HeartbeatTimeout)
 	}

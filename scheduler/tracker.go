@@ -63,6 +63,10 @@ type RequestTracker struct {
 	Resends  int
 	metaSubj string
 	metaData []byte
+	// reconnectedAt is when this replica's NATS connection came back while
+	// the request was in flight: a rank's result published across the
+	// server's restart can be lost although the rank was heard before it.
+	reconnectedAt time.Time
 }
 
 // trackerTable holds the live trackers by request id. It is safe for
@@ -275,7 +279,12 @@ func (tt *trackerTable) silent(now time.Time, after time.Duration) []resendItem 
 	defer tt.mu.Unlock()
 	var out []resendItem
 	for _, t := range tt.m {
-		if t.metaData == nil || len(t.Heard) >= t.WorldSize || t.Resends >= 3 || now.Sub(t.Dispatched) < after {
+		// A rank not heard from; or, since a reconnect, one whose result
+		// has not come within after (a rank still working answers the copy
+		// with a receipt, one done sends its result again).
+		missing := len(t.Heard) < t.WorldSize ||
+			!t.reconnectedAt.IsZero() && len(t.Results) < t.WorldSize && now.Sub(t.reconnectedAt) >= after
+		if t.metaData == nil || !missing || t.Resends >= 3 || now.Sub(t.Dispatched) < after {
 			continue
 		}
 		t.Resends++
@@ -283,6 +292,16 @@ func (tt *trackerTable) silent(now time.Time, after time.Duration) []resendItem 
 		out = append(out, resendItem{t.metaSubj, t.ReqID, t.SessionID, t.Group, t.Attempt, t.metaData})
 	}
 	return out
+}
+
+// reconnected marks the live trackers as in flight at a reconnect at now
+// (see silent).
+func (tt *trackerTable) reconnected(now time.Time) {
+	tt.mu.Lock()
+	defer tt.mu.Unlock()
+	for _, t := range tt.m {
+		t.reconnectedAt = now
+	}
 }
 
 // expired removes and returns the trackers whose deadline is before now.
