@@ -50,6 +50,18 @@ func (r *Rank) onMeta(_ context.Context, m *nats.Msg) error {
 			if s.aborted {
 				r.series.aborted.Inc()
 				r.log.Info("dropping a ReqMeta its client aborted before it came", "req_id", meta.ReqID, "session_id", meta.SessionID)
+				// The scheduler asking may not have heard the Abort (lost
+				// across a NATS restart, and this ReqMeta is its resend):
+				// without an answer it held the request, and its group's
+				// load, until the deadline. It gets the result this rank
+				// sent for this attempt, or word that it was aborted.
+				if sent, err := messages.DecodeRankResult(s.result); s.result != nil && err == nil && sent.Attempt == meta.Attempt {
+					r.publishData(meta.ResultSubject, s.result, meta)
+				} else {
+					res := r.resultOf(meta)
+					res.Error, res.ErrorCode = "aborted by its client before this rank ran it", messages.RankErrAborted
+					r.publish(meta.ResultSubject, &res, meta)
+				}
 				return nil
 			}
 			r.series.duplicate.Inc()

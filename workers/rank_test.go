@@ -633,7 +633,9 @@ func TestRankAbort(t *testing.T) {
 
 // TestRankAbortBeforeReqMeta: a client's Abort can reach the ranks before
 // the request's ReqMeta (the frontend and the scheduler publish them); the
-// ranks then drop the ReqMeta instead of running the request for nobody.
+// ranks then drop the ReqMeta instead of running the request for nobody,
+// and answer the scheduler that it was aborted: one that did not hear the
+// Abort (lost across a NATS restart) held the request until its deadline.
 // A group-scoped withdrawal of an unknown request is not remembered.
 func TestRankAbortBeforeReqMeta(t *testing.T) {
 	env := startRanks(t, rankEnvConfig{})
@@ -650,8 +652,14 @@ func TestRankAbortBeforeReqMeta(t *testing.T) {
 	testenv.Eventually(t, waitFor, "every rank to drop the aborted request", func() bool {
 		return env.counter("kvbus_worker_dropped_total", map[string]string{"reason": "aborted"}) == worldSize
 	})
-	if got := env.results("gone"); len(got) != 0 {
-		t.Errorf("the aborted request ran: %d RankResults", len(got))
+	got := env.resultsByRank("gone")
+	for rank, r := range got {
+		if r.ErrorCode != messages.RankErrAborted {
+			t.Errorf("rank %d answered the aborted request with %+v, want error code %s", rank, r, messages.RankErrAborted)
+		}
+	}
+	if out := env.outputs("gone"); len(out) != 0 {
+		t.Errorf("the aborted request ran: %d outputs", len(out))
 	}
 }
 
@@ -678,8 +686,13 @@ func TestRankAbortStopsTheAttemptsToCome(t *testing.T) {
 		return env.counter("kvbus_worker_dropped_total", map[string]string{"reason": "aborted"}) == worldSize
 	})
 	for _, r := range env.results("left") {
-		if r.Attempt == 1 {
+		if r.Attempt == 1 && r.ErrorCode != messages.RankErrAborted {
 			t.Errorf("rank %d ran the attempt after its client's abort: %+v", r.TPRank, r)
+		}
+	}
+	for _, o := range env.outputs("left") {
+		if o.Attempt == 1 {
+			t.Errorf("the attempt after its client's abort sent an output: %+v", o)
 		}
 	}
 }
