@@ -57,6 +57,9 @@ func (s *Server) serveTokenize(w http.ResponseWriter, r *http.Request) {
 		writeError(w, e)
 		return
 	}
+	if ids == nil {
+		ids = []uint32{} // an empty prompt: "tokens": [], as vLLM answers, not null
+	}
 	out := tokenizeResponse{Count: len(ids), MaxModelLen: s.cfg.MaxModelLen, Tokens: ids}
 	if req.ReturnTokenStrs {
 		strs := make([]string, len(ids))

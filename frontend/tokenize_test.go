@@ -216,3 +216,20 @@ func jsonEqual(t *testing.T, a, b []byte) bool {
 	ya, _ := json.Marshal(y)
 	return string(xa) == string(ya)
 }
+
+// TestTokenizeEmptyPrompt: an empty prompt is no tokens, answered as
+// vLLM's TokenizeResponse answers it, an empty list ("tokens": []), not
+// null, which a client iterating the list cannot read.
+func TestTokenizeEmptyPrompt(t *testing.T) {
+	c := testenv.StartCluster(t, testenv.ClusterConfig{})
+	for _, body := range []string{`{"prompt":""}`, `{"prompt":"","return_token_strs":true}`} {
+		r := do(t, c, http.MethodPost, "/tokenize", body, nil)
+		if r.status != http.StatusOK {
+			t.Fatalf("/tokenize %s: status %d: %s", body, r.status, r.body)
+		}
+		tokens, ok := path(t, decode(t, r.body), "tokens").([]any)
+		if !ok || len(tokens) != 0 {
+			t.Errorf("/tokenize %s: %s, want \"tokens\": []", body, r.body)
+		}
+	}
+}
