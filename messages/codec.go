@@ -299,6 +299,8 @@ func (m *ReqMeta) validate() error {
 		return invalid("req_meta %s: frontend_id %q is not a subject token", m.ReqID, m.FrontendID)
 	case m.ResultSubject == "":
 		return invalid("req_meta %s: no result_subject", m.ReqID)
+	case len(m.CacheSalt) > MaxCacheSaltBytes:
+		return invalid("req_meta %s: cache_salt of %d bytes; at most %d", m.ReqID, len(m.CacheSalt), MaxCacheSaltBytes)
 	case !jsonObject(m.Body):
 		return invalid("req_meta %s: body is not a JSON object", m.ReqID)
 	case m.Endpoint != "" && m.Endpoint != EndpointChat && m.Endpoint != EndpointCompletions:

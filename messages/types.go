@@ -148,6 +148,9 @@ type ReqMeta struct {
 	Stream           bool   `msgpack:"stream,omitempty" json:"stream,omitempty"`
 	Body             []byte `msgpack:"body,omitempty,allownil,limit=8388608" json:"body,omitempty"`
 	KVTransferParams Args   `msgpack:"kv_transfer_params,omitempty,omitzero" json:"kv_transfer_params,omitempty"`
+	// CacheSalt is the request's cache_salt (Request.CacheSalt), for an
+	// engine that gets no client body (a replayed capture or trace).
+	CacheSalt string `msgpack:"cache_salt,omitempty" json:"cache_salt,omitempty"`
 }
 
 // RankResult is what one rank reports to the scheduler on

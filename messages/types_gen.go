@@ -3077,8 +3077,8 @@ func (z *RemoteRun) Msgsize() (s int) {
 func (z *ReqMeta) MarshalMsg(b []byte) (o []byte, err error) {
 	o = msgp.Require(b, z.Msgsize())
 	// check for omitted fields
-	zb0001Len := uint32(23)
-	var zb0001Mask uint32 /* 23 bits */
+	zb0001Len := uint32(24)
+	var zb0001Mask uint32 /* 24 bits */
 	_ = zb0001Mask
 	if z.SessionID == "" {
 		zb0001Len--
@@ -3103,6 +3103,10 @@ func (z *ReqMeta) MarshalMsg(b []byte) (o []byte, err error) {
 	if z.KVTransferParams.IsZero() {
 		zb0001Len--
 		zb0001Mask |= 0x400000
+	}
+	if z.CacheSalt == "" {
+		zb0001Len--
+		zb0001Mask |= 0x800000
 	}
 	// variable map header, size zb0001Len
 	o = msgp.AppendMapHeader(o, zb0001Len)
@@ -3213,6 +3217,11 @@ func (z *ReqMeta) MarshalMsg(b []byte) (o []byte, err error) {
 				err = msgp.WrapError(err, "KVTransferParams")
 				return
 			}
+		}
+		if (zb0001Mask & 0x800000) == 0 { // if not omitted
+			// string "cache_salt"
+			o = append(o, 0xaa, 0x63, 0x61, 0x63, 0x68, 0x65, 0x5f, 0x73, 0x61, 0x6c, 0x74)
+			o = msgp.AppendString(o, z.CacheSalt)
 		}
 	}
 	return
@@ -3405,6 +3414,12 @@ func (z *ReqMeta) UnmarshalMsg(bts []byte) (o []byte, err error) {
 				err = msgp.WrapError(err, "KVTransferParams")
 				return
 			}
+		case "cache_salt":
+			z.CacheSalt, bts, err = msgp.ReadStringBytes(bts)
+			if err != nil {
+				err = msgp.WrapError(err, "CacheSalt")
+				return
+			}
 		default:
 			bts, err = msgp.Skip(bts)
 			if err != nil {
@@ -3425,7 +3440,7 @@ func (z *ReqMeta) Msgsize() (s int) {
 	} else {
 		s += z.LoadSpec.Msgsize()
 	}
-	s += 9 + msgp.BoolSize + 16 + msgp.IntSize + 14 + msgp.BoolSize + 18 + msgp.IntSize + 16 + z.SamplingParams.Msgsize() + 12 + msgp.StringPrefixSize + len(z.FrontendID) + 15 + msgp.StringPrefixSize + len(z.ResultSubject) + 8 + msgp.IntSize + 17 + msgp.Int64Size + 9 + msgp.StringPrefixSize + len(z.Endpoint) + 7 + msgp.BoolSize + 5 + msgp.BytesPrefixSize + len(z.Body) + 19 + z.KVTransferParams.Msgsize()
+	s += 9 + msgp.BoolSize + 16 + msgp.IntSize + 14 + msgp.BoolSize + 18 + msgp.IntSize + 16 + z.SamplingParams.Msgsize() + 12 + msgp.StringPrefixSize + len(z.FrontendID) + 15 + msgp.StringPrefixSize + len(z.ResultSubject) + 8 + msgp.IntSize + 17 + msgp.Int64Size + 9 + msgp.StringPrefixSize + len(z.Endpoint) + 7 + msgp.BoolSize + 5 + msgp.BytesPrefixSize + len(z.Body) + 19 + z.KVTransferParams.Msgsize() + 11 + msgp.StringPrefixSize + len(z.CacheSalt)
 	return
 }
 

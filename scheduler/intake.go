@@ -359,6 +359,7 @@ func (s *Scheduler) buildMeta(t *RequestTracker) error {
 		ResultSubject: s.cfg.Subjects.Done(s.cfg.ID), Attempt: t.Attempt,
 		DeadlineUnixMs: t.Deadline.UnixMilli(),
 		Endpoint:       req.Endpoint, Stream: req.Stream, Body: req.Body, KVTransferParams: req.KVTransferParams,
+		CacheSalt: req.CacheSalt,
 	}
 	data, err := messages.Marshal(meta)
 	if err != nil {

@@ -17,6 +17,7 @@ import (
 
 	"github.com/kvbus/kvbus/cluster"
 	"github.com/kvbus/kvbus/frontend"
+	"github.com/kvbus/kvbus/messages"
 	"github.com/kvbus/kvbus/replay"
 	"github.com/kvbus/kvbus/testenv"
 	"github.com/kvbus/kvbus/testenv/fakeengine"
@@ -452,6 +453,34 @@ func TestEngineReplaysTraces(t *testing.T) {
 	}
 	if len(got.PromptTokens) != len(second) || got.PromptTokens[len(second)-1] != second[len(second)-1] {
 		t.Errorf("engine got a %d-token prompt, want the trace's %d token ids", len(got.PromptTokens), len(second))
+	}
+}
+
+// TestEngineReplayKeepsTheCacheSalt: a replayed captured request that
+// has no client body (captured in front of the sim) reaches the engine
+// with its cache_salt, which the scheduler hashed its blocks with: without
+// it, vLLM would cache the salted prompt as an unsalted one, shared with
+// every tenant's same prompt.
+func TestEngineReplayKeepsTheCacheSalt(t *testing.T) {
+	c, engines := engineCluster(t, 1, nil)
+	nc := testenv.Connect(t, c.NATS)
+	prompt := testenv.PromptTokens(1, 40)
+	r, err := replay.New(replay.Config{Target: c.NATS.ClientURL(), Conn: nc, Model: c.Model, Timeout: 20 * time.Second})
+	if err != nil {
+		t.Fatal(err)
+	}
+	captured := &messages.Request{RequestID: "captured-1", Model: c.Model, PromptTokenIDs: prompt, Endpoint: messages.EndpointCompletions,
+		SamplingParams: messages.SamplingParams{MaxTokens: 2, Temperature: 1, TopP: 1}, CacheSalt: "tenant-a"}
+	results, _, err := r.Run(t.Context(), []replay.Item{{Prompt: prompt, Request: captured}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if results[0].Err != "" {
+		t.Fatalf("request: %s", results[0].Err)
+	}
+	e, got := engineOf(t, engines, results[0].ReqID)
+	if got.Body["cache_salt"] != "tenant-a" {
+		t.Errorf("engine %d got %s, want cache_salt tenant-a", e, got.RawBody)
 	}
 }
 

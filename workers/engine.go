@@ -37,12 +37,14 @@ type EngineRequest struct {
 	Params   messages.SamplingParams
 	// For engines that are model servers (OpenAIEngine): the request's
 	// model, session id, endpoint (messages.Endpoint*), the client's
-	// original body (empty for replayed traces) and kv_transfer_params.
+	// original body (empty for replayed traces), kv_transfer_params and
+	// cache_salt.
 	Model            string
 	SessionID        string
 	Endpoint         string
 	Body             []byte
 	KVTransferParams messages.Args
+	CacheSalt        string
 }
 
 // Chunk is a piece of generated output.

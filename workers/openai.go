@@ -525,6 +525,9 @@ func traceBody(req EngineRequest, model string) ([]byte, error) {
 	if len(req.KVTransferParams) > 0 {
 		body["kv_transfer_params"] = req.KVTransferParams
 	}
+	if req.CacheSalt != "" {
+		body["cache_salt"] = req.CacheSalt
+	}
 	return json.Marshal(body)
 }
 

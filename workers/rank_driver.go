@@ -45,6 +45,7 @@ func (r *Rank) drive(rr *rankReq) {
 		ReqID: meta.ReqID, PromptTokens: meta.TokenIDs, CachedTokens: cached, RemoteTokens: min(rr.remote, cached),
 		LoadTime: time.Duration(rr.loadUs) * time.Microsecond, Params: meta.SamplingParams,
 		Model: meta.Model, SessionID: meta.SessionID, Endpoint: meta.Endpoint, Body: meta.Body, KVTransferParams: meta.KVTransferParams,
+		CacheSalt: meta.CacheSalt,
 	}, func() {
 		storeQueued = true
 		prefillTime := r.prefills.prefilled(rr, time.Now())
