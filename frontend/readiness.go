@@ -29,6 +29,15 @@ type schedulerTable struct {
 	mu      sync.Mutex
 	timeout time.Duration
 	m       map[string]schedulerSeen
+	// since is when the frontend began to listen for announcements.
+	since time.Time
+}
+
+// listen records that announcements are heard from now on.
+func (t *schedulerTable) listen(now time.Time) {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	t.since = now
 }
 
 type schedulerSeen struct {
@@ -94,6 +103,11 @@ func (t *schedulerTable) ready(now time.Time) (bool, string) {
 		default:
 			why = append(why, fmt.Sprintf("scheduler %s: %s", id, s.reason))
 		}
+	}
+	if len(why) == 0 && len(t.m) == 0 && !t.since.IsZero() && now.Sub(t.since) < t.timeout {
+		// Just started: the schedulers may all be there, not yet heard.
+		return false, fmt.Sprintf("no scheduler heard yet: this frontend began listening for their announcements %s ago (each announces itself every second)",
+			now.Sub(t.since).Round(time.Millisecond))
 	}
 	if len(why) == 0 {
 		return false, fmt.Sprintf("no scheduler announced itself within %s: start one (kvbus scheduler) or check its NATS connection", t.timeout)

@@ -336,6 +336,7 @@ func (s *Server) Run(ctx context.Context) error {
 		return fmt.Errorf("frontend: subscribe %s: %w", annSubject, err)
 	}
 	defer func() { _ = annSub.Unsubscribe() }()
+	s.schedulers.listen(time.Now())
 	if err := s.cfg.Conn.Flush(); err != nil {
 		s.log.Warn("flush after subscribe", "err", err)
 	}

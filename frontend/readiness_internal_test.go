@@ -1,0 +1,31 @@
+package frontend
+
+import (
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/kvbus/kvbus/messages"
+)
+
+// TestJustStartedFrontendSaysItHasHeardNoSchedulerYet: in the first
+// seconds after it starts, before any announcement came, a frontend's 503
+// says it has not heard the schedulers yet, not to start one: a restarted
+// frontend told its clients (19 requests in 0.9 s, in a fault review) to
+// start a scheduler while two ran.
+func TestJustStartedFrontendSaysItHasHeardNoSchedulerYet(t *testing.T) {
+	start := time.Unix(1000, 0)
+	var tab schedulerTable
+	tab.timeout = 3 * time.Second
+	tab.listen(start)
+	if ok, why := tab.ready(start.Add(500 * time.Millisecond)); ok || !strings.Contains(why, "no scheduler heard yet") || strings.Contains(why, "start one") {
+		t.Errorf("0.5 s after start: %v %q, want that none was heard yet", ok, why)
+	}
+	if ok, why := tab.ready(start.Add(4 * time.Second)); ok || !strings.Contains(why, "start one (kvbus scheduler)") {
+		t.Errorf("4 s after start with none heard: %v %q, want the advice to start one", ok, why)
+	}
+	tab.observe(&messages.Announcement{Role: messages.RoleScheduler, ID: "s0", Ready: true}, start.Add(time.Second))
+	if ok, why := tab.ready(start.Add(1500 * time.Millisecond)); !ok {
+		t.Errorf("with a ready scheduler heard: %q", why)
+	}
+}
