@@ -93,7 +93,7 @@ func (s *Scheduler) rescue(now time.Time) {
 				return
 			}
 			t.Attempt++
-			t.Results = map[int]*messages.RankResult{}
+			t.Results, t.Prefilled = map[int]*messages.RankResult{}, false
 			if err := s.buildMeta(t); err != nil {
 				t.Group = ""
 				return

@@ -233,8 +233,11 @@ func (tt *trackerTable) prefilled(r *messages.RankResult) (group string, work in
 }
 
 // stranded returns the trackers whose group lost their work (gone, called
-// under the table's lock): those whose output has not started are left in
-// the table, the others removed.
+// under the table's lock): those that can be dispatched again are left in
+// the table, the others removed. A streamed answer that has started cannot
+// be (its client has part of it), nor one the driver has answered; a
+// non-streamed one under way can: the frontend holds it until its end, and
+// replaces it whole with a newer attempt's.
 func (tt *trackerTable) stranded(gone func(t *RequestTracker) bool) (movable, lost []*RequestTracker) {
 	tt.mu.Lock()
 	defer tt.mu.Unlock()
@@ -242,7 +245,7 @@ func (tt *trackerTable) stranded(gone func(t *RequestTracker) bool) (movable, lo
 		if t.Group == "" || !gone(t) {
 			continue
 		}
-		if t.Prefilled {
+		if t.Results[0] != nil || t.Prefilled && (t.Request == nil || t.Request.Stream) {
 			lost = append(lost, t)
 			tt.endLocked(id)
 		} else {

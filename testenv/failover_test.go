@@ -77,6 +77,64 @@ func sendSlowPrefill(t *testing.T, c *testenv.Cluster, metas *testenv.Observer, 
 	return done, first
 }
 
+// TestGroupFailureWhileGeneratingANonStreamedAnswerMovesIt: a request
+// whose group breaks after its prefill, while the driver generates an
+// answer that is not streamed, is dispatched again on another group and
+// answered whole, with a 200: the frontend holds a non-streamed answer
+// until its end and replaces it with a newer attempt's. It was ended with
+// a 503 group_failed, as a streamed answer under way must be (4 such
+// requests when a fault review killed a driver under load).
+func TestGroupFailureWhileGeneratingANonStreamedAnswerMovesIt(t *testing.T) {
+	c := testenv.StartCluster(t, testenv.ClusterConfig{Groups: 2, TimeScale: 1}) // 10 ms per token
+	metas := c.Observe(t, "kvbus.meta.>")
+	results := c.Observe(t, "kvbus.done.>")
+	body := fmt.Sprintf(`{"model":%q,"messages":[{"role":"user","content":"not streamed"}],"max_tokens":300,"ignore_eos":true}`, c.Model)
+	type reply struct {
+		status int
+		raw    []byte
+	}
+	done := make(chan reply, 1)
+	go func() {
+		status, _, raw := post(t, c, "/v1/chat/completions", body, nil)
+		done <- reply{status, raw}
+	}()
+	var meta *messages.ReqMeta
+	testenv.Eventually(t, 10*time.Second, "the driver's prefill report", func() bool {
+		for _, m := range results.Messages() {
+			if r, err := messages.DecodeRankResult(m.Data); err == nil && r.Prefilled {
+				for _, mm := range metas.Messages() {
+					meta, _ = messages.DecodeReqMeta(mm.Data)
+				}
+				return meta != nil
+			}
+		}
+		return false
+	})
+	c.KillRank(t, meta.Group, 2) // a non-driver rank: the group is broken while its driver generates
+	r := <-done
+	if r.status != http.StatusOK {
+		t.Fatalf("status %d: %s", r.status, r.raw)
+	}
+	var answer struct {
+		Usage struct {
+			CompletionTokens int `json:"completion_tokens"`
+		}
+	}
+	if err := json.Unmarshal(r.raw, &answer); err != nil || answer.Usage.CompletionTokens != 300 {
+		t.Fatalf("answer %s (%v): want all 300 tokens", r.raw, err)
+	}
+	var groups []string
+	for _, m := range metas.Messages() {
+		if rm, _ := messages.DecodeReqMeta(m.Data); rm != nil && rm.ReqID == meta.ReqID && rm.Attempt == 1 {
+			groups = append(groups, rm.Group)
+		}
+	}
+	if len(groups) == 0 || groups[0] == meta.Group {
+		t.Errorf("attempt 1 went to %v, want the other group than %s", groups, meta.Group)
+	}
+	testenv.Eventually(t, 5*time.Second, "no tracker left", func() bool { return c.Scheduler.Trackers() == 0 })
+}
+
 // TestGroupFailureWhileStreamingEndsWithAnError: a request that already
 // streamed part of its answer cannot move; it ends with an error chunk.
 func TestGroupFailureWhileStreamingEndsWithAnError(t *testing.T) {
