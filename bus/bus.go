@@ -10,13 +10,16 @@ import (
 	"crypto/x509"
 	"errors"
 	"fmt"
+	"io"
 	"io/fs"
 	"log/slog"
+	"net"
 	neturl "net/url"
 	"regexp"
 	"strings"
 	"sync"
 	"sync/atomic"
+	"syscall"
 	"time"
 
 	"github.com/nats-io/nats.go"
@@ -201,6 +204,13 @@ func Connect(ctx context.Context, cfg Config) (*nats.Conn, error) {
 				// A reconnect's TLS handshake refused (nats.go reports
 				// some of them here): said as reconnectProbe says them.
 				probe.say(advice, err)
+				return
+			}
+			if sub == nil && brokenConnection(err) {
+				// A reconnect attempt met the server going away (it is
+				// stopping or restarting): nats.go tries again; no error
+				// of this role's.
+				log.Warn("nats reconnect attempt cut off by the server; trying again", "conn", cfg.Name, "err", err)
 				return
 			}
 			log.Error("nats async error", "conn", cfg.Name, "subject", subject, "err", err)
@@ -460,6 +470,14 @@ const refusedAtReconnect = "the server refused this role's credentials after a r
 // certificate in the TLS handshake.
 const clientCertRefused = "the server refused this client's certificate (mutual TLS): give --nats-tls-cert/--nats-tls-key " +
 	"signed by the CA of the server's --tls-ca, not expired"
+
+// brokenConnection reports whether err is the connection to the server
+// breaking (the server stopping or restarting): nats.go reports a
+// reconnect's handshake cut off so as an async error, then tries again.
+func brokenConnection(err error) bool {
+	return errors.Is(err, syscall.EPIPE) || errors.Is(err, syscall.ECONNRESET) || errors.Is(err, io.EOF) ||
+		errors.Is(err, net.ErrClosed)
+}
 
 // violatedSubject is the subject a server's permissions violation names
 // ("Permissions Violation for Publish to \"kvbus.req.m\"", "… for
