@@ -569,8 +569,13 @@ func (s *Server) serveModels(w http.ResponseWriter, r *http.Request) {
 	}{"list", data})
 }
 
+// writeJSON writes v as JSON, its <, > and & as they are (as vLLM's
+// FastAPI answers write them: a chat marker such as <|im_start|> reads as
+// itself, not \u003c|im_start|\u003e).
 func writeJSON(w http.ResponseWriter, status int, v any) {
 	w.Header().Set("Content-Type", "application/json")
 	w.WriteHeader(status)
-	_ = json.NewEncoder(w).Encode(v)
+	enc := json.NewEncoder(w)
+	enc.SetEscapeHTML(false)
+	_ = enc.Encode(v)
 }

@@ -84,6 +84,10 @@ func TestTokenizeIsWhatRequestsAreCharged(t *testing.T) {
 	if got := detokenizeOK(t, c, chat.Tokens); got != rendered+"<|im_start|>assistant<|im_sep|>" {
 		t.Errorf("/detokenize of the chat's tokens: %q", got)
 	}
+	b, _ := json.Marshal(map[string]any{"tokens": chat.Tokens})
+	if r := do(t, c, http.MethodPost, "/detokenize", string(b), nil); !strings.Contains(string(r.body), `"<|im_start|>system`) {
+		t.Errorf("the markers are written escaped (vLLM writes them as they are): %s", r.body)
+	}
 	noPrompt := tokenizeOK(t, c, `{"messages":`+msgs+`,"add_generation_prompt":false}`)
 	if got := detokenizeOK(t, c, noPrompt.Tokens); got != rendered {
 		t.Errorf("add_generation_prompt false: %q, want %q", got, rendered)
