@@ -753,7 +753,9 @@ func TestSchedulerTimesOutUnansweredRequest(t *testing.T) {
 	// ends with a timeout error.
 	e := startScheduler(t, schedEnvConfig{noAnswers: true})
 	req := newRequest("silent", "s", testenv.PromptTokens(1, 32))
-	req.DeadlineUnixMs = time.Now().Add(300 * time.Millisecond).UnixMilli()
+	// Long enough to be dispatched on a loaded host (at 300 ms, a request
+	// that reached the scheduler after its deadline was never placed).
+	req.DeadlineUnixMs = time.Now().Add(1500 * time.Millisecond).UnixMilli()
 	e.publishRequest(req)
 	meta := e.waitMeta("silent").meta
 	data, err := messages.Marshal(&messages.RankResult{ReqID: meta.ReqID, Group: meta.Group, TPRank: 0, Attempt: meta.Attempt})
