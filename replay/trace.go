@@ -20,6 +20,7 @@ import (
 	"github.com/zeebo/xxh3"
 
 	"github.com/kvbus/kvbus/messages"
+	"github.com/kvbus/kvbus/scheduler"
 )
 
 // Trace formats.
@@ -573,7 +574,8 @@ func readAzure(r io.Reader, tail *lastByteReader) (*Trace, error) {
 // InferSessions gives sessions to a trace that has none: a request
 // continues the session of the earlier request with the longest prompt
 // whose full blocks (blockTokens each) its prompt starts with, the latest
-// of equal ones; otherwise it starts a session.
+// of equal ones; otherwise it starts a session. Captured requests of two
+// models, or two cache salts, share no prefix, as they share no cache.
 func InferSessions(t *Trace, blockTokens int) {
 	type key = uint64
 	owner := map[key]string{} // hash of a full-block prefix → session
@@ -586,6 +588,9 @@ func InferSessions(t *Trace, blockTokens int) {
 		full := len(it.Prompt) / blockTokens
 		prefixes := make([]uint64, full)
 		var h uint64
+		if it.Request != nil {
+			h = scheduler.PromptSeed(it.Request.Model, it.Request.CacheSalt)
+		}
 		for b := range full {
 			h = xxh3.HashSeed(u32Bytes(it.Prompt[b*blockTokens:(b+1)*blockTokens]), h)
 			prefixes[b] = h

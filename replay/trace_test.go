@@ -795,6 +795,21 @@ func TestInferSessions(t *testing.T) {
 		t.Errorf("%d sessions, want 7", tr.Sessions())
 	}
 
+	// Captured requests of another model or another cache salt share no
+	// cache, so no session, whatever their prompts.
+	captured := func(model, salt string, prompt []uint32) Item {
+		return Item{Prompt: prompt, Request: &messages.Request{Model: model, CacheSalt: salt, PromptTokenIDs: prompt}}
+	}
+	first := cat(seq(1, 8), seq(900, 2))
+	next := cat(first, seq(20, 5))
+	ct := &Trace{Items: []Item{captured("m", "", first), captured("m", "", next), captured("m", "a", next),
+		captured("n", "", next), captured("m", "a", cat(next, seq(40, 4)))}}
+	InferSessions(ct, bs)
+	cs := func(i int) string { return ct.Items[i].SessionID }
+	if cs(0) != cs(1) || cs(2) == cs(1) || cs(3) == cs(1) || cs(3) == cs(2) || cs(4) != cs(2) {
+		t.Errorf("captured sessions %q %q %q %q %q: want the salted and the other model's apart", cs(0), cs(1), cs(2), cs(3), cs(4))
+	}
+
 	// On a Mooncake trace: follow-up turns start with all full blocks of
 	// the previous turn.
 	mc, err := ReadTrace(strings.NewReader(`{"timestamp":0,"input_length":1000,"output_length":1,"hash_ids":[1,2]}
