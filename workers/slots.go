@@ -66,6 +66,11 @@ type Slot struct {
 	cfg   SlotConfig
 	// misplaced counts the checks in a row that found a group to move to.
 	misplaced int
+	// settle: no regroup before it. A claim the bucket forgot (a NATS
+	// restart) was forgotten for every holder, and each claims its own
+	// again at its next refresh, some after an update timed out: until
+	// then their groups look incomplete and their slots free.
+	settle time.Time
 }
 
 // ClaimSlot claims the first free slot, groups in order and ranks in order
@@ -268,6 +273,10 @@ var ErrRegrouped = errors.New("workers: slot moved to another group")
 // workers settle with at most one incomplete group. The new slot is
 // claimed before the old one is released.
 func (s *Slot) regroup(ctx context.Context) bool {
+	if time.Now().Before(s.settle) {
+		s.misplaced = 0
+		return false
+	}
 	target, ok := s.regroupTarget(ctx)
 	if !ok {
 		s.misplaced = 0
@@ -429,6 +438,9 @@ func (s *Slot) reclaim(ctx context.Context) error {
 			return err
 		}
 		s.rev = rev
+		// Every holder refreshes within TTL/3, its update timing out
+		// first within another TTL/3: a TTL from now, all are back.
+		s.settle = time.Now().Add(s.cfg.TTL)
 		s.cfg.Logger.Info("claimed the worker slot again: the bucket had forgotten it (a NATS restart)", "slot", s.key)
 		return nil
 	case err != nil:

@@ -419,6 +419,70 @@ func TestSlotsRegroupIntoWholeGroups(t *testing.T) {
 	}
 }
 
+// TestSlotsDoNotRegroupWhileClaimsComeBack: a NATS restart empties the
+// in-memory slot bucket and every holder claims its slot again at its next
+// refresh, some only after an update sent while the server was away timed
+// out. A worker that had claimed its slot again saw the group of holders
+// already back as an incomplete group with more holders and, at its next
+// check (at once: a tick waits while a refresh times out), moved into a
+// slot whose holder had not claimed it yet, and that holder exited "lost
+// slot": in a compose fault review's NATS restart, g1/3 moved to g0/3 and
+// g0/3's worker exited, came back as g1/3, and both groups lost a rank's
+// store. A worker that claimed its slot again does not regroup for a TTL,
+// by when every live holder has claimed its own.
+func TestSlotsDoNotRegroupWhileClaimsComeBack(t *testing.T) {
+	srv := testenv.StartNATS(t)
+	js, err := jetstream.New(testenv.Connect(t, srv))
+	if err != nil {
+		t.Fatal(err)
+	}
+	logs := &testenv.LogBuffer{}
+	cfg := workers.SlotConfig{Size: 3, TTL: 1500 * time.Millisecond, Logger: slog.New(slog.NewTextHandler(logs, nil))}
+	slots := map[string]*workers.Slot{}
+	for i := range 6 {
+		cfg.Owner = fmt.Sprint("w", i)
+		s, err := workers.ClaimSlot(t.Context(), js, cfg)
+		if err != nil {
+			t.Fatal(err)
+		}
+		slots[fmt.Sprintf("%s.%d", s.Group, s.Rank)] = s
+	}
+	if err := js.DeleteKeyValue(t.Context(), workers.SlotBucket); err != nil { // the server restarted
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(t.Context())
+	defer cancel()
+	held := make(chan error, 6)
+	hold := func(keys ...string) {
+		for _, k := range keys {
+			go func() { held <- slots[k].Hold(ctx) }()
+		}
+	}
+	// g0's first two holders claim again first, then g1/0; g0/2, g1/1 and
+	// g1/2 are late (each one's update was timing out).
+	hold("g0.0", "g0.1")
+	testenv.Eventually(t, 5*time.Second, "g0/0 and g0/1 claimed again", func() bool {
+		kv, err := js.KeyValue(t.Context(), workers.SlotBucket)
+		if err != nil {
+			return false
+		}
+		_, err0 := kv.Get(t.Context(), "g0.0")
+		_, err1 := kv.Get(t.Context(), "g0.1")
+		return err0 == nil && err1 == nil
+	})
+	hold("g1.0")
+	time.Sleep(800 * time.Millisecond)
+	hold("g0.2", "g1.1", "g1.2")
+	select {
+	case err := <-held:
+		t.Fatalf("a holder stopped or moved: %v\n%s", err, logs)
+	case <-time.After(2 * cfg.TTL):
+	}
+	if strings.Contains(logs.String(), "moved to another worker slot") {
+		t.Errorf("a worker moved while the others claimed their slots again:\n%s", logs)
+	}
+}
+
 // TestSlotsKeepTPSizesApart: workers of another --tp-size do not take the
 // free ranks of a group whose holders have a size of their own: two
 // --tp-size 2 workers started beside two --tp-size 1 workers took g0/1 and
