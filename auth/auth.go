@@ -94,14 +94,16 @@ func streamAPI(name string, ops ...string) []string {
 }
 
 // kvBucket is what a client of the KV bucket needs: its stream's info and
-// creation, direct gets, watches (ordered consumers) and puts of the keys
+// creation, direct gets, watches (ordered consumers, with their answers to
+// the server's flow control, $JS.FC.<stream>.…: unanswered, the server stops
+// a watch's deliveries once ~2 MiB are pending) and puts of the keys
 // matching keys (">" for all).
 func kvBucket(bucket, keys string) []string {
 	st := "KV_" + bucket
 	return append(streamAPI(st, "INFO", "CREATE", "MSG.GET"),
 		jsAPI+"DIRECT.GET."+st+".>", jsAPI+"DIRECT.GET."+st,
 		jsAPI+"CONSUMER.CREATE."+st+".>", jsAPI+"CONSUMER.DELETE."+st+".>", jsAPI+"CONSUMER.INFO."+st+".>",
-		"$KV."+bucket+"."+keys)
+		"$JS.FC."+st+".>", "$KV."+bucket+"."+keys)
 }
 
 // For returns the permissions of an identity for subjects s. A worker

@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"errors"
+	"fmt"
 	"log/slog"
 	"os"
 	"path/filepath"
@@ -14,6 +15,7 @@ import (
 	"time"
 
 	"github.com/nats-io/nats.go"
+	"github.com/nats-io/nats.go/jetstream"
 	"github.com/nats-io/nkeys"
 	"go.uber.org/goleak"
 
@@ -290,6 +292,69 @@ func TestViolationLoggedOnce(t *testing.T) {
 	// subscription: it was subject="", the subject only inside err).
 	if !strings.Contains(out, "subject=kvbus.req.kvbus-sim ") {
 		t.Errorf("the violation line's subject field does not name kvbus.req.kvbus-sim:\n%s", out)
+	}
+}
+
+// TestSchedulerWatchesTheSessionBucketPastFlowControl: a scheduler watches
+// the session bucket (other replicas' bindings) with an ordered consumer,
+// which the server paces with flow-control messages once ~1 MiB is
+// pending; the client answers each on $JS.FC.<stream>.…, which the
+// scheduler's key could not publish. The server then stopped delivering
+// for good at ~2 MiB: in a compose fault review both schedulers' watches
+// stalled 2.5 minutes into the load, and NATS logged a publish violation
+// every 10 s from then on. The watch now gets every update.
+func TestSchedulerWatchesTheSessionBucketPastFlowControl(t *testing.T) {
+	srv, dir := server(t)
+	ctx := t.Context()
+	conn := func(role string) *nats.Conn {
+		nc, err := bus.Connect(ctx, bus.Config{URL: srv.ClientURL(), NKeySeedFile: filepath.Join(dir, role+".nk"), Name: role,
+			InboxPrefix: bus.InboxPrefix(role, ""), Logger: slog.New(slog.DiscardHandler)})
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(nc.Close)
+		return nc
+	}
+	bucket := messages.Subjects{}.SessionBucket()
+	js, err := jetstream.New(conn("scheduler"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	kv, err := js.CreateKeyValue(ctx, jetstream.KeyValueConfig{Bucket: bucket})
+	if err != nil {
+		t.Fatal(err)
+	}
+	w, err := kv.WatchAll(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() { _ = w.Stop() }()
+	// Another replica writes 4 MiB of bindings.
+	writer, err := jetstream.New(conn("scheduler"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	wkv, err := writer.KeyValue(ctx, bucket)
+	if err != nil {
+		t.Fatal(err)
+	}
+	const n, size = 128, 32 << 10
+	for i := range n {
+		if _, err := wkv.Put(ctx, fmt.Sprintf("s%d", i), bytes.Repeat([]byte("x"), size)); err != nil {
+			t.Fatal(err)
+		}
+	}
+	got := 0
+	timeout := time.After(10 * time.Second)
+	for got < n {
+		select {
+		case e := <-w.Updates():
+			if e != nil {
+				got++
+			}
+		case <-timeout:
+			t.Fatalf("the watch got %d of %d updates (%d KiB of %d): it stalled", got, n, got*size>>10, n*size>>10)
+		}
 	}
 }
 
