@@ -411,6 +411,56 @@ func TestReconnectIsNoGroupFailure(t *testing.T) {
 	}
 }
 
+// TestStalledBusIsNoGroupFailure: a NATS server that stalls (SIGSTOP for
+// 5 s in a review, a VM paused) keeps every connection open, so nothing
+// says the replica is cut off; it hears nothing, its own announcement
+// included, then everything at once. Its sweep took the silence for every
+// group's and peer's: 8 requests ended group_failed (2 streams cut) and
+// both replicas adopted each other's requests, while the workers finished
+// them all. Now a replica that has not heard its own announcement back
+// judges nothing, and once the bus delivers again every rank gets a
+// heartbeat timeout from then, as after a reconnect.
+func TestStalledBusIsNoGroupFailure(t *testing.T) {
+	s, _ := newBareScheduler(t)
+	now := time.Now()
+	holding(s, "g0")
+	holding(s, "g1")
+	before := now.Add(-5 * time.Second) // the stall began
+	heard(s, "g0", before, 0)
+	heard(s, "g1", before, 0)
+	s.selfHeard.Store(before.UnixNano())
+	tr := promptTracker("inflight", 4)
+	tr.Group, tr.WorldSize, tr.Deadline = "g0", 1, now.Add(time.Minute)
+	s.trackers.add(tr)
+	group := func() string {
+		var g string
+		s.trackers.update("inflight", func(t *RequestTracker) { g = t.Group })
+		return g
+	}
+	// Still stalled: nothing is judged.
+	s.sweep(t.Context(), now)
+	if !s.trackers.has("inflight") || group() != "g0" {
+		t.Fatal("the request on g0 was withdrawn while the bus delivered nothing: the replica took its own deafness for g0's silence")
+	}
+	// The bus delivers again: this replica's announcement, then g1's
+	// heartbeat; g0's is still in the queue.
+	back := now.Add(100 * time.Millisecond)
+	s.selfHeard.Store(back.UnixNano())
+	heard(s, "g1", back, 0)
+	s.sweep(t.Context(), back.Add(100*time.Millisecond))
+	if !s.trackers.has("inflight") || group() != "g0" {
+		t.Fatalf("the request was withdrawn from g0 (now on %q) as the stalled bus came back", group())
+	}
+	// g0 stays silent two heartbeat timeouts after: it failed.
+	later := back.Add(2 * s.cfg.HeartbeatTimeout)
+	s.selfHeard.Store(later.UnixNano())
+	heard(s, "g1", later, 0)
+	s.sweep(t.Context(), later)
+	if group() == "g0" && s.trackers.has("inflight") {
+		t.Error("g0, silent for two heartbeat timeouts after the bus came back, still holds the request")
+	}
+}
+
 // TestBindingNotCreditedAfterTheGroupLostItsCache: a session's previous
 // turn is credited to the group it ran on (its binding) until a rank of that
 // group loses what it held — a restarted engine or worker process clears its

@@ -29,6 +29,10 @@ const (
 	PoolGlobal = "global"
 )
 
+// busQuietAfter is how long the server may leave this replica's pings
+// (watchBus, every 250 ms) unanswered before it is taken for stalled.
+const busQuietAfter = 1500 * time.Millisecond
+
 // ErrConfig is wrapped by configuration errors.
 var ErrConfig = errors.New("scheduler: bad configuration")
 
@@ -171,6 +175,12 @@ type Scheduler struct {
 	// models of kvbus_scheduler_model_ready_groups (sweep's own).
 	groupModels map[string]string
 	readyModels map[string]int
+
+	// selfHeard is when the server last answered this replica's ping
+	// (watchBus; unix ns, 0: not yet): the bus delivers. quiet is sweep's:
+	// the server answered nothing for busQuietAfter.
+	selfHeard atomic.Int64
+	quiet     bool
 }
 
 type rankID struct {
@@ -420,6 +430,12 @@ func (s *Scheduler) Run(ctx context.Context) error {
 	watcher.Go(func() { reqLog.watch(watchCtx) })
 	watcher.Go(func() { s.watchPlanStream(watchCtx, js) })
 
+	// Until Run returns: finish's sweeps judge by it too.
+	busCtx, stopBus := context.WithCancel(context.WithoutCancel(ctx))
+	var busWatch sync.WaitGroup
+	busWatch.Go(func() { s.watchBus(busCtx) })
+	defer func() { stopBus(); busWatch.Wait() }()
+
 	tick := time.NewTicker(250 * time.Millisecond)
 	defer tick.Stop()
 	for {
@@ -438,6 +454,26 @@ func (s *Scheduler) Run(ctx context.Context) error {
 			return nil
 		case now := <-tick.C:
 			s.sweep(ctx, now)
+		}
+	}
+}
+
+// watchBus pings the server every 250 ms and notes when it answered, so
+// that sweep knows a stalled server from silent groups (a stalled server
+// keeps the connection open: nothing else says it is away).
+func (s *Scheduler) watchBus(ctx context.Context) {
+	tick := time.NewTicker(250 * time.Millisecond)
+	defer tick.Stop()
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-tick.C:
+			pingCtx, cancel := context.WithTimeout(ctx, time.Second)
+			if s.cfg.Conn.FlushWithContext(pingCtx) == nil {
+				s.selfHeard.Store(time.Now().UnixNano())
+			}
+			cancel()
 		}
 	}
 }
@@ -515,12 +551,29 @@ func (s *Scheduler) sweep(ctx context.Context, now time.Time) {
 	if !s.cfg.Conn.IsConnected() {
 		return
 	}
-	if n := s.cfg.Conn.Stats().Reconnects; n != s.reconnects {
-		s.reconnects = n
+	// A server that stalls (stopped, starved, a VM paused) keeps the
+	// connection open and delivers nothing, then everything at once: it
+	// answers no ping (watchBus). This replica is as cut off as by a
+	// disconnect: it judges nothing until the server answers, and then
+	// every rank and peer gets a heartbeat timeout from then.
+	if heard := s.selfHeard.Load(); heard != 0 && now.Sub(time.Unix(0, heard)) > busQuietAfter {
+		if !s.quiet {
+			s.log.Warn("the NATS server answers no ping (stalled?): judging no worker group or replica until it does",
+				"silent_for", now.Sub(time.Unix(0, heard)).Round(time.Millisecond))
+		}
+		s.quiet = true
+		return
+	}
+	if n := s.cfg.Conn.Stats().Reconnects; n != s.reconnects || s.quiet {
+		what := "reconnected to NATS"
+		if n == s.reconnects {
+			what = "the NATS server answers again"
+		}
+		s.reconnects, s.quiet = n, false
 		s.groups.reconnected(now)
 		s.peers.reconnected(now)
 		s.trackers.reconnected(now)
-		s.log.Info("reconnected to NATS; worker groups get a heartbeat timeout from now before any is judged failed",
+		s.log.Info(what+"; worker groups get a heartbeat timeout from now before any is judged failed",
 			"heartbeat_timeout", s.cfg.HeartbeatTimeout)
 	}
 	// Connected only, and counting from the last reconnect: after a cut
