@@ -143,6 +143,66 @@ func TestRedeliveredRequestOfADrainingGroup(t *testing.T) {
 	}
 }
 
+// TestRedeliveredRequestEndedByItsPeerIsNotTakenOver: replica s0, paused
+// for 15 s under load, held requests it had pulled from the log; past the
+// ack wait they were redelivered to s1, which dispatched and ended them.
+// s0 woke up and took each over from s1's save plan: the ranks answered it
+// again from memory and it counted dispatched and completed a second time
+// (14 requests in a review). A request its peer said it ended is dropped.
+func TestRedeliveredRequestEndedByItsPeerIsNotTakenOver(t *testing.T) {
+	s, nc := newBareScheduler(t)
+	b, _ := openTestBindings(t)
+	s.bindings.Store(b)
+	now := time.Now()
+	holding(s, "g0")
+	heard(s, "g0", now, 0)
+	plan := func(p *messages.SavePlan) {
+		t.Helper()
+		data, err := messages.Marshal(p)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := s.onPlan(context.Background(), &nats.Msg{Data: data}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	plan(&messages.SavePlan{SchedulerID: "s1", ReqID: "r1", Group: "g0", Attempt: 1, ExpiresUnixMs: now.Add(time.Second).UnixMilli()})
+	plan(&messages.SavePlan{SchedulerID: "s1", Ended: []string{"r1"}})
+	metas := make(chan *nats.Msg, 8)
+	sub, err := nc.ChanSubscribe(messages.DefaultPrefix+".meta.>", metas)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() { _ = sub.Unsubscribe() }()
+	if err := nc.Flush(); err != nil {
+		t.Fatal(err)
+	}
+	data, err := messages.Marshal(&messages.Request{RequestID: "r1", FrontendID: "fe", Model: "m",
+		ArrivalUnixMs: time.Now().UnixMilli(), PromptTokenIDs: make([]uint32, 40)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	m := &redelivered{ackMsg{data: data}}
+	if err := s.onRequest(context.Background(), m); err != nil {
+		t.Fatal(err)
+	}
+	if !m.acked {
+		t.Error("the copy was not acknowledged")
+	}
+	if err := nc.Flush(); err != nil {
+		t.Fatal(err)
+	}
+	select {
+	case mm := <-metas:
+		meta, _ := messages.DecodeReqMeta(mm.Data)
+		t.Errorf("dispatched again (group %s, attempt %d) though s1 ended it", meta.Group, meta.Attempt)
+	case <-time.After(300 * time.Millisecond):
+	}
+	if s.trackers.has("r1") {
+		t.Error("r1 is tracked again")
+	}
+}
+
 // TestCacheCountersOverCompletedRequests: the cache's counters (prompt,
 // predicted and loaded tokens) are over completed requests, as their help
 // says: a failed request adds nothing to them (it may have loaded nothing,

@@ -117,6 +117,15 @@ func (s *Scheduler) onRequest(ctx context.Context, m jetstream.Msg) error {
 	}
 	var group string
 	prev, dispatched := s.dispatched.Get(req.RequestID, start)
+	if dispatched && prev.ended {
+		// A copy this replica held while it was paused or cut off, past
+		// its ack wait: another replica dispatched the redelivery and has
+		// ended it. Taken over, it ran (or was answered from the ranks'
+		// memory) and counted a second time.
+		s.m.requests.WithLabelValues("duplicate").Inc()
+		log().Info("request already dispatched and ended by another scheduler replica: dropped", "from", prev.scheduler)
+		return m.Ack()
+	}
 	if dispatched && (s.takeOver(t, prev, ready) || s.keepOnAlive(t, prev, start)) {
 		group = t.Group
 		log().Info("request taken over from another scheduler replica", "group", group, "attempt", t.Attempt, "from", prev.scheduler)

@@ -24,6 +24,7 @@ type dispatchRecord struct {
 	group     string
 	attempt   int
 	scheduler string
+	ended     bool // that replica said it ended: there is nothing to take over
 }
 
 // publishPlan records t's plan in the index and announces it: the blocks
@@ -56,6 +57,13 @@ func (s *Scheduler) onPlan(_ context.Context, m *nats.Msg) error {
 	now := time.Now()
 	if len(p.Ended) > 0 {
 		s.peers.ended(p.SchedulerID, p.Ended)
+		for _, id := range p.Ended {
+			s.dispatched.Update(id, now, func(d *dispatchRecord) {
+				if d.scheduler == p.SchedulerID {
+					d.ended = true
+				}
+			})
+		}
 		if p.Group == "" {
 			return nil // nothing else in it
 		}
