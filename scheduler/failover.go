@@ -40,7 +40,7 @@ func (s *Scheduler) rescue(now time.Time) {
 			}
 		}
 		return false
-	})
+	}, func(model string) bool { return len(forModel(ready, model)) > 0 })
 	for _, t := range lost {
 		s.groups.addInflight(t.Group, -1, -t.queued)
 		if driver := t.Results[0]; driver != nil {

@@ -236,16 +236,19 @@ func (tt *trackerTable) prefilled(r *messages.RankResult) (group string, work in
 // under the table's lock): those that can be dispatched again are left in
 // the table, the others removed. A streamed answer that has started cannot
 // be (its client has part of it), nor one the driver has answered; a
-// non-streamed one under way can: the frontend holds it until its end, and
-// replaces it whole with a newer attempt's.
-func (tt *trackerTable) stranded(gone func(t *RequestTracker) bool) (movable, lost []*RequestTracker) {
+// non-streamed one under way can while a group of its model is ready
+// (elsewhere, called under the lock): the frontend holds it until its end,
+// and replaces it whole with a newer attempt's. With none ready it ends
+// now (a retryable 503), not at its deadline.
+func (tt *trackerTable) stranded(gone func(t *RequestTracker) bool, elsewhere func(model string) bool) (movable, lost []*RequestTracker) {
 	tt.mu.Lock()
 	defer tt.mu.Unlock()
 	for id, t := range tt.m {
 		if t.Group == "" || !gone(t) {
 			continue
 		}
-		if t.Results[0] != nil || t.Prefilled && (t.Request == nil || t.Request.Stream) {
+		started := t.Prefilled && (t.Request == nil || t.Request.Stream || !elsewhere(t.Model))
+		if t.Results[0] != nil || started {
 			lost = append(lost, t)
 			tt.endLocked(id)
 		} else {
