@@ -86,12 +86,7 @@ func TestRedeliveredRequestOfADrainingGroup(t *testing.T) {
 			}
 			heard(s, "g1", now, 0)
 			s.dispatched.Put("r1", dispatchRecord{group: "g0", attempt: 0, scheduler: "dead"}, now)
-			metas := make(chan *nats.Msg, 8)
-			sub, err := nc.ChanSubscribe(messages.DefaultPrefix+".meta.>", metas)
-			if err != nil {
-				t.Fatal(err)
-			}
-			defer func() { _ = sub.Unsubscribe() }()
+			metas := subscribeMetas(t, nc)
 			aborts := make(chan *nats.Msg, 8)
 			asub, err := nc.ChanSubscribe(s.cfg.Subjects.Abort(), aborts)
 			if err != nil {
@@ -101,12 +96,7 @@ func TestRedeliveredRequestOfADrainingGroup(t *testing.T) {
 			if err := nc.Flush(); err != nil {
 				t.Fatal(err)
 			}
-			data, err := messages.Marshal(&messages.Request{RequestID: "r1", FrontendID: "fe", Model: "m",
-				ArrivalUnixMs: time.Now().UnixMilli(), PromptTokenIDs: make([]uint32, 40)})
-			if err != nil {
-				t.Fatal(err)
-			}
-			if err := s.onRequest(context.Background(), &redelivered{ackMsg{data: data}}); err != nil {
+			if err := s.onRequest(context.Background(), redeliveredR1(t)); err != nil {
 				t.Fatal(err)
 			}
 			var meta *messages.ReqMeta
@@ -168,21 +158,11 @@ func TestRedeliveredRequestEndedByItsPeerIsNotTakenOver(t *testing.T) {
 	}
 	plan(&messages.SavePlan{SchedulerID: "s1", ReqID: "r1", Group: "g0", Attempt: 1, ExpiresUnixMs: now.Add(time.Second).UnixMilli()})
 	plan(&messages.SavePlan{SchedulerID: "s1", Ended: []string{"r1"}})
-	metas := make(chan *nats.Msg, 8)
-	sub, err := nc.ChanSubscribe(messages.DefaultPrefix+".meta.>", metas)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer func() { _ = sub.Unsubscribe() }()
+	metas := subscribeMetas(t, nc)
 	if err := nc.Flush(); err != nil {
 		t.Fatal(err)
 	}
-	data, err := messages.Marshal(&messages.Request{RequestID: "r1", FrontendID: "fe", Model: "m",
-		ArrivalUnixMs: time.Now().UnixMilli(), PromptTokenIDs: make([]uint32, 40)})
-	if err != nil {
-		t.Fatal(err)
-	}
-	m := &redelivered{ackMsg{data: data}}
+	m := redeliveredR1(t)
 	if err := s.onRequest(context.Background(), m); err != nil {
 		t.Fatal(err)
 	}
@@ -283,4 +263,29 @@ func TestLongCutForgetsNoHealthyGroup(t *testing.T) {
 	if s.groups.worldSize("g0") != 0 {
 		t.Errorf("g0, silent for ForgetGroupAfter since the reconnect, is not forgotten")
 	}
+}
+
+// subscribeMetas collects the ReqMetas published on nc's server until the
+// test ends.
+func subscribeMetas(t *testing.T, nc *nats.Conn) chan *nats.Msg {
+	t.Helper()
+	metas := make(chan *nats.Msg, 8)
+	sub, err := nc.ChanSubscribe(messages.DefaultPrefix+".meta.>", metas)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = sub.Unsubscribe() })
+	return metas
+}
+
+// redeliveredR1 is request r1 (40 tokens) as the request log delivers it
+// again.
+func redeliveredR1(t *testing.T) *redelivered {
+	t.Helper()
+	data, err := messages.Marshal(&messages.Request{RequestID: "r1", FrontendID: "fe", Model: "m",
+		ArrivalUnixMs: time.Now().UnixMilli(), PromptTokenIDs: make([]uint32, 40)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return &redelivered{ackMsg{data: data}}
 }
