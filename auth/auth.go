@@ -162,11 +162,11 @@ func For(s messages.Subjects, id Identity) (Permissions, error) {
 		return Permissions{
 			Publish: slices.Concat([]string{p("kv." + g + ".*"), p("hb." + g + ".*"), p("done.*"), p("out.*"),
 				// Pool reads and hand-offs go to any group; the drain plan
-				// only to its own.
-				p("pool.*.*"), p("pool.*.*.handoff"), p("pool." + g + ".drain"), jsAPI + "INFO"},
+				// only to its own (outside pool.>, which pool.*.* covers).
+				p("pool.*.*"), p("pool.*.*.handoff"), p("drain." + g), jsAPI + "INFO"},
 				kvBucket(s.SlotBucket(), slots)),
 			Subscribe: append([]string{p("meta." + g + ".>"), s.Abort(), s.Resend(), p("ctl.dump." + g + ".*"), p("pool." + g + ".>"),
-				s.HeartbeatAll()}, inbox...),
+				p("drain." + g), s.HeartbeatAll()}, inbox...),
 			Responses: maxResponses,
 		}, nil
 	case RoleObserver:

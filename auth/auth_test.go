@@ -120,6 +120,11 @@ func TestPermissionMatrix(t *testing.T) {
 		{"worker-g0", pub, "kvbus.kv.g1.0", false},
 		{"worker-g0", pub, "kvbus.hb.g1.0", false},
 		{"worker-g0", pub, "kvbus.pool.g1.0", true},
+		// ...but tells only its own group's ranks what to hand off.
+		{"worker-g0", pub, messages.Subjects{}.Drain("g0"), true},
+		{"worker-g0", sub, messages.Subjects{}.Drain("g0"), true},
+		{"worker-g0", pub, messages.Subjects{}.Drain("g1"), false},
+		{"worker-g0", sub, messages.Subjects{}.Drain("g1"), false},
 		// --rank auto --group g0: only g0's slots.
 		{"worker-g0", pub, "$KV.KVBUS_RANKS.g0.3", true},
 		{"worker-g0", pub, "$KV.KVBUS_RANKS.g1.0", false},

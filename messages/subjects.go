@@ -223,9 +223,12 @@ func (s Subjects) Handoff(group string, rank int) string {
 	return s.Pool(group, rank) + ".handoff"
 }
 
-// Drain is kvbus.pool.<group>.drain, where a draining group's driver rank
-// publishes its DrainPlan to the group's ranks.
-func (s Subjects) Drain(group string) string { return s.p() + ".pool." + group + ".drain" }
+// Drain is kvbus.drain.<group>, where a draining group's driver rank
+// publishes its DrainPlan to the group's ranks. It is outside kvbus.pool.>
+// because a worker key may publish PoolReads to any group's
+// kvbus.pool.<group>.<rank>, a pattern (pool.*.*) that would match every
+// group's plan there too.
+func (s Subjects) Drain(group string) string { return s.p() + ".drain." + group }
 
 // All is kvbus.>, every kvbus subject.
 func (s Subjects) All() string { return s.p() + ".>" }

@@ -512,7 +512,7 @@ type PoolPiece struct {
 }
 
 // DrainPlan is what the driver rank of a draining group (scaled down)
-// tells its ranks, on kvbus.pool.<group>.drain, once their requests are
+// tells its ranks, on kvbus.drain.<group>, once their requests are
 // finished: which of the blocks they hold go to which other group. Every
 // rank t hands the same blocks to rank t of the same target, so the target
 // group holds whole prefixes, as a LoadSpec needs. An empty plan means

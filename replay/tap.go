@@ -138,11 +138,11 @@ func decodeAny(rest string, data []byte) (string, any) {
 	case "sched":
 		kind = "save_plan"
 		v, err = messages.DecodeSavePlan(data)
+	case "drain":
+		kind = "drain_plan"
+		v, err = messages.DecodeDrainPlan(data)
 	case "pool":
 		switch {
-		case strings.HasSuffix(rest, ".drain"):
-			kind = "drain_plan"
-			v, err = messages.DecodeDrainPlan(data)
 		case strings.HasSuffix(rest, ".handoff"): // block bytes: their size only
 			kind, v = "handoff", map[string]int{"bytes": len(data)}
 		default:
