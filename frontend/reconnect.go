@@ -39,6 +39,7 @@ type suspect struct {
 // watchReconnects runs until ctx ends.
 func (s *Server) watchReconnects(ctx context.Context) {
 	seen := s.cfg.Conn.Stats().Reconnects
+	s.reconnects.Store(seen)
 	var suspects []suspect
 	var due time.Time // when suspects are judged
 	tick := time.NewTicker(reconnectCheckEvery)
@@ -50,6 +51,8 @@ func (s *Server) watchReconnects(ctx context.Context) {
 		case now := <-tick.C:
 			if n := s.cfg.Conn.Stats().Reconnects; n != seen {
 				seen = n
+				s.reconnectedAt.Store(now.UnixNano())
+				s.reconnects.Store(n)
 				// A second reconnect restarts the wait, for every request.
 				suspects, due = s.inFlight(), now.Add(s.cfg.LostOutputWait)
 				if len(suspects) > 0 {
@@ -63,6 +66,16 @@ func (s *Server) watchReconnects(ctx context.Context) {
 			}
 		}
 	}
+}
+
+// reconnectedWithin reports whether the frontend's connection reconnected
+// to NATS within d, or did since watchReconnects last looked.
+func (s *Server) reconnectedWithin(d time.Duration) bool {
+	if s.cfg.Conn.Stats().Reconnects != s.reconnects.Load() {
+		return true
+	}
+	at := s.reconnectedAt.Load()
+	return at != 0 && time.Since(time.Unix(0, at)) < d
 }
 
 // inFlight returns the requests in flight, with the outputs they heard.

@@ -2,6 +2,7 @@ package frontend
 
 import (
 	"context"
+	"errors"
 	"io"
 	"log/slog"
 	"sync"
@@ -158,5 +159,73 @@ func TestRequestWaitsForAReconnect(t *testing.T) {
 	start = time.Now()
 	if s.connected(t.Context()) || time.Since(start) > reconnectWait/2 {
 		t.Errorf("a closed connection was waited for %v", time.Since(start))
+	}
+}
+
+// TestResendRightAfterAReconnectWaitsForTheDrivers: a frontend back on NATS
+// before the drivers asks for a stream's lost outputs, and NATS answers "no
+// responders" at once, the drivers' subscriptions not being back on the
+// server yet. The ask is repeated until a driver answers (here 400 ms
+// later); before, the answer was the "no responders" and the stream ended
+// with output_lost though its driver held every output. Away from a
+// reconnect, "no responders" is the answer at once (no driver keeps
+// outputs).
+func TestResendRightAfterAReconnectWaitsForTheDrivers(t *testing.T) {
+	srv, addr, nc := reconnectingConn(t)
+	subj := messages.Subjects{}
+	s := &Server{cfg: Config{Conn: nc, Subjects: subj, LostOutputWait: 300 * time.Millisecond}, log: slog.New(slog.DiscardHandler),
+		pending: map[string]route{}}
+	ctx, cancel := context.WithCancel(t.Context())
+	var wg sync.WaitGroup
+	wg.Go(func() { s.watchReconnects(ctx) })
+	defer func() { cancel(); wg.Wait() }()
+	data, err := messages.Marshal(&messages.Resend{ReqID: "r", Attempt: 1, FromIndex: 2})
+	if err != nil {
+		t.Fatal(err)
+	}
+	start := time.Now()
+	if _, err := s.askDrivers(data); !errors.Is(err, nats.ErrNoResponders) || time.Since(start) > resendWait/2 {
+		t.Fatalf("no driver, no reconnect: %v after %s; want no responders at once", err, time.Since(start))
+	}
+
+	srv.Shutdown()
+	srv2, err := bus.StartServer(bus.ServerConfig{Addr: addr, DataDir: t.TempDir()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer srv2.Shutdown()
+	for deadline := time.Now().Add(10 * time.Second); nc.Stats().Reconnects == 0; time.Sleep(10 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatal("the connection did not reconnect: the fault did not take effect")
+		}
+	}
+	if _, err := nc.Request(subj.Resend(), data, time.Second); !errors.Is(err, nats.ErrNoResponders) {
+		t.Fatalf("right after the reconnect, a plain request got %v; want no responders (the fault)", err)
+	}
+	driverBack := make(chan error, 1)
+	go func() {
+		time.Sleep(400 * time.Millisecond)
+		driver, err := nats.Connect(srv2.ClientURL())
+		if err == nil {
+			t.Cleanup(driver.Close)
+			_, err = driver.Subscribe(subj.Resend(), func(m *nats.Msg) {
+				reply, _ := messages.Marshal(&messages.ResendReply{Resent: 3})
+				_ = m.Respond(reply)
+			})
+		}
+		if err == nil {
+			err = driver.Flush()
+		}
+		driverBack <- err
+	}()
+	msg, err := s.askDrivers(data)
+	if err := <-driverBack; err != nil {
+		t.Fatal(err)
+	}
+	if err != nil {
+		t.Fatalf("asked right after a reconnect, the driver back 400 ms later: %v; want its answer", err)
+	}
+	if reply, err := messages.DecodeResendReply(msg.Data); err != nil || reply.Resent != 3 {
+		t.Fatalf("answer %+v, %v; want the driver's (resent 3)", reply, err)
 	}
 }

@@ -29,6 +29,11 @@ import (
 // resendWait is how long the frontend waits for a driver's ResendReply.
 const resendWait = 2 * time.Second
 
+// noRespondersRetry is how often a Resend that NATS answered "no
+// responders" is sent again while the frontend has just reconnected
+// (askDrivers).
+const noRespondersRetry = 100 * time.Millisecond
+
 // maxResends is how many times one choice asks for lost outputs; a probe
 // after a reconnect that found none missing is not counted.
 const maxResends = 3
@@ -70,10 +75,10 @@ func (g *generation) resend(i int, why string, probe bool) bool {
 		g.log.Info("asking the drivers whether one holds the request (and to send again what it published)",
 			"choice", i, "why", why, "req_id", rs.ReqID)
 	}
-	conn, subject, q, ask := g.s.cfg.Conn, g.s.cfg.Subjects.Resend(), g.q, c.resends
+	s, q, ask := g.s, g.q, c.resends
 	go func() {
 		out := &resendOutcome{busID: rs.ReqID, attempt: rs.Attempt, ask: ask, probe: probe}
-		msg, err := conn.Request(subject, data, resendWait)
+		msg, err := s.askDrivers(data)
 		var reply *messages.ResendReply
 		if err == nil {
 			reply, err = messages.DecodeResendReply(msg.Data)
@@ -91,6 +96,27 @@ func (g *generation) resend(i int, why string, probe bool) bool {
 		q.pushResend(i, out)
 	}()
 	return true
+}
+
+// askDrivers sends a Resend (data) to the drivers and waits up to
+// resendWait for the answer of the one that holds the request. A frontend
+// that has just reconnected to NATS may be back before the drivers: their
+// subscriptions are not on the server yet, and NATS answers "no
+// responders" at once, which would end a stream whose driver holds every
+// output with output_lost. So within LostOutputWait+resendWait of a
+// reconnect the ask is sent again every noRespondersRetry until resendWait
+// has passed; otherwise "no responders" is the answer (no driver keeps
+// outputs: --stream-replay 0).
+func (s *Server) askDrivers(data []byte) (*nats.Msg, error) {
+	deadline := time.Now().Add(resendWait)
+	for {
+		msg, err := s.cfg.Conn.Request(s.cfg.Subjects.Resend(), data, time.Until(deadline))
+		if !errors.Is(err, nats.ErrNoResponders) || time.Until(deadline) < 2*noRespondersRetry ||
+			!s.reconnectedWithin(s.cfg.LostOutputWait+resendWait) {
+			return msg, err
+		}
+		time.Sleep(noRespondersRetry)
+	}
 }
 
 // resendAnswered applies a driver's answer to choice i: nil when the stream

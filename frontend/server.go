@@ -192,6 +192,10 @@ type Server struct {
 	active   atomic.Int64  // generate requests being served
 	accepted atomic.Int64  // of those, the ones taken before the stop began
 	draining atomic.Bool   // Run's context ended: new requests get a 503
+	// reconnects is the connection's reconnect count watchReconnects last
+	// saw, and reconnectedAt (unix ns) when it saw it change.
+	reconnects    atomic.Uint64
+	reconnectedAt atomic.Int64
 
 	schedulers schedulerTable
 	// engineModels: the engines' model list (--engine openai with
