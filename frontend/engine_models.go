@@ -80,12 +80,15 @@ const (
 type engineModels struct {
 	lister ModelLister // nil: no engine to ask
 
-	mu    sync.Mutex
-	at    time.Time // of the last attempt
-	ok    time.Time // of the last answer
-	data  []json.RawMessage
-	ids   map[string]bool
-	fresh chan struct{} // closed when the running attempt ends; nil when none runs
+	mu   sync.Mutex
+	at   time.Time // of the last attempt
+	ok   time.Time // of the last answer
+	data []json.RawMessage
+	ids  map[string]bool
+	// adapters are the ids listed with a parent: LoRA adapters of the
+	// base model (vLLM lists those of --lora-modules so).
+	adapters map[string]bool
+	fresh    chan struct{} // closed when the running attempt ends; nil when none runs
 }
 
 // list returns the engines' entries and ids, asking the engines first when
@@ -128,14 +131,29 @@ func (m *engineModels) refresh(done chan struct{}) {
 	if err != nil {
 		return // the last list stays
 	}
-	ids := map[string]bool{}
+	ids, adapters := map[string]bool{}, map[string]bool{}
 	for _, raw := range data {
 		var e struct {
-			ID string `json:"id"`
+			ID     string  `json:"id"`
+			Parent *string `json:"parent"`
 		}
 		if json.Unmarshal(raw, &e) == nil && e.ID != "" {
 			ids[e.ID] = true
+			if e.Parent != nil && *e.Parent != "" && *e.Parent != e.ID {
+				adapters[e.ID] = true
+			}
 		}
 	}
-	m.data, m.ids, m.ok = data, ids, time.Now()
+	m.data, m.ids, m.adapters, m.ok = data, ids, adapters, time.Now()
+}
+
+// adapter reports whether the engines' last model list named id a LoRA
+// adapter (an entry with a parent).
+func (m *engineModels) adapter(id string) bool {
+	if m == nil {
+		return false
+	}
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	return m.adapters[id]
 }

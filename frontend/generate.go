@@ -142,8 +142,10 @@ func (s *Server) generate(w http.ResponseWriter, r *http.Request, endpoint strin
 	}
 	// The model on the bus: kvbus's name, whose hash seed the workers
 	// index the engines' KV events with, also for a name only the engines
-	// serve (the body sent to them keeps the client's).
-	busModel := p.model
+	// serve (the body sent to them keeps the client's). A LoRA adapter's
+	// name also seeds its prompts' block hashes (lora: vLLM keys its
+	// blocks with it).
+	busModel, lora := p.model, ""
 	if !s.serves(p.model) {
 		served, ok := s.engineServes(r.Context(), p.model)
 		if !ok {
@@ -151,6 +153,9 @@ func (s *Server) generate(w http.ResponseWriter, r *http.Request, endpoint strin
 				Message: fmt.Sprintf("The model `%s` does not exist. Served models: %s.", p.model, strings.Join(served, ", "))})
 		}
 		busModel = s.cfg.Models[0]
+		if s.engineModels.adapter(p.model) {
+			lora = p.model
+		}
 	}
 	*model = p.model
 	if hdrErr != nil {
@@ -204,7 +209,7 @@ func (s *Server) generate(w http.ResponseWriter, r *http.Request, endpoint strin
 			busID = busBase + "-" + strconv.Itoa(i)
 		}
 		req := s.busRequest(p, busID, sessionID, prompt, start, deadline)
-		req.Model = busModel
+		req.Model, req.LoRAName = busModel, lora
 		g.choices = append(g.choices, &choiceState{busID: busID, promptTokens: len(prompt), buffered: !p.stream, req: req})
 		s.register(busID, g.q, i)
 		if err := s.publish(r.Context(), req); err != nil {

@@ -249,9 +249,15 @@ func (m *Request) validate() error {
 		return invalid("request %s: extra_args session_id: %v", m.RequestID, CheckSessionID(m.SamplingParams.SessionFromExtraArgs()))
 	case len(m.CacheSalt) > MaxCacheSaltBytes:
 		return invalid("request %s: cache_salt of %d bytes; at most %d", m.RequestID, len(m.CacheSalt), MaxCacheSaltBytes)
+	case len(m.LoRAName) > MaxLoRANameBytes:
+		return invalid("request %s: lora_name of %d bytes; at most %d", m.RequestID, len(m.LoRAName), MaxLoRANameBytes)
 	}
 	return nil
 }
+
+// MaxLoRANameBytes bounds a request's lora_name, a model name as an
+// engine lists it (a Hugging Face id or a path).
+const MaxLoRANameBytes = 1024
 
 // MaxCacheSaltBytes bounds a request's cache_salt. vLLM sets no bound; a
 // salt is a secret of some 43 characters (256 bits in base64), and 1 KiB

@@ -610,6 +610,7 @@ func TestValidation(t *testing.T) {
 			return m
 		}(), decRequest},
 		{"Request/cache_salt too long", func() Message { m := sampleRequest(); m.CacheSalt = strings.Repeat("s", MaxCacheSaltBytes+1); return m }(), decRequest},
+		{"Request/lora_name too long", func() Message { m := sampleRequest(); m.LoRAName = strings.Repeat("l", MaxLoRANameBytes+1); return m }(), decRequest},
 		{"ReqMeta/no req_id", func() Message { m := sampleReqMeta(); m.ReqID = ""; return m }(), decReqMeta},
 		{"ReqMeta/bad group", func() Message { m := sampleReqMeta(); m.Group = "g.0"; return m }(), decReqMeta},
 		{"ReqMeta/no group", func() Message { m := sampleReqMeta(); m.Group = ""; return m }(), decReqMeta},

@@ -57,6 +57,13 @@ type Request struct {
 	// blocks only with prompts of the same model and the same salt (its
 	// block hash chain is seeded with both). Empty: no salt.
 	CacheSalt string `msgpack:"cache_salt,omitempty" json:"cache_salt,omitempty"`
+	// LoRAName is the LoRA adapter the client asked for by its model name
+	// (an engine's GET /v1/models lists it with a parent), while Model is
+	// the base model the groups serve. vLLM keys an adapter's blocks with
+	// its name, so a prompt's block hash chain is seeded with it too: an
+	// adapter's blocks match only those of prompts of the same adapter.
+	// Empty: the base model.
+	LoRAName string `msgpack:"lora_name,omitempty" json:"lora_name,omitempty"`
 }
 
 // SamplingParams is the subset of vLLM's SamplingParams that kvbus carries.

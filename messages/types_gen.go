@@ -3448,8 +3448,8 @@ func (z *ReqMeta) Msgsize() (s int) {
 func (z *Request) MarshalMsg(b []byte) (o []byte, err error) {
 	o = msgp.Require(b, z.Msgsize())
 	// check for omitted fields
-	zb0001Len := uint32(15)
-	var zb0001Mask uint16 /* 15 bits */
+	zb0001Len := uint32(16)
+	var zb0001Mask uint16 /* 16 bits */
 	_ = zb0001Mask
 	if z.SessionID == "" {
 		zb0001Len--
@@ -3475,8 +3475,12 @@ func (z *Request) MarshalMsg(b []byte) (o []byte, err error) {
 		zb0001Len--
 		zb0001Mask |= 0x4000
 	}
+	if z.LoRAName == "" {
+		zb0001Len--
+		zb0001Mask |= 0x8000
+	}
 	// variable map header, size zb0001Len
-	o = append(o, 0x80|uint8(zb0001Len))
+	o = msgp.AppendMapHeader(o, zb0001Len)
 
 	// skip if no fields are to be emitted
 	if zb0001Len != 0 {
@@ -3548,6 +3552,11 @@ func (z *Request) MarshalMsg(b []byte) (o []byte, err error) {
 			// string "cache_salt"
 			o = append(o, 0xaa, 0x63, 0x61, 0x63, 0x68, 0x65, 0x5f, 0x73, 0x61, 0x6c, 0x74)
 			o = msgp.AppendString(o, z.CacheSalt)
+		}
+		if (zb0001Mask & 0x8000) == 0 { // if not omitted
+			// string "lora_name"
+			o = append(o, 0xa9, 0x6c, 0x6f, 0x72, 0x61, 0x5f, 0x6e, 0x61, 0x6d, 0x65)
+			o = msgp.AppendString(o, z.LoRAName)
 		}
 	}
 	return
@@ -3681,6 +3690,12 @@ func (z *Request) UnmarshalMsg(bts []byte) (o []byte, err error) {
 				err = msgp.WrapError(err, "CacheSalt")
 				return
 			}
+		case "lora_name":
+			z.LoRAName, bts, err = msgp.ReadStringBytes(bts)
+			if err != nil {
+				err = msgp.WrapError(err, "LoRAName")
+				return
+			}
 		default:
 			bts, err = msgp.Skip(bts)
 			if err != nil {
@@ -3695,7 +3710,7 @@ func (z *Request) UnmarshalMsg(bts []byte) (o []byte, err error) {
 
 // Msgsize returns an upper bound estimate of the number of bytes occupied by the serialized message
 func (z *Request) Msgsize() (s int) {
-	s = 1 + 2 + msgp.IntSize + 11 + msgp.StringPrefixSize + len(z.RequestID) + 11 + msgp.StringPrefixSize + len(z.SessionID) + 6 + msgp.StringPrefixSize + len(z.Model) + 12 + msgp.StringPrefixSize + len(z.FrontendID) + 16 + msgp.Int64Size + 17 + msgp.Int64Size + 17 + z.PromptTokenIDs.Msgsize() + 16 + z.SamplingParams.Msgsize() + 7 + msgp.BoolSize + 19 + z.KVTransferParams.Msgsize() + 9 + msgp.StringPrefixSize + len(z.Endpoint) + 5 + msgp.BytesPrefixSize + len(z.Body) + 9 + msgp.StringPrefixSize + len(z.AgainOf) + 11 + msgp.StringPrefixSize + len(z.CacheSalt)
+	s = 3 + 2 + msgp.IntSize + 11 + msgp.StringPrefixSize + len(z.RequestID) + 11 + msgp.StringPrefixSize + len(z.SessionID) + 6 + msgp.StringPrefixSize + len(z.Model) + 12 + msgp.StringPrefixSize + len(z.FrontendID) + 16 + msgp.Int64Size + 17 + msgp.Int64Size + 17 + z.PromptTokenIDs.Msgsize() + 16 + z.SamplingParams.Msgsize() + 7 + msgp.BoolSize + 19 + z.KVTransferParams.Msgsize() + 9 + msgp.StringPrefixSize + len(z.Endpoint) + 5 + msgp.BytesPrefixSize + len(z.Body) + 9 + msgp.StringPrefixSize + len(z.AgainOf) + 11 + msgp.StringPrefixSize + len(z.CacheSalt) + 10 + msgp.StringPrefixSize + len(z.LoRAName)
 	return
 }
 

@@ -553,6 +553,9 @@ func (r *Replayer) request(it *Item, id string) *messages.Request {
 	if it.Request != nil {
 		req = *it.Request
 		req.Model = r.model(it.Request.Model)
+		if req.Model != it.Request.Model {
+			req.LoRAName = "" // an adapter of the captured model, not of this one
+		}
 		// A new request of the replay, not a publish again of one it sent
 		// (the scheduler would take it for the same turn as its first).
 		req.AgainOf = ""
@@ -651,7 +654,7 @@ func (r *Replayer) abandon(id string, res *Result, why string) {
 func (r *Replayer) doHTTP(ctx context.Context, req *messages.Request, res *Result) {
 	sp := req.SamplingParams
 	body := map[string]any{
-		"model": req.Model, "prompt": req.PromptTokenIDs, "max_tokens": max(sp.MaxTokens, 1),
+		"model": cmp.Or(req.LoRAName, req.Model), "prompt": req.PromptTokenIDs, "max_tokens": max(sp.MaxTokens, 1),
 		"stream": true, "stream_options": map[string]bool{"include_usage": true},
 	}
 	if sp.MinTokens > 0 {

@@ -390,8 +390,9 @@ func ms(d time.Duration) float64 { return math.Round(float64(d)/1e3) / 1e3 }
 // computed, as in the pipeline). model is the model every request asks
 // for (Config.Model); empty, each request asks for the model a replay gives
 // it (a captured request its own, a trace's DefaultModel). The model seeds
-// the block hashes with a captured request's cache_salt, as the
-// scheduler's: prompts of two models, or two salts, share nothing.
+// the block hashes with a captured request's LoRA adapter and cache_salt,
+// as the scheduler's: prompts of two models, adapters or salts share
+// nothing.
 func IdealHitRatio(items []Item, model string, blockSize int) float64 {
 	if blockSize < 1 {
 		return 0
@@ -400,11 +401,11 @@ func IdealHitRatio(items []Item, model string, blockSize int) float64 {
 	var cached, total int64
 	var hashes []uint64
 	for _, it := range items {
-		asked, salt := "", ""
+		asked, lora, salt := "", "", ""
 		if it.Request != nil {
-			asked, salt = it.Request.Model, it.Request.CacheSalt
+			asked, lora, salt = it.Request.Model, it.Request.LoRAName, it.Request.CacheSalt
 		}
-		seed := scheduler.PromptSeed(cmp.Or(model, asked, DefaultModel), salt)
+		seed := scheduler.PromptSeed(cmp.Or(model, asked, DefaultModel), lora, salt)
 		hashes = scheduler.HashBlocks(hashes[:0], seed, it.Prompt, blockSize)
 		n := 0
 		for n < len(hashes) {

@@ -589,7 +589,7 @@ func InferSessions(t *Trace, blockTokens int) {
 		prefixes := make([]uint64, full)
 		var h uint64
 		if it.Request != nil {
-			h = scheduler.PromptSeed(it.Request.Model, it.Request.CacheSalt)
+			h = scheduler.PromptSeed(it.Request.Model, it.Request.LoRAName, it.Request.CacheSalt)
 		}
 		for b := range full {
 			h = xxh3.HashSeed(u32Bytes(it.Prompt[b*blockTokens:(b+1)*blockTokens]), h)

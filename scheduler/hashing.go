@@ -10,16 +10,25 @@ import (
 // of the model name, so that two models never share blocks.
 func HashSeed(model string) uint64 { return xxh3.HashString(model) }
 
-// PromptSeed is hash_{-1} of a prompt: HashSeed(model) without a cache
-// salt; with one (vLLM's cache_salt), the xxh3-64 of the salt seeded with
-// HashSeed(model), so that a salted prompt's blocks match only those of
-// prompts of the same model and salt, as vLLM keys its first block with
-// the salt.
-func PromptSeed(model, cacheSalt string) uint64 {
-	if cacheSalt == "" {
-		return HashSeed(model)
+// loraDomain sets an adapter's seed apart from a salt's (PromptSeed).
+const loraDomain = 0x6c6f72615f6e616d // "lora_nam"
+
+// PromptSeed is hash_{-1} of a prompt: HashSeed(model) for the base model
+// without a cache salt. A LoRA adapter (loraName) is mixed in first, then a
+// salt (vLLM's cache_salt), each as the xxh3-64 of it seeded with what came
+// before (the adapter's seed xored with loraDomain, so that no salt stands
+// for an adapter): a prompt's blocks match only those of prompts of the
+// same model, adapter and salt, as vLLM keys an adapter's blocks with its
+// name and a salted prompt's first block with the salt.
+func PromptSeed(model, loraName, cacheSalt string) uint64 {
+	seed := HashSeed(model)
+	if loraName != "" {
+		seed = xxh3.HashStringSeed(loraName, seed^loraDomain)
 	}
-	return xxh3.HashStringSeed(cacheSalt, HashSeed(model))
+	if cacheSalt != "" {
+		seed = xxh3.HashStringSeed(cacheSalt, seed)
+	}
+	return seed
 }
 
 // HashBlocks appends to dst the hashes of the full blocks of tokens:

@@ -124,16 +124,19 @@ func TestHashSeed(t *testing.T) {
 }
 
 func TestPromptSeed(t *testing.T) {
-	if PromptSeed("m", "") != HashSeed("m") {
-		t.Error("PromptSeed without a salt is not HashSeed")
+	if PromptSeed("m", "", "") != HashSeed("m") {
+		t.Error("PromptSeed of the base model without a salt is not HashSeed")
 	}
 	seeds := map[uint64]string{}
-	for _, c := range [][2]string{{"m", ""}, {"m", "salt-a"}, {"m", "salt-b"}, {"n", ""}, {"n", "salt-a"}} {
-		s := PromptSeed(c[0], c[1])
+	for _, c := range [][3]string{{"m", "", ""}, {"m", "", "salt-a"}, {"m", "", "salt-b"}, {"n", "", ""}, {"n", "", "salt-a"},
+		// An adapter's prompts share nothing with the base model's, another
+		// adapter's, or a salt spelled as the adapter's name.
+		{"m", "sql-lora", ""}, {"m", "chat-lora", ""}, {"m", "sql-lora", "salt-a"}, {"m", "", "sql-lora"}, {"m", "", "\x00lora:sql-lora"}} {
+		s := PromptSeed(c[0], c[1], c[2])
 		if prev, dup := seeds[s]; dup {
-			t.Errorf("model %q salt %q has the seed of %s", c[0], c[1], prev)
+			t.Errorf("model %q adapter %q salt %q has the seed of %s", c[0], c[1], c[2], prev)
 		}
-		seeds[s] = fmt.Sprintf("model %q salt %q", c[0], c[1])
+		seeds[s] = fmt.Sprintf("model %q adapter %q salt %q", c[0], c[1], c[2])
 	}
 }
 

@@ -224,7 +224,7 @@ func (s *Scheduler) newTracker(req *messages.Request, start time.Time) *RequestT
 		TokenLen: len(req.PromptTokenIDs), TokenIDs: req.PromptTokenIDs, Request: req,
 		Received: start, Deadline: s.requestDeadline(req), Results: map[int]*messages.RankResult{}, TurnDepth: 1,
 	}
-	t.BlockHashes = HashBlocks(make([]uint64, 0, t.TokenLen/s.cfg.BlockSize), PromptSeed(req.Model, req.CacheSalt), req.PromptTokenIDs, s.cfg.BlockSize)
+	t.BlockHashes = HashBlocks(make([]uint64, 0, t.TokenLen/s.cfg.BlockSize), PromptSeed(req.Model, req.LoRAName, req.CacheSalt), req.PromptTokenIDs, s.cfg.BlockSize)
 	return t
 }
 

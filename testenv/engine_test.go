@@ -799,3 +799,96 @@ func TestEngineTokenizerMismatchWarnsOnce(t *testing.T) {
 // tokenizerWarning is in the worker's warning of a tokenizer that does not
 // match the engine's.
 const tokenizerWarning = "kvbus's tokenizer does not match the engine's"
+
+// TestEngineLoRAAdapterSharesNoBlocksWithItsModel: an engine serves a LoRA
+// adapter of its model (vLLM's --lora-modules; GET /v1/models lists it
+// with the model as its parent). vLLM keys an adapter's blocks with its
+// name, so a prompt the model cached is computed again for the adapter.
+// kvbus hashes the adapter's prompt with the adapter too: it predicts none
+// of the model's blocks for it, as the engine finds none; the adapter's
+// next identical prompt, and the model's, are predicted whole, as the
+// engine finds them. Before, the adapter's prompt was hashed as the
+// model's: its ReqMeta predicted 608 cached tokens where the engine found
+// none.
+func TestEngineLoRAAdapterSharesNoBlocksWithItsModel(t *testing.T) {
+	c, engines := engineCluster(t, 1, func(_ int, cfg *fakeengine.Config) { cfg.LoRAModules = []string{"sql-lora"} })
+	metas := c.Observe(t, "kvbus.meta.>")
+	var b strings.Builder
+	for i := range 60 {
+		fmt.Fprintf(&b, "Schema line %d: table orders, column amount. ", i)
+	}
+	chat := func(model string) string {
+		body, _ := json.Marshal(map[string]any{"model": model, "max_tokens": 4,
+			"messages": []map[string]string{{"role": "system", "content": b.String()}, {"role": "user", "content": "total per day?"}}})
+		return string(body)
+	}
+	send := func(model string) (*messages.LoadSpec, int, int, string) {
+		t.Helper()
+		status, hdr, body := testenv.Send(t, "POST", c.URL+"/v1/chat/completions", chat(model), nil)
+		if status != http.StatusOK {
+			t.Fatalf("%s: status %d: %s", model, status, body)
+		}
+		var r struct {
+			Model string `json:"model"`
+			Usage struct {
+				PromptTokens        int `json:"prompt_tokens"`
+				PromptTokensDetails struct {
+					CachedTokens int `json:"cached_tokens"`
+				} `json:"prompt_tokens_details"`
+			} `json:"usage"`
+		}
+		if err := json.Unmarshal(body, &r); err != nil {
+			t.Fatal(err)
+		}
+		var meta *messages.ReqMeta
+		testenv.Eventually(t, 5*time.Second, "the request's ReqMeta", func() bool {
+			for _, m := range metas.Messages() {
+				if rm, err := messages.DecodeReqMeta(m.Data); err == nil && rm.ReqID == hdr.Get("X-Request-Id") {
+					meta = rm
+					return true
+				}
+			}
+			return false
+		})
+		return meta.LoadSpec, r.Usage.PromptTokens, r.Usage.PromptTokensDetails.CachedTokens, r.Model
+	}
+
+	// The model's prompt, then the index holds what the engine cached.
+	if _, _, _, model := send(c.Model); model != c.Model {
+		t.Fatalf("the model's answer names %q", model)
+	}
+	testenv.Eventually(t, 10*time.Second, "the engine's KV events reach the index", func() bool {
+		return c.Scheduler.Index().GroupBlocks("g0") >= engines[0].CachedBlocks()-1 && c.Scheduler.Index().Plans() == 0
+	})
+	full := 0
+	for _, turn := range []string{"sql-lora", "sql-lora", c.Model} {
+		spec, prompt, cached, model := send(turn)
+		if model != turn {
+			t.Errorf("%s: the answer names model %q", turn, model)
+		}
+		full = (prompt - 1) / 16 * 16
+		t.Logf("%s: %d-token prompt, predicted %d cached, the engine found %d", turn, prompt, spec.KVPoolCachedTokens, cached)
+		if spec.KVPoolCachedTokens != cached {
+			t.Errorf("%s: kvbus predicted %d cached tokens where the engine found %d", turn, spec.KVPoolCachedTokens, cached)
+		}
+	}
+	if full < 600 {
+		t.Fatalf("the prompt has %d full-block tokens: too short to show a prediction", full)
+	}
+
+	// A captured adapter request replayed over HTTP asks for the adapter.
+	r, err := replay.New(replay.Config{Target: c.URL, Timeout: 20 * time.Second})
+	if err != nil {
+		t.Fatal(err)
+	}
+	prompt := testenv.PromptTokens(3, 40)
+	captured := &messages.Request{RequestID: "captured-lora", Model: c.Model, LoRAName: "sql-lora", PromptTokenIDs: prompt,
+		Endpoint: messages.EndpointCompletions, SamplingParams: messages.SamplingParams{MaxTokens: 2, Temperature: 1, TopP: 1}}
+	results, _, err := r.Run(t.Context(), []replay.Item{{Prompt: prompt, Request: captured}})
+	if err != nil || results[0].Err != "" {
+		t.Fatalf("replay: %v %s", err, results[0].Err)
+	}
+	if _, got := engineOf(t, engines, results[0].ReqID); got.Body["model"] != "sql-lora" {
+		t.Errorf("the replayed adapter request reached the engine as %s, want model sql-lora", got.RawBody)
+	}
+}

@@ -37,6 +37,7 @@ type cli struct {
 	KVEventsReplay    string        `name:"kv-events-replay" help:"Bind vLLM's replay ROUTER socket here."`
 	EventForm         string        `name:"event-form" enum:"map,array" default:"map" help:"KV event encoding: map (tagged named fields) or array."`
 	HashBytes         bool          `name:"hash-bytes" help:"Block hashes as 32-byte sha256 digests (vLLM's default) instead of integers."`
+	LoRAModules       []string      `name:"lora-modules" help:"LoRA adapters served next to the model, as vLLM's --lora-modules name=path (the fake loads nothing: the name is what counts)."`
 }
 
 func main() {
@@ -47,6 +48,10 @@ func main() {
 	cfg := fakeengine.Config{Addr: c.Addr, ModelName: c.Model, MaxModelLen: c.MaxModelLen, BlockSize: c.BlockSize,
 		CacheBlocks: c.CacheBlocks, ReplyTokens: c.ReplyTokens, APIKey: c.APIKey, HashBytes: c.HashBytes,
 		TimeToFirstToken: c.TimeToFirstToken, InterTokenLatency: c.InterTokenLatency}
+	for _, m := range c.LoRAModules {
+		name, _, _ := strings.Cut(m, "=")
+		cfg.LoRAModules = append(cfg.LoRAModules, name)
+	}
 	if c.KVEvents != "" {
 		form := fakeengine.EventFormMap
 		if c.EventForm == "array" {

@@ -54,9 +54,20 @@ func BlockHashes(tokens []uint32, blockSize int, hashBytes bool) []any {
 }
 
 func blockHashes(tokens []uint32, blockSize int) []blockHash {
+	return adapterBlockHashes(tokens, blockSize, "")
+}
+
+// adapterBlockHashes is blockHashes of a prompt of LoRA adapter lora (none
+// when empty): its chain starts from a root of its own, so that its blocks
+// match no other adapter's or the model's (vLLM mixes the adapter's name
+// into every block's hash as an extra key).
+func adapterBlockHashes(tokens []uint32, blockSize int, lora string) []blockHash {
 	n := len(tokens) / blockSize
 	out := make([]blockHash, n)
 	parent := noneHash()
+	if lora != "" {
+		parent = sha256.Sum256(append(parent[:], "lora:"+lora...))
+	}
 	for i := range n {
 		parent = chainHash(parent, tokens[i*blockSize:(i+1)*blockSize])
 		out[i] = parent
@@ -124,9 +135,9 @@ type admission struct {
 // request's blocks end most recently used, its first block most and its
 // last block least, as vLLM frees a request's blocks tail first.
 // len(computed) must not exceed capacity*blockSize.
-func (c *prefixCache) admit(prompt, computed []uint32) admission {
+func (c *prefixCache) admit(prompt, computed []uint32, lora string) admission {
 	var a admission
-	hashes := blockHashes(computed, c.blockSize)
+	hashes := adapterBlockHashes(computed, c.blockSize, lora)
 	maxHit := 0
 	if len(prompt) > 0 {
 		maxHit = min((len(prompt)-1)/c.blockSize, len(hashes))

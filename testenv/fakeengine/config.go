@@ -3,6 +3,7 @@ package fakeengine
 import (
 	"errors"
 	"fmt"
+	"slices"
 	"time"
 
 	"github.com/kvbus/kvbus/workers/vllmevents"
@@ -78,6 +79,12 @@ type Config struct {
 	// KVEvents, when set, publishes the cache's KV events as vLLM's
 	// ZmqEventPublisher does.
 	KVEvents *KVEventsConfig
+	// LoRAModules are the names of LoRA adapters served next to the model
+	// (vLLM's --lora-modules name=path): GET /v1/models lists each with the
+	// model as its parent, a request may name one, and its blocks are
+	// keyed with the adapter (their KV events carry lora_id and lora_name),
+	// so they match only prompts of the same adapter, as in vLLM.
+	LoRAModules []string
 }
 
 // KVEventsConfig configures the KV event publisher, after vLLM's
@@ -125,6 +132,11 @@ func (c *Config) Validate() error {
 		return fmt.Errorf("%w: negative latency", ErrConfig)
 	}
 	d := c.withDefaults()
+	for i, name := range c.LoRAModules {
+		if name == "" || name == d.ModelName || slices.Contains(c.LoRAModules[:i], name) {
+			return fmt.Errorf("%w: LoRA module %q: empty, the model's name or a repeat", ErrConfig, name)
+		}
+	}
 	if d.CacheBlocks*d.BlockSize < d.MaxModelLen {
 		return fmt.Errorf("%w: %d blocks of %d tokens cannot hold one request of MaxModelLen %d tokens",
 			ErrConfig, d.CacheBlocks, d.BlockSize, d.MaxModelLen)

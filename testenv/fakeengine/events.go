@@ -39,20 +39,25 @@ type kvEvent struct {
 	parent    *blockHash // BlockStored
 	tokens    []uint32   // BlockStored
 	blockSize int        // BlockStored
+	// loraName and loraID: the LoRA adapter of a BlockStored's blocks;
+	// empty and 0 for the model's own.
+	loraName string
+	loraID   int
 }
 
 // eventsOf turns one request's admission into vLLM's events, in the order
 // vLLM queues them: one BlockRemoved per evicted block (vLLM's
 // _maybe_evict_cached_block), then one BlockStored for the blocks the
-// request filled (vLLM's cache_full_blocks).
-func eventsOf(a admission, blockSize int) []kvEvent {
+// request filled (vLLM's cache_full_blocks). A LoRA adapter's blocks
+// carry its name and id (vLLM's lora_name and lora_int_id).
+func eventsOf(a admission, blockSize int, loraName string, loraID int) []kvEvent {
 	var evs []kvEvent
 	for _, h := range a.removed {
 		evs = append(evs, kvEvent{tag: tagBlockRemoved, hashes: []blockHash{h}})
 	}
 	if len(a.stored) > 0 {
 		evs = append(evs, kvEvent{tag: tagBlockStored, hashes: a.stored, parent: a.parent,
-			tokens: a.tokens, blockSize: blockSize})
+			tokens: a.tokens, blockSize: blockSize, loraName: loraName, loraID: loraID})
 	}
 	return evs
 }
@@ -156,11 +161,19 @@ func (b batchEncoder) event(w *encWriter, ev kvEvent) {
 		b.field(w, "block_size")
 		w.do(w.enc.EncodeInt(int64(ev.blockSize)))
 		b.field(w, "lora_id")
-		w.do(w.enc.EncodeNil())
+		if ev.loraID == 0 {
+			w.do(w.enc.EncodeNil())
+		} else {
+			w.do(w.enc.EncodeInt(int64(ev.loraID)))
+		}
 		b.field(w, "medium")
 		w.do(w.enc.EncodeString(mediumGPU))
 		b.field(w, "lora_name")
-		w.do(w.enc.EncodeNil())
+		if ev.loraName == "" {
+			w.do(w.enc.EncodeNil())
+		} else {
+			w.do(w.enc.EncodeString(ev.loraName))
+		}
 	case tagBlockRemoved:
 		b.field(w, "block_hashes")
 		b.hashes(w, ev.hashes)

@@ -2,6 +2,7 @@ package fakeengine
 
 import (
 	"bytes"
+	"cmp"
 	"crypto/rand"
 	"encoding/hex"
 	"encoding/json"
@@ -99,13 +100,28 @@ func decodeBody(r *http.Request, v any) *apiError {
 	return nil
 }
 
-// checkModel is vLLM's _check_model: no model or the served one is
-// served, any other is a 404.
+// checkModel is vLLM's _check_model: no model, the served one or one of
+// its LoRA adapters is served, any other is a 404.
 func (e *Engine) checkModel(model *string) *apiError {
-	if model == nil || *model == "" || *model == e.cfg.ModelName {
+	if model == nil || *model == "" || *model == e.cfg.ModelName || e.adapterID(*model) > 0 {
 		return nil
 	}
 	return newAPIError(http.StatusNotFound, "NotFoundError", "model", "The model `%s` does not exist.", *model)
+}
+
+// adapterID is vLLM's lora_int_id of the LoRA adapter named model (its
+// place in LoRAModules, from 1), or 0 when model names none.
+func (e *Engine) adapterID(model string) int {
+	return slices.Index(e.cfg.LoRAModules, model) + 1
+}
+
+// adapterOf returns the LoRA adapter a request's model names; empty for
+// the model itself.
+func (e *Engine) adapterOf(model *string) string {
+	if model == nil || e.adapterID(*model) == 0 {
+		return ""
+	}
+	return *model
 }
 
 // randomUUID is vLLM's random_uuid(): uuid4().hex.
@@ -173,6 +189,10 @@ type streamUsage struct {
 
 // generation is the fake model's answer to one prompt.
 type generation struct {
+	// model is the name answers carry: the model, or the LoRA adapter the
+	// request named (lora).
+	model  string
+	lora   string
 	prompt []uint32
 	cached int
 	words  []string // the reply's words, one per output token but TokenEOT
@@ -205,8 +225,9 @@ func (g *generation) delta(i int) string {
 // vLLM does (the prompt must be shorter than max_model_len, prompt plus
 // max_tokens no longer; maxTokens nil means the rest of the context),
 // computes the reply, and admits the request to the cache, publishing the
-// KV events of what it did. idx is the request's Received.
-func (e *Engine) generate(idx int, prompt []uint32, maxTokens *int) (*generation, *apiError) {
+// KV events of what it did. idx is the request's Received; lora the LoRA
+// adapter the request named, empty for none.
+func (e *Engine) generate(idx int, prompt []uint32, maxTokens *int, lora string) (*generation, *apiError) {
 	if !e.healthy.Load() {
 		return nil, errEngineDead()
 	}
@@ -228,7 +249,7 @@ func (e *Engine) generate(idx int, prompt []uint32, maxTokens *int) (*generation
 		}
 		limit = *maxTokens
 	}
-	g := &generation{prompt: prompt}
+	g := &generation{prompt: prompt, model: cmp.Or(lora, e.cfg.ModelName), lora: lora}
 	if n := e.cfg.ReplyTokens; limit > n {
 		var ids []uint32
 		g.words, ids = Reply(prompt, n)
@@ -243,14 +264,14 @@ func (e *Engine) generate(idx int, prompt []uint32, maxTokens *int) (*generation
 
 	e.mu.Lock()
 	defer e.mu.Unlock()
-	a := e.cache.admit(prompt, computed)
+	a := e.cache.admit(prompt, computed, lora)
 	g.cached = a.cachedTokens
 	if i := idx - e.first; i >= 0 { // else forgotten already
 		e.requests[i].PromptTokens = prompt
 		e.requests[i].CachedTokens = g.cached
 	}
 	if e.pub != nil {
-		if evs := eventsOf(a, e.cfg.BlockSize); len(evs) > 0 {
+		if evs := eventsOf(a, e.cfg.BlockSize, lora, e.adapterID(lora)); len(evs) > 0 {
 			if err := e.pub.send(evs); err != nil {
 				return nil, newAPIError(http.StatusInternalServerError, "InternalServerError", "", "%v", err)
 			}
@@ -389,7 +410,7 @@ func (e *Engine) handleChat(w http.ResponseWriter, r *http.Request) {
 	if maxTokens == nil {
 		maxTokens = req.MaxTokens
 	}
-	g, ae := e.generate(e.receivedIndex(r), prompt, maxTokens)
+	g, ae := e.generate(e.receivedIndex(r), prompt, maxTokens, e.adapterOf(req.Model))
 	if ae != nil {
 		writeError(w, ae)
 		return
@@ -414,7 +435,7 @@ func (e *Engine) handleChat(w http.ResponseWriter, r *http.Request) {
 		"logprobs": nil, "finish_reason": g.finish, "stop_reason": nil, "token_ids": nil,
 	}
 	resp := map[string]any{
-		"id": id, "object": "chat.completion", "created": created, "model": e.cfg.ModelName,
+		"id": id, "object": "chat.completion", "created": created, "model": g.model,
 		"choices": []any{choice}, "service_tier": nil, "system_fingerprint": nil,
 		"usage": g.usage(!e.cfg.OmitPromptTokensDetails), "prompt_logprobs": nil,
 		"prompt_token_ids": nil, "kv_transfer_params": nil,
@@ -474,7 +495,7 @@ func (e *Engine) streamChat(w http.ResponseWriter, r *http.Request, req *chatReq
 	s := newSSE(w)
 	chunk := func(choice map[string]any, completion int) map[string]any {
 		c := map[string]any{"id": id, "object": "chat.completion.chunk", "created": created,
-			"model": e.cfg.ModelName, "choices": []any{choice}}
+			"model": g.model, "choices": []any{choice}}
 		if continuous {
 			c["usage"] = streamUsage{PromptTokens: len(g.prompt), CompletionTokens: completion,
 				TotalTokens: len(g.prompt) + completion}
@@ -510,7 +531,7 @@ func (e *Engine) streamChat(w http.ResponseWriter, r *http.Request, req *chatReq
 // sendUsage sends the final usage chunk (dumped with exclude_none).
 func (e *Engine) sendUsage(s *sse, object string, g *generation, id string, created int64) {
 	u := g.usage(!e.cfg.OmitPromptTokensDetails)
-	s.send(map[string]any{"id": id, "object": object, "created": created, "model": e.cfg.ModelName,
+	s.send(map[string]any{"id": id, "object": object, "created": created, "model": g.model,
 		"choices": []any{}, "usage": streamUsage(u)})
 }
 
@@ -581,7 +602,7 @@ func (e *Engine) handleCompletions(w http.ResponseWriter, r *http.Request) {
 		sixteen := 16 // CompletionRequest.max_tokens' default
 		maxTokens = &sixteen
 	}
-	g, ae := e.generate(e.receivedIndex(r), prompt, maxTokens)
+	g, ae := e.generate(e.receivedIndex(r), prompt, maxTokens, e.adapterOf(req.Model))
 	if ae != nil {
 		writeError(w, ae)
 		return
@@ -606,7 +627,7 @@ func (e *Engine) handleCompletions(w http.ResponseWriter, r *http.Request) {
 		choice["prompt_token_ids"] = g.prompt
 	}
 	writeJSON(w, http.StatusOK, map[string]any{
-		"id": id, "object": "text_completion", "created": created, "model": e.cfg.ModelName,
+		"id": id, "object": "text_completion", "created": created, "model": g.model,
 		"choices": []any{choice}, "service_tier": nil, "system_fingerprint": nil,
 		"usage": g.usage(!e.cfg.OmitPromptTokensDetails), "kv_transfer_params": nil,
 	})
@@ -637,7 +658,7 @@ func (e *Engine) streamCompletion(w http.ResponseWriter, r *http.Request, req *c
 			}
 		}
 		c := map[string]any{"id": id, "object": "text_completion", "created": created,
-			"model": e.cfg.ModelName, "choices": []any{choice}}
+			"model": g.model, "choices": []any{choice}}
 		if continuous {
 			c["usage"] = streamUsage{PromptTokens: len(g.prompt), CompletionTokens: i + 1,
 				TotalTokens: len(g.prompt) + i + 1}
@@ -719,22 +740,28 @@ func (e *Engine) handleHealth(w http.ResponseWriter, r *http.Request) {
 	w.WriteHeader(http.StatusServiceUnavailable)
 }
 
-// handleModels is vLLM's /v1/models: a ModelList of the served model.
+// handleModels is vLLM's /v1/models: a ModelList of the served model,
+// then its LoRA adapters, each with the model as its parent and its path
+// as its root (vLLM's show_available_models).
 func (e *Engine) handleModels(w http.ResponseWriter, r *http.Request) {
 	now := time.Now().Unix()
-	writeJSON(w, http.StatusOK, map[string]any{
-		"object": "list",
-		"data": []any{map[string]any{
-			"id": e.cfg.ModelName, "object": "model", "created": now, "owned_by": "vllm",
-			"root": e.cfg.ModelName, "parent": nil, "max_model_len": e.cfg.MaxModelLen,
+	card := func(id, root string, parent any) map[string]any {
+		return map[string]any{
+			"id": id, "object": "model", "created": now, "owned_by": "vllm",
+			"root": root, "parent": parent, "max_model_len": e.cfg.MaxModelLen,
 			"permission": []any{map[string]any{
 				"id": "modelperm-" + randomUUID(), "object": "model_permission", "created": now,
 				"allow_create_engine": false, "allow_sampling": true, "allow_logprobs": true,
 				"allow_search_indices": false, "allow_view": true, "allow_fine_tuning": false,
 				"organization": "*", "group": nil, "is_blocking": false,
 			}},
-		}},
-	})
+		}
+	}
+	data := []any{card(e.cfg.ModelName, e.cfg.ModelName, nil)}
+	for _, name := range e.cfg.LoRAModules {
+		data = append(data, card(name, "/adapters/"+name, e.cfg.ModelName))
+	}
+	writeJSON(w, http.StatusOK, map[string]any{"object": "list", "data": data})
 }
 
 // handleReset is vLLM's POST /reset_prefix_cache (a development endpoint
