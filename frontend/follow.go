@@ -3,6 +3,7 @@ package frontend
 import (
 	"bytes"
 	"context"
+	"encoding/json"
 	"fmt"
 	"math"
 	"net/http"
@@ -375,7 +376,7 @@ func (g *generation) next(ctx context.Context, timer *time.Timer) ([]choiceOutpu
 					// vLLM names its answer after the X-Request-Id it got:
 					// the bus id, unique (see generate). The client gets
 					// the id it asked for, as from vLLM itself.
-					o.Raw = bytes.Replace(o.Raw, g.engineID, g.clientID, 1)
+					o.Raw = bytes.Replace(o.Raw, jsonString(g.engineID), jsonString(g.clientID), 1)
 				}
 				now := time.Now()
 				if g.firstByte.IsZero() { // the HTTP request's first output
@@ -475,4 +476,15 @@ func (g *generation) completed() {
 // no prompt_tokens_details, which vLLM leaves out there.
 func (c *choiceState) usageSoFar(completion int) *usageJSON {
 	return &usageJSON{PromptTokens: c.promptTokens, CompletionTokens: completion, TotalTokens: c.promptTokens + completion}
+}
+
+// jsonString is id as a JSON string, as vLLM writes it in an answer: a
+// request id is printable ASCII (validRequestID), of which a quote and a
+// backslash are escaped, and not HTML's <, > and & (pydantic does not).
+func jsonString(id []byte) []byte {
+	var b bytes.Buffer
+	enc := json.NewEncoder(&b)
+	enc.SetEscapeHTML(false)
+	_ = enc.Encode(string(id))
+	return bytes.TrimSuffix(b.Bytes(), []byte("\n"))
 }

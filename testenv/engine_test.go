@@ -892,3 +892,34 @@ func TestEngineLoRAAdapterSharesNoBlocksWithItsModel(t *testing.T) {
 		t.Errorf("the replayed adapter request reached the engine as %s, want model sql-lora", got.RawBody)
 	}
 }
+
+// TestEngineAnswerIDKeepsAClientIDThatJSONEscapes: a client's request id
+// may hold any printable ASCII, so also a quote or a backslash, which the
+// engine escapes in its JSON ("chatcmpl-a\"b\\c-<nuid>"). The client gets
+// chatcmpl-<its id>, escaped alike, as from vLLM directly, streamed or not,
+// from the X-Request-Id header or the body's request_id. It failed before:
+// the frontend looked for the engine's id unescaped, found nothing, and the
+// client got the bus id, chatcmpl-a\"b\\c-<nuid>.
+func TestEngineAnswerIDKeepsAClientIDThatJSONEscapes(t *testing.T) {
+	c, _ := engineCluster(t, 1, nil)
+	const clientID = `a"b\c`
+	wantID, _ := json.Marshal("chatcmpl-" + clientID)
+	for _, tc := range []struct {
+		name, body string
+		header     map[string]string
+	}{
+		{"header", `{"model":%q,"messages":[{"role":"user","content":"hi"}],"max_tokens":3%s}`, map[string]string{"X-Request-Id": clientID}},
+		{"body", `{"model":%q,"request_id":"a\"b\\c","messages":[{"role":"user","content":"hi"}],"max_tokens":3%s}`, nil},
+	} {
+		for _, stream := range []string{"", `,"stream":true`} {
+			status, h, body := testenv.Send(t, "POST", c.URL+"/v1/chat/completions", fmt.Sprintf(tc.body, c.Model, stream), tc.header)
+			if status != http.StatusOK || h.Get("X-Request-Id") != clientID {
+				t.Fatalf("%s%s: %d, X-Request-Id %q: %s", tc.name, stream, status, h.Get("X-Request-Id"), body)
+			}
+			want := `"id":` + string(wantID) + `,`
+			if n := strings.Count(string(body), `"id":`); n == 0 || strings.Count(string(body), want) != n {
+				t.Errorf("%s%s: answer %s; want every id %s", tc.name, stream, body, wantID)
+			}
+		}
+	}
+}
