@@ -112,6 +112,12 @@ func (s *Server) generate(w http.ResponseWriter, r *http.Request, endpoint strin
 	}
 	var p *parsedRequest
 	opts := parseOptions{passthrough: s.cfg.Passthrough, vocab: s.tok.VocabSize()}
+	if s.cfg.Passthrough {
+		// The engine knows its vocabulary, as it knows its context length,
+		// and refuses an id beyond it itself: kvbus's tokenizer (o200k by
+		// default) is no bound on the ids of a token-id prompt.
+		opts.vocab = 1 << 32
+	}
 	if endpoint == messages.EndpointChat {
 		p, apiErr = parseChat(body, opts)
 	} else {

@@ -923,3 +923,34 @@ func TestEngineAnswerIDKeepsAClientIDThatJSONEscapes(t *testing.T) {
 		}
 	}
 }
+
+// TestEngineTakesTokenIDsOfItsOwnVocabulary: with --engine openai and the
+// embedded o200k tokenizer (the default), a token-id prompt goes to the
+// engine, which knows its vocabulary: an id the engine has but o200k does
+// not (the fake's vocabulary is 2^18, as Gemma 3's 262,144; Llama 4's is
+// 202,048, o200k's 201,088) is answered, and one beyond the engine's gets
+// the engine's own 400. It failed before: the frontend refused the first
+// with its 400 "out of vocabulary [0, 201088)", where vLLM answers it.
+func TestEngineTakesTokenIDsOfItsOwnVocabulary(t *testing.T) {
+	e, err := fakeengine.New(fakeengine.Config{ModelName: "kvbus-sim"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = e.Close() })
+	c := testenv.StartCluster(t, testenv.ClusterConfig{
+		Engines: []cluster.EngineBackend{{OpenAI: workers.OpenAIConfig{URL: e.URL(), HealthInterval: 100 * time.Millisecond}}}})
+	for _, prompt := range []string{`[1, 201088, 250000]`, `[[1, 201088, 250000]]`} {
+		for _, stream := range []string{"", `,"stream":true`} {
+			status, _, body := testenv.Send(t, "POST", c.URL+"/v1/completions",
+				fmt.Sprintf(`{"model":%q,"prompt":%s,"max_tokens":2%s}`, c.Model, prompt, stream), nil)
+			if status != http.StatusOK || !strings.Contains(string(body), `"text_completion"`) {
+				t.Errorf("prompt %s%s: %d %.300s; want the engine's answer", prompt, stream, status, body)
+			}
+		}
+	}
+	status, _, body := testenv.Send(t, "POST", c.URL+"/v1/completions",
+		fmt.Sprintf(`{"model":%q,"prompt":[1, %d],"max_tokens":2}`, c.Model, fakeengine.VocabSize), nil)
+	if status != http.StatusBadRequest || !strings.Contains(string(body), "BadRequestError") {
+		t.Errorf("an id beyond the engine's vocabulary: %d %s; want the engine's 400", status, body)
+	}
+}
