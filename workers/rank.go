@@ -47,6 +47,10 @@ type Rank struct {
 	// arrival order (a regenerated turn, a newer attempt, the same prompt
 	// twice): one takes over when the one before settles.
 	savingAfter map[string][]*rankReq
+	// withdrawnActive counts the requests of active that were withdrawn
+	// (see rankReq.withdrawn) and have not left it yet: they wait for the
+	// load thread or are stopping, and are no longer the group's work.
+	withdrawnActive int
 
 	serving   atomic.Bool  // Run subscribed to its ReqMetas and has not returned
 	draining  atomic.Bool  // Run's context ended

@@ -100,6 +100,7 @@ func (r *Rank) onAbort(_ context.Context, m *nats.Msg) error {
 	}
 	if rr != nil && !rr.withdrawn {
 		rr.withdrawn = true
+		r.withdrawnActive++
 		if rr.onWithdraw != nil {
 			close(rr.onWithdraw)
 		}

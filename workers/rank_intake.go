@@ -108,6 +108,9 @@ func (r *Rank) onMeta(_ context.Context, m *nats.Msg) error {
 	case r.loadQ <- rr:
 		queued = true
 		r.nextID++
+		if old := r.active[meta.ReqID]; old != nil && old.withdrawn {
+			r.withdrawnActive--
+		}
 		r.active[meta.ReqID] = rr
 		r.registerSavesLocked(rr)
 		if r.IsDriver() {

@@ -36,6 +36,9 @@ func (r *Rank) report(rr *rankReq) {
 	// A request refused at intake (overloaded) was never active: its
 	// result is remembered too, for a replica that asks again.
 	if active := r.active[rr.meta.ReqID]; active == rr || active == nil {
+		if active == rr && rr.withdrawn {
+			r.withdrawnActive--
+		}
 		delete(r.active, rr.meta.ReqID)
 		r.seen.Update(rr.meta.ReqID, time.Now(), func(s *seenReq) {
 			if s.attempt == rr.meta.Attempt {
@@ -161,7 +164,12 @@ func (r *Rank) heartbeat() {
 	r.lastHB.Store(time.Now().UnixNano()) // before the state is read: it is at least this new
 	used, capacity := r.heldBlocks()
 	r.mu.Lock()
-	depth := len(r.active)
+	// A withdrawn request (its client left, or a scheduler moved it) is
+	// out of every scheduler's count of the group's load from the Abort
+	// on, though it waits here for the load thread (behind a slow load,
+	// up to --save-wait): the heartbeat the Abort causes must not count
+	// it in again.
+	depth, inflight := len(r.active), len(r.active)-r.withdrawnActive
 	r.mu.Unlock()
 	hb := &messages.Heartbeat{
 		Group: r.cfg.Group, TPRank: r.cfg.TPRank, EPRank: r.cfg.EPRank, WorldSize: r.cfg.TPSize,
@@ -181,7 +189,7 @@ func (r *Rank) heartbeat() {
 		hb.NotReady, hb.NotReadyReason = true, "stopping: requests outlived --shutdown-timeout"
 	}
 	if r.IsDriver() {
-		hb.InflightRequests, hb.QueuedPrefillTokens = depth, max(r.queuedTokens.Load(), 0)
+		hb.InflightRequests, hb.QueuedPrefillTokens = inflight, max(r.queuedTokens.Load(), 0)
 		hb.QueuedLoadTokens, hb.QueuedRemoteLoadTokens = max(r.queuedLoad.Load(), 0), max(r.queuedRemote.Load(), 0)
 		elapsed, tokens := r.prefills.head(time.Now())
 		hb.PrefillingUs, hb.PrefillingTokens = elapsed.Microseconds(), tokens

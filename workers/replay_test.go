@@ -136,3 +136,28 @@ func TestAbortedRequestLeavesThePrefillQueueAtOnce(t *testing.T) {
 	}
 	testenv.Eventually(t, 2*time.Second, "the aborted request off the driver's queue", func() bool { return queued() == int64(blockSize) })
 }
+
+// TestAbortedRequestLeavesTheInflightCountAtOnce: a request aborted while
+// it waits behind a slow load no longer counts in the requests in flight
+// the driver's heartbeats report, though the load thread has not reached
+// it. The scheduler counted it out when the Abort came; before, the
+// heartbeat the driver sends at the Abort counted it in again, and every
+// replica saw the group with 5 requests in flight instead of 2 until the
+// load ahead ended (up to --save-wait; found by aborting requests queued
+// behind a save wait in a `kvbus serve`).
+func TestAbortedRequestLeavesTheInflightCountAtOnce(t *testing.T) {
+	env := startRanks(t, rankEnvConfig{saveWait: 3 * time.Second})
+	blockLoadThread(t, env)
+	env.sendMeta(newMeta("gone", "sg", testenv.PromptTokens(7, 10*blockSize)))
+	env.sendMeta(newMeta("stays", "ss", testenv.PromptTokens(8, 10*blockSize)))
+	inflight := func() int {
+		hbs := env.heartbeats(0)
+		if len(hbs) == 0 {
+			return -1
+		}
+		return hbs[len(hbs)-1].InflightRequests
+	}
+	testenv.Eventually(t, waitFor, "the driver's heartbeat with the three requests", func() bool { return inflight() == 3 })
+	env.publish(env.subj.Abort(), &messages.Abort{ReqID: "gone", Reason: messages.AbortReasonClientGone})
+	testenv.Eventually(t, 2*time.Second, "the aborted request out of the requests in flight", func() bool { return inflight() == 2 })
+}
