@@ -122,6 +122,9 @@ type rankReq struct {
 	// guarded by Rank.mu.
 	withdrawn  bool
 	onWithdraw chan struct{}
+	// storing: the store thread took it (guarded by Rank.mu); an abort
+	// before then settles its saves at once (see onAbort).
+	storing bool
 }
 
 // drainGrace is how long a stopping rank still takes ReqMetas after its

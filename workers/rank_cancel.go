@@ -109,6 +109,17 @@ func (r *Rank) onAbort(_ context.Context, m *nats.Msg) error {
 	if rr != nil {
 		r.log.Info("request aborted", "req_id", a.ReqID, "session_id", rr.meta.SessionID, "reason", a.Reason)
 		rr.cancel(errAborted)
+		// Its saves the store thread has not begun will not be made (it
+		// skips a request that ended): a later load of those blocks (the
+		// client's retry of the prompt) does not wait for the store
+		// thread to reach it, behind other requests' saves, only to find
+		// them missing. Read after the cancel: see storeLoop.
+		r.mu.Lock()
+		storing := rr.storing
+		r.mu.Unlock()
+		if !storing {
+			r.settleSaves(rr)
+		}
 		// Off the driver's prefill queue now, not when the load thread
 		// reaches it (behind a slow load, up to --save-wait): the
 		// schedulers place by that queue.

@@ -29,6 +29,11 @@ func (r *Rank) storeLoop() {
 		if r.cfg.StoreDelay > 0 {
 			time.Sleep(r.cfg.StoreDelay)
 		}
+		// Before storeBlocks reads the request's context: an Abort that
+		// finds this unset has cancelled it already, and nothing is saved.
+		r.mu.Lock()
+		rr.storing = true
+		r.mu.Unlock()
 		r.storeBlocks(rr)
 		r.settleSaves(rr)
 		r.finishStore(rr)

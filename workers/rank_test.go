@@ -1300,6 +1300,37 @@ func TestLoadWaitsForTheSaverAfterAnAbortedOne(t *testing.T) {
 	}
 }
 
+// TestAbortDropsSavesTheStoreThreadHasNotBegun: a request aborted while it
+// waits for a busy store thread will save nothing, and a later load of its
+// blocks (the client's retry of the prompt) does not wait for the store
+// thread to reach it only to find them missing. Before, the aborted
+// request's saves stayed registered until then, and rank 1's load of the
+// retry waited behind two slow saves (~800 ms here; up to --save-wait),
+// holding every request behind it in the load queue.
+func TestAbortDropsSavesTheStoreThreadHasNotBegun(t *testing.T) {
+	const delay = 400 * time.Millisecond
+	env := startRanks(t, rankEnvConfig{storeDelay: map[int]time.Duration{1: delay}, saveWait: 3 * time.Second})
+	env.sendMeta(newMeta("busy", "sess-b", testenv.PromptTokens(11, 4*blockSize+3))) // rank 1's store thread sleeps on it
+	prompt := testenv.PromptTokens(12, 4*blockSize+3)
+	env.sendMeta(newMeta("left", "sess-l", prompt))
+	env.publish(env.subj.Abort(), &messages.Abort{ReqID: "left", Reason: messages.AbortReasonClientGone})
+	testenv.Eventually(t, waitFor, "the abort handled", func() bool {
+		return env.counter("kvbus_bus_messages_total", map[string]string{"handler": "worker_abort"}) >= worldSize
+	})
+	retry := newMeta("retry", "sess-l", prompt)
+	retry.LoadSpec = &messages.LoadSpec{KVPoolCachedTokens: 4 * blockSize, CanLoad: true} // as the aborted request's save plan says
+	retry.SaveFromBlock = 4
+	env.sendMeta(retry)
+	r := env.resultsByRank("retry")[1]
+	if wait := time.Duration(r.LoadUs) * time.Microsecond; wait >= delay/2 {
+		t.Errorf("rank 1's load of the retry took %s (loaded %d tokens, failed_blocks %d): it waited for the saves of the aborted request, want < %s",
+			wait, r.LoadedTokens, r.FailedBlocks, delay/2)
+	}
+	if left := env.resultsByRank("left")[1]; left.StoredBlocks != 0 {
+		t.Errorf("rank 1 stored %d blocks of the aborted request; want 0 (the abort came too late to test anything)", left.StoredBlocks)
+	}
+}
+
 // bigAnswerEngine answers every request with one chunk whose raw JSON (a
 // model server's answer) is size bytes of text.
 type bigAnswerEngine struct {
