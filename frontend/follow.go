@@ -376,7 +376,7 @@ func (g *generation) next(ctx context.Context, timer *time.Timer) ([]choiceOutpu
 					// vLLM names its answer after the X-Request-Id it got:
 					// the bus id, unique (see generate). The client gets
 					// the id it asked for, as from vLLM itself.
-					o.Raw = bytes.Replace(o.Raw, jsonString(g.engineID), jsonString(g.clientID), 1)
+					o.Raw = bytes.Replace(o.Raw, g.engineID, g.clientID, 1)
 				}
 				now := time.Now()
 				if g.firstByte.IsZero() { // the HTTP request's first output
@@ -481,10 +481,10 @@ func (c *choiceState) usageSoFar(completion int) *usageJSON {
 // jsonString is id as a JSON string, as vLLM writes it in an answer: a
 // request id is printable ASCII (validRequestID), of which a quote and a
 // backslash are escaped, and not HTML's <, > and & (pydantic does not).
-func jsonString(id []byte) []byte {
+func jsonString(id string) []byte {
 	var b bytes.Buffer
 	enc := json.NewEncoder(&b)
 	enc.SetEscapeHTML(false)
-	_ = enc.Encode(string(id))
+	_ = enc.Encode(id)
 	return bytes.TrimSuffix(b.Bytes(), []byte("\n"))
 }

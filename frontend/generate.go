@@ -44,8 +44,8 @@ type generation struct {
 	// engineID and clientID, when set (--engine openai, a client's request
 	// id): the answer's id as the engine made it from the bus id it was
 	// sent ("chatcmpl-<id>-<nuid>") and the one the client gets
-	// ("chatcmpl-<id>", as vLLM answers a client's X-Request-Id), both
-	// unquoted: the answer holds them as JSON strings (jsonString).
+	// ("chatcmpl-<id>", as vLLM answers a client's X-Request-Id), as JSON
+	// strings, escaped as the engine writes them (jsonString).
 	engineID, clientID []byte
 }
 
@@ -191,7 +191,7 @@ func (s *Server) generate(w http.ResponseWriter, r *http.Request, endpoint strin
 	}
 	g.id = prefix + extID
 	if s.cfg.Passthrough && busBase != extID {
-		g.engineID, g.clientID = []byte(prefix+busBase), []byte(g.id)
+		g.engineID, g.clientID = jsonString(prefix+busBase), jsonString(g.id)
 	}
 	g.log = s.log.With("req_id", busBase, "session_id", sessionID)
 	if sessionID != "" {
