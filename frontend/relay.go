@@ -59,7 +59,12 @@ func (g *generation) relay(w http.ResponseWriter, ctx context.Context, deadline 
 		for _, it := range items {
 			if raw := it.out.Raw; len(raw) > 0 {
 				if !stream {
-					answer = raw
+					// An answer too large for one message on the bus comes
+					// in parts, from index 0 of its attempt on.
+					if it.out.Index == 0 {
+						answer = answer[:0]
+					}
+					answer = append(answer, raw...)
 					continue
 				}
 				begin()

@@ -32,6 +32,13 @@ import (
 // also alternate vLLM's two event forms and hash kinds.
 func engineCluster(t *testing.T, n int, mod func(i int, c *fakeengine.Config)) (*testenv.Cluster, []*fakeengine.Engine) {
 	t.Helper()
+	return engineClusterWith(t, n, mod, nil)
+}
+
+// engineClusterWith is engineCluster with the cluster's configuration
+// changed by modCluster (when not nil) before it starts.
+func engineClusterWith(t *testing.T, n int, mod func(i int, c *fakeengine.Config), modCluster func(*testenv.ClusterConfig)) (*testenv.Cluster, []*fakeengine.Engine) {
+	t.Helper()
 	var engines []*fakeengine.Engine
 	var backends []cluster.EngineBackend
 	for i := range n {
@@ -69,7 +76,11 @@ func engineCluster(t *testing.T, n int, mod func(i int, c *fakeengine.Config)) (
 	if err != nil {
 		t.Fatal(err)
 	}
-	c := testenv.StartCluster(t, testenv.ClusterConfig{Engines: backends, Tokenizer: tok, Policy: "kv", MaxModelLen: 8192})
+	cc := testenv.ClusterConfig{Engines: backends, Tokenizer: tok, Policy: "kv", MaxModelLen: 8192}
+	if modCluster != nil {
+		modCluster(&cc)
+	}
+	c := testenv.StartCluster(t, cc)
 	for _, e := range engines {
 		ctx, cancel := context.WithTimeout(t.Context(), 10*time.Second)
 		if err := e.WaitSubscribed(ctx); err != nil {
@@ -952,5 +963,36 @@ func TestEngineTakesTokenIDsOfItsOwnVocabulary(t *testing.T) {
 		fmt.Sprintf(`{"model":%q,"prompt":[1, %d],"max_tokens":2}`, c.Model, fakeengine.VocabSize), nil)
 	if status != http.StatusBadRequest || !strings.Contains(string(body), "BadRequestError") {
 		t.Errorf("an id beyond the engine's vocabulary: %d %s; want the engine's 400", status, body)
+	}
+}
+
+// TestEngineAnswerLargerThanTheBusTakes: an engine's whole answer larger
+// than the NATS server's max payload (here 32 KiB; a stock nats-server
+// takes 1 MiB, a few thousand tokens with top logprobs) reaches the client
+// whole, as from the engine directly. Before, the client got a 500
+// engine_error naming the max payload.
+func TestEngineAnswerLargerThanTheBusTakes(t *testing.T) {
+	c, engines := engineClusterWith(t, 1, func(_ int, cfg *fakeengine.Config) { cfg.ReplyTokens, cfg.MaxModelLen = 6000, 8192 },
+		func(cc *testenv.ClusterConfig) { cc.MaxPayload = 32 << 10 })
+	body := fmt.Sprintf(`{"model":%q,"max_tokens":7000,"messages":[{"role":"user","content":"write a long answer"}]}`, c.Model)
+	answer := func(url string) (int, string, []byte) {
+		status, _, raw := testenv.Send(t, "POST", url+"/v1/chat/completions", body, nil)
+		var r struct {
+			Choices []struct {
+				Message struct{ Content string }
+			}
+		}
+		if err := json.Unmarshal(raw, &r); err != nil || len(r.Choices) != 1 {
+			return status, "", raw
+		}
+		return status, r.Choices[0].Message.Content, raw
+	}
+	_, want, _ := answer(engines[0].URL())
+	status, got, raw := answer(c.URL)
+	if len(want) <= 32<<10 {
+		t.Fatalf("the engine's answer has %d bytes of text: too short to need splitting", len(want))
+	}
+	if status != http.StatusOK || got != want {
+		t.Fatalf("through kvbus: %d, %d bytes of text (answer %.300s); want 200 and the engine's %d bytes", status, len(got), raw, len(want))
 	}
 }

@@ -66,7 +66,13 @@ func (r *Rank) drive(rr *rankReq) {
 		}
 		o := &messages.Output{Text: c.Text, TokenIDs: c.TokenIDs, Raw: c.Raw}
 		if err := r.fitsBus(o); err != nil {
-			return err // the generation ends with it, and the client hears why
+			parts := r.splitAnswer(o, meta.Stream)
+			if parts == nil {
+				return err // the generation ends with it, and the client hears why
+			}
+			for _, p := range parts {
+				publish(p)
+			}
 		}
 		publish(o)
 		return nil
@@ -96,7 +102,13 @@ func (r *Rank) drive(rr *rankReq) {
 		if last != nil {
 			final.Text, final.TokenIDs, final.Raw = last.Text, last.TokenIDs, last.Raw
 			if err := r.fitsBus(final); err != nil {
-				final = &messages.Output{Usage: usage, Error: &messages.OutputError{Code: "engine_error", Message: err.Error()}}
+				if parts := r.splitAnswer(final, meta.Stream); parts != nil {
+					for _, p := range parts {
+						publish(p)
+					}
+				} else {
+					final = &messages.Output{Usage: usage, Error: &messages.OutputError{Code: "engine_error", Message: err.Error()}}
+				}
 			}
 		}
 		publish(final)
@@ -162,6 +174,35 @@ func (r *Rank) drive(rr *rankReq) {
 // outputRoom is what an Output's ids, index and attempt (set by publish)
 // and NATS's protocol line take besides the fields fitsBus measures.
 const outputRoom = 1 << 10
+
+// splitAnswer splits an engine's whole (not streamed) answer that is too
+// large for one message on the bus: it returns the Outputs that carry its
+// body's first parts, each as large as the server's max payload takes, and
+// leaves the last part in o. The frontend writes the parts of an
+// attempt's answer one after the other (frontend/relay.go). A stream's
+// chunk is one server-sent event and is not split: nil, as for an answer
+// that has no body, or a max payload too small to carry any of it.
+func (r *Rank) splitAnswer(o *messages.Output, stream bool) []*messages.Output {
+	if stream || len(o.Raw) == 0 {
+		return nil
+	}
+	raw, text, ids := o.Raw, o.Text, o.TokenIDs
+	// The body is the answer: the text and token ids it holds go no
+	// further than the frontend, which writes only the body.
+	o.Text, o.TokenIDs, o.Raw = "", nil, nil
+	room := int(r.cfg.Conn.MaxPayload()) - outputRoom - o.Msgsize() - 16 // 16: the body's bin header, and some
+	if room < 1<<10 {
+		o.Text, o.TokenIDs, o.Raw = text, ids, raw
+		return nil
+	}
+	var parts []*messages.Output
+	for len(raw) > room {
+		parts = append(parts, &messages.Output{Raw: raw[:room:room]})
+		raw = raw[room:]
+	}
+	o.Raw = raw
+	return parts
+}
 
 // fitsBus reports an error when o is too large for the NATS server's max
 // payload: publishing it would fail, the client would miss that part of

@@ -1338,36 +1338,77 @@ type bigAnswerEngine struct {
 	last bool // the chunk is marked the answer's last (sent with its finish reason)
 }
 
+func (e bigAnswerEngine) body() string {
+	return `{"choices":[{"index":0,"text":"` + strings.Repeat("x", e.size) + `","finish_reason":"stop"}]}`
+}
+
 func (e bigAnswerEngine) Generate(ctx context.Context, req workers.EngineRequest, prefilled func(), emit func(workers.Chunk) error) (workers.EngineResult, error) {
 	if prefilled != nil {
 		prefilled()
 	}
-	raw := `{"choices":[{"index":0,"text":"` + strings.Repeat("x", e.size) + `","finish_reason":"stop"}]}`
-	if err := emit(workers.Chunk{Text: "x", Raw: []byte(raw), Last: e.last}); err != nil {
+	if err := emit(workers.Chunk{Text: "x", Raw: []byte(e.body()), Last: e.last}); err != nil {
 		return workers.EngineResult{}, err
 	}
 	return workers.EngineResult{FinishReason: workers.FinishStop, CompletionTokens: 1}, nil
 }
 
-// TestDriverEndsAnAnswerTooLargeForTheBus proves that an engine's answer
-// (or chunk) above the NATS server's max payload ends the request with an
-// error naming the limit, in order on the output stream. It failed before:
-// its publish failed and was only logged, the output stream skipped an
-// index, and the frontend, taking the answer for lost on the bus, had the
-// engine run the whole request again, up to three times, before the client
-// got output_lost.
+// TestDriverEndsAnAnswerTooLargeForTheBus proves that a stream's chunk
+// above the NATS server's max payload (one server-sent event, which cannot
+// be split) ends the request with an error naming the limit, in order on
+// the output stream. It failed before: its publish failed and was only
+// logged, the output stream skipped an index, and the frontend, taking the
+// answer for lost on the bus, had the engine run the whole request again,
+// up to three times, before the client got output_lost.
 func TestDriverEndsAnAnswerTooLargeForTheBus(t *testing.T) {
 	srvLimit := int(testenv.Connect(t, testenv.StartNATS(t)).MaxPayload())
 	for _, last := range []bool{false, true} {
 		t.Run(fmt.Sprint("last=", last), func(t *testing.T) {
 			env := startRanks(t, rankEnvConfig{customEngine: bigAnswerEngine{size: srvLimit, last: last}})
-			env.sendMeta(newMeta("big", "sess", testenv.PromptTokens(1, 40)))
+			meta := newMeta("big", "sess", testenv.PromptTokens(1, 40))
+			meta.Stream = true
+			env.sendMeta(meta)
 			final := env.finalOutput("big")
 			if final.Index != 0 || final.Error == nil || final.Error.Code != "engine_error" || !strings.Contains(final.Error.Message, "max payload") {
 				t.Fatalf("final output %+v (error %+v), want output 0 ending with an engine_error naming the bus's max payload", final, final.Error)
 			}
 			if n := len(env.logs.Lines("publish failed")); n != 0 {
 				t.Errorf("%d publishes failed", n)
+			}
+		})
+	}
+}
+
+// TestDriverSplitsAWholeAnswerTooLargeForTheBus: an engine's whole (not
+// streamed) answer of 2.5 times the NATS server's max payload (logprobs of
+// a long answer, n > 1) goes out in three outputs, each within the limit,
+// the last with the finish reason, and their bodies put together are the
+// engine's answer, byte for byte. Before, it ended with an engine_error
+// naming the max payload, where vLLM answers it directly: 1 MiB, a stock
+// nats-server's limit, is a few thousand tokens with top logprobs.
+func TestDriverSplitsAWholeAnswerTooLargeForTheBus(t *testing.T) {
+	srvLimit := int(testenv.Connect(t, testenv.StartNATS(t)).MaxPayload())
+	// last: the engine marks its answer's last chunk (sent with the
+	// finish reason), or does not (the OpenAI engine's whole answer).
+	for _, last := range []bool{false, true} {
+		t.Run(fmt.Sprint("last=", last), func(t *testing.T) {
+			engine := bigAnswerEngine{size: srvLimit * 5 / 2, last: last}
+			env := startRanks(t, rankEnvConfig{customEngine: engine})
+			env.sendMeta(newMeta("big", "sess", testenv.PromptTokens(1, 40)))
+			final := env.finalOutput("big") // and the indexes in order
+			if final.Error != nil || final.FinishReason != workers.FinishStop {
+				t.Fatalf("final output %+v (error %+v), want the answer's end", final, final.Error)
+			}
+			var body []byte
+			outs := env.outputs("big")
+			for _, o := range outs {
+				data, err := messages.Marshal(o)
+				if err != nil || len(data) > srvLimit {
+					t.Fatalf("output %d: %d bytes on the bus (%v); the max payload is %d", o.Index, len(data), err, srvLimit)
+				}
+				body = append(body, o.Raw...)
+			}
+			if len(outs) < 3 || string(body) != engine.body() {
+				t.Fatalf("%d outputs carried %d bytes; want 3 or more carrying the engine's %d-byte answer", len(outs), len(body), len(engine.body()))
 			}
 		})
 	}
