@@ -453,7 +453,7 @@ func TestVLLMCompat(t *testing.T) {
 				checkErrorBody(t, r, "invalid_request_error", "prompt", "")
 			}},
 			{"escaped exact key", "/v1/completions", `{"prompt":"hi","max_tokens":2,"str\u0065am":true}`, 200, func(t *testing.T, r response) {
-				if ct := r.header.Get("Content-Type"); ct != "text/event-stream" {
+				if ct := r.header.Get("Content-Type"); ct != "text/event-stream; charset=utf-8" {
 					t.Errorf("Content-Type %q: an escaped \"stream\" is stream", ct)
 				}
 			}},

@@ -429,8 +429,8 @@ func TestHTTP(t *testing.T) {
 				if r.status != http.StatusOK {
 					t.Fatalf("status %d: %s", r.status, r.body)
 				}
-				if ct := r.header.Get("Content-Type"); ct != "text/event-stream" {
-					t.Errorf("Content-Type = %q, want text/event-stream", ct)
+				if ct := r.header.Get("Content-Type"); ct != "text/event-stream; charset=utf-8" {
+					t.Errorf("Content-Type = %q, want text/event-stream; charset=utf-8", ct)
 				}
 				cs := chunks(t, sseEvents(t, r.body))
 				if len(cs) < 2 {
@@ -490,8 +490,8 @@ func TestHTTP(t *testing.T) {
 		if r.status != http.StatusOK {
 			t.Fatalf("status %d: %s", r.status, r.body)
 		}
-		if ct := r.header.Get("Content-Type"); ct != "text/event-stream" {
-			t.Errorf("Content-Type = %q, want text/event-stream", ct)
+		if ct := r.header.Get("Content-Type"); ct != "text/event-stream; charset=utf-8" {
+			t.Errorf("Content-Type = %q, want text/event-stream; charset=utf-8", ct)
 		}
 		cs := chunks(t, sseEvents(t, r.body))
 		if len(cs) < 2 {

@@ -24,7 +24,7 @@ func (g *generation) relay(w http.ResponseWriter, ctx context.Context, deadline 
 	started := false
 	begin := func() {
 		if !started {
-			h.Set("Content-Type", "text/event-stream")
+			h.Set("Content-Type", "text/event-stream; charset=utf-8") // as vLLM (Starlette adds the charset)
 			h.Set("Cache-Control", "no-cache")
 			h.Set("Connection", "keep-alive")
 			w.WriteHeader(http.StatusOK)

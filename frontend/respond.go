@@ -82,7 +82,7 @@ func (g *generation) stream(w http.ResponseWriter, ctx context.Context, deadline
 	begin := func() {
 		started = true
 		h := w.Header()
-		h.Set("Content-Type", "text/event-stream")
+		h.Set("Content-Type", "text/event-stream; charset=utf-8") // as vLLM (Starlette adds the charset)
 		h.Set("Cache-Control", "no-cache")
 		h.Set("Connection", "keep-alive")
 		w.WriteHeader(http.StatusOK)
