@@ -338,6 +338,59 @@ func TestEngineErrorsAndStreams(t *testing.T) {
 	}
 }
 
+// TestEngineGetsOneSessionID: the engine gets the session id kvbus
+// resolved in every place it reads one. A later vLLM reads the body's own
+// session_id first (then X-Session-ID, then vllm_xargs.session_id), so the
+// client's session_id field is the resolved id too: trimmed, or the
+// header's when the body's was blank, or gone when there is no session.
+// Before, it went as the client sent it ("  conv  ", ""), a session of its
+// own beside the X-Session-ID and vllm_xargs.session_id kvbus set.
+func TestEngineGetsOneSessionID(t *testing.T) {
+	c, engines := engineCluster(t, 1, nil)
+	tests := []struct {
+		name    string
+		body    string // the request's fields after model and prompt
+		headers map[string]string
+		want    string // the session id; "" for none
+	}{
+		{name: "body value trimmed", body: `,"session_id":"  conv-a  "`, want: "conv-a"},
+		{name: "blank body value, header's id", body: `,"session_id":" "`,
+			headers: map[string]string{"X-Session-ID": "conv-b"}, want: "conv-b"},
+		{name: "null body value, correlation id", body: `,"session_id":null`,
+			headers: map[string]string{"X-Correlation-ID": "conv-c"}, want: "conv-c"},
+		{name: "empty body value, no session", body: `,"session_id":""`},
+		{name: "body value beside another in vllm_xargs", body: `,"session_id":"conv-d","vllm_xargs":{"session_id":"other"}`,
+			headers: map[string]string{"X-Session-ID": "conv-h"}, want: "conv-d"},
+	}
+	for i, tt := range tests {
+		id := fmt.Sprint("one-session-", i)
+		h := map[string]string{"X-Request-Id": id}
+		for k, v := range tt.headers {
+			h[k] = v
+		}
+		body := fmt.Sprintf(`{"model":%q,"prompt":"where is the session","max_tokens":2%s}`, c.Model, tt.body)
+		status, hdr, resp := testenv.Send(t, "POST", c.URL+"/v1/completions", body, h)
+		if status != http.StatusOK {
+			t.Fatalf("%s: status %d: %s", tt.name, status, resp)
+		}
+		if got := hdr.Get("X-Session-ID"); got != tt.want {
+			t.Errorf("%s: X-Session-ID echo %q, want %q", tt.name, got, tt.want)
+		}
+		_, got := engineOf(t, engines, id)
+		if s := got.Header.Get("X-Session-ID"); s != tt.want {
+			t.Errorf("%s: engine got X-Session-ID %q, want %q", tt.name, s, tt.want)
+		}
+		xs, hasX := got.VLLMXArgs["session_id"]
+		if tt.want != "" && xs != tt.want || tt.want == "" && hasX {
+			t.Errorf("%s: engine got vllm_xargs.session_id %v, want %q", tt.name, xs, tt.want)
+		}
+		bs, hasB := got.Body["session_id"]
+		if tt.want != "" && bs != tt.want || tt.want == "" && hasB {
+			t.Errorf("%s: engine got the body's session_id %#v, want %q (absent when none)", tt.name, bs, tt.want)
+		}
+	}
+}
+
 // TestEngineRelaysFieldForField: kvbus forwards the client's body as it
 // came (tools, response_format, logprobs, n, chat_template_kwargs,
 // kv_transfer_params, vLLM's extra fields), changing only

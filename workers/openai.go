@@ -420,7 +420,8 @@ func newEngineCall(req EngineRequest, model string) (*engineCall, error) {
 	return c, nil
 }
 
-// clientBody is the client's body with the session id, the engine's model
+// clientBody is the client's body with the session id (in vllm_xargs and
+// in the client's own session_id field), the engine's model
 // name and, when streaming, usage in the stream: every other field goes
 // to the engine as the client sent it.
 func clientBody(req EngineRequest, model string) (body []byte, stream, wantUsage bool, err error) {
@@ -452,6 +453,16 @@ func clientBody(req EngineRequest, model string) (body []byte, stream, wantUsage
 		set("vllm_xargs", xargs)
 	} else {
 		delete(fields, "vllm_xargs")
+	}
+	// A later vLLM reads the body's own session_id before X-Session-ID and
+	// vllm_xargs: a client's field goes as the resolved id (trimmed, or the
+	// header's when it was blank), or not at all when there is no session.
+	if _, ok := fields[messages.ExtraArgSessionID]; ok {
+		if req.SessionID != "" {
+			set(messages.ExtraArgSessionID, req.SessionID)
+		} else {
+			delete(fields, messages.ExtraArgSessionID)
+		}
 	}
 	_ = json.Unmarshal(fields["stream"], &stream)
 	if stream {
