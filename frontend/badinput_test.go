@@ -54,6 +54,10 @@ func TestBadInput(t *testing.T) {
 		{"token id out of vocabulary", "POST", "/v1/completions", `{"prompt":[1,2,999999999]}`, nil, 400, "invalid_request_error", "prompt"},
 		{"invalid JSON", "POST", "/v1/chat/completions", `{"messages":`, nil, 400, "invalid_request_error", ""},
 		{"invalid UTF-8", "POST", "/v1/chat/completions", "{\"messages\":[{\"role\":\"user\",\"content\":\"a\xffb\"}]}", nil, 400, "invalid_request_error", ""},
+		// DESIGN §3 names the source of a session id that is not UTF-8;
+		// the whole body's check came first and named nothing.
+		{"session_id not UTF-8", "POST", "/v1/chat/completions", chat(",\"session_id\":\"a\xffb\""), nil, 400, "invalid_request_error", "session_id"},
+		{"vllm_xargs.session_id not UTF-8", "POST", "/v1/completions", "{\"prompt\":\"hi\",\"vllm_xargs\":{\"session_id\":\"a\xffb\"}}", nil, 400, "invalid_request_error", "vllm_xargs.session_id"},
 		{"body too large", "POST", "/v1/completions", `{"prompt":"` + strings.Repeat("a", 5<<20) + `"}`, nil, 413, "invalid_request_error", ""},
 		{"headers too large", "GET", "/v1/models", "", map[string]string{"X-Big": big}, 431, "invalid_request_error", ""},
 		{"unknown model", "POST", "/v1/chat/completions", `{"model":"nope","messages":[{"role":"user","content":"hi"}]}`, nil, 404, "not_found_error", "model"},

@@ -251,6 +251,9 @@ func decodeJSON(body []byte, v any) *APIError {
 		return badRequest("", "request body is empty; send a JSON object")
 	}
 	if !utf8.Valid(body) { // encoding/json would quietly replace the bad bytes
+		if name := sessionNotUTF8(body); name != "" {
+			return badRequest(name, "%s is not valid UTF-8", name) // DESIGN §3 names the source
+		}
 		return badRequest("", "request body is not valid UTF-8")
 	}
 	if hasKeyVariant(body) {

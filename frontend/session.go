@@ -113,6 +113,27 @@ func bodySessionValue(raw json.RawMessage, name string) (string, bool, *APIError
 	return s, s != "", nil
 }
 
+// sessionNotUTF8 names the body's session id field (SourceBody or
+// SourceVLLMXargs, its keys matched as written) whose value is not valid
+// UTF-8, or returns "": the whole body's check must not hide the source
+// of a bad session id.
+func sessionNotUTF8(body []byte) string {
+	var top map[string]json.RawMessage
+	if json.Unmarshal(body, &top) != nil {
+		return ""
+	}
+	if v, ok := top[SourceBody]; ok && !utf8.Valid(v) {
+		return SourceBody
+	}
+	var xargs map[string]json.RawMessage
+	if json.Unmarshal(top["vllm_xargs"], &xargs) == nil {
+		if v, ok := xargs[messages.ExtraArgSessionID]; ok && !utf8.Valid(v) {
+			return SourceVLLMXargs
+		}
+	}
+	return ""
+}
+
 // hasLoneSurrogate reports whether a JSON string literal holds a \uD800–
 // \uDFFF escape that is not a high surrogate followed by a low one: no
 // code point, so no UTF-8.
