@@ -138,7 +138,11 @@ func ReadTrace(r io.Reader, format string) (*Trace, error) {
 	}
 	// The frontend refuses such session ids; replayed onto the bus they
 	// would reach the ranks' logs and the operators' terminals (kvbus top).
-	for i, it := range t.Items {
+	// It trims them first, and a blank one is no session: so here, or the
+	// bus would get sessions the frontend never makes.
+	for i := range t.Items {
+		t.Items[i].SessionID = strings.TrimSpace(t.Items[i].SessionID)
+		it := t.Items[i]
 		if err := messages.CheckSessionID(it.SessionID); err != nil {
 			id := it.SessionID
 			if len(id) > 64 {
