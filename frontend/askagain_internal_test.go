@@ -2,9 +2,11 @@ package frontend
 
 import (
 	"context"
+	"encoding/json"
 	"fmt"
 	"log/slog"
 	"math"
+	"strings"
 	"testing"
 	"time"
 
@@ -248,5 +250,55 @@ func TestAskAgainAbortsACopyItGaveUp(t *testing.T) {
 		case <-deadline:
 			t.Fatal("no Abort for the copy r-again1, which the log may hold")
 		}
+	}
+}
+
+// TestAskedAgainAnswerIDKeepsAClientIDThatJSONEscapes: with --engine
+// openai, a whole answer lost on the bus is asked again under a new bus id,
+// which the engine names its answer after ("chatcmpl-a\"b-<nuid>-again1",
+// escaped in its JSON); the client still gets chatcmpl-<its id>. Before,
+// the frontend renamed the engine id it looks for with the bus ids
+// unescaped, found no quote to rename in the escaped id, and the client got
+// the bus id chatcmpl-a\"b-<nuid>-again1.
+func TestAskedAgainAnswerIDKeepsAClientIDThatJSONEscapes(t *testing.T) {
+	nc, js := startJetStream(t)
+	subj := messages.Subjects{}
+	if _, err := bus.EnsureRequestStream(t.Context(), js, bus.StreamConfig{Subjects: subj}); err != nil {
+		t.Fatal(err)
+	}
+	log := slog.New(slog.DiscardHandler)
+	s := &Server{js: js, cfg: Config{Conn: nc, Subjects: subj, PublishTimeout: time.Second, Passthrough: true}, log: log,
+		pending: map[string]route{}, m: newMetrics(prometheus.NewRegistry(), func() float64 { return 0 })}
+	const clientID, busID = `a"b\c`, `a"b\c-N1`
+	g := &generation{s: s, q: newOutputQueue(1), log: log, wholeAnswer: true, firstByte: time.Now(),
+		engineID: jsonString("chatcmpl-" + busID), clientID: jsonString("chatcmpl-" + clientID)}
+	c := &choiceState{busID: busID, buffered: true,
+		req: &messages.Request{RequestID: busID, Model: "m", FrontendID: "fe", ArrivalUnixMs: time.Now().UnixMilli(), PromptTokenIDs: []uint32{1}}}
+	g.choices = []*choiceState{c}
+	s.register(busID, g.q, 0)
+	next := func(o *messages.Output) []choiceOutput {
+		g.q.push(0, o)
+		ctx, cancel := context.WithTimeout(t.Context(), 300*time.Millisecond)
+		defer cancel()
+		items, _ := g.next(ctx, time.NewTimer(time.Hour))
+		return items
+	}
+	// Nothing heard after a reconnect, and no driver holds it: asked again.
+	if items := next(&messages.Output{ReqID: busID, Attempt: math.MaxInt32, Error: &messages.OutputError{Code: codeOutputLost}}); len(items) > 0 {
+		t.Fatalf("outputs reached the client: %+v", items[0].out)
+	}
+	again := busID + "-again1"
+	if c.busID != again {
+		t.Fatalf("following %q; want %q", c.busID, again)
+	}
+	engineID, _ := json.Marshal("chatcmpl-" + again)
+	raw := `{"id":` + string(engineID) + `,"object":"chat.completion","choices":[]}`
+	items := next(&messages.Output{ReqID: again, Attempt: 1, Raw: []byte(raw), FinishReason: "stop"})
+	if len(items) != 1 {
+		t.Fatalf("%d outputs reached the client; want the answer", len(items))
+	}
+	want, _ := json.Marshal("chatcmpl-" + clientID)
+	if got := string(items[0].out.Raw); !strings.Contains(got, `"id":`+string(want)+`,`) {
+		t.Errorf("the client got %s; want the id %s", got, want)
 	}
 }

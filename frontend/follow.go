@@ -251,9 +251,7 @@ func (g *generation) askAgain(ctx context.Context, i int, why string, hedge bool
 	c.busID, c.attempt, c.nextIndex, c.started = req.RequestID, 0, 0, false
 	c.text.Reset()
 	c.usage = messages.Usage{}
-	if g.engineID != nil { // the engine names its answer after the bus id
-		g.engineID = bytes.Replace(g.engineID, []byte(old), []byte(req.RequestID), 1)
-	}
+	g.renameEngineID(old, req.RequestID) // the engine names its answer after the bus id
 	return true
 }
 
@@ -263,9 +261,7 @@ func (g *generation) settleHedge(c *choiceState, from string) {
 	loser := c.hedged
 	if from == c.hedged {
 		loser = c.busID
-		if g.engineID != nil {
-			g.engineID = bytes.Replace(g.engineID, []byte(c.busID), []byte(from), 1)
-		}
+		g.renameEngineID(c.busID, from)
 		c.busID = from
 	}
 	c.hedged = ""
@@ -476,6 +472,18 @@ func (g *generation) completed() {
 // no prompt_tokens_details, which vLLM leaves out there.
 func (c *choiceState) usageSoFar(completion int) *usageJSON {
 	return &usageJSON{PromptTokens: c.promptTokens, CompletionTokens: completion, TotalTokens: c.promptTokens + completion}
+}
+
+// renameEngineID puts bus id to in place of bus id from in g.engineID (the
+// engine names its answer after the bus id it was sent): the choice was
+// asked again, or its other copy is followed. engineID is a JSON string,
+// so the ids are looked for escaped as it holds them (a client's id may
+// hold a quote or a backslash).
+func (g *generation) renameEngineID(from, to string) {
+	if g.engineID != nil {
+		f, t := jsonString(from), jsonString(to)
+		g.engineID = bytes.Replace(g.engineID, f[1:len(f)-1], t[1:len(t)-1], 1)
+	}
 }
 
 // jsonString is id as a JSON string, as vLLM writes it in an answer: a
