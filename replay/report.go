@@ -392,7 +392,8 @@ func ms(d time.Duration) float64 { return math.Round(float64(d)/1e3) / 1e3 }
 // it (a captured request its own, a trace's DefaultModel). The model seeds
 // the block hashes with a captured request's LoRA adapter and cache_salt,
 // as the scheduler's: prompts of two models, adapters or salts share
-// nothing.
+// nothing (a request replayed as another model's goes without its
+// adapter).
 func IdealHitRatio(items []Item, model string, blockSize int) float64 {
 	if blockSize < 1 {
 		return 0
@@ -405,7 +406,11 @@ func IdealHitRatio(items []Item, model string, blockSize int) float64 {
 		if it.Request != nil {
 			asked, lora, salt = it.Request.Model, it.Request.LoRAName, it.Request.CacheSalt
 		}
-		seed := scheduler.PromptSeed(cmp.Or(model, asked, DefaultModel), lora, salt)
+		m := cmp.Or(model, asked, DefaultModel)
+		if m != asked {
+			lora = "" // sent without it (Replayer.request)
+		}
+		seed := scheduler.PromptSeed(m, lora, salt)
 		hashes = scheduler.HashBlocks(hashes[:0], seed, it.Prompt, blockSize)
 		n := 0
 		for n < len(hashes) {

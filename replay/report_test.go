@@ -391,3 +391,29 @@ func TestIdealHitRatioKeepsSaltsApart(t *testing.T) {
 		}
 	}
 }
+
+// TestIdealHitRatioKeepsAdaptersApart: a captured request's LoRA adapter
+// seeds its blocks as the scheduler seeds them, so the ideal cache shares
+// nothing between an adapter's prompts and the base model's, unless the
+// replay asks for another model (--model), which sends every request
+// without its adapter (Replayer.request): then they share as the replay's
+// do. Before, the adapter still counted there, and a replay that found
+// more cached than that ideal was warned of a hit ratio above it.
+func TestIdealHitRatioKeepsAdaptersApart(t *testing.T) {
+	prompt := make([]uint32, 33) // two full blocks and one token more
+	for i := range prompt {
+		prompt[i] = uint32(i + 1)
+	}
+	items := []replay.Item{
+		{Prompt: prompt, Request: &messages.Request{Model: "m", LoRAName: "sql-lora", PromptTokenIDs: prompt}},
+		{Prompt: prompt, Request: &messages.Request{Model: "m", PromptTokenIDs: prompt}},
+	}
+	for _, tc := range []struct {
+		model string
+		want  float64
+	}{{"", 0}, {"m", 0}, {"other", 32.0 / 66}} {
+		if got := replay.IdealHitRatio(items, tc.model, 16); got != tc.want {
+			t.Errorf("model %q: ideal hit ratio %v, want %v", tc.model, got, tc.want)
+		}
+	}
+}
