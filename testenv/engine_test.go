@@ -1049,3 +1049,29 @@ func TestEngineAnswerLargerThanTheBusTakes(t *testing.T) {
 		t.Fatalf("through kvbus: %d, %d bytes of text (answer %.300s); want 200 and the engine's %d bytes", status, len(got), raw, len(want))
 	}
 }
+
+// TestEngineModelKeepsAnAdapterTheEngineServes: with --engine-model (the
+// engine serves the model under another name than kvbus's --model), a
+// request for kvbus's name reaches the engine under the engine's, and a
+// request for a LoRA adapter the engine lists keeps the adapter's name, as
+// any model the engines list keeps its name in the body they get. It
+// failed before: the worker put the engine's model name in every body, so
+// the adapter's request ran on the base model (its answer named it),
+// while kvbus hashed its prompt as the adapter's.
+func TestEngineModelKeepsAnAdapterTheEngineServes(t *testing.T) {
+	c, _ := engineClusterWith(t, 1, func(_ int, cfg *fakeengine.Config) {
+		cfg.ModelName, cfg.LoRAModules = "org/served-model", []string{"sql-lora"}
+	}, func(cc *testenv.ClusterConfig) {
+		for i := range cc.Engines {
+			cc.Engines[i].OpenAI.Model = "org/served-model"
+		}
+	})
+	for _, tc := range []struct{ asked, want string }{{c.Model, "org/served-model"}, {"sql-lora", "sql-lora"}} {
+		status, _, body := testenv.Send(t, "POST", c.URL+"/v1/chat/completions",
+			fmt.Sprintf(`{"model":%q,"max_tokens":2,"messages":[{"role":"user","content":"hi"}]}`, tc.asked), nil)
+		var r struct{ Model string }
+		if err := json.Unmarshal(body, &r); status != http.StatusOK || err != nil || r.Model != tc.want {
+			t.Errorf("model %s: %d %.300s; want the answer of %s", tc.asked, status, body, tc.want)
+		}
+	}
+}

@@ -421,8 +421,8 @@ func newEngineCall(req EngineRequest, model string) (*engineCall, error) {
 }
 
 // clientBody is the client's body with the session id (in vllm_xargs and
-// in the client's own session_id field), the engine's model
-// name and, when streaming, usage in the stream: every other field goes
+// in the client's own session_id field), the engine's model name for
+// kvbus's and, when streaming, usage in the stream: every other field goes
 // to the engine as the client sent it.
 func clientBody(req EngineRequest, model string) (body []byte, stream, wantUsage bool, err error) {
 	var fields map[string]json.RawMessage
@@ -433,7 +433,12 @@ func clientBody(req EngineRequest, model string) (body []byte, stream, wantUsage
 		b, _ := json.Marshal(v)
 		fields[k] = b
 	}
-	if model != "" {
+	// The engine's name stands for kvbus's (the bus's model, unknown to
+	// an older scheduler): a model the engine lists itself (a LoRA adapter
+	// of its model, another name) keeps the client's name.
+	var asked string
+	_ = json.Unmarshal(fields["model"], &asked)
+	if model != "" && (asked == "" || req.Model == "" || asked == req.Model) {
 		set("model", model)
 	}
 	// vllm_xargs.session_id is where vLLM's Mooncake connector reads the

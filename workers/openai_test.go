@@ -98,6 +98,7 @@ func TestClientBody(t *testing.T) {
 		body      string
 		session   string
 		model     string
+		busModel  string            // kvbus's model, the request's on the bus
 		wantModel string            // "" when the model field is unchanged
 		wantXargs map[string]string // nil: no vllm_xargs field; values are JSON
 		stream    bool
@@ -127,6 +128,10 @@ func TestClientBody(t *testing.T) {
 			wantXargs: map[string]string{"session_id": `"s"`, "priority": "3", "x": `{"y":null}`}},
 		{name: "model override without a client model",
 			body: `{"prompt":"p"}`, model: "served", wantModel: `"served"`},
+		{name: "model override of kvbus's model",
+			body: `{"prompt":"p","model":"kvbus-model"}`, model: "served", busModel: "kvbus-model", wantModel: `"served"`},
+		{name: "no model override of a model the engine lists (a LoRA adapter)",
+			body: `{"prompt":"p","model":"sql-lora"}`, model: "served", busModel: "kvbus-model"},
 		{name: "stream false: no stream_options added",
 			body: `{"prompt":"p","stream":false}`},
 		{name: "stream without stream_options: usage asked of the engine, not wanted by the client",
@@ -165,7 +170,7 @@ func TestClientBody(t *testing.T) {
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
 			t.Parallel()
-			out, stream, wantUsage, err := clientBody(EngineRequest{SessionID: tt.session, Body: []byte(tt.body)}, tt.model)
+			out, stream, wantUsage, err := clientBody(EngineRequest{SessionID: tt.session, Model: tt.busModel, Body: []byte(tt.body)}, tt.model)
 			if err != nil {
 				t.Fatalf("clientBody: %v", err)
 			}
