@@ -37,6 +37,23 @@ func (r *Rank) drive(rr *rankReq) {
 		}
 		r.replay.publish(kept, data, send)
 	}
+	// fit makes o fit in one message on the bus: an engine's whole answer
+	// too large for one goes in parts (splitAnswer), all but the last
+	// published here. It returns fitsBus's error when o cannot be split.
+	fit := func(o *messages.Output) error {
+		err := r.fitsBus(o)
+		if err == nil {
+			return nil
+		}
+		parts := r.splitAnswer(o, meta.Stream)
+		if parts == nil {
+			return err
+		}
+		for _, p := range parts {
+			publish(p)
+		}
+		return nil
+	}
 	cached := min(rr.loaded, max(meta.TokenLen-1, 0)) // at least one token is computed
 	storeQueued := false
 	var last *Chunk // the answer's last chunk, when the engine marks it
@@ -65,14 +82,8 @@ func (r *Rank) drive(rr *rankReq) {
 			return nil
 		}
 		o := &messages.Output{Text: c.Text, TokenIDs: c.TokenIDs, Raw: c.Raw}
-		if err := r.fitsBus(o); err != nil {
-			parts := r.splitAnswer(o, meta.Stream)
-			if parts == nil {
-				return err // the generation ends with it, and the client hears why
-			}
-			for _, p := range parts {
-				publish(p)
-			}
+		if err := fit(o); err != nil {
+			return err // the generation ends with it, and the client hears why
 		}
 		publish(o)
 		return nil
@@ -101,14 +112,8 @@ func (r *Rank) drive(rr *rankReq) {
 		final := &messages.Output{FinishReason: res.FinishReason, StopReason: res.StopReason, Usage: usage}
 		if last != nil {
 			final.Text, final.TokenIDs, final.Raw = last.Text, last.TokenIDs, last.Raw
-			if err := r.fitsBus(final); err != nil {
-				if parts := r.splitAnswer(final, meta.Stream); parts != nil {
-					for _, p := range parts {
-						publish(p)
-					}
-				} else {
-					final = &messages.Output{Usage: usage, Error: &messages.OutputError{Code: "engine_error", Message: err.Error()}}
-				}
+			if err := fit(final); err != nil {
+				final = &messages.Output{Usage: usage, Error: &messages.OutputError{Code: "engine_error", Message: err.Error()}}
 			}
 		}
 		publish(final)
