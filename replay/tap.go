@@ -55,6 +55,8 @@ func Tap(ctx context.Context, cfg TapConfig, w io.Writer) error {
 		return fmt.Errorf("replay: tap: %w: tap reads every subject it is given; give it the observer key (--nats-nkey DIR/observer.nk, "+
 			"written by `kvbus auth init DIR`) or the admin key", err)
 	}
+	// The session as the frontend resolved it: trimmed, as it trims ids.
+	cfg.SessionID = strings.TrimSpace(cfg.SessionID)
 	key := messages.SessionKey(cfg.SessionID)
 	for {
 		m, err := sub.NextMsgWithContext(ctx)
