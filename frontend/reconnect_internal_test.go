@@ -32,6 +32,24 @@ func reconnectingConn(t *testing.T) (*bus.Server, string, *nats.Conn) {
 	return srv, srv.Addr().String(), nc
 }
 
+// restartNATS stops srv, starts a server at its address (stopped at the
+// test's end) and waits until nc reconnected to it.
+func restartNATS(t *testing.T, srv *bus.Server, addr string, nc *nats.Conn) *bus.Server {
+	t.Helper()
+	srv.Shutdown()
+	srv2, err := bus.StartServer(bus.ServerConfig{Addr: addr, DataDir: t.TempDir()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(srv2.Shutdown)
+	for deadline := time.Now().Add(10 * time.Second); nc.Stats().Reconnects == 0; time.Sleep(10 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatal("the connection did not reconnect: the fault did not take effect")
+		}
+	}
+	return srv2
+}
+
 // TestOutputsLostAcrossAReconnect: the NATS server restarts under a
 // frontend with two requests in flight. One hears an output after the
 // reconnect (it is generating); the other hears nothing: its answer ended
@@ -64,17 +82,7 @@ func TestOutputsLostAcrossAReconnect(t *testing.T) {
 	wg.Go(func() { s.watchReconnects(ctx) })
 	defer func() { cancel(); wg.Wait() }()
 
-	srv.Shutdown()
-	srv2, err := bus.StartServer(bus.ServerConfig{Addr: addr, DataDir: t.TempDir()})
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer srv2.Shutdown()
-	for deadline := time.Now().Add(10 * time.Second); nc.Stats().Reconnects == 0; time.Sleep(10 * time.Millisecond) {
-		if time.Now().After(deadline) {
-			t.Fatal("the connection did not reconnect: the fault did not take effect")
-		}
-	}
+	restartNATS(t, srv, addr, nc)
 	time.Sleep(2 * reconnectCheckEvery) // the watcher has seen the reconnect
 	hearing.push(0, &messages.Output{ReqID: "hearing", Index: 3, Text: "more"})
 	repeated.push(0, first)
@@ -188,17 +196,7 @@ func TestResendRightAfterAReconnectWaitsForTheDrivers(t *testing.T) {
 		t.Fatalf("no driver, no reconnect: %v after %s; want no responders at once", err, time.Since(start))
 	}
 
-	srv.Shutdown()
-	srv2, err := bus.StartServer(bus.ServerConfig{Addr: addr, DataDir: t.TempDir()})
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer srv2.Shutdown()
-	for deadline := time.Now().Add(10 * time.Second); nc.Stats().Reconnects == 0; time.Sleep(10 * time.Millisecond) {
-		if time.Now().After(deadline) {
-			t.Fatal("the connection did not reconnect: the fault did not take effect")
-		}
-	}
+	srv2 := restartNATS(t, srv, addr, nc)
 	if _, err := nc.Request(subj.Resend(), data, time.Second); !errors.Is(err, nats.ErrNoResponders) {
 		t.Fatalf("right after the reconnect, a plain request got %v; want no responders (the fault)", err)
 	}
