@@ -18,7 +18,7 @@ import (
 
 // authCmd manages the roles' identities on the bus.
 type authCmd struct {
-	Init  authInitCmd  `cmd:"" help:"Write one nkey seed per role (frontend, scheduler, worker, admin) and nats-auth.conf, the nats-server authorization block giving each role only its subjects."`
+	Init  authInitCmd  `cmd:"" help:"Write one nkey seed per role (frontend, scheduler, worker, observer, admin) and nats-auth.conf, the nats-server authorization block giving each role only its subjects."`
 	Show  authShowCmd  `cmd:"" help:"Print who may publish and subscribe where, for the keys in DIR."`
 	Probe authProbeCmd `cmd:"" help:"Publish once with a key and report whether the server allowed it (exit 0) or refused it with a permissions violation (exit 3)."`
 }
