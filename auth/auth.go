@@ -110,7 +110,6 @@ func kvBucket(bucket, keys string) []string {
 // identity with a group is limited to that group's ReqMetas, dumps, pool,
 // KV events and heartbeats.
 func For(s messages.Subjects, id Identity) (Permissions, error) {
-	p := func(rest string) string { return s.All()[:len(s.All())-1] + rest } // "kvbus." + rest
 	requestStream := s.RequestStream()
 	// Each role reads only its own reply inbox (bus.InboxPrefix): with
 	// _INBOX.> for all, any key could read the request log's deliveries to
@@ -120,17 +119,17 @@ func For(s messages.Subjects, id Identity) (Permissions, error) {
 	switch id.Role {
 	case RoleFrontend:
 		return Permissions{
-			Publish: slices.Concat([]string{p("req.>"), s.Abort(), s.Resend(), jsAPI + "INFO"},
+			Publish: slices.Concat([]string{s.RequestAll(), s.Abort(), s.Resend(), jsAPI + "INFO"},
 				streamAPI(requestStream, "INFO", "CREATE", "UPDATE"),
 				[]string{jsAPI + "CONSUMER.INFO." + requestStream + "." + schedulerConsumer,
 					jsAPI + "CONSUMER.CREATE." + requestStream + "." + schedulerConsumer,
 					jsAPI + "CONSUMER.CREATE." + requestStream + "." + schedulerConsumer + ".>",
 					jsAPI + "CONSUMER.DURABLE.CREATE." + requestStream + "." + schedulerConsumer}),
-			Subscribe: append([]string{p("out.*"), s.AnnounceRole(messages.RoleScheduler)}, inbox...),
+			Subscribe: append([]string{s.OutAll(), s.AnnounceRole(messages.RoleScheduler)}, inbox...),
 		}, nil
 	case RoleScheduler:
 		return Permissions{
-			Publish: slices.Concat([]string{p("meta.>"), p("out.*"), s.Abort(), p("ctl.dump.>"), s.PlanAll(),
+			Publish: slices.Concat([]string{s.MetaAll(), s.OutAll(), s.Abort(), s.DumpAll(), s.PlanAll(),
 				s.AnnounceRole(messages.RoleScheduler), jsAPI + "INFO"},
 				// MSG.GET: a dead replica's requests, adopted (scheduler/peers.go).
 				streamAPI(requestStream, "INFO", "CREATE", "UPDATE", "PURGE", "MSG.GET"),
@@ -146,7 +145,7 @@ func For(s messages.Subjects, id Identity) (Permissions, error) {
 				streamAPI(s.PlanStream(), "INFO", "CREATE"),
 				[]string{jsAPI + "CONSUMER.CREATE." + s.PlanStream() + ".>", jsAPI + "CONSUMER.MSG.NEXT." + s.PlanStream() + ".>",
 					jsAPI + "CONSUMER.DELETE." + s.PlanStream() + ".>", jsAPI + "CONSUMER.INFO." + s.PlanStream() + ".>"}),
-			Subscribe: append([]string{p("done.*"), s.KVAll(), s.HeartbeatAll(), s.PlanAll(), s.Abort(),
+			Subscribe: append([]string{s.DoneAll(), s.KVAll(), s.HeartbeatAll(), s.PlanAll(), s.Abort(),
 				s.AnnounceRole(messages.RoleScheduler)}, inbox...),
 		}, nil
 	case RoleWorker:
@@ -160,13 +159,13 @@ func For(s messages.Subjects, id Identity) (Permissions, error) {
 			slots = g + ".*" // its group's slots (--rank auto --group g): <group>.<rank>
 		}
 		return Permissions{
-			Publish: slices.Concat([]string{p("kv." + g + ".*"), p("hb." + g + ".*"), p("done.*"), p("out.*"),
+			Publish: slices.Concat([]string{s.KVGroup(g), s.HeartbeatGroup(g), s.DoneAll(), s.OutAll(),
 				// Pool reads and hand-offs go to any group; the drain plan
 				// only to its own (outside pool.>, which pool.*.* covers).
-				p("pool.*.*"), p("pool.*.*.handoff"), p("drain." + g), jsAPI + "INFO"},
+				s.PoolAny(), s.HandoffAny(), s.Drain(g), jsAPI + "INFO"},
 				kvBucket(s.SlotBucket(), slots)),
-			Subscribe: append([]string{p("meta." + g + ".>"), s.Abort(), s.Resend(), p("ctl.dump." + g + ".*"), p("pool." + g + ".>"),
-				p("drain." + g), s.HeartbeatAll()}, inbox...),
+			Subscribe: append([]string{s.MetaGroup(g), s.Abort(), s.Resend(), s.DumpGroup(g), s.PoolGroup(g),
+				s.Drain(g), s.HeartbeatAll()}, inbox...),
 			Responses: maxResponses,
 		}, nil
 	case RoleObserver:

@@ -4,6 +4,7 @@ import (
 	"errors"
 	"fmt"
 	"strconv"
+	"strings"
 
 	"github.com/zeebo/xxh3"
 )
@@ -29,6 +30,23 @@ const MaxGroups = 1024
 
 // NoSession is the session key of a request without a session id.
 const NoSession = "none"
+
+// Kinds: the token after the prefix that tells what a subject carries
+// (kvbus.<kind>.…). Subjects spells every subject with them; a role that
+// routes what it hears on kvbus.> reads them back with Subjects.Kind.
+const (
+	KindRequest   = "req"
+	KindMeta      = "meta"
+	KindDone      = "done"
+	KindOut       = "out"
+	KindKV        = "kv"
+	KindHeartbeat = "hb"
+	KindControl   = "ctl"
+	KindAnnounce  = "ann"
+	KindScheduler = "sched"
+	KindPool      = "pool"
+	KindDrain     = "drain"
+)
 
 // ErrBadName is wrapped when a group name, prefix or id cannot be a subject
 // token.
@@ -144,77 +162,85 @@ func (s Subjects) jetStreamName(base string) string {
 func (s Subjects) Validate() error { return ValidateToken("subject prefix", s.p()) }
 
 // Request is kvbus.req.<model-token>, where the frontend publishes.
-func (s Subjects) Request(model string) string { return s.p() + ".req." + ModelToken(model) }
+func (s Subjects) Request(model string) string {
+	return s.p() + "." + KindRequest + "." + ModelToken(model)
+}
 
 // RequestAll is kvbus.req.>, the subjects of the request stream.
-func (s Subjects) RequestAll() string { return s.p() + ".req.>" }
+func (s Subjects) RequestAll() string { return s.p() + "." + KindRequest + ".>" }
 
 // Meta is kvbus.meta.<group>.<session-key>, where the scheduler publishes a
 // ReqMeta for a group.
 func (s Subjects) Meta(group, sessionID string) string {
-	return s.p() + ".meta." + group + "." + SessionKey(sessionID)
+	return s.p() + "." + KindMeta + "." + group + "." + SessionKey(sessionID)
 }
 
 // MetaGroup is kvbus.meta.<group>.>, what every rank of a group subscribes.
-func (s Subjects) MetaGroup(group string) string { return s.p() + ".meta." + group + ".>" }
+func (s Subjects) MetaGroup(group string) string { return s.p() + "." + KindMeta + "." + group + ".>" }
 
 // MetaSession is kvbus.meta.*.<session-key>: one conversation across groups.
 func (s Subjects) MetaSession(sessionID string) string {
-	return s.p() + ".meta.*." + SessionKey(sessionID)
+	return s.p() + "." + KindMeta + ".*." + SessionKey(sessionID)
 }
 
 // Done is kvbus.done.<scheduler-id>, where ranks report RankResults.
-func (s Subjects) Done(schedulerID string) string { return s.p() + ".done." + schedulerID }
+func (s Subjects) Done(schedulerID string) string { return s.p() + "." + KindDone + "." + schedulerID }
 
 // Out is kvbus.out.<frontend-id>, where the driver rank streams Outputs.
-func (s Subjects) Out(frontendID string) string { return s.p() + ".out." + frontendID }
+func (s Subjects) Out(frontendID string) string { return s.p() + "." + KindOut + "." + frontendID }
 
 // KV is kvbus.kv.<group>.<rank>, a rank's KV events.
 func (s Subjects) KV(group string, rank int) string {
-	return s.p() + ".kv." + group + "." + strconv.Itoa(rank)
+	return s.p() + "." + KindKV + "." + group + "." + strconv.Itoa(rank)
 }
 
 // KVAll is kvbus.kv.>, every rank's KV events.
-func (s Subjects) KVAll() string { return s.p() + ".kv.>" }
+func (s Subjects) KVAll() string { return s.p() + "." + KindKV + ".>" }
 
 // Heartbeat is kvbus.hb.<group>.<rank>.
 func (s Subjects) Heartbeat(group string, rank int) string {
-	return s.p() + ".hb." + group + "." + strconv.Itoa(rank)
+	return s.p() + "." + KindHeartbeat + "." + group + "." + strconv.Itoa(rank)
 }
 
 // HeartbeatAll is kvbus.hb.>, every rank's heartbeats.
-func (s Subjects) HeartbeatAll() string { return s.p() + ".hb.>" }
+func (s Subjects) HeartbeatAll() string { return s.p() + "." + KindHeartbeat + ".>" }
 
 // Abort is kvbus.ctl.abort.
-func (s Subjects) Abort() string { return s.p() + ".ctl.abort" }
+func (s Subjects) Abort() string { return s.p() + "." + KindControl + ".abort" }
 
 // Resend is kvbus.ctl.resend, a request to the driver rank of a request
 // for outputs lost on the bus (see Resend).
-func (s Subjects) Resend() string { return s.p() + ".ctl.resend" }
+func (s Subjects) Resend() string { return s.p() + "." + KindControl + ".resend" }
 
 // Dump is kvbus.ctl.dump.<group>.<rank>, a request/reply for a full
 // KVEventBatch of what a rank holds.
 func (s Subjects) Dump(group string, rank int) string {
-	return s.p() + ".ctl.dump." + group + "." + strconv.Itoa(rank)
+	return s.p() + "." + KindControl + ".dump." + group + "." + strconv.Itoa(rank)
 }
 
 // Announce is kvbus.ann.<role>.<id>, where a process announces itself.
-func (s Subjects) Announce(role, id string) string { return s.p() + ".ann." + role + "." + id }
+func (s Subjects) Announce(role, id string) string {
+	return s.p() + "." + KindAnnounce + "." + role + "." + id
+}
 
 // AnnounceRole is kvbus.ann.<role>.*, every announcement of one role.
-func (s Subjects) AnnounceRole(role string) string { return s.p() + ".ann." + role + ".*" }
+func (s Subjects) AnnounceRole(role string) string {
+	return s.p() + "." + KindAnnounce + "." + role + ".*"
+}
 
 // Plan is kvbus.sched.plan.<scheduler-id>, where a scheduler replica
 // publishes its SavePlans.
-func (s Subjects) Plan(schedulerID string) string { return s.p() + ".sched.plan." + schedulerID }
+func (s Subjects) Plan(schedulerID string) string {
+	return s.p() + "." + KindScheduler + ".plan." + schedulerID
+}
 
 // PlanAll is kvbus.sched.plan.*, every replica's SavePlans.
-func (s Subjects) PlanAll() string { return s.p() + ".sched.plan.*" }
+func (s Subjects) PlanAll() string { return s.p() + "." + KindScheduler + ".plan.*" }
 
 // Pool is kvbus.pool.<group>.<rank>, where a rank answers PoolReads for
 // its segment of the KV pool.
 func (s Subjects) Pool(group string, rank int) string {
-	return s.p() + ".pool." + group + "." + strconv.Itoa(rank)
+	return s.p() + "." + KindPool + "." + group + "." + strconv.Itoa(rank)
 }
 
 // Handoff is kvbus.pool.<group>.<rank>.handoff, where a rank takes blocks
@@ -228,7 +254,57 @@ func (s Subjects) Handoff(group string, rank int) string {
 // because a worker key may publish PoolReads to any group's
 // kvbus.pool.<group>.<rank>, a pattern (pool.*.*) that would match every
 // group's plan there too.
-func (s Subjects) Drain(group string) string { return s.p() + ".drain." + group }
+func (s Subjects) Drain(group string) string { return s.p() + "." + KindDrain + "." + group }
+
+// Wildcard patterns, for subscriptions and for the permissions kvbus auth
+// gives each role. A group argument may be "*" (every group).
+
+// MetaAll is kvbus.meta.>, every group's ReqMetas.
+func (s Subjects) MetaAll() string { return s.p() + "." + KindMeta + ".>" }
+
+// DoneAll is kvbus.done.*, every scheduler's RankResults.
+func (s Subjects) DoneAll() string { return s.Done("*") }
+
+// OutAll is kvbus.out.*, every frontend's Outputs.
+func (s Subjects) OutAll() string { return s.Out("*") }
+
+// KVGroup is kvbus.kv.<group>.*, the KV events of a group's ranks.
+func (s Subjects) KVGroup(group string) string { return s.p() + "." + KindKV + "." + group + ".*" }
+
+// HeartbeatGroup is kvbus.hb.<group>.*, the heartbeats of a group's ranks.
+func (s Subjects) HeartbeatGroup(group string) string {
+	return s.p() + "." + KindHeartbeat + "." + group + ".*"
+}
+
+// DumpGroup is kvbus.ctl.dump.<group>.*, the dump requests to a group's
+// ranks.
+func (s Subjects) DumpGroup(group string) string {
+	return s.p() + "." + KindControl + ".dump." + group + ".*"
+}
+
+// DumpAll is kvbus.ctl.dump.>, the dump requests to every rank.
+func (s Subjects) DumpAll() string { return s.p() + "." + KindControl + ".dump.>" }
+
+// PoolAny is kvbus.pool.*.*, the pool reads to any rank of any group.
+func (s Subjects) PoolAny() string { return s.p() + "." + KindPool + ".*.*" }
+
+// HandoffAny is kvbus.pool.*.*.handoff, the hand-offs to any rank.
+func (s Subjects) HandoffAny() string { return s.PoolAny() + ".handoff" }
+
+// PoolGroup is kvbus.pool.<group>.>, a group's pool reads and hand-offs.
+func (s Subjects) PoolGroup(group string) string { return s.p() + "." + KindPool + "." + group + ".>" }
+
+// Kind returns the kind token of a subject under this prefix (KindMeta for
+// kvbus.meta.g0.<key>), and the rest after it ("g0.<key>"), or "" when
+// the subject is not under the prefix.
+func (s Subjects) Kind(subject string) (kind, rest string) {
+	p := s.p() + "."
+	if !strings.HasPrefix(subject, p) {
+		return "", ""
+	}
+	kind, rest, _ = strings.Cut(subject[len(p):], ".")
+	return kind, rest
+}
 
 // All is kvbus.>, every kvbus subject.
 func (s Subjects) All() string { return s.p() + ".>" }

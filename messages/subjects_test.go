@@ -160,6 +160,24 @@ func TestSubjects(t *testing.T) {
 			{"Abort", s.Abort(), p + ".ctl.abort"},
 			{"Dump", s.Dump("g0", 12), p + ".ctl.dump.g0.12"},
 			{"All", s.All(), p + ".>"},
+			{"Resend", s.Resend(), p + ".ctl.resend"},
+			{"Announce", s.Announce("scheduler", "s1"), p + ".ann.scheduler.s1"},
+			{"AnnounceRole", s.AnnounceRole("scheduler"), p + ".ann.scheduler.*"},
+			{"Plan", s.Plan("s1"), p + ".sched.plan.s1"},
+			{"PlanAll", s.PlanAll(), p + ".sched.plan.*"},
+			{"Pool", s.Pool("g0", 2), p + ".pool.g0.2"},
+			{"Handoff", s.Handoff("g0", 2), p + ".pool.g0.2.handoff"},
+			{"Drain", s.Drain("g0"), p + ".drain.g0"},
+			{"MetaAll", s.MetaAll(), p + ".meta.>"},
+			{"DoneAll", s.DoneAll(), p + ".done.*"},
+			{"OutAll", s.OutAll(), p + ".out.*"},
+			{"KVGroup", s.KVGroup("g0"), p + ".kv.g0.*"},
+			{"HeartbeatGroup", s.HeartbeatGroup("*"), p + ".hb.*.*"},
+			{"DumpGroup", s.DumpGroup("g0"), p + ".ctl.dump.g0.*"},
+			{"DumpAll", s.DumpAll(), p + ".ctl.dump.>"},
+			{"PoolAny", s.PoolAny(), p + ".pool.*.*"},
+			{"HandoffAny", s.HandoffAny(), p + ".pool.*.*.handoff"},
+			{"PoolGroup", s.PoolGroup("g0"), p + ".pool.g0.>"},
 		}
 	}
 	for _, prefix := range []struct {
@@ -175,6 +193,21 @@ func TestSubjects(t *testing.T) {
 				t.Errorf("prefix %q: %s = %q, want %q", prefix.s.Prefix, sp.name, sp.got, sp.want)
 			}
 		}
+	}
+	for _, tt := range []struct{ subject, kind, rest string }{
+		{Subjects{}.Meta("g0", session), KindMeta, "g0." + key},
+		{Subjects{}.Abort(), KindControl, "abort"},
+		{Subjects{}.Out("fe-0"), KindOut, "fe-0"},
+		{"kvbus", "", ""},
+		{"kvbusx.req.m", "", ""},
+		{"xy.req.m", "", ""},
+	} {
+		if kind, rest := (Subjects{}).Kind(tt.subject); kind != tt.kind || rest != tt.rest {
+			t.Errorf("Kind(%q) = %q, %q; want %q, %q", tt.subject, kind, rest, tt.kind, tt.rest)
+		}
+	}
+	if kind, rest := (Subjects{Prefix: "xy"}).Kind("xy.req.m"); kind != KindRequest || rest != "m" {
+		t.Errorf(`Kind("xy.req.m") under prefix xy = %q, %q; want "req", "m"`, kind, rest)
 	}
 	if key == "" || !strings.HasSuffix(Subjects{}.Meta("g0", session), "."+key) {
 		t.Errorf("Meta does not end in the session key %q", key)

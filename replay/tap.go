@@ -33,8 +33,6 @@ func Tap(ctx context.Context, cfg TapConfig, w io.Writer) error {
 	}
 	enc := json.NewEncoder(w)
 	ids := map[string]bool{} // request ids of the session
-	prefix := cfg.Subjects.All()
-	prefix = prefix[:len(prefix)-1] // "kvbus."
 	// Queued in the client while the output is slower than the bus (a
 	// terminal, a pipe to jq): a channel of 4,096 dropped the rest of a
 	// burst. Bounded all the same, and a loss is said.
@@ -72,7 +70,7 @@ func Tap(ctx context.Context, cfg TapConfig, w io.Writer) error {
 			}
 			return err
 		}
-		kind, v := decodeAny(strings.TrimPrefix(m.Subject, prefix), m.Data)
+		kind, v := decodeAny(cfg.Subjects, m.Subject, m.Data)
 		if cfg.SessionID != "" && !keepForSession(kind, m.Subject, v, cfg.SessionID, key, ids) {
 			continue
 		}
@@ -114,36 +112,36 @@ func keepForSession(kind, subject string, v any, sessionID, key string, ids map[
 	return false
 }
 
-// decodeAny decodes a payload by its subject (without the prefix).
-func decodeAny(rest string, data []byte) (string, any) {
-	kind, _, _ := strings.Cut(rest, ".")
+// decodeAny decodes a payload by its subject.
+func decodeAny(s messages.Subjects, subject string, data []byte) (string, any) {
+	kind, rest := s.Kind(subject)
 	var (
 		v   any
 		err error
 	)
 	switch kind {
-	case "req":
+	case messages.KindRequest:
 		v, err = messages.DecodeRequest(data)
-	case "meta":
+	case messages.KindMeta:
 		v, err = messages.DecodeReqMeta(data)
-	case "done":
+	case messages.KindDone:
 		v, err = messages.DecodeRankResult(data)
-	case "out":
+	case messages.KindOut:
 		v, err = messages.DecodeOutput(data)
-	case "kv":
+	case messages.KindKV:
 		v, err = messages.DecodeKVEventBatch(data)
-	case "hb":
+	case messages.KindHeartbeat:
 		v, err = messages.DecodeHeartbeat(data)
-	case "ann":
+	case messages.KindAnnounce:
 		kind = "announcement"
 		v, err = messages.DecodeAnnouncement(data)
-	case "sched":
+	case messages.KindScheduler:
 		kind = "save_plan"
 		v, err = messages.DecodeSavePlan(data)
-	case "drain":
+	case messages.KindDrain:
 		kind = "drain_plan"
 		v, err = messages.DecodeDrainPlan(data)
-	case "pool":
+	case messages.KindPool:
 		switch {
 		case strings.HasSuffix(rest, ".handoff"): // block bytes: their size only
 			kind, v = "handoff", map[string]int{"bytes": len(data)}
@@ -151,12 +149,12 @@ func decodeAny(rest string, data []byte) (string, any) {
 			kind = "pool_read"
 			v, err = messages.DecodePoolRead(data)
 		}
-	case "ctl":
-		switch {
-		case strings.HasPrefix(rest, "ctl.abort"):
+	case messages.KindControl:
+		switch subject {
+		case s.Abort():
 			kind = "abort"
 			v, err = messages.DecodeAbort(data)
-		case strings.HasPrefix(rest, "ctl.resend"):
+		case s.Resend():
 			kind = "resend"
 			v, err = messages.DecodeResend(data)
 		default:

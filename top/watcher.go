@@ -217,13 +217,13 @@ func (w *Watcher) Run(ctx context.Context) error {
 	w.mu.Unlock()
 	// One subscription, so that messages are handled in the order the
 	// server delivers them: a request before its outputs.
-	prefix := strings.TrimSuffix(s.All(), ">")
 	handlers := map[string]func(*nats.Msg, time.Time){
-		"hb": w.onHeartbeat, "kv": w.onKV, "req": w.onRequest, "meta": w.onMeta, "out": w.onOutput, "ann": w.onAnnouncement,
-		"ctl": w.onControl,
+		messages.KindHeartbeat: w.onHeartbeat, messages.KindKV: w.onKV, messages.KindRequest: w.onRequest,
+		messages.KindMeta: w.onMeta, messages.KindOut: w.onOutput, messages.KindAnnounce: w.onAnnouncement,
+		messages.KindControl: w.onControl,
 	}
 	sub, err := w.cfg.Conn.Subscribe(s.All(), func(m *nats.Msg) {
-		kind, _, _ := strings.Cut(strings.TrimPrefix(m.Subject, prefix), ".")
+		kind, _ := s.Kind(m.Subject)
 		if fn := handlers[kind]; fn != nil {
 			fn(m, time.Now())
 		}
