@@ -23,7 +23,7 @@ import (
 //
 //	header: "KVBUSCAP" (8 bytes), version u16 (1), reserved u16 (0)
 //	frames: length u32, then a msgpack map of that many bytes:
-//	        {"t": capture time, Unix ns (int), "s": subject (str), "p": payload (bin)}
+//	        {"t": log time, Unix ns (int), "s": subject (str), "p": payload (bin)}
 //
 // Payloads are the bytes as they were on the bus.
 const (
