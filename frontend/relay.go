@@ -3,9 +3,17 @@ package frontend
 import (
 	"context"
 	"encoding/json"
+	"fmt"
 	"net/http"
 	"time"
+
+	"github.com/kvbus/kvbus/messages"
 )
+
+// maxWholeAnswer bounds an engine's whole (not streamed) answer put
+// together from its parts (workers' splitAnswer): a worker reads at most
+// this much of the engine's answer (maxEngineBody) and refuses more.
+const maxWholeAnswer = messages.MaxMessageBytes
 
 // relay writes a real engine's answer as the engine wrote it (--engine
 // openai): its streamed chunks as server-sent events, or its JSON body.
@@ -63,6 +71,15 @@ func (g *generation) relay(w http.ResponseWriter, ctx context.Context, deadline 
 					// in parts, from index 0 of its attempt on.
 					if it.out.Index == 0 {
 						answer = answer[:0]
+					}
+					if len(answer)+len(raw) > maxWholeAnswer {
+						// No worker sends more (it reads at most as much
+						// of the engine's answer): the parts would grow
+						// the frontend's memory without end.
+						g.abort("the answer's parts exceed the largest whole answer")
+						c.done, c.err, answer = true, outputError("engine_error",
+							fmt.Sprintf("the engine's answer exceeds %d bytes", maxWholeAnswer)), nil
+						break
 					}
 					answer = append(answer, raw...)
 					continue
