@@ -428,3 +428,39 @@ func TestEngineTokenizerPromptListAsksOnce(t *testing.T) {
 		t.Errorf("the engine was asked /tokenize %d times for a list of %d prompts; want 1", n, len(prompts))
 	}
 }
+
+// TestLoRAAdapterNameAboveTheBusLimitIsA400: an adapter the engines list
+// whose name is longer than a Request's lora_name may be (a scheduler
+// refuses such a Request and the client waited for its deadline) is a 400
+// naming the limit, and nothing goes on the bus. It was published.
+func TestLoRAAdapterNameAboveTheBusLimitIsA400(t *testing.T) {
+	long := strings.Repeat("a", messages.MaxLoRANameBytes+1)
+	engine := startFakeEngine(t, fakeengine.Config{ModelName: "kvbus-sim", LoRAModules: []string{"short", long}})
+	tok := newEngineTokenizer(t, frontend.EngineTokenizerConfig{URLs: []string{engine.URL()}})
+	fe := startFrontend(t, func(c *frontend.Config) { c.Passthrough, c.Tokenizer = true, tok })
+	got := make(chan *messages.Request, 4)
+	answering(t, fe, func(req *messages.Request) []*messages.Output {
+		got <- req
+		return []*messages.Output{{Index: 0, Text: "ok", FinishReason: "stop",
+			Raw: []byte(`{"id":"x","object":"text_completion","choices":[{"index":0,"text":"ok","finish_reason":"stop"}]}`)}}
+	})
+	send := func(model string) (int, []byte) {
+		status, _, resp := testenv.Send(t, http.MethodPost, fe.url+"/v1/completions", `{"model":"`+model+`","prompt":"hi","max_tokens":1}`, nil)
+		return status, resp
+	}
+	if status, resp := send("short"); status != http.StatusOK {
+		t.Fatalf("adapter short: %d %s", status, resp)
+	}
+	if req := <-got; req.LoRAName != "short" {
+		t.Fatalf("lora_name %q; want short", req.LoRAName)
+	}
+	status, resp := send(long)
+	if status != http.StatusBadRequest || !strings.Contains(string(resp), `"param":"model"`) || !strings.Contains(string(resp), strconv.Itoa(messages.MaxLoRANameBytes)) {
+		t.Fatalf("adapter of %d bytes: %d %.300s; want a 400 naming the limit", len(long), status, resp)
+	}
+	select {
+	case req := <-got:
+		t.Fatalf("a request with a lora_name of %d bytes went on the bus", len(req.LoRAName))
+	case <-time.After(100 * time.Millisecond):
+	}
+}

@@ -162,6 +162,10 @@ func (s *Server) generate(w http.ResponseWriter, r *http.Request, endpoint strin
 		busModel = s.cfg.Models[0]
 		if s.engineModels.adapter(p.model) {
 			lora = p.model
+			if len(lora) > messages.MaxLoRANameBytes { // a scheduler would refuse the request, and the client wait for its deadline
+				return fail(badRequest("model", "model is a LoRA adapter whose name has %d bytes; kvbus carries at most %d",
+					len(lora), messages.MaxLoRANameBytes))
+			}
 		}
 	}
 	*model = p.model
