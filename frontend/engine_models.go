@@ -51,20 +51,60 @@ func (t *EngineTokenizer) modelsAt(ctx context.Context, base string) ([]json.Raw
 		return nil, fmt.Errorf("GET %s/v1/models: %w", base, err)
 	}
 	defer resp.Body.Close()
-	body, err := io.ReadAll(io.LimitReader(resp.Body, 1<<20))
+	body, err := io.ReadAll(io.LimitReader(resp.Body, maxModelList+1))
 	if err != nil {
 		return nil, fmt.Errorf("GET %s/v1/models: %w", base, err)
 	}
 	if resp.StatusCode != http.StatusOK {
 		return nil, fmt.Errorf("GET %s/v1/models answered %d", base, resp.StatusCode)
 	}
+	data, err := parseModelList(body)
+	if err != nil {
+		return nil, fmt.Errorf("GET %s/v1/models: %w", base, err)
+	}
+	return data, nil
+}
+
+// maxModelList bounds the engines' GET /v1/models answer (some thousands
+// of entries: a model and its LoRA adapters).
+const maxModelList = 1 << 20
+
+// parseModelList reads a GET /v1/models answer: its entries, as the
+// engine wrote them.
+func parseModelList(body []byte) ([]json.RawMessage, error) {
+	if len(body) > maxModelList {
+		return nil, fmt.Errorf("the answer exceeds %d bytes", maxModelList)
+	}
 	var list struct {
 		Data []json.RawMessage `json:"data"`
 	}
 	if err := json.Unmarshal(body, &list); err != nil || len(list.Data) == 0 {
-		return nil, fmt.Errorf("GET %s/v1/models: no model list in the answer (%v)", base, err)
+		return nil, fmt.Errorf("no model list in the answer (%v)", err)
 	}
 	return list.Data, nil
+}
+
+// modelIDs returns the ids of a model list's entries, and those of the
+// entries listed with a parent: LoRA adapters of the base model (vLLM
+// lists those of --lora-modules so). An entry whose parent is no string
+// keeps its id (it is listed): it is no adapter.
+func modelIDs(data []json.RawMessage) (ids, adapters map[string]bool) {
+	ids, adapters = map[string]bool{}, map[string]bool{}
+	for _, raw := range data {
+		var e struct {
+			ID     string          `json:"id"`
+			Parent json.RawMessage `json:"parent"`
+		}
+		if json.Unmarshal(raw, &e) != nil || e.ID == "" {
+			continue
+		}
+		ids[e.ID] = true
+		var parent string
+		if json.Unmarshal(e.Parent, &parent) == nil && parent != "" && parent != e.ID {
+			adapters[e.ID] = true
+		}
+	}
+	return ids, adapters
 }
 
 // How long the engines' model list is used before it is asked again, and
@@ -131,19 +171,7 @@ func (m *engineModels) refresh(done chan struct{}) {
 	if err != nil {
 		return // the last list stays
 	}
-	ids, adapters := map[string]bool{}, map[string]bool{}
-	for _, raw := range data {
-		var e struct {
-			ID     string  `json:"id"`
-			Parent *string `json:"parent"`
-		}
-		if json.Unmarshal(raw, &e) == nil && e.ID != "" {
-			ids[e.ID] = true
-			if e.Parent != nil && *e.Parent != "" && *e.Parent != e.ID {
-				adapters[e.ID] = true
-			}
-		}
-	}
+	ids, adapters := modelIDs(data)
 	m.data, m.ids, m.adapters, m.ok = data, ids, adapters, time.Now()
 }
 
