@@ -317,10 +317,13 @@ func tokenizeAnswer(status int, data []byte) ([]uint32, error) {
 		return nil, fmt.Errorf("%w: /tokenize's answer exceeds %d bytes", ErrTokenizerUnavailable, maxTokenizeAnswer)
 	}
 	var out struct {
-		Tokens []uint32 `json:"tokens"`
+		Tokens *[]uint32 `json:"tokens"`
 	}
 	if err := json.Unmarshal(data, &out); err != nil {
 		return nil, fmt.Errorf("%w: /tokenize's answer has no token list: %v", ErrTokenizerUnavailable, err)
 	}
-	return out.Tokens, nil
+	if out.Tokens == nil { // not an empty prompt: no answer of vLLM's
+		return nil, fmt.Errorf("%w: /tokenize's answer has no token list (no \"tokens\" array)", ErrTokenizerUnavailable)
+	}
+	return *out.Tokens, nil
 }
