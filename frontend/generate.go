@@ -501,6 +501,11 @@ func (s *Server) publish(ctx context.Context, req *messages.Request) error {
 	if limit := s.cfg.Conn.MaxPayload(); limit > 0 && int64(len(data)) > limit-busHeaderRoom {
 		return fmt.Errorf("%w: %d bytes on the bus, the NATS server takes %d", errAboveMaxPayload, len(data), limit)
 	}
+	// A server whose max_payload is above it still carries no more: the
+	// request log's streams (MaxMsgSize) and every decoder refuse it.
+	if len(data) > messages.MaxMessageBytes {
+		return fmt.Errorf("%w: %d bytes on the bus, kvbus's messages take at most %d", errAboveMaxPayload, len(data), messages.MaxMessageBytes)
+	}
 	msg := &nats.Msg{Subject: s.cfg.Subjects.Request(req.Model), Data: data, Header: nats.Header{}}
 	var ack *jetstream.PubAck
 	// A log whose leader is being elected again (its NATS server of a

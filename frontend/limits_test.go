@@ -152,6 +152,22 @@ func TestRequestAboveTheBusMaxPayloadIsA413(t *testing.T) {
 	}
 }
 
+// TestRequestAboveTheDecodersLimitIsA413: against a NATS server whose
+// max_payload is above kvbus's messages.MaxMessageBytes (an external
+// server may take up to 64 MiB), a Request above the latter is a 413
+// too: the request log's stream and the schedulers' decoders refuse it.
+// It was a 503 "retry shortly" that no retry can pass.
+func TestRequestAboveTheDecodersLimitIsA413(t *testing.T) {
+	fe := startStandaloneOn(t, bus.ServerConfig{MaxPayload: 16 << 20}, true, func(c *frontend.Config) { c.Passthrough, c.MaxBodyBytes = true, 16<<20 })
+	img := strings.Repeat("A", messages.MaxMessageBytes)
+	body := `{"model":"kvbus-sim","messages":[{"role":"user","content":[{"type":"text","text":"what is this?"},` +
+		`{"type":"image_url","image_url":{"url":"data:image/png;base64,` + img + `"}}]}],"max_tokens":4}`
+	status, h, b := testenv.Send(t, http.MethodPost, fe.url+"/v1/chat/completions", body, nil)
+	if status != http.StatusRequestEntityTooLarge || h.Get("Retry-After") != "" || !strings.Contains(string(b), "request_too_large") {
+		t.Errorf("an 8 MiB body on a 16 MiB bus: %d Retry-After %q %.300s; want a 413", status, h.Get("Retry-After"), b)
+	}
+}
+
 // TestWrongAPIKeyIsCountedAndLogged proves that a request refused for its
 // API key shows: kvbus_frontend_requests_total counts it under status 401,
 // and the refusal log has a line at once with the code invalid_api_key,
