@@ -45,8 +45,8 @@ func (r *Rank) drive(rr *rankReq) {
 		if err == nil {
 			return nil
 		}
-		parts := r.splitAnswer(o, meta.Stream)
-		if parts == nil {
+		parts, ok := r.splitAnswer(o, meta.Stream)
+		if !ok {
 			return err
 		}
 		for _, p := range parts {
@@ -183,13 +183,14 @@ const outputRoom = 1 << 10
 // splitAnswer splits an engine's whole (not streamed) answer that is too
 // large for one message on the bus: it returns the Outputs that carry its
 // body's first parts, each as large as the server's max payload takes, and
-// leaves the last part in o. The frontend writes the parts of an
+// leaves the last part in o: none when the body alone fits (the text and
+// token ids beside it are dropped). The frontend writes the parts of an
 // attempt's answer one after the other (frontend/relay.go). A stream's
-// chunk is one server-sent event and is not split: nil, as for an answer
+// chunk is one server-sent event and is not split: false, as for an answer
 // that has no body, or a max payload too small to carry any of it.
-func (r *Rank) splitAnswer(o *messages.Output, stream bool) []*messages.Output {
+func (r *Rank) splitAnswer(o *messages.Output, stream bool) ([]*messages.Output, bool) {
 	if stream || len(o.Raw) == 0 {
-		return nil
+		return nil, false
 	}
 	raw, text, ids := o.Raw, o.Text, o.TokenIDs
 	// The body is the answer: the text and token ids it holds go no
@@ -198,7 +199,7 @@ func (r *Rank) splitAnswer(o *messages.Output, stream bool) []*messages.Output {
 	room := int(r.cfg.Conn.MaxPayload()) - outputRoom - o.Msgsize() - 16 // 16: the body's bin header, and some
 	if room < 1<<10 {
 		o.Text, o.TokenIDs, o.Raw = text, ids, raw
-		return nil
+		return nil, false
 	}
 	var parts []*messages.Output
 	for len(raw) > room {
@@ -206,7 +207,7 @@ func (r *Rank) splitAnswer(o *messages.Output, stream bool) []*messages.Output {
 		raw = raw[room:]
 	}
 	o.Raw = raw
-	return parts
+	return parts, true
 }
 
 // fitsBus reports an error when o is too large for the NATS server's max

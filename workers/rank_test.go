@@ -1336,6 +1336,7 @@ func TestAbortDropsSavesTheStoreThreadHasNotBegun(t *testing.T) {
 type bigAnswerEngine struct {
 	size int
 	last bool // the chunk is marked the answer's last (sent with its finish reason)
+	text bool // the chunk carries the answer's text too, as OpenAIEngine's does
 }
 
 func (e bigAnswerEngine) body() string {
@@ -1346,7 +1347,11 @@ func (e bigAnswerEngine) Generate(ctx context.Context, req workers.EngineRequest
 	if prefilled != nil {
 		prefilled()
 	}
-	if err := emit(workers.Chunk{Text: "x", Raw: []byte(e.body()), Last: e.last}); err != nil {
+	text := "x"
+	if e.text {
+		text = strings.Repeat("x", e.size)
+	}
+	if err := emit(workers.Chunk{Text: text, Raw: []byte(e.body()), Last: e.last}); err != nil {
 		return workers.EngineResult{}, err
 	}
 	return workers.EngineResult{FinishReason: workers.FinishStop, CompletionTokens: 1}, nil
@@ -1409,6 +1414,33 @@ func TestDriverSplitsAWholeAnswerTooLargeForTheBus(t *testing.T) {
 			}
 			if len(outs) < 3 || string(body) != engine.body() {
 				t.Fatalf("%d outputs carried %d bytes; want 3 or more carrying the engine's %d-byte answer", len(outs), len(body), len(engine.body()))
+			}
+		})
+	}
+}
+
+// TestDriverSendsAWholeAnswerWhoseBodyAloneFits: an engine's whole answer
+// whose body fits in one message, but not with its text beside it (as
+// OpenAIEngine reads it: 5 MiB of text on kvbus nats's 8 MiB), goes as one
+// output carrying the body alone. splitAnswer made no part of it and
+// returned nil, which its caller took for "cannot be split": the client
+// got a 500 engine_error naming the max payload.
+func TestDriverSendsAWholeAnswerWhoseBodyAloneFits(t *testing.T) {
+	for _, last := range []bool{false, true} {
+		t.Run(fmt.Sprint("last=", last), func(t *testing.T) {
+			engine := bigAnswerEngine{size: 5 << 20, text: true, last: last}
+			env := startRanks(t, rankEnvConfig{customEngine: engine})
+			env.sendMeta(newMeta("big", "sess", testenv.PromptTokens(1, 40)))
+			final := env.finalOutput("big")
+			if final.Error != nil || final.FinishReason != workers.FinishStop {
+				t.Fatalf("final output (error %+v), want the answer's end", final.Error)
+			}
+			var body []byte
+			for _, o := range env.outputs("big") {
+				body = append(body, o.Raw...)
+			}
+			if string(body) != engine.body() {
+				t.Fatalf("the outputs carried %d bytes; want the engine's %d-byte answer", len(body), len(engine.body()))
 			}
 		})
 	}
