@@ -237,8 +237,8 @@ func (r *Rank) handOff() {
 			r.log.Info("drain hand-off: only part of the group is stopping; nothing handed off")
 		}
 		data, err := messages.Marshal(plan)
-		if err == nil && len(data) > int(r.cfg.Conn.MaxPayload()) {
-			err = fmt.Errorf("plan of %d bytes exceeds the server's max payload %d: lower --drain-handoff", len(data), r.cfg.Conn.MaxPayload())
+		if err == nil && len(data) > int(busLimit(r.cfg.Conn)) {
+			err = fmt.Errorf("plan of %d bytes exceeds the server's max payload %d: lower --drain-handoff", len(data), busLimit(r.cfg.Conn))
 		}
 		if err == nil {
 			err = r.cfg.Conn.Publish(r.cfg.Subjects.Drain(r.cfg.Group), data)

@@ -223,7 +223,7 @@ func (l *eventLog) onDump(_ context.Context, m *nats.Msg) error {
 	}
 	seq := l.seq
 	l.mu.Unlock()
-	chunks := dumpChunks(hashes, dumpHashesPerChunk(l.nc.MaxPayload()))
+	chunks := dumpChunks(hashes, dumpHashesPerChunk(busLimit(l.nc)))
 	ts := float64(time.Now().UnixMicro()) / 1e6
 	for i, part := range chunks {
 		batch := &messages.KVEventBatch{TS: ts, Seq: seq, Group: l.group, Rank: l.rank, DumpChunk: i, DumpChunks: len(chunks),

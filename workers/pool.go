@@ -211,7 +211,7 @@ func (r *Rank) readAgain(ctx context.Context, keys []string, values [][]byte, at
 
 // answerPoolRead sends values (nil: absent) to reply.
 func (r *Rank) answerPoolRead(reply string, values [][]byte) error {
-	parts := poolParts(values, int(r.cfg.Conn.MaxPayload())-poolPartOverhead)
+	parts := poolParts(values, int(busLimit(r.cfg.Conn))-poolPartOverhead)
 	for i := range parts {
 		parts[i].Part, parts[i].Parts = i, len(parts)
 		data, err := messages.Marshal(&parts[i])

@@ -196,7 +196,7 @@ func (r *Rank) splitAnswer(o *messages.Output, stream bool) ([]*messages.Output,
 	// The body is the answer: the text and token ids it holds go no
 	// further than the frontend, which writes only the body.
 	o.Text, o.TokenIDs, o.Raw = "", nil, nil
-	room := int(r.cfg.Conn.MaxPayload()) - outputRoom - o.Msgsize() - 16 // 16: the body's bin header, and some
+	room := int(busLimit(r.cfg.Conn)) - outputRoom - o.Msgsize() - 16 // 16: the body's bin header, and some
 	if room < 1<<10 {
 		o.Text, o.TokenIDs, o.Raw = text, ids, raw
 		return nil, false
@@ -214,7 +214,7 @@ func (r *Rank) splitAnswer(o *messages.Output, stream bool) ([]*messages.Output,
 // payload: publishing it would fail, the client would miss that part of
 // its answer, and the frontend would ask for the whole request again.
 func (r *Rank) fitsBus(o *messages.Output) error {
-	limit := r.cfg.Conn.MaxPayload()
+	limit := busLimit(r.cfg.Conn)
 	if n := int64(o.Msgsize()) + outputRoom; limit > 0 && n > limit {
 		return fmt.Errorf("workers: an output of the engine's answer takes %d bytes on the bus, above the NATS server's max payload of %d bytes (raise the server's max_payload, or ask for less: fewer choices or logprobs, or stream)", n, limit)
 	}

@@ -105,11 +105,17 @@ type rankEnvConfig struct {
 	// customEngine, if set, is every rank's Engine instead of a sim of
 	// engine.
 	customEngine workers.Engine
+	// maxPayload is the NATS server's max_payload (0: kvbus nats's 8 MiB).
+	maxPayload int32
 }
 
 func startRanks(t *testing.T, cfg rankEnvConfig) *rankEnv {
 	t.Helper()
-	srv := testenv.StartNATS(t)
+	srv, err := bus.StartServer(bus.ServerConfig{Addr: "127.0.0.1:0", DataDir: t.TempDir(), MaxPayload: cfg.maxPayload})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(srv.Shutdown)
 	e := &rankEnv{
 		t: t, nc: testenv.Connect(t, srv), rec: &recorder{}, reg: prometheus.NewRegistry(),
 		logs: &testenv.LogBuffer{}, stopped: make(chan struct{}),
@@ -1443,6 +1449,29 @@ func TestDriverSendsAWholeAnswerWhoseBodyAloneFits(t *testing.T) {
 				t.Fatalf("the outputs carried %d bytes; want the engine's %d-byte answer", len(body), len(engine.body()))
 			}
 		})
+	}
+}
+
+// TestDriverSplitsAtTheDecodersLimit: on a NATS server whose max_payload
+// is above messages.MaxMessageBytes (an external server's may be 64 MiB),
+// an engine's whole answer (5 MiB, with its text beside it as
+// OpenAIEngine reads it) goes in outputs every decoder takes. It went as
+// one output of 10 MiB, which the server passed and the frontend's
+// decoder refused: the answer was lost on the bus.
+func TestDriverSplitsAtTheDecodersLimit(t *testing.T) {
+	engine := bigAnswerEngine{size: 5 << 20, text: true}
+	env := startRanks(t, rankEnvConfig{customEngine: engine, maxPayload: 16 << 20})
+	env.sendMeta(newMeta("big", "sess", testenv.PromptTokens(1, 40)))
+	final := env.finalOutput("big") // every output decoded
+	if final.Error != nil || final.FinishReason != workers.FinishStop {
+		t.Fatalf("final output (error %+v), want the answer's end", final.Error)
+	}
+	var body []byte
+	for _, o := range env.outputs("big") {
+		body = append(body, o.Raw...)
+	}
+	if string(body) != engine.body() {
+		t.Fatalf("the outputs carried %d bytes; want the engine's %d-byte answer", len(body), len(engine.body()))
 	}
 }
 
