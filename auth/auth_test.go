@@ -450,6 +450,28 @@ func TestRotateKeepsThePrefix(t *testing.T) {
 	}
 }
 
+// TestStoredPrefixIsChecked: the subject prefix a directory records
+// (PrefixFile) is checked as --subject-prefix is: every permission of
+// ConfigFile is written under it, and a hand-edited "*" gave the worker key
+// publish on *.meta.> (every prefix's groups). It was taken as written.
+func TestStoredPrefixIsChecked(t *testing.T) {
+	dir := t.TempDir()
+	if _, err := auth.Init(dir, messages.Subjects{Prefix: "prod"}, nil, false); err != nil {
+		t.Fatal(err)
+	}
+	for _, bad := range []string{"*", "prod.>", "a b", "", "  \n"} {
+		if err := os.WriteFile(filepath.Join(dir, auth.PrefixFile), []byte(bad+"\n"), 0o600); err != nil {
+			t.Fatal(err)
+		}
+		if _, err := auth.Matrix(dir, messages.Subjects{}); !errors.Is(err, auth.ErrConfig) {
+			t.Errorf("prefix file %q: matrix %v; want ErrConfig", bad, err)
+		}
+		if err := auth.Rotate(dir, messages.Subjects{}, "worker"); !errors.Is(err, auth.ErrConfig) {
+			t.Errorf("prefix file %q: rotate %v; want ErrConfig", bad, err)
+		}
+	}
+}
+
 // TestForceKeepsThePrefix: `kvbus auth init DIR --force` on a directory
 // written for another subject prefix replaces every key on that prefix,
 // as a rotation of one key does, without --subject-prefix repeated. Before,

@@ -147,6 +147,11 @@ func dirSubjects(dir string, s messages.Subjects) (messages.Subjects, error) {
 		return s, err
 	}
 	stored := strings.TrimSpace(string(data))
+	// Every permission is written under it: "*" or "a.>" would grant every
+	// role the subjects of other prefixes.
+	if err := messages.ValidateToken("subject prefix", stored); err != nil {
+		return s, fmt.Errorf("%w: %s: %v (write the prefix its keys were made for)", ErrConfig, filepath.Join(dir, PrefixFile), err)
+	}
 	if s.Prefix != "" && s.Prefix != stored {
 		return s, fmt.Errorf("%w: the keys in %s are for subject prefix %q, not %q; give --subject-prefix %s (or none)", ErrConfig, dir, stored, s.Prefix, stored)
 	}
