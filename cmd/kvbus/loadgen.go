@@ -278,6 +278,10 @@ func (c *loadgenCmd) measure(ctx context.Context) (loadResult, error) {
 	return r, nil
 }
 
+// maxLoadgenEventBytes bounds one line of a streamed answer, as replay
+// reads them.
+const maxLoadgenEventBytes = 16 << 20
+
 // once sends one request and reads its whole answer.
 func (c *loadgenCmd) once(ctx context.Context, client *http.Client, url string, body []byte) error {
 	req, err := http.NewRequestWithContext(ctx, http.MethodPost, url, bytes.NewReader(body))
@@ -306,6 +310,9 @@ func (c *loadgenCmd) once(ctx context.Context, client *http.Client, url string, 
 	// (data: {"error": …}), then [DONE]: the request failed.
 	var streamErr error
 	sc := bufio.NewScanner(resp.Body)
+	// One event is one chunk of the engine's (with logprobs, well above
+	// bufio's 64 KiB); one message on the bus carries at most 8 MiB.
+	sc.Buffer(make([]byte, 0, 64<<10), maxLoadgenEventBytes)
 	for sc.Scan() {
 		line := sc.Bytes()
 		if bytes.HasPrefix(line, []byte(`data: {"error"`)) && streamErr == nil {

@@ -141,6 +141,21 @@ func TestLoadgenBacksOffAfterFailures(t *testing.T) {
 	}
 }
 
+// TestLoadgenReadsALongStreamedChunk: a streamed chunk longer than
+// bufio's 64 KiB line (a chunk with top logprobs) is read, not counted a
+// failed request ("token too long") the server answered whole.
+func TestLoadgenReadsALongStreamedChunk(t *testing.T) {
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, _ *http.Request) {
+		w.Header().Set("Content-Type", "text/event-stream")
+		_, _ = w.Write([]byte(`data: {"choices":[{"index":0,"text":"` + strings.Repeat("x", 200<<10) + `"}]}` + "\n\ndata: [DONE]\n\n"))
+	}))
+	defer srv.Close()
+	lg := &loadgenCmd{URLs: []string{srv.URL}, Concurrency: 1, Stream: true, Model: "m", MaxTokens: 4, Prompt: "hello"}
+	if err := lg.once(t.Context(), srv.Client(), srv.URL, []byte(`{}`)); err != nil {
+		t.Fatalf("a 200 KiB chunk: %v", err)
+	}
+}
+
 // TestLoadgenBackoffResetsOnSuccess: a success resets a client's back-off,
 // so a server that fails every other request is still driven at speed.
 func TestLoadgenBackoffResetsOnSuccess(t *testing.T) {
