@@ -156,13 +156,21 @@ func (s *Scheduler) onRequest(ctx context.Context, m jetstream.Msg) error {
 		return m.Ack()
 	}
 	s.groups.addInflight(group, 1, queued)
-	if err := s.cfg.Conn.Publish(subj, data); err != nil {
+	// The ranks' decoders take at most MaxMessageBytes, whatever a NATS
+	// server's max_payload lets through.
+	limit := min(s.cfg.Conn.MaxPayload(), messages.MaxMessageBytes)
+	err = nats.ErrMaxPayload
+	if int64(len(data)) <= limit {
+		err = s.cfg.Conn.Publish(subj, data)
+	}
+	if err != nil {
 		s.trackers.drop(t.ReqID)
 		s.groups.addInflight(group, -1, -queued)
 		if errors.Is(err, nats.ErrMaxPayload) { // no retry can pass
 			s.m.requests.WithLabelValues("too_large").Inc()
 			s.sendError(req.FrontendID, req.RequestID, sessionID, t.Attempt, "request_too_large",
-				fmt.Sprintf("the request's ReqMeta is %d bytes, above the NATS server's max_payload (%d); send a shorter prompt, or raise max_payload", len(data), s.cfg.Conn.MaxPayload()))
+				fmt.Sprintf("the request's ReqMeta is %d bytes, above the %d a message on the bus may take (the NATS server's max_payload, %d, and at most %d); send a shorter prompt",
+					len(data), limit, s.cfg.Conn.MaxPayload(), messages.MaxMessageBytes))
 			_ = m.Term()
 			return fmt.Errorf("publish ReqMeta %s: %w", t.ReqID, err)
 		}

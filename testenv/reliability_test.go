@@ -298,6 +298,30 @@ func TestReqMetaAboveMaxPayloadIsA413(t *testing.T) {
 	}
 }
 
+// TestReqMetaAboveTheDecodersLimitIsA413: on a NATS server that takes
+// 16 MiB, a request that fits in a Request (8 MiB, what every decoder on the
+// bus takes) but whose ReqMeta does not is answered with a 413 at once. The
+// scheduler published it, the server took it, every rank's decoder refused
+// it, and the client waited for its deadline.
+func TestReqMetaAboveTheDecodersLimitIsA413(t *testing.T) {
+	c := testenv.StartCluster(t, testenv.ClusterConfig{Ranks: 1, MaxPayload: 16 << 20, MaxModelLen: 2_200_000, MaxBodyBytes: 16 << 20,
+		RequestTimeout: 20 * time.Second})
+	const n = 2_050_000 // ~8.2 MB of Request, ~9.2 MB of ReqMeta
+	ids := make([]string, n)
+	for i := range ids {
+		ids[i] = fmt.Sprint(100 + i%800)
+	}
+	body := fmt.Sprintf(`{"model":%q,"prompt":[%s],"max_tokens":1}`, c.Model, strings.Join(ids, ","))
+	start := time.Now()
+	status, _, b := post(t, c, "/v1/completions", body, nil)
+	if status != http.StatusRequestEntityTooLarge || !strings.Contains(string(b), "ReqMeta") {
+		t.Errorf("a %d-token prompt on a 16 MiB bus: %d after %s, %.300s; want a 413 naming the ReqMeta", n, status, time.Since(start), b)
+	}
+	if got := testenv.CounterSum(t, c.SchedulerRegistries[0], "kvbus_scheduler_requests_total", map[string]string{"outcome": "too_large"}); got != 1 {
+		t.Errorf("too_large = %v, want 1", got)
+	}
+}
+
 // TestLostRequestLogIsMadeAgain: the request log, its consumer and the
 // session bucket vanish from the server (as from a NATS server restarted
 // without its store; here deleted, as `nats stream rm` would). The

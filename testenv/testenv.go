@@ -93,6 +93,7 @@ type ClusterConfig struct {
 	SessionTTL     time.Duration
 	SessionHeaders []string
 	MaxModelLen    int
+	MaxBodyBytes   int64 // the frontend's --max-body-bytes (0: its default)
 	MaxInflight    int
 	APIKey         string
 	RequestTimeout time.Duration
@@ -183,7 +184,7 @@ func StartCluster(t testing.TB, cfg ClusterConfig) *Cluster {
 		Schedulers: cfg.Schedulers, Policy: cfg.Policy, RequestTimeout: cfg.RequestTimeout, SessionTTL: cfg.SessionTTL,
 		StoreDelays: cfg.StoreDelays, SaveWait: cfg.SaveWait, DropReqMetas: cfg.DropReqMetas, DelayFirstReqMeta: cfg.DelayFirstReqMeta, MaxPayload: cfg.MaxPayload, NoGroupWait: cfg.NoGroupWait, ResendAfter: cfg.ResendAfter, Pool: cfg.Pool,
 		IndexGroups: cfg.IndexGroups, DrainHandoff: cfg.DrainHandoff, StreamReplay: cfg.StreamReplay, Engines: cfg.Engines, AuthDir: cfg.AuthDir,
-		Frontend: &frontend.Config{Listener: ln, SessionHeaders: cfg.SessionHeaders, MaxModelLen: cfg.MaxModelLen,
+		Frontend: &frontend.Config{Listener: ln, SessionHeaders: cfg.SessionHeaders, MaxModelLen: cfg.MaxModelLen, MaxBodyBytes: cfg.MaxBodyBytes,
 			MaxInflight: cfg.MaxInflight, APIKey: cfg.APIKey, Tokenizer: cfg.Tokenizer,
 			StopGrace: 100 * time.Millisecond}, // what a test's clients need; kvbus's default is 500 ms
 		Logger:   slog.New(logsink.NewTextHandler(w, &slog.HandlerOptions{Level: cfg.LogLevel})), // as kvbus logs
