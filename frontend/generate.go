@@ -245,7 +245,7 @@ func (s *Server) generate(w http.ResponseWriter, r *http.Request, endpoint strin
 			if errors.Is(err, errAboveMaxPayload) {
 				return fail(&APIError{Status: http.StatusRequestEntityTooLarge, Type: typeInvalidRequest, Code: "request_too_large",
 					Message: fmt.Sprintf("the request is too large for the bus (%v); send a smaller one. "+
-						"Operator: raise the NATS server's max_payload (kvbus nats takes 8 MiB), or lower --max-body-bytes below it", err)})
+						"Operator: lower --max-body-bytes below the bus's limit (the NATS server's max_payload, at most 8 MiB: kvbus nats takes 8 MiB)", err)})
 			}
 			if errors.Is(err, bus.ErrLogFull) {
 				return fail(&APIError{Status: http.StatusServiceUnavailable, Type: typeUnavailable, Code: "request_log_full", RetryAfter: logFullRetryAfter,
