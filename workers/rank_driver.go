@@ -210,13 +210,14 @@ func (r *Rank) splitAnswer(o *messages.Output, stream bool) ([]*messages.Output,
 	return parts, true
 }
 
-// fitsBus reports an error when o is too large for the NATS server's max
-// payload: publishing it would fail, the client would miss that part of
-// its answer, and the frontend would ask for the whole request again.
+// fitsBus reports an error when o is too large for a message on the bus
+// (busLimit): publishing it would fail, or its reader would refuse it, the
+// client would miss that part of its answer, and the frontend would ask
+// for the whole request again.
 func (r *Rank) fitsBus(o *messages.Output) error {
 	limit := busLimit(r.cfg.Conn)
 	if n := int64(o.Msgsize()) + outputRoom; limit > 0 && n > limit {
-		return fmt.Errorf("workers: an output of the engine's answer takes %d bytes on the bus, above the NATS server's max payload of %d bytes (raise the server's max_payload, or ask for less: fewer choices or logprobs, or stream)", n, limit)
+		return fmt.Errorf("workers: an output of the engine's answer takes %d bytes on the bus, above the %d a message may take (the NATS server's max payload, at most %d: raise the server's max_payload up to that, or ask for less: fewer choices or logprobs)", n, limit, messages.MaxMessageBytes)
 	}
 	return nil
 }
