@@ -828,6 +828,63 @@ func TestEngineStreamBreakOffNamesTheCause(t *testing.T) {
 	}
 }
 
+// TestEngineDeathMidStreamIsRetryable: an engine killed after a stream
+// began (its stream breaks off and its /health is refused) ends the
+// client's stream with group_failed, which says to retry, as a worker that
+// dies does, and takes the engine out at once. It ended with engine_error
+// (a server_error, as for a fault of the model) before: in a review's run
+// with engines as processes, a kill -9 of one under 6 conversational
+// clients ended 2 streams so, where a killed worker's ended with
+// group_failed.
+func TestEngineDeathMidStreamIsRetryable(t *testing.T) {
+	mux := http.NewServeMux()
+	mux.HandleFunc("GET /health", func(w http.ResponseWriter, _ *http.Request) { w.WriteHeader(http.StatusOK) })
+	srv := httptest.NewServer(mux)
+	t.Cleanup(srv.Close)
+	mux.HandleFunc("/", func(w http.ResponseWriter, r *http.Request) {
+		_, _ = io.Copy(io.Discard, r.Body)
+		w.Header().Set("Content-Type", "text/event-stream")
+		for _, text := range []string{"one", " two"} {
+			fmt.Fprintf(w, `data: {"id":"x","object":"text_completion","created":1,"model":"kvbus-sim","choices":[{"index":0,"text":%q,"logprobs":null,"finish_reason":null}]}`+"\n\n", text)
+		}
+		w.(http.Flusher).Flush()
+		// The engine process dies: its connections reset, new ones refused.
+		srv.Listener.Close()
+		if conn, _, err := http.NewResponseController(w).Hijack(); err == nil {
+			conn.Close()
+		}
+	})
+	c := testenv.StartCluster(t, testenv.ClusterConfig{Engines: []cluster.EngineBackend{{OpenAI: workers.OpenAIConfig{URL: srv.URL, HealthInterval: 100 * time.Millisecond}}}})
+	status, _, body := testenv.Send(t, "POST", c.URL+"/v1/completions",
+		fmt.Sprintf(`{"model":%q,"prompt":"count","max_tokens":10,"stream":true}`, c.Model), nil)
+	if status != http.StatusOK {
+		t.Fatalf("status %d: %s", status, body)
+	}
+	var events []string
+	for _, line := range strings.Split(string(body), "\n") {
+		if data, ok := strings.CutPrefix(line, "data: "); ok {
+			events = append(events, data)
+		}
+	}
+	if len(events) < 4 || events[len(events)-1] != "[DONE]" || !strings.Contains(events[1], `" two"`) {
+		t.Fatalf("events %q: want the engine's two chunks, an error, [DONE]", events)
+	}
+	var e struct {
+		Error struct{ Message, Code string } `json:"error"`
+	}
+	if err := json.Unmarshal([]byte(events[len(events)-2]), &e); err != nil || e.Error.Code != "group_failed" {
+		t.Fatalf("last event %s (%v): want a group_failed (the engine died: retry)", events[len(events)-2], err)
+	}
+	for _, want := range []string{"stream broke off", "engine died", "retry"} {
+		if !strings.Contains(e.Error.Message, want) {
+			t.Errorf("error message %q does not say %q", e.Error.Message, want)
+		}
+	}
+	if len(c.Logs.Lines("engine not healthy")) == 0 {
+		t.Error("the engine that died was not taken out")
+	}
+}
+
 // TestEngineTokenizerMismatchWarnsOnce: kvbus's default tokenizer (o200k)
 // in front of an engine with another one counts other prompt lengths than
 // the engine: the worker says so once, with both counts and the fix

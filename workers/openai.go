@@ -64,6 +64,13 @@ const (
 // and may run on another group.
 var ErrEngineUnavailable = errors.New("workers: engine unavailable")
 
+// ErrEngineDied is wrapped by the error of a request whose stream broke
+// off after its output began and whose engine's /health then failed: the
+// engine died under it (killed, its core crashed). The answer cannot move
+// to another group, but the failure is the group's, not the model's: the
+// client hears group_failed (retry the request), as for a worker that died.
+var ErrEngineDied = errors.New("workers: the engine died during the answer")
+
 // ErrEngineTimeout is returned, with context.DeadlineExceeded, when a
 // request took longer than OpenAIConfig.Timeout (--engine-timeout) at the
 // engine, its attempts and waits included.
@@ -277,6 +284,9 @@ func (e *OpenAIEngine) Generate(ctx context.Context, req EngineRequest, prefille
 			return EngineResult{}, err
 		}
 		res, err := e.run(ctx, call, prefilled, emit)
+		if errors.Is(err, errStreamBrokeOff) && ctx.Err() == nil {
+			return res, e.brokeOff(ctx, req, err)
+		}
 		if !errors.Is(err, ErrEngineUnavailable) || call.started || ctx.Err() != nil {
 			if err == nil {
 				e.warnTokenMismatch(req, res)
@@ -316,6 +326,25 @@ func (e *OpenAIEngine) Generate(ctx context.Context, req EngineRequest, prefille
 		}
 		backoff *= 2
 	}
+}
+
+// brokeOff asks /health about an engine whose stream broke off after the
+// request's output began (err): an engine that fails it died under the
+// request, which is marked so (ErrEngineDied) and takes the engine out at
+// once, as a request that finds it down before any output does. An engine
+// that passes broke this one stream: err is returned as it is.
+func (e *OpenAIEngine) brokeOff(ctx context.Context, req EngineRequest, err error) error {
+	ok, why, gone := e.checkHealth(ctx)
+	if ok || ctx.Err() != nil {
+		return err
+	}
+	if gone {
+		e.requestFoundGone.Store(true)
+	}
+	e.setHealth(false, err.Error()+"; "+why)
+	e.log.Warn("engine died during an answer: its stream broke off and its /health fails",
+		"req_id", req.ReqID, "session_id", req.SessionID, "err", err, "health", why)
+	return fmt.Errorf("%w: %w; %s", ErrEngineDied, err, why)
 }
 
 // warnTokenMismatch warns, once per engine, when the engine counted

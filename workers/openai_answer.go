@@ -170,8 +170,12 @@ func (e *OpenAIEngine) readStream(ctx context.Context, c *engineCall, r io.Reade
 	if !c.started {
 		return res, fmt.Errorf("%w: stream ended before any output: %v", ErrEngineUnavailable, err)
 	}
-	return res, fmt.Errorf("workers: the engine's stream broke off: %w", err)
+	return res, fmt.Errorf("%w: %w", errStreamBrokeOff, err)
 }
+
+// errStreamBrokeOff is wrapped by the error of a stream that ended, after
+// its output began, without the engine's [DONE].
+var errStreamBrokeOff = errors.New("workers: the engine's stream broke off")
 
 // streamErrorStatus is the HTTP status an error event of a stream names in
 // its "code" (vLLM's), or 500 when it names none.

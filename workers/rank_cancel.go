@@ -37,7 +37,7 @@ func rankErrCode(cause, err error) string {
 		return messages.RankErrAborted
 	case errors.Is(cause, context.DeadlineExceeded) || errors.Is(err, context.DeadlineExceeded):
 		return messages.RankErrTimeout
-	case errors.Is(cause, errShutdown) || errors.Is(err, ErrEngineUnavailable):
+	case errors.Is(cause, errShutdown) || errors.Is(err, ErrEngineUnavailable) || errors.Is(err, ErrEngineDied):
 		return "group_failed"
 	default:
 		return "engine_error"

@@ -124,6 +124,13 @@ func (r *Rank) drive(rr *rankReq) {
 		publish(&messages.Output{Usage: usage, Error: &messages.OutputError{Code: "group_failed",
 			Message: fmt.Sprintf("the worker group's engine did not take the request (%s); retry the request",
 				strings.TrimPrefix(err.Error(), ErrEngineUnavailable.Error()+": "))}})
+	case errors.Is(err, ErrEngineDied) && cause == nil:
+		// The engine died after the answer began: it cannot move, and the
+		// client hears of a group that failed (retry the request), as for a
+		// worker that died, not of a model error.
+		publish(&messages.Output{Usage: usage, Error: &messages.OutputError{Code: "group_failed",
+			Message: fmt.Sprintf("generation stopped: the worker group's engine died during this answer (%s); retry the request",
+				strings.TrimPrefix(err.Error(), ErrEngineDied.Error()+": "))}})
 	case errors.As(err, &engineErr) && cause == nil:
 		// The engine refused the request (a field it does not take, a
 		// prompt too long) or failed it (a 5xx while its /health passes):
