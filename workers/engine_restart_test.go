@@ -2,6 +2,7 @@ package workers
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"log/slog"
 	"math"
@@ -413,7 +414,7 @@ func TestEngineRestartedClearsOnce(t *testing.T) {
 		t.Helper()
 		b := &vllmevents.Batch{Events: []vllmevents.Event{{Type: messages.EventBlockStored,
 			BlockHashes: []vllmevents.Hash{vllmevents.HashFromUint64(h)}, TokenIDs: []uint32{1, 2}, BlockSize: 2}}}
-		if err := r.engineBatch(k, b); err != nil {
+		if _, err := r.engineBatch(k, 1, b); err != nil {
 			t.Fatal(err)
 		}
 	}
@@ -453,5 +454,55 @@ func TestEngineRestartedClearsOnce(t *testing.T) {
 	r.engineGap(k, 2, 5)
 	if got := published(); got != cleared {
 		t.Fatalf("lost batches: published %q, want %q", got, cleared)
+	}
+}
+
+// TestEngineBatchWhole: a block of an unknown parent is an error of the
+// engine's stream only when the rank heard that stream from its first
+// batch (seq 0) and did not forget it since; a rank that joined mid-way
+// (a worker restarted beside a running engine) or lost batches expects it
+// (TestWorkerRestartBesideARunningEngine, ./testenv).
+func TestEngineBatchWhole(t *testing.T) {
+	t.Parallel()
+	srv, err := bus.StartServer(bus.ServerConfig{Addr: "127.0.0.1:0", DataDir: t.TempDir()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer srv.Shutdown()
+	nc, err := nats.Connect(srv.ClientURL())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer nc.Close()
+	r := &Rank{log: slog.New(slog.DiscardHandler), events: newEventLog(nc, "kvbus.kv.g0.0", "g0", 0, slog.New(slog.DiscardHandler))}
+	tr, err := vllmevents.NewTranslator(vllmevents.TranslatorConfig{BlockSize: 2, Hash: chainedHash("m")})
+	if err != nil {
+		t.Fatal(err)
+	}
+	k := &engineKV{tr: tr}
+	orphan := func(seq uint64) bool {
+		t.Helper()
+		parent := vllmevents.HashFromUint64(1000 + seq)
+		b := &vllmevents.Batch{Events: []vllmevents.Event{{Type: messages.EventBlockStored, Parent: &parent,
+			BlockHashes: []vllmevents.Hash{vllmevents.HashFromUint64(seq)}, TokenIDs: []uint32{1, 2}, BlockSize: 2}}}
+		whole, err := r.engineBatch(k, seq, b)
+		if !errors.Is(err, vllmevents.ErrUnknownParent) {
+			t.Fatalf("seq %d: err %v, want an unknown parent", seq, err)
+		}
+		return whole
+	}
+	if orphan(7) {
+		t.Error("joined at seq 7: the rank cannot have heard every block")
+	}
+	if !orphan(0) {
+		t.Error("from the engine's first batch on, an unknown parent is an error of its stream")
+	}
+	r.engineGap(k, 1, 3) // lost, not replayed
+	if orphan(3) {
+		t.Error("after a gap the translator forgot the engine's blocks")
+	}
+	r.engineRestarted(k, EngineRestart{LastSeen: time.Now()})
+	if !orphan(0) {
+		t.Error("the restarted engine's first batch: the rank hears all of it again")
 	}
 }

@@ -70,6 +70,12 @@ type engineKV struct {
 	// healthCleared: the health watcher cleared the engine's blocks and no
 	// KV event batch came since.
 	healthCleared bool
+	// whole: the translator heard every block the engine stored, from
+	// the engine's first batch (seq 0) on, and was not reset since. Until
+	// then (a rank started, or its subscriber restarted, beside an engine
+	// that had cached already; a gap nothing replayed) a block whose parent
+	// it never heard of is expected, not an error of the engine's stream.
+	whole bool
 }
 
 // newEngineKV returns the rank's engineKV, with a translator when the rank
@@ -130,7 +136,7 @@ func (r *Rank) engineRestarted(k *engineKV, rs EngineRestart) {
 		events = k.tr.Reset()
 	}
 	r.events.publish(events)
-	k.healthCleared = true
+	k.healthCleared, k.whole = true, false
 	r.log.Warn("engine restarted: its KV cache is empty, so its blocks are cleared from the schedulers' index",
 		"reason", rs.Why, "hint", "expected after the engine's supervisor restarted it; a restart loop shows in the engine's own logs")
 }
@@ -155,17 +161,22 @@ func (r *Rank) engineGap(k *engineKV, from, to uint64) {
 			"from_seq", from, "to_seq", to, "hint", "give --kv-events-replay the engine's replay endpoint to recover lost batches")
 	}
 	r.events.publish(k.tr.Reset())
+	k.whole = false
 }
 
 // engineBatch translates one batch of the engine's KV events and publishes
-// the rank's; it returns the translation's error (blocks skipped).
-func (r *Rank) engineBatch(k *engineKV, b *vllmevents.Batch) error {
+// the rank's; it returns the translation's error (blocks skipped), and
+// whether the translator heard the engine's every block before this batch.
+func (r *Rank) engineBatch(k *engineKV, seq uint64, b *vllmevents.Batch) (whole bool, err error) {
 	k.mu.Lock()
 	defer k.mu.Unlock()
 	k.healthCleared = false
+	if seq == 0 {
+		k.whole = true // the engine's first batch: nothing came before it
+	}
 	evs, err := k.tr.Translate(b)
 	r.events.publish(evs)
-	return err
+	return k.whole, err
 }
 
 // runEngineEvents turns the engine's KV events into the rank's, until ctx
@@ -183,10 +194,26 @@ func (r *Rank) runEngineEvents(ctx context.Context, k *engineKV) {
 		return
 	}
 	reported := map[error]bool{}
-	handle := func(_ uint64, b *vllmevents.Batch) error {
-		err := r.engineBatch(k, b)
+	joined := false // a block of an unknown parent was said to be expected
+	handle := func(seq uint64, b *vllmevents.Batch) error {
+		whole, err := r.engineBatch(k, seq, b)
 		for _, kind := range []error{vllmevents.ErrBlockSize, vllmevents.ErrUnknownParent, vllmevents.ErrMalformed} {
-			if errors.Is(err, kind) && !reported[kind] {
+			if !errors.Is(err, kind) {
+				continue
+			}
+			if kind == vllmevents.ErrUnknownParent && !whole {
+				// The engine cached the parent before this rank heard its
+				// events (a worker restarted beside a running engine): not
+				// an error. Such a turn's blocks are not indexed; the save
+				// plans of its dispatches still place its next turns.
+				if !joined {
+					joined = true
+					r.log.Info("engine KV events: blocks chained from blocks the engine cached before this rank heard its events are not indexed",
+						"err", err, "hint", "expected after a worker restart beside a running engine, or a gap nothing replayed; reported once")
+				}
+				continue
+			}
+			if !reported[kind] {
 				reported[kind] = true
 				hint := "reported once; the engine's KV event stream may be incomplete"
 				if kind == vllmevents.ErrBlockSize {
@@ -206,7 +233,7 @@ func (r *Rank) runEngineEvents(ctx context.Context, k *engineKV) {
 		r.log.Error("engine KV events: subscriber stopped; subscribing again", "err", err, "retry_in", engineEventsRetry)
 		k.mu.Lock()
 		r.events.publish(k.tr.Reset())
-		k.healthCleared = false
+		k.healthCleared, k.whole = false, false
 		k.mu.Unlock()
 		select {
 		case <-ctx.Done():
