@@ -2,6 +2,7 @@ package scheduler
 
 import (
 	"context"
+	"sync"
 	"time"
 
 	"github.com/kvbus/kvbus/messages"
@@ -122,4 +123,89 @@ func (s *Scheduler) placeAnew(t *RequestTracker, prev dispatchRecord, groups []G
 	t.Attempt = prev.attempt + 1
 	_, err := s.place(t, groups, Binding{}, false)
 	return err == nil
+}
+
+// A replica that was not heard for the heartbeat timeout (paused, its
+// server stalled) finds its requests adopted when it is back, and the
+// results its ranks sent meanwhile waiting for it. It handled those before
+// the adopter's save plan, and counted each request completed; the
+// adopter, which the ranks answered again from memory, counted it too
+// (11 of 11 adopted requests twice after a review's SIGSTOP). The adopter
+// holds the request when it ends: it counts it. This replica holds back
+// the count of a request it ends that was in flight while it was not heard
+// (maybeAdopted): a save plan of another replica naming it makes this copy
+// a duplicate; with none within heldGrace it is counted as it ended.
+
+// maybeAdopted reports whether t was in flight while this replica went
+// unheard for longer than half the heartbeat timeout, or still is (the
+// server answered no ping since): another replica may have adopted it. A
+// peer judges this one dead past the heartbeat timeout, which its last
+// announcement (one a second) may have begun up to a second before.
+func (s *Scheduler) maybeAdopted(t *RequestTracker, now time.Time) bool {
+	heard := s.selfHeard.Load()
+	if heard == 0 {
+		return false
+	}
+	return now.Sub(time.Unix(0, heard)) > s.cfg.HeartbeatTimeout/2 || t.Received.UnixNano() < s.unheardUntil.Load()
+}
+
+// heldGrace is how long, in heartbeat timeouts, a held count waits for
+// the adopter's save plan: the adopter judges this replica dead at most a
+// heartbeat timeout after the silence began, and its plans reach this
+// replica once the server delivers what waited.
+const heldGrace = 2
+
+// releaseHeld counts the held requests that no other replica claimed
+// within heldGrace heartbeat timeouts.
+func (s *Scheduler) releaseHeld(now time.Time) {
+	for _, h := range s.held.due(now.Add(-heldGrace * s.cfg.HeartbeatTimeout)) {
+		s.countDone(h.t, h.at)
+	}
+}
+
+// heldEnds are the ended requests whose count waits (see maybeAdopted). It
+// is safe for concurrent use.
+type heldEnds struct {
+	mu sync.Mutex
+	m  map[string]heldEnd
+}
+
+type heldEnd struct {
+	t  *RequestTracker
+	at time.Time // when it ended
+}
+
+func (h *heldEnds) hold(t *RequestTracker, now time.Time) {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	if h.m == nil {
+		h.m = map[string]heldEnd{}
+	}
+	h.m[t.ReqID] = heldEnd{t, now}
+}
+
+// take removes and returns a held request, nil if there is none.
+func (h *heldEnds) take(id string) *RequestTracker {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	e, ok := h.m[id]
+	if !ok {
+		return nil
+	}
+	delete(h.m, id)
+	return e.t
+}
+
+// due removes and returns the requests held since before.
+func (h *heldEnds) due(before time.Time) []heldEnd {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	var out []heldEnd
+	for id, e := range h.m {
+		if e.at.Before(before) {
+			out = append(out, e)
+			delete(h.m, id)
+		}
+	}
+	return out
 }

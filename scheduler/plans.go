@@ -85,6 +85,13 @@ func (s *Scheduler) onPlan(_ context.Context, m *nats.Msg) error {
 			s.log.Info("request handed over: another scheduler replica took it while this one was not heard", "req_id", t.ReqID,
 				"session_id", t.SessionID, "to", p.SchedulerID)
 		}
+		// One this replica ended since, from results that waited for it:
+		// the adopter counts it.
+		if t := s.held.take(p.ReqID); t != nil {
+			s.m.requests.WithLabelValues("duplicate").Inc()
+			s.log.Info("request ended here and adopted by another scheduler replica while this one was not heard: counted there",
+				"req_id", t.ReqID, "session_id", t.SessionID, "by", p.SchedulerID)
+		}
 	}
 	return nil
 }

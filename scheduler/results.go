@@ -35,6 +35,19 @@ func (s *Scheduler) onDone(_ context.Context, m *nats.Msg) error {
 		return nil
 	}
 	s.groups.addInflight(t.Group, -1, -t.queued)
+	if now := time.Now(); s.maybeAdopted(t, now) {
+		// Its results waited for this replica, which was not heard:
+		// counted once it is known whether another replica adopted it.
+		s.held.hold(t, now)
+		return nil
+	}
+	s.countDone(t, time.Now())
+	return nil
+}
+
+// countDone counts and logs a request every rank of whose attempt
+// answered, at end.
+func (s *Scheduler) countDone(t *RequestTracker, end time.Time) {
 	// The request's outcome is the gravest of its ranks' (a failure on one
 	// rank is the request's, whatever the others say).
 	outcome, failed, errRank, errText := outcomeCompleted, 0, 0, ""
@@ -63,8 +76,7 @@ func (s *Scheduler) onDone(_ context.Context, m *nats.Msg) error {
 	logsink.Info(s.log, "request done", "req_id", t.ReqID, "session_id", t.SessionID, "group", t.Group,
 		"outcome", outcome.String(), "prompt_tokens", t.TokenLen, "predicted_tokens", t.LoadBlocks*s.cfg.BlockSize, "loaded_tokens", driver.LoadedTokens,
 		"completion_tokens", driver.CompletionTokens, "failed_blocks", failed, "error", errText, "error_rank", errRank,
-		"ms", time.Since(t.Received).Milliseconds())
-	return nil
+		"ms", end.Sub(t.Received).Milliseconds())
 }
 
 // resultOutcome is what one rank's result makes of its request: completed

@@ -181,6 +181,12 @@ type Scheduler struct {
 	// the server answered nothing for busQuietAfter.
 	selfHeard atomic.Int64
 	quiet     bool
+	// unheardUntil is when the server last answered again after this
+	// replica went unheard for more than half the heartbeat timeout
+	// (watchBus; unix ns): the others may have adopted the requests it
+	// had; held are those it ended since, whose count waits (adopt.go).
+	unheardUntil atomic.Int64
+	held         heldEnds
 }
 
 type rankID struct {
@@ -471,7 +477,13 @@ func (s *Scheduler) watchBus(ctx context.Context) {
 		case <-tick.C:
 			pingCtx, cancel := context.WithTimeout(ctx, time.Second)
 			if s.cfg.Conn.FlushWithContext(pingCtx) == nil {
-				s.selfHeard.Store(time.Now().UnixNano())
+				now := time.Now()
+				// Before selfHeard: whoever sees this answer sees the silence
+				// it ended (maybeAdopted).
+				if heard := s.selfHeard.Load(); heard != 0 && now.Sub(time.Unix(0, heard)) > s.cfg.HeartbeatTimeout/2 {
+					s.unheardUntil.Store(now.UnixNano())
+				}
+				s.selfHeard.Store(now.UnixNano())
 			}
 			cancel()
 		}
@@ -586,6 +598,7 @@ func (s *Scheduler) sweep(ctx context.Context, now time.Time) {
 	s.trackers.ended.Expire(now)
 	s.dispatched.Expire(now)
 	s.adoptDead(ctx, now)
+	s.releaseHeld(now)
 	s.rescue(now)
 	s.resend(now)
 	entries, full := s.index.Size()

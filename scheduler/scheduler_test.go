@@ -42,6 +42,9 @@ type schedEnv struct {
 	s    *scheduler.Scheduler
 	reg  *prometheus.Registry
 	logs *testenv.LogBuffer
+	srv  *bus.Server
+	// proxy carries the scheduler's connection (viaProxy), to pause it.
+	proxy *testenv.FaultProxy
 
 	mu   sync.Mutex
 	msgs []*nats.Msg // everything under the prefix, in arrival order
@@ -73,6 +76,8 @@ type schedEnvConfig struct {
 	// before runs once the server and the fake ranks are up, before the
 	// scheduler starts.
 	before func(e *schedEnv)
+	// viaProxy connects the scheduler through a testenv.FaultProxy.
+	viaProxy bool
 }
 
 func startScheduler(t *testing.T, cfg schedEnvConfig) *schedEnv {
@@ -84,7 +89,7 @@ func startScheduler(t *testing.T, cfg schedEnvConfig) *schedEnv {
 		cfg.policy = &scheduler.SessionPolicy{Epsilon: 0.25}
 	}
 	srv := testenv.StartNATS(t)
-	e := &schedEnv{t: t, nc: testenv.Connect(t, srv), reg: prometheus.NewRegistry(), groups: cfg.groups}
+	e := &schedEnv{t: t, nc: testenv.Connect(t, srv), reg: prometheus.NewRegistry(), groups: cfg.groups, srv: srv}
 	e.answer.Store(!cfg.noAnswers)
 	e.hbOn.Store(!cfg.noHeartbeats)
 	js, err := jetstream.New(e.nc)
@@ -120,8 +125,18 @@ func startScheduler(t *testing.T, cfg schedEnvConfig) *schedEnv {
 	}
 	logs := &testenv.LogBuffer{}
 	e.logs = logs
+	var conn *nats.Conn
+	if cfg.viaProxy {
+		e.proxy = testenv.StartFaultProxy(t, strings.TrimPrefix(srv.ClientURL(), "nats://"))
+		if conn, err = nats.Connect(e.proxy.URL(), nats.MaxReconnects(-1)); err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(conn.Close)
+	} else {
+		conn = testenv.Connect(t, srv)
+	}
 	e.s, err = scheduler.New(scheduler.Config{
-		Conn: testenv.Connect(t, srv), Subjects: e.subj, ID: testSchedID, Policy: cfg.policy,
+		Conn: conn, Subjects: e.subj, ID: testSchedID, Policy: cfg.policy,
 		HeartbeatTimeout: time.Second, RequestTimeout: cfg.requestTimeout, DumpTimeout: cfg.dumpTimeout, ForgetGroupAfter: cfg.forgetAfter,
 		NoGroupWait: cfg.noGroupWait, UnsyncedWait: cmp.Or(cfg.unsyncedWait, -1),
 		Logger: slog.New(slog.NewTextHandler(logs, nil)), Registerer: e.reg,
@@ -986,5 +1001,137 @@ func TestRequestHandedOverToAnAdopter(t *testing.T) {
 	time.Sleep(3 * time.Second) // past the request's deadline
 	if n := e.counter("kvbus_scheduler_requests_total", map[string]string{"outcome": "timeout"}); n != 0 {
 		t.Errorf("%v timeouts: the handed-over request was still watched", n)
+	}
+}
+
+// TestAdoptedRequestCountedOnceAfterAPause: replica sched-test is paused
+// (its connection held, as by SIGSTOP) longer than the heartbeat timeout
+// while its requests generate; their ranks finish and answer it, and those
+// results wait for it. Replica sched-peer adopts the requests, the ranks
+// answer it again from memory, and it counts each completed. The paused
+// replica woke, handled the results that waited for it before it heard of
+// the adoption, and counted each completed too: 11 of 11 adopted requests
+// twice in a review. The adopter, which holds a request when it ends,
+// counts it; the woken replica counts its copy duplicate.
+func TestAdoptedRequestCountedOnceAfterAPause(t *testing.T) {
+	e := startScheduler(t, schedEnvConfig{groups: []string{"g0"}, noAnswers: true, requestTimeout: 30 * time.Second, viaProxy: true})
+	// Answered before the pause: the paused replica's alone.
+	e.answer.Store(true)
+	e.publishRequest(newRequest("r-before", "", testenv.PromptTokens(1, 64)))
+	e.waitNoTrackers()
+	time.Sleep(500 * time.Millisecond) // a replica tells the others what ended every 250 ms
+	e.answer.Store(false)
+	const n = 4
+	for i := range n {
+		e.publishRequest(newRequest(fmt.Sprint("r-", i), "", testenv.PromptTokens(i+2, 64)))
+	}
+	metas := make([]*messages.ReqMeta, n)
+	for i := range n {
+		metas[i] = e.waitMeta(fmt.Sprint("r-", i)).meta
+	}
+
+	// The peer starts once sched-test dispatched them all (from the plan
+	// stream it knows what sched-test dispatched and ended).
+	peerReg, peerLogs := prometheus.NewRegistry(), &testenv.LogBuffer{}
+	peer, err := scheduler.New(scheduler.Config{
+		Conn: testenv.Connect(t, e.srv), Subjects: e.subj, ID: "sched-peer", Policy: &scheduler.SessionPolicy{Epsilon: 0.25},
+		HeartbeatTimeout: time.Second, RequestTimeout: 30 * time.Second, UnsyncedWait: -1,
+		Logger: slog.New(slog.NewTextHandler(peerLogs, nil)), Registerer: peerReg,
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	peerErr := make(chan error, 1)
+	go func() { peerErr <- peer.Run(ctx) }()
+	t.Cleanup(func() {
+		cancel()
+		if err := <-peerErr; err != nil {
+			t.Errorf("the peer's Run: %v", err)
+		}
+	})
+	testenv.Eventually(t, waitFor, "the peer ready", func() bool { return peer.ReadyGroups() == 1 })
+	time.Sleep(1500 * time.Millisecond) // it hears sched-test announce itself
+
+	e.proxy.Hold()
+	t.Cleanup(e.proxy.Release) // should the test end early
+	paused := time.Now()
+	for _, m := range metas { // the ranks finish: their results wait for sched-test
+		e.report(m)
+	}
+	e.answer.Store(true) // and answer the adopter's ReqMetas from memory
+	peerCounter := func(outcome string) float64 {
+		return testenv.CounterSum(t, peerReg, "kvbus_scheduler_requests_total", map[string]string{"outcome": outcome})
+	}
+	deadline := time.Now().Add(waitFor)
+	for peerCounter("adopted") != n || peerCounter("completed") != n {
+		if time.Now().After(deadline) {
+			t.Fatalf("the peer adopted %v and completed %v of the paused replica's %d requests\n%s", peerCounter("adopted"), peerCounter("completed"), n, peerLogs)
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+	time.Sleep(3*time.Second - time.Since(paused)) // a pause of 3 s
+	e.proxy.Release()
+	e.waitNoTrackers()
+	time.Sleep(3 * time.Second) // whatever the woken replica counts late
+
+	mine := func(outcome string) float64 {
+		return e.counter("kvbus_scheduler_requests_total", map[string]string{"outcome": outcome})
+	}
+	// The clients got n+1 answers.
+	if got := mine("completed") + peerCounter("completed"); got != n+1 {
+		t.Errorf("completed %v (sched-test %v, sched-peer %v), want %d: the requests the clients got answered",
+			got, mine("completed"), peerCounter("completed"), n+1)
+	}
+	for i := range n {
+		id := fmt.Sprint("r-", i)
+		done := len(e.logs.Lines("request done", "req_id="+id+" ", "outcome=completed")) +
+			len(peerLogs.Lines("request done", "req_id="+id+" ", "outcome=completed"))
+		if done != 1 {
+			t.Errorf("%s, adopted, counted completed %d times", id, done)
+		}
+		if out := e.outputs(id); len(out) != 0 {
+			t.Errorf("%s: the scheduler sent its client %d outputs (an error): %+v", id, len(out), out[0].Error)
+		}
+	}
+	if got := mine("duplicate"); got != n {
+		t.Errorf("sched-test counted %v duplicate, want its %d copies of the adopted requests", got, n)
+	}
+}
+
+// TestRequestEndedAfterAPauseIsCountedWithoutAnAdopter: a replica paused
+// longer than half the heartbeat timeout holds back the count of the
+// requests whose results waited for it, for an adopter's save plan; with no
+// other replica to adopt them, each is still counted completed, once.
+func TestRequestEndedAfterAPauseIsCountedWithoutAnAdopter(t *testing.T) {
+	e := startScheduler(t, schedEnvConfig{groups: []string{"g0"}, noAnswers: true, requestTimeout: 30 * time.Second, viaProxy: true})
+	const n = 3
+	metas := make([]*messages.ReqMeta, n)
+	for i := range n {
+		e.publishRequest(newRequest(fmt.Sprint("r-", i), "", testenv.PromptTokens(i+2, 64)))
+		metas[i] = e.waitMeta(fmt.Sprint("r-", i)).meta
+	}
+	time.Sleep(500 * time.Millisecond) // the server answered its pings before
+	e.proxy.Hold()
+	t.Cleanup(e.proxy.Release) // should the test end early
+	for _, m := range metas {
+		e.report(m)
+	}
+	time.Sleep(2 * time.Second)
+	e.proxy.Release()
+	e.waitNoTrackers()
+	completed := func() float64 {
+		return e.counter("kvbus_scheduler_requests_total", map[string]string{"outcome": "completed"})
+	}
+	if got := completed(); got != 0 {
+		t.Errorf("%v completed at once: the count did not wait for an adopter's save plan", got)
+	}
+	testenv.Eventually(t, waitFor, "the held requests counted", func() bool { return completed() == n })
+	time.Sleep(time.Second)
+	if got, dup := completed(), e.counter("kvbus_scheduler_requests_total", map[string]string{"outcome": "duplicate"}); got != n || dup != 0 {
+		t.Errorf("completed %v, duplicate %v; want %d and 0", got, dup, n)
+	}
+	if got := len(e.logs.Lines("request done", "outcome=completed")); got != n {
+		t.Errorf("%d lines say a request was done, want %d", got, n)
 	}
 }

@@ -14,7 +14,10 @@ import (
 // ways, with their sockets kept open (a host that stopped or was cut off);
 // Swallow drops only what their clients send, keeping a copy (the bytes a
 // process wrote just before its server stopped, which the server never
-// read); Cut closes them. Connections made later are forwarded whole.
+// read); Hold keeps every byte, both ways, until Release delivers it (a
+// process paused with SIGSTOP: its server queues what it sends it, and
+// what the process wrote just before goes out when it wakes); Cut closes
+// them. Connections made later are forwarded whole.
 // Its methods are safe for concurrent use; the proxy closes with the test.
 type FaultProxy struct {
 	ln      net.Listener
@@ -32,6 +35,10 @@ type faultConn struct {
 	silent, swallowing atomic.Bool
 	mu                 sync.Mutex
 	swallowed          bytes.Buffer
+	// held, under mu, keeps what each way carries (toClient, toServer)
+	// until Release.
+	held               bool
+	toClient, toServer bytes.Buffer
 }
 
 // StartFaultProxy listens on a free loopback port and forwards every
@@ -88,7 +95,18 @@ func (p *FaultProxy) forward(c *faultConn, dst, src net.Conn, fromClient bool) {
 				c.swallowed.Write(buf[:n])
 				c.mu.Unlock()
 			default:
-				if _, werr := dst.Write(buf[:n]); werr != nil {
+				c.mu.Lock()
+				var werr error
+				switch {
+				case c.held && fromClient:
+					c.toServer.Write(buf[:n])
+				case c.held:
+					c.toClient.Write(buf[:n])
+				default:
+					_, werr = dst.Write(buf[:n])
+				}
+				c.mu.Unlock()
+				if werr != nil {
 					return
 				}
 			}
@@ -111,6 +129,30 @@ func (p *FaultProxy) Silence() {
 // keep it (Swallowed).
 func (p *FaultProxy) Swallow() {
 	p.each(func(c *faultConn) { c.swallowing.Store(true) })
+}
+
+// Hold makes the open connections keep what they carry, both ways, until
+// Release.
+func (p *FaultProxy) Hold() {
+	p.each(func(c *faultConn) {
+		c.mu.Lock()
+		c.held = true
+		c.mu.Unlock()
+	})
+}
+
+// Release delivers what the connections held, in order, and forwards
+// again.
+func (p *FaultProxy) Release() {
+	p.each(func(c *faultConn) {
+		c.mu.Lock()
+		defer c.mu.Unlock()
+		_, _ = c.server.Write(c.toServer.Bytes())
+		_, _ = c.client.Write(c.toClient.Bytes())
+		c.toServer.Reset()
+		c.toClient.Reset()
+		c.held = false
+	})
 }
 
 // Dropped is the number of bytes the connections dropped.
