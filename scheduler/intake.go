@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"slices"
 	"strconv"
 	"strings"
 	"time"
@@ -281,9 +282,19 @@ func (s *Scheduler) place(t *RequestTracker, groups []GroupState, binding Bindin
 		sources, savers []string
 		prefix          int
 	}
+	// The previous turn's blocks, if this prompt extends it and its group
+	// has not lost its cache since, within PlanTTL of the turn: its answer
+	// came, so its ranks' save of them is imminent whatever else the group
+	// has queued, and another group may plan to read them (the read waits
+	// for the save).
+	prevTurn := bound && binding.extendedBy(t.BlockHashes) && !s.index.LostCacheSince(binding.Group, binding.UpdatedUnixMs)
+	fresh := prevTurn && time.Since(time.UnixMilli(binding.UpdatedUnixMs)) < s.cfg.PlanTTL
 	var views map[int]*poolView
 	if s.cfg.Pool == PoolGlobal {
 		sources, saving := s.groups.sources(time.Now()), savers(groups)
+		if fresh && !slices.Contains(saving, binding.Group) {
+			saving = append(saving, binding.Group)
+		}
 		views = map[int]*poolView{}
 		for _, g := range groups {
 			if views[g.WorldSize] != nil {
@@ -303,15 +314,13 @@ func (s *Scheduler) place(t *RequestTracker, groups []GroupState, binding Bindin
 		g.CachedBlocks = g.IndexBlocks
 		if bound && g.Name == binding.Group {
 			g.Bound = true
-			// The previous turn's blocks, if this prompt extends it and
-			// the group has not lost its cache since (a restarted engine),
-			// while the ranks' KV events may not have told the index yet
-			// (within PlanTTL of the turn), or its index is not synced:
-			// later the index knows, evictions included, and a group
-			// credited with blocks it evicted got the turn behind its
-			// queue to prefill it all.
-			if binding.extendedBy(t.BlockHashes) && !s.index.LostCacheSince(g.Name, binding.UpdatedUnixMs) &&
-				(time.Since(time.UnixMilli(binding.UpdatedUnixMs)) < s.cfg.PlanTTL || !s.index.Synced(g.Name)) {
+			// The previous turn's blocks (prevTurn: the group has not
+			// lost its cache since, a restarted engine), while the ranks'
+			// KV events may not have told the index yet (fresh), or its
+			// index is not synced: later the index knows, evictions
+			// included, and a group credited with blocks it evicted got
+			// the turn behind its queue to prefill it all.
+			if prevTurn && (fresh || !s.index.Synced(g.Name)) {
 				g.CachedBlocks = max(g.CachedBlocks, binding.Blocks)
 			}
 		}
