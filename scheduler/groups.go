@@ -274,6 +274,20 @@ func (t *groupTable) ready(now time.Time) []GroupState {
 	return out
 }
 
+// forming reports whether a group was heard from within the timeout but
+// not yet from all its ranks: at a replica's start, the first heartbeats
+// of a group's ranks other than its driver are still to come.
+func (t *groupTable) forming(now time.Time) bool {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	for _, g := range t.order {
+		if g.worldSize > 0 && len(g.ranks) < g.worldSize && t.heardLocked(g.status.oldestSeen, now) {
+			return true
+		}
+	}
+	return false
+}
+
 // mixedModels returns the models the live ranks of group serve when they
 // are more than one, sorted, and whether to report it now (at most once a
 // minute per group).

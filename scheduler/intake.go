@@ -75,6 +75,13 @@ func (s *Scheduler) onRequest(ctx context.Context, m jetstream.Msg) error {
 		}
 		groups = ready
 	}
+	if len(groups) > 0 && retried < s.cfg.UnsyncedWait && start.Sub(s.started) < s.cfg.HeartbeatTimeout && s.groups.forming(start) {
+		// A replica that just started hears a group's driver at once (a
+		// heartbeat at every prefill), its other ranks up to a heartbeat
+		// interval later: placed now, a conversation whose prefix that
+		// group holds would go elsewhere and load nothing.
+		return m.NakWithDelay(noGroupRetry)
+	}
 	if len(groups) == 0 {
 		if retried < s.cfg.NoGroupWait {
 			return m.NakWithDelay(noGroupRetry)

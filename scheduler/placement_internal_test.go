@@ -791,3 +791,48 @@ func TestResultLostAcrossAReconnectIsAskedAgain(t *testing.T) {
 		t.Error("the request ended without rank 1's result")
 	}
 }
+
+// TestNewReplicaWaitsForTheGroupsItHeardInPart: a replica that just
+// started hears a group's driver at once (it sends a heartbeat at every
+// prefill) but its other ranks only at their next heartbeat, up to a
+// heartbeat interval later. Until then the group is not ready, and a
+// conversation whose prefix it holds had its next turn placed on another
+// group, with nothing to load (a review, every role its own process: a
+// second scheduler started while 7 clients ran, turn 8 of a conversation
+// found 0 of 608 tokens 0.7 s later). Within the heartbeat timeout of its
+// start, a request waits (within UnsyncedWait) while a group is heard in
+// part.
+func TestNewReplicaWaitsForTheGroupsItHeardInPart(t *testing.T) {
+	s, _ := newBareScheduler(t)
+	b, _ := openTestBindings(t)
+	s.bindings.Store(b)
+	now := time.Now()
+	holding(s, "g0")
+	heard(s, "g0", now, 0)
+	s.groups.observe(&messages.Heartbeat{Group: "g1", TPRank: 0, WorldSize: 2, StartedUnixMs: 1}, now)
+	m := requestMsg(t, "r1")
+	if err := s.onRequest(context.Background(), m); err != nil {
+		t.Fatal(err)
+	}
+	if m.acked {
+		t.Fatal("placed while g1's rank 1 was not heard yet since the replica started: want it to wait")
+	}
+	s.groups.observe(&messages.Heartbeat{Group: "g1", TPRank: 1, WorldSize: 2, StartedUnixMs: 1}, time.Now())
+	if err := s.onRequest(context.Background(), m); err != nil {
+		t.Fatal(err)
+	}
+	if !m.acked {
+		t.Fatal("not placed once every group was heard in full")
+	}
+	// Past the heartbeat timeout of the start, a group missing a rank is a
+	// failure, not one forming: nothing waits for it.
+	s.started = time.Now().Add(-2 * s.cfg.HeartbeatTimeout)
+	s.groups.observe(&messages.Heartbeat{Group: "g2", TPRank: 0, WorldSize: 2, StartedUnixMs: 1}, time.Now())
+	m2 := requestMsg(t, "r2")
+	if err := s.onRequest(context.Background(), m2); err != nil {
+		t.Fatal(err)
+	}
+	if !m2.acked {
+		t.Error("a long-running replica held a request back for a group missing a rank")
+	}
+}
