@@ -808,6 +808,20 @@ func TestEngineStreamBreakOffNamesTheCause(t *testing.T) {
 	if status != http.StatusOK {
 		t.Fatalf("status %d: %s", status, body)
 	}
+	e := brokenStreamError(t, body)
+	if e.Code != "engine_error" {
+		t.Fatalf("the stream's error %+v: want an engine_error", e)
+	}
+	if strings.Contains(e.Message, "<nil>") || !strings.Contains(e.Message, "stream broke off") {
+		t.Errorf("error message %q does not name the cause (the engine's stream broke off)", e.Message)
+	}
+}
+
+// brokenStreamError reads a stream that broke off after the engine's two
+// chunks: the engine's chunks, an error event, [DONE]. It returns the
+// error event's error.
+func brokenStreamError(t *testing.T, body []byte) (e struct{ Message, Code string }) {
+	t.Helper()
 	var events []string
 	for _, line := range strings.Split(string(body), "\n") {
 		if data, ok := strings.CutPrefix(line, "data: "); ok {
@@ -817,15 +831,13 @@ func TestEngineStreamBreakOffNamesTheCause(t *testing.T) {
 	if len(events) < 4 || events[len(events)-1] != "[DONE]" || !strings.Contains(events[1], `" two"`) {
 		t.Fatalf("events %q: want the engine's two chunks, an error, [DONE]", events)
 	}
-	var e struct {
+	var ev struct {
 		Error struct{ Message, Code string } `json:"error"`
 	}
-	if err := json.Unmarshal([]byte(events[len(events)-2]), &e); err != nil || e.Error.Code != "engine_error" {
-		t.Fatalf("last event %s (%v): want an engine_error", events[len(events)-2], err)
+	if err := json.Unmarshal([]byte(events[len(events)-2]), &ev); err != nil {
+		t.Fatalf("last event %s: %v", events[len(events)-2], err)
 	}
-	if strings.Contains(e.Error.Message, "<nil>") || !strings.Contains(e.Error.Message, "stream broke off") {
-		t.Errorf("error message %q does not name the cause (the engine's stream broke off)", e.Error.Message)
-	}
+	return ev.Error
 }
 
 // TestEngineDeathMidStreamIsRetryable: an engine killed after a stream
@@ -860,24 +872,13 @@ func TestEngineDeathMidStreamIsRetryable(t *testing.T) {
 	if status != http.StatusOK {
 		t.Fatalf("status %d: %s", status, body)
 	}
-	var events []string
-	for _, line := range strings.Split(string(body), "\n") {
-		if data, ok := strings.CutPrefix(line, "data: "); ok {
-			events = append(events, data)
-		}
-	}
-	if len(events) < 4 || events[len(events)-1] != "[DONE]" || !strings.Contains(events[1], `" two"`) {
-		t.Fatalf("events %q: want the engine's two chunks, an error, [DONE]", events)
-	}
-	var e struct {
-		Error struct{ Message, Code string } `json:"error"`
-	}
-	if err := json.Unmarshal([]byte(events[len(events)-2]), &e); err != nil || e.Error.Code != "group_failed" {
-		t.Fatalf("last event %s (%v): want a group_failed (the engine died: retry)", events[len(events)-2], err)
+	e := brokenStreamError(t, body)
+	if e.Code != "group_failed" {
+		t.Fatalf("the stream's error %+v: want a group_failed (the engine died: retry)", e)
 	}
 	for _, want := range []string{"stream broke off", "engine died", "retry"} {
-		if !strings.Contains(e.Error.Message, want) {
-			t.Errorf("error message %q does not say %q", e.Error.Message, want)
+		if !strings.Contains(e.Message, want) {
+			t.Errorf("error message %q does not say %q", e.Message, want)
 		}
 	}
 	if len(c.Logs.Lines("engine not healthy")) == 0 {
