@@ -14,9 +14,6 @@ import (
 	"testing"
 	"time"
 
-	"github.com/nats-io/nats.go"
-
-	"github.com/kvbus/kvbus/bus"
 	"github.com/kvbus/kvbus/messages"
 	"github.com/kvbus/kvbus/workers/vllmevents"
 )
@@ -368,16 +365,7 @@ func TestOpenAIWatchHealthFindsRestarts(t *testing.T) {
 // going back was taken for evidence of the second restart.
 func TestEngineRestartedClearsOnce(t *testing.T) {
 	t.Parallel()
-	srv, err := bus.StartServer(bus.ServerConfig{Addr: "127.0.0.1:0", DataDir: t.TempDir()})
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer srv.Shutdown()
-	nc, err := nats.Connect(srv.ClientURL())
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer nc.Close()
+	nc := busConn(t)
 	sub, err := nc.SubscribeSync("kvbus.kv.g0.0")
 	if err != nil {
 		t.Fatal(err)
@@ -464,16 +452,7 @@ func TestEngineRestartedClearsOnce(t *testing.T) {
 // (TestWorkerRestartBesideARunningEngine, ./testenv).
 func TestEngineBatchWhole(t *testing.T) {
 	t.Parallel()
-	srv, err := bus.StartServer(bus.ServerConfig{Addr: "127.0.0.1:0", DataDir: t.TempDir()})
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer srv.Shutdown()
-	nc, err := nats.Connect(srv.ClientURL())
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer nc.Close()
+	nc := busConn(t)
 	r := &Rank{log: slog.New(slog.DiscardHandler), events: newEventLog(nc, "kvbus.kv.g0.0", "g0", 0, slog.New(slog.DiscardHandler))}
 	tr, err := vllmevents.NewTranslator(vllmevents.TranslatorConfig{BlockSize: 2, Hash: chainedHash("m")})
 	if err != nil {

@@ -12,22 +12,31 @@ import (
 	"github.com/kvbus/kvbus/messages"
 )
 
+// busConn starts an embedded NATS server and connects to it, both closed
+// at the test's end (testenv, which imports this package, cannot be used
+// here).
+func busConn(t *testing.T) *nats.Conn {
+	t.Helper()
+	srv, err := bus.StartServer(bus.ServerConfig{Addr: "127.0.0.1:0", DataDir: t.TempDir()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(srv.Shutdown)
+	nc, err := nats.Connect(srv.ClientURL())
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(nc.Close)
+	return nc
+}
+
 // TestStoredEventsAgreeWithTheStore: two threads put into one store, and one
 // thread's put evicts what the other just stored, before that thread
 // published it. Whatever the order of their batches, what the events say
 // the rank holds (the index's view, and what a dump returns) is what the
 // store holds.
 func TestStoredEventsAgreeWithTheStore(t *testing.T) {
-	srv, err := bus.StartServer(bus.ServerConfig{Addr: "127.0.0.1:0", DataDir: t.TempDir()})
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer srv.Shutdown()
-	nc, err := nats.Connect(srv.ClientURL())
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer nc.Close()
+	nc := busConn(t)
 	const model = "m"
 	setup := func(t *testing.T) (*eventLog, *MemStore) {
 		l := newEventLog(nc, "kvbus.kv.g0.0", "g0", 0, slog.New(slog.DiscardHandler))
