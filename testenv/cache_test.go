@@ -78,16 +78,7 @@ func settledChat(t *testing.T, c *testenv.Cluster, metas *testenv.Observer, body
 		t.Fatal(err)
 	}
 	tr := turnResult{reqID: h.Get("X-Request-Id"), promptTokens: resp.Usage.PromptTokens, cachedTokens: resp.Usage.PromptTokensDetails.CachedTokens}
-	var meta *messages.ReqMeta
-	testenv.Eventually(t, 5*time.Second, "the turn's ReqMeta", func() bool {
-		for _, m := range metas.Messages() {
-			if rm, err := messages.DecodeReqMeta(m.Data); err == nil && rm.ReqID == tr.reqID {
-				meta = rm
-				return true
-			}
-		}
-		return false
-	})
+	meta := metaOf(t, metas, tr.reqID)
 	tr.group = meta.Group
 	testenv.Eventually(t, 5*time.Second, "the index to hold the turn's blocks", func() bool {
 		for _, s := range c.Schedulers {
@@ -101,6 +92,23 @@ func settledChat(t *testing.T, c *testenv.Cluster, metas *testenv.Observer, body
 		return true
 	})
 	return tr, resp.Choices[0].Message.Content
+}
+
+// metaOf waits for the ReqMeta of request reqID among those metas
+// observed, and returns it.
+func metaOf(t *testing.T, metas *testenv.Observer, reqID string) *messages.ReqMeta {
+	t.Helper()
+	var meta *messages.ReqMeta
+	testenv.Eventually(t, 5*time.Second, "the ReqMeta of "+reqID, func() bool {
+		for _, m := range metas.Messages() {
+			if rm, err := messages.DecodeReqMeta(m.Data); err == nil && rm.ReqID == reqID {
+				meta = rm
+				return true
+			}
+		}
+		return false
+	})
+	return meta
 }
 
 // hits counts the turns n >= 2 whose cached tokens cover every full block of

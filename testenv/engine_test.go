@@ -962,17 +962,7 @@ func TestEngineLoRAAdapterSharesNoBlocksWithItsModel(t *testing.T) {
 		if err := json.Unmarshal(body, &r); err != nil {
 			t.Fatal(err)
 		}
-		var meta *messages.ReqMeta
-		testenv.Eventually(t, 5*time.Second, "the request's ReqMeta", func() bool {
-			for _, m := range metas.Messages() {
-				if rm, err := messages.DecodeReqMeta(m.Data); err == nil && rm.ReqID == hdr.Get("X-Request-Id") {
-					meta = rm
-					return true
-				}
-			}
-			return false
-		})
-		return meta.LoadSpec, r.Usage.PromptTokens, r.Usage.PromptTokensDetails.CachedTokens, r.Model
+		return metaOf(t, metas, hdr.Get("X-Request-Id")).LoadSpec, r.Usage.PromptTokens, r.Usage.PromptTokensDetails.CachedTokens, r.Model
 	}
 
 	// The model's prompt, then the index holds what the engine cached.
