@@ -35,13 +35,14 @@ func (s *Scheduler) onDone(_ context.Context, m *nats.Msg) error {
 		return nil
 	}
 	s.groups.addInflight(t.Group, -1, -t.queued)
-	if now := time.Now(); s.maybeAdopted(t, now) {
+	now := time.Now()
+	if s.maybeAdopted(t, now) {
 		// Its results waited for this replica, which was not heard:
 		// counted once it is known whether another replica adopted it.
 		s.held.hold(t, now)
 		return nil
 	}
-	s.countDone(t, time.Now())
+	s.countDone(t, now)
 	return nil
 }
 

@@ -95,19 +95,22 @@ func (p *FaultProxy) forward(c *faultConn, dst, src net.Conn, fromClient bool) {
 				c.swallowed.Write(buf[:n])
 				c.mu.Unlock()
 			default:
+				// Written outside mu, so that one way blocked on its reader
+				// does not stop the other; this goroutine is the way's only
+				// writer but for Release, which writes only what it held.
 				c.mu.Lock()
-				var werr error
+				held := c.held
 				switch {
-				case c.held && fromClient:
+				case held && fromClient:
 					c.toServer.Write(buf[:n])
-				case c.held:
+				case held:
 					c.toClient.Write(buf[:n])
-				default:
-					_, werr = dst.Write(buf[:n])
 				}
 				c.mu.Unlock()
-				if werr != nil {
-					return
+				if !held {
+					if _, werr := dst.Write(buf[:n]); werr != nil {
+						return
+					}
 				}
 			}
 		}
