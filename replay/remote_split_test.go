@@ -7,6 +7,7 @@ import (
 	"regexp"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/kvbus/kvbus/messages"
 	"github.com/kvbus/kvbus/replay"
@@ -186,5 +187,55 @@ func TestAskedAgainKeepsItsGroupThroughHTTP(t *testing.T) {
 	if res := results[0]; res.Err != "" || res.Group != "g7" || res.RemoteUnknown || res.RemoteTokens != 128 {
 		t.Fatalf("result: err %q, group %q, remote tokens %d (unknown %v); want group g7 and 128 remote tokens",
 			res.Err, res.Group, res.RemoteTokens, res.RemoteUnknown)
+	}
+}
+
+// TestGroupReadAfterTheAnswerThroughHTTP: the ReqMeta naming a request's
+// group can be read from the bus after its HTTP answer and its final
+// Output (the replayer's two subscriptions deliver apart). Before, the
+// replay stopped waiting once the Output was read, and reported the
+// request with no group now and then (a CI run: group "", 128 remote
+// tokens).
+func TestGroupReadAfterTheAnswerThroughHTTP(t *testing.T) {
+	srv := testenv.StartNATS(t)
+	nc := testenv.Connect(t, srv)
+	var subj messages.Subjects
+	publish := func(subject string, msg messages.Message) {
+		data, err := messages.Marshal(msg)
+		if err != nil {
+			t.Error(err)
+		}
+		if err := nc.Publish(subject, data); err != nil {
+			t.Error(err)
+		}
+	}
+	engine := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		busID := r.Header.Get("X-Request-Id") + "-Xq7nuid"
+		publish(subj.Out("fe1"), &messages.Output{ReqID: busID, FinishReason: "length",
+			Usage: &messages.Usage{PromptTokens: 512, CompletionTokens: 1, CachedTokens: 256, RemoteCachedTokens: 128}})
+		time.AfterFunc(200*time.Millisecond, func() {
+			publish(subj.Meta("g7", "s1"), &messages.ReqMeta{ReqID: busID, SessionID: "s1"})
+		})
+		w.Header().Set("Content-Type", "text/event-stream")
+		fmt.Fprint(w, "data: {\"choices\":[{\"text\":\"a\"}]}\n\n")
+		fmt.Fprint(w, "data: {\"usage\":{\"prompt_tokens\":512,\"completion_tokens\":1,\"prompt_tokens_details\":{\"cached_tokens\":256}}}\n\n")
+		fmt.Fprint(w, "data: [DONE]\n\n")
+	}))
+	defer engine.Close()
+	tr, err := replay.ReadTrace(strings.NewReader(`{"timestamp": 0, "input_length": 512, "output_length": 1, "hash_ids": [1]}`+"\n"), replay.FormatMooncake)
+	if err != nil {
+		t.Fatal(err)
+	}
+	r, err := replay.New(replay.Config{Target: engine.URL, Conn: testenv.Connect(t, srv)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	results, _, err := r.Run(t.Context(), tr.Items)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if res := results[0]; res.Err != "" || res.Group != "g7" || res.RemoteTokens != 128 {
+		t.Fatalf("result: err %q, group %q, remote tokens %d; want group g7 and 128 remote tokens",
+			res.Err, res.Group, res.RemoteTokens)
 	}
 }

@@ -276,16 +276,22 @@ func (r *Replayer) Run(ctx context.Context, items []Item) ([]Result, time.Durati
 // tell the remote cached tokens of requests the frontend has answered.
 const remoteGrace = time.Second
 
-// awaitRemote waits, up to remoteGrace, until the final Output of every
-// request answered through HTTP has been read from the bus: it can come
-// after the HTTP answer.
+// awaitRemote waits, up to remoteGrace, until the final Output and the
+// ReqMeta of every request answered through HTTP have been read from the
+// bus: they can come after the HTTP answer, and the two subscriptions
+// deliver apart, so an Output read says nothing of its ReqMeta.
 func (r *Replayer) awaitRemote(ctx context.Context, results []Result) {
 	deadline := time.Now().Add(remoteGrace)
 	for {
 		missing := false
 		r.mu.Lock()
 		for i := range results {
-			if _, ok := r.remote[results[i].ReqID]; !ok && results[i].Err == "" && results[i].E2E > 0 {
+			if results[i].Err != "" || results[i].E2E <= 0 {
+				continue
+			}
+			_, remote := r.remote[results[i].ReqID]
+			_, group := r.groups[results[i].ReqID]
+			if !remote || !group {
 				missing = true
 				break
 			}
