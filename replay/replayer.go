@@ -252,8 +252,8 @@ func (r *Replayer) Run(ctx context.Context, items []Item) ([]Result, time.Durati
 	if bar != nil {
 		_ = bar.Finish()
 	}
-	if r.http != nil && r.cfg.Conn != nil {
-		r.awaitRemote(ctx, results)
+	if r.cfg.Conn != nil && !r.cfg.NoWait {
+		r.awaitBus(ctx, results)
 	}
 	r.mu.Lock()
 	for i := range results {
@@ -272,16 +272,16 @@ func (r *Replayer) Run(ctx context.Context, items []Item) ([]Result, time.Durati
 	return results, elapsed, ctx.Err()
 }
 
-// remoteGrace bounds how long, through HTTP, a replay waits for the bus to
-// tell the remote cached tokens of requests the frontend has answered.
-const remoteGrace = time.Second
+// busGrace bounds how long a replay waits for the bus to tell what it
+// learns there of requests already answered.
+const busGrace = time.Second
 
-// awaitRemote waits, up to remoteGrace, until the final Output and the
-// ReqMeta of every request answered through HTTP have been read from the
-// bus: they can come after the HTTP answer, and the two subscriptions
+// awaitBus waits, up to busGrace, until the ReqMeta of every answered
+// request, and through HTTP its final Output, have been read from the bus:
+// through HTTP they can come after the answer, and the subscriptions
 // deliver apart, so an Output read says nothing of its ReqMeta.
-func (r *Replayer) awaitRemote(ctx context.Context, results []Result) {
-	deadline := time.Now().Add(remoteGrace)
+func (r *Replayer) awaitBus(ctx context.Context, results []Result) {
+	deadline := time.Now().Add(busGrace)
 	for {
 		missing := false
 		r.mu.Lock()
@@ -289,9 +289,9 @@ func (r *Replayer) awaitRemote(ctx context.Context, results []Result) {
 			if results[i].Err != "" || results[i].E2E <= 0 {
 				continue
 			}
-			_, remote := r.remote[results[i].ReqID]
 			_, group := r.groups[results[i].ReqID]
-			if !remote || !group {
+			_, remote := r.remote[results[i].ReqID]
+			if !group || (r.http != nil && !remote) {
 				missing = true
 				break
 			}
