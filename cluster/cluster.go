@@ -107,6 +107,9 @@ type Config struct {
 type EngineBackend struct {
 	OpenAI   workers.OpenAIConfig
 	KVEvents *vllmevents.Config
+	// KVEventsSilence is the rank's RankConfig.KVEventsSilence (zero: its
+	// default).
+	KVEventsSilence time.Duration
 }
 
 // Cluster is a running in-process cluster.
@@ -452,10 +455,11 @@ func (c *Cluster) startRank(group string, r int) error {
 	engine := c.engines[group]
 	c.mu.Unlock()
 	capacity := cfg.KVCapacity
+	kvEvents, silence := c.kvEvents(group)
 	rank, err := workers.NewRank(workers.RankConfig{
 		Conn: nc, Subjects: cfg.Subjects, Group: group, TPRank: r, TPSize: cfg.Ranks, EPRank: r, EPSize: cfg.Ranks,
 		Model: cfg.Model, Profile: c.profile, CapacityBytes: capacity, Payload: cfg.Payload, Evict: cfg.Evict,
-		Engine: engine, EngineCache: len(cfg.Engines) > 0, KVEvents: c.kvEvents(group),
+		Engine: engine, EngineCache: len(cfg.Engines) > 0, KVEvents: kvEvents, KVEventsSilence: silence,
 		BlockSize: cfg.BlockSize, HeartbeatInterval: cfg.HeartbeatInterval, ShutdownTimeout: cfg.ShutdownTimeout,
 		SaveWait: cfg.SaveWait, DrainHandoff: cfg.DrainHandoff, ReplayBytes: cfg.StreamReplay, StoreDelay: cfg.StoreDelays[r], DropReqMetas: cfg.DropReqMetas[r],
 		DelayFirstReqMeta: cfg.DelayFirstReqMeta[r],
@@ -484,15 +488,16 @@ func (c *Cluster) startRank(group string, r int) error {
 // GroupName is the name of the cluster's group i: g0, g1, …
 func GroupName(i int) string { return fmt.Sprintf("g%d", i) }
 
-// kvEvents is the KV event subscription of a group's model server, if any.
-func (c *Cluster) kvEvents(group string) *vllmevents.Config {
+// kvEvents is the KV event subscription of a group's model server, if any,
+// and how long the rank waits for its first batch before it warns.
+func (c *Cluster) kvEvents(group string) (*vllmevents.Config, time.Duration) {
 	for i, e := range c.cfg.Engines {
 		if group == GroupName(i) && e.KVEvents != nil {
 			kc := *e.KVEvents
-			return &kc
+			return &kc, e.KVEventsSilence
 		}
 	}
-	return nil
+	return nil, 0
 }
 
 // WaitReady waits until the cluster is ready as its health checks say:

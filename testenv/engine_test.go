@@ -10,6 +10,7 @@ import (
 	"net"
 	"net/http"
 	"net/http/httptest"
+	"slices"
 	"strings"
 	"sync"
 	"testing"
@@ -1121,5 +1122,75 @@ func TestEngineModelKeepsAnAdapterTheEngineServes(t *testing.T) {
 		if err := json.Unmarshal(body, &r); status != http.StatusOK || err != nil || r.Model != tc.want {
 			t.Errorf("model %s: %d %.300s; want the answer of %s", tc.asked, status, body, tc.want)
 		}
+	}
+}
+
+// TestEngineSilentKVEventsWarnOnce: a worker whose --kv-events hears
+// nothing of its engine (here its topic is not the engine's; a wrong port
+// or an engine started without --kv-events-config is the same to it) says
+// so, once, when the engine has stored new blocks and no batch came within
+// KVEventsSilence; a worker wired right says it heard the first batch and
+// never warns. Before, the deaf worker said nothing: placement silently
+// could not see that engine's cache.
+func TestEngineSilentKVEventsWarnOnce(t *testing.T) {
+	var engines []*fakeengine.Engine
+	var backends []cluster.EngineBackend
+	for i := range 2 {
+		e, err := fakeengine.New(fakeengine.Config{ModelName: "kvbus-sim",
+			KVEvents: &fakeengine.KVEventsConfig{Endpoint: "tcp://127.0.0.1:0", Topic: "kv-events", EventForm: fakeengine.EventFormMap}})
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { _ = e.Close() })
+		engines = append(engines, e)
+		topic := "kv-events"
+		if i == 0 {
+			topic = "kv-events-of-another-engine"
+		}
+		backends = append(backends, cluster.EngineBackend{
+			OpenAI:          workers.OpenAIConfig{URL: e.URL(), HealthInterval: 100 * time.Millisecond},
+			KVEvents:        &vllmevents.Config{Endpoint: e.KVEventsAddr(), Topic: topic},
+			KVEventsSilence: 400 * time.Millisecond,
+		})
+	}
+	tok, err := frontend.NewEngineTokenizer(frontend.EngineTokenizerConfig{URLs: []string{engines[0].URL()}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	c := testenv.StartCluster(t, testenv.ClusterConfig{Engines: backends, Tokenizer: tok, Policy: "round-robin", MaxModelLen: 8192})
+	ctx, cancel := context.WithTimeout(t.Context(), 10*time.Second)
+	defer cancel()
+	if err := engines[1].WaitSubscribed(ctx); err != nil {
+		t.Fatalf("the rank wired right never subscribed: %v", err)
+	}
+	answered := func(e *fakeengine.Engine) bool {
+		return slices.ContainsFunc(e.Requests(), func(r fakeengine.Received) bool { return r.Path == "/v1/completions" })
+	}
+	for i := 0; !answered(engines[0]) || !answered(engines[1]); i++ {
+		if i == 20 {
+			t.Fatal("round-robin placement sent no request to one of the engines")
+		}
+		status, _, body := testenv.Send(t, "POST", c.URL+"/v1/completions",
+			fmt.Sprintf(`{"model":%q,"prompt":%q,"max_tokens":2}`, c.Model, strings.Repeat(fmt.Sprint("prompt ", i, " "), 40)), nil)
+		if status != http.StatusOK {
+			t.Fatalf("status %d: %s", status, body)
+		}
+	}
+	const warning = "engine KV events: none heard"
+	testenv.Eventually(t, 5*time.Second, "the deaf worker's warning", func() bool {
+		return len(c.Logs.Lines(warning, "group=g0")) > 0
+	})
+	time.Sleep(time.Second) // a second warning would come within a silence or two
+	if n := len(c.Logs.Lines(warning)); n != 1 {
+		t.Errorf("%d warnings of silent KV events, want one, from g0: %q", n, c.Logs.Lines(warning))
+	}
+	if lines := c.Logs.Lines(warning, "group=g0"); len(lines) == 1 && !strings.Contains(lines[0], "kv-events-of-another-engine") {
+		t.Errorf("the warning does not name the topic kvbus subscribed to: %s", lines[0])
+	}
+	if n := len(c.Logs.Lines("engine KV events: the first batch was heard", "group=g1")); n != 1 {
+		t.Errorf("the worker wired right said %d times that it heard the first batch, want once", n)
+	}
+	if n := c.Scheduler.Index().GroupBlocks("g1"); n == 0 {
+		t.Error("the worker wired right indexed none of its engine's blocks")
 	}
 }

@@ -71,6 +71,12 @@ type Rank struct {
 	// other groups first; reported in heartbeats.
 	queuedTokens, queuedLoad, queuedRemote atomic.Int64
 	prefills                               prefillClock // the driver's engine queue
+	// engineHeard: a batch of the engine's KV events was handled since the
+	// rank started; blockAnswered: unix ns of the engine's first answer
+	// (0: none yet) to a prompt it stored a new block of (see
+	// watchEngineSilence).
+	engineHeard   atomic.Bool
+	blockAnswered atomic.Int64
 
 	drivers sync.WaitGroup // driver goroutines, started by the load loop
 	// Pool reads waiting for saves (see onPoolRead), and their slots.

@@ -52,6 +52,12 @@ type RankConfig struct {
 	// (vLLM's ZeroMQ publisher); nil means none, and placement then cannot
 	// see the engine's cache. Its Logger and OnGap are the rank's.
 	KVEvents *vllmevents.Config
+	// KVEventsSilence, with KVEvents: a rank that has heard no batch of the
+	// engine's KV events this long after the engine answered a prompt that
+	// stored new blocks warns, once, that placement cannot see the
+	// engine's cache (a wrong endpoint or topic, events off). Zero means
+	// DefaultKVEventsSilence.
+	KVEventsSilence time.Duration
 	// BlockSize is the tokens per block used to express capacity in blocks
 	// in heartbeats (default 16), and the engine's block size with
 	// KVEvents; requests carry their own block_size.
@@ -137,6 +143,8 @@ func (c *RankConfig) Validate() error {
 		return fmt.Errorf("%w: a group that fronts a model server is --tp-size 1 (the engine does its own tensor parallelism), not %d", ErrConfig, c.TPSize)
 	case c.KVEvents != nil && !c.EngineCache:
 		return fmt.Errorf("%w: --kv-events needs --engine openai: the sim's ranks publish their own KV events", ErrConfig)
+	case c.KVEventsSilence < 0:
+		return fmt.Errorf("%w: negative KVEventsSilence", ErrConfig)
 	case c.DrainHandoff < 0:
 		return fmt.Errorf("%w: negative --drain-handoff (0 turns it off)", ErrConfig)
 	case c.Payload != PayloadBytes && c.Payload != PayloadAccounting:

@@ -106,6 +106,9 @@ func (r *Rank) drive(rr *rankReq) {
 	var engineErr *EngineError
 	switch cause := context.Cause(rr.ctx); {
 	case err == nil:
+		if bs := r.cfg.BlockSize; r.cfg.KVEvents != nil && bs > 0 && usage.PromptTokens/bs > usage.CachedTokens/bs {
+			r.blockAnswered.CompareAndSwap(0, time.Now().UnixNano()) // see watchEngineSilence
+		}
 		if res.FinishReason == "" {
 			res.FinishReason = FinishStop // an engine that named no reason
 		}

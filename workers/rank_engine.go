@@ -1,6 +1,7 @@
 package workers
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"sync"
@@ -46,6 +47,10 @@ func chainedHash(model string) vllmevents.HashFunc {
 // engineEventsRetry is how long the rank waits before subscribing again
 // after the subscriber stopped with an error.
 const engineEventsRetry = time.Second
+
+// DefaultKVEventsSilence is RankConfig.KVEventsSilence's default: vLLM
+// publishes a step's events as the step ends.
+const DefaultKVEventsSilence = 10 * time.Second
 
 // engineKV is what a driver rank's engine KV events and its engine's
 // restarts share. The translator (nil without --kv-events) is used under mu
@@ -171,6 +176,9 @@ func (r *Rank) engineBatch(k *engineKV, seq uint64, b *vllmevents.Batch) (whole 
 	k.mu.Lock()
 	defer k.mu.Unlock()
 	k.healthCleared = false
+	if !r.engineHeard.Swap(true) {
+		r.log.Info("engine KV events: the first batch was heard", "seq", seq)
+	}
 	if seq == 0 {
 		k.whole = true // the engine's first batch: nothing came before it
 	}
@@ -225,6 +233,9 @@ func (r *Rank) runEngineEvents(ctx context.Context, k *engineKV) {
 		return nil
 	}
 	r.log.Info("engine KV events: subscribing", "endpoint", cfg.Endpoint, "bind", cfg.Bind, "topic", cfg.Topic, "replay", cfg.ReplayEndpoint)
+	var watch sync.WaitGroup
+	defer watch.Wait()
+	watch.Go(func() { r.watchEngineSilence(ctx, cfg) })
 	for {
 		err := sub.Run(ctx, handle)
 		if ctx.Err() != nil {
@@ -239,6 +250,35 @@ func (r *Rank) runEngineEvents(ctx context.Context, k *engineKV) {
 		case <-ctx.Done():
 			return
 		case <-time.After(engineEventsRetry):
+		}
+	}
+}
+
+// watchEngineSilence warns, once, when the engine answered a prompt that
+// stored new blocks KVEventsSilence ago and no batch of its KV events was
+// heard since the rank started: kvbus is deaf to the engine's cache (its
+// --kv-events misses the engine's endpoint or topic, or the engine
+// publishes none), placement follows only sessions and save plans, and
+// nothing else would say so.
+func (r *Rank) watchEngineSilence(ctx context.Context, cfg vllmevents.Config) {
+	silence := cmp.Or(r.cfg.KVEventsSilence, DefaultKVEventsSilence)
+	tick := time.NewTicker(max(silence/4, time.Millisecond))
+	defer tick.Stop()
+	for !r.engineHeard.Load() {
+		select {
+		case <-ctx.Done():
+			return
+		case <-tick.C:
+		}
+		first := r.blockAnswered.Load()
+		if first == 0 || r.engineHeard.Load() {
+			continue
+		}
+		if since := time.Since(time.Unix(0, first)); since >= silence {
+			r.log.Warn("engine KV events: none heard, though the engine stored new blocks "+since.Round(time.Second).String()+" ago: placement cannot see its cache",
+				"endpoint", cfg.Endpoint, "bind", cfg.Bind, "topic", cfg.Topic,
+				"hint", `start vLLM with --enable-prefix-caching and --kv-events-config '{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:5557", "topic": "kv-events"}'; kvbus's --kv-events must reach that endpoint and --kv-events-topic be a prefix of its topic (empty: every topic)`)
+			return
 		}
 	}
 }
