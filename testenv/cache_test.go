@@ -299,6 +299,18 @@ func TestEvictionReachesTheIndex(t *testing.T) {
 	if all > capacityBlocks {
 		t.Errorf("%d blocks held by every rank, capacity %d", all, capacityBlocks)
 	}
+	// Every block stored and no longer held was evicted to make room, and
+	// each eviction's idle time was observed.
+	stored := testenv.CounterSum(t, c.Registry, "kvbus_worker_blocks_total", map[string]string{"op": "stored"})
+	heldAll := 0
+	for _, h := range held {
+		heldAll += len(h)
+	}
+	evicted := testenv.HistogramCount(t, c.Registry, "kvbus_worker_store_block_idle_before_evict_seconds", nil)
+	if int(stored)-heldAll != int(evicted) || evicted < float64(removed) {
+		t.Errorf("%v blocks stored, %d held, %v evictions observed (%d BlockRemoved events); want every block stored and not held evicted",
+			stored, heldAll, evicted, removed)
+	}
 }
 
 func TestRankRestartDropsItsEntries(t *testing.T) {

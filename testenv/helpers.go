@@ -26,6 +26,13 @@ func GaugeSum(t testing.TB, g prometheus.Gatherer, name string, want map[string]
 	return metricSum(t, g, name, want, func(m *dto.Metric) float64 { return m.GetGauge().GetValue() })
 }
 
+// HistogramCount sums the sample counts of the histogram name's series in
+// g whose labels include every pair of want.
+func HistogramCount(t testing.TB, g prometheus.Gatherer, name string, want map[string]string) float64 {
+	t.Helper()
+	return metricSum(t, g, name, want, func(m *dto.Metric) float64 { return float64(m.GetHistogram().GetSampleCount()) })
+}
+
 // SeriesCount counts the series of the metric name in g whose labels
 // include every pair of want.
 func SeriesCount(t testing.TB, g prometheus.Gatherer, name string, want map[string]string) int {

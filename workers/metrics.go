@@ -11,6 +11,7 @@ type Metrics struct {
 	loadSec   *prometheus.HistogramVec
 	storeSec  *prometheus.HistogramVec
 	usedBytes *prometheus.GaugeVec
+	evictIdle *prometheus.HistogramVec
 	queue     *prometheus.GaugeVec
 	// Pool reads, by source group, target group and tp_rank.
 	remote      *prometheus.CounterVec
@@ -48,6 +49,11 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 		usedBytes: prometheus.NewGaugeVec(prometheus.GaugeOpts{
 			Name: "kvbus_worker_store_used_bytes", Help: "Bytes held by a rank's block store.",
 		}, l),
+		evictIdle: prometheus.NewHistogramVec(prometheus.HistogramOpts{
+			Name:    "kvbus_worker_store_block_idle_before_evict_seconds",
+			Help:    "How long a block evicted from a rank's store to make room had gone unused (vLLM's kv_block_idle_before_evict_seconds): when it is shorter than the time between a conversation's turns, --kv-capacity is too small for them to hit.",
+			Buckets: prometheus.ExponentialBucketsRange(0.01, 3600, 12),
+		}, l),
 		queue: prometheus.NewGaugeVec(prometheus.GaugeOpts{
 			Name: "kvbus_worker_queue_depth", Help: "Requests queued or running on a rank.",
 		}, l),
@@ -72,7 +78,7 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 		}, append(l, "why")),
 	}
 	if reg != nil {
-		reg.MustRegister(m.reqMetas, m.dropped, m.blocks, m.loadSec, m.storeSec, m.usedBytes, m.queue,
+		reg.MustRegister(m.reqMetas, m.dropped, m.blocks, m.loadSec, m.storeSec, m.usedBytes, m.evictIdle, m.queue,
 			m.remote, m.remoteBytes, m.remoteSec, m.handoff, m.handoffBytes, m.resent)
 	}
 	return m
@@ -86,7 +92,7 @@ type rankSeries struct {
 	loaded, loadFailed, waitedForSave, stored, skipped, storeFailed prometheus.Counter
 	poolAwaitedIntake                                               prometheus.Counter
 	resent, republished                                             prometheus.Counter
-	loadSec, storeSec                                               prometheus.Observer
+	loadSec, storeSec, evictIdle                                    prometheus.Observer
 	usedBytes, queue                                                prometheus.Gauge
 }
 
@@ -110,6 +116,7 @@ func (m *Metrics) forRank(group, rank string) rankSeries {
 		republished:       m.resent.WithLabelValues(group, rank, "reconnect"),
 		loadSec:           m.loadSec.WithLabelValues(group, rank),
 		storeSec:          m.storeSec.WithLabelValues(group, rank),
+		evictIdle:         m.evictIdle.WithLabelValues(group, rank),
 		usedBytes:         m.usedBytes.WithLabelValues(group, rank),
 		queue:             m.queue.WithLabelValues(group, rank),
 	}

@@ -196,7 +196,9 @@ func NewRank(cfg RankConfig) (*Rank, error) {
 	}
 	log = log.With("group", cfg.Group, "tp_rank", cfg.TPRank, "ep_rank", cfg.EPRank)
 	events := newEventLog(cfg.Conn, cfg.Subjects.KV(cfg.Group, cfg.TPRank), cfg.Group, cfg.TPRank, log)
-	store, err := NewMemStore(MemStoreConfig{Capacity: cfg.CapacityBytes, Evict: cfg.Evict, OnEvict: events.evicted})
+	series := cfg.Metrics.forRank(cfg.Group, strconv.Itoa(cfg.TPRank))
+	store, err := NewMemStore(MemStoreConfig{Capacity: cfg.CapacityBytes, Evict: cfg.Evict, OnEvict: events.evicted,
+		EvictIdle: func(idle time.Duration) { series.evictIdle.Observe(idle.Seconds()) }})
 	if err != nil {
 		return nil, fmt.Errorf("%w: %v", ErrConfig, err)
 	}
@@ -217,7 +219,7 @@ func NewRank(cfg RankConfig) (*Rank, error) {
 		store:  store,
 		events: events,
 		labels: []string{cfg.Group, strconv.Itoa(cfg.TPRank)},
-		series: cfg.Metrics.forRank(cfg.Group, strconv.Itoa(cfg.TPRank)),
+		series: series,
 		loadQ:  make(chan *rankReq, cfg.QueueSize),
 		storeQ: make(chan *rankReq, cfg.QueueSize),
 		active: map[string]*rankReq{},

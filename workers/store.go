@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"sync"
+	"time"
 )
 
 // ErrObjectTooLarge is returned by BatchPut for an object larger than the
@@ -80,6 +81,11 @@ type MemStoreConfig struct {
 	Evict string
 	// OnEvict, if set, is told about evicted and removed objects.
 	OnEvict EvictFunc
+	// EvictIdle, if set, is told of every object evicted to make room (not
+	// those removed) how long it had been since it was last put or read:
+	// what vLLM calls a block's idle time before eviction. Called with the
+	// store's lock held.
+	EvictIdle func(idle time.Duration)
 }
 
 // MemStore is the embedded in-memory BlockStore: a byte-capacity LRU.
@@ -100,6 +106,7 @@ type memEntry struct {
 	hash       uint64
 	value      []byte
 	size       int64
+	touched    int64 // unix ns of the last put or read
 	prev, next *memEntry
 }
 
@@ -172,6 +179,7 @@ func (s *MemStore) BatchIsExist(_ context.Context, keys []string) []bool {
 // BatchPut implements BlockStore.
 func (s *MemStore) BatchPut(_ context.Context, objs []Object) []error {
 	errs := make([]error, len(objs))
+	now := time.Now().UnixNano()
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	for i := range objs {
@@ -185,9 +193,9 @@ func (s *MemStore) BatchPut(_ context.Context, objs []Object) []error {
 			s.unlink(el)
 		}
 		for s.used+size > s.cfg.Capacity {
-			s.evictOldest()
+			s.evictOldest(now)
 		}
-		el := &memEntry{key: o.Key, hash: o.Hash, group: o.Group, value: o.Value, size: size}
+		el := &memEntry{key: o.Key, hash: o.Hash, group: o.Group, value: o.Value, size: size, touched: now}
 		s.lru.pushFront(el)
 		s.byKey[o.Key] = el
 		s.used += size
@@ -207,11 +215,13 @@ func (s *MemStore) BatchPut(_ context.Context, objs []Object) []error {
 // BatchGet implements BlockStore.
 func (s *MemStore) BatchGet(_ context.Context, keys []string) [][]byte {
 	out := make([][]byte, len(keys))
+	now := time.Now().UnixNano()
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	for i, k := range keys {
 		if el, ok := s.byKey[k]; ok {
 			s.lru.moveToFront(el)
+			el.touched = now
 			out[i] = el.value
 		}
 	}
@@ -283,14 +293,21 @@ func (s *MemStore) drop(e *memEntry) {
 }
 
 // evictOldest evicts the least recently used entry and, under
-// EvictSession, the rest of its group (untagged objects go one by one).
-func (s *MemStore) evictOldest() {
+// EvictSession, the rest of its group (untagged objects go one by one);
+// now is the time of the put that needs the room.
+func (s *MemStore) evictOldest(now int64) {
 	e := s.lru.back
-	if s.byGroup == nil || e.group == "" {
+	evict := func(e *memEntry) {
+		if s.cfg.EvictIdle != nil {
+			s.cfg.EvictIdle(time.Duration(max(now-e.touched, 0)))
+		}
 		s.drop(e)
+	}
+	if s.byGroup == nil || e.group == "" {
+		evict(e)
 		return
 	}
 	for other := range s.byGroup[e.group] {
-		s.drop(other)
+		evict(other)
 	}
 }

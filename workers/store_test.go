@@ -7,6 +7,7 @@ import (
 	"slices"
 	"sync"
 	"testing"
+	"time"
 )
 
 type evicted struct{ key, group string }
@@ -161,6 +162,33 @@ func TestMemStoreCapacityAndLRU(t *testing.T) {
 	checkUsage(t, s, 60, 100, 1)
 	if got := s.BatchGet(ctx, []string{"big2"})[0]; !bytes.Equal(got, val(60, 6)) {
 		t.Fatalf("big2 = %v", got)
+	}
+}
+
+// TestMemStoreEvictIdle: an evicted block's idle time runs from its last
+// put or read, not from its first put nor from an existence check; a block
+// removed (not evicted for room) is not counted.
+func TestMemStoreEvictIdle(t *testing.T) {
+	ctx := t.Context()
+	var idle []time.Duration
+	s, err := NewMemStore(MemStoreConfig{Capacity: 20, EvictIdle: func(d time.Duration) { idle = append(idle, d) }})
+	if err != nil {
+		t.Fatal(err)
+	}
+	s.BatchPut(ctx, []Object{{Key: "read", Value: val(10, 1)}, {Key: "checked", Value: val(10, 2)}})
+	time.Sleep(200 * time.Millisecond)
+	s.BatchGet(ctx, []string{"read"})
+	s.BatchIsExist(ctx, []string{"checked"})
+	s.BatchPut(ctx, []Object{{Key: "new1", Value: val(10, 3)}}) // evicts "checked", 200 ms idle
+	s.BatchPut(ctx, []Object{{Key: "new2", Value: val(10, 4)}}) // evicts "read", just read
+	if err := s.Remove(ctx, "new1"); err != nil {
+		t.Fatal(err)
+	}
+	if len(idle) != 2 {
+		t.Fatalf("%d idle times observed, want 2 (the two evictions): %v", len(idle), idle)
+	}
+	if idle[0] < 200*time.Millisecond || idle[1] >= 200*time.Millisecond {
+		t.Errorf("idle times %v: want the checked block's >= 200ms (a check is no use), the read block's below it", idle)
 	}
 }
 
