@@ -263,6 +263,12 @@ func ensureStream(ctx context.Context, js jetstream.JetStream, cfg StreamConfig)
 // request not yet dispatched is never lost. It estimates how many messages
 // to purge from the byte excess assuming messages of roughly uniform size,
 // and returns how many it purged. Schedulers call it periodically.
+//
+// A bound at or above the log's own limit (a scheduler run with another
+// --request-log-max-bytes than the role that created the log, or the log
+// of an earlier deployment) is half that limit: history kept up to the
+// limit leaves no room, and every new request was refused as
+// request_log_full with nothing waiting, until the history aged out.
 func TrimHistory(ctx context.Context, st jetstream.Stream, cons jetstream.Consumer, historyBytes int64) (purged uint64, err error) {
 	if st == nil || cons == nil {
 		return 0, errors.New("bus: trim history: nil stream or consumer")
@@ -273,6 +279,9 @@ func TrimHistory(ctx context.Context, st jetstream.Stream, cons jetstream.Consum
 	before, err := st.Info(ctx)
 	if err != nil {
 		return 0, fmt.Errorf("bus: trim history: stream info: %w", err)
+	}
+	if limit := before.Config.MaxBytes; limit > 0 && historyBytes >= limit {
+		historyBytes = limit / 2
 	}
 	state := before.State
 	if state.Msgs == 0 || state.Bytes <= uint64(historyBytes) {
