@@ -85,6 +85,7 @@ type Config struct {
 	HeartbeatTimeout time.Duration
 	RequestTimeout   time.Duration
 	SessionTTL       time.Duration
+	MaxSessions      int // scheduler.Config.MaxSessions
 	NoGroupWait      time.Duration
 	ResendAfter      time.Duration
 	// Pool is the schedulers' --pool: global (default) or local.
@@ -334,7 +335,7 @@ func (c *Cluster) startScheduler() error {
 	}
 	s, err := scheduler.New(scheduler.Config{
 		Conn: nc, Subjects: cfg.Subjects, Policy: policy, BlockSize: cfg.BlockSize,
-		HeartbeatTimeout: cfg.HeartbeatTimeout, RequestTimeout: cfg.RequestTimeout, SessionTTL: cfg.SessionTTL,
+		HeartbeatTimeout: cfg.HeartbeatTimeout, RequestTimeout: cfg.RequestTimeout, SessionTTL: cfg.SessionTTL, MaxSessions: cfg.MaxSessions,
 		StreamReplicas: 1, Logger: c.log, Registerer: reg,
 		NoGroupWait: cfg.NoGroupWait, ResendAfter: cfg.ResendAfter, RequestLog: requestLog, Pool: cfg.Pool,
 		IndexGroups: cfg.IndexGroups,

@@ -1,12 +1,14 @@
 package scheduler
 
 import (
+	"cmp"
 	"context"
 	"encoding/json"
 	"errors"
 	"fmt"
 	"log/slog"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/nats-io/nats.go/jetstream"
@@ -92,6 +94,44 @@ func (e sessionEntry) with(b Binding) sessionEntry {
 	return out
 }
 
+// DefaultMaxSessions is SessionBindingsConfig.MaxSessions's default: about
+// 250 MB of bindings in each replica at most.
+const DefaultMaxSessions = 1_000_000
+
+// SessionBindingsConfig configures OpenSessionBindings.
+type SessionBindingsConfig struct {
+	// Bucket is the KV bucket's name; required.
+	Bucket string
+	// TTL is how long a binding lives after its session's last turn;
+	// required (positive).
+	TTL time.Duration
+	// Replicas is the bucket's JetStream replication (0: 1).
+	Replicas int
+	// MaxSessions bounds the sessions bound at once: a replica binds no new
+	// session while it knows this many (the bucket's, every replica's), and
+	// such a session's turns are placed by their prompt alone (the KV index
+	// still finds a prefix) until older bindings expire. Without it a
+	// client that sends a new session id with every request (a gateway's
+	// X-Correlation-ID) grows the bucket and every replica's copy by its
+	// request rate × TTL. Zero means DefaultMaxSessions.
+	MaxSessions int
+	// Logger; nil means slog.Default().
+	Logger *slog.Logger
+}
+
+// Validate checks c.
+func (c *SessionBindingsConfig) Validate() error {
+	switch {
+	case c.Bucket == "":
+		return fmt.Errorf("%w: no session bucket", ErrConfig)
+	case c.TTL <= 0:
+		return fmt.Errorf("%w: --session-ttl must be positive", ErrConfig)
+	case c.MaxSessions < 0:
+		return fmt.Errorf("%w: --max-sessions must be positive", ErrConfig)
+	}
+	return nil
+}
+
 // SessionBindings keeps (session, model) → group bindings in a JetStream KV bucket
 // with a TTL, shared by all scheduler replicas. Reads come from a local copy
 // that a watcher keeps current, so placement never waits on the network;
@@ -101,10 +141,15 @@ type SessionBindings struct {
 	kv   jetstream.KeyValue
 	open func(context.Context) (jetstream.KeyValue, error) // creates the bucket unless it exists
 	ttl  time.Duration
+	max  int
 	log  *slog.Logger
 
 	mu    sync.RWMutex
 	local map[string]boundEntry // by session key
+	// unbound counts the sessions not bound for MaxSessions; warned is
+	// when that was last logged.
+	unbound atomic.Int64
+	warned  atomic.Int64
 
 	writes  chan bindingWrite
 	rewatch chan struct{} // remake made the bucket again
@@ -124,9 +169,13 @@ type bindingWrite struct {
 }
 
 // OpenSessionBindings creates or opens the bucket.
-func OpenSessionBindings(ctx context.Context, js jetstream.JetStream, bucket string, ttl time.Duration, replicas int, log *slog.Logger) (*SessionBindings, error) {
-	if ttl <= 0 {
-		return nil, fmt.Errorf("%w: --session-ttl must be positive", ErrConfig)
+func OpenSessionBindings(ctx context.Context, js jetstream.JetStream, cfg SessionBindingsConfig) (*SessionBindings, error) {
+	if err := cfg.Validate(); err != nil {
+		return nil, err
+	}
+	bucket, ttl, replicas, log := cfg.Bucket, cfg.TTL, cfg.Replicas, cfg.Logger
+	if log == nil {
+		log = slog.Default()
 	}
 	open := func(ctx context.Context) (jetstream.KeyValue, error) {
 		return bus.Retry(ctx, func(ctx context.Context) (jetstream.KeyValue, error) {
@@ -153,7 +202,7 @@ func OpenSessionBindings(ctx context.Context, js jetstream.JetStream, bucket str
 	if err != nil {
 		return nil, fmt.Errorf("scheduler: session bucket %s: %w", bucket, err)
 	}
-	return &SessionBindings{kv: kv, open: open, ttl: ttl, log: log, local: map[string]boundEntry{},
+	return &SessionBindings{kv: kv, open: open, ttl: ttl, max: cmp.Or(cfg.MaxSessions, DefaultMaxSessions), log: log, local: map[string]boundEntry{},
 		writes: make(chan bindingWrite, 4096), rewatch: make(chan struct{}, 1)}, nil
 }
 
@@ -306,7 +355,12 @@ func (s *SessionBindings) RecordModel(model, sessionID string, b Binding) {
 	// This replica sees its own decision at once; the revision stays the one
 	// the compare-and-set will be checked against.
 	s.mu.Lock()
-	cur := s.local[key]
+	cur, known := s.local[key]
+	if !known && len(s.local) >= s.max {
+		s.mu.Unlock()
+		s.refuse(key)
+		return
+	}
 	s.local[key] = boundEntry{sessionEntry: cur.with(b), rev: cur.rev, mine: true}
 	s.mu.Unlock()
 	select {
@@ -315,6 +369,29 @@ func (s *SessionBindings) RecordModel(model, sessionID string, b Binding) {
 		s.log.Warn("session binding queue full; dropping a write", "session_key", key)
 	}
 }
+
+// refuse counts a session left unbound for MaxSessions, and says so at most
+// once a minute.
+func (s *SessionBindings) refuse(key string) {
+	n := s.unbound.Add(1)
+	now := time.Now().UnixNano()
+	if last := s.warned.Load(); now-last < int64(time.Minute) || !s.warned.CompareAndSwap(last, now) {
+		return
+	}
+	s.log.Warn("as many sessions are bound as --max-sessions allows: a new session's turns are placed by their prompt alone until older bindings expire",
+		"max_sessions", s.max, "session_ttl", s.ttl, "session_key", key, "unbound_total", n,
+		"hint", "a client sending a new session id with every request (a gateway's X-Correlation-ID) binds one per request: have it send a conversation's id (X-Session-ID), or lower --session-ttl, or raise --max-sessions")
+}
+
+// Sessions is how many sessions this replica knows bound.
+func (s *SessionBindings) Sessions() int {
+	s.mu.RLock()
+	defer s.mu.RUnlock()
+	return len(s.local)
+}
+
+// Unbound is how many times a session was left unbound for MaxSessions.
+func (s *SessionBindings) Unbound() int64 { return s.unbound.Load() }
 
 // write stores a binding with compare-and-set: it creates the key, or
 // updates the revision it knows. On a conflict it rereads; a stored binding

@@ -41,7 +41,7 @@ func openTestBindings(t *testing.T) (*SessionBindings, jetstream.KeyValue) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	b, err := OpenSessionBindings(t.Context(), js, SessionBucket, time.Minute, 1, slog.New(slog.NewTextHandler(io.Discard, nil)))
+	b, err := OpenSessionBindings(t.Context(), js, SessionBindingsConfig{Bucket: SessionBucket, TTL: time.Minute, Logger: slog.New(slog.NewTextHandler(io.Discard, nil))})
 	if err != nil {
 		t.Fatal(err)
 	}

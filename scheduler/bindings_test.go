@@ -49,7 +49,8 @@ func startBindingReplicas(t *testing.T, n int, ttl time.Duration) []bindingRepli
 		if err != nil {
 			t.Fatal(err)
 		}
-		b, err := scheduler.OpenSessionBindings(t.Context(), js, scheduler.SessionBucket, ttl, 1, slog.New(slog.NewTextHandler(logs, nil)).With("replica", len(out)))
+		b, err := scheduler.OpenSessionBindings(t.Context(), js, scheduler.SessionBindingsConfig{Bucket: scheduler.SessionBucket, TTL: ttl,
+			Logger: slog.New(slog.NewTextHandler(logs, nil)).With("replica", len(out))})
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -212,7 +213,7 @@ func TestSessionBindingsExpire(t *testing.T) {
 	if d := time.Since(recorded); d < ttl/2 {
 		t.Errorf("binding gone after %s, TTL %s", d, ttl)
 	}
-	if _, err := scheduler.OpenSessionBindings(t.Context(), rs[0].js, scheduler.SessionBucket, 0, 1, discardLog); !errors.Is(err, scheduler.ErrConfig) {
+	if _, err := scheduler.OpenSessionBindings(t.Context(), rs[0].js, scheduler.SessionBindingsConfig{Bucket: scheduler.SessionBucket, Logger: discardLog}); !errors.Is(err, scheduler.ErrConfig) {
 		t.Errorf("OpenSessionBindings(ttl 0) = %v, want ErrConfig", err)
 	}
 }

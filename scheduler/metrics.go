@@ -29,7 +29,13 @@ type metrics struct {
 	heartbeatTimeout prometheus.Gauge
 }
 
-func newMetrics(reg prometheus.Registerer, trackers, rejected, plans, ready func() float64) *metrics {
+// metricFuncs read the values of the metrics kept elsewhere; each is
+// called at every scrape, concurrently with the scheduler.
+type metricFuncs struct {
+	trackers, rejected, plans, ready, sessions, unbound func() float64
+}
+
+func newMetrics(reg prometheus.Registerer, f metricFuncs) *metrics {
 	m := &metrics{
 		routing: prometheus.NewHistogram(prometheus.HistogramOpts{
 			Name:    "kvbus_scheduler_routing_seconds",
@@ -122,19 +128,27 @@ func newMetrics(reg prometheus.Registerer, trackers, rejected, plans, ready func
 		reg.MustRegister(m.heartbeatGap, m.heartbeatTimeout, m.routing, m.requests, m.ready, m.predicted, m.actual, m.promptTokens, m.cachedTokens,
 			m.modelReady, m.groupInflight, m.groupQueued, m.groupBlocks, m.indexEntries, m.indexBlocks, m.resyncs,
 			m.resends, m.poolTokens, m.logPending, m.logBytes, m.logLimit,
-			prometheus.NewGaugeFunc(prometheus.GaugeOpts{Name: "kvbus_scheduler_trackers", Help: "Live RequestTrackers."}, trackers),
+			prometheus.NewGaugeFunc(prometheus.GaugeOpts{Name: "kvbus_scheduler_trackers", Help: "Live RequestTrackers."}, f.trackers),
 			prometheus.NewGaugeFunc(prometheus.GaugeOpts{
 				Name: "kvbus_scheduler_ready",
 				Help: "1 while the replica is ready (what its /healthz and its announcements say): it consumes the request log and a ready worker group's KV index is synced.",
-			}, ready),
+			}, f.ready),
 			prometheus.NewCounterFunc(prometheus.CounterOpts{
 				Name: "kvbus_scheduler_kv_batches_rejected_total",
 				Help: "KV event batches dropped as malformed: a seq impossibly far past the rank's last known seq (corrupted, replayed or forged).",
-			}, rejected),
+			}, f.rejected),
 			prometheus.NewGaugeFunc(prometheus.GaugeOpts{
 				Name: "kvbus_scheduler_save_plans",
 				Help: "(group, block) save plans of dispatched requests not yet confirmed by the ranks' KV events.",
-			}, plans))
+			}, f.plans),
+			prometheus.NewGaugeFunc(prometheus.GaugeOpts{
+				Name: "kvbus_scheduler_sessions",
+				Help: "Sessions the replica knows bound to a group (the session bucket's live keys), at most --max-sessions.",
+			}, f.sessions),
+			prometheus.NewCounterFunc(prometheus.CounterOpts{
+				Name: "kvbus_scheduler_sessions_unbound_total",
+				Help: "Turns of new sessions left unbound because --max-sessions sessions were bound: placed by their prompt alone.",
+			}, f.unbound))
 	}
 	return m
 }

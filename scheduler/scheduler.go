@@ -68,6 +68,9 @@ type Config struct {
 	// SessionTTL is how long a session binding lives after its last turn
 	// (default 30 min).
 	SessionTTL time.Duration
+	// MaxSessions bounds the sessions bound at once (see
+	// SessionBindingsConfig.MaxSessions; 0: DefaultMaxSessions).
+	MaxSessions int
 	// ShutdownTimeout bounds how long a stopping replica watches the
 	// requests it dispatched until they end (default 20 s).
 	ShutdownTimeout time.Duration
@@ -129,6 +132,8 @@ func (c *Config) Validate() error {
 		return fmt.Errorf("%w: --block-size must be >= 1", ErrConfig)
 	case c.IndexGroups < 0 || c.IndexGroups > MaxIndexedGroups:
 		return fmt.Errorf("%w: IndexGroups %d, want 0 to %d", ErrConfig, c.IndexGroups, MaxIndexedGroups)
+	case c.MaxSessions < 0:
+		return fmt.Errorf("%w: --max-sessions must be positive", ErrConfig)
 	}
 	if err := messages.ValidateToken("scheduler id", c.ID); err != nil {
 		return fmt.Errorf("%w: %v", ErrConfig, err)
@@ -288,14 +293,29 @@ func New(cfg Config) (*Scheduler, error) {
 
 		groupModels: map[string]string{},
 	}
-	s.m = newMetrics(cfg.Registerer, func() float64 { return float64(s.trackers.Len()) },
-		func() float64 { return float64(s.index.Rejected()) }, func() float64 { return float64(s.index.Plans()) },
-		func() float64 {
+	s.m = newMetrics(cfg.Registerer, metricFuncs{
+		trackers: func() float64 { return float64(s.trackers.Len()) },
+		rejected: func() float64 { return float64(s.index.Rejected()) },
+		plans:    func() float64 { return float64(s.index.Plans()) },
+		ready: func() float64 {
 			if ok, _ := s.Ready(); ok {
 				return 1
 			}
 			return 0
-		})
+		},
+		sessions: func() float64 {
+			if b := s.bindings.Load(); b != nil {
+				return float64(b.Sessions())
+			}
+			return 0
+		},
+		unbound: func() float64 {
+			if b := s.bindings.Load(); b != nil {
+				return float64(b.Unbound())
+			}
+			return 0
+		},
+	})
 	s.m.heartbeatTimeout.Set(cfg.HeartbeatTimeout.Seconds())
 	return s, nil
 }
@@ -366,7 +386,8 @@ func (s *Scheduler) Run(ctx context.Context) error {
 	if err != nil {
 		return fmt.Errorf("scheduler: %w", err)
 	}
-	bindings, err := OpenSessionBindings(setupCtx, js, names.SessionBucket, s.cfg.SessionTTL, s.cfg.StreamReplicas, s.log)
+	bindings, err := OpenSessionBindings(setupCtx, js, SessionBindingsConfig{Bucket: names.SessionBucket, TTL: s.cfg.SessionTTL,
+		Replicas: s.cfg.StreamReplicas, MaxSessions: s.cfg.MaxSessions, Logger: s.log})
 	if err != nil {
 		return err
 	}

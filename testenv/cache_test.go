@@ -12,6 +12,7 @@ import (
 	"time"
 
 	"github.com/nats-io/nats.go"
+	"github.com/nats-io/nats.go/jetstream"
 
 	"github.com/kvbus/kvbus/messages"
 	"github.com/kvbus/kvbus/scheduler"
@@ -479,5 +480,59 @@ func TestCacheSaltSeparatesPrefixes(t *testing.T) {
 		if tr.cachedTokens != want {
 			t.Errorf("request %d (cache_salt %q): cached_tokens %d of a %d-token prompt, want %d", i+1, st.salt, tr.cachedTokens, tr.promptTokens, want)
 		}
+	}
+}
+
+// TestMaxSessionsBoundsTheBindings: with --max-sessions 3, a fourth and a
+// fifth session are not bound (the replica knows three, and so does the
+// bucket), the bound ones keep updating, and an unbound session's next turn
+// still finds its whole previous prompt through the KV index. The warning
+// says so once, and the metrics count it. Before, every new session id was
+// bound for the TTL: a gateway sending a new X-Correlation-ID with each
+// request grew the bucket and every replica by its request rate × TTL.
+func TestMaxSessionsBoundsTheBindings(t *testing.T) {
+	c := testenv.StartCluster(t, testenv.ClusterConfig{Groups: 2, MaxSessions: 3})
+	var res [][]turnResult
+	for i := range 5 {
+		res = append(res, converse(t, c, 40+i, 2, map[string]string{"X-Session-ID": fmt.Sprint("bounded-", i)}))
+	}
+	b := c.Scheduler.Bindings()
+	for i := range 5 {
+		bound, ok := b.Get(fmt.Sprint("bounded-", i))
+		if want := i < 3; ok != want {
+			t.Errorf("session %d bound %v, want %v", i, ok, want)
+		} else if ok && bound.Turn != 2 {
+			t.Errorf("session %d's binding is of turn %d, want 2: a bound session keeps updating", i, bound.Turn)
+		}
+		if got := hits(res[i]); got != 1 {
+			t.Errorf("session %d: its second turn found %d of its first prompt's %d tokens cached", i, res[i][1].cachedTokens, res[i][0].promptTokens)
+		}
+	}
+	nc := testenv.Connect(t, c.NATS)
+	js, err := jetstream.New(nc)
+	if err != nil {
+		t.Fatal(err)
+	}
+	kv, err := js.KeyValue(t.Context(), scheduler.SessionBucket)
+	if err != nil {
+		t.Fatal(err)
+	}
+	st, err := kv.Status(t.Context())
+	if err != nil {
+		t.Fatal(err)
+	}
+	if n := st.Values(); n != 3 {
+		t.Errorf("the session bucket holds %d values, want 3", n)
+	}
+	m := c.SchedulerRegistries[0]
+	if got := testenv.GaugeSum(t, m, "kvbus_scheduler_sessions", nil); got != 3 {
+		t.Errorf("kvbus_scheduler_sessions = %v, want 3", got)
+	}
+	// Each unbound session's two turns were each refused a binding.
+	if got := testenv.CounterSum(t, m, "kvbus_scheduler_sessions_unbound_total", nil); got != 4 {
+		t.Errorf("kvbus_scheduler_sessions_unbound_total = %v, want 4", got)
+	}
+	if n := len(c.Logs.Lines("as many sessions are bound as --max-sessions allows")); n != 1 {
+		t.Errorf("the bound was logged %d times, want once", n)
 	}
 }

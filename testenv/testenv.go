@@ -91,6 +91,7 @@ type ClusterConfig struct {
 	Payload        string
 	Evict          string
 	SessionTTL     time.Duration
+	MaxSessions    int // the schedulers' --max-sessions (0: the default)
 	SessionHeaders []string
 	MaxModelLen    int
 	MaxBodyBytes   int64 // the frontend's --max-body-bytes (0: its default)
@@ -181,7 +182,7 @@ func StartCluster(t testing.TB, cfg ClusterConfig) *Cluster {
 		KVCapacity: cfg.KVCapacity, Payload: cfg.Payload, Evict: cfg.Evict,
 		Sim:               workers.SimConfig{Profile: workers.DefaultSimProfile, TimeScale: cfg.TimeScale},
 		HeartbeatInterval: 100 * time.Millisecond, HeartbeatTimeout: 2 * time.Second, ShutdownTimeout: 2 * time.Second,
-		Schedulers: cfg.Schedulers, Policy: cfg.Policy, RequestTimeout: cfg.RequestTimeout, SessionTTL: cfg.SessionTTL,
+		Schedulers: cfg.Schedulers, Policy: cfg.Policy, RequestTimeout: cfg.RequestTimeout, SessionTTL: cfg.SessionTTL, MaxSessions: cfg.MaxSessions,
 		StoreDelays: cfg.StoreDelays, SaveWait: cfg.SaveWait, DropReqMetas: cfg.DropReqMetas, DelayFirstReqMeta: cfg.DelayFirstReqMeta, MaxPayload: cfg.MaxPayload, NoGroupWait: cfg.NoGroupWait, ResendAfter: cfg.ResendAfter, Pool: cfg.Pool,
 		IndexGroups: cfg.IndexGroups, DrainHandoff: cfg.DrainHandoff, StreamReplay: cfg.StreamReplay, Engines: cfg.Engines, AuthDir: cfg.AuthDir,
 		Frontend: &frontend.Config{Listener: ln, SessionHeaders: cfg.SessionHeaders, MaxModelLen: cfg.MaxModelLen, MaxBodyBytes: cfg.MaxBodyBytes,

@@ -181,6 +181,7 @@ type timeoutFlags struct {
 type schedulerFlags struct {
 	Policy           string        `name:"policy" enum:"kv,session,round-robin,random,least-loaded" default:"kv" help:"Placement policy: kv (least prefill cost from the KV index, session as a signal), session (rendezvous on the session id, bounded load), or the baselines round-robin, random, least-loaded."`
 	SessionTTL       time.Duration `name:"session-ttl" positive:"" default:"30m" help:"How long a session binding (session → group) lives after its last turn."`
+	MaxSessions      int           `name:"max-sessions" positive:"" default:"1000000" help:"Sessions bound at once (the session bucket's bound, and each scheduler's copy of it): beyond it a new session's turns are placed by their prompt alone until older bindings expire."`
 	SessionEpsilon   float64       `name:"session-epsilon" default:"0.25" help:"Bounded-load slack of the session policy: a group above (1+ε)× the mean load passes the session on."`
 	BlockSize        int           `name:"block-size" positive:"" default:"16" help:"Tokens per KV block."`
 	HeartbeatTimeout time.Duration `name:"heartbeat-timeout" positive:"" default:"3s" help:"A group is ready when all its ranks sent a heartbeat within this."`

@@ -73,7 +73,7 @@ func newScheduler(nc *nats.Conn, c *schedulerCmd, log *slog.Logger, reg promethe
 	}
 	return scheduler.New(scheduler.Config{
 		Conn: nc, Subjects: b.subjects(), ID: c.ID, Policy: policy, BlockSize: f.BlockSize, StreamReplicas: b.Replicas,
-		HeartbeatTimeout: f.HeartbeatTimeout, RequestTimeout: t.RequestTimeout, SessionTTL: f.SessionTTL, ShutdownTimeout: c.ShutdownTimeout,
+		HeartbeatTimeout: f.HeartbeatTimeout, RequestTimeout: t.RequestTimeout, SessionTTL: f.SessionTTL, MaxSessions: f.MaxSessions, ShutdownTimeout: c.ShutdownTimeout,
 		Logger: log, Registerer: reg,
 		NoGroupWait: f.NoGroupWait, ResendAfter: f.ResendAfter, RequestLog: rl.streamConfig(), Pool: f.Pool,
 	})
