@@ -101,6 +101,9 @@ func (s *Server) generate(w http.ResponseWriter, r *http.Request, endpoint strin
 		return fail(&APIError{Status: http.StatusServiceUnavailable, Type: typeUnavailable, Code: "bus_unavailable", RetryAfter: 1,
 			Message: "not connected to NATS; retry shortly"})
 	}
+	if ok, _ := s.schedulers.ready(time.Now()); !ok {
+		s.schedulers.awaitFirstReady(r.Context(), time.Now())
+	}
 	if ok, why := s.schedulers.ready(time.Now()); !ok {
 		// Nothing would dispatch the request: say so now, not at the timeout.
 		return fail(&APIError{Status: http.StatusServiceUnavailable, Type: typeUnavailable, Code: "no_ready_scheduler", RetryAfter: 1,

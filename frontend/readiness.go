@@ -31,13 +31,46 @@ type schedulerTable struct {
 	m       map[string]schedulerSeen
 	// since is when the frontend began to listen for announcements.
 	since time.Time
+	// readyHeard is closed at the first announcement of a ready replica.
+	readyHeard chan struct{}
 }
+
+// firstAnnouncementWait bounds how long a request that reaches a frontend
+// before it could have heard any scheduler waits for a ready one: each
+// announces itself every second, and a loaded host may be a little late.
+const firstAnnouncementWait = 1500 * time.Millisecond
 
 // listen records that announcements are heard from now on.
 func (t *schedulerTable) listen(now time.Time) {
 	t.mu.Lock()
 	defer t.mu.Unlock()
 	t.since = now
+	if t.readyHeard == nil {
+		t.readyHeard = make(chan struct{})
+	}
+}
+
+// awaitFirstReady waits, while the frontend has heard no ready scheduler
+// since it began to listen, for the first ready one's announcement, at most
+// until firstAnnouncementWait (and the timeout) after it began. A frontend
+// just (re)started takes its HTTP connections before a second has passed
+// for the schedulers to announce themselves: its first requests were
+// refused 503 no_ready_scheduler while the schedulers were ready.
+func (t *schedulerTable) awaitFirstReady(ctx context.Context, now time.Time) {
+	t.mu.Lock()
+	heard, since := t.readyHeard, t.since
+	t.mu.Unlock()
+	left := since.Add(min(firstAnnouncementWait, t.timeout)).Sub(now)
+	if heard == nil || left <= 0 {
+		return
+	}
+	timer := time.NewTimer(left)
+	defer timer.Stop()
+	select {
+	case <-heard:
+	case <-timer.C:
+	case <-ctx.Done():
+	}
 }
 
 type schedulerSeen struct {
@@ -56,6 +89,13 @@ func (t *schedulerTable) observe(a *messages.Announcement, now time.Time) {
 		t.m = map[string]schedulerSeen{}
 	}
 	t.m[a.ID] = schedulerSeen{ready: a.Ready, reason: a.Reason, at: now, models: a.ReadyModels}
+	if a.Ready && t.readyHeard != nil {
+		select {
+		case <-t.readyHeard:
+		default:
+			close(t.readyHeard)
+		}
+	}
 }
 
 // readyFor reports whether a ready scheduler announced within the timeout
