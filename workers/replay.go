@@ -32,6 +32,7 @@ import (
 //     still being computed: it waited for --request-timeout. So the driver
 //     also keeps every answer, streamed or not, until its server confirmed
 //     it (a flush's PONG, every deliveryCheckEvery) plus deliveryMargin,
+//     and for RankConfig.ReplayAge after its end, for the frontend's ask,
 //     and after a reconnect publishes again every output published since
 //     the last confirmation less that margin (watchDelivery). The frontend
 //     drops the duplicates (an index it has, or a request it answered).
@@ -159,8 +160,8 @@ func (m *outputReplay) fit(e *replayed) {
 	}
 }
 
-// end marks e's request ended: a stream's outputs are kept for the
-// memory's age, and any answer's until its server confirmed it.
+// end marks e's request ended: its outputs are kept for the memory's age,
+// and until its server confirmed them.
 func (m *outputReplay) end(e *replayed, now time.Time) {
 	m.mu.Lock()
 	defer m.mu.Unlock()
@@ -191,12 +192,16 @@ func (m *outputReplay) expire(now time.Time) {
 	m.expireLocked(now)
 }
 
-// expireLocked forgets ended answers that ended before the last
-// confirmation less deliveryMargin, and ended streams that did and are
-// older than the memory's age.
+// expireLocked forgets ended requests, streamed or not, that ended before
+// the last confirmation less deliveryMargin and are older than the
+// memory's age. A confirmation says the server read an answer, not that
+// the frontend heard it: across a NATS restart a driver's connection comes
+// back before the frontend's subscription, and the answer it published
+// then is dropped; the frontend asks for it 3 s later, and an answer
+// forgotten at the confirmation was computed again (5 s more).
 func (m *outputReplay) expireLocked(now time.Time) {
 	settled := m.confirmed.Add(-deliveryMargin)
-	for len(m.answered) > 0 && m.answered[0].endedAt.Before(settled) {
+	for len(m.answered) > 0 && m.answered[0].endedAt.Before(settled) && now.Sub(m.answered[0].endedAt) > m.age {
 		m.answered = m.forgetFirst(m.answered)
 	}
 	for len(m.ended) > 0 && m.ended[0].endedAt.Before(settled) && now.Sub(m.ended[0].endedAt) > m.age {

@@ -121,7 +121,9 @@ func TestStreamReplayWithinItsBudget(t *testing.T) {
 
 // TestOutputReplayKeepsAnAnswerUntilItsServerConfirmedIt: an answer not
 // streamed is kept after its end until the driver's server confirmed what
-// was published deliveryMargin after it, then forgotten at once.
+// was published deliveryMargin after it, and for the memory's age, as a
+// stream is: a frontend whose subscription came back after the driver's
+// connection asks for it 3 s after its reconnect.
 func TestOutputReplayKeepsAnAnswerUntilItsServerConfirmedIt(t *testing.T) {
 	m := newOutputReplay(1<<20, time.Minute)
 	now := time.Now()
@@ -137,8 +139,12 @@ func TestOutputReplayKeepsAnAnswerUntilItsServerConfirmedIt(t *testing.T) {
 		t.Fatal("an answer forgotten within deliveryMargin of its confirmation")
 	}
 	m.confirm(now.Add(deliveryMargin + time.Millisecond))
+	if _, known, _ := m.resend("a1", 0, 0, func(string, []byte) {}); !known {
+		t.Fatal("an answer forgotten at its confirmation, within the memory's age")
+	}
+	m.expire(now.Add(61 * time.Second))
 	if m.bytes != 0 || len(m.byID) != 0 || len(m.answered) != 0 {
-		t.Errorf("after its confirmation: %d bytes, %d ids, %d answered; want empty", m.bytes, len(m.byID), len(m.answered))
+		t.Errorf("after its confirmation and age: %d bytes, %d ids, %d answered; want empty", m.bytes, len(m.byID), len(m.answered))
 	}
 }
 

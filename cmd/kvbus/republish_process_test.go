@@ -189,3 +189,69 @@ func TestLastOutputsLostWithTheDriversConnectionAreSentAgain(t *testing.T) {
 		t.Errorf("the worker logged %d republishes after its reconnects; want one per break", n)
 	}
 }
+
+// TestAnswerLostOnTheWayToAReconnectingFrontendIsSentAgain: a NATS restart
+// under load. The driver's connection comes back before the frontend's
+// subscription, and the whole answer of a request not streamed, published
+// in between, reaches no one; the server did read it, so the driver forgot
+// it at its next delivery check. The frontend, reconnected, heard nothing
+// for 3 s, asked the drivers, heard nothing for 2 s more and published the
+// request again: computed twice, answered 5 s after the reconnect (7.4 s
+// for a 0.3 s answer in a review's rolling restart of `kvbus nats`). The
+// driver now keeps an answer, as it keeps a stream, for --stream-replay's
+// age, and sends it again when asked: answered once, 3 s after the
+// reconnect. Here the frontend's connection drops what the server sends
+// it while the answer is published, then breaks.
+func TestAnswerLostOnTheWayToAReconnectingFrontendIsSentAgain(t *testing.T) {
+	if testing.Short() {
+		t.Skip("builds and runs the binary")
+	}
+	dir := t.TempDir()
+	bin := buildBinary(t, dir)
+	natsAddr, httpAddr := freeAddr(t), freeAddr(t)
+	natsURL := "nats://" + natsAddr
+	startProc(t, bin, dir, "nats", "nats", "--addr", natsAddr, "--data-dir", filepath.Join(dir, "js"))
+	proxy := testenv.StartFaultProxy(t, natsAddr)
+	const requestTimeout = 30 * time.Second
+	fe := startProc(t, bin, dir, "frontend", "frontend", "--http-addr", httpAddr, "--nats-url", proxy.URL(), "--request-timeout", requestTimeout.String())
+	startProc(t, bin, dir, "scheduler", "scheduler", "--nats-url", natsURL, "--metrics-addr", freeAddr(t))
+	worker := startProc(t, bin, dir, "worker", "worker", "--group", "g0", "--tp-size", "1", "--time-scale", "1",
+		"--heartbeat-interval", "200ms", "--metrics-addr", freeAddr(t), "--nats-url", natsURL)
+	base := "http://" + httpAddr
+	testenv.Eventually(t, 60*time.Second, "/healthz 200", func() bool { return healthz(base+"/healthz") == http.StatusOK })
+
+	type answer struct {
+		status int
+		body   []byte
+		at     time.Time
+	}
+	done := make(chan answer, 1)
+	go func() {
+		// 10 ms a token: 30 tokens take 0.3 s.
+		status, _, b := testenv.Send(t, http.MethodPost, base+"/v1/chat/completions",
+			`{"model":"kvbus-sim","max_tokens":30,"ignore_eos":true,"messages":[{"role":"user","content":"what does a restart lose?"}]}`, nil)
+		done <- answer{status, b, time.Now()}
+	}()
+	time.Sleep(150 * time.Millisecond) // in the log, being decoded
+	proxy.Silence()
+	testenv.Eventually(t, 10*time.Second, "the driver's answer", func() bool {
+		b, _ := os.ReadFile(worker.log)
+		return strings.Contains(string(b), `"msg":"store thread"`)
+	})
+	time.Sleep(time.Second) // past the driver's next delivery check and deliveryMargin
+	proxy.Cut()
+	cutAt := time.Now()
+	a := <-done
+	if a.status != http.StatusOK {
+		t.Fatalf("status %d: %s; want the answer", a.status, a.body)
+	}
+	feLog, _ := os.ReadFile(fe.log)
+	if n := strings.Count(string(feLog), "asked again"); n != 0 {
+		t.Errorf("the frontend published the request again (%d log lines say asked again): its driver had the answer", n)
+	}
+	wLog, _ := os.ReadFile(worker.log)
+	if !strings.Contains(string(wLog), "outputs lost on the bus sent again") {
+		t.Error("the driver did not send the answer again when asked")
+	}
+	t.Logf("answered %s after the frontend's connection broke", a.at.Sub(cutAt).Round(time.Millisecond))
+}
