@@ -36,6 +36,10 @@ func TestNoReadySchedulerIsAFast503(t *testing.T) {
 			t.Errorf("%s: /health body %q, want it empty as vLLM's", step, body)
 		}
 	}
+	// A frontend's first requests wait up to 1.5 s for the schedulers'
+	// first announcements (TestRestartedFrontendTakesRequestsAtOnce): the
+	// first step's 503 may take that, the later ones none of it.
+	limit := 1500*time.Millisecond + 2*time.Second
 	check := func(step string) {
 		t.Helper()
 		probe(step, "/healthz", http.StatusServiceUnavailable)
@@ -50,9 +54,10 @@ func TestNoReadySchedulerIsAFast503(t *testing.T) {
 		if r.status != http.StatusServiceUnavailable || body.Error.Code != "no_ready_scheduler" || r.header.Get("Retry-After") == "" {
 			t.Errorf("%s: status %d, Retry-After %q, body %s; want 503 no_ready_scheduler with Retry-After", step, r.status, r.header.Get("Retry-After"), r.body)
 		}
-		if took > 2*time.Second {
-			t.Errorf("%s: the 503 took %s; want it at once", step, took)
+		if took > limit {
+			t.Errorf("%s: the 503 took %s; want it within %s", step, took, limit)
 		}
+		limit = 2 * time.Second
 		if !strings.Contains(body.Error.Message, "scheduler") {
 			t.Errorf("%s: message %q does not say what is missing", step, body.Error.Message)
 		}
