@@ -82,11 +82,20 @@ type schedulerSeen struct {
 	models []string
 }
 
+// forgetAfter is how long after its last announcement a scheduler replica
+// is forgotten: it is gone (each restart of one is a new id).
+const forgetAfter = time.Minute
+
 func (t *schedulerTable) observe(a *messages.Announcement, now time.Time) {
 	t.mu.Lock()
 	defer t.mu.Unlock()
 	if t.m == nil {
 		t.m = map[string]schedulerSeen{}
+	}
+	for id, s := range t.m { // a few replicas: cheap at one announcement each a second
+		if now.Sub(s.at) > forgetAfter {
+			delete(t.m, id)
+		}
 	}
 	t.m[a.ID] = schedulerSeen{ready: a.Ready, reason: a.Reason, at: now, models: a.ReadyModels}
 	if a.Ready && t.readyHeard != nil {
@@ -135,9 +144,6 @@ func (t *schedulerTable) ready(now time.Time) (bool, string) {
 	for id, s := range t.m {
 		switch {
 		case now.Sub(s.at) > t.timeout:
-			if now.Sub(s.at) > time.Minute {
-				delete(t.m, id) // gone
-			}
 		case s.ready:
 			return true, ""
 		default:

@@ -1,6 +1,7 @@
 package frontend
 
 import (
+	"fmt"
 	"strings"
 	"testing"
 	"time"
@@ -27,5 +28,29 @@ func TestJustStartedFrontendSaysItHasHeardNoSchedulerYet(t *testing.T) {
 	tab.observe(&messages.Announcement{Role: messages.RoleScheduler, ID: "s0", Ready: true}, start.Add(time.Second))
 	if ok, why := tab.ready(start.Add(1500 * time.Millisecond)); !ok {
 		t.Errorf("with a ready scheduler heard: %q", why)
+	}
+}
+
+// TestRestartedSchedulersAreForgotten: a scheduler replica silent for a
+// minute (stopped, or restarted under a new id) is forgotten at the next
+// announcement of any replica. Before, only a readiness check that found no
+// ready replica first forgot it: beside a ready one, every restart of the
+// others stayed in the table for good.
+func TestRestartedSchedulersAreForgotten(t *testing.T) {
+	start := time.Unix(1000, 0)
+	var tab schedulerTable
+	tab.timeout = 3 * time.Second
+	tab.listen(start)
+	for i := range 100 { // a replica restarted every 10 s beside a ready one
+		at := start.Add(time.Duration(i) * 10 * time.Second)
+		tab.observe(&messages.Announcement{Role: messages.RoleScheduler, ID: "steady", Ready: true}, at)
+		tab.observe(&messages.Announcement{Role: messages.RoleScheduler, ID: fmt.Sprint("restarted-", i), Ready: true}, at)
+		if ok, why := tab.ready(at); !ok {
+			t.Fatalf("not ready beside a ready replica: %s", why)
+		}
+	}
+	// Heard within the last minute: "steady" and the last 7 ids.
+	if n := len(tab.m); n != 8 {
+		t.Errorf("%d replicas remembered, want 8", n)
 	}
 }
