@@ -1094,8 +1094,16 @@ func TestAdoptedRequestCountedOnceAfterAPause(t *testing.T) {
 			t.Errorf("%s: the scheduler sent its client %d outputs (an error): %+v", id, len(out), out[0].Error)
 		}
 	}
-	if got := mine("duplicate"); got != n {
-		t.Errorf("sched-test counted %v duplicate, want its %d copies of the adopted requests", got, n)
+	// The woken replica gives each copy up once: counted duplicate when it
+	// handled the results that waited for it first, or handed over,
+	// uncounted, when the adopter's save plan came first (the server
+	// delivers what waited on both subscriptions at once).
+	handedOver := 0
+	for i := range n {
+		handedOver += len(e.logs.Lines("request handed over", "req_id="+fmt.Sprint("r-", i)+" "))
+	}
+	if got := mine("duplicate"); int(got)+handedOver != n {
+		t.Errorf("sched-test counted %v duplicate and handed %d over, want its %d copies of the adopted requests given up once each", got, handedOver, n)
 	}
 }
 
