@@ -67,6 +67,9 @@ func Capture(ctx context.Context, cfg CaptureConfig, w io.Writer) (int, error) {
 	if cfg.Logger == nil {
 		cfg.Logger = slog.Default()
 	}
+	if err := canReadReplies(cfg.Conn); err != nil {
+		return 0, err
+	}
 	js, err := jetstream.New(cfg.Conn)
 	if err != nil {
 		return 0, err
@@ -247,6 +250,25 @@ func (c *capturer) copy(ctx context.Context, cons jetstream.Consumer) error {
 // refused adds the admin-key hint to err when the connection saw a
 // permission violation (a key that may not read the request log: its
 // JetStream calls are refused, and they fail as unanswered).
+// canReadReplies subscribes the connection's reply inbox once: every
+// JetStream answer a capture waits for comes there. A key that may not read
+// it (the observer's, a role's) is said at once; else each call waited for
+// its timeout and failed as "context deadline exceeded".
+func canReadReplies(nc *nats.Conn) error {
+	sub, err := nc.SubscribeSync(nc.NewInbox())
+	if err != nil {
+		return err
+	}
+	defer sub.Unsubscribe()
+	if err := nc.Flush(); err != nil {
+		return err
+	}
+	if err := nc.LastError(); errors.Is(err, nats.ErrPermissionViolation) {
+		return fmt.Errorf("replay: capture: %w: capture reads the request log through JetStream, whose answers come on its _INBOX; %s", err, adminHint)
+	}
+	return nil
+}
+
 func refused(nc *nats.Conn, err error) error {
 	if lerr := nc.LastError(); errors.Is(lerr, nats.ErrPermissionViolation) && !errors.Is(err, nats.ErrPermissionViolation) {
 		return fmt.Errorf("%w (%w: %s)", err, lerr, adminHint)

@@ -363,3 +363,32 @@ func TestReplayOverItsIdealWarns(t *testing.T) {
 		}
 	}
 }
+
+// TestCaptureWithAnotherKeyStopsAtOnce: with `kvbus auth` keys, capture
+// given a key other than admin's (the observer's, a role's) stops at once
+// saying it needs the admin key, and leaves the file as it was. Before, its
+// JetStream calls went unanswered on a reply inbox the key may not read: it
+// waited 5 s and ended with "context deadline exceeded" and the hint twice.
+func TestCaptureWithAnotherKeyStopsAtOnce(t *testing.T) {
+	srv, dir := testenv.StartKeyedNATS(t)
+	out := filepath.Join(t.TempDir(), "x.kvcap")
+	if err := os.WriteFile(out, []byte("an earlier capture"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	for _, key := range []string{"observer", "frontend", "worker"} {
+		c := parseCLI(t, "capture", "--out", out, "--nats-url", srv.ClientURL(), "--nats-nkey", filepath.Join(dir, key+".nk"))
+		c.Capture.Record.out = &testenv.LogBuffer{}
+		start := time.Now()
+		err := c.Capture.Record.Run(t.Context())
+		took := time.Since(start)
+		if err == nil || !strings.Contains(err.Error(), "admin key") || strings.Contains(err.Error(), "deadline") {
+			t.Errorf("capture with the %s key: %v, want an error saying it needs the admin key", key, err)
+		}
+		if took > 2*time.Second {
+			t.Errorf("capture with the %s key took %v to fail, want at once", key, took.Round(time.Millisecond))
+		}
+		if b, _ := os.ReadFile(out); string(b) != "an earlier capture" {
+			t.Errorf("capture with the %s key left %q in the file", key, b)
+		}
+	}
+}
