@@ -196,15 +196,19 @@ up: image auth-keys
 	$(COMPOSE) $(UP_FILES) up -d --scale scheduler=$(SCHEDULERS) --scale worker=$(WORKERS)
 	@build/docker/kvbus healthcheck --url http://127.0.0.1:$(HTTP_PORT)/healthz --wait 120s && echo "kvbus is ready on http://127.0.0.1:$(HTTP_PORT)"
 
-# Removes every container (Prometheus too) and the cluster's volumes, but
-# keeps Prometheus's data (the volume prometheus-data, declared only in
+# Removes every container (Prometheus too) and the cluster's volumes, the
+# second and third NATS servers' of docker-compose.cluster.yml included
+# (it is added when COMPOSE_FILES leaves it out), but keeps Prometheus's
+# data (the volume prometheus-data, declared only in
 # docker-compose.monitoring.yml) for the next `make up-monitoring`; `make
 # purge` deletes it as well.
+CLUSTER_FILE := docker-compose.cluster.yml
+DOWN_FILES = $(COMPOSE_FILES)$(if $(findstring $(CLUSTER_FILE),$(COMPOSE_FILES)),, -f $(CLUSTER_FILE))
 down:
-	$(COMPOSE) $(COMPOSE_FILES) down -v --remove-orphans
+	$(COMPOSE) $(DOWN_FILES) down -v --remove-orphans
 
 purge:
-	$(COMPOSE) $(COMPOSE_FILES)$(if $(findstring $(MONITORING_FILE),$(COMPOSE_FILES)),, -f $(MONITORING_FILE)) down -v --remove-orphans
+	$(COMPOSE) $(DOWN_FILES)$(if $(findstring $(MONITORING_FILE),$(COMPOSE_FILES)),, -f $(MONITORING_FILE)) down -v --remove-orphans
 
 logs:
 	$(COMPOSE) $(UP_FILES) logs -f --tail=100

@@ -953,3 +953,36 @@ func TestSmokeMonitoring(t *testing.T) {
 		t.Errorf("up with and without docker-compose.monitoring.yml recreated or restarted containers:\nbefore %v\nafter  %v", running, after)
 	}
 }
+
+// TestSmokeDownRemovesTheClusterFilesVolumes: `make down`, as the README
+// lists it after `make up COMPOSE_FILES="-f docker-compose.yml -f
+// docker-compose.cluster.yml"`, removes the second and third NATS servers'
+// JetStream volumes too. Before, it read docker-compose.yml alone: their
+// containers went as orphans, their volumes nats2-data and nats3-data
+// stayed, and the next clustered `make up` started them on the old store.
+func TestSmokeDownRemovesTheClusterFilesVolumes(t *testing.T) {
+	t.Setenv("COMPOSE_FILES", "-f docker-compose.yml -f docker-compose.cluster.yml")
+	compose(t, "down", "-v", "--remove-orphans")
+	t.Cleanup(func() { compose(t, "down", "-v", "--remove-orphans") })
+	compose(t, "up", "-d", "--no-deps", "nats", "nats2", "nats3")
+	ids := strings.Fields(compose(t, "ps", "-q", "nats2"))
+	if len(ids) != 1 {
+		t.Fatalf("nats2 containers: %v", ids)
+	}
+	project := strings.TrimSpace(docker(t, "inspect", "-f", `{{index .Config.Labels "com.docker.compose.project"}}`, ids[0]))
+	volumes := func() []string {
+		return strings.Fields(docker(t, "volume", "ls", "-q", "--filter", "label=com.docker.compose.project="+project))
+	}
+	if v := volumes(); len(v) < 3 {
+		t.Fatalf("project %s's volumes after up: %v, want the three NATS servers'", project, v)
+	}
+	down := exec.Command("make", "down")
+	down.Dir = ".."
+	down.Env = slices.DeleteFunc(os.Environ(), func(kv string) bool { return strings.HasPrefix(kv, "COMPOSE_FILES=") })
+	if out, err := down.CombinedOutput(); err != nil {
+		t.Fatalf("make down: %v\n%s", err, out)
+	}
+	if v := volumes(); len(v) > 0 {
+		t.Errorf("volumes left by make down: %v", v)
+	}
+}
