@@ -392,3 +392,30 @@ func TestCaptureWithAnotherKeyStopsAtOnce(t *testing.T) {
 		}
 	}
 }
+
+// TestTraceLabRoundBeforeItsPreviousIsRefused: a TraceLab session whose
+// round 2 starts before its round 1 (a trace edited or merged by hand)
+// is refused, naming the line. Before, the rounds were timed by their
+// timestamps and sent in that order: round 2, whose prompt is built on
+// round 1's conversation, went to the cluster before round 1, in both
+// modes, and the turn depths and hit ratios counted that order.
+func TestTraceLabRoundBeforeItsPreviousIsRefused(t *testing.T) {
+	round := func(k int, ts string) string {
+		return fmt.Sprintf(`{"session_id": "s", "round_index": %d, "input_tokens_total": %d, "prefix_tokens": %d, "output_tokens": 5, "timing_events": [{"timestamp": %q}]}`,
+			k, 100*(k+1), 100*k, ts)
+	}
+	path := filepath.Join(t.TempDir(), "rounds.jsonl")
+	trace := round(0, "2026-06-01T05:40:20Z") + "\n" + round(1, "2026-06-01T05:40:40Z") + "\n" + round(2, "2026-06-01T05:40:30Z") + "\n"
+	if err := os.WriteFile(path, []byte(trace), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	cl := testenv.StartCluster(t, testenv.ClusterConfig{Payload: "accounting"})
+	for _, mode := range []string{"open", "session"} {
+		c := parseCLI(t, "replay", path, "--target", cl.NATS.ClientURL(), "--mode", mode, "--speed", "1000")
+		err := c.Replay.Run(t.Context())
+		if err == nil || !strings.Contains(err.Error(), "line 3:") || !strings.Contains(err.Error(), "round 2") ||
+			!strings.Contains(err.Error(), "before round 1 (line 2)") {
+			t.Errorf("--mode %s: %v, want an error naming line 3 and saying round 2 starts before round 1 (line 2)", mode, err)
+		}
+	}
+}
