@@ -71,8 +71,9 @@ type Report struct {
 	LocalHitRatio  *float64 `json:"local_hit_ratio"`
 	RemoteHitRatio *float64 `json:"remote_hit_ratio"`
 	// RemoteBytes is what moved between groups, when the caller knows the
-	// bytes per token of all ranks of a group (kvbus bench does).
-	RemoteBytes   int64   `json:"remote_bytes,omitempty"`
+	// bytes per token of all ranks of a group (kvbus bench does); nil,
+	// left out of the JSON, when it does not (a replay).
+	RemoteBytes   *int64  `json:"remote_bytes,omitempty"`
 	IdealHitRatio float64 `json:"ideal_hit_ratio"`
 	// HitRatioByTurn has a key only for the turn depths (1, 2, 3, 4+) at
 	// which requests succeeded.
@@ -502,10 +503,14 @@ func fields(reports []*Report) []field {
 // remoteMiB is what moved between groups, known when the caller gave the
 // bytes (kvbus bench) or nothing was read from another group.
 func remoteMiB(r *Report) (string, bool) {
-	if r.OK == 0 || r.RemoteHitRatio == nil || (r.RemoteTokens > 0 && r.RemoteBytes == 0) {
+	if r.OK == 0 || r.RemoteHitRatio == nil || (r.RemoteTokens > 0 && r.RemoteBytes == nil) {
 		return "", false
 	}
-	return fmt.Sprintf("%.1f", float64(r.RemoteBytes)/(1<<20)), true
+	var n int64
+	if r.RemoteBytes != nil {
+		n = *r.RemoteBytes
+	}
+	return fmt.Sprintf("%.1f", float64(n)/(1<<20)), true
 }
 
 // turnDepths are the turn depths at which any of reports had requests,

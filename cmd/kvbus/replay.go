@@ -508,7 +508,8 @@ func (c *benchCmd) runOne(ctx context.Context, tr *replay.Trace, policy, pool st
 	rep.CountGroups(groups)
 	if profile, err := workers.LookupModelProfile(c.Profile); err == nil {
 		// Every rank of the group reads its shard of each remote token.
-		rep.RemoteBytes = rep.RemoteTokens * int64(profile.BytesPerTokenPerRank(c.Ranks)*c.Ranks)
+		n := rep.RemoteTokens * int64(profile.BytesPerTokenPerRank(c.Ranks)*c.Ranks)
+		rep.RemoteBytes = &n
 	}
 	return rep, nil
 }

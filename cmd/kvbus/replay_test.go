@@ -419,3 +419,28 @@ func TestTraceLabRoundBeforeItsPreviousIsRefused(t *testing.T) {
 		}
 	}
 }
+
+// TestBenchJSONSaysNothingMovedAsZero: a bench run in which no block
+// moved between groups (one group, or --pool local) reports remote_bytes
+// 0 in its JSON, as its table reads 0.0 MiB. Before, the key was left
+// out whenever it was 0, so a bench's JSON had it for one policy and not
+// for the next, and a reader could not tell "nothing moved" from a
+// replay's "not known".
+func TestBenchJSONSaysNothingMovedAsZero(t *testing.T) {
+	trace := tinyTrace(t, 4)
+	report := filepath.Join(t.TempDir(), "r.json")
+	c := parseCLI(t, "bench", "--trace", trace, "--policies", "kv", "--pool", "local", "--groups", "1", "--ranks", "1",
+		"--kv-capacity", "64MiB", "--speed", "1000", "--json", report)
+	c.Bench.out = &testenv.LogBuffer{}
+	if err := c.Bench.Run(t.Context()); err != nil {
+		t.Fatal(err)
+	}
+	var reports []map[string]any
+	b, err := os.ReadFile(report)
+	if err != nil || json.Unmarshal(b, &reports) != nil || len(reports) != 1 {
+		t.Fatalf("report %s: %v", b, err)
+	}
+	if v, ok := reports[0]["remote_bytes"]; !ok || v != 0.0 {
+		t.Errorf("remote_bytes %v (present: %v), want 0: nothing moved, and bench knows it", v, ok)
+	}
+}
