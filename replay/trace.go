@@ -566,8 +566,14 @@ func readAzure(r io.Reader, tail *lastByteReader) (*Trace, error) {
 			return nil, pending // a refused record that is not the last
 		}
 		// The file's own line (blank lines are skipped by the reader,
-		// not counted).
-		n, _ := cr.FieldPos(0)
+		// not counted). A record the reader could not parse (a quote
+		// unclosed or astray) has no field to ask it of.
+		var n int
+		if pe := (*csv.ParseError)(nil); errors.As(err, &pe) {
+			n = pe.StartLine
+		} else {
+			n, _ = cr.FieldPos(0)
+		}
 		if err := record(n, rec, err); err != nil {
 			pending, pendingLine = err, n
 		}

@@ -444,3 +444,23 @@ func TestBenchJSONSaysNothingMovedAsZero(t *testing.T) {
 		t.Errorf("remote_bytes %v (present: %v), want 0: nothing moved, and bench knows it", v, ok)
 	}
 }
+
+// TestAzureUnclosedQuoteIsAnError: an Azure CSV with a quote the reader
+// cannot parse (an unclosed quoted field, a stray quote) is an error
+// naming the line. Before, `kvbus replay` and `kvbus bench` panicked
+// ("out of range index passed to FieldPos"): the line of a record the
+// CSV reader returned no field of was asked of its first field.
+func TestAzureUnclosedQuoteIsAnError(t *testing.T) {
+	for name, bad := range map[string]string{"unclosed": `"2023-11-16 18:17:05,12,3`, "stray": `2023-11-16 "18:17:05,12,3`} {
+		path := filepath.Join(t.TempDir(), "azure.csv")
+		trace := "TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:17:03.9799600,4808,10\n" + bad + "\n2023-11-16 18:17:06.0000000,10,1\n"
+		if err := os.WriteFile(path, []byte(trace), 0o644); err != nil {
+			t.Fatal(err)
+		}
+		c := parseCLI(t, "replay", path, "--target", "nats://127.0.0.1:1")
+		err := c.Replay.Run(t.Context())
+		if err == nil || !errors.Is(err, replay.ErrFormat) || !strings.Contains(err.Error(), "line 3:") {
+			t.Errorf("%s quote: %v, want a format error naming line 3", name, err)
+		}
+	}
+}
