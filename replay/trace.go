@@ -456,7 +456,7 @@ func readTraceLab(r io.Reader, tail *lastByteReader) (*Trace, error) {
 		}
 		at, err := time.Parse(time.RFC3339Nano, l.TimingEvents[0].Timestamp)
 		if err != nil {
-			return fmt.Errorf("%w: line %d: timestamp: %v", ErrFormat, n, err)
+			return fmt.Errorf("%w: line %d: %s", ErrFormat, n, badTime(l.TimingEvents[0].Timestamp, "RFC 3339", err))
 		}
 		if _, ok := bySession[l.SessionID]; !ok {
 			order = append(order, l.SessionID)
@@ -504,6 +504,22 @@ func readTraceLab(r io.Reader, tail *lastByteReader) (*Trace, error) {
 	return t, nil
 }
 
+// maxErrField bounds how much of a trace's field an error quotes: a
+// field of a file that is not the trace it is read as can be megabytes.
+const maxErrField = 64
+
+// quoteField is s quoted for an error, cut to maxErrField bytes.
+func quoteField(s string) string { return strconv.Quote(clip(s, maxErrField)) }
+
+// badTime says that timestamp s did not parse: with time.Parse's err, or,
+// for a long s (which err quotes whole, twice), with layout.
+func badTime(s, layout string, err error) string {
+	if len(s) > maxErrField {
+		return fmt.Sprintf("timestamp %s: not a time of the layout %s", quoteField(s), layout)
+	}
+	return fmt.Sprintf("timestamp %q: %v", s, err)
+}
+
 // decodeReplayable decodes a captured request a replay can send: one with
 // a prompt (Stats counts the others as malformed, as a replay leaves them
 // out).
@@ -540,12 +556,12 @@ func readAzure(r io.Reader, tail *lastByteReader) (*Trace, error) {
 		}
 		at, err := time.Parse("2006-01-02 15:04:05.9999999", rec[0])
 		if err != nil {
-			return fmt.Errorf("%w: line %d: timestamp %q: %v", ErrFormat, n, rec[0], err)
+			return fmt.Errorf("%w: line %d: %s", ErrFormat, n, badTime(rec[0], "2006-01-02 15:04:05.9999999", err))
 		}
 		in, err1 := strconv.Atoi(rec[1])
 		out, err2 := strconv.Atoi(rec[2])
 		if err1 != nil || err2 != nil || in < 1 || out < 0 || in > maxPromptTokens || out > maxPromptTokens {
-			return fmt.Errorf("%w: line %d: bad token counts %q, %q", ErrFormat, n, rec[1], rec[2])
+			return fmt.Errorf("%w: line %d: bad token counts %s, %s", ErrFormat, n, quoteField(rec[1]), quoteField(rec[2]))
 		}
 		prompt := make([]uint32, 0, in)
 		for b := uint64(0); len(prompt) < in; b++ {

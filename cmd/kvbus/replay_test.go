@@ -464,3 +464,31 @@ func TestAzureUnclosedQuoteIsAnError(t *testing.T) {
 		}
 	}
 }
+
+// TestHugeBadFieldIsNotQuotedWhole: a trace line whose timestamp or token
+// count is megabytes long (a file that is not the trace it claims to be)
+// is an error naming the line that quotes the start of the field, not all
+// of it. Before, the error quoted it whole: a 10 MB line on the operator's
+// terminal (twice over for a TraceLab timestamp, via time.Parse's error).
+func TestHugeBadFieldIsNotQuotedWhole(t *testing.T) {
+	huge := strings.Repeat("7", 1<<20)
+	for name, trace := range map[string]string{
+		"tracelab timestamp": `{"session_id": "s", "round_index": 0, "input_tokens_total": 10, "output_tokens": 1, "timing_events": [{"timestamp": "` + huge + `"}]}` + "\n",
+		"azure timestamp":    "TIMESTAMP,ContextTokens,GeneratedTokens\n" + huge + ",12,3\n",
+		"azure count":        "TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:17:05.0000000," + huge + ",3\n",
+	} {
+		path := filepath.Join(t.TempDir(), "trace")
+		if err := os.WriteFile(path, []byte(trace), 0o644); err != nil {
+			t.Fatal(err)
+		}
+		c := parseCLI(t, "replay", path, "--target", "nats://127.0.0.1:1")
+		err := c.Replay.Run(t.Context())
+		if err == nil || !errors.Is(err, replay.ErrFormat) || !strings.Contains(err.Error(), "line 2:") && !strings.Contains(err.Error(), "line 1:") {
+			t.Errorf("%s: %.300v, want a format error naming the line", name, err)
+			continue
+		}
+		if n := len(err.Error()); n > 1000 {
+			t.Errorf("%s: the error is %d bytes long (%.200s…), want the field cut", name, n, err)
+		}
+	}
+}
