@@ -247,9 +247,6 @@ func (c *capturer) copy(ctx context.Context, cons jetstream.Consumer) error {
 	}
 }
 
-// refused adds the admin-key hint to err when the connection saw a
-// permission violation (a key that may not read the request log: its
-// JetStream calls are refused, and they fail as unanswered).
 // canReadReplies subscribes the connection's reply inbox once: every
 // JetStream answer a capture waits for comes there. A key that may not read
 // it (the observer's, a role's) is said at once; else each call waited for
@@ -269,6 +266,9 @@ func canReadReplies(nc *nats.Conn) error {
 	return nil
 }
 
+// refused adds the admin-key hint to err when the connection saw a
+// permission violation (a key that may not read the request log: its
+// JetStream calls are refused, and they fail as unanswered).
 func refused(nc *nats.Conn, err error) error {
 	if lerr := nc.LastError(); errors.Is(lerr, nats.ErrPermissionViolation) && !errors.Is(err, nats.ErrPermissionViolation) {
 		return fmt.Errorf("%w (%w: %s)", err, lerr, adminHint)
