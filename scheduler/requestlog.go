@@ -198,6 +198,13 @@ func (l *requestLog) trim(ctx context.Context) {
 	st, cons := l.st, l.cons
 	l.mu.Unlock()
 	bound := l.cfg.HistoryBound()
+	if l.cfg.HistoryBytes == 0 && st != nil {
+		// The default, half the max, is of the log's own cap: the role
+		// that created it may have had another --request-log-max-bytes.
+		if si := st.CachedInfo(); si != nil && si.Config.MaxBytes > 0 {
+			bound = si.Config.MaxBytes / 2 // as of the last Info: every trim's
+		}
+	}
 	purged, err := bus.TrimHistory(ctx, st, cons, bound)
 	switch {
 	case err != nil && ctx.Err() == nil:

@@ -114,7 +114,8 @@ type Config struct {
 	IndexGroups int
 	// RequestLog holds the request log's limits, applied when this replica
 	// creates it (Subjects and Replicas come from above); the replica
-	// trims the log's dispatched history to RequestLog.HistoryBound().
+	// trims the log's dispatched history to RequestLog.HistoryBound(), or,
+	// when HistoryBytes is zero, to half the log's own cap.
 	RequestLog bus.StreamConfig
 	Logger     *slog.Logger
 	// Registerer receives the scheduler's metrics; nil: unregistered.

@@ -154,7 +154,7 @@ type frontendFlags struct {
 type requestLogFlags struct {
 	RequestLogMaxBytes     int64         `name:"request-log-max-bytes" positive:"" default:"1073741824" help:"Cap of the JetStream request log, in bytes; when undispatched requests fill it, new requests get 503 request_log_full (applies when the log is created)."`
 	RequestLogMaxAge       time.Duration `name:"request-log-max-age" positive:"" default:"24h" help:"How long the request log keeps a request (applies when the log is created)."`
-	RequestLogHistoryBytes int64         `name:"request-log-history-bytes" default:"0" help:"Bytes of dispatched requests kept in the log for capture; schedulers purge older ones (0: half of --request-log-max-bytes)."`
+	RequestLogHistoryBytes int64         `name:"request-log-history-bytes" default:"0" help:"Bytes of dispatched requests kept in the log for capture; schedulers purge older ones (0: half the log's cap, --request-log-max-bytes of the role that created it)."`
 }
 
 func (f requestLogFlags) streamConfig() bus.StreamConfig {

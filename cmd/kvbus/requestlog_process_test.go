@@ -61,3 +61,65 @@ func TestProcessRequestLogOfAnotherSizeIsTrimmed(t *testing.T) {
 		return status == http.StatusOK
 	})
 }
+
+// TestProcessRequestLogHistoryIsHalfItsOwnCap: the frontend creates the
+// request log with 64 KiB and the scheduler runs with 120 KiB and no
+// --request-log-history-bytes, whose default is half the max. That half
+// (60 KiB) was taken of the scheduler's flag, not of the log: it is below
+// the log's cap, so it was kept, and the log had 4 KiB for requests
+// between trims: after it filled, a burst of a few dozen requests got 503
+// request_log_full with nothing waiting. The default is half the log's
+// own cap.
+func TestProcessRequestLogHistoryIsHalfItsOwnCap(t *testing.T) {
+	if testing.Short() {
+		t.Skip("builds and runs the binary")
+	}
+	dir := t.TempDir()
+	bin := buildBinary(t, dir)
+	natsAddr, httpAddr := freeAddr(t), freeAddr(t)
+	bus := []string{"--nats-url", "nats://" + natsAddr}
+	startProc(t, bin, dir, "nats", "nats", "--addr", natsAddr, "--data-dir", filepath.Join(dir, "js"))
+	const logBytes = 64 << 10
+	startProc(t, bin, dir, "frontend", append([]string{"frontend", "--http-addr", httpAddr,
+		"--request-log-max-bytes", fmt.Sprint(logBytes)}, bus...)...)
+	base := "http://" + httpAddr
+	testenv.Eventually(t, 60*time.Second, "the frontend serving", func() bool { return healthz(base+"/livez") == http.StatusOK })
+	startProc(t, bin, dir, "scheduler", append([]string{"scheduler", "--metrics-addr", freeAddr(t),
+		"--request-log-max-bytes", fmt.Sprint(120 << 10)}, bus...)...)
+	startProc(t, bin, dir, "worker", append([]string{"worker", "--group", "g0", "--tp-rank", "0", "--tp-size", "1",
+		"--time-scale", "0", "--kv-capacity", "64MiB", "--metrics-addr", freeAddr(t)}, bus...)...)
+	testenv.Eventually(t, 60*time.Second, "/healthz 200", func() bool { return healthz(base+"/healthz") == http.StatusOK })
+
+	send := func(i int) (int, []byte) {
+		status, _, body := testenv.Send(t, http.MethodPost, base+"/v1/chat/completions",
+			fmt.Sprintf(`{"messages":[{"role":"user","content":"request %d of many"}],"max_tokens":2}`, i), nil)
+		return status, body
+	}
+	full := false
+	for i := 0; i < 4*logBytes/300 && !full; i++ {
+		status, body := send(i)
+		full = status == http.StatusServiceUnavailable && bytes.Contains(body, []byte("request_log_full"))
+		if status != http.StatusOK && !full {
+			t.Fatalf("request %d: %d %s", i, status, body)
+		}
+	}
+	if !full {
+		t.Fatal("the log never filled")
+	}
+	testenv.Eventually(t, 20*time.Second, "a request answered once the history is trimmed", func() bool {
+		status, _ := send(-1)
+		return status == http.StatusOK
+	})
+	// A trim leaves half the log for new requests: 40 of a few hundred
+	// bytes fit.
+	refused := 0
+	for i := range 40 {
+		if status, body := send(1000 + i); status != http.StatusOK {
+			refused++
+			t.Logf("request %d after a trim: %d %s", i, status, body)
+		}
+	}
+	if refused > 0 {
+		t.Errorf("%d of 40 requests refused after a trim; want the history trimmed to half the log's 64 KiB, leaving room", refused)
+	}
+}
