@@ -9,6 +9,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/nats-io/nats.go"
+
 	"github.com/kvbus/kvbus/messages"
 	"github.com/kvbus/kvbus/replay"
 	"github.com/kvbus/kvbus/testenv"
@@ -237,5 +239,54 @@ func TestGroupReadAfterTheAnswerThroughHTTP(t *testing.T) {
 	if res := results[0]; res.Err != "" || res.Group != "g7" || res.RemoteTokens != 128 {
 		t.Fatalf("result: err %q, group %q, remote tokens %d; want group g7 and 128 remote tokens",
 			res.Err, res.Group, res.RemoteTokens)
+	}
+}
+
+// TestGroupReadAfterTheAnswerOntoTheBus: onto the bus as through HTTP, the
+// ReqMeta naming a request's group can be read after its final Output (two
+// subscriptions, delivered apart). The replay waits for it, up to a
+// second, before reporting the request's group.
+func TestGroupReadAfterTheAnswerOntoTheBus(t *testing.T) {
+	srv, nc, _ := requestLog(t)
+	var subj messages.Subjects
+	publish := func(subject string, msg messages.Message) {
+		data, err := messages.Marshal(msg)
+		if err != nil {
+			t.Error(err)
+		}
+		if err := nc.Publish(subject, data); err != nil {
+			t.Error(err)
+		}
+	}
+	sub, err := nc.Subscribe(subj.RequestAll(), func(m *nats.Msg) {
+		req, err := messages.DecodeRequest(m.Data)
+		if err != nil {
+			t.Error(err)
+			return
+		}
+		publish(subj.Out(req.FrontendID), &messages.Output{ReqID: req.RequestID, FinishReason: "length",
+			Usage: &messages.Usage{PromptTokens: 512, CompletionTokens: 1, CachedTokens: 256}})
+		time.AfterFunc(200*time.Millisecond, func() {
+			publish(subj.Meta("g7", "s1"), &messages.ReqMeta{ReqID: req.RequestID, SessionID: "s1"})
+		})
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer sub.Unsubscribe()
+	tr, err := replay.ReadTrace(strings.NewReader(`{"timestamp": 0, "input_length": 512, "output_length": 1, "hash_ids": [1]}`+"\n"), replay.FormatMooncake)
+	if err != nil {
+		t.Fatal(err)
+	}
+	r, err := replay.New(replay.Config{Target: srv.ClientURL(), Conn: testenv.Connect(t, srv), Timeout: 10 * time.Second})
+	if err != nil {
+		t.Fatal(err)
+	}
+	results, _, err := r.Run(t.Context(), tr.Items)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if res := results[0]; res.Err != "" || res.Group != "g7" {
+		t.Fatalf("result: err %q, group %q; want group g7", res.Err, res.Group)
 	}
 }
