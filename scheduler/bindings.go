@@ -146,8 +146,9 @@ type SessionBindings struct {
 
 	mu    sync.RWMutex
 	local map[string]boundEntry // by session key
-	// unbound counts the sessions not bound for MaxSessions; warned is
-	// when that was last logged.
+	// unbound counts the turns of new sessions left unbound for
+	// MaxSessions (each turn of one, not each session); warned is when
+	// that was last logged.
 	unbound atomic.Int64
 	warned  atomic.Int64
 
@@ -370,8 +371,8 @@ func (s *SessionBindings) RecordModel(model, sessionID string, b Binding) {
 	}
 }
 
-// refuse counts a session left unbound for MaxSessions, and says so at most
-// once a minute.
+// refuse counts a turn of a new session left unbound for MaxSessions, and
+// says so at most once a minute.
 func (s *SessionBindings) refuse(key string) {
 	n := s.unbound.Add(1)
 	now := time.Now().UnixNano()
@@ -390,7 +391,8 @@ func (s *SessionBindings) Sessions() int {
 	return len(s.local)
 }
 
-// Unbound is how many times a session was left unbound for MaxSessions.
+// Unbound is how many turns of new sessions were left unbound for
+// MaxSessions.
 func (s *SessionBindings) Unbound() int64 { return s.unbound.Load() }
 
 // write stores a binding with compare-and-set: it creates the key, or
