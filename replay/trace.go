@@ -482,8 +482,8 @@ func readTraceLab(r io.Reader, tail *lastByteReader) (*Trace, error) {
 				// Timed by it, this round would be sent before the
 				// round whose conversation its prompt continues.
 				prev := rounds[ri-1]
-				return nil, fmt.Errorf("%w: line %d: round %d of session %q starts at %s, before round %d (line %d) at %s: a session's rounds must start in round_index order",
-					ErrFormat, rd.lineNo, *l.RoundIndex, sid, rd.at.Format(time.RFC3339Nano), *prev.line.RoundIndex, prev.lineNo, prev.at.Format(time.RFC3339Nano))
+				return nil, fmt.Errorf("%w: line %d: round %d of session %s starts at %s, before round %d (line %d) at %s: a session's rounds must start in round_index order",
+					ErrFormat, rd.lineNo, *l.RoundIndex, quoteField(sid), rd.at.Format(time.RFC3339Nano), *prev.line.RoundIndex, prev.lineNo, prev.at.Format(time.RFC3339Nano))
 			}
 			prefix := 0
 			if l.PrefixTokens != nil {

@@ -143,7 +143,7 @@ func newMetrics(reg prometheus.Registerer, f metricFuncs) *metrics {
 			}, f.plans),
 			prometheus.NewGaugeFunc(prometheus.GaugeOpts{
 				Name: "kvbus_scheduler_sessions",
-				Help: "Sessions the replica knows bound to a group (the session bucket's live keys), at most --max-sessions.",
+				Help: "Sessions the replica knows bound to a group (the session bucket's live keys): about --max-sessions at most (replicas binding new sessions at once may each add some before they hear the others').",
 			}, f.sessions),
 			prometheus.NewCounterFunc(prometheus.CounterOpts{
 				Name: "kvbus_scheduler_sessions_unbound_total",
