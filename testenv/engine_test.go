@@ -1194,3 +1194,70 @@ func TestEngineSilentKVEventsWarnOnce(t *testing.T) {
 		t.Error("the worker wired right indexed none of its engine's blocks")
 	}
 }
+
+// TestEngineCacheSaltSharesNoBlocks: the engine keys a salted prompt's
+// blocks apart, as vLLM does (the salt is an extra key of its first
+// block), and kvbus predicts what the engine finds: none for the same
+// prompt under another salt or none, all of it for the salt's repeat.
+// Before, the fake engine ignored cache_salt: a salted prompt found the
+// unsalted one's 592 tokens, and a replay of salted requests beat its own
+// ideal hit ratio.
+func TestEngineCacheSaltSharesNoBlocks(t *testing.T) {
+	c, engines := engineCluster(t, 1, nil)
+	metas := c.Observe(t, "kvbus.meta.>")
+	prompt := strings.Repeat("The same long system prompt for every tenant. ", 60)
+	send := func(salt string) (predicted, prompted, cached int) {
+		t.Helper()
+		b := map[string]any{"model": c.Model, "max_tokens": 4, "messages": []map[string]string{{"role": "user", "content": prompt}}}
+		if salt != "" {
+			b["cache_salt"] = salt
+		}
+		body, _ := json.Marshal(b)
+		status, hdr, raw := testenv.Send(t, "POST", c.URL+"/v1/chat/completions", string(body), nil)
+		if status != http.StatusOK {
+			t.Fatalf("salt %q: status %d: %s", salt, status, raw)
+		}
+		var r struct {
+			Usage struct {
+				PromptTokens        int `json:"prompt_tokens"`
+				PromptTokensDetails struct {
+					CachedTokens int `json:"cached_tokens"`
+				} `json:"prompt_tokens_details"`
+			} `json:"usage"`
+		}
+		if err := json.Unmarshal(raw, &r); err != nil {
+			t.Fatal(err)
+		}
+		return metaOf(t, metas, hdr.Get("X-Request-Id")).LoadSpec.KVPoolCachedTokens, r.Usage.PromptTokens, r.Usage.PromptTokensDetails.CachedTokens
+	}
+	send("") // the unsalted prompt, cached by the engine and indexed from its events
+	testenv.Eventually(t, 10*time.Second, "the engine's KV events reach the index", func() bool {
+		return c.Scheduler.Index().GroupBlocks("g0") >= engines[0].CachedBlocks()-1 && c.Scheduler.Index().Plans() == 0
+	})
+	var full int
+	for _, step := range []struct {
+		salt  string
+		whole bool // the engine finds the whole prompt's full blocks
+	}{{"tenant-a", false}, {"tenant-a", true}, {"tenant-b", false}, {"", true}} {
+		predicted, prompted, cached := send(step.salt)
+		full = (prompted - 1) / 16 * 16
+		want := 0
+		if step.whole {
+			want = full
+		}
+		t.Logf("salt %q: %d-token prompt, predicted %d cached, the engine found %d", step.salt, prompted, predicted, cached)
+		if cached != want {
+			t.Errorf("salt %q: the engine found %d cached tokens, want %d", step.salt, cached, want)
+		}
+		if predicted != cached {
+			t.Errorf("salt %q: kvbus predicted %d cached tokens where the engine found %d", step.salt, predicted, cached)
+		}
+	}
+	if full < 500 {
+		t.Fatalf("the prompt has %d full-block tokens: too short to show a prediction", full)
+	}
+	if status, _, body := testenv.Send(t, "POST", engines[0].URL()+"/v1/completions",
+		fmt.Sprintf(`{"model":%q,"prompt":"hi","cache_salt":""}`, c.Model), nil); status != http.StatusBadRequest || !strings.Contains(string(body), "cache_salt") {
+		t.Errorf("an empty cache_salt: %d %s, want vLLM's 400 naming cache_salt", status, body)
+	}
+}

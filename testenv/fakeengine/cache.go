@@ -54,19 +54,23 @@ func BlockHashes(tokens []uint32, blockSize int, hashBytes bool) []any {
 }
 
 func blockHashes(tokens []uint32, blockSize int) []blockHash {
-	return adapterBlockHashes(tokens, blockSize, "")
+	return keyedBlockHashes(tokens, blockSize, "", "")
 }
 
-// adapterBlockHashes is blockHashes of a prompt of LoRA adapter lora (none
-// when empty): its chain starts from a root of its own, so that its blocks
-// match no other adapter's or the model's (vLLM mixes the adapter's name
-// into every block's hash as an extra key).
-func adapterBlockHashes(tokens []uint32, blockSize int, lora string) []blockHash {
+// keyedBlockHashes is blockHashes of a prompt of LoRA adapter lora with
+// cache_salt salt (none when empty): its chain starts from a root of its
+// own, so that its blocks match no other adapter's or salt's, or the
+// model's unsalted ones (vLLM mixes the adapter's name into every block's
+// hash, and the salt into the first's, as extra keys).
+func keyedBlockHashes(tokens []uint32, blockSize int, lora, salt string) []blockHash {
 	n := len(tokens) / blockSize
 	out := make([]blockHash, n)
 	parent := noneHash()
 	if lora != "" {
 		parent = sha256.Sum256(append(parent[:], "lora:"+lora...))
+	}
+	if salt != "" {
+		parent = sha256.Sum256(append(parent[:], "salt:"+salt...))
 	}
 	for i := range n {
 		parent = chainHash(parent, tokens[i*blockSize:(i+1)*blockSize])
@@ -135,9 +139,9 @@ type admission struct {
 // request's blocks end most recently used, its first block most and its
 // last block least, as vLLM frees a request's blocks tail first.
 // len(computed) must not exceed capacity*blockSize.
-func (c *prefixCache) admit(prompt, computed []uint32, lora string) admission {
+func (c *prefixCache) admit(prompt, computed []uint32, lora, salt string) admission {
 	var a admission
-	hashes := adapterBlockHashes(computed, c.blockSize, lora)
+	hashes := keyedBlockHashes(computed, c.blockSize, lora, salt)
 	maxHit := 0
 	if len(prompt) > 0 {
 		maxHit = min((len(prompt)-1)/c.blockSize, len(hashes))

@@ -43,21 +43,29 @@ type kvEvent struct {
 	// empty and 0 for the model's own.
 	loraName string
 	loraID   int
+	// salt: the cache_salt of a BlockStored that starts at the prompt's
+	// first block, whose extra keys hold it (vLLM's extra_keys).
+	salt string
 }
 
 // eventsOf turns one request's admission into vLLM's events, in the order
 // vLLM queues them: one BlockRemoved per evicted block (vLLM's
 // _maybe_evict_cached_block), then one BlockStored for the blocks the
 // request filled (vLLM's cache_full_blocks). A LoRA adapter's blocks
-// carry its name and id (vLLM's lora_name and lora_int_id).
-func eventsOf(a admission, blockSize int, loraName string, loraID int) []kvEvent {
+// carry its name and id (vLLM's lora_name and lora_int_id); a salted
+// prompt's first block, its salt as an extra key.
+func eventsOf(a admission, blockSize int, loraName string, loraID int, salt string) []kvEvent {
 	var evs []kvEvent
 	for _, h := range a.removed {
 		evs = append(evs, kvEvent{tag: tagBlockRemoved, hashes: []blockHash{h}})
 	}
 	if len(a.stored) > 0 {
-		evs = append(evs, kvEvent{tag: tagBlockStored, hashes: a.stored, parent: a.parent,
-			tokens: a.tokens, blockSize: blockSize, loraName: loraName, loraID: loraID})
+		ev := kvEvent{tag: tagBlockStored, hashes: a.stored, parent: a.parent,
+			tokens: a.tokens, blockSize: blockSize, loraName: loraName, loraID: loraID}
+		if a.parent == nil {
+			ev.salt = salt
+		}
+		evs = append(evs, ev)
 	}
 	return evs
 }
@@ -133,6 +141,9 @@ func (b batchEncoder) event(w *encWriter, ev kvEvent) {
 	switch ev.tag {
 	case tagBlockStored:
 		n += 7
+		if ev.salt != "" {
+			n++ // extra_keys
+		}
 	case tagBlockRemoved:
 		n += 2
 	}
@@ -173,6 +184,20 @@ func (b batchEncoder) event(w *encWriter, ev kvEvent) {
 			w.do(w.enc.EncodeNil())
 		} else {
 			w.do(w.enc.EncodeString(ev.loraName))
+		}
+		if ev.salt != "" {
+			// Per block: the first one's extra keys (the salt), None
+			// for the rest.
+			b.field(w, "extra_keys")
+			w.arrayLen(len(ev.hashes))
+			for i := range ev.hashes {
+				if i == 0 {
+					w.arrayLen(1)
+					w.do(w.enc.EncodeString(ev.salt))
+				} else {
+					w.do(w.enc.EncodeNil())
+				}
+			}
 		}
 	case tagBlockRemoved:
 		b.field(w, "block_hashes")

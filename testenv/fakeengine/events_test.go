@@ -259,9 +259,26 @@ func TestKVEventsDecoded(t *testing.T) {
 			}
 			translate(batches[2])
 
+			// A's prompt with a cache_salt shares none of A's blocks, and
+			// its first block's extra keys hold the salt: the Translator,
+			// which cannot hash them, indexes none of its blocks.
+			resp = post(t, e, "/v1/completions", map[string]any{"prompt": tokenPrompt(1, 40), "cache_salt": "tenant-a"})
+			if _, _, _, cached := usageOf(t, resp); cached != 0 {
+				t.Fatalf("the salted prompt found %d cached tokens of the unsalted one's", cached)
+			}
+			_, batches, _ = rec.wait(t, 1)
+			if ev = batches[3].Events[0]; ev.Parent != nil || len(ev.BlockHashes) != 3 || slices.Contains(hashesA, ev.BlockHashes[0]) ||
+				!slices.Equal(ev.ExtraKeys, []bool{true, false, false}) {
+				t.Fatalf("the salted prompt's event %+v", ev)
+			}
+			translate(batches[3])
+			if tr.Len() != 5 {
+				t.Fatalf("the Translator indexes %d blocks after the salted prompt, want A's, B's and C's 5", tr.Len())
+			}
+
 			// A request that fills no block publishes nothing.
 			post(t, e, "/v1/completions", map[string]any{"prompt": "hi"})
-			if e.NextSeq() != 3 {
+			if e.NextSeq() != 4 {
 				t.Fatalf("NextSeq %d after a request storing nothing", e.NextSeq())
 			}
 
@@ -270,10 +287,10 @@ func TestKVEventsDecoded(t *testing.T) {
 				t.Fatalf("/reset_prefix_cache: %d %s", resp.StatusCode, b)
 			}
 			seqs, batches, _ = rec.wait(t, 1)
-			if seqs[3] != 3 || len(batches[3].Events) != 1 || batches[3].Events[0].Type != messages.EventAllBlocksCleared {
-				t.Fatalf("seq %d batch %+v", seqs[3], batches[3])
+			if seqs[4] != 4 || len(batches[4].Events) != 1 || batches[4].Events[0].Type != messages.EventAllBlocksCleared {
+				t.Fatalf("seq %d batch %+v", seqs[4], batches[4])
 			}
-			translate(batches[3])
+			translate(batches[4])
 			if tr.Len() != 0 {
 				t.Fatalf("the Translator indexes %d blocks after AllBlocksCleared", tr.Len())
 			}
@@ -282,7 +299,7 @@ func TestKVEventsDecoded(t *testing.T) {
 			e.SkipSeq(3)
 			post(t, e, "/v1/completions", map[string]any{"prompt": tokenPrompt(9000, 30)})
 			seqs, _, gaps := rec.wait(t, 1)
-			if !slices.Equal(seqs, []uint64{0, 1, 2, 3, 7}) || !slices.Equal(gaps, [][2]uint64{{4, 7}}) {
+			if !slices.Equal(seqs, []uint64{0, 1, 2, 3, 4, 8}) || !slices.Equal(gaps, [][2]uint64{{5, 8}}) {
 				t.Fatalf("seqs %v, gaps %v", seqs, gaps)
 			}
 		})

@@ -226,8 +226,8 @@ func (g *generation) delta(i int) string {
 // max_tokens no longer; maxTokens nil means the rest of the context),
 // computes the reply, and admits the request to the cache, publishing the
 // KV events of what it did. idx is the request's Received; lora the LoRA
-// adapter the request named, empty for none.
-func (e *Engine) generate(idx int, prompt []uint32, maxTokens *int, lora string) (*generation, *apiError) {
+// adapter the request named and salt its cache_salt, empty for none.
+func (e *Engine) generate(idx int, prompt []uint32, maxTokens *int, lora, salt string) (*generation, *apiError) {
 	if !e.healthy.Load() {
 		return nil, errEngineDead()
 	}
@@ -264,14 +264,14 @@ func (e *Engine) generate(idx int, prompt []uint32, maxTokens *int, lora string)
 
 	e.mu.Lock()
 	defer e.mu.Unlock()
-	a := e.cache.admit(prompt, computed, lora)
+	a := e.cache.admit(prompt, computed, lora, salt)
 	g.cached = a.cachedTokens
 	if i := idx - e.first; i >= 0 { // else forgotten already
 		e.requests[i].PromptTokens = prompt
 		e.requests[i].CachedTokens = g.cached
 	}
 	if e.pub != nil {
-		if evs := eventsOf(a, e.cfg.BlockSize, lora, e.adapterID(lora)); len(evs) > 0 {
+		if evs := eventsOf(a, e.cfg.BlockSize, lora, e.adapterID(lora), salt); len(evs) > 0 {
 			if err := e.pub.send(evs); err != nil {
 				return nil, newAPIError(http.StatusInternalServerError, "InternalServerError", "", "%v", err)
 			}
@@ -309,6 +309,17 @@ type generateFields struct {
 	StreamOptions  *streamOptions `json:"stream_options"`
 	RequestID      string         `json:"request_id"`
 	ReturnTokenIDs bool           `json:"return_token_ids"`
+	// CacheSalt keys the prompt's blocks apart from every other salt's
+	// and the unsalted ones (vLLM mixes it into the first block's hash).
+	CacheSalt *string `json:"cache_salt"`
+}
+
+// salt is the request's cache_salt, empty for none.
+func (g *generateFields) salt() string {
+	if g.CacheSalt == nil {
+		return ""
+	}
+	return *g.CacheSalt
 }
 
 // check refuses what vLLM refuses before it looks at the prompt.
@@ -318,6 +329,9 @@ func (e *Engine) check(g *generateFields) *apiError {
 	}
 	if g.N != nil && *g.N != 1 {
 		return badRequest("n", "fakeengine: only n=1 is supported")
+	}
+	if g.CacheSalt != nil && *g.CacheSalt == "" {
+		return badRequest("cache_salt", "Parameter 'cache_salt' must be a non-empty string if provided.")
 	}
 	return e.checkModel(g.Model)
 }
@@ -410,7 +424,7 @@ func (e *Engine) handleChat(w http.ResponseWriter, r *http.Request) {
 	if maxTokens == nil {
 		maxTokens = req.MaxTokens
 	}
-	g, ae := e.generate(e.receivedIndex(r), prompt, maxTokens, e.adapterOf(req.Model))
+	g, ae := e.generate(e.receivedIndex(r), prompt, maxTokens, e.adapterOf(req.Model), req.salt())
 	if ae != nil {
 		writeError(w, ae)
 		return
@@ -602,7 +616,7 @@ func (e *Engine) handleCompletions(w http.ResponseWriter, r *http.Request) {
 		sixteen := 16 // CompletionRequest.max_tokens' default
 		maxTokens = &sixteen
 	}
-	g, ae := e.generate(e.receivedIndex(r), prompt, maxTokens, e.adapterOf(req.Model))
+	g, ae := e.generate(e.receivedIndex(r), prompt, maxTokens, e.adapterOf(req.Model), req.salt())
 	if ae != nil {
 		writeError(w, ae)
 		return
