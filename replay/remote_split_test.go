@@ -52,14 +52,7 @@ func TestRemoteSplitThroughHTTP(t *testing.T) {
 		if bus {
 			cfg.Conn = testenv.Connect(t, c.NATS)
 		}
-		r, err := replay.New(cfg)
-		if err != nil {
-			t.Fatal(err)
-		}
-		results, elapsed, err := r.Run(t.Context(), items)
-		if err != nil {
-			t.Fatal(err)
-		}
+		results, elapsed := replayOnce(t, cfg, items)
 		rep := replay.Summarize("rr", results, replay.IdealHitRatio(items, c.Model, 16), elapsed)
 		if rep.OK != len(items) {
 			t.Fatalf("%s: ok %d of %d: %v", target, rep.OK, len(items), rep.Errors)
@@ -99,37 +92,14 @@ func TestRemoteSplitThroughHTTP(t *testing.T) {
 	}
 }
 
-func deref(p *float64) any {
-	if p == nil {
-		return nil
-	}
-	return *p
-}
-
 // TestImpossibleUsageIsAFailure: a server whose usage has more cached
 // tokens than the prompt (or fewer than none) fails that request, saying
 // so, rather than put the report's hit_ratio over 1 and over its ideal.
 func TestImpossibleUsageIsAFailure(t *testing.T) {
-	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		w.Header().Set("Content-Type", "text/event-stream")
-		fmt.Fprint(w, "data: {\"choices\":[{\"text\":\"a\"}]}\n\n")
-		fmt.Fprint(w, "data: {\"usage\":{\"prompt_tokens\":512,\"prompt_tokens_details\":{\"cached_tokens\":4096}}}\n\n")
-		fmt.Fprint(w, "data: [DONE]\n\n")
-	}))
-	defer srv.Close()
-	tr, err := replay.ReadTrace(strings.NewReader(`{"timestamp": 0, "input_length": 512, "output_length": 1, "hash_ids": [1]}`+"\n"), replay.FormatMooncake)
-	if err != nil {
-		t.Fatal(err)
-	}
-	r, err := replay.New(replay.Config{Target: srv.URL})
-	if err != nil {
-		t.Fatal(err)
-	}
-	results, elapsed, err := r.Run(t.Context(), tr.Items)
-	if err != nil {
-		t.Fatal(err)
-	}
-	rep := replay.Summarize("x", results, replay.IdealHitRatio(tr.Items, "m", 16), elapsed)
+	srv := stubEngine(t, `{"prompt_tokens":512,"prompt_tokens_details":{"cached_tokens":4096}}`, func(*http.Request) {})
+	items := oneRequest(t)
+	results, elapsed := replayOnce(t, replay.Config{Target: srv.URL}, items)
+	rep := replay.Summarize("x", results, replay.IdealHitRatio(items, "m", 16), elapsed)
 	if rep.OK != 0 || rep.Failed != 1 || rep.HitRatio != nil {
 		t.Fatalf("ok %d failed %d hit ratio %v; want the request failed for its usage", rep.OK, rep.Failed, deref(rep.HitRatio))
 	}
@@ -148,44 +118,15 @@ func TestImpossibleUsageIsAFailure(t *testing.T) {
 // for that request, after waiting a second for it.
 func TestAskedAgainKeepsItsGroupThroughHTTP(t *testing.T) {
 	srv := testenv.StartNATS(t)
-	nc := testenv.Connect(t, srv)
+	publish := publisher(t, testenv.Connect(t, srv))
 	var subj messages.Subjects
-	engine := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+	engine := stubEngine(t, cachedHalf, func(r *http.Request) {
 		busID := r.Header.Get("X-Request-Id") + "-Xq7nuid-again1"
-		for _, m := range []struct {
-			subject string
-			msg     messages.Message
-		}{
-			{subj.Meta("g7", "s1"), &messages.ReqMeta{ReqID: busID, SessionID: "s1"}},
-			{subj.Out("fe1"), &messages.Output{ReqID: busID, FinishReason: "length",
-				Usage: &messages.Usage{PromptTokens: 512, CompletionTokens: 1, CachedTokens: 256, RemoteCachedTokens: 128}}},
-		} {
-			data, err := messages.Marshal(m.msg)
-			if err != nil {
-				t.Error(err)
-			}
-			if err := nc.Publish(m.subject, data); err != nil {
-				t.Error(err)
-			}
-		}
-		w.Header().Set("Content-Type", "text/event-stream")
-		fmt.Fprint(w, "data: {\"choices\":[{\"text\":\"a\"}]}\n\n")
-		fmt.Fprint(w, "data: {\"usage\":{\"prompt_tokens\":512,\"completion_tokens\":1,\"prompt_tokens_details\":{\"cached_tokens\":256}}}\n\n")
-		fmt.Fprint(w, "data: [DONE]\n\n")
-	}))
-	defer engine.Close()
-	tr, err := replay.ReadTrace(strings.NewReader(`{"timestamp": 0, "input_length": 512, "output_length": 1, "hash_ids": [1]}`+"\n"), replay.FormatMooncake)
-	if err != nil {
-		t.Fatal(err)
-	}
-	r, err := replay.New(replay.Config{Target: engine.URL, Conn: testenv.Connect(t, srv)})
-	if err != nil {
-		t.Fatal(err)
-	}
-	results, _, err := r.Run(t.Context(), tr.Items)
-	if err != nil {
-		t.Fatal(err)
-	}
+		publish(subj.Meta("g7", "s1"), &messages.ReqMeta{ReqID: busID, SessionID: "s1"})
+		publish(subj.Out("fe1"), &messages.Output{ReqID: busID, FinishReason: "length",
+			Usage: &messages.Usage{PromptTokens: 512, CompletionTokens: 1, CachedTokens: 256, RemoteCachedTokens: 128}})
+	})
+	results, _ := replayOnce(t, replay.Config{Target: engine.URL, Conn: testenv.Connect(t, srv)}, oneRequest(t))
 	if res := results[0]; res.Err != "" || res.Group != "g7" || res.RemoteUnknown || res.RemoteTokens != 128 {
 		t.Fatalf("result: err %q, group %q, remote tokens %d (unknown %v); want group g7 and 128 remote tokens",
 			res.Err, res.Group, res.RemoteTokens, res.RemoteUnknown)
@@ -200,42 +141,17 @@ func TestAskedAgainKeepsItsGroupThroughHTTP(t *testing.T) {
 // tokens).
 func TestGroupReadAfterTheAnswerThroughHTTP(t *testing.T) {
 	srv := testenv.StartNATS(t)
-	nc := testenv.Connect(t, srv)
+	publish := publisher(t, testenv.Connect(t, srv))
 	var subj messages.Subjects
-	publish := func(subject string, msg messages.Message) {
-		data, err := messages.Marshal(msg)
-		if err != nil {
-			t.Error(err)
-		}
-		if err := nc.Publish(subject, data); err != nil {
-			t.Error(err)
-		}
-	}
-	engine := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+	engine := stubEngine(t, cachedHalf, func(r *http.Request) {
 		busID := r.Header.Get("X-Request-Id") + "-Xq7nuid"
 		publish(subj.Out("fe1"), &messages.Output{ReqID: busID, FinishReason: "length",
 			Usage: &messages.Usage{PromptTokens: 512, CompletionTokens: 1, CachedTokens: 256, RemoteCachedTokens: 128}})
 		time.AfterFunc(200*time.Millisecond, func() {
 			publish(subj.Meta("g7", "s1"), &messages.ReqMeta{ReqID: busID, SessionID: "s1"})
 		})
-		w.Header().Set("Content-Type", "text/event-stream")
-		fmt.Fprint(w, "data: {\"choices\":[{\"text\":\"a\"}]}\n\n")
-		fmt.Fprint(w, "data: {\"usage\":{\"prompt_tokens\":512,\"completion_tokens\":1,\"prompt_tokens_details\":{\"cached_tokens\":256}}}\n\n")
-		fmt.Fprint(w, "data: [DONE]\n\n")
-	}))
-	defer engine.Close()
-	tr, err := replay.ReadTrace(strings.NewReader(`{"timestamp": 0, "input_length": 512, "output_length": 1, "hash_ids": [1]}`+"\n"), replay.FormatMooncake)
-	if err != nil {
-		t.Fatal(err)
-	}
-	r, err := replay.New(replay.Config{Target: engine.URL, Conn: testenv.Connect(t, srv)})
-	if err != nil {
-		t.Fatal(err)
-	}
-	results, _, err := r.Run(t.Context(), tr.Items)
-	if err != nil {
-		t.Fatal(err)
-	}
+	})
+	results, _ := replayOnce(t, replay.Config{Target: engine.URL, Conn: testenv.Connect(t, srv)}, oneRequest(t))
 	if res := results[0]; res.Err != "" || res.Group != "g7" || res.RemoteTokens != 128 {
 		t.Fatalf("result: err %q, group %q, remote tokens %d; want group g7 and 128 remote tokens",
 			res.Err, res.Group, res.RemoteTokens)
@@ -248,16 +164,8 @@ func TestGroupReadAfterTheAnswerThroughHTTP(t *testing.T) {
 // second, before reporting the request's group.
 func TestGroupReadAfterTheAnswerOntoTheBus(t *testing.T) {
 	srv, nc, _ := requestLog(t)
+	publish := publisher(t, nc)
 	var subj messages.Subjects
-	publish := func(subject string, msg messages.Message) {
-		data, err := messages.Marshal(msg)
-		if err != nil {
-			t.Error(err)
-		}
-		if err := nc.Publish(subject, data); err != nil {
-			t.Error(err)
-		}
-	}
 	sub, err := nc.Subscribe(subj.RequestAll(), func(m *nats.Msg) {
 		req, err := messages.DecodeRequest(m.Data)
 		if err != nil {
@@ -274,19 +182,70 @@ func TestGroupReadAfterTheAnswerOntoTheBus(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer sub.Unsubscribe()
-	tr, err := replay.ReadTrace(strings.NewReader(`{"timestamp": 0, "input_length": 512, "output_length": 1, "hash_ids": [1]}`+"\n"), replay.FormatMooncake)
-	if err != nil {
-		t.Fatal(err)
-	}
-	r, err := replay.New(replay.Config{Target: srv.ClientURL(), Conn: testenv.Connect(t, srv), Timeout: 10 * time.Second})
-	if err != nil {
-		t.Fatal(err)
-	}
-	results, _, err := r.Run(t.Context(), tr.Items)
-	if err != nil {
-		t.Fatal(err)
-	}
+	results, _ := replayOnce(t, replay.Config{Target: srv.ClientURL(), Conn: testenv.Connect(t, srv), Timeout: 10 * time.Second}, oneRequest(t))
 	if res := results[0]; res.Err != "" || res.Group != "g7" {
 		t.Fatalf("result: err %q, group %q; want group g7", res.Err, res.Group)
 	}
 }
+
+func deref(p *float64) any {
+	if p == nil {
+		return nil
+	}
+	return *p
+}
+
+// oneRequest is a trace of one 512-token request with one block.
+func oneRequest(t *testing.T) []replay.Item {
+	t.Helper()
+	tr, err := replay.ReadTrace(strings.NewReader(`{"timestamp": 0, "input_length": 512, "output_length": 1, "hash_ids": [1]}`+"\n"), replay.FormatMooncake)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return tr.Items
+}
+
+// publisher returns a function that publishes msg on subject through nc,
+// failing the test (not stopping it: it is called from handlers) on error.
+func publisher(t *testing.T, nc *nats.Conn) func(subject string, msg messages.Message) {
+	return func(subject string, msg messages.Message) {
+		data, err := messages.Marshal(msg)
+		if err != nil {
+			t.Error(err)
+		}
+		if err := nc.Publish(subject, data); err != nil {
+			t.Error(err)
+		}
+	}
+}
+
+// stubEngine answers every completion with one token of text and usage
+// (the JSON of an OpenAI usage object) as a stream, after calling onRequest.
+func stubEngine(t *testing.T, usage string, onRequest func(*http.Request)) *httptest.Server {
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		onRequest(r)
+		w.Header().Set("Content-Type", "text/event-stream")
+		fmt.Fprint(w, "data: {\"choices\":[{\"text\":\"a\"}]}\n\n")
+		fmt.Fprintf(w, "data: {\"usage\":%s}\n\n", usage)
+		fmt.Fprint(w, "data: [DONE]\n\n")
+	}))
+	t.Cleanup(srv.Close)
+	return srv
+}
+
+// replayOnce replays items with cfg and returns the results.
+func replayOnce(t *testing.T, cfg replay.Config, items []replay.Item) ([]replay.Result, time.Duration) {
+	t.Helper()
+	r, err := replay.New(cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	results, elapsed, err := r.Run(t.Context(), items)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return results, elapsed
+}
+
+// cachedHalf is the usage of a 512-token prompt of which 256 were cached.
+const cachedHalf = `{"prompt_tokens":512,"completion_tokens":1,"prompt_tokens_details":{"cached_tokens":256}}`
