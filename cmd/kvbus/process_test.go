@@ -66,6 +66,21 @@ func startProc(t *testing.T, bin, dir, name string, args ...string) *proc {
 	return p
 }
 
+// startNATSProc skips under -short, builds the binary into a new
+// directory and starts `kvbus nats` there on a free address, its store in
+// dir/js. Each process a test starts with startProc logs to dir/<name>.log.
+func startNATSProc(t *testing.T) (bin, dir, natsAddr string, nats *proc) {
+	t.Helper()
+	if testing.Short() {
+		t.Skip("builds and runs the binary")
+	}
+	dir = t.TempDir()
+	bin = buildBinary(t, dir)
+	natsAddr = freeAddr(t)
+	nats = startProc(t, bin, dir, "nats", "nats", "--addr", natsAddr, "--data-dir", filepath.Join(dir, "js"))
+	return bin, dir, natsAddr, nats
+}
+
 // stop sends SIGTERM and waits for the exit status.
 func (p *proc) stop(t *testing.T) error {
 	t.Helper()
@@ -235,14 +250,9 @@ func TestProcessCluster(t *testing.T) {
 // back up). The remaining workers move into whole groups, and requests are
 // answered again.
 func TestProcessRegroup(t *testing.T) {
-	if testing.Short() {
-		t.Skip("builds and runs the binary")
-	}
-	dir := t.TempDir()
-	bin := buildBinary(t, dir)
-	natsAddr, httpAddr := freeAddr(t), freeAddr(t)
+	bin, dir, natsAddr, _ := startNATSProc(t)
+	httpAddr := freeAddr(t)
 	bus := []string{"--nats-url", "nats://" + natsAddr}
-	startProc(t, bin, dir, "nats", "nats", "--addr", natsAddr, "--data-dir", filepath.Join(dir, "js"))
 	startProc(t, bin, dir, "scheduler", append([]string{"scheduler", "--metrics-addr", freeAddr(t), "--heartbeat-timeout", "1s"}, bus...)...)
 	startProc(t, bin, dir, "frontend", append([]string{"frontend", "--http-addr", httpAddr}, bus...)...)
 	base := "http://" + httpAddr
@@ -291,13 +301,7 @@ func TestProcessRegroup(t *testing.T) {
 // (1.5 heartbeat intervals) and its permission check, and for a group
 // whose engine was down and took no requests.
 func TestProcessWorkerHealthzWhenServing(t *testing.T) {
-	if testing.Short() {
-		t.Skip("builds and runs the binary")
-	}
-	dir := t.TempDir()
-	bin := buildBinary(t, dir)
-	natsAddr := freeAddr(t)
-	startProc(t, bin, dir, "nats", "nats", "--addr", natsAddr, "--data-dir", filepath.Join(dir, "js"))
+	bin, dir, natsAddr, _ := startNATSProc(t)
 	bus := []string{"--nats-url", "nats://" + natsAddr}
 	started := func(p *proc) bool {
 		b, _ := os.ReadFile(p.log)

@@ -24,14 +24,8 @@ import (
 // break, where before it waited for --request-timeout. The proxy's copy of
 // the dropped bytes shows each answer's end was among them.
 func TestLastOutputsLostWithTheDriversConnectionAreSentAgain(t *testing.T) {
-	if testing.Short() {
-		t.Skip("builds and runs the binary")
-	}
-	dir := t.TempDir()
-	bin := buildBinary(t, dir)
-	natsAddr, httpAddr := freeAddr(t), freeAddr(t)
-	natsURL := "nats://" + natsAddr
-	startProc(t, bin, dir, "nats", "nats", "--addr", natsAddr, "--data-dir", filepath.Join(dir, "js"))
+	bin, dir, natsAddr, _ := startNATSProc(t)
+	httpAddr, natsURL := freeAddr(t), "nats://"+natsAddr
 	const requestTimeout = 30 * time.Second
 	startProc(t, bin, dir, "frontend", "frontend", "--http-addr", httpAddr, "--nats-url", natsURL, "--request-timeout", requestTimeout.String())
 	startProc(t, bin, dir, "scheduler", "scheduler", "--nats-url", natsURL, "--metrics-addr", freeAddr(t))
@@ -203,14 +197,8 @@ func TestLastOutputsLostWithTheDriversConnectionAreSentAgain(t *testing.T) {
 // reconnect. Here the frontend's connection drops what the server sends
 // it while the answer is published, then breaks.
 func TestAnswerLostOnTheWayToAReconnectingFrontendIsSentAgain(t *testing.T) {
-	if testing.Short() {
-		t.Skip("builds and runs the binary")
-	}
-	dir := t.TempDir()
-	bin := buildBinary(t, dir)
-	natsAddr, httpAddr := freeAddr(t), freeAddr(t)
-	natsURL := "nats://" + natsAddr
-	startProc(t, bin, dir, "nats", "nats", "--addr", natsAddr, "--data-dir", filepath.Join(dir, "js"))
+	bin, dir, natsAddr, _ := startNATSProc(t)
+	httpAddr, natsURL := freeAddr(t), "nats://"+natsAddr
 	proxy := testenv.StartFaultProxy(t, natsAddr)
 	const requestTimeout = 30 * time.Second
 	fe := startProc(t, bin, dir, "frontend", "frontend", "--http-addr", httpAddr, "--nats-url", proxy.URL(), "--request-timeout", requestTimeout.String())

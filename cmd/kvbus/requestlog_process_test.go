@@ -4,7 +4,6 @@ import (
 	"bytes"
 	"fmt"
 	"net/http"
-	"path/filepath"
 	"testing"
 	"time"
 
@@ -20,41 +19,9 @@ import (
 // The scheduler now trims to half the log's own limit: a request is
 // answered again within a trim or two.
 func TestProcessRequestLogOfAnotherSizeIsTrimmed(t *testing.T) {
-	if testing.Short() {
-		t.Skip("builds and runs the binary")
-	}
-	dir := t.TempDir()
-	bin := buildBinary(t, dir)
-	natsAddr, httpAddr := freeAddr(t), freeAddr(t)
-	bus := []string{"--nats-url", "nats://" + natsAddr}
-	startProc(t, bin, dir, "nats", "nats", "--addr", natsAddr, "--data-dir", filepath.Join(dir, "js"))
-	const logBytes = 64 << 10
-	startProc(t, bin, dir, "frontend", append([]string{"frontend", "--http-addr", httpAddr,
-		"--request-log-max-bytes", fmt.Sprint(logBytes)}, bus...)...)
-	base := "http://" + httpAddr
-	// The frontend creates the log before it serves.
-	testenv.Eventually(t, 60*time.Second, "the frontend serving", func() bool { return healthz(base+"/livez") == http.StatusOK })
-	startProc(t, bin, dir, "scheduler", append([]string{"scheduler", "--metrics-addr", freeAddr(t)}, bus...)...)
-	startProc(t, bin, dir, "worker", append([]string{"worker", "--group", "g0", "--tp-rank", "0", "--tp-size", "1",
-		"--time-scale", "0", "--kv-capacity", "64MiB", "--metrics-addr", freeAddr(t)}, bus...)...)
-	testenv.Eventually(t, 60*time.Second, "/healthz 200", func() bool { return healthz(base+"/healthz") == http.StatusOK })
-
-	send := func(i int) (int, []byte) {
-		status, _, body := testenv.Send(t, http.MethodPost, base+"/v1/chat/completions",
-			fmt.Sprintf(`{"messages":[{"role":"user","content":"request %d of many"}],"max_tokens":2}`, i), nil)
-		return status, body
-	}
-	// Send several times the log's size of requests (a few hundred bytes
-	// each), until it is full: trims every 5 s may keep it from filling.
-	for i := 0; i < 4*logBytes/300; i++ {
-		status, body := send(i)
-		if status == http.StatusServiceUnavailable && bytes.Contains(body, []byte("request_log_full")) {
-			break
-		}
-		if status != http.StatusOK {
-			t.Fatalf("request %d: %d %s", i, status, body)
-		}
-	}
+	send := smallLogCluster(t)
+	// Trims every 5 s may keep it from filling.
+	fillLog(t, send)
 	// Every request was answered: the history is the scheduler's to trim.
 	testenv.Eventually(t, 20*time.Second, "a request answered once the history is trimmed", func() bool {
 		status, _ := send(-1)
@@ -71,39 +38,8 @@ func TestProcessRequestLogOfAnotherSizeIsTrimmed(t *testing.T) {
 // request_log_full with nothing waiting. The default is half the log's
 // own cap.
 func TestProcessRequestLogHistoryIsHalfItsOwnCap(t *testing.T) {
-	if testing.Short() {
-		t.Skip("builds and runs the binary")
-	}
-	dir := t.TempDir()
-	bin := buildBinary(t, dir)
-	natsAddr, httpAddr := freeAddr(t), freeAddr(t)
-	bus := []string{"--nats-url", "nats://" + natsAddr}
-	startProc(t, bin, dir, "nats", "nats", "--addr", natsAddr, "--data-dir", filepath.Join(dir, "js"))
-	const logBytes = 64 << 10
-	startProc(t, bin, dir, "frontend", append([]string{"frontend", "--http-addr", httpAddr,
-		"--request-log-max-bytes", fmt.Sprint(logBytes)}, bus...)...)
-	base := "http://" + httpAddr
-	testenv.Eventually(t, 60*time.Second, "the frontend serving", func() bool { return healthz(base+"/livez") == http.StatusOK })
-	startProc(t, bin, dir, "scheduler", append([]string{"scheduler", "--metrics-addr", freeAddr(t),
-		"--request-log-max-bytes", fmt.Sprint(120 << 10)}, bus...)...)
-	startProc(t, bin, dir, "worker", append([]string{"worker", "--group", "g0", "--tp-rank", "0", "--tp-size", "1",
-		"--time-scale", "0", "--kv-capacity", "64MiB", "--metrics-addr", freeAddr(t)}, bus...)...)
-	testenv.Eventually(t, 60*time.Second, "/healthz 200", func() bool { return healthz(base+"/healthz") == http.StatusOK })
-
-	send := func(i int) (int, []byte) {
-		status, _, body := testenv.Send(t, http.MethodPost, base+"/v1/chat/completions",
-			fmt.Sprintf(`{"messages":[{"role":"user","content":"request %d of many"}],"max_tokens":2}`, i), nil)
-		return status, body
-	}
-	full := false
-	for i := 0; i < 4*logBytes/300 && !full; i++ {
-		status, body := send(i)
-		full = status == http.StatusServiceUnavailable && bytes.Contains(body, []byte("request_log_full"))
-		if status != http.StatusOK && !full {
-			t.Fatalf("request %d: %d %s", i, status, body)
-		}
-	}
-	if !full {
+	send := smallLogCluster(t, "--request-log-max-bytes", fmt.Sprint(120<<10))
+	if !fillLog(t, send) {
 		t.Fatal("the log never filled")
 	}
 	testenv.Eventually(t, 20*time.Second, "a request answered once the history is trimmed", func() bool {
@@ -122,4 +58,47 @@ func TestProcessRequestLogHistoryIsHalfItsOwnCap(t *testing.T) {
 	if refused > 0 {
 		t.Errorf("%d of 40 requests refused after a trim; want the history trimmed to half the log's 64 KiB, leaving room", refused)
 	}
+}
+
+// smallLogLimit is the request log's --request-log-max-bytes in these tests.
+const smallLogLimit = 64 << 10
+
+// smallLogCluster starts NATS, a frontend that creates the request log of
+// smallLogLimit bytes, then a scheduler (with schedulerArgs) and a worker,
+// each its own process, and returns a function sending the i-th request.
+func smallLogCluster(t *testing.T, schedulerArgs ...string) func(i int) (int, []byte) {
+	bin, dir, natsAddr, _ := startNATSProc(t)
+	httpAddr := freeAddr(t)
+	bus := []string{"--nats-url", "nats://" + natsAddr}
+	startProc(t, bin, dir, "frontend", append([]string{"frontend", "--http-addr", httpAddr,
+		"--request-log-max-bytes", fmt.Sprint(smallLogLimit)}, bus...)...)
+	base := "http://" + httpAddr
+	// The frontend creates the log before it serves.
+	testenv.Eventually(t, 60*time.Second, "the frontend serving", func() bool { return healthz(base+"/livez") == http.StatusOK })
+	startProc(t, bin, dir, "scheduler", append(append([]string{"scheduler", "--metrics-addr", freeAddr(t)}, schedulerArgs...), bus...)...)
+	startProc(t, bin, dir, "worker", append([]string{"worker", "--group", "g0", "--tp-rank", "0", "--tp-size", "1",
+		"--time-scale", "0", "--kv-capacity", "64MiB", "--metrics-addr", freeAddr(t)}, bus...)...)
+	testenv.Eventually(t, 60*time.Second, "/healthz 200", func() bool { return healthz(base+"/healthz") == http.StatusOK })
+	return func(i int) (int, []byte) {
+		status, _, body := testenv.Send(t, http.MethodPost, base+"/v1/chat/completions",
+			fmt.Sprintf(`{"messages":[{"role":"user","content":"request %d of many"}],"max_tokens":2}`, i), nil)
+		return status, body
+	}
+}
+
+// fillLog sends up to four times the log's size of requests (a few
+// hundred bytes each) until one is refused request_log_full, and says
+// whether one was. Any other refusal fails the test.
+func fillLog(t *testing.T, send func(int) (int, []byte)) (full bool) {
+	t.Helper()
+	for i := 0; i < 4*smallLogLimit/300; i++ {
+		status, body := send(i)
+		if status == http.StatusServiceUnavailable && bytes.Contains(body, []byte("request_log_full")) {
+			return true
+		}
+		if status != http.StatusOK {
+			t.Fatalf("request %d: %d %s", i, status, body)
+		}
+	}
+	return false
 }

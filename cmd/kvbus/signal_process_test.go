@@ -10,7 +10,6 @@ import (
 	"net/http"
 	"os"
 	"os/exec"
-	"path/filepath"
 	"strings"
 	"syscall"
 	"testing"
@@ -166,14 +165,9 @@ func drainingProbes(t *testing.T, name, base string) {
 // "draining", /livez 200, and /metrics is scraped; a second SIGTERM ends
 // it with 143.
 func TestProcessStopSignals(t *testing.T) {
-	if testing.Short() {
-		t.Skip("builds and runs the binary")
-	}
-	dir := t.TempDir()
-	bin := buildBinary(t, dir)
-	natsAddr, httpAddr, schedMetrics, workerMetrics := freeAddr(t), freeAddr(t), freeAddr(t), freeAddr(t)
+	bin, dir, natsAddr, natsProc := startNATSProc(t)
+	httpAddr, schedMetrics, workerMetrics := freeAddr(t), freeAddr(t), freeAddr(t)
 	bus := []string{"--nats-url", "nats://" + natsAddr}
-	natsProc := startProc(t, bin, dir, "nats", "nats", "--addr", natsAddr, "--data-dir", filepath.Join(dir, "js"))
 	sched := startProc(t, bin, dir, "scheduler", append([]string{"scheduler", "--metrics-addr", schedMetrics, "--heartbeat-timeout", "1s"}, bus...)...)
 	worker := startProc(t, bin, dir, "worker", append([]string{"worker", "--group", "g0", "--tp-rank", "0", "--ep-rank", "0", "--tp-size", "1",
 		"--kv-capacity", "64MiB", "--heartbeat-interval", "200ms", "--decode-per-token", "50ms", "--shutdown-timeout", "60s",
