@@ -137,6 +137,9 @@ type choiceState struct {
 	err          *APIError
 	errRaw       []byte // an engine's error body, relayed as it is
 	ttftSeen     bool   // its time to first token was observed
+	// generated counts the tokens of its outputs taken (the vLLM metrics
+	// of a choice that ends unfinished).
+	generated int
 	// req is the request as published; askedAgain counts the times it was
 	// published again because its answer was lost on the bus (askAgain).
 	req        *messages.Request
@@ -250,7 +253,7 @@ func (g *generation) askAgain(ctx context.Context, i int, why string, hedge bool
 	g.s.m.askedAgain.Inc()
 	c.busID, c.attempt, c.nextIndex, c.started = req.RequestID, 0, 0, false
 	c.text.Reset()
-	c.usage = messages.Usage{}
+	c.usage, c.generated = messages.Usage{}, 0
 	g.renameEngineID(old, req.RequestID) // the engine names its answer after the bus id
 	return true
 }
@@ -291,7 +294,7 @@ func (c *choiceState) follow(o *messages.Output) bool {
 	case !c.started:
 		c.attempt, c.nextIndex = o.Attempt, 0
 		c.text.Reset()
-		c.usage = messages.Usage{}
+		c.usage, c.generated = messages.Usage{}, 0
 	default:
 		c.attempt = o.Attempt
 		o.Text, o.TokenIDs, o.FinishReason, o.Raw = "", nil, "", nil
@@ -393,6 +396,7 @@ func (g *generation) next(ctx context.Context, timer *time.Timer) ([]choiceOutpu
 					}
 				}
 				c.text.WriteString(o.Text)
+				c.generated += len(o.TokenIDs)
 				if o.Usage != nil {
 					c.usage = *o.Usage
 				}
@@ -454,10 +458,15 @@ func (g *generation) usage() usageJSON {
 // completed records the generation in the vLLM metrics as vLLM counts a
 // prompt list: one engine request per prompt, each that finished under its
 // own finish reason, and each its client left unfinished (it went away)
-// under "abort".
+// under "abort". A prompt that ended unfinished (left by its client, or
+// failed) after its first token still counts its prompt and the tokens
+// generated, as vLLM's engine counts them as it processes them.
 func (g *generation) completed() {
 	e2e := time.Since(g.start).Seconds()
 	for _, c := range g.choices {
+		if c.ttftSeen && (!c.done || c.err != nil) {
+			g.vm.unfinished(c.promptTokens, c.generated)
+		}
 		switch {
 		case !c.done:
 			g.vm.aborted()

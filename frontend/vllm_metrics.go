@@ -121,3 +121,12 @@ func (ms *modelSeries) finished(prompt, completion, cached int, finish string, e
 // as vLLM's engine finishes one its client aborted: under
 // finished_reason="abort".
 func (ms *modelSeries) aborted() { ms.abort.Inc() }
+
+// unfinished records the work done for an engine request that ended
+// unfinished after its first token: vLLM counts a request's prompt in
+// vllm:prompt_tokens_total when its prefill yields that token, and each
+// token generated as it is, whether or not the request then finishes.
+func (ms *modelSeries) unfinished(prompt, generated int) {
+	ms.prompt.Add(float64(prompt))
+	ms.generation.Add(float64(generated))
+}
