@@ -81,9 +81,10 @@ type GroupRow struct {
 	Inflight            int   `json:"inflight"`
 	QueuedPrefillTokens int64 `json:"queued_prefill_tokens"`
 	QueuedLoadTokens    int64 `json:"queued_load_tokens"`
-	// Blocks and CapacityBlocks are the group's, the largest any live rank
-	// reports (each rank holds its shard of the same blocks); Bytes is the
-	// sum over the live ranks.
+	// Blocks and CapacityBlocks are the group's, the fewest any live rank
+	// reports: each rank holds its shard of the same blocks, and a block
+	// serves a load only while every rank holds it (a rank restarted empty
+	// leaves the group none); Bytes is the sum over the live ranks.
 	Blocks         int64 `json:"blocks"`
 	Bytes          int64 `json:"bytes"`
 	CapacityBlocks int64 `json:"capacity_blocks"`
@@ -250,8 +251,11 @@ func (w *Watcher) groupRow(name string, g *groupView, asOf time.Time, poolIn, po
 		models[r.hb.Model] = true
 		draining = draining || r.hb.Draining
 		notReady = notReady || r.hb.NotReady
-		row.Blocks = max(row.Blocks, r.hb.UsedBlocks)
-		row.CapacityBlocks = max(row.CapacityBlocks, r.hb.CapacityBlocks)
+		if row.Ranks == 1 { // the first live rank
+			row.Blocks, row.CapacityBlocks = r.hb.UsedBlocks, r.hb.CapacityBlocks
+		}
+		row.Blocks = min(row.Blocks, r.hb.UsedBlocks)
+		row.CapacityBlocks = min(row.CapacityBlocks, r.hb.CapacityBlocks)
 		row.Bytes += r.hb.UsedBytes
 		if tp == 0 {
 			driverSize, driverModel = r.hb.WorldSize, r.hb.Model

@@ -467,6 +467,26 @@ func TestGroupsAsTheirRanksSayThem(t *testing.T) {
 	}
 }
 
+// TestGroupBlocksAreWhatEveryRankHolds: a group's blocks are those every
+// live rank holds (each rank holds its shard of a block; a load needs them
+// all), the fewest any rank reports, as kvbus_scheduler_group_blocks
+// counts them. A review killed one rank of a 2-rank group holding 20
+// blocks and restarted it empty: the scheduler counted 0, top showed 20
+// (the largest any rank reported).
+func TestGroupBlocksAreWhatEveryRankHolds(t *testing.T) {
+	b := startWatcher(t, top.Config{})
+	b.heartbeat(messages.Heartbeat{Group: "g1", TPRank: 0, WorldSize: 2, Model: "m", UsedBlocks: 20, CapacityBlocks: 20, UsedBytes: 20 << 20})
+	b.heartbeat(messages.Heartbeat{Group: "g1", TPRank: 1, WorldSize: 2, Model: "m", UsedBlocks: 0, CapacityBlocks: 20, UsedBytes: 0})
+	b.flush()
+	s := b.w.Snapshot(time.Now())
+	if len(s.Groups) != 1 {
+		t.Fatalf("groups %+v, want g1", s.Groups)
+	}
+	if g := s.Groups[0]; g.State != "ready" || g.Blocks != 0 || g.CapacityBlocks != 20 || g.Bytes != 20<<20 {
+		t.Errorf("g1 %+v, want ready with 0 of 20 blocks (rank 1 holds none) and 20 MiB held", g)
+	}
+}
+
 // TestGroupsOfSeveralModels: with groups of two models the screen has a
 // MODEL column (one model: none, as before), and a group whose live ranks
 // serve different models — which the schedulers refuse to place on — is a
