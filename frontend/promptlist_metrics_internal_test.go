@@ -4,6 +4,7 @@ import (
 	"context"
 	"log/slog"
 	"net/http/httptest"
+	"strings"
 	"testing"
 	"time"
 
@@ -189,4 +190,28 @@ func TestVLLMMetricsCountUnfinishedPrompts(t *testing.T) {
 				failed, got["vllm:prompt_tokens_total"], got["vllm:generation_tokens_total"])
 		}
 	}
+}
+
+// TestRequestsHelpNamesClientClosed: kvbus_frontend_requests_total counts a
+// request whose client went away as status 499, which no client is sent:
+// its help says so. A review's 2 aborted clients showed up as a 499 series
+// on /metrics and the "HTTP requests by status" panel that neither the
+// help nor the README explained.
+func TestRequestsHelpNamesClientClosed(t *testing.T) {
+	reg := prometheus.NewRegistry()
+	m := newMetrics(reg, func() float64 { return 0 })
+	m.requests.WithLabelValues(messages.EndpointCompletions, "499", "m").Inc()
+	families, err := reg.Gather()
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, f := range families {
+		if f.GetName() == "kvbus_frontend_requests_total" {
+			if help := f.GetHelp(); !strings.Contains(help, "499") || !strings.Contains(help, "went away") {
+				t.Errorf("help %q does not say what status 499 counts (a client that went away)", help)
+			}
+			return
+		}
+	}
+	t.Fatal("kvbus_frontend_requests_total not gathered")
 }
