@@ -3,8 +3,10 @@ package bus
 import (
 	"context"
 	"log/slog"
+	"strings"
 
 	"github.com/nats-io/nats.go"
+	"github.com/nats-io/nats.go/jetstream"
 )
 
 // Handler handles one message from the bus. M is *nats.Msg for core NATS
@@ -28,8 +30,49 @@ func Chain[M any](h Handler[M], mw ...Middleware[M]) Handler[M] {
 // Subscribe runs h for every message on subject, with ctx as the parent of
 // each call's context. The subscription ends when the caller unsubscribes or
 // drains the connection.
+//
+// A message the server sent out of a stream (FromStream) is dropped, and
+// logged once per subject: no kvbus role publishes one onto its subjects,
+// and the server sends them wherever a client asks, past its permissions.
 func Subscribe(ctx context.Context, nc *nats.Conn, subject string, h Handler[*nats.Msg]) (*nats.Subscription, error) {
-	return nc.Subscribe(subject, func(m *nats.Msg) { _ = h(ctx, m) })
+	return nc.Subscribe(subject, func(m *nats.Msg) {
+		if stream, ok := FromStream(m); ok {
+			if echoes.first(m.Subject) {
+				slog.WarnContext(ctx, "bus: dropped a message the server sent out of a stream onto a kvbus subject; "+
+					"a key allowed that stream's API forged it: rotate that role's key (kvbus auth init --force)",
+					"subject", m.Subject, "stream", stream, "reply", m.Reply)
+			}
+			return
+		}
+		_ = h(ctx, m)
+	})
+}
+
+// echoes are the subjects a stream's message was dropped on, to log each
+// once.
+var echoes = onceSet{seen: map[string]struct{}{}}
+
+// FromStream reports whether the server sent m out of a JetStream stream,
+// and which (or the reply's $JS subject): a direct get's answer or a
+// republished message (a Nats-Stream header), a push consumer's delivery
+// ($JS.ACK… reply, which no client may set) or its flow control and
+// heartbeats (a Status header). The server sends those to any subject the
+// requester names — a direct get's reply, a consumer's deliver subject, a
+// stream's republish destination — without checking the requester's
+// publish permissions, so a key allowed to write and read a bucket or a
+// stream can have what it wrote published on any subject: a worker-g0 key,
+// a value of its slot in KVBUS_RANKS onto kvbus.meta.g1.<session>.
+func FromStream(m *nats.Msg) (string, bool) {
+	if s := m.Header.Get(jetstream.StreamHeader); s != "" {
+		return s, true
+	}
+	if strings.HasPrefix(m.Reply, "$JS.") {
+		return m.Reply, true
+	}
+	if m.Header.Get("Status") != "" {
+		return "status " + m.Header.Get("Status"), true
+	}
+	return "", false
 }
 
 // Wrap applies the standard middleware to a handler: errors logged and

@@ -1,0 +1,143 @@
+package auth_test
+
+import (
+	"context"
+	"path/filepath"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/nats-io/nats.go"
+	"github.com/nats-io/nats.go/jetstream"
+
+	"github.com/kvbus/kvbus/auth"
+	"github.com/kvbus/kvbus/bus"
+	"github.com/kvbus/kvbus/messages"
+)
+
+// roleConn connects with a role's key and that role's inbox prefix, as the
+// roles do.
+func roleConn(t *testing.T, url, dir string, id auth.Identity) *nats.Conn {
+	t.Helper()
+	o, err := nats.NkeyOptionFromSeed(filepath.Join(dir, id.Name()+".nk"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	nc, err := nats.Connect(url, o, nats.CustomInboxPrefix(bus.InboxPrefix(id.Role, id.Group)),
+		nats.ErrorHandler(func(*nats.Conn, *nats.Subscription, error) {}))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(nc.Close)
+	return nc
+}
+
+// TestStreamEchoesAreNotMessages: the server sends a stream's messages to
+// whatever subject the requester names (a direct get's reply, a push
+// consumer's deliver subject, a republish destination) without checking
+// its publish permissions. A worker-g0 key wrote a value into its own slot
+// of KVBUS_RANKS and had a direct get answer it on kvbus.meta.g1.<session>
+// — a ReqMeta for another group, which it may not publish; a frontend key
+// had its request republished there by updating the request log. The
+// messages still reach the subject (the raw subscription sees both), but a
+// role's handler (bus.Subscribe) drops them and runs for the scheduler's
+// real one. Before, the g1 worker's handler ran for both.
+func TestStreamEchoesAreNotMessages(t *testing.T) {
+	srv, dir := server(t)
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	s := messages.Subjects{}
+	url := srv.ClientURL()
+
+	victim := roleConn(t, url, dir, auth.Identity{Role: auth.RoleWorker, Group: "g1"})
+	var mu sync.Mutex
+	var handled []string
+	marker := make(chan struct{}, 1)
+	if _, err := bus.Subscribe(ctx, victim, s.MetaGroup("g1"), func(_ context.Context, m *nats.Msg) error {
+		mu.Lock()
+		handled = append(handled, string(m.Data))
+		mu.Unlock()
+		if string(m.Data) == "REAL" {
+			marker <- struct{}{}
+		}
+		return nil
+	}); err != nil {
+		t.Fatal(err)
+	}
+	raw, err := victim.SubscribeSync(s.MetaGroup("g1"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := victim.Flush(); err != nil {
+		t.Fatal(err)
+	}
+
+	// The forger's own slot: allowed, as --rank auto --group g0 needs.
+	w0 := roleConn(t, url, dir, auth.Identity{Role: auth.RoleWorker, Group: "g0"})
+	js, err := jetstream.New(w0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	kv, err := js.CreateKeyValue(ctx, jetstream.KeyValueConfig{Bucket: s.SlotBucket(), Storage: jetstream.MemoryStorage})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := kv.Put(ctx, "g0.9", []byte("FORGED-DIRECT-GET")); err != nil {
+		t.Fatal(err)
+	}
+	target := s.Meta("g1", "victim")
+	if err := w0.PublishMsg(&nats.Msg{Subject: "$JS.API.DIRECT.GET.KV_" + s.SlotBucket() + ".$KV." + s.SlotBucket() + ".g0.9", Reply: target}); err != nil {
+		t.Fatal(err)
+	}
+	// A frontend updates the request log to republish requests as ReqMetas.
+	fe := roleConn(t, url, dir, auth.Identity{Role: auth.RoleFrontend})
+	fjs, err := jetstream.New(fe)
+	if err != nil {
+		t.Fatal(err)
+	}
+	st, err := bus.EnsureRequestStream(ctx, fjs, bus.StreamConfig{Subjects: s, MaxAge: time.Hour, MaxBytes: 1 << 26, Replicas: 1, DuplicateWindow: time.Minute})
+	if err != nil {
+		t.Fatal(err)
+	}
+	cfg := st.CachedInfo().Config
+	cfg.RePublish = &jetstream.RePublish{Source: s.RequestAll(), Destination: strings.TrimSuffix(s.MetaAll(), ">") + ">"}
+	if _, err := fjs.UpdateStream(ctx, cfg); err != nil {
+		t.Fatalf("the frontend may update the request log (to switch an older one to discard new): %v", err)
+	}
+	if _, err := fjs.Publish(ctx, strings.TrimSuffix(s.RequestAll(), ">")+strings.TrimPrefix(target, strings.TrimSuffix(s.MetaAll(), ">")), []byte("FORGED-REPUBLISH")); err != nil {
+		t.Fatal(err)
+	}
+
+	// The attacks reached the subject...
+	want := map[string]bool{"FORGED-DIRECT-GET": true, "FORGED-REPUBLISH": true}
+	for range want {
+		m, err := raw.NextMsg(5 * time.Second)
+		if err != nil {
+			t.Fatalf("the forgeries did not reach %s (%v): the server no longer sends them, so this test shows nothing", target, err)
+		}
+		if !want[string(m.Data)] || m.Header.Get(jetstream.StreamHeader) == "" {
+			t.Fatalf("on %s: %q (stream %q), want a forgery sent out of a stream", m.Subject, m.Data, m.Header.Get(jetstream.StreamHeader))
+		}
+	}
+	// ...and then the scheduler's real ReqMeta.
+	sc := roleConn(t, url, dir, auth.Identity{Role: auth.RoleScheduler})
+	if err := sc.Publish(target, []byte("REAL")); err != nil {
+		t.Fatal(err)
+	}
+	select {
+	case <-marker:
+	case <-time.After(10 * time.Second):
+		t.Fatal("the scheduler's ReqMeta never reached the worker's handler")
+	}
+	mu.Lock()
+	defer mu.Unlock()
+	for _, d := range handled {
+		if want[d] {
+			t.Errorf("the g1 worker's handler ran for %q, which the server sent out of a stream at another key's asking", d)
+		}
+	}
+	if len(handled) == 0 || handled[len(handled)-1] != "REAL" {
+		t.Errorf("handled %q, want the scheduler's REAL last", handled)
+	}
+}
