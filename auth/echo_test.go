@@ -24,8 +24,11 @@ func roleConn(t *testing.T, url, dir string, id auth.Identity) *nats.Conn {
 	if err != nil {
 		t.Fatal(err)
 	}
-	nc, err := nats.Connect(url, o, nats.CustomInboxPrefix(bus.InboxPrefix(id.Role, id.Group)),
-		nats.ErrorHandler(func(*nats.Conn, *nats.Subscription, error) {}))
+	opts := []nats.Option{o, nats.ErrorHandler(func(*nats.Conn, *nats.Subscription, error) {})}
+	if p := bus.InboxPrefix(id.Role, id.Group); p != "" {
+		opts = append(opts, nats.CustomInboxPrefix(p))
+	}
+	nc, err := nats.Connect(url, opts...)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -139,5 +142,58 @@ func TestStreamEchoesAreNotMessages(t *testing.T) {
 	}
 	if len(handled) == 0 || handled[len(handled)-1] != "REAL" {
 		t.Errorf("handled %q, want the scheduler's REAL last", handled)
+	}
+}
+
+// TestRequestsAnsweredOnlyOnAnInbox: every role may answer the requests it
+// receives wherever their reply subject says (allow_responses; no deny list
+// limits it), so a worker-g0 key sent a g1 rank a pool read whose reply
+// was kvbus.req.<model>, and the rank's answer went into the request log
+// (and onto kvbus.kv.g1.0, kvbus.sched.plan.<id>, … likewise). A role's
+// handler (bus.Subscribe) now drops a request whose reply is no inbox; one
+// asked with an inbox, as a rank's pool client asks, is answered.
+func TestRequestsAnsweredOnlyOnAnInbox(t *testing.T) {
+	srv, dir := server(t)
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	s := messages.Subjects{}
+	url := srv.ClientURL()
+
+	admin := roleConn(t, url, dir, auth.Identity{Role: auth.RoleAdmin})
+	logged, err := admin.SubscribeSync(s.RequestAll())
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := admin.Flush(); err != nil {
+		t.Fatal(err)
+	}
+	g1 := roleConn(t, url, dir, auth.Identity{Role: auth.RoleWorker, Group: "g1"})
+	if _, err := bus.Subscribe(ctx, g1, s.PoolGroup("g1"), func(_ context.Context, m *nats.Msg) error {
+		return m.Respond([]byte("POOL-PART"))
+	}); err != nil {
+		t.Fatal(err)
+	}
+	if err := g1.Flush(); err != nil {
+		t.Fatal(err)
+	}
+	g0 := roleConn(t, url, dir, auth.Identity{Role: auth.RoleWorker, Group: "g0"})
+	if err := g0.PublishRequest(s.Pool("g1", 0), s.Request("kvbus-sim"), []byte("read")); err != nil {
+		t.Fatal(err)
+	}
+	answer, err := g0.Request(s.Pool("g1", 0), []byte("read"), 5*time.Second)
+	if err != nil || string(answer.Data) != "POOL-PART" {
+		t.Fatalf("a pool read with an inbox: %v %v, want POOL-PART", answer, err)
+	}
+	// Everything g1 published has reached the server, and admin read
+	// what the server routed it before its PONG.
+	if err := g1.Flush(); err != nil {
+		t.Fatal(err)
+	}
+	if err := admin.Flush(); err != nil {
+		t.Fatal(err)
+	}
+	if n, _, _ := logged.Pending(); n != 0 {
+		m, _ := logged.NextMsg(time.Second)
+		t.Errorf("%d message(s) on %s: %q — a g1 rank answered a worker-g0 key's pool read into the request log", n, m.Subject, m.Data)
 	}
 }

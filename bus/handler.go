@@ -34,6 +34,11 @@ func Chain[M any](h Handler[M], mw ...Middleware[M]) Handler[M] {
 // A message the server sent out of a stream (FromStream) is dropped, and
 // logged once per subject: no kvbus role publishes one onto its subjects,
 // and the server sends them wherever a client asks, past its permissions.
+// So is a request whose reply subject is no inbox (_INBOX…): every role
+// may answer the requests it receives wherever their reply says (the
+// server's allow_responses, which no deny list limits), and a worker-g0
+// key sent g1's ranks pool reads answered onto kvbus.req.<model> (into the
+// request log), kvbus.kv.g1.0 or kvbus.sched.plan.<id>.
 func Subscribe(ctx context.Context, nc *nats.Conn, subject string, h Handler[*nats.Msg]) (*nats.Subscription, error) {
 	return nc.Subscribe(subject, func(m *nats.Msg) {
 		if stream, ok := FromStream(m); ok {
@@ -44,9 +49,21 @@ func Subscribe(ctx context.Context, nc *nats.Conn, subject string, h Handler[*na
 			}
 			return
 		}
+		if m.Reply != "" && !strings.HasPrefix(m.Reply, inboxRoot) {
+			if offInbox.first(m.Subject) {
+				slog.WarnContext(ctx, "bus: dropped a request whose answer would go onto "+m.Reply+", not a reply inbox; "+
+					"a key that may publish to "+m.Subject+" sent it: rotate that role's key (kvbus auth init --force)",
+					"subject", m.Subject, "reply", m.Reply)
+			}
+			return
+		}
 		_ = h(ctx, m)
 	})
 }
+
+// offInbox are the subjects a request answered off an inbox was dropped
+// on, to log each once.
+var offInbox = onceSet{seen: map[string]struct{}{}}
 
 // echoes are the subjects a stream's message was dropped on, to log each
 // once.

@@ -18,6 +18,8 @@ package bus
 // only _INBOX_worker_g.g.>, which no other group's inbox starts with (the
 // group is a whole subject token).
 const (
+	// inboxRoot starts every role's inbox prefix and nats.go's own.
+	inboxRoot        = "_INBOX"
 	inboxFrontend    = "_INBOX_frontend"
 	inboxScheduler   = "_INBOX_scheduler"
 	inboxWorkerAny   = "_INBOX_worker"
