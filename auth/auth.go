@@ -119,8 +119,12 @@ func For(s messages.Subjects, id Identity) (Permissions, error) {
 	switch id.Role {
 	case RoleFrontend:
 		return Permissions{
+			// No UPDATE of the request log: a frontend key could add
+			// kvbus.meta.> to its subjects with a republish onto
+			// kvbus.out.<g> and read every ReqMeta. A scheduler switches
+			// an older log to discard new (bus.EnsureRequestStream).
 			Publish: slices.Concat([]string{s.RequestAll(), s.Abort(), s.Resend(), jsAPI + "INFO"},
-				streamAPI(requestStream, "INFO", "CREATE", "UPDATE"),
+				streamAPI(requestStream, "INFO", "CREATE"),
 				[]string{jsAPI + "CONSUMER.INFO." + requestStream + "." + schedulerConsumer,
 					jsAPI + "CONSUMER.CREATE." + requestStream + "." + schedulerConsumer,
 					jsAPI + "CONSUMER.CREATE." + requestStream + "." + schedulerConsumer + ".>",

@@ -139,6 +139,10 @@ func TestPermissionMatrix(t *testing.T) {
 		{"frontend", pub, "$JS.API.STREAM.MSG.GET.KVBUS_REQUESTS", false},
 		{"frontend", pub, "$JS.API.CONSUMER.CREATE.KVBUS_REQUESTS.mine", false},
 		{"frontend", pub, "$JS.API.STREAM.DELETE.KVBUS_REQUESTS", false},
+		// An update could make the log republish ReqMetas where it reads.
+		{"frontend", pub, "$JS.API.STREAM.UPDATE.KVBUS_REQUESTS", false},
+		{"frontend", pub, "$JS.API.STREAM.CREATE.KVBUS_REQUESTS", true},
+		{"scheduler", pub, "$JS.API.STREAM.UPDATE.KVBUS_REQUESTS", true},
 		// A scheduler places; it does not speak for ranks.
 		{"scheduler", pub, "kvbus.kv.g0.0", false},
 		{"scheduler", pub, "kvbus.hb.g0.0", false},

@@ -2,6 +2,7 @@ package auth_test
 
 import (
 	"context"
+	"errors"
 	"path/filepath"
 	"strings"
 	"sync"
@@ -41,8 +42,10 @@ func roleConn(t *testing.T, url, dir string, id auth.Identity) *nats.Conn {
 // consumer's deliver subject, a republish destination) without checking
 // its publish permissions. A worker-g0 key wrote a value into its own slot
 // of KVBUS_RANKS and had a direct get answer it on kvbus.meta.g1.<session>
-// — a ReqMeta for another group, which it may not publish; a frontend key
-// had its request republished there by updating the request log. The
+// — a ReqMeta for another group, which it may not publish; a frontend
+// key had its request republished there by updating the request log (it
+// may no longer: TestFrontendCannotUpdateTheRequestLog; here the
+// scheduler's key, which still may, does it). The
 // messages still reach the subject (the raw subscription sees both), but a
 // role's handler (bus.Subscribe) drops them and runs for the scheduler's
 // real one. Before, the g1 worker's handler ran for both.
@@ -93,22 +96,24 @@ func TestStreamEchoesAreNotMessages(t *testing.T) {
 	if err := w0.PublishMsg(&nats.Msg{Subject: "$JS.API.DIRECT.GET.KV_" + s.SlotBucket() + ".$KV." + s.SlotBucket() + ".g0.9", Reply: target}); err != nil {
 		t.Fatal(err)
 	}
-	// A frontend updates the request log to republish requests as ReqMetas.
-	fe := roleConn(t, url, dir, auth.Identity{Role: auth.RoleFrontend})
-	fjs, err := jetstream.New(fe)
+	// A key that may update the request log (a scheduler's) has it
+	// republish a request as a ReqMeta.
+	sc := roleConn(t, url, dir, auth.Identity{Role: auth.RoleScheduler})
+	sjs, err := jetstream.New(sc)
 	if err != nil {
 		t.Fatal(err)
 	}
-	st, err := bus.EnsureRequestStream(ctx, fjs, bus.StreamConfig{Subjects: s, MaxAge: time.Hour, MaxBytes: 1 << 26, Replicas: 1, DuplicateWindow: time.Minute})
+	st, err := bus.EnsureRequestStream(ctx, sjs, bus.StreamConfig{Subjects: s, MaxAge: time.Hour, MaxBytes: 1 << 26, Replicas: 1, DuplicateWindow: time.Minute})
 	if err != nil {
 		t.Fatal(err)
 	}
 	cfg := st.CachedInfo().Config
-	cfg.RePublish = &jetstream.RePublish{Source: s.RequestAll(), Destination: strings.TrimSuffix(s.MetaAll(), ">") + ">"}
-	if _, err := fjs.UpdateStream(ctx, cfg); err != nil {
-		t.Fatalf("the frontend may update the request log (to switch an older one to discard new): %v", err)
+	cfg.RePublish = &jetstream.RePublish{Source: s.RequestAll(), Destination: s.MetaAll()}
+	if _, err := sjs.UpdateStream(ctx, cfg); err != nil {
+		t.Fatalf("the scheduler may update the request log (to switch an older one to discard new): %v", err)
 	}
-	if _, err := fjs.Publish(ctx, strings.TrimSuffix(s.RequestAll(), ">")+strings.TrimPrefix(target, strings.TrimSuffix(s.MetaAll(), ">")), []byte("FORGED-REPUBLISH")); err != nil {
+	fe := roleConn(t, url, dir, auth.Identity{Role: auth.RoleFrontend})
+	if err := fe.Publish(strings.TrimSuffix(s.RequestAll(), ">")+strings.TrimPrefix(target, strings.TrimSuffix(s.MetaAll(), ">")), []byte("FORGED-REPUBLISH")); err != nil {
 		t.Fatal(err)
 	}
 
@@ -124,7 +129,6 @@ func TestStreamEchoesAreNotMessages(t *testing.T) {
 		}
 	}
 	// ...and then the scheduler's real ReqMeta.
-	sc := roleConn(t, url, dir, auth.Identity{Role: auth.RoleScheduler})
 	if err := sc.Publish(target, []byte("REAL")); err != nil {
 		t.Fatal(err)
 	}
@@ -195,5 +199,61 @@ func TestRequestsAnsweredOnlyOnAnInbox(t *testing.T) {
 	if n, _, _ := logged.Pending(); n != 0 {
 		m, _ := logged.NextMsg(time.Second)
 		t.Errorf("%d message(s) on %s: %q — a g1 rank answered a worker-g0 key's pool read into the request log", n, m.Subject, m.Data)
+	}
+}
+
+// TestFrontendCannotUpdateTheRequestLog: a frontend key updated the
+// request log to log kvbus.meta.> too and republish it onto
+// kvbus.out.<group>, which it may read, and so read every ReqMeta of g1.
+// The update is now refused; the frontend still creates the log and
+// publishes requests into it.
+func TestFrontendCannotUpdateTheRequestLog(t *testing.T) {
+	srv, dir := server(t)
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	s := messages.Subjects{}
+	fe := roleConn(t, srv.ClientURL(), dir, auth.Identity{Role: auth.RoleFrontend})
+	js, err := jetstream.New(fe)
+	if err != nil {
+		t.Fatal(err)
+	}
+	st, err := bus.EnsureRequestStream(ctx, js, bus.StreamConfig{Subjects: s, MaxAge: time.Hour, MaxBytes: 1 << 26, Replicas: 1, DuplicateWindow: time.Minute})
+	if err != nil {
+		t.Fatalf("a frontend creates the request log: %v", err)
+	}
+	if _, err := js.Publish(ctx, s.Request("kvbus-sim"), []byte("request")); err != nil {
+		t.Fatalf("a frontend logs a request: %v", err)
+	}
+	cfg := st.CachedInfo().Config
+	cfg.Subjects = append(cfg.Subjects, s.MetaAll())
+	// kvbus.meta.<group>.<session> onto kvbus.out.<group>.
+	cfg.RePublish = &jetstream.RePublish{Source: strings.TrimSuffix(s.MetaGroup("*"), ">") + "*", Destination: s.Out("{{wildcard(1)}}")}
+	short, cancelShort := context.WithTimeout(ctx, 2*time.Second)
+	defer cancelShort()
+	_, updateErr := js.UpdateStream(short, cfg)
+	out, err := fe.SubscribeSync(s.Out("g1"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := fe.Flush(); err != nil {
+		t.Fatal(err)
+	}
+	sc := roleConn(t, srv.ClientURL(), dir, auth.Identity{Role: auth.RoleScheduler})
+	if err := sc.Publish(s.Meta("g1", "victim"), []byte("G1-REQMETA")); err != nil {
+		t.Fatal(err)
+	}
+	if err := sc.Flush(); err != nil {
+		t.Fatal(err)
+	}
+	if err := fe.Flush(); err != nil {
+		t.Fatal(err)
+	}
+	if m, err := out.NextMsg(500 * time.Millisecond); err == nil {
+		t.Errorf("a frontend key read g1's ReqMeta on %s: %q (update: %v)", m.Subject, m.Data, updateErr)
+	}
+	if updateErr == nil {
+		t.Errorf("a frontend key updated the request log")
+	} else if !errors.Is(updateErr, context.DeadlineExceeded) {
+		t.Errorf("update: %v, want the refused request's timeout", updateErr)
 	}
 }
