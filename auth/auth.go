@@ -119,10 +119,11 @@ func For(s messages.Subjects, id Identity) (Permissions, error) {
 	switch id.Role {
 	case RoleFrontend:
 		return Permissions{
-			// No UPDATE of the request log: a frontend key could add
-			// kvbus.meta.> to its subjects with a republish onto
-			// kvbus.out.<g> and read every ReqMeta. A scheduler switches
-			// an older log to discard new (bus.EnsureRequestStream).
+			// No UPDATE of the request log (nor for a scheduler): a
+			// frontend key could add kvbus.meta.> to its subjects with a
+			// republish onto kvbus.out.<g> and read every ReqMeta. Only
+			// admin switches an older log to discard new
+			// (bus.EnsureRequestStream says how).
 			Publish: slices.Concat([]string{s.RequestAll(), s.Abort(), s.Resend(), jsAPI + "INFO"},
 				streamAPI(requestStream, "INFO", "CREATE"),
 				[]string{jsAPI + "CONSUMER.INFO." + requestStream + "." + schedulerConsumer,
@@ -136,7 +137,10 @@ func For(s messages.Subjects, id Identity) (Permissions, error) {
 			Publish: slices.Concat([]string{s.MetaAll(), s.OutAll(), s.Abort(), s.DumpAll(), s.PlanAll(),
 				s.AnnounceRole(messages.RoleScheduler), jsAPI + "INFO"},
 				// MSG.GET: a dead replica's requests, adopted (scheduler/peers.go).
-				streamAPI(requestStream, "INFO", "CREATE", "UPDATE", "PURGE", "MSG.GET"),
+				// No UPDATE: a scheduler key could add kvbus.out.> to the
+				// log's subjects with a republish onto kvbus.sched.plan.*
+				// and read every answer.
+				streamAPI(requestStream, "INFO", "CREATE", "PURGE", "MSG.GET"),
 				[]string{jsAPI + "CONSUMER.INFO." + requestStream + "." + schedulerConsumer,
 					jsAPI + "CONSUMER.CREATE." + requestStream + "." + schedulerConsumer,
 					jsAPI + "CONSUMER.CREATE." + requestStream + "." + schedulerConsumer + ".>",

@@ -142,7 +142,9 @@ func TestPermissionMatrix(t *testing.T) {
 		// An update could make the log republish ReqMetas where it reads.
 		{"frontend", pub, "$JS.API.STREAM.UPDATE.KVBUS_REQUESTS", false},
 		{"frontend", pub, "$JS.API.STREAM.CREATE.KVBUS_REQUESTS", true},
-		{"scheduler", pub, "$JS.API.STREAM.UPDATE.KVBUS_REQUESTS", true},
+		{"scheduler", pub, "$JS.API.STREAM.UPDATE.KVBUS_REQUESTS", false},
+		{"scheduler", pub, "$JS.API.STREAM.PURGE.KVBUS_REQUESTS", true},
+		{"admin", pub, "$JS.API.STREAM.UPDATE.KVBUS_REQUESTS", true},
 		// A scheduler places; it does not speak for ranks.
 		{"scheduler", pub, "kvbus.kv.g0.0", false},
 		{"scheduler", pub, "kvbus.hb.g0.0", false},

@@ -45,7 +45,7 @@ func roleConn(t *testing.T, url, dir string, id auth.Identity) *nats.Conn {
 // — a ReqMeta for another group, which it may not publish; a frontend
 // key had its request republished there by updating the request log (it
 // may no longer: TestFrontendCannotUpdateTheRequestLog; here the
-// scheduler's key, which still may, does it). The
+// admin key, which still may, does it). The
 // messages still reach the subject (the raw subscription sees both), but a
 // role's handler (bus.Subscribe) drops them and runs for the scheduler's
 // real one. Before, the g1 worker's handler ran for both.
@@ -96,10 +96,9 @@ func TestStreamEchoesAreNotMessages(t *testing.T) {
 	if err := w0.PublishMsg(&nats.Msg{Subject: "$JS.API.DIRECT.GET.KV_" + s.SlotBucket() + ".$KV." + s.SlotBucket() + ".g0.9", Reply: target}); err != nil {
 		t.Fatal(err)
 	}
-	// A key that may update the request log (a scheduler's) has it
+	// A key that may update the request log (only admin's now) has it
 	// republish a request as a ReqMeta.
-	sc := roleConn(t, url, dir, auth.Identity{Role: auth.RoleScheduler})
-	sjs, err := jetstream.New(sc)
+	sjs, err := jetstream.New(roleConn(t, url, dir, auth.Identity{Role: auth.RoleAdmin}))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -110,7 +109,7 @@ func TestStreamEchoesAreNotMessages(t *testing.T) {
 	cfg := st.CachedInfo().Config
 	cfg.RePublish = &jetstream.RePublish{Source: s.RequestAll(), Destination: s.MetaAll()}
 	if _, err := sjs.UpdateStream(ctx, cfg); err != nil {
-		t.Fatalf("the scheduler may update the request log (to switch an older one to discard new): %v", err)
+		t.Fatalf("admin may update the request log: %v", err)
 	}
 	fe := roleConn(t, url, dir, auth.Identity{Role: auth.RoleFrontend})
 	if err := fe.Publish(strings.TrimSuffix(s.RequestAll(), ">")+strings.TrimPrefix(target, strings.TrimSuffix(s.MetaAll(), ">")), []byte("FORGED-REPUBLISH")); err != nil {
@@ -129,6 +128,7 @@ func TestStreamEchoesAreNotMessages(t *testing.T) {
 		}
 	}
 	// ...and then the scheduler's real ReqMeta.
+	sc := roleConn(t, url, dir, auth.Identity{Role: auth.RoleScheduler})
 	if err := sc.Publish(target, []byte("REAL")); err != nil {
 		t.Fatal(err)
 	}
@@ -253,6 +253,62 @@ func TestFrontendCannotUpdateTheRequestLog(t *testing.T) {
 	}
 	if updateErr == nil {
 		t.Errorf("a frontend key updated the request log")
+	} else if !errors.Is(updateErr, context.DeadlineExceeded) {
+		t.Errorf("update: %v, want the refused request's timeout", updateErr)
+	}
+}
+
+// TestSchedulerCannotUpdateTheRequestLog: a scheduler key updated the
+// request log to log kvbus.out.> too and republish it onto
+// kvbus.sched.plan.<frontend>, which it reads, and so read every answer.
+// The update is now refused (admin's alone); the scheduler still creates
+// the log, reads it through its consumer and trims it.
+func TestSchedulerCannotUpdateTheRequestLog(t *testing.T) {
+	srv, dir := server(t)
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	s := messages.Subjects{}
+	sc := roleConn(t, srv.ClientURL(), dir, auth.Identity{Role: auth.RoleScheduler})
+	js, err := jetstream.New(sc)
+	if err != nil {
+		t.Fatal(err)
+	}
+	st, err := bus.EnsureRequestStream(ctx, js, bus.StreamConfig{Subjects: s, MaxAge: time.Hour, MaxBytes: 1 << 26, Replicas: 1, DuplicateWindow: time.Minute})
+	if err != nil {
+		t.Fatalf("a scheduler creates the request log: %v", err)
+	}
+	cons, err := bus.EnsureSchedulerConsumer(ctx, st, time.Minute, 1)
+	if err != nil {
+		t.Fatalf("a scheduler creates its consumer: %v", err)
+	}
+	if _, err := bus.TrimHistory(ctx, st, cons, 1<<20); err != nil {
+		t.Fatalf("a scheduler trims the log: %v", err)
+	}
+	cfg := st.CachedInfo().Config
+	cfg.Subjects = append(cfg.Subjects, s.OutAll())
+	cfg.RePublish = &jetstream.RePublish{Source: s.OutAll(), Destination: s.Plan("{{wildcard(1)}}")}
+	short, cancelShort := context.WithTimeout(ctx, 2*time.Second)
+	defer cancelShort()
+	_, updateErr := js.UpdateStream(short, cfg)
+	plans, err := sc.SubscribeSync(s.PlanAll())
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := sc.Flush(); err != nil {
+		t.Fatal(err)
+	}
+	w := roleConn(t, srv.ClientURL(), dir, auth.Identity{Role: auth.RoleWorker, Group: "g0"})
+	if err := w.Publish(s.Out("fe-1"), []byte("ANSWER")); err != nil {
+		t.Fatal(err)
+	}
+	if err := w.Flush(); err != nil {
+		t.Fatal(err)
+	}
+	if m, err := plans.NextMsg(500 * time.Millisecond); err == nil {
+		t.Errorf("a scheduler key read an answer on %s: %q (update: %v)", m.Subject, m.Data, updateErr)
+	}
+	if updateErr == nil {
+		t.Errorf("a scheduler key updated the request log")
 	} else if !errors.Is(updateErr, context.DeadlineExceeded) {
 		t.Errorf("update: %v, want the refused request's timeout", updateErr)
 	}
