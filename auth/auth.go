@@ -124,12 +124,11 @@ func For(s messages.Subjects, id Identity) (Permissions, error) {
 			// republish onto kvbus.out.<g> and read every ReqMeta. Only
 			// admin switches an older log to discard new
 			// (bus.EnsureRequestStream says how).
+			// Nor the schedulers' consumer: its create is also its update
+			// (the action is in the body), and a frontend key could point
+			// it at no subject, or have it drop requests (MaxDeliver 1).
 			Publish: slices.Concat([]string{s.RequestAll(), s.Abort(), s.Resend(), jsAPI + "INFO"},
-				streamAPI(requestStream, "INFO", "CREATE"),
-				[]string{jsAPI + "CONSUMER.INFO." + requestStream + "." + schedulerConsumer,
-					jsAPI + "CONSUMER.CREATE." + requestStream + "." + schedulerConsumer,
-					jsAPI + "CONSUMER.CREATE." + requestStream + "." + schedulerConsumer + ".>",
-					jsAPI + "CONSUMER.DURABLE.CREATE." + requestStream + "." + schedulerConsumer}),
+				streamAPI(requestStream, "INFO", "CREATE")),
 			Subscribe: append([]string{s.OutAll(), s.AnnounceRole(messages.RoleScheduler)}, inbox...),
 		}, nil
 	case RoleScheduler:

@@ -138,6 +138,10 @@ func TestPermissionMatrix(t *testing.T) {
 		{"frontend", sub, "kvbus.req.>", false},
 		{"frontend", pub, "$JS.API.STREAM.MSG.GET.KVBUS_REQUESTS", false},
 		{"frontend", pub, "$JS.API.CONSUMER.CREATE.KVBUS_REQUESTS.mine", false},
+		// Its create is also its update: the schedulers' alone.
+		{"frontend", pub, "$JS.API.CONSUMER.CREATE.KVBUS_REQUESTS.kvbus-scheduler", false},
+		{"frontend", pub, "$JS.API.CONSUMER.DURABLE.CREATE.KVBUS_REQUESTS.kvbus-scheduler", false},
+		{"scheduler", pub, "$JS.API.CONSUMER.CREATE.KVBUS_REQUESTS.kvbus-scheduler", true},
 		{"frontend", pub, "$JS.API.STREAM.DELETE.KVBUS_REQUESTS", false},
 		// An update could make the log republish ReqMetas where it reads.
 		{"frontend", pub, "$JS.API.STREAM.UPDATE.KVBUS_REQUESTS", false},

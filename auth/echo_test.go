@@ -313,3 +313,69 @@ func TestSchedulerCannotUpdateTheRequestLog(t *testing.T) {
 		t.Errorf("update: %v, want the refused request's timeout", updateErr)
 	}
 }
+
+// TestFrontendCannotChangeTheSchedulersConsumer: a consumer's create is
+// also its update (the action is in the request's body), and a frontend
+// key, allowed to create the schedulers' consumer, pointed it at a subject
+// no request is logged on, so that no scheduler got another request. A
+// frontend key may no longer create it (the schedulers do, DeliverAll, so
+// requests logged before the first one started are not missed); it still
+// creates the log and logs requests.
+func TestFrontendCannotChangeTheSchedulersConsumer(t *testing.T) {
+	srv, dir := server(t)
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	s := messages.Subjects{}
+	fe := roleConn(t, srv.ClientURL(), dir, auth.Identity{Role: auth.RoleFrontend})
+	fjs, err := jetstream.New(fe)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := bus.EnsureRequestStream(ctx, fjs, bus.StreamConfig{Subjects: s, MaxAge: time.Hour, MaxBytes: 1 << 26, Replicas: 1, DuplicateWindow: time.Minute}); err != nil {
+		t.Fatalf("a frontend creates the request log: %v", err)
+	}
+	if _, err := fjs.Publish(ctx, s.Request("kvbus-sim"), []byte("before any scheduler")); err != nil {
+		t.Fatalf("a frontend logs a request: %v", err)
+	}
+	sjs, err := jetstream.New(roleConn(t, srv.ClientURL(), dir, auth.Identity{Role: auth.RoleScheduler}))
+	if err != nil {
+		t.Fatal(err)
+	}
+	sst, err := sjs.Stream(ctx, s.RequestStream())
+	if err != nil {
+		t.Fatal(err)
+	}
+	cons, err := bus.EnsureSchedulerConsumer(ctx, sst, time.Minute, 1)
+	if err != nil {
+		t.Fatalf("a scheduler creates its consumer: %v", err)
+	}
+	fst, err := fjs.Stream(ctx, s.RequestStream())
+	if err != nil {
+		t.Fatal(err)
+	}
+	short, cancelShort := context.WithTimeout(ctx, 2*time.Second)
+	defer cancelShort()
+	_, updateErr := fst.CreateOrUpdateConsumer(short, jetstream.ConsumerConfig{Durable: bus.SchedulerConsumer,
+		DeliverPolicy: jetstream.DeliverAllPolicy, AckPolicy: jetstream.AckExplicitPolicy, FilterSubject: s.Request("nothing")})
+	info, err := cons.Info(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if info.Config.FilterSubject != "" {
+		t.Errorf("a frontend key set the schedulers' consumer's filter to %q (update: %v)", info.Config.FilterSubject, updateErr)
+	}
+	if updateErr == nil {
+		t.Errorf("a frontend key updated the schedulers' consumer")
+	}
+	batch, err := cons.Fetch(1, jetstream.FetchMaxWait(5*time.Second))
+	if err != nil {
+		t.Fatal(err)
+	}
+	var got []string
+	for m := range batch.Messages() {
+		got = append(got, string(m.Data()))
+	}
+	if len(got) != 1 || got[0] != "before any scheduler" {
+		t.Errorf("the scheduler fetched %q, want the request logged before it started", got)
+	}
+}

@@ -317,10 +317,10 @@ func TrimHistory(ctx context.Context, st jetstream.Stream, cons jetstream.Consum
 }
 
 // EnsureSchedulerConsumer creates or updates the schedulers' durable pull
-// consumer on the request stream. Frontends call it too, so requests
-// published before the first scheduler starts are not missed (DeliverAll);
-// a scheduler answers requests whose deadline has passed with an error
-// instead of running them.
+// consumer on the request stream. Only schedulers call it (a frontend key
+// may not touch it); requests published before the first scheduler starts
+// are not missed (DeliverAll), and a scheduler answers requests whose
+// deadline has passed with an error instead of running them.
 func EnsureSchedulerConsumer(ctx context.Context, st jetstream.Stream, ackWait time.Duration, replicas int) (jetstream.Consumer, error) {
 	if ackWait <= 0 {
 		// A scheduler acks right after dispatch; if it dies, the requests it

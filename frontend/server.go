@@ -323,11 +323,10 @@ func (s *Server) Run(ctx context.Context) error {
 	}
 	setup, cancel := context.WithTimeout(ctx, 30*time.Second)
 	defer cancel()
-	st, err := bus.EnsureRequestStream(setup, s.js, s.cfg.RequestLog())
-	if err != nil {
-		return err
-	}
-	if _, err := bus.EnsureSchedulerConsumer(setup, st, 0, s.cfg.StreamReplicas); err != nil {
+	// The schedulers' consumer is theirs to make: it delivers the whole
+	// log (DeliverAll), so a request logged before the first scheduler
+	// started is not missed, and a frontend key may not touch it (auth).
+	if _, err := bus.EnsureRequestStream(setup, s.js, s.cfg.RequestLog()); err != nil {
 		return err
 	}
 	sub, err := bus.Subscribe(ctx, s.cfg.Conn, s.cfg.Subjects.Out(s.cfg.ID), bus.Wrap(s.onOutput, s.log, s.hm, "frontend_output"))
