@@ -40,6 +40,9 @@ func Chain[M any](h Handler[M], mw ...Middleware[M]) Handler[M] {
 // key sent g1's ranks pool reads answered onto kvbus.req.<model> (into the
 // request log), kvbus.kv.g1.0 or kvbus.sched.plan.<id>.
 func Subscribe(ctx context.Context, nc *nats.Conn, subject string, h Handler[*nats.Msg]) (*nats.Subscription, error) {
+	// The subjects a stream's message, or a request answered off an
+	// inbox, was dropped on, to log each once.
+	echoes, offInbox := &onceSet{seen: map[string]struct{}{}}, &onceSet{seen: map[string]struct{}{}}
 	return nc.Subscribe(subject, func(m *nats.Msg) {
 		if stream, ok := FromStream(m); ok {
 			if echoes.first(m.Subject) {
@@ -60,14 +63,6 @@ func Subscribe(ctx context.Context, nc *nats.Conn, subject string, h Handler[*na
 		_ = h(ctx, m)
 	})
 }
-
-// offInbox are the subjects a request answered off an inbox was dropped
-// on, to log each once.
-var offInbox = onceSet{seen: map[string]struct{}{}}
-
-// echoes are the subjects a stream's message was dropped on, to log each
-// once.
-var echoes = onceSet{seen: map[string]struct{}{}}
 
 // FromStream reports whether the server sent m out of a JetStream stream,
 // and which (or the reply's $JS subject): a direct get's answer or a
