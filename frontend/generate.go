@@ -49,8 +49,18 @@ type generation struct {
 	engineID, clientID []byte
 }
 
+// writeGrace is how long past a request's deadline its answer may still
+// be written: the 504 event that ends a stream at the deadline.
+const writeGrace = time.Second
+
 func (s *Server) serveGenerate(w http.ResponseWriter, r *http.Request, endpoint string) {
 	start := time.Now()
+	// Writing the answer ends with the request: a client that stops reading
+	// (its socket full) fails the write a second after the deadline, time
+	// for the deadline's 504 event. Without it the handler stayed blocked in
+	// its write for as long as the client kept the connection, holding its
+	// --max-inflight slot and every output queued for it.
+	_ = http.NewResponseController(w).SetWriteDeadline(start.Add(s.cfg.RequestTimeout + writeGrace)) // not every ResponseWriter can
 	// The model label is a served model's name, or "": a client's unknown
 	// names must not make series without bound.
 	var model string
