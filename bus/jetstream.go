@@ -40,6 +40,16 @@ const jsErrStreamStoreFailed jetstream.ErrorCode = 10077
 // code: the server refuses a stream's configuration.
 const jsErrStreamInvalidConfig jetstream.ErrorCode = 10052
 
+// jsErrStorageResources and jsErrMemoryResources are nats-server's
+// JSStorageResourcesExceededErr and JSMemoryResourcesExceededErr codes: a
+// stream (or bucket) whose MaxBytes the server cannot reserve, its
+// JetStream storage (by default from the free space of its store
+// directory at start) or memory being smaller. No retry changes that.
+const (
+	jsErrStorageResources jetstream.ErrorCode = 10047
+	jsErrMemoryResources  jetstream.ErrorCode = 10028
+)
+
 // ErrStreamConfig is wrapped when a request log's limits are invalid.
 var ErrStreamConfig = errors.New("bus: invalid request log configuration")
 
@@ -156,7 +166,8 @@ const jsErrReplicasNotSupported jetstream.ErrorCode = 10074
 // server).
 func permanent(err error) bool {
 	var apiErr *jetstream.APIError
-	return errors.As(err, &apiErr) && (apiErr.ErrorCode == jsErrStreamInvalidConfig || apiErr.ErrorCode == jsErrReplicasNotSupported)
+	return errors.As(err, &apiErr) && (apiErr.ErrorCode == jsErrStreamInvalidConfig || apiErr.ErrorCode == jsErrReplicasNotSupported ||
+		apiErr.ErrorCode == jsErrStorageResources || apiErr.ErrorCode == jsErrMemoryResources)
 }
 
 // JetStreamNames are the names of a deployment's request log and buckets.
@@ -247,6 +258,11 @@ func ensureStream(ctx context.Context, js jetstream.JetStream, cfg StreamConfig)
 			return nil, fmt.Errorf("%w: create stream %s: %w: the server refused %s; %s", ErrPermission, name, err, subject, jetStreamAdvice)
 		}
 		var apiErr *jetstream.APIError
+		if errors.As(err, &apiErr) && apiErr.ErrorCode == jsErrStorageResources {
+			return nil, fmt.Errorf("bus: create stream %s of %d bytes (--request-log-max-bytes): %w: the NATS server's JetStream "+
+				"storage is smaller (by default what its store directory had free when it started); give `kvbus nats` a --data-dir "+
+				"with more free space and restart it, or lower --request-log-max-bytes on the role that creates the log", name, cfg.MaxBytes, err)
+		}
 		if errors.As(err, &apiErr) {
 			return nil, fmt.Errorf("bus: create stream %s: %w", name, err) // the server answered: it says why
 		}

@@ -5,6 +5,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"strings"
 	"testing"
 	"time"
 
@@ -220,5 +221,30 @@ func TestDiscardOldStreamIsSwitchedToDiscardNew(t *testing.T) {
 	defer cancel()
 	if _, err := bus.EnsureRequestStream(ctx2, js, bus.StreamConfig{}); err != nil {
 		t.Fatal(err)
+	}
+}
+
+// TestRequestLogLargerThanTheServerFailsSayingSo: a request log whose cap
+// the server cannot reserve (its JetStream storage, by default from the
+// free space of its store directory, is smaller: a 1 GiB log on a NATS
+// volume with less than that free) fails at once, naming the flag and what
+// to do. Before, the role retried forever without a word: `kvbus frontend`
+// and `kvbus scheduler` hung at start against `kvbus nats` on a 20 MB
+// volume, each retry an API error in the server's count.
+func TestRequestLogLargerThanTheServerFailsSayingSo(t *testing.T) {
+	js := newJS(t)
+	ctx, cancel := context.WithTimeout(t.Context(), 30*time.Second)
+	defer cancel()
+	_, err := bus.EnsureRequestStream(ctx, js, bus.StreamConfig{MaxBytes: 1 << 55}) // 32 PiB: more than any disk
+	if ctx.Err() != nil {
+		t.Fatalf("EnsureRequestStream retried until its context ended: %v", err)
+	}
+	if err == nil {
+		t.Fatal("a 32 PiB request log was created")
+	}
+	for _, want := range []string{"--request-log-max-bytes", "--data-dir", "insufficient storage"} {
+		if !strings.Contains(err.Error(), want) {
+			t.Fatalf("error %q does not say %q", err, want)
+		}
 	}
 }
