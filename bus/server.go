@@ -93,6 +93,11 @@ type Server struct {
 	cfg    ServerConfig
 	base   server.Options
 	logger *slog.Logger
+	// storeDir is the JetStream store's directory (--data-dir), watched
+	// for write errors (watchStore) until stopStore is closed.
+	storeDir  string
+	stopStore chan struct{}
+	storeDone chan struct{}
 }
 
 // StartServer starts an embedded nats-server with JetStream and waits until
@@ -199,6 +204,11 @@ func StartServer(cfg ServerConfig) (*Server, error) {
 	// joining, JetStream leaders, slow consumers) are logged at info.
 	s.log.quiet.Store(false)
 	s.Server = ns
+	s.storeDir, s.stopStore, s.storeDone = dir, make(chan struct{}), make(chan struct{})
+	go func() {
+		defer close(s.storeDone)
+		s.watchStore(s.stopStore)
+	}()
 	return s, nil
 }
 
@@ -361,6 +371,11 @@ func (s *Server) Shutdown() { s.stop(true) }
 func (s *Server) stop(now bool) {
 	if s.log != nil && now {
 		s.log.quiet.Store(true) // the shutdown's steps
+	}
+	if s.stopStore != nil {
+		close(s.stopStore)
+		<-s.storeDone
+		s.stopStore = nil
 	}
 	if s.Server != nil {
 		if now {

@@ -262,10 +262,12 @@ func (s *Server) generate(w http.ResponseWriter, r *http.Request, endpoint strin
 			}
 			if errors.Is(err, bus.ErrLogFull) {
 				return fail(&APIError{Status: http.StatusServiceUnavailable, Type: typeUnavailable, Code: "request_log_full", RetryAfter: logFullRetryAfter,
-					Message: "the request log is full of requests no scheduler has dispatched yet; retry later. " +
-						"Operator: add schedulers, or raise --request-log-max-bytes (applies when the log is created)"})
+					Message: "the request log is full; retry later. Operator: it holds the requests waiting for a scheduler and the dispatched " +
+						"history the schedulers trim every few seconds to --request-log-history-bytes: add schedulers if requests wait, " +
+						"or raise --request-log-max-bytes (applies when the log is created)"})
 			}
-			msg := "the request log is unavailable; retry shortly"
+			msg := "the request log did not acknowledge the request; retry shortly. " +
+				"Operator: the NATS server's log says why (a full disk under its --data-dir fails every write until it has room)"
 			if errors.Is(err, jetstream.ErrNoStreamResponse) {
 				// A server restarted without its store has no log until a
 				// scheduler makes it again (within seconds).
