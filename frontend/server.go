@@ -361,7 +361,7 @@ func (s *Server) Run(ctx context.Context) error {
 		// Go's own limit answers in plain text; kvbus checks MaxHeaderBytes
 		// itself to answer in JSON, and leaves a margin here.
 		MaxHeaderBytes: 4 * MaxHeaderBytes,
-		ErrorLog:       slog.NewLogLogger(s.log.Handler(), slog.LevelWarn),
+		ErrorLog:       httpErrorLog(s.log.Handler()),
 	}
 	// Until Run returns: requests are answered after ctx ends too.
 	watchCtx, stopWatch := context.WithCancel(context.WithoutCancel(ctx))
