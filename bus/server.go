@@ -11,6 +11,7 @@ import (
 	"path/filepath"
 	"strconv"
 	"strings"
+	"sync"
 	"syscall"
 	"time"
 
@@ -94,10 +95,13 @@ type Server struct {
 	base   server.Options
 	logger *slog.Logger
 	// storeDir is the JetStream store's directory (--data-dir), watched
-	// for write errors (watchStore) until stopStore is closed.
+	// for write errors (watchStore) until stopStore is closed, once
+	// (stopWatch): a lame duck stop and a Shutdown that cuts it short
+	// run at once.
 	storeDir  string
 	stopStore chan struct{}
 	storeDone chan struct{}
+	stopWatch sync.Once
 }
 
 // StartServer starts an embedded nats-server with JetStream and waits until
@@ -372,10 +376,9 @@ func (s *Server) stop(now bool) {
 	if s.log != nil && now {
 		s.log.quiet.Store(true) // the shutdown's steps
 	}
-	if s.stopStore != nil {
-		close(s.stopStore)
+	if s.stopStore != nil { // set before StartServer returns
+		s.stopWatch.Do(func() { close(s.stopStore) })
 		<-s.storeDone
-		s.stopStore = nil
 	}
 	if s.Server != nil {
 		if now {
