@@ -38,6 +38,11 @@ func (s *Server) watchStore(stop <-chan struct{}) {
 	t := time.NewTicker(storeCheckInterval)
 	defer t.Stop()
 	var reported, restarted time.Time
+	// down: the last restart failed (a volume out of inodes fails
+	// nats-server's check that its store takes a new file), leaving
+	// JetStream stopped or half started, with no stream to report a write
+	// error: it is tried again until one succeeds.
+	down := false
 	for {
 		select {
 		case <-stop:
@@ -45,6 +50,9 @@ func (s *Server) watchStore(stop <-chan struct{}) {
 		case <-t.C:
 		}
 		failed := s.streamWriteErrors()
+		if down {
+			failed = append(failed, "JetStream itself: its last restart failed")
+		}
 		if len(failed) == 0 {
 			if !reported.IsZero() {
 				s.logger.Info("JetStream writes its store again", "store_dir", s.storeDir)
@@ -69,8 +77,10 @@ func (s *Server) watchStore(stop <-chan struct{}) {
 			continue
 		}
 		restarted = now
-		if err := s.restartJetStream(); err != nil {
-			s.logger.Error("cannot restart JetStream after its store failed a write: restart the server", "store_dir", s.storeDir, "err", err)
+		err = s.restartJetStream()
+		if down = err != nil; down {
+			s.logger.Error("cannot restart JetStream after its store failed a write: it tries again every "+storeRestartEvery.String()+
+				" while the volume has room; make room there (free inodes too), or restart the server", "store_dir", s.storeDir, "err", err)
 			continue
 		}
 		s.logger.Warn("JetStream restarted in place after its store failed a write: the streams were read back from disk, clients stayed connected",
