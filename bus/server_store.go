@@ -43,6 +43,11 @@ func (s *Server) watchStore(stop <-chan struct{}) {
 	// JetStream stopped or half started, with no stream to report a write
 	// error: it is tried again until one succeeds.
 	down := false
+	// limits is JetStream's configuration before its first restart: its
+	// storage limit (by default three quarters of what the store's volume
+	// had free at start, plus what the streams held), which a restart
+	// keeps rather than take a new one from the room freed.
+	var limits *server.JetStreamConfig
 	for {
 		select {
 		case <-stop:
@@ -77,7 +82,10 @@ func (s *Server) watchStore(stop <-chan struct{}) {
 			continue
 		}
 		restarted = now
-		err = s.restartJetStream()
+		if limits == nil {
+			limits = s.JetStreamConfig()
+		}
+		err = s.restartJetStream(limits)
 		if down = err != nil; down {
 			s.logger.Error("cannot restart JetStream after its store failed a write: it tries again every "+storeRestartEvery.String()+
 				" while the volume has room; make room there (free inodes too), or restart the server", "store_dir", s.storeDir, "err", err)
@@ -102,14 +110,24 @@ func (s *Server) streamWriteErrors() []string {
 }
 
 // restartJetStream stops JetStream and starts it again on the same store
-// as at start (nats-server's own configuration of it).
-func (s *Server) restartJetStream() error {
+// as at start, with the configuration it ran with (limits; nil:
+// nats-server's own, from the room the volume has now). A limit taken
+// from the room just freed on a full volume is below what the streams
+// hold, and the server then refuses every publish as insufficient
+// resources.
+func (s *Server) restartJetStream(limits *server.JetStreamConfig) error {
 	if err := s.ShutdownJetStream(); err != nil {
 		return fmt.Errorf("stop JetStream: %w", err)
 	}
+	cfg := server.JetStreamConfig{Strict: true, CompressOK: true}
+	if limits != nil {
+		cfg = *limits
+	}
+	// EnableJetStream adds its own directory (jetstream) to StoreDir.
+	cfg.StoreDir = s.base.StoreDir
 	s.log.quiet.Store(true) // its banner, as at start
 	defer s.log.quiet.Store(false)
-	return s.EnableJetStream(&server.JetStreamConfig{StoreDir: s.base.StoreDir, Strict: true, CompressOK: true})
+	return s.EnableJetStream(&cfg)
 }
 
 // volumeSpace returns the bytes free (to an unprivileged writer) and in all
