@@ -49,8 +49,9 @@ var (
 	ErrConfig = errors.New("auth: bad configuration")
 )
 
-// schedulerConsumer is the durable consumer of the request log the roles
-// use; the stream and buckets are named by the subject prefix.
+// schedulerConsumer is the schedulers' durable consumer of the request log
+// (only they may make it); the stream and buckets are named by the subject
+// prefix.
 const schedulerConsumer = bus.SchedulerConsumer
 
 // Permissions are a role's allow-lists; what is not listed is denied.
