@@ -4,6 +4,7 @@ import (
 	"context"
 	"log/slog"
 	"strings"
+	"sync/atomic"
 
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
@@ -32,7 +33,7 @@ func Chain[M any](h Handler[M], mw ...Middleware[M]) Handler[M] {
 // drains the connection.
 //
 // A message the server sent out of a stream (FromStream) is dropped, and
-// logged once per subject: no kvbus role publishes one onto its subjects,
+// logged once per subscription: no kvbus role publishes one onto its subjects,
 // and the server sends them wherever a client asks, past its permissions.
 // So is a request whose reply subject is no inbox (_INBOX…): every role
 // may answer the requests it receives wherever their reply says (the
@@ -40,12 +41,13 @@ func Chain[M any](h Handler[M], mw ...Middleware[M]) Handler[M] {
 // key sent g1's ranks pool reads answered onto kvbus.req.<model> (into the
 // request log), kvbus.kv.g1.0 or kvbus.sched.plan.<id>.
 func Subscribe(ctx context.Context, nc *nats.Conn, subject string, h Handler[*nats.Msg]) (*nats.Subscription, error) {
-	// The subjects a stream's message, or a request answered off an
-	// inbox, was dropped on, to log each once.
-	echoes, offInbox := &onceSet{seen: map[string]struct{}{}}, &onceSet{seen: map[string]struct{}{}}
+	// Whether a stream's message, or a request answered off an inbox, was
+	// dropped: each is logged once per subscription (forged subjects are
+	// without number).
+	var echoed, offInbox atomic.Bool
 	return nc.Subscribe(subject, func(m *nats.Msg) {
 		if stream, ok := FromStream(m); ok {
-			if echoes.first(m.Subject) {
+			if echoed.CompareAndSwap(false, true) {
 				slog.WarnContext(ctx, "bus: dropped a message the server sent out of a stream onto a kvbus subject; "+
 					"a key allowed that stream's API forged it: rotate that role's key (kvbus auth init --force)",
 					"subject", m.Subject, "stream", stream, "reply", m.Reply)
@@ -53,7 +55,7 @@ func Subscribe(ctx context.Context, nc *nats.Conn, subject string, h Handler[*na
 			return
 		}
 		if m.Reply != "" && !strings.HasPrefix(m.Reply, inboxRoot) {
-			if offInbox.first(m.Subject) {
+			if offInbox.CompareAndSwap(false, true) {
 				slog.WarnContext(ctx, "bus: dropped a request whose answer would go onto "+m.Reply+", not a reply inbox; "+
 					"a key that may publish to "+m.Subject+" sent it: rotate that role's key (kvbus auth init --force)",
 					"subject", m.Subject, "reply", m.Reply)
