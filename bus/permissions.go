@@ -33,6 +33,14 @@ type RoleCheck struct {
 	// refused, the error names the first. Its reply inbox (nc.NewInbox) is
 	// checked too.
 	Subscribe []string
+	// Newer are subjects of Subscribe that the nats-auth.conf of an
+	// earlier `kvbus auth init` does not allow (a worker's
+	// kvbus.drain.<g>, since 2026-12-06), listed last in Subscribe: one of
+	// them refused while the others passed means the key is the role's
+	// and the server's configuration is older than the role (a rolling
+	// upgrade that started this role before rewriting it), not that the
+	// key is another role's.
+	Newer []string
 }
 
 // permissionCheckTimeout bounds CheckPermissions' flush.
@@ -109,6 +117,14 @@ func CheckPermissions(ctx context.Context, nc *nats.Conn, c RoleCheck) error {
 			"(%s.>). Run `kvbus auth init DIR` again (it keeps the keys and rewrites nats-auth.conf), then reload NATS "+
 			"(kill -HUP the kvbus nats process, make reload-nats in compose, or nats-server --signal reload); with your own NATS users, allow this one to subscribe to %s.>",
 			ErrPermission, roleName(c), subject, nats.ErrPermissionViolation, prefix, prefix)
+	}
+	if slices.Contains(c.Newer, subject) {
+		return fmt.Errorf("%w: the server refused to let the %s subscribe to %s (%w), and allowed its other subjects: its key is "+
+			"right, but the server's nats-auth.conf was written by an earlier `kvbus auth init`, before kvbus used %s. Run `kvbus auth "+
+			"init DIR` again (it keeps the keys and rewrites nats-auth.conf), then reload NATS (kill -HUP the kvbus nats process, make "+
+			"reload-nats in compose, or nats-server --signal reload), and start this role again; upgrading, do that once the frontends "+
+			"run this kvbus, before the schedulers and workers do. With your own NATS users, allow this one to subscribe to %s",
+			ErrPermission, roleName(c), subject, nats.ErrPermissionViolation, subject, subject)
 	}
 	what := subject
 	return fmt.Errorf("%w: the server refused to let the %s subscribe to %s (%w): its NATS key is another role's (or "+

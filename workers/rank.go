@@ -309,6 +309,11 @@ func (r *Rank) Run(ctx context.Context) error {
 		subs = append(subs, sub)
 		check.Subscribe = append(check.Subscribe, h.subject)
 	}
+	if r.cfg.DrainHandoff > 0 {
+		// Last in serving: refused alone, the server's nats-auth.conf
+		// predates it (the plan was on kvbus.pool.<g>.drain).
+		check.Newer = []string{subj.Drain(r.cfg.Group)}
+	}
 	metaSub, abortSub := subs[0], subs[1]
 	// Another role's key, or another group's, is refused these subjects: say
 	// so now, naming the key to give, rather than run without ever getting
