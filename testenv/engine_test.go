@@ -189,22 +189,15 @@ func TestEngineKVEventsSteerPlacement(t *testing.T) {
 		if e != 1 {
 			t.Fatalf("request %d went to engine %d; engine 1 holds its prefix", i, e)
 		}
-		var r struct {
-			Usage struct {
-				PromptTokens        int `json:"prompt_tokens"`
-				PromptTokensDetails struct {
-					CachedTokens int `json:"cached_tokens"`
-				} `json:"prompt_tokens_details"`
-			} `json:"usage"`
-		}
-		if err := json.Unmarshal(body, &r); err != nil {
-			t.Fatal(err)
+		u, ok := answerOf{status, body}.usage()
+		if !ok {
+			t.Fatalf("request %d: no usage in %s", i, body)
 		}
 		// The shared part is the system prompt: all of its full blocks.
 		shared := engines[1].CachedPrefix(got.PromptTokens)
-		if r.Usage.PromptTokensDetails.CachedTokens < shared || shared < r.Usage.PromptTokens*8/10 {
+		if u.Details.CachedTokens < shared || shared < u.PromptTokens*8/10 {
 			t.Errorf("request %d: %d of %d prompt tokens cached, want the %d-token shared prefix (>= 80%%)", i,
-				r.Usage.PromptTokensDetails.CachedTokens, r.Usage.PromptTokens, shared)
+				u.Details.CachedTokens, u.PromptTokens, shared)
 		}
 	}
 }
@@ -1217,18 +1210,11 @@ func TestEngineCacheSaltSharesNoBlocks(t *testing.T) {
 		if status != http.StatusOK {
 			t.Fatalf("salt %q: status %d: %s", salt, status, raw)
 		}
-		var r struct {
-			Usage struct {
-				PromptTokens        int `json:"prompt_tokens"`
-				PromptTokensDetails struct {
-					CachedTokens int `json:"cached_tokens"`
-				} `json:"prompt_tokens_details"`
-			} `json:"usage"`
+		u, ok := answerOf{status, raw}.usage()
+		if !ok {
+			t.Fatalf("salt %q: no usage in %s", salt, raw)
 		}
-		if err := json.Unmarshal(raw, &r); err != nil {
-			t.Fatal(err)
-		}
-		return metaOf(t, metas, hdr.Get("X-Request-Id")).LoadSpec.KVPoolCachedTokens, r.Usage.PromptTokens, r.Usage.PromptTokensDetails.CachedTokens
+		return metaOf(t, metas, hdr.Get("X-Request-Id")).LoadSpec.KVPoolCachedTokens, u.PromptTokens, u.Details.CachedTokens
 	}
 	send("") // the unsalted prompt, cached by the engine and indexed from its events
 	testenv.Eventually(t, 10*time.Second, "the engine's KV events reach the index", func() bool {

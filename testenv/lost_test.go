@@ -291,6 +291,7 @@ func sendAsync(t *testing.T, url, body string, headers map[string]string) <-chan
 
 // answerUsage is a non-streamed chat answer's usage.
 type answerUsage struct {
+	PromptTokens     int `json:"prompt_tokens"`
 	CompletionTokens int `json:"completion_tokens"`
 	Details          struct {
 		CachedTokens int `json:"cached_tokens"`
