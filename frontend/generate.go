@@ -89,6 +89,14 @@ func (s *Server) generate(w http.ResponseWriter, r *http.Request, endpoint strin
 	} else {
 		h.Set("X-Request-Id", busBase)
 	}
+	// The body is read before the request takes a --max-inflight slot: as
+	// many clients as slots that stall mid-body would otherwise refuse
+	// every other client a 429 for --read-body-timeout. A body being read
+	// holds only the bytes sent so far, at most --max-body-bytes.
+	body, apiErr := readBody(w, r, s.cfg.MaxBodyBytes, s.cfg.ReadBodyTimeout)
+	if apiErr != nil {
+		return fail(apiErr)
+	}
 	if n := s.active.Add(1); s.cfg.MaxInflight > 0 && n > int64(s.cfg.MaxInflight) {
 		s.active.Add(-1)
 		return fail(&APIError{Status: http.StatusTooManyRequests, Type: typeRateLimit, Code: "overloaded", RetryAfter: 1,
@@ -118,10 +126,6 @@ func (s *Server) generate(w http.ResponseWriter, r *http.Request, endpoint strin
 		// Nothing would dispatch the request: say so now, not at the timeout.
 		return fail(&APIError{Status: http.StatusServiceUnavailable, Type: typeUnavailable, Code: "no_ready_scheduler", RetryAfter: 1,
 			Message: why + "; retry shortly"})
-	}
-	body, apiErr := readBody(w, r, s.cfg.MaxBodyBytes, s.cfg.ReadBodyTimeout)
-	if apiErr != nil {
-		return fail(apiErr)
 	}
 	var p *parsedRequest
 	opts := parseOptions{passthrough: s.cfg.Passthrough, vocab: s.tok.VocabSize()}

@@ -99,8 +99,9 @@ type Config struct {
 	// instead of a connection reset.
 	StopTimeout time.Duration
 	// ReadBodyTimeout bounds reading a generation request's body (default
-	// 30 s): a client that stalls mid-body would otherwise hold one of
-	// MaxInflight's slots for as long as it keeps the connection open.
+	// 30 s): a client that stalls mid-body would otherwise hold its
+	// connection and handler for as long as it keeps the connection open.
+	// A body being read takes no MaxInflight slot.
 	ReadBodyTimeout time.Duration
 	// LostOutputWait: a request in flight when the frontend reconnects to
 	// NATS that hears no output within it may have lost its answer on the

@@ -85,8 +85,8 @@ func TestSlowHeaderClient(t *testing.T) {
 }
 
 // TestSlowBodyClient: a client that sends its headers and part of a body,
-// then stalls, is answered 408 after ReadBodyTimeout and its in-flight
-// slot freed: with --max-inflight 1 the next request is taken.
+// then stalls, is answered 408 after ReadBodyTimeout; with --max-inflight 1
+// the next request is taken.
 func TestSlowBodyClient(t *testing.T) {
 	const bodyTimeout = 300 * time.Millisecond
 	fe := startFrontend(t, func(c *frontend.Config) { c.ReadBodyTimeout, c.MaxInflight = bodyTimeout, 1 })
@@ -115,5 +115,39 @@ func TestSlowBodyClient(t *testing.T) {
 	status, _, body := send(t, http.MethodPost, fe.url+"/v1/chat/completions", `{"messages":[]}`, map[string]string{"Content-Type": "application/json"})
 	if status != http.StatusBadRequest {
 		t.Fatalf("the next request: %d %.200s, want 400", status, body)
+	}
+}
+
+// TestSlowBodyHoldsNoSlot: a client stalled mid-body holds no --max-inflight
+// slot while its body is read: with --max-inflight 1 another client's
+// request is judged at once (a 400 for its empty messages), not refused
+// with a 429 for as long as --read-body-timeout runs.
+func TestSlowBodyHoldsNoSlot(t *testing.T) {
+	fe := startFrontend(t, func(c *frontend.Config) { c.ReadBodyTimeout, c.MaxInflight = time.Minute, 1 })
+	conn, err := net.Dial("tcp", strings.TrimPrefix(fe.url, "http://"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close()
+	// Expect: 100-continue: net/http answers "100 Continue" when the
+	// handler first reads the body, so the client knows its request is in
+	// the handler before it stalls.
+	if _, err := conn.Write([]byte("POST /v1/chat/completions HTTP/1.1\r\nHost: kvbus\r\nContent-Type: application/json\r\n" +
+		"Expect: 100-continue\r\nContent-Length: 1000\r\n\r\n")); err != nil {
+		t.Fatal(err)
+	}
+	if err := conn.SetReadDeadline(time.Now().Add(5 * time.Second)); err != nil {
+		t.Fatal(err)
+	}
+	line, err := bufio.NewReader(conn).ReadString('\n')
+	if err != nil || !strings.Contains(line, "100 Continue") {
+		t.Fatalf("the stalled request's handler never read its body: %q %v", line, err)
+	}
+	if _, err := conn.Write([]byte(`{"messages":`)); err != nil {
+		t.Fatal(err)
+	}
+	status, _, body := send(t, http.MethodPost, fe.url+"/v1/chat/completions", `{"messages":[]}`, map[string]string{"Content-Type": "application/json"})
+	if status != http.StatusBadRequest {
+		t.Fatalf("a request while another's body stalls: %d %.200s, want 400 (429: the stalled body holds the only slot)", status, body)
 	}
 }
