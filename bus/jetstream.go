@@ -208,7 +208,7 @@ func ensureStream(ctx context.Context, js jetstream.JetStream, cfg StreamConfig)
 	// failed update is only logged, and the next process to start retries it.
 	names, err := ResolveNames(ctx, js, cfg.Subjects)
 	if err != nil {
-		if subject, ok := jetStreamRefused(js.Conn(), names.RequestStream); ok {
+		if subject, ok := jetStreamRefused(js.Conn(), names.RequestStream, "STREAM.INFO"); ok {
 			return nil, fmt.Errorf("%w: request log %s: %w: the server refused %s; %s", ErrPermission, names.RequestStream, err, subject, jetStreamAdvice)
 		}
 		return nil, fmt.Errorf("bus: request log %s: %w", names.RequestStream, err)
@@ -254,7 +254,7 @@ func ensureStream(ctx context.Context, js jetstream.JetStream, cfg StreamConfig)
 	if err != nil {
 		// A refused API request is not answered: it fails as a timeout,
 		// like a server without JetStream.
-		if subject, ok := jetStreamRefused(js.Conn(), name); ok {
+		if subject, ok := jetStreamRefused(js.Conn(), name, "STREAM.INFO", "STREAM.CREATE"); ok {
 			return nil, fmt.Errorf("%w: create stream %s: %w: the server refused %s; %s", ErrPermission, name, err, subject, jetStreamAdvice)
 		}
 		var apiErr *jetstream.APIError
@@ -404,7 +404,7 @@ func EnsurePlanStream(ctx context.Context, js jetstream.JetStream, s messages.Su
 			st, err = js.Stream(ctx, name) // another replica won the race
 		}
 		if err != nil {
-			if subject, ok := jetStreamRefused(js.Conn(), name); ok {
+			if subject, ok := jetStreamRefused(js.Conn(), name, "STREAM.INFO", "STREAM.CREATE"); ok {
 				return nil, fmt.Errorf("%w: plan stream %s: %w: the server refused %s; %s", ErrPermission, name, err, subject, jetStreamAdvice)
 			}
 			return nil, fmt.Errorf("bus: plan stream %s: %w", name, err)

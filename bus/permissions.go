@@ -190,22 +190,28 @@ func violation(err error) (kind, subject string, ok bool) {
 	return m[1], m[2], true
 }
 
-// jetStreamRefused returns the JetStream API subject of the stream name
-// that the server last refused nc to publish to, if that is nc's last error:
-// a key without the stream's JetStream permissions, whose API requests
-// go unanswered until they time out.
-func jetStreamRefused(nc *nats.Conn, name string) (string, bool) {
+// jetStreamRefused returns the JetStream API subject that the server last
+// refused nc to publish to, if that is nc's last error and names one of
+// ops ("STREAM.INFO", "STREAM.CREATE") on the stream name: a key without
+// the stream's JetStream permissions, whose API requests go unanswered
+// until they time out. Only the ops just tried count: an earlier refusal
+// stays the connection's last error (a refused STREAM.UPDATE of an older
+// DiscardOld log, which the role goes on without), and a later timeout
+// must not be reported as a permission error.
+func jetStreamRefused(nc *nats.Conn, name string, ops ...string) (string, bool) {
 	if nc == nil {
 		return "", false
 	}
 	kind, subject, ok := violation(nc.LastError())
-	if !ok || kind != "Publish" || !strings.HasPrefix(subject, "$JS.API.") {
+	if !ok || kind != "Publish" {
 		return "", false
 	}
-	if !strings.HasSuffix(subject, "."+name) && !strings.Contains(subject, "."+name+".") {
-		return "", false
+	for _, op := range ops {
+		if subject == "$JS.API."+op+"."+name {
+			return subject, true
+		}
 	}
-	return subject, true
+	return "", false
 }
 
 // jetStreamAdvice is what to do about a key refused the JetStream API.

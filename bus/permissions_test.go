@@ -146,3 +146,44 @@ func TestCheckPermissionsWithTheObserverKey(t *testing.T) {
 		t.Errorf("%d subscriptions left behind", n)
 	}
 }
+
+// TestRefusedLogUpdateIsNoLaterPermissionError: a frontend key is refused
+// switching an older DiscardOld request log (only admin may) and goes on
+// with the log as it is; that refusal stays the connection's last error,
+// and a later JetStream call that fails for another reason (here, its
+// time ran out) is that reason, not a permission error. Before, every
+// later failure on the stream was reported as ErrPermission, which the
+// roles' retries give up on.
+func TestRefusedLogUpdateIsNoLaterPermissionError(t *testing.T) {
+	srv, dir := testenv.StartKeyedNATS(t)
+	ctx := t.Context()
+	admin, err := jetstream.New(keyedConn(t, srv, dir, "admin", ""))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := admin.CreateStream(ctx, jetstream.StreamConfig{Name: messages.RequestStream, Subjects: []string{"kvbus.req.>"},
+		Storage: jetstream.FileStorage, MaxBytes: 1 << 20, Discard: jetstream.DiscardOld}); err != nil {
+		t.Fatal(err)
+	}
+	nc := keyedConn(t, srv, dir, "frontend", bus.InboxPrefix("frontend", ""))
+	js, err := jetstream.New(nc)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := bus.EnsureRequestStream(ctx, js, bus.StreamConfig{}); err != nil {
+		t.Fatalf("with the log's update refused: %v", err)
+	}
+	if err := nc.LastError(); !errors.Is(err, nats.ErrPermissionViolation) || !strings.Contains(err.Error(), "STREAM.UPDATE") {
+		t.Fatalf("the update was not refused: last error %v", err)
+	}
+	short, cancel := context.WithTimeout(ctx, time.Nanosecond)
+	defer cancel()
+	<-short.Done()
+	_, err = bus.EnsureRequestStream(short, js, bus.StreamConfig{})
+	if err == nil {
+		t.Fatal("EnsureRequestStream succeeded with its time run out")
+	}
+	if errors.Is(err, bus.ErrPermission) {
+		t.Fatalf("a call that ran out of time is reported as a permission error: %v", err)
+	}
+}
