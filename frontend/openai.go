@@ -23,7 +23,7 @@ import (
 // commonParams are the request fields shared by both endpoints.
 type commonParams struct {
 	Model            string          `json:"model"`
-	MaxTokens        optionalInt     `json:"max_tokens"`
+	MaxTokens        *wholeInt       `json:"max_tokens"`
 	MinTokens        *wholeInt       `json:"min_tokens"`
 	Temperature      *float64        `json:"temperature"`
 	TopP             *float64        `json:"top_p"`
@@ -102,29 +102,6 @@ func (n *wholeInt) UnmarshalJSON(b []byte) error {
 		return &json.UnmarshalTypeError{Value: typeErrorValue(b), Type: reflect.TypeFor[int64]()}
 	}
 	*n = wholeInt(v)
-	return nil
-}
-
-// optionalInt is an optional integer field that tells null from absent:
-// vLLM gives a completion whose max_tokens is left out its default of 16,
-// and one whose max_tokens is null the rest of the context.
-type optionalInt struct {
-	v    *wholeInt // nil: absent or null
-	null bool
-}
-
-// UnmarshalJSON implements json.Unmarshaler; encoding/json calls it for
-// null too, the field being no pointer.
-func (o *optionalInt) UnmarshalJSON(b []byte) error {
-	if string(b) == "null" {
-		o.v, o.null = nil, true
-		return nil
-	}
-	var n wholeInt
-	if err := n.UnmarshalJSON(b); err != nil {
-		return err
-	}
-	o.v, o.null = &n, false
 	return nil
 }
 
@@ -329,7 +306,7 @@ func parseCommon(c *commonParams, p *parsedRequest, o parseOptions) *APIError {
 			return badRequest(f, "%s is not supported by the sim engine, which would ignore it; leave it out, or run real engines (--engine openai), which get it as sent", f)
 		}
 	}
-	if n := c.MaxTokens.v; n != nil {
+	if n := c.MaxTokens; n != nil {
 		if *n < 1 {
 			return badRequest("max_tokens", "max_tokens must be at least 1, got %d", *n)
 		}
@@ -523,7 +500,7 @@ func parseChat(body []byte, o parseOptions) (*parsedRequest, *APIError) {
 	if req.MaxCompletionTokens != nil {
 		// vLLM reads max_tokens only without max_completion_tokens: an
 		// SDK's max_tokens 0 beside it is not the request's limit.
-		req.MaxTokens = optionalInt{}
+		req.MaxTokens = nil
 	}
 	if err := parseCommon(&req.commonParams, p, o); err != nil {
 		return p, err
@@ -608,9 +585,11 @@ func parseCompletion(body []byte, o parseOptions) (*parsedRequest, *APIError) {
 	if err := parseCommon(&req.commonParams, p, o); err != nil {
 		return p, err
 	}
-	if !p.maxTokensSet && !req.MaxTokens.null {
-		// OpenAI's and vLLM's default for completions; a null max_tokens
-		// is vLLM's rest of the context, as a chat's default (busRequest).
+	if !p.maxTokensSet {
+		// OpenAI's and vLLM's default for completions, for a max_tokens
+		// left out or null: vLLM's CompletionRequest turns null into the
+		// default (normalize_null_max_tokens, vllm-project/vllm#45491). A
+		// chat's null is the rest of the context (busRequest).
 		p.params.MaxTokens, p.maxTokensSet = 16, true
 	}
 	p.noSpecialTokens = req.AddSpecialTokens != nil && !*req.AddSpecialTokens
