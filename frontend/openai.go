@@ -307,10 +307,15 @@ func parseCommon(c *commonParams, p *parsedRequest, o parseOptions) *APIError {
 		}
 	}
 	if n := c.MaxTokens; n != nil {
-		if *n < 1 {
+		if *n == 0 && o.passthrough && p.endpoint == messages.EndpointCompletions && isTrue(c.Echo) {
+			// vLLM's echo without generation (the prompt back, with its
+			// logprobs): it computes one token it does not return.
+			sp.MaxTokens, p.maxTokensSet = 1, true
+		} else if *n < 1 {
 			return badRequest("max_tokens", "max_tokens must be at least 1, got %d", *n)
+		} else {
+			sp.MaxTokens, p.maxTokensSet = int(*n), true
 		}
-		sp.MaxTokens, p.maxTokensSet = int(*n), true
 	}
 	if c.MinTokens != nil {
 		if *c.MinTokens < 0 {
@@ -356,6 +361,11 @@ func parseCommon(c *commonParams, p *parsedRequest, o parseOptions) *APIError {
 		return badRequest("kv_transfer_params", "kv_transfer_params nests too deeply (more than 16 levels of objects and arrays)")
 	}
 	return nil
+}
+
+// isTrue reports whether a boolean field is JSON true.
+func isTrue(raw json.RawMessage) bool {
+	return string(bytes.TrimSpace(raw)) == "true"
 }
 
 // parseCacheSalt reads the body's cache_salt as vLLM does: null or absent

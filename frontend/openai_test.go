@@ -515,6 +515,45 @@ func TestParsePassthrough(t *testing.T) {
 	}
 }
 
+// TestParseEchoWithoutGeneration: with real engines, a completion with
+// echo and max_tokens 0 (score a prompt: its logprobs, nothing generated)
+// goes to the engine, as vLLM serves it (CompletionRequest's
+// echo_without_generation: the prompt back, one token computed and not
+// returned), on the bus with max_tokens 1. max_tokens 0 without echo, or
+// on a chat, stays vLLM's 400; with the sim, echo (and logprobs) is a 400
+// either way. It
+// was a 400 "max_tokens must be at least 1" that never reached the engine.
+func TestParseEchoWithoutGeneration(t *testing.T) {
+	t.Parallel()
+	pass := parseOptions{passthrough: true, vocab: testVocab}
+	for _, body := range []string{`{"prompt":"x","echo":true,"max_tokens":0,"logprobs":1}`, `{"prompt":[[1,2],[3]],"echo":true,"max_tokens":0.0}`} {
+		p, err := parseCompletion([]byte(body), pass)
+		if err != nil {
+			t.Errorf("passthrough %s: %v", body, err)
+			continue
+		}
+		if p.params.MaxTokens != 1 || !p.maxTokensSet || string(p.body) != body {
+			t.Errorf("passthrough %s: max_tokens %d (set %v), body %s; want 1 on the bus and the body as sent", body, p.params.MaxTokens, p.maxTokensSet, p.body)
+		}
+		if _, err := parseCompletion([]byte(body), parseOptions{vocab: testVocab}); err == nil || (err.Param != "echo" && err.Param != "logprobs") {
+			t.Errorf("sim %s: error %v, want a 400 naming echo or logprobs", body, err)
+		}
+	}
+	for _, tt := range []struct {
+		body  string
+		parse func([]byte, parseOptions) (*parsedRequest, *APIError)
+	}{
+		{`{"prompt":"x","max_tokens":0}`, parseCompletion},
+		{`{"prompt":"x","echo":false,"max_tokens":0}`, parseCompletion},
+		{`{"prompt":"x","echo":true,"max_tokens":-1}`, parseCompletion},
+		{`{"messages":[{"role":"user","content":"hi"}],"echo":true,"max_tokens":0}`, parseChat},
+	} {
+		if _, err := tt.parse([]byte(tt.body), pass); err == nil || err.Param != "max_tokens" {
+			t.Errorf("passthrough %s: error %v, want a 400 naming max_tokens", tt.body, err)
+		}
+	}
+}
+
 // eq reports a mismatch of one field.
 func eq[T any](t *testing.T, what string, got, want T) {
 	t.Helper()
