@@ -6,6 +6,10 @@ PKGS    ?= ./...
 # Extra flags for `kvbus serve` in `make run`, e.g. ARGS="--groups 2 --log-format json".
 ARGS    ?=
 BENCHTIME ?= 1s
+# What `kvbus --version` and the frontend's /version say: the checkout's
+# git describe (a commit, "-dirty" with uncommitted changes), else "devel".
+VERSION ?= $(shell git describe --tags --always --dirty 2>/dev/null)
+VERSION_LDFLAGS := -X main.version=$(VERSION)
 
 # The images `make image*` build are the ones the compose files run: IMAGE
 # defaults to the compose files' KVBUS_IMAGE and is exported as it (likewise
@@ -32,7 +36,7 @@ SCHEDULERS ?= 2
 .PHONY: bench-http image-prometheus check-prometheus up-monitoring purge build run test test-browser test-short bench lint fmt fuzz clean image image-fakeengine auth-keys up down logs smoke up-engine up-engine-monitoring down-engine top top-engine reload-nats
 
 build:
-	CGO_ENABLED=0 $(GO) build -trimpath -o $(BIN) ./cmd/kvbus
+	CGO_ENABLED=0 $(GO) build -trimpath -ldflags '$(VERSION_LDFLAGS)' -o $(BIN) ./cmd/kvbus
 
 run: build
 	./$(BIN) serve $(ARGS)
@@ -84,7 +88,7 @@ fuzz:
 image:
 	mkdir -p build/docker/empty
 	chmod 1777 build/docker/empty # /tmp and /data: writable by whichever user runs the container
-	CGO_ENABLED=0 $(GO) build -trimpath -ldflags '-s -w' -o build/docker/kvbus ./cmd/kvbus
+	CGO_ENABLED=0 $(GO) build -trimpath -ldflags '-s -w $(VERSION_LDFLAGS)' -o build/docker/kvbus ./cmd/kvbus
 	docker build -f Dockerfile -t $(IMAGE) build/docker
 
 # The fake vLLM engine image of docker-compose.engine.yml (a test tool).

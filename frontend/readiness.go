@@ -238,3 +238,9 @@ func (s *Server) serveHealth(w http.ResponseWriter, _ *http.Request) {
 func (s *Server) serveLivez(w http.ResponseWriter, _ *http.Request) {
 	writeJSON(w, http.StatusOK, map[string]string{"status": "alive"})
 }
+
+// serveVersion is vLLM's /version: {"version": …}, here kvbus's
+// (Config.Version).
+func (s *Server) serveVersion(w http.ResponseWriter, _ *http.Request) {
+	writeJSON(w, http.StatusOK, map[string]string{"version": s.cfg.Version})
+}

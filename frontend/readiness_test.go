@@ -18,7 +18,7 @@ import (
 // ready, /healthz and vLLM's /health are 503 and a request gets 503 no_ready_scheduler with
 // Retry-After at once (not a 504 after --request-timeout), and nothing is
 // published; a scheduler announcing "not ready" does not count; once one
-// announces ready, both are 200.
+// announces ready, both are 200; vLLM's /ping answers as /health.
 func TestNoReadySchedulerIsAFast503(t *testing.T) {
 	s := startStandalone(t, false, func(c *frontend.Config) { c.RequestTimeout = 30 * time.Second })
 	probe := func(step, path string, want int) {
@@ -32,7 +32,7 @@ func TestNoReadySchedulerIsAFast503(t *testing.T) {
 		if resp.StatusCode != want {
 			t.Errorf("%s: %s %d, want %d", step, path, resp.StatusCode, want)
 		}
-		if path == "/health" && len(body) != 0 {
+		if (path == "/health" || path == "/ping") && len(body) != 0 {
 			t.Errorf("%s: /health body %q, want it empty as vLLM's", step, body)
 		}
 	}
@@ -44,6 +44,7 @@ func TestNoReadySchedulerIsAFast503(t *testing.T) {
 		t.Helper()
 		probe(step, "/healthz", http.StatusServiceUnavailable)
 		probe(step, "/health", http.StatusServiceUnavailable)
+		probe(step, "/ping", http.StatusServiceUnavailable)
 		start := time.Now()
 		r := s.post(t, "/v1/chat/completions", `{"model":"kvbus-sim","messages":[{"role":"user","content":"hi"}]}`)
 		took := time.Since(start)
@@ -103,6 +104,16 @@ func TestNoReadySchedulerIsAFast503(t *testing.T) {
 		time.Sleep(20 * time.Millisecond)
 	}
 	probe("a ready scheduler", "/health", http.StatusOK)
+	probe("a ready scheduler", "/ping", http.StatusOK)
+	// vLLM's SageMaker probe is also a POST.
+	resp, err := http.Post(s.url+"/ping", "", nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	resp.Body.Close()
+	if resp.StatusCode != http.StatusOK {
+		t.Errorf("POST /ping %d, want 200", resp.StatusCode)
+	}
 }
 
 // TestNotReadyWhileNoGroupOfItsModels: a frontend is ready while a ready

@@ -49,6 +49,9 @@ type Config struct {
 	MaxModelLen int
 	// MaxBodyBytes bounds a request body (default 4 MiB).
 	MaxBodyBytes int64
+	// Version is what /version answers (vLLM's route): the binary's
+	// version; "" is "devel".
+	Version string
 	// MaxInflight bounds the generate requests served at once; more get a
 	// 429 with Retry-After (0: no bound).
 	MaxInflight int
@@ -238,6 +241,9 @@ func New(cfg Config) (*Server, error) {
 	}
 	if cfg.ReadBodyTimeout == 0 {
 		cfg.ReadBodyTimeout = 30 * time.Second
+	}
+	if cfg.Version == "" {
+		cfg.Version = "devel"
 	}
 	if cfg.ReadHeaderTimeout == 0 {
 		cfg.ReadHeaderTimeout = 10 * time.Second
@@ -471,19 +477,23 @@ func headerBytes(h http.Header) int {
 // error bodies.
 func (s *Server) routes() http.Handler {
 	type route struct {
-		method string
+		method string // GET routes answer HEAD too
 		h      http.HandlerFunc
+		also   string // a second method, or ""
 	}
 	table := map[string]route{
-		"/v1/chat/completions": {http.MethodPost, func(w http.ResponseWriter, r *http.Request) { s.serveGenerate(w, r, messages.EndpointChat) }},
-		"/v1/completions":      {http.MethodPost, func(w http.ResponseWriter, r *http.Request) { s.serveGenerate(w, r, messages.EndpointCompletions) }},
-		"/v1/models":           {http.MethodGet, s.serveModels},
-		"/tokenize":            {http.MethodPost, s.serveTokenize},
-		"/detokenize":          {http.MethodPost, s.serveDetokenize},
-		"/health":              {http.MethodGet, s.serveHealth},
-		"/healthz":             {http.MethodGet, s.serveHealthz},
-		"/livez":               {http.MethodGet, s.serveLivez},
-		"/metrics":             {http.MethodGet, promhttp.HandlerFor(s.cfg.Registry, promhttp.HandlerOpts{}).ServeHTTP},
+		"/v1/chat/completions": {method: http.MethodPost, h: func(w http.ResponseWriter, r *http.Request) { s.serveGenerate(w, r, messages.EndpointChat) }},
+		"/v1/completions":      {method: http.MethodPost, h: func(w http.ResponseWriter, r *http.Request) { s.serveGenerate(w, r, messages.EndpointCompletions) }},
+		"/v1/models":           {method: http.MethodGet, h: s.serveModels},
+		"/tokenize":            {method: http.MethodPost, h: s.serveTokenize},
+		"/detokenize":          {method: http.MethodPost, h: s.serveDetokenize},
+		"/health":              {method: http.MethodGet, h: s.serveHealth},
+		// vLLM's SageMaker probe: /health's answer, to GET and POST.
+		"/ping":    {method: http.MethodGet, h: s.serveHealth, also: http.MethodPost},
+		"/version": {method: http.MethodGet, h: s.serveVersion},
+		"/healthz": {method: http.MethodGet, h: s.serveHealthz},
+		"/livez":   {method: http.MethodGet, h: s.serveLivez},
+		"/metrics": {method: http.MethodGet, h: promhttp.HandlerFor(s.cfg.Registry, promhttp.HandlerOpts{}).ServeHTTP},
 	}
 	cors := newCORS(s.cfg.AllowedOrigins)
 	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
@@ -529,8 +539,8 @@ func (s *Server) routes() http.Handler {
 				Message: fmt.Sprintf("no route %s %s; see /v1/chat/completions, /v1/completions, /v1/models, /tokenize, /detokenize", r.Method, r.URL.Path)})
 			return
 		}
-		if r.Method != rt.method && !(rt.method == http.MethodGet && r.Method == http.MethodHead) {
-			w.Header().Set("Allow", rt.method)
+		if r.Method != rt.method && r.Method != rt.also && !(rt.method == http.MethodGet && r.Method == http.MethodHead) {
+			w.Header().Set("Allow", strings.TrimSuffix(rt.method+", "+rt.also, ", "))
 			refuse(&APIError{Status: http.StatusMethodNotAllowed, Type: typeInvalidRequest, Code: "method_not_allowed",
 				Message: fmt.Sprintf("%s does not allow %s; use %s", r.URL.Path, r.Method, rt.method)})
 			return

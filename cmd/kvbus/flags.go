@@ -165,7 +165,7 @@ func (f requestLogFlags) streamConfig() bus.StreamConfig {
 // the connection, subjects, model and logging.
 func (f frontendFlags) baseConfig(rl requestLogFlags) frontend.Config {
 	return frontend.Config{
-		Addr: f.HTTPAddr, SessionHeaders: f.SessionHeader, MaxModelLen: f.MaxModelLen, MaxBodyBytes: f.MaxBodyBytes,
+		Version: buildVersion(), Addr: f.HTTPAddr, SessionHeaders: f.SessionHeader, MaxModelLen: f.MaxModelLen, MaxBodyBytes: f.MaxBodyBytes,
 		MaxInflight: f.MaxInflight, APIKey: f.APIKey, AllowedOrigins: f.AllowedOrigins,
 		RequestLogMaxBytes: rl.RequestLogMaxBytes, RequestLogMaxAge: rl.RequestLogMaxAge, RequestLogHistoryBytes: rl.RequestLogHistoryBytes,
 		ReadHeaderTimeout: f.ReadHeaderTimeout, IdleTimeout: f.IdleTimeout, StopGrace: f.StopGrace, StopTimeout: f.StopTimeout,

@@ -22,20 +22,21 @@ import (
 )
 
 type cli struct {
-	Serve     serveCmd       `cmd:"" help:"Run everything in one process: embedded NATS, frontend, one scheduler, --groups groups of --ranks ranks."`
-	NATS      natsCmd        `cmd:"" name:"nats" help:"Run the embedded nats-server alone, with JetStream."`
-	Frontend  frontendCmd    `cmd:"" help:"Run the OpenAI-compatible HTTP frontend."`
-	Scheduler schedulerCmd   `cmd:"" help:"Run a scheduler replica."`
-	Worker    workerCmd      `cmd:"" help:"Run one rank of a worker group."`
-	Capture   captureCmd     `cmd:"" help:"Copy requests from the bus into a capture file, or summarise one."`
-	Replay    replayCmd      `cmd:"" help:"Replay a capture file or a trace (Mooncake, TraceLab, Azure) onto the bus or a frontend and report."`
-	Tap       tapCmd         `cmd:"" help:"Print bus messages live, decoded to JSON, one per line (with kvbus auth keys: the observer key)."`
-	Bench     benchCmd       `cmd:"" help:"Replay one trace on an embedded cluster per placement policy and compare them side by side."`
-	Health    healthcheckCmd `cmd:"" name:"healthcheck" help:"Exit 0 when a role's /healthz answers 200 (for container health checks)."`
-	Auth      authCmd        `cmd:"" help:"Give every role its own NATS key and only the subjects it needs (init, show, probe)."`
-	Report    reportCmd      `cmd:"" help:"Redraw the HTML plots of a JSON report (kvbus report --html out.html report.json)."`
-	Loadgen   loadgenCmd     `cmd:"" help:"Drive an OpenAI-compatible server over HTTP with concurrent clients and print req/s and latency percentiles."`
-	Top       topCmd         `cmd:"" help:"Watch the cluster live from the bus: groups, queues, cache hits, TTFT, busiest sessions (with kvbus auth keys: the observer key)."`
+	Serve     serveCmd         `cmd:"" help:"Run everything in one process: embedded NATS, frontend, one scheduler, --groups groups of --ranks ranks."`
+	NATS      natsCmd          `cmd:"" name:"nats" help:"Run the embedded nats-server alone, with JetStream."`
+	Frontend  frontendCmd      `cmd:"" help:"Run the OpenAI-compatible HTTP frontend."`
+	Scheduler schedulerCmd     `cmd:"" help:"Run a scheduler replica."`
+	Worker    workerCmd        `cmd:"" help:"Run one rank of a worker group."`
+	Capture   captureCmd       `cmd:"" help:"Copy requests from the bus into a capture file, or summarise one."`
+	Replay    replayCmd        `cmd:"" help:"Replay a capture file or a trace (Mooncake, TraceLab, Azure) onto the bus or a frontend and report."`
+	Tap       tapCmd           `cmd:"" help:"Print bus messages live, decoded to JSON, one per line (with kvbus auth keys: the observer key)."`
+	Bench     benchCmd         `cmd:"" help:"Replay one trace on an embedded cluster per placement policy and compare them side by side."`
+	Health    healthcheckCmd   `cmd:"" name:"healthcheck" help:"Exit 0 when a role's /healthz answers 200 (for container health checks)."`
+	Auth      authCmd          `cmd:"" help:"Give every role its own NATS key and only the subjects it needs (init, show, probe)."`
+	Report    reportCmd        `cmd:"" help:"Redraw the HTML plots of a JSON report (kvbus report --html out.html report.json)."`
+	Loadgen   loadgenCmd       `cmd:"" help:"Drive an OpenAI-compatible server over HTTP with concurrent clients and print req/s and latency percentiles."`
+	Version   kong.VersionFlag `env:"-" help:"Print kvbus's version and exit."`
+	Top       topCmd           `cmd:"" help:"Watch the cluster live from the bus: groups, queues, cache hits, TTFT, busiest sessions (with kvbus auth keys: the observer key)."`
 }
 
 func main() {
@@ -70,6 +71,7 @@ func main() {
 		kong.Name("kvbus"),
 		kong.Description("kvbus: an LLM-serving request pipeline over NATS that carries a conversation's session id from the OpenAI API to every KV store rank."),
 		kong.DefaultEnvars("KVBUS"),
+		kong.Vars{"version": buildVersion()},
 		kong.ShortUsageOnError(), // the full usage buried a one-line error under 80 lines
 	)
 	// SIGHUP (the terminal closed) stops a role as SIGTERM does, where

@@ -2,6 +2,7 @@ package main
 
 import (
 	"context"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"net/http"
@@ -24,11 +25,14 @@ type proc struct {
 	done chan error
 }
 
+// testVersion is the version buildBinary links in.
+const testVersion = "v0.0.0-processtest"
+
 // buildBinary builds cmd/kvbus into dir (with -race under -race).
 func buildBinary(t *testing.T, dir string) string {
 	t.Helper()
 	bin := filepath.Join(dir, "kvbus")
-	args := []string{"build", "-o", bin}
+	args := []string{"build", "-o", bin, "-ldflags", "-X main.version=" + testVersion}
 	if raceBuild {
 		args = append(args, "-race")
 	}
@@ -135,6 +139,7 @@ func TestProcessCluster(t *testing.T) {
 	}
 	base := "http://" + httpAddr
 	testenv.Eventually(t, 60*time.Second, "the frontend serving", func() bool { return healthz(base+"/livez") == http.StatusOK })
+	checkVersion(t, bin, base)
 	time.Sleep(time.Second)
 	if code := healthz(base + "/healthz"); code != http.StatusServiceUnavailable {
 		t.Errorf("/healthz %d with no worker, want 503", code)
@@ -342,5 +347,28 @@ func TestProcessWorkerHealthzWhenServing(t *testing.T) {
 		if err := p.stop(t); err != nil {
 			t.Errorf("%s exited with %v on SIGTERM", p.name, err)
 		}
+	}
+}
+
+// checkVersion: the version linked into the binary (as `make build`
+// links git describe's) is what `kvbus --version` prints and what the
+// frontend's /version (vLLM's route) answers.
+func checkVersion(t *testing.T, bin, base string) {
+	t.Helper()
+	out, err := exec.Command(bin, "--version").Output()
+	if got := strings.TrimSpace(string(out)); err != nil || got != testVersion {
+		t.Errorf("kvbus --version: %q, %v; want %s", got, err, testVersion)
+	}
+	resp, err := http.Get(base + "/version")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	var v struct{ Version string }
+	if err := json.NewDecoder(resp.Body).Decode(&v); err != nil || resp.StatusCode != http.StatusOK {
+		t.Fatalf("/version: %d, %v", resp.StatusCode, err)
+	}
+	if v.Version != testVersion {
+		t.Errorf("/version %q, want %s", v.Version, testVersion)
 	}
 }
