@@ -60,7 +60,7 @@ func newMetrics(reg prometheus.Registerer, f metricFuncs) *metrics {
 		}),
 		actual: prometheus.NewCounter(prometheus.CounterOpts{
 			Name: "kvbus_scheduler_actual_cached_tokens_total",
-			Help: "Prompt tokens the driver ranks actually loaded, over completed requests.",
+			Help: "Prompt tokens every rank of the group actually loaded (the least of its ranks': a block one rank missed is prefilled by the group), over completed requests.",
 		}),
 		promptTokens: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "kvbus_scheduler_prompt_tokens_total",
@@ -96,7 +96,7 @@ func newMetrics(reg prometheus.Registerer, f metricFuncs) *metrics {
 		}),
 		poolTokens: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "kvbus_scheduler_pool_cached_tokens_total",
-			Help: "Cached prompt tokens of completed requests, predicted by the LoadSpec and actually loaded by the driver, by where they were read (local: the group's own segments; remote: other groups').",
+			Help: "Cached prompt tokens of completed requests, predicted by the LoadSpec and actually loaded by every rank of the group, by where they were read (local: the group's own segments; remote: other groups').",
 		}, []string{"kind", "source"}),
 		resends: prometheus.NewCounter(prometheus.CounterOpts{
 			Name: "kvbus_scheduler_reqmeta_resends_total",

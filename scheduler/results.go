@@ -60,24 +60,46 @@ func (s *Scheduler) countDone(t *RequestTracker, end time.Time) {
 	}
 	s.m.requests.WithLabelValues(outcome.String()).Inc()
 	driver := t.Results[0]
+	// What the group loaded is the prefix every rank loaded: a block one
+	// rank missed (it restarted empty after the LoadSpec was made, or
+	// evicted the block meanwhile) is prefilled by the whole group, as a
+	// tensor-parallel engine needs every rank's shard of it. The driver's
+	// own count (the client's cached_tokens) says more then.
+	loaded, remote := groupLoaded(t.Results)
 	if outcome == outcomeCompleted {
 		// The cache's counters are over completed requests: a failed or
 		// aborted one may have loaded nothing, or not all it was told to.
 		depth := turnDepthLabel(t.TurnDepth)
 		s.m.predicted.Add(float64(t.LoadBlocks * s.cfg.BlockSize))
-		s.m.actual.Add(float64(driver.LoadedTokens))
+		s.m.actual.Add(float64(loaded))
 		bs := s.cfg.BlockSize
 		s.m.poolTokens.WithLabelValues("predicted", "local").Add(float64(t.LocalBlocks * bs))
 		s.m.poolTokens.WithLabelValues("predicted", "remote").Add(float64((t.LoadBlocks - t.LocalBlocks) * bs))
-		s.m.poolTokens.WithLabelValues("actual", "local").Add(float64(driver.LoadedTokens - driver.RemoteTokens))
-		s.m.poolTokens.WithLabelValues("actual", "remote").Add(float64(driver.RemoteTokens))
+		s.m.poolTokens.WithLabelValues("actual", "local").Add(float64(loaded - remote))
+		s.m.poolTokens.WithLabelValues("actual", "remote").Add(float64(remote))
 		s.m.promptTokens.WithLabelValues(depth).Add(float64(t.TokenLen))
-		s.m.cachedTokens.WithLabelValues(depth).Add(float64(driver.LoadedTokens))
+		s.m.cachedTokens.WithLabelValues(depth).Add(float64(loaded))
 	}
 	logsink.Info(s.log, "request done", "req_id", t.ReqID, "session_id", t.SessionID, "group", t.Group,
-		"outcome", outcome.String(), "prompt_tokens", t.TokenLen, "predicted_tokens", t.LoadBlocks*s.cfg.BlockSize, "loaded_tokens", driver.LoadedTokens,
-		"completion_tokens", driver.CompletionTokens, "failed_blocks", failed, "error", errText, "error_rank", errRank,
-		"ms", end.Sub(t.Received).Milliseconds())
+		"outcome", outcome.String(), "prompt_tokens", t.TokenLen, "predicted_tokens", t.LoadBlocks*s.cfg.BlockSize, "loaded_tokens", loaded,
+		"driver_loaded_tokens", driver.LoadedTokens, "completion_tokens", driver.CompletionTokens, "failed_blocks", failed,
+		"error", errText, "error_rank", errRank, "ms", end.Sub(t.Received).Milliseconds())
+}
+
+// groupLoaded returns the cached tokens every rank of a request loaded, and
+// how many of them were read from other groups: the least of the ranks'.
+func groupLoaded(results map[int]*messages.RankResult) (loaded, remote int) {
+	first := true
+	for _, res := range results {
+		if first || res.LoadedTokens < loaded {
+			loaded = res.LoadedTokens
+		}
+		if first || res.RemoteTokens < remote {
+			remote = res.RemoteTokens
+		}
+		first = false
+	}
+	return loaded, min(remote, loaded)
 }
 
 // resultOutcome is what one rank's result makes of its request: completed

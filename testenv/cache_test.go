@@ -536,3 +536,70 @@ func TestMaxSessionsBoundsTheBindings(t *testing.T) {
 		t.Errorf("the bound was logged %d times, want once", n)
 	}
 }
+
+// TestGroupCacheIsWhatEveryRankLoaded: a turn whose previous turn's blocks
+// one rank has not saved yet (its store thread is 3 s late, past its
+// --save-wait) loads them on the driver and recomputes them on that rank.
+// A tensor-parallel group prefills a block that any of its ranks lacks, so
+// the scheduler counts as loaded only what every rank loaded: 0 here. It
+// counted the driver's 192 before (what it tells its client), as it did
+// for the turns a rank restarted empty under (SIGKILL and a new process
+// at once: the turns placed before the restart was heard).
+func TestGroupCacheIsWhatEveryRankLoaded(t *testing.T) {
+	c := testenv.StartCluster(t, testenv.ClusterConfig{Groups: 1, Ranks: 2, StoreDelays: map[int]time.Duration{1: 3 * time.Second},
+		SaveWait: 300 * time.Millisecond})
+	done := c.Observe(t, "kvbus.done.>")
+	msgs := []map[string]string{{"role": "user", "content": userTurn(8, 0)}}
+	var answers []answerUsage
+	for n := range 2 {
+		body, _ := json.Marshal(map[string]any{"model": c.Model, "messages": msgs, "max_tokens": 4})
+		status, _, raw := post(t, c, "/v1/chat/completions", string(body), map[string]string{"X-Session-ID": "late-rank"})
+		if status != http.StatusOK {
+			t.Fatalf("turn %d: status %d: %s", n+1, status, raw)
+		}
+		var a struct {
+			Choices []struct {
+				Message struct {
+					Content string `json:"content"`
+				} `json:"message"`
+			} `json:"choices"`
+			Usage answerUsage `json:"usage"`
+		}
+		if err := json.Unmarshal(raw, &a); err != nil || len(a.Choices) == 0 {
+			t.Fatalf("turn %d: %v: %s", n+1, err, raw)
+		}
+		answers = append(answers, a.Usage)
+		msgs = append(msgs, map[string]string{"role": "assistant", "content": a.Choices[0].Message.Content},
+			map[string]string{"role": "user", "content": userTurn(8, n+1)})
+	}
+	testenv.Eventually(t, 10*time.Second, "trackers drained", func() bool { return c.Scheduler.Trackers() == 0 })
+	// The fault took effect: the driver loaded every full block of turn 1,
+	// rank 1 none of them.
+	full := answers[0].PromptTokens / 16 * 16
+	if answers[1].Details.CachedTokens != full {
+		t.Fatalf("turn 2: the driver loaded %d tokens; want %d (every full block of turn 1): the test checks nothing", answers[1].Details.CachedTokens, full)
+	}
+	failed := 0
+	for _, m := range done.Messages() {
+		r, _ := messages.DecodeRankResult(m.Data)
+		if !r.Prefilled && r.TPRank == 1 {
+			failed += r.FailedBlocks
+		}
+	}
+	if failed != full/16 {
+		t.Fatalf("rank 1 failed %d blocks; want %d (all of turn 1's): the test checks nothing", failed, full/16)
+	}
+	m := c.SchedulerRegistries[0]
+	testenv.Eventually(t, 5*time.Second, "both requests counted", func() bool {
+		return testenv.CounterSum(t, m, "kvbus_scheduler_requests_total", map[string]string{"outcome": "completed"}) == 2
+	})
+	if got := testenv.CounterSum(t, m, "kvbus_scheduler_actual_cached_tokens_total", nil); got != 0 {
+		t.Errorf("kvbus_scheduler_actual_cached_tokens_total = %v; want 0 (rank 1 loaded nothing; the driver %d)", got, full)
+	}
+	if got := testenv.CounterSum(t, m, "kvbus_scheduler_cached_tokens_total", nil); got != 0 {
+		t.Errorf("kvbus_scheduler_cached_tokens_total = %v; want 0", got)
+	}
+	if got := testenv.CounterSum(t, m, "kvbus_scheduler_predicted_cached_tokens_total", nil); int(got) != full {
+		t.Errorf("kvbus_scheduler_predicted_cached_tokens_total = %v; want %d (turn 2's LoadSpec)", got, full)
+	}
+}
