@@ -122,6 +122,12 @@ func (s *Server) generate(w http.ResponseWriter, r *http.Request, endpoint strin
 	if ok, _ := s.schedulers.ready(time.Now()); !ok {
 		s.schedulers.awaitFirstReady(r.Context(), time.Now())
 	}
+	if ok, _ := s.schedulers.ready(time.Now()); !ok {
+		// Within the request's own time: it is measured from start.
+		wctx, cancel := context.WithDeadline(r.Context(), start.Add(s.cfg.RequestTimeout))
+		s.schedulers.awaitReadyAgain(wctx, time.Now())
+		cancel()
+	}
 	if ok, why := s.schedulers.ready(time.Now()); !ok {
 		// Nothing would dispatch the request: say so now, not at the timeout.
 		return fail(&APIError{Status: http.StatusServiceUnavailable, Type: typeUnavailable, Code: "no_ready_scheduler", RetryAfter: 1,

@@ -33,6 +33,8 @@ type schedulerTable struct {
 	since time.Time
 	// readyHeard is closed at the first announcement of a ready replica.
 	readyHeard chan struct{}
+	// readyAgain is closed, and replaced, at each ready announcement.
+	readyAgain chan struct{}
 }
 
 // firstAnnouncementWait bounds how long a request that reaches a frontend
@@ -73,10 +75,51 @@ func (t *schedulerTable) awaitFirstReady(ctx context.Context, now time.Time) {
 	}
 }
 
+// awaitReadyAgain holds a request while no scheduler is ready, after one
+// was (a frontend that never saw one answers at once): for as long as a
+// live scheduler whose request consumer runs holds a request for a worker
+// group (its --no-group-wait), or until ctx ends. It reports whether one
+// is ready. A lone group briefly away (a rank replaced, its index
+// resyncing) made every request of those seconds a 503
+// no_ready_scheduler, whatever --no-group-wait said.
+func (t *schedulerTable) awaitReadyAgain(ctx context.Context, now time.Time) bool {
+	t.mu.Lock()
+	var hold time.Duration
+	for _, s := range t.m {
+		if now.Sub(s.at) <= t.timeout {
+			hold = max(hold, s.holds)
+		}
+	}
+	again := t.readyAgain
+	t.mu.Unlock()
+	if hold <= 0 || again == nil {
+		return false
+	}
+	timer := time.NewTimer(hold)
+	defer timer.Stop()
+	for {
+		select {
+		case <-again:
+		case <-timer.C:
+			return false
+		case <-ctx.Done():
+			return false
+		}
+		if ok, _ := t.ready(time.Now()); ok {
+			return true
+		}
+		t.mu.Lock()
+		again = t.readyAgain
+		t.mu.Unlock()
+	}
+}
+
 type schedulerSeen struct {
 	ready  bool
 	reason string
 	at     time.Time
+	// holds is how long it holds a request for a worker group (0: none).
+	holds time.Duration
 	// models are the models of its ready groups; nil from a scheduler
 	// that does not say (any model).
 	models []string
@@ -97,13 +140,20 @@ func (t *schedulerTable) observe(a *messages.Announcement, now time.Time) {
 			delete(t.m, id)
 		}
 	}
-	t.m[a.ID] = schedulerSeen{ready: a.Ready, reason: a.Reason, at: now, models: a.ReadyModels}
+	t.m[a.ID] = schedulerSeen{ready: a.Ready, reason: a.Reason, at: now, models: a.ReadyModels,
+		holds: time.Duration(a.NoGroupWaitMs) * time.Millisecond}
 	if a.Ready && t.readyHeard != nil {
 		select {
 		case <-t.readyHeard:
 		default:
 			close(t.readyHeard)
 		}
+	}
+	if a.Ready {
+		if t.readyAgain != nil {
+			close(t.readyAgain)
+		}
+		t.readyAgain = make(chan struct{})
 	}
 }
 

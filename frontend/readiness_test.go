@@ -2,6 +2,7 @@ package frontend_test
 
 import (
 	"encoding/json"
+	"fmt"
 	"io"
 	"net/http"
 	"strings"
@@ -12,6 +13,7 @@ import (
 
 	"github.com/kvbus/kvbus/frontend"
 	"github.com/kvbus/kvbus/messages"
+	"github.com/kvbus/kvbus/testenv"
 )
 
 // TestNoReadySchedulerIsAFast503: while no scheduler announced itself
@@ -168,5 +170,97 @@ func TestNotReadyWhileNoGroupOfItsModels(t *testing.T) {
 	}
 	if status, body := healthz(nil, ok); status != http.StatusOK {
 		t.Errorf("a scheduler that lists no models: /healthz %d %s, want 200", status, body)
+	}
+}
+
+// TestRequestsWaitForASchedulerReadyAgain: once a scheduler was ready, a
+// request that finds none ready (its lone group briefly away: a rank
+// replaced, its index resyncing) is held while a live scheduler would hold
+// it for a group (the no_group_wait_ms of its announcement, its
+// --no-group-wait), and published as soon as one is ready again. Before, it
+// was a 503 no_ready_scheduler at once, whatever --no-group-wait said. A
+// scheduler that holds nothing (its consumer not running) still gets the
+// fast 503, and so does a hold that runs out.
+func TestRequestsWaitForASchedulerReadyAgain(t *testing.T) {
+	s := startStandalone(t, false, func(c *frontend.Config) { c.RequestTimeout = 8 * time.Second })
+	nc, err := nats.Connect(s.natsURL)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer nc.Close()
+	announce := func(ready bool, holds time.Duration) {
+		t.Helper()
+		data, _ := messages.Marshal(&messages.Announcement{Role: messages.RoleScheduler, ID: "s1", Ready: ready,
+			Reason: "no ready worker group", UnixMs: time.Now().UnixMilli(), NoGroupWaitMs: holds.Milliseconds()})
+		if err := nc.Publish(messages.Subjects{}.Announce(messages.RoleScheduler, "s1"), data); err != nil {
+			t.Fatal(err)
+		}
+		if err := nc.Flush(); err != nil {
+			t.Fatal(err)
+		}
+	}
+	healthz := func() int {
+		resp, err := http.Get(s.url + "/healthz")
+		if err != nil {
+			t.Fatal(err)
+		}
+		resp.Body.Close()
+		return resp.StatusCode
+	}
+	const chat = `{"model":"kvbus-sim","messages":[{"role":"user","content":"hi"}]}`
+	// Before any scheduler was ready: at once, whatever it holds.
+	announce(false, 10*time.Second)
+	time.Sleep(1600 * time.Millisecond) // past the first announcements' wait
+	start := time.Now()
+	if r := s.post(t, "/v1/chat/completions", chat); r.status != http.StatusServiceUnavailable || time.Since(start) > time.Second {
+		t.Fatalf("never ready: %d after %s, want a 503 at once", r.status, time.Since(start))
+	}
+
+	announce(true, 10*time.Second)
+	testenv.Eventually(t, 5*time.Second, "/healthz 200", func() bool { return healthz() == http.StatusOK })
+	announce(false, 10*time.Second)
+	testenv.Eventually(t, 5*time.Second, "/healthz 503", func() bool { return healthz() == http.StatusServiceUnavailable })
+	// Sent by hand: no scheduler answers it, and the test ends before its
+	// timeout.
+	answered := make(chan string, 1)
+	go func() {
+		resp, err := http.Post(s.url+"/v1/chat/completions", "application/json", strings.NewReader(chat))
+		if err != nil {
+			answered <- err.Error()
+			return
+		}
+		body, _ := io.ReadAll(resp.Body)
+		resp.Body.Close()
+		answered <- fmt.Sprintf("%d %s", resp.StatusCode, body)
+	}()
+	time.Sleep(500 * time.Millisecond)
+	select {
+	case r := <-answered:
+		t.Fatalf("a request while the scheduler holds requests for a group: answered %s at once", r)
+	default:
+	}
+	if st := s.logState(t); st.Msgs != 0 {
+		t.Fatalf("%d requests published while no scheduler was ready", st.Msgs)
+	}
+	announce(true, 10*time.Second)
+	testenv.Eventually(t, 5*time.Second, "the held request published once a scheduler is ready", func() bool { return s.logState(t).Msgs == 1 })
+
+	// A scheduler that holds nothing: at once.
+	announce(false, 0)
+	testenv.Eventually(t, 5*time.Second, "/healthz 503", func() bool { return healthz() == http.StatusServiceUnavailable })
+	start = time.Now()
+	if r := s.post(t, "/v1/chat/completions", chat); r.status != http.StatusServiceUnavailable || time.Since(start) > time.Second {
+		t.Fatalf("a scheduler that holds nothing: %d after %s, want a 503 at once", r.status, time.Since(start))
+	}
+	// A hold that runs out: the 503 after it.
+	announce(false, time.Second)
+	time.Sleep(100 * time.Millisecond)
+	start = time.Now()
+	r := s.post(t, "/v1/chat/completions", chat)
+	if took := time.Since(start); r.status != http.StatusServiceUnavailable || took < 900*time.Millisecond || took > 3*time.Second {
+		t.Fatalf("a hold of 1 s that ran out: %d after %s, want a 503 after ~1 s", r.status, took)
+	}
+	if st := s.logState(t); st.Msgs != 1 {
+		t.Fatalf("%d requests published, want only the one held until a scheduler was ready", st.Msgs)
 	}
 }

@@ -386,6 +386,12 @@ type Announcement struct {
 	// can place on, sorted ("" for groups whose ranks name no model: any).
 	// Absent from a scheduler of a kvbus before models were told apart.
 	ReadyModels []string `msgpack:"ready_models,omitempty" json:"ready_models,omitempty"`
+	// NoGroupWaitMs is, for a scheduler whose request consumer runs, how
+	// long it holds a request for a ready worker group (--no-group-wait):
+	// a frontend that saw a scheduler ready holds its requests as long
+	// while none is (a group briefly away: a rank replaced). 0: it holds
+	// none (its consumer is not running, or a kvbus before the field).
+	NoGroupWaitMs int64 `msgpack:"no_group_wait_ms,omitempty" json:"no_group_wait_ms,omitempty"`
 }
 
 // RoleScheduler is the role name of schedulers in announcements.

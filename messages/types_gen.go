@@ -135,8 +135,8 @@ func (z *Abort) Msgsize() (s int) {
 func (z *Announcement) MarshalMsg(b []byte) (o []byte, err error) {
 	o = msgp.Require(b, z.Msgsize())
 	// check for omitted fields
-	zb0001Len := uint32(10)
-	var zb0001Mask uint16 /* 10 bits */
+	zb0001Len := uint32(11)
+	var zb0001Mask uint16 /* 11 bits */
 	_ = zb0001Mask
 	if z.Reason == "" {
 		zb0001Len--
@@ -157,6 +157,10 @@ func (z *Announcement) MarshalMsg(b []byte) (o []byte, err error) {
 	if z.ReadyModels == nil {
 		zb0001Len--
 		zb0001Mask |= 0x200
+	}
+	if z.NoGroupWaitMs == 0 {
+		zb0001Len--
+		zb0001Mask |= 0x400
 	}
 	// variable map header, size zb0001Len
 	o = append(o, 0x80|uint8(zb0001Len))
@@ -205,6 +209,11 @@ func (z *Announcement) MarshalMsg(b []byte) (o []byte, err error) {
 			for za0001 := range z.ReadyModels {
 				o = msgp.AppendString(o, z.ReadyModels[za0001])
 			}
+		}
+		if (zb0001Mask & 0x400) == 0 { // if not omitted
+			// string "no_group_wait_ms"
+			o = append(o, 0xb0, 0x6e, 0x6f, 0x5f, 0x67, 0x72, 0x6f, 0x75, 0x70, 0x5f, 0x77, 0x61, 0x69, 0x74, 0x5f, 0x6d, 0x73)
+			o = msgp.AppendInt64(o, z.NoGroupWaitMs)
 		}
 	}
 	return
@@ -309,6 +318,12 @@ func (z *Announcement) UnmarshalMsg(bts []byte) (o []byte, err error) {
 					return
 				}
 			}
+		case "no_group_wait_ms":
+			z.NoGroupWaitMs, bts, err = msgp.ReadInt64Bytes(bts)
+			if err != nil {
+				err = msgp.WrapError(err, "NoGroupWaitMs")
+				return
+			}
 		default:
 			bts, err = msgp.Skip(bts)
 			if err != nil {
@@ -327,6 +342,7 @@ func (z *Announcement) Msgsize() (s int) {
 	for za0001 := range z.ReadyModels {
 		s += msgp.StringPrefixSize + len(z.ReadyModels[za0001])
 	}
+	s += 17 + msgp.Int64Size
 	return
 }
 

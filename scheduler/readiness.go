@@ -83,9 +83,14 @@ func (s *Scheduler) announce(now time.Time, force bool) {
 		}
 	}
 	slices.Sort(models)
+	var holds time.Duration // what the frontends may hold a request for meanwhile
+	if s.consuming.Load() {
+		holds = s.cfg.NoGroupWait
+	}
 	data, err := messages.Marshal(&messages.Announcement{
 		Role: messages.RoleScheduler, ID: s.cfg.ID, Ready: ready, Reason: reason,
 		ReadyGroups: len(groups), UnixMs: now.UnixMilli(), StartedUnixMs: s.started.UnixMilli(), ReadyModels: models,
+		NoGroupWaitMs: holds.Milliseconds(),
 	})
 	if err == nil {
 		err = s.cfg.Conn.Publish(s.cfg.Subjects.Announce(messages.RoleScheduler, s.cfg.ID), data)

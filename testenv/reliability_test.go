@@ -277,6 +277,42 @@ func TestNoGroupIsAFast503(t *testing.T) {
 	}
 }
 
+// TestLoneGroupBrieflyAwayHoldsRequests: a rank of the only group replaced
+// (stopped, a new one started): while the group is away the frontend is
+// unhealthy, and a request sent then is held, as the scheduler's
+// --no-group-wait says, and answered once the group is back. Before, the
+// frontend answered it 503 no_ready_scheduler at once, whatever
+// --no-group-wait said (a review replacing ranks of one group as processes
+// saw 10-20 such 503s per replacement with --no-group-wait 15s).
+func TestLoneGroupBrieflyAwayHoldsRequests(t *testing.T) {
+	c := testenv.StartCluster(t, testenv.ClusterConfig{Groups: 1, Ranks: 2, NoGroupWait: 15 * time.Second, RequestTimeout: 30 * time.Second})
+	chat := fmt.Sprintf(`{"model":%q,"messages":[{"role":"user","content":"hi"}],"max_tokens":2}`, c.Model)
+	if status, _, raw := post(t, c, "/v1/chat/completions", chat, nil); status != http.StatusOK {
+		t.Fatalf("before: %d %s", status, raw)
+	}
+	restarted := make(chan error, 1)
+	go func() { restarted <- c.Cluster.RestartRank("g0", 1) }()
+	healthz := func() int {
+		resp, err := http.Get(c.URL + "/healthz")
+		if err != nil {
+			return 0
+		}
+		resp.Body.Close()
+		return resp.StatusCode
+	}
+	// The fault took effect: the frontend knows no scheduler is ready.
+	testenv.Eventually(t, 10*time.Second, "the frontend unhealthy while the group is away", func() bool { return healthz() == http.StatusServiceUnavailable })
+	start := time.Now()
+	status, _, raw := post(t, c, "/v1/chat/completions", chat, nil)
+	t.Logf("a request while the group was away: %d after %s", status, time.Since(start).Round(time.Millisecond))
+	if status != http.StatusOK {
+		t.Errorf("a request while the lone group was away: %d %s, want 200 once it is back (--no-group-wait 15s)", status, raw)
+	}
+	if err := <-restarted; err != nil {
+		t.Fatal(err)
+	}
+}
+
 // TestReqMetaAboveMaxPayloadIsA413: a request that fits in one message of
 // a 1 MiB bus but whose ReqMeta does not (the same token ids, plus a block
 // hash per 16 tokens and the LoadSpec) is answered with a 413 at once; the
