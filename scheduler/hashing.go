@@ -1,6 +1,7 @@
 package scheduler
 
 import (
+	"crypto/sha256"
 	"encoding/binary"
 
 	"github.com/zeebo/xxh3"
@@ -10,25 +11,35 @@ import (
 // of the model name, so that two models never share blocks.
 func HashSeed(model string) uint64 { return xxh3.HashString(model) }
 
-// loraDomain sets an adapter's seed apart from a salt's (PromptSeed).
-const loraDomain = 0x6c6f72615f6e616d // "lora_nam"
+// promptSeedTag opens what PromptSeed hashes, so that its input is never
+// another hash's.
+const promptSeedTag = "kvbus prompt seed v2\x00"
 
 // PromptSeed is hash_{-1} of a prompt: HashSeed(model) for the base model
-// without a cache salt. A LoRA adapter (loraName) is mixed in first, then a
-// salt (vLLM's cache_salt), each as the xxh3-64 of it seeded with what came
-// before (the adapter's seed xored with loraDomain, so that no salt stands
-// for an adapter): a prompt's blocks match only those of prompts of the
-// same model, adapter and salt, as vLLM keys an adapter's blocks with its
-// name and a salted prompt's first block with the salt.
+// without a cache salt. With a LoRA adapter (loraName) or a salt (vLLM's
+// cache_salt), it is the first 8 bytes (little-endian) of the SHA-256 of
+// promptSeedTag and the model, the adapter and the salt, each preceded by
+// its length: a prompt's blocks match only those of prompts of the same
+// model, adapter and salt, as vLLM keys an adapter's blocks with its name
+// and a salted prompt's first block with the salt.
+//
+// Not xxh3: the salt is the client's, and xxh3 of a short input runs
+// backwards (for 4 to 8 bytes it is an xor with a constant of the seed and
+// a bijection), so a client could pick a salt whose seed is one it knows —
+// the model's unsalted seed, an adapter's, a block of a known prompt — and
+// share those blocks (saltforge). A SHA-256 preimage cannot be picked.
 func PromptSeed(model, loraName, cacheSalt string) uint64 {
-	seed := HashSeed(model)
-	if loraName != "" {
-		seed = xxh3.HashStringSeed(loraName, seed^loraDomain)
+	if loraName == "" && cacheSalt == "" {
+		return HashSeed(model)
 	}
-	if cacheSalt != "" {
-		seed = xxh3.HashStringSeed(cacheSalt, seed)
+	b := make([]byte, 0, len(promptSeedTag)+3*8+len(model)+len(loraName)+len(cacheSalt))
+	b = append(b, promptSeedTag...)
+	for _, f := range [...]string{model, loraName, cacheSalt} {
+		b = binary.LittleEndian.AppendUint64(b, uint64(len(f)))
+		b = append(b, f...)
 	}
-	return seed
+	sum := sha256.Sum256(b)
+	return binary.LittleEndian.Uint64(sum[:8])
 }
 
 // HashBlocks appends to dst the hashes of the full blocks of tokens:

@@ -8,6 +8,8 @@ import (
 	"testing"
 
 	"github.com/zeebo/xxh3"
+
+	"github.com/kvbus/kvbus/internal/saltforge"
 )
 
 // refHashBlocks is the block hash chain spelled out: hash_i =
@@ -137,6 +139,31 @@ func TestPromptSeed(t *testing.T) {
 			t.Errorf("model %q adapter %q salt %q has the seed of %s", c[0], c[1], c[2], prev)
 		}
 		seeds[s] = fmt.Sprintf("model %q adapter %q salt %q", c[0], c[1], c[2])
+	}
+}
+
+// TestNoSaltStandsForAnotherSeed: a cache_salt a client picks by running
+// the seed's hash backwards (saltforge) lands on no seed it aimed at: not
+// the model's unsalted one, not an adapter's, not another salt's, not a
+// block of a prompt it knows. When the salt was hashed with xxh3 seeded
+// with the model's seed, each of these 8-byte salts hit its target.
+func TestNoSaltStandsForAnotherSeed(t *testing.T) {
+	model := "m"
+	targets := map[string]uint64{
+		"the model's unsalted seed":     PromptSeed(model, "", ""),
+		"an adapter's seed":             PromptSeed(model, "sql-lora", ""),
+		"another salt's seed":           PromptSeed(model, "", "tenant-b-secret"),
+		"block 3 of an unsalted prompt": HashBlocks(nil, HashSeed(model), make([]uint32, 64), 16)[3],
+	}
+	for what, target := range targets {
+		for _, base := range []uint64{HashSeed(model), PromptSeed(model, "sql-lora", "")} {
+			salt := saltforge.Salt8(base, target)
+			for _, lora := range []string{"", "sql-lora"} {
+				if PromptSeed(model, lora, salt) == target {
+					t.Errorf("adapter %q: the salt %q forged for %s has its seed", lora, salt, what)
+				}
+			}
+		}
 	}
 }
 

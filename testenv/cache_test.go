@@ -3,6 +3,7 @@ package testenv_test
 import (
 	"encoding/json"
 	"fmt"
+	"math/rand/v2"
 	"net/http"
 	"slices"
 	"strings"
@@ -10,10 +11,12 @@ import (
 	"sync/atomic"
 	"testing"
 	"time"
+	"unicode/utf8"
 
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
 
+	"github.com/kvbus/kvbus/internal/saltforge"
 	"github.com/kvbus/kvbus/messages"
 	"github.com/kvbus/kvbus/scheduler"
 	"github.com/kvbus/kvbus/testenv"
@@ -601,5 +604,79 @@ func TestGroupCacheIsWhatEveryRankLoaded(t *testing.T) {
 	}
 	if got := testenv.CounterSum(t, m, "kvbus_scheduler_predicted_cached_tokens_total", nil); int(got) != full {
 		t.Errorf("kvbus_scheduler_predicted_cached_tokens_total = %v; want %d (turn 2's LoadSpec)", got, full)
+	}
+}
+
+// TestForgedCacheSaltSharesNoBlocks: a client that knows an unsalted prompt
+// (a public system prompt) picks the 8-byte cache_salt whose seed is the
+// hash of one of its blocks (saltforge runs xxh3 backwards) and sends the
+// prompt's rest under it. Its blocks must not match the unsalted prompt's:
+// a salted prompt shares nothing with an unsalted one. When the salt was
+// hashed with xxh3 seeded with the model's seed, it found every full block
+// of the rest cached (the 1,632 tokens after block 25 of a 2,048-token
+// prompt: 1,616 cached).
+func TestForgedCacheSaltSharesNoBlocks(t *testing.T) {
+	c := testenv.StartCluster(t, testenv.ClusterConfig{Groups: 2, Policy: scheduler.PolicyKV})
+	metas := c.Observe(t, "kvbus.meta.>")
+	// A prompt with a block whose forged salt is valid UTF-8 (JSON carries
+	// nothing else): about 1 block in 100.
+	r := rand.New(rand.NewPCG(7, 7))
+	var prompt []uint32
+	var salt string
+	block := -1
+	for block < 0 {
+		prompt = make([]uint32, 2048)
+		for i := range prompt {
+			prompt[i] = 1000 + r.Uint32N(100000)
+		}
+		for b, h := range scheduler.HashBlocks(nil, scheduler.HashSeed(c.Model), prompt, 16) {
+			if s := saltforge.Salt8(scheduler.HashSeed(c.Model), h); utf8.ValidString(s) {
+				block, salt = b, s
+				break
+			}
+		}
+	}
+	complete := func(p []uint32, salt string) turnResult {
+		t.Helper()
+		b := map[string]any{"model": c.Model, "prompt": p, "max_tokens": 1}
+		if salt != "" {
+			b["cache_salt"] = salt
+		}
+		body, _ := json.Marshal(b)
+		status, h, raw := post(t, c, "/v1/completions", string(body), nil)
+		if status != http.StatusOK {
+			t.Fatalf("status %d: %s", status, raw)
+		}
+		var resp struct {
+			Usage struct {
+				PromptTokens        int `json:"prompt_tokens"`
+				PromptTokensDetails struct {
+					CachedTokens int `json:"cached_tokens"`
+				} `json:"prompt_tokens_details"`
+			}
+		}
+		if err := json.Unmarshal(raw, &resp); err != nil {
+			t.Fatal(err)
+		}
+		tr := turnResult{reqID: h.Get("X-Request-Id"), promptTokens: resp.Usage.PromptTokens, cachedTokens: resp.Usage.PromptTokensDetails.CachedTokens}
+		meta := metaOf(t, metas, tr.reqID)
+		testenv.Eventually(t, 5*time.Second, "the index to hold the prompt's blocks", func() bool {
+			g := []scheduler.GroupState{{Name: meta.Group}}
+			c.Schedulers[0].Index().Match(meta.BlockHashes, g)
+			return g[0].IndexBlocks == len(meta.BlockHashes) && c.Schedulers[0].Index().Plans() == 0
+		})
+		return tr
+	}
+	if tr := complete(prompt, ""); tr.cachedTokens != 0 {
+		t.Fatalf("the unsalted prompt found %d tokens cached on a new cluster", tr.cachedTokens)
+	}
+	rest := prompt[16*(block+1):]
+	if tr := complete(rest, salt); tr.cachedTokens != 0 {
+		t.Errorf("the prompt's rest after block %d under the forged cache_salt %q found %d of its %d tokens cached, want 0",
+			block, salt, tr.cachedTokens, tr.promptTokens)
+	}
+	// The salt's own prompts still share: the same rest under it again.
+	if tr, want := complete(rest, salt), (len(rest)-1)/16*16; tr.cachedTokens != want {
+		t.Errorf("the rest again under its salt found %d tokens cached, want %d", tr.cachedTokens, want)
 	}
 }
