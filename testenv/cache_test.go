@@ -680,3 +680,54 @@ func TestForgedCacheSaltSharesNoBlocks(t *testing.T) {
 		t.Errorf("the rest again under its salt found %d tokens cached, want %d", tr.cachedTokens, want)
 	}
 }
+
+// TestSessionsShareAPromptUnlessSalted: the cache is keyed by content, not
+// by session, as vLLM's prefix cache: a second session sending the first's
+// prompt finds its full blocks cached, on whichever group it lands (the
+// global pool); the session only steers placement. A cache_salt is what
+// keeps a prompt apart, within one session too.
+func TestSessionsShareAPromptUnlessSalted(t *testing.T) {
+	c := testenv.StartCluster(t, testenv.ClusterConfig{Groups: 2, Policy: scheduler.PolicyRoundRobin})
+	metas := c.Observe(t, "kvbus.meta.>")
+	body := func(salt string) string {
+		b := map[string]any{"model": c.Model, "max_tokens": 4,
+			"messages": []map[string]string{{"role": "user", "content": userTurn(11, 0)}}}
+		if salt != "" {
+			b["cache_salt"] = salt
+		}
+		out, _ := json.Marshal(b)
+		return string(out)
+	}
+	steps := []struct {
+		session, salt string
+		cached        bool
+	}{
+		{"alice", "", false},
+		{"bob", "", true},       // another session, the same prompt
+		{"", "", true},          // no session
+		{"bob", "bob's", false}, // salted: nothing of the unsalted prompt
+		{"alice", "bob's", true},
+	}
+	var first string
+	for i, st := range steps {
+		var h map[string]string
+		if st.session != "" {
+			h = map[string]string{"X-Session-ID": st.session}
+		}
+		tr, _ := settledChat(t, c, metas, body(st.salt), h)
+		if i == 1 && tr.group == first {
+			t.Errorf("bob's request ran on %s as alice's: round-robin did not move it, the pool went unread", tr.group)
+		}
+		if i == 0 {
+			first = tr.group
+		}
+		want := 0
+		if st.cached {
+			want = (tr.promptTokens - 1) / 16 * 16
+		}
+		if tr.cachedTokens != want {
+			t.Errorf("request %d (session %q, cache_salt %q, group %s): cached_tokens %d of %d, want %d",
+				i+1, st.session, st.salt, tr.group, tr.cachedTokens, tr.promptTokens, want)
+		}
+	}
+}
