@@ -90,8 +90,13 @@ func (t *schedulerTable) awaitReadyAgain(ctx context.Context, now time.Time) boo
 			hold = max(hold, s.holds)
 		}
 	}
-	again := t.readyAgain
+	// Read with the readiness under one lock: a ready announcement that
+	// came after the caller's check closed the channel before this one.
+	again, ok := t.readyAgain, t.readyLocked(now)
 	t.mu.Unlock()
+	if ok {
+		return true
+	}
 	if hold <= 0 || again == nil {
 		return false
 	}
@@ -105,12 +110,12 @@ func (t *schedulerTable) awaitReadyAgain(ctx context.Context, now time.Time) boo
 		case <-ctx.Done():
 			return false
 		}
-		if ok, _ := t.ready(time.Now()); ok {
+		t.mu.Lock()
+		again, ok = t.readyAgain, t.readyLocked(time.Now())
+		t.mu.Unlock()
+		if ok {
 			return true
 		}
-		t.mu.Lock()
-		again = t.readyAgain
-		t.mu.Unlock()
 	}
 }
 
@@ -183,6 +188,17 @@ func (t *schedulerTable) readyModels(models []string, now time.Time) (ready, not
 		}
 	}
 	return ready, not
+}
+
+// readyLocked reports whether a ready scheduler announced itself within
+// the timeout; t.mu is held.
+func (t *schedulerTable) readyLocked(now time.Time) bool {
+	for _, s := range t.m {
+		if s.ready && now.Sub(s.at) <= t.timeout {
+			return true
+		}
+	}
+	return false
 }
 
 // ready reports whether a ready scheduler announced itself recently; if

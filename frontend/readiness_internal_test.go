@@ -1,6 +1,7 @@
 package frontend
 
 import (
+	"context"
 	"fmt"
 	"strings"
 	"testing"
@@ -52,5 +53,31 @@ func TestRestartedSchedulersAreForgotten(t *testing.T) {
 	// Heard within the last minute: "steady" and the last 7 ids.
 	if n := len(tab.m); n != 8 {
 		t.Errorf("%d replicas remembered, want 8", n)
+	}
+}
+
+// TestAwaitReadyAgainSeesAReadyAnnouncementAlreadyIn: a ready announcement
+// that lands between a request's readiness check and its hold (the
+// generate path checks, then awaits) ends the hold at once. Before, the
+// hold waited on the channel made after that announcement, for the next
+// ready one (up to a second later) or the whole hold.
+func TestAwaitReadyAgainSeesAReadyAnnouncementAlreadyIn(t *testing.T) {
+	var tab schedulerTable
+	tab.timeout = 3 * time.Second
+	tab.listen(time.Now())
+	hold := &messages.Announcement{Role: messages.RoleScheduler, ID: "s1", NoGroupWaitMs: 5000}
+	tab.observe(&messages.Announcement{Role: messages.RoleScheduler, ID: "s1", Ready: true, NoGroupWaitMs: 5000}, time.Now())
+	tab.observe(hold, time.Now())
+	if ok, _ := tab.ready(time.Now()); ok {
+		t.Fatal("ready after a not-ready announcement")
+	}
+	// The request found none ready; the scheduler's ready announcement
+	// comes in before the request's hold begins.
+	tab.observe(&messages.Announcement{Role: messages.RoleScheduler, ID: "s1", Ready: true, NoGroupWaitMs: 5000}, time.Now())
+	start := time.Now()
+	ctx, cancel := context.WithTimeout(t.Context(), 4*time.Second)
+	defer cancel()
+	if ok := tab.awaitReadyAgain(ctx, time.Now()); !ok || time.Since(start) > 100*time.Millisecond {
+		t.Fatalf("awaitReadyAgain with a scheduler ready: %v after %s, want true at once", ok, time.Since(start))
 	}
 }
