@@ -33,8 +33,10 @@ type schedulerTable struct {
 	since time.Time
 	// readyHeard is closed at the first announcement of a ready replica.
 	readyHeard chan struct{}
-	// readyAgain is closed, and replaced, at each ready announcement.
-	readyAgain chan struct{}
+	// wake is closed, and replaced, at each ready announcement and each
+	// that changes how long a scheduler holds requests (its stop): the
+	// requests held then look again. Nil until a ready one was heard.
+	wake chan struct{}
 }
 
 // firstAnnouncementWait bounds how long a request that reaches a frontend
@@ -81,42 +83,57 @@ func (t *schedulerTable) awaitFirstReady(ctx context.Context, now time.Time) {
 // group (its --no-group-wait), or until ctx ends. It reports whether one
 // is ready. A lone group briefly away (a rank replaced, its index
 // resyncing) made every request of those seconds a 503
-// no_ready_scheduler, whatever --no-group-wait said.
+// no_ready_scheduler, whatever --no-group-wait said. The hold ends as soon
+// as no live scheduler holds any more (it announced its stop, or fell
+// silent past the timeout): none would take the request meanwhile.
 func (t *schedulerTable) awaitReadyAgain(ctx context.Context, now time.Time) bool {
-	t.mu.Lock()
-	var hold time.Duration
-	for _, s := range t.m {
-		if now.Sub(s.at) <= t.timeout {
-			hold = max(hold, s.holds)
-		}
-	}
-	// Read with the readiness under one lock: a ready announcement that
-	// came after the caller's check closed the channel before this one.
-	again, ok := t.readyAgain, t.readyLocked(now)
-	t.mu.Unlock()
-	if ok {
-		return true
-	}
-	if hold <= 0 || again == nil {
-		return false
-	}
-	timer := time.NewTimer(hold)
-	defer timer.Stop()
+	begin := now
 	for {
-		select {
-		case <-again:
-		case <-timer.C:
-			return false
-		case <-ctx.Done():
-			return false
-		}
 		t.mu.Lock()
-		again, ok = t.readyAgain, t.readyLocked(time.Now())
+		// Read with the readiness under one lock: an announcement that
+		// came after the caller's check closed the channel before this one.
+		wake, ok := t.wake, t.readyLocked(now)
+		hold, lapse := t.holdLocked(now)
 		t.mu.Unlock()
 		if ok {
 			return true
 		}
+		end := begin.Add(hold)
+		if hold <= 0 || wake == nil || !now.Before(end) {
+			return false
+		}
+		wait := end.Sub(now)
+		if lapse > 0 {
+			wait = min(wait, lapse)
+		}
+		timer := time.NewTimer(wait)
+		select {
+		case <-wake:
+		case <-timer.C:
+		case <-ctx.Done():
+			timer.Stop()
+			return false
+		}
+		timer.Stop()
+		now = time.Now()
 	}
+}
+
+// holdLocked returns the longest hold of the live schedulers, and how long
+// until the first of those that hold falls silent past the timeout (0:
+// none holds); t.mu is held.
+func (t *schedulerTable) holdLocked(now time.Time) (hold, lapse time.Duration) {
+	for _, s := range t.m {
+		left := s.at.Add(t.timeout).Sub(now)
+		if left < 0 || s.holds <= 0 {
+			continue
+		}
+		hold = max(hold, s.holds)
+		if lapse == 0 || left < lapse {
+			lapse = left + time.Millisecond // past, not at, the timeout
+		}
+	}
+	return hold, lapse
 }
 
 type schedulerSeen struct {
@@ -145,6 +162,7 @@ func (t *schedulerTable) observe(a *messages.Announcement, now time.Time) {
 			delete(t.m, id)
 		}
 	}
+	prev, seen := t.m[a.ID]
 	t.m[a.ID] = schedulerSeen{ready: a.Ready, reason: a.Reason, at: now, models: a.ReadyModels,
 		holds: time.Duration(a.NoGroupWaitMs) * time.Millisecond}
 	if a.Ready && t.readyHeard != nil {
@@ -154,11 +172,11 @@ func (t *schedulerTable) observe(a *messages.Announcement, now time.Time) {
 			close(t.readyHeard)
 		}
 	}
-	if a.Ready {
-		if t.readyAgain != nil {
-			close(t.readyAgain)
+	if a.Ready || (t.wake != nil && (!seen || prev.holds != t.m[a.ID].holds)) {
+		if t.wake != nil {
+			close(t.wake)
 		}
-		t.readyAgain = make(chan struct{})
+		t.wake = make(chan struct{})
 	}
 }
 

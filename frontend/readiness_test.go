@@ -264,3 +264,98 @@ func TestRequestsWaitForASchedulerReadyAgain(t *testing.T) {
 		t.Fatalf("%d requests published, want only the one held until a scheduler was ready", st.Msgs)
 	}
 }
+
+// heldRequest sets up a frontend that saw scheduler s1 ready and then
+// heard it say it is not ready while it holds requests 10 s for a group,
+// and sends a chat request in the background, which the frontend holds.
+// It returns the announcer (ready, hold, stopped) and where the answer
+// ("<status> <body>") and its time arrive.
+func heldRequest(t *testing.T, s *standalone) (announce func(ready bool, holds time.Duration, stopped bool), answered <-chan string, sent time.Time) {
+	t.Helper()
+	nc, err := nats.Connect(s.natsURL)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(nc.Close)
+	announce = func(ready bool, holds time.Duration, stopped bool) {
+		t.Helper()
+		data, _ := messages.Marshal(&messages.Announcement{Role: messages.RoleScheduler, ID: "s1", Ready: ready, Stopped: stopped,
+			Reason: "no ready worker group", UnixMs: time.Now().UnixMilli(), NoGroupWaitMs: holds.Milliseconds()})
+		if err := nc.Publish(messages.Subjects{}.Announce(messages.RoleScheduler, "s1"), data); err != nil {
+			t.Fatal(err)
+		}
+		if err := nc.Flush(); err != nil {
+			t.Fatal(err)
+		}
+	}
+	healthz := func() int {
+		resp, err := http.Get(s.url + "/healthz")
+		if err != nil {
+			t.Fatal(err)
+		}
+		resp.Body.Close()
+		return resp.StatusCode
+	}
+	announce(true, 10*time.Second, false)
+	testenv.Eventually(t, 5*time.Second, "/healthz 200", func() bool { return healthz() == http.StatusOK })
+	announce(false, 10*time.Second, false)
+	testenv.Eventually(t, 5*time.Second, "/healthz 503", func() bool { return healthz() == http.StatusServiceUnavailable })
+	ch := make(chan string, 1)
+	sent = time.Now()
+	go func() {
+		resp, err := http.Post(s.url+"/v1/chat/completions", "application/json",
+			strings.NewReader(`{"model":"kvbus-sim","messages":[{"role":"user","content":"hi"}]}`))
+		if err != nil {
+			ch <- err.Error()
+			return
+		}
+		body, _ := io.ReadAll(resp.Body)
+		resp.Body.Close()
+		ch <- fmt.Sprintf("%d %s", resp.StatusCode, body)
+	}()
+	time.Sleep(300 * time.Millisecond)
+	select {
+	case r := <-ch:
+		t.Fatalf("the request was not held: answered %s at once", r)
+	default:
+	}
+	return announce, ch, sent
+}
+
+// TestHeldRequestEndsWhenNoSchedulerHoldsAnyMore: a request held while no
+// scheduler is ready is answered its 503 no_ready_scheduler as soon as no
+// live scheduler would hold it any more: the one that held it announced
+// its clean stop, or fell silent past --scheduler-timeout. Before, it
+// stayed held for the whole no_group_wait_ms first heard (here 10 s, cut
+// to the 8 s request timeout), as no announcement but a ready one woke it.
+func TestHeldRequestEndsWhenNoSchedulerHoldsAnyMore(t *testing.T) {
+	t.Run("stopped", func(t *testing.T) {
+		s := startStandalone(t, false, func(c *frontend.Config) { c.RequestTimeout = 8 * time.Second })
+		announce, answered, _ := heldRequest(t, s)
+		stopped := time.Now()
+		announce(false, 0, true)
+		select {
+		case r := <-answered:
+			if took := time.Since(stopped); !strings.HasPrefix(r, "503 ") || !strings.Contains(r, "no_ready_scheduler") || took > time.Second {
+				t.Fatalf("after the scheduler's stop: %s after %s, want a 503 no_ready_scheduler at once", r, took)
+			}
+		case <-time.After(10 * time.Second):
+			t.Fatal("no answer")
+		}
+	})
+	t.Run("silent", func(t *testing.T) {
+		s := startStandalone(t, false, func(c *frontend.Config) {
+			c.RequestTimeout = 8 * time.Second
+			c.SchedulerTimeout = time.Second
+		})
+		_, answered, sent := heldRequest(t, s) // its last announcement: ~300 ms before sent
+		select {
+		case r := <-answered:
+			if took := time.Since(sent); !strings.HasPrefix(r, "503 ") || !strings.Contains(r, "no_ready_scheduler") || took > 2*time.Second {
+				t.Fatalf("with the scheduler silent: %s after %s, want a 503 no_ready_scheduler within the 1 s scheduler timeout", r, took)
+			}
+		case <-time.After(10 * time.Second):
+			t.Fatal("no answer")
+		}
+	})
+}
