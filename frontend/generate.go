@@ -123,10 +123,26 @@ func (s *Server) generate(w http.ResponseWriter, r *http.Request, endpoint strin
 		s.schedulers.awaitFirstReady(r.Context(), time.Now())
 	}
 	if ok, _ := s.schedulers.ready(time.Now()); !ok {
-		// Within the request's own time: it is measured from start.
+		// Within the request's own time: it is measured from start. A
+		// --stop-timeout that passes ends it as it ends a request waiting
+		// for its answer: the listener closes then, with no answer.
 		wctx, cancel := context.WithDeadline(r.Context(), start.Add(s.cfg.RequestTimeout))
+		go func() {
+			select {
+			case <-s.stopNow:
+				cancel()
+			case <-wctx.Done():
+			}
+		}()
 		s.schedulers.awaitReadyAgain(wctx, time.Now())
 		cancel()
+		select {
+		case <-s.stopNow:
+			w.Header().Set("Connection", "close")
+			return fail(&APIError{Status: http.StatusServiceUnavailable, Type: typeUnavailable, Code: "shutting_down", RetryAfter: 1,
+				Message: fmt.Sprintf("this frontend stopped while no scheduler was ready (--stop-timeout %s); retry the request on another one", s.cfg.StopTimeout)})
+		default:
+		}
 	}
 	if ok, why := s.schedulers.ready(time.Now()); !ok {
 		// Nothing would dispatch the request: say so now, not at the timeout.

@@ -359,3 +359,26 @@ func TestHeldRequestEndsWhenNoSchedulerHoldsAnyMore(t *testing.T) {
 		}
 	})
 }
+
+// TestStopTimeoutEndsAHeldRequest: a request held while no scheduler is
+// ready gets the 503 shutting_down of --stop-timeout when it passes, as a
+// request waiting for its answer does. Before, the hold went on (here for
+// the 8 s request timeout) and the listener closed under it: the client's
+// connection was cut with no answer.
+func TestStopTimeoutEndsAHeldRequest(t *testing.T) {
+	s := startStandalone(t, false, func(c *frontend.Config) {
+		c.RequestTimeout = 8 * time.Second
+		c.StopTimeout = 500 * time.Millisecond
+	})
+	_, answered, _ := heldRequest(t, s)
+	stop := time.Now()
+	s.stop()
+	select {
+	case r := <-answered:
+		if took := time.Since(stop); !strings.HasPrefix(r, "503 ") || !strings.Contains(r, "shutting_down") || took > 1500*time.Millisecond {
+			t.Fatalf("after --stop-timeout 500ms: %s after %s, want a 503 shutting_down", r, took)
+		}
+	case <-time.After(10 * time.Second):
+		t.Fatal("no answer")
+	}
+}

@@ -26,6 +26,9 @@ type standalone struct {
 	url     string
 	natsURL string
 	js      jetstream.JetStream
+	// stop ends the frontend's Run context (a SIGTERM); cleanup waits for
+	// Run to return.
+	stop context.CancelFunc
 }
 
 // startFrontend runs a frontend whose Config edit adjusts; everything stops
@@ -101,7 +104,7 @@ func startStandaloneOn(t *testing.T, sc bus.ServerConfig, announce bool, edit fu
 			time.Sleep(10 * time.Millisecond)
 		}
 	}
-	return &standalone{url: "http://" + fe.Addr().String(), natsURL: srv.ClientURL(), js: js}
+	return &standalone{url: "http://" + fe.Addr().String(), natsURL: srv.ClientURL(), js: js, stop: cancel}
 }
 
 func (s *standalone) post(t *testing.T, path, body string) response {
