@@ -91,8 +91,9 @@ func (s *Server) generate(w http.ResponseWriter, r *http.Request, endpoint strin
 	}
 	// The body is read before the request takes a --max-inflight slot: as
 	// many clients as slots that stall mid-body would otherwise refuse
-	// every other client a 429 for --read-body-timeout. A body being read
-	// holds only the bytes sent so far, at most --max-body-bytes.
+	// every other client a 429 for the body timeout. A body being read
+	// holds only the bytes sent so far, at most --max-body-bytes: the
+	// connections, not the slots, bound what bodies hold.
 	body, apiErr := readBody(w, r, s.cfg.MaxBodyBytes, s.cfg.ReadBodyTimeout)
 	if apiErr != nil {
 		return fail(apiErr)
@@ -122,6 +123,7 @@ func (s *Server) generate(w http.ResponseWriter, r *http.Request, endpoint strin
 	if ok, _ := s.schedulers.ready(time.Now()); !ok {
 		s.schedulers.awaitFirstReady(r.Context(), time.Now())
 	}
+	var held time.Duration
 	if ok, _ := s.schedulers.ready(time.Now()); !ok {
 		// Within the request's own time: it is measured from start. A
 		// --stop-timeout that passes ends it as it ends a request waiting
@@ -134,7 +136,9 @@ func (s *Server) generate(w http.ResponseWriter, r *http.Request, endpoint strin
 			case <-wctx.Done():
 			}
 		}()
-		s.schedulers.awaitReadyAgain(wctx, time.Now())
+		holdStart := time.Now()
+		s.schedulers.awaitReadyAgain(wctx, holdStart)
+		held = time.Since(holdStart)
 		cancel()
 		select {
 		case <-s.stopNow:
@@ -146,6 +150,9 @@ func (s *Server) generate(w http.ResponseWriter, r *http.Request, endpoint strin
 	}
 	if ok, why := s.schedulers.ready(time.Now()); !ok {
 		// Nothing would dispatch the request: say so now, not at the timeout.
+		if held >= time.Millisecond {
+			why += fmt.Sprintf(" (held %s for one to be ready again)", held.Round(time.Millisecond))
+		}
 		return fail(&APIError{Status: http.StatusServiceUnavailable, Type: typeUnavailable, Code: "no_ready_scheduler", RetryAfter: 1,
 			Message: why + "; retry shortly"})
 	}

@@ -260,6 +260,9 @@ func TestRequestsWaitForASchedulerReadyAgain(t *testing.T) {
 	if took := time.Since(start); r.status != http.StatusServiceUnavailable || took < 900*time.Millisecond || took > 3*time.Second {
 		t.Fatalf("a hold of 1 s that ran out: %d after %s, want a 503 after ~1 s", r.status, took)
 	}
+	if !strings.Contains(string(r.body), "held 1") {
+		t.Errorf("the 503 after a hold does not say the request was held: %s", r.body)
+	}
 	if st := s.logState(t); st.Msgs != 1 {
 		t.Fatalf("%d requests published, want only the one held until a scheduler was ready", st.Msgs)
 	}
