@@ -183,30 +183,9 @@ func TestNotReadyWhileNoGroupOfItsModels(t *testing.T) {
 // fast 503, and so does a hold that runs out.
 func TestRequestsWaitForASchedulerReadyAgain(t *testing.T) {
 	s := startStandalone(t, false, func(c *frontend.Config) { c.RequestTimeout = 8 * time.Second })
-	nc, err := nats.Connect(s.natsURL)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer nc.Close()
-	announce := func(ready bool, holds time.Duration) {
-		t.Helper()
-		data, _ := messages.Marshal(&messages.Announcement{Role: messages.RoleScheduler, ID: "s1", Ready: ready,
-			Reason: "no ready worker group", UnixMs: time.Now().UnixMilli(), NoGroupWaitMs: holds.Milliseconds()})
-		if err := nc.Publish(messages.Subjects{}.Announce(messages.RoleScheduler, "s1"), data); err != nil {
-			t.Fatal(err)
-		}
-		if err := nc.Flush(); err != nil {
-			t.Fatal(err)
-		}
-	}
-	healthz := func() int {
-		resp, err := http.Get(s.url + "/healthz")
-		if err != nil {
-			t.Fatal(err)
-		}
-		resp.Body.Close()
-		return resp.StatusCode
-	}
+	announceS1 := schedulerAnnouncer(t, s)
+	announce := func(ready bool, holds time.Duration) { t.Helper(); announceS1(ready, holds, false) }
+	healthz := func() int { return s.healthz(t) }
 	const chat = `{"model":"kvbus-sim","messages":[{"role":"user","content":"hi"}]}`
 	// Before any scheduler was ready: at once, whatever it holds.
 	announce(false, 10*time.Second)
@@ -275,30 +254,8 @@ func TestRequestsWaitForASchedulerReadyAgain(t *testing.T) {
 // ("<status> <body>") and its time arrive.
 func heldRequest(t *testing.T, s *standalone) (announce func(ready bool, holds time.Duration, stopped bool), answered <-chan string, sent time.Time) {
 	t.Helper()
-	nc, err := nats.Connect(s.natsURL)
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(nc.Close)
-	announce = func(ready bool, holds time.Duration, stopped bool) {
-		t.Helper()
-		data, _ := messages.Marshal(&messages.Announcement{Role: messages.RoleScheduler, ID: "s1", Ready: ready, Stopped: stopped,
-			Reason: "no ready worker group", UnixMs: time.Now().UnixMilli(), NoGroupWaitMs: holds.Milliseconds()})
-		if err := nc.Publish(messages.Subjects{}.Announce(messages.RoleScheduler, "s1"), data); err != nil {
-			t.Fatal(err)
-		}
-		if err := nc.Flush(); err != nil {
-			t.Fatal(err)
-		}
-	}
-	healthz := func() int {
-		resp, err := http.Get(s.url + "/healthz")
-		if err != nil {
-			t.Fatal(err)
-		}
-		resp.Body.Close()
-		return resp.StatusCode
-	}
+	announce = schedulerAnnouncer(t, s)
+	healthz := func() int { return s.healthz(t) }
 	announce(true, 10*time.Second, false)
 	testenv.Eventually(t, 5*time.Second, "/healthz 200", func() bool { return healthz() == http.StatusOK })
 	announce(false, 10*time.Second, false)
@@ -384,4 +341,37 @@ func TestStopTimeoutEndsAHeldRequest(t *testing.T) {
 	case <-time.After(10 * time.Second):
 		t.Fatal("no answer")
 	}
+}
+
+// schedulerAnnouncer returns what publishes scheduler s1's announcements
+// to s's bus: ready or not, holding requests for holds, stopped.
+func schedulerAnnouncer(t *testing.T, s *standalone) func(ready bool, holds time.Duration, stopped bool) {
+	t.Helper()
+	nc, err := nats.Connect(s.natsURL)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(nc.Close)
+	return func(ready bool, holds time.Duration, stopped bool) {
+		t.Helper()
+		data, _ := messages.Marshal(&messages.Announcement{Role: messages.RoleScheduler, ID: "s1", Ready: ready, Stopped: stopped,
+			Reason: "no ready worker group", UnixMs: time.Now().UnixMilli(), NoGroupWaitMs: holds.Milliseconds()})
+		if err := nc.Publish(messages.Subjects{}.Announce(messages.RoleScheduler, "s1"), data); err != nil {
+			t.Fatal(err)
+		}
+		if err := nc.Flush(); err != nil {
+			t.Fatal(err)
+		}
+	}
+}
+
+// healthz is the status of s's /healthz.
+func (s *standalone) healthz(t *testing.T) int {
+	t.Helper()
+	resp, err := http.Get(s.url + "/healthz")
+	if err != nil {
+		t.Fatal(err)
+	}
+	resp.Body.Close()
+	return resp.StatusCode
 }

@@ -451,15 +451,7 @@ func TestKVEventGapIsRepairedByADump(t *testing.T) {
 func TestCacheSaltSeparatesPrefixes(t *testing.T) {
 	c := testenv.StartCluster(t, testenv.ClusterConfig{Groups: 2, Policy: scheduler.PolicyKV})
 	metas := c.Observe(t, "kvbus.meta.>")
-	body := func(salt string) string {
-		b := map[string]any{"model": c.Model, "max_tokens": 4,
-			"messages": []map[string]string{{"role": "user", "content": userTurn(7, 0)}}}
-		if salt != "" {
-			b["cache_salt"] = salt
-		}
-		out, _ := json.Marshal(b)
-		return string(out)
-	}
+	body := func(salt string) string { return saltedChat(c.Model, 7, salt) }
 	steps := []struct {
 		salt   string
 		cached bool // whether the prompt's full blocks are due cached
@@ -689,15 +681,7 @@ func TestForgedCacheSaltSharesNoBlocks(t *testing.T) {
 func TestSessionsShareAPromptUnlessSalted(t *testing.T) {
 	c := testenv.StartCluster(t, testenv.ClusterConfig{Groups: 2, Policy: scheduler.PolicyRoundRobin})
 	metas := c.Observe(t, "kvbus.meta.>")
-	body := func(salt string) string {
-		b := map[string]any{"model": c.Model, "max_tokens": 4,
-			"messages": []map[string]string{{"role": "user", "content": userTurn(11, 0)}}}
-		if salt != "" {
-			b["cache_salt"] = salt
-		}
-		out, _ := json.Marshal(b)
-		return string(out)
-	}
+	body := func(salt string) string { return saltedChat(c.Model, 11, salt) }
 	steps := []struct {
 		session, salt string
 		cached        bool
@@ -730,4 +714,16 @@ func TestSessionsShareAPromptUnlessSalted(t *testing.T) {
 				i+1, st.session, st.salt, tr.group, tr.cachedTokens, tr.promptTokens, want)
 		}
 	}
+}
+
+// saltedChat is a chat request of userTurn(seed, 0), with cache_salt salt
+// ("": none).
+func saltedChat(model string, seed int, salt string) string {
+	b := map[string]any{"model": model, "max_tokens": 4,
+		"messages": []map[string]string{{"role": "user", "content": userTurn(seed, 0)}}}
+	if salt != "" {
+		b["cache_salt"] = salt
+	}
+	out, _ := json.Marshal(b)
+	return string(out)
 }
