@@ -162,9 +162,9 @@ func (t *schedulerTable) observe(a *messages.Announcement, now time.Time) {
 			delete(t.m, id)
 		}
 	}
+	holds := time.Duration(a.NoGroupWaitMs) * time.Millisecond
 	prev, seen := t.m[a.ID]
-	t.m[a.ID] = schedulerSeen{ready: a.Ready, reason: a.Reason, at: now, models: a.ReadyModels,
-		holds: time.Duration(a.NoGroupWaitMs) * time.Millisecond}
+	t.m[a.ID] = schedulerSeen{ready: a.Ready, reason: a.Reason, at: now, models: a.ReadyModels, holds: holds}
 	if a.Ready && t.readyHeard != nil {
 		select {
 		case <-t.readyHeard:
@@ -172,7 +172,7 @@ func (t *schedulerTable) observe(a *messages.Announcement, now time.Time) {
 			close(t.readyHeard)
 		}
 	}
-	if a.Ready || (t.wake != nil && (!seen || prev.holds != t.m[a.ID].holds)) {
+	if a.Ready || (t.wake != nil && (!seen || prev.holds != holds)) {
 		if t.wake != nil {
 			close(t.wake)
 		}

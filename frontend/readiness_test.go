@@ -195,29 +195,7 @@ func TestRequestsWaitForASchedulerReadyAgain(t *testing.T) {
 		t.Fatalf("never ready: %d after %s, want a 503 at once", r.status, time.Since(start))
 	}
 
-	announce(true, 10*time.Second)
-	testenv.Eventually(t, 5*time.Second, "/healthz 200", func() bool { return healthz() == http.StatusOK })
-	announce(false, 10*time.Second)
-	testenv.Eventually(t, 5*time.Second, "/healthz 503", func() bool { return healthz() == http.StatusServiceUnavailable })
-	// Sent by hand: no scheduler answers it, and the test ends before its
-	// timeout.
-	answered := make(chan string, 1)
-	go func() {
-		resp, err := http.Post(s.url+"/v1/chat/completions", "application/json", strings.NewReader(chat))
-		if err != nil {
-			answered <- err.Error()
-			return
-		}
-		body, _ := io.ReadAll(resp.Body)
-		resp.Body.Close()
-		answered <- fmt.Sprintf("%d %s", resp.StatusCode, body)
-	}()
-	time.Sleep(500 * time.Millisecond)
-	select {
-	case r := <-answered:
-		t.Fatalf("a request while the scheduler holds requests for a group: answered %s at once", r)
-	default:
-	}
+	heldRequest(t, s) // held: not answered at once
 	if st := s.logState(t); st.Msgs != 0 {
 		t.Fatalf("%d requests published while no scheduler was ready", st.Msgs)
 	}

@@ -71,17 +71,12 @@ func settledChat(t *testing.T, c *testenv.Cluster, metas *testenv.Observer, body
 	}
 	var resp struct {
 		Choices []struct{ Message struct{ Content string } }
-		Usage   struct {
-			PromptTokens        int `json:"prompt_tokens"`
-			PromptTokensDetails struct {
-				CachedTokens int `json:"cached_tokens"`
-			} `json:"prompt_tokens_details"`
-		}
+		Usage   answerUsage
 	}
 	if err := json.Unmarshal(raw, &resp); err != nil {
 		t.Fatal(err)
 	}
-	tr := turnResult{reqID: h.Get("X-Request-Id"), promptTokens: resp.Usage.PromptTokens, cachedTokens: resp.Usage.PromptTokensDetails.CachedTokens}
+	tr := turnResult{reqID: h.Get("X-Request-Id"), promptTokens: resp.Usage.PromptTokens, cachedTokens: resp.Usage.Details.CachedTokens}
 	meta := metaOf(t, metas, tr.reqID)
 	tr.group = meta.Group
 	testenv.Eventually(t, 5*time.Second, "the index to hold the turn's blocks", func() bool {
@@ -639,18 +634,11 @@ func TestForgedCacheSaltSharesNoBlocks(t *testing.T) {
 		if status != http.StatusOK {
 			t.Fatalf("status %d: %s", status, raw)
 		}
-		var resp struct {
-			Usage struct {
-				PromptTokens        int `json:"prompt_tokens"`
-				PromptTokensDetails struct {
-					CachedTokens int `json:"cached_tokens"`
-				} `json:"prompt_tokens_details"`
-			}
-		}
+		var resp struct{ Usage answerUsage }
 		if err := json.Unmarshal(raw, &resp); err != nil {
 			t.Fatal(err)
 		}
-		tr := turnResult{reqID: h.Get("X-Request-Id"), promptTokens: resp.Usage.PromptTokens, cachedTokens: resp.Usage.PromptTokensDetails.CachedTokens}
+		tr := turnResult{reqID: h.Get("X-Request-Id"), promptTokens: resp.Usage.PromptTokens, cachedTokens: resp.Usage.Details.CachedTokens}
 		meta := metaOf(t, metas, tr.reqID)
 		testenv.Eventually(t, 5*time.Second, "the index to hold the prompt's blocks", func() bool {
 			g := []scheduler.GroupState{{Name: meta.Group}}

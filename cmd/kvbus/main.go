@@ -35,8 +35,8 @@ type cli struct {
 	Auth      authCmd          `cmd:"" help:"Give every role its own NATS key and only the subjects it needs (init, show, probe)."`
 	Report    reportCmd        `cmd:"" help:"Redraw the HTML plots of a JSON report (kvbus report --html out.html report.json)."`
 	Loadgen   loadgenCmd       `cmd:"" help:"Drive an OpenAI-compatible server over HTTP with concurrent clients and print req/s and latency percentiles."`
-	Version   kong.VersionFlag `env:"-" help:"Print kvbus's version and exit."`
 	Top       topCmd           `cmd:"" help:"Watch the cluster live from the bus: groups, queues, cache hits, TTFT, busiest sessions (with kvbus auth keys: the observer key)."`
+	Version   kong.VersionFlag `env:"-" help:"Print kvbus's version and exit."`
 }
 
 func main() {
