@@ -641,6 +641,12 @@ func TestSchedulerWaitsForReadyGroup(t *testing.T) {
 func TestSchedulerWaitsForTheIndexToSync(t *testing.T) {
 	const wait = 600 * time.Millisecond
 	e := startScheduler(t, schedEnvConfig{unsyncedWait: wait})
+	// startScheduler waits for the groups, not for the request consumer,
+	// which may start a moment later on a loaded host.
+	testenv.Eventually(t, waitFor, "the request consumer running", func() bool {
+		_, why := e.s.Ready()
+		return why != "request consumer not running"
+	})
 	if ok, why := e.s.Ready(); ok || !strings.Contains(why, "not synced") {
 		t.Fatalf("Ready() = %v, %q; want not ready, index not synced", ok, why)
 	}
