@@ -6,8 +6,9 @@ import (
 	"fmt"
 	"log"
 	"log/slog"
-	"sync"
 	"time"
+
+	"github.com/kvbus/kvbus/internal/logevery"
 )
 
 // acceptErrorEvery is how often net/http's accept errors are logged.
@@ -19,33 +20,30 @@ const acceptErrorEvery = 10 * time.Second
 // failed accept, retrying within milliseconds whenever one succeeds in
 // between: ~90 lines a second at the file descriptor limit.
 func httpErrorLog(h slog.Handler) *log.Logger {
-	return log.New(&errorLogWriter{h: h, now: time.Now}, "", 0)
+	return log.New(newErrorLogWriter(h, time.Now), "", 0)
+}
+
+func newErrorLogWriter(h slog.Handler, now func() time.Time) *errorLogWriter {
+	return &errorLogWriter{h: h, now: now, accept: logevery.Limiter{Every: acceptErrorEvery, Now: now}}
 }
 
 type errorLogWriter struct {
-	h   slog.Handler
-	now func() time.Time
-
-	mu      sync.Mutex
-	last    time.Time // the last accept error logged
-	skipped int       // accept errors since, not logged
+	h      slog.Handler
+	now    func() time.Time
+	accept logevery.Limiter // of the accept errors
 }
 
 func (w *errorLogWriter) Write(p []byte) (int, error) {
 	msg := string(bytes.TrimRight(p, "\n"))
 	now := w.now()
 	if bytes.HasPrefix(p, []byte("http: Accept error")) {
-		w.mu.Lock()
-		if !w.last.IsZero() && now.Sub(w.last) < acceptErrorEvery {
-			w.skipped++
-			w.mu.Unlock()
+		ok, held, over := w.accept.Allow()
+		if !ok {
 			return len(p), nil
 		}
-		if w.skipped > 0 {
-			msg += fmt.Sprintf(" (and %d more in the last %s: the process may be out of file descriptors; raise its limit, ulimit -n)", w.skipped, now.Sub(w.last).Round(time.Second))
+		if held > 0 {
+			msg += fmt.Sprintf(" (and %d more in the last %s: the process may be out of file descriptors; raise its limit, ulimit -n)", held, over.Round(time.Second))
 		}
-		w.last, w.skipped = now, 0
-		w.mu.Unlock()
 	}
 	if !w.h.Enabled(context.Background(), slog.LevelWarn) {
 		return len(p), nil

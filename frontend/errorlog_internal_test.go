@@ -56,7 +56,7 @@ func TestAcceptErrorsLoggedOncePerWindow(t *testing.T) {
 	var mu sync.Mutex
 	now := time.Unix(1000, 0)
 	clock := func() time.Time { mu.Lock(); defer mu.Unlock(); return now }
-	w := &errorLogWriter{h: slog.NewTextHandler(&logs, nil), now: clock}
+	w := newErrorLogWriter(slog.NewTextHandler(&logs, nil), clock)
 	l := &flakyListener{closed: make(chan struct{})}
 	srv := &http.Server{Handler: http.NotFoundHandler(), ErrorLog: log.New(w, "", 0)}
 	done := make(chan error, 1)
