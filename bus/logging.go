@@ -13,7 +13,7 @@ import (
 )
 
 // handlerErrorEvery is how often a handler's failures are logged.
-var handlerErrorEvery = 10 * time.Second
+const handlerErrorEvery = 10 * time.Second
 
 // malformedHint is what to do about messages a handler cannot decode.
 const malformedHint = "something publishes on this subject what kvbus cannot decode (a stray client, a tool, " +
@@ -28,8 +28,13 @@ const malformedHint = "something publishes on this subject what kvbus cannot dec
 // decode (malformed, with what to do) apart from other failures, so that a
 // flood of the one hides none of the other.
 func Logging[M any](log *slog.Logger, name string) Middleware[M] {
-	malformed := &logevery.Limiter{Every: handlerErrorEvery}
-	failed := &logevery.Limiter{Every: handlerErrorEvery}
+	return logging[M](log, name, time.Now)
+}
+
+// logging is Logging on the clock now.
+func logging[M any](log *slog.Logger, name string, now func() time.Time) Middleware[M] {
+	malformed := &logevery.Limiter{Every: handlerErrorEvery, Now: now}
+	failed := &logevery.Limiter{Every: handlerErrorEvery, Now: now}
 	return func(next Handler[M]) Handler[M] {
 		return func(ctx context.Context, msg M) error {
 			err := next(ctx, msg)

@@ -18,11 +18,10 @@ import (
 // held back; another failure, during the flood of malformed ones, is
 // logged all the same.
 func TestHandlerFailuresLoggedOncePerWindow(t *testing.T) {
-	defer func(d time.Duration) { handlerErrorEvery = d }(handlerErrorEvery)
-	handlerErrorEvery = time.Second // 500 calls take well under
+	now := time.Unix(1000, 0)
 	var logs logbuf.Buffer
 	var fail error
-	h := Logging[*nats.Msg](slog.New(slog.NewTextHandler(&logs, nil)), "h")(func(context.Context, *nats.Msg) error { return fail })
+	h := logging[*nats.Msg](slog.New(slog.NewTextHandler(&logs, nil)), "h", func() time.Time { return now })(func(context.Context, *nats.Msg) error { return fail })
 	m := &nats.Msg{Subject: "kvbus.ctl.abort"}
 	fail = fmt.Errorf("*messages.Abort: %w: truncated", messages.ErrMalformed)
 	for range 500 {
@@ -36,7 +35,7 @@ func TestHandlerFailuresLoggedOncePerWindow(t *testing.T) {
 	if got := len(logs.Lines("message handler failed", "connection closed", "subject=kvbus.ctl.abort")); got != 1 {
 		t.Errorf("the other failure logged %d times, want 1:\n%s", got, logs.String())
 	}
-	time.Sleep(1100 * time.Millisecond)
+	now = now.Add(handlerErrorEvery)
 	fail = fmt.Errorf("*messages.Abort: %w: truncated", messages.ErrMalformed)
 	_ = h(t.Context(), m)
 	if got := len(logs.Lines("could not decode", "more=499")); got != 1 {
