@@ -161,7 +161,9 @@ func Connect(ctx context.Context, cfg Config) (*nats.Conn, error) {
 		nats.MaxPingsOutstanding(MaxPingsOutstanding),
 		nats.DisconnectErrHandler(func(nc *nats.Conn, err error) {
 			if err != nil {
-				log.Warn("nats disconnected", "conn", cfg.Name, "err", err)
+				log.Warn("nats disconnected: reconnecting (about every ¼ s, for as long as it takes; what is published meanwhile is buffered, up to 64 MiB); "+
+					"a 'nats reconnected' line follows, or, while it cannot, lines naming why: check that the NATS server runs and is reachable",
+					"conn", cfg.Name, "err", err)
 			}
 			if nc.IsReconnecting() && watching.CompareAndSwap(false, true) { // not at a Close
 				go func() {
