@@ -217,13 +217,36 @@ func TestSimUnsupportedFields(t *testing.T) {
 	harmless := []string{
 		`,"tools":null`, `,"tools":[]`, `,"tool_choice":"none"`, `,"tool_choice":null`,
 		`,"response_format":{"type":"text"}`, `,"response_format":{"type": "text"}`, `,"response_format":null`,
-		`,"logprobs":false`, `,"logprobs":null`, `,"logprobs":0`, `,"top_logprobs":0`, `,"echo":false`,
+		`,"logprobs":false`, `,"logprobs":null`, `,"top_logprobs":0`, `,"echo":false`,
 		`,"logit_bias":{}`, `,"logit_bias":null`, `,"guided_json":null`, `,"guided_choice":[]`,
 		`,"structured_outputs":null`, `,"n":1`, `,"n":null`,
 		`,"tools":[],"tool_choice":"none","response_format":{"type":"text"},"logprobs":false,"echo":false,"logit_bias":{}`,
 		// Indented, as json.dumps(indent=2) or curl -d @file.json sends
 		// them: these were refused as asking for more.
 		",\n  \"response_format\": {\n    \"type\": \"text\"\n  }", ",\"tools\": [ ]", ",\"logit_bias\": {\n}",
+	}
+	// logprobs differs by endpoint: chat's is a boolean (0 is false, as
+	// pydantic takes it), completions' a count for which vLLM answers any
+	// value but null with the chosen tokens' logprobs, 0 included. It failed
+	// before: the sim answered completions' logprobs 0 with "logprobs": null.
+	for _, tc := range []struct {
+		path, body string
+		status     int
+	}{
+		{"/v1/chat/completions", chat(`,"logprobs":0`), http.StatusOK},
+		{"/v1/completions", completion(`,"logprobs":0`), http.StatusBadRequest},
+		{"/v1/completions", completion(`,"logprobs":0.0`), http.StatusBadRequest},
+		{"/v1/completions", completion(`,"logprobs": 0 `), http.StatusBadRequest},
+		{"/v1/completions", completion(`,"logprobs":null`), http.StatusOK},
+	} {
+		status, _, raw := send(t, http.MethodPost, c.URL+tc.path, tc.body, nil)
+		if status != tc.status {
+			t.Errorf("%s %s: status %d, want %d: %.300s", tc.path, tc.body, status, tc.status, raw)
+			continue
+		}
+		if status == http.StatusBadRequest && !strings.Contains(string(raw), `"param":"logprobs"`) {
+			t.Errorf("%s %s: %s; want param logprobs", tc.path, tc.body, raw)
+		}
 	}
 	for _, extra := range harmless {
 		for path, body := range map[string]string{"/v1/chat/completions": chat(extra), "/v1/completions": completion(extra)} {

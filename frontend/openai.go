@@ -56,8 +56,17 @@ type commonParams struct {
 
 // simUnsupported names the first field set in c that the sim engine
 // cannot honour (a value that asks for nothing, such as null, false, 0,
-// 0.0, [] or tool_choice "none", is fine).
-func (c *commonParams) simUnsupported() string {
+// 0.0, [] or tool_choice "none", is fine). On /v1/completions (endpoint)
+// logprobs is a count, not chat's boolean, and 0 asks too: vLLM answers
+// every logprobs that is not null with the chosen tokens' logprobs
+// (serving_completion.py: "if request.logprobs is not None"). Other
+// values (true, 5) are refused below as on chat.
+func (c *commonParams) simUnsupported(endpoint string) string {
+	if endpoint == messages.EndpointCompletions {
+		if v := bytes.TrimSpace(c.Logprobs); len(v) > 0 && (v[0] == '-' || v[0] >= '0' && v[0] <= '9') {
+			return "logprobs" // a number (false and null ask for nothing)
+		}
+	}
 	fields := []struct {
 		name string
 		raw  json.RawMessage
@@ -302,7 +311,7 @@ func parseCommon(c *commonParams, p *parsedRequest, o parseOptions) *APIError {
 		if c.N != nil && *c.N != 1 {
 			return badRequest("n", "n must be 1: the sim engine generates one choice per prompt (real engines behind --engine openai take n)")
 		}
-		if f := c.simUnsupported(); f != "" {
+		if f := c.simUnsupported(p.endpoint); f != "" {
 			return badRequest(f, "%s is not supported by the sim engine, which would ignore it; leave it out, or run real engines (--engine openai), which get it as sent", f)
 		}
 	}
