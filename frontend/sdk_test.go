@@ -178,6 +178,16 @@ func TestSDK(t *testing.T) {
 		if !slices.Contains(ids, c.Model) {
 			t.Errorf("models = %q, want %q among them", ids, c.Model)
 		}
+		// Models.Get is OpenAI's GET /v1/models/{model}: 404 before.
+		m, err := client.Models.Get(t.Context(), c.Model)
+		if err != nil || m.ID != c.Model || m.Object != "model" {
+			t.Errorf("Models.Get(%q) = %+v, %v; want its entry", c.Model, m, err)
+		}
+		_, err = client.Models.Get(t.Context(), "no-such-model")
+		var apiErr *openai.Error
+		if !errors.As(err, &apiErr) || apiErr.StatusCode != http.StatusNotFound || apiErr.Code != "model_not_found" {
+			t.Errorf("Models.Get(no-such-model): %v; want a 404 model_not_found", err)
+		}
 	})
 
 	t.Run("unknown model is a 404 openai.Error", func(t *testing.T) {

@@ -534,6 +534,9 @@ func (s *Server) routes() http.Handler {
 			return
 		}
 		rt, ok := table[r.URL.Path]
+		if !ok && strings.HasPrefix(r.URL.Path, "/v1/models/") {
+			rt, ok = route{method: http.MethodGet, h: s.serveModel}, true
+		}
 		if !ok {
 			writeError(w, &APIError{Status: http.StatusNotFound, Type: typeNotFound, Code: "not_found",
 				Message: fmt.Sprintf("no route %s %s; see /v1/chat/completions, /v1/completions, /v1/models, /tokenize, /detokenize", r.Method, r.URL.Path)})
@@ -555,7 +558,11 @@ func (s *Server) authorized(r *http.Request) bool {
 	return ok && subtle.ConstantTimeCompare([]byte(strings.TrimSpace(token)), []byte(s.cfg.APIKey)) == 1
 }
 
-func (s *Server) serveModels(w http.ResponseWriter, r *http.Request) {
+// servedModels is what GET /v1/models lists: with engines behind the
+// frontend, the engines' own entries (their ids, their max_model_len), then
+// kvbus's --model names they do not list (the workers' --engine-model maps
+// those); without, the --model names.
+func (s *Server) servedModels(ctx context.Context) []any {
 	type model struct {
 		ID          string `json:"id"`
 		Object      string `json:"object"`
@@ -564,10 +571,7 @@ func (s *Server) serveModels(w http.ResponseWriter, r *http.Request) {
 		Root        string `json:"root"`
 		MaxModelLen int    `json:"max_model_len"`
 	}
-	// With engines behind it, the engines' own list (their ids, their
-	// max_model_len), then kvbus's --model names they do not list (the
-	// workers' --engine-model maps those).
-	engine, ids := s.engineModels.list(r.Context(), engineModelsTTL)
+	engine, ids := s.engineModels.list(ctx, engineModelsTTL)
 	var data []any
 	for _, raw := range engine {
 		data = append(data, raw)
@@ -577,10 +581,39 @@ func (s *Server) serveModels(w http.ResponseWriter, r *http.Request) {
 			data = append(data, model{ID: m, Object: "model", Created: s.created, OwnedBy: "kvbus", Root: m, MaxModelLen: s.cfg.MaxModelLen})
 		}
 	}
+	return data
+}
+
+func (s *Server) serveModels(w http.ResponseWriter, r *http.Request) {
 	writeJSON(w, http.StatusOK, struct {
 		Object string `json:"object"`
 		Data   []any  `json:"data"`
-	}{"list", data})
+	}{"list", s.servedModels(r.Context())})
+}
+
+// serveModel answers GET /v1/models/{model} (OpenAI's retrieve, which the
+// SDKs' Models.Get calls; vLLM has no such route): the entry the list
+// has for that id, whose slashes are part of it
+// (/v1/models/meta-llama/Llama-3.1-8B), or 404 model_not_found.
+func (s *Server) serveModel(w http.ResponseWriter, r *http.Request) {
+	id := strings.TrimPrefix(r.URL.Path, "/v1/models/")
+	var ids []string
+	for _, m := range s.servedModels(r.Context()) {
+		entry, _ := json.Marshal(m) // an engine's entry is JSON already
+		var named struct {
+			ID string `json:"id"`
+		}
+		if json.Unmarshal(entry, &named) != nil {
+			continue
+		}
+		if named.ID == id {
+			writeJSON(w, http.StatusOK, json.RawMessage(entry))
+			return
+		}
+		ids = append(ids, named.ID)
+	}
+	writeError(w, &APIError{Status: http.StatusNotFound, Type: typeNotFound, Param: "model", Code: "model_not_found",
+		Message: fmt.Sprintf("The model `%s` does not exist. Served models: %s.", id, strings.Join(ids, ", "))})
 }
 
 // writeJSON writes v as JSON, its <, > and & as they are (as vLLM's

@@ -1116,6 +1116,21 @@ func TestEngineModelKeepsAnAdapterTheEngineServes(t *testing.T) {
 			t.Errorf("model %s: %d %.300s; want the answer of %s", tc.asked, status, body, tc.want)
 		}
 	}
+	// GET /v1/models/{model} (OpenAI's retrieve) answers the engines' own
+	// entry for each id they list, slashes and all, and 404 for another.
+	for _, id := range []string{"org/served-model", "sql-lora", c.Model} {
+		status, _, body := testenv.Send(t, "GET", c.URL+"/v1/models/"+id, "", nil)
+		var m struct {
+			ID, Object string
+		}
+		if err := json.Unmarshal(body, &m); status != http.StatusOK || err != nil || m.ID != id || m.Object != "model" {
+			t.Errorf("GET /v1/models/%s: %d %.300s; want its entry", id, status, body)
+		}
+	}
+	if status, _, body := testenv.Send(t, "GET", c.URL+"/v1/models/org/other-model", "", nil); status != http.StatusNotFound ||
+		!strings.Contains(string(body), `"code":"model_not_found"`) || !strings.Contains(string(body), "org/served-model") {
+		t.Errorf("GET /v1/models/org/other-model: %d %.300s; want 404 model_not_found naming the served ones", status, body)
+	}
 }
 
 // TestEngineSilentKVEventsWarnOnce: a worker whose --kv-events hears
