@@ -29,25 +29,7 @@ func TestGarbageOnTheBusIsNoLogFlood(t *testing.T) {
 		t.Fatal(err)
 	}
 	malformed := func(handler string) float64 {
-		mfs, err := c.Registry.Gather()
-		if err != nil {
-			t.Fatal(err)
-		}
-		for _, mf := range mfs {
-			if mf.GetName() != "kvbus_bus_messages_total" {
-				continue
-			}
-			for _, m := range mf.GetMetric() {
-				labels := map[string]string{}
-				for _, l := range m.GetLabel() {
-					labels[l.GetName()] = l.GetValue()
-				}
-				if labels["handler"] == handler && labels["outcome"] == "malformed" {
-					return m.GetCounter().GetValue()
-				}
-			}
-		}
-		return 0
+		return testenv.CounterSum(t, c.Registry, "kvbus_bus_messages_total", map[string]string{"handler": handler, "outcome": "malformed"})
 	}
 	testenv.Eventually(t, 10*time.Second, "every garbage message handled", func() bool {
 		return malformed("scheduler_abort") == n && malformed("worker_abort") == 2*n // two ranks, one registry

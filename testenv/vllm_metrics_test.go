@@ -110,19 +110,7 @@ func TestVLLMMetricNames(t *testing.T) {
 // stopped consuming the request log still has).
 func TestSchedulerReadyGauge(t *testing.T) {
 	c := testenv.StartCluster(t, testenv.ClusterConfig{})
-	gauge := func() float64 {
-		mfs, err := c.Registry.Gather()
-		if err != nil {
-			t.Fatal(err)
-		}
-		for _, mf := range mfs {
-			if mf.GetName() == "kvbus_scheduler_ready" {
-				return mf.GetMetric()[0].GetGauge().GetValue()
-			}
-		}
-		t.Fatal("no kvbus_scheduler_ready")
-		return 0
-	}
+	gauge := func() float64 { return testenv.GaugeSum(t, c.Registry, "kvbus_scheduler_ready", nil) }
 	testenv.Eventually(t, 10*time.Second, "the scheduler ready", func() bool { ok, _ := c.Scheduler.Ready(); return ok })
 	if g := gauge(); g != 1 {
 		t.Errorf("kvbus_scheduler_ready = %v with the scheduler ready, want 1", g)
