@@ -6,6 +6,8 @@ import (
 	"time"
 
 	"github.com/alecthomas/kong"
+
+	"github.com/kvbus/kvbus/messages"
 )
 
 // Numbers on the command line. A library Config takes 0 (and, for many
@@ -25,6 +27,25 @@ func (c *cli) Validate(kctx *kong.Context) error {
 		if err := checkNumber(f); err != nil {
 			return err
 		}
+		if err := checkSubjectPrefix(f); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// checkSubjectPrefix refuses a --subject-prefix that cannot be the first
+// token of a subject (a dot, a wildcard, a space), before anything starts:
+// serve retried the request log's invalid stream name for 30 s, tap
+// listened on a subject nothing publishes, auth init wrote permissions for
+// it. Empty is the default's (kvbus, or for auth show DIR's own).
+func checkSubjectPrefix(f *kong.Flag) error {
+	if f.Name != "subject-prefix" || !f.Target.IsValid() || f.Target.Kind() != reflect.String || f.Target.String() == "" {
+		return nil
+	}
+	if err := messages.ValidateToken("subject prefix", f.Target.String()); err != nil {
+		return fmt.Errorf("--subject-prefix %q: the first token of every kvbus subject takes letters, digits, _ and - only, 1 to 64 of them (e.g. kvbus, team-a)",
+			f.Target.String())
 	}
 	return nil
 }

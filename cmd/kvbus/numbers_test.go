@@ -1,6 +1,7 @@
 package main
 
 import (
+	"slices"
 	"strings"
 	"testing"
 
@@ -68,5 +69,45 @@ func TestNumberFlags(t *testing.T) {
 		case tc.flag != "" && (err == nil || !strings.Contains(err.Error(), tc.flag)):
 			t.Errorf("%v: %v; want an error naming %s", tc.args, err, tc.flag)
 		}
+	}
+}
+
+// TestSubjectPrefixFlag: a --subject-prefix that cannot be a subject token
+// is refused when the command line is parsed, naming the flag, by every
+// command that takes one. Before, each found out (or not) in its own way:
+// serve retried the request log's invalid stream name for 30 s in silence,
+// tap listened for ever on a subject nothing publishes, auth init wrote
+// keys and a nats-auth.conf for it, and frontend, scheduler and worker
+// refused it only after connecting, without naming the flag (behind a
+// "cannot connect" after 10 s when NATS was not up yet).
+func TestSubjectPrefixFlag(t *testing.T) {
+	parse := func(args ...string) error {
+		var c cli
+		p, err := kong.New(&c, kong.Bind((*logsink.Writer)(nil)), kong.DefaultEnvars("KVBUS"), kong.Exit(func(int) {}))
+		if err != nil {
+			t.Fatal(err)
+		}
+		_, err = p.Parse(args)
+		return err
+	}
+	dir := t.TempDir()
+	for _, cmd := range [][]string{
+		{"serve"}, {"frontend"}, {"scheduler"}, {"worker", "--group=g0"}, {"tap"}, {"top"},
+		{"capture", "record", "--out=" + dir + "/c"}, {"replay", "--target=http://127.0.0.1:1", "numbers_test.go"},
+		{"auth", "init", dir}, {"auth", "show", dir},
+	} {
+		for _, bad := range []string{"a.b", "*", ">", "a b", strings.Repeat("p", 65)} {
+			err := parse(append(slices.Clone(cmd), "--subject-prefix="+bad)...)
+			if err == nil || !strings.Contains(err.Error(), "--subject-prefix") {
+				t.Errorf("%v --subject-prefix=%q: %v; want an error naming --subject-prefix", cmd, bad, err)
+			}
+		}
+		if err := parse(append(slices.Clone(cmd), "--subject-prefix=team-a_2")...); err != nil {
+			t.Errorf("%v --subject-prefix=team-a_2: %v; want it accepted", cmd, err)
+		}
+	}
+	t.Setenv("KVBUS_SUBJECT_PREFIX", "a.b")
+	if err := parse("scheduler"); err == nil || !strings.Contains(err.Error(), "--subject-prefix") {
+		t.Errorf("scheduler with KVBUS_SUBJECT_PREFIX=a.b: %v; want an error naming --subject-prefix", err)
 	}
 }
