@@ -198,6 +198,39 @@ func TestWorkerBadSizes(t *testing.T) {
 	}
 }
 
+// TestWorkerRankOutOfRangeBeforeItConnects: a rank identity no group can
+// have (--tp-rank at or past --tp-size, --ep-rank past --ep-size), or a
+// --tp-rank/--ep-rank given with --rank auto (which picks the rank
+// itself), is refused at once naming the flags, before the worker
+// connects. Before, the range was checked only after connecting: with NATS
+// not up yet the worker said "cannot connect" after 10 s and nothing of
+// the flags, and --rank auto --tp-rank 2 quietly claimed rank 0.
+func TestWorkerRankOutOfRangeBeforeItConnects(t *testing.T) {
+	for _, tc := range []struct {
+		args []string
+		want []string
+	}{
+		{[]string{"--group", "g0", "--tp-rank", "4", "--tp-size", "4"}, []string{"--tp-rank 4", "--tp-size 4"}},
+		{[]string{"--group", "g0", "--tp-rank", "1", "--tp-size", "2", "--ep-rank", "5", "--ep-size", "4"}, []string{"--ep-rank 5", "--ep-size 4"}},
+		{[]string{"--group", "g0", "--tp-rank", "3", "--tp-size", "4", "--ep-size", "2"}, []string{"--ep-rank 3", "--ep-size 2"}},
+		{[]string{"--rank", "auto", "--tp-rank", "2"}, []string{"--rank auto", "--tp-rank"}},
+		{[]string{"--rank", "auto", "--ep-rank", "1"}, []string{"--rank auto", "--ep-rank"}},
+	} {
+		c := parseCLI(t, append([]string{"worker", "--nats-url", "nats://127.0.0.1:1", "--metrics-addr="}, tc.args...)...)
+		start := time.Now()
+		err := c.Worker.Run(t.Context())
+		if err == nil || time.Since(start) > 2*time.Second {
+			t.Errorf("worker %v: %v after %v; want an error at once", tc.args, err, time.Since(start).Round(time.Millisecond))
+			continue
+		}
+		for _, w := range tc.want {
+			if !strings.Contains(err.Error(), w) {
+				t.Errorf("worker %v: %v; want it to name %q", tc.args, err, w)
+			}
+		}
+	}
+}
+
 // TestMetricsAddrInUseStopsARoleBeforeItConnects: a worker or scheduler
 // whose --metrics-addr is taken (a second process started with a running
 // one's flags) fails naming the address before it connects, so it never

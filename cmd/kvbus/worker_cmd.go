@@ -61,6 +61,9 @@ func (c *workerCmd) Run(ctx context.Context) error {
 	if err := c.checkSizes(c.TPSize, c.BlockSize, c.Engine == workers.EngineOpenAI); err != nil {
 		return err
 	}
+	if err := c.checkIdentity(); err != nil {
+		return err
+	}
 	// An engine's configuration is checked before anything connects.
 	var (
 		engine   workers.Engine
@@ -184,6 +187,34 @@ func (c *workerCmd) Run(ctx context.Context) error {
 		}
 	})
 	return roleErr(ctx, r.wait())
+}
+
+// checkIdentity refuses, before anything connects, a rank no group can
+// have (the rank's own check ran only after connecting, so with NATS not
+// up yet the worker said "cannot connect" and nothing of its flags), and a
+// --tp-rank or --ep-rank given with --rank auto, which picks the rank
+// itself (it claimed rank 0 for --tp-rank 2 without a word).
+func (c *workerCmd) checkIdentity() error {
+	if c.Rank == "auto" {
+		if c.TPRank != 0 || c.EPRank >= 0 {
+			return fmt.Errorf("--rank auto claims a free rank itself: give no --tp-rank (got %d) or --ep-rank (got %d), or drop --rank auto and give --group and --tp-rank", c.TPRank, c.EPRank)
+		}
+		return nil
+	}
+	if c.TPRank >= c.TPSize {
+		return fmt.Errorf("--tp-rank %d must be below --tp-size %d (ranks of a group of %d are 0 to %d)", c.TPRank, c.TPSize, c.TPSize, c.TPSize-1)
+	}
+	ep, epSize := c.EPRank, c.EPSize
+	if ep < 0 {
+		ep = c.TPRank
+	}
+	if epSize == 0 {
+		epSize = c.TPSize
+	}
+	if ep >= epSize {
+		return fmt.Errorf("--ep-rank %d (the TP rank when not given) must be below --ep-size %d (the TP size when not given)", ep, epSize)
+	}
+	return nil
 }
 
 // checkRankAutoKey checks, before a --rank auto worker claims a slot, that
