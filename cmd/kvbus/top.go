@@ -71,6 +71,12 @@ func (c *topCmd) Run(ctx context.Context) error {
 	if err := c.Validate(); err != nil {
 		return err
 	}
+	// The live view draws on the terminal of its output: into a pipe or a
+	// file it drew nothing (a few escape sequences) and ran until killed.
+	if !c.Once && !term.IsTerminal(int(os.Stdout.Fd())) {
+		return errors.New("top: the live view needs a terminal, and standard output is not one (a pipe or a file): " +
+			"for scripts use --once (one plain snapshot after --watch) or --once --json")
+	}
 	nc, err := c.connect(ctx)
 	if err != nil {
 		return err

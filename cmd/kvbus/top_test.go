@@ -1,6 +1,7 @@
 package main
 
 import (
+	"bytes"
 	"context"
 	"encoding/json"
 	"fmt"
@@ -258,4 +259,65 @@ func TestTopFlagsSayWhatTheyNeed(t *testing.T) {
 			t.Errorf("kvbus %s: %v; want it refused naming %s", strings.Join(tc.args, " "), err, tc.want)
 		}
 	}
+}
+
+// TestTopLiveNeedsATerminalOnStdout: the live view with its output
+// redirected (kvbus top > file, kvbus top | less, a terminal on its input
+// only) exits at once, before it connects, saying to use --once. Before,
+// it wrote a few escape sequences into the file, never a frame, and ran
+// until killed without a word (exit 0); with no terminal at all it failed
+// after connecting with bubbletea's "could not open TTY".
+func TestTopLiveNeedsATerminalOnStdout(t *testing.T) {
+	if testing.Short() {
+		t.Skip("builds and runs the binary")
+	}
+	bin := buildBinary(t, t.TempDir())
+	srv := testenv.StartNATS(t)
+	var out bytes.Buffer
+	cmd := exec.Command(bin, "top", "--nats-url", srv.ClientURL())
+	cmd.Stdout = &out // a pipe; input and standard error are the terminal
+	ptmx, err := pty.StartWithSize(cmd, &pty.Winsize{Rows: 40, Cols: 120})
+	if err != nil {
+		t.Fatal(err)
+	}
+	var screen lockedBytes
+	copied := make(chan struct{})
+	go func() { _, _ = io.Copy(&screen, ptmx); close(copied) }()
+	exited := make(chan error, 1)
+	go func() { exited <- cmd.Wait() }()
+	select {
+	case err = <-exited:
+	case <-time.After(5 * time.Second):
+		_ = cmd.Process.Kill()
+		err = <-exited
+		_ = ptmx.Close()
+		<-copied
+		t.Fatalf("top with its output not a terminal still ran after 5 s (killed: %v); its standard output: %q", err, out.String())
+	}
+	_ = ptmx.Close()
+	<-copied
+	said := screen.String()
+	if err == nil || !strings.Contains(said, "--once") || !strings.Contains(said, "terminal") || strings.Contains(said, "nats connected") {
+		t.Errorf("top with its output not a terminal: exit %v, said %q; want a non-zero exit before connecting, naming --once", err, said)
+	}
+	if out.Len() != 0 {
+		t.Errorf("top wrote %q to its output, which is not a terminal; want nothing", out.String())
+	}
+}
+
+type lockedBytes struct {
+	mu sync.Mutex
+	b  bytes.Buffer
+}
+
+func (l *lockedBytes) Write(p []byte) (int, error) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.b.Write(p)
+}
+
+func (l *lockedBytes) String() string {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.b.String()
 }
