@@ -198,6 +198,23 @@ func TestWorkerBadSizes(t *testing.T) {
 	}
 }
 
+// TestServeHeartbeatTimeoutAboveItsInterval: a --heartbeat-timeout at or
+// below --heartbeat-interval is refused at once, naming both; before, serve
+// started and no group ever stayed ready (every rank silent past the
+// timeout between two heartbeats), with no word of why.
+func TestServeHeartbeatTimeoutAboveItsInterval(t *testing.T) {
+	for _, args := range [][]string{{"--heartbeat-timeout", "1ms"}, {"--heartbeat-timeout", "2s", "--heartbeat-interval", "2s"}} {
+		c := parseCLI(t, append([]string{"serve", "--nats-addr", freeAddr(t), "--http-addr", freeAddr(t), "--data-dir", t.TempDir()}, args...)...)
+		ctx, cancel := context.WithTimeout(t.Context(), 3*time.Second) // before: served until stopped
+		start := time.Now()
+		err := c.Serve.Run(ctx)
+		cancel()
+		if err == nil || time.Since(start) > 2*time.Second || !strings.Contains(err.Error(), "--heartbeat-timeout") || !strings.Contains(err.Error(), "--heartbeat-interval") {
+			t.Errorf("serve %v: %v after %v; want an error at once naming --heartbeat-timeout and --heartbeat-interval", args, err, time.Since(start).Round(time.Millisecond))
+		}
+	}
+}
+
 // TestWorkerRankOutOfRangeBeforeItConnects: a rank identity no group can
 // have (--tp-rank at or past --tp-size, --ep-rank past --ep-size), or a
 // --tp-rank/--ep-rank given with --rank auto (which picks the rank

@@ -39,6 +39,12 @@ func (c *serveCmd) Run(ctx context.Context) error {
 		return err
 	}
 	defer stopPprof()
+	if c.HeartbeatTimeout <= c.HeartbeatEvery {
+		// Every rank would be silent longer than the timeout between two
+		// heartbeats: no group would stay ready, and nothing said why.
+		return fmt.Errorf("--heartbeat-timeout %s must be above --heartbeat-interval %s (a rank is gone once silent that long; give at least twice the interval, the defaults are 3s and 1s)",
+			c.HeartbeatTimeout, c.HeartbeatEvery)
+	}
 	cfg, err := c.clusterConfig()
 	if err != nil {
 		return err
