@@ -130,11 +130,11 @@ type Config struct {
 	Registry *prometheus.Registry
 }
 
-// Validate checks the configuration.
+// Validate checks the configuration's settings; New also needs Conn. It
+// needs no connection, so a command line calls it before connecting (an
+// empty ID passes: New picks one).
 func (c *Config) Validate() error {
 	switch {
-	case c.Conn == nil:
-		return fmt.Errorf("%w: no NATS connection", ErrConfig)
 	case len(c.Models) == 0 || c.Models[0] == "":
 		return fmt.Errorf("%w: no served model (--model)", ErrConfig)
 	case c.MaxModelLen < 2:
@@ -156,10 +156,30 @@ func (c *Config) Validate() error {
 			return fmt.Errorf("%w: --session-header %q is not a header name", ErrConfig, h)
 		}
 	}
-	if err := messages.ValidateToken("frontend id", c.ID); err != nil {
-		return fmt.Errorf("%w: %v", ErrConfig, err)
+	if c.ID != "" {
+		if err := messages.ValidateToken("frontend id", c.ID); err != nil {
+			return fmt.Errorf("%w: --id: %v", ErrConfig, err)
+		}
+	}
+	if c.Listener == nil && c.Addr != "" {
+		if err := checkListenAddr(c.Addr); err != nil {
+			return fmt.Errorf("%w: --http-addr %q: %v: give HOST:PORT, e.g. 0.0.0.0:8000 or :8000", ErrConfig, c.Addr, err)
+		}
 	}
 	return c.Subjects.Validate()
+}
+
+// checkListenAddr checks HOST:PORT without listening: net.Listen's own
+// errors come only once a role has connected to NATS.
+func checkListenAddr(addr string) error {
+	_, port, err := net.SplitHostPort(addr)
+	if err != nil {
+		return err
+	}
+	if _, err := net.LookupPort("tcp", port); err != nil {
+		return fmt.Errorf("port %q: %w", port, err)
+	}
+	return nil
 }
 
 // RequestLog is the request log's configuration this frontend creates it
@@ -259,6 +279,9 @@ func New(cfg Config) (*Server, error) {
 	}
 	if cfg.Registry == nil {
 		cfg.Registry = prometheus.NewRegistry()
+	}
+	if cfg.Conn == nil {
+		return nil, fmt.Errorf("%w: no NATS connection", ErrConfig)
 	}
 	if err := cfg.Validate(); err != nil {
 		return nil, err

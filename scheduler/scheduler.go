@@ -122,11 +122,11 @@ type Config struct {
 	Registerer prometheus.Registerer
 }
 
-// Validate checks the configuration.
+// Validate checks the configuration's settings; New also needs Conn. It
+// needs no connection, so a command line calls it before connecting (an
+// empty ID passes: New picks one).
 func (c *Config) Validate() error {
 	switch {
-	case c.Conn == nil:
-		return fmt.Errorf("%w: no NATS connection", ErrConfig)
 	case c.Policy == nil:
 		return fmt.Errorf("%w: no placement policy", ErrConfig)
 	case c.BlockSize < 1:
@@ -136,8 +136,10 @@ func (c *Config) Validate() error {
 	case c.MaxSessions < 0:
 		return fmt.Errorf("%w: --max-sessions must be positive", ErrConfig)
 	}
-	if err := messages.ValidateToken("scheduler id", c.ID); err != nil {
-		return fmt.Errorf("%w: %v", ErrConfig, err)
+	if c.ID != "" {
+		if err := messages.ValidateToken("scheduler id", c.ID); err != nil {
+			return fmt.Errorf("%w: --id: %v", ErrConfig, err)
+		}
 	}
 	if err := c.RequestLog.Validate(); err != nil {
 		return fmt.Errorf("%w: %w", ErrConfig, err)
@@ -263,6 +265,9 @@ func New(cfg Config) (*Scheduler, error) {
 	}
 	if cfg.IndexGroups == 0 {
 		cfg.IndexGroups = MaxIndexedGroups
+	}
+	if cfg.Conn == nil {
+		return nil, fmt.Errorf("%w: no NATS connection", ErrConfig)
 	}
 	if err := cfg.Validate(); err != nil {
 		return nil, err

@@ -41,6 +41,13 @@ func (c *frontendCmd) Run(ctx context.Context) error {
 	if err != nil {
 		return err
 	}
+	// Every purely local check before connecting: with NATS not up yet, a
+	// bad --http-addr, --id or --session-header was reported only after
+	// 10 s of "cannot connect".
+	pre := c.frontendConfig(nil, log, nil, c.ID)
+	if err := pre.Validate(); err != nil {
+		return err
+	}
 	ctx, nc, err := connect(ctx, c.natsFlags, "kvbus-frontend", bus.InboxPrefix(auth.RoleFrontend, ""), log)
 	if err != nil {
 		return err

@@ -319,3 +319,36 @@ func TestEngineUnavailableWaitFlag(t *testing.T) {
 		}
 	}
 }
+
+// TestFrontendAndSchedulerCheckFlagsBeforeTheyConnect: a frontend or
+// scheduler flag that is wrong whatever NATS says (the frontend's
+// --http-addr, --id, --session-header; the scheduler's --id) is refused at
+// once, naming the flag, with no NATS running. Before, both connected
+// first: with NATS not up yet the operator read 10 s of "cannot connect"
+// and nothing of the flag.
+func TestFrontendAndSchedulerCheckFlagsBeforeTheyConnect(t *testing.T) {
+	for _, tc := range []struct {
+		args []string
+		want string
+	}{
+		{[]string{"frontend", "--http-addr", "garbage"}, "--http-addr"},
+		{[]string{"frontend", "--http-addr", ":99999"}, "--http-addr"},
+		{[]string{"frontend", "--id", "a.b"}, "--id"},
+		{[]string{"frontend", "--session-header", "bad header"}, "--session-header"},
+		{[]string{"scheduler", "--id", "a.b", "--metrics-addr="}, "--id"},
+	} {
+		c := parseCLI(t, append(tc.args, "--nats-url", "nats://127.0.0.1:1")...)
+		ctx, cancel := context.WithTimeout(t.Context(), 3*time.Second) // before: "cannot connect" after 10 s, cut short here
+		start := time.Now()
+		var err error
+		if tc.args[0] == "frontend" {
+			err = c.Frontend.Run(ctx)
+		} else {
+			err = c.Scheduler.Run(ctx)
+		}
+		cancel()
+		if err == nil || time.Since(start) > 2*time.Second || !strings.Contains(err.Error(), tc.want) {
+			t.Errorf("%v: %v after %v; want an error at once naming %s", tc.args, err, time.Since(start).Round(time.Millisecond), tc.want)
+		}
+	}
+}

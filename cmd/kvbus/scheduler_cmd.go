@@ -32,6 +32,13 @@ func (c *schedulerCmd) Run(ctx context.Context) error {
 		return err
 	}
 	defer stopPprof()
+	// Every purely local check before connecting: with NATS not up yet, a
+	// bad --id was reported only after 10 s of "cannot connect".
+	if cfg, err := schedulerConfig(nil, c, log, nil); err != nil {
+		return err
+	} else if err := cfg.Validate(); err != nil {
+		return err
+	}
 	metrics, err := listenMetrics(log, c.MetricsAddr)
 	if err != nil {
 		return err
@@ -66,15 +73,23 @@ func (c *schedulerCmd) Run(ctx context.Context) error {
 }
 
 func newScheduler(nc *nats.Conn, c *schedulerCmd, log *slog.Logger, reg prometheus.Registerer) (*scheduler.Scheduler, error) {
-	b, f, rl, t := c.busFlags, c.schedulerFlags, c.requestLogFlags, c.timeoutFlags
-	policy, err := scheduler.NewPolicy(f.Policy, f.SessionEpsilon)
+	cfg, err := schedulerConfig(nc, c, log, reg)
 	if err != nil {
 		return nil, err
 	}
-	return scheduler.New(scheduler.Config{
+	return scheduler.New(cfg)
+}
+
+func schedulerConfig(nc *nats.Conn, c *schedulerCmd, log *slog.Logger, reg prometheus.Registerer) (scheduler.Config, error) {
+	b, f, rl, t := c.busFlags, c.schedulerFlags, c.requestLogFlags, c.timeoutFlags
+	policy, err := scheduler.NewPolicy(f.Policy, f.SessionEpsilon)
+	if err != nil {
+		return scheduler.Config{}, err
+	}
+	return scheduler.Config{
 		Conn: nc, Subjects: b.subjects(), ID: c.ID, Policy: policy, BlockSize: f.BlockSize, StreamReplicas: b.Replicas,
 		HeartbeatTimeout: f.HeartbeatTimeout, RequestTimeout: t.RequestTimeout, SessionTTL: f.SessionTTL, MaxSessions: f.MaxSessions, ShutdownTimeout: c.ShutdownTimeout,
 		Logger: log, Registerer: reg,
 		NoGroupWait: f.NoGroupWait, ResendAfter: f.ResendAfter, RequestLog: rl.streamConfig(), Pool: f.Pool,
-	})
+	}, nil
 }
