@@ -9,6 +9,7 @@ import (
 	"log/slog"
 	"net"
 	"net/http"
+	"net/url"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -156,6 +157,11 @@ func (c *Config) Validate() error {
 			return fmt.Errorf("%w: --session-header %q is not a header name", ErrConfig, h)
 		}
 	}
+	for _, o := range c.AllowedOrigins {
+		if err := checkOrigin(o); err != nil {
+			return fmt.Errorf("%w: --allowed-origins %q: %v", ErrConfig, o, err)
+		}
+	}
 	if c.ID != "" {
 		if err := messages.ValidateToken("frontend id", c.ID); err != nil {
 			return fmt.Errorf("%w: --id: %v", ErrConfig, err)
@@ -167,6 +173,21 @@ func (c *Config) Validate() error {
 		}
 	}
 	return c.Subjects.Validate()
+}
+
+// checkOrigin refuses an origin no browser sends, which matched no
+// request (CORS silently off for it): a browser's Origin is
+// scheme://host[:port], lower case, no path or trailing slash; "*" is
+// any, "null" an opaque origin, "" none.
+func checkOrigin(o string) error {
+	if o == "" || o == "*" || o == "null" {
+		return nil
+	}
+	u, err := url.Parse(o)
+	if err != nil || u.Scheme == "" || u.Host == "" || u.Scheme+"://"+u.Host != o || strings.ToLower(o) != o {
+		return errors.New("not an origin as browsers send it: give scheme://host[:port] in lower case with no path or trailing slash (https://app.example.com), * for any, or an empty value for none")
+	}
+	return nil
 }
 
 // checkListenAddr checks HOST:PORT without listening: net.Listen's own

@@ -134,6 +134,33 @@ func (m modelFlags) models() ([]string, error) {
 	return out, nil
 }
 
+// checkValues refuses the frontend's values that parse but cannot work,
+// before anything starts (they were served silently): no session header,
+// a request log smaller than one request of --max-body-bytes (every such
+// request got 503 request_log_full, with a Retry-After for ever), one
+// that drops requests younger than --request-timeout.
+func (f frontendFlags) checkValues(rl requestLogFlags, t timeoutFlags) error {
+	if len(f.SessionHeader) == 0 {
+		return fmt.Errorf("--session-header is empty: give the headers to read a session id from (default X-Session-ID,X-Correlation-ID); a body session_id is read before them either way")
+	}
+	if rl.RequestLogMaxBytes < f.MaxBodyBytes {
+		return fmt.Errorf("--request-log-max-bytes %d is below --max-body-bytes %d: the request log could not hold one request that size; give at least %d, or lower --max-body-bytes",
+			rl.RequestLogMaxBytes, f.MaxBodyBytes, f.MaxBodyBytes)
+	}
+	return rl.checkAge(t)
+}
+
+// checkAge refuses a request log that drops requests before their
+// deadline (--request-log-max-age 1ms dropped every request before a
+// scheduler read it).
+func (rl requestLogFlags) checkAge(t timeoutFlags) error {
+	if rl.RequestLogMaxAge < t.RequestTimeout {
+		return fmt.Errorf("--request-log-max-age %s is below --request-timeout %s: the request log would drop requests before their deadline; give at least %s (default 24h)",
+			rl.RequestLogMaxAge, t.RequestTimeout, t.RequestTimeout)
+	}
+	return nil
+}
+
 // frontendFlags configure the HTTP frontend.
 type frontendFlags struct {
 	HTTPAddr          string        `name:"http-addr" default:":8000" help:"HTTP listen address of the OpenAI-compatible API."`

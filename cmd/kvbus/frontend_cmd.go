@@ -44,6 +44,9 @@ func (c *frontendCmd) Run(ctx context.Context) error {
 	// Every purely local check before connecting: with NATS not up yet, a
 	// bad --http-addr, --id or --session-header was reported only after
 	// 10 s of "cannot connect".
+	if err := c.checkValues(c.requestLogFlags, c.timeoutFlags); err != nil {
+		return err
+	}
 	pre := c.frontendConfig(nil, log, nil, c.ID)
 	if err := pre.Validate(); err != nil {
 		return err

@@ -352,3 +352,47 @@ func TestFrontendAndSchedulerCheckFlagsBeforeTheyConnect(t *testing.T) {
 		}
 	}
 }
+
+// TestValuesThatCannotWorkAreRefused: values that parse but cannot work
+// are refused at once, naming the flag and what to give. Before, each
+// was served without a word: no --session-header at all (sessions from headers silently off), an
+// --allowed-origins no browser sends (CORS silently off for it), a
+// request log smaller than one request of --max-body-bytes (every such
+// request a 503 request_log_full for ever) or that drops requests before
+// --request-timeout.
+func TestValuesThatCannotWorkAreRefused(t *testing.T) {
+	for _, tc := range []struct {
+		args []string
+		want string
+	}{
+		{[]string{"frontend", "--session-header="}, "--session-header"},
+		{[]string{"frontend", "--allowed-origins", "not an origin"}, "--allowed-origins"},
+		{[]string{"frontend", "--allowed-origins", "https://app.example/"}, "--allowed-origins"},
+		{[]string{"frontend", "--request-log-max-bytes", "10"}, "--max-body-bytes"},
+		{[]string{"frontend", "--request-log-max-age", "1ms"}, "--request-timeout"},
+		{[]string{"scheduler", "--request-log-max-age", "1ms", "--metrics-addr="}, "--request-log-max-age"},
+		{[]string{"serve", "--request-log-max-bytes", "10", "--nats-addr", "127.0.0.1:0", "--http-addr", "127.0.0.1:0"}, "--request-log-max-bytes"},
+	} {
+		args := tc.args
+		if args[0] != "serve" {
+			args = append(args, "--nats-url", "nats://127.0.0.1:1")
+		}
+		c := parseCLI(t, args...)
+		ctx, cancel := context.WithTimeout(t.Context(), 3*time.Second) // before: "cannot connect" after 10 s, or served
+		start := time.Now()
+		var err error
+		switch tc.args[0] {
+		case "frontend":
+			err = c.Frontend.Run(ctx)
+		case "scheduler":
+			err = c.Scheduler.Run(ctx)
+		default:
+			c.Serve.out = &testenv.LogBuffer{}
+			err = c.Serve.Run(ctx)
+		}
+		cancel()
+		if err == nil || time.Since(start) > 2*time.Second || !strings.Contains(err.Error(), tc.want) {
+			t.Errorf("%v: %v after %v; want an error at once naming %s", tc.args, err, time.Since(start).Round(time.Millisecond), tc.want)
+		}
+	}
+}

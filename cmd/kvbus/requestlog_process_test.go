@@ -71,7 +71,7 @@ func smallLogCluster(t *testing.T, schedulerArgs ...string) func(i int) (int, []
 	httpAddr := freeAddr(t)
 	bus := []string{"--nats-url", "nats://" + natsAddr}
 	startProc(t, bin, dir, "frontend", append([]string{"frontend", "--http-addr", httpAddr,
-		"--request-log-max-bytes", fmt.Sprint(smallLogLimit)}, bus...)...)
+		"--request-log-max-bytes", fmt.Sprint(smallLogLimit), "--max-body-bytes", fmt.Sprint(smallLogLimit / 4)}, bus...)...)
 	base := "http://" + httpAddr
 	// The frontend creates the log before it serves.
 	testenv.Eventually(t, 60*time.Second, "the frontend serving", func() bool { return healthz(base+"/livez") == http.StatusOK })

@@ -34,6 +34,9 @@ func (c *schedulerCmd) Run(ctx context.Context) error {
 	defer stopPprof()
 	// Every purely local check before connecting: with NATS not up yet, a
 	// bad --id was reported only after 10 s of "cannot connect".
+	if err := c.checkAge(c.timeoutFlags); err != nil {
+		return err
+	}
 	if cfg, err := schedulerConfig(nil, c, log, nil); err != nil {
 		return err
 	} else if err := cfg.Validate(); err != nil {

@@ -45,6 +45,9 @@ func (c *serveCmd) Run(ctx context.Context) error {
 		return fmt.Errorf("--heartbeat-timeout %s must be above --heartbeat-interval %s (a rank is gone once silent that long; give at least twice the interval, the defaults are 3s and 1s)",
 			c.HeartbeatTimeout, c.HeartbeatEvery)
 	}
+	if err := c.checkValues(c.requestLogFlags, c.timeoutFlags); err != nil {
+		return err
+	}
 	cfg, err := c.clusterConfig()
 	if err != nil {
 		return err
