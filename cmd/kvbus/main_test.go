@@ -232,6 +232,7 @@ func TestWorkerRankOutOfRangeBeforeItConnects(t *testing.T) {
 		{[]string{"--group", "g0", "--tp-rank", "3", "--tp-size", "4", "--ep-size", "2"}, []string{"--ep-rank 3", "--ep-size 2"}},
 		{[]string{"--rank", "auto", "--tp-rank", "2"}, []string{"--rank auto", "--tp-rank"}},
 		{[]string{"--rank", "auto", "--ep-rank", "1"}, []string{"--rank auto", "--ep-rank"}},
+		{[]string{"--group", "g0", "--ep-rank=-2"}, []string{"--ep-rank -2", "-1"}}, // was taken as -1
 	} {
 		c := parseCLI(t, append([]string{"worker", "--nats-url", "nats://127.0.0.1:1", "--metrics-addr="}, tc.args...)...)
 		start := time.Now()

@@ -195,6 +195,10 @@ func (c *workerCmd) Run(ctx context.Context) error {
 // --tp-rank or --ep-rank given with --rank auto, which picks the rank
 // itself (it claimed rank 0 for --tp-rank 2 without a word).
 func (c *workerCmd) checkIdentity() error {
+	if c.EPRank < -1 {
+		// Only -1 means "the TP rank"; -2 was taken for it without a word.
+		return fmt.Errorf("--ep-rank %d: give a rank from 0, or -1 (the default) for the TP rank", c.EPRank)
+	}
 	if c.Rank == "auto" {
 		if c.TPRank != 0 || c.EPRank >= 0 {
 			return fmt.Errorf("--rank auto claims a free rank itself: give no --tp-rank (got %d) or --ep-rank (got %d), or drop --rank auto and give --group and --tp-rank", c.TPRank, c.EPRank)
