@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"io"
 	"net/http"
+	"net/url"
 	"strings"
 	"time"
 )
@@ -19,6 +20,11 @@ type healthcheckCmd struct {
 }
 
 func (c *healthcheckCmd) Run(ctx context.Context) error {
+	// A URL that cannot be probed fails at once, naming the flag (it said
+	// "unhealthy: ... unsupported protocol scheme", as if the role were down).
+	if u, err := url.Parse(c.URL); err != nil || (u.Scheme != "http" && u.Scheme != "https") || u.Host == "" {
+		return fmt.Errorf("--url %q: give an http:// or https:// URL, e.g. http://127.0.0.1:9090/healthz", c.URL)
+	}
 	deadline := time.Now().Add(c.Wait)
 	for {
 		err := c.probe(ctx)

@@ -397,3 +397,43 @@ func TestValuesThatCannotWorkAreRefused(t *testing.T) {
 		}
 	}
 }
+
+// TestErrorsNameTheFlag: a bad value fails at once with an error naming
+// its flag and what to give. Before: tap --subject a..b said "nats:
+// invalid subject", healthcheck --url notaurl "unsupported protocol
+// scheme", --metrics-addr :99999 "is this role already running?", and
+// serve --groups 100000 "give at most 0.0 GiB per rank with --kv-capacity".
+func TestErrorsNameTheFlag(t *testing.T) {
+	srv := testenv.StartNATS(t)
+	for _, tc := range []struct {
+		args []string
+		want []string
+	}{
+		{[]string{"tap", "--nats-url", srv.ClientURL(), "--subject", "a..b"}, []string{"--subject"}},
+		{[]string{"healthcheck", "--url", "notaurl"}, []string{"--url", "http://"}},
+		{[]string{"scheduler", "--nats-url", "nats://127.0.0.1:1", "--metrics-addr", ":99999"}, []string{"--metrics-addr", "65535"}},
+		{[]string{"serve", "--groups", "100000", "--nats-addr", "127.0.0.1:0", "--http-addr", "127.0.0.1:0"}, []string{"--groups"}},
+	} {
+		c := parseCLI(t, tc.args...)
+		ctx, cancel := context.WithTimeout(t.Context(), 3*time.Second)
+		var err error
+		switch tc.args[0] {
+		case "tap":
+			c.Tap.out = &testenv.LogBuffer{}
+			err = c.Tap.Run(ctx)
+		case "healthcheck":
+			err = c.Health.Run(ctx)
+		case "scheduler":
+			err = c.Scheduler.Run(ctx)
+		default:
+			c.Serve.out = &testenv.LogBuffer{}
+			err = c.Serve.Run(ctx)
+		}
+		cancel()
+		for _, w := range tc.want {
+			if err == nil || !strings.Contains(err.Error(), w) {
+				t.Errorf("%v: %v; want an error naming %q", tc.args, err, w)
+			}
+		}
+	}
+}

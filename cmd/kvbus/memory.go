@@ -40,13 +40,21 @@ func checkMemory(payload, capacityFlag string, ranks int, perRank, limit int64) 
 	if payload != workers.PayloadBytes || limit <= 0 || ranks < 1 {
 		return nil
 	}
-	if room := limit / 2 / int64(ranks); perRank > room {
+	if room := limit / 2 / int64(ranks); perRank > room && room < 64<<20 {
+		// Not a capacity to lower: the ranks are too many for one process
+		// (serve --groups 100000 said "give at most 0.0 GiB per rank").
+		return fmt.Errorf("%d ranks in this process (--groups × --ranks with serve) leave %s of memory each, too little for a block store of --kv-payload bytes: "+
+			"give fewer --groups or --ranks, or keep digests only with --kv-payload accounting", ranks, mib(room))
+	} else if perRank > room {
 		return fmt.Errorf("--kv-capacity %s × %d ranks in this process is %s of block bytes (--kv-payload bytes), more than half the %s of memory here "+
 			"(Go's collector lets the heap grow to twice what is live): give at most %s per rank with --kv-capacity, or keep digests only with --kv-payload accounting",
 			capacityFlag, ranks, gib(perRank*int64(ranks)), gib(limit), gib(room))
 	}
 	return nil
 }
+
+// mib formats n bytes in MiB.
+func mib(n int64) string { return strconv.FormatFloat(float64(n)/(1<<20), 'f', 1, 64) + " MiB" }
 
 // gib formats n bytes in GiB.
 func gib(n int64) string { return strconv.FormatFloat(float64(n)/(1<<30), 'f', 1, 64) + " GiB" }

@@ -34,6 +34,12 @@ func listenMetrics(log *slog.Logger, addr string) (*metricsServer, error) {
 	if addr == "" {
 		return newMetricsServer(log, nil), nil
 	}
+	// A malformed address is not a port in use: say what to give.
+	if _, port, err := net.SplitHostPort(addr); err != nil {
+		return nil, fmt.Errorf("--metrics-addr %q: %w: give HOST:PORT, e.g. :9090, or empty to disable", addr, err)
+	} else if _, err := net.LookupPort("tcp", port); err != nil {
+		return nil, fmt.Errorf("--metrics-addr %q: port %q: %w: give HOST:PORT with a port up to 65535, e.g. :9090, or empty to disable", addr, port, err)
+	}
 	ln, err := net.Listen("tcp", addr)
 	if err != nil {
 		return nil, fmt.Errorf("metrics listen on %s: %w (is this role already running? stop it, or choose another --metrics-addr, or empty to disable)", addr, err)

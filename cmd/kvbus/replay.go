@@ -328,12 +328,31 @@ type tapCmd struct {
 
 func (c *tapCmd) Run(ctx context.Context) error {
 	log := c.logger()
+	if err := checkTapSubject(c.Subject); err != nil {
+		return err
+	}
 	ctx, nc, err := connect(ctx, c.natsFlags, "kvbus-tap", "", log)
 	if err != nil {
 		return err
 	}
 	defer closeConn(nc)
 	return roleErr(ctx, replay.Tap(ctx, replay.TapConfig{Conn: nc, Subjects: c.subjects(), SessionID: c.Session, Subject: c.Subject}, os.Stdout))
+}
+
+// checkTapSubject refuses a --subject NATS would refuse, before tapping:
+// NATS said only "nats: invalid subject", naming no flag.
+func checkTapSubject(subject string) error {
+	if subject == "" {
+		return nil
+	}
+	tokens := strings.Split(subject, ".")
+	for i, tok := range tokens {
+		if tok == "" || strings.ContainsAny(tok, " \t\r\n") || (strings.Contains(tok, ">") && (tok != ">" || i != len(tokens)-1)) ||
+			(strings.Contains(tok, "*") && tok != "*") {
+			return fmt.Errorf("--subject %q is not a NATS subject: give dot-separated tokens, none empty or with spaces, * for one token and > only as the last (kvbus.meta.>)", subject)
+		}
+	}
+	return nil
 }
 
 type benchCmd struct {
