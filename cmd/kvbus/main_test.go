@@ -207,7 +207,7 @@ func TestServeHeartbeatTimeoutAboveItsInterval(t *testing.T) {
 		c := parseCLI(t, append([]string{"serve", "--nats-addr", freeAddr(t), "--http-addr", freeAddr(t), "--data-dir", t.TempDir()}, args...)...)
 		ctx, cancel := context.WithTimeout(t.Context(), 3*time.Second) // before: served until stopped
 		start := time.Now()
-		err := c.Serve.Run(ctx)
+		err := runParsed(ctx, c, "serve")
 		cancel()
 		if err == nil || time.Since(start) > 2*time.Second || !strings.Contains(err.Error(), "--heartbeat-timeout") || !strings.Contains(err.Error(), "--heartbeat-interval") {
 			t.Errorf("serve %v: %v after %v; want an error at once naming --heartbeat-timeout and --heartbeat-interval", args, err, time.Since(start).Round(time.Millisecond))
@@ -381,16 +381,7 @@ func TestValuesThatCannotWorkAreRefused(t *testing.T) {
 		c := parseCLI(t, args...)
 		ctx, cancel := context.WithTimeout(t.Context(), 3*time.Second) // before: "cannot connect" after 10 s, or served
 		start := time.Now()
-		var err error
-		switch tc.args[0] {
-		case "frontend":
-			err = c.Frontend.Run(ctx)
-		case "scheduler":
-			err = c.Scheduler.Run(ctx)
-		default:
-			c.Serve.out = &testenv.LogBuffer{}
-			err = c.Serve.Run(ctx)
-		}
+		err := runParsed(ctx, c, tc.args[0])
 		cancel()
 		if err == nil || time.Since(start) > 2*time.Second || !strings.Contains(err.Error(), tc.want) {
 			t.Errorf("%v: %v after %v; want an error at once naming %s", tc.args, err, time.Since(start).Round(time.Millisecond), tc.want)
@@ -416,19 +407,7 @@ func TestErrorsNameTheFlag(t *testing.T) {
 	} {
 		c := parseCLI(t, tc.args...)
 		ctx, cancel := context.WithTimeout(t.Context(), 3*time.Second)
-		var err error
-		switch tc.args[0] {
-		case "tap":
-			c.Tap.out = &testenv.LogBuffer{}
-			err = c.Tap.Run(ctx)
-		case "healthcheck":
-			err = c.Health.Run(ctx)
-		case "scheduler":
-			err = c.Scheduler.Run(ctx)
-		default:
-			c.Serve.out = &testenv.LogBuffer{}
-			err = c.Serve.Run(ctx)
-		}
+		err := runParsed(ctx, c, tc.args[0])
 		cancel()
 		for _, w := range tc.want {
 			if err == nil || !strings.Contains(err.Error(), w) {
@@ -436,4 +415,24 @@ func TestErrorsNameTheFlag(t *testing.T) {
 			}
 		}
 	}
+}
+
+// runParsed runs command name of the parsed command line c, its logs kept
+// from the test's output.
+func runParsed(ctx context.Context, c *cli, name string) error {
+	switch name {
+	case "frontend":
+		return c.Frontend.Run(ctx)
+	case "scheduler":
+		return c.Scheduler.Run(ctx)
+	case "tap":
+		c.Tap.out = &testenv.LogBuffer{}
+		return c.Tap.Run(ctx)
+	case "healthcheck":
+		return c.Health.Run(ctx)
+	case "serve":
+		c.Serve.out = &testenv.LogBuffer{}
+		return c.Serve.Run(ctx)
+	}
+	panic("runParsed: no command " + name)
 }

@@ -17,15 +17,6 @@ import (
 // --heartbeat-timeout as 3 s). Values whose help gives them a meaning
 // still pass.
 func TestNumberFlags(t *testing.T) {
-	parse := func(args ...string) error {
-		var c cli
-		p, err := kong.New(&c, kong.Bind((*logsink.Writer)(nil)), kong.DefaultEnvars("KVBUS"), kong.Exit(func(int) {}))
-		if err != nil {
-			t.Fatal(err)
-		}
-		_, err = p.Parse(args)
-		return err
-	}
 	for _, tc := range []struct {
 		args []string
 		flag string // "" when the command line is valid
@@ -62,7 +53,7 @@ func TestNumberFlags(t *testing.T) {
 		{[]string{"scheduler"}, ""},
 		{[]string{"frontend"}, ""},
 	} {
-		err := parse(tc.args...)
+		err := parseArgs(t, tc.args...)
 		switch {
 		case tc.flag == "" && err != nil:
 			t.Errorf("%v: %v; want it accepted", tc.args, err)
@@ -81,15 +72,6 @@ func TestNumberFlags(t *testing.T) {
 // refused it only after connecting, without naming the flag (behind a
 // "cannot connect" after 10 s when NATS was not up yet).
 func TestSubjectPrefixFlag(t *testing.T) {
-	parse := func(args ...string) error {
-		var c cli
-		p, err := kong.New(&c, kong.Bind((*logsink.Writer)(nil)), kong.DefaultEnvars("KVBUS"), kong.Exit(func(int) {}))
-		if err != nil {
-			t.Fatal(err)
-		}
-		_, err = p.Parse(args)
-		return err
-	}
 	dir := t.TempDir()
 	for _, cmd := range [][]string{
 		{"serve"}, {"frontend"}, {"scheduler"}, {"worker", "--group=g0"}, {"tap"}, {"top"},
@@ -97,17 +79,29 @@ func TestSubjectPrefixFlag(t *testing.T) {
 		{"auth", "init", dir}, {"auth", "show", dir},
 	} {
 		for _, bad := range []string{"a.b", "*", ">", "a b", strings.Repeat("p", 65)} {
-			err := parse(append(slices.Clone(cmd), "--subject-prefix="+bad)...)
+			err := parseArgs(t, append(slices.Clone(cmd), "--subject-prefix="+bad)...)
 			if err == nil || !strings.Contains(err.Error(), "--subject-prefix") {
 				t.Errorf("%v --subject-prefix=%q: %v; want an error naming --subject-prefix", cmd, bad, err)
 			}
 		}
-		if err := parse(append(slices.Clone(cmd), "--subject-prefix=team-a_2")...); err != nil {
+		if err := parseArgs(t, append(slices.Clone(cmd), "--subject-prefix=team-a_2")...); err != nil {
 			t.Errorf("%v --subject-prefix=team-a_2: %v; want it accepted", cmd, err)
 		}
 	}
 	t.Setenv("KVBUS_SUBJECT_PREFIX", "a.b")
-	if err := parse("scheduler"); err == nil || !strings.Contains(err.Error(), "--subject-prefix") {
+	if err := parseArgs(t, "scheduler"); err == nil || !strings.Contains(err.Error(), "--subject-prefix") {
 		t.Errorf("scheduler with KVBUS_SUBJECT_PREFIX=a.b: %v; want an error naming --subject-prefix", err)
 	}
+}
+
+// parseArgs parses a command line as kvbus does and returns its error.
+func parseArgs(t *testing.T, args ...string) error {
+	t.Helper()
+	var c cli
+	p, err := kong.New(&c, kong.Bind((*logsink.Writer)(nil)), kong.DefaultEnvars("KVBUS"), kong.Exit(func(int) {}))
+	if err != nil {
+		t.Fatal(err)
+	}
+	_, err = p.Parse(args)
+	return err
 }
