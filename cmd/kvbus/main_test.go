@@ -215,6 +215,28 @@ func TestServeHeartbeatTimeoutAboveItsInterval(t *testing.T) {
 	}
 }
 
+// TestSchedulerWarnsOfAHeartbeatTimeoutBelowTwoBeats: a scheduler's
+// --heartbeat-timeout under twice the workers' default interval (1 s) is
+// warned of at start (the scheduler cannot know the workers' interval, so
+// it is no refusal); the default is not. Before, 1ms ran without a word
+// and no group stayed ready.
+func TestSchedulerWarnsOfAHeartbeatTimeoutBelowTwoBeats(t *testing.T) {
+	for _, tc := range []struct {
+		timeout string
+		warned  bool
+	}{{"1ms", true}, {"1500ms", true}, {"3s", false}} {
+		c := parseCLI(t, "scheduler", "--nats-url", "nats://127.0.0.1:1", "--metrics-addr=", "--heartbeat-timeout", tc.timeout)
+		logs := &testenv.LogBuffer{}
+		c.Scheduler.out = logs
+		ctx, cancel := context.WithTimeout(t.Context(), 500*time.Millisecond) // it cannot connect: only its start matters
+		_ = c.Scheduler.Run(ctx)
+		cancel()
+		if got := len(logs.Lines("level=WARN", "--heartbeat-timeout is below twice")); got != map[bool]int{true: 1, false: 0}[tc.warned] {
+			t.Errorf("--heartbeat-timeout %s: %d warnings, want warned=%v:\n%s", tc.timeout, got, tc.warned, logs.String())
+		}
+	}
+}
+
 // TestWorkerRankOutOfRangeBeforeItConnects: a rank identity no group can
 // have (--tp-rank at or past --tp-size, --ep-rank past --ep-size), or a
 // --tp-rank/--ep-rank given with --rank auto (which picks the rank

@@ -42,6 +42,12 @@ func (c *schedulerCmd) Run(ctx context.Context) error {
 	} else if err := cfg.Validate(); err != nil {
 		return err
 	}
+	if c.HeartbeatTimeout < 2*time.Second {
+		// The scheduler cannot know the workers' interval (they may beat
+		// faster), so this is a warning, not a refusal.
+		log.Warn("--heartbeat-timeout is below twice the workers' default --heartbeat-interval (1s): a group whose ranks beat at that interval goes unready between two heartbeats; give at least twice the workers' interval",
+			"heartbeat_timeout", c.HeartbeatTimeout)
+	}
 	metrics, err := listenMetrics(log, c.MetricsAddr)
 	if err != nil {
 		return err
