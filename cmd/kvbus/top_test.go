@@ -280,7 +280,7 @@ func TestTopLiveNeedsATerminalOnStdout(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	var screen lockedBytes
+	var screen syncBuffer
 	copied := make(chan struct{})
 	go func() { _, _ = io.Copy(&screen, ptmx); close(copied) }()
 	exited := make(chan error, 1)
@@ -303,21 +303,4 @@ func TestTopLiveNeedsATerminalOnStdout(t *testing.T) {
 	if out.Len() != 0 {
 		t.Errorf("top wrote %q to its output, which is not a terminal; want nothing", out.String())
 	}
-}
-
-type lockedBytes struct {
-	mu sync.Mutex
-	b  bytes.Buffer
-}
-
-func (l *lockedBytes) Write(p []byte) (int, error) {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return l.b.Write(p)
-}
-
-func (l *lockedBytes) String() string {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return l.b.String()
 }
