@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"log/slog"
+	"sync"
 	"time"
 
 	"github.com/kvbus/kvbus/internal/logevery"
@@ -24,43 +25,82 @@ const malformedHint = "something publishes on this subject what kvbus cannot dec
 // the message's subject. Handlers log what they do themselves, with req_id
 // and session_id. Whoever may publish on a subject can make a handler fail
 // as often as it likes, so the first failure is logged, then at most one a
-// handlerErrorEvery with the count held back since: messages that do not
-// decode (malformed, with what to do) apart from other failures, so that a
-// flood of the one hides none of the other.
+// handlerErrorEvery with the count held back since (a burst that ends
+// within the interval is told at its end, with its last error): messages
+// that do not decode (malformed, with what to do) apart from other
+// failures, so that a flood of the one hides none of the other.
 func Logging[M any](log *slog.Logger, name string) Middleware[M] {
-	return logging[M](log, name, time.Now)
+	return logging[M](log, name, handlerErrorEvery, time.Now)
 }
 
-// logging is Logging on the clock now.
-func logging[M any](log *slog.Logger, name string, now func() time.Time) Middleware[M] {
-	malformed := &logevery.Limiter{Every: handlerErrorEvery, Now: now}
-	failed := &logevery.Limiter{Every: handlerErrorEvery, Now: now}
+// logging is Logging at most once every on the clock now.
+func logging[M any](log *slog.Logger, name string, every time.Duration, now func() time.Time) Middleware[M] {
+	malformed := newFailureLog(log, name, "dropped a bus message its handler could not decode", malformedHint, every, now)
+	failed := newFailureLog(log, name, "message handler failed", "", every, now)
 	return func(next Handler[M]) Handler[M] {
 		return func(ctx context.Context, msg M) error {
 			err := next(ctx, msg)
 			if err == nil {
 				return nil
 			}
-			bad := errors.Is(err, messages.ErrMalformed) || errors.Is(err, messages.ErrInvalid) || errors.Is(err, messages.ErrTooLarge)
-			lim, text := failed, "message handler failed"
-			if bad {
-				lim, text = malformed, "dropped a bus message its handler could not decode"
+			if errors.Is(err, messages.ErrMalformed) || errors.Is(err, messages.ErrInvalid) || errors.Is(err, messages.ErrTooLarge) {
+				malformed.failed(ctx, subjectOf(msg), err)
+			} else {
+				failed.failed(ctx, subjectOf(msg), err)
 			}
-			ok, held, over := lim.Allow()
-			if !ok {
-				return err
-			}
-			args := []any{"handler", name, "subject", subjectOf(msg), "err", err}
-			if held > 0 {
-				args = append(args, "more", held, "in_last", over.Round(time.Second))
-			}
-			if bad {
-				args = append(args, "hint", malformedHint)
-			}
-			log.WarnContext(ctx, text, args...)
 			return err
 		}
 	}
+}
+
+// failureLog logs one kind of a handler's failures through a
+// logevery.Limiter, remembering the last held back for the line that tells
+// of them at the interval's end.
+type failureLog struct {
+	log           *slog.Logger
+	handler, text string
+	hint          string // "": none
+	lim           logevery.Limiter
+	mu            sync.Mutex
+	lastSubj      string // of the last failure held back
+	lastErr       error
+}
+
+func newFailureLog(log *slog.Logger, handler, text, hint string, every time.Duration, now func() time.Time) *failureLog {
+	f := &failureLog{log: log, handler: handler, text: text, hint: hint}
+	f.lim = logevery.Limiter{Every: every, Now: now, Held: f.held}
+	return f
+}
+
+func (f *failureLog) failed(ctx context.Context, subject string, err error) {
+	ok, held, over := f.lim.Allow()
+	if !ok {
+		f.mu.Lock()
+		f.lastSubj, f.lastErr = subject, err
+		f.mu.Unlock()
+		return
+	}
+	f.line(ctx, subject, err, held, over)
+}
+
+// held tells of failures held back that no later line carried: the last of
+// them, and how many more.
+func (f *failureLog) held(n int, over time.Duration) {
+	f.mu.Lock()
+	subject, err := f.lastSubj, f.lastErr
+	f.mu.Unlock()
+	f.line(context.Background(), subject, err, n-1, over)
+}
+
+func (f *failureLog) line(ctx context.Context, subject string, err error, held int, over time.Duration) {
+	args := []any{"handler", f.handler, "subject", subject, "err", err}
+	if held > 0 {
+		args = append(args, "more", held, "in_last", over.Round(time.Second))
+	}
+	if f.hint != "" {
+		args = append(args, "hint", f.hint)
+	}
+	f.log.WarnContext(ctx, f.text, args...)
 }
 
 // subjectOf is the subject msg came on, "" for a type it does not know.

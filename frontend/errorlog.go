@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"log"
 	"log/slog"
+	"sync"
 	"time"
 
 	"github.com/kvbus/kvbus/internal/logevery"
@@ -16,37 +17,62 @@ const acceptErrorEvery = 10 * time.Second
 
 // httpErrorLog is the HTTP server's error log: its lines go to h at warn,
 // but "http: Accept error" (out of file descriptors, say) at most once per
-// acceptErrorEvery with the count of those left out. net/http logs one per
-// failed accept, retrying within milliseconds whenever one succeeds in
-// between: ~90 lines a second at the file descriptor limit.
+// acceptErrorEvery with the count of those left out (those of a burst that
+// ended within the interval at its end). net/http logs one per failed
+// accept, retrying within milliseconds whenever one succeeds in between:
+// ~90 lines a second at the file descriptor limit.
 func httpErrorLog(h slog.Handler) *log.Logger {
-	return log.New(newErrorLogWriter(h, time.Now), "", 0)
+	return log.New(newErrorLogWriter(h, acceptErrorEvery, time.Now), "", 0)
 }
 
-func newErrorLogWriter(h slog.Handler, now func() time.Time) *errorLogWriter {
-	return &errorLogWriter{h: h, now: now, accept: logevery.Limiter{Every: acceptErrorEvery, Now: now}}
+func newErrorLogWriter(h slog.Handler, every time.Duration, now func() time.Time) *errorLogWriter {
+	w := &errorLogWriter{h: h, now: now}
+	w.accept = logevery.Limiter{Every: every, Now: now, Held: w.acceptHeld}
+	return w
 }
 
 type errorLogWriter struct {
-	h      slog.Handler
-	now    func() time.Time
-	accept logevery.Limiter // of the accept errors
+	h          slog.Handler
+	now        func() time.Time
+	accept     logevery.Limiter // of the accept errors
+	mu         sync.Mutex
+	lastAccept string // the last accept error held back
 }
 
 func (w *errorLogWriter) Write(p []byte) (int, error) {
 	msg := string(bytes.TrimRight(p, "\n"))
-	now := w.now()
 	if bytes.HasPrefix(p, []byte("http: Accept error")) {
 		ok, held, over := w.accept.Allow()
 		if !ok {
+			w.mu.Lock()
+			w.lastAccept = msg
+			w.mu.Unlock()
 			return len(p), nil
 		}
-		if held > 0 {
-			msg += fmt.Sprintf(" (and %d more in the last %s: the process may be out of file descriptors; raise its limit, ulimit -n)", held, over.Round(time.Second))
-		}
+		msg = acceptLine(msg, held, over)
 	}
+	return len(p), w.warn(msg)
+}
+
+// acceptHeld tells of accept errors held back that no later line carried:
+// the last of them, and how many more.
+func (w *errorLogWriter) acceptHeld(held int, over time.Duration) {
+	w.mu.Lock()
+	msg := w.lastAccept
+	w.mu.Unlock()
+	_ = w.warn(acceptLine(msg, held-1, over))
+}
+
+func acceptLine(msg string, held int, over time.Duration) string {
+	if held > 0 {
+		msg += fmt.Sprintf(" (and %d more in the last %s: the process may be out of file descriptors; raise its limit, ulimit -n)", held, over.Round(time.Second))
+	}
+	return msg
+}
+
+func (w *errorLogWriter) warn(msg string) error {
 	if !w.h.Enabled(context.Background(), slog.LevelWarn) {
-		return len(p), nil
+		return nil
 	}
-	return len(p), w.h.Handle(context.Background(), slog.NewRecord(now, slog.LevelWarn, msg, 0))
+	return w.h.Handle(context.Background(), slog.NewRecord(w.now(), slog.LevelWarn, msg, 0))
 }

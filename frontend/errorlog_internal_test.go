@@ -2,6 +2,7 @@ package frontend
 
 import (
 	"errors"
+	"fmt"
 	"log"
 	"log/slog"
 	"net"
@@ -56,7 +57,7 @@ func TestAcceptErrorsLoggedOncePerWindow(t *testing.T) {
 	var mu sync.Mutex
 	now := time.Unix(1000, 0)
 	clock := func() time.Time { mu.Lock(); defer mu.Unlock(); return now }
-	w := newErrorLogWriter(slog.NewTextHandler(&logs, nil), clock)
+	w := newErrorLogWriter(slog.NewTextHandler(&logs, nil), acceptErrorEvery, clock)
 	l := &flakyListener{closed: make(chan struct{})}
 	srv := &http.Server{Handler: http.NotFoundHandler(), ErrorLog: log.New(w, "", 0)}
 	done := make(chan error, 1)
@@ -83,5 +84,26 @@ func TestAcceptErrorsLoggedOncePerWindow(t *testing.T) {
 	srv.Close()
 	if err := <-done; !errors.Is(err, http.ErrServerClosed) {
 		t.Errorf("Serve: %v", err)
+	}
+}
+
+// TestAcceptErrorsThatStopWithinTheWindowAreCounted: 50 accept errors in a
+// burst shorter than the window are logged as the first and, at the
+// window's end, as the last with the 48 more between them.
+func TestAcceptErrorsThatStopWithinTheWindowAreCounted(t *testing.T) {
+	var logs logbuf.Buffer
+	w := newErrorLogWriter(slog.NewTextHandler(&logs, nil), 200*time.Millisecond, time.Now)
+	for i := range 50 {
+		_, _ = fmt.Fprintf(w, "http: Accept error: %s (%d); retrying in 5ms\n", tempErr{}.Error(), i)
+	}
+	deadline := time.Now().Add(5 * time.Second)
+	for !strings.Contains(logs.String(), "(49); retrying in 5ms (and 48 more in the last") {
+		if time.Now().After(deadline) {
+			t.Fatalf("no line told of the 49 held back 5 s after the burst:\n%s", logs.String())
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+	if got := strings.Count(logs.String(), "http: Accept error"); got != 2 {
+		t.Errorf("%d accept error lines, want 2:\n%s", got, logs.String())
 	}
 }

@@ -11,15 +11,23 @@ import (
 )
 
 // Limiter lets one line through per Every. The zero value lets every line
-// through; a Limiter must not be copied after first use.
+// through; a Limiter must not be copied after first use. It is safe for
+// concurrent use.
 type Limiter struct {
 	Every time.Duration
 	// Now is the clock (nil: time.Now).
 	Now func() time.Time
+	// Held, if not nil, is told of lines held back that no later line
+	// carried: once Every has passed since the last line let through, it is
+	// called on a goroutine of its own with their count and how long ago
+	// that line was, and counts as the interval's line. Without it a burst
+	// that ends within an interval is logged as its first line alone.
+	Held func(held int, over time.Duration)
 
-	mu   sync.Mutex
-	last time.Time // the last line let through
-	held int       // lines held back since
+	mu    sync.Mutex
+	last  time.Time   // the last line let through
+	held  int         // lines held back since
+	timer *time.Timer // calls Held at the interval's end, while lines are held
 }
 
 // Allow reports whether a line may be logged now. When it may, held is how
@@ -27,20 +35,52 @@ type Limiter struct {
 // ago that line was: a line with held > 0 should say so ("and held more in
 // the last over"), or the log understates the condition.
 func (l *Limiter) Allow() (ok bool, held int, over time.Duration) {
-	now := time.Now()
-	if l.Now != nil {
-		now = l.Now()
-	}
+	now := l.now()
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	if !l.last.IsZero() && now.Sub(l.last) < l.Every {
 		l.held++
+		if l.Held != nil && l.timer == nil {
+			l.timer = time.AfterFunc(l.Every-now.Sub(l.last), l.flush)
+		}
 		return false, 0, 0
 	}
 	held, over = l.held, now.Sub(l.last)
 	if l.last.IsZero() {
 		over = 0
 	}
-	l.last, l.held = now, 0
+	l.letThrough(now)
 	return true, held, over
+}
+
+// flush tells Held of the lines held back since the last let through, if no
+// line has carried them since the timer was set.
+func (l *Limiter) flush() {
+	now := l.now()
+	l.mu.Lock()
+	held, over := l.held, now.Sub(l.last)
+	if held == 0 {
+		l.timer = nil
+		l.mu.Unlock()
+		return
+	}
+	l.letThrough(now)
+	l.mu.Unlock()
+	l.Held(held, over)
+}
+
+// letThrough starts a new interval at now. l.mu is held.
+func (l *Limiter) letThrough(now time.Time) {
+	l.last, l.held = now, 0
+	if l.timer != nil {
+		l.timer.Stop()
+		l.timer = nil
+	}
+}
+
+func (l *Limiter) now() time.Time {
+	if l.Now != nil {
+		return l.Now()
+	}
+	return time.Now()
 }
