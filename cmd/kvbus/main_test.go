@@ -458,3 +458,20 @@ func runParsed(ctx context.Context, c *cli, name string) error {
 	}
 	panic("runParsed: no command " + name)
 }
+
+// TestTapSubjectByTheServersRule: tap's --subject is checked by the NATS
+// server's own rule, so a literal token with * or > in it ("jobs*"), which
+// NATS accepts and the hand-written check refused, is tapped, and what NATS
+// refuses is refused naming the flag.
+func TestTapSubjectByTheServersRule(t *testing.T) {
+	for _, ok := range []string{"", "kvbus.meta.>", "kvbus.*.g0", ">", "jobs*", "a.b>c"} {
+		if err := checkTapSubject(ok); err != nil {
+			t.Errorf("--subject %q: %v; NATS accepts it", ok, err)
+		}
+	}
+	for _, bad := range []string{"a..b", ".a", "a.", "a.>.b", "a b", "a.\tb"} {
+		if err := checkTapSubject(bad); err == nil || !strings.Contains(err.Error(), "--subject") {
+			t.Errorf("--subject %q: %v; want NATS's refusal naming --subject", bad, err)
+		}
+	}
+}
