@@ -5,13 +5,11 @@ import (
 	"fmt"
 	"log/slog"
 
-	"github.com/nats-io/nats.go"
 	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/kvbus/kvbus/auth"
 	"github.com/kvbus/kvbus/bus"
 	"github.com/kvbus/kvbus/frontend"
-	"github.com/kvbus/kvbus/messages"
 	"github.com/kvbus/kvbus/workers"
 )
 
@@ -47,8 +45,10 @@ func (c *frontendCmd) Run(ctx context.Context) error {
 	if err := c.checkValues(c.requestLogFlags, c.timeoutFlags); err != nil {
 		return err
 	}
-	pre := c.frontendConfig(nil, log, nil, c.ID)
-	if err := pre.Validate(); err != nil {
+	cfg := c.frontendConfig(log)
+	cfg.Tokenizer = tok
+	cfg.Passthrough = c.Engine == workers.EngineOpenAI
+	if err := cfg.Validate(); err != nil {
 		return err
 	}
 	ctx, nc, err := connect(ctx, c.natsFlags, "kvbus-frontend", bus.InboxPrefix(auth.RoleFrontend, ""), log)
@@ -57,9 +57,7 @@ func (c *frontendCmd) Run(ctx context.Context) error {
 	}
 	defer drain(nc)
 	reg := newRegistry()
-	cfg := c.frontendConfig(nc, log, reg, c.ID)
-	cfg.Tokenizer = tok
-	cfg.Passthrough = c.Engine == workers.EngineOpenAI
+	cfg.Conn, cfg.Registry = nc, reg
 	fe, err := frontend.New(cfg)
 	if err != nil {
 		return err
@@ -79,14 +77,12 @@ func (c *frontendCmd) stopPlan(reg *prometheus.Registry) stopPlan {
 	}
 }
 
-func (c *frontendCmd) frontendConfig(nc *nats.Conn, log *slog.Logger, reg *prometheus.Registry, id string) frontend.Config {
-	return newFrontendConfig(nc, c.subjects(), c.Replicas, log, reg, id, c.modelFlags, c.frontendFlags, c.requestLogFlags, c.timeoutFlags)
-}
-
-func newFrontendConfig(nc *nats.Conn, subj messages.Subjects, replicas int, log *slog.Logger, reg *prometheus.Registry, id string, m modelFlags, f frontendFlags, rl requestLogFlags, t timeoutFlags) frontend.Config {
-	cfg := f.baseConfig(rl)
-	cfg.Conn, cfg.Subjects, cfg.ID, cfg.StreamReplicas = nc, subj, id, replicas
-	cfg.Models, _ = m.models() // checked in Run
-	cfg.RequestTimeout, cfg.Logger, cfg.Registry = t.RequestTimeout, log, reg
+// frontendConfig is the frontend's configuration from the flags, without
+// its connection and registry.
+func (c *frontendCmd) frontendConfig(log *slog.Logger) frontend.Config {
+	cfg := c.baseConfig(c.requestLogFlags)
+	cfg.Subjects, cfg.ID, cfg.StreamReplicas = c.subjects(), c.ID, c.Replicas
+	cfg.Models, _ = c.models() // checked in Run
+	cfg.RequestTimeout, cfg.Logger = c.RequestTimeout, log
 	return cfg
 }

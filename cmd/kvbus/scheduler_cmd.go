@@ -6,9 +6,6 @@ import (
 	"log/slog"
 	"time"
 
-	"github.com/nats-io/nats.go"
-	"github.com/prometheus/client_golang/prometheus"
-
 	"github.com/kvbus/kvbus/auth"
 	"github.com/kvbus/kvbus/bus"
 	"github.com/kvbus/kvbus/scheduler"
@@ -37,9 +34,11 @@ func (c *schedulerCmd) Run(ctx context.Context) error {
 	if err := c.checkAge(c.timeoutFlags); err != nil {
 		return err
 	}
-	if cfg, err := schedulerConfig(nil, c, log, nil); err != nil {
+	cfg, err := schedulerConfig(c, log)
+	if err != nil {
 		return err
-	} else if err := cfg.Validate(); err != nil {
+	}
+	if err := cfg.Validate(); err != nil {
 		return err
 	}
 	if c.HeartbeatTimeout < 2*time.Second {
@@ -54,15 +53,16 @@ func (c *schedulerCmd) Run(ctx context.Context) error {
 	}
 	// Closed last, after the NATS drain below.
 	defer metrics.close()
-	cfg := c.natsFlags.config("kvbus-scheduler", bus.InboxPrefix(auth.RoleScheduler, ""), log)
-	cfg.NoEcho = true // a scheduler does not receive its own save plans
-	ctx, nc, err := connectRole(ctx, cfg)
+	ncfg := c.natsFlags.config("kvbus-scheduler", bus.InboxPrefix(auth.RoleScheduler, ""), log)
+	ncfg.NoEcho = true // a scheduler does not receive its own save plans
+	ctx, nc, err := connectRole(ctx, ncfg)
 	if err != nil {
 		return err
 	}
 	defer drain(nc)
 	reg := newRegistry()
-	s, err := newScheduler(nc, c, log, reg)
+	cfg.Conn, cfg.Registerer = nc, reg
+	s, err := scheduler.New(cfg)
 	if err != nil {
 		return err
 	}
@@ -81,24 +81,18 @@ func (c *schedulerCmd) Run(ctx context.Context) error {
 	return roleErr(ctx, r.wait())
 }
 
-func newScheduler(nc *nats.Conn, c *schedulerCmd, log *slog.Logger, reg prometheus.Registerer) (*scheduler.Scheduler, error) {
-	cfg, err := schedulerConfig(nc, c, log, reg)
-	if err != nil {
-		return nil, err
-	}
-	return scheduler.New(cfg)
-}
-
-func schedulerConfig(nc *nats.Conn, c *schedulerCmd, log *slog.Logger, reg prometheus.Registerer) (scheduler.Config, error) {
+// schedulerConfig is the scheduler's configuration from the flags, without
+// its connection and registry.
+func schedulerConfig(c *schedulerCmd, log *slog.Logger) (scheduler.Config, error) {
 	b, f, rl, t := c.busFlags, c.schedulerFlags, c.requestLogFlags, c.timeoutFlags
 	policy, err := scheduler.NewPolicy(f.Policy, f.SessionEpsilon)
 	if err != nil {
 		return scheduler.Config{}, err
 	}
 	return scheduler.Config{
-		Conn: nc, Subjects: b.subjects(), ID: c.ID, Policy: policy, BlockSize: f.BlockSize, StreamReplicas: b.Replicas,
+		Subjects: b.subjects(), ID: c.ID, Policy: policy, BlockSize: f.BlockSize, StreamReplicas: b.Replicas,
 		HeartbeatTimeout: f.HeartbeatTimeout, RequestTimeout: t.RequestTimeout, SessionTTL: f.SessionTTL, MaxSessions: f.MaxSessions, ShutdownTimeout: c.ShutdownTimeout,
-		Logger: log, Registerer: reg,
+		Logger:      log,
 		NoGroupWait: f.NoGroupWait, ResendAfter: f.ResendAfter, RequestLog: rl.streamConfig(), Pool: f.Pool,
 	}, nil
 }
