@@ -97,6 +97,9 @@ func (c *topCmd) Run(ctx context.Context) error {
 			return err
 		case <-w.Subscribed():
 		}
+		// Said once it follows the bus: what is published from now on is
+		// in the snapshot (a script can start its traffic on this line).
+		c.stderrLog(slog.LevelInfo).Info("kvbus top: following the bus", "snapshot_in", c.Watch.String())
 		select {
 		case err := <-errc:
 			return err
@@ -124,15 +127,20 @@ func plainOutput(f *os.File) bool {
 	return !term.IsTerminal(int(f.Fd())) || os.Getenv("NO_COLOR") != "" || os.Getenv("TERM") == "dumb"
 }
 
-// connect reaches NATS, saying at once where it connects and why it waits;
-// once connected, only errors are logged (the screen is the terminal's).
-func (c *topCmd) connect(ctx context.Context) (*nats.Conn, error) {
+// stderrLog logs to standard error (errOut in tests) at level.
+func (c *topCmd) stderrLog(level slog.Leveler) *slog.Logger {
 	out := c.errOut
 	if out == nil {
 		out = os.Stderr
 	}
+	return slog.New(logsink.NewTextHandler(out, &slog.HandlerOptions{Level: level}))
+}
+
+// connect reaches NATS, saying at once where it connects and why it waits;
+// once connected, only errors are logged (the screen is the terminal's).
+func (c *topCmd) connect(ctx context.Context) (*nats.Conn, error) {
 	level := &slog.LevelVar{} // info while connecting
-	log := slog.New(logsink.NewTextHandler(out, &slog.HandlerOptions{Level: level}))
+	log := c.stderrLog(level)
 	timeout := c.connectTimeout
 	if timeout <= 0 {
 		timeout = topConnectTimeout

@@ -1,6 +1,7 @@
 package main
 
 import (
+	"bufio"
 	"bytes"
 	"context"
 	"encoding/json"
@@ -45,9 +46,28 @@ func TestTopOnceJSON(t *testing.T) {
 	bin := buildBinary(t, t.TempDir())
 	c := testenv.StartCluster(t, testenv.ClusterConfig{Groups: 2, Ranks: 2})
 	cmd := exec.Command(bin, "top", "--once", "--json", "--watch", "4s", "--nats-url", c.NATSURL)
+	stderr, err := cmd.StderrPipe()
+	if err != nil {
+		t.Fatal(err)
+	}
+	following := make(chan struct{})
+	go func() {
+		sc := bufio.NewScanner(stderr)
+		for sc.Scan() {
+			if strings.Contains(sc.Text(), "following the bus") {
+				close(following)
+				break
+			}
+		}
+		_, _ = io.Copy(io.Discard, stderr)
+	}()
 	out := make(chan []byte, 1)
 	go func() { b, _ := cmd.Output(); out <- b }()
-	time.Sleep(1500 * time.Millisecond) // top is subscribed
+	select {
+	case <-following: // what is published from now on is in the snapshot
+	case <-time.After(30 * time.Second):
+		t.Fatal("top --once never said it follows the bus")
+	}
 	converse(t, c.URL, "json-a", "json-b")
 	var s top.Snapshot
 	raw := <-out
