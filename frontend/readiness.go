@@ -230,6 +230,11 @@ func (t *schedulerTable) ready(now time.Time) (bool, string) {
 		case now.Sub(s.at) > t.timeout:
 		case s.ready:
 			return true, ""
+		case t.wake != nil && s.holds > 0:
+			// Once a scheduler was ready, requests wait for one again
+			// rather than get a 503 at once: say so, or the 503 reads as
+			// if every request were refused.
+			why = append(why, fmt.Sprintf("scheduler %s: %s; requests wait up to %s for it (its --no-group-wait)", id, s.reason, s.holds))
 		default:
 			why = append(why, fmt.Sprintf("scheduler %s: %s", id, s.reason))
 		}

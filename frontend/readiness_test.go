@@ -209,9 +209,13 @@ func TestRequestsWaitForASchedulerReadyAgain(t *testing.T) {
 	if r := s.post(t, "/v1/chat/completions", chat); r.status != http.StatusServiceUnavailable || time.Since(start) > time.Second {
 		t.Fatalf("a scheduler that holds nothing: %d after %s, want a 503 at once", r.status, time.Since(start))
 	}
-	// A hold that runs out: the 503 after it.
+	// A hold that runs out: the 503 after it, once /healthz says requests
+	// wait (the frontend applied the announcement).
 	announce(false, time.Second)
-	time.Sleep(100 * time.Millisecond)
+	testenv.Eventually(t, 5*time.Second, "/healthz saying requests wait up to 1s", func() bool {
+		_, _, body := testenv.Send(t, http.MethodGet, s.url+"/healthz", "", nil)
+		return strings.Contains(string(body), "requests wait up to 1s for it")
+	})
 	start = time.Now()
 	r := s.post(t, "/v1/chat/completions", chat)
 	if took := time.Since(start); r.status != http.StatusServiceUnavailable || took < 900*time.Millisecond || took > 3*time.Second {
