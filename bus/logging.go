@@ -62,7 +62,7 @@ type failureLog struct {
 	hint          string // "": none
 	lim           logevery.Limiter
 	mu            sync.Mutex
-	lastSubj      string // of the last failure held back
+	lastSubj      string // of the last failure
 	lastErr       error
 }
 
@@ -73,14 +73,14 @@ func newFailureLog(log *slog.Logger, handler, text, hint string, every time.Dura
 }
 
 func (f *failureLog) failed(ctx context.Context, subject string, err error) {
-	ok, held, over := f.lim.Allow()
-	if !ok {
-		f.mu.Lock()
-		f.lastSubj, f.lastErr = subject, err
-		f.mu.Unlock()
-		return
+	// Kept before Allow, so that a Held at the interval's end never
+	// reads an older one than it counts.
+	f.mu.Lock()
+	f.lastSubj, f.lastErr = subject, err
+	f.mu.Unlock()
+	if ok, held, over := f.lim.Allow(); ok {
+		f.line(ctx, subject, err, held, over)
 	}
-	f.line(ctx, subject, err, held, over)
 }
 
 // held tells of failures held back that no later line carried: the last of

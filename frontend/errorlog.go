@@ -36,17 +36,17 @@ type errorLogWriter struct {
 	now        func() time.Time
 	accept     logevery.Limiter // of the accept errors
 	mu         sync.Mutex
-	lastAccept string // the last accept error held back
+	lastAccept string // the last accept error
 }
 
 func (w *errorLogWriter) Write(p []byte) (int, error) {
 	msg := string(bytes.TrimRight(p, "\n"))
 	if bytes.HasPrefix(p, []byte("http: Accept error")) {
+		w.mu.Lock()
+		w.lastAccept = msg // before Allow: a Held at the interval's end reads no older one
+		w.mu.Unlock()
 		ok, held, over := w.accept.Allow()
 		if !ok {
-			w.mu.Lock()
-			w.lastAccept = msg
-			w.mu.Unlock()
 			return len(p), nil
 		}
 		msg = acceptLine(msg, held, over)
