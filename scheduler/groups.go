@@ -91,6 +91,9 @@ type groupStatus struct {
 	mixed      bool
 	model      string
 	depth      int
+	// capacityBlocks is the least any rank's store holds (0: no rank
+	// says): a rank saves no more of a prompt than that.
+	capacityBlocks int64
 }
 
 // refresh recomputes g's status from its ranks.
@@ -107,6 +110,9 @@ func (g *groupInfo) refresh() {
 		}
 		st.model = r.model
 		st.depth = max(st.depth, r.queueDepth)
+		if c := r.capacityBlocks; c > 0 && (st.capacityBlocks == 0 || c < st.capacityBlocks) {
+			st.capacityBlocks = c
+		}
 		st.draining = st.draining || r.draining
 		n++
 	}
@@ -155,6 +161,9 @@ type rankInfo struct {
 	// model is the model the rank serves (its --model; "" from a worker
 	// that does not say).
 	model string
+	// capacityBlocks is how many blocks the rank's store holds (0: not
+	// said, as from a model server's own cache).
+	capacityBlocks int64
 }
 
 // newGroupTable counts a group's queue in blocks of prefill time: prefill
@@ -237,7 +246,8 @@ func (t *groupTable) observe(hb *messages.Heartbeat, now time.Time) (stale, repo
 		gap = now.Sub(maxTime(prev.seen, t.heardFrom))
 	}
 	g.ranks[hb.TPRank] = rankInfo{seen: now, started: hb.StartedUnixMs, restarted: restarted, dupSaid: prev.dupSaid,
-		queueDepth: max(hb.QueueDepth, 0), draining: hb.Draining, notReady: hb.NotReady, model: hb.Model}
+		queueDepth: max(hb.QueueDepth, 0), draining: hb.Draining, notReady: hb.NotReady, model: hb.Model,
+		capacityBlocks: max(hb.CapacityBlocks, 0)}
 	g.refresh()
 	if hb.TPRank == 0 { // the driver knows the group's load
 		// A count below 0 (a driver of an older kvbus whose counters
@@ -370,6 +380,17 @@ func (t *groupTable) worldSize(name string) int {
 	defer t.mu.Unlock()
 	if g := t.groups[name]; g != nil {
 		return g.worldSize
+	}
+	return 0
+}
+
+// capacityBlocks returns how many blocks the smallest store of the group's
+// ranks holds, from their heartbeats; 0 when unknown.
+func (t *groupTable) capacityBlocks(name string) int {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	if g := t.groups[name]; g != nil {
+		return int(min(g.status.capacityBlocks, math.MaxInt32))
 	}
 	return 0
 }

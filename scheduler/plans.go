@@ -29,10 +29,18 @@ type dispatchRecord struct {
 
 // publishPlan records t's plan in the index and announces it: the blocks
 // the group will hold that it does not yet (past its local prefix: copies
-// read from other groups and blocks it saves).
+// read from other groups and blocks it saves), up to what its ranks' stores
+// hold. A rank saves no block of a prompt past its store's capacity (it
+// could only push out the prefix's start); planned, those blocks counted
+// as the group's until the plan expired, and the next turn of a
+// conversation longer than the store was told to load them, and missed.
 func (s *Scheduler) publishPlan(t *RequestTracker) {
 	expires := time.Now().Add(s.cfg.PlanTTL)
-	saves := t.BlockHashes[min(t.LocalBlocks, len(t.BlockHashes)):]
+	end := len(t.BlockHashes)
+	if c := s.groups.capacityBlocks(t.Group); c > 0 {
+		end = min(end, c)
+	}
+	saves := t.BlockHashes[min(t.LocalBlocks, end):end]
 	s.index.Plan(t.Group, saves, expires)
 	data, err := messages.Marshal(&messages.SavePlan{
 		SchedulerID: s.cfg.ID, ReqID: t.ReqID, Group: t.Group, Attempt: t.Attempt,

@@ -715,3 +715,55 @@ func saltedChat(model string, seed int, salt string) string {
 	out, _ := json.Marshal(b)
 	return string(out)
 }
+
+// TestAConversationLongerThanTheStoreIsPromisedWhatItKeeps: a rank saves
+// at most as many blocks of a prompt as its store holds (its first ones),
+// so the next turn, sent the moment the answer arrives, is told to load
+// those and no more, and every rank loads all it was told.
+func TestAConversationLongerThanTheStoreIsPromisedWhatItKeeps(t *testing.T) {
+	// tiny at TP 4: 256 bytes per block; room for 8 blocks per rank.
+	const capacityBlocks = 8
+	c := testenv.StartCluster(t, testenv.ClusterConfig{Groups: 1, KVCapacity: capacityBlocks * 256})
+	metas := c.Observe(t, "kvbus.meta.>")
+	done := c.Observe(t, "kvbus.done.>")
+	prompt := testenv.PromptTokens(11, 12*16+1) // 12 full blocks
+	var ids []string
+	for turn := range 3 {
+		toks := make([]string, len(prompt))
+		for i, v := range prompt {
+			toks[i] = fmt.Sprint(v)
+		}
+		body := fmt.Sprintf(`{"model":%q,"prompt":[%s],"max_tokens":2}`, c.Model, strings.Join(toks, ","))
+		status, h, raw := post(t, c, "/v1/completions", body, map[string]string{"X-Session-ID": "longer-than-the-store"})
+		if status != http.StatusOK {
+			t.Fatalf("turn %d: status %d: %s", turn+1, status, raw)
+		}
+		ids = append(ids, h.Get("X-Request-Id"))
+		prompt = append(prompt, testenv.PromptTokens(20+turn, 32)...)
+	}
+	testenv.Eventually(t, 5*time.Second, "every rank's result of every turn", func() bool {
+		n := 0
+		for _, m := range done.Messages() {
+			if r, err := messages.DecodeRankResult(m.Data); err == nil && !r.Prefilled {
+				n++
+			}
+		}
+		return n == 3*4
+	})
+	for turn, id := range ids[1:] {
+		meta := metaOf(t, metas, id)
+		if got := meta.LoadSpec.KVPoolCachedTokens; got != capacityBlocks*16 {
+			t.Errorf("turn %d: LoadSpec of %d tokens, want the %d the store keeps", turn+2, got, capacityBlocks*16)
+		}
+		for _, m := range done.Messages() {
+			r, err := messages.DecodeRankResult(m.Data)
+			if err != nil || r.Prefilled || r.ReqID != id {
+				continue
+			}
+			if r.FailedBlocks != 0 || r.LoadedTokens != meta.LoadSpec.KVPoolCachedTokens {
+				t.Errorf("turn %d, rank %d: loaded %d tokens of the %d promised, failed_blocks %d",
+					turn+2, r.TPRank, r.LoadedTokens, meta.LoadSpec.KVPoolCachedTokens, r.FailedBlocks)
+			}
+		}
+	}
+}
