@@ -223,10 +223,15 @@ func (g *indexGroup) isFull(mask uint64) bool {
 	return mask&all == all
 }
 
+// removeLocked applies a rank's BlockRemoved of h. A plan for h is stale
+// whether or not the index knew the rank held it: a rank's put can evict a
+// block another of its threads just saved before that thread says so, and
+// then the rank publishes only the removal (workers' publishStored). Kept,
+// that plan counted h as the group's until it expired, and the next turn
+// was told to load a block the rank did not have.
 func (x *KVIndex) removeLocked(g *indexGroup, rank int, rs *rankState, h uint64) {
-	if x.dropLocked(g, rank, rs, h) {
-		x.unplanLocked(rankKey{h, g.id}) // a rank evicted it: a plan for it is stale
-	}
+	x.dropLocked(g, rank, rs, h)
+	x.unplanLocked(rankKey{h, g.id}) // a rank evicted it: a plan for it is stale
 }
 
 // dropLocked forgets that rank holds h; it reports whether it did.

@@ -84,11 +84,11 @@ func (g *diffGroup) store(rank int, h uint64) {
 	}
 }
 
+// remove: a removal ends a plan of h even from a rank not known to hold it
+// (it stored and evicted h before saying it stored it).
 func (g *diffGroup) remove(rank int, h uint64) {
-	if g.ranks[rank][h] {
-		delete(g.ranks[rank], h)
-		delete(g.plans, h)
-	}
+	delete(g.ranks[rank], h)
+	delete(g.plans, h)
 }
 
 func (g *diffGroup) clearRank(rank int, keepPlans bool) {

@@ -104,6 +104,12 @@ func TestKVIndexPlans(t *testing.T) {
 		{"a rank evicted a planned block: the prefix stops there", func(x *KVIndex) {
 			x.Apply(kvBatch("g0", 0, 2, stored(a[2]), removed(a[2])))
 		}, 2, 4},
+		// A rank's put evicted a block another of its threads had just
+		// saved, before that thread's BlockStored went out: the rank
+		// publishes only the removal (workers' publishStored).
+		{"a rank evicted a planned block before it said it stored it: the prefix stops there", func(x *KVIndex) {
+			x.Apply(kvBatch("g0", 0, 2, removed(a[2])))
+		}, 2, 4},
 		{"a rank restarted: the group's plans go", func(x *KVIndex) { x.Apply(kvBatch("g0", 1, 1, clearedAll())) }, 0, 0},
 		{"expired", func(x *KVIndex) { x.ExpirePlans(now.Add(time.Minute)) }, 0, 0},
 	}
