@@ -121,6 +121,9 @@ func (s *Server) generate(w http.ResponseWriter, r *http.Request, endpoint strin
 			Message: "not connected to NATS; retry shortly"})
 	}
 	if ok, _ := s.schedulers.ready(time.Now()); !ok {
+		// Back from a cut-off before watchReconnects saw it: the
+		// announcements it missed are no verdict on the schedulers.
+		s.schedulers.reconnected(s.cfg.Conn.Stats().Reconnects, time.Now())
 		s.schedulers.awaitFirstReady(r.Context(), time.Now())
 	}
 	var held time.Duration

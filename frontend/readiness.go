@@ -29,8 +29,13 @@ type schedulerTable struct {
 	mu      sync.Mutex
 	timeout time.Duration
 	m       map[string]schedulerSeen
-	// since is when the frontend began to listen for announcements.
+	// since is when the frontend began to listen for announcements, or
+	// last came back to NATS with none fresh (rejoined).
 	since time.Time
+	// rejoined is since when it was a reconnect, and reconnects the
+	// connection's reconnect count last seen (reconnected).
+	rejoined   time.Time
+	reconnects uint64
 	// readyHeard is closed at the first announcement of a ready replica.
 	readyHeard chan struct{}
 	// wake is closed, and replaced, at each ready announcement and each
@@ -51,6 +56,35 @@ func (t *schedulerTable) listen(now time.Time) {
 	t.since = now
 	if t.readyHeard == nil {
 		t.readyHeard = make(chan struct{})
+	}
+}
+
+// reconnected records that the frontend's connection to NATS reconnected
+// (its reconnect count is n) at now. While it was cut off it heard no
+// announcement, so one that is stale now says nothing of the schedulers: as
+// at its start, requests wait up to firstAnnouncementWait for a ready one's
+// next announcement. A frontend cut off from NATS for longer than the
+// timeout (a partition, its NIC) refused every request of the second after
+// its reconnect 503 no_ready_scheduler, "start one", while both
+// schedulers were ready (33 requests in a review's compose cluster).
+// Calls after the first for the same n do nothing.
+func (t *schedulerTable) reconnected(n uint64, now time.Time) {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	if n <= t.reconnects {
+		return
+	}
+	t.reconnects = n
+	if t.readyLocked(now) {
+		return
+	}
+	t.since, t.rejoined = now, now
+	if t.readyHeard != nil {
+		select {
+		case <-t.readyHeard:
+			t.readyHeard = make(chan struct{})
+		default: // not heard yet: its waiters go on waiting
+		}
 	}
 }
 
@@ -238,6 +272,10 @@ func (t *schedulerTable) ready(now time.Time) (bool, string) {
 		default:
 			why = append(why, fmt.Sprintf("scheduler %s: %s", id, s.reason))
 		}
+	}
+	if len(why) == 0 && !t.rejoined.IsZero() && t.rejoined.Equal(t.since) && now.Sub(t.since) < t.timeout {
+		return false, fmt.Sprintf("no scheduler heard yet since this frontend reconnected to NATS %s ago (each announces itself every second)",
+			now.Sub(t.since).Round(time.Millisecond))
 	}
 	if len(why) == 0 && len(t.m) == 0 && !t.since.IsZero() && now.Sub(t.since) < t.timeout {
 		// Just started: the schedulers may all be there, not yet heard.

@@ -357,3 +357,62 @@ func (s *standalone) healthz(t *testing.T) int {
 	resp.Body.Close()
 	return resp.StatusCode
 }
+
+// TestRequestsAfterAReconnectWaitForTheAnnouncements: a frontend cut off
+// from NATS for longer than --scheduler-timeout hears no announcement
+// meanwhile; once it is back, a request waits for the schedulers' next
+// announcements (each every second) as at the frontend's start, and is
+// published. Before, the request of the moment after the reconnect got a
+// 503 no_ready_scheduler at once ("start one"), with the scheduler ready
+// all along: 33 requests in a review's compose cluster, its frontend's
+// network cut for 20 s.
+func TestRequestsAfterAReconnectWaitForTheAnnouncements(t *testing.T) {
+	var proxy *testenv.FaultProxy
+	var conn *nats.Conn
+	s := startStandalone(t, false, func(c *frontend.Config) {
+		c.RequestTimeout = 5 * time.Second
+		c.SchedulerTimeout = time.Second
+		proxy = testenv.StartFaultProxy(t, strings.TrimPrefix(c.Conn.ConnectedUrl(), "nats://"))
+		nc, err := nats.Connect(proxy.URL(), nats.MaxReconnects(-1), nats.ReconnectWait(20*time.Millisecond))
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(nc.Close)
+		c.Conn, conn = nc, nc
+	})
+	// A ready scheduler announcing itself every second, on the server.
+	announce := schedulerAnnouncer(t, s)
+	stop := make(chan struct{})
+	loop := make(chan struct{})
+	go func() {
+		defer close(loop)
+		tick := time.NewTicker(time.Second)
+		defer tick.Stop()
+		for {
+			announce(true, 2*time.Second, false)
+			select {
+			case <-stop:
+				return
+			case <-tick.C:
+			}
+		}
+	}()
+	t.Cleanup(func() { close(stop); <-loop })
+	testenv.Eventually(t, 5*time.Second, "/healthz 200", func() bool { return s.healthz(t) == http.StatusOK })
+
+	// Cut off: nothing reaches the frontend until its announcements are stale.
+	proxy.Silence()
+	testenv.Eventually(t, 5*time.Second, "/healthz 503 while cut off", func() bool { return s.healthz(t) == http.StatusServiceUnavailable })
+	// The link is back: the connection reconnects through the proxy.
+	before := time.Now()
+	proxy.Cut()
+	testenv.Eventually(t, 5*time.Second, "the reconnect", func() bool { return conn.Stats().Reconnects == 1 && conn.IsConnected() })
+	r := s.post(t, "/v1/chat/completions", `{"model":"kvbus-sim","messages":[{"role":"user","content":"hi"}]}`)
+	if strings.Contains(string(r.body), "no_ready_scheduler") {
+		t.Fatalf("after the reconnect (%s after the link came back): %d %s; want the request to wait for the scheduler's next announcement",
+			time.Since(before).Round(time.Millisecond), r.status, r.body)
+	}
+	if st := s.logState(t); st.Msgs != 1 {
+		t.Fatalf("%d requests published after the reconnect, want 1 (answered %d %s)", st.Msgs, r.status, r.body)
+	}
+}

@@ -53,6 +53,7 @@ func (s *Server) watchReconnects(ctx context.Context) {
 				seen = n
 				s.reconnectedAt.Store(now.UnixNano())
 				s.reconnects.Store(n)
+				s.schedulers.reconnected(n, now)
 				// A second reconnect restarts the wait, for every request.
 				suspects, due = s.inFlight(), now.Add(s.cfg.LostOutputWait)
 				if len(suspects) > 0 {
