@@ -303,7 +303,8 @@ func (s *Server) generate(w http.ResponseWriter, r *http.Request, endpoint strin
 						"or raise --request-log-max-bytes (applies when the log is created)"})
 			}
 			msg := "the request log did not acknowledge the request; retry shortly. " +
-				"Operator: the NATS server's log says why (a full disk under its --data-dir fails every write until it has room)"
+				"Operator: the NATS server's log says why (a full disk under its --data-dir fails every write until it has room); " +
+				"if it says nothing, this frontend may be cut off from it (a partition: check the network between them)"
 			if errors.Is(err, jetstream.ErrNoStreamResponse) {
 				// A server restarted without its store has no log until a
 				// scheduler makes it again (within seconds).

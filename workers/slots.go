@@ -441,7 +441,7 @@ func (s *Slot) reclaim(ctx context.Context) error {
 		// Every holder refreshes within TTL/3, its update timing out
 		// first within another TTL/3: a TTL from now, all are back.
 		s.settle = time.Now().Add(s.cfg.TTL)
-		s.cfg.Logger.Info("claimed the worker slot again: the bucket had forgotten it (a NATS restart)", "slot", s.key)
+		s.cfg.Logger.Info("claimed the worker slot again: the bucket had forgotten it (a NATS restart, or the slot expired while this worker could not refresh it: cut off from NATS for longer than --slot-ttl)", "slot", s.key)
 		return nil
 	case err != nil:
 		return err
