@@ -16,7 +16,7 @@ func TestMemStoreRecent(t *testing.T) {
 	for i, k := range []string{"a", "b", "c", "d"} {
 		s.BatchPut(ctx, []Object{{Key: k, Hash: uint64(i), Value: val(10, byte(i)), Size: 100, Group: "s" + k}})
 	}
-	s.BatchGet(ctx, []string{"a"}) // recency, newest first: a d c b
+	s.BatchGet(ctx, []string{"a"}, RecencyNow) // recency, newest first: a d c b
 	keys := func(objs []Object) []string {
 		var out []string
 		for _, o := range objs {

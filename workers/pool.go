@@ -57,7 +57,7 @@ func (r *Rank) onPoolRead(ctx context.Context, m *nats.Msg) error {
 	for i, h := range req.BlockHashes {
 		keys[i] = StoreKey(req.Model, req.TPRank, h)
 	}
-	values := r.store.BatchGet(ctx, keys)
+	values := r.store.BatchGet(ctx, keys, RecencyKept) // another group reads: it keeps its own copy
 	unknown, saving := r.notSaving(keys, values)
 	intake, caughtUp := r.intakeMark()
 	// No ReqMeta comes once the intake stopped.
@@ -204,7 +204,7 @@ func (r *Rank) readAgain(ctx context.Context, keys []string, values [][]byte, at
 	for j, i := range at {
 		again[j] = keys[i]
 	}
-	for j, v := range r.store.BatchGet(ctx, again) {
+	for j, v := range r.store.BatchGet(ctx, again, RecencyKept) {
 		values[at[j]] = v
 	}
 }

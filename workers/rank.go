@@ -99,7 +99,8 @@ type seenReq struct {
 type rankReq struct {
 	meta *messages.ReqMeta
 	// id numbers requests in arrival order: a load waits only for saves of
-	// requests that arrived before it.
+	// requests that arrived before it, and the store orders the blocks it
+	// touches by it (recency).
 	id uint64
 	// resultSubject is where results go; a scheduler replica that takes
 	// the request over changes it (guarded by Rank.mu).

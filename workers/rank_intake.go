@@ -193,3 +193,8 @@ func newRankReq(meta *messages.ReqMeta) *rankReq {
 	}
 	return rr
 }
+
+// recency is where the store orders the blocks rr touches: its place in the
+// rank's intake order, the same for the request on every rank of the group
+// (see Recency).
+func (rr *rankReq) recency() Recency { return Recency(rr.id) }

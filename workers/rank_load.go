@@ -46,7 +46,7 @@ func (r *Rank) load(rr *rankReq) {
 	var copied []int
 	fetched := make([][]byte, n)
 	if len(ls.Remote) > 0 {
-		held := r.getPrefix(rr.ctx, keys)
+		held := r.getPrefix(rr, keys)
 		copied, fetched = r.copyRemoteRuns(rr, ls.Remote, n)
 		for i, v := range held {
 			if fetched[i] == nil {
@@ -55,7 +55,7 @@ func (r *Rank) load(rr *rankReq) {
 		}
 	}
 	size := r.blockBytes(meta.BlockSize)
-	vals := r.getPrefix(rr.ctx, keys)
+	vals := r.getPrefix(rr, keys)
 	fill := func(from int) {
 		for i := from; i < n; i++ {
 			if vals[i] == nil {
@@ -78,7 +78,7 @@ func (r *Rank) load(rr *rankReq) {
 		// Read again; still missing, the next request saving it (if it
 		// came before this one) is waited for.
 		waited++
-		copy(vals[ok:], r.getPrefix(rr.ctx, keys[ok:]))
+		copy(vals[ok:], r.getPrefix(rr, keys[ok:]))
 		fill(ok)
 	}
 	if waited > 0 {
@@ -118,14 +118,14 @@ func (r *Rank) valueBytes(blockSize int) int {
 	return r.blockBytes(blockSize)
 }
 
-// getPrefix reads the blocks of keys, a prefix in order, touching them
-// from the last to the first: the first block ends the most recently used,
-// so the store evicts a prefix from its end, where it is worth least (see
-// storeBlocks).
-func (r *Rank) getPrefix(ctx context.Context, keys []string) [][]byte {
+// getPrefix reads the blocks of keys, a prefix in order, for rr, touching
+// them from the last to the first at rr's recency: the first block ends the
+// most recently used, so the store evicts a prefix from its end, where it
+// is worth least (see storeBlocks).
+func (r *Rank) getPrefix(rr *rankReq, keys []string) [][]byte {
 	rev := slices.Clone(keys)
 	slices.Reverse(rev)
-	vals := r.store.BatchGet(ctx, rev)
+	vals := r.store.BatchGet(rr.ctx, rev, rr.recency())
 	slices.Reverse(vals)
 	return vals
 }
@@ -237,7 +237,7 @@ func (r *Rank) copyRun(ctx context.Context, rr *rankReq, source string, from, en
 			if !verifyBlock(r.cfg.Payload, v, piece[i], r.cfg.TPRank, size) {
 				break
 			}
-			objs = append(objs, Object{Key: StoreKey(meta.Model, r.cfg.TPRank, piece[i]), Hash: piece[i], Value: v, Size: int64(size), Group: group})
+			objs = append(objs, Object{Key: StoreKey(meta.Model, r.cfg.TPRank, piece[i]), Hash: piece[i], Value: v, Size: int64(size), Group: group, Recency: rr.recency()})
 			blocks = append(blocks, at+i)
 			fetched[at+i] = v
 		}

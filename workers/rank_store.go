@@ -115,7 +115,7 @@ func (r *Rank) storeBlocks(rr *rankReq) {
 				continue
 			}
 			value, charged := blockObject(r.cfg.Payload, hashes[i], r.cfg.TPRank, size)
-			objs = append(objs, Object{Key: keys[i], Hash: hashes[i], Value: value, Size: charged, Group: group})
+			objs = append(objs, Object{Key: keys[i], Hash: hashes[i], Value: value, Size: charged, Group: group, Recency: rr.recency()})
 			blocks = append(blocks, from+i)
 			if len(objs) == per {
 				put()
@@ -128,7 +128,7 @@ func (r *Rank) storeBlocks(rr *rankReq) {
 			for i, h := range meta.BlockHashes[:from] {
 				head[i] = StoreKey(meta.Model, r.cfg.TPRank, h)
 			}
-			r.getPrefix(rr.ctx, head)
+			r.getPrefix(rr, head)
 		}
 	}
 	// KV events: what was stored, then what the puts evicted (possibly some

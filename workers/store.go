@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"math"
 	"sync"
 	"time"
 )
@@ -23,7 +24,29 @@ type Object struct {
 	Value []byte
 	Size  int64
 	Group string
+	// Recency orders the object for eviction (see BlockStore).
+	Recency Recency
 }
+
+// Recency orders a store's objects for eviction: the store evicts the
+// object of the least recency first, and among objects of equal recency
+// the least recently put or read. A rank gives whatever it does for one
+// request the request's place in its intake order (rankReq.id): the ranks
+// of a group take the same ReqMetas in the same order, so their stores
+// order the blocks they share alike and evict the same ones, however each
+// rank's load and store threads interleave. (Ordered by the moment each
+// rank's threads touched them, the ranks of a group evicted different
+// blocks, and a block is usable only while every rank holds its shard.)
+type Recency uint64
+
+const (
+	// RecencyNow is the latest recency the store was given (plain LRU for
+	// a caller that orders nothing).
+	RecencyNow Recency = 0
+	// RecencyKept, on BatchGet, reads without changing the objects'
+	// recency: a read for another group, which keeps its own copy.
+	RecencyKept Recency = math.MaxUint64
+)
 
 func (o *Object) size() int64 {
 	if o.Size > 0 {
@@ -39,12 +62,12 @@ func (o *Object) size() int64 {
 type BlockStore interface {
 	// BatchIsExist reports, for each key, whether the store holds it.
 	BatchIsExist(ctx context.Context, keys []string) []bool
-	// BatchPut stores the objects, evicting to make room; it returns one
-	// error (nil on success) per object.
+	// BatchPut stores the objects, evicting to make room (the least
+	// Recency first); it returns one error (nil on success) per object.
 	BatchPut(ctx context.Context, objs []Object) []error
-	// BatchGet returns, for each key, its value or nil when absent, and marks
-	// the found objects as recently used.
-	BatchGet(ctx context.Context, keys []string) [][]byte
+	// BatchGet returns, for each key, its value or nil when absent, and
+	// marks the found objects as used at recency at (unless RecencyKept).
+	BatchGet(ctx context.Context, keys []string, at Recency) [][]byte
 	// Remove deletes key; removing an absent key is not an error.
 	Remove(ctx context.Context, key string) error
 	// Usage reports the bytes charged, the capacity in bytes and the number
@@ -88,15 +111,21 @@ type MemStoreConfig struct {
 	EvictIdle func(idle time.Duration)
 }
 
-// MemStore is the embedded in-memory BlockStore: a byte-capacity LRU.
+// MemStore is the embedded in-memory BlockStore: a byte-capacity LRU,
+// ordered first by Recency.
 type MemStore struct {
-	mu      sync.Mutex
-	cfg     MemStoreConfig
-	used    int64
-	lru     memList // front = most recently used
-	byKey   map[string]*memEntry
-	byGroup map[string]map[*memEntry]struct{} // only with EvictSession
-	groupN  map[string]int                    // objects per group
+	mu     sync.Mutex
+	cfg    MemStoreConfig
+	used   int64
+	latest Recency // the greatest given: RecencyNow's
+	// buckets hold the entries of each recency, the most recent first;
+	// within a bucket, front = most recently used.
+	buckets   bucketList
+	byRecency map[Recency]*recencyBucket
+	last      *recencyBucket // the last placed into (a batch's are alike)
+	byKey     map[string]*memEntry
+	byGroup   map[string]map[*memEntry]struct{} // only with EvictSession
+	groupN    map[string]int                    // objects per group
 }
 
 // memEntry is one object, linked into the store's recency list (an
@@ -107,7 +136,20 @@ type memEntry struct {
 	value      []byte
 	size       int64
 	touched    int64 // unix ns of the last put or read
+	bucket     *recencyBucket
 	prev, next *memEntry
+}
+
+// recencyBucket holds the entries of one recency.
+type recencyBucket struct {
+	recency    Recency
+	entries    memList
+	prev, next *recencyBucket // prev: more recent
+}
+
+// bucketList is the buckets by recency, the greatest at the front.
+type bucketList struct {
+	front, back *recencyBucket
 }
 
 // memList is a doubly linked list of memEntries; the zero value is empty.
@@ -158,7 +200,7 @@ func NewMemStore(cfg MemStoreConfig) (*MemStore, error) {
 	default:
 		return nil, fmt.Errorf("workers: unknown eviction policy %q (want %s or %s)", cfg.Evict, EvictLRU, EvictSession)
 	}
-	s := &MemStore{cfg: cfg, byKey: map[string]*memEntry{}, groupN: map[string]int{}}
+	s := &MemStore{cfg: cfg, byKey: map[string]*memEntry{}, groupN: map[string]int{}, byRecency: map[Recency]*recencyBucket{}}
 	if cfg.Evict == EvictSession {
 		s.byGroup = map[string]map[*memEntry]struct{}{}
 	}
@@ -196,7 +238,7 @@ func (s *MemStore) BatchPut(_ context.Context, objs []Object) []error {
 			s.evictOldest(now)
 		}
 		el := &memEntry{key: o.Key, hash: o.Hash, group: o.Group, value: o.Value, size: size, touched: now}
-		s.lru.pushFront(el)
+		s.place(el, o.Recency)
 		s.byKey[o.Key] = el
 		s.used += size
 		s.groupN[o.Group]++
@@ -213,19 +255,101 @@ func (s *MemStore) BatchPut(_ context.Context, objs []Object) []error {
 }
 
 // BatchGet implements BlockStore.
-func (s *MemStore) BatchGet(_ context.Context, keys []string) [][]byte {
+func (s *MemStore) BatchGet(_ context.Context, keys []string, at Recency) [][]byte {
 	out := make([][]byte, len(keys))
 	now := time.Now().UnixNano()
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	for i, k := range keys {
 		if el, ok := s.byKey[k]; ok {
-			s.lru.moveToFront(el)
-			el.touched = now
+			if at != RecencyKept {
+				s.place(el, at)
+				el.touched = now
+			}
 			out[i] = el.value
 		}
 	}
 	return out
+}
+
+// place makes e the most recently used entry of recency at (RecencyNow:
+// the latest); s.mu is held.
+func (s *MemStore) place(e *memEntry, at Recency) {
+	if at == RecencyNow {
+		at = s.latest
+	}
+	s.latest = max(s.latest, at)
+	if e.bucket != nil {
+		if e.bucket.recency == at {
+			e.bucket.entries.moveToFront(e)
+			return
+		}
+		s.leave(e)
+	}
+	b := s.last
+	if b == nil || b.recency != at {
+		b = s.byRecency[at]
+	}
+	if b == nil {
+		b = &recencyBucket{recency: at}
+		s.byRecency[at] = b
+		// From the most recent: a request's recency is at or near the
+		// front, unless its thread is many requests behind the others.
+		next := s.buckets.front
+		for next != nil && next.recency > at {
+			next = next.next
+		}
+		s.buckets.insertBefore(b, next)
+	}
+	b.entries.pushFront(e)
+	e.bucket = b
+	s.last = b
+}
+
+// leave takes e out of its bucket, and drops the bucket once empty; s.mu is
+// held.
+func (s *MemStore) leave(e *memEntry) {
+	b := e.bucket
+	b.entries.remove(e)
+	e.bucket = nil
+	if b.entries.front == nil {
+		s.buckets.remove(b)
+		delete(s.byRecency, b.recency)
+		if s.last == b {
+			s.last = nil
+		}
+	}
+}
+
+// insertBefore links b before next (nil: at the back).
+func (l *bucketList) insertBefore(b, next *recencyBucket) {
+	b.next = next
+	if next == nil {
+		b.prev = l.back
+		l.back = b
+	} else {
+		b.prev = next.prev
+		next.prev = b
+	}
+	if b.prev != nil {
+		b.prev.next = b
+	} else {
+		l.front = b
+	}
+}
+
+func (l *bucketList) remove(b *recencyBucket) {
+	if b.prev != nil {
+		b.prev.next = b.next
+	} else {
+		l.front = b.next
+	}
+	if b.next != nil {
+		b.next.prev = b.prev
+	} else {
+		l.back = b.prev
+	}
+	b.prev, b.next = nil, nil
 }
 
 // Remove implements BlockStore.
@@ -250,12 +374,15 @@ func (s *MemStore) Recent(maxBytes int64) []Object {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	var out []Object
-	for e, total := s.lru.front, int64(0); e != nil; e = e.next {
-		if total+e.size > maxBytes {
-			break
+	total := int64(0)
+	for b := s.buckets.front; b != nil; b = b.next {
+		for e := b.entries.front; e != nil; e = e.next {
+			if total+e.size > maxBytes {
+				return out
+			}
+			total += e.size
+			out = append(out, Object{Key: e.key, Hash: e.hash, Size: e.size, Group: e.group})
 		}
-		total += e.size
-		out = append(out, Object{Key: e.key, Hash: e.hash, Size: e.size, Group: e.group})
 	}
 	return out
 }
@@ -269,7 +396,7 @@ func (s *MemStore) GroupObjects(group string) int {
 
 // unlink removes an entry without telling OnEvict (it is being replaced).
 func (s *MemStore) unlink(e *memEntry) {
-	s.lru.remove(e)
+	s.leave(e)
 	delete(s.byKey, e.key)
 	s.used -= e.size
 	if s.groupN[e.group]--; s.groupN[e.group] <= 0 {
@@ -292,11 +419,11 @@ func (s *MemStore) drop(e *memEntry) {
 	}
 }
 
-// evictOldest evicts the least recently used entry and, under
-// EvictSession, the rest of its group (untagged objects go one by one);
-// now is the time of the put that needs the room.
+// evictOldest evicts the least recently used entry of the least recency
+// and, under EvictSession, the rest of its group (untagged objects go one
+// by one); now is the time of the put that needs the room.
 func (s *MemStore) evictOldest(now int64) {
-	e := s.lru.back
+	e := s.buckets.back.entries.back
 	evict := func(e *memEntry) {
 		if s.cfg.EvictIdle != nil {
 			s.cfg.EvictIdle(time.Duration(max(now-e.touched, 0)))

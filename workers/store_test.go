@@ -69,7 +69,7 @@ func TestMemStoreRoundTrip(t *testing.T) {
 	if got, want := s.BatchIsExist(ctx, keys), []bool{true, false, true, true}; !slices.Equal(got, want) {
 		t.Errorf("BatchIsExist(%q) = %v, want %v", keys, got, want)
 	}
-	got := s.BatchGet(ctx, keys)
+	got := s.BatchGet(ctx, keys, RecencyNow)
 	if len(got) != len(keys) {
 		t.Fatalf("BatchGet returned %d values for %d keys", len(got), len(keys))
 	}
@@ -78,7 +78,7 @@ func TestMemStoreRoundTrip(t *testing.T) {
 			t.Errorf("BatchGet[%q] = %q, want %q", keys[i], got[i], want)
 		}
 	}
-	if got := s.BatchGet(ctx, nil); len(got) != 0 {
+	if got := s.BatchGet(ctx, nil, RecencyNow); len(got) != 0 {
 		t.Errorf("BatchGet(nil) = %v", got)
 	}
 	if got := s.BatchIsExist(ctx, nil); len(got) != 0 {
@@ -131,7 +131,7 @@ func TestMemStoreCapacityAndLRU(t *testing.T) {
 	}
 	// Recency now (most recent first): k3 k2 k1 k0. Touch k0 and k1 so that
 	// k2 becomes the least recently used, then k3.
-	s.BatchGet(ctx, []string{"k0", "k1"})
+	s.BatchGet(ctx, []string{"k0", "k1"}, RecencyNow)
 	// BatchIsExist must not refresh recency.
 	s.BatchIsExist(ctx, []string{"k2", "k3"})
 
@@ -160,7 +160,7 @@ func TestMemStoreCapacityAndLRU(t *testing.T) {
 		t.Fatalf("used %d > capacity %d", used, capacity)
 	}
 	checkUsage(t, s, 60, 100, 1)
-	if got := s.BatchGet(ctx, []string{"big2"})[0]; !bytes.Equal(got, val(60, 6)) {
+	if got := s.BatchGet(ctx, []string{"big2"}, RecencyNow)[0]; !bytes.Equal(got, val(60, 6)) {
 		t.Fatalf("big2 = %v", got)
 	}
 }
@@ -177,7 +177,7 @@ func TestMemStoreEvictIdle(t *testing.T) {
 	}
 	s.BatchPut(ctx, []Object{{Key: "read", Value: val(10, 1)}, {Key: "checked", Value: val(10, 2)}})
 	time.Sleep(200 * time.Millisecond)
-	s.BatchGet(ctx, []string{"read"})
+	s.BatchGet(ctx, []string{"read"}, RecencyNow)
 	s.BatchIsExist(ctx, []string{"checked"})
 	s.BatchPut(ctx, []Object{{Key: "new1", Value: val(10, 3)}}) // evicts "checked", 200 ms idle
 	s.BatchPut(ctx, []Object{{Key: "new2", Value: val(10, 4)}}) // evicts "read", just read
@@ -242,7 +242,7 @@ func TestMemStoreReplaceDoesNotDoubleCount(t *testing.T) {
 		if used != tt.wantUsed || objs != 1 {
 			t.Errorf("%s: used %d bytes in %d objects, want %d in 1", tt.name, used, objs, tt.wantUsed)
 		}
-		if got := s.BatchGet(ctx, []string{"k"})[0]; !bytes.Equal(got, tt.value) {
+		if got := s.BatchGet(ctx, []string{"k"}, RecencyNow)[0]; !bytes.Equal(got, tt.value) {
 			t.Errorf("%s: value not replaced", tt.name)
 		}
 	}
@@ -273,7 +273,7 @@ func TestMemStoreConcurrent(t *testing.T) {
 					t.Error(errs[0])
 					return
 				}
-				got := s.BatchGet(ctx, []string{key, fmt.Sprintf("w%d-k%d", (w+1)%workers, i%50)})
+				got := s.BatchGet(ctx, []string{key, fmt.Sprintf("w%d-k%d", (w+1)%workers, i%50)}, RecencyNow)
 				// Our own key may already be evicted by another worker, but a
 				// value found is never torn or someone else's.
 				if got[0] != nil && !bytes.Equal(got[0], want) {
@@ -299,7 +299,8 @@ func TestMemStoreConcurrent(t *testing.T) {
 }
 
 // BenchmarkMemStorePutGet is one op = a BatchPut of 16 4 KiB blocks and a
-// BatchGet of them (values are not copied, so no bytes/s figure).
+// BatchGet of them, at the recency of one request as a rank does (values
+// are not copied, so no bytes/s figure).
 func BenchmarkMemStorePutGet(b *testing.B) {
 	ctx := b.Context()
 	const (
@@ -328,16 +329,84 @@ func BenchmarkMemStorePutGet(b *testing.B) {
 	for b.Loop() {
 		keys := keysets[n%len(keysets)]
 		for i := range objs {
-			objs[i] = Object{Key: keys[i], Value: values[i], Group: "bench"}
+			objs[i] = Object{Key: keys[i], Value: values[i], Group: "bench", Recency: Recency(n + 1)}
 		}
 		for _, err := range s.BatchPut(ctx, objs) {
 			if err != nil {
 				b.Fatal(err)
 			}
 		}
-		if got := s.BatchGet(ctx, keys); got[batch-1] == nil {
+		if got := s.BatchGet(ctx, keys, Recency(n+1)); got[batch-1] == nil {
 			b.Fatal("just-put block missing")
 		}
 		n++
+	}
+}
+
+// TestMemStoreOrdersByRecencyWhateverTheInterleaving: two stores given the
+// same requests' operations in different orders, as two ranks of a group
+// whose load and store threads interleave differently, evict the same
+// objects: those of the least recency first, and among one recency's the
+// least recently used. A read at RecencyKept (another group's) changes no
+// order.
+func TestMemStoreOrdersByRecencyWhateverTheInterleaving(t *testing.T) {
+	ctx := t.Context()
+	put := func(s *MemStore, at Recency, keys ...string) func() {
+		return func() {
+			objs := make([]Object, len(keys))
+			for i, k := range keys {
+				objs[i] = Object{Key: k, Value: val(10, 1), Group: "s-" + k[:1], Recency: at}
+			}
+			for _, err := range s.BatchPut(ctx, objs) {
+				if err != nil {
+					t.Fatal(err)
+				}
+			}
+		}
+	}
+	get := func(s *MemStore, at Recency, keys ...string) func() {
+		return func() { s.BatchGet(ctx, keys, at) }
+	}
+	for _, evict := range []string{EvictLRU, EvictSession} {
+		var held [2][]bool
+		for n, order := range [][]int{{0, 1, 2, 3, 4, 5}, {0, 3, 1, 4, 2, 5}} {
+			var gone []string
+			s, err := NewMemStore(MemStoreConfig{Capacity: 60, Evict: evict, OnEvict: func(key string, _ uint64, _ string) { gone = append(gone, key) }})
+			if err != nil {
+				t.Fatal(err)
+			}
+			// Requests 1-3 each save two blocks of their session (a, b, c);
+			// request 3 also reads a's first block, request 2 is read by
+			// another group; request 4 saves two blocks of d, which evicts.
+			// The second order has request 2's save come after request 3's,
+			// as a rank's store thread lagging behind.
+			ops := []func(){
+				put(s, 1, "a1", "a2"),
+				put(s, 2, "b1", "b2"),
+				get(s, 3, "a1"),
+				put(s, 3, "c1", "c2"),
+				get(s, RecencyKept, "b1", "b2"),
+				put(s, 4, "d1", "d2"),
+			}
+			for _, i := range order {
+				ops[i]()
+			}
+			if ev := len(gone); ev == 0 {
+				t.Fatalf("%s, order %v: nothing evicted", evict, order)
+			}
+			held[n] = s.BatchIsExist(ctx, []string{"a1", "a2", "b1", "b2", "c1", "c2", "d1", "d2"})
+		}
+		if !slices.Equal(held[0], held[1]) {
+			t.Errorf("%s: the two interleavings hold %v and %v", evict, held[0], held[1])
+		}
+		// LRU: a2 (recency 1), then b1, the least recently used of
+		// recency 2; session: a's whole session, a2 being the least recent.
+		want := map[string][]bool{
+			EvictLRU:     {true, false, false, true, true, true, true, true},
+			EvictSession: {false, false, true, true, true, true, true, true},
+		}[evict]
+		if !slices.Equal(held[0], want) {
+			t.Errorf("%s: holds %v of a1 a2 b1 b2 c1 c2 d1 d2, want %v", evict, held[0], want)
+		}
 	}
 }
