@@ -17,7 +17,7 @@ type metrics struct {
 func newMetrics(reg prometheus.Registerer, inflight func() float64) *metrics {
 	m := &metrics{
 		requests: prometheus.NewCounterVec(prometheus.CounterOpts{
-			Name: "kvbus_frontend_requests_total", Help: "HTTP generate requests by endpoint, status and served model (\"\" when refused before the model is known, or for a model not served). A stream that ended with an error event counts under that error's status (its headers said 200); a request whose client went away before its answer ended counts as 499 (nginx's client closed request), answered to no one.",
+			Name: "kvbus_frontend_requests_total", Help: "HTTP generate requests by endpoint, status and served model (\"\" when refused before the model is known, or for a model not served). A stream that ended with an error event counts under that error's status (its headers said 200); a request whose client went away before its answer ended counts as 499 (nginx's client closed request), answered to no one; an answer its client had not read by the request's deadline (cut off at the write deadline) counts as 504.",
 		}, []string{"endpoint", "status", "model"}),
 		latency: prometheus.NewHistogramVec(prometheus.HistogramOpts{
 			Name: "kvbus_frontend_request_seconds", Help: "End-to-end latency of generate requests, by endpoint and served model.",

@@ -20,15 +20,11 @@ const maxWholeAnswer = messages.MaxMessageBytes
 // Nothing is written before the engine's first chunk, so an engine that
 // refuses the request (a 400 for a field it does not take) gets its status
 // and body to the client unchanged.
-func (g *generation) relay(w http.ResponseWriter, ctx context.Context, deadline time.Time, stream bool) int {
+func (g *generation) relay(rw http.ResponseWriter, ctx context.Context, deadline time.Time, stream bool) int {
 	c := g.choices[0]
+	w := newAnswerWriter(rw)
 	h := w.Header()
-	flusher, _ := w.(http.Flusher)
-	flush := func() {
-		if flusher != nil {
-			flusher.Flush()
-		}
-	}
+	flush := w.flush
 	started := false
 	begin := func() {
 		if !started {
@@ -91,6 +87,9 @@ func (g *generation) relay(w http.ResponseWriter, ctx context.Context, deadline 
 		if started && !g.allDone() { // the last events go out with [DONE], in one write
 			flush()
 		}
+		if w.err != nil {
+			return g.cutOff(w.err)
+		}
 	}
 	if c.err != nil {
 		g.log.Warn("request failed", "code", c.err.Code, "status", c.err.Status, "err", c.err.Message)
@@ -121,6 +120,9 @@ func (g *generation) relay(w http.ResponseWriter, ctx context.Context, deadline 
 		h.Set("Content-Type", "application/json")
 		w.WriteHeader(http.StatusOK)
 		_, _ = w.Write(answer)
+	}
+	if w.err != nil {
+		return g.cutOff(w.err)
 	}
 	u := c.usage
 	g.vm.finished(u.PromptTokens, u.CompletionTokens, u.CachedTokens, c.finish, time.Since(g.start).Seconds())

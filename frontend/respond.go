@@ -3,8 +3,10 @@ package frontend
 import (
 	"context"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"net/http"
+	"os"
 	"time"
 
 	"github.com/kvbus/kvbus/internal/logsink"
@@ -47,12 +49,67 @@ func (g *generation) respond(w http.ResponseWriter, ctx context.Context, deadlin
 		}
 		resp.Choices = append(resp.Choices, ch)
 	}
+	aw := newAnswerWriter(w)
+	writeJSON(aw, http.StatusOK, resp)
+	if aw.err != nil {
+		return g.cutOff(aw.err)
+	}
 	u := resp.Usage
 	g.completed()
 	logsink.Info(g.log, "request completed", "prompt_tokens", u.PromptTokens, "cached_tokens", u.PromptTokensDetails.CachedTokens,
 		"completion_tokens", u.CompletionTokens, "ms", time.Since(g.start).Milliseconds())
-	writeJSON(w, http.StatusOK, resp)
 	return http.StatusOK
+}
+
+// answerWriter writes an answer and keeps the first write that failed: its
+// client did not read it by the write deadline (the request's deadline and
+// writeGrace, serveGenerate), or went away. Writes after it fail at once.
+type answerWriter struct {
+	http.ResponseWriter
+	rc  *http.ResponseController
+	err error
+}
+
+func newAnswerWriter(w http.ResponseWriter) *answerWriter {
+	return &answerWriter{ResponseWriter: w, rc: http.NewResponseController(w)}
+}
+
+func (a *answerWriter) Write(p []byte) (int, error) {
+	if a.err != nil {
+		return 0, a.err
+	}
+	n, err := a.ResponseWriter.Write(p)
+	if err != nil {
+		a.err = err
+	}
+	return n, err
+}
+
+// flush sends what is buffered to the client.
+func (a *answerWriter) flush() {
+	if a.err != nil {
+		return
+	}
+	if err := a.rc.Flush(); err != nil && !errors.Is(err, http.ErrNotSupported) {
+		a.err = err
+	}
+}
+
+// cutOff ends a generation whose answer could not be written (err): its
+// unfinished bus requests are aborted, and it counts as what it was for its
+// client, a 504 when the client had not read the answer by the request's
+// deadline, a 499 when it went away, not as the 200 its headers said.
+func (g *generation) cutOff(err error) int {
+	status, reason := 499, messages.AbortReasonClientGone
+	msg := "answer cut off: its client went away before reading it"
+	if errors.Is(err, os.ErrDeadlineExceeded) {
+		status, reason = http.StatusGatewayTimeout, messages.AbortReasonTimeout
+		msg = "answer cut off: its client had not read it by the request's deadline (--request-timeout and a second); it reads too slowly"
+	}
+	g.abort(reason)
+	g.completed() // what was unfinished counts as aborted
+	g.log.Warn(msg, "timeout", g.s.cfg.RequestTimeout, "ms", time.Since(g.start).Milliseconds(), "err", err)
+	return status
 }
 
 // stream writes server-sent events as outputs arrive. The status line, the
@@ -63,17 +120,13 @@ func (g *generation) respond(w http.ResponseWriter, ctx context.Context, deadlin
 //
 // With continuousUsage every chunk but the usage one carries the usage of
 // its choice so far, the role chunk included, as vLLM's do.
-func (g *generation) stream(w http.ResponseWriter, ctx context.Context, deadline time.Time, includeUsage, continuousUsage bool) int {
-	flusher, _ := w.(http.Flusher)
+func (g *generation) stream(rw http.ResponseWriter, ctx context.Context, deadline time.Time, includeUsage, continuousUsage bool) int {
+	w := newAnswerWriter(rw)
 	send := func(v any) {
 		b, _ := json.Marshal(v)
 		_, _ = fmt.Fprintf(w, "data: %s\n\n", b)
 	}
-	flush := func() {
-		if flusher != nil {
-			flusher.Flush()
-		}
-	}
+	flush := w.flush
 	object := "text_completion"
 	if g.endpoint == messages.EndpointChat {
 		object = "chat.completion.chunk"
@@ -183,6 +236,9 @@ func (g *generation) stream(w http.ResponseWriter, ctx context.Context, deadline
 		if !g.allDone() { // the last events go out with [DONE], in one write
 			flush()
 		}
+		if w.err != nil {
+			return g.cutOff(w.err)
+		}
 	}
 	if !started {
 		begin()
@@ -193,6 +249,9 @@ func (g *generation) stream(w http.ResponseWriter, ctx context.Context, deadline
 	// Not flushed: net/http flushes it with the chunked body's end when
 	// the handler returns, in one write where a flush here made two.
 	_, _ = fmt.Fprint(w, "data: [DONE]\n\n")
+	if w.err != nil {
+		return g.cutOff(w.err)
+	}
 	u := g.usage()
 	msg := "request completed"
 	// A stream that ended with an error event counts under that error's
