@@ -32,7 +32,9 @@ type Object struct {
 // object of the least recency first, and among objects of equal recency
 // the least recently put or read. A rank gives whatever it does for one
 // request the request's place in its intake order (rankReq.id): the ranks
-// of a group take the same ReqMetas in the same order, so their stores
+// of a group take the same ReqMetas in the same order (NATS keeps a
+// publisher's order for every subscriber; two scheduler replicas' may
+// interleave differently only within an instant), so their stores
 // order the blocks they share alike and evict the same ones, however each
 // rank's load and store threads interleave. (Ordered by the moment each
 // rank's threads touched them, the ranks of a group evicted different
