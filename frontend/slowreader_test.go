@@ -30,21 +30,7 @@ import (
 func TestStreamNeverReadFreesItsSlot(t *testing.T) {
 	const timeout = 2 * time.Second
 	c := testenv.StartCluster(t, testenv.ClusterConfig{Ranks: 1, MaxInflight: 1, RequestTimeout: timeout, TimeScale: 0.001})
-	// A small receive buffer, set before the connection is made (after,
-	// the window already offered stays).
-	d := net.Dialer{Control: func(_, _ string, rc syscall.RawConn) error {
-		var serr error
-		if err := rc.Control(func(fd uintptr) {
-			serr = syscall.SetsockoptInt(int(fd), syscall.SOL_SOCKET, syscall.SO_RCVBUF, 4096)
-		}); err != nil {
-			return err
-		}
-		return serr
-	}}
-	conn, err := d.DialContext(t.Context(), "tcp", strings.TrimPrefix(c.URL, "http://"))
-	if err != nil {
-		t.Fatal(err)
-	}
+	conn := dialSmallWindow(t, strings.TrimPrefix(c.URL, "http://"))
 	defer conn.Close()
 	// 64 prompts of 2,000 tokens, each token an event of ~200 bytes (the sim
 	// at a time scale above 0 sends one output a token): ~25 MB, far more
