@@ -20,19 +20,21 @@ import (
 // previous answer arrived) must leave the ranks holding the same blocks,
 // under either eviction policy. Before, each rank ordered its blocks by when
 // its own load and store threads happened to touch them, so the ranks
-// evicted different blocks: a review measured 75 of 187 blocks per rank
-// held by all four under LRU, and 0 of 187 under --evict session.
+// evicted different blocks: 135 of 160 held by all four under LRU and 67 of
+// 134 under --evict session here (0 of 160 under the load of a CI run), and
+// a review measured 75 of 187 and 0 of 187 on the real binary.
 func TestTheRanksOfAGroupEvictAlike(t *testing.T) {
 	for _, evict := range []string{"lru", "session"} {
 		t.Run(evict, func(t *testing.T) {
 			// tiny at TP 4: 256 bytes a block per rank; a conversation's
 			// prompt is ~40 blocks at its first turn and ~80 at its sixth.
 			const capacityBlocks = 160
+			const convs = 12
 			c := testenv.StartCluster(t, testenv.ClusterConfig{Groups: 1, KVCapacity: capacityBlocks * 256, Evict: evict})
 			client := &http.Client{Timeout: 30 * time.Second}
 			var wg sync.WaitGroup
-			errs := make(chan error, 12)
-			for conv := range 12 {
+			errs := make(chan error, convs)
+			for conv := range convs {
 				wg.Go(func() {
 					_, err := testenv.Conversation{BaseURL: c.URL, Client: client, Model: c.Model, Seed: 7100 + conv,
 						Headers: map[string]string{"X-Session-ID": fmt.Sprint("alike-", conv)}}.Run(t.Context(), 6)
@@ -77,8 +79,12 @@ func TestTheRanksOfAGroupEvictAlike(t *testing.T) {
 				if len(held[r]) < capacityBlocks/2 {
 					t.Fatalf("rank %d holds %d blocks: the store never filled (capacity %d), so nothing was evicted", r, len(held[r]), capacityBlocks)
 				}
-				if all < len(held[r])*95/100 {
-					t.Errorf("%s: rank %d holds %d blocks, only %d of them held by every rank of the group (want at least 95%%)", evict, r, len(held[r]), all)
+				// Not all: a rank's load thread may touch a block (for a later
+				// request) before or after another request's put evicts on it;
+				// under load a rank was seen holding 14 blocks of 148 the others
+				// had evicted.
+				if all < len(held[r])*85/100 {
+					t.Errorf("%s: rank %d holds %d blocks, only %d of them held by every rank of the group (want at least 85%%)", evict, r, len(held[r]), all)
 				}
 			}
 		})

@@ -29,8 +29,8 @@ type Object struct {
 }
 
 // Recency orders a store's objects for eviction: the store evicts the
-// object of the least recency first, and among objects of equal recency
-// the least recently put or read. A rank gives whatever it does for one
+// object of the least recency (the greatest it was put or read at) first,
+// and among objects of equal recency the least recently put or read. A rank gives whatever it does for one
 // request the request's place in its intake order (rankReq.id): the ranks
 // of a group take the same ReqMetas in the same order (NATS keeps a
 // publisher's order for every subscriber; two scheduler replicas' may
@@ -275,14 +275,21 @@ func (s *MemStore) BatchGet(_ context.Context, keys []string, at Recency) [][]by
 }
 
 // place makes e the most recently used entry of recency at (RecencyNow:
-// the latest); s.mu is held.
+// the latest), unless it is of a greater recency already: an object's
+// recency is the greatest it was used at, whatever order the uses came in
+// (a rank's store thread saving request n and touching its prefix after
+// its load thread loaded request n+5's: on another rank the two come the
+// other way round). s.mu is held.
 func (s *MemStore) place(e *memEntry, at Recency) {
 	if at == RecencyNow {
 		at = s.latest
 	}
 	s.latest = max(s.latest, at)
 	if e.bucket != nil {
-		if e.bucket.recency == at {
+		switch {
+		case at < e.bucket.recency:
+			return
+		case at == e.bucket.recency:
 			e.bucket.entries.moveToFront(e)
 			return
 		}

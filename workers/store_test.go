@@ -369,7 +369,8 @@ func TestMemStoreOrdersByRecencyWhateverTheInterleaving(t *testing.T) {
 	}
 	for _, evict := range []string{EvictLRU, EvictSession} {
 		var held [2][]bool
-		for n, order := range [][]int{{0, 1, 2, 3, 4, 5}, {0, 3, 1, 4, 2, 5}} {
+		var recent [2][]string // the eviction order, last first
+		for n, order := range [][]int{{0, 1, 6, 2, 3, 4, 5}, {0, 2, 3, 1, 4, 6, 5}} {
 			var gone []string
 			s, err := NewMemStore(MemStoreConfig{Capacity: 60, Evict: evict, OnEvict: func(key string, _ uint64, _ string) { gone = append(gone, key) }})
 			if err != nil {
@@ -378,8 +379,10 @@ func TestMemStoreOrdersByRecencyWhateverTheInterleaving(t *testing.T) {
 			// Requests 1-3 each save two blocks of their session (a, b, c);
 			// request 3 also reads a's first block, request 2 is read by
 			// another group; request 4 saves two blocks of d, which evicts.
-			// The second order has request 2's save come after request 3's,
-			// as a rank's store thread lagging behind.
+			// The second order has request 2's save and request 1's touch of
+			// a1 come after request 3's read and save, as a rank's store
+			// thread lagging behind its load thread: a1 stays at recency 3
+			// either way.
 			ops := []func(){
 				put(s, 1, "a1", "a2"),
 				put(s, 2, "b1", "b2"),
@@ -387,6 +390,7 @@ func TestMemStoreOrdersByRecencyWhateverTheInterleaving(t *testing.T) {
 				put(s, 3, "c1", "c2"),
 				get(s, RecencyKept, "b1", "b2"),
 				put(s, 4, "d1", "d2"),
+				get(s, 1, "a1"), // request 1's store thread touching its prefix, behind request 3's load
 			}
 			for _, i := range order {
 				ops[i]()
@@ -395,6 +399,12 @@ func TestMemStoreOrdersByRecencyWhateverTheInterleaving(t *testing.T) {
 				t.Fatalf("%s, order %v: nothing evicted", evict, order)
 			}
 			held[n] = s.BatchIsExist(ctx, []string{"a1", "a2", "b1", "b2", "c1", "c2", "d1", "d2"})
+			for _, o := range s.Recent(1 << 20) {
+				recent[n] = append(recent[n], o.Key)
+			}
+		}
+		if !slices.Equal(recent[0], recent[1]) {
+			t.Errorf("%s: the two interleavings order what they hold %v and %v (most recent first)", evict, recent[0], recent[1])
 		}
 		if !slices.Equal(held[0], held[1]) {
 			t.Errorf("%s: the two interleavings hold %v and %v", evict, held[0], held[1])
