@@ -4,7 +4,6 @@ import (
 	"context"
 	"errors"
 	"log/slog"
-	"sync"
 	"time"
 
 	"github.com/kvbus/kvbus/internal/logevery"
@@ -54,42 +53,36 @@ func logging[M any](log *slog.Logger, name string, every time.Duration, now func
 }
 
 // failureLog logs one kind of a handler's failures through a
-// logevery.Limiter, remembering the last held back for the line that tells
-// of them at the interval's end.
+// logevery.Limiter.
 type failureLog struct {
 	log           *slog.Logger
 	handler, text string
 	hint          string // "": none
-	lim           logevery.Limiter
-	mu            sync.Mutex
-	lastSubj      string // of the last failure
-	lastErr       error
+	lim           logevery.Limiter[failure]
+}
+
+// failure is one failed message: its subject and the handler's error.
+type failure struct {
+	subject string
+	err     error
 }
 
 func newFailureLog(log *slog.Logger, handler, text, hint string, every time.Duration, now func() time.Time) *failureLog {
 	f := &failureLog{log: log, handler: handler, text: text, hint: hint}
-	f.lim = logevery.Limiter{Every: every, Now: now, Held: f.held}
+	f.lim = logevery.Limiter[failure]{Every: every, Now: now, Held: f.held}
 	return f
 }
 
 func (f *failureLog) failed(ctx context.Context, subject string, err error) {
-	// Kept before Allow, so that a Held at the interval's end never
-	// reads an older one than it counts.
-	f.mu.Lock()
-	f.lastSubj, f.lastErr = subject, err
-	f.mu.Unlock()
-	if ok, held, over := f.lim.Allow(); ok {
+	if ok, held, over := f.lim.Allow(failure{subject, err}); ok {
 		f.line(ctx, subject, err, held, over)
 	}
 }
 
 // held tells of failures held back that no later line carried: the last of
 // them, and how many more.
-func (f *failureLog) held(n int, over time.Duration) {
-	f.mu.Lock()
-	subject, err := f.lastSubj, f.lastErr
-	f.mu.Unlock()
-	f.line(context.Background(), subject, err, n-1, over)
+func (f *failureLog) held(last failure, n int, over time.Duration) {
+	f.line(context.Background(), last.subject, last.err, n-1, over)
 }
 
 func (f *failureLog) line(ctx context.Context, subject string, err error, held int, over time.Duration) {

@@ -6,7 +6,6 @@ import (
 	"fmt"
 	"log"
 	"log/slog"
-	"sync"
 	"time"
 
 	"github.com/kvbus/kvbus/internal/logevery"
@@ -27,25 +26,20 @@ func httpErrorLog(h slog.Handler) *log.Logger {
 
 func newErrorLogWriter(h slog.Handler, every time.Duration, now func() time.Time) *errorLogWriter {
 	w := &errorLogWriter{h: h, now: now}
-	w.accept = logevery.Limiter{Every: every, Now: now, Held: w.acceptHeld}
+	w.accept = logevery.Limiter[string]{Every: every, Now: now, Held: w.acceptHeld}
 	return w
 }
 
 type errorLogWriter struct {
-	h          slog.Handler
-	now        func() time.Time
-	accept     logevery.Limiter // of the accept errors
-	mu         sync.Mutex
-	lastAccept string // the last accept error
+	h      slog.Handler
+	now    func() time.Time
+	accept logevery.Limiter[string] // of the accept errors
 }
 
 func (w *errorLogWriter) Write(p []byte) (int, error) {
 	msg := string(bytes.TrimRight(p, "\n"))
 	if bytes.HasPrefix(p, []byte("http: Accept error")) {
-		w.mu.Lock()
-		w.lastAccept = msg // before Allow: a Held at the interval's end reads no older one
-		w.mu.Unlock()
-		ok, held, over := w.accept.Allow()
+		ok, held, over := w.accept.Allow(msg)
 		if !ok {
 			return len(p), nil
 		}
@@ -56,11 +50,8 @@ func (w *errorLogWriter) Write(p []byte) (int, error) {
 
 // acceptHeld tells of accept errors held back that no later line carried:
 // the last of them, and how many more.
-func (w *errorLogWriter) acceptHeld(held int, over time.Duration) {
-	w.mu.Lock()
-	msg := w.lastAccept
-	w.mu.Unlock()
-	_ = w.warn(acceptLine(msg, held-1, over))
+func (w *errorLogWriter) acceptHeld(last string, held int, over time.Duration) {
+	_ = w.warn(acceptLine(last, held-1, over))
 }
 
 func acceptLine(msg string, held int, over time.Duration) string {

@@ -11,10 +11,10 @@ import (
 // interval carries none.
 func TestOneLinePerIntervalWithTheCountHeldBack(t *testing.T) {
 	now := time.Unix(1000, 0)
-	l := &Limiter{Every: 10 * time.Second, Now: func() time.Time { return now }}
+	l := &Limiter[int]{Every: 10 * time.Second, Now: func() time.Time { return now }}
 	let := 0
 	for i := range 1000 {
-		ok, held, _ := l.Allow()
+		ok, held, _ := l.Allow(0)
 		if ok {
 			let++
 			if held != 0 {
@@ -27,12 +27,12 @@ func TestOneLinePerIntervalWithTheCountHeldBack(t *testing.T) {
 		t.Errorf("%d of 1,000 lines within 10 s let through, want 1", let)
 	}
 	now = time.Unix(1011, 0)
-	ok, held, over := l.Allow()
+	ok, held, over := l.Allow(0)
 	if !ok || held != 999 || over != 11*time.Second {
 		t.Errorf("after the interval: Allow() = %v, %d held, over %v; want true, 999, 11s", ok, held, over)
 	}
 	now = now.Add(time.Minute)
-	if ok, held, _ := l.Allow(); !ok || held != 0 {
+	if ok, held, _ := l.Allow(0); !ok || held != 0 {
 		t.Errorf("after a quiet minute: Allow() = %v, %d held; want true, 0", ok, held)
 	}
 }
@@ -44,12 +44,12 @@ func TestOneLinePerIntervalWithTheCountHeldBack(t *testing.T) {
 // nothing held, Held is not called again.
 func TestABurstWithinAnIntervalIsStillTold(t *testing.T) {
 	told := make(chan [2]int64, 2)
-	l := &Limiter{Every: 200 * time.Millisecond, Held: func(held int, over time.Duration) {
+	l := &Limiter[int]{Every: 200 * time.Millisecond, Held: func(_ int, held int, over time.Duration) {
 		told <- [2]int64{int64(held), int64(over)}
 	}}
 	let := 0
 	for range 100 {
-		if ok, _, _ := l.Allow(); ok {
+		if ok, _, _ := l.Allow(0); ok {
 			let++
 		}
 	}
@@ -68,7 +68,7 @@ func TestABurstWithinAnIntervalIsStillTold(t *testing.T) {
 		}
 	}
 	wantHeld(99)
-	if ok, _, _ := l.Allow(); ok {
+	if ok, _, _ := l.Allow(0); ok {
 		t.Error("a line just after Held was let through; Held is the interval's line")
 	}
 	wantHeld(1)
