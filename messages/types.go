@@ -493,10 +493,14 @@ type ResendReply struct {
 // planned the read from a save in flight at the answering rank's group
 // (RemoteRun.Saving): blocks it neither holds nor saves yet are waited
 // for, within a quarter of its SaveWait, since in a NATS cluster the read
-// can reach it before the ReqMeta that saves them.
+// can reach it before the ReqMeta that saves them. Group is the reading
+// rank's group (empty from a reader that predates it): a source whose own
+// load thread is reading from that group does not wait for a save queued
+// behind that read (the two groups would wait on each other).
 type PoolRead struct {
 	V           int         `msgpack:"v" json:"v"`
 	ReqID       string      `msgpack:"req_id,omitempty" json:"req_id,omitempty"`
+	Group       string      `msgpack:"group,omitempty" json:"group,omitempty"`
 	Model       string      `msgpack:"model" json:"model"`
 	TPRank      int         `msgpack:"tp_rank" json:"tp_rank"`
 	BlockHashes BlockHashes `msgpack:"block_hashes" json:"block_hashes"`

@@ -2541,16 +2541,20 @@ func (z *PoolPiece) Msgsize() (s int) {
 func (z *PoolRead) MarshalMsg(b []byte) (o []byte, err error) {
 	o = msgp.Require(b, z.Msgsize())
 	// check for omitted fields
-	zb0001Len := uint32(6)
-	var zb0001Mask uint8 /* 6 bits */
+	zb0001Len := uint32(7)
+	var zb0001Mask uint8 /* 7 bits */
 	_ = zb0001Mask
 	if z.ReqID == "" {
 		zb0001Len--
 		zb0001Mask |= 0x2
 	}
+	if z.Group == "" {
+		zb0001Len--
+		zb0001Mask |= 0x4
+	}
 	if z.Saving == false {
 		zb0001Len--
-		zb0001Mask |= 0x20
+		zb0001Mask |= 0x40
 	}
 	// variable map header, size zb0001Len
 	o = append(o, 0x80|uint8(zb0001Len))
@@ -2565,6 +2569,11 @@ func (z *PoolRead) MarshalMsg(b []byte) (o []byte, err error) {
 			o = append(o, 0xa6, 0x72, 0x65, 0x71, 0x5f, 0x69, 0x64)
 			o = msgp.AppendString(o, z.ReqID)
 		}
+		if (zb0001Mask & 0x4) == 0 { // if not omitted
+			// string "group"
+			o = append(o, 0xa5, 0x67, 0x72, 0x6f, 0x75, 0x70)
+			o = msgp.AppendString(o, z.Group)
+		}
 		// string "model"
 		o = append(o, 0xa5, 0x6d, 0x6f, 0x64, 0x65, 0x6c)
 		o = msgp.AppendString(o, z.Model)
@@ -2578,7 +2587,7 @@ func (z *PoolRead) MarshalMsg(b []byte) (o []byte, err error) {
 			err = msgp.WrapError(err, "BlockHashes")
 			return
 		}
-		if (zb0001Mask & 0x20) == 0 { // if not omitted
+		if (zb0001Mask & 0x40) == 0 { // if not omitted
 			// string "saving"
 			o = append(o, 0xa6, 0x73, 0x61, 0x76, 0x69, 0x6e, 0x67)
 			o = msgp.AppendBool(o, z.Saving)
@@ -2621,6 +2630,12 @@ func (z *PoolRead) UnmarshalMsg(bts []byte) (o []byte, err error) {
 				err = msgp.WrapError(err, "ReqID")
 				return
 			}
+		case "group":
+			z.Group, bts, err = msgp.ReadStringBytes(bts)
+			if err != nil {
+				err = msgp.WrapError(err, "Group")
+				return
+			}
 		case "model":
 			z.Model, bts, err = msgp.ReadStringBytes(bts)
 			if err != nil {
@@ -2659,7 +2674,7 @@ func (z *PoolRead) UnmarshalMsg(bts []byte) (o []byte, err error) {
 
 // Msgsize returns an upper bound estimate of the number of bytes occupied by the serialized message
 func (z *PoolRead) Msgsize() (s int) {
-	s = 1 + 2 + msgp.IntSize + 7 + msgp.StringPrefixSize + len(z.ReqID) + 6 + msgp.StringPrefixSize + len(z.Model) + 8 + msgp.IntSize + 13 + z.BlockHashes.Msgsize() + 7 + msgp.BoolSize
+	s = 1 + 2 + msgp.IntSize + 7 + msgp.StringPrefixSize + len(z.ReqID) + 6 + msgp.StringPrefixSize + len(z.Group) + 6 + msgp.StringPrefixSize + len(z.Model) + 8 + msgp.IntSize + 13 + z.BlockHashes.Msgsize() + 7 + msgp.BoolSize
 	return
 }
 

@@ -80,20 +80,32 @@ func (r *Rank) savingOwner(key string) *rankReq {
 	return owner
 }
 
-// awaitSave waits until every request saving key (if any) has settled or
-// deadline passes; it reports whether they settled in time.
-func (r *Rank) awaitSave(key string, deadline time.Time) bool {
+// awaitSave waits until every request saving key (if any) has settled,
+// deadline passes, or stop(owner) reports that the save owner makes is not
+// to be waited for (asked every millisecond while waiting; nil: never); it
+// reports false when it stopped so, true otherwise.
+func (r *Rank) awaitSave(key string, deadline time.Time, stop func(owner *rankReq) bool) bool {
 	t := time.NewTimer(max(time.Until(deadline), 0))
 	defer t.Stop()
+	var tick <-chan time.Time
+	if stop != nil {
+		ticker := time.NewTicker(time.Millisecond)
+		defer ticker.Stop()
+		tick = ticker.C
+	}
 	for {
 		owner := r.savingOwner(key)
 		if owner == nil {
 			return true
 		}
+		if stop != nil && stop(owner) {
+			return false
+		}
 		select {
 		case <-owner.saved: // settled: the next one, if any, is the owner now
+		case <-tick:
 		case <-t.C:
-			return false
+			return true
 		}
 	}
 }

@@ -36,7 +36,7 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 			Name: "kvbus_worker_dropped_total", Help: "ReqMetas a rank did not run, by reason (duplicate, overloaded, aborted).",
 		}, append(l, "reason")),
 		blocks: prometheus.NewCounterVec(prometheus.CounterOpts{
-			Name: "kvbus_worker_blocks_total", Help: "KV blocks handled by a rank, by op (loaded, load_failed, waited_for_save, pool_awaited_intake, stored, skipped, store_failed).",
+			Name: "kvbus_worker_blocks_total", Help: "KV blocks handled by a rank, by op (loaded, load_failed, waited_for_save, pool_awaited_intake, pool_not_awaited, stored, skipped, store_failed).",
 		}, append(l, "op")),
 		loadSec: prometheus.NewHistogramVec(prometheus.HistogramOpts{
 			Name: "kvbus_worker_load_seconds", Help: "Time a rank's load thread spent on one request.",
@@ -90,7 +90,7 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 type rankSeries struct {
 	reqMetas, duplicate, overloaded, aborted                        prometheus.Counter
 	loaded, loadFailed, waitedForSave, stored, skipped, storeFailed prometheus.Counter
-	poolAwaitedIntake                                               prometheus.Counter
+	poolAwaitedIntake, poolNotAwaited                               prometheus.Counter
 	resent, republished                                             prometheus.Counter
 	loadSec, storeSec, evictIdle                                    prometheus.Observer
 	usedBytes, queue                                                prometheus.Gauge
@@ -109,15 +109,18 @@ func (m *Metrics) forRank(group, rank string) rankSeries {
 		// Blocks a pool read that had to wait for this rank's ReqMeta
 		// intake found after waiting (see onPoolRead).
 		poolAwaitedIntake: op("pool_awaited_intake"),
-		stored:            op("stored"),
-		skipped:           op("skipped"),
-		storeFailed:       op("store_failed"),
-		resent:            m.resent.WithLabelValues(group, rank, "asked"),
-		republished:       m.resent.WithLabelValues(group, rank, "reconnect"),
-		loadSec:           m.loadSec.WithLabelValues(group, rank),
-		storeSec:          m.storeSec.WithLabelValues(group, rank),
-		evictIdle:         m.evictIdle.WithLabelValues(group, rank),
-		usedBytes:         m.usedBytes.WithLabelValues(group, rank),
-		queue:             m.queue.WithLabelValues(group, rank),
+		// Blocks a pool read did not wait for: their save was queued
+		// behind this rank's own read from the reader's group.
+		poolNotAwaited: op("pool_not_awaited"),
+		stored:         op("stored"),
+		skipped:        op("skipped"),
+		storeFailed:    op("store_failed"),
+		resent:         m.resent.WithLabelValues(group, rank, "asked"),
+		republished:    m.resent.WithLabelValues(group, rank, "reconnect"),
+		loadSec:        m.loadSec.WithLabelValues(group, rank),
+		storeSec:       m.storeSec.WithLabelValues(group, rank),
+		evictIdle:      m.evictIdle.WithLabelValues(group, rank),
+		usedBytes:      m.usedBytes.WithLabelValues(group, rank),
+		queue:          m.queue.WithLabelValues(group, rank),
 	}
 }

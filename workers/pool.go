@@ -44,7 +44,9 @@ const (
 // Those waits happen off the subscription's goroutine (up to poolWaitSlots
 // at once, and until Run closes r.poolWaits), so that reads of blocks
 // already held are not queued behind them; with every slot taken, a read
-// waits only for saves it knows of.
+// waits only for saves it knows of. A save queued behind this rank's own
+// read from the reader's group is not waited for by the group first by
+// name (see waitsOnReader).
 func (r *Rank) onPoolRead(ctx context.Context, m *nats.Msg) error {
 	req, err := messages.DecodePoolRead(m.Data)
 	if err != nil {
@@ -77,9 +79,9 @@ func (r *Rank) onPoolRead(ctx context.Context, m *nats.Msg) error {
 				r.awaitIntake(intake, arrived.Add(r.cfg.SaveWait/4))
 			}
 			if planned {
-				r.awaitUnreceivedSaves(ctx, keys, values, unknown, arrived.Add(r.cfg.SaveWait/4))
+				r.awaitUnreceivedSaves(ctx, req.Group, keys, values, unknown, arrived.Add(r.cfg.SaveWait/4))
 			}
-			r.awaitPoolSaves(ctx, keys, values, arrived.Add(r.cfg.SaveWait))
+			r.awaitPoolSaves(ctx, req.Group, keys, values, arrived.Add(r.cfg.SaveWait))
 			if intake > 0 || planned {
 				found := 0
 				for _, i := range unknown {
@@ -100,9 +102,12 @@ func (r *Rank) onPoolRead(ctx context.Context, m *nats.Msg) error {
 // for the blocks at unknown (neither held nor being saved when the read
 // came): for the ReqMeta that saves them to reach this rank and be
 // handled (a block it registers is left to awaitPoolSaves), or for them to
-// arrive in the store. One arrived by then is filled into values.
-func (r *Rank) awaitUnreceivedSaves(ctx context.Context, keys []string, values [][]byte, unknown []int, deadline time.Time) {
+// arrive in the store. One arrived by then is filled into values. It stops
+// waiting once such a save would be queued behind this rank's read from
+// reader (see waitsOnReader).
+func (r *Rank) awaitUnreceivedSaves(ctx context.Context, reader string, keys []string, values [][]byte, unknown []int, deadline time.Time) {
 	left := slices.Clone(unknown)
+	cycle := waitCycle{r: r, reader: reader}
 	for wait := 50 * time.Microsecond; ; wait = min(2*wait, 5*time.Millisecond) {
 		// Each poll: a ReqMeta handled since registered its saves (the
 		// one the read came just behind, maybe, before this wait began),
@@ -114,7 +119,7 @@ func (r *Rank) awaitUnreceivedSaves(ctx context.Context, keys []string, values [
 		r.mu.Unlock()
 		r.readAgain(ctx, keys, values, left)
 		left = slices.DeleteFunc(left, func(i int) bool { return values[i] != nil })
-		if len(left) == 0 || closed || !time.Now().Before(deadline) {
+		if len(left) == 0 || closed || !time.Now().Before(deadline) || cycle.stop(nil) {
 			return
 		}
 		time.Sleep(min(wait, time.Until(deadline)))
@@ -186,16 +191,86 @@ func (r *Rank) notSaving(keys []string, values [][]byte) (unknown []int, saving 
 
 // awaitPoolSaves fills in the missing values whose saves settle by
 // deadline: it waits for each (one request's settling settles all its
-// keys), then reads again every value still missing.
-func (r *Rank) awaitPoolSaves(ctx context.Context, keys []string, values [][]byte, deadline time.Time) {
+// keys), then reads again every value still missing. A save queued behind
+// this rank's read from reader is not waited for (see waitsOnReader).
+func (r *Rank) awaitPoolSaves(ctx context.Context, reader string, keys []string, values [][]byte, deadline time.Time) {
+	var stop func(*rankReq) bool
+	if r.mayStopFor(reader) {
+		stop = (&waitCycle{r: r, reader: reader}).stop
+	}
 	var missing []int
+	notAwaited := 0
 	for i, v := range values {
 		if v == nil {
-			r.awaitSave(keys[i], deadline)
+			if !r.awaitSave(keys[i], deadline, stop) {
+				notAwaited++
+			}
 			missing = append(missing, i)
 		}
 	}
 	r.readAgain(ctx, keys, values, missing)
+	if notAwaited > 0 {
+		r.series.poolNotAwaited.Add(float64(notAwaited))
+	}
+}
+
+// waitCycle tells a pool read from reader to stop waiting for a save once
+// waitsOnReader has held for cycleGrace: a read of the load thread that
+// would soon be answered anyway (the other group was not waiting on this
+// one) costs the reader no recomputed blocks.
+type waitCycle struct {
+	r      *Rank
+	reader string
+	since  time.Time // when waitsOnReader last became true (zero: it is false)
+}
+
+// cycleGrace is how long two groups' reads may wait on each other before
+// one stops: a few round trips, against a --save-wait of seconds.
+const cycleGrace = 50 * time.Millisecond
+
+// stop reports whether to stop waiting for owner's save (nil: one not yet
+// received).
+func (c *waitCycle) stop(owner *rankReq) bool {
+	if !c.r.waitsOnReader(c.reader, owner) {
+		c.since = time.Time{}
+		return false
+	}
+	if c.since.IsZero() {
+		c.since = time.Now()
+	}
+	return time.Since(c.since) >= cycleGrace
+}
+
+// mayStopFor reports whether this rank's group is the one of the pair
+// with reader's that stops waiting (see waitsOnReader): the first by name.
+// A reader that did not say its group is always waited for.
+func (r *Rank) mayStopFor(reader string) bool {
+	return reader != "" && r.cfg.Group < reader
+}
+
+// loadReading is a pool read of the load thread: from which group, for
+// which request (its rankReq.id).
+type loadReading struct {
+	source string
+	id     uint64
+}
+
+// waitsOnReader reports whether a pool read from group reader must not wait
+// for owner's save (nil: one whose ReqMeta has not come yet): owner's load
+// is, or is queued behind, the load thread's read from that very group,
+// whose answer may wait for the reader's own load thread in turn (a save
+// queued behind that thread's read from this group). Two groups reading
+// from each other so would both wait out SaveWait and recompute both runs.
+// Only the group first by name stops waiting (after cycleGrace, see
+// waitCycle): its read is answered with what it holds, the reader
+// recomputes the rest, its load thread moves on and the other group's read
+// gets its saves.
+func (r *Rank) waitsOnReader(reader string, owner *rankReq) bool {
+	if !r.mayStopFor(reader) {
+		return false
+	}
+	cur := r.loadReading.Load()
+	return cur != nil && cur.source == reader && (owner == nil || owner.id >= cur.id)
 }
 
 // readAgain reads the values at indexes at from the store again.

@@ -67,7 +67,7 @@ func TestSavingReadSeesACopyArrive(t *testing.T) {
 		store.BatchPut(t.Context(), []Object{{Key: "copied", Value: []byte("block"), Size: 5}})
 	})
 	start := time.Now()
-	r.awaitUnreceivedSaves(t.Context(), keys, values, []int{0}, start.Add(deadline))
+	r.awaitUnreceivedSaves(t.Context(), "", keys, values, []int{0}, start.Add(deadline))
 	if took := time.Since(start); took >= deadline/2 {
 		t.Errorf("the wait took %v; want it over once the copy landed (%v), well before its deadline (%v)", took, copyAfter, deadline)
 	}

@@ -803,3 +803,75 @@ func (e *rankEnv) blockBytes(t *testing.T) int {
 	}
 	return blockSize * profile.BytesPerTokenPerRank(worldSize)
 }
+
+// TestTwoGroupsReadingFromEachOtherDoNotWaitOnEachOther: g0's load thread
+// reads a run from g1 that a request queued behind g1's load thread saves,
+// while g1's load thread reads a run from g0 that a request queued behind
+// g0's saves: each source's read waits for a save behind its own load
+// thread, which waits for the other. Before, both reads waited out the
+// whole SaveWait and both runs were recomputed; now the rank of the group
+// first by name does not wait for a save queued behind its own read from
+// the reader's group, so one run is recomputed at once and the other is
+// read whole, well within SaveWait.
+func TestTwoGroupsReadingFromEachOtherDoNotWaitOnEachOther(t *testing.T) {
+	const saveWait = 8 * time.Second
+	p := startPoolRanksWith(t, 0, 1<<30, saveWait, "g0", "g1")
+	forG0 := testenv.PromptTokens(21, 4*blockSize+1) // saved by w on g0, read by y on g1
+	forG1 := testenv.PromptTokens(22, 4*blockSize+1) // saved by z on g1, read by x on g0
+	reader := func(id, group, source string, tokens []uint32) *messages.ReqMeta {
+		m := newMeta(id, "s-"+id, append(slices.Clone(tokens[:4*blockSize]), testenv.PromptTokens(23, blockSize+1)...))
+		m.Group = group
+		m.LoadSpec = &messages.LoadSpec{KVPoolCachedTokens: 4 * blockSize, CanLoad: true,
+			Remote: []messages.RemoteRun{{Group: source, FromBlock: 0, Blocks: 4, Saving: true}}}
+		m.SaveFromBlock = 4
+		return m
+	}
+	saver := func(id, group string, tokens []uint32) *messages.ReqMeta {
+		m := newMeta(id, "s-"+id, tokens)
+		m.Group = group
+		return m
+	}
+	for _, g := range []string{"g0", "g1"} { // both ranks up
+		p.run(t, saver("up-"+g, g, testenv.PromptTokens(24, blockSize+1)))
+	}
+	// Each rank takes its reader first, then the saver the other group's
+	// reader waits for: the saver's load is queued behind the reader's.
+	start := time.Now()
+	for _, m := range []*messages.ReqMeta{reader("x", "g0", "g1", forG1), reader("y", "g1", "g0", forG0), saver("w", "g0", forG0), saver("z", "g1", forG1)} {
+		data, err := messages.Marshal(m)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := p.nc.Publish(messages.Subjects{}.Meta(m.Group, m.SessionID), data); err != nil {
+			t.Fatal(err)
+		}
+	}
+	results := map[string]*messages.RankResult{}
+	took := map[string]time.Duration{}
+	for deadline := time.Now().Add(2 * saveWait); len(results) < 2 && time.Now().Before(deadline); {
+		m, err := p.done.NextMsg(time.Until(deadline))
+		if err != nil {
+			break
+		}
+		if r, err := messages.DecodeRankResult(m.Data); err == nil && (r.ReqID == "x" || r.ReqID == "y") && !r.Received && !r.Prefilled {
+			results[r.ReqID], took[r.ReqID] = r, time.Since(start)
+		}
+	}
+	x, y := results["x"], results["y"]
+	if x == nil || y == nil {
+		t.Fatalf("results of the two readers: x %+v, y %+v; want both", x, y)
+	}
+	t.Logf("x done after %v (%d tokens loaded), y after %v (%d blocks failed)", took["x"], x.LoadedTokens, took["y"], y.FailedBlocks)
+	// g0 (first by name) answered y's read without waiting for w, which
+	// was queued behind x's read from g1: y recomputes its run.
+	if y.LoadedTokens != 0 || y.FailedBlocks != 4 {
+		t.Errorf("y (g1 reading from g0): %+v; want its run recomputed (0 loaded, 4 failed)", y)
+	}
+	// g1 waited for z, which followed y once y's read was answered.
+	if x.LoadedTokens != 4*blockSize || x.RemoteTokens != 4*blockSize || x.FailedBlocks != 0 {
+		t.Errorf("x (g0 reading from g1): %+v; want its run read whole from g1 (4 blocks)", x)
+	}
+	if took["x"] >= saveWait/2 || took["y"] >= saveWait/2 {
+		t.Errorf("the readers took %v and %v; want both well within SaveWait (%v): they waited on each other", took["x"], took["y"], saveWait)
+	}
+}

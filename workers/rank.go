@@ -81,7 +81,9 @@ type Rank struct {
 	drivers sync.WaitGroup // driver goroutines, started by the load loop
 	// Pool reads waiting for saves (see onPoolRead), and their slots.
 	poolWaits *offloader
-	handoffs  *offloader // hand-offs being taken
+	// loadReading is the pool read the load thread waits on (nil: none).
+	loadReading atomic.Pointer[loadReading]
+	handoffs    *offloader // hand-offs being taken
 }
 
 // seenReq is what a rank remembers of a request it took: the attempt, and
