@@ -427,9 +427,25 @@ func (m Model) sessionTable(st styles, n int) []string {
 		ss = ss[:n]
 	}
 	cols := []column{{"SESSION", false, 0}, {"GROUP", false, 1}, {"TURNS", true, 2}, {"RECENT", true, 3}, {"HIT", true, 4}}
+	// A MODEL column when the cluster serves more than one model: a
+	// session id sent with two models is two conversations, two rows.
+	models := map[string]bool{}
+	for _, g := range m.snap.Groups {
+		models[g.Model] = true
+	}
+	for _, s := range ss {
+		models[s.Model] = true
+	}
+	byModel := len(models) > 1
+	if byModel {
+		cols = slices.Insert(cols, 1, column{"MODEL", false, 5})
+	}
 	rows := make([][]string, len(ss))
 	for i, s := range ss {
 		rows[i] = []string{Printable(s.ID), Printable(s.Group), strconv.Itoa(s.Turns), strconv.Itoa(s.Recent), fmt.Sprintf("%.2f", s.HitRatio)}
+		if byModel {
+			rows[i] = slices.Insert(rows[i], 1, Printable(s.Model))
+		}
 	}
 	head, lines := table(cols, rows, m.width, 36)
 	return append([]string{st.head.Render(head)}, lines...)

@@ -109,6 +109,7 @@ type SchedulerRow struct {
 // SessionRow is one conversation.
 type SessionRow struct {
 	ID       string  `json:"id"`
+	Model    string  `json:"model"`
 	Group    string  `json:"group"`
 	Turns    int     `json:"turns"`
 	Recent   int     `json:"recent"` // requests within the window
@@ -306,7 +307,8 @@ func (w *Watcher) groupRow(name string, g *groupView, asOf time.Time, poolIn, po
 func (w *Watcher) busiest(cut time.Time, o SnapshotOptions) []SessionRow {
 	k := max(o.Sessions, 0)
 	h := make(sessionHeap, 0, min(k, len(w.sessions)))
-	for id, sv := range w.sessions {
+	for key, sv := range w.sessions {
+		id := key.id
 		recent := 0
 		for _, t := range sv.inWindow {
 			if !t.Before(cut) {
@@ -320,7 +322,10 @@ func (w *Watcher) busiest(cut time.Time, o SnapshotOptions) []SessionRow {
 		if o.Filter != "" && !strings.Contains(id, o.Filter) && !strings.Contains(Printable(id), o.Filter) {
 			continue
 		}
-		row := SessionRow{ID: id, Group: sv.group, Turns: sv.turns, Recent: recent}
+		row := SessionRow{ID: id, Model: key.model, Group: sv.group, Turns: sv.turns, Recent: recent}
+		if sv.prompt > 0 {
+			row.HitRatio = float64(sv.cached) / float64(sv.prompt)
+		}
 		if len(h) == k {
 			if !busier(row, h[0]) {
 				continue
@@ -335,11 +340,6 @@ func (w *Watcher) busiest(cut time.Time, o SnapshotOptions) []SessionRow {
 	for i := len(h) - 1; i >= 0; i-- {
 		rows[i] = heap.Pop(&h).(SessionRow)
 	}
-	for i := range rows {
-		if sv := w.sessions[rows[i].ID]; sv != nil && sv.prompt > 0 {
-			rows[i].HitRatio = float64(sv.cached) / float64(sv.prompt)
-		}
-	}
 	return rows
 }
 
@@ -351,7 +351,10 @@ func busier(a, b SessionRow) bool {
 	if a.Turns != b.Turns {
 		return a.Turns > b.Turns
 	}
-	return a.ID < b.ID
+	if a.ID != b.ID {
+		return a.ID < b.ID
+	}
+	return a.Model < b.Model
 }
 
 // sessionHeap is a min-heap by busier: its root is the least busy kept.

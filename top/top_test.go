@@ -6,6 +6,7 @@ import (
 	"net/http"
 	"path/filepath"
 	"regexp"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -716,5 +717,54 @@ func TestSessionsAreBounded(t *testing.T) {
 	}
 	if got := b.w.SnapshotWith(time.Now(), top.SnapshotOptions{Sessions: 5, Filter: "d"}).Sessions; len(got) != 1 || got[0].ID != "d" {
 		t.Errorf("filtered on d: %+v", got)
+	}
+}
+
+// TestSessionsAreConversationsOfOneModel: one session id sent with two
+// models is two conversations, each with its own turns, as the schedulers
+// count them (a session is a session of one model): model b's first turn
+// is turn 1, and each shows as its own row with its model and group. Top
+// kept one row per id: model b's turns were counted as turns 2 and 3 of
+// model a's conversation, under whichever group served last, with one hit
+// ratio over both models' prompts.
+func TestSessionsAreConversationsOfOneModel(t *testing.T) {
+	b := startWatcher(t, top.Config{})
+	for _, hb := range []messages.Heartbeat{{Group: "ga", WorldSize: 1, Model: "model-a"}, {Group: "gb", WorldSize: 1, Model: "model-b"}} {
+		b.heartbeat(hb)
+	}
+	turn := func(id, model, group string, cached int) {
+		b.publish(b.s.Request(model), &messages.Request{RequestID: id, FrontendID: "fe", SessionID: "s", Model: model,
+			ArrivalUnixMs: time.Now().UnixMilli(), PromptTokenIDs: []uint32{1, 2, 3, 4}})
+		b.publish(b.s.Meta(group, "s"), &messages.ReqMeta{ReqID: id, SessionID: "s", Group: group, FrontendID: "fe", ResultSubject: "done",
+			BlockSize: 1, TokenLen: 4, TokenIDs: make(messages.TokenIDs, 4), BlockHashes: make(messages.BlockHashes, 4)})
+		b.finish(id, 100, cached)
+	}
+	turn("a1", "model-a", "ga", 0)
+	turn("b1", "model-b", "gb", 0)
+	turn("b2", "model-b", "gb", 90)
+	b.flush()
+	s := b.w.Snapshot(time.Now())
+	if r := s.HitRatio; r["1"] != 0 || r["2"] != 0.9 || len(r) != 2 {
+		t.Errorf("hit ratio by turn %v; want 1: 0 and 2: 0.90 only (model b's first turn is a turn 1)", r)
+	}
+	rows := map[string]top.SessionRow{}
+	for _, ss := range s.Sessions {
+		if ss.ID == "s" {
+			rows[ss.Model] = ss
+		}
+	}
+	if a, bb := rows["model-a"], rows["model-b"]; len(rows) != 2 || a.Turns != 1 || a.Group != "ga" || a.HitRatio != 0 ||
+		bb.Turns != 2 || bb.Group != "gb" || bb.HitRatio != 0.45 {
+		t.Errorf("sessions %+v; want s of model-a (1 turn on ga, hit 0) and s of model-b (2 turns on gb, hit 0.45)", s.Sessions)
+	}
+	screen := top.NewModel(b.w, time.Second, 10).Report(true)
+	var lines []string
+	for _, l := range strings.Split(screen, "\n") {
+		if f := strings.Fields(l); len(f) > 0 && f[0] == "s" {
+			lines = append(lines, strings.Join(f, " "))
+		}
+	}
+	if !slices.Contains(lines, "s model-b gb 2 2 0.45") || !slices.Contains(lines, "s model-a ga 1 1 0.00") {
+		t.Errorf("session lines %q; want s model-b gb 2 2 0.45 and s model-a ga 1 1 0.00:\n%s", lines, screen)
 	}
 }

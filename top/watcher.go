@@ -94,11 +94,11 @@ type Watcher struct {
 	running    bool // Run follows the connection's status
 	groups     map[string]*groupView
 	schedulers map[string]schedulerView
-	reqs       map[string]*reqView     // requests in flight, by req_id
-	sessions   map[string]*sessionView // by session id
-	lru        list.List               // of *sessionView, most recently active first
-	done       []doneReq               // finished within the window, oldest first
-	pool       []poolRun               // remote runs within the window
+	reqs       map[string]*reqView         // requests in flight, by req_id
+	sessions   map[sessionKey]*sessionView // by model and session id
+	lru        list.List                   // of *sessionView, most recently active first
+	done       []doneReq                   // finished within the window, oldest first
+	pool       []poolRun                   // remote runs within the window
 	// again are the turns asked again (Request.again_of) with a copy in
 	// flight, by the turn's first request id.
 	again map[string]*againTurn
@@ -125,7 +125,7 @@ type rankView struct {
 type reqView struct {
 	arrived   time.Time // on top's clock
 	start     time.Time // the frontend's arrival (its clock), else arrived
-	session   string
+	session   sessionKey
 	depth     int
 	group     string
 	prompt    int
@@ -148,8 +148,13 @@ type againTurn struct {
 	depth int
 }
 
+// sessionKey names a conversation: a session id of one model. The same
+// id sent with another model is another conversation, with turns of its
+// own, as the schedulers bind and count it.
+type sessionKey struct{ model, id string }
+
 type sessionView struct {
-	id       string
+	sessionKey
 	elem     *list.Element // in Watcher.lru
 	turns    int
 	group    string
@@ -167,7 +172,7 @@ type doneReq struct {
 	cached  int
 	failed  bool
 	aborted bool // its client went away (an Abort): no answer was due
-	session string
+	session sessionKey
 }
 
 type poolRun struct {
@@ -194,7 +199,7 @@ func New(cfg Config) (*Watcher, error) {
 		cfg.MaxSessions = DefaultMaxSessions
 	}
 	return &Watcher{cfg: cfg, ready: make(chan struct{}), groups: map[string]*groupView{}, schedulers: map[string]schedulerView{},
-		reqs: map[string]*reqView{}, again: map[string]*againTurn{}, sessions: map[string]*sessionView{}, url: cfg.URL}, nil
+		reqs: map[string]*reqView{}, again: map[string]*againTurn{}, sessions: map[sessionKey]*sessionView{}, url: cfg.URL}, nil
 }
 
 // Subscribed is closed once Run follows the bus: what is published after
@@ -327,7 +332,8 @@ func (w *Watcher) onRequest(m *nats.Msg, now time.Time) {
 	if _, ok := w.reqs[req.RequestID]; ok {
 		return // a redelivery
 	}
-	rv := &reqView{arrived: now, start: now, session: req.SessionID, depth: 1, prompt: len(req.PromptTokenIDs),
+	key := sessionKey{req.Model, req.SessionID}
+	rv := &reqView{arrived: now, start: now, session: key, depth: 1, prompt: len(req.PromptTokenIDs),
 		whole: len(req.Body) > 0 && !req.Stream}
 	if req.ArrivalUnixMs > 0 {
 		// The frontend's clock: a top that reads its backlog late (paused,
@@ -347,23 +353,23 @@ func (w *Watcher) onRequest(m *nats.Msg, now time.Time) {
 			if first := w.reqs[req.AgainOf]; first != nil {
 				at.live, at.depth = 1, first.depth
 				first.again = at
-			} else if sv := w.sessions[req.SessionID]; sv != nil {
+			} else if sv := w.sessions[key]; sv != nil {
 				at.depth = max(sv.turns, 1)
 			}
 			w.again[req.AgainOf] = at
 		}
 		at.live++
 		rv.again, rv.depth = at, at.depth
-		if sv := w.sessions[req.SessionID]; sv != nil {
+		if sv := w.sessions[key]; sv != nil {
 			w.lru.MoveToFront(sv.elem)
 			sv.last = now
 		}
 	} else if req.SessionID != "" {
-		sv := w.sessions[req.SessionID]
+		sv := w.sessions[key]
 		if sv == nil {
-			sv = &sessionView{id: req.SessionID}
+			sv = &sessionView{sessionKey: key}
 			sv.elem = w.lru.PushFront(sv)
-			w.sessions[req.SessionID] = sv
+			w.sessions[key] = sv
 			for w.lru.Len() > w.cfg.MaxSessions {
 				w.forget(w.lru.Back().Value.(*sessionView))
 			}
@@ -449,7 +455,7 @@ func (w *Watcher) end(id string, rv *reqView) {
 // forget drops session sv. Call with w.mu held.
 func (w *Watcher) forget(sv *sessionView) {
 	w.lru.Remove(sv.elem)
-	delete(w.sessions, sv.id)
+	delete(w.sessions, sv.sessionKey)
 }
 
 // onControl follows the frontend's aborts: the driver sends no final
