@@ -198,7 +198,8 @@ func (s *Server) generate(w http.ResponseWriter, r *http.Request, endpoint strin
 	}
 	// The model on the bus: kvbus's name, whose hash seed the workers
 	// index the engines' KV events with, also for a name only the engines
-	// serve (the body sent to them keeps the client's). A LoRA adapter's
+	// serve (the body sent to them keeps the client's): such a frontend
+	// serves one --model (Config.Validate). A LoRA adapter's
 	// name also seeds its prompts' block hashes (lora: vLLM keys its
 	// blocks with it).
 	busModel, lora := p.model, ""

@@ -152,6 +152,16 @@ func (c *Config) Validate() error {
 	case c.ReadHeaderTimeout < 0 || c.IdleTimeout < 0 || c.ReadBodyTimeout < 0:
 		return fmt.Errorf("%w: --read-header-timeout, --idle-timeout and the read-body timeout must be >= 0 (0: default)", ErrConfig)
 	}
+	if _, engineTok := c.Tokenizer.(RequestTokenizer); engineTok && c.Passthrough && len(c.Models) > 1 {
+		// The engines' /tokenize and /v1/models are asked without a
+		// model name, of whichever engine answers first: another model's
+		// prompts would be tokenized by this one's engine, and a name only
+		// the engines list would go on the bus under the first --model.
+		return fmt.Errorf("%w: --model %q: a frontend with --engine openai and --tokenizer engine serves one --model: "+
+			"its engines' /tokenize and /v1/models are asked without a model name, so one model's prompts would be tokenized "+
+			"by another's engine and a name the engines list would go to the first model's groups; run one frontend per model, "+
+			"each with --tokenizer-url of its own engines", ErrConfig, strings.Join(c.Models, ","))
+	}
 	for _, h := range c.SessionHeaders {
 		if strings.TrimSpace(h) == "" || strings.ContainsAny(h, " :\t") {
 			return fmt.Errorf("%w: --session-header %q is not a header name", ErrConfig, h)

@@ -71,6 +71,39 @@ func TestModelNamesWithSpacesAreRefused(t *testing.T) {
 	}
 }
 
+// TestEngineTokenizerFrontendServesOneModel: a frontend in front of
+// engines (--engine openai) with --tokenizer engine serves one --model. Its
+// engines' /tokenize and /v1/models are asked without a model name, of
+// whichever --tokenizer-url answers first, so with --model a,b a prompt of
+// b was tokenized by a's engine (hashes that never match b's engine's
+// blocks) and a name only one engine lists went on the bus under the first
+// --model: with engines of org/a (a's) and org/b (b's), org/b's requests
+// were placed on a's groups, hashed from a's seed, and org/a was a 404 while
+// the list came from b's engine. Refused at start now, naming the models;
+// one model, or several with the sim engine, start as before.
+func TestEngineTokenizerFrontendServesOneModel(t *testing.T) {
+	run := func(args ...string) error {
+		c := parseCLI(t, append([]string{"frontend", "--http-addr", "127.0.0.1:0", "--nats-url", "nats://127.0.0.1:1"}, args...)...)
+		ctx, cancel := context.WithTimeout(t.Context(), 500*time.Millisecond)
+		defer cancel()
+		return c.Frontend.Run(ctx)
+	}
+	engine := []string{"--tokenizer", "engine", "--tokenizer-url", "http://127.0.0.1:1"}
+	err := run(append([]string{"--model", "a,b", "--engine", "openai"}, engine...)...)
+	if err == nil || !strings.Contains(err.Error(), "one --model") || !strings.Contains(err.Error(), `"a,b"`) {
+		t.Errorf("--model a,b --engine openai --tokenizer engine: %v; want a refusal naming the models", err)
+	}
+	for _, args := range [][]string{
+		append([]string{"--model", "a", "--engine", "openai"}, engine...),
+		append([]string{"--model", "a,b"}, engine...),
+		{"--model", "a,b", "--engine", "openai"},
+	} {
+		if err := run(args...); err != nil && strings.Contains(err.Error(), "one --model") {
+			t.Errorf("%v: %v; want it to start", args, err)
+		}
+	}
+}
+
 // TestOneFrontendServesTwoModels: `kvbus frontend --model a,b` in front of a
 // worker group of each model: /v1/models lists both, and each model's
 // requests are answered by its own group.
