@@ -10,6 +10,7 @@ import (
 	"os"
 	"path/filepath"
 	"reflect"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -460,5 +461,57 @@ func TestModelReplacesACapturesModel(t *testing.T) {
 		if res.Err != "" {
 			t.Errorf("trace request replayed without a model (kvbus-sim): %s", res.Err)
 		}
+	}
+}
+
+// TestTurnsAreCountedPerModel: a captured session id used with two models
+// is two conversations, as the schedulers count them: each model's first
+// turn is turn 1. The replay numbered the turns by session id alone, so
+// the capture's second request of the served model (after one of another
+// model) was reported as turn 3, its hit ratio under "3".
+func TestTurnsAreCountedPerModel(t *testing.T) {
+	c := testenv.StartCluster(t, testenv.ClusterConfig{Payload: "accounting"})
+	var file bytes.Buffer
+	cw, err := replay.NewCaptureWriter(&file)
+	if err != nil {
+		t.Fatal(err)
+	}
+	prompt := testenv.PromptTokens(7, 64)
+	for i, model := range []string{c.Model, "other-model", c.Model} {
+		data, err := messages.Marshal(&messages.Request{RequestID: fmt.Sprint("r", i), FrontendID: "fe", Model: model, SessionID: "s",
+			Endpoint: messages.EndpointCompletions, PromptTokenIDs: prompt, SamplingParams: messages.SamplingParams{MaxTokens: 2}})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := cw.Write(replay.Frame{Time: time.Unix(int64(i), 0), Subject: "kvbus.req." + messages.ModelToken(model), Payload: data}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := cw.Flush(); err != nil {
+		t.Fatal(err)
+	}
+	capture, err := replay.ReadTrace(bytes.NewReader(file.Bytes()), replay.FormatCapture)
+	if err != nil {
+		t.Fatal(err)
+	}
+	r, err := replay.New(replay.Config{Target: c.URL, Speed: 100})
+	if err != nil {
+		t.Fatal(err)
+	}
+	results, elapsed, err := r.Run(t.Context(), capture.Items)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var depths []int
+	for _, res := range results {
+		depths = append(depths, res.TurnDepth)
+	}
+	if !slices.Equal(depths, []int{1, 1, 2}) || results[0].Err != "" || results[2].Err != "" || !strings.Contains(results[1].Err, "model_not_found") {
+		t.Errorf("turn depths %v, errors %q; want 1, 1, 2 (the other model's turn is its own turn 1), the served model's turns answered", depths,
+			[]string{results[0].Err, results[1].Err, results[2].Err})
+	}
+	rep := replay.Summarize("replay", results, 0, elapsed)
+	if _, ok := rep.HitRatioByTurn["3"]; ok || rep.HitRatioByTurn["2"] == 0 {
+		t.Errorf("hit ratio by turn %v; want the served model's second turn (all of it cached but its last block) under 2", rep.HitRatioByTurn)
 	}
 }

@@ -168,14 +168,22 @@ func (r *Replayer) Run(ctx context.Context, items []Item) ([]Result, time.Durati
 		defer r.http.CloseIdleConnections()
 	}
 	results := make([]Result, len(items))
-	depth := map[string]int{}
+	// A session is a session of one model, as the schedulers count its
+	// turns: the same id sent with another model is another conversation.
+	type conversation struct{ model, session string }
+	depth := map[conversation]int{}
 	for i, it := range items {
 		results[i].SessionID = it.SessionID
 		results[i].PromptTokens = len(it.Prompt)
 		results[i].TurnDepth = 1
 		if it.SessionID != "" {
-			depth[it.SessionID]++
-			results[i].TurnDepth = depth[it.SessionID]
+			captured := ""
+			if it.Request != nil {
+				captured = it.Request.Model
+			}
+			conv := conversation{r.model(captured), it.SessionID}
+			depth[conv]++
+			results[i].TurnDepth = depth[conv]
 		}
 	}
 	var bar *progressbar.ProgressBar
