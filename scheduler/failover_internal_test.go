@@ -226,7 +226,7 @@ func TestCacheCountersOverCompletedRequests(t *testing.T) {
 	if failed, completed := val(s.m.requests.WithLabelValues("failed")), val(s.m.requests.WithLabelValues("completed")); failed != 1 || completed != 1 {
 		t.Fatalf("requests{failed} = %v, {completed} = %v; want 1 each", failed, completed)
 	}
-	if prompt, cached := val(s.m.promptTokens.WithLabelValues("1")), val(s.m.cachedTokens.WithLabelValues("1")); prompt != 65 || cached != 32 {
+	if prompt, cached := val(s.m.promptTokens.WithLabelValues("m", "1")), val(s.m.cachedTokens.WithLabelValues("m", "1")); prompt != 65 || cached != 32 {
 		t.Errorf("prompt_tokens_total = %v, cached_tokens_total = %v; want 65 and 32, the completed request's only", prompt, cached)
 	}
 }

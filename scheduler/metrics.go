@@ -64,12 +64,12 @@ func newMetrics(reg prometheus.Registerer, f metricFuncs) *metrics {
 		}),
 		promptTokens: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "kvbus_scheduler_prompt_tokens_total",
-			Help: "Prompt tokens of completed requests by the session's turn depth (1, 2, 3, 4+).",
-		}, []string{"turn_depth"}),
+			Help: "Prompt tokens of completed requests by model and the session's turn depth (1, 2, 3, 4+).",
+		}, []string{"model", "turn_depth"}),
 		cachedTokens: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "kvbus_scheduler_cached_tokens_total",
-			Help: "Prompt tokens loaded from the KV store by turn depth; divide by kvbus_scheduler_prompt_tokens_total for the hit ratio.",
-		}, []string{"turn_depth"}),
+			Help: "Prompt tokens loaded from the KV store by model and turn depth; divide by kvbus_scheduler_prompt_tokens_total for the hit ratio.",
+		}, []string{"model", "turn_depth"}),
 		groupInflight: prometheus.NewGaugeVec(prometheus.GaugeOpts{
 			Name: "kvbus_scheduler_group_inflight_requests",
 			Help: "Requests in flight on a group, cluster-wide as this replica sees it (the driver rank's last heartbeat plus what this replica dispatched and heard finish since): every replica reports about the same value, so take max by group, never sum over replicas. model is the model the group's driver rank serves.",

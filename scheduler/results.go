@@ -77,8 +77,8 @@ func (s *Scheduler) countDone(t *RequestTracker, end time.Time) {
 		s.m.poolTokens.WithLabelValues("predicted", "remote").Add(float64((t.LoadBlocks - t.LocalBlocks) * bs))
 		s.m.poolTokens.WithLabelValues("actual", "local").Add(float64(loaded - remote))
 		s.m.poolTokens.WithLabelValues("actual", "remote").Add(float64(remote))
-		s.m.promptTokens.WithLabelValues(depth).Add(float64(t.TokenLen))
-		s.m.cachedTokens.WithLabelValues(depth).Add(float64(loaded))
+		s.m.promptTokens.WithLabelValues(t.Model, depth).Add(float64(t.TokenLen))
+		s.m.cachedTokens.WithLabelValues(t.Model, depth).Add(float64(loaded))
 	}
 	logsink.Info(s.log, "request done", "req_id", t.ReqID, "session_id", t.SessionID, "group", t.Group,
 		"outcome", outcome.String(), "prompt_tokens", t.TokenLen, "predicted_tokens", t.LoadBlocks*s.cfg.BlockSize, "loaded_tokens", loaded,

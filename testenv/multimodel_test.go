@@ -299,6 +299,27 @@ func TestMultiModelSessions(t *testing.T) {
 		b, _ := bindings.GetModel("b", "shared")
 		return a.Turn == 2 && a.Group == "g0" && b.Turn == 1 && b.Group == "b0"
 	})
+	// The hit ratio's counters are per model: a's second turn and the
+	// tokens it loaded are a's, and b has one turn, loaded from nothing.
+	// Before, they had no model label: a's and b's turns were summed.
+	_, turn2 := m.chat(t, "a", "shared", long+" and more, and more")
+	usage := turn2["usage"].(map[string]any)
+	prompt := int(usage["prompt_tokens"].(float64))
+	cached := int(usage["prompt_tokens_details"].(map[string]any)["cached_tokens"].(float64))
+	testenv.Eventually(t, 5*time.Second, "model a's turn 3 counted", func() bool {
+		return int(testenv.CounterSum(t, m.reg, "kvbus_scheduler_prompt_tokens_total", map[string]string{"model": "a", "turn_depth": "3"})) == prompt
+	})
+	if got := int(testenv.CounterSum(t, m.reg, "kvbus_scheduler_cached_tokens_total", map[string]string{"model": "a", "turn_depth": "3"})); got != cached || cached == 0 {
+		t.Errorf("model a's turn 3: %d cached tokens counted, the answer says %d (want the same, and its previous turn's blocks)", got, cached)
+	}
+	for _, depth := range []string{"2", "3"} {
+		if n := testenv.CounterSum(t, m.reg, "kvbus_scheduler_prompt_tokens_total", map[string]string{"model": "b", "turn_depth": depth}); n != 0 {
+			t.Errorf("model b: %v prompt tokens at turn depth %s, want none (b had one turn)", n, depth)
+		}
+	}
+	if n := testenv.CounterSum(t, m.reg, "kvbus_scheduler_cached_tokens_total", map[string]string{"model": "b"}); n != 0 {
+		t.Errorf("model b: %v cached tokens, want none (its one turn found nothing)", n)
+	}
 }
 
 // TestMultiModelMixedGroup: a group whose ranks serve different models
