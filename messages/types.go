@@ -1,6 +1,9 @@
 package messages
 
-import "strings"
+import (
+	"strings"
+	"time"
+)
 
 //go:generate go run github.com/tinylib/msgp@v1.6.5 -file types.go -o types_gen.go -io=false -tests=false
 //msgp:tag msgpack
@@ -148,6 +151,12 @@ type ReqMeta struct {
 	ResultSubject  string         `msgpack:"result_subject" json:"result_subject"`
 	Attempt        int            `msgpack:"attempt" json:"attempt"`
 	DeadlineUnixMs int64          `msgpack:"deadline_unix_ms,omitempty" json:"deadline_unix_ms,omitempty"`
+	// TimeoutMs is the time the request had left, by the scheduler's
+	// clock, when it was published (with DeadlineUnixMs; 0 from a
+	// scheduler of an earlier kvbus): a rank counts it from the ReqMeta's
+	// receipt, so that its deadline does not depend on the two hosts'
+	// clocks agreeing (see LocalDeadline).
+	TimeoutMs int64 `msgpack:"timeout_ms,omitempty" json:"timeout_ms,omitempty"`
 	// For an engine behind the driver rank (--engine openai): the
 	// request's endpoint, whether the client streams, its original body
 	// (Request.Body) and kv_transfer_params.
@@ -577,4 +586,35 @@ type HandoffResult struct {
 	Failed int    `msgpack:"failed" json:"failed"`
 	Bytes  int64  `msgpack:"bytes" json:"bytes"`
 	Error  string `msgpack:"error,omitempty" json:"error,omitempty"`
+}
+
+// TimeLeftMs is what a sender puts in a message's timeout_ms for deadline
+// at now: the milliseconds left, rounded up, at least 1 (0 says "none").
+func TimeLeftMs(deadline, now time.Time) int64 {
+	left := deadline.Sub(now)
+	return max(int64((left+time.Millisecond-1)/time.Millisecond), 1)
+}
+
+// LocalDeadline is the deadline a receiver keeps for a message that carries
+// one both as its sender's wall-clock time (deadlineUnixMs) and as the time
+// it had left when sent (timeoutMs), received at received (time.Now(), with
+// its monotonic reading): the time left counted from receipt, which no
+// difference or step between the two hosts' clocks moves, late by the
+// message's transit only. skew is how far the sender's deadline, read on
+// this host's clock, lies after that one: about how far the sender's clock
+// is ahead of this host's (behind when negative). Without timeoutMs (a
+// sender of an earlier kvbus) the deadline is deadlineUnixMs on this host's
+// clock, as before, and skew is 0; without either there is none (zero).
+func LocalDeadline(deadlineUnixMs, timeoutMs int64, received time.Time) (deadline time.Time, skew time.Duration) {
+	if timeoutMs <= 0 {
+		if deadlineUnixMs <= 0 {
+			return time.Time{}, 0
+		}
+		return time.UnixMilli(deadlineUnixMs), 0
+	}
+	deadline = received.Add(time.Duration(timeoutMs) * time.Millisecond)
+	if deadlineUnixMs > 0 {
+		skew = time.UnixMilli(deadlineUnixMs).Sub(deadline.Round(0))
+	}
+	return deadline, skew
 }

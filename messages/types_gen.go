@@ -3108,8 +3108,8 @@ func (z *RemoteRun) Msgsize() (s int) {
 func (z *ReqMeta) MarshalMsg(b []byte) (o []byte, err error) {
 	o = msgp.Require(b, z.Msgsize())
 	// check for omitted fields
-	zb0001Len := uint32(24)
-	var zb0001Mask uint32 /* 24 bits */
+	zb0001Len := uint32(25)
+	var zb0001Mask uint32 /* 25 bits */
 	_ = zb0001Mask
 	if z.SessionID == "" {
 		zb0001Len--
@@ -3119,25 +3119,29 @@ func (z *ReqMeta) MarshalMsg(b []byte) (o []byte, err error) {
 		zb0001Len--
 		zb0001Mask |= 0x40000
 	}
-	if z.Endpoint == "" {
+	if z.TimeoutMs == 0 {
 		zb0001Len--
 		zb0001Mask |= 0x80000
 	}
-	if z.Stream == false {
+	if z.Endpoint == "" {
 		zb0001Len--
 		zb0001Mask |= 0x100000
 	}
-	if z.Body == nil {
+	if z.Stream == false {
 		zb0001Len--
 		zb0001Mask |= 0x200000
 	}
-	if z.KVTransferParams.IsZero() {
+	if z.Body == nil {
 		zb0001Len--
 		zb0001Mask |= 0x400000
 	}
-	if z.CacheSalt == "" {
+	if z.KVTransferParams.IsZero() {
 		zb0001Len--
 		zb0001Mask |= 0x800000
+	}
+	if z.CacheSalt == "" {
+		zb0001Len--
+		zb0001Mask |= 0x1000000
 	}
 	// variable map header, size zb0001Len
 	o = msgp.AppendMapHeader(o, zb0001Len)
@@ -3226,21 +3230,26 @@ func (z *ReqMeta) MarshalMsg(b []byte) (o []byte, err error) {
 			o = msgp.AppendInt64(o, z.DeadlineUnixMs)
 		}
 		if (zb0001Mask & 0x80000) == 0 { // if not omitted
+			// string "timeout_ms"
+			o = append(o, 0xaa, 0x74, 0x69, 0x6d, 0x65, 0x6f, 0x75, 0x74, 0x5f, 0x6d, 0x73)
+			o = msgp.AppendInt64(o, z.TimeoutMs)
+		}
+		if (zb0001Mask & 0x100000) == 0 { // if not omitted
 			// string "endpoint"
 			o = append(o, 0xa8, 0x65, 0x6e, 0x64, 0x70, 0x6f, 0x69, 0x6e, 0x74)
 			o = msgp.AppendString(o, z.Endpoint)
 		}
-		if (zb0001Mask & 0x100000) == 0 { // if not omitted
+		if (zb0001Mask & 0x200000) == 0 { // if not omitted
 			// string "stream"
 			o = append(o, 0xa6, 0x73, 0x74, 0x72, 0x65, 0x61, 0x6d)
 			o = msgp.AppendBool(o, z.Stream)
 		}
-		if (zb0001Mask & 0x200000) == 0 { // if not omitted
+		if (zb0001Mask & 0x400000) == 0 { // if not omitted
 			// string "body"
 			o = append(o, 0xa4, 0x62, 0x6f, 0x64, 0x79)
 			o = msgp.AppendBytes(o, z.Body)
 		}
-		if (zb0001Mask & 0x400000) == 0 { // if not omitted
+		if (zb0001Mask & 0x800000) == 0 { // if not omitted
 			// string "kv_transfer_params"
 			o = append(o, 0xb2, 0x6b, 0x76, 0x5f, 0x74, 0x72, 0x61, 0x6e, 0x73, 0x66, 0x65, 0x72, 0x5f, 0x70, 0x61, 0x72, 0x61, 0x6d, 0x73)
 			o, err = z.KVTransferParams.MarshalMsg(o)
@@ -3249,7 +3258,7 @@ func (z *ReqMeta) MarshalMsg(b []byte) (o []byte, err error) {
 				return
 			}
 		}
-		if (zb0001Mask & 0x800000) == 0 { // if not omitted
+		if (zb0001Mask & 0x1000000) == 0 { // if not omitted
 			// string "cache_salt"
 			o = append(o, 0xaa, 0x63, 0x61, 0x63, 0x68, 0x65, 0x5f, 0x73, 0x61, 0x6c, 0x74)
 			o = msgp.AppendString(o, z.CacheSalt)
@@ -3405,6 +3414,12 @@ func (z *ReqMeta) UnmarshalMsg(bts []byte) (o []byte, err error) {
 				err = msgp.WrapError(err, "DeadlineUnixMs")
 				return
 			}
+		case "timeout_ms":
+			z.TimeoutMs, bts, err = msgp.ReadInt64Bytes(bts)
+			if err != nil {
+				err = msgp.WrapError(err, "TimeoutMs")
+				return
+			}
 		case "endpoint":
 			z.Endpoint, bts, err = msgp.ReadStringBytes(bts)
 			if err != nil {
@@ -3471,7 +3486,7 @@ func (z *ReqMeta) Msgsize() (s int) {
 	} else {
 		s += z.LoadSpec.Msgsize()
 	}
-	s += 9 + msgp.BoolSize + 16 + msgp.IntSize + 14 + msgp.BoolSize + 18 + msgp.IntSize + 16 + z.SamplingParams.Msgsize() + 12 + msgp.StringPrefixSize + len(z.FrontendID) + 15 + msgp.StringPrefixSize + len(z.ResultSubject) + 8 + msgp.IntSize + 17 + msgp.Int64Size + 9 + msgp.StringPrefixSize + len(z.Endpoint) + 7 + msgp.BoolSize + 5 + msgp.BytesPrefixSize + len(z.Body) + 19 + z.KVTransferParams.Msgsize() + 11 + msgp.StringPrefixSize + len(z.CacheSalt)
+	s += 9 + msgp.BoolSize + 16 + msgp.IntSize + 14 + msgp.BoolSize + 18 + msgp.IntSize + 16 + z.SamplingParams.Msgsize() + 12 + msgp.StringPrefixSize + len(z.FrontendID) + 15 + msgp.StringPrefixSize + len(z.ResultSubject) + 8 + msgp.IntSize + 17 + msgp.Int64Size + 11 + msgp.Int64Size + 9 + msgp.StringPrefixSize + len(z.Endpoint) + 7 + msgp.BoolSize + 5 + msgp.BytesPrefixSize + len(z.Body) + 19 + z.KVTransferParams.Msgsize() + 11 + msgp.StringPrefixSize + len(z.CacheSalt)
 	return
 }
 

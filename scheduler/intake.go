@@ -390,8 +390,10 @@ func (s *Scheduler) buildMeta(t *RequestTracker) error {
 		CanSave:  true, SaveFromBlock: t.LoadBlocks, IsLastChunk: true, NumPromptTokens: t.TokenLen,
 		SamplingParams: req.SamplingParams, FrontendID: t.FrontendID,
 		ResultSubject: s.cfg.Subjects.Done(s.cfg.ID), Attempt: t.Attempt,
-		DeadlineUnixMs: t.Deadline.UnixMilli(),
-		Endpoint:       req.Endpoint, Stream: req.Stream, Body: req.Body, KVTransferParams: req.KVTransferParams,
+		// The time left beside the deadline: a rank counts it from the
+		// ReqMeta's receipt, whatever its clock says.
+		DeadlineUnixMs: t.Deadline.UnixMilli(), TimeoutMs: messages.TimeLeftMs(t.Deadline, time.Now()),
+		Endpoint: req.Endpoint, Stream: req.Stream, Body: req.Body, KVTransferParams: req.KVTransferParams,
 		CacheSalt: req.CacheSalt,
 	}
 	data, err := messages.Marshal(meta)

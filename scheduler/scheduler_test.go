@@ -474,6 +474,11 @@ func TestSchedulerDispatch(t *testing.T) {
 			if meta.DeadlineUnixMs != wantDeadline {
 				t.Errorf("deadline %d, want %d", meta.DeadlineUnixMs, wantDeadline)
 			}
+			// The time left when it was sent: less than at its arrival,
+			// more than now.
+			if left := meta.TimeoutMs; left > wantDeadline-req.ArrivalUnixMs || left < wantDeadline-time.Now().UnixMilli() {
+				t.Errorf("timeout_ms %d, want between %d and %d", left, wantDeadline-time.Now().UnixMilli(), wantDeadline-req.ArrivalUnixMs)
+			}
 		})
 	}
 	// Every rank answered: no tracker is left, and nothing was sent twice.

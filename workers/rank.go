@@ -12,6 +12,7 @@ import (
 	"github.com/nats-io/nats.go"
 
 	"github.com/kvbus/kvbus/bus"
+	"github.com/kvbus/kvbus/internal/logevery"
 	"github.com/kvbus/kvbus/internal/recent"
 	"github.com/kvbus/kvbus/messages"
 )
@@ -60,6 +61,9 @@ type Rank struct {
 	lastHB    atomic.Int64 // unix ns when the last heartbeat read the rank's state
 	dropped   atomic.Int64 // ReqMetas ignored for DropReqMetas
 	delayed   atomic.Bool  // the first ReqMeta was delayed (DelayFirstReqMeta)
+	// skewSaid holds back repeats of the warning that a ReqMeta's
+	// deadline, on this host's clock, disagrees with its time left.
+	skewSaid logevery.Limiter[time.Duration]
 	// metaSub is the ReqMeta subscription, and metaHandled counts the
 	// messages its handler has finished with: a pool read tells from them
 	// whether the ReqMetas that came before it have been handled.
@@ -119,6 +123,9 @@ type rankReq struct {
 	ctx       context.Context
 	cancel    context.CancelCauseFunc
 	deadline  time.Time // zero: none; expireLoop cancels ctx past it
+	// skew is how far the scheduler's deadline, on this host's clock, lies
+	// after deadline (messages.LocalDeadline).
+	skew      time.Duration
 	loaded    int
 	remote    int // of loaded, tokens copied from other groups
 	loadFail  int
@@ -232,6 +239,7 @@ func NewRank(cfg RankConfig) (*Rank, error) {
 
 		poolWaits: newOffloader(poolWaitSlots),
 		handoffs:  newOffloader(handoffSlots),
+		skewSaid:  logevery.Limiter[time.Duration]{Every: time.Minute},
 	}, nil
 }
 

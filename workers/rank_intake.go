@@ -99,6 +99,7 @@ func (r *Rank) onMeta(_ context.Context, m *nats.Msg) error {
 		return nil
 	}
 	rr := newRankReq(meta)
+	r.saySkew(rr)
 	rr.result = r.resultOf(meta)
 	queued := false
 	// Set up before the load loop can see it.
@@ -174,7 +175,11 @@ func (r *Rank) donePrefill(rr *rankReq) {
 // own (two contexts, a timer and a child map per request per rank were an
 // eighth of the bytes a request allocates): expireLoop cancels requests past
 // their deadline with the cause context.DeadlineExceeded, and one already
-// past it starts cancelled.
+// past it starts cancelled. The deadline is the time the scheduler said the
+// request had left, counted from now (messages.LocalDeadline): read as a
+// time on this host's clock, a scheduler's deadline ended every request at
+// once on a host whose clock ran a minute ahead of the scheduler's, and
+// never ended one on a host whose clock ran behind.
 func newRankReq(meta *messages.ReqMeta) *rankReq {
 	ctx, cancel := context.WithCancelCause(context.Background())
 	rr := &rankReq{
@@ -185,13 +190,36 @@ func newRankReq(meta *messages.ReqMeta) *rankReq {
 		cancel:        cancel,
 		storeDone:     make(chan struct{}),
 	}
-	if meta.DeadlineUnixMs > 0 {
-		rr.deadline = time.UnixMilli(meta.DeadlineUnixMs)
-		if !time.Now().Before(rr.deadline) {
-			cancel(context.DeadlineExceeded)
-		}
+	now := time.Now()
+	rr.deadline, rr.skew = messages.LocalDeadline(meta.DeadlineUnixMs, meta.TimeoutMs, now)
+	if !rr.deadline.IsZero() && !now.Before(rr.deadline) {
+		cancel(context.DeadlineExceeded)
 	}
 	return rr
+}
+
+// skewWarning is how far a ReqMeta's deadline, read on this host's clock,
+// may lie from the time left the scheduler sent with it before the rank
+// says the two hosts' clocks disagree: well above a ReqMeta's transit, and
+// above the up to 3 s a resent ReqMeta's time left is stale by (the
+// scheduler resends the bytes it built, ResendAfter apart, at most 3 times).
+const skewWarning = 5 * time.Second
+
+// saySkew warns, at most once a minute, that rr's scheduler's clock and
+// this host's disagree: the request is unharmed (its deadline is its time
+// left), but an operator should fix the clocks (logs, kvbus top's TTFT and
+// the engine restart check compare them).
+func (r *Rank) saySkew(rr *rankReq) {
+	if rr.skew.Abs() < skewWarning {
+		return
+	}
+	ok, held, _ := r.skewSaid.Allow(rr.skew)
+	if !ok {
+		return
+	}
+	r.log.Warn("the scheduler's clock and this host's disagree: its deadline for the request, on this clock, is off from the time it said the request had left; "+
+		"the rank counts the time left (run NTP on every host)", "req_id", rr.meta.ReqID, "session_id", rr.meta.SessionID,
+		"scheduler_ahead_by", rr.skew.Round(time.Millisecond), "timeout_ms", rr.meta.TimeoutMs, "more_since_last_warning", held)
 }
 
 // recency is where the store orders the blocks rr touches: its place in the

@@ -925,6 +925,63 @@ func TestRankDeadlinePassed(t *testing.T) {
 	}
 }
 
+// TestRankDeadlineIsTheTimeLeftNotTheSchedulersClock: a ReqMeta carries its
+// deadline on the scheduler's clock and the time the request had left when
+// it was sent. A rank whose clock runs two minutes ahead of the scheduler's
+// read the deadline as passed and ended the request at once with a timeout
+// (and every other request sent to it); one whose clock runs two minutes
+// behind kept generating for minutes after the client's deadline. The rank
+// counts the time left from receipt, and says once that the clocks differ.
+func TestRankDeadlineIsTheTimeLeftNotTheSchedulersClock(t *testing.T) {
+	env := startRanks(t, rankEnvConfig{engine: workers.SimConfig{
+		Profile: workers.SimProfile{DecodePerToken: 20 * time.Millisecond}, TimeScale: 1,
+	}})
+	// The scheduler's clock two minutes behind this host's: its deadline,
+	// a minute after it sent the request, is a minute ago here.
+	ahead := newMeta("rank-clock-ahead", "sess-ahead", testenv.PromptTokens(1, 40))
+	ahead.SamplingParams.MaxTokens = 10 // 0.2 s of decoding
+	ahead.DeadlineUnixMs = time.Now().Add(-2*time.Minute + time.Minute).UnixMilli()
+	ahead.TimeoutMs = time.Minute.Milliseconds()
+	env.sendMeta(ahead)
+	final := env.finalOutput("rank-clock-ahead")
+	if final.Error != nil || final.FinishReason != workers.FinishLength || final.Usage.CompletionTokens != 10 {
+		t.Errorf("rank two minutes ahead of the scheduler: final output %+v (error %+v), want the whole answer", final, final.Error)
+	}
+	for rank, r := range env.resultsByRank("rank-clock-ahead") {
+		if r.Error != "" {
+			t.Errorf("rank two minutes ahead of the scheduler: rank %d: %q", rank, r.Error)
+		}
+	}
+	if lines := env.logs.Lines("clock and this host's disagree", "req_id=rank-clock-ahead", "session_id=sess-ahead"); len(lines) != worldSize {
+		t.Errorf("want one clock warning per rank naming the request, got %d:\n%s", len(lines), env.logs.String())
+	}
+
+	// The scheduler's clock two minutes ahead: its deadline is three
+	// minutes away here, but only 300 ms were left.
+	behind := newMeta("rank-clock-behind", "sess-behind", testenv.PromptTokens(2, 40))
+	behind.SamplingParams.MaxTokens = 250 // 5 s of decoding
+	behind.DeadlineUnixMs = time.Now().Add(2*time.Minute + time.Minute).UnixMilli()
+	behind.TimeoutMs = 300
+	start := time.Now()
+	env.sendMeta(behind)
+	final = env.finalOutput("rank-clock-behind")
+	took := time.Since(start)
+	if final.Error == nil || final.Error.Code != "timeout" {
+		t.Errorf("rank two minutes behind the scheduler: final output %+v (error %+v), want a timeout", final, final.Error)
+	}
+	if took < 300*time.Millisecond || took > 2*time.Second {
+		t.Errorf("rank two minutes behind the scheduler: the request ended after %v, want about 300 ms", took)
+	}
+	// The other rank stored the prompt's blocks well within the 300 ms.
+	if r := env.resultsByRank("rank-clock-behind")[0]; r.ErrorCode != messages.RankErrTimeout {
+		t.Errorf("rank two minutes behind the scheduler: the driver's result %+v, want a timeout", r)
+	}
+	// Held back: one warning a minute per rank.
+	if lines := env.logs.Lines("clock and this host's disagree", "req_id=rank-clock-behind"); len(lines) != 0 {
+		t.Errorf("the second skewed request within a minute was warned about again:\n%s", strings.Join(lines, "\n"))
+	}
+}
+
 // TestRankRefusesAnotherModelsReqMeta: a ReqMeta naming another model (a
 // scheduler that did not tell models apart) is not run on these weights:
 // every rank answers it with an error, nothing is stored, and the driver
