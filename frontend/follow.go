@@ -217,12 +217,18 @@ const maxAskAgain = 2
 // publish fails.
 func (g *generation) askAgain(ctx context.Context, i int, why string, hedge bool) bool {
 	c := g.choices[i]
+	// Its deadline (busRequest's) on the monotonic clock: a step of this
+	// host's clock moves nothing.
+	deadline := g.start.Add(g.s.cfg.RequestTimeout)
 	if c.req == nil || c.askedAgain >= maxAskAgain || ctx.Err() != nil ||
-		(c.req.DeadlineUnixMs > 0 && time.Now().UnixMilli() >= c.req.DeadlineUnixMs) {
+		(c.req.DeadlineUnixMs > 0 && !time.Now().Before(deadline)) {
 		return false
 	}
 	old := c.busID
 	req := *c.req
+	if req.DeadlineUnixMs > 0 {
+		req.TimeoutMs = messages.TimeLeftMs(deadline, time.Now())
+	}
 	c.askedAgain++
 	req.RequestID = c.req.RequestID + "-again" + strconv.Itoa(c.askedAgain)
 	req.AgainOf = c.req.RequestID // the same turn of its session

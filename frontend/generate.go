@@ -510,7 +510,9 @@ func (s *Server) busRequest(p *parsedRequest, busID, sessionID string, prompt []
 	}
 	req := &messages.Request{
 		RequestID: busID, SessionID: sessionID, Model: p.model, FrontendID: s.cfg.ID,
-		ArrivalUnixMs: start.UnixMilli(), DeadlineUnixMs: deadline.UnixMilli(),
+		// The time left beside the deadline: the scheduler learns this
+		// host's clock from it (a request published now waited nowhere).
+		ArrivalUnixMs: start.UnixMilli(), DeadlineUnixMs: deadline.UnixMilli(), TimeoutMs: messages.TimeLeftMs(deadline, time.Now()),
 		PromptTokenIDs: prompt, SamplingParams: sp, Stream: p.stream,
 		KVTransferParams: p.kvTransfer, Endpoint: p.endpoint, CacheSalt: p.cacheSalt,
 	}

@@ -259,3 +259,27 @@ func TestOutputsSentAgainAndLostAgainAreAskedOnceMore(t *testing.T) {
 		t.Errorf("the driver was asked %d times; want 2 (the outputs it sent the first time were lost)", n)
 	}
 }
+
+// TestRequestCarriesItsTimeLeft: a published request carries, beside its
+// deadline on this host's clock, the time it had left when it was
+// published, from which a scheduler on another host learns this clock.
+func TestRequestCarriesItsTimeLeft(t *testing.T) {
+	fe := startFrontend(t, func(c *frontend.Config) { c.RequestTimeout = 20 * time.Second })
+	got := make(chan *messages.Request, 1)
+	answering(t, fe, func(req *messages.Request) []*messages.Output {
+		got <- req
+		return []*messages.Output{{Index: 0, Text: "a", FinishReason: "stop"}}
+	})
+	start := time.Now()
+	if status, _, body := testenv.Send(t, http.MethodPost, fe.url+"/v1/chat/completions", chatHi+`}`, nil); status != http.StatusOK {
+		t.Fatalf("%d %.200s", status, body)
+	}
+	took := time.Since(start)
+	req := <-got
+	if total := req.DeadlineUnixMs - req.ArrivalUnixMs; total != 20_000 {
+		t.Errorf("deadline %d ms after arrival, want 20000", total)
+	}
+	if req.TimeoutMs > 20_000 || req.TimeoutMs < (20*time.Second-took).Milliseconds() {
+		t.Errorf("timeout_ms %d, want at most 20000 and at least %d (the request took %v)", req.TimeoutMs, (20*time.Second - took).Milliseconds(), took)
+	}
+}

@@ -33,13 +33,18 @@ const ExtraArgSessionID = "session_id"
 // Request is one inference request as the frontend publishes it on
 // kvbus.req.<model-token> (JetStream, Nats-Msg-Id = RequestID).
 type Request struct {
-	V              int            `msgpack:"v" json:"v"`
-	RequestID      string         `msgpack:"request_id" json:"request_id"`
-	SessionID      string         `msgpack:"session_id,omitempty" json:"session_id,omitempty"`
-	Model          string         `msgpack:"model" json:"model"`
-	FrontendID     string         `msgpack:"frontend_id" json:"frontend_id"`
-	ArrivalUnixMs  int64          `msgpack:"arrival_unix_ms" json:"arrival_unix_ms"`
-	DeadlineUnixMs int64          `msgpack:"deadline_unix_ms,omitempty" json:"deadline_unix_ms,omitempty"`
+	V              int    `msgpack:"v" json:"v"`
+	RequestID      string `msgpack:"request_id" json:"request_id"`
+	SessionID      string `msgpack:"session_id,omitempty" json:"session_id,omitempty"`
+	Model          string `msgpack:"model" json:"model"`
+	FrontendID     string `msgpack:"frontend_id" json:"frontend_id"`
+	ArrivalUnixMs  int64  `msgpack:"arrival_unix_ms" json:"arrival_unix_ms"`
+	DeadlineUnixMs int64  `msgpack:"deadline_unix_ms,omitempty" json:"deadline_unix_ms,omitempty"`
+	// TimeoutMs is the time the request had left, by its frontend's clock,
+	// when it was published (with DeadlineUnixMs; 0 from a frontend of an
+	// earlier kvbus): the scheduler learns from it how far the frontend's
+	// clock is from its own (see ReqMeta.TimeoutMs).
+	TimeoutMs      int64          `msgpack:"timeout_ms,omitempty" json:"timeout_ms,omitempty"`
 	PromptTokenIDs TokenIDs       `msgpack:"prompt_token_ids" json:"prompt_token_ids"`
 	SamplingParams SamplingParams `msgpack:"sampling_params" json:"sampling_params"`
 	Stream         bool           `msgpack:"stream" json:"stream"`

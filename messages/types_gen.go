@@ -3494,8 +3494,8 @@ func (z *ReqMeta) Msgsize() (s int) {
 func (z *Request) MarshalMsg(b []byte) (o []byte, err error) {
 	o = msgp.Require(b, z.Msgsize())
 	// check for omitted fields
-	zb0001Len := uint32(16)
-	var zb0001Mask uint16 /* 16 bits */
+	zb0001Len := uint32(17)
+	var zb0001Mask uint32 /* 17 bits */
 	_ = zb0001Mask
 	if z.SessionID == "" {
 		zb0001Len--
@@ -3505,25 +3505,29 @@ func (z *Request) MarshalMsg(b []byte) (o []byte, err error) {
 		zb0001Len--
 		zb0001Mask |= 0x40
 	}
+	if z.TimeoutMs == 0 {
+		zb0001Len--
+		zb0001Mask |= 0x80
+	}
 	if z.KVTransferParams.IsZero() {
 		zb0001Len--
-		zb0001Mask |= 0x400
+		zb0001Mask |= 0x800
 	}
 	if z.Body == nil {
 		zb0001Len--
-		zb0001Mask |= 0x1000
+		zb0001Mask |= 0x2000
 	}
 	if z.AgainOf == "" {
 		zb0001Len--
-		zb0001Mask |= 0x2000
+		zb0001Mask |= 0x4000
 	}
 	if z.CacheSalt == "" {
 		zb0001Len--
-		zb0001Mask |= 0x4000
+		zb0001Mask |= 0x8000
 	}
 	if z.LoRAName == "" {
 		zb0001Len--
-		zb0001Mask |= 0x8000
+		zb0001Mask |= 0x10000
 	}
 	// variable map header, size zb0001Len
 	o = msgp.AppendMapHeader(o, zb0001Len)
@@ -3555,6 +3559,11 @@ func (z *Request) MarshalMsg(b []byte) (o []byte, err error) {
 			o = append(o, 0xb0, 0x64, 0x65, 0x61, 0x64, 0x6c, 0x69, 0x6e, 0x65, 0x5f, 0x75, 0x6e, 0x69, 0x78, 0x5f, 0x6d, 0x73)
 			o = msgp.AppendInt64(o, z.DeadlineUnixMs)
 		}
+		if (zb0001Mask & 0x80) == 0 { // if not omitted
+			// string "timeout_ms"
+			o = append(o, 0xaa, 0x74, 0x69, 0x6d, 0x65, 0x6f, 0x75, 0x74, 0x5f, 0x6d, 0x73)
+			o = msgp.AppendInt64(o, z.TimeoutMs)
+		}
 		// string "prompt_token_ids"
 		o = append(o, 0xb0, 0x70, 0x72, 0x6f, 0x6d, 0x70, 0x74, 0x5f, 0x74, 0x6f, 0x6b, 0x65, 0x6e, 0x5f, 0x69, 0x64, 0x73)
 		o, err = z.PromptTokenIDs.MarshalMsg(o)
@@ -3572,7 +3581,7 @@ func (z *Request) MarshalMsg(b []byte) (o []byte, err error) {
 		// string "stream"
 		o = append(o, 0xa6, 0x73, 0x74, 0x72, 0x65, 0x61, 0x6d)
 		o = msgp.AppendBool(o, z.Stream)
-		if (zb0001Mask & 0x400) == 0 { // if not omitted
+		if (zb0001Mask & 0x800) == 0 { // if not omitted
 			// string "kv_transfer_params"
 			o = append(o, 0xb2, 0x6b, 0x76, 0x5f, 0x74, 0x72, 0x61, 0x6e, 0x73, 0x66, 0x65, 0x72, 0x5f, 0x70, 0x61, 0x72, 0x61, 0x6d, 0x73)
 			o, err = z.KVTransferParams.MarshalMsg(o)
@@ -3584,22 +3593,22 @@ func (z *Request) MarshalMsg(b []byte) (o []byte, err error) {
 		// string "endpoint"
 		o = append(o, 0xa8, 0x65, 0x6e, 0x64, 0x70, 0x6f, 0x69, 0x6e, 0x74)
 		o = msgp.AppendString(o, z.Endpoint)
-		if (zb0001Mask & 0x1000) == 0 { // if not omitted
+		if (zb0001Mask & 0x2000) == 0 { // if not omitted
 			// string "body"
 			o = append(o, 0xa4, 0x62, 0x6f, 0x64, 0x79)
 			o = msgp.AppendBytes(o, z.Body)
 		}
-		if (zb0001Mask & 0x2000) == 0 { // if not omitted
+		if (zb0001Mask & 0x4000) == 0 { // if not omitted
 			// string "again_of"
 			o = append(o, 0xa8, 0x61, 0x67, 0x61, 0x69, 0x6e, 0x5f, 0x6f, 0x66)
 			o = msgp.AppendString(o, z.AgainOf)
 		}
-		if (zb0001Mask & 0x4000) == 0 { // if not omitted
+		if (zb0001Mask & 0x8000) == 0 { // if not omitted
 			// string "cache_salt"
 			o = append(o, 0xaa, 0x63, 0x61, 0x63, 0x68, 0x65, 0x5f, 0x73, 0x61, 0x6c, 0x74)
 			o = msgp.AppendString(o, z.CacheSalt)
 		}
-		if (zb0001Mask & 0x8000) == 0 { // if not omitted
+		if (zb0001Mask & 0x10000) == 0 { // if not omitted
 			// string "lora_name"
 			o = append(o, 0xa9, 0x6c, 0x6f, 0x72, 0x61, 0x5f, 0x6e, 0x61, 0x6d, 0x65)
 			o = msgp.AppendString(o, z.LoRAName)
@@ -3670,6 +3679,12 @@ func (z *Request) UnmarshalMsg(bts []byte) (o []byte, err error) {
 			z.DeadlineUnixMs, bts, err = msgp.ReadInt64Bytes(bts)
 			if err != nil {
 				err = msgp.WrapError(err, "DeadlineUnixMs")
+				return
+			}
+		case "timeout_ms":
+			z.TimeoutMs, bts, err = msgp.ReadInt64Bytes(bts)
+			if err != nil {
+				err = msgp.WrapError(err, "TimeoutMs")
 				return
 			}
 		case "prompt_token_ids":
@@ -3756,7 +3771,7 @@ func (z *Request) UnmarshalMsg(bts []byte) (o []byte, err error) {
 
 // Msgsize returns an upper bound estimate of the number of bytes occupied by the serialized message
 func (z *Request) Msgsize() (s int) {
-	s = 3 + 2 + msgp.IntSize + 11 + msgp.StringPrefixSize + len(z.RequestID) + 11 + msgp.StringPrefixSize + len(z.SessionID) + 6 + msgp.StringPrefixSize + len(z.Model) + 12 + msgp.StringPrefixSize + len(z.FrontendID) + 16 + msgp.Int64Size + 17 + msgp.Int64Size + 17 + z.PromptTokenIDs.Msgsize() + 16 + z.SamplingParams.Msgsize() + 7 + msgp.BoolSize + 19 + z.KVTransferParams.Msgsize() + 9 + msgp.StringPrefixSize + len(z.Endpoint) + 5 + msgp.BytesPrefixSize + len(z.Body) + 9 + msgp.StringPrefixSize + len(z.AgainOf) + 11 + msgp.StringPrefixSize + len(z.CacheSalt) + 10 + msgp.StringPrefixSize + len(z.LoRAName)
+	s = 3 + 2 + msgp.IntSize + 11 + msgp.StringPrefixSize + len(z.RequestID) + 11 + msgp.StringPrefixSize + len(z.SessionID) + 6 + msgp.StringPrefixSize + len(z.Model) + 12 + msgp.StringPrefixSize + len(z.FrontendID) + 16 + msgp.Int64Size + 17 + msgp.Int64Size + 11 + msgp.Int64Size + 17 + z.PromptTokenIDs.Msgsize() + 16 + z.SamplingParams.Msgsize() + 7 + msgp.BoolSize + 19 + z.KVTransferParams.Msgsize() + 9 + msgp.StringPrefixSize + len(z.Endpoint) + 5 + msgp.BytesPrefixSize + len(z.Body) + 9 + msgp.StringPrefixSize + len(z.AgainOf) + 11 + msgp.StringPrefixSize + len(z.CacheSalt) + 10 + msgp.StringPrefixSize + len(z.LoRAName)
 	return
 }
 

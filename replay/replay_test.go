@@ -194,7 +194,7 @@ func TestCaptureReplayRoundTrip(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		req.RequestID, req.FrontendID, req.ArrivalUnixMs, req.DeadlineUnixMs = "", "", 0, 0
+		req.RequestID, req.FrontendID, req.ArrivalUnixMs, req.DeadlineUnixMs, req.TimeoutMs = "", "", 0, 0, 0 // the replayer's own
 		delete(req.SamplingParams.ExtraArgs, replay.ExtraArgOriginalID)
 		return req
 	}

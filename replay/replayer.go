@@ -349,5 +349,6 @@ func (r *Replayer) request(it *Item, id string) *messages.Request {
 	now := time.Now()
 	req.RequestID, req.FrontendID = id, r.frontendID
 	req.ArrivalUnixMs, req.DeadlineUnixMs = now.UnixMilli(), now.Add(r.cfg.Timeout).UnixMilli()
+	req.TimeoutMs = messages.TimeLeftMs(now.Add(r.cfg.Timeout), now) // a captured request's is its frontend's
 	return &req
 }

@@ -71,7 +71,8 @@ func (s *Scheduler) adopt(ctx context.Context, from string, ds []peerDispatch) {
 // false when it is past its deadline or already tracked.
 func (s *Scheduler) adoptOne(req *messages.Request, d peerDispatch, from string) bool {
 	now := time.Now()
-	t := s.newTracker(req, time.UnixMilli(req.ArrivalUnixMs)) // its times count from its arrival
+	deadline, _ := s.requestDeadline(req, now, false)
+	t := s.newTracker(req, time.UnixMilli(req.ArrivalUnixMs), deadline) // its times count from its arrival
 	t.logSeq = d.seq
 	prev, known := s.dispatched.Get(req.RequestID, now)
 	if !known || now.After(t.Deadline) {

@@ -41,10 +41,18 @@ func (s *Scheduler) onRequest(ctx context.Context, m jetstream.Msg) error {
 		}
 		return m.Ack()
 	}
-	deadline, sessionID := s.requestDeadline(req), requestSession(req)
+	deadline, skew := s.requestDeadline(req, start, true)
+	sessionID := requestSession(req)
 	// Bound only when a line is written: With formats its attributes
 	// at once, and the usual dispatch writes none at info level.
 	log := func() *slog.Logger { return s.log.With("req_id", req.RequestID, "session_id", sessionID) }
+	if skew.Abs() >= clockSkewWarning {
+		if ok, held, _ := s.skewSaid.Allow(skew); ok {
+			log().Warn("a frontend's clock and this host's disagree: its requests' deadlines are read from the time they had left, "+
+				"moved by what they waited in the request log (run NTP on every host)",
+				"frontend_id", req.FrontendID, "frontend_ahead_by", skew.Round(time.Millisecond), "more_since_last_warning", held)
+		}
+	}
 	if start.After(deadline) {
 		s.m.requests.WithLabelValues("expired").Inc()
 		log().Warn("request expired before dispatch", "deadline", deadline)
@@ -100,7 +108,7 @@ func (s *Scheduler) onRequest(ctx context.Context, m jetstream.Msg) error {
 		return m.Ack()
 	}
 
-	t := s.newTracker(req, start)
+	t := s.newTracker(req, start, deadline)
 	if mdErr == nil {
 		t.logSeq = md.Sequence.Stream
 	}
@@ -213,13 +221,17 @@ func (s *Scheduler) countAbortedInLog(id string) bool {
 	return aborted
 }
 
-// requestDeadline is when req's client stops waiting: its own deadline, or
-// the request timeout from its arrival.
-func (s *Scheduler) requestDeadline(req *messages.Request) time.Time {
+// requestDeadline is when req's client stops waiting, on this host's
+// clock: its own deadline, or the request timeout from its arrival. With
+// the time it had left (timeout_ms) its frontend's clock is taken into
+// account (see frontendClocks); received is when this replica got it
+// (learn) or now (a request another replica received). skew is how far
+// ahead of this host's clock its frontend's clock is, as learnt.
+func (s *Scheduler) requestDeadline(req *messages.Request, received time.Time, learn bool) (time.Time, time.Duration) {
 	if req.DeadlineUnixMs > 0 {
-		return time.UnixMilli(req.DeadlineUnixMs)
+		return s.clocks.deadline(req, received, learn)
 	}
-	return time.UnixMilli(req.ArrivalUnixMs).Add(s.cfg.RequestTimeout)
+	return time.UnixMilli(req.ArrivalUnixMs).Add(s.cfg.RequestTimeout), 0
 }
 
 // requestSession is req's session id: vllm_xargs.session_id, else the one
@@ -231,14 +243,14 @@ func requestSession(req *messages.Request) string {
 	return req.SessionID
 }
 
-// newTracker makes the tracker of req, taken from the log at start, its
-// prompt hashed into blocks; TurnDepth is 1 (the caller sets it from the
-// session's binding).
-func (s *Scheduler) newTracker(req *messages.Request, start time.Time) *RequestTracker {
+// newTracker makes the tracker of req, taken from the log at start, due by
+// deadline (requestDeadline), its prompt hashed into blocks; TurnDepth is 1
+// (the caller sets it from the session's binding).
+func (s *Scheduler) newTracker(req *messages.Request, start, deadline time.Time) *RequestTracker {
 	t := &RequestTracker{
 		ReqID: req.RequestID, SessionID: requestSession(req), Model: req.Model, FrontendID: req.FrontendID,
 		TokenLen: len(req.PromptTokenIDs), TokenIDs: req.PromptTokenIDs, Request: req,
-		Received: start, Deadline: s.requestDeadline(req), Results: map[int]*messages.RankResult{}, TurnDepth: 1,
+		Received: start, Deadline: deadline, Results: map[int]*messages.RankResult{}, TurnDepth: 1,
 	}
 	t.BlockHashes = HashBlocks(make([]uint64, 0, t.TokenLen/s.cfg.BlockSize), PromptSeed(req.Model, req.LoRAName, req.CacheSalt), req.PromptTokenIDs, s.cfg.BlockSize)
 	return t

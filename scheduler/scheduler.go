@@ -19,6 +19,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/kvbus/kvbus/bus"
+	"github.com/kvbus/kvbus/internal/logevery"
 	"github.com/kvbus/kvbus/internal/recent"
 	"github.com/kvbus/kvbus/messages"
 )
@@ -195,6 +196,10 @@ type Scheduler struct {
 	// had; held are those it ended since, whose count waits (adopt.go).
 	unheardUntil atomic.Int64
 	held         heldEnds
+	// clocks learns the frontends' clocks from their requests, and
+	// skewSaid holds back repeats of the warning that one is off.
+	clocks   *frontendClocks
+	skewSaid logevery.Limiter[time.Duration]
 }
 
 type rankID struct {
@@ -296,6 +301,8 @@ func New(cfg Config) (*Scheduler, error) {
 		dispatched: dispatched,
 		peers:      newPeerTable(cfg.RequestTimeout, time.Now()),
 		started:    time.Now(),
+		clocks:     newFrontendClocks(),
+		skewSaid:   logevery.Limiter[time.Duration]{Every: time.Minute},
 
 		groupModels: map[string]string{},
 	}

@@ -1154,3 +1154,86 @@ func TestRequestEndedAfterAPauseIsCountedWithoutAnAdopter(t *testing.T) {
 		t.Errorf("%d lines say a request was done, want %d", got, n)
 	}
 }
+
+// frontendOutputs are the outputs of reqID sent to frontend fe.
+func (e *schedEnv) frontendOutputs(fe, reqID string) []*messages.Output {
+	e.mu.Lock()
+	msgs := slices.Clone(e.msgs)
+	e.mu.Unlock()
+	var out []*messages.Output
+	for _, m := range msgs {
+		if m.Subject != e.subj.Out(fe) {
+			continue
+		}
+		if o, err := messages.DecodeOutput(m.Data); err == nil && o.ReqID == reqID {
+			out = append(out, o)
+		}
+	}
+	return out
+}
+
+// TestSchedulerReadsAFrontendsDeadlineWhateverItsClock: a frontend sends a
+// request's deadline on its own clock, with the time the request had left
+// when it was published. With the frontend's clock two minutes behind this
+// host's, every request of a 60 s timeout was refused as "expired before
+// dispatch"; two minutes ahead, a request with 1 s left was watched for two
+// minutes. The scheduler learns each frontend's clock from its requests:
+// what a request waited in the request log still counts against it.
+func TestSchedulerReadsAFrontendsDeadlineWhateverItsClock(t *testing.T) {
+	e := startScheduler(t, schedEnvConfig{noAnswers: true})
+	// skewed is a request of frontend fe, whose clock is skew ahead of this
+	// host's, published waited ago with left to go.
+	skewed := func(id, fe string, skew, waited, left time.Duration) *messages.Request {
+		req := newRequest(id, "sess-"+id, testenv.PromptTokens(len(id), 32))
+		published := time.Now().Add(skew - waited)
+		req.FrontendID = fe
+		req.ArrivalUnixMs, req.DeadlineUnixMs, req.TimeoutMs = published.UnixMilli(), published.Add(left).UnixMilli(), left.Milliseconds()
+		return req
+	}
+
+	// Two minutes behind: dispatched, with its minute to go.
+	behind := skewed("fe-behind-1", "fe-behind", -2*time.Minute, 0, time.Minute)
+	e.publishRequest(behind)
+	meta := e.waitMeta(behind.RequestID).meta
+	if meta.TimeoutMs < (55*time.Second).Milliseconds() || meta.TimeoutMs > time.Minute.Milliseconds() {
+		t.Errorf("a frontend two minutes behind: ReqMeta timeout_ms %d, want about a minute", meta.TimeoutMs)
+	}
+	if got := time.Until(time.UnixMilli(meta.DeadlineUnixMs)); got < 55*time.Second || got > time.Minute+time.Second {
+		t.Errorf("a frontend two minutes behind: ReqMeta deadline %v from now on this clock, want about a minute", got)
+	}
+	if lines := e.logs.Lines("clock and this host's disagree", "req_id=fe-behind-1", "frontend_id=fe-behind", "frontend_ahead_by=-2m"); len(lines) != 1 {
+		t.Errorf("want one clock warning naming the request and its frontend, got %d:\n%s", len(lines), e.logs.String())
+	}
+	// A request of that frontend that waited 61 s in the log for its 60 s:
+	// expired, whatever the clocks.
+	waitedOut := skewed("fe-behind-2", "fe-behind", -2*time.Minute, 61*time.Second, time.Minute)
+	e.publishRequest(waitedOut)
+	testenv.Eventually(t, waitFor, "the error output of fe-behind-2", func() bool { return len(e.frontendOutputs("fe-behind", "fe-behind-2")) > 0 })
+	if out := e.frontendOutputs("fe-behind", "fe-behind-2"); out[0].Error == nil || out[0].Error.Code != "timeout" || len(e.metas("fe-behind-2")) != 0 {
+		t.Errorf("a request that waited past its deadline in the log: outputs %+v (error %+v), %d ReqMetas; want a timeout, none dispatched",
+			out, out[0].Error, len(e.metas("fe-behind-2")))
+	}
+
+	// Two minutes ahead, 1 s left: it ends as a timeout within the
+	// tracker sweep's grace, not two minutes later.
+	ahead := skewed("fe-ahead-1", "fe-ahead", 2*time.Minute, 0, time.Second)
+	start := time.Now()
+	e.publishRequest(ahead)
+	e.waitMeta(ahead.RequestID)
+	testenv.Eventually(t, 10*time.Second, "the timeout of fe-ahead-1", func() bool { return len(e.frontendOutputs("fe-ahead", "fe-ahead-1")) > 0 })
+	if out := e.frontendOutputs("fe-ahead", "fe-ahead-1"); out[0].Error == nil || out[0].Error.Code != "timeout" {
+		t.Errorf("a frontend two minutes ahead: output %+v, want a timeout", out[0])
+	}
+	if took := time.Since(start); took > 5*time.Second {
+		t.Errorf("a frontend two minutes ahead: a request with 1 s left ended after %v", took)
+	}
+	// The first one's client leaves: nothing is left to watch.
+	data, err := messages.Marshal(&messages.Abort{ReqID: behind.RequestID, Reason: messages.AbortReasonClientGone})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := e.nc.Publish(e.subj.Abort(), data); err != nil {
+		t.Fatal(err)
+	}
+	e.waitNoTrackers()
+}
