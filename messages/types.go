@@ -429,7 +429,11 @@ type SavePlan struct {
 	Attempt       int         `msgpack:"attempt,omitempty" json:"attempt,omitempty"`
 	BlockHashes   BlockHashes `msgpack:"block_hashes" json:"block_hashes"`
 	ExpiresUnixMs int64       `msgpack:"expires_unix_ms" json:"expires_unix_ms"`
-	LogSeq        uint64      `msgpack:"log_seq,omitempty" json:"log_seq,omitempty"`
+	// ExpiresInMs is how long the plan had left when it was sent (0 from a
+	// replica of an earlier kvbus): a replica counts it from receipt,
+	// whatever its clock and the sender's say.
+	ExpiresInMs int64  `msgpack:"expires_in_ms,omitempty" json:"expires_in_ms,omitempty"`
+	LogSeq      uint64 `msgpack:"log_seq,omitempty" json:"log_seq,omitempty"`
 	// Ended, in a plan without a req_id, lists requests the replica
 	// ended since its last such plan (sent every 250 ms while it has
 	// peers): they are not to be adopted if it dies.

@@ -4193,20 +4193,24 @@ func (z *SamplingParams) Msgsize() (s int) {
 func (z *SavePlan) MarshalMsg(b []byte) (o []byte, err error) {
 	o = msgp.Require(b, z.Msgsize())
 	// check for omitted fields
-	zb0001Len := uint32(9)
-	var zb0001Mask uint16 /* 9 bits */
+	zb0001Len := uint32(10)
+	var zb0001Mask uint16 /* 10 bits */
 	_ = zb0001Mask
 	if z.Attempt == 0 {
 		zb0001Len--
 		zb0001Mask |= 0x10
 	}
-	if z.LogSeq == 0 {
+	if z.ExpiresInMs == 0 {
 		zb0001Len--
 		zb0001Mask |= 0x80
 	}
-	if z.Ended == nil {
+	if z.LogSeq == 0 {
 		zb0001Len--
 		zb0001Mask |= 0x100
+	}
+	if z.Ended == nil {
+		zb0001Len--
+		zb0001Mask |= 0x200
 	}
 	// variable map header, size zb0001Len
 	o = append(o, 0x80|uint8(zb0001Len))
@@ -4241,11 +4245,16 @@ func (z *SavePlan) MarshalMsg(b []byte) (o []byte, err error) {
 		o = append(o, 0xaf, 0x65, 0x78, 0x70, 0x69, 0x72, 0x65, 0x73, 0x5f, 0x75, 0x6e, 0x69, 0x78, 0x5f, 0x6d, 0x73)
 		o = msgp.AppendInt64(o, z.ExpiresUnixMs)
 		if (zb0001Mask & 0x80) == 0 { // if not omitted
+			// string "expires_in_ms"
+			o = append(o, 0xad, 0x65, 0x78, 0x70, 0x69, 0x72, 0x65, 0x73, 0x5f, 0x69, 0x6e, 0x5f, 0x6d, 0x73)
+			o = msgp.AppendInt64(o, z.ExpiresInMs)
+		}
+		if (zb0001Mask & 0x100) == 0 { // if not omitted
 			// string "log_seq"
 			o = append(o, 0xa7, 0x6c, 0x6f, 0x67, 0x5f, 0x73, 0x65, 0x71)
 			o = msgp.AppendUint64(o, z.LogSeq)
 		}
-		if (zb0001Mask & 0x100) == 0 { // if not omitted
+		if (zb0001Mask & 0x200) == 0 { // if not omitted
 			// string "ended"
 			o = append(o, 0xa5, 0x65, 0x6e, 0x64, 0x65, 0x64)
 			o = msgp.AppendArrayHeader(o, uint32(len(z.Ended)))
@@ -4321,6 +4330,12 @@ func (z *SavePlan) UnmarshalMsg(bts []byte) (o []byte, err error) {
 				err = msgp.WrapError(err, "ExpiresUnixMs")
 				return
 			}
+		case "expires_in_ms":
+			z.ExpiresInMs, bts, err = msgp.ReadInt64Bytes(bts)
+			if err != nil {
+				err = msgp.WrapError(err, "ExpiresInMs")
+				return
+			}
 		case "log_seq":
 			z.LogSeq, bts, err = msgp.ReadUint64Bytes(bts)
 			if err != nil {
@@ -4364,7 +4379,7 @@ func (z *SavePlan) UnmarshalMsg(bts []byte) (o []byte, err error) {
 
 // Msgsize returns an upper bound estimate of the number of bytes occupied by the serialized message
 func (z *SavePlan) Msgsize() (s int) {
-	s = 1 + 2 + msgp.IntSize + 13 + msgp.StringPrefixSize + len(z.SchedulerID) + 7 + msgp.StringPrefixSize + len(z.ReqID) + 6 + msgp.StringPrefixSize + len(z.Group) + 8 + msgp.IntSize + 13 + z.BlockHashes.Msgsize() + 16 + msgp.Int64Size + 8 + msgp.Uint64Size + 6 + msgp.ArrayHeaderSize
+	s = 1 + 2 + msgp.IntSize + 13 + msgp.StringPrefixSize + len(z.SchedulerID) + 7 + msgp.StringPrefixSize + len(z.ReqID) + 6 + msgp.StringPrefixSize + len(z.Group) + 8 + msgp.IntSize + 13 + z.BlockHashes.Msgsize() + 16 + msgp.Int64Size + 14 + msgp.Int64Size + 8 + msgp.Uint64Size + 6 + msgp.ArrayHeaderSize
 	for za0001 := range z.Ended {
 		s += msgp.StringPrefixSize + len(z.Ended[za0001])
 	}

@@ -1,8 +1,11 @@
 package scheduler
 
 import (
+	"context"
 	"testing"
 	"time"
+
+	"github.com/nats-io/nats.go"
 
 	"github.com/kvbus/kvbus/messages"
 )
@@ -59,5 +62,36 @@ func TestFrontendClocks(t *testing.T) {
 	old := &messages.Request{FrontendID: "old", DeadlineUnixMs: 1_800_000_000_000}
 	if d, skew := c.deadline(old, r, true); !d.Equal(time.UnixMilli(old.DeadlineUnixMs)) || skew != 0 {
 		t.Errorf("a frontend that sends no timeout_ms: deadline %v, skew %v", d, skew)
+	}
+}
+
+// TestPeerPlanKeptWhateverThePeersClock: a save plan of another replica
+// counts its group's blocks as held for PlanTTL, so that the next turn of
+// a conversation loads them whichever replica places it. The plan's expiry
+// was read on this replica's clock: from a replica whose clock ran 30 s
+// behind, every plan had expired when it came, and the next turn placed
+// here missed the blocks the previous one was saving. A plan now says how
+// long it has left.
+func TestPeerPlanKeptWhateverThePeersClock(t *testing.T) {
+	s, _ := newBareScheduler(t)
+	holding(s, "g0")
+	heard(s, "g0", time.Now(), 0)
+	peerNow := time.Now().Add(-30 * time.Second) // the peer's clock
+	data, err := messages.Marshal(&messages.SavePlan{SchedulerID: "s1", ReqID: "r1", Group: "g0", LogSeq: 1,
+		BlockHashes: []uint64{1, 2, 3, 4}, ExpiresUnixMs: peerNow.Add(10 * time.Second).UnixMilli(), ExpiresInMs: 10_000})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := s.onPlan(context.Background(), &nats.Msg{Data: data}); err != nil {
+		t.Fatal(err)
+	}
+	s.index.ExpirePlans(time.Now())
+	if n := s.index.Plans(); n != 4 {
+		t.Errorf("a plan of a replica whose clock is 30 s behind: %d blocks planned, want 4", n)
+	}
+	// And for no longer than this replica's PlanTTL.
+	s.index.ExpirePlans(time.Now().Add(s.cfg.PlanTTL + time.Millisecond))
+	if n := s.index.Plans(); n != 0 {
+		t.Errorf("%d blocks still planned after PlanTTL", n)
 	}
 }

@@ -44,7 +44,7 @@ func (s *Scheduler) publishPlan(t *RequestTracker) {
 	s.index.Plan(t.Group, saves, expires)
 	data, err := messages.Marshal(&messages.SavePlan{
 		SchedulerID: s.cfg.ID, ReqID: t.ReqID, Group: t.Group, Attempt: t.Attempt,
-		BlockHashes: saves, ExpiresUnixMs: expires.UnixMilli(), LogSeq: t.logSeq,
+		BlockHashes: saves, ExpiresUnixMs: expires.UnixMilli(), ExpiresInMs: s.cfg.PlanTTL.Milliseconds(), LogSeq: t.logSeq,
 	})
 	if err == nil {
 		err = s.cfg.Conn.Publish(s.cfg.Subjects.Plan(s.cfg.ID), data)
@@ -76,8 +76,15 @@ func (s *Scheduler) onPlan(_ context.Context, m *nats.Msg) error {
 			return nil // nothing else in it
 		}
 	}
-	// A plan lives at most PlanTTL here, whatever it claims.
+	// A plan lives at most PlanTTL here, whatever it claims: from its
+	// receipt, for the time it said it had left (its expiry read on this
+	// clock dropped every plan of a replica whose clock ran PlanTTL
+	// behind, and kept one of a replica ahead until PlanTTL), or, from a
+	// replica of an earlier kvbus, to its expiry on this clock.
 	expires := time.UnixMilli(p.ExpiresUnixMs)
+	if p.ExpiresInMs > 0 {
+		expires = now.Add(time.Duration(p.ExpiresInMs) * time.Millisecond)
+	}
 	if limit := now.Add(s.cfg.PlanTTL); expires.After(limit) {
 		expires = limit
 	}
