@@ -309,6 +309,13 @@ func (s *Slot) regroupTarget(ctx context.Context) (string, bool) {
 	}
 	ctx, cancel := context.WithTimeout(ctx, s.cfg.TTL/3)
 	defer cancel()
+	// A worker of a whole group never moves: it reads its own group's
+	// slots, and the whole bucket only when one is free. Every worker
+	// listing every slot at every refresh cost O(workers²) messages per
+	// refresh round (706 a second for 48 idle workers).
+	if s.groupWhole(ctx) {
+		return "", false
+	}
 	w, err := s.kv.WatchAll(ctx, jetstream.IgnoreDeletes())
 	if err != nil {
 		return "", false
@@ -359,6 +366,25 @@ func (s *Slot) regroupTarget(ctx context.Context) (string, bool) {
 		}
 	}
 	return best, best != ""
+}
+
+// groupWhole reports whether every rank of the slot's group is held (by a
+// worker of any kind, as regroupTarget counts them), or the bucket cannot
+// say: either way the slot stays where it is.
+func (s *Slot) groupWhole(ctx context.Context) bool {
+	for r := range s.cfg.Size {
+		if r == s.Rank {
+			continue // just refreshed
+		}
+		_, err := s.kv.Get(ctx, fmt.Sprintf("%s.%d", s.Group, r))
+		if errors.Is(err, jetstream.ErrKeyNotFound) {
+			return false
+		}
+		if err != nil {
+			return true // cannot say: no move
+		}
+	}
+	return true
 }
 
 // groupBefore orders group names by their number (g2 before g10).

@@ -11,6 +11,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
 
 	"github.com/kvbus/kvbus/testenv"
@@ -504,5 +505,71 @@ func TestSlotsKeepTPSizesApart(t *testing.T) {
 	got := []string{claim(1), claim(1), claim(2), claim(2), claim(1)}
 	if want := []string{"g0/0", "g1/0", "g2/0", "g2/1", "g3/0"}; !slices.Equal(got, want) {
 		t.Errorf("slots of --tp-size 1, 1, 2, 2, 1: %v, want %v", got, want)
+	}
+}
+
+// TestWholeGroupsRefreshWithoutReadingEverySlot: at each refresh (every
+// --slot-ttl/3) every --rank auto worker listed the whole slot bucket, to
+// see whether its group should move, though a worker of a whole group never
+// moves: each refresh read every holder's slot, O(workers²) per refresh
+// round across a deployment. A review's 12 groups of 4 `kvbus worker
+// --rank auto` processes, idle, had NATS deliver 706 slot messages a second
+// (48 listings of 48 keys every 3.3 s, besides a consumer made and deleted
+// per listing); at 1,024 groups that is 5M a second. A worker of a whole
+// group now asks for its own group's slots alone.
+func TestWholeGroupsRefreshWithoutReadingEverySlot(t *testing.T) {
+	srv := testenv.StartNATS(t)
+	nc := testenv.Connect(t, srv)
+	js, err := jetstream.New(nc)
+	if err != nil {
+		t.Fatal(err)
+	}
+	const groups, size = 8, 2
+	cfg := workers.SlotConfig{Size: size, TTL: 600 * time.Millisecond}
+	var slots []*workers.Slot
+	for i := range groups * size {
+		cfg.Owner = fmt.Sprint("w", i)
+		s, err := workers.ClaimSlot(t.Context(), js, cfg)
+		if err != nil {
+			t.Fatal(err)
+		}
+		slots = append(slots, s)
+	}
+	// Every message on the slots' subjects: the holders' refreshes (their
+	// updates), and the slots delivered to whoever reads them through a
+	// consumer (its deliveries carry a $JS.ACK reply subject).
+	var refreshes, delivered atomic.Int64
+	prefix := "$KV." + workers.SlotBucket + "."
+	sub, err := testenv.Connect(t, srv).Subscribe(">", func(m *nats.Msg) {
+		if !strings.HasPrefix(m.Subject, prefix) {
+			return
+		}
+		if strings.HasPrefix(m.Reply, "$JS.ACK.") {
+			delivered.Add(1)
+		} else {
+			refreshes.Add(1)
+		}
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := sub.SetPendingLimits(-1, -1); err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(t.Context())
+	defer cancel()
+	for _, s := range slots {
+		go func() { _ = s.Hold(ctx) }()
+	}
+	rounds := int64(5)
+	testenv.Eventually(t, 10*time.Second, "five refreshes of every slot", func() bool {
+		return refreshes.Load() >= rounds*groups*size
+	})
+	cancel()
+	// Every group is whole: no holder has a reason to read another
+	// group's slot. Before, each refresh read all 16.
+	if per := float64(delivered.Load()) / float64(refreshes.Load()); per > 1 {
+		t.Errorf("%d slots read over %d refreshes (%.1f each) with %d whole groups of %d: a refresh reads every slot",
+			delivered.Load(), refreshes.Load(), per, groups, size)
 	}
 }
