@@ -107,7 +107,6 @@ func (r *Rank) onPoolRead(ctx context.Context, m *nats.Msg) error {
 // reader (see waitsOnReader).
 func (r *Rank) awaitUnreceivedSaves(ctx context.Context, reader string, keys []string, values [][]byte, unknown []int, deadline time.Time) {
 	left := slices.Clone(unknown)
-	cycle := waitCycle{r: r, reader: reader}
 	for wait := 50 * time.Microsecond; ; wait = min(2*wait, 5*time.Millisecond) {
 		// Each poll: a ReqMeta handled since registered its saves (the
 		// one the read came just behind, maybe, before this wait began),
@@ -119,7 +118,7 @@ func (r *Rank) awaitUnreceivedSaves(ctx context.Context, reader string, keys []s
 		r.mu.Unlock()
 		r.readAgain(ctx, keys, values, left)
 		left = slices.DeleteFunc(left, func(i int) bool { return values[i] != nil })
-		if len(left) == 0 || closed || !time.Now().Before(deadline) || cycle.stop(nil) {
+		if len(left) == 0 || closed || !time.Now().Before(deadline) || r.waitsOnReader(reader, nil) {
 			return
 		}
 		time.Sleep(min(wait, time.Until(deadline)))
@@ -196,7 +195,7 @@ func (r *Rank) notSaving(keys []string, values [][]byte) (unknown []int, saving 
 func (r *Rank) awaitPoolSaves(ctx context.Context, reader string, keys []string, values [][]byte, deadline time.Time) {
 	var stop func(*rankReq) bool
 	if r.mayStopFor(reader) {
-		stop = (&waitCycle{r: r, reader: reader}).stop
+		stop = func(owner *rankReq) bool { return r.waitsOnReader(reader, owner) }
 	}
 	var missing []int
 	notAwaited := 0
@@ -214,31 +213,16 @@ func (r *Rank) awaitPoolSaves(ctx context.Context, reader string, keys []string,
 	}
 }
 
-// waitCycle tells a pool read from reader to stop waiting for a save once
-// waitsOnReader has held for cycleGrace: a read of the load thread that
-// would soon be answered anyway (the other group was not waiting on this
-// one) costs the reader no recomputed blocks.
-type waitCycle struct {
-	r      *Rank
-	reader string
-	since  time.Time // when waitsOnReader last became true (zero: it is false)
-}
-
-// cycleGrace is how long two groups' reads may wait on each other before
-// one stops: a few round trips, against a --save-wait of seconds.
-const cycleGrace = 50 * time.Millisecond
-
-// stop reports whether to stop waiting for owner's save (nil: one not yet
-// received).
-func (c *waitCycle) stop(owner *rankReq) bool {
-	if !c.r.waitsOnReader(c.reader, owner) {
-		c.since = time.Time{}
-		return false
-	}
-	if c.since.IsZero() {
-		c.since = time.Now()
-	}
-	return time.Since(c.since) >= cycleGrace
+// cycleGrace is how long a piece of the load thread's read from the
+// reader's group must have been under way before a read from that group
+// stops waiting (see waitsOnReader): an eighth of SaveWait, 250 ms by
+// default. A piece (at most poolReadBytes, 16 MiB: ~60 ms over loopback at
+// the 282 MB/s BenchmarkPoolRead32Blocks512KiB measures) from a source
+// that waits on nothing arrives well within it, so such a read is not taken
+// for one waiting on this group; a true cycle still ends long before
+// SaveWait.
+func (r *Rank) cycleGrace() time.Duration {
+	return r.cfg.SaveWait / 8
 }
 
 // mayStopFor reports whether this rank's group is the one of the pair
@@ -248,29 +232,30 @@ func (r *Rank) mayStopFor(reader string) bool {
 	return reader != "" && r.cfg.Group < reader
 }
 
-// loadReading is a pool read of the load thread: from which group, for
-// which request (its rankReq.id).
+// loadReading is a piece of a pool read of the load thread: from which
+// group, for which request (its rankReq.id), since when.
 type loadReading struct {
 	source string
 	id     uint64
+	since  time.Time
 }
 
 // waitsOnReader reports whether a pool read from group reader must not wait
 // for owner's save (nil: one whose ReqMeta has not come yet): owner's load
 // is, or is queued behind, the load thread's read from that very group,
-// whose answer may wait for the reader's own load thread in turn (a save
-// queued behind that thread's read from this group). Two groups reading
-// from each other so would both wait out SaveWait and recompute both runs.
-// Only the group first by name stops waiting (after cycleGrace, see
-// waitCycle): its read is answered with what it holds, the reader
-// recomputes the rest, its load thread moves on and the other group's read
-// gets its saves.
+// and that read's current piece has had no answer for cycleGrace — it may
+// wait for the reader's own load thread in turn (a save queued behind that
+// thread's read from this group). Two groups reading from each other so
+// would both wait out SaveWait and recompute both runs. Only the group
+// first by name stops waiting: its read is answered with what it holds,
+// the reader recomputes the rest, its load thread moves on and the other
+// group's read gets its saves.
 func (r *Rank) waitsOnReader(reader string, owner *rankReq) bool {
 	if !r.mayStopFor(reader) {
 		return false
 	}
 	cur := r.loadReading.Load()
-	return cur != nil && cur.source == reader && (owner == nil || owner.id >= cur.id)
+	return cur != nil && cur.source == reader && (owner == nil || owner.id >= cur.id) && time.Since(cur.since) >= r.cycleGrace()
 }
 
 // readAgain reads the values at indexes at from the store again.

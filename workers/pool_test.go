@@ -41,6 +41,13 @@ func startPoolRanksWithCapacity(t testing.TB, maxPayload int32, capacity int64, 
 // startPoolRanksWith starts the ranks with a --save-wait (0: the default).
 func startPoolRanksWith(t testing.TB, maxPayload int32, capacity int64, saveWait time.Duration, groups ...string) *poolRanks {
 	t.Helper()
+	return startPoolRanksDelayed(t, maxPayload, capacity, saveWait, nil, groups...)
+}
+
+// startPoolRanksDelayed starts the ranks with a store thread that sleeps
+// storeDelay[group] before each request's save.
+func startPoolRanksDelayed(t testing.TB, maxPayload int32, capacity int64, saveWait time.Duration, storeDelay map[string]time.Duration, groups ...string) *poolRanks {
+	t.Helper()
 	srv, err := bus.StartServer(bus.ServerConfig{Addr: "127.0.0.1:0", MaxPayload: maxPayload})
 	if err != nil {
 		t.Fatal(err)
@@ -55,7 +62,7 @@ func startPoolRanksWith(t testing.TB, maxPayload int32, capacity int64, saveWait
 	for _, g := range groups {
 		rank, err := workers.NewRank(workers.RankConfig{
 			Conn: testenv.Connect(t, srv), Group: g, TPRank: 1, TPSize: 4, EPRank: 1, EPSize: 4,
-			Model: testModel, Profile: profile, CapacityBytes: capacity, SaveWait: saveWait, Logger: slog.New(slog.DiscardHandler),
+			Model: testModel, Profile: profile, CapacityBytes: capacity, SaveWait: saveWait, StoreDelay: storeDelay[g], Logger: slog.New(slog.DiscardHandler),
 		})
 		if err != nil {
 			t.Fatal(err)
@@ -811,11 +818,50 @@ func (e *rankEnv) blockBytes(t *testing.T) int {
 // thread, which waits for the other. Before, both reads waited out the
 // whole SaveWait and both runs were recomputed; now the rank of the group
 // first by name does not wait for a save queued behind its own read from
-// the reader's group, so one run is recomputed at once and the other is
-// read whole, well within SaveWait.
+// the reader's group once that read has gone unanswered for a while, so
+// one run is recomputed early and the other is read whole, well within
+// SaveWait.
 func TestTwoGroupsReadingFromEachOtherDoNotWaitOnEachOther(t *testing.T) {
 	const saveWait = 8 * time.Second
 	p := startPoolRanksWith(t, 0, 1<<30, saveWait, "g0", "g1")
+	x, y, took := crossedReads(t, p, false)
+	// g0 (first by name) answered y's read without waiting for w, which
+	// was queued behind x's read from g1: y recomputes its run.
+	if y.LoadedTokens != 0 || y.FailedBlocks != 4 {
+		t.Errorf("y (g1 reading from g0): %+v; want its run recomputed (0 loaded, 4 failed)", y)
+	}
+	// g1 waited for z, which followed y once y's read was answered.
+	if x.LoadedTokens != 4*blockSize || x.RemoteTokens != 4*blockSize || x.FailedBlocks != 0 {
+		t.Errorf("x (g0 reading from g1): %+v; want its run read whole from g1 (4 blocks)", x)
+	}
+	if took["x"] >= saveWait/2 || took["y"] >= saveWait/2 {
+		t.Errorf("the readers took %v and %v; want both well within SaveWait (%v): they waited on each other", took["x"], took["y"], saveWait)
+	}
+}
+
+// TestCrossedReadsThatDoNotWaitOnEachOtherBothLoad: as above, but the save
+// g0's read waits for at g1 is not queued behind g1's load thread (z came
+// before y, and only g1's store thread is slow, 100 ms): no cycle. g0 keeps
+// waiting for w while its own read from g1 is answered late, and both runs
+// are read whole; taking every read from the reader's group that is slow
+// to answer for a cycle recomputed y's run.
+func TestCrossedReadsThatDoNotWaitOnEachOtherBothLoad(t *testing.T) {
+	const saveWait = 8 * time.Second
+	p := startPoolRanksDelayed(t, 0, 1<<30, saveWait, map[string]time.Duration{"g1": 100 * time.Millisecond}, "g0", "g1")
+	x, y, _ := crossedReads(t, p, true)
+	for _, r := range []*messages.RankResult{x, y} {
+		if r.LoadedTokens != 4*blockSize || r.RemoteTokens != 4*blockSize || r.FailedBlocks != 0 {
+			t.Errorf("%s: %+v; want its run read whole from the other group (4 blocks)", r.ReqID, r)
+		}
+	}
+}
+
+// crossedReads sends x to g0, reading from g1 the 4 blocks z saves on g1,
+// and y to g1, reading from g0 the 4 blocks w saves on g0; w is sent after
+// x, and z after y (zFirst: before y). It returns x's and y's results and
+// how long after sending each came.
+func crossedReads(t *testing.T, p *poolRanks, zFirst bool) (x, y *messages.RankResult, took map[string]time.Duration) {
+	t.Helper()
 	forG0 := testenv.PromptTokens(21, 4*blockSize+1) // saved by w on g0, read by y on g1
 	forG1 := testenv.PromptTokens(22, 4*blockSize+1) // saved by z on g1, read by x on g0
 	reader := func(id, group, source string, tokens []uint32) *messages.ReqMeta {
@@ -834,10 +880,14 @@ func TestTwoGroupsReadingFromEachOtherDoNotWaitOnEachOther(t *testing.T) {
 	for _, g := range []string{"g0", "g1"} { // both ranks up
 		p.run(t, saver("up-"+g, g, testenv.PromptTokens(24, blockSize+1)))
 	}
-	// Each rank takes its reader first, then the saver the other group's
-	// reader waits for: the saver's load is queued behind the reader's.
+	// Each rank takes its reader, then the saver the other group's reader
+	// waits for: the saver's load is queued behind the reader's.
+	metas := []*messages.ReqMeta{reader("x", "g0", "g1", forG1), reader("y", "g1", "g0", forG0), saver("w", "g0", forG0), saver("z", "g1", forG1)}
+	if zFirst {
+		metas = []*messages.ReqMeta{metas[3], metas[0], metas[1], metas[2]}
+	}
 	start := time.Now()
-	for _, m := range []*messages.ReqMeta{reader("x", "g0", "g1", forG1), reader("y", "g1", "g0", forG0), saver("w", "g0", forG0), saver("z", "g1", forG1)} {
+	for _, m := range metas {
 		data, err := messages.Marshal(m)
 		if err != nil {
 			t.Fatal(err)
@@ -847,8 +897,8 @@ func TestTwoGroupsReadingFromEachOtherDoNotWaitOnEachOther(t *testing.T) {
 		}
 	}
 	results := map[string]*messages.RankResult{}
-	took := map[string]time.Duration{}
-	for deadline := time.Now().Add(2 * saveWait); len(results) < 2 && time.Now().Before(deadline); {
+	took = map[string]time.Duration{}
+	for deadline := time.Now().Add(20 * time.Second); len(results) < 2 && time.Now().Before(deadline); {
 		m, err := p.done.NextMsg(time.Until(deadline))
 		if err != nil {
 			break
@@ -857,21 +907,10 @@ func TestTwoGroupsReadingFromEachOtherDoNotWaitOnEachOther(t *testing.T) {
 			results[r.ReqID], took[r.ReqID] = r, time.Since(start)
 		}
 	}
-	x, y := results["x"], results["y"]
+	x, y = results["x"], results["y"]
 	if x == nil || y == nil {
 		t.Fatalf("results of the two readers: x %+v, y %+v; want both", x, y)
 	}
-	t.Logf("x done after %v (%d tokens loaded), y after %v (%d blocks failed)", took["x"], x.LoadedTokens, took["y"], y.FailedBlocks)
-	// g0 (first by name) answered y's read without waiting for w, which
-	// was queued behind x's read from g1: y recomputes its run.
-	if y.LoadedTokens != 0 || y.FailedBlocks != 4 {
-		t.Errorf("y (g1 reading from g0): %+v; want its run recomputed (0 loaded, 4 failed)", y)
-	}
-	// g1 waited for z, which followed y once y's read was answered.
-	if x.LoadedTokens != 4*blockSize || x.RemoteTokens != 4*blockSize || x.FailedBlocks != 0 {
-		t.Errorf("x (g0 reading from g1): %+v; want its run read whole from g1 (4 blocks)", x)
-	}
-	if took["x"] >= saveWait/2 || took["y"] >= saveWait/2 {
-		t.Errorf("the readers took %v and %v; want both well within SaveWait (%v): they waited on each other", took["x"], took["y"], saveWait)
-	}
+	t.Logf("x done after %v (%d tokens loaded), y after %v (%d tokens loaded, %d blocks failed)", took["x"], x.LoadedTokens, took["y"], y.LoadedTokens, y.FailedBlocks)
+	return x, y, took
 }

@@ -224,10 +224,10 @@ func (r *Rank) copyRun(ctx context.Context, rr *rankReq, source string, from, en
 		r.cfg.Metrics.remoteBytes.WithLabelValues(source, r.cfg.Group, r.labels[1]).Add(float64(len(got) * size)) // charged: with --kv-payload accounting only a digest moves
 		r.cfg.Metrics.remoteSec.WithLabelValues(source, r.cfg.Group, r.labels[1]).Observe(time.Since(start).Seconds())
 	}()
-	r.loadReading.Store(&loadReading{source: source, id: rr.id})
 	defer r.loadReading.Store(nil)
 	for at := from; at < end; {
 		piece := meta.BlockHashes[at:min(at+poolReadBlocks(valueBytes), end)]
+		r.loadReading.Store(&loadReading{source: source, id: rr.id, since: time.Now()})
 		vals, err := r.pool.Read(ctx, source, r.cfg.TPRank, &messages.PoolRead{ReqID: meta.ReqID, Group: r.cfg.Group, Model: meta.Model, TPRank: r.cfg.TPRank, BlockHashes: piece, Saving: saving},
 			valueBytes)
 		if err != nil {
