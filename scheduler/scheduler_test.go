@@ -265,23 +265,7 @@ func (e *schedEnv) metas(reqID string) []metaMsg {
 }
 
 func (e *schedEnv) outputs(reqID string) []*messages.Output {
-	e.mu.Lock()
-	msgs := slices.Clone(e.msgs)
-	e.mu.Unlock()
-	var out []*messages.Output
-	for _, m := range msgs {
-		if m.Subject != e.subj.Out(testFrontend) {
-			continue
-		}
-		o, err := messages.DecodeOutput(m.Data)
-		if err != nil {
-			e.t.Fatalf("bad Output: %v", err)
-		}
-		if o.ReqID == reqID {
-			out = append(out, o)
-		}
-	}
-	return out
+	return e.frontendOutputs(testFrontend, reqID)
 }
 
 // waitMeta waits for the one ReqMeta of reqID.
@@ -1165,7 +1149,11 @@ func (e *schedEnv) frontendOutputs(fe, reqID string) []*messages.Output {
 		if m.Subject != e.subj.Out(fe) {
 			continue
 		}
-		if o, err := messages.DecodeOutput(m.Data); err == nil && o.ReqID == reqID {
+		o, err := messages.DecodeOutput(m.Data)
+		if err != nil {
+			e.t.Fatalf("bad Output: %v", err)
+		}
+		if o.ReqID == reqID {
 			out = append(out, o)
 		}
 	}
