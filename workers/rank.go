@@ -87,7 +87,9 @@ type Rank struct {
 	poolWaits *offloader
 	// loadReading is the pool read the load thread waits on (nil: none).
 	loadReading atomic.Pointer[loadReading]
-	handoffs    *offloader // hand-offs being taken
+	// expireWake wakes expireLoop from its sleep with no request active.
+	expireWake chan struct{}
+	handoffs   *offloader // hand-offs being taken
 }
 
 // seenReq is what a rank remembers of a request it took: the attempt, and
@@ -237,9 +239,10 @@ func NewRank(cfg RankConfig) (*Rank, error) {
 		saving: map[string]*rankReq{}, savingAfter: map[string][]*rankReq{},
 		plans: make(chan *messages.DrainPlan, 1),
 
-		poolWaits: newOffloader(poolWaitSlots),
-		handoffs:  newOffloader(handoffSlots),
-		skewSaid:  logevery.Limiter[time.Duration]{Every: time.Minute},
+		poolWaits:  newOffloader(poolWaitSlots),
+		expireWake: make(chan struct{}, 1),
+		handoffs:   newOffloader(handoffSlots),
+		skewSaid:   logevery.Limiter[time.Duration]{Every: time.Minute},
 	}, nil
 }
 

@@ -56,6 +56,8 @@ const withdrawWait = time.Second
 const expireInterval = 50 * time.Millisecond
 
 // expireLoop cancels active requests whose deadline passed, until ctx ends.
+// With none active it sleeps until onMeta makes one active (expireWake):
+// an idle rank does not wake twenty times a second.
 func (r *Rank) expireLoop(ctx context.Context) {
 	t := time.NewTicker(expireInterval)
 	defer t.Stop()
@@ -65,12 +67,25 @@ func (r *Rank) expireLoop(ctx context.Context) {
 			return
 		case now := <-t.C:
 			r.mu.Lock()
+			idle := len(r.active) == 0
 			for _, rr := range r.active {
 				if !rr.deadline.IsZero() && now.After(rr.deadline) {
 					rr.cancel(context.DeadlineExceeded)
 				}
 			}
 			r.mu.Unlock()
+			if !idle {
+				continue
+			}
+			// A request made active after the check above sent its wake-up
+			// (under r.mu) into the channel's buffer.
+			t.Stop()
+			select {
+			case <-ctx.Done():
+				return
+			case <-r.expireWake:
+			}
+			t.Reset(expireInterval)
 		}
 	}
 }

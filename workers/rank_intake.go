@@ -113,6 +113,12 @@ func (r *Rank) onMeta(_ context.Context, m *nats.Msg) error {
 			r.withdrawnActive--
 		}
 		r.active[meta.ReqID] = rr
+		if len(r.active) == 1 {
+			select { // expireLoop may sleep: there was none active
+			case r.expireWake <- struct{}{}:
+			default:
+			}
+		}
 		r.registerSavesLocked(rr)
 		if r.IsDriver() {
 			r.queue(meta, 1)
