@@ -77,6 +77,13 @@ type Slot struct {
 // within a group, with a compare-and-set create: two workers never hold one
 // slot. A slot whose holder stopped refreshing it expires after the TTL and
 // is claimed by the next worker.
+//
+// It reads the bucket once (one listing) and tries only the slots the
+// listing found free, skipping the groups it found held by a worker of
+// another kind: a worker started late in a deployment of a thousand groups
+// makes a handful of requests, not one create per slot held before its own.
+// A create another worker won moves on to the next free slot of the
+// listing; when every one of them was taken so, the bucket is listed again.
 func ClaimSlot(ctx context.Context, js jetstream.JetStream, cfg SlotConfig) (*Slot, error) {
 	if cfg.GroupPrefix == "" {
 		cfg.GroupPrefix = "g"
@@ -112,30 +119,46 @@ func ClaimSlot(ctx context.Context, js jetstream.JetStream, cfg SlotConfig) (*Sl
 			}
 		}
 	}
-	for group := range groups {
-		for r := range cfg.Size {
-			key := fmt.Sprintf("%s.%d", group, r)
-			rev, err := kv.Create(ctx, key, []byte(token))
-			if errors.Is(err, jetstream.ErrKeyExists) {
+	for lost := true; lost; {
+		list, err := listSlots(ctx, kv, cfg)
+		if err != nil {
+			return nil, fmt.Errorf("workers: list the slots of %s: %w", cfg.Bucket, err)
+		}
+		lost = false // a create another worker won since the listing: it is stale
+	candidates:
+		for group := range groups {
+			if cfg.Group == "" && list.other[group] {
 				continue
 			}
-			if err != nil {
-				return nil, fmt.Errorf("workers: claim slot %s: %w", key, err)
-			}
-			// A free rank of a group a worker of another model or size holds
-			// a rank of is no slot for this worker: it would make a group of
-			// two models, which takes no request, or of two world sizes,
-			// and no regroup undoes it. Checked after the create, so that of
-			// two workers of different kinds claiming one group at once the
-			// later to check sees the other and leaves.
-			if cfg.Group == "" && heldByAnotherKind(ctx, kv, group, r, cfg) {
-				if err := kv.Delete(ctx, key, jetstream.LastRevision(rev)); err != nil {
-					cfg.Logger.Warn("cannot release a worker slot of another model's group; it expires after --slot-ttl", "slot", key, "err", err)
+			for r := range cfg.Size {
+				key := fmt.Sprintf("%s.%d", group, r)
+				if list.held[key] {
+					continue
 				}
-				break // the next group
+				rev, err := kv.Create(ctx, key, []byte(token))
+				if errors.Is(err, jetstream.ErrKeyExists) {
+					lost = true
+					continue
+				}
+				if err != nil {
+					return nil, fmt.Errorf("workers: claim slot %s: %w", key, err)
+				}
+				// A free rank of a group a worker of another model or size
+				// holds a rank of is no slot for this worker: it would make a
+				// group of two models, which takes no request, or of two world
+				// sizes, and no regroup undoes it. The listing skipped the
+				// groups it saw so; checked again after the create, so that of
+				// two workers of different kinds claiming one group at once
+				// the later to check sees the other and leaves.
+				if cfg.Group == "" && heldByAnotherKind(ctx, kv, group, r, cfg) {
+					if err := kv.Delete(ctx, key, jetstream.LastRevision(rev)); err != nil {
+						cfg.Logger.Warn("cannot release a worker slot of another model's group; it expires after --slot-ttl", "slot", key, "err", err)
+					}
+					continue candidates
+				}
+				cfg.Logger.Info("claimed a worker slot", "group", group, "tp_rank", r, "owner", cfg.Owner)
+				return &Slot{Group: group, Rank: r, js: js, kv: kv, key: key, rev: rev, token: token, cfg: cfg}, nil
 			}
-			cfg.Logger.Info("claimed a worker slot", "group", group, "tp_rank", r, "owner", cfg.Owner)
-			return &Slot{Group: group, Rank: r, js: js, kv: kv, key: key, rev: rev, token: token, cfg: cfg}, nil
 		}
 	}
 	if cfg.Group != "" {
@@ -147,6 +170,51 @@ func ClaimSlot(ctx context.Context, js jetstream.JetStream, cfg SlotConfig) (*Sl
 		"A stopped worker's slot frees within --slot-ttl (%s): if workers just stopped, start this one again then; "+
 		"otherwise the cluster is full: stop workers it does not need, or run another deployment under its own --subject-prefix",
 		ErrNoSlot, cfg.MaxGroups, cfg.Size, cfg.TTL)
+}
+
+// slotListTimeout bounds one listing of the slot bucket, as long as the
+// JetStream client gives a request without a deadline.
+const slotListTimeout = 5 * time.Second
+
+// slotList is what one listing of the slot bucket found.
+type slotList struct {
+	held  map[string]bool // the keys (<group>.<rank>) held
+	other map[string]bool // the groups with a rank held by a worker of another kind than the claimant's
+}
+
+// listSlots reads the slots held, all of them or, for a worker bound to a
+// group, that group's, through one watch of the bucket (its consumer's
+// deliveries, not one request per key).
+func listSlots(ctx context.Context, kv jetstream.KeyValue, cfg SlotConfig) (slotList, error) {
+	ctx, cancel := context.WithTimeout(ctx, slotListTimeout)
+	defer cancel()
+	keys := jetstream.AllKeys
+	if cfg.Group != "" {
+		keys = cfg.Group + ".*"
+	}
+	w, err := kv.Watch(ctx, keys, jetstream.IgnoreDeletes())
+	if err != nil {
+		return slotList{}, err
+	}
+	defer func() { _ = w.Stop() }()
+	list := slotList{held: map[string]bool{}, other: map[string]bool{}}
+	for {
+		select {
+		case <-ctx.Done():
+			return slotList{}, ctx.Err()
+		case e, ok := <-w.Updates():
+			if !ok {
+				return slotList{}, errors.New("the watch ended before every slot was read")
+			}
+			if e == nil { // every key seen
+				return list, nil
+			}
+			list.held[e.Key()] = true
+			if group, _, ok := strings.Cut(e.Key(), "."); ok && !parseSlotKind(e.Value()).joins(cfg.kind()) {
+				list.other[group] = true
+			}
+		}
+	}
 }
 
 // slotKind is what a slot's holder serves: its model and its group's size

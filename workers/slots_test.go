@@ -573,3 +573,157 @@ func TestWholeGroupsRefreshWithoutReadingEverySlot(t *testing.T) {
 			delivered.Load(), refreshes.Load(), per, groups, size)
 	}
 }
+
+// fillSlots holds every slot of groups × size except those in free, with
+// tokens of workers of model m and size size, as workers that claimed
+// them would (owner#claim#model#size).
+func fillSlots(t *testing.T, js jetstream.JetStream, groups, size int, free ...string) {
+	t.Helper()
+	kv, err := js.KeyValue(t.Context(), workers.SlotBucket)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for g := range groups {
+		for r := range size {
+			key := fmt.Sprintf("g%d.%d", g, r)
+			if slices.Contains(free, key) {
+				continue
+			}
+			if _, err := kv.Create(t.Context(), key, fmt.Appendf(nil, "filler#%s#m#%d", key, size)); err != nil && !errors.Is(err, jetstream.ErrKeyExists) {
+				t.Fatal(err)
+			}
+		}
+	}
+}
+
+// TestLateClaimerReadsTheSlotsOnce: a --rank auto worker started when 799
+// of 200 groups' 800 slots are held claims the free one with a handful of
+// requests. Before, it tried every slot in order with one create each, 800
+// round trips to the NATS server (1,024 groups of 4: ~4,000), and workers
+// started together all raced through the same held slots. Now it lists
+// the bucket once and tries the free slots alone, in the same order.
+func TestLateClaimerReadsTheSlotsOnce(t *testing.T) {
+	srv := testenv.StartNATS(t)
+	js, err := jetstream.New(testenv.Connect(t, srv))
+	if err != nil {
+		t.Fatal(err)
+	}
+	const groups, size = 200, 4
+	cfg := workers.SlotConfig{Size: size, TTL: time.Minute, Model: "m"}
+	if _, err := workers.ClaimSlot(t.Context(), js, cfg); err != nil { // makes the bucket: g0.0
+		t.Fatal(err)
+	}
+	fillSlots(t, js, groups, size, "g199.3")
+
+	nc := testenv.Connect(t, srv) // the late worker's own connection: its requests alone
+	late, err := jetstream.New(nc)
+	if err != nil {
+		t.Fatal(err)
+	}
+	before := nc.Stats()
+	start := time.Now()
+	s, err := workers.ClaimSlot(t.Context(), late, cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	took := time.Since(start)
+	sent := nc.Stats().OutMsgs - before.OutMsgs
+	if s.Group != "g199" || s.Rank != 3 {
+		t.Errorf("the late worker got %s/%d, want g199/3, the only free slot", s.Group, s.Rank)
+	}
+	// Its requests: the listing's consumer, the create, and the check of
+	// its group's holders (a consumer and 3 gets); before, 800 creates.
+	if sent > 16 {
+		t.Errorf("claiming the one free slot of %d groups of %d sent %d messages to NATS in %s, want at most 16 (not one per held slot)", groups, size, sent, took)
+	}
+	t.Logf("claimed %s/%d with %d messages sent in %s", s.Group, s.Rank, sent, took)
+
+	// With g199 whole, the next worker opens g200, again without a create
+	// per held slot.
+	before = nc.Stats()
+	s, err = workers.ClaimSlot(t.Context(), late, cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if sent := nc.Stats().OutMsgs - before.OutMsgs; s.Group != "g200" || s.Rank != 0 || sent > 16 {
+		t.Errorf("the next worker got %s/%d with %d messages sent, want g200/0 with at most 16", s.Group, s.Rank, sent)
+	}
+}
+
+// TestClaimersAtOnceHoldDistinctSlots: workers started together (a
+// scale-out, a rolling restart), each on its own connection, read the
+// same listing and race for the same free slots: every one ends with a
+// slot of its own, the free slots of the held groups first, in order, then
+// new groups; those the groups cannot hold are told so. A create lost to
+// another worker moves on to the next free slot, and a worker all of whose
+// listed free slots were taken so lists the bucket again.
+func TestClaimersAtOnceHoldDistinctSlots(t *testing.T) {
+	srv := testenv.StartNATS(t)
+	js, err := jetstream.New(testenv.Connect(t, srv))
+	if err != nil {
+		t.Fatal(err)
+	}
+	const size, held = 4, 8 // g0–g7 held but for 4 slots; g8–g10 free
+	cfg := workers.SlotConfig{Size: size, TTL: time.Minute, Model: "m", MaxGroups: held + 3}
+	first, err := workers.ClaimSlot(t.Context(), js, cfg) // makes the bucket: g0.0
+	if err != nil {
+		t.Fatal(err)
+	}
+	free := []string{"g1.2", "g3.0", "g5.3", "g7.1"}
+	fillSlots(t, js, held, size, free...)
+
+	const claimers = 20 // 4 free slots + 3 new groups of 4, and 4 too many
+	type claim struct {
+		slot *workers.Slot
+		err  error
+	}
+	got := make(chan claim, claimers)
+	startAll := make(chan struct{})
+	for i := range claimers {
+		cjs, err := jetstream.New(testenv.Connect(t, srv))
+		if err != nil {
+			t.Fatal(err)
+		}
+		c := cfg
+		c.Owner = fmt.Sprint("w", i)
+		go func() {
+			<-startAll
+			s, err := workers.ClaimSlot(t.Context(), cjs, c)
+			got <- claim{s, err}
+		}()
+	}
+	close(startAll)
+	var slots []*workers.Slot
+	var keys []string
+	full := 0
+	for range claimers {
+		c := <-got
+		switch {
+		case errors.Is(c.err, workers.ErrNoSlot):
+			full++
+		case c.err != nil:
+			t.Fatal(c.err)
+		default:
+			slots = append(slots, c.slot)
+			keys = append(keys, fmt.Sprintf("%s.%d", c.slot.Group, c.slot.Rank))
+		}
+	}
+	want := slices.Clone(free)
+	for g := held; g < held+3; g++ {
+		for r := range size {
+			want = append(want, fmt.Sprintf("g%d.%d", g, r))
+		}
+	}
+	slices.Sort(keys)
+	slices.Sort(want)
+	if !slices.Equal(keys, want) || full != claimers-len(want) {
+		t.Fatalf("%d workers at once got %v and %d no slot; want each of %v once and %d no slot", claimers, keys, full, want, claimers-len(want))
+	}
+	// Each claim is the bucket's last word on its slot: a release at the
+	// claim's revision succeeds (a slot claimed twice would fail one).
+	for _, s := range append(slots, first) {
+		if err := s.Release(t.Context()); err != nil {
+			t.Errorf("release %s/%d: %v", s.Group, s.Rank, err)
+		}
+	}
+}
