@@ -152,7 +152,10 @@ type rankInfo struct {
 	restarted time.Time
 	// dupSaid is when a second process claiming this rank was last
 	// reported.
-	dupSaid    time.Time
+	dupSaid time.Time
+	// aheadSaid is when the rank's clock was last said to be ahead of
+	// this host's.
+	aheadSaid  time.Time
 	queueDepth int
 	draining   bool
 	// notReady: the rank's engine does not take requests (it fails its
@@ -245,7 +248,7 @@ func (t *groupTable) observe(hb *messages.Heartbeat, now time.Time) (stale, repo
 		// Not counting a time this replica was cut off from NATS.
 		gap = now.Sub(maxTime(prev.seen, t.heardFrom))
 	}
-	g.ranks[hb.TPRank] = rankInfo{seen: now, started: hb.StartedUnixMs, restarted: restarted, dupSaid: prev.dupSaid,
+	g.ranks[hb.TPRank] = rankInfo{seen: now, started: hb.StartedUnixMs, restarted: restarted, dupSaid: prev.dupSaid, aheadSaid: prev.aheadSaid,
 		queueDepth: max(hb.QueueDepth, 0), draining: hb.Draining, notReady: hb.NotReady, model: hb.Model,
 		capacityBlocks: max(hb.CapacityBlocks, 0)}
 	g.refresh()
@@ -296,6 +299,23 @@ func (t *groupTable) forming(now time.Time) bool {
 		}
 	}
 	return false
+}
+
+// sayAhead reports whether to say now that the clock of a rank of group
+// is ahead of this host's: at most once a minute per rank (dupReportEvery).
+func (t *groupTable) sayAhead(group string, rank int, now time.Time) bool {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	if g := t.groups[group]; g != nil {
+		if r, ok := g.ranks[rank]; ok {
+			if now.Sub(r.aheadSaid) < dupReportEvery {
+				return false
+			}
+			r.aheadSaid = now
+			g.ranks[rank] = r
+		}
+	}
+	return true
 }
 
 // mixedModels returns the models the live ranks of group serve when they

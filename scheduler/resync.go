@@ -27,10 +27,6 @@ type resyncState struct {
 	backoff  time.Duration
 }
 
-// maxStartSkew is how far in the future a heartbeat's started_unix_ms may
-// be (clocks of different machines): past it, the heartbeat is refused.
-const maxStartSkew = time.Minute
-
 func (s *Scheduler) onHeartbeat(ctx context.Context, m *nats.Msg) error {
 	hb, err := messages.DecodeHeartbeat(m.Data)
 	if err != nil {
@@ -40,12 +36,6 @@ func (s *Scheduler) onHeartbeat(ctx context.Context, m *nats.Msg) error {
 		return err
 	}
 	now := time.Now()
-	if started := time.UnixMilli(hb.StartedUnixMs); started.After(now.Add(maxStartSkew)) {
-		// A later start is a restart and outranks the rank's process: one
-		// from the future would silence the real one.
-		return fmt.Errorf("%w: heartbeat of %s/%d says its process started at %s, in the future: dropped (a wrong clock, or forged)",
-			messages.ErrInvalid, hb.Group, hb.TPRank, started.UTC().Format(time.RFC3339Nano))
-	}
 	stale, report, gap := s.groups.observe(hb, now)
 	if gap > 0 {
 		s.m.heartbeatGap.Observe(gap.Seconds())
@@ -57,6 +47,17 @@ func (s *Scheduler) onHeartbeat(ctx context.Context, m *nats.Msg) error {
 				"older_started", time.UnixMilli(hb.StartedUnixMs).UTC().Format(time.RFC3339Nano))
 		}
 		return nil
+	}
+	// started_unix_ms is a time on the rank's clock: it tells one process
+	// of the rank from another, and nothing of when it started here. A
+	// heartbeat whose process started "in the future" comes from a host
+	// whose clock is ahead of this one's: taken, and said (refused, a
+	// worker on a host a few minutes ahead was not heard until this clock
+	// caught up with its start, its group not ready meanwhile).
+	if ahead := time.UnixMilli(hb.StartedUnixMs).Sub(now); ahead >= clockSkewWarning && s.groups.sayAhead(hb.Group, hb.TPRank, now) {
+		s.log.Warn("a worker's clock is ahead of this scheduler's: its process says it started in the future (kvbus does not need the clocks to agree, but check NTP on its host)",
+			"group", hb.Group, "tp_rank", hb.TPRank, "rank_ahead_by_at_least", ahead.Round(time.Millisecond).String(),
+			"started", time.UnixMilli(hb.StartedUnixMs).UTC().Format(time.RFC3339Nano))
 	}
 	if models, report := s.groups.mixedModels(hb.Group, now); report {
 		s.log.Error("the ranks of one worker group serve different models: it takes no request until they agree. "+

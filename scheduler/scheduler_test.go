@@ -1225,3 +1225,55 @@ func TestSchedulerReadsAFrontendsDeadlineWhateverItsClock(t *testing.T) {
 	}
 	e.waitNoTrackers()
 }
+
+// TestWorkerOfAHostAheadIsHeardAtOnce: a worker on a host whose clock runs
+// two minutes ahead of the scheduler's says its process started two
+// minutes in the future. Its heartbeats were refused as "started in the
+// future" until the scheduler's clock caught up with that start, less a
+// minute: its group was not ready for the first minute. It is taken at
+// once, and the skew said once, with the group and rank.
+func TestWorkerOfAHostAheadIsHeardAtOnce(t *testing.T) {
+	e := startScheduler(t, schedEnvConfig{groups: []string{"g0"}})
+	e.waitReady(1)
+	started := time.Now().Add(2 * time.Minute).UnixMilli() // on the worker's clock
+	heartbeats := func() {
+		for r := range worldSize {
+			data, err := messages.Marshal(&messages.Heartbeat{Group: "g7", TPRank: r, EPRank: r, WorldSize: worldSize, Model: testModel,
+				StartedUnixMs: started})
+			if err != nil {
+				t.Fatal(err)
+			}
+			if err := e.nc.Publish(e.subj.Heartbeat("g7", r), data); err != nil {
+				t.Fatal(err)
+			}
+		}
+	}
+	begin := time.Now()
+	testenv.Eventually(t, waitFor, "g7, its workers' clock 2 min ahead, ready", func() bool {
+		heartbeats() // a worker's heartbeat every 100 ms or so
+		return slices.ContainsFunc(e.s.Groups(), func(g scheduler.GroupState) bool { return g.Name == "g7" })
+	})
+	t.Logf("g7 ready %v after its first heartbeat", time.Since(begin).Round(time.Millisecond))
+	if n := e.counter("kvbus_bus_messages_total", map[string]string{"handler": "scheduler_heartbeat", "outcome": "malformed"}); n != 0 {
+		t.Errorf("%v heartbeats refused", n)
+	}
+	for range 5 {
+		heartbeats()
+	}
+	const ahead = "a worker's clock is ahead of this scheduler's"
+	testenv.Eventually(t, waitFor, "the skew said", func() bool {
+		return len(e.logs.Lines(ahead, "group=g7", "tp_rank=0 ")) > 0
+	})
+	for r := range worldSize {
+		lines := e.logs.Lines(ahead, "group=g7", fmt.Sprintf("tp_rank=%d ", r))
+		if len(lines) != 1 {
+			t.Errorf("the skew of g7/%d said %d times, want once: %q", r, len(lines), lines)
+			continue
+		}
+		_, v, _ := strings.Cut(lines[0], "rank_ahead_by_at_least=")
+		v, _, _ = strings.Cut(v, " ")
+		if d, err := time.ParseDuration(v); err != nil || d < 110*time.Second || d > 2*time.Minute {
+			t.Errorf("g7/%d said ahead by %q, want about 2m", r, v)
+		}
+	}
+}
