@@ -48,6 +48,43 @@ type Binding struct {
 type sessionEntry struct {
 	Binding
 	Others map[string]Binding `json:"others,omitempty"`
+	// WrittenUnixMs is the writer's clock when it wrote the entry, on
+	// which it also wrote every updated_unix_ms of the entry: a reader
+	// takes the bindings' ages from their difference, not from its own
+	// clock (0: written by an older kvbus; see onThisClock).
+	WrittenUnixMs int64 `json:"written_unix_ms,omitempty"`
+}
+
+// onThisClock moves the updated_unix_ms of e's bindings onto this host's
+// clock, e having been received at now (unix ms). Read on this clock as
+// written, one replica's write time was judged on another's: a replica a
+// minute behind the writer took every binding for fresh for 70 s (its
+// group credited with blocks it may have lost meanwhile), one more than
+// PlanTTL ahead never did. A binding is as old as its writer says it was
+// when written (written_unix_ms − updated_unix_ms, both on the writer's
+// clock), plus the time since: live (heard as written, within the
+// watcher's delivery time) that is none. An entry replayed when the watch
+// began (or reread after a conflict) may have waited in the bucket for any
+// time: its bindings are taken as no newer than that and than their
+// updated_unix_ms read on this clock. An entry of an older kvbus (no
+// written_unix_ms) is read on this clock, as it was, but no binding is
+// newer than its receipt.
+func (e *sessionEntry) onThisClock(now int64, live bool) {
+	at := func(b Binding) Binding {
+		t := b.UpdatedUnixMs
+		if e.WrittenUnixMs != 0 {
+			t = now - max(e.WrittenUnixMs-b.UpdatedUnixMs, 0)
+			if !live {
+				t = min(t, b.UpdatedUnixMs)
+			}
+		}
+		b.UpdatedUnixMs = min(t, now)
+		return b
+	}
+	e.Binding = at(e.Binding)
+	for m, o := range e.Others {
+		e.Others[m] = at(o)
+	}
 }
 
 // of returns the binding of model. A binding that names no model (written
@@ -230,7 +267,7 @@ func (s *SessionBindings) Run(ctx context.Context) error {
 		return fmt.Errorf("scheduler: watch %s: %w", s.kv.Bucket(), err)
 	}
 	defer func() { _ = w.Stop() }()
-	updates := w.Updates()
+	updates, live := w.Updates(), false
 	prune := time.NewTicker(max(s.ttl/2, time.Second))
 	defer prune.Stop()
 	for {
@@ -244,9 +281,11 @@ func (s *SessionBindings) Run(ctx context.Context) error {
 				updates = nil // stopped; a rewatch may start another
 				continue
 			}
-			if e != nil {
-				s.observe(e)
+			if e == nil {
+				live = true // what the bucket held is read: what follows is heard as written
+				continue
 			}
+			s.observe(e, live)
 		case <-s.rewatch:
 			_ = w.Stop()
 			nw, err := s.kv.WatchAll(ctx)
@@ -255,7 +294,7 @@ func (s *SessionBindings) Run(ctx context.Context) error {
 				updates = nil
 				continue
 			}
-			w, updates = nw, nw.Updates()
+			w, updates, live = nw, nw.Updates(), false
 		case wr := <-s.writes:
 			s.write(ctx, wr)
 		}
@@ -299,7 +338,10 @@ func (s *SessionBindings) pruneExpired(now time.Time) {
 	s.mu.Unlock()
 }
 
-func (s *SessionBindings) observe(e jetstream.KeyValueEntry) {
+// observe takes an entry the watcher delivered; live: heard as it was
+// written, not replayed from what the bucket held when the watch began.
+func (s *SessionBindings) observe(e jetstream.KeyValueEntry, live bool) {
+	now := time.Now().UnixMilli()
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	if e.Operation() != jetstream.KeyValuePut {
@@ -314,6 +356,7 @@ func (s *SessionBindings) observe(e jetstream.KeyValueEntry) {
 	if cur, ok := s.local[e.Key()]; ok && cur.rev >= e.Revision() {
 		return
 	}
+	v.onThisClock(now, live)
 	s.local[e.Key()] = boundEntry{sessionEntry: v, rev: e.Revision()}
 }
 
@@ -416,6 +459,7 @@ func (s *SessionBindings) write(ctx context.Context, wr bindingWrite) {
 		}
 		// The session's other models' bindings are kept.
 		val := cur.with(wr.b)
+		val.WrittenUnixMs = time.Now().UnixMilli() // the clock of every updated_unix_ms here
 		data, err := json.Marshal(val)
 		if err != nil {
 			return
@@ -448,6 +492,7 @@ func (s *SessionBindings) write(ctx context.Context, wr bindingWrite) {
 		s.mu.Lock()
 		var v sessionEntry
 		if gerr == nil && json.Unmarshal(e.Value(), &v) == nil {
+			v.onThisClock(time.Now().UnixMilli(), false)
 			s.local[wr.key] = boundEntry{sessionEntry: v, rev: e.Revision()}
 		} else {
 			delete(s.local, wr.key)

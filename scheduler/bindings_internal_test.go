@@ -85,12 +85,12 @@ func TestSessionBindingsWriteAfterObservingAnotherReplica(t *testing.T) {
 	wr := <-b.writes
 	// Run's select takes the watcher's entry first, then the write.
 	_, e := bucketBinding(t, kv, key)
-	b.observe(e)
+	b.observe(e, true)
 	b.write(ctx, wr)
 
 	stored, e2 := bucketBinding(t, kv, key)
 	// The watcher now delivers what the write stored.
-	b.observe(e2)
+	b.observe(e2, true)
 	local, ok := b.Get(session)
 	if !ok {
 		t.Fatal("no local binding")
@@ -147,7 +147,7 @@ func TestSessionBindingsLaggingReplicaNumbersTheNextTurn(t *testing.T) {
 		return e
 	}
 	e1 := put(Binding{Group: "g0", Blocks: 4, Turn: 1}, 0)
-	b.observe(e1)                                                // this replica heard of turn 1 ...
+	b.observe(e1, true)                                          // this replica heard of turn 1 ...
 	put(Binding{Group: "g0", Blocks: 8, Turn: 2}, e1.Revision()) // ... not yet of turn 2
 
 	prev, _ := b.Get(session)

@@ -107,9 +107,9 @@ func TestSessionBindingsReplicate(t *testing.T) {
 	}
 	testenv.Eventually(t, waitFor, "the writer sees its own binding", func() bool {
 		g, ok := a.Get("conv-1")
-		return ok && g == want
+		return ok && sameBinding(g, want)
 	})
-	if s, err := storedBinding(t, rs[0].js, "conv-1"); err != nil || s != want {
+	if s, err := storedBinding(t, rs[0].js, "conv-1"); err != nil || !sameBinding(s, want) {
 		t.Errorf("bucket holds %+v, %v; want %+v", s, err, want)
 	}
 	// Other sessions are unbound; the empty session never is.
@@ -146,7 +146,7 @@ func TestSessionBindingsConcurrentRecordsConverge(t *testing.T) {
 			x, okx := rs[0].b.Get(session)
 			y, oky := rs[1].b.Get(session)
 			s, err := storedBinding(t, rs[0].js, session)
-			if okx && oky && x == y && err == nil && s == x {
+			if okx && oky && sameBinding(x, y) && err == nil && sameBinding(s, x) {
 				final = x
 				break
 			}
@@ -161,7 +161,7 @@ func TestSessionBindingsConcurrentRecordsConverge(t *testing.T) {
 		// It stays so: nothing is still in flight that changes it.
 		time.Sleep(20 * time.Millisecond)
 		for i, r := range rs {
-			if g, _ := r.b.Get(session); g != final {
+			if g, _ := r.b.Get(session); !sameBinding(g, final) {
 				t.Errorf("%s: replica %d moved to %+v after agreeing on %+v", session, i, g, final)
 			}
 		}
@@ -341,7 +341,7 @@ func TestSchedulerReplicasAgreeOnBinding(t *testing.T) {
 	}
 	b0, _ := scheds[0].Bindings().Get(session)
 	b1, _ := scheds[1].Bindings().Get(session)
-	if b0 != b1 {
+	if !sameBinding(b0, b1) {
 		t.Errorf("replicas disagree: %+v vs %+v", b0, b1)
 	}
 	wantHashes := scheduler.HashBlocks(nil, scheduler.HashSeed(testModel), req.PromptTokenIDs, 16)
@@ -375,4 +375,133 @@ func TestSchedulerReplicasAgreeOnBinding(t *testing.T) {
 			return ok && b.Group == meta.Group && b.Turn == 2 && b.Blocks == 260/16
 		})
 	}
+}
+
+// TestBindingAgeWhateverTheWritersClock: a binding's age, which decides
+// whether the turn's blocks are credited to its group before their KV
+// events come (PlanTTL) and whether the group lost its cache since, is
+// the age its writer gave it, not its updated_unix_ms read on the
+// reader's clock. Entries are written into the bucket as replicas whose
+// clocks run a minute behind and a minute ahead write them: read on the
+// reader's clock, the first's binding made just now was a minute old (its
+// blocks never credited), the second's, made 11 s before, 49 s in the
+// future (credited for 70 s). A binding of an older kvbus (no
+// written_unix_ms) is read on the reader's clock, as before, but is never
+// newer than its receipt; and one the bucket held when the watch began is
+// no newer than it says.
+func TestBindingAgeWhateverTheWritersClock(t *testing.T) {
+	const planTTL = 10 * time.Second // the scheduler's default PlanTTL
+	rs := startBindingReplicas(t, 2, time.Hour)
+	reader := rs[1].b
+	kv, err := rs[0].js.KeyValue(t.Context(), scheduler.SessionBucket)
+	if err != nil {
+		t.Fatal(err)
+	}
+	put := func(session string, v map[string]any) {
+		t.Helper()
+		data, err := json.Marshal(v)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if _, err := kv.Put(t.Context(), messages.SessionKey(session), data); err != nil {
+			t.Fatal(err)
+		}
+	}
+	// The reader's watcher runs: a binding written by the other replica
+	// reaches it.
+	rs[0].b.Record("warm-up", scheduler.Binding{Group: "g0", Blocks: 1, LastHash: 1, Turn: 1})
+	testenv.Eventually(t, waitFor, "the reader watching", func() bool { _, ok := reader.Get("warm-up"); return ok })
+
+	now := time.Now()
+	ms := func(d time.Duration) int64 { return now.Add(d).UnixMilli() }
+	// A replica a minute behind, its binding made as it wrote it.
+	put("behind", map[string]any{"model": "m", "group": "g1", "blocks": 4, "last_hash": 7, "turn": 2,
+		"updated_unix_ms": ms(-time.Minute), "written_unix_ms": ms(-time.Minute)})
+	// A replica a minute ahead, its binding made 11 s before it wrote it,
+	// and another model's made 3 s before.
+	put("ahead", map[string]any{"model": "m", "group": "g2", "blocks": 4, "last_hash": 7, "turn": 2,
+		"updated_unix_ms": ms(time.Minute - 11*time.Second), "written_unix_ms": ms(time.Minute),
+		"others": map[string]any{"n": map[string]any{"model": "n", "group": "g3", "blocks": 1, "last_hash": 1, "turn": 1,
+			"updated_unix_ms": ms(time.Minute - 3*time.Second)}}})
+	// An older kvbus's, a minute ahead and 3 s behind.
+	put("old-ahead", map[string]any{"group": "g4", "blocks": 4, "last_hash": 7, "turn": 2, "updated_unix_ms": ms(time.Minute)})
+	put("old-behind", map[string]any{"group": "g5", "blocks": 4, "last_hash": 7, "turn": 2, "updated_unix_ms": ms(-3 * time.Second)})
+
+	age := func(model, session string) time.Duration {
+		t.Helper()
+		var b scheduler.Binding
+		testenv.Eventually(t, waitFor, session+" heard", func() bool {
+			var ok bool
+			b, ok = reader.GetModel(model, session)
+			return ok
+		})
+		return time.Since(time.UnixMilli(b.UpdatedUnixMs))
+	}
+	between := func(what string, got, lo, hi time.Duration) {
+		t.Helper()
+		if got < lo || got > hi {
+			t.Errorf("%s: %v old on the reader's clock, want %v to %v", what, got.Round(time.Millisecond), lo, hi)
+		}
+	}
+	slack := 2 * time.Second // delivery, and the time since now
+	between("a binding just made by a replica a minute behind", age("m", "behind"), 0, slack)
+	if a := age("m", "behind"); a >= planTTL {
+		t.Errorf("a binding just made is not fresh (%v old)", a)
+	}
+	between("a binding made 11 s before by a replica a minute ahead", age("m", "ahead"), 11*time.Second, 11*time.Second+slack)
+	between("its session's binding of another model, made 3 s before", age("n", "ahead"), 3*time.Second, 3*time.Second+slack)
+	between("an older kvbus's binding, a minute ahead", age("", "old-ahead"), 0, slack)
+	between("an older kvbus's binding, 3 s behind", age("", "old-behind"), 3*time.Second, 3*time.Second+slack)
+
+	// What the bucket held when a watch begins may have waited there: a
+	// replica that starts now takes the behind replica's binding as its
+	// updated_unix_ms says (older, not fresher), the ahead replica's as no
+	// newer than its age when written.
+	late := startBindingReplicasOn(t, rs[0].js, time.Hour)
+	lateAge := func(model, session string) time.Duration {
+		t.Helper()
+		var b scheduler.Binding
+		testenv.Eventually(t, waitFor, session+" replayed", func() bool {
+			var ok bool
+			b, ok = late.GetModel(model, session)
+			return ok
+		})
+		return time.Since(time.UnixMilli(b.UpdatedUnixMs))
+	}
+	between("a replayed binding of a replica a minute behind", lateAge("m", "behind"), time.Minute, time.Minute+slack)
+	if a := lateAge("m", "ahead"); a < 11*time.Second {
+		t.Errorf("a replayed binding made 11 s before its write is %v old", a.Round(time.Millisecond))
+	}
+}
+
+// startBindingReplicasOn opens and runs one more replica's SessionBindings
+// on js, until the test ends.
+func startBindingReplicasOn(t *testing.T, js jetstream.JetStream, ttl time.Duration) *scheduler.SessionBindings {
+	t.Helper()
+	b, err := scheduler.OpenSessionBindings(t.Context(), js, scheduler.SessionBindingsConfig{Bucket: scheduler.SessionBucket, TTL: ttl, Logger: discardLog})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		if err := b.Run(ctx); err != nil {
+			t.Errorf("SessionBindings.Run: %v", err)
+		}
+	}()
+	t.Cleanup(func() {
+		cancel()
+		<-done
+	})
+	return b
+}
+
+// sameBinding reports whether two replicas' copies of a binding agree: one
+// replica's updated_unix_ms is the writer's, less the time the other took
+// to hear it (TestBindingAgeWhateverTheWritersClock).
+func sameBinding(a, b scheduler.Binding) bool {
+	d := a.UpdatedUnixMs - b.UpdatedUnixMs
+	a.UpdatedUnixMs = b.UpdatedUnixMs
+	return a == b && d > -1000 && d < 1000
 }
