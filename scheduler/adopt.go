@@ -85,7 +85,7 @@ func (s *Scheduler) adoptOne(req *messages.Request, d peerDispatch, from string)
 	}
 	ready := forModel(s.groups.ready(now), t.Model)
 	switch {
-	case s.groups.startedSince(prev.group, d.at) && s.placeAnew(t, prev, ready):
+	case s.groups.startedSince(prev.group, d) && s.placeAnew(t, prev, ready):
 		// A rank of its group restarted since: the new process does not
 		// have it, and the same attempt run again there would be spliced
 		// into what the old one had sent.

@@ -416,14 +416,20 @@ func (t *groupTable) capacityBlocks(name string) int {
 }
 
 // startedSince reports whether a rank of the group runs a process that
-// started after at (its heartbeats' started_unix_ms): one that cannot have
-// a request dispatched at at.
-func (t *groupTable) startedSince(name string, at time.Time) bool {
+// started after the peer's dispatch d: one that cannot have its request.
+// For a dispatch heard live, that is a restart this replica heard after
+// the plan, both on its clock: read from the heartbeats' started_unix_ms
+// (the rank's clock) against the time of the plan, a rank whose clock ran
+// ahead had always "started since", and the request was placed again
+// while its group ran it. For one replayed from the plan stream (this
+// replica started after it), its process's start on the rank's clock
+// against the plan's time on the NATS server's: nothing else orders them.
+func (t *groupTable) startedSince(name string, d peerDispatch) bool {
 	t.mu.Lock()
 	defer t.mu.Unlock()
 	if g := t.groups[name]; g != nil {
 		for _, r := range g.ranks {
-			if r.started > at.UnixMilli() {
+			if d.replayed && r.started > d.at.UnixMilli() || !d.replayed && r.restarted.After(d.at) {
 				return true
 			}
 		}

@@ -117,7 +117,11 @@ func (s *Scheduler) pendingDispatches(ctx context.Context, st jetstream.Stream) 
 				}
 			}
 			if p.ReqID != "" && p.LogSeq != 0 {
-				ds[p.ReqID] = peerDispatch{reqID: p.ReqID, seq: p.LogSeq, at: md.Timestamp}
+				d := peerDispatch{reqID: p.ReqID, seq: p.LogSeq, at: md.Timestamp, replayed: true}
+				if p.ExpiresInMs > 0 { // the plan's expiry and time left: its making on the peer's clock
+					d.peerMs = p.ExpiresUnixMs - p.ExpiresInMs
+				}
+				ds[p.ReqID] = d
 				s.dispatched.Put(p.ReqID, dispatchRecord{group: p.Group, attempt: p.Attempt, scheduler: p.SchedulerID}, now)
 			}
 		}

@@ -63,7 +63,14 @@ type peer struct {
 type peerDispatch struct {
 	reqID string
 	seq   uint64
-	at    time.Time
+	// at is when this replica heard the plan, on its clock; one read from
+	// the plan stream (replayed) has the NATS server's time it was stored.
+	at       time.Time
+	replayed bool
+	// peerMs is when the peer made the plan, on the peer's clock (0: not
+	// known, a plan of an older kvbus); it orders the dispatch against
+	// the peer's start, also on its clock.
+	peerMs int64
 }
 
 func newPeerTable(keep time.Duration, now time.Time) *peerTable {
@@ -100,7 +107,16 @@ func (pt *peerTable) heard(id string, started int64, stopped bool, now time.Time
 		// Dispatches from the plan stream made before this process
 		// started are an earlier process's under the same id.
 		for r, d := range p.dispatches {
-			if d.at.UnixMilli() < started {
+			// The plan's time and the start, both on the peer's clock;
+			// the server's time against the peer's clock made a peer's
+			// dispatches orphans (adopted, while it runs them) when its
+			// clock ran ahead, and an earlier process's its own when it
+			// ran behind.
+			at := d.at.UnixMilli()
+			if d.peerMs != 0 {
+				at = d.peerMs
+			}
+			if at < started {
 				p.orphans = append(p.orphans, d)
 				delete(p.dispatches, r)
 			}

@@ -55,6 +55,8 @@ type schedEnv struct {
 	groups []string
 
 	stop func() error
+
+	hbStarted int64
 }
 
 type schedEnvConfig struct {
@@ -78,6 +80,8 @@ type schedEnvConfig struct {
 	before func(e *schedEnv)
 	// viaProxy connects the scheduler through a testenv.FaultProxy.
 	viaProxy bool
+	// hbStarted is the fake ranks' started_unix_ms (0: 1).
+	hbStarted int64
 }
 
 func startScheduler(t *testing.T, cfg schedEnvConfig) *schedEnv {
@@ -89,7 +93,8 @@ func startScheduler(t *testing.T, cfg schedEnvConfig) *schedEnv {
 		cfg.policy = &scheduler.SessionPolicy{Epsilon: 0.25}
 	}
 	srv := testenv.StartNATS(t)
-	e := &schedEnv{t: t, nc: testenv.Connect(t, srv), reg: prometheus.NewRegistry(), groups: cfg.groups, srv: srv}
+	e := &schedEnv{t: t, nc: testenv.Connect(t, srv), reg: prometheus.NewRegistry(), groups: cfg.groups, srv: srv,
+		hbStarted: cmp.Or(cfg.hbStarted, 1)}
 	e.answer.Store(!cfg.noAnswers)
 	e.hbOn.Store(!cfg.noHeartbeats)
 	js, err := jetstream.New(e.nc)
@@ -196,7 +201,7 @@ func (e *schedEnv) heartbeat() {
 	for _, g := range e.groups {
 		for r := range worldSize {
 			data, err := messages.Marshal(&messages.Heartbeat{Group: g, TPRank: r, EPRank: r, WorldSize: worldSize,
-				Model: testModel, StartedUnixMs: 1})
+				Model: testModel, StartedUnixMs: e.hbStarted})
 			if err == nil {
 				err = e.nc.Publish(e.subj.Heartbeat(g, r), data)
 			}
