@@ -146,8 +146,12 @@ const blockTimeWeight = 0.2
 type rankInfo struct {
 	seen    time.Time
 	started int64
+	// since is when this replica first heard the rank's process; replaced
+	// is the started_unix_ms of the process it heard it replace (0: none).
+	since    time.Time
+	replaced int64
 	// restarted is when this replica heard the rank's process change (a
-	// later started_unix_ms): requests dispatched before it that the rank
+	// later process: see olderLocked): requests dispatched before it that the rank
 	// had not finished are lost on it.
 	restarted time.Time
 	// dupSaid is when a second process claiming this rank was last
@@ -189,9 +193,29 @@ const dupReportEvery = time.Minute
 // olderLocked reports whether the process that started at started is a
 // second, older process given rank while the rank's own process is heard
 // from (see observe). Called with t.mu held.
+//
+// Which of two processes is the older is what this replica heard when it
+// can tell: the process the rank's replaced here is; a process first heard
+// after the rank's had been heard for the timeout is not (a running
+// process is heard within every timeout: it began later), whatever the
+// clocks of their hosts say. Otherwise (this replica has heard the rank's
+// process for less than that: both were running when it began to listen)
+// the earlier started_unix_ms is the older. Read from started_unix_ms
+// alone, a rank replaced by a process on a host whose clock is behind was
+// that process's "older" rival: its heartbeats ignored and reported as a
+// second process of the rank until the first was silent for the timeout,
+// for a whole drain when the first was draining.
 func (t *groupTable) olderLocked(g *groupInfo, rank int, started int64, now time.Time) bool {
 	prev, known := g.ranks[rank]
-	return known && started < prev.started && now.Sub(prev.seen) <= t.timeout
+	switch {
+	case !known || started == prev.started || now.Sub(prev.seen) > t.timeout:
+		return false
+	case started == prev.replaced:
+		return true
+	case now.Sub(maxTime(prev.since, t.heardFrom)) >= t.timeout:
+		return false
+	}
+	return started < prev.started
 }
 
 // notTheRank reports whether a message of the process that started at
@@ -209,11 +233,12 @@ func (t *groupTable) notTheRank(group string, rank int, started int64, now time.
 }
 
 // observe records a heartbeat. Another started_unix_ms than the rank's is
-// a restart, unless it is earlier and the rank's process is still heard
-// from: then it comes from a second, older process with the same identity
-// (two workers given one --tp-rank), which is not the rank (stale), and
-// report says to tell the operator (at most once a minute per rank). Once
-// the newer process is silent for the timeout, the older one is the rank.
+// a restart, unless it is the older process (see olderLocked) and the
+// rank's process is still heard from: then it comes from a second, older
+// process with the same identity (two workers given one --tp-rank), which
+// is not the rank (stale), and report says to tell the operator (at most
+// once a minute per rank). Once the newer process is silent for the
+// timeout, the older one is the rank.
 //
 // gap is how long after the process's previous heartbeat this one was
 // handled (0 for its first).
@@ -240,15 +265,18 @@ func (t *groupTable) observe(hb *messages.Heartbeat, now time.Time) (stale, repo
 		}
 		return true, report, 0
 	}
-	restarted := prev.restarted
+	restarted, since, replaced := prev.restarted, prev.since, prev.replaced
 	if known && hb.StartedUnixMs != prev.started {
-		restarted = now
+		restarted, replaced = now, prev.started
+	}
+	if !known || hb.StartedUnixMs != prev.started {
+		since = now
 	}
 	if known && hb.StartedUnixMs == prev.started {
 		// Not counting a time this replica was cut off from NATS.
 		gap = now.Sub(maxTime(prev.seen, t.heardFrom))
 	}
-	g.ranks[hb.TPRank] = rankInfo{seen: now, started: hb.StartedUnixMs, restarted: restarted, dupSaid: prev.dupSaid, aheadSaid: prev.aheadSaid,
+	g.ranks[hb.TPRank] = rankInfo{seen: now, started: hb.StartedUnixMs, since: since, replaced: replaced, restarted: restarted, dupSaid: prev.dupSaid, aheadSaid: prev.aheadSaid,
 		queueDepth: max(hb.QueueDepth, 0), draining: hb.Draining, notReady: hb.NotReady, model: hb.Model,
 		capacityBlocks: max(hb.CapacityBlocks, 0)}
 	g.refresh()

@@ -1282,3 +1282,59 @@ func TestWorkerOfAHostAheadIsHeardAtOnce(t *testing.T) {
 		}
 	}
 }
+
+// TestRankReplacedOnAHostBehind: g7's rank 0 is replaced (a rolling
+// replacement: the old process drains) by a process on a host whose clock
+// runs two minutes behind, so its started_unix_ms is the earlier. Read
+// from started_unix_ms alone it was the older of the two: its heartbeats
+// were ignored and reported as a second process claiming the rank for as
+// long as the old one drained, and the group, its rank 0 draining, took no
+// request meanwhile. This replica had heard the old process for longer
+// than the heartbeat timeout before the new one appeared: the new one is
+// the later, and the group is ready on it while the old one drains.
+func TestRankReplacedOnAHostBehind(t *testing.T) {
+	e := startScheduler(t, schedEnvConfig{groups: []string{"g0"}})
+	old := time.Now().UnixMilli()
+	replacement := time.Now().Add(-2 * time.Minute).UnixMilli() // on its host's clock
+	var replaced atomic.Bool
+	heartbeats := func() {
+		for r := range worldSize {
+			hb := &messages.Heartbeat{Group: "g7", TPRank: r, EPRank: r, WorldSize: worldSize, Model: testModel, StartedUnixMs: old}
+			if r == 0 && replaced.Load() {
+				hb.Draining = true
+				data, _ := messages.Marshal(&messages.Heartbeat{Group: "g7", TPRank: 0, WorldSize: worldSize, Model: testModel, StartedUnixMs: replacement})
+				if err := e.nc.Publish(e.subj.Heartbeat("g7", 0), data); err != nil {
+					t.Fatal(err)
+				}
+			}
+			data, _ := messages.Marshal(hb)
+			if err := e.nc.Publish(e.subj.Heartbeat("g7", r), data); err != nil {
+				t.Fatal(err)
+			}
+		}
+	}
+	ready := func() bool {
+		return slices.ContainsFunc(e.s.Groups(), func(g scheduler.GroupState) bool { return g.Name == "g7" })
+	}
+	testenv.Eventually(t, waitFor, "g7 ready", func() bool { heartbeats(); return ready() })
+	for start := time.Now(); time.Since(start) < 1500*time.Millisecond; time.Sleep(100 * time.Millisecond) {
+		heartbeats() // heard for longer than the heartbeat timeout (1 s)
+	}
+	replaced.Store(true)
+	handled := func() float64 {
+		return e.counter("kvbus_bus_messages_total", map[string]string{"handler": "scheduler_heartbeat", "outcome": "ok"})
+	}
+	// Its old process drains on: the group stays ready on the new one.
+	base := handled()
+	for start := time.Now(); time.Since(start) < 2*time.Second; time.Sleep(100 * time.Millisecond) {
+		heartbeats()
+		if !ready() {
+			t.Fatalf("g7 not ready %v after its rank 0's replacement began, its old process draining beside it", time.Since(start).Round(time.Millisecond))
+		}
+	}
+	// The replacement's and the draining process's heartbeats were heard.
+	testenv.Eventually(t, waitFor, "the heartbeats handled", func() bool { return handled()-base >= 20*(worldSize+1) })
+	if n := len(e.logs.Lines("two worker processes claim the same rank", "group=g7")); n != 0 {
+		t.Errorf("the replacement reported as a second process of the rank (%d lines)", n)
+	}
+}
