@@ -427,16 +427,18 @@ func TestBindingAgeWhateverTheWritersClock(t *testing.T) {
 	put("old-ahead", map[string]any{"group": "g4", "blocks": 4, "last_hash": 7, "turn": 2, "updated_unix_ms": ms(time.Minute)})
 	put("old-behind", map[string]any{"group": "g5", "blocks": 4, "last_hash": 7, "turn": 2, "updated_unix_ms": ms(-3 * time.Second)})
 
-	age := func(model, session string) time.Duration {
+	// ageOn is how old a binding is on the reader's clock, once it has it.
+	ageOn := func(r *scheduler.SessionBindings, model, session string) time.Duration {
 		t.Helper()
 		var b scheduler.Binding
 		testenv.Eventually(t, waitFor, session+" heard", func() bool {
 			var ok bool
-			b, ok = reader.GetModel(model, session)
+			b, ok = r.GetModel(model, session)
 			return ok
 		})
 		return time.Since(time.UnixMilli(b.UpdatedUnixMs))
 	}
+	age := func(model, session string) time.Duration { t.Helper(); return ageOn(reader, model, session) }
 	between := func(what string, got, lo, hi time.Duration) {
 		t.Helper()
 		if got < lo || got > hi {
@@ -458,16 +460,7 @@ func TestBindingAgeWhateverTheWritersClock(t *testing.T) {
 	// updated_unix_ms says (older, not fresher), the ahead replica's as no
 	// newer than its age when written.
 	late := startBindingReplicasOn(t, rs[0].js, time.Hour)
-	lateAge := func(model, session string) time.Duration {
-		t.Helper()
-		var b scheduler.Binding
-		testenv.Eventually(t, waitFor, session+" replayed", func() bool {
-			var ok bool
-			b, ok = late.GetModel(model, session)
-			return ok
-		})
-		return time.Since(time.UnixMilli(b.UpdatedUnixMs))
-	}
+	lateAge := func(model, session string) time.Duration { t.Helper(); return ageOn(late, model, session) }
 	between("a replayed binding of a replica a minute behind", lateAge("m", "behind"), time.Minute, time.Minute+slack)
 	if a := lateAge("m", "ahead"); a < 11*time.Second {
 		t.Errorf("a replayed binding made 11 s before its write is %v old", a.Round(time.Millisecond))

@@ -21,25 +21,8 @@ import (
 func TestRequestAdoptedAndEndedIsNotAdoptedAgain(t *testing.T) {
 	e := startScheduler(t, schedEnvConfig{before: func(e *schedEnv) {
 		ctx := t.Context()
-		ack := e.publishRequest(newRequest("r1", "conv-1", testenv.PromptTokens(1, 64)))
 		// sched-a took it from the log and acknowledged it (dispatched).
-		st, err := e.js.Stream(ctx, ack.Stream)
-		if err != nil {
-			t.Fatal(err)
-		}
-		cons, err := bus.EnsureSchedulerConsumer(ctx, st, 0, 1)
-		if err != nil {
-			t.Fatal(err)
-		}
-		batch, err := cons.Fetch(1, jetstream.FetchMaxWait(5*time.Second))
-		if err != nil {
-			t.Fatal(err)
-		}
-		for m := range batch.Messages() {
-			if err := m.DoubleAck(ctx); err != nil {
-				t.Fatal(err)
-			}
-		}
+		ack := dispatchedElsewhere(t, e, newRequest("r1", "conv-1", testenv.PromptTokens(1, 64)))
 		// The plan stream, as sched-a and sched-b wrote it.
 		if _, err := bus.EnsurePlanStream(ctx, e.js, e.subj, 1, 2*time.Minute); err != nil {
 			t.Fatal(err)
