@@ -818,11 +818,10 @@ func (e *rankEnv) blockBytes(t *testing.T) int {
 // thread, which waits for the other. Before, both reads waited out the
 // whole SaveWait and both runs were recomputed; now the rank of the group
 // first by name does not wait for a save queued behind its own read from
-// the reader's group once that read has gone unanswered for a while, so
-// one run is recomputed early and the other is read whole, well within
-// SaveWait.
+// the reader's group once that read has gone unanswered for half of
+// SaveWait, so one run is recomputed then and the other is read whole.
 func TestTwoGroupsReadingFromEachOtherDoNotWaitOnEachOther(t *testing.T) {
-	const saveWait = 8 * time.Second
+	const saveWait = 4 * time.Second
 	p := startPoolRanksWith(t, 0, 1<<30, saveWait, "g0", "g1")
 	x, y, took := crossedReads(t, p, false)
 	// g0 (first by name) answered y's read without waiting for w, which
@@ -834,8 +833,10 @@ func TestTwoGroupsReadingFromEachOtherDoNotWaitOnEachOther(t *testing.T) {
 	if x.LoadedTokens != 4*blockSize || x.RemoteTokens != 4*blockSize || x.FailedBlocks != 0 {
 		t.Errorf("x (g0 reading from g1): %+v; want its run read whole from g1 (4 blocks)", x)
 	}
-	if took["x"] >= saveWait/2 || took["y"] >= saveWait/2 {
-		t.Errorf("the readers took %v and %v; want both well within SaveWait (%v): they waited on each other", took["x"], took["y"], saveWait)
+	// y's read was answered after half of SaveWait, not at its end (x,
+	// read whole, came within its own SaveWait).
+	if took["y"] >= saveWait*7/8 {
+		t.Errorf("y took %v; want it well within SaveWait (%v): the two groups waited on each other", took["y"], saveWait)
 	}
 }
 
@@ -846,7 +847,7 @@ func TestTwoGroupsReadingFromEachOtherDoNotWaitOnEachOther(t *testing.T) {
 // are read whole; taking every read from the reader's group that is slow
 // to answer for a cycle recomputed y's run.
 func TestCrossedReadsThatDoNotWaitOnEachOtherBothLoad(t *testing.T) {
-	const saveWait = 8 * time.Second
+	const saveWait = 4 * time.Second
 	p := startPoolRanksDelayed(t, 0, 1<<30, saveWait, map[string]time.Duration{"g1": 100 * time.Millisecond}, "g0", "g1")
 	x, y, _ := crossedReads(t, p, true)
 	for _, r := range []*messages.RankResult{x, y} {
