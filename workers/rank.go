@@ -125,9 +125,6 @@ type rankReq struct {
 	ctx       context.Context
 	cancel    context.CancelCauseFunc
 	deadline  time.Time // zero: none; expireLoop cancels ctx past it
-	// skew is how far the scheduler's deadline, on this host's clock, lies
-	// after deadline (messages.LocalDeadline).
-	skew      time.Duration
 	loaded    int
 	remote    int // of loaded, tokens copied from other groups
 	loadFail  int

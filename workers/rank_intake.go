@@ -31,7 +31,7 @@ func (r *Rank) onMeta(_ context.Context, m *nats.Msg) error {
 		// Placed on a group of another model (a scheduler of a kvbus that
 		// did not tell models apart, or a hand-made ReqMeta): these weights
 		// would answer it as if they were its model's.
-		rr := newRankReq(meta)
+		rr, _ := newRankReq(meta)
 		rr.result = r.resultOf(meta)
 		rr.prefilled.Store(true) // never counted in the prefill queue
 		r.series.queue.Inc()     // report counts it out
@@ -98,8 +98,8 @@ func (r *Rank) onMeta(_ context.Context, m *nats.Msg) error {
 		r.mu.Unlock()
 		return nil
 	}
-	rr := newRankReq(meta)
-	r.saySkew(rr)
+	rr, skew := newRankReq(meta)
+	r.saySkew(rr, skew)
 	rr.result = r.resultOf(meta)
 	queued := false
 	// Set up before the load loop can see it.
@@ -185,10 +185,11 @@ func (r *Rank) donePrefill(rr *rankReq) {
 // request had left, counted from now (messages.LocalDeadline): read as a
 // time on this host's clock, a scheduler's deadline ended every request at
 // once on a host whose clock ran a minute ahead of the scheduler's, and
-// never ended one on a host whose clock ran behind.
-func newRankReq(meta *messages.ReqMeta) *rankReq {
+// never ended one on a host whose clock ran behind. skew is how far the
+// scheduler's deadline, on this host's clock, lies after that one.
+func newRankReq(meta *messages.ReqMeta) (rr *rankReq, skew time.Duration) {
 	ctx, cancel := context.WithCancelCause(context.Background())
-	rr := &rankReq{
+	rr = &rankReq{
 		meta:          meta,
 		resultSubject: meta.ResultSubject,
 		saved:         make(chan struct{}),
@@ -197,11 +198,11 @@ func newRankReq(meta *messages.ReqMeta) *rankReq {
 		storeDone:     make(chan struct{}),
 	}
 	now := time.Now()
-	rr.deadline, rr.skew = messages.LocalDeadline(meta.DeadlineUnixMs, meta.TimeoutMs, now)
+	rr.deadline, skew = messages.LocalDeadline(meta.DeadlineUnixMs, meta.TimeoutMs, now)
 	if !rr.deadline.IsZero() && !now.Before(rr.deadline) {
 		cancel(context.DeadlineExceeded)
 	}
-	return rr
+	return rr, skew
 }
 
 // skewWarning is how far a ReqMeta's deadline, read on this host's clock,
@@ -212,20 +213,20 @@ func newRankReq(meta *messages.ReqMeta) *rankReq {
 const skewWarning = 5 * time.Second
 
 // saySkew warns, at most once a minute, that rr's scheduler's clock and
-// this host's disagree: the request is unharmed (its deadline is its time
+// this host's disagree (by skew, from newRankReq): the request is unharmed (its deadline is its time
 // left), but an operator should fix the clocks (logs, kvbus top's TTFT and
 // the engine restart check compare them).
-func (r *Rank) saySkew(rr *rankReq) {
-	if rr.skew.Abs() < skewWarning {
+func (r *Rank) saySkew(rr *rankReq, skew time.Duration) {
+	if skew.Abs() < skewWarning {
 		return
 	}
-	ok, held, _ := r.skewSaid.Allow(rr.skew)
+	ok, held, _ := r.skewSaid.Allow(skew)
 	if !ok {
 		return
 	}
 	r.log.Warn("the scheduler's clock and this host's disagree: its deadline for the request, on this clock, is off from the time it said the request had left; "+
 		"the rank counts the time left (run NTP on every host)", "req_id", rr.meta.ReqID, "session_id", rr.meta.SessionID,
-		"scheduler_ahead_by", rr.skew.Round(time.Millisecond), "timeout_ms", rr.meta.TimeoutMs, "more_since_last_warning", held)
+		"scheduler_ahead_by", skew.Round(time.Millisecond), "timeout_ms", rr.meta.TimeoutMs, "more_since_last_warning", held)
 }
 
 // recency is where the store orders the blocks rr touches: its place in the
