@@ -33,7 +33,7 @@ func TestTheRanksOfAGroupEvictAlike(t *testing.T) {
 			// tiny at TP 4: 256 bytes a block per rank; a conversation's
 			// prompt is ~40 blocks at its first turn and ~80 at its sixth.
 			const capacityBlocks = 160
-			const convs = 12
+			const convs, turns = 12, 6
 			c := testenv.StartCluster(t, testenv.ClusterConfig{Groups: 1, KVCapacity: capacityBlocks * 256, Evict: evict})
 			client := &http.Client{Timeout: 30 * time.Second}
 			var wg sync.WaitGroup
@@ -41,7 +41,7 @@ func TestTheRanksOfAGroupEvictAlike(t *testing.T) {
 			for conv := range convs {
 				wg.Go(func() {
 					_, err := testenv.Conversation{BaseURL: c.URL, Client: client, Model: c.Model, Seed: 7100 + conv,
-						Headers: map[string]string{"X-Session-ID": fmt.Sprint("alike-", conv)}}.Run(t.Context(), 6)
+						Headers: map[string]string{"X-Session-ID": fmt.Sprint("alike-", conv)}}.Run(t.Context(), turns)
 					if err != nil {
 						errs <- err
 					}
@@ -57,21 +57,20 @@ func TestTheRanksOfAGroupEvictAlike(t *testing.T) {
 				t.Fatal(err)
 			}
 			defer nc.Close()
-			// Every rank's store, once the last results are in.
-			var held []map[uint64]bool
-			testenv.Eventually(t, 5*time.Second, "the ranks' stores at rest", func() bool {
-				held = held[:0]
-				for r := range 4 {
-					held = append(held, dumpOf(t, nc, "g0", r))
-				}
-				time.Sleep(100 * time.Millisecond)
-				for r := range 4 {
-					if len(dumpOf(t, nc, "g0", r)) != len(held[r]) {
-						return false
-					}
-				}
-				return true
+			// Every rank's store, once the last saves are made: the last
+			// answer reaches its client before the ranks' store threads
+			// save its prompt, and the scheduler logs a request done only
+			// once every rank's result, sent after its saves, is in. (Read
+			// while a full store held as many blocks 100 ms apart, a rank
+			// read before its last saves held none of the blocks the
+			// others did: 0 of 160.)
+			testenv.Eventually(t, 10*time.Second, "every rank's result of every turn", func() bool {
+				return len(c.Logs.Lines("request done")) == convs*turns
 			})
+			var held []map[uint64]bool
+			for r := range 4 {
+				held = append(held, dumpOf(t, nc, "g0", r))
+			}
 			all := 0
 			for h := range held[0] {
 				if held[1][h] && held[2][h] && held[3][h] {
