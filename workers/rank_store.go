@@ -91,6 +91,9 @@ func (r *Rank) storeBlocks(rr *rankReq) {
 		objs := make([]Object, 0, min(per, len(keys)))
 		blocks := make([]int, 0, cap(objs))
 		put := func() {
+			if len(objs) == 0 {
+				return
+			}
 			for i, err := range r.store.BatchPut(rr.ctx, objs) {
 				if err != nil {
 					rr.result.FailedBlocks++
@@ -103,6 +106,18 @@ func (r *Rank) storeBlocks(rr *rankReq) {
 			clear(objs) // the payloads are the store's now
 			objs, blocks = objs[:0], blocks[:0]
 		}
+		// A block held already is skipped, and used by this request as a
+		// put would: left at the recency of the request that saved it, the
+		// next save evicted it on a rank whose store thread came to this
+		// request first (a driver's takes requests as their prefills end)
+		// and kept it on the others, and the ranks held different blocks.
+		var held []string
+		touch := func() {
+			if len(held) > 0 {
+				r.store.BatchGet(rr.ctx, held, rr.recency())
+				held = held[:0]
+			}
+		}
 		// Last block first, and the prefix before them touched last, from
 		// its end to its start (getPrefix): the store evicts the least
 		// recently used, and a prefix is worth only what it holds from its
@@ -112,8 +127,11 @@ func (r *Rank) storeBlocks(rr *rankReq) {
 		for i := len(keys) - 1; i >= 0; i-- {
 			if exist[i] {
 				rr.result.SkippedBlocks++
+				put() // in this order
+				held = append(held, keys[i])
 				continue
 			}
+			touch()
 			value, charged := blockObject(r.cfg.Payload, hashes[i], r.cfg.TPRank, size)
 			objs = append(objs, Object{Key: keys[i], Hash: hashes[i], Value: value, Size: charged, Group: group, Recency: rr.recency()})
 			blocks = append(blocks, from+i)
@@ -122,6 +140,7 @@ func (r *Rank) storeBlocks(rr *rankReq) {
 			}
 		}
 		put()
+		touch()
 		slices.Sort(stored)
 		if from > 0 {
 			head := make([]string, from)

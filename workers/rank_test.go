@@ -107,6 +107,8 @@ type rankEnvConfig struct {
 	customEngine workers.Engine
 	// maxPayload is the NATS server's max_payload (0: kvbus nats's 8 MiB).
 	maxPayload int32
+	// capacity is every rank's CapacityBytes (0: testCapacity).
+	capacity int64
 }
 
 func startRanks(t *testing.T, cfg rankEnvConfig) *rankEnv {
@@ -148,7 +150,7 @@ func startRanks(t *testing.T, cfg rankEnvConfig) *rankEnv {
 		rank, err := workers.NewRank(workers.RankConfig{
 			Conn: testenv.Connect(t, srv), Subjects: e.subj, Group: testGroup,
 			TPRank: r, TPSize: worldSize, EPRank: r, EPSize: worldSize,
-			Model: testModel, Profile: profile, CapacityBytes: testCapacity, Engine: engine,
+			Model: testModel, Profile: profile, CapacityBytes: cmp.Or(cfg.capacity, testCapacity), Engine: engine,
 			BlockSize: blockSize, HeartbeatInterval: hbInterval, ShutdownTimeout: 5 * time.Second,
 			IdentityWait: -1, // fresh identities (TestSecondProcessOfARankRefused checks the wait)
 			Logger:       log, Metrics: metrics, HandlerMetrics: hm, StoreDelay: cfg.storeDelay[r], SaveWait: cfg.saveWait,
@@ -523,6 +525,70 @@ func TestRankLoadAndStore(t *testing.T) {
 			return // later steps depend on this one
 		}
 	}
+}
+
+// TestBlocksAStoreSkipsAreUsedByItsRequest: a store thread that finds a
+// prompt's blocks already held (the request did not load them: the
+// scheduler had not heard they were saved, or, on a driver, whose store
+// thread takes requests as their prefills end, a later request's save came
+// first) skips them, and they are as recently used as the request that
+// skipped them. Left at the recency of the request that saved them, the
+// next save evicted them on one rank and, where the ranks' threads came in
+// another order, kept them on the others: the ranks of a group no longer
+// held the same blocks (TestTheRanksOfAGroupEvictAlike: 134 of 160).
+func TestBlocksAStoreSkipsAreUsedByItsRequest(t *testing.T) {
+	const prompt = 4 * blockSize
+	env := startRanks(t, rankEnvConfig{capacity: 8 * testBlockBytes})
+	send := func(id string, tokens []uint32) {
+		t.Helper()
+		env.sendMeta(newMeta(id, "", tokens))
+		env.finalOutput(id)
+		testenv.Eventually(t, waitFor, id+"'s result from every rank", func() bool { return len(env.resultsByRank(id)) == worldSize })
+	}
+	p, x, q := testenv.PromptTokens(1, prompt), testenv.PromptTokens(2, prompt), testenv.PromptTokens(3, prompt)
+	send("r1", p)
+	send("r2", x)
+	send("r3", p) // p's blocks are held: skipped
+	if r := env.resultsByRank("r3")[1]; r.SkippedBlocks != 4 || r.StoredBlocks != 0 {
+		t.Fatalf("r3 on rank 1: %+v, want its 4 blocks skipped", r)
+	}
+	send("r4", q) // fills the store: 4 blocks go
+	hashes := func(tokens []uint32) []uint64 {
+		return scheduler.HashBlocks(nil, scheduler.HashSeed(testModel), tokens, blockSize)
+	}
+	for rank := range worldSize {
+		held := env.dump(rank)
+		for _, h := range hashes(p) {
+			if !held[h] {
+				t.Errorf("rank %d evicted a block of p, used by r3 after r2 saved x", rank)
+			}
+		}
+		for _, h := range hashes(x) {
+			if held[h] {
+				t.Errorf("rank %d kept a block of x, saved by r2, and evicted one of p, used by r3", rank)
+			}
+		}
+	}
+}
+
+// dump is the set of blocks rank holds, from its dump.
+func (e *rankEnv) dump(rank int) map[uint64]bool {
+	e.t.Helper()
+	msg, err := e.nc.Request(e.subj.Dump(testGroup, rank), nil, waitFor)
+	if err != nil {
+		e.t.Fatal(err)
+	}
+	b, err := messages.DecodeKVEventBatch(msg.Data)
+	if err != nil {
+		e.t.Fatal(err)
+	}
+	held := map[uint64]bool{}
+	for _, ev := range b.Events {
+		for _, h := range ev.BlockHashes {
+			held[h] = true
+		}
+	}
+	return held
 }
 
 func TestRankDuplicateReqMeta(t *testing.T) {
