@@ -224,7 +224,7 @@ func TestStats(t *testing.T) {
 	var out bytes.Buffer
 	s.Write(&out)
 	for _, want := range []string{"requests      5 (1 malformed)", "sessions      3", "min 10, mean 20.0, max 30",
-		"subject       kvbus.req.m: 3", "(3s)"} {
+		"subject       kvbus.req.m: 3", `model         "m": 4`, "(3s)"} {
 		if !strings.Contains(out.String(), want) {
 			t.Errorf("Write output lacks %q:\n%s", want, out.String())
 		}

@@ -170,18 +170,13 @@ func (r *Replayer) Run(ctx context.Context, items []Item) ([]Result, time.Durati
 	results := make([]Result, len(items))
 	// A session is a session of one model, as the schedulers count its
 	// turns: the same id sent with another model is another conversation.
-	type conversation struct{ model, session string }
 	depth := map[conversation]int{}
 	for i, it := range items {
 		results[i].SessionID = it.SessionID
 		results[i].PromptTokens = len(it.Prompt)
 		results[i].TurnDepth = 1
 		if it.SessionID != "" {
-			captured := ""
-			if it.Request != nil {
-				captured = it.Request.Model
-			}
-			conv := conversation{r.model(captured), it.SessionID}
+			conv := conversation{r.model(it.capturedModel()), it.SessionID}
 			depth[conv]++
 			results[i].TurnDepth = depth[conv]
 		}

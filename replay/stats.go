@@ -5,17 +5,23 @@ import (
 	"errors"
 	"fmt"
 	"io"
-	"sort"
+	"maps"
+	"slices"
 	"time"
 )
 
 // CaptureStats summarises a capture file.
 type CaptureStats struct {
-	Requests     int            `json:"requests"`
-	Span         time.Duration  `json:"span_ns"`
-	First, Last  time.Time      `json:"-"`
-	Subjects     map[string]int `json:"subjects"`
-	Sessions     int            `json:"sessions"`
+	Requests    int            `json:"requests"`
+	Span        time.Duration  `json:"span_ns"`
+	First, Last time.Time      `json:"-"`
+	Subjects    map[string]int `json:"subjects"`
+	// Models counts the requests by the model they ask for (two models
+	// may share a subject: a.x and a_x are both kvbus.req.a_x).
+	Models map[string]int `json:"models"`
+	// Sessions counts conversations: a session id sent with two models
+	// is two, as a replay and the schedulers count them.
+	Sessions     int `json:"sessions"`
 	PromptTokens struct {
 		Min, Max int
 		Mean     float64
@@ -34,8 +40,8 @@ func Stats(r io.Reader) (*CaptureStats, error) {
 	if err != nil {
 		return nil, err
 	}
-	s := &CaptureStats{Subjects: map[string]int{}}
-	sessions, ids := map[string]bool{}, map[string]bool{}
+	s := &CaptureStats{Subjects: map[string]int{}, Models: map[string]int{}}
+	sessions, ids := map[conversation]bool{}, map[string]bool{}
 	var prompt, maxTok int
 	for {
 		f, err := cr.Next()
@@ -66,9 +72,10 @@ func Stats(r io.Reader) (*CaptureStats, error) {
 			s.AskedAgain++
 			continue
 		}
+		s.Models[req.Model]++
 		// The session a replay gives the request (readCaptureTrace).
 		if sid := cmp.Or(req.SamplingParams.SessionFromExtraArgs(), req.SessionID); sid != "" {
-			sessions[sid] = true
+			sessions[conversation{req.Model, sid}] = true
 		}
 		n := len(req.PromptTokenIDs)
 		if s.Requests-s.Malformed-s.AskedAgain == 1 || n < s.PromptTokens.Min {
@@ -83,7 +90,7 @@ func Stats(r io.Reader) (*CaptureStats, error) {
 }
 
 // finish computes what Stats sums up as it reads.
-func (s *CaptureStats) finish(sessions map[string]bool, prompt, maxTok int) {
+func (s *CaptureStats) finish(sessions map[conversation]bool, prompt, maxTok int) {
 	s.Span = s.Last.Sub(s.First)
 	s.Sessions = len(sessions)
 	if ok := s.Requests - s.Malformed - s.AskedAgain; ok > 0 {
@@ -104,12 +111,10 @@ func (s *CaptureStats) Write(w io.Writer) {
 	fmt.Fprintf(w, "sessions      %d\n", s.Sessions)
 	fmt.Fprintf(w, "prompt tokens min %d, mean %.1f, max %d\n", s.PromptTokens.Min, s.PromptTokens.Mean, s.PromptTokens.Max)
 	fmt.Fprintf(w, "max_tokens    mean %.1f\n", s.MaxTokensMean)
-	subjects := make([]string, 0, len(s.Subjects))
-	for subj := range s.Subjects {
-		subjects = append(subjects, subj)
+	for _, m := range slices.Sorted(maps.Keys(s.Models)) {
+		fmt.Fprintf(w, "model         %q: %d\n", m, s.Models[m])
 	}
-	sort.Strings(subjects)
-	for _, subj := range subjects {
+	for _, subj := range slices.Sorted(maps.Keys(s.Subjects)) {
 		fmt.Fprintf(w, "subject       %s: %d\n", subj, s.Subjects[subj])
 	}
 }

@@ -74,15 +74,29 @@ type Trace struct {
 	Damage []string
 }
 
-// Sessions returns the number of distinct sessions.
+// Sessions returns the number of distinct conversations: a session id a
+// capture has with two models is two, as the schedulers and a replay's
+// turn depths count them.
 func (t *Trace) Sessions() int {
-	seen := map[string]bool{}
+	seen := map[conversation]bool{}
 	for _, it := range t.Items {
 		if it.SessionID != "" {
-			seen[it.SessionID] = true
+			seen[conversation{it.capturedModel(), it.SessionID}] = true
 		}
 	}
 	return len(seen)
+}
+
+// conversation is a session of one model.
+type conversation struct{ model, session string }
+
+// capturedModel is the model a captured request asked for ("" for a
+// trace's).
+func (it *Item) capturedModel() string {
+	if it.Request == nil {
+		return ""
+	}
+	return it.Request.Model
 }
 
 // ReadTraceFile reads a trace in format (FormatAuto detects it).

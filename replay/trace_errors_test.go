@@ -152,6 +152,8 @@ func TestReadJSONRefusesUnknownTurnDepths(t *testing.T) {
 func TestStatsAgreesWithReplay(t *testing.T) {
 	xargs := testRequest("r2", "", 20)
 	xargs.SamplingParams.ExtraArgs = messages.Args{messages.ExtraArgSessionID: "only-xargs"}
+	otherModel := testRequest("r5", "s1", 10)
+	otherModel.Model = "m2"
 	data := captureBytes(t,
 		Frame{Time: t0.Add(time.Second), Subject: "kvbus.req.m", Payload: marshal(t, testRequest("r1", "s1", 10))},
 		Frame{Time: t0.Add(3 * time.Second), Subject: "kvbus.req.m", Payload: marshal(t, xargs)},
@@ -159,6 +161,8 @@ func TestStatsAgreesWithReplay(t *testing.T) {
 		// An empty prompt: a replay leaves it out, and so do the stats
 		// (it counted as a request, with a session of its own).
 		Frame{Time: t0.Add(2 * time.Second), Subject: "kvbus.req.m", Payload: marshal(t, testRequest("r4", "only-empty", 0))},
+		// s1 of another model: another conversation (it counted as s1).
+		Frame{Time: t0.Add(2500 * time.Millisecond), Subject: "kvbus.req.m2", Payload: marshal(t, otherModel)},
 	)
 	s, err := Stats(bytes.NewReader(data))
 	if err != nil {
@@ -168,8 +172,11 @@ func TestStatsAgreesWithReplay(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if s.Sessions != tr.Sessions() || s.Sessions != 2 {
-		t.Errorf("stats count %d sessions, a replay %d; want 2", s.Sessions, tr.Sessions())
+	if s.Sessions != tr.Sessions() || s.Sessions != 3 {
+		t.Errorf("stats count %d sessions, a replay %d; want 3 (s1 of m and of m2, only-xargs)", s.Sessions, tr.Sessions())
+	}
+	if want := map[string]int{"m": 3, "m2": 1}; !equalMaps(s.Models, want) {
+		t.Errorf("requests by model %v, want %v (the empty prompt left out)", s.Models, want)
 	}
 	if s.Requests-s.Malformed != len(tr.Items) || s.PromptTokens.Min != 5 {
 		t.Errorf("stats: %d requests, %d malformed, shortest prompt %d; a replay sends %d requests, the shortest of 5 tokens",
