@@ -313,9 +313,9 @@ func TestRestartSparesWhatTheNewProcessRuns(t *testing.T) {
 	}
 	dispatch("old")
 	dispatch("new")
-	s.trackers.addResult(&messages.RankResult{ReqID: "old", Group: "g0", TPRank: 0, Received: true, StartedUnixMs: 1})
+	s.trackers.addResult(&messages.RankResult{ReqID: "old", Group: "g0", TPRank: 0, Received: true, StartedUnixMs: 1}, nil)
 	s.trackers.prefilled(&messages.RankResult{ReqID: "new", Group: "g0", TPRank: 0, Prefilled: true, StartedUnixMs: 2})
-	s.trackers.addResult(&messages.RankResult{ReqID: "new", Group: "g0", TPRank: 0, Prefilled: true, StartedUnixMs: 2})
+	s.trackers.addResult(&messages.RankResult{ReqID: "new", Group: "g0", TPRank: 0, Prefilled: true, StartedUnixMs: 2}, nil)
 	time.Sleep(2 * time.Millisecond)
 	now := time.Now()
 	s.groups.observe(&messages.Heartbeat{Group: "g0", TPRank: 0, WorldSize: 1, StartedUnixMs: 2}, now)

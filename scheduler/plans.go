@@ -95,14 +95,16 @@ func (s *Scheduler) onPlan(_ context.Context, m *nats.Msg) error {
 		// Another replica dispatched a request this one tracks: it adopted
 		// it while this one was silent (paused, cut off), and the ranks
 		// answer it now. Watching it on would end it as a timeout.
-		if t := s.trackers.handOver(p.ReqID); t != nil {
+		// One this replica ended since, from results that waited for it:
+		// the adopter counts it. Taken with the hand-over, under the
+		// tracker table's lock (see addResult).
+		t, held := s.trackers.handOver(p.ReqID, s.held.take)
+		if t != nil {
 			s.groups.addInflight(t.Group, -1, -t.queued)
 			s.log.Info("request handed over: another scheduler replica took it while this one was not heard", "req_id", t.ReqID,
 				"session_id", t.SessionID, "to", p.SchedulerID)
 		}
-		// One this replica ended since, from results that waited for it:
-		// the adopter counts it.
-		if t := s.held.take(p.ReqID); t != nil {
+		if t := held; t != nil {
 			s.m.requests.WithLabelValues("duplicate").Inc()
 			s.log.Info("request ended here and adopted by another scheduler replica while this one was not heard: counted there",
 				"req_id", t.ReqID, "session_id", t.SessionID, "by", p.SchedulerID)

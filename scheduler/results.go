@@ -26,7 +26,19 @@ func (s *Scheduler) onDone(_ context.Context, m *nats.Msg) error {
 			s.groups.observePrefill(group, work, r.PrefillUs)
 		}
 	}
-	t, known := s.trackers.addResult(r)
+	now := time.Now()
+	t, held, known := s.trackers.addResult(r, func(t *RequestTracker) bool {
+		if !s.maybeAdopted(t, now) {
+			return false
+		}
+		// Its results waited for this replica, which was not heard:
+		// counted once it is known whether another replica adopted it.
+		// Held as it ends, under the tracker table's lock: an adopter's
+		// save plan handled meanwhile (onPlan) found it neither tracked
+		// nor held, and it was counted here as well as by the adopter.
+		s.held.hold(t, now)
+		return true
+	})
 	if !known {
 		s.log.Debug("result for an unknown request or attempt", "req_id", r.ReqID, "group", r.Group, "tp_rank", r.TPRank)
 		return nil
@@ -35,11 +47,7 @@ func (s *Scheduler) onDone(_ context.Context, m *nats.Msg) error {
 		return nil
 	}
 	s.groups.addInflight(t.Group, -1, -t.queued)
-	now := time.Now()
-	if s.maybeAdopted(t, now) {
-		// Its results waited for this replica, which was not heard:
-		// counted once it is known whether another replica adopted it.
-		s.held.hold(t, now)
+	if held {
 		return nil
 	}
 	s.countDone(t, now)

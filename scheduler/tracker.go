@@ -111,15 +111,21 @@ func (tt *trackerTable) takeEnded() []string {
 // handOver removes the tracker of a request another replica now watches
 // (it adopted or took it over while this one was cut off or paused) and
 // returns it, nil if there was none; the id is remembered as ended here.
-func (tt *trackerTable) handOver(id string) *RequestTracker {
+// It also returns what take (the held counts' take, see addResult) gives
+// for the id, under the same lock as addResult's end and hold: a request
+// ended here is held by then, one not ended is still tracked.
+func (tt *trackerTable) handOver(id string, take func(string) *RequestTracker) (t, held *RequestTracker) {
 	tt.mu.Lock()
 	defer tt.mu.Unlock()
-	t := tt.m[id]
+	t = tt.m[id]
 	if t != nil {
 		delete(tt.m, id)
 		tt.ended.Put(id, outcomeCompleted, time.Now())
 	}
-	return t
+	if take != nil {
+		held = take(id)
+	}
+	return t, held
 }
 
 // add inserts t unless a tracker with its id exists or the request ended
@@ -194,26 +200,31 @@ func (tt *trackerTable) abortedInLog(id string) (requestOutcome, bool) {
 
 // addResult records a rank's result; when every rank of the current attempt
 // has reported, it removes and returns the tracker.
-func (tt *trackerTable) addResult(r *messages.RankResult) (done *RequestTracker, known bool) {
+//
+// hold, if not nil, is called with a request that r ends, under the lock
+// handOver takes: it returns whether it held the request's count back
+// (held reports it), so that a save plan handled beside r finds the
+// request either tracked or held, never neither.
+func (tt *trackerTable) addResult(r *messages.RankResult, hold func(*RequestTracker) bool) (done *RequestTracker, held, known bool) {
 	tt.mu.Lock()
 	defer tt.mu.Unlock()
 	t := tt.m[r.ReqID]
 	if t == nil || r.Attempt != t.Attempt || r.Group != t.Group || r.TPRank < 0 || r.TPRank >= t.WorldSize {
-		return nil, false
+		return nil, false, false
 	}
 	if t.Heard == nil {
 		t.Heard = map[int]int64{}
 	}
 	t.Heard[r.TPRank] = r.StartedUnixMs
 	if r.Prefilled || r.Received {
-		return nil, true // see prefilled
+		return nil, false, true // see prefilled
 	}
 	t.Results[r.TPRank] = r
 	if len(t.Results) < t.WorldSize {
-		return nil, true
+		return nil, false, true
 	}
 	tt.endLocked(r.ReqID)
-	return t, true
+	return t, hold != nil && hold(t), true
 }
 
 // prefilled records the driver's prefill report and returns the request's

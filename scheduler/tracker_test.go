@@ -59,7 +59,7 @@ func TestTrackerTableAddResult(t *testing.T) {
 	tr := newTracker("r", "g0", 3, 1, time.Now().Add(time.Minute))
 	tt.add(tr)
 	for _, c := range tests {
-		done, known := tt.addResult(c.r)
+		done, _, known := tt.addResult(c.r, nil)
 		if known != c.wantKnown || (done != nil) != c.wantDone || tt.Len() != c.wantLen {
 			t.Fatalf("%s: addResult = %v, %v with %d trackers left; want done=%v known=%v, %d left",
 				c.name, done, known, tt.Len(), c.wantDone, c.wantKnown, c.wantLen)
@@ -107,7 +107,7 @@ func TestTrackerTableIgnoresRanksOutsideWorldSize(t *testing.T) {
 	tt := testTrackerTable(t)
 	tt.add(newTracker("r", "g0", 2, 0, time.Now().Add(time.Minute)))
 	for _, rank := range []int{1, 5, -1} {
-		if done, _ := tt.addResult(&messages.RankResult{ReqID: "r", Group: "g0", TPRank: rank}); done != nil {
+		if done, _, _ := tt.addResult(&messages.RankResult{ReqID: "r", Group: "g0", TPRank: rank}, nil); done != nil {
 			t.Fatalf("results from ranks 1 and %d completed a request of world size 2 without its driver", rank)
 		}
 	}
