@@ -757,7 +757,15 @@ func TestSchedulerAbort(t *testing.T) {
 		t.Fatal(err)
 	}
 	e.waitNoTrackers()
-	if got := e.counter("kvbus_scheduler_requests_total", map[string]string{"outcome": "aborted"}); got != 1 {
+	// The abort is counted once its tracker has ended (onAbort): no
+	// tracker left does not say it is counted yet.
+	aborted := func() float64 {
+		return e.counter("kvbus_scheduler_requests_total", map[string]string{"outcome": "aborted"})
+	}
+	for deadline := time.Now().Add(waitFor); aborted() == 0 && time.Now().Before(deadline); {
+		time.Sleep(10 * time.Millisecond)
+	}
+	if got := aborted(); got != 1 {
 		t.Errorf("aborted = %v", got)
 	}
 }
