@@ -762,9 +762,7 @@ func TestSchedulerAbort(t *testing.T) {
 	aborted := func() float64 {
 		return e.counter("kvbus_scheduler_requests_total", map[string]string{"outcome": "aborted"})
 	}
-	for deadline := time.Now().Add(waitFor); aborted() == 0 && time.Now().Before(deadline); {
-		time.Sleep(10 * time.Millisecond)
-	}
+	testenv.Eventually(t, waitFor, "the abort counted", func() bool { return aborted() > 0 })
 	if got := aborted(); got != 1 {
 		t.Errorf("aborted = %v", got)
 	}

@@ -261,9 +261,7 @@ func TestConcurrentSessionsAllComplete(t *testing.T) {
 	// has ended (countDone, after addResult): no tracker left does not say
 	// the last line is in.
 	completed := func() int { return len(c.Logs.Lines(`msg="request done"`, "outcome=completed")) }
-	for deadline := time.Now().Add(5 * time.Second); completed() < n && time.Now().Before(deadline); {
-		time.Sleep(10 * time.Millisecond)
-	}
+	testenv.Eventually(t, 5*time.Second, fmt.Sprintf("%d requests done", n), func() bool { return completed() >= n })
 	if got := completed(); got != n {
 		t.Errorf("%d requests completed in the scheduler, want %d", got, n)
 	}
