@@ -3,6 +3,7 @@ package main
 import (
 	"bufio"
 	"encoding/json"
+	"fmt"
 	"io"
 	"net/http"
 	"os"
@@ -220,13 +221,22 @@ func TestAnswerLostOnTheWayToAReconnectingFrontendIsSentAgain(t *testing.T) {
 			`{"model":"kvbus-sim","max_tokens":30,"ignore_eos":true,"messages":[{"role":"user","content":"what does a restart lose?"}]}`, nil)
 		done <- answer{status, b, time.Now()}
 	}()
-	time.Sleep(150 * time.Millisecond) // in the log, being decoded
+	// Being decoded: the driver's first output reached the frontend (its
+	// TTFT observed), so the request went through the frontend's connection
+	// before it is silenced; the rest of the answer, 0.3 s of it, is lost.
+	testenv.Eventually(t, 10*time.Second, "the frontend's first output of the answer", func() bool {
+		return scrapeSum(base+"/metrics", "kvbus_frontend_ttft_seconds_count") >= 1
+	})
 	proxy.Silence()
 	testenv.Eventually(t, 10*time.Second, "the driver's answer", func() bool {
 		b, _ := os.ReadFile(worker.log)
 		return strings.Contains(string(b), `"msg":"store thread"`)
 	})
-	time.Sleep(time.Second) // past the driver's next delivery check and deliveryMargin
+	// Past the driver's next delivery check and deliveryMargin, after which
+	// a driver before the fix forgot the answer: time to pass, not an event
+	// to wait for (the driver logs neither); what it follows, the answer's
+	// end, is awaited above. Longer under load only makes that surer.
+	time.Sleep(time.Second)
 	proxy.Cut()
 	cutAt := time.Now()
 	a := <-done
@@ -242,4 +252,29 @@ func TestAnswerLostOnTheWayToAReconnectingFrontendIsSentAgain(t *testing.T) {
 		t.Error("the driver did not send the answer again when asked")
 	}
 	t.Logf("answered %s after the frontend's connection broke", a.at.Sub(cutAt).Round(time.Millisecond))
+}
+
+// scrapeSum is the sum of the samples of the metric name (every label set)
+// on the Prometheus text page at url; 0 when the page cannot be read.
+func scrapeSum(url, name string) float64 {
+	resp, err := http.Get(url)
+	if err != nil {
+		return 0
+	}
+	defer resp.Body.Close()
+	var sum float64
+	sc := bufio.NewScanner(resp.Body)
+	sc.Buffer(nil, 1<<20)
+	for sc.Scan() {
+		line := sc.Text()
+		rest, ok := strings.CutPrefix(line, name)
+		if !ok || (!strings.HasPrefix(rest, " ") && !strings.HasPrefix(rest, "{")) {
+			continue
+		}
+		var v float64
+		if _, err := fmt.Sscan(line[strings.LastIndexByte(line, ' ')+1:], &v); err == nil {
+			sum += v
+		}
+	}
+	return sum
 }
