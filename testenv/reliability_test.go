@@ -587,7 +587,28 @@ func loneSchedulerCrash(t *testing.T, restartDriver bool) {
 			t.Fatalf("warm-up: %d %s", status, raw)
 		}
 	}
-	time.Sleep(500 * time.Millisecond) // ended ids go out every 250 ms
+	// The scheduler publishes the ids of the requests it ended every 250 ms
+	// into the plan stream: the warm-up's must be there before the crash,
+	// or the new replica adopts them too.
+	var warmUp []string
+	testenv.Eventually(t, 10*time.Second, "the warm-up's 4 requests done in the scheduler", func() bool {
+		warmUp = warmUp[:0]
+		for _, l := range c.Logs.Lines("request done") {
+			if _, rest, ok := strings.Cut(l, "req_id="); ok {
+				warmUp = append(warmUp, strings.Fields(rest)[0])
+			}
+		}
+		return len(warmUp) == 4
+	})
+	testenv.Eventually(t, 10*time.Second, "the warm-up's ids ended in the plan stream", func() bool {
+		ended := endedInPlanStream(t, c)
+		for _, id := range warmUp {
+			if !ended[id] {
+				return false
+			}
+		}
+		return true
+	})
 	body := fmt.Sprintf(`{"model":%q,"messages":[{"role":"user","content":"a long answer"}],"max_tokens":500,"ignore_eos":true}`, c.Model)
 	const n = 12
 	results, killed := sendAll(t, c, body, n)
@@ -646,6 +667,39 @@ func loneSchedulerCrash(t *testing.T, restartDriver bool) {
 		t.Errorf("no line says the %d requests of the crashed replica were adopted (and only they, not the warm-up's): %q", n,
 			c.Logs.Lines("adopted the requests of a scheduler replica"))
 	}
+}
+
+// endedInPlanStream is the set of request ids the plan stream's save plans
+// list as ended; empty while the stream cannot be read.
+func endedInPlanStream(t *testing.T, c *testenv.Cluster) map[string]bool {
+	t.Helper()
+	ended := map[string]bool{}
+	nc := testenv.Connect(t, c.NATS)
+	defer nc.Close()
+	js, err := jetstream.New(nc)
+	if err != nil {
+		return ended
+	}
+	st, err := js.Stream(t.Context(), messages.Subjects{}.PlanStream())
+	if err != nil {
+		return ended
+	}
+	info, err := st.Info(t.Context())
+	if err != nil {
+		return ended
+	}
+	for seq := info.State.FirstSeq; seq > 0 && seq <= info.State.LastSeq; seq++ {
+		m, err := st.GetMsg(t.Context(), seq)
+		if err != nil {
+			continue // deleted
+		}
+		if p, err := messages.DecodeSavePlan(m.Data); err == nil {
+			for _, id := range p.Ended {
+				ended[id] = true
+			}
+		}
+	}
+	return ended
 }
 
 // TestDeadlineDuringGenerationIsATimeout: a request whose deadline passes
