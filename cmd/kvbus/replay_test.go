@@ -234,10 +234,13 @@ func TestReplayInterruptedSaysWhatTheReportHolds(t *testing.T) {
 	ctx, cancel := context.WithCancel(t.Context())
 	defer cancel()
 	go func() {
-		for ctx.Err() == nil && len(logs.Lines("replaying")) < 1 {
+		// The first three are sent and answered: the scheduler logged them
+		// done (the replay's ids are rp-*). Interrupted then, or after 30 s
+		// at most (the error below then says what was sent).
+		deadline := time.Now().Add(30 * time.Second)
+		for ctx.Err() == nil && time.Now().Before(deadline) && len(cl.Logs.Lines("request done", "req_id=rp-")) < 3 {
 			time.Sleep(time.Millisecond)
 		}
-		time.Sleep(500 * time.Millisecond) // the first three are answered
 		cancel()
 	}()
 	err := c.Replay.Run(ctx)
