@@ -3,8 +3,10 @@ package testenv_test
 import (
 	"context"
 	"fmt"
-	"net"
+	"math/rand/v2"
 	"net/http"
+	"os"
+	"strconv"
 	"strings"
 	"testing"
 	"time"
@@ -18,18 +20,6 @@ import (
 	"github.com/kvbus/kvbus/workers/vllmevents"
 )
 
-// restartPort returns a loopback port that was free a moment ago: an engine is
-// started at it again, at the same address, after a stop.
-func restartPort(t *testing.T) int {
-	t.Helper()
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer ln.Close()
-	return ln.Addr().(*net.TCPAddr).Port
-}
-
 // restartableEngine is a fake vLLM at a fixed HTTP address and KV event
 // endpoint, which restart starts again as a new process would: a new
 // process_start_time_seconds, an empty cache, a KV event sequence from 0.
@@ -40,15 +30,43 @@ type restartableEngine struct {
 
 func newRestartableEngine(t *testing.T) *restartableEngine {
 	t.Helper()
-	e := &restartableEngine{cfg: fakeengine.Config{ModelName: "kvbus-sim", Addr: fmt.Sprintf("127.0.0.1:%d", restartPort(t)),
-		KVEvents: &fakeengine.KVEventsConfig{Endpoint: fmt.Sprintf("tcp://127.0.0.1:%d", restartPort(t))}}}
-	e.start(t)
-	t.Cleanup(func() { _ = e.Close() })
-	return e
+	// Its ports are drawn below the kernel's ephemeral range, where the
+	// kernel hands none out to another process's bind(:0) or connect():
+	// free while the engine is stopped, only a process binding that very
+	// number can take one before the restart binds it again. The first
+	// start binds them itself, drawing others if one is in use (a port
+	// picked free, closed and bound later could be taken in between).
+	e := &restartableEngine{}
+	var err error
+	for range 100 {
+		lo := ephemeralLow()
+		e.cfg = fakeengine.Config{ModelName: "kvbus-sim", Addr: fmt.Sprintf("127.0.0.1:%d", 20000+rand.IntN(lo-20000)),
+			KVEvents: &fakeengine.KVEventsConfig{Endpoint: fmt.Sprintf("tcp://127.0.0.1:%d", 20000+rand.IntN(lo-20000))}}
+		if e.Engine, err = fakeengine.New(e.cfg); err == nil {
+			t.Cleanup(func() { _ = e.Close() })
+			return e
+		}
+	}
+	t.Fatalf("start the engine: %v", err)
+	return nil
 }
 
-// start starts the engine's process; its address may linger a moment
-// after the process before closed.
+// ephemeralLow is the lowest port of the kernel's ephemeral range (Linux's
+// default, 32768, where it cannot be read); at least 21000.
+func ephemeralLow() int {
+	lo := 32768
+	if b, err := os.ReadFile("/proc/sys/net/ipv4/ip_local_port_range"); err == nil {
+		if f := strings.Fields(string(b)); len(f) > 0 {
+			if n, err := strconv.Atoi(f[0]); err == nil {
+				lo = n
+			}
+		}
+	}
+	return max(lo, 21000)
+}
+
+// start starts the engine's process again after a stop; its address may
+// linger a moment after the process before closed.
 func (e *restartableEngine) start(t *testing.T) {
 	t.Helper()
 	var err error
@@ -70,7 +88,7 @@ func restartCluster(t *testing.T) (*testenv.Cluster, *restartableEngine) {
 	e := newRestartableEngine(t)
 	// The frontend tokenizes with another fake (the same tokenizer), so a
 	// turn sent while the engine is down reaches the scheduler.
-	tokenizer, err := fakeengine.New(fakeengine.Config{ModelName: "kvbus-sim", Addr: fmt.Sprintf("127.0.0.1:%d", restartPort(t))})
+	tokenizer, err := fakeengine.New(fakeengine.Config{ModelName: "kvbus-sim"}) // never restarted: an ephemeral port
 	if err != nil {
 		t.Fatal(err)
 	}
