@@ -5,8 +5,6 @@ import (
 	"fmt"
 	"math/rand/v2"
 	"net/http"
-	"os"
-	"strconv"
 	"strings"
 	"testing"
 	"time"
@@ -39,7 +37,7 @@ func newRestartableEngine(t *testing.T) *restartableEngine {
 	e := &restartableEngine{}
 	var err error
 	for range 100 {
-		lo := ephemeralLow()
+		lo := testenv.EphemeralPortLow()
 		e.cfg = fakeengine.Config{ModelName: "kvbus-sim", Addr: fmt.Sprintf("127.0.0.1:%d", 20000+rand.IntN(lo-20000)),
 			KVEvents: &fakeengine.KVEventsConfig{Endpoint: fmt.Sprintf("tcp://127.0.0.1:%d", 20000+rand.IntN(lo-20000))}}
 		if e.Engine, err = fakeengine.New(e.cfg); err == nil {
@@ -49,20 +47,6 @@ func newRestartableEngine(t *testing.T) *restartableEngine {
 	}
 	t.Fatalf("start the engine: %v", err)
 	return nil
-}
-
-// ephemeralLow is the lowest port of the kernel's ephemeral range (Linux's
-// default, 32768, where it cannot be read); at least 21000.
-func ephemeralLow() int {
-	lo := 32768
-	if b, err := os.ReadFile("/proc/sys/net/ipv4/ip_local_port_range"); err == nil {
-		if f := strings.Fields(string(b)); len(f) > 0 {
-			if n, err := strconv.Atoi(f[0]); err == nil {
-				lo = n
-			}
-		}
-	}
-	return max(lo, 21000)
 }
 
 // start starts the engine's process again after a stop; its address may

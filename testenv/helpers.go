@@ -4,6 +4,8 @@ import (
 	"io"
 	"net/http"
 	"net/http/httptest"
+	"os"
+	"strconv"
 	"strings"
 	"testing"
 	"time"
@@ -115,4 +117,20 @@ func ServeEngine(t testing.TB, h http.HandlerFunc) string {
 	srv := httptest.NewServer(mux)
 	t.Cleanup(srv.Close)
 	return srv.URL
+}
+
+// EphemeralPortLow is the lowest port of the kernel's ephemeral range
+// (Linux's default, 32768, where it cannot be read); at least 21000. A
+// port a test picks below it for a process to bind later is one the kernel
+// never hands to another process's bind(:0) or connect() meanwhile.
+func EphemeralPortLow() int {
+	lo := 32768
+	if b, err := os.ReadFile("/proc/sys/net/ipv4/ip_local_port_range"); err == nil {
+		if f := strings.Fields(string(b)); len(f) > 0 {
+			if n, err := strconv.Atoi(f[0]); err == nil {
+				lo = n
+			}
+		}
+	}
+	return max(lo, 21000)
 }

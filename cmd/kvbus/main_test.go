@@ -79,7 +79,7 @@ func freeAddr(t *testing.T) string {
 	t.Helper()
 	freePorts.Lock()
 	defer freePorts.Unlock()
-	if lo := ephemeralLow(); lo > minFreePort+1000 {
+	if lo := testenv.EphemeralPortLow(); lo > minFreePort+1000 {
 		for range 1000 {
 			port := minFreePort + rand.IntN(lo-minFreePort)
 			if freePorts.given[port] {
@@ -112,24 +112,6 @@ var freePorts = struct {
 	sync.Mutex
 	given map[int]bool
 }{given: map[int]bool{}}
-
-// ephemeralLow is the lowest port of the kernel's ephemeral range (Linux's
-// default, 32768, where it cannot be read).
-func ephemeralLow() int {
-	b, err := os.ReadFile("/proc/sys/net/ipv4/ip_local_port_range")
-	if err != nil {
-		return 32768
-	}
-	f := strings.Fields(string(b))
-	if len(f) == 0 {
-		return 32768
-	}
-	lo, err := strconv.Atoi(f[0])
-	if err != nil {
-		return 32768
-	}
-	return lo
-}
 
 // TestServe runs `kvbus serve` in-process as `make run` does (with the
 // instant engine) and checks the README's curl example, sent the moment
