@@ -515,7 +515,10 @@ func TestCrashedSchedulerRequestsAreAdopted(t *testing.T) {
 	testenv.Eventually(t, 10*time.Second, "the warm-up's trackers ended", func() bool {
 		return c.Schedulers[0].Trackers()+c.Schedulers[1].Trackers() == 0
 	})
-	time.Sleep(500 * time.Millisecond) // replicas tell each other what ended every 250 ms
+	// Replicas tell each other what ended every 250 ms, in their save
+	// plans: the warm-up's must be told before the crash, or the survivor
+	// adopts them too.
+	awaitEndedInPlanStream(t, c, 8)
 	body := fmt.Sprintf(`{"model":%q,"messages":[{"role":"user","content":"a long answer"}],"max_tokens":500,"ignore_eos":true}`, c.Model)
 	const n = 12
 	results, killed := sendAll(t, c, body, n)
@@ -590,25 +593,7 @@ func loneSchedulerCrash(t *testing.T, restartDriver bool) {
 	// The scheduler publishes the ids of the requests it ended every 250 ms
 	// into the plan stream: the warm-up's must be there before the crash,
 	// or the new replica adopts them too.
-	var warmUp []string
-	testenv.Eventually(t, 10*time.Second, "the warm-up's 4 requests done in the scheduler", func() bool {
-		warmUp = warmUp[:0]
-		for _, l := range c.Logs.Lines("request done") {
-			if _, rest, ok := strings.Cut(l, "req_id="); ok {
-				warmUp = append(warmUp, strings.Fields(rest)[0])
-			}
-		}
-		return len(warmUp) == 4
-	})
-	testenv.Eventually(t, 10*time.Second, "the warm-up's ids ended in the plan stream", func() bool {
-		ended := endedInPlanStream(t, c)
-		for _, id := range warmUp {
-			if !ended[id] {
-				return false
-			}
-		}
-		return true
-	})
+	awaitEndedInPlanStream(t, c, 4)
 	body := fmt.Sprintf(`{"model":%q,"messages":[{"role":"user","content":"a long answer"}],"max_tokens":500,"ignore_eos":true}`, c.Model)
 	const n = 12
 	results, killed := sendAll(t, c, body, n)
@@ -667,6 +652,32 @@ func loneSchedulerCrash(t *testing.T, restartDriver bool) {
 		t.Errorf("no line says the %d requests of the crashed replica were adopted (and only they, not the warm-up's): %q", n,
 			c.Logs.Lines("adopted the requests of a scheduler replica"))
 	}
+}
+
+// awaitEndedInPlanStream waits until the first n requests the schedulers
+// logged done (all there are by then) are listed as ended in the plan
+// stream's save plans, which every replica hears as they are published.
+func awaitEndedInPlanStream(t *testing.T, c *testenv.Cluster, n int) {
+	t.Helper()
+	var done []string
+	testenv.Eventually(t, 10*time.Second, fmt.Sprintf("%d requests done in the schedulers", n), func() bool {
+		done = done[:0]
+		for _, l := range c.Logs.Lines("request done") {
+			if _, rest, ok := strings.Cut(l, "req_id="); ok {
+				done = append(done, strings.Fields(rest)[0])
+			}
+		}
+		return len(done) == n
+	})
+	testenv.Eventually(t, 10*time.Second, "their ids ended in the plan stream", func() bool {
+		ended := endedInPlanStream(t, c)
+		for _, id := range done {
+			if !ended[id] {
+				return false
+			}
+		}
+		return true
+	})
 }
 
 // endedInPlanStream is the set of request ids the plan stream's save plans
