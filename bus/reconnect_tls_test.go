@@ -11,6 +11,7 @@ import (
 	"github.com/nats-io/nats.go/jetstream"
 
 	"github.com/kvbus/kvbus/bus"
+	"github.com/kvbus/kvbus/testenv"
 )
 
 // TestReconnectRefusedByTLSIsSaid: a role connected over TLS whose NATS
@@ -44,7 +45,7 @@ func TestReconnectRefusedByTLSIsSaid(t *testing.T) {
 			log, logs := captureLogger(slog.LevelInfo)
 			// A second server that is down: its attempts clear the first
 			// one's error at once.
-			down := freeAddrs(t, 1)[0]
+			down := testenv.FreeAddrs(t, 1)[0]
 			nc, err := bus.Connect(t.Context(), bus.Config{URL: "tls://" + addr + ",tls://" + down, Name: "kvbus-worker", TLSCA: caPath, TLSCert: cliCert, TLSKey: cliKey, Logger: log})
 			if err != nil {
 				srv.Shutdown()

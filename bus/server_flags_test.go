@@ -12,6 +12,7 @@ import (
 	"github.com/nats-io/nats.go"
 
 	"github.com/kvbus/kvbus/bus"
+	"github.com/kvbus/kvbus/testenv"
 )
 
 // TestServerBadTLSFiles: each bad or missing TLS file of kvbus nats fails
@@ -114,7 +115,7 @@ func TestRouteCertMustVerifyAgainstTheCA(t *testing.T) {
 	ca, caKey, caPath, _ := writeCert(t, dir, "ca", true, nil, nil)
 	_, _, cert, key := writeCert(t, dir, "n1", false, ca, caKey)
 	_, _, clientCAPath, _ := writeCert(t, dir, "client-ca", true, nil, nil)
-	cl := freeAddrs(t, 2)
+	cl := testenv.FreeAddrs(t, 2)
 	routes := []string{"nats://" + cl[1]}
 	for _, tc := range []struct {
 		name, ca string
@@ -159,7 +160,7 @@ func TestRouteCertMustVerifyAgainstTheCA(t *testing.T) {
 // the log said only "Remote server has a duplicate name", and a rotated
 // password only "authentication error".
 func TestServerLogSaysWhyRoutesFail(t *testing.T) {
-	cl := freeAddrs(t, 3)
+	cl := testenv.FreeAddrs(t, 3)
 	log1, logs1 := captureLogger(slog.LevelInfo)
 	n1 := startCfg(t, bus.ServerConfig{Cluster: cl[0], ClusterName: "kvbus", ClusterPassword: "route-secret-5", Logger: log1,
 		Routes: []string{"nats://" + cl[1]}})
@@ -202,7 +203,7 @@ func TestRoutesWithAClusterCA(t *testing.T) {
 	other, otherKey, _, _ := writeCert(t, dir, "other-ca", true, nil, nil)
 	_, _, cert3, key3 := writeCert(t, dir, "n3", false, other, otherKey)
 	const pw = "route-secret-7"
-	cl := freeAddrs(t, 3)
+	cl := testenv.FreeAddrs(t, 3)
 	n1 := startCfg(t, bus.ServerConfig{ServerName: "n1", Cluster: cl[0], ClusterName: "kvbus", ClusterPassword: pw,
 		TLSCert: cert1, TLSKey: key1, ClusterTLSCA: caPath, Routes: []string{"nats://" + cl[1]}})
 	n2 := startCfg(t, bus.ServerConfig{ServerName: "n2", Cluster: cl[1], ClusterName: "kvbus", ClusterPassword: pw,
@@ -247,7 +248,7 @@ func TestRoutesWithAClusterCA(t *testing.T) {
 // Before, the password was read at start only and a rotation meant
 // restarting every server.
 func TestClusterPasswordRotatedOnReload(t *testing.T) {
-	cl := freeAddrs(t, 2)
+	cl := testenv.FreeAddrs(t, 2)
 	pwFile := filepath.Join(t.TempDir(), "cluster-password")
 	if err := os.WriteFile(pwFile, []byte("route-secret-old\n"), 0o600); err != nil {
 		t.Fatal(err)

@@ -3,7 +3,6 @@ package bus_test
 import (
 	"bytes"
 	"log/slog"
-	"net"
 	"os"
 	"path/filepath"
 	"strings"
@@ -14,6 +13,7 @@ import (
 	"github.com/nats-io/nats.go"
 
 	"github.com/kvbus/kvbus/bus"
+	"github.com/kvbus/kvbus/testenv"
 )
 
 // syncBuffer is a bytes.Buffer safe for a logger and a test to share.
@@ -73,26 +73,6 @@ func startCfg(t *testing.T, cfg bus.ServerConfig) *bus.Server {
 
 func routeURL(srv *bus.Server) string { return "nats://" + srv.ClusterAddr().String() }
 
-// freeAddrs returns n free loopback addresses: a clustered JetStream needs
-// its routes at start, so the first server routes to the others' ports.
-func freeAddrs(t *testing.T, n int) []string {
-	t.Helper()
-	var out []string
-	var ls []net.Listener
-	for range n {
-		l, err := net.Listen("tcp", "127.0.0.1:0")
-		if err != nil {
-			t.Fatal(err)
-		}
-		ls = append(ls, l)
-		out = append(out, l.Addr().String())
-	}
-	for _, l := range ls {
-		_ = l.Close()
-	}
-	return out
-}
-
 func waitFor(t *testing.T, d time.Duration, what string, ok func() bool) {
 	t.Helper()
 	deadline := time.Now().Add(d)
@@ -132,7 +112,7 @@ func TestRoutesRequireClusterAuth(t *testing.T) {
 		t.Fatalf("--token with --cluster-addr and no route authentication: %v, want a refusal", err)
 	}
 	log1, logs1 := captureLogger(slog.LevelInfo)
-	cl := freeAddrs(t, 3)
+	cl := testenv.FreeAddrs(t, 3)
 	n1 := startCfg(t, bus.ServerConfig{ServerName: "n1", AuthConfig: conf, Cluster: cl[0], ClusterName: "kvbus", ClusterPassword: pw, Logger: log1,
 		Routes: []string{"nats://" + cl[1]}})
 	n2 := startCfg(t, bus.ServerConfig{ServerName: "n2", AuthConfig: conf, Cluster: cl[1], ClusterName: "kvbus", ClusterPassword: pw,
@@ -203,7 +183,7 @@ func TestRoutesUseTLS(t *testing.T) {
 	otherCA, otherKey, otherCAPath, _ := writeCert(t, dir, "other-ca", true, nil, nil)
 	_, _, cert3, key3 := writeCert(t, dir, "n3", false, otherCA, otherKey)
 	const pw = "route-secret-2"
-	cl := freeAddrs(t, 4)
+	cl := testenv.FreeAddrs(t, 4)
 	n1 := startCfg(t, bus.ServerConfig{ServerName: "n1", Cluster: cl[0], ClusterName: "kvbus", ClusterPassword: pw,
 		TLSCert: cert1, TLSKey: key1, TLSCA: caPath, Routes: []string{"nats://" + cl[1]}})
 	if v, err := n1.Varz(nil); err != nil || !v.Cluster.TLSRequired || !v.Cluster.TLSVerify {

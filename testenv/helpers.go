@@ -2,6 +2,8 @@ package testenv
 
 import (
 	"io"
+	"math/rand/v2"
+	"net"
 	"net/http"
 	"net/http/httptest"
 	"os"
@@ -133,4 +135,39 @@ func EphemeralPortLow() int {
 		}
 	}
 	return max(lo, 21000)
+}
+
+// FreeAddrs returns n distinct loopback addresses free a moment ago, for a
+// process or server that takes no open listener to bind later. Their
+// ports are drawn at random between 20000 and EphemeralPortLow, where the
+// kernel never picks one for another process's bind(:0) or connect(): only
+// a process binding that very number can take one before the caller does
+// (the kernel's own pick, 127.0.0.1:0, was free for any process to be
+// given again). Where the range leaves no room below it, the kernel picks.
+func FreeAddrs(t testing.TB, n int) []string {
+	t.Helper()
+	var out []string
+	var held []net.Listener
+	defer func() {
+		for _, l := range held {
+			_ = l.Close()
+		}
+	}()
+	lo := EphemeralPortLow()
+	for tries := 0; len(out) < n; tries++ {
+		addr := "127.0.0.1:0"
+		if lo > 21000 && tries < 1000*n {
+			addr = "127.0.0.1:" + strconv.Itoa(20000+rand.IntN(lo-20000))
+		}
+		l, err := net.Listen("tcp", addr)
+		if err != nil {
+			if addr == "127.0.0.1:0" {
+				t.Fatal(err)
+			}
+			continue // in use
+		}
+		held = append(held, l) // until all are drawn: n distinct
+		out = append(out, l.Addr().String())
+	}
+	return out
 }

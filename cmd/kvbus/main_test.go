@@ -4,13 +4,11 @@ import (
 	"context"
 	"fmt"
 	"io"
-	"math/rand/v2"
 	"net"
 	"net/http"
 	"net/http/httptest"
 	"os"
 	"path/filepath"
-	"strconv"
 	"strings"
 	"sync"
 	"testing"
@@ -65,53 +63,28 @@ func TestEveryFlagHasAnEnvTwin(t *testing.T) {
 	}
 }
 
-// freeAddr returns a loopback address free a moment ago, for a process
-// or role that takes no open listener (every kvbus command binds its own
-// flags' addresses) to bind later. The port was one of the kernel's
-// ephemeral range (127.0.0.1:0), which the kernel hands out again to any
-// process's bind(:0) or connect() meanwhile: under CI's parallel packages
-// one could take it before the role bound it, failing the test. Now it is
-// drawn at random below that range (ip_local_port_range), where the
-// kernel never picks one: only a process binding that very number can
-// take it before the role does, and this process never gives one twice.
-// Where the range leaves no room below it, the ephemeral port as before.
+// freeAddr returns a loopback address free a moment ago
+// (testenv.FreeAddrs), for a process or role that takes no open listener
+// (every kvbus command binds its own flags' addresses) to bind later; this
+// process never gives one twice, as a test may draw several before its
+// processes bind them.
 func freeAddr(t *testing.T) string {
 	t.Helper()
 	freePorts.Lock()
 	defer freePorts.Unlock()
-	if lo := testenv.EphemeralPortLow(); lo > minFreePort+1000 {
-		for range 1000 {
-			port := minFreePort + rand.IntN(lo-minFreePort)
-			if freePorts.given[port] {
-				continue
-			}
-			ln, err := net.Listen("tcp", "127.0.0.1:"+strconv.Itoa(port))
-			if err != nil {
-				continue // in use
-			}
-			addr := ln.Addr().String()
-			ln.Close()
-			freePorts.given[port] = true
+	for {
+		if addr := testenv.FreeAddrs(t, 1)[0]; !freePorts.given[addr] {
+			freePorts.given[addr] = true
 			return addr
 		}
 	}
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer ln.Close()
-	return ln.Addr().String()
 }
 
-// minFreePort is the lowest port freeAddr draws: above the well-known and
-// most registered services' ports.
-const minFreePort = 20000
-
-// freePorts are the ports freeAddr gave.
+// freePorts are the addresses freeAddr gave.
 var freePorts = struct {
 	sync.Mutex
-	given map[int]bool
-}{given: map[int]bool{}}
+	given map[string]bool
+}{given: map[string]bool{}}
 
 // TestServe runs `kvbus serve` in-process as `make run` does (with the
 // instant engine) and checks the README's curl example, sent the moment
