@@ -92,22 +92,22 @@ func (s *Scheduler) onPlan(_ context.Context, m *nats.Msg) error {
 	if p.ReqID != "" {
 		s.dispatched.Put(p.ReqID, dispatchRecord{group: p.Group, attempt: p.Attempt, scheduler: p.SchedulerID}, now)
 		s.peers.dispatched(p.SchedulerID, p.ReqID, p.LogSeq, now)
-		// Another replica dispatched a request this one tracks: it adopted
-		// it while this one was silent (paused, cut off), and the ranks
-		// answer it now. Watching it on would end it as a timeout.
-		// One this replica ended since, from results that waited for it:
-		// the adopter counts it. Taken with the hand-over, under the
-		// tracker table's lock (see addResult).
+		// Another replica dispatched a request this one tracks (t): it
+		// adopted it while this one was silent (paused, cut off), and the
+		// ranks answer it now; watching it on would end it as a timeout.
+		// Or this one ended it since, from results that waited for it
+		// (held): the adopter counts it. Both are taken under the tracker
+		// table's lock (see addResult).
 		t, held := s.trackers.handOver(p.ReqID, s.held.take)
 		if t != nil {
 			s.groups.addInflight(t.Group, -1, -t.queued)
 			s.log.Info("request handed over: another scheduler replica took it while this one was not heard", "req_id", t.ReqID,
 				"session_id", t.SessionID, "to", p.SchedulerID)
 		}
-		if t := held; t != nil {
+		if held != nil {
 			s.m.requests.WithLabelValues("duplicate").Inc()
 			s.log.Info("request ended here and adopted by another scheduler replica while this one was not heard: counted there",
-				"req_id", t.ReqID, "session_id", t.SessionID, "by", p.SchedulerID)
+				"req_id", held.ReqID, "session_id", held.SessionID, "by", p.SchedulerID)
 		}
 	}
 	return nil
