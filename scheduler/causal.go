@@ -70,14 +70,13 @@ func causalMarks(subs []*causalSub) []uint64 {
 // awaitCausal waits until each of subs applied what it had received when
 // its mark was taken, at most limit in all, and says whether they all did.
 //
-// What received says on entry may be one more than had arrived (a
-// message in its handler). Waiting for that one, a request that came
-// while a heartbeat was being applied waited for the next heartbeat, or
-// limit: 100 ms for about 1 request in 500 of a lone client, and most of
-// the routing time at 64. So each wake-up reads the count again, and
-// every causalRecheck while nothing is applied: a later reading is never
-// below what had arrived on entry, and once the handler is idle it is
-// exact.
+// A mark may be more than had arrived (a message in its handler).
+// Waiting for that one, a request that came while a heartbeat was being
+// applied waited for the next heartbeat, or limit: 100 ms for about 1
+// request in 500 of a lone client. So each wake-up reads the count
+// again, and every causalRecheck while nothing is applied: a later
+// reading is never below what had arrived on entry, and once the handler
+// is idle it is exact.
 func awaitCausal(subs []*causalSub, marks []uint64, limit time.Duration) bool {
 	var timeout <-chan time.Time
 	var recheck <-chan time.Time
