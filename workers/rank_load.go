@@ -65,6 +65,7 @@ func (r *Rank) load(rr *rankReq) {
 	}
 	fill(0)
 	ok, waited := 0, 0
+	checked := -1 // the block last read again after no save was found for it
 	deadline := start.Add(r.cfg.SaveWait)
 	for ok < n {
 		if verifyBlock(r.cfg.Payload, vals[ok], meta.BlockHashes[ok], r.cfg.TPRank, size) {
@@ -73,7 +74,18 @@ func (r *Rank) load(rr *rankReq) {
 		}
 		// Missing: an earlier request may still be saving it.
 		if !r.waitForSave(rr, keys[ok], deadline) {
-			break
+			// No save to wait for now. One may have ended between the
+			// read above and this check (the store thread puts, then
+			// settles): the block is in the store then, and a read
+			// after the check finds it. Read once more before
+			// recomputing it.
+			if checked == ok {
+				break
+			}
+			checked = ok
+			copy(vals[ok:], r.getPrefix(rr, keys[ok:]))
+			fill(ok)
+			continue
 		}
 		// Read again; still missing, the next request saving it (if it
 		// came before this one) is waited for.

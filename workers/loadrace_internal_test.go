@@ -1,0 +1,86 @@
+package workers
+
+import (
+	"context"
+	"io"
+	"log/slog"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/kvbus/kvbus/messages"
+)
+
+// afterGetStore runs hook once, right after the first BatchGet that asks
+// for hookKey returns: what another thread of the rank does between the
+// load's read and what the load does next.
+type afterGetStore struct {
+	BlockStore
+	hookKey string
+	once    sync.Once
+	hook    func()
+}
+
+func (s *afterGetStore) BatchGet(ctx context.Context, keys []string, at Recency) [][]byte {
+	vals := s.BlockStore.BatchGet(ctx, keys, at)
+	for _, k := range keys {
+		if k == s.hookKey {
+			s.once.Do(s.hook)
+		}
+	}
+	return vals
+}
+
+// TestLoadFindsASaveThatSettledAfterItsRead: a conversation's next turn
+// reaches a rank whose store thread is still saving the previous turn's
+// blocks. Its load reads the store (the last block is not there yet), and
+// before it asks who is saving that block, the store thread puts it and
+// settles the save. The block is in the store: the load must load it, not
+// report it missing for the turn to recompute (seen in `kvbus serve
+// --groups 2` under a multi-turn load: a rank loaded 8 of 13 blocks and
+// its store thread skipped the 5 others as held, in the same millisecond).
+func TestLoadFindsASaveThatSettledAfterItsRead(t *testing.T) {
+	mem, _ := newTestStore(t, 1<<20)
+	const model = "m"
+	hashes := []uint64{11, 12, 13}
+	keys := make([]string, len(hashes))
+	for i, h := range hashes {
+		keys[i] = StoreKey(model, 0, h)
+	}
+	object := func(i int) Object {
+		v, size := blockObject(PayloadAccounting, hashes[i], 0, 8)
+		return Object{Key: keys[i], Hash: hashes[i], Value: v, Size: size}
+	}
+	r := &Rank{
+		cfg:         RankConfig{Payload: PayloadAccounting, SaveWait: 2 * time.Second},
+		log:         slog.New(slog.NewTextHandler(io.Discard, nil)),
+		saving:      map[string]*rankReq{},
+		savingAfter: map[string][]*rankReq{},
+		series:      NewMetrics(prometheus.NewRegistry()).forRank("g0", "0"),
+	}
+	// The previous turn saves the three blocks; the first two are in the
+	// store already, the last one is being put.
+	prev, _ := newRankReq(&messages.ReqMeta{ReqID: "prev", Model: model, BlockSize: 1, BlockHashes: hashes, CanSave: true})
+	prev.id = 1
+	r.mu.Lock()
+	r.registerSavesLocked(prev)
+	r.mu.Unlock()
+	mem.BatchPut(t.Context(), []Object{object(0), object(1)})
+	store := &afterGetStore{BlockStore: mem, hookKey: keys[2]}
+	store.hook = func() {
+		mem.BatchPut(context.Background(), []Object{object(2)})
+		r.settleSaves(prev)
+	}
+	r.store = store
+
+	next, _ := newRankReq(&messages.ReqMeta{ReqID: "next", Model: model, BlockSize: 1, BlockHashes: hashes,
+		LoadSpec: &messages.LoadSpec{CanLoad: true, KVPoolCachedTokens: len(hashes)}})
+	next.id = 2
+	r.load(next)
+	if next.loadFail != 0 || next.loaded != len(hashes) {
+		t.Errorf("loaded %d tokens, %d blocks failed; want all %d loaded: the last block's save settled between the load's read and its check, and the block was in the store",
+			next.loaded, next.loadFail, len(hashes))
+	}
+}
