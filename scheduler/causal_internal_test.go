@@ -30,22 +30,23 @@ func newHeldSub(t *testing.T, nc *nats.Conn, subject string) *heldSub {
 	return h
 }
 
+// causalWaitEnd is how a causal wait ended: by the applied count (ok), and
+// with how many messages applied.
+type causalWaitEnd struct {
+	ok      bool
+	applied uint64
+}
+
 // awaitCausalAsync takes the subscription's mark now, then waits for it
-// in the background, with a bound no test reaches; once the wait returns
-// it reports whether it ended by the applied count and how many messages
-// were applied then.
-func awaitCausalAsync(h *heldSub) <-chan [2]uint64 {
+// in the background, with a bound no test reaches, and reports how the
+// wait ended.
+func awaitCausalAsync(h *heldSub) <-chan causalWaitEnd {
 	subs := []*causalSub{h.cs}
 	marks := causalMarks(subs)
-	out := make(chan [2]uint64, 1)
+	out := make(chan causalWaitEnd, 1)
 	go func() {
 		ok := awaitCausal(subs, marks, time.Minute)
-		applied := h.cs.applied.Load()
-		var done uint64
-		if ok {
-			done = 1
-		}
-		out <- [2]uint64{done, applied}
+		out <- causalWaitEnd{ok: ok, applied: h.cs.applied.Load()}
 	}()
 	return out
 }
@@ -70,8 +71,8 @@ func TestCausalWaitEndsWhenTheMessageInItsHandlerIsApplied(t *testing.T) {
 	h.release <- struct{}{}
 	select {
 	case r := <-res:
-		if r[0] != 1 || r[1] != 1 {
-			t.Fatalf("awaitCausal ended ok=%d with %d applied; want it to end by the count with the 1 message applied", r[0], r[1])
+		if !r.ok || r.applied != 1 {
+			t.Fatalf("awaitCausal ended ok=%t with %d applied; want it to end by the count with the 1 message applied", r.ok, r.applied)
 		}
 	case <-time.After(30 * time.Second):
 		t.Fatal("awaitCausal still waits 30 s after the one message it had to wait for was applied")
@@ -112,14 +113,14 @@ func TestCausalWaitStillWaitsForWhatHadArrived(t *testing.T) {
 	<-h.entered // the second message is in its handler: the wait goes on
 	select {
 	case r := <-res:
-		t.Fatalf("awaitCausal ended (ok=%d) with %d applied, while the second message that had arrived on entry was in its handler", r[0], r[1])
+		t.Fatalf("awaitCausal ended (ok=%t) with %d applied, while the second message that had arrived on entry was in its handler", r.ok, r.applied)
 	case <-time.After(50 * time.Millisecond):
 	}
 	h.release <- struct{}{}
 	select {
 	case r := <-res:
-		if r[0] != 1 || r[1] != 2 {
-			t.Fatalf("awaitCausal ended ok=%d with %d applied; want it to end by the count with both messages applied", r[0], r[1])
+		if !r.ok || r.applied != 2 {
+			t.Fatalf("awaitCausal ended ok=%t with %d applied; want it to end by the count with both messages applied", r.ok, r.applied)
 		}
 	case <-time.After(30 * time.Second):
 		t.Fatal("awaitCausal still waits 30 s after both messages were applied")
