@@ -122,10 +122,7 @@ func (tt *trackerTable) handOver(id string, take func(string) *RequestTracker) (
 		delete(tt.m, id)
 		tt.ended.Put(id, outcomeCompleted, time.Now())
 	}
-	if take != nil {
-		held = take(id)
-	}
-	return t, held
+	return t, take(id)
 }
 
 // add inserts t unless a tracker with its id exists or the request ended

@@ -36,8 +36,8 @@ func newRestartableEngine(t *testing.T) *restartableEngine {
 	// picked free, closed and bound later could be taken in between).
 	e := &restartableEngine{}
 	var err error
+	lo := testenv.EphemeralPortLow()
 	for range 100 {
-		lo := testenv.EphemeralPortLow()
 		e.cfg = fakeengine.Config{ModelName: "kvbus-sim", Addr: fmt.Sprintf("127.0.0.1:%d", 20000+rand.IntN(lo-20000)),
 			KVEvents: &fakeengine.KVEventsConfig{Endpoint: fmt.Sprintf("tcp://127.0.0.1:%d", 20000+rand.IntN(lo-20000))}}
 		if e.Engine, err = fakeengine.New(e.cfg); err == nil {

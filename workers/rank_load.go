@@ -72,24 +72,20 @@ func (r *Rank) load(rr *rankReq) {
 			ok++
 			continue
 		}
-		// Missing: an earlier request may still be saving it.
-		if !r.waitForSave(rr, keys[ok], deadline) {
-			// No save to wait for now. One may have ended between the
-			// read above and this check (the store thread puts, then
-			// settles): the block is in the store then, and a read
-			// after the check finds it. Read once more before
-			// recomputing it.
-			if checked == ok {
-				break
-			}
+		// Missing: an earlier request may still be saving it (waited
+		// for), or a save ended between the read above and this check
+		// (the store thread puts, then settles), and a read after the
+		// check finds the block. Read again: still missing, the next
+		// request saving it (if it came before this one) is waited for;
+		// with no save found, the block is read once more, then
+		// recomputed.
+		if r.waitForSave(rr, keys[ok], deadline) {
+			waited++
+		} else if checked == ok {
+			break
+		} else {
 			checked = ok
-			copy(vals[ok:], r.getPrefix(rr, keys[ok:]))
-			fill(ok)
-			continue
 		}
-		// Read again; still missing, the next request saving it (if it
-		// came before this one) is waited for.
-		waited++
 		copy(vals[ok:], r.getPrefix(rr, keys[ok:]))
 		fill(ok)
 	}
