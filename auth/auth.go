@@ -134,7 +134,10 @@ func For(s messages.Subjects, id Identity) (Permissions, error) {
 		}, nil
 	case RoleScheduler:
 		return Permissions{
-			Publish: slices.Concat([]string{s.MetaAll(), s.OutAll(), s.Abort(), s.DumpAll(), s.PlanAll(),
+			// Aborts go to one group's ranks (kvbus.ctl.abort.<g>);
+			// kvbus.ctl.abort too, where a scheduler before 2026-12-07
+			// sent its withdrawals, for the time of an upgrade.
+			Publish: slices.Concat([]string{s.MetaAll(), s.OutAll(), s.Abort(), s.AbortGroup("*"), s.DumpAll(), s.PlanAll(),
 				s.AnnounceRole(messages.RoleScheduler), jsAPI + "INFO"},
 				// MSG.GET: a dead replica's requests, adopted (scheduler/peers.go).
 				// No UPDATE: a scheduler key could add kvbus.out.> to the
@@ -172,7 +175,10 @@ func For(s messages.Subjects, id Identity) (Permissions, error) {
 				// only to its own (outside pool.>, which pool.*.* covers).
 				s.PoolAny(), s.HandoffAny(), s.Drain(g), jsAPI + "INFO"},
 				kvBucket(s.SlotBucket(), slots)),
-			Subscribe: append([]string{s.MetaGroup(g), s.Abort(), s.Resend(), s.DumpGroup(g), s.PoolGroup(g),
+			// A worker reads its group's aborts (kvbus.ctl.abort.<g>);
+			// kvbus.ctl.abort, where a worker before 2026-12-07 read every
+			// client's, stays allowed for the time of an upgrade.
+			Subscribe: append([]string{s.MetaGroup(g), s.AbortGroup(g), s.Abort(), s.Resend(), s.DumpGroup(g), s.PoolGroup(g),
 				s.Drain(g), s.HeartbeatAll()}, inbox...),
 			Responses: maxResponses,
 		}, nil

@@ -661,7 +661,7 @@ func TestOlderConfigStopsARoleAtStartUntilInitRewritesIt(t *testing.T) {
 		seeds[key], _ = os.ReadFile(filepath.Join(dir, key+".nk"))
 	}
 	s := messages.Subjects{}
-	check := bus.RoleCheck{Role: "worker", Group: "g0", Subscribe: []string{s.MetaGroup("g0"), s.Abort(), s.Dump("g0", 0), s.Pool("g0", 0)}}
+	check := bus.RoleCheck{Role: "worker", Group: "g0", Subscribe: []string{s.MetaGroup("g0"), s.AbortGroup("g0"), s.Dump("g0", 0), s.Pool("g0", 0)}}
 	start := func() (*bus.Server, *nats.Conn) {
 		srv, err := bus.StartServer(bus.ServerConfig{Addr: "127.0.0.1:0", DataDir: t.TempDir(), AuthConfig: conf})
 		if err != nil {

@@ -35,7 +35,8 @@ type RoleCheck struct {
 	Subscribe []string
 	// Newer are subjects of Subscribe that the nats-auth.conf of an
 	// earlier `kvbus auth init` does not allow (a worker's
-	// kvbus.drain.<g>, since 2026-12-06), listed last in Subscribe: one of
+	// kvbus.drain.<g>, since 2026-12-06, and kvbus.ctl.abort.<g>, since
+	// 2026-12-07), listed last in Subscribe: one of
 	// them refused while the others passed means the key is the role's
 	// and the server's configuration is older than the role (a rolling
 	// upgrade that started this role before rewriting it), not that the

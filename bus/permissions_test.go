@@ -37,7 +37,7 @@ func keyedConn(t *testing.T, srv *bus.Server, dir, key, inbox string) *nats.Conn
 func TestCheckPermissions(t *testing.T) {
 	s := messages.Subjects{}
 	worker := bus.RoleCheck{Role: "worker", Group: "g2",
-		Subscribe: []string{s.MetaGroup("g2"), s.Abort(), s.Dump("g2", 0), s.Pool("g2", 0)}}
+		Subscribe: []string{s.MetaGroup("g2"), s.AbortGroup("g2"), s.Dump("g2", 0), s.Pool("g2", 0)}}
 
 	open := testenv.Connect(t, testenv.StartNATS(t))
 	if err := bus.CheckPermissions(t.Context(), open, worker); err != nil {

@@ -205,8 +205,14 @@ func (s Subjects) Heartbeat(group string, rank int) string {
 // HeartbeatAll is kvbus.hb.>, every rank's heartbeats.
 func (s Subjects) HeartbeatAll() string { return s.p() + "." + KindHeartbeat + ".>" }
 
-// Abort is kvbus.ctl.abort.
+// Abort is kvbus.ctl.abort, where frontends publish the Aborts of their
+// clients and the schedulers read them.
 func (s Subjects) Abort() string { return s.p() + "." + KindControl + ".abort" }
+
+// AbortGroup is kvbus.ctl.abort.<group>, where a scheduler sends one
+// group's ranks the Aborts of its requests: a client's, relayed from
+// kvbus.ctl.abort, and its own withdrawals. group may be "*" (every group).
+func (s Subjects) AbortGroup(group string) string { return s.Abort() + "." + group }
 
 // Resend is kvbus.ctl.resend, a request to the driver rank of a request
 // for outputs lost on the bus (see Resend).

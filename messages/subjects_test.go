@@ -158,6 +158,8 @@ func TestSubjects(t *testing.T) {
 			{"Heartbeat", s.Heartbeat("g1", 0), p + ".hb.g1.0"},
 			{"HeartbeatAll", s.HeartbeatAll(), p + ".hb.>"},
 			{"Abort", s.Abort(), p + ".ctl.abort"},
+			{"AbortGroup", s.AbortGroup("g0"), p + ".ctl.abort.g0"},
+			{"AbortGroup/every group", s.AbortGroup("*"), p + ".ctl.abort.*"},
 			{"Dump", s.Dump("g0", 12), p + ".ctl.dump.g0.12"},
 			{"All", s.All(), p + ".>"},
 			{"Resend", s.Resend(), p + ".ctl.resend"},

@@ -150,11 +150,11 @@ func decodeAny(s messages.Subjects, subject string, data []byte) (string, any) {
 			v, err = messages.DecodePoolRead(data)
 		}
 	case messages.KindControl:
-		switch subject {
-		case s.Abort():
+		switch {
+		case subject == s.Abort(), strings.HasPrefix(subject, s.Abort()+"."): // a client's, or one group's
 			kind = "abort"
 			v, err = messages.DecodeAbort(data)
-		case s.Resend():
+		case subject == s.Resend():
 			kind = "resend"
 			v, err = messages.DecodeResend(data)
 		default:

@@ -262,6 +262,31 @@ func TestTapHeartbeats(t *testing.T) {
 	}
 }
 
+// TestTapAborts: a client's Abort (kvbus.ctl.abort) and the one a
+// scheduler passes on to a group (kvbus.ctl.abort.<g>) are both shown as
+// aborts, decoded; the second was shown as a dump request's size.
+func TestTapAborts(t *testing.T) {
+	srv := testenv.StartNATS(t)
+	pub := testenv.Connect(t, srv)
+	subj := messages.Subjects{Prefix: "taptest"} // no kvbus component listens
+	out := startTap(t, testenv.Connect(t, srv), replay.TapConfig{Subjects: subj}).out
+	data, err := messages.Marshal(&messages.Abort{ReqID: "r1", Reason: messages.AbortReasonClientGone})
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, s := range []string{subj.Abort(), subj.AbortGroup("g0")} {
+		if err := pub.Publish(s, data); err != nil {
+			t.Fatal(err)
+		}
+	}
+	testenv.Eventually(t, 5*time.Second, "two lines", func() bool { return len(tapLines(t, out)) == 2 })
+	for _, l := range tapLines(t, out) {
+		if l.Kind != "abort" || l.Msg["req_id"] != "r1" || l.Msg["reason"] != messages.AbortReasonClientGone {
+			t.Errorf("line %+v, want the abort of r1", l)
+		}
+	}
+}
+
 // TestTapOddMessages checks that Tap reports what it cannot decode or
 // encode and keeps going: a tap is how one debugs a bus with odd traffic.
 func TestTapOddMessages(t *testing.T) {

@@ -131,7 +131,7 @@ const restartGrace = time.Second
 // before, or all of them (0).
 func (s *Scheduler) withdraw(reqID, group string, before int, reason string) {
 	if data, err := messages.Marshal(&messages.Abort{ReqID: reqID, Group: group, BeforeAttempt: before, Reason: reason}); err == nil {
-		_ = s.cfg.Conn.Publish(s.cfg.Subjects.Abort(), data)
+		_ = s.cfg.Conn.Publish(s.cfg.Subjects.AbortGroup(group), data)
 	}
 }
 

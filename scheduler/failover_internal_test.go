@@ -88,7 +88,7 @@ func TestRedeliveredRequestOfADrainingGroup(t *testing.T) {
 			s.dispatched.Put("r1", dispatchRecord{group: "g0", attempt: 0, scheduler: "dead"}, now)
 			metas := subscribeMetas(t, nc)
 			aborts := make(chan *nats.Msg, 8)
-			asub, err := nc.ChanSubscribe(s.cfg.Subjects.Abort(), aborts)
+			asub, err := nc.ChanSubscribe(s.cfg.Subjects.AbortGroup("*"), aborts)
 			if err != nil {
 				t.Fatal(err)
 			}

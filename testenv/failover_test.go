@@ -250,10 +250,13 @@ func TestShutdownFinishesInFlight(t *testing.T) {
 }
 
 // TestClientDisconnectAborts: a client that goes away mid-stream causes an
-// Abort; the scheduler drops the tracker and the driver stops generating.
+// Abort; the scheduler drops the tracker and passes the Abort on to the
+// request's group, and to no other, and the driver stops generating.
 func TestClientDisconnectAborts(t *testing.T) {
-	c := testenv.StartCluster(t, testenv.ClusterConfig{TimeScale: 1})
+	c := testenv.StartCluster(t, testenv.ClusterConfig{Groups: 2, TimeScale: 1})
 	aborts := c.Observe(t, "kvbus.ctl.abort")
+	groupAborts := c.Observe(t, "kvbus.ctl.abort.*")
+	metas := c.Observe(t, "kvbus.meta.>")
 	done := c.Observe(t, "kvbus.done.>")
 	ctx, cancel := context.WithCancel(t.Context())
 	defer cancel()
@@ -291,6 +294,21 @@ func TestClientDisconnectAborts(t *testing.T) {
 		}
 		return false
 	})
+	var group string
+	for _, m := range metas.Messages() {
+		if meta, err := messages.DecodeReqMeta(m.Data); err == nil && meta.ReqID == id {
+			group = meta.Group
+		}
+	}
+	var to []string
+	for _, m := range groupAborts.Messages() {
+		if a, err := messages.DecodeAbort(m.Data); err == nil && a.ReqID == id {
+			to = append(to, m.Subject)
+		}
+	}
+	if want := "kvbus.ctl.abort." + group; group == "" || len(to) != 1 || to[0] != want {
+		t.Errorf("the client's Abort went to %q, want to %s only (the group of its ReqMeta)", to, want)
+	}
 }
 
 // TestScaleDownDrainsAGroup: a rank stopped gracefully (a scaled-down

@@ -1,6 +1,7 @@
 package testenv_test
 
 import (
+	"bytes"
 	"context"
 	"errors"
 	"log/slog"
@@ -22,8 +23,10 @@ import (
 // TestWorkerUnderAnEarlierAuthConfigSaysToRewriteIt: a rolling upgrade
 // that starts a worker of this kvbus, with its own key, while NATS still
 // runs the nats-auth.conf of an earlier `kvbus auth init` (no
-// kvbus.drain.<g>: the drain plan was on kvbus.pool.<g>.drain) stops the
-// worker at start; its error says the configuration is older and to run
+// kvbus.drain.<g>: the drain plan was on kvbus.pool.<g>.drain; no
+// kvbus.ctl.abort.<g>: every worker read kvbus.ctl.abort) stops the
+// worker at start; its error names the subject it lacks, says the
+// configuration is older and to run
 // `kvbus auth init DIR` again and reload NATS, not that its key is another
 // role's. After the rewrite and a reload the same key starts it.
 func TestWorkerUnderAnEarlierAuthConfigSaysToRewriteIt(t *testing.T) {
@@ -36,13 +39,27 @@ func TestWorkerUnderAnEarlierAuthConfigSaysToRewriteIt(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	older := regexp.MustCompile(`, "kvbus\.drain\.[^"]*"`).ReplaceAll(data, nil)
-	if strings.Contains(string(older), "kvbus.drain.") {
-		t.Fatalf("could not write an earlier configuration:\n%s", older)
+	// The configurations of earlier kvbus: before 2026-12-06 (no drain
+	// plan's subject, nor the group's aborts), and of 2026-12-06 (no
+	// group's aborts: every worker read kvbus.ctl.abort). Each stops the
+	// worker naming the first subject it lacks.
+	earlier := []struct {
+		strip, refused string
+	}{
+		{`, "kvbus\.(drain|ctl\.abort)\.[^"]*"`, "kvbus.ctl.abort.g0"},
+		{`, "kvbus\.ctl\.abort\.[^"]*"`, "kvbus.ctl.abort.g0"},
+		{`, "kvbus\.drain\.[^"]*"`, "kvbus.drain.g0"},
 	}
-	if err := os.WriteFile(conf, older, 0o644); err != nil {
-		t.Fatal(err)
+	write := func(strip string) {
+		older := regexp.MustCompile(strip).ReplaceAll(data, nil)
+		if bytes.Equal(older, data) {
+			t.Fatalf("could not write an earlier configuration without %s", strip)
+		}
+		if err := os.WriteFile(conf, older, 0o644); err != nil {
+			t.Fatal(err)
+		}
 	}
+	write(earlier[0].strip)
 	srv, err := bus.StartServer(bus.ServerConfig{Addr: "127.0.0.1:0", DataDir: t.TempDir(), AuthConfig: conf})
 	if err != nil {
 		t.Fatal(err)
@@ -76,25 +93,33 @@ func TestWorkerUnderAnEarlierAuthConfigSaysToRewriteIt(t *testing.T) {
 		return r
 	}
 
-	for _, key := range []string{"worker-g0", "worker"} {
-		errc := make(chan error, 1)
-		go func() { errc <- rank(connect(key)).Run(t.Context()) }()
-		select {
-		case err = <-errc:
-		case <-time.After(10 * time.Second):
-			t.Fatalf("with %s.nk: still running after 10 s under the earlier configuration", key)
-		}
-		if !errors.Is(err, bus.ErrPermission) || !errors.Is(err, nats.ErrPermissionViolation) {
-			t.Fatalf("with %s.nk: Run = %v, want a bus.ErrPermission", key, err)
-		}
-		for _, want := range []string{"kvbus.drain.g0", "earlier `kvbus auth init`", "Run `kvbus auth init DIR` again",
-			"keeps the keys", "reload NATS", "once the frontends run this kvbus"} {
-			if !strings.Contains(err.Error(), want) {
-				t.Errorf("with %s.nk: the error does not say %q: %v", key, want, err)
+	for i, conf := range earlier {
+		if i > 0 {
+			write(conf.strip)
+			if err := srv.Reload(); err != nil {
+				t.Fatal(err)
 			}
 		}
-		if strings.Contains(err.Error(), "another role's") {
-			t.Errorf("with %s.nk: the error says the key is another role's, where it is the worker's: %v", key, err)
+		for _, key := range []string{"worker-g0", "worker"} {
+			errc := make(chan error, 1)
+			go func() { errc <- rank(connect(key)).Run(t.Context()) }()
+			select {
+			case err = <-errc:
+			case <-time.After(10 * time.Second):
+				t.Fatalf("with %s.nk: still running after 10 s under the earlier configuration", key)
+			}
+			if !errors.Is(err, bus.ErrPermission) || !errors.Is(err, nats.ErrPermissionViolation) {
+				t.Fatalf("with %s.nk: Run = %v, want a bus.ErrPermission", key, err)
+			}
+			for _, want := range []string{conf.refused, "earlier `kvbus auth init`", "Run `kvbus auth init DIR` again",
+				"keeps the keys", "reload NATS", "once the frontends run this kvbus"} {
+				if !strings.Contains(err.Error(), want) {
+					t.Errorf("with %s.nk, without %s: the error does not say %q: %v", key, conf.strip, want, err)
+				}
+			}
+			if strings.Contains(err.Error(), "another role's") {
+				t.Errorf("with %s.nk: the error says the key is another role's, where it is the worker's: %v", key, err)
+			}
 		}
 	}
 

@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"log/slog"
+	"slices"
 	"strconv"
 	"sync"
 	"sync/atomic"
@@ -292,7 +293,7 @@ func (r *Rank) Run(ctx context.Context) error {
 	}
 	intake := []handler{
 		{subj.MetaGroup(r.cfg.Group), "worker_reqmeta", onMeta},
-		{subj.Abort(), "worker_abort", r.onAbort},
+		{subj.AbortGroup(r.cfg.Group), "worker_abort", r.onAbort},
 	}
 	serving := []handler{
 		{subj.Dump(r.cfg.Group, r.cfg.TPRank), "worker_dump", r.events.onDump},
@@ -308,7 +309,14 @@ func (r *Rank) Run(ctx context.Context) error {
 			_ = sub.Unsubscribe()
 		}
 	}()
-	check := bus.RoleCheck{Role: "worker", Group: r.cfg.Group}
+	// Refused alone, a subject of Newer (listed last) says the server's
+	// nats-auth.conf predates it: the group's aborts were on kvbus.ctl.abort
+	// before 2026-12-07, the drain plan on kvbus.pool.<g>.drain before
+	// 2026-12-06.
+	check := bus.RoleCheck{Role: "worker", Group: r.cfg.Group, Newer: []string{subj.AbortGroup(r.cfg.Group)}}
+	if r.cfg.DrainHandoff > 0 {
+		check.Newer = append(check.Newer, subj.Drain(r.cfg.Group))
+	}
 	for _, h := range append(intake, serving...) {
 		sub, err := bus.Subscribe(context.Background(), nc, h.subject, bus.Wrap(h.fn, r.log, r.cfg.HandlerMetrics, h.name))
 		if err != nil {
@@ -318,13 +326,11 @@ func (r *Rank) Run(ctx context.Context) error {
 			r.metaSub = sub // before the pool subscription that reads it
 		}
 		subs = append(subs, sub)
-		check.Subscribe = append(check.Subscribe, h.subject)
+		if !slices.Contains(check.Newer, h.subject) {
+			check.Subscribe = append(check.Subscribe, h.subject)
+		}
 	}
-	if r.cfg.DrainHandoff > 0 {
-		// Last in serving: refused alone, the server's nats-auth.conf
-		// predates it (the plan was on kvbus.pool.<g>.drain).
-		check.Newer = []string{subj.Drain(r.cfg.Group)}
-	}
+	check.Subscribe = append(check.Subscribe, check.Newer...)
 	metaSub, abortSub := subs[0], subs[1]
 	// Another role's key, or another group's, is refused these subjects: say
 	// so now, naming the key to give, rather than run without ever getting

@@ -90,6 +90,10 @@ func (r *Rank) expireLoop(ctx context.Context) {
 	}
 }
 
+// onAbort handles an Abort on kvbus.ctl.abort.<group>: a client's, passed
+// on by the scheduler that placed the request (and by every other replica
+// that heard where it went), or a scheduler's withdrawal of one group's
+// attempts (Abort.group, below Abort.before_attempt).
 func (r *Rank) onAbort(_ context.Context, m *nats.Msg) error {
 	a, err := messages.DecodeAbort(m.Data)
 	if err != nil {
@@ -113,7 +117,10 @@ func (r *Rank) onAbort(_ context.Context, m *nats.Msg) error {
 		r.mu.Unlock()
 		return nil // the attempt the request goes on at
 	}
-	if rr != nil && !rr.withdrawn {
+	if rr != nil && rr.withdrawn {
+		rr = nil // a copy (each scheduler replica passes a client's on), or a client's after a withdrawal: done
+	}
+	if rr != nil {
 		rr.withdrawn = true
 		r.withdrawnActive++
 		if rr.onWithdraw != nil {

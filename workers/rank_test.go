@@ -663,7 +663,7 @@ func TestRankAbort(t *testing.T) {
 	start := time.Now()
 	env.sendMeta(m)
 	testenv.Eventually(t, waitFor, "the first streamed chunk", func() bool { return len(env.outputs("slow")) > 0 })
-	env.publish(env.subj.Abort(), &messages.Abort{ReqID: "slow", Reason: "client disconnected"})
+	env.publish(env.subj.AbortGroup(testGroup), &messages.Abort{ReqID: "slow", Reason: "client disconnected"})
 	results := env.resultsByRank("slow")
 	if d := time.Since(start); d > 4*time.Second {
 		t.Errorf("the aborted request ran for %s", d)
@@ -700,7 +700,7 @@ func TestRankAbort(t *testing.T) {
 		t.Errorf("after an abort: final %+v", f)
 	}
 	// An abort for an unknown request is harmless.
-	env.publish(env.subj.Abort(), &messages.Abort{ReqID: "never-seen"})
+	env.publish(env.subj.AbortGroup(testGroup), &messages.Abort{ReqID: "never-seen"})
 }
 
 // TestRankAbortBeforeReqMeta: a client's Abort can reach the ranks before
@@ -711,8 +711,8 @@ func TestRankAbort(t *testing.T) {
 // A group-scoped withdrawal of an unknown request is not remembered.
 func TestRankAbortBeforeReqMeta(t *testing.T) {
 	env := startRanks(t, rankEnvConfig{})
-	env.publish(env.subj.Abort(), &messages.Abort{ReqID: "gone", Reason: "client disconnected"})
-	env.publish(env.subj.Abort(), &messages.Abort{ReqID: "moved", Group: testGroup, BeforeAttempt: 1, Reason: "dispatched again"})
+	env.publish(env.subj.AbortGroup(testGroup), &messages.Abort{ReqID: "gone", Reason: "client disconnected"})
+	env.publish(env.subj.AbortGroup(testGroup), &messages.Abort{ReqID: "moved", Group: testGroup, BeforeAttempt: 1, Reason: "dispatched again"})
 	testenv.Eventually(t, waitFor, "the aborts handled", func() bool {
 		return env.counter("kvbus_bus_messages_total", map[string]string{"handler": "worker_abort"}) >= 2*worldSize
 	})
@@ -749,7 +749,7 @@ func TestRankAbortStopsTheAttemptsToCome(t *testing.T) {
 	m.SamplingParams.MaxTokens = 100 // 5 s of decoding
 	env.sendMeta(m)
 	testenv.Eventually(t, waitFor, "the first streamed chunk", func() bool { return len(env.outputs("left")) > 0 })
-	env.publish(env.subj.Abort(), &messages.Abort{ReqID: "left", Reason: "client disconnected"})
+	env.publish(env.subj.AbortGroup(testGroup), &messages.Abort{ReqID: "left", Reason: "client disconnected"})
 	env.resultsByRank("left")
 	next := newMeta("left", "sess", testenv.PromptTokens(1, 40))
 	next.Attempt, next.SamplingParams.MaxTokens = 1, 100
@@ -787,7 +787,7 @@ func TestRankWithdrawSparesTheNewAttempt(t *testing.T) {
 		m.Attempt, m.SamplingParams.MaxTokens = 1, 20 // 1 s of decoding
 		env.sendMeta(m)
 		testenv.Eventually(t, waitFor, "the first streamed chunk of "+tc.id, func() bool { return len(env.outputs(tc.id)) > 0 })
-		env.publish(env.subj.Abort(), &messages.Abort{ReqID: tc.id, Group: testGroup, BeforeAttempt: tc.before, Reason: "dispatched again"})
+		env.publish(env.subj.AbortGroup(testGroup), &messages.Abort{ReqID: tc.id, Group: testGroup, BeforeAttempt: tc.before, Reason: "dispatched again"})
 		driver := env.resultsByRank(tc.id)[0]
 		if got := driver.Error != ""; got != tc.aborted {
 			t.Errorf("%s: attempt 1 after an abort of attempts below %d: error %q, want aborted %v", tc.id, tc.before, driver.Error, tc.aborted)
@@ -1410,7 +1410,7 @@ func TestLoadWaitsForTheSaverAfterAnAbortedOne(t *testing.T) {
 	prompt := testenv.PromptTokens(9, 4*blockSize+3)
 	env.sendMeta(newMeta("turn-1a", "sess-r", prompt))
 	env.sendMeta(newMeta("turn-1b", "sess-r", prompt))
-	env.publish(env.subj.Abort(), &messages.Abort{ReqID: "turn-1a", Reason: "client disconnected"})
+	env.publish(env.subj.AbortGroup(testGroup), &messages.Abort{ReqID: "turn-1a", Reason: "client disconnected"})
 	env.finalOutput("turn-1b")
 	next := newMeta("turn-2", "sess-r", append(slices.Clone(prompt), testenv.PromptTokens(10, 2*blockSize)...))
 	next.LoadSpec = &messages.LoadSpec{KVPoolCachedTokens: 4 * blockSize, CanLoad: true}
@@ -1442,7 +1442,7 @@ func TestAbortDropsSavesTheStoreThreadHasNotBegun(t *testing.T) {
 	env.sendMeta(newMeta("busy", "sess-b", testenv.PromptTokens(11, 4*blockSize+3))) // rank 1's store thread sleeps on it
 	prompt := testenv.PromptTokens(12, 4*blockSize+3)
 	env.sendMeta(newMeta("left", "sess-l", prompt))
-	env.publish(env.subj.Abort(), &messages.Abort{ReqID: "left", Reason: messages.AbortReasonClientGone})
+	env.publish(env.subj.AbortGroup(testGroup), &messages.Abort{ReqID: "left", Reason: messages.AbortReasonClientGone})
 	testenv.Eventually(t, waitFor, "the abort handled", func() bool {
 		return env.counter("kvbus_bus_messages_total", map[string]string{"handler": "worker_abort"}) >= worldSize
 	})

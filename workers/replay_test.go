@@ -131,7 +131,7 @@ func TestAbortedRequestLeavesThePrefillQueueAtOnce(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if err := env.nc.Publish(env.subj.Abort(), data); err != nil {
+	if err := env.nc.Publish(env.subj.AbortGroup(testGroup), data); err != nil {
 		t.Fatal(err)
 	}
 	testenv.Eventually(t, 2*time.Second, "the aborted request off the driver's queue", func() bool { return queued() == int64(blockSize) })
@@ -158,6 +158,6 @@ func TestAbortedRequestLeavesTheInflightCountAtOnce(t *testing.T) {
 		return hbs[len(hbs)-1].InflightRequests
 	}
 	testenv.Eventually(t, waitFor, "the driver's heartbeat with the three requests", func() bool { return inflight() == 3 })
-	env.publish(env.subj.Abort(), &messages.Abort{ReqID: "gone", Reason: messages.AbortReasonClientGone})
+	env.publish(env.subj.AbortGroup(testGroup), &messages.Abort{ReqID: "gone", Reason: messages.AbortReasonClientGone})
 	testenv.Eventually(t, 2*time.Second, "the aborted request out of the requests in flight", func() bool { return inflight() == 2 })
 }
