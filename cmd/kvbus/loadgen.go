@@ -35,6 +35,7 @@ type loadgenCmd struct {
 	Duration    time.Duration `name:"duration" short:"d" default:"8s" help:"How long to start requests."`
 	Grace       time.Duration `name:"grace" default:"5s" help:"At the end of --duration, how long the requests in flight may take to finish (they are counted); those still running then are cancelled and reported as cut."`
 	Stream      bool          `name:"stream" help:"Stream the answers (SSE); latency is to the last chunk."`
+	Leave       bool          `name:"leave" help:"With --stream: each client goes away once the first text of its answer arrives (latency is to that chunk), as clients that give up do: measures what abandoned requests cost the server."`
 	Model       string        `name:"model" default:"kvbus-sim" help:"Model name sent."`
 	MaxTokens   int           `name:"max-tokens" positive:"" default:"8" help:"max_tokens of every request (with ignore_eos)."`
 	Prompt      string        `name:"prompt" default:"Write one short sentence about caches and prefixes, please." help:"The user message."`
@@ -58,6 +59,7 @@ const (
 type loadResult struct {
 	Concurrency int  `json:"concurrency"`
 	Stream      bool `json:"stream"`
+	Leave       bool `json:"leave,omitempty"`
 	// Requests were answered in full (200), Errors failed; both include
 	// the requests that finished within the grace after --duration.
 	Requests int `json:"requests"`
@@ -84,6 +86,9 @@ func (c *loadgenCmd) Validate() error {
 	}
 	if c.Duration <= 0 {
 		return fmt.Errorf("--duration must be positive (got %s), e.g. 8s", c.Duration)
+	}
+	if c.Leave && !c.Stream {
+		return errors.New("--leave needs --stream: a client leaves a streamed answer once its first text arrived")
 	}
 	if c.Grace < 0 {
 		return fmt.Errorf("--grace must be 0 or more (got %s): how long requests in flight at the end may take, e.g. 5s", c.Grace)
@@ -139,8 +144,12 @@ func (c *loadgenCmd) report(out io.Writer, r loadResult) error {
 	if c.JSON {
 		return json.NewEncoder(out).Encode(r)
 	}
-	if _, err := fmt.Fprintf(out, "c=%d stream=%v: %d requests (%d errors) in %.1fs: %.0f req/s, p50 %.2f ms, p99 %.2f ms\n",
-		r.Concurrency, r.Stream, r.Requests, r.Errors, r.Seconds, r.RPS, r.P50Ms, r.P99Ms); err != nil {
+	left := ""
+	if r.Leave {
+		left = " (left at the first text)"
+	}
+	if _, err := fmt.Fprintf(out, "c=%d stream=%v: %d requests%s (%d errors) in %.1fs: %.0f req/s, p50 %.2f ms, p99 %.2f ms\n",
+		r.Concurrency, r.Stream, r.Requests, left, r.Errors, r.Seconds, r.RPS, r.P50Ms, r.P99Ms); err != nil {
 		return err
 	}
 	if r.Cut > 0 {
@@ -270,7 +279,7 @@ func (c *loadgenCmd) measure(ctx context.Context) (loadResult, error) {
 	<-graceOver
 	slices.Sort(latencies)
 	q := func(p float64) float64 { return float64(quantile.NearestRank(latencies, p).Microseconds()) / 1000 }
-	r := loadResult{Concurrency: c.Concurrency, Stream: c.Stream, Requests: len(latencies), Errors: errs, Cut: cut, Seconds: elapsed.Seconds(),
+	r := loadResult{Concurrency: c.Concurrency, Stream: c.Stream, Leave: c.Leave, Requests: len(latencies), Errors: errs, Cut: cut, Seconds: elapsed.Seconds(),
 		RPS: float64(len(latencies)) / elapsed.Seconds(), P50Ms: q(0.5), P99Ms: q(0.99)}
 	if firstErr != nil {
 		r.FirstError = firstErr.Error()
@@ -282,7 +291,8 @@ func (c *loadgenCmd) measure(ctx context.Context) (loadResult, error) {
 // reads them.
 const maxLoadgenEventBytes = 16 << 20
 
-// once sends one request and reads its whole answer.
+// once sends one request and reads its whole answer (with --leave, up to
+// its first text, and closes the connection).
 func (c *loadgenCmd) once(ctx context.Context, client *http.Client, url string, body []byte) error {
 	req, err := http.NewRequestWithContext(ctx, http.MethodPost, url, bytes.NewReader(body))
 	if err != nil {
@@ -321,9 +331,38 @@ func (c *loadgenCmd) once(ctx context.Context, client *http.Client, url string, 
 		if string(line) == "data: [DONE]" {
 			return streamErr
 		}
+		if c.Leave && streamErr == nil && hasText(line) {
+			return nil // the deferred Close drops the connection: the server sees the client go
+		}
 	}
 	if err := sc.Err(); err != nil {
 		return err
 	}
 	return io.ErrUnexpectedEOF
+}
+
+// hasText reports whether an SSE line is a chunk with text in a choice (a
+// chat delta's content, or a completion's text).
+func hasText(line []byte) bool {
+	data, ok := bytes.CutPrefix(line, []byte("data: "))
+	if !ok || !bytes.HasPrefix(data, []byte("{")) {
+		return false
+	}
+	var chunk struct {
+		Choices []struct {
+			Delta struct {
+				Content string `json:"content"`
+			} `json:"delta"`
+			Text string `json:"text"`
+		} `json:"choices"`
+	}
+	if json.Unmarshal(data, &chunk) != nil {
+		return false
+	}
+	for _, ch := range chunk.Choices {
+		if ch.Delta.Content != "" || ch.Text != "" {
+			return true
+		}
+	}
+	return false
 }

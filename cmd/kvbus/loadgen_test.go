@@ -321,3 +321,31 @@ func TestLoadgenWindowEndsWithTheLastCountedRequest(t *testing.T) {
 		t.Errorf("loadgen %+v; want 1 cut and the window to end with the last request served (~0.3 s), not the grace (1.3 s)", r)
 	}
 }
+
+// TestLoadgenLeaveAbandonsEachRequest: with --leave each client goes away
+// at the first text of its streamed answer, and the server ends every one
+// of those requests as aborted by its client, none completed (400 tokens
+// at the sim's real pace would take seconds); without --stream it is
+// refused.
+func TestLoadgenLeaveAbandonsEachRequest(t *testing.T) {
+	c := testenv.StartCluster(t, testenv.ClusterConfig{Groups: 2, TimeScale: 1})
+	outcome := func(o string) float64 {
+		return testenv.CounterSum(t, c.Registry, "kvbus_scheduler_requests_total", map[string]string{"outcome": o})
+	}
+	lg := &loadgenCmd{URLs: []string{c.URL}, Concurrency: 2, Duration: time.Second, Grace: 5 * time.Second, Stream: true, Leave: true,
+		Model: c.Model, MaxTokens: 400, Prompt: "hello"}
+	r, err := lg.measure(t.Context())
+	if err != nil {
+		t.Fatal(err)
+	}
+	if r.Requests < 2 || r.Errors != 0 || r.Cut != 0 || !r.Leave {
+		t.Fatalf("%+v: want requests left at their first text, none failed or cut", r)
+	}
+	testenv.Eventually(t, 5*time.Second, "every request left ended aborted", func() bool { return outcome("aborted") == float64(r.Requests) })
+	if got := outcome("completed"); got != 0 {
+		t.Errorf("%v requests completed of %d left at their first text of 400 tokens", got, r.Requests)
+	}
+	if err := (&loadgenCmd{URLs: []string{c.URL}, Concurrency: 1, Duration: time.Second, Leave: true}).Validate(); err == nil || !strings.Contains(err.Error(), "--leave needs --stream") {
+		t.Errorf("--leave without --stream: %v", err)
+	}
+}
