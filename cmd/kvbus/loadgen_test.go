@@ -349,3 +349,34 @@ func TestLoadgenLeaveAbandonsEachRequest(t *testing.T) {
 		t.Errorf("--leave without --stream: %v", err)
 	}
 }
+
+// FuzzHasText: any line of a server's stream is read without a panic, and
+// only a data line holding a JSON object can have text.
+func FuzzHasText(f *testing.F) {
+	for _, seed := range []string{
+		`data: {"choices":[{"index":0,"delta":{"content":"hi"}}]}`,
+		`data: {"choices":[{"index":0,"delta":{"role":"assistant","content":""}}]}`,
+		`data: {"choices":[{"text":"x"}]}`, `data: [DONE]`, `data: {"error":{"message":"x"}}`, `: ping`, ``, `data: {"choices":7}`,
+	} {
+		f.Add([]byte(seed))
+	}
+	f.Fuzz(func(t *testing.T, line []byte) {
+		if hasText(line) && !bytes.HasPrefix(line, []byte("data: {")) {
+			t.Errorf("hasText(%q) = true for a line that is no data line with an object", line)
+		}
+	})
+}
+
+func TestHasText(t *testing.T) {
+	for line, want := range map[string]bool{
+		`data: {"choices":[{"index":0,"delta":{"content":"hi"}}]}`:                  true,
+		`data: {"choices":[{"index":0,"delta":{"role":"assistant","content":""}}]}`: false,
+		`data: {"choices":[{"text":"x"}]}`:                                          true,
+		`data: [DONE]`:                                                              false,
+		`data: {"choices":7}`:                                                       false,
+	} {
+		if got := hasText([]byte(line)); got != want {
+			t.Errorf("hasText(%s) = %v, want %v", line, got, want)
+		}
+	}
+}
