@@ -164,10 +164,16 @@ func (s *Scheduler) onAbort(_ context.Context, m *nats.Msg) error {
 		s.m.requests.WithLabelValues(outcome.String()).Inc()
 		s.log.Info("request aborted", "req_id", t.ReqID, "session_id", t.SessionID, "group", t.Group, "reason", a.Reason)
 		s.relayAbort(t.Group, a.ReqID, m.Data)
-	} else if d, ok := s.dispatched.Get(a.ReqID, time.Now()); ok && !d.ended {
+	}
+	if d, ok := s.dispatched.Get(a.ReqID, time.Now()); ok && !d.ended && (t == nil || d.group != t.Group) {
 		// Another replica's request: that replica relays it too, unless it
 		// died, and then nobody else would until an adoption (which the
-		// abort now prevents). A second copy changes nothing on a rank.
+		// abort now prevents). Or one this replica adopted or took over
+		// onto another group than that replica's (a rank of its group
+		// restarted, or the group is gone): the ranks of the first group
+		// that still run its earlier attempt stop too, as they did when
+		// every rank read every client's Abort. A second copy changes
+		// nothing on a rank.
 		s.relayAbort(d.group, a.ReqID, m.Data)
 	}
 	return nil
