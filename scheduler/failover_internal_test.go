@@ -289,3 +289,27 @@ func redeliveredR1(t *testing.T) *redelivered {
 	}
 	return &redelivered{ackMsg{data: data}}
 }
+
+// TestWithdrawFromNoGroupPublishesNothing: rescue withdraws a movable
+// request from the group it was on (from), read inside trackers.update;
+// when the tracker ended between stranded and update (its client's Abort,
+// its last result) from is "", and the withdrawal went to
+// kvbus.ctl.abort. — no subject: with keys the server refuses it and the
+// scheduler logs "nats permissions violation: this role's key may not use
+// the subject (see `kvbus auth show`)", an operator sent to a key that is
+// fine. (Before aborts went to one group, it was an Abort without a group
+// on kvbus.ctl.abort.) A request on no group has nothing to withdraw.
+func TestWithdrawFromNoGroupPublishesNothing(t *testing.T) {
+	s, nc := newBareScheduler(t)
+	if err := nc.Flush(); err != nil {
+		t.Fatal(err)
+	}
+	before := nc.Stats().OutMsgs
+	s.withdraw("r1", "", 0, "worker group lost the request: dispatched again")
+	if err := nc.Flush(); err != nil {
+		t.Fatal(err)
+	}
+	if n := nc.Stats().OutMsgs - before; n != 0 {
+		t.Errorf("a withdrawal from no group published %d message(s), want none", n)
+	}
+}
