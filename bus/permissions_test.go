@@ -68,8 +68,9 @@ func TestCheckPermissions(t *testing.T) {
 		if took := time.Since(start); took > time.Second {
 			t.Errorf("with %s.nk: the check took %s", key, took)
 		}
-		// worker-g0 may subscribe to the abort subject, not the others:
-		// the first refused is named.
+		// Each subject of g2's worker is refused to these keys (g0's
+		// worker reads kvbus.ctl.abort.g0, not g2's): the first refused is
+		// named.
 		for _, want := range []string{"worker of group g2", `subscribe to kvbus.meta.g2.>`, "--nats-nkey DIR/worker-g2.nk", "DIR/worker.nk"} {
 			if !strings.Contains(err.Error(), want) {
 				t.Errorf("with %s.nk: the error does not say %q: %v", key, want, err)
