@@ -44,44 +44,11 @@ func TestClientAbortGoesToItsGroupOnly(t *testing.T) {
 		t.Fatal(err)
 	}
 	for _, id := range []string{"never-placed", "ended", "mine", "theirs"} {
-		data, err := messages.Marshal(&messages.Abort{ReqID: id, Reason: messages.AbortReasonClientGone})
-		if err != nil {
-			t.Fatal(err)
-		}
-		if err := s.onAbort(context.Background(), &nats.Msg{Subject: s.cfg.Subjects.Abort(), Data: data}); err != nil {
-			t.Fatal(err)
-		}
+		clientAbort(t, s, id)
 	}
-	// Published last on the same connection: it arrives after whatever the
-	// aborts above sent.
-	if err := nc.Publish(s.cfg.Subjects.AbortGroup("end"), nil); err != nil {
-		t.Fatal(err)
-	}
-	want := []struct{ subject, reqID string }{
-		{s.cfg.Subjects.AbortGroup(mine.Group), "mine"},
-		{s.cfg.Subjects.AbortGroup("g2"), "theirs"},
-		{s.cfg.Subjects.AbortGroup("end"), ""},
-	}
-	for i, w := range want {
-		m, err := sub.NextMsg(5 * time.Second)
-		if err != nil {
-			t.Fatalf("message %d (%s on %s): %v", i, w.reqID, w.subject, err)
-		}
-		var id, reason string
-		if m.Subject != s.cfg.Subjects.AbortGroup("end") {
-			a, err := messages.DecodeAbort(m.Data)
-			if err != nil {
-				t.Fatal(err)
-			}
-			id, reason = a.ReqID, a.Reason
-		}
-		if m.Subject != w.subject || id != w.reqID {
-			t.Fatalf("message %d: the abort of %q on %s, want that of %q on %s (and none for a request nobody placed or one that ended)",
-				i, id, m.Subject, w.reqID, w.subject)
-		}
-		if w.reqID != "" && reason != messages.AbortReasonClientGone {
-			t.Errorf("the abort of %s passed on with reason %q, want the client's %q", id, reason, messages.AbortReasonClientGone)
-		}
+	want := []relayedAbort{{s.cfg.Subjects.AbortGroup(mine.Group), "mine"}, {s.cfg.Subjects.AbortGroup("g2"), "theirs"}}
+	if got := relayed(t, s, nc, sub); !slices.Equal(got, want) {
+		t.Errorf("aborts passed on: %v; want %v (and none for a request nobody placed or one that ended)", got, want)
 	}
 	if mine.Group == "" {
 		t.Fatal("the request was placed on no group")
@@ -136,32 +103,54 @@ func TestClientAbortReachesTheAttemptAnAdoptionLeftBehind(t *testing.T) {
 		t.Fatalf("r adopted onto %s as attempt %d, want g1 as attempt 1 (the test's premise)", meta.Group, meta.Attempt)
 	}
 
-	data, err := messages.Marshal(&messages.Abort{ReqID: "r", Reason: messages.AbortReasonClientGone})
+	clientAbort(t, s, "r")
+	var to []string
+	for _, r := range relayed(t, s, nc, aborts) {
+		to = append(to, r.subject)
+	}
+	slices.Sort(to)
+	if want := []string{s.cfg.Subjects.AbortGroup("g0"), s.cfg.Subjects.AbortGroup("g1")}; !slices.Equal(to, want) {
+		t.Errorf("the client's abort of r went to %q, want %q: g0's ranks still run attempt 0", to, want)
+	}
+}
+
+// clientAbort hands s a client's Abort of reqID, as on kvbus.ctl.abort.
+func clientAbort(t *testing.T, s *Scheduler, reqID string) {
+	t.Helper()
+	data, err := messages.Marshal(&messages.Abort{ReqID: reqID, Reason: messages.AbortReasonClientGone})
 	if err != nil {
 		t.Fatal(err)
 	}
 	if err := s.onAbort(context.Background(), &nats.Msg{Subject: s.cfg.Subjects.Abort(), Data: data}); err != nil {
 		t.Fatal(err)
 	}
-	if err := nc.Publish(s.cfg.Subjects.AbortGroup("end"), nil); err != nil {
+}
+
+// relayedAbort is a client's Abort a scheduler passed on to a group.
+type relayedAbort struct{ subject, reqID string }
+
+// relayed returns the client's Aborts sub (on kvbus.ctl.abort.*) received
+// until a marker published on nc, s's connection: it arrives after
+// whatever s sent before it.
+func relayed(t *testing.T, s *Scheduler, nc *nats.Conn, sub *nats.Subscription) []relayedAbort {
+	t.Helper()
+	end := s.cfg.Subjects.AbortGroup("end")
+	if err := nc.Publish(end, nil); err != nil {
 		t.Fatal(err)
 	}
-	var to []string
+	var out []relayedAbort
 	for {
-		m, err := aborts.NextMsg(5 * time.Second)
+		m, err := sub.NextMsg(5 * time.Second)
 		if err != nil {
-			t.Fatal(err)
+			t.Fatalf("after %v: %v", out, err)
 		}
-		if m.Subject == s.cfg.Subjects.AbortGroup("end") {
-			break
+		if m.Subject == end {
+			return out
 		}
-		if a, err := messages.DecodeAbort(m.Data); err != nil || a.ReqID != "r" || a.Group != "" {
-			t.Fatalf("on %s: %+v (%v), want r's client abort", m.Subject, a, err)
+		a, err := messages.DecodeAbort(m.Data)
+		if err != nil || a.Group != "" || a.Reason != messages.AbortReasonClientGone {
+			t.Fatalf("on %s: %+v (%v), want a client's abort passed on unchanged", m.Subject, a, err)
 		}
-		to = append(to, m.Subject)
-	}
-	slices.Sort(to)
-	if want := []string{s.cfg.Subjects.AbortGroup("g0"), s.cfg.Subjects.AbortGroup("g1")}; !slices.Equal(to, want) {
-		t.Errorf("the client's abort of r went to %q, want %q: g0's ranks still run attempt 0", to, want)
+		out = append(out, relayedAbort{m.Subject, a.ReqID})
 	}
 }
