@@ -128,7 +128,9 @@ func For(s messages.Subjects, id Identity) (Permissions, error) {
 			// Nor the schedulers' consumer: its create is also its update
 			// (the action is in the body), and a frontend key could point
 			// it at no subject, or have it drop requests (MaxDeliver 1).
-			Publish: slices.Concat([]string{s.RequestAll(), s.Abort(), s.Resend(), jsAPI + "INFO"},
+			// Resends go to the schedulers (kvbus.ctl.resend), then to
+			// the group's driver they name (kvbus.ctl.resend.<g>).
+			Publish: slices.Concat([]string{s.RequestAll(), s.Abort(), s.Resend(), s.ResendGroup("*"), jsAPI + "INFO"},
 				streamAPI(requestStream, "INFO", "CREATE")),
 			Subscribe: append([]string{s.OutAll(), s.AnnounceRole(messages.RoleScheduler)}, inbox...),
 		}, nil
@@ -156,8 +158,10 @@ func For(s messages.Subjects, id Identity) (Permissions, error) {
 				streamAPI(s.PlanStream(), "INFO", "CREATE"),
 				[]string{jsAPI + "CONSUMER.CREATE." + s.PlanStream() + ".>", jsAPI + "CONSUMER.MSG.NEXT." + s.PlanStream() + ".>",
 					jsAPI + "CONSUMER.DELETE." + s.PlanStream() + ".>", jsAPI + "CONSUMER.INFO." + s.PlanStream() + ".>"}),
-			Subscribe: append([]string{s.DoneAll(), s.KVAll(), s.HeartbeatAll(), s.PlanAll(), s.Abort(),
+			// A frontend's Resend is answered with the request's group.
+			Subscribe: append([]string{s.DoneAll(), s.KVAll(), s.HeartbeatAll(), s.PlanAll(), s.Abort(), s.Resend(),
 				s.AnnounceRole(messages.RoleScheduler)}, inbox...),
+			Responses: 1,
 		}, nil
 	case RoleWorker:
 		g := "*"
@@ -175,10 +179,11 @@ func For(s messages.Subjects, id Identity) (Permissions, error) {
 				// only to its own (outside pool.>, which pool.*.* covers).
 				s.PoolAny(), s.HandoffAny(), s.Drain(g), jsAPI + "INFO"},
 				kvBucket(s.SlotBucket(), slots)),
-			// A worker reads its group's aborts (kvbus.ctl.abort.<g>);
-			// kvbus.ctl.abort, where a worker before 2026-12-07 read every
-			// client's, stays allowed for the time of an upgrade.
-			Subscribe: append([]string{s.MetaGroup(g), s.AbortGroup(g), s.Abort(), s.Resend(), s.DumpGroup(g), s.PoolGroup(g),
+			// A worker reads its group's aborts (kvbus.ctl.abort.<g>) and
+			// resends (kvbus.ctl.resend.<g>); kvbus.ctl.abort and
+			// kvbus.ctl.resend, where a worker before 2026-12-07 read every
+			// group's, stay allowed for the time of an upgrade.
+			Subscribe: append([]string{s.MetaGroup(g), s.AbortGroup(g), s.Abort(), s.ResendGroup(g), s.Resend(), s.DumpGroup(g), s.PoolGroup(g),
 				s.Drain(g), s.HeartbeatAll()}, inbox...),
 			Responses: maxResponses,
 		}, nil

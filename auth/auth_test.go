@@ -195,12 +195,22 @@ func TestPermissionMatrix(t *testing.T) {
 		{"observer", pub, "kvbus.kv.g0.0", false},
 		{"observer", pub, "kvbus.hb.g0.0", false},
 		{"observer", pub, "kvbus.ctl.abort", false},
-		// A frontend asks drivers for lost outputs; workers of any group
-		// hear it, and no other role may ask.
+		// A frontend asks the schedulers which group runs a request that
+		// lost outputs, then that group's driver; no other role may ask,
+		// and a group's worker hears only its own group's asks (and
+		// kvbus.ctl.resend, which a worker before 2026-12-07 read).
 		{"frontend", pub, "kvbus.ctl.resend", true},
+		{"frontend", pub, "kvbus.ctl.resend.g1", true},
+		{"scheduler", sub, "kvbus.ctl.resend", true},
+		{"worker-g1", sub, "kvbus.ctl.resend.g1", true},
+		{"worker-g1", sub, "kvbus.ctl.resend.g0", false},
 		{"worker-g1", sub, "kvbus.ctl.resend", true},
+		{"worker", sub, "kvbus.ctl.resend.*", true},
 		{"scheduler", pub, "kvbus.ctl.resend", false},
+		{"scheduler", pub, "kvbus.ctl.resend.g1", false},
+		{"worker-g1", pub, "kvbus.ctl.resend.g0", false},
 		{"observer", pub, "kvbus.ctl.resend", false},
+		{"observer", pub, "kvbus.ctl.resend.g0", false},
 		{"observer", pub, "$JS.API.INFO", false},
 		{"observer", pub, "$JS.API.CONSUMER.CREATE.KVBUS_REQUESTS.mine", false},
 		{"observer", pub, "$JS.API.STREAM.MSG.GET.KVBUS_REQUESTS", false},

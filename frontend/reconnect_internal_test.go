@@ -171,13 +171,14 @@ func TestRequestWaitsForAReconnect(t *testing.T) {
 }
 
 // TestResendRightAfterAReconnectWaitsForTheDrivers: a frontend back on NATS
-// before the drivers asks for a stream's lost outputs, and NATS answers "no
-// responders" at once, the drivers' subscriptions not being back on the
-// server yet. The ask is repeated until a driver answers (here 400 ms
-// later); before, the answer was the "no responders" and the stream ended
-// with output_lost though its driver held every output. Away from a
-// reconnect, "no responders" is the answer at once (no driver keeps
-// outputs).
+// before the schedulers and the drivers asks for a stream's lost outputs,
+// and NATS answers "no responders" at once, their subscriptions not being
+// back on the server yet. Each ask is repeated until it is answered: here
+// a scheduler comes back 200 ms later and names the group, whose driver
+// comes back 400 ms later; before, the answer was the "no responders" and
+// the stream ended with output_lost though its driver held every output.
+// Away from a reconnect, "no responders" is the answer at once (no
+// scheduler runs).
 func TestResendRightAfterAReconnectWaitsForTheDrivers(t *testing.T) {
 	srv, addr, nc := reconnectingConn(t)
 	subj := messages.Subjects{}
@@ -192,38 +193,62 @@ func TestResendRightAfterAReconnectWaitsForTheDrivers(t *testing.T) {
 		t.Fatal(err)
 	}
 	start := time.Now()
-	if _, err := s.askDrivers(data); !errors.Is(err, nats.ErrNoResponders) || time.Since(start) > resendWait/2 {
-		t.Fatalf("no driver, no reconnect: %v after %s; want no responders at once", err, time.Since(start))
+	if _, err := s.askDriver(data); !errors.Is(err, nats.ErrNoResponders) || time.Since(start) > resendWait/2 {
+		t.Fatalf("no scheduler, no reconnect: %v after %s; want no responders at once", err, time.Since(start))
 	}
 
 	srv2 := restartNATS(t, srv, addr, nc)
 	if _, err := nc.Request(subj.Resend(), data, time.Second); !errors.Is(err, nats.ErrNoResponders) {
 		t.Fatalf("right after the reconnect, a plain request got %v; want no responders (the fault)", err)
 	}
-	driverBack := make(chan error, 1)
-	go func() {
-		time.Sleep(400 * time.Millisecond)
-		driver, err := nats.Connect(srv2.ClientURL())
+	back := make(chan error, 2)
+	answerAfter := func(d time.Duration, subject string, reply *messages.ResendReply) {
+		time.Sleep(d)
+		c, err := nats.Connect(srv2.ClientURL())
 		if err == nil {
-			t.Cleanup(driver.Close)
-			_, err = driver.Subscribe(subj.Resend(), func(m *nats.Msg) {
-				reply, _ := messages.Marshal(&messages.ResendReply{Resent: 3})
-				_ = m.Respond(reply)
+			t.Cleanup(c.Close)
+			_, err = c.Subscribe(subject, func(m *nats.Msg) {
+				data, _ := messages.Marshal(reply)
+				_ = m.Respond(data)
 			})
 		}
 		if err == nil {
-			err = driver.Flush()
+			err = c.Flush()
 		}
-		driverBack <- err
-	}()
-	msg, err := s.askDrivers(data)
-	if err := <-driverBack; err != nil {
+		back <- err
+	}
+	go answerAfter(200*time.Millisecond, subj.Resend(), &messages.ResendReply{Group: "g0"})
+	go answerAfter(400*time.Millisecond, subj.ResendGroup("g0"), &messages.ResendReply{Resent: 3})
+	reply, err := s.askDriver(data)
+	for range 2 {
+		if err := <-back; err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err != nil || reply.Resent != 3 {
+		t.Fatalf("asked right after a reconnect, the scheduler back 200 ms later, the driver 400 ms: %+v, %v; want the driver's answer (resent 3)", reply, err)
+	}
+}
+
+// TestResendAnsweredByAnEarlierDriver: a driver before 2026-12-07 reads
+// kvbus.ctl.resend and answers there itself (its group's schedulers then
+// name no group): its answer is the one taken, during an upgrade.
+func TestResendAnsweredByAnEarlierDriver(t *testing.T) {
+	srv, _, nc := reconnectingConn(t)
+	t.Cleanup(srv.Shutdown)
+	subj := messages.Subjects{}
+	s := &Server{cfg: Config{Conn: nc, Subjects: subj}, log: slog.New(slog.DiscardHandler), pending: map[string]route{}}
+	if _, err := nc.Subscribe(subj.Resend(), func(m *nats.Msg) {
+		data, _ := messages.Marshal(&messages.ResendReply{Resent: 2, Done: true})
+		_ = m.Respond(data)
+	}); err != nil {
 		t.Fatal(err)
 	}
+	data, err := messages.Marshal(&messages.Resend{ReqID: "r", FromIndex: 1})
 	if err != nil {
-		t.Fatalf("asked right after a reconnect, the driver back 400 ms later: %v; want its answer", err)
+		t.Fatal(err)
 	}
-	if reply, err := messages.DecodeResendReply(msg.Data); err != nil || reply.Resent != 3 {
-		t.Fatalf("answer %+v, %v; want the driver's (resent 3)", reply, err)
+	if reply, err := s.askDriver(data); err != nil || reply.Resent != 2 || !reply.Done {
+		t.Fatalf("%+v, %v; want the earlier driver's answer (resent 2, done)", reply, err)
 	}
 }

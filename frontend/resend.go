@@ -14,8 +14,9 @@ import (
 // skipped, or nothing heard after a NATS reconnect) cannot be asked again
 // from the start: the client has its first chunks. Its driver rank keeps
 // the outputs of every stream (workers/replay.go), so the frontend asks it
-// (messages.Resend on kvbus.ctl.resend) to publish them again from the
-// first index missing; outputs past it are dropped until they come again,
+// (messages.Resend: the schedulers on kvbus.ctl.resend say which group
+// runs it, then that group's driver on kvbus.ctl.resend.<group>) to
+// publish them again from the first index missing; outputs past it are dropped until they come again,
 // in order, and the client's stream goes on where it was cut. A driver that
 // does not answer within resendWait (it stopped: the scheduler moves the
 // request, which ends the stream with group_failed; or it no longer keeps
@@ -78,11 +79,7 @@ func (g *generation) resend(i int, why string, probe bool) bool {
 	s, q, ask := g.s, g.q, c.resends
 	go func() {
 		out := &resendOutcome{busID: rs.ReqID, attempt: rs.Attempt, ask: ask, probe: probe}
-		msg, err := s.askDrivers(data)
-		var reply *messages.ResendReply
-		if err == nil {
-			reply, err = messages.DecodeResendReply(msg.Data)
-		}
+		reply, err := s.askDriver(data)
 		switch {
 		case errors.Is(err, nats.ErrTimeout) || errors.Is(err, nats.ErrNoResponders):
 			out.err = fmt.Sprintf("no worker holds its outputs (none answered within %s)", resendWait)
@@ -98,22 +95,38 @@ func (g *generation) resend(i int, why string, probe bool) bool {
 	return true
 }
 
-// askDrivers sends a Resend (data) to the drivers and waits up to
-// resendWait for the answer of the one that holds the request. A frontend
-// that has just reconnected to NATS may be back before the drivers: their
-// subscriptions are not on the server yet, and NATS answers "no
-// responders" at once, which would end a stream whose driver holds every
-// output with output_lost. So within LostOutputWait+resendWait of a
-// reconnect the ask is sent again every noRespondersRetry until resendWait
-// has passed; otherwise "no responders" is the answer (no driver keeps
-// outputs: --stream-replay 0).
-func (s *Server) askDrivers(data []byte) (*nats.Msg, error) {
+// askDriver sends a Resend (data) to the driver that holds the request and
+// waits up to resendWait for its answer: first to the schedulers, the one
+// that knows the request's group answering with its name (a driver before
+// 2026-12-07, which reads kvbus.ctl.resend, answers itself), then to that
+// group's driver.
+func (s *Server) askDriver(data []byte) (*messages.ResendReply, error) {
 	deadline := time.Now().Add(resendWait)
+	reply, err := s.ask(s.cfg.Subjects.Resend(), data, deadline)
+	if err != nil || reply.Group == "" {
+		return reply, err // a driver before 2026-12-07 answered
+	}
+	return s.ask(s.cfg.Subjects.ResendGroup(reply.Group), data, deadline)
+}
+
+// ask sends a Resend (data) on subject and waits for the answer until
+// deadline. A frontend that has just reconnected to NATS may be back
+// before the schedulers or the drivers: their subscriptions are not on the
+// server yet, and NATS answers "no responders" at once, which would end a
+// stream whose driver holds every output with output_lost. So within
+// LostOutputWait+resendWait of a reconnect the request is sent again every
+// noRespondersRetry until the deadline is near; otherwise "no responders"
+// is the answer (no scheduler runs, or no driver keeps outputs:
+// --stream-replay 0).
+func (s *Server) ask(subject string, data []byte, deadline time.Time) (*messages.ResendReply, error) {
 	for {
-		msg, err := s.cfg.Conn.Request(s.cfg.Subjects.Resend(), data, time.Until(deadline))
+		msg, err := s.cfg.Conn.Request(subject, data, time.Until(deadline))
+		if err == nil {
+			return messages.DecodeResendReply(msg.Data)
+		}
 		if !errors.Is(err, nats.ErrNoResponders) || time.Until(deadline) < 2*noRespondersRetry ||
 			!s.reconnectedWithin(s.cfg.LostOutputWait+resendWait) {
-			return msg, err
+			return nil, err
 		}
 		time.Sleep(noRespondersRetry)
 	}

@@ -474,6 +474,9 @@ func (m *ResendReply) validate() error {
 	if m.Resent < 0 {
 		return invalid("resend reply: negative resent %d", m.Resent)
 	}
+	if m.Group != "" && ValidateGroup(m.Group) != nil {
+		return invalid("resend reply: %v", ValidateGroup(m.Group))
+	}
 	return nil
 }
 

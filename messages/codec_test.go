@@ -230,6 +230,7 @@ func codecCases() []codecCase {
 		{"Resend/from 0", func() Message { return &Resend{ReqID: "r"} }, decodeAs(DecodeResend)},
 		{"ResendReply", func() Message { return &ResendReply{Resent: 3, Done: true} }, decodeAs(DecodeResendReply)},
 		{"ResendReply/error", func() Message { return &ResendReply{Error: "no longer kept"} }, decodeAs(DecodeResendReply)},
+		{"ResendReply/a scheduler's", func() Message { return &ResendReply{Group: "g0", Error: "ask g0"} }, decodeAs(DecodeResendReply)},
 	}
 }
 
@@ -679,6 +680,7 @@ func TestValidation(t *testing.T) {
 		{"Resend/negative from_index", &Resend{ReqID: "r", FromIndex: -1}, decodeAs(DecodeResend)},
 		{"Resend/negative attempt", &Resend{ReqID: "r", Attempt: -1}, decodeAs(DecodeResend)},
 		{"ResendReply/negative resent", &ResendReply{Resent: -1}, decodeAs(DecodeResendReply)},
+		{"ResendReply/a group no subject can name", &ResendReply{Group: "g0.>"}, decodeAs(DecodeResendReply)},
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {

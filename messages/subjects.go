@@ -214,9 +214,15 @@ func (s Subjects) Abort() string { return s.p() + "." + KindControl + ".abort" }
 // kvbus.ctl.abort, and its own withdrawals. group may be "*" (every group).
 func (s Subjects) AbortGroup(group string) string { return s.Abort() + "." + group }
 
-// Resend is kvbus.ctl.resend, a request to the driver rank of a request
-// for outputs lost on the bus (see Resend).
+// Resend is kvbus.ctl.resend, where a frontend asks the schedulers which
+// group holds a request whose outputs it lost on the bus (see Resend); a
+// driver rank before 2026-12-07 read it itself.
 func (s Subjects) Resend() string { return s.p() + "." + KindControl + ".resend" }
+
+// ResendGroup is kvbus.ctl.resend.<group>, where a frontend asks the
+// group's driver rank for the outputs of a request again (see Resend).
+// group may be "*" (every group).
+func (s Subjects) ResendGroup(group string) string { return s.Resend() + "." + group }
 
 // Dump is kvbus.ctl.dump.<group>.<rank>, a request/reply for a full
 // KVEventBatch of what a rank holds.

@@ -163,6 +163,8 @@ func TestSubjects(t *testing.T) {
 			{"Dump", s.Dump("g0", 12), p + ".ctl.dump.g0.12"},
 			{"All", s.All(), p + ".>"},
 			{"Resend", s.Resend(), p + ".ctl.resend"},
+			{"ResendGroup", s.ResendGroup("g0"), p + ".ctl.resend.g0"},
+			{"ResendGroup/every group", s.ResendGroup("*"), p + ".ctl.resend.*"},
 			{"Announce", s.Announce("scheduler", "s1"), p + ".ann.scheduler.s1"},
 			{"AnnounceRole", s.AnnounceRole("scheduler"), p + ".ann.scheduler.*"},
 			{"Plan", s.Plan("s1"), p + ".sched.plan.s1"},

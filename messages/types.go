@@ -373,6 +373,10 @@ type Heartbeat struct {
 	// to those tokens, rather than count it whole until it ends.
 	PrefillingUs     int64 `msgpack:"prefilling_us,omitempty" json:"prefilling_us,omitempty"`
 	PrefillingTokens int64 `msgpack:"prefilling_tokens,omitempty" json:"prefilling_tokens,omitempty"`
+	// ResendByGroup is set by a driver rank that answers Resends on
+	// kvbus.ctl.resend.<group>: the schedulers send frontends there. A
+	// driver before 2026-12-07 read kvbus.ctl.resend and answered itself.
+	ResendByGroup bool `msgpack:"resend_by_group,omitempty" json:"resend_by_group,omitempty"`
 }
 
 // Announcement tells the cluster that a role's process is alive and whether
@@ -480,12 +484,17 @@ type Abort struct {
 }
 
 // Resend asks the driver rank of a request for its outputs again, from
-// FromIndex on, on kvbus.ctl.resend (a request; only the driver that holds
-// the request's outputs answers, with a ResendReply, after publishing them
-// again on the request's output subject). A frontend sends it when a
-// stream already under way lost outputs on the bus (an index skipped, or
-// nothing heard after a NATS reconnect): the client's stream goes on where
-// it was cut instead of ending with output_lost.
+// FromIndex on (a request; only the driver that holds the request's outputs
+// answers, with a ResendReply, after publishing them again on the request's
+// output subject). A frontend sends it when a stream already under way lost
+// outputs on the bus (an index skipped, or nothing heard after a NATS
+// reconnect): the client's stream goes on where it was cut instead of
+// ending with output_lost. It goes first to kvbus.ctl.resend, where a
+// scheduler replica that knows the request's group answers with a
+// ResendReply naming it (Group), then, unchanged, to that group's driver on
+// kvbus.ctl.resend.<group>. (Before 2026-12-07 every group's driver read
+// kvbus.ctl.resend: after a NATS restart of a cluster of 1,000 groups, every
+// request a frontend asked about was read 1,000 times.)
 type Resend struct {
 	V         int    `msgpack:"v" json:"v"`
 	ReqID     string `msgpack:"req_id" json:"req_id"`
@@ -493,14 +502,17 @@ type Resend struct {
 	FromIndex int    `msgpack:"from_index" json:"from_index"`
 }
 
-// ResendReply answers a Resend: how many outputs were published again
-// (zero: none after FromIndex yet, the request is still running), or why
-// none could be (the outputs are no longer kept).
+// ResendReply answers a Resend. A driver's: how many outputs were published
+// again (zero: none after FromIndex yet, the request is still running), or
+// why none could be (the outputs are no longer kept). A scheduler's names
+// the Group whose driver to ask, with an Error for a frontend before
+// 2026-12-07, which knows no Group.
 type ResendReply struct {
 	V      int    `msgpack:"v" json:"v"`
 	Resent int    `msgpack:"resent" json:"resent"`
 	Done   bool   `msgpack:"done,omitempty" json:"done,omitempty"`
 	Error  string `msgpack:"error,omitempty" json:"error,omitempty"`
+	Group  string `msgpack:"group,omitempty" json:"group,omitempty"`
 }
 
 // PoolRead asks a rank for blocks of its segment of the KV pool, on

@@ -1140,8 +1140,8 @@ func (z *HandoffTarget) Msgsize() (s int) {
 func (z *Heartbeat) MarshalMsg(b []byte) (o []byte, err error) {
 	o = msgp.Require(b, z.Msgsize())
 	// check for omitted fields
-	zb0001Len := uint32(20)
-	var zb0001Mask uint32 /* 20 bits */
+	zb0001Len := uint32(21)
+	var zb0001Mask uint32 /* 21 bits */
 	_ = zb0001Mask
 	if z.UsedBytes == 0 {
 		zb0001Len--
@@ -1182,6 +1182,10 @@ func (z *Heartbeat) MarshalMsg(b []byte) (o []byte, err error) {
 	if z.PrefillingTokens == 0 {
 		zb0001Len--
 		zb0001Mask |= 0x80000
+	}
+	if z.ResendByGroup == false {
+		zb0001Len--
+		zb0001Mask |= 0x100000
 	}
 	// variable map header, size zb0001Len
 	o = msgp.AppendMapHeader(o, zb0001Len)
@@ -1267,6 +1271,11 @@ func (z *Heartbeat) MarshalMsg(b []byte) (o []byte, err error) {
 			// string "prefilling_tokens"
 			o = append(o, 0xb1, 0x70, 0x72, 0x65, 0x66, 0x69, 0x6c, 0x6c, 0x69, 0x6e, 0x67, 0x5f, 0x74, 0x6f, 0x6b, 0x65, 0x6e, 0x73)
 			o = msgp.AppendInt64(o, z.PrefillingTokens)
+		}
+		if (zb0001Mask & 0x100000) == 0 { // if not omitted
+			// string "resend_by_group"
+			o = append(o, 0xaf, 0x72, 0x65, 0x73, 0x65, 0x6e, 0x64, 0x5f, 0x62, 0x79, 0x5f, 0x67, 0x72, 0x6f, 0x75, 0x70)
+			o = msgp.AppendBool(o, z.ResendByGroup)
 		}
 	}
 	return
@@ -1414,6 +1423,12 @@ func (z *Heartbeat) UnmarshalMsg(bts []byte) (o []byte, err error) {
 				err = msgp.WrapError(err, "PrefillingTokens")
 				return
 			}
+		case "resend_by_group":
+			z.ResendByGroup, bts, err = msgp.ReadBoolBytes(bts)
+			if err != nil {
+				err = msgp.WrapError(err, "ResendByGroup")
+				return
+			}
 		default:
 			bts, err = msgp.Skip(bts)
 			if err != nil {
@@ -1428,7 +1443,7 @@ func (z *Heartbeat) UnmarshalMsg(bts []byte) (o []byte, err error) {
 
 // Msgsize returns an upper bound estimate of the number of bytes occupied by the serialized message
 func (z *Heartbeat) Msgsize() (s int) {
-	s = 3 + 2 + msgp.IntSize + 6 + msgp.StringPrefixSize + len(z.Group) + 8 + msgp.IntSize + 8 + msgp.IntSize + 11 + msgp.IntSize + 6 + msgp.StringPrefixSize + len(z.Model) + 16 + msgp.Int64Size + 12 + msgp.Int64Size + 11 + msgp.Int64Size + 12 + msgp.IntSize + 16 + msgp.Int64Size + 9 + msgp.BoolSize + 10 + msgp.BoolSize + 17 + msgp.StringPrefixSize + len(z.NotReadyReason) + 18 + msgp.IntSize + 22 + msgp.Int64Size + 19 + msgp.Int64Size + 26 + msgp.Int64Size + 14 + msgp.Int64Size + 18 + msgp.Int64Size
+	s = 3 + 2 + msgp.IntSize + 6 + msgp.StringPrefixSize + len(z.Group) + 8 + msgp.IntSize + 8 + msgp.IntSize + 11 + msgp.IntSize + 6 + msgp.StringPrefixSize + len(z.Model) + 16 + msgp.Int64Size + 12 + msgp.Int64Size + 11 + msgp.Int64Size + 12 + msgp.IntSize + 16 + msgp.Int64Size + 9 + msgp.BoolSize + 10 + msgp.BoolSize + 17 + msgp.StringPrefixSize + len(z.NotReadyReason) + 18 + msgp.IntSize + 22 + msgp.Int64Size + 19 + msgp.Int64Size + 26 + msgp.Int64Size + 14 + msgp.Int64Size + 18 + msgp.Int64Size + 16 + msgp.BoolSize
 	return
 }
 
@@ -3877,8 +3892,8 @@ func (z *Resend) Msgsize() (s int) {
 func (z *ResendReply) MarshalMsg(b []byte) (o []byte, err error) {
 	o = msgp.Require(b, z.Msgsize())
 	// check for omitted fields
-	zb0001Len := uint32(4)
-	var zb0001Mask uint8 /* 4 bits */
+	zb0001Len := uint32(5)
+	var zb0001Mask uint8 /* 5 bits */
 	_ = zb0001Mask
 	if z.Done == false {
 		zb0001Len--
@@ -3887,6 +3902,10 @@ func (z *ResendReply) MarshalMsg(b []byte) (o []byte, err error) {
 	if z.Error == "" {
 		zb0001Len--
 		zb0001Mask |= 0x8
+	}
+	if z.Group == "" {
+		zb0001Len--
+		zb0001Mask |= 0x10
 	}
 	// variable map header, size zb0001Len
 	o = append(o, 0x80|uint8(zb0001Len))
@@ -3908,6 +3927,11 @@ func (z *ResendReply) MarshalMsg(b []byte) (o []byte, err error) {
 			// string "error"
 			o = append(o, 0xa5, 0x65, 0x72, 0x72, 0x6f, 0x72)
 			o = msgp.AppendString(o, z.Error)
+		}
+		if (zb0001Mask & 0x10) == 0 { // if not omitted
+			// string "group"
+			o = append(o, 0xa5, 0x67, 0x72, 0x6f, 0x75, 0x70)
+			o = msgp.AppendString(o, z.Group)
 		}
 	}
 	return
@@ -3959,6 +3983,12 @@ func (z *ResendReply) UnmarshalMsg(bts []byte) (o []byte, err error) {
 				err = msgp.WrapError(err, "Error")
 				return
 			}
+		case "group":
+			z.Group, bts, err = msgp.ReadStringBytes(bts)
+			if err != nil {
+				err = msgp.WrapError(err, "Group")
+				return
+			}
 		default:
 			bts, err = msgp.Skip(bts)
 			if err != nil {
@@ -3973,7 +4003,7 @@ func (z *ResendReply) UnmarshalMsg(bts []byte) (o []byte, err error) {
 
 // Msgsize returns an upper bound estimate of the number of bytes occupied by the serialized message
 func (z *ResendReply) Msgsize() (s int) {
-	s = 1 + 2 + msgp.IntSize + 7 + msgp.IntSize + 5 + msgp.BoolSize + 6 + msgp.StringPrefixSize + len(z.Error)
+	s = 1 + 2 + msgp.IntSize + 7 + msgp.IntSize + 5 + msgp.BoolSize + 6 + msgp.StringPrefixSize + len(z.Error) + 6 + msgp.StringPrefixSize + len(z.Group)
 	return
 }
 

@@ -154,7 +154,7 @@ func decodeAny(s messages.Subjects, subject string, data []byte) (string, any) {
 		case subject == s.Abort(), strings.HasPrefix(subject, s.Abort()+"."): // a client's, or one group's
 			kind = "abort"
 			v, err = messages.DecodeAbort(data)
-		case subject == s.Resend():
+		case subject == s.Resend(), strings.HasPrefix(subject, s.Resend()+"."): // to the schedulers, or to one group's driver
 			kind = "resend"
 			v, err = messages.DecodeResend(data)
 		default:

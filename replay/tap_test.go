@@ -262,27 +262,39 @@ func TestTapHeartbeats(t *testing.T) {
 	}
 }
 
-// TestTapAborts: a client's Abort (kvbus.ctl.abort) and the one a
-// scheduler passes on to a group (kvbus.ctl.abort.<g>) are both shown as
-// aborts, decoded; the second was shown as a dump request's size.
-func TestTapAborts(t *testing.T) {
+// TestTapAbortsAndResends: a client's Abort (kvbus.ctl.abort) and the one
+// a scheduler passes on to a group (kvbus.ctl.abort.<g>) are both shown as
+// aborts, decoded; the second was shown as a dump request's size. So are a
+// frontend's Resends to the schedulers (kvbus.ctl.resend) and to a group's
+// driver (kvbus.ctl.resend.<g>).
+func TestTapAbortsAndResends(t *testing.T) {
 	srv := testenv.StartNATS(t)
 	pub := testenv.Connect(t, srv)
 	subj := messages.Subjects{Prefix: "taptest"} // no kvbus component listens
 	out := startTap(t, testenv.Connect(t, srv), replay.TapConfig{Subjects: subj}).out
-	data, err := messages.Marshal(&messages.Abort{ReqID: "r1", Reason: messages.AbortReasonClientGone})
+	abort, err := messages.Marshal(&messages.Abort{ReqID: "r1", Reason: messages.AbortReasonClientGone})
 	if err != nil {
 		t.Fatal(err)
 	}
-	for _, s := range []string{subj.Abort(), subj.AbortGroup("g0")} {
-		if err := pub.Publish(s, data); err != nil {
+	resend, err := messages.Marshal(&messages.Resend{ReqID: "r2", FromIndex: 3})
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, m := range []struct {
+		subject string
+		data    []byte
+	}{{subj.Abort(), abort}, {subj.AbortGroup("g0"), abort}, {subj.Resend(), resend}, {subj.ResendGroup("g0"), resend}} {
+		if err := pub.Publish(m.subject, m.data); err != nil {
 			t.Fatal(err)
 		}
 	}
-	testenv.Eventually(t, 5*time.Second, "two lines", func() bool { return len(tapLines(t, out)) == 2 })
-	for _, l := range tapLines(t, out) {
-		if l.Kind != "abort" || l.Msg["req_id"] != "r1" || l.Msg["reason"] != messages.AbortReasonClientGone {
+	testenv.Eventually(t, 5*time.Second, "four lines", func() bool { return len(tapLines(t, out)) == 4 })
+	for i, l := range tapLines(t, out) {
+		switch {
+		case i < 2 && (l.Kind != "abort" || l.Msg["req_id"] != "r1" || l.Msg["reason"] != messages.AbortReasonClientGone):
 			t.Errorf("line %+v, want the abort of r1", l)
+		case i >= 2 && (l.Kind != "resend" || l.Msg["req_id"] != "r2" || l.Msg["from_index"] != float64(3)):
+			t.Errorf("line %+v, want the resend of r2 from index 3", l)
 		}
 	}
 }

@@ -64,6 +64,10 @@ type groupInfo struct {
 	// the engine had been on it, and at most how many blocks it is.
 	prefilling       time.Duration
 	prefillingBlocks int
+	// resendByGroup: the driver's last heartbeat says it answers Resends
+	// on kvbus.ctl.resend.<group> (a driver before 2026-12-07 reads
+	// kvbus.ctl.resend itself).
+	resendByGroup bool
 	// This replica's changes since that heartbeat.
 	inflight int
 	queued   int
@@ -292,6 +296,7 @@ func (t *groupTable) observe(hb *messages.Heartbeat, now time.Time) (stale, repo
 		g.prefilling = time.Duration(max(hb.PrefillingUs, 0)) * time.Microsecond
 		g.prefillingBlocks = int((max(hb.PrefillingTokens, 0) + bs - 1) / bs)
 		g.inflight, g.queued = 0, 0
+		g.resendByGroup = hb.ResendByGroup
 	}
 	return false, false, gap
 }
@@ -430,6 +435,15 @@ func (t *groupTable) worldSize(name string) int {
 		return g.worldSize
 	}
 	return 0
+}
+
+// resendByGroup reports whether the group's driver answers Resends on
+// kvbus.ctl.resend.<group>, by its last heartbeat.
+func (t *groupTable) resendByGroup(name string) bool {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	g := t.groups[name]
+	return g != nil && g.resendByGroup
 }
 
 // capacityBlocks returns how many blocks the smallest store of the group's

@@ -193,6 +193,38 @@ func (s *Scheduler) relayAbort(group, reqID string, data []byte) {
 	}
 }
 
+// onResend tells a frontend that lost outputs of a request on the bus which
+// group's driver to ask for them again (ResendReply.Group): for a request
+// of this replica, live or ended lately, or another replica's, from its save
+// plan (that replica may have died; a frontend takes the first answer, and
+// a second costs it nothing). Frontends ask the schedulers, not every
+// driver: with every group's driver reading kvbus.ctl.resend, a frontend
+// back from a NATS restart had each of its requests that heard nothing
+// read by every group. A request this replica does not know, or has not
+// placed yet, gets no answer from it; nor does one whose group's driver
+// predates kvbus.ctl.resend.<group> (it reads kvbus.ctl.resend and answers
+// itself).
+func (s *Scheduler) onResend(_ context.Context, m *nats.Msg) error {
+	rs, err := messages.DecodeResend(m.Data)
+	if err != nil {
+		return err
+	}
+	group := s.trackers.route(rs.ReqID)
+	if d, ok := s.dispatched.Get(rs.ReqID, time.Now()); ok && group == "" {
+		group = d.group
+	}
+	if group == "" || m.Reply == "" || !s.groups.resendByGroup(group) {
+		return nil
+	}
+	data, err := messages.Marshal(&messages.ResendReply{Group: group,
+		// What a frontend before 2026-12-07, which knows no Group, says.
+		Error: "its driver is asked on " + s.cfg.Subjects.ResendGroup(group) + " since 2026-12-07, which this frontend predates (upgrade it)"})
+	if err != nil {
+		return err
+	}
+	return m.Respond(data)
+}
+
 // sendError ends a request at its frontend with an error chunk.
 func (s *Scheduler) sendError(frontendID, reqID, sessionID string, attempt int, code, msg string) {
 	data, err := messages.Marshal(&messages.Output{ReqID: reqID, Attempt: attempt, Error: &messages.OutputError{Code: code, Message: msg}})

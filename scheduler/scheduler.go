@@ -380,6 +380,9 @@ func (s *Scheduler) Run(ctx context.Context) error {
 	// without adopting a dead replica's requests (the server's refusal is
 	// logged).
 	handlers = append(handlers, handler{subj.AnnounceRole(messages.RoleScheduler), "scheduler_peers", s.onPeer, false})
+	// Nor the frontends' Resends: under an earlier key they go unanswered
+	// (a stream that lost outputs on the bus ends with output_lost).
+	handlers = append(handlers, handler{subj.Resend(), "scheduler_resend", s.onResend, false})
 	js, err := jetstream.New(nc)
 	if err != nil {
 		return fmt.Errorf("scheduler: jetstream: %w", err)

@@ -75,28 +75,34 @@ type trackerTable struct {
 	mu sync.Mutex
 	m  map[string]*RequestTracker
 	// ended remembers recently ended requests, so that a redelivery of one
-	// from the request log is not run twice, with the outcome of an Abort
-	// that came before the request was dispatched (see abort). Bounded by
-	// count and age.
-	ended *recent.Memory[requestOutcome]
+	// from the request log is not run twice. Bounded by count and age.
+	ended *recent.Memory[endedRequest]
 	// endedIDs are the requests ended since takeEnded last ran, for the
 	// other replicas (not to adopt them).
 	endedIDs []string
 }
 
+// endedRequest is what the tracker table remembers of an ended request:
+// the outcome of an Abort that came before it was dispatched (see abort),
+// or the group it ran on last, for a frontend's Resend (see route).
+type endedRequest struct {
+	outcome requestOutcome
+	group   string
+}
+
 func newTrackerTable(ended recent.Config) (*trackerTable, error) {
-	mem, err := recent.New[requestOutcome](ended)
+	mem, err := recent.New[endedRequest](ended)
 	if err != nil {
 		return nil, err
 	}
 	return &trackerTable{m: map[string]*RequestTracker{}, ended: mem}, nil
 }
 
-// endLocked removes a tracker and remembers its id.
-func (tt *trackerTable) endLocked(id string) {
-	delete(tt.m, id)
-	tt.ended.Put(id, outcomeCompleted, time.Now())
-	tt.endedIDs = append(tt.endedIDs, id)
+// endLocked removes a tracker and remembers where it ran.
+func (tt *trackerTable) endLocked(t *RequestTracker) {
+	delete(tt.m, t.ReqID)
+	tt.ended.Put(t.ReqID, endedRequest{group: t.Group}, time.Now())
+	tt.endedIDs = append(tt.endedIDs, t.ReqID)
 }
 
 // takeEnded returns the requests ended since it last ran.
@@ -120,7 +126,7 @@ func (tt *trackerTable) handOver(id string, take func(string) *RequestTracker) (
 	t = tt.m[id]
 	if t != nil {
 		delete(tt.m, id)
-		tt.ended.Put(id, outcomeCompleted, time.Now())
+		tt.ended.Put(id, endedRequest{}, time.Now()) // the other replica answers its Resends
 	}
 	return t, take(id)
 }
@@ -175,11 +181,11 @@ func (tt *trackerTable) abort(id string, outcome requestOutcome) *RequestTracker
 	defer tt.mu.Unlock()
 	t := tt.m[id]
 	if t != nil {
-		tt.endLocked(id)
+		tt.endLocked(t)
 		return t
 	}
 	if _, ended := tt.ended.Get(id, time.Now()); !ended { // an abort again, or one of a request that ended, changes nothing
-		tt.ended.Put(id, outcome, time.Now())
+		tt.ended.Put(id, endedRequest{outcome: outcome}, time.Now())
 		tt.endedIDs = append(tt.endedIDs, id)
 	}
 	return nil
@@ -191,7 +197,7 @@ func (tt *trackerTable) abortedInLog(id string) (requestOutcome, bool) {
 	tt.mu.Lock()
 	defer tt.mu.Unlock()
 	var outcome requestOutcome
-	tt.ended.Update(id, time.Now(), func(o *requestOutcome) { outcome, *o = *o, outcomeCompleted })
+	tt.ended.Update(id, time.Now(), func(e *endedRequest) { outcome, e.outcome = e.outcome, outcomeCompleted })
 	return outcome, outcome != outcomeCompleted
 }
 
@@ -220,7 +226,7 @@ func (tt *trackerTable) addResult(r *messages.RankResult, hold func(*RequestTrac
 	if len(t.Results) < t.WorldSize {
 		return nil, false, true
 	}
-	tt.endLocked(r.ReqID)
+	tt.endLocked(t)
 	return t, hold != nil && hold(t), true
 }
 
@@ -251,19 +257,33 @@ func (tt *trackerTable) prefilled(r *messages.RankResult) (group string, work in
 func (tt *trackerTable) stranded(gone func(t *RequestTracker) bool, elsewhere func(model string) bool) (movable, lost []*RequestTracker) {
 	tt.mu.Lock()
 	defer tt.mu.Unlock()
-	for id, t := range tt.m {
+	for _, t := range tt.m {
 		if t.Group == "" || !gone(t) {
 			continue
 		}
 		started := t.Prefilled && (t.Request == nil || t.Request.Stream || !elsewhere(t.Model))
 		if t.Results[0] != nil || started {
 			lost = append(lost, t)
-			tt.endLocked(id)
+			tt.endLocked(t)
 		} else {
 			movable = append(movable, t)
 		}
 	}
 	return movable, lost
+}
+
+// route returns the group a request runs on, or ran on last if it ended
+// within the memory of ended requests (its driver keeps the outputs for a
+// while after the end: workers' --stream-replay-age); "" when it is unknown
+// here, not placed yet, or another replica's now.
+func (tt *trackerTable) route(id string) string {
+	tt.mu.Lock()
+	defer tt.mu.Unlock()
+	if t := tt.m[id]; t != nil {
+		return t.Group
+	}
+	e, _ := tt.ended.Get(id, time.Now())
+	return e.group
 }
 
 // update runs f on a live tracker under the table's lock; it reports whether
@@ -323,10 +343,10 @@ func (tt *trackerTable) expired(now time.Time) []*RequestTracker {
 	tt.mu.Lock()
 	defer tt.mu.Unlock()
 	var out []*RequestTracker
-	for id, t := range tt.m {
+	for _, t := range tt.m {
 		if now.After(t.Deadline) {
 			out = append(out, t)
-			tt.endLocked(id)
+			tt.endLocked(t)
 		}
 	}
 	return out

@@ -61,7 +61,10 @@ type Rank struct {
 	hbAsked   atomic.Int64 // unix ns of heartbeatSoon's last call
 	lastHB    atomic.Int64 // unix ns when the last heartbeat read the rank's state
 	dropped   atomic.Int64 // ReqMetas ignored for DropReqMetas
-	delayed   atomic.Bool  // the first ReqMeta was delayed (DelayFirstReqMeta)
+	// resendByGroup: the driver reads its group's Resends (its heartbeats
+	// say so).
+	resendByGroup atomic.Bool
+	delayed       atomic.Bool // the first ReqMeta was delayed (DelayFirstReqMeta)
 	// skewSaid holds back repeats of the warning that a ReqMeta's
 	// deadline, on this host's clock, disagrees with its time left.
 	skewSaid logevery.Limiter[time.Duration]

@@ -193,6 +193,7 @@ func (r *Rank) heartbeat() {
 		hb.QueuedLoadTokens, hb.QueuedRemoteLoadTokens = max(r.queuedLoad.Load(), 0), max(r.queuedRemote.Load(), 0)
 		elapsed, tokens := r.prefills.head(time.Now())
 		hb.PrefillingUs, hb.PrefillingTokens = elapsed.Microseconds(), tokens
+		hb.ResendByGroup = r.resendByGroup.Load()
 	}
 	data, err := messages.Marshal(hb)
 	if err == nil {

@@ -844,6 +844,7 @@ func TestRankHeartbeats(t *testing.T) {
 			want := messages.Heartbeat{
 				V: messages.Version, Group: testGroup, TPRank: rank, EPRank: rank, WorldSize: worldSize, Model: testModel,
 				CapacityBlocks: testCapacity / testBlockBytes, StartedUnixMs: hb.StartedUnixMs,
+				ResendByGroup: rank == 0, // the driver reads its group's Resends
 			}
 			if *hb != want {
 				t.Fatalf("rank %d heartbeat:\n got %+v\nwant %+v", rank, *hb, want)

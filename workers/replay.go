@@ -23,7 +23,8 @@ import (
 //     the driver rank keeps the encoded outputs of every streamed request,
 //     while it runs and for RankConfig.ReplayAge after, within
 //     RankConfig.ReplayBytes, and publishes them again from an index when
-//     the frontend asks (messages.Resend on kvbus.ctl.resend); the frontend
+//     the frontend asks (messages.Resend on kvbus.ctl.resend.<group>, where
+//     a scheduler sent it); the frontend
 //     drops what it already has, and the client's stream goes on where it
 //     was cut.
 //   - The driver's side: outputs the driver wrote to its connection just
@@ -390,12 +391,14 @@ func (r *Rank) onResend(_ context.Context, m *nats.Msg) error {
 	return m.Respond(data)
 }
 
-// subscribeResend subscribes the driver to Resends. A server whose
-// permissions predate them (a nats-auth.conf written by an older `kvbus
-// auth init`) refuses the subject: the rank runs on without, and says how
-// to mend it (nil subscription).
+// subscribeResend subscribes the driver to its group's Resends, and has
+// its heartbeats say so: the schedulers send frontends there only then (a
+// driver before 2026-12-07 answers on kvbus.ctl.resend itself). A server
+// whose permissions predate the subject (a nats-auth.conf written by an
+// older `kvbus auth init`) refuses it: the rank runs on without, and says
+// how to mend it (nil subscription).
 func (r *Rank) subscribeResend(ctx context.Context, nc *nats.Conn) (*nats.Subscription, error) {
-	subject := r.cfg.Subjects.Resend()
+	subject := r.cfg.Subjects.ResendGroup(r.cfg.Group)
 	check := bus.RoleCheck{Role: "worker", Group: r.cfg.Group, Subscribe: []string{subject}}
 	if err := bus.CheckPermissions(ctx, nc, check); err != nil {
 		r.log.Warn("the NATS server does not let this worker hear "+subject+": streams that lose outputs on the bus end with output_lost. "+
@@ -406,5 +409,6 @@ func (r *Rank) subscribeResend(ctx context.Context, nc *nats.Conn) (*nats.Subscr
 	if err != nil {
 		return nil, fmt.Errorf("workers: subscribe %s: %w", subject, err)
 	}
+	r.resendByGroup.Store(true)
 	return sub, nil
 }

@@ -76,7 +76,7 @@ func TestResendFindsTheNewerAttempt(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		msg, err := env.nc.Request(env.subj.Resend(), data, 500*time.Millisecond)
+		msg, err := env.nc.Request(env.subj.ResendGroup(testGroup), data, 500*time.Millisecond)
 		if err != nil {
 			lost++
 			continue
