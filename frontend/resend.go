@@ -16,11 +16,12 @@ import (
 // the outputs of every stream (workers/replay.go), so the frontend asks it
 // (messages.Resend: the schedulers on kvbus.ctl.resend say which group
 // runs it, then that group's driver on kvbus.ctl.resend.<group>) to
-// publish them again from the first index missing; outputs past it are dropped until they come again,
-// in order, and the client's stream goes on where it was cut. A driver that
-// does not answer within resendWait (it stopped: the scheduler moves the
-// request, which ends the stream with group_failed; or it no longer keeps
-// the outputs) ends the stream with 503 output_lost, as before.
+// publish them again from the first index missing; outputs past it are
+// dropped until they come again, in order, and the client's stream goes
+// on where it was cut. A driver that does not answer within resendWait (it
+// stopped: the scheduler moves the request, which ends the stream with
+// group_failed; or it no longer keeps the outputs) ends the stream with
+// 503 output_lost, as before.
 //
 // A request that heard nothing at all after a NATS reconnect is asked about
 // the same way, from index 0: a driver that holds it (queued at its engine,

@@ -210,7 +210,8 @@ func (s *Scheduler) onResend(_ context.Context, m *nats.Msg) error {
 		return err
 	}
 	group := s.trackers.route(rs.ReqID)
-	if d, ok := s.dispatched.Get(rs.ReqID, time.Now()); ok && group == "" {
+	if group == "" {
+		d, _ := s.dispatched.Get(rs.ReqID, time.Now())
 		group = d.group
 	}
 	if group == "" || m.Reply == "" || !s.groups.resendByGroup(group) {
