@@ -24,9 +24,8 @@ import (
 //     while it runs and for RankConfig.ReplayAge after, within
 //     RankConfig.ReplayBytes, and publishes them again from an index when
 //     the frontend asks (messages.Resend on kvbus.ctl.resend.<group>, where
-//     a scheduler sent it); the frontend
-//     drops what it already has, and the client's stream goes on where it
-//     was cut.
+//     a scheduler sent it); the frontend drops what it already has, and the
+//     client's stream goes on where it was cut.
 //   - The driver's side: outputs the driver wrote to its connection just
 //     before its server stopped never left that server, and the frontend,
 //     whose own connection stayed up, cannot tell an answer lost from one
