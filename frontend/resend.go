@@ -28,12 +28,13 @@ import (
 // or running) answers, sending again what it published, and the frontend
 // waits on; only a request no driver holds is published again (askAgain).
 
-// resendWait is how long the frontend waits for a driver's ResendReply.
+// resendWait is how long the frontend waits for a driver's ResendReply,
+// the schedulers' answer naming its group included (askDriver).
 const resendWait = 2 * time.Second
 
 // noRespondersRetry is how often a Resend that NATS answered "no
 // responders" is sent again while the frontend has just reconnected
-// (askDrivers).
+// (ask).
 const noRespondersRetry = 100 * time.Millisecond
 
 // maxResends is how many times one choice asks for lost outputs; a probe
@@ -117,8 +118,9 @@ func (s *Server) askDriver(data []byte) (*messages.ResendReply, error) {
 // stream whose driver holds every output with output_lost. So within
 // LostOutputWait+resendWait of a reconnect the request is sent again every
 // noRespondersRetry until the deadline is near; otherwise "no responders"
-// is the answer (no scheduler runs, or no driver keeps outputs:
-// --stream-replay 0).
+// is the answer (no scheduler runs, or the group's driver is gone). A
+// driver that keeps no outputs (--stream-replay 0) reads no asks and its
+// heartbeats say so: no scheduler names its group, and the ask times out.
 func (s *Server) ask(subject string, data []byte, deadline time.Time) (*messages.ResendReply, error) {
 	for {
 		msg, err := s.cfg.Conn.Request(subject, data, time.Until(deadline))
