@@ -229,6 +229,19 @@ func (t *schedulerTable) readyFor(model string, now time.Time) bool {
 	return false
 }
 
+// heard reports whether a scheduler replica, ready or not, announced
+// itself within the timeout.
+func (t *schedulerTable) heard(now time.Time) bool {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	for _, s := range t.m {
+		if now.Sub(s.at) <= t.timeout {
+			return true
+		}
+	}
+	return false
+}
+
 // readyModels says which of models a ready scheduler can place, and which
 // not (nil when all can).
 func (t *schedulerTable) readyModels(models []string, now time.Time) (ready, not []string) {

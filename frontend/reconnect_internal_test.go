@@ -252,3 +252,56 @@ func TestResendAnsweredByAnEarlierDriver(t *testing.T) {
 		t.Fatalf("%+v, %v; want the earlier driver's answer (resent 2, done)", reply, err)
 	}
 }
+
+// TestResendWaitsForASchedulerThatReconnects: a NATS server of a cluster
+// stops under a driver and the scheduler (one replica), not under the
+// frontend. The driver, back first, publishes what it buffered, the
+// frontend sees an index skipped and asks: the scheduler's subscription is
+// not back on a server yet, and NATS answers "no responders" at once. The
+// frontend, which did not reconnect, took that as the answer and ended a
+// stream whose driver held every output with output_lost (before the asks
+// went to the schedulers, that driver answered them itself). A scheduler
+// that announced itself within the timeout is reconnecting: the ask is
+// repeated until it answers (here 200 ms later). With no scheduler heard,
+// "no responders" is still the answer at once.
+func TestResendWaitsForASchedulerThatReconnects(t *testing.T) {
+	srv, _, nc := reconnectingConn(t)
+	t.Cleanup(srv.Shutdown)
+	subj := messages.Subjects{}
+	s := &Server{cfg: Config{Conn: nc, Subjects: subj}, log: slog.New(slog.DiscardHandler), pending: map[string]route{}}
+	s.schedulers.timeout = 3 * time.Second
+	s.schedulers.observe(&messages.Announcement{ID: "s1", Ready: true}, time.Now())
+	if _, err := nc.Subscribe(subj.ResendGroup("g0"), func(m *nats.Msg) {
+		data, _ := messages.Marshal(&messages.ResendReply{Resent: 3})
+		_ = m.Respond(data)
+	}); err != nil {
+		t.Fatal(err)
+	}
+	back := make(chan error, 1)
+	go func() {
+		time.Sleep(200 * time.Millisecond)
+		c, err := nats.Connect(srv.ClientURL())
+		if err == nil {
+			t.Cleanup(c.Close)
+			_, err = c.Subscribe(subj.Resend(), func(m *nats.Msg) {
+				data, _ := messages.Marshal(&messages.ResendReply{Group: "g0"})
+				_ = m.Respond(data)
+			})
+		}
+		if err == nil {
+			err = c.Flush()
+		}
+		back <- err
+	}()
+	data, err := messages.Marshal(&messages.Resend{ReqID: "r", FromIndex: 1})
+	if err != nil {
+		t.Fatal(err)
+	}
+	reply, err := s.askDriver(data)
+	if err := <-back; err != nil {
+		t.Fatal(err)
+	}
+	if err != nil || reply.Resent != 3 {
+		t.Fatalf("asked while the scheduler reconnects (back 200 ms later): %+v, %v; want the driver's answer (resent 3)", reply, err)
+	}
+}

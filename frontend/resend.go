@@ -121,6 +121,10 @@ func (s *Server) askDriver(data []byte) (*messages.ResendReply, error) {
 // is the answer (no scheduler runs, or the group's driver is gone). A
 // driver that keeps no outputs (--stream-replay 0) reads no asks and its
 // heartbeats say so: no scheduler names its group, and the ask times out.
+// The schedulers are waited for also while one announced itself within
+// the timeout: it is the one reconnecting (a NATS server of a cluster
+// stopped under it and under a driver, whose outputs it lost; the driver,
+// back first, shows the frontend the gap).
 func (s *Server) ask(subject string, data []byte, deadline time.Time) (*messages.ResendReply, error) {
 	for {
 		msg, err := s.cfg.Conn.Request(subject, data, time.Until(deadline))
@@ -128,7 +132,8 @@ func (s *Server) ask(subject string, data []byte, deadline time.Time) (*messages
 			return messages.DecodeResendReply(msg.Data)
 		}
 		if !errors.Is(err, nats.ErrNoResponders) || time.Until(deadline) < 2*noRespondersRetry ||
-			!s.reconnectedWithin(s.cfg.LostOutputWait+resendWait) {
+			!s.reconnectedWithin(s.cfg.LostOutputWait+resendWait) &&
+				(subject != s.cfg.Subjects.Resend() || !s.schedulers.heard(time.Now())) {
 			return nil, err
 		}
 		time.Sleep(noRespondersRetry)
