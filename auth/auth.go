@@ -139,8 +139,13 @@ func For(s messages.Subjects, id Identity) (Permissions, error) {
 			// Aborts go to one group's ranks (kvbus.ctl.abort.<g>);
 			// kvbus.ctl.abort too, where a scheduler before 2026-12-07
 			// sent its withdrawals, for the time of an upgrade.
+			// The frontends' reply inboxes: its answer to a Resend. Not
+			// allow_responses: the server would then remember, for its
+			// 10 minutes, the reply subject of every message delivered to
+			// the key that it may not publish to (each session binding
+			// its bucket watch delivers, with its JetStream ack subject).
 			Publish: slices.Concat([]string{s.MetaAll(), s.OutAll(), s.Abort(), s.AbortGroup("*"), s.DumpAll(), s.PlanAll(),
-				s.AnnounceRole(messages.RoleScheduler), jsAPI + "INFO"},
+				s.AnnounceRole(messages.RoleScheduler), jsAPI + "INFO"}, bus.InboxSubscriptions(RoleFrontend, ""),
 				// MSG.GET: a dead replica's requests, adopted (scheduler/peers.go).
 				// No UPDATE: a scheduler key could add kvbus.out.> to the
 				// log's subjects with a republish onto kvbus.sched.plan.*
@@ -161,7 +166,6 @@ func For(s messages.Subjects, id Identity) (Permissions, error) {
 			// A frontend's Resend is answered with the request's group.
 			Subscribe: append([]string{s.DoneAll(), s.KVAll(), s.HeartbeatAll(), s.PlanAll(), s.Abort(), s.Resend(),
 				s.AnnounceRole(messages.RoleScheduler)}, inbox...),
-			Responses: 1,
 		}, nil
 	case RoleWorker:
 		g := "*"

@@ -207,6 +207,12 @@ func TestPermissionMatrix(t *testing.T) {
 		{"worker-g1", sub, "kvbus.ctl.resend", true},
 		{"worker", sub, "kvbus.ctl.resend.*", true},
 		{"scheduler", pub, "kvbus.ctl.resend", false},
+		// It answers a frontend's ask in the frontend's inbox, and no
+		// other role's.
+		{"scheduler", pub, "_INBOX_frontend.abc.1", true},
+		{"scheduler", pub, "_INBOX_worker.abc.1", false},
+		{"scheduler", pub, "_INBOX_worker_g.g0.abc", false},
+		{"worker", pub, "_INBOX_frontend.abc.1", false},
 		{"scheduler", pub, "kvbus.ctl.resend.g1", false},
 		{"worker-g1", pub, "kvbus.ctl.resend.g0", false},
 		{"observer", pub, "kvbus.ctl.resend", false},

@@ -11,6 +11,7 @@ import (
 
 	"github.com/nats-io/nats.go"
 
+	"github.com/kvbus/kvbus/auth"
 	"github.com/kvbus/kvbus/messages"
 	"github.com/kvbus/kvbus/testenv"
 )
@@ -430,33 +431,49 @@ func TestStreamUnderWayGetsLostOutputsAgain(t *testing.T) {
 // schedulers, and one of them names its group: only that group's driver
 // reads the ask. Before 2026-12-07 every group's driver read every ask (here
 // 3; 1,000 times each of the requests a frontend asks about after a NATS
-// restart of a 1,000-group cluster).
+// restart of a 1,000-group cluster). With keys (kvbus auth init) too: the
+// scheduler's key answers in the frontend's inbox, the frontend's asks the
+// group's driver, and no role logs a permissions violation.
 func TestLostOutputsAreAskedOfTheirGroupOnly(t *testing.T) {
-	c := testenv.StartCluster(t, testenv.ClusterConfig{Groups: 3, Ranks: 2, Schedulers: 2, TimeScale: 1})
-	body := fmt.Sprintf(`{"model":%q,"max_tokens":24,"ignore_eos":true,"stream":true,"stream_options":{"include_usage":true},"messages":[{"role":"user","content":"%s"}]}`,
-		c.Model, strings.Repeat("one group asked ", 8))
-	loseOutputsMidStream(t, c)
-	status, _, out := testenv.Send(t, http.MethodPost, c.URL+"/v1/chat/completions", body, nil)
-	if _, tokens, errEvent := streamText(t, out); status != http.StatusOK || errEvent != "" || tokens != 24 {
-		t.Fatalf("stream that lost outputs: %d, %d tokens, error %s; want the whole stream", status, tokens, errEvent)
-	}
-	handled := func(handler string) float64 {
-		var n float64
-		for _, reg := range c.SchedulerRegistries { // the first holds the ranks' too
-			n += testenv.CounterSum(t, reg, "kvbus_bus_messages_total", map[string]string{"handler": handler})
-		}
-		return n
-	}
-	// The fault took effect: the frontend asked once, the driver sent.
-	if n := testenv.CounterSum(t, c.Registry, "kvbus_frontend_resends_total", nil); n != 1 {
-		t.Fatalf("resends %v; want 1", n)
-	}
-	if lines := c.Logs.Lines(`msg="outputs lost on the bus sent again"`); len(lines) != 1 {
-		t.Errorf("driver's resend log lines: %q; want one", lines)
-	}
-	testenv.Eventually(t, 5*time.Second, "each scheduler replica read the ask", func() bool { return handled("scheduler_resend") == 2 })
-	if n := handled("worker_resend"); n != 1 {
-		t.Errorf("the drivers of 3 groups read %v asks; want 1 (the request's group's)", n)
+	for _, keys := range []bool{false, true} {
+		t.Run(fmt.Sprintf("keys=%v", keys), func(t *testing.T) {
+			cfg := testenv.ClusterConfig{Groups: 3, Ranks: 2, Schedulers: 2, TimeScale: 1}
+			if keys {
+				cfg.AuthDir = t.TempDir()
+				if _, err := auth.Init(cfg.AuthDir, messages.Subjects{}, nil, false); err != nil {
+					t.Fatal(err)
+				}
+			}
+			c := testenv.StartCluster(t, cfg)
+			body := fmt.Sprintf(`{"model":%q,"max_tokens":24,"ignore_eos":true,"stream":true,"stream_options":{"include_usage":true},"messages":[{"role":"user","content":"%s"}]}`,
+				c.Model, strings.Repeat("one group asked ", 8))
+			loseOutputsMidStream(t, c)
+			status, _, out := testenv.Send(t, http.MethodPost, c.URL+"/v1/chat/completions", body, nil)
+			if _, tokens, errEvent := streamText(t, out); status != http.StatusOK || errEvent != "" || tokens != 24 {
+				t.Fatalf("stream that lost outputs: %d, %d tokens, error %s; want the whole stream", status, tokens, errEvent)
+			}
+			handled := func(handler string) float64 {
+				var n float64
+				for _, reg := range c.SchedulerRegistries { // the first holds the ranks' too
+					n += testenv.CounterSum(t, reg, "kvbus_bus_messages_total", map[string]string{"handler": handler})
+				}
+				return n
+			}
+			// The fault took effect: the frontend asked once, the driver sent.
+			if n := testenv.CounterSum(t, c.Registry, "kvbus_frontend_resends_total", nil); n != 1 {
+				t.Fatalf("resends %v; want 1", n)
+			}
+			if lines := c.Logs.Lines(`msg="outputs lost on the bus sent again"`); len(lines) != 1 {
+				t.Errorf("driver's resend log lines: %q; want one", lines)
+			}
+			testenv.Eventually(t, 5*time.Second, "each scheduler replica read the ask", func() bool { return handled("scheduler_resend") == 2 })
+			if n := handled("worker_resend"); n != 1 {
+				t.Errorf("the drivers of 3 groups read %v asks; want 1 (the request's group's)", n)
+			}
+			if lines := c.Logs.Lines("permissions violation"); len(lines) > 0 {
+				t.Errorf("permissions violations logged:\n%s", strings.Join(lines, "\n"))
+			}
+		})
 	}
 }
 
