@@ -3,7 +3,9 @@ package testenv_test
 import (
 	"encoding/json"
 	"fmt"
+	"log/slog"
 	"net/http"
+	"path/filepath"
 	"strings"
 	"sync"
 	"testing"
@@ -12,6 +14,7 @@ import (
 	"github.com/nats-io/nats.go"
 
 	"github.com/kvbus/kvbus/auth"
+	"github.com/kvbus/kvbus/bus"
 	"github.com/kvbus/kvbus/messages"
 	"github.com/kvbus/kvbus/testenv"
 )
@@ -351,7 +354,13 @@ func streamText(t *testing.T, raw []byte) (text string, tokens int, errEvent str
 // indexes further on reaches the frontend ahead of the real ones.
 func loseOutputsMidStream(t *testing.T, c *testenv.Cluster) {
 	t.Helper()
-	nc := testenv.Connect(t, c.NATS)
+	loseOutputsMidStreamOn(t, testenv.Connect(t, c.NATS))
+}
+
+// loseOutputsMidStreamOn is loseOutputsMidStream on nc (a key's
+// connection).
+func loseOutputsMidStreamOn(t *testing.T, nc *nats.Conn) {
+	t.Helper()
 	var once sync.Once
 	if _, err := nc.Subscribe(messages.Subjects{}.Out("*"), func(m *nats.Msg) {
 		o, err := messages.DecodeOutput(m.Data)
@@ -447,7 +456,17 @@ func TestLostOutputsAreAskedOfTheirGroupOnly(t *testing.T) {
 			c := testenv.StartCluster(t, cfg)
 			body := fmt.Sprintf(`{"model":%q,"max_tokens":24,"ignore_eos":true,"stream":true,"stream_options":{"include_usage":true},"messages":[{"role":"user","content":"%s"}]}`,
 				c.Model, strings.Repeat("one group asked ", 8))
-			loseOutputsMidStream(t, c)
+			if keys {
+				nc, err := bus.Connect(t.Context(), bus.Config{URL: c.NATS.ClientURL(), NKeySeedFile: filepath.Join(cfg.AuthDir, "admin.nk"),
+					Logger: slog.New(slog.DiscardHandler)})
+				if err != nil {
+					t.Fatal(err)
+				}
+				t.Cleanup(nc.Close)
+				loseOutputsMidStreamOn(t, nc)
+			} else {
+				loseOutputsMidStream(t, c)
+			}
 			status, _, out := testenv.Send(t, http.MethodPost, c.URL+"/v1/chat/completions", body, nil)
 			if _, tokens, errEvent := streamText(t, out); status != http.StatusOK || errEvent != "" || tokens != 24 {
 				t.Fatalf("stream that lost outputs: %d, %d tokens, error %s; want the whole stream", status, tokens, errEvent)
