@@ -98,6 +98,29 @@ func TestLostOutputEndsTheAnswer(t *testing.T) {
 	if status != http.StatusOK || !strings.Contains(string(body), `"output_lost"`) || strings.Contains(string(body), `"content":"c"`) {
 		t.Errorf("streaming: %d %s; want the first text, then an output_lost error event, never the text after the gap", status, body)
 	}
+	// The error says which ask went unanswered: no scheduler named the
+	// request's group, or the driver of the group one named.
+	if want := "no scheduler named the group running it"; !strings.Contains(string(body), want) {
+		t.Errorf("streaming: %s; want it to say %q", body, want)
+	}
+	nc, err := nats.Connect(fe.natsURL)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(nc.Close)
+	if _, err := nc.Subscribe(messages.Subjects{}.Resend(), func(m *nats.Msg) {
+		data, _ := messages.Marshal(&messages.ResendReply{Group: "g7"})
+		_ = m.Respond(data)
+	}); err != nil {
+		t.Fatal(err)
+	}
+	if err := nc.Flush(); err != nil {
+		t.Fatal(err)
+	}
+	_, _, body = testenv.Send(t, http.MethodPost, fe.url+"/v1/chat/completions", chatHi+`,"stream":true}`, nil)
+	if want := "the driver of group g7 did not answer"; !strings.Contains(string(body), want) {
+		t.Errorf("streaming, a scheduler naming g7: %s; want it to say %q", body, want)
+	}
 }
 
 // TestEngineAnswerIDIsTheClients proves that with engines behind the

@@ -193,7 +193,7 @@ func TestResendRightAfterAReconnectWaitsForTheDrivers(t *testing.T) {
 		t.Fatal(err)
 	}
 	start := time.Now()
-	if _, err := s.askDriver(data); !errors.Is(err, nats.ErrNoResponders) || time.Since(start) > resendWait/2 {
+	if _, _, err := s.askDriver(data); !errors.Is(err, nats.ErrNoResponders) || time.Since(start) > resendWait/2 {
 		t.Fatalf("no scheduler, no reconnect: %v after %s; want no responders at once", err, time.Since(start))
 	}
 
@@ -219,14 +219,14 @@ func TestResendRightAfterAReconnectWaitsForTheDrivers(t *testing.T) {
 	}
 	go answerAfter(200*time.Millisecond, subj.Resend(), &messages.ResendReply{Group: "g0"})
 	go answerAfter(400*time.Millisecond, subj.ResendGroup("g0"), &messages.ResendReply{Resent: 3})
-	reply, err := s.askDriver(data)
+	reply, group, err := s.askDriver(data)
 	for range 2 {
 		if err := <-back; err != nil {
 			t.Fatal(err)
 		}
 	}
-	if err != nil || reply.Resent != 3 {
-		t.Fatalf("asked right after a reconnect, the scheduler back 200 ms later, the driver 400 ms: %+v, %v; want the driver's answer (resent 3)", reply, err)
+	if err != nil || reply.Resent != 3 || group != "g0" {
+		t.Fatalf("asked right after a reconnect, the scheduler back 200 ms later, the driver 400 ms: %+v of group %q, %v; want g0's driver's answer (resent 3)", reply, group, err)
 	}
 }
 
@@ -248,8 +248,8 @@ func TestResendAnsweredByAnEarlierDriver(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if reply, err := s.askDriver(data); err != nil || reply.Resent != 2 || !reply.Done {
-		t.Fatalf("%+v, %v; want the earlier driver's answer (resent 2, done)", reply, err)
+	if reply, group, err := s.askDriver(data); err != nil || reply.Resent != 2 || !reply.Done || group != "" {
+		t.Fatalf("%+v (group %q), %v; want the earlier driver's answer (resent 2, done), no group named", reply, group, err)
 	}
 }
 
@@ -297,7 +297,7 @@ func TestResendWaitsForASchedulerThatReconnects(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	reply, err := s.askDriver(data)
+	reply, _, err := s.askDriver(data)
 	if err := <-back; err != nil {
 		t.Fatal(err)
 	}

@@ -81,10 +81,12 @@ func (g *generation) resend(i int, why string, probe bool) bool {
 	s, q, ask := g.s, g.q, c.resends
 	go func() {
 		out := &resendOutcome{busID: rs.ReqID, attempt: rs.Attempt, ask: ask, probe: probe}
-		reply, err := s.askDriver(data)
+		reply, group, err := s.askDriver(data)
 		switch {
+		case (errors.Is(err, nats.ErrTimeout) || errors.Is(err, nats.ErrNoResponders)) && group == "":
+			out.err = fmt.Sprintf("no worker holds its outputs (no scheduler named the group running it within %s)", resendWait)
 		case errors.Is(err, nats.ErrTimeout) || errors.Is(err, nats.ErrNoResponders):
-			out.err = fmt.Sprintf("no worker holds its outputs (none answered within %s)", resendWait)
+			out.err = fmt.Sprintf("no worker holds its outputs (the driver of group %s did not answer within %s)", group, resendWait)
 		case err != nil:
 			out.err = err.Error()
 		case reply.Error != "":
@@ -101,14 +103,16 @@ func (g *generation) resend(i int, why string, probe bool) bool {
 // waits up to resendWait for its answer: first to the schedulers, the one
 // that knows the request's group answering with its name (a driver before
 // 2026-12-07, which reads kvbus.ctl.resend, answers itself), then to that
-// group's driver.
-func (s *Server) askDriver(data []byte) (*messages.ResendReply, error) {
+// group's driver. group is the group a scheduler named ("" when none did).
+func (s *Server) askDriver(data []byte) (reply *messages.ResendReply, group string, err error) {
 	deadline := time.Now().Add(resendWait)
-	reply, err := s.ask(s.cfg.Subjects.Resend(), data, deadline)
+	reply, err = s.ask(s.cfg.Subjects.Resend(), data, deadline)
 	if err != nil || reply.Group == "" {
-		return reply, err // a driver before 2026-12-07 answered
+		return reply, "", err // a driver before 2026-12-07 answered
 	}
-	return s.ask(s.cfg.Subjects.ResendGroup(reply.Group), data, deadline)
+	group = reply.Group
+	reply, err = s.ask(s.cfg.Subjects.ResendGroup(group), data, deadline)
+	return reply, group, err
 }
 
 // ask sends a Resend (data) on subject and waits for the answer until
