@@ -83,10 +83,12 @@ func (g *generation) resend(i int, why string, probe bool) bool {
 		out := &resendOutcome{busID: rs.ReqID, attempt: rs.Attempt, ask: ask, probe: probe}
 		reply, group, err := s.askDriver(data)
 		switch {
-		case (errors.Is(err, nats.ErrTimeout) || errors.Is(err, nats.ErrNoResponders)) && group == "":
-			out.err = fmt.Sprintf("no worker holds its outputs (no scheduler named the group running it within %s)", resendWait)
 		case errors.Is(err, nats.ErrTimeout) || errors.Is(err, nats.ErrNoResponders):
-			out.err = fmt.Sprintf("no worker holds its outputs (the driver of group %s did not answer within %s)", group, resendWait)
+			unanswered := "no scheduler named the group running it"
+			if group != "" {
+				unanswered = "the driver of group " + group + " did not answer"
+			}
+			out.err = fmt.Sprintf("no worker holds its outputs (%s within %s)", unanswered, resendWait)
 		case err != nil:
 			out.err = err.Error()
 		case reply.Error != "":
