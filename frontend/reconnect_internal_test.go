@@ -202,23 +202,8 @@ func TestResendRightAfterAReconnectWaitsForTheDrivers(t *testing.T) {
 		t.Fatalf("right after the reconnect, a plain request got %v; want no responders (the fault)", err)
 	}
 	back := make(chan error, 2)
-	answerAfter := func(d time.Duration, subject string, reply *messages.ResendReply) {
-		time.Sleep(d)
-		c, err := nats.Connect(srv2.ClientURL())
-		if err == nil {
-			t.Cleanup(c.Close)
-			_, err = c.Subscribe(subject, func(m *nats.Msg) {
-				data, _ := messages.Marshal(reply)
-				_ = m.Respond(data)
-			})
-		}
-		if err == nil {
-			err = c.Flush()
-		}
-		back <- err
-	}
-	go answerAfter(200*time.Millisecond, subj.Resend(), &messages.ResendReply{Group: "g0"})
-	go answerAfter(400*time.Millisecond, subj.ResendGroup("g0"), &messages.ResendReply{Resent: 3})
+	go answerResendsAfter(t, srv2.ClientURL(), 200*time.Millisecond, subj.Resend(), &messages.ResendReply{Group: "g0"}, back)
+	go answerResendsAfter(t, srv2.ClientURL(), 400*time.Millisecond, subj.ResendGroup("g0"), &messages.ResendReply{Resent: 3}, back)
 	reply, group, err := s.askDriver(data)
 	for range 2 {
 		if err := <-back; err != nil {
@@ -238,10 +223,7 @@ func TestResendAnsweredByAnEarlierDriver(t *testing.T) {
 	t.Cleanup(srv.Shutdown)
 	subj := messages.Subjects{}
 	s := &Server{cfg: Config{Conn: nc, Subjects: subj}, log: slog.New(slog.DiscardHandler), pending: map[string]route{}}
-	if _, err := nc.Subscribe(subj.Resend(), func(m *nats.Msg) {
-		data, _ := messages.Marshal(&messages.ResendReply{Resent: 2, Done: true})
-		_ = m.Respond(data)
-	}); err != nil {
+	if err := answerResends(nc, subj.Resend(), &messages.ResendReply{Resent: 2, Done: true}); err != nil {
 		t.Fatal(err)
 	}
 	data, err := messages.Marshal(&messages.Resend{ReqID: "r", FromIndex: 1})
@@ -271,28 +253,11 @@ func TestResendWaitsForASchedulerThatReconnects(t *testing.T) {
 	s := &Server{cfg: Config{Conn: nc, Subjects: subj}, log: slog.New(slog.DiscardHandler), pending: map[string]route{}}
 	s.schedulers.timeout = 3 * time.Second
 	s.schedulers.observe(&messages.Announcement{ID: "s1", Ready: true}, time.Now())
-	if _, err := nc.Subscribe(subj.ResendGroup("g0"), func(m *nats.Msg) {
-		data, _ := messages.Marshal(&messages.ResendReply{Resent: 3})
-		_ = m.Respond(data)
-	}); err != nil {
+	if err := answerResends(nc, subj.ResendGroup("g0"), &messages.ResendReply{Resent: 3}); err != nil {
 		t.Fatal(err)
 	}
 	back := make(chan error, 1)
-	go func() {
-		time.Sleep(200 * time.Millisecond)
-		c, err := nats.Connect(srv.ClientURL())
-		if err == nil {
-			t.Cleanup(c.Close)
-			_, err = c.Subscribe(subj.Resend(), func(m *nats.Msg) {
-				data, _ := messages.Marshal(&messages.ResendReply{Group: "g0"})
-				_ = m.Respond(data)
-			})
-		}
-		if err == nil {
-			err = c.Flush()
-		}
-		back <- err
-	}()
+	go answerResendsAfter(t, srv.ClientURL(), 200*time.Millisecond, subj.Resend(), &messages.ResendReply{Group: "g0"}, back)
 	data, err := messages.Marshal(&messages.Resend{ReqID: "r", FromIndex: 1})
 	if err != nil {
 		t.Fatal(err)
@@ -304,4 +269,30 @@ func TestResendWaitsForASchedulerThatReconnects(t *testing.T) {
 	if err != nil || reply.Resent != 3 {
 		t.Fatalf("asked while the scheduler reconnects (back 200 ms later): %+v, %v; want the driver's answer (resent 3)", reply, err)
 	}
+}
+
+// answerResends answers every Resend on subject, over nc, with reply: a
+// stand-in scheduler (reply names a group) or driver.
+func answerResends(nc *nats.Conn, subject string, reply *messages.ResendReply) error {
+	data, err := messages.Marshal(reply)
+	if err != nil {
+		return err
+	}
+	if _, err := nc.Subscribe(subject, func(m *nats.Msg) { _ = m.Respond(data) }); err != nil {
+		return err
+	}
+	return nc.Flush()
+}
+
+// answerResendsAfter is answerResends on a connection to url made after d
+// (one coming back after a reconnect); back gets the error of setting it
+// up.
+func answerResendsAfter(t *testing.T, url string, d time.Duration, subject string, reply *messages.ResendReply, back chan<- error) {
+	time.Sleep(d)
+	c, err := nats.Connect(url)
+	if err == nil {
+		t.Cleanup(c.Close)
+		err = answerResends(c, subject, reply)
+	}
+	back <- err
 }
