@@ -139,6 +139,7 @@ func For(s messages.Subjects, id Identity) (Permissions, error) {
 			// Aborts go to one group's ranks (kvbus.ctl.abort.<g>);
 			// kvbus.ctl.abort too, where a scheduler before 2026-12-07
 			// sent its withdrawals, for the time of an upgrade.
+			//
 			// The frontends' reply inboxes: its answer to a Resend. Not
 			// allow_responses: the server would then remember, for its
 			// 10 minutes, the reply subject of every message delivered to

@@ -128,15 +128,10 @@ func (s *Scheduler) rescue(now time.Time) {
 const restartGrace = time.Second
 
 // withdraw tells one group's ranks to drop a request: its attempts below
-// before, or all of them (0). A request on no group (rescue's, whose
-// tracker ended before it was moved) has nothing to withdraw: the subject
-// would be kvbus.ctl.abort., which the keys refuse.
+// before, or all of them (0).
 func (s *Scheduler) withdraw(reqID, group string, before int, reason string) {
-	if group == "" {
-		return
-	}
 	if data, err := messages.Marshal(&messages.Abort{ReqID: reqID, Group: group, BeforeAttempt: before, Reason: reason}); err == nil {
-		_ = s.cfg.Conn.Publish(s.cfg.Subjects.AbortGroup(group), data)
+		s.sendAbort(group, reqID, data)
 	}
 }
 

@@ -163,7 +163,7 @@ func (s *Scheduler) onAbort(_ context.Context, m *nats.Msg) error {
 		s.groups.addInflight(t.Group, -1, -t.queued)
 		s.m.requests.WithLabelValues(outcome.String()).Inc()
 		s.log.Info("request aborted", "req_id", t.ReqID, "session_id", t.SessionID, "group", t.Group, "reason", a.Reason)
-		s.relayAbort(t.Group, a.ReqID, m.Data)
+		s.sendAbort(t.Group, a.ReqID, m.Data)
 	}
 	if d, ok := s.dispatched.Get(a.ReqID, time.Now()); ok && !d.ended && (t == nil || d.group != t.Group) {
 		// Another replica's request: that replica relays it too, unless it
@@ -174,22 +174,25 @@ func (s *Scheduler) onAbort(_ context.Context, m *nats.Msg) error {
 		// that still run its earlier attempt stop too, as they did when
 		// every rank read every client's Abort. A second copy changes
 		// nothing on a rank.
-		s.relayAbort(d.group, a.ReqID, m.Data)
+		s.sendAbort(d.group, a.ReqID, m.Data)
 	}
 	return nil
 }
 
-// relayAbort sends a client's Abort on to the ranks of the group running
-// the request, and to no other. Frontends publish Aborts for the schedulers
-// only (kvbus.ctl.abort): when every rank of every group read them, each
-// cost every rank ~4 µs of CPU (242-289 µs with 16 groups of 4 in one
-// process), which grew with the cluster.
-func (s *Scheduler) relayAbort(group, reqID string, data []byte) {
+// sendAbort sends an encoded Abort to the ranks of one group, and to no
+// other: a client's, passed on to the group running the request, or this
+// replica's withdrawal. Frontends publish Aborts for the schedulers only
+// (kvbus.ctl.abort): when every rank of every group read them, each cost
+// every rank ~4 µs of CPU (242-289 µs with 16 groups of 4 in one process),
+// which grew with the cluster. A request on no group (rescue's, whose
+// tracker ended before it was moved) has nothing to abort: the subject
+// would be kvbus.ctl.abort., which the keys refuse.
+func (s *Scheduler) sendAbort(group, reqID string, data []byte) {
 	if group == "" {
 		return
 	}
 	if err := s.cfg.Conn.Publish(s.cfg.Subjects.AbortGroup(group), data); err != nil {
-		s.log.Warn("cannot pass an abort on to its group", "req_id", reqID, "group", group, "err", err)
+		s.log.Warn("cannot send an abort to its group", "req_id", reqID, "group", group, "err", err)
 	}
 }
 
