@@ -54,6 +54,34 @@ func (r *Rank) drive(rr *rankReq) {
 		}
 		return nil
 	}
+	// A request that does not stream is answered whole: its text and token
+	// ids after the first output are held here and go with the last
+	// (heldAnswer).
+	var held heldAnswer
+	// hold keeps o's text and ids with what is held, when the request does
+	// not stream, its first output (its time to first token) went out, and
+	// o is not an engine's own answer; what is held is published first when
+	// o would not fit beside it on the bus. It reports whether o was kept.
+	hold := func(o *messages.Output) bool {
+		if meta.Stream || index == 0 || len(o.Raw) > 0 {
+			return false
+		}
+		if !held.empty() && r.fitsSize(held.size()+o.Msgsize()) != nil {
+			publish(held.take())
+		}
+		if held.empty() && r.fitsBus(o) != nil {
+			return false // too large alone: fit says so
+		}
+		held.add(o)
+		return true
+	}
+	// flushHeld publishes what is held, before an output that does not
+	// take it.
+	flushHeld := func() {
+		if !held.empty() {
+			publish(held.take())
+		}
+	}
 	cached := min(rr.loaded, max(meta.TokenLen-1, 0)) // at least one token is computed
 	storeQueued := false
 	var last *Chunk // the answer's last chunk, when the engine marks it
@@ -82,6 +110,10 @@ func (r *Rank) drive(rr *rankReq) {
 			return nil
 		}
 		o := &messages.Output{Text: c.Text, TokenIDs: c.TokenIDs, Raw: c.Raw}
+		if hold(o) {
+			return nil
+		}
+		flushHeld()
 		if err := fit(o); err != nil {
 			return err // the generation ends with it, and the client hears why
 		}
@@ -104,6 +136,9 @@ func (r *Rank) drive(rr *rankReq) {
 		rr.loaded = res.Usage.CachedTokens
 	}
 	var engineErr *EngineError
+	if err != nil {
+		flushHeld() // the text before the error, as a stream would have had it
+	}
 	switch cause := context.Cause(rr.ctx); {
 	case err == nil:
 		if bs := r.cfg.BlockSize; r.cfg.KVEvents != nil && bs > 0 && usage.PromptTokens/bs > usage.CachedTokens/bs {
@@ -113,12 +148,18 @@ func (r *Rank) drive(rr *rankReq) {
 			res.FinishReason = FinishStop // an engine that named no reason
 		}
 		final := &messages.Output{FinishReason: res.FinishReason, StopReason: res.StopReason, Usage: usage}
-		if last != nil {
+		if last != nil && !hold(&messages.Output{Text: last.Text, TokenIDs: last.TokenIDs, Raw: last.Raw}) {
+			flushHeld()
 			final.Text, final.TokenIDs, final.Raw = last.Text, last.TokenIDs, last.Raw
 			if err := fit(final); err != nil {
 				final = &messages.Output{Usage: usage, Error: &messages.OutputError{Code: "engine_error", Message: err.Error()}}
 			}
 		}
+		if !held.empty() && r.fitsSize(held.size()+final.Msgsize()) == nil {
+			h := held.take()
+			final.Text, final.TokenIDs = h.Text, h.TokenIDs
+		}
+		flushHeld()
 		publish(final)
 	case errors.Is(err, ErrEngineUnavailable) && cause == nil:
 		// The engine is down (or kept failing the request) and nothing
@@ -225,9 +266,44 @@ func (r *Rank) splitAnswer(o *messages.Output, stream bool) ([]*messages.Output,
 // client would miss that part of its answer, and the frontend would ask
 // for the whole request again.
 func (r *Rank) fitsBus(o *messages.Output) error {
+	return r.fitsSize(o.Msgsize())
+}
+
+// fitsSize is fitsBus for an Output whose fields take size bytes.
+func (r *Rank) fitsSize(size int) error {
 	limit := busLimit(r.cfg.Conn)
-	if n := int64(o.Msgsize()) + outputRoom; limit > 0 && n > limit {
+	if n := int64(size) + outputRoom; limit > 0 && n > limit {
 		return fmt.Errorf("workers: an output of the engine's answer takes %d bytes on the bus, above the %d a message may take (the NATS server's max payload, at most %d: raise the server's max_payload up to that, or ask for less: fewer choices or logprobs)", n, limit, messages.MaxMessageBytes)
 	}
 	return nil
+}
+
+// heldAnswer is the text and token ids of a request that does not stream,
+// which its driver holds from the answer's second output on and sends with
+// the last. Its client reads the answer only whole (OpenAI's response that
+// does not stream), and the first output, which carries its time to first
+// token, went out already; an engine pacing its tokens (the sim at
+// --time-scale > 0) would otherwise cost the bus, the frontend and the
+// driver's memory of outputs to send again one message per token. It is
+// used by the one goroutine driving the request.
+type heldAnswer struct {
+	text []byte
+	ids  messages.TokenIDs
+}
+
+func (h *heldAnswer) empty() bool { return len(h.text) == 0 && len(h.ids) == 0 }
+
+// size is what the held text and ids take in an Output on the bus.
+func (h *heldAnswer) size() int { return len(h.text) + h.ids.Msgsize() }
+
+func (h *heldAnswer) add(o *messages.Output) {
+	h.text = append(h.text, o.Text...)
+	h.ids = append(h.ids, o.TokenIDs...)
+}
+
+// take returns what is held as an Output and holds nothing.
+func (h *heldAnswer) take() *messages.Output {
+	o := &messages.Output{Text: string(h.text), TokenIDs: h.ids}
+	h.text, h.ids = h.text[:0], nil
+	return o
 }

@@ -1634,3 +1634,63 @@ func TestDriverNamesTheEngineTimeout(t *testing.T) {
 		t.Fatalf("final output %+v (error %+v), want a timeout naming --engine-timeout", final, final.Error)
 	}
 }
+
+// TestDriverSendsAnAnswerThatDoesNotStreamWhole: the answer of a request
+// that does not stream, from an engine that paces its tokens (the sim at
+// --time-scale > 0), goes out in two outputs — the first token at once,
+// its time to first token, and the rest with the finish reason — whose
+// text and token ids are those of the same request streamed, byte for
+// byte; on a bus whose messages hold only part of it, in as many outputs
+// as it takes, each within the limit. It went out one output per token
+// (40 here, 1,000 below), a message on the bus and in the frontend each.
+func TestDriverSendsAnAnswerThatDoesNotStreamWhole(t *testing.T) {
+	for _, tt := range []struct {
+		name       string
+		maxPayload int32
+		tokens     int
+		outputs    func(n int) bool
+	}{
+		{"whole", 0, 40, func(n int) bool { return n == 2 }},
+		{"in parts", 4 << 10, 1000, func(n int) bool { return n >= 3 && n <= 6 }},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			env := startRanks(t, rankEnvConfig{maxPayload: tt.maxPayload, engine: workers.SimConfig{
+				Profile: workers.SimProfile{DecodePerToken: 100 * time.Microsecond}, TimeScale: 1,
+			}})
+			answer := func(id string, stream bool) (string, messages.TokenIDs, []*messages.Output) {
+				m := newMeta(id, "sess", testenv.PromptTokens(1, 40))
+				m.Stream = stream
+				m.SamplingParams.MaxTokens = tt.tokens
+				env.sendMeta(m)
+				if f := env.finalOutput(id); f.FinishReason != workers.FinishLength || f.Usage == nil || f.Usage.CompletionTokens != tt.tokens {
+					t.Fatalf("%s: final output %+v, want the answer's end after %d tokens", id, f, tt.tokens)
+				}
+				var text strings.Builder
+				var ids messages.TokenIDs
+				outs := env.outputs(id)
+				for _, o := range outs {
+					text.WriteString(o.Text)
+					ids = append(ids, o.TokenIDs...)
+					if data, err := messages.Marshal(o); err != nil || tt.maxPayload > 0 && len(data) > int(tt.maxPayload) {
+						t.Fatalf("%s: output %d takes %d bytes on the bus (%v); the max payload is %d", id, o.Index, len(data), err, tt.maxPayload)
+					}
+				}
+				return text.String(), ids, outs
+			}
+			streamedText, streamedIDs, streamed := answer("streamed", true)
+			text, ids, outs := answer("whole", false)
+			if len(streamed) != tt.tokens+1 {
+				t.Fatalf("the streamed answer came in %d outputs; want one per token and the finish, %d: the engine does not pace its tokens", len(streamed), tt.tokens+1)
+			}
+			if !tt.outputs(len(outs)) {
+				t.Errorf("the answer that does not stream came in %d outputs", len(outs))
+			}
+			if len(outs[0].TokenIDs) != 1 {
+				t.Errorf("its first output carries %d token ids; want the first token alone, sent at once", len(outs[0].TokenIDs))
+			}
+			if text != streamedText || !slices.Equal(ids, streamedIDs) {
+				t.Errorf("the answer that does not stream: %d bytes of text and %d token ids; want the streamed answer's %d and %d, the same", len(text), len(ids), len(streamedText), len(streamedIDs))
+			}
+		})
+	}
+}
