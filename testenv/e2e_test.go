@@ -308,4 +308,22 @@ func TestStreamingEndToEnd(t *testing.T) {
 	if len(strings.Fields(text.String())) != 12 {
 		t.Errorf("streamed text %q: want 12 words (one per token)", text.String())
 	}
+
+	// The same request not streamed gets the same text (the sim's answer
+	// follows the prompt), in two outputs on the bus: its first token at
+	// once, the rest with the finish reason. It came in 13, one per token.
+	outs := c.Observe(t, "kvbus.out.>")
+	status, _, raw = post(t, c, "/v1/chat/completions", strings.Replace(body, `,"stream":true,"stream_options":{"include_usage":true}`, "", 1), map[string]string{"X-Session-ID": "st"})
+	var whole struct {
+		Choices []struct{ Message struct{ Content string } }
+	}
+	if err := json.Unmarshal(raw, &whole); status != http.StatusOK || err != nil || len(whole.Choices) != 1 {
+		t.Fatalf("not streamed: status %d (%v): %s", status, err, raw)
+	}
+	if whole.Choices[0].Message.Content != text.String() {
+		t.Errorf("not streamed: %q, want the streamed text %q", whole.Choices[0].Message.Content, text.String())
+	}
+	if n := len(outs.Messages()); n != 2 {
+		t.Errorf("the answer not streamed came in %d outputs on the bus; want 2", n)
+	}
 }
