@@ -302,3 +302,70 @@ func TestAskedAgainAnswerIDKeepsAClientIDThatJSONEscapes(t *testing.T) {
 		t.Errorf("the client got %s; want the id %s", got, want)
 	}
 }
+
+// TestKeptCopyOfAWholeAnswerUnderWayIsFollowedFromWhereItWas: a request
+// that does not stream hears its first output (the driver sends its first
+// token at once and holds the rest for the last output), then nothing for
+// 3 s after a NATS reconnect, and no driver answers for it: it is asked
+// again and kept. When the kept request's last output (index 1, the rest
+// of the answer) comes first, the client gets the whole answer from it.
+// Before, asking again had reset where the choice's outputs had got to, so
+// index 1 of the kept request looked like a gap: its whole answer was
+// thrown away, its copy aborted and the request published a third time.
+func TestKeptCopyOfAWholeAnswerUnderWayIsFollowedFromWhereItWas(t *testing.T) {
+	nc, js := startJetStream(t)
+	subj := messages.Subjects{}
+	if _, err := bus.EnsureRequestStream(t.Context(), js, bus.StreamConfig{Subjects: subj}); err != nil {
+		t.Fatal(err)
+	}
+	published := make(chan string, 8)
+	sub, err := nc.Subscribe(subj.RequestAll(), func(m *nats.Msg) {
+		if req, err := messages.DecodeRequest(m.Data); err == nil {
+			published <- req.RequestID
+		}
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer sub.Unsubscribe()
+	log := slog.New(slog.DiscardHandler)
+	s := &Server{js: js, cfg: Config{Conn: nc, Subjects: subj, PublishTimeout: time.Second}, log: log, pending: map[string]route{},
+		m: newMetrics(prometheus.NewRegistry(), func() float64 { return 0 })}
+	vm := newVLLMMetrics(prometheus.NewRegistry(), vllmEngineIndex, []string{"m"})
+	g := &generation{s: s, q: newOutputQueue(1), log: log, endpoint: messages.EndpointChat, model: "m", vm: vm.of("m"), start: time.Now()}
+	c := &choiceState{busID: "r", buffered: true,
+		req: &messages.Request{RequestID: "r", Model: "m", FrontendID: "fe", ArrivalUnixMs: time.Now().UnixMilli(), PromptTokenIDs: []uint32{1}}}
+	g.choices = []*choiceState{c}
+	s.register("r", g.q, 0)
+	next := func(outs ...*messages.Output) []choiceOutput {
+		for _, o := range outs {
+			g.q.push(0, o)
+		}
+		ctx, cancel := context.WithTimeout(t.Context(), 300*time.Millisecond)
+		defer cancel()
+		items, _ := g.next(ctx, time.NewTimer(time.Hour))
+		return items
+	}
+	if items := next(&messages.Output{ReqID: "r", Attempt: 1, Index: 0, Text: " first", TokenIDs: messages.TokenIDs{1}}); len(items) != 1 {
+		t.Fatalf("the first output: %d items taken", len(items))
+	}
+	// Nothing heard after a reconnect; no driver answers the probe.
+	next(&messages.Output{ReqID: "r", Attempt: math.MaxInt32, Error: &messages.OutputError{Code: codeOutputLost}})
+	if c.busID != "r-again1" || c.hedged != "r" {
+		t.Fatalf("after the verdict: following %q, kept %q; want r-again1 and r kept", c.busID, c.hedged)
+	}
+	// The kept request's last output: the rest of the answer.
+	next(&messages.Output{ReqID: "r", Attempt: 1, Index: 1, Text: " second third", TokenIDs: messages.TokenIDs{2, 3},
+		FinishReason: "length", Usage: &messages.Usage{PromptTokens: 1, CompletionTokens: 3}})
+	if !c.done || c.err != nil || c.busID != "r" || c.text.String() != " first second third" || c.generated != 3 {
+		t.Errorf("after the kept request's last output: done %v (err %v), following %q, text %q, %d tokens; want its whole answer %q, 3 tokens",
+			c.done, c.err, c.busID, c.text.String(), c.generated, " first second third")
+	}
+	var ids []string
+	for len(published) > 0 {
+		ids = append(ids, <-published)
+	}
+	if len(ids) != 1 {
+		t.Errorf("requests published: %v; want only the copy r-again1", ids)
+	}
+}

@@ -146,8 +146,12 @@ type choiceState struct {
 	askedAgain int
 	// hedged, when set, is the bus id of the request busID was asked
 	// again for while it may still answer: the first of the two to send an
-	// output is followed, the other aborted.
-	hedged string
+	// output is followed, the other aborted. hedgedAt is where its outputs
+	// had got to: a whole answer under way has its first output taken
+	// (its driver holds the rest for the last), and is followed on from
+	// there.
+	hedged   string
+	hedgedAt followMark
 	// resending: the driver was asked to send lost outputs again from
 	// nextIndex (resend.go); outputs past it are dropped until they come
 	// again, in order. resends numbers the asks; idleProbes counts the
@@ -156,6 +160,13 @@ type choiceState struct {
 	resending  bool
 	resends    int
 	idleProbes int
+}
+
+// followMark is where a choice's outputs of one bus request had got to.
+type followMark struct {
+	attempt, nextIndex, generated int
+	text                          string
+	usage                         messages.Usage
 }
 
 // ids returns the bus ids the choice listens to.
@@ -251,6 +262,7 @@ func (g *generation) askAgain(ctx context.Context, i int, why string, hedge bool
 	c.hedged = ""
 	if hedge {
 		c.hedged = old
+		c.hedgedAt = followMark{attempt: c.attempt, nextIndex: c.nextIndex, generated: c.generated, text: c.text.String(), usage: c.usage}
 	} else {
 		g.dropRequest(old, "answer lost on the bus; asked again as "+req.RequestID)
 	}
@@ -272,8 +284,13 @@ func (g *generation) settleHedge(c *choiceState, from string) {
 		loser = c.busID
 		g.renameEngineID(c.busID, from)
 		c.busID = from
+		// Followed on from where its outputs had got to.
+		at := c.hedgedAt
+		c.attempt, c.nextIndex, c.generated, c.usage = at.attempt, at.nextIndex, at.generated, at.usage
+		c.text.Reset()
+		c.text.WriteString(at.text)
 	}
-	c.hedged = ""
+	c.hedged, c.hedgedAt = "", followMark{}
 	g.dropRequest(loser, "a copy of it answered first: "+from)
 }
 
