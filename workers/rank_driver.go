@@ -23,9 +23,11 @@ func (r *Rank) drive(rr *rankReq) {
 		defer func() { r.replay.end(kept, time.Now()) }()
 		send = func(data []byte) { r.publishData(outSubj, data, meta) }
 	}
+	var sentAt time.Time // when the last output went out
 	publish := func(o *messages.Output) {
 		o.ReqID, o.Index, o.Attempt = meta.ReqID, index, meta.Attempt
 		index++
+		sentAt = time.Now()
 		if kept == nil {
 			r.publish(outSubj, o, meta)
 			return
@@ -55,8 +57,8 @@ func (r *Rank) drive(rr *rankReq) {
 		return nil
 	}
 	// A request that does not stream is answered whole: its text and token
-	// ids after the first output are held here and go with the last
-	// (heldAnswer).
+	// ids after the first output are held here and go with the last, or
+	// heldWait after the output before (heldAnswer).
 	var held heldAnswer
 	// hold keeps o's text and ids with what is held, when the request does
 	// not stream, its first output (its time to first token) went out, and
@@ -111,6 +113,9 @@ func (r *Rank) drive(rr *rankReq) {
 		}
 		o := &messages.Output{Text: c.Text, TokenIDs: c.TokenIDs, Raw: c.Raw}
 		if hold(o) {
+			if time.Since(sentAt) >= heldWait {
+				flushHeld()
+			}
 			return nil
 		}
 		flushHeld()
@@ -278,14 +283,22 @@ func (r *Rank) fitsSize(size int) error {
 	return nil
 }
 
+// heldWait is the longest a driver holds the answer of a request that does
+// not stream while its engine gives tokens: what it holds goes out once
+// the last output is that old. A frontend that reconnected to NATS takes a
+// request that hears nothing for 3 s (its LostOutputWait) for lost, and
+// asks its driver about it or publishes it again; an answer under way is
+// heard well within that, as a stream is.
+const heldWait = time.Second
+
 // heldAnswer is the text and token ids of a request that does not stream,
 // which its driver holds from the answer's second output on and sends with
-// the last. Its client reads the answer only whole (OpenAI's response that
-// does not stream), and the first output, which carries its time to first
-// token, went out already; an engine pacing its tokens (the sim at
-// --time-scale > 0) would otherwise cost the bus, the frontend and the
-// driver's memory of outputs to send again one message per token. It is
-// used by the one goroutine driving the request.
+// the last (or at least every heldWait). Its client reads the answer only
+// whole (OpenAI's response that does not stream), and the first output,
+// which carries its time to first token, went out already; an engine
+// pacing its tokens (the sim at --time-scale > 0) would otherwise cost the
+// bus, the frontend and the driver's memory of outputs to send again one
+// message per token. It is used by the one goroutine driving the request.
 type heldAnswer struct {
 	text []byte
 	ids  messages.TokenIDs

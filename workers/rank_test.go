@@ -1694,3 +1694,48 @@ func TestDriverSendsAnAnswerThatDoesNotStreamWhole(t *testing.T) {
 		})
 	}
 }
+
+// TestDriverSendsAHeldAnswerEverySecond: the answer of a request that does
+// not stream, held by its driver for its last output, goes out at least
+// once a second while the engine gives tokens (2.5 s of them here): in a
+// few outputs, none after a silence near the 3 s after a NATS reconnect in
+// which a frontend that hears nothing takes an answer for lost. Held whole,
+// it was silent from its first token to its last, and across a NATS
+// restart the frontend asked its driver about it; with --stream-replay 0,
+// which no driver answers, it published the request again and the answer
+// was computed twice.
+func TestDriverSendsAHeldAnswerEverySecond(t *testing.T) {
+	env := startRanks(t, rankEnvConfig{engine: workers.SimConfig{
+		Profile: workers.SimProfile{DecodePerToken: 10 * time.Millisecond}, TimeScale: 1,
+	}})
+	var mu sync.Mutex
+	var at []time.Time
+	sub, err := env.nc.Subscribe(env.subj.Out(testFrontend), func(*nats.Msg) {
+		mu.Lock()
+		at = append(at, time.Now())
+		mu.Unlock()
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer sub.Unsubscribe()
+	if err := env.nc.Flush(); err != nil {
+		t.Fatal(err)
+	}
+	m := newMeta("long", "sess", testenv.PromptTokens(1, 40))
+	m.SamplingParams.MaxTokens = 250
+	env.sendMeta(m)
+	if f := env.finalOutput("long"); f.FinishReason != workers.FinishLength || f.Usage.CompletionTokens != 250 {
+		t.Fatalf("final output %+v, want the answer's end after 250 tokens", f)
+	}
+	mu.Lock()
+	defer mu.Unlock()
+	var longest time.Duration
+	for i := 1; i < len(at); i++ {
+		longest = max(longest, at[i].Sub(at[i-1]))
+	}
+	if took := at[len(at)-1].Sub(at[0]); longest > 1500*time.Millisecond || len(at) > 6 {
+		t.Errorf("the answer (%v from its first output to its last) came in %d outputs, %v apart at most; want a few, at most ~1 s apart",
+			took.Round(time.Millisecond), len(at), longest.Round(time.Millisecond))
+	}
+}
