@@ -80,22 +80,33 @@ func StoreKey(model string, tpRank int, hash uint64) string {
 
 // BlockPayload returns the deterministic bytes of a block on a rank, so that
 // a load can verify what it read: a splitmix64 stream seeded by the block
-// hash and the rank.
+// hash and the rank, payloadPeriod bytes long and repeated to size. The
+// stream alone made 1.1 GB/s here: a 512 KiB block (Llama-3.1-8B's at TP 4)
+// took ~470 µs of a rank's CPU, and the bytes a turn stored were most of a
+// multi-turn request's CPU; repeated, the rest is a memory copy.
 func BlockPayload(hash uint64, tpRank, size int) []byte {
 	out := make([]byte, size)
+	n := min(size, payloadPeriod)
 	x := payloadSeed(hash, tpRank)
 	i := 0
-	for ; i+8 <= size; i += 8 {
+	for ; i+8 <= n; i += 8 {
 		x = splitmix64(x)
 		binary.LittleEndian.PutUint64(out[i:], x)
 	}
-	if i < size {
+	if i < n {
 		var tail [8]byte
 		binary.LittleEndian.PutUint64(tail[:], splitmix64(x))
-		copy(out[i:], tail[:])
+		copy(out[i:n], tail[:])
+	}
+	for filled := n; filled < size; filled *= 2 {
+		copy(out[filled:], out[:filled])
 	}
 	return out
 }
+
+// payloadPeriod is the length of a block payload's own stream: a multiple
+// of 8, above the 64 bytes VerifyPayload reads.
+const payloadPeriod = 4 << 10
 
 // Payload modes: what a rank keeps per block.
 const (

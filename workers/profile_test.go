@@ -111,6 +111,17 @@ func TestBlockPayload(t *testing.T) {
 	if odd := BlockPayload(42, 0, 61); !bytes.Equal(odd, long[:61]) {
 		t.Errorf("61-byte payload is not a prefix of the 64-byte one: tail %x vs %x", odd[56:], long[56:61])
 	}
+	// A longer payload is its first payloadPeriod bytes, the stream of a
+	// payload of that size, repeated, to its last byte.
+	period := BlockPayload(42, 0, payloadPeriod)
+	for _, size := range []int{payloadPeriod + 1, 3*payloadPeriod + 13, 512 << 10} {
+		p := BlockPayload(42, 0, size)
+		for j := 0; j < size; j += payloadPeriod {
+			if end := min(j+payloadPeriod, size); !bytes.Equal(p[j:end], period[:end-j]) {
+				t.Fatalf("size %d: bytes %d to %d are not the payload's first %d repeated", size, j, end, end-j)
+			}
+		}
+	}
 }
 
 func TestVerifyPayload(t *testing.T) {
