@@ -169,6 +169,19 @@ type followMark struct {
 	usage                         messages.Usage
 }
 
+// mark returns where the choice's outputs have got to.
+func (c *choiceState) mark() followMark {
+	return followMark{attempt: c.attempt, nextIndex: c.nextIndex, generated: c.generated, text: c.text.String(), usage: c.usage}
+}
+
+// restore follows on from m (followMark{attempt: a}: attempt a from its
+// start).
+func (c *choiceState) restore(m followMark) {
+	c.attempt, c.nextIndex, c.generated, c.usage = m.attempt, m.nextIndex, m.generated, m.usage
+	c.text.Reset()
+	c.text.WriteString(m.text)
+}
+
 // ids returns the bus ids the choice listens to.
 func (c *choiceState) ids() []string {
 	if c.hedged != "" {
@@ -262,16 +275,15 @@ func (g *generation) askAgain(ctx context.Context, i int, why string, hedge bool
 	c.hedged = ""
 	if hedge {
 		c.hedged = old
-		c.hedgedAt = followMark{attempt: c.attempt, nextIndex: c.nextIndex, generated: c.generated, text: c.text.String(), usage: c.usage}
+		c.hedgedAt = c.mark()
 	} else {
 		g.dropRequest(old, "answer lost on the bus; asked again as "+req.RequestID)
 	}
 	g.log.Warn("answer lost on the bus before any of it reached the client; asked again", "choice", i, "why", why,
 		"lost_req_id", old, "new_req_id", req.RequestID, "kept", hedge)
 	g.s.m.askedAgain.Inc()
-	c.busID, c.attempt, c.nextIndex, c.started = req.RequestID, 0, 0, false
-	c.text.Reset()
-	c.usage, c.generated = messages.Usage{}, 0
+	c.busID, c.started = req.RequestID, false
+	c.restore(followMark{})
 	g.renameEngineID(old, req.RequestID) // the engine names its answer after the bus id
 	return true
 }
@@ -284,11 +296,7 @@ func (g *generation) settleHedge(c *choiceState, from string) {
 		loser = c.busID
 		g.renameEngineID(c.busID, from)
 		c.busID = from
-		// Followed on from where its outputs had got to.
-		at := c.hedgedAt
-		c.attempt, c.nextIndex, c.generated, c.usage = at.attempt, at.nextIndex, at.generated, at.usage
-		c.text.Reset()
-		c.text.WriteString(at.text)
+		c.restore(c.hedgedAt) // followed on from where its outputs had got to
 	}
 	c.hedged, c.hedgedAt = "", followMark{}
 	g.dropRequest(loser, "a copy of it answered first: "+from)
@@ -315,9 +323,7 @@ func (c *choiceState) follow(o *messages.Output) bool {
 	case o.Error != nil:
 		c.attempt = o.Attempt
 	case !c.started:
-		c.attempt, c.nextIndex = o.Attempt, 0
-		c.text.Reset()
-		c.usage, c.generated = messages.Usage{}, 0
+		c.restore(followMark{attempt: o.Attempt})
 	default:
 		c.attempt = o.Attempt
 		o.Text, o.TokenIDs, o.FinishReason, o.Raw = "", nil, "", nil
