@@ -474,8 +474,8 @@ func (m *ResendReply) validate() error {
 	if m.Resent < 0 {
 		return invalid("resend reply: negative resent %d", m.Resent)
 	}
-	if m.Group != "" && ValidateGroup(m.Group) != nil {
-		return invalid("resend reply: %v", ValidateGroup(m.Group))
+	if err := ValidateGroup(m.Group); m.Group != "" && err != nil {
+		return invalid("resend reply: %v", err)
 	}
 	return nil
 }
