@@ -182,16 +182,11 @@ func TestRequestWaitsForAReconnect(t *testing.T) {
 func TestResendRightAfterAReconnectWaitsForTheDrivers(t *testing.T) {
 	srv, addr, nc := reconnectingConn(t)
 	subj := messages.Subjects{}
-	s := &Server{cfg: Config{Conn: nc, Subjects: subj, LostOutputWait: 300 * time.Millisecond}, log: slog.New(slog.DiscardHandler),
-		pending: map[string]route{}}
+	s, data := resendAsker(t, nc, 300*time.Millisecond)
 	ctx, cancel := context.WithCancel(t.Context())
 	var wg sync.WaitGroup
 	wg.Go(func() { s.watchReconnects(ctx) })
 	defer func() { cancel(); wg.Wait() }()
-	data, err := messages.Marshal(&messages.Resend{ReqID: "r", Attempt: 1, FromIndex: 2})
-	if err != nil {
-		t.Fatal(err)
-	}
 	start := time.Now()
 	if _, _, err := s.askDriver(data); !errors.Is(err, nats.ErrNoResponders) || time.Since(start) > resendWait/2 {
 		t.Fatalf("no scheduler, no reconnect: %v after %s; want no responders at once", err, time.Since(start))
@@ -222,12 +217,8 @@ func TestResendAnsweredByAnEarlierDriver(t *testing.T) {
 	srv, _, nc := reconnectingConn(t)
 	t.Cleanup(srv.Shutdown)
 	subj := messages.Subjects{}
-	s := &Server{cfg: Config{Conn: nc, Subjects: subj}, log: slog.New(slog.DiscardHandler), pending: map[string]route{}}
+	s, data := resendAsker(t, nc, 0)
 	if err := answerResends(nc, subj.Resend(), &messages.ResendReply{Resent: 2, Done: true}); err != nil {
-		t.Fatal(err)
-	}
-	data, err := messages.Marshal(&messages.Resend{ReqID: "r", FromIndex: 1})
-	if err != nil {
 		t.Fatal(err)
 	}
 	if reply, group, err := s.askDriver(data); err != nil || reply.Resent != 2 || !reply.Done || group != "" {
@@ -250,7 +241,7 @@ func TestResendWaitsForASchedulerThatReconnects(t *testing.T) {
 	srv, _, nc := reconnectingConn(t)
 	t.Cleanup(srv.Shutdown)
 	subj := messages.Subjects{}
-	s := &Server{cfg: Config{Conn: nc, Subjects: subj}, log: slog.New(slog.DiscardHandler), pending: map[string]route{}}
+	s, data := resendAsker(t, nc, 0)
 	s.schedulers.timeout = 3 * time.Second
 	s.schedulers.observe(&messages.Announcement{ID: "s1", Ready: true}, time.Now())
 	if err := answerResends(nc, subj.ResendGroup("g0"), &messages.ResendReply{Resent: 3}); err != nil {
@@ -258,10 +249,6 @@ func TestResendWaitsForASchedulerThatReconnects(t *testing.T) {
 	}
 	back := make(chan error, 1)
 	go answerResendsAfter(t, srv.ClientURL(), 200*time.Millisecond, subj.Resend(), &messages.ResendReply{Group: "g0"}, back)
-	data, err := messages.Marshal(&messages.Resend{ReqID: "r", FromIndex: 1})
-	if err != nil {
-		t.Fatal(err)
-	}
 	reply, _, err := s.askDriver(data)
 	if err := <-back; err != nil {
 		t.Fatal(err)
@@ -269,6 +256,20 @@ func TestResendWaitsForASchedulerThatReconnects(t *testing.T) {
 	if err != nil || reply.Resent != 3 {
 		t.Fatalf("asked while the scheduler reconnects (back 200 ms later): %+v, %v; want the driver's answer (resent 3)", reply, err)
 	}
+}
+
+// resendAsker is a frontend Server on nc that asks about lost outputs
+// (lostOutputWait: Config.LostOutputWait), and the encoded Resend it asks
+// with.
+func resendAsker(t *testing.T, nc *nats.Conn, lostOutputWait time.Duration) (*Server, []byte) {
+	t.Helper()
+	data, err := messages.Marshal(&messages.Resend{ReqID: "r", Attempt: 1, FromIndex: 2})
+	if err != nil {
+		t.Fatal(err)
+	}
+	s := &Server{cfg: Config{Conn: nc, Subjects: messages.Subjects{}, LostOutputWait: lostOutputWait},
+		log: slog.New(slog.DiscardHandler), pending: map[string]route{}}
+	return s, data
 }
 
 // answerResends answers every Resend on subject, over nc, with reply: a
