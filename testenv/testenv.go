@@ -253,14 +253,16 @@ func (c *Cluster) WaitReady(t testing.TB) {
 func (c *Cluster) Observe(t testing.TB, subject string) *Observer {
 	t.Helper()
 	nc := Connect(t, c.NATS)
-	o := &Observer{}
-	if _, err := nc.Subscribe(subject, func(m *nats.Msg) {
+	o := &Observer{nc: nc}
+	sub, err := nc.Subscribe(subject, func(m *nats.Msg) {
 		o.mu.Lock()
 		o.msgs = append(o.msgs, m)
 		o.mu.Unlock()
-	}); err != nil {
+	})
+	if err != nil {
 		t.Fatal(err)
 	}
+	o.sub = sub
 	if err := nc.Flush(); err != nil {
 		t.Fatal(err)
 	}
@@ -269,8 +271,30 @@ func (c *Cluster) Observe(t testing.TB, subject string) *Observer {
 
 // Observer records bus messages.
 type Observer struct {
+	nc   *nats.Conn
+	sub  *nats.Subscription
 	mu   sync.Mutex
 	msgs []*nats.Msg
+}
+
+// Sync returns once every message the server had sent the observer
+// before the call is recorded: a client that has received a message
+// does not say an observer on another connection has recorded it yet.
+func (o *Observer) Sync(t testing.TB) {
+	t.Helper()
+	if err := o.nc.Flush(); err != nil {
+		t.Fatal(err)
+	}
+	Eventually(t, 5*time.Second, "the observer's messages recorded", func() bool {
+		pending, _, err := o.sub.Pending()
+		delivered, err2 := o.sub.Delivered()
+		if err != nil || err2 != nil || pending != 0 {
+			return false
+		}
+		o.mu.Lock()
+		defer o.mu.Unlock()
+		return int64(len(o.msgs)) == delivered
+	})
 }
 
 // Messages returns the messages recorded so far.
