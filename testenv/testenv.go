@@ -277,31 +277,36 @@ type Observer struct {
 	msgs []*nats.Msg
 }
 
-// Sync returns once every message the server had sent the observer
-// before the call is recorded: a client that has received a message
-// does not say an observer on another connection has recorded it yet.
-func (o *Observer) Sync(t testing.TB) {
-	t.Helper()
-	if err := o.nc.Flush(); err != nil {
-		t.Fatal(err)
-	}
-	Eventually(t, 5*time.Second, "the observer's messages recorded", func() bool {
-		pending, _, err := o.sub.Pending()
-		delivered, err2 := o.sub.Delivered()
-		if err != nil || err2 != nil || pending != 0 {
-			return false
-		}
-		o.mu.Lock()
-		defer o.mu.Unlock()
-		return int64(len(o.msgs)) == delivered
-	})
-}
-
-// Messages returns the messages recorded so far.
+// Messages returns the messages recorded so far, among them every message
+// the server had sent the observer before the call: that a role has
+// received a message does not say that the observer, on its own
+// connection, has recorded it yet (it is in flight, or queued for the
+// subscription's handler). It waits up to a second for them, and not at
+// all while the observer is disconnected.
 func (o *Observer) Messages() []*nats.Msg {
+	if o.nc.IsConnected() && o.nc.FlushTimeout(time.Second) == nil {
+		for deadline := time.Now().Add(time.Second); time.Now().Before(deadline); time.Sleep(100 * time.Microsecond) {
+			if o.recordedAll() {
+				break
+			}
+		}
+	}
 	o.mu.Lock()
 	defer o.mu.Unlock()
 	return append([]*nats.Msg(nil), o.msgs...)
+}
+
+// recordedAll reports whether the subscription's handler has recorded
+// every message the connection has taken in for it.
+func (o *Observer) recordedAll() bool {
+	pending, _, err := o.sub.Pending()
+	delivered, err2 := o.sub.Delivered()
+	if err != nil || err2 != nil || pending != 0 {
+		return false
+	}
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	return int64(len(o.msgs)) == delivered
 }
 
 // Connected reports whether a client connection with this name is
