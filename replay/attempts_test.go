@@ -16,8 +16,10 @@ import (
 // request's newest attempt as a frontend does. An older attempt's outputs
 // are dropped: the error of a group given up, or its late answer, ended
 // a request whose newer attempt answered it. An answer begun
-// by one attempt and moved to another ends with group_failed, as a
-// streaming client's does.
+// by one attempt and moved to another ends with group_failed when it
+// streams, as a streaming client's does; one that does not stream is the
+// new attempt's whole answer, as a frontend gives it (it ended with
+// group_failed before).
 func TestReplayFollowsTheNewestAttempt(t *testing.T) {
 	srv, nc, _ := requestLog(t)
 	var subj messages.Subjects
@@ -37,7 +39,11 @@ func TestReplayFollowsTheNewestAttempt(t *testing.T) {
 		// Moved after its answer began.
 		"moved": {
 			{Attempt: 0, Text: "a"},
-			{Attempt: 1, Text: "b", FinishReason: "length", Usage: &messages.Usage{PromptTokens: 512, CompletionTokens: 1}},
+			{Attempt: 1, Text: "b", FinishReason: "length", Usage: &messages.Usage{PromptTokens: 512, CompletionTokens: 1, CachedTokens: 64}},
+		},
+		"moved-stream": {
+			{Attempt: 0, Text: "a"},
+			{Attempt: 1, Text: "b", FinishReason: "length", Usage: &messages.Usage{PromptTokens: 512, CompletionTokens: 1, CachedTokens: 64}},
 		},
 	}
 	sub, err := nc.Subscribe(subj.RequestAll(), func(m *nats.Msg) {
@@ -69,6 +75,10 @@ func TestReplayFollowsTheNewestAttempt(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
+	// The last request streams, as a captured one can.
+	streamed := &messages.Request{RequestID: "moved-stream-1", SessionID: "moved-stream", Model: "kvbus-sim",
+		PromptTokenIDs: make([]uint32, 512), Stream: true, SamplingParams: messages.SamplingParams{MaxTokens: 1}}
+	tr.Items = append(tr.Items, replay.Item{SessionID: "moved-stream", Prompt: streamed.PromptTokenIDs, Request: streamed})
 	r, err := replay.New(replay.Config{Target: srv.ClientURL(), Conn: testenv.Connect(t, srv), Timeout: 10 * time.Second})
 	if err != nil {
 		t.Fatal(err)
@@ -83,7 +93,10 @@ func TestReplayFollowsTheNewestAttempt(t *testing.T) {
 	if res := results[1]; res.Err != "" || res.CachedTokens != 128 {
 		t.Errorf("a given-up attempt finishing late: err %q, cached tokens %d; want attempt 1's answer, 128 cached", res.Err, res.CachedTokens)
 	}
-	if res := results[2]; !strings.HasPrefix(res.Err, "group_failed: ") {
-		t.Errorf("moved after its answer began: err %q; want group_failed", res.Err)
+	if res := results[2]; res.Err != "" || res.CachedTokens != 64 {
+		t.Errorf("moved after its answer began, not streamed: err %q, cached tokens %d; want attempt 1's whole answer, 64 cached", res.Err, res.CachedTokens)
+	}
+	if res := results[3]; !strings.HasPrefix(res.Err, "group_failed: ") {
+		t.Errorf("moved after its answer began to stream: err %q; want group_failed", res.Err)
 	}
 }

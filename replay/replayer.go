@@ -96,6 +96,7 @@ type pendingReq struct {
 	done    chan struct{}
 	got     bool // an output came
 	attempt int  // the newest attempt heard
+	stream  bool // the request streams: its client hears each output
 }
 
 // New checks the configuration and prepares the target.

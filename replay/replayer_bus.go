@@ -224,9 +224,12 @@ func (r *Replayer) onOutput(m *nats.Msg) {
 		// it, and may end it with an error): a frontend drops it too.
 		r.mu.Unlock()
 		return
-	case o.Attempt > p.attempt && p.got && o.Error == nil:
-		// Moved after its answer began: a frontend cannot splice the new
-		// attempt into what its client has, and ends the answer so.
+	case o.Attempt > p.attempt && p.got && p.stream && o.Error == nil:
+		// Moved after its answer began to stream: a frontend cannot splice
+		// the new attempt into what its client has, and ends the answer
+		// so. An answer that does not stream has reached no client yet: a
+		// frontend follows the new attempt from its start, and so does
+		// this (its time to first token stays the first attempt's).
 		o = &messages.Output{ReqID: o.ReqID, Attempt: o.Attempt, Error: &messages.OutputError{Code: "group_failed",
 			Message: "the request moved to another worker group after its answer had begun"}}
 	}
@@ -267,7 +270,7 @@ func (r *Replayer) doNATS(ctx context.Context, req *messages.Request, res *Resul
 		res.Err = err.Error()
 		return
 	}
-	p := &pendingReq{res: res, done: make(chan struct{})}
+	p := &pendingReq{res: res, done: make(chan struct{}), stream: req.Stream}
 	r.mu.Lock()
 	r.pending[req.RequestID] = p
 	r.mu.Unlock()
