@@ -8,6 +8,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/nats-io/nats.go"
 	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/kvbus/kvbus/messages"
@@ -42,6 +43,60 @@ func (s *afterGetStore) BatchGet(ctx context.Context, keys []string, at Recency)
 // --groups 2` under a multi-turn load: a rank loaded 8 of 13 blocks and
 // its store thread skipped the 5 others as held, in the same millisecond).
 func TestLoadFindsASaveThatSettledAfterItsRead(t *testing.T) {
+	r, hashes := rankSettlingASaveAfterItsRead(t)
+	next, _ := newRankReq(&messages.ReqMeta{ReqID: "next", Model: "m", BlockSize: 1, BlockHashes: hashes,
+		LoadSpec: &messages.LoadSpec{CanLoad: true, KVPoolCachedTokens: len(hashes)}})
+	next.id = 2
+	r.load(next)
+	if next.loadFail != 0 || next.loaded != len(hashes) {
+		t.Errorf("loaded %d tokens, %d blocks failed; want all %d loaded: the last block's save settled between the load's read and its check, and the block was in the store",
+			next.loaded, next.loadFail, len(hashes))
+	}
+}
+
+// TestPoolReadFindsASaveThatSettledAfterItsRead: the same, for another
+// group's read of the blocks over the pool: it answered without the last
+// block, which the reader then recomputed.
+func TestPoolReadFindsASaveThatSettledAfterItsRead(t *testing.T) {
+	r, hashes := rankSettlingASaveAfterItsRead(t)
+	nc := busConn(t)
+	r.cfg.Conn = nc
+	replies, err := nc.SubscribeSync(nats.NewInbox())
+	if err != nil {
+		t.Fatal(err)
+	}
+	data, err := messages.Marshal(&messages.PoolRead{Model: "m", TPRank: 0, BlockHashes: hashes})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := r.onPoolRead(t.Context(), &nats.Msg{Subject: "kvbus.pool.g0.0", Reply: replies.Subject, Data: data}); err != nil {
+		t.Fatal(err)
+	}
+	sent := map[int]bool{}
+	for more := true; more; {
+		m, err := replies.NextMsg(5 * time.Second)
+		if err != nil {
+			t.Fatalf("the pool read's answer: %v", err)
+		}
+		part, err := messages.DecodePoolPart(m.Data)
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, p := range part.Pieces {
+			sent[p.Index] = true
+		}
+		more = part.Part+1 < part.Parts
+	}
+	if len(sent) != len(hashes) {
+		t.Errorf("the pool read was sent %d of its %d blocks; want all: the last block's save settled between the read and its check, and the block was in the store",
+			len(sent), len(hashes))
+	}
+}
+
+// rankSettlingASaveAfterItsRead returns a rank whose previous turn saves
+// three blocks: two are in its store, and the third is put and its save
+// settled right after the first read that asks for it returns.
+func rankSettlingASaveAfterItsRead(t *testing.T) (*Rank, []uint64) {
 	mem, _ := newTestStore(t, 1<<20)
 	const model = "m"
 	hashes := []uint64{11, 12, 13}
@@ -60,8 +115,6 @@ func TestLoadFindsASaveThatSettledAfterItsRead(t *testing.T) {
 		savingAfter: map[string][]*rankReq{},
 		series:      NewMetrics(prometheus.NewRegistry()).forRank("g0", "0"),
 	}
-	// The previous turn saves the three blocks; the first two are in the
-	// store already, the last one is being put.
 	prev, _ := newRankReq(&messages.ReqMeta{ReqID: "prev", Model: model, BlockSize: 1, BlockHashes: hashes, CanSave: true})
 	prev.id = 1
 	r.mu.Lock()
@@ -74,13 +127,5 @@ func TestLoadFindsASaveThatSettledAfterItsRead(t *testing.T) {
 		r.settleSaves(prev)
 	}
 	r.store = store
-
-	next, _ := newRankReq(&messages.ReqMeta{ReqID: "next", Model: model, BlockSize: 1, BlockHashes: hashes,
-		LoadSpec: &messages.LoadSpec{CanLoad: true, KVPoolCachedTokens: len(hashes)}})
-	next.id = 2
-	r.load(next)
-	if next.loadFail != 0 || next.loaded != len(hashes) {
-		t.Errorf("loaded %d tokens, %d blocks failed; want all %d loaded: the last block's save settled between the load's read and its check, and the block was in the store",
-			next.loaded, next.loadFail, len(hashes))
-	}
+	return r, hashes
 }

@@ -61,6 +61,13 @@ func (r *Rank) onPoolRead(ctx context.Context, m *nats.Msg) error {
 	}
 	values := r.store.BatchGet(ctx, keys, RecencyKept) // another group reads: it keeps its own copy
 	unknown, saving := r.notSaving(keys, values)
+	if len(unknown) > 0 {
+		// A save may have ended between the read and the check (the store
+		// thread puts, then settles): the block is in the store now, as
+		// a local load finds it (rank_load.go).
+		r.readAgain(ctx, keys, values, unknown)
+		unknown = slices.DeleteFunc(unknown, func(i int) bool { return values[i] != nil })
+	}
 	intake, caughtUp := r.intakeMark()
 	// No ReqMeta comes once the intake stopped.
 	planned := req.Saving && len(unknown) > 0 && r.intakeOpen()
