@@ -129,3 +129,126 @@ func rankSettlingASaveAfterItsRead(t *testing.T) (*Rank, []uint64) {
 	r.store = store
 	return r, hashes
 }
+
+// nthGetStore runs hook once, right after the nth BatchGet that asks for
+// hookKey returns.
+type nthGetStore struct {
+	BlockStore
+	hookKey string
+	n       int
+	mu      sync.Mutex
+	seen    int
+	hook    func()
+}
+
+func (s *nthGetStore) BatchGet(ctx context.Context, keys []string, at Recency) [][]byte {
+	vals := s.BlockStore.BatchGet(ctx, keys, at)
+	for _, k := range keys {
+		if k == s.hookKey {
+			s.mu.Lock()
+			s.seen++
+			fire := s.seen == s.n
+			s.mu.Unlock()
+			if fire {
+				s.hook()
+			}
+		}
+	}
+	return vals
+}
+
+// TestPoolReadWaitsForAReqMetaHandledDuringItsReadAgain: a pool read
+// misses a block no save is registered for, while the rank's intake is
+// handling the ReqMeta that saves it. That ReqMeta was received before
+// the read, so the read is to wait for the intake and then for the save.
+// Its handler registers the save and returns while the read reads the
+// missing block once more: the read must still wait for that save, not
+// take the intake, caught up by then, for one that had nothing for it.
+func TestPoolReadWaitsForAReqMetaHandledDuringItsReadAgain(t *testing.T) {
+	mem, _ := newTestStore(t, 1<<20)
+	const model = "m"
+	hashes := []uint64{11, 12, 13}
+	keys := make([]string, len(hashes))
+	objects := make([]Object, len(hashes))
+	for i, h := range hashes {
+		keys[i] = StoreKey(model, 0, h)
+		v, size := blockObject(PayloadAccounting, h, 0, 8)
+		objects[i] = Object{Key: keys[i], Hash: h, Value: v, Size: size}
+	}
+	mem.BatchPut(t.Context(), objects[:2])
+	nc := busConn(t)
+	r := &Rank{
+		cfg:         RankConfig{Payload: PayloadAccounting, SaveWait: 2 * time.Second, Conn: nc},
+		log:         slog.New(slog.NewTextHandler(io.Discard, nil)),
+		saving:      map[string]*rankReq{},
+		savingAfter: map[string][]*rankReq{},
+		series:      NewMetrics(prometheus.NewRegistry()).forRank("g0", "0"),
+		poolWaits:   newOffloader(poolWaitSlots),
+	}
+	t.Cleanup(r.poolWaits.close)
+	// The ReqMeta that saves the third block, received and in its handler.
+	saver, _ := newRankReq(&messages.ReqMeta{ReqID: "saver", Model: model, BlockSize: 1, BlockHashes: hashes, SaveFromBlock: 2, CanSave: true})
+	saver.id = 1
+	inHandler, release := make(chan struct{}), make(chan struct{})
+	metaSub, err := nc.Subscribe("kvbus.meta.g0.test", func(*nats.Msg) {
+		close(inHandler)
+		<-release
+		r.mu.Lock()
+		r.registerSavesLocked(saver)
+		r.mu.Unlock()
+		r.metaHandled.Add(1)
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	r.metaSub = metaSub
+	if err := nc.Publish("kvbus.meta.g0.test", nil); err != nil {
+		t.Fatal(err)
+	}
+	<-inHandler
+	// The read's second read of the third block: the handler finishes
+	// meanwhile; the save it registered settles 50 ms later.
+	store := &nthGetStore{BlockStore: mem, hookKey: keys[2], n: 2}
+	store.hook = func() {
+		close(release)
+		for pending, _, _ := metaSub.Pending(); pending > 0; pending, _, _ = metaSub.Pending() {
+			time.Sleep(100 * time.Microsecond)
+		}
+		go func() {
+			time.Sleep(50 * time.Millisecond)
+			mem.BatchPut(context.Background(), objects[2:])
+			r.settleSaves(saver)
+		}()
+	}
+	r.store = store
+	replies, err := nc.SubscribeSync(nats.NewInbox())
+	if err != nil {
+		t.Fatal(err)
+	}
+	data, err := messages.Marshal(&messages.PoolRead{Model: model, TPRank: 0, BlockHashes: hashes})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := r.onPoolRead(t.Context(), &nats.Msg{Subject: "kvbus.pool.g0.0", Reply: replies.Subject, Data: data}); err != nil {
+		t.Fatal(err)
+	}
+	sent := map[int]bool{}
+	for more := true; more; {
+		m, err := replies.NextMsg(5 * time.Second)
+		if err != nil {
+			t.Fatalf("the pool read's answer: %v", err)
+		}
+		part, err := messages.DecodePoolPart(m.Data)
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, p := range part.Pieces {
+			sent[p.Index] = true
+		}
+		more = part.Part+1 < part.Parts
+	}
+	if len(sent) != len(hashes) {
+		t.Errorf("the pool read was sent %d of its %d blocks; want all: the ReqMeta saving the last was received before the read, and its save settled within SaveWait",
+			len(sent), len(hashes))
+	}
+}

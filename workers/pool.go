@@ -60,6 +60,12 @@ func (r *Rank) onPoolRead(ctx context.Context, m *nats.Msg) error {
 		keys[i] = StoreKey(req.Model, req.TPRank, h)
 	}
 	values := r.store.BatchGet(ctx, keys, RecencyKept) // another group reads: it keeps its own copy
+	// The intake's mark comes before the check of the saves: caught up,
+	// every ReqMeta received by then has registered its saves, and the
+	// check sees them. Taken after it (after the read again below), a
+	// ReqMeta handled in between registered a save the read neither
+	// waited for nor found.
+	intake, caughtUp := r.intakeMark()
 	unknown, saving := r.notSaving(keys, values)
 	if len(unknown) > 0 {
 		// A save may have ended between the read and the check (the store
@@ -68,7 +74,6 @@ func (r *Rank) onPoolRead(ctx context.Context, m *nats.Msg) error {
 		r.readAgain(ctx, keys, values, unknown)
 		unknown = slices.DeleteFunc(unknown, func(i int) bool { return values[i] != nil })
 	}
-	intake, caughtUp := r.intakeMark()
 	// No ReqMeta comes once the intake stopped.
 	planned := req.Saving && len(unknown) > 0 && r.intakeOpen()
 	if (len(unknown) == 0 || caughtUp) && !planned {
