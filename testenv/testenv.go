@@ -281,8 +281,9 @@ type Observer struct {
 // the server had sent the observer before the call: that a role has
 // received a message does not say that the observer, on its own
 // connection, has recorded it yet (it is in flight, or queued for the
-// subscription's handler). It waits up to a second for them, and not at
-// all while the observer is disconnected.
+// subscription's handler). It waits up to a second for the server's
+// answer to a flush and up to a second more for the handler, and not at
+// all while the observer is disconnected or when the flush fails.
 func (o *Observer) Messages() []*nats.Msg {
 	if o.nc.IsConnected() && o.nc.FlushTimeout(time.Second) == nil {
 		for deadline := time.Now().Add(time.Second); time.Now().Before(deadline); time.Sleep(100 * time.Microsecond) {

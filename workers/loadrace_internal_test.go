@@ -59,35 +59,8 @@ func TestLoadFindsASaveThatSettledAfterItsRead(t *testing.T) {
 // block, which the reader then recomputed.
 func TestPoolReadFindsASaveThatSettledAfterItsRead(t *testing.T) {
 	r, hashes := rankSettlingASaveAfterItsRead(t)
-	nc := busConn(t)
-	r.cfg.Conn = nc
-	replies, err := nc.SubscribeSync(nats.NewInbox())
-	if err != nil {
-		t.Fatal(err)
-	}
-	data, err := messages.Marshal(&messages.PoolRead{Model: "m", TPRank: 0, BlockHashes: hashes})
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := r.onPoolRead(t.Context(), &nats.Msg{Subject: "kvbus.pool.g0.0", Reply: replies.Subject, Data: data}); err != nil {
-		t.Fatal(err)
-	}
-	sent := map[int]bool{}
-	for more := true; more; {
-		m, err := replies.NextMsg(5 * time.Second)
-		if err != nil {
-			t.Fatalf("the pool read's answer: %v", err)
-		}
-		part, err := messages.DecodePoolPart(m.Data)
-		if err != nil {
-			t.Fatal(err)
-		}
-		for _, p := range part.Pieces {
-			sent[p.Index] = true
-		}
-		more = part.Part+1 < part.Parts
-	}
-	if len(sent) != len(hashes) {
+	r.cfg.Conn = busConn(t)
+	if sent := poolReadSent(t, r, "m", hashes); len(sent) != len(hashes) {
 		t.Errorf("the pool read was sent %d of its %d blocks; want all: the last block's save settled between the read and its check, and the block was in the store",
 			len(sent), len(hashes))
 	}
@@ -221,7 +194,17 @@ func TestPoolReadWaitsForAReqMetaHandledDuringItsReadAgain(t *testing.T) {
 		}()
 	}
 	r.store = store
-	replies, err := nc.SubscribeSync(nats.NewInbox())
+	if sent := poolReadSent(t, r, model, hashes); len(sent) != len(hashes) {
+		t.Errorf("the pool read was sent %d of its %d blocks; want all: the ReqMeta saving the last was received before the read, and its save settled within SaveWait",
+			len(sent), len(hashes))
+	}
+}
+
+// poolReadSent sends r a pool read of hashes (rank 0's keys of model) and
+// returns the indexes of the blocks its answer carried.
+func poolReadSent(t *testing.T, r *Rank, model string, hashes []uint64) map[int]bool {
+	t.Helper()
+	replies, err := r.cfg.Conn.SubscribeSync(nats.NewInbox())
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -247,8 +230,5 @@ func TestPoolReadWaitsForAReqMetaHandledDuringItsReadAgain(t *testing.T) {
 		}
 		more = part.Part+1 < part.Parts
 	}
-	if len(sent) != len(hashes) {
-		t.Errorf("the pool read was sent %d of its %d blocks; want all: the ReqMeta saving the last was received before the read, and its save settled within SaveWait",
-			len(sent), len(hashes))
-	}
+	return sent
 }
