@@ -132,30 +132,16 @@ func (m *multiModel) waitGroups(t *testing.T, want ...string) {
 // metas records the group of every ReqMeta by its request's model.
 func (m *multiModel) metas(t *testing.T) func() map[string][]string {
 	t.Helper()
-	nc := testenv.Connect(t, m.c.NATS)
-	var mu sync.Mutex
-	byModel := map[string][]string{}
-	if _, err := nc.Subscribe("kvbus.meta.>", func(msg *nats.Msg) {
-		meta, err := messages.DecodeReqMeta(msg.Data)
-		if err != nil {
-			t.Errorf("ReqMeta on %s: %v", msg.Subject, err)
-			return
-		}
-		mu.Lock()
-		byModel[meta.Model] = append(byModel[meta.Model], meta.Group)
-		mu.Unlock()
-	}); err != nil {
-		t.Fatal(err)
-	}
-	if err := nc.Flush(); err != nil {
-		t.Fatal(err)
-	}
+	o := testenv.ObserveBus(t, m.c.NATS, "kvbus.meta.>")
 	return func() map[string][]string {
-		mu.Lock()
-		defer mu.Unlock()
 		out := map[string][]string{}
-		for k, v := range byModel {
-			out[k] = append([]string(nil), v...)
+		for _, msg := range o.Messages() {
+			meta, err := messages.DecodeReqMeta(msg.Data)
+			if err != nil {
+				t.Errorf("ReqMeta on %s: %v", msg.Subject, err)
+				continue
+			}
+			out[meta.Model] = append(out[meta.Model], meta.Group)
 		}
 		return out
 	}

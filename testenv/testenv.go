@@ -252,7 +252,13 @@ func (c *Cluster) WaitReady(t testing.TB) {
 // Observe subscribes to subject and records every message until cleanup.
 func (c *Cluster) Observe(t testing.TB, subject string) *Observer {
 	t.Helper()
-	nc := Connect(t, c.NATS)
+	return ObserveBus(t, c.NATS, subject)
+}
+
+// ObserveBus is Observe on srv, for a cluster not built by StartCluster.
+func ObserveBus(t testing.TB, srv *bus.Server, subject string) *Observer {
+	t.Helper()
+	nc := Connect(t, srv)
 	o := &Observer{nc: nc}
 	sub, err := nc.Subscribe(subject, func(m *nats.Msg) {
 		o.mu.Lock()
