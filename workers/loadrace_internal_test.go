@@ -14,97 +14,9 @@ import (
 	"github.com/kvbus/kvbus/messages"
 )
 
-// afterGetStore runs hook once, right after the first BatchGet that asks
-// for hookKey returns: what another thread of the rank does between the
-// load's read and what the load does next.
-type afterGetStore struct {
-	BlockStore
-	hookKey string
-	once    sync.Once
-	hook    func()
-}
-
-func (s *afterGetStore) BatchGet(ctx context.Context, keys []string, at Recency) [][]byte {
-	vals := s.BlockStore.BatchGet(ctx, keys, at)
-	for _, k := range keys {
-		if k == s.hookKey {
-			s.once.Do(s.hook)
-		}
-	}
-	return vals
-}
-
-// TestLoadFindsASaveThatSettledAfterItsRead: a conversation's next turn
-// reaches a rank whose store thread is still saving the previous turn's
-// blocks. Its load reads the store (the last block is not there yet), and
-// before it asks who is saving that block, the store thread puts it and
-// settles the save. The block is in the store: the load must load it, not
-// report it missing for the turn to recompute (seen in `kvbus serve
-// --groups 2` under a multi-turn load: a rank loaded 8 of 13 blocks and
-// its store thread skipped the 5 others as held, in the same millisecond).
-func TestLoadFindsASaveThatSettledAfterItsRead(t *testing.T) {
-	r, hashes := rankSettlingASaveAfterItsRead(t)
-	next, _ := newRankReq(&messages.ReqMeta{ReqID: "next", Model: "m", BlockSize: 1, BlockHashes: hashes,
-		LoadSpec: &messages.LoadSpec{CanLoad: true, KVPoolCachedTokens: len(hashes)}})
-	next.id = 2
-	r.load(next)
-	if next.loadFail != 0 || next.loaded != len(hashes) {
-		t.Errorf("loaded %d tokens, %d blocks failed; want all %d loaded: the last block's save settled between the load's read and its check, and the block was in the store",
-			next.loaded, next.loadFail, len(hashes))
-	}
-}
-
-// TestPoolReadFindsASaveThatSettledAfterItsRead: the same, for another
-// group's read of the blocks over the pool: it answered without the last
-// block, which the reader then recomputed.
-func TestPoolReadFindsASaveThatSettledAfterItsRead(t *testing.T) {
-	r, hashes := rankSettlingASaveAfterItsRead(t)
-	r.cfg.Conn = busConn(t)
-	if sent := poolReadSent(t, r, "m", hashes); len(sent) != len(hashes) {
-		t.Errorf("the pool read was sent %d of its %d blocks; want all: the last block's save settled between the read and its check, and the block was in the store",
-			len(sent), len(hashes))
-	}
-}
-
-// rankSettlingASaveAfterItsRead returns a rank whose previous turn saves
-// three blocks: two are in its store, and the third is put and its save
-// settled right after the first read that asks for it returns.
-func rankSettlingASaveAfterItsRead(t *testing.T) (*Rank, []uint64) {
-	mem, _ := newTestStore(t, 1<<20)
-	const model = "m"
-	hashes := []uint64{11, 12, 13}
-	keys := make([]string, len(hashes))
-	for i, h := range hashes {
-		keys[i] = StoreKey(model, 0, h)
-	}
-	object := func(i int) Object {
-		v, size := blockObject(PayloadAccounting, hashes[i], 0, 8)
-		return Object{Key: keys[i], Hash: hashes[i], Value: v, Size: size}
-	}
-	r := &Rank{
-		cfg:         RankConfig{Payload: PayloadAccounting, SaveWait: 2 * time.Second},
-		log:         slog.New(slog.NewTextHandler(io.Discard, nil)),
-		saving:      map[string]*rankReq{},
-		savingAfter: map[string][]*rankReq{},
-		series:      NewMetrics(prometheus.NewRegistry()).forRank("g0", "0"),
-	}
-	prev, _ := newRankReq(&messages.ReqMeta{ReqID: "prev", Model: model, BlockSize: 1, BlockHashes: hashes, CanSave: true})
-	prev.id = 1
-	r.mu.Lock()
-	r.registerSavesLocked(prev)
-	r.mu.Unlock()
-	mem.BatchPut(t.Context(), []Object{object(0), object(1)})
-	store := &afterGetStore{BlockStore: mem, hookKey: keys[2]}
-	store.hook = func() {
-		mem.BatchPut(context.Background(), []Object{object(2)})
-		r.settleSaves(prev)
-	}
-	r.store = store
-	return r, hashes
-}
-
 // nthGetStore runs hook once, right after the nth BatchGet that asks for
-// hookKey returns.
+// hookKey returns: what another thread of the rank does between a read
+// and what the reader does next.
 type nthGetStore struct {
 	BlockStore
 	hookKey string
@@ -130,6 +42,87 @@ func (s *nthGetStore) BatchGet(ctx context.Context, keys []string, at Recency) [
 	return vals
 }
 
+// TestLoadFindsASaveThatSettledAfterItsRead: a conversation's next turn
+// reaches a rank whose store thread is still saving the previous turn's
+// blocks. Its load reads the store (the last block is not there yet), and
+// before it asks who is saving that block, the store thread puts it and
+// settles the save. The block is in the store: the load must load it, not
+// report it missing for the turn to recompute (seen in `kvbus serve
+// --groups 2` under a multi-turn load: a rank loaded 8 of 13 blocks and
+// its store thread skipped the 5 others as held, in the same millisecond).
+func TestLoadFindsASaveThatSettledAfterItsRead(t *testing.T) {
+	r, hashes := rankSettlingASaveAfterItsRead(t)
+	next, _ := newRankReq(&messages.ReqMeta{ReqID: "next", Model: raceModel, BlockSize: 1, BlockHashes: hashes,
+		LoadSpec: &messages.LoadSpec{CanLoad: true, KVPoolCachedTokens: len(hashes)}})
+	next.id = 2
+	r.load(next)
+	if next.loadFail != 0 || next.loaded != len(hashes) {
+		t.Errorf("loaded %d tokens, %d blocks failed; want all %d loaded: the last block's save settled between the load's read and its check, and the block was in the store",
+			next.loaded, next.loadFail, len(hashes))
+	}
+}
+
+// TestPoolReadFindsASaveThatSettledAfterItsRead: the same, for another
+// group's read of the blocks over the pool: it answered without the last
+// block, which the reader then recomputed.
+func TestPoolReadFindsASaveThatSettledAfterItsRead(t *testing.T) {
+	r, hashes := rankSettlingASaveAfterItsRead(t)
+	r.cfg.Conn = busConn(t)
+	if sent := poolReadSent(t, r, hashes); len(sent) != len(hashes) {
+		t.Errorf("the pool read was sent %d of its %d blocks; want all: the last block's save settled between the read and its check, and the block was in the store",
+			len(sent), len(hashes))
+	}
+}
+
+// rankSettlingASaveAfterItsRead returns a rank whose previous turn saves
+// three blocks: two are in its store, and the third is put and its save
+// settled right after the first read that asks for it returns.
+func rankSettlingASaveAfterItsRead(t *testing.T) (*Rank, []uint64) {
+	mem, _ := newTestStore(t, 1<<20)
+	hashes, keys, objects := raceBlocks()
+	r := raceRank()
+	prev, _ := newRankReq(&messages.ReqMeta{ReqID: "prev", Model: raceModel, BlockSize: 1, BlockHashes: hashes, CanSave: true})
+	prev.id = 1
+	r.mu.Lock()
+	r.registerSavesLocked(prev)
+	r.mu.Unlock()
+	mem.BatchPut(t.Context(), objects[:2])
+	store := &nthGetStore{BlockStore: mem, hookKey: keys[2], n: 1}
+	store.hook = func() {
+		mem.BatchPut(context.Background(), objects[2:])
+		r.settleSaves(prev)
+	}
+	r.store = store
+	return r, hashes
+}
+
+// raceModel is the model of raceBlocks.
+const raceModel = "m"
+
+// raceBlocks returns three blocks of raceModel on rank 0: their hashes,
+// store keys and objects (--kv-payload accounting).
+func raceBlocks() (hashes []uint64, keys []string, objects []Object) {
+	hashes = []uint64{11, 12, 13}
+	for _, h := range hashes {
+		k := StoreKey(raceModel, 0, h)
+		v, size := blockObject(PayloadAccounting, h, 0, 8)
+		keys, objects = append(keys, k), append(objects, Object{Key: k, Hash: h, Value: v, Size: size})
+	}
+	return hashes, keys, objects
+}
+
+// raceRank returns a rank with what its load and pool-read paths need,
+// but no store, connection or intake.
+func raceRank() *Rank {
+	return &Rank{
+		cfg:         RankConfig{Payload: PayloadAccounting, SaveWait: 2 * time.Second},
+		log:         slog.New(slog.NewTextHandler(io.Discard, nil)),
+		saving:      map[string]*rankReq{},
+		savingAfter: map[string][]*rankReq{},
+		series:      NewMetrics(prometheus.NewRegistry()).forRank("g0", "0"),
+	}
+}
+
 // TestPoolReadWaitsForAReqMetaHandledDuringItsReadAgain: a pool read
 // misses a block no save is registered for, while the rank's intake is
 // handling the ReqMeta that saves it. That ReqMeta was received before
@@ -139,28 +132,14 @@ func (s *nthGetStore) BatchGet(ctx context.Context, keys []string, at Recency) [
 // take the intake, caught up by then, for one that had nothing for it.
 func TestPoolReadWaitsForAReqMetaHandledDuringItsReadAgain(t *testing.T) {
 	mem, _ := newTestStore(t, 1<<20)
-	const model = "m"
-	hashes := []uint64{11, 12, 13}
-	keys := make([]string, len(hashes))
-	objects := make([]Object, len(hashes))
-	for i, h := range hashes {
-		keys[i] = StoreKey(model, 0, h)
-		v, size := blockObject(PayloadAccounting, h, 0, 8)
-		objects[i] = Object{Key: keys[i], Hash: h, Value: v, Size: size}
-	}
+	hashes, keys, objects := raceBlocks()
 	mem.BatchPut(t.Context(), objects[:2])
 	nc := busConn(t)
-	r := &Rank{
-		cfg:         RankConfig{Payload: PayloadAccounting, SaveWait: 2 * time.Second, Conn: nc},
-		log:         slog.New(slog.NewTextHandler(io.Discard, nil)),
-		saving:      map[string]*rankReq{},
-		savingAfter: map[string][]*rankReq{},
-		series:      NewMetrics(prometheus.NewRegistry()).forRank("g0", "0"),
-		poolWaits:   newOffloader(poolWaitSlots),
-	}
+	r := raceRank()
+	r.cfg.Conn, r.poolWaits = nc, newOffloader(poolWaitSlots)
 	t.Cleanup(r.poolWaits.close)
 	// The ReqMeta that saves the third block, received and in its handler.
-	saver, _ := newRankReq(&messages.ReqMeta{ReqID: "saver", Model: model, BlockSize: 1, BlockHashes: hashes, SaveFromBlock: 2, CanSave: true})
+	saver, _ := newRankReq(&messages.ReqMeta{ReqID: "saver", Model: raceModel, BlockSize: 1, BlockHashes: hashes, SaveFromBlock: 2, CanSave: true})
 	saver.id = 1
 	inHandler, release := make(chan struct{}), make(chan struct{})
 	metaSub, err := nc.Subscribe("kvbus.meta.g0.test", func(*nats.Msg) {
@@ -194,21 +173,21 @@ func TestPoolReadWaitsForAReqMetaHandledDuringItsReadAgain(t *testing.T) {
 		}()
 	}
 	r.store = store
-	if sent := poolReadSent(t, r, model, hashes); len(sent) != len(hashes) {
+	if sent := poolReadSent(t, r, hashes); len(sent) != len(hashes) {
 		t.Errorf("the pool read was sent %d of its %d blocks; want all: the ReqMeta saving the last was received before the read, and its save settled within SaveWait",
 			len(sent), len(hashes))
 	}
 }
 
-// poolReadSent sends r a pool read of hashes (rank 0's keys of model) and
-// returns the indexes of the blocks its answer carried.
-func poolReadSent(t *testing.T, r *Rank, model string, hashes []uint64) map[int]bool {
+// poolReadSent sends r a pool read of hashes (rank 0's blocks of
+// raceModel) and returns the indexes of the blocks its answer carried.
+func poolReadSent(t *testing.T, r *Rank, hashes []uint64) map[int]bool {
 	t.Helper()
 	replies, err := r.cfg.Conn.SubscribeSync(nats.NewInbox())
 	if err != nil {
 		t.Fatal(err)
 	}
-	data, err := messages.Marshal(&messages.PoolRead{Model: model, TPRank: 0, BlockHashes: hashes})
+	data, err := messages.Marshal(&messages.PoolRead{Model: raceModel, TPRank: 0, BlockHashes: hashes})
 	if err != nil {
 		t.Fatal(err)
 	}
