@@ -414,9 +414,16 @@ func (s *Server) tokenize(ctx context.Context, p *parsedRequest) ([][]uint32, *A
 		param = "messages"
 		var ids []uint32
 		var err error
-		if fromBody {
+		switch cr, renders := s.tok.(ChatRenderer); {
+		case fromBody:
 			ids, err = rt.TokenizeChat(ctx, p.body) // tools and template arguments included
-		} else {
+		case renders:
+			// As /tokenize renders it: the generation prompt, or the last
+			// message left open, as the body asks.
+			ids, err = cr.RenderChat(p.turns, p.generationPrompt && !p.continueFinal, p.continueFinal)
+		case (!p.generationPrompt || p.continueFinal) && !s.cfg.Passthrough:
+			return nil, badRequest("add_generation_prompt", "the %s tokenizer always ends a chat with the generation prompt", s.tok.Name())
+		default:
 			ids, err = s.tok.ApplyChatTemplate(p.turns)
 		}
 		if err != nil {

@@ -156,6 +156,11 @@ type chatRequest struct {
 	commonParams
 	Messages            []chatMessage `json:"messages"`
 	MaxCompletionTokens *wholeInt     `json:"max_completion_tokens"`
+	// AddGenerationPrompt (default true) and ContinueFinalMessage are
+	// vLLM's: the prompt ends with a new assistant turn, or with the last
+	// message left open for the model to continue (as /tokenize renders).
+	AddGenerationPrompt  *bool `json:"add_generation_prompt"`
+	ContinueFinalMessage bool  `json:"continue_final_message"`
 }
 
 type chatMessage struct {
@@ -206,6 +211,10 @@ type parsedRequest struct {
 	kvTransfer map[string]any
 	// cacheSalt is the body's cache_salt (empty: none).
 	cacheSalt string
+
+	// generationPrompt and continueFinal: how a chat's prompt ends
+	// (add_generation_prompt, continue_final_message).
+	generationPrompt, continueFinal bool
 }
 
 // readBody reads at most limit bytes of the body; more is a 413.
@@ -532,6 +541,11 @@ func parseChat(body []byte, o parseOptions) (*parsedRequest, *APIError) {
 	}
 	if len(req.Messages) == 0 {
 		return p, badRequest("messages", "messages must be a non-empty array")
+	}
+	p.generationPrompt = req.AddGenerationPrompt == nil || *req.AddGenerationPrompt
+	p.continueFinal = req.ContinueFinalMessage
+	if p.continueFinal && p.generationPrompt && !o.passthrough { // an engine answers it itself
+		return p, badRequest("continue_final_message", "Cannot set both `continue_final_message` and `add_generation_prompt` to True.")
 	}
 	for i, m := range req.Messages {
 		// Any role: vLLM's chat template path takes any string (custom

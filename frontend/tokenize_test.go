@@ -141,6 +141,31 @@ func TestTokenizeIsWhatRequestsAreCharged(t *testing.T) {
 	}
 }
 
+// TestChatGenerationPromptFieldsAreCharged: a chat request's own
+// add_generation_prompt and continue_final_message (vLLM's
+// ChatCompletionRequest fields) shape its prompt as they shape /tokenize's:
+// a client continuing an assistant's message is charged, and its blocks
+// hashed, without the new assistant turn /tokenize leaves out. Both true
+// is vLLM's 400.
+func TestChatGenerationPromptFieldsAreCharged(t *testing.T) {
+	c := testenv.StartCluster(t, testenv.ClusterConfig{})
+	msgs := `[{"role":"user","content":"Write a poem."},{"role":"assistant","content":"Roses are"}]`
+	for _, fields := range []string{``, `,"add_generation_prompt":true`, `,"add_generation_prompt":false`,
+		`,"add_generation_prompt":false,"continue_final_message":true`} {
+		want := tokenizeOK(t, c, `{"messages":`+msgs+fields+`}`).Count
+		if got := promptTokens(t, c, "/v1/chat/completions", `{"max_tokens":2,"messages":`+msgs+fields+`}`); got != want {
+			t.Errorf("chat with %q was charged %d prompt tokens; /tokenize of the same says %d", fields, got, want)
+		}
+	}
+	r := do(t, c, http.MethodPost, "/v1/chat/completions", `{"max_tokens":2,"messages":`+msgs+`,"continue_final_message":true}`, nil)
+	if r.status != http.StatusBadRequest {
+		t.Fatalf("continue_final_message beside the default add_generation_prompt: status %d, want 400: %s", r.status, r.body)
+	}
+	if got, _ := path(t, decode(t, r.body), "error", "param").(string); got != "continue_final_message" {
+		t.Errorf("param %q, want continue_final_message: %s", got, r.body)
+	}
+}
+
 func mustJSON(t *testing.T, v any) string {
 	t.Helper()
 	b, err := json.Marshal(v)
