@@ -229,23 +229,34 @@ func TestSimUnsupportedFields(t *testing.T) {
 	// pydantic takes it), completions' a count for which vLLM answers any
 	// value but null with the chosen tokens' logprobs, 0 included. It failed
 	// before: the sim answered completions' logprobs 0 with "logprobs": null.
+	//
+	// suffix is completions' alone (chat has none: an unknown field there).
+	// vLLM refuses any suffix that is not null ("suffix is not currently
+	// supported"), and fill-in-the-middle clients fall back to prefix-only
+	// completions on that 400; the sim served it, the suffix ignored, so
+	// such a client took its answers for fill-in-the-middle ones.
 	for _, tc := range []struct {
 		path, body string
 		status     int
+		param      string
 	}{
-		{"/v1/chat/completions", chat(`,"logprobs":0`), http.StatusOK},
-		{"/v1/completions", completion(`,"logprobs":0`), http.StatusBadRequest},
-		{"/v1/completions", completion(`,"logprobs":0.0`), http.StatusBadRequest},
-		{"/v1/completions", completion(`,"logprobs": 0 `), http.StatusBadRequest},
-		{"/v1/completions", completion(`,"logprobs":null`), http.StatusOK},
+		{"/v1/chat/completions", chat(`,"logprobs":0`), http.StatusOK, ""},
+		{"/v1/completions", completion(`,"logprobs":0`), http.StatusBadRequest, "logprobs"},
+		{"/v1/completions", completion(`,"logprobs":0.0`), http.StatusBadRequest, "logprobs"},
+		{"/v1/completions", completion(`,"logprobs": 0 `), http.StatusBadRequest, "logprobs"},
+		{"/v1/completions", completion(`,"logprobs":null`), http.StatusOK, ""},
+		{"/v1/completions", completion(`,"suffix":"\n}\n"`), http.StatusBadRequest, "suffix"},
+		{"/v1/completions", completion(`,"suffix":""`), http.StatusBadRequest, "suffix"},
+		{"/v1/completions", completion(`,"suffix":null`), http.StatusOK, ""},
+		{"/v1/chat/completions", chat(`,"suffix":"x"`), http.StatusOK, ""},
 	} {
 		status, _, raw := send(t, http.MethodPost, c.URL+tc.path, tc.body, nil)
 		if status != tc.status {
 			t.Errorf("%s %s: status %d, want %d: %.300s", tc.path, tc.body, status, tc.status, raw)
 			continue
 		}
-		if status == http.StatusBadRequest && !strings.Contains(string(raw), `"param":"logprobs"`) {
-			t.Errorf("%s %s: %s; want param logprobs", tc.path, tc.body, raw)
+		if status == http.StatusBadRequest && !strings.Contains(string(raw), `"param":"`+tc.param+`"`) {
+			t.Errorf("%s %s: %s; want param %s", tc.path, tc.body, raw, tc.param)
 		}
 	}
 	for _, extra := range harmless {

@@ -35,6 +35,7 @@ var requestSchema = fieldSchema{
 	"max_completion_tokens": nil,
 	"prompt":                nil,
 	"add_special_tokens":    nil,
+	"suffix":                nil,
 	"cache_salt":            nil,
 	// /tokenize and /detokenize (tokenizeRequest, detokenizeRequest)
 	"add_generation_prompt":  nil,

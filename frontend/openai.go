@@ -174,6 +174,10 @@ type completionRequest struct {
 	// AddSpecialTokens is vLLM's (default true): false tokenizes the
 	// prompt without the model's BOS, a prompt the client rendered itself.
 	AddSpecialTokens *bool `json:"add_special_tokens"`
+	// Suffix (fill in the middle) is refused by vLLM when not null
+	// ("suffix is not currently supported"); the sim cannot honour it
+	// either, and a real engine gets it as sent.
+	Suffix json.RawMessage `json:"suffix"`
 }
 
 // parseOptions say what the requests will run on.
@@ -617,6 +621,12 @@ func parseCompletion(body []byte, o parseOptions) (*parsedRequest, *APIError) {
 	p := &parsedRequest{endpoint: messages.EndpointCompletions, body: body}
 	if err := parseCommon(&req.commonParams, p, o); err != nil {
 		return p, err
+	}
+	if v := bytes.TrimSpace(req.Suffix); !o.passthrough && len(v) > 0 && string(v) != "null" {
+		// Any string, "" too, as vLLM: a fill-in-the-middle client falls
+		// back to prefix-only completions on this 400, not on an answer
+		// that ignored its suffix.
+		return p, badRequest("suffix", "suffix is not supported by the sim engine, which would ignore it; leave it out, or run real engines (--engine openai), which get it as sent")
 	}
 	if !p.maxTokensSet {
 		// OpenAI's and vLLM's default for completions, for a max_tokens
