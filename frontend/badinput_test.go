@@ -249,6 +249,14 @@ func TestSimUnsupportedFields(t *testing.T) {
 		{"/v1/completions", completion(`,"suffix":""`), http.StatusBadRequest, "suffix"},
 		{"/v1/completions", completion(`,"suffix":null`), http.StatusOK, ""},
 		{"/v1/chat/completions", chat(`,"suffix":"x"`), http.StatusOK, ""},
+		// prompt_logprobs (vLLM's, both endpoints): any count asks, 0
+		// too (each prompt token's own logprob), as completions'
+		// logprobs; the sim answered without it.
+		{"/v1/completions", completion(`,"prompt_logprobs":0`), http.StatusBadRequest, "prompt_logprobs"},
+		{"/v1/completions", completion(`,"prompt_logprobs":1`), http.StatusBadRequest, "prompt_logprobs"},
+		{"/v1/chat/completions", chat(`,"prompt_logprobs":0`), http.StatusBadRequest, "prompt_logprobs"},
+		{"/v1/chat/completions", chat(`,"prompt_logprobs":null`), http.StatusOK, ""},
+		{"/v1/completions", completion(`,"prompt_logprobs":null`), http.StatusOK, ""},
 	} {
 		status, _, raw := send(t, http.MethodPost, c.URL+tc.path, tc.body, nil)
 		if status != tc.status {

@@ -28,7 +28,7 @@ var requestSchema = fieldSchema{
 	"model": nil, "max_tokens": nil, "min_tokens": nil, "temperature": nil, "top_p": nil, "n": nil, "seed": nil,
 	"stop": nil, "stream": nil, "stream_options": {"include_usage": nil, "continuous_usage_stats": nil},
 	"ignore_eos": nil, "request_id": nil, "session_id": nil, "vllm_xargs": nil, "kv_transfer_params": nil,
-	"tools": nil, "tool_choice": nil, "response_format": nil, "logprobs": nil, "top_logprobs": nil, "echo": nil,
+	"tools": nil, "tool_choice": nil, "response_format": nil, "logprobs": nil, "top_logprobs": nil, "prompt_logprobs": nil, "echo": nil,
 	"logit_bias": nil, "guided_json": nil, "guided_regex": nil, "guided_choice": nil, "guided_grammar": nil,
 	"structured_outputs":    nil,
 	"messages":              {"role": nil, "content": {"type": nil, "text": nil}},

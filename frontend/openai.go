@@ -45,6 +45,7 @@ type commonParams struct {
 	ResponseFormat json.RawMessage `json:"response_format"`
 	Logprobs       json.RawMessage `json:"logprobs"`
 	TopLogprobs    json.RawMessage `json:"top_logprobs"`
+	PromptLogprobs json.RawMessage `json:"prompt_logprobs"`
 	Echo           json.RawMessage `json:"echo"`
 	LogitBias      json.RawMessage `json:"logit_bias"`
 	GuidedJSON     json.RawMessage `json:"guided_json"`
@@ -66,6 +67,11 @@ func (c *commonParams) simUnsupported(endpoint string) string {
 		if v := bytes.TrimSpace(c.Logprobs); len(v) > 0 && (v[0] == '-' || v[0] >= '0' && v[0] <= '9') {
 			return "logprobs" // a number (false and null ask for nothing)
 		}
+	}
+	// vLLM's prompt_logprobs (both endpoints) is a count too: any but
+	// null asks, 0 included (each prompt token's own logprob).
+	if v := bytes.TrimSpace(c.PromptLogprobs); len(v) > 0 && string(v) != "null" {
+		return "prompt_logprobs"
 	}
 	fields := []struct {
 		name string
