@@ -456,6 +456,11 @@ func (s *Server) tokenize(ctx context.Context, p *parsedRequest) ([][]uint32, *A
 			prompts = append(prompts, ids)
 		}
 	}
+	if p.truncateSet {
+		if err := s.truncate(p, prompts); err != nil {
+			return nil, err
+		}
+	}
 	if p.maxTokensSet && p.params.MinTokens > p.params.MaxTokens { // vLLM's check and words
 		return nil, badRequest("min_tokens", "min_tokens must be less than or equal to max_tokens=%d, got %d.", p.params.MaxTokens, p.params.MinTokens)
 	}
@@ -480,6 +485,32 @@ func (s *Server) tokenize(ctx context.Context, p *parsedRequest) ([][]uint32, *A
 		}
 	}
 	return prompts, nil
+}
+
+// truncate keeps the last truncate_prompt_tokens of every prompt, as
+// vLLM's tokenizer does (truncation from the left, before the length
+// checks): the request is charged, hashed into blocks and run on what the
+// engine keeps. -1 keeps max_model_len's worth, which vLLM then refuses
+// with any max_tokens, as it does; behind --engine openai that is the
+// engine's own max_model_len, which the engine applies.
+func (s *Server) truncate(p *parsedRequest, prompts [][]uint32) *APIError {
+	k := p.truncate
+	switch {
+	case k == -1 && s.cfg.Passthrough:
+		return nil
+	case k == -1:
+		k = s.cfg.MaxModelLen
+	case k > s.cfg.MaxModelLen && !s.cfg.Passthrough: // vLLM's words
+		return badRequest("truncate_prompt_tokens", "truncate_prompt_tokens value (%d) is greater than max_model_len (%d). Please request a smaller truncation size.", k, s.cfg.MaxModelLen)
+	case k == 0:
+		return badRequest("truncate_prompt_tokens", "truncate_prompt_tokens 0 leaves an empty prompt; give at least 1, or -1 for max_model_len")
+	}
+	for i, ids := range prompts {
+		if len(ids) > k {
+			prompts[i] = ids[len(ids)-k:]
+		}
+	}
+	return nil
 }
 
 // tokenizeError is the API error of a failed tokenization: the engine's

@@ -38,6 +38,9 @@ type commonParams struct {
 	VLLMXargs        json.RawMessage `json:"vllm_xargs"`
 	KVTransferParams map[string]any  `json:"kv_transfer_params"`
 	CacheSalt        json.RawMessage `json:"cache_salt"`
+	// TruncatePromptTokens is vLLM's: keep the prompt's last k tokens
+	// (-1: max_model_len's worth).
+	TruncatePromptTokens *wholeInt `json:"truncate_prompt_tokens"`
 	// Fields the sim engine cannot honour: 400 with the sim, passed through
 	// to a real engine.
 	Tools          json.RawMessage `json:"tools"`
@@ -225,6 +228,9 @@ type parsedRequest struct {
 	// generationPrompt and continueFinal: how a chat's prompt ends
 	// (add_generation_prompt, continue_final_message).
 	generationPrompt, continueFinal bool
+	// truncate is truncate_prompt_tokens (-1: max_model_len), set or not.
+	truncate    int
+	truncateSet bool
 }
 
 // readBody reads at most limit bytes of the body; more is a 413.
@@ -350,6 +356,12 @@ func parseCommon(c *commonParams, p *parsedRequest, o parseOptions) *APIError {
 			return badRequest("min_tokens", "min_tokens must be >= 0, got %d", *c.MinTokens)
 		}
 		sp.MinTokens = int(*c.MinTokens)
+	}
+	if k := c.TruncatePromptTokens; k != nil {
+		if *k < -1 { // pydantic's ge=-1
+			return badRequest("truncate_prompt_tokens", "truncate_prompt_tokens must be >= -1 (-1: max_model_len), got %d", *k)
+		}
+		p.truncate, p.truncateSet = int(*k), true
 	}
 	sp.Seed = (*int64)(c.Seed)
 	sp.IgnoreEOS = c.IgnoreEOS

@@ -262,3 +262,66 @@ func TestTokenizeEmptyPrompt(t *testing.T) {
 		}
 	}
 }
+
+// TestTruncatePromptTokens: vLLM's truncate_prompt_tokens keeps a prompt's
+// last k tokens, before the length checks, on both routes; the request is
+// charged, and its blocks hashed and cached, as truncated. -1 is
+// max_model_len's worth, k above max_model_len vLLM's 400. The sim
+// ignored the field: the whole prompt was charged, and one over
+// max_model_len refused where vLLM serves its end.
+func TestTruncatePromptTokens(t *testing.T) {
+	c := testenv.StartCluster(t, testenv.ClusterConfig{MaxModelLen: 64})
+	ids := func(from, to int) string { // token ids from..to-1 as a JSON array
+		b, _ := json.Marshal(func() (out []int) {
+			for i := from; i < to; i++ {
+				out = append(out, 1000+i)
+			}
+			return out
+		}())
+		return string(b)
+	}
+	long := strings.Repeat("a quick brown fox jumps over the lazy dog ", 12) // > 64 tokens
+	for _, tc := range []struct {
+		route, body string
+		want        int // prompt tokens charged
+	}{
+		{"/v1/completions", `{"max_tokens":2,"prompt":` + ids(0, 40) + `,"truncate_prompt_tokens":16}`, 16},
+		{"/v1/completions", `{"max_tokens":2,"prompt":` + ids(0, 10) + `,"truncate_prompt_tokens":16}`, 10},
+		{"/v1/completions", `{"max_tokens":4,"prompt":"` + long + `","truncate_prompt_tokens":32}`, 32},
+		{"/v1/completions", `{"max_tokens":4,"prompt":["` + long + `","short"],"truncate_prompt_tokens":32.0}`, 32 + 1},
+		{"/v1/chat/completions", `{"max_tokens":4,"messages":[{"role":"user","content":"` + long + `"}],"truncate_prompt_tokens":8}`, 8},
+	} {
+		if got := promptTokens(t, c, tc.route, tc.body); got != tc.want {
+			t.Errorf("%s %.120s…: charged %d prompt tokens, want %d", tc.route, tc.body, got, tc.want)
+		}
+	}
+	for _, tc := range []struct {
+		body, param string
+	}{
+		{`{"max_tokens":4,"prompt":"` + long + `"}`, "prompt"}, // too long without it
+		{`{"max_tokens":4,"prompt":"` + long + `","truncate_prompt_tokens":65}`, "truncate_prompt_tokens"},
+		{`{"max_tokens":1,"prompt":"` + long + `","truncate_prompt_tokens":-1}`, "prompt"}, // 64 tokens leave no room
+		{`{"max_tokens":4,"prompt":"x","truncate_prompt_tokens":-2}`, "truncate_prompt_tokens"},
+		{`{"max_tokens":4,"prompt":"x","truncate_prompt_tokens":0}`, "truncate_prompt_tokens"},
+		{`{"max_tokens":4,"prompt":"x","truncate_prompt_tokens":1.5}`, "truncate_prompt_tokens"},
+	} {
+		r := do(t, c, http.MethodPost, "/v1/completions", tc.body, nil)
+		if r.status != http.StatusBadRequest {
+			t.Errorf("%.120s…: status %d, want 400: %s", tc.body, r.status, r.body)
+			continue
+		}
+		if got, _ := path(t, decode(t, r.body), "error", "param").(string); got != tc.param {
+			t.Errorf("%.120s…: param %q, want %q: %s", tc.body, got, tc.param, r.body)
+		}
+	}
+	// What is cached is the truncated prompt: ids 16..47 (two blocks of
+	// 16) are found by a prompt that begins with them.
+	promptTokens(t, c, "/v1/completions", `{"max_tokens":1,"prompt":`+ids(0, 48)+`,"truncate_prompt_tokens":32}`)
+	r := do(t, c, http.MethodPost, "/v1/completions", `{"max_tokens":1,"prompt":`+ids(16, 56)+`}`, nil)
+	if r.status != http.StatusOK {
+		t.Fatalf("status %d: %s", r.status, r.body)
+	}
+	if got, _ := path(t, decode(t, r.body), "usage", "prompt_tokens_details", "cached_tokens").(float64); got != 32 {
+		t.Errorf("a prompt beginning with the truncated one found %v cached tokens, want its 32 (two blocks)", got)
+	}
+}
