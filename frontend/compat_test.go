@@ -2,6 +2,7 @@ package frontend_test
 
 import (
 	"encoding/json"
+	"fmt"
 	"net/http"
 	"strings"
 	"sync"
@@ -274,6 +275,17 @@ func TestVLLMCompat(t *testing.T) {
 			ch := path(t, decode(t, r.body), "choices", 0)
 			if fr, sr := path(t, ch, "finish_reason"), path(t, ch, "stop_reason"); fr != "stop" || sr != "e" {
 				t.Errorf("%s: finish_reason %v, stop_reason %v; want stop, e", p.path, fr, sr)
+			}
+		}
+		// include_stop_str_in_output: the text goes on to the end of the
+		// stop string, which ended it (vLLM's); it was ignored before
+		// 2026-12-07, the text cut before the string.
+		for _, include := range []bool{false, true} {
+			body := strings.Replace(completion(fmt.Sprintf(`,"ignore_eos":true,"max_tokens":60,"stop":"e","seed":3,"include_stop_str_in_output":%v`, include)), `"max_tokens":8,`, "", 1)
+			r := do(t, c, http.MethodPost, "/v1/completions", body, nil)
+			text, _ := path(t, decode(t, r.body), "choices", 0, "text").(string)
+			if n := strings.Count(text, "e"); include && (n != 1 || !strings.HasSuffix(text, "e")) || !include && n != 0 {
+				t.Errorf("include_stop_str_in_output %v: text %q; want the stop string \"e\" at its end only when included", include, text)
 			}
 		}
 		r = do(t, c, http.MethodPost, "/v1/completions", strings.Replace(completion(`,"ignore_eos":true,"max_tokens":60,"stop":"e","stream":true`), `"max_tokens":8,`, "", 1), nil)

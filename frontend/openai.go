@@ -33,6 +33,7 @@ type commonParams struct {
 	Stream           bool            `json:"stream"`
 	StreamOptions    json.RawMessage `json:"stream_options"`
 	IgnoreEOS        bool            `json:"ignore_eos"`
+	IncludeStopStr   bool            `json:"include_stop_str_in_output"`
 	RequestID        json.RawMessage `json:"request_id"`
 	SessionID        json.RawMessage `json:"session_id"`
 	VLLMXargs        json.RawMessage `json:"vllm_xargs"`
@@ -364,7 +365,7 @@ func parseCommon(c *commonParams, p *parsedRequest, o parseOptions) *APIError {
 		p.truncate, p.truncateSet = int(*k), true
 	}
 	sp.Seed = (*int64)(c.Seed)
-	sp.IgnoreEOS = c.IgnoreEOS
+	sp.IgnoreEOS, sp.IncludeStopStr = c.IgnoreEOS, c.IncludeStopStr
 	stop, err := parseStop(c.Stop)
 	if err != nil {
 		return err

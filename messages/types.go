@@ -84,6 +84,9 @@ type SamplingParams struct {
 	Seed        *int64   `msgpack:"seed,omitempty" json:"seed,omitempty"`
 	Stop        []string `msgpack:"stop,omitempty,allownil" json:"stop,omitempty"`
 	IgnoreEOS   bool     `msgpack:"ignore_eos,omitempty" json:"ignore_eos,omitempty"`
+	// IncludeStopStr is vLLM's include_stop_str_in_output: the stop string
+	// that ended the answer is part of its text.
+	IncludeStopStr bool `msgpack:"include_stop_str_in_output,omitempty" json:"include_stop_str_in_output,omitempty"`
 	// ExtraArgs is vLLM's sampling_params.extra_args; the frontend puts the
 	// session id under "session_id" when there is one, and only then.
 	ExtraArgs Args `msgpack:"extra_args,omitempty,omitzero" json:"extra_args,omitempty"`

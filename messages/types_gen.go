@@ -4011,8 +4011,8 @@ func (z *ResendReply) Msgsize() (s int) {
 func (z *SamplingParams) MarshalMsg(b []byte) (o []byte, err error) {
 	o = msgp.Require(b, z.Msgsize())
 	// check for omitted fields
-	zb0001Len := uint32(8)
-	var zb0001Mask uint8 /* 8 bits */
+	zb0001Len := uint32(9)
+	var zb0001Mask uint16 /* 9 bits */
 	_ = zb0001Mask
 	if z.MinTokens == 0 {
 		zb0001Len--
@@ -4030,9 +4030,13 @@ func (z *SamplingParams) MarshalMsg(b []byte) (o []byte, err error) {
 		zb0001Len--
 		zb0001Mask |= 0x40
 	}
-	if z.ExtraArgs.IsZero() {
+	if z.IncludeStopStr == false {
 		zb0001Len--
 		zb0001Mask |= 0x80
+	}
+	if z.ExtraArgs.IsZero() {
+		zb0001Len--
+		zb0001Mask |= 0x100
 	}
 	// variable map header, size zb0001Len
 	o = append(o, 0x80|uint8(zb0001Len))
@@ -4076,6 +4080,11 @@ func (z *SamplingParams) MarshalMsg(b []byte) (o []byte, err error) {
 			o = msgp.AppendBool(o, z.IgnoreEOS)
 		}
 		if (zb0001Mask & 0x80) == 0 { // if not omitted
+			// string "include_stop_str_in_output"
+			o = append(o, 0xba, 0x69, 0x6e, 0x63, 0x6c, 0x75, 0x64, 0x65, 0x5f, 0x73, 0x74, 0x6f, 0x70, 0x5f, 0x73, 0x74, 0x72, 0x5f, 0x69, 0x6e, 0x5f, 0x6f, 0x75, 0x74, 0x70, 0x75, 0x74)
+			o = msgp.AppendBool(o, z.IncludeStopStr)
+		}
+		if (zb0001Mask & 0x100) == 0 { // if not omitted
 			// string "extra_args"
 			o = append(o, 0xaa, 0x65, 0x78, 0x74, 0x72, 0x61, 0x5f, 0x61, 0x72, 0x67, 0x73)
 			o, err = z.ExtraArgs.MarshalMsg(o)
@@ -4185,6 +4194,12 @@ func (z *SamplingParams) UnmarshalMsg(bts []byte) (o []byte, err error) {
 				err = msgp.WrapError(err, "IgnoreEOS")
 				return
 			}
+		case "include_stop_str_in_output":
+			z.IncludeStopStr, bts, err = msgp.ReadBoolBytes(bts)
+			if err != nil {
+				err = msgp.WrapError(err, "IncludeStopStr")
+				return
+			}
 		case "extra_args":
 			bts, err = z.ExtraArgs.UnmarshalMsg(bts)
 			if err != nil {
@@ -4215,7 +4230,7 @@ func (z *SamplingParams) Msgsize() (s int) {
 	for za0001 := range z.Stop {
 		s += msgp.StringPrefixSize + len(z.Stop[za0001])
 	}
-	s += 11 + msgp.BoolSize + 11 + z.ExtraArgs.Msgsize()
+	s += 11 + msgp.BoolSize + 27 + msgp.BoolSize + 11 + z.ExtraArgs.Msgsize()
 	return
 }
 

@@ -234,6 +234,9 @@ func (e *SimEngine) Generate(ctx context.Context, req EngineRequest, prefilled f
 		pending = append(pending, uint32(simTokenBase+w))
 		n++
 		if cut, stop, ok := findStop(text.String(), stops, sent); ok {
+			if req.Params.IncludeStopStr {
+				cut += len(stop)
+			}
 			if err := flush(max(cut, sent), true); err != nil {
 				return EngineResult{CompletionTokens: n}, err
 			}

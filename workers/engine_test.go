@@ -285,6 +285,14 @@ func TestSimEngineStopStringAcrossChunks(t *testing.T) {
 				t.Errorf("%s: chunk %d %q contains the stop string", name, i, c.Text)
 			}
 		}
+		// include_stop_str_in_output: the text ends with the whole stop
+		// string.
+		inc := params
+		inc.IncludeStopStr = true
+		r = generate(ctx, e, EngineRequest{PromptTokens: p, Params: inc})
+		if r.err != nil || r.text != want+stop || r.res.FinishReason != FinishStop || r.res.StopReason != stop {
+			t.Errorf("%s, stop string included: %q %+v %v, want %q", name, r.text, r.res, r.err, want+stop)
+		}
 	}
 }
 
