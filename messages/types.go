@@ -353,6 +353,12 @@ type Heartbeat struct {
 	// Draining is set by a rank that is stopping: it finishes what it has
 	// but takes nothing new, so its group gets no new requests.
 	Draining bool `msgpack:"draining,omitempty" json:"draining,omitempty"`
+	// HandedOff is set by a draining rank whose drain hand-off is over
+	// (done, failed, or nothing to hand off): a rank that handed blocks
+	// off waits for its group's other ranks to say it before it exits and
+	// clears its blocks, so that its sessions' prefixes stay whole on some
+	// group throughout.
+	HandedOff bool `msgpack:"handed_off,omitempty" json:"handed_off,omitempty"`
 	// NotReady is set by a rank whose engine does not take requests (a
 	// model server failing its /health, or not up yet), with the reason:
 	// its group gets no new requests and its queued ones move, as for a

@@ -1140,8 +1140,8 @@ func (z *HandoffTarget) Msgsize() (s int) {
 func (z *Heartbeat) MarshalMsg(b []byte) (o []byte, err error) {
 	o = msgp.Require(b, z.Msgsize())
 	// check for omitted fields
-	zb0001Len := uint32(21)
-	var zb0001Mask uint32 /* 21 bits */
+	zb0001Len := uint32(22)
+	var zb0001Mask uint32 /* 22 bits */
 	_ = zb0001Mask
 	if z.UsedBytes == 0 {
 		zb0001Len--
@@ -1151,41 +1151,45 @@ func (z *Heartbeat) MarshalMsg(b []byte) (o []byte, err error) {
 		zb0001Len--
 		zb0001Mask |= 0x800
 	}
-	if z.NotReady == false {
+	if z.HandedOff == false {
 		zb0001Len--
 		zb0001Mask |= 0x1000
 	}
-	if z.NotReadyReason == "" {
+	if z.NotReady == false {
 		zb0001Len--
 		zb0001Mask |= 0x2000
 	}
-	if z.InflightRequests == 0 {
+	if z.NotReadyReason == "" {
 		zb0001Len--
 		zb0001Mask |= 0x4000
 	}
-	if z.QueuedPrefillTokens == 0 {
+	if z.InflightRequests == 0 {
 		zb0001Len--
 		zb0001Mask |= 0x8000
 	}
-	if z.QueuedLoadTokens == 0 {
+	if z.QueuedPrefillTokens == 0 {
 		zb0001Len--
 		zb0001Mask |= 0x10000
 	}
-	if z.QueuedRemoteLoadTokens == 0 {
+	if z.QueuedLoadTokens == 0 {
 		zb0001Len--
 		zb0001Mask |= 0x20000
 	}
-	if z.PrefillingUs == 0 {
+	if z.QueuedRemoteLoadTokens == 0 {
 		zb0001Len--
 		zb0001Mask |= 0x40000
 	}
-	if z.PrefillingTokens == 0 {
+	if z.PrefillingUs == 0 {
 		zb0001Len--
 		zb0001Mask |= 0x80000
 	}
-	if z.ResendByGroup == false {
+	if z.PrefillingTokens == 0 {
 		zb0001Len--
 		zb0001Mask |= 0x100000
+	}
+	if z.ResendByGroup == false {
+		zb0001Len--
+		zb0001Mask |= 0x200000
 	}
 	// variable map header, size zb0001Len
 	o = msgp.AppendMapHeader(o, zb0001Len)
@@ -1233,46 +1237,51 @@ func (z *Heartbeat) MarshalMsg(b []byte) (o []byte, err error) {
 			o = msgp.AppendBool(o, z.Draining)
 		}
 		if (zb0001Mask & 0x1000) == 0 { // if not omitted
+			// string "handed_off"
+			o = append(o, 0xaa, 0x68, 0x61, 0x6e, 0x64, 0x65, 0x64, 0x5f, 0x6f, 0x66, 0x66)
+			o = msgp.AppendBool(o, z.HandedOff)
+		}
+		if (zb0001Mask & 0x2000) == 0 { // if not omitted
 			// string "not_ready"
 			o = append(o, 0xa9, 0x6e, 0x6f, 0x74, 0x5f, 0x72, 0x65, 0x61, 0x64, 0x79)
 			o = msgp.AppendBool(o, z.NotReady)
 		}
-		if (zb0001Mask & 0x2000) == 0 { // if not omitted
+		if (zb0001Mask & 0x4000) == 0 { // if not omitted
 			// string "not_ready_reason"
 			o = append(o, 0xb0, 0x6e, 0x6f, 0x74, 0x5f, 0x72, 0x65, 0x61, 0x64, 0x79, 0x5f, 0x72, 0x65, 0x61, 0x73, 0x6f, 0x6e)
 			o = msgp.AppendString(o, z.NotReadyReason)
 		}
-		if (zb0001Mask & 0x4000) == 0 { // if not omitted
+		if (zb0001Mask & 0x8000) == 0 { // if not omitted
 			// string "inflight_requests"
 			o = append(o, 0xb1, 0x69, 0x6e, 0x66, 0x6c, 0x69, 0x67, 0x68, 0x74, 0x5f, 0x72, 0x65, 0x71, 0x75, 0x65, 0x73, 0x74, 0x73)
 			o = msgp.AppendInt(o, z.InflightRequests)
 		}
-		if (zb0001Mask & 0x8000) == 0 { // if not omitted
+		if (zb0001Mask & 0x10000) == 0 { // if not omitted
 			// string "queued_prefill_tokens"
 			o = append(o, 0xb5, 0x71, 0x75, 0x65, 0x75, 0x65, 0x64, 0x5f, 0x70, 0x72, 0x65, 0x66, 0x69, 0x6c, 0x6c, 0x5f, 0x74, 0x6f, 0x6b, 0x65, 0x6e, 0x73)
 			o = msgp.AppendInt64(o, z.QueuedPrefillTokens)
 		}
-		if (zb0001Mask & 0x10000) == 0 { // if not omitted
+		if (zb0001Mask & 0x20000) == 0 { // if not omitted
 			// string "queued_load_tokens"
 			o = append(o, 0xb2, 0x71, 0x75, 0x65, 0x75, 0x65, 0x64, 0x5f, 0x6c, 0x6f, 0x61, 0x64, 0x5f, 0x74, 0x6f, 0x6b, 0x65, 0x6e, 0x73)
 			o = msgp.AppendInt64(o, z.QueuedLoadTokens)
 		}
-		if (zb0001Mask & 0x20000) == 0 { // if not omitted
+		if (zb0001Mask & 0x40000) == 0 { // if not omitted
 			// string "queued_remote_load_tokens"
 			o = append(o, 0xb9, 0x71, 0x75, 0x65, 0x75, 0x65, 0x64, 0x5f, 0x72, 0x65, 0x6d, 0x6f, 0x74, 0x65, 0x5f, 0x6c, 0x6f, 0x61, 0x64, 0x5f, 0x74, 0x6f, 0x6b, 0x65, 0x6e, 0x73)
 			o = msgp.AppendInt64(o, z.QueuedRemoteLoadTokens)
 		}
-		if (zb0001Mask & 0x40000) == 0 { // if not omitted
+		if (zb0001Mask & 0x80000) == 0 { // if not omitted
 			// string "prefilling_us"
 			o = append(o, 0xad, 0x70, 0x72, 0x65, 0x66, 0x69, 0x6c, 0x6c, 0x69, 0x6e, 0x67, 0x5f, 0x75, 0x73)
 			o = msgp.AppendInt64(o, z.PrefillingUs)
 		}
-		if (zb0001Mask & 0x80000) == 0 { // if not omitted
+		if (zb0001Mask & 0x100000) == 0 { // if not omitted
 			// string "prefilling_tokens"
 			o = append(o, 0xb1, 0x70, 0x72, 0x65, 0x66, 0x69, 0x6c, 0x6c, 0x69, 0x6e, 0x67, 0x5f, 0x74, 0x6f, 0x6b, 0x65, 0x6e, 0x73)
 			o = msgp.AppendInt64(o, z.PrefillingTokens)
 		}
-		if (zb0001Mask & 0x100000) == 0 { // if not omitted
+		if (zb0001Mask & 0x200000) == 0 { // if not omitted
 			// string "resend_by_group"
 			o = append(o, 0xaf, 0x72, 0x65, 0x73, 0x65, 0x6e, 0x64, 0x5f, 0x62, 0x79, 0x5f, 0x67, 0x72, 0x6f, 0x75, 0x70)
 			o = msgp.AppendBool(o, z.ResendByGroup)
@@ -1375,6 +1384,12 @@ func (z *Heartbeat) UnmarshalMsg(bts []byte) (o []byte, err error) {
 				err = msgp.WrapError(err, "Draining")
 				return
 			}
+		case "handed_off":
+			z.HandedOff, bts, err = msgp.ReadBoolBytes(bts)
+			if err != nil {
+				err = msgp.WrapError(err, "HandedOff")
+				return
+			}
 		case "not_ready":
 			z.NotReady, bts, err = msgp.ReadBoolBytes(bts)
 			if err != nil {
@@ -1443,7 +1458,7 @@ func (z *Heartbeat) UnmarshalMsg(bts []byte) (o []byte, err error) {
 
 // Msgsize returns an upper bound estimate of the number of bytes occupied by the serialized message
 func (z *Heartbeat) Msgsize() (s int) {
-	s = 3 + 2 + msgp.IntSize + 6 + msgp.StringPrefixSize + len(z.Group) + 8 + msgp.IntSize + 8 + msgp.IntSize + 11 + msgp.IntSize + 6 + msgp.StringPrefixSize + len(z.Model) + 16 + msgp.Int64Size + 12 + msgp.Int64Size + 11 + msgp.Int64Size + 12 + msgp.IntSize + 16 + msgp.Int64Size + 9 + msgp.BoolSize + 10 + msgp.BoolSize + 17 + msgp.StringPrefixSize + len(z.NotReadyReason) + 18 + msgp.IntSize + 22 + msgp.Int64Size + 19 + msgp.Int64Size + 26 + msgp.Int64Size + 14 + msgp.Int64Size + 18 + msgp.Int64Size + 16 + msgp.BoolSize
+	s = 3 + 2 + msgp.IntSize + 6 + msgp.StringPrefixSize + len(z.Group) + 8 + msgp.IntSize + 8 + msgp.IntSize + 11 + msgp.IntSize + 6 + msgp.StringPrefixSize + len(z.Model) + 16 + msgp.Int64Size + 12 + msgp.Int64Size + 11 + msgp.Int64Size + 12 + msgp.IntSize + 16 + msgp.Int64Size + 9 + msgp.BoolSize + 11 + msgp.BoolSize + 10 + msgp.BoolSize + 17 + msgp.StringPrefixSize + len(z.NotReadyReason) + 18 + msgp.IntSize + 22 + msgp.Int64Size + 19 + msgp.Int64Size + 26 + msgp.Int64Size + 14 + msgp.Int64Size + 18 + msgp.Int64Size + 16 + msgp.BoolSize
 	return
 }
 

@@ -22,7 +22,12 @@ import (
 // DrainPlan to its ranks; every rank t then asks rank t of each target to
 // read those blocks from its segment of the pool (a Handoff), so the
 // target's ranks all hold the same whole prefixes and announce them in their
-// KV events. The draining ranks answer pool reads until they exit.
+// KV events. The draining ranks answer pool reads until they exit, and a
+// rank that handed blocks off exits only once its group's other ranks are
+// done with theirs (their heartbeats say handed_off, or they are gone): a
+// rank's exit clears its shard of every block from the index, and until
+// every rank of the target holds its copies, the source group is the only
+// one whose ranks all hold the sessions' prefixes.
 
 // handoffReadBlocks is how many blocks a target asks for in one PoolRead.
 const handoffReadBlocks = 32
@@ -34,7 +39,8 @@ type peerGroup struct {
 	world     int
 	seen      map[int]time.Time // tp_rank -> last heartbeat
 	draining  map[int]bool
-	freeBlock int64 // capacity - used, of its fullest rank
+	handedOff map[int]bool // tp_rank -> its drain hand-off is over
+	freeBlock int64        // capacity - used, of its fullest rank
 }
 
 // peerHeartbeat is the latest heartbeat of one rank, as received.
@@ -80,12 +86,13 @@ func (p *peerGroups) groups() map[string]*peerGroup {
 		g := out[hb.Group]
 		free := max(hb.CapacityBlocks-hb.UsedBlocks, 0)
 		if g == nil {
-			g = &peerGroup{seen: map[int]time.Time{}, draining: map[int]bool{}, freeBlock: free}
+			g = &peerGroup{seen: map[int]time.Time{}, draining: map[int]bool{}, handedOff: map[int]bool{}, freeBlock: free}
 			out[hb.Group] = g
 		}
 		g.model, g.world = hb.Model, hb.WorldSize
 		g.seen[hb.TPRank] = raw.at
 		g.draining[hb.TPRank] = hb.Draining
+		g.handedOff[hb.TPRank] = hb.HandedOff
 		g.freeBlock = min(g.freeBlock, free) // a hand-off needs room on every rank
 	}
 	return out
@@ -103,6 +110,37 @@ func (p *peerGroups) draining(group string, fresh time.Duration, ranks ...int) b
 	now := time.Now()
 	for _, rank := range ranks {
 		if t, ok := g.seen[rank]; !ok || now.Sub(t) > fresh || !g.draining[rank] {
+			return false
+		}
+	}
+	return true
+}
+
+// handedOff reports whether every rank of group below world other than
+// self is done with its drain hand-off: its latest heartbeat says so, or it
+// sent none within fresh (it exited, or was killed; one never heard is
+// gone once fresh has passed since the rank began to follow heartbeats).
+func (p *peerGroups) handedOff(group string, self, world int, fresh time.Duration) bool {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	g := p.groups()[group]
+	now := time.Now()
+	for rank := range world {
+		if rank == self {
+			continue
+		}
+		var (
+			t    time.Time
+			seen bool
+		)
+		if g != nil {
+			t, seen = g.seen[rank]
+		}
+		switch {
+		case seen && g.handedOff[rank]:
+		case seen && now.Sub(t) > fresh:
+		case !seen && now.Sub(p.since) > fresh:
+		default:
 			return false
 		}
 	}
@@ -212,9 +250,13 @@ func (r *Rank) drainPlan() *messages.DrainPlan {
 // that holds no block has nothing to hand off and waits for nobody: the
 // plan comes from the driver's store (an empty one is published at once),
 // and another rank's part of it is what its own store holds.
-func (r *Rank) handOff() {
+//
+// It returns, when the rank asked targets to take blocks, until when it
+// waits for its group's other ranks to finish theirs (see
+// awaitGroupHandOff); the zero time otherwise.
+func (r *Rank) handOff() (until time.Time) {
 	if r.cfg.DrainHandoff <= 0 {
-		return
+		return time.Time{}
 	}
 	settle := 3 * r.cfg.HeartbeatInterval
 	_, _, held := r.store.Usage()
@@ -248,28 +290,28 @@ func (r *Rank) handOff() {
 		}
 	} else {
 		if held == 0 {
-			return // whatever the plan says, this rank has none of it
+			return time.Time{} // whatever the plan says, this rank has none of it
 		}
 		// A plan that came already (this rank finished its requests after
 		// the driver, which may have handed off and exited) is the
 		// driver's word that it stops.
 		if !r.waitFor(settle, func() bool { return len(r.plans) > 0 || r.peers.draining(r.cfg.Group, settle, 0) }) {
 			r.log.Info("drain hand-off: the group's driver rank is not stopping; nothing handed off")
-			return
+			return time.Time{}
 		}
 		// The driver sends the plan once its own requests are finished.
 		select {
 		case plan = <-r.plans:
 		case <-time.After(r.cfg.ShutdownTimeout + settle):
 			r.log.Warn("drain hand-off: no plan from the driver rank; nothing handed off")
-			return
+			return time.Time{}
 		}
 	}
 	if len(plan.Targets) == 0 {
 		if r.IsDriver() {
 			r.log.Info("drain hand-off: nothing to hand off, or no other group ready to take it")
 		}
-		return
+		return time.Time{}
 	}
 	// Every target copies at once: the hand-off takes one
 	// --shutdown-timeout at most, not one per target.
@@ -300,6 +342,32 @@ func (r *Rank) handOff() {
 	}
 	r.log.Info("drain hand-off done", "targets", len(plan.Targets), "stored_blocks", stored, "failed_blocks", failed,
 		"bytes", bytes, "took_ms", time.Since(start).Milliseconds())
+	// The other ranks began theirs at about the same time (the plan reached
+	// them together) and each sender waits one --shutdown-timeout at most.
+	return start.Add(r.cfg.ShutdownTimeout)
+}
+
+// awaitGroupHandOff waits, until the given time at most, for the group's
+// other ranks to be done with their drain hand-offs (a zero time: no
+// wait). A rank done before the others would otherwise exit and clear its
+// shard of every block while some target rank still copies its own: no
+// group's ranks would all hold the handed-off prefixes, and a next turn
+// placed then recomputed them (measured with each role its own process,
+// two groups of 4: the turn sent as the draining group's first rank
+// exited found 0 or 512 of its 800 cached tokens, in 3 runs of 3).
+func (r *Rank) awaitGroupHandOff(until time.Time) {
+	if until.IsZero() {
+		return
+	}
+	start := time.Now()
+	fresh := 3 * r.cfg.HeartbeatInterval
+	done := r.waitFor(time.Until(until), func() bool {
+		return r.peers.handedOff(r.cfg.Group, r.cfg.TPRank, r.cfg.TPSize, fresh)
+	})
+	if !done {
+		r.log.Warn("drain hand-off: the group's other ranks did not finish theirs in time; exiting without them",
+			"waited_ms", time.Since(start).Milliseconds())
+	}
 }
 
 // waitFor polls cond until it holds (true) or d passed (false).

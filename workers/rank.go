@@ -56,6 +56,7 @@ type Rank struct {
 
 	serving   atomic.Bool  // Run subscribed to its ReqMetas and has not returned
 	draining  atomic.Bool  // Run's context ended
+	handedOff atomic.Bool  // the drain hand-off is over (heartbeats say handed_off)
 	gaveUp    atomic.Bool  // ShutdownTimeout passed with requests running: heartbeats say not ready
 	hbPending atomic.Bool  // heartbeatSoon has one scheduled
 	hbAsked   atomic.Int64 // unix ns of heartbeatSoon's last call
@@ -380,7 +381,9 @@ func (r *Rank) Run(ctx context.Context) error {
 	// driver sends one per request, and every driver would get every
 	// group's).
 	if r.cfg.DrainHandoff > 0 {
-		hb := subj.Heartbeat(r.cfg.Group, 0) // is the driver draining too?
+		// Is the driver draining too, and are the group's other ranks done
+		// with their hand-offs?
+		hb := subj.HeartbeatGroup(r.cfg.Group)
 		if r.IsDriver() {
 			hb = subj.HeartbeatAll() // which groups can take blocks
 		}
@@ -413,7 +416,14 @@ func (r *Rank) Run(ctx context.Context) error {
 	close(r.storeQ)
 	storeLoop.Wait()
 	timer.Stop() // the requests are finished: the hand-off is bounded on its own
-	r.handOff()
+	if r.cfg.DrainHandoff > 0 {
+		until := r.handOff()
+		// The group's other ranks wait for this rank's word that its
+		// hand-off is over before they exit (awaitGroupHandOff).
+		r.handedOff.Store(true)
+		r.heartbeat()
+		r.awaitGroupHandOff(until)
+	}
 	stopHB()
 	hbLoop.Wait()
 	engineLoops.Wait()

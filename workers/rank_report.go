@@ -175,6 +175,7 @@ func (r *Rank) heartbeat() {
 		Group: r.cfg.Group, TPRank: r.cfg.TPRank, EPRank: r.cfg.EPRank, WorldSize: r.cfg.TPSize,
 		Model: r.cfg.Model, CapacityBlocks: capacity, UsedBlocks: used,
 		QueueDepth: depth, StartedUnixMs: r.started.UnixMilli(), Draining: r.draining.Load(),
+		HandedOff: r.handedOff.Load(),
 	}
 	if !r.cfg.EngineCache {
 		hb.UsedBytes, _, _ = r.store.Usage()

@@ -1328,6 +1328,77 @@ func TestDrainHandsOffToEveryTargetAtOnce(t *testing.T) {
 	}
 }
 
+// TestDrainedRankWaitsForItsGroupsHandOffs: a draining group's ranks each
+// hand off their shard of the same blocks to the same rank of the target;
+// one rank whose target takes longer must not leave the others to exit
+// meanwhile. A rank's exit clears its shard of every block from the index
+// (AllBlocksCleared), and until the slow target rank holds its copies
+// the draining group is the only one whose ranks all hold the prefix: a
+// next turn placed in between recomputed it. Rank 0's target answers at
+// once and rank 1's after a second: rank 0 clears its blocks only after
+// rank 1's hand-off is answered. Before, rank 0 exited at once, a second
+// before.
+func TestDrainedRankWaitsForItsGroupsHandOffs(t *testing.T) {
+	const slow = time.Second
+	env := startRanks(t, rankEnvConfig{drainHandoff: 1 << 20})
+	var slowAnswered atomic.Int64 // unix ns when rank 1's target answered
+	takeHandoffs(t, env.nc, env.subj.Handoff("g1", 0), 0, func(int) {})
+	if _, err := env.nc.Subscribe(env.subj.Handoff("g1", 1), func(m *nats.Msg) {
+		go func() {
+			time.Sleep(slow)
+			data, _ := messages.Marshal(&messages.HandoffResult{Stored: 4})
+			slowAnswered.Store(time.Now().UnixNano())
+			_ = m.Respond(data)
+		}()
+	}); err != nil {
+		t.Fatal(err)
+	}
+	var mu sync.Mutex
+	var cleared []time.Time // rank 0's AllBlocksCleared, as received
+	if _, err := env.nc.Subscribe(env.subj.KV(testGroup, 0), func(m *nats.Msg) {
+		batch, err := messages.DecodeKVEventBatch(m.Data)
+		if err != nil {
+			t.Error(err)
+			return
+		}
+		for _, ev := range batch.Events {
+			if ev.Type == messages.EventAllBlocksCleared {
+				mu.Lock()
+				cleared = append(cleared, time.Now())
+				mu.Unlock()
+			}
+		}
+	}); err != nil {
+		t.Fatal(err)
+	}
+	if err := env.nc.Flush(); err != nil {
+		t.Fatal(err)
+	}
+	defer env.readyGroups("g1")()
+	env.sendMeta(newMeta("a", "s", testenv.PromptTokens(1, 4*blockSize+1)))
+	env.finalOutput("a")
+	env.resultsByRank("a")
+	env.stop()
+	if len(env.logs.Lines(`msg="drain hand-off: blocks handed to a group"`, "target_group=g1")) != 2 {
+		t.Fatalf("not both ranks handed off to g1 (the fault did not take effect): %v", env.logs.Lines("drain hand-off"))
+	}
+	answered := slowAnswered.Load()
+	if answered == 0 {
+		t.Fatal("rank 1's target was never asked")
+	}
+	testenv.Eventually(t, waitFor, "rank 0's last AllBlocksCleared received", func() bool {
+		mu.Lock()
+		defer mu.Unlock()
+		return len(cleared) > 0 // the one it exits with (it started before this subscription)
+	})
+	mu.Lock()
+	last := cleared[len(cleared)-1]
+	mu.Unlock()
+	if early := time.Unix(0, answered).Sub(last); early > 0 {
+		t.Errorf("rank 0 cleared its blocks %s before rank 1's hand-off was answered: no group held the prefix whole meanwhile", early)
+	}
+}
+
 // TestQueueDepthAfterModelMismatch: a ReqMeta of another model is refused;
 // the rank's queue-depth gauge comes back to 0. Before, each such refusal
 // took it one lower, for good (the worker's stop message then counted
