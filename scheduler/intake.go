@@ -83,11 +83,13 @@ func (s *Scheduler) onRequest(ctx context.Context, m jetstream.Msg) error {
 		}
 		groups = ready
 	}
-	if len(groups) > 0 && retried < s.cfg.UnsyncedWait && start.Sub(s.started) < s.cfg.HeartbeatTimeout && s.groups.forming(start) {
+	if len(groups) > 0 && retried < s.cfg.UnsyncedWait && start.Sub(s.started) < s.cfg.HeartbeatTimeout &&
+		(s.groups.forming(start) || len(groups) < len(ready)) {
 		// A replica that just started hears a group's driver at once (a
 		// heartbeat at every prefill), its other ranks up to a heartbeat
-		// interval later: placed now, a conversation whose prefix that
-		// group holds would go elsewhere and load nothing.
+		// interval later, and each rank's dump after it heard the rank:
+		// placed now, a conversation whose prefix a group heard in part,
+		// or not synced yet, holds would go elsewhere and load nothing.
 		return m.NakWithDelay(noGroupRetry)
 	}
 	if len(groups) == 0 {

@@ -818,6 +818,10 @@ func TestNewReplicaWaitsForTheGroupsItHeardInPart(t *testing.T) {
 		t.Fatal("placed while g1's rank 1 was not heard yet since the replica started: want it to wait")
 	}
 	s.groups.observe(&messages.Heartbeat{Group: "g1", TPRank: 1, WorldSize: 2, StartedUnixMs: 1}, time.Now())
+	for r := range 2 { // the dumps its heartbeats asked for
+		s.index.ObserveRank("g1", r, 2, 1)
+		s.index.ApplyDump("g1", r, kvDump("g1", r, 1))
+	}
 	if err := s.onRequest(context.Background(), m); err != nil {
 		t.Fatal(err)
 	}
@@ -834,5 +838,56 @@ func TestNewReplicaWaitsForTheGroupsItHeardInPart(t *testing.T) {
 	}
 	if !m2.acked {
 		t.Error("a long-running replica held a request back for a group missing a rank")
+	}
+}
+
+// TestNewReplicaWaitsForTheGroupsItHasNotSynced: a replica that just
+// started asks each rank for a dump when it first hears it, and places only
+// on groups whose index is synced. Once one group's dumps were in, a
+// request was placed at once, though another group, heard in full, had its
+// dumps on the way: a conversation whose prefix that group held went to
+// the synced one and loaded nothing (a review, every role its own process:
+// a scheduler SIGKILLed and restarted at once and a second one added under
+// 8 conversations; turn 7 of one found 0 of 1,008 tokens, placed on g0 2 ms
+// before the new replica's last dump of g1, which held the prefix, came
+// in). Within the heartbeat timeout of its start, a request waits (within
+// UnsyncedWait) while a ready group's index is not synced yet.
+func TestNewReplicaWaitsForTheGroupsItHasNotSynced(t *testing.T) {
+	s, _ := newBareScheduler(t)
+	b, _ := openTestBindings(t)
+	s.bindings.Store(b)
+	now := time.Now()
+	holding(s, "g0")
+	heard(s, "g0", now, 0)
+	s.index.ObserveRank("g1", 0, 1, 1) // its dump asked for, not in yet
+	heard(s, "g1", now, 0)
+	if n := len(s.index.placeable(s.groups.ready(now))); n != 1 {
+		t.Fatalf("%d placeable groups, want 1 (g0 synced, g1 not): the fault did not take effect", n)
+	}
+	m := requestMsg(t, "r1")
+	if err := s.onRequest(context.Background(), m); err != nil {
+		t.Fatal(err)
+	}
+	if m.acked {
+		t.Fatal("placed while g1's dump was not in yet since the replica started: want it to wait")
+	}
+	s.index.ApplyDump("g1", 0, kvDump("g1", 0, 1))
+	if err := s.onRequest(context.Background(), m); err != nil {
+		t.Fatal(err)
+	}
+	if !m.acked {
+		t.Fatal("not placed once every ready group was synced")
+	}
+	// Past the heartbeat timeout of the start, a group resyncing is placed
+	// around, as before: nothing waits for it.
+	s.started = time.Now().Add(-2 * s.cfg.HeartbeatTimeout)
+	s.index.ObserveRank("g2", 0, 1, 1)
+	heard(s, "g2", time.Now(), 0)
+	m2 := requestMsg(t, "r2")
+	if err := s.onRequest(context.Background(), m2); err != nil {
+		t.Fatal(err)
+	}
+	if !m2.acked {
+		t.Error("a long-running replica held a request back for a group whose index is resyncing")
 	}
 }
