@@ -55,6 +55,36 @@ func (c *Cluster) StopGroup(group string) error {
 	return nil
 }
 
+// ReplaceGroup replaces every rank of a group at once, as a rolling
+// upgrade does a whole group: it stops them all, starts a new process of
+// each while they drain (and hand their blocks off), and waits until the
+// stopped ones exited.
+func (c *Cluster) ReplaceGroup(group string) error {
+	c.mu.Lock()
+	old := map[int]*rankRun{}
+	for k, rr := range c.ranks {
+		if k.group == group {
+			old[k.rank] = rr
+		}
+	}
+	c.mu.Unlock()
+	if len(old) == 0 {
+		return fmt.Errorf("cluster: no group %s", group)
+	}
+	for _, rr := range old {
+		rr.stop()
+	}
+	for r := range old {
+		if err := c.startRank(group, r); err != nil {
+			return err
+		}
+	}
+	for _, rr := range old {
+		<-rr.done
+	}
+	return nil
+}
+
 // RestartRank stops one rank and starts a new one with the same identity
 // and an empty block store, as a process restart would.
 func (c *Cluster) RestartRank(group string, rank int) error {

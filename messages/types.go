@@ -544,6 +544,11 @@ type PoolRead struct {
 	TPRank      int         `msgpack:"tp_rank" json:"tp_rank"`
 	BlockHashes BlockHashes `msgpack:"block_hashes" json:"block_hashes"`
 	Saving      bool        `msgpack:"saving,omitempty" json:"saving,omitempty"`
+	// StartedUnixMs, when set, names the process of the rank to read (its
+	// heartbeats' started_unix_ms): another process of the same rank (its
+	// replacement, started while it drains, which holds none of its
+	// blocks) does not answer. A drain hand-off's reads set it.
+	StartedUnixMs int64 `msgpack:"started_unix_ms,omitempty" json:"started_unix_ms,omitempty"`
 }
 
 // PoolPart is one reply to a PoolRead: part Part of Parts (every reply
@@ -605,6 +610,11 @@ type Handoff struct {
 	Source    string       `msgpack:"source" json:"source"`
 	BlockSize int          `msgpack:"block_size" json:"block_size"`
 	Runs      []HandoffRun `msgpack:"runs,allownil" json:"runs"`
+	// SourceStartedUnixMs is the draining source process's
+	// started_unix_ms: the target's reads name it (PoolRead.StartedUnixMs),
+	// so that a replacement of the source rank, started as it drains,
+	// does not answer them with blocks missing.
+	SourceStartedUnixMs int64 `msgpack:"source_started_unix_ms,omitempty" json:"source_started_unix_ms,omitempty"`
 }
 
 // HandoffResult answers a Handoff: how many blocks the target now holds,

@@ -602,55 +602,73 @@ func (z *DrainPlan) Msgsize() (s int) {
 // MarshalMsg implements msgp.Marshaler
 func (z *Handoff) MarshalMsg(b []byte) (o []byte, err error) {
 	o = msgp.Require(b, z.Msgsize())
-	// map header, size 6
-	// string "v"
-	o = append(o, 0x86, 0xa1, 0x76)
-	o = msgp.AppendInt(o, z.V)
-	// string "model"
-	o = append(o, 0xa5, 0x6d, 0x6f, 0x64, 0x65, 0x6c)
-	o = msgp.AppendString(o, z.Model)
-	// string "tp_rank"
-	o = append(o, 0xa7, 0x74, 0x70, 0x5f, 0x72, 0x61, 0x6e, 0x6b)
-	o = msgp.AppendInt(o, z.TPRank)
-	// string "source"
-	o = append(o, 0xa6, 0x73, 0x6f, 0x75, 0x72, 0x63, 0x65)
-	o = msgp.AppendString(o, z.Source)
-	// string "block_size"
-	o = append(o, 0xaa, 0x62, 0x6c, 0x6f, 0x63, 0x6b, 0x5f, 0x73, 0x69, 0x7a, 0x65)
-	o = msgp.AppendInt(o, z.BlockSize)
-	// string "runs"
-	o = append(o, 0xa4, 0x72, 0x75, 0x6e, 0x73)
-	if z.Runs == nil { // allownil: if nil
-		o = msgp.AppendNil(o)
-	} else {
-		o = msgp.AppendArrayHeader(o, uint32(len(z.Runs)))
-		for za0001 := range z.Runs {
-			// check for omitted fields
-			zb0002Len := uint32(2)
-			var zb0002Mask uint8 /* 2 bits */
-			_ = zb0002Mask
-			if z.Runs[za0001].Session == "" {
-				zb0002Len--
-				zb0002Mask |= 0x1
-			}
-			// variable map header, size zb0002Len
-			o = append(o, 0x80|uint8(zb0002Len))
+	// check for omitted fields
+	zb0001Len := uint32(7)
+	var zb0001Mask uint8 /* 7 bits */
+	_ = zb0001Mask
+	if z.SourceStartedUnixMs == 0 {
+		zb0001Len--
+		zb0001Mask |= 0x40
+	}
+	// variable map header, size zb0001Len
+	o = append(o, 0x80|uint8(zb0001Len))
 
-			// skip if no fields are to be emitted
-			if zb0002Len != 0 {
-				if (zb0002Mask & 0x1) == 0 { // if not omitted
-					// string "session"
-					o = append(o, 0xa7, 0x73, 0x65, 0x73, 0x73, 0x69, 0x6f, 0x6e)
-					o = msgp.AppendString(o, z.Runs[za0001].Session)
+	// skip if no fields are to be emitted
+	if zb0001Len != 0 {
+		// string "v"
+		o = append(o, 0xa1, 0x76)
+		o = msgp.AppendInt(o, z.V)
+		// string "model"
+		o = append(o, 0xa5, 0x6d, 0x6f, 0x64, 0x65, 0x6c)
+		o = msgp.AppendString(o, z.Model)
+		// string "tp_rank"
+		o = append(o, 0xa7, 0x74, 0x70, 0x5f, 0x72, 0x61, 0x6e, 0x6b)
+		o = msgp.AppendInt(o, z.TPRank)
+		// string "source"
+		o = append(o, 0xa6, 0x73, 0x6f, 0x75, 0x72, 0x63, 0x65)
+		o = msgp.AppendString(o, z.Source)
+		// string "block_size"
+		o = append(o, 0xaa, 0x62, 0x6c, 0x6f, 0x63, 0x6b, 0x5f, 0x73, 0x69, 0x7a, 0x65)
+		o = msgp.AppendInt(o, z.BlockSize)
+		// string "runs"
+		o = append(o, 0xa4, 0x72, 0x75, 0x6e, 0x73)
+		if z.Runs == nil { // allownil: if nil
+			o = msgp.AppendNil(o)
+		} else {
+			o = msgp.AppendArrayHeader(o, uint32(len(z.Runs)))
+			for za0001 := range z.Runs {
+				// check for omitted fields
+				zb0002Len := uint32(2)
+				var zb0002Mask uint8 /* 2 bits */
+				_ = zb0002Mask
+				if z.Runs[za0001].Session == "" {
+					zb0002Len--
+					zb0002Mask |= 0x1
 				}
-				// string "block_hashes"
-				o = append(o, 0xac, 0x62, 0x6c, 0x6f, 0x63, 0x6b, 0x5f, 0x68, 0x61, 0x73, 0x68, 0x65, 0x73)
-				o, err = z.Runs[za0001].BlockHashes.MarshalMsg(o)
-				if err != nil {
-					err = msgp.WrapError(err, "Runs", za0001, "BlockHashes")
-					return
+				// variable map header, size zb0002Len
+				o = append(o, 0x80|uint8(zb0002Len))
+
+				// skip if no fields are to be emitted
+				if zb0002Len != 0 {
+					if (zb0002Mask & 0x1) == 0 { // if not omitted
+						// string "session"
+						o = append(o, 0xa7, 0x73, 0x65, 0x73, 0x73, 0x69, 0x6f, 0x6e)
+						o = msgp.AppendString(o, z.Runs[za0001].Session)
+					}
+					// string "block_hashes"
+					o = append(o, 0xac, 0x62, 0x6c, 0x6f, 0x63, 0x6b, 0x5f, 0x68, 0x61, 0x73, 0x68, 0x65, 0x73)
+					o, err = z.Runs[za0001].BlockHashes.MarshalMsg(o)
+					if err != nil {
+						err = msgp.WrapError(err, "Runs", za0001, "BlockHashes")
+						return
+					}
 				}
 			}
+		}
+		if (zb0001Mask & 0x40) == 0 { // if not omitted
+			// string "source_started_unix_ms"
+			o = append(o, 0xb6, 0x73, 0x6f, 0x75, 0x72, 0x63, 0x65, 0x5f, 0x73, 0x74, 0x61, 0x72, 0x74, 0x65, 0x64, 0x5f, 0x75, 0x6e, 0x69, 0x78, 0x5f, 0x6d, 0x73)
+			o = msgp.AppendInt64(o, z.SourceStartedUnixMs)
 		}
 	}
 	return
@@ -769,6 +787,12 @@ func (z *Handoff) UnmarshalMsg(bts []byte) (o []byte, err error) {
 					}
 				}
 			}
+		case "source_started_unix_ms":
+			z.SourceStartedUnixMs, bts, err = msgp.ReadInt64Bytes(bts)
+			if err != nil {
+				err = msgp.WrapError(err, "SourceStartedUnixMs")
+				return
+			}
 		default:
 			bts, err = msgp.Skip(bts)
 			if err != nil {
@@ -787,6 +811,7 @@ func (z *Handoff) Msgsize() (s int) {
 	for za0001 := range z.Runs {
 		s += 1 + 8 + msgp.StringPrefixSize + len(z.Runs[za0001].Session) + 13 + z.Runs[za0001].BlockHashes.Msgsize()
 	}
+	s += 23 + msgp.Int64Size
 	return
 }
 
@@ -2571,8 +2596,8 @@ func (z *PoolPiece) Msgsize() (s int) {
 func (z *PoolRead) MarshalMsg(b []byte) (o []byte, err error) {
 	o = msgp.Require(b, z.Msgsize())
 	// check for omitted fields
-	zb0001Len := uint32(7)
-	var zb0001Mask uint8 /* 7 bits */
+	zb0001Len := uint32(8)
+	var zb0001Mask uint8 /* 8 bits */
 	_ = zb0001Mask
 	if z.ReqID == "" {
 		zb0001Len--
@@ -2585,6 +2610,10 @@ func (z *PoolRead) MarshalMsg(b []byte) (o []byte, err error) {
 	if z.Saving == false {
 		zb0001Len--
 		zb0001Mask |= 0x40
+	}
+	if z.StartedUnixMs == 0 {
+		zb0001Len--
+		zb0001Mask |= 0x80
 	}
 	// variable map header, size zb0001Len
 	o = append(o, 0x80|uint8(zb0001Len))
@@ -2621,6 +2650,11 @@ func (z *PoolRead) MarshalMsg(b []byte) (o []byte, err error) {
 			// string "saving"
 			o = append(o, 0xa6, 0x73, 0x61, 0x76, 0x69, 0x6e, 0x67)
 			o = msgp.AppendBool(o, z.Saving)
+		}
+		if (zb0001Mask & 0x80) == 0 { // if not omitted
+			// string "started_unix_ms"
+			o = append(o, 0xaf, 0x73, 0x74, 0x61, 0x72, 0x74, 0x65, 0x64, 0x5f, 0x75, 0x6e, 0x69, 0x78, 0x5f, 0x6d, 0x73)
+			o = msgp.AppendInt64(o, z.StartedUnixMs)
 		}
 	}
 	return
@@ -2690,6 +2724,12 @@ func (z *PoolRead) UnmarshalMsg(bts []byte) (o []byte, err error) {
 				err = msgp.WrapError(err, "Saving")
 				return
 			}
+		case "started_unix_ms":
+			z.StartedUnixMs, bts, err = msgp.ReadInt64Bytes(bts)
+			if err != nil {
+				err = msgp.WrapError(err, "StartedUnixMs")
+				return
+			}
 		default:
 			bts, err = msgp.Skip(bts)
 			if err != nil {
@@ -2704,7 +2744,7 @@ func (z *PoolRead) UnmarshalMsg(bts []byte) (o []byte, err error) {
 
 // Msgsize returns an upper bound estimate of the number of bytes occupied by the serialized message
 func (z *PoolRead) Msgsize() (s int) {
-	s = 1 + 2 + msgp.IntSize + 7 + msgp.StringPrefixSize + len(z.ReqID) + 6 + msgp.StringPrefixSize + len(z.Group) + 6 + msgp.StringPrefixSize + len(z.Model) + 8 + msgp.IntSize + 13 + z.BlockHashes.Msgsize() + 7 + msgp.BoolSize
+	s = 1 + 2 + msgp.IntSize + 7 + msgp.StringPrefixSize + len(z.ReqID) + 6 + msgp.StringPrefixSize + len(z.Group) + 6 + msgp.StringPrefixSize + len(z.Model) + 8 + msgp.IntSize + 13 + z.BlockHashes.Msgsize() + 7 + msgp.BoolSize + 16 + msgp.Int64Size
 	return
 }
 

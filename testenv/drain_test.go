@@ -4,6 +4,7 @@ import (
 	"fmt"
 	"net/http"
 	"regexp"
+	"strings"
 	"testing"
 	"time"
 
@@ -124,5 +125,80 @@ func TestDrainHandoffOnlyForAWholeGroup(t *testing.T) {
 	}
 	if n := testenv.CounterSum(t, c.Registry, "kvbus_worker_handoff_blocks_total", nil); n != 0 {
 		t.Errorf("%v blocks handed off by single-rank restarts, want 0", n)
+	}
+}
+
+// TestGroupReplacedInPlaceHandsOffItsCache replaces a group's ranks as a
+// rolling upgrade does (README, "Upgrading a running deployment", step 5):
+// every rank stopped together and a new process of each started at once,
+// while the old ones drain and hand their blocks to the other group. The
+// new processes serve the same pool subjects, holding nothing: they
+// answered the hand-off's reads with every block missing before the
+// draining ones could, and the next turns of the replaced group's sessions
+// recomputed their prefixes (with every role its own process: 0 or 512 of
+// 800-1,072 due tokens, 3 sessions of 3 in each of 3 runs). The hand-off's
+// reads name the draining process now, and only it answers.
+func TestGroupReplacedInPlaceHandsOffItsCache(t *testing.T) {
+	c := testenv.StartCluster(t, testenv.ClusterConfig{Groups: 2, Pool: "global", DrainHandoff: 64 << 20})
+	client := &http.Client{Timeout: 30 * time.Second}
+	defer client.CloseIdleConnections()
+	dialogs := map[string]*testenv.Dialog{}
+	for i := range 6 {
+		session := fmt.Sprint("replace-", i)
+		d := testenv.Conversation{BaseURL: c.URL, Client: client, Model: c.Model, Seed: 900 + i,
+			Headers: map[string]string{"X-Session-ID": session}}.Start()
+		if _, err := d.Next(t.Context()); err != nil {
+			t.Fatal(err)
+		}
+		dialogs[session] = d
+	}
+	groupOf := regexp.MustCompile(`group=(\S+)`)
+	bySession := map[string]string{}
+	count := map[string]int{}
+	for session := range dialogs {
+		lines := c.Logs.Lines("store thread", "session_id="+session+" ")
+		if len(lines) == 0 {
+			t.Fatalf("no store thread logged session %s", session)
+		}
+		g := groupOf.FindStringSubmatch(lines[0])[1]
+		bySession[session] = g
+		count[g]++
+	}
+	victim := "g0"
+	if count["g1"] > count["g0"] {
+		victim = "g1"
+	}
+	t.Logf("sessions per group %v; replacing %s's ranks", count, victim)
+	if err := c.ReplaceGroup(victim); err != nil {
+		t.Fatal(err)
+	}
+	c.WaitReady(t)
+	if n := len(c.Logs.Lines(`msg="rank started"`, "group="+victim+" ")); n < 8 {
+		t.Fatalf("%d rank starts of %s logged, want 8 (4 ranks, then their replacements): the fault did not take effect", n, victim)
+	}
+	for session, g := range bySession {
+		if g != victim {
+			continue
+		}
+		d := dialogs[session]
+		turn, err := d.Next(t.Context())
+		if err != nil {
+			t.Fatal(err)
+		}
+		share := testenv.PreviousShares(d.Turns, 16)[0]
+		t.Logf("session %s (was on %s): turn 2 prompt %d tokens, cached %d: %.1f%% of turn 1's", session, victim,
+			turn.PromptTokens, turn.CachedTokens, 100*share)
+		if share < 0.95 {
+			t.Errorf("session %s found %.1f%% of its previous prompt after its group was replaced, want >= 95%%", session, 100*share)
+		}
+	}
+	if lines := c.Logs.Lines("kept blocks handed off by a draining group", "source_group="+victim); len(lines) == 0 {
+		t.Error("nothing was handed off by the replaced group")
+	} else {
+		for _, l := range lines {
+			if !strings.Contains(l, "failed_blocks=0 ") {
+				t.Errorf("a hand-off lost blocks: %s", l)
+			}
+		}
 	}
 }

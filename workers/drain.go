@@ -384,7 +384,8 @@ func (r *Rank) waitFor(d time.Duration, cond func() bool) bool {
 
 // sendHandoff asks rank TPRank of target to copy its runs from this rank.
 func (r *Rank) sendHandoff(t messages.HandoffTarget, blockSize int) (*messages.HandoffResult, error) {
-	data, err := messages.Marshal(&messages.Handoff{Model: r.cfg.Model, TPRank: r.cfg.TPRank, Source: r.cfg.Group, BlockSize: blockSize, Runs: t.Runs})
+	data, err := messages.Marshal(&messages.Handoff{Model: r.cfg.Model, TPRank: r.cfg.TPRank, Source: r.cfg.Group, BlockSize: blockSize, Runs: t.Runs,
+		SourceStartedUnixMs: r.started.UnixMilli()})
 	if err != nil {
 		return nil, err
 	}
@@ -489,7 +490,10 @@ func (r *Rank) takeHandoff(h *messages.Handoff) *messages.HandoffResult {
 // copyHandedOff reads one chunk of a run from the source and keeps what
 // verifies; it returns the blocks stored and their bytes.
 func (r *Rank) copyHandedOff(ctx context.Context, h *messages.Handoff, session string, hashes messages.BlockHashes, size int) (int, int64) {
-	vals, err := r.pool.Read(ctx, h.Source, r.cfg.TPRank, &messages.PoolRead{Model: h.Model, TPRank: r.cfg.TPRank, BlockHashes: hashes},
+	// Only the draining process answers: its replacement, started as it
+	// drains, serves the same subject and holds none of these blocks.
+	vals, err := r.pool.Read(ctx, h.Source, r.cfg.TPRank,
+		&messages.PoolRead{Model: h.Model, TPRank: r.cfg.TPRank, BlockHashes: hashes, StartedUnixMs: h.SourceStartedUnixMs},
 		r.valueBytes(h.BlockSize))
 	if err != nil {
 		r.log.Warn("hand-off: pool read failed", "source_group", h.Source, "blocks", len(hashes), "err", err)

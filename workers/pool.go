@@ -55,6 +55,12 @@ func (r *Rank) onPoolRead(ctx context.Context, m *nats.Msg) error {
 	if m.Reply == "" {
 		return fmt.Errorf("%w: pool read without a reply subject", messages.ErrInvalid)
 	}
+	if req.StartedUnixMs != 0 && req.StartedUnixMs != r.started.UnixMilli() {
+		// A read of another process of this rank (the one this process
+		// replaces, handing off as it drains): it answers, and an answer
+		// from here, without its blocks, would be taken for its.
+		return nil
+	}
 	keys := make([]string, len(req.BlockHashes))
 	for i, h := range req.BlockHashes {
 		keys[i] = StoreKey(req.Model, req.TPRank, h)
