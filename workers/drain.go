@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"slices"
+	"strings"
 	"sync"
 	"time"
 
@@ -39,8 +40,7 @@ type peerGroup struct {
 	world     int
 	seen      map[int]time.Time // tp_rank -> last heartbeat
 	draining  map[int]bool
-	handedOff map[int]bool // tp_rank -> its drain hand-off is over
-	freeBlock int64        // capacity - used, of its fullest rank
+	freeBlock int64 // capacity - used, of its fullest rank
 }
 
 // peerHeartbeat is the latest heartbeat of one rank, as received.
@@ -49,24 +49,59 @@ type peerHeartbeat struct {
 	data []byte
 }
 
+// ownProcess is one process of a rank of the draining rank's own group:
+// its rank and started_unix_ms.
+type ownProcess struct {
+	rank    int
+	started int64
+}
+
+// ownHeartbeat is what a process of the own group said last.
+type ownHeartbeat struct {
+	at                  time.Time
+	draining, handedOff bool
+}
+
 // peerGroups tracks heartbeats once a rank drains, with DrainHandoff: on the
-// driver rank every group's (its own included), on the others their
-// driver's. A heartbeat is kept as received and decoded only when asked.
-// Safe for concurrent use.
+// driver rank every group's (its own included), on the others their own
+// group's. Another group's heartbeat is kept as received and decoded only
+// when asked. The own group's are kept by process: a rank replaced as its
+// group drains (an upgrade starts the new ranks at once) has a new process
+// on the same subject, which is not draining and is no part of the
+// hand-off, and must not hide the old process's word. Safe for concurrent
+// use.
 type peerGroups struct {
 	mu     sync.Mutex
 	latest map[string]peerHeartbeat // subject -> last heartbeat on it
-	// since is when the rank began to follow heartbeats (when it began to
-	// drain); set by Run once subscribed, read by the hand-off after it.
-	since time.Time
+	own    map[ownProcess]ownHeartbeat
+	// ownPrefix is the subject prefix of the own group's heartbeats, and
+	// since when the rank began to follow heartbeats (when it began to
+	// drain); both set by Run before it subscribes.
+	ownPrefix string
+	since     time.Time
 }
 
 func (p *peerGroups) onHeartbeat(_ context.Context, m *nats.Msg) error {
 	if len(m.Data) > messages.MaxMessageBytes {
 		return fmt.Errorf("peer heartbeat: %w", messages.ErrTooLarge)
 	}
+	var own *messages.Heartbeat
+	if p.ownPrefix != "" && strings.HasPrefix(m.Subject, p.ownPrefix) {
+		hb, err := messages.DecodeHeartbeat(m.Data)
+		if err != nil {
+			return fmt.Errorf("peer heartbeat: %w", err)
+		}
+		own = hb
+	}
 	p.mu.Lock()
 	defer p.mu.Unlock()
+	if own != nil {
+		if p.own == nil {
+			p.own = map[ownProcess]ownHeartbeat{}
+		}
+		p.own[ownProcess{own.TPRank, own.StartedUnixMs}] = ownHeartbeat{time.Now(), own.Draining, own.HandedOff}
+		return nil
+	}
 	if p.latest == nil {
 		p.latest = map[string]peerHeartbeat{}
 	}
@@ -74,8 +109,8 @@ func (p *peerGroups) onHeartbeat(_ context.Context, m *nats.Msg) error {
 	return nil
 }
 
-// groups decodes the latest heartbeats into what each group's ranks said;
-// one that does not decode is skipped. p.mu is held.
+// groups decodes the latest heartbeats of the other groups into what each
+// group's ranks said; one that does not decode is skipped. p.mu is held.
 func (p *peerGroups) groups() map[string]*peerGroup {
 	out := map[string]*peerGroup{}
 	for _, raw := range p.latest {
@@ -86,62 +121,64 @@ func (p *peerGroups) groups() map[string]*peerGroup {
 		g := out[hb.Group]
 		free := max(hb.CapacityBlocks-hb.UsedBlocks, 0)
 		if g == nil {
-			g = &peerGroup{seen: map[int]time.Time{}, draining: map[int]bool{}, handedOff: map[int]bool{}, freeBlock: free}
+			g = &peerGroup{seen: map[int]time.Time{}, draining: map[int]bool{}, freeBlock: free}
 			out[hb.Group] = g
 		}
 		g.model, g.world = hb.Model, hb.WorldSize
 		g.seen[hb.TPRank] = raw.at
 		g.draining[hb.TPRank] = hb.Draining
-		g.handedOff[hb.TPRank] = hb.HandedOff
 		g.freeBlock = min(g.freeBlock, free) // a hand-off needs room on every rank
 	}
 	return out
 }
 
-// draining reports whether the given ranks of group all sent a heartbeat
-// within fresh that says they are draining.
-func (p *peerGroups) draining(group string, fresh time.Duration, ranks ...int) bool {
+// drainingProcesses returns the processes of the own group's rank that
+// said within fresh that they are draining. p.mu is held.
+func (p *peerGroups) drainingProcesses(rank int, fresh time.Duration, now time.Time) []ownHeartbeat {
+	var out []ownHeartbeat
+	for k, hb := range p.own {
+		if k.rank == rank && hb.draining && now.Sub(hb.at) <= fresh {
+			out = append(out, hb)
+		}
+	}
+	return out
+}
+
+// draining reports whether each of the given ranks of the own group has a
+// process that said within fresh that it is draining.
+func (p *peerGroups) draining(fresh time.Duration, ranks ...int) bool {
 	p.mu.Lock()
 	defer p.mu.Unlock()
-	g := p.groups()[group]
-	if g == nil {
-		return false
-	}
 	now := time.Now()
 	for _, rank := range ranks {
-		if t, ok := g.seen[rank]; !ok || now.Sub(t) > fresh || !g.draining[rank] {
+		if len(p.drainingProcesses(rank, fresh, now)) == 0 {
 			return false
 		}
 	}
 	return true
 }
 
-// handedOff reports whether every rank of group below world other than
-// self is done with its drain hand-off: its latest heartbeat says so, or it
-// sent none within fresh (it exited, or was killed; one never heard is
-// gone once fresh has passed since the rank began to follow heartbeats).
-func (p *peerGroups) handedOff(group string, self, world int, fresh time.Duration) bool {
+// handedOff reports whether every rank of the own group below world other
+// than self is done with its drain hand-off: each of its draining
+// processes' latest heartbeat says so, or it has none heard within fresh
+// (it exited, or was killed; one never heard is gone once fresh has
+// passed since the rank began to follow heartbeats).
+func (p *peerGroups) handedOff(self, world int, fresh time.Duration) bool {
 	p.mu.Lock()
 	defer p.mu.Unlock()
-	g := p.groups()[group]
 	now := time.Now()
 	for rank := range world {
 		if rank == self {
 			continue
 		}
-		var (
-			t    time.Time
-			seen bool
-		)
-		if g != nil {
-			t, seen = g.seen[rank]
+		procs := p.drainingProcesses(rank, fresh, now)
+		if len(procs) == 0 && now.Sub(p.since) <= fresh {
+			return false // not heard yet
 		}
-		switch {
-		case seen && g.handedOff[rank]:
-		case seen && now.Sub(t) > fresh:
-		case !seen && now.Sub(p.since) > fresh:
-		default:
-			return false
+		for _, hb := range procs {
+			if !hb.handedOff {
+				return false
+			}
 		}
 	}
 	return true
@@ -270,7 +307,7 @@ func (r *Rank) handOff() (until time.Time) {
 		switch {
 		case held == 0:
 			// Nothing to plan: the group's ranks hear so now.
-		case r.waitFor(settle, func() bool { return r.peers.draining(r.cfg.Group, settle, all...) }):
+		case r.waitFor(settle, func() bool { return r.peers.draining(settle, all...) }):
 			// Every ready group's ranks send one within an interval: hear
 			// each of them once before choosing targets.
 			time.Sleep(time.Until(r.peers.since.Add(3 * r.cfg.HeartbeatInterval / 2)))
@@ -295,7 +332,7 @@ func (r *Rank) handOff() (until time.Time) {
 		// A plan that came already (this rank finished its requests after
 		// the driver, which may have handed off and exited) is the
 		// driver's word that it stops.
-		if !r.waitFor(settle, func() bool { return len(r.plans) > 0 || r.peers.draining(r.cfg.Group, settle, 0) }) {
+		if !r.waitFor(settle, func() bool { return len(r.plans) > 0 || r.peers.draining(settle, 0) }) {
 			r.log.Info("drain hand-off: the group's driver rank is not stopping; nothing handed off")
 			return time.Time{}
 		}
@@ -362,7 +399,7 @@ func (r *Rank) awaitGroupHandOff(until time.Time) {
 	start := time.Now()
 	fresh := 3 * r.cfg.HeartbeatInterval
 	done := r.waitFor(time.Until(until), func() bool {
-		return r.peers.handedOff(r.cfg.Group, r.cfg.TPRank, r.cfg.TPSize, fresh)
+		return r.peers.handedOff(r.cfg.TPRank, r.cfg.TPSize, fresh)
 	})
 	if !done {
 		r.log.Warn("drain hand-off: the group's other ranks did not finish theirs in time; exiting without them",

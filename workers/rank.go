@@ -6,6 +6,7 @@ import (
 	"log/slog"
 	"slices"
 	"strconv"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -387,6 +388,7 @@ func (r *Rank) Run(ctx context.Context) error {
 		if r.IsDriver() {
 			hb = subj.HeartbeatAll() // which groups can take blocks
 		}
+		r.peers.ownPrefix = strings.TrimSuffix(subj.HeartbeatGroup(r.cfg.Group), "*")
 		sub, err := bus.Subscribe(context.Background(), nc, hb, bus.Wrap(r.peers.onHeartbeat, r.log, r.cfg.HandlerMetrics, "worker_peer_heartbeat"))
 		if err != nil {
 			r.log.Warn("drain hand-off: cannot follow heartbeats; nothing will be handed off", "err", err)

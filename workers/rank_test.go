@@ -1810,3 +1810,48 @@ func TestDriverSendsAHeldAnswerEverySecond(t *testing.T) {
 			took.Round(time.Millisecond), len(at), longest.Round(time.Millisecond))
 	}
 }
+
+// TestDrainHandsOffBesideItsReplacements: an upgrade stops a group's ranks
+// and starts their new processes at once, which send heartbeats on the
+// same subjects as the draining ones, not draining and holding nothing.
+// The draining group still hands its blocks off, every rank of it: the
+// hand-off follows its group's heartbeats by process. Before, a
+// replacement's heartbeat took the place of its predecessor's, and the
+// driver found "only part of the group is stopping" (in a test that
+// replaced a group in place, 1 run of 4 handed nothing off).
+func TestDrainHandsOffBesideItsReplacements(t *testing.T) {
+	env := startRanks(t, rankEnvConfig{drainHandoff: 1 << 20})
+	var handed sync.Map // rank -> blocks handed to g1's rank
+	for r := range 2 {
+		takeHandoffs(t, env.nc, env.subj.Handoff("g1", r), 0, func(n int) { handed.Store(r, n) })
+	}
+	defer env.readyGroups("g1")()
+	replacements := make(chan struct{})
+	var wg sync.WaitGroup
+	defer wg.Wait()
+	defer close(replacements)
+	started := time.Now().Add(time.Hour).UnixMilli() // not a draining process's
+	wg.Go(func() {
+		for {
+			for r := range 2 {
+				data, _ := messages.Marshal(&messages.Heartbeat{Group: testGroup, TPRank: r, WorldSize: 2, Model: testModel,
+					CapacityBlocks: 1000, StartedUnixMs: started})
+				_ = env.nc.Publish(env.subj.Heartbeat(testGroup, r), data)
+			}
+			select {
+			case <-replacements:
+				return
+			case <-time.After(5 * time.Millisecond):
+			}
+		}
+	})
+	env.sendMeta(newMeta("a", "s", testenv.PromptTokens(1, 4*blockSize+1)))
+	env.finalOutput("a")
+	env.resultsByRank("a")
+	env.stop()
+	for r := range 2 {
+		if n, _ := handed.Load(r); n != 4 {
+			t.Errorf("rank %d handed %v blocks to g1 beside its replacement, want its 4: %v", r, n, env.logs.Lines("drain hand-off"))
+		}
+	}
+}
