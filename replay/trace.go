@@ -87,6 +87,21 @@ func (t *Trace) Sessions() int {
 	return len(seen)
 }
 
+// Models returns the models the trace's requests ask for when the replay
+// gives none, sorted: each captured request's own, DefaultModel for a
+// trace's.
+func (t *Trace) Models() []string {
+	var models []string
+	for _, it := range t.Items {
+		m := cmp.Or(it.capturedModel(), DefaultModel)
+		if !slices.Contains(models, m) {
+			models = append(models, m)
+		}
+	}
+	slices.Sort(models)
+	return models
+}
+
 // conversation is a session of one model.
 type conversation struct{ model, session string }
 

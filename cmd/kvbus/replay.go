@@ -10,6 +10,7 @@ import (
 	"net/url"
 	"os"
 	"slices"
+	"strconv"
 	"strings"
 	"time"
 
@@ -403,6 +404,11 @@ func (c *benchCmd) Run(ctx context.Context) error {
 	if err != nil {
 		return err
 	}
+	if models := tr.Models(); len(models) > 1 {
+		// The bench clusters serve one model on every group.
+		return fmt.Errorf("%s asks for %d models (%s): a bench cluster serves one; bench a capture of one model, or replay this one with kvbus replay onto a cluster serving them",
+			c.Trace, len(models), quoteList(models))
+	}
 	stopPprof, err := c.startPprof(ctx, log)
 	if err != nil {
 		return err
@@ -534,7 +540,9 @@ func (c *benchCmd) runCluster(ctx context.Context, tr *replay.Trace, policy, poo
 	quiet := c.logFlags
 	quiet.LogLevel = "warn" // the cluster's per-request lines would drown the table
 	cl, err := cluster.Start(ctx, cluster.Config{
-		Groups: c.Groups, Ranks: c.Ranks, Model: "kvbus-sim", ModelProfile: c.Profile,
+		// The model the requests ask for: a capture's own (a production
+		// cluster's name), replay.DefaultModel for a trace's.
+		Groups: c.Groups, Ranks: c.Ranks, Model: tr.Models()[0], ModelProfile: c.Profile,
 		KVCapacity: capacity, Payload: c.Payload, Evict: c.Evict, BlockSize: c.BlockSize,
 		Sim: workers.SimConfig{
 			Profile:   workers.SimProfile{PrefillPerToken: c.Prefill, LoadPerToken: c.Load, RemoteLoadPerToken: c.RemoteLoad, DecodePerToken: c.Decode},
@@ -562,7 +570,7 @@ func (c *benchCmd) runCluster(ctx context.Context, tr *replay.Trace, policy, poo
 		return nil, 0, err
 	}
 	// No Model: a capture's requests keep their own model, a trace's ask
-	// for replay.DefaultModel, the kvbus-sim this cluster serves.
+	// for replay.DefaultModel: the one this cluster serves.
 	r, err := replay.New(replay.Config{
 		Target: cl.NATSURL, Conn: nc, Speed: c.Speed, Mode: c.Mode, Timeout: c.Timeout,
 		Progress: progressOut(), Logger: log,
@@ -571,4 +579,13 @@ func (c *benchCmd) runCluster(ctx context.Context, tr *replay.Trace, policy, poo
 		return nil, 0, err
 	}
 	return r.Run(ctx, tr.Items)
+}
+
+// quoteList is "a", "b", "c".
+func quoteList(ss []string) string {
+	q := make([]string, len(ss))
+	for i, s := range ss {
+		q[i] = strconv.Quote(s)
+	}
+	return strings.Join(q, ", ")
 }

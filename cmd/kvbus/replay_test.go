@@ -495,3 +495,72 @@ func TestHugeBadFieldIsNotQuotedWhole(t *testing.T) {
 		}
 	}
 }
+
+// modelCapture writes a capture file of n completions, the i-th asking for
+// models[i%len(models)], as a cluster serving those models logs them.
+func modelCapture(t *testing.T, n int, models ...string) string {
+	t.Helper()
+	path := filepath.Join(t.TempDir(), "prod.kvcap")
+	f, err := os.Create(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	cw, err := replay.NewCaptureWriter(f)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for i := range n {
+		model := models[i%len(models)]
+		data, err := messages.Marshal(&messages.Request{RequestID: fmt.Sprint("prod-", i), FrontendID: "fe-prod", Model: model, SessionID: "s",
+			Endpoint: messages.EndpointCompletions, PromptTokenIDs: testenv.PromptTokens(0, 40+20*i), SamplingParams: messages.SamplingParams{MaxTokens: 2}})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := cw.Write(replay.Frame{Time: time.Unix(int64(i)*100, 0), Subject: "kvbus.req." + model, Payload: data}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := cw.Flush(); err != nil {
+		t.Fatal(err)
+	}
+	return path
+}
+
+// TestBenchServesTheCapturesModel: bench of a capture made on a cluster
+// serving another model name than kvbus-sim (any production cluster)
+// starts its clusters serving that model, so its requests are answered.
+// Before, the bench clusters served only kvbus-sim while the captured
+// requests kept asking for their own model: every request failed
+// "no_ready_group: no worker group of model "prod-model" is ready". A
+// capture of several models, which one bench cluster cannot serve, is
+// refused before any cluster starts, naming them.
+func TestBenchServesTheCapturesModel(t *testing.T) {
+	report := filepath.Join(t.TempDir(), "r.json")
+	c := parseCLI(t, "bench", "--trace", modelCapture(t, 4, "prod-model"), "--policies", "kv", "--groups", "1", "--ranks", "1",
+		"--kv-capacity", "64MiB", "--speed", "1000", "--timeout", "20s", "--json", report)
+	c.Bench.out = &testenv.LogBuffer{}
+	if err := c.Bench.Run(t.Context()); err != nil {
+		t.Fatal(err)
+	}
+	var reports []replay.Report
+	b, err := os.ReadFile(report)
+	if err != nil || json.Unmarshal(b, &reports) != nil || len(reports) != 1 {
+		t.Fatalf("report %s: %v", b, err)
+	}
+	if r := reports[0]; r.OK != 4 || r.HitRatio == nil || *r.HitRatio == 0 {
+		t.Errorf("ok %d of 4, hit_ratio %v, errors %v: want every request of the capture answered, with hits", r.OK, r.HitRatio, r.Errors)
+	}
+
+	c = parseCLI(t, "bench", "--trace", modelCapture(t, 4, "model-a", "model-b"), "--policies", "kv", "--groups", "1", "--ranks", "1",
+		"--kv-capacity", "64MiB", "--speed", "1000", "--timeout", "20s")
+	c.Bench.out = &testenv.LogBuffer{}
+	start := time.Now()
+	err = c.Bench.Run(t.Context())
+	if err == nil || !strings.Contains(err.Error(), `"model-a"`) || !strings.Contains(err.Error(), `"model-b"`) {
+		t.Errorf("a capture of two models: %v, want an error naming both", err)
+	}
+	if d := time.Since(start); d > time.Second {
+		t.Errorf("the refusal took %v: it must come before any cluster starts", d)
+	}
+}
