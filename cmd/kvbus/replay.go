@@ -155,8 +155,9 @@ func (f traceFlags) check() error {
 }
 
 // load reads the part of the trace to replay; what a damaged capture left
-// out is logged.
-func (f traceFlags) load(path string, log *slog.Logger) (*replay.Trace, error) {
+// out is logged. blockSize is the cluster's, by which --infer-sessions
+// matches a capture's prompts.
+func (f traceFlags) load(path string, blockSize int, log *slog.Logger) (*replay.Trace, error) {
 	tr, err := replay.ReadTraceFile(path, f.Format)
 	if err != nil {
 		return nil, err
@@ -168,7 +169,16 @@ func (f traceFlags) load(path string, log *slog.Logger) (*replay.Trace, error) {
 		return nil, fmt.Errorf("%s holds no request to replay (read as a %s file): check that it is the file you meant", path, tr.Format)
 	}
 	if f.InferSessions {
-		replay.InferSessions(tr, replay.MooncakeBlockTokens)
+		// A trace's prompts are made of its 512-token blocks; a capture's
+		// are real prompts, matched as the schedulers match them, by the
+		// cluster's blocks (512-token ones made a session of every request
+		// shorter than a block, and one session of every conversation
+		// that opened with the same long system prompt).
+		blockTokens := replay.MooncakeBlockTokens
+		if tr.Format == replay.FormatCapture {
+			blockTokens = blockSize
+		}
+		replay.InferSessions(tr, blockTokens)
 	}
 	if total := len(tr.Items); f.Skip >= total {
 		return nil, fmt.Errorf("--skip %d leaves none of the %d requests of %s: give a smaller --skip", f.Skip, total, path)
@@ -194,7 +204,7 @@ type replayCmd struct {
 	Target     string        `name:"target" required:"" help:"nats://HOST:PORT (publish Requests onto the bus) or http://HOST:PORT (through the frontend)."`
 	Model      string        `name:"model" help:"Model every request asks for, a capture's included (replaying a capture on a cluster that serves another model name). Default: each captured request's own model; kvbus-sim for a trace."`
 	Policy     string        `name:"policy-label" default:"replay" help:"Label of the report's policy column."`
-	BlockSize  int           `name:"block-size" positive:"" default:"16" help:"The cluster's block size, for ideal_hit_ratio."`
+	BlockSize  int           `name:"block-size" positive:"" default:"16" help:"The cluster's block size, for ideal_hit_ratio (and --infer-sessions of a capture)."`
 	Timeout    time.Duration `name:"timeout" positive:"" default:"10m" help:"Deadline of one request."`
 	APIKey     string        `name:"api-key" env:"KVBUS_API_KEY,OPENAI_API_KEY" help:"With an http:// target, the frontend's --api-key, sent as a bearer token."`
 }
@@ -210,7 +220,7 @@ func (c *replayCmd) Run(ctx context.Context) error {
 	if err := c.check(); err != nil {
 		return err
 	}
-	tr, err := c.load(c.File, log)
+	tr, err := c.load(c.File, c.BlockSize, log)
 	if err != nil {
 		return err
 	}
@@ -400,7 +410,7 @@ func (c *benchCmd) Run(ctx context.Context) error {
 	if err := fitStores(c.Payload, c.Capacity, c.Groups*c.Ranks, capacity); err != nil {
 		return err
 	}
-	tr, err := c.load(c.Trace, log)
+	tr, err := c.load(c.Trace, c.BlockSize, log)
 	if err != nil {
 		return err
 	}

@@ -5,8 +5,10 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"log/slog"
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -269,27 +271,27 @@ func TestTraceLoadSaysWhatIsWrong(t *testing.T) {
 	log := logFlags{out: logs}.logger()
 
 	empty := write("empty.jsonl", "\n\n")
-	_, err := traceFlags{Format: replay.FormatMooncake}.load(empty, log)
+	_, err := traceFlags{Format: replay.FormatMooncake}.load(empty, 16, log)
 	if err == nil || !strings.Contains(err.Error(), empty) || !strings.Contains(err.Error(), "holds no request") || strings.Contains(err.Error(), "--skip") {
 		t.Errorf("empty trace: %v, want an error naming the file and saying it holds no request", err)
 	}
-	_, err = traceFlags{Format: replay.FormatAuto}.load(empty, log)
+	_, err = traceFlags{Format: replay.FormatAuto}.load(empty, 16, log)
 	if err == nil || !strings.Contains(err.Error(), "empty") {
 		t.Errorf("empty trace, auto: %v, want an error saying the file is empty", err)
 	}
 
 	two := write("two.jsonl", line+"\n"+line+"\n")
-	_, err = traceFlags{Format: replay.FormatAuto, Skip: 2}.load(two, log)
+	_, err = traceFlags{Format: replay.FormatAuto, Skip: 2}.load(two, 16, log)
 	if err == nil || !strings.Contains(err.Error(), "--skip 2 leaves none of the 2 requests") {
 		t.Errorf("--skip 2 of 2: %v, want an error naming --skip", err)
 	}
-	tr, err := traceFlags{Format: replay.FormatAuto, Skip: 1}.load(two, log)
+	tr, err := traceFlags{Format: replay.FormatAuto, Skip: 1}.load(two, 16, log)
 	if err != nil || len(tr.Items) != 1 {
 		t.Errorf("--skip 1 of 2: %v, %v", tr, err)
 	}
 
 	cut := write("cut.jsonl", line+"\n"+line+"\n"+line[:25])
-	tr, err = traceFlags{Format: replay.FormatAuto}.load(cut, log)
+	tr, err = traceFlags{Format: replay.FormatAuto}.load(cut, 16, log)
 	if err != nil || len(tr.Items) != 2 {
 		t.Fatalf("a trace with a cut last line: %v, %v; want its 2 whole lines", tr, err)
 	}
@@ -496,9 +498,21 @@ func TestHugeBadFieldIsNotQuotedWhole(t *testing.T) {
 	}
 }
 
-// modelCapture writes a capture file of n completions, the i-th asking for
-// models[i%len(models)], as a cluster serving those models logs them.
+// modelCapture writes a capture file of n completions of one session,
+// the i-th asking for models[i%len(models)], as a cluster serving those
+// models logs them.
 func modelCapture(t *testing.T, n int, models ...string) string {
+	t.Helper()
+	reqs := make([]*messages.Request, n)
+	for i := range reqs {
+		reqs[i] = &messages.Request{Model: models[i%len(models)], SessionID: "s", PromptTokenIDs: testenv.PromptTokens(0, 40+20*i)}
+	}
+	return writeCapture(t, reqs)
+}
+
+// writeCapture writes a capture file of completions reqs, 100 s apart,
+// filling in their ids and what a frontend sets.
+func writeCapture(t *testing.T, reqs []*messages.Request) string {
 	t.Helper()
 	path := filepath.Join(t.TempDir(), "prod.kvcap")
 	f, err := os.Create(path)
@@ -510,14 +524,14 @@ func modelCapture(t *testing.T, n int, models ...string) string {
 	if err != nil {
 		t.Fatal(err)
 	}
-	for i := range n {
-		model := models[i%len(models)]
-		data, err := messages.Marshal(&messages.Request{RequestID: fmt.Sprint("prod-", i), FrontendID: "fe-prod", Model: model, SessionID: "s",
-			Endpoint: messages.EndpointCompletions, PromptTokenIDs: testenv.PromptTokens(0, 40+20*i), SamplingParams: messages.SamplingParams{MaxTokens: 2}})
+	for i, req := range reqs {
+		req.RequestID, req.FrontendID, req.Endpoint = fmt.Sprint("prod-", i), "fe-prod", messages.EndpointCompletions
+		req.SamplingParams.MaxTokens = 2
+		data, err := messages.Marshal(req)
 		if err != nil {
 			t.Fatal(err)
 		}
-		if err := cw.Write(replay.Frame{Time: time.Unix(int64(i)*100, 0), Subject: "kvbus.req." + model, Payload: data}); err != nil {
+		if err := cw.Write(replay.Frame{Time: time.Unix(int64(i)*100, 0), Subject: "kvbus.req." + req.Model, Payload: data}); err != nil {
 			t.Fatal(err)
 		}
 	}
@@ -562,5 +576,55 @@ func TestBenchServesTheCapturesModel(t *testing.T) {
 	}
 	if d := time.Since(start); d > time.Second {
 		t.Errorf("the refusal took %v: it must come before any cluster starts", d)
+	}
+}
+
+// TestInferSessionsOfACaptureUsesTheClustersBlocks: --infer-sessions on a
+// capture (chat prompts without a session id) links the turns of a
+// conversation by the cluster's --block-size blocks, as the schedulers
+// match prefixes. Before, it used the Mooncake trace's 512-token blocks:
+// conversations shorter than 512 tokens were a session per request (here
+// 6 for 2), and conversations sharing a system prompt of 512 tokens or
+// more were one session (here 1 for 2) whose turn depths ran on past 4.
+func TestInferSessionsOfACaptureUsesTheClustersBlocks(t *testing.T) {
+	system := testenv.PromptTokens(0, 600)
+	var reqs []*messages.Request
+	for turn := range 3 {
+		for conv := range 4 {
+			var prompt []uint32
+			if conv < 2 { // a long system prompt, then the conversation
+				prompt = append(slices.Clone(system), testenv.PromptTokens(1+conv, 40*(turn+1))...)
+			} else { // a short conversation
+				prompt = testenv.PromptTokens(1+conv, 100+50*turn)
+			}
+			reqs = append(reqs, &messages.Request{Model: "kvbus-sim", PromptTokenIDs: prompt})
+		}
+	}
+	capture := writeCapture(t, reqs)
+	log := slog.New(slog.DiscardHandler)
+	for _, cmd := range []string{"replay", "bench"} {
+		args := []string{cmd, capture, "--target", "nats://127.0.0.1:1", "--infer-sessions"}
+		if cmd == "bench" {
+			args = []string{cmd, "--trace", capture, "--infer-sessions"}
+		}
+		c := parseCLI(t, args...)
+		var tr *replay.Trace
+		var err error
+		if cmd == "bench" {
+			tr, err = c.Bench.load(c.Bench.Trace, c.Bench.BlockSize, log)
+		} else {
+			tr, err = c.Replay.load(c.Replay.File, c.Replay.BlockSize, log)
+		}
+		if err != nil {
+			t.Fatal(err)
+		}
+		if n := tr.Sessions(); n != 4 {
+			t.Errorf("%s: %d sessions inferred from the capture of 4 conversations, want 4", cmd, n)
+		}
+		for i, it := range tr.Items {
+			if want := tr.Items[i%4].SessionID; it.SessionID != want {
+				t.Errorf("%s: request %d (conversation %d, turn %d) in session %q, want its first turn's %q", cmd, i, i%4, i/4+1, it.SessionID, want)
+			}
+		}
 	}
 }
