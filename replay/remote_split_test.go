@@ -1,6 +1,7 @@
 package replay_test
 
 import (
+	"encoding/json"
 	"fmt"
 	"net/http"
 	"net/http/httptest"
@@ -249,3 +250,36 @@ func replayOnce(t *testing.T, cfg replay.Config, items []replay.Item) ([]replay.
 
 // cachedHalf is the usage of a 512-token prompt of which 256 were cached.
 const cachedHalf = `{"prompt_tokens":512,"completion_tokens":1,"prompt_tokens_details":{"cached_tokens":256}}`
+
+// TestSessionModeRunsEachModelsConversationApart: in session mode, one
+// session id a capture has with two models is two conversations, as the
+// schedulers and the report's turn depths count them, each run closed loop
+// on its own. Before, the replay chained them as one: the first turn of
+// model b's conversation waited for the answer to model a's.
+func TestSessionModeRunsEachModelsConversationApart(t *testing.T) {
+	const slow = 600 * time.Millisecond
+	srv := stubEngine(t, cachedHalf, func(r *http.Request) {
+		var body struct {
+			Model string `json:"model"`
+		}
+		if err := json.NewDecoder(r.Body).Decode(&body); err != nil {
+			t.Error(err)
+		}
+		if body.Model == "a" {
+			time.Sleep(slow)
+		}
+	})
+	items := []replay.Item{
+		{SessionID: "s", Prompt: testenv.PromptTokens(1, 512), Request: &messages.Request{Model: "a", SessionID: "s", PromptTokenIDs: testenv.PromptTokens(1, 512)}},
+		{SessionID: "s", Prompt: testenv.PromptTokens(2, 512), Request: &messages.Request{Model: "b", SessionID: "s", PromptTokenIDs: testenv.PromptTokens(2, 512)}},
+	}
+	results, _ := replayOnce(t, replay.Config{Target: srv.URL, Mode: replay.ModeSession}, items)
+	for i, res := range results {
+		if res.Err != "" || res.TurnDepth != 1 {
+			t.Errorf("request %d: error %q, turn %d; want an answer, turn 1", i, res.Err, res.TurnDepth)
+		}
+	}
+	if gap := results[1].Sent.Sub(results[0].Sent); gap > slow/2 {
+		t.Errorf("model b's first turn was sent %v after model a's: it waited for another conversation's answer", gap)
+	}
+}

@@ -218,12 +218,14 @@ func (r *Replayer) Run(ctx context.Context, items []Item) ([]Result, time.Durati
 			wg.Go(func() { send(i) })
 		}
 	} else {
-		bySession := map[string][]int{}
-		var order []string
+		// A conversation is a session of one model, as the turn depths
+		// above count it: one id sent with two models is two loops.
+		bySession := map[conversation][]int{}
+		var order []conversation
 		for i, it := range items {
-			key := it.SessionID
-			if key == "" {
-				key = "\x00" + fmt.Sprint(i) // its own session
+			key := conversation{r.model(it.capturedModel()), it.SessionID}
+			if key.session == "" {
+				key.session = "\x00" + fmt.Sprint(i) // its own session
 			}
 			if _, ok := bySession[key]; !ok {
 				order = append(order, key)
