@@ -18,6 +18,7 @@ func TestParseCapacity(t *testing.T) {
 		{" 8 MiB ", 8 << 20, true},
 		{"4Mtok", 4e6 * bpt, true},
 		{"512ktok", 512e3 * bpt, true},
+		{"64Ktok", 64e3 * bpt, true}, // K as in KiB: refused before 2026-12-07
 		{"100tok", 100 * bpt, true},
 		{"", 0, false},
 		{"0", 0, false},

@@ -134,7 +134,7 @@ func verifyBlock(mode string, b []byte, hash uint64, tpRank, size int) bool {
 }
 
 // ParseCapacity parses a per-rank KV capacity: a byte size (64GiB, 512MB,
-// 1048576) or a number of tokens (4Mtok, 512ktok, 100000tok), which is
+// 1048576) or a number of tokens (4Mtok, 512ktok or 512Ktok, 100000tok), which is
 // converted with bytesPerToken.
 func ParseCapacity(s string, bytesPerToken int) (int64, error) {
 	in := strings.TrimSpace(s)
@@ -143,6 +143,7 @@ func ParseCapacity(s string, bytesPerToken int) (int64, error) {
 		mult   float64
 	}{
 		{"Gtok", 1e9 * float64(bytesPerToken)}, {"Mtok", 1e6 * float64(bytesPerToken)}, {"ktok", 1e3 * float64(bytesPerToken)},
+		{"Ktok", 1e3 * float64(bytesPerToken)}, // as in KiB and KB
 		{"tok", float64(bytesPerToken)},
 		{"TiB", 1 << 40}, {"GiB", 1 << 30}, {"MiB", 1 << 20}, {"KiB", 1 << 10},
 		{"TB", 1e12}, {"GB", 1e9}, {"MB", 1e6}, {"KB", 1e3}, {"B", 1},
@@ -157,7 +158,7 @@ func ParseCapacity(s string, bytesPerToken int) (int64, error) {
 	v, err := strconv.ParseFloat(num, 64)
 	total := v * mult
 	if err != nil || !(total >= 1) || total > 1<<62 {
-		return 0, fmt.Errorf("workers: bad capacity %q: want a size such as 64GiB or a token count such as 4Mtok", s)
+		return 0, fmt.Errorf("workers: bad capacity %q: want a size such as 64GiB or a token count such as 4Mtok or 512ktok", s)
 	}
 	return int64(total), nil
 }
