@@ -427,15 +427,17 @@ type tokenizerFlags struct {
 }
 
 // tokenizer returns the configured tokenizer; nil means the embedded one.
-// It names no model: the engine tokenizes for the one it serves.
-func (f tokenizerFlags) tokenizer() (frontend.Tokenizer, error) {
+// It names no model: the engine tokenizes for the one it serves. apiKey
+// (--engine-api-key) goes to the engines as a bearer token: vLLM's
+// --api-key guards its /v1/models, which --tokenizer engine reads.
+func (f tokenizerFlags) tokenizer(apiKey string) (frontend.Tokenizer, error) {
 	if f.Tokenizer != "engine" {
 		if len(f.TokenizerURL) > 0 {
 			return nil, errors.New("--tokenizer-url needs --tokenizer engine")
 		}
 		return nil, nil
 	}
-	return frontend.NewEngineTokenizer(frontend.EngineTokenizerConfig{URLs: f.TokenizerURL, Timeout: f.TokenizerTimeout})
+	return frontend.NewEngineTokenizer(frontend.EngineTokenizerConfig{URLs: f.TokenizerURL, Timeout: f.TokenizerTimeout, APIKey: apiKey})
 }
 
 // checkModelName refuses a model name with spaces around it: `--model

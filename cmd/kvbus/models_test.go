@@ -12,6 +12,7 @@ import (
 	"time"
 
 	"github.com/kvbus/kvbus/testenv"
+	"github.com/kvbus/kvbus/testenv/fakeengine"
 )
 
 // TestModelFlag: a frontend serves every --model given (comma-separated or
@@ -168,5 +169,76 @@ func TestOneFrontendServesTwoModels(t *testing.T) {
 	status, _, body = testenv.Send(t, http.MethodPost, base+"/v1/chat/completions", `{"model":"c","messages":[{"role":"user","content":"x"}]}`, nil)
 	if status != http.StatusNotFound {
 		t.Errorf("an unknown model: %d %s, want a 404 naming the served models", status, body)
+	}
+}
+
+// TestEngineTokenizerSendsTheEngineAPIKey: in front of engines started with
+// vLLM's --api-key, which guards /v1/, the frontend's --tokenizer engine
+// reads their GET /v1/models with --engine-api-key (the frontend's own flag;
+// serve's, the workers' one): /v1/models lists the engines' entries, a LoRA
+// adapter of theirs included, and a request naming the adapter is not a
+// 404. Before, the frontend had no way to send the key (its tokenizer's
+// APIKey was never set): every model list it asked for was a 401, dropped
+// without a word, so only --model was served and the adapter was a 404.
+func TestEngineTokenizerSendsTheEngineAPIKey(t *testing.T) {
+	e, err := fakeengine.New(fakeengine.Config{ModelName: "kvbus-sim", APIKey: "sk-engine", LoRAModules: []string{"ad1"}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = e.Close() })
+	natsURL := testenv.StartNATS(t).ClientURL()
+	for _, cmd := range []string{"frontend", "serve"} {
+		t.Run(cmd, func(t *testing.T) {
+			httpAddr := freeAddr(t)
+			args := []string{cmd, "--http-addr", httpAddr, "--engine", "openai", "--tokenizer", "engine",
+				"--tokenizer-url", e.URL(), "--engine-api-key", "sk-engine", "--log-level", "error"}
+			if cmd == "frontend" {
+				args = append(args, "--nats-url", natsURL)
+			} else {
+				args = append(args, "--engine-url", e.URL(), "--nats-addr", freeAddr(t), "--ranks", "1")
+			}
+			c := parseCLI(t, args...)
+			ctx, cancel := context.WithCancel(t.Context())
+			done := make(chan error, 1)
+			go func() {
+				if cmd == "frontend" {
+					done <- c.Frontend.Run(ctx)
+				} else {
+					done <- c.Serve.Run(ctx)
+				}
+			}()
+			defer func() { cancel(); <-done }()
+			base := "http://" + httpAddr
+			var status int
+			var body []byte
+			testenv.Eventually(t, 30*time.Second, cmd+" listening", func() bool {
+				select {
+				case err := <-done:
+					t.Fatalf("%s: %v", cmd, err)
+				default:
+				}
+				return healthz(base+"/livez") == http.StatusOK
+			})
+			status, _, body = testenv.Send(t, http.MethodGet, base+"/v1/models", "", nil)
+			var list struct {
+				Data []struct {
+					ID string `json:"id"`
+				} `json:"data"`
+			}
+			var ids []string
+			if err := json.Unmarshal(body, &list); err == nil {
+				for _, m := range list.Data {
+					ids = append(ids, m.ID)
+				}
+			}
+			if !slices.Contains(ids, "ad1") {
+				t.Errorf("%s --engine-api-key: /v1/models lists %v (%s), want the engine's adapter ad1 too", cmd, ids, body)
+			}
+			status, _, body = testenv.Send(t, http.MethodPost, base+"/v1/chat/completions",
+				`{"model":"ad1","messages":[{"role":"user","content":"hi"}],"max_tokens":2}`, nil)
+			if status == http.StatusNotFound {
+				t.Errorf("%s: a request for the engine's adapter ad1: %d %s", cmd, status, body)
+			}
+		})
 	}
 }
