@@ -323,14 +323,11 @@ type engineAdapterFlags struct {
 	EngineHealthInterval  time.Duration `name:"engine-health-interval" positive:"" default:"1s" help:"--engine openai: how often the engine's /health is polled; while it fails the group takes no requests and its queued ones move."`
 	EngineHealthTimeout   time.Duration `name:"engine-health-timeout" positive:"" default:"5s" help:"--engine openai: bound on one /health poll; a healthy engine is taken out after 3 failed polls in a row (at once when it refuses the connection or a request finds it down)."`
 	EngineUnavailableWait time.Duration `name:"engine-unavailable-wait" positive:"" default:"2s" help:"--engine openai: how long a request waits for an engine that is down (or to be moved to another group) before it fails with 503 group_failed."`
-	EngineTLSCA           string        `name:"engine-tls-ca" type:"path" help:"--engine openai: CA certificate (PEM) to verify an https engine."`
-	EngineTLSCert         string        `name:"engine-tls-cert" type:"path" help:"--engine openai: client certificate (PEM) for an engine that wants mutual TLS."`
-	EngineTLSKey          string        `name:"engine-tls-key" type:"path" help:"--engine openai: client key (PEM)."`
-	EngineTLSInsecure     bool          `name:"engine-tls-insecure-skip-verify" help:"--engine openai: do not verify the engine's certificate (testing only)."`
-	KVEvents              []string      `name:"kv-events" sep:"," help:"--engine openai: the engine's ZeroMQ KV event publisher to connect to, tcp://HOST:PORT (vLLM's --kv-events-config endpoint). serve takes one per group."`
-	KVEventsBind          []string      `name:"kv-events-bind" sep:"," help:"--engine openai: bind a SUB socket here, tcp://ADDR:PORT, for engines that connect to their subscriber (llm-d's simulator), instead of --kv-events."`
-	KVEventsTopic         string        `name:"kv-events-topic" help:"--engine openai: topic prefix of the engine's KV events (vLLM's kv-events-config topic); empty: all."`
-	KVEventsReplay        []string      `name:"kv-events-replay" sep:"," help:"--engine openai: the engine's KV event replay endpoint (vLLM's replay_endpoint), to recover lost batches; without it a gap clears the group's blocks."`
+	engineTLSFlags        `embed:""`
+	KVEvents              []string `name:"kv-events" sep:"," help:"--engine openai: the engine's ZeroMQ KV event publisher to connect to, tcp://HOST:PORT (vLLM's --kv-events-config endpoint). serve takes one per group."`
+	KVEventsBind          []string `name:"kv-events-bind" sep:"," help:"--engine openai: bind a SUB socket here, tcp://ADDR:PORT, for engines that connect to their subscriber (llm-d's simulator), instead of --kv-events."`
+	KVEventsTopic         string   `name:"kv-events-topic" help:"--engine openai: topic prefix of the engine's KV events (vLLM's kv-events-config topic); empty: all."`
+	KVEventsReplay        []string `name:"kv-events-replay" sep:"," help:"--engine openai: the engine's KV event replay endpoint (vLLM's replay_endpoint), to recover lost batches; without it a gap clears the group's blocks."`
 }
 
 // openAI returns the engine configuration of group i's model server and
@@ -390,8 +387,17 @@ func (f engineAdapterFlags) openAI(i int) (workers.OpenAIConfig, *vllmevents.Con
 	return oc, ev, nil
 }
 
+// engineTLSFlags: how kvbus's clients of the engines (the driver ranks, and
+// the frontend's --tokenizer engine) connect to an https engine.
+type engineTLSFlags struct {
+	EngineTLSCA       string `name:"engine-tls-ca" type:"path" help:"--engine openai: CA certificate (PEM) to verify an https engine."`
+	EngineTLSCert     string `name:"engine-tls-cert" type:"path" help:"--engine openai: client certificate (PEM) for an engine that wants mutual TLS."`
+	EngineTLSKey      string `name:"engine-tls-key" type:"path" help:"--engine openai: client key (PEM)."`
+	EngineTLSInsecure bool   `name:"engine-tls-insecure-skip-verify" help:"--engine openai: do not verify the engine's certificate (testing only)."`
+}
+
 // tls is the engine's TLS configuration; nil means Go's defaults.
-func (f engineAdapterFlags) tls() (*tls.Config, error) {
+func (f engineTLSFlags) tls() (*tls.Config, error) {
 	if f.EngineTLSCA == "" && f.EngineTLSCert == "" && !f.EngineTLSInsecure {
 		return nil, nil
 	}
@@ -429,15 +435,20 @@ type tokenizerFlags struct {
 // tokenizer returns the configured tokenizer; nil means the embedded one.
 // It names no model: the engine tokenizes for the one it serves. apiKey
 // (--engine-api-key) goes to the engines as a bearer token: vLLM's
-// --api-key guards its /v1/models, which --tokenizer engine reads.
-func (f tokenizerFlags) tokenizer(apiKey string) (frontend.Tokenizer, error) {
+// --api-key guards its /v1/models, which --tokenizer engine reads; tf
+// (--engine-tls-*) is how it connects to https engines.
+func (f tokenizerFlags) tokenizer(apiKey string, tf engineTLSFlags) (frontend.Tokenizer, error) {
 	if f.Tokenizer != "engine" {
 		if len(f.TokenizerURL) > 0 {
 			return nil, errors.New("--tokenizer-url needs --tokenizer engine")
 		}
 		return nil, nil
 	}
-	return frontend.NewEngineTokenizer(frontend.EngineTokenizerConfig{URLs: f.TokenizerURL, Timeout: f.TokenizerTimeout, APIKey: apiKey})
+	tlsCfg, err := tf.tls()
+	if err != nil {
+		return nil, err
+	}
+	return frontend.NewEngineTokenizer(frontend.EngineTokenizerConfig{URLs: f.TokenizerURL, Timeout: f.TokenizerTimeout, APIKey: apiKey, TLS: tlsCfg})
 }
 
 // checkModelName refuses a model name with spaces around it: `--model

@@ -20,6 +20,7 @@ type frontendCmd struct {
 	tokenizerFlags  `embed:""`
 	Engine          string `name:"engine" enum:"sim,openai" default:"sim" help:"What the workers run: sim, or openai (model servers): then each client's body goes to the engine as sent, fields the sim cannot honour (tools, response_format, logprobs, n) included, and the client gets the engine's answer as written."`
 	EngineAPIKey    string `name:"engine-api-key" help:"--tokenizer engine: sent to the --tokenizer-url engines as Authorization: Bearer <key> (vLLM's --api-key, which guards the /v1/models the frontend reads); never logged."`
+	engineTLSFlags  `embed:""`
 	requestLogFlags `embed:""`
 	timeoutFlags    `embed:""`
 	ID              string `name:"id" help:"Frontend id in subjects (default: a random fe-…)."`
@@ -36,7 +37,7 @@ func (c *frontendCmd) Run(ctx context.Context) error {
 	if _, err := c.models(); err != nil {
 		return err
 	}
-	tok, err := c.tokenizer(c.EngineAPIKey)
+	tok, err := c.tokenizer(c.EngineAPIKey, c.engineTLSFlags)
 	if err != nil {
 		return err
 	}

@@ -3,8 +3,14 @@ package main
 import (
 	"context"
 	"encoding/json"
+	"encoding/pem"
 	"fmt"
 	"net/http"
+	"net/http/httptest"
+	"net/http/httputil"
+	"net/url"
+	"os"
+	"path/filepath"
 	"slices"
 	"strings"
 	"sync"
@@ -238,6 +244,73 @@ func TestEngineTokenizerSendsTheEngineAPIKey(t *testing.T) {
 				`{"model":"ad1","messages":[{"role":"user","content":"hi"}],"max_tokens":2}`, nil)
 			if status == http.StatusNotFound {
 				t.Errorf("%s: a request for the engine's adapter ad1: %d %s", cmd, status, body)
+			}
+		})
+	}
+}
+
+// TestEngineTokenizerVerifiesHTTPSEnginesWithTheEngineCA: the frontend's
+// --tokenizer engine connects to https engines with --engine-tls-ca (the
+// frontend's own flag; serve's, the workers' one), as the driver ranks do:
+// /tokenize answers with the engine's tokens and /v1/models lists the
+// engine's entries. Before, the frontend had no such flag and serve gave its
+// own to the workers only: an engine whose certificate a private CA signed
+// failed every /tokenize the frontend asked ("certificate signed by unknown
+// authority"), so every request was a 503 tokenizer_unavailable.
+func TestEngineTokenizerVerifiesHTTPSEnginesWithTheEngineCA(t *testing.T) {
+	e, err := fakeengine.New(fakeengine.Config{ModelName: "kvbus-sim", LoRAModules: []string{"ad1"}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = e.Close() })
+	up, err := url.Parse(e.URL())
+	if err != nil {
+		t.Fatal(err)
+	}
+	engine := httptest.NewTLSServer(httputil.NewSingleHostReverseProxy(up))
+	t.Cleanup(engine.Close)
+	ca := filepath.Join(t.TempDir(), "engine-ca.pem")
+	if err := os.WriteFile(ca, pem.EncodeToMemory(&pem.Block{Type: "CERTIFICATE", Bytes: engine.Certificate().Raw}), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	natsURL := testenv.StartNATS(t).ClientURL()
+	for _, cmd := range []string{"frontend", "serve"} {
+		t.Run(cmd, func(t *testing.T) {
+			httpAddr := freeAddr(t)
+			args := []string{cmd, "--http-addr", httpAddr, "--engine", "openai", "--tokenizer", "engine",
+				"--tokenizer-url", engine.URL, "--engine-tls-ca", ca, "--log-level", "error"}
+			if cmd == "frontend" {
+				args = append(args, "--nats-url", natsURL)
+			} else {
+				args = append(args, "--engine-url", engine.URL, "--nats-addr", freeAddr(t), "--ranks", "1")
+			}
+			c := parseCLI(t, args...)
+			ctx, cancel := context.WithCancel(t.Context())
+			done := make(chan error, 1)
+			go func() {
+				if cmd == "frontend" {
+					done <- c.Frontend.Run(ctx)
+				} else {
+					done <- c.Serve.Run(ctx)
+				}
+			}()
+			defer func() { cancel(); <-done }()
+			base := "http://" + httpAddr
+			testenv.Eventually(t, 30*time.Second, cmd+" listening", func() bool {
+				select {
+				case err := <-done:
+					t.Fatalf("%s: %v", cmd, err)
+				default:
+				}
+				return healthz(base+"/livez") == http.StatusOK
+			})
+			status, _, body := testenv.Send(t, http.MethodPost, base+"/tokenize", `{"prompt":"hello there"}`, nil)
+			if status != http.StatusOK || !strings.Contains(string(body), `"tokens"`) {
+				t.Errorf("%s --engine-tls-ca: /tokenize: %d %s, want the https engine's tokens", cmd, status, body)
+			}
+			status, _, body = testenv.Send(t, http.MethodGet, base+"/v1/models", "", nil)
+			if status != http.StatusOK || !strings.Contains(string(body), `"ad1"`) {
+				t.Errorf("%s --engine-tls-ca: /v1/models: %d %s, want the https engine's adapter ad1 listed", cmd, status, body)
 			}
 		})
 	}

@@ -55,7 +55,7 @@ func (c *serveCmd) Run(ctx context.Context) error {
 	cfg.NATSAddr, cfg.DataDir, cfg.Logger, cfg.Registry = c.NATSAddr, c.DataDir, log, newRegistry()
 	// The frontend's /metrics serves the whole process's registry.
 	fc := c.baseConfig(c.requestLogFlags)
-	if fc.Tokenizer, err = c.tokenizer(c.EngineAPIKey); err != nil {
+	if fc.Tokenizer, err = c.tokenizer(c.EngineAPIKey, c.engineTLSFlags); err != nil {
 		return err
 	}
 	cfg.Frontend = &fc
