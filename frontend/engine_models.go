@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"log/slog"
 	"net/http"
 	"sync"
 	"time"
@@ -118,7 +119,10 @@ const (
 // --tokenizer engine): their ids are served too, and GET /v1/models
 // relays their entries (their max_model_len included).
 type engineModels struct {
-	lister ModelLister // nil: no engine to ask
+	lister ModelLister  // nil: no engine to ask
+	log    *slog.Logger // warns of a failed list, once until one is read again
+
+	failing bool // the last attempt failed, and was logged
 
 	mu   sync.Mutex
 	at   time.Time // of the last attempt
@@ -169,8 +173,17 @@ func (m *engineModels) refresh(done chan struct{}) {
 	defer close(done)
 	m.fresh = nil
 	if err != nil {
-		return // the last list stays
+		// The last list stays. Without a word an operator sees only
+		// --model served and the engines' adapters 404 (a 401 of engines
+		// started with vLLM's --api-key, the frontend given no key).
+		if !m.failing && m.log != nil {
+			m.log.Warn("the engines' model list (GET /v1/models of the --tokenizer-url engines) could not be read: "+
+				"only --model and the last list read are served (logged once until a list is read again)", "err", err)
+		}
+		m.failing = true
+		return
 	}
+	m.failing = false
 	ids, adapters := modelIDs(data)
 	m.data, m.ids, m.adapters, m.ok = data, ids, adapters, time.Now()
 }

@@ -1,6 +1,7 @@
 package frontend_test
 
 import (
+	"log/slog"
 	"net/http"
 	"strings"
 	"sync/atomic"
@@ -10,6 +11,7 @@ import (
 	"github.com/nats-io/nats.go"
 
 	"github.com/kvbus/kvbus/frontend"
+	"github.com/kvbus/kvbus/internal/logbuf"
 	"github.com/kvbus/kvbus/messages"
 	"github.com/kvbus/kvbus/testenv"
 	"github.com/kvbus/kvbus/testenv/fakeengine"
@@ -304,5 +306,32 @@ func TestRequestCarriesItsTimeLeft(t *testing.T) {
 	}
 	if req.TimeoutMs > 20_000 || req.TimeoutMs < (20*time.Second-took).Milliseconds() {
 		t.Errorf("timeout_ms %d, want at most 20000 and at least %d (the request took %v)", req.TimeoutMs, (20*time.Second - took).Milliseconds(), took)
+	}
+}
+
+// TestEngineModelListFailureIsLogged: when the engines' GET /v1/models
+// fails (here a 401: engines started with vLLM's --api-key, the frontend
+// given no key), the frontend warns once, naming the engine's answer, and
+// again only after a list was read in between. Before, the failure was
+// dropped without a word: /v1/models showed --model alone and the engines'
+// adapters were 404s, and nothing said why.
+func TestEngineModelListFailureIsLogged(t *testing.T) {
+	engine := startFakeEngine(t, fakeengine.Config{ModelName: "kvbus-sim", APIKey: "sk-engine", LoRAModules: []string{"ad1"}})
+	tok := newEngineTokenizer(t, frontend.EngineTokenizerConfig{URLs: []string{engine.URL()}})
+	logs := &logbuf.Buffer{}
+	fe := startFrontend(t, func(c *frontend.Config) {
+		c.Passthrough, c.Tokenizer, c.Logger = true, tok, slog.New(slog.NewJSONHandler(logs, nil))
+	})
+	for range 2 {
+		if status, _, body := testenv.Send(t, http.MethodGet, fe.url+"/v1/models", "", nil); status != http.StatusOK {
+			t.Fatalf("/v1/models: %d %s", status, body)
+		}
+	}
+	// A request for the adapter asks the engines again (a model not in the
+	// list), and fails alike: still one line.
+	_, _, _ = testenv.Send(t, http.MethodPost, fe.url+"/v1/chat/completions", `{"model":"ad1","messages":[{"role":"user","content":"hi"}]}`, nil)
+	got := logs.Lines("the engines' model list")
+	if len(got) != 1 || !strings.Contains(got[0], "401") || !strings.Contains(got[0], engine.URL()) {
+		t.Errorf("log lines about the engines' model list: %q; want one warning naming the engine and its 401", got)
 	}
 }

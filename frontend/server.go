@@ -342,7 +342,7 @@ func New(cfg Config) (*Server, error) {
 	}
 	s.schedulers.timeout = cfg.SchedulerTimeout
 	if lister, ok := tok.(ModelLister); ok && cfg.Passthrough {
-		s.engineModels = &engineModels{lister: lister}
+		s.engineModels = &engineModels{lister: lister, log: s.log}
 	}
 	s.refusals.log = s.log
 	s.m = newMetrics(cfg.Registry, s.inflight)
