@@ -236,7 +236,8 @@ func (e *OpenAIEngine) authorize(h http.Header) {
 
 // Generate implements Engine: it runs req on the engine, emitting each
 // streamed chunk (or the whole answer) as the engine sent it. prefilled is
-// called with the first chunk.
+// called with a stream's first chunk, and as a request that does not stream
+// is sent (the engine tells nothing of its prefill before the whole answer).
 //
 // A request the engine did not take (unreachable, a 5xx, a stream that
 // ended before any output or whose first event is an error of a 5xx)
@@ -427,6 +428,16 @@ type engineCall struct {
 	stream    bool
 	wantUsage bool // the client asked for usage in the stream
 	started   bool // output reached emit
+	prefilled bool // the prefill was reported (prefill)
+}
+
+// prefill reports the prefill (calls f) once per request, retries
+// included.
+func (c *engineCall) prefill(f func()) {
+	if !c.prefilled && f != nil {
+		c.prefilled = true
+		f()
+	}
 }
 
 func newEngineCall(req EngineRequest, model string) (*engineCall, error) {
@@ -592,6 +603,16 @@ func (e *OpenAIEngine) run(ctx context.Context, c *engineCall, prefilled func(),
 		h.Set("Accept", "text/event-stream")
 	}
 	e.authorize(h)
+	if !c.stream {
+		// A model server answers a request that does not stream only at its
+		// end, and says nothing of its prefill, a small part of that time:
+		// the request leaves the group's prefill queue as it reaches the
+		// engine, which schedules its prefill itself. Counted until the
+		// whole answer, every prompt in flight made its group look busy for
+		// its whole generation, and placement moved sessions off the engine
+		// that held their cache.
+		c.prefill(prefilled)
+	}
 	resp, err := e.client.Do(hr)
 	if err != nil {
 		if ctx.Err() != nil {

@@ -86,9 +86,7 @@ func (e *OpenAIEngine) readAnswer(ctx context.Context, c *engineCall, r io.Reade
 	}
 	var res EngineResult
 	text := a.apply(&res)
-	if prefilled != nil {
-		prefilled()
-	}
+	c.prefill(prefilled) // at the latest: run reported it as the request was sent
 	c.started = true
 	if err := emit(Chunk{Text: text, Raw: body}); err != nil {
 		return res, err
@@ -139,9 +137,7 @@ func (e *OpenAIEngine) readStream(ctx context.Context, c *engineCall, r io.Reade
 		text := a.apply(&res)
 		if !c.started {
 			c.started = true
-			if prefilled != nil {
-				prefilled()
-			}
+			c.prefill(prefilled)
 		}
 		if len(a.Choices) == 0 && a.Usage != nil && !c.wantUsage {
 			continue // the usage chunk kvbus asked for, not the client

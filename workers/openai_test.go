@@ -551,6 +551,54 @@ func TestOpenAIGenerateAnswer(t *testing.T) {
 	}
 }
 
+// TestOpenAIGenerateWholeAnswerPrefilledWhenSent: a request that does not
+// stream is prefilled, for the group's queue, once it is sent to the engine,
+// not when the engine's whole answer arrives. A model server answers such a
+// request only at its end and says nothing of its prefill, which takes a
+// small part of that time; counted as queued prefill until the answer, every
+// in-flight prompt made its group look busy for its whole generation, and
+// the kv policy moved sessions off the engine holding their cache (on the
+// real binaries, 3 of 8 next turns beside three non-streamed requests
+// recomputed their 592 cached tokens on the other engine; 0 of 8 beside the
+// same requests streamed). Once per request, retries included.
+func TestOpenAIGenerateWholeAnswerPrefilledWhenSent(t *testing.T) {
+	t.Parallel()
+	const answer = `{"choices":[{"index":0,"text":" world","finish_reason":"length"}],` +
+		`"usage":{"prompt_tokens":3,"completion_tokens":2,"total_tokens":5}}`
+	const generation = 600 * time.Millisecond
+	stub := newStubEngine(t, func(w http.ResponseWriter, r *http.Request, n int) {
+		if n == 1 { // the first attempt's connection breaks: sent again
+			if hj, ok := w.(http.Hijacker); ok {
+				if c, _, err := hj.Hijack(); err == nil {
+					_ = c.Close()
+					return
+				}
+			}
+		}
+		time.Sleep(generation)
+		w.Header().Set("Content-Type", "application/json")
+		_, _ = io.WriteString(w, answer)
+	})
+	e := healthyOpenAI(t, OpenAIConfig{URL: stub.URL})
+	start := time.Now()
+	var prefilledAt []time.Duration
+	var chunkAt time.Duration
+	_, err := e.Generate(t.Context(), EngineRequest{ReqID: "whole", Endpoint: messages.EndpointCompletions,
+		Body: []byte(`{"model":"m","prompt":"hello"}`)},
+		func() { prefilledAt = append(prefilledAt, time.Since(start)) },
+		func(Chunk) error { chunkAt = time.Since(start); return nil })
+	if err != nil {
+		t.Fatal(err)
+	}
+	if n := len(stub.requests()); n != 2 {
+		t.Fatalf("the engine got %d requests, want 2 (the first connection broke)", n)
+	}
+	if len(prefilledAt) != 1 || prefilledAt[0] >= generation/2 || chunkAt < generation {
+		t.Errorf("prefilled at %v, the answer at %v; want it once, when the request reached the engine (well before the %v the answer took)",
+			prefilledAt, chunkAt, generation)
+	}
+}
+
 // TestOpenAIGenerateStream proves a stream's chunks reach emit as the
 // engine wrote them, one Chunk per data line, whatever the SSE framing;
 // the usage chunk kvbus asks for reaches the client only if the client

@@ -96,6 +96,12 @@ func (r *Rank) drive(rr *rankReq) {
 	}, func() {
 		storeQueued = true
 		prefillTime := r.prefills.prefilled(rr, time.Now())
+		if len(meta.Body) > 0 && !meta.Stream {
+			// A model server's whole answer: reported as the request
+			// reached it (OpenAIEngine), its prefill time unknown, so it
+			// teaches the schedulers no pace (PrefillUs 0).
+			prefillTime = 0
+		}
 		r.donePrefill(rr)
 		// Tell every scheduler replica at once that the group's prefill
 		// queue shrank: the client's next turn follows this answer, and

@@ -5,7 +5,10 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"io"
 	"log/slog"
+	"net/http"
+	"net/http/httptest"
 	"slices"
 	"strings"
 	"sync"
@@ -1854,4 +1857,54 @@ func TestDrainHandsOffBesideItsReplacements(t *testing.T) {
 			t.Errorf("rank %d handed %v blocks to g1 beside its replacement, want its 4: %v", r, n, env.logs.Lines("drain hand-off"))
 		}
 	}
+}
+
+// TestDriverReportsAWholeAnswersPrefillAsSent: behind a model server, a
+// request that does not stream leaves the driver's prefill queue as it is
+// sent: while the engine takes its time over the whole answer, the driver's
+// heartbeats report nothing queued, and its prefill report says no prefill
+// time (the engine tells none), so that no scheduler learns a pace from it.
+// Before, the prompt's tokens stayed queued until the answer came, and the
+// report's prefill_us was the whole generation.
+func TestDriverReportsAWholeAnswersPrefillAsSent(t *testing.T) {
+	const generation = 800 * time.Millisecond
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if r.URL.Path == "/health" {
+			return
+		}
+		time.Sleep(generation)
+		w.Header().Set("Content-Type", "application/json")
+		_, _ = io.WriteString(w, `{"choices":[{"index":0,"text":"ok","finish_reason":"stop"}],"usage":{"prompt_tokens":200,"completion_tokens":1}}`)
+	}))
+	t.Cleanup(srv.Close)
+	engine, err := workers.NewOpenAIEngine(workers.OpenAIConfig{URL: srv.URL, HealthInterval: 20 * time.Millisecond})
+	if err != nil {
+		t.Fatal(err)
+	}
+	env := startRanks(t, rankEnvConfig{customEngine: engine}) // the driver watches its health
+	testenv.Eventually(t, waitFor, "the engine healthy", func() bool { ok, _ := engine.Healthy(); return ok })
+	m := newMeta("whole", "sess-w", testenv.PromptTokens(12, 200))
+	m.Endpoint, m.Body = messages.EndpointCompletions, []byte(`{"model":"m","prompt":"hi"}`)
+	start := time.Now()
+	env.sendMeta(m)
+	testenv.Eventually(t, waitFor, "the prefill report", func() bool {
+		for _, msg := range env.rec.all() {
+			if r, err := messages.DecodeRankResult(msg.Data); err == nil && r.ReqID == "whole" && r.Prefilled {
+				if r.PrefillUs != 0 {
+					t.Errorf("the prefill report's prefill_us = %d, want 0 (the engine tells no prefill time)", r.PrefillUs)
+				}
+				return true
+			}
+		}
+		return false
+	})
+	if took := time.Since(start); took >= generation/2 {
+		t.Errorf("the prefill was reported %v after the request, want it as the request reached the engine (the answer takes %v)", took, generation)
+	}
+	testenv.Eventually(t, waitFor, "a heartbeat with nothing queued while the answer is generated", func() bool {
+		hbs := env.heartbeats(0)
+		last := hbs[len(hbs)-1]
+		return last.InflightRequests == 1 && last.QueuedPrefillTokens == 0
+	})
+	env.resultsByRank("whole")
 }
