@@ -122,13 +122,12 @@ type engineModels struct {
 	lister ModelLister  // nil: no engine to ask
 	log    *slog.Logger // warns of a failed list, once until one is read again
 
-	failing bool // the last attempt failed, and was logged
-
-	mu   sync.Mutex
-	at   time.Time // of the last attempt
-	ok   time.Time // of the last answer
-	data []json.RawMessage
-	ids  map[string]bool
+	mu      sync.Mutex
+	failing bool      // the last attempt failed, and was logged
+	at      time.Time // of the last attempt
+	ok      time.Time // of the last answer
+	data    []json.RawMessage
+	ids     map[string]bool
 	// adapters are the ids listed with a parent: LoRA adapters of the
 	// base model (vLLM lists those of --lora-modules so).
 	adapters map[string]bool
