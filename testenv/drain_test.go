@@ -27,34 +27,7 @@ func TestDrainHandoffKeepsTheCache(t *testing.T) {
 			client := &http.Client{Timeout: 30 * time.Second}
 			defer client.CloseIdleConnections()
 			// Turn 1 of six conversations, spread over the three groups.
-			dialogs := map[string]*testenv.Dialog{}
-			for i := range 6 {
-				session := fmt.Sprint("drain-", tc.name, "-", i)
-				d := testenv.Conversation{BaseURL: c.URL, Client: client, Model: c.Model, Seed: 700 + i,
-					Headers: map[string]string{"X-Session-ID": session}}.Start()
-				if _, err := d.Next(t.Context()); err != nil {
-					t.Fatal(err)
-				}
-				dialogs[session] = d
-			}
-			groupOf := regexp.MustCompile(`group=(\S+)`)
-			bySession := map[string]string{}
-			count := map[string]int{}
-			for session := range dialogs {
-				lines := c.Logs.Lines("store thread", "session_id="+session+" ")
-				if len(lines) == 0 {
-					t.Fatalf("no store thread logged session %s", session)
-				}
-				g := groupOf.FindStringSubmatch(lines[0])[1]
-				bySession[session] = g
-				count[g]++
-			}
-			victim := ""
-			for g, n := range count {
-				if victim == "" || n > count[victim] || (n == count[victim] && g < victim) {
-					victim = g
-				}
-			}
+			dialogs, bySession, count, victim := firstTurns(t, c, client, "drain-"+tc.name+"-", 700)
 			t.Logf("sessions per group %v; scaling %s down", count, victim)
 			if err := c.StopGroup(victim); err != nil {
 				t.Fatal(err)
@@ -142,32 +115,7 @@ func TestGroupReplacedInPlaceHandsOffItsCache(t *testing.T) {
 	c := testenv.StartCluster(t, testenv.ClusterConfig{Groups: 2, Pool: "global", DrainHandoff: 64 << 20})
 	client := &http.Client{Timeout: 30 * time.Second}
 	defer client.CloseIdleConnections()
-	dialogs := map[string]*testenv.Dialog{}
-	for i := range 6 {
-		session := fmt.Sprint("replace-", i)
-		d := testenv.Conversation{BaseURL: c.URL, Client: client, Model: c.Model, Seed: 900 + i,
-			Headers: map[string]string{"X-Session-ID": session}}.Start()
-		if _, err := d.Next(t.Context()); err != nil {
-			t.Fatal(err)
-		}
-		dialogs[session] = d
-	}
-	groupOf := regexp.MustCompile(`group=(\S+)`)
-	bySession := map[string]string{}
-	count := map[string]int{}
-	for session := range dialogs {
-		lines := c.Logs.Lines("store thread", "session_id="+session+" ")
-		if len(lines) == 0 {
-			t.Fatalf("no store thread logged session %s", session)
-		}
-		g := groupOf.FindStringSubmatch(lines[0])[1]
-		bySession[session] = g
-		count[g]++
-	}
-	victim := "g0"
-	if count["g1"] > count["g0"] {
-		victim = "g1"
-	}
+	dialogs, bySession, count, victim := firstTurns(t, c, client, "replace-", 900)
 	t.Logf("sessions per group %v; replacing %s's ranks", count, victim)
 	if err := c.ReplaceGroup(victim); err != nil {
 		t.Fatal(err)
@@ -201,4 +149,40 @@ func TestGroupReplacedInPlaceHandsOffItsCache(t *testing.T) {
 			}
 		}
 	}
+}
+
+// firstTurns sends turn 1 of six conversations (sessions prefix0 …
+// prefix5, seeds from seed) and returns them, the group each landed on
+// (its store thread lines say), the sessions per group, and the group with
+// the most of them (the first by name of equals).
+func firstTurns(t *testing.T, c *testenv.Cluster, client *http.Client, prefix string, seed int) (
+	dialogs map[string]*testenv.Dialog, bySession map[string]string, count map[string]int, busiest string) {
+	t.Helper()
+	dialogs, bySession, count = map[string]*testenv.Dialog{}, map[string]string{}, map[string]int{}
+	groupOf := regexp.MustCompile(`group=(\S+)`)
+	for i := range 6 {
+		session := fmt.Sprint(prefix, i)
+		d := testenv.Conversation{BaseURL: c.URL, Client: client, Model: c.Model, Seed: seed + i,
+			Headers: map[string]string{"X-Session-ID": session}}.Start()
+		if _, err := d.Next(t.Context()); err != nil {
+			t.Fatal(err)
+		}
+		dialogs[session] = d
+	}
+	for session := range dialogs {
+		var lines []string
+		testenv.Eventually(t, 5*time.Second, "a store thread line of session "+session, func() bool {
+			lines = c.Logs.Lines("store thread", "session_id="+session+" ")
+			return len(lines) > 0
+		})
+		g := groupOf.FindStringSubmatch(lines[0])[1]
+		bySession[session] = g
+		count[g]++
+	}
+	for g, n := range count {
+		if busiest == "" || n > count[busiest] || (n == count[busiest] && g < busiest) {
+			busiest = g
+		}
+	}
+	return dialogs, bySession, count, busiest
 }
