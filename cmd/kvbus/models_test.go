@@ -195,36 +195,9 @@ func TestEngineTokenizerSendsTheEngineAPIKey(t *testing.T) {
 	natsURL := testenv.StartNATS(t).ClientURL()
 	for _, cmd := range []string{"frontend", "serve"} {
 		t.Run(cmd, func(t *testing.T) {
-			httpAddr := freeAddr(t)
-			args := []string{cmd, "--http-addr", httpAddr, "--engine", "openai", "--tokenizer", "engine",
-				"--tokenizer-url", e.URL(), "--engine-api-key", "sk-engine", "--log-level", "error"}
-			if cmd == "frontend" {
-				args = append(args, "--nats-url", natsURL)
-			} else {
-				args = append(args, "--engine-url", e.URL(), "--nats-addr", freeAddr(t), "--ranks", "1")
-			}
-			c := parseCLI(t, args...)
-			ctx, cancel := context.WithCancel(t.Context())
-			done := make(chan error, 1)
-			go func() {
-				if cmd == "frontend" {
-					done <- c.Frontend.Run(ctx)
-				} else {
-					done <- c.Serve.Run(ctx)
-				}
-			}()
-			defer func() { cancel(); <-done }()
-			base := "http://" + httpAddr
+			base := startEngineFrontend(t, cmd, natsURL, e.URL(), "--engine-api-key", "sk-engine")
 			var status int
 			var body []byte
-			testenv.Eventually(t, 30*time.Second, cmd+" listening", func() bool {
-				select {
-				case err := <-done:
-					t.Fatalf("%s: %v", cmd, err)
-				default:
-				}
-				return healthz(base+"/livez") == http.StatusOK
-			})
 			status, _, body = testenv.Send(t, http.MethodGet, base+"/v1/models", "", nil)
 			var list struct {
 				Data []struct {
@@ -276,34 +249,7 @@ func TestEngineTokenizerVerifiesHTTPSEnginesWithTheEngineCA(t *testing.T) {
 	natsURL := testenv.StartNATS(t).ClientURL()
 	for _, cmd := range []string{"frontend", "serve"} {
 		t.Run(cmd, func(t *testing.T) {
-			httpAddr := freeAddr(t)
-			args := []string{cmd, "--http-addr", httpAddr, "--engine", "openai", "--tokenizer", "engine",
-				"--tokenizer-url", engine.URL, "--engine-tls-ca", ca, "--log-level", "error"}
-			if cmd == "frontend" {
-				args = append(args, "--nats-url", natsURL)
-			} else {
-				args = append(args, "--engine-url", engine.URL, "--nats-addr", freeAddr(t), "--ranks", "1")
-			}
-			c := parseCLI(t, args...)
-			ctx, cancel := context.WithCancel(t.Context())
-			done := make(chan error, 1)
-			go func() {
-				if cmd == "frontend" {
-					done <- c.Frontend.Run(ctx)
-				} else {
-					done <- c.Serve.Run(ctx)
-				}
-			}()
-			defer func() { cancel(); <-done }()
-			base := "http://" + httpAddr
-			testenv.Eventually(t, 30*time.Second, cmd+" listening", func() bool {
-				select {
-				case err := <-done:
-					t.Fatalf("%s: %v", cmd, err)
-				default:
-				}
-				return healthz(base+"/livez") == http.StatusOK
-			})
+			base := startEngineFrontend(t, cmd, natsURL, engine.URL, "--engine-tls-ca", ca)
 			status, _, body := testenv.Send(t, http.MethodPost, base+"/tokenize", `{"prompt":"hello there"}`, nil)
 			if status != http.StatusOK || !strings.Contains(string(body), `"tokens"`) {
 				t.Errorf("%s --engine-tls-ca: /tokenize: %d %s, want the https engine's tokens", cmd, status, body)
@@ -314,4 +260,42 @@ func TestEngineTokenizerVerifiesHTTPSEnginesWithTheEngineCA(t *testing.T) {
 			}
 		})
 	}
+}
+
+// startEngineFrontend runs `kvbus frontend` (on natsURL) or `kvbus serve`
+// (cmd) with --engine openai and --tokenizer engine in front of engineURL,
+// and args, until the test ends; it returns the base URL once the HTTP
+// server listens.
+func startEngineFrontend(t *testing.T, cmd, natsURL, engineURL string, args ...string) string {
+	t.Helper()
+	httpAddr := freeAddr(t)
+	args = append([]string{cmd, "--http-addr", httpAddr, "--engine", "openai", "--tokenizer", "engine",
+		"--tokenizer-url", engineURL, "--log-level", "error"}, args...)
+	if cmd == "frontend" {
+		args = append(args, "--nats-url", natsURL)
+	} else {
+		args = append(args, "--engine-url", engineURL, "--nats-addr", freeAddr(t), "--ranks", "1")
+	}
+	c := parseCLI(t, args...)
+	ctx, cancel := context.WithCancel(t.Context())
+	done := make(chan error, 1)
+	go func() {
+		if cmd == "frontend" {
+			done <- c.Frontend.Run(ctx)
+		} else {
+			done <- c.Serve.Run(ctx)
+		}
+	}()
+	t.Cleanup(func() { cancel(); <-done })
+	base := "http://" + httpAddr
+	testenv.Eventually(t, 30*time.Second, cmd+" listening", func() bool {
+		select {
+		case err := <-done:
+			done <- err // for the cleanup
+			t.Fatalf("%s: %v", cmd, err)
+		default:
+		}
+		return healthz(base+"/livez") == http.StatusOK
+	})
+	return base
 }
