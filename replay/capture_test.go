@@ -6,6 +6,7 @@ import (
 	"errors"
 	"io"
 	"runtime"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -331,5 +332,31 @@ func TestCaptureWriterFrameLimit(t *testing.T) {
 	}
 	if f, err := cr.Next(); err != nil || len(f.Payload) != len(payload) {
 		t.Errorf("CaptureWriter wrote a %d-byte payload that CaptureReader refuses: %v", len(payload), err)
+	}
+}
+
+// TestCaptureFrameOfAStrayTimeIsLeftOut: a frame whose timestamp is
+// damaged (one flipped byte put a request in 1828) is left out, and the
+// trace says so, instead of holding the replay for centuries: its time is
+// more than a year from the capture's others. Before, it was kept, and a
+// replay at --speed 1000 still waited for it.
+func TestCaptureFrameOfAStrayTimeIsLeftOut(t *testing.T) {
+	tr, err := ReadTrace(bytes.NewReader(captureBytes(t,
+		Frame{Time: t0, Subject: "kvbus.req.m", Payload: marshal(t, testRequest("r1", "s", 5))},
+		Frame{Time: time.Date(1828, 3, 1, 0, 0, 0, 0, time.UTC), Subject: "kvbus.req.m", Payload: marshal(t, testRequest("r2", "s", 5))},
+		Frame{Time: t0.Add(time.Second), Subject: "kvbus.req.m", Payload: marshal(t, testRequest("r3", "s", 5))},
+	)), FormatAuto)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var ids []string
+	for _, it := range tr.Items {
+		ids = append(ids, it.OriginalID)
+	}
+	if !slices.Equal(ids, []string{"r1", "r3"}) || tr.Items[1].At != time.Second {
+		t.Errorf("items %v (last at %v), want r1 and r3 a second apart: the 1828 frame left out", ids, tr.Items[len(tr.Items)-1].At)
+	}
+	if len(tr.Damage) != 1 || !strings.Contains(tr.Damage[0], "frame 1 at 1828-03-01") {
+		t.Errorf("damage %q, want one note naming frame 1 and its time", tr.Damage)
 	}
 }

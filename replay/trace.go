@@ -301,6 +301,7 @@ func readCaptureTrace(r io.Reader) (*Trace, error) {
 	t := &Trace{}
 	skipped, firstSkip := 0, ""
 	ids := map[string]bool{}
+	var frames []int // each item's frame
 	for i := 0; ; i++ {
 		f, err := cr.Next()
 		if errors.Is(err, io.EOF) {
@@ -330,9 +331,13 @@ func readCaptureTrace(r io.Reader) (*Trace, error) {
 			At: time.Duration(f.Time.UnixNano()), SessionID: sid, Prompt: req.PromptTokenIDs,
 			OriginalID: req.RequestID, Request: req, Subject: f.Subject,
 		})
+		frames = append(frames, i)
 	}
 	if skipped > 0 {
 		t.Damage = append(t.Damage, fmt.Sprintf("%d frames are not requests kvbus can replay and are left out (the first: %s)", skipped, firstSkip))
+	}
+	if note := dropStrayTimes(t, frames); note != "" {
+		t.Damage = append(t.Damage, note)
 	}
 	if len(t.Items) == 0 && len(t.Damage) > 0 {
 		return nil, fmt.Errorf("%w: no request can be read from the capture: %s", ErrFormat, strings.Join(t.Damage, "; "))
@@ -341,6 +346,42 @@ func readCaptureTrace(r io.Reader) (*Trace, error) {
 	// order.
 	fromEarliest(t.Items)
 	return t, nil
+}
+
+// maxCaptureSpan bounds how far a captured request's time may lie from
+// the capture's median: a frame beyond it has a damaged timestamp (one
+// flipped byte put a request in 1828, and the replay waited for it).
+const maxCaptureSpan = 365 * 24 * time.Hour
+
+// dropStrayTimes leaves out the items (read from frames) whose time is
+// more than maxCaptureSpan from the median of all, and says which, or
+// returns "".
+func dropStrayTimes(t *Trace, frames []int) string {
+	if len(t.Items) == 0 {
+		return ""
+	}
+	times := make([]time.Duration, len(t.Items))
+	for i, it := range t.Items {
+		times[i] = it.At
+	}
+	slices.Sort(times)
+	median := times[len(times)/2]
+	kept := t.Items[:0]
+	dropped, first := 0, ""
+	for i, it := range t.Items {
+		if d := it.At - median; d > maxCaptureSpan || d < -maxCaptureSpan {
+			if dropped++; dropped == 1 {
+				first = fmt.Sprintf("frame %d at %s", frames[i], time.Unix(0, int64(it.At)).UTC().Format(time.RFC3339))
+			}
+			continue
+		}
+		kept = append(kept, it)
+	}
+	t.Items = kept
+	if dropped == 0 {
+		return ""
+	}
+	return fmt.Sprintf("%d requests whose time is more than a year from the capture's others (a damaged timestamp) are left out (the first: %s)", dropped, first)
 }
 
 // askedAgain reports whether req is a frontend's second publish of a
