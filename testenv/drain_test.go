@@ -50,13 +50,7 @@ func TestDrainHandoffKeepsTheCache(t *testing.T) {
 				d := dialogs[session]
 				prev := d.Turns[0]
 				due += float64(prev.PromptTokens / 16 * 4) // full blocks, on each of 4 ranks
-				turn, err := d.Next(t.Context())
-				if err != nil {
-					t.Fatal(err)
-				}
-				share := testenv.PreviousShares(d.Turns, 16)[0]
-				t.Logf("session %s (was on %s): turn 2 prompt %d tokens, cached %d: %.1f%% of turn 1's", session, victim,
-					turn.PromptTokens, turn.CachedTokens, 100*share)
+				share := secondTurnShare(t, d, session, victim)
 				switch {
 				case tc.handoff > 0 && share < 0.95:
 					t.Errorf("session %s found %.1f%% of its previous prompt after its group was scaled down, want >= 95%%", session, 100*share)
@@ -128,15 +122,7 @@ func TestGroupReplacedInPlaceHandsOffItsCache(t *testing.T) {
 		if g != victim {
 			continue
 		}
-		d := dialogs[session]
-		turn, err := d.Next(t.Context())
-		if err != nil {
-			t.Fatal(err)
-		}
-		share := testenv.PreviousShares(d.Turns, 16)[0]
-		t.Logf("session %s (was on %s): turn 2 prompt %d tokens, cached %d: %.1f%% of turn 1's", session, victim,
-			turn.PromptTokens, turn.CachedTokens, 100*share)
-		if share < 0.95 {
+		if share := secondTurnShare(t, dialogs[session], session, victim); share < 0.95 {
 			t.Errorf("session %s found %.1f%% of its previous prompt after its group was replaced, want >= 95%%", session, 100*share)
 		}
 	}
@@ -185,4 +171,19 @@ func firstTurns(t *testing.T, c *testenv.Cluster, client *http.Client, prefix st
 		}
 	}
 	return dialogs, bySession, count, busiest
+}
+
+// secondTurnShare sends turn 2 of a session whose group (was) was scaled
+// down or replaced, and returns the share of turn 1's prompt it found
+// cached.
+func secondTurnShare(t *testing.T, d *testenv.Dialog, session, was string) float64 {
+	t.Helper()
+	turn, err := d.Next(t.Context())
+	if err != nil {
+		t.Fatal(err)
+	}
+	share := testenv.PreviousShares(d.Turns, 16)[0]
+	t.Logf("session %s (was on %s): turn 2 prompt %d tokens, cached %d: %.1f%% of turn 1's", session, was,
+		turn.PromptTokens, turn.CachedTokens, 100*share)
+	return share
 }
