@@ -768,3 +768,31 @@ func TestSessionsAreConversationsOfOneModel(t *testing.T) {
 		t.Errorf("session lines %q; want s model-b gb 2 2 0.45 and s model-a ga 1 1 0.00:\n%s", lines, screen)
 	}
 }
+
+// TestRankMessagesOnAnotherRanksSubjectAreNotShown: a heartbeat or KV batch
+// whose group and rank are not those of its subject is dropped, as the
+// schedulers drop it. The bus lets a worker-g1 key publish only on g1's
+// subjects, but top read the group from the body: a review's worker-g1 key
+// sent heartbeats on kvbus.hb.g1.0 naming g2, draining and not ready, and
+// top showed g2 `not_ready` with 0 blocks while every scheduler counted
+// the heartbeats malformed and kept placing on a ready g2.
+func TestRankMessagesOnAnotherRanksSubjectAreNotShown(t *testing.T) {
+	b := startWatcher(t, top.Config{})
+	for tp := range 2 {
+		b.heartbeat(messages.Heartbeat{Group: "g2", TPRank: tp, WorldSize: 2, Model: "m", UsedBlocks: 7, CapacityBlocks: 10})
+	}
+	forged := messages.Heartbeat{Group: "g2", TPRank: 0, WorldSize: 2, Model: "m", CapacityBlocks: 10,
+		Draining: true, NotReady: true, NotReadyReason: "forged"}
+	b.publish(b.s.Heartbeat("g1", 0), &forged)
+	wide := messages.Heartbeat{Group: "g2", TPRank: 3, WorldSize: 4, Model: "m"}
+	b.publish(b.s.Heartbeat("g2", 0), &wide) // g2's own subject, another rank's body
+	b.publish(b.s.KV("g1", 0), &messages.KVEventBatch{Group: "g3", Rank: 0, Seq: 1})
+	b.flush()
+	s := b.w.Snapshot(time.Now())
+	if len(s.Groups) != 1 {
+		t.Fatalf("groups %+v, want g2 alone (g1 and g3 only named in bodies on other subjects)", s.Groups)
+	}
+	if g := s.Groups[0]; g.Name != "g2" || g.State != "ready" || g.Ranks != 2 || g.WorldSize != 2 || g.Blocks != 7 {
+		t.Errorf("g2 %+v, want ready 2/2 with 7 blocks: the messages on other ranks' subjects dropped", g)
+	}
+}

@@ -282,7 +282,10 @@ func (w *Watcher) connStatus(st nats.Status, now time.Time) {
 
 func (w *Watcher) onHeartbeat(m *nats.Msg, now time.Time) {
 	hb, err := messages.DecodeHeartbeat(m.Data)
-	if err != nil {
+	if err != nil || m.Subject != w.cfg.Subjects.Heartbeat(hb.Group, hb.TPRank) {
+		// A rank publishes only as itself (its key allows only its group's
+		// subjects): one whose body names another group or rank is forged,
+		// and the schedulers drop it too.
 		return
 	}
 	w.mu.Lock()
@@ -304,7 +307,7 @@ func (w *Watcher) group(name string) *groupView {
 
 func (w *Watcher) onKV(m *nats.Msg, _ time.Time) {
 	b, err := messages.DecodeKVEventBatch(m.Data)
-	if err != nil {
+	if err != nil || m.Subject != w.cfg.Subjects.KV(b.Group, b.Rank) {
 		return
 	}
 	w.mu.Lock()
