@@ -37,7 +37,10 @@ type Snapshot struct {
 	// Aborted are the requests whose client went away, over the window
 	// (not in Finished). Requests the request log refused never ran and
 	// are not counted at all.
-	Aborted  int `json:"aborted"`
+	Aborted int `json:"aborted"`
+	// InFlight are the requests top saw start and not end, or, when more,
+	// those the live groups' driver ranks say they hold (requests sent
+	// before top subscribed).
 	InFlight int `json:"in_flight"`
 	// TTFT from the request's arrival at the frontend (its clock) to its
 	// first output reaching top: a top reading late overstates it. None
@@ -174,6 +177,14 @@ func (w *Watcher) SnapshotWith(now time.Time, o SnapshotOptions) Snapshot {
 		s.Groups = append(s.Groups, w.groupRow(name, g, asOf, in[name], out[name]))
 	}
 	sort.Slice(s.Groups, func(i, j int) bool { return naturalLess(s.Groups[i].Name, s.Groups[j].Name) })
+	// The requests top saw start are not all that run: those sent before
+	// it subscribed are in the live drivers' counts only (a --once
+	// snapshot said 0 in flight beside groups of 15 each).
+	onGroups := 0
+	for _, g := range s.Groups {
+		onGroups += g.Inflight
+	}
+	s.InFlight = max(s.InFlight, onGroups)
 	for id, sc := range w.schedulers {
 		age := max(asOf.Sub(sc.seen), 0)
 		row := SchedulerRow{ID: id, ReadyGroups: sc.ann.ReadyGroups, Reason: sc.ann.Reason, AgeMs: age.Milliseconds()}

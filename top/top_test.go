@@ -796,3 +796,26 @@ func TestRankMessagesOnAnotherRanksSubjectAreNotShown(t *testing.T) {
 		t.Errorf("g2 %+v, want ready 2/2 with 7 blocks: the messages on other ranks' subjects dropped", g)
 	}
 }
+
+// TestInFlightCountsWhatStartedBeforeTop: requests sent before top
+// subscribed are in flight too. A review's `kvbus top --once --json` taken
+// 2 s into 30 requests of 3 s each said in_flight 0 beside two groups of
+// 15 in flight each (the header counted only requests top saw start).
+func TestInFlightCountsWhatStartedBeforeTop(t *testing.T) {
+	b := startWatcher(t, top.Config{})
+	for _, g := range []string{"g1", "g2"} {
+		b.heartbeat(messages.Heartbeat{Group: g, TPRank: 0, WorldSize: 1, Model: "m", InflightRequests: 15})
+	}
+	b.flush()
+	if s := b.w.Snapshot(time.Now()); s.InFlight != 30 {
+		t.Errorf("in flight %d, want the 30 the groups' drivers hold", s.InFlight)
+	}
+	// One request top saw start, on a group whose driver counts it: not twice.
+	b.request("r1", "s1", time.Now())
+	b.heartbeat(messages.Heartbeat{Group: "g1", TPRank: 0, WorldSize: 1, Model: "m", InflightRequests: 0})
+	b.heartbeat(messages.Heartbeat{Group: "g2", TPRank: 0, WorldSize: 1, Model: "m", InflightRequests: 1})
+	b.flush()
+	if s := b.w.Snapshot(time.Now()); s.InFlight != 1 {
+		t.Errorf("in flight %d, want 1", s.InFlight)
+	}
+}
