@@ -18,6 +18,7 @@ import (
 	"os"
 	"path/filepath"
 	"slices"
+	"strings"
 
 	"github.com/kvbus/kvbus/bus"
 	"github.com/kvbus/kvbus/messages"
@@ -208,20 +209,44 @@ func For(s messages.Subjects, id Identity) (Permissions, error) {
 // written by an older `kvbus auth init` (whose roles all read _INBOX.>).
 // It reports whether the file changed; NATS must then load it again.
 func RewriteConfig(dir string, s messages.Subjects) (bool, error) {
-	ids, _, err := Keys(dir)
-	if err != nil {
+	conf, current, err := configOf(dir, s)
+	if err != nil || current {
 		return false, err
 	}
+	return true, commit([]file{conf})
+}
+
+// configOf returns the ConfigFile this kvbus writes for the keys of dir,
+// and whether dir's is that one.
+func configOf(dir string, s messages.Subjects) (file, bool, error) {
+	ids, _, err := Keys(dir)
+	if err != nil {
+		return file{}, false, err
+	}
 	if s, err = dirSubjects(dir, s); err != nil {
-		return false, err
+		return file{}, false, err
 	}
 	files, err := keyFiles(dir, s, ids, func(Identity) bool { return false })
 	if err != nil {
-		return false, err
+		return file{}, false, err
 	}
 	conf := files[len(files)-1]
-	if old, err := os.ReadFile(filepath.Join(dir, ConfigFile)); err == nil && bytes.Equal(old, conf.data) {
-		return false, nil
+	old, err := os.ReadFile(filepath.Join(dir, ConfigFile))
+	return conf, err == nil && slices.Equal(usersOf(old), usersOf(conf.data)), nil
+}
+
+// usersOf returns the users of a ConfigFile's text, each as written,
+// sorted: their order gives no permission (Init writes them in the roles'
+// order, a rewrite in the order of the seed files' names).
+func usersOf(text []byte) []string {
+	body, ok := bytes.CutSuffix(text, []byte("  ]\n}\n"))
+	if !ok {
+		return nil
 	}
-	return true, commit([]file{conf})
+	users := strings.Split(string(body), "\n    # ")[1:]
+	for i, u := range users {
+		users[i] = strings.TrimSuffix(u, "\n") // the last one's
+	}
+	slices.Sort(users)
+	return users
 }

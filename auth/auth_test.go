@@ -721,3 +721,32 @@ func TestOlderConfigStopsARoleAtStartUntilInitRewritesIt(t *testing.T) {
 		t.Errorf("RewriteConfig of a current file = %v, %v; want unchanged", changed, err)
 	}
 }
+
+// TestInitAgainRewritesNothing: `kvbus auth init DIR` again on a directory
+// it has just written finds every key there and the config current. It
+// compared the config's bytes, and Init writes the users in the roles'
+// order while a rewrite lists them in the seed files' order: the second
+// run said it "rewrote nats-auth.conf … (an older kvbus auth init wrote
+// it)" and to reload NATS and the roles, and `make up` reloaded NATS.
+func TestInitAgainRewritesNothing(t *testing.T) {
+	dir := t.TempDir()
+	if _, err := auth.Init(dir, messages.Subjects{}, []string{"g1", "g2"}, false); err != nil {
+		t.Fatal(err)
+	}
+	conf := filepath.Join(dir, auth.ConfigFile)
+	before, _ := os.ReadFile(conf)
+	changed, err := auth.RewriteConfig(dir, messages.Subjects{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if after, _ := os.ReadFile(conf); changed || !bytes.Equal(before, after) {
+		t.Errorf("RewriteConfig of a directory Init just wrote: changed %v, want the config left as it was", changed)
+	}
+	// A config that does differ is still rewritten.
+	if err := os.WriteFile(conf, bytes.Replace(before, []byte(`"kvbus.drain.g1", `), nil, 1), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	if changed, err := auth.RewriteConfig(dir, messages.Subjects{}); err != nil || !changed {
+		t.Errorf("RewriteConfig of an edited config: changed %v, %v; want it rewritten", changed, err)
+	}
+}
