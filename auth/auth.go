@@ -216,6 +216,15 @@ func RewriteConfig(dir string, s messages.Subjects) (bool, error) {
 	return true, commit([]file{conf})
 }
 
+// ConfigIsCurrent reports whether dir's ConfigFile, what NATS enforces,
+// gives the keys there the permissions this kvbus gives them (what Matrix
+// lists): not when an older kvbus wrote it, it was edited, or a key was
+// added, removed or replaced since, nor when there is none.
+func ConfigIsCurrent(dir string, s messages.Subjects) (bool, error) {
+	_, current, err := configOf(dir, s)
+	return current, err
+}
+
 // configOf returns the ConfigFile this kvbus writes for the keys of dir,
 // and whether dir's is that one.
 func configOf(dir string, s messages.Subjects) (file, bool, error) {

@@ -104,7 +104,25 @@ func (c *authShowCmd) Run() error {
 	}
 	fmt.Print(m)
 	warnStrayKeys(c.Dir)
+	warnConfigNotCurrent(c.Dir, messages.Subjects{Prefix: c.Prefix})
 	return nil
+}
+
+// warnConfigNotCurrent says when dir's nats-auth.conf, which NATS
+// enforces, is not what `kvbus auth show` lists for the keys there.
+func warnConfigNotCurrent(dir string, s messages.Subjects) {
+	current, err := auth.ConfigIsCurrent(dir, s)
+	if err != nil || current {
+		return
+	}
+	conf := filepath.Join(dir, auth.ConfigFile)
+	what := "does not give these keys the permissions above (an older kvbus auth init wrote it, it was edited, " +
+		"or a key was added, removed or replaced since): NATS enforces that file, not this list"
+	if _, err := os.Stat(conf); err != nil {
+		what = "is missing: no NATS can enforce this list without it"
+	}
+	fmt.Fprintf(os.Stderr, "%s %s. Run `kvbus auth init %s` to rewrite it (every key kept), then reload NATS "+
+		"(kill -HUP the kvbus nats process, make reload-nats in compose, or nats-server --signal reload)\n", conf, what, dir)
 }
 
 type authProbeCmd struct {

@@ -157,3 +157,68 @@ func TestStrayKeyWarningNamesEveryKey(t *testing.T) {
 		}
 	}
 }
+
+// TestAuthShowSaysWhenTheConfigIsNotWhatItLists: `kvbus auth show DIR`
+// lists what this kvbus gives the keys of DIR, but NATS enforces DIR's
+// nats-auth.conf; when that file says otherwise (an older init, an edit, a
+// key file removed since), show says so and what to run. A review removed
+// kvbus.drain.g1 from the conf and worker-g2.nk from DIR: show still
+// listed kvbus.drain.g1 for worker-g1, and nothing about the worker-g2 key
+// the server still let in, exit 0 and silent.
+func TestAuthShowSaysWhenTheConfigIsNotWhatItLists(t *testing.T) {
+	dir := t.TempDir()
+	if _, err := auth.Init(dir, messages.Subjects{}, []string{"g1", "g2"}, false); err != nil {
+		t.Fatal(err)
+	}
+	show := func() string {
+		t.Helper()
+		r, w, err := os.Pipe()
+		if err != nil {
+			t.Fatal(err)
+		}
+		stderr := os.Stderr
+		os.Stderr = w
+		err = (&authShowCmd{Dir: dir}).Run()
+		os.Stderr = stderr
+		w.Close()
+		out, _ := io.ReadAll(r)
+		if err != nil {
+			t.Fatalf("auth show: %v", err)
+		}
+		return string(out)
+	}
+	if out := show(); out != "" {
+		t.Fatalf("auth show of a current directory warned: %q", out)
+	}
+	conf := filepath.Join(dir, auth.ConfigFile)
+	data, _ := os.ReadFile(conf)
+	edited := strings.ReplaceAll(string(data), `, "kvbus.drain.g1"`, "")
+	if edited == string(data) {
+		t.Fatal("kvbus.drain.g1 is not in the config")
+	}
+	if err := os.WriteFile(conf, []byte(edited), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	if out := show(); !strings.Contains(out, conf+" does not give these keys the permissions above") ||
+		!strings.Contains(out, "kvbus auth init "+dir) {
+		t.Errorf("auth show of an edited config: %q, want it named and `kvbus auth init %s` advised", out, dir)
+	}
+	if err := (&authInitCmd{Dir: dir}).Run(); err != nil {
+		t.Fatal(err)
+	}
+	if out := show(); out != "" {
+		t.Errorf("auth show after auth init rewrote the config: %q, want silence", out)
+	}
+	if err := os.Remove(filepath.Join(dir, "worker-g2.nk")); err != nil {
+		t.Fatal(err)
+	}
+	if out := show(); !strings.Contains(out, "does not give these keys") {
+		t.Errorf("auth show with a key file removed (its user still in the config): %q, want the warning", out)
+	}
+	if err := os.Remove(conf); err != nil {
+		t.Fatal(err)
+	}
+	if out := show(); !strings.Contains(out, conf+" is missing") {
+		t.Errorf("auth show without a config: %q, want it said missing", out)
+	}
+}
