@@ -15,6 +15,7 @@ import (
 	tea "charm.land/bubbletea/v2"
 	"github.com/charmbracelet/x/ansi"
 	"github.com/nats-io/nats.go"
+	"github.com/nats-io/nats.go/jetstream"
 	"go.uber.org/goleak"
 
 	"github.com/kvbus/kvbus/auth"
@@ -817,5 +818,54 @@ func TestInFlightCountsWhatStartedBeforeTop(t *testing.T) {
 	b.flush()
 	if s := b.w.Snapshot(time.Now()); s.InFlight != 1 {
 		t.Errorf("in flight %d, want 1", s.InFlight)
+	}
+}
+
+// TestStreamEchoesAreNotShown: the server sends a stream's message wherever
+// its requester names (a direct get's reply, a push consumer's deliver
+// subject), past the requester's publish permissions. A review's worker-g1
+// key put a heartbeat of g2's rank 0 (draining, not ready) into its own
+// slot of KVBUS_RANKS and had a direct get answer it on kvbus.hb.g2.0: top
+// showed g2 not_ready with 0 blocks while the scheduler dropped the echo
+// (bus.Subscribe) and kept placing on a ready g2.
+func TestStreamEchoesAreNotShown(t *testing.T) {
+	b := startWatcher(t, top.Config{})
+	b.heartbeat(messages.Heartbeat{Group: "g2", TPRank: 0, WorldSize: 1, Model: "m", UsedBlocks: 7, CapacityBlocks: 10})
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	js, err := jetstream.New(b.nc)
+	if err != nil {
+		t.Fatal(err)
+	}
+	kv, err := js.CreateKeyValue(ctx, jetstream.KeyValueConfig{Bucket: b.s.SlotBucket(), Storage: jetstream.MemoryStorage})
+	if err != nil {
+		t.Fatal(err)
+	}
+	forged, err := messages.Marshal(&messages.Heartbeat{Group: "g2", TPRank: 0, WorldSize: 1, Model: "m", CapacityBlocks: 10,
+		Draining: true, NotReady: true, NotReadyReason: "forged"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := kv.Put(ctx, "g1.7", forged); err != nil {
+		t.Fatal(err)
+	}
+	// The echo reaches the subject (else this test shows nothing)...
+	raw, err := b.nc.SubscribeSync(b.s.Heartbeat("g2", 0))
+	if err != nil {
+		t.Fatal(err)
+	}
+	bucket := b.s.SlotBucket()
+	if err := b.nc.PublishMsg(&nats.Msg{Subject: "$JS.API.DIRECT.GET.KV_" + bucket + ".$KV." + bucket + ".g1.7",
+		Reply: b.s.Heartbeat("g2", 0)}); err != nil {
+		t.Fatal(err)
+	}
+	if m, err := raw.NextMsg(5 * time.Second); err != nil || m.Header.Get(jetstream.StreamHeader) == "" {
+		t.Fatalf("the direct get's answer did not reach %s out of the stream (%v)", b.s.Heartbeat("g2", 0), err)
+	}
+	// ...and top, which reads in order, read it before the flush marker.
+	b.flush()
+	s := b.w.Snapshot(time.Now())
+	if len(s.Groups) != 1 || s.Groups[0].State != "ready" || s.Groups[0].Blocks != 7 {
+		t.Errorf("groups %+v, want g2 ready with 7 blocks: the stream's echo dropped", s.Groups)
 	}
 }

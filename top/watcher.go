@@ -22,6 +22,7 @@ import (
 
 	"github.com/nats-io/nats.go"
 
+	"github.com/kvbus/kvbus/bus"
 	"github.com/kvbus/kvbus/messages"
 )
 
@@ -228,6 +229,14 @@ func (w *Watcher) Run(ctx context.Context) error {
 		messages.KindControl: w.onControl,
 	}
 	sub, err := w.cfg.Conn.Subscribe(s.All(), func(m *nats.Msg) {
+		if _, ok := bus.FromStream(m); ok {
+			// No kvbus role publishes a stream's message onto a kvbus
+			// subject: the server sent it where a key allowed that
+			// stream's API asked (a direct get's reply, a push
+			// consumer's deliver subject), past its publish permissions.
+			// The roles drop it (bus.Subscribe); so does top.
+			return
+		}
 		kind, _ := s.Kind(m.Subject)
 		if fn := handlers[kind]; fn != nil {
 			fn(m, time.Now())
