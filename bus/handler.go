@@ -28,6 +28,29 @@ func Chain[M any](h Handler[M], mw ...Middleware[M]) Handler[M] {
 	return h
 }
 
+type loggerKey struct{}
+
+// WithLogger returns ctx carrying log, the role's logger: what the bus
+// itself logs under ctx (Subscribe's dropped forgeries, EnsureRequestStream's
+// advice) is written there, in the role's --log-format and --log-level and
+// through its log sink. Without one it went to slog.Default(), which no
+// role sets: Go's own text format on standard error, a plain line among a
+// --log-format json role's JSON.
+func WithLogger(ctx context.Context, log *slog.Logger) context.Context {
+	if log == nil {
+		return ctx
+	}
+	return context.WithValue(ctx, loggerKey{}, log)
+}
+
+// Logger returns the logger ctx carries (WithLogger), or slog.Default().
+func Logger(ctx context.Context) *slog.Logger {
+	if log, ok := ctx.Value(loggerKey{}).(*slog.Logger); ok {
+		return log
+	}
+	return slog.Default()
+}
+
 // Subscribe runs h for every message on subject, with ctx as the parent of
 // each call's context. The subscription ends when the caller unsubscribes or
 // drains the connection.
@@ -48,7 +71,7 @@ func Subscribe(ctx context.Context, nc *nats.Conn, subject string, h Handler[*na
 	return nc.Subscribe(subject, func(m *nats.Msg) {
 		if stream, ok := FromStream(m); ok {
 			if echoed.CompareAndSwap(false, true) {
-				slog.WarnContext(ctx, "bus: dropped a message the server sent out of a stream onto a kvbus subject; "+
+				Logger(ctx).WarnContext(ctx, "bus: dropped a message the server sent out of a stream onto a kvbus subject; "+
 					"a key allowed that stream's API forged it: rotate that role's key (kvbus auth init --force)",
 					"subject", m.Subject, "stream", stream, "reply", m.Reply)
 			}
@@ -56,7 +79,7 @@ func Subscribe(ctx context.Context, nc *nats.Conn, subject string, h Handler[*na
 		}
 		if m.Reply != "" && !strings.HasPrefix(m.Reply, inboxRoot) {
 			if offInbox.CompareAndSwap(false, true) {
-				slog.WarnContext(ctx, "bus: dropped a request whose answer would go onto "+m.Reply+", not a reply inbox; "+
+				Logger(ctx).WarnContext(ctx, "bus: dropped a request whose answer would go onto "+m.Reply+", not a reply inbox; "+
 					"a key that may publish to "+m.Subject+" sent it: rotate that role's key (kvbus auth init --force)",
 					"subject", m.Subject, "reply", m.Reply)
 			}

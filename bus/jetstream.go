@@ -4,7 +4,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"log/slog"
 	"slices"
 	"strings"
 	"time"
@@ -222,11 +221,11 @@ func ensureStream(ctx context.Context, js jetstream.JetStream, cfg StreamConfig)
 		if sc := st.CachedInfo().Config; sc.Discard != jetstream.DiscardNew {
 			sc.Discard = jetstream.DiscardNew
 			if updated, err := js.UpdateStream(ctx, sc); err != nil {
-				slog.WarnContext(ctx, "cannot switch the request log to discard new; a full log drops accepted requests until it is: "+
+				Logger(ctx).WarnContext(ctx, "cannot switch the request log to discard new; a full log drops accepted requests until it is: "+
 					"with kvbus auth keys only admin may (nats --nkey DIR/admin.nk stream edit "+name+" --discard new)",
 					"stream", name, "err", err)
 			} else {
-				slog.InfoContext(ctx, "request log switched to discard new", "stream", name)
+				Logger(ctx).InfoContext(ctx, "request log switched to discard new", "stream", name)
 				st = updated
 			}
 		}

@@ -370,7 +370,7 @@ func (c *Cluster) ensureRequestLog(nc *nats.Conn) error {
 	}
 	rl := c.cfg.Frontend.RequestLog()
 	rl.Subjects = c.cfg.Subjects
-	ctx, cancel := context.WithTimeout(c.ctx, 30*time.Second)
+	ctx, cancel := context.WithTimeout(bus.WithLogger(c.ctx, c.log), 30*time.Second)
 	defer cancel()
 	_, err = bus.EnsureRequestStream(ctx, js, rl)
 	return err

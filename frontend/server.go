@@ -374,6 +374,7 @@ func (s *Server) inflight() float64 {
 // connections and lets in-flight requests finish (bounded by their own
 // timeouts).
 func (s *Server) Run(ctx context.Context) error {
+	ctx = bus.WithLogger(ctx, s.log)
 	annSubject := s.cfg.Subjects.AnnounceRole(messages.RoleScheduler)
 	// Another role's key is refused these subjects: say so now, naming the
 	// key to give, rather than wait 30 s for JetStream or serve requests

@@ -52,7 +52,7 @@ type requestLog struct {
 
 // ensure makes the stream and the consumer unless they exist.
 func (l *requestLog) ensure(ctx context.Context) error {
-	st, err := bus.EnsureRequestStream(ctx, l.js, l.cfg)
+	st, err := bus.EnsureRequestStream(bus.WithLogger(ctx, l.log), l.js, l.cfg)
 	if err != nil {
 		return err
 	}

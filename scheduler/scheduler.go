@@ -350,6 +350,7 @@ func (s *Scheduler) Trackers() int { return s.trackers.Len() }
 
 // Run serves until ctx ends.
 func (s *Scheduler) Run(ctx context.Context) error {
+	ctx = bus.WithLogger(ctx, s.log)
 	nc, subj := s.cfg.Conn, s.cfg.Subjects
 	type handler struct {
 		subject, name string

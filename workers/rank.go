@@ -323,7 +323,7 @@ func (r *Rank) Run(ctx context.Context) error {
 		check.Newer = append(check.Newer, subj.Drain(r.cfg.Group))
 	}
 	for _, h := range append(intake, serving...) {
-		sub, err := bus.Subscribe(context.Background(), nc, h.subject, bus.Wrap(h.fn, r.log, r.cfg.HandlerMetrics, h.name))
+		sub, err := bus.Subscribe(bus.WithLogger(context.Background(), r.log), nc, h.subject, bus.Wrap(h.fn, r.log, r.cfg.HandlerMetrics, h.name))
 		if err != nil {
 			return fmt.Errorf("workers: subscribe %s: %w", h.subject, err)
 		}
@@ -389,7 +389,7 @@ func (r *Rank) Run(ctx context.Context) error {
 			hb = subj.HeartbeatAll() // which groups can take blocks
 		}
 		r.peers.ownPrefix = strings.TrimSuffix(subj.HeartbeatGroup(r.cfg.Group), "*")
-		sub, err := bus.Subscribe(context.Background(), nc, hb, bus.Wrap(r.peers.onHeartbeat, r.log, r.cfg.HandlerMetrics, "worker_peer_heartbeat"))
+		sub, err := bus.Subscribe(bus.WithLogger(context.Background(), r.log), nc, hb, bus.Wrap(r.peers.onHeartbeat, r.log, r.cfg.HandlerMetrics, "worker_peer_heartbeat"))
 		if err != nil {
 			r.log.Warn("drain hand-off: cannot follow heartbeats; nothing will be handed off", "err", err)
 		} else {

@@ -404,7 +404,7 @@ func (r *Rank) subscribeResend(ctx context.Context, nc *nats.Conn) (*nats.Subscr
 			"The server's nats-auth.conf predates it: run `kvbus auth init DIR` again (it keeps the keys) and reload NATS", "err", err)
 		return nil, nil
 	}
-	sub, err := bus.Subscribe(context.Background(), nc, subject, bus.Wrap(r.onResend, r.log, r.cfg.HandlerMetrics, "worker_resend"))
+	sub, err := bus.Subscribe(bus.WithLogger(context.Background(), r.log), nc, subject, bus.Wrap(r.onResend, r.log, r.cfg.HandlerMetrics, "worker_resend"))
 	if err != nil {
 		return nil, fmt.Errorf("workers: subscribe %s: %w", subject, err)
 	}
