@@ -451,6 +451,20 @@ type SavePlan struct {
 	// ended since its last such plan (sent every 250 ms while it has
 	// peers): they are not to be adopted if it dies.
 	Ended []string `msgpack:"ended,omitempty" json:"ended,omitempty"`
+	// SessionKey (messages.SessionKey of the request's session id; empty
+	// without one or from an earlier kvbus), with Model, PromptBlocks,
+	// LastHash and Turn, is the session binding the dispatching replica
+	// recorded: where the session's latest turn ran, its full blocks and
+	// the last one's hash, its turn number. The bucket's watcher tells the
+	// other replicas later, after the answer may have come and the next
+	// turn been sent; the plan reaches them before that answer does, so
+	// the replica that places the next turn knows where the previous one
+	// is being saved.
+	SessionKey   string `msgpack:"session_key,omitempty" json:"session_key,omitempty"`
+	Model        string `msgpack:"model,omitempty" json:"model,omitempty"`
+	PromptBlocks int    `msgpack:"prompt_blocks,omitempty" json:"prompt_blocks,omitempty"`
+	LastHash     uint64 `msgpack:"last_hash,omitempty" json:"last_hash,omitempty"`
+	Turn         int    `msgpack:"turn,omitempty" json:"turn,omitempty"`
 }
 
 // AbortReasonTimeout begins the Reason of an Abort sent because the

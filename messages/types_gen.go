@@ -4293,8 +4293,8 @@ func (z *SamplingParams) Msgsize() (s int) {
 func (z *SavePlan) MarshalMsg(b []byte) (o []byte, err error) {
 	o = msgp.Require(b, z.Msgsize())
 	// check for omitted fields
-	zb0001Len := uint32(10)
-	var zb0001Mask uint16 /* 10 bits */
+	zb0001Len := uint32(15)
+	var zb0001Mask uint16 /* 15 bits */
 	_ = zb0001Mask
 	if z.Attempt == 0 {
 		zb0001Len--
@@ -4311,6 +4311,26 @@ func (z *SavePlan) MarshalMsg(b []byte) (o []byte, err error) {
 	if z.Ended == nil {
 		zb0001Len--
 		zb0001Mask |= 0x200
+	}
+	if z.SessionKey == "" {
+		zb0001Len--
+		zb0001Mask |= 0x400
+	}
+	if z.Model == "" {
+		zb0001Len--
+		zb0001Mask |= 0x800
+	}
+	if z.PromptBlocks == 0 {
+		zb0001Len--
+		zb0001Mask |= 0x1000
+	}
+	if z.LastHash == 0 {
+		zb0001Len--
+		zb0001Mask |= 0x2000
+	}
+	if z.Turn == 0 {
+		zb0001Len--
+		zb0001Mask |= 0x4000
 	}
 	// variable map header, size zb0001Len
 	o = append(o, 0x80|uint8(zb0001Len))
@@ -4361,6 +4381,31 @@ func (z *SavePlan) MarshalMsg(b []byte) (o []byte, err error) {
 			for za0001 := range z.Ended {
 				o = msgp.AppendString(o, z.Ended[za0001])
 			}
+		}
+		if (zb0001Mask & 0x400) == 0 { // if not omitted
+			// string "session_key"
+			o = append(o, 0xab, 0x73, 0x65, 0x73, 0x73, 0x69, 0x6f, 0x6e, 0x5f, 0x6b, 0x65, 0x79)
+			o = msgp.AppendString(o, z.SessionKey)
+		}
+		if (zb0001Mask & 0x800) == 0 { // if not omitted
+			// string "model"
+			o = append(o, 0xa5, 0x6d, 0x6f, 0x64, 0x65, 0x6c)
+			o = msgp.AppendString(o, z.Model)
+		}
+		if (zb0001Mask & 0x1000) == 0 { // if not omitted
+			// string "prompt_blocks"
+			o = append(o, 0xad, 0x70, 0x72, 0x6f, 0x6d, 0x70, 0x74, 0x5f, 0x62, 0x6c, 0x6f, 0x63, 0x6b, 0x73)
+			o = msgp.AppendInt(o, z.PromptBlocks)
+		}
+		if (zb0001Mask & 0x2000) == 0 { // if not omitted
+			// string "last_hash"
+			o = append(o, 0xa9, 0x6c, 0x61, 0x73, 0x74, 0x5f, 0x68, 0x61, 0x73, 0x68)
+			o = msgp.AppendUint64(o, z.LastHash)
+		}
+		if (zb0001Mask & 0x4000) == 0 { // if not omitted
+			// string "turn"
+			o = append(o, 0xa4, 0x74, 0x75, 0x72, 0x6e)
+			o = msgp.AppendInt(o, z.Turn)
 		}
 	}
 	return
@@ -4465,6 +4510,36 @@ func (z *SavePlan) UnmarshalMsg(bts []byte) (o []byte, err error) {
 					return
 				}
 			}
+		case "session_key":
+			z.SessionKey, bts, err = msgp.ReadStringBytes(bts)
+			if err != nil {
+				err = msgp.WrapError(err, "SessionKey")
+				return
+			}
+		case "model":
+			z.Model, bts, err = msgp.ReadStringBytes(bts)
+			if err != nil {
+				err = msgp.WrapError(err, "Model")
+				return
+			}
+		case "prompt_blocks":
+			z.PromptBlocks, bts, err = msgp.ReadIntBytes(bts)
+			if err != nil {
+				err = msgp.WrapError(err, "PromptBlocks")
+				return
+			}
+		case "last_hash":
+			z.LastHash, bts, err = msgp.ReadUint64Bytes(bts)
+			if err != nil {
+				err = msgp.WrapError(err, "LastHash")
+				return
+			}
+		case "turn":
+			z.Turn, bts, err = msgp.ReadIntBytes(bts)
+			if err != nil {
+				err = msgp.WrapError(err, "Turn")
+				return
+			}
 		default:
 			bts, err = msgp.Skip(bts)
 			if err != nil {
@@ -4483,6 +4558,7 @@ func (z *SavePlan) Msgsize() (s int) {
 	for za0001 := range z.Ended {
 		s += msgp.StringPrefixSize + len(z.Ended[za0001])
 	}
+	s += 12 + msgp.StringPrefixSize + len(z.SessionKey) + 6 + msgp.StringPrefixSize + len(z.Model) + 14 + msgp.IntSize + 10 + msgp.Uint64Size + 5 + msgp.IntSize
 	return
 }
 

@@ -414,6 +414,31 @@ func (s *SessionBindings) RecordModel(model, sessionID string, b Binding) {
 	}
 }
 
+// heard takes the binding of a session's turn of model that another
+// replica dispatched, from its save plan: this replica knows it at once,
+// as the dispatching one does, where the bucket's watcher tells it only
+// after the write (and the next turn, sent the moment the answer came, may
+// be here first). Nothing is written: the dispatching replica writes it. A
+// binding this replica knows of a later turn (or of a longer prompt of the
+// same turn) is kept.
+func (s *SessionBindings) heard(model, key string, b Binding) {
+	if key == "" || b.Group == "" {
+		return
+	}
+	b.UpdatedUnixMs = time.Now().UnixMilli()
+	b.Model = model
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	cur, known := s.local[key]
+	if !known && len(s.local) >= s.max {
+		return
+	}
+	if prev, ok := cur.of(model); known && ok && (prev.Turn > b.Turn || prev.Turn == b.Turn && prev.Blocks >= b.Blocks) {
+		return
+	}
+	s.local[key] = boundEntry{sessionEntry: cur.with(b), rev: cur.rev}
+}
+
 // refuse counts a turn of a new session left unbound for MaxSessions, and
 // says so at most once a minute.
 func (s *SessionBindings) refuse(key string) {

@@ -891,3 +891,70 @@ func TestNewReplicaWaitsForTheGroupsItHasNotSynced(t *testing.T) {
 		t.Error("a long-running replica held a request back for a group whose index is resyncing")
 	}
 }
+
+// TestPlaceKnowsAnotherReplicasPreviousTurnFromItsPlan: with two scheduler
+// replicas, a session's previous turn was dispatched by s0 to g0, which is
+// busy; the next turn reaches s1 before the session bucket's watcher tells
+// s1 of that turn (the answer comes in milliseconds, the binding's write
+// and its watch later). s1 learns the binding from s0's save plan, which
+// left s0 before the answer did: it places the turn on the idle g1 and
+// reads the previous turn's blocks from g0's save. Before, s1 knew only
+// the bucket's binding (none here; in a review with every role its own
+// process, two replicas and 60 conversations, the turn before's, on
+// another group), took g0 for an ordinary busy group that is no source of
+// what it saves, and 32-47 of 420 turns found only the turn before's
+// prefix (e.g. 160 of 256 tokens).
+func TestPlaceKnowsAnotherReplicasPreviousTurnFromItsPlan(t *testing.T) {
+	s0, nc0 := newBareScheduler(t)
+	s1, _ := newBareScheduler(t)
+	s1.cfg.ID = "s1"
+	for _, s := range []*Scheduler{s0, s1} {
+		js, err := jetstream.New(embeddedConn(t))
+		if err != nil {
+			t.Fatal(err)
+		}
+		// Not run: no write reaches the bucket, no watcher tells s1.
+		b, err := OpenSessionBindings(t.Context(), js, SessionBindingsConfig{Bucket: SessionBucket, TTL: time.Minute,
+			Logger: slog.New(slog.NewTextHandler(io.Discard, nil))})
+		if err != nil {
+			t.Fatal(err)
+		}
+		s.bindings.Store(b)
+	}
+	now := time.Now()
+	next := promptTracker("r4", 20) // the next turn: 20 blocks
+	prev := promptTracker("r4", 20) // the previous turn: its first 14
+	prev.ReqID, prev.TokenIDs, prev.TokenLen = "r4-prev", prev.TokenIDs[:14*16+1], 14*16+1
+	prev.BlockHashes = prev.BlockHashes[:14]
+	prev.Group, prev.LocalBlocks, prev.TurnDepth = "g0", 8, 1
+	for _, s := range []*Scheduler{s0, s1} {
+		holding(s, "g0", next.BlockHashes[:8]...)
+		holding(s, "g1", next.BlockHashes[:8]...)
+		heard(s, "g0", now, 40*16)
+		heard(s, "g1", now, 0)
+	}
+	plans, err := nc0.SubscribeSync(s0.cfg.Subjects.Plan(s0.cfg.ID))
+	if err != nil {
+		t.Fatal(err)
+	}
+	s0.publishPlan(prev)
+	m, err := plans.NextMsg(5 * time.Second)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := s1.onPlan(t.Context(), m); err != nil {
+		t.Fatal(err)
+	}
+	binding, bound := s1.bindings.Load().GetModel(next.Model, next.SessionID)
+	if !bound || binding.Group != "g0" || binding.Blocks != 14 || binding.Turn != 1 {
+		t.Errorf("s1's binding of the session = %+v (bound %v), want g0, 14 blocks, turn 1: s0's plan said so", binding, bound)
+	}
+	g, err := s1.place(next, s1.PlaceableGroups(now), binding, bound)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if g != "g1" || next.LoadBlocks != 14 {
+		t.Errorf("placed on %s loading %d blocks (remote %+v); want g1 loading 14: the previous turn's, 6 of them from g0's save",
+			g, next.LoadBlocks, next.Remote)
+	}
+}

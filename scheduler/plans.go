@@ -42,10 +42,20 @@ func (s *Scheduler) publishPlan(t *RequestTracker) {
 	}
 	saves := t.BlockHashes[min(t.LocalBlocks, end):end]
 	s.index.Plan(t.Group, saves, expires)
-	data, err := messages.Marshal(&messages.SavePlan{
+	plan := &messages.SavePlan{
 		SchedulerID: s.cfg.ID, ReqID: t.ReqID, Group: t.Group, Attempt: t.Attempt,
 		BlockHashes: saves, ExpiresUnixMs: expires.UnixMilli(), ExpiresInMs: s.cfg.PlanTTL.Milliseconds(), LogSeq: t.logSeq,
-	})
+	}
+	if t.SessionID != "" {
+		// The session's binding as this replica records it (see
+		// onRequest): the replica that places the next turn learns it
+		// here, before the answer that causes that turn.
+		plan.SessionKey, plan.Model, plan.Turn = messages.SessionKey(t.SessionID), t.Model, t.TurnDepth
+		if n := len(t.BlockHashes); n > 0 {
+			plan.PromptBlocks, plan.LastHash = n, t.BlockHashes[n-1]
+		}
+	}
+	data, err := messages.Marshal(plan)
 	if err == nil {
 		err = s.cfg.Conn.Publish(s.cfg.Subjects.Plan(s.cfg.ID), data)
 	}
@@ -89,6 +99,16 @@ func (s *Scheduler) onPlan(_ context.Context, m *nats.Msg) error {
 		expires = limit
 	}
 	s.index.Plan(p.Group, p.BlockHashes, expires)
+	if p.ReqID != "" && p.SessionKey != "" {
+		// Where the session's latest turn runs, before the bucket's watcher
+		// says so: the next turn may come first, and placed here without it
+		// (the group of the turn before credited, the previous turn's group
+		// busy and so no source of its save) it recomputed the previous
+		// turn's blocks.
+		if b := s.bindings.Load(); b != nil {
+			b.heard(p.Model, p.SessionKey, Binding{Group: p.Group, Blocks: p.PromptBlocks, LastHash: p.LastHash, Turn: p.Turn})
+		}
+	}
 	if p.ReqID != "" {
 		s.dispatched.Put(p.ReqID, dispatchRecord{group: p.Group, attempt: p.Attempt, scheduler: p.SchedulerID}, now)
 		s.peers.dispatched(p.SchedulerID, p.ReqID, p.LogSeq, now)
