@@ -199,6 +199,31 @@ type boundEntry struct {
 	// mine marks a decision of this replica not yet confirmed by the
 	// bucket.
 	mine bool
+	// heard marks a binding taken from another replica's save plan, not
+	// yet confirmed by the bucket.
+	heard bool
+}
+
+// fromBucket is the entry v, read from the bucket at rev, as this replica takes
+// it in place of cur: with cur's latest binding kept on top when that is a
+// decision not yet confirmed (this replica's, or another's heard from its
+// save plan) of a later turn of its model than v holds (see follows). A
+// write of an earlier turn (another replica's, or one of this replica's
+// own that met a conflict and was reread) came after a later turn was
+// recorded here; taken whole, it put the session back a turn until the
+// later turn's write came round, and a turn placed meanwhile credited the
+// turn before's group and recomputed the previous turn's blocks.
+func fromBucket(cur boundEntry, known bool, v sessionEntry, rev uint64) boundEntry {
+	if known && (cur.mine || cur.heard) && cur.Group != "" {
+		later := true
+		if sb, ok := v.of(cur.Model); ok && sb.Model == cur.Model {
+			_, later = cur.Binding.follows(sb)
+		}
+		if later {
+			return boundEntry{sessionEntry: v.with(cur.Binding), rev: rev, mine: cur.mine, heard: cur.heard}
+		}
+	}
+	return boundEntry{sessionEntry: v, rev: rev}
 }
 
 type bindingWrite struct {
@@ -353,11 +378,12 @@ func (s *SessionBindings) observe(e jetstream.KeyValueEntry, live bool) {
 		s.log.Warn("ignoring a malformed session binding", "key", e.Key(), "err", err)
 		return
 	}
-	if cur, ok := s.local[e.Key()]; ok && cur.rev >= e.Revision() {
+	cur, known := s.local[e.Key()]
+	if known && cur.rev >= e.Revision() {
 		return
 	}
 	v.onThisClock(now, live)
-	s.local[e.Key()] = boundEntry{sessionEntry: v, rev: e.Revision()}
+	s.local[e.Key()] = fromBucket(cur, known, v, e.Revision())
 }
 
 // GetModel returns the live binding of a session id for model: where the
@@ -436,7 +462,7 @@ func (s *SessionBindings) heard(model, key string, b Binding) {
 	if prev, ok := cur.of(model); known && ok && (prev.Turn > b.Turn || prev.Turn == b.Turn && prev.Blocks >= b.Blocks) {
 		return
 	}
-	s.local[key] = boundEntry{sessionEntry: cur.with(b), rev: cur.rev}
+	s.local[key] = boundEntry{sessionEntry: cur.with(b), rev: cur.rev, heard: true}
 }
 
 // refuse counts a turn of a new session left unbound for MaxSessions, and
@@ -469,10 +495,16 @@ func (s *SessionBindings) Unbound() int64 { return s.unbound.Load() }
 func (s *SessionBindings) write(ctx context.Context, wr bindingWrite) {
 	ctx, cancel := context.WithTimeout(ctx, 5*time.Second)
 	defer cancel()
+	var reread *boundEntry // what a conflict found stored
 	for attempt := 0; attempt < 2; attempt++ {
 		s.mu.RLock()
 		cur := s.local[wr.key]
 		s.mu.RUnlock()
+		if reread != nil {
+			// Compared with what is stored, whatever this replica holds
+			// meanwhile (a later turn kept over it, see fromBucket).
+			cur = *reread
+		}
 		if !cur.mine && cur.rev > 0 {
 			// Another replica's binding of this model's turn, not an older
 			// kvbus's this turn did not continue.
@@ -499,8 +531,8 @@ func (s *SessionBindings) write(ctx context.Context, wr bindingWrite) {
 			s.mu.Lock()
 			switch e := s.local[wr.key]; {
 			case e.rev >= rev: // the watcher already has this or a later write
-			case e.mine && e.UpdatedUnixMs > wr.b.UpdatedUnixMs: // a later Record is queued
-				s.local[wr.key] = boundEntry{sessionEntry: e.sessionEntry, rev: rev, mine: true}
+			case (e.mine || e.heard) && e.UpdatedUnixMs > wr.b.UpdatedUnixMs: // a later turn, recorded or heard, is not stored yet
+				s.local[wr.key] = boundEntry{sessionEntry: e.sessionEntry, rev: rev, mine: e.mine, heard: e.heard}
 			default:
 				s.local[wr.key] = boundEntry{sessionEntry: val, rev: rev}
 			}
@@ -518,8 +550,11 @@ func (s *SessionBindings) write(ctx context.Context, wr bindingWrite) {
 		var v sessionEntry
 		if gerr == nil && json.Unmarshal(e.Value(), &v) == nil {
 			v.onThisClock(time.Now().UnixMilli(), false)
-			s.local[wr.key] = boundEntry{sessionEntry: v, rev: e.Revision()}
+			reread = &boundEntry{sessionEntry: v, rev: e.Revision()}
+			cur, known := s.local[wr.key]
+			s.local[wr.key] = fromBucket(cur, known, v, e.Revision())
 		} else {
+			reread = &boundEntry{}
 			delete(s.local, wr.key)
 		}
 		s.mu.Unlock()

@@ -217,3 +217,92 @@ func TestDroppedBindingWritesArePruned(t *testing.T) {
 		t.Errorf("%d of %d bindings (%d of them dropped from the full queue) still held after their TTL", left, n, n-cap(b.writes))
 	}
 }
+
+// TestSessionBindingsKeepALaterTurnOverAnEarlierWrite: this replica placed
+// a session's turn 2 on g1 (or heard from another replica's save plan that
+// turn 3 went to g2) when its watcher delivers the bucket's write of an
+// earlier turn, made by another replica. The later turn stays this
+// replica's binding until its own write is stored; before, the earlier
+// write replaced it, and a next turn placed in between credited the turn
+// before's group (a review with two replicas, 4 groups of 4 worker
+// processes and 60 conversations: turns that found 384 of 480 due tokens,
+// the turn before's prefix).
+func TestSessionBindingsKeepALaterTurnOverAnEarlierWrite(t *testing.T) {
+	b, kv := openTestBindings(t)
+	const session = "later"
+	key := messages.SessionKey(session)
+	ctx := context.Background()
+	put := func(bd Binding) jetstream.KeyValueEntry {
+		bd.UpdatedUnixMs = time.Now().UnixMilli()
+		data, _ := json.Marshal(sessionEntry{Binding: bd, WrittenUnixMs: bd.UpdatedUnixMs})
+		e, err := kv.Get(ctx, key)
+		if err == nil {
+			_, err = kv.Update(ctx, key, data, e.Revision())
+		} else {
+			_, err = kv.Create(ctx, key, data)
+		}
+		if err != nil {
+			t.Fatal(err)
+		}
+		_, e = bucketBinding(t, kv, key)
+		return e
+	}
+	b.RecordModel("m", session, Binding{Group: "g1", Blocks: 14, LastHash: 14, Turn: 2})
+	wr := <-b.writes // queued behind others
+	b.observe(put(Binding{Model: "m", Group: "g0", Blocks: 8, LastHash: 8, Turn: 1}), true)
+	if got, _ := b.GetModel("m", session); got.Group != "g1" || got.Turn != 2 {
+		t.Errorf("after another replica's write of turn 1, the binding is %+v; want turn 2 on g1, recorded here", got)
+	}
+	b.write(ctx, wr)
+	if stored, _ := bucketBinding(t, kv, key); stored.Group != "g1" || stored.Turn != 2 {
+		t.Errorf("the bucket holds %+v; want turn 2 on g1", stored)
+	}
+
+	// Turn 3, heard from another replica's save plan, then the bucket's
+	// write of turn 2 by a third.
+	b.heard("m", key, Binding{Group: "g2", Blocks: 20, LastHash: 20, Turn: 3})
+	b.observe(put(Binding{Model: "m", Group: "g1", Blocks: 14, LastHash: 14, Turn: 2}), true)
+	if got, _ := b.GetModel("m", session); got.Group != "g2" || got.Turn != 3 {
+		t.Errorf("after the bucket's write of turn 2, the binding is %+v; want turn 3 on g2, heard from its plan", got)
+	}
+	// Its own write confirms it; a later write of another replica wins.
+	b.observe(put(Binding{Model: "m", Group: "g2", Blocks: 20, LastHash: 20, Turn: 3}), true)
+	b.observe(put(Binding{Model: "m", Group: "g3", Blocks: 26, LastHash: 26, Turn: 4}), true)
+	if got, _ := b.GetModel("m", session); got.Group != "g3" || got.Turn != 4 {
+		t.Errorf("after the bucket's write of turn 4, the binding is %+v; want turn 4 on g3", got)
+	}
+}
+
+// TestSessionBindingsWriteConflictKeepsALaterTurn: this replica recorded
+// turns 2 and 3 of a session, both writes queued, when another replica's
+// write of turn 1 is stored. The write of turn 2 meets it, rereads and
+// stores turn 2 after it; this replica holds turn 3 all along (before, the
+// reread put turn 1 in its place, and the stored turn 2 stayed until turn
+// 3's write ran: a next turn placed meanwhile credited turn 2's group).
+func TestSessionBindingsWriteConflictKeepsALaterTurn(t *testing.T) {
+	b, kv := openTestBindings(t)
+	const session = "conflict"
+	key := messages.SessionKey(session)
+	ctx := context.Background()
+	b.RecordModel("m", session, Binding{Group: "g1", Blocks: 14, LastHash: 14, Turn: 2})
+	wr2 := <-b.writes
+	time.Sleep(2 * time.Millisecond) // turn 3 is recorded later
+	b.RecordModel("m", session, Binding{Group: "g2", Blocks: 20, LastHash: 20, Turn: 3})
+	wr3 := <-b.writes
+	now := time.Now().UnixMilli()
+	data, _ := json.Marshal(sessionEntry{Binding: Binding{Model: "m", Group: "g0", Blocks: 8, LastHash: 8, Turn: 1, UpdatedUnixMs: now}, WrittenUnixMs: now})
+	if _, err := kv.Create(ctx, key, data); err != nil {
+		t.Fatal(err)
+	}
+	b.write(ctx, wr2)
+	if stored, _ := bucketBinding(t, kv, key); stored.Group != "g1" || stored.Turn != 2 {
+		t.Errorf("the bucket holds %+v; want turn 2 on g1", stored)
+	}
+	if got, _ := b.GetModel("m", session); got.Group != "g2" || got.Turn != 3 {
+		t.Errorf("after turn 2's write met turn 1, this replica holds %+v; want turn 3 on g2", got)
+	}
+	b.write(ctx, wr3)
+	if stored, _ := bucketBinding(t, kv, key); stored.Group != "g2" || stored.Turn != 3 {
+		t.Errorf("the bucket holds %+v; want turn 3 on g2", stored)
+	}
+}
