@@ -11,6 +11,7 @@ type Metrics struct {
 	loadSec   *prometheus.HistogramVec
 	storeSec  *prometheus.HistogramVec
 	usedBytes *prometheus.GaugeVec
+	capBytes  *prometheus.GaugeVec
 	evictIdle *prometheus.HistogramVec
 	queue     *prometheus.GaugeVec
 	// Pool reads, by source group, target group and tp_rank.
@@ -49,6 +50,9 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 		usedBytes: prometheus.NewGaugeVec(prometheus.GaugeOpts{
 			Name: "kvbus_worker_store_used_bytes", Help: "Bytes held by a rank's block store.",
 		}, l),
+		capBytes: prometheus.NewGaugeVec(prometheus.GaugeOpts{
+			Name: "kvbus_worker_store_capacity_bytes", Help: "Bytes a rank's block store may hold (--kv-capacity): kvbus_worker_store_used_bytes over it is how full the store is.",
+		}, l),
 		evictIdle: prometheus.NewHistogramVec(prometheus.HistogramOpts{
 			Name:    "kvbus_worker_store_block_idle_before_evict_seconds",
 			Help:    "How long a block evicted from a rank's store to make room had gone unused (vLLM's kv_block_idle_before_evict_seconds): when it is shorter than the time between a conversation's turns, --kv-capacity is too small for them to hit.",
@@ -78,7 +82,7 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 		}, append(l, "why")),
 	}
 	if reg != nil {
-		reg.MustRegister(m.reqMetas, m.dropped, m.blocks, m.loadSec, m.storeSec, m.usedBytes, m.evictIdle, m.queue,
+		reg.MustRegister(m.reqMetas, m.dropped, m.blocks, m.loadSec, m.storeSec, m.usedBytes, m.capBytes, m.evictIdle, m.queue,
 			m.remote, m.remoteBytes, m.remoteSec, m.handoff, m.handoffBytes, m.resent)
 	}
 	return m
@@ -93,7 +97,7 @@ type rankSeries struct {
 	poolAwaitedIntake, poolNotAwaited                               prometheus.Counter
 	resent, republished                                             prometheus.Counter
 	loadSec, storeSec, evictIdle                                    prometheus.Observer
-	usedBytes, queue                                                prometheus.Gauge
+	usedBytes, capBytes, queue                                      prometheus.Gauge
 }
 
 func (m *Metrics) forRank(group, rank string) rankSeries {
@@ -121,6 +125,7 @@ func (m *Metrics) forRank(group, rank string) rankSeries {
 		storeSec:       m.storeSec.WithLabelValues(group, rank),
 		evictIdle:      m.evictIdle.WithLabelValues(group, rank),
 		usedBytes:      m.usedBytes.WithLabelValues(group, rank),
+		capBytes:       m.capBytes.WithLabelValues(group, rank),
 		queue:          m.queue.WithLabelValues(group, rank),
 	}
 }

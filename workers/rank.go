@@ -212,6 +212,7 @@ func NewRank(cfg RankConfig) (*Rank, error) {
 	log = log.With("group", cfg.Group, "tp_rank", cfg.TPRank, "ep_rank", cfg.EPRank)
 	events := newEventLog(cfg.Conn, cfg.Subjects.KV(cfg.Group, cfg.TPRank), cfg.Group, cfg.TPRank, log)
 	series := cfg.Metrics.forRank(cfg.Group, strconv.Itoa(cfg.TPRank))
+	series.capBytes.Set(float64(cfg.CapacityBytes))
 	store, err := NewMemStore(MemStoreConfig{Capacity: cfg.CapacityBytes, Evict: cfg.Evict, OnEvict: events.evicted,
 		EvictIdle: func(idle time.Duration) { series.evictIdle.Observe(idle.Seconds()) }})
 	if err != nil {

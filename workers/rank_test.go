@@ -1908,3 +1908,24 @@ func TestDriverReportsAWholeAnswersPrefillAsSent(t *testing.T) {
 	})
 	env.resultsByRank("whole")
 }
+
+// TestStoreCapacityIsExported: how full a rank's store is takes its
+// capacity beside its used bytes. Only kvbus_worker_store_used_bytes was
+// exported, so the alert's "stores full" (used bytes at --kv-capacity) could
+// not be written in PromQL (a review, every role its own process).
+func TestStoreCapacityIsExported(t *testing.T) {
+	const capacity = 3 << 20
+	env := startRanks(t, rankEnvConfig{capacity: capacity})
+	env.sendMeta(newMeta("a", "s", testenv.PromptTokens(1, 4*blockSize+1)))
+	env.finalOutput("a")
+	env.resultsByRank("a")
+	for r := range worldSize {
+		rank := map[string]string{"group": testGroup, "tp_rank": fmt.Sprint(r)}
+		if got := testenv.GaugeSum(t, env.reg, "kvbus_worker_store_capacity_bytes", rank); got != capacity {
+			t.Errorf("rank %d: kvbus_worker_store_capacity_bytes = %v, want %d (--kv-capacity)", r, got, capacity)
+		}
+		if used := testenv.GaugeSum(t, env.reg, "kvbus_worker_store_used_bytes", rank); used <= 0 || used > capacity {
+			t.Errorf("rank %d: kvbus_worker_store_used_bytes = %v after storing 4 blocks, want within (0, %d]", r, used, capacity)
+		}
+	}
+}
