@@ -23,14 +23,43 @@ type groupTable struct {
 	// heardFrom is when this replica last reconnected to NATS: it heard
 	// no heartbeat while cut off, so a rank's silence counts from then.
 	heardFrom time.Time
+	// cutSince: the cut that ended at heardFrom began after it, at most a
+	// sweep interval after; a rank heard since was heard after the
+	// reconnect (or in the cut's last moments before it began).
+	cutSince time.Time
 }
 
-// reconnected says this replica was cut off from NATS until now: the
-// ranks' silence before says nothing about them.
-func (t *groupTable) reconnected(now time.Time) {
+// reconnected says this replica was cut off from NATS from at most since
+// until now: the ranks' silence before says nothing about them.
+func (t *groupTable) reconnected(now, since time.Time) {
 	t.mu.Lock()
-	t.heardFrom = now
+	t.heardFrom, t.cutSince = now, since
 	t.mu.Unlock()
+}
+
+// rejoining reports whether, within the heartbeat timeout of this
+// replica's last reconnect, a group has a rank not heard since the cut.
+// After a NATS restart every role reconnects on its own schedule (¼ s
+// apart, with jitter): a rank not back yet misses the ReqMetas published
+// meanwhile (core NATS), and though the driver answers and a resend
+// reaches the rank a second later, the rank did not register the
+// request's saves, so the next turn, sent the moment the answer came,
+// loaded none of those blocks there and recomputed them.
+func (t *groupTable) rejoining(now time.Time) bool {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	if t.heardFrom.IsZero() || now.Sub(t.heardFrom) >= t.timeout {
+		return false
+	}
+	for _, g := range t.order {
+		// A group alive when the cut began (a group dead before it is
+		// no reason to wait) with a rank not heard since.
+		oldest := g.status.oldestSeen
+		if g.worldSize > 0 && g.status.complete && !oldest.After(t.cutSince) && t.cutSince.Sub(oldest) <= t.timeout {
+			return true
+		}
+	}
+	return false
 }
 
 // reconnectedAt is when this replica last reconnected to NATS (zero:

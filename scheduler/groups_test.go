@@ -237,7 +237,7 @@ func TestGroupTableRestartsAndDuplicates(t *testing.T) {
 	if at := gt.restarts()["g0"][0].at; !at.Equal(t1) {
 		t.Errorf("after the older process's heartbeats: restart at %v, want still %v", at, t1)
 	}
-	gt.reconnected(t1.Add(time.Minute)) // cut off from NATS until then
+	gt.reconnected(t1.Add(time.Minute), t1) // cut off from NATS until then
 	beat(200, t1.Add(2*time.Minute))
 	if gap != time.Minute {
 		t.Errorf("gap %v a minute after this replica reconnected, want 1m0s (its outage is not the rank's)", gap)
@@ -310,7 +310,7 @@ func TestGroupTableStatusMatchesItsRanks(t *testing.T) {
 		case k < 99:
 			now = now.Add(time.Duration(rng.IntN(400)) * time.Millisecond)
 		default:
-			gt.reconnected(now)
+			gt.reconnected(now, now)
 		}
 		if want, got := walkReady(gt, now), gt.ready(now); !slices.Equal(got, want) {
 			t.Fatalf("step %d: ready = %+v, want %+v", step, got, want)

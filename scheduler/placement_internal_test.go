@@ -958,3 +958,83 @@ func TestPlaceKnowsAnotherReplicasPreviousTurnFromItsPlan(t *testing.T) {
 			g, next.LoadBlocks, next.Remote)
 	}
 }
+
+// TestRequestsWaitForTheRanksBackAfterAReconnect: after a NATS restart
+// every role reconnects on its own schedule (¼ s apart, with jitter). A
+// replica back before a group's ranks placed requests there at once: the
+// ranks not back yet missed the ReqMeta (core NATS), the driver answered,
+// and though a resend reached them a second later they had not registered
+// the request's saves, so the next turn, sent the moment the answer came,
+// loaded none of those blocks there (a review, every role its own process,
+// `kvbus nats` killed -9 and restarted under 16 streaming conversations:
+// g1's ranks 1 and 3 reconnected 80 and 180 ms after the scheduler, and a
+// conversation's turn 7 found 416 of 896 cached tokens). Within the
+// heartbeat timeout of its reconnect, a request now waits (within
+// UnsyncedWait) while a group has a rank not heard since the cut.
+func TestRequestsWaitForTheRanksBackAfterAReconnect(t *testing.T) {
+	s, _ := newBareScheduler(t)
+	// A timeout no pause of a loaded test host outlasts.
+	s.cfg.HeartbeatTimeout, s.groups.timeout = time.Minute, time.Minute
+	s.cfg.ForgetGroupAfter = time.Hour
+	b, _ := openTestBindings(t)
+	s.bindings.Store(b)
+	now := time.Now()
+	s.started = now.Add(-time.Hour) // a replica long running: no start-up wait
+	beat := func(rank int, at time.Time) {
+		s.groups.observe(&messages.Heartbeat{Group: "g0", TPRank: rank, WorldSize: 2, StartedUnixMs: 1}, at)
+	}
+	before := now.Add(-2 * time.Second)
+	for r := range 2 {
+		beat(r, before)
+		s.index.ObserveRank("g0", r, 2, 1)
+		s.index.ApplyDump("g0", r, kvDump("g0", r, 1))
+	}
+	// g1 died before the cut, and is not forgotten yet: no reason to wait.
+	s.groups.observe(&messages.Heartbeat{Group: "g1", TPRank: 0, WorldSize: 1, StartedUnixMs: 1}, now.Add(-3*time.Minute))
+	// The last sweep before the cut, then the sweep that finds the
+	// connection reconnected (the count it compares with was from before).
+	s.sweep(t.Context(), before.Add(250*time.Millisecond))
+	s.reconnects = s.cfg.Conn.Stats().Reconnects + 1
+	s.sweep(t.Context(), now.Add(-time.Second))
+	if len(s.index.placeable(s.groups.ready(time.Now()))) != 1 {
+		t.Fatal("g0 is not placeable after the reconnect: the fault did not take effect")
+	}
+	beat(0, time.Now()) // the driver is back; rank 1 not yet
+	m := requestMsg(t, "r1")
+	if err := s.onRequest(context.Background(), m); err != nil {
+		t.Fatal(err)
+	}
+	if m.acked {
+		t.Fatal("placed on g0 while its rank 1 was not heard since this replica's reconnect: want it to wait for the rank")
+	}
+	beat(1, time.Now())
+	if err := s.onRequest(context.Background(), m); err != nil {
+		t.Fatal(err)
+	}
+	if !m.acked {
+		t.Fatal("not placed once every rank of g0 was heard again (g1, dead before the cut, held it?)")
+	}
+	// A rank that stays away holds no request past UnsyncedWait: its
+	// retries are counted in its deliveries.
+	s.sweep(t.Context(), time.Now())
+	s.reconnects = s.cfg.Conn.Stats().Reconnects + 1
+	s.sweep(t.Context(), time.Now())
+	beat(0, time.Now())
+	late := &manyDeliveriesMsg{ackMsg: requestMsg(t, "r2"), n: uint64(s.cfg.UnsyncedWait/noGroupRetry) + 1}
+	if err := s.onRequest(context.Background(), late); err != nil {
+		t.Fatal(err)
+	}
+	if !late.acked {
+		t.Error("a request that waited UnsyncedWait for a rank not back is still held")
+	}
+}
+
+// manyDeliveriesMsg is a request delivered n times.
+type manyDeliveriesMsg struct {
+	*ackMsg
+	n uint64
+}
+
+func (m *manyDeliveriesMsg) Metadata() (*jetstream.MsgMetadata, error) {
+	return &jetstream.MsgMetadata{NumDelivered: m.n, Timestamp: time.Now()}, nil
+}

@@ -190,6 +190,11 @@ type Scheduler struct {
 	// the server answered nothing for busQuietAfter.
 	selfHeard atomic.Int64
 	quiet     bool
+	// cutSince is the time of the sweep before the one that last saw this
+	// replica cut off (sweep's own; zero: connected at the last sweep):
+	// the cut began after it, at most a sweep interval (250 ms) after.
+	cutSince  time.Time
+	lastSweep time.Time
 	// unheardUntil is when the server last answered again after this
 	// replica went unheard for more than half the heartbeat timeout
 	// (watchBus; unix ns): the others may have adopted the requests it

@@ -103,7 +103,12 @@ func (s *Scheduler) sweep(ctx context.Context, now time.Time) {
 	// silence is its own. It judges no group until it is back, and gives
 	// every rank a heartbeat timeout from then (it withdrew every request
 	// in flight as group_failed while the workers finished them).
+	prevSweep := s.lastSweep
+	s.lastSweep = now
 	if !s.cfg.Conn.IsConnected() {
+		if s.cutSince.IsZero() {
+			s.cutSince = prevSweep
+		}
 		return
 	}
 	// A server that stalls (stopped, starved, a VM paused) keeps the
@@ -113,6 +118,7 @@ func (s *Scheduler) sweep(ctx context.Context, now time.Time) {
 	// every rank and peer gets a heartbeat timeout from then.
 	if heard := s.selfHeard.Load(); heard != 0 && now.Sub(time.Unix(0, heard)) > busQuietAfter {
 		if !s.quiet {
+			s.cutSince = prevSweep
 			s.log.Warn("the NATS server answers no ping (stalled?): judging no worker group or replica until it does",
 				"silent_for", now.Sub(time.Unix(0, heard)).Round(time.Millisecond))
 		}
@@ -125,7 +131,13 @@ func (s *Scheduler) sweep(ctx context.Context, now time.Time) {
 			what = "the NATS server answers again"
 		}
 		s.reconnects, s.quiet = n, false
-		s.groups.reconnected(now)
+		// A cut that no sweep saw began after the last one.
+		since := s.cutSince
+		if since.IsZero() {
+			since = prevSweep
+		}
+		s.cutSince = time.Time{}
+		s.groups.reconnected(now, since)
 		s.peers.reconnected(now)
 		s.trackers.reconnected(now)
 		s.log.Info(what+"; worker groups get a heartbeat timeout from now before any is judged failed",
