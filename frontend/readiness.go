@@ -67,6 +67,14 @@ func (t *schedulerTable) listen(now time.Time) {
 // timeout (a partition, its NIC) refused every request of the second after
 // its reconnect 503 no_ready_scheduler, "start one", while both
 // schedulers were ready (33 requests in a review's compose cluster).
+// An announcement still fresh at the reconnect changes nothing of that:
+// heard before the cut, it goes stale within the timeout, perhaps before
+// the next is heard (the schedulers reconnect on their own schedule, and
+// what they announced meanwhile went to a server the frontend was not on),
+// and the requests of that moment were refused 503 "no scheduler announced
+// itself within 3s: start one" while both schedulers were ready (a review:
+// `kvbus nats` killed -9 and restarted, 2 requests 0.3 s after a
+// frontend's reconnect, 1.8 s after the cut began).
 // Calls after the first for the same n do nothing.
 func (t *schedulerTable) reconnected(n uint64, now time.Time) {
 	t.mu.Lock()
@@ -75,9 +83,6 @@ func (t *schedulerTable) reconnected(n uint64, now time.Time) {
 		return
 	}
 	t.reconnects = n
-	if t.readyLocked(now) {
-		return
-	}
 	t.since, t.rejoined = now, now
 	if t.readyHeard != nil {
 		select {

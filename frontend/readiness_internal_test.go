@@ -81,3 +81,40 @@ func TestAwaitReadyAgainSeesAReadyAnnouncementAlreadyIn(t *testing.T) {
 		t.Fatalf("awaitReadyAgain with a scheduler ready: %v after %s, want true at once", ok, time.Since(start))
 	}
 }
+
+// TestShortCutWaitsForTheNextAnnouncement: a frontend cut off from NATS for
+// less than the timeout (a NATS restart: 1.8 s in a review) comes back with
+// the schedulers' last announcements still fresh; they go stale moments
+// later, before the schedulers' next ones are heard (each role reconnects
+// on its own schedule). The requests of that moment got 503
+// no_ready_scheduler at once, "no scheduler announced itself within 3s:
+// start one", while both schedulers were ready (2 in the review, 0.3 s
+// after the frontend's reconnect). As after a longer cut, they now wait up
+// to firstAnnouncementWait from the reconnect for the next announcement.
+func TestShortCutWaitsForTheNextAnnouncement(t *testing.T) {
+	var tab schedulerTable
+	tab.timeout = 3 * time.Second
+	now := time.Now()
+	tab.listen(now.Add(-time.Minute))
+	// The last announcement before the cut, 2.8 s before the reconnect.
+	tab.observe(&messages.Announcement{Role: messages.RoleScheduler, ID: "s0", Ready: true}, now.Add(-2800*time.Millisecond))
+	tab.reconnected(1, now)
+	if ok, why := tab.ready(now); !ok {
+		t.Fatalf("at the reconnect, with the announcement still fresh: %q", why)
+	}
+	// 0.3 s after the reconnect it is stale, and no new one was heard yet.
+	stale := now.Add(300 * time.Millisecond)
+	if ok, why := tab.ready(stale); ok || strings.Contains(why, "start one") || !strings.Contains(why, "since this frontend reconnected") {
+		t.Errorf("0.3 s after the reconnect: %v %q, want that none was heard yet since the reconnect", ok, why)
+	}
+	// A request then waits for the next announcement, which comes 0.2 s
+	// after it began to wait.
+	go func() {
+		time.Sleep(200 * time.Millisecond)
+		tab.observe(&messages.Announcement{Role: messages.RoleScheduler, ID: "s0", Ready: true}, time.Now())
+	}()
+	tab.awaitFirstReady(t.Context(), time.Now())
+	if ok, why := tab.ready(time.Now()); !ok {
+		t.Errorf("after awaiting the next announcement: %q; want it heard (the wait returned at once)", why)
+	}
+}
