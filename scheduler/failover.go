@@ -143,7 +143,7 @@ func (s *Scheduler) resend(now time.Time) {
 	for _, r := range s.trackers.silent(now, s.cfg.ResendAfter) {
 		s.m.resends.Inc()
 		s.log.Warn("a rank has not answered: ReqMeta published again", "req_id", r.reqID, "session_id", r.sessionID,
-			"group", r.group, "attempt", r.attempt)
+			"group", r.group, "attempt", r.attempt, "silent_tp_ranks", r.silent)
 		if err := s.cfg.Conn.Publish(r.subject, r.data); err != nil {
 			s.log.Error("cannot publish ReqMeta again", "req_id", r.reqID, "session_id", r.sessionID, "err", err)
 		}

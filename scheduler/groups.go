@@ -1,6 +1,7 @@
 package scheduler
 
 import (
+	"fmt"
 	"math"
 	"slices"
 	"strings"
@@ -347,6 +348,43 @@ func (t *groupTable) ready(now time.Time) []GroupState {
 		}
 	}
 	return out
+}
+
+// notReadyWhy says in words why group is not ready at now: its ranks not
+// heard within the timeout (and for how long), missing, failing their
+// health check or draining, or serving different models; planned when it
+// is only draining (a scale-down, a rolling restart).
+func (t *groupTable) notReadyWhy(group string, now time.Time) (why string, planned bool) {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	g := t.groups[group]
+	if g == nil {
+		return "not heard of", false
+	}
+	var reasons []string
+	drains := 0
+	for r := range g.worldSize {
+		ri, ok := g.ranks[r]
+		switch {
+		case !ok:
+			reasons = append(reasons, fmt.Sprintf("tp_rank %d not heard from", r))
+		case !t.heardLocked(ri.seen, now):
+			reasons = append(reasons, fmt.Sprintf("tp_rank %d silent for %s (heartbeat timeout %s)", r,
+				now.Sub(ri.seen).Round(100*time.Millisecond), t.timeout))
+		case ri.notReady:
+			reasons = append(reasons, fmt.Sprintf("tp_rank %d says its engine is not ready", r))
+		case ri.draining:
+			reasons = append(reasons, fmt.Sprintf("tp_rank %d draining", r))
+			drains++
+		}
+	}
+	if g.status.mixed {
+		reasons = append(reasons, "its ranks serve different models")
+	}
+	if len(reasons) == 0 {
+		return "its ranks were not all heard within the heartbeat timeout", false
+	}
+	return strings.Join(reasons, "; "), drains == len(reasons)
 }
 
 // forming reports whether a group was heard from within the timeout but

@@ -195,6 +195,9 @@ type Scheduler struct {
 	// the cut began after it, at most a sweep interval (250 ms) after.
 	cutSince  time.Time
 	lastSweep time.Time
+	// wasReady are the groups ready at the last sweep that judged them
+	// (sweep's own), so that a group's change is logged once.
+	wasReady map[string]bool
 	// unheardUntil is when the server last answered again after this
 	// replica went unheard for more than half the heartbeat timeout
 	// (watchBus; unix ns): the others may have adopted the requests it

@@ -143,6 +143,7 @@ func (s *Scheduler) sweep(ctx context.Context, now time.Time) {
 		s.log.Info(what+"; worker groups get a heartbeat timeout from now before any is judged failed",
 			"heartbeat_timeout", s.cfg.HeartbeatTimeout)
 	}
+	s.logReadyChanges(ready, now)
 	// Connected only, and counting from the last reconnect: after a cut
 	// longer than ForgetGroupAfter every group was forgotten, its index
 	// wiped, and its requests streaming fine ended group_failed.
@@ -202,4 +203,31 @@ func (s *Scheduler) forgetGroups(now time.Time) {
 		delete(s.groupModels, name)
 		s.log.Info("forgot a group not heard of", "group", name, "after", s.cfg.ForgetGroupAfter)
 	}
+}
+
+// logReadyChanges logs each group that became ready since the last sweep,
+// and each that stopped being ready, naming the ranks that made it so. A
+// rank killed under load showed only "a rank has not answered" for each
+// request and "worker group failed, or a rank restarted", naming neither
+// the rank nor that its group took no more requests.
+func (s *Scheduler) logReadyChanges(ready []GroupState, now time.Time) {
+	is := make(map[string]bool, len(ready))
+	for _, g := range ready {
+		is[g.Name] = true
+		if !s.wasReady[g.Name] {
+			s.log.Info("worker group ready", "group", g.Name, "world_size", g.WorldSize, "model", g.Model)
+		}
+	}
+	for name := range s.wasReady {
+		if is[name] {
+			continue
+		}
+		why, planned := s.groups.notReadyWhy(name, now)
+		log := s.log.Warn
+		if planned {
+			log = s.log.Info
+		}
+		log("worker group not ready: it takes no new requests", "group", name, "why", why)
+	}
+	s.wasReady = is
 }

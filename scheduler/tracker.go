@@ -303,6 +303,9 @@ type resendItem struct {
 	subject, reqID, sessionID, group string
 	attempt                          int
 	data                             []byte
+	// silent are the tp_ranks that sent neither a receipt nor a result
+	// (none after a reconnect: then a result is what is waited for).
+	silent []int
 }
 
 // silent returns the ReqMetas to publish again: of trackers whose ranks
@@ -323,7 +326,13 @@ func (tt *trackerTable) silent(now time.Time, after time.Duration) []resendItem 
 		}
 		t.Resends++
 		t.Dispatched = now
-		out = append(out, resendItem{t.metaSubj, t.ReqID, t.SessionID, t.Group, t.Attempt, t.metaData})
+		var silent []int
+		for r := range t.WorldSize {
+			if _, ok := t.Heard[r]; !ok {
+				silent = append(silent, r)
+			}
+		}
+		out = append(out, resendItem{t.metaSubj, t.ReqID, t.SessionID, t.Group, t.Attempt, t.metaData, silent})
 	}
 	return out
 }
