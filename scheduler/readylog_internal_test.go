@@ -96,3 +96,37 @@ func TestGroupNotReadyIsLoggedNamingTheRank(t *testing.T) {
 		t.Errorf("resend: want the silent rank named; logged:\n%s", got)
 	}
 }
+
+// TestNoNotReadyLineAfterACutLongerThanTheTimeout: a replica cut off from
+// NATS (a `kvbus nats` restart, a partition) for longer than the heartbeat
+// timeout judges no group meanwhile and gives every rank a heartbeat
+// timeout from its reconnect. Its sweep that found the reconnect judged
+// the groups' readiness before that, on their silence during the cut: it
+// logged every group "worker group not ready" (a warning) and, a sweep
+// later, "worker group ready" again, though none was ever judged failed.
+func TestNoNotReadyLineAfterACutLongerThanTheTimeout(t *testing.T) {
+	s, _ := newBareScheduler(t)
+	var logs lockedLog
+	s.log = slog.New(slog.NewTextHandler(&logs, nil))
+	beat := func(g string, rank int, at time.Time) {
+		s.groups.observe(&messages.Heartbeat{Group: g, TPRank: rank, WorldSize: 2, StartedUnixMs: 1, Model: "m"}, at)
+	}
+	now := time.Now()
+	for _, g := range []string{"g0", "g1"} {
+		beat(g, 0, now)
+		beat(g, 1, now)
+	}
+	s.sweep(t.Context(), now)
+	if got := logs.take(); strings.Count(got, `msg="worker group ready"`) != 2 {
+		t.Fatalf("g0 and g1 heard in full: want two ready lines; logged:\n%s", got)
+	}
+	// Cut off for twice the heartbeat timeout; the sweep after finds the
+	// connection reconnected (the count it compares with was from before).
+	back := now.Add(2 * s.cfg.HeartbeatTimeout)
+	s.reconnects = s.cfg.Conn.Stats().Reconnects + 1
+	s.sweep(t.Context(), back)
+	s.sweep(t.Context(), back.Add(250*time.Millisecond))
+	if got := logs.take(); strings.Contains(got, `msg="worker group `) {
+		t.Errorf("a cut the replica judged no group over: want no readiness line; logged:\n%s", got)
+	}
+}

@@ -140,6 +140,11 @@ func (s *Scheduler) sweep(ctx context.Context, now time.Time) {
 		s.groups.reconnected(now, since)
 		s.peers.reconnected(now)
 		s.trackers.reconnected(now)
+		// Judged above on the ranks' silence during the cut, which says
+		// nothing of them: after a cut longer than the heartbeat timeout
+		// every group was logged "not ready", and "ready" a sweep later.
+		ready = s.groups.ready(now)
+		s.m.ready.Set(float64(len(ready)))
 		s.log.Info(what+"; worker groups get a heartbeat timeout from now before any is judged failed",
 			"heartbeat_timeout", s.cfg.HeartbeatTimeout)
 	}
