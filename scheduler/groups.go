@@ -39,20 +39,26 @@ func (t *groupTable) reconnected(now, since time.Time) {
 }
 
 // rejoining reports whether, within the heartbeat timeout of this
-// replica's last reconnect, a group has a rank not heard since the cut.
+// replica's last reconnect, one of groups (a request's candidates: a
+// rank of a group it cannot go to, another model's, is no reason for it
+// to wait) has a rank not heard since the cut.
 // After a NATS restart every role reconnects on its own schedule (¼ s
 // apart, with jitter): a rank not back yet misses the ReqMetas published
 // meanwhile (core NATS), and though the driver answers and a resend
 // reaches the rank a second later, the rank did not register the
 // request's saves, so the next turn, sent the moment the answer came,
 // loaded none of those blocks there and recomputed them.
-func (t *groupTable) rejoining(now time.Time) bool {
+func (t *groupTable) rejoining(now time.Time, groups []GroupState) bool {
 	t.mu.Lock()
 	defer t.mu.Unlock()
 	if t.heardFrom.IsZero() || now.Sub(t.heardFrom) >= t.timeout {
 		return false
 	}
-	for _, g := range t.order {
+	for _, c := range groups {
+		g := t.groups[c.Name]
+		if g == nil {
+			continue
+		}
 		// A group alive when the cut began (a group dead before it is
 		// no reason to wait) with a rank not heard since.
 		oldest := g.status.oldestSeen

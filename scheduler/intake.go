@@ -92,7 +92,7 @@ func (s *Scheduler) onRequest(ctx context.Context, m jetstream.Msg) error {
 		// or not synced yet, holds would go elsewhere and load nothing.
 		return m.NakWithDelay(noGroupRetry)
 	}
-	if len(groups) > 0 && retried < s.cfg.UnsyncedWait && s.groups.rejoining(start) {
+	if len(groups) > 0 && retried < s.cfg.UnsyncedWait && s.groups.rejoining(start, groups) {
 		// Just back from a cut (a NATS restart): a group's rank not heard
 		// since may not be back yet, and would miss this ReqMeta and the
 		// saves it asks for (see rejoining). A rank's first heartbeat

@@ -1038,3 +1038,60 @@ type manyDeliveriesMsg struct {
 func (m *manyDeliveriesMsg) Metadata() (*jetstream.MsgMetadata, error) {
 	return &jetstream.MsgMetadata{NumDelivered: m.n, Timestamp: time.Now()}, nil
 }
+
+// TestAReconnectHoldsNoRequestForAnotherModelsRank: after a reconnect a
+// request waits for the ranks not heard since the cut of the groups it
+// may go to. A rank of a group of another model (one that died during the
+// cut, or is slow back) held every request of every model, each up to
+// UnsyncedWait, for the heartbeat timeout after the reconnect: a request
+// of model m never goes to model other's ranks.
+func TestAReconnectHoldsNoRequestForAnotherModelsRank(t *testing.T) {
+	s, _ := newBareScheduler(t)
+	s.cfg.HeartbeatTimeout, s.groups.timeout = time.Minute, time.Minute
+	s.cfg.ForgetGroupAfter = time.Hour
+	b, _ := openTestBindings(t)
+	s.bindings.Store(b)
+	now := time.Now()
+	s.started = now.Add(-time.Hour)
+	beat := func(g, model string, rank int, at time.Time) {
+		s.groups.observe(&messages.Heartbeat{Group: g, TPRank: rank, WorldSize: 2, StartedUnixMs: 1, Model: model}, at)
+	}
+	before := now.Add(-2 * time.Second)
+	for _, g := range []struct{ name, model string }{{"g0", "m"}, {"g1", "other"}} {
+		for r := range 2 {
+			beat(g.name, g.model, r, before)
+			s.index.ObserveRank(g.name, r, 2, 1)
+			s.index.ApplyDump(g.name, r, kvDump(g.name, r, 1))
+		}
+	}
+	s.sweep(t.Context(), before.Add(250*time.Millisecond))
+	s.reconnects = s.cfg.Conn.Stats().Reconnects + 1
+	s.sweep(t.Context(), now.Add(-time.Second))
+	// g0 (model m) is back in full; g1 (model other) has rank 1 still away.
+	at := time.Now()
+	beat("g0", "m", 0, at)
+	beat("g0", "m", 1, at)
+	beat("g1", "other", 0, at)
+	m := requestMsg(t, "r1") // model m
+	if err := s.onRequest(context.Background(), m); err != nil {
+		t.Fatal(err)
+	}
+	if !m.acked {
+		t.Error("a request of model m held for a rank of model other's group not back since the reconnect")
+	}
+	// A rank of its own model's group still holds it.
+	beat("g0", "m", 0, time.Now())
+	s.sweep(t.Context(), time.Now())
+	s.reconnects = s.cfg.Conn.Stats().Reconnects + 1
+	s.sweep(t.Context(), time.Now())
+	beat("g0", "m", 0, time.Now())
+	beat("g1", "other", 0, time.Now())
+	beat("g1", "other", 1, time.Now())
+	m2 := requestMsg(t, "r2")
+	if err := s.onRequest(context.Background(), m2); err != nil {
+		t.Fatal(err)
+	}
+	if m2.acked {
+		t.Error("placed while g0's rank 1 was not heard since the reconnect")
+	}
+}
