@@ -241,21 +241,30 @@ func configOf(dir string, s messages.Subjects) (file, bool, error) {
 	}
 	conf := files[len(files)-1]
 	old, err := os.ReadFile(filepath.Join(dir, ConfigFile))
-	return conf, err == nil && slices.Equal(usersOf(old), usersOf(conf.data)), nil
+	if err != nil {
+		return conf, false, nil
+	}
+	oldHead, oldUsers, ok := usersOf(old)
+	head, users, _ := usersOf(conf.data)
+	return conf, ok && oldHead == head && slices.Equal(oldUsers, users), nil
 }
 
-// usersOf returns the users of a ConfigFile's text, each as written,
-// sorted: their order gives no permission (Init writes them in the roles'
-// order, a rewrite in the order of the seed files' names).
-func usersOf(text []byte) []string {
+// usersOf returns what a ConfigFile's text has before its first user (the
+// comments, the authorization block's opening: compared too, or a user
+// inserted at the top of the list, which NATS lets in, went unseen), and
+// its users, each as written, sorted: their order gives no permission
+// (Init writes them in the roles' order, a rewrite in the order of the
+// seed files' names). ok is false for a text not of that form.
+func usersOf(text []byte) (head string, users []string, ok bool) {
 	body, ok := bytes.CutSuffix(text, []byte("  ]\n}\n"))
 	if !ok {
-		return nil
+		return "", nil, false
 	}
-	users := strings.Split(string(body), "\n    # ")[1:]
+	parts := strings.Split(string(body), "\n    # ")
+	head, users = parts[0], parts[1:]
 	for i, u := range users {
 		users[i] = strings.TrimSuffix(u, "\n") // the last one's
 	}
 	slices.Sort(users)
-	return users
+	return head, users, true
 }

@@ -750,3 +750,34 @@ func TestInitAgainRewritesNothing(t *testing.T) {
 		t.Errorf("RewriteConfig of an edited config: changed %v, %v; want it rewritten", changed, err)
 	}
 }
+
+// TestConfigWithAUserAddedFirstIsNotCurrent: a config's users are compared
+// whatever their order, but the text before the first of them was not
+// compared at all: a user inserted at the top of the list (no "# role"
+// line above it, as a hand edit adds one), which nats-server and `kvbus
+// nats` both let in, left the config "current": `kvbus auth init` rewrote
+// nothing and `kvbus auth show` said nothing.
+func TestConfigWithAUserAddedFirstIsNotCurrent(t *testing.T) {
+	dir := t.TempDir()
+	if _, err := auth.Init(dir, messages.Subjects{}, []string{"g1"}, false); err != nil {
+		t.Fatal(err)
+	}
+	conf := filepath.Join(dir, auth.ConfigFile)
+	before, _ := os.ReadFile(conf)
+	edited := bytes.Replace(before, []byte("  users = [\n"), []byte("  users = [\n    { user: \"ops\", password: \"x\" }\n"), 1)
+	if bytes.Equal(edited, before) {
+		t.Fatal("no users list in the config")
+	}
+	if err := os.WriteFile(conf, edited, 0o644); err != nil {
+		t.Fatal(err)
+	}
+	if current, err := auth.ConfigIsCurrent(dir, messages.Subjects{}); err != nil || current {
+		t.Errorf("ConfigIsCurrent of a config with a user added first = %v, %v; want false", current, err)
+	}
+	if changed, err := auth.RewriteConfig(dir, messages.Subjects{}); err != nil || !changed {
+		t.Errorf("RewriteConfig of a config with a user added first: changed %v, %v; want it rewritten", changed, err)
+	}
+	if after, _ := os.ReadFile(conf); bytes.Contains(after, []byte(`"ops"`)) {
+		t.Errorf("after the rewrite the config still lets ops in:\n%s", after)
+	}
+}
