@@ -130,3 +130,26 @@ func TestNoNotReadyLineAfterACutLongerThanTheTimeout(t *testing.T) {
 		t.Errorf("a cut the replica judged no group over: want no readiness line; logged:\n%s", got)
 	}
 }
+
+// TestResendAfterAReconnectNamesTheRanksWithoutAResult: after a NATS
+// restart a request's ranks had all sent their receipts before the cut, so
+// its resend, for the results not come since, named no rank: a review
+// with every role its own process, a group's rank 1 killed -9 during the
+// cut, logged "a rank has not answered: ReqMeta published again" with
+// silent_tp_ranks=[]. It now names the ranks whose result has not come.
+func TestResendAfterAReconnectNamesTheRanksWithoutAResult(t *testing.T) {
+	s, _ := newBareScheduler(t)
+	var logs lockedLog
+	s.log = slog.New(slog.NewTextHandler(&logs, nil))
+	tr := promptTracker("r1", 2)
+	tr.Group, tr.WorldSize, tr.Dispatched = "g0", 2, time.Now().Add(-time.Minute)
+	tr.metaSubj, tr.metaData = "kvbus.meta.g0", []byte{0}
+	tr.Heard = map[int]int64{0: 1, 1: 1}
+	tr.Results = map[int]*messages.RankResult{0: {}}
+	s.trackers.add(tr)
+	s.trackers.reconnected(time.Now().Add(-time.Minute))
+	s.resend(time.Now())
+	if got := logs.take(); !strings.Contains(got, "silent_tp_ranks=[1]") {
+		t.Errorf("resend after a reconnect, rank 1's result not come: want it named; logged:\n%s", got)
+	}
+}

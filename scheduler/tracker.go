@@ -303,8 +303,9 @@ type resendItem struct {
 	subject, reqID, sessionID, group string
 	attempt                          int
 	data                             []byte
-	// silent are the tp_ranks that sent neither a receipt nor a result
-	// (none after a reconnect: then a result is what is waited for).
+	// silent are the tp_ranks that sent neither a receipt nor a result,
+	// or, when all sent a receipt (a resend after a reconnect), those
+	// whose result has not come.
 	silent []int
 }
 
@@ -330,6 +331,15 @@ func (tt *trackerTable) silent(now time.Time, after time.Duration) []resendItem 
 		for r := range t.WorldSize {
 			if _, ok := t.Heard[r]; !ok {
 				silent = append(silent, r)
+			}
+		}
+		if len(silent) == 0 {
+			// Every rank sent its receipt (before a reconnect): the
+			// silent ones are those whose result has not come.
+			for r := range t.WorldSize {
+				if _, ok := t.Results[r]; !ok {
+					silent = append(silent, r)
+				}
 			}
 		}
 		out = append(out, resendItem{t.metaSubj, t.ReqID, t.SessionID, t.Group, t.Attempt, t.metaData, silent})
