@@ -1,36 +1,14 @@
 package scheduler
 
 import (
-	"bytes"
 	"log/slog"
 	"strings"
-	"sync"
 	"testing"
 	"time"
 
+	"github.com/kvbus/kvbus/internal/logbuf"
 	"github.com/kvbus/kvbus/messages"
 )
-
-// lockedLog is a log sink safe for the scheduler's goroutines.
-type lockedLog struct {
-	mu  sync.Mutex
-	buf bytes.Buffer
-}
-
-func (l *lockedLog) Write(p []byte) (int, error) {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return l.buf.Write(p)
-}
-
-// take returns what was logged since the last take.
-func (l *lockedLog) take() string {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	out := l.buf.String()
-	l.buf.Reset()
-	return out
-}
 
 // TestGroupNotReadyIsLoggedNamingTheRank: a rank killed -9 under load (a
 // review, every role its own process) made its group unready; the
@@ -42,7 +20,7 @@ func (l *lockedLog) take() string {
 // names the ranks that did not answer.
 func TestGroupNotReadyIsLoggedNamingTheRank(t *testing.T) {
 	s, _ := newBareScheduler(t)
-	var logs lockedLog
+	var logs logbuf.Buffer
 	s.log = slog.New(slog.NewTextHandler(&logs, nil))
 	beat := func(rank int, at time.Time) {
 		s.groups.observe(&messages.Heartbeat{Group: "g0", TPRank: rank, WorldSize: 2, StartedUnixMs: 1, Model: "m"}, at)
@@ -51,37 +29,37 @@ func TestGroupNotReadyIsLoggedNamingTheRank(t *testing.T) {
 	beat(0, now)
 	beat(1, now)
 	s.sweep(t.Context(), now)
-	if got := logs.take(); !strings.Contains(got, `msg="worker group ready" group=g0`) {
+	if got := logs.Take(); !strings.Contains(got, `msg="worker group ready" group=g0`) {
 		t.Errorf("g0 heard in full: no line says it is ready; logged:\n%s", got)
 	}
 	s.sweep(t.Context(), now.Add(100*time.Millisecond))
-	if got := logs.take(); strings.Contains(got, "worker group") {
+	if got := logs.Take(); strings.Contains(got, "worker group") {
 		t.Errorf("nothing changed, yet logged:\n%s", got)
 	}
 	// Rank 1 goes silent; rank 0 beats on.
 	later := now.Add(s.cfg.HeartbeatTimeout + 500*time.Millisecond)
 	beat(0, later)
 	s.sweep(t.Context(), later)
-	got := logs.take()
+	got := logs.Take()
 	if !strings.Contains(got, `msg="worker group not ready: it takes no new requests" group=g0`) ||
 		!strings.Contains(got, "tp_rank 1 silent for 1.5s") || strings.Contains(got, "tp_rank 0") || !strings.Contains(got, "level=WARN") {
 		t.Errorf("rank 1 silent past the heartbeat timeout: want a warning naming g0 and tp_rank 1 (silent 1.5 s); logged:\n%s", got)
 	}
 	s.sweep(t.Context(), later.Add(100*time.Millisecond))
-	if got := logs.take(); strings.Contains(got, "worker group") {
+	if got := logs.Take(); strings.Contains(got, "worker group") {
 		t.Errorf("logged again with nothing changed:\n%s", got)
 	}
 	back := later.Add(200 * time.Millisecond)
 	beat(0, back)
 	beat(1, back)
 	s.sweep(t.Context(), back)
-	if got := logs.take(); !strings.Contains(got, `msg="worker group ready" group=g0`) {
+	if got := logs.Take(); !strings.Contains(got, `msg="worker group ready" group=g0`) {
 		t.Errorf("g0 heard in full again: no line says so; logged:\n%s", got)
 	}
 	// A rank draining (a scale-down) is said at info level.
 	s.groups.observe(&messages.Heartbeat{Group: "g0", TPRank: 1, WorldSize: 2, StartedUnixMs: 1, Model: "m", Draining: true}, back)
 	s.sweep(t.Context(), back.Add(100*time.Millisecond))
-	if got := logs.take(); !strings.Contains(got, "level=INFO") || !strings.Contains(got, "tp_rank 1 draining") {
+	if got := logs.Take(); !strings.Contains(got, "level=INFO") || !strings.Contains(got, "tp_rank 1 draining") {
 		t.Errorf("a draining rank: want an info line naming it; logged:\n%s", got)
 	}
 
@@ -92,7 +70,7 @@ func TestGroupNotReadyIsLoggedNamingTheRank(t *testing.T) {
 	tr.Heard = map[int]int64{0: 1}
 	s.trackers.add(tr)
 	s.resend(time.Now())
-	if got := logs.take(); !strings.Contains(got, "silent_tp_ranks=[1]") {
+	if got := logs.Take(); !strings.Contains(got, "silent_tp_ranks=[1]") {
 		t.Errorf("resend: want the silent rank named; logged:\n%s", got)
 	}
 }
@@ -106,7 +84,7 @@ func TestGroupNotReadyIsLoggedNamingTheRank(t *testing.T) {
 // later, "worker group ready" again, though none was ever judged failed.
 func TestNoNotReadyLineAfterACutLongerThanTheTimeout(t *testing.T) {
 	s, _ := newBareScheduler(t)
-	var logs lockedLog
+	var logs logbuf.Buffer
 	s.log = slog.New(slog.NewTextHandler(&logs, nil))
 	beat := func(g string, rank int, at time.Time) {
 		s.groups.observe(&messages.Heartbeat{Group: g, TPRank: rank, WorldSize: 2, StartedUnixMs: 1, Model: "m"}, at)
@@ -117,7 +95,7 @@ func TestNoNotReadyLineAfterACutLongerThanTheTimeout(t *testing.T) {
 		beat(g, 1, now)
 	}
 	s.sweep(t.Context(), now)
-	if got := logs.take(); strings.Count(got, `msg="worker group ready"`) != 2 {
+	if got := logs.Take(); strings.Count(got, `msg="worker group ready"`) != 2 {
 		t.Fatalf("g0 and g1 heard in full: want two ready lines; logged:\n%s", got)
 	}
 	// Cut off for twice the heartbeat timeout; the sweep after finds the
@@ -126,7 +104,7 @@ func TestNoNotReadyLineAfterACutLongerThanTheTimeout(t *testing.T) {
 	s.reconnects = s.cfg.Conn.Stats().Reconnects + 1
 	s.sweep(t.Context(), back)
 	s.sweep(t.Context(), back.Add(250*time.Millisecond))
-	if got := logs.take(); strings.Contains(got, `msg="worker group `) {
+	if got := logs.Take(); strings.Contains(got, `msg="worker group `) {
 		t.Errorf("a cut the replica judged no group over: want no readiness line; logged:\n%s", got)
 	}
 }
@@ -139,7 +117,7 @@ func TestNoNotReadyLineAfterACutLongerThanTheTimeout(t *testing.T) {
 // silent_tp_ranks=[]. It now names the ranks whose result has not come.
 func TestResendAfterAReconnectNamesTheRanksWithoutAResult(t *testing.T) {
 	s, _ := newBareScheduler(t)
-	var logs lockedLog
+	var logs logbuf.Buffer
 	s.log = slog.New(slog.NewTextHandler(&logs, nil))
 	tr := promptTracker("r1", 2)
 	tr.Group, tr.WorldSize, tr.Dispatched = "g0", 2, time.Now().Add(-time.Minute)
@@ -149,7 +127,7 @@ func TestResendAfterAReconnectNamesTheRanksWithoutAResult(t *testing.T) {
 	s.trackers.add(tr)
 	s.trackers.reconnected(time.Now().Add(-time.Minute))
 	s.resend(time.Now())
-	if got := logs.take(); !strings.Contains(got, "silent_tp_ranks=[1]") {
+	if got := logs.Take(); !strings.Contains(got, "silent_tp_ranks=[1]") {
 		t.Errorf("resend after a reconnect, rank 1's result not come: want it named; logged:\n%s", got)
 	}
 }

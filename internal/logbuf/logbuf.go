@@ -30,6 +30,16 @@ func (b *Buffer) String() string {
 	return b.buf.String()
 }
 
+// Take returns everything written since the last Take (or the start),
+// and forgets it.
+func (b *Buffer) Take() string {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	out := b.buf.String()
+	b.buf.Reset()
+	return out
+}
+
 // Lines returns the log lines that contain every one of substrs.
 func (b *Buffer) Lines(substrs ...string) []string {
 	b.mu.Lock()
