@@ -972,14 +972,8 @@ func TestPlaceKnowsAnotherReplicasPreviousTurnFromItsPlan(t *testing.T) {
 // heartbeat timeout of its reconnect, a request now waits (within
 // UnsyncedWait) while a group has a rank not heard since the cut.
 func TestRequestsWaitForTheRanksBackAfterAReconnect(t *testing.T) {
-	s, _ := newBareScheduler(t)
-	// A timeout no pause of a loaded test host outlasts.
-	s.cfg.HeartbeatTimeout, s.groups.timeout = time.Minute, time.Minute
-	s.cfg.ForgetGroupAfter = time.Hour
-	b, _ := openTestBindings(t)
-	s.bindings.Store(b)
+	s := longRunningReplica(t)
 	now := time.Now()
-	s.started = now.Add(-time.Hour) // a replica long running: no start-up wait
 	beat := func(rank int, at time.Time) {
 		s.groups.observe(&messages.Heartbeat{Group: "g0", TPRank: rank, WorldSize: 2, StartedUnixMs: 1}, at)
 	}
@@ -991,11 +985,7 @@ func TestRequestsWaitForTheRanksBackAfterAReconnect(t *testing.T) {
 	}
 	// g1 died before the cut, and is not forgotten yet: no reason to wait.
 	s.groups.observe(&messages.Heartbeat{Group: "g1", TPRank: 0, WorldSize: 1, StartedUnixMs: 1}, now.Add(-3*time.Minute))
-	// The last sweep before the cut, then the sweep that finds the
-	// connection reconnected (the count it compares with was from before).
-	s.sweep(t.Context(), before.Add(250*time.Millisecond))
-	s.reconnects = s.cfg.Conn.Stats().Reconnects + 1
-	s.sweep(t.Context(), now.Add(-time.Second))
+	reconnect(t, s, before.Add(250*time.Millisecond), now.Add(-time.Second))
 	if len(s.index.placeable(s.groups.ready(time.Now()))) != 1 {
 		t.Fatal("g0 is not placeable after the reconnect: the fault did not take effect")
 	}
@@ -1016,9 +1006,7 @@ func TestRequestsWaitForTheRanksBackAfterAReconnect(t *testing.T) {
 	}
 	// A rank that stays away holds no request past UnsyncedWait: its
 	// retries are counted in its deliveries.
-	s.sweep(t.Context(), time.Now())
-	s.reconnects = s.cfg.Conn.Stats().Reconnects + 1
-	s.sweep(t.Context(), time.Now())
+	reconnect(t, s, time.Now(), time.Now())
 	beat(0, time.Now())
 	late := &manyDeliveriesMsg{ackMsg: requestMsg(t, "r2"), n: uint64(s.cfg.UnsyncedWait/noGroupRetry) + 1}
 	if err := s.onRequest(context.Background(), late); err != nil {
@@ -1027,6 +1015,28 @@ func TestRequestsWaitForTheRanksBackAfterAReconnect(t *testing.T) {
 	if !late.acked {
 		t.Error("a request that waited UnsyncedWait for a rank not back is still held")
 	}
+}
+
+// longRunningReplica is a bare scheduler started an hour ago (no start-up
+// wait), with session bindings and a heartbeat timeout no pause of a
+// loaded test host outlasts.
+func longRunningReplica(t *testing.T) *Scheduler {
+	s, _ := newBareScheduler(t)
+	s.cfg.HeartbeatTimeout, s.groups.timeout = time.Minute, time.Minute
+	s.cfg.ForgetGroupAfter = time.Hour
+	b, _ := openTestBindings(t)
+	s.bindings.Store(b)
+	s.started = time.Now().Add(-time.Hour)
+	return s
+}
+
+// reconnect runs s's last sweep before a cut from NATS (at last), then
+// the sweep that finds the connection reconnected (at back; the count it
+// compares with was from before).
+func reconnect(t *testing.T, s *Scheduler, last, back time.Time) {
+	s.sweep(t.Context(), last)
+	s.reconnects = s.cfg.Conn.Stats().Reconnects + 1
+	s.sweep(t.Context(), back)
 }
 
 // manyDeliveriesMsg is a request delivered n times.
@@ -1046,13 +1056,8 @@ func (m *manyDeliveriesMsg) Metadata() (*jetstream.MsgMetadata, error) {
 // UnsyncedWait, for the heartbeat timeout after the reconnect: a request
 // of model m never goes to model other's ranks.
 func TestAReconnectHoldsNoRequestForAnotherModelsRank(t *testing.T) {
-	s, _ := newBareScheduler(t)
-	s.cfg.HeartbeatTimeout, s.groups.timeout = time.Minute, time.Minute
-	s.cfg.ForgetGroupAfter = time.Hour
-	b, _ := openTestBindings(t)
-	s.bindings.Store(b)
+	s := longRunningReplica(t)
 	now := time.Now()
-	s.started = now.Add(-time.Hour)
 	beat := func(g, model string, rank int, at time.Time) {
 		s.groups.observe(&messages.Heartbeat{Group: g, TPRank: rank, WorldSize: 2, StartedUnixMs: 1, Model: model}, at)
 	}
@@ -1064,9 +1069,7 @@ func TestAReconnectHoldsNoRequestForAnotherModelsRank(t *testing.T) {
 			s.index.ApplyDump(g.name, r, kvDump(g.name, r, 1))
 		}
 	}
-	s.sweep(t.Context(), before.Add(250*time.Millisecond))
-	s.reconnects = s.cfg.Conn.Stats().Reconnects + 1
-	s.sweep(t.Context(), now.Add(-time.Second))
+	reconnect(t, s, before.Add(250*time.Millisecond), now.Add(-time.Second))
 	// g0 (model m) is back in full; g1 (model other) has rank 1 still away.
 	at := time.Now()
 	beat("g0", "m", 0, at)
