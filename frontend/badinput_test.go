@@ -118,10 +118,25 @@ func TestBadInput(t *testing.T) {
 		{"unknown model", `{"model":"nope","messages":[{"role":"user","content":"hi"}]}`, map[string]string{"X-Session-ID": "echo"}, 404},
 		{"prompt too long", chat(`,"session_id":"echo","messages":[{"role":"user","content":"` + strings.Repeat("word ", 600) + `"}]`), nil, 400},
 		{"bad X-Request-Id", chat(""), map[string]string{"X-Session-ID": "echo", "X-Request-Id": strings.Repeat("r", 1000)}, 400},
+		// Refused before the session was resolved: a bad field, a body that
+		// does not decode, a body too large. Not echoed before.
+		{"max_tokens zero, header", chat(`,"max_tokens":0`), map[string]string{"X-Session-ID": "echo"}, 400},
+		{"max_tokens zero, body", chat(`,"max_tokens":0,"session_id":"echo"`), map[string]string{"X-Session-ID": "other"}, 400},
+		{"temperature out of range, vllm_xargs", chat(`,"temperature":3,"vllm_xargs":{"session_id":"echo"}`), map[string]string{"X-Correlation-ID": "other"}, 400},
+		{"invalid JSON", `{"messages":`, map[string]string{"X-Session-ID": "echo"}, 400},
+		{"body too large", chat(`,"pad":"` + strings.Repeat("x", 5<<20) + `"`), map[string]string{"X-Session-ID": "echo"}, 413},
 	} {
 		status, h, body := send(t, http.MethodPost, c.URL+"/v1/chat/completions", tc.body, tc.headers)
 		if status != tc.status || h.Get("X-Session-ID") != "echo" {
 			t.Errorf("%s: status %d, X-Session-ID %q (%.200s); want %d and the session echoed", tc.name, status, h.Get("X-Session-ID"), body, tc.status)
+		}
+	}
+	// A session that is itself invalid is not echoed, whatever else the
+	// request got wrong.
+	for _, extra := range []string{`,"max_tokens":0,"session_id":7`, `,"max_tokens":0,"session_id":"` + strings.Repeat("s", 300) + `"`} {
+		status, h, body := send(t, http.MethodPost, c.URL+"/v1/chat/completions", chat(extra), map[string]string{"X-Session-ID": "hdr"})
+		if status != http.StatusBadRequest || h.Get("X-Session-ID") != "" {
+			t.Errorf("%.40s: status %d, X-Session-ID %q (%.200s); want 400 and no echo", extra, status, h.Get("X-Session-ID"), body)
 		}
 	}
 	// Body keys are read as written (vLLM's are): encoding/json matched

@@ -72,8 +72,18 @@ func (s *Server) serveGenerate(w http.ResponseWriter, r *http.Request, endpoint 
 // generate serves one request and returns the HTTP status it answered; it
 // sets *model to the request's model once it is known to be served.
 func (s *Server) generate(w http.ResponseWriter, r *http.Request, endpoint string, start time.Time, model *string) int {
+	h := w.Header()
+	var body []byte
 	// Refused before reaching the bus: the refusal log tells the operator.
 	fail := func(e *APIError) int {
+		if h.Get("X-Session-ID") == "" {
+			// Refused before its session was resolved (a 400 for another
+			// field, a 429, a 503): the echo still ties it to its
+			// conversation.
+			if id := refusedSession(body, r.Header, s.cfg.SessionHeaders); id != "" {
+				h.Set("X-Session-ID", id)
+			}
+		}
 		writeError(w, e)
 		s.refusals.note(time.Now(), e)
 		return e.Status
@@ -83,7 +93,6 @@ func (s *Server) generate(w http.ResponseWriter, r *http.Request, endpoint strin
 	// replaces the generated one once read.
 	busBase := nuid.Next()
 	hdrID, hdrErr := requestID(r.Header)
-	h := w.Header()
 	if hdrErr == nil && hdrID != "" {
 		h.Set("X-Request-Id", hdrID)
 	} else {
@@ -94,7 +103,8 @@ func (s *Server) generate(w http.ResponseWriter, r *http.Request, endpoint strin
 	// every other client a 429 for the body timeout. A body being read
 	// holds only the bytes sent so far, at most --max-body-bytes: the
 	// connections, not the slots, bound what bodies hold.
-	body, apiErr := readBody(w, r, s.cfg.MaxBodyBytes, s.cfg.ReadBodyTimeout)
+	var apiErr *APIError
+	body, apiErr = readBody(w, r, s.cfg.MaxBodyBytes, s.cfg.ReadBodyTimeout)
 	if apiErr != nil {
 		return fail(apiErr)
 	}

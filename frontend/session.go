@@ -205,3 +205,27 @@ func jsonKind(raw json.RawMessage) string {
 		return "a number"
 	}
 }
+
+// refusedSession is the session id of a request refused before its session
+// was resolved, for the X-Session-ID echo: what ResolveSession makes of the
+// body's session fields (when body is a JSON object) and the headers, or ""
+// when there is none or it is invalid. body may be nil (not read).
+func refusedSession(body []byte, h http.Header, headers []string) string {
+	var in SessionInput
+	var b struct {
+		SessionID json.RawMessage `json:"session_id"`
+		VLLMXargs json.RawMessage `json:"vllm_xargs"`
+	}
+	if len(body) > 0 && decodeJSON(body, &b) == nil {
+		in.BodySessionID = b.SessionID
+		var xargs map[string]json.RawMessage
+		if json.Unmarshal(b.VLLMXargs, &xargs) == nil {
+			in.XargsSessionID = xargs[messages.ExtraArgSessionID]
+		}
+	}
+	id, _, err := ResolveSession(in, h, headers)
+	if err != nil {
+		return ""
+	}
+	return id
+}
