@@ -259,15 +259,19 @@ func TestSchedulerWarnsOfAHeartbeatTimeoutBelowTwoBeats(t *testing.T) {
 // the flags, and --rank auto --tp-rank 2 quietly claimed rank 0.
 func TestWorkerRankOutOfRangeBeforeItConnects(t *testing.T) {
 	for _, tc := range []struct {
-		args []string
-		want []string
+		args    []string
+		want    []string
+		notWant string // a flag the command line did not give
 	}{
-		{[]string{"--group", "g0", "--tp-rank", "4", "--tp-size", "4"}, []string{"--tp-rank 4", "--tp-size 4"}},
-		{[]string{"--group", "g0", "--tp-rank", "1", "--tp-size", "2", "--ep-rank", "5", "--ep-size", "4"}, []string{"--ep-rank 5", "--ep-size 4"}},
-		{[]string{"--group", "g0", "--tp-rank", "3", "--tp-size", "4", "--ep-size", "2"}, []string{"--ep-rank 3", "--ep-size 2"}},
-		{[]string{"--rank", "auto", "--tp-rank", "2"}, []string{"--rank auto", "--tp-rank"}},
-		{[]string{"--rank", "auto", "--ep-rank", "1"}, []string{"--rank auto", "--ep-rank"}},
-		{[]string{"--group", "g0", "--ep-rank=-2"}, []string{"--ep-rank -2", "-1"}}, // was taken as -1
+		{[]string{"--group", "g0", "--tp-rank", "4", "--tp-size", "4"}, []string{"--tp-rank 4", "--tp-size 4"}, ""},
+		{[]string{"--group", "g0", "--tp-rank", "1", "--tp-size", "2", "--ep-rank", "5", "--ep-size", "4"}, []string{"--ep-rank 5", "--ep-size 4"}, ""},
+		{[]string{"--group", "g0", "--tp-rank", "3", "--tp-size", "4", "--ep-size", "2"}, []string{"--ep-rank 3", "--ep-size 2"}, ""},
+		// It said "give no --tp-rank (got 2) or --ep-rank (got -1)", an
+		// --ep-rank no one gave.
+		{[]string{"--rank", "auto", "--tp-rank", "2"}, []string{"--rank auto", "--tp-rank 2"}, "--ep-rank"},
+		{[]string{"--rank", "auto", "--ep-rank", "1"}, []string{"--rank auto", "--ep-rank 1"}, "--tp-rank 0"},
+		{[]string{"--rank", "auto", "--tp-rank", "2", "--ep-rank", "1"}, []string{"--tp-rank 2", "--ep-rank 1"}, ""},
+		{[]string{"--group", "g0", "--ep-rank=-2"}, []string{"--ep-rank -2", "-1"}, ""}, // was taken as -1
 	} {
 		c := parseCLI(t, append([]string{"worker", "--nats-url", "nats://127.0.0.1:1", "--metrics-addr="}, tc.args...)...)
 		start := time.Now()
@@ -280,6 +284,9 @@ func TestWorkerRankOutOfRangeBeforeItConnects(t *testing.T) {
 			if !strings.Contains(err.Error(), w) {
 				t.Errorf("worker %v: %v; want it to name %q", tc.args, err, w)
 			}
+		}
+		if tc.notWant != "" && strings.Contains(err.Error(), tc.notWant) {
+			t.Errorf("worker %v: %v; names %q, which was not given", tc.args, err, tc.notWant)
 		}
 	}
 }

@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"log/slog"
 	"os"
+	"strings"
 	"sync/atomic"
 	"time"
 
@@ -200,8 +201,16 @@ func (c *workerCmd) checkIdentity() error {
 		return fmt.Errorf("--ep-rank %d: give a rank from 0, or -1 (the default) for the TP rank", c.EPRank)
 	}
 	if c.Rank == "auto" {
-		if c.TPRank != 0 || c.EPRank >= 0 {
-			return fmt.Errorf("--rank auto claims a free rank itself: give no --tp-rank (got %d) or --ep-rank (got %d), or drop --rank auto and give --group and --tp-rank", c.TPRank, c.EPRank)
+		// Named as given: an --ep-rank left at its default is no mistake.
+		var given []string
+		if c.TPRank != 0 {
+			given = append(given, fmt.Sprintf("--tp-rank %d", c.TPRank))
+		}
+		if c.EPRank >= 0 {
+			given = append(given, fmt.Sprintf("--ep-rank %d", c.EPRank))
+		}
+		if len(given) > 0 {
+			return fmt.Errorf("--rank auto claims a free rank itself: drop %s, or drop --rank auto and give --group and --tp-rank", strings.Join(given, " and "))
 		}
 		return nil
 	}
