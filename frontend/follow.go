@@ -131,7 +131,7 @@ type choiceState struct {
 	// promptTokens is the prompt's length (continuous usage stats).
 	promptTokens int
 	finish       string
-	stopReason   string // the stop string that ended it, if one did
+	stopReason   json.RawMessage // vLLM's stop_reason (stopReason); nil until done
 	usage        messages.Usage
 	done         bool
 	err          *APIError
@@ -435,7 +435,7 @@ func (g *generation) next(ctx context.Context, timer *time.Timer) ([]choiceOutpu
 						c.err.Status, c.errRaw = o.Error.Status, o.Error.Raw
 					}
 				} else if o.FinishReason != "" {
-					c.done, c.finish, c.stopReason = true, o.FinishReason, o.StopReason
+					c.done, c.finish, c.stopReason = true, o.FinishReason, stopReason(o)
 				}
 				fresh = append(fresh, it)
 			}

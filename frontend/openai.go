@@ -38,6 +38,7 @@ type commonParams struct {
 	SessionID        json.RawMessage `json:"session_id"`
 	VLLMXargs        json.RawMessage `json:"vllm_xargs"`
 	KVTransferParams map[string]any  `json:"kv_transfer_params"`
+	StopTokenIDs     json.RawMessage `json:"stop_token_ids"`
 	CacheSalt        json.RawMessage `json:"cache_salt"`
 	// TruncatePromptTokens is vLLM's: keep the prompt's last k tokens
 	// (-1: max_model_len's worth).
@@ -371,6 +372,18 @@ func parseCommon(c *commonParams, p *parsedRequest, o parseOptions) *APIError {
 		return err
 	}
 	sp.Stop = stop
+	if v := bytes.TrimSpace(c.StopTokenIDs); len(v) > 0 && string(v) != "null" && string(v) != "[]" {
+		// vLLM's list[int]: ids past the vocabulary are allowed (never
+		// generated), as they are there.
+		ids, err := tokenIDs(v, 1<<32, "stop_token_ids")
+		if err != nil {
+			return err
+		}
+		if len(ids) > messages.MaxArrayLen {
+			return badRequest("stop_token_ids", "stop_token_ids has %d ids; at most %d", len(ids), messages.MaxArrayLen)
+		}
+		sp.StopTokenIDs = ids
+	}
 	// The keys were matched as written (decodeJSON), as vLLM reads them.
 	p.session.BodySessionID = c.SessionID
 	if x := bytes.TrimSpace(c.VLLMXargs); len(x) > 0 && string(x) != "null" {

@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"net/http"
 	"os"
+	"strconv"
 	"time"
 
 	"github.com/kvbus/kvbus/internal/logsink"
@@ -39,7 +40,10 @@ func (g *generation) respond(w http.ResponseWriter, ctx context.Context, deadlin
 	}
 	resp := completionJSON{ID: g.id, Created: g.created, Model: g.model, Usage: ptr(g.usage())}
 	for i, c := range g.choices {
-		ch := choiceJSON{Index: i, FinishReason: ptr(c.finish), StopReason: stopReason(c.stopReason)}
+		ch := choiceJSON{Index: i, FinishReason: ptr(c.finish), StopReason: c.stopReason}
+		if ch.StopReason == nil {
+			ch.StopReason = json.RawMessage("null")
+		}
 		if g.endpoint == messages.EndpointChat {
 			resp.Object = "chat.completion"
 			ch.Message = &messageJSON{Role: "assistant", Content: ptr(c.text.String())}
@@ -221,11 +225,11 @@ func (g *generation) stream(rw http.ResponseWriter, ctx context.Context, deadlin
 					ch.Delta.Content = ptr(o.Text)
 				}
 				if o.FinishReason != "" { // vLLM sets it on the finishing chunk only
-					ch.StopReason = stopReason(o.StopReason)
+					ch.StopReason = stopReason(o)
 				}
 			} else {
 				ch.Text = ptr(o.Text)
-				ch.StopReason = stopReason(o.StopReason) // null until the end, on every chunk
+				ch.StopReason = stopReason(o) // null until the end, on every chunk
 			}
 			chunk := completionJSON{ID: g.id, Object: object, Created: g.created, Model: g.model, Choices: []choiceJSON{ch}}
 			if continuousUsage {
@@ -317,10 +321,13 @@ type choiceJSON struct {
 }
 
 // stopReason is vLLM's stop_reason of a finished choice: the stop string
-// that ended it (the engine says which), else JSON null.
-func stopReason(stop string) json.RawMessage {
-	if stop != "" {
-		if b, err := json.Marshal(stop); err == nil {
+// or the stop token id that ended it, else null.
+func stopReason(o *messages.Output) json.RawMessage {
+	switch {
+	case o.StopToken != nil:
+		return strconv.AppendUint(nil, uint64(*o.StopToken), 10)
+	case o.StopReason != "":
+		if b, err := json.Marshal(o.StopReason); err == nil {
 			return b
 		}
 	}

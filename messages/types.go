@@ -84,6 +84,10 @@ type SamplingParams struct {
 	Seed        *int64   `msgpack:"seed,omitempty" json:"seed,omitempty"`
 	Stop        []string `msgpack:"stop,omitempty,allownil" json:"stop,omitempty"`
 	IgnoreEOS   bool     `msgpack:"ignore_eos,omitempty" json:"ignore_eos,omitempty"`
+	// StopTokenIDs is vLLM's stop_token_ids: a generated token among them
+	// (once min_tokens are out) ends the answer, its text left out unless
+	// IncludeStopStr.
+	StopTokenIDs TokenIDs `msgpack:"stop_token_ids,omitempty,omitzero" json:"stop_token_ids,omitempty"`
 	// IncludeStopStr is vLLM's include_stop_str_in_output: the stop string
 	// that ended the answer is part of its text.
 	IncludeStopStr bool `msgpack:"include_stop_str_in_output,omitempty" json:"include_stop_str_in_output,omitempty"`
@@ -277,9 +281,12 @@ type Output struct {
 	// StopReason is the stop string that ended the request (vLLM's
 	// stop_reason), with FinishReason "stop"; empty when it ended at the
 	// end of sequence or by length.
-	StopReason string       `msgpack:"stop_reason,omitempty" json:"stop_reason,omitempty"`
-	Usage      *Usage       `msgpack:"usage,omitempty" json:"usage,omitempty"`
-	Error      *OutputError `msgpack:"error,omitempty" json:"error,omitempty"`
+	StopReason string `msgpack:"stop_reason,omitempty" json:"stop_reason,omitempty"`
+	// StopToken is the stop token id that ended the request (vLLM's
+	// stop_reason as a number: one of stop_token_ids), nil when none did.
+	StopToken *uint32      `msgpack:"stop_token,omitempty" json:"stop_token,omitempty"`
+	Usage     *Usage       `msgpack:"usage,omitempty" json:"usage,omitempty"`
+	Error     *OutputError `msgpack:"error,omitempty" json:"error,omitempty"`
 	// Raw is an engine's own JSON (--engine openai), which the frontend
 	// relays as it is: one streamed chunk's data, or the whole response of
 	// a request that does not stream (on the last Output).

@@ -1982,8 +1982,8 @@ func (z *LoadSpec) Msgsize() (s int) {
 func (z *Output) MarshalMsg(b []byte) (o []byte, err error) {
 	o = msgp.Require(b, z.Msgsize())
 	// check for omitted fields
-	zb0001Len := uint32(11)
-	var zb0001Mask uint16 /* 11 bits */
+	zb0001Len := uint32(12)
+	var zb0001Mask uint16 /* 12 bits */
 	_ = zb0001Mask
 	if z.Attempt == 0 {
 		zb0001Len--
@@ -2001,17 +2001,21 @@ func (z *Output) MarshalMsg(b []byte) (o []byte, err error) {
 		zb0001Len--
 		zb0001Mask |= 0x80
 	}
-	if z.Usage == nil {
+	if z.StopToken == nil {
 		zb0001Len--
 		zb0001Mask |= 0x100
 	}
-	if z.Error == nil {
+	if z.Usage == nil {
 		zb0001Len--
 		zb0001Mask |= 0x200
 	}
-	if z.Raw == nil {
+	if z.Error == nil {
 		zb0001Len--
 		zb0001Mask |= 0x400
+	}
+	if z.Raw == nil {
+		zb0001Len--
+		zb0001Mask |= 0x800
 	}
 	// variable map header, size zb0001Len
 	o = append(o, 0x80|uint8(zb0001Len))
@@ -2055,6 +2059,15 @@ func (z *Output) MarshalMsg(b []byte) (o []byte, err error) {
 			o = msgp.AppendString(o, z.StopReason)
 		}
 		if (zb0001Mask & 0x100) == 0 { // if not omitted
+			// string "stop_token"
+			o = append(o, 0xaa, 0x73, 0x74, 0x6f, 0x70, 0x5f, 0x74, 0x6f, 0x6b, 0x65, 0x6e)
+			if z.StopToken == nil {
+				o = msgp.AppendNil(o)
+			} else {
+				o = msgp.AppendUint32(o, *z.StopToken)
+			}
+		}
+		if (zb0001Mask & 0x200) == 0 { // if not omitted
 			// string "usage"
 			o = append(o, 0xa5, 0x75, 0x73, 0x61, 0x67, 0x65)
 			if z.Usage == nil {
@@ -2067,7 +2080,7 @@ func (z *Output) MarshalMsg(b []byte) (o []byte, err error) {
 				}
 			}
 		}
-		if (zb0001Mask & 0x200) == 0 { // if not omitted
+		if (zb0001Mask & 0x400) == 0 { // if not omitted
 			// string "error"
 			o = append(o, 0xa5, 0x65, 0x72, 0x72, 0x6f, 0x72)
 			if z.Error == nil {
@@ -2080,7 +2093,7 @@ func (z *Output) MarshalMsg(b []byte) (o []byte, err error) {
 				}
 			}
 		}
-		if (zb0001Mask & 0x400) == 0 { // if not omitted
+		if (zb0001Mask & 0x800) == 0 { // if not omitted
 			// string "raw"
 			o = append(o, 0xa3, 0x72, 0x61, 0x77)
 			o = msgp.AppendBytes(o, z.Raw)
@@ -2159,6 +2172,23 @@ func (z *Output) UnmarshalMsg(bts []byte) (o []byte, err error) {
 				err = msgp.WrapError(err, "StopReason")
 				return
 			}
+		case "stop_token":
+			if msgp.IsNil(bts) {
+				bts, err = msgp.ReadNilBytes(bts)
+				if err != nil {
+					return
+				}
+				z.StopToken = nil
+			} else {
+				if z.StopToken == nil {
+					z.StopToken = new(uint32)
+				}
+				*z.StopToken, bts, err = msgp.ReadUint32Bytes(bts)
+				if err != nil {
+					err = msgp.WrapError(err, "StopToken")
+					return
+				}
+			}
 		case "usage":
 			if msgp.IsNil(bts) {
 				bts, err = msgp.ReadNilBytes(bts)
@@ -2229,7 +2259,13 @@ func (z *Output) UnmarshalMsg(bts []byte) (o []byte, err error) {
 
 // Msgsize returns an upper bound estimate of the number of bytes occupied by the serialized message
 func (z *Output) Msgsize() (s int) {
-	s = 1 + 2 + msgp.IntSize + 7 + msgp.StringPrefixSize + len(z.ReqID) + 6 + msgp.IntSize + 8 + msgp.IntSize + 5 + msgp.StringPrefixSize + len(z.Text) + 10 + z.TokenIDs.Msgsize() + 14 + msgp.StringPrefixSize + len(z.FinishReason) + 12 + msgp.StringPrefixSize + len(z.StopReason) + 6
+	s = 1 + 2 + msgp.IntSize + 7 + msgp.StringPrefixSize + len(z.ReqID) + 6 + msgp.IntSize + 8 + msgp.IntSize + 5 + msgp.StringPrefixSize + len(z.Text) + 10 + z.TokenIDs.Msgsize() + 14 + msgp.StringPrefixSize + len(z.FinishReason) + 12 + msgp.StringPrefixSize + len(z.StopReason) + 11
+	if z.StopToken == nil {
+		s += msgp.NilSize
+	} else {
+		s += msgp.Uint32Size
+	}
+	s += 6
 	if z.Usage == nil {
 		s += msgp.NilSize
 	} else {
@@ -4066,8 +4102,8 @@ func (z *ResendReply) Msgsize() (s int) {
 func (z *SamplingParams) MarshalMsg(b []byte) (o []byte, err error) {
 	o = msgp.Require(b, z.Msgsize())
 	// check for omitted fields
-	zb0001Len := uint32(9)
-	var zb0001Mask uint16 /* 9 bits */
+	zb0001Len := uint32(10)
+	var zb0001Mask uint16 /* 10 bits */
 	_ = zb0001Mask
 	if z.MinTokens == 0 {
 		zb0001Len--
@@ -4085,13 +4121,17 @@ func (z *SamplingParams) MarshalMsg(b []byte) (o []byte, err error) {
 		zb0001Len--
 		zb0001Mask |= 0x40
 	}
-	if z.IncludeStopStr == false {
+	if z.StopTokenIDs.IsZero() {
 		zb0001Len--
 		zb0001Mask |= 0x80
 	}
-	if z.ExtraArgs.IsZero() {
+	if z.IncludeStopStr == false {
 		zb0001Len--
 		zb0001Mask |= 0x100
+	}
+	if z.ExtraArgs.IsZero() {
+		zb0001Len--
+		zb0001Mask |= 0x200
 	}
 	// variable map header, size zb0001Len
 	o = append(o, 0x80|uint8(zb0001Len))
@@ -4135,11 +4175,20 @@ func (z *SamplingParams) MarshalMsg(b []byte) (o []byte, err error) {
 			o = msgp.AppendBool(o, z.IgnoreEOS)
 		}
 		if (zb0001Mask & 0x80) == 0 { // if not omitted
+			// string "stop_token_ids"
+			o = append(o, 0xae, 0x73, 0x74, 0x6f, 0x70, 0x5f, 0x74, 0x6f, 0x6b, 0x65, 0x6e, 0x5f, 0x69, 0x64, 0x73)
+			o, err = z.StopTokenIDs.MarshalMsg(o)
+			if err != nil {
+				err = msgp.WrapError(err, "StopTokenIDs")
+				return
+			}
+		}
+		if (zb0001Mask & 0x100) == 0 { // if not omitted
 			// string "include_stop_str_in_output"
 			o = append(o, 0xba, 0x69, 0x6e, 0x63, 0x6c, 0x75, 0x64, 0x65, 0x5f, 0x73, 0x74, 0x6f, 0x70, 0x5f, 0x73, 0x74, 0x72, 0x5f, 0x69, 0x6e, 0x5f, 0x6f, 0x75, 0x74, 0x70, 0x75, 0x74)
 			o = msgp.AppendBool(o, z.IncludeStopStr)
 		}
-		if (zb0001Mask & 0x100) == 0 { // if not omitted
+		if (zb0001Mask & 0x200) == 0 { // if not omitted
 			// string "extra_args"
 			o = append(o, 0xaa, 0x65, 0x78, 0x74, 0x72, 0x61, 0x5f, 0x61, 0x72, 0x67, 0x73)
 			o, err = z.ExtraArgs.MarshalMsg(o)
@@ -4249,6 +4298,12 @@ func (z *SamplingParams) UnmarshalMsg(bts []byte) (o []byte, err error) {
 				err = msgp.WrapError(err, "IgnoreEOS")
 				return
 			}
+		case "stop_token_ids":
+			bts, err = z.StopTokenIDs.UnmarshalMsg(bts)
+			if err != nil {
+				err = msgp.WrapError(err, "StopTokenIDs")
+				return
+			}
 		case "include_stop_str_in_output":
 			z.IncludeStopStr, bts, err = msgp.ReadBoolBytes(bts)
 			if err != nil {
@@ -4285,7 +4340,7 @@ func (z *SamplingParams) Msgsize() (s int) {
 	for za0001 := range z.Stop {
 		s += msgp.StringPrefixSize + len(z.Stop[za0001])
 	}
-	s += 11 + msgp.BoolSize + 27 + msgp.BoolSize + 11 + z.ExtraArgs.Msgsize()
+	s += 11 + msgp.BoolSize + 15 + z.StopTokenIDs.Msgsize() + 27 + msgp.BoolSize + 11 + z.ExtraArgs.Msgsize()
 	return
 }
 

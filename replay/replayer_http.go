@@ -33,6 +33,12 @@ func (r *Replayer) doHTTP(ctx context.Context, req *messages.Request, res *Resul
 	if len(sp.Stop) > 0 {
 		body["stop"] = sp.Stop
 	}
+	if len(sp.StopTokenIDs) > 0 {
+		body["stop_token_ids"] = sp.StopTokenIDs
+	}
+	if sp.IncludeStopStr {
+		body["include_stop_str_in_output"] = true
+	}
 	if sp.Seed != nil {
 		body["seed"] = *sp.Seed
 	}

@@ -5,6 +5,7 @@ import (
 	"encoding/binary"
 	"errors"
 	"fmt"
+	"slices"
 	"strings"
 	"time"
 
@@ -64,7 +65,10 @@ type Chunk struct {
 type EngineResult struct {
 	FinishReason string
 	// StopReason is the stop string that ended the answer, if one did.
-	StopReason       string
+	StopReason string
+	// StopToken is the stop token id (of the request's stop_token_ids)
+	// that ended the answer, if one did.
+	StopToken        *uint32
 	CompletionTokens int
 	// Usage is a model server's own count, cached tokens included; nil
 	// from the sim, whose cached tokens are the rank's loads.
@@ -192,6 +196,14 @@ func (e *SimEngine) Generate(ctx context.Context, req EngineRequest, prefilled f
 	}
 	rng := simSeed(req.PromptTokens, req.Params.Seed)
 	stops := req.Params.Stop
+	isStopToken := func(id uint32) bool { return slices.Contains(req.Params.StopTokenIDs, id) }
+	if ids := req.Params.StopTokenIDs; len(ids) > 16 { // a long list costs one lookup a token, not a scan
+		set := make(map[uint32]struct{}, len(ids))
+		for _, id := range ids {
+			set[id] = struct{}{}
+		}
+		isStopToken = func(id uint32) bool { _, ok := set[id]; return ok }
+	}
 	holdBack := 0 // bytes that might start a stop string are held back
 	for _, s := range stops {
 		holdBack = max(holdBack, len(s)-1)
@@ -230,9 +242,23 @@ func (e *SimEngine) Generate(ctx context.Context, req EngineRequest, prefilled f
 			break
 		}
 		w := int((rng >> 8) % uint64(len(simWords)))
-		text.WriteString(" " + simWords[w])
-		pending = append(pending, uint32(simTokenBase+w))
+		id := uint32(simTokenBase + w)
+		pending = append(pending, id)
 		n++
+		if n > req.Params.MinTokens && n < maxTokens && isStopToken(id) {
+			// vLLM's stop_token_ids: the token is generated (counted, among
+			// the ids) and its text left out unless include_stop_str_in_output.
+			// As the max_tokens-th token it ends the answer by length
+			// (vLLM's check_stop looks at the length first).
+			if req.Params.IncludeStopStr {
+				text.WriteString(" " + simWords[w])
+			}
+			if err := flush(text.Len(), true); err != nil {
+				return EngineResult{CompletionTokens: n}, err
+			}
+			return EngineResult{FinishReason: FinishStop, StopToken: &id, CompletionTokens: n}, nil
+		}
+		text.WriteString(" " + simWords[w])
 		if cut, stop, ok := findStop(text.String(), stops, sent); ok {
 			if req.Params.IncludeStopStr {
 				cut += len(stop)

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"slices"
 	"strings"
 	"sync"
 	"testing"
@@ -543,5 +544,70 @@ func TestSimEngineFirstTokenAtPrefillEnd(t *testing.T) {
 		})
 	if !errors.Is(err, context.Canceled) || len(chunks) != 1 || len(chunks[0].TokenIDs) != 1 || res.CompletionTokens != 1 {
 		t.Errorf("Generate = %+v, %v with %d chunks; want one chunk of one token, then the cancellation", res, err, len(chunks))
+	}
+}
+
+// TestSimEngineStopTokenIDs: vLLM's stop_token_ids end the answer at the
+// first such token once min_tokens are out: finish_reason stop, the id as
+// stop_reason, the token counted and among the ids, its text left out
+// unless include_stop_str_in_output. The sim ignored them: the answer ran
+// on to max_tokens.
+func TestSimEngineStopTokenIDs(t *testing.T) {
+	ctx := t.Context()
+	params := messages.SamplingParams{MaxTokens: 40, IgnoreEOS: true}
+	p := prompt(7, 40)
+	for name, e := range map[string]*SimEngine{
+		"instant":   newSim(t, SimConfig{}),
+		"streaming": newSim(t, SimConfig{Profile: SimProfile{DecodePerToken: time.Microsecond}, TimeScale: 1}),
+	} {
+		full := generate(ctx, e, EngineRequest{PromptTokens: p, Params: params})
+		words := strings.Fields(full.text)
+		if full.err != nil || len(full.tokens) != 40 || len(words) != 40 {
+			t.Fatalf("%s: %d tokens, %d words, %v", name, len(full.tokens), len(words), full.err)
+		}
+		// The first token from the 6th on that was not generated before.
+		k := 5
+		for slices.Contains(full.tokens[:k], full.tokens[k]) {
+			k++
+		}
+		stopID := full.tokens[k]
+		want := strings.Join(words[:k], " ")
+		for _, tc := range []struct {
+			name string
+			edit func(*messages.SamplingParams)
+			text string
+			n    int
+			stop bool
+		}{
+			{"stops", func(sp *messages.SamplingParams) {}, want, k + 1, true},
+			{"included", func(sp *messages.SamplingParams) { sp.IncludeStopStr = true }, want + " " + words[k], k + 1, true},
+			// A long list is looked up, not scanned; same answer.
+			{"long list", func(sp *messages.SamplingParams) {
+				for id := uint32(1 << 20); id < 1<<20+100; id++ {
+					sp.StopTokenIDs = append(sp.StopTokenIDs, id)
+				}
+			}, want, k + 1, true},
+			// Not before min_tokens: the answer runs on (to the token's next
+			// occurrence or max_tokens).
+			{"min_tokens", func(sp *messages.SamplingParams) { sp.MinTokens = 40 }, strings.TrimSpace(full.text), 40, false},
+			// As the max_tokens-th token it ends the answer by length, its
+			// text kept (vLLM checks the length first).
+			{"last token", func(sp *messages.SamplingParams) { sp.MaxTokens = k + 1 }, want + " " + words[k], k + 1, false},
+		} {
+			sp := params
+			sp.StopTokenIDs = messages.TokenIDs{stopID}
+			tc.edit(&sp)
+			r := generate(ctx, e, EngineRequest{PromptTokens: p, Params: sp})
+			if r.err != nil || strings.TrimSpace(r.text) != tc.text || r.res.CompletionTokens != tc.n || len(r.tokens) != tc.n {
+				t.Errorf("%s, %s: %q, %d tokens (%d ids), %v; want %q, %d tokens", name, tc.name, r.text, r.res.CompletionTokens, len(r.tokens), r.err, tc.text, tc.n)
+			}
+			if tc.stop {
+				if r.res.FinishReason != FinishStop || r.res.StopToken == nil || *r.res.StopToken != stopID || r.tokens[len(r.tokens)-1] != stopID {
+					t.Errorf("%s, %s: %+v; want finish stop by token %d, the last id", name, tc.name, r.res, stopID)
+				}
+			} else if r.res.FinishReason != FinishLength || r.res.StopToken != nil {
+				t.Errorf("%s, %s: %+v; want finish length, no stop token", name, tc.name, r.res)
+			}
+		}
 	}
 }

@@ -564,6 +564,12 @@ func traceBody(req EngineRequest, model string) ([]byte, error) {
 	if len(p.Stop) > 0 {
 		body["stop"] = p.Stop
 	}
+	if len(p.StopTokenIDs) > 0 {
+		body["stop_token_ids"] = p.StopTokenIDs
+	}
+	if p.IncludeStopStr {
+		body["include_stop_str_in_output"] = true
+	}
 	if p.IgnoreEOS {
 		body["ignore_eos"] = true
 	}

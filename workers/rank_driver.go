@@ -158,7 +158,7 @@ func (r *Rank) drive(rr *rankReq) {
 		if res.FinishReason == "" {
 			res.FinishReason = FinishStop // an engine that named no reason
 		}
-		final := &messages.Output{FinishReason: res.FinishReason, StopReason: res.StopReason, Usage: usage}
+		final := &messages.Output{FinishReason: res.FinishReason, StopReason: res.StopReason, StopToken: res.StopToken, Usage: usage}
 		if last != nil && !hold(&messages.Output{Text: last.Text, TokenIDs: last.TokenIDs, Raw: last.Raw}) {
 			flushHeld()
 			final.Text, final.TokenIDs, final.Raw = last.Text, last.TokenIDs, last.Raw
