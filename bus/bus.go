@@ -65,9 +65,11 @@ type Config struct {
 	// OnClosed, when set, is called once if the server closed the
 	// connection for good: it refused the role's credentials at a
 	// reconnect (a rotated key after a NATS restart), and nats.go gives
-	// up after the second refusal despite reconnecting forever. err wraps
-	// ErrClosed and says what to do; the role should stop with it. A close
-	// by the role itself (Close, Drain) does not call it.
+	// up after the second refusal despite reconnecting forever; or it
+	// answered an error nats.go never reconnects after (a protocol line
+	// over its max_control_line). err wraps ErrClosed and says what to
+	// do; the role should stop with it. A close by the role itself (Close,
+	// Drain) does not call it.
 	OnClosed func(err error)
 	// Logger receives connection state changes; nil means slog.Default().
 	Logger *slog.Logger
@@ -219,14 +221,24 @@ func Connect(ctx context.Context, cfg Config) (*nats.Conn, error) {
 		}),
 		nats.ClosedHandler(func(nc *nats.Conn) {
 			// Closed by nats.go (not by Close or Drain, which replaces
-			// this handler) only when it gave up reconnecting: the server
-			// refused the credentials twice.
+			// this handler): it gave up reconnecting (the server refused
+			// the credentials twice), or the server answered one of the
+			// role's messages with an error that nats.go does not
+			// reconnect after (a subject over the server's control line).
+			// Either way the connection is gone for good.
 			err := nc.LastError()
-			if !isAuthError(err) {
+			advice := refusedAtReconnect
+			switch {
+			case isAuthError(err):
+			case err == nil || isTransientError(err):
+				// A Close by code that kept this handler: nats.go closes
+				// only after an error that ends the connection.
 				return
+			default:
+				advice = closedByServerError
 			}
-			lost := fmt.Errorf("%w: %v (%s)", ErrClosed, err, refusedAtReconnect)
-			log.Error("nats connection closed: "+refusedAtReconnect, "conn", cfg.Name, "err", err)
+			lost := fmt.Errorf("%w: %v (%s)", ErrClosed, err, advice)
+			log.Error("nats connection closed: "+advice, "conn", cfg.Name, "err", err)
 			if cfg.OnClosed != nil {
 				cfg.OnClosed(lost)
 			}
@@ -464,6 +476,11 @@ func connectAdvice(err error, tlsOn bool) (advice string, final bool) {
 // the connection for good.
 var ErrClosed = errors.New("bus: the NATS connection was closed")
 
+// closedByServerError is the advice for a connection nats.go closed after
+// an error of the server other than a refusal of the credentials.
+const closedByServerError = "the server answered with an error after which the NATS client does not reconnect; " +
+	"the role stops so that it can be restarted (the error says what the server refused)"
+
 // refusedAtReconnect is the advice for credentials refused at a reconnect.
 const refusedAtReconnect = "the server refused this role's credentials after a reconnect " +
 	"(rotated key? restart the role with its new seed)"
@@ -497,6 +514,13 @@ var violatedSubjectRe = regexp.MustCompile(`Permissions Violation for [^"]*? (?:
 func isAuthError(err error) bool {
 	return errors.Is(err, nats.ErrAuthorization) || errors.Is(err, nats.ErrAuthExpired) || errors.Is(err, nats.ErrAuthRevoked) ||
 		errors.Is(err, nats.ErrAccountAuthExpired)
+}
+
+// isTransientError reports whether err is one that nats.go records as the
+// connection's last error and carries on after (the connection still works).
+func isTransientError(err error) bool {
+	return errors.Is(err, nats.ErrPermissionViolation) || errors.Is(err, nats.ErrMaxSubscriptionsExceeded) ||
+		errors.Is(err, nats.ErrSlowConsumer) || errors.Is(err, nats.ErrDrainTimeout)
 }
 
 // Drain drains nc (flushing pending publishes and letting subscription

@@ -178,6 +178,39 @@ func TestConnectWarnsAboutReadableSeeds(t *testing.T) {
 	}
 }
 
+// TestConnectClosedAfterAServerError: a message the server answers with an
+// error that nats.go never reconnects after (here a subject over the
+// server's 4096-byte control line) closes the connection for good: OnClosed
+// says so, so that the role ends instead of answering every request 503
+// "not connected to NATS" for as long as it runs. Before, only a refusal
+// of the credentials was reported, and a frontend served nothing more.
+func TestConnectClosedAfterAServerError(t *testing.T) {
+	srv := testenv.StartNATS(t)
+	log, logs := captureLogger(slog.LevelInfo)
+	closed := make(chan error, 2)
+	nc, err := bus.Connect(t.Context(), bus.Config{URL: srv.ClientURL(), Name: "frontend", Logger: log,
+		OnClosed: func(err error) { closed <- err }})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(nc.Close)
+	if err := nc.Publish("kvbus.req."+strings.Repeat("x", 5000), []byte("x")); err != nil {
+		t.Fatal(err)
+	}
+	_ = nc.Flush()
+	select {
+	case err := <-closed:
+		if !errors.Is(err, bus.ErrClosed) || !strings.Contains(err.Error(), "maximum control line") {
+			t.Errorf("OnClosed(%v), want ErrClosed naming the server's error", err)
+		}
+	case <-time.After(10 * time.Second):
+		t.Fatalf("OnClosed not called within 10 s of the server's error (connection closed: %v); logs:\n%s", nc.IsClosed(), logs)
+	}
+	if !strings.Contains(logs.String(), "nats connection closed") {
+		t.Errorf("the close was not logged:\n%s", logs)
+	}
+}
+
 // TestConnectClosedAfterItsKeyIsRefused: when the server refuses a role's
 // key at a reconnect (rotated, NATS restarted), nats.go closes the
 // connection despite reconnecting forever: OnClosed says so, with advice,

@@ -139,7 +139,8 @@ func connect(ctx context.Context, f natsFlags, name, inbox string, log *slog.Log
 // connectRole connects with cfg and returns, with the connection, the
 // context the role runs in: ctx, ended when the server closes the
 // connection for good (it refused the role's credentials at a reconnect:
-// a rotated key after a NATS restart), with that error as its cause. The
+// a rotated key after a NATS restart; or it answered an error nats.go does
+// not reconnect after), with that error as its cause. The
 // role then stops as at a signal, and roleErr makes Run return the error,
 // so that the process exits non-zero instead of running on a closed
 // connection. A close by the role itself (its drain) is no such error.

@@ -143,7 +143,8 @@ func metricsHandler(reg *prometheus.Registry, p metricsProbe) http.Handler {
 		case stopping():
 			status(w, http.StatusOK, map[string]string{"status": "alive", "detail": "stopping"})
 		case p.nc != nil && p.nc.IsClosed():
-			// Closed for good (the server refused its credentials twice):
+			// Closed for good (the server refused its credentials twice,
+			// or answered an error nats.go does not reconnect after):
 			// only a restart helps.
 			status(w, http.StatusServiceUnavailable, map[string]string{"status": "nats connection closed"})
 		case p.nc != nil && !p.nc.IsConnected():
