@@ -69,6 +69,12 @@ func SessionKey(sessionID string) string {
 	return string(b[:])
 }
 
+// MaxModelBytes is the longest model name kvbus serves, in bytes. The name's
+// token stands in the request subject, and a NATS server closes, for good,
+// the connection of a client that sends a protocol line over its
+// max_control_line (4096 bytes by default): subject, reply subject and sizes.
+const MaxModelBytes = 1024
+
 // ModelToken returns model with every byte outside [A-Za-z0-9_-] replaced by
 // '_', so that it can stand as one subject token.
 func ModelToken(model string) string {

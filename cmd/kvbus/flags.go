@@ -453,11 +453,18 @@ func (f tokenizerFlags) tokenizer(apiKey string, tf engineTLSFlags) (frontend.To
 
 // checkModelName refuses a model name with spaces around it: `--model
 // "a, b"` (or KVBUS_MODEL="a, b") served " b", which no client names, and
-// every request for b was a 404 listing "a,  b".
+// every request for b was a 404 listing "a,  b". It also refuses a name too
+// long for the request subject (messages.MaxModelBytes): the first request
+// for it got its frontend's NATS connection closed.
 func checkModelName(n string) error {
 	if n != strings.TrimSpace(n) {
 		return fmt.Errorf("--model: the model name %q has spaces around it, which clients would have to send; "+
 			"separate names with a comma alone (--model a,b) or repeat --model", n)
+	}
+	if len(n) > messages.MaxModelBytes {
+		return fmt.Errorf("--model: the model name %.40q… is %d bytes long, and a model name may be at most %d: "+
+			"it is spelled in the request subject, and NATS closes the connection of a client whose subject is "+
+			"too long; serve the model under a shorter name", n, len(n), messages.MaxModelBytes)
 	}
 	return nil
 }

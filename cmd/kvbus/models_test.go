@@ -50,6 +50,42 @@ func TestModelFlag(t *testing.T) {
 	}
 }
 
+// TestModelNamesTooLongForASubjectAreRefused: a model name goes into the
+// request subject (kvbus.req.<model-token>), and NATS closes the connection
+// of a client whose protocol line is over 4096 bytes: a frontend served a
+// 5,000-byte name, and the first request for it cut the frontend off NATS
+// (every later request of every model a 503). The frontend, a worker and
+// `kvbus serve` now refuse such a name at start, naming the limit; the
+// longest name allowed is served.
+func TestModelNamesTooLongForASubjectAreRefused(t *testing.T) {
+	long := "org/" + strings.Repeat("x", 5000)
+	for _, args := range [][]string{
+		{"frontend", "--model", "a," + long, "--http-addr", "127.0.0.1:0", "--nats-url", "nats://127.0.0.1:1"},
+		{"worker", "--model", long, "--metrics-addr", "", "--nats-url", "nats://127.0.0.1:1"},
+		{"serve", "--model", long, "--http-addr", "127.0.0.1:0", "--nats-addr", "127.0.0.1:0"},
+	} {
+		c := parseCLI(t, args...)
+		ctx, cancel := context.WithTimeout(t.Context(), 10*time.Second)
+		var err error
+		switch args[0] {
+		case "frontend":
+			err = c.Frontend.Run(ctx)
+		case "worker":
+			err = c.Worker.Run(ctx)
+		default:
+			err = c.Serve.Run(ctx)
+		}
+		cancel()
+		if err == nil || !strings.Contains(err.Error(), "5004 bytes long") || !strings.Contains(err.Error(), "at most 1024") {
+			t.Errorf("%v: %v, want a refusal naming the name's length and the limit", args[0], err)
+		}
+	}
+	longest := strings.Repeat("m", 1024)
+	if got, err := parseCLI(t, "frontend", "--model", longest).Frontend.models(); err != nil || !slices.Equal(got, []string{longest}) {
+		t.Errorf("a 1024-byte name: %v, %v; want it served", got, err)
+	}
+}
+
 // TestModelNamesWithSpacesAreRefused: `--model "a, b"` (the way a list is
 // often written, in KVBUS_MODEL too) is refused naming the name with spaces.
 // Before, the frontend served " b": /v1/models listed it, and every request
