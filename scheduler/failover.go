@@ -1,6 +1,8 @@
 package scheduler
 
 import (
+	"fmt"
+	"strings"
 	"time"
 
 	"github.com/kvbus/kvbus/messages"
@@ -10,8 +12,10 @@ import (
 // restarted (a new process, within the heartbeat timeout, as a supervisor
 // restarts a crashed one) before it finished them: a request whose output
 // has not started is withdrawn from its group and dispatched again (attempt
-// + 1, on any ready group of its model, the restarted one included); one that streamed
-// already ends with an error. No request waits for a rank that forgot it.
+// + 1, on any ready group of its model, the restarted one included), or,
+// with none, waits for one up to NoGroupWait (waitForAGroup); one that
+// streamed already ends with an error. No request waits for a rank that
+// forgot it.
 func (s *Scheduler) rescue(now time.Time) {
 	ready := s.groups.ready(now)
 	alive := s.groups.alive(now) // a draining group finishes its requests
@@ -20,7 +24,7 @@ func (s *Scheduler) rescue(now time.Time) {
 		sizes[name] = s.groups.worldSize(name)
 	}
 	restarts := s.groups.restarts()
-	movable, lost := s.trackers.stranded(func(t *RequestTracker) bool {
+	gone := func(t *RequestTracker) bool {
 		if !alive[t.Group] || sizes[t.Group] != t.WorldSize {
 			return true // gone, or formed again of other ranks: none has it
 		}
@@ -39,6 +43,13 @@ func (s *Scheduler) rescue(now time.Time) {
 				return true // the old process took it with it
 			}
 		}
+		return false
+	}
+	movable, lost := s.trackers.stranded(func(t *RequestTracker) bool {
+		if gone(t) {
+			return true
+		}
+		t.strandedAt = time.Time{} // its group is back
 		return false
 	}, func(model string) bool { return len(forModel(ready, model)) > 0 })
 	for _, t := range lost {
@@ -63,11 +74,12 @@ func (s *Scheduler) rescue(now time.Time) {
 			"session_id", t.SessionID, "group", t.Group)
 		s.sendError(t.FrontendID, t.ReqID, t.SessionID, t.Attempt, "group_failed", "the worker group failed while generating this answer; retry the request")
 	}
-	if len(movable) == 0 || len(ready) == 0 {
-		return // with no ready group the requests wait, until their deadline
+	if len(movable) == 0 {
+		return
 	}
 	// The placeable groups of each model: a request moves only to a group
-	// of its own model (with none, it waits, until its deadline).
+	// of its own model (with none, it waits as a new request does, up to
+	// NoGroupWait).
 	byModel := map[string][]GroupState{}
 	for _, old := range movable {
 		groups, ok := byModel[old.Model]
@@ -76,6 +88,7 @@ func (s *Scheduler) rescue(now time.Time) {
 			byModel[old.Model] = groups
 		}
 		if len(groups) == 0 {
+			s.waitForAGroup(old, ready, now)
 			continue
 		}
 		var (
@@ -120,6 +133,41 @@ func (s *Scheduler) rescue(now time.Time) {
 			s.log.Error("cannot dispatch again", "req_id", old.ReqID, "session_id", old.SessionID, "err", err)
 		}
 	}
+}
+
+// waitForAGroup keeps a stranded request that no ready group of its model
+// can take waiting for one, NoGroupWait from when it was first found so,
+// as a new request waits at intake; then it ends with no_ready_group (503),
+// withdrawn from its group. It waited for its deadline (a minute by
+// default) while each new request of its model got its 503 within
+// NoGroupWait.
+func (s *Scheduler) waitForAGroup(old *RequestTracker, all []GroupState, now time.Time) {
+	var refused *RequestTracker
+	s.trackers.update(old.ReqID, func(t *RequestTracker) {
+		if t.strandedAt.IsZero() {
+			t.strandedAt = now
+		}
+		if now.Sub(t.strandedAt) >= s.cfg.NoGroupWait {
+			refused = t
+			s.trackers.endLocked(t)
+		}
+	})
+	if refused == nil {
+		return
+	}
+	t := refused
+	s.groups.addInflight(t.Group, -1, -t.queued)
+	s.withdraw(t.ReqID, t.Group, 0, "no ready worker group of its model")
+	s.m.requests.WithLabelValues("no_ready_group").Inc()
+	msg := fmt.Sprintf("no worker group of model %q is ready (its group %s was lost before it started this request; waited %s); retry shortly, and check that workers with --model %s run",
+		t.Model, t.Group, s.cfg.NoGroupWait, t.Model)
+	if len(all) > 0 {
+		msg = fmt.Sprintf("no worker group of model %q is ready (its group %s was lost before it started this request; waited %s; the ready groups serve %s); retry shortly, and check that workers with --model %s run",
+			t.Model, t.Group, s.cfg.NoGroupWait, strings.Join(quoted(servedModels(all)), ", "), t.Model)
+	}
+	s.log.Warn("worker group lost the request and no ready group of its model took it: request refused", "req_id", t.ReqID,
+		"session_id", t.SessionID, "group", t.Group, "model", t.Model, "waited", s.cfg.NoGroupWait)
+	s.sendError(t.FrontendID, t.ReqID, t.SessionID, t.Attempt, "no_ready_group", msg)
 }
 
 // restartGrace is how long after hearing a rank restart a request it had

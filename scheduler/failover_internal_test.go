@@ -2,6 +2,7 @@ package scheduler
 
 import (
 	"context"
+	"strings"
 	"testing"
 	"time"
 
@@ -311,5 +312,66 @@ func TestWithdrawFromNoGroupPublishesNothing(t *testing.T) {
 	}
 	if n := nc.Stats().OutMsgs - before; n != 0 {
 		t.Errorf("a withdrawal from no group published %d message(s), want none", n)
+	}
+}
+
+// TestStrandedRequestWithNoGroupOfItsModel: a request not started yet on a
+// group that fails, when no other ready group serves its model (one group
+// per model, another model's groups ready, or none at all), waits for one
+// as a new request does, --no-group-wait, and then ends with
+// no_ready_group, its group's in-flight count given back. Before, it waited
+// for its deadline (60 s by default, then a timeout) while every new
+// request of the model got its 503 within --no-group-wait.
+func TestStrandedRequestWithNoGroupOfItsModel(t *testing.T) {
+	for _, other := range []bool{true, false} {
+		s, nc := newBareScheduler(t)
+		s.cfg.NoGroupWait = time.Second
+		outs := make(chan *messages.Output, 4)
+		sub, err := nc.Subscribe(s.cfg.Subjects.Out("fe"), func(m *nats.Msg) {
+			if o, err := messages.DecodeOutput(m.Data); err == nil {
+				outs <- o
+			}
+		})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := nc.Flush(); err != nil {
+			t.Fatal(err)
+		}
+		t0 := time.Now()
+		holding(s, "g0")
+		s.groups.observe(&messages.Heartbeat{Group: "g0", WorldSize: 1, StartedUnixMs: 1, Model: "m"}, t0)
+		tr := promptTracker("r1", 4)
+		tr.Group, tr.WorldSize, tr.queued = "g0", 1, 4
+		s.trackers.add(tr)
+		s.groups.addInflight("g0", 1, 4)
+		for i := 1; i <= 8; i++ { // g0 silent from t0; another model's group beats on
+			now := t0.Add(time.Duration(i) * 500 * time.Millisecond)
+			if other {
+				holding(s, "b0")
+				s.groups.observe(&messages.Heartbeat{Group: "b0", WorldSize: 1, StartedUnixMs: 1, Model: "b"}, now)
+			}
+			s.rescue(now)
+			if i == 3 && !s.trackers.has("r1") { // g0 lost at 1 s: within --no-group-wait
+				t.Fatalf("other model's group ready %v: the request ended 0.5 s after its group was lost; want it to wait --no-group-wait (1s)", other)
+			}
+		}
+		if s.trackers.has("r1") {
+			t.Errorf("other model's group ready %v: the request still waits 3 s after its group (the model's only one) was lost; want it ended after --no-group-wait (1s)", other)
+		}
+		select {
+		case o := <-outs:
+			if o.Error == nil || o.Error.Code != "no_ready_group" || !strings.Contains(o.Error.Message, `"m"`) {
+				t.Errorf("other model's group ready %v: frontend got %+v, want a no_ready_group error naming the model", other, o.Error)
+			}
+		case <-time.After(2 * time.Second):
+			t.Errorf("other model's group ready %v: no error sent to the frontend", other)
+		}
+		s.groups.each(t0.Add(4*time.Second), func(name, _ string, inflight, queued int) {
+			if name == "g0" && (inflight != 0 || queued != 0) {
+				t.Errorf("other model's group ready %v: g0 still counts %d requests, %d blocks in flight", other, inflight, queued)
+			}
+		})
+		_ = sub.Unsubscribe()
 	}
 }

@@ -67,6 +67,10 @@ type RequestTracker struct {
 	// the request was in flight: a rank's result published across the
 	// server's restart can be lost although the rank was heard before it.
 	reconnectedAt time.Time
+	// strandedAt is when the request, not started, was first found on a
+	// lost group with no ready group of its model to move to (zero: it is
+	// not): it waits NoGroupWait from then, as a new request does.
+	strandedAt time.Time
 }
 
 // trackerTable holds the live trackers by request id. It is safe for
