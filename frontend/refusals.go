@@ -10,6 +10,7 @@ import (
 	"strings"
 	"sync"
 	"time"
+	"unicode/utf8"
 )
 
 // refusalLogEvery bounds how often refused requests are logged.
@@ -101,7 +102,7 @@ func (r *refusalLog) writeLocked(now time.Time) {
 		total += counts[k]
 		parts = append(parts, fmt.Sprintf("%s: %d", k, counts[k]))
 	}
-	attrs := []any{"refused", total, "by_status", strings.Join(parts, ", "), "last_status", e.Status, "last_code", e.Code, "last_message", e.Message}
+	attrs := []any{"refused", total, "by_status", strings.Join(parts, ", "), "last_status", e.Status, "last_code", e.Code, "last_message", clipMessage(e.Message)}
 	if !since.IsZero() {
 		attrs = append(attrs, "since", now.Sub(since).Round(time.Second))
 	}
@@ -110,4 +111,22 @@ func (r *refusalLog) writeLocked(now time.Time) {
 		level = slog.LevelWarn // the cluster refused
 	}
 	r.log.Log(context.Background(), level, "requests refused before reaching the bus", attrs...)
+}
+
+// maxLoggedMessage bounds a refusal's message in the log: it can quote what
+// a client sent (a model name of a megabyte), and log shippers drop or
+// split lines far shorter than that.
+const maxLoggedMessage = 1024
+
+// clipMessage is msg cut to maxLoggedMessage bytes at a rune boundary, with
+// how long it was.
+func clipMessage(msg string) string {
+	if len(msg) <= maxLoggedMessage {
+		return msg
+	}
+	cut := maxLoggedMessage
+	for cut > 0 && !utf8.RuneStart(msg[cut]) {
+		cut--
+	}
+	return fmt.Sprintf("%s… (%d bytes in all)", msg[:cut], len(msg))
 }

@@ -6,6 +6,7 @@ import (
 	"strings"
 	"testing"
 	"time"
+	"unicode/utf8"
 
 	"github.com/kvbus/kvbus/internal/logbuf"
 )
@@ -76,5 +77,18 @@ func TestRefusalsAfterTheFirstAreLoggedWithoutAnother(t *testing.T) {
 	r.flush(true)
 	if got := buf.Lines("requests refused"); len(got) != 4 || !strings.Contains(got[3], `"refused":1`) {
 		t.Errorf("after a stop's flush: %q; want a fourth line counting 1", got)
+	}
+}
+
+// TestRefusalLogClipsALongMessage: a refusal's message quotes what the
+// client sent (an unknown model's name); a 1 MB name made a 1 MB log line.
+func TestRefusalLogClipsALongMessage(t *testing.T) {
+	buf := &logbuf.Buffer{}
+	r := &refusalLog{log: slog.New(slog.NewJSONHandler(buf, nil))}
+	name := strings.Repeat("é", 1<<19) // 1 MiB of two-byte runes
+	r.note(time.Now(), &APIError{Status: http.StatusNotFound, Code: "model_not_found", Message: "The model `" + name + "` does not exist."})
+	got := buf.Lines("requests refused before reaching the bus")
+	if len(got) != 1 || len(got[0]) > 2048 || !strings.Contains(got[0], "bytes in all") || !utf8.ValidString(got[0]) {
+		t.Fatalf("%d lines, the first %d bytes (%.200s…); want one line under 2 KiB, valid UTF-8, saying how long the message was", len(got), len(got[0]), got[0])
 	}
 }
