@@ -69,6 +69,15 @@ func (s *Server) serveGenerate(w http.ResponseWriter, r *http.Request, endpoint 
 	s.m.latency.WithLabelValues(endpoint, model).Observe(time.Since(start).Seconds())
 }
 
+// bodyTimeout is how long a generate request's body may take to arrive:
+// ReadBodyTimeout, but no later than the request's deadline. The answer
+// cannot be written past the deadline (and writeGrace), so a 408 at a
+// later body timeout reached no one.
+func (s *Server) bodyTimeout(start time.Time) time.Duration {
+	left := time.Until(start.Add(s.cfg.RequestTimeout)).Round(time.Millisecond) // said in the 408
+	return max(min(s.cfg.ReadBodyTimeout, left), 0)
+}
+
 // generate serves one request and returns the HTTP status it answered; it
 // sets *model to the request's model once it is known to be served.
 func (s *Server) generate(w http.ResponseWriter, r *http.Request, endpoint string, start time.Time, model *string) int {
@@ -104,7 +113,7 @@ func (s *Server) generate(w http.ResponseWriter, r *http.Request, endpoint strin
 	// holds only the bytes sent so far, at most --max-body-bytes: the
 	// connections, not the slots, bound what bodies hold.
 	var apiErr *APIError
-	body, apiErr = readBody(w, r, s.cfg.MaxBodyBytes, s.cfg.ReadBodyTimeout)
+	body, apiErr = readBody(w, r, s.cfg.MaxBodyBytes, s.bodyTimeout(start))
 	if apiErr != nil {
 		return fail(apiErr)
 	}

@@ -118,6 +118,45 @@ func TestSlowBodyClient(t *testing.T) {
 	}
 }
 
+// TestSlowBodyUnderAShortRequestTimeoutIs408: with --request-timeout below
+// the body's 30 s, a client whose body stalls is answered 408 at the
+// request's deadline. The 408 was written at the body timeout, past the
+// answer's write deadline (the request's deadline and a second): the
+// client got nothing at all, its connection left open (--request-timeout
+// 15s: nothing in 45 s), while the frontend counted and logged a 408.
+func TestSlowBodyUnderAShortRequestTimeoutIs408(t *testing.T) {
+	const requestTimeout = 500 * time.Millisecond
+	fe := startFrontend(t, func(c *frontend.Config) { c.ReadBodyTimeout, c.RequestTimeout = 5*time.Second, requestTimeout })
+	for _, tc := range []struct{ name, framing string }{
+		{"content-length", "Content-Length: 1000\r\n\r\n{\"messages\":"},
+		{"chunked", "Transfer-Encoding: chunked\r\n\r\nc\r\n{\"messages\":\r\n"},
+	} {
+		conn, err := net.Dial("tcp", strings.TrimPrefix(fe.url, "http://"))
+		if err != nil {
+			t.Fatal(err)
+		}
+		start := time.Now()
+		if _, err := conn.Write([]byte("POST /v1/chat/completions HTTP/1.1\r\nHost: kvbus\r\nContent-Type: application/json\r\n" + tc.framing)); err != nil {
+			t.Fatal(err)
+		}
+		if err := conn.SetReadDeadline(time.Now().Add(10 * time.Second)); err != nil {
+			t.Fatal(err)
+		}
+		resp, err := http.ReadResponse(bufio.NewReader(conn), nil)
+		conn.Close()
+		if err != nil {
+			t.Fatalf("%s: no answer to a stalled body after %v: %v", tc.name, time.Since(start).Round(time.Millisecond), err)
+		}
+		resp.Body.Close()
+		if resp.StatusCode != http.StatusRequestTimeout {
+			t.Fatalf("%s: stalled body: status %d, want 408", tc.name, resp.StatusCode)
+		}
+		if took := time.Since(start); took > requestTimeout+2*time.Second {
+			t.Fatalf("%s: 408 after %v, want it at the request's deadline (%v)", tc.name, took, requestTimeout)
+		}
+	}
+}
+
 // TestSlowBodyHoldsNoSlot: a client stalled mid-body holds no --max-inflight
 // slot while its body is read: with --max-inflight 1 another client's
 // request is judged at once (a 400 for its empty messages), not refused
