@@ -240,7 +240,12 @@ func readBody(w http.ResponseWriter, r *http.Request, limit int64, timeout time.
 	rc := http.NewResponseController(w)
 	_ = rc.SetReadDeadline(time.Now().Add(timeout)) // not every ResponseWriter can
 	body, err := io.ReadAll(http.MaxBytesReader(w, r.Body, limit))
-	_ = rc.SetReadDeadline(time.Time{})
+	if !errors.Is(err, os.ErrDeadlineExceeded) {
+		// After a timeout the deadline stays: net/http reads the rest of
+		// a declared body before it closes the connection, and without
+		// one it waited for as long as the client kept the connection.
+		_ = rc.SetReadDeadline(time.Time{})
+	}
 	if err != nil {
 		var mbe *http.MaxBytesError
 		if errors.As(err, &mbe) {

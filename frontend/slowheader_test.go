@@ -3,10 +3,12 @@ package frontend_test
 import (
 	"bufio"
 	"errors"
+	"io"
 	"net"
 	"net/http"
 	"strings"
 	"sync"
+	"syscall"
 	"testing"
 	"time"
 
@@ -154,6 +156,42 @@ func TestSlowBodyUnderAShortRequestTimeoutIs408(t *testing.T) {
 		if took := time.Since(start); took > requestTimeout+2*time.Second {
 			t.Fatalf("%s: 408 after %v, want it at the request's deadline (%v)", tc.name, took, requestTimeout)
 		}
+	}
+}
+
+// TestSlowBodyConnectionClosedAfterIts408: once a stalled body is answered
+// 408 (Connection: close), the server closes the connection, though the
+// client sends no more. It waited for the rest of the declared body with
+// no deadline, for as long as the client kept the connection: a goroutine
+// and a socket held without bound by clients that declare a body and
+// send part of it.
+func TestSlowBodyConnectionClosedAfterIts408(t *testing.T) {
+	fe := startFrontend(t, func(c *frontend.Config) { c.ReadBodyTimeout = 300 * time.Millisecond })
+	conn, err := net.Dial("tcp", strings.TrimPrefix(fe.url, "http://"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close()
+	if _, err := conn.Write([]byte("POST /v1/chat/completions HTTP/1.1\r\nHost: kvbus\r\nContent-Type: application/json\r\n" +
+		"Content-Length: 1000\r\n\r\n{\"messages\":")); err != nil {
+		t.Fatal(err)
+	}
+	if err := conn.SetReadDeadline(time.Now().Add(5 * time.Second)); err != nil {
+		t.Fatal(err)
+	}
+	br := bufio.NewReader(conn)
+	resp, err := http.ReadResponse(br, nil)
+	if err != nil {
+		t.Fatalf("no answer to a stalled body: %v", err)
+	}
+	_, _ = io.Copy(io.Discard, resp.Body)
+	resp.Body.Close()
+	if resp.StatusCode != http.StatusRequestTimeout {
+		t.Fatalf("stalled body: status %d, want 408", resp.StatusCode)
+	}
+	answered := time.Now()
+	if _, err := br.ReadByte(); !errors.Is(err, io.EOF) && !errors.Is(err, syscall.ECONNRESET) {
+		t.Fatalf("after its 408 (Connection: close) the connection stayed open %v: %v", time.Since(answered).Round(time.Millisecond), err)
 	}
 }
 
