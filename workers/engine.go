@@ -164,6 +164,14 @@ const (
 	// is a generated token: it counts in completion_tokens and max_tokens
 	// and is among the output's token ids, but adds no text.
 	simEOSToken = 2
+	// simInstantChunkTokens: an instant engine emits a request's tokens in
+	// chunks of this many, not all at its end, and an engine drops the
+	// text it emitted once it is simCompactBytes long: what a request
+	// holds does not grow with its max_tokens, which nothing on the bus
+	// bounds (an instant driver rank given max_tokens 2^30 grew by ~300 MB
+	// a second until it died).
+	simInstantChunkTokens = 4096
+	simCompactBytes       = 64 << 10
 )
 
 // Generate implements Engine.
@@ -209,7 +217,7 @@ func (e *SimEngine) Generate(ctx context.Context, req EngineRequest, prefilled f
 		holdBack = max(holdBack, len(s)-1)
 	}
 	var (
-		text    strings.Builder // all generated text
+		text    strings.Builder // generated text since the last compaction
 		sent    int             // bytes of text already emitted
 		pending []uint32        // token ids not yet emitted
 		n       int
@@ -222,6 +230,14 @@ func (e *SimEngine) Generate(ctx context.Context, req EngineRequest, prefilled f
 		}
 		c := Chunk{Text: text.String()[sent:upTo], TokenIDs: pending, Last: last}
 		sent, pending = upTo, nil
+		if sent >= simCompactBytes {
+			// What was emitted is needed no more: a stop string starts
+			// after it (the bytes that might begin one are held back).
+			rest := text.String()[sent:]
+			text.Reset()
+			text.WriteString(rest)
+			sent = 0
+		}
 		return emit(c)
 	}
 	for n < maxTokens {
@@ -268,7 +284,7 @@ func (e *SimEngine) Generate(ctx context.Context, req EngineRequest, prefilled f
 			}
 			return EngineResult{FinishReason: FinishStop, StopReason: stop, CompletionTokens: n}, nil
 		}
-		if !instant {
+		if !instant || len(pending) >= simInstantChunkTokens {
 			if err := flush(max(sent, text.Len()-holdBack), false); err != nil {
 				return EngineResult{CompletionTokens: n}, err
 			}

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"runtime"
 	"slices"
 	"strings"
 	"sync"
@@ -148,6 +149,39 @@ func TestSimEngineMaxTokens(t *testing.T) {
 			}
 		})
 	}
+}
+
+// TestSimEngineHugeMaxTokensHoldsLittle: what the sim engine holds while it
+// generates does not grow with max_tokens. The bus bounds no request's
+// max_tokens, and an instant engine (--time-scale 0) kept a request's whole
+// text and token ids until its end: one Request of max_tokens 2^30 on
+// kvbus.req grew the driver rank by ~300 MB a second until it died.
+func TestSimEngineHugeMaxTokensHoldsLittle(t *testing.T) {
+	const maxTokens = 4 << 20
+	e := newSim(t, SimConfig{})
+	params := messages.SamplingParams{MaxTokens: maxTokens, IgnoreEOS: true}
+	var before, at runtime.MemStats
+	runtime.GC()
+	runtime.ReadMemStats(&before)
+	var tokens, biggest int
+	var grew uint64
+	res, err := e.Generate(t.Context(), EngineRequest{PromptTokens: prompt(1, 32), Params: params}, func() {}, func(c Chunk) error {
+		tokens += len(c.TokenIDs)
+		biggest = max(biggest, len(c.TokenIDs))
+		runtime.ReadMemStats(&at)
+		if at.HeapAlloc > before.HeapAlloc {
+			grew = max(grew, at.HeapAlloc-before.HeapAlloc)
+		}
+		return nil
+	})
+	if err != nil || res.CompletionTokens != maxTokens || tokens != maxTokens {
+		t.Fatalf("%+v %v, %d token ids; want %d tokens", res, err, tokens, maxTokens)
+	}
+	if biggest > 1<<16 || grew > 16<<20 {
+		t.Fatalf("a chunk of %d token ids, the heap %d MiB larger while generating %d tokens: the engine holds what it generated",
+			biggest, grew>>20, maxTokens)
+	}
+	t.Logf("largest chunk %d token ids, heap at most %d KiB larger", biggest, grew>>10)
 }
 
 func TestSimEngineStopsEarlyWithoutIgnoreEOS(t *testing.T) {
