@@ -13,8 +13,14 @@ import (
 // they held nothing. 1,024 groups of 4 ranks are 4,096 GPUs.
 const MaxIndexedGroups = messages.MaxGroups
 
-// maxPendingBatches bounds the batches held back per rank during a resync.
-const maxPendingBatches = 4096
+// maxPendingBatches and maxPendingBytes bound the batches held back per
+// rank during a resync, by number and by the size of their hashes and
+// token ids: one batch may carry 8 MiB of them, and 4,096 batches of a
+// forged rank that never answers a dump held 32 GiB.
+const (
+	maxPendingBatches = 4096
+	maxPendingBytes   = 64 << 20
+)
 
 // MaxSeqJump is how far past the last seq the index knows for a rank a
 // batch's seq may be. A rank publishes one batch per store or eviction, so a
@@ -82,6 +88,38 @@ type rankState struct {
 	// stale.
 	epoch   uint64
 	pending []*messages.KVEventBatch
+	// pendingBytes is the batchBytes of pending.
+	pendingBytes int
+}
+
+// hold holds b back until the rank's dump arrives. Past maxPendingBatches
+// or maxPendingBytes, what was held goes: the dump covers it, and a gap
+// after the dump asks again.
+func (rs *rankState) hold(b *messages.KVEventBatch) {
+	n := batchBytes(b)
+	if len(rs.pending) >= maxPendingBatches || rs.pendingBytes+n > maxPendingBytes {
+		clear(rs.pending)
+		rs.pending, rs.pendingBytes = rs.pending[:0], 0
+	}
+	rs.pending = append(rs.pending, b)
+	rs.pendingBytes += n
+}
+
+// setPending replaces what is held back.
+func (rs *rankState) setPending(pending []*messages.KVEventBatch) {
+	rs.pending, rs.pendingBytes = pending, 0
+	for _, b := range pending {
+		rs.pendingBytes += batchBytes(b)
+	}
+}
+
+// batchBytes is about what a decoded batch holds: its hashes and token ids.
+func batchBytes(b *messages.KVEventBatch) int {
+	n := 0
+	for i := range b.Events {
+		n += 8*len(b.Events[i].BlockHashes) + 4*len(b.Events[i].TokenIDs)
+	}
+	return n
 }
 
 // NewKVIndex returns an empty index of MaxIndexedGroups groups.
@@ -150,16 +188,14 @@ func (x *KVIndex) Apply(b *messages.KVEventBatch) (needDump bool) {
 		// a resync was waiting for is moot, and a dump asked of the old
 		// process is stale.
 		x.clearRankLocked(g, b.Rank, rs, false)
-		rs.pending, rs.resyncing, rs.synced = nil, false, true
+		rs.setPending(nil)
+		rs.resyncing, rs.synced = false, true
 		rs.epoch++
 	case rs.synced && b.Seq > rs.seq+MaxSeqJump:
 		x.rejected.Add(1)
 		return false
 	case rs.resyncing:
-		if len(rs.pending) >= maxPendingBatches {
-			rs.pending = rs.pending[:0] // the dump covers them; a gap after it asks again
-		}
-		rs.pending = append(rs.pending, b)
+		rs.hold(b)
 		return false
 	case b.Seq == rs.seq+1:
 		rs.synced = true // contiguous from the rank's first batch or a dump
@@ -167,7 +203,7 @@ func (x *KVIndex) Apply(b *messages.KVEventBatch) (needDump bool) {
 		return false // a duplicate of what was applied
 	default: // a gap, or a rank first seen mid-stream
 		rs.resyncing = true
-		rs.pending = append(rs.pending, b)
+		rs.hold(b)
 		return true
 	}
 	x.applyLocked(g, b.Rank, rs, b, false)

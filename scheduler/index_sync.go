@@ -46,7 +46,8 @@ func (x *KVIndex) ApplyDumpOf(group string, rank int, epoch uint64, dump *messag
 	x.clearRankLocked(g, rank, rs, true)
 	x.applyLocked(g, rank, rs, dump, true)
 	pending := rs.pending
-	rs.pending, rs.resyncing, rs.synced = nil, false, true
+	rs.setPending(nil)
+	rs.resyncing, rs.synced = false, true
 	slices.SortFunc(pending, func(a, b *messages.KVEventBatch) int { return cmpUint(a.Seq, b.Seq) })
 	for i, b := range pending {
 		switch {
@@ -59,7 +60,7 @@ func (x *KVIndex) ApplyDumpOf(group string, rank int, epoch uint64, dump *messag
 			x.applyLocked(g, rank, rs, b, false)
 		default:
 			rs.resyncing = true
-			rs.pending = pending[i:]
+			rs.setPending(pending[i:])
 			return true
 		}
 	}

@@ -606,6 +606,47 @@ func TestKVIndexPendingIsBounded(t *testing.T) {
 	}
 }
 
+// TestKVIndexPendingIsBoundedInBytes: the batches held back during a
+// resync are bounded by their size too, not only by their number. A forged
+// group whose rank never answers a dump (every role may publish heartbeats
+// and KV events without auth) had 40 batches of a million hashes held in
+// each scheduler, 320 MB, and 4,096 of them would have held 32 GiB.
+func TestKVIndexPendingIsBoundedInBytes(t *testing.T) {
+	x := readyIndex(t, 1, "g0")
+	c := hashChain(1, 2)
+	x.Apply(kvBatch("g0", 0, 1, stored(c[0])))
+	if !x.Apply(kvBatch("g0", 0, 3, stored(c[1]))) {
+		t.Fatal("gap not detected")
+	}
+	big := make([]uint64, messages.MaxMessageBytes/8) // one batch as large as the bus takes, shared
+	const batches = 100
+	for seq := uint64(4); seq < 4+batches; seq++ {
+		if x.Apply(kvBatch("g0", 0, seq, stored(big...))) {
+			t.Fatalf("seq %d: a held-back batch asked for another dump", seq)
+		}
+	}
+	x.mu.RLock()
+	held := 0
+	for _, b := range x.groups["g0"].ranks[0].pending {
+		held += batchBytes(b)
+	}
+	x.mu.RUnlock()
+	if held > maxPendingBytes {
+		t.Fatalf("%d MiB of batches held back during a resync, limit %d MiB", held>>20, maxPendingBytes>>20)
+	}
+	// The rank's dump at the last seq settles it, whatever was dropped.
+	last := uint64(3 + batches)
+	if x.ApplyDump("g0", 0, kvDump("g0", 0, last, c...)) {
+		t.Error("a dump at the last seq found a gap")
+	}
+	if x.Apply(kvBatch("g0", 0, last+1)) || len(x.Resyncing()) != 0 {
+		t.Error("seq after the dump not applied in order")
+	}
+	if got := prefixes(x, c, "g0")["g0"]; got != 2 {
+		t.Errorf("prefix %d, want 2", got)
+	}
+}
+
 func TestKVIndexGroupBlocksAndSize(t *testing.T) {
 	x := NewKVIndex()
 	for _, o := range []struct {
