@@ -3,6 +3,7 @@ package workers
 import (
 	"context"
 	"fmt"
+	"math"
 	"slices"
 	"strings"
 	"sync"
@@ -495,6 +496,13 @@ func (r *Rank) takeHandoff(h *messages.Handoff) *messages.HandoffResult {
 		return res
 	case h.BlockSize < 1:
 		res.Error = "no block_size"
+		return res
+	case h.BlockSize > math.MaxInt/max(r.blockBytes(1), 1) ||
+		r.cfg.Payload != PayloadAccounting && r.blockBytes(h.BlockSize) > messages.MaxPoolBlockBytes:
+		// Its byte size would overflow (to 0, every block "verified"
+		// empty and kept under its key), or its blocks could not cross
+		// the pool.
+		res.Error = fmt.Sprintf("block_size %d: its blocks would be larger than the pool carries (%d bytes)", h.BlockSize, messages.MaxPoolBlockBytes)
 		return res
 	}
 	start := time.Now()

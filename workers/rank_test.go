@@ -1287,6 +1287,37 @@ func TestHandoffsFromTwoGroupsAtOnce(t *testing.T) {
 	}
 }
 
+// TestHandoffWithAnImpossibleBlockSizeIsRefused: a hand-off whose
+// block_size makes a block larger than the pool carries is refused, its
+// blocks not read. block_size 2^62 made the block's byte size overflow to 0:
+// the rank "copied" every block, even ones the source never held, as
+// empty values under the real blocks' keys, and announced them stored; its
+// own saves of those blocks then found the keys taken and skipped them.
+func TestHandoffWithAnImpossibleBlockSizeIsRefused(t *testing.T) {
+	env := startRanks(t, rankEnvConfig{})
+	if _, err := env.nc.Subscribe(env.subj.Pool("g8", 0), func(m *nats.Msg) {
+		data, _ := messages.Marshal(&messages.PoolPart{Part: 0, Parts: 1}) // it holds none of them
+		_ = m.Respond(data)
+	}); err != nil {
+		t.Fatal(err)
+	}
+	for _, bs := range []int{1 << 62, 1 << 40, messages.MaxPoolBlockBytes} {
+		data, _ := messages.Marshal(&messages.Handoff{Model: testModel, TPRank: 0, Source: "g8", BlockSize: bs,
+			Runs: []messages.HandoffRun{{Session: "s", BlockHashes: messages.BlockHashes{1, 2, 3}}}})
+		reply, err := env.nc.Request(env.subj.Handoff(testGroup, 0), data, 5*time.Second)
+		if err != nil {
+			t.Fatalf("block_size %d: no answer: %v", bs, err)
+		}
+		res := &messages.HandoffResult{}
+		if err := messages.Unmarshal(reply.Data, res); err != nil {
+			t.Fatal(err)
+		}
+		if res.Stored != 0 || !strings.Contains(res.Error, "block_size") {
+			t.Errorf("block_size %d: %+v, want nothing stored and an error naming block_size", bs, res)
+		}
+	}
+}
+
 // TestDrainHandsOffToEveryTargetAtOnce: a draining group's rank asks all
 // its targets at once, so the hand-off takes one target's time, not the sum
 // (one --shutdown-timeout at most, as the README says, however many targets).
