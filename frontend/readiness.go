@@ -42,6 +42,8 @@ type schedulerTable struct {
 	// that changes how long a scheduler holds requests (its stop): the
 	// requests held then look again. Nil until a ready one was heard.
 	wake chan struct{}
+	// swept is when replicas silent past forgetAfter were last forgotten.
+	swept time.Time
 }
 
 // firstAnnouncementWait bounds how long a request that reaches a frontend
@@ -190,15 +192,23 @@ type schedulerSeen struct {
 // is forgotten: it is gone (each restart of one is a new id).
 const forgetAfter = time.Minute
 
+// forgetSweep is how often an announcement looks for replicas to forget:
+// not at each one, as any client of the bus may announce any number of
+// ids, and at each one the scan of them all made a flood quadratic.
+const forgetSweep = time.Second
+
 func (t *schedulerTable) observe(a *messages.Announcement, now time.Time) {
 	t.mu.Lock()
 	defer t.mu.Unlock()
 	if t.m == nil {
 		t.m = map[string]schedulerSeen{}
 	}
-	for id, s := range t.m { // a few replicas: cheap at one announcement each a second
-		if now.Sub(s.at) > forgetAfter {
-			delete(t.m, id)
+	if now.Sub(t.swept) >= forgetSweep {
+		t.swept = now
+		for id, s := range t.m {
+			if now.Sub(s.at) > forgetAfter {
+				delete(t.m, id)
+			}
 		}
 	}
 	holds := time.Duration(a.NoGroupWaitMs) * time.Millisecond

@@ -118,3 +118,31 @@ func TestShortCutWaitsForTheNextAnnouncement(t *testing.T) {
 		t.Errorf("after awaiting the next announcement: %q; want it heard (the wait returned at once)", why)
 	}
 }
+
+// TestManySchedulerIDsCostEachAnnouncementLittle: an announcement does not
+// scan every replica the frontend knows for ones to forget. Any client of
+// the bus may announce a scheduler under any id, and 300,000 ids made each
+// later announcement scan them all: the real binary's frontend spent a core
+// for minutes on the flood, 1 ms an announcement, quadratic in the ids.
+func TestManySchedulerIDsCostEachAnnouncementLittle(t *testing.T) {
+	const n = 50000
+	start := time.Unix(1000, 0)
+	var tab schedulerTable
+	tab.timeout = 3 * time.Second
+	tab.listen(start)
+	began := time.Now()
+	for i := range n {
+		tab.observe(&messages.Announcement{Role: messages.RoleScheduler, ID: fmt.Sprintf("forged%d", i)}, start.Add(time.Duration(i)*time.Microsecond))
+	}
+	if took := time.Since(began); took > 2*time.Second {
+		t.Fatalf("%d announcements of distinct ids took %v: each scans every id heard", n, took.Round(time.Millisecond))
+	}
+	// Forgetting still works: a minute later they go at the next one.
+	tab.observe(&messages.Announcement{Role: messages.RoleScheduler, ID: "s0", Ready: true}, start.Add(2*time.Minute))
+	tab.mu.Lock()
+	left := len(tab.m)
+	tab.mu.Unlock()
+	if left != 1 {
+		t.Errorf("%d replicas known after a minute's silence of all but one, want 1", left)
+	}
+}
