@@ -166,7 +166,7 @@ type frontendFlags struct {
 	HTTPAddr          string        `name:"http-addr" default:":8000" help:"HTTP listen address of the OpenAI-compatible API."`
 	SessionHeader     []string      `name:"session-header" default:"X-Session-ID,X-Correlation-ID" help:"Headers read for a session id, in order of precedence (repeatable)."`
 	MaxModelLen       int           `name:"max-model-len" positive:"" default:"8192" help:"Largest prompt + completion, in tokens."`
-	MaxBodyBytes      int64         `name:"max-body-bytes" positive:"" default:"4194304" help:"Largest request body, in bytes (413 above)."`
+	MaxBodyBytes      byteSize      `name:"max-body-bytes" positive:"" default:"4194304" help:"Largest request body, in bytes or a size such as 8MiB (413 above)."`
 	MaxInflight       int           `name:"max-inflight" default:"4096" help:"Generate requests served at once; more get 429 with Retry-After (0: no bound)."`
 	APIKey            string        `name:"api-key" help:"Require Authorization: Bearer <key> on /v1/ routes (like vLLM's --api-key)."`
 	AllowedOrigins    []string      `name:"allowed-origins" default:"*" help:"Origins browsers may call the API from (CORS), like vLLM's --allowed-origins; * allows any; empty: none."`
@@ -179,22 +179,22 @@ type frontendFlags struct {
 // requestLogFlags bound the JetStream request log; whichever role creates
 // the log (frontend or scheduler) applies them.
 type requestLogFlags struct {
-	RequestLogMaxBytes     int64         `name:"request-log-max-bytes" positive:"" default:"1073741824" help:"Cap of the JetStream request log, in bytes; when undispatched requests fill it, new requests get 503 request_log_full (applies when the log is created)."`
+	RequestLogMaxBytes     byteSize      `name:"request-log-max-bytes" positive:"" default:"1073741824" help:"Cap of the JetStream request log, in bytes or a size such as 2GiB; when undispatched requests fill it, new requests get 503 request_log_full (applies when the log is created)."`
 	RequestLogMaxAge       time.Duration `name:"request-log-max-age" positive:"" default:"24h" help:"How long the request log keeps a request (applies when the log is created)."`
-	RequestLogHistoryBytes int64         `name:"request-log-history-bytes" default:"0" help:"Bytes of dispatched requests kept in the log for capture; schedulers purge older ones (0: half the log's cap, --request-log-max-bytes of the role that created it)."`
+	RequestLogHistoryBytes byteSize      `name:"request-log-history-bytes" default:"0" help:"Bytes (or a size such as 64MiB) of dispatched requests kept in the log for capture; schedulers purge older ones (0: half the log's cap, --request-log-max-bytes of the role that created it)."`
 }
 
 func (f requestLogFlags) streamConfig() bus.StreamConfig {
-	return bus.StreamConfig{MaxBytes: f.RequestLogMaxBytes, MaxAge: f.RequestLogMaxAge, HistoryBytes: f.RequestLogHistoryBytes}
+	return bus.StreamConfig{MaxBytes: int64(f.RequestLogMaxBytes), MaxAge: f.RequestLogMaxAge, HistoryBytes: int64(f.RequestLogHistoryBytes)}
 }
 
 // baseConfig maps the flags onto a frontend configuration; the caller adds
 // the connection, subjects, model and logging.
 func (f frontendFlags) baseConfig(rl requestLogFlags) frontend.Config {
 	return frontend.Config{
-		Version: buildVersion(), Addr: f.HTTPAddr, SessionHeaders: f.SessionHeader, MaxModelLen: f.MaxModelLen, MaxBodyBytes: f.MaxBodyBytes,
+		Version: buildVersion(), Addr: f.HTTPAddr, SessionHeaders: f.SessionHeader, MaxModelLen: f.MaxModelLen, MaxBodyBytes: int64(f.MaxBodyBytes),
 		MaxInflight: f.MaxInflight, APIKey: f.APIKey, AllowedOrigins: f.AllowedOrigins,
-		RequestLogMaxBytes: rl.RequestLogMaxBytes, RequestLogMaxAge: rl.RequestLogMaxAge, RequestLogHistoryBytes: rl.RequestLogHistoryBytes,
+		RequestLogMaxBytes: int64(rl.RequestLogMaxBytes), RequestLogMaxAge: rl.RequestLogMaxAge, RequestLogHistoryBytes: int64(rl.RequestLogHistoryBytes),
 		ReadHeaderTimeout: f.ReadHeaderTimeout, IdleTimeout: f.IdleTimeout, StopGrace: f.StopGrace, StopTimeout: f.StopTimeout,
 	}
 }

@@ -3,11 +3,14 @@ package main
 import (
 	"fmt"
 	"reflect"
+	"strconv"
+	"strings"
 	"time"
 
 	"github.com/alecthomas/kong"
 
 	"github.com/kvbus/kvbus/messages"
+	"github.com/kvbus/kvbus/workers"
 )
 
 // Numbers on the command line. A library Config takes 0 (and, for many
@@ -76,5 +79,30 @@ func checkNumber(f *kong.Flag) error {
 	case zero && f.Tag.Has("positive"):
 		return fmt.Errorf("--%s is 0: it must be positive (0 does not mean none or the default here; see --help)", f.Name)
 	}
+	return nil
+}
+
+// byteSize is a flag in bytes that also takes a size with a unit (64MiB,
+// 1GiB, 512MB), as --kv-capacity and --stream-replay do: a scheduler
+// restarted with --request-log-history-bytes 64MiB exited, refusing "64MiB"
+// as no integer, and its requests got 503s until it was started again.
+type byteSize int64
+
+// Decode implements kong.MapperValue.
+func (b *byteSize) Decode(ctx *kong.DecodeContext) error {
+	var s string
+	if err := ctx.Scan.PopValueInto("size", &s); err != nil {
+		return err
+	}
+	s = strings.TrimSpace(s)
+	if n, err := strconv.ParseInt(s, 10, 64); err == nil {
+		*b = byteSize(n) // checkNumber judges its sign
+		return nil
+	}
+	n, err := workers.ParseCapacity(s, 0)
+	if err != nil || strings.HasSuffix(s, "tok") {
+		return fmt.Errorf("bad size %q: want bytes, or a size such as 64MiB, 1GiB or 512MB", s)
+	}
+	*b = byteSize(n)
 	return nil
 }

@@ -105,3 +105,34 @@ func parseArgs(t *testing.T, args ...string) error {
 	_, err = p.Parse(args)
 	return err
 }
+
+// TestByteSizeFlags: the flags in bytes take a size with a unit, as
+// --kv-capacity does. A scheduler restarted with
+// --request-log-history-bytes 64MiB exited ("expected a valid 64 bit int")
+// and its requests got 503s until it was started again.
+func TestByteSizeFlags(t *testing.T) {
+	for _, tc := range []struct {
+		args []string
+		get  func(*cli) byteSize
+		want byteSize
+	}{
+		{[]string{"scheduler", "--request-log-history-bytes", "64MiB"}, func(c *cli) byteSize { return c.Scheduler.RequestLogHistoryBytes }, 64 << 20},
+		{[]string{"scheduler", "--request-log-max-bytes", "2GiB"}, func(c *cli) byteSize { return c.Scheduler.RequestLogMaxBytes }, 2 << 30},
+		{[]string{"frontend", "--max-body-bytes", "8MB"}, func(c *cli) byteSize { return c.Frontend.MaxBodyBytes }, 8e6},
+		{[]string{"frontend", "--max-body-bytes", "4194304"}, func(c *cli) byteSize { return c.Frontend.MaxBodyBytes }, 4 << 20},
+		{[]string{"frontend"}, func(c *cli) byteSize { return c.Frontend.MaxBodyBytes }, 4 << 20}, // the default
+		{[]string{"serve", "--request-log-history-bytes", "0"}, func(c *cli) byteSize { return c.Serve.RequestLogHistoryBytes }, 0},
+	} {
+		if got := tc.get(parseCLI(t, tc.args...)); got != tc.want {
+			t.Errorf("%v: %d, want %d", tc.args, got, tc.want)
+		}
+	}
+	for _, tc := range []struct{ arg, want string }{
+		{"5tok", "bad size"}, {"lots", "bad size"}, {"-1", "may not be negative"}, {"-1MiB", "bad size"},
+	} {
+		err := parseArgs(t, "scheduler", "--request-log-history-bytes="+tc.arg)
+		if err == nil || !strings.Contains(err.Error(), tc.want) || !strings.Contains(err.Error(), "request-log-history-bytes") {
+			t.Errorf("--request-log-history-bytes %s: %v; want an error naming the flag and %q", tc.arg, err, tc.want)
+		}
+	}
+}
