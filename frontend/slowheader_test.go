@@ -86,24 +86,35 @@ func TestSlowHeaderClient(t *testing.T) {
 	t.Logf("slow-header connection closed by the server after %v: %v", elapsed, readErr)
 }
 
+// stallBody opens a connection to fe, sends a generate request's headers
+// with framing (its body's framing header, the blank line and part of the
+// body) and nothing more, and gives the connection a read deadline of wait.
+func stallBody(t *testing.T, url, framing string, wait time.Duration) net.Conn {
+	t.Helper()
+	conn, err := net.Dial("tcp", strings.TrimPrefix(url, "http://"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { conn.Close() })
+	if _, err := conn.Write([]byte("POST /v1/chat/completions HTTP/1.1\r\nHost: kvbus\r\nContent-Type: application/json\r\n" + framing)); err != nil {
+		t.Fatal(err)
+	}
+	if err := conn.SetReadDeadline(time.Now().Add(wait)); err != nil {
+		t.Fatal(err)
+	}
+	return conn
+}
+
+// contentLengthPart declares a 1,000-byte body and sends its first bytes.
+const contentLengthPart = "Content-Length: 1000\r\n\r\n{\"messages\":"
+
 // TestSlowBodyClient: a client that sends its headers and part of a body,
 // then stalls, is answered 408 after ReadBodyTimeout; with --max-inflight 1
 // the next request is taken.
 func TestSlowBodyClient(t *testing.T) {
 	const bodyTimeout = 300 * time.Millisecond
 	fe := startFrontend(t, func(c *frontend.Config) { c.ReadBodyTimeout, c.MaxInflight = bodyTimeout, 1 })
-	conn, err := net.Dial("tcp", strings.TrimPrefix(fe.url, "http://"))
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer conn.Close()
-	if _, err := conn.Write([]byte("POST /v1/chat/completions HTTP/1.1\r\nHost: kvbus\r\nContent-Type: application/json\r\n" +
-		"Content-Length: 1000\r\n\r\n{\"messages\":")); err != nil {
-		t.Fatal(err)
-	}
-	if err := conn.SetReadDeadline(time.Now().Add(5 * time.Second)); err != nil {
-		t.Fatal(err)
-	}
+	conn := stallBody(t, fe.url, contentLengthPart, 5*time.Second)
 	resp, err := http.ReadResponse(bufio.NewReader(conn), nil)
 	if err != nil {
 		t.Fatalf("no answer to a stalled body: %v", err)
@@ -130,20 +141,11 @@ func TestSlowBodyUnderAShortRequestTimeoutIs408(t *testing.T) {
 	const requestTimeout = 500 * time.Millisecond
 	fe := startFrontend(t, func(c *frontend.Config) { c.ReadBodyTimeout, c.RequestTimeout = 5*time.Second, requestTimeout })
 	for _, tc := range []struct{ name, framing string }{
-		{"content-length", "Content-Length: 1000\r\n\r\n{\"messages\":"},
+		{"content-length", contentLengthPart},
 		{"chunked", "Transfer-Encoding: chunked\r\n\r\nc\r\n{\"messages\":\r\n"},
 	} {
-		conn, err := net.Dial("tcp", strings.TrimPrefix(fe.url, "http://"))
-		if err != nil {
-			t.Fatal(err)
-		}
 		start := time.Now()
-		if _, err := conn.Write([]byte("POST /v1/chat/completions HTTP/1.1\r\nHost: kvbus\r\nContent-Type: application/json\r\n" + tc.framing)); err != nil {
-			t.Fatal(err)
-		}
-		if err := conn.SetReadDeadline(time.Now().Add(10 * time.Second)); err != nil {
-			t.Fatal(err)
-		}
+		conn := stallBody(t, fe.url, tc.framing, 10*time.Second)
 		resp, err := http.ReadResponse(bufio.NewReader(conn), nil)
 		conn.Close()
 		if err != nil {
@@ -167,18 +169,7 @@ func TestSlowBodyUnderAShortRequestTimeoutIs408(t *testing.T) {
 // send part of it.
 func TestSlowBodyConnectionClosedAfterIts408(t *testing.T) {
 	fe := startFrontend(t, func(c *frontend.Config) { c.ReadBodyTimeout = 300 * time.Millisecond })
-	conn, err := net.Dial("tcp", strings.TrimPrefix(fe.url, "http://"))
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer conn.Close()
-	if _, err := conn.Write([]byte("POST /v1/chat/completions HTTP/1.1\r\nHost: kvbus\r\nContent-Type: application/json\r\n" +
-		"Content-Length: 1000\r\n\r\n{\"messages\":")); err != nil {
-		t.Fatal(err)
-	}
-	if err := conn.SetReadDeadline(time.Now().Add(5 * time.Second)); err != nil {
-		t.Fatal(err)
-	}
+	conn := stallBody(t, fe.url, contentLengthPart, 5*time.Second)
 	br := bufio.NewReader(conn)
 	resp, err := http.ReadResponse(br, nil)
 	if err != nil {

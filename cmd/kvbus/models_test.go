@@ -64,18 +64,7 @@ func TestModelNamesTooLongForASubjectAreRefused(t *testing.T) {
 		{"worker", "--model", long, "--metrics-addr", "", "--nats-url", "nats://127.0.0.1:1"},
 		{"serve", "--model", long, "--http-addr", "127.0.0.1:0", "--nats-addr", "127.0.0.1:0"},
 	} {
-		c := parseCLI(t, args...)
-		ctx, cancel := context.WithTimeout(t.Context(), 10*time.Second)
-		var err error
-		switch args[0] {
-		case "frontend":
-			err = c.Frontend.Run(ctx)
-		case "worker":
-			err = c.Worker.Run(ctx)
-		default:
-			err = c.Serve.Run(ctx)
-		}
-		cancel()
+		err := runRole(t, args...)
 		if err == nil || !strings.Contains(err.Error(), "5004 bytes long") || !strings.Contains(err.Error(), "at most 1024") {
 			t.Errorf("%v: %v, want a refusal naming the name's length and the limit", args[0], err)
 		}
@@ -96,18 +85,7 @@ func TestModelNamesWithSpacesAreRefused(t *testing.T) {
 		{"worker", "--model", " b", "--metrics-addr", "", "--nats-url", "nats://127.0.0.1:1"},
 		{"serve", "--model", "b ", "--http-addr", "127.0.0.1:0", "--nats-addr", "127.0.0.1:0"},
 	} {
-		c := parseCLI(t, args...)
-		ctx, cancel := context.WithTimeout(t.Context(), 10*time.Second)
-		var err error
-		switch args[0] {
-		case "frontend":
-			err = c.Frontend.Run(ctx)
-		case "worker":
-			err = c.Worker.Run(ctx)
-		default:
-			err = c.Serve.Run(ctx)
-		}
-		cancel()
+		err := runRole(t, args...)
 		if err == nil || !strings.Contains(err.Error(), "spaces around it") || !strings.Contains(err.Error(), "--model a,b") {
 			t.Errorf("%v: %v, want a refusal naming the name with spaces", args, err)
 		}
@@ -334,4 +312,23 @@ func startEngineFrontend(t *testing.T, cmd, natsURL, engineURL string, args ...s
 		return healthz(base+"/livez") == http.StatusOK
 	})
 	return base
+}
+
+// runRole runs the frontend, worker or serve command line args for at most
+// 10 s and returns its error.
+func runRole(t *testing.T, args ...string) error {
+	t.Helper()
+	c := parseCLI(t, args...)
+	ctx, cancel := context.WithTimeout(t.Context(), 10*time.Second)
+	defer cancel()
+	switch args[0] {
+	case "frontend":
+		return c.Frontend.Run(ctx)
+	case "worker":
+		return c.Worker.Run(ctx)
+	case "serve":
+		return c.Serve.Run(ctx)
+	}
+	t.Fatalf("runRole: no role %q", args[0])
+	return nil
 }
