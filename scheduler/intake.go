@@ -55,7 +55,9 @@ func (s *Scheduler) onRequest(ctx context.Context, m jetstream.Msg) error {
 	}
 	if start.After(deadline) {
 		s.m.requests.WithLabelValues("expired").Inc()
-		log().Warn("request expired before dispatch", "deadline", deadline)
+		if ok, held, _ := s.expiredSaid.Allow(req.RequestID); ok {
+			log().Warn("request expired before dispatch", "deadline", deadline, "more_since_last_warning", held)
+		}
 		s.sendError(req.FrontendID, req.RequestID, sessionID, 0, "timeout", "request deadline passed before it could be dispatched")
 		return m.Ack()
 	}

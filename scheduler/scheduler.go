@@ -208,6 +208,10 @@ type Scheduler struct {
 	// skewSaid holds back repeats of the warning that one is off.
 	clocks   *frontendClocks
 	skewSaid logevery.Limiter[time.Duration]
+	// expiredSaid holds back repeats of "request expired before dispatch"
+	// (by request id): a backlog that outlived its deadlines in the log (a
+	// long outage of every scheduler) expires one request at a time.
+	expiredSaid logevery.Limiter[string]
 }
 
 type rankID struct {
@@ -314,6 +318,9 @@ func New(cfg Config) (*Scheduler, error) {
 
 		groupModels: map[string]string{},
 	}
+	s.expiredSaid = logevery.Limiter[string]{Every: 10 * time.Second, Held: func(last string, held int, over time.Duration) {
+		s.log.Warn("requests expired before dispatch", "count", held, "over", over.Round(time.Millisecond), "last_req_id", last)
+	}}
 	s.m = newMetrics(cfg.Registerer, metricFuncs{
 		trackers: func() float64 { return float64(s.trackers.Len()) },
 		rejected: func() float64 { return float64(s.index.Rejected()) },

@@ -713,6 +713,33 @@ func TestSchedulerExpiredRequest(t *testing.T) {
 	e.waitNoTrackers()
 }
 
+// TestExpiredRequestsAreLoggedOnceAnInterval: a backlog that outlived its
+// deadlines (every scheduler down for longer than the request timeout)
+// expires one request at a time; each got its own WARN line, a flood of
+// them, where one line with the count held back says it.
+func TestExpiredRequestsAreLoggedOnceAnInterval(t *testing.T) {
+	e := startScheduler(t, schedEnvConfig{requestTimeout: 10 * time.Second})
+	const n = 40
+	for i := range n {
+		req := newRequest(fmt.Sprintf("expired-%d", i), "s", testenv.PromptTokens(i, 32))
+		req.DeadlineUnixMs = time.Now().Add(-time.Second).UnixMilli()
+		e.publishRequest(req)
+	}
+	testenv.Eventually(t, waitFor, "every expired request answered", func() bool {
+		return e.counter("kvbus_scheduler_requests_total", map[string]string{"outcome": "expired"}) == n
+	})
+	for i := range n {
+		id := fmt.Sprintf("expired-%d", i)
+		testenv.Eventually(t, waitFor, "the error output of "+id, func() bool { return len(e.outputs(id)) > 0 })
+		if out := e.outputs(id); len(out) != 1 || out[0].Error == nil || out[0].Error.Code != "timeout" {
+			t.Fatalf("%s: outputs %+v, want one timeout error", id, out)
+		}
+	}
+	if lines := e.logs.Lines("request expired before dispatch"); len(lines) != 1 {
+		t.Errorf("%d lines for %d expired requests within 10 s, want 1:\n%s", len(lines), n, strings.Join(lines, "\n"))
+	}
+}
+
 func TestSchedulerDropsMalformedRequest(t *testing.T) {
 	e := startScheduler(t, schedEnvConfig{})
 	noFrontend, err := messages.Marshal(&messages.Request{RequestID: "no-frontend", Model: testModel})
