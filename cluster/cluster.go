@@ -87,7 +87,9 @@ type Config struct {
 	SessionTTL       time.Duration
 	MaxSessions      int // scheduler.Config.MaxSessions
 	NoGroupWait      time.Duration
-	ResendAfter      time.Duration
+	// FrontendGoneAfter is scheduler.Config's (0: its default).
+	FrontendGoneAfter time.Duration
+	ResendAfter       time.Duration
 	// Pool is the schedulers' --pool: global (default) or local.
 	Pool string
 	// IndexGroups is the schedulers' IndexGroups (0: MaxIndexedGroups).
@@ -338,7 +340,7 @@ func (c *Cluster) startScheduler() error {
 		HeartbeatTimeout: cfg.HeartbeatTimeout, RequestTimeout: cfg.RequestTimeout, SessionTTL: cfg.SessionTTL, MaxSessions: cfg.MaxSessions,
 		StreamReplicas: 1, Logger: c.log, Registerer: reg,
 		NoGroupWait: cfg.NoGroupWait, ResendAfter: cfg.ResendAfter, RequestLog: requestLog, Pool: cfg.Pool,
-		IndexGroups: cfg.IndexGroups,
+		IndexGroups: cfg.IndexGroups, FrontendGoneAfter: cfg.FrontendGoneAfter,
 	})
 	if err != nil {
 		return err

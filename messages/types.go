@@ -489,12 +489,16 @@ func (a *Abort) Timeout() bool { return strings.HasPrefix(a.Reason, AbortReasonT
 const (
 	AbortReasonClientGone      = "client disconnected"
 	AbortReasonFrontendStopped = "frontend stopped"
+	// AbortReasonFrontendGone is a scheduler's, for the requests of a
+	// frontend that died with them in flight (nobody listens on its output
+	// subject any more).
+	AbortReasonFrontendGone = "frontend gone"
 )
 
 // ByClient reports whether the Abort is for a request nobody waits for:
 // its client went away, or its frontend stopped.
 func (a *Abort) ByClient() bool {
-	return a.Reason == AbortReasonClientGone || a.Reason == AbortReasonFrontendStopped
+	return a.Reason == AbortReasonClientGone || a.Reason == AbortReasonFrontendStopped || a.Reason == AbortReasonFrontendGone
 }
 
 // Abort cancels a request; published on kvbus.ctl.abort.

@@ -78,6 +78,11 @@ type Config struct {
 	// DumpTimeout bounds a rank's answer to a dump request, all its chunks
 	// (default 5 s).
 	DumpTimeout time.Duration
+	// FrontendGoneAfter is how long every probe of a frontend with
+	// requests in flight here must find nobody listening on its output
+	// subject before its requests are aborted on their groups (default
+	// DefaultFrontendGoneAfter; see frontends.go).
+	FrontendGoneAfter time.Duration
 	// NoGroupWait is how long a request waits for a ready worker group
 	// before it gets a fast no_ready_group error (503 with Retry-After)
 	// instead of waiting out its deadline (default 2 s).
@@ -151,6 +156,12 @@ func (c *Config) Validate() error {
 // DefaultShutdownTimeout is Config.ShutdownTimeout's default.
 const DefaultShutdownTimeout = 20 * time.Second
 
+// DefaultFrontendGoneAfter is Config.FrontendGoneAfter's default: longer
+// than a frontend's reconnect to another NATS server (nats.go waits 2 s
+// between attempts), far shorter than the answers a dead frontend left
+// running.
+const DefaultFrontendGoneAfter = 10 * time.Second
+
 // Scheduler is one scheduler replica. Several replicas share the request
 // log's durable consumer; each request is dispatched by one of them.
 type Scheduler struct {
@@ -212,6 +223,10 @@ type Scheduler struct {
 	// (by request id): a backlog that outlived its deadlines in the log (a
 	// long outage of every scheduler) expires one request at a time.
 	expiredSaid logevery.Limiter[string]
+	// frontends follows the frontends with requests in flight here, and
+	// probe is the Output a probe of one carries (frontends.go).
+	frontends *frontendWatch
+	probe     []byte
 }
 
 type rankID struct {
@@ -244,6 +259,9 @@ func New(cfg Config) (*Scheduler, error) {
 	}
 	if cfg.DumpTimeout <= 0 {
 		cfg.DumpTimeout = 5 * time.Second
+	}
+	if cfg.FrontendGoneAfter <= 0 {
+		cfg.FrontendGoneAfter = DefaultFrontendGoneAfter
 	}
 	if cfg.UnsyncedWait == 0 {
 		cfg.UnsyncedWait = 2 * time.Second
@@ -317,6 +335,10 @@ func New(cfg Config) (*Scheduler, error) {
 		skewSaid:   logevery.Limiter[time.Duration]{Every: time.Minute},
 
 		groupModels: map[string]string{},
+	}
+	s.frontends = newFrontendWatch()
+	if s.probe, err = messages.Marshal(&messages.Output{V: messages.Version, ReqID: probeReqID}); err != nil {
+		return nil, fmt.Errorf("scheduler: %w", err)
 	}
 	s.expiredSaid = logevery.Limiter[string]{Every: 10 * time.Second, Held: func(last string, held int, over time.Duration) {
 		s.log.Warn("requests expired before dispatch", "count", held, "over", over.Round(time.Millisecond), "last_req_id", last)
@@ -494,6 +516,7 @@ func (s *Scheduler) Run(ctx context.Context) error {
 	var busWatch sync.WaitGroup
 	busWatch.Go(func() { s.watchBus(busCtx) })
 	defer func() { stopBus(); busWatch.Wait() }()
+	defer s.frontends.running.Wait() // each within probeWait
 
 	tick := time.NewTicker(250 * time.Millisecond)
 	defer tick.Stop()

@@ -140,6 +140,7 @@ func (s *Scheduler) sweep(ctx context.Context, now time.Time) {
 		s.groups.reconnected(now, since)
 		s.peers.reconnected(now)
 		s.trackers.reconnected(now)
+		s.frontends.reconnected()
 		// Judged above on the ranks' silence during the cut, which says
 		// nothing of them: after a cut longer than the heartbeat timeout
 		// every group was logged "not ready", and "ready" a sweep later.
@@ -162,6 +163,7 @@ func (s *Scheduler) sweep(ctx context.Context, now time.Time) {
 	s.releaseHeld(now)
 	s.rescue(now)
 	s.resend(now)
+	s.watchFrontends(ctx, now)
 	entries, full := s.index.Size()
 	s.m.indexEntries.Set(float64(entries))
 	s.m.indexBlocks.Set(float64(full))

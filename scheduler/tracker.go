@@ -375,6 +375,30 @@ func (tt *trackerTable) expired(now time.Time) []*RequestTracker {
 	return out
 }
 
+// frontends returns the frontends of the live trackers.
+func (tt *trackerTable) frontends() map[string]bool {
+	tt.mu.Lock()
+	defer tt.mu.Unlock()
+	ids := map[string]bool{}
+	for _, t := range tt.m {
+		ids[t.FrontendID] = true
+	}
+	return ids
+}
+
+// ofFrontend returns the live trackers of frontend id.
+func (tt *trackerTable) ofFrontend(id string) []*RequestTracker {
+	tt.mu.Lock()
+	defer tt.mu.Unlock()
+	var out []*RequestTracker
+	for _, t := range tt.m {
+		if t.FrontendID == id {
+			out = append(out, t)
+		}
+	}
+	return out
+}
+
 // Len returns the number of live trackers.
 func (tt *trackerTable) Len() int {
 	tt.mu.Lock()

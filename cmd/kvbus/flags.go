@@ -214,6 +214,7 @@ type schedulerFlags struct {
 	HeartbeatTimeout time.Duration `name:"heartbeat-timeout" positive:"" default:"3s" help:"A group is ready when all its ranks sent a heartbeat within this."`
 	NoGroupWait      time.Duration `name:"no-group-wait" positive:"" default:"2s" help:"How long a request waits for a ready worker group before it gets 503 no_ready_group with Retry-After."`
 	ResendAfter      time.Duration `name:"resend-after" positive:"" default:"1s" help:"A ReqMeta that a rank has not answered (receipt or result) within this is published again, up to 3 times."`
+	FrontendGone     time.Duration `name:"frontend-gone-after" positive:"" default:"10s" help:"A frontend with requests in flight that nobody hears on its output subject for this long (killed: it sent no abort) is gone, and its requests are aborted on their groups; keep it above a frontend's reconnect to another NATS server."`
 	Pool             string        `name:"pool" enum:"local,global" default:"global" help:"KV pool: local (a group loads what its own ranks hold) or global (the ranks' stores are one pool: a LoadSpec may read runs of the prefix from other groups, and kv costs loads in prefill time)."`
 }
 

@@ -94,5 +94,6 @@ func schedulerConfig(c *schedulerCmd, log *slog.Logger) (scheduler.Config, error
 		HeartbeatTimeout: f.HeartbeatTimeout, RequestTimeout: t.RequestTimeout, SessionTTL: f.SessionTTL, MaxSessions: f.MaxSessions, ShutdownTimeout: c.ShutdownTimeout,
 		Logger:      log,
 		NoGroupWait: f.NoGroupWait, ResendAfter: f.ResendAfter, RequestLog: rl.streamConfig(), Pool: f.Pool,
+		FrontendGoneAfter: f.FrontendGone,
 	}, nil
 }

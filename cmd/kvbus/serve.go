@@ -130,7 +130,7 @@ func (c *serveCmd) clusterConfig() (cluster.Config, error) {
 		HeartbeatInterval: c.HeartbeatEvery, ShutdownTimeout: c.ShutdownTimeout,
 		Policy: c.Policy, SessionEpsilon: &c.SessionEpsilon, BlockSize: c.BlockSize,
 		HeartbeatTimeout: c.HeartbeatTimeout, RequestTimeout: c.RequestTimeout, SessionTTL: c.SessionTTL, MaxSessions: c.MaxSessions,
-		NoGroupWait: c.NoGroupWait, ResendAfter: c.ResendAfter, SaveWait: c.SaveWait, DrainHandoff: handoff, StreamReplay: replay, Pool: c.Pool,
+		NoGroupWait: c.NoGroupWait, FrontendGoneAfter: c.FrontendGone, ResendAfter: c.ResendAfter, SaveWait: c.SaveWait, DrainHandoff: handoff, StreamReplay: replay, Pool: c.Pool,
 	}, nil
 }
 
