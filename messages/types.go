@@ -474,6 +474,12 @@ type SavePlan struct {
 	Turn         int    `msgpack:"turn,omitempty" json:"turn,omitempty"`
 }
 
+// FrontendProbeReqID is the request id of the Outputs a scheduler sends to
+// find whether a frontend still listens on its output subject (a request
+// with a reply inbox: the server answers "no responders" once nobody
+// does). No request has it; every reader of outputs ignores it.
+const FrontendProbeReqID = "kvbus-frontend-probe"
+
 // AbortReasonTimeout begins the Reason of an Abort sent because the
 // request's deadline passed (a frontend's --request-timeout, a replay's
 // --timeout), not because its client went away.

@@ -20,16 +20,13 @@ import (
 // probeEvery, for each frontend with requests in flight here, it sends a
 // request onto the frontend's output subject (kvbus.out.<id>, where only
 // that frontend listens) whose answer it does not expect. A frontend that
-// listens receives it (an Output for probeReqID, which no request has:
+// listens receives it (an Output for messages.FrontendProbeReqID, which no request has:
 // frontends, top and replays ignore it) and says nothing: the request times
 // out. With nobody listening the server answers at once that there are no
 // responders. A frontend found so for FrontendGoneAfter in a row (longer
 // than a reconnect to another server of a NATS cluster, during which its
 // subscription is gone too) is gone: its requests here are aborted on
 // their groups, outcome aborted.
-
-// probeReqID is the request id of a probe's Output.
-const probeReqID = "kvbus-frontend-probe"
 
 const (
 	// probeEvery is how often a frontend with requests in flight is asked

@@ -85,7 +85,7 @@ func TestRequestsOfAGoneFrontendAreAborted(t *testing.T) {
 		if err != nil {
 			t.Fatalf("%s heard no probe: %v", name, err)
 		}
-		if o, err := messages.DecodeOutput(m.Data); err != nil || o.ReqID != probeReqID {
+		if o, err := messages.DecodeOutput(m.Data); err != nil || o.ReqID != messages.FrontendProbeReqID {
 			t.Errorf("%s: probe %+v (%v)", name, o, err)
 		}
 	}

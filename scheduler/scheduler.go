@@ -337,7 +337,7 @@ func New(cfg Config) (*Scheduler, error) {
 		groupModels: map[string]string{},
 	}
 	s.frontends = newFrontendWatch()
-	if s.probe, err = messages.Marshal(&messages.Output{V: messages.Version, ReqID: probeReqID}); err != nil {
+	if s.probe, err = messages.Marshal(&messages.Output{V: messages.Version, ReqID: messages.FrontendProbeReqID}); err != nil {
 		return nil, fmt.Errorf("scheduler: %w", err)
 	}
 	s.expiredSaid = logevery.Limiter[string]{Every: 10 * time.Second, Held: func(last string, held int, over time.Duration) {

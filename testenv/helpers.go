@@ -12,8 +12,11 @@ import (
 	"testing"
 	"time"
 
+	"github.com/nats-io/nats.go"
 	"github.com/prometheus/client_golang/prometheus"
 	dto "github.com/prometheus/client_model/go"
+
+	"github.com/kvbus/kvbus/messages"
 )
 
 // CounterSum sums the series of the counter name in g whose labels include
@@ -168,6 +171,20 @@ func FreeAddrs(t testing.TB, n int) []string {
 		}
 		held = append(held, l) // until all are drawn: n distinct
 		out = append(out, l.Addr().String())
+	}
+	return out
+}
+
+// RequestOutputs returns the messages of msgs that are outputs of a
+// request: the schedulers' probes of a frontend (messages.FrontendProbeReqID)
+// on the same subjects are not.
+func RequestOutputs(msgs []*nats.Msg) []*nats.Msg {
+	var out []*nats.Msg
+	for _, m := range msgs {
+		if o, err := messages.DecodeOutput(m.Data); err == nil && o.ReqID == messages.FrontendProbeReqID {
+			continue
+		}
+		out = append(out, m)
 	}
 	return out
 }
