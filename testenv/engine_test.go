@@ -83,11 +83,17 @@ func engineClusterWith(t *testing.T, n int, mod func(i int, c *fakeengine.Config
 	}
 	c := testenv.StartCluster(t, cc)
 	for _, e := range engines {
-		ctx, cancel := context.WithTimeout(t.Context(), 10*time.Second)
+		// Setup, not the property: 30 s, as a fresh-clone CI run on 2
+		// busy cores once took more than 10 s (unexplained since).
+		began := time.Now()
+		ctx, cancel := context.WithTimeout(t.Context(), 30*time.Second)
 		if err := e.WaitSubscribed(ctx); err != nil {
 			t.Fatalf("the rank never subscribed to the engine's KV events: %v", err)
 		}
 		cancel()
+		if took := time.Since(began); took > 5*time.Second {
+			t.Logf("the rank took %v to subscribe to the engine's KV events", took.Round(time.Millisecond))
+		}
 	}
 	return c, engines
 }

@@ -92,7 +92,7 @@ func restartCluster(t *testing.T) (*testenv.Cluster, *restartableEngine) {
 
 func waitSubscribed(t *testing.T, e *restartableEngine) {
 	t.Helper()
-	ctx, cancel := context.WithTimeout(t.Context(), 10*time.Second)
+	ctx, cancel := context.WithTimeout(t.Context(), 30*time.Second) // setup (see engineCluster)
 	defer cancel()
 	if err := e.WaitSubscribed(ctx); err != nil {
 		t.Fatalf("the rank never subscribed to the engine's KV events: %v", err)
