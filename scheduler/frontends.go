@@ -20,10 +20,10 @@ import (
 // probeEvery, for each frontend with requests in flight here, it sends a
 // request onto the frontend's output subject (kvbus.out.<id>, where only
 // that frontend listens) whose answer it does not expect. A frontend that
-// listens receives it (an Output for messages.FrontendProbeReqID, which no request has:
-// frontends, top and replays ignore it) and says nothing: the request times
-// out. With nobody listening the server answers at once that there are no
-// responders. A frontend found so for FrontendGoneAfter in a row (longer
+// listens receives it (an Output for messages.FrontendProbeReqID, which no
+// request has: frontends, top and replays ignore it) and says nothing: the
+// request times out. With nobody listening the server answers at once that
+// there are no responders. A frontend found so for FrontendGoneAfter in a row (longer
 // than a reconnect to another server of a NATS cluster, during which its
 // subscription is gone too) is gone: its requests here are aborted on
 // their groups, outcome aborted.
@@ -141,6 +141,7 @@ func (s *Scheduler) abortFrontend(id string, now time.Time) {
 		s.log.Info("request aborted", "req_id", t.ReqID, "session_id", t.SessionID, "group", t.Group, "reason", messages.AbortReasonFrontendGone)
 	}
 	if n > 0 {
+		s.m.frontendsGone.Inc()
 		s.log.Warn("a frontend with requests in flight is gone (nobody listens on its output subject): its requests were aborted on their groups",
 			"frontend_id", id, "requests", n, "gone_for", s.cfg.FrontendGoneAfter)
 	}

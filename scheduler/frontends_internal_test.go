@@ -6,6 +6,7 @@ import (
 	"time"
 
 	"github.com/nats-io/nats.go"
+	dto "github.com/prometheus/client_model/go"
 
 	"github.com/kvbus/kvbus/messages"
 )
@@ -73,6 +74,10 @@ func TestRequestsOfAGoneFrontendAreAborted(t *testing.T) {
 		if s.trackers.has(id) {
 			t.Errorf("%s still tracked", id)
 		}
+	}
+	var gone dto.Metric
+	if err := s.m.frontendsGone.Write(&gone); err != nil || gone.GetCounter().GetValue() != 1 {
+		t.Errorf("kvbus_scheduler_frontends_gone_total %v (%v); want 1 (fe-dead)", gone.GetCounter().GetValue(), err)
 	}
 	for _, id := range []string{"live", "back"} {
 		if !s.trackers.has(id) {

@@ -18,6 +18,7 @@ type metrics struct {
 	indexBlocks   prometheus.Gauge
 	resyncs       prometheus.Counter
 	resends       prometheus.Counter
+	frontendsGone prometheus.Counter
 	poolTokens    *prometheus.CounterVec
 	// The request log, as this replica last read it (every logCheckEvery).
 	logPending prometheus.Gauge
@@ -44,7 +45,7 @@ func newMetrics(reg prometheus.Registerer, f metricFuncs) *metrics {
 		}),
 		requests: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "kvbus_scheduler_requests_total",
-			Help: "Requests by outcome: dispatched, redispatched (moved off a failed group), adopted (dispatched by a replica that died; this one watches it now), completed, failed (an error of its group or engine, or the group failed while generating), timeout (its deadline passed: at the ranks, at the frontend, or unanswered here), aborted (its client went away, or its frontend stopped), withdrawn (its frontend gave it up for a copy it published again, or its publish failed), duplicate, expired, no_ready_group (refused: no group ready within --no-group-wait), too_large (its ReqMeta above the server's max_payload).",
+			Help: "Requests by outcome: dispatched, redispatched (moved off a failed group), adopted (dispatched by a replica that died; this one watches it now), completed, failed (an error of its group or engine, or the group failed while generating), timeout (its deadline passed: at the ranks, at the frontend, or unanswered here), aborted (its client went away, its frontend stopped, or its frontend was found gone: kvbus_scheduler_frontends_gone_total), withdrawn (its frontend gave it up for a copy it published again, or its publish failed), duplicate, expired, no_ready_group (refused: no group ready within --no-group-wait), too_large (its ReqMeta above the server's max_payload).",
 		}, []string{"outcome"}),
 		ready: prometheus.NewGauge(prometheus.GaugeOpts{
 			Name: "kvbus_scheduler_ready_groups",
@@ -119,6 +120,10 @@ func newMetrics(reg prometheus.Registerer, f metricFuncs) *metrics {
 			Help:    "Time between two heartbeats of one rank's process as this replica handled them (a rank sends one every --heartbeat-interval, 1 s, and a driver one per request too). Gaps near kvbus_scheduler_heartbeat_timeout_seconds mean starved workers or a congested bus: their groups are about to be judged failed.",
 			Buckets: []float64{0.05, 0.25, 0.5, 1, 1.1, 1.25, 1.5, 2, 2.5, 3, 5, 10},
 		}),
+		frontendsGone: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "kvbus_scheduler_frontends_gone_total",
+			Help: "Frontends found gone with requests of this replica in flight (nobody heard on their output subject for --frontend-gone-after: killed, or cut off): their requests were aborted on their groups.",
+		}),
 		heartbeatTimeout: prometheus.NewGauge(prometheus.GaugeOpts{
 			Name: "kvbus_scheduler_heartbeat_timeout_seconds",
 			Help: "--heartbeat-timeout: a group with a rank not heard from for this long takes no request, and its requests move (or fail).",
@@ -127,7 +132,7 @@ func newMetrics(reg prometheus.Registerer, f metricFuncs) *metrics {
 	if reg != nil {
 		reg.MustRegister(m.heartbeatGap, m.heartbeatTimeout, m.routing, m.requests, m.ready, m.predicted, m.actual, m.promptTokens, m.cachedTokens,
 			m.modelReady, m.groupInflight, m.groupQueued, m.groupBlocks, m.indexEntries, m.indexBlocks, m.resyncs,
-			m.resends, m.poolTokens, m.logPending, m.logBytes, m.logLimit,
+			m.resends, m.frontendsGone, m.poolTokens, m.logPending, m.logBytes, m.logLimit,
 			prometheus.NewGaugeFunc(prometheus.GaugeOpts{Name: "kvbus_scheduler_trackers", Help: "Live RequestTrackers."}, f.trackers),
 			prometheus.NewGaugeFunc(prometheus.GaugeOpts{
 				Name: "kvbus_scheduler_ready",
