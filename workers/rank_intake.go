@@ -225,7 +225,7 @@ func (r *Rank) saySkew(rr *rankReq, skew time.Duration) {
 		return
 	}
 	r.log.Warn("the scheduler's clock and this host's disagree: its deadline for the request, on this clock, is off from the time it said the request had left; "+
-		"the rank counts the time left (run NTP on every host)", "req_id", rr.meta.ReqID, "session_id", rr.meta.SessionID,
+		"the rank counts the time left (run NTP on every host; a deadline that looks earlier can also be a ReqMeta that waited that long to be read, this process or its NATS server stalled)", "req_id", rr.meta.ReqID, "session_id", rr.meta.SessionID,
 		"scheduler_ahead_by", skew.Round(time.Millisecond), "timeout_ms", rr.meta.TimeoutMs, "more_since_last_warning", held)
 }
 
