@@ -122,6 +122,7 @@ func TestBadInput(t *testing.T) {
 		// does not decode, a body too large. Not echoed before.
 		{"max_tokens zero, header", chat(`,"max_tokens":0`), map[string]string{"X-Session-ID": "echo"}, 400},
 		{"max_tokens zero, body", chat(`,"max_tokens":0,"session_id":"echo"`), map[string]string{"X-Session-ID": "other"}, 400},
+		{"max_tokens zero, body key escaped", chat(`,"max_tokens":0,"\u0073ession_id":"echo"`), map[string]string{"X-Session-ID": "other"}, 400},
 		{"temperature out of range, vllm_xargs", chat(`,"temperature":3,"vllm_xargs":{"session_id":"echo"}`), map[string]string{"X-Correlation-ID": "other"}, 400},
 		{"invalid JSON", `{"messages":`, map[string]string{"X-Session-ID": "echo"}, 400},
 		{"body too large", chat(`,"pad":"` + strings.Repeat("x", 5<<20) + `"`), map[string]string{"X-Session-ID": "echo"}, 413},

@@ -216,7 +216,10 @@ func refusedSession(body []byte, h http.Header, headers []string) string {
 		SessionID json.RawMessage `json:"session_id"`
 		VLLMXargs json.RawMessage `json:"vllm_xargs"`
 	}
-	if len(body) > 0 && decodeJSON(body, &b) == nil {
+	// A body that cannot hold a session_id key (not even \u-escaped; a key
+	// is matched as written) is not decoded: a 429 under overload costs a
+	// scan, not a decode.
+	if mayHoldSessionID(body) && decodeJSON(body, &b) == nil {
 		in.BodySessionID = b.SessionID
 		var xargs map[string]json.RawMessage
 		if json.Unmarshal(b.VLLMXargs, &xargs) == nil {
@@ -228,4 +231,10 @@ func refusedSession(body []byte, h http.Header, headers []string) string {
 		return ""
 	}
 	return id
+}
+
+// mayHoldSessionID reports whether body may hold a session_id key: it
+// spells it, or escapes some character (\u0073ession_id is the key too).
+func mayHoldSessionID(body []byte) bool {
+	return bytes.Contains(body, []byte(SourceBody)) || bytes.Contains(body, []byte(`\u`))
 }
