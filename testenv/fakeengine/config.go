@@ -115,6 +115,9 @@ type KVEventsConfig struct {
 	BufferSteps int
 	// DataParallelRank is the batches' data_parallel_rank.
 	DataParallelRank int
+	// ZeroRootParent sends parent_block_hash 0 where vLLM sends None (the
+	// first blocks of a prompt), as llm-d's inference simulator does.
+	ZeroRootParent bool
 }
 
 // Validate checks c.

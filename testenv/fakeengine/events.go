@@ -81,6 +81,7 @@ type batchEncoder struct {
 	form      EventForm
 	hashBytes bool
 	dpRank    int
+	zeroRoot  bool // parent_block_hash 0 for None (KVEventsConfig.ZeroRootParent)
 }
 
 func (b batchEncoder) encode(ts float64, evs []kvEvent) ([]byte, error) {
@@ -159,10 +160,13 @@ func (b batchEncoder) event(w *encWriter, ev kvEvent) {
 		b.field(w, "block_hashes")
 		b.hashes(w, ev.hashes)
 		b.field(w, "parent_block_hash")
-		if ev.parent == nil {
-			w.do(w.enc.EncodeNil())
-		} else {
+		switch {
+		case ev.parent != nil:
 			b.hash(w, *ev.parent)
+		case b.zeroRoot:
+			w.do(w.enc.EncodeUint(0))
+		default:
+			w.do(w.enc.EncodeNil())
 		}
 		b.field(w, "token_ids")
 		w.arrayLen(len(ev.tokens))

@@ -53,7 +53,7 @@ func newPublisher(cfg *KVEventsConfig, hashBytes bool) (*publisher, error) {
 	ctx, cancel := context.WithCancel(context.Background())
 	p := &publisher{
 		topic:   cfg.Topic,
-		enc:     batchEncoder{form: cfg.EventForm, hashBytes: hashBytes, dpRank: cfg.DataParallelRank},
+		enc:     batchEncoder{form: cfg.EventForm, hashBytes: hashBytes, dpRank: cfg.DataParallelRank, zeroRoot: cfg.ZeroRootParent},
 		cancel:  cancel,
 		bufSize: cfg.BufferSteps,
 	}

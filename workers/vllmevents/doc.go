@@ -51,7 +51,9 @@
 //     array_like from EventBatch, making the batch a map {"ts", "events",
 //     "data_parallel_rank"}. llm-d's inference simulator emits either
 //     event form (its --use-vllm-map-event-format, llm-d-inference-sim PR
-//     #570).
+//     #570); in its array form a prompt's first blocks have
+//     parent_block_hash 0, not None, which the Translator reads as None
+//     unless 0 is a block it heard of.
 //
 // ExternalBlockHash is `bytes | int` (vllm/v1/core/kv_cache_utils.py):
 // sha256 bytes by default, or, with VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES,

@@ -237,11 +237,17 @@ func (t *Translator) stored(ev *Event, evicted *[]uint64) (*messages.KVEvent, er
 	var parent *uint64
 	if ev.Parent != nil {
 		e, ok := t.blocks[*ev.Parent]
-		if !ok {
+		switch {
+		case ok:
+			parent = &e.kv
+		case *ev.Parent == HashFromUint64(0):
+			// llm-d's simulator sends parent_block_hash 0, not None, for
+			// a chain that starts a prompt (llm-d's indexer reads None as
+			// 0): a root, unless 0 is a block this rank heard of.
+		default:
 			t.stats.UnknownParent++
 			return nil, fmt.Errorf("%w %v", ErrUnknownParent, *ev.Parent)
 		}
-		parent = &e.kv
 	}
 	for i := range ev.ExtraKeys {
 		if ev.ExtraKeys[i] {

@@ -214,6 +214,37 @@ func TestTranslateUnknownParent(t *testing.T) {
 	}
 }
 
+// TestTranslateZeroParentStartsAPrompt: llm-d's simulator sends
+// parent_block_hash 0 (its legacy array form; llm-d's indexer reads vLLM's
+// None as 0) for the first blocks of a prompt. They are a root, chained on
+// as any other; a 0 that is a block the translator heard of stays a parent.
+func TestTranslateZeroParentStartsAPrompt(t *testing.T) {
+	tokens := seq(0, 3*testBS)
+	want := kvHashes(tokens)
+	tr := newTranslator(t, vllmevents.TranslatorConfig{})
+	out, err := translate(t, tr, formArray,
+		vStored{Hashes: ints(7, 8), Parent: uint64(0), Tokens: tokens[:2*testBS], BlockSize: testBS}.event(),
+		vStored{Hashes: ints(9), Parent: uint64(8), Tokens: tokens[2*testBS:], BlockSize: testBS}.event(),
+	)
+	if err != nil || len(out) != 2 || tr.Stats().UnknownParent != 0 {
+		t.Fatalf("out = %+v, err = %v, stats %+v", out, err, tr.Stats())
+	}
+	got := append(append([]uint64(nil), out[0].BlockHashes...), out[1].BlockHashes...)
+	if !reflect.DeepEqual(got, want) || out[0].ParentBlockHash != nil {
+		t.Fatalf("hashes %v (parent %v), want %v from no parent", got, out[0].ParentBlockHash, want)
+	}
+
+	// Block 0 heard of: a chain from 0 continues it.
+	tr = newTranslator(t, vllmevents.TranslatorConfig{})
+	out, err = translate(t, tr, formArray,
+		vStored{Hashes: ints(0), Tokens: tokens[:testBS], BlockSize: testBS}.event(),
+		vStored{Hashes: ints(5), Parent: uint64(0), Tokens: tokens[testBS : 2*testBS], BlockSize: testBS}.event(),
+	)
+	if err != nil || len(out) != 2 || out[1].BlockHashes[0] != want[1] {
+		t.Fatalf("out = %+v, err = %v; want block 1 hashed %d from block 0", out, err, want[1])
+	}
+}
+
 func TestTranslateBlockSizeMismatch(t *testing.T) {
 	tr := newTranslator(t, vllmevents.TranslatorConfig{BlockSize: 16})
 	out, err := translate(t, tr, formMapEvents,
