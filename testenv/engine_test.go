@@ -29,8 +29,10 @@ import (
 // engineCluster starts n fake vLLM engines publishing KV events and a
 // kvbus in front of them (--engine openai, --tokenizer engine). Even
 // engines bind their PUB socket and kvbus connects (vLLM), odd ones connect
-// to a SUB socket kvbus binds (--kv-events-bind, llm-d's simulator); they
-// also alternate vLLM's two event forms and hash kinds.
+// to a SUB socket kvbus binds (--kv-events-bind) and send a prompt's first
+// blocks with parent 0 (llm-d's simulator); they also alternate vLLM's two
+// event forms and hash kinds. An engine given a replay endpoint is
+// replayed from.
 func engineCluster(t *testing.T, n int, mod func(i int, c *fakeengine.Config)) (*testenv.Cluster, []*fakeengine.Engine) {
 	t.Helper()
 	return engineClusterWith(t, n, mod, nil)
@@ -52,7 +54,7 @@ func engineClusterWith(t *testing.T, n int, mod func(i int, c *fakeengine.Config
 			}
 			addr := "tcp://" + ln.Addr().String()
 			ln.Close()
-			ev = &fakeengine.KVEventsConfig{Endpoint: addr, Connect: true, EventForm: fakeengine.EventFormArray}
+			ev = &fakeengine.KVEventsConfig{Endpoint: addr, Connect: true, EventForm: fakeengine.EventFormArray, ZeroRootParent: true}
 			sub = &vllmevents.Config{Endpoint: addr, Bind: true}
 		}
 		cfg := fakeengine.Config{ModelName: "kvbus-sim", HashBytes: i%2 == 0, KVEvents: ev}
@@ -68,6 +70,7 @@ func engineClusterWith(t *testing.T, n int, mod func(i int, c *fakeengine.Config
 		if !sub.Bind {
 			sub.Endpoint = e.KVEventsAddr()
 		}
+		sub.ReplayEndpoint = e.ReplayAddr()
 		backends = append(backends, cluster.EngineBackend{
 			OpenAI:   workers.OpenAIConfig{URL: e.URL(), HealthInterval: 100 * time.Millisecond},
 			KVEvents: sub,
@@ -165,16 +168,7 @@ func TestEngineConversationKeepsItsCache(t *testing.T) {
 // it cached, whichever engine round-robin would have picked.
 func TestEngineKVEventsSteerPlacement(t *testing.T) {
 	c, engines := engineCluster(t, 2, nil)
-	var b strings.Builder
-	for i := range 80 {
-		fmt.Fprintf(&b, "Shared document line %d about caches and prefixes. ", i)
-	}
-	doc := b.String()
-	chat := func(question string) []byte {
-		body, _ := json.Marshal(map[string]any{"model": c.Model, "max_tokens": 4,
-			"messages": []map[string]string{{"role": "system", "content": doc}, {"role": "user", "content": question}}})
-		return body
-	}
+	chat := sharedDocChat(c.Model)
 	// Directly on engine 1: kvbus sees only its KV events.
 	resp, err := http.Post(engines[1].URL()+"/v1/chat/completions", "application/json", bytes.NewReader(chat("first question")))
 	if err != nil {
@@ -186,21 +180,81 @@ func TestEngineKVEventsSteerPlacement(t *testing.T) {
 	testenv.Eventually(t, 10*time.Second, "engine 1's KV events reach the index", func() bool {
 		return c.Scheduler.Index().GroupBlocks(g1) >= engines[1].CachedBlocks()-1
 	})
+	expectPlacedOnItsPrefix(t, c, engines, 1, chat)
+}
+
+// TestWorkerRestartReplaysItsEnginesCache: a worker restarted beside a
+// running engine (an upgrade of kvbus) asks the engine's replay buffer for
+// what it published before, so the engine's cache is indexed again at
+// once, not only once the engine stores new blocks, and a prompt it holds
+// is placed on it. Engine 1 is llm-d's simulator's kind: it connects to
+// the worker, numbers its chains' first blocks from parent 0 and replays.
+func TestWorkerRestartReplaysItsEnginesCache(t *testing.T) {
+	c, engines := engineCluster(t, 2, func(i int, cfg *fakeengine.Config) {
+		if i == 1 {
+			cfg.KVEvents.ReplayEndpoint = "tcp://127.0.0.1:0"
+		}
+	})
+	chat := sharedDocChat(c.Model)
+	resp, err := http.Post(engines[1].URL()+"/v1/chat/completions", "application/json", bytes.NewReader(chat("first question")))
+	if err != nil {
+		t.Fatal(err)
+	}
+	io.Copy(io.Discard, resp.Body)
+	resp.Body.Close()
+	want := engines[1].CachedBlocks()
+	testenv.Eventually(t, 10*time.Second, "engine 1's KV events reach the index", func() bool {
+		return c.Scheduler.Index().GroupBlocks("g1") == want
+	})
+	c.CrashRestartRank(t, "g1", 0)
+	c.WaitReady(t)
+	testenv.Eventually(t, 10*time.Second, "the new rank subscribed", func() bool {
+		return len(c.Logs.Lines("engine KV events: subscribing", "group=g1")) == 2
+	})
+	testenv.Eventually(t, 10*time.Second, "engine 1's cache indexed again, with no new request", func() bool {
+		return c.Scheduler.Index().GroupBlocks("g1") == want
+	})
+	if n := engines[1].CachedBlocks(); n != want {
+		t.Fatalf("engine 1 cached %d blocks, want the %d of before", n, want)
+	}
+	expectPlacedOnItsPrefix(t, c, engines, 1, chat)
+}
+
+// sharedDocChat returns a chat body builder whose prompts share a long
+// system prompt (~1,000 tokens) and differ in the question.
+func sharedDocChat(model string) func(question string) []byte {
+	var b strings.Builder
+	for i := range 80 {
+		fmt.Fprintf(&b, "Shared document line %d about caches and prefixes. ", i)
+	}
+	doc := b.String()
+	return func(question string) []byte {
+		body, _ := json.Marshal(map[string]any{"model": model, "max_tokens": 4,
+			"messages": []map[string]string{{"role": "system", "content": doc}, {"role": "user", "content": question}}})
+		return body
+	}
+}
+
+// expectPlacedOnItsPrefix sends three questions on chat's shared prompt
+// through kvbus and checks that each ran on engine holder, which caches
+// the prompt, and found all of its shared prefix there.
+func expectPlacedOnItsPrefix(t *testing.T, c *testenv.Cluster, engines []*fakeengine.Engine, holder int, chat func(string) []byte) {
+	t.Helper()
 	for i := range 3 {
 		status, hdr, body := testenv.Send(t, "POST", c.URL+"/v1/chat/completions", string(chat(fmt.Sprintf("question %d", i))), nil)
 		if status != http.StatusOK {
 			t.Fatalf("status %d: %s", status, body)
 		}
 		e, got := engineOf(t, engines, hdr.Get("X-Request-Id"))
-		if e != 1 {
-			t.Fatalf("request %d went to engine %d; engine 1 holds its prefix", i, e)
+		if e != holder {
+			t.Fatalf("request %d went to engine %d; engine %d holds its prefix", i, e, holder)
 		}
 		u, ok := answerOf{status, body}.usage()
 		if !ok {
 			t.Fatalf("request %d: no usage in %s", i, body)
 		}
 		// The shared part is the system prompt: all of its full blocks.
-		shared := engines[1].CachedPrefix(got.PromptTokens)
+		shared := engines[holder].CachedPrefix(got.PromptTokens)
 		if u.Details.CachedTokens < shared || shared < u.PromptTokens*8/10 {
 			t.Errorf("request %d: %d of %d prompt tokens cached, want the %d-token shared prefix (>= 80%%)", i,
 				u.Details.CachedTokens, u.PromptTokens, shared)

@@ -21,7 +21,8 @@ const replayEnd = math.MaxUint64
 // (vllm/distributed/kv_events.py): the request is [empty delimiter, start
 // as 8 big-endian bytes] from a DEALER (a REQ socket, as vLLM's example
 // uses, could not receive the many replies), each reply [empty delimiter,
-// seq, payload], the end [empty delimiter, END_SEQ, empty]. A fresh socket
+// seq, payload] (llm-d's inference simulator and TensorRT-LLM put the
+// topic before seq), the end [empty delimiter, END_SEQ, empty]. A fresh socket
 // per request keeps a late reply to a timed-out request from being taken
 // for a reply to the next one.
 func (s *Subscriber) replay(ctx context.Context, start uint64, fn func(seq uint64, payload []byte) error) error {
@@ -44,8 +45,11 @@ func (s *Subscriber) replay(ctx context.Context, start uint64, fn func(seq uint6
 			return fmt.Errorf("%w: %w", ErrReplay, err)
 		}
 		f := msg.Frames
-		if len(f) == 3 && len(f[0]) == 0 {
+		if len(f) > 2 && len(f[0]) == 0 {
 			f = f[1:] // the delimiter, echoed by the ROUTER
+		}
+		if len(f) == 3 {
+			f = f[1:] // the topic, which llm-d's simulator and TensorRT-LLM send first
 		}
 		if len(f) != 2 || len(f[0]) != 8 {
 			return fmt.Errorf("%w: %w: reply of %d frames", ErrReplay, ErrMalformed, len(msg.Frames))

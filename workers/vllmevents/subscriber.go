@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"math"
 	"net"
 	"os"
 	"strings"
@@ -126,8 +127,14 @@ type Subscriber struct {
 	received, delivered, replayed, malformed, filtered, gaps atomic.Uint64
 
 	// Owned by Run's goroutine.
-	started bool   // a seq was seen since Run started
-	next    uint64 // the seq expected next
+	started bool    // a seq was seen since Run started
+	next    uint64  // the seq expected next
+	lastTS  float64 // the engine time of the last batch delivered
+	// joinedTS is the engine time of the last batch replayed when Run
+	// joined a running engine's stream, until a live batch from after it
+	// came: a live batch numbered below next and no later than it is one
+	// of those, queued while they were replayed.
+	joinedTS float64
 }
 
 // New returns a Subscriber for cfg, which it validates.
@@ -175,7 +182,11 @@ func (s *Subscriber) Stats() SubscriberStats {
 // (ZeroMQ's job); a binding one fails if it cannot bind. A peer that does
 // not complete its ZeroMQ handshake within 10 s is dropped. Every message is
 // checked (three frames: topic, 8-byte big-endian seq, payload) and
-// decoded; after the first, a seq other than the one expected is a gap,
+// decoded. With a ReplayEndpoint, Run first asks it for what it holds from
+// 0 on (the blocks the engine cached before this Subscriber heard it),
+// and again before a first message numbered above 0 if that found
+// nothing. After the first message, a seq other than the one expected is
+// a gap,
 // which is replayed from ReplayEndpoint if set, and otherwise (or for what
 // replay cannot recover) reported to OnGap. A payload that does not decode
 // is logged and reported as a gap of one.
@@ -187,7 +198,7 @@ func (s *Subscriber) Run(ctx context.Context, h Handler) error {
 		return fmt.Errorf("%w: Run called while running", ErrConfig)
 	}
 	defer s.running.Store(false)
-	s.started = false
+	s.started, s.joinedTS = false, 0
 
 	ctx, cancel := context.WithCancel(ctx)
 	sock := zmq4.NewSub(ctx,
@@ -211,6 +222,15 @@ func (s *Subscriber) Run(ctx context.Context, h Handler) error {
 		s.setAddr(sock.Addr())
 	} else if !s.dial(ctx, sock) {
 		return nil
+	}
+	if s.cfg.ReplayEndpoint != "" {
+		// Join the engine's stream: its replay buffer tells the blocks it
+		// cached before this Subscriber heard it (a worker started beside
+		// a running engine). An engine that does not answer is not up
+		// yet, or has published nothing: its first batch asks again.
+		if err := s.replayRange(ctx, 0, math.MaxUint64, h, slog.LevelDebug); err != nil {
+			return err
+		}
 	}
 	for {
 		msg, err := sock.Recv()
@@ -277,9 +297,24 @@ func (s *Subscriber) handle(ctx context.Context, frames [][]byte, h Handler) err
 		return nil
 	}
 	seq := binary.BigEndian.Uint64(seqb)
+	if !s.started && seq > 0 && s.cfg.ReplayEndpoint != "" {
+		// The engine published before: join its stream (Run's attempt
+		// found nothing, or no engine yet).
+		if err := s.replayRange(ctx, 0, seq, h, slog.LevelWarn); err != nil {
+			return err
+		}
+	}
+	if s.joinedTS != 0 {
+		if seq < s.next {
+			if b, err := Decode(payload); err == nil && b.TS <= s.joinedTS {
+				return nil // replayed when Run joined the stream
+			}
+		}
+		s.joinedTS = 0
+	}
 	if s.started && seq != s.next {
 		if seq > s.next && s.cfg.ReplayEndpoint != "" {
-			if err := s.replayRange(ctx, s.next, seq, h); err != nil {
+			if err := s.replayRange(ctx, s.next, seq, h, slog.LevelWarn); err != nil {
 				return err
 			}
 		}
@@ -302,6 +337,7 @@ func (s *Subscriber) deliver(seq uint64, payload []byte, h Handler) error {
 		return nil
 	}
 	s.delivered.Add(1)
+	s.lastTS = b.TS
 	if err := h(seq, b); err != nil {
 		return fmt.Errorf("vllmevents: handler (seq %d): %w", seq, err)
 	}
@@ -321,17 +357,20 @@ func (s *Subscriber) gap(from, to uint64) {
 }
 
 // replayRange replays the batches numbered from `from` up to `to` and
-// delivers those it gets, reporting holes between them; it returns only a
-// handler's error (a failed replay is logged: the caller reports what is
-// still missing).
-func (s *Subscriber) replayRange(ctx context.Context, from, to uint64, h Handler) error {
+// delivers those it gets, reporting holes between them (not before the
+// first batch since Run started: batches the buffer no longer has from
+// before it are history, not a gap); it returns only a handler's error (a
+// failed replay is logged at failLevel: the caller reports what is still
+// missing).
+func (s *Subscriber) replayRange(ctx context.Context, from, to uint64, h Handler, failLevel slog.Level) error {
+	joining := !s.started
 	var herr error
 	errStop := errors.New("stop")
 	err := s.replay(ctx, from, func(seq uint64, payload []byte) error {
 		if seq < s.next || seq >= to {
 			return nil // already delivered, or to come live
 		}
-		if seq > s.next {
+		if s.started && seq > s.next {
 			s.gap(s.next, seq) // no longer in the engine's buffer
 		}
 		s.replayed.Add(1)
@@ -344,7 +383,10 @@ func (s *Subscriber) replayRange(ctx context.Context, from, to uint64, h Handler
 		return herr
 	}
 	if err != nil && ctx.Err() == nil {
-		s.log.Warn("KV event replay failed", "replay_endpoint", s.cfg.ReplayEndpoint, "from", from, "err", err)
+		s.log.Log(ctx, failLevel, "KV event replay failed", "replay_endpoint", s.cfg.ReplayEndpoint, "from", from, "err", err)
+	}
+	if joining && s.started {
+		s.joinedTS = s.lastTS
 	}
 	return nil
 }

@@ -10,6 +10,7 @@ import (
 	"log/slog"
 	"net"
 	"slices"
+	"strings"
 	"sync"
 	"syscall"
 	"testing"
@@ -81,10 +82,42 @@ func (p *testPub) sendFrames(t *testing.T, frames ...[]byte) {
 	}
 }
 
+// replayBuffer is the batches a test's replay socket holds, by seq; set
+// may be called while it serves.
+type replayBuffer struct {
+	mu      sync.Mutex
+	batches map[uint64][]byte
+	asked   int // requests served
+	// topic, when set, is sent before each reply's seq, as llm-d's
+	// inference simulator and TensorRT-LLM do (vLLM sends none).
+	topic []byte
+}
+
+func (b *replayBuffer) set(batches map[uint64][]byte) {
+	b.mu.Lock()
+	b.batches = batches
+	b.mu.Unlock()
+}
+
+// from returns the seqs from start on, in order, and their batches.
+func (b *replayBuffer) from(start uint64) ([]uint64, map[uint64][]byte) {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	b.asked++
+	var seqs []uint64
+	for s := range b.batches {
+		if s >= start {
+			seqs = append(seqs, s)
+		}
+	}
+	slices.Sort(seqs)
+	return seqs, b.batches
+}
+
 // startReplay serves vLLM's replay protocol (ZmqEventPublisher.
 // _service_replay) from buffer on a ROUTER bound to an ephemeral port,
 // until the test ends.
-func startReplay(t *testing.T, buffer map[uint64][]byte) string {
+func startReplay(t *testing.T, buffer *replayBuffer) string {
 	t.Helper()
 	ctx, cancel := context.WithCancel(context.Background())
 	sock := zmq4.NewRouter(ctx, zmq4.WithLogger(quietLog))
@@ -97,11 +130,6 @@ func startReplay(t *testing.T, buffer map[uint64][]byte) string {
 		_ = sock.Close()
 		wg.Wait()
 	})
-	seqs := make([]uint64, 0, len(buffer))
-	for s := range buffer {
-		seqs = append(seqs, s)
-	}
-	slices.Sort(seqs)
 	wg.Go(func() {
 		for {
 			msg, err := sock.Recv()
@@ -115,16 +143,26 @@ func startReplay(t *testing.T, buffer map[uint64][]byte) string {
 				t.Errorf("replay request of %d frames", len(msg.Frames))
 				continue
 			}
-			id, start := msg.Frames[0], binary.BigEndian.Uint64(msg.Frames[2])
-			for _, s := range seqs {
-				if s >= start {
-					var sb [8]byte
-					binary.BigEndian.PutUint64(sb[:], s)
-					_ = sock.SendMulti(zmq4.NewMsgFrom(id, []byte{}, sb[:], buffer[s]))
+			id := msg.Frames[0]
+			seqs, batches := buffer.from(binary.BigEndian.Uint64(msg.Frames[2]))
+			reply := func(topic, seq, payload []byte) {
+				frames := [][]byte{id, {}, seq, payload}
+				if topic != nil {
+					frames = [][]byte{id, {}, topic, seq, payload}
 				}
+				_ = sock.SendMulti(zmq4.NewMsgFrom(frames...))
+			}
+			for _, s := range seqs {
+				var sb [8]byte
+				binary.BigEndian.PutUint64(sb[:], s)
+				reply(buffer.topic, sb[:], batches[s])
 			}
 			end := [8]byte{0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff}
-			_ = sock.SendMulti(zmq4.NewMsgFrom(id, []byte{}, end[:], []byte{}))
+			var endTopic []byte
+			if buffer.topic != nil {
+				endTopic = []byte{} // the simulator's end has an empty topic
+			}
+			reply(endTopic, end[:], []byte{})
 		}
 	})
 	return "tcp://" + sock.Addr().String()
@@ -315,7 +353,8 @@ func TestSubscriberGap(t *testing.T) {
 }
 
 // TestSubscriberReplay fills a gap from the replay socket; what the
-// replay buffer no longer has is reported.
+// replay buffer no longer has is reported. (The buffer is empty when the
+// Subscriber joins: the engine had published nothing.)
 func TestSubscriberReplay(t *testing.T) {
 	for _, tc := range []struct {
 		name     string
@@ -329,10 +368,7 @@ func TestSubscriberReplay(t *testing.T) {
 		{"empty", nil, []uint64{0, 4}, [][2]uint64{{1, 4}}},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			buffer := map[uint64][]byte{}
-			for _, s := range tc.buffer {
-				buffer[s] = batch(t, formMapEvents, 1000+s)
-			}
+			buffer := &replayBuffer{}
 			replay := startReplay(t, buffer)
 			pub, ep := newPub(t, "")
 			rec := newRecorder()
@@ -340,8 +376,14 @@ func TestSubscriberReplay(t *testing.T) {
 			run(t, s, rec.handle)
 			pub.waitSubscribed(t, "")
 			pub.send(t, "", 0, batch(t, formMapEvents, 1000))
+			rec.wait(t, 1)
+			batches := map[uint64][]byte{}
+			for _, s := range tc.buffer {
+				batches[s] = batch(t, formMapEvents, 1000+s)
+			}
+			buffer.set(batches)
 			pub.send(t, "", 4, batch(t, formMapEvents, 1004))
-			rec.wait(t, len(tc.wantSeqs))
+			rec.wait(t, len(tc.wantSeqs)-1)
 			seqs, gaps := rec.state()
 			if !slices.Equal(seqs, tc.wantSeqs) || !slices.Equal(gaps, tc.wantGaps) {
 				t.Fatalf("seqs %v gaps %v, want %v and %v", seqs, gaps, tc.wantSeqs, tc.wantGaps)
@@ -352,6 +394,100 @@ func TestSubscriberReplay(t *testing.T) {
 				}
 			}
 		})
+	}
+}
+
+// TestSubscriberJoinsARunningEngine: a Subscriber started beside a
+// running engine (a worker restarted) first gets what the engine's replay
+// buffer holds, before any new batch: without a gap for what the buffer no
+// longer has, and without delivering twice the live batches that were
+// queued while it replayed. An engine that had published nothing when Run
+// started is asked again at its first batch numbered above 0; without a
+// replay endpoint the Subscriber starts where it joined.
+func TestSubscriberJoinsARunningEngine(t *testing.T) {
+	for _, tc := range []struct {
+		name     string
+		buffer   []uint64
+		late     bool // the buffer fills after Run asked
+		wantSeqs []uint64
+		wantGaps [][2]uint64
+	}{
+		{"whole", []uint64{0, 1, 2, 3, 4, 5}, false, []uint64{0, 1, 2, 3, 4, 5, 6}, nil},
+		{"llm-d's simulator: from 1, with topics", []uint64{1, 2, 3, 4, 5}, false, []uint64{1, 2, 3, 4, 5, 6}, nil},
+		{"the buffer's start evicted", []uint64{3, 4, 5}, false, []uint64{3, 4, 5, 6}, nil},
+		{"a hole in the buffer", []uint64{2, 4, 5}, false, []uint64{2, 4, 5, 6}, [][2]uint64{{3, 4}}},
+		{"asked at the first batch", []uint64{0, 1, 2, 3, 4, 5}, true, []uint64{0, 1, 2, 3, 4, 5, 6}, nil},
+		{"empty", nil, false, []uint64{4, 5, 6}, nil},
+		{"no replay endpoint", nil, false, []uint64{4, 5, 6}, nil},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			batches := map[uint64][]byte{}
+			for _, s := range tc.buffer {
+				batches[s] = batch(t, formMapEvents, 1000+s)
+			}
+			buffer := &replayBuffer{}
+			if strings.HasPrefix(tc.name, "llm-d") {
+				buffer.topic = []byte("kv@127.0.0.1:8000@kvbus-sim")
+			}
+			if !tc.late {
+				buffer.set(batches)
+			}
+			cfg := vllmevents.Config{}
+			if tc.name != "no replay endpoint" {
+				cfg.ReplayEndpoint = startReplay(t, buffer)
+			}
+			pub, ep := newPub(t, "")
+			rec := newRecorder()
+			cfg.Endpoint, cfg.OnGap = ep, rec.onGap
+			s := newSub(t, cfg)
+			run(t, s, rec.handle)
+			pub.waitSubscribed(t, "")
+			if tc.late {
+				for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(time.Millisecond) {
+					buffer.mu.Lock()
+					asked := buffer.asked
+					buffer.mu.Unlock()
+					if asked > 0 {
+						break
+					}
+					if time.Now().After(deadline) {
+						t.Fatal("Run did not ask the replay socket")
+					}
+				}
+				buffer.set(batches)
+			}
+			// 4 and 5 came live while the Subscriber replayed (the
+			// same bytes as the buffer's), then 6.
+			for seq := uint64(4); seq <= 6; seq++ {
+				pub.send(t, "", seq, batch(t, formMapEvents, 1000+seq))
+			}
+			rec.wait(t, len(tc.wantSeqs))
+			time.Sleep(100 * time.Millisecond) // nothing more comes
+			seqs, gaps := rec.state()
+			if !slices.Equal(seqs, tc.wantSeqs) || !slices.Equal(gaps, tc.wantGaps) {
+				t.Fatalf("seqs %v gaps %v, want %v and %v", seqs, gaps, tc.wantSeqs, tc.wantGaps)
+			}
+			for i, b := range rec.batches {
+				if b.Events[0].BlockHashes[0] != vllmevents.HashFromUint64(1000+seqs[i]) {
+					t.Fatalf("seq %d delivered batch %+v", seqs[i], b)
+				}
+			}
+		})
+	}
+
+	// An engine that restarts after the Subscriber joined numbers from 0
+	// again, with later times: not taken for batches already replayed.
+	buffer := &replayBuffer{}
+	buffer.set(map[uint64][]byte{0: batch(t, formMapEvents, 1000), 1: batch(t, formMapEvents, 1001)})
+	pub, ep := newPub(t, "")
+	rec := newRecorder()
+	s := newSub(t, vllmevents.Config{Endpoint: ep, ReplayEndpoint: startReplay(t, buffer), OnGap: rec.onGap})
+	run(t, s, rec.handle)
+	pub.waitSubscribed(t, "")
+	pub.send(t, "", 0, batch(t, formMapEvents, 2000))
+	rec.wait(t, 3)
+	if seqs, gaps := rec.state(); !slices.Equal(seqs, []uint64{0, 1, 0}) || !slices.Equal(gaps, [][2]uint64{{2, 0}}) {
+		t.Fatalf("restarted engine: seqs %v gaps %v, want [0 1 0] and [[2 0]]", seqs, gaps)
 	}
 }
 
