@@ -300,3 +300,66 @@ func TestSimUnsupportedFields(t *testing.T) {
 		}
 	}
 }
+
+// TestSamplingRangesAsVLLM: the sampling fields the sim does not use but
+// vLLM's SamplingParams checks (presence_penalty, frequency_penalty,
+// repetition_penalty, top_k, min_p) are refused where vLLM refuses them,
+// with its message and the field as param, on both routes, and served
+// where vLLM serves them. They were ignored: an application written
+// against kvbus sent presence_penalty 3 and got a 200 that vLLM answers
+// with a 400.
+func TestSamplingRangesAsVLLM(t *testing.T) {
+	c := testenv.StartCluster(t, testenv.ClusterConfig{})
+	bodies := map[string]func(string) string{
+		"/v1/chat/completions": func(extra string) string {
+			return `{"model":"` + c.Model + `","messages":[{"role":"user","content":"hi"}],"max_tokens":2` + extra + `}`
+		},
+		"/v1/completions": func(extra string) string {
+			return `{"model":"` + c.Model + `","prompt":"hi","max_tokens":2` + extra + `}`
+		},
+	}
+	refused := []struct{ extra, param, msg string }{
+		{`,"presence_penalty":2.5`, "presence_penalty", "presence_penalty must be in [-2, 2], got 2.5."},
+		{`,"presence_penalty":-3`, "presence_penalty", "presence_penalty must be in [-2, 2], got -3."},
+		{`,"frequency_penalty":2.01`, "frequency_penalty", "frequency_penalty must be in [-2, 2], got 2.01."},
+		{`,"repetition_penalty":0`, "repetition_penalty", "repetition_penalty must be greater than zero, got 0."},
+		{`,"repetition_penalty":-1.5`, "repetition_penalty", "repetition_penalty must be greater than zero, got -1.5."},
+		{`,"top_k":-2`, "top_k", "top_k must be 0 (disable), or at least 1, got -2."},
+		{`,"min_p":1.5`, "min_p", "min_p must be in [0, 1], got 1.5."},
+		{`,"min_p":-0.1`, "min_p", "min_p must be in [0, 1], got -0.1."},
+		// pydantic's types: an int field takes 4.0 but not 4.5 or "4".
+		{`,"top_k":4.5`, "top_k", ""},
+		{`,"presence_penalty":"high"`, "presence_penalty", ""},
+	}
+	served := []string{
+		`,"presence_penalty":-2,"frequency_penalty":2`,
+		`,"presence_penalty":null,"frequency_penalty":null,"repetition_penalty":null,"top_k":null,"min_p":null`,
+		`,"repetition_penalty":0.01,"top_k":-1,"min_p":0`,
+		`,"repetition_penalty":1.3,"top_k":0,"min_p":1`,
+		`,"top_k":40.0,"min_p":0.05`,
+	}
+	for path, body := range bodies {
+		for _, tc := range refused {
+			status, _, b := send(t, http.MethodPost, c.URL+path, body(tc.extra), nil)
+			var e struct {
+				Error struct {
+					Message, Type string
+					Param         *string
+				} `json:"error"`
+			}
+			_ = json.Unmarshal(b, &e)
+			if status != http.StatusBadRequest || e.Error.Type != "invalid_request_error" || e.Error.Param == nil || *e.Error.Param != tc.param {
+				t.Errorf("%s %s: status %d, %.200s; want 400 invalid_request_error naming %s", path, tc.extra, status, b, tc.param)
+				continue
+			}
+			if tc.msg != "" && e.Error.Message != tc.msg {
+				t.Errorf("%s %s: message %q, want vLLM's %q", path, tc.extra, e.Error.Message, tc.msg)
+			}
+		}
+		for _, extra := range served {
+			if status, _, b := send(t, http.MethodPost, c.URL+path, body(extra), nil); status != http.StatusOK {
+				t.Errorf("%s %s: status %d, %.200s; want 200 as vLLM serves it", path, extra, status, b)
+			}
+		}
+	}
+}

@@ -26,6 +26,7 @@ type fieldSchema map[string]fieldSchema
 // in step with the structs.
 var requestSchema = fieldSchema{
 	"model": nil, "max_tokens": nil, "min_tokens": nil, "temperature": nil, "top_p": nil, "n": nil, "seed": nil,
+	"presence_penalty": nil, "frequency_penalty": nil, "repetition_penalty": nil, "top_k": nil, "min_p": nil,
 	"stop": nil, "stream": nil, "stream_options": {"include_usage": nil, "continuous_usage_stats": nil},
 	"ignore_eos": nil, "include_stop_str_in_output": nil, "request_id": nil, "session_id": nil, "stop_token_ids": nil, "vllm_xargs": nil, "kv_transfer_params": nil,
 	"tools": nil, "tool_choice": nil, "response_format": nil, "logprobs": nil, "top_logprobs": nil, "prompt_logprobs": nil, "echo": nil,

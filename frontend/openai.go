@@ -43,6 +43,13 @@ type commonParams struct {
 	// TruncatePromptTokens is vLLM's: keep the prompt's last k tokens
 	// (-1: max_model_len's worth).
 	TruncatePromptTokens *wholeInt `json:"truncate_prompt_tokens"`
+	// Sampling fields that steer nothing in the sim but are checked as
+	// vLLM's SamplingParams checks them (checkSamplingRanges).
+	PresencePenalty   *float64  `json:"presence_penalty"`
+	FrequencyPenalty  *float64  `json:"frequency_penalty"`
+	RepetitionPenalty *float64  `json:"repetition_penalty"`
+	TopK              *wholeInt `json:"top_k"`
+	MinP              *float64  `json:"min_p"`
 	// Fields the sim engine cannot honour: 400 with the sim, passed through
 	// to a real engine.
 	Tools          json.RawMessage `json:"tools"`
@@ -105,6 +112,32 @@ func (c *commonParams) simUnsupported(endpoint string) string {
 		}
 	}
 	return ""
+}
+
+// checkSamplingRanges refuses, with vLLM's 400 and message
+// (SamplingParams._verify_args), the sampling fields kvbus does not use
+// but vLLM checks: a request vLLM refuses is refused here too, rather than
+// served by the sim and refused once real engines run. null is vLLM's
+// default (0, 0, 1, disabled, 0).
+func (c *commonParams) checkSamplingRanges() *APIError {
+	for _, f := range []struct {
+		name string
+		v    *float64
+	}{{"presence_penalty", c.PresencePenalty}, {"frequency_penalty", c.FrequencyPenalty}} {
+		if f.v != nil && !(*f.v >= -2 && *f.v <= 2) {
+			return badRequest(f.name, "%s must be in [-2, 2], got %g.", f.name, *f.v)
+		}
+	}
+	if v := c.RepetitionPenalty; v != nil && !(*v > 0) {
+		return badRequest("repetition_penalty", "repetition_penalty must be greater than zero, got %g.", *v)
+	}
+	if v := c.TopK; v != nil && *v < -1 {
+		return badRequest("top_k", "top_k must be 0 (disable), or at least 1, got %d.", *v)
+	}
+	if v := c.MinP; v != nil && !(*v >= 0 && *v <= 1) {
+		return badRequest("min_p", "min_p must be in [0, 1], got %g.", *v)
+	}
+	return nil
 }
 
 // wholeInt is an integer field that also takes a number with a zero
@@ -338,6 +371,9 @@ func parseCommon(c *commonParams, p *parsedRequest, o parseOptions) *APIError {
 			return badRequest("top_p", "top_p must be in (0, 1], got %g", *c.TopP)
 		}
 		sp.TopP = *c.TopP
+	}
+	if err := c.checkSamplingRanges(); err != nil {
+		return err
 	}
 	if !o.passthrough {
 		if c.N != nil && *c.N != 1 {
