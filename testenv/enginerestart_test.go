@@ -228,6 +228,11 @@ func TestEngineRestartClearsItsBlocks(t *testing.T) {
 				got, n := credited(t, c, c.Model, prompt)
 				return got == n
 			})
+			// The rank said the sequence went back at INFO, as a
+			// restart its health showed; the subscriber said nothing.
+			if l := c.Logs.Lines("sequence went back"); len(l) != 1 || !strings.Contains(l[0], "level=INFO") {
+				t.Errorf("lines on the new engine's sequence: %q, want the rank's one at INFO", l)
+			}
 
 			// An engine that fails its health polls for a while (3 in a
 			// row: the group is taken out) but is the same process keeps

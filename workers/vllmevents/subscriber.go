@@ -346,10 +346,14 @@ func (s *Subscriber) deliver(seq uint64, payload []byte, h Handler) error {
 
 func (s *Subscriber) gap(from, to uint64) {
 	s.gaps.Add(1)
+	level := slog.LevelWarn
+	if s.cfg.OnGap != nil {
+		level = slog.LevelDebug // the caller says what the gap means to it
+	}
 	if to < from {
-		s.log.Warn("KV event sequence went back: the engine restarted", "expected", from, "got", to)
+		s.log.Log(context.Background(), level, "KV event sequence went back: the engine restarted", "expected", from, "got", to)
 	} else {
-		s.log.Warn("KV event batches lost", "from", from, "to", to)
+		s.log.Log(context.Background(), level, "KV event batches lost", "from", from, "to", to)
 	}
 	if s.cfg.OnGap != nil {
 		s.cfg.OnGap(from, to)
