@@ -94,6 +94,7 @@ func (s *Scheduler) adoptOne(req *messages.Request, d peerDispatch, from string)
 		// Draining, or gone: its ranks still finish it, or rescue moves it.
 		t.Group, t.Attempt, t.WorldSize = prev.group, prev.attempt, s.groups.worldSize(prev.group)
 		s.setLoad(t, 0, false)
+		t.foreignLoad = true
 	}
 	if err := s.buildMeta(t); err != nil {
 		s.log.Error("cannot adopt a request", "req_id", t.ReqID, "session_id", t.SessionID, "err", err)

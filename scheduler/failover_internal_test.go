@@ -2,6 +2,8 @@ package scheduler
 
 import (
 	"context"
+	"io"
+	"log/slog"
 	"strings"
 	"testing"
 	"time"
@@ -373,5 +375,70 @@ func TestStrandedRequestWithNoGroupOfItsModel(t *testing.T) {
 			}
 		})
 		_ = sub.Unsubscribe()
+	}
+}
+
+// TestTakenOverRequestCountsNoPredictionItDidNotMake: a request another
+// replica dispatched to g0 before it died is taken over (same group and
+// attempt): g0's ranks run that replica's LoadSpec, which this replica
+// never saw. It made a prediction of its own from its index, which by then
+// held the request's own blocks (saved by the run it took over), and
+// counted it: a review's kill -9 of one of two schedulers under 8 fresh
+// 120-token prompts added 448 predicted cached tokens (112 for each of the
+// 4 adopted) to kvbus_scheduler_predicted_cached_tokens_total, where the
+// ranks had been told to load nothing and loaded nothing. The cache's
+// prompt and cached tokens still count it (the hit ratio); predicted,
+// actual and the pool's counters compare only the LoadSpecs this replica
+// made.
+func TestTakenOverRequestCountsNoPredictionItDidNotMake(t *testing.T) {
+	nc := embeddedConn(t)
+	s, err := New(Config{Conn: nc, ID: "s0", Policy: KVPolicy{}, HeartbeatTimeout: time.Second, Registerer: prometheus.NewRegistry(),
+		Logger: slog.New(slog.NewTextHandler(io.Discard, nil))})
+	if err != nil {
+		t.Fatal(err)
+	}
+	b, _ := openTestBindings(t)
+	s.bindings.Store(b)
+	now := time.Now()
+	// r1's 40 tokens: its two full blocks, which g0 saved while it ran r1.
+	own := HashBlocks(nil, HashSeed("m"), make([]uint32, 40), 16)
+	holding(s, "g0", own...)
+	heard(s, "g0", now, 0)
+	s.dispatched.Put("r1", dispatchRecord{group: "g0", attempt: 0, scheduler: "dead"}, now)
+	if err := s.onRequest(context.Background(), redeliveredR1(t)); err != nil {
+		t.Fatal(err)
+	}
+	if !s.trackers.has("r1") {
+		t.Fatal("r1 not taken over")
+	}
+	// g0's only rank ran the dead replica's LoadSpec: nothing to load.
+	data, err := messages.Marshal(&messages.RankResult{ReqID: "r1", Group: "g0", TPRank: 0, Attempt: 0, LoadedTokens: 0})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := s.onDone(context.Background(), &nats.Msg{Data: data}); err != nil {
+		t.Fatal(err)
+	}
+	checkOutcomes(t, s, map[string]float64{"completed": 1})
+	val := func(c prometheus.Counter) float64 {
+		var m dto.Metric
+		if err := c.Write(&m); err != nil {
+			t.Fatal(err)
+		}
+		return m.GetCounter().GetValue()
+	}
+	if got := val(s.m.predicted); got != 0 {
+		t.Errorf("predicted_cached_tokens_total = %v; want 0: the LoadSpec g0 ran was the dead replica's", got)
+	}
+	if got := val(s.m.actual); got != 0 {
+		t.Errorf("actual_cached_tokens_total = %v; want 0", got)
+	}
+	for _, kind := range []string{"predicted", "actual"} {
+		if got := val(s.m.poolTokens.WithLabelValues(kind, "local")); got != 0 {
+			t.Errorf("pool_cached_tokens_total{kind=%q,source=\"local\"} = %v; want 0", kind, got)
+		}
+	}
+	if got := val(s.m.promptTokens.WithLabelValues("m", "1")); got != 40 {
+		t.Errorf("prompt_tokens_total = %v; want 40 (a completed request's prompt counts in the hit ratio)", got)
 	}
 }

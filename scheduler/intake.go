@@ -280,6 +280,7 @@ func (s *Scheduler) takeOver(t *RequestTracker, prev dispatchRecord, groups []Gr
 					s.setLoad(t, m.IndexBlocks, false)
 				}
 			}
+			t.foreignLoad = true
 			return true
 		}
 	}
@@ -298,6 +299,7 @@ func (s *Scheduler) keepOnAlive(t *RequestTracker, prev dispatchRecord, now time
 	}
 	t.Group, t.Attempt, t.WorldSize = prev.group, prev.attempt, s.groups.worldSize(prev.group)
 	s.setLoad(t, 0, false)
+	t.foreignLoad = true
 	return true
 }
 
@@ -381,6 +383,7 @@ func (s *Scheduler) place(t *RequestTracker, groups []GroupState, binding Bindin
 // groups hold.
 func (s *Scheduler) setLoad(t *RequestTracker, local int, global bool) {
 	limit := max(t.TokenLen-1, 0) / s.cfg.BlockSize
+	t.foreignLoad = false
 	t.LocalBlocks = min(local, limit)
 	t.Remote, t.LoadBlocks = nil, t.LocalBlocks
 	if global {

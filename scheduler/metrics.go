@@ -57,11 +57,11 @@ func newMetrics(reg prometheus.Registerer, f metricFuncs) *metrics {
 		}, []string{"model"}),
 		predicted: prometheus.NewCounter(prometheus.CounterOpts{
 			Name: "kvbus_scheduler_predicted_cached_tokens_total",
-			Help: "Prompt tokens the LoadSpecs told ranks to load (the prediction), over completed requests.",
+			Help: "Prompt tokens the LoadSpecs told ranks to load (the prediction), over completed requests whose LoadSpec this replica made (not one taken over from another replica: its ranks ran that replica's).",
 		}),
 		actual: prometheus.NewCounter(prometheus.CounterOpts{
 			Name: "kvbus_scheduler_actual_cached_tokens_total",
-			Help: "Prompt tokens every rank of the group actually loaded (the least of its ranks': a block one rank missed is prefilled by the group), over completed requests.",
+			Help: "Prompt tokens every rank of the group actually loaded (the least of its ranks': a block one rank missed is prefilled by the group), over the completed requests of kvbus_scheduler_predicted_cached_tokens_total.",
 		}),
 		promptTokens: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "kvbus_scheduler_prompt_tokens_total",
@@ -97,7 +97,7 @@ func newMetrics(reg prometheus.Registerer, f metricFuncs) *metrics {
 		}),
 		poolTokens: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "kvbus_scheduler_pool_cached_tokens_total",
-			Help: "Cached prompt tokens of completed requests, predicted by the LoadSpec and actually loaded by every rank of the group, by where they were read (local: the group's own segments; remote: other groups').",
+			Help: "Cached prompt tokens of completed requests whose LoadSpec this replica made, predicted by the LoadSpec and actually loaded by every rank of the group, by where they were read (local: the group's own segments; remote: other groups').",
 		}, []string{"kind", "source"}),
 		resends: prometheus.NewCounter(prometheus.CounterOpts{
 			Name: "kvbus_scheduler_reqmeta_resends_total",

@@ -78,13 +78,17 @@ func (s *Scheduler) countDone(t *RequestTracker, end time.Time) {
 		// The cache's counters are over completed requests: a failed or
 		// aborted one may have loaded nothing, or not all it was told to.
 		depth := turnDepthLabel(t.TurnDepth)
-		s.m.predicted.Add(float64(t.LoadBlocks * s.cfg.BlockSize))
-		s.m.actual.Add(float64(loaded))
-		bs := s.cfg.BlockSize
-		s.m.poolTokens.WithLabelValues("predicted", "local").Add(float64(t.LocalBlocks * bs))
-		s.m.poolTokens.WithLabelValues("predicted", "remote").Add(float64((t.LoadBlocks - t.LocalBlocks) * bs))
-		s.m.poolTokens.WithLabelValues("actual", "local").Add(float64(loaded - remote))
-		s.m.poolTokens.WithLabelValues("actual", "remote").Add(float64(remote))
+		if !t.foreignLoad {
+			// Predicted against loaded, for the LoadSpecs this replica
+			// made: one taken over from another replica ran that one's.
+			s.m.predicted.Add(float64(t.LoadBlocks * s.cfg.BlockSize))
+			s.m.actual.Add(float64(loaded))
+			bs := s.cfg.BlockSize
+			s.m.poolTokens.WithLabelValues("predicted", "local").Add(float64(t.LocalBlocks * bs))
+			s.m.poolTokens.WithLabelValues("predicted", "remote").Add(float64((t.LoadBlocks - t.LocalBlocks) * bs))
+			s.m.poolTokens.WithLabelValues("actual", "local").Add(float64(loaded - remote))
+			s.m.poolTokens.WithLabelValues("actual", "remote").Add(float64(remote))
+		}
 		s.m.promptTokens.WithLabelValues(t.Model, depth).Add(float64(t.TokenLen))
 		s.m.cachedTokens.WithLabelValues(t.Model, depth).Add(float64(loaded))
 	}

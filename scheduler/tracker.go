@@ -40,6 +40,11 @@ type RequestTracker struct {
 	// PrefillBlocks the blocks left to prefill.
 	LoadBlocks    int
 	PrefillBlocks int
+	// foreignLoad: taken over at another replica's group and attempt, the
+	// ranks run that replica's LoadSpec, not LoadBlocks (made here from an
+	// index that may hold the request's own blocks by then): no prediction
+	// of this replica's to count.
+	foreignLoad bool
 	// queued is PrefillBlocks plus the prefill time of its loads (in
 	// blocks) until the driver reports the prefill, then 0: what the
 	// request adds to its group's queue.
