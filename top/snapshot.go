@@ -212,6 +212,11 @@ func (w *Watcher) SnapshotWith(now time.Time, o SnapshotOptions) Snapshot {
 		if d.at.Before(cut) {
 			continue
 		}
+		// A first token counts whatever came after it (its client left,
+		// the request failed or timed out), as the frontend's TTFT does.
+		if d.ttft > 0 {
+			ttfts = append(ttfts, d.ttft)
+		}
 		if d.aborted {
 			s.Aborted++
 			continue
@@ -220,9 +225,6 @@ func (w *Watcher) SnapshotWith(now time.Time, o SnapshotOptions) Snapshot {
 		if d.failed {
 			s.Failed++
 			continue
-		}
-		if d.ttft > 0 {
-			ttfts = append(ttfts, d.ttft)
 		}
 		l := depthLabel(d.depth)
 		prompt[l] += d.prompt

@@ -351,6 +351,29 @@ func TestTTFTFromTheFrontendsClock(t *testing.T) {
 	}
 }
 
+// TestTTFTOfRequestsAbortedAfterTheirFirstToken: a request whose first
+// token reached its client before the client went away (or before its
+// deadline passed) had a time to first token, and the frontend observes it
+// in kvbus_frontend_ttft_seconds and vllm:time_to_first_token_seconds. Top
+// dropped it: a review's 3 streams cancelled after 3 chunks each were 3
+// TTFTs on the frontend's /metrics and none in top's (ttft_p50_ms 0).
+func TestTTFTOfRequestsAbortedAfterTheirFirstToken(t *testing.T) {
+	b := startWatcher(t, top.Config{})
+	for id, reason := range map[string]string{"left": "client disconnected", "late": "timeout"} {
+		b.request(id, id, time.Now().Add(-800*time.Millisecond))
+		b.publish(b.s.Out("fe"), &messages.Output{ReqID: id, Text: "x"})
+		b.publish(b.s.Abort(), &messages.Abort{ReqID: id, Reason: reason})
+	}
+	b.flush()
+	s := b.w.Snapshot(time.Now())
+	if s.Aborted != 2 || s.Failed != 1 { // the flush marker is aborted too
+		t.Fatalf("aborted %d, failed %d; want 2 (one and the flush marker) and 1", s.Aborted, s.Failed)
+	}
+	if s.TTFTP50Ms < 790 || s.TTFTP95Ms < 790 {
+		t.Errorf("TTFT p50 %.1f ms, p95 %.1f ms; want about 800 (both requests' first token came 800 ms after their arrival)", s.TTFTP50Ms, s.TTFTP95Ms)
+	}
+}
+
 // TestTTFTNotForAWholeAnswer: a request to an engine (--engine openai,
 // Request.body set) that does not stream is answered in one output, the
 // whole answer: its time is the e2e latency, not a TTFT, as the frontend

@@ -140,6 +140,15 @@ type reqView struct {
 	again    *againTurn // nil: never asked again
 }
 
+// ttft is the time from the request's arrival to its first output
+// reaching top; 0 when none did (0 or less, clocks apart: no sample).
+func (rv *reqView) ttft() time.Duration {
+	if rv.firstByte.IsZero() {
+		return 0
+	}
+	return rv.firstByte.Sub(rv.start)
+}
+
 // againTurn is a request the frontend published again, under other ids,
 // because its answer was lost on the bus: one turn of its session, ended
 // by its last copy in flight.
@@ -438,10 +447,7 @@ func (w *Watcher) onOutput(m *nats.Msg, now time.Time) {
 	if !o.Final() {
 		return
 	}
-	d := doneReq{at: now, depth: rv.depth, prompt: rv.prompt, failed: o.Error != nil, session: rv.session}
-	if !rv.firstByte.IsZero() {
-		d.ttft = rv.firstByte.Sub(rv.start) // 0 or less (clocks apart): no sample
-	}
+	d := doneReq{at: now, ttft: rv.ttft(), depth: rv.depth, prompt: rv.prompt, failed: o.Error != nil, session: rv.session}
 	if u := o.Usage; u != nil {
 		d.prompt, d.cached = u.PromptTokens, u.CachedTokens
 	}
@@ -497,7 +503,9 @@ func (w *Watcher) onControl(m *nats.Msg, now time.Time) {
 		// A copy given up for another of the same turn, still in flight
 		// (asked again, or another answered first): that one ends the turn.
 	case a.Reason == messages.AbortReasonClientGone:
-		w.done = append(w.done, doneReq{at: now, depth: rv.depth, prompt: rv.prompt, aborted: true, session: rv.session})
+		// A first token that reached its client before it left was a
+		// time to first token, as the frontend counts it.
+		w.done = append(w.done, doneReq{at: now, ttft: rv.ttft(), depth: rv.depth, prompt: rv.prompt, aborted: true, session: rv.session})
 	case strings.HasPrefix(a.Reason, abortPublishFailed):
 		if sv := w.sessions[rv.session]; sv != nil && rv.again == nil { // a copy added no turn
 			sv.turns--
@@ -509,7 +517,7 @@ func (w *Watcher) onControl(m *nats.Msg, now time.Time) {
 			}
 		}
 	default: // a timeout, a stopping frontend or replayer
-		w.done = append(w.done, doneReq{at: now, depth: rv.depth, prompt: rv.prompt, failed: true, session: rv.session})
+		w.done = append(w.done, doneReq{at: now, ttft: rv.ttft(), depth: rv.depth, prompt: rv.prompt, failed: true, session: rv.session})
 	}
 }
 
