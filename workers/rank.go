@@ -106,7 +106,8 @@ type seenReq struct {
 	result  []byte // the encoded RankResult: bytes the GC does not scan
 	// aborted: its client's Abort came (before its ReqMeta, maybe: they
 	// come from different publishers); any ReqMeta of it is dropped.
-	aborted bool
+	// timedOut: that Abort was its frontend's, for its deadline.
+	aborted, timedOut bool
 }
 
 // rankReq is one request's state on a rank.

@@ -3,6 +3,7 @@ package workers
 import (
 	"context"
 	"errors"
+	"fmt"
 	"math"
 	"time"
 
@@ -16,6 +17,11 @@ import (
 
 // errAborted is the cancel cause of an aborted request.
 var errAborted = errors.New("request aborted")
+
+// errAbortedTimeout is the cancel cause of a request its frontend aborted
+// because its deadline passed there (Abort.Timeout): an aborted request
+// whose RankResult says timeout, as the scheduler counts it.
+var errAbortedTimeout = fmt.Errorf("%w: its deadline passed at the frontend", errAborted)
 
 // errSuperseded is the cancel cause of an attempt replaced by a newer one
 // of the same request on this group: the newer attempt answers, and the
@@ -33,6 +39,8 @@ var errShutdown = errors.New("worker shutting down: the request outlived its ran
 // with err, its context's cancel cause being cause (either may be nil).
 func rankErrCode(cause, err error) string {
 	switch {
+	case errors.Is(cause, errAbortedTimeout):
+		return messages.RankErrTimeout
 	case errors.Is(cause, errAborted):
 		return messages.RankErrAborted
 	case errors.Is(cause, context.DeadlineExceeded) || errors.Is(err, context.DeadlineExceeded):
@@ -109,8 +117,9 @@ func (r *Rank) onAbort(_ context.Context, m *nats.Msg) error {
 		// of an attempt dispatched again while this rank ran (or ran) an
 		// earlier one: remember it, and drop every attempt to come.
 		now := time.Now()
-		if !r.seen.Update(a.ReqID, now, func(s *seenReq) { s.attempt, s.aborted = math.MaxInt, true }) {
-			r.seen.Put(a.ReqID, seenReq{attempt: math.MaxInt, aborted: true}, now)
+		timedOut := a.Timeout()
+		if !r.seen.Update(a.ReqID, now, func(s *seenReq) { s.attempt, s.aborted, s.timedOut = math.MaxInt, true, timedOut }) {
+			r.seen.Put(a.ReqID, seenReq{attempt: math.MaxInt, aborted: true, timedOut: timedOut}, now)
 		}
 	}
 	if rr != nil && a.BeforeAttempt > 0 && rr.meta.Attempt >= a.BeforeAttempt {
@@ -130,7 +139,11 @@ func (r *Rank) onAbort(_ context.Context, m *nats.Msg) error {
 	r.mu.Unlock()
 	if rr != nil {
 		r.log.Info("request aborted", "req_id", a.ReqID, "session_id", rr.meta.SessionID, "reason", a.Reason)
-		rr.cancel(errAborted)
+		cause := errAborted
+		if a.Timeout() {
+			cause = errAbortedTimeout
+		}
+		rr.cancel(cause)
 		// Its saves the store thread has not begun will not be made (it
 		// skips a request that ended): a later load of those blocks (the
 		// client's retry of the prompt) does not wait for the store

@@ -60,6 +60,9 @@ func (r *Rank) onMeta(_ context.Context, m *nats.Msg) error {
 				} else {
 					res := r.resultOf(meta)
 					res.Error, res.ErrorCode = "aborted by its client before this rank ran it", messages.RankErrAborted
+					if s.timedOut {
+						res.Error, res.ErrorCode = "its deadline passed at its frontend before this rank ran it", messages.RankErrTimeout
+					}
 					r.publish(meta.ResultSubject, &res, meta)
 				}
 				return nil

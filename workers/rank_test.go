@@ -706,6 +706,41 @@ func TestRankAbort(t *testing.T) {
 	env.publish(env.subj.AbortGroup(testGroup), &messages.Abort{ReqID: "never-seen"})
 }
 
+// TestRankAbortOfATimeoutSaysTimeout: a frontend whose --request-timeout
+// passed aborts the request with the reason "timeout"; a scheduler replica
+// that does not track it passes that Abort on to the group. The ranks
+// answered it as aborted by its client, and the replica that tracks it,
+// hearing those results before the Abort, counted
+// kvbus_scheduler_requests_total{outcome="aborted"}: a review's two 504s
+// were one timeout and one aborted. The ranks say timeout, running or not
+// yet run.
+func TestRankAbortOfATimeoutSaysTimeout(t *testing.T) {
+	env := startRanks(t, rankEnvConfig{engine: workers.SimConfig{
+		Profile: workers.SimProfile{DecodePerToken: 50 * time.Millisecond}, TimeScale: 1,
+	}})
+	m := newMeta("late", "sess", testenv.PromptTokens(1, 40))
+	m.SamplingParams.MaxTokens = 100 // 5 s of decoding
+	env.sendMeta(m)
+	testenv.Eventually(t, waitFor, "the first streamed chunk", func() bool { return len(env.outputs("late")) > 0 })
+	env.publish(env.subj.AbortGroup(testGroup), &messages.Abort{ReqID: "late", Reason: messages.AbortReasonTimeout})
+	// The driver was generating (the other rank had saved its shard and
+	// answered already).
+	if r := env.resultsByRank("late")[0]; r.ErrorCode != messages.RankErrTimeout {
+		t.Errorf("driver: error code %q (%q), want %q: the scheduler counts the request by it", r.ErrorCode, r.Error, messages.RankErrTimeout)
+	}
+	// Its ReqMeta after the frontend's timeout (a resend).
+	env.publish(env.subj.AbortGroup(testGroup), &messages.Abort{ReqID: "queued", Reason: messages.AbortReasonTimeout})
+	testenv.Eventually(t, waitFor, "the abort handled", func() bool {
+		return env.counter("kvbus_bus_messages_total", map[string]string{"handler": "worker_abort"}) >= 2*worldSize
+	})
+	env.sendMeta(newMeta("queued", "sess", testenv.PromptTokens(2, 40)))
+	for rank, r := range env.resultsByRank("queued") {
+		if r.ErrorCode != messages.RankErrTimeout {
+			t.Errorf("rank %d answered the timed-out request with %q (%q), want %q", rank, r.ErrorCode, r.Error, messages.RankErrTimeout)
+		}
+	}
+}
+
 // TestRankAbortBeforeReqMeta: a client's Abort can reach the ranks before
 // the request's ReqMeta (the frontend and the scheduler publish them); the
 // ranks then drop the ReqMeta instead of running the request for nobody,
