@@ -215,3 +215,52 @@ func TestRequestsHelpNamesClientClosed(t *testing.T) {
 	}
 	t.Fatal("kvbus_frontend_requests_total not gathered")
 }
+
+// TestVLLMMetricsCountPromptsThatTimedOutOrFailedUnstreamed: a prompt
+// prefilled and answered in part counts its prompt and the tokens generated
+// however the request then ends. Only a client that left and a stream that
+// failed counted them: a request whose --request-timeout passed (504), or
+// one not streamed whose group failed (503 group_failed), counted neither,
+// though its TTFT was observed (a review's two 504s after 2 s of streaming:
+// vllm:time_to_first_token_seconds_count 2, vllm:prompt_tokens_total 0).
+func TestVLLMMetricsCountPromptsThatTimedOutOrFailedUnstreamed(t *testing.T) {
+	nc, _ := startJetStream(t)
+	for _, stream := range []bool{false, true} {
+		for _, timeout := range []bool{false, true} {
+			reg := prometheus.NewRegistry()
+			vm := newVLLMMetrics(reg, vllmEngineIndex, []string{"m"})
+			m := newMetrics(prometheus.NewRegistry(), func() float64 { return 0 })
+			s := &Server{m: m, vm: vm, cfg: Config{Conn: nc, Subjects: messages.Subjects{}}}
+			g := &generation{s: s, q: newOutputQueue(1), endpoint: messages.EndpointCompletions, log: slog.New(slog.DiscardHandler),
+				model: "m", vm: vm.of("m"), choices: []*choiceState{{busID: "r-0", promptTokens: 350, buffered: !stream}}, start: time.Now()}
+			g.q.push(0, &messages.Output{ReqID: "r-0", Index: 0, Text: "a b", TokenIDs: messages.TokenIDs{1, 2}})
+			g.q.push(0, &messages.Output{ReqID: "r-0", Index: 1, Text: " c", TokenIDs: messages.TokenIDs{3}})
+			if !timeout {
+				g.q.push(0, &messages.Output{ReqID: "r-0", Index: 2, Error: &messages.OutputError{Code: "group_failed", Message: "the worker group failed"}})
+			}
+			deadline := time.Now().Add(300 * time.Millisecond)
+			var status int
+			if stream {
+				status = g.stream(httptest.NewRecorder(), t.Context(), deadline, false, false)
+			} else {
+				status = g.respond(httptest.NewRecorder(), t.Context(), deadline)
+			}
+			got := map[string]float64{}
+			families, err := reg.Gather()
+			if err != nil {
+				t.Fatal(err)
+			}
+			for _, f := range families {
+				for _, mt := range f.GetMetric() {
+					if c := mt.GetCounter(); c != nil {
+						got[f.GetName()] += c.GetValue()
+					}
+				}
+			}
+			if got["vllm:prompt_tokens_total"] != 350 || got["vllm:generation_tokens_total"] != 3 {
+				t.Errorf("stream %v, timeout %v (status %d): vllm:prompt_tokens_total %v, vllm:generation_tokens_total %v; want 350 (the prompt, prefilled) and 3 (the tokens generated)",
+					stream, timeout, status, got["vllm:prompt_tokens_total"], got["vllm:generation_tokens_total"])
+			}
+		}
+	}
+}

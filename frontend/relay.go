@@ -46,8 +46,10 @@ func (g *generation) relay(rw http.ResponseWriter, ctx context.Context, deadline
 	for !g.allDone() {
 		items, apiErr := g.next(ctx, timer)
 		if apiErr != nil {
+			// Its client left it, or its deadline cut it, unfinished:
+			// counted as aborted, with the prompt it prefilled.
+			g.completed()
 			if apiErr.Status == 499 {
-				g.completed() // its client left it unfinished: counted as aborted
 				return apiErr.Status
 			}
 			if started {
@@ -92,6 +94,7 @@ func (g *generation) relay(rw http.ResponseWriter, ctx context.Context, deadline
 		}
 	}
 	if c.err != nil {
+		g.completed() // a prompt that failed after its prefill still counts it
 		g.log.Warn("request failed", "code", c.err.Code, "status", c.err.Status, "err", c.err.Message)
 		body := c.errRaw
 		if len(body) == 0 {

@@ -25,9 +25,10 @@ func (g *generation) respond(w http.ResponseWriter, ctx context.Context, deadlin
 		if _, err := g.next(ctx, timer); err != nil {
 			if err.Status != 499 {
 				writeError(w, err)
-			} else {
-				g.completed() // what its client left unfinished counts as aborted
 			}
+			// What its client left, or its deadline cut, unfinished counts
+			// as aborted, with what it prefilled and generated.
+			g.completed()
 			return err.Status
 		}
 	}
@@ -35,6 +36,7 @@ func (g *generation) respond(w http.ResponseWriter, ctx context.Context, deadlin
 		if c.err != nil {
 			g.log.Warn("request failed", "code", c.err.Code, "err", c.err.Message)
 			writeError(w, c.err)
+			g.completed() // a prompt that failed after its prefill still counts it
 			return c.err.Status
 		}
 	}
@@ -169,8 +171,10 @@ func (g *generation) stream(rw http.ResponseWriter, ctx context.Context, deadlin
 	var held []choiceOutput
 	for !g.allDone() {
 		items, err := g.next(ctx, timer)
-		if err != nil && err.Status == 499 {
-			g.completed() // what its client left unfinished counts as aborted
+		if err != nil {
+			// What its client left, or its deadline cut, unfinished counts
+			// as aborted, with what it prefilled and generated.
+			g.completed()
 		}
 		switch {
 		case err != nil && !started:
