@@ -1,10 +1,11 @@
 package scheduler
 
 import (
+	"bytes"
 	"context"
-	"io"
 	"log/slog"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -392,8 +393,9 @@ func TestStrandedRequestWithNoGroupOfItsModel(t *testing.T) {
 // made.
 func TestTakenOverRequestCountsNoPredictionItDidNotMake(t *testing.T) {
 	nc := embeddedConn(t)
+	var logs syncBuffer
 	s, err := New(Config{Conn: nc, ID: "s0", Policy: KVPolicy{}, HeartbeatTimeout: time.Second, Registerer: prometheus.NewRegistry(),
-		Logger: slog.New(slog.NewTextHandler(io.Discard, nil))})
+		Logger: slog.New(slog.NewTextHandler(&logs, nil))})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -441,4 +443,28 @@ func TestTakenOverRequestCountsNoPredictionItDidNotMake(t *testing.T) {
 	if got := val(s.m.promptTokens.WithLabelValues("m", "1")); got != 40 {
 		t.Errorf("prompt_tokens_total = %v; want 40 (a completed request's prompt counts in the hit ratio)", got)
 	}
+	// Its request done line does not claim a prediction either.
+	for line := range strings.Lines(logs.String()) {
+		if strings.Contains(line, `msg="request done"`) && !strings.Contains(line, "predicted_tokens=unknown") {
+			t.Errorf("the request done line names a prediction this replica did not make: %s", line)
+		}
+	}
+}
+
+// syncBuffer is a bytes.Buffer safe for a logger's concurrent writes.
+type syncBuffer struct {
+	mu sync.Mutex
+	b  bytes.Buffer
+}
+
+func (b *syncBuffer) Write(p []byte) (int, error) {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return b.b.Write(p)
+}
+
+func (b *syncBuffer) String() string {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return b.b.String()
 }

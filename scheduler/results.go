@@ -92,8 +92,12 @@ func (s *Scheduler) countDone(t *RequestTracker, end time.Time) {
 		s.m.promptTokens.WithLabelValues(t.Model, depth).Add(float64(t.TokenLen))
 		s.m.cachedTokens.WithLabelValues(t.Model, depth).Add(float64(loaded))
 	}
+	var predicted any = t.LoadBlocks * s.cfg.BlockSize
+	if t.foreignLoad {
+		predicted = "unknown" // the LoadSpec its ranks ran was another replica's
+	}
 	logsink.Info(s.log, "request done", "req_id", t.ReqID, "session_id", t.SessionID, "group", t.Group,
-		"outcome", outcome.String(), "prompt_tokens", t.TokenLen, "predicted_tokens", t.LoadBlocks*s.cfg.BlockSize, "loaded_tokens", loaded,
+		"outcome", outcome.String(), "prompt_tokens", t.TokenLen, "predicted_tokens", predicted, "loaded_tokens", loaded,
 		"driver_loaded_tokens", driver.LoadedTokens, "completion_tokens", driver.CompletionTokens, "failed_blocks", failed,
 		"error", errText, "error_rank", errRank, "ms", end.Sub(t.Received).Milliseconds())
 }
