@@ -85,7 +85,7 @@ func newMetrics(reg prometheus.Registerer, f metricFuncs) *metrics {
 		}, []string{"group", "model"}),
 		indexEntries: prometheus.NewGauge(prometheus.GaugeOpts{
 			Name: "kvbus_scheduler_index_entries",
-			Help: "(group, block) entries in the KV index.",
+			Help: "(group, block) entries in the KV index: a block some rank of the group holds (kvbus_scheduler_group_blocks counts those every rank holds, which a load needs).",
 		}),
 		indexBlocks: prometheus.NewGauge(prometheus.GaugeOpts{
 			Name: "kvbus_scheduler_index_blocks",
