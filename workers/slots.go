@@ -107,7 +107,7 @@ func ClaimSlot(ctx context.Context, js jetstream.JetStream, cfg SlotConfig) (*Sl
 	if err != nil {
 		return nil, fmt.Errorf("workers: slot bucket %s: %w", cfg.Bucket, err)
 	}
-	token := cfg.Owner + "#" + nuid.Next() + "#" + cfg.Model + "#" + strconv.Itoa(cfg.Size)
+	token := slotToken(cfg.Owner, nuid.Next(), slotKind{cfg.Model, cfg.Size})
 	groups := func(yield func(string) bool) {
 		if cfg.Group != "" {
 			yield(cfg.Group)
@@ -225,16 +225,26 @@ type slotKind struct {
 	size  int
 }
 
-// parseSlotKind reads a slot's token, owner#claim#model#size ("" and 0 in
-// a token of an older kvbus: any).
+// slotToken is what a slot's key holds: owner#claim#model#size. The owner
+// (a host name) and the claim (a nuid) hold no '#'; the model may.
+func slotToken(owner, claim string, k slotKind) string {
+	return owner + "#" + claim + "#" + k.model + "#" + strconv.Itoa(k.size)
+}
+
+// parseSlotKind reads a slot's token (slotToken; owner#claim#model in a
+// token of an older kvbus, owner#claim in an older one still: "" and 0 are
+// any). The size is after the last '#', since the model may hold some: a
+// model a#b was read as model a of any size.
 func parseSlotKind(token []byte) slotKind {
-	parts := strings.SplitN(string(token), "#", 4)
-	var k slotKind
-	if len(parts) > 2 {
-		k.model = parts[2]
+	parts := strings.SplitN(string(token), "#", 3)
+	if len(parts) < 3 {
+		return slotKind{}
 	}
-	if len(parts) > 3 {
-		k.size, _ = strconv.Atoi(parts[3])
+	k := slotKind{model: parts[2]}
+	if i := strings.LastIndexByte(k.model, '#'); i >= 0 {
+		if n, err := strconv.Atoi(k.model[i+1:]); err == nil {
+			k.model, k.size = k.model[:i], n
+		}
 	}
 	return k
 }

@@ -727,3 +727,28 @@ func TestClaimersAtOnceHoldDistinctSlots(t *testing.T) {
 		}
 	}
 }
+
+// TestSlotsOfAModelNamedWithAHash: a slot's token is owner#claim#model#size,
+// and a model name may hold a '#' (--model takes any name): the token of a
+// worker of model a#b was read as model a of size 0, not the worker's own
+// kind, so the next worker of a#b took every group held by one as another
+// model's and claimed a group of its own: no group of --tp-size 2 ever
+// filled, and no request was placed.
+func TestSlotsOfAModelNamedWithAHash(t *testing.T) {
+	srv := testenv.StartNATS(t)
+	js, err := jetstream.New(testenv.Connect(t, srv))
+	if err != nil {
+		t.Fatal(err)
+	}
+	var got []string
+	for i := range 4 {
+		s, err := workers.ClaimSlot(t.Context(), js, workers.SlotConfig{Size: 2, TTL: 5 * time.Second, Owner: fmt.Sprint("w", i), Model: "org/m#v2"})
+		if err != nil {
+			t.Fatal(err)
+		}
+		got = append(got, fmt.Sprintf("%s/%d", s.Group, s.Rank))
+	}
+	if want := []string{"g0/0", "g0/1", "g1/0", "g1/1"}; !slices.Equal(got, want) {
+		t.Errorf("four workers of model org/m#v2, --tp-size 2: %v, want %v", got, want)
+	}
+}
