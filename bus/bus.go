@@ -297,7 +297,7 @@ func Connect(ctx context.Context, cfg Config) (*nats.Conn, error) {
 		}
 		select {
 		case <-ctx.Done():
-			return nil, fmt.Errorf("%w at %s: %v; the last attempt: %v (%s)", ErrConnect, shown, ctx.Err(), err, advice)
+			return nil, fmt.Errorf("%w at %s: %w; the last attempt: %v (%s)", ErrConnect, shown, ctx.Err(), err, advice)
 		case <-time.After(250 * time.Millisecond):
 		}
 	}

@@ -114,7 +114,9 @@ func TestConnectBadTLSFiles(t *testing.T) {
 
 // TestConnectCancelledSaysTheLastError: a Connect whose context ends while
 // it retries says why it could not connect, not only "context deadline
-// exceeded" (what `kvbus auth probe` printed).
+// exceeded" (what `kvbus auth probe` printed); and its error wraps the
+// context's, so that a caller tells a stop from a failure (it wrapped only
+// ErrConnect: a role stopped by SIGTERM while it waited for NATS exited 1).
 func TestConnectCancelledSaysTheLastError(t *testing.T) {
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
@@ -128,6 +130,9 @@ func TestConnectCancelledSaysTheLastError(t *testing.T) {
 	if !errors.Is(err, bus.ErrConnect) || !strings.Contains(err.Error(), "context deadline exceeded") ||
 		!strings.Contains(err.Error(), "no servers available") || !strings.Contains(err.Error(), "kvbus nats") {
 		t.Errorf("Connect = %v, want the deadline, the last error (no servers available) and the advice", err)
+	}
+	if !errors.Is(err, context.DeadlineExceeded) {
+		t.Errorf("Connect = %v, which does not wrap the context's error", err)
 	}
 }
 
