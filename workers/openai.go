@@ -466,8 +466,10 @@ func newEngineCall(req EngineRequest, model string) (*engineCall, error) {
 // to the engine as the client sent it.
 func clientBody(req EngineRequest, model string) (body []byte, stream, wantUsage bool, err error) {
 	var fields map[string]json.RawMessage
-	if err := json.Unmarshal(req.Body, &fields); err != nil || fields == nil {
-		return nil, false, false, fmt.Errorf("client body is not a JSON object: %v", err)
+	if err := json.Unmarshal(req.Body, &fields); err != nil {
+		return nil, false, false, fmt.Errorf("client body is not a JSON object: %w", err)
+	} else if fields == nil {
+		return nil, false, false, errors.New("client body is not a JSON object: null")
 	}
 	set := func(k string, v any) {
 		b, _ := json.Marshal(v)
@@ -487,7 +489,7 @@ func clientBody(req EngineRequest, model string) (body []byte, stream, wantUsage
 	xargs := map[string]json.RawMessage{}
 	if raw, ok := fields["vllm_xargs"]; ok && string(raw) != "null" {
 		if err := json.Unmarshal(raw, &xargs); err != nil {
-			return nil, false, false, fmt.Errorf("vllm_xargs is not an object: %v", err)
+			return nil, false, false, fmt.Errorf("vllm_xargs is not an object: %w", err)
 		}
 	}
 	delete(xargs, messages.ExtraArgSessionID)
@@ -519,7 +521,7 @@ func clientBody(req EngineRequest, model string) (body []byte, stream, wantUsage
 		opts := map[string]json.RawMessage{}
 		if raw, ok := fields["stream_options"]; ok && string(raw) != "null" {
 			if err := json.Unmarshal(raw, &opts); err != nil {
-				return nil, false, false, fmt.Errorf("stream_options is not an object: %v", err)
+				return nil, false, false, fmt.Errorf("stream_options is not an object: %w", err)
 			}
 			wantUsage = true
 			var include *bool

@@ -245,6 +245,17 @@ func TestClientBodyErrors(t *testing.T) {
 		out, _, _, err := clientBody(EngineRequest{SessionID: "s", Body: []byte(body)}, "m")
 		if err == nil {
 			t.Errorf("clientBody(%s) = %s, want an error", body, out)
+			continue
+		}
+		// The JSON error is wrapped (it was only formatted with %v), and
+		// a body that is JSON but no object says so without a nil error.
+		var syntax *json.SyntaxError
+		var typ *json.UnmarshalTypeError
+		if body != `null` && !errors.As(err, &syntax) && !errors.As(err, &typ) {
+			t.Errorf("clientBody(%s) = %v, which does not wrap the JSON error", body, err)
+		}
+		if strings.Contains(err.Error(), "%!") || strings.Contains(err.Error(), "<nil>") {
+			t.Errorf("clientBody(%s) = %q", body, err)
 		}
 	}
 }
