@@ -10,7 +10,6 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
-	"net"
 	"path/filepath"
 	"slices"
 	"strings"
@@ -625,11 +624,3 @@ func (c *Cluster) Wait() error {
 
 // Connect opens a client connection to the cluster's NATS, closed by Wait.
 func (c *Cluster) Connect(name string) (*nats.Conn, error) { return c.connect(name) }
-
-// HTTPAddr is the frontend's address, once it is ready.
-func (c *Cluster) HTTPAddr() net.Addr {
-	if c.Frontend == nil {
-		return nil
-	}
-	return c.Frontend.Addr()
-}
