@@ -56,7 +56,7 @@ func startMultiModel(t *testing.T, cfg multiModelConfig) *multiModel {
 	reg := prometheus.NewRegistry()
 	c, err := cluster.Start(context.Background(), cluster.Config{
 		DataDir: t.TempDir(), Groups: cfg.groupsA, Ranks: 2, Model: "a", ModelProfile: "tiny", KVCapacity: 16 << 20,
-		Sim:               workers.SimConfig{Profile: workers.DefaultSimProfile},
+		Sim:               workers.SimConfig{Profile: workers.DefaultSimProfile()},
 		HeartbeatInterval: 100 * time.Millisecond, HeartbeatTimeout: time.Second, ShutdownTimeout: 2 * time.Second,
 		RequestTimeout: cfg.requestTimeout, DelayFirstReqMeta: cfg.delayFirstReqMeta,
 		Frontend: &frontend.Config{Listener: ln, Models: cfg.frontendModels, StopGrace: 100 * time.Millisecond},
@@ -87,7 +87,7 @@ func (m *multiModel) startRanks(t *testing.T, group string, models ...string) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	engine, err := workers.NewSimEngine(workers.SimConfig{Profile: workers.DefaultSimProfile})
+	engine, err := workers.NewSimEngine(workers.SimConfig{Profile: workers.DefaultSimProfile()})
 	if err != nil {
 		t.Fatal(err)
 	}

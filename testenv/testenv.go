@@ -180,7 +180,7 @@ func StartCluster(t testing.TB, cfg ClusterConfig) *Cluster {
 	cc, err := cluster.Start(context.Background(), cluster.Config{
 		DataDir: t.TempDir(), Groups: cfg.Groups, Ranks: cfg.Ranks, Model: cfg.Model, ModelProfile: cfg.ModelProfile,
 		KVCapacity: cfg.KVCapacity, Payload: cfg.Payload, Evict: cfg.Evict,
-		Sim:               workers.SimConfig{Profile: workers.DefaultSimProfile, TimeScale: cfg.TimeScale},
+		Sim:               workers.SimConfig{Profile: workers.DefaultSimProfile(), TimeScale: cfg.TimeScale},
 		HeartbeatInterval: 100 * time.Millisecond, HeartbeatTimeout: 2 * time.Second, ShutdownTimeout: 2 * time.Second,
 		Schedulers: cfg.Schedulers, Policy: cfg.Policy, RequestTimeout: cfg.RequestTimeout, SessionTTL: cfg.SessionTTL, MaxSessions: cfg.MaxSessions,
 		StoreDelays: cfg.StoreDelays, SaveWait: cfg.SaveWait, DropReqMetas: cfg.DropReqMetas, DelayFirstReqMeta: cfg.DelayFirstReqMeta, MaxPayload: cfg.MaxPayload, NoGroupWait: cfg.NoGroupWait, ResendAfter: cfg.ResendAfter, Pool: cfg.Pool,

@@ -98,12 +98,15 @@ type SimProfile struct {
 	DecodePerToken     time.Duration
 }
 
-// DefaultSimProfile is the default cost model.
-var DefaultSimProfile = SimProfile{
-	PrefillPerToken:    60 * time.Microsecond,
-	LoadPerToken:       5 * time.Microsecond,
-	RemoteLoadPerToken: 15 * time.Microsecond,
-	DecodePerToken:     10 * time.Millisecond,
+// DefaultSimProfile returns the default cost model (a function, not a
+// package variable any importer could change for every other one).
+func DefaultSimProfile() SimProfile {
+	return SimProfile{
+		PrefillPerToken:    60 * time.Microsecond,
+		LoadPerToken:       5 * time.Microsecond,
+		RemoteLoadPerToken: 15 * time.Microsecond,
+		DecodePerToken:     10 * time.Millisecond,
+	}
 }
 
 // SimConfig configures the sim engine.

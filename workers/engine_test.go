@@ -67,7 +67,7 @@ func TestSimConfigValidate(t *testing.T) {
 		ok   bool
 	}{
 		{"zero", SimConfig{}, true},
-		{"default profile, real time", SimConfig{Profile: DefaultSimProfile, TimeScale: 1}, true},
+		{"default profile, real time", SimConfig{Profile: DefaultSimProfile(), TimeScale: 1}, true},
 		{"negative time scale", SimConfig{TimeScale: -0.5}, false},
 		{"negative prefill", SimConfig{Profile: SimProfile{PrefillPerToken: -1}}, false},
 		{"negative load", SimConfig{Profile: SimProfile{LoadPerToken: -1}}, false},
