@@ -9,6 +9,7 @@ import (
 	"math"
 	"net"
 	"os"
+	"strconv"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -93,7 +94,11 @@ func CheckEndpoint(ep string, bind bool) error {
 	if err != nil {
 		return fmt.Errorf("%q: %w", ep, err)
 	}
-	if !bind && (host == "" || host == "*" || port == "0" || port == "*") {
+	n, err := strconv.ParseUint(port, 10, 16)
+	if port != "*" && err != nil {
+		return fmt.Errorf("%q: port %q: give a port number from 1 to 65535 (* or 0 binds any free one)", ep, port)
+	}
+	if !bind && (host == "" || host == "*" || port == "*" || n == 0) {
 		return fmt.Errorf("%q: a connected endpoint needs a host and a port", ep)
 	}
 	return nil

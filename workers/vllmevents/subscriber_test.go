@@ -600,6 +600,14 @@ func TestConfigValidate(t *testing.T) {
 		{vllmevents.Config{Endpoint: "ipc://"}, false},
 		{vllmevents.Config{Endpoint: "tcp://h:1", ReplayEndpoint: "tcp://*:5558"}, false},
 		{vllmevents.Config{Endpoint: "tcp://h:1", ReplayTimeout: -time.Second}, false},
+		// A port that is no port was taken, and the subscriber retried a
+		// connection that could never be made, warning of it for ever.
+		{vllmevents.Config{Endpoint: "tcp://vllm-0:555x"}, false},
+		{vllmevents.Config{Endpoint: "tcp://vllm-0:70000"}, false},
+		{vllmevents.Config{Endpoint: "tcp://vllm-0:-1"}, false},
+		{vllmevents.Config{Endpoint: "tcp://vllm-0:00"}, false}, // port 0, which only a bind may take
+		{vllmevents.Config{Endpoint: "tcp://*:5557x", Bind: true}, false},
+		{vllmevents.Config{Endpoint: "tcp://h:1", ReplayEndpoint: "tcp://h:http"}, false},
 	} {
 		err := tc.cfg.Validate()
 		if (err == nil) != tc.ok || (err != nil && !errors.Is(err, vllmevents.ErrConfig)) {
