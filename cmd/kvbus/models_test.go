@@ -213,6 +213,9 @@ func TestEngineTokenizerSendsTheEngineAPIKey(t *testing.T) {
 			var status int
 			var body []byte
 			status, _, body = testenv.Send(t, http.MethodGet, base+"/v1/models", "", nil)
+			if status != http.StatusOK {
+				t.Errorf("%s --engine-api-key: GET /v1/models: %d %s, want 200", cmd, status, body)
+			}
 			var list struct {
 				Data []struct {
 					ID string `json:"id"`
@@ -269,6 +272,9 @@ func TestEngineTokenizerVerifiesHTTPSEnginesWithTheEngineCA(t *testing.T) {
 				t.Errorf("%s --engine-tls-ca: /tokenize: %d %s, want the https engine's tokens", cmd, status, body)
 			}
 			status, _, body = testenv.Send(t, http.MethodGet, base+"/v1/models", "", nil)
+			if status != http.StatusOK {
+				t.Errorf("%s --engine-api-key: GET /v1/models: %d %s, want 200", cmd, status, body)
+			}
 			if status != http.StatusOK || !strings.Contains(string(body), `"ad1"`) {
 				t.Errorf("%s --engine-tls-ca: /v1/models: %d %s, want the https engine's adapter ad1 listed", cmd, status, body)
 			}
