@@ -74,13 +74,19 @@ func Tap(ctx context.Context, cfg TapConfig, w io.Writer) error {
 		if cfg.SessionID != "" && !keepForSession(kind, m.Subject, v, cfg.SessionID, key, ids) {
 			continue
 		}
-		if err := enc.Encode(map[string]any{"subject": m.Subject, "kind": kind, "msg": v}); err != nil {
-			// A value JSON cannot hold (a NaN temperature): say so and go on.
-			if err := enc.Encode(map[string]any{"subject": m.Subject, "kind": "unprintable", "msg": map[string]string{"error": err.Error()}}); err != nil {
-				return err
-			}
+		if err := tapLine(enc, m.Subject, kind, v); err != nil {
+			return err
 		}
 	}
+}
+
+// tapLine writes one message's line, or for a value JSON cannot hold (a
+// NaN temperature) a line saying so: an error is the writer's.
+func tapLine(enc *json.Encoder, subject, kind string, v any) error {
+	if err := enc.Encode(map[string]any{"subject": subject, "kind": kind, "msg": v}); err != nil {
+		return enc.Encode(map[string]any{"subject": subject, "kind": "unprintable", "msg": map[string]string{"error": err.Error()}})
+	}
+	return nil
 }
 
 // How far tap's output may fall behind the bus before messages are
