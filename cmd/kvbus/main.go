@@ -82,7 +82,7 @@ func main() {
 	}
 	err = kctx.Run()
 	_ = sink.Close()
-	if err != nil {
+	if err != nil && !errors.Is(err, errStoppedConnecting) {
 		fmt.Fprintln(os.Stderr, "kvbus:", err)
 		os.Exit(1)
 	}
@@ -149,11 +149,20 @@ func connectRole(ctx context.Context, cfg bus.Config) (context.Context, *nats.Co
 	cfg.OnClosed = lost
 	nc, err := bus.Connect(ctx, cfg)
 	if err != nil {
+		if errors.Is(err, context.Canceled) {
+			err = fmt.Errorf("%w: %w", errStoppedConnecting, err)
+		}
 		lost(nil)
 		return ctx, nil, err
 	}
 	return ctx, nc, nil
 }
+
+// errStoppedConnecting is a role's error when it was stopped (a signal)
+// while it still waited for NATS: a stop, as at any other time, that exits
+// 0 and says nothing more, not a failure to connect advising to start a
+// NATS server.
+var errStoppedConnecting = errors.New("stopped while waiting for NATS")
 
 // closeConn closes nc at once, as the role's own close (not reported as
 // the server's, see connectRole).

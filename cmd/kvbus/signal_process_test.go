@@ -320,3 +320,32 @@ func startServe(t *testing.T, args ...string) (p *proc, base string) {
 	testenv.Eventually(t, 60*time.Second, "/health 200", func() bool { return healthz(base+"/health") == http.StatusOK })
 	return p, base
 }
+
+// TestProcessStoppedWhileWaitingForNATS: a role stopped by SIGTERM while it
+// still waits for NATS (started before it, or NATS restarting) stops as a
+// role stopped at any other time does, with exit 0, and without advice to
+// start a NATS server. It exited 1 saying "cannot connect to NATS …:
+// context canceled … (start one with `kvbus nats` …)".
+func TestProcessStoppedWhileWaitingForNATS(t *testing.T) {
+	if testing.Short() {
+		t.Skip("builds and runs the binary")
+	}
+	dir := t.TempDir()
+	bin := buildBinary(t, dir)
+	bus := []string{"--nats-url", "nats://" + freeAddr(t)} // nothing listens there
+	for _, role := range [][]string{
+		{"frontend", "--http-addr", freeAddr(t)},
+		{"scheduler", "--metrics-addr", freeAddr(t)},
+	} {
+		p := startProc(t, bin, dir, role[0], append(role, bus...)...)
+		p.logged(t, 30*time.Second, "cannot reach NATS yet; retrying")
+		p.signal(t, syscall.SIGTERM)
+		code, ok := p.exitWithin(5 * time.Second)
+		if !ok || code != 0 {
+			t.Errorf("%s stopped by SIGTERM while waiting for NATS: exited %v, code %d; want 0", role[0], ok, code)
+		}
+		if b, _ := os.ReadFile(p.log); strings.Contains(string(b), "start one with") {
+			t.Errorf("%s stopped by SIGTERM is advised to start NATS:\n%s", role[0], b)
+		}
+	}
+}
