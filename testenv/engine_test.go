@@ -169,18 +169,24 @@ func TestEngineConversationKeepsItsCache(t *testing.T) {
 func TestEngineKVEventsSteerPlacement(t *testing.T) {
 	c, engines := engineCluster(t, 2, nil)
 	chat := sharedDocChat(c.Model)
-	// Directly on engine 1: kvbus sees only its KV events.
-	resp, err := http.Post(engines[1].URL()+"/v1/chat/completions", "application/json", bytes.NewReader(chat("first question")))
+	cacheBehindKvbus(t, c, engines[1], "g1", chat)
+	expectPlacedOnItsPrefix(t, c, engines, 1, chat)
+}
+
+// cacheBehindKvbus sends chat's first question directly to engine e, so
+// that kvbus learns of the blocks it caches only from its KV events, and
+// waits until group g's blocks in the index are the engine's.
+func cacheBehindKvbus(t *testing.T, c *testenv.Cluster, e *fakeengine.Engine, g string, chat func(string) []byte) {
+	t.Helper()
+	resp, err := http.Post(e.URL()+"/v1/chat/completions", "application/json", bytes.NewReader(chat("first question")))
 	if err != nil {
 		t.Fatal(err)
 	}
 	io.Copy(io.Discard, resp.Body)
 	resp.Body.Close()
-	g1 := "g1"
-	testenv.Eventually(t, 10*time.Second, "engine 1's KV events reach the index", func() bool {
-		return c.Scheduler.Index().GroupBlocks(g1) >= engines[1].CachedBlocks()-1
+	testenv.Eventually(t, 10*time.Second, "the engine's KV events reach the index", func() bool {
+		return c.Scheduler.Index().GroupBlocks(g) == e.CachedBlocks()
 	})
-	expectPlacedOnItsPrefix(t, c, engines, 1, chat)
 }
 
 // TestWorkerRestartReplaysItsEnginesCache: a worker restarted beside a
@@ -196,16 +202,8 @@ func TestWorkerRestartReplaysItsEnginesCache(t *testing.T) {
 		}
 	})
 	chat := sharedDocChat(c.Model)
-	resp, err := http.Post(engines[1].URL()+"/v1/chat/completions", "application/json", bytes.NewReader(chat("first question")))
-	if err != nil {
-		t.Fatal(err)
-	}
-	io.Copy(io.Discard, resp.Body)
-	resp.Body.Close()
+	cacheBehindKvbus(t, c, engines[1], "g1", chat)
 	want := engines[1].CachedBlocks()
-	testenv.Eventually(t, 10*time.Second, "engine 1's KV events reach the index", func() bool {
-		return c.Scheduler.Index().GroupBlocks("g1") == want
-	})
 	c.CrashRestartRank(t, "g1", 0)
 	c.WaitReady(t)
 	testenv.Eventually(t, 10*time.Second, "the new rank subscribed", func() bool {

@@ -208,6 +208,33 @@ func (r *recorder) wait(t *testing.T, n int) {
 	}
 }
 
+// expect checks what was delivered and reported: the batches numbered
+// seqs, each the one numbered() made for its seq, and the gaps.
+func (r *recorder) expect(t *testing.T, seqs []uint64, gaps [][2]uint64) {
+	t.Helper()
+	got, gotGaps := r.state()
+	if !slices.Equal(got, seqs) || !slices.Equal(gotGaps, gaps) {
+		t.Fatalf("seqs %v gaps %v, want %v and %v", got, gotGaps, seqs, gaps)
+	}
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	for i, b := range r.batches {
+		if b.Events[0].BlockHashes[0] != vllmevents.HashFromUint64(1000+got[i]) {
+			t.Fatalf("seq %d delivered batch %+v", got[i], b)
+		}
+	}
+}
+
+// numbered returns a batch for each seq, as a replay buffer holds them:
+// the batch of seq n removes block 1000+n, at engine time 1000+n.
+func numbered(t *testing.T, seqs []uint64) map[uint64][]byte {
+	batches := map[uint64][]byte{}
+	for _, s := range seqs {
+		batches[s] = batch(t, formMapEvents, 1000+s)
+	}
+	return batches
+}
+
 func (r *recorder) state() ([]uint64, [][2]uint64) {
 	r.mu.Lock()
 	defer r.mu.Unlock()
@@ -377,22 +404,11 @@ func TestSubscriberReplay(t *testing.T) {
 			pub.waitSubscribed(t, "")
 			pub.send(t, "", 0, batch(t, formMapEvents, 1000))
 			rec.wait(t, 1)
-			batches := map[uint64][]byte{}
-			for _, s := range tc.buffer {
-				batches[s] = batch(t, formMapEvents, 1000+s)
-			}
+			batches := numbered(t, tc.buffer)
 			buffer.set(batches)
 			pub.send(t, "", 4, batch(t, formMapEvents, 1004))
 			rec.wait(t, len(tc.wantSeqs)-1)
-			seqs, gaps := rec.state()
-			if !slices.Equal(seqs, tc.wantSeqs) || !slices.Equal(gaps, tc.wantGaps) {
-				t.Fatalf("seqs %v gaps %v, want %v and %v", seqs, gaps, tc.wantSeqs, tc.wantGaps)
-			}
-			for i, b := range rec.batches {
-				if b.Events[0].BlockHashes[0] != vllmevents.HashFromUint64(1000+seqs[i]) {
-					t.Fatalf("seq %d delivered batch %+v", seqs[i], b)
-				}
-			}
+			rec.expect(t, tc.wantSeqs, tc.wantGaps)
 		})
 	}
 }
@@ -421,10 +437,7 @@ func TestSubscriberJoinsARunningEngine(t *testing.T) {
 		{"no replay endpoint", nil, false, []uint64{4, 5, 6}, nil},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			batches := map[uint64][]byte{}
-			for _, s := range tc.buffer {
-				batches[s] = batch(t, formMapEvents, 1000+s)
-			}
+			batches := numbered(t, tc.buffer)
 			buffer := &replayBuffer{}
 			if strings.HasPrefix(tc.name, "llm-d") {
 				buffer.topic = []byte("kv@127.0.0.1:8000@kvbus-sim")
@@ -463,15 +476,7 @@ func TestSubscriberJoinsARunningEngine(t *testing.T) {
 			}
 			rec.wait(t, len(tc.wantSeqs))
 			time.Sleep(100 * time.Millisecond) // nothing more comes
-			seqs, gaps := rec.state()
-			if !slices.Equal(seqs, tc.wantSeqs) || !slices.Equal(gaps, tc.wantGaps) {
-				t.Fatalf("seqs %v gaps %v, want %v and %v", seqs, gaps, tc.wantSeqs, tc.wantGaps)
-			}
-			for i, b := range rec.batches {
-				if b.Events[0].BlockHashes[0] != vllmevents.HashFromUint64(1000+seqs[i]) {
-					t.Fatalf("seq %d delivered batch %+v", seqs[i], b)
-				}
-			}
+			rec.expect(t, tc.wantSeqs, tc.wantGaps)
 		})
 	}
 
