@@ -144,6 +144,24 @@ func successByReason(t *testing.T, reg *prometheus.Registry) map[string]float64 
 	return success
 }
 
+// counterSums returns each counter family's sum over its series.
+func counterSums(t *testing.T, reg *prometheus.Registry) map[string]float64 {
+	t.Helper()
+	families, err := reg.Gather()
+	if err != nil {
+		t.Fatal(err)
+	}
+	sums := map[string]float64{}
+	for _, f := range families {
+		for _, mt := range f.GetMetric() {
+			if c := mt.GetCounter(); c != nil {
+				sums[f.GetName()] += c.GetValue()
+			}
+		}
+	}
+	return sums
+}
+
 // TestVLLMMetricsCountUnfinishedPrompts: a request that ended unfinished
 // after its first token (its client left, or it failed) counts its prompt
 // in vllm:prompt_tokens_total and the tokens it generated in
@@ -173,18 +191,7 @@ func TestVLLMMetricsCountUnfinishedPrompts(t *testing.T) {
 		}
 		g.stream(httptest.NewRecorder(), ctx, time.Now().Add(5*time.Second), false, false)
 		cancel()
-		got := map[string]float64{}
-		families, err := reg.Gather()
-		if err != nil {
-			t.Fatal(err)
-		}
-		for _, f := range families {
-			for _, mt := range f.GetMetric() {
-				if c := mt.GetCounter(); c != nil {
-					got[f.GetName()] += c.GetValue()
-				}
-			}
-		}
+		got := counterSums(t, reg)
 		if got["vllm:prompt_tokens_total"] != 350 || got["vllm:generation_tokens_total"] != 3 {
 			t.Errorf("failed %v: vllm:prompt_tokens_total %v, vllm:generation_tokens_total %v; want 350 (the prompt, prefilled) and 3 (the tokens streamed)",
 				failed, got["vllm:prompt_tokens_total"], got["vllm:generation_tokens_total"])
@@ -245,18 +252,7 @@ func TestVLLMMetricsCountPromptsThatTimedOutOrFailedUnstreamed(t *testing.T) {
 			} else {
 				status = g.respond(httptest.NewRecorder(), t.Context(), deadline)
 			}
-			got := map[string]float64{}
-			families, err := reg.Gather()
-			if err != nil {
-				t.Fatal(err)
-			}
-			for _, f := range families {
-				for _, mt := range f.GetMetric() {
-					if c := mt.GetCounter(); c != nil {
-						got[f.GetName()] += c.GetValue()
-					}
-				}
-			}
+			got := counterSums(t, reg)
 			if got["vllm:prompt_tokens_total"] != 350 || got["vllm:generation_tokens_total"] != 3 {
 				t.Errorf("stream %v, timeout %v (status %d): vllm:prompt_tokens_total %v, vllm:generation_tokens_total %v; want 350 (the prompt, prefilled) and 3 (the tokens generated)",
 					stream, timeout, status, got["vllm:prompt_tokens_total"], got["vllm:generation_tokens_total"])
