@@ -444,10 +444,17 @@ func TestTakenOverRequestCountsNoPredictionItDidNotMake(t *testing.T) {
 		t.Errorf("prompt_tokens_total = %v; want 40 (a completed request's prompt counts in the hit ratio)", got)
 	}
 	// Its request done line does not claim a prediction either.
+	done := 0
 	for line := range strings.Lines(logs.String()) {
-		if strings.Contains(line, `msg="request done"`) && !strings.Contains(line, "predicted_tokens=unknown") {
-			t.Errorf("the request done line names a prediction this replica did not make: %s", line)
+		if strings.Contains(line, `msg="request done"`) {
+			done++
+			if !strings.Contains(line, "predicted_tokens=unknown") {
+				t.Errorf("the request done line names a prediction this replica did not make: %s", line)
+			}
 		}
+	}
+	if done != 1 {
+		t.Errorf("%d request done lines, want 1", done)
 	}
 }
 
