@@ -12,8 +12,11 @@ import (
 	"time"
 )
 
-// ModelLister is a tokenizer that can also ask the engines behind it which
-// models they serve (EngineTokenizer: their GET /v1/models).
+// ModelLister is implemented by a tokenizer that can also ask the engines
+// behind it which models they serve (EngineTokenizer: their GET
+// /v1/models); a frontend in front of engines (Config.Passthrough) finds
+// it by a type assertion on its Tokenizer, and serves only --model without
+// it. Safe for concurrent use; Models honours ctx's deadline.
 type ModelLister interface {
 	// Models returns the entries of the first engine's model list that
 	// answers, as the engine wrote them.

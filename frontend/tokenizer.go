@@ -26,8 +26,11 @@ type Tokenizer interface {
 	Name() string
 }
 
-// ChatRenderer is a Tokenizer that renders a conversation with the chat
-// template's options, as vLLM's /tokenize takes them.
+// ChatRenderer is implemented by a Tokenizer that renders a conversation
+// with the chat template's options, as vLLM's /tokenize takes them; the
+// frontend finds it by a type assertion on its Tokenizer (without it, a
+// chat not ending with the generation prompt is refused). Like the
+// Tokenizer, safe for concurrent use.
 type ChatRenderer interface {
 	// RenderChat tokenizes msgs; generationPrompt ends them with the
 	// assistant's turn prompt, continueFinal leaves the last message open
@@ -35,7 +38,10 @@ type ChatRenderer interface {
 	RenderChat(msgs []ChatTurn, generationPrompt, continueFinal bool) ([]uint32, error)
 }
 
-// Detokenizer is a Tokenizer that turns token ids back into text.
+// Detokenizer is implemented by a Tokenizer that turns token ids back
+// into text; the frontend finds it by a type assertion on its Tokenizer
+// (without it, /detokenize answers 501 and /tokenize's token strings are
+// empty). Like the Tokenizer, safe for concurrent use.
 type Detokenizer interface {
 	// Decode returns the text of ids; an id outside the vocabulary is an
 	// error wrapping ErrUnknownToken.
