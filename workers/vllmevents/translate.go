@@ -58,6 +58,20 @@ type TranslatorConfig struct {
 	Group int
 }
 
+// Validate checks c: a positive block size, a hash function, a max
+// blocks not negative.
+func (c *TranslatorConfig) Validate() error {
+	switch {
+	case c.BlockSize <= 0:
+		return fmt.Errorf("%w: block size %d", ErrConfig, c.BlockSize)
+	case c.Hash == nil:
+		return fmt.Errorf("%w: no hash function", ErrConfig)
+	case c.MaxBlocks < 0:
+		return fmt.Errorf("%w: max blocks %d", ErrConfig, c.MaxBlocks)
+	}
+	return nil
+}
+
 // TranslatorStats are a Translator's counters since it was made.
 type TranslatorStats struct {
 	Stored  int // kvbus blocks emitted as stored
@@ -110,14 +124,8 @@ type entry struct {
 
 // NewTranslator returns a Translator with an empty map.
 func NewTranslator(cfg TranslatorConfig) (*Translator, error) {
-	if cfg.BlockSize <= 0 {
-		return nil, fmt.Errorf("%w: block size %d", ErrConfig, cfg.BlockSize)
-	}
-	if cfg.Hash == nil {
-		return nil, fmt.Errorf("%w: no hash function", ErrConfig)
-	}
-	if cfg.MaxBlocks < 0 {
-		return nil, fmt.Errorf("%w: max blocks %d", ErrConfig, cfg.MaxBlocks)
+	if err := cfg.Validate(); err != nil {
+		return nil, err
 	}
 	if cfg.MaxBlocks == 0 {
 		cfg.MaxBlocks = DefaultMaxBlocks
