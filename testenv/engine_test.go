@@ -1321,3 +1321,59 @@ func TestEngineCacheSaltSharesNoBlocks(t *testing.T) {
 		t.Errorf("an empty cache_salt: %d %s, want vLLM's 400 naming cache_salt", status, body)
 	}
 }
+
+// TestEngineSilentKVEventsBindHint: a worker that binds its SUB socket
+// (--kv-events-bind, for engines that dial their subscriber, as llm-d's
+// simulator does) and hears nothing says what the engine must do in that
+// wiring: publish to the address the worker bound. Before, the hint was the
+// one for --kv-events: start vLLM binding "tcp://*:5557" and point
+// --kv-events at it, which is the other wiring (a vLLM that binds never
+// reaches a worker that binds too) and names a flag the operator does not
+// use.
+func TestEngineSilentKVEventsBindHint(t *testing.T) {
+	free := func() string {
+		ln, err := net.Listen("tcp", "127.0.0.1:0")
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer ln.Close()
+		return "tcp://" + ln.Addr().String()
+	}
+	bound, elsewhere := free(), free()
+	// The engine publishes to another address than the worker binds: a
+	// simulator started with the wrong --zmq-endpoint.
+	e, err := fakeengine.New(fakeengine.Config{ModelName: "kvbus-sim",
+		KVEvents: &fakeengine.KVEventsConfig{Endpoint: elsewhere, Connect: true, EventForm: fakeengine.EventFormArray, ZeroRootParent: true}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = e.Close() })
+	tok, err := frontend.NewEngineTokenizer(frontend.EngineTokenizerConfig{URLs: []string{e.URL()}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	c := testenv.StartCluster(t, testenv.ClusterConfig{Tokenizer: tok, Policy: "kv", MaxModelLen: 8192,
+		Engines: []cluster.EngineBackend{{
+			OpenAI:          workers.OpenAIConfig{URL: e.URL(), HealthInterval: 100 * time.Millisecond},
+			KVEvents:        &vllmevents.Config{Endpoint: bound, Bind: true},
+			KVEventsSilence: 400 * time.Millisecond,
+		}}})
+	status, _, body := testenv.Send(t, "POST", c.URL+"/v1/completions",
+		fmt.Sprintf(`{"model":%q,"prompt":%q,"max_tokens":2}`, c.Model, strings.Repeat("a prompt of several blocks ", 40)), nil)
+	if status != http.StatusOK {
+		t.Fatalf("status %d: %s", status, body)
+	}
+	const warning = "engine KV events: none heard"
+	testenv.Eventually(t, 5*time.Second, "the deaf worker's warning", func() bool {
+		return len(c.Logs.Lines(warning)) > 0
+	})
+	line := c.Logs.Lines(warning)[0]
+	for _, want := range []string{"--kv-events-bind", strings.TrimPrefix(bound, "tcp://")} {
+		if !strings.Contains(line, want) {
+			t.Errorf("the warning of a worker that binds does not say %q: %s", want, line)
+		}
+	}
+	if strings.Contains(line, "tcp://*:5557") {
+		t.Errorf("the warning of a worker that binds tells the engine to bind too: %s", line)
+	}
+}

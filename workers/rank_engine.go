@@ -276,11 +276,26 @@ func (r *Rank) watchEngineSilence(ctx context.Context, cfg vllmevents.Config) {
 		}
 		if since := time.Since(time.Unix(0, first)); since >= silence {
 			r.log.Warn("engine KV events: none heard, though the engine stored new blocks "+since.Round(time.Second).String()+" ago: placement cannot see its cache",
-				"endpoint", cfg.Endpoint, "bind", cfg.Bind, "topic", cfg.Topic,
-				"hint", `start vLLM with --enable-prefix-caching and --kv-events-config '{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:5557", "topic": "kv-events"}'; kvbus's --kv-events must reach that endpoint and --kv-events-topic be a prefix of its topic (empty: every topic)`)
+				"endpoint", cfg.Endpoint, "bind", cfg.Bind, "topic", cfg.Topic, "hint", silenceHint(cfg))
 			return
 		}
 	}
+}
+
+// silenceHint says how the engine must publish for this subscription to
+// hear it. The two wirings need opposite things of the engine: with
+// --kv-events the engine binds and kvbus connects to it; with
+// --kv-events-bind kvbus binds and the engine must connect to that address
+// (vLLM connects to an endpoint without a wildcard, llm-d's simulator always
+// connects to its --zmq-endpoint).
+func silenceHint(cfg vllmevents.Config) string {
+	const topic = "--kv-events-topic must be a prefix of the engine's topic (empty: every topic)"
+	if cfg.Bind {
+		return "--kv-events-bind binds " + cfg.Endpoint + ": the engine must connect to it, at an address of this worker it can reach: " +
+			`vLLM with --enable-prefix-caching and --kv-events-config '{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://WORKER_HOST:PORT"}' (no wildcard: vLLM binds an endpoint with "*"), ` +
+			"llm-d's inference simulator with --enable-kvcache --zmq-endpoint tcp://WORKER_HOST:PORT and POD_IP set; " + topic
+	}
+	return `start vLLM with --enable-prefix-caching and --kv-events-config '{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:5557", "topic": "kv-events"}'; kvbus's --kv-events must reach that endpoint and ` + topic
 }
 
 // heldBlocks is what the rank's heartbeat reports it holds: the engine's
