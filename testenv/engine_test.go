@@ -1377,3 +1377,46 @@ func TestEngineSilentKVEventsBindHint(t *testing.T) {
 		t.Errorf("the warning of a worker that binds tells the engine to bind too: %s", line)
 	}
 }
+
+// TestEngineUnknownParentIsAnErrorFromTheFirstBatch: a worker that heard
+// its engine's KV events from the engine's first batch on knows every block
+// the engine announced, so a block chained from one it never heard of is
+// an error of the engine's stream, logged at ERROR, whether the engine
+// numbers its batches from 0 (vLLM) or from 1 (llm-d's inference
+// simulator, whose replay endpoint held nothing when the worker joined).
+// Before, only a batch numbered 0 counted as the first: behind the
+// simulator every such error was logged once at INFO as expected after a
+// worker restart, which it was not.
+func TestEngineUnknownParentIsAnErrorFromTheFirstBatch(t *testing.T) {
+	for _, first := range []uint64{0, 1} {
+		t.Run(fmt.Sprint("first batch ", first), func(t *testing.T) {
+			c, engines := engineCluster(t, 1, func(_ int, cfg *fakeengine.Config) {
+				cfg.KVEvents.FirstSeq = first
+				cfg.KVEvents.ReplayEndpoint = "tcp://127.0.0.1:0"
+			})
+			e := engines[0]
+			client := &http.Client{Timeout: 30 * time.Second}
+			defer client.CloseIdleConnections()
+			d := testenv.Conversation{BaseURL: c.URL, Client: client, Model: c.Model, Seed: 9,
+				Headers: map[string]string{"X-Session-ID": "orphans"}}.Start()
+			e.LoseNext(1) // the first turn's blocks: announced by no event
+			if _, err := d.Next(t.Context()); err != nil {
+				t.Fatal(err)
+			}
+			if _, err := d.Next(t.Context()); err != nil { // chained from them
+				t.Fatal(err)
+			}
+			testenv.Eventually(t, 5*time.Second, "the second turn's batch heard", func() bool {
+				return len(c.Logs.Lines("engine KV events: the first batch was heard")) == 1
+			})
+			testenv.Eventually(t, 5*time.Second, "the unknown parent reported", func() bool {
+				return len(c.Logs.Lines("blocks skipped", "unknown parent")) > 0 ||
+					len(c.Logs.Lines("blocks chained from blocks the engine cached before")) > 0
+			})
+			if l := c.Logs.Lines("blocks skipped", "unknown parent", "level=ERROR"); len(l) != 1 {
+				t.Errorf("engine numbering from %d: ERROR lines %q, want one; INFO: %q", first, l,
+					c.Logs.Lines("blocks chained from blocks the engine cached before"))
+			}
+		})
+	}
+}

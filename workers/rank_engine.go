@@ -76,7 +76,8 @@ type engineKV struct {
 	// KV event batch came since.
 	healthCleared bool
 	// whole: the translator heard every block the engine stored, from
-	// the engine's first batch (seq 0) on, and was not reset since. Until
+	// the engine's first batch (seq 0, or vllmevents.Batch.First) on, and
+	// was not reset since. Until
 	// then (a rank started, or its subscriber restarted, beside an engine
 	// that had cached already; a gap nothing replayed) a block whose parent
 	// it never heard of is expected, not an error of the engine's stream.
@@ -179,8 +180,10 @@ func (r *Rank) engineBatch(k *engineKV, seq uint64, b *vllmevents.Batch) (whole 
 	if !r.engineHeard.Swap(true) {
 		r.log.Info("engine KV events: the first batch was heard", "seq", seq)
 	}
-	if seq == 0 {
-		k.whole = true // the engine's first batch: nothing came before it
+	if seq == 0 || b.First {
+		// The engine's first batch (numbered 0 by vLLM, 1 by llm-d's
+		// simulator): nothing came before it.
+		k.whole = true
 	}
 	evs, err := k.tr.Translate(b)
 	r.events.publish(evs)

@@ -118,6 +118,9 @@ type KVEventsConfig struct {
 	// ZeroRootParent sends parent_block_hash 0 where vLLM sends None (the
 	// first blocks of a prompt), as llm-d's inference simulator does.
 	ZeroRootParent bool
+	// FirstSeq is the first batch's sequence number: vLLM counts from 0,
+	// llm-d's inference simulator from 1.
+	FirstSeq uint64
 }
 
 // Validate checks c.

@@ -221,6 +221,18 @@ func (e *Engine) DropNext(n int) {
 	}
 }
 
+// LoseNext makes the next n KV event batches vanish: not numbered, kept
+// for replay nor sent, so that the blocks they stored are announced by no
+// event and no gap shows it (an engine whose event stream is wrong; a test
+// knob). Without KV events it does nothing.
+func (e *Engine) LoseNext(n int) {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	if e.pub != nil {
+		e.pub.lose += n
+	}
+}
+
 // NextSeq returns the sequence number of the next KV event batch.
 func (e *Engine) NextSeq() uint64 {
 	e.mu.Lock()

@@ -16,7 +16,7 @@ import (
 
 // publisher plays vLLM's ZmqEventPublisher (vllm/distributed/kv_events.py):
 // a PUB socket sending three-frame messages (topic, seq as 8 big-endian
-// bytes, msgspec payload), seq counting from 0, and optionally a ROUTER
+// bytes, msgspec payload), seq counting from 0 (KVEventsConfig.FirstSeq), and optionally a ROUTER
 // answering replay requests from a buffer of the last batches. Its send
 // and skip methods are called under the Engine's lock; the replay buffer
 // has its own lock, shared with the replay goroutine.
@@ -33,6 +33,7 @@ type publisher struct {
 	// Owned by the Engine's lock.
 	seq  uint64
 	drop int // batches still to drop (buffered, not sent)
+	lose int // batches still to lose (not numbered, buffered nor sent)
 
 	bufMu   sync.Mutex
 	buffer  []buffered // a ring of the last bufSize batches
@@ -56,6 +57,7 @@ func newPublisher(cfg *KVEventsConfig, hashBytes bool) (*publisher, error) {
 		enc:     batchEncoder{form: cfg.EventForm, hashBytes: hashBytes, dpRank: cfg.DataParallelRank, zeroRoot: cfg.ZeroRootParent},
 		cancel:  cancel,
 		bufSize: cfg.BufferSteps,
+		seq:     cfg.FirstSeq,
 	}
 	p.pub = zmq4.NewPub(ctx, zmq4.WithLogger(quietLog()),
 		zmq4.WithDialerRetry(50*time.Millisecond), zmq4.WithDialerMaxRetries(-1),
@@ -97,6 +99,10 @@ func boundAddr(endpoint string, s zmq4.Socket) string {
 // socket never blocks: with no subscriber (yet) the batch is dropped, as
 // vLLM's is.
 func (p *publisher) send(evs []kvEvent) error {
+	if p.lose > 0 {
+		p.lose--
+		return nil
+	}
 	payload, err := p.enc.encode(float64(time.Now().UnixNano())/1e9, evs)
 	if err != nil {
 		return fmt.Errorf("fakeengine: encode KV events: %w", err)

@@ -29,6 +29,12 @@ type Batch struct {
 	Events []Event
 	// DPRank is the engine's data-parallel rank (0 when absent).
 	DPRank int
+	// First is set by a Subscriber on the first batch the engine
+	// published: numbered 0, or the first it delivered after the engine's
+	// replay endpoint answered that it held none before it (llm-d's
+	// inference simulator numbers its batches from 1). Decode leaves it
+	// false.
+	First bool
 	// Skipped counts events with a tag this package does not know; they
 	// are not in Events. UnknownTags lists their distinct tags (at most 8),
 	// for the caller to log.

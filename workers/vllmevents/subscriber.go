@@ -140,6 +140,11 @@ type Subscriber struct {
 	// came: a live batch numbered below next and no later than it is one
 	// of those, queued while they were replayed.
 	joinedTS float64
+	// firstNext: before any batch was delivered, the engine's replay
+	// endpoint answered that it held no batch below the one to come, so
+	// the next batch delivered is the first the engine published, whatever
+	// its number (vLLM counts from 0, llm-d's inference simulator from 1).
+	firstNext bool
 }
 
 // New returns a Subscriber for cfg, which it validates.
@@ -203,7 +208,7 @@ func (s *Subscriber) Run(ctx context.Context, h Handler) error {
 		return fmt.Errorf("%w: Run called while running", ErrConfig)
 	}
 	defer s.running.Store(false)
-	s.started, s.joinedTS = false, 0
+	s.started, s.joinedTS, s.firstNext = false, 0, false
 
 	ctx, cancel := context.WithCancel(ctx)
 	sock := zmq4.NewSub(ctx,
@@ -333,7 +338,8 @@ func (s *Subscriber) handle(ctx context.Context, frames [][]byte, h Handler) err
 // deliver decodes one batch and hands it to h; a batch that does not
 // decode is a gap of one.
 func (s *Subscriber) deliver(seq uint64, payload []byte, h Handler) error {
-	s.started, s.next = true, seq+1
+	first := seq == 0 || s.firstNext
+	s.started, s.next, s.firstNext = true, seq+1, false
 	b, err := Decode(payload)
 	if err != nil {
 		s.malformed.Add(1)
@@ -343,6 +349,7 @@ func (s *Subscriber) deliver(seq uint64, payload []byte, h Handler) error {
 	}
 	s.delivered.Add(1)
 	s.lastTS = b.TS
+	b.First = first
 	if err := h(seq, b); err != nil {
 		return fmt.Errorf("vllmevents: handler (seq %d): %w", seq, err)
 	}
@@ -375,7 +382,11 @@ func (s *Subscriber) replayRange(ctx context.Context, from, to uint64, h Handler
 	joining := !s.started
 	var herr error
 	errStop := errors.New("stop")
+	below := false // the engine holds a batch below to
 	err := s.replay(ctx, from, func(seq uint64, payload []byte) error {
+		if seq < to {
+			below = true
+		}
 		if seq < s.next || seq >= to {
 			return nil // already delivered, or to come live
 		}
@@ -396,6 +407,11 @@ func (s *Subscriber) replayRange(ctx context.Context, from, to uint64, h Handler
 	}
 	if joining && s.started {
 		s.joinedTS = s.lastTS
+	}
+	if joining && !s.started && err == nil && !below {
+		// The engine answered that it holds nothing before the batch to
+		// come: that one is its first.
+		s.firstNext = true
 	}
 	return nil
 }

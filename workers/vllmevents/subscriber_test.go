@@ -803,3 +803,56 @@ func TestSubscriberRefusesOversizedFrames(t *testing.T) {
 	pub.send(t, "", 0, batch(t, formArray, 1))
 	rec.wait(t, 1)
 }
+
+// TestSubscriberTellsTheEnginesFirstBatch: Batch.First marks the first
+// batch the engine published: one numbered 0 (vLLM), or, when the engine's
+// replay endpoint answered that it held nothing before it, the first
+// delivered whatever its number (llm-d's inference simulator counts from
+// 1). Before, a caller could only take seq 0 for the first, and took the
+// simulator's first batch for one heard from the middle of its stream.
+func TestSubscriberTellsTheEnginesFirstBatch(t *testing.T) {
+	for _, tc := range []struct {
+		name      string
+		replay    bool
+		buffer    []uint64 // what the replay endpoint holds
+		live      []uint64
+		wantFirst []bool // per delivered batch, in order
+	}{
+		{"vLLM, from 0", true, nil, []uint64{0, 1}, []bool{true, false}},
+		{"llm-d's simulator, from 1", true, nil, []uint64{1, 2}, []bool{true, false}},
+		{"joined a running engine", true, []uint64{1, 2, 3}, []uint64{4}, []bool{false, false, false, false}},
+		{"no replay endpoint, from 1", false, nil, []uint64{1, 2}, []bool{false, false}},
+		{"no replay endpoint, from 0", false, nil, []uint64{0, 1}, []bool{true, false}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			cfg := vllmevents.Config{}
+			if tc.replay {
+				buffer := &replayBuffer{topic: []byte("kv@127.0.0.1:8000@kvbus-sim")}
+				batches := map[uint64][]byte{}
+				for _, s := range tc.buffer {
+					batches[s] = batch(t, formArray, 1000+s)
+				}
+				buffer.set(batches)
+				cfg.ReplayEndpoint = startReplay(t, buffer)
+			}
+			pub, ep := newPub(t, "")
+			rec := newRecorder()
+			cfg.Endpoint, cfg.OnGap = ep, rec.onGap
+			run(t, newSub(t, cfg), rec.handle)
+			pub.waitSubscribed(t, "")
+			for _, seq := range tc.live {
+				pub.send(t, "", seq, batch(t, formArray, 1000+seq))
+			}
+			rec.wait(t, len(tc.wantFirst))
+			rec.mu.Lock()
+			defer rec.mu.Unlock()
+			var first []bool
+			for _, b := range rec.batches {
+				first = append(first, b.First)
+			}
+			if !slices.Equal(first, tc.wantFirst) {
+				t.Fatalf("seqs %v: First %v, want %v", rec.seqs, first, tc.wantFirst)
+			}
+		})
+	}
+}
