@@ -8,6 +8,7 @@ import (
 	"strings"
 	"time"
 
+	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
 
 	"github.com/kvbus/kvbus/messages"
@@ -130,7 +131,45 @@ func EnsureRequestStream(ctx context.Context, js jetstream.JetStream, cfg Stream
 	if cfg.DuplicateWindow == 0 {
 		cfg.DuplicateWindow = 2 * time.Minute
 	}
-	return Retry(ctx, func(ctx context.Context) (jetstream.Stream, error) { return ensureStream(ctx, js, cfg) })
+	st, err := Retry(ctx, func(ctx context.Context) (jetstream.Stream, error) { return ensureStream(ctx, js, cfg) })
+	if err == nil {
+		warnOneReplicaOnACluster(ctx, js.Conn(), st.CachedInfo())
+	}
+	return st, err
+}
+
+// warnOneReplicaOnACluster says so when the request log has one replica
+// while the server is clustered: the log lives on one server of the
+// cluster, and while that server is down no request is logged (each fails
+// with a 503), whatever the other servers do.
+func warnOneReplicaOnACluster(ctx context.Context, nc *nats.Conn, info *jetstream.StreamInfo) {
+	if info == nil || info.Config.Replicas > 1 || nc.ConnectedClusterName() == "" {
+		return
+	}
+	holder := ""
+	if info.Cluster != nil {
+		holder = info.Cluster.Leader
+	}
+	Logger(ctx).WarnContext(ctx, "the request log has one replica on a NATS cluster: while the server holding it is down, every request fails; "+
+		"give every role --stream-replicas 3 (KVBUS_STREAM_REPLICAS) on a 3-server cluster before the first starts, "+
+		"or raise the replicas of the log and of its consumer "+SchedulerConsumer+" in place (nats stream edit "+info.Config.Name+" --replicas 3, "+
+		"nats consumer edit "+info.Config.Name+" "+SchedulerConsumer+", replicas 3): "+
+		"a role started later with more uses them as they are",
+		"stream", info.Config.Name, "server", holder, "cluster", nc.ConnectedClusterName())
+}
+
+// warnConsumerOnOneServer says so when the schedulers' consumer has one
+// replica on a clustered server (a scheduler with --stream-replicas 1 on a
+// log of more): while the server holding it is down, no request is
+// dispatched.
+func warnConsumerOnOneServer(ctx context.Context, info *jetstream.ConsumerInfo) {
+	if info == nil || info.Cluster == nil || len(info.Cluster.Replicas) > 0 || info.Cluster.Name == "" {
+		return
+	}
+	Logger(ctx).WarnContext(ctx, "the schedulers' consumer of the request log has one replica on a NATS cluster: while the server holding it is down, "+
+		"no request is dispatched; give the schedulers --stream-replicas 3 (KVBUS_STREAM_REPLICAS) on a 3-server cluster, or raise the consumer's "+
+		"replicas in place (nats consumer edit "+info.Stream+" "+info.Name+", replicas 3): a scheduler started later with more uses it as it is",
+		"stream", info.Stream, "consumer", info.Name, "server", info.Cluster.Leader, "cluster", info.Cluster.Name)
 }
 
 // Retry runs a JetStream setup call with attempts of at most 3 s until it
@@ -352,13 +391,17 @@ func EnsureSchedulerConsumer(ctx context.Context, st jetstream.Stream, ackWait t
 		MaxAckPending: 10000,
 		Replicas:      replicas,
 	}
-	return Retry(ctx, func(ctx context.Context) (jetstream.Consumer, error) {
+	c, err := Retry(ctx, func(ctx context.Context) (jetstream.Consumer, error) {
 		c, err := st.Consumer(ctx, SchedulerConsumer)
 		if err == nil {
 			return c, nil
 		}
 		return createConsumer(ctx, st, cfg)
 	})
+	if err == nil {
+		warnConsumerOnOneServer(ctx, c.CachedInfo())
+	}
+	return c, err
 }
 
 func createConsumer(ctx context.Context, st jetstream.Stream, cfg jetstream.ConsumerConfig) (jetstream.Consumer, error) {
