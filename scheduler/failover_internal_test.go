@@ -1,19 +1,17 @@
 package scheduler
 
 import (
-	"bytes"
 	"context"
 	"log/slog"
 	"strings"
-	"sync"
 	"testing"
 	"time"
 
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
 	"github.com/prometheus/client_golang/prometheus"
-	dto "github.com/prometheus/client_model/go"
 
+	"github.com/kvbus/kvbus/internal/logbuf"
 	"github.com/kvbus/kvbus/messages"
 )
 
@@ -200,13 +198,6 @@ func TestCacheCountersOverCompletedRequests(t *testing.T) {
 	now := time.Now()
 	holding(s, "g0")
 	heard(s, "g0", now, 0)
-	val := func(c prometheus.Counter) float64 {
-		var m dto.Metric
-		if err := c.Write(&m); err != nil {
-			t.Fatal(err)
-		}
-		return m.GetCounter().GetValue()
-	}
 	for _, r := range []*messages.RankResult{
 		{ReqID: "failed", Group: "g0", Error: "engine unavailable"},
 		{ReqID: "completed", Group: "g0", LoadedTokens: 32},
@@ -227,10 +218,10 @@ func TestCacheCountersOverCompletedRequests(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
-	if failed, completed := val(s.m.requests.WithLabelValues("failed")), val(s.m.requests.WithLabelValues("completed")); failed != 1 || completed != 1 {
+	if failed, completed := counterValue(t, s.m.requests.WithLabelValues("failed")), counterValue(t, s.m.requests.WithLabelValues("completed")); failed != 1 || completed != 1 {
 		t.Fatalf("requests{failed} = %v, {completed} = %v; want 1 each", failed, completed)
 	}
-	if prompt, cached := val(s.m.promptTokens.WithLabelValues("m", "1")), val(s.m.cachedTokens.WithLabelValues("m", "1")); prompt != 65 || cached != 32 {
+	if prompt, cached := counterValue(t, s.m.promptTokens.WithLabelValues("m", "1")), counterValue(t, s.m.cachedTokens.WithLabelValues("m", "1")); prompt != 65 || cached != 32 {
 		t.Errorf("prompt_tokens_total = %v, cached_tokens_total = %v; want 65 and 32, the completed request's only", prompt, cached)
 	}
 }
@@ -393,7 +384,7 @@ func TestStrandedRequestWithNoGroupOfItsModel(t *testing.T) {
 // made.
 func TestTakenOverRequestCountsNoPredictionItDidNotMake(t *testing.T) {
 	nc := embeddedConn(t)
-	var logs syncBuffer
+	var logs logbuf.Buffer
 	s, err := New(Config{Conn: nc, ID: "s0", Policy: KVPolicy{}, HeartbeatTimeout: time.Second, Registerer: prometheus.NewRegistry(),
 		Logger: slog.New(slog.NewTextHandler(&logs, nil))})
 	if err != nil {
@@ -422,56 +413,28 @@ func TestTakenOverRequestCountsNoPredictionItDidNotMake(t *testing.T) {
 		t.Fatal(err)
 	}
 	checkOutcomes(t, s, map[string]float64{"completed": 1})
-	val := func(c prometheus.Counter) float64 {
-		var m dto.Metric
-		if err := c.Write(&m); err != nil {
-			t.Fatal(err)
-		}
-		return m.GetCounter().GetValue()
-	}
-	if got := val(s.m.predicted); got != 0 {
+	if got := counterValue(t, s.m.predicted); got != 0 {
 		t.Errorf("predicted_cached_tokens_total = %v; want 0: the LoadSpec g0 ran was the dead replica's", got)
 	}
-	if got := val(s.m.actual); got != 0 {
+	if got := counterValue(t, s.m.actual); got != 0 {
 		t.Errorf("actual_cached_tokens_total = %v; want 0", got)
 	}
 	for _, kind := range []string{"predicted", "actual"} {
-		if got := val(s.m.poolTokens.WithLabelValues(kind, "local")); got != 0 {
+		if got := counterValue(t, s.m.poolTokens.WithLabelValues(kind, "local")); got != 0 {
 			t.Errorf("pool_cached_tokens_total{kind=%q,source=\"local\"} = %v; want 0", kind, got)
 		}
 	}
-	if got := val(s.m.promptTokens.WithLabelValues("m", "1")); got != 40 {
+	if got := counterValue(t, s.m.promptTokens.WithLabelValues("m", "1")); got != 40 {
 		t.Errorf("prompt_tokens_total = %v; want 40 (a completed request's prompt counts in the hit ratio)", got)
 	}
 	// Its request done line does not claim a prediction either.
-	done := 0
-	for line := range strings.Lines(logs.String()) {
-		if strings.Contains(line, `msg="request done"`) {
-			done++
-			if !strings.Contains(line, "predicted_tokens=unknown") {
-				t.Errorf("the request done line names a prediction this replica did not make: %s", line)
-			}
+	done := logs.Lines(`msg="request done"`)
+	for _, line := range done {
+		if !strings.Contains(line, "predicted_tokens=unknown") {
+			t.Errorf("the request done line names a prediction this replica did not make: %s", line)
 		}
 	}
-	if done != 1 {
-		t.Errorf("%d request done lines, want 1", done)
+	if len(done) != 1 {
+		t.Errorf("%d request done lines, want 1", len(done))
 	}
-}
-
-// syncBuffer is a bytes.Buffer safe for a logger's concurrent writes.
-type syncBuffer struct {
-	mu sync.Mutex
-	b  bytes.Buffer
-}
-
-func (b *syncBuffer) Write(p []byte) (int, error) {
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	return b.b.Write(p)
-}
-
-func (b *syncBuffer) String() string {
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	return b.b.String()
 }

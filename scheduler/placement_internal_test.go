@@ -11,6 +11,7 @@ import (
 
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
+	"github.com/prometheus/client_golang/prometheus"
 	dto "github.com/prometheus/client_model/go"
 
 	"github.com/kvbus/kvbus/messages"
@@ -680,14 +681,20 @@ func TestAbortOutcomeByReason(t *testing.T) {
 func checkOutcomes(t *testing.T, s *Scheduler, want map[string]float64) {
 	t.Helper()
 	for outcome, n := range want {
-		var m dto.Metric
-		if err := s.m.requests.WithLabelValues(outcome).Write(&m); err != nil {
-			t.Fatal(err)
-		}
-		if got := m.GetCounter().GetValue(); got != n {
+		if got := counterValue(t, s.m.requests.WithLabelValues(outcome)); got != n {
 			t.Errorf("kvbus_scheduler_requests_total{outcome=%q} = %v, want %v", outcome, got, n)
 		}
 	}
+}
+
+// counterValue returns c's value.
+func counterValue(t *testing.T, c prometheus.Counter) float64 {
+	t.Helper()
+	var m dto.Metric
+	if err := c.Write(&m); err != nil {
+		t.Fatal(err)
+	}
+	return m.GetCounter().GetValue()
 }
 
 // requestMsg is the request log's delivery of a 40-token request id.
