@@ -21,6 +21,10 @@ export KVBUS_IMAGE := $(IMAGE)
 # docker compose (the plugin) when present, else docker-compose (1.29).
 COMPOSE ?= $(shell docker compose version >/dev/null 2>&1 && echo "docker compose" || echo docker-compose)
 COMPOSE_FILES ?= -f docker-compose.yml
+# docker-compose v1 gives up on a Docker API call after this many seconds
+# plus the container's stop grace period; its 60 s default made `down` fail
+# on a loaded host, leaving containers running. The plugin ignores it.
+export COMPOSE_HTTP_TIMEOUT ?= 180
 # Prometheus (docker-compose.monitoring.yml) joins COMPOSE_FILES for `up` and
 # `logs` with MONITORING=1 (`make up-monitoring`), and by itself while the
 # project's Prometheus container exists, so that `make up WORKERS=12` on a

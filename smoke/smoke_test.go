@@ -55,11 +55,30 @@ func composeFiles(t *testing.T, files []string, args ...string) string {
 	}
 	cmd := exec.Command(cmdline[0], append(append(cmdline[1:], files...), args...)...)
 	cmd.Dir = ".."
+	cmd.Env = composeEnv()
+	start := time.Now()
 	out, err := cmd.CombinedOutput()
+	if took := time.Since(start); took > 20*time.Second {
+		t.Logf("%s %v took %s", cmdline, args, took.Round(100*time.Millisecond))
+	}
 	if err != nil {
 		t.Fatalf("%s %v: %v\n%s", cmdline, args, err, out)
 	}
 	return string(out)
+}
+
+// composeEnv is the environment of a compose command: docker-compose v1
+// gives up on a Docker API call after COMPOSE_HTTP_TIMEOUT (60 s) plus the
+// container's stop grace period, which a loaded CI host's daemon exceeded
+// stopping four workers (a failed `down`, its containers still running);
+// the Makefile exports 180 s, and so does this unless it is set. The
+// `docker compose` plugin has no such limit.
+func composeEnv() []string {
+	env := os.Environ()
+	if os.Getenv("COMPOSE_HTTP_TIMEOUT") == "" {
+		env = append(env, "COMPOSE_HTTP_TIMEOUT=180")
+	}
+	return env
 }
 
 func docker(t *testing.T, args ...string) string {
@@ -606,6 +625,7 @@ func probe(t *testing.T, service, subject string, allowed bool) {
 	args := append(append(cmdline[1:], files...), "run", "--rm", "--no-deps", service, "auth", "probe", "--publish", subject)
 	cmd := exec.Command(cmdline[0], args...)
 	cmd.Dir = ".."
+	cmd.Env = composeEnv()
 	out, err := cmd.CombinedOutput()
 	var exit *exec.ExitError
 	switch {
@@ -978,7 +998,7 @@ func TestSmokeDownRemovesTheClusterFilesVolumes(t *testing.T) {
 	}
 	down := exec.Command("make", "down")
 	down.Dir = ".."
-	down.Env = slices.DeleteFunc(os.Environ(), func(kv string) bool { return strings.HasPrefix(kv, "COMPOSE_FILES=") })
+	down.Env = slices.DeleteFunc(composeEnv(), func(kv string) bool { return strings.HasPrefix(kv, "COMPOSE_FILES=") })
 	if out, err := down.CombinedOutput(); err != nil {
 		t.Fatalf("make down: %v\n%s", err, out)
 	}
