@@ -130,7 +130,9 @@ func TestStartServerPortInUse(t *testing.T) {
 	}{
 		{"client", bus.ServerConfig{Addr: taken}},
 		{"monitoring", bus.ServerConfig{Addr: "127.0.0.1:0", MonitorAddr: taken}},
-		{"cluster", bus.ServerConfig{Addr: "127.0.0.1:0", Cluster: taken, ClusterName: "c"}},
+		// With routes: a cluster address without them is refused by
+		// Validate before any port is tried.
+		{"cluster", bus.ServerConfig{Addr: "127.0.0.1:0", Cluster: taken, ClusterName: "c", Routes: []string{"nats://127.0.0.1:1"}}},
 	} {
 		tc.cfg.DataDir = t.TempDir()
 		start := time.Now()

@@ -104,26 +104,107 @@ type Server struct {
 	stopWatch sync.Once
 }
 
-// StartServer starts an embedded nats-server with JetStream and waits until
-// it accepts connections.
-func StartServer(cfg ServerConfig) (*Server, error) {
-	addr := cfg.Addr
-	if addr == "" {
-		addr = "127.0.0.1:4222"
+// Validate checks what needs no file and no network, and says which flag
+// to fix: the client (--addr), monitoring and route listen addresses are
+// HOST:PORT with a numeric port; flags that go together are given together
+// and exclusive ones are not (--cluster-password and
+// --cluster-password-file, --token and --auth-config, --tls-cert and
+// --tls-key, --tls-ca and --cluster-tls-ca without a certificate, route
+// flags without --cluster-addr and the reverse); a cluster whose clients
+// need credentials has route authentication; every route is a URL; and
+// MaxPayload and the lame duck durations are not negative, the grace
+// period shorter than the duration (nats-server's defaults for zeros).
+// The zero ServerConfig is valid: every field has a default. Errors wrap
+// ErrServer. StartServer calls it before it reads a file or listens; the
+// files themselves (TLS, --auth-config, --cluster-password-file) and the
+// ports are checked by StartServer.
+func (c ServerConfig) Validate() error {
+	if _, _, _, err := c.listenAddr(); err != nil {
+		return err
 	}
+	for _, a := range []struct{ what, flag, addr string }{
+		{"monitor", "--monitor-addr", c.MonitorAddr},
+		{"cluster", "--cluster-addr", c.Cluster},
+	} {
+		if a.addr == "" {
+			continue
+		}
+		_, p, err := net.SplitHostPort(a.addr)
+		if err == nil {
+			_, err = strconv.Atoi(p)
+		}
+		if err != nil {
+			return fmt.Errorf("%w: %s address %q: %v (want HOST:PORT with a numeric port, 0 for any free one: check %s)", ErrServer, a.what, a.addr, err, a.flag)
+		}
+	}
+	if c.ClusterPassword != "" && c.ClusterPasswordFile != "" {
+		return fmt.Errorf("%w: --cluster-password and --cluster-password-file exclude each other", ErrServer)
+	}
+	if c.Token != "" && c.AuthConfig != "" {
+		return fmt.Errorf("%w: --token and --auth-config exclude each other", ErrServer)
+	}
+	if err := checkRouteAuth(c); err != nil {
+		return err
+	}
+	if err := checkClusterFlags(c); err != nil {
+		return err
+	}
+	if c.Cluster != "" {
+		if _, err := routeURLs(c); err != nil {
+			return err
+		}
+	}
+	if err := checkTLSFlags(c); err != nil {
+		return err
+	}
+	if c.MaxPayload < 0 {
+		return fmt.Errorf("%w: MaxPayload %d: must be >= 0 (0: 8 MiB)", ErrServer, c.MaxPayload)
+	}
+	if c.LameDuckDuration < 0 || c.LameDuckGracePeriod < 0 {
+		return fmt.Errorf("%w: --lame-duck-duration (%s) and --lame-duck-grace-period (%s) must be >= 0 (0: nats-server's default)",
+			ErrServer, c.LameDuckDuration, c.LameDuckGracePeriod)
+	}
+	dur := cmp.Or(c.LameDuckDuration, server.DEFAULT_LAME_DUCK_DURATION)
+	if grace := cmp.Or(c.LameDuckGracePeriod, server.DEFAULT_LAME_DUCK_GRACE_PERIOD); grace >= dur {
+		return fmt.Errorf("%w: --lame-duck-grace-period (%s) must be shorter than --lame-duck-duration (%s) (0: nats-server's defaults, 10s and 2m)",
+			ErrServer, grace, dur)
+	}
+	return nil
+}
+
+// clientAddrFlag names the flags that set ServerConfig.Addr.
+const clientAddrFlag = "--addr (kvbus nats) or --nats-addr (kvbus serve)"
+
+// listenAddr is the client listen address (Addr, default 127.0.0.1:4222),
+// its host and its port as nats-server takes it (0 asks for a free one).
+func (c ServerConfig) listenAddr() (addr, host string, port int, err error) {
+	addr = cmp.Or(c.Addr, "127.0.0.1:4222")
 	host, portStr, err := net.SplitHostPort(addr)
 	if err != nil {
-		return nil, fmt.Errorf("%w: address %q: %v (want HOST:PORT)", ErrServer, addr, err)
+		return "", "", 0, fmt.Errorf("%w: address %q: %v (want HOST:PORT: check %s)", ErrServer, addr, err, clientAddrFlag)
 	}
-	port, err := strconv.Atoi(portStr)
-	if err != nil {
-		return nil, fmt.Errorf("%w: port %q: %v", ErrServer, portStr, err)
+	if port, err = strconv.Atoi(portStr); err != nil {
+		return "", "", 0, fmt.Errorf("%w: port %q: %v (want a numeric port, 0 for any free one: check %s)", ErrServer, portStr, err, clientAddrFlag)
 	}
 	if port == 0 {
 		port = server.RANDOM_PORT
 	}
+	return addr, host, port, nil
+}
+
+// StartServer starts an embedded nats-server with JetStream and waits until
+// it accepts connections. It calls cfg.Validate first.
+func StartServer(cfg ServerConfig) (*Server, error) {
+	if err := cfg.Validate(); err != nil {
+		return nil, err
+	}
+	addr, host, port, err := cfg.listenAddr()
+	if err != nil {
+		return nil, err
+	}
+	_, portStr, _ := net.SplitHostPort(addr)
 	for _, l := range []struct{ what, flag, addr string }{
-		{"client", "--addr (kvbus nats) or --nats-addr (kvbus serve)", addr},
+		{"client", clientAddrFlag, addr},
 		{"monitoring", "--monitor-addr", cfg.MonitorAddr},
 		{"cluster", "--cluster-addr", cfg.Cluster},
 	} {
@@ -135,18 +216,10 @@ func StartServer(cfg ServerConfig) (*Server, error) {
 	if logger == nil {
 		logger = slog.Default()
 	}
-	if cfg.ClusterPassword != "" && cfg.ClusterPasswordFile != "" {
-		return nil, fmt.Errorf("%w: --cluster-password and --cluster-password-file exclude each other", ErrServer)
-	}
 	if cfg.ClusterPassword, err = readClusterPassword(cfg); err != nil {
 		return nil, err
 	}
-	if err := checkRouteAuth(cfg); err != nil {
-		return nil, err
-	}
-	if err := checkClusterFlags(cfg, logger); err != nil {
-		return nil, err
-	}
+	warnClusterFlags(cfg, logger)
 	if err := checkServerTLS(cfg, logger, time.Now()); err != nil {
 		return nil, err
 	}
@@ -270,9 +343,6 @@ func readClusterPassword(cfg ServerConfig) (string, error) {
 func serverOptions(cfg ServerConfig, base server.Options) (*server.Options, error) {
 	opts := &base
 	if cfg.AuthConfig != "" {
-		if cfg.Token != "" {
-			return nil, fmt.Errorf("%w: --token and --auth-config exclude each other", ErrServer)
-		}
 		ac, err := server.ProcessConfigFile(cfg.AuthConfig)
 		if err != nil {
 			return nil, fmt.Errorf("%w: --auth-config %s: %v", ErrServer, cfg.AuthConfig, err)
@@ -404,22 +474,14 @@ func (s *Server) cleanup() {
 // wait on for ever: --routes without --cluster-addr (the server ran alone,
 // saying nothing), and --cluster-addr without --routes (a clustered
 // JetStream needs its routes at start: nats-server never became ready, and
-// the error came 30 s later asking whether the port was in use). A cluster
-// password without --cluster-addr is only warned about, and a clustered
-// server without --server-name too: every kvbus nats on the same port has
-// the same default name, and servers with the same name refuse each
-// other's routes.
-func checkClusterFlags(cfg ServerConfig, log *slog.Logger) error {
+// the error came 30 s later asking whether the port was in use).
+func checkClusterFlags(cfg ServerConfig) error {
 	routes := strings.Trim(strings.Join(cfg.Routes, ","), ", ") != "" // an empty KVBUS_ROUTES= is none
 	if cfg.Cluster == "" {
 		if routes {
 			return fmt.Errorf("%w: --routes %s without --cluster-addr: the server would run alone and ignore them; "+
 				"give this server's own route listen address too (--cluster-addr 0.0.0.0:6222), the same way on every server of the cluster",
 				ErrServer, RedactURLs(strings.Join(cfg.Routes, ",")))
-		}
-		if cfg.ClusterPassword != "" || cfg.ClusterUser != "" {
-			log.Warn("a cluster password (--cluster-password-file, --cluster-password or --cluster-user) without --cluster-addr: "+
-				"this server runs alone and has no routes; give --cluster-addr and --routes to cluster it", "component", "nats-server")
 		}
 		return nil
 	}
@@ -428,11 +490,26 @@ func checkClusterFlags(cfg ServerConfig, log *slog.Logger) error {
 			"give every server of the cluster the others' (--routes nats://n2:6222,nats://n3:6222), or drop --cluster-addr to run one server alone",
 			ErrServer, cfg.Cluster)
 	}
+	return nil
+}
+
+// warnClusterFlags warns about route settings that are allowed but likely
+// not meant: a cluster password without --cluster-addr, and a clustered
+// server without --server-name (every kvbus nats on the same port has the
+// same default name, and servers with the same name refuse each other's
+// routes).
+func warnClusterFlags(cfg ServerConfig, log *slog.Logger) {
+	if cfg.Cluster == "" {
+		if cfg.ClusterPassword != "" || cfg.ClusterUser != "" {
+			log.Warn("a cluster password (--cluster-password-file, --cluster-password or --cluster-user) without --cluster-addr: "+
+				"this server runs alone and has no routes; give --cluster-addr and --routes to cluster it", "component", "nats-server")
+		}
+		return
+	}
 	if cfg.ServerName == "" {
 		log.Warn("no --server-name on a clustered server: it is named kvbus-<port of --addr>, as is every other kvbus nats with that port, "+
 			"and servers with the same name refuse each other's routes; give each server of the cluster its own --server-name", "component", "nats-server")
 	}
-	return nil
 }
 
 // clusterUser is the user name routes authenticate with.
@@ -446,11 +523,14 @@ func clusterUser(cfg ServerConfig) string {
 // checkRouteAuth refuses a route port without authentication on a server
 // whose clients need credentials: any server reaching it could join the
 // cluster and give its own anonymous clients every subject.
+// A ClusterPasswordFile counts as a password: StartServer refuses one that
+// cannot be read or is empty.
 func checkRouteAuth(cfg ServerConfig) error {
-	if cfg.ClusterUser != "" && cfg.ClusterPassword == "" {
+	password := cfg.ClusterPassword != "" || cfg.ClusterPasswordFile != ""
+	if cfg.ClusterUser != "" && !password {
 		return fmt.Errorf("%w: --cluster-user needs a --cluster-password (or --cluster-password-file)", ErrServer)
 	}
-	if cfg.Cluster == "" || cfg.ClusterPassword != "" {
+	if cfg.Cluster == "" || password {
 		return nil
 	}
 	locked := ""

@@ -39,21 +39,8 @@ func (s *Server) CheckCertificate(now time.Time) error {
 // certificate that does not verify there is refused, since no other
 // server of the cluster could accept this one's routes.
 func checkServerTLS(cfg ServerConfig, log *slog.Logger, now time.Time) error {
-	switch {
-	case cfg.TLSCert == "" && cfg.TLSKey == "":
-		if cfg.TLSCA != "" {
-			return fmt.Errorf("%w: --tls-ca verifies client certificates on a TLS listener: give the server's own --tls-cert and --tls-key too", ErrServer)
-		}
-		if cfg.ClusterTLSCA != "" {
-			return fmt.Errorf("%w: --cluster-tls-ca verifies the routes' certificates: give the server's own --tls-cert and --tls-key too", ErrServer)
-		}
-		return nil
-	case cfg.ClusterTLSCA != "" && cfg.Cluster == "":
-		return fmt.Errorf("%w: --cluster-tls-ca verifies the routes' certificates, and there are no routes: give --cluster-addr (and --routes), or leave it out", ErrServer)
-	case cfg.TLSKey == "":
-		return fmt.Errorf("%w: --tls-cert needs --tls-key, the PEM private key of the server's certificate", ErrServer)
-	case cfg.TLSCert == "":
-		return fmt.Errorf("%w: --tls-key needs --tls-cert, the server's PEM certificate", ErrServer)
+	if err := checkTLSFlags(cfg); err != nil || cfg.TLSCert == "" {
+		return err
 	}
 	if err := checkServerCert(cfg.TLSCert, cfg.Cluster != "", log, now); err != nil {
 		return err
@@ -161,6 +148,30 @@ func checkServerCert(path string, cluster bool, log *slog.Logger, now time.Time)
 	if cluster && len(cert.ExtKeyUsage) > 0 && !slices.Contains(cert.ExtKeyUsage, x509.ExtKeyUsageClientAuth) &&
 		!slices.Contains(cert.ExtKeyUsage, x509.ExtKeyUsageAny) {
 		return fmt.Errorf("%w: --tls-cert %s is only for servers (its extended key usage lacks clientAuth); with --cluster-addr the routes present it to each other as a client certificate too: issue it for serverAuth and clientAuth", ErrServer, path)
+	}
+	return nil
+}
+
+// checkTLSFlags refuses TLS flags that do not go together, before any file
+// is read: --tls-ca or --cluster-tls-ca without the server's own
+// certificate, --cluster-tls-ca without --cluster-addr, --tls-cert without
+// --tls-key or the reverse.
+func checkTLSFlags(cfg ServerConfig) error {
+	switch {
+	case cfg.TLSCert == "" && cfg.TLSKey == "":
+		if cfg.TLSCA != "" {
+			return fmt.Errorf("%w: --tls-ca verifies client certificates on a TLS listener: give the server's own --tls-cert and --tls-key too", ErrServer)
+		}
+		if cfg.ClusterTLSCA != "" {
+			return fmt.Errorf("%w: --cluster-tls-ca verifies the routes' certificates: give the server's own --tls-cert and --tls-key too", ErrServer)
+		}
+		return nil
+	case cfg.ClusterTLSCA != "" && cfg.Cluster == "":
+		return fmt.Errorf("%w: --cluster-tls-ca verifies the routes' certificates, and there are no routes: give --cluster-addr (and --routes), or leave it out", ErrServer)
+	case cfg.TLSKey == "":
+		return fmt.Errorf("%w: --tls-cert needs --tls-key, the PEM private key of the server's certificate", ErrServer)
+	case cfg.TLSCert == "":
+		return fmt.Errorf("%w: --tls-key needs --tls-cert, the server's PEM certificate", ErrServer)
 	}
 	return nil
 }

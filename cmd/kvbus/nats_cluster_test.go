@@ -36,7 +36,9 @@ func TestNATSClusterNeedsRouteAuth(t *testing.T) {
 	if err := os.WriteFile(empty, nil, 0o600); err != nil {
 		t.Fatal(err)
 	}
-	c = parseCLI(t, append(args, "--cluster-password-file", empty)...)
+	// With a route: a cluster address without routes is refused first
+	// (bus.ServerConfig.Validate), before the file is read.
+	c = parseCLI(t, append(args, "--cluster-password-file", empty, "--routes", "nats://"+freeAddr(t))...)
 	if err := c.NATS.Run(t.Context()); err == nil || !strings.Contains(err.Error(), "empty") {
 		t.Errorf("an empty --cluster-password-file: %v", err)
 	}
