@@ -88,20 +88,37 @@ type EngineTokenizer struct {
 // maxTokenizeAnswer bounds /tokenize's answer (a million token ids).
 const maxTokenizeAnswer = 16 << 20
 
-// NewEngineTokenizer returns a tokenizer for cfg.
-func NewEngineTokenizer(cfg EngineTokenizerConfig) (*EngineTokenizer, error) {
-	if len(cfg.URLs) == 0 {
-		return nil, fmt.Errorf("%w: --tokenizer engine needs --tokenizer-url http://HOST:PORT (an engine's base URL; several, comma-separated, are tried in turn)", ErrConfig)
+// Validate checks that there is at least one URL and that each is
+// http(s)://HOST[:PORT] (--tokenizer-url), and that Timeout
+// (--tokenizer-timeout) is not negative (0: 5 s). Errors wrap ErrConfig.
+// NewEngineTokenizer calls it.
+func (c EngineTokenizerConfig) Validate() error {
+	if len(c.URLs) == 0 {
+		return fmt.Errorf("%w: --tokenizer engine needs --tokenizer-url http://HOST:PORT (an engine's base URL; several, comma-separated, are tried in turn)", ErrConfig)
 	}
-	var bases []string
-	for _, raw := range cfg.URLs {
+	for _, raw := range c.URLs {
 		u, err := url.Parse(raw)
 		if err != nil || (u.Scheme != "http" && u.Scheme != "https") || u.Host == "" {
-			return nil, fmt.Errorf("%w: --tokenizer-url %q is not http(s)://HOST:PORT", ErrConfig, raw)
+			return fmt.Errorf("%w: --tokenizer-url %q is not http(s)://HOST:PORT", ErrConfig, raw)
 		}
+	}
+	if c.Timeout < 0 {
+		return fmt.Errorf("%w: --tokenizer-timeout %s must be >= 0 (0: 5s)", ErrConfig, c.Timeout)
+	}
+	return nil
+}
+
+// NewEngineTokenizer returns a tokenizer for cfg, which it validates
+// (cfg.Validate).
+func NewEngineTokenizer(cfg EngineTokenizerConfig) (*EngineTokenizer, error) {
+	if err := cfg.Validate(); err != nil {
+		return nil, err
+	}
+	bases := make([]string, 0, len(cfg.URLs))
+	for _, raw := range cfg.URLs {
 		bases = append(bases, strings.TrimRight(raw, "/"))
 	}
-	if cfg.Timeout <= 0 {
+	if cfg.Timeout == 0 {
 		cfg.Timeout = 5 * time.Second
 	}
 	return &EngineTokenizer{cfg: cfg, bases: bases, timedOut: make([]atomic.Int64, len(bases)),

@@ -290,6 +290,43 @@ func TestNewEngineTokenizerValidates(t *testing.T) {
 	}
 }
 
+// TestEngineTokenizerConfigValidate: a config with URLs and a zero
+// (default) or positive Timeout passes; no URL, a URL that is not
+// http(s)://HOST[:PORT], or a negative Timeout is refused wrapping
+// ErrConfig and naming the flag, and NewEngineTokenizer refuses it too.
+func TestEngineTokenizerConfigValidate(t *testing.T) {
+	t.Parallel()
+	ok := []string{"http://127.0.0.1:19000"}
+	for _, tc := range []struct {
+		name string
+		cfg  frontend.EngineTokenizerConfig
+		want string // "" for valid
+	}{
+		{"default timeout", frontend.EngineTokenizerConfig{URLs: ok}, ""},
+		{"every field", frontend.EngineTokenizerConfig{URLs: []string{"https://e1:8000/", "http://e2"}, Model: "m", APIKey: "k", Timeout: time.Second}, ""},
+		{"zero", frontend.EngineTokenizerConfig{}, "--tokenizer-url"},
+		{"no scheme", frontend.EngineTokenizerConfig{URLs: []string{"localhost:8000"}}, "--tokenizer-url"},
+		{"ftp", frontend.EngineTokenizerConfig{URLs: []string{"ftp://h:1"}}, "--tokenizer-url"},
+		{"no host", frontend.EngineTokenizerConfig{URLs: []string{"http://"}}, "--tokenizer-url"},
+		{"second unparsable", frontend.EngineTokenizerConfig{URLs: []string{"http://ok:1", "http://[::1"}}, "--tokenizer-url"},
+		{"negative timeout", frontend.EngineTokenizerConfig{URLs: ok, Timeout: -time.Second}, "--tokenizer-timeout"},
+	} {
+		err := tc.cfg.Validate()
+		if tc.want == "" {
+			if err != nil {
+				t.Errorf("%s: Validate: %v, want nil", tc.name, err)
+			}
+			continue
+		}
+		if !errors.Is(err, frontend.ErrConfig) || !strings.Contains(err.Error(), tc.want) {
+			t.Errorf("%s: Validate: %v, want ErrConfig naming %s", tc.name, err, tc.want)
+		}
+		if _, nerr := frontend.NewEngineTokenizer(tc.cfg); nerr == nil || nerr.Error() != err.Error() {
+			t.Errorf("%s: NewEngineTokenizer: %v, want Validate's %v", tc.name, nerr, err)
+		}
+	}
+}
+
 // TestEngineTokenizerHungEngine proves that an engine that accepts
 // /tokenize but never answers (a stopped process) costs one attempt of
 // Timeout, not the request: the next engine answers within the same call,
