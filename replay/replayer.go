@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
+	"math"
 	"net/http"
 	"net/url"
 	"strings"
@@ -99,48 +100,82 @@ type pendingReq struct {
 	stream  bool // the request streams: its client hears each output
 }
 
-// New checks the configuration and prepares the target.
+// ErrConfig is wrapped when a Config or TapConfig is refused.
+var ErrConfig = errors.New("replay: bad configuration")
+
+// Validate checks the configuration without connecting: Speed (--speed) is
+// a finite number >= 0 (0: 1), Mode (--mode) is "" (open), ModeOpen or
+// ModeSession, Timeout (--timeout) and MaxInflight are >= 0 (0: their
+// defaults), Subjects (--subject-prefix) is valid, and Target (--target)
+// is nats:// or tls:// with a Conn, or http(s)://HOST[:PORT]. Errors wrap
+// ErrConfig. New calls it.
+func (c Config) Validate() error {
+	if c.Speed < 0 || math.IsNaN(c.Speed) || math.IsInf(c.Speed, 0) {
+		return fmt.Errorf("%w: --speed %v must be positive", ErrConfig, c.Speed)
+	}
+	if c.Mode != "" && c.Mode != ModeOpen && c.Mode != ModeSession {
+		return fmt.Errorf("%w: --mode %q must be open or session", ErrConfig, c.Mode)
+	}
+	if c.Timeout < 0 {
+		return fmt.Errorf("%w: --timeout %s must be >= 0 (0: 10m)", ErrConfig, c.Timeout)
+	}
+	if c.MaxInflight < 0 {
+		return fmt.Errorf("%w: MaxInflight %d must be >= 0 (0: 8192)", ErrConfig, c.MaxInflight)
+	}
+	if err := c.Subjects.Validate(); err != nil {
+		return fmt.Errorf("%w: --subject-prefix: %w", ErrConfig, err)
+	}
+	u, err := url.Parse(c.Target)
+	if err != nil { // url's error quotes the URL, password and all
+		return fmt.Errorf("%w: --target %s: not a URL; want nats://HOST:PORT or http://HOST:PORT", ErrConfig, bus.RedactURLs(c.Target))
+	}
+	switch u.Scheme {
+	case "nats", "tls":
+		if c.Conn == nil {
+			return fmt.Errorf("%w: a nats target (--target %s) needs a connection", ErrConfig, bus.RedactURLs(c.Target))
+		}
+	case "http", "https":
+		if u.Host == "" {
+			return fmt.Errorf("%w: --target %s: no host; want http://HOST:PORT", ErrConfig, bus.RedactURLs(c.Target))
+		}
+	default:
+		return fmt.Errorf("%w: --target %s: want nats://HOST:PORT or http://HOST:PORT", ErrConfig, bus.RedactURLs(c.Target))
+	}
+	return nil
+}
+
+// New checks the configuration (cfg.Validate) and prepares the target.
 func New(cfg Config) (*Replayer, error) {
+	if err := cfg.Validate(); err != nil {
+		return nil, err
+	}
 	if cfg.Speed == 0 {
 		cfg.Speed = 1
-	}
-	if cfg.Speed < 0 {
-		return nil, errors.New("replay: --speed must be positive")
 	}
 	if cfg.Mode == "" {
 		cfg.Mode = ModeOpen
 	}
-	if cfg.Mode != ModeOpen && cfg.Mode != ModeSession {
-		return nil, fmt.Errorf("replay: --mode %q must be open or session", cfg.Mode)
-	}
-	if cfg.Timeout <= 0 {
+	if cfg.Timeout == 0 {
 		cfg.Timeout = 10 * time.Minute
 	}
-	if cfg.MaxInflight <= 0 {
+	if cfg.MaxInflight == 0 {
 		cfg.MaxInflight = 8192
 	}
 	if cfg.Logger == nil {
 		cfg.Logger = slog.Default()
 	}
 	r := &Replayer{cfg: cfg, log: cfg.Logger, frontendID: "replay-" + nuid.Next(), pending: map[string]*pendingReq{}, groups: map[string]string{}, remote: map[string]int{}}
-	u, err := url.Parse(cfg.Target)
-	if err != nil { // url's error quotes the URL, password and all
-		return nil, fmt.Errorf("replay: --target %s: not a URL; want nats://HOST:PORT or http://HOST:PORT", bus.RedactURLs(cfg.Target))
-	}
+	u, _ := url.Parse(cfg.Target) // Validate parsed it
 	switch u.Scheme {
 	case "nats", "tls":
-		if cfg.Conn == nil {
-			return nil, errors.New("replay: a nats target needs a connection")
-		}
 		// The semaphore of MaxInflight bounds outstanding publishes.
+		var err error
 		if r.js, err = jetstream.New(cfg.Conn, jetstream.WithPublishAsyncMaxPending(cfg.MaxInflight)); err != nil {
 			return nil, err
 		}
-	case "http", "https":
+	default: // http, https
 		r.httpURL = strings.TrimSuffix(cfg.Target, "/") + "/v1/completions"
 		r.http = &http.Client{Timeout: cfg.Timeout, Transport: &http.Transport{MaxIdleConnsPerHost: 1024, MaxConnsPerHost: cfg.MaxInflight}}
-	default:
-		return nil, fmt.Errorf("replay: --target %s: want nats://HOST:PORT or http://HOST:PORT", bus.RedactURLs(cfg.Target))
 	}
 	return r, nil
 }

@@ -8,6 +8,7 @@ import (
 	"io"
 	"strings"
 
+	"github.com/nats-io/nats-server/v2/server"
 	"github.com/nats-io/nats.go"
 
 	"github.com/kvbus/kvbus/messages"
@@ -24,9 +25,30 @@ type TapConfig struct {
 	Subject string
 }
 
+// Validate checks that there is a Conn, that Subjects (--subject-prefix)
+// is valid and that Subject (--subject), if set, is a NATS subject (dot-
+// separated tokens, wildcards allowed); the zero SessionID and Subject are
+// every session and every kvbus subject. Errors wrap ErrConfig. Tap calls
+// it.
+func (c TapConfig) Validate() error {
+	if c.Conn == nil {
+		return fmt.Errorf("%w: tap needs a NATS connection (TapConfig.Conn)", ErrConfig)
+	}
+	if err := c.Subjects.Validate(); err != nil {
+		return fmt.Errorf("%w: --subject-prefix: %w", ErrConfig, err)
+	}
+	if c.Subject != "" && !server.IsValidSubject(c.Subject) {
+		return fmt.Errorf("%w: --subject %q is not a NATS subject: give dot-separated tokens, none empty or with spaces, * for one token and > only as the last (kvbus.meta.>)", ErrConfig, c.Subject)
+	}
+	return nil
+}
+
 // Tap prints every matching bus message as one JSON line until ctx ends:
-// {"subject": …, "kind": …, "msg": {decoded}}.
+// {"subject": …, "kind": …, "msg": {decoded}}. It calls cfg.Validate first.
 func Tap(ctx context.Context, cfg TapConfig, w io.Writer) error {
+	if err := cfg.Validate(); err != nil {
+		return err
+	}
 	subject := cfg.Subject
 	if subject == "" {
 		subject = cfg.Subjects.All()
