@@ -217,7 +217,7 @@ func NewRank(cfg RankConfig) (*Rank, error) {
 	store, err := NewMemStore(MemStoreConfig{Capacity: cfg.CapacityBytes, Evict: cfg.Evict, OnEvict: events.evicted,
 		EvictIdle: func(idle time.Duration) { series.evictIdle.Observe(idle.Seconds()) }})
 	if err != nil {
-		return nil, fmt.Errorf("%w: %v", ErrConfig, err)
+		return nil, err // wraps ErrConfig
 	}
 	events.exists = func(keys []string) []bool { return store.BatchIsExist(context.Background(), keys) }
 	seen, err := recent.New[seenReq](recent.Config{MaxIDs: cfg.SeenIDs, MaxAge: cfg.SeenAge})

@@ -1,6 +1,7 @@
 package workers
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
@@ -73,6 +74,47 @@ type Slot struct {
 	settle time.Time
 }
 
+// Validate checks that Size (--tp-size) is at least 1; that MaxGroups, TTL
+// (--slot-ttl) and Replicas (--stream-replicas) are not negative (0: their
+// defaults); that Group (--group), if set, is a group name, and so is the
+// last group GroupPrefix would name; and that Bucket, if set, is a
+// JetStream bucket name (ClaimSlot retried a bad one until its context
+// ended). The other fields take any value. Errors wrap ErrConfig.
+// ClaimSlot calls it.
+func (c SlotConfig) Validate() error {
+	switch {
+	case c.Size < 1:
+		return fmt.Errorf("%w: --tp-size must be at least 1", ErrConfig)
+	case c.MaxGroups < 0:
+		return fmt.Errorf("%w: MaxGroups %d must be >= 0 (0: %d)", ErrConfig, c.MaxGroups, messages.MaxGroups)
+	case c.TTL < 0:
+		return fmt.Errorf("%w: --slot-ttl %s must be >= 0 (0: 10s)", ErrConfig, c.TTL)
+	case c.Replicas < 0:
+		return fmt.Errorf("%w: --stream-replicas %d must be >= 0 (0: 1)", ErrConfig, c.Replicas)
+	}
+	if c.Group != "" {
+		if err := messages.ValidateGroup(c.Group); err != nil {
+			return fmt.Errorf("%w: --group: %w", ErrConfig, err)
+		}
+	}
+	if c.GroupPrefix != "" {
+		last := c.GroupPrefix + strconv.Itoa(cmp.Or(c.MaxGroups, messages.MaxGroups)-1)
+		if err := messages.ValidateGroup(last); err != nil {
+			return fmt.Errorf("%w: GroupPrefix %q names groups up to %s: %w", ErrConfig, c.GroupPrefix, last, err)
+		}
+	}
+	if c.Bucket != "" && strings.ContainsFunc(c.Bucket, notBucketRune) {
+		return fmt.Errorf("%w: slot bucket %q must match [A-Za-z0-9_-]+ (it is named after --subject-prefix)", ErrConfig, c.Bucket)
+	}
+	return nil
+}
+
+// notBucketRune reports a rune JetStream refuses in a bucket name, which
+// is [A-Za-z0-9_-]+.
+func notBucketRune(r rune) bool {
+	return !(r >= 'a' && r <= 'z' || r >= 'A' && r <= 'Z' || r >= '0' && r <= '9' || r == '_' || r == '-')
+}
+
 // ClaimSlot claims the first free slot, groups in order and ranks in order
 // within a group, with a compare-and-set create: two workers never hold one
 // slot. A slot whose holder stopped refreshing it expires after the TTL and
@@ -85,20 +127,20 @@ type Slot struct {
 // A create another worker won moves on to the next free slot of the
 // listing; when every one of them was taken so, the bucket is listed again.
 func ClaimSlot(ctx context.Context, js jetstream.JetStream, cfg SlotConfig) (*Slot, error) {
+	if err := cfg.Validate(); err != nil {
+		return nil, err
+	}
 	if cfg.GroupPrefix == "" {
 		cfg.GroupPrefix = "g"
 	}
-	if cfg.MaxGroups <= 0 {
+	if cfg.MaxGroups == 0 {
 		cfg.MaxGroups = messages.MaxGroups
 	}
-	if cfg.TTL <= 0 {
+	if cfg.TTL == 0 {
 		cfg.TTL = 10 * time.Second
 	}
 	if cfg.Bucket == "" {
 		cfg.Bucket = SlotBucket
-	}
-	if cfg.Size < 1 {
-		return nil, fmt.Errorf("%w: --tp-size must be at least 1", ErrConfig)
 	}
 	if cfg.Logger == nil {
 		cfg.Logger = slog.Default()

@@ -190,17 +190,28 @@ func (l *memList) moveToFront(e *memEntry) {
 	}
 }
 
-// NewMemStore returns an empty store.
-func NewMemStore(cfg MemStoreConfig) (*MemStore, error) {
-	if cfg.Capacity <= 0 {
-		return nil, fmt.Errorf("workers: store capacity must be positive, got %d", cfg.Capacity)
+// Validate checks that Capacity (--kv-capacity) is positive and Evict
+// (--evict) is "" (EvictLRU), EvictLRU or EvictSession. Errors wrap
+// ErrConfig. NewMemStore calls it.
+func (c MemStoreConfig) Validate() error {
+	if c.Capacity <= 0 {
+		return fmt.Errorf("%w: store capacity (--kv-capacity) must be positive, got %d", ErrConfig, c.Capacity)
 	}
-	switch cfg.Evict {
-	case "":
-		cfg.Evict = EvictLRU
-	case EvictLRU, EvictSession:
+	switch c.Evict {
+	case "", EvictLRU, EvictSession:
+		return nil
 	default:
-		return nil, fmt.Errorf("workers: unknown eviction policy %q (want %s or %s)", cfg.Evict, EvictLRU, EvictSession)
+		return fmt.Errorf("%w: unknown eviction policy %q (--evict: want %s or %s)", ErrConfig, c.Evict, EvictLRU, EvictSession)
+	}
+}
+
+// NewMemStore returns an empty store. It calls cfg.Validate first.
+func NewMemStore(cfg MemStoreConfig) (*MemStore, error) {
+	if err := cfg.Validate(); err != nil {
+		return nil, err
+	}
+	if cfg.Evict == "" {
+		cfg.Evict = EvictLRU
 	}
 	s := &MemStore{cfg: cfg, byKey: map[string]*memEntry{}, groupN: map[string]int{}, byRecency: map[Recency]*recencyBucket{}}
 	if cfg.Evict == EvictSession {
