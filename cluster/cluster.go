@@ -209,13 +209,44 @@ func (c *Config) defaults() {
 	}
 }
 
-// Start starts the cluster; it runs until ctx ends or Stop is called. Use
-// WaitReady to wait until every group is ready.
-func Start(ctx context.Context, cfg Config) (*Cluster, error) {
-	cfg.defaults()
-	if cfg.Groups < 1 || cfg.Ranks < 1 {
-		return nil, errors.New("cluster: groups and ranks must be at least 1")
+// ErrConfig is wrapped when Start refuses a Config.
+var ErrConfig = errors.New("cluster: bad configuration")
+
+// Validate checks what the cluster itself decides, before anything
+// starts: Groups (--groups) and Ranks (--ranks) are not negative (0: 1
+// and 4; ignored with Engines), Schedulers is not negative (0: 1; a
+// negative count started none, and every request waited for its
+// timeout), ModelProfile (--model-profile) is a known profile ("" for the
+// default), and Subjects (--subject-prefix) is valid. The other fields are
+// checked by the roles they configure (bus.ServerConfig, workers.RankConfig,
+// scheduler.Config, frontend.Config) as Start starts them. Errors wrap
+// ErrConfig. Start calls it.
+func (c Config) Validate() error {
+	if len(c.Engines) == 0 && (c.Groups < 0 || c.Ranks < 0) {
+		return fmt.Errorf("%w: --groups (%d) and --ranks (%d) must be at least 1 (0: 1 and 4)", ErrConfig, c.Groups, c.Ranks)
 	}
+	if c.Schedulers < 0 {
+		return fmt.Errorf("%w: Schedulers %d must be at least 1 (0: 1)", ErrConfig, c.Schedulers)
+	}
+	if c.ModelProfile != "" {
+		if _, err := workers.LookupModelProfile(c.ModelProfile); err != nil {
+			return fmt.Errorf("%w: --model-profile: %w", ErrConfig, err)
+		}
+	}
+	if err := c.Subjects.Validate(); err != nil {
+		return fmt.Errorf("%w: --subject-prefix: %w", ErrConfig, err)
+	}
+	return nil
+}
+
+// Start starts the cluster; it runs until ctx ends or Stop is called. Use
+// WaitReady to wait until every group is ready. It calls cfg.Validate
+// first.
+func Start(ctx context.Context, cfg Config) (*Cluster, error) {
+	if err := cfg.Validate(); err != nil {
+		return nil, err
+	}
+	cfg.defaults()
 	profile, err := workers.LookupModelProfile(cfg.ModelProfile)
 	if err != nil {
 		return nil, err
