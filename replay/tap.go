@@ -37,8 +37,16 @@ func (c TapConfig) Validate() error {
 	if err := c.Subjects.Validate(); err != nil {
 		return fmt.Errorf("%w: --subject-prefix: %w", ErrConfig, err)
 	}
-	if c.Subject != "" && !server.IsValidSubject(c.Subject) {
-		return fmt.Errorf("%w: --subject %q is not a NATS subject: give dot-separated tokens, none empty or with spaces, * for one token and > only as the last (kvbus.meta.>)", ErrConfig, c.Subject)
+	return CheckTapSubject(c.Subject)
+}
+
+// CheckTapSubject refuses a tap --subject that NATS would refuse, by the
+// server's own rule (NATS itself says only "nats: invalid subject", naming
+// no flag); "" is every kvbus subject. The error wraps ErrConfig.
+// TapConfig.Validate calls it, and kvbus tap before it connects.
+func CheckTapSubject(subject string) error {
+	if subject != "" && !server.IsValidSubject(subject) {
+		return fmt.Errorf("%w: --subject %q is not a NATS subject: give dot-separated tokens, none empty or with spaces, * for one token and > only as the last (kvbus.meta.>)", ErrConfig, subject)
 	}
 	return nil
 }

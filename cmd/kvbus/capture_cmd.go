@@ -8,7 +8,6 @@ import (
 	"time"
 
 	"github.com/kvbus/kvbus/replay"
-	"github.com/nats-io/nats-server/v2/server"
 )
 
 type captureCmd struct {
@@ -103,7 +102,7 @@ type tapCmd struct {
 
 func (c *tapCmd) Run(ctx context.Context) error {
 	log := c.logger()
-	if err := checkTapSubject(c.Subject); err != nil {
+	if err := replay.CheckTapSubject(c.Subject); err != nil { // before waiting for NATS
 		return err
 	}
 	ctx, nc, err := connect(ctx, c.natsFlags, "kvbus-tap", "", log)
@@ -112,14 +111,4 @@ func (c *tapCmd) Run(ctx context.Context) error {
 	}
 	defer closeConn(nc)
 	return roleErr(ctx, replay.Tap(ctx, replay.TapConfig{Conn: nc, Subjects: c.subjects(), SessionID: c.Session, Subject: c.Subject}, os.Stdout))
-}
-
-// checkTapSubject refuses a --subject NATS would refuse, before tapping
-// (NATS said only "nats: invalid subject", naming no flag), by the server's
-// own rule.
-func checkTapSubject(subject string) error {
-	if subject == "" || server.IsValidSubject(subject) {
-		return nil
-	}
-	return fmt.Errorf("--subject %q is not a NATS subject: give dot-separated tokens, none empty or with spaces, * for one token and > only as the last (kvbus.meta.>)", subject)
 }

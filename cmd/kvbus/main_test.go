@@ -18,6 +18,7 @@ import (
 	"go.uber.org/goleak"
 
 	"github.com/kvbus/kvbus/internal/logsink"
+	"github.com/kvbus/kvbus/replay"
 	"github.com/kvbus/kvbus/testenv"
 )
 
@@ -485,12 +486,12 @@ func runParsed(ctx context.Context, c *cli, name string) error {
 // refuses is refused naming the flag.
 func TestTapSubjectByTheServersRule(t *testing.T) {
 	for _, ok := range []string{"", "kvbus.meta.>", "kvbus.*.g0", ">", "jobs*", "a.b>c"} {
-		if err := checkTapSubject(ok); err != nil {
+		if err := replay.CheckTapSubject(ok); err != nil {
 			t.Errorf("--subject %q: %v; NATS accepts it", ok, err)
 		}
 	}
 	for _, bad := range []string{"a..b", ".a", "a.", "a.>.b", "a b", "a.\tb"} {
-		if err := checkTapSubject(bad); err == nil || !strings.Contains(err.Error(), "--subject") {
+		if err := replay.CheckTapSubject(bad); err == nil || !strings.Contains(err.Error(), "--subject") {
 			t.Errorf("--subject %q: %v; want NATS's refusal naming --subject", bad, err)
 		}
 	}
