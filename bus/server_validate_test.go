@@ -4,11 +4,11 @@ import (
 	"errors"
 	"os"
 	"path/filepath"
-	"strings"
 	"testing"
 	"time"
 
 	"github.com/kvbus/kvbus/bus"
+	"github.com/kvbus/kvbus/internal/validatetest"
 )
 
 // TestServerConfigValidate: the zero ServerConfig and the configurations
@@ -53,18 +53,7 @@ func TestServerConfigValidate(t *testing.T) {
 		{"grace period as long as the duration", bus.ServerConfig{LameDuckDuration: 5 * time.Second, LameDuckGracePeriod: 5 * time.Second}, "--lame-duck-grace-period"},
 		{"default grace period above a short duration", bus.ServerConfig{LameDuckDuration: 5 * time.Second}, "--lame-duck-duration"},
 	} {
-		t.Run(tc.name, func(t *testing.T) {
-			err := tc.cfg.Validate()
-			if tc.want == "" {
-				if err != nil {
-					t.Fatalf("Validate: %v, want nil", err)
-				}
-				return
-			}
-			if !errors.Is(err, bus.ErrServer) || !strings.Contains(err.Error(), tc.want) {
-				t.Fatalf("Validate: %v, want an error wrapping bus.ErrServer naming %s", err, tc.want)
-			}
-		})
+		validatetest.Refused(t, tc.name, tc.cfg.Validate(), bus.ErrServer, tc.want)
 	}
 }
 

@@ -2,13 +2,12 @@ package cluster_test
 
 import (
 	"context"
-	"errors"
-	"strings"
 	"testing"
 
 	"go.uber.org/goleak"
 
 	"github.com/kvbus/kvbus/cluster"
+	"github.com/kvbus/kvbus/internal/validatetest"
 	"github.com/kvbus/kvbus/messages"
 )
 
@@ -35,21 +34,14 @@ func TestConfigValidate(t *testing.T) {
 		{"subject prefix", cluster.Config{Subjects: messages.Subjects{Prefix: "a.b"}}, "--subject-prefix"},
 	} {
 		err := tc.cfg.Validate()
-		if tc.want == "" {
-			if err != nil {
-				t.Errorf("%s: Validate: %v, want nil", tc.name, err)
-			}
+		if !validatetest.Refused(t, tc.name, err, cluster.ErrConfig, tc.want) {
 			continue
 		}
-		if !errors.Is(err, cluster.ErrConfig) || !strings.Contains(err.Error(), tc.want) {
-			t.Errorf("%s: Validate: %v, want ErrConfig naming %s", tc.name, err, tc.want)
+		c, serr := cluster.Start(context.Background(), tc.cfg)
+		if c != nil {
+			c.Stop()
+			_ = c.Wait()
 		}
-		if c, serr := cluster.Start(context.Background(), tc.cfg); serr == nil || serr.Error() != err.Error() {
-			if c != nil {
-				c.Stop()
-				_ = c.Wait()
-			}
-			t.Errorf("%s: Start: %v, want Validate's %v", tc.name, serr, err)
-		}
+		validatetest.SameError(t, tc.name, "Start", serr, err)
 	}
 }

@@ -14,6 +14,7 @@ import (
 	"time"
 
 	"github.com/kvbus/kvbus/frontend"
+	"github.com/kvbus/kvbus/internal/validatetest"
 	"github.com/kvbus/kvbus/messages"
 	"github.com/kvbus/kvbus/testenv"
 	"github.com/kvbus/kvbus/testenv/fakeengine"
@@ -312,18 +313,11 @@ func TestEngineTokenizerConfigValidate(t *testing.T) {
 		{"negative timeout", frontend.EngineTokenizerConfig{URLs: ok, Timeout: -time.Second}, "--tokenizer-timeout"},
 	} {
 		err := tc.cfg.Validate()
-		if tc.want == "" {
-			if err != nil {
-				t.Errorf("%s: Validate: %v, want nil", tc.name, err)
-			}
+		if !validatetest.Refused(t, tc.name, err, frontend.ErrConfig, tc.want) {
 			continue
 		}
-		if !errors.Is(err, frontend.ErrConfig) || !strings.Contains(err.Error(), tc.want) {
-			t.Errorf("%s: Validate: %v, want ErrConfig naming %s", tc.name, err, tc.want)
-		}
-		if _, nerr := frontend.NewEngineTokenizer(tc.cfg); nerr == nil || nerr.Error() != err.Error() {
-			t.Errorf("%s: NewEngineTokenizer: %v, want Validate's %v", tc.name, nerr, err)
-		}
+		_, nerr := frontend.NewEngineTokenizer(tc.cfg)
+		validatetest.SameError(t, tc.name, "NewEngineTokenizer", nerr, err)
 	}
 }
 

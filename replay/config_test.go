@@ -1,7 +1,6 @@
 package replay_test
 
 import (
-	"errors"
 	"math"
 	"strings"
 	"testing"
@@ -9,6 +8,7 @@ import (
 
 	"github.com/nats-io/nats.go"
 
+	"github.com/kvbus/kvbus/internal/validatetest"
 	"github.com/kvbus/kvbus/messages"
 	"github.com/kvbus/kvbus/replay"
 )
@@ -45,21 +45,14 @@ func TestConfigValidate(t *testing.T) {
 		{"subject prefix", replay.Config{Target: "http://h:1", Subjects: messages.Subjects{Prefix: "a.b"}}, "--subject-prefix"},
 	} {
 		err := tc.cfg.Validate()
-		if tc.want == "" {
-			if err != nil {
-				t.Errorf("%s: Validate: %v, want nil", tc.name, err)
-			}
+		if !validatetest.Refused(t, tc.name, err, replay.ErrConfig, tc.want) {
 			continue
-		}
-		if !errors.Is(err, replay.ErrConfig) || !strings.Contains(err.Error(), tc.want) {
-			t.Errorf("%s: Validate: %v, want ErrConfig naming %s", tc.name, err, tc.want)
 		}
 		if strings.Contains(err.Error(), "secret") {
 			t.Errorf("%s: Validate: %v shows the target's password", tc.name, err)
 		}
-		if _, nerr := replay.New(tc.cfg); nerr == nil || nerr.Error() != err.Error() {
-			t.Errorf("%s: New: %v, want Validate's %v", tc.name, nerr, err)
-		}
+		_, nerr := replay.New(tc.cfg)
+		validatetest.SameError(t, tc.name, "New", nerr, err)
 	}
 }
 
@@ -84,17 +77,9 @@ func TestTapConfigValidate(t *testing.T) {
 		{"> not last", replay.TapConfig{Conn: conn, Subject: "kvbus.>.req"}, "--subject"},
 	} {
 		err := tc.cfg.Validate()
-		if tc.want == "" {
-			if err != nil {
-				t.Errorf("%s: Validate: %v, want nil", tc.name, err)
-			}
+		if !validatetest.Refused(t, tc.name, err, replay.ErrConfig, tc.want) {
 			continue
 		}
-		if !errors.Is(err, replay.ErrConfig) || !strings.Contains(err.Error(), tc.want) {
-			t.Errorf("%s: Validate: %v, want ErrConfig naming %s", tc.name, err, tc.want)
-		}
-		if terr := replay.Tap(t.Context(), tc.cfg, &strings.Builder{}); terr == nil || terr.Error() != err.Error() {
-			t.Errorf("%s: Tap: %v, want Validate's %v", tc.name, terr, err)
-		}
+		validatetest.SameError(t, tc.name, "Tap", replay.Tap(t.Context(), tc.cfg, &strings.Builder{}), err)
 	}
 }

@@ -1,11 +1,11 @@
 package workers_test
 
 import (
-	"errors"
 	"strings"
 	"testing"
 	"time"
 
+	"github.com/kvbus/kvbus/internal/validatetest"
 	"github.com/kvbus/kvbus/workers"
 )
 
@@ -29,18 +29,11 @@ func TestMemStoreConfigValidate(t *testing.T) {
 		{"unknown policy", workers.MemStoreConfig{Capacity: 1, Evict: "fifo"}, "--evict"},
 	} {
 		err := tc.cfg.Validate()
-		if tc.want == "" {
-			if err != nil {
-				t.Errorf("%s: Validate: %v, want nil", tc.name, err)
-			}
+		if !validatetest.Refused(t, tc.name, err, workers.ErrConfig, tc.want) {
 			continue
 		}
-		if !errors.Is(err, workers.ErrConfig) || !strings.Contains(err.Error(), tc.want) {
-			t.Errorf("%s: Validate: %v, want ErrConfig naming %s", tc.name, err, tc.want)
-		}
-		if _, nerr := workers.NewMemStore(tc.cfg); nerr == nil || nerr.Error() != err.Error() {
-			t.Errorf("%s: NewMemStore: %v, want Validate's %v", tc.name, nerr, err)
-		}
+		_, nerr := workers.NewMemStore(tc.cfg)
+		validatetest.SameError(t, tc.name, "NewMemStore", nerr, err)
 	}
 }
 
@@ -73,17 +66,10 @@ func TestSlotConfigValidate(t *testing.T) {
 		{"bucket with a dot", workers.SlotConfig{Size: 1, Bucket: "KVBUS.RANKS"}, "bucket"},
 	} {
 		err := tc.cfg.Validate()
-		if tc.want == "" {
-			if err != nil {
-				t.Errorf("%s: Validate: %v, want nil", tc.name, err)
-			}
+		if !validatetest.Refused(t, tc.name, err, workers.ErrConfig, tc.want) {
 			continue
 		}
-		if !errors.Is(err, workers.ErrConfig) || !strings.Contains(err.Error(), tc.want) {
-			t.Errorf("%s: Validate: %v, want ErrConfig naming %s", tc.name, err, tc.want)
-		}
-		if _, cerr := workers.ClaimSlot(t.Context(), nil, tc.cfg); cerr == nil || cerr.Error() != err.Error() {
-			t.Errorf("%s: ClaimSlot: %v, want Validate's %v", tc.name, cerr, err)
-		}
+		_, cerr := workers.ClaimSlot(t.Context(), nil, tc.cfg)
+		validatetest.SameError(t, tc.name, "ClaimSlot", cerr, err)
 	}
 }
