@@ -152,6 +152,10 @@ func (c *topCmd) connect(ctx context.Context) (*nats.Conn, error) {
 	start := time.Now()
 	nc, err := bus.Connect(ctx, cfg)
 	if err != nil {
+		if errors.Is(err, context.Canceled) {
+			// A signal while waiting: a stop, as for tap and the roles.
+			return nil, fmt.Errorf("%w: %w", errStoppedConnecting, err)
+		}
 		if ctx.Err() == nil && time.Since(start) >= timeout {
 			return nil, fmt.Errorf("top: %w; gave up after %s: check that this NATS server is up and reachable from here "+
 				"(its address and port, a firewall, a container's network)", err, timeout)

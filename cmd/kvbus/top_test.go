@@ -5,6 +5,7 @@ import (
 	"bytes"
 	"context"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"io"
 	"net"
@@ -322,5 +323,36 @@ func TestTopLiveNeedsATerminalOnStdout(t *testing.T) {
 	}
 	if out.Len() != 0 {
 		t.Errorf("top wrote %q to its output, which is not a terminal; want nothing", out.String())
+	}
+}
+
+// TestTopStoppedWhileConnecting: a signal while top waits for NATS stops it
+// as it stops tap and the roles (errStoppedConnecting: exit 0, nothing
+// more said). It exited 1 with "cannot connect to NATS …: context
+// canceled … (start one with `kvbus nats` …)".
+func TestTopStoppedWhileConnecting(t *testing.T) {
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	addr := ln.Addr().String()
+	_ = ln.Close() // nothing listens there now
+	logs := &testenv.LogBuffer{}
+	cmd := &topCmd{natsFlags: natsFlags{NATSURL: "nats://" + addr}, Once: true, Watch: time.Second, Refresh: time.Second,
+		Window: time.Minute, Sessions: 10, HeartbeatTimeout: 3 * time.Second, MaxSessions: 10, errOut: logs}
+	ctx, stop := context.WithCancel(t.Context())
+	done := make(chan error, 1)
+	go func() { done <- cmd.Run(ctx) }()
+	testenv.Eventually(t, 5*time.Second, "top to wait for NATS", func() bool {
+		return len(logs.Lines("cannot reach NATS yet")) > 0
+	})
+	stop() // the signal
+	select {
+	case err := <-done:
+		if !errors.Is(err, errStoppedConnecting) {
+			t.Errorf("top stopped while connecting: %v; want errStoppedConnecting (exit 0, no advice to start NATS)", err)
+		}
+	case <-time.After(3 * time.Second):
+		t.Fatal("top did not stop within 3 s of the signal")
 	}
 }
