@@ -97,16 +97,43 @@ func ReadJSON(r io.Reader) ([]*Report, error) {
 		if err := checkDepths(list); err != nil {
 			return nil, err
 		}
+		var keys []map[string]json.RawMessage
+		if err := json.Unmarshal(data, &keys); err != nil {
+			return nil, fmt.Errorf("replay: not a kvbus report: %w", err)
+		}
+		for i, k := range keys {
+			if err := checkPolicyKey(k); err != nil {
+				return nil, fmt.Errorf("%w (report %d)", err, i+1)
+			}
+		}
 		return list, nil
 	}
 	var one Report
 	if err := json.Unmarshal(data, &one); err != nil {
 		return nil, fmt.Errorf("replay: not a kvbus report (a JSON list of reports, or one): %w", err)
 	}
+	var keys map[string]json.RawMessage
+	if err := json.Unmarshal(data, &keys); err != nil {
+		return nil, fmt.Errorf("replay: not a kvbus report: %w", err)
+	}
+	if err := checkPolicyKey(keys); err != nil {
+		return nil, err
+	}
 	if err := checkDepths([]*Report{&one}); err != nil {
 		return nil, err
 	}
 	return []*Report{&one}, nil
+}
+
+// checkPolicyKey refuses a JSON object that is no report: WriteJSON writes
+// every report's "policy". Any other object (another tool's JSON, a
+// trace's line) was read as a report of nothing, and kvbus report drew an
+// empty page and exited 0.
+func checkPolicyKey(keys map[string]json.RawMessage) error {
+	if _, ok := keys["policy"]; !ok {
+		return errors.New(`replay: not a kvbus report: no "policy" in it; give a file written by kvbus bench or kvbus replay with --json`)
+	}
+	return nil
 }
 
 // checkDepths refuses turn depths that a report does not have (1, 2, 3,

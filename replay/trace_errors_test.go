@@ -143,6 +143,27 @@ func TestReadJSONRefusesUnknownTurnDepths(t *testing.T) {
 	}
 }
 
+// TestReadJSONRefusesWhatIsNoReport: JSON that is not a report (another
+// tool's, a trace's line) is refused, saying what to give; kvbus report
+// read it as a report of nothing, drew an empty page and exited 0. What
+// WriteJSON writes is still read, a report with no requests included.
+func TestReadJSONRefusesWhatIsNoReport(t *testing.T) {
+	for _, in := range []string{`{"x":1}`, `{}`, `[{}]`, `[{"policy":"kv"},{"requests":3}]`,
+		`{"timestamp": 0, "input_length": 512, "output_length": 2, "hash_ids": [0]}`} {
+		reports, err := ReadJSON(strings.NewReader(in))
+		if err == nil || reports != nil || !strings.Contains(err.Error(), "not a kvbus report") || !strings.Contains(err.Error(), "--json") {
+			t.Errorf("%s: %d reports, error %v; want it refused as no report, saying what to give", in, len(reports), err)
+		}
+	}
+	path := t.TempDir() + "/report.json"
+	if err := WriteJSON(path, []*Report{Summarize("kv", nil, 0, 0), Summarize("", nil, 0, 0)}); err != nil {
+		t.Fatal(err)
+	}
+	if reports, err := ReadJSONFile(path); err != nil || len(reports) != 2 {
+		t.Errorf("WriteJSON's reports read back: %d, %v", len(reports), err)
+	}
+}
+
 // TestStatsAgreesWithReplay: capture stats counts the sessions a replay of
 // the file has (a session given only in extra_args is one), and its span
 // runs from the earliest frame to the latest, whatever their order in the
