@@ -9,6 +9,7 @@ import (
 	"strings"
 	"time"
 
+	"github.com/nats-io/nats-server/v2/server"
 	"github.com/nats-io/nats.go"
 
 	"github.com/kvbus/kvbus/auth"
@@ -131,6 +132,11 @@ type authProbeCmd struct {
 }
 
 func (c *authProbeCmd) Run(ctx context.Context) error {
+	// Checked before connecting: a subject that is none was reported only
+	// by the publish, after the connection (10 s of retries without NATS).
+	if !server.IsValidSubject(c.Publish) || !server.IsValidLiteralSubject(c.Publish) {
+		return fmt.Errorf("--publish %q is not a subject one can publish to: give dot-separated tokens, none empty or with spaces, and no * or > wildcard (kvbus.req.kvbus-sim)", c.Publish)
+	}
 	ctx, cancel := context.WithTimeout(ctx, 10*time.Second)
 	defer cancel()
 	cfg := c.config("kvbus-auth-probe", "", nil)

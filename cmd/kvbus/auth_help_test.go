@@ -1,8 +1,10 @@
 package main
 
 import (
+	"context"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/alecthomas/kong"
 
@@ -36,6 +38,23 @@ func TestAuthInitHelpNamesEveryRole(t *testing.T) {
 	for _, role := range auth.Roles() {
 		if !strings.Contains(help, role) {
 			t.Errorf("kvbus auth init --help does not name the %s key it writes: %q", role, help)
+		}
+	}
+}
+
+// TestAuthProbeChecksTheSubjectFirst: `kvbus auth probe --publish` with
+// something no client can publish to is refused at once, naming the flag;
+// it was found out only after the connection (10 s of retries when NATS
+// was not there, then advice to start one).
+func TestAuthProbeChecksTheSubjectFirst(t *testing.T) {
+	for _, bad := range []string{"a b", "a..b", "", "kvbus.req.>", "kvbus.*.g0"} {
+		c := parseCLI(t, "auth", "probe", "--publish", bad, "--nats-url", "nats://127.0.0.1:1")
+		ctx, cancel := context.WithTimeout(t.Context(), 3*time.Second)
+		start := time.Now()
+		err := c.Auth.Probe.Run(ctx)
+		cancel()
+		if err == nil || !strings.Contains(err.Error(), "--publish") || time.Since(start) > time.Second {
+			t.Errorf("--publish %q: %v after %v; want an error at once naming --publish", bad, err, time.Since(start).Round(time.Millisecond))
 		}
 	}
 }
