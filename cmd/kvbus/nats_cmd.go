@@ -45,6 +45,10 @@ func (c *natsCmd) Run(ctx context.Context) error {
 	if c.LameDuck <= 0 || c.LameDuckGrace >= c.LameDuck {
 		return fmt.Errorf("--lame-duck-grace-period (%s) must be shorter than --lame-duck-duration (%s), which must be above 0", c.LameDuckGrace, c.LameDuck)
 	}
+	if err := distinctListeners(listener{"--addr", c.Addr}, listener{"--monitor-addr", c.Monitor},
+		listener{"--cluster-addr", c.Cluster}, listener{"--pprof-addr", c.PprofAddr}); err != nil {
+		return err
+	}
 	onStop(ctx, log, func() stopPlan { return stopPlan{doing: "shutting the NATS server down", inFlight: -1} })
 	stopPprof, err := c.startPprof(ctx, log)
 	if err != nil {

@@ -33,6 +33,10 @@ type serveCmd struct {
 
 func (c *serveCmd) Run(ctx context.Context) error {
 	log := c.logger()
+	if err := distinctListeners(listener{"--nats-addr", c.NATSAddr}, listener{"--http-addr", c.HTTPAddr},
+		listener{"--pprof-addr", c.PprofAddr}); err != nil {
+		return err
+	}
 	onStop(ctx, log, nil)
 	stopPprof, err := c.startPprof(ctx, log)
 	if err != nil {

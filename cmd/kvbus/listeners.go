@@ -1,0 +1,48 @@
+package main
+
+import (
+	"fmt"
+	"net"
+)
+
+// listener is one address a command listens on, and the flag that gives it.
+type listener struct{ flag, addr string }
+
+// distinctListeners refuses two of one process's listeners on the same
+// port of overlapping hosts (the same host, or either unspecified), before
+// any binds: kvbus nats with --monitor-addr equal to --addr waited 30 s for
+// a client listener that could not bind, then asked whether the port was
+// in use; kvbus serve with --http-addr equal to --nats-addr started every
+// role before it said the address was taken, as if by another kvbus. An
+// empty address, one that is no HOST:PORT (each role refuses it itself,
+// naming its flag) and port 0 (a free port) are skipped.
+func distinctListeners(ls ...listener) error {
+	type hostPort struct{ host, port string }
+	seen := make([]hostPort, len(ls))
+	for i, l := range ls {
+		h, p, err := net.SplitHostPort(l.addr)
+		if l.addr == "" || err != nil || p == "0" || p == "" {
+			continue
+		}
+		seen[i] = hostPort{h, p}
+		for j := range i {
+			o := seen[j]
+			if o.port != p || !hostsOverlap(o.host, h) {
+				continue
+			}
+			return fmt.Errorf("%s %s and %s %s are the same listen address: one process cannot listen there twice; give each its own port",
+				ls[j].flag, ls[j].addr, l.flag, l.addr)
+		}
+	}
+	return nil
+}
+
+// hostsOverlap reports whether listeners on hosts a and b of one port
+// collide: the same host, or either is every address of the machine.
+func hostsOverlap(a, b string) bool {
+	unspecified := func(h string) bool {
+		ip := net.ParseIP(h)
+		return h == "" || ip != nil && ip.IsUnspecified()
+	}
+	return a == b || unspecified(a) || unspecified(b)
+}

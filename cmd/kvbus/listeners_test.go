@@ -1,0 +1,59 @@
+package main
+
+import (
+	"context"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/kvbus/kvbus/testenv"
+)
+
+// TestOneListenAddressTwiceIsRefused: two listeners of one command on the
+// same address are refused at once, naming both flags. kvbus nats with
+// --monitor-addr equal to --addr waited 30 s, then asked whether the port
+// was in use; kvbus serve with --http-addr equal to --nats-addr started
+// every role, then said another kvbus had the address.
+func TestOneListenAddressTwiceIsRefused(t *testing.T) {
+	addr := freeAddr(t)
+	port := addr[strings.LastIndex(addr, ":"):]
+	for _, tc := range []struct {
+		args []string
+		want []string
+	}{
+		{[]string{"nats", "--addr", addr, "--monitor-addr", addr}, []string{"--addr", "--monitor-addr"}},
+		{[]string{"nats", "--addr", addr, "--monitor-addr", "0.0.0.0" + port}, []string{"--addr", "--monitor-addr"}},
+		{[]string{"nats", "--addr", addr, "--cluster-addr", port, "--routes", "nats://127.0.0.1:1"}, []string{"--addr", "--cluster-addr"}},
+		{[]string{"nats", "--addr", addr, "--pprof-addr", addr}, []string{"--addr", "--pprof-addr"}},
+		{[]string{"serve", "--nats-addr", addr, "--http-addr", addr}, []string{"--nats-addr", "--http-addr"}},
+	} {
+		c := parseCLI(t, tc.args...)
+		ctx, cancel := context.WithTimeout(t.Context(), 5*time.Second)
+		start := time.Now()
+		var err error
+		switch tc.args[0] {
+		case "nats":
+			c.NATS.out = &testenv.LogBuffer{}
+			err = c.NATS.Run(ctx)
+		case "serve":
+			c.Serve.out = &testenv.LogBuffer{}
+			err = c.Serve.Run(ctx)
+		}
+		cancel()
+		for _, w := range tc.want {
+			if err == nil || !strings.Contains(err.Error(), w) || time.Since(start) > 2*time.Second {
+				t.Errorf("%v: %v after %v; want an error at once naming %s", tc.args, err, time.Since(start).Round(time.Millisecond), w)
+			}
+		}
+	}
+	// Distinct hosts of one port, port 0 and unset addresses are no clash.
+	for _, ok := range [][]listener{
+		{{"--addr", "127.0.0.1:4222"}, {"--monitor-addr", "127.0.0.2:4222"}},
+		{{"--addr", "127.0.0.1:0"}, {"--monitor-addr", "127.0.0.1:0"}},
+		{{"--addr", "127.0.0.1:4222"}, {"--monitor-addr", ""}, {"--cluster-addr", ""}},
+	} {
+		if err := distinctListeners(ok...); err != nil {
+			t.Errorf("%v: %v", ok, err)
+		}
+	}
+}
