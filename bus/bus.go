@@ -16,6 +16,7 @@ import (
 	"net"
 	neturl "net/url"
 	"regexp"
+	"strconv"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -137,6 +138,9 @@ func Connect(ctx context.Context, cfg Config) (*nats.Conn, error) {
 	url := cfg.URL
 	if url == "" {
 		url = DefaultURL
+	}
+	if err := checkURLs(url); err != nil {
+		return nil, err
 	}
 	timeout := cfg.ConnectTimeout
 	if timeout <= 0 {
@@ -435,6 +439,39 @@ func redactError(err error, urls, shown string) error {
 		return err
 	}
 	return errors.New(text)
+}
+
+// checkURLs refuses, before any attempt, a URL of urls (comma-separated)
+// that no attempt can reach: a scheme nats.go does not speak (http://, the
+// frontend's address by mistake) or a port out of range. nats.go took
+// them as servers down, and the role retried them for 10 s before
+// advising to start a NATS server. What url.Parse refuses is left to
+// nats.go, whose error names it (errBadURL); so is a URL without a scheme
+// (host:port, which nats.go takes).
+func checkURLs(urls string) error {
+	for _, u := range strings.Split(urls, ",") {
+		u = strings.TrimSpace(u)
+		if !strings.Contains(u, "://") {
+			continue
+		}
+		pu, err := neturl.Parse(u)
+		if err != nil {
+			continue
+		}
+		switch strings.ToLower(pu.Scheme) {
+		case "nats", "tls", "ws", "wss":
+		default:
+			return fmt.Errorf("%w: %w: --nats-url %s: %s:// is no NATS scheme; give nats://HOST:PORT (tls:// for TLS, ws:// or wss:// for a websocket listener), comma-separated for several",
+				ErrConnect, errBadURL, RedactURLs(u), pu.Scheme)
+		}
+		if p := pu.Port(); p != "" {
+			if n, err := strconv.Atoi(p); err != nil || n < 1 || n > 65535 {
+				return fmt.Errorf("%w: %w: --nats-url %s: port %s is out of range; give a port from 1 to 65535 (NATS's default is 4222)",
+					ErrConnect, errBadURL, RedactURLs(u), p)
+			}
+		}
+	}
+	return nil
 }
 
 // errBadURL marks a --nats-url that cannot be parsed.

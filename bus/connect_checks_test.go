@@ -268,3 +268,32 @@ func TestConnectClosedAfterItsKeyIsRefused(t *testing.T) {
 	case <-time.After(200 * time.Millisecond):
 	}
 }
+
+// TestConnectRefusesURLsNoAttemptCanReach: a --nats-url with a scheme
+// nats.go does not speak (the frontend's http:// address by mistake) or a
+// port out of range fails at once, naming the flag and what to give; both
+// were retried for 10 s as a server down, then the role advised starting
+// one. URLs nats.go takes (host:port without a scheme, tls://, ws://) are
+// still tried.
+func TestConnectRefusesURLsNoAttemptCanReach(t *testing.T) {
+	for _, url := range []string{"http://127.0.0.1:8000", "nats://127.0.0.1:4222, https://u:hunter2@x:443",
+		"nats://127.0.0.1:99999", "nats://127.0.0.1:0"} {
+		ctx, cancel := context.WithTimeout(t.Context(), 3*time.Second)
+		start := time.Now()
+		_, err := bus.Connect(ctx, bus.Config{URL: url, ConnectTimeout: 2 * time.Second, Logger: slog.New(slog.DiscardHandler)})
+		cancel()
+		if !errors.Is(err, bus.ErrConnect) || !strings.Contains(err.Error(), "--nats-url") || strings.Contains(err.Error(), "start one") ||
+			strings.Contains(err.Error(), "hunter2") || time.Since(start) > time.Second {
+			t.Errorf("%s: %v after %v; want an error at once naming --nats-url and what to give, without the password", url, err, time.Since(start).Round(time.Millisecond))
+		}
+	}
+	srv := testenv.StartNATS(t)
+	for _, url := range []string{srv.Addr().String(), srv.ClientURL()} {
+		nc, err := bus.Connect(t.Context(), bus.Config{URL: url, ConnectTimeout: 2 * time.Second, Logger: slog.New(slog.DiscardHandler)})
+		if err != nil {
+			t.Errorf("%s: %v; nats.go takes it", url, err)
+			continue
+		}
+		nc.Close()
+	}
+}
