@@ -260,7 +260,7 @@ func Connect(ctx context.Context, cfg Config) (*nats.Conn, error) {
 	case cfg.NKeySeedFile != "":
 		o, err := nats.NkeyOptionFromSeed(cfg.NKeySeedFile)
 		if err != nil {
-			return nil, fmt.Errorf("%w: nkey seed %s: %v", ErrConnect, cfg.NKeySeedFile, err)
+			return nil, fmt.Errorf("%w: --nats-nkey %s: %v (give the file of an nkey seed, such as DIR/<role>.nk that `kvbus auth init DIR` writes)", ErrConnect, cfg.NKeySeedFile, err)
 		}
 		secure = append(secure, o)
 	case cfg.Token != "":

@@ -297,3 +297,20 @@ func TestConnectRefusesURLsNoAttemptCanReach(t *testing.T) {
 		nc.Close()
 	}
 }
+
+// TestConnectNamesTheNKeyFlag: an nkey seed file that cannot be read (a
+// wrong path, a file that holds no seed) is refused naming --nats-nkey and
+// what to give; the error named neither the flag nor what it wants.
+func TestConnectNamesTheNKeyFlag(t *testing.T) {
+	notSeed := filepath.Join(t.TempDir(), "notseed.nk")
+	if err := os.WriteFile(notSeed, []byte("hello\n"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	for _, path := range []string{filepath.Join(t.TempDir(), "missing.nk"), notSeed} {
+		_, err := bus.Connect(t.Context(), bus.Config{URL: "nats://127.0.0.1:1", NKeySeedFile: path, ConnectTimeout: time.Second,
+			Logger: slog.New(slog.DiscardHandler)})
+		if !errors.Is(err, bus.ErrConnect) || !strings.Contains(err.Error(), "--nats-nkey") || !strings.Contains(err.Error(), "kvbus auth init") {
+			t.Errorf("seed %s: %v; want an error naming --nats-nkey and where seeds come from", path, err)
+		}
+	}
+}
