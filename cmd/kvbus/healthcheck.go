@@ -6,6 +6,7 @@ import (
 	"io"
 	"net/http"
 	"net/url"
+	"strconv"
 	"strings"
 	"time"
 )
@@ -24,6 +25,10 @@ func (c *healthcheckCmd) Run(ctx context.Context) error {
 	// "unhealthy: ... unsupported protocol scheme", as if the role were down).
 	if u, err := url.Parse(c.URL); err != nil || (u.Scheme != "http" && u.Scheme != "https") || u.Host == "" {
 		return fmt.Errorf("--url %q: give an http:// or https:// URL, e.g. http://127.0.0.1:9090/healthz", c.URL)
+	} else if p := u.Port(); p != "" {
+		if n, err := strconv.Atoi(p); err != nil || n < 1 || n > 65535 {
+			return fmt.Errorf("--url %q: port %s is out of range: give a port from 1 to 65535, e.g. http://127.0.0.1:9090/healthz", c.URL, p)
+		}
 	}
 	deadline := time.Now().Add(c.Wait)
 	for {

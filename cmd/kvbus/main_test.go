@@ -445,6 +445,7 @@ func TestErrorsNameTheFlag(t *testing.T) {
 	}{
 		{[]string{"tap", "--nats-url", srv.ClientURL(), "--subject", "a..b"}, []string{"--subject"}},
 		{[]string{"healthcheck", "--url", "notaurl"}, []string{"--url", "http://"}},
+		{[]string{"healthcheck", "--url", "http://127.0.0.1:99999/healthz", "--wait", "10s"}, []string{"--url", "65535"}}, // was probed as a role down, for --wait
 		{[]string{"scheduler", "--nats-url", "nats://127.0.0.1:1", "--metrics-addr", ":99999"}, []string{"--metrics-addr", "65535"}},
 		{[]string{"serve", "--groups", "100000", "--nats-addr", "127.0.0.1:0", "--http-addr", "127.0.0.1:0"}, []string{"--groups"}},
 	} {
