@@ -41,7 +41,7 @@ func LookupModelProfile(name string) (ModelProfile, error) {
 			names = append(names, n)
 		}
 		sort.Strings(names)
-		return ModelProfile{}, fmt.Errorf("workers: unknown model profile %q (known: %s)", name, strings.Join(names, ", "))
+		return ModelProfile{}, fmt.Errorf("workers: unknown model profile %q: give --model-profile one of %s", name, strings.Join(names, ", "))
 	}
 	return p, nil
 }

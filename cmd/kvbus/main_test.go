@@ -448,6 +448,7 @@ func TestErrorsNameTheFlag(t *testing.T) {
 		{[]string{"healthcheck", "--url", "http://127.0.0.1:99999/healthz", "--wait", "10s"}, []string{"--url", "65535"}}, // was probed as a role down, for --wait
 		{[]string{"scheduler", "--nats-url", "nats://127.0.0.1:1", "--metrics-addr", ":99999"}, []string{"--metrics-addr", "65535"}},
 		{[]string{"serve", "--groups", "100000", "--nats-addr", "127.0.0.1:0", "--http-addr", "127.0.0.1:0"}, []string{"--groups"}},
+		{[]string{"serve", "--model-profile", "llama-4", "--nats-addr", "127.0.0.1:0", "--http-addr", "127.0.0.1:0"}, []string{"--model-profile", "tiny"}},
 	} {
 		c := parseCLI(t, tc.args...)
 		ctx, cancel := context.WithTimeout(t.Context(), 3*time.Second)
