@@ -34,6 +34,12 @@ type authInitCmd struct {
 
 func (c *authInitCmd) Run() error {
 	s := messages.Subjects{Prefix: c.Prefix}
+	if c.Rotate != "" && (c.Force || len(c.Groups) > 0) {
+		// --rotate did its one key alone: --groups wrote no group key and
+		// --force replaced no other, without a word.
+		return fmt.Errorf("--rotate %s gives one key a new seed and keeps the others: drop --force (it replaces every key) and --groups "+
+			"(add group keys with kvbus auth init %s --groups … on its own)", c.Rotate, c.Dir)
+	}
 	if c.Rotate != "" {
 		if err := auth.Rotate(c.Dir, s, c.Rotate); err != nil {
 			return err

@@ -2,6 +2,8 @@ package main
 
 import (
 	"context"
+	"os"
+	"path/filepath"
 	"strings"
 	"testing"
 	"time"
@@ -10,6 +12,7 @@ import (
 
 	"github.com/kvbus/kvbus/auth"
 	"github.com/kvbus/kvbus/internal/logsink"
+	"github.com/kvbus/kvbus/messages"
 )
 
 // TestAuthInitHelpNamesEveryRole: `kvbus auth init --help` lists the keys
@@ -56,5 +59,29 @@ func TestAuthProbeChecksTheSubjectFirst(t *testing.T) {
 		if err == nil || !strings.Contains(err.Error(), "--publish") || time.Since(start) > time.Second {
 			t.Errorf("--publish %q: %v after %v; want an error at once naming --publish", bad, err, time.Since(start).Round(time.Millisecond))
 		}
+	}
+}
+
+// TestAuthRotateRefusesForceAndGroups: `kvbus auth init DIR --rotate K`
+// with --groups or --force is refused, and rotates nothing: --rotate did
+// its one key alone, writing no key for --groups and replacing no other
+// for --force, and said only "new key K".
+func TestAuthRotateRefusesForceAndGroups(t *testing.T) {
+	dir := t.TempDir()
+	if _, err := auth.Init(dir, messages.Subjects{}, nil, false); err != nil {
+		t.Fatal(err)
+	}
+	seed, _ := os.ReadFile(filepath.Join(dir, "worker.nk"))
+	for _, c := range []*authInitCmd{{Dir: dir, Rotate: "worker", Groups: []string{"g5"}}, {Dir: dir, Rotate: "worker", Force: true}} {
+		err := c.Run()
+		if err == nil || !strings.Contains(err.Error(), "--rotate") || (!strings.Contains(err.Error(), "--groups") || !strings.Contains(err.Error(), "--force")) {
+			t.Errorf("--rotate with --groups %v, --force %v: %v; want it refused naming the flags", c.Groups, c.Force, err)
+		}
+	}
+	if again, _ := os.ReadFile(filepath.Join(dir, "worker.nk")); string(again) != string(seed) {
+		t.Error("worker.nk was rotated by a refused command")
+	}
+	if _, err := os.Stat(filepath.Join(dir, "worker-g5.nk")); err == nil {
+		t.Error("worker-g5.nk was written by a refused command")
 	}
 }
