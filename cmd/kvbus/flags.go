@@ -13,6 +13,7 @@ import (
 	"time"
 
 	"github.com/alecthomas/kong"
+	"github.com/nats-io/nats.go/jetstream"
 
 	"github.com/kvbus/kvbus/bus"
 	"github.com/kvbus/kvbus/frontend"
@@ -468,4 +469,35 @@ func checkModelName(n string) error {
 			"too long; serve the model under a shorter name", n, len(n), messages.MaxModelBytes)
 	}
 	return nil
+}
+
+// maxStreamReplicas is JetStream's bound on a stream's replicas
+// (server.StreamMaxReplicas).
+const maxStreamReplicas = 5
+
+// checkReplicas refuses, before connecting, a --stream-replicas JetStream
+// never keeps (the server said "maximum replicas is 5", naming no flag).
+func (f busFlags) checkReplicas() error {
+	if f.Replicas > maxStreamReplicas {
+		return fmt.Errorf("--stream-replicas %d: JetStream keeps at most %d replicas; give the number of servers of the NATS cluster (3 on a 3-node cluster), or 1 on one server",
+			f.Replicas, maxStreamReplicas)
+	}
+	return nil
+}
+
+// jsReplicasNotSupported is the JetStream API error of a stream or bucket
+// with replicas > 1 on a server that is not clustered.
+const jsReplicasNotSupported = 10074
+
+// replicasAdvice adds to err, a role's error, what to give --stream-replicas
+// when the NATS server refused its replicas for running alone: the
+// server's words ("replicas > 1 not supported in non-clustered mode")
+// named neither the flag nor what to do.
+func (f busFlags) replicasAdvice(err error) error {
+	var apiErr *jetstream.APIError
+	if errors.As(err, &apiErr) && apiErr.ErrorCode == jsReplicasNotSupported {
+		return fmt.Errorf("%w: --stream-replicas %d needs a NATS cluster of as many servers, and this NATS server runs alone: give --stream-replicas 1 (the default), or run a cluster (kvbus nats --cluster-addr … --routes …)",
+			err, f.Replicas)
+	}
+	return err
 }

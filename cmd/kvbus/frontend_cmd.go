@@ -26,7 +26,11 @@ type frontendCmd struct {
 	ID              string `name:"id" help:"Frontend id in subjects (default: a random fe-…)."`
 }
 
-func (c *frontendCmd) Run(ctx context.Context) error {
+func (c *frontendCmd) Run(ctx context.Context) (err error) {
+	defer func() { err = c.replicasAdvice(err) }()
+	if err := c.checkReplicas(); err != nil {
+		return err
+	}
 	log := c.logger()
 	onStop(ctx, log, nil)
 	stopPprof, err := c.startPprof(ctx, log)

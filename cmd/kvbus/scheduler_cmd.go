@@ -21,7 +21,11 @@ type schedulerCmd struct {
 	ShutdownTimeout time.Duration `name:"shutdown-timeout" positive:"" default:"20s" help:"On SIGTERM, how long the scheduler watches the requests it placed (their results, and moving them if their group fails) until they end."`
 }
 
-func (c *schedulerCmd) Run(ctx context.Context) error {
+func (c *schedulerCmd) Run(ctx context.Context) (err error) {
+	defer func() { err = c.replicasAdvice(err) }()
+	if err := c.checkReplicas(); err != nil {
+		return err
+	}
 	log := c.logger()
 	onStop(ctx, log, nil)
 	stopPprof, err := c.startPprof(ctx, log)

@@ -37,7 +37,11 @@ type workerCmd struct {
 	MetricsAddr        string        `name:"metrics-addr" default:":9090" help:"Address of /metrics and /healthz (empty: off)."`
 }
 
-func (c *workerCmd) Run(ctx context.Context) error {
+func (c *workerCmd) Run(ctx context.Context) (err error) {
+	defer func() { err = c.replicasAdvice(err) }()
+	if err := c.checkReplicas(); err != nil {
+		return err
+	}
 	log := c.logger()
 	onStop(ctx, log, nil)
 	stopPprof, err := c.startPprof(ctx, log)
