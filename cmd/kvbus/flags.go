@@ -501,3 +501,66 @@ func (f busFlags) replicasAdvice(err error) error {
 	}
 	return err
 }
+
+// given names the engine TLS flags given.
+func (f engineTLSFlags) given() []string {
+	var out []string
+	for _, g := range []struct {
+		name string
+		set  bool
+	}{{"--engine-tls-ca", f.EngineTLSCA != ""}, {"--engine-tls-cert", f.EngineTLSCert != ""}, {"--engine-tls-key", f.EngineTLSKey != ""},
+		{"--engine-tls-insecure-skip-verify", f.EngineTLSInsecure}} {
+		if g.set {
+			out = append(out, g.name)
+		}
+	}
+	return out
+}
+
+// openAIOnly refuses the flags of --engine openai given to the sim engine,
+// which ignored them without a word (--engine-tls-ca naming no file at
+// all, say). tokenizerEngine: --tokenizer engine uses --engine-api-key and
+// the TLS flags too (serve).
+func (f engineAdapterFlags) openAIOnly(tokenizerEngine bool) error {
+	if f.Engine == workers.EngineOpenAI {
+		return nil
+	}
+	var given []string
+	for _, g := range []struct {
+		name string
+		set  bool
+	}{{"--engine-url", len(f.EngineURL) > 0}, {"--engine-model", f.EngineModel != ""}, {"--kv-events", len(f.KVEvents) > 0},
+		{"--kv-events-bind", len(f.KVEventsBind) > 0}, {"--kv-events-topic", f.KVEventsTopic != ""}, {"--kv-events-replay", len(f.KVEventsReplay) > 0}} {
+		if g.set {
+			given = append(given, g.name)
+		}
+	}
+	if !tokenizerEngine {
+		if f.EngineAPIKey != "" {
+			given = append(given, "--engine-api-key")
+		}
+		given = append(given, f.engineTLSFlags.given()...)
+	}
+	if len(given) > 0 {
+		return fmt.Errorf("%s given, but only --engine openai uses them and the sim engine runs here: add --engine openai, or drop them (a value may come from a KVBUS_* environment variable)",
+			strings.Join(given, ", "))
+	}
+	return nil
+}
+
+// tokenizerOnly refuses the frontend's flags of --tokenizer engine given
+// with the embedded tokenizer, which ignored them.
+func (f tokenizerFlags) tokenizerOnly(apiKey string, tf engineTLSFlags) error {
+	if f.Tokenizer == "engine" {
+		return nil
+	}
+	given := tf.given()
+	if apiKey != "" {
+		given = append([]string{"--engine-api-key"}, given...)
+	}
+	if len(given) > 0 {
+		return fmt.Errorf("%s given, but a frontend uses them only with --tokenizer engine and the embedded tokenizer runs here: add --tokenizer engine --tokenizer-url …, or drop them (a value may come from a KVBUS_* environment variable)",
+			strings.Join(given, ", "))
+	}
+	return nil
+}

@@ -41,6 +41,9 @@ func (c *frontendCmd) Run(ctx context.Context) (err error) {
 	if _, err := c.models(); err != nil {
 		return err
 	}
+	if err := c.tokenizerOnly(c.EngineAPIKey, c.engineTLSFlags); err != nil {
+		return err
+	}
 	tok, err := c.tokenizer(c.EngineAPIKey, c.engineTLSFlags)
 	if err != nil {
 		return err

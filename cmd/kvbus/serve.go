@@ -115,8 +115,9 @@ func (c *serveCmd) clusterConfig() (cluster.Config, error) {
 			}
 			engines = append(engines, cluster.EngineBackend{OpenAI: oc, KVEvents: ev})
 		}
-	case len(c.EngineURL)+len(c.KVEvents)+len(c.KVEventsBind) > 0:
-		return cluster.Config{}, errors.New("--engine-url and --kv-events need --engine openai")
+	}
+	if err := c.openAIOnly(c.Tokenizer == "engine"); err != nil {
+		return cluster.Config{}, err
 	}
 	model, err := c.one()
 	if err != nil {

@@ -94,8 +94,8 @@ func (c *workerCmd) Run(ctx context.Context) (err error) {
 			log.Warn("no --kv-events: kvbus cannot see the engine's cache, so placement cannot follow it; give vLLM --kv-events-config and kvbus --kv-events")
 		}
 	default:
-		if len(c.EngineURL)+len(c.KVEvents)+len(c.KVEventsBind) > 0 {
-			return errors.New("--engine-url and --kv-events need --engine openai")
+		if err := c.openAIOnly(false); err != nil {
+			return err
 		}
 		sim, err := c.engine()
 		if err != nil {
