@@ -60,6 +60,12 @@ func (c *frontendCmd) Run(ctx context.Context) (err error) {
 	if err := cfg.Validate(); err != nil {
 		return err
 	}
+	if err := distinctListeners(listener{"--http-addr", c.HTTPAddr}, listener{"--pprof-addr", c.PprofAddr}); err != nil {
+		return err
+	}
+	if err := portFree(c.HTTPAddr); err != nil {
+		return err
+	}
 	ctx, nc, err := connect(ctx, c.natsFlags, "kvbus-frontend", bus.InboxPrefix(auth.RoleFrontend, ""), log)
 	if err != nil {
 		return err

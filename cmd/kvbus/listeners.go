@@ -1,8 +1,10 @@
 package main
 
 import (
+	"errors"
 	"fmt"
 	"net"
+	"syscall"
 )
 
 // listener is one address a command listens on, and the flag that gives it.
@@ -45,4 +47,21 @@ func hostsOverlap(a, b string) bool {
 		return h == "" || ip != nil && ip.IsUnspecified()
 	}
 	return a == b || unspecified(a) || unspecified(b)
+}
+
+// portFree fails at once when the frontend's --http-addr is in use, as a
+// scheduler's or a worker's --metrics-addr does: with NATS not up, the
+// frontend said only "cannot connect to NATS" after 10 s, and the port
+// was found taken once NATS was there. It listens and closes at once: the
+// port is not held while the role connects (clients would wait on it
+// unanswered); the frontend's own listen still reports a port taken since.
+func portFree(addr string) error {
+	ln, err := net.Listen("tcp", addr)
+	if errors.Is(err, syscall.EADDRINUSE) {
+		return fmt.Errorf("frontend: listen on %s: %w (is another kvbus running? stop it, or choose another --http-addr)", addr, err)
+	}
+	if err != nil {
+		return nil // a malformed address: the frontend's configuration names it
+	}
+	return ln.Close()
 }

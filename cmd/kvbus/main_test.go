@@ -304,26 +304,34 @@ func TestMetricsAddrInUseStopsARoleBeforeItConnects(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer taken.Close()
+	// The frontend's --http-addr too: with NATS not up it said only "cannot
+	// connect" after 10 s, and the port was found taken once NATS was there.
 	for _, args := range [][]string{
-		{"worker", "--group", "g0", "--tp-rank", "0", "--tp-size", "1", "--time-scale", "0", "--kv-capacity", "64MiB"},
-		{"scheduler"},
+		{"worker", "--group", "g0", "--tp-rank", "0", "--tp-size", "1", "--time-scale", "0", "--kv-capacity", "64MiB", "--metrics-addr"},
+		{"scheduler", "--metrics-addr"},
+		{"frontend", "--http-addr"},
 	} {
 		before, err := srv.Varz(nil)
 		if err != nil {
 			t.Fatal(err)
 		}
-		c := parseCLI(t, append(args, "--nats-url", srv.ClientURL(), "--metrics-addr", taken.Addr().String())...)
-		if args[0] == "worker" {
+		flag := args[len(args)-1]
+		c := parseCLI(t, append(args, taken.Addr().String(), "--nats-url", srv.ClientURL())...)
+		switch args[0] {
+		case "worker":
 			err = c.Worker.Run(t.Context())
-		} else {
+		case "scheduler":
 			err = c.Scheduler.Run(t.Context())
+		default:
+			c.Frontend.out = &testenv.LogBuffer{}
+			err = c.Frontend.Run(t.Context())
 		}
-		if err == nil || !strings.Contains(err.Error(), taken.Addr().String()) || !strings.Contains(err.Error(), "--metrics-addr") {
-			t.Errorf("%s with its metrics address taken returned %v; want an error naming %s and --metrics-addr", args[0], err, taken.Addr())
+		if err == nil || !strings.Contains(err.Error(), taken.Addr().String()) || !strings.Contains(err.Error(), flag) {
+			t.Errorf("%s with its %s taken returned %v; want an error naming %s and %s", args[0], flag, err, taken.Addr(), flag)
 		}
 		if after, _ := srv.Varz(nil); after.TotalConnections != before.TotalConnections {
-			t.Errorf("%s connected to NATS (%d connections, %d before) before it found its metrics address taken",
-				args[0], after.TotalConnections, before.TotalConnections)
+			t.Errorf("%s connected to NATS (%d connections, %d before) before it found its %s taken",
+				args[0], after.TotalConnections, before.TotalConnections, flag)
 		}
 	}
 }
