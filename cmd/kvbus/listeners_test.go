@@ -13,7 +13,9 @@ import (
 // same address are refused at once, naming both flags. kvbus nats with
 // --monitor-addr equal to --addr waited 30 s, then asked whether the port
 // was in use; kvbus serve with --http-addr equal to --nats-addr started
-// every role, then said another kvbus had the address.
+// every role, then said another kvbus had the address; a scheduler or a
+// worker with --pprof-addr equal to --metrics-addr asked whether the role
+// was already running.
 func TestOneListenAddressTwiceIsRefused(t *testing.T) {
 	addr := freeAddr(t)
 	port := addr[strings.LastIndex(addr, ":"):]
@@ -26,6 +28,8 @@ func TestOneListenAddressTwiceIsRefused(t *testing.T) {
 		{[]string{"nats", "--addr", addr, "--cluster-addr", port, "--routes", "nats://127.0.0.1:1"}, []string{"--addr", "--cluster-addr"}},
 		{[]string{"nats", "--addr", addr, "--pprof-addr", addr}, []string{"--addr", "--pprof-addr"}},
 		{[]string{"serve", "--nats-addr", addr, "--http-addr", addr}, []string{"--nats-addr", "--http-addr"}},
+		{[]string{"scheduler", "--metrics-addr", addr, "--pprof-addr", addr}, []string{"--metrics-addr", "--pprof-addr"}},
+		{[]string{"worker", "--metrics-addr", port, "--pprof-addr", addr}, []string{"--metrics-addr", "--pprof-addr"}},
 	} {
 		c := parseCLI(t, tc.args...)
 		ctx, cancel := context.WithTimeout(t.Context(), 5*time.Second)
@@ -38,6 +42,12 @@ func TestOneListenAddressTwiceIsRefused(t *testing.T) {
 		case "serve":
 			c.Serve.out = &testenv.LogBuffer{}
 			err = c.Serve.Run(ctx)
+		case "scheduler":
+			c.Scheduler.out = &testenv.LogBuffer{}
+			err = c.Scheduler.Run(ctx)
+		case "worker":
+			c.Worker.out = &testenv.LogBuffer{}
+			err = c.Worker.Run(ctx)
 		}
 		cancel()
 		for _, w := range tc.want {

@@ -28,6 +28,9 @@ func (c *schedulerCmd) Run(ctx context.Context) (err error) {
 	}
 	log := c.logger()
 	onStop(ctx, log, nil)
+	if err := distinctListeners(listener{"--metrics-addr", c.MetricsAddr}, listener{"--pprof-addr", c.PprofAddr}); err != nil {
+		return err
+	}
 	stopPprof, err := c.startPprof(ctx, log)
 	if err != nil {
 		return err
