@@ -10,6 +10,7 @@ import (
 	"net/http/pprof"
 	"os"
 	"strings"
+	"syscall"
 	"time"
 
 	"github.com/kvbus/kvbus/bus"
@@ -34,8 +35,11 @@ func (f pprofFlags) startPprof(ctx context.Context, log *slog.Logger) (stop func
 	mux.HandleFunc("/debug/pprof/symbol", pprof.Symbol)
 	mux.HandleFunc("/debug/pprof/trace", pprof.Trace)
 	ln, err := net.Listen("tcp", f.PprofAddr)
+	if errors.Is(err, syscall.EADDRINUSE) {
+		return nil, fmt.Errorf("--pprof-addr %s: %w (another process, another kvbus's profiler perhaps, has it: choose another port, or leave --pprof-addr empty)", f.PprofAddr, err)
+	}
 	if err != nil {
-		return nil, fmt.Errorf("--pprof-addr %s: %w", f.PprofAddr, err)
+		return nil, fmt.Errorf("--pprof-addr %s: %w (give HOST:PORT on loopback, e.g. 127.0.0.1:6060, or leave it empty)", f.PprofAddr, err)
 	}
 	srv := &http.Server{Handler: mux, ReadHeaderTimeout: 5 * time.Second}
 	done := make(chan struct{})

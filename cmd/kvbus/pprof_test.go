@@ -3,6 +3,8 @@ package main
 import (
 	"bytes"
 	"io"
+	"log/slog"
+	"net"
 	"net/http"
 	"path/filepath"
 	"strings"
@@ -55,5 +57,25 @@ func TestPprofCmdlineHidesSecrets(t *testing.T) {
 	}
 	if want := "kvbus frontend --api-key xxxxx --nats-password=xxxxx --nats-url nats://u:xxxxx@h:4222 --nats-token xxxxx --engine-api-key=xxxxx --model m"; got != want {
 		t.Errorf("cmdline %q, want %q", got, want)
+	}
+}
+
+// TestPprofAddrSaysWhatToGive: a --pprof-addr that cannot be listened on
+// (no HOST:PORT, a port out of range, a port in use) fails naming the flag
+// and what to give; it named the flag and net's error alone.
+func TestPprofAddrSaysWhatToGive(t *testing.T) {
+	taken, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer taken.Close()
+	for _, addr := range []string{"banana", "127.0.0.1:99999", taken.Addr().String()} {
+		stop, err := pprofFlags{PprofAddr: addr}.startPprof(t.Context(), slog.New(slog.DiscardHandler))
+		if err == nil {
+			stop()
+		}
+		if err == nil || !strings.Contains(err.Error(), "--pprof-addr") || !strings.Contains(err.Error(), "leave") {
+			t.Errorf("--pprof-addr %s: %v; want an error naming the flag and what to give", addr, err)
+		}
 	}
 }
