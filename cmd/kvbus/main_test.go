@@ -161,7 +161,8 @@ func TestServe(t *testing.T) {
 
 // TestServeHTTPPortInUse: `kvbus serve` (make run) whose HTTP address is
 // taken exits at once with an error that names it, instead of running on
-// without a frontend.
+// without a frontend; and before it starts anything (it started NATS and
+// connected every role, logged "kvbus serving", then stopped them).
 func TestServeHTTPPortInUse(t *testing.T) {
 	taken, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
@@ -169,13 +170,17 @@ func TestServeHTTPPortInUse(t *testing.T) {
 	}
 	defer taken.Close()
 	c := parseCLI(t, "serve", "--nats-addr", freeAddr(t), "--http-addr", taken.Addr().String(), "--time-scale", "0", "--kv-capacity", "64MiB")
-	c.Serve.out = &testenv.LogBuffer{}
+	logs := &testenv.LogBuffer{}
+	c.Serve.out = logs
 	done := make(chan error, 1)
 	go func() { done <- c.Serve.Run(t.Context()) }()
 	select {
 	case err := <-done:
 		if err == nil || !strings.Contains(err.Error(), taken.Addr().String()) || !strings.Contains(err.Error(), "--http-addr") {
 			t.Fatalf("serve with its HTTP address taken returned %v; want an error naming %s and --http-addr", err, taken.Addr())
+		}
+		if started := logs.Lines("nats connected"); len(started) > 0 {
+			t.Errorf("serve started its roles before it found its HTTP address taken:\n%s", strings.Join(started, "\n"))
 		}
 	case <-time.After(20 * time.Second):
 		t.Fatal("serve with its HTTP address taken still runs after 20 s")

@@ -52,6 +52,9 @@ func (c *serveCmd) Run(ctx context.Context) error {
 	if err := c.checkValues(c.requestLogFlags, c.timeoutFlags); err != nil {
 		return err
 	}
+	if err := portFree(c.HTTPAddr); err != nil {
+		return err
+	}
 	cfg, err := c.clusterConfig()
 	if err != nil {
 		return err
