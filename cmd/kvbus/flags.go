@@ -36,7 +36,7 @@ type natsFlags struct {
 	NATSTLSCA    string        `name:"nats-tls-ca" help:"CA certificate (PEM) to verify the NATS server."`
 	NATSTLSCert  string        `name:"nats-tls-cert" help:"Client certificate (PEM)."`
 	NATSTLSKey   string        `name:"nats-tls-key" help:"Client key (PEM)."`
-	NATSPing     time.Duration `name:"nats-ping-interval" positive:"" default:"5s" help:"How often to ping the NATS server; a server that answers none of three pings in a row is left for another of the cluster (a host that stopped closes no socket)."`
+	NATSPing     time.Duration `name:"nats-ping-interval" positive:"" min:"1s" default:"5s" help:"How often to ping the NATS server (at least 1s); a server that answers none of three pings in a row is left for another of the cluster (a host that stopped closes no socket)."`
 }
 
 // config is the connection of a role named name whose reply inboxes start
@@ -230,7 +230,7 @@ type engineFlags struct {
 	LoadPerToken     time.Duration `name:"load-per-token" default:"5us" help:"Sim engine: time to load one cached token's KV."`
 	RemoteLoad       time.Duration `name:"remote-load-per-token" default:"15us" help:"Sim engine: time to load one cached token's KV from another group's segment of the pool (--pool global)."`
 	DecodePerToken   time.Duration `name:"decode-per-token" default:"10ms" help:"Sim engine: time per output token after the first (the prefill yields the first, as in vLLM)."`
-	HeartbeatEvery   time.Duration `name:"heartbeat-interval" positive:"" default:"1s" help:"How often a rank sends a heartbeat."`
+	HeartbeatEvery   time.Duration `name:"heartbeat-interval" positive:"" min:"10ms" default:"1s" help:"How often a rank sends a heartbeat (at least 10ms)."`
 	ShutdownTimeout  time.Duration `name:"shutdown-timeout" positive:"" default:"10s" help:"How long a stopping rank lets in-flight requests finish."`
 	SaveWait         time.Duration `name:"save-wait" positive:"" default:"2s" help:"How long a load waits for a block this rank is still saving (the previous turn's); past it the block is recomputed."`
 	DrainHandoff     string        `name:"drain-handoff" default:"512MiB" help:"When a group is scaled down, each of its ranks hands up to this much of its most recently used blocks (whole sessions; a size or tokens) to the same rank of other ready groups before it exits, so its conversations keep their cache; 0 turns it off."`

@@ -79,6 +79,26 @@ func checkNumber(f *kong.Flag) error {
 	case zero && f.Tag.Has("positive"):
 		return fmt.Errorf("--%s is 0: it must be positive (0 does not mean none or the default here; see --help)", f.Name)
 	}
+	return checkMin(f)
+}
+
+// checkMin refuses a duration flag below its tag's min:"…" when it is
+// positive (a 0 that means something passes): a rank sent heartbeats with
+// --heartbeat-interval 1ns as fast as it could, a role with
+// --nats-ping-interval 1ms left its server as stale every few seconds (1ns:
+// "nats: connection closed" at once), and --slot-ttl 50ms was refused by
+// JetStream after connecting, naming no flag.
+func checkMin(f *kong.Flag) error {
+	if !f.Tag.Has("min") || f.Target.Type() != reflect.TypeFor[time.Duration]() {
+		return nil
+	}
+	least, err := time.ParseDuration(f.Tag.Get("min"))
+	if err != nil {
+		return fmt.Errorf("--%s: bad min tag %q: %w", f.Name, f.Tag.Get("min"), err)
+	}
+	if d := time.Duration(f.Target.Int()); d > 0 && d < least {
+		return fmt.Errorf("--%s is %s: give at least %s (see --help)", f.Name, d, least)
+	}
 	return nil
 }
 

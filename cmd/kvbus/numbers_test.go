@@ -43,6 +43,12 @@ func TestNumberFlags(t *testing.T) {
 		{[]string{"serve", "--groups=0"}, "--groups"},
 		{[]string{"frontend", "--stop-timeout=-1s"}, "--stop-timeout"},
 		{[]string{"worker", "--group=g0", "--nats-ping-interval=0"}, "--nats-ping-interval"},
+		// Below a duration flag's least (it flooded NATS, or churned).
+		{[]string{"worker", "--group=g0", "--nats-ping-interval=1ms"}, "--nats-ping-interval"},
+		{[]string{"worker", "--group=g0", "--heartbeat-interval=1ns"}, "--heartbeat-interval"},
+		{[]string{"serve", "--heartbeat-interval=1ms"}, "--heartbeat-interval"},
+		{[]string{"worker", "--rank=auto", "--slot-ttl=50ms"}, "--slot-ttl"},
+		{[]string{"worker", "--group=g0", "--heartbeat-interval=100ms", "--slot-ttl=100ms", "--nats-ping-interval=1s"}, ""},
 		// Meaningful values pass.
 		{[]string{"worker", "--group=g0"}, ""},         // --ep-rank -1: the TP rank
 		{[]string{"frontend", "--max-inflight=0"}, ""}, // no bound

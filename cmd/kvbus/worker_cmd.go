@@ -28,7 +28,7 @@ type workerCmd struct {
 	engineAdapterFlags `embed:""`
 	BlockSize          int           `name:"block-size" positive:"" default:"16" help:"Tokens per KV block: the schedulers' --block-size, and the engine's with --engine openai."`
 	Rank               string        `name:"rank" help:"'auto' claims the first free (group, rank) slot through the KVBUS_RANKS bucket (groups g0, g1, … filled in order, --tp-size ranks each; with --group, a rank of that group only); otherwise --group and --tp-rank say it."`
-	SlotTTL            time.Duration `name:"slot-ttl" positive:"" default:"10s" help:"With --rank auto: a slot whose worker stopped refreshing it is free again after this."`
+	SlotTTL            time.Duration `name:"slot-ttl" positive:"" min:"100ms" default:"10s" help:"With --rank auto: a slot whose worker stopped refreshing it is free again after this (at least 100ms, JetStream's least)."`
 	Group              string        `name:"group" help:"Worker group: one engine instance (a DP replica); default g0. With --rank auto: claim a rank of this group only (for a key of one group, worker-<group>.nk)."`
 	TPRank             int           `name:"tp-rank" default:"0" help:"Tensor-parallel rank; rank 0 is the driver and runs the engine."`
 	TPSize             int           `name:"tp-size" positive:"" default:"4" help:"Tensor-parallel size: the group's world size."`
