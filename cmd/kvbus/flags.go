@@ -322,7 +322,7 @@ type engineAdapterFlags struct {
 	EngineMaxConcurrency  int           `name:"engine-max-concurrency" positive:"" default:"256" help:"--engine openai: requests in flight at one engine; more wait in the rank."`
 	EngineConnectTimeout  time.Duration `name:"engine-connect-timeout" positive:"" default:"5s" help:"--engine openai: bound on connecting to the engine."`
 	EngineTimeout         time.Duration `name:"engine-timeout" default:"0s" help:"--engine openai: bound on one request at the engine, its retries and waits for a healthy engine included (0: only --request-timeout)."`
-	EngineHealthInterval  time.Duration `name:"engine-health-interval" positive:"" default:"1s" help:"--engine openai: how often the engine's /health is polled; while it fails the group takes no requests and its queued ones move."`
+	EngineHealthInterval  time.Duration `name:"engine-health-interval" positive:"" min:"10ms" default:"1s" help:"--engine openai: how often the engine's /health is polled (at least 10ms); while it fails the group takes no requests and its queued ones move."`
 	EngineHealthTimeout   time.Duration `name:"engine-health-timeout" positive:"" default:"5s" help:"--engine openai: bound on one /health poll; a healthy engine is taken out after 3 failed polls in a row (at once when it refuses the connection or a request finds it down)."`
 	EngineUnavailableWait time.Duration `name:"engine-unavailable-wait" positive:"" default:"2s" help:"--engine openai: how long a request waits for an engine that is down (or to be moved to another group) before it fails with 503 group_failed."`
 	engineTLSFlags        `embed:""`

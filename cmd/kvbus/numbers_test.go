@@ -48,6 +48,7 @@ func TestNumberFlags(t *testing.T) {
 		{[]string{"worker", "--group=g0", "--heartbeat-interval=1ns"}, "--heartbeat-interval"},
 		{[]string{"serve", "--heartbeat-interval=1ms"}, "--heartbeat-interval"},
 		{[]string{"worker", "--rank=auto", "--slot-ttl=50ms"}, "--slot-ttl"},
+		{[]string{"worker", "--engine=openai", "--engine-health-interval=1ns"}, "--engine-health-interval"},
 		{[]string{"worker", "--group=g0", "--heartbeat-interval=100ms", "--slot-ttl=100ms", "--nats-ping-interval=1s"}, ""},
 		// Meaningful values pass.
 		{[]string{"worker", "--group=g0"}, ""},         // --ep-rank -1: the TP rank
