@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
 	"time"
 
@@ -34,6 +35,15 @@ type authInitCmd struct {
 
 func (c *authInitCmd) Run() error {
 	s := messages.Subjects{Prefix: c.Prefix}
+	// A group named twice (--groups g0,g0) is one key: it failed writing
+	// the second ("rename …worker-g0.nk.tmp: no such file or directory").
+	var groups []string
+	for _, g := range c.Groups {
+		if !slices.Contains(groups, g) {
+			groups = append(groups, g)
+		}
+	}
+	c.Groups = groups
 	if c.Rotate != "" && (c.Force || len(c.Groups) > 0) {
 		// --rotate did its one key alone: --groups wrote no group key and
 		// --force replaced no other, without a word.

@@ -85,3 +85,18 @@ func TestAuthRotateRefusesForceAndGroups(t *testing.T) {
 		t.Error("worker-g5.nk was written by a refused command")
 	}
 }
+
+// TestAuthInitGroupNamedTwice: `kvbus auth init DIR --groups g0,g0` writes
+// g0's key once; it failed with "rename …worker-g0.nk.tmp: no such file or
+// directory".
+func TestAuthInitGroupNamedTwice(t *testing.T) {
+	dir := t.TempDir()
+	if err := (&authInitCmd{Dir: dir, Groups: []string{"g0", "g1", "g0"}}).Run(); err != nil {
+		t.Fatalf("auth init --groups g0,g1,g0: %v", err)
+	}
+	for _, g := range []string{"g0", "g1"} {
+		if _, err := os.Stat(filepath.Join(dir, "worker-"+g+".nk")); err != nil {
+			t.Errorf("worker-%s.nk: %v", g, err)
+		}
+	}
+}
