@@ -16,6 +16,12 @@ type outputFile struct {
 }
 
 func createOutput(path string) (*outputFile, error) {
+	// A directory was found only by the rename at the end (capture --out
+	// /tmp: "rename /.tmp.….partial /tmp: file exists"; replay --json DIR:
+	// "is a directory" after the whole replay).
+	if fi, err := os.Stat(path); err == nil && fi.IsDir() {
+		return nil, fmt.Errorf("cannot write %s: it is a directory; give a file in it, e.g. %s", path, filepath.Join(path, "out"+filepath.Ext(path)))
+	}
 	f, err := os.CreateTemp(filepath.Dir(path), "."+filepath.Base(path)+".*.partial")
 	if err != nil {
 		return nil, fmt.Errorf("cannot write %s: %w", path, err)
