@@ -134,6 +134,9 @@ func Connect(ctx context.Context, cfg Config) (*nats.Conn, error) {
 	if err := checkTLSFiles(cfg, log); err != nil {
 		return nil, err
 	}
+	if err := checkCredsFile(cfg); err != nil {
+		return nil, err
+	}
 	warnSecretFileModes(cfg, log)
 	url := cfg.URL
 	if url == "" {

@@ -314,3 +314,22 @@ func TestConnectNamesTheNKeyFlag(t *testing.T) {
 		}
 	}
 }
+
+// TestConnectChecksTheCredsFileFirst: a --nats-creds file that holds no
+// nkey seed fails at once, naming the flag and what to give; each attempt
+// failed signing the server's nonce and was retried for the whole connect
+// timeout, then the role advised starting a NATS server.
+func TestConnectChecksTheCredsFileFirst(t *testing.T) {
+	srv := testenv.StartNATS(t)
+	notCreds := filepath.Join(t.TempDir(), "user.creds")
+	if err := os.WriteFile(notCreds, []byte("hello\n"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	start := time.Now()
+	_, err := bus.Connect(t.Context(), bus.Config{URL: srv.ClientURL(), CredsFile: notCreds, ConnectTimeout: 3 * time.Second,
+		Logger: slog.New(slog.DiscardHandler)})
+	if !errors.Is(err, bus.ErrConnect) || !strings.Contains(err.Error(), "--nats-creds") || strings.Contains(err.Error(), "start one") ||
+		time.Since(start) > time.Second {
+		t.Errorf("a creds file with no seed: %v after %v; want an error at once naming --nats-creds", err, time.Since(start).Round(time.Millisecond))
+	}
+}

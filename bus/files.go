@@ -7,7 +7,30 @@ import (
 	"log/slog"
 	"os"
 	"time"
+
+	"github.com/nats-io/nkeys"
 )
+
+// checkCredsFile reads --nats-creds before Connect tries a server: a file
+// that holds no nkey seed (a wrong file given) failed each attempt at
+// signing the server's nonce, was retried for the whole ConnectTimeout as
+// a server down, and the role then advised starting one.
+func checkCredsFile(cfg Config) error {
+	if cfg.CredsFile == "" {
+		return nil
+	}
+	b, err := os.ReadFile(cfg.CredsFile)
+	if err != nil {
+		return fmt.Errorf("%w: --nats-creds %s: %v (give the user's .creds file, its JWT and nkey seed, as nsc writes it)", ErrConnect, cfg.CredsFile, err)
+	}
+	kp, err := nkeys.ParseDecoratedNKey(b)
+	if err != nil {
+		return fmt.Errorf("%w: --nats-creds %s: %v: it is no credentials file; give the user's .creds file, its JWT and nkey seed, as nsc writes it (for a bare seed, such as kvbus auth init writes, use --nats-nkey)",
+			ErrConnect, cfg.CredsFile, err)
+	}
+	kp.Wipe()
+	return nil
+}
 
 // checkTLSFiles loads and parses the TLS files of cfg before Connect tries
 // a server: a CA file that holds no certificate, a certificate that is no
