@@ -8,7 +8,6 @@ import (
 	"errors"
 	"fmt"
 	"io"
-	"net"
 	"net/http"
 	"os/exec"
 	"strings"
@@ -200,12 +199,7 @@ func TestTopRefusesBadFlags(t *testing.T) {
 // once which URL it connects to (it waited 10 s in silence), without the
 // password, and gives up with an error naming the URL and what to check.
 func TestTopSaysWhereItConnects(t *testing.T) {
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	addr := ln.Addr().String()
-	_ = ln.Close() // nothing listens there now
+	addr := freeAddr(t) // nothing listens there
 	logs := &testenv.LogBuffer{}
 	cmd := &topCmd{natsFlags: natsFlags{NATSURL: "nats://kvbus:hunter2@" + addr}, Once: true, Watch: time.Second, Refresh: time.Second,
 		Window: time.Minute, Sessions: 10, HeartbeatTimeout: 3 * time.Second, MaxSessions: 10, errOut: logs, connectTimeout: 1500 * time.Millisecond}
@@ -215,7 +209,7 @@ func TestTopSaysWhereItConnects(t *testing.T) {
 	testenv.Eventually(t, 500*time.Millisecond, "top to say where it connects", func() bool {
 		return len(logs.Lines("connecting to NATS", addr)) > 0
 	})
-	err = <-done
+	err := <-done
 	if err == nil || !strings.Contains(err.Error(), addr) || !strings.Contains(err.Error(), "gave up after 1.5s") ||
 		!strings.Contains(err.Error(), "reachable") || time.Since(start) < 1500*time.Millisecond {
 		t.Errorf("top against nothing: %v after %s; want an error naming %s and what to check, after 1.5 s", err, time.Since(start), addr)
@@ -331,12 +325,7 @@ func TestTopLiveNeedsATerminalOnStdout(t *testing.T) {
 // more said). It exited 1 with "cannot connect to NATS …: context
 // canceled … (start one with `kvbus nats` …)".
 func TestTopStoppedWhileConnecting(t *testing.T) {
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	addr := ln.Addr().String()
-	_ = ln.Close() // nothing listens there now
+	addr := freeAddr(t) // nothing listens there
 	logs := &testenv.LogBuffer{}
 	cmd := &topCmd{natsFlags: natsFlags{NATSURL: "nats://" + addr}, Once: true, Watch: time.Second, Refresh: time.Second,
 		Window: time.Minute, Sessions: 10, HeartbeatTimeout: 3 * time.Second, MaxSessions: 10, errOut: logs}
