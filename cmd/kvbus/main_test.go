@@ -452,6 +452,10 @@ func TestValuesThatCannotWorkAreRefused(t *testing.T) {
 // serve --groups 100000 "give at most 0.0 GiB per rank with --kv-capacity".
 func TestErrorsNameTheFlag(t *testing.T) {
 	srv := testenv.StartNATS(t)
+	trace := filepath.Join(t.TempDir(), "trace.jsonl")
+	if err := os.WriteFile(trace, []byte(`{"timestamp": 0, "input_length": 512, "output_length": 4, "hash_ids": [1]}`+"\n"), 0o644); err != nil {
+		t.Fatal(err)
+	}
 	for _, tc := range []struct {
 		args []string
 		want []string
@@ -462,6 +466,7 @@ func TestErrorsNameTheFlag(t *testing.T) {
 		{[]string{"scheduler", "--nats-url", "nats://127.0.0.1:1", "--metrics-addr", ":99999"}, []string{"--metrics-addr", "65535"}},
 		{[]string{"serve", "--groups", "100000", "--nats-addr", "127.0.0.1:0", "--http-addr", "127.0.0.1:0"}, []string{"--groups"}},
 		{[]string{"serve", "--model-profile", "llama-4", "--nats-addr", "127.0.0.1:0", "--http-addr", "127.0.0.1:0"}, []string{"--model-profile", "tiny"}},
+		{[]string{"replay", trace, "--target", "ftp://127.0.0.1:1", "--nats-url", "nats://" + freeAddr(t)}, []string{"--target", "http://"}}, // after 2 s of NATS before
 	} {
 		c := parseCLI(t, tc.args...)
 		ctx, cancel := context.WithTimeout(t.Context(), 3*time.Second)
@@ -488,6 +493,8 @@ func runParsed(ctx context.Context, c *cli, name string) error {
 		return c.Tap.Run(ctx)
 	case "healthcheck":
 		return c.Health.Run(ctx)
+	case "replay":
+		return c.Replay.Run(ctx)
 	case "serve":
 		c.Serve.out = &testenv.LogBuffer{}
 		return c.Serve.Run(ctx)

@@ -138,6 +138,12 @@ func (c *replayCmd) Run(ctx context.Context) error {
 		// url's error quotes the URL, password and all.
 		return fmt.Errorf("--target %s: not a URL; want nats://HOST:PORT or http://HOST:PORT", bus.RedactURLs(c.Target))
 	}
+	switch u.Scheme {
+	case "nats", "tls", "http", "https":
+	default: // refused before NATS is tried (replay.Config.Validate said so after 2 s of it)
+		return fmt.Errorf("--target %s: want nats://HOST:PORT (onto the bus; tls:// for TLS) or http://HOST:PORT (through the frontend; https:// for TLS)",
+			bus.RedactURLs(c.Target))
+	}
 	natsURL := c.NATSURL
 	if u.Scheme == "nats" || u.Scheme == "tls" {
 		natsURL = c.Target
@@ -155,6 +161,9 @@ func (c *replayCmd) Run(ctx context.Context) error {
 	}
 	nc, err := bus.Connect(ctx, bc)
 	if err != nil {
+		if errors.Is(err, context.Canceled) { // a signal while waiting: a stop, as for the roles
+			return fmt.Errorf("%w: %w", errStoppedConnecting, err)
+		}
 		if !overHTTP {
 			return err
 		}

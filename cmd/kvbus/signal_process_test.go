@@ -10,6 +10,7 @@ import (
 	"net/http"
 	"os"
 	"os/exec"
+	"path/filepath"
 	"strings"
 	"syscall"
 	"testing"
@@ -332,10 +333,16 @@ func TestProcessStoppedWhileWaitingForNATS(t *testing.T) {
 	}
 	dir := t.TempDir()
 	bin := buildBinary(t, dir)
-	bus := []string{"--nats-url", "nats://" + freeAddr(t)} // nothing listens there
+	dead := "nats://" + freeAddr(t) // nothing listens there
+	bus := []string{"--nats-url", dead}
+	trace := filepath.Join(dir, "trace.jsonl")
+	if err := os.WriteFile(trace, []byte(`{"timestamp": 0, "input_length": 512, "output_length": 4, "hash_ids": [1]}`+"\n"), 0o644); err != nil {
+		t.Fatal(err)
+	}
 	for _, role := range [][]string{
 		{"frontend", "--http-addr", freeAddr(t)},
 		{"scheduler", "--metrics-addr", freeAddr(t)},
+		{"replay", trace, "--target", dead}, // it exited 1, advising to start NATS
 	} {
 		p := startProc(t, bin, dir, role[0], append(role, bus...)...)
 		p.logged(t, 30*time.Second, "cannot reach NATS yet; retrying")
