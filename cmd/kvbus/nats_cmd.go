@@ -74,7 +74,11 @@ func (c *natsCmd) Run(ctx context.Context) error {
 	if err != nil {
 		return err
 	}
-	log.Info("nats server ready", "url", srv.ClientURL(), "jetstream", true, "data_dir", srv.StoreDir(), "monitor_addr", fmt.Sprint(srv.MonitorAddr()))
+	monitor := "off (--monitor-addr)"
+	if a := srv.MonitorAddr(); a != nil {
+		monitor = a.String()
+	}
+	log.Info("nats server ready", "url", srv.ClientURL(), "jetstream", true, "data_dir", srv.StoreDir(), "monitor_addr", monitor)
 	// The certificate is checked as at start every few hours: a warning
 	// from 14 days before it ends, an error once it has.
 	certCheck := time.NewTicker(certCheckEvery)
