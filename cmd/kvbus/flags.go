@@ -98,7 +98,7 @@ type busFlags struct {
 	logFlags   `embed:""`
 	pprofFlags `embed:""`
 	Prefix     string `name:"subject-prefix" default:"kvbus" help:"First token of every kvbus subject."`
-	Replicas   int    `name:"stream-replicas" positive:"" default:"1" help:"JetStream replicas of the request log and the buckets this role creates (3 on a 3-node NATS cluster)."`
+	Replicas   int    `name:"stream-replicas" positive:"" default:"1" help:"JetStream replicas of the request log and the buckets this role creates (3 on a 3-node NATS cluster); capture, replay and tap create none and ignore it."`
 }
 
 func (f busFlags) subjects() messages.Subjects { return messages.Subjects{Prefix: f.Prefix} }

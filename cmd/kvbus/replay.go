@@ -31,7 +31,7 @@ type traceFlags struct {
 	Format        string  `name:"format" enum:"auto,capture,mooncake,tracelab,azure" default:"auto" help:"Trace format: auto (told by the file's content), capture (kvbus capture), mooncake (JSONL), tracelab (JSONL round trace) or azure (LLM inference CSV)."`
 	Speed         float64 `name:"speed" positive:"" default:"1" help:"Replay speed: the trace clock is divided by this."`
 	Mode          string  `name:"mode" enum:"open,session" default:"open" help:"open: each request at its trace time; session: closed loop per session (a turn waits for the previous answer plus the original gap / speed)."`
-	Limit         int     `name:"limit" help:"Replay at most this many requests (after --skip)."`
+	Limit         int     `name:"limit" help:"Replay at most this many requests (after --skip; 0, the default: all)."`
 	Skip          int     `name:"skip" help:"Skip this many requests first."`
 	InferSessions bool    `name:"infer-sessions" help:"Give sessions to a trace without them: a request continues the session whose previous prompt it extends."`
 	JSON          string  `name:"json" type:"path" help:"Also write the report(s) as JSON to this file."`
