@@ -125,23 +125,36 @@ func (c Config) Validate() error {
 	if err := c.Subjects.Validate(); err != nil {
 		return fmt.Errorf("%w: --subject-prefix: %w", ErrConfig, err)
 	}
-	u, err := url.Parse(c.Target)
+	u, err := ParseTarget(c.Target)
+	if err != nil {
+		return err
+	}
+	if (u.Scheme == "nats" || u.Scheme == "tls") && c.Conn == nil {
+		return fmt.Errorf("%w: a nats target (--target %s) needs a connection", ErrConfig, bus.RedactURLs(c.Target))
+	}
+	return nil
+}
+
+// ParseTarget reads a replay's --target: nats:// or tls:// (onto the bus),
+// or http(s)://HOST[:PORT] (through a frontend). Its error wraps ErrConfig
+// and shows no password. Config.Validate calls it, and kvbus replay before
+// it connects.
+func ParseTarget(target string) (*url.URL, error) {
+	u, err := url.Parse(target)
 	if err != nil { // url's error quotes the URL, password and all
-		return fmt.Errorf("%w: --target %s: not a URL; want nats://HOST:PORT or http://HOST:PORT", ErrConfig, bus.RedactURLs(c.Target))
+		return nil, fmt.Errorf("%w: --target %s: not a URL; want nats://HOST:PORT or http://HOST:PORT", ErrConfig, bus.RedactURLs(target))
 	}
 	switch u.Scheme {
 	case "nats", "tls":
-		if c.Conn == nil {
-			return fmt.Errorf("%w: a nats target (--target %s) needs a connection", ErrConfig, bus.RedactURLs(c.Target))
-		}
 	case "http", "https":
 		if u.Host == "" {
-			return fmt.Errorf("%w: --target %s: no host; want http://HOST:PORT", ErrConfig, bus.RedactURLs(c.Target))
+			return nil, fmt.Errorf("%w: --target %s: no host; want http://HOST:PORT", ErrConfig, bus.RedactURLs(target))
 		}
 	default:
-		return fmt.Errorf("%w: --target %s: want nats://HOST:PORT or http://HOST:PORT", ErrConfig, bus.RedactURLs(c.Target))
+		return nil, fmt.Errorf("%w: --target %s: want nats://HOST:PORT (onto the bus; tls:// for TLS) or http://HOST:PORT (through the frontend; https:// for TLS)",
+			ErrConfig, bus.RedactURLs(target))
 	}
-	return nil
+	return u, nil
 }
 
 // New checks the configuration (cfg.Validate) and prepares the target.
@@ -165,7 +178,7 @@ func New(cfg Config) (*Replayer, error) {
 		cfg.Logger = slog.Default()
 	}
 	r := &Replayer{cfg: cfg, log: cfg.Logger, frontendID: "replay-" + nuid.Next(), pending: map[string]*pendingReq{}, groups: map[string]string{}, remote: map[string]int{}}
-	u, _ := url.Parse(cfg.Target) // Validate parsed it
+	u, _ := ParseTarget(cfg.Target) // Validate accepted it
 	switch u.Scheme {
 	case "nats", "tls":
 		// The semaphore of MaxInflight bounds outstanding publishes.

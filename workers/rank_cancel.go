@@ -110,6 +110,7 @@ func (r *Rank) onAbort(_ context.Context, m *nats.Msg) error {
 	if a.Group != "" && a.Group != r.cfg.Group {
 		return nil
 	}
+	timedOut := a.Timeout() // its frontend's deadline passed
 	r.mu.Lock()
 	rr := r.active[a.ReqID]
 	if a.Group == "" {
@@ -117,7 +118,6 @@ func (r *Rank) onAbort(_ context.Context, m *nats.Msg) error {
 		// of an attempt dispatched again while this rank ran (or ran) an
 		// earlier one: remember it, and drop every attempt to come.
 		now := time.Now()
-		timedOut := a.Timeout()
 		if !r.seen.Update(a.ReqID, now, func(s *seenReq) { s.attempt, s.aborted, s.timedOut = math.MaxInt, true, timedOut }) {
 			r.seen.Put(a.ReqID, seenReq{attempt: math.MaxInt, aborted: true, timedOut: timedOut}, now)
 		}
@@ -140,7 +140,7 @@ func (r *Rank) onAbort(_ context.Context, m *nats.Msg) error {
 	if rr != nil {
 		r.log.Info("request aborted", "req_id", a.ReqID, "session_id", rr.meta.SessionID, "reason", a.Reason)
 		cause := errAborted
-		if a.Timeout() {
+		if timedOut {
 			cause = errAbortedTimeout
 		}
 		rr.cancel(cause)

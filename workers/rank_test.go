@@ -657,15 +657,24 @@ func TestRankDuplicateReqMeta(t *testing.T) {
 	})
 }
 
-func TestRankAbort(t *testing.T) {
+// streamingAnswer starts ranks that decode a token every 50 ms and sends
+// them request id, of 100 tokens (5 s of decoding); it returns once the
+// first chunk streamed, with the time the ReqMeta was sent.
+func streamingAnswer(t *testing.T, id string) (*rankEnv, time.Time) {
+	t.Helper()
 	env := startRanks(t, rankEnvConfig{engine: workers.SimConfig{
 		Profile: workers.SimProfile{DecodePerToken: 50 * time.Millisecond}, TimeScale: 1,
 	}})
-	m := newMeta("slow", "sess", testenv.PromptTokens(1, 40))
+	m := newMeta(id, "sess", testenv.PromptTokens(1, 40))
 	m.SamplingParams.MaxTokens = 100 // 5 s of decoding
-	start := time.Now()
+	sent := time.Now()
 	env.sendMeta(m)
-	testenv.Eventually(t, waitFor, "the first streamed chunk", func() bool { return len(env.outputs("slow")) > 0 })
+	testenv.Eventually(t, waitFor, "the first streamed chunk", func() bool { return len(env.outputs(id)) > 0 })
+	return env, sent
+}
+
+func TestRankAbort(t *testing.T) {
+	env, start := streamingAnswer(t, "slow")
 	env.publish(env.subj.AbortGroup(testGroup), &messages.Abort{ReqID: "slow", Reason: "client disconnected"})
 	results := env.resultsByRank("slow")
 	if d := time.Since(start); d > 4*time.Second {
@@ -715,13 +724,7 @@ func TestRankAbort(t *testing.T) {
 // were one timeout and one aborted. The ranks say timeout, running or not
 // yet run.
 func TestRankAbortOfATimeoutSaysTimeout(t *testing.T) {
-	env := startRanks(t, rankEnvConfig{engine: workers.SimConfig{
-		Profile: workers.SimProfile{DecodePerToken: 50 * time.Millisecond}, TimeScale: 1,
-	}})
-	m := newMeta("late", "sess", testenv.PromptTokens(1, 40))
-	m.SamplingParams.MaxTokens = 100 // 5 s of decoding
-	env.sendMeta(m)
-	testenv.Eventually(t, waitFor, "the first streamed chunk", func() bool { return len(env.outputs("late")) > 0 })
+	env, _ := streamingAnswer(t, "late")
 	env.publish(env.subj.AbortGroup(testGroup), &messages.Abort{ReqID: "late", Reason: messages.AbortReasonTimeout})
 	// The driver was generating (the other rank had saved its shard and
 	// answered already).
@@ -780,13 +783,7 @@ func TestRankAbortBeforeReqMeta(t *testing.T) {
 // drop it. Before, the ranks that had seen the first attempt let the next
 // one run, and the driver generated the whole answer for nobody.
 func TestRankAbortStopsTheAttemptsToCome(t *testing.T) {
-	env := startRanks(t, rankEnvConfig{engine: workers.SimConfig{
-		Profile: workers.SimProfile{DecodePerToken: 50 * time.Millisecond}, TimeScale: 1,
-	}})
-	m := newMeta("left", "sess", testenv.PromptTokens(1, 40))
-	m.SamplingParams.MaxTokens = 100 // 5 s of decoding
-	env.sendMeta(m)
-	testenv.Eventually(t, waitFor, "the first streamed chunk", func() bool { return len(env.outputs("left")) > 0 })
+	env, _ := streamingAnswer(t, "left")
 	env.publish(env.subj.AbortGroup(testGroup), &messages.Abort{ReqID: "left", Reason: "client disconnected"})
 	env.resultsByRank("left")
 	next := newMeta("left", "sess", testenv.PromptTokens(1, 40))

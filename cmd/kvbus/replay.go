@@ -7,7 +7,6 @@ import (
 	"io"
 	"log/slog"
 	"math"
-	"net/url"
 	"os"
 	"time"
 
@@ -133,16 +132,9 @@ func (c *replayCmd) Run(ctx context.Context) error {
 	if err != nil {
 		return err
 	}
-	u, err := url.Parse(c.Target)
+	u, err := replay.ParseTarget(c.Target) // before NATS is tried
 	if err != nil {
-		// url's error quotes the URL, password and all.
-		return fmt.Errorf("--target %s: not a URL; want nats://HOST:PORT or http://HOST:PORT", bus.RedactURLs(c.Target))
-	}
-	switch u.Scheme {
-	case "nats", "tls", "http", "https":
-	default: // refused before NATS is tried (replay.Config.Validate said so after 2 s of it)
-		return fmt.Errorf("--target %s: want nats://HOST:PORT (onto the bus; tls:// for TLS) or http://HOST:PORT (through the frontend; https:// for TLS)",
-			bus.RedactURLs(c.Target))
+		return err
 	}
 	natsURL := c.NATSURL
 	if u.Scheme == "nats" || u.Scheme == "tls" {

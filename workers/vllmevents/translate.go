@@ -60,7 +60,7 @@ type TranslatorConfig struct {
 
 // Validate checks c: a positive block size, a hash function, a max
 // blocks not negative.
-func (c *TranslatorConfig) Validate() error {
+func (c TranslatorConfig) Validate() error {
 	switch {
 	case c.BlockSize <= 0:
 		return fmt.Errorf("%w: block size %d", ErrConfig, c.BlockSize)
