@@ -103,6 +103,32 @@ func (p SamplingParams) SessionFromExtraArgs() string {
 	return s
 }
 
+// PutSetFields puts into body, an OpenAI /v1/completions request as vLLM
+// takes it, the fields of p that are set and that a token-id prompt sent
+// on carries (min_tokens, seed, stop, stop_token_ids,
+// include_stop_str_in_output, ignore_eos), each under vLLM's name; the
+// caller puts the rest (max_tokens, temperature, extra_args as vllm_xargs).
+func (p SamplingParams) PutSetFields(body map[string]any) {
+	if p.MinTokens > 0 {
+		body["min_tokens"] = p.MinTokens
+	}
+	if p.Seed != nil {
+		body["seed"] = *p.Seed
+	}
+	if len(p.Stop) > 0 {
+		body["stop"] = p.Stop
+	}
+	if len(p.StopTokenIDs) > 0 {
+		body["stop_token_ids"] = p.StopTokenIDs
+	}
+	if p.IncludeStopStr {
+		body["include_stop_str_in_output"] = true
+	}
+	if p.IgnoreEOS {
+		body["ignore_eos"] = true
+	}
+}
+
 // LoadSpec says how much of a request's prompt is already cached: vLLM's
 // computed tokens and the tokens to load from the KV pool (Mooncake store).
 type LoadSpec struct {

@@ -21,26 +21,9 @@ func (r *Replayer) doHTTP(ctx context.Context, req *messages.Request, res *Resul
 		"model": cmp.Or(req.LoRAName, req.Model), "prompt": req.PromptTokenIDs, "max_tokens": max(sp.MaxTokens, 1),
 		"stream": true, "stream_options": map[string]bool{"include_usage": true},
 	}
-	if sp.MinTokens > 0 {
-		body["min_tokens"] = sp.MinTokens
-	}
-	if sp.IgnoreEOS {
-		body["ignore_eos"] = true
-	}
+	sp.PutSetFields(body)
 	if len(sp.ExtraArgs) > 0 {
 		body["vllm_xargs"] = sp.ExtraArgs // carries session_id and original_request_id
-	}
-	if len(sp.Stop) > 0 {
-		body["stop"] = sp.Stop
-	}
-	if len(sp.StopTokenIDs) > 0 {
-		body["stop_token_ids"] = sp.StopTokenIDs
-	}
-	if sp.IncludeStopStr {
-		body["include_stop_str_in_output"] = true
-	}
-	if sp.Seed != nil {
-		body["seed"] = *sp.Seed
 	}
 	if req.CacheSalt != "" {
 		body["cache_salt"] = req.CacheSalt

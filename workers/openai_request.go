@@ -145,24 +145,7 @@ func traceBody(req EngineRequest, model string) ([]byte, error) {
 	if p.TopP == 0 {
 		body["top_p"] = 1
 	}
-	if p.MinTokens > 0 {
-		body["min_tokens"] = p.MinTokens
-	}
-	if p.Seed != nil {
-		body["seed"] = *p.Seed
-	}
-	if len(p.Stop) > 0 {
-		body["stop"] = p.Stop
-	}
-	if len(p.StopTokenIDs) > 0 {
-		body["stop_token_ids"] = p.StopTokenIDs
-	}
-	if p.IncludeStopStr {
-		body["include_stop_str_in_output"] = true
-	}
-	if p.IgnoreEOS {
-		body["ignore_eos"] = true
-	}
+	p.PutSetFields(body)
 	xargs := map[string]any{}
 	for k, v := range p.ExtraArgs {
 		xargs[k] = v
