@@ -5,8 +5,6 @@ import (
 	"strings"
 	"testing"
 	"time"
-
-	"github.com/kvbus/kvbus/testenv"
 )
 
 // TestEngineFlagsWithoutTheirEngineAreRefused: a flag of --engine openai
@@ -38,18 +36,9 @@ func TestEngineFlagsWithoutTheirEngineAreRefused(t *testing.T) {
 			}
 		}
 		c := parseCLI(t, args...)
-		c.Worker.out, c.Serve.out, c.Frontend.out = &testenv.LogBuffer{}, &testenv.LogBuffer{}, &testenv.LogBuffer{}
 		ctx, cancel := context.WithTimeout(t.Context(), 3*time.Second)
 		start := time.Now()
-		var err error
-		switch args[0] {
-		case "worker":
-			err = c.Worker.Run(ctx)
-		case "serve":
-			err = c.Serve.Run(ctx)
-		case "frontend":
-			err = c.Frontend.Run(ctx)
-		}
+		err := runParsed(ctx, c, args[0])
 		cancel()
 		if err == nil || !strings.Contains(err.Error(), tc.want) || time.Since(start) > 2*time.Second {
 			t.Errorf("%v: %v after %v; want an error at once naming %s", tc.args, err, time.Since(start).Round(time.Millisecond), tc.want)

@@ -5,8 +5,6 @@ import (
 	"strings"
 	"testing"
 	"time"
-
-	"github.com/kvbus/kvbus/testenv"
 )
 
 // TestOneListenAddressTwiceIsRefused: two listeners of one command on the
@@ -34,21 +32,7 @@ func TestOneListenAddressTwiceIsRefused(t *testing.T) {
 		c := parseCLI(t, tc.args...)
 		ctx, cancel := context.WithTimeout(t.Context(), 5*time.Second)
 		start := time.Now()
-		var err error
-		switch tc.args[0] {
-		case "nats":
-			c.NATS.out = &testenv.LogBuffer{}
-			err = c.NATS.Run(ctx)
-		case "serve":
-			c.Serve.out = &testenv.LogBuffer{}
-			err = c.Serve.Run(ctx)
-		case "scheduler":
-			c.Scheduler.out = &testenv.LogBuffer{}
-			err = c.Scheduler.Run(ctx)
-		case "worker":
-			c.Worker.out = &testenv.LogBuffer{}
-			err = c.Worker.Run(ctx)
-		}
+		err := runParsed(ctx, c, tc.args[0])
 		cancel()
 		for _, w := range tc.want {
 			if err == nil || !strings.Contains(err.Error(), w) || time.Since(start) > 2*time.Second {

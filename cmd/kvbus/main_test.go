@@ -322,15 +322,7 @@ func TestMetricsAddrInUseStopsARoleBeforeItConnects(t *testing.T) {
 		}
 		flag := args[len(args)-1]
 		c := parseCLI(t, append(args, taken.Addr().String(), "--nats-url", srv.ClientURL())...)
-		switch args[0] {
-		case "worker":
-			err = c.Worker.Run(t.Context())
-		case "scheduler":
-			err = c.Scheduler.Run(t.Context())
-		default:
-			c.Frontend.out = &testenv.LogBuffer{}
-			err = c.Frontend.Run(t.Context())
-		}
+		err = runParsed(t.Context(), c, args[0])
 		if err == nil || !strings.Contains(err.Error(), taken.Addr().String()) || !strings.Contains(err.Error(), flag) {
 			t.Errorf("%s with its %s taken returned %v; want an error naming %s and %s", args[0], flag, err, taken.Addr(), flag)
 		}
@@ -452,10 +444,7 @@ func TestValuesThatCannotWorkAreRefused(t *testing.T) {
 // serve --groups 100000 "give at most 0.0 GiB per rank with --kv-capacity".
 func TestErrorsNameTheFlag(t *testing.T) {
 	srv := testenv.StartNATS(t)
-	trace := filepath.Join(t.TempDir(), "trace.jsonl")
-	if err := os.WriteFile(trace, []byte(`{"timestamp": 0, "input_length": 512, "output_length": 4, "hash_ids": [1]}`+"\n"), 0o644); err != nil {
-		t.Fatal(err)
-	}
+	trace := oneRequestTrace(t, t.TempDir())
 	for _, tc := range []struct {
 		args []string
 		want []string
@@ -480,23 +469,44 @@ func TestErrorsNameTheFlag(t *testing.T) {
 	}
 }
 
+// oneRequestTrace writes a Mooncake trace of one request into dir and
+// returns its path.
+func oneRequestTrace(t *testing.T, dir string) string {
+	t.Helper()
+	path := filepath.Join(dir, "trace.jsonl")
+	if err := os.WriteFile(path, []byte(`{"timestamp": 0, "input_length": 512, "output_length": 4, "hash_ids": [1]}`+"\n"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	return path
+}
+
 // runParsed runs command name of the parsed command line c, its logs kept
 // from the test's output.
 func runParsed(ctx context.Context, c *cli, name string) error {
+	logs := &testenv.LogBuffer{}
 	switch name {
+	case "nats":
+		c.NATS.out = logs
+		return c.NATS.Run(ctx)
 	case "frontend":
+		c.Frontend.out = logs
 		return c.Frontend.Run(ctx)
 	case "scheduler":
+		c.Scheduler.out = logs
 		return c.Scheduler.Run(ctx)
+	case "worker":
+		c.Worker.out = logs
+		return c.Worker.Run(ctx)
 	case "tap":
-		c.Tap.out = &testenv.LogBuffer{}
+		c.Tap.out = logs
 		return c.Tap.Run(ctx)
 	case "healthcheck":
 		return c.Health.Run(ctx)
 	case "replay":
+		c.Replay.out = logs
 		return c.Replay.Run(ctx)
 	case "serve":
-		c.Serve.out = &testenv.LogBuffer{}
+		c.Serve.out = logs
 		return c.Serve.Run(ctx)
 	}
 	panic("runParsed: no command " + name)

@@ -26,17 +26,8 @@ func TestStreamReplicasTheServerCannotGive(t *testing.T) {
 		{[]string{"frontend", "--stream-replicas", "7", "--http-addr", "127.0.0.1:0"}, []string{"--stream-replicas 7", "at most 5"}},
 	} {
 		c := parseCLI(t, append(tc.args, "--nats-url", srv.ClientURL())...)
-		c.Frontend.out, c.Scheduler.out, c.Worker.out = &testenv.LogBuffer{}, &testenv.LogBuffer{}, &testenv.LogBuffer{}
 		ctx, cancel := context.WithTimeout(t.Context(), 10*time.Second)
-		var err error
-		switch tc.args[0] {
-		case "frontend":
-			err = c.Frontend.Run(ctx)
-		case "scheduler":
-			err = c.Scheduler.Run(ctx)
-		case "worker":
-			err = c.Worker.Run(ctx)
-		}
+		err := runParsed(ctx, c, tc.args[0])
 		cancel()
 		for _, w := range tc.want {
 			if err == nil || !strings.Contains(err.Error(), w) {

@@ -10,7 +10,6 @@ import (
 	"net/http"
 	"os"
 	"os/exec"
-	"path/filepath"
 	"strings"
 	"syscall"
 	"testing"
@@ -335,10 +334,7 @@ func TestProcessStoppedWhileWaitingForNATS(t *testing.T) {
 	bin := buildBinary(t, dir)
 	dead := "nats://" + freeAddr(t) // nothing listens there
 	bus := []string{"--nats-url", dead}
-	trace := filepath.Join(dir, "trace.jsonl")
-	if err := os.WriteFile(trace, []byte(`{"timestamp": 0, "input_length": 512, "output_length": 4, "hash_ids": [1]}`+"\n"), 0o644); err != nil {
-		t.Fatal(err)
-	}
+	trace := oneRequestTrace(t, dir)
 	for _, role := range [][]string{
 		{"frontend", "--http-addr", freeAddr(t)},
 		{"scheduler", "--metrics-addr", freeAddr(t)},
