@@ -296,6 +296,14 @@ func (r *Rank) handOff() (until time.Time) {
 	if r.cfg.DrainHandoff <= 0 {
 		return time.Time{}
 	}
+	if !r.cfg.Conn.IsConnected() {
+		// Neither a plan nor a block can cross: waiting for peers it cannot
+		// hear held every rank of a cluster stopped with its NATS server
+		// gone for 3 heartbeat intervals, a rank other than the driver up
+		// to --shutdown-timeout more.
+		r.log.Info("drain hand-off: NATS is unreachable; nothing handed off, the group's blocks leave with it")
+		return time.Time{}
+	}
 	settle := 3 * r.cfg.HeartbeatInterval
 	_, _, held := r.store.Usage()
 	var plan *messages.DrainPlan
@@ -313,6 +321,8 @@ func (r *Rank) handOff() (until time.Time) {
 			// each of them once before choosing targets.
 			time.Sleep(time.Until(r.peers.since.Add(3 * r.cfg.HeartbeatInterval / 2)))
 			plan = r.drainPlan()
+		case !r.cfg.Conn.IsConnected():
+			r.log.Info("drain hand-off: NATS became unreachable; nothing handed off")
 		default:
 			r.log.Info("drain hand-off: only part of the group is stopping; nothing handed off")
 		}
@@ -334,16 +344,16 @@ func (r *Rank) handOff() (until time.Time) {
 		// the driver, which may have handed off and exited) is the
 		// driver's word that it stops.
 		if !r.waitFor(settle, func() bool { return len(r.plans) > 0 || r.peers.draining(settle, 0) }) {
-			r.log.Info("drain hand-off: the group's driver rank is not stopping; nothing handed off")
+			r.log.Info("drain hand-off: the group's driver rank is not stopping, or NATS became unreachable; nothing handed off",
+				"nats_connected", r.cfg.Conn.IsConnected())
 			return time.Time{}
 		}
 		// The driver sends the plan once its own requests are finished.
-		select {
-		case plan = <-r.plans:
-		case <-time.After(r.cfg.ShutdownTimeout + settle):
-			r.log.Warn("drain hand-off: no plan from the driver rank; nothing handed off")
+		if !r.waitFor(r.cfg.ShutdownTimeout+settle, func() bool { return len(r.plans) > 0 }) {
+			r.log.Warn("drain hand-off: no plan from the driver rank; nothing handed off", "nats_connected", r.cfg.Conn.IsConnected())
 			return time.Time{}
 		}
+		plan = <-r.plans
 	}
 	if len(plan.Targets) == 0 {
 		if r.IsDriver() {
@@ -403,16 +413,17 @@ func (r *Rank) awaitGroupHandOff(until time.Time) {
 		return r.peers.handedOff(r.cfg.TPRank, r.cfg.TPSize, fresh)
 	})
 	if !done {
-		r.log.Warn("drain hand-off: the group's other ranks did not finish theirs in time; exiting without them",
-			"waited_ms", time.Since(start).Milliseconds())
+		r.log.Warn("drain hand-off: the group's other ranks did not finish theirs in time, or NATS became unreachable; exiting without them",
+			"waited_ms", time.Since(start).Milliseconds(), "nats_connected", r.cfg.Conn.IsConnected())
 	}
 }
 
-// waitFor polls cond until it holds (true) or d passed (false).
+// waitFor polls cond, which rests on what the rank hears on the bus, until
+// it holds (true), or d passed or the connection to NATS is down (false).
 func (r *Rank) waitFor(d time.Duration, cond func() bool) bool {
 	deadline := time.Now().Add(d)
 	for !cond() {
-		if time.Now().After(deadline) {
+		if time.Now().After(deadline) || !r.cfg.Conn.IsConnected() {
 			return false
 		}
 		time.Sleep(min(r.cfg.HeartbeatInterval/4, 50*time.Millisecond))

@@ -3,6 +3,8 @@ package workers_test
 import (
 	"testing"
 	"time"
+
+	"github.com/kvbus/kvbus/testenv"
 )
 
 // TestIdleRankStopsWithoutWaitingForPeers: with the drain hand-off on, a
@@ -50,5 +52,45 @@ func TestIdleRankStopsWithoutWaitingForPeers(t *testing.T) {
 			}
 			t.Logf("logs:\n%s", env.logs.String())
 		})
+	}
+}
+
+// TestRankStopsAtOnceWithNATSGone: ranks that hold blocks, stopped after
+// their NATS server went away (a whole cluster stopped at once, the server
+// first), hand off nothing and exit once their drain grace is over. They
+// waited for heartbeats they could not hear: 3 heartbeat intervals, 6.2 s
+// here (with kvbus's defaults every rank of a multi-process cluster took
+// 3.2 s more than its drain grace, a rank whose driver's plan was awaited
+// up to --shutdown-timeout more).
+func TestRankStopsAtOnceWithNATSGone(t *testing.T) {
+	const (
+		interval = 2 * time.Second         // waits of 6 s before
+		bound    = 1500 * time.Millisecond // the drain grace, and room for a busy host
+		gone     = "NATS is unreachable; nothing handed off"
+	)
+	env := startRanks(t, rankEnvConfig{drainHandoff: 1 << 20, hbInterval: interval})
+	stopReady := env.readyGroups("g2") // a group ready to take the blocks
+	env.sendMeta(newMeta("a", "s", testenv.PromptTokens(1, 4*blockSize+1)))
+	env.finalOutput("a")
+	env.resultsByRank("a")
+	for r := range worldSize {
+		if n := len(env.dump(r)); n != 4 {
+			t.Fatalf("rank %d holds %d blocks, want the prompt's 4 (a rank holding none exits at once anyway)", r, n)
+		}
+	}
+	stopReady()
+	env.srv.Shutdown()
+	testenv.Eventually(t, waitFor, "the test's connection to see the server gone", func() bool { return !env.nc.IsConnected() })
+	time.Sleep(100 * time.Millisecond) // the ranks' connections see it as the test's did
+	start := time.Now()
+	env.stop()
+	if took := time.Since(start); took > bound {
+		t.Errorf("ranks holding blocks took %s to stop with NATS gone, want under %s", took.Round(time.Millisecond), bound)
+	}
+	if n := len(env.logs.Lines(gone)); n != worldSize {
+		t.Errorf("%d ranks logged %q, want all %d", n, gone, worldSize)
+	}
+	if t.Failed() {
+		t.Logf("logs:\n%s", env.logs.String())
 	}
 }

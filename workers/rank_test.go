@@ -64,6 +64,7 @@ type event struct {
 // a recorder of everything under the subject prefix.
 type rankEnv struct {
 	t       *testing.T
+	srv     *bus.Server
 	nc      *nats.Conn
 	subj    messages.Subjects
 	rec     *recorder
@@ -122,7 +123,7 @@ func startRanks(t *testing.T, cfg rankEnvConfig) *rankEnv {
 	}
 	t.Cleanup(srv.Shutdown)
 	e := &rankEnv{
-		t: t, nc: testenv.Connect(t, srv), rec: &recorder{}, reg: prometheus.NewRegistry(),
+		t: t, srv: srv, nc: testenv.Connect(t, srv), rec: &recorder{}, reg: prometheus.NewRegistry(),
 		logs: &testenv.LogBuffer{}, stopped: make(chan struct{}),
 	}
 	if _, err := e.nc.Subscribe(e.subj.All(), func(m *nats.Msg) {

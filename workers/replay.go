@@ -318,6 +318,12 @@ func (r *Rank) watchDelivery(ctx context.Context) {
 			seen = n
 			r.republish()
 		}
+		if !nc.IsConnected() {
+			// Only a flush after the reconnect could be answered, and it
+			// confirms nothing (below); it held a rank stopping with its
+			// server gone for the flush's timeout.
+			continue
+		}
 		at := time.Now()
 		// A reconnect during the flush confirms nothing: what was
 		// written before at may have gone down with the old connection.
