@@ -438,3 +438,47 @@ func TestTakenOverRequestCountsNoPredictionItDidNotMake(t *testing.T) {
 		t.Errorf("%d request done lines, want 1", len(done))
 	}
 }
+
+// TestModelWithNoGroupLeftStaysAtZero: kvbus_scheduler_model_ready_groups
+// keeps a model at 0 for forgetModelAfter once its last group is
+// forgotten, and then drops it. Before, the series went with the group,
+// ForgetGroupAfter (30 s) after its last heartbeat, and an alert on
+// `== 0` stopped firing while the model still had no group.
+func TestModelWithNoGroupLeftStaysAtZero(t *testing.T) {
+	s, _ := newBareScheduler(t)
+	now := time.Now()
+	s.groups.observe(&messages.Heartbeat{Group: "g0", TPRank: 0, WorldSize: 1, StartedUnixMs: 1, Model: "m"}, now)
+	reg := prometheus.NewRegistry()
+	reg.MustRegister(s.m.modelReady)
+	ready := func() (float64, bool) { // model m's gauge, and whether it is a series
+		t.Helper()
+		mfs, err := reg.Gather()
+		if err != nil {
+			t.Fatal(err)
+		}
+		if len(mfs) == 0 {
+			return 0, false
+		}
+		return gaugeValue(t, reg, "kvbus_scheduler_model_ready_groups"), true
+	}
+	s.sweep(t.Context(), now)
+	if n, ok := ready(); !ok || n != 1 {
+		t.Fatalf("model m with its group ready: gauge %v (present %v), want 1", n, ok)
+	}
+	forgotten := now.Add(s.cfg.ForgetGroupAfter + time.Second)
+	s.sweep(t.Context(), forgotten)
+	if s.groups.worldSize("g0") != 0 {
+		t.Fatal("g0 silent for ForgetGroupAfter is not forgotten: the test forgets nothing")
+	}
+	if n, ok := ready(); !ok || n != 0 {
+		t.Errorf("model m whose only group was forgotten: gauge %v (present %v), want 0", n, ok)
+	}
+	s.sweep(t.Context(), forgotten.Add(forgetModelAfter-time.Second))
+	if n, ok := ready(); !ok || n != 0 {
+		t.Errorf("model m just under %s after its group was forgotten: gauge %v (present %v), want 0", forgetModelAfter, n, ok)
+	}
+	s.sweep(t.Context(), forgotten.Add(forgetModelAfter+time.Second))
+	if _, ok := ready(); ok {
+		t.Errorf("model m %s after its group was forgotten is still a series", forgetModelAfter)
+	}
+}

@@ -191,10 +191,11 @@ type Scheduler struct {
 	reconnects uint64       // the connection's reconnects, as sweep last saw them
 	causal     []*causalSub // set by Run before it consumes
 	announced  announcement
-	// groupModels is the model of each group's gauges, and readyModels the
-	// models of kvbus_scheduler_model_ready_groups (sweep's own).
+	// groupModels is the model of each group's gauges, and modelSeen when
+	// each model of kvbus_scheduler_model_ready_groups last had a known
+	// group (sweep's own).
 	groupModels map[string]string
-	readyModels map[string]int
+	modelSeen   map[string]time.Time
 
 	// selfHeard is when the server last answered this replica's ping
 	// (watchBus; unix ns, 0: not yet): the bus delivers. quiet is sweep's:
@@ -335,6 +336,7 @@ func New(cfg Config) (*Scheduler, error) {
 		skewSaid:   logevery.Limiter[time.Duration]{Every: time.Minute},
 
 		groupModels: map[string]string{},
+		modelSeen:   map[string]time.Time{},
 	}
 	s.frontends = newFrontendWatch()
 	if s.probe, err = messages.Marshal(&messages.Output{V: messages.Version, ReqID: messages.FrontendProbeReqID}); err != nil {

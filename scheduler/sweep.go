@@ -61,6 +61,15 @@ func (s *Scheduler) finish(ctx context.Context) {
 	}
 }
 
+// forgetModelAfter is how long kvbus_scheduler_model_ready_groups keeps a
+// model at 0 after its last group was forgotten; maxForgottenModels bounds
+// how many it keeps so (heartbeats naming ever new models, forged or from
+// a fleet relabelled by the hour, cannot grow it without bound).
+const (
+	forgetModelAfter   = time.Hour
+	maxForgottenModels = 1024
+)
+
 // sweep drops trackers past their deadline (plus a grace period for the
 // driver's own timeout report) so that none leaks, retries dumps that did
 // not arrive, and refreshes the gauges.
@@ -90,15 +99,26 @@ func (s *Scheduler) sweep(ctx context.Context, now time.Time) {
 		s.m.groupQueued.WithLabelValues(name, model).Set(float64(queued))
 		s.m.groupBlocks.WithLabelValues(name, model).Set(float64(s.index.GroupBlocks(name)))
 	})
-	for model := range s.readyModels {
-		if _, ok := perModel[model]; !ok { // its groups are all forgotten
-			s.m.modelReady.DeleteLabelValues(model)
+	for model := range perModel {
+		s.modelSeen[model] = now
+	}
+	for model, seen := range s.modelSeen {
+		if _, ok := perModel[model]; ok {
+			continue
 		}
+		// Its groups are all forgotten: it stays at 0 for an hour, so an
+		// alert on 0 fires (the series vanished with the last group, and
+		// the alert with it).
+		if now.Sub(seen) > forgetModelAfter || len(s.modelSeen) > maxForgottenModels {
+			delete(s.modelSeen, model)
+			s.m.modelReady.DeleteLabelValues(model)
+			continue
+		}
+		perModel[model] = 0
 	}
 	for model, n := range perModel {
 		s.m.modelReady.WithLabelValues(model).Set(float64(n))
 	}
-	s.readyModels = perModel
 	// Cut off from NATS, this replica hears no heartbeat: the groups'
 	// silence is its own. It judges no group until it is back, and gives
 	// every rank a heartbeat timeout from then (it withdrew every request
