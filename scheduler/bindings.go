@@ -231,6 +231,10 @@ type bindingWrite struct {
 	b   Binding
 }
 
+// sessionMarkerTTL bounds how long an expired binding's delete marker
+// stays in the session bucket.
+const sessionMarkerTTL = time.Minute
+
 // OpenSessionBindings creates or opens the bucket.
 func OpenSessionBindings(ctx context.Context, js jetstream.JetStream, cfg SessionBindingsConfig) (*SessionBindings, error) {
 	if err := cfg.Validate(); err != nil {
@@ -247,13 +251,18 @@ func OpenSessionBindings(ctx context.Context, js jetstream.JetStream, cfg Sessio
 				return kv, nil
 			}
 			kv, err = js.CreateKeyValue(ctx, jetstream.KeyValueConfig{
-				Bucket:         bucket,
-				Description:    "kvbus session bindings: session key → worker group of the previous turn",
-				TTL:            ttl,
-				History:        1,
-				Storage:        jetstream.FileStorage,
-				Replicas:       max(replicas, 1),
-				LimitMarkerTTL: max(ttl, time.Second), // watchers hear about expiry
+				Bucket:      bucket,
+				Description: "kvbus session bindings: session key → worker group of the previous turn",
+				TTL:         ttl,
+				History:     1,
+				Storage:     jetstream.FileStorage,
+				Replicas:    max(replicas, 1),
+				// Watchers hear about expiry from a marker. It needs to
+				// outlive only a watcher's reconnect (one that misses it
+				// prunes the binding by its age): kept the TTL, markers
+				// doubled the bucket (every binding expired in the last
+				// TTL left one).
+				LimitMarkerTTL: min(max(ttl, time.Second), sessionMarkerTTL),
 			})
 			if errors.Is(err, jetstream.ErrBucketExists) {
 				kv, err = js.KeyValue(ctx, bucket)

@@ -498,3 +498,31 @@ func sameBinding(a, b scheduler.Binding) bool {
 	a.UpdatedUnixMs = b.UpdatedUnixMs
 	return a == b && d > -1000 && d < 1000
 }
+
+// TestSessionMarkersLiveAMinute: an expired binding leaves a delete marker
+// (its watchers hear of the expiry) for a minute at most. It lived the
+// bucket's TTL (30 min by default), so the bucket held a marker for every
+// binding expired in the last TTL: about twice the live bindings in a
+// soak. A bucket whose TTL is shorter keeps its markers that long.
+func TestSessionMarkersLiveAMinute(t *testing.T) {
+	for _, tc := range []struct{ ttl, want time.Duration }{
+		{30 * time.Minute, time.Minute},
+		{5 * time.Second, 5 * time.Second},
+	} {
+		srv := testenv.StartNATS(t)
+		js, err := jetstream.New(testenv.Connect(t, srv))
+		if err != nil {
+			t.Fatal(err)
+		}
+		if _, err := scheduler.OpenSessionBindings(t.Context(), js, scheduler.SessionBindingsConfig{Bucket: scheduler.SessionBucket, TTL: tc.ttl, Logger: discardLog}); err != nil {
+			t.Fatal(err)
+		}
+		st, err := js.Stream(t.Context(), "KV_"+scheduler.SessionBucket)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if got := st.CachedInfo().Config.SubjectDeleteMarkerTTL; got != tc.want {
+			t.Errorf("session TTL %s: delete markers live %s, want %s", tc.ttl, got, tc.want)
+		}
+	}
+}
