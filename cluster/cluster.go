@@ -236,6 +236,20 @@ func (c Config) Validate() error {
 	if err := c.Subjects.Validate(); err != nil {
 		return fmt.Errorf("%w: --subject-prefix: %w", ErrConfig, err)
 	}
+	// Checked by the schedulers too, but only once NATS and every rank
+	// had started.
+	if c.Policy != "" {
+		eps := 0.25
+		if c.SessionEpsilon != nil {
+			eps = *c.SessionEpsilon
+		}
+		if _, err := scheduler.NewPolicy(c.Policy, eps); err != nil {
+			return fmt.Errorf("%w: %w", ErrConfig, err)
+		}
+	}
+	if c.Pool != "" && c.Pool != scheduler.PoolLocal && c.Pool != scheduler.PoolGlobal {
+		return fmt.Errorf("%w: --pool %q must be %s or %s", ErrConfig, c.Pool, scheduler.PoolLocal, scheduler.PoolGlobal)
+	}
 	return nil
 }
 

@@ -32,6 +32,12 @@ func TestConfigValidate(t *testing.T) {
 		{"negative schedulers", cluster.Config{Schedulers: -1}, "Schedulers"},
 		{"unknown profile", cluster.Config{ModelProfile: "llama-9"}, "--model-profile"},
 		{"subject prefix", cluster.Config{Subjects: messages.Subjects{Prefix: "a.b"}}, "--subject-prefix"},
+		// Refused by the schedulers too, but only once NATS and every rank
+		// had started.
+		{"unknown policy", cluster.Config{Policy: "sticky"}, "--policy"},
+		{"epsilon", cluster.Config{Policy: "session", SessionEpsilon: new(-1.0)}, "--session-epsilon"},
+		{"unknown pool", cluster.Config{Pool: "shared"}, "--pool"},
+		{"policy and pool", cluster.Config{Policy: "least-loaded", Pool: "local"}, ""},
 	} {
 		err := tc.cfg.Validate()
 		if !validatetest.Refused(t, tc.name, err, cluster.ErrConfig, tc.want) {

@@ -68,13 +68,15 @@ func PolicyNames() []string {
 // NewPolicy returns the policy called name. epsilon is the bounded-load
 // slack of the session policy.
 func NewPolicy(name string, epsilon float64) (Policy, error) {
+	// Checked whatever the policy: a value that cannot work is a mistake
+	// even where it is not used.
+	if epsilon < 0 || math.IsNaN(epsilon) || math.IsInf(epsilon, 0) {
+		return nil, fmt.Errorf("scheduler: --session-epsilon must be a number >= 0, got %g", epsilon)
+	}
 	switch name {
 	case PolicyKV:
 		return KVPolicy{}, nil
 	case PolicySession:
-		if epsilon < 0 || math.IsNaN(epsilon) {
-			return nil, fmt.Errorf("scheduler: --session-epsilon must be >= 0, got %g", epsilon)
-		}
 		return &SessionPolicy{Epsilon: epsilon}, nil
 	case PolicyRoundRobin:
 		return &RoundRobinPolicy{}, nil

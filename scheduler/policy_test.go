@@ -4,6 +4,7 @@ import (
 	"errors"
 	"fmt"
 	"maps"
+	"math"
 	"math/rand/v2"
 	"slices"
 	"strings"
@@ -217,8 +218,12 @@ func TestNewPolicy(t *testing.T) {
 		{PolicySession, 0.25, &SessionPolicy{Epsilon: 0.25}, nil},
 		{PolicySession, 0, &SessionPolicy{}, nil},
 		{PolicyRoundRobin, 0, &RoundRobinPolicy{}, nil},
-		{PolicyRoundRobin, -1, &RoundRobinPolicy{}, nil}, // epsilon only matters to session
 		{PolicySession, -0.1, nil, []string{"epsilon", "-0.1"}},
+		// A value that cannot work is refused whatever the policy (it
+		// passed, unused, where only the session policy reads it).
+		{PolicyRoundRobin, -1, nil, []string{"epsilon", "-1"}},
+		{PolicyKV, math.NaN(), nil, []string{"epsilon", "NaN"}},
+		{PolicySession, math.Inf(1), nil, []string{"epsilon", "Inf"}},
 		{"sticky", 0.25, nil, []string{`"sticky"`, PolicySession, PolicyRoundRobin}},
 		{"", 0.25, nil, []string{PolicySession, PolicyRoundRobin}},
 	}
