@@ -23,6 +23,9 @@ type mooncakeLine struct {
 	SessionID    json.RawMessage `json:"session_id"`
 }
 
+// blocksOf is how many Mooncake blocks a prompt of n tokens takes.
+func blocksOf(n int) int { return (n + MooncakeBlockTokens - 1) / MooncakeBlockTokens }
+
 func readMooncake(r io.Reader, tail *lastByteReader) (*Trace, error) {
 	t := &Trace{}
 	cut, err := lines(r, tail, func(n int, line []byte) error {
@@ -35,8 +38,12 @@ func readMooncake(r io.Reader, tail *lastByteReader) (*Trace, error) {
 			return fmt.Errorf("%w: line %d: timestamp, input_length and output_length are required", ErrFormat, n)
 		case *m.InputLength < 1 || *m.OutputLength < 0 || *m.Timestamp < 0 || math.IsNaN(*m.Timestamp) || math.IsInf(*m.Timestamp, 0):
 			return fmt.Errorf("%w: line %d: negative or empty lengths or timestamp", ErrFormat, n)
-		case *m.InputLength > len(m.HashIDs)*MooncakeBlockTokens || *m.InputLength <= (len(m.HashIDs)-1)*MooncakeBlockTokens:
-			return fmt.Errorf("%w: line %d: %d hash_ids do not cover input_length %d in %d-token blocks", ErrFormat, n, len(m.HashIDs), *m.InputLength, MooncakeBlockTokens)
+		case *m.InputLength > len(m.HashIDs)*MooncakeBlockTokens:
+			return fmt.Errorf("%w: line %d: %d hash_ids do not cover input_length %d in %d-token blocks (%d needed)", ErrFormat, n,
+				len(m.HashIDs), *m.InputLength, MooncakeBlockTokens, blocksOf(*m.InputLength))
+		case *m.InputLength <= (len(m.HashIDs)-1)*MooncakeBlockTokens:
+			return fmt.Errorf("%w: line %d: %d hash_ids are more than input_length %d needs in %d-token blocks (%d)", ErrFormat, n,
+				len(m.HashIDs), *m.InputLength, MooncakeBlockTokens, blocksOf(*m.InputLength))
 		case *m.InputLength > maxPromptTokens || *m.OutputLength > maxPromptTokens:
 			return fmt.Errorf("%w: line %d: input_length %d or output_length %d over %d tokens", ErrFormat, n, *m.InputLength, *m.OutputLength, maxPromptTokens)
 		case *m.Timestamp > float64(365*24*time.Hour/time.Millisecond):

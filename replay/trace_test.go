@@ -180,32 +180,34 @@ func TestReadMooncakeErrors(t *testing.T) {
 	cases := []struct {
 		name string
 		line string
+		want string // in the error, when given
 	}{
-		{"bad JSON", `{"timestamp": 1, "input_length": 10,`},
-		{"not an object", `[1, 2, 3]`},
-		{"null", `null`},
-		{"no timestamp", `{"input_length": 10, "output_length": 1, "hash_ids": [1]}`},
-		{"no input_length", `{"timestamp": 1, "output_length": 1, "hash_ids": [1]}`},
-		{"no output_length", `{"timestamp": 1, "input_length": 10, "hash_ids": [1]}`},
-		{"no hash_ids", `{"timestamp": 1, "input_length": 10, "output_length": 1}`},
-		{"empty hash_ids", `{"timestamp": 1, "input_length": 10, "output_length": 1, "hash_ids": []}`},
-		{"hash_ids do not cover input_length", `{"timestamp": 1, "input_length": 513, "output_length": 1, "hash_ids": [1]}`},
-		{"too many hash_ids", `{"timestamp": 1, "input_length": 512, "output_length": 1, "hash_ids": [1, 2]}`},
-		{"far too many hash_ids", `{"timestamp": 1, "input_length": 10, "output_length": 1, "hash_ids": [1, 2, 3]}`},
-		{"zero input_length", `{"timestamp": 1, "input_length": 0, "output_length": 1, "hash_ids": []}`},
-		{"negative input_length", `{"timestamp": 1, "input_length": -5, "output_length": 1, "hash_ids": [1]}`},
-		{"negative output_length", `{"timestamp": 1, "input_length": 10, "output_length": -1, "hash_ids": [1]}`},
-		{"negative timestamp", `{"timestamp": -1, "input_length": 10, "output_length": 1, "hash_ids": [1]}`},
-		{"NaN timestamp", `{"timestamp": NaN, "input_length": 10, "output_length": 1, "hash_ids": [1]}`},
-		{"string NaN timestamp", `{"timestamp": "NaN", "input_length": 10, "output_length": 1, "hash_ids": [1]}`},
-		{"Infinity timestamp", `{"timestamp": Infinity, "input_length": 10, "output_length": 1, "hash_ids": [1]}`},
-		{"out of range timestamp", `{"timestamp": 1e999, "input_length": 10, "output_length": 1, "hash_ids": [1]}`},
-		{"timestamp over a year", `{"timestamp": 4e10, "input_length": 10, "output_length": 1, "hash_ids": [1]}`},
-		{"fractional input_length", `{"timestamp": 1, "input_length": 10.5, "output_length": 1, "hash_ids": [1]}`},
-		{"string input_length", `{"timestamp": 1, "input_length": "10", "output_length": 1, "hash_ids": [1]}`},
-		{"huge input_length", `{"timestamp": 1, "input_length": 1e30, "output_length": 1, "hash_ids": [1]}`},
-		{"string hash_id", `{"timestamp": 1, "input_length": 10, "output_length": 1, "hash_ids": ["a"]}`},
-		{"fractional hash_id", `{"timestamp": 1, "input_length": 10, "output_length": 1, "hash_ids": [1.5]}`},
+		{"bad JSON", `{"timestamp": 1, "input_length": 10,`, ""},
+		{"not an object", `[1, 2, 3]`, ""},
+		{"null", `null`, ""},
+		{"no timestamp", `{"input_length": 10, "output_length": 1, "hash_ids": [1]}`, ""},
+		{"no input_length", `{"timestamp": 1, "output_length": 1, "hash_ids": [1]}`, ""},
+		{"no output_length", `{"timestamp": 1, "input_length": 10, "hash_ids": [1]}`, ""},
+		{"no hash_ids", `{"timestamp": 1, "input_length": 10, "output_length": 1}`, ""},
+		{"empty hash_ids", `{"timestamp": 1, "input_length": 10, "output_length": 1, "hash_ids": []}`, ""},
+		{"hash_ids do not cover input_length", `{"timestamp": 1, "input_length": 513, "output_length": 1, "hash_ids": [1]}`, "1 hash_ids do not cover input_length 513 in 512-token blocks (2 needed)"},
+		// Said "do not cover" before.
+		{"too many hash_ids", `{"timestamp": 1, "input_length": 512, "output_length": 1, "hash_ids": [1, 2]}`, "2 hash_ids are more than input_length 512 needs in 512-token blocks (1)"},
+		{"far too many hash_ids", `{"timestamp": 1, "input_length": 10, "output_length": 1, "hash_ids": [1, 2, 3]}`, "are more than"},
+		{"zero input_length", `{"timestamp": 1, "input_length": 0, "output_length": 1, "hash_ids": []}`, ""},
+		{"negative input_length", `{"timestamp": 1, "input_length": -5, "output_length": 1, "hash_ids": [1]}`, ""},
+		{"negative output_length", `{"timestamp": 1, "input_length": 10, "output_length": -1, "hash_ids": [1]}`, ""},
+		{"negative timestamp", `{"timestamp": -1, "input_length": 10, "output_length": 1, "hash_ids": [1]}`, ""},
+		{"NaN timestamp", `{"timestamp": NaN, "input_length": 10, "output_length": 1, "hash_ids": [1]}`, ""},
+		{"string NaN timestamp", `{"timestamp": "NaN", "input_length": 10, "output_length": 1, "hash_ids": [1]}`, ""},
+		{"Infinity timestamp", `{"timestamp": Infinity, "input_length": 10, "output_length": 1, "hash_ids": [1]}`, ""},
+		{"out of range timestamp", `{"timestamp": 1e999, "input_length": 10, "output_length": 1, "hash_ids": [1]}`, ""},
+		{"timestamp over a year", `{"timestamp": 4e10, "input_length": 10, "output_length": 1, "hash_ids": [1]}`, ""},
+		{"fractional input_length", `{"timestamp": 1, "input_length": 10.5, "output_length": 1, "hash_ids": [1]}`, ""},
+		{"string input_length", `{"timestamp": 1, "input_length": "10", "output_length": 1, "hash_ids": [1]}`, ""},
+		{"huge input_length", `{"timestamp": 1, "input_length": 1e30, "output_length": 1, "hash_ids": [1]}`, ""},
+		{"string hash_id", `{"timestamp": 1, "input_length": 10, "output_length": 1, "hash_ids": ["a"]}`, ""},
+		{"fractional hash_id", `{"timestamp": 1, "input_length": 10, "output_length": 1, "hash_ids": [1.5]}`, ""},
 	}
 	for _, tc := range cases {
 		t.Run(tc.name, func(t *testing.T) {
@@ -216,6 +218,9 @@ func TestReadMooncakeErrors(t *testing.T) {
 				t.Fatalf("accepted, %d items", len(tr.Items))
 			}
 			wantFormatErr(t, err, 4)
+			if !strings.Contains(err.Error(), tc.want) {
+				t.Errorf("error %q does not say %q", err, tc.want)
+			}
 		})
 	}
 	t.Run("line too long", func(t *testing.T) {
