@@ -28,6 +28,34 @@ const (
 // dropped and counted (Rejected), and causes no resync.
 const MaxSeqJump = 1 << 17
 
+// MaxRankBlocks is the most blocks the index records for one rank: the
+// bound of a rank whose heartbeats do not say its store's capacity
+// (capacity_blocks 0: a rank whose engine keeps its own cache, or one not
+// heard of yet) and the most any rank's capacity raises its bound to (a
+// forged rank says what capacity it likes). 4,194,304 blocks are 2 TiB of
+// 512 KiB blocks (Llama-3.1-8B at TP 4: a rank with 1 TiB of DRAM holds 2M
+// of them) or 64M tokens of 16-token blocks (--kv-payload accounting with
+// --kv-capacity 64Mtok), about 300 MB of index at the ~75 bytes a block
+// BenchmarkIndexMemoryPerBlock measures. A rank that holds more is indexed
+// in part: placement misses the rest, nothing wrong is loaded.
+const MaxRankBlocks = 1 << 22
+
+// rankSlackBlocks is what a rank's bound allows past twice its capacity: a
+// rank's events race (one thread's put evicts blocks whose removal goes
+// out in the batch after the one that says what the put stored), so the
+// index may briefly count more than the store holds; one put stores at most
+// one request's blocks, at most messages.MaxArrayLen of them.
+const rankSlackBlocks = messages.MaxArrayLen
+
+// MaxIndexEntries bounds the (group, block) entries of the whole index, what
+// its memory grows with (~75 bytes an entry, ~10 GB at the bound): a forger
+// with auth off can claim every rank of MaxIndexedGroups groups, and 64 ranks
+// of 1,024 groups at MaxRankBlocks each are 2^38 blocks. 134M entries hold
+// 256 groups whose ranks each keep 256 GiB of 512 KiB blocks (a GPU's share
+// of an 8-GPU host with 2 TiB of DRAM). Past it no new entry is recorded,
+// whichever rank stores it.
+const MaxIndexEntries = 1 << 27
+
 // KVIndex knows, from the ranks' own KV events, which blocks each worker
 // group holds. A block counts for a group only when every rank of the group
 // holds it. Safe for concurrent use; lookups take a read lock only.
@@ -41,8 +69,11 @@ type KVIndex struct {
 	groups map[string]*indexGroup
 	byID   []*indexGroup // nil where a forgotten group's id is free
 	free   []groupID     // ids of forgotten groups, reused first
-	// maxGroups is MaxIndexedGroups (tests lower it).
-	maxGroups int
+	// maxGroups is MaxIndexedGroups, maxRankBlocks MaxRankBlocks and
+	// maxEntries MaxIndexEntries (tests lower them).
+	maxGroups, maxRankBlocks, maxEntries int
+	// entries counts the (group, block) entries of every group.
+	entries int
 	// full maps a block hash to the group ids where every rank holds it
 	// (each group's entries say which of its ranks hold which blocks).
 	full wordMaps
@@ -58,6 +89,7 @@ type KVIndex struct {
 	planQ   []planItem
 
 	rejected atomic.Uint64 // batches dropped for an impossible seq
+	refused  atomic.Uint64 // stores not recorded: past a rank's bound or MaxIndexEntries
 }
 
 type indexGroup struct {
@@ -80,6 +112,13 @@ type rankState struct {
 	seq     uint64 // last applied
 	started int64  // started_unix_ms of the rank's process
 	held    int    // blocks this rank holds
+	// capacity is the capacity_blocks of the rank's last heartbeat (0:
+	// unknown); its bound on held is limitOf.
+	capacity int64
+	// refused counts the rank's stores not recorded since OverBound last
+	// reported them, at saidAt (unix nanos).
+	refused int
+	saidAt  int64
 	// synced: seq is the rank's real seq (learnt from a dump or from its
 	// stream since its restart), so an impossible jump can be told.
 	synced    bool
@@ -127,12 +166,27 @@ func NewKVIndex() *KVIndex { return newKVIndex(MaxIndexedGroups) }
 
 func newKVIndex(maxGroups int) *KVIndex {
 	return &KVIndex{
-		groups: map[string]*indexGroup{}, maxGroups: maxGroups, planExp: map[rankKey]int64{},
+		groups: map[string]*indexGroup{}, maxGroups: maxGroups, maxRankBlocks: MaxRankBlocks, maxEntries: MaxIndexEntries,
+		planExp: map[rankKey]int64{},
 	}
 }
 
 // Rejected returns how many batches were dropped for an impossible seq.
 func (x *KVIndex) Rejected() uint64 { return x.rejected.Load() }
+
+// Refused returns how many stores of blocks were not recorded: the rank
+// already held its bound (limitOf), or the index MaxIndexEntries.
+func (x *KVIndex) Refused() uint64 { return x.refused.Load() }
+
+// limitOf is the most blocks the index records for a rank: twice the
+// capacity its heartbeats say, plus rankSlackBlocks, at most maxRankBlocks;
+// maxRankBlocks when the capacity is unknown.
+func (x *KVIndex) limitOf(rs *rankState) int {
+	if c := rs.capacity; c > 0 && c < int64(x.maxRankBlocks) {
+		return min(2*int(c)+rankSlackBlocks, x.maxRankBlocks)
+	}
+	return x.maxRankBlocks
+}
 
 // group returns the group's state, creating it, and marks it heard of;
 // nil when the index is full.
@@ -213,6 +267,7 @@ func (x *KVIndex) Apply(b *messages.KVEventBatch) (needDump bool) {
 // applyLocked applies a batch of a rank's events; in a dump (keepPlans) its
 // AllBlocksCleared keeps the group's plans (see clearRankLocked).
 func (x *KVIndex) applyLocked(g *indexGroup, rank int, rs *rankState, b *messages.KVEventBatch, keepPlans bool) {
+	refused := rs.refused
 	for i := range b.Events {
 		ev := &b.Events[i]
 		switch ev.Type {
@@ -228,6 +283,9 @@ func (x *KVIndex) applyLocked(g *indexGroup, rank int, rs *rankState, b *message
 			x.clearRankLocked(g, rank, rs, keepPlans)
 		}
 	}
+	if rs.refused != refused {
+		x.refused.Add(uint64(rs.refused - refused))
+	}
 	rs.seq = b.Seq
 }
 
@@ -236,6 +294,16 @@ func (x *KVIndex) storeLocked(g *indexGroup, rank int, rs *rankState, h uint64) 
 	bit := uint64(1) << rank
 	if m&bit != 0 {
 		return
+	}
+	// Past its bound a rank's stores are not recorded (its removals still
+	// apply): a forged rank streaming stores grew the index by ~40 MB per
+	// 8 MiB batch, without end.
+	if rs.held >= x.limitOf(rs) || (m == 0 && x.entries >= x.maxEntries) {
+		rs.refused++
+		return
+	}
+	if m == 0 {
+		x.entries++
 	}
 	g.entries[h] = m | bit
 	rs.held++
@@ -283,6 +351,7 @@ func (x *KVIndex) dropLocked(g *indexGroup, rank int, rs *rankState, h uint64) b
 	rs.held--
 	if m &^= bit; m == 0 {
 		delete(g.entries, h)
+		x.entries--
 	} else {
 		g.entries[h] = m
 	}

@@ -400,11 +400,11 @@ func differential(t *testing.T, nNames, maxGroups, nHashes, steps int, seed uint
 				}
 			}
 			if rg == nil {
-				x.ObserveRank(name, rank, ws, started)
+				x.ObserveRank(name, rank, ws, started, 0)
 				break
 			}
 			log = append(log, fmt.Sprintf("observe %s/%d ws %d started %d", name, rank, ws, started))
-			need := x.ObserveRank(name, rank, ws, started)
+			need := x.ObserveRank(name, rank, ws, started, 0)
 			rg.ws = ws
 			restart := rg.started[rank] != 0 && rg.started[rank] != started
 			first := rg.started[rank] == 0
@@ -521,6 +521,12 @@ func diffCheck(t *testing.T, x *KVIndex, ref *diffRef, names []string, randHashe
 	wentries, wfull := ref.size()
 	if entries != wentries || full != wfull {
 		fail("step %d: Size() = %d, %d; want %d, %d", step, entries, full, wentries, wfull)
+	}
+	x.mu.RLock()
+	counted := x.entries
+	x.mu.RUnlock()
+	if counted != entries {
+		fail("step %d: the index counts %d entries (its MaxIndexEntries bound), holds %d", step, counted, entries)
 	}
 	plans := 0
 	for n, g := range ref.groups {

@@ -22,7 +22,7 @@ func prefixOn(x *KVIndex, group string, hashes []uint64) int {
 // rank's seq is known, the same holds for batches held back in a resync.
 func TestKVIndexRejectsImpossibleSeq(t *testing.T) {
 	x := NewKVIndex()
-	x.ObserveRank("g0", 0, 1, 0)
+	x.ObserveRank("g0", 0, 1, 0, 0)
 	a := hashChain(1, 3)
 	if x.Apply(kvBatch("g0", 0, 1, clearedAll(), stored(a[0]))) {
 		t.Fatal("the rank's first batch asked for a dump")
@@ -62,7 +62,7 @@ func TestKVIndexRejectsImpossibleSeq(t *testing.T) {
 func TestKVIndexStaleDumpIgnored(t *testing.T) {
 	x := NewKVIndex()
 	a := hashChain(2, 4)
-	if !x.ObserveRank("g0", 0, 1, 100) {
+	if !x.ObserveRank("g0", 0, 1, 100, 0) {
 		t.Fatal("first heartbeat: no dump asked")
 	}
 	epoch := x.Epoch("g0", 0)
@@ -70,7 +70,7 @@ func TestKVIndexStaleDumpIgnored(t *testing.T) {
 	if prefixOn(x, "g0", a) != 4 {
 		t.Fatal("dump not applied")
 	}
-	if !x.ObserveRank("g0", 0, 1, 200) { // restarted
+	if !x.ObserveRank("g0", 0, 1, 200, 0) { // restarted
 		t.Fatal("restart: no dump asked")
 	}
 	x.ApplyDumpOf("g0", 0, epoch, kvDump("g0", 0, 9, a...)) // late answer of the old process
@@ -117,10 +117,10 @@ func TestKVIndexPlans(t *testing.T) {
 		t.Run(tt.name, func(t *testing.T) {
 			x := NewKVIndex()
 			for r := range 2 {
-				x.ObserveRank("g0", r, 2, 0)
+				x.ObserveRank("g0", r, 2, 0, 0)
 				x.Apply(kvBatch("g0", r, 1, clearedAll()))
 			}
-			x.ObserveRank("g1", 0, 1, 0)
+			x.ObserveRank("g1", 0, 1, 0, 0)
 			x.Plan("g0", a, now.Add(30*time.Second))
 			tt.after(x)
 			if got := prefixOn(x, "g0", a); got != tt.want {
@@ -143,8 +143,8 @@ func TestKVIndexSynced(t *testing.T) {
 	if x.Synced("g0") {
 		t.Error("unknown group synced")
 	}
-	x.ObserveRank("g0", 0, 2, 5)
-	x.ObserveRank("g0", 1, 2, 5)
+	x.ObserveRank("g0", 0, 2, 5, 0)
+	x.ObserveRank("g0", 1, 2, 5, 0)
 	x.Apply(kvBatch("g0", 0, 1, clearedAll()))
 	if x.Synced("g0") {
 		t.Error("synced with rank 1 unknown")
@@ -166,7 +166,7 @@ func TestKVIndexRemoteRuns(t *testing.T) {
 	x := NewKVIndex()
 	a := hashChain(4, 8)
 	for _, g := range []string{"g0", "g1", "g2"} {
-		x.ObserveRank(g, 0, 1, 0)
+		x.ObserveRank(g, 0, 1, 0, 0)
 		x.Apply(kvBatch(g, 0, 1, clearedAll()))
 	}
 	x.Apply(kvBatch("g0", 0, 2, stored(a[:2]...)))  // g0: blocks 0-1
@@ -199,10 +199,10 @@ func TestKVIndexRemoteRuns(t *testing.T) {
 	// The alternates are the groups holding the longest start of the run,
 	// the whole first, then by how much, not by id: g3 holds block 0, g4
 	// blocks 0-4. With g0 as the source, g4 holds all of its run, g3 half.
-	x.ObserveRank("g3", 0, 1, 0)
+	x.ObserveRank("g3", 0, 1, 0, 0)
 	x.Apply(kvBatch("g3", 0, 1, clearedAll()))
 	x.Apply(kvBatch("g3", 0, 2, stored(a[:1]...)))
-	x.ObserveRank("g4", 0, 1, 0)
+	x.ObserveRank("g4", 0, 1, 0, 0)
 	x.Apply(kvBatch("g4", 0, 1, clearedAll()))
 	x.Apply(kvBatch("g4", 0, 2, stored(a[:5]...)))
 	want := []messages.RemoteRun{{Group: "g0", FromBlock: 0, Blocks: 2, Alternates: []string{"g4", "g3"}}, {Group: "g4", FromBlock: 2, Blocks: 1}}
@@ -243,7 +243,7 @@ func TestKVIndexRemoteRunsFromSavers(t *testing.T) {
 	x := NewKVIndex()
 	a := hashChain(5, 4)
 	for _, g := range []string{"g0", "g1"} {
-		x.ObserveRank(g, 0, 1, 0)
+		x.ObserveRank(g, 0, 1, 0, 0)
 		x.Apply(kvBatch(g, 0, 1, clearedAll()))
 	}
 	x.Plan("g1", a, time.Now().Add(time.Minute)) // g1 is saving blocks 0-3
@@ -323,7 +323,7 @@ func TestKVIndexRestartHeardByHeartbeatDropsPlans(t *testing.T) {
 	if got := prefixOn(x, "g0", turn); got != 8 {
 		t.Fatalf("prefix with the plan = %d, want 8", got)
 	}
-	if !x.ObserveRank("g0", 1, 2, 2) { // a new started_unix_ms
+	if !x.ObserveRank("g0", 1, 2, 2, 0) { // a new started_unix_ms
 		t.Fatal("a restart heard in a heartbeat did not ask for a dump")
 	}
 	x.ApplyDump("g0", 1, kvDump("g0", 1, 1))
@@ -440,7 +440,7 @@ func TestKVIndexBeyond64Groups(t *testing.T) {
 	// Their ids are reused by new groups, which start empty.
 	x2 := []string{"n0", "n1"}
 	for _, g := range x2 {
-		x.ObserveRank(g, 0, 1, 1)
+		x.ObserveRank(g, 0, 1, 1, 0)
 		x.ApplyDump(g, 0, kvDump(g, 0, 0))
 	}
 	pm = x.PrefixMatch(a, nil)
@@ -449,5 +449,192 @@ func TestKVIndexBeyond64Groups(t *testing.T) {
 		if !ok || pm[id] != 0 {
 			t.Errorf("new group %s: id %d (%v), prefix %d; want an indexed empty group", g, id, ok, pm[id])
 		}
+	}
+}
+
+// distinct returns n block hashes of their own, from first on.
+func distinct(first, n int) []uint64 {
+	out := make([]uint64, n)
+	for i := range out {
+		out[i] = uint64(first+i)*0x9e3779b97f4a7c15 | 1
+	}
+	return out
+}
+
+// rankHeld is what the index records for a rank.
+func rankHeld(x *KVIndex, group string, rank int) int {
+	x.mu.RLock()
+	defer x.mu.RUnlock()
+	return x.groups[group].ranks[rank].held
+}
+
+// TestKVIndexForgedRankIsBounded: a rank that streams stores of blocks it
+// never removes (a forged one: without auth anyone may publish a rank's
+// KV events and heartbeats) is recorded up to its bound and no further,
+// whatever capacity it says; its removals still apply. Before, 20 batches
+// of 50,000 stores left 1,000,000 entries, and every further batch more.
+func TestKVIndexForgedRankIsBounded(t *testing.T) {
+	const bound, batch, batches = 100_000, 50_000, 20
+	for _, tt := range []struct {
+		name     string
+		capacity int64
+		limit    int
+	}{
+		{"capacity unknown: the fixed bound", 0, bound},
+		{"a capacity larger than the fixed bound: the fixed bound", 1 << 40, bound},
+		{"a small capacity: twice it and the slack", 1_000, 2*1_000 + rankSlackBlocks},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			x := NewKVIndex()
+			x.maxRankBlocks = 300_000 // above the small capacity's limit
+			if tt.limit == bound {
+				x.maxRankBlocks = bound
+			}
+			x.ObserveRank("f0", 0, 1, 1, tt.capacity)
+			x.ApplyDump("f0", 0, kvDump("f0", 0, 0))
+			var first []uint64
+			for k := range batches {
+				h := distinct(k*batch, batch)
+				if k == 0 {
+					first = h
+				}
+				if x.Apply(kvBatch("f0", 0, uint64(k+1), stored(h...))) {
+					t.Fatalf("batch %d asked for a dump", k+1)
+				}
+			}
+			entries, _ := x.Size()
+			if held := rankHeld(x, "f0", 0); held != tt.limit || entries != tt.limit {
+				t.Errorf("after %d stores: rank holds %d, index %d entries; want both %d", batches*batch, held, entries, tt.limit)
+			}
+			if got, want := x.Refused(), uint64(batches*batch-tt.limit); got != want {
+				t.Errorf("Refused = %d, want %d", got, want)
+			}
+			// Its removals apply, and free room for as many stores.
+			seq := uint64(batches + 1)
+			x.Apply(kvBatch("f0", 0, seq, removed(first[:10]...)))
+			x.Apply(kvBatch("f0", 0, seq+1, stored(distinct(1<<30, 20)...)))
+			if held := rankHeld(x, "f0", 0); held != tt.limit {
+				t.Errorf("after 10 removals and 20 stores: rank holds %d, want %d", held, tt.limit)
+			}
+			// The same rank's capacity, said again, needs no write lock;
+			// another is taken at once.
+			x.ObserveRank("f0", 0, 1, 1, tt.capacity)
+			x.mu.RLock()
+			capacity := x.groups["f0"].ranks[0].capacity
+			x.mu.RUnlock()
+			if capacity != tt.capacity {
+				t.Errorf("capacity %d, want %d", capacity, tt.capacity)
+			}
+		})
+	}
+}
+
+// TestKVIndexGenuineRankAtCapacityIsNotCut: a rank that holds all its
+// store's capacity stores a request's blocks in one batch, and the removal
+// of the blocks that put evicted comes in the next (the events race): the
+// index counts more than the capacity for a moment, within the bound, and
+// records every block the rank holds.
+func TestKVIndexGenuineRankAtCapacityIsNotCut(t *testing.T) {
+	const capacity = 4_000
+	x := readyIndex(t, 2, "g0")
+	for r := range 2 {
+		x.ObserveRank("g0", r, 2, 1, capacity)
+	}
+	held := distinct(0, capacity)
+	seq := uint64(1)
+	for r := range 2 {
+		x.Apply(kvBatch("g0", r, seq, stored(held...)))
+	}
+	// Ten turns, each a put of a whole store's worth of new blocks that
+	// evicts all the old ones, its removal one batch late.
+	for turn := range 10 {
+		next := distinct((turn+1)*capacity, capacity)
+		seq++
+		for r := range 2 {
+			x.Apply(kvBatch("g0", r, seq, stored(next...)))
+		}
+		seq++
+		for r := range 2 {
+			x.Apply(kvBatch("g0", r, seq, removed(held...)))
+		}
+		held = next
+	}
+	if got := x.Refused(); got != 0 {
+		t.Errorf("Refused = %d, want 0: a genuine rank's stores were cut", got)
+	}
+	if got := x.GroupBlocks("g0"); got != capacity {
+		t.Errorf("GroupBlocks = %d, want %d", got, capacity)
+	}
+	if got := prefixOn(x, "g0", held); got != capacity {
+		t.Errorf("prefix of the last turn's blocks = %d, want %d", got, capacity)
+	}
+}
+
+// TestKVIndexDumpIsCutToTheBound: a dump of more blocks than a rank's
+// bound records the bound; the rest is counted, reported once a minute.
+func TestKVIndexDumpIsCutToTheBound(t *testing.T) {
+	const capacity = 1_000
+	limit := 2*capacity + rankSlackBlocks
+	x := NewKVIndex()
+	x.ObserveRank("f0", 0, 1, 1, capacity)
+	x.ApplyDump("f0", 0, kvDump("f0", 0, 7, distinct(0, limit+5_000)...))
+	if held, _ := x.Size(); rankHeld(x, "f0", 0) != limit || held != limit {
+		t.Errorf("after the dump: rank holds %d, index %d entries; want %d", rankHeld(x, "f0", 0), held, limit)
+	}
+	if got := x.Refused(); got != 5_000 {
+		t.Errorf("Refused = %d, want 5000", got)
+	}
+	now := time.Now()
+	o, ok := x.OverBound("f0", 0, now)
+	want := OverBound{Held: limit, Limit: limit, CapacityBlocks: capacity, Refused: 5_000, Entries: limit, MaxEntries: MaxIndexEntries}
+	if !ok || o != want || o.IndexFull() {
+		t.Errorf("OverBound = %+v, %v; want %+v, true (the rank's bound)", o, ok, want)
+	}
+	// Another dump as large: counted, reported only after a minute.
+	x.ApplyDump("f0", 0, kvDump("f0", 0, 8, distinct(0, limit+5_000)...))
+	if _, ok := x.OverBound("f0", 0, now.Add(30*time.Second)); ok {
+		t.Error("reported twice within a minute")
+	}
+	if o, ok := x.OverBound("f0", 0, now.Add(61*time.Second)); !ok || o.Refused != 5_000 {
+		t.Errorf("a minute later: OverBound = %+v, %v; want 5000 refused, true", o, ok)
+	}
+	if _, ok := x.OverBound("f0", 0, now.Add(3*time.Minute)); ok {
+		t.Error("reported with nothing refused since")
+	}
+}
+
+// TestKVIndexEntriesAreBounded: forged ranks of many groups, each within
+// its own bound, fill the index to MaxIndexEntries and no further; a block
+// another rank of the group already has an entry for still counts, and a
+// forgotten group's entries make room.
+func TestKVIndexEntriesAreBounded(t *testing.T) {
+	const maxEntries = 10_000
+	x := readyIndex(t, 2, "f0", "f1", "g0")
+	x.maxEntries = maxEntries
+	x.Apply(kvBatch("g0", 0, 1, stored(distinct(0, 100)...)))
+	x.Apply(kvBatch("f0", 0, 1, stored(distinct(1_000, 6_000)...)))
+	x.Apply(kvBatch("f1", 0, 1, stored(distinct(10_000, 6_000)...)))
+	if entries, _ := x.Size(); entries != maxEntries {
+		t.Errorf("%d entries, want %d", entries, maxEntries)
+	}
+	if got := x.Refused(); got != 2_100 {
+		t.Errorf("Refused = %d, want 2100", got)
+	}
+	if o, ok := x.OverBound("f1", 0, time.Now()); !ok || !o.IndexFull() || o.Refused != 2_100 {
+		t.Errorf("OverBound(f1) = %+v, %v; want the index full, 2100 refused", o, ok)
+	}
+	// g0's rank 1 stores what rank 0 holds: no new entry, recorded.
+	x.Apply(kvBatch("g0", 1, 1, stored(distinct(0, 100)...)))
+	if got := x.GroupBlocks("g0"); got != 100 {
+		t.Errorf("GroupBlocks(g0) = %d, want 100", got)
+	}
+	x.Forget("f0", "f1")
+	if entries, _ := x.Size(); entries != 100 {
+		t.Errorf("after forgetting f0 and f1: %d entries, want 100", entries)
+	}
+	x.Apply(kvBatch("g0", 0, 2, stored(distinct(100, 100)...)))
+	x.Apply(kvBatch("g0", 1, 2, stored(distinct(100, 100)...)))
+	if got := x.GroupBlocks("g0"); got != 200 {
+		t.Errorf("GroupBlocks(g0) after the forgetting = %d, want 200", got)
 	}
 }

@@ -67,6 +67,71 @@ func (x *KVIndex) ApplyDumpOf(group string, rank int, epoch uint64, dump *messag
 	return false
 }
 
+// rankReportEvery is how often OverBound reports one rank.
+const rankReportEvery = time.Minute
+
+// OverBound describes a rank's stores the index did not record.
+type OverBound struct {
+	// Held is what the index records for the rank, Limit its bound
+	// (limitOf), CapacityBlocks its heartbeats' capacity (0: unknown).
+	Held, Limit    int
+	CapacityBlocks int64
+	// Refused counts the stores not recorded since the last report.
+	Refused int
+	// Entries is the index's entries, MaxEntries its bound: at it the
+	// index, not the rank, was full.
+	Entries, MaxEntries int
+}
+
+// IndexFull reports whether the stores went unrecorded because the index
+// holds MaxIndexEntries, not because the rank holds its bound.
+func (o OverBound) IndexFull() bool { return o.Held < o.Limit && o.Entries >= o.MaxEntries }
+
+// OverBound reports the stores of a rank the index did not record since it
+// last reported that rank, at most once per rankReportEvery per rank; ok
+// is false when there is nothing to report yet.
+func (x *KVIndex) OverBound(group string, rank int, now time.Time) (o OverBound, ok bool) {
+	x.mu.Lock()
+	defer x.mu.Unlock()
+	g := x.groups[group]
+	if g == nil || g.ranks[rank] == nil {
+		return o, false
+	}
+	rs := g.ranks[rank]
+	if rs.refused == 0 || (rs.saidAt != 0 && now.UnixNano()-rs.saidAt < int64(rankReportEvery)) {
+		return o, false
+	}
+	o = OverBound{Held: rs.held, Limit: x.limitOf(rs), CapacityBlocks: rs.capacity, Refused: rs.refused,
+		Entries: x.entries, MaxEntries: x.maxEntries}
+	rs.refused, rs.saidAt = 0, now.UnixNano()
+	return o, true
+}
+
+// NoteRefused counts n stores of a rank that did not reach the index: the
+// hashes of a dump cut to RankLimit as its chunks arrived.
+func (x *KVIndex) NoteRefused(group string, rank, n int) {
+	if n <= 0 {
+		return
+	}
+	x.mu.Lock()
+	defer x.mu.Unlock()
+	if g := x.groups[group]; g != nil && g.ranks[rank] != nil {
+		g.ranks[rank].refused += n
+	}
+	x.refused.Add(uint64(n))
+}
+
+// RankLimit is the most blocks the index records for a rank (limitOf); a
+// dump is cut to it as it arrives.
+func (x *KVIndex) RankLimit(group string, rank int) int {
+	x.mu.RLock()
+	defer x.mu.RUnlock()
+	if g := x.groups[group]; g != nil && g.ranks[rank] != nil {
+		return x.limitOf(g.ranks[rank])
+	}
+	return x.maxRankBlocks
+}
+
 func cmpUint(a, b uint64) int {
 	switch {
 	case a < b:
@@ -77,18 +142,21 @@ func cmpUint(a, b uint64) int {
 	return 0
 }
 
-// ObserveRank records a rank's heartbeat: the group's world size and the
-// rank's process start time. It returns true when the rank restarted (its
-// start time changed) and needs a resync.
-func (x *KVIndex) ObserveRank(group string, rank, worldSize int, startedUnixMs int64) (needDump bool) {
+// ObserveRank records a rank's heartbeat: the group's world size, the
+// rank's process start time and its store's capacity in blocks (0:
+// unknown), which bounds what the index records for it (limitOf). It
+// returns true when the rank restarted (its start time changed) and needs a
+// resync.
+func (x *KVIndex) ObserveRank(group string, rank, worldSize int, startedUnixMs, capacityBlocks int64) (needDump bool) {
 	if rank < 0 || rank >= 64 || worldSize > 64 {
 		return false
 	}
+	capacityBlocks = max(capacityBlocks, 0)
 	// Most heartbeats change nothing: they take no write lock, which
 	// would hold up the lookups of the requests being placed.
 	x.mu.RLock()
 	if g := x.groups[group]; g != nil && g.worldSize == worldSize {
-		if rs := g.ranks[rank]; rs != nil && rs.started == startedUnixMs {
+		if rs := g.ranks[rank]; rs != nil && rs.started == startedUnixMs && rs.capacity == capacityBlocks {
 			g.touched.Store(time.Now().UnixNano())
 			x.mu.RUnlock()
 			return false
@@ -105,6 +173,7 @@ func (x *KVIndex) ObserveRank(group string, rank, worldSize int, startedUnixMs i
 		x.setWorldSizeLocked(g, worldSize)
 	}
 	rs := g.rank(rank)
+	rs.capacity = capacityBlocks
 	if rs.started == startedUnixMs {
 		return false
 	}
@@ -256,6 +325,7 @@ func (x *KVIndex) forgetLocked(names []string) {
 			for h := range g.entries {
 				x.clearFull(g.id, h)
 			}
+			x.entries -= len(g.entries)
 			delete(x.groups, name)
 			x.byID[g.id] = nil
 			x.free = append(x.free, g.id)

@@ -55,7 +55,7 @@ func readyIndex(t testing.TB, worldSize int, groups ...string) *KVIndex {
 	x := NewKVIndex()
 	for _, g := range groups {
 		for r := range worldSize {
-			if !x.ObserveRank(g, r, worldSize, 1) {
+			if !x.ObserveRank(g, r, worldSize, 1, 0) {
 				t.Fatalf("first heartbeat of %s/%d did not ask for a dump", g, r)
 			}
 			if x.ApplyDump(g, r, kvDump(g, r, 0)) {
@@ -337,7 +337,7 @@ func TestKVIndexWorldSize(t *testing.T) {
 	}
 	// With ranks 0, 1, 2: a[:3] is held by three ranks, a[3:] by two.
 	for _, st := range steps {
-		x.ObserveRank("g0", 0, st.worldSize, 1)
+		x.ObserveRank("g0", 0, st.worldSize, 1, 0)
 		t.Run(st.name, func(t *testing.T) {
 			checkPrefixes(t, x, a, map[string]int{"g0": st.want})
 			if got := x.GroupBlocks("g0"); got != st.wantBlocks {
@@ -347,7 +347,7 @@ func TestKVIndexWorldSize(t *testing.T) {
 	}
 	// A new rank 3 in a group of 4 stores everything: only a[:3] is on all
 	// four.
-	x.ObserveRank("g0", 0, 4, 1)
+	x.ObserveRank("g0", 0, 4, 1, 0)
 	x.Apply(kvBatch("g0", 3, 1, stored(a...)))
 	checkPrefixes(t, x, a, map[string]int{"g0": 3})
 	if got := x.GroupBlocks("g0"); got != 3 {
@@ -372,8 +372,8 @@ func TestKVIndexWorldSizeShrinks(t *testing.T) {
 	}
 	checkPrefixes(t, x, a, map[string]int{"g0": 8})
 	// The group comes back with two ranks, 0 and 1, which still hold a.
-	x.ObserveRank("g0", 0, 2, 1)
-	x.ObserveRank("g0", 1, 2, 1)
+	x.ObserveRank("g0", 0, 2, 1, 0)
+	x.ObserveRank("g0", 1, 2, 1, 0)
 	if got := x.GroupBlocks("g0"); got != 8 {
 		t.Errorf("after shrinking 4 → 2 ranks that both hold all 8 blocks: GroupBlocks = %d, want 8", got)
 	}
@@ -386,8 +386,8 @@ func TestKVIndexWorldSizeShrinks(t *testing.T) {
 	for r := 2; r < 4; r++ {
 		y.Apply(kvBatch("g0", r, 1, stored(b...)))
 	}
-	y.ObserveRank("g0", 0, 2, 1)
-	y.ObserveRank("g0", 1, 2, 1)
+	y.ObserveRank("g0", 0, 2, 1, 0)
+	y.ObserveRank("g0", 1, 2, 1, 0)
 	if got := y.GroupBlocks("g0"); got != 0 {
 		t.Errorf("after shrinking 4 → 2: blocks held only by departed ranks 2 and 3 count: GroupBlocks = %d, want 0", got)
 	}
@@ -413,7 +413,7 @@ func dumpOp(rank int, d *messages.KVEventBatch) func(*KVIndex) bool {
 }
 
 func observeOp(rank, ws int, started int64) func(*KVIndex) bool {
-	return func(x *KVIndex) bool { return x.ObserveRank("g0", rank, ws, started) }
+	return func(x *KVIndex) bool { return x.ObserveRank("g0", rank, ws, started, 0) }
 }
 
 func runIdxOps(t *testing.T, x *KVIndex, chain []uint64, ops []idxOp) {
@@ -511,7 +511,7 @@ func TestKVIndexSeq(t *testing.T) {
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
 			x := NewKVIndex()
-			x.ObserveRank(g, 0, tt.ws, 0) // known size, start time unknown: no dump asked
+			x.ObserveRank(g, 0, tt.ws, 0, 0) // known size, start time unknown: no dump asked
 			runIdxOps(t, x, c, tt.ops)
 		})
 	}
@@ -520,10 +520,10 @@ func TestKVIndexSeq(t *testing.T) {
 func TestKVIndexObserveRankFirstHeartbeat(t *testing.T) {
 	x := NewKVIndex()
 	for r := range 3 {
-		if !x.ObserveRank("g0", r, 3, 42) {
+		if !x.ObserveRank("g0", r, 3, 42, 0) {
 			t.Errorf("first heartbeat of rank %d: no dump asked", r)
 		}
-		if x.ObserveRank("g0", r, 3, 42) {
+		if x.ObserveRank("g0", r, 3, 42, 0) {
 			t.Errorf("second heartbeat of rank %d asked for a dump again", r)
 		}
 	}
@@ -560,7 +560,7 @@ func TestKVIndexResyncingAcrossGroups(t *testing.T) {
 	x.Apply(kvBatch("g0", 1, 5, stored(1)))
 	x.Apply(kvBatch("g2", 0, 3, stored(1)))
 	x.Apply(kvBatch("g2", 1, 1, stored(1))) // in order
-	x.ObserveRank("g1", 0, 2, 99)           // restarted
+	x.ObserveRank("g1", 0, 2, 99, 0)        // restarted
 	got := x.Resyncing()
 	for k := range got {
 		slices.Sort(got[k])
@@ -658,7 +658,7 @@ func TestKVIndexGroupBlocksAndSize(t *testing.T) {
 		{"g0", 1, 2, []uint64{1, 2, 3}},
 		{"g1", 0, 1, []uint64{1, 2, 100}},
 	} {
-		x.ObserveRank(o.g, o.r, o.ws, 1)
+		x.ObserveRank(o.g, o.r, o.ws, 1, 0)
 		x.ApplyDump(o.g, o.r, kvDump(o.g, o.r, 1, o.hashes...))
 	}
 	// Entries are (group, hash) pairs: 5 for g0, 3 for g1. Full blocks are
@@ -694,7 +694,7 @@ func TestKVIndexTooManyGroups(t *testing.T) {
 	names := make([]string, n)
 	for i := range n {
 		names[i] = fmt.Sprintf("g%02d", i)
-		x.ObserveRank(names[i], 0, 1, 1)
+		x.ObserveRank(names[i], 0, 1, 1, 0)
 		x.ApplyDump(names[i], 0, kvDump(names[i], 0, 0))
 		if x.Apply(kvBatch(names[i], 0, 1, stored(h...))) {
 			t.Errorf("group %d asked for a dump", i)
@@ -709,7 +709,7 @@ func TestKVIndexTooManyGroups(t *testing.T) {
 			if _, ok := x.GroupID(name); ok {
 				t.Errorf("extra group %s has an id", name)
 			}
-			if x.ObserveRank(name, 0, 1, 2) || x.ApplyDump(name, 0, kvDump(name, 0, 9)) || x.GroupBlocks(name) != 0 {
+			if x.ObserveRank(name, 0, 1, 2, 0) || x.ApplyDump(name, 0, kvDump(name, 0, 9)) || x.GroupBlocks(name) != 0 {
 				t.Errorf("extra group %s is tracked", name)
 			}
 		}
@@ -725,7 +725,7 @@ func TestKVIndexTooManyGroups(t *testing.T) {
 	}
 	// Ranks out of range are ignored too.
 	if x.Apply(kvBatch("g00", 64, 5, stored(h...))) || x.Apply(kvBatch("g00", -1, 5)) ||
-		x.ObserveRank("g00", 64, 1, 3) || x.ObserveRank("g00", 0, 65, 3) || x.ApplyDump("g00", -1, kvDump("g00", -1, 1)) {
+		x.ObserveRank("g00", 64, 1, 3, 0) || x.ObserveRank("g00", 0, 65, 3, 0) || x.ApplyDump("g00", -1, kvDump("g00", -1, 1)) {
 		t.Error("a rank out of range was tracked")
 	}
 }
@@ -888,14 +888,14 @@ func TestKVIndexForget(t *testing.T) {
 	names := make([]string, MaxIndexedGroups)
 	for i := range names {
 		names[i] = fmt.Sprintf("g%02d", i)
-		x.ObserveRank(names[i], 0, 1, 1)
+		x.ObserveRank(names[i], 0, 1, 1, 0)
 		x.ApplyDump(names[i], 0, kvDump(names[i], 0, 0))
 		x.Apply(kvBatch(names[i], 0, 1, stored(h...)))
 	}
 	x.Apply(kvBatch("g05", 0, 2, stored(only...)))
 	x.Plan("g05", hashChain(3, 4), time.Now().Add(time.Hour))
 	x.Plan("g06", hashChain(3, 4), time.Now().Add(time.Hour))
-	if _, ok := x.GroupID("extra"); ok || x.ObserveRank("extra", 0, 1, 1) {
+	if _, ok := x.GroupID("extra"); ok || x.ObserveRank("extra", 0, 1, 1, 0) {
 		t.Fatal("a 65th group was indexed")
 	}
 	entries, full := x.Size()
@@ -913,7 +913,7 @@ func TestKVIndexForget(t *testing.T) {
 	}
 	// Two new groups take the freed ids and are indexed.
 	for _, name := range []string{"extra", "g05"} {
-		if !x.ObserveRank(name, 0, 1, 2) {
+		if !x.ObserveRank(name, 0, 1, 2, 0) {
 			t.Errorf("%s: first heartbeat after the id was freed asked for no dump", name)
 		}
 		if id, ok := x.GroupID(name); !ok || (id != 5 && id != 10) {
@@ -940,11 +940,11 @@ func TestKVIndexMatchAcrossIDReuse(t *testing.T) {
 	var wg sync.WaitGroup
 	wg.Go(func() {
 		for !stop.Load() {
-			x.ObserveRank("old", 0, 1, 1)
+			x.ObserveRank("old", 0, 1, 1, 0)
 			x.ApplyDump("old", 0, kvDump("old", 0, 0))
 			x.Apply(kvBatch("old", 0, 1, stored(h...))) // holds h at the free id
 			x.Forget("old")
-			x.ObserveRank("new", 0, 1, 1) // takes the same id; holds nothing
+			x.ObserveRank("new", 0, 1, 1, 0) // takes the same id; holds nothing
 			x.Forget("new")
 		}
 	})
@@ -990,7 +990,7 @@ func TestKVIndexForgetIdle(t *testing.T) {
 func TestShrunkGroupAsksNoGoneRankForDumps(t *testing.T) {
 	x := NewKVIndex()
 	for r := range 4 {
-		x.ObserveRank("g0", r, 4, 1) // first heard: each waits for a dump
+		x.ObserveRank("g0", r, 4, 1, 0) // first heard: each waits for a dump
 	}
 	for r := range 3 {
 		x.ApplyDump("g0", r, kvDump("g0", r, 1))
@@ -999,7 +999,7 @@ func TestShrunkGroupAsksNoGoneRankForDumps(t *testing.T) {
 		t.Fatalf("Resyncing() = %v; want rank 3 of 4 waiting for its dump (the setup)", got)
 	}
 	for r := range 2 { // formed again as tp-size 2 (new processes)
-		x.ObserveRank("g0", r, 2, 2)
+		x.ObserveRank("g0", r, 2, 2, 0)
 		x.ApplyDump("g0", r, kvDump("g0", r, 1))
 	}
 	if !x.Synced("g0") {

@@ -33,7 +33,7 @@ type metrics struct {
 // metricFuncs read the values of the metrics kept elsewhere; each is
 // called at every scrape, concurrently with the scheduler.
 type metricFuncs struct {
-	trackers, rejected, plans, ready, sessions, unbound func() float64
+	trackers, rejected, refused, plans, ready, sessions, unbound func() float64
 }
 
 func newMetrics(reg prometheus.Registerer, f metricFuncs) *metrics {
@@ -142,6 +142,10 @@ func newMetrics(reg prometheus.Registerer, f metricFuncs) *metrics {
 				Name: "kvbus_scheduler_kv_batches_rejected_total",
 				Help: "KV event batches dropped as malformed: a seq impossibly far past the rank's last known seq (corrupted, replayed or forged).",
 			}, f.rejected),
+			prometheus.NewCounterFunc(prometheus.CounterOpts{
+				Name: "kvbus_scheduler_index_stores_refused_total",
+				Help: "Blocks ranks said they stored that the KV index did not record: the rank already held its bound (twice the capacity_blocks of its heartbeats plus one request's blocks, at most 4,194,304; that many when it says none) or the index held 134,217,728 (group, block) entries. A forged rank, or a rank whose capacity grew without a restart: the scheduler logs which.",
+			}, f.refused),
 			prometheus.NewGaugeFunc(prometheus.GaugeOpts{
 				Name: "kvbus_scheduler_save_plans",
 				Help: "(group, block) save plans of dispatched requests not yet confirmed by the ranks' KV events.",

@@ -33,7 +33,7 @@ func newBareScheduler(t *testing.T) (*Scheduler, *nats.Conn) {
 // holding makes a one-rank group known and synced in the index, holding
 // hashes.
 func holding(s *Scheduler, g string, hashes ...uint64) {
-	s.index.ObserveRank(g, 0, 1, 1)
+	s.index.ObserveRank(g, 0, 1, 1, 0)
 	s.index.ApplyDump(g, 0, kvDump(g, 0, 1, hashes...))
 }
 
@@ -548,7 +548,7 @@ func TestBindingCreditEndsWhenTheIndexKnows(t *testing.T) {
 	s, _ := newBareScheduler(t)
 	now := time.Now()
 	tr := promptTracker("r1", 12)
-	s.index.ObserveRank("g0", 0, 1, 1)
+	s.index.ObserveRank("g0", 0, 1, 1, 0)
 	s.index.ApplyDump("g0", 0, kvDump("g0", 0, 1, tr.BlockHashes[:10]...)) // turn 1's blocks stored
 	s.index.Apply(kvBatch("g0", 0, 2, removed(tr.BlockHashes[:10]...)))    // and evicted
 	holding(s, "g1")
@@ -732,7 +732,7 @@ func TestPlaceReadsOnlyFromGroupsOfItsWorldSize(t *testing.T) {
 	tr := promptTracker("r3", 20)
 	holding(s, "g0")
 	for r := range 2 {
-		s.index.ObserveRank("g1", r, 2, 1)
+		s.index.ObserveRank("g1", r, 2, 1, 0)
 		s.index.ApplyDump("g1", r, kvDump("g1", r, 1, tr.BlockHashes[:10]...))
 		s.groups.observe(&messages.Heartbeat{Group: "g1", TPRank: r, WorldSize: 2, StartedUnixMs: 1, QueuedPrefillTokens: 50 * 16}, now)
 	}
@@ -767,7 +767,7 @@ func TestResultLostAcrossAReconnectIsAskedAgain(t *testing.T) {
 	s, nc := newBareScheduler(t)
 	now := time.Now()
 	for r := range 2 {
-		s.index.ObserveRank("g0", r, 2, 1)
+		s.index.ObserveRank("g0", r, 2, 1, 0)
 		s.groups.observe(&messages.Heartbeat{Group: "g0", TPRank: r, WorldSize: 2, StartedUnixMs: 1}, now)
 	}
 	sub, err := nc.SubscribeSync("test.meta.lost")
@@ -826,7 +826,7 @@ func TestNewReplicaWaitsForTheGroupsItHeardInPart(t *testing.T) {
 	}
 	s.groups.observe(&messages.Heartbeat{Group: "g1", TPRank: 1, WorldSize: 2, StartedUnixMs: 1}, time.Now())
 	for r := range 2 { // the dumps its heartbeats asked for
-		s.index.ObserveRank("g1", r, 2, 1)
+		s.index.ObserveRank("g1", r, 2, 1, 0)
 		s.index.ApplyDump("g1", r, kvDump("g1", r, 1))
 	}
 	if err := s.onRequest(context.Background(), m); err != nil {
@@ -866,7 +866,7 @@ func TestNewReplicaWaitsForTheGroupsItHasNotSynced(t *testing.T) {
 	now := time.Now()
 	holding(s, "g0")
 	heard(s, "g0", now, 0)
-	s.index.ObserveRank("g1", 0, 1, 1) // its dump asked for, not in yet
+	s.index.ObserveRank("g1", 0, 1, 1, 0) // its dump asked for, not in yet
 	heard(s, "g1", now, 0)
 	if n := len(s.index.placeable(s.groups.ready(now))); n != 1 {
 		t.Fatalf("%d placeable groups, want 1 (g0 synced, g1 not): the fault did not take effect", n)
@@ -888,7 +888,7 @@ func TestNewReplicaWaitsForTheGroupsItHasNotSynced(t *testing.T) {
 	// Past the heartbeat timeout of the start, a group resyncing is placed
 	// around, as before: nothing waits for it.
 	s.started = time.Now().Add(-2 * s.cfg.HeartbeatTimeout)
-	s.index.ObserveRank("g2", 0, 1, 1)
+	s.index.ObserveRank("g2", 0, 1, 1, 0)
 	heard(s, "g2", time.Now(), 0)
 	m2 := requestMsg(t, "r2")
 	if err := s.onRequest(context.Background(), m2); err != nil {
@@ -987,7 +987,7 @@ func TestRequestsWaitForTheRanksBackAfterAReconnect(t *testing.T) {
 	before := now.Add(-2 * time.Second)
 	for r := range 2 {
 		beat(r, before)
-		s.index.ObserveRank("g0", r, 2, 1)
+		s.index.ObserveRank("g0", r, 2, 1, 0)
 		s.index.ApplyDump("g0", r, kvDump("g0", r, 1))
 	}
 	// g1 died before the cut, and is not forgotten yet: no reason to wait.
@@ -1072,7 +1072,7 @@ func TestAReconnectHoldsNoRequestForAnotherModelsRank(t *testing.T) {
 	for _, g := range []struct{ name, model string }{{"g0", "m"}, {"g1", "other"}} {
 		for r := range 2 {
 			beat(g.name, g.model, r, before)
-			s.index.ObserveRank(g.name, r, 2, 1)
+			s.index.ObserveRank(g.name, r, 2, 1, 0)
 			s.index.ApplyDump(g.name, r, kvDump(g.name, r, 1))
 		}
 	}

@@ -27,7 +27,7 @@ func TestRequestLogGauges(t *testing.T) {
 	const limit = 64 << 20
 	reg := prometheus.NewRegistry()
 	zero := func() float64 { return 0 }
-	m := newMetrics(reg, metricFuncs{trackers: zero, rejected: zero, plans: zero, ready: zero, sessions: zero, unbound: zero})
+	m := newMetrics(reg, metricFuncs{trackers: zero, rejected: zero, refused: zero, plans: zero, ready: zero, sessions: zero, unbound: zero})
 	consuming := &atomic.Bool{}
 	l := &requestLog{js: js, cfg: bus.StreamConfig{MaxBytes: limit}, ackWait: time.Second, m: m, consuming: consuming,
 		log: slog.New(slog.NewTextHandler(io.Discard, nil)), onMsg: func(jetstream.Msg) {}}

@@ -3,6 +3,7 @@ package scheduler
 import (
 	"context"
 	"fmt"
+	"slices"
 	"time"
 
 	"github.com/nats-io/nats.go"
@@ -65,7 +66,7 @@ func (s *Scheduler) onHeartbeat(ctx context.Context, m *nats.Msg) error {
 			"a --rank auto worker of this kvbus claims only a group of its own model, so restart one that joined this group (a worker of an older kvbus joins any)",
 			"group", hb.Group, "models", models)
 	}
-	if s.index.ObserveRank(hb.Group, hb.TPRank, hb.WorldSize, hb.StartedUnixMs) {
+	if s.index.ObserveRank(hb.Group, hb.TPRank, hb.WorldSize, hb.StartedUnixMs, hb.CapacityBlocks) {
 		s.log.Info("rank (re)started or first heard of: asking it for a dump", "group", hb.Group, "tp_rank", hb.TPRank)
 		s.requestDump(ctx, hb.Group, hb.TPRank)
 	}
@@ -99,16 +100,39 @@ func (s *Scheduler) onKVEvents(ctx context.Context, m *nats.Msg) error {
 			"started_unix_ms", b.StartedUnixMs)
 		return nil
 	}
-	rejected := s.index.Rejected()
+	rejected, refused := s.index.Rejected(), s.index.Refused()
 	if s.index.Apply(b) {
 		s.log.Warn("gap in KV events: asking the rank for a dump", "group", b.Group, "tp_rank", b.Rank, "seq", b.Seq)
 		s.requestDump(ctx, b.Group, b.Rank)
+	}
+	if s.index.Refused() != refused {
+		s.sayOverBound(b.Group, b.Rank)
 	}
 	if s.index.Rejected() != rejected {
 		return fmt.Errorf("%w: KV event batch of %s/%d with seq %d, impossibly far past the rank's last seq: dropped (corrupted, replayed or forged?)",
 			messages.ErrInvalid, b.Group, b.Rank, b.Seq)
 	}
 	return nil
+}
+
+// sayOverBound logs, at most once a minute per rank, that the index did not
+// record some of a rank's stores (KVIndex.OverBound).
+func (s *Scheduler) sayOverBound(group string, rank int) {
+	o, ok := s.index.OverBound(group, rank, time.Now())
+	if !ok {
+		return
+	}
+	args := []any{"group", group, "tp_rank", rank, "not_recorded", o.Refused, "held", o.Held, "bound", o.Limit,
+		"capacity_blocks", o.CapacityBlocks, "index_entries", o.Entries, "index_bound", o.MaxEntries}
+	if o.IndexFull() {
+		s.log.Warn("the KV index is full: a rank's stores are not recorded (placement misses those blocks; removals still apply). "+
+			"Check for forged ranks, which make up groups and blocks: enable auth (README \"Who may do what on the bus\"); "+
+			"or the cluster caches more blocks than one scheduler indexes", args...)
+		return
+	}
+	s.log.Warn("a rank says it holds more blocks than its bound (twice its heartbeats' capacity_blocks and some slack, or the fixed bound "+
+		"when it says none): its stores past it are not recorded (placement misses those blocks; removals still apply). "+
+		"Check for a rank whose store's capacity grew without a restart, or a forged rank: enable auth (README \"Who may do what on the bus\")", args...)
 }
 
 // requestDump asks a rank for everything it holds, in the background,
@@ -132,16 +156,21 @@ func (s *Scheduler) requestDump(ctx context.Context, group string, rank int) {
 	s.m.resyncs.Inc()
 	epoch := s.index.Epoch(group, rank)
 	s.dumps.Go(func() {
-		dump, chunks, err := s.fetchDump(ctx, group, rank)
+		dump, got, err := s.fetchDump(ctx, group, rank)
 		again := false
 		switch {
 		case ctx.Err() != nil:
 		case err != nil:
 			s.log.Warn("dump request failed; will retry", "group", group, "tp_rank", rank, "err", err)
 		default:
+			refused := s.index.Refused()
 			again = s.index.ApplyDumpOf(group, rank, epoch, dump)
 			s.log.Info("rank resynced from its dump", "group", group, "tp_rank", rank, "seq", dump.Seq,
-				"blocks", dumpBlocks(dump), "chunks", chunks, "gap_again", again)
+				"blocks", dumpBlocks(dump), "chunks", got.chunks, "gap_again", again)
+			s.index.NoteRefused(group, rank, got.cut)
+			if s.index.Refused() != refused {
+				s.sayOverBound(group, rank)
+			}
 		}
 		s.resyncMu.Lock()
 		defer s.resyncMu.Unlock()
@@ -156,55 +185,83 @@ func (s *Scheduler) requestDump(ctx context.Context, group string, rank int) {
 	})
 }
 
-// fetchDump asks a rank for its dump and gathers its chunks into one batch.
-func (s *Scheduler) fetchDump(ctx context.Context, group string, rank int) (dump *messages.KVEventBatch, chunks int, err error) {
+// dumpGot is what fetchDump gathered: chunks, and the hashes cut from them
+// past the rank's bound.
+type dumpGot struct{ chunks, cut int }
+
+// fetchDump asks a rank for its dump and gathers its chunks into one batch,
+// keeping at most as many hashes as the index records of the rank.
+func (s *Scheduler) fetchDump(ctx context.Context, group string, rank int) (dump *messages.KVEventBatch, got dumpGot, err error) {
 	nc := s.cfg.Conn
 	ctx, cancel := context.WithTimeout(ctx, s.cfg.DumpTimeout)
 	defer cancel()
 	inbox := nc.NewRespInbox()
 	sub, err := nc.SubscribeSync(inbox)
 	if err != nil {
-		return nil, 0, err
+		return nil, got, err
 	}
 	defer func() { _ = sub.Unsubscribe() }()
 	if err := nc.PublishRequest(s.cfg.Subjects.Dump(group, rank), inbox, nil); err != nil {
-		return nil, 0, err
+		return nil, got, err
 	}
 	var (
 		parts []*messages.KVEventBatch
-		got   int
 		seq   uint64
+		// budget is how many more hashes the chunks may keep: what the
+		// index would record of the rank (a forged rank's 65,536 chunks of
+		// 8 MiB were all held until the last came).
+		budget = s.index.RankLimit(group, rank)
 	)
 	for {
 		msg, err := sub.NextMsgWithContext(ctx)
 		if err != nil {
-			return nil, 0, fmt.Errorf("dump of %s/%d: %d of %d chunks received: %w", group, rank, got, len(parts), err)
+			return nil, got, fmt.Errorf("dump of %s/%d: %d of %d chunks received: %w", group, rank, got.chunks, len(parts), err)
 		}
 		b, err := messages.DecodeKVEventBatch(msg.Data)
 		if err != nil {
-			return nil, 0, fmt.Errorf("malformed dump chunk: %w", err)
+			return nil, got, fmt.Errorf("malformed dump chunk: %w", err)
 		}
 		if s.groups.notTheRank(group, rank, b.StartedUnixMs, time.Now()) {
 			continue // a second process given this rank answers too
 		}
 		if b.DumpChunks <= 1 {
-			return b, 1, nil // the whole dump in one message
+			return b, dumpGot{chunks: 1}, nil // the whole dump in one message (ApplyDump cuts it)
 		}
 		if parts == nil {
 			parts, seq = make([]*messages.KVEventBatch, b.DumpChunks), b.Seq
 		}
 		if b.DumpChunks != len(parts) || b.Seq != seq {
-			return nil, 0, fmt.Errorf("%w: dump chunks of %s/%d disagree (chunks %d/%d, seq %d)", messages.ErrInvalid, group, rank,
+			return nil, got, fmt.Errorf("%w: dump chunks of %s/%d disagree (chunks %d/%d, seq %d)", messages.ErrInvalid, group, rank,
 				b.DumpChunks, len(parts), b.Seq)
 		}
 		if parts[b.DumpChunk] == nil {
+			got.cut += keepHashes(b, &budget)
 			parts[b.DumpChunk] = b
-			got++
+			got.chunks++
 		}
-		if got == len(parts) {
-			return mergeDump(parts), len(parts), nil
+		if got.chunks == len(parts) {
+			return mergeDump(parts), got, nil
 		}
 	}
+}
+
+// keepHashes cuts a dump chunk's BlockStored hashes to the budget's
+// remainder, takes what it keeps off budget, and drops their token ids
+// (mergeDump reads the hashes alone). It returns how many it cut.
+func keepHashes(b *messages.KVEventBatch, budget *int) (cut int) {
+	for i := range b.Events {
+		ev := &b.Events[i]
+		if ev.Type != messages.EventBlockStored {
+			continue
+		}
+		if n := max(*budget, 0); len(ev.BlockHashes) > n {
+			cut += len(ev.BlockHashes) - n
+			ev.BlockHashes = slices.Clone(ev.BlockHashes[:n]) // the rest of the array goes
+		}
+		*budget -= len(ev.BlockHashes)
+		ev.TokenIDs = nil
+	}
+	return cut
 }
 
 // mergeDump joins a dump's chunks into one batch: AllBlocksCleared, then

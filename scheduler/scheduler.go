@@ -348,6 +348,7 @@ func New(cfg Config) (*Scheduler, error) {
 	s.m = newMetrics(cfg.Registerer, metricFuncs{
 		trackers: func() float64 { return float64(s.trackers.Len()) },
 		rejected: func() float64 { return float64(s.index.Rejected()) },
+		refused:  func() float64 { return float64(s.index.Refused()) },
 		plans:    func() float64 { return float64(s.index.Plans()) },
 		ready: func() float64 {
 			if ok, _ := s.Ready(); ok {
