@@ -163,7 +163,11 @@ func decodeAny(s messages.Subjects, subject string, data []byte) (string, any) {
 	case messages.KindDone:
 		v, err = messages.DecodeRankResult(data)
 	case messages.KindOut:
-		v, err = messages.DecodeOutput(data)
+		var o *messages.Output
+		if o, err = messages.DecodeOutput(data); err == nil && o.ReqID == messages.FrontendProbeReqID {
+			kind = "frontend_probe" // a scheduler asking whether the frontend lives, once a second: no answer's output
+		}
+		v = o
 	case messages.KindKV:
 		v, err = messages.DecodeKVEventBatch(data)
 	case messages.KindHeartbeat:

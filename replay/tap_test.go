@@ -387,6 +387,10 @@ func TestTapDecodesControlMessages(t *testing.T) {
 		{subj.Pool("g0", 1), marshal(&messages.PoolRead{ReqID: "r1", Model: "m", TPRank: 1, BlockHashes: messages.BlockHashes{7}}), "pool_read"},
 		{subj.Drain("g0"), marshal(&messages.DrainPlan{Group: "g0", Model: "m"}), "drain_plan"},
 		{subj.Handoff("g1", 1), []byte("block bytes"), "handoff"},
+		// Printed as "out" before, once a second per frontend with
+		// requests in flight, among the answers' outputs.
+		{subj.Out("fe1"), marshal(&messages.Output{ReqID: messages.FrontendProbeReqID}), "frontend_probe"},
+		{subj.Out("fe1"), marshal(&messages.Output{ReqID: "r1", Text: "hi"}), messages.KindOut},
 	}
 	for _, m := range sent {
 		if err := pub.Publish(m.subject, m.data); err != nil {
