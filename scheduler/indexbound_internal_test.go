@@ -1,35 +1,16 @@
 package scheduler
 
 import (
-	"bytes"
 	"log/slog"
 	"strings"
-	"sync"
 	"testing"
 	"time"
 
 	"github.com/nats-io/nats.go"
 
+	"github.com/kvbus/kvbus/internal/logbuf"
 	"github.com/kvbus/kvbus/messages"
 )
-
-// lockedBuffer is a log destination safe for the scheduler's goroutines.
-type lockedBuffer struct {
-	mu sync.Mutex
-	b  bytes.Buffer
-}
-
-func (l *lockedBuffer) Write(p []byte) (int, error) {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return l.b.Write(p)
-}
-
-func (l *lockedBuffer) String() string {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return l.b.String()
-}
 
 // TestForgedRankAnsweringDumpsIsBounded: a forged rank (auth off) sends a
 // heartbeat saying a capacity of 1,000 blocks, answers the dump request it
@@ -39,7 +20,7 @@ func (l *lockedBuffer) String() string {
 // records the bound, no more; the rest is counted and said once.
 func TestForgedRankAnsweringDumpsIsBounded(t *testing.T) {
 	nc := embeddedConn(t)
-	var logs lockedBuffer
+	var logs logbuf.Buffer
 	s, err := New(Config{Conn: nc, ID: "s0", Policy: KVPolicy{}, HeartbeatTimeout: time.Second, DumpTimeout: 5 * time.Second,
 		Logger: slog.New(slog.NewTextHandler(&logs, nil))})
 	if err != nil {
