@@ -97,7 +97,16 @@ type replayed struct {
 	endedAt time.Time
 	done    bool // the request's last output was published
 	cut     bool // over the budget: its outputs were dropped
+	// [resentLo, resentHi) holds the indexes sent again since resentAt,
+	// the first resend of the current resendWindow (see resend).
+	resentLo, resentHi int
+	resentAt           time.Time
 }
+
+// resendWindow is how long outputs sent again are not sent again for
+// another ask: below the frontend's wait before it checks that they came
+// and asks once more (2 s), so its asks are all served.
+const resendWindow = time.Second
 
 func newOutputReplay(budget int64, age time.Duration) *outputReplay {
 	return &outputReplay{byID: map[string]*replayed{}, budget: budget, age: age, base: time.Now(), clock: time.Now}
@@ -268,12 +277,29 @@ func (m *outputReplay) resend(id string, attempt, from int, send func(subject st
 	if e.cut {
 		return res, true, errReplayCut
 	}
+	// Within a window each output is sent again once, whatever is asked:
+	// an ask is a few bytes, and the outputs sent for it a whole stream.
+	// Asks repeated by a forged or broken frontend made the driver publish
+	// the stream again each time. Those already sent again in the window
+	// count as sent for this ask: they are on their way.
+	// (A frontend asks from the first output it lacks, so the indexes
+	// between two of its asks in a window, counted as sent, it has.)
+	now := m.clock()
+	from = max(from, 0)
+	if now.Sub(e.resentAt) >= resendWindow {
+		e.resentLo, e.resentHi, e.resentAt = from, from, now
+	}
 	e.each(func(i int, _ int64, data []byte) {
 		if i >= from {
-			send(e.subject, data)
+			if i < e.resentLo || i >= e.resentHi {
+				send(e.subject, data)
+			}
 			res.n++
 		}
 	})
+	if from < e.count {
+		e.resentLo, e.resentHi = min(e.resentLo, from), max(e.resentHi, e.count)
+	}
 	return res, true, nil
 }
 

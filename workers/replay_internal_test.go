@@ -177,3 +177,58 @@ func TestOutputReplaySendsAgainWhatItsServerDidNotConfirm(t *testing.T) {
 		t.Errorf("sent again %q (%d outputs of %d requests); want %q of 2", again.data, outputs, requests, want)
 	}
 }
+
+// TestResendSendsEachOutputOnceAWindow: asks repeated within resendWindow
+// (a forged or broken frontend's: the frontend waits 2 s before it asks
+// again) have each kept output sent again once, however they are made;
+// every reply counts what the ask covers. Before, each ask for a stream of
+// 100 outputs published all 100 again: ten asks, 1,000 messages. Outputs
+// published after a resend, or asked after the window, are sent again.
+func TestResendSendsEachOutputOnceAWindow(t *testing.T) {
+	now := time.Now()
+	m := newOutputReplay(1<<20, time.Minute)
+	m.clock = func() time.Time { return now }
+	e := m.begin(meta("r1", 0), "kvbus.out.fe")
+	for i := range 100 {
+		m.publish(e, out(i), func([]byte) {})
+	}
+	var again sent
+	ask := func(from, wantN int) {
+		t.Helper()
+		res, known, err := m.resend("r1", 0, from, again.resend)
+		if !known || err != nil || res.n != wantN {
+			t.Fatalf("resend from %d: %+v known %v err %v; want %d outputs counted", from, res, known, err, wantN)
+		}
+	}
+	for range 10 {
+		ask(0, 100)
+	}
+	if len(again.data) != 100 {
+		t.Errorf("ten asks from 0 in a window sent %d outputs again, want the 100 once", len(again.data))
+	}
+	again.data = nil
+	now = now.Add(resendWindow)
+	for from := 90; from >= 0; from -= 10 { // each ask from further back
+		ask(from, 100-from)
+	}
+	if len(again.data) != 100 {
+		t.Errorf("asks from 90 down to 0 in a window sent %d outputs again, want the 100 once", len(again.data))
+	}
+
+	// A frontend's own asks: from the first output it lacks, then, after
+	// more came and one more was lost, from that one.
+	again.data = nil
+	now = now.Add(resendWindow)
+	ask(95, 5)
+	for i := 100; i < 110; i++ {
+		m.publish(e, out(i), func([]byte) {})
+	}
+	ask(105, 5)
+	want := []string{"o95", "o96", "o97", "o98", "o99", "o105", "o106", "o107", "o108", "o109"}
+	for i := range want {
+		want[i] = "kvbus.out.fe:" + want[i]
+	}
+	if fmt.Sprint(again.data) != fmt.Sprint(want) {
+		t.Errorf("a frontend's two asks sent %q, want %q", again.data, want)
+	}
+}
