@@ -62,7 +62,7 @@ func (c *benchCmd) Run(ctx context.Context) error {
 	if err != nil {
 		return err
 	}
-	if err := fitStores(c.Payload, c.Capacity, c.Groups*c.Ranks, capacity); err != nil {
+	if err := fitStores(c.Payload, c.Capacity, c.Groups*c.Ranks, capacity, rolesCluster); err != nil {
 		return err
 	}
 	tr, err := c.load(c.Trace, c.BlockSize, log)

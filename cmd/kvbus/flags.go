@@ -252,7 +252,7 @@ func (f engineFlags) checkSizes(tpSize, blockSize int, engineCache bool) error {
 		return err
 	}
 	if !engineCache {
-		if err := fitStores(f.KVPayload, f.KVCapacity, 1, capacity); err != nil {
+		if err := fitStores(f.KVPayload, f.KVCapacity, 1, capacity, rolesNone); err != nil {
 			return err
 		}
 	}

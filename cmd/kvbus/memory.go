@@ -14,18 +14,58 @@ import (
 
 // fitStores checks that the block stores of ranks ranks fit in this
 // process's memory (checkMemory), and with --kv-payload bytes sets the Go
-// runtime's soft memory limit, unless GOMEMLIMIT does: the collector lets
-// the heap grow to twice what is live, and ranks making blocks at GB/s
-// held three times their stores' bytes, freed but not yet returned.
-func fitStores(payload, capacityFlag string, ranks int, perRank int64) error {
+// runtime's soft memory limit (softMemoryLimit), unless GOMEMLIMIT does:
+// the collector lets the heap grow to twice what is live, and ranks making
+// blocks at GB/s held three times their stores' bytes, freed but not yet
+// returned.
+//
+// roles is what the process holds beside its ranks: rolesNone for a
+// worker, rolesCluster for serve and bench, which also run NATS, the
+// schedulers and the frontend.
+func fitStores(payload, capacityFlag string, ranks int, perRank, roles int64) error {
 	limit := memoryLimit()
 	if err := checkMemory(payload, capacityFlag, ranks, perRank, limit); err != nil {
 		return err
 	}
-	if payload == workers.PayloadBytes && limit > 0 && os.Getenv("GOMEMLIMIT") == "" {
-		debug.SetMemoryLimit(limit / 4 * 3)
+	if payload == workers.PayloadBytes && os.Getenv("GOMEMLIMIT") == "" {
+		if soft := softMemoryLimit(ranks, perRank, roles, limit); soft > 0 {
+			debug.SetMemoryLimit(soft)
+		}
 	}
 	return nil
+}
+
+// storeOverhead is what a process of ranks holds beyond their stores'
+// blocks, in the soft memory limit: a rank's memory of outputs (64 MiB),
+// a load's or save's batch of blocks (64 MiB), a hand-off's copies, the
+// NATS client's buffers, the collector's own. rolesCluster is what the
+// other roles of serve and bench hold: the NATS server's in-memory plan
+// stream (up to 256 MiB) and message-id window, the schedulers' index and
+// trackers, the frontend's token cache (64 MiB); a 75 s run of serve at
+// c=64 held 726 MB live beside its stores.
+const (
+	storeOverhead = 512 << 20
+	rolesNone     = 0
+	rolesCluster  = 1536 << 20
+)
+
+// softMemoryLimit is the Go runtime's soft memory limit for ranks ranks of
+// perRank bytes of blocks each and roles bytes of other roles, in a process
+// that may use limit bytes (0: unknown): the stores, a quarter more,
+// storeOverhead and roles, at most three quarters of limit; 0 for no
+// limit. Three quarters of the machine alone let every worker process of a
+// host grow to twice its stores (a rank of --kv-capacity 1GiB held 2.2 GiB
+// of RSS; four processes of 4 GiB ranks took a 24 GiB machine's memory
+// and stalled every role on it).
+func softMemoryLimit(ranks int, perRank, roles, limit int64) int64 {
+	soft := int64(-1)
+	if ranks > 0 && perRank > 0 {
+		soft = int64(ranks)*perRank/4*5 + storeOverhead + roles
+	}
+	if limit > 0 && (soft < 0 || limit/4*3 < soft) {
+		soft = limit / 4 * 3
+	}
+	return max(soft, 0)
 }
 
 // checkMemory refuses block stores that cannot fit in this process's

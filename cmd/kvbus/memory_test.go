@@ -41,6 +41,32 @@ func TestCheckMemory(t *testing.T) {
 	}
 }
 
+// TestSoftMemoryLimit: a process's soft memory limit follows its stores
+// (a quarter more and storeOverhead), within three quarters of the
+// machine. It was three quarters of the machine whatever the stores, and
+// a worker of one 1 GiB rank grew to 2.2 GiB of RSS (1.7 GiB now), four
+// of 4 GiB took a 24 GiB machine's memory.
+func TestSoftMemoryLimit(t *testing.T) {
+	const gb = int64(1) << 30
+	for _, tc := range []struct {
+		ranks                 int
+		perRank, roles, limit int64
+		want                  int64
+	}{
+		{1, gb, rolesNone, 24 * gb, gb/4*5 + storeOverhead},
+		{1, 4 * gb, rolesNone, 24 * gb, 5*gb + storeOverhead},
+		{4, gb, rolesCluster, 24 * gb, 5*gb + storeOverhead + rolesCluster}, // make run
+		{16, gb, rolesCluster, 24 * gb, 18 * gb},                            // the stores' own: 22 GiB
+		{1, gb, rolesNone, 0, gb/4*5 + storeOverhead},                       // the machine's memory unknown
+		{0, 0, rolesNone, 8 * gb, 6 * gb},                                   // no store
+		{0, 0, rolesNone, 0, 0},                                             // nothing known: no limit
+	} {
+		if got := softMemoryLimit(tc.ranks, tc.perRank, tc.roles, tc.limit); got != tc.want {
+			t.Errorf("softMemoryLimit(%d ranks, %d bytes each, %d of roles, %d bytes of memory) = %d, want %d", tc.ranks, tc.perRank, tc.roles, tc.limit, got, tc.want)
+		}
+	}
+}
+
 func TestParseMemoryLimits(t *testing.T) {
 	meminfo := "MemTotal:       24683664 kB\nMemFree:        23000000 kB\n"
 	if got := parseMemTotal([]byte(meminfo)); got != 24683664<<10 {

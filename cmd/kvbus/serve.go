@@ -94,7 +94,7 @@ func (c *serveCmd) clusterConfig() (cluster.Config, error) {
 		return cluster.Config{}, err
 	}
 	if c.Engine != workers.EngineOpenAI { // a model server keeps its own cache
-		if err := fitStores(c.KVPayload, c.KVCapacity, c.Groups*c.Ranks, capacity); err != nil {
+		if err := fitStores(c.KVPayload, c.KVCapacity, c.Groups*c.Ranks, capacity, rolesCluster); err != nil {
 			return cluster.Config{}, err
 		}
 	}
