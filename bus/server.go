@@ -14,6 +14,7 @@ import (
 	"sync"
 	"syscall"
 	"time"
+	"unicode"
 
 	"github.com/nats-io/nats-server/v2/server"
 )
@@ -136,6 +137,10 @@ func (c ServerConfig) Validate() error {
 		if err != nil {
 			return fmt.Errorf("%w: %s address %q: %v (want HOST:PORT with a numeric port, 0 for any free one: check %s)", ErrServer, a.what, a.addr, err, a.flag)
 		}
+	}
+	if strings.ContainsFunc(c.ServerName, unicode.IsSpace) {
+		// nats-server says only "server name cannot contain spaces".
+		return fmt.Errorf("%w: --server-name %q contains spaces: give the server a name without any, its own in the cluster", ErrServer, c.ServerName)
 	}
 	if c.ClusterPassword != "" && c.ClusterPasswordFile != "" {
 		return fmt.Errorf("%w: --cluster-password and --cluster-password-file exclude each other", ErrServer)

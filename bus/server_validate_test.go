@@ -34,6 +34,7 @@ func TestServerConfigValidate(t *testing.T) {
 		{"monitor addr", bus.ServerConfig{MonitorAddr: "localhost"}, "--monitor-addr"},
 		{"monitor named port", bus.ServerConfig{MonitorAddr: "localhost:http"}, "--monitor-addr"},
 		{"cluster addr", bus.ServerConfig{Cluster: "6222", Routes: []string{"nats://n2:6222"}}, "--cluster-addr"},
+		{"server name with a space", bus.ServerConfig{ServerName: "a b"}, "--server-name"}, // in nats-server's words before, naming no flag
 		{"both cluster passwords", bus.ServerConfig{ClusterPassword: "p", ClusterPasswordFile: "/pw"}, "--cluster-password-file"},
 		{"token and auth config", bus.ServerConfig{Token: "t", AuthConfig: "/a"}, "--auth-config"},
 		{"cluster user alone", bus.ServerConfig{ClusterUser: "u"}, "--cluster-password"},
