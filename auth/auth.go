@@ -174,7 +174,7 @@ func For(s messages.Subjects, id Identity) (Permissions, error) {
 		slots := ">"
 		if id.Group != "" {
 			if err := messages.ValidateGroup(id.Group); err != nil {
-				return Permissions{}, fmt.Errorf("%w: %v", ErrConfig, err)
+				return Permissions{}, fmt.Errorf("%w: %w", ErrConfig, err)
 			}
 			g = id.Group
 			slots = g + ".*" // its group's slots (--rank auto --group g): <group>.<rank>

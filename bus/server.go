@@ -232,7 +232,7 @@ func StartServer(cfg ServerConfig) (*Server, error) {
 	dir := cfg.DataDir
 	if dir == "" {
 		if dir, err = os.MkdirTemp("", "kvbus-nats-*"); err != nil {
-			return nil, fmt.Errorf("%w: %v", ErrServer, err)
+			return nil, fmt.Errorf("%w: %w", ErrServer, err)
 		}
 		s.tempDir = dir
 	} else if err := os.MkdirAll(filepath.Join(dir, "jetstream"), 0o755); err != nil {
@@ -271,7 +271,7 @@ func StartServer(cfg ServerConfig) (*Server, error) {
 	ns, err := server.NewServer(opts)
 	if err != nil {
 		s.cleanup()
-		return nil, fmt.Errorf("%w: %v", ErrServer, err)
+		return nil, fmt.Errorf("%w: %w", ErrServer, err)
 	}
 	s.log = newServerLogger(logger, cfg.ClusterPassword, cfg.Token)
 	ns.SetLoggerV2(s.log, cfg.Debug, false, false)

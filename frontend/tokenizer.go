@@ -233,7 +233,7 @@ func (t *BPETokenizer) Decode(ids []uint32) (string, error) {
 		}
 		text, err := t.codec.Decode(run) // fails only for an id it lacks
 		if err != nil {
-			return fmt.Errorf("%w: %v (the %s vocabulary)", ErrUnknownToken, err, t.Name())
+			return fmt.Errorf("%w: %w (the %s vocabulary)", ErrUnknownToken, err, t.Name())
 		}
 		b.WriteString(text)
 		run = run[:0]

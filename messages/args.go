@@ -72,13 +72,13 @@ func decodeArgValue(dec *msgpack.Decoder, depth int) (any, error) {
 	}
 	code, err := dec.PeekCode()
 	if err != nil {
-		return nil, fmt.Errorf("%w: %v", ErrMalformed, err)
+		return nil, fmt.Errorf("%w: %w", ErrMalformed, err)
 	}
 	switch {
 	case msgpcode.IsFixedMap(code) || code == msgpcode.Map16 || code == msgpcode.Map32:
 		n, err := dec.DecodeMapLen()
 		if err != nil {
-			return nil, fmt.Errorf("%w: %v", ErrMalformed, err)
+			return nil, fmt.Errorf("%w: %w", ErrMalformed, err)
 		}
 		m := make(map[string]any, min(n, 64))
 		for range n {
@@ -96,7 +96,7 @@ func decodeArgValue(dec *msgpack.Decoder, depth int) (any, error) {
 	case msgpcode.IsFixedArray(code) || code == msgpcode.Array16 || code == msgpcode.Array32:
 		n, err := dec.DecodeArrayLen()
 		if err != nil {
-			return nil, fmt.Errorf("%w: %v", ErrMalformed, err)
+			return nil, fmt.Errorf("%w: %w", ErrMalformed, err)
 		}
 		s := make([]any, 0, min(n, 64))
 		for range n {
@@ -112,13 +112,13 @@ func decodeArgValue(dec *msgpack.Decoder, depth int) (any, error) {
 		// re-encode then sends as a str that need not be UTF-8.
 		b, err := dec.DecodeBytes()
 		if err != nil {
-			return nil, fmt.Errorf("%w: %v", ErrMalformed, err)
+			return nil, fmt.Errorf("%w: %w", ErrMalformed, err)
 		}
 		return b, nil
 	default:
 		v, err := dec.DecodeInterfaceLoose()
 		if err != nil {
-			return nil, fmt.Errorf("%w: %v", ErrMalformed, err)
+			return nil, fmt.Errorf("%w: %w", ErrMalformed, err)
 		}
 		return v, nil
 	}

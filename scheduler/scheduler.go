@@ -315,11 +315,11 @@ func New(cfg Config) (*Scheduler, error) {
 	ended := recent.Config{MaxIDs: cfg.EndedIDs, MaxAge: cfg.EndedAge}
 	trackers, err := newTrackerTable(ended)
 	if err != nil {
-		return nil, fmt.Errorf("%w: %v", ErrConfig, err)
+		return nil, fmt.Errorf("%w: %w", ErrConfig, err)
 	}
 	dispatched, err := recent.New[dispatchRecord](ended)
 	if err != nil {
-		return nil, fmt.Errorf("%w: %v", ErrConfig, err)
+		return nil, fmt.Errorf("%w: %w", ErrConfig, err)
 	}
 	s := &Scheduler{
 		cfg:        cfg,

@@ -356,16 +356,16 @@ func (c PoolClient) Read(ctx context.Context, group string, rank int, req *messa
 	inbox := c.Conn.NewRespInbox()
 	sub, err := c.Conn.SubscribeSync(inbox)
 	if err != nil {
-		return nil, fmt.Errorf("%w: %v", ErrPoolRead, err)
+		return nil, fmt.Errorf("%w: %w", ErrPoolRead, err)
 	}
 	defer func() { _ = sub.Unsubscribe() }()
 	// The replies may all arrive before the first is read: room for every
 	// block asked for (the default 64 MB is 128 blocks of 512 KiB).
 	if err := sub.SetPendingLimits(-1, max(64<<20, 2*len(req.BlockHashes)*size)); err != nil {
-		return nil, fmt.Errorf("%w: %v", ErrPoolRead, err)
+		return nil, fmt.Errorf("%w: %w", ErrPoolRead, err)
 	}
 	if err := c.Conn.PublishRequest(c.Subjects.Pool(group, rank), inbox, data); err != nil {
-		return nil, fmt.Errorf("%w: %v", ErrPoolRead, err)
+		return nil, fmt.Errorf("%w: %w", ErrPoolRead, err)
 	}
 	values := make([][]byte, len(req.BlockHashes))
 	filled := make([]int, len(req.BlockHashes)) // bytes received in order; -1: torn
@@ -377,11 +377,11 @@ func (c PoolClient) Read(ctx context.Context, group string, rank int, req *messa
 			return nil, fmt.Errorf("%w: %s/%d: no rank serves pool reads there (it stopped, or never started)", ErrPoolRead, group, rank)
 		}
 		if err != nil {
-			return nil, fmt.Errorf("%w: %s/%d: %d of %d parts received: %v", ErrPoolRead, group, rank, len(seen), parts, err)
+			return nil, fmt.Errorf("%w: %s/%d: %d of %d parts received: %w", ErrPoolRead, group, rank, len(seen), parts, err)
 		}
 		part, err := messages.DecodePoolPart(msg.Data)
 		if err != nil {
-			return nil, fmt.Errorf("%w: %s/%d: %v", ErrPoolRead, group, rank, err)
+			return nil, fmt.Errorf("%w: %s/%d: %w", ErrPoolRead, group, rank, err)
 		}
 		if parts == 0 {
 			parts = part.Parts

@@ -222,7 +222,7 @@ func NewRank(cfg RankConfig) (*Rank, error) {
 	events.exists = func(keys []string) []bool { return store.BatchIsExist(context.Background(), keys) }
 	seen, err := recent.New[seenReq](recent.Config{MaxIDs: cfg.SeenIDs, MaxAge: cfg.SeenAge})
 	if err != nil {
-		return nil, fmt.Errorf("%w: %v", ErrConfig, err)
+		return nil, fmt.Errorf("%w: %w", ErrConfig, err)
 	}
 	var replay *outputReplay
 	if cfg.TPRank == 0 && cfg.ReplayBytes > 0 {

@@ -126,7 +126,7 @@ func (c *RankConfig) Validate() error {
 	case c.Conn == nil:
 		return fmt.Errorf("%w: no NATS connection", ErrConfig)
 	case messages.ValidateGroup(c.Group) != nil:
-		return fmt.Errorf("%w: %v", ErrConfig, messages.ValidateGroup(c.Group))
+		return fmt.Errorf("%w: %w", ErrConfig, messages.ValidateGroup(c.Group))
 	case c.TPSize < 1 || c.TPRank < 0 || c.TPRank >= c.TPSize:
 		return fmt.Errorf("%w: --tp-rank %d must be in [0, --tp-size %d)", ErrConfig, c.TPRank, c.TPSize)
 	case c.EPSize < 1 || c.EPRank < 0 || c.EPRank >= c.EPSize:
@@ -134,7 +134,7 @@ func (c *RankConfig) Validate() error {
 	case c.Model == "":
 		return fmt.Errorf("%w: no --model", ErrConfig)
 	case c.Profile.Validate() != nil:
-		return fmt.Errorf("%w: %v", ErrConfig, c.Profile.Validate())
+		return fmt.Errorf("%w: %w", ErrConfig, c.Profile.Validate())
 	case c.TPRank == 0 && c.Engine == nil:
 		return fmt.Errorf("%w: the driver rank (tp_rank 0) needs an engine", ErrConfig)
 	case c.CapacityBytes < 0:
