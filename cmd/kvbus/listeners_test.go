@@ -1,7 +1,6 @@
 package main
 
 import (
-	"context"
 	"strings"
 	"testing"
 	"time"
@@ -29,14 +28,10 @@ func TestOneListenAddressTwiceIsRefused(t *testing.T) {
 		{[]string{"scheduler", "--metrics-addr", addr, "--pprof-addr", addr}, []string{"--metrics-addr", "--pprof-addr"}},
 		{[]string{"worker", "--metrics-addr", port, "--pprof-addr", addr}, []string{"--metrics-addr", "--pprof-addr"}},
 	} {
-		c := parseCLI(t, tc.args...)
-		ctx, cancel := context.WithTimeout(t.Context(), 5*time.Second)
-		start := time.Now()
-		err := runParsed(ctx, c, tc.args[0])
-		cancel()
+		took, err := runArgs(t, tc.args, 5*time.Second)
 		for _, w := range tc.want {
-			if err == nil || !strings.Contains(err.Error(), w) || time.Since(start) > 2*time.Second {
-				t.Errorf("%v: %v after %v; want an error at once naming %s", tc.args, err, time.Since(start).Round(time.Millisecond), w)
+			if err == nil || !strings.Contains(err.Error(), w) || took > 2*time.Second {
+				t.Errorf("%v: %v after %v; want an error at once naming %s", tc.args, err, took.Round(time.Millisecond), w)
 			}
 		}
 	}

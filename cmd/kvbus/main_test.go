@@ -426,13 +426,9 @@ func TestValuesThatCannotWorkAreRefused(t *testing.T) {
 		if args[0] != "serve" {
 			args = append(args, "--nats-url", "nats://127.0.0.1:1")
 		}
-		c := parseCLI(t, args...)
-		ctx, cancel := context.WithTimeout(t.Context(), 3*time.Second) // before: "cannot connect" after 10 s, or served
-		start := time.Now()
-		err := runParsed(ctx, c, tc.args[0])
-		cancel()
-		if err == nil || time.Since(start) > 2*time.Second || !strings.Contains(err.Error(), tc.want) {
-			t.Errorf("%v: %v after %v; want an error at once naming %s", tc.args, err, time.Since(start).Round(time.Millisecond), tc.want)
+		took, err := runArgs(t, args, 3*time.Second) // before: "cannot connect" after 10 s, or served
+		if err == nil || took > 2*time.Second || !strings.Contains(err.Error(), tc.want) {
+			t.Errorf("%v: %v after %v; want an error at once naming %s", tc.args, err, took.Round(time.Millisecond), tc.want)
 		}
 	}
 }
@@ -457,10 +453,7 @@ func TestErrorsNameTheFlag(t *testing.T) {
 		{[]string{"serve", "--model-profile", "llama-4", "--nats-addr", "127.0.0.1:0", "--http-addr", "127.0.0.1:0"}, []string{"--model-profile", "tiny"}},
 		{[]string{"replay", trace, "--target", "ftp://127.0.0.1:1", "--nats-url", "nats://" + freeAddr(t)}, []string{"--target", "http://"}}, // after 2 s of NATS before
 	} {
-		c := parseCLI(t, tc.args...)
-		ctx, cancel := context.WithTimeout(t.Context(), 3*time.Second)
-		err := runParsed(ctx, c, tc.args[0])
-		cancel()
+		_, err := runArgs(t, tc.args, 3*time.Second)
 		for _, w := range tc.want {
 			if err == nil || !strings.Contains(err.Error(), w) {
 				t.Errorf("%v: %v; want an error naming %q", tc.args, err, w)
@@ -478,6 +471,18 @@ func oneRequestTrace(t *testing.T, dir string) string {
 		t.Fatal(err)
 	}
 	return path
+}
+
+// runArgs parses args and runs their command (args[0]) within timeout; it
+// returns how long it ran and the command's error.
+func runArgs(t *testing.T, args []string, timeout time.Duration) (time.Duration, error) {
+	t.Helper()
+	c := parseCLI(t, args...)
+	ctx, cancel := context.WithTimeout(t.Context(), timeout)
+	defer cancel()
+	start := time.Now()
+	err := runParsed(ctx, c, args[0])
+	return time.Since(start), err
 }
 
 // runParsed runs command name of the parsed command line c, its logs kept

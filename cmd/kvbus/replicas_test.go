@@ -1,7 +1,6 @@
 package main
 
 import (
-	"context"
 	"strings"
 	"testing"
 	"time"
@@ -25,10 +24,7 @@ func TestStreamReplicasTheServerCannotGive(t *testing.T) {
 		{[]string{"worker", "--stream-replicas", "3", "--metrics-addr=", "--rank", "auto", "--tp-size", "1", "--kv-capacity", "64MiB"}, []string{"--stream-replicas 3", "--stream-replicas 1"}},
 		{[]string{"frontend", "--stream-replicas", "7", "--http-addr", "127.0.0.1:0"}, []string{"--stream-replicas 7", "at most 5"}},
 	} {
-		c := parseCLI(t, append(tc.args, "--nats-url", srv.ClientURL())...)
-		ctx, cancel := context.WithTimeout(t.Context(), 10*time.Second)
-		err := runParsed(ctx, c, tc.args[0])
-		cancel()
+		_, err := runArgs(t, append(tc.args, "--nats-url", srv.ClientURL()), 10*time.Second)
 		for _, w := range tc.want {
 			if err == nil || !strings.Contains(err.Error(), w) {
 				t.Errorf("%v: %v; want an error naming %q", tc.args, err, w)
