@@ -16,10 +16,17 @@ import (
 // holds. At most one dump per rank is in flight, and a failed or repeated
 // one backs off from 100 ms, doubling to 5 s, so that no malformed or lost
 // batch can make a storm of dumps.
+//
+// At most maxDumpsInFlight dumps are fetched at once; the others wait their
+// turn. A dump is held until it is applied (8 bytes a block, and its chunks
+// as they queue, ~60 bytes a block with their token ids), and a scheduler
+// started in a cluster of a thousand ranks asked them all at once: its
+// memory was the sum of every rank's dump.
 
 const (
 	resyncMinBackoff = 100 * time.Millisecond
 	resyncMaxBackoff = 5 * time.Second
+	maxDumpsInFlight = 8
 )
 
 type resyncState struct {
@@ -154,23 +161,10 @@ func (s *Scheduler) requestDump(ctx context.Context, group string, rank int) {
 	st.inflight = true
 	s.resyncMu.Unlock()
 	s.m.resyncs.Inc()
-	epoch := s.index.Epoch(group, rank)
 	s.dumps.Go(func() {
-		dump, got, err := s.fetchDump(ctx, group, rank)
-		again := false
-		switch {
-		case ctx.Err() != nil:
-		case err != nil:
+		again, err := s.resync(ctx, group, rank)
+		if err != nil && ctx.Err() == nil {
 			s.log.Warn("dump request failed; will retry", "group", group, "tp_rank", rank, "err", err)
-		default:
-			refused := s.index.Refused()
-			again = s.index.ApplyDumpOf(group, rank, epoch, dump)
-			s.log.Info("rank resynced from its dump", "group", group, "tp_rank", rank, "seq", dump.Seq,
-				"blocks", dumpBlocks(dump), "chunks", got.chunks, "gap_again", again)
-			s.index.NoteRefused(group, rank, got.cut)
-			if s.index.Refused() != refused {
-				s.sayOverBound(group, rank)
-			}
 		}
 		s.resyncMu.Lock()
 		defer s.resyncMu.Unlock()
@@ -183,6 +177,34 @@ func (s *Scheduler) requestDump(ctx context.Context, group string, rank int) {
 			st.next = time.Now().Add(resyncMinBackoff)
 		}
 	})
+}
+
+// resync fetches a rank's dump, once fewer than maxDumpsInFlight are, and
+// applies it to the index; again reports a gap in its events since.
+func (s *Scheduler) resync(ctx context.Context, group string, rank int) (again bool, err error) {
+	select {
+	case s.dumpSlots <- struct{}{}:
+		defer func() { <-s.dumpSlots }() // once applied: the dump is held until then
+	case <-ctx.Done():
+		return false, ctx.Err()
+	}
+	epoch := s.index.Epoch(group, rank) // the process the dump comes from
+	dump, got, err := s.fetchDump(ctx, group, rank)
+	if err != nil {
+		return false, err
+	}
+	if err := ctx.Err(); err != nil {
+		return false, err
+	}
+	refused := s.index.Refused()
+	again = s.index.ApplyDumpOf(group, rank, epoch, dump)
+	s.log.Info("rank resynced from its dump", "group", group, "tp_rank", rank, "seq", dump.Seq,
+		"blocks", dumpBlocks(dump), "chunks", got.chunks, "gap_again", again)
+	s.index.NoteRefused(group, rank, got.cut)
+	if s.index.Refused() != refused {
+		s.sayOverBound(group, rank)
+	}
+	return again, nil
 }
 
 // dumpGot is what fetchDump gathered: chunks, and the hashes cut from them

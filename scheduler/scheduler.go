@@ -174,9 +174,10 @@ type Scheduler struct {
 	m        *metrics
 	hm       *bus.HandlerMetrics
 
-	resyncMu sync.Mutex
-	resyncs  map[rankID]*resyncState
-	dumps    sync.WaitGroup
+	resyncMu  sync.Mutex
+	resyncs   map[rankID]*resyncState
+	dumps     sync.WaitGroup
+	dumpSlots chan struct{} // a token per dump in flight (maxDumpsInFlight)
 
 	// dispatched remembers where other replicas sent requests (from their
 	// SavePlans): a redelivered request goes to the same group and attempt.
@@ -329,6 +330,7 @@ func New(cfg Config) (*Scheduler, error) {
 		index:      newKVIndex(cfg.IndexGroups),
 		hm:         bus.NewHandlerMetrics(cfg.Registerer),
 		resyncs:    map[rankID]*resyncState{},
+		dumpSlots:  make(chan struct{}, maxDumpsInFlight),
 		dispatched: dispatched,
 		peers:      newPeerTable(cfg.RequestTimeout, time.Now()),
 		started:    time.Now(),
