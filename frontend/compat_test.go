@@ -316,7 +316,8 @@ func TestVLLMCompat(t *testing.T) {
 				}
 			}
 		}
-		for _, stop := range []string{`null`, `[]`, `"x"`} {
+		most := `[` + strings.Repeat(`"zzz",`, frontend.MaxStopStrings-1) + `"x"]` // as many as are taken
+		for _, stop := range []string{`null`, `[]`, `"x"`, most} {
 			if r := do(t, c, http.MethodPost, "/v1/completions", completion(`,"stop":`+stop), nil); r.status != http.StatusOK {
 				t.Errorf("stop %s: status %d: %s", stop, r.status, r.body)
 			}

@@ -406,6 +406,12 @@ func optionalBool(param string, v json.RawMessage, unset bool) (bool, *APIError)
 	}
 }
 
+// MaxStopStrings bounds a request's stop strings. The sim engine looks for
+// each in the text after every token (as vLLM's detokenizer does): the
+// 262,144 the bus takes made one request of 256 tokens cost minutes of a
+// driver's CPU. OpenAI takes 4; vLLM sets no bound.
+const MaxStopStrings = 1024
+
 // parseStop reads stop: a string or an array of strings, none empty (vLLM's
 // SamplingParams refuses an empty one, in its words).
 func parseStop(raw json.RawMessage) ([]string, *APIError) {
@@ -425,8 +431,8 @@ func parseStop(raw json.RawMessage) ([]string, *APIError) {
 	if err := json.Unmarshal(raw, &many); err != nil {
 		return nil, badRequest("stop", "stop must be a string or an array of strings")
 	}
-	if len(many) > messages.MaxArrayLen { // the bus's decoders would refuse the request
-		return nil, badRequest("stop", "stop has %d strings; at most %d", len(many), messages.MaxArrayLen)
+	if len(many) > MaxStopStrings {
+		return nil, badRequest("stop", "stop has %d strings; at most %d (the engine looks for each after every token it generates)", len(many), MaxStopStrings)
 	}
 	if slices.Contains(many, "") {
 		return nil, badRequest("stop", empty)
