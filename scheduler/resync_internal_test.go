@@ -16,8 +16,8 @@ import (
 
 // TestDumpsInFlightAreBounded: a scheduler that hears 24 ranks at once (as
 // one started in a running cluster does) asks each for its dump, but has at
-// most maxDumpsInFlight of them on the way: each rank answers 100 ms after
-// it is asked, and the ranks count the asks they hold. Every rank's dump is
+// most maxDumpsInFlight of them on the way: the ranks hold the asks they
+// get until as many as the bound are held, and count them. Every rank's dump is
 // applied. Before, all 24 were asked at once, and a scheduler's memory was
 // the sum of every rank's dump.
 func TestDumpsInFlightAreBounded(t *testing.T) {
@@ -40,7 +40,13 @@ func TestDumpsInFlightAreBounded(t *testing.T) {
 			for p := peak.Load(); n > p && !peak.CompareAndSwap(p, n); p = peak.Load() {
 			}
 			answers.Go(func() {
-				time.Sleep(100 * time.Millisecond)
+				// Held until as many asks as the bound are (or 2 s have
+				// passed: a machine too slow to have them all out at once),
+				// and 50 ms more, for any past the bound to arrive.
+				for start := time.Now(); held.Load() < maxDumpsInFlight && time.Since(start) < 2*time.Second; {
+					time.Sleep(5 * time.Millisecond)
+				}
+				time.Sleep(50 * time.Millisecond)
 				data, err := messages.Marshal(&messages.KVEventBatch{Group: group, Rank: 0, Seq: 1,
 					Events: []messages.KVEvent{clearedAll(), stored(distinct(g*10, 10)...)}})
 				held.Add(-1) // before its answer: the next ask may come at once
