@@ -93,6 +93,16 @@ type Config struct {
 	// a request sent on a kept-alive connection at that moment, such as
 	// the next one of a client just answered, gets no answer at all.
 	StopGrace time.Duration
+	// ReusePort listens with SO_REUSEPORT (Linux), so that a replacement
+	// frontend listens on the same address while this one still runs. Its
+	// stop then differs: the listener closes at once (new connections go to
+	// the other process) and the requests that still come on connections
+	// already open are served, not refused, each answer with Connection:
+	// close so that its client reconnects to the other; the stop waits for
+	// them as for those accepted before it, and StopGrace after the last.
+	// Replaced alone without it, a frontend's clients met 503s and then
+	// refused connections for 2-3 s.
+	ReusePort bool
 	// StopTimeout, if positive, bounds the whole stop: the requests still
 	// running when it has passed since Run's context ended get a 503
 	// shutting_down (an error event for a stream already under way) and
@@ -408,16 +418,13 @@ func (s *Server) Run(ctx context.Context) error {
 
 	ln := s.cfg.Listener
 	if ln == nil {
-		if ln, err = net.Listen("tcp", s.cfg.Addr); err != nil {
-			if errors.Is(err, syscall.EADDRINUSE) {
-				return fmt.Errorf("frontend: listen on %s: %w (is another kvbus running? stop it, or choose another --http-addr)", s.cfg.Addr, err)
-			}
-			return fmt.Errorf("frontend: listen on %s: %w (--http-addr takes HOST:PORT, e.g. 0.0.0.0:8000)", s.cfg.Addr, err)
+		if ln, err = Listen(ctx, s.cfg.Addr, s.cfg.ReusePort); err != nil {
+			return err
 		}
 	}
 	s.addr = ln.Addr()
 	srv := &http.Server{
-		Handler:           s.mux,
+		Handler:           s.leaveWhenDraining(s.mux),
 		ReadHeaderTimeout: s.cfg.ReadHeaderTimeout,
 		IdleTimeout:       s.cfg.IdleTimeout,
 		// Go's own limit answers in plain text; kvbus checks MaxHeaderBytes
@@ -441,6 +448,15 @@ func (s *Server) Run(ctx context.Context) error {
 	case <-ctx.Done():
 	}
 	s.draining.Store(true)
+	if s.cfg.ReusePort {
+		// The other process takes the new connections; this one serves
+		// the requests of those it has (see Config.ReusePort).
+		_ = ln.Close()
+		if err := <-errc; !errors.Is(err, net.ErrClosed) {
+			return fmt.Errorf("frontend: serve: %w", err)
+		}
+		errc = nil
+	}
 	wait := s.cfg.RequestTimeout // for the requests in flight
 	if s.cfg.StopTimeout > 0 {
 		wait = min(wait, s.cfg.StopTimeout)
@@ -459,6 +475,43 @@ func (s *Server) Run(ctx context.Context) error {
 	s.refusals.flush(true) // those counted since the last line
 	s.log.Info("frontend stopped")
 	return nil
+}
+
+// Listen listens on addr for the frontend's HTTP API; with reusePort, with
+// SO_REUSEPORT set, so that another process of the same user listening so
+// can share the address (the kernel spreads new connections over them): a
+// replacement frontend starts before the one it replaces stops. Its errors
+// name --http-addr.
+func Listen(ctx context.Context, addr string, reusePort bool) (net.Listener, error) {
+	lc, err := listenConfig(reusePort)
+	if err != nil {
+		return nil, err
+	}
+	ln, err := lc.Listen(ctx, "tcp", addr)
+	switch {
+	case errors.Is(err, syscall.EADDRINUSE) && reusePort:
+		return nil, fmt.Errorf("frontend: listen on %s: %w (is another kvbus running? a frontend can share the address only if both were started with --reuse-port; or choose another --http-addr)", addr, err)
+	case errors.Is(err, syscall.EADDRINUSE):
+		return nil, fmt.Errorf("frontend: listen on %s: %w (is another kvbus running? stop it, or choose another --http-addr)", addr, err)
+	case err != nil:
+		return nil, fmt.Errorf("frontend: listen on %s: %w (--http-addr takes HOST:PORT, e.g. 0.0.0.0:8000)", addr, err)
+	}
+	return ln, nil
+}
+
+// leaveWhenDraining, with ReusePort, answers every request of a stopping
+// frontend with Connection: close: its client reconnects, to the process
+// that took over the listening address.
+func (s *Server) leaveWhenDraining(h http.Handler) http.Handler {
+	if !s.cfg.ReusePort {
+		return h
+	}
+	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if s.draining.Load() {
+			w.Header().Set("Connection", "close")
+		}
+		h.ServeHTTP(w, r)
+	})
 }
 
 // holdGrace keeps the listener open, new requests answered with 503, until

@@ -174,6 +174,7 @@ type frontendFlags struct {
 	ReadHeaderTimeout time.Duration `name:"read-header-timeout" positive:"" default:"10s" help:"Time a client has to send a request's headers before its connection is closed."`
 	IdleTimeout       time.Duration `name:"idle-timeout" positive:"" default:"120s" help:"Idle keep-alive connections are closed after this."`
 	StopTimeout       time.Duration `name:"stop-timeout" default:"0s" help:"On SIGTERM, the most the stop may take: requests still running then get a 503 shutting_down (an error event in a stream) and the listener closes; set it a few seconds below the grace period of what stops the process (Kubernetes: 30 s), so clients get an error they retry, not a reset (0: no bound but --request-timeout per request)."`
+	ReusePort         bool          `name:"reuse-port" help:"Listen with SO_REUSEPORT (Linux), so that a replacement frontend started with it too listens on the same --http-addr before this one stops; on SIGTERM this one's listener then closes at once, and the requests still sent on connections it has are served, each answered with Connection: close, so that clients move without an error."`
 	StopGrace         time.Duration `name:"stop-grace" negative:"allowed" default:"500ms" help:"On SIGTERM, how long, once the requests accepted before it are answered, new requests still get a 503 shutting_down (Connection: close), and /health a 503, before the listener closes (raise it to the deregistration delay of a load balancer in front; 0: the default; negative: none)."`
 }
 
@@ -189,6 +190,14 @@ func (f requestLogFlags) streamConfig() bus.StreamConfig {
 	return bus.StreamConfig{MaxBytes: int64(f.RequestLogMaxBytes), MaxAge: f.RequestLogMaxAge, HistoryBytes: int64(f.RequestLogHistoryBytes)}
 }
 
+// newOnes says what a stopping frontend does with new requests.
+func (f frontendFlags) newOnes() string {
+	if f.ReusePort {
+		return "its listener closed: new connections go to the frontend sharing the port; requests on open ones are served, with Connection: close"
+	}
+	return "new ones get 503 shutting_down"
+}
+
 // baseConfig maps the flags onto a frontend configuration; the caller adds
 // the connection, subjects, model and logging.
 func (f frontendFlags) baseConfig(rl requestLogFlags) frontend.Config {
@@ -197,6 +206,7 @@ func (f frontendFlags) baseConfig(rl requestLogFlags) frontend.Config {
 		MaxInflight: f.MaxInflight, APIKey: f.APIKey, AllowedOrigins: f.AllowedOrigins,
 		RequestLogMaxBytes: int64(rl.RequestLogMaxBytes), RequestLogMaxAge: rl.RequestLogMaxAge, RequestLogHistoryBytes: int64(rl.RequestLogHistoryBytes),
 		ReadHeaderTimeout: f.ReadHeaderTimeout, IdleTimeout: f.IdleTimeout, StopGrace: f.StopGrace, StopTimeout: f.StopTimeout,
+		ReusePort: f.ReusePort,
 	}
 }
 

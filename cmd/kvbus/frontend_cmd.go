@@ -63,7 +63,7 @@ func (c *frontendCmd) Run(ctx context.Context) (err error) {
 	if err := distinctListeners(listener{"--http-addr", c.HTTPAddr}, listener{"--pprof-addr", c.PprofAddr}); err != nil {
 		return err
 	}
-	if err := portFree(c.HTTPAddr); err != nil {
+	if err := portFree(ctx, c.HTTPAddr, c.ReusePort); err != nil {
 		return err
 	}
 	ctx, nc, err := connect(ctx, c.natsFlags, "kvbus-frontend", bus.InboxPrefix(auth.RoleFrontend, ""), log)
@@ -87,7 +87,7 @@ func (c *frontendCmd) stopPlan(reg *prometheus.Registry) stopPlan {
 	n := gaugeSum(reg, "kvbus_frontend_inflight_requests")
 	upTo, bound := frontendStopBound(c.RequestTimeout, c.StopGrace, c.StopTimeout)
 	return stopPlan{
-		doing:    fmt.Sprintf("finishing %s in flight (new ones get 503 shutting_down), then draining NATS", requests(n)),
+		doing:    fmt.Sprintf("finishing %s in flight (%s), then draining NATS", requests(n), c.newOnes()),
 		inFlight: n, upTo: upTo + drainTimeout, bound: bound + " + 5s NATS drain",
 	}
 }

@@ -1,10 +1,13 @@
 package main
 
 import (
+	"context"
 	"errors"
 	"fmt"
 	"net"
 	"syscall"
+
+	"github.com/kvbus/kvbus/frontend"
 )
 
 // listener is one address a command listens on, and the flag that gives it.
@@ -55,10 +58,10 @@ func hostsOverlap(a, b string) bool {
 // was found taken once NATS was there. It listens and closes at once: the
 // port is not held while the role connects (clients would wait on it
 // unanswered); the frontend's own listen still reports a port taken since.
-func portFree(addr string) error {
-	ln, err := net.Listen("tcp", addr)
-	if errors.Is(err, syscall.EADDRINUSE) {
-		return fmt.Errorf("frontend: listen on %s: %w (is another kvbus running? stop it, or choose another --http-addr)", addr, err)
+func portFree(ctx context.Context, addr string, reusePort bool) error {
+	ln, err := frontend.Listen(ctx, addr, reusePort) // with --reuse-port, free for it
+	if errors.Is(err, syscall.EADDRINUSE) || errors.Is(err, frontend.ErrConfig) {
+		return err
 	}
 	if err != nil {
 		return nil // a malformed address: the frontend's configuration names it

@@ -52,7 +52,7 @@ func (c *serveCmd) Run(ctx context.Context) error {
 	if err := c.checkValues(c.requestLogFlags, c.timeoutFlags); err != nil {
 		return err
 	}
-	if err := portFree(c.HTTPAddr); err != nil {
+	if err := portFree(ctx, c.HTTPAddr, c.ReusePort); err != nil {
 		return err
 	}
 	cfg, err := c.clusterConfig()
@@ -153,7 +153,7 @@ func (c *serveCmd) stopPlan(reg *prometheus.Registry) stopPlan {
 	n := gaugeSum(reg, "kvbus_frontend_inflight_requests")
 	fe, bound := frontendStopBound(c.RequestTimeout, c.StopGrace, c.StopTimeout)
 	return stopPlan{
-		doing:    fmt.Sprintf("finishing %s in flight (new ones get 503 shutting_down), then stopping the schedulers and the ranks", requests(n)),
+		doing:    fmt.Sprintf("finishing %s in flight (%s), then stopping the schedulers and the ranks", requests(n), c.newOnes()),
 		inFlight: n,
 		upTo:     fe + drainTimeout + scheduler.DefaultShutdownTimeout + c.ShutdownTimeout + 3*c.HeartbeatEvery + drainTimeout,
 		bound:    bound + " + 25s (schedulers) + --shutdown-timeout + 3 × --heartbeat-interval + 5s NATS drain",
