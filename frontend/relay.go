@@ -30,7 +30,9 @@ func (g *generation) relay(rw http.ResponseWriter, ctx context.Context, deadline
 		if !started {
 			h.Set("Content-Type", "text/event-stream; charset=utf-8") // as vLLM (Starlette adds the charset)
 			h.Set("Cache-Control", "no-cache")
-			h.Set("Connection", "keep-alive")
+			if h.Get("Connection") == "" { // not a stopping frontend's close (leaveWhenDraining)
+				h.Set("Connection", "keep-alive")
+			}
 			w.WriteHeader(http.StatusOK)
 			started = true
 		}

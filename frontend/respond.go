@@ -143,7 +143,9 @@ func (g *generation) stream(rw http.ResponseWriter, ctx context.Context, deadlin
 		h := w.Header()
 		h.Set("Content-Type", "text/event-stream; charset=utf-8") // as vLLM (Starlette adds the charset)
 		h.Set("Cache-Control", "no-cache")
-		h.Set("Connection", "keep-alive")
+		if h.Get("Connection") == "" { // not a stopping frontend's close (leaveWhenDraining)
+			h.Set("Connection", "keep-alive")
+		}
 		w.WriteHeader(http.StatusOK)
 		if g.endpoint == messages.EndpointChat {
 			// vLLM and OpenAI open with the role. Like vLLM, it goes out
