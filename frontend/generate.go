@@ -128,10 +128,9 @@ func (s *Server) generate(w http.ResponseWriter, r *http.Request, endpoint strin
 	s.accepted.Add(1)
 	defer s.accepted.Add(-1)
 	switch {
-	case s.draining.Load() && s.cfg.ReusePort:
-		// Served: it came on a connection this frontend had, which its
-		// client then leaves (leaveWhenDraining).
-	case s.draining.Load():
+	case s.draining.Load() && !s.cfg.ReusePort:
+		// With ReusePort it is served: it came on a connection this
+		// frontend had, which its client then leaves (leaveWhenDraining).
 		s.accepted.Add(-1) // refused, not waited for
 		defer s.accepted.Add(1)
 		w.Header().Set("Connection", "close")

@@ -28,11 +28,7 @@ func (g *generation) relay(rw http.ResponseWriter, ctx context.Context, deadline
 	started := false
 	begin := func() {
 		if !started {
-			h.Set("Content-Type", "text/event-stream; charset=utf-8") // as vLLM (Starlette adds the charset)
-			h.Set("Cache-Control", "no-cache")
-			if h.Get("Connection") == "" { // not a stopping frontend's close (leaveWhenDraining)
-				h.Set("Connection", "keep-alive")
-			}
+			setStreamHeaders(h)
 			w.WriteHeader(http.StatusOK)
 			started = true
 		}

@@ -140,12 +140,7 @@ func (g *generation) stream(rw http.ResponseWriter, ctx context.Context, deadlin
 	started := false
 	begin := func() {
 		started = true
-		h := w.Header()
-		h.Set("Content-Type", "text/event-stream; charset=utf-8") // as vLLM (Starlette adds the charset)
-		h.Set("Cache-Control", "no-cache")
-		if h.Get("Connection") == "" { // not a stopping frontend's close (leaveWhenDraining)
-			h.Set("Connection", "keep-alive")
-		}
+		setStreamHeaders(w.Header())
 		w.WriteHeader(http.StatusOK)
 		if g.endpoint == messages.EndpointChat {
 			// vLLM and OpenAI open with the role. Like vLLM, it goes out
@@ -359,3 +354,14 @@ type promptTokensDetails struct {
 }
 
 func ptr[T any](v T) *T { return &v }
+
+// setStreamHeaders sets a server-sent event stream's headers, as vLLM's
+// (Starlette adds the charset); Connection: keep-alive unless a stopping
+// frontend set close (leaveWhenDraining), which it overrode.
+func setStreamHeaders(h http.Header) {
+	h.Set("Content-Type", "text/event-stream; charset=utf-8")
+	h.Set("Cache-Control", "no-cache")
+	if h.Get("Connection") == "" {
+		h.Set("Connection", "keep-alive")
+	}
+}
