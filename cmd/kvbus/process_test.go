@@ -196,7 +196,19 @@ func TestProcessCluster(t *testing.T) {
 		return n
 	}
 	if remade() == 0 {
-		t.Error("no scheduler logged making the request log again: the restarted server did not lose it, or the test did not restart it")
+		// What the schedulers said of the log (seen once in a CI run:
+		// answered with no such line, cause not found).
+		var said []string
+		for i := range 2 {
+			b, _ := os.ReadFile(filepath.Join(dir, fmt.Sprint("scheduler-", i, ".log")))
+			for _, l := range strings.Split(string(b), "\n") {
+				if strings.Contains(l, "request log") || strings.Contains(l, "nats ") {
+					said = append(said, fmt.Sprintf("scheduler-%d: %s", i, l))
+				}
+			}
+		}
+		t.Errorf("no scheduler logged making the request log again: the restarted server did not lose it, or the test did not restart it; what they said of it and of NATS:\n%s",
+			strings.Join(said, "\n"))
 	}
 	// One answer can come while the replicas still take up the new log
 	// (each is not ready until it consumes it and its groups are judged
